@@ -1,0 +1,1 @@
+//! hmoe-engine (work in progress).

@@ -1,0 +1,1 @@
+//! hmoe-gguf (work in progress).

@@ -1,0 +1,1 @@
+//! hmoe-model (work in progress).

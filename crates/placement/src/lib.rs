@@ -1,0 +1,1 @@
+//! hmoe-placement (work in progress).

@@ -1,0 +1,1 @@
+//! hmoe-quant (work in progress).

@@ -1,0 +1,1 @@
+//! hmoe-tokenizer (work in progress).
