@@ -1,0 +1,1 @@
+//! Placement flags shared by run, serve and fit (placeholder).
