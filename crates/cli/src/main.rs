@@ -1,7 +1,12 @@
 //! `hmoe`: run, inspect and serve Mixture-of-Experts GGUF models.
 
+mod common;
+mod demo_cmd;
 mod fit_cmd;
+mod inspect_cmd;
+mod make_model_cmd;
 mod placement_args;
+mod run_cmd;
 mod tokenize_cmd;
 
 use clap::{Parser, Subcommand};
@@ -15,10 +20,44 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate a continuation of a prompt.
+    Run(run_cmd::RunArgs),
+    /// Print a model's metadata and tensor table.
+    Inspect(inspect_cmd::InspectArgs),
+    /// Write a random-weight model with a real architecture.
+    MakeTestModel(make_model_cmd::MakeModelArgs),
+    /// Make a small model and generate from it: a first run on a fresh machine.
+    Demo(demo_cmd::DemoArgs),
     /// Tokenize text with a model's vocabulary.
     Tokenize(tokenize_cmd::TokenizeArgs),
     /// Plan tensor placement and print the memory estimate per device.
     Fit(fit_cmd::FitArgs),
+}
+
+/// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
+const SHORT_ALIASES: [(&str, &str); 12] = [
+    ("-ngl", "--n-gpu-layers"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
+    ("-ub", "--ubatch-size"),
+    ("-cmoe", "--cpu-moe"),
+    ("-ncmoe", "--n-cpu-moe"),
+    ("-ot", "--override-tensor"),
+    ("-np", "--parallel"),
+    ("-fa", "--flash-attn"),
+    ("-dev", "--device"),
+    ("-ts", "--tensor-split"),
+    ("-mg", "--main-gpu"),
+];
+
+fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
+    args.map(|a| {
+        SHORT_ALIASES
+            .iter()
+            .find(|(short, _)| *short == a)
+            .map_or(a, |(_, long)| long.to_string())
+    })
+    .collect()
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,7 +68,12 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let cli = Cli::parse_from(normalise_args(std::env::args()));
+    match cli.command {
+        Command::Run(args) => run_cmd::run(args),
+        Command::Inspect(args) => inspect_cmd::run(args),
+        Command::MakeTestModel(args) => make_model_cmd::run(args),
+        Command::Demo(args) => demo_cmd::run(args),
         Command::Tokenize(args) => tokenize_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
     }

@@ -1,0 +1,64 @@
+use hmoe_quant::GgmlType;
+
+/// Everything that can go wrong when building or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The file's architecture is not one this build runs.
+    #[error("unsupported architecture '{0}'")]
+    UnsupportedArch(String),
+    /// A required metadata key is missing or has the wrong type.
+    #[error("metadata key '{0}' is missing or not a number")]
+    MissingKey(String),
+    /// A metadata value is outside what the architecture allows.
+    #[error("bad hyperparameter {key} = {value}: {why}")]
+    BadParam {
+        /// The metadata key.
+        key: String,
+        /// Its value.
+        value: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A required tensor is absent.
+    #[error("tensor '{0}' is missing")]
+    MissingTensor(String),
+    /// A tensor's shape differs from what the hyperparameters imply.
+    #[error("tensor '{name}' has shape {found:?}, expected {expected:?}")]
+    BadShape {
+        /// Tensor name.
+        name: String,
+        /// Shape in the file (ggml order).
+        found: Vec<u64>,
+        /// Shape the hyperparameters imply.
+        expected: Vec<u64>,
+    },
+    /// A tensor's type has no kernel here.
+    #[error("tensor '{name}' has type {ty}, which has no CPU kernel")]
+    UnsupportedType {
+        /// Tensor name.
+        name: String,
+        /// Its type.
+        ty: GgmlType,
+    },
+    /// A token id is outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary (n_vocab {n_vocab})")]
+    BadToken {
+        /// The id.
+        id: u32,
+        /// Vocabulary size.
+        n_vocab: usize,
+    },
+    /// The batch would run past the context.
+    #[error("context is full: position {pos} + {n_tokens} tokens exceeds n_ctx {n_ctx}")]
+    ContextFull {
+        /// First position of the batch.
+        pos: usize,
+        /// Tokens in the batch.
+        n_tokens: usize,
+        /// Context size of the cache.
+        n_ctx: usize,
+    },
+    /// A kernel rejected its input.
+    #[error(transparent)]
+    Quant(#[from] hmoe_quant::QuantError),
+}

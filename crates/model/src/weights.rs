@@ -1,0 +1,75 @@
+//! Views of weight tensors in the GGUF mapping, with the dot kernel chosen for their type.
+
+use hmoe_gguf::{GgufModel, TensorInfo};
+use hmoe_quant::DotKernel;
+
+use crate::ModelError;
+
+/// A weight matrix (or a stack of expert matrices) stored in the model file.
+///
+/// Rows are `n_in` elements long in the file's type; the data stays in the mapping and is
+/// fetched with [`Mat::bytes`] so that no copy of the weights is ever made.
+#[derive(Clone, Debug)]
+pub(crate) struct Mat {
+    pub info: TensorInfo,
+    pub n_in: usize,
+    pub n_out: usize,
+    pub row_bytes: usize,
+    pub kernel: DotKernel,
+}
+
+impl Mat {
+    /// Looks up `name` and checks its shape is `[n_in, n_out, extra…]` in ggml order.
+    pub fn load(g: &GgufModel, name: &str, shape: &[u64]) -> Result<Mat, ModelError> {
+        let info = expect_tensor(g, name, shape)?;
+        let kernel = DotKernel::best(info.ty).map_err(|_| ModelError::UnsupportedType {
+            name: name.to_string(),
+            ty: info.ty,
+        })?;
+        Ok(Mat {
+            n_in: shape[0] as usize,
+            n_out: shape[1] as usize,
+            row_bytes: info.row_bytes() as usize,
+            kernel,
+            info,
+        })
+    }
+
+    /// The tensor's bytes in the mapping.
+    pub fn bytes<'g>(&self, g: &'g GgufModel) -> &'g [u8] {
+        g.data_of(&self.info)
+    }
+
+    /// Bytes of one matrix of a stacked `[n_in, n_out, n]` tensor.
+    pub fn slice<'g>(&self, g: &'g GgufModel, index: usize) -> &'g [u8] {
+        let size = self.n_out * self.row_bytes;
+        &self.bytes(g)[index * size..(index + 1) * size]
+    }
+}
+
+/// Looks up `name` and checks its shape.
+pub(crate) fn expect_tensor(
+    g: &GgufModel,
+    name: &str,
+    shape: &[u64],
+) -> Result<TensorInfo, ModelError> {
+    let info = g
+        .tensor_info(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    if info.dims != shape {
+        return Err(ModelError::BadShape {
+            name: name.to_string(),
+            found: info.dims.clone(),
+            expected: shape.to_vec(),
+        });
+    }
+    Ok(info.clone())
+}
+
+/// Loads a small tensor (norm, bias, sink) fully dequantized to f32.
+pub(crate) fn load_f32(g: &GgufModel, name: &str, shape: &[u64]) -> Result<Vec<f32>, ModelError> {
+    let info = expect_tensor(g, name, shape)?;
+    let mut out = vec![0f32; info.n_elements as usize];
+    hmoe_quant::dequantize_row(info.ty, g.data_of(&info), &mut out)?;
+    Ok(out)
+}
