@@ -1,0 +1,293 @@
+//! Opening the real fixture files: every GGUF under the fixtures folder, the gpt-oss files
+//! against their generation parameters, and the 3-shard split against the unsplit file.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use common::{assert_same_tensors, fixture, fixtures, scratch};
+use hmoe_gguf::{GgmlType, GgufError, GgufModel, LoadOptions, MetaValue};
+
+fn open(path: &Path) -> GgufModel {
+    GgufModel::open(path, LoadOptions::default())
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()))
+}
+
+fn gguf_files(sub: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(fixtures().join(sub))
+        .unwrap_or_else(|e| panic!("fixtures/{sub}: {e}"))
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn every_fixture_opens_and_is_plausible() {
+    let mut n_files = 0;
+    for sub in ["gpt-oss", "qwen3moe", "deepseek2", "tokenizer"] {
+        for path in gguf_files(sub) {
+            n_files += 1;
+            let m = open(&path);
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            assert!(matches!(m.version(), 2 | 3), "{name}");
+            assert_eq!(m.alignment(), 32, "{name}");
+            let arch = m.metadata().architecture().map(str::to_owned);
+            assert!(m.metadata().get_str("tokenizer.ggml.model").is_some(), "{name}");
+            let tokens = m.metadata().get_str_array("tokenizer.ggml.tokens").expect("tokens");
+            assert!(tokens.len() >= 1000, "{name}: {} tokens", tokens.len());
+            if sub == "tokenizer" {
+                assert!(m.tensors().is_empty(), "{name} is vocab-only");
+                continue;
+            }
+            let expected_arch = match sub {
+                "gpt-oss" => "gpt-oss",
+                "qwen3moe" => "qwen3moe",
+                _ => "deepseek2",
+            };
+            assert_eq!(arch.as_deref(), Some(expected_arch), "{name}");
+            let block_count = m
+                .metadata()
+                .get_u64(&format!("{expected_arch}.block_count"))
+                .expect("block_count");
+            assert!(!m.tensors().is_empty());
+            for t in m.tensors() {
+                assert!((1..=4).contains(&t.dims.len()), "{}", t.name);
+                assert_eq!(t.n_elements, t.dims.iter().product::<u64>(), "{}", t.name);
+                assert_eq!(t.n_bytes, t.row_bytes() * t.n_rows(), "{}", t.name);
+                assert_eq!(m.data_of(t).len() as u64, t.n_bytes, "{}", t.name);
+                assert_eq!(t.offset % 32, 0, "{}", t.name);
+                assert!(t.shard < m.shard_paths().len());
+                if let Some(rest) = t.name.strip_prefix("blk.") {
+                    let layer: u64 = rest.split('.').next().unwrap().parse().unwrap();
+                    assert!(layer < block_count, "{}", t.name);
+                }
+            }
+            let embd = m.tensor_info("token_embd.weight").expect("token_embd");
+            assert_eq!(embd.dims.len(), 2);
+            assert_eq!(embd.dims[1] as usize, tokens.len(), "{name}: vocab rows");
+            let n_embd = m
+                .metadata()
+                .get_u64(&format!("{expected_arch}.embedding_length"))
+                .unwrap();
+            assert_eq!(embd.dims[0], n_embd, "{name}");
+            if sub != "gpt-oss" {
+                // Converted with --outtype f32.
+                assert!(m.tensors().iter().all(|t| t.ty == GgmlType::F32), "{name}");
+            }
+        }
+    }
+    assert!(n_files >= 16, "found only {n_files} GGUF files");
+}
+
+fn check_against_params(gguf: &str, params: &str) {
+    let m = open(&fixture(gguf));
+    let text = std::fs::read_to_string(fixture(params)).unwrap();
+    let p: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let expected = p["tensors"].as_array().unwrap();
+    assert_eq!(m.tensors().len(), expected.len());
+    for (t, e) in m.tensors().iter().zip(expected) {
+        assert_eq!(t.name, e["name"].as_str().unwrap());
+        assert_eq!(t.ty.name(), e["type"].as_str().unwrap(), "{}", t.name);
+        let shape: Vec<u64> = e["ggml_shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
+        assert_eq!(t.dims, shape, "{}", t.name);
+        assert_eq!(t.n_bytes, e["nbytes"].as_u64().unwrap(), "{}", t.name);
+        assert_eq!(m.tensor_data(&t.name).unwrap().len() as u64, t.n_bytes);
+    }
+    assert_eq!(m.total_tensor_bytes(), p["tensor_bytes"].as_u64().unwrap());
+    let file_len = std::fs::metadata(fixture(gguf)).unwrap().len();
+    assert_eq!(file_len, p["file_bytes"].as_u64().unwrap());
+    let md = m.metadata();
+    assert_eq!(md.get_u64("gpt-oss.embedding_length"), p["n_embd"].as_u64());
+    assert_eq!(md.get_u64("gpt-oss.block_count"), p["n_layer"].as_u64());
+    assert_eq!(md.get_u64("gpt-oss.expert_count"), p["n_expert"].as_u64());
+    assert_eq!(md.get_u32("tokenizer.ggml.bos_token_id"), Some(1016));
+    assert_eq!(md.get_f32("gpt-oss.rope.freq_base"), Some(150000.0));
+    assert_eq!(md.get_f32("gpt-oss.attention.layer_norm_rms_epsilon"), Some(1e-5));
+    assert_eq!(md.get_str("gpt-oss.rope.scaling.type"), Some("yarn"));
+    assert_eq!(md.get_str("tokenizer.ggml.pre"), Some("gpt-4o"));
+    assert_eq!(
+        md.get_str_array("tokenizer.ggml.tokens").unwrap()[1020],
+        "<|start|>"
+    );
+    let types = md.get_array("tokenizer.ggml.token_type").unwrap();
+    assert_eq!(types.len(), 1024);
+    assert!(matches!(types[0], MetaValue::I32(1)));
+}
+
+#[test]
+fn gptoss_small_matches_params() {
+    check_against_params("gpt-oss/gptoss-small.gguf", "gpt-oss/gptoss-small.params.json");
+}
+
+#[test]
+fn gptoss_tiny_matches_params() {
+    check_against_params("gpt-oss/gptoss-tiny.gguf", "gpt-oss/gptoss-tiny.params.json");
+}
+
+#[test]
+fn gptoss_type_mix_is_like_the_published_files() {
+    let m = open(&fixture("gpt-oss/gptoss-small.gguf"));
+    for t in m.tensors() {
+        let expected = if t.name.contains("_exps.weight") {
+            GgmlType::MXFP4
+        } else if t.name.ends_with(".weight") && t.dims.len() == 2 && !t.name.contains("gate_inp")
+        {
+            GgmlType::Q8_0
+        } else {
+            GgmlType::F32
+        };
+        assert_eq!(t.ty, expected, "{}", t.name);
+    }
+    let exps = m.tensor_info("blk.0.ffn_gate_exps.weight").unwrap();
+    assert_eq!(exps.dims, [256, 256, 16]);
+    assert_eq!(exps.n_rows(), 256 * 16);
+    assert_eq!(exps.row_bytes(), 8 * 17);
+}
+
+#[test]
+fn split_model_equals_unsplit_via_any_shard() {
+    let whole = open(&fixture("gpt-oss/gptoss-tiny.gguf"));
+    for k in 1..=3 {
+        let path = fixture(&format!("gpt-oss/gptoss-tiny-split-0000{k}-of-00003.gguf"));
+        let split = open(&path);
+        assert_eq!(split.shard_paths().len(), 3);
+        for (i, p) in split.shard_paths().iter().enumerate() {
+            assert!(p.ends_with(format!("gptoss-tiny-split-0000{}-of-00003.gguf", i + 1)));
+        }
+        assert_same_tensors(&split, &whole);
+        let shards: Vec<usize> = split.tensors().iter().map(|t| t.shard).collect();
+        assert_eq!(shards.iter().filter(|&&s| s == 0).count(), 27);
+        assert_eq!(shards.iter().filter(|&&s| s == 1).count(), 27);
+        assert_eq!(shards.iter().filter(|&&s| s == 2).count(), 25);
+        // The first shard's metadata is the whole file's plus the three split keys.
+        let md = split.metadata();
+        assert_eq!(md.len(), whole.metadata().len() + 3);
+        for (k, v) in whole.metadata().iter() {
+            assert_eq!(md.get(k), Some(v), "{k}");
+        }
+        assert_eq!(md.get("split.no"), Some(&MetaValue::U16(0)));
+        assert_eq!(md.get("split.count"), Some(&MetaValue::U16(3)));
+        assert_eq!(md.get("split.tensors.count"), Some(&MetaValue::I32(79)));
+    }
+}
+
+#[test]
+fn load_options_give_the_same_data() {
+    let path = fixture("gpt-oss/gptoss-tiny-split-00001-of-00003.gguf");
+    let mapped = open(&path);
+    let read = GgufModel::open(&path, LoadOptions { use_mmap: false, mlock: false }).unwrap();
+    assert_same_tensors(&mapped, &read);
+    for use_mmap in [true, false] {
+        // mlock may be refused by RLIMIT_MEMLOCK; then the error must say so clearly.
+        match GgufModel::open(&path, LoadOptions { use_mmap, mlock: true }) {
+            Ok(locked) => assert_same_tensors(&mapped, &locked),
+            Err(e @ GgufError::Mlock { .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains("mlock") && msg.contains("gptoss-tiny-split"), "{msg}");
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+}
+
+#[test]
+fn missing_shard_is_named() {
+    let dir = scratch("missing-shard");
+    for k in [1, 3] {
+        let name = format!("gptoss-tiny-split-0000{k}-of-00003.gguf");
+        std::fs::copy(fixture(&format!("gpt-oss/{name}")), dir.join(&name)).unwrap();
+    }
+    for k in [1, 3] {
+        let path = dir.join(format!("gptoss-tiny-split-0000{k}-of-00003.gguf"));
+        let err = GgufModel::open(&path, LoadOptions::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(err, GgufError::SplitShardMissing { shard: 2, count: 3, .. }),
+            "{msg}"
+        );
+        assert!(msg.contains("gptoss-tiny-split-00002-of-00003.gguf"), "{msg}");
+        assert!(msg.contains("shard 2 of 3"), "{msg}");
+    }
+}
+
+#[test]
+fn misnamed_shards_are_rejected() {
+    let dir = scratch("misnamed-shard");
+    // Shard 2's file put where shard 3 should be: its split.no disagrees with its position.
+    for (from, to) in [(1, 1), (2, 2), (2, 3)] {
+        std::fs::copy(
+            fixture(&format!("gpt-oss/gptoss-tiny-split-0000{from}-of-00003.gguf")),
+            dir.join(format!("m-0000{to}-of-00003.gguf")),
+        )
+        .unwrap();
+    }
+    let err = GgufModel::open(dir.join("m-00001-of-00003.gguf"), LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("m-00003-of-00003.gguf") && err.contains("split.no"), "{err}");
+    let err = GgufModel::open(dir.join("m-00003-of-00003.gguf"), LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("split.no = 1"), "{err}");
+    // A shard renamed so that it no longer has the split form cannot find its siblings.
+    std::fs::copy(
+        fixture("gpt-oss/gptoss-tiny-split-00001-of-00003.gguf"),
+        dir.join("renamed.gguf"),
+    )
+    .unwrap();
+    let err = GgufModel::open(dir.join("renamed.gguf"), LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("split.count = 3") && err.contains("file name"), "{err}");
+}
+
+#[test]
+fn io_errors_name_the_file() {
+    let err = GgufModel::open("/nonexistent/dir/x.gguf", LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("/nonexistent/dir/x.gguf"), "{err}");
+    let dir = scratch("io-errors");
+    let small = dir.join("small.gguf");
+    std::fs::write(&small, b"GGUF\x03\0\0\0").unwrap();
+    let err = GgufModel::open(&small, LoadOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("small.gguf") && err.contains("header"), "{err}");
+    let bad = dir.join("bad.gguf");
+    let mut bytes = std::fs::read(fixture("gpt-oss/gptoss-tiny.gguf")).unwrap();
+    bytes.truncate(bytes.len() - 1);
+    std::fs::write(&bad, &bytes).unwrap();
+    let err = GgufModel::open(&bad, LoadOptions::default()).unwrap_err().to_string();
+    assert!(
+        err.contains("bad.gguf") && err.contains("blk.3.ffn_down_exps.bias"),
+        "{err}"
+    );
+}
+
+#[test]
+fn o200k_vocab_opens_fast() {
+    let path = fixture("tokenizer/ggml-vocab-o200k-harmony.gguf");
+    let bytes = std::fs::read(&path).unwrap();
+    let t0 = Instant::now();
+    let m = open(&path);
+    let elapsed = t0.elapsed();
+    let md = m.metadata();
+    assert_eq!(md.get_str_array("tokenizer.ggml.tokens").unwrap().len(), 201088);
+    assert_eq!(md.get_array("tokenizer.ggml.merges").unwrap().len(), 446189);
+    assert_eq!(md.get_u32("tokenizer.ggml.bos_token_id"), Some(199998));
+    assert_eq!(md.get_str("tokenizer.ggml.pre"), Some("gpt-4o"));
+    assert_eq!(
+        md.get_str_array("tokenizer.ggml.tokens").unwrap()[200006],
+        "<|start|>"
+    );
+    eprintln!("o200k vocab ({} bytes) opened in {elapsed:?}", bytes.len());
+    // Well under a second when optimised; generous bound for a loaded 2-core CI machine.
+    assert!(elapsed.as_secs_f64() < 3.0, "took {elapsed:?}");
+}
