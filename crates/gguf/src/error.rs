@@ -123,7 +123,9 @@ pub enum GgufError {
     },
 
     /// A metadata value type id outside 0..=12.
-    #[error("metadata '{key}': unknown value type id {type_id} at offset {offset} (valid ids: 0..=12)")]
+    #[error(
+        "metadata '{key}': unknown value type id {type_id} at offset {offset} (valid ids: 0..=12)"
+    )]
     UnknownMetaType {
         /// The key whose value (or array element type) is bad.
         key: String,
@@ -153,6 +155,17 @@ pub enum GgufError {
         limit: usize,
         /// Where the too-deep array starts.
         offset: u64,
+    },
+
+    /// The metadata arrays hold more elements in total than [`crate::MAX_META_ELEMENTS`].
+    #[error(
+        "metadata '{key}': the metadata arrays hold more than {limit} elements in total (limit)"
+    )]
+    MetadataTooLarge {
+        /// The key whose array crossed the limit.
+        key: String,
+        /// The limit.
+        limit: u64,
     },
 
     /// The same metadata key twice.

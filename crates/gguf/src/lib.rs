@@ -32,5 +32,7 @@ pub use model::{
     split_path, split_shard_paths, GgufModel, LoadOptions, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
     KEY_SPLIT_TENSORS_COUNT,
 };
-pub use parse::{GgufHeader, TensorInfo, DEFAULT_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS};
+pub use parse::{
+    GgufHeader, TensorInfo, DEFAULT_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS, MAX_META_ELEMENTS,
+};
 pub use writer::GgufWriter;

@@ -387,12 +387,22 @@ mod tests {
         assert_eq!(m.get_str_array("a.mixed"), None);
         assert_eq!(m.get_str_array("missing"), None);
         // Replacing keeps the position; removing keeps the others' order.
-        assert_eq!(m.insert("a.u", MetaValue::U8(2)), Some(MetaValue::U64(1 << 40)));
+        assert_eq!(
+            m.insert("a.u", MetaValue::U8(2)),
+            Some(MetaValue::U64(1 << 40))
+        );
         assert_eq!(m.remove("a.i"), Some(MetaValue::I32(-5)));
         let keys: Vec<&str> = m.iter().map(|(k, _)| k).collect();
         assert_eq!(
             keys,
-            ["general.architecture", "a.u", "a.f", "a.b", "a.s", "a.mixed"]
+            [
+                "general.architecture",
+                "a.u",
+                "a.f",
+                "a.b",
+                "a.s",
+                "a.mixed"
+            ]
         );
         assert_eq!(m.get_u32("a.u"), Some(2));
         assert_eq!(m.get_f32("a.f"), Some(0.25));

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use crate::error::{GgufError, Result};
@@ -81,13 +82,18 @@ impl Shard {
             // rules are only upheld while no other process truncates or rewrites the file;
             // like every mmap-based model loader we require model files not to be modified
             // while they are loaded (a truncation would raise SIGBUS on access).
-            let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(|e| io("map", e))?;
+            let map =
+                unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(|e| io("map", e))?;
             Shard {
                 bytes: Bytes::Mapped(map),
                 locked_heap: false,
             }
         } else {
-            let bytes = std::fs::read(path).map_err(|e| io("read", e))?;
+            let mut bytes = Vec::new();
+            bytes
+                .try_reserve_exact(len as usize)
+                .map_err(|e| io("read", std::io::Error::other(e)))?;
+            (&file).read_to_end(&mut bytes).map_err(|e| io("read", e))?;
             Shard {
                 bytes: Bytes::Owned(bytes),
                 locked_heap: false,
@@ -187,6 +193,11 @@ pub fn split_path(prefix: &Path, no: u32, count: u32) -> PathBuf {
 /// all N shards in order (`Ok(None)` for any other name). A name with k = 0, N = 0 or k > N is
 /// an error. Does not touch the file system.
 pub fn split_shard_paths(path: &Path) -> Result<Option<Vec<PathBuf>>> {
+    Ok(split_siblings(path)?.map(|(paths, _)| paths))
+}
+
+/// Like [`split_shard_paths`], also giving the 0-based index of `path` among the shards.
+fn split_siblings(path: &Path) -> Result<Option<(Vec<PathBuf>, usize)>> {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return Ok(None);
     };
@@ -200,7 +211,8 @@ pub fn split_shard_paths(path: &Path) -> Result<Option<Vec<PathBuf>>> {
         });
     }
     let prefix = path.with_file_name(prefix);
-    Ok(Some((1..=count).map(|k| split_path(&prefix, k, count)).collect()))
+    let paths = (1..=count).map(|k| split_path(&prefix, k, count)).collect();
+    Ok(Some((paths, no as usize - 1)))
 }
 
 /// Reads an integer split key of a shard's metadata (`None` when absent).
@@ -241,7 +253,7 @@ impl GgufModel {
             path: path.to_path_buf(),
             detail,
         };
-        let paths = split_shard_paths(path)?.ok_or_else(|| {
+        let (mut paths, own_index) = split_siblings(path)?.ok_or_else(|| {
             split_err(format!(
                 "metadata says split.count = {count} but the file name does not have the form \
                  PREFIX-0000k-of-0000N.gguf, so the other shards cannot be found"
@@ -253,17 +265,15 @@ impl GgufModel {
                 paths.len()
             )));
         }
-        let own_index = paths
-            .iter()
-            .position(|p| p.as_path() == path)
-            .unwrap_or(usize::MAX);
         if own_index as u64 != no {
             return Err(split_err(format!(
                 "file name says shard {} but split.no = {no} (shard {})",
-                own_index.wrapping_add(1),
+                own_index + 1,
                 no + 1
             )));
         }
+        // Keep the caller's spelling of the path it named.
+        paths[own_index] = path.to_path_buf();
         let count_u32 = paths.len() as u32;
         let mut loaded: Vec<Option<(Shard, GgufHeader)>> = (0..paths.len()).map(|_| None).collect();
         loaded[own_index] = Some((shard, header));
@@ -310,9 +320,14 @@ impl GgufModel {
                     "split.tensors.count is {total:?} but shard 1 says {declared_total:?}"
                 )));
             }
-            let m = model.get_or_insert_with(|| {
-                GgufModel::empty(header.version, header.alignment, header.metadata.clone())
-            });
+            let m = match &mut model {
+                Some(m) => m,
+                None => model.insert(GgufModel::empty(
+                    header.version,
+                    header.alignment,
+                    header.metadata,
+                )),
+            };
             m.add_shard(shard, header.tensors, p.clone())?;
         }
         let model = model.ok_or_else(|| split_err("no shards".to_string()))?;
@@ -448,10 +463,7 @@ mod tests {
 
     #[test]
     fn split_names() {
-        assert_eq!(
-            parse_split_name("m-00002-of-00003.gguf"),
-            Some(("m", 2, 3))
-        );
+        assert_eq!(parse_split_name("m-00002-of-00003.gguf"), Some(("m", 2, 3)));
         assert_eq!(
             parse_split_name("a-b-00001-of-00010.gguf"),
             Some(("a-b", 1, 10))

@@ -16,6 +16,12 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// The deepest nesting of arrays (an array of arrays has depth 2) the reader accepts.
 pub const MAX_ARRAY_DEPTH: usize = 8;
 
+/// The most array elements all metadata values of one file may hold together. Each element
+/// becomes a 32-byte [`MetaValue`], so without a limit a large hostile file of one-byte array
+/// elements could make the reader allocate 32 times its size. Real files hold far fewer
+/// (the o200k vocabulary: about 850 000).
+pub const MAX_META_ELEMENTS: u64 = 1 << 26;
+
 /// The most dimensions a tensor may have (ggml's limit).
 pub const MAX_DIMS: usize = 4;
 
@@ -86,7 +92,7 @@ pub(crate) fn tensor_size(
         })?;
     let row = dims[0];
     let block = ty.block_elems();
-    if row % block as u64 != 0 {
+    if !row.is_multiple_of(block as u64) {
         return Err(TensorProblem::RowNotBlockMultiple { ty, row, block });
     }
     let n_bytes = ty
@@ -122,9 +128,19 @@ pub(crate) fn check_alignment(value: &MetaValue) -> Result<u64> {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// How many more array elements the metadata may hold (see [`MAX_META_ELEMENTS`]).
+    elements_left: u64,
 }
 
 impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader {
+            buf,
+            pos: 0,
+            elements_left: MAX_META_ELEMENTS,
+        }
+    }
+
     fn offset(&self) -> u64 {
         self.pos as u64
     }
@@ -263,6 +279,13 @@ impl<'a> Reader<'a> {
         let n = self.count(ty.min_size(), || {
             format!("array count of metadata '{key}' ({ty:?} elements)")
         })?;
+        if n as u64 > self.elements_left {
+            return Err(GgufError::MetadataTooLarge {
+                key: key.to_string(),
+                limit: MAX_META_ELEMENTS,
+            });
+        }
+        self.elements_left -= n as u64;
         let mut items = Vec::with_capacity(n);
         match ty.fixed_size() {
             Some(size) => {
@@ -344,6 +367,8 @@ pub struct GgufHeader {
     pub alignment: u64,
     /// Metadata in file order.
     pub metadata: Metadata,
+    /// Offset just past the tensor table (the header's size before the alignment padding).
+    pub table_end: u64,
     /// Tensor table in file order (`shard` 0, absolute offsets).
     pub tensors: Vec<TensorInfo>,
     /// Absolute offset of the data section (the end of the tensor table rounded up to the
@@ -355,7 +380,7 @@ impl GgufHeader {
     /// Parses a whole GGUF file held in memory. The whole file is needed because every
     /// tensor's data range is checked against its length.
     pub fn parse(file: &[u8]) -> Result<GgufHeader> {
-        let mut r = Reader { buf: file, pos: 0 };
+        let mut r = Reader::new(file);
         let magic: [u8; 4] = r.array(|| "magic".to_string())?;
         if &magic != b"GGUF" {
             return Err(GgufError::BadMagic { found: magic });
@@ -367,9 +392,6 @@ impl GgufHeader {
         let n_tensors_offset = r.offset();
         let n_tensors = r.u64(|| "tensor count".to_string())?;
         let n_kv = r.count(MIN_KV_BYTES, || "metadata entry count".to_string())?;
-        // Early plausibility check of the tensor count (each entry needs at least 32 bytes);
-        // it is checked again before the table is allocated.
-        check_tensor_count(n_tensors, n_tensors_offset, r.remaining())?;
 
         let mut metadata = Metadata::new();
         metadata.reserve(n_kv);
@@ -432,11 +454,12 @@ impl GgufHeader {
             });
         }
 
-        let data_offset = align_up(r.offset(), alignment).unwrap_or(u64::MAX);
+        let table_end = r.offset();
+        let data_offset = align_up(table_end, alignment).unwrap_or(u64::MAX);
         let file_len = file.len() as u64;
         for (t, &info_offset) in tensors.iter_mut().zip(&info_offsets) {
             let rel = t.offset;
-            let problem = if rel % alignment != 0 {
+            let problem = if !rel.is_multiple_of(alignment) {
                 Some(TensorProblem::Misaligned {
                     offset: rel,
                     alignment,
@@ -467,6 +490,7 @@ impl GgufHeader {
             version,
             alignment,
             metadata,
+            table_end,
             tensors,
             data_offset,
         })
@@ -503,7 +527,10 @@ mod tests {
     fn tensor_size_rules() {
         assert_eq!(tensor_size(GgmlType::F32, &[3, 2]), Ok((6, 24)));
         assert_eq!(tensor_size(GgmlType::Q8_0, &[64, 2]), Ok((128, 136)));
-        assert_eq!(tensor_size(GgmlType::F32, &[]), Err(TensorProblem::DimCount(0)));
+        assert_eq!(
+            tensor_size(GgmlType::F32, &[]),
+            Err(TensorProblem::DimCount(0))
+        );
         assert_eq!(
             tensor_size(GgmlType::F32, &[1, 1, 1, 1, 1]),
             Err(TensorProblem::DimCount(5))
@@ -539,10 +566,7 @@ mod tests {
 
     #[test]
     fn truncated_reads_are_errors() {
-        let mut r = Reader {
-            buf: &[1, 2, 3],
-            pos: 0,
-        };
+        let mut r = Reader::new(&[1, 2, 3]);
         assert!(r.u32(|| "x".into()).is_err());
         assert_eq!(r.take(3, || "y".into()).ok(), Some(&[1u8, 2, 3][..]));
         assert!(r.take(1, || "z".into()).is_err());

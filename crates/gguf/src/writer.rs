@@ -157,8 +157,7 @@ impl GgufWriter {
         self.alignment = alignment;
         let stored = u32::try_from(alignment).unwrap_or(u32::MAX);
         if alignment != DEFAULT_ALIGNMENT || self.metadata.contains_key(KEY_ALIGNMENT) {
-            self.metadata
-                .insert(KEY_ALIGNMENT, MetaValue::U32(stored));
+            self.metadata.insert(KEY_ALIGNMENT, MetaValue::U32(stored));
         }
     }
 
@@ -308,7 +307,9 @@ impl GgufWriter {
     /// Writes the file to `path` (streamed, without building it in memory).
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         self.validate()?;
-        write_file(path.as_ref(), |w| self.encode(w, &self.all_meta(), &self.tensors))
+        write_file(path.as_ref(), |w| {
+            self.encode(w, &self.all_meta(), &self.tensors)
+        })
     }
 
     /// Writes a split model: files `PREFIX-00001-of-0000N.gguf` … with at most
@@ -401,14 +402,28 @@ mod tests {
     #[test]
     fn add_tensor_checks() {
         let mut w = GgufWriter::new();
-        assert!(w.add_tensor("a", GgmlType::F32, &[2, 3], vec![0; 24]).is_ok());
-        let e = w.add_tensor("a", GgmlType::F32, &[1], vec![0; 4]).unwrap_err();
+        assert!(w
+            .add_tensor("a", GgmlType::F32, &[2, 3], vec![0; 24])
+            .is_ok());
+        let e = w
+            .add_tensor("a", GgmlType::F32, &[1], vec![0; 4])
+            .unwrap_err();
         assert!(matches!(e, GgufError::DuplicateTensor { .. }), "{e}");
-        let e = w.add_tensor("b", GgmlType::F32, &[2, 3], vec![0; 20]).unwrap_err();
+        let e = w
+            .add_tensor("b", GgmlType::F32, &[2, 3], vec![0; 20])
+            .unwrap_err();
         assert!(e.to_string().contains("data is 20 bytes"), "{e}");
-        let e = w.add_tensor("c", GgmlType::Q8_0, &[16], vec![0; 17]).unwrap_err();
-        assert!(e.to_string().contains("not a multiple of the Q8_0 block size 32"), "{e}");
-        let e = w.add_tensor("d", GgmlType::F32, &[1, 1, 1, 1, 1], vec![0; 4]).unwrap_err();
+        let e = w
+            .add_tensor("c", GgmlType::Q8_0, &[16], vec![0; 17])
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not a multiple of the Q8_0 block size 32"),
+            "{e}"
+        );
+        let e = w
+            .add_tensor("d", GgmlType::F32, &[1, 1, 1, 1, 1], vec![0; 4])
+            .unwrap_err();
         assert!(e.to_string().contains("5 dimensions"), "{e}");
         let e = w.add_tensor("e", GgmlType::F32, &[0], vec![]).unwrap_err();
         assert!(e.to_string().contains("dims[0] is 0"), "{e}");
@@ -419,7 +434,11 @@ mod tests {
     fn invalid_writer_state_is_an_error() {
         let mut w = GgufWriter::new();
         w.set_alignment(24);
-        assert!(w.to_bytes().unwrap_err().to_string().contains("general.alignment"));
+        assert!(w
+            .to_bytes()
+            .unwrap_err()
+            .to_string()
+            .contains("general.alignment"));
         w.set_alignment(64);
         assert!(w.to_bytes().is_ok());
         w.add_meta("general.alignment", MetaValue::String("x".into()));

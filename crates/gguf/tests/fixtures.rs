@@ -35,8 +35,14 @@ fn every_fixture_opens_and_is_plausible() {
             assert!(matches!(m.version(), 2 | 3), "{name}");
             assert_eq!(m.alignment(), 32, "{name}");
             let arch = m.metadata().architecture().map(str::to_owned);
-            assert!(m.metadata().get_str("tokenizer.ggml.model").is_some(), "{name}");
-            let tokens = m.metadata().get_str_array("tokenizer.ggml.tokens").expect("tokens");
+            assert!(
+                m.metadata().get_str("tokenizer.ggml.model").is_some(),
+                "{name}"
+            );
+            let tokens = m
+                .metadata()
+                .get_str_array("tokenizer.ggml.tokens")
+                .expect("tokens");
             assert!(tokens.len() >= 1000, "{name}: {} tokens", tokens.len());
             if sub == "tokenizer" {
                 assert!(m.tensors().is_empty(), "{name} is vocab-only");
@@ -110,7 +116,10 @@ fn check_against_params(gguf: &str, params: &str) {
     assert_eq!(md.get_u64("gpt-oss.expert_count"), p["n_expert"].as_u64());
     assert_eq!(md.get_u32("tokenizer.ggml.bos_token_id"), Some(1016));
     assert_eq!(md.get_f32("gpt-oss.rope.freq_base"), Some(150000.0));
-    assert_eq!(md.get_f32("gpt-oss.attention.layer_norm_rms_epsilon"), Some(1e-5));
+    assert_eq!(
+        md.get_f32("gpt-oss.attention.layer_norm_rms_epsilon"),
+        Some(1e-5)
+    );
     assert_eq!(md.get_str("gpt-oss.rope.scaling.type"), Some("yarn"));
     assert_eq!(md.get_str("tokenizer.ggml.pre"), Some("gpt-4o"));
     assert_eq!(
@@ -124,12 +133,18 @@ fn check_against_params(gguf: &str, params: &str) {
 
 #[test]
 fn gptoss_small_matches_params() {
-    check_against_params("gpt-oss/gptoss-small.gguf", "gpt-oss/gptoss-small.params.json");
+    check_against_params(
+        "gpt-oss/gptoss-small.gguf",
+        "gpt-oss/gptoss-small.params.json",
+    );
 }
 
 #[test]
 fn gptoss_tiny_matches_params() {
-    check_against_params("gpt-oss/gptoss-tiny.gguf", "gpt-oss/gptoss-tiny.params.json");
+    check_against_params(
+        "gpt-oss/gptoss-tiny.gguf",
+        "gpt-oss/gptoss-tiny.params.json",
+    );
 }
 
 #[test]
@@ -138,8 +153,7 @@ fn gptoss_type_mix_is_like_the_published_files() {
     for t in m.tensors() {
         let expected = if t.name.contains("_exps.weight") {
             GgmlType::MXFP4
-        } else if t.name.ends_with(".weight") && t.dims.len() == 2 && !t.name.contains("gate_inp")
-        {
+        } else if t.name.ends_with(".weight") && t.dims.len() == 2 && !t.name.contains("gate_inp") {
             GgmlType::Q8_0
         } else {
             GgmlType::F32
@@ -183,15 +197,31 @@ fn split_model_equals_unsplit_via_any_shard() {
 fn load_options_give_the_same_data() {
     let path = fixture("gpt-oss/gptoss-tiny-split-00001-of-00003.gguf");
     let mapped = open(&path);
-    let read = GgufModel::open(&path, LoadOptions { use_mmap: false, mlock: false }).unwrap();
+    let read = GgufModel::open(
+        &path,
+        LoadOptions {
+            use_mmap: false,
+            mlock: false,
+        },
+    )
+    .unwrap();
     assert_same_tensors(&mapped, &read);
     for use_mmap in [true, false] {
         // mlock may be refused by RLIMIT_MEMLOCK; then the error must say so clearly.
-        match GgufModel::open(&path, LoadOptions { use_mmap, mlock: true }) {
+        match GgufModel::open(
+            &path,
+            LoadOptions {
+                use_mmap,
+                mlock: true,
+            },
+        ) {
             Ok(locked) => assert_same_tensors(&mapped, &locked),
             Err(e @ GgufError::Mlock { .. }) => {
                 let msg = e.to_string();
-                assert!(msg.contains("mlock") && msg.contains("gptoss-tiny-split"), "{msg}");
+                assert!(
+                    msg.contains("mlock") && msg.contains("gptoss-tiny-split"),
+                    "{msg}"
+                );
             }
             Err(e) => panic!("unexpected error: {e}"),
         }
@@ -210,10 +240,20 @@ fn missing_shard_is_named() {
         let err = GgufModel::open(&path, LoadOptions::default()).unwrap_err();
         let msg = err.to_string();
         assert!(
-            matches!(err, GgufError::SplitShardMissing { shard: 2, count: 3, .. }),
+            matches!(
+                err,
+                GgufError::SplitShardMissing {
+                    shard: 2,
+                    count: 3,
+                    ..
+                }
+            ),
             "{msg}"
         );
-        assert!(msg.contains("gptoss-tiny-split-00002-of-00003.gguf"), "{msg}");
+        assert!(
+            msg.contains("gptoss-tiny-split-00002-of-00003.gguf"),
+            "{msg}"
+        );
         assert!(msg.contains("shard 2 of 3"), "{msg}");
     }
 }
@@ -224,7 +264,9 @@ fn misnamed_shards_are_rejected() {
     // Shard 2's file put where shard 3 should be: its split.no disagrees with its position.
     for (from, to) in [(1, 1), (2, 2), (2, 3)] {
         std::fs::copy(
-            fixture(&format!("gpt-oss/gptoss-tiny-split-0000{from}-of-00003.gguf")),
+            fixture(&format!(
+                "gpt-oss/gptoss-tiny-split-0000{from}-of-00003.gguf"
+            )),
             dir.join(format!("m-0000{to}-of-00003.gguf")),
         )
         .unwrap();
@@ -232,7 +274,10 @@ fn misnamed_shards_are_rejected() {
     let err = GgufModel::open(dir.join("m-00001-of-00003.gguf"), LoadOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("m-00003-of-00003.gguf") && err.contains("split.no"), "{err}");
+    assert!(
+        err.contains("m-00003-of-00003.gguf") && err.contains("split.no"),
+        "{err}"
+    );
     let err = GgufModel::open(dir.join("m-00003-of-00003.gguf"), LoadOptions::default())
         .unwrap_err()
         .to_string();
@@ -246,7 +291,10 @@ fn misnamed_shards_are_rejected() {
     let err = GgufModel::open(dir.join("renamed.gguf"), LoadOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("split.count = 3") && err.contains("file name"), "{err}");
+    assert!(
+        err.contains("split.count = 3") && err.contains("file name"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -258,13 +306,20 @@ fn io_errors_name_the_file() {
     let dir = scratch("io-errors");
     let small = dir.join("small.gguf");
     std::fs::write(&small, b"GGUF\x03\0\0\0").unwrap();
-    let err = GgufModel::open(&small, LoadOptions::default()).unwrap_err().to_string();
-    assert!(err.contains("small.gguf") && err.contains("header"), "{err}");
+    let err = GgufModel::open(&small, LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("small.gguf") && err.contains("header"),
+        "{err}"
+    );
     let bad = dir.join("bad.gguf");
     let mut bytes = std::fs::read(fixture("gpt-oss/gptoss-tiny.gguf")).unwrap();
     bytes.truncate(bytes.len() - 1);
     std::fs::write(&bad, &bytes).unwrap();
-    let err = GgufModel::open(&bad, LoadOptions::default()).unwrap_err().to_string();
+    let err = GgufModel::open(&bad, LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("bad.gguf") && err.contains("blk.3.ffn_down_exps.bias"),
         "{err}"
@@ -279,7 +334,10 @@ fn o200k_vocab_opens_fast() {
     let m = open(&path);
     let elapsed = t0.elapsed();
     let md = m.metadata();
-    assert_eq!(md.get_str_array("tokenizer.ggml.tokens").unwrap().len(), 201088);
+    assert_eq!(
+        md.get_str_array("tokenizer.ggml.tokens").unwrap().len(),
+        201088
+    );
     assert_eq!(md.get_array("tokenizer.ggml.merges").unwrap().len(), 446189);
     assert_eq!(md.get_u32("tokenizer.ggml.bos_token_id"), Some(199998));
     assert_eq!(md.get_str("tokenizer.ggml.pre"), Some("gpt-4o"));

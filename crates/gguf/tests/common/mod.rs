@@ -9,7 +9,10 @@ use hmoe_gguf::{GgufModel, TensorInfo};
 pub fn fixtures() -> PathBuf {
     match std::env::var("HMOE_FIXTURES") {
         Ok(dir) => PathBuf::from(dir),
-        Err(_) => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures")),
+        Err(_) => PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/fixtures"
+        )),
     }
 }
 
