@@ -302,13 +302,15 @@ impl GgufModel {
             let c = split_key(&header.metadata, KEY_SPLIT_COUNT, p)?;
             if c != Some(count) {
                 return Err(shard_err(format!(
-                    "split.count is {c:?} but the first shard opened says {count}"
+                    "split.count is {} but the first shard opened says {count}",
+                    show(c)
                 )));
             }
             let n = split_key(&header.metadata, KEY_SPLIT_NO, p)?;
             if n != Some(i as u64) {
                 return Err(shard_err(format!(
-                    "split.no is {n:?} but this is shard {} (expected split.no = {i})",
+                    "split.no is {} but this is shard {} (expected split.no = {i})",
+                    show(n),
                     i + 1
                 )));
             }
@@ -317,7 +319,9 @@ impl GgufModel {
                 declared_total = total;
             } else if total.is_some() && total != declared_total {
                 return Err(shard_err(format!(
-                    "split.tensors.count is {total:?} but shard 1 says {declared_total:?}"
+                    "split.tensors.count is {} but shard 1 says {}",
+                    show(total),
+                    show(declared_total)
                 )));
             }
             let m = match &mut model {
@@ -449,6 +453,11 @@ impl GgufModel {
             .iter()
             .fold(0u64, |acc, t| acc.saturating_add(t.n_bytes))
     }
+}
+
+/// A split key's value for messages.
+fn show(v: Option<u64>) -> String {
+    v.map_or_else(|| "missing".to_string(), |v| v.to_string())
 }
 
 fn load_and_parse(path: &Path, opts: LoadOptions) -> Result<(Shard, GgufHeader)> {

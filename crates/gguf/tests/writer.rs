@@ -289,3 +289,75 @@ fn rewriting_other_fixtures_preserves_their_parse() {
         );
     }
 }
+
+/// One hand-made shard: its F32 [1] tensors (name, value), split.no, split.tensors.count,
+/// split.count.
+type HandShard<'a> = (&'a [(&'a str, f32)], u16, i32, u16);
+
+/// Writes a 2-shard model by hand: shard i gets `tensors[i]` (name, value) F32 [1] tensors and
+/// the split keys given.
+fn hand_split(dir: &std::path::Path, shards: [HandShard; 2]) -> Vec<std::path::PathBuf> {
+    let mut paths = Vec::new();
+    for (i, (tensors, no, total, count)) in shards.into_iter().enumerate() {
+        let mut w = GgufWriter::new();
+        if i == 0 {
+            w.add_meta("general.architecture", MetaValue::String("test".into()));
+        }
+        w.add_meta("split.no", MetaValue::U16(no));
+        w.add_meta("split.tensors.count", MetaValue::I32(total));
+        w.add_meta("split.count", MetaValue::U16(count));
+        for (name, v) in tensors {
+            w.add_tensor(*name, GgmlType::F32, &[1], v.to_le_bytes().to_vec())
+                .unwrap();
+        }
+        let path = dir.join(format!("m-{:05}-of-00002.gguf", i + 1));
+        w.write(&path).unwrap();
+        paths.push(path);
+    }
+    paths
+}
+
+#[test]
+fn inconsistent_split_metadata_is_rejected() {
+    let a: &[(&str, f32)] = &[("a", 1.0), ("b", 2.0)];
+    let c: &[(&str, f32)] = &[("c", 3.0)];
+    let dir = scratch("hand-split");
+    let open = |p: &std::path::Path| GgufModel::open(p, LoadOptions::default());
+
+    let paths = hand_split(&dir, [(a, 0, 3, 2), (c, 1, 3, 2)]);
+    for p in &paths {
+        let m = open(p).unwrap();
+        assert_eq!(m.tensors().len(), 3);
+        assert_eq!(m.tensor_data("c"), Some(&3.0f32.to_le_bytes()[..]));
+        assert_eq!(m.tensor_info("c").unwrap().shard, 1);
+    }
+
+    let cases: [([HandShard; 2], &str); 5] = [
+        (
+            [(a, 0, 3, 2), (c, 1, 4, 2)],
+            "split.tensors.count is 4 but shard 1 says 3",
+        ),
+        (
+            [(a, 0, 5, 2), (c, 1, 5, 2)],
+            "split.tensors.count = 5 but the 2 shards hold 3 tensors",
+        ),
+        (
+            [(a, 0, 3, 2), (c, 0, 3, 2)],
+            "split.no is 0 but this is shard 2",
+        ),
+        (
+            [(a, 0, 3, 2), (c, 1, 3, 3)],
+            "split.count is 3 but the first shard opened says 2",
+        ),
+        (
+            [(a, 0, 3, 2), (&[("a", 9.0)], 1, 3, 2)],
+            "tensor 'a' also appears in an earlier shard",
+        ),
+    ];
+    for (shards, expected) in cases {
+        let paths = hand_split(&dir, shards);
+        let err = open(&paths[0]).unwrap_err().to_string();
+        assert!(err.contains(expected), "{err:?} lacks {expected:?}");
+        assert!(err.contains("m-0000"), "{err}");
+    }
+}
