@@ -263,7 +263,7 @@ pub enum TensorProblem {
     RowNotBlockMultiple {
         /// The type.
         ty: GgmlType,
-        /// dims[0].
+        /// `dims[0]`.
         row: u64,
         /// Elements per block.
         block: usize,

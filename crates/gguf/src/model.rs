@@ -204,10 +204,13 @@ fn split_siblings(path: &Path) -> Result<Option<(Vec<PathBuf>, usize)>> {
     let Some((prefix, no, count)) = parse_split_name(name) else {
         return Ok(None);
     };
-    if no == 0 || count == 0 || no > count {
+    if no == 0 || count == 0 || no > count || count > u32::from(u16::MAX) {
         return Err(GgufError::Split {
             path: path.to_path_buf(),
-            detail: format!("file name says shard {no} of {count}, which is impossible"),
+            detail: format!(
+                "file name says shard {no} of {count}, which is impossible (1 <= shard <= count \
+                 <= 65535)"
+            ),
         });
     }
     let prefix = path.with_file_name(prefix);
@@ -302,8 +305,9 @@ impl GgufModel {
             let c = split_key(&header.metadata, KEY_SPLIT_COUNT, p)?;
             if c != Some(count) {
                 return Err(shard_err(format!(
-                    "split.count is {} but the first shard opened says {count}",
-                    show(c)
+                    "split.count is {} but {} says {count}",
+                    show(c),
+                    path.display()
                 )));
             }
             let n = split_key(&header.metadata, KEY_SPLIT_NO, p)?;
@@ -501,6 +505,7 @@ mod tests {
         assert!(split_shard_paths(Path::new("m.gguf")).unwrap().is_none());
         assert!(split_shard_paths(Path::new("m-00004-of-00003.gguf")).is_err());
         assert!(split_shard_paths(Path::new("m-00000-of-00003.gguf")).is_err());
+        assert!(split_shard_paths(Path::new("m-00001-of-99999.gguf")).is_err());
     }
 
     #[test]

@@ -345,10 +345,7 @@ fn inconsistent_split_metadata_is_rejected() {
             [(a, 0, 3, 2), (c, 0, 3, 2)],
             "split.no is 0 but this is shard 2",
         ),
-        (
-            [(a, 0, 3, 2), (c, 1, 3, 3)],
-            "split.count is 3 but the first shard opened says 2",
-        ),
+        ([(a, 0, 3, 2), (c, 1, 3, 3)], "split.count is 3 but "),
         (
             [(a, 0, 3, 2), (&[("a", 9.0)], 1, 3, 2)],
             "tensor 'a' also appears in an earlier shard",
