@@ -1,0 +1,864 @@
+//! The planner: tensor → device under llama.cpp's flag semantics, the memory estimate per
+//! device, and the `--fit` search.
+//!
+//! # Memory model
+//!
+//! Per device, `total = weights + kv + compute + overhead`.
+//!
+//! * **weights**: the bytes of every tensor placed there (plus a copy of `token_embd` on the
+//!   output device when the model ties its output head to the embedding and that device is a
+//!   GPU).
+//! * **kv**: per layer, on the device of the layer (`-ngl`), `cells × (row(type_k, n_head_kv ×
+//!   head_dim_k) + row(type_v, n_head_kv × head_dim_v))`, rows sized with the ggml block size
+//!   of the cache type. `n_ctx` is padded up to a multiple of 256. Full-attention layers have
+//!   `n_ctx` cells; sliding-window layers (gpt-oss's even layers) have
+//!   `pad256(min(n_ctx, window × n_parallel + n_ubatch))` cells (llama.cpp's unified iSWA cache).
+//! * **compute** (activations for one ubatch of `T = n_ubatch` tokens, f32 = 4 bytes, E =
+//!   n_embd, H/Hkv heads, Dq/Dk/Dv head sizes, X experts, k used, F expert width, V vocab):
+//!   the device keeps the largest phase it runs live at a time (buffers are reused between
+//!   phases, as ggml's graph allocator does), plus inputs that live through the whole graph,
+//!   plus the staging buffers of op offload:
+//!   - attention phase: `T·4·(3E + H·Dq + Hkv·(Dk+Dv) + H·Dv)` (residual, normed input, q,
+//!     k, v, attention output, projection; the attention itself is flash-style, so no
+//!     `T × n_kv` score matrix);
+//!   - router phase: `T·4·(2E + 2X + 2k)` (input, normed, logits, probabilities, ids, weights);
+//!   - expert phase: `T·4·(2E + 3kF + 2kE)` (input, gate, up, activation per used expert,
+//!     per-expert output, weighted output, sum);
+//!   - dense FFN / shared experts of width W: `T·4·(2E + 3W)`;
+//!   - output phase: `T·4·(E + V)` (normed state and logits for every token of the ubatch,
+//!     the worst case that perplexity and speculative verification need);
+//!   - inputs: one f16 `T × n_kv` attention mask per cache kind (full, sliding) used there;
+//!     on the CPU also the embedding rows `T·4·E` and the host logits buffer
+//!     `4·V·n_parallel`;
+//!   - op offload staging (GPU): when op offload is on and `T ≥ 32`, matmuls whose weights
+//!     are on the CPU run on the GPU of their layer (else CUDA0) for that ubatch; the GPU
+//!     holds the two largest such weights at once (one in use, one being copied), and runs
+//!     the expert phase.
+//! * **overhead**: the runtime's own allowance per GPU ([`crate::DEFAULT_GPU_OVERHEAD`] unless
+//!   the caller says otherwise); 0 on the CPU.
+//!
+//! A GPU fits when `free − total ≥ margin` (`--fit-target`). The host is never a constraint.
+
+use regex::Regex;
+
+use crate::device::{DeviceBudget, DeviceId};
+use crate::error::{PlacementError, Shortfall};
+use crate::flags::{
+    parse_cache_type, GpuLayers, PlacementFlags, TensorRule, FFN_EXPS_REGEX, OP_OFFLOAD_MIN_BATCH,
+};
+use crate::shape::ModelShape;
+use crate::tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};
+
+/// Memory use the plan projects on one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceUsage {
+    /// The device.
+    pub device: DeviceId,
+    /// Bytes of weights.
+    pub weights: u64,
+    /// Bytes of KV cache.
+    pub kv: u64,
+    /// Bytes of compute buffers (activations, staging).
+    pub compute: u64,
+    /// Runtime overhead allowance.
+    pub overhead: u64,
+    /// Free bytes on the device, when known (always known for GPUs).
+    pub free: Option<u64>,
+    /// Bytes `--fit` keeps free (0 on the CPU).
+    pub margin: u64,
+    /// Repeating layers whose attention and KV live here (`-ngl`).
+    pub layers: u32,
+    /// MoE layers whose routed experts live here (a layer split by `-ot` counts on the device
+    /// holding most of its expert bytes).
+    pub expert_layers: u32,
+}
+
+impl DeviceUsage {
+    /// Projected bytes: weights + kv + compute + overhead.
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv + self.compute + self.overhead
+    }
+
+    /// `free − total` in bytes (negative when over), when free is known.
+    pub fn headroom(&self) -> Option<i128> {
+        self.free.map(|f| f as i128 - self.total() as i128)
+    }
+
+    /// Whether the device keeps its margin (always true when free is unknown).
+    pub fn fits(&self) -> bool {
+        self.headroom().is_none_or(|h| h >= self.margin as i128)
+    }
+}
+
+/// The result of planning.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Effective context (padded to 256).
+    pub n_ctx: u32,
+    /// Effective logical batch (`min(-b, n_ctx)`).
+    pub n_batch: u32,
+    /// Effective ubatch (`min(-ub, n_batch)`).
+    pub n_ubatch: u32,
+    /// Repeating layers of the model.
+    pub n_layer: u32,
+    /// Effective `-ngl` (0..=n_layer+1; n_layer+1 = all).
+    pub n_gpu_layers: u32,
+    /// KV cells of a full-attention layer.
+    pub kv_cells_full: u32,
+    /// KV cells of a sliding-window layer (0 when the model has none).
+    pub kv_cells_swa: u32,
+    /// Device of each input tensor, in input order.
+    pub tensor_devices: Vec<DeviceId>,
+    /// Usage per device: the CPU first, then each GPU.
+    pub devices: Vec<DeviceUsage>,
+    /// Layers whose experts `--fit` moved to the CPU, ascending.
+    pub fit_cpu_expert_layers: Vec<u32>,
+    /// What `--fit` did, one line per step.
+    pub notes: Vec<String>,
+    /// The flags that reproduce this plan: the user's rules first, then fit's, with `-c` and
+    /// `-ngl` resolved.
+    pub flags: PlacementFlags,
+}
+
+impl Plan {
+    /// Usage of `device`.
+    pub fn device(&self, device: DeviceId) -> Option<&DeviceUsage> {
+        self.devices.iter().find(|d| d.device == device)
+    }
+
+    /// Whether every GPU keeps its margin.
+    pub fn fits(&self) -> bool {
+        self.devices.iter().all(DeviceUsage::fits)
+    }
+
+    /// The chosen flags as a command line (`-c … -ngl … [rules] [non-default settings]`).
+    pub fn command_line(&self) -> String {
+        let f = &self.flags;
+        let d = PlacementFlags::default();
+        let mut parts = vec![format!("-c {}", self.n_ctx)];
+        parts.push(match f.n_gpu_layers {
+            GpuLayers::Count(n) => format!("-ngl {n}"),
+            GpuLayers::All | GpuLayers::Auto => "-ngl all".to_string(),
+        });
+        parts.extend(f.rules.iter().map(TensorRule::to_args));
+        if f.cache_type_k != d.cache_type_k {
+            parts.push(format!("-ctk {}", f.cache_type_k.name().to_lowercase()));
+        }
+        if f.cache_type_v != d.cache_type_v {
+            parts.push(format!("-ctv {}", f.cache_type_v.name().to_lowercase()));
+        }
+        if f.batch_size != d.batch_size {
+            parts.push(format!("-b {}", f.batch_size));
+        }
+        if f.ubatch_size != d.ubatch_size {
+            parts.push(format!("-ub {}", f.ubatch_size));
+        }
+        if f.n_parallel != d.n_parallel {
+            parts.push(format!("-np {}", f.n_parallel));
+        }
+        if !f.op_offload {
+            parts.push("--no-op-offload".to_string());
+        }
+        parts.join(" ")
+    }
+}
+
+/// Plans `tensors` of a model of shape `shape` over `budget` under the user's `flags`.
+///
+/// Semantics (llama.cpp's): `-ngl N` puts the last N layers on the GPUs, the output head
+/// counting as one and the token embedding staying on the CPU; layers are split over several
+/// GPUs in proportion to their free memory. Rules (`-ot`, `--cpu-moe`, `--n-cpu-moe`) are tried
+/// in command-line order and the first match decides. With `--fit on`, when a GPU would keep
+/// less than its margin, the context is reduced first (never below `--fit-ctx`, never when `-c`
+/// was given), then the experts of the last layers are moved to the CPU one layer at a time,
+/// then (only for `-ngl auto`) whole layers from the front; user rules stay in force throughout.
+/// If nothing fits, [`PlacementError::DoesNotFit`] says what is missing where. With `--fit off`
+/// the plan is returned as asked, fitting or not (see [`Plan::fits`]).
+pub fn plan(
+    tensors: &[TensorDesc],
+    shape: &ModelShape,
+    budget: &DeviceBudget,
+    flags: &PlacementFlags,
+) -> Result<Plan, PlacementError> {
+    let planner = Planner::new(tensors, shape, budget, flags)?;
+    planner.search()
+}
+
+/// Placement state the fit search varies.
+#[derive(Clone, Debug)]
+struct State {
+    /// Requested context before padding.
+    n_ctx: u32,
+    /// Effective `-ngl`.
+    ngl: u32,
+    /// Per layer: experts moved to the CPU by fit.
+    fit_cpu: Vec<bool>,
+}
+
+struct Planner<'a> {
+    tensors: &'a [TensorDesc],
+    shape: &'a ModelShape,
+    budget: &'a DeviceBudget,
+    flags: &'a PlacementFlags,
+    groups: Vec<LayerGroup>,
+    kinds: Vec<TensorKind>,
+    /// Device chosen by the first matching user rule.
+    pinned: Vec<Option<DeviceId>>,
+    /// Cumulative share of layers per GPU.
+    splits: Vec<f64>,
+    /// Bytes of `token_embd.weight` when there is no `output.weight` (tied head).
+    tied_output: Option<u64>,
+}
+
+fn pad256(n: u64) -> u64 {
+    n.div_ceil(256) * 256
+}
+
+fn compile_rules(
+    rules: &[TensorRule],
+    n_gpus: usize,
+) -> Result<Vec<(Regex, DeviceId)>, PlacementError> {
+    let regex = |p: &str| {
+        Regex::new(p).map_err(|e| PlacementError::BadRegex {
+            pattern: p.to_string(),
+            message: e.to_string(),
+        })
+    };
+    let mut out = Vec::new();
+    for r in rules {
+        match r {
+            TensorRule::Override { pattern, device } => {
+                let dev = DeviceId::parse(device, n_gpus).ok_or_else(|| {
+                    PlacementError::UnknownDevice {
+                        device: device.clone(),
+                        valid: DeviceId::valid_names(n_gpus),
+                    }
+                })?;
+                out.push((regex(pattern)?, dev));
+            }
+            TensorRule::CpuMoe => out.push((regex(FFN_EXPS_REGEX)?, DeviceId::Cpu)),
+            TensorRule::NCpuMoe(0) => {}
+            TensorRule::NCpuMoe(n) => {
+                out.push((regex(&layers_exps_regex(0..*n))?, DeviceId::Cpu));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `blk\.(a|b|…)\.ffn_(up|down|gate|gate_up)_(ch|)exps` for the given layers.
+fn layers_exps_regex(layers: impl Iterator<Item = u32>) -> String {
+    let list: Vec<String> = layers.map(|l| l.to_string()).collect();
+    format!(r"blk\.({}){}", list.join("|"), FFN_EXPS_REGEX)
+}
+
+#[derive(Default, Clone)]
+struct Activity {
+    attn: bool,
+    router: bool,
+    experts: bool,
+    ffn_width: u64,
+    output: bool,
+    mask_full: bool,
+    mask_swa: bool,
+    staging: [u64; 2],
+}
+
+impl Activity {
+    fn stage(&mut self, bytes: u64) {
+        if bytes > self.staging[0] {
+            self.staging = [bytes, self.staging[0]];
+        } else if bytes > self.staging[1] {
+            self.staging[1] = bytes;
+        }
+    }
+}
+
+impl<'a> Planner<'a> {
+    fn new(
+        tensors: &'a [TensorDesc],
+        shape: &'a ModelShape,
+        budget: &'a DeviceBudget,
+        flags: &'a PlacementFlags,
+    ) -> Result<Planner<'a>, PlacementError> {
+        shape.validate()?;
+        let invalid = |m: &str| Err(PlacementError::Invalid(m.to_string()));
+        if flags.batch_size == 0 || flags.ubatch_size == 0 {
+            return invalid("-b and -ub must be at least 1");
+        }
+        if flags.n_parallel == 0 {
+            return invalid("-np must be at least 1");
+        }
+        if flags.fit_ctx == 0 {
+            return invalid("--fit-ctx must be at least 1");
+        }
+        for ty in [flags.cache_type_k, flags.cache_type_v] {
+            parse_cache_type(ty.name())?;
+        }
+        for (ty, n) in [
+            (flags.cache_type_k, shape.n_embd_k_gqa()),
+            (flags.cache_type_v, shape.n_embd_v_gqa()),
+        ] {
+            if ty.row_bytes(n).is_none() {
+                return Err(PlacementError::Invalid(format!(
+                    "KV cache type {} needs rows that are a multiple of {} elements, but a \
+                     cached row has {n}",
+                    ty.name().to_lowercase(),
+                    ty.block_elems()
+                )));
+            }
+        }
+        let n_gpus = budget.gpus.len();
+        let rules = compile_rules(&flags.rules, n_gpus)?;
+        let groups: Vec<LayerGroup> = tensors.iter().map(|t| layer_group(&t.name)).collect();
+        for (t, g) in tensors.iter().zip(&groups) {
+            if let LayerGroup::Block(il) = g {
+                if *il >= shape.n_layer {
+                    return Err(PlacementError::Shape(format!(
+                        "tensor {} names layer {il} but the model has {} layers",
+                        t.name, shape.n_layer
+                    )));
+                }
+            }
+        }
+        let kinds = tensors.iter().map(|t| tensor_kind(&t.name)).collect();
+        let pinned = tensors
+            .iter()
+            .map(|t| {
+                rules
+                    .iter()
+                    .find(|(re, _)| re.is_match(&t.name))
+                    .map(|(_, d)| *d)
+            })
+            .collect();
+        let total_free: f64 = budget.gpus.iter().map(|g| g.free as f64).sum();
+        let mut acc = 0.0;
+        let splits = budget
+            .gpus
+            .iter()
+            .map(|g| {
+                acc += if total_free > 0.0 {
+                    g.free as f64 / total_free
+                } else {
+                    1.0 / n_gpus as f64
+                };
+                acc
+            })
+            .collect();
+        let has_output = tensors.iter().any(|t| t.name == "output.weight");
+        let tied_output = if has_output {
+            None
+        } else {
+            tensors
+                .iter()
+                .find(|t| t.name == "token_embd.weight")
+                .map(|t| t.n_bytes)
+        };
+        Ok(Planner {
+            tensors,
+            shape,
+            budget,
+            flags,
+            groups,
+            kinds,
+            pinned,
+            splits,
+            tied_output,
+        })
+    }
+
+    fn n_gpus(&self) -> usize {
+        self.budget.gpus.len()
+    }
+
+    /// Device of layer `il` (`n_layer` = the output layer) under `-ngl ngl`.
+    fn layer_device(&self, il: u32, ngl: u32) -> DeviceId {
+        let n_layer = self.shape.n_layer;
+        if self.n_gpus() == 0 {
+            return DeviceId::Cpu;
+        }
+        let start = (n_layer + 1).saturating_sub(ngl);
+        if il < start {
+            return DeviceId::Cpu;
+        }
+        let act = ngl.min(n_layer + 1) as f64;
+        let x = (il - start) as f64 / act;
+        let i = self
+            .splits
+            .iter()
+            .position(|&s| s > x)
+            .unwrap_or(self.n_gpus() - 1);
+        DeviceId::Gpu(i.min(self.n_gpus() - 1))
+    }
+
+    fn group_device(&self, g: LayerGroup, ngl: u32) -> DeviceId {
+        match g {
+            LayerGroup::Input => DeviceId::Cpu,
+            LayerGroup::Block(il) => self.layer_device(il, ngl),
+            LayerGroup::Output => self.layer_device(self.shape.n_layer, ngl),
+        }
+    }
+
+    fn assign(&self, st: &State) -> Vec<DeviceId> {
+        (0..self.tensors.len())
+            .map(|i| {
+                if let Some(d) = self.pinned[i] {
+                    return d;
+                }
+                if self.kinds[i] == TensorKind::Experts {
+                    if let LayerGroup::Block(il) = self.groups[i] {
+                        if st.fit_cpu[il as usize] {
+                            return DeviceId::Cpu;
+                        }
+                    }
+                }
+                self.group_device(self.groups[i], st.ngl)
+            })
+            .collect()
+    }
+
+    fn dev_index(&self, d: DeviceId) -> usize {
+        match d {
+            DeviceId::Cpu => 0,
+            DeviceId::Gpu(i) => i + 1,
+        }
+    }
+
+    /// (n_ctx, n_batch, n_ubatch, full cells, swa cells) for a requested context.
+    fn sizes(&self, n_ctx_req: u32) -> (u64, u64, u64, u64, u64) {
+        let n_ctx = pad256(n_ctx_req.max(1) as u64);
+        let n_batch = n_ctx.min(self.flags.batch_size as u64);
+        let n_ubatch = n_batch.min(self.flags.ubatch_size as u64);
+        let swa = if self.shape.sliding_window > 0 && self.shape.swa_layers.iter().any(|&b| b) {
+            let want = self.shape.sliding_window as u64 * self.flags.n_parallel as u64 + n_ubatch;
+            pad256(n_ctx.min(want))
+        } else {
+            0
+        };
+        (n_ctx, n_batch, n_ubatch, n_ctx, swa)
+    }
+
+    fn usage(&self, st: &State, assign: &[DeviceId]) -> Vec<DeviceUsage> {
+        let s = self.shape;
+        let f = self.flags;
+        let n_dev = self.n_gpus() + 1;
+        let ids = self.budget.ids();
+        let (_, _, t, cells_full, cells_swa) = self.sizes(st.n_ctx);
+        let mut u: Vec<DeviceUsage> = ids
+            .iter()
+            .map(|&device| {
+                let (free, overhead, margin) = match device {
+                    DeviceId::Cpu => (self.budget.host_free, 0, 0),
+                    DeviceId::Gpu(i) => (
+                        Some(self.budget.gpus[i].free),
+                        self.budget.gpus[i].overhead,
+                        f.fit_target_bytes(i),
+                    ),
+                };
+                DeviceUsage {
+                    device,
+                    weights: 0,
+                    kv: 0,
+                    compute: 0,
+                    overhead,
+                    free,
+                    margin,
+                    layers: 0,
+                    expert_layers: 0,
+                }
+            })
+            .collect();
+        let mut act = vec![Activity::default(); n_dev];
+        let offload = f.op_offload && t >= OP_OFFLOAD_MIN_BATCH as u64 && self.n_gpus() > 0;
+
+        // Weights, and which phases each device runs.
+        let mut expert_bytes = vec![vec![0u64; n_dev]; s.n_layer as usize];
+        for (i, tensor) in self.tensors.iter().enumerate() {
+            let d = self.dev_index(assign[i]);
+            u[d].weights += tensor.n_bytes;
+            let is_matrix = tensor.dims.len() >= 2;
+            match self.kinds[i] {
+                TensorKind::Attention => act[d].attn = true,
+                TensorKind::Router => act[d].router = true,
+                TensorKind::Experts => {
+                    act[d].experts = true;
+                    if let LayerGroup::Block(il) = self.groups[i] {
+                        if tensor.name.ends_with(".weight") {
+                            expert_bytes[il as usize][d] += tensor.n_bytes;
+                        }
+                    }
+                }
+                TensorKind::SharedExperts => act[d].ffn_width = act[d].ffn_width.max(s.n_ff_shexp),
+                TensorKind::DenseFfn => act[d].ffn_width = act[d].ffn_width.max(s.n_ff),
+                TensorKind::OutputHead => act[d].output = true,
+                TensorKind::Embedding | TensorKind::Other => {}
+            }
+            let offloadable = !matches!(self.kinds[i], TensorKind::Embedding | TensorKind::Other);
+            if offload && assign[i] == DeviceId::Cpu && is_matrix && offloadable {
+                let target = match self.group_device(self.groups[i], st.ngl) {
+                    DeviceId::Gpu(g) => g,
+                    DeviceId::Cpu => 0,
+                };
+                let a = &mut act[target + 1];
+                a.stage(tensor.n_bytes);
+                match self.kinds[i] {
+                    TensorKind::Experts => a.experts = true,
+                    TensorKind::OutputHead => a.output = true,
+                    TensorKind::Attention => a.attn = true,
+                    TensorKind::Router => a.router = true,
+                    TensorKind::SharedExperts => a.ffn_width = a.ffn_width.max(s.n_ff_shexp),
+                    TensorKind::DenseFfn => a.ffn_width = a.ffn_width.max(s.n_ff),
+                    TensorKind::Embedding | TensorKind::Other => {}
+                }
+            }
+        }
+        let out_dev = self.dev_index(self.layer_device(s.n_layer, st.ngl));
+        if let Some(b) = self.tied_output {
+            if out_dev != 0 {
+                u[out_dev].weights += b;
+            }
+            act[out_dev].output = true;
+        }
+        for per_dev in &expert_bytes {
+            let (best, &bytes) = per_dev
+                .iter()
+                .enumerate()
+                .max_by_key(|&(i, b)| (*b, std::cmp::Reverse(i)))
+                .expect("at least the CPU");
+            if bytes > 0 {
+                u[best].expert_layers += 1;
+            }
+        }
+
+        // KV cache and attention, per layer on its device.
+        let row = |ty: hmoe_quant::GgmlType, n: u64| ty.row_bytes(n).unwrap_or(0);
+        let per_cell =
+            row(f.cache_type_k, s.n_embd_k_gqa()) + row(f.cache_type_v, s.n_embd_v_gqa());
+        for il in 0..s.n_layer {
+            let d = self.dev_index(self.layer_device(il, st.ngl));
+            u[d].layers += 1;
+            let swa = s.is_swa(il);
+            u[d].kv += per_cell * if swa { cells_swa } else { cells_full };
+            act[d].attn = true;
+            if swa {
+                act[d].mask_swa = true;
+            } else {
+                act[d].mask_full = true;
+            }
+        }
+
+        // Compute buffers.
+        let e = s.n_embd;
+        let phase_attn = t
+            * 4
+            * (3 * e
+                + s.n_head * s.head_dim_q
+                + s.n_head_kv * (s.head_dim_k + s.head_dim_v)
+                + s.n_head * s.head_dim_v);
+        let phase_router = t * 4 * (2 * e + 2 * s.n_expert + 2 * s.n_expert_used);
+        let phase_experts =
+            t * 4 * (2 * e + 3 * s.n_expert_used * s.n_ff_exp + 2 * s.n_expert_used * e);
+        let phase_ffn = |w: u64| t * 4 * (2 * e + 3 * w);
+        let phase_output = t * 4 * (e + s.n_vocab);
+        for (d, a) in act.iter().enumerate() {
+            let mut peak = 0;
+            if a.attn {
+                peak = peak.max(phase_attn);
+            }
+            if a.router {
+                peak = peak.max(phase_router);
+            }
+            if a.experts {
+                peak = peak.max(phase_experts);
+            }
+            if a.ffn_width > 0 {
+                peak = peak.max(phase_ffn(a.ffn_width));
+            }
+            if a.output {
+                peak = peak.max(phase_output);
+            }
+            let mut inputs = 0;
+            if a.mask_full {
+                inputs += t * cells_full * 2;
+            }
+            if a.mask_swa {
+                inputs += t * cells_swa * 2;
+            }
+            if d == 0 {
+                inputs += t * 4 * e + 4 * s.n_vocab * f.n_parallel as u64;
+            }
+            u[d].compute = peak + inputs + a.staging[0] + a.staging[1];
+        }
+        u
+    }
+
+    fn evaluate(&self, st: &State) -> (Vec<DeviceId>, Vec<DeviceUsage>) {
+        let a = self.assign(st);
+        let u = self.usage(st, &a);
+        (a, u)
+    }
+
+    fn fits(&self, st: &State) -> bool {
+        self.evaluate(st).1.iter().all(DeviceUsage::fits)
+    }
+
+    fn search(&self) -> Result<Plan, PlacementError> {
+        let f = self.flags;
+        let n_layer = self.shape.n_layer;
+        let ctx_train = self.shape.n_ctx_train;
+        let ctx0 = match f.ctx_size {
+            None | Some(0) => ctx_train,
+            Some(n) => n,
+        };
+        let ngl0 = match f.n_gpu_layers {
+            GpuLayers::Auto | GpuLayers::All => n_layer + 1,
+            GpuLayers::Count(n) => n.min(n_layer + 1),
+        };
+        let mut st = State {
+            n_ctx: ctx0,
+            ngl: ngl0,
+            fit_cpu: vec![false; n_layer as usize],
+        };
+        let mut notes = Vec::new();
+        if !f.fit || self.n_gpus() == 0 || self.fits(&st) {
+            return Ok(self.finish(st, notes));
+        }
+
+        // 1. Context, down to --fit-ctx, unless the user gave -c.
+        let min_ctx = pad256(f.fit_ctx as u64) as u32;
+        if f.ctx_size.is_none() && pad256(ctx0 as u64) > min_ctx as u64 {
+            let at = |n_ctx: u32| State {
+                n_ctx,
+                ..st.clone()
+            };
+            if self.fits(&at(min_ctx)) {
+                // Largest multiple of 256 in [min_ctx, ctx0] that fits (use grows with ctx).
+                let (mut lo, mut hi) = (min_ctx / 256, (pad256(ctx0 as u64) / 256) as u32);
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    if self.fits(&at(mid * 256)) {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                let n = (lo * 256).min(ctx0);
+                notes.push(format!("context reduced from {ctx0} to {n}"));
+                st.n_ctx = n;
+                return Ok(self.finish(st, notes));
+            }
+            notes.push(format!(
+                "context reduced from {ctx0} to {min_ctx} (--fit-ctx)"
+            ));
+            st.n_ctx = min_ctx;
+        }
+
+        // 2. Experts of the last layers to the CPU, one layer per over-budget GPU per step.
+        let mut moved = Vec::new();
+        loop {
+            let (assign, usage) = self.evaluate(&st);
+            let over: Vec<DeviceId> = usage
+                .iter()
+                .filter(|u| !u.fits())
+                .map(|u| u.device)
+                .collect();
+            if over.is_empty() {
+                break;
+            }
+            let mut progress = false;
+            for dev in over {
+                if let Some(il) = self.last_movable_layer(&st, &assign, dev) {
+                    st.fit_cpu[il as usize] = true;
+                    moved.push(il);
+                    progress = true;
+                }
+            }
+            if !progress {
+                break;
+            }
+        }
+        if !moved.is_empty() {
+            moved.sort_unstable();
+            notes.push(format!(
+                "experts of {} layer(s) moved to the CPU: {}",
+                moved.len(),
+                compact_ranges(&moved)
+            ));
+        }
+        if self.fits(&st) {
+            return Ok(self.finish(st, notes));
+        }
+
+        // 3. Whole layers to the CPU, front first, when -ngl was left to us.
+        if f.n_gpu_layers == GpuLayers::Auto {
+            let before = st.ngl;
+            while st.ngl > 0 && !self.fits(&st) {
+                st.ngl -= 1;
+            }
+            if self.fits(&st) {
+                notes.push(format!("-ngl reduced from {before} to {}", st.ngl));
+                return Ok(self.finish(st, notes));
+            }
+            st.ngl = before;
+        }
+
+        let (_, usage) = self.evaluate(&st);
+        Err(PlacementError::DoesNotFit(
+            usage
+                .iter()
+                .filter(|u| !u.fits())
+                .map(|u| Shortfall {
+                    device: u.device,
+                    projected: u.total(),
+                    free: u.free.unwrap_or(0),
+                    margin: u.margin,
+                })
+                .collect(),
+        ))
+    }
+
+    /// The highest layer whose experts sit on `dev`, are not pinned there by a user rule, and
+    /// were not moved yet.
+    fn last_movable_layer(&self, st: &State, assign: &[DeviceId], dev: DeviceId) -> Option<u32> {
+        (0..self.tensors.len())
+            .filter(|&i| {
+                self.kinds[i] == TensorKind::Experts && self.pinned[i].is_none() && assign[i] == dev
+            })
+            .filter_map(|i| match self.groups[i] {
+                LayerGroup::Block(il) if !st.fit_cpu[il as usize] => Some(il),
+                _ => None,
+            })
+            .max()
+    }
+
+    fn finish(&self, st: State, notes: Vec<String>) -> Plan {
+        let (assign, devices) = self.evaluate(&st);
+        let (n_ctx, n_batch, n_ubatch, full, swa) = self.sizes(st.n_ctx);
+        let fit_layers: Vec<u32> = (0..self.shape.n_layer)
+            .filter(|&il| st.fit_cpu[il as usize])
+            .collect();
+        let mut flags = self.flags.clone();
+        flags.ctx_size = Some(n_ctx as u32);
+        flags.n_gpu_layers = if st.ngl > self.shape.n_layer {
+            GpuLayers::All
+        } else {
+            GpuLayers::Count(st.ngl)
+        };
+        if !fit_layers.is_empty() {
+            flags.rules.push(TensorRule::Override {
+                pattern: layers_exps_regex(fit_layers.iter().copied()),
+                device: "CPU".to_string(),
+            });
+        }
+        Plan {
+            n_ctx: n_ctx as u32,
+            n_batch: n_batch as u32,
+            n_ubatch: n_ubatch as u32,
+            n_layer: self.shape.n_layer,
+            n_gpu_layers: st.ngl,
+            kv_cells_full: full as u32,
+            kv_cells_swa: swa as u32,
+            tensor_devices: assign,
+            devices,
+            fit_cpu_expert_layers: fit_layers,
+            notes,
+            flags,
+        }
+    }
+}
+
+/// `3-5, 7, 9-10` for a sorted list.
+fn compact_ranges(v: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
+}
+
+fn mib(b: u64) -> String {
+    format!("{}", (b as f64 / (1024.0 * 1024.0)).round() as u64)
+}
+
+impl Plan {
+    /// The plan as a text table, one row per device, sizes in MiB: layers (attention + KV),
+    /// expert layers, weights, KV, compute, overhead, total, free, free after loading, margin.
+    pub fn table(&self) -> String {
+        let header = [
+            "device", "layers", "experts", "weights", "kv", "compute", "overhead", "total", "free",
+            "left", "margin",
+        ];
+        let mut rows = vec![header.map(String::from).to_vec()];
+        for d in &self.devices {
+            let opt = |v: Option<u64>| v.map_or("-".to_string(), mib);
+            let left = d.headroom().map_or("-".to_string(), |h| {
+                let m = (h as f64 / (1024.0 * 1024.0)).round() as i64;
+                m.to_string()
+            });
+            rows.push(vec![
+                d.device.to_string(),
+                d.layers.to_string(),
+                d.expert_layers.to_string(),
+                mib(d.weights),
+                mib(d.kv),
+                mib(d.compute),
+                mib(d.overhead),
+                mib(d.total()),
+                opt(d.free),
+                left,
+                if d.device.is_gpu() {
+                    mib(d.margin)
+                } else {
+                    "-".to_string()
+                },
+            ]);
+        }
+        let widths: Vec<usize> = (0..header.len())
+            .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+            .collect();
+        let mut out = String::new();
+        for r in &rows {
+            let cells: Vec<String> = r
+                .iter()
+                .enumerate()
+                .map(|(c, s)| {
+                    if c == 0 {
+                        format!("{s:<w$}", w = widths[c])
+                    } else {
+                        format!("{s:>w$}", w = widths[c])
+                    }
+                })
+                .collect();
+            out.push_str(cells.join("  ").trim_end());
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "sizes in MiB; ctx {} (KV cells: {} full{}), ubatch {}, -ngl {} of {}\n",
+            self.n_ctx,
+            self.kv_cells_full,
+            if self.kv_cells_swa > 0 {
+                format!(", {} sliding", self.kv_cells_swa)
+            } else {
+                String::new()
+            },
+            self.n_ubatch,
+            self.n_gpu_layers,
+            self.n_layer + 1
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;
