@@ -352,3 +352,51 @@ impl GgufError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_problem() {
+        let e = GgufError::Mlock {
+            path: "/m/x.gguf".into(),
+            bytes: 4096,
+            source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("mlock of 4096 bytes of /m/x.gguf failed: "),
+            "{msg}"
+        );
+        assert!(msg.contains("ulimit -l"), "{msg}");
+
+        let e = GgufError::UnsupportedVersion { version: 1 }.in_file("/m/x.gguf".as_ref());
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("/m/x.gguf: unsupported GGUF version 1 (GGUF v1"),
+            "{msg}"
+        );
+        assert!(matches!(
+            e.innermost(),
+            GgufError::UnsupportedVersion { version: 1 }
+        ));
+        // Errors that already name their file are not wrapped again.
+        let e = e.in_file("/other".as_ref());
+        assert!(e.to_string().starts_with("/m/x.gguf: "));
+
+        let e = GgufError::InvalidTensor {
+            name: "w".into(),
+            offset: Some(99),
+            problem: TensorProblem::UnknownType(77),
+        };
+        assert_eq!(
+            e.to_string(),
+            "tensor 'w' (tensor info at offset 99): unknown ggml type id 77"
+        );
+        assert_eq!(
+            GgufError::BadMagic { found: *b"GGML" }.to_string(),
+            "not a GGUF file: magic bytes are [47, 47, 4d, 4c], expected \"GGUF\" (47 47 55 46)"
+        );
+    }
+}

@@ -88,6 +88,45 @@ fn every_fixture_opens_and_is_plausible() {
     assert!(n_files >= 16, "found only {n_files} GGUF files");
 }
 
+#[test]
+fn fixture_tensor_counts_and_types() {
+    // (file, tensors, F32, Q8_0, MXFP4), as listed by an independent reader.
+    let expected = [
+        ("gpt-oss/gptoss-tiny.gguf", 79, 49, 18, 12),
+        ("gpt-oss/gptoss-small.gguf", 79, 49, 18, 12),
+        ("gpt-oss/gptoss-openai.gguf", 79, 67, 0, 12),
+        ("gpt-oss/gptoss-openai-f32experts.gguf", 79, 79, 0, 0),
+        ("qwen3moe/qwen3moe-tiny.gguf", 27, 27, 0, 0),
+        ("deepseek2/deepseek2-tiny.gguf", 52, 52, 0, 0),
+    ];
+    for (rel, n, f32, q8, mxfp4) in expected {
+        let m = open(&fixture(rel));
+        let count = |ty| m.tensors().iter().filter(|t| t.ty == ty).count();
+        assert_eq!(m.tensors().len(), n, "{rel}");
+        assert_eq!(count(GgmlType::F32), f32, "{rel}");
+        assert_eq!(count(GgmlType::Q8_0), q8, "{rel}");
+        assert_eq!(count(GgmlType::MXFP4), mxfp4, "{rel}");
+        // Data is laid out back to back (each padded to 32) after the header.
+        let mut tensors: Vec<_> = m.tensors().iter().collect();
+        tensors.sort_by_key(|t| t.offset);
+        for w in tensors.windows(2) {
+            assert_eq!(
+                w[1].offset,
+                (w[0].offset + w[0].n_bytes).next_multiple_of(32),
+                "{rel}"
+            );
+        }
+    }
+    // DeepSeek's MLA k_b/v_b are 3-D: [kv_lora, head_dim, n_head].
+    let ds = open(&fixture("deepseek2/deepseek2-tiny.gguf"));
+    let kb = ds.tensor_info("blk.0.attn_k_b.weight").unwrap();
+    assert_eq!(kb.dims, [16, 16, 4]);
+    assert_eq!(kb.n_rows(), 64);
+    assert_eq!(ds.metadata().get_u32("deepseek2.block_count"), Some(3));
+    let qw = open(&fixture("qwen3moe/qwen3moe-tiny.gguf"));
+    assert_eq!(qw.metadata().get_u32("qwen3moe.expert_count"), Some(8));
+}
+
 fn check_against_params(gguf: &str, params: &str) {
     let m = open(&fixture(gguf));
     let text = std::fs::read_to_string(fixture(params)).unwrap();
