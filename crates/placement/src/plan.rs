@@ -10,7 +10,7 @@
 //!   GPU).
 //! * **kv**: per layer, on the device of the layer (`-ngl`), `cells × (row(type_k, n_head_kv ×
 //!   head_dim_k) + row(type_v, n_head_kv × head_dim_v))`, rows sized with the ggml block size
-//!   of the cache type. `n_ctx` is padded up to a multiple of 256. Full-attention layers have
+//!   of the cache type (MLA models cache K only). `n_ctx` is padded up to a multiple of 256. Full-attention layers have
 //!   `n_ctx` cells; sliding-window layers (gpt-oss's even layers) have
 //!   `pad256(min(n_ctx, window × n_parallel + n_ubatch))` cells (llama.cpp's unified iSWA cache).
 //! * **compute** (activations for one ubatch of `T = n_ubatch` tokens, f32 = 4 bytes, E =
@@ -246,10 +246,77 @@ fn compile_rules(
     Ok(out)
 }
 
-/// `blk\.(a|b|…)\.ffn_(up|down|gate|gate_up)_(ch|)exps` for the given layers.
+/// `blk\.(…)\.ffn_(up|down|gate|gate_up)_(ch|)exps` for the given layers.
 fn layers_exps_regex(layers: impl Iterator<Item = u32>) -> String {
-    let list: Vec<String> = layers.map(|l| l.to_string()).collect();
-    format!(r"blk\.({}){}", list.join("|"), FFN_EXPS_REGEX)
+    let mut v: Vec<u32> = layers.collect();
+    v.sort_unstable();
+    v.dedup();
+    format!(r"blk\.({}){}", numbers_regex(&v), FFN_EXPS_REGEX)
+}
+
+/// A regex alternation matching exactly the decimal strings of the sorted, distinct numbers
+/// `v` (no leading zeros), compacted by decades: `[2-9]|[12][0-9]|3[0-5]` for 2..=35.
+fn numbers_regex(v: &[u32]) -> String {
+    // (prefix, units) per decade present.
+    let mut decades: Vec<(u32, Vec<u32>)> = Vec::new();
+    for &n in v {
+        match decades.last_mut() {
+            Some((p, units)) if *p == n / 10 => units.push(n % 10),
+            _ => decades.push((n / 10, vec![n % 10])),
+        }
+    }
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < decades.len() {
+        let (p, units) = &decades[i];
+        let full = |d: &(u32, Vec<u32>)| (1..10).contains(&d.0) && d.1.len() == 10;
+        // Consecutive full decades with one-digit prefixes merge: [1-3][0-9].
+        let mut j = i;
+        while full(&decades[i])
+            && j + 1 < decades.len()
+            && full(&decades[j + 1])
+            && decades[j + 1].0 == decades[j].0 + 1
+        {
+            j += 1;
+        }
+        if j > i {
+            parts.push(format!(
+                "{}[0-9]",
+                digit_class(&(*p..=decades[j].0).collect::<Vec<_>>())
+            ));
+        } else {
+            let prefix = if *p == 0 {
+                String::new()
+            } else {
+                p.to_string()
+            };
+            parts.push(format!("{prefix}{}", digit_class(units)));
+        }
+        i = j + 1;
+    }
+    parts.join("|")
+}
+
+/// `5`, `[2-9]`, `[0-35-7]`, `[13]` for sorted distinct digits.
+fn digit_class(d: &[u32]) -> String {
+    if d.len() == 1 {
+        return d[0].to_string();
+    }
+    let mut body = String::new();
+    let mut i = 0;
+    while i < d.len() {
+        let mut j = i;
+        while j + 1 < d.len() && d[j + 1] == d[j] + 1 {
+            j += 1;
+        }
+        body.push_str(&match j - i {
+            0 => d[i].to_string(),
+            1 => format!("{}{}", d[i], d[j]),
+            _ => format!("{}-{}", d[i], d[j]),
+        });
+        i = j + 1;
+    }
+    format!("[{body}]")
 }
 
 #[derive(Default, Clone)]

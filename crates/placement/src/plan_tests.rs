@@ -646,7 +646,7 @@ fn fit_plans_reproduce_from_their_command_line_flags() {
     assert_eq!(p.fit_cpu_expert_layers, vec![5, 6, 7]);
     assert_eq!(
         p.command_line(),
-        r"-c 4096 -ngl all -ot 'blk\.(5|6|7)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'"
+        r"-c 4096 -ngl all -ot 'blk\.([5-7])\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'"
     );
     for fit in [false, true] {
         let f = PlacementFlags {
@@ -846,4 +846,44 @@ fn gpt_oss_120b_closing_numbers() {
     println!("  {}\n  {:?}\n", p.command_line(), p.notes);
     assert_eq!(p.n_ctx, 4096);
     assert_eq!(gpu0(&p).expert_layers, prev);
+}
+
+#[test]
+fn number_regexes_match_exactly_their_sets() {
+    assert_eq!(
+        numbers_regex(&(2..=35).collect::<Vec<_>>()),
+        "[2-9]|[12][0-9]|3[0-5]"
+    );
+    assert_eq!(numbers_regex(&[7]), "7");
+    assert_eq!(numbers_regex(&[0, 1, 3, 5, 6, 7]), "[0135-7]");
+    assert_eq!(numbers_regex(&(0..=9).collect::<Vec<_>>()), "[0-9]");
+    assert_eq!(
+        numbers_regex(&(10..=29).chain(40..=49).collect::<Vec<_>>()),
+        "[12][0-9]|4[0-9]"
+    );
+    assert_eq!(numbers_regex(&[100, 101, 102, 119]), "10[0-2]|119");
+    // Pseudo-random subsets of 0..130, checked against every number below 200.
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for _ in 0..300 {
+        let set: Vec<u32> = (0..130)
+            .filter(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % 3 != 0
+            })
+            .collect();
+        if set.is_empty() {
+            continue;
+        }
+        let re = Regex::new(&format!("^(?:{})$", numbers_regex(&set))).unwrap();
+        for n in 0..200u32 {
+            assert_eq!(
+                re.is_match(&n.to_string()),
+                set.contains(&n),
+                "{n} in {set:?}"
+            );
+        }
+        assert!(!re.is_match("05"));
+    }
 }

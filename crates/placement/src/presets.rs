@@ -71,6 +71,7 @@ impl GptOssDims {
             head_dim_k: self.head_dim,
             head_dim_v: self.head_dim,
             head_dim_q: self.head_dim,
+            mla: false,
             n_vocab: self.n_vocab,
             n_ctx_train: self.n_ctx_train,
             sliding_window: self.sliding_window,

@@ -15,12 +15,16 @@ pub struct ModelShape {
     pub n_head: u64,
     /// Key/value heads as stored in the KV cache (1 for DeepSeek's MLA latent cache).
     pub n_head_kv: u64,
-    /// Elements per head of a cached key (for MLA: `kv_lora_rank + rope dims`).
+    /// Elements per head of a cached key (`attention.key_length`; for MLA files this is
+    /// `kv_lora_rank + rope dims`, e.g. 576).
     pub head_dim_k: u64,
-    /// Elements per head of a cached value (for MLA: `kv_lora_rank`).
+    /// Elements per head of a value (`attention.value_length`; for MLA the latent rank).
     pub head_dim_v: u64,
-    /// Query head size used by the attention math (equals `head_dim_k` except for MLA).
+    /// Query head size used by the attention math (`key_length_mla` for MLA, else `head_dim_k`).
     pub head_dim_q: u64,
+    /// Multi-head latent attention (DeepSeek files with `key_length_mla` and
+    /// `value_length_mla`): llama.cpp then caches K only, V being a view of it.
+    pub mla: bool,
     /// Vocabulary size.
     pub n_vocab: u64,
     /// Trained context (`context_length`), what `-c 0` means.
@@ -47,9 +51,13 @@ impl ModelShape {
         self.n_head_kv * self.head_dim_k
     }
 
-    /// Elements of one token's value in one layer.
+    /// Elements of one token's cached value in one layer (0 for MLA: no V cache).
     pub fn n_embd_v_gqa(&self) -> u64 {
-        self.n_head_kv * self.head_dim_v
+        if self.mla {
+            0
+        } else {
+            self.n_head_kv * self.head_dim_v
+        }
     }
 
     /// Whether layer `il` uses the sliding window.
@@ -123,6 +131,7 @@ impl ModelShape {
             head_dim_k,
             head_dim_v,
             head_dim_q: head_dim_k,
+            mla: false,
             n_vocab,
             n_ctx_train,
             sliding_window: 0,
@@ -151,16 +160,14 @@ impl ModelShape {
                 shape.n_ff = if lead > 0 { n_ff } else { 0 };
                 let shared = opt("expert_shared_count").unwrap_or(0);
                 shape.n_ff_shexp = shared * n_ff_exp;
-                if let Some(rank) = opt("attention.kv_lora_rank") {
-                    // MLA: the cache holds one latent row (kv_lora_rank) plus the rope part of
-                    // the key per token and layer; the value is the latent row again.
-                    let rope = opt("rope.dimension_count").unwrap_or(64);
-                    shape.n_head_kv = 1;
-                    shape.head_dim_k = rank + rope;
-                    shape.head_dim_v = rank;
-                    shape.head_dim_q = opt("attention.key_length_mla")
-                        .or_else(|| opt("attention.key_length"))
-                        .unwrap_or(rank + rope);
+                // MLA as llama.cpp's is_mla(): both MLA head sizes present. Such files already
+                // describe the latent cache in head_count_kv (1) and key_length (576).
+                if let (Some(kq), Some(_)) = (
+                    opt("attention.key_length_mla"),
+                    opt("attention.value_length_mla"),
+                ) {
+                    shape.mla = true;
+                    shape.head_dim_q = kq;
                 }
             }
             "qwen3moe" => {
@@ -174,6 +181,25 @@ impl ModelShape {
         }
         shape.validate()?;
         Ok(shape)
+    }
+}
+
+impl ModelShape {
+    /// Reads the shape from a GGUF file's metadata (see [`ModelShape::from_source`]).
+    pub fn from_metadata(meta: &hmoe_gguf::Metadata) -> Result<ModelShape, PlacementError> {
+        ModelShape::from_source(meta)
+    }
+}
+
+impl HparamSource for hmoe_gguf::Metadata {
+    fn u64_value(&self, key: &str) -> Option<u64> {
+        self.get_u64(key)
+    }
+    fn str_value(&self, key: &str) -> Option<&str> {
+        self.get_str(key)
+    }
+    fn array_len(&self, key: &str) -> Option<usize> {
+        self.get_array(key).map(<[_]>::len)
     }
 }
 
@@ -268,9 +294,11 @@ pub(crate) mod tests {
             ("feed_forward_length", 18432),
             ("expert_feed_forward_length", 2048),
             ("attention.head_count", 128),
-            ("attention.head_count_kv", 128),
-            ("attention.key_length", 192),
-            ("attention.value_length", 128),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 576),
+            ("attention.value_length", 512),
+            ("attention.key_length_mla", 192),
+            ("attention.value_length_mla", 128),
             ("attention.kv_lora_rank", 512),
             ("rope.dimension_count", 64),
             ("context_length", 163840),
@@ -283,8 +311,11 @@ pub(crate) mod tests {
         }
         m.arrays.insert("tokenizer.ggml.tokens".into(), 129280);
         let s = ModelShape::from_source(&m).unwrap();
-        assert_eq!((s.n_head_kv, s.head_dim_k, s.head_dim_v), (1, 576, 512));
-        assert_eq!(s.head_dim_q, 192);
+        assert!(s.mla);
+        assert_eq!(
+            (s.n_embd_k_gqa(), s.n_embd_v_gqa(), s.head_dim_q),
+            (576, 0, 192)
+        );
         assert_eq!((s.n_ff, s.n_ff_shexp), (18432, 2048));
         assert!(!s.is_swa(0));
 

@@ -41,6 +41,17 @@ impl TensorDesc {
     }
 }
 
+impl From<&hmoe_gguf::TensorInfo> for TensorDesc {
+    fn from(t: &hmoe_gguf::TensorInfo) -> TensorDesc {
+        TensorDesc {
+            name: t.name.clone(),
+            ty: t.ty,
+            dims: t.dims.clone(),
+            n_bytes: t.n_bytes,
+        }
+    }
+}
+
 /// Which layer-group a tensor belongs to for `-ngl`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerGroup {
