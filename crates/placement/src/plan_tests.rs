@@ -870,7 +870,7 @@ fn number_regexes_match_exactly_their_sets() {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                x % 3 != 0
+                !x.is_multiple_of(3)
             })
             .collect();
         if set.is_empty() {
