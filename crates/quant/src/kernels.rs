@@ -1,0 +1,100 @@
+//! The kernel table: for each ISA, the function pointers behind the public API.
+//!
+//! Every kernel is an `unsafe fn` with the same contract:
+//! * the CPU supports the ISA the kernel was compiled for (the public API checks
+//!   [`crate::Isa::is_available`] before resolving a kernel);
+//! * slices are exactly as long as the element count implies (whole blocks), except
+//!   `DotRowsFn`'s weight slice which holds `out.len()` rows `stride` bytes apart.
+
+use crate::{GgmlType, Isa};
+
+/// Defines a `#[target_feature]` single-row `dot` and multi-row `rows` entry point around an
+/// `R`-row kernel, using `$r` rows per pass and single rows for the rest. `$extra` is an
+/// optional further const argument of the kernel (the AVX-512 VNNI switch).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
+macro_rules! entry_points {
+    ($features:literal, $dot:ident, $rows:ident, $kernel:ident, $r:literal $(, $extra:literal)?) => {
+        /// # Safety
+        /// The CPU has the enabled features; `w` and `a` hold the blocks of `n` elements.
+        #[target_feature(enable = $features)]
+        unsafe fn $dot(n: usize, w: &[u8], a: &[u8]) -> f32 {
+            let mut out = [0.0f32; 1];
+            $kernel::<1 $(, $extra)?>(n, w.as_ptr(), 0, a.as_ptr(), out.as_mut_ptr());
+            out[0]
+        }
+
+        /// # Safety
+        /// The CPU has the enabled features; `w` holds `out.len()` rows `stride` bytes apart and
+        /// `a` the blocks of `n` elements.
+        #[target_feature(enable = $features)]
+        unsafe fn $rows(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+            let rows = out.len();
+            let mut r = 0;
+            while r + $r <= rows {
+                $kernel::<$r $(, $extra)?>(n, w.as_ptr().add(r * stride), stride, a.as_ptr(), out.as_mut_ptr().add(r));
+                r += $r;
+            }
+            while r < rows {
+                $kernel::<1 $(, $extra)?>(n, w.as_ptr().add(r * stride), stride, a.as_ptr(), out.as_mut_ptr().add(r));
+                r += 1;
+            }
+        }
+    };
+}
+
+/// Dot of `n` elements: one weight row with one activation row.
+pub(crate) type DotFn = unsafe fn(n: usize, w: &[u8], a: &[u8]) -> f32;
+/// Dot of `out.len()` weight rows, `stride` bytes apart, with one activation row.
+pub(crate) type DotRowsFn = unsafe fn(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]);
+/// Quantise a row of f32 into its blocks.
+pub(crate) type QuantFn = unsafe fn(src: &[f32], dst: &mut [u8]);
+/// Dequantise a row of blocks into f32.
+pub(crate) type DequantFn = unsafe fn(src: &[u8], dst: &mut [f32]);
+
+/// A resolved dot kernel: single-row and multi-row entry points plus a name for logs.
+#[derive(Clone, Copy)]
+pub(crate) struct DotFns {
+    pub name: &'static str,
+    pub dot: DotFn,
+    pub rows: DotRowsFn,
+}
+
+/// The dot kernel for weights of type `ty` on `isa` (AVX-512 uses VNNI when `allow_vnni` and the
+/// CPU has it). `None` when the type has no kernel.
+pub(crate) fn dot_fns(isa: Isa, ty: GgmlType, allow_vnni: bool) -> Option<DotFns> {
+    match isa {
+        Isa::Scalar => crate::scalar::dot_fns(ty),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => crate::x86_avx2::dot_fns(ty),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => crate::x86_avx512::dot_fns(ty, allow_vnni && crate::cpu::has_avx512_vnni()),
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 | Isa::Avx512 => {
+            let _ = allow_vnni;
+            None
+        }
+    }
+}
+
+/// The quantiser for `ty` on `isa`.
+pub(crate) fn quantize_fn(isa: Isa, ty: GgmlType) -> Option<QuantFn> {
+    match isa {
+        Isa::Scalar => crate::scalar::quantize_fn(ty),
+        // Quantisation runs once per activation row; the AVX2 kernels serve AVX-512 too.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => crate::x86_avx2::quantize_fn(ty),
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 | Isa::Avx512 => None,
+    }
+}
+
+/// The dequantiser for `ty` on `isa`.
+pub(crate) fn dequantize_fn(isa: Isa, ty: GgmlType) -> Option<DequantFn> {
+    match isa {
+        Isa::Scalar => crate::scalar::dequantize_fn(ty),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => crate::x86_avx2::dequantize_fn(ty),
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 | Isa::Avx512 => None,
+    }
+}

@@ -1,0 +1,430 @@
+//! AVX-512 F/BW/VL dot products (VNNI `vpdpbusd` when present), bit-identical to the scalar
+//! reference: a 16-lane accumulator is one zmm register, and the integer kernels process two
+//! blocks per zmm, lanes 0..8 for the first block and 8..16 for the second, which is exactly the
+//! 8-lane layout of ggml's AVX2 kernels side by side.
+//!
+//! Quantisation and dequantisation use the AVX2 kernels (see `kernels.rs`).
+//!
+//! Safety: every `unsafe fn` here needs AVX-512 F/BW/VL plus AVX2, FMA and F16C (and VNNI for
+//! the `VNNI = true` kernels), and pointers valid for the whole blocks it reads.
+
+use core::arch::x86_64::*;
+
+use crate::kernels::DotFns;
+use crate::scalar::{self, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86_avx2::{f16_at, hsum8, q8_q8_lanes};
+use crate::GgmlType;
+
+/// Lanes 0..8 of a zmm.
+#[inline(always)]
+unsafe fn lo256(v: __m512) -> __m256 {
+    _mm512_castps512_ps256(v)
+}
+
+/// Lanes 8..16 of a zmm (without AVX512DQ).
+#[inline(always)]
+unsafe fn hi256(v: __m512) -> __m256 {
+    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+}
+
+/// Horizontal sum by halving, the order of `_mm512_reduce_add_ps`.
+#[inline(always)]
+unsafe fn hsum16(v: __m512) -> f32 {
+    hsum8(_mm256_add_ps(lo256(v), hi256(v)))
+}
+
+/// Two 32-byte loads as one zmm.
+#[inline(always)]
+unsafe fn load_2x256(p0: *const u8, p1: *const u8) -> __m512i {
+    let lo = _mm512_castsi256_si512(_mm256_loadu_si256(p0.cast()));
+    _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(p1.cast()))
+}
+
+/// A float element type of the float dot products.
+trait FloatElem16 {
+    /// Bytes per element.
+    const SIZE: usize;
+    /// Sixteen elements from `p` as f32.
+    unsafe fn load16(p: *const u8) -> __m512;
+    /// One element from `p` as f32.
+    unsafe fn get(p: *const u8) -> f32;
+}
+
+struct F32E;
+struct F16E;
+struct Bf16E;
+
+impl FloatElem16 for F32E {
+    const SIZE: usize = 4;
+    #[inline(always)]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        _mm512_loadu_ps(p.cast())
+    }
+    #[inline(always)]
+    unsafe fn get(p: *const u8) -> f32 {
+        p.cast::<f32>().read_unaligned()
+    }
+}
+
+impl FloatElem16 for F16E {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+    #[inline(always)]
+    unsafe fn get(p: *const u8) -> f32 {
+        f16_at(p)
+    }
+}
+
+impl FloatElem16 for Bf16E {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p.cast()),
+        )))
+    }
+    #[inline(always)]
+    unsafe fn get(p: *const u8) -> f32 {
+        scalar::bf16_to_f32(p.cast::<u16>().read_unaligned())
+    }
+}
+
+/// Four 16-lane FMA accumulators over 64-element steps, reduced as ggml's
+/// `GGML_F32_VEC_REDUCE`. Returns each row's sum of the first `n & !63` elements.
+#[inline(always)]
+unsafe fn fma64_rows<E: FloatElem16, const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+) -> [f32; R] {
+    let np = n & !63;
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut i = 0;
+    while i < np {
+        for j in 0..4 {
+            let off = (i + 16 * j) * E::SIZE;
+            let y = E::load16(a.add(off));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                acc[j] = _mm512_fmadd_ps(E::load16(w.add(r * stride + off)), y, acc[j]);
+            }
+        }
+        i += 64;
+    }
+    let mut res = [0.0f32; R];
+    for (res, acc) in res.iter_mut().zip(&acc) {
+        let s0 = _mm512_add_ps(acc[0], acc[2]);
+        let s1 = _mm512_add_ps(acc[1], acc[3]);
+        *res = hsum16(_mm512_add_ps(s0, s1));
+    }
+    res
+}
+
+#[inline(always)]
+unsafe fn f32_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let sums = fma64_rows::<F32E, R>(n, w, stride, a);
+    for (r, &s) in sums.iter().enumerate() {
+        let mut sum = s;
+        for i in n & !63..n {
+            sum = F32E::get(w.add(r * stride + 4 * i)).mul_add(F32E::get(a.add(4 * i)), sum);
+        }
+        *out.add(r) = sum;
+    }
+}
+
+#[inline(always)]
+unsafe fn f16_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let sums = fma64_rows::<F16E, R>(n, w, stride, a);
+    for (r, &s) in sums.iter().enumerate() {
+        let mut sum = s as f64;
+        for i in n & !63..n {
+            sum += (F16E::get(w.add(r * stride + 2 * i)) * F16E::get(a.add(2 * i))) as f64;
+        }
+        *out.add(r) = sum as f32;
+    }
+}
+
+/// Two 16-lane multiply-then-add accumulators over 32-element steps (ggml's AVX-512F BF16 dot).
+#[inline(always)]
+unsafe fn bf16_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let np = n & !31;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let mut i = 0;
+    while i < np {
+        for j in 0..2 {
+            let off = (i + 16 * j) * 2;
+            let y = Bf16E::load16(a.add(off));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = Bf16E::load16(w.add(r * stride + off));
+                acc[j] = _mm512_add_ps(_mm512_mul_ps(x, y), acc[j]);
+            }
+        }
+        i += 32;
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let mut sum = 0.0f64;
+        sum += hsum16(acc[0]) as f64;
+        sum += hsum16(acc[1]) as f64;
+        for i in np..n {
+            sum += (Bf16E::get(w.add(r * stride + 2 * i)) * Bf16E::get(a.add(2 * i))) as f64;
+        }
+        *out.add(r) = sum as f32;
+    }
+}
+
+/// `Σ u[4k..4k+4] * s[4k..4k+4]` per int32 lane (unsigned × signed bytes), with `vpdpbusd` or
+/// `vpmaddubsw` + `vpmaddwd`; the 16-bit pair sums cannot saturate for our operands
+/// (u ≤ 128 with |s| ≤ 128, or u ≤ 24).
+#[inline(always)]
+unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
+    } else {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))
+    }
+}
+
+/// `-v` where `mask` is set, else `v` (per byte, wrapping).
+#[inline(always)]
+unsafe fn neg_where(v: __m512i, mask: __mmask64) -> __m512i {
+    _mm512_mask_sub_epi8(v, mask, _mm512_setzero_si512(), v)
+}
+
+/// Q8_0 × Q8_0: per row one 8-lane FMA chain over the blocks in order (as the AVX2 kernel);
+/// the integer part runs on two blocks per zmm.
+#[inline(always)]
+unsafe fn q8_0_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let nb = n / QK;
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut ib = 0;
+    while ib + 1 < nb {
+        let a0 = a.add(ib * Q8_0_BYTES);
+        let a1 = a0.add(Q8_0_BYTES);
+        let y = load_2x256(a0.add(2), a1.add(2));
+        let (da0, da1) = (f16_at(a0), f16_at(a1));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let w0 = w.add(r * stride + ib * Q8_0_BYTES);
+            let w1 = w0.add(Q8_0_BYTES);
+            let x = load_2x256(w0.add(2), w1.add(2));
+            // |x| and sign(y, x): y negated where x < 0 (where x == 0 the product is 0 anyway).
+            let sy = neg_where(y, _mm512_movepi8_mask(x));
+            let q = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(_mm512_abs_epi8(x), sy));
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(w0) * da0), lo256(q), *acc);
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(w1) * da1), hi256(q), *acc);
+        }
+        ib += 2;
+    }
+    if ib < nb {
+        let ab = a.add(ib * Q8_0_BYTES);
+        let y = _mm256_loadu_si256(ab.add(2).cast());
+        let da = f16_at(ab);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let wb = w.add(r * stride + ib * Q8_0_BYTES);
+            let q = q8_q8_lanes(_mm256_loadu_si256(wb.add(2).cast()), y);
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(wb) * da), q, *acc);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        *out.add(r) = hsum8(*acc);
+    }
+}
+
+/// MXFP4 table values plus 12, so they are unsigned operands of `vpdpbusd`/`vpmaddubsw`.
+const KVALUES_MXFP4_PLUS12: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (KVALUES_MXFP4[i] + 12) as u8;
+        i += 1;
+    }
+    t
+};
+
+/// MXFP4 × Q8_0: two blocks per zmm, so the even/odd accumulators of ggml's AVX2 kernel are the
+/// two halves of one register; the odd last block in scalar.
+///
+/// The integer part is `Σ (kv+12)·y - 12·Σy` (exact): the weights become unsigned bytes and the
+/// correction depends only on the activations, so it is computed once for all rows.
+#[inline(always)]
+unsafe fn mxfp4_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let nb = n / QK;
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
+    let shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    let m4 = _mm512_set1_epi8(0x0f);
+    let twelve = _mm512_set1_epi8(12);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut ib = 0;
+    while ib + 1 < nb {
+        let a0 = a.add(ib * Q8_0_BYTES);
+        let a1 = a0.add(Q8_0_BYTES);
+        let y = load_2x256(a0.add(2), a1.add(2));
+        let neg_corr = _mm512_sub_epi32(_mm512_setzero_si512(), dot_u8i8::<VNNI>(twelve, y));
+        let da = _mm512_mask_blend_ps(
+            0xff00,
+            _mm512_set1_ps(f16_at(a0)),
+            _mm512_set1_ps(f16_at(a1)),
+        );
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let w0 = w.add(r * stride + ib * MXFP4_BYTES);
+            let w1 = w0.add(MXFP4_BYTES);
+            // [qs0, qs0, qs1, qs1]: low nibbles then high nibbles of each block.
+            let q = _mm512_mask_blend_epi64(
+                0xf0,
+                _mm512_broadcast_i32x4(_mm_loadu_si128(w0.add(1).cast())),
+                _mm512_broadcast_i32x4(_mm_loadu_si128(w1.add(1).cast())),
+            );
+            let idx = _mm512_and_si512(_mm512_srlv_epi32(q, shifts), m4);
+            let wu = _mm512_shuffle_epi8(table, idx);
+            let p = if VNNI {
+                _mm512_dpbusd_epi32(neg_corr, wu, y)
+            } else {
+                _mm512_add_epi32(dot_u8i8::<false>(wu, y), neg_corr)
+            };
+            let e = _mm512_mask_blend_ps(
+                0xff00,
+                _mm512_set1_ps(E8M0_HALF[*w0 as usize]),
+                _mm512_set1_ps(E8M0_HALF[*w1 as usize]),
+            );
+            *acc = _mm512_fmadd_ps(_mm512_mul_ps(da, e), _mm512_cvtepi32_ps(p), *acc);
+        }
+        ib += 2;
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let mut sum = hsum8(_mm256_add_ps(lo256(*acc), hi256(*acc)));
+        if ib < nb {
+            let wb = core::slice::from_raw_parts(w.add(r * stride + ib * MXFP4_BYTES), MXFP4_BYTES);
+            let ab = core::slice::from_raw_parts(a.add(ib * Q8_0_BYTES), Q8_0_BYTES);
+            sum = scalar::mxfp4_tail(wb, ab, sum);
+        }
+        *out.add(r) = sum;
+    }
+}
+
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    dot_f32,
+    rows_f32,
+    f32_rows,
+    4
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    dot_f16,
+    rows_f16,
+    f16_rows,
+    4
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    dot_bf16,
+    rows_bf16,
+    bf16_rows,
+    4
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    dot_q8_0,
+    rows_q8_0,
+    q8_0_rows,
+    4,
+    false
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    dot_mxfp4,
+    rows_mxfp4,
+    mxfp4_rows,
+    4,
+    false
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    dot_q8_0_vnni,
+    rows_q8_0_vnni,
+    q8_0_rows,
+    4,
+    true
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    dot_mxfp4_vnni,
+    rows_mxfp4_vnni,
+    mxfp4_rows,
+    4,
+    true
+);
+
+/// The AVX-512 dot kernel for `ty`; the VNNI variants when `vnni` (the caller checked the CPU).
+pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
+    Some(match (ty, vnni) {
+        (GgmlType::F32, _) => DotFns {
+            name: "f32*f32/avx512",
+            dot: dot_f32,
+            rows: rows_f32,
+        },
+        (GgmlType::F16, _) => DotFns {
+            name: "f16*f16/avx512",
+            dot: dot_f16,
+            rows: rows_f16,
+        },
+        (GgmlType::BF16, _) => DotFns {
+            name: "bf16*bf16/avx512",
+            dot: dot_bf16,
+            rows: rows_bf16,
+        },
+        (GgmlType::Q8_0, false) => DotFns {
+            name: "q8_0*q8_0/avx512",
+            dot: dot_q8_0,
+            rows: rows_q8_0,
+        },
+        (GgmlType::Q8_0, true) => DotFns {
+            name: "q8_0*q8_0/avx512vnni",
+            dot: dot_q8_0_vnni,
+            rows: rows_q8_0_vnni,
+        },
+        (GgmlType::MXFP4, false) => DotFns {
+            name: "mxfp4*q8_0/avx512",
+            dot: dot_mxfp4,
+            rows: rows_mxfp4,
+        },
+        (GgmlType::MXFP4, true) => DotFns {
+            name: "mxfp4*q8_0/avx512vnni",
+            dot: dot_mxfp4_vnni,
+            rows: rows_mxfp4_vnni,
+        },
+        _ => return None,
+    })
+}
