@@ -1,1 +1,321 @@
-//! Placement flags shared by run, serve and fit (placeholder).
+//! Placement flags shared by `run`, `serve` and `fit`, spelled as llama.cpp spells them.
+//!
+//! `-ot`, `--cpu-moe` and `--n-cpu-moe` form one ordered rule list in llama.cpp (the first
+//! matching rule wins), so their relative order on the command line matters. A derived
+//! `FromArgMatches` cannot see that order; [`PlacementArgs`] therefore implements `clap::Args`
+//! by hand around the derived [`PlacementFlagArgs`] and reads the positions from the matches.
+//! Flatten it with `#[command(flatten)] placement: PlacementArgs`.
+
+use anyhow::Context;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, FromArgMatches};
+use hmoe_placement::{
+    parse_cache_type, parse_override_list, parse_size, DeviceBudget, GpuBudget, GpuLayers,
+    PlacementFlags, TensorRule,
+};
+
+/// The placement flags as clap parses them (values still strings where llama.cpp accepts words).
+#[derive(Args, Debug, Clone)]
+pub struct PlacementFlagArgs {
+    /// Layers on the GPU, counted from the last (the output head is one): N, `auto` or `all`.
+    #[arg(
+        long = "n-gpu-layers",
+        visible_alias = "ngl",
+        value_name = "N|auto|all",
+        default_value = "auto"
+    )]
+    pub n_gpu_layers: String,
+    /// Keep every MoE expert tensor on the CPU (`-cmoe`).
+    #[arg(long = "cpu-moe", visible_alias = "cmoe")]
+    pub cpu_moe: bool,
+    /// Keep the expert tensors of the first N layers on the CPU (`-ncmoe`).
+    #[arg(long = "n-cpu-moe", visible_alias = "ncmoe", value_name = "N")]
+    pub n_cpu_moe: Option<u32>,
+    /// Tensor placement rules REGEX=DEV[,REGEX=DEV...] (`-ot`, repeatable; DEV is CPU, CUDA0, ...).
+    /// Rules and --cpu-moe/--n-cpu-moe apply in command-line order; the first match wins.
+    #[arg(
+        long = "override-tensor",
+        visible_alias = "ot",
+        value_name = "REGEX=DEV,..."
+    )]
+    pub override_tensor: Vec<String>,
+    /// Context size in tokens (0 = the model's trained context). Unset: the trained context,
+    /// which --fit may reduce.
+    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
+    pub ctx_size: Option<u32>,
+    /// KV cache type for K (`-ctk`): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1.
+    #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
+    pub cache_type_k: String,
+    /// KV cache type for V (`-ctv`).
+    #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
+    pub cache_type_v: String,
+    /// Logical batch size.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
+    pub batch_size: u32,
+    /// Physical batch size (`-ub`); compute buffers are sized for it.
+    #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
+    pub ubatch_size: u32,
+    /// Parallel sequences (`-np`).
+    #[arg(long = "parallel", visible_alias = "np", default_value_t = 1)]
+    pub parallel: u32,
+    /// Adjust unset flags so every GPU keeps --fit-target free: on or off.
+    #[arg(long = "fit", value_parser = ["on", "off"], default_value = "on")]
+    pub fit: String,
+    /// MiB to keep free per GPU (comma separated per GPU; one value for all).
+    #[arg(
+        long = "fit-target",
+        visible_alias = "fitt",
+        value_name = "MiB[,MiB...]",
+        default_value = "1024"
+    )]
+    pub fit_target: String,
+    /// Smallest context --fit may choose.
+    #[arg(
+        long = "fit-ctx",
+        visible_alias = "fitc",
+        value_name = "N",
+        default_value_t = 4096
+    )]
+    pub fit_ctx: u32,
+    /// Free memory of one GPU (repeatable: CUDA0, CUDA1, ...), e.g. 8GiB, 7.5G, 8000MB.
+    #[arg(long = "gpu-mem", value_name = "SIZE")]
+    pub gpu_mem: Vec<String>,
+    /// Never run matmuls of CPU-resident weights on a GPU for large batches.
+    #[arg(long = "no-op-offload")]
+    pub no_op_offload: bool,
+}
+
+/// The placement flags plus the command-line order of the rule flags.
+#[derive(Debug, Clone)]
+pub struct PlacementArgs {
+    /// The parsed values.
+    pub args: PlacementFlagArgs,
+    /// `-ot`, `--cpu-moe` and `--n-cpu-moe` in command-line order.
+    rules: Vec<TensorRule>,
+}
+
+impl PlacementArgs {
+    /// The library's flags: every value parsed and checked (devices and regexes are checked
+    /// by the planner, which knows the configured GPUs).
+    pub fn to_flags(&self) -> anyhow::Result<PlacementFlags> {
+        let a = &self.args;
+        let fit_target_mib = a
+            .fit_target
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse::<u64>()
+                    .with_context(|| format!("--fit-target: `{s}` is not a number of MiB"))
+            })
+            .collect::<anyhow::Result<Vec<u64>>>()?;
+        Ok(PlacementFlags {
+            n_gpu_layers: GpuLayers::parse(&a.n_gpu_layers)?,
+            rules: self.rules.clone(),
+            ctx_size: a.ctx_size,
+            cache_type_k: parse_cache_type(&a.cache_type_k)?,
+            cache_type_v: parse_cache_type(&a.cache_type_v)?,
+            batch_size: a.batch_size,
+            ubatch_size: a.ubatch_size,
+            n_parallel: a.parallel,
+            fit: a.fit == "on",
+            fit_target_mib,
+            fit_ctx: a.fit_ctx,
+            op_offload: !a.no_op_offload,
+        })
+    }
+
+    /// The GPUs given by `--gpu-mem` (default runtime overhead each), no host figure.
+    pub fn gpu_budget(&self) -> anyhow::Result<DeviceBudget> {
+        let gpus = self
+            .args
+            .gpu_mem
+            .iter()
+            .map(|s| parse_size(s).map(GpuBudget::new))
+            .collect::<Result<Vec<_>, _>>()
+            .context("--gpu-mem")?;
+        Ok(DeviceBudget {
+            gpus,
+            host_free: None,
+        })
+    }
+
+    fn ordered_rules(
+        m: &ArgMatches,
+        args: &PlacementFlagArgs,
+    ) -> Result<Vec<TensorRule>, clap::Error> {
+        let mut at: Vec<(usize, TensorRule)> = Vec::new();
+        if let Some(idx) = m.indices_of("override_tensor") {
+            for (i, v) in idx.zip(&args.override_tensor) {
+                let rules = parse_override_list(v).map_err(|e| {
+                    clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{e}\n"))
+                })?;
+                at.extend(rules.into_iter().map(|r| (i, r)));
+            }
+        }
+        if args.cpu_moe && m.value_source("cpu_moe") == Some(ValueSource::CommandLine) {
+            at.push((
+                m.index_of("cpu_moe").unwrap_or(usize::MAX),
+                TensorRule::CpuMoe,
+            ));
+        }
+        if let Some(n) = args.n_cpu_moe {
+            at.push((
+                m.index_of("n_cpu_moe").unwrap_or(usize::MAX),
+                TensorRule::NCpuMoe(n),
+            ));
+        }
+        at.sort_by_key(|(i, _)| *i);
+        Ok(at.into_iter().map(|(_, r)| r).collect())
+    }
+}
+
+impl FromArgMatches for PlacementArgs {
+    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
+        let args = PlacementFlagArgs::from_arg_matches(m)?;
+        let rules = Self::ordered_rules(m, &args)?;
+        Ok(PlacementArgs { args, rules })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
+        self.args.update_from_arg_matches(m)?;
+        self.rules = Self::ordered_rules(m, &self.args)?;
+        Ok(())
+    }
+}
+
+impl Args for PlacementArgs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        PlacementFlagArgs::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        PlacementFlagArgs::augment_args_for_update(cmd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use hmoe_quant::GgmlType;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        p: PlacementArgs,
+    }
+
+    fn parse(args: &[&str]) -> PlacementArgs {
+        T::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            .p
+    }
+
+    fn flags(args: &[&str]) -> PlacementFlags {
+        parse(args).to_flags().unwrap()
+    }
+
+    #[test]
+    fn defaults_are_llama_cpp_defaults() {
+        assert_eq!(flags(&[]), PlacementFlags::default());
+    }
+
+    #[test]
+    fn every_flag_parses() {
+        let f = flags(&[
+            "--ngl",
+            "20",
+            "-c",
+            "8192",
+            "--ctk",
+            "q8_0",
+            "--ctv",
+            "q4_0",
+            "-b",
+            "1024",
+            "--ub",
+            "256",
+            "--np",
+            "4",
+            "--fit",
+            "off",
+            "--fit-target",
+            "512,2048",
+            "--fit-ctx",
+            "8192",
+            "--no-op-offload",
+        ]);
+        assert_eq!(f.n_gpu_layers, GpuLayers::Count(20));
+        assert_eq!(f.ctx_size, Some(8192));
+        assert_eq!(
+            (f.cache_type_k, f.cache_type_v),
+            (GgmlType::Q8_0, GgmlType::Q4_0)
+        );
+        assert_eq!((f.batch_size, f.ubatch_size, f.n_parallel), (1024, 256, 4));
+        assert!(!f.fit);
+        assert_eq!(f.fit_target_mib, vec![512, 2048]);
+        assert_eq!(f.fit_ctx, 8192);
+        assert!(!f.op_offload);
+        assert_eq!(
+            flags(&["--n-gpu-layers", "all"]).n_gpu_layers,
+            GpuLayers::All
+        );
+        assert_eq!(flags(&["-c", "0"]).ctx_size, Some(0));
+    }
+
+    #[test]
+    fn rule_flags_keep_command_line_order() {
+        let f = flags(&["--ot", r"blk\.0\.ffn_up_exps=CUDA0", "--cpu-moe"]);
+        assert_eq!(
+            f.rules,
+            vec![
+                TensorRule::Override {
+                    pattern: r"blk\.0\.ffn_up_exps".into(),
+                    device: "CUDA0".into()
+                },
+                TensorRule::CpuMoe
+            ]
+        );
+        let f = flags(&[
+            "--cmoe",
+            "--override-tensor",
+            "a=CPU,b=CUDA0",
+            "--ot",
+            "c=CPU",
+        ]);
+        assert_eq!(f.rules[0], TensorRule::CpuMoe);
+        assert_eq!(f.rules.len(), 4);
+        assert!(matches!(&f.rules[3], TensorRule::Override { pattern, .. } if pattern == "c"));
+        let f = flags(&["--ot", "a=CPU", "--ncmoe", "3", "--ot", "b=CPU"]);
+        assert_eq!(f.rules[1], TensorRule::NCpuMoe(3));
+        assert_eq!(
+            flags(&["--n-cpu-moe", "2"]).rules,
+            vec![TensorRule::NCpuMoe(2)]
+        );
+    }
+
+    #[test]
+    fn bad_values_are_errors() {
+        assert!(parse(&["--ngl", "lots"]).to_flags().is_err());
+        assert!(parse(&["--ctk", "q4_k"]).to_flags().is_err());
+        assert!(parse(&["--fit-target", "1G"]).to_flags().is_err());
+        assert!(parse(&["--gpu-mem", "eight"]).gpu_budget().is_err());
+        for bad in [&["--ot", "noequals"][..], &["--fit", "maybe"], &["--ngl"]] {
+            assert!(
+                T::try_parse_from(std::iter::once("t").chain(bad.iter().copied())).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn gpu_mem_is_repeatable() {
+        let b = parse(&["--gpu-mem", "8GiB", "--gpu-mem", "24G"])
+            .gpu_budget()
+            .unwrap();
+        assert_eq!(b.gpus.len(), 2);
+        assert_eq!(b.gpus[0].free, 8 << 30);
+        assert_eq!(b.gpus[1].free, 24 << 30);
+        assert!(parse(&[]).gpu_budget().unwrap().gpus.is_empty());
+    }
+}
