@@ -1,10 +1,17 @@
 //! Causal multi-head attention over the KV cache with grouped KV heads, an optional sliding
-//! window and optional per-head sink logits (gpt-oss), computed like ggml's non-flash path.
+//! window and optional per-head sink logits (gpt-oss).
+//!
+//! Summation orders follow ggml's CPU backend so that results match llama.cpp bit for bit
+//! where it matters (a last-bit change can flip a Q8_0 rounding downstream): scores as
+//! 16-lane FMA chains (tinyBLAS) — except for f32 keys in multi-token batches, where ggml's
+//! `vec_dot_f32` runs —, exponentials with ggml's vectorised `expf`, the softmax sum in chunks
+//! of 16 positions, and the value sum as 16-lane FMA chains over positions.
 
 use half::f16;
 use rayon::prelude::*;
 
 use crate::kv_cache::{Cells, LayerCache};
+use crate::ops::{expf_ggml, reduce16};
 
 /// Shape of one attention call.
 pub(crate) struct AttnShape {
@@ -13,6 +20,8 @@ pub(crate) struct AttnShape {
     pub head_dim: usize,
     pub scale: f32,
 }
+
+const LANES: usize = 16;
 
 /// `out[t][h] = Σ_j softmax_j(q[t][h]·k_j · scale ⊕ sink[h]) v_j` over the keys visible from
 /// position `pos0 + t`. The cache must already hold the batch's own keys and values.
@@ -27,6 +36,7 @@ pub(crate) fn attention(
     let hd = shape.head_dim;
     let group = shape.n_head / shape.n_head_kv;
     let width = shape.n_head_kv * hd;
+    let single_token = q.len() == shape.n_head * hd;
     out.par_chunks_mut(hd).enumerate().for_each(|(task, dst)| {
         let t = task / shape.n_head;
         let h = task % shape.n_head;
@@ -35,63 +45,115 @@ pub(crate) fn attention(
         let qh = &q[task * hd..(task + 1) * hd];
         let kv_off = (h / group) * hd;
         let cell = |p: usize| (p % cache.cells) * width + kv_off;
-        let mut scores: Vec<f32> = Vec::with_capacity(pos + 1 - first);
-        match &cache.k {
-            Cells::F32(k) => {
-                for p in first..=pos {
-                    let kr = &k[cell(p)..cell(p) + hd];
-                    scores.push(dot_f32(qh, kr) * shape.scale);
-                }
-            }
-            Cells::F16(k) => {
-                let qr: Vec<f32> = qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-                for p in first..=pos {
-                    let kr = &k[cell(p)..cell(p) + hd];
-                    let s: f32 = qr.iter().zip(kr).map(|(&a, &b)| a * b.to_f32()).sum();
-                    scores.push(s * shape.scale);
-                }
-            }
+        // Probabilities for positions chunk_start..=pos, zero outside the window.
+        let chunk_start = first / LANES * LANES;
+        let mut probs = vec![0f32; pos + 1 - chunk_start];
+        let mut max = f32::NEG_INFINITY;
+        for p in first..=pos {
+            let s = match &cache.k {
+                Cells::F32(k) if single_token => dot_lanes(qh, &k[cell(p)..cell(p) + hd], |v| v),
+                Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
+                Cells::F16(k) => dot_lanes_f16(qh, &k[cell(p)..cell(p) + hd]),
+            } * shape.scale;
+            probs[p - chunk_start] = s;
+            max = max.max(s);
         }
         let sink = sinks.map(|s| s[h]);
-        let mut max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if let Some(s) = sink {
             max = max.max(s);
         }
         let mut sum = 0f64;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s as f64;
+        for chunk in probs.chunks_mut(LANES) {
+            let mut lanes = [0f32; LANES];
+            for (i, v) in chunk.iter_mut().enumerate() {
+                // Positions before the window hold 0 and must stay 0.
+                *v = if *v == 0.0 && i + chunk_start < first { 0.0 } else { expf_ggml(*v - max) };
+                lanes[i] = *v;
+            }
+            sum += reduce16(&lanes) as f64;
+        }
+        // Zero the positions before the window (their slots were never written above).
+        for v in probs.iter_mut().take(first - chunk_start) {
+            *v = 0.0;
         }
         if let Some(s) = sink {
-            sum += ((s - max).exp()) as f64;
+            sum += (s - max).exp() as f64;
         }
         let inv = (1.0 / sum) as f32;
-        dst.fill(0.0);
-        match &cache.v {
-            Cells::F32(v) => {
-                for (i, p) in (first..=pos).enumerate() {
-                    let w = scores[i] * inv;
-                    axpy(dst, w, &v[cell(p)..cell(p) + hd]);
+        for v in probs.iter_mut() {
+            *v *= inv;
+        }
+        let mut acc = vec![[0f32; LANES]; hd];
+        for (c, chunk) in probs.chunks(LANES).enumerate() {
+            for (i, &w) in chunk.iter().enumerate() {
+                let p = chunk_start + c * LANES + i;
+                if p < first {
+                    continue;
                 }
-            }
-            Cells::F16(v) => {
-                for (i, p) in (first..=pos).enumerate() {
-                    let w = f16::from_f32(scores[i] * inv).to_f32();
-                    for (d, &x) in dst.iter_mut().zip(&v[cell(p)..cell(p) + hd]) {
-                        *d += w * x.to_f32();
+                match &cache.v {
+                    Cells::F32(v) => {
+                        for (a, &x) in acc.iter_mut().zip(&v[cell(p)..cell(p) + hd]) {
+                            a[i] = x.mul_add(w, a[i]);
+                        }
+                    }
+                    Cells::F16(v) => {
+                        let w = f16::from_f32(w).to_f32();
+                        for (a, &x) in acc.iter_mut().zip(&v[cell(p)..cell(p) + hd]) {
+                            a[i] = x.to_f32().mul_add(w, a[i]);
+                        }
                     }
                 }
             }
         }
+        for (d, a) in dst.iter_mut().zip(&acc) {
+            *d = reduce16(a);
+        }
     });
 }
 
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+/// Dot product as 16 FMA lanes over the vector, then a horizontal sum (ggml's tinyBLAS).
+fn dot_lanes<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32) -> f32 {
+    let mut lanes = [0f32; LANES];
+    for (ca, cb) in a.chunks(LANES).zip(b.chunks(LANES)) {
+        for i in 0..ca.len() {
+            lanes[i] = ca[i].mul_add(to_f32(cb[i]), lanes[i]);
+        }
+    }
+    reduce16(&lanes)
 }
 
-fn axpy(dst: &mut [f32], w: f32, x: &[f32]) {
-    for (d, &v) in dst.iter_mut().zip(x) {
-        *d += w * v;
+/// Scores against f16 keys: the query is rounded to f16 first, as ggml converts it.
+fn dot_lanes_f16(q: &[f32], k: &[f16]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    for (cq, ck) in q.chunks(LANES).zip(k.chunks(LANES)) {
+        for i in 0..cq.len() {
+            let qv = f16::from_f32(cq[i]).to_f32();
+            lanes[i] = qv.mul_add(ck[i].to_f32(), lanes[i]);
+        }
     }
+    reduce16(&lanes)
+}
+
+/// ggml's `vec_dot_f32` on an AVX-512 build: four 16-lane FMA accumulators per 64 elements,
+/// folded pairwise, then the tail added one product at a time.
+fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
+    let np = a.len() / 64 * 64;
+    let mut acc = [[0f32; LANES]; 4];
+    for i in (0..np).step_by(64) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                let k = i + j * LANES + l;
+                *lane = a[k].mul_add(b[k], *lane);
+            }
+        }
+    }
+    let mut folded = [0f32; LANES];
+    for l in 0..LANES {
+        folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut sum = reduce16(&folded);
+    for k in np..a.len() {
+        sum += a[k] * b[k];
+    }
+    sum
 }

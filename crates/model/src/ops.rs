@@ -10,7 +10,8 @@ use rayon::prelude::*;
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let sum: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        // Squares in f32, accumulated in f64, as ggml does.
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
         let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for ((d, &v), &w) in dst.iter_mut().zip(row).zip(weight) {
@@ -230,6 +231,51 @@ fn yarn_ramp(low: f32, high: f32, i0: usize) -> f32 {
     1.0 - y.clamp(0.0, 1.0)
 }
 
+/// Horizontal sum of 16 lanes in the order of an AVX-512 `reduce_add` (halves, then
+/// quarters, then pairs), so that sums match ggml's SIMD code bit for bit.
+pub fn reduce16(lanes: &[f32; 16]) -> f32 {
+    let mut t8 = [0f32; 8];
+    for i in 0..8 {
+        t8[i] = lanes[i] + lanes[i + 8];
+    }
+    let t4 = [t8[0] + t8[4], t8[1] + t8[5], t8[2] + t8[6], t8[3] + t8[7]];
+    (t4[0] + t4[2]) + (t4[1] + t4[3])
+}
+
+/// e^x as computed by ggml's vectorised exponential (a polynomial after range reduction,
+/// ≤ 1.5 ulp from the true value). Softmax in attention uses it, so we do too.
+pub fn expf_ggml(x: f32) -> f32 {
+    let r = f32::from_bits(0x4b40_0000); // 1.5 · 2^23: rounds to an integer when added
+    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // x · log2(e) + r
+    let n = z - r;
+    let b = (-n).mul_add(f32::from_bits(0x3f31_7200), x); // x − n·ln2_hi
+    let b = (-n).mul_add(f32::from_bits(0x35bf_be8e), b); // … − n·ln2_lo
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    let u = b * b;
+    let p45 = f32::from_bits(0x3c07_2010).mul_add(b, f32::from_bits(0x3d2b_9f17));
+    let p23 = f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3efffedb));
+    let p01 = f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0);
+    let j = p45.mul_add(u, p23).mul_add(u, p01);
+    scale_by_pow2(j, n as i32)
+}
+
+/// `x · 2^n` without intermediate overflow (like `vscalefps`).
+fn scale_by_pow2(x: f32, n: i32) -> f32 {
+    let mut x = x;
+    let mut n = n;
+    while n > 127 {
+        x *= f32::from_bits(0x7f00_0000);
+        n -= 127;
+    }
+    while n < -126 {
+        x *= f32::from_bits(0x0080_0000);
+        n += 126;
+    }
+    x * f32::from_bits(((n + 127) as u32) << 23)
+}
+
 /// In-place softmax of one row; the sum accumulates in f64 like ggml.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -276,6 +322,19 @@ mod tests {
         assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[2] - 3f32.sin()).abs() < 1e-6);
         let norm: f32 = x.iter().map(|v| v * v).sum();
         assert!((norm - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn expf_ggml_is_within_two_ulp_of_expf() {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.0437;
+            let (a, b) = (expf_ggml(x), x.exp());
+            let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+            assert!(ulps <= 2, "x {x}: {a} vs {b}");
+        }
+        assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
+        assert_eq!(expf_ggml(0.0), 1.0);
+        assert_eq!(reduce16(&[1.0; 16]), 16.0);
     }
 
     #[test]
