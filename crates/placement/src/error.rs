@@ -33,7 +33,10 @@ pub enum PlacementError {
     )]
     BadCacheType(String),
     /// A memory size that cannot be parsed.
-    #[error("bad memory size `{0}`: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T; no unit = MiB)")]
+    #[error(
+        "bad memory size `{0}`: expected a number and a unit (B, KiB, MiB, GiB, TiB, KB, MB, \
+         GB, TB, K, M, G, T; no unit = MiB)"
+    )]
     BadSize(String),
     /// A setting out of range (`-ub 0`, `-np 0`, ...).
     #[error("invalid setting: {0}")]

@@ -3,8 +3,51 @@
 //! (`-ngl`, `--cpu-moe`, `--n-cpu-moe`, `-ot`, `-c`, `-ctk/-ctv`, `-b/-ub`, `-np`, `--fit`).
 //!
 //! Everything here is a pure function of (tensor table, hyperparameters, device budgets,
-//! flags): no file I/O, no GPU. [`plan`] is the entry point; the memory model is documented in
-//! the `plan` module ([`plan()`]'s docs list the rules).
+//! flags): no file I/O, no GPU. [`plan()`] is the entry point and its docs give the placement
+//! rules; [`ModelShape::from_metadata`] and `TensorDesc::from(&TensorInfo)` adapt a GGUF file;
+//! [`gpt_oss_tensor_table`] builds the real gpt-oss tables without weights.
+//!
+//! # Memory model
+//!
+//! Per device, `total = weights + kv + compute + overhead`.
+//!
+//! * **weights**: the bytes of every tensor placed there (plus a copy of `token_embd` on the
+//!   output device when the model ties its output head to the embedding and that device is a
+//!   GPU).
+//! * **kv**: per layer, on the device of the layer (`-ngl`), `cells × (row(type_k, n_head_kv ×
+//!   head_dim_k) + row(type_v, n_head_kv × head_dim_v))`, rows sized with the ggml block size
+//!   of the cache type (MLA models cache K only). `n_ctx` is padded up to a multiple of 256.
+//!   Full-attention layers have `n_ctx` cells; sliding-window layers (gpt-oss's even layers)
+//!   have `pad256(min(n_ctx, window × n_parallel + n_ubatch))` cells (llama.cpp's unified
+//!   iSWA cache).
+//! * **compute** (activations for one ubatch of `T = n_ubatch` tokens, f32 = 4 bytes, E =
+//!   n_embd, H/Hkv heads, Dq/Dk/Dv head sizes, X experts, k used, F expert width, V vocab):
+//!   the device keeps the largest phase it runs live at a time (buffers are reused between
+//!   phases, as ggml's graph allocator does), plus inputs that live through the whole graph,
+//!   plus the staging buffers of op offload:
+//!   - attention phase: `T·4·(3E + H·Dq + Hkv·(Dk+Dv) + H·Dv)` (residual, normed input, q,
+//!     k, v, attention output, projection; the attention itself is flash-style, so no
+//!     `T × n_kv` score matrix);
+//!   - router phase: `T·4·(2E + 2X + 2k)` (input, normed, logits, probabilities, ids, weights);
+//!   - expert phase: `T·4·(2E + 3kF + 2kE)` (input, gate, up, activation per used expert,
+//!     per-expert output, weighted output, sum);
+//!   - dense FFN / shared experts of width W: `T·4·(2E + 3W)`;
+//!   - output phase: `T·4·(E + V)` (normed state and logits for every token of the ubatch,
+//!     the worst case that perplexity and speculative verification need);
+//!   - inputs: one f16 `T × n_kv` attention mask per cache kind (full, sliding) used there;
+//!     on the CPU also the embedding rows `T·4·E` and the host logits buffer
+//!     `4·V·n_parallel`;
+//!   - op offload staging (GPU): when op offload is on and `T ≥ 32`, matmuls whose weights
+//!     are on the CPU run on the GPU of their layer (else CUDA0) for that ubatch; the GPU
+//!     holds the two largest such weights at once (one in use, one being copied), and runs
+//!     the expert phase.
+//! * **overhead**: the runtime's own allowance per GPU ([`crate::DEFAULT_GPU_OVERHEAD`] unless
+//!   the caller says otherwise); 0 on the CPU.
+//!
+//! A GPU fits when `free − total ≥ margin` (`--fit-target`). The host is never a constraint.
+//!
+//! These are allocation sizes. A process's resident memory reaches them only once every page
+//! was touched: memory-mapped weights as they are read, KV pages as the context fills.
 
 mod device;
 mod error;

@@ -846,6 +846,20 @@ fn gpt_oss_120b_closing_numbers() {
     println!("  {}\n  {:?}\n", p.command_line(), p.notes);
     assert_eq!(p.n_ctx, 4096);
     assert_eq!(gpu0(&p).expert_layers, prev);
+
+    // gpt-oss-20b on an 8 GiB card with the defaults.
+    let d = GptOssDims::gpt_oss_20b();
+    let t = gpt_oss_tensor_table(&d).unwrap();
+    let p = plan(
+        &t,
+        &d.shape(),
+        &DeviceBudget::with_gpus(&[8 * GIB]),
+        &PlacementFlags::default(),
+    )
+    .unwrap();
+    println!("gpt-oss-20b defaults, --gpu-mem 8GiB:\n{}", p.table());
+    println!("  {}\n  {:?}\n", p.command_line(), p.notes);
+    assert!(gpu0(&p).fits());
 }
 
 #[test]
