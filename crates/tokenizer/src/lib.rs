@@ -107,6 +107,8 @@ pub struct Tokenizer {
     pre: Option<PreTokenizer>,
     /// SentencePiece `<0xXX>` tokens.
     spm_byte_ids: [u32; 256],
+    /// SentencePiece text may be encoded word by word (see `spm::words_are_independent`).
+    spm_words_independent: bool,
     specials: SpecialTokens,
     add_space_prefix: bool,
     add_bos: bool,
@@ -187,14 +189,21 @@ impl Tokenizer {
                                         escaped.push(b);
                                     }
                                 }
-                                spm::encode(
-                                    &escaped,
-                                    &self.text_to_id,
-                                    &self.scores,
-                                    &self.spm_byte_ids,
-                                    &mut out,
-                                    spm_scratch,
-                                );
+                                let mut run = |piece: &[u8]| {
+                                    spm::encode(
+                                        piece,
+                                        &self.text_to_id,
+                                        &self.scores,
+                                        &self.spm_byte_ids,
+                                        &mut out,
+                                        spm_scratch,
+                                    )
+                                };
+                                if self.spm_words_independent {
+                                    spm::words(&escaped).for_each(run);
+                                } else {
+                                    run(&escaped);
+                                }
                             }
                         }
                         prev_special = false;
@@ -227,6 +236,17 @@ impl Tokenizer {
             bpe.encode_word(&bytes[a..b], out, scratch);
         }
         Ok(())
+    }
+
+    /// The words the pre-tokenizer cuts `text` into (byte-level BPE only; `None` for
+    /// SentencePiece, which has no pre-tokenizer). Special tokens are not treated specially.
+    pub fn pre_tokenize<'t>(&self, text: &'t str) -> Result<Option<Vec<&'t str>>, TokenizerError> {
+        let Some(pre) = &self.pre else {
+            return Ok(None);
+        };
+        let mut spans = Vec::new();
+        pre.split(text, &mut spans)?;
+        Ok(Some(spans.iter().map(|&(a, b)| &text[a..b]).collect()))
     }
 
     /// Concatenated piece bytes of `ids` (special tokens rendered as their text; ids out of

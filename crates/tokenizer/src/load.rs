@@ -457,6 +457,9 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
         None => (None, None),
     };
 
+    let spm_words_independent =
+        vocab_type == VocabType::Spm && crate::spm::words_are_independent(texts.iter().map(|t| &**t));
+
     Ok(Tokenizer {
         vocab_type,
         pre_name,
@@ -468,6 +471,7 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
         bpe,
         pre,
         spm_byte_ids,
+        spm_words_independent,
         specials,
         add_space_prefix,
         add_bos,
