@@ -457,8 +457,8 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
         None => (None, None),
     };
 
-    let spm_words_independent =
-        vocab_type == VocabType::Spm && crate::spm::words_are_independent(texts.iter().map(|t| &**t));
+    let spm_words_independent = vocab_type == VocabType::Spm
+        && crate::spm::words_are_independent(texts.iter().map(|t| &**t));
 
     Ok(Tokenizer {
         vocab_type,

@@ -213,7 +213,11 @@ mod tests {
         let w: Vec<&str> = words(t).map(|w| std::str::from_utf8(w).unwrap()).collect();
         assert_eq!(w, ["\u{2581}a", "\u{2581}\u{2581}bc", "\u{2581}d"]);
         assert_eq!(words(b"").count(), 0);
-        assert!(words_are_independent(["\u{2581}\u{2581}x", "ab", "\u{2581}"]));
+        assert!(words_are_independent([
+            "\u{2581}\u{2581}x",
+            "ab",
+            "\u{2581}"
+        ]));
         assert!(!words_are_independent(["a\u{2581}b"]));
     }
 }

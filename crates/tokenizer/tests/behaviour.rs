@@ -24,16 +24,25 @@ fn o200k_specials_and_end_of_generation() {
     assert!(t.is_eog(id("<|return|>")));
     assert!(t.is_eog(id("<|call|>")));
     assert!(t.is_eog(id("<|endoftext|>")));
-    assert!(!t.is_eog(id("<|end|>")), "gpt-oss <|end|> closes a message, not the generation");
+    assert!(
+        !t.is_eog(id("<|end|>")),
+        "gpt-oss <|end|> closes a message, not the generation"
+    );
     assert!(!t.is_eog(id("<|start|>")));
     // add_bos_token is false in this file: add_special adds nothing.
-    assert_eq!(t.encode("hi", true, false).unwrap(), t.encode("hi", false, false).unwrap());
+    assert_eq!(
+        t.encode("hi", true, false).unwrap(),
+        t.encode("hi", false, false).unwrap()
+    );
     // Control tokens are parsed only on request ...
     let text = "<|return|>";
     assert_eq!(t.encode(text, false, true).unwrap(), [200002]);
     assert!(t.encode(text, false, false).unwrap().len() > 1);
     // ... while harmony markup is user-defined in llama.cpp, hence always parsed.
-    assert_eq!(t.encode("<|start|>", false, false).unwrap(), [id("<|start|>")]);
+    assert_eq!(
+        t.encode("<|start|>", false, false).unwrap(),
+        [id("<|start|>")]
+    );
     // Special tokens decode to their text.
     assert_eq!(t.decode(&[200002]), b"<|return|>");
 }
@@ -74,7 +83,10 @@ fn bos_follows_metadata_flags() {
     // gpt-2: no add_bos_token key, default false.
     let g = load("tokenizer/ggml-vocab-gpt-2.gguf");
     assert!(!g.add_bos());
-    assert_eq!(g.encode("Hello", true, false).unwrap(), g.encode("Hello", false, false).unwrap());
+    assert_eq!(
+        g.encode("Hello", true, false).unwrap(),
+        g.encode("Hello", false, false).unwrap()
+    );
     assert!(g.is_eog(50256));
 }
 
@@ -84,23 +96,37 @@ fn spm_byte_fallback_round_trips() {
     // Characters missing from the 32k vocabulary come out as <0xXX> byte tokens.
     let text = "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ok";
     let ids = s.encode(text, false, false).unwrap();
-    assert!(ids.iter().any(|&i| (3..=258).contains(&i)), "byte fallback used: {ids:?}");
+    assert!(
+        ids.iter().any(|&i| (3..=258).contains(&i)),
+        "byte fallback used: {ids:?}"
+    );
     assert_eq!(s.decode(&ids), format!(" {text}").as_bytes());
 }
 
 fn strings(v: &[&str]) -> MetaValue {
-    MetaValue::Array(MetaType::String, v.iter().map(|s| MetaValue::String(s.to_string())).collect())
+    MetaValue::Array(
+        MetaType::String,
+        v.iter().map(|s| MetaValue::String(s.to_string())).collect(),
+    )
 }
 
 /// A tiny byte-level vocabulary: the 256 byte characters, "ab", and "<|x|>".
 fn tiny(pre: Option<&str>) -> Metadata {
     let mut tokens: Vec<String> = (0u32..256)
         .map(|b| {
-            let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+            let printable = (0x21..=0x7E).contains(&b)
+                || (0xA1..=0xAC).contains(&b)
+                || (0xAE..=0xFF).contains(&b);
             let n = (0..b)
-                .filter(|&x| !((0x21..=0x7E).contains(&x) || (0xA1..=0xAC).contains(&x) || (0xAE..=0xFF).contains(&x)))
+                .filter(|&x| {
+                    !((0x21..=0x7E).contains(&x)
+                        || (0xA1..=0xAC).contains(&x)
+                        || (0xAE..=0xFF).contains(&x))
+                })
                 .count() as u32;
-            char::from_u32(if printable { b } else { 0x100 + n }).unwrap().to_string()
+            char::from_u32(if printable { b } else { 0x100 + n })
+                .unwrap()
+                .to_string()
         })
         .collect();
     tokens.push("ab".into());
@@ -114,7 +140,10 @@ fn tiny(pre: Option<&str>) -> Metadata {
         m.insert("tokenizer.ggml.pre", MetaValue::String(p.into()));
     }
     m.insert("tokenizer.ggml.tokens", strings(&refs));
-    m.insert("tokenizer.ggml.token_type", MetaValue::Array(MetaType::I32, types));
+    m.insert(
+        "tokenizer.ggml.token_type",
+        MetaValue::Array(MetaType::I32, types),
+    );
     m.insert("tokenizer.ggml.merges", strings(&["a b"]));
     m.insert("tokenizer.ggml.eos_token_id", MetaValue::U32(257));
     m
@@ -143,19 +172,32 @@ fn unknown_pre_tokenizer_is_an_error_naming_it() {
 fn bad_metadata_is_reported() {
     let mut m = tiny(Some("gpt-2"));
     m.insert("tokenizer.ggml.model", MetaValue::String("bert".into()));
-    assert!(matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::UnknownModel(n)) if n == "bert"));
+    assert!(
+        matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::UnknownModel(n)) if n == "bert")
+    );
 
     let mut m = tiny(Some("gpt-2"));
     m.remove("tokenizer.ggml.tokens");
-    assert!(matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::MissingKey(k)) if k == "tokenizer.ggml.tokens"));
+    assert!(
+        matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::MissingKey(k)) if k == "tokenizer.ggml.tokens")
+    );
 
     let mut m = tiny(Some("gpt-2"));
     m.remove("tokenizer.ggml.merges");
-    assert!(matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::MissingKey(_))));
+    assert!(matches!(
+        Tokenizer::from_metadata(&m),
+        Err(TokenizerError::MissingKey(_))
+    ));
 
     let mut m = tiny(Some("gpt-2"));
-    m.insert("tokenizer.ggml.tokens", MetaValue::Array(MetaType::U32, vec![MetaValue::U32(1)]));
-    assert!(matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::BadKey { .. })));
+    m.insert(
+        "tokenizer.ggml.tokens",
+        MetaValue::Array(MetaType::U32, vec![MetaValue::U32(1)]),
+    );
+    assert!(matches!(
+        Tokenizer::from_metadata(&m),
+        Err(TokenizerError::BadKey { .. })
+    ));
 
     let mut m = tiny(Some("gpt-2"));
     m.insert("tokenizer.ggml.add_bos_token", MetaValue::Bool(true));
@@ -165,7 +207,10 @@ fn bad_metadata_is_reported() {
     let mut m = tiny(Some("gpt-2"));
     m.insert("tokenizer.ggml.tokens", strings(&["a", "a"]));
     m.remove("tokenizer.ggml.token_type");
-    assert!(matches!(Tokenizer::from_metadata(&m), Err(TokenizerError::Invalid(_))));
+    assert!(matches!(
+        Tokenizer::from_metadata(&m),
+        Err(TokenizerError::Invalid(_))
+    ));
 
     // Out-of-range special ids are ignored, not trusted.
     let mut m = tiny(Some("gpt-2"));

@@ -11,7 +11,8 @@ use common::{fixtures, load};
 #[test]
 #[ignore = "benchmark"]
 fn wiki_test_raw_throughput() {
-    let text = std::fs::read_to_string(fixtures().join("corpus/wiki.test.raw")).expect("wiki.test.raw");
+    let text =
+        std::fs::read_to_string(fixtures().join("corpus/wiki.test.raw")).expect("wiki.test.raw");
     let mb = text.len() as f64 / 1e6;
     for vocab in [
         "ggml-vocab-o200k-harmony.gguf",
@@ -28,7 +29,10 @@ fn wiki_test_raw_throughput() {
         let load_s = t0.elapsed().as_secs_f64();
         let mut best = f64::MAX;
         let mut n = 0;
-        let reps = std::env::var("HMOE_SPEED_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(3);
+        let reps = std::env::var("HMOE_SPEED_REPS")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(3);
         for _ in 0..reps {
             let t = Instant::now();
             n = tok.encode(&text, false, false).expect("encode").len();
@@ -37,7 +41,11 @@ fn wiki_test_raw_throughput() {
         let t = Instant::now();
         if let Some(words) = tok.pre_tokenize(&text).expect("split") {
             let split_s = t.elapsed().as_secs_f64();
-            println!("  pre-tokenizer alone: {} words, {:.1} MB/s", words.len(), mb / split_s);
+            println!(
+                "  pre-tokenizer alone: {} words, {:.1} MB/s",
+                words.len(),
+                mb / split_s
+            );
         }
         let t = Instant::now();
         let with_special = tok.encode(&text, true, true).expect("encode").len();
