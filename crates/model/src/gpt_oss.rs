@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use crate::attention::{attention, AttnShape};
 use crate::kv_cache::{KvCache, KvType};
 use crate::ops::{add_bias, matmul, rms_norm, softmax, top_k, QuantizedActs, Rope};
-use crate::weights::{load_f32, Mat};
+use crate::weights::{load_f32, project, Mat};
 use crate::{LogitsWanted, ModelError};
 
 /// SwiGLU constants of gpt-oss experts (fixed by the architecture, not stored in GGUF).
@@ -431,15 +431,6 @@ impl GptOss {
         }
         out
     }
-}
-
-/// `W · x` for every row of `x`, converting `x` to the weight's dot format first.
-fn project(g: &GgufModel, w: &Mat, x: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
-    let n = x.len() / w.n_in;
-    acts.quantize(w.kernel.act_type(), x, w.n_in);
-    let mut out = vec![0f32; n * w.n_out];
-    matmul(w.kernel, w.bytes(g), w.n_in, w.n_out, acts, &mut out);
-    out
 }
 
 /// gpt-oss's clamped SwiGLU: `min(g,7)·σ(1.702·min(g,7))·(clamp(u,−7,7)+1)`.

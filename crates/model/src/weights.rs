@@ -3,6 +3,8 @@
 use hmoe_gguf::{GgufModel, TensorInfo};
 use hmoe_quant::DotKernel;
 
+use crate::ops::{matmul, QuantizedActs};
+
 use crate::ModelError;
 
 /// A weight matrix (or a stack of expert matrices) stored in the model file.
@@ -73,3 +75,13 @@ pub(crate) fn load_f32(g: &GgufModel, name: &str, shape: &[u64]) -> Result<Vec<f
     hmoe_quant::dequantize_row(info.ty, g.data_of(&info), &mut out)?;
     Ok(out)
 }
+
+/// `W · x` for every row of `x`, converting `x` to the weight's dot format first.
+pub(crate) fn project(g: &GgufModel, w: &Mat, x: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
+    let n = x.len() / w.n_in;
+    acts.quantize(w.kernel.act_type(), x, w.n_in);
+    let mut out = vec![0f32; n * w.n_out];
+    matmul(w.kernel, w.bytes(g), w.n_in, w.n_out, acts, &mut out);
+    out
+}
+
