@@ -4,6 +4,8 @@ use anyhow::{bail, Context};
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{KvType, LanguageModel};
 
+use crate::placement_args::PlacementArgs;
+
 /// How to load the model and size its context.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -13,36 +15,24 @@ pub struct ModelArgs {
     /// Threads for computation (default: physical cores).
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
-    /// Context size in tokens; 0 = the model's trained context.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub ctx_size: usize,
-    /// Logical batch size (tokens handed to the model at once).
-    #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
-    pub batch_size: usize,
-    /// Physical batch size (tokens computed together).
-    #[arg(long = "ubatch-size", default_value_t = 512)]
-    pub ubatch_size: usize,
-    /// KV cache type for K: f32 or f16.
-    #[arg(long = "cache-type-k", default_value = "f16")]
-    pub cache_type_k: String,
-    /// KV cache type for V: f32 or f16.
-    #[arg(long = "cache-type-v", default_value = "f16")]
-    pub cache_type_v: String,
     /// Read the file into memory instead of mapping it.
     #[arg(long = "no-mmap")]
     pub no_mmap: bool,
     /// Lock the weights in RAM.
     #[arg(long = "mlock")]
     pub mlock: bool,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
 }
 
 impl ModelArgs {
     /// The KV cache type from `-ctk/-ctv`.
     pub fn kv_type(&self) -> anyhow::Result<KvType> {
-        let k = KvType::parse(&self.cache_type_k)
-            .with_context(|| format!("unsupported K cache type '{}' (f32, f16)", self.cache_type_k))?;
-        let v = KvType::parse(&self.cache_type_v)
-            .with_context(|| format!("unsupported V cache type '{}' (f32, f16)", self.cache_type_v))?;
+        let a = &self.placement.args;
+        let k = KvType::parse(&a.cache_type_k)
+            .with_context(|| format!("unsupported K cache type '{}' (f32, f16)", a.cache_type_k))?;
+        let v = KvType::parse(&a.cache_type_v)
+            .with_context(|| format!("unsupported V cache type '{}' (f32, f16)", a.cache_type_v))?;
         if k != v {
             bail!("different K and V cache types are not supported yet");
         }
@@ -65,13 +55,28 @@ impl ModelArgs {
         Ok(hmoe_model::load(gguf)?)
     }
 
-    /// The context size, resolving 0 to the model's trained context.
+    /// The context size: `-c N`, or the model's trained context for `-c 0` or no `-c`.
     pub fn n_ctx(&self, model: &dyn LanguageModel) -> usize {
-        if self.ctx_size == 0 {
-            model.n_ctx_train()
-        } else {
-            self.ctx_size
+        match self.placement.args.ctx_size {
+            Some(n) if n > 0 => n as usize,
+            _ => model.n_ctx_train(),
         }
+    }
+
+    /// Tokens computed together: `-ub`, at most `-b`.
+    pub fn n_ubatch(&self) -> usize {
+        let a = &self.placement.args;
+        a.ubatch_size.min(a.batch_size).max(1) as usize
+    }
+
+    /// Checks the placement flags (an unknown device or a bad regex is an error even on a
+    /// CPU-only run) and says where tensors go: this build computes everything on the CPU.
+    pub fn check_placement(&self) -> anyhow::Result<()> {
+        self.placement.to_flags()?;
+        if !self.placement.args.gpu_mem.is_empty() || self.placement.args.n_gpu_layers != "auto" {
+            tracing::warn!("no GPU backend in this build: every tensor stays on the CPU");
+        }
+        Ok(())
     }
 }
 

@@ -61,6 +61,7 @@ pub struct RunArgs {
 /// Runs `hmoe run`.
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let kv = args.model.kv_type()?;
+    args.model.check_placement()?;
     let model = args.model.load()?;
     let tokenizer = Tokenizer::from_metadata(model.gguf().metadata());
     let prompt = match (&args.prompt_tokens, &args.prompt) {
@@ -89,7 +90,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         repeat_last_n: args.repeat_last_n,
         seed: args.seed,
     });
-    let n_ubatch = args.model.ubatch_size.min(args.model.batch_size).max(1);
+    let n_ubatch = args.model.n_ubatch();
     let mut generator = Generator::new(model.as_ref(), kv, n_ctx, n_ubatch);
     let tok = tokenizer.as_ref().ok();
     let is_stop = |id: u32| !args.ignore_eos && teacher.is_none() && tok.is_some_and(|t| t.is_eog(id));

@@ -3,6 +3,7 @@
 //! a micro-batch to see its window (llama.cpp's iSWA cache does the same).
 
 use half::f16;
+use half::vec::HalfBitsVecExt;
 
 /// Element type of the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,7 +45,9 @@ impl Cells {
     fn new(ty: KvType, len: usize) -> Cells {
         match ty {
             KvType::F32 => Cells::F32(vec![0.0; len]),
-            KvType::F16 => Cells::F16(vec![f16::ZERO; len]),
+            // Zeroed integers come from the allocator without touching the pages, so a large
+            // context costs memory only as it fills.
+            KvType::F16 => Cells::F16(vec![0u16; len].reinterpret_into()),
         }
     }
 
