@@ -1,0 +1,26 @@
+//! Chat formatting for hmoe: rendering the model's chat template, and reading the model's output
+//! back as messages (gpt-oss harmony channels and tool calls, `<think>` reasoning).
+
+mod harmony;
+mod reasoning;
+mod template;
+
+pub use harmony::{
+    HarmonyEvent, HarmonyHeader, HarmonyMessage, HarmonyParser, HarmonyStop, HarmonyTokens,
+};
+pub use reasoning::{ChatDelta, HarmonyStream, ReasoningFormat, ThinkSplitter};
+pub use template::{render_template, ChatTemplate, Clock};
+
+/// Errors of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// The template does not compile or failed while rendering.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The template called `raise_exception(message)` (it rejects the conversation).
+    #[error("chat template rejected the conversation: {0}")]
+    Raised(String),
+    /// Bad input to this crate.
+    #[error("{0}")]
+    Input(String),
+}
