@@ -2,12 +2,14 @@
 //! back as messages (gpt-oss harmony channels and tool calls, `<think>` reasoning).
 
 mod harmony;
+mod model;
 mod reasoning;
 mod template;
 
 pub use harmony::{
     HarmonyEvent, HarmonyHeader, HarmonyMessage, HarmonyParser, HarmonyStop, HarmonyTokens,
 };
+pub use model::{load_chat_template, special_token_vars, KEY_CHAT_TEMPLATE};
 pub use reasoning::{ChatDelta, HarmonyStream, ReasoningFormat, ThinkSplitter};
 pub use template::{render_template, ChatTemplate, Clock};
 
