@@ -26,7 +26,7 @@ pub(crate) struct BpeModel {
     pub whole_words: Option<FxHashMap<Box<[u8]>, u32>>,
 }
 
-/// Reusable buffers for [`BpeModel::encode_word`].
+/// Reusable buffers for [`BpeModel::encode_word`], and a small cache of recent words.
 #[derive(Default)]
 pub(crate) struct BpeScratch {
     syms: Vec<u32>,
@@ -34,6 +34,44 @@ pub(crate) struct BpeScratch {
     prev: Vec<u32>,
     next: Vec<u32>,
     heap: BinaryHeap<Reverse<(u32, u32, u32, u32)>>,
+    /// Which model the cache belongs to.
+    owner: u64,
+    cache: Vec<CacheEntry>,
+}
+
+/// Words up to this many bytes are cached.
+const CACHE_WORD: usize = 22;
+/// Results up to this many tokens are cached.
+const CACHE_IDS: usize = 4;
+/// Cache slots (direct-mapped; ~256 KiB, fits in L2 unlike the vocabulary tables).
+const CACHE_SLOTS: usize = 4096;
+
+/// One cached word → tokens.
+#[derive(Clone, Copy, Default)]
+struct CacheEntry {
+    len: u8,
+    n_ids: u8,
+    word: [u8; CACHE_WORD],
+    ids: [u32; CACHE_IDS],
+}
+
+#[inline]
+fn word_hash(word: &[u8]) -> usize {
+    use std::hash::Hasher;
+    let mut h = crate::fxhash::FxHasher::default();
+    h.write(word);
+    (h.finish() >> 20) as usize
+}
+
+impl BpeScratch {
+    /// Empties the cache when it was filled by another model.
+    pub(crate) fn claim(&mut self, owner: u64) {
+        if self.owner != owner || self.cache.is_empty() {
+            self.owner = owner;
+            self.cache.clear();
+            self.cache.resize(CACHE_SLOTS, CacheEntry::default());
+        }
+    }
 }
 
 const NONE: (u32, u32) = (u32::MAX, u32::MAX);
@@ -52,7 +90,8 @@ impl BpeModel {
         self.merges.get(&key(a, b)).copied().unwrap_or(NONE)
     }
 
-    /// Appends the tokens of one pre-tokenized word.
+    /// Appends the tokens of one pre-tokenized word (through the word cache when `s` was
+    /// claimed for this model).
     pub(crate) fn encode_word(&self, word: &[u8], out: &mut Vec<u32>, s: &mut BpeScratch) {
         match word.len() {
             0 => return,
@@ -60,8 +99,34 @@ impl BpeModel {
                 push_known(out, self.byte_ids[word[0] as usize]);
                 return;
             }
+            n if n <= CACHE_WORD && !s.cache.is_empty() => {
+                let slot = word_hash(word) % CACHE_SLOTS;
+                let e = &s.cache[slot];
+                if usize::from(e.len) == n && &e.word[..n] == word {
+                    out.extend_from_slice(&e.ids[..usize::from(e.n_ids)]);
+                    return;
+                }
+                let start = out.len();
+                self.encode_uncached(word, out, s);
+                let ids = &out[start..];
+                if ids.len() <= CACHE_IDS {
+                    let mut e = CacheEntry {
+                        len: n as u8,
+                        n_ids: ids.len() as u8,
+                        ..CacheEntry::default()
+                    };
+                    e.word[..n].copy_from_slice(word);
+                    e.ids[..ids.len()].copy_from_slice(ids);
+                    s.cache[slot] = e;
+                }
+                return;
+            }
             _ => {}
         }
+        self.encode_uncached(word, out, s);
+    }
+
+    fn encode_uncached(&self, word: &[u8], out: &mut Vec<u32>, s: &mut BpeScratch) {
         if let Some(whole) = &self.whole_words {
             if let Some(&id) = whole.get(word) {
                 out.push(id);

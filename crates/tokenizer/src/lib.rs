@@ -92,6 +92,8 @@ impl TokenAttr {
 
 /// A tokenizer built from GGUF metadata.
 pub struct Tokenizer {
+    /// Unique per instance (keys the per-thread word cache).
+    uid: u64,
     vocab_type: VocabType,
     pre_name: String,
     /// Token text as stored in the file.
@@ -231,6 +233,7 @@ impl Tokenizer {
             ));
         };
         pre.split(text, spans)?;
+        scratch.claim(self.uid);
         let bytes = text.as_bytes();
         for &(a, b) in spans.iter() {
             bpe.encode_word(&bytes[a..b], out, scratch);

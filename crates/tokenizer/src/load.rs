@@ -460,7 +460,9 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
     let spm_words_independent = vocab_type == VocabType::Spm
         && crate::spm::words_are_independent(texts.iter().map(|t| &**t));
 
+    static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     Ok(Tokenizer {
+        uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         vocab_type,
         pre_name,
         texts,

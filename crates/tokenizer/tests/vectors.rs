@@ -100,3 +100,19 @@ fn deepseek_coder() {
 fn o200k_harmony_matches_tiktoken() {
     check("ggml-vocab-o200k-harmony.gguf", 49);
 }
+
+/// Two vocabularies used alternately on one thread: the per-thread word cache must not leak
+/// results from one tokenizer into the other.
+#[test]
+fn interleaved_vocabularies_on_one_thread() {
+    let a = load("tokenizer/ggml-vocab-gpt-2.gguf");
+    let b = load("tokenizer/ggml-vocab-qwen2.gguf");
+    let ca = cases("ggml-vocab-gpt-2.gguf", ".out");
+    let cb = cases("ggml-vocab-qwen2.gguf", ".out");
+    for _ in 0..2 {
+        for ((ta, wa), (tb, wb)) in ca.iter().zip(&cb) {
+            assert_eq!(&a.encode(ta, false, true).unwrap(), wa, "gpt-2 {ta:?}");
+            assert_eq!(&b.encode(tb, false, true).unwrap(), wb, "qwen2 {tb:?}");
+        }
+    }
+}
