@@ -26,3 +26,15 @@ pub enum ChatError {
     #[error("{0}")]
     Input(String),
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shareable_across_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<super::ChatTemplate>();
+        check::<super::HarmonyParser>();
+        check::<super::HarmonyStream>();
+        check::<super::ThinkSplitter>();
+    }
+}

@@ -359,3 +359,13 @@ impl Tokenizer {
         &self.eog
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shareable_across_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<super::Tokenizer>();
+        check::<super::StreamDecoder>();
+    }
+}
