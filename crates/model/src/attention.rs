@@ -36,7 +36,6 @@ pub(crate) fn attention(
     let hd = shape.head_dim;
     let group = shape.n_head / shape.n_head_kv;
     let width = shape.n_head_kv * hd;
-    let single_token = q.len() == shape.n_head * hd;
     out.par_chunks_mut(hd).enumerate().for_each(|(task, dst)| {
         let t = task / shape.n_head;
         let h = task % shape.n_head;
@@ -51,7 +50,6 @@ pub(crate) fn attention(
         let mut max = f32::NEG_INFINITY;
         for p in first..=pos {
             let s = match &cache.k {
-                Cells::F32(k) if single_token => dot_lanes(qh, &k[cell(p)..cell(p) + hd], |v| v),
                 Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
                 Cells::F16(k) => dot_lanes_f16(qh, &k[cell(p)..cell(p) + hd]),
             } * shape.scale;
@@ -156,4 +154,129 @@ fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
         sum += a[k] * b[k];
     }
     sum
+}
+
+/// Shape of an attention call whose key and value heads may differ in size.
+pub(crate) struct AttnLayout {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    /// Elements of each query/key head.
+    pub k_dim: usize,
+    /// Elements of each value head.
+    pub v_dim: usize,
+    /// Values are the first `v_dim` elements of each key head (multi-head latent attention's
+    /// K-only cache) instead of a separate V store.
+    pub v_in_k: bool,
+    pub scale: f32,
+}
+
+/// `out[t][h] = Σ_j softmax_j(q[t][h]·k_j · scale) v_j` over the keys visible from position
+/// `pos0 + t`, for heads of `k_dim` (query, key) and `v_dim` (value) elements; `out` holds
+/// `v_dim` values per head. The cache must already hold the batch's own keys and values.
+///
+/// Numerics as [`attention`], plus what ggml does when a head is not a multiple of 16 long
+/// (tinyBLAS declines it): scores then come from `vec_dot_f32` / `vec_dot_f16`.
+pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], pos0: usize, out: &mut [f32]) {
+    let (kd, vd) = (shape.k_dim, shape.v_dim);
+    let group = shape.n_head / shape.n_head_kv;
+    let k_width = shape.n_head_kv * kd;
+    let v_width = if shape.v_in_k { k_width } else { shape.n_head_kv * vd };
+    let single_token = q.len() == shape.n_head * kd;
+    let lanes_ok = kd % LANES == 0;
+    out.par_chunks_mut(vd).enumerate().for_each(|(task, dst)| {
+        let t = task / shape.n_head;
+        let h = task % shape.n_head;
+        let pos = pos0 + t;
+        let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let qh = &q[task * kd..(task + 1) * kd];
+        let kv_head = h / group;
+        let k_at = |p: usize| (p % cache.cells) * k_width + kv_head * kd;
+        let v_at = |p: usize| {
+            if shape.v_in_k {
+                k_at(p)
+            } else {
+                (p % cache.cells) * v_width + kv_head * vd
+            }
+        };
+        let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
+        let chunk_start = first / LANES * LANES;
+        let mut probs = vec![0f32; pos + 1 - chunk_start];
+        let mut max = f32::NEG_INFINITY;
+        for p in first..=pos {
+            let at = k_at(p);
+            let s = match &cache.k {
+                Cells::F32(k) if single_token && lanes_ok => dot_lanes(qh, &k[at..at + kd], |v| v),
+                Cells::F32(k) => dot_vec_f32(qh, &k[at..at + kd]),
+                Cells::F16(k) if lanes_ok => dot_lanes_f16(qh, &k[at..at + kd]),
+                Cells::F16(k) => dot_vec_f16(qh, &k[at..at + kd]),
+            } * shape.scale;
+            probs[p - chunk_start] = s;
+            max = max.max(s);
+        }
+        let mut sum = 0f64;
+        for (c, chunk) in probs.chunks_mut(LANES).enumerate() {
+            let mut lanes = [0f32; LANES];
+            for (i, v) in chunk.iter_mut().enumerate() {
+                // Positions before the window contribute exactly 0.
+                *v = if chunk_start + c * LANES + i < first { 0.0 } else { expf_ggml(*v - max) };
+                lanes[i] = *v;
+            }
+            sum += reduce16(&lanes) as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        for v in probs.iter_mut() {
+            *v *= inv;
+        }
+        let mut acc = vec![[0f32; LANES]; vd];
+        for (c, chunk) in probs.chunks(LANES).enumerate() {
+            for (i, &w) in chunk.iter().enumerate() {
+                let p = chunk_start + c * LANES + i;
+                if p < first {
+                    continue;
+                }
+                let at = v_at(p);
+                match v_cells {
+                    Cells::F32(v) => {
+                        for (a, &x) in acc.iter_mut().zip(&v[at..at + vd]) {
+                            a[i] = x.mul_add(w, a[i]);
+                        }
+                    }
+                    Cells::F16(v) => {
+                        let w = f16::from_f32(w).to_f32();
+                        for (a, &x) in acc.iter_mut().zip(&v[at..at + vd]) {
+                            a[i] = x.to_f32().mul_add(w, a[i]);
+                        }
+                    }
+                }
+            }
+        }
+        for (d, a) in dst.iter_mut().zip(&acc) {
+            *d = reduce16(a);
+        }
+    });
+}
+
+/// ggml's `vec_dot_f16` on an AVX-512 build with the query rounded to f16: four 16-lane FMA
+/// accumulators per 64 elements, folded pairwise and summed horizontally, then the tail's
+/// products (exact in f32) added in f64.
+fn dot_vec_f16(q: &[f32], k: &[f16]) -> f32 {
+    let np = q.len() / 64 * 64;
+    let mut acc = [[0f32; LANES]; 4];
+    for i in (0..np).step_by(64) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                let e = i + j * LANES + l;
+                *lane = f16::from_f32(q[e]).to_f32().mul_add(k[e].to_f32(), *lane);
+            }
+        }
+    }
+    let mut folded = [0f32; LANES];
+    for l in 0..LANES {
+        folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut sum = reduce16(&folded) as f64;
+    for e in np..q.len() {
+        sum += (f16::from_f32(q[e]).to_f32() * k[e].to_f32()) as f64;
+    }
+    sum as f32
 }

@@ -3,8 +3,11 @@
 //! llama.cpp's: activations are converted to the weight type's dot format once per row, norms
 //! and softmax sums accumulate in f64.
 
+use hmoe_gguf::GgufModel;
 use hmoe_quant::{DotKernel, GgmlType};
 use rayon::prelude::*;
+
+use crate::weights::{project, Mat};
 
 /// `out = x / sqrt(mean(x²) + eps) * weight`, one row of `weight.len()` elements at a time.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -107,7 +110,13 @@ pub fn matmul(
             .for_each(|(chunk, dst)| {
                 let r0 = chunk * ROWS_PER_TASK;
                 let rows = &w[r0 * row_bytes..(r0 + dst.len()) * row_bytes];
-                kernel.dot_rows(n_in, rows, act, dst);
+                if kernel.weight_type() == GgmlType::MXFP4 {
+                    for (d, wrow) in dst.iter_mut().zip(rows.chunks_exact(row_bytes)) {
+                        *d = dot_mxfp4_blockwise(wrow, act);
+                    }
+                } else {
+                    kernel.dot_rows(n_in, rows, act, dst);
+                }
             });
         return;
     }
@@ -122,7 +131,11 @@ pub fn matmul(
             for (i, dst_row) in dst.chunks_exact_mut(n_tokens).enumerate() {
                 let wrow = &w[(r0 + i) * row_bytes..(r0 + i + 1) * row_bytes];
                 for (t, d) in dst_row.iter_mut().enumerate() {
-                    *d = kernel.dot(n_in, wrow, acts.row(t));
+                    *d = match kernel.weight_type() {
+                        GgmlType::F32 => dot_f32_lanes(wrow, acts.row(t)),
+                        GgmlType::MXFP4 => dot_mxfp4_blockwise(wrow, acts.row(t)),
+                        _ => kernel.dot(n_in, wrow, acts.row(t)),
+                    };
                 }
             }
         });
@@ -131,6 +144,40 @@ pub fn matmul(
             out[t * n_out + r] = v;
         }
     }
+}
+
+/// F32 dot product in the order ggml's tinyBLAS uses for multi-token batches: 16 FMA lanes
+/// over the row, then a horizontal sum (single tokens go through `vec_dot_f32` instead, which
+/// is what [`DotKernel::dot`] computes). Only small tensors (router, norms) are F32.
+fn dot_f32_lanes(w: &[u8], a: &[u8]) -> f32 {
+    let read = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut lanes = [0f32; 16];
+    for (cw, ca) in w.chunks(64).zip(a.chunks(64)) {
+        for (i, (x, y)) in cw.chunks_exact(4).zip(ca.chunks_exact(4)).enumerate() {
+            lanes[i] = read(x).mul_add(read(y), lanes[i]);
+        }
+    }
+    reduce16(&lanes)
+}
+
+/// MXFP4 × Q8_0 as ggml's repacked CPU kernels sum it: an exact integer dot per block, then
+/// one FMA per block into a single accumulator, in block order.
+fn dot_mxfp4_blockwise(w: &[u8], a: &[u8]) -> f32 {
+    const VALUES: [i32; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+    let mut acc = 0f32;
+    for (wb, ab) in w.chunks_exact(17).zip(a.chunks_exact(34)) {
+        let e = wb[0] as u32;
+        let w_scale = f32::from_bits(if e >= 2 { (e - 1) << 23 } else { 0x0020_0000 << e });
+        let a_scale = half::f16::from_le_bytes([ab[0], ab[1]]).to_f32();
+        let mut isum = 0i32;
+        for j in 0..16 {
+            let q = wb[1 + j];
+            isum += VALUES[(q & 15) as usize] * ab[2 + j] as i8 as i32;
+            isum += VALUES[(q >> 4) as usize] * ab[18 + j] as i8 as i32;
+        }
+        acc = (isum as f32).mul_add(w_scale * a_scale, acc);
+    }
+    acc
 }
 
 /// RoPE in NeoX layout (rotating the two halves of each head) with YaRN context extension,
@@ -143,6 +190,8 @@ pub struct Rope {
     ext_factor: f32,
     attn_factor: f32,
     corr_dims: [f32; 2],
+    /// Per-pair divisors of the base frequencies (llama 3's `rope_freqs.weight`).
+    freq_factors: Option<Vec<f32>>,
 }
 
 impl Rope {
@@ -158,6 +207,7 @@ impl Rope {
                 ext_factor: 0.0,
                 attn_factor: 1.0,
                 corr_dims: [0.0, 0.0],
+                freq_factors: None,
             },
             Some((factor, n_ctx_orig)) => {
                 let freq_scale = 1.0 / factor;
@@ -172,6 +222,7 @@ impl Rope {
                     ext_factor: 1.0,
                     attn_factor,
                     corr_dims: yarn_corr_dims(n_dims, n_ctx_orig, freq_base, 32.0, 1.0),
+                    freq_factors: None,
                 }
             }
         }
@@ -182,7 +233,8 @@ impl Rope {
         out.clear();
         let mut theta = pos as f32;
         for i0 in (0..self.n_dims).step_by(2) {
-            out.push(self.yarn(theta, i0));
+            let ff = self.freq_factors.as_ref().map_or(1.0, |f| f[i0 / 2]);
+            out.push(self.yarn(theta / ff, i0));
             theta *= self.theta_scale;
         }
     }
@@ -206,9 +258,158 @@ impl Rope {
             for (i, &(c, s)) in cs.iter().enumerate() {
                 let x0 = head[i];
                 let x1 = head[i + half];
-                head[i] = x0 * c - x1 * s;
-                head[i + half] = x0 * s + x1 * c;
+                // ggml's build contracts these into FMAs; so do we, for identical bits.
+                head[i] = x0.mul_add(c, -(x1 * s));
+                head[i + half] = x0.mul_add(s, x1 * c);
             }
+        }
+    }
+
+    /// RoPE over `n_dims` dims with base `freq_base` and the given context scaling, with the
+    /// parameters llama.cpp hands to `ggml_rope_ext`.
+    pub fn scaled(n_dims: usize, freq_base: f32, scaling: RopeScaling) -> Rope {
+        let mut rope = Rope::new(n_dims, freq_base, None);
+        match scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => rope.freq_scale = 1.0 / factor,
+            RopeScaling::Yarn {
+                factor,
+                n_ctx_orig,
+                attn_factor,
+                beta_fast,
+                beta_slow,
+            } => {
+                rope.freq_scale = 1.0 / factor;
+                rope.ext_factor = 1.0;
+                rope.attn_factor = attn_factor;
+                rope.corr_dims = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow);
+            }
+        }
+        rope
+    }
+
+    /// Divides the frequency of rotated pair `i` by `factors[i]` (llama 3's `rope_freqs`);
+    /// `factors` must hold `n_dims / 2` values.
+    pub fn with_freq_factors(mut self, factors: Vec<f32>) -> Rope {
+        debug_assert_eq!(factors.len(), self.n_dims / 2);
+        self.freq_factors = Some(factors);
+        self
+    }
+
+    /// Rotates every `head_dim`-sized head in `x` in the "normal" (GPT-J) layout: element
+    /// `2i` pairs with `2i + 1`. Dims past `n_dims` are left as they are.
+    pub fn apply_norm(&self, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
+        for head in x.chunks_exact_mut(head_dim) {
+            for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
+                let (x0, x1) = (pair[0], pair[1]);
+                pair[0] = x0 * c - x1 * s;
+                pair[1] = x0 * s + x1 * c;
+            }
+        }
+    }
+
+    /// Rotates with the layout of `mode`.
+    pub fn apply(&self, mode: RopeMode, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
+        match mode {
+            RopeMode::Norm => self.apply_norm(x, head_dim, cs),
+            RopeMode::Neox => self.apply_neox(x, head_dim, cs),
+        }
+    }
+}
+
+/// Which elements of a head RoPE rotates together (llama.cpp's rope type of an architecture).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeMode {
+    /// Consecutive pairs `(2i, 2i+1)` (llama, deepseek2).
+    Norm,
+    /// Halves `(i, i + n_dims/2)` (qwen2, qwen3moe, gpt-oss).
+    Neox,
+}
+
+/// How a model stretches RoPE past its training context (GGUF `rope.scaling.*`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        /// The scaling factor.
+        factor: f32,
+    },
+    /// YaRN: interpolation blended with extrapolation between the correction dims.
+    Yarn {
+        /// The scaling factor.
+        factor: f32,
+        /// The context the model was pre-trained with.
+        n_ctx_orig: u32,
+        /// Magnitude handed to ggml, which multiplies it by `1 + 0.1·ln(factor)`.
+        attn_factor: f32,
+        /// YaRN β_fast (32 by default).
+        beta_fast: f32,
+        /// YaRN β_slow (1 by default).
+        beta_slow: f32,
+    },
+}
+
+impl RopeScaling {
+    /// Reads `ARCH.rope.scaling.*` the way llama.cpp's context does, including its YaRN
+    /// attention factor (`get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`
+    /// when `rope.scaling.yarn_log_multiplier` is set, with deepseek2's special case, then
+    /// divided by the `1 + 0.1·ln(factor)` ggml applies). `n_ctx_train` is the fallback for
+    /// the original context length.
+    pub fn from_metadata(
+        meta: &hmoe_gguf::Metadata,
+        arch: &str,
+        n_ctx_train: u32,
+    ) -> Result<RopeScaling, crate::ModelError> {
+        let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+        let factor = meta.get_f32(&key("factor"));
+        match meta.get_str(&key("type")) {
+            None | Some("none") => Ok(RopeScaling::None),
+            Some(_) if factor.is_none_or(|f| f == 0.0 || f == 1.0) => Ok(RopeScaling::None),
+            Some("linear") => Ok(RopeScaling::Linear {
+                factor: factor.unwrap_or(1.0),
+            }),
+            Some("yarn") => {
+                let factor = factor.unwrap_or(1.0);
+                let get_mscale = |scale: f32, mscale: f32| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * mscale * scale.ln() + 1.0
+                    }
+                };
+                let log_mul = meta.get_f32(&key("yarn_log_multiplier")).unwrap_or(0.0);
+                let mut attn_factor = if log_mul != 0.0 {
+                    let mscale = if arch == "deepseek2" && log_mul != 1.0 { log_mul } else { 1.0 };
+                    get_mscale(factor, mscale) / get_mscale(factor, log_mul)
+                } else {
+                    get_mscale(factor, 1.0)
+                };
+                attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
+                Ok(RopeScaling::Yarn {
+                    factor,
+                    n_ctx_orig: meta
+                        .get_u32(&key("original_context_length"))
+                        .unwrap_or(n_ctx_train),
+                    attn_factor,
+                    beta_fast: meta.get_f32(&key("yarn_beta_fast")).unwrap_or(32.0),
+                    beta_slow: meta.get_f32(&key("yarn_beta_slow")).unwrap_or(1.0),
+                })
+            }
+            Some(other) => Err(crate::ModelError::BadParam {
+                key: key("type"),
+                value: other.to_string(),
+                why: "only none, linear and yarn are supported",
+            }),
+        }
+    }
+
+    /// The YaRN factor, if this is YaRN scaling.
+    pub fn yarn_factor(&self) -> Option<f32> {
+        match *self {
+            RopeScaling::Yarn { factor, .. } => Some(factor),
+            _ => None,
         }
     }
 }
@@ -296,6 +497,297 @@ pub fn top_k(x: &[f32], k: usize, out: &mut Vec<usize>) {
     out.extend(0..x.len());
     out.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
     out.truncate(k);
+}
+
+/// In-place softmax of one row as ggml's AVX-512 `ggml_vec_soft_max_f32` computes it: blocks
+/// of 16 with the vectorised exponential (each block's sum added in f64), the remainder with
+/// libm's `expf`, then one multiplication by the f32 reciprocal of the f64 sum. Identical to
+/// [`softmax`] for rows shorter than 16.
+pub fn softmax_ggml(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f64;
+    let blocks = x.len() / 16 * 16;
+    for chunk in x[..blocks].chunks_exact_mut(16) {
+        let mut lanes = [0f32; 16];
+        for (v, l) in chunk.iter_mut().zip(lanes.iter_mut()) {
+            *v = expf_ggml(*v - max);
+            *l = *v;
+        }
+        sum += reduce16(&lanes) as f64;
+    }
+    for v in x[blocks..].iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// The logistic function as ggml's `ggml_vec_sigmoid_f32`: `1 / (1 + expf(−x))`.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// SwiGLU in place, `gate[i] = silu(gate[i]) · up[i]`, row by row (`n` elements a row) as
+/// ggml's AVX-512 `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised
+/// exponential, the remainder of each row libm's `expf`.
+pub fn swiglu(gate: &mut [f32], up: &[f32], n: usize) {
+    gate.par_chunks_mut(n).zip(up.par_chunks(n)).for_each(|(g, u)| {
+        let blocks = n / 16 * 16;
+        for (gv, &uv) in g[..blocks].iter_mut().zip(&u[..blocks]) {
+            let x = *gv;
+            *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+        }
+        for (gv, &uv) in g[blocks..].iter_mut().zip(&u[blocks..]) {
+            let x = *gv;
+            *gv = x / (1.0 + (-x).exp()) * uv;
+        }
+    });
+}
+
+/// The embedding rows of `tokens` (ids already checked against the vocabulary), dequantized.
+pub(crate) fn embed(g: &GgufModel, tok_embd: &Mat, tokens: &[u32]) -> Vec<f32> {
+    let d = tok_embd.n_in;
+    let mut x = vec![0f32; tokens.len() * d];
+    for (dst, &id) in x.chunks_exact_mut(d).zip(tokens) {
+        let row = &tok_embd.bytes(g)[id as usize * tok_embd.row_bytes..][..tok_embd.row_bytes];
+        hmoe_quant::dequantize_row(tok_embd.info.ty, row, dst)
+            .expect("embedding row size checked at load");
+    }
+    x
+}
+
+/// Dense SwiGLU feed-forward: `Wd · (silu(Wg·h) ⊙ Wu·h)` for every row of `h`.
+pub(crate) fn ffn_swiglu(
+    g: &GgufModel,
+    gate: &Mat,
+    up: &Mat,
+    down: &Mat,
+    h: &[f32],
+    acts: &mut QuantizedActs,
+) -> Vec<f32> {
+    let u = project(g, up, h, acts);
+    let mut gt = project(g, gate, h, acts);
+    swiglu(&mut gt, &u, gate.n_out);
+    project(g, down, &gt, acts)
+}
+
+/// Routed SwiGLU experts: `y_t = Σ_s w[t][s] · expert_{sel[t][s]}(h_t)` with
+/// `expert_e(h) = Wd_e · (silu(Wg_e·h) ⊙ Wu_e·h)`, `k_used` slots per token. Tokens are grouped
+/// by expert so each expert's weights are read once per batch; the weighted outputs are added
+/// in slot order, as llama.cpp does.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_swiglu(
+    g: &GgufModel,
+    gate_exps: &Mat,
+    up_exps: &Mat,
+    down_exps: &Mat,
+    h: &[f32],
+    selected: &[usize],
+    weights: &[f32],
+    k_used: usize,
+    acts: &mut QuantizedActs,
+) -> Vec<f32> {
+    let (d, ff) = (gate_exps.n_in, gate_exps.n_out);
+    let n = h.len() / d;
+    acts.quantize(gate_exps.kernel.act_type(), h, d);
+    let mut per_slot = vec![0f32; n * k_used * d];
+    let (mut routed, mut act_q) = (QuantizedActs::default(), QuantizedActs::default());
+    let n_expert = gate_exps.info.dims.get(2).copied().unwrap_or(1) as usize;
+    for e in 0..n_expert {
+        let slots: Vec<usize> = (0..n * k_used).filter(|&i| selected[i] == e).collect();
+        if slots.is_empty() {
+            continue;
+        }
+        let m = slots.len();
+        routed.gather(acts, slots.iter().map(|&i| i / k_used));
+        let mut gate = vec![0f32; m * ff];
+        let mut up = vec![0f32; m * ff];
+        matmul(gate_exps.kernel, gate_exps.slice(g, e), d, ff, &routed, &mut gate);
+        if up_exps.kernel.act_type() == gate_exps.kernel.act_type() {
+            matmul(up_exps.kernel, up_exps.slice(g, e), d, ff, &routed, &mut up);
+        } else {
+            let rows: Vec<f32> = slots.iter().flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied()).collect();
+            act_q.quantize(up_exps.kernel.act_type(), &rows, d);
+            matmul(up_exps.kernel, up_exps.slice(g, e), d, ff, &act_q, &mut up);
+        }
+        swiglu(&mut gate, &up, ff);
+        act_q.quantize(down_exps.kernel.act_type(), &gate, ff);
+        let mut down = vec![0f32; m * d];
+        matmul(down_exps.kernel, down_exps.slice(g, e), ff, d, &act_q, &mut down);
+        for (row, &slot) in down.chunks_exact(d).zip(&slots) {
+            per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
+        }
+    }
+    let mut out = vec![0f32; n * d];
+    for (t, dst) in out.chunks_exact_mut(d).enumerate() {
+        for s in 0..k_used {
+            let w = weights[t * k_used + s];
+            let src = &per_slot[(t * k_used + s) * d..][..d];
+            for (o, &v) in dst.iter_mut().zip(src) {
+                *o += v * w;
+            }
+        }
+    }
+    out
+}
+
+/// How expert weights are derived from router logits (GGUF `expert_gating_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over all experts (Qwen3-MoE, Mixtral, DeepSeek-V2).
+    Softmax,
+    /// Independent sigmoids (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// Routing rules of one MoE block, as llama.cpp's `build_moe_ffn` applies them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// Experts per token.
+    pub k: usize,
+    /// `Some((groups, used))`: experts fall into `groups` equal groups, a group scores the sum of
+    /// its two best selection scores, and only the `used` best groups are eligible.
+    pub groups: Option<(usize, usize)>,
+    /// Divide the chosen weights by their sum (clamped to ≥ 2^−14).
+    pub norm: bool,
+    /// Multiply the chosen weights by this (0 or 1: no scaling).
+    pub scale: f32,
+}
+
+impl Routing {
+    /// Picks the experts of one token from its gate probabilities `probs`; `bias` (DeepSeek-V3's
+    /// `exp_probs_b`) is added for the choice only. Writes the chosen experts (best first) and
+    /// their weights, taken from the unbiased `probs`.
+    pub fn select(&self, probs: &[f32], bias: Option<&[f32]>, experts: &mut Vec<usize>, weights: &mut Vec<f32>) {
+        let mut scores: Vec<f32> = match bias {
+            Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
+            None => probs.to_vec(),
+        };
+        if let Some((n_groups, n_used)) = self.groups.filter(|&(g, _)| g > 1) {
+            let per_group = scores.len() / n_groups;
+            let mut top = Vec::new();
+            let group_scores: Vec<f32> = scores
+                .chunks(per_group)
+                .map(|grp| {
+                    top_k(grp, 2.min(per_group), &mut top);
+                    top.iter().map(|&i| grp[i] as f64).sum::<f64>() as f32
+                })
+                .collect();
+            top_k(&group_scores, n_used, &mut top);
+            for (gi, grp) in scores.chunks_mut(per_group).enumerate() {
+                if !top.contains(&gi) {
+                    grp.fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        top_k(&scores, self.k, experts);
+        weights.clear();
+        weights.extend(experts.iter().map(|&e| probs[e]));
+        if self.norm {
+            let sum = (weights.iter().map(|&w| w as f64).sum::<f64>() as f32).max(6.103_515_6e-5);
+            for w in weights.iter_mut() {
+                *w /= sum;
+            }
+        }
+        if self.scale != 0.0 && self.scale != 1.0 {
+            for w in weights.iter_mut() {
+                *w *= self.scale;
+            }
+        }
+    }
+}
+
+/// Gate probabilities of one token from its router logits, in place.
+pub fn gate_probs(gating: Gating, logits: &mut [f32]) {
+    match gating {
+        Gating::Softmax => softmax_ggml(logits),
+        Gating::Sigmoid => logits.iter_mut().for_each(|v| *v = sigmoid(*v)),
+    }
+}
+
+/// Reads `ARCH.*` hyperparameters from GGUF metadata.
+pub(crate) struct ArchMeta<'a> {
+    pub meta: &'a hmoe_gguf::Metadata,
+    pub arch: &'a str,
+}
+
+impl ArchMeta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    /// A required non-negative integer.
+    pub fn usize(&self, k: &str) -> Result<usize, crate::ModelError> {
+        let key = self.key(k);
+        self.meta
+            .get_u64(&key)
+            .map(|v| v as usize)
+            .ok_or(crate::ModelError::MissingKey(key))
+    }
+
+    /// An optional non-negative integer.
+    pub fn usize_or(&self, k: &str, default: usize) -> usize {
+        self.meta.get_u64(&self.key(k)).map_or(default, |v| v as usize)
+    }
+
+    /// A required number.
+    pub fn f32(&self, k: &str) -> Result<f32, crate::ModelError> {
+        let key = self.key(k);
+        self.meta.get_f32(&key).ok_or(crate::ModelError::MissingKey(key))
+    }
+
+    /// An optional number.
+    pub fn f32_or(&self, k: &str, default: f32) -> f32 {
+        self.meta.get_f32(&self.key(k)).unwrap_or(default)
+    }
+
+    /// An optional flag.
+    pub fn bool_or(&self, k: &str, default: bool) -> bool {
+        self.meta.get_bool(&self.key(k)).unwrap_or(default)
+    }
+
+    /// A `BadParam` error for key `k`.
+    pub fn bad(&self, k: &str, value: impl ToString, why: &'static str) -> crate::ModelError {
+        crate::ModelError::BadParam {
+            key: self.key(k),
+            value: value.to_string(),
+            why,
+        }
+    }
+}
+
+/// The LM head: `output.weight`, or the token embedding when the file ties them.
+pub(crate) fn output_head(g: &GgufModel, n_embd: usize, n_vocab: usize) -> Result<Mat, crate::ModelError> {
+    let name = if g.tensor_info("output.weight").is_some() {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    Mat::load(g, name, &[n_embd as u64, n_vocab as u64])
+}
+
+/// `Wout · (rmsnorm(x) · output_norm)` for the rows `want` asks for (none, the last, all).
+pub(crate) fn final_logits(
+    g: &GgufModel,
+    x: &[f32],
+    want: Option<crate::LogitsWanted>,
+    output_norm: &[f32],
+    eps: f32,
+    output: &Mat,
+    acts: &mut QuantizedActs,
+) -> Vec<f32> {
+    let d = output_norm.len();
+    let rows = match want {
+        None => return Vec::new(),
+        Some(crate::LogitsWanted::All) => x,
+        Some(crate::LogitsWanted::Last) => &x[x.len() - d..],
+    };
+    let mut normed = vec![0f32; rows.len()];
+    rms_norm(rows, output_norm, eps, &mut normed);
+    project(g, output, &normed, acts)
 }
 
 #[cfg(test)]

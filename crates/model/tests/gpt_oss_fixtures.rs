@@ -180,3 +180,23 @@ fn openai_f32_experts_logits_match_reference_and_golden() {
         assert!(gold_worst <= 1e-3);
     }
 }
+
+#[test]
+fn tiny_matches_llama_cpp_f16_kv() {
+    check_golden("gptoss-tiny.gguf", "gptoss-tiny.golden-f16kv.json", KvType::F16, 2e-3);
+}
+
+#[test]
+fn small_matches_llama_cpp_f16_kv() {
+    check_golden("gptoss-small.gguf", "gptoss-small.golden-f16kv.json", KvType::F16, 2e-3);
+}
+
+#[test]
+fn openai_matches_llama_cpp_f16_kv() {
+    check_golden("gptoss-openai.gguf", "gptoss-openai.golden-f16kv.json", KvType::F16, 2e-3);
+}
+
+#[test]
+fn openai_f32_experts_matches_llama_cpp_f16_kv() {
+    check_golden("gptoss-openai-f32experts.gguf", "gptoss-openai-f32experts.golden-f16kv.json", KvType::F16, 2e-3);
+}
