@@ -32,15 +32,23 @@
 
 #[macro_use]
 mod kernels;
+mod kquants;
+mod legacy;
 mod scalar;
 mod types;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
+mod x86_avx2_lowbit;
+#[cfg(target_arch = "x86_64")]
 mod x86_avx512;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512_lowbit;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_lowbit;
 
 use std::sync::OnceLock;
 

@@ -5,7 +5,7 @@
 use half::f16;
 
 use crate::kernels::{DequantFn, DotFns, QuantFn};
-use crate::GgmlType;
+use crate::{kquants, legacy, GgmlType};
 
 /// Elements per Q8_0 / MXFP4 block.
 pub(crate) const QK: usize = 32;
@@ -67,13 +67,15 @@ pub(crate) fn f32_to_bf16(x: f32) -> u16 {
     }
 }
 
+/// The little-endian u16 at element `i` (byte `2 * i`).
 #[inline(always)]
-fn rd_u16(b: &[u8], i: usize) -> u16 {
+pub(crate) fn rd_u16(b: &[u8], i: usize) -> u16 {
     u16::from_le_bytes([b[2 * i], b[2 * i + 1]])
 }
 
+/// The little-endian f32 at element `i` (byte `4 * i`).
 #[inline(always)]
-fn rd_f32(b: &[u8], i: usize) -> f32 {
+pub(crate) fn rd_f32(b: &[u8], i: usize) -> f32 {
     f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
 }
 
@@ -107,20 +109,26 @@ fn maxps(a: f32, b: f32) -> f32 {
     }
 }
 
-/// `vcvtps2dq` of an already rounded value, then the two signed saturating packs to int8.
+/// x86 float-to-int32 conversion of an integral value (`vcvtps2dq` after rounding, or
+/// `cvttss2si`, which truncates): `i32::MIN` for NaN and out-of-range values.
 #[inline(always)]
-fn cvt_pack_i8(r: f32) -> i8 {
-    let i = if r.is_nan() || !(-2_147_483_648.0..2_147_483_648.0).contains(&r) {
+pub(crate) fn cvt_i32(r: f32) -> i32 {
+    if r.is_nan() || !(-2_147_483_648.0..2_147_483_648.0).contains(&r) {
         i32::MIN
     } else {
         r as i32
-    };
-    i.clamp(-128, 127) as i8
+    }
+}
+
+/// `vcvtps2dq` of an already rounded value, then the two signed saturating packs to int8.
+#[inline(always)]
+pub(crate) fn cvt_pack_i8(r: f32) -> i8 {
+    cvt_i32(r).clamp(-128, 127) as i8
 }
 
 /// The absolute maximum of a Q8_0 block, reduced in the lane order of ggml's AVX2 quantiser.
 #[inline(always)]
-fn q8_0_amax(x: &[f32]) -> f32 {
+pub(crate) fn q8_0_amax(x: &[f32]) -> f32 {
     let mut m = [0.0f32; 8];
     for (l, m) in m.iter_mut().enumerate() {
         let mut v = x[l].abs();
@@ -329,7 +337,7 @@ fn dot_bf16(n: usize, w: &[u8], a: &[u8]) -> f32 {
 
 /// `_mm256_sign_epi8(y, x)` for one byte: -y (wrapping) where x < 0, 0 where x == 0, else y.
 #[inline(always)]
-fn sign_i8(y: i8, x: i8) -> i8 {
+pub(crate) fn sign_i8(y: i8, x: i8) -> i8 {
     match x {
         0 => 0,
         x if x < 0 => y.wrapping_neg(),
@@ -366,20 +374,22 @@ fn mxfp4_elem(b: &[u8], j: usize) -> i32 {
     KVALUES_MXFP4[nib as usize] as i32
 }
 
-/// One MXFP4 block times one Q8_0 block into 8 lanes: lane k sums elements 4k..4k+4.
+/// One MXFP4 block times one Q8_0 block into 8 lanes: lane k sums elements 4k..4k+4 of
+/// `|x|·sign(y, x)` (ggml's `mul_add_epi8`, whose sign trick flips `x < 0, y = -128`).
 #[inline(always)]
 fn mxfp4_block_lanes(xb: &[u8], yb: &[u8], acc: &mut [f32; 8]) {
     let s = f16_to_f32(rd_u16(yb, 0)) * E8M0_HALF[xb[0] as usize];
     for (k, acc) in acc.iter_mut().enumerate() {
         let mut p = 0i32;
         for j in 4 * k..4 * k + 4 {
-            p += mxfp4_elem(xb, j) * (yb[2 + j] as i8) as i32;
+            let x = mxfp4_elem(xb, j) as i8;
+            p += x.unsigned_abs() as i32 * sign_i8(yb[2 + j] as i8, x) as i32;
         }
         *acc = s.mul_add(p as f32, *acc);
     }
 }
 
-/// The odd trailing MXFP4 block, added to `sum` as ggml's scalar tail does.
+/// The odd trailing MXFP4 block, added to `sum` as ggml's scalar tail does (exact products).
 #[inline(always)]
 pub(crate) fn mxfp4_tail(xb: &[u8], yb: &[u8], sum: f32) -> f32 {
     let d = f16_to_f32(rd_u16(yb, 0)) * E8M0_HALF[xb[0] as usize];
@@ -412,48 +422,39 @@ fn dot_mxfp4(n: usize, w: &[u8], a: &[u8]) -> f32 {
     sum
 }
 
-/// `dot_rows` for the scalar kernels: one `dot` per row.
-fn rows<const T: u8>(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-    for (r, o) in out.iter_mut().enumerate() {
-        let row = &w[r * stride..r * stride + stride];
-        *o = match T {
-            0 => dot_f32(n, row, a),
-            1 => dot_f16(n, row, a),
-            2 => dot_bf16(n, row, a),
-            3 => dot_q8_0(n, row, a),
-            _ => dot_mxfp4(n, row, a),
-        };
-    }
+/// A scalar [`DotFns`] around a single-row dot: `rows` is one `dot` per row.
+macro_rules! scalar_kernel {
+    ($name:literal, $dot:path) => {{
+        fn rows(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = $dot(n, &w[r * stride..r * stride + stride], a);
+            }
+        }
+        DotFns {
+            name: $name,
+            dot: $dot,
+            rows,
+        }
+    }};
 }
 
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
     Some(match ty {
-        GgmlType::F32 => DotFns {
-            name: "f32*f32/scalar",
-            dot: dot_f32,
-            rows: rows::<0>,
-        },
-        GgmlType::F16 => DotFns {
-            name: "f16*f16/scalar",
-            dot: dot_f16,
-            rows: rows::<1>,
-        },
-        GgmlType::BF16 => DotFns {
-            name: "bf16*bf16/scalar",
-            dot: dot_bf16,
-            rows: rows::<2>,
-        },
-        GgmlType::Q8_0 => DotFns {
-            name: "q8_0*q8_0/scalar",
-            dot: dot_q8_0,
-            rows: rows::<3>,
-        },
-        GgmlType::MXFP4 => DotFns {
-            name: "mxfp4*q8_0/scalar",
-            dot: dot_mxfp4,
-            rows: rows::<4>,
-        },
-        _ => return None,
+        GgmlType::F32 => scalar_kernel!("f32*f32/scalar", dot_f32),
+        GgmlType::F16 => scalar_kernel!("f16*f16/scalar", dot_f16),
+        GgmlType::BF16 => scalar_kernel!("bf16*bf16/scalar", dot_bf16),
+        GgmlType::Q8_0 => scalar_kernel!("q8_0*q8_0/scalar", dot_q8_0),
+        GgmlType::MXFP4 => scalar_kernel!("mxfp4*q8_0/scalar", dot_mxfp4),
+        GgmlType::Q4_0 => scalar_kernel!("q4_0*q8_0/scalar", legacy::dot_q4_0),
+        GgmlType::Q4_1 => scalar_kernel!("q4_1*q8_1/scalar", legacy::dot_q4_1),
+        GgmlType::Q5_0 => scalar_kernel!("q5_0*q8_0/scalar", legacy::dot_q5_0),
+        GgmlType::Q5_1 => scalar_kernel!("q5_1*q8_1/scalar", legacy::dot_q5_1),
+        GgmlType::Q2_K => scalar_kernel!("q2_k*q8_k/scalar", kquants::dot_q2_k),
+        GgmlType::Q3_K => scalar_kernel!("q3_k*q8_k/scalar", kquants::dot_q3_k),
+        GgmlType::Q4_K => scalar_kernel!("q4_k*q8_k/scalar", kquants::dot_q4_k),
+        GgmlType::Q5_K => scalar_kernel!("q5_k*q8_k/scalar", kquants::dot_q5_k),
+        GgmlType::Q6_K => scalar_kernel!("q6_k*q8_k/scalar", kquants::dot_q6_k),
+        GgmlType::Q8_1 | GgmlType::Q8_K => return None,
     })
 }
 
@@ -464,7 +465,15 @@ pub(crate) fn quantize_fn(ty: GgmlType) -> Option<QuantFn> {
         GgmlType::BF16 => quantize_bf16,
         GgmlType::Q8_0 => quantize_q8_0,
         GgmlType::MXFP4 => quantize_mxfp4,
-        _ => return None,
+        GgmlType::Q4_0 => legacy::quantize_q4_0,
+        GgmlType::Q4_1 => legacy::quantize_q4_1,
+        GgmlType::Q5_0 => legacy::quantize_q5_0,
+        GgmlType::Q5_1 => legacy::quantize_q5_1,
+        GgmlType::Q8_1 => legacy::quantize_q8_1,
+        GgmlType::Q8_K => kquants::quantize_q8_k,
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            return None
+        }
     })
 }
 
@@ -475,6 +484,16 @@ pub(crate) fn dequantize_fn(ty: GgmlType) -> Option<DequantFn> {
         GgmlType::BF16 => dequantize_bf16,
         GgmlType::Q8_0 => dequantize_q8_0,
         GgmlType::MXFP4 => dequantize_mxfp4,
-        _ => return None,
+        GgmlType::Q4_0 => legacy::dequantize_q4_0,
+        GgmlType::Q4_1 => legacy::dequantize_q4_1,
+        GgmlType::Q5_0 => legacy::dequantize_q5_0,
+        GgmlType::Q5_1 => legacy::dequantize_q5_1,
+        GgmlType::Q8_1 => legacy::dequantize_q8_1,
+        GgmlType::Q2_K => kquants::dequantize_q2_k,
+        GgmlType::Q3_K => kquants::dequantize_q3_k,
+        GgmlType::Q4_K => kquants::dequantize_q4_k,
+        GgmlType::Q5_K => kquants::dequantize_q5_k,
+        GgmlType::Q6_K => kquants::dequantize_q6_k,
+        GgmlType::Q8_K => kquants::dequantize_q8_k,
     })
 }

@@ -231,7 +231,8 @@ unsafe fn mxfp4_values(qs: *const u8, table: __m256i) -> __m256i {
 }
 
 /// MXFP4 weights times Q8_0 activations: even and odd blocks in two 8-lane FMA chains, the odd
-/// last block in scalar (ggml's AVX2 kernel). Products are `maddubs(|y|, sign(w, y))`, exact.
+/// last block in scalar (ggml's AVX2 kernel). Products are `maddubs(|w|, sign(y, w))`, as
+/// ggml's `mul_add_epi8`.
 #[inline(always)]
 unsafe fn mxfp4_rows<const R: usize>(
     n: usize,
@@ -251,15 +252,16 @@ unsafe fn mxfp4_rows<const R: usize>(
         let a1 = a0.add(Q8_0_BYTES);
         let y0 = _mm256_loadu_si256(a0.add(2).cast());
         let y1 = _mm256_loadu_si256(a1.add(2).cast());
-        let (ay0, ay1) = (_mm256_abs_epi8(y0), _mm256_abs_epi8(y1));
         let (da0, da1) = (f16_at(a0), f16_at(a1));
         for r in 0..R {
             let w0 = w.add(r * stride + ib * MXFP4_BYTES);
             let w1 = w0.add(MXFP4_BYTES);
-            let v0 = _mm256_sign_epi8(mxfp4_values(w0.add(1), table), y0);
-            let v1 = _mm256_sign_epi8(mxfp4_values(w1.add(1), table), y1);
-            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ay0, v0), ones);
-            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ay1, v1), ones);
+            let v0 = mxfp4_values(w0.add(1), table);
+            let v1 = mxfp4_values(w1.add(1), table);
+            let s0 = _mm256_sign_epi8(y0, v0);
+            let s1 = _mm256_sign_epi8(y1, v1);
+            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v0), s0), ones);
+            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v1), s1), ones);
             let s0 = _mm256_set1_ps(da0 * E8M0_HALF[*w0 as usize]);
             let s1 = _mm256_set1_ps(da1 * E8M0_HALF[*w1 as usize]);
             acc1[r] = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(p0), acc1[r]);
@@ -311,7 +313,7 @@ pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
             dot: dot_mxfp4,
             rows: rows_mxfp4,
         },
-        _ => return None,
+        _ => return crate::x86_avx2_lowbit::dot_fns(ty),
     })
 }
 
@@ -456,7 +458,8 @@ pub(crate) fn quantize_fn(ty: GgmlType) -> Option<QuantFn> {
         GgmlType::Q8_0 => quantize_q8_0,
         // The MXFP4 quantiser is a reference for writing test files, not a hot path.
         GgmlType::MXFP4 => scalar::quantize_mxfp4,
-        _ => return None,
+        // So are the weight quantisers; ggml's x86 Q8_K quantiser is its scalar reference.
+        _ => return scalar::quantize_fn(ty),
     })
 }
 
@@ -467,6 +470,7 @@ pub(crate) fn dequantize_fn(ty: GgmlType) -> Option<DequantFn> {
         GgmlType::BF16 => dequantize_bf16,
         GgmlType::Q8_0 => dequantize_q8_0,
         GgmlType::MXFP4 => dequantize_mxfp4,
-        _ => return None,
+        // Dequantisation of the low-bit formats is not a hot path (token embeddings, tests).
+        _ => return scalar::dequantize_fn(ty),
     })
 }

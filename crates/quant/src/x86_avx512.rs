@@ -17,13 +17,13 @@ use crate::GgmlType;
 
 /// Lanes 0..8 of a zmm.
 #[inline(always)]
-unsafe fn lo256(v: __m512) -> __m256 {
+pub(crate) unsafe fn lo256(v: __m512) -> __m256 {
     _mm512_castps512_ps256(v)
 }
 
 /// Lanes 8..16 of a zmm (without AVX512DQ).
 #[inline(always)]
-unsafe fn hi256(v: __m512) -> __m256 {
+pub(crate) unsafe fn hi256(v: __m512) -> __m256 {
     _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
 }
 
@@ -35,7 +35,7 @@ unsafe fn hsum16(v: __m512) -> f32 {
 
 /// Two 32-byte loads as one zmm.
 #[inline(always)]
-unsafe fn load_2x256(p0: *const u8, p1: *const u8) -> __m512i {
+pub(crate) unsafe fn load_2x256(p0: *const u8, p1: *const u8) -> __m512i {
     let lo = _mm512_castsi256_si512(_mm256_loadu_si256(p0.cast()));
     _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(p1.cast()))
 }
@@ -195,9 +195,9 @@ unsafe fn bf16_rows<const R: usize>(
 
 /// `Σ u[4k..4k+4] * s[4k..4k+4]` per int32 lane (unsigned × signed bytes), with `vpdpbusd` or
 /// `vpmaddubsw` + `vpmaddwd`; the 16-bit pair sums cannot saturate for our operands
-/// (u ≤ 128 with |s| ≤ 128, or u ≤ 24).
+/// (u ≤ 128 with |s| ≤ 128).
 #[inline(always)]
-unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+pub(crate) unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
     if VNNI {
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
     } else {
@@ -207,7 +207,7 @@ unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
 
 /// `-v` where `mask` is set, else `v` (per byte, wrapping).
 #[inline(always)]
-unsafe fn neg_where(v: __m512i, mask: __mmask64) -> __m512i {
+pub(crate) unsafe fn neg_where(v: __m512i, mask: __mmask64) -> __m512i {
     _mm512_mask_sub_epi8(v, mask, _mm512_setzero_si512(), v)
 }
 
@@ -256,22 +256,9 @@ unsafe fn q8_0_rows<const R: usize, const VNNI: bool>(
     }
 }
 
-/// MXFP4 table values plus 12, so they are unsigned operands of `vpdpbusd`/`vpmaddubsw`.
-const KVALUES_MXFP4_PLUS12: [u8; 16] = {
-    let mut t = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = (KVALUES_MXFP4[i] + 12) as u8;
-        i += 1;
-    }
-    t
-};
-
 /// MXFP4 × Q8_0: two blocks per zmm, so the even/odd accumulators of ggml's AVX2 kernel are the
-/// two halves of one register; the odd last block in scalar.
-///
-/// The integer part is `Σ (kv+12)·y - 12·Σy` (exact): the weights become unsigned bytes and the
-/// correction depends only on the activations, so it is computed once for all rows.
+/// two halves of one register; the odd last block in scalar. Products are `|w|·sign(y, w)` as
+/// ggml's `mul_add_epi8` (y negated where w < 0; where w == 0 the product is 0 anyway).
 #[inline(always)]
 unsafe fn mxfp4_rows<const R: usize, const VNNI: bool>(
     n: usize,
@@ -281,17 +268,15 @@ unsafe fn mxfp4_rows<const R: usize, const VNNI: bool>(
     out: *mut f32,
 ) {
     let nb = n / QK;
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4.as_ptr().cast()));
     let shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
     let m4 = _mm512_set1_epi8(0x0f);
-    let twelve = _mm512_set1_epi8(12);
     let mut acc = [_mm512_setzero_ps(); R];
     let mut ib = 0;
     while ib + 1 < nb {
         let a0 = a.add(ib * Q8_0_BYTES);
         let a1 = a0.add(Q8_0_BYTES);
         let y = load_2x256(a0.add(2), a1.add(2));
-        let neg_corr = _mm512_sub_epi32(_mm512_setzero_si512(), dot_u8i8::<VNNI>(twelve, y));
         let da = _mm512_mask_blend_ps(
             0xff00,
             _mm512_set1_ps(f16_at(a0)),
@@ -307,12 +292,9 @@ unsafe fn mxfp4_rows<const R: usize, const VNNI: bool>(
                 _mm512_broadcast_i32x4(_mm_loadu_si128(w1.add(1).cast())),
             );
             let idx = _mm512_and_si512(_mm512_srlv_epi32(q, shifts), m4);
-            let wu = _mm512_shuffle_epi8(table, idx);
-            let p = if VNNI {
-                _mm512_dpbusd_epi32(neg_corr, wu, y)
-            } else {
-                _mm512_add_epi32(dot_u8i8::<false>(wu, y), neg_corr)
-            };
+            let v = _mm512_shuffle_epi8(table, idx);
+            let sy = neg_where(y, _mm512_movepi8_mask(v));
+            let p = dot_u8i8::<VNNI>(_mm512_abs_epi8(v), sy);
             let e = _mm512_mask_blend_ps(
                 0xff00,
                 _mm512_set1_ps(E8M0_HALF[*w0 as usize]),
@@ -425,6 +407,6 @@ pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
             dot: dot_mxfp4_vnni,
             rows: rows_mxfp4_vnni,
         },
-        _ => return None,
+        _ => return crate::x86_avx512_lowbit::dot_fns(ty, vnni),
     })
 }
