@@ -36,12 +36,17 @@ pub(crate) fn attention(
     let hd = shape.head_dim;
     let group = shape.n_head / shape.n_head_kv;
     let width = shape.n_head_kv * hd;
+    let single_token = q.len() == shape.n_head * hd;
     out.par_chunks_mut(hd).enumerate().for_each(|(task, dst)| {
         let t = task / shape.n_head;
         let h = task % shape.n_head;
         let pos = pos0 + t;
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let qh = &q[task * hd..(task + 1) * hd];
+        let q16: Vec<f32> = match (&cache.k, single_token) {
+            (Cells::F16(_), true) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            _ => Vec::new(),
+        };
         let kv_off = (h / group) * hd;
         let cell = |p: usize| (p % cache.cells) * width + kv_off;
         // Probabilities for positions chunk_start..=pos, zero outside the window.
@@ -51,6 +56,9 @@ pub(crate) fn attention(
         for p in first..=pos {
             let s = match &cache.k {
                 Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
+                // ggml rounds the query to f16 first; one token goes through `vec_dot_f16`,
+                // a batch through tinyBLAS.
+                Cells::F16(k) if single_token => dot_vec(&q16, &k[cell(p)..cell(p) + hd], f16::to_f32, true),
                 Cells::F16(k) => dot_lanes_f16(qh, &k[cell(p)..cell(p) + hd]),
             } * shape.scale;
             probs[p - chunk_start] = s;
@@ -109,17 +117,6 @@ pub(crate) fn attention(
     });
 }
 
-/// Dot product as 16 FMA lanes over the vector, then a horizontal sum (ggml's tinyBLAS).
-fn dot_lanes<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32) -> f32 {
-    let mut lanes = [0f32; LANES];
-    for (ca, cb) in a.chunks(LANES).zip(b.chunks(LANES)) {
-        for i in 0..ca.len() {
-            lanes[i] = ca[i].mul_add(to_f32(cb[i]), lanes[i]);
-        }
-    }
-    reduce16(&lanes)
-}
-
 /// Scores against f16 keys: the query is rounded to f16 first, as ggml converts it.
 fn dot_lanes_f16(q: &[f32], k: &[f16]) -> f32 {
     let mut lanes = [0f32; LANES];
@@ -132,16 +129,17 @@ fn dot_lanes_f16(q: &[f32], k: &[f16]) -> f32 {
     reduce16(&lanes)
 }
 
-/// ggml's `vec_dot_f32` on an AVX-512 build: four 16-lane FMA accumulators per 64 elements,
-/// folded pairwise, then the tail added one product at a time.
-fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
+/// ggml's `vec_dot_f32` / `vec_dot_f16` on an AVX-512 build: four 16-lane FMA accumulators
+/// per 64 elements, folded pairwise, then the tail added one product at a time (in f32 for
+/// f32 data, in f64 for f16 data, as ggml does).
+fn dot_vec<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32, f64_tail: bool) -> f32 {
     let np = a.len() / 64 * 64;
     let mut acc = [[0f32; LANES]; 4];
     for i in (0..np).step_by(64) {
         for (j, lanes) in acc.iter_mut().enumerate() {
             for (l, lane) in lanes.iter_mut().enumerate() {
                 let k = i + j * LANES + l;
-                *lane = a[k].mul_add(b[k], *lane);
+                *lane = a[k].mul_add(to_f32(b[k]), *lane);
             }
         }
     }
@@ -149,11 +147,24 @@ fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
     for l in 0..LANES {
         folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
     }
-    let mut sum = reduce16(&folded);
-    for k in np..a.len() {
-        sum += a[k] * b[k];
+    let head = reduce16(&folded);
+    if f64_tail {
+        let mut sum = head as f64;
+        for k in np..a.len() {
+            sum += (a[k] * to_f32(b[k])) as f64;
+        }
+        sum as f32
+    } else {
+        let mut sum = head;
+        for k in np..a.len() {
+            sum += a[k] * to_f32(b[k]);
+        }
+        sum
     }
-    sum
+}
+
+fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
+    dot_vec(a, b, |v| v, false)
 }
 
 /// Shape of an attention call whose key and value heads may differ in size.
@@ -174,14 +185,13 @@ pub(crate) struct AttnLayout {
 /// `pos0 + t`, for heads of `k_dim` (query, key) and `v_dim` (value) elements; `out` holds
 /// `v_dim` values per head. The cache must already hold the batch's own keys and values.
 ///
-/// Numerics as [`attention`], plus what ggml does when a head is not a multiple of 16 long
-/// (tinyBLAS declines it): scores then come from `vec_dot_f32` / `vec_dot_f16`.
+/// Numerics as [`attention`], plus what ggml does when an f16 key head is not a multiple of 16
+/// long (tinyBLAS declines it): its scores then come from `vec_dot_f16`.
 pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], pos0: usize, out: &mut [f32]) {
     let (kd, vd) = (shape.k_dim, shape.v_dim);
     let group = shape.n_head / shape.n_head_kv;
     let k_width = shape.n_head_kv * kd;
     let v_width = if shape.v_in_k { k_width } else { shape.n_head_kv * vd };
-    let single_token = q.len() == shape.n_head * kd;
     let lanes_ok = kd % LANES == 0;
     out.par_chunks_mut(vd).enumerate().for_each(|(task, dst)| {
         let t = task / shape.n_head;
@@ -205,7 +215,6 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
         for p in first..=pos {
             let at = k_at(p);
             let s = match &cache.k {
-                Cells::F32(k) if single_token && lanes_ok => dot_lanes(qh, &k[at..at + kd], |v| v),
                 Cells::F32(k) => dot_vec_f32(qh, &k[at..at + kd]),
                 Cells::F16(k) if lanes_ok => dot_lanes_f16(qh, &k[at..at + kd]),
                 Cells::F16(k) => dot_vec_f16(qh, &k[at..at + kd]),
