@@ -3,6 +3,8 @@
 //! a micro-batch to see its window (llama.cpp's iSWA cache does the same).
 
 use half::f16;
+
+use crate::{LogitsWanted, ModelError};
 use half::vec::HalfBitsVecExt;
 
 /// Element type of the cache.
@@ -75,12 +77,29 @@ pub(crate) struct LayerCache {
     pub window: Option<usize>,
 }
 
+impl LayerCache {
+    /// Stores the keys (and values, unless `v` is empty: a K-only cache) of a batch whose first
+    /// token sits at position `pos0`; `k` and `v` hold one row per token.
+    pub(crate) fn store(&mut self, pos0: usize, k: &[f32], v: &[f32], n_tokens: usize) {
+        let (kw, vw) = (k.len() / n_tokens, v.len() / n_tokens);
+        for t in 0..n_tokens {
+            let cell = (pos0 + t) % self.cells;
+            self.k.store(cell * kw, &k[t * kw..(t + 1) * kw]);
+            if vw > 0 {
+                self.v.store(cell * vw, &v[t * vw..(t + 1) * vw]);
+            }
+        }
+    }
+}
+
 /// Key/value cache for one sequence.
 #[derive(Debug)]
 pub struct KvCache {
     pub(crate) layers: Vec<LayerCache>,
     pub(crate) ty: KvType,
     pub(crate) width: usize,
+    /// Elements per cell of V (equal to `width`; 0 for a K-only cache).
+    pub(crate) v_width: usize,
     n_ctx: usize,
     n_ubatch: usize,
     n_past: usize,
@@ -109,6 +128,7 @@ impl KvCache {
             layers,
             ty,
             width,
+            v_width: width,
             n_ctx,
             n_ubatch,
             n_past: 0,
@@ -159,7 +179,72 @@ impl KvCache {
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| 2 * l.cells * self.width).sum::<usize>() * self.ty.bytes()
+        self.layers
+            .iter()
+            .map(|l| l.cells * (self.width + self.v_width))
+            .sum::<usize>()
+            * self.ty.bytes()
+    }
+
+    /// A cache that stores only keys, `k_width` elements per position in each of `n_layer`
+    /// full-attention layers: for multi-head latent attention, whose values are the first
+    /// elements of each key (llama.cpp's K-only MLA cache).
+    pub fn new_k_only(ty: KvType, n_ctx: usize, n_ubatch: usize, k_width: usize, n_layer: usize) -> KvCache {
+        let layers = (0..n_layer)
+            .map(|_| LayerCache {
+                k: Cells::new(ty, n_ctx * k_width),
+                v: Cells::new(ty, 0),
+                cells: n_ctx,
+                window: None,
+            })
+            .collect();
+        KvCache {
+            layers,
+            ty,
+            width: k_width,
+            v_width: 0,
+            n_ctx,
+            n_ubatch: n_ubatch.max(1),
+            n_past: 0,
+        }
+    }
+
+    /// Whether the cache holds keys only (values are read from the keys).
+    pub fn is_k_only(&self) -> bool {
+        self.v_width == 0
+    }
+
+    /// Checks `tokens` against the vocabulary and the context, then runs them through `step`
+    /// one micro-batch at a time (`step(cache, chunk, wanted)` must advance the cache by the
+    /// chunk and return the logits it was asked for), concatenating the logits.
+    pub(crate) fn run_ubatches(
+        &mut self,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+        n_vocab: usize,
+        mut step: impl FnMut(&mut KvCache, &[u32], Option<LogitsWanted>) -> Vec<f32>,
+    ) -> Result<Vec<f32>, ModelError> {
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(ModelError::BadToken { id, n_vocab });
+        }
+        if self.n_past + tokens.len() > self.n_ctx {
+            return Err(ModelError::ContextFull {
+                pos: self.n_past,
+                n_tokens: tokens.len(),
+                n_ctx: self.n_ctx,
+            });
+        }
+        let mut logits = Vec::new();
+        let n_chunks = tokens.len().div_ceil(self.n_ubatch);
+        for (i, chunk) in tokens.chunks(self.n_ubatch).enumerate() {
+            let want = match wanted {
+                LogitsWanted::All => Some(LogitsWanted::All),
+                LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
+                LogitsWanted::Last => None,
+            };
+            logits.extend(step(self, chunk, want));
+        }
+        Ok(logits)
     }
 
     pub(crate) fn advance(&mut self, n: usize) {

@@ -7,12 +7,16 @@ mod attention;
 mod error;
 pub mod gpt_oss;
 pub mod kv_cache;
+pub mod llama;
 pub mod ops;
+pub mod qwen3_moe;
 mod weights;
 
 pub use error::ModelError;
 pub use gpt_oss::{GptOss, GptOssParams};
 pub use kv_cache::{KvCache, KvType};
+pub use llama::{Dense, DenseArch, DenseParams};
+pub use qwen3_moe::{Qwen3Moe, Qwen3MoeParams};
 
 /// Which logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +73,8 @@ impl LanguageModel for GptOss {
 pub fn load(gguf: hmoe_gguf::GgufModel) -> Result<Box<dyn LanguageModel>, ModelError> {
     match gguf.metadata().architecture() {
         Some("gpt-oss") => Ok(Box::new(GptOss::load(gguf)?)),
+        Some("qwen3moe") => Ok(Box::new(Qwen3Moe::load(gguf)?)),
+        Some("llama") | Some("qwen2") => Ok(Box::new(Dense::load(gguf)?)),
         other => Err(ModelError::UnsupportedArch(
             other.unwrap_or("<missing general.architecture>").to_string(),
         )),

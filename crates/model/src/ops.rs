@@ -302,8 +302,9 @@ impl Rope {
         for head in x.chunks_exact_mut(head_dim) {
             for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
                 let (x0, x1) = (pair[0], pair[1]);
-                pair[0] = x0 * c - x1 * s;
-                pair[1] = x0 * s + x1 * c;
+                // The same FMA contraction as `apply_neox` (what GCC makes of ggml's rope).
+                pair[0] = x0.mul_add(c, -(x1 * s));
+                pair[1] = x0.mul_add(s, x1 * c);
             }
         }
     }
@@ -742,11 +743,6 @@ impl ArchMeta<'_> {
     /// An optional number.
     pub fn f32_or(&self, k: &str, default: f32) -> f32 {
         self.meta.get_f32(&self.key(k)).unwrap_or(default)
-    }
-
-    /// An optional flag.
-    pub fn bool_or(&self, k: &str, default: bool) -> bool {
-        self.meta.get_bool(&self.key(k)).unwrap_or(default)
     }
 
     /// A `BadParam` error for key `k`.

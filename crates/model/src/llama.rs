@@ -1,0 +1,458 @@
+//! Dense decoder-only transformers of the Llama family: `llama` (Llama 2/3, SmolLM, Mistral
+//! without experts) and `qwen2` (Qwen2/2.5). Their math differs only by flags:
+//!
+//! ```text
+//! x = embed(tokens)
+//! for each block l:
+//!     h = rmsnorm(x) · attn_norm
+//!     q, k, v = Wq·h (+bq), Wk·h (+bk), Wv·h (+bv)       (GQA: n_head q heads, n_head_kv kv heads)
+//!     q, k = rope(q, k, pos)          llama: pairs (2i, 2i+1), frequencies ÷ rope_freqs if present
+//!                                     qwen2: pairs (i, i + d/2)
+//!     x += Wo · attention(q, k, v) (+bo)                   (scale 1/√d, or llama's attention.scale)
+//!     h = rmsnorm(x) · ffn_norm
+//!     x += Wd · (silu(Wg·h) ⊙ Wu·h)
+//! logits = Wout · (rmsnorm(x) · output_norm)               (Wout = embedding when tied)
+//! ```
+//!
+//! The self-attention of this file ([`SelfAttention`]) is shared with Qwen3-MoE, which adds a
+//! per-head RMSNorm of q and k before RoPE.
+
+use hmoe_gguf::GgufModel;
+
+use crate::attention::{attention_ext, AttnLayout};
+use crate::kv_cache::{KvCache, KvType, LayerCache};
+use crate::ops::{
+    add_bias, embed, ffn_swiglu, final_logits, output_head, rms_norm, ArchMeta, QuantizedActs,
+    Rope, RopeMode, RopeScaling,
+};
+use crate::weights::{load_f32, project, Mat};
+use crate::{LanguageModel, LogitsWanted, ModelError};
+
+/// Which member of the family a file is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DenseArch {
+    /// `llama`: normal RoPE, optional biases and `rope_freqs`.
+    Llama,
+    /// `qwen2`: NeoX RoPE, q/k/v biases.
+    Qwen2,
+}
+
+impl DenseArch {
+    /// The GGUF architecture name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseArch::Llama => "llama",
+            DenseArch::Qwen2 => "qwen2",
+        }
+    }
+
+    /// llama.cpp's rope type for the architecture.
+    pub fn rope_mode(self) -> RopeMode {
+        match self {
+            DenseArch::Llama => RopeMode::Norm,
+            DenseArch::Qwen2 => RopeMode::Neox,
+        }
+    }
+}
+
+/// Hyperparameters of a dense llama/qwen2 model, read from GGUF metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseParams {
+    /// Which architecture.
+    pub arch: DenseArch,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads.
+    pub n_head_kv: usize,
+    /// Dimension of each head.
+    pub head_dim: usize,
+    /// Vocabulary size (rows of the embedding).
+    pub n_vocab: usize,
+    /// Hidden size of the feed-forward network.
+    pub n_ff: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// RoPE base frequency.
+    pub rope_freq_base: f32,
+    /// RoPE context scaling.
+    pub rope_scaling: RopeScaling,
+    /// Attention scale (`1/√head_dim` unless the file sets `attention.scale`).
+    pub attn_scale: f32,
+    /// Context length the model was trained for.
+    pub n_ctx_train: usize,
+}
+
+impl DenseParams {
+    /// Reads the hyperparameters of `arch`; `n_vocab` comes from the embedding tensor.
+    pub fn from_metadata(
+        meta: &hmoe_gguf::Metadata,
+        arch: DenseArch,
+        n_vocab: usize,
+    ) -> Result<DenseParams, ModelError> {
+        let m = ArchMeta {
+            meta,
+            arch: arch.name(),
+        };
+        let n_embd = m.usize("embedding_length")?;
+        let n_head = m.usize("attention.head_count")?;
+        let head_dim = m.usize_or("attention.key_length", n_embd / n_head.max(1));
+        if m.usize_or("attention.value_length", head_dim) != head_dim {
+            return Err(m.bad(
+                "attention.value_length",
+                m.usize_or("attention.value_length", 0),
+                "must equal key_length",
+            ));
+        }
+        if m.usize_or("rope.dimension_count", head_dim) != head_dim {
+            return Err(m.bad(
+                "rope.dimension_count",
+                m.usize_or("rope.dimension_count", 0),
+                "partial RoPE is not supported",
+            ));
+        }
+        if m.usize_or("expert_count", 0) > 0 {
+            return Err(m.bad(
+                "expert_count",
+                m.usize_or("expert_count", 0),
+                "llama-architecture MoE (Mixtral) is not supported",
+            ));
+        }
+        let n_ctx_train = m.usize("context_length")?;
+        let attn_scale = match m.f32_or("attention.scale", 0.0) {
+            s if s != 0.0 => s,
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
+        let p = DenseParams {
+            arch,
+            n_layer: m.usize("block_count")?,
+            n_embd,
+            n_head,
+            n_head_kv: m.usize_or("attention.head_count_kv", n_head),
+            head_dim,
+            n_vocab,
+            n_ff: m.usize("feed_forward_length")?,
+            rms_eps: m.f32("attention.layer_norm_rms_epsilon")?,
+            rope_freq_base: m.f32_or("rope.freq_base", 10000.0),
+            rope_scaling: RopeScaling::from_metadata(meta, arch.name(), n_ctx_train as u32)?,
+            attn_scale,
+            n_ctx_train,
+        };
+        check_heads(&m, p.n_layer, p.n_head, p.n_head_kv, p.head_dim)?;
+        Ok(p)
+    }
+}
+
+/// Shared sanity checks of the attention hyperparameters.
+pub(crate) fn check_heads(
+    m: &ArchMeta,
+    n_layer: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+) -> Result<(), ModelError> {
+    if n_layer == 0 || n_layer > 4096 {
+        return Err(m.bad("block_count", n_layer, "must be 1..=4096"));
+    }
+    if n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
+        return Err(m.bad(
+            "attention.head_count_kv",
+            n_head_kv,
+            "must divide head_count",
+        ));
+    }
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(m.bad("attention.key_length", head_dim, "must be even and nonzero"));
+    }
+    Ok(())
+}
+
+/// Loads `name` if the file has it.
+pub(crate) fn load_f32_opt(
+    g: &GgufModel,
+    name: &str,
+    shape: &[u64],
+) -> Result<Option<Vec<f32>>, ModelError> {
+    match g.tensor_info(name) {
+        Some(_) => load_f32(g, name, shape).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Grouped-query self-attention of one block with optional q/k/v/o biases and optional per-head
+/// q/k RMSNorm (applied before RoPE, as Qwen3 does):
+/// `Wo · attention(rope(norm(Wq·h + bq)), rope(norm(Wk·h + bk)), Wv·h + bv) + bo`.
+pub(crate) struct SelfAttention {
+    wq: Mat,
+    wk: Mat,
+    wv: Mat,
+    wo: Mat,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    bo: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+}
+
+impl SelfAttention {
+    /// Loads `blk.{l}.attn_*` for the given shape; the biases and q/k norms are used when present.
+    pub fn load(
+        g: &GgufModel,
+        l: usize,
+        n_embd: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+    ) -> Result<SelfAttention, ModelError> {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        let (d, hd) = (n_embd as u64, head_dim as u64);
+        let (nq, nkv) = (n_head as u64 * hd, n_head_kv as u64 * hd);
+        Ok(SelfAttention {
+            wq: Mat::load(g, &n("attn_q.weight"), &[d, nq])?,
+            wk: Mat::load(g, &n("attn_k.weight"), &[d, nkv])?,
+            wv: Mat::load(g, &n("attn_v.weight"), &[d, nkv])?,
+            wo: Mat::load(g, &n("attn_output.weight"), &[nq, d])?,
+            bq: load_f32_opt(g, &n("attn_q.bias"), &[nq])?,
+            bk: load_f32_opt(g, &n("attn_k.bias"), &[nkv])?,
+            bv: load_f32_opt(g, &n("attn_v.bias"), &[nkv])?,
+            bo: load_f32_opt(g, &n("attn_output.bias"), &[d])?,
+            q_norm: load_f32_opt(g, &n("attn_q_norm.weight"), &[hd])?,
+            k_norm: load_f32_opt(g, &n("attn_k_norm.weight"), &[hd])?,
+            n_head,
+            n_head_kv,
+            head_dim,
+        })
+    }
+
+    /// Whether the block normalises q and k per head.
+    pub fn has_qk_norm(&self) -> bool {
+        self.q_norm.is_some() && self.k_norm.is_some()
+    }
+
+    /// Runs the block for the batch `h` (one row per token, first at position `pos0`), appending
+    /// its keys and values to `layer`. `rope_cs[t]` are the RoPE factors of token `t`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        g: &GgufModel,
+        layer: &mut LayerCache,
+        h: &[f32],
+        pos0: usize,
+        rope: &Rope,
+        mode: RopeMode,
+        rope_cs: &[Vec<(f32, f32)>],
+        rms_eps: f32,
+        scale: f32,
+        acts: &mut QuantizedActs,
+    ) -> Vec<f32> {
+        let hd = self.head_dim;
+        let n = rope_cs.len();
+        let proj = |w: &Mat, b: &Option<Vec<f32>>, acts: &mut QuantizedActs| {
+            let mut y = project(g, w, h, acts);
+            if let Some(b) = b {
+                add_bias(&mut y, b);
+            }
+            y
+        };
+        let mut q = proj(&self.wq, &self.bq, acts);
+        let mut k = proj(&self.wk, &self.bk, acts);
+        let v = proj(&self.wv, &self.bv, acts);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            let (q_raw, k_raw) = (q.clone(), k.clone());
+            rms_norm(&q_raw, qn, rms_eps, &mut q);
+            rms_norm(&k_raw, kn, rms_eps, &mut k);
+        }
+        let (q_width, kv_width) = (self.n_head * hd, self.n_head_kv * hd);
+        for (t, cs) in rope_cs.iter().enumerate() {
+            rope.apply(mode, &mut q[t * q_width..(t + 1) * q_width], hd, cs);
+            rope.apply(mode, &mut k[t * kv_width..(t + 1) * kv_width], hd, cs);
+        }
+        layer.store(pos0, &k, &v, n);
+        let shape = AttnLayout {
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            k_dim: hd,
+            v_dim: hd,
+            v_in_k: false,
+            scale,
+        };
+        let mut out = vec![0f32; q.len()];
+        attention_ext(layer, &shape, &q, pos0, &mut out);
+        let mut o = project(g, &self.wo, &out, acts);
+        if let Some(b) = &self.bo {
+            add_bias(&mut o, b);
+        }
+        o
+    }
+}
+
+struct Block {
+    attn_norm: Vec<f32>,
+    attn: SelfAttention,
+    ffn_norm: Vec<f32>,
+    ffn_gate: Mat,
+    ffn_up: Mat,
+    ffn_down: Mat,
+}
+
+/// A loaded dense llama/qwen2 model: hyperparameters plus views of its weights in the mapping.
+pub struct Dense {
+    params: DenseParams,
+    rope: Rope,
+    tok_embd: Mat,
+    output_norm: Vec<f32>,
+    output: Mat,
+    blocks: Vec<Block>,
+    gguf: GgufModel,
+}
+
+impl Dense {
+    /// Checks every tensor against the hyperparameters and builds the model.
+    pub fn load(gguf: GgufModel) -> Result<Dense, ModelError> {
+        let arch = match gguf.metadata().architecture() {
+            Some("llama") => DenseArch::Llama,
+            Some("qwen2") => DenseArch::Qwen2,
+            other => return Err(ModelError::UnsupportedArch(other.unwrap_or("").to_string())),
+        };
+        let embd = gguf
+            .tensor_info("token_embd.weight")
+            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
+        let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+        let p = DenseParams::from_metadata(gguf.metadata(), arch, n_vocab)?;
+        let g = &gguf;
+        let (d, ff) = (p.n_embd as u64, p.n_ff as u64);
+        let blocks = (0..p.n_layer)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}");
+                for b in ["ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"] {
+                    if g.tensor_info(&n(b)).is_some() {
+                        return Err(ModelError::BadParam {
+                            key: n(b),
+                            value: "present".into(),
+                            why: "feed-forward biases are not supported",
+                        });
+                    }
+                }
+                Ok(Block {
+                    attn_norm: load_f32(g, &n("attn_norm.weight"), &[d])?,
+                    attn: SelfAttention::load(g, l, p.n_embd, p.n_head, p.n_head_kv, p.head_dim)?,
+                    ffn_norm: load_f32(g, &n("ffn_norm.weight"), &[d])?,
+                    ffn_gate: Mat::load(g, &n("ffn_gate.weight"), &[d, ff])?,
+                    ffn_up: Mat::load(g, &n("ffn_up.weight"), &[d, ff])?,
+                    ffn_down: Mat::load(g, &n("ffn_down.weight"), &[ff, d])?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let mut rope = Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling);
+        if arch == DenseArch::Llama {
+            if let Some(f) = load_f32_opt(g, "rope_freqs.weight", &[p.head_dim as u64 / 2])? {
+                rope = rope.with_freq_factors(f);
+            }
+        }
+        Ok(Dense {
+            rope,
+            tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
+            output_norm: load_f32(g, "output_norm.weight", &[d])?,
+            output: output_head(g, p.n_embd, n_vocab)?,
+            blocks,
+            params: p,
+            gguf,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn params(&self) -> &DenseParams {
+        &self.params
+    }
+
+    fn forward_ubatch(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        want: Option<LogitsWanted>,
+    ) -> Vec<f32> {
+        let p = &self.params;
+        let g = &self.gguf;
+        let pos0 = cache.n_past();
+        let mut x = embed(g, &self.tok_embd, tokens);
+        let rope_cs: Vec<_> = (0..tokens.len())
+            .map(|t| {
+                let mut cs = Vec::new();
+                self.rope.cache(pos0 + t, &mut cs);
+                cs
+            })
+            .collect();
+        let mut h = vec![0f32; x.len()];
+        let mut acts = QuantizedActs::default();
+        for (l, b) in self.blocks.iter().enumerate() {
+            rms_norm(&x, &b.attn_norm, p.rms_eps, &mut h);
+            let layer = &mut cache.layers[l];
+            let mode = p.arch.rope_mode();
+            let attn = b.attn.forward(
+                g,
+                layer,
+                &h,
+                pos0,
+                &self.rope,
+                mode,
+                &rope_cs,
+                p.rms_eps,
+                p.attn_scale,
+                &mut acts,
+            );
+            x.iter_mut().zip(&attn).for_each(|(xv, a)| *xv += a);
+            rms_norm(&x, &b.ffn_norm, p.rms_eps, &mut h);
+            let ffn = ffn_swiglu(g, &b.ffn_gate, &b.ffn_up, &b.ffn_down, &h, &mut acts);
+            x.iter_mut().zip(&ffn).for_each(|(xv, f)| *xv += f);
+        }
+        cache.advance(tokens.len());
+        final_logits(
+            g,
+            &x,
+            want,
+            &self.output_norm,
+            p.rms_eps,
+            &self.output,
+            &mut acts,
+        )
+    }
+}
+
+impl LanguageModel for Dense {
+    fn n_vocab(&self) -> usize {
+        self.params.n_vocab
+    }
+    fn n_ctx_train(&self) -> usize {
+        self.params.n_ctx_train
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        let p = &self.params;
+        KvCache::new(
+            ty,
+            n_ctx,
+            n_ubatch.max(1),
+            p.n_head_kv * p.head_dim,
+            &vec![None; p.n_layer],
+        )
+    }
+    fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+    ) -> Result<Vec<f32>, ModelError> {
+        cache.run_ubatches(tokens, wanted, self.params.n_vocab, |c, chunk, want| {
+            self.forward_ubatch(c, chunk, want)
+        })
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.gguf
+    }
+}
