@@ -4,6 +4,7 @@
 //! building blocks (norms, RoPE, attention, matmul over quantized weights) live in `ops`.
 
 mod attention;
+pub mod deepseek2;
 mod error;
 pub mod gpt_oss;
 pub mod kv_cache;
@@ -12,6 +13,7 @@ pub mod ops;
 pub mod qwen3_moe;
 mod weights;
 
+pub use deepseek2::{Deepseek2, Deepseek2Params};
 pub use error::ModelError;
 pub use gpt_oss::{GptOss, GptOssParams};
 pub use kv_cache::{KvCache, KvType};
@@ -74,6 +76,7 @@ pub fn load(gguf: hmoe_gguf::GgufModel) -> Result<Box<dyn LanguageModel>, ModelE
     match gguf.metadata().architecture() {
         Some("gpt-oss") => Ok(Box::new(GptOss::load(gguf)?)),
         Some("qwen3moe") => Ok(Box::new(Qwen3Moe::load(gguf)?)),
+        Some("deepseek2") => Ok(Box::new(Deepseek2::load(gguf)?)),
         Some("llama") | Some("qwen2") => Ok(Box::new(Dense::load(gguf)?)),
         other => Err(ModelError::UnsupportedArch(
             other.unwrap_or("<missing general.architecture>").to_string(),

@@ -456,3 +456,328 @@ impl LanguageModel for Dense {
         &self.gguf
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hmoe_gguf::{GgufWriter, MetaValue};
+    use hmoe_quant::GgmlType;
+
+    const D: usize = 32;
+    const N_HEAD: usize = 4;
+    const N_HEAD_KV: usize = 2;
+    const HD: usize = 8;
+    const FF: usize = 48;
+    const VOCAB: usize = 40;
+    const LAYERS: usize = 2;
+    const EPS: f32 = 1e-5;
+    const BASE: f32 = 10000.0;
+
+    /// Deterministic uniform numbers in (−1, 1).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+            (0..n).map(|_| self.next() * scale).collect()
+        }
+    }
+
+    /// Every tensor of the synthetic model as f32, by GGUF name.
+    type Tensors = Vec<(String, Vec<u64>, Vec<f32>)>;
+
+    fn synthetic(arch: DenseArch, seed: u64) -> Tensors {
+        let mut r = Rng(seed);
+        let mut t: Tensors = Vec::new();
+        let mut add = |name: String, dims: Vec<u64>, r: &mut Rng, scale: f32, offset: f32| {
+            let n = dims.iter().product::<u64>() as usize;
+            let v = r.vec(n, scale).into_iter().map(|x| x + offset).collect();
+            t.push((name, dims, v));
+        };
+        let (d, q, kv, ff) = (
+            D as u64,
+            (N_HEAD * HD) as u64,
+            (N_HEAD_KV * HD) as u64,
+            FF as u64,
+        );
+        add(
+            "token_embd.weight".into(),
+            vec![d, VOCAB as u64],
+            &mut r,
+            1.0,
+            0.0,
+        );
+        add("output_norm.weight".into(), vec![d], &mut r, 0.1, 1.0);
+        if arch == DenseArch::Llama {
+            add(
+                "output.weight".into(),
+                vec![d, VOCAB as u64],
+                &mut r,
+                0.3,
+                0.0,
+            );
+        }
+        for l in 0..LAYERS {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            add(n("attn_norm.weight"), vec![d], &mut r, 0.1, 1.0);
+            add(n("attn_q.weight"), vec![d, q], &mut r, 0.4, 0.0);
+            add(n("attn_k.weight"), vec![d, kv], &mut r, 0.4, 0.0);
+            add(n("attn_v.weight"), vec![d, kv], &mut r, 0.4, 0.0);
+            add(n("attn_output.weight"), vec![q, d], &mut r, 0.3, 0.0);
+            if arch == DenseArch::Qwen2 {
+                add(n("attn_q.bias"), vec![q], &mut r, 0.5, 0.0);
+                add(n("attn_k.bias"), vec![kv], &mut r, 0.5, 0.0);
+                add(n("attn_v.bias"), vec![kv], &mut r, 0.5, 0.0);
+            }
+            add(n("ffn_norm.weight"), vec![d], &mut r, 0.1, 1.0);
+            add(n("ffn_gate.weight"), vec![d, ff], &mut r, 0.4, 0.0);
+            add(n("ffn_up.weight"), vec![d, ff], &mut r, 0.4, 0.0);
+            add(n("ffn_down.weight"), vec![ff, d], &mut r, 0.3, 0.0);
+        }
+        t
+    }
+
+    fn write(arch: DenseArch, tensors: &Tensors) -> GgufModel {
+        let mut w = GgufWriter::new();
+        let a = arch.name();
+        w.add_meta("general.architecture", MetaValue::String(a.into()));
+        for (k, v) in [
+            ("block_count", LAYERS),
+            ("context_length", 256),
+            ("embedding_length", D),
+            ("feed_forward_length", FF),
+            ("attention.head_count", N_HEAD),
+            ("attention.head_count_kv", N_HEAD_KV),
+        ] {
+            w.add_meta(format!("{a}.{k}"), MetaValue::U32(v as u32));
+        }
+        w.add_meta(
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(EPS),
+        );
+        w.add_meta(format!("{a}.rope.freq_base"), MetaValue::F32(BASE));
+        for (name, dims, v) in tensors {
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            w.add_tensor(name.clone(), GgmlType::F32, dims, bytes)
+                .unwrap();
+        }
+        GgufModel::from_bytes(w.to_bytes().unwrap()).unwrap()
+    }
+
+    /// Straightforward f64 forward pass of the module docs' math, all positions at once.
+    fn reference(arch: DenseArch, tensors: &Tensors, tokens: &[u32]) -> Vec<f64> {
+        let get = |name: &str| -> Vec<f64> {
+            let t = tensors.iter().find(|t| t.0 == name);
+            t.map_or(Vec::new(), |t| t.2.iter().map(|&x| x as f64).collect())
+        };
+        // W stored as [n_out][n_in] rows.
+        let mv = |w: &[f64], x: &[f64]| -> Vec<f64> {
+            w.chunks(x.len())
+                .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
+                .collect()
+        };
+        let norm = |x: &[f64], w: &[f64]| -> Vec<f64> {
+            let s = (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + EPS as f64).sqrt();
+            x.iter().zip(w).map(|(v, w)| v / s * w).collect()
+        };
+        let rope = |x: &mut [f64], pos: usize| {
+            for head in x.chunks_mut(HD) {
+                for i in 0..HD / 2 {
+                    let theta = pos as f64 * (BASE as f64).powf(-2.0 * i as f64 / HD as f64);
+                    let (a, b) = match arch {
+                        DenseArch::Llama => (2 * i, 2 * i + 1),
+                        DenseArch::Qwen2 => (i, i + HD / 2),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * theta.cos() - x1 * theta.sin();
+                    head[b] = x0 * theta.sin() + x1 * theta.cos();
+                }
+            }
+        };
+        let add = |x: &mut Vec<f64>, b: Vec<f64>| {
+            if !b.is_empty() {
+                x.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        };
+        let embd = get("token_embd.weight");
+        let mut xs: Vec<Vec<f64>> = tokens
+            .iter()
+            .map(|&t| embd[t as usize * D..][..D].to_vec())
+            .collect();
+        for l in 0..LAYERS {
+            let w = |s: &str| get(&format!("blk.{l}.{s}"));
+            let (mut ks, mut vs, mut qs) = (Vec::new(), Vec::new(), Vec::new());
+            for (pos, x) in xs.iter().enumerate() {
+                let h = norm(x, &w("attn_norm.weight"));
+                let (mut q, mut k, mut v) = (
+                    mv(&w("attn_q.weight"), &h),
+                    mv(&w("attn_k.weight"), &h),
+                    mv(&w("attn_v.weight"), &h),
+                );
+                add(&mut q, w("attn_q.bias"));
+                add(&mut k, w("attn_k.bias"));
+                add(&mut v, w("attn_v.bias"));
+                rope(&mut q, pos);
+                rope(&mut k, pos);
+                qs.push(q);
+                ks.push(k);
+                vs.push(v);
+            }
+            for (pos, x) in xs.iter_mut().enumerate() {
+                let mut out = vec![0f64; N_HEAD * HD];
+                for hh in 0..N_HEAD {
+                    let kvh = hh / (N_HEAD / N_HEAD_KV);
+                    let q = &qs[pos][hh * HD..][..HD];
+                    let s: Vec<f64> = (0..=pos)
+                        .map(|j| {
+                            q.iter()
+                                .zip(&ks[j][kvh * HD..][..HD])
+                                .map(|(a, b)| a * b)
+                                .sum::<f64>()
+                                / (HD as f64).sqrt()
+                        })
+                        .collect();
+                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for (j, ej) in e.iter().enumerate() {
+                        for i in 0..HD {
+                            out[hh * HD + i] += ej / z * vs[j][kvh * HD + i];
+                        }
+                    }
+                }
+                add(x, mv(&w("attn_output.weight"), &out));
+                let h = norm(x, &w("ffn_norm.weight"));
+                let g = mv(&w("ffn_gate.weight"), &h);
+                let u = mv(&w("ffn_up.weight"), &h);
+                let act: Vec<f64> = g
+                    .iter()
+                    .zip(&u)
+                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                add(x, mv(&w("ffn_down.weight"), &act));
+            }
+        }
+        let out_w = match arch {
+            DenseArch::Llama => get("output.weight"),
+            DenseArch::Qwen2 => embd,
+        };
+        xs.iter()
+            .flat_map(|x| mv(&out_w, &norm(x, &get("output_norm.weight"))))
+            .collect()
+    }
+
+    const TOKENS: [u32; 12] = [3, 17, 0, 39, 17, 8, 22, 5, 5, 31, 12, 1];
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    fn check_arch(arch: DenseArch) {
+        let tensors = synthetic(arch, 0x5eed + arch as u64);
+        let model = crate::load(write(arch, &tensors)).unwrap();
+        assert_eq!(model.n_vocab(), VOCAB);
+        let mut cache = model.new_cache(KvType::F32, 64, 64);
+        let batch = model
+            .forward(&mut cache, &TOKENS, LogitsWanted::All)
+            .unwrap();
+        // Against the f64 reference of the documented math.
+        let want = reference(arch, &tensors, &TOKENS);
+        let worst = batch
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+        assert!(
+            worst < 1e-4 * scale.max(1.0),
+            "{arch:?}: max |Δ| {worst} vs f64 reference (max |logit| {scale})"
+        );
+        // Token by token, and in micro-batches of 5, gives the same logits as one batch.
+        let mut cache = model.new_cache(KvType::F32, 64, 64);
+        let mut single = Vec::new();
+        for &t in &TOKENS {
+            single.extend(model.forward(&mut cache, &[t], LogitsWanted::Last).unwrap());
+        }
+        assert!(
+            max_diff(&batch, &single) < 1e-4,
+            "{arch:?}: batch vs token by token {}",
+            max_diff(&batch, &single)
+        );
+        let mut cache = model.new_cache(KvType::F32, 64, 5);
+        let chunked = model
+            .forward(&mut cache, &TOKENS, LogitsWanted::All)
+            .unwrap();
+        assert!(max_diff(&batch, &chunked) < 1e-4);
+        let mut cache = model.new_cache(KvType::F32, 64, 5);
+        let last = model
+            .forward(&mut cache, &TOKENS, LogitsWanted::Last)
+            .unwrap();
+        assert_eq!(last.len(), VOCAB);
+        assert!(max_diff(&last, &batch[(TOKENS.len() - 1) * VOCAB..]) < 1e-4);
+        // An f16 cache stays close.
+        let mut cache = model.new_cache(KvType::F16, 64, 64);
+        let f16 = model
+            .forward(&mut cache, &TOKENS, LogitsWanted::All)
+            .unwrap();
+        assert!(
+            max_diff(&batch, &f16) < 2e-2,
+            "{arch:?}: f16 KV {}",
+            max_diff(&batch, &f16)
+        );
+        // Errors instead of panics on bad input.
+        let mut cache = model.new_cache(KvType::F32, 8, 8);
+        assert!(matches!(
+            model.forward(&mut cache, &[VOCAB as u32], LogitsWanted::Last),
+            Err(ModelError::BadToken { .. })
+        ));
+        assert!(matches!(
+            model.forward(&mut cache, &TOKENS, LogitsWanted::Last),
+            Err(ModelError::ContextFull { .. })
+        ));
+    }
+
+    #[test]
+    fn llama_matches_reference_and_is_batch_invariant() {
+        check_arch(DenseArch::Llama);
+    }
+
+    #[test]
+    fn qwen2_matches_reference_and_is_batch_invariant() {
+        check_arch(DenseArch::Qwen2);
+    }
+
+    #[test]
+    fn missing_tensor_and_bad_heads_are_errors() {
+        let mut tensors = synthetic(DenseArch::Llama, 1);
+        tensors.retain(|t| t.0 != "blk.1.ffn_up.weight");
+        assert!(matches!(
+            Dense::load(write(DenseArch::Llama, &tensors)),
+            Err(ModelError::MissingTensor(_))
+        ));
+        let mut w =
+            GgufWriter::from_model(&write(DenseArch::Llama, &synthetic(DenseArch::Llama, 1)))
+                .unwrap();
+        w.add_meta("llama.attention.head_count_kv", MetaValue::U32(3));
+        let g = GgufModel::from_bytes(w.to_bytes().unwrap()).unwrap();
+        assert!(matches!(Dense::load(g), Err(ModelError::BadParam { .. })));
+    }
+
+    #[test]
+    fn rope_norm_pairs_neighbours() {
+        let rope = Rope::new(4, 10000.0, None);
+        let mut cs = Vec::new();
+        rope.cache(2, &mut cs);
+        let mut x = [1.0, 0.0, 0.0, 0.0];
+        rope.apply_norm(&mut x, 4, &cs);
+        assert!((x[0] - 2f32.cos()).abs() < 1e-6 && (x[1] - 2f32.sin()).abs() < 1e-6);
+        assert_eq!((x[2], x[3]), (0.0, 0.0));
+    }
+}

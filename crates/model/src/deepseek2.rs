@@ -1,0 +1,575 @@
+//! DeepSeek-V2/V3/R1 (GGUF arch `deepseek2`), as transformers' `DeepseekV3ForCausalLM`
+//! computes it, in the absorbed multi-head latent attention (MLA) form of llama.cpp's current
+//! deepseek2 graph and with the numerics of its CPU backend:
+//!
+//! ```text
+//! x = embed(tokens)
+//! for each block l:
+//!     h = rmsnorm(x) · attn_norm
+//!     q = Wqb · (rmsnorm(Wqa·h) · q_a_norm)        (or Wq·h without a q LoRA: V2-Lite)
+//!     q_nope, q_pe = q[head][..nope], q[head][nope..]                  (per head)
+//!     c, k_pe = Wkva·h                              (latent c: kv_lora, k_pe: rope dims, shared)
+//!     c = rmsnorm(c) · kv_a_norm;   q_pe, k_pe = rope_norm(q_pe, k_pe, pos)
+//!     q_lat = Wkb_head · q_nope                     (absorbed key up-projection, kv_lora)
+//!     o_lat = Σ_j softmax_j([q_lat, q_pe] · [c_j, k_pe_j] · s) c_j     (MQA over the latent cache)
+//!     x += Wo · concat_heads(Wvb_head · o_lat)      (absorbed value up-projection)
+//!     h = rmsnorm(x) · ffn_norm
+//!     l < leading_dense_block_count:  x += Wd · (silu(Wg·h) ⊙ Wu·h)
+//!     otherwise:
+//!         p = sigmoid(Wr·h)   (softmax for V2)
+//!         top = top_k(p + exp_probs_b) within the best expert_group_used_count groups
+//!               (a group scores the sum of its two best p + exp_probs_b)
+//!         w = p[top] / Σ p[top] (expert_weights_norm) · expert_weights_scale
+//!         x += Σ_k w_k · expert_{top_k}(h) + shared_expert(h)
+//! logits = Wout · (rmsnorm(x) · output_norm)
+//! s = mscale² / √(nope + rope),  mscale = 1 + 0.1 · yarn_log_multiplier · ln(yarn factor)
+//! ```
+//!
+//! The cache holds only `[c, k_pe]` per position (kv_lora + rope dims): values are the first
+//! kv_lora elements of each key, as in llama.cpp's K-only MLA cache.
+
+use hmoe_gguf::GgufModel;
+
+use crate::attention::{attention_ext, AttnLayout};
+use crate::kv_cache::{KvCache, KvType, LayerCache};
+use crate::llama::load_f32_opt;
+use crate::ops::{
+    embed, ffn_swiglu, final_logits, gate_probs, matmul, moe_swiglu, output_head, rms_norm,
+    ArchMeta, Gating, QuantizedActs, Rope, RopeScaling, Routing,
+};
+use crate::weights::{load_f32, project, Mat};
+use crate::{LanguageModel, LogitsWanted, ModelError};
+
+const ARCH: &str = "deepseek2";
+
+/// Hyperparameters of a DeepSeek-V2/V3 model, read from GGUF metadata (`deepseek2.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Deepseek2Params {
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Vocabulary size (rows of the embedding).
+    pub n_vocab: usize,
+    /// Rank of the query LoRA (`None`: a plain query projection, as DeepSeek-V2-Lite).
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the key/value latent (what the cache stores per position, plus the rope dims).
+    pub kv_lora_rank: usize,
+    /// Query/key dims per head without RoPE.
+    pub qk_nope_dim: usize,
+    /// Query/key dims per head with RoPE (shared by all heads for keys).
+    pub qk_rope_dim: usize,
+    /// Value dims per head.
+    pub v_head_dim: usize,
+    /// Hidden size of the dense feed-forward blocks.
+    pub n_ff: usize,
+    /// Leading blocks with a dense feed-forward network instead of experts.
+    pub n_layer_dense_lead: usize,
+    /// Routed experts per MoE block.
+    pub n_expert: usize,
+    /// Shared experts per MoE block (their FFNs are concatenated into one).
+    pub n_expert_shared: usize,
+    /// Hidden size of each expert.
+    pub n_ff_exp: usize,
+    /// Softmax (V2) or sigmoid (V3) gate.
+    pub gating: Gating,
+    /// Expert routing (groups, renormalisation, routed scaling).
+    pub routing: Routing,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// RoPE base frequency.
+    pub rope_freq_base: f32,
+    /// RoPE context scaling (YaRN for V2/V3).
+    pub rope_scaling: RopeScaling,
+    /// `rope.scaling.yarn_log_multiplier` (0 when absent).
+    pub yarn_log_mul: f32,
+    /// Context length the model was trained for.
+    pub n_ctx_train: usize,
+}
+
+impl Deepseek2Params {
+    /// Reads the hyperparameters; `n_vocab` comes from the embedding tensor.
+    pub fn from_metadata(
+        meta: &hmoe_gguf::Metadata,
+        n_vocab: usize,
+    ) -> Result<Deepseek2Params, ModelError> {
+        if meta.architecture() != Some(ARCH) {
+            return Err(ModelError::UnsupportedArch(
+                meta.architecture().unwrap_or("").to_string(),
+            ));
+        }
+        let m = ArchMeta { meta, arch: ARCH };
+        let n_head = m.usize("attention.head_count")?;
+        let kv_lora_rank = m.usize("attention.kv_lora_rank")?;
+        let qk_rope_dim = m.usize("rope.dimension_count")?;
+        // Files converted for absorbed MLA carry the per-head sizes "after decompression" here;
+        // key_length/value_length then describe the latent cache (kv_lora + rope, kv_lora).
+        let k_mla = m
+            .usize("attention.key_length_mla")
+            .map_err(|_| m.bad("attention.key_length_mla", "missing", "re-convert the model: only GGUFs with absorbed MLA tensors (attn_k_b/attn_v_b) are supported"))?;
+        let v_head_dim = m.usize("attention.value_length_mla")?;
+        if k_mla <= qk_rope_dim || qk_rope_dim % 2 != 0 {
+            return Err(m.bad(
+                "rope.dimension_count",
+                qk_rope_dim,
+                "must be even and below key_length_mla",
+            ));
+        }
+        let n_expert = m.usize("expert_count")?;
+        let k = m.usize("expert_used_count")?;
+        if n_expert == 0 || k == 0 || k > n_expert {
+            return Err(m.bad("expert_used_count", k, "must be 1..=expert_count"));
+        }
+        let gating = match m.usize_or("expert_gating_func", 0) {
+            0 | 1 => Gating::Softmax,
+            2 => Gating::Sigmoid,
+            other => {
+                return Err(m.bad(
+                    "expert_gating_func",
+                    other,
+                    "only softmax (1) and sigmoid (2) are supported",
+                ))
+            }
+        };
+        let n_groups = m.usize_or("expert_group_count", 0);
+        let groups = if n_groups > 1 {
+            let used = m.usize_or("expert_group_used_count", n_groups);
+            if !n_expert.is_multiple_of(n_groups)
+                || used == 0
+                || used > n_groups
+                || used * (n_expert / n_groups) < k
+            {
+                return Err(m.bad(
+                    "expert_group_used_count",
+                    used,
+                    "groups must split the experts evenly and hold expert_used_count",
+                ));
+            }
+            Some((n_groups, used))
+        } else {
+            None
+        };
+        let n_ctx_train = m.usize("context_length")?;
+        let p = Deepseek2Params {
+            n_layer: m.usize("block_count")?,
+            n_embd: m.usize("embedding_length")?,
+            n_head,
+            n_vocab,
+            q_lora_rank: Some(m.usize_or("attention.q_lora_rank", 0)).filter(|&r| r > 0),
+            kv_lora_rank,
+            qk_nope_dim: k_mla - qk_rope_dim,
+            qk_rope_dim,
+            v_head_dim,
+            n_ff: m.usize("feed_forward_length")?,
+            n_layer_dense_lead: m.usize_or("leading_dense_block_count", 0),
+            n_expert,
+            n_expert_shared: m.usize_or("expert_shared_count", 0),
+            n_ff_exp: m.usize("expert_feed_forward_length")?,
+            gating,
+            routing: Routing {
+                k,
+                groups,
+                norm: meta
+                    .get_bool(&format!("{ARCH}.expert_weights_norm"))
+                    .unwrap_or(false),
+                scale: m.f32("expert_weights_scale")?,
+            },
+            rms_eps: m.f32("attention.layer_norm_rms_epsilon")?,
+            rope_freq_base: m.f32_or("rope.freq_base", 10000.0),
+            rope_scaling: RopeScaling::from_metadata(meta, ARCH, n_ctx_train as u32)?,
+            yarn_log_mul: m.f32_or("rope.scaling.yarn_log_multiplier", 0.0),
+            n_ctx_train,
+        };
+        if p.n_layer == 0 || p.n_layer > 4096 {
+            return Err(m.bad("block_count", p.n_layer, "must be 1..=4096"));
+        }
+        if p.n_head == 0 || p.kv_lora_rank == 0 || p.v_head_dim == 0 {
+            return Err(m.bad(
+                "attention.head_count",
+                p.n_head,
+                "heads, kv_lora_rank and value_length_mla must be nonzero",
+            ));
+        }
+        Ok(p)
+    }
+
+    /// Elements per head of the absorbed query and of each cached key: `[latent, rope]`.
+    pub fn latent_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_dim
+    }
+
+    /// The attention scale `mscale² / √(nope + rope)` of llama.cpp's deepseek2 graph: the YaRN
+    /// magnitude ggml leaves out of the rotation (`attn_factor` undone, times
+    /// `1 + 0.1·yarn_log_multiplier·ln(factor)`) is applied to the scores instead.
+    pub fn kq_scale(&self) -> f32 {
+        let (factor, attn_factor) = match self.rope_scaling {
+            RopeScaling::Yarn {
+                factor,
+                attn_factor,
+                ..
+            } => (factor, attn_factor),
+            RopeScaling::Linear { factor } => (factor, 1.0),
+            RopeScaling::None => (1.0, 1.0),
+        };
+        let freq_scale = 1.0 / factor;
+        let attn_factor_org = attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln());
+        let mscale = attn_factor_org * (1.0 + 0.1 * self.yarn_log_mul * (1.0 / freq_scale).ln());
+        mscale * mscale / ((self.qk_nope_dim + self.qk_rope_dim) as f32).sqrt()
+    }
+}
+
+/// The query path: with a LoRA (`Wqb · norm(Wqa·h)`) or a plain projection.
+enum QueryProj {
+    Lora {
+        wq_a: Mat,
+        q_a_norm: Vec<f32>,
+        wq_b: Mat,
+    },
+    Plain(Mat),
+}
+
+struct Mla {
+    q: QueryProj,
+    wkv_a: Mat,
+    kv_a_norm: Vec<f32>,
+    wk_b: Mat,
+    wv_b: Mat,
+    wo: Mat,
+}
+
+struct Experts {
+    router: Mat,
+    probs_bias: Option<Vec<f32>>,
+    gate_exps: Mat,
+    up_exps: Mat,
+    down_exps: Mat,
+    /// The shared experts, if any.
+    shared: Option<SwiGlu>,
+}
+
+/// A dense SwiGLU feed-forward network `Wd · (silu(Wg·h) ⊙ Wu·h)`.
+struct SwiGlu {
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+}
+
+enum Ffn {
+    Dense(Box<SwiGlu>),
+    Moe(Box<Experts>),
+}
+
+struct Block {
+    attn_norm: Vec<f32>,
+    attn: Mla,
+    ffn_norm: Vec<f32>,
+    ffn: Ffn,
+}
+
+/// A loaded DeepSeek-V2/V3 model: hyperparameters plus views of its weights in the mapping.
+pub struct Deepseek2 {
+    params: Deepseek2Params,
+    rope: Rope,
+    kq_scale: f32,
+    tok_embd: Mat,
+    output_norm: Vec<f32>,
+    output: Mat,
+    blocks: Vec<Block>,
+    gguf: GgufModel,
+}
+
+impl Deepseek2 {
+    /// Checks every tensor against the hyperparameters and builds the model.
+    pub fn load(gguf: GgufModel) -> Result<Deepseek2, ModelError> {
+        let embd = gguf
+            .tensor_info("token_embd.weight")
+            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
+        let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+        let p = Deepseek2Params::from_metadata(gguf.metadata(), n_vocab)?;
+        let g = &gguf;
+        let u = |v: usize| v as u64;
+        let (d, nh) = (u(p.n_embd), u(p.n_head));
+        let q_width = nh * u(p.qk_nope_dim + p.qk_rope_dim);
+        let blocks = (0..p.n_layer)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}");
+                let q = match p.q_lora_rank {
+                    Some(r) => QueryProj::Lora {
+                        wq_a: Mat::load(g, &n("attn_q_a.weight"), &[d, u(r)])?,
+                        q_a_norm: load_f32(g, &n("attn_q_a_norm.weight"), &[u(r)])?,
+                        wq_b: Mat::load(g, &n("attn_q_b.weight"), &[u(r), q_width])?,
+                    },
+                    None => QueryProj::Plain(Mat::load(g, &n("attn_q.weight"), &[d, q_width])?),
+                };
+                let kvl = u(p.kv_lora_rank);
+                let attn = Mla {
+                    q,
+                    wkv_a: Mat::load(g, &n("attn_kv_a_mqa.weight"), &[d, u(p.latent_dim())])?,
+                    kv_a_norm: load_f32(g, &n("attn_kv_a_norm.weight"), &[kvl])?,
+                    wk_b: Mat::load(g, &n("attn_k_b.weight"), &[u(p.qk_nope_dim), kvl, nh])?,
+                    wv_b: Mat::load(g, &n("attn_v_b.weight"), &[kvl, u(p.v_head_dim), nh])?,
+                    wo: Mat::load(g, &n("attn_output.weight"), &[nh * u(p.v_head_dim), d])?,
+                };
+                let ffn = if l < p.n_layer_dense_lead {
+                    let ff = u(p.n_ff);
+                    Ffn::Dense(Box::new(SwiGlu {
+                        gate: Mat::load(g, &n("ffn_gate.weight"), &[d, ff])?,
+                        up: Mat::load(g, &n("ffn_up.weight"), &[d, ff])?,
+                        down: Mat::load(g, &n("ffn_down.weight"), &[ff, d])?,
+                    }))
+                } else {
+                    let (ff, ne) = (u(p.n_ff_exp), u(p.n_expert));
+                    let shared = if p.n_expert_shared > 0 {
+                        let fs = ff * u(p.n_expert_shared);
+                        Some(SwiGlu {
+                            gate: Mat::load(g, &n("ffn_gate_shexp.weight"), &[d, fs])?,
+                            up: Mat::load(g, &n("ffn_up_shexp.weight"), &[d, fs])?,
+                            down: Mat::load(g, &n("ffn_down_shexp.weight"), &[fs, d])?,
+                        })
+                    } else {
+                        None
+                    };
+                    Ffn::Moe(Box::new(Experts {
+                        router: Mat::load(g, &n("ffn_gate_inp.weight"), &[d, ne])?,
+                        probs_bias: load_f32_opt(g, &n("exp_probs_b.bias"), &[ne])?,
+                        gate_exps: Mat::load(g, &n("ffn_gate_exps.weight"), &[d, ff, ne])?,
+                        up_exps: Mat::load(g, &n("ffn_up_exps.weight"), &[d, ff, ne])?,
+                        down_exps: Mat::load(g, &n("ffn_down_exps.weight"), &[ff, d, ne])?,
+                        shared,
+                    }))
+                };
+                Ok(Block {
+                    attn_norm: load_f32(g, &n("attn_norm.weight"), &[d])?,
+                    attn,
+                    ffn_norm: load_f32(g, &n("ffn_norm.weight"), &[d])?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Deepseek2 {
+            rope: Rope::scaled(p.qk_rope_dim, p.rope_freq_base, p.rope_scaling),
+            kq_scale: p.kq_scale(),
+            tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
+            output_norm: load_f32(g, "output_norm.weight", &[d])?,
+            output: output_head(g, p.n_embd, n_vocab)?,
+            blocks,
+            params: p,
+            gguf,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn params(&self) -> &Deepseek2Params {
+        &self.params
+    }
+
+    fn forward_ubatch(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        want: Option<LogitsWanted>,
+    ) -> Vec<f32> {
+        let p = &self.params;
+        let g = &self.gguf;
+        let pos0 = cache.n_past();
+        let mut x = embed(g, &self.tok_embd, tokens);
+        let rope_cs: Vec<_> = (0..tokens.len())
+            .map(|t| {
+                let mut cs = Vec::new();
+                self.rope.cache(pos0 + t, &mut cs);
+                cs
+            })
+            .collect();
+        let mut h = vec![0f32; x.len()];
+        let mut acts = QuantizedActs::default();
+        for (l, b) in self.blocks.iter().enumerate() {
+            rms_norm(&x, &b.attn_norm, p.rms_eps, &mut h);
+            let attn = self.attention(&b.attn, &mut cache.layers[l], &h, pos0, &rope_cs, &mut acts);
+            x.iter_mut().zip(&attn).for_each(|(xv, a)| *xv += a);
+            rms_norm(&x, &b.ffn_norm, p.rms_eps, &mut h);
+            let ffn = match &b.ffn {
+                Ffn::Dense(f) => ffn_swiglu(g, &f.gate, &f.up, &f.down, &h, &mut acts),
+                Ffn::Moe(e) => self.moe(e, &h, &mut acts),
+            };
+            x.iter_mut().zip(&ffn).for_each(|(xv, f)| *xv += f);
+        }
+        cache.advance(tokens.len());
+        final_logits(
+            g,
+            &x,
+            want,
+            &self.output_norm,
+            p.rms_eps,
+            &self.output,
+            &mut acts,
+        )
+    }
+
+    /// Multi-head latent attention of one block in its absorbed form; appends the batch's
+    /// `[c, k_pe]` rows to the K-only cache `layer`.
+    fn attention(
+        &self,
+        a: &Mla,
+        layer: &mut LayerCache,
+        h: &[f32],
+        pos0: usize,
+        rope_cs: &[Vec<(f32, f32)>],
+        acts: &mut QuantizedActs,
+    ) -> Vec<f32> {
+        let p = &self.params;
+        let g = &self.gguf;
+        let n = rope_cs.len();
+        let (nh, nope, rd, kvl, vd) = (
+            p.n_head,
+            p.qk_nope_dim,
+            p.qk_rope_dim,
+            p.kv_lora_rank,
+            p.v_head_dim,
+        );
+        let (qd, ld) = (nope + rd, p.latent_dim());
+        let q = match &a.q {
+            QueryProj::Lora {
+                wq_a,
+                q_a_norm,
+                wq_b,
+            } => {
+                let cq = project(g, wq_a, h, acts);
+                let mut cq_n = vec![0f32; cq.len()];
+                rms_norm(&cq, q_a_norm, p.rms_eps, &mut cq_n);
+                project(g, wq_b, &cq_n, acts)
+            }
+            QueryProj::Plain(wq) => project(g, wq, h, acts),
+        };
+        let ckv = project(g, &a.wkv_a, h, acts);
+        // Keys: [rmsnorm(c) · kv_a_norm, rope(k_pe)] per token.
+        let mut keys = vec![0f32; n * ld];
+        for (t, (dst, src)) in keys
+            .chunks_exact_mut(ld)
+            .zip(ckv.chunks_exact(ld))
+            .enumerate()
+        {
+            rms_norm(&src[..kvl], &a.kv_a_norm, p.rms_eps, &mut dst[..kvl]);
+            dst[kvl..].copy_from_slice(&src[kvl..]);
+            self.rope.apply_norm(&mut dst[kvl..], rd, &rope_cs[t]);
+        }
+        // Queries: [Wkb_head · q_nope, rope(q_pe)] per token and head.
+        let mut queries = vec![0f32; n * nh * ld];
+        let mut q_nope = vec![0f32; n * nope];
+        let mut q_lat = vec![0f32; n * kvl];
+        for head in 0..nh {
+            for t in 0..n {
+                let src = &q[(t * nh + head) * qd..][..qd];
+                q_nope[t * nope..(t + 1) * nope].copy_from_slice(&src[..nope]);
+                let dst = &mut queries[(t * nh + head) * ld..][..ld];
+                dst[kvl..].copy_from_slice(&src[nope..]);
+                self.rope.apply_norm(&mut dst[kvl..], rd, &rope_cs[t]);
+            }
+            acts.quantize(a.wk_b.kernel.act_type(), &q_nope, nope);
+            matmul(
+                a.wk_b.kernel,
+                a.wk_b.slice(g, head),
+                nope,
+                kvl,
+                acts,
+                &mut q_lat,
+            );
+            for t in 0..n {
+                queries[(t * nh + head) * ld..][..kvl]
+                    .copy_from_slice(&q_lat[t * kvl..(t + 1) * kvl]);
+            }
+        }
+        layer.store(pos0, &keys, &[], n);
+        let shape = AttnLayout {
+            n_head: nh,
+            n_head_kv: 1,
+            k_dim: ld,
+            v_dim: kvl,
+            v_in_k: true,
+            scale: self.kq_scale,
+        };
+        let mut o_lat = vec![0f32; n * nh * kvl];
+        attention_ext(layer, &shape, &queries, pos0, &mut o_lat);
+        // Values: Wvb_head · o_lat per head, laid out [token][head][v_head_dim].
+        let mut heads = vec![0f32; n * nh * vd];
+        let mut lat = vec![0f32; n * kvl];
+        let mut v = vec![0f32; n * vd];
+        for head in 0..nh {
+            for t in 0..n {
+                lat[t * kvl..(t + 1) * kvl].copy_from_slice(&o_lat[(t * nh + head) * kvl..][..kvl]);
+            }
+            acts.quantize(a.wv_b.kernel.act_type(), &lat, kvl);
+            matmul(a.wv_b.kernel, a.wv_b.slice(g, head), kvl, vd, acts, &mut v);
+            for t in 0..n {
+                heads[(t * nh + head) * vd..][..vd].copy_from_slice(&v[t * vd..(t + 1) * vd]);
+            }
+        }
+        project(g, &a.wo, &heads, acts)
+    }
+
+    /// Routed experts (sigmoid or softmax gate, selection bias, group-limited top-k,
+    /// renormalised and scaled weights) plus the shared experts.
+    fn moe(&self, e: &Experts, h: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
+        let p = &self.params;
+        let k = p.routing.k;
+        let mut probs = project(&self.gguf, &e.router, h, acts);
+        let n = probs.len() / p.n_expert;
+        let (mut selected, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
+        let (mut top, mut w) = (Vec::new(), Vec::new());
+        for row in probs.chunks_exact_mut(p.n_expert) {
+            gate_probs(p.gating, row);
+            p.routing
+                .select(row, e.probs_bias.as_deref(), &mut top, &mut w);
+            selected.extend_from_slice(&top);
+            weights.extend_from_slice(&w);
+        }
+        let mut out = moe_swiglu(
+            &self.gguf,
+            &e.gate_exps,
+            &e.up_exps,
+            &e.down_exps,
+            h,
+            &selected,
+            &weights,
+            k,
+            acts,
+        );
+        if let Some(f) = &e.shared {
+            let shared = ffn_swiglu(&self.gguf, &f.gate, &f.up, &f.down, h, acts);
+            out.iter_mut().zip(&shared).for_each(|(o, s)| *o += s);
+        }
+        out
+    }
+}
+
+impl LanguageModel for Deepseek2 {
+    fn n_vocab(&self) -> usize {
+        self.params.n_vocab
+    }
+    fn n_ctx_train(&self) -> usize {
+        self.params.n_ctx_train
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        KvCache::new_k_only(
+            ty,
+            n_ctx,
+            n_ubatch,
+            self.params.latent_dim(),
+            self.params.n_layer,
+        )
+    }
+    fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+    ) -> Result<Vec<f32>, ModelError> {
+        cache.run_ubatches(tokens, wanted, self.params.n_vocab, |c, chunk, want| {
+            self.forward_ubatch(c, chunk, want)
+        })
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.gguf
+    }
+}
