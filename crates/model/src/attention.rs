@@ -186,19 +186,25 @@ pub(crate) struct AttnLayout {
 /// `v_dim` values per head. The cache must already hold the batch's own keys and values.
 ///
 /// Numerics as [`attention`], plus what ggml does when an f16 key head is not a multiple of 16
-/// long (tinyBLAS declines it): its scores then come from `vec_dot_f16`.
+/// long (tinyBLAS declines it): the scores of a batch then come from `vec_dot_f16` too.
 pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], pos0: usize, out: &mut [f32]) {
     let (kd, vd) = (shape.k_dim, shape.v_dim);
     let group = shape.n_head / shape.n_head_kv;
     let k_width = shape.n_head_kv * kd;
     let v_width = if shape.v_in_k { k_width } else { shape.n_head_kv * vd };
-    let lanes_ok = kd % LANES == 0;
+    let lanes_ok = kd.is_multiple_of(LANES);
+    let single_token = q.len() == shape.n_head * kd;
     out.par_chunks_mut(vd).enumerate().for_each(|(task, dst)| {
         let t = task / shape.n_head;
         let h = task % shape.n_head;
         let pos = pos0 + t;
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let qh = &q[task * kd..(task + 1) * kd];
+        // ggml rounds the query to f16 before dotting it with f16 keys.
+        let q16: Vec<f32> = match &cache.k {
+            Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            Cells::F32(_) => Vec::new(),
+        };
         let kv_head = h / group;
         let k_at = |p: usize| (p % cache.cells) * k_width + kv_head * kd;
         let v_at = |p: usize| {
@@ -216,8 +222,10 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
             let at = k_at(p);
             let s = match &cache.k {
                 Cells::F32(k) => dot_vec_f32(qh, &k[at..at + kd]),
-                Cells::F16(k) if lanes_ok => dot_lanes_f16(qh, &k[at..at + kd]),
-                Cells::F16(k) => dot_vec_f16(qh, &k[at..at + kd]),
+                // A batch goes through tinyBLAS when the head is a multiple of 16 long; one
+                // token, or a head tinyBLAS declines, through `vec_dot_f16`.
+                Cells::F16(k) if lanes_ok && !single_token => dot_lanes_f16(qh, &k[at..at + kd]),
+                Cells::F16(k) => dot_vec(&q16, &k[at..at + kd], f16::to_f32, true),
             } * shape.scale;
             probs[p - chunk_start] = s;
             max = max.max(s);
@@ -263,29 +271,4 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
             *d = reduce16(a);
         }
     });
-}
-
-/// ggml's `vec_dot_f16` on an AVX-512 build with the query rounded to f16: four 16-lane FMA
-/// accumulators per 64 elements, folded pairwise and summed horizontally, then the tail's
-/// products (exact in f32) added in f64.
-fn dot_vec_f16(q: &[f32], k: &[f16]) -> f32 {
-    let np = q.len() / 64 * 64;
-    let mut acc = [[0f32; LANES]; 4];
-    for i in (0..np).step_by(64) {
-        for (j, lanes) in acc.iter_mut().enumerate() {
-            for (l, lane) in lanes.iter_mut().enumerate() {
-                let e = i + j * LANES + l;
-                *lane = f16::from_f32(q[e]).to_f32().mul_add(k[e].to_f32(), *lane);
-            }
-        }
-    }
-    let mut folded = [0f32; LANES];
-    for l in 0..LANES {
-        folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-    }
-    let mut sum = reduce16(&folded) as f64;
-    for e in np..q.len() {
-        sum += (f16::from_f32(q[e]).to_f32() * k[e].to_f32()) as f64;
-    }
-    sum as f32
 }

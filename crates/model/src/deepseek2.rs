@@ -34,8 +34,8 @@ use crate::attention::{attention_ext, AttnLayout};
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::llama::load_f32_opt;
 use crate::ops::{
-    embed, ffn_swiglu, final_logits, gate_probs, matmul, moe_swiglu, output_head, rms_norm,
-    ArchMeta, Gating, QuantizedActs, Rope, RopeScaling, Routing,
+    embed, ffn_swiglu, final_logits, gate_probs, matmul, matmul_vec_dot, moe_swiglu, output_head,
+    rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling, Routing,
 };
 use crate::weights::{load_f32, project, Mat};
 use crate::{LanguageModel, LogitsWanted, ModelError};
@@ -467,7 +467,8 @@ impl Deepseek2 {
                 self.rope.apply_norm(&mut dst[kvl..], rd, &rope_cs[t]);
             }
             acts.quantize(a.wk_b.kernel.act_type(), &q_nope, nope);
-            matmul(
+            // ggml reads the permuted (non-contiguous) q_nope: vec_dot order, not tinyBLAS.
+            matmul_vec_dot(
                 a.wk_b.kernel,
                 a.wk_b.slice(g, head),
                 nope,

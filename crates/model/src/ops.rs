@@ -146,6 +146,26 @@ pub fn matmul(
     }
 }
 
+/// [`matmul`] with every product in the order of ggml's `vec_dot` kernels, which is what ggml
+/// computes where tinyBLAS is not used for a batch: expert matmuls (`mul_mat_id`) and products
+/// with a non-contiguous activation (MLA's permuted `q_nope`). Differs from [`matmul`] only for
+/// batches of F32 weights.
+pub fn matmul_vec_dot(
+    kernel: DotKernel,
+    w: &[u8],
+    n_in: usize,
+    n_out: usize,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    if kernel.weight_type() != GgmlType::F32 || acts.rows() <= 1 {
+        return matmul(kernel, w, n_in, n_out, acts, out);
+    }
+    out.par_chunks_mut(n_out)
+        .enumerate()
+        .for_each(|(t, dst)| kernel.dot_rows(n_in, w, acts.row(t), dst));
+}
+
 /// F32 dot product in the order ggml's tinyBLAS uses for multi-token batches: 16 FMA lanes
 /// over the row, then a horizontal sum (single tokens go through `vec_dot_f32` instead, which
 /// is what [`DotKernel::dot`] computes). Only small tensors (router, norms) are F32.
@@ -577,8 +597,8 @@ pub(crate) fn ffn_swiglu(
 
 /// Routed SwiGLU experts: `y_t = Σ_s w[t][s] · expert_{sel[t][s]}(h_t)` with
 /// `expert_e(h) = Wd_e · (silu(Wg_e·h) ⊙ Wu_e·h)`, `k_used` slots per token. Tokens are grouped
-/// by expert so each expert's weights are read once per batch; the weighted outputs are added
-/// in slot order, as llama.cpp does.
+/// by expert so each expert's weights are read once per batch; products in `vec_dot` order
+/// (ggml's `mul_mat_id`); the weighted outputs are added in slot order, as llama.cpp does.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_swiglu(
     g: &GgufModel,
@@ -606,18 +626,18 @@ pub(crate) fn moe_swiglu(
         routed.gather(acts, slots.iter().map(|&i| i / k_used));
         let mut gate = vec![0f32; m * ff];
         let mut up = vec![0f32; m * ff];
-        matmul(gate_exps.kernel, gate_exps.slice(g, e), d, ff, &routed, &mut gate);
+        matmul_vec_dot(gate_exps.kernel, gate_exps.slice(g, e), d, ff, &routed, &mut gate);
         if up_exps.kernel.act_type() == gate_exps.kernel.act_type() {
-            matmul(up_exps.kernel, up_exps.slice(g, e), d, ff, &routed, &mut up);
+            matmul_vec_dot(up_exps.kernel, up_exps.slice(g, e), d, ff, &routed, &mut up);
         } else {
             let rows: Vec<f32> = slots.iter().flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied()).collect();
             act_q.quantize(up_exps.kernel.act_type(), &rows, d);
-            matmul(up_exps.kernel, up_exps.slice(g, e), d, ff, &act_q, &mut up);
+            matmul_vec_dot(up_exps.kernel, up_exps.slice(g, e), d, ff, &act_q, &mut up);
         }
         swiglu(&mut gate, &up, ff);
         act_q.quantize(down_exps.kernel.act_type(), &gate, ff);
         let mut down = vec![0f32; m * d];
-        matmul(down_exps.kernel, down_exps.slice(g, e), ff, d, &act_q, &mut down);
+        matmul_vec_dot(down_exps.kernel, down_exps.slice(g, e), ff, d, &act_q, &mut down);
         for (row, &slot) in down.chunks_exact(d).zip(&slots) {
             per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
         }
