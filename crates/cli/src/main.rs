@@ -1,5 +1,6 @@
 //! `hmoe`: run, inspect and serve Mixture-of-Experts GGUF models.
 
+mod chat_cmd;
 mod common;
 mod demo_cmd;
 mod fit_cmd;
@@ -7,6 +8,7 @@ mod inspect_cmd;
 mod make_model_cmd;
 mod placement_args;
 mod run_cmd;
+mod serve_cmd;
 mod tokenize_cmd;
 
 use clap::{Parser, Subcommand};
@@ -28,10 +30,14 @@ enum Command {
     MakeTestModel(make_model_cmd::MakeModelArgs),
     /// Make a small model and generate from it: a first run on a fresh machine.
     Demo(demo_cmd::DemoArgs),
+    /// Chat with a model in the terminal (uses its chat template).
+    Chat(chat_cmd::ChatArgs),
     /// Tokenize text with a model's vocabulary.
     Tokenize(tokenize_cmd::TokenizeArgs),
     /// Plan tensor placement and print the memory estimate per device.
     Fit(fit_cmd::FitArgs),
+    /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
+    Serve(serve_cmd::ServeArgs),
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
@@ -74,7 +80,9 @@ fn main() -> anyhow::Result<()> {
         Command::Inspect(args) => inspect_cmd::run(args),
         Command::MakeTestModel(args) => make_model_cmd::run(args),
         Command::Demo(args) => demo_cmd::run(args),
+        Command::Chat(args) => chat_cmd::run(args),
         Command::Tokenize(args) => tokenize_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
+        Command::Serve(args) => serve_cmd::run(args),
     }
 }

@@ -208,3 +208,24 @@ fn demo_generates() {
     let out = ok_stdout(&["demo", "-o", model.to_str().unwrap(), "-n", "8"]);
     assert!(out.contains("generated ids"), "{out}");
 }
+
+/// `hmoe chat` renders the model's template each turn and answers every line of stdin.
+#[test]
+fn chat_answers_each_line_from_stdin() {
+    use std::io::Write;
+    let model = fixtures().join("gpt-oss/gptoss-tiny.gguf");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hmoe"))
+        .args(["chat", "-m", model.to_str().unwrap(), "-n", "8", "--temp", "0", "-t", "2", "--reasoning-format", "none"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"Hello there\nWhat is two plus two?\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let replies: Vec<&str> = stdout.split_terminator('\n').filter(|l| !l.is_empty()).collect();
+    assert!(replies.len() >= 2, "{stdout:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stderr).matches("> ").count(), 3);
+}
