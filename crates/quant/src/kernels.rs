@@ -30,7 +30,7 @@ macro_rules! entry_points {
         unsafe fn $rows(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
             let rows = out.len();
             let mut r = 0;
-            while r + $r <= rows {
+            while rows - r >= $r {
                 $kernel::<$r $(, $extra)?>(n, w.as_ptr().add(r * stride), stride, a.as_ptr(), out.as_mut_ptr().add(r));
                 r += $r;
             }

@@ -1,32 +1,59 @@
 //! Block quantisation formats used by GGUF files: the type table, conversions to and from f32,
 //! and the dot-product kernels the model's matmuls are built from.
 //!
-//! Supported here: F32, F16, BF16, Q8_0 and MXFP4. Every operation has a scalar reference and
-//! x86-64 AVX2 (+FMA, F16C) and AVX-512 (F/BW/VL, VNNI when present) paths chosen at run time.
+//! Supported weight types: F32, F16, BF16, Q8_0, MXFP4, the legacy Q4_0, Q4_1, Q5_0, Q5_1 and
+//! the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; activation formats Q8_0, Q8_1 (for Q4_1/Q5_1)
+//! and Q8_K (for K-quants). Every operation has a scalar reference and x86-64 AVX2 (+FMA,
+//! F16C) and AVX-512 (F/BW/VL, VNNI when present) paths chosen at run time.
+//!
+//! | type | dequantize | quantize | dot (activations) |
+//! |---|---|---|---|
+//! | F32, F16, BF16 | yes | yes | self |
+//! | Q8_0 | yes | ggml's x86 activation quantiser | Q8_0 |
+//! | MXFP4 | yes | ggml's reference quantiser | Q8_0 |
+//! | Q4_0, Q5_0 | yes | ggml's reference quantisers | Q8_0 |
+//! | Q4_1, Q5_1 | yes | ggml's reference quantisers | Q8_1 |
+//! | Q2_K ... Q6_K | yes | no | Q8_K |
+//! | Q8_1 | yes (`d·q`) | ggml's x86 activation quantiser | — |
+//! | Q8_K | yes (`d·q`) | ggml's activation quantiser | — |
 //!
 //! # Numerics
 //! The kernels reproduce what ggml's CPU backend computes on x86, built the way the reference
 //! fixtures were (AVX2/FMA/F16C/AVX-512/VNNI flags, no AVX512-BF16/FP16):
-//! * activations are converted once per row into [`vec_dot_type`] of the weight; Q8_0 activation
-//!   quantisation is bit-exact with ggml's x86 `quantize_row_q8_0` (f16 scale `amax/127`,
-//!   multiplier `127/amax`, round half to even);
+//! * activations are converted once per row into [`vec_dot_type`] of the weight, bit-exact with
+//!   ggml's x86 quantisers: Q8_0 (f16 scale `amax/127`, multiplier `127/amax`, round half to
+//!   even), Q8_1 (the same plus `s = f16(amax/127 · Σq)`), Q8_K (ggml's scalar reference:
+//!   `iscale = -127/max` of the first largest-magnitude value, the `nearest_int` bit trick,
+//!   `d = 1/iscale` as f32, 16-element sums);
 //! * the dot products keep ggml's accumulation order: F32/F16 four 16-lane FMA accumulators over
 //!   64-element steps, BF16 two 16-lane multiply-add accumulators over 32-element steps (F16/BF16
-//!   summed into f64 at the end), Q8_0 one 8-lane FMA accumulator of per-block int32 partial sums,
-//!   MXFP4 two 8-lane accumulators for even/odd blocks. Horizontal sums halve the vector
-//!   repeatedly, as `_mm512_reduce_add_ps` and ggml's `hsum_float_8` do.
+//!   summed into f64 at the end), Q8_0/Q4_0/Q5_0 one 8-lane FMA accumulator of per-block int32
+//!   partial sums (lane k sums elements 4k..4k+4), Q4_1/Q5_1 the same plus a scalar FMA chain of
+//!   `m·s` added last, MXFP4 two 8-lane accumulators for even/odd blocks, K-quants one 8-lane FMA
+//!   accumulator per super-block of int32 lanes (lane l takes bytes 4l..4l+4 of each 32-byte run)
+//!   with the min corrections where ggml puts them (see `kquants.rs`). Horizontal sums halve the
+//!   vector repeatedly, as `_mm512_reduce_add_ps` and ggml's `hsum_float_8` do. Scalar
+//!   `a*b + c` in ggml's C that GCC contracts to FMA (`summs += m*s`) is an FMA here too;
+//!   dequantisation rounds each product, as ggml's base library (built without FMA) does.
 //!
 //! Because the scalar reference emulates those lanes, **all ISAs return bit-identical results**
-//! for every supported type (the tests check equality, not a tolerance). One edge case differs
-//! from exact arithmetic, as in ggml: a Q8_0×Q8_0 product of an activation byte -128 with a
-//! negative weight has its sign flipped (ggml's `_mm256_sign_epi8` trick); our quantiser only
-//! emits -128 for NaN inputs. MXFP4 products are always exact. Measured against f64 on random
-//! rows of 2880, |dot − exact| / Σ|w·x| stays below 1.1e-8 (F32), 1.3e-5 (F16), 1.3e-4 (BF16),
-//! 2.4e-4 (Q8_0, MXFP4), almost all of it from converting the activations.
+//! for every supported type (the tests check equality, not a tolerance), and for Q4_0 through
+//! Q6_K, Q8_0 and MXFP4 they equal outputs recorded from ggml itself (dot, activation bytes,
+//! dequantised values). Edge cases that differ from exact arithmetic, as in ggml: where ggml
+//! multiplies signed bytes with the `_mm256_sign_epi8` trick (Q8_0, Q4_0, Q5_0, MXFP4), an
+//! activation byte -128 times a negative weight has its sign flipped; our quantisers only emit
+//! -128 for NaN inputs. Measured against f64 on random rows of 2880, |dot − exact| / Σ|w·x|
+//! stays below 1.1e-8 (F32), 1.3e-5 (F16), 1.3e-4 (BF16), 2.4e-4 (Q8_0, MXFP4), almost all of
+//! it from converting the activations. For the low-bit types (against Σ dequantize(w)·x, rows of
+//! 32 to 4864) the worst cases seen are 0.4e-3 (Q3_K) to 1.9e-3 (Q5_0) with uniform activations
+//! and 2.7e-3 to 6.8e-3 with activations spanning 2^±8 within a block; the tests bound each
+//! case by the activation quantisation error.
 //!
-//! Note for matching llama.cpp end to end: llama.cpp routes some dense F32/F16/BF16/Q8_0
-//! matmuls through its llamafile sgemm and MXFP4 experts through a repacked layout when those
-//! are enabled; those use other accumulation orders than the `vec_dot` kernels mirrored here.
+//! Note for matching llama.cpp end to end: llama.cpp routes some dense F32/F16/BF16/Q8_0/Q4_0/
+//! Q5_0 matmuls through its llamafile sgemm, and with `GGML_CPU_REPACK` (default on) Q4_0, Q4_K,
+//! MXFP4 (AVX2) and Q2_K (AVX-512) weights through repacked 8-row layouts when the row count
+//! is a multiple of 8; those use other accumulation orders than the `vec_dot` kernels mirrored
+//! here.
 //!
 //! All functions are allocation-free and thread-safe.
 
@@ -250,8 +277,9 @@ pub fn dequantize_row_with(
 }
 
 /// Quantises `src` into `dst` (exactly `ty.row_bytes(src.len())` bytes). Supports F32, F16,
-/// BF16 (round to nearest even), Q8_0 (bit-exact with ggml's x86 activation quantiser) and
-/// MXFP4 (ggml's reference quantiser, for writing test models).
+/// BF16 (round to nearest even), the activation formats Q8_0, Q8_1 and Q8_K (bit-exact with
+/// ggml's x86 quantisers), and MXFP4, Q4_0, Q4_1, Q5_0, Q5_1 (ggml's reference quantisers, for
+/// writing test models). K-quant weights cannot be quantised here.
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
     quantize_row_with(Isa::best(), ty, src, dst)
 }

@@ -15,12 +15,12 @@ use crate::kquants::{
 };
 use crate::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_1_BYTES};
 use crate::scalar::{Q8_0_BYTES, QK};
-use crate::x86_avx2::{f16_at, hsum8, q8_q8_lanes};
+use crate::x86_avx2::{f16_at, hsum8};
 use crate::GgmlType;
 
 /// The 32 nibbles of the 16 bytes at `p` as bytes: low nibbles in 0..16, high nibbles in 16..32.
 #[inline(always)]
-pub(crate) unsafe fn nibbles32(p: *const u8) -> __m256i {
+unsafe fn nibbles32(p: *const u8) -> __m256i {
     let q = _mm_loadu_si128(p.cast());
     let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q), _mm_srli_epi16::<4>(q));
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
@@ -28,7 +28,7 @@ pub(crate) unsafe fn nibbles32(p: *const u8) -> __m256i {
 
 /// 0xff in byte `i` where bit `i` of the little-endian u32 at `p` is set, else 0.
 #[inline(always)]
-pub(crate) unsafe fn bits32(p: *const u8) -> __m256i {
+unsafe fn bits32(p: *const u8) -> __m256i {
     let v = _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
     // Byte i takes byte i/8 of the word (both 128-bit lanes hold the whole word).
     let spread = _mm256_shuffle_epi8(
@@ -44,17 +44,29 @@ pub(crate) unsafe fn bits32(p: *const u8) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit)
 }
 
-/// Unsigned × signed bytes into 8 int32 lanes (lane k sums bytes 4k..4k+4) as f32; `vpmaddubsw`
-/// cannot saturate for the unsigned operands used here (< 32).
+/// Unsigned × signed bytes into 8 int32 lanes (lane k sums bytes 4k..4k+4) as f32, with
+/// `vpdpbusd` (AVX-512 VNNI/VL) when `VNNI`, else `vpmaddubsw` + `vpmaddwd`. Both give the same
+/// integers because the 16-bit pair sums never saturate for our operands (u ≤ 31, so
+/// |2·u·s| ≤ 7936).
 #[inline(always)]
-pub(crate) unsafe fn u8i8_lanes(x: __m256i, y: __m256i) -> __m256 {
-    let p16 = _mm256_maddubs_epi16(x, y);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+pub(crate) unsafe fn u8i8_lanes<const VNNI: bool>(u: __m256i, s: __m256i) -> __m256 {
+    let p = if VNNI {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    };
+    _mm256_cvtepi32_ps(p)
+}
+
+/// Signed × signed bytes into 8 int32 lanes as f32 by ggml's sign trick: `|x|·sign(y, x)`.
+#[inline(always)]
+pub(crate) unsafe fn i8i8_lanes<const VNNI: bool>(x: __m256i, y: __m256i) -> __m256 {
+    u8i8_lanes::<VNNI>(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
 }
 
 /// Q4_0 / Q5_0 weights times Q8_0: one 8-lane FMA chain per row over the blocks.
 #[inline(always)]
-unsafe fn signed_rows<const R: usize, const Q5: bool>(
+pub(crate) unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -76,7 +88,7 @@ unsafe fn signed_rows<const R: usize, const Q5: bool>(
             } else {
                 _mm256_sub_epi8(nibbles32(wb.add(qs)), _mm256_set1_epi8(8))
             };
-            let q = q8_q8_lanes(x, y);
+            let q = i8i8_lanes::<VNNI>(x, y);
             *acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(wb) * da), q, *acc);
         }
     }
@@ -88,7 +100,7 @@ unsafe fn signed_rows<const R: usize, const Q5: bool>(
 /// Q4_1 / Q5_1 weights times Q8_1: an 8-lane FMA chain of `d_w·d_a·lanes` and a scalar FMA
 /// chain of `m·s`, added at the end.
 #[inline(always)]
-unsafe fn min_rows<const R: usize, const Q5: bool>(
+pub(crate) unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -110,7 +122,7 @@ unsafe fn min_rows<const R: usize, const Q5: bool>(
                 let hi = _mm256_and_si256(bits32(wb.add(4)), _mm256_set1_epi8(0x10));
                 x = _mm256_or_si256(x, hi);
             }
-            let q = u8i8_lanes(x, y);
+            let q = u8i8_lanes::<VNNI>(x, y);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(wb) * da), q, acc[r]);
         }
     }
@@ -211,7 +223,7 @@ unsafe fn q2_k_rows<const R: usize>(
 
 /// The 16 Q3_K scales minus 32 as int8 (ggml's 32-bit unpacking of the 12 packed bytes).
 #[inline(always)]
-unsafe fn q3_k_scales(wb: *const u8) -> __m128i {
+pub(crate) unsafe fn q3_k_scales(wb: *const u8) -> __m128i {
     let p = wb.add(96).cast::<u32>();
     let (a0, a1, a2) = (
         p.read_unaligned(),
@@ -273,7 +285,7 @@ unsafe fn q3_k_rows<const R: usize>(
 /// The 8 scales and 8 mins of a Q4_K/Q5_K super-block as 16 int16 (scales first), unpacked as
 /// ggml's AVX2 kernels do (the same values as `get_scale_min_k4`).
 #[inline(always)]
-pub(crate) unsafe fn k4_scales_mins(wb: *const u8) -> __m256i {
+unsafe fn k4_scales_mins(wb: *const u8) -> __m256i {
     let p = wb.add(4).cast::<u32>();
     let (u0, u1, u2) = (
         p.read_unaligned(),
@@ -296,7 +308,7 @@ pub(crate) unsafe fn k4_scales_mins(wb: *const u8) -> __m256i {
 /// The four int32 min products `m[2k]·(b[4k]+b[4k+1]) + m[2k+1]·(b[4k+2]+b[4k+3])` of a
 /// Q4_K/Q5_K super-block (`_mm_hadd_epi16` pair sums, then `_mm_madd_epi16`).
 #[inline(always)]
-pub(crate) unsafe fn k4_min_prod(scales_mins: __m256i, ab: *const u8) -> __m128i {
+unsafe fn k4_min_prod(scales_mins: __m256i, ab: *const u8) -> __m128i {
     let bsums = _mm256_loadu_si256(ab.add(Q8_K_BSUMS).cast());
     let pairs = _mm_hadd_epi16(
         _mm256_castsi256_si128(bsums),
@@ -372,7 +384,7 @@ unsafe fn q4_k_rows<const R: usize>(
 
 /// Wrapping sum of four int32 lanes.
 #[inline(always)]
-pub(crate) unsafe fn hsum_i32_4(v: __m128i) -> i32 {
+unsafe fn hsum_i32_4(v: __m128i) -> i32 {
     let v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
     let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01>(v));
     _mm_cvtsi128_si32(v)
@@ -407,7 +419,7 @@ unsafe fn q5_k_rows<const R: usize>(
 
 /// The four unsigned 6-bit quants of Q6_K half `half` (32-byte runs 4·half..4·half+4).
 #[inline(always)]
-pub(crate) unsafe fn q6_k_quants(wb: *const u8, half: usize) -> [__m256i; 4] {
+unsafe fn q6_k_quants(wb: *const u8, half: usize) -> [__m256i; 4] {
     let m15 = _mm256_set1_epi8(15);
     let ql1 = _mm256_loadu_si256(wb.add(64 * half).cast());
     let ql2 = _mm256_loadu_si256(wb.add(64 * half + 32).cast());
@@ -480,30 +492,30 @@ unsafe fn q6_k_rows<const R: usize>(
 
 #[inline(always)]
 unsafe fn q4_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, false>(n, w, s, a, o)
+    signed_rows::<R, false, false>(n, w, s, a, o)
 }
 #[inline(always)]
 unsafe fn q5_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, true>(n, w, s, a, o)
+    signed_rows::<R, false, true>(n, w, s, a, o)
 }
 #[inline(always)]
 unsafe fn q4_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, false>(n, w, s, a, o)
+    min_rows::<R, false, false>(n, w, s, a, o)
 }
 #[inline(always)]
 unsafe fn q5_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, true>(n, w, s, a, o)
+    min_rows::<R, false, true>(n, w, s, a, o)
 }
 
 entry_points!("avx2,fma,f16c", dot_q4_0, rows_q4_0, q4_0_rows, 4);
 entry_points!("avx2,fma,f16c", dot_q4_1, rows_q4_1, q4_1_rows, 4);
 entry_points!("avx2,fma,f16c", dot_q5_0, rows_q5_0, q5_0_rows, 4);
 entry_points!("avx2,fma,f16c", dot_q5_1, rows_q5_1, q5_1_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q2_k, rows_q2_k, q2_k_rows, 2);
-entry_points!("avx2,fma,f16c", dot_q3_k, rows_q3_k, q3_k_rows, 2);
-entry_points!("avx2,fma,f16c", dot_q4_k, rows_q4_k, q4_k_rows, 2);
-entry_points!("avx2,fma,f16c", dot_q5_k, rows_q5_k, q5_k_rows, 2);
-entry_points!("avx2,fma,f16c", dot_q6_k, rows_q6_k, q6_k_rows, 2);
+entry_points!("avx2,fma,f16c", dot_q2_k, rows_q2_k, q2_k_rows, 1);
+entry_points!("avx2,fma,f16c", dot_q3_k, rows_q3_k, q3_k_rows, 1);
+entry_points!("avx2,fma,f16c", dot_q4_k, rows_q4_k, q4_k_rows, 1);
+entry_points!("avx2,fma,f16c", dot_q5_k, rows_q5_k, q5_k_rows, 1);
+entry_points!("avx2,fma,f16c", dot_q6_k, rows_q6_k, q6_k_rows, 1);
 
 /// The AVX2 kernel for one of the low-bit weight types.
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
