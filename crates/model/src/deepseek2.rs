@@ -22,7 +22,7 @@
 //!         w = p[top] / Σ p[top] (expert_weights_norm) · expert_weights_scale
 //!         x += Σ_k w_k · expert_{top_k}(h) + shared_expert(h)
 //! logits = Wout · (rmsnorm(x) · output_norm)
-//! s = mscale² / √(nope + rope),  mscale = 1 + 0.1 · yarn_log_multiplier · ln(yarn factor)
+//! s = mscale² / √(nope + rope),  mscale = 1 + 0.1 · mscale_all_dim · ln(yarn factor)
 //! ```
 //!
 //! The cache holds only `[c, k_pe]` per position (kv_lora + rope dims): values are the first
@@ -83,7 +83,7 @@ pub struct Deepseek2Params {
     pub rope_freq_base: f32,
     /// RoPE context scaling (YaRN for V2/V3).
     pub rope_scaling: RopeScaling,
-    /// `rope.scaling.yarn_log_multiplier` (0 when absent).
+    /// YaRN's `mscale_all_dim`: `rope.scaling.yarn_log_multiplier / 0.1` (0 when absent).
     pub yarn_log_mul: f32,
     /// Context length the model was trained for.
     pub n_ctx_train: usize,
@@ -179,7 +179,8 @@ impl Deepseek2Params {
             rms_eps: m.f32("attention.layer_norm_rms_epsilon")?,
             rope_freq_base: m.f32_or("rope.freq_base", 10000.0),
             rope_scaling: RopeScaling::from_metadata(meta, ARCH, n_ctx_train as u32)?,
-            yarn_log_mul: m.f32_or("rope.scaling.yarn_log_multiplier", 0.0),
+            // Stored as 0.1·mscale_all_dim by the converter; llama.cpp divides the 0.1 out.
+            yarn_log_mul: m.f32_or("rope.scaling.yarn_log_multiplier", 0.0) / 0.1,
             n_ctx_train,
         };
         if p.n_layer == 0 || p.n_layer > 4096 {
@@ -202,7 +203,7 @@ impl Deepseek2Params {
 
     /// The attention scale `mscale² / √(nope + rope)` of llama.cpp's deepseek2 graph: the YaRN
     /// magnitude ggml leaves out of the rotation (`attn_factor` undone, times
-    /// `1 + 0.1·yarn_log_multiplier·ln(factor)`) is applied to the scores instead.
+    /// `1 + 0.1·mscale_all_dim·ln(factor)`) is applied to the scores instead.
     pub fn kq_scale(&self) -> f32 {
         let (factor, attn_factor) = match self.rope_scaling {
             RopeScaling::Yarn {
@@ -572,5 +573,137 @@ impl LanguageModel for Deepseek2 {
     }
     fn gguf(&self) -> &GgufModel {
         &self.gguf
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hmoe_gguf::{MetaValue, Metadata};
+
+    /// DeepSeek-V3's own hyperparameters (no weights needed for these).
+    fn v3_metadata(yarn: bool) -> Metadata {
+        let mut m = Metadata::new();
+        m.insert("general.architecture", MetaValue::String(ARCH.into()));
+        let ints = [
+            ("block_count", 61),
+            ("context_length", 163840),
+            ("embedding_length", 7168),
+            ("feed_forward_length", 18432),
+            ("attention.head_count", 128),
+            ("attention.head_count_kv", 1),
+            ("attention.key_length", 576),
+            ("attention.value_length", 512),
+            ("attention.key_length_mla", 192),
+            ("attention.value_length_mla", 128),
+            ("attention.q_lora_rank", 1536),
+            ("attention.kv_lora_rank", 512),
+            ("rope.dimension_count", 64),
+            ("leading_dense_block_count", 3),
+            ("expert_count", 256),
+            ("expert_used_count", 8),
+            ("expert_shared_count", 1),
+            ("expert_feed_forward_length", 2048),
+            ("expert_group_count", 8),
+            ("expert_group_used_count", 4),
+            ("expert_gating_func", 2),
+            ("rope.scaling.original_context_length", 4096),
+        ];
+        for (k, v) in ints {
+            m.insert(format!("{ARCH}.{k}"), MetaValue::U32(v));
+        }
+        m.insert(
+            format!("{ARCH}.attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-6),
+        );
+        m.insert(format!("{ARCH}.rope.freq_base"), MetaValue::F32(10000.0));
+        m.insert(format!("{ARCH}.expert_weights_scale"), MetaValue::F32(2.5));
+        m.insert(format!("{ARCH}.expert_weights_norm"), MetaValue::Bool(true));
+        if yarn {
+            m.insert(
+                format!("{ARCH}.rope.scaling.type"),
+                MetaValue::String("yarn".into()),
+            );
+            m.insert(format!("{ARCH}.rope.scaling.factor"), MetaValue::F32(40.0));
+            m.insert(
+                format!("{ARCH}.rope.scaling.yarn_log_multiplier"),
+                MetaValue::F32(0.1),
+            );
+        }
+        m
+    }
+
+    #[test]
+    fn v3_hyperparameters() {
+        let p = Deepseek2Params::from_metadata(&v3_metadata(false), 129280).unwrap();
+        assert_eq!(
+            (p.qk_nope_dim, p.qk_rope_dim, p.v_head_dim, p.latent_dim()),
+            (128, 64, 128, 576)
+        );
+        assert_eq!(p.q_lora_rank, Some(1536));
+        assert_eq!(p.gating, Gating::Sigmoid);
+        assert_eq!(
+            p.routing,
+            Routing {
+                k: 8,
+                groups: Some((8, 4)),
+                norm: true,
+                scale: 2.5
+            }
+        );
+        assert_eq!(p.kq_scale(), 1.0 / 192f32.sqrt());
+    }
+
+    /// With YaRN the rotation keeps magnitude 1 and the scores take HF's
+    /// `softmax_scale = mscale² / √192`, `mscale = 0.1·mscale_all_dim·ln(40) + 1`.
+    #[test]
+    fn v3_yarn_scales_scores_not_rotation() {
+        let p = Deepseek2Params::from_metadata(&v3_metadata(true), 129280).unwrap();
+        assert!((p.yarn_log_mul - 1.0).abs() < 1e-6);
+        let RopeScaling::Yarn {
+            attn_factor,
+            factor,
+            ..
+        } = p.rope_scaling
+        else {
+            panic!("{:?}", p.rope_scaling)
+        };
+        assert!((attn_factor * (1.0 + 0.1 * factor.ln()) - 1.0).abs() < 1e-6);
+        let mscale = 0.1f64 * 40f64.ln() + 1.0;
+        let want = mscale * mscale / 192f64.sqrt();
+        assert!(
+            (p.kq_scale() as f64 - want).abs() < 1e-6,
+            "{} vs {want}",
+            p.kq_scale()
+        );
+    }
+
+    #[test]
+    fn group_limited_routing() {
+        // Two groups of four; group 1 holds the two best biased scores, so only it is eligible
+        // even though expert 0 alone has the highest probability.
+        let routing = Routing {
+            k: 2,
+            groups: Some((2, 1)),
+            norm: true,
+            scale: 2.5,
+        };
+        let probs = [0.9, 0.1, 0.1, 0.1, 0.6, 0.7, 0.5, 0.2];
+        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0];
+        let (mut top, mut w) = (Vec::new(), Vec::new());
+        routing.select(&probs, Some(&bias), &mut top, &mut w);
+        assert_eq!(top, vec![6, 5]);
+        // Weights come from the unbiased probabilities, normalised then scaled.
+        assert!((w[0] - 0.5 / 1.2 * 2.5).abs() < 1e-6 && (w[1] - 0.7 / 1.2 * 2.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn old_mla_less_files_are_refused() {
+        let mut m = v3_metadata(false);
+        m.remove(&format!("{ARCH}.attention.key_length_mla"));
+        assert!(matches!(
+            Deepseek2Params::from_metadata(&m, 10),
+            Err(ModelError::BadParam { .. })
+        ));
     }
 }

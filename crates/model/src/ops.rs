@@ -375,7 +375,8 @@ pub enum RopeScaling {
 impl RopeScaling {
     /// Reads `ARCH.rope.scaling.*` the way llama.cpp's context does, including its YaRN
     /// attention factor (`get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`
-    /// when `rope.scaling.yarn_log_multiplier` is set, with deepseek2's special case, then
+    /// when `rope.scaling.yarn_log_multiplier` is set (deepseek2 files store it ×0.1), with
+    /// deepseek2's special case, then
     /// divided by the `1 + 0.1·ln(factor)` ggml applies). `n_ctx_train` is the fallback for
     /// the original context length.
     pub fn from_metadata(
@@ -400,7 +401,11 @@ impl RopeScaling {
                         0.1 * mscale * scale.ln() + 1.0
                     }
                 };
-                let log_mul = meta.get_f32(&key("yarn_log_multiplier")).unwrap_or(0.0);
+                let mut log_mul = meta.get_f32(&key("yarn_log_multiplier")).unwrap_or(0.0);
+                if arch == "deepseek2" {
+                    // The converter stores 0.1·mscale_all_dim; llama.cpp's loader undoes the 0.1.
+                    log_mul /= 0.1;
+                }
                 let mut attn_factor = if log_mul != 0.0 {
                     let mscale = if arch == "deepseek2" && log_mul != 1.0 { log_mul } else { 1.0 };
                     get_mscale(factor, mscale) / get_mscale(factor, log_mul)
