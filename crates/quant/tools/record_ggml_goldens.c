@@ -8,8 +8,9 @@
  *      -L$L -lggml-cpu -lggml-base -lm -Wl,-rpath,$L && ./record
  *
  * For each weight type and case it prints: the f32 bits of vec_dot, FNV-1a of the activation
- * bytes (from_float of the vec_dot_type) and FNV-1a of the dequantised weights (to_float,
- * NaNs as 0x7fc00000). The input generator (splitmix64) must stay identical to the Rust one.
+ * bytes (from_float of the vec_dot_type), FNV-1a of the dequantised weights (to_float, NaNs
+ * as 0x7fc00000) and FNV-1a of the activation values quantised to the weight type by
+ * from_float_ref (0 where not recorded). The input generator (splitmix64) must stay identical to the Rust one.
  */
 #include <stdio.h>
 #include <stdint.h>
@@ -80,7 +81,7 @@ int main(void) {
         int n = bs == 256 ? 1280 : 1440;
         int nb = n / bs;
         size_t wb = nb * tr->type_size, ab = nb * atr->type_size;
-        uint8_t *w = malloc(wb), *a = malloc(ab);
+        uint8_t *w = malloc(wb), *a = malloc(ab), *q = malloc(wb);
         float *x = malloc(n * 4), *y = malloc(n * 4);
         for (int c = 0; c < 4; c++) {
             st = (uint64_t)t * 1000 + c;
@@ -95,7 +96,7 @@ int main(void) {
             }
             tr->to_float(w, y, n);
             uint64_t hd = fnv_f32(y, n);
-            uint64_t ha = 0; float dot = 0;
+            uint64_t ha = 0, hq = 0; float dot = 0;
             if (c < 3) {
                 for (int i = 0; i < n; i++) x[i] = spread();
                 if (c == 1) {
@@ -118,12 +119,16 @@ int main(void) {
                 }
                 ha = fnv(a, ab);
                 cpu->vec_dot(n, &dot, 0, w, 0, a, 0, 1);
+                if (c < 2 && tr->from_float_ref) {
+                    tr->from_float_ref(x, q, n);
+                    hq = fnv(q, wb);
+                }
             }
             uint32_t db; memcpy(&db, &dot, 4);
             char nm[16]; snprintf(nm, sizeof nm, "%s", ggml_type_name(t));
             for (char *p = nm; *p; p++) if (*p >= 'a' && *p <= 'z') *p -= 32;
-            printf("    (%s, %d, 0x%08x, 0x%016llx, 0x%016llx),\n", nm, c, db,
-                   (unsigned long long)ha, (unsigned long long)hd);
+            printf("    (%s, %d, 0x%08x, 0x%016llx, 0x%016llx, 0x%016llx),\n", nm, c, db,
+                   (unsigned long long)ha, (unsigned long long)hd, (unsigned long long)hq);
         }
     }
     return 0;
