@@ -1,7 +1,7 @@
 //! Writing GGUF v3 files, whole or split into shards laid out like llama-gguf-split output.
 
 use std::collections::HashSet;
-use std::io::Write;
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::{GgufError, Result, TensorProblem};
@@ -17,7 +17,23 @@ struct WTensor {
     name: String,
     ty: GgmlType,
     dims: Vec<u64>,
-    data: Vec<u8>,
+    data: TensorBytes,
+}
+
+/// A tensor's data: bytes to write, or a hole of that many bytes (a sparse file region that
+/// reads as zeros and takes no disk space: full-size layouts for planning without weights).
+enum TensorBytes {
+    Data(Vec<u8>),
+    Hole(u64),
+}
+
+impl TensorBytes {
+    fn len(&self) -> u64 {
+        match self {
+            TensorBytes::Data(d) => d.len() as u64,
+            TensorBytes::Hole(n) => *n,
+        }
+    }
 }
 
 /// Builds a GGUF v3 file: metadata in insertion order, tensors in insertion order, each
@@ -49,6 +65,16 @@ impl std::fmt::Debug for GgufWriter {
 struct Counting<W> {
     inner: W,
     written: u64,
+}
+
+impl<W: Write + Seek> Counting<W> {
+    /// Leaves `n` bytes unwritten (a hole; the file length is fixed at the end).
+    fn skip(&mut self, n: u64) -> std::io::Result<()> {
+        let n_i64 = i64::try_from(n).map_err(std::io::Error::other)?;
+        self.inner.seek(SeekFrom::Current(n_i64))?;
+        self.written += n;
+        Ok(())
+    }
 }
 
 impl<W: Write> Counting<W> {
@@ -206,21 +232,47 @@ impl GgufWriter {
         dims: &[u64],
         data: Vec<u8>,
     ) -> Result<()> {
+        self.push_tensor(name.into(), ty, dims, TensorBytes::Data(data))
+    }
+
+    /// Adds a tensor whose data is left as a hole in the file (reads as zeros, uses no disk):
+    /// the real tensor table of a large model, for planning and inspection without weights.
+    pub fn add_tensor_hole(
+        &mut self,
+        name: impl Into<String>,
+        ty: GgmlType,
+        dims: &[u64],
+    ) -> Result<()> {
         let name = name.into();
+        let (_, n_bytes) = tensor_size(ty, dims).map_err(|problem| GgufError::InvalidTensor {
+            name: name.clone(),
+            offset: None,
+            problem,
+        })?;
+        self.push_tensor(name, ty, dims, TensorBytes::Hole(n_bytes))
+    }
+
+    fn push_tensor(
+        &mut self,
+        name: String,
+        ty: GgmlType,
+        dims: &[u64],
+        data: TensorBytes,
+    ) -> Result<()> {
         let bad = |name: &str, problem| GgufError::InvalidTensor {
             name: name.to_string(),
             offset: None,
             problem,
         };
         let (_, n_bytes) = tensor_size(ty, dims).map_err(|p| bad(&name, p))?;
-        if data.len() as u64 != n_bytes {
+        if data.len() != n_bytes {
             return Err(bad(
                 &name,
                 TensorProblem::DataSize {
                     ty,
                     dims: dims.to_vec(),
                     expected: n_bytes,
-                    got: data.len() as u64,
+                    got: data.len(),
                 },
             ));
         }
@@ -252,13 +304,13 @@ impl GgufWriter {
             .try_for_each(|(k, v)| check_value(k, v, 0))
     }
 
-    /// Writes one file with the given metadata entries and tensors.
-    fn encode<W: Write>(
+    /// Writes one file with the given metadata entries and tensors; returns its length.
+    fn encode<W: Write + Seek>(
         &self,
         out: W,
         meta: &[(&str, &MetaValue)],
         tensors: &[WTensor],
-    ) -> std::io::Result<()> {
+    ) -> std::io::Result<u64> {
         let mut out = Counting {
             inner: out,
             written: 0,
@@ -285,10 +337,14 @@ impl GgufWriter {
         }
         out.pad_to(self.alignment)?;
         for t in tensors {
-            out.put(&t.data)?;
+            match &t.data {
+                TensorBytes::Data(d) => out.put(d)?,
+                TensorBytes::Hole(n) => out.skip(*n)?,
+            }
             out.pad_to(self.alignment)?;
         }
-        out.inner.flush()
+        out.inner.flush()?;
+        Ok(out.written)
     }
 
     fn all_meta(&self) -> Vec<(&str, &MetaValue)> {
@@ -298,10 +354,13 @@ impl GgufWriter {
     /// The whole file in memory.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         self.validate()?;
-        let mut buf = Vec::new();
-        self.encode(&mut buf, &self.all_meta(), &self.tensors)
+        let mut buf = std::io::Cursor::new(Vec::new());
+        let len = self
+            .encode(&mut buf, &self.all_meta(), &self.tensors)
             .map_err(|e| GgufError::InvalidArgument(format!("writing to memory failed: {e}")))?;
-        Ok(buf)
+        let mut bytes = buf.into_inner();
+        bytes.resize(len as usize, 0);
+        Ok(bytes)
     }
 
     /// Writes the file to `path` (streamed, without building it in memory).
@@ -378,7 +437,7 @@ impl GgufWriter {
 
 fn write_file(
     path: &Path,
-    f: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>,
+    f: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<u64>,
 ) -> Result<()> {
     let io = |op, source| GgufError::Io {
         op,
@@ -387,11 +446,11 @@ fn write_file(
     };
     let file = std::fs::File::create(path).map_err(|e| io("create", e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    f(&mut w).map_err(|e| io("write", e))?;
-    w.into_inner()
-        .map_err(|e| io("write", e.into_error()))?
-        .sync_all()
-        .map_err(|e| io("sync", e))
+    let len = f(&mut w).map_err(|e| io("write", e))?;
+    let file = w.into_inner().map_err(|e| io("write", e.into_error()))?;
+    // A trailing hole is not written: give the file its full length.
+    file.set_len(len).map_err(|e| io("extend", e))?;
+    file.sync_all().map_err(|e| io("sync", e))
 }
 
 #[cfg(test)]
