@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_placement::{plan, DeviceUsage, ModelShape, Plan, TensorDesc};
+use hmoe_placement::{plan, DeviceId, DeviceUsage, ModelShape, Plan, TensorDesc};
 use serde_json::{json, Value};
 
 use crate::placement_args::PlacementArgs;
@@ -29,13 +29,22 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
     let shape = ModelShape::from_metadata(model.metadata())?;
     let tensors: Vec<TensorDesc> = model.tensors().iter().map(TensorDesc::from).collect();
     let flags = args.placement.to_flags()?;
-    let mut budget = args.placement.gpu_budget()?;
-    budget.host_free = host_available();
+    // Host RAM is reported, not enforced: weights are memory-mapped, so a model larger than
+    // RAM still runs (paging), as with llama.cpp.
+    let budget = args.placement.gpu_budget()?;
     let plan = plan(&tensors, &shape, &budget, &flags)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&to_json(&plan))?);
     } else {
         print!("{}", render(&plan));
+        let cpu = plan.device(DeviceId::Cpu).map_or(0, DeviceUsage::total);
+        if let Some(avail) = host_available().filter(|&a| a < cpu) {
+            println!(
+                "note: the CPU part ({} MiB) exceeds available RAM ({} MiB); mapped weights will page",
+                cpu >> 20,
+                avail >> 20
+            );
+        }
     }
     Ok(())
 }

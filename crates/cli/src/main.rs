@@ -63,7 +63,7 @@ fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
     .collect()
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -72,7 +72,15 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse_from(normalise_args(std::env::args()));
-    match cli.command {
+    if let Err(e) = run(cli.command) {
+        // The cause chain on one line; no backtrace even when RUST_BACKTRACE is set.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Run(args) => run_cmd::run(args),
         Command::Inspect(args) => inspect_cmd::run(args),
         Command::MakeTestModel(args) => make_model_cmd::run(args),

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use hmoe_synth::{gpt_oss_writer, GptOssSpec};
+use hmoe_synth::{gpt_oss_layout_writer, gpt_oss_writer, GptOssSpec};
 
 /// Arguments of `hmoe make-test-model`.
 #[derive(clap::Args, Debug)]
@@ -11,7 +11,8 @@ pub struct MakeModelArgs {
     /// Architecture (gpt-oss).
     #[arg(long, default_value = "gpt-oss")]
     pub arch: String,
-    /// Starting dimensions: `tiny` or `gpt-oss-120b-layers` (120b's per-layer dims).
+    /// Starting dimensions: `tiny`, `gpt-oss-120b-layers` (120b's per-layer dims, 2 layers,
+    /// 32k vocabulary), `gpt-oss-120b` or `gpt-oss-20b` (the published models' full tables).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Transformer blocks.
@@ -53,6 +54,10 @@ pub struct MakeModelArgs {
     /// Split into shards of at most this many tensors (PREFIX-0000k-of-0000N.gguf).
     #[arg(long)]
     pub split_max_tensors: Option<usize>,
+    /// Leave all tensor data as a file hole: the real layout without weights (for `fit`,
+    /// `inspect`; it cannot be run).
+    #[arg(long)]
+    pub sparse: bool,
 }
 
 impl MakeModelArgs {
@@ -63,7 +68,9 @@ impl MakeModelArgs {
         let mut s = match self.preset.as_str() {
             "tiny" => GptOssSpec::tiny(),
             "gpt-oss-120b-layers" => GptOssSpec::gpt_oss_120b_layers(2, 32000),
-            other => bail!("unknown preset '{other}' (tiny, gpt-oss-120b-layers)"),
+            "gpt-oss-120b" => GptOssSpec::gpt_oss_120b(),
+            "gpt-oss-20b" => GptOssSpec::gpt_oss_20b(),
+            other => bail!("unknown preset '{other}' (tiny, gpt-oss-120b-layers, gpt-oss-120b, gpt-oss-20b)"),
         };
         let set = |dst: &mut usize, v: Option<usize>| {
             if let Some(v) = v {
@@ -89,7 +96,8 @@ impl MakeModelArgs {
 /// Runs `hmoe make-test-model`.
 pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {
     let spec = args.spec()?;
-    let writer = gpt_oss_writer(&spec).map_err(anyhow::Error::msg)?;
+    let writer = if args.sparse { gpt_oss_layout_writer(&spec) } else { gpt_oss_writer(&spec) }
+        .map_err(anyhow::Error::msg)?;
     match args.split_max_tensors {
         Some(n) => {
             let paths = writer.write_split(&args.output, n).context("writing shards")?;

@@ -229,3 +229,34 @@ fn chat_answers_each_line_from_stdin() {
     assert!(replies.len() >= 2, "{stdout:?}");
     assert_eq!(String::from_utf8_lossy(&out.stderr).matches("> ").count(), 3);
 }
+
+/// The full gpt-oss-120b layout as a sparse file, planned by `hmoe fit` (issue 4's checks).
+#[test]
+fn fit_plans_the_sparse_gpt_oss_120b_layout() {
+    let model = scratch("g120-sparse.gguf");
+    ok_stdout(&["make-test-model", "--preset", "gpt-oss-120b", "--sparse", "-o", model.to_str().unwrap()]);
+    let m = model.to_str().unwrap();
+    let inspect = ok_stdout(&["inspect", m, "--no-tensors"]);
+    assert!(inspect.contains("687 tensors"), "{inspect}");
+    let fit = |extra: &[&str]| -> Value {
+        let mut args = vec!["fit", "-m", m, "-c", "4096", "-ngl", "all", "--json"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok_stdout(&args)).unwrap()
+    };
+    let dev = |v: &Value, name: &str| -> Value {
+        v["devices"].as_array().unwrap().iter().find(|d| d["device"] == name).unwrap().clone()
+    };
+    let gib = |x: &Value| x.as_u64().unwrap() as f64 / (1u64 << 30) as f64;
+    let cpu_moe = fit(&["--cpu-moe", "--gpu-mem", "8GiB"]);
+    let gpu = dev(&cpu_moe, "CUDA0");
+    let gpu_gb = gpu["total"].as_u64().unwrap() as f64 / 1e9;
+    assert!((3.0..5.0).contains(&gpu_gb), "GPU total {gpu_gb} GB");
+    assert_eq!(dev(&cpu_moe, "CPU")["expert_layers"], 36);
+    for (mem, min_layers) in [("8GiB", 1), ("22GiB", 5)] {
+        let p = fit(&["--gpu-mem", mem]);
+        let gpu = dev(&p, "CUDA0");
+        let free_left = gib(&gpu["free"]) - gib(&gpu["total"]);
+        assert!(free_left >= 1.0, "{mem}: {free_left} GiB left");
+        assert!(gpu["expert_layers"].as_u64().unwrap() >= min_layers, "{mem}: {gpu}");
+    }
+}

@@ -72,6 +72,20 @@ impl GptOssSpec {
         }
     }
 
+    /// gpt-oss-120b's full dimensions (36 layers, 128 experts, o200k-sized vocabulary).
+    pub fn gpt_oss_120b() -> GptOssSpec {
+        GptOssSpec::gpt_oss_120b_layers(36, 201088)
+    }
+
+    /// gpt-oss-20b's full dimensions (24 layers, 32 experts).
+    pub fn gpt_oss_20b() -> GptOssSpec {
+        GptOssSpec {
+            n_layer: 24,
+            n_expert: 32,
+            ..GptOssSpec::gpt_oss_120b()
+        }
+    }
+
     /// Checks the block-size and head constraints of the tensor types used.
     pub fn validate(&self) -> Result<(), String> {
         let q = self.n_head * self.head_dim;
@@ -104,6 +118,17 @@ struct Plan {
 
 /// Builds a writer holding a random gpt-oss model (metadata, byte vocabulary, tensors).
 pub fn gpt_oss_writer(spec: &GptOssSpec) -> Result<GgufWriter, String> {
+    build(spec, false)
+}
+
+/// Builds a writer with the real metadata and tensor table but every tensor's data left as a
+/// file hole: full-size layouts (gpt-oss-120b is 63 GB) for planning and `inspect`, written
+/// in milliseconds and using no disk space.
+pub fn gpt_oss_layout_writer(spec: &GptOssSpec) -> Result<GgufWriter, String> {
+    build(spec, true)
+}
+
+fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
     spec.validate()?;
     let s = spec;
     let (d, ff, ne) = (s.n_embd as u64, s.n_ff_exp as u64, s.n_expert as u64);
@@ -140,10 +165,13 @@ pub fn gpt_oss_writer(spec: &GptOssSpec) -> Result<GgufWriter, String> {
             t(n("ffn_down_exps.bias"), F32, vec![d, ne], 0.2, 0.0),
         ]);
     }
-    let data: Vec<Vec<u8>> = plans
+    let data: Vec<Option<Vec<u8>>> = plans
         .par_iter()
         .enumerate()
-        .map(|(i, p)| random_tensor(p, s.seed.wrapping_mul(1_000_003).wrapping_add(i as u64)))
+        .map(|(i, p)| {
+            let seed = s.seed.wrapping_mul(1_000_003).wrapping_add(i as u64);
+            (!sparse).then(|| random_tensor(p, seed))
+        })
         .collect();
     let mut w = GgufWriter::new();
     let meta_u32 = |w: &mut GgufWriter, k: &str, v: usize| {
@@ -171,7 +199,11 @@ pub fn gpt_oss_writer(spec: &GptOssSpec) -> Result<GgufWriter, String> {
     w.add_meta("gpt-oss.rope.scaling.factor", MetaValue::F32(32.0));
     add_byte_vocab(&mut w, s.n_vocab);
     for (p, bytes) in plans.into_iter().zip(data) {
-        w.add_tensor(p.name, p.ty, &p.dims, bytes).map_err(|e| e.to_string())?;
+        match bytes {
+            Some(bytes) => w.add_tensor(p.name, p.ty, &p.dims, bytes),
+            None => w.add_tensor_hole(p.name, p.ty, &p.dims),
+        }
+        .map_err(|e| e.to_string())?;
     }
     Ok(w)
 }

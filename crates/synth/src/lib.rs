@@ -4,5 +4,5 @@
 mod gpt_oss;
 mod vocab;
 
-pub use gpt_oss::{gpt_oss_writer, GptOssSpec};
+pub use gpt_oss::{gpt_oss_layout_writer, gpt_oss_writer, GptOssSpec};
 pub use vocab::add_byte_vocab;
