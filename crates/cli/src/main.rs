@@ -8,6 +8,7 @@ mod inspect_cmd;
 mod make_model_cmd;
 mod placement_args;
 mod run_cmd;
+mod serve_cmd;
 mod tokenize_cmd;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,8 @@ enum Command {
     Tokenize(tokenize_cmd::TokenizeArgs),
     /// Plan tensor placement and print the memory estimate per device.
     Fit(fit_cmd::FitArgs),
+    /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
+    Serve(serve_cmd::ServeArgs),
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
@@ -88,5 +91,6 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Chat(args) => chat_cmd::run(args),
         Command::Tokenize(args) => tokenize_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
+        Command::Serve(args) => serve_cmd::run(args),
     }
 }

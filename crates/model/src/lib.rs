@@ -29,6 +29,17 @@ pub enum LogitsWanted {
     All,
 }
 
+/// One sequence's share of a multi-sequence forward pass ([`LanguageModel::forward_multi`]).
+pub struct SeqBatch<'c, 't> {
+    /// The sequence's cache; `tokens` go to its next positions.
+    pub cache: &'c mut KvCache,
+    /// Tokens to run (a prompt chunk or one decode token).
+    pub tokens: &'t [u32],
+    /// Whether to return the logits of the last token (`n_vocab` floats); when false an
+    /// empty vector is returned for this sequence.
+    pub logits: bool,
+}
+
 /// What the engine needs from any architecture.
 pub trait LanguageModel: Send + Sync {
     /// Vocabulary size (length of each logits row).
@@ -46,6 +57,19 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<Vec<f32>, ModelError>;
     /// The file(s) the weights live in (metadata for tokenizer and chat template).
     fn gguf(&self) -> &hmoe_gguf::GgufModel;
+    /// Runs several sequences in one pass (continuous batching): each sequence's tokens go to
+    /// the next positions of its own cache, and every sequence's result is exactly what
+    /// [`LanguageModel::forward`] would return for it alone (batch invariance). The default
+    /// runs the sequences one after the other; architectures override it to share the weight
+    /// reads of one step between sequences.
+    fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        seqs.iter_mut()
+            .map(|s| {
+                let logits = self.forward(s.cache, s.tokens, LogitsWanted::Last)?;
+                Ok(if s.logits { logits } else { Vec::new() })
+            })
+            .collect()
+    }
 }
 
 impl LanguageModel for GptOss {

@@ -1,0 +1,273 @@
+//! Chat requests to prompts: OpenAI messages normalised for Hugging Face templates, the
+//! model's (or `--chat-template-file`'s) template, and how the output is to be read.
+
+use hmoe_chat::{ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat};
+use hmoe_tokenizer::Tokenizer;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::output::OutputKind;
+
+/// A model's chat format.
+pub struct ChatSetup {
+    template: ChatTemplate,
+    source: String,
+    harmony: Option<HarmonyTokens>,
+    think: bool,
+    bos: String,
+    eos: String,
+}
+
+impl std::fmt::Debug for ChatSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatSetup")
+            .field("harmony", &self.harmony.is_some())
+            .field("think", &self.think)
+            .finish()
+    }
+}
+
+impl ChatSetup {
+    /// Compiles `source` for a model with vocabulary `tok`.
+    pub fn new(source: String, tok: &Tokenizer) -> Result<ChatSetup, ChatError> {
+        let template = ChatTemplate::new(&source)?;
+        let harmony = if source.contains("<|channel|>") {
+            HarmonyTokens::from_tokenizer(tok).ok()
+        } else {
+            None
+        };
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tok.token_text(i))
+                .unwrap_or_default()
+                .to_string()
+        };
+        Ok(ChatSetup {
+            think: harmony.is_none() && source.contains("<think>"),
+            template,
+            harmony,
+            bos: text(tok.bos()),
+            eos: text(tok.eos()),
+            source,
+        })
+    }
+
+    /// The template text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the model speaks harmony (gpt-oss).
+    pub fn is_harmony(&self) -> bool {
+        self.harmony.is_some()
+    }
+
+    /// Renders a conversation (already [`normalize_messages`]d) with the generation prompt.
+    pub fn render(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        mut extra: Map<String, Value>,
+    ) -> Result<String, ApiError> {
+        extra
+            .entry("bos_token")
+            .or_insert_with(|| self.bos.clone().into());
+        extra
+            .entry("eos_token")
+            .or_insert_with(|| self.eos.clone().into());
+        self.template
+            .render(messages, tools, true, &Value::Object(extra))
+            .map_err(|e| match e {
+                ChatError::Raised(m) => ApiError::bad_request(m),
+                ChatError::Input(m) => ApiError::bad_request(m),
+                ChatError::Template(m) => ApiError::internal(format!("chat template: {m}")),
+            })
+    }
+
+    /// How to read the output that follows `prompt`.
+    pub fn output_kind(&self, prompt: &str, format: ReasoningFormat) -> OutputKind {
+        match self.harmony {
+            Some(t) if prompt.ends_with("<|start|>assistant") => OutputKind::Harmony(t, format),
+            Some(_) => OutputKind::Text,
+            None if self.think => OutputKind::Think(format, prompt.trim_end().ends_with("<think>")),
+            None => OutputKind::Text,
+        }
+    }
+
+    /// Tokenizes a rendered prompt (special tokens parsed; BOS added per the model unless the
+    /// template already wrote it).
+    pub fn tokenize(&self, tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, ApiError> {
+        let mut ids = tok
+            .encode(prompt, true, true)
+            .map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}")))?;
+        if let Some(bos) = tok.bos() {
+            if tok.add_bos() && ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
+                ids.remove(0);
+            }
+        }
+        Ok(ids)
+    }
+}
+
+/// Text of an OpenAI `content` value: a string, or the text parts of an array joined.
+pub fn content_text(v: &Value, what: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text") | None, Some(t)) => out.push_str(t),
+                    (Some(ty), _) => {
+                        return Err(ApiError::bad_request(format!(
+                            "{what}: content parts of type '{ty}' are not supported"
+                        )))
+                    }
+                    _ => {
+                        return Err(ApiError::bad_request(format!(
+                            "{what}: a content part has no text"
+                        )))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(ApiError::bad_request(format!(
+            "{what}: 'content' must be a string or an array of parts"
+        ))),
+    }
+}
+
+/// Checks OpenAI messages and rewrites them the way templates expect: `content` as a string,
+/// `reasoning_content` as `thinking`, tool-call `arguments` as JSON objects, no `content` on
+/// assistant tool-call messages that have none.
+pub fn normalize_messages(messages: Option<&Value>) -> Result<Value, ApiError> {
+    let Some(Value::Array(list)) = messages else {
+        return Err(ApiError::bad_request(
+            "'messages' must be an array of messages",
+        ));
+    };
+    if list.is_empty() {
+        return Err(ApiError::bad_request("'messages' must not be empty"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let what = format!("messages[{i}]");
+        let Value::Object(m) = m else {
+            return Err(ApiError::bad_request(format!("{what} must be an object")));
+        };
+        let Some(role) = m.get("role").and_then(Value::as_str) else {
+            return Err(ApiError::bad_request(format!(
+                "{what} has no string 'role'"
+            )));
+        };
+        let mut n = m.clone();
+        let has_calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => {
+                n.remove("tool_calls");
+                false
+            }
+            Some(Value::Array(calls)) => {
+                let mut fixed = Vec::with_capacity(calls.len());
+                for (j, c) in calls.iter().enumerate() {
+                    fixed.push(normalize_tool_call(c, &format!("{what}.tool_calls[{j}]"))?);
+                }
+                let any = !fixed.is_empty();
+                n.insert("tool_calls".into(), Value::Array(fixed));
+                if !any {
+                    n.remove("tool_calls");
+                }
+                any
+            }
+            Some(_) => {
+                return Err(ApiError::bad_request(format!(
+                    "{what}: 'tool_calls' must be an array"
+                )))
+            }
+        };
+        let text = content_text(m.get("content").unwrap_or(&Value::Null), &what)?;
+        if role == "assistant" && has_calls && text.is_empty() {
+            n.remove("content");
+        } else {
+            n.insert("content".into(), text.into());
+        }
+        if let Some(r) = m.get("reasoning_content") {
+            let r = content_text(r, &what)?;
+            n.remove("reasoning_content");
+            if !r.is_empty() && !n.contains_key("thinking") {
+                n.insert("thinking".into(), r.into());
+            }
+        }
+        out.push(Value::Object(n));
+    }
+    Ok(Value::Array(out))
+}
+
+fn normalize_tool_call(c: &Value, what: &str) -> Result<Value, ApiError> {
+    let Value::Object(c) = c else {
+        return Err(ApiError::bad_request(format!("{what} must be an object")));
+    };
+    let mut c = c.clone();
+    let Some(Value::Object(f)) = c.get_mut("function") else {
+        return Err(ApiError::bad_request(format!(
+            "{what} has no 'function' object"
+        )));
+    };
+    if f.get("name").and_then(Value::as_str).is_none() {
+        return Err(ApiError::bad_request(format!(
+            "{what}.function has no string 'name'"
+        )));
+    }
+    if let Some(Value::String(args)) = f.get("arguments") {
+        if let Ok(parsed) = serde_json::from_str::<Value>(args) {
+            f.insert("arguments".into(), parsed);
+        }
+    }
+    Ok(Value::Object(c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn messages_are_normalised() {
+        let m = json!([
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null, "reasoning_content": "think",
+             "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "x", "content": "42"},
+            {"role": "assistant", "content": null}
+        ]);
+        let n = normalize_messages(Some(&m)).unwrap();
+        assert_eq!(n[0]["content"], "ab");
+        assert!(n[1].get("content").is_none());
+        assert_eq!(n[1]["thinking"], "think");
+        assert_eq!(
+            n[1]["tool_calls"][0]["function"]["arguments"],
+            json!({"a": 1})
+        );
+        assert_eq!(n[3]["content"], "");
+    }
+
+    #[test]
+    fn bad_messages_are_400() {
+        for bad in [
+            json!(null),
+            json!([]),
+            json!([1]),
+            json!([{"content": "x"}]),
+            json!([{"role": "user", "content": 5}]),
+            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            json!([{"role": "assistant", "tool_calls": [{"function": {}}]}]),
+        ] {
+            let e = normalize_messages(Some(&bad)).unwrap_err();
+            assert_eq!(e.status.as_u16(), 400, "{bad}");
+        }
+        assert!(normalize_messages(None).is_err());
+    }
+}

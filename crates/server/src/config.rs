@@ -1,0 +1,157 @@
+//! Server configuration (what `hmoe serve`'s flags turn into).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use hmoe_chat::ReasoningFormat;
+use hmoe_engine::SamplerParams;
+use hmoe_gguf::LoadOptions;
+use hmoe_model::KvType;
+
+use crate::sampling::PickerFactory;
+
+/// Where the models come from.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    /// One model file (for a split model, any shard), served under [`ServerConfig::alias`] or
+    /// its file name.
+    File(PathBuf),
+    /// Router mode: every GGUF in the directory (split sets and sub-directories as one model),
+    /// loaded on first use, at most [`ServerConfig::models_max`] at a time.
+    Dir(PathBuf),
+}
+
+/// How each model runs.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Slots (`-np`): sequences decoded together.
+    pub n_parallel: usize,
+    /// Total context (`-c`); 0 = the model's trained context. Each slot gets
+    /// `n_ctx / n_parallel` positions.
+    pub n_ctx: usize,
+    /// Micro-batch (`-ub`, at most `-b`): prompt tokens run per step, and the most a new
+    /// prompt delays the running streams by.
+    pub n_ubatch: usize,
+    /// KV cache element type (`-ctk/-ctv`).
+    pub kv_type: KvType,
+    /// Requests that may wait for a slot; beyond that the server answers 503.
+    pub max_queue: usize,
+    /// How to open the files.
+    pub load: LoadOptions,
+}
+
+impl Default for EngineConfig {
+    fn default() -> EngineConfig {
+        EngineConfig {
+            n_parallel: 1,
+            n_ctx: 4096,
+            n_ubatch: 512,
+            kv_type: KvType::F16,
+            max_queue: 256,
+            load: LoadOptions::default(),
+        }
+    }
+}
+
+/// Chat formatting.
+#[derive(Clone, Debug, Default)]
+pub struct ChatConfig {
+    /// A Jinja chat template replacing the model's (`--chat-template-file`).
+    pub template: Option<String>,
+    /// Where reasoning goes (`--reasoning-format`); requests may override it.
+    pub reasoning_format: ReasoningFormat,
+    /// Extra template variables for every request (`--chat-template-kwargs`), a JSON object.
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Sampling defaults for requests that leave a field out (`--temp`, `--top-k`, ...).
+#[derive(Clone, Debug)]
+pub struct SamplingDefaults {
+    /// Sampler chain settings; `seed` is used only when `random_seed` is false.
+    pub params: SamplerParams,
+    /// Draw a fresh seed per request (llama.cpp's default seed -1).
+    pub random_seed: bool,
+    /// Tokens to generate when a request does not say (`-n`); `None` = until the context ends.
+    pub n_predict: Option<usize>,
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> SamplingDefaults {
+        SamplingDefaults {
+            params: SamplerParams::default(),
+            random_seed: true,
+            n_predict: None,
+        }
+    }
+}
+
+/// Everything the server needs to start.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// Address to listen on (`--host`).
+    pub host: String,
+    /// Port (`--port`); 0 picks a free one (see [`crate::RunningServer::local_addr`]).
+    pub port: u16,
+    /// Model(s) to serve.
+    pub models: ModelSource,
+    /// Names the single model also answers to (`--alias`); the first is its listed id.
+    pub alias: Vec<String>,
+    /// Accepted API keys (`--api-key`); empty = no authentication.
+    pub api_keys: Vec<String>,
+    /// Engine settings per model.
+    pub engine: EngineConfig,
+    /// Chat settings.
+    pub chat: ChatConfig,
+    /// Sampling defaults.
+    pub sampling: SamplingDefaults,
+    /// Serve `/metrics` (`--metrics`).
+    pub metrics: bool,
+    /// Serve `/slots` (on unless `--no-slots`).
+    pub slots_endpoint: bool,
+    /// Router mode: models loaded at once (`--models-max`, 0 = no limit).
+    pub models_max: usize,
+    /// Replaces the sampler of every request (an extension point; the tests use it to replay
+    /// fixed token sequences). `None` = the engine's sampler.
+    pub picker: Option<PickerFactory>,
+}
+
+impl ServerConfig {
+    /// A configuration serving `models` on 127.0.0.1:8080 with llama-server's defaults.
+    pub fn new(models: ModelSource) -> ServerConfig {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            models,
+            alias: Vec::new(),
+            api_keys: Vec::new(),
+            engine: EngineConfig::default(),
+            chat: ChatConfig::default(),
+            sampling: SamplingDefaults::default(),
+            metrics: false,
+            slots_endpoint: true,
+            models_max: 4,
+            picker: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("models", &self.models)
+            .field("alias", &self.alias)
+            .field("api_keys", &self.api_keys.len())
+            .field("engine", &self.engine)
+            .field("chat", &self.chat)
+            .field("sampling", &self.sampling)
+            .field("metrics", &self.metrics)
+            .field("models_max", &self.models_max)
+            .field("picker", &self.picker.is_some())
+            .finish()
+    }
+}
+
+/// Shared handle to the configuration.
+pub type SharedConfig = Arc<ServerConfig>;

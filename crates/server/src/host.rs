@@ -1,0 +1,176 @@
+//! One loaded model: weights, tokenizer, chat format and its slots.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use hmoe_gguf::GgufModel;
+use hmoe_model::LanguageModel;
+use hmoe_tokenizer::Tokenizer;
+
+use crate::chat::ChatSetup;
+use crate::config::ServerConfig;
+use crate::error::{ApiError, ServerError};
+use crate::metrics::Stats;
+use crate::scheduler::{JobEvent, JobSpec, Scheduler, SlotConfig, SubmitError};
+
+/// A model ready to serve.
+pub struct ModelHost {
+    /// Its id in `/v1/models` and the `model` field.
+    pub id: String,
+    /// The file (first shard) it was loaded from.
+    pub path: PathBuf,
+    /// The weights.
+    pub model: Arc<dyn LanguageModel>,
+    /// Its vocabulary.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Its chat format (`None` when it has no usable template; see `chat_error`).
+    pub chat: Option<ChatSetup>,
+    /// Why chat is unavailable.
+    pub chat_error: Option<String>,
+    /// Its slots.
+    pub scheduler: Scheduler,
+    /// Its counters.
+    pub stats: Arc<Stats>,
+    /// Unix time it was loaded.
+    pub created: u64,
+}
+
+impl std::fmt::Debug for ModelHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelHost")
+            .field("id", &self.id)
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelHost {
+    /// Loads `path` and starts its slots.
+    pub fn load(id: String, path: &Path, config: &ServerConfig) -> Result<ModelHost, ServerError> {
+        let err = |message: String| ServerError::Load {
+            path: path.display().to_string(),
+            message,
+        };
+        let gguf = GgufModel::open(path, config.engine.load).map_err(|e| err(e.to_string()))?;
+        let model: Arc<dyn LanguageModel> =
+            Arc::from(hmoe_model::load(gguf).map_err(|e| err(e.to_string()))?);
+        let tokenizer = Arc::new(
+            Tokenizer::from_metadata(model.gguf().metadata())
+                .map_err(|e| err(format!("tokenizer: {e}")))?,
+        );
+        let (chat, chat_error) = match &config.chat.template {
+            Some(src) => (Some(ChatSetup::new(src.clone(), &tokenizer).map_err(|e| err(format!("--chat-template-file: {e}")))?), None),
+            None => match model.gguf().metadata().get_str("tokenizer.chat_template") {
+                Some(src) => match ChatSetup::new(src.to_string(), &tokenizer) {
+                    Ok(c) => (Some(c), None),
+                    Err(e) => {
+                        tracing::warn!("{}: the model's chat template does not compile: {e}", path.display());
+                        (None, Some(format!("the model's chat template does not compile: {e}")))
+                    }
+                },
+                None => (None, Some("the model has no chat template; start the server with --chat-template-file".into())),
+            },
+        };
+        let e = &config.engine;
+        let n_parallel = e.n_parallel.max(1);
+        let n_ctx = if e.n_ctx == 0 {
+            model.n_ctx_train()
+        } else {
+            e.n_ctx
+        };
+        let n_ctx_slot = n_ctx / n_parallel;
+        if n_ctx_slot < 2 {
+            return Err(err(format!("a context of {n_ctx} split over {n_parallel} slots leaves {n_ctx_slot} positions per slot")));
+        }
+        let stats = Arc::new(Stats::default());
+        let slots = SlotConfig {
+            n_slots: n_parallel,
+            n_ctx_slot,
+            n_ubatch: e.n_ubatch.max(1),
+            kv_type: e.kv_type,
+            max_queue: e.max_queue,
+        };
+        let scheduler = Scheduler::start(
+            model.clone(),
+            tokenizer.clone(),
+            slots,
+            config.picker.clone(),
+            stats.clone(),
+        )?;
+        tracing::info!(
+            "{id}: loaded {} ({n_parallel} slots of {n_ctx_slot} positions)",
+            path.display()
+        );
+        Ok(ModelHost {
+            id,
+            path: path.to_path_buf(),
+            model,
+            tokenizer,
+            chat,
+            chat_error,
+            scheduler,
+            stats,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    /// Positions per slot.
+    pub fn n_ctx_slot(&self) -> usize {
+        self.scheduler.config().n_ctx_slot
+    }
+
+    /// The chat format, or the 400 a chat request gets without one.
+    pub fn chat(&self) -> Result<&ChatSetup, ApiError> {
+        self.chat.as_ref().ok_or_else(|| {
+            ApiError::bad_request(
+                self.chat_error
+                    .clone()
+                    .unwrap_or_else(|| "this model has no chat template".into()),
+            )
+        })
+    }
+
+    /// Checks the prompt fits, then queues the request.
+    pub fn submit(
+        &self,
+        spec: JobSpec,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<JobEvent>, ApiError> {
+        if spec.prompt.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty"));
+        }
+        if let Some(&bad) = spec
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.n_vocab())
+        {
+            return Err(ApiError::bad_request(format!(
+                "token id {bad} is outside the vocabulary (n_vocab {})",
+                self.model.n_vocab()
+            )));
+        }
+        let n_ctx = self.n_ctx_slot();
+        if spec.prompt.len() >= n_ctx {
+            return Err(ApiError::exceeds_context(spec.prompt.len(), n_ctx));
+        }
+        match self.scheduler.submit(spec) {
+            Ok((_, rx)) => Ok(rx),
+            Err(e @ SubmitError::QueueFull) | Err(e @ SubmitError::ShuttingDown) => {
+                Err(ApiError::unavailable(e.to_string()))
+            }
+        }
+    }
+
+    /// Metadata for `/v1/models`.
+    pub fn meta(&self) -> serde_json::Value {
+        serde_json::json!({
+            "n_vocab": self.model.n_vocab(),
+            "n_ctx_train": self.model.n_ctx_train(),
+            "n_ctx": self.n_ctx_slot(),
+            "size": self.model.gguf().total_tensor_bytes(),
+            "architecture": self.model.gguf().metadata().architecture(),
+        })
+    }
+}

@@ -1,0 +1,239 @@
+//! `hmoe serve`: an OpenAI-compatible HTTP server with llama-server's routes and flags.
+//!
+//! * Routes: `/health`, `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
+//!   `/completion`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`, `/slots`,
+//!   `/metrics`, and in router mode `/models/load` and `/models/unload` (see [`api`]).
+//! * Each model runs `n_parallel` slots on one worker thread with continuous batching
+//!   ([`scheduler`]); requests beyond the slots wait in a bounded queue, then get 503.
+//! * gpt-oss output is split by harmony channel into `content`, `reasoning_content` and
+//!   `tool_calls` ([`output`]), per `--reasoning-format`.
+//! * Router mode serves every GGUF of a directory, loading on demand and unloading the least
+//!   recently used idle model beyond `--models-max` ([`registry`]).
+//!
+//! ```no_run
+//! use hmoe_server::{ModelSource, RunningServer, ServerConfig};
+//! let mut config = ServerConfig::new(ModelSource::File("model.gguf".into()));
+//! config.port = 0; // any free port
+//! let server = RunningServer::start(config).unwrap();
+//! println!("listening on {}", server.local_addr());
+//! server.wait().unwrap();
+//! ```
+
+pub mod api;
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod host;
+pub mod metrics;
+pub mod oai;
+pub mod output;
+pub mod params;
+pub mod registry;
+pub mod sampling;
+pub mod scheduler;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+
+pub use config::{ChatConfig, EngineConfig, ModelSource, SamplingDefaults, ServerConfig};
+pub use error::{ApiError, ServerError};
+pub use sampling::{PickerFactory, TokenPicker};
+
+/// How long a stopping server waits for open responses to end.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// A server running on its own thread (with its own async runtime).
+pub struct RunningServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<(), ServerError>>>,
+}
+
+impl RunningServer {
+    /// Binds `config.host:config.port`, then serves; in single-model mode the model loads in the
+    /// background (`/health` answers 503 until it is ready). Returns once the socket listens.
+    pub fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
+        Self::spawn(config, false)
+    }
+
+    /// Like [`RunningServer::start`], and also stops on SIGINT/SIGTERM (for the CLI).
+    pub fn start_with_signals(config: ServerConfig) -> Result<RunningServer, ServerError> {
+        Self::spawn(config, true)
+    }
+
+    fn spawn(config: ServerConfig, signals: bool) -> Result<RunningServer, ServerError> {
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("hmoe-http".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .thread_name("hmoe-http")
+                    .enable_all()
+                    .build()?;
+                rt.block_on(async move {
+                    let addr = format!("{}:{}", config.host, config.port);
+                    let listener = match tokio::net::TcpListener::bind(&addr).await {
+                        Ok(l) => l,
+                        Err(source) => {
+                            let _ = addr_tx.send(Err(ServerError::Bind {
+                                addr: addr.clone(),
+                                source,
+                            }));
+                            return Ok(());
+                        }
+                    };
+                    let local = listener.local_addr()?;
+                    let registry = match registry::Registry::new(Arc::new(config.clone())) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = addr_tx.send(Err(e));
+                            return Ok(());
+                        }
+                    };
+                    let _ = addr_tx.send(Ok(local));
+                    serve(listener, config, registry, stop_rx, signals).await
+                })
+            })?;
+        let addr = addr_rx.recv().map_err(|_| {
+            ServerError::Config("the server thread stopped before listening".into())
+        })??;
+        Ok(RunningServer {
+            addr,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Blocks until the server stops by itself (a signal, or the model failing to load).
+    pub fn wait(mut self) -> Result<(), ServerError> {
+        self.join()
+    }
+
+    /// Stops the server and waits for it.
+    pub fn stop(mut self) -> Result<(), ServerError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<(), ServerError> {
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| ServerError::Config("the server thread panicked".into()))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = self.join();
+    }
+}
+
+async fn wait_signal(signals: bool) {
+    if !signals {
+        return std::future::pending().await;
+    }
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+async fn serve(
+    listener: tokio::net::TcpListener,
+    config: ServerConfig,
+    registry: registry::Registry,
+    stop: oneshot::Receiver<()>,
+    signals: bool,
+) -> Result<(), ServerError> {
+    let state = Arc::new(api::AppState {
+        config: Arc::new(config),
+        registry,
+    });
+    let failure: Arc<Mutex<Option<ServerError>>> = Arc::new(Mutex::new(None));
+    let (load_fail_tx, load_fail_rx) = oneshot::channel::<()>();
+    {
+        let st = state.clone();
+        let failure = failure.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = st.registry.load_single() {
+                tracing::error!("{e}");
+                *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                let _ = load_fail_tx.send(());
+            }
+        });
+    }
+    let (down_tx, down_rx) = watch::channel(false);
+    {
+        let st = state.clone();
+        tokio::spawn(async move {
+            let load_failed = async {
+                if load_fail_rx.await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                _ = stop => {}
+                _ = wait_signal(signals) => {}
+                _ = load_failed => {}
+            }
+            st.registry.shutdown();
+            let _ = down_tx.send(true);
+        });
+    }
+    let graceful = {
+        let mut rx = down_rx.clone();
+        async move {
+            let _ = rx.wait_for(|d| *d).await;
+        }
+    };
+    let app = api::router(state.clone());
+    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
+    let drained = {
+        let mut rx = down_rx;
+        async move {
+            let _ = rx.wait_for(|d| *d).await;
+            tokio::time::sleep(DRAIN).await;
+        }
+    };
+    tokio::select! {
+        r = server => r?,
+        _ = drained => tracing::warn!("some responses were still open when the server stopped"),
+    }
+    state.registry.shutdown();
+    let err = failure.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

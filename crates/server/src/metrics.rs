@@ -1,0 +1,219 @@
+//! Counters of one served model and their Prometheus text exposition (llama-server's metric
+//! names, so existing dashboards keep working, plus a few of our own).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Counters and gauges of one model, updated by its scheduler and the HTTP handlers.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Prompt tokens evaluated (cached prefix tokens excluded).
+    pub prompt_tokens: AtomicU64,
+    /// Microseconds requests spent on their prompts.
+    pub prompt_us: AtomicU64,
+    /// Tokens generated.
+    pub predicted_tokens: AtomicU64,
+    /// Microseconds requests spent generating.
+    pub predicted_us: AtomicU64,
+    /// Forward passes (batched steps).
+    pub n_decode: AtomicU64,
+    /// Sum over forward passes of the sequences in each.
+    pub n_busy_slots: AtomicU64,
+    /// Largest number of tokens in one forward pass.
+    pub n_tokens_max: AtomicU64,
+    /// Requests accepted into the queue.
+    pub requests_total: AtomicU64,
+    /// Requests refused because the queue was full.
+    pub requests_rejected: AtomicU64,
+    /// Requests whose client went away before the end.
+    pub requests_cancelled: AtomicU64,
+    /// Requests in a slot now.
+    pub requests_processing: AtomicU64,
+    /// Requests waiting for a slot now.
+    pub requests_deferred: AtomicU64,
+    /// Positions held in the KV caches of all slots now.
+    pub kv_tokens: AtomicU64,
+    /// Positions the KV caches of all slots can hold.
+    pub kv_capacity: AtomicU64,
+}
+
+impl Stats {
+    /// Adds `v` to a counter.
+    pub fn add(counter: &AtomicU64, v: u64) {
+        counter.fetch_add(v, Relaxed);
+    }
+}
+
+fn rate(tokens: u64, us: u64) -> f64 {
+    if us == 0 {
+        0.0
+    } else {
+        tokens as f64 * 1e6 / us as f64
+    }
+}
+
+/// Writes every model's metrics; `label` is `Some(model id)` in router mode.
+pub fn render(models: &[(Option<String>, &Stats)]) -> String {
+    type Get = fn(&Stats) -> f64;
+    let metrics: [(&str, &str, &str, Get); 14] = [
+        (
+            "llamacpp:prompt_tokens_total",
+            "counter",
+            "Number of prompt tokens processed.",
+            |s| s.prompt_tokens.load(Relaxed) as f64,
+        ),
+        (
+            "llamacpp:prompt_seconds_total",
+            "counter",
+            "Prompt process time.",
+            |s| s.prompt_us.load(Relaxed) as f64 / 1e6,
+        ),
+        (
+            "llamacpp:tokens_predicted_total",
+            "counter",
+            "Number of generation tokens processed.",
+            |s| s.predicted_tokens.load(Relaxed) as f64,
+        ),
+        (
+            "llamacpp:tokens_predicted_seconds_total",
+            "counter",
+            "Predict process time.",
+            |s| s.predicted_us.load(Relaxed) as f64 / 1e6,
+        ),
+        (
+            "llamacpp:n_decode_total",
+            "counter",
+            "Total number of batched forward passes.",
+            |s| s.n_decode.load(Relaxed) as f64,
+        ),
+        (
+            "llamacpp:n_busy_slots_per_decode",
+            "gauge",
+            "Average number of busy slots per forward pass.",
+            |s| {
+                let n = s.n_decode.load(Relaxed);
+                if n == 0 {
+                    0.0
+                } else {
+                    s.n_busy_slots.load(Relaxed) as f64 / n as f64
+                }
+            },
+        ),
+        (
+            "llamacpp:n_tokens_max",
+            "gauge",
+            "Largest number of tokens in one forward pass.",
+            |s| s.n_tokens_max.load(Relaxed) as f64,
+        ),
+        (
+            "llamacpp:prompt_tokens_seconds",
+            "gauge",
+            "Average prompt throughput in tokens/s.",
+            |s| rate(s.prompt_tokens.load(Relaxed), s.prompt_us.load(Relaxed)),
+        ),
+        (
+            "llamacpp:predicted_tokens_seconds",
+            "gauge",
+            "Average generation throughput in tokens/s.",
+            |s| {
+                rate(
+                    s.predicted_tokens.load(Relaxed),
+                    s.predicted_us.load(Relaxed),
+                )
+            },
+        ),
+        (
+            "llamacpp:requests_processing",
+            "gauge",
+            "Number of requests processing.",
+            |s| s.requests_processing.load(Relaxed) as f64,
+        ),
+        (
+            "llamacpp:requests_deferred",
+            "gauge",
+            "Number of requests waiting for a slot (queue depth).",
+            |s| s.requests_deferred.load(Relaxed) as f64,
+        ),
+        (
+            "llamacpp:kv_cache_usage_ratio",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            |s| {
+                let cap = s.kv_capacity.load(Relaxed);
+                if cap == 0 {
+                    0.0
+                } else {
+                    s.kv_tokens.load(Relaxed) as f64 / cap as f64
+                }
+            },
+        ),
+        (
+            "llamacpp:kv_cache_tokens",
+            "gauge",
+            "KV-cache tokens.",
+            |s| s.kv_tokens.load(Relaxed) as f64,
+        ),
+        (
+            "hmoe:requests_total",
+            "counter",
+            "Requests accepted.",
+            |s| s.requests_total.load(Relaxed) as f64,
+        ),
+    ];
+    let extra: [(&str, &str, &str, Get); 2] = [
+        (
+            "hmoe:requests_rejected_total",
+            "counter",
+            "Requests refused with 503 because the queue was full.",
+            |s| s.requests_rejected.load(Relaxed) as f64,
+        ),
+        (
+            "hmoe:requests_cancelled_total",
+            "counter",
+            "Requests whose client disconnected before the end.",
+            |s| s.requests_cancelled.load(Relaxed) as f64,
+        ),
+    ];
+    let mut out = String::new();
+    for (name, ty, help, get) in metrics.iter().chain(extra.iter()) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {ty}");
+        for (label, stats) in models {
+            let v = get(stats);
+            match label {
+                Some(l) => {
+                    let _ = writeln!(out, "{name}{{model=\"{}\"}} {v}", escape_label(l));
+                }
+                None => {
+                    let _ = writeln!(out, "{name} {v}");
+                }
+            }
+        }
+    }
+    out
+}
+
+fn escape_label(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let s = Stats::default();
+        Stats::add(&s.prompt_tokens, 10);
+        Stats::add(&s.prompt_us, 2_000_000);
+        let text = render(&[(None, &s)]);
+        assert!(text.contains(
+            "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 10\n"
+        ));
+        assert!(text.contains("llamacpp:prompt_tokens_seconds 5\n"));
+        let text = render(&[(Some("a\"b".into()), &s)]);
+        assert!(text.contains("llamacpp:prompt_tokens_total{model=\"a\\\"b\"} 10\n"));
+    }
+}

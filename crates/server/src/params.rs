@@ -1,0 +1,361 @@
+//! Reading request bodies: typed field access with OpenAI-style 400s, and the generation
+//! settings shared by the completion routes.
+
+use hmoe_engine::SamplerParams;
+use hmoe_tokenizer::Tokenizer;
+use serde_json::{Map, Value};
+
+use crate::config::SamplingDefaults;
+use crate::error::ApiError;
+use crate::sampling::LogitAdjust;
+
+/// Parses a request body as a JSON object.
+pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "Invalid JSON in the request body: {e}"
+        ))),
+    }
+}
+
+/// Typed access to the fields of a request object.
+pub struct Fields<'a>(pub &'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    /// A number.
+    pub fn f64(&self, key: &str) -> Result<Option<f64>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_request(format!("'{key}' must be a number"))),
+        }
+    }
+
+    /// A number as f32.
+    pub fn f32(&self, key: &str) -> Result<Option<f32>, ApiError> {
+        Ok(self.f64(key)?.map(|v| v as f32))
+    }
+
+    /// An integer (a float with no fraction is accepted).
+    pub fn i64(&self, key: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match (v.as_i64(), v.as_f64()) {
+                (Some(i), _) => Ok(Some(i)),
+                (None, Some(f)) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
+                _ => Err(ApiError::bad_request(format!("'{key}' must be an integer"))),
+            },
+        }
+    }
+
+    /// A non-negative integer.
+    pub fn usize(&self, key: &str) -> Result<Option<usize>, ApiError> {
+        match self.i64(key)? {
+            None => Ok(None),
+            Some(i) if i >= 0 => Ok(Some(i as usize)),
+            Some(_) => Err(ApiError::bad_request(format!(
+                "'{key}' must not be negative"
+            ))),
+        }
+    }
+
+    /// A boolean.
+    pub fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_request(format!("'{key}' must be a boolean"))),
+        }
+    }
+
+    /// A string.
+    pub fn str(&self, key: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_request(format!("'{key}' must be a string"))),
+        }
+    }
+
+    /// The raw value.
+    pub fn value(&self, key: &str) -> Option<&'a Value> {
+        self.get(key)
+    }
+}
+
+/// Which route's conventions apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// `/v1/chat/completions`: `logprobs: bool` + `top_logprobs: N`.
+    Chat,
+    /// `/v1/completions`: `logprobs: N`.
+    Completion,
+    /// `/completion` (llama.cpp native): `n_probs: N`.
+    Native,
+}
+
+/// Generation settings of a request.
+#[derive(Clone, Debug)]
+pub struct GenParams {
+    /// Sampler chain.
+    pub sampling: SamplerParams,
+    /// Token limit.
+    pub n_predict: Option<usize>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Report log-probabilities of the chosen tokens.
+    pub logprobs: bool,
+    /// Alternatives per token.
+    pub n_probs: usize,
+    /// Penalties and bias.
+    pub adjust: LogitAdjust,
+    /// Ignore end-of-generation tokens.
+    pub ignore_eos: bool,
+    /// Stream with SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+    /// Reuse cached prompt prefixes.
+    pub cache_prompt: bool,
+}
+
+/// Most alternatives per token a request may ask for.
+pub const MAX_PROBS: usize = 100;
+
+/// Reads the generation settings common to the completion routes.
+pub fn gen_params(
+    f: &Fields<'_>,
+    defaults: &SamplingDefaults,
+    flavor: Flavor,
+    tok: &Tokenizer,
+) -> Result<GenParams, ApiError> {
+    let d = &defaults.params;
+    let mut sampling = d.clone();
+    if let Some(t) = f.f32("temperature")? {
+        sampling.temperature = t;
+    }
+    if let Some(p) = f.f32("top_p")? {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(ApiError::bad_request("'top_p' must be between 0 and 1"));
+        }
+        sampling.top_p = p;
+    }
+    if let Some(k) = f.i64("top_k")? {
+        sampling.top_k = k.max(0) as usize;
+    }
+    if let Some(p) = f.f32("min_p")? {
+        sampling.min_p = p;
+    }
+    if let Some(p) = f.f32("repeat_penalty")? {
+        sampling.repeat_penalty = p;
+    }
+    if let Some(n) = f.i64("repeat_last_n")? {
+        sampling.repeat_last_n = n.max(0) as usize;
+    }
+    sampling.seed = match f.i64("seed")? {
+        Some(s) if s >= 0 => s as u64,
+        _ if !defaults.random_seed => d.seed,
+        _ => rand::random::<u32>() as u64,
+    };
+    let mut n_predict = defaults.n_predict;
+    for key in ["n_predict", "max_tokens", "max_completion_tokens"] {
+        if let Some(n) = f.i64(key)? {
+            n_predict = if n < 0 { None } else { Some(n as usize) };
+        }
+    }
+    let stop = match f.value("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    ApiError::bad_request("'stop' must be a string or an array of strings")
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "'stop' must be a string or an array of strings",
+            ))
+        }
+    };
+    let (logprobs, n_probs) = match flavor {
+        Flavor::Chat => {
+            let on = f.bool("logprobs")?.unwrap_or(false);
+            let top = f.usize("top_logprobs")?.unwrap_or(0);
+            if top > 0 && !on {
+                return Err(ApiError::bad_request(
+                    "'top_logprobs' needs 'logprobs': true",
+                ));
+            }
+            (
+                on,
+                if on {
+                    top.max(f.usize("n_probs")?.unwrap_or(0))
+                } else {
+                    0
+                },
+            )
+        }
+        Flavor::Completion => match f.value("logprobs") {
+            Some(Value::Bool(b)) => (*b, 0),
+            _ => match f.usize("logprobs")? {
+                Some(n) => (true, n),
+                None => (false, 0),
+            },
+        },
+        Flavor::Native => {
+            let n = f.usize("n_probs")?.unwrap_or(0);
+            (n > 0, n)
+        }
+    };
+    if n_probs > MAX_PROBS {
+        return Err(ApiError::bad_request(format!(
+            "at most {MAX_PROBS} alternatives per token may be asked for"
+        )));
+    }
+    if let Some(n) = f.i64("n")? {
+        if n != 1 {
+            return Err(ApiError::bad_request("only 'n': 1 is supported"));
+        }
+    }
+    let adjust = LogitAdjust {
+        presence: f.f32("presence_penalty")?.unwrap_or(0.0),
+        frequency: f.f32("frequency_penalty")?.unwrap_or(0.0),
+        bias: logit_bias(f.value("logit_bias"), tok)?,
+    };
+    let include_usage = match f.value("stream_options") {
+        Some(Value::Object(o)) => o
+            .get("include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        Some(_) => return Err(ApiError::bad_request("'stream_options' must be an object")),
+        None => false,
+    };
+    Ok(GenParams {
+        sampling,
+        n_predict,
+        stop,
+        logprobs,
+        n_probs,
+        adjust,
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        stream: f.bool("stream")?.unwrap_or(false),
+        include_usage,
+        cache_prompt: f.bool("cache_prompt")?.unwrap_or(true),
+    })
+}
+
+/// `logit_bias` as OpenAI (`{"id": bias}`) or llama.cpp (`[[id or text, bias or false], ...]`)
+/// writes it; `false` bans a token. Text keys bias every token of the text.
+fn logit_bias(v: Option<&Value>, tok: &Tokenizer) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = || ApiError::bad_request("'logit_bias' must map token ids to numbers");
+    let bias_of = |b: &Value| -> Result<f32, ApiError> {
+        match b {
+            Value::Bool(false) => Ok(f32::NEG_INFINITY),
+            Value::Number(n) => n.as_f64().map(|x| x as f32).ok_or_else(bad),
+            _ => Err(bad()),
+        }
+    };
+    let ids_of = |k: &Value| -> Result<Vec<u32>, ApiError> {
+        match k {
+            Value::Number(n) => n
+                .as_u64()
+                .filter(|&i| (i as usize) < tok.n_vocab())
+                .map(|i| vec![i as u32])
+                .ok_or_else(bad),
+            Value::String(s) => match s.parse::<u32>() {
+                Ok(i) if (i as usize) < tok.n_vocab() => Ok(vec![i]),
+                Ok(_) => Err(bad()),
+                Err(_) => tok.encode(s, false, false).map_err(|_| bad()),
+            },
+            _ => Err(bad()),
+        }
+    };
+    let mut out = Vec::new();
+    match v {
+        None => {}
+        Some(Value::Object(m)) => {
+            for (k, b) in m {
+                let b = bias_of(b)?;
+                for id in ids_of(&Value::String(k.clone()))? {
+                    out.push((id, b));
+                }
+            }
+        }
+        Some(Value::Array(a)) => {
+            for pair in a {
+                let Some([k, b]) = pair.as_array().map(Vec::as_slice) else {
+                    return Err(bad());
+                };
+                let b = bias_of(b)?;
+                for id in ids_of(k)? {
+                    out.push((id, b));
+                }
+            }
+        }
+        Some(_) => return Err(bad()),
+    }
+    Ok(out)
+}
+
+/// A completion prompt: text, token ids, or a mix (llama.cpp); a one-element list of either.
+pub fn prompt_tokens(v: Option<&Value>, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
+    let bad = || {
+        ApiError::bad_request(
+            "'prompt' must be a string, an array of token ids, or a one-element array of those",
+        )
+    };
+    let encode = |s: &str, first: bool| {
+        tok.encode(s, first, true)
+            .map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}")))
+    };
+    let id = |v: &Value| -> Result<u32, ApiError> {
+        v.as_u64()
+            .filter(|&i| i <= u32::MAX as u64)
+            .map(|i| i as u32)
+            .ok_or_else(bad)
+    };
+    match v {
+        Some(Value::String(s)) => encode(s, true),
+        Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => {
+            prompt_tokens(Some(&a[0]), tok)
+        }
+        Some(Value::Array(a)) if a.iter().any(Value::is_array) => Err(ApiError::bad_request(
+            "several prompts in one request are not supported; send one request per prompt",
+        )),
+        Some(Value::Array(a))
+            if a.iter().filter(|v| v.is_string()).count() > 1 && a.iter().all(Value::is_string) =>
+        {
+            Err(ApiError::bad_request(
+                "several prompts in one request are not supported; send one request per prompt",
+            ))
+        }
+        Some(Value::Array(a)) => {
+            let mut out = Vec::new();
+            for (i, part) in a.iter().enumerate() {
+                match part {
+                    Value::String(s) => out.extend(encode(s, i == 0)?),
+                    other => out.push(id(other)?),
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(bad()),
+    }
+}
