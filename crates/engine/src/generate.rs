@@ -97,7 +97,9 @@ impl<'m> Generator<'m> {
             sampler.accept(t);
         }
         let start = Instant::now();
-        let mut logits = self.model.forward(&mut self.cache, prompt, LogitsWanted::Last)?;
+        let mut logits = self
+            .model
+            .forward(&mut self.cache, prompt, LogitsWanted::Last)?;
         out.timings.prompt_tokens = prompt.len();
         out.timings.prompt_ms = start.elapsed().as_secs_f64() * 1e3;
         let start = Instant::now();
@@ -115,7 +117,9 @@ impl<'m> Generator<'m> {
             if !go_on || is_stop(token) || step + 1 == n_steps {
                 break;
             }
-            logits = self.model.forward(&mut self.cache, &[token], LogitsWanted::Last)?;
+            logits = self
+                .model
+                .forward(&mut self.cache, &[token], LogitsWanted::Last)?;
             out.timings.decode_tokens += 1;
         }
         out.timings.decode_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -129,7 +133,11 @@ pub fn top_probs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    ids.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    ids.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
     ids.truncate(k);
     ids.into_iter()
         .map(|i| (i, ((logits[i as usize] as f64 - max).exp() / sum) as f32))

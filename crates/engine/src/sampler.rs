@@ -74,7 +74,11 @@ impl Sampler {
         if p.repeat_penalty != 1.0 {
             for (id, l) in cand.iter_mut() {
                 if self.recent.contains(id) {
-                    *l = if *l > 0.0 { *l / p.repeat_penalty } else { *l * p.repeat_penalty };
+                    *l = if *l > 0.0 {
+                        *l / p.repeat_penalty
+                    } else {
+                        *l * p.repeat_penalty
+                    };
                 }
             }
         }
@@ -130,7 +134,10 @@ fn argmax(cand: &[(u32, f32)]) -> u32 {
 fn softmax(cand: &[(u32, f32)], temperature: f32) -> Vec<f64> {
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
     let t = temperature as f64;
-    let e: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - max) / t).exp()).collect();
+    let e: Vec<f64> = cand
+        .iter()
+        .map(|c| ((c.1 as f64 - max) / t).exp())
+        .collect();
     let sum: f64 = e.iter().sum();
     e.into_iter().map(|v| v / sum).collect()
 }
@@ -157,7 +164,10 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(SamplerParams { top_k: 1, ..params(5.0) });
+        let mut s = Sampler::new(SamplerParams {
+            top_k: 1,
+            ..params(5.0)
+        });
         for _ in 0..20 {
             assert_eq!(s.sample(&[0.0, 3.0, 2.9]), 1);
         }
@@ -167,7 +177,10 @@ mod tests {
     fn same_seed_same_draws_and_distribution_follows_probabilities() {
         let logits = [0.0f32, (3.0f32).ln(), f32::NEG_INFINITY];
         let draw = |seed| {
-            let mut s = Sampler::new(SamplerParams { seed, ..params(1.0) });
+            let mut s = Sampler::new(SamplerParams {
+                seed,
+                ..params(1.0)
+            });
             (0..4000).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(draw(7), draw(7));
@@ -181,18 +194,30 @@ mod tests {
     fn top_p_and_min_p_cut_the_tail() {
         // probabilities 0.5, 0.3, 0.2
         let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
-        let mut s = Sampler::new(SamplerParams { top_p: 0.7, ..params(1.0) });
+        let mut s = Sampler::new(SamplerParams {
+            top_p: 0.7,
+            ..params(1.0)
+        });
         assert!((0..500).all(|_| s.sample(&logits) != 2));
-        let mut s = Sampler::new(SamplerParams { min_p: 0.5, ..params(1.0) });
+        let mut s = Sampler::new(SamplerParams {
+            min_p: 0.5,
+            ..params(1.0)
+        });
         assert!((0..500).all(|_| s.sample(&logits) != 2));
     }
 
     #[test]
     fn repetition_penalty_demotes_recent_tokens() {
-        let mut s = Sampler::new(SamplerParams { repeat_penalty: 2.0, ..params(0.0) });
+        let mut s = Sampler::new(SamplerParams {
+            repeat_penalty: 2.0,
+            ..params(0.0)
+        });
         s.accept(0);
         assert_eq!(s.sample(&[3.0, 2.0]), 1);
-        let mut s = Sampler::new(SamplerParams { repeat_penalty: 2.0, ..params(0.0) });
+        let mut s = Sampler::new(SamplerParams {
+            repeat_penalty: 2.0,
+            ..params(0.0)
+        });
         s.accept(1);
         assert_eq!(s.sample(&[-1.0, -0.8]), 0);
     }

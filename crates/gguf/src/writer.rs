@@ -333,7 +333,7 @@ impl GgufWriter {
             }
             out.put(&t.ty.id().to_le_bytes())?;
             out.put(&offset.to_le_bytes())?;
-            offset = align_up(offset + t.data.len() as u64, self.alignment).unwrap_or(u64::MAX);
+            offset = align_up(offset + t.data.len(), self.alignment).unwrap_or(u64::MAX);
         }
         out.pad_to(self.alignment)?;
         for t in tensors {

@@ -129,14 +129,26 @@ impl GptOssParams {
         if self.n_layer == 0 || self.n_layer > 4096 {
             return bad("block_count", self.n_layer, "must be 1..=4096");
         }
-        if self.n_head == 0 || self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
-            return bad("attention.head_count_kv", self.n_head_kv, "must divide head_count");
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
+            return bad(
+                "attention.head_count_kv",
+                self.n_head_kv,
+                "must divide head_count",
+            );
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            return bad("attention.key_length", self.head_dim, "must be even and nonzero");
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(
+                "attention.key_length",
+                self.head_dim,
+                "must be even and nonzero",
+            );
         }
         if self.n_expert_used == 0 || self.n_expert_used > self.n_expert {
-            return bad("expert_used_count", self.n_expert_used, "must be 1..=expert_count");
+            return bad(
+                "expert_used_count",
+                self.n_expert_used,
+                "must be 1..=expert_count",
+            );
         }
         if self.sliding_window == 0 {
             return bad("attention.sliding_window", 0, "must be nonzero");
@@ -146,7 +158,7 @@ impl GptOssParams {
 
     /// The sliding window of layer `l`: even layers slide, odd layers see the whole context.
     pub fn window(&self, layer: usize) -> Option<usize> {
-        (layer % 2 == 0).then_some(self.sliding_window)
+        layer.is_multiple_of(2).then_some(self.sliding_window)
     }
 }
 
@@ -248,7 +260,9 @@ impl GptOss {
 
     /// A KV cache for `n_ctx` positions, processing batches `n_ubatch` tokens at a time.
     pub fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        let windows: Vec<_> = (0..self.params.n_layer).map(|l| self.params.window(l)).collect();
+        let windows: Vec<_> = (0..self.params.n_layer)
+            .map(|l| self.params.window(l))
+            .collect();
         let width = self.params.n_head_kv * self.params.head_dim;
         KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows)
     }
@@ -285,14 +299,20 @@ impl GptOss {
         Ok(logits)
     }
 
-    fn forward_ubatch(&self, cache: &mut KvCache, tokens: &[u32], want: Option<LogitsWanted>) -> Vec<f32> {
+    fn forward_ubatch(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        want: Option<LogitsWanted>,
+    ) -> Vec<f32> {
         let p = &self.params;
         let g = &self.gguf;
         let (n, d) = (tokens.len(), p.n_embd);
         let pos0 = cache.n_past();
         let mut x = vec![0f32; n * d];
         for (t, &id) in tokens.iter().enumerate() {
-            let row = &self.tok_embd.bytes(g)[id as usize * self.tok_embd.row_bytes..][..self.tok_embd.row_bytes];
+            let row = &self.tok_embd.bytes(g)[id as usize * self.tok_embd.row_bytes..]
+                [..self.tok_embd.row_bytes];
             hmoe_quant::dequantize_row(self.tok_embd.info.ty, row, &mut x[t * d..(t + 1) * d])
                 .expect("embedding row size checked at load");
         }
@@ -348,8 +368,10 @@ impl GptOss {
         add_bias(&mut v, &b.bv);
         let (q_width, kv_width) = (p.n_head * hd, p.n_head_kv * hd);
         for (t, cs) in rope_cs.iter().enumerate() {
-            self.rope.apply_neox(&mut q[t * q_width..(t + 1) * q_width], hd, cs);
-            self.rope.apply_neox(&mut k[t * kv_width..(t + 1) * kv_width], hd, cs);
+            self.rope
+                .apply_neox(&mut q[t * q_width..(t + 1) * q_width], hd, cs);
+            self.rope
+                .apply_neox(&mut k[t * kv_width..(t + 1) * kv_width], hd, cs);
         }
         let layer = &mut cache.layers[l];
         for t in 0..rope_cs.len() {
@@ -408,7 +430,9 @@ impl GptOss {
             matmul(um.kernel, um.slice(g, e), d, ff, &routed, &mut up);
             add_bias(&mut gate, &b.gate_b[e * ff..(e + 1) * ff]);
             add_bias(&mut up, &b.up_b[e * ff..(e + 1) * ff]);
-            gate.par_iter_mut().zip(&up).for_each(|(gv, &uv)| *gv = swiglu_oai(*gv, uv));
+            gate.par_iter_mut()
+                .zip(&up)
+                .for_each(|(gv, &uv)| *gv = swiglu_oai(*gv, uv));
             act_q.quantize(dm.kernel.act_type(), &gate, ff);
             let mut down = vec![0f32; m * d];
             matmul(dm.kernel, dm.slice(g, e), ff, d, &act_q, &mut down);

@@ -89,18 +89,22 @@ impl GptOssSpec {
     /// Checks the block-size and head constraints of the tensor types used.
     pub fn validate(&self) -> Result<(), String> {
         let q = self.n_head * self.head_dim;
-        for (name, v) in [("n_embd", self.n_embd), ("n_ff_exp", self.n_ff_exp), ("n_head*head_dim", q)] {
-            if v == 0 || v % 32 != 0 {
+        for (name, v) in [
+            ("n_embd", self.n_embd),
+            ("n_ff_exp", self.n_ff_exp),
+            ("n_head*head_dim", q),
+        ] {
+            if v == 0 || !v.is_multiple_of(32) {
                 return Err(format!("{name} = {v} must be a positive multiple of 32"));
             }
         }
-        if self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return Err("n_head must be a multiple of n_head_kv".into());
         }
         if self.n_expert_used == 0 || self.n_expert_used > self.n_expert {
             return Err("n_expert_used must be in 1..=n_expert".into());
         }
-        if self.n_layer == 0 || self.head_dim % 2 != 0 || self.n_vocab < 264 {
+        if self.n_layer == 0 || !self.head_dim.is_multiple_of(2) || self.n_vocab < 264 {
             return Err("need n_layer ≥ 1, an even head_dim and n_vocab ≥ 264".into());
         }
         Ok(())
@@ -132,14 +136,35 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
     spec.validate()?;
     let s = spec;
     let (d, ff, ne) = (s.n_embd as u64, s.n_ff_exp as u64, s.n_expert as u64);
-    let (nq, nkv) = ((s.n_head * s.head_dim) as u64, (s.n_head_kv * s.head_dim) as u64);
+    let (nq, nkv) = (
+        (s.n_head * s.head_dim) as u64,
+        (s.n_head_kv * s.head_dim) as u64,
+    );
     let inv = |n: u64| 1.0 / (n as f32).sqrt();
-    let t = |name: String, ty, dims: Vec<u64>, std, mean| Plan { name, ty, dims, std, mean };
-    use GgmlType::{MXFP4, F32, Q8_0};
+    let t = |name: String, ty, dims: Vec<u64>, std, mean| Plan {
+        name,
+        ty,
+        dims,
+        std,
+        mean,
+    };
+    use GgmlType::{F32, MXFP4, Q8_0};
     let mut plans = vec![
-        t("token_embd.weight".into(), Q8_0, vec![d, s.n_vocab as u64], 1.0, 0.0),
+        t(
+            "token_embd.weight".into(),
+            Q8_0,
+            vec![d, s.n_vocab as u64],
+            1.0,
+            0.0,
+        ),
         t("output_norm.weight".into(), F32, vec![d], 0.1, 1.0),
-        t("output.weight".into(), Q8_0, vec![d, s.n_vocab as u64], 3.0 * inv(d), 0.0),
+        t(
+            "output.weight".into(),
+            Q8_0,
+            vec![d, s.n_vocab as u64],
+            3.0 * inv(d),
+            0.0,
+        ),
     ];
     for l in 0..s.n_layer {
         let n = |x: &str| format!("blk.{l}.{x}");
@@ -157,11 +182,29 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
             t(n("attn_sinks.weight"), F32, vec![s.n_head as u64], 1.0, 0.0),
             t(n("ffn_gate_inp.weight"), F32, vec![d, ne], inv(d), 0.0),
             t(n("ffn_gate_inp.bias"), F32, vec![ne], 0.5, 0.0),
-            t(n("ffn_gate_exps.weight"), MXFP4, vec![d, ff, ne], 2.5 * inv(d), 0.0),
+            t(
+                n("ffn_gate_exps.weight"),
+                MXFP4,
+                vec![d, ff, ne],
+                2.5 * inv(d),
+                0.0,
+            ),
             t(n("ffn_gate_exps.bias"), F32, vec![ff, ne], 0.2, 0.0),
-            t(n("ffn_up_exps.weight"), MXFP4, vec![d, ff, ne], 2.5 * inv(d), 0.0),
+            t(
+                n("ffn_up_exps.weight"),
+                MXFP4,
+                vec![d, ff, ne],
+                2.5 * inv(d),
+                0.0,
+            ),
             t(n("ffn_up_exps.bias"), F32, vec![ff, ne], 0.2, 0.0),
-            t(n("ffn_down_exps.weight"), MXFP4, vec![ff, d, ne], 0.3 * inv(ff), 0.0),
+            t(
+                n("ffn_down_exps.weight"),
+                MXFP4,
+                vec![ff, d, ne],
+                0.3 * inv(ff),
+                0.0,
+            ),
             t(n("ffn_down_exps.bias"), F32, vec![d, ne], 0.2, 0.0),
         ]);
     }
@@ -178,7 +221,10 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
         w.add_meta(format!("gpt-oss.{k}"), MetaValue::U32(v as u32))
     };
     w.add_meta("general.architecture", MetaValue::String("gpt-oss".into()));
-    w.add_meta("general.name", MetaValue::String("hmoe synthetic gpt-oss".into()));
+    w.add_meta(
+        "general.name",
+        MetaValue::String("hmoe synthetic gpt-oss".into()),
+    );
     w.add_meta("general.file_type", MetaValue::U32(38));
     meta_u32(&mut w, "block_count", s.n_layer);
     meta_u32(&mut w, "context_length", 131072);
@@ -193,9 +239,15 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
     meta_u32(&mut w, "expert_count", s.n_expert);
     meta_u32(&mut w, "expert_used_count", s.n_expert_used);
     meta_u32(&mut w, "rope.scaling.original_context_length", 4096);
-    w.add_meta("gpt-oss.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5));
+    w.add_meta(
+        "gpt-oss.attention.layer_norm_rms_epsilon",
+        MetaValue::F32(1e-5),
+    );
     w.add_meta("gpt-oss.rope.freq_base", MetaValue::F32(150000.0));
-    w.add_meta("gpt-oss.rope.scaling.type", MetaValue::String("yarn".into()));
+    w.add_meta(
+        "gpt-oss.rope.scaling.type",
+        MetaValue::String("yarn".into()),
+    );
     w.add_meta("gpt-oss.rope.scaling.factor", MetaValue::F32(32.0));
     add_byte_vocab(&mut w, s.n_vocab);
     for (p, bytes) in plans.into_iter().zip(data) {

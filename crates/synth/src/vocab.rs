@@ -21,7 +21,10 @@ fn byte_token(b: u8) -> String {
     if printable(b) {
         return char::from(b).to_string();
     }
-    let shift = (0..=255u8).filter(|&c| !printable(c)).position(|c| c == b).unwrap_or(0);
+    let shift = (0..=255u8)
+        .filter(|&c| !printable(c))
+        .position(|c| c == b)
+        .unwrap_or(0);
     char::from_u32(256 + shift as u32).map_or_else(String::new, |c| c.to_string())
 }
 
@@ -46,18 +49,30 @@ pub fn add_byte_vocab(w: &mut GgufWriter, n_vocab: usize) {
         }
     }
     let strings = |v: Vec<String>| {
-        MetaValue::Array(MetaType::String, v.into_iter().map(MetaValue::String).collect())
+        MetaValue::Array(
+            MetaType::String,
+            v.into_iter().map(MetaValue::String).collect(),
+        )
     };
     w.add_meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()));
     w.add_meta("tokenizer.ggml.pre", MetaValue::String("gpt-4o".into()));
     w.add_meta("tokenizer.ggml.tokens", strings(tokens));
     w.add_meta(
         "tokenizer.ggml.token_type",
-        MetaValue::Array(MetaType::I32, types.into_iter().map(MetaValue::I32).collect()),
+        MetaValue::Array(
+            MetaType::I32,
+            types.into_iter().map(MetaValue::I32).collect(),
+        ),
     );
     w.add_meta("tokenizer.ggml.merges", strings(Vec::new()));
-    w.add_meta("tokenizer.ggml.bos_token_id", MetaValue::U32(first_special as u32));
-    w.add_meta("tokenizer.ggml.eos_token_id", MetaValue::U32(first_special as u32 + 1));
+    w.add_meta(
+        "tokenizer.ggml.bos_token_id",
+        MetaValue::U32(first_special as u32),
+    );
+    w.add_meta(
+        "tokenizer.ggml.eos_token_id",
+        MetaValue::U32(first_special as u32 + 1),
+    );
     w.add_meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
 }
 
