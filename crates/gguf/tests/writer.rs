@@ -366,8 +366,10 @@ fn hole_tensors_make_a_sparse_file() {
     use std::os::unix::fs::MetadataExt;
     let mut w = GgufWriter::new();
     w.add_meta("general.architecture", MetaValue::String("test".into()));
-    w.add_tensor("small", GgmlType::F32, &[8], bytes(32, 3)).unwrap();
-    w.add_tensor_hole("big", GgmlType::MXFP4, &[4096, 4096, 32]).unwrap();
+    w.add_tensor("small", GgmlType::F32, &[8], bytes(32, 3))
+        .unwrap();
+    w.add_tensor_hole("big", GgmlType::MXFP4, &[4096, 4096, 32])
+        .unwrap();
     w.add_tensor_hole("tail", GgmlType::Q8_0, &[64, 3]).unwrap();
     let path = scratch("sparse").join("sparse.gguf");
     w.write(&path).unwrap();
@@ -377,7 +379,11 @@ fn hole_tensors_make_a_sparse_file() {
     let tail = m.tensor_info("tail").unwrap().clone();
     let file = std::fs::metadata(&path).unwrap();
     assert_eq!(file.len(), (tail.offset + tail.n_bytes).div_ceil(32) * 32);
-    assert!(file.blocks() * 512 < 1 << 20, "{} bytes on disk", file.blocks() * 512);
+    assert!(
+        file.blocks() * 512 < 1 << 20,
+        "{} bytes on disk",
+        file.blocks() * 512
+    );
     assert!(m.data_of(&tail).iter().all(|&b| b == 0));
     assert_eq!(m.tensor_data("small").unwrap(), &bytes(32, 3)[..]);
     let in_memory = w.to_bytes().unwrap();

@@ -84,4 +84,3 @@ pub(crate) fn project(g: &GgufModel, w: &Mat, x: &[f32], acts: &mut QuantizedAct
     matmul(w.kernel, w.bytes(g), w.n_in, w.n_out, acts, &mut out);
     out
 }
-

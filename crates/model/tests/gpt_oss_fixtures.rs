@@ -9,7 +9,12 @@ use serde_json::Value;
 
 fn fixtures() -> PathBuf {
     std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures")),
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures"
+            ))
+        },
         PathBuf::from,
     )
 }
@@ -21,12 +26,20 @@ fn load_json(name: &str) -> Value {
 }
 
 fn load_model(file: &str) -> GptOss {
-    let gguf = GgufModel::open(fixtures().join("gpt-oss").join(file), LoadOptions::default()).unwrap();
+    let gguf = GgufModel::open(
+        fixtures().join("gpt-oss").join(file),
+        LoadOptions::default(),
+    )
+    .unwrap();
     GptOss::load(gguf).unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn softmax64(logits: &[f32]) -> Vec<f64> {
@@ -55,7 +68,9 @@ fn teacher_forced(model: &GptOss, golden: &Value, kv: KvType) -> Vec<CaseReport>
             let prompt = ids(&case["prompt_tokens"]);
             let greedy = ids(&case["greedy_tokens"]);
             let mut cache = model.new_cache(kv, 512, 512);
-            let mut logits = model.forward(&mut cache, &prompt, LogitsWanted::Last).unwrap();
+            let mut logits = model
+                .forward(&mut cache, &prompt, LogitsWanted::Last)
+                .unwrap();
             let want_last: Vec<f32> = case["prompt_logits_last"]
                 .as_array()
                 .unwrap()
@@ -83,12 +98,15 @@ fn teacher_forced(model: &GptOss, golden: &Value, kv: KvType) -> Vec<CaseReport>
                 }
                 report.step_max_dp.push(max_dp);
                 let margin = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
-                let ours = (0..probs.len()).fold(0, |best, i| if probs[i] > probs[best] { i } else { best });
+                let ours = (0..probs.len())
+                    .fold(0, |best, i| if probs[i] > probs[best] { i } else { best });
                 if margin > 0.01 && ours as u64 != top[0][0].as_u64().unwrap() {
                     report.top1_mismatches.push(step);
                 }
                 if step + 1 < greedy.len() {
-                    logits = model.forward(&mut cache, &[greedy[step]], LogitsWanted::Last).unwrap();
+                    logits = model
+                        .forward(&mut cache, &[greedy[step]], LogitsWanted::Last)
+                        .unwrap();
                 }
             }
             report
@@ -119,32 +137,60 @@ fn check_golden(model_file: &str, golden_file: &str, kv: KvType, tol: f64) {
             failures.push(i);
         }
     }
-    assert!(failures.is_empty(), "{golden_file}: cases {failures:?} out of tolerance");
+    assert!(
+        failures.is_empty(),
+        "{golden_file}: cases {failures:?} out of tolerance"
+    );
 }
 
 #[test]
 fn tiny_matches_llama_cpp_f32_kv() {
-    check_golden("gptoss-tiny.gguf", "gptoss-tiny.golden.json", KvType::F32, 2e-3);
+    check_golden(
+        "gptoss-tiny.gguf",
+        "gptoss-tiny.golden.json",
+        KvType::F32,
+        2e-3,
+    );
 }
 
 #[test]
 fn tiny_split_matches_llama_cpp_f32_kv() {
-    check_golden("gptoss-tiny-split-00001-of-00003.gguf", "gptoss-tiny-split.golden.json", KvType::F32, 2e-3);
+    check_golden(
+        "gptoss-tiny-split-00001-of-00003.gguf",
+        "gptoss-tiny-split.golden.json",
+        KvType::F32,
+        2e-3,
+    );
 }
 
 #[test]
 fn small_matches_llama_cpp_f32_kv() {
-    check_golden("gptoss-small.gguf", "gptoss-small.golden.json", KvType::F32, 2e-3);
+    check_golden(
+        "gptoss-small.gguf",
+        "gptoss-small.golden.json",
+        KvType::F32,
+        2e-3,
+    );
 }
 
 #[test]
 fn openai_matches_llama_cpp_f32_kv() {
-    check_golden("gptoss-openai.gguf", "gptoss-openai.golden.json", KvType::F32, 2e-3);
+    check_golden(
+        "gptoss-openai.gguf",
+        "gptoss-openai.golden.json",
+        KvType::F32,
+        2e-3,
+    );
 }
 
 #[test]
 fn openai_f32_experts_matches_llama_cpp_f32_kv() {
-    check_golden("gptoss-openai-f32experts.gguf", "gptoss-openai-f32experts.golden.json", KvType::F32, 2e-3);
+    check_golden(
+        "gptoss-openai-f32experts.gguf",
+        "gptoss-openai-f32experts.golden.json",
+        KvType::F32,
+        2e-3,
+    );
 }
 
 /// Exact-math file: every prompt position's logits within 1e-3 of OpenAI's math with
@@ -155,17 +201,28 @@ fn openai_f32_experts_logits_match_reference_and_golden() {
     let reference = load_json("gptoss-openai-f32experts.reference-yarn-rounded.json");
     let golden = load_json("gptoss-openai-f32experts.golden.json");
     let n_vocab = model.params().n_vocab;
-    for (case, gold) in reference["cases"].as_array().unwrap().iter().zip(golden["cases"].as_array().unwrap()) {
+    for (case, gold) in reference["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(golden["cases"].as_array().unwrap())
+    {
         let prompt = ids(&case["prompt_tokens"]);
         let mut cache = model.new_cache(KvType::F32, 512, 512);
-        let logits = model.forward(&mut cache, &prompt, LogitsWanted::All).unwrap();
+        let logits = model
+            .forward(&mut cache, &prompt, LogitsWanted::All)
+            .unwrap();
         let mut worst = 0f32;
         for (pos, want) in case["logits"].as_array().unwrap().iter().enumerate() {
             for (j, w) in want.as_array().unwrap().iter().enumerate() {
                 let w = w.as_f64().unwrap() as f32;
                 let d = (logits[pos * n_vocab + j] - w).abs();
                 worst = worst.max(d);
-                assert!(d <= 1e-3 + 1e-4 * w.abs(), "position {pos} token {j}: {} vs {w}", logits[pos * n_vocab + j]);
+                assert!(
+                    d <= 1e-3 + 1e-4 * w.abs(),
+                    "position {pos} token {j}: {} vs {w}",
+                    logits[pos * n_vocab + j]
+                );
             }
         }
         let last = &logits[(prompt.len() - 1) * n_vocab..];
@@ -183,20 +240,40 @@ fn openai_f32_experts_logits_match_reference_and_golden() {
 
 #[test]
 fn tiny_matches_llama_cpp_f16_kv() {
-    check_golden("gptoss-tiny.gguf", "gptoss-tiny.golden-f16kv.json", KvType::F16, 2e-3);
+    check_golden(
+        "gptoss-tiny.gguf",
+        "gptoss-tiny.golden-f16kv.json",
+        KvType::F16,
+        2e-3,
+    );
 }
 
 #[test]
 fn small_matches_llama_cpp_f16_kv() {
-    check_golden("gptoss-small.gguf", "gptoss-small.golden-f16kv.json", KvType::F16, 2e-3);
+    check_golden(
+        "gptoss-small.gguf",
+        "gptoss-small.golden-f16kv.json",
+        KvType::F16,
+        2e-3,
+    );
 }
 
 #[test]
 fn openai_matches_llama_cpp_f16_kv() {
-    check_golden("gptoss-openai.gguf", "gptoss-openai.golden-f16kv.json", KvType::F16, 2e-3);
+    check_golden(
+        "gptoss-openai.gguf",
+        "gptoss-openai.golden-f16kv.json",
+        KvType::F16,
+        2e-3,
+    );
 }
 
 #[test]
 fn openai_f32_experts_matches_llama_cpp_f16_kv() {
-    check_golden("gptoss-openai-f32experts.gguf", "gptoss-openai-f32experts.golden-f16kv.json", KvType::F16, 2e-3);
+    check_golden(
+        "gptoss-openai-f32experts.gguf",
+        "gptoss-openai-f32experts.golden-f16kv.json",
+        KvType::F16,
+        2e-3,
+    );
 }
