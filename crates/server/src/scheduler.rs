@@ -376,7 +376,23 @@ impl Worker {
                     q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             }
-            self.step();
+            let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
+            if stepped.is_err() {
+                // A bug must not take the model down: fail what was running and start clean.
+                tracing::error!("a forward step panicked; failing the running requests");
+                for i in 0..self.slots.len() {
+                    let s = &mut self.slots[i];
+                    s.cache.clear();
+                    s.tokens.clear();
+                    if let Some(a) = &s.active {
+                        let _ = a
+                            .job
+                            .events
+                            .send(JobEvent::Failed("internal error while generating".into()));
+                    }
+                    self.release(i);
+                }
+            }
             self.publish();
         }
     }
@@ -493,10 +509,12 @@ impl Worker {
                 self.release(i);
             }
         }
-        let feeds = self.plan();
+        let mut feeds = self.plan();
         if feeds.is_empty() {
             return;
         }
+        // The batch lists sequences in slot order; results come back in that order.
+        feeds.sort_unstable_by_key(|f| f.slot);
         let n_tokens: usize = feeds.iter().map(|f| f.tokens.len()).sum();
         let result = {
             let mut by_slot: Vec<Option<&Feed>> = vec![None; self.slots.len()];
