@@ -1,0 +1,86 @@
+//! The official `openai` Python package against the server (tests/openai_client.py): chat and
+//! completions, whole and streamed, reasoning per --reasoning-format, a tool-call round trip,
+//! 401 without the key, 400 on bad JSON, and curl for /health, /metrics and /tokenize.
+//!
+//! Needs `python3` with the `openai` package; the test installs it with pip when it is missing.
+//! Set `HMOE_SKIP_PYTHON=1` to skip on a machine without Python or network.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use hmoe_chat::ReasoningFormat;
+
+fn python_with_openai() -> Option<&'static str> {
+    let py = "python3";
+    let has = || {
+        Command::new(py)
+            .args(["-c", "import openai"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has() {
+        return Some(py);
+    }
+    if std::env::var_os("HMOE_SKIP_PYTHON").is_some() {
+        eprintln!("HMOE_SKIP_PYTHON set and no `openai` package: skipping");
+        return None;
+    }
+    let pip = Command::new(py)
+        .args(["-m", "pip", "install", "--quiet", "openai"])
+        .status();
+    assert!(pip.is_ok_and(|s| s.success()) && has(), "python3 with the `openai` package is needed (pip install openai), or set HMOE_SKIP_PYTHON=1");
+    Some(py)
+}
+
+fn run_client(py: &str, server: &hmoe_server::RunningServer, format: &str) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = Command::new(py)
+        .arg(script)
+        .args(["--base-url", &format!("http://{}/v1", server.local_addr())])
+        .args([
+            "--api-key",
+            "sk-test",
+            "--model",
+            "gptoss-tiny",
+            "--scripted",
+            "--reasoning-format",
+            format,
+        ])
+        .output()
+        .expect("python3 runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "openai client checks failed:\n{text}");
+    assert!(text.contains(" passed, 0 failed"), "{text}");
+}
+
+fn server(format: ReasoningFormat) -> hmoe_server::RunningServer {
+    let tok = tokenizer(&tiny_model());
+    let mut c = tiny_config();
+    c.api_keys = vec!["sk-test".into()];
+    c.metrics = true;
+    c.chat.reasoning_format = format;
+    c.picker = Some(scripted(
+        &tok,
+        &[
+            (1001, "<|channel|>analysis<|message|>The user says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello there!<|return|>"),
+            (1002, "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>"),
+            (1004, "<|channel|>final<|message|>It is sunny in Paris.<|return|>"),
+        ],
+    ));
+    start(c)
+}
+
+#[test]
+fn official_openai_client() {
+    let Some(py) = python_with_openai() else {
+        return;
+    };
+    run_client(py, &server(ReasoningFormat::Auto), "auto");
+    run_client(py, &server(ReasoningFormat::None), "none");
+}
