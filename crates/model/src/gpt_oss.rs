@@ -15,6 +15,8 @@
 //! expert(h) = Wd · (min(g,7) · σ(1.702·min(g,7)) · (clamp(u,−7,7) + 1)) + bd,  g = Wg·h + bg,  u = Wu·h + bu
 //! ```
 
+mod batch;
+
 use hmoe_gguf::{GgufModel, Metadata};
 use rayon::prelude::*;
 

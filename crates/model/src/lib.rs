@@ -93,6 +93,9 @@ impl LanguageModel for GptOss {
     fn gguf(&self) -> &hmoe_gguf::GgufModel {
         GptOss::gguf(self)
     }
+    fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        GptOss::forward_multi(self, seqs)
+    }
 }
 
 /// Builds the architecture named by the file's `general.architecture`.
