@@ -1,5 +1,6 @@
 //! `hmoe`: run, inspect and serve Mixture-of-Experts GGUF models.
 
+mod bench_cmd;
 mod chat_cmd;
 mod common;
 mod demo_cmd;
@@ -36,6 +37,8 @@ enum Command {
     Tokenize(tokenize_cmd::TokenizeArgs),
     /// Plan tensor placement and print the memory estimate per device.
     Fit(fit_cmd::FitArgs),
+    /// Measure prompt and generation speed as llama-bench does (its table and JSON fields).
+    Bench(bench_cmd::BenchArgs),
     /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
     Serve(serve_cmd::ServeArgs),
 }
@@ -91,6 +94,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Chat(args) => chat_cmd::run(args),
         Command::Tokenize(args) => tokenize_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
         Command::Serve(args) => serve_cmd::run(args),
     }
 }
