@@ -6,11 +6,16 @@
 //! 16-lane FMA chains (tinyBLAS) — except for f32 keys in multi-token batches, where ggml's
 //! `vec_dot_f32` runs —, exponentials with ggml's vectorised `expf`, the softmax sum in chunks
 //! of 16 positions, and the value sum as 16-lane FMA chains over positions.
+//!
+//! Caches marked for flash attention (and every cache with a quantized V) go through
+//! [`flash_attention`] instead: ggml's CPU flash-attention kernel, an online softmax over the
+//! keys with no score matrix.
 
-use half::f16;
+use half::{bf16, f16};
+use hmoe_quant::{DotKernel, GgmlType};
 use rayon::prelude::*;
 
-use crate::kv_cache::{Cells, LayerCache};
+use crate::kv_cache::{fwht, rotate_chunks, Cells, LayerCache};
 use crate::ops::{expf_ggml, reduce16};
 
 /// Shape of one attention call.
@@ -33,7 +38,49 @@ pub(crate) fn attention(
     sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
+    let (rot_q, rot_out) = (cache.k.rotation(), cache.v.rotation());
+    if rot_q == 0 && rot_out == 0 {
+        return attention_rotated(cache, shape, q, pos0, sinks, out);
+    }
+    let rotated;
+    let q = if rot_q > 0 {
+        rotated = rotate_chunks(q, rot_q);
+        &rotated[..]
+    } else {
+        q
+    };
+    attention_rotated(cache, shape, q, pos0, sinks, out);
+    rotate_back(out, rot_out);
+}
+
+/// [`attention`] once the query is rotated like the stored keys (the output is still in the
+/// rotated basis of the stored values).
+fn attention_rotated(
+    cache: &LayerCache,
+    shape: &AttnShape,
+    q: &[f32],
+    pos0: usize,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
     let hd = shape.head_dim;
+    if cache.flash || needs_flash(&cache.v) {
+        let layout = AttnLayout {
+            n_head: shape.n_head,
+            n_head_kv: shape.n_head_kv,
+            k_dim: hd,
+            v_dim: hd,
+            v_in_k: false,
+            scale: shape.scale,
+        };
+        return flash_attention(cache, &layout, q, pos0, sinks, out);
+    }
+    if !heads_fit(cache, hd, hd, false) {
+        cache.refuse();
+        out.fill(0.0);
+        return;
+    }
+    let k_kernel = block_kernel(&cache.k);
     let group = shape.n_head / shape.n_head_kv;
     let width = shape.n_head_kv * hd;
     let single_token = q.len() == shape.n_head * hd;
@@ -47,6 +94,7 @@ pub(crate) fn attention(
             (Cells::F16(_), true) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
             _ => Vec::new(),
         };
+        let q_blocks = quantize_query(k_kernel.as_ref(), qh);
         let kv_off = (h / group) * hd;
         let cell = |p: usize| (p % cache.cells) * width + kv_off;
         // Probabilities for positions chunk_start..=pos, zero outside the window.
@@ -58,8 +106,13 @@ pub(crate) fn attention(
                 Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
                 // ggml rounds the query to f16 first; one token goes through `vec_dot_f16`,
                 // a batch through tinyBLAS.
-                Cells::F16(k) if single_token => dot_vec(&q16, &k[cell(p)..cell(p) + hd], f16::to_f32, true),
+                Cells::F16(k) if single_token => {
+                    dot_vec(&q16, &k[cell(p)..cell(p) + hd], f16::to_f32, true)
+                }
                 Cells::F16(k) => dot_lanes_f16(qh, &k[cell(p)..cell(p) + hd]),
+                Cells::Blocks { ty, data, .. } => {
+                    block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks)
+                }
             } * shape.scale;
             probs[p - chunk_start] = s;
             max = max.max(s);
@@ -73,7 +126,11 @@ pub(crate) fn attention(
             let mut lanes = [0f32; LANES];
             for (i, v) in chunk.iter_mut().enumerate() {
                 // Positions before the window hold 0 and must stay 0.
-                *v = if *v == 0.0 && i + chunk_start < first { 0.0 } else { expf_ggml(*v - max) };
+                *v = if *v == 0.0 && i + chunk_start < first {
+                    0.0
+                } else {
+                    expf_ggml(*v - max)
+                };
                 lanes[i] = *v;
             }
             sum += reduce16(&lanes) as f64;
@@ -90,6 +147,7 @@ pub(crate) fn attention(
             *v *= inv;
         }
         let mut acc = vec![[0f32; LANES]; hd];
+        let mut v_row = vec![0f32; hd];
         for (c, chunk) in probs.chunks(LANES).enumerate() {
             for (i, &w) in chunk.iter().enumerate() {
                 let p = chunk_start + c * LANES + i;
@@ -106,6 +164,13 @@ pub(crate) fn attention(
                         let w = f16::from_f32(w).to_f32();
                         for (a, &x) in acc.iter_mut().zip(&v[cell(p)..cell(p) + hd]) {
                             a[i] = x.to_f32().mul_add(w, a[i]);
+                        }
+                    }
+                    Cells::Blocks { ty, data, .. } => {
+                        dequantize_at(*ty, data, cell(p), &mut v_row);
+                        let w = round_weight(*ty, w);
+                        for (a, &x) in acc.iter_mut().zip(&v_row) {
+                            a[i] = x.mul_add(w, a[i]);
                         }
                     }
                 }
@@ -187,11 +252,55 @@ pub(crate) struct AttnLayout {
 ///
 /// Numerics as [`attention`], plus what ggml does when an f16 key head is not a multiple of 16
 /// long (tinyBLAS declines it): the scores of a batch then come from `vec_dot_f16` too.
-pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], pos0: usize, out: &mut [f32]) {
+pub(crate) fn attention_ext(
+    cache: &LayerCache,
+    shape: &AttnLayout,
+    q: &[f32],
+    pos0: usize,
+    out: &mut [f32],
+) {
+    // Values stored inside the keys were rotated with them.
+    let rot_q = cache.k.rotation();
+    let rot_out = if shape.v_in_k { rot_q } else { cache.v.rotation() };
+    if rot_q == 0 && rot_out == 0 {
+        return attention_ext_rotated(cache, shape, q, pos0, out);
+    }
+    let rotated;
+    let q = if rot_q > 0 {
+        rotated = rotate_chunks(q, rot_q);
+        &rotated[..]
+    } else {
+        q
+    };
+    attention_ext_rotated(cache, shape, q, pos0, out);
+    rotate_back(out, rot_out);
+}
+
+/// [`attention_ext`] once the query is rotated like the stored keys.
+fn attention_ext_rotated(
+    cache: &LayerCache,
+    shape: &AttnLayout,
+    q: &[f32],
+    pos0: usize,
+    out: &mut [f32],
+) {
     let (kd, vd) = (shape.k_dim, shape.v_dim);
+    if cache.flash || (!shape.v_in_k && needs_flash(&cache.v)) {
+        return flash_attention(cache, shape, q, pos0, None, out);
+    }
+    if !heads_fit(cache, kd, vd, shape.v_in_k) {
+        cache.refuse();
+        out.fill(0.0);
+        return;
+    }
+    let k_kernel = block_kernel(&cache.k);
     let group = shape.n_head / shape.n_head_kv;
     let k_width = shape.n_head_kv * kd;
-    let v_width = if shape.v_in_k { k_width } else { shape.n_head_kv * vd };
+    let v_width = if shape.v_in_k {
+        k_width
+    } else {
+        shape.n_head_kv * vd
+    };
     let lanes_ok = kd.is_multiple_of(LANES);
     let single_token = q.len() == shape.n_head * kd;
     out.par_chunks_mut(vd).enumerate().for_each(|(task, dst)| {
@@ -203,8 +312,9 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
         // ggml rounds the query to f16 before dotting it with f16 keys.
         let q16: Vec<f32> = match &cache.k {
             Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-            Cells::F32(_) => Vec::new(),
+            _ => Vec::new(),
         };
+        let q_blocks = quantize_query(k_kernel.as_ref(), qh);
         let kv_head = h / group;
         let k_at = |p: usize| (p % cache.cells) * k_width + kv_head * kd;
         let v_at = |p: usize| {
@@ -226,6 +336,9 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
                 // token, or a head tinyBLAS declines, through `vec_dot_f16`.
                 Cells::F16(k) if lanes_ok && !single_token => dot_lanes_f16(qh, &k[at..at + kd]),
                 Cells::F16(k) => dot_vec(&q16, &k[at..at + kd], f16::to_f32, true),
+                Cells::Blocks { ty, data, .. } => {
+                    block_dot(k_kernel.as_ref(), *ty, data, at, kd, &q_blocks)
+                }
             } * shape.scale;
             probs[p - chunk_start] = s;
             max = max.max(s);
@@ -235,7 +348,11 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
             let mut lanes = [0f32; LANES];
             for (i, v) in chunk.iter_mut().enumerate() {
                 // Positions before the window contribute exactly 0.
-                *v = if chunk_start + c * LANES + i < first { 0.0 } else { expf_ggml(*v - max) };
+                *v = if chunk_start + c * LANES + i < first {
+                    0.0
+                } else {
+                    expf_ggml(*v - max)
+                };
                 lanes[i] = *v;
             }
             sum += reduce16(&lanes) as f64;
@@ -245,6 +362,7 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
             *v *= inv;
         }
         let mut acc = vec![[0f32; LANES]; vd];
+        let mut v_row = vec![0f32; vd];
         for (c, chunk) in probs.chunks(LANES).enumerate() {
             for (i, &w) in chunk.iter().enumerate() {
                 let p = chunk_start + c * LANES + i;
@@ -264,6 +382,13 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
                             a[i] = x.to_f32().mul_add(w, a[i]);
                         }
                     }
+                    Cells::Blocks { ty, data, .. } => {
+                        dequantize_at(*ty, data, at, &mut v_row);
+                        let w = round_weight(*ty, w);
+                        for (a, &x) in acc.iter_mut().zip(&v_row) {
+                            a[i] = x.mul_add(w, a[i]);
+                        }
+                    }
                 }
             }
         }
@@ -271,4 +396,254 @@ pub(crate) fn attention_ext(cache: &LayerCache, shape: &AttnLayout, q: &[f32], p
             *d = reduce16(a);
         }
     });
+}
+
+/// Undoes the rotation of the stored values on the attention output (the Walsh–Hadamard
+/// transform is its own inverse); `rot` 0: not rotated.
+fn rotate_back(out: &mut [f32], rot: usize) {
+    if rot > 0 {
+        out.par_chunks_mut(rot).for_each(fwht);
+    }
+}
+
+/// Whether V cells can only be read by flash attention: block-quantized values, which ggml
+/// cannot store transposed for the non-flash product.
+fn needs_flash(v: &Cells) -> bool {
+    matches!(v, Cells::Blocks { ty, .. } if *ty != GgmlType::BF16)
+}
+
+/// Whether key heads of `kd` and value heads of `vd` elements are whole blocks of the cache
+/// types (values stored in the keys when `v_in_k`).
+fn heads_fit(cache: &LayerCache, kd: usize, vd: usize, v_in_k: bool) -> bool {
+    let v_block = if v_in_k { cache.k.block_elems() } else { cache.v.block_elems() };
+    kd.is_multiple_of(cache.k.block_elems()) && vd.is_multiple_of(v_block)
+}
+
+/// K's `vec_dot` kernel for block-typed keys; `None` for f32/f16 keys.
+fn block_kernel(k: &Cells) -> Option<DotKernel> {
+    match k {
+        Cells::Blocks { ty, .. } => Some(DotKernel::best(*ty).expect("every cache type has a dot kernel")),
+        _ => None,
+    }
+}
+
+/// A query head in the key kernel's activation format, as ggml converts Q with the
+/// `from_float` of K's `vec_dot_type`; empty for f32/f16 keys.
+fn quantize_query(kernel: Option<&DotKernel>, q: &[f32]) -> Vec<u8> {
+    let Some(kernel) = kernel else {
+        return Vec::new();
+    };
+    let mut out = vec![0u8; kernel.act_row_bytes(q.len())];
+    hmoe_quant::quantize_row(kernel.act_type(), q, &mut out).expect("heads are whole blocks (checked)");
+    out
+}
+
+/// Bytes of the `n` elements from element `at` of block-typed cells.
+fn block_range(ty: GgmlType, at: usize, n: usize) -> std::ops::Range<usize> {
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    at / be * bb..(at + n) / be * bb
+}
+
+/// K's `vec_dot` of the `n` keys from element `at` with a converted query.
+fn block_dot(kernel: Option<&DotKernel>, ty: GgmlType, data: &[u8], at: usize, n: usize, q: &[u8]) -> f32 {
+    kernel.map_or(0.0, |k| k.dot(n, &data[block_range(ty, at, n)], q))
+}
+
+/// Dequantizes `out.len()` values from element `at` (ggml's `to_float`).
+fn dequantize_at(ty: GgmlType, data: &[u8], at: usize, out: &mut [f32]) {
+    hmoe_quant::dequantize_row(ty, &data[block_range(ty, at, out.len())], out)
+        .expect("heads are whole blocks (checked)");
+}
+
+/// A probability as ggml's non-flash product sees it against values of type `ty`: rounded
+/// to bf16 for bf16 values (the activation type of a bf16 matmul).
+fn round_weight(ty: GgmlType, w: f32) -> f32 {
+    if ty == GgmlType::BF16 {
+        bf16::from_f32(w).to_f32()
+    } else {
+        w
+    }
+}
+
+/// Queries per flash-attention task: each key and value row is read once for this many
+/// queries (times the query heads sharing a KV head).
+const Q_TILE: usize = 16;
+
+/// One (query, head) row of flash attention: the running maximum `m`, the running sum `s`
+/// of `e^(score − m)`, and the value accumulator.
+struct FlashRow {
+    /// Index of the query in the batch.
+    t: usize,
+    /// Query head.
+    h: usize,
+    /// First and last visible positions.
+    first: usize,
+    last: usize,
+    /// The query, converted for K: f32 (rounded to f16 for f16 keys) or block bytes.
+    q: Vec<f32>,
+    q_blocks: Vec<u8>,
+    m: f32,
+    s: f32,
+    acc: Vec<f32>,
+}
+
+/// Flash attention over the cache, as ggml's CPU kernel (`flash_attn_ext_f16`, one query
+/// row at a time) computes it: the query converted to K's `vec_dot_type` (f16 for f16 keys,
+/// Q8_0 for Q8_0/Q4_0/Q5_0 keys, Q8_1 for Q4_1/Q5_1, bf16 for bf16) and dotted with K's
+/// `vec_dot`; an online softmax over the visible keys in position order with libm's `expf`
+/// (a new maximum rescales the accumulator by `e^(m_old − m)`, the sum as `S·ms + vs` with
+/// GCC's FMA contraction); values accumulated as `acc += v·e^(s − m)` with FMA, in f16 for
+/// f16 values (ggml's `VKQ16`) and in f32 otherwise (block values dequantized first); the
+/// sink logit of the head folded in last; and `acc / S`.
+///
+/// Unlike llama.cpp, f32 keys and values are not rounded to f16 first (llama.cpp casts an
+/// f32 cache to f16 for flash attention), so `-ctk f32 -fa on` stays exact.
+///
+/// Work is split into tiles of [`Q_TILE`] queries × one KV head (× the query heads sharing
+/// it), so each key and value row is converted once per tile; nothing of size
+/// queries × keys is allocated. Results do not depend on the split.
+pub(crate) fn flash_attention(
+    cache: &LayerCache,
+    shape: &AttnLayout,
+    q: &[f32],
+    pos0: usize,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let (kd, vd) = (shape.k_dim, shape.v_dim);
+    if !heads_fit(cache, kd, vd, shape.v_in_k) {
+        cache.refuse();
+        out.fill(0.0);
+        return;
+    }
+    let (n_head, n_head_kv) = (shape.n_head, shape.n_head_kv);
+    let group = n_head / n_head_kv;
+    let n_tokens = q.len() / (n_head * kd);
+    let k_width = n_head_kv * kd;
+    let v_width = if shape.v_in_k { k_width } else { n_head_kv * vd };
+    let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
+    let k_kernel = block_kernel(&cache.k);
+    let n_tiles = n_tokens.div_ceil(Q_TILE);
+    // Whole head groups per task unless that leaves threads idle (one decode token).
+    let heads_per_task = if n_tiles * n_head_kv >= 2 * rayon::current_num_threads() {
+        group
+    } else {
+        1
+    };
+    let splits = group / heads_per_task;
+    let n_tasks = n_tiles * n_head_kv * splits;
+    let tasks: Vec<Vec<FlashRow>> = (0..n_tasks)
+        .into_par_iter()
+        .map(|task| {
+            let tile = task / (n_head_kv * splits);
+            let kvh = task % (n_head_kv * splits) / splits;
+            let h0 = kvh * group + task % splits * heads_per_task;
+            let t_end = ((tile + 1) * Q_TILE).min(n_tokens);
+            let mut rows: Vec<FlashRow> = (tile * Q_TILE..t_end)
+                .flat_map(|t| (h0..h0 + heads_per_task).map(move |h| (t, h)))
+                .map(|(t, h)| {
+                    let pos = pos0 + t;
+                    let qh = &q[(t * n_head + h) * kd..(t * n_head + h + 1) * kd];
+                    FlashRow {
+                        t,
+                        h,
+                        first: cache.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+                        last: pos,
+                        q: match &cache.k {
+                            Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+                            _ => qh.to_vec(),
+                        },
+                        q_blocks: quantize_query(k_kernel.as_ref(), qh),
+                        m: f32::NEG_INFINITY,
+                        s: 0.0,
+                        acc: vec![0.0; vd],
+                    }
+                })
+                .collect();
+            let lo = rows.iter().map(|r| r.first).min().unwrap_or(0);
+            let hi = pos0 + t_end - 1;
+            let mut v_row = vec![0f32; vd];
+            for p in lo..=hi {
+                let k_at = (p % cache.cells) * k_width + kvh * kd;
+                let v_at = if shape.v_in_k { k_at } else { (p % cache.cells) * v_width + kvh * vd };
+                let mut v_ready = false;
+                for r in rows.iter_mut().filter(|r| r.first <= p && p <= r.last) {
+                    let score = match &cache.k {
+                        Cells::F32(k) => dot_vec_f32(&r.q, &k[k_at..k_at + kd]),
+                        Cells::F16(k) => dot_vec(&r.q, &k[k_at..k_at + kd], f16::to_f32, true),
+                        Cells::Blocks { ty, data, .. } => {
+                            block_dot(k_kernel.as_ref(), *ty, data, k_at, kd, &r.q_blocks)
+                        }
+                    } * shape.scale;
+                    let (ms, vs) = if score > r.m {
+                        let ms = (r.m - score).exp();
+                        r.m = score;
+                        (ms, 1.0)
+                    } else {
+                        (1.0, (score - r.m).exp())
+                    };
+                    match v_cells {
+                        Cells::F32(v) => {
+                            scale_f32(&mut r.acc, ms);
+                            mad_f32(&mut r.acc, &v[v_at..v_at + vd], vs);
+                        }
+                        Cells::F16(v) => {
+                            // ggml keeps this accumulator in f16, rounding after each step.
+                            if ms != 1.0 {
+                                for a in r.acc.iter_mut() {
+                                    *a = f16::from_f32(*a * ms).to_f32();
+                                }
+                            }
+                            for (a, &x) in r.acc.iter_mut().zip(&v[v_at..v_at + vd]) {
+                                *a = f16::from_f32(x.to_f32().mul_add(vs, *a)).to_f32();
+                            }
+                        }
+                        Cells::Blocks { ty, data, .. } => {
+                            if !v_ready {
+                                dequantize_at(*ty, data, v_at, &mut v_row);
+                                v_ready = true;
+                            }
+                            scale_f32(&mut r.acc, ms);
+                            mad_f32(&mut r.acc, &v_row, vs);
+                        }
+                    }
+                    r.s = r.s.mul_add(ms, vs);
+                }
+            }
+            for r in rows.iter_mut() {
+                if let Some(sinks) = sinks {
+                    let sink = sinks[r.h];
+                    if sink > r.m {
+                        let ms = (r.m - sink).exp();
+                        scale_f32(&mut r.acc, ms);
+                        r.s = r.s.mul_add(ms, 1.0);
+                    } else {
+                        r.s += (sink - r.m).exp();
+                    }
+                }
+                let inv = if r.s == 0.0 { 0.0 } else { 1.0 / r.s };
+                scale_f32(&mut r.acc, inv);
+            }
+            rows
+        })
+        .collect();
+    for r in tasks.iter().flatten() {
+        out[(r.t * n_head + r.h) * vd..(r.t * n_head + r.h + 1) * vd].copy_from_slice(&r.acc);
+    }
+}
+
+/// `y *= s` (ggml's `vec_scale_f32`; skipped for `s == 1`, which changes nothing).
+fn scale_f32(y: &mut [f32], s: f32) {
+    if s != 1.0 {
+        for v in y.iter_mut() {
+            *v *= s;
+        }
+    }
+}
+
+/// `y += x·s` with one rounding per element (ggml's `vec_mad_f32`, FMA lanes).
+fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
+    for (a, &b) in y.iter_mut().zip(x) {
+        *a = b.mul_add(s, *a);
+    }
 }

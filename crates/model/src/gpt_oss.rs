@@ -266,7 +266,7 @@ impl GptOss {
             .map(|l| self.params.window(l))
             .collect();
         let width = self.params.n_head_kv * self.params.head_dim;
-        KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows)
+        KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows).with_head_dims(self.params.head_dim, self.params.head_dim)
     }
 
     /// Runs `tokens` at the next positions of `cache` and returns logits (`n_vocab` per
@@ -288,6 +288,7 @@ impl GptOss {
                 n_ctx: cache.n_ctx(),
             });
         }
+        cache.check_heads(self.params.head_dim, self.params.head_dim)?;
         let mut logits = Vec::new();
         let n_chunks = tokens.len().div_ceil(cache.n_ubatch());
         for (i, chunk) in tokens.chunks(cache.n_ubatch()).enumerate() {

@@ -1,38 +1,219 @@
 //! The key/value cache: one ring of cells per layer. Full-attention layers hold the whole
 //! context; sliding-window layers hold only `window + ubatch` cells, enough for every query of
 //! a micro-batch to see its window (llama.cpp's iSWA cache does the same).
+//!
+//! K and V each have an element type ([`CacheType`], `-ctk` / `-ctv`). Rows are converted
+//! when they are written, exactly as ggml's CPU `set_rows` does: f16/bf16 round to nearest
+//! even, `q8_0` with ggml's x86 `quantize_row_q8_0`, `q4_0`/`q4_1`/`q5_0`/`q5_1` with ggml's
+//! reference quantisers (which is what its CPU backend calls for them). A quantized V can only
+//! be read by flash attention ([`KvType::new`] enforces it, as llama.cpp does).
+//!
+//! Like llama.cpp (since its PR 21038), a block-quantized half whose heads are a multiple of 64
+//! long is stored *rotated*: each head is multiplied by an orthonormal Walsh–Hadamard matrix
+//! before it is quantized, which spreads outliers over the block and so shrinks the
+//! quantization error. Attention rotates the queries the same way (scores are unchanged by a
+//! rotation of both sides) and rotates its output back when V was rotated. K uses the largest
+//! power of two (≥ 64) dividing the head size, V always 64. The model sets this up with
+//! [`KvCache::with_head_dims`], which knows the head sizes.
+//!
+//! Memory is allocated zeroed and untouched, so a large context (`-c 0`) costs memory only as
+//! it fills.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::f16;
+use hmoe_quant::GgmlType;
 
 use crate::{LogitsWanted, ModelError};
 use half::vec::HalfBitsVecExt;
 
-/// Element type of the cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvType {
+/// Element type of one half (K or V) of the cache: the values of `-ctk` / `-ctv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum CacheType {
     /// 32-bit floats: exact.
     F32,
-    /// 16-bit floats (llama.cpp's default): queries and probabilities are rounded to f16 before
-    /// their dot products, as ggml's CPU backend does.
+    /// 16-bit floats (llama.cpp's default).
     F16,
+    /// bfloat16.
+    BF16,
+    /// 8-bit blocks of 32 with an f16 scale (34 bytes per 32 values).
+    Q8_0,
+    /// 4-bit blocks of 32 with an f16 scale (18 bytes per 32 values).
+    Q4_0,
+    /// 4-bit blocks of 32 with an f16 scale and minimum (20 bytes per 32 values).
+    Q4_1,
+    /// 5-bit blocks of 32 with an f16 scale (22 bytes per 32 values).
+    Q5_0,
+    /// 5-bit blocks of 32 with an f16 scale and minimum (24 bytes per 32 values).
+    Q5_1,
 }
 
-impl KvType {
-    /// Parses `f32` / `f16` (the values of `-ctk/-ctv` this cache supports).
-    pub fn parse(s: &str) -> Option<KvType> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Some(KvType::F32),
-            "f16" => Some(KvType::F16),
-            _ => None,
+impl CacheType {
+    /// Every cache type, in llama.cpp's `-ctk` order.
+    pub const ALL: [CacheType; 8] = [
+        CacheType::F32,
+        CacheType::F16,
+        CacheType::BF16,
+        CacheType::Q8_0,
+        CacheType::Q4_0,
+        CacheType::Q4_1,
+        CacheType::Q5_0,
+        CacheType::Q5_1,
+    ];
+
+    /// Parses a `-ctk` / `-ctv` value (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`, `q5_0`,
+    /// `q5_1`; case-insensitive).
+    pub fn parse(s: &str) -> Option<CacheType> {
+        Self::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(s))
+    }
+
+    /// The lower-case name llama.cpp uses (`q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheType::F32 => "f32",
+            CacheType::F16 => "f16",
+            CacheType::BF16 => "bf16",
+            CacheType::Q8_0 => "q8_0",
+            CacheType::Q4_0 => "q4_0",
+            CacheType::Q4_1 => "q4_1",
+            CacheType::Q5_0 => "q5_0",
+            CacheType::Q5_1 => "q5_1",
         }
     }
 
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
+    /// The ggml tensor type of the stored rows.
+    pub fn ggml_type(self) -> GgmlType {
         match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
+            CacheType::F32 => GgmlType::F32,
+            CacheType::F16 => GgmlType::F16,
+            CacheType::BF16 => GgmlType::BF16,
+            CacheType::Q8_0 => GgmlType::Q8_0,
+            CacheType::Q4_0 => GgmlType::Q4_0,
+            CacheType::Q4_1 => GgmlType::Q4_1,
+            CacheType::Q5_0 => GgmlType::Q5_0,
+            CacheType::Q5_1 => GgmlType::Q5_1,
         }
+    }
+
+    /// Block-quantized (ggml's `ggml_is_quantized`: not the float types, bf16 included).
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, CacheType::F32 | CacheType::F16 | CacheType::BF16)
+    }
+
+    /// Elements per block: a head must be a multiple of this long.
+    pub fn block_elems(self) -> usize {
+        self.ggml_type().block_elems()
+    }
+
+    /// Bytes of `n` values (`n` a multiple of [`CacheType::block_elems`]; rounded down
+    /// otherwise).
+    pub fn row_bytes(self, n: usize) -> usize {
+        let ty = self.ggml_type();
+        n / ty.block_elems() * ty.block_bytes()
+    }
+}
+
+impl std::fmt::Display for CacheType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `-fa on|off|auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlashAttn {
+    /// Always use flash attention.
+    On,
+    /// Never (an error with a quantized V cache).
+    Off,
+    /// On wherever it is supported, as llama.cpp's default: on the CPU, always.
+    Auto,
+}
+
+impl FlashAttn {
+    /// Parses llama.cpp's values: `on`/`enabled`/`true`/`1`, `off`/`disabled`/`false`/`0`,
+    /// `auto`/`-1`.
+    pub fn parse(s: &str) -> Option<FlashAttn> {
+        match s.to_ascii_lowercase().as_str() {
+            "on" | "enabled" | "true" | "1" => Some(FlashAttn::On),
+            "off" | "disabled" | "false" | "0" => Some(FlashAttn::Off),
+            "auto" | "-1" => Some(FlashAttn::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// A K/V type combination llama.cpp refuses.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KvTypeError {
+    /// A quantized V cache is only read by flash attention.
+    #[error("a quantized V cache ({0}) requires flash attention, which was turned off")]
+    QuantizedVNeedsFlash(CacheType),
+}
+
+/// What the KV cache stores and how attention reads it: the K and V element types and
+/// whether attention is computed by flash attention (tiled online softmax, see
+/// `attention::flash_attention`) or by ggml's non-flash path (a full score row per query).
+///
+/// [`KvType::F32`] and [`KvType::F16`] are the non-flash caches of earlier versions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvType {
+    k: CacheType,
+    v: CacheType,
+    flash_attn: bool,
+}
+
+impl KvType {
+    /// f32 K and V, non-flash attention: exact.
+    pub const F32: KvType = KvType {
+        k: CacheType::F32,
+        v: CacheType::F32,
+        flash_attn: false,
+    };
+    /// f16 K and V, non-flash attention: queries and probabilities are rounded to f16 before
+    /// their dot products, as ggml's CPU backend does.
+    pub const F16: KvType = KvType {
+        k: CacheType::F16,
+        v: CacheType::F16,
+        flash_attn: false,
+    };
+
+    /// K and V types with flash attention `fa` (auto = on, as llama.cpp resolves it on the
+    /// CPU); a quantized V with `fa` off is refused, as llama.cpp refuses it.
+    pub fn new(k: CacheType, v: CacheType, fa: FlashAttn) -> Result<KvType, KvTypeError> {
+        let flash_attn = match fa {
+            FlashAttn::On | FlashAttn::Auto => true,
+            FlashAttn::Off if v.is_quantized() => return Err(KvTypeError::QuantizedVNeedsFlash(v)),
+            FlashAttn::Off => false,
+        };
+        Ok(KvType { k, v, flash_attn })
+    }
+
+    /// Parses one `-ctk`/`-ctv` value for both K and V; flash attention is off unless the
+    /// type is quantized (which needs it).
+    pub fn parse(s: &str) -> Option<KvType> {
+        let t = CacheType::parse(s)?;
+        Some(KvType {
+            k: t,
+            v: t,
+            flash_attn: t.is_quantized(),
+        })
+    }
+
+    /// The K element type.
+    pub fn k(self) -> CacheType {
+        self.k
+    }
+
+    /// The V element type.
+    pub fn v(self) -> CacheType {
+        self.v
+    }
+
+    /// Whether attention runs as flash attention.
+    pub fn flash_attn(self) -> bool {
+        self.flash_attn
     }
 }
 
@@ -41,19 +222,46 @@ impl KvType {
 pub(crate) enum Cells {
     F32(Vec<f32>),
     F16(Vec<f16>),
+    /// BF16 and the block types, as ggml lays them out: `ty.block_elems()` values in
+    /// `ty.block_bytes()` bytes. Rows are rotated in chunks of `rot` values before they are
+    /// quantized (0: not rotated).
+    Blocks { ty: GgmlType, data: Vec<u8>, rot: usize },
 }
 
 impl Cells {
-    fn new(ty: KvType, len: usize) -> Cells {
+    fn new(ty: CacheType, len: usize) -> Cells {
+        // Zeroed memory comes from the allocator without touching the pages, so a large
+        // context costs memory only as it fills.
         match ty {
-            KvType::F32 => Cells::F32(vec![0.0; len]),
-            // Zeroed integers come from the allocator without touching the pages, so a large
-            // context costs memory only as it fills.
-            KvType::F16 => Cells::F16(vec![0u16; len].reinterpret_into()),
+            CacheType::F32 => Cells::F32(vec![0.0; len]),
+            CacheType::F16 => Cells::F16(vec![0u16; len].reinterpret_into()),
+            _ => Cells::Blocks {
+                ty: ty.ggml_type(),
+                data: vec![0u8; ty.row_bytes(len)],
+                rot: 0,
+            },
         }
     }
 
-    /// Stores `src` at element offset `at`, rounding to the cell type.
+    /// Elements per block (1 for the float types).
+    pub(crate) fn block_elems(&self) -> usize {
+        match self {
+            Cells::F32(_) | Cells::F16(_) => 1,
+            Cells::Blocks { ty, .. } => ty.block_elems(),
+        }
+    }
+
+    /// Length of the Walsh–Hadamard chunks rows are rotated in (0: not rotated).
+    pub(crate) fn rotation(&self) -> usize {
+        match self {
+            Cells::Blocks { rot, .. } => *rot,
+            _ => 0,
+        }
+    }
+
+    /// Stores `src` at element offset `at`, converting to the cell type as ggml's `set_rows`
+    /// does. For block types `at` and `src.len()` are whole blocks (the cache checks that
+    /// before anything is written).
     pub(crate) fn store(&mut self, at: usize, src: &[f32]) {
         match self {
             Cells::F32(v) => v[at..at + src.len()].copy_from_slice(src),
@@ -61,6 +269,18 @@ impl Cells {
                 for (d, &s) in v[at..at + src.len()].iter_mut().zip(src) {
                     *d = f16::from_f32(s);
                 }
+            }
+            Cells::Blocks { ty, data, rot } => {
+                let (be, bb) = (ty.block_elems(), ty.block_bytes());
+                let dst = &mut data[at / be * bb..(at + src.len()) / be * bb];
+                let rotated;
+                let src = if *rot > 0 {
+                    rotated = rotate_chunks(src, *rot);
+                    &rotated[..]
+                } else {
+                    src
+                };
+                hmoe_quant::quantize_row(*ty, src, dst).expect("K/V rows are whole blocks (checked by the cache)");
             }
         }
     }
@@ -75,9 +295,25 @@ pub(crate) struct LayerCache {
     pub cells: usize,
     /// `Some(w)`: a query at `p` sees keys `p-w+1 ..= p`.
     pub window: Option<usize>,
+    /// Attention reads this layer with flash attention.
+    pub flash: bool,
+    /// Set by attention when a head does not start on a block boundary of a block type
+    /// (llama.cpp refuses such caches); the forward pass then reports an error.
+    pub refused: AtomicBool,
 }
 
 impl LayerCache {
+    fn new(ty: KvType, cells: usize, k_width: usize, v_width: usize, window: Option<usize>) -> LayerCache {
+        LayerCache {
+            k: Cells::new(ty.k, cells * k_width),
+            v: Cells::new(ty.v, cells * v_width),
+            cells,
+            window,
+            flash: ty.flash_attn,
+            refused: AtomicBool::new(false),
+        }
+    }
+
     /// Stores the keys (and values, unless `v` is empty: a K-only cache) of a batch whose first
     /// token sits at position `pos0`; `k` and `v` hold one row per token.
     pub(crate) fn store(&mut self, pos0: usize, k: &[f32], v: &[f32], n_tokens: usize) {
@@ -89,6 +325,11 @@ impl LayerCache {
                 self.v.store(cell * vw, &v[t * vw..(t + 1) * vw]);
             }
         }
+    }
+
+    /// Records that attention could not read this layer (see `refused`).
+    pub(crate) fn refuse(&self) {
+        self.refused.store(true, Ordering::Relaxed);
     }
 }
 
@@ -116,12 +357,7 @@ impl KvCache {
                     Some(w) => n_ctx.min(w + n_ubatch),
                     None => n_ctx,
                 };
-                LayerCache {
-                    k: Cells::new(ty, cells * width),
-                    v: Cells::new(ty, cells * width),
-                    cells,
-                    window,
-                }
+                LayerCache::new(ty, cells, width, width, window)
             })
             .collect();
         KvCache {
@@ -133,6 +369,29 @@ impl KvCache {
             n_ubatch,
             n_past: 0,
         }
+    }
+
+    /// Tells the cache the head sizes of its keys and values, which turns on llama.cpp's
+    /// Walsh–Hadamard rotation of block-quantized halves whose heads are a multiple of 64 long
+    /// (see the module docs). Call before anything is stored.
+    pub fn with_head_dims(mut self, k_head: usize, v_head: usize) -> KvCache {
+        let rot_k = match self.ty.k.is_quantized() && k_head > 0 && k_head.is_multiple_of(64) {
+            // The largest power of two dividing the head size.
+            true => 1 << k_head.trailing_zeros(),
+            false => 0,
+        };
+        let rot_v = match self.ty.v.is_quantized() && v_head.is_multiple_of(64) && !self.is_k_only() {
+            true => 64,
+            false => 0,
+        };
+        for layer in &mut self.layers {
+            for (cells, r) in [(&mut layer.k, rot_k), (&mut layer.v, rot_v)] {
+                if let Cells::Blocks { rot, .. } = cells {
+                    *rot = r;
+                }
+            }
+        }
+        self
     }
 
     /// Positions already in the cache (the next token goes to this position).
@@ -150,7 +409,7 @@ impl KvCache {
         self.n_ubatch
     }
 
-    /// Element type.
+    /// Element types and attention mode.
     pub fn kv_type(&self) -> KvType {
         self.ty
     }
@@ -177,27 +436,17 @@ impl KvCache {
         ok
     }
 
-    /// Bytes held by the cache.
+    /// Bytes held by the cache (reserved; pages are touched only as positions fill).
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.cells * (self.width + self.v_width))
-            .sum::<usize>()
-            * self.ty.bytes()
+        let per_cell = self.ty.k.row_bytes(self.width) + self.ty.v.row_bytes(self.v_width);
+        self.layers.iter().map(|l| l.cells * per_cell).sum()
     }
 
     /// A cache that stores only keys, `k_width` elements per position in each of `n_layer`
     /// full-attention layers: for multi-head latent attention, whose values are the first
-    /// elements of each key (llama.cpp's K-only MLA cache).
+    /// elements of each key (llama.cpp's K-only MLA cache). The values take the K type.
     pub fn new_k_only(ty: KvType, n_ctx: usize, n_ubatch: usize, k_width: usize, n_layer: usize) -> KvCache {
-        let layers = (0..n_layer)
-            .map(|_| LayerCache {
-                k: Cells::new(ty, n_ctx * k_width),
-                v: Cells::new(ty, 0),
-                cells: n_ctx,
-                window: None,
-            })
-            .collect();
+        let layers = (0..n_layer).map(|_| LayerCache::new(ty, n_ctx, k_width, 0, None)).collect();
         KvCache {
             layers,
             ty,
@@ -212,6 +461,18 @@ impl KvCache {
     /// Whether the cache holds keys only (values are read from the keys).
     pub fn is_k_only(&self) -> bool {
         self.v_width == 0
+    }
+
+    /// Checks that heads of `k_head` (keys) and `v_head` (values) elements are whole blocks
+    /// of the cache types, as llama.cpp requires of block-quantized caches.
+    pub(crate) fn check_heads(&self, k_head: usize, v_head: usize) -> Result<(), ModelError> {
+        let v_head = if self.is_k_only() { 0 } else { v_head };
+        for (which, ty, n) in [("K", self.ty.k, k_head), ("V", self.ty.v, v_head)] {
+            if !n.is_multiple_of(ty.block_elems()) {
+                return Err(misaligned(which, ty, n));
+            }
+        }
+        Ok(())
     }
 
     /// Checks `tokens` against the vocabulary and the context, then runs them through `step`
@@ -234,6 +495,8 @@ impl KvCache {
                 n_ctx: self.n_ctx,
             });
         }
+        // Whole rows must be whole blocks; heads are checked by attention (`refused`).
+        self.check_heads(self.width, self.v_width)?;
         let mut logits = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.n_ubatch);
         for (i, chunk) in tokens.chunks(self.n_ubatch).enumerate() {
@@ -243,11 +506,120 @@ impl KvCache {
                 LogitsWanted::Last => None,
             };
             logits.extend(step(self, chunk, want));
+            if self.layers.iter().any(|l| l.refused.swap(false, Ordering::Relaxed)) {
+                let (which, ty) = match self.ty.k.is_quantized() {
+                    true => ("K", self.ty.k),
+                    false => ("V", self.ty.v),
+                };
+                return Err(misaligned(which, ty, 0));
+            }
         }
         Ok(logits)
     }
 
     pub(crate) fn advance(&mut self, n: usize) {
         self.n_past += n;
+    }
+}
+
+/// ggml's fast Walsh–Hadamard transform of one chunk (what llama.cpp's rotation computes):
+/// scale by `1/√n`, then butterflies `(u + v, u − v)` over strides 1, 2, 4, … `n/2`. The
+/// transform is its own inverse. `x.len()` must be a power of two.
+pub(crate) fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    let scale = 1.0 / (n as f32).sqrt();
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+    let mut len = 1;
+    while len < n {
+        for i in (0..n).step_by(2 * len) {
+            for j in i..i + len {
+                let (u, v) = (x[j], x[j + len]);
+                x[j] = u + v;
+                x[j + len] = u - v;
+            }
+        }
+        len <<= 1;
+    }
+}
+
+/// `src` with every chunk of `rot` values transformed by [`fwht`].
+pub(crate) fn rotate_chunks(src: &[f32], rot: usize) -> Vec<f32> {
+    let mut out = src.to_vec();
+    for chunk in out.chunks_exact_mut(rot) {
+        fwht(chunk);
+    }
+    out
+}
+
+/// The error for heads that are not whole blocks of a block-quantized cache type (`n` = 0:
+/// head size not known here).
+fn misaligned(which: &str, ty: CacheType, n: usize) -> ModelError {
+    ModelError::BadParam {
+        key: format!("{which} cache type"),
+        value: if n > 0 {
+            format!("{ty} (head size {n}, block size {})", ty.block_elems())
+        } else {
+            format!("{ty} (block size {})", ty.block_elems())
+        },
+        why: "attention heads must be a whole number of blocks of the cache type (llama.cpp refuses this too)",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn types_parse_and_size_like_ggml() {
+        for t in CacheType::ALL {
+            assert_eq!(CacheType::parse(&t.name().to_uppercase()), Some(t));
+        }
+        assert_eq!(CacheType::parse("q4_k"), None);
+        assert_eq!(CacheType::Q8_0.row_bytes(64), 68);
+        assert_eq!(CacheType::Q4_0.row_bytes(64), 36);
+        assert_eq!(CacheType::BF16.row_bytes(64), 128);
+        assert!(CacheType::Q5_1.is_quantized() && !CacheType::BF16.is_quantized());
+        assert_eq!(KvType::parse("f16"), Some(KvType::F16));
+        assert!(KvType::parse("q8_0").unwrap().flash_attn());
+        assert_eq!(FlashAttn::parse("enabled"), Some(FlashAttn::On));
+        assert_eq!(FlashAttn::parse("0"), Some(FlashAttn::Off));
+        assert_eq!(FlashAttn::parse("-1"), Some(FlashAttn::Auto));
+        assert_eq!(FlashAttn::parse("maybe"), None);
+    }
+
+    #[test]
+    fn quantized_v_needs_flash_attention() {
+        let err = KvType::new(CacheType::F16, CacheType::Q8_0, FlashAttn::Off).unwrap_err();
+        assert!(err.to_string().contains("requires flash attention"), "{err}");
+        assert!(KvType::new(CacheType::Q8_0, CacheType::F16, FlashAttn::Off).is_ok());
+        assert!(KvType::new(CacheType::BF16, CacheType::BF16, FlashAttn::Off).is_ok());
+        let auto = KvType::new(CacheType::Q4_0, CacheType::Q4_0, FlashAttn::Auto).unwrap();
+        assert!(auto.flash_attn());
+        assert!(KvType::new(CacheType::F32, CacheType::F32, FlashAttn::Auto).unwrap().flash_attn());
+    }
+
+    #[test]
+    fn rows_are_quantized_when_written_and_memory_is_sized_per_type() {
+        let ty = KvType::new(CacheType::Q8_0, CacheType::Q4_0, FlashAttn::On).unwrap();
+        let mut cache = KvCache::new(ty, 16, 4, 64, &[None, Some(4)]);
+        assert_eq!(cache.bytes(), (16 + 8) * (68 + 36));
+        let k: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin()).collect();
+        let v: Vec<f32> = k.iter().map(|x| x * 3.0).collect();
+        cache.layers[0].store(5, &k, &v, 2);
+        let (mut want_k, mut want_v) = (vec![0u8; 136], vec![0u8; 72]);
+        hmoe_quant::quantize_row(GgmlType::Q8_0, &k, &mut want_k).unwrap();
+        hmoe_quant::quantize_row(GgmlType::Q4_0, &v, &mut want_v).unwrap();
+        match (&cache.layers[0].k, &cache.layers[0].v) {
+            (Cells::Blocks { data: kd, .. }, Cells::Blocks { data: vd, .. }) => {
+                assert_eq!(&kd[5 * 68..7 * 68], &want_k[..]);
+                assert_eq!(&vd[5 * 36..7 * 36], &want_v[..]);
+            }
+            other => panic!("unexpected cells {other:?}"),
+        }
+        assert!(cache.check_heads(64, 64).is_ok());
+        let err = cache.check_heads(16, 16).unwrap_err();
+        assert!(err.to_string().contains("head size 16"), "{err}");
     }
 }
