@@ -40,7 +40,7 @@ enum Command {
     /// Measure prompt and generation speed as llama-bench does (its table and JSON fields).
     Bench(bench_cmd::BenchArgs),
     /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
-    Serve(serve_cmd::ServeArgs),
+    Serve(Box<serve_cmd::ServeArgs>),
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
@@ -95,6 +95,6 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Tokenize(args) => tokenize_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
-        Command::Serve(args) => serve_cmd::run(args),
+        Command::Serve(args) => serve_cmd::run(*args),
     }
 }

@@ -83,6 +83,31 @@ pub struct ServeArgs {
     /// Continuous batching (always on; accepted for compatibility).
     #[arg(long = "cont-batching")]
     pub cont_batching: bool,
+    /// Accepted for compatibility (slots have separate caches of `-c / -np` positions each).
+    #[arg(long = "kv-unified")]
+    pub kv_unified: bool,
+    /// Accepted for compatibility.
+    #[arg(long = "no-kv-unified")]
+    pub no_kv_unified: bool,
+    /// Accepted for compatibility (prompt prefixes are reused per slot).
+    #[arg(long = "cache-reuse", value_name = "N")]
+    pub cache_reuse: Option<usize>,
+    /// Accepted for compatibility (computation uses -t threads).
+    #[arg(
+        long = "threads-batch",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    pub threads_batch: Option<i64>,
+    /// Accepted for compatibility (no read/write timeout is applied).
+    #[arg(long = "timeout", value_name = "SECONDS")]
+    pub timeout: Option<u64>,
+    /// Accepted for compatibility (there is no web UI).
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
+    /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
+    #[arg(long = "hf-repo", value_name = "REPO")]
+    pub hf_repo: Option<String>,
     /// Requests that may wait for a free slot; beyond that the server answers 503.
     #[arg(long = "max-queue", value_name = "N", default_value_t = 256)]
     pub max_queue: usize,
@@ -117,6 +142,9 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The server configuration these flags describe.
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
+        if let Some(repo) = &self.hf_repo {
+            bail!("hmoe does not download models ({repo}): download the GGUF file(s) and pass -m FILE");
+        }
         let models = match (&self.model, &self.models_dir) {
             (Some(m), None) => ModelSource::File(m.clone()),
             (None, Some(d)) => ModelSource::Dir(d.clone()),
@@ -131,9 +159,8 @@ impl ServeArgs {
             tracing::warn!("no GPU backend in this build: every tensor stays on the CPU");
         }
         let kv = |s: &str, which: &str| {
-            KvType::parse(s).with_context(|| {
-                format!("unsupported {which} cache type '{s}' in this build (f32, f16)")
-            })
+            KvType::parse(s)
+                .with_context(|| format!("unsupported {which} cache type '{s}' in this build"))
         };
         let (k, v) = (kv(&a.cache_type_k, "K")?, kv(&a.cache_type_v, "V")?);
         if k != v {
@@ -154,6 +181,17 @@ impl ServeArgs {
             .filter(|k| !k.is_empty())
             .cloned()
             .collect();
+        if config.api_keys.is_empty() {
+            // llama-server reads its key from LLAMA_API_KEY too.
+            if let Ok(k) = std::env::var("LLAMA_API_KEY") {
+                config.api_keys.extend(
+                    k.split(',')
+                        .map(str::trim)
+                        .filter(|k| !k.is_empty())
+                        .map(String::from),
+                );
+            }
+        }
         if let Some(f) = &self.api_key_file {
             let text =
                 std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
@@ -315,9 +353,9 @@ mod tests {
             "-m",
             "a",
             "--cache-type-k",
-            "q8_0",
+            "bogus",
             "--cache-type-v",
-            "q8_0"
+            "bogus"
         ])
         .config()
         .is_err());

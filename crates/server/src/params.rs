@@ -239,6 +239,15 @@ pub fn gen_params(
         frequency: f.f32("frequency_penalty")?.unwrap_or(0.0),
         bias: logit_bias(f.value("logit_bias"), tok)?,
     };
+    match f.value("response_format") {
+        None => {}
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "'response_format' other than text is not supported yet (no grammar-constrained sampling)",
+            ))
+        }
+    }
     let include_usage = match f.value("stream_options") {
         Some(Value::Object(o)) => o
             .get("include_usage")

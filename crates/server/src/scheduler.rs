@@ -292,12 +292,6 @@ impl Scheduler {
         lock(&self.shared.views).clone()
     }
 
-    /// Whether a request is running or waiting.
-    pub fn is_busy(&self) -> bool {
-        let q = lock(&self.shared.queue);
-        !q.jobs.is_empty() || q.free_slots < self.config.n_slots.max(1)
-    }
-
     /// Stops the worker: running and queued requests fail, new ones are refused.
     pub fn shutdown(&self) {
         lock(&self.shared.queue).shutdown = true;
