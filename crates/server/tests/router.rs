@@ -134,3 +134,54 @@ fn router_loads_on_demand_and_evicts_the_least_recently_used() {
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_model_with_a_request_in_flight_is_never_unloaded() {
+    let dir = scratch("router-busy");
+    let gpt = fixtures().join("gpt-oss");
+    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("alpha.gguf")).unwrap();
+    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("beta.gguf")).unwrap();
+    let mut c = ServerConfig::new(ModelSource::Dir(dir.clone()));
+    c.port = 0;
+    c.engine.n_ctx = 8192;
+    c.models_max = 1;
+    let s = start(c);
+    let a = s.local_addr();
+    let mut busy = Sse::open(
+        a,
+        "/v1/completions",
+        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true}),
+    );
+    assert_eq!(busy.status, 200);
+    assert!(busy.next_data().is_some());
+    let r = post(
+        a,
+        "/completion",
+        &json!({"model": "beta", "prompt": "x", "n_predict": 2}),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(status_of(&get(a, "/v1/models").json(), "alpha"), "loaded");
+    drop(busy);
+    // Once alpha's request is gone, beta may replace it (the lease ends with the stream).
+    let mut ok = false;
+    for _ in 0..100 {
+        let r = post(
+            a,
+            "/completion",
+            &json!({"model": "beta", "prompt": "x", "n_predict": 2}),
+        );
+        if r.status == 200 {
+            ok = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(ok);
+    let models = get(a, "/v1/models").json();
+    assert_eq!(
+        (status_of(&models, "alpha"), status_of(&models, "beta")),
+        ("unloaded".into(), "loaded".into())
+    );
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
