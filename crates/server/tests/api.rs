@@ -544,3 +544,39 @@ fn stop_strings_logprobs_and_token_routes() {
         assert!(m.body.contains(name), "{name} missing:\n{}", m.body);
     }
 }
+
+#[test]
+fn think_tags_split_for_qwen3_templates() {
+    let model = fixtures().join("qwen3moe/qwen3moe-tiny.gguf");
+    let tok = tokenizer(&model);
+    let script = "<think>\nLet me think.\n</think>\n\nThe answer.";
+    let n = tok.encode(script, false, true).unwrap().len();
+    let mut c = tiny_config();
+    c.models = hmoe_server::ModelSource::File(model);
+    c.chat.template =
+        Some(std::fs::read_to_string(fixtures().join("chat/Qwen-Qwen3-0.6B.jinja")).unwrap());
+    c.picker = Some(scripted(&tok, &[(7, script)]));
+    let s = start(c);
+    let a = s.local_addr();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "seed": 7});
+    let r = post(a, "/v1/chat/completions", &body).json();
+    let m = &r["choices"][0]["message"];
+    assert_eq!(
+        m["reasoning_content"].as_str().map(str::trim),
+        Some("Let me think."),
+        "{r}"
+    );
+    assert_eq!(m["content"], "The answer.");
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (content, reasoning, _, finish, _) =
+        join_chat_stream(&Sse::open(a, "/v1/chat/completions", &sbody).all());
+    assert_eq!(
+        (content.as_str(), reasoning.trim(), finish.as_str()),
+        ("The answer.", "Let me think.", "length")
+    );
+    let mut raw = body.clone();
+    raw["reasoning_format"] = json!("none");
+    let r = post(a, "/v1/chat/completions", &raw).json();
+    assert_eq!(r["choices"][0]["message"]["content"], script);
+}
