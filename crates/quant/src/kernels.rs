@@ -42,6 +42,35 @@ macro_rules! entry_points {
     };
 }
 
+/// Defines a `#[target_feature]` `GemmFn` named `$name` around the `#[inline(always)]` GEMM
+/// `$kernel`, which takes `(n, w, acts, bias, n_tokens, out)`, or, without the `bias` marker,
+/// `(n, w, acts, n_tokens, out)`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
+macro_rules! gemm_entry {
+    ($features:literal, $name:ident, $kernel:expr $(, $bias:ident)?) => {
+        /// # Safety
+        /// The CPU has the enabled features; slices as in `GemmFn`.
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            n: usize,
+            w: &[u8],
+            acts: &[u8],
+            bias: &[i32],
+            n_tokens: usize,
+            out: &mut [f32],
+        ) {
+            gemm_entry!(@call $kernel, n, w, acts, bias, n_tokens, out $(, $bias)?)
+        }
+    };
+    (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, bias) => {
+        $kernel($n, $w, $a, $b, $t, $o)
+    };
+    (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident) => {{
+        let _ = $b;
+        $kernel($n, $w, $a, $t, $o)
+    }};
+}
+
 /// Dot of `n` elements: one weight row with one activation row.
 pub(crate) type DotFn = unsafe fn(n: usize, w: &[u8], a: &[u8]) -> f32;
 /// Dot of `out.len()` weight rows, `stride` bytes apart, with one activation row.

@@ -55,10 +55,18 @@
 //! is a multiple of 8; those use other accumulation orders than the `vec_dot` kernels mirrored
 //! here.
 //!
-//! All functions are allocation-free and thread-safe.
+//! For batches (and for MXFP4 in llama.cpp's repacked order) [`GemmKernel`] multiplies many
+//! rows by many tokens in tiles: MXFP4 × Q8_0 in the block-wise order of llama.cpp's repacked
+//! MXFP4 kernels (one FMA per block of an exact integer block sum, see `gemm.rs`), Q8_0
+//! bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
+//!
+//! All functions are thread-safe and allocation-free, except [`GemmKernel::prepare`] (a vector
+//! of block sums for MXFP4) and [`GemmKernel::gemm`] (a scratch buffer for MXFP4 with several
+//! tokens).
 
 #[macro_use]
 mod kernels;
+mod gemm;
 mod kquants;
 mod legacy;
 mod scalar;
@@ -71,14 +79,21 @@ mod x86_avx2_lowbit;
 mod x86_avx512;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512_lowbit;
+#[cfg(target_arch = "x86_64")]
+mod x86_gemm_avx2;
+#[cfg(target_arch = "x86_64")]
+mod x86_gemm_avx512;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_gemm;
 #[cfg(test)]
 mod tests_lowbit;
 
 use std::sync::OnceLock;
 
+pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
 pub use types::GgmlType;
 
@@ -200,6 +215,16 @@ pub enum QuantError {
         /// Bytes the row must have.
         expected: usize,
         /// Bytes given.
+        got: usize,
+    },
+    /// A GEMM operand does not have the size the others imply.
+    #[error("{what}: expected {expected}, got {got}")]
+    ShapeMismatch {
+        /// Which operand.
+        what: &'static str,
+        /// The size the other operands imply.
+        expected: usize,
+        /// The size given.
         got: usize,
     },
     /// The CPU cannot run the requested ISA.

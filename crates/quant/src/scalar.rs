@@ -345,7 +345,7 @@ pub(crate) fn sign_i8(y: i8, x: i8) -> i8 {
     }
 }
 
-fn dot_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+pub(crate) fn dot_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
     let nb = n / QK;
     let mut acc = [0.0f32; 8];
     for (xb, yb) in w

@@ -17,25 +17,25 @@ use crate::GgmlType;
 
 /// Lanes 0..8 of a zmm.
 #[inline(always)]
-unsafe fn lo256(v: __m512) -> __m256 {
+pub(crate) unsafe fn lo256(v: __m512) -> __m256 {
     _mm512_castps512_ps256(v)
 }
 
 /// Lanes 8..16 of a zmm (without AVX512DQ).
 #[inline(always)]
-unsafe fn hi256(v: __m512) -> __m256 {
+pub(crate) unsafe fn hi256(v: __m512) -> __m256 {
     _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
 }
 
 /// Horizontal sum by halving, the order of `_mm512_reduce_add_ps`.
 #[inline(always)]
-unsafe fn hsum16(v: __m512) -> f32 {
+pub(crate) unsafe fn hsum16(v: __m512) -> f32 {
     hsum8(_mm256_add_ps(lo256(v), hi256(v)))
 }
 
 /// Two 32-byte loads as one zmm.
 #[inline(always)]
-unsafe fn load_2x256(p0: *const u8, p1: *const u8) -> __m512i {
+pub(crate) unsafe fn load_2x256(p0: *const u8, p1: *const u8) -> __m512i {
     let lo = _mm512_castsi256_si512(_mm256_loadu_si256(p0.cast()));
     _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(p1.cast()))
 }
@@ -197,7 +197,7 @@ unsafe fn bf16_rows<const R: usize>(
 /// `vpmaddubsw` + `vpmaddwd`; the 16-bit pair sums cannot saturate for our operands
 /// (u ≤ 128 with |s| ≤ 128).
 #[inline(always)]
-unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+pub(crate) unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
     if VNNI {
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
     } else {
@@ -207,7 +207,7 @@ unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
 
 /// `-v` where `mask` is set, else `v` (per byte, wrapping).
 #[inline(always)]
-unsafe fn neg_where(v: __m512i, mask: __mmask64) -> __m512i {
+pub(crate) unsafe fn neg_where(v: __m512i, mask: __mmask64) -> __m512i {
     _mm512_mask_sub_epi8(v, mask, _mm512_setzero_si512(), v)
 }
 

@@ -1,0 +1,115 @@
+//! Micro-benchmark of the MXFP4 kernels on 2880 × 2880 matrices, one thread:
+//! `cargo run --release -p hmoe-quant --example bench_gemm [-- REPS]`.
+//!
+//! Prints, per kernel, the median time of one matrix-vector product and the weight bytes read
+//! per second, both for one matrix that stays in cache ("hot") and cycling through 256 MiB of
+//! matrices ("cold", memory-bound), then the multi-token GEMM throughput.
+
+use std::time::Instant;
+
+use hmoe_quant::{quantize_row, DotKernel, GemmKernel, GgmlType, Isa};
+
+const N: usize = 2880;
+const ROWS: usize = 2880;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f(i)` over `reps` calls (after one warm-up call).
+fn time(reps: usize, mut f: impl FnMut(usize)) -> f64 {
+    f(0);
+    median(
+        (1..=reps)
+            .map(|i| {
+                let t = Instant::now();
+                f(i);
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn main() {
+    let reps: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50);
+    let mut seed = 0x1234_5678_9abc_def0u64;
+    let mut rnd = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let mat_bytes = GgmlType::MXFP4.row_bytes(N as u64).unwrap() as usize * ROWS;
+    let n_mats = (256 << 20) / mat_bytes + 1;
+    // Quantise one matrix and copy it (different contents do not matter for speed).
+    let x: Vec<f32> = (0..N * ROWS).map(|_| rnd()).collect();
+    let mut one = vec![0u8; mat_bytes];
+    quantize_row(GgmlType::MXFP4, &x, &mut one).unwrap();
+    let mats: Vec<Vec<u8>> = (0..n_mats).map(|_| one.clone()).collect();
+    let tokens = 64;
+    let xa: Vec<f32> = (0..N * tokens).map(|_| rnd()).collect();
+    let ab = GgmlType::Q8_0.row_bytes(N as u64).unwrap() as usize;
+    let mut acts = vec![0u8; ab * tokens];
+    quantize_row(GgmlType::Q8_0, &xa, &mut acts).unwrap();
+    let act = &acts[..ab];
+    let mut out = vec![0f32; ROWS * tokens];
+    let gb = mat_bytes as f64 / 1e9;
+    println!(
+        "MXFP4 {ROWS}x{N} ({:.2} MB per matrix), one thread, median of {reps}",
+        gb * 1e3
+    );
+    println!(
+        "{:<36} {:>10} {:>9} {:>10} {:>9}",
+        "kernel", "hot ms", "hot GB/s", "cold ms", "cold GB/s"
+    );
+    let report = |name: &str, hot: f64, cold: f64| {
+        println!(
+            "{name:<36} {:>10.3} {:>9.2} {:>10.3} {:>9.2}",
+            hot * 1e3,
+            gb / hot,
+            cold * 1e3,
+            gb / cold
+        );
+    };
+    for isa in Isa::available() {
+        let k = DotKernel::new(GgmlType::MXFP4, isa).unwrap();
+        let mut run = |w: &[u8]| k.dot_rows(N, w, act, &mut out[..ROWS]);
+        let hot = time(reps.min(if isa == Isa::Scalar { 3 } else { reps }), |_| {
+            run(&one)
+        });
+        let cold = time(reps.min(if isa == Isa::Scalar { 3 } else { reps }), |i| {
+            run(&mats[i % n_mats])
+        });
+        report(k.name(), hot, cold);
+    }
+    for isa in Isa::available() {
+        let k = GemmKernel::new(GgmlType::MXFP4, isa).unwrap();
+        let prep = k.prepare(N, act, 1).unwrap();
+        let mut run = |w: &[u8]| k.gemm(w, &prep, &mut out[..ROWS]).unwrap();
+        let r = if isa == Isa::Scalar { 3 } else { reps };
+        let hot = time(r, |_| run(&one));
+        let cold = time(r, |i| run(&mats[i % n_mats]));
+        report(k.name(), hot, cold);
+    }
+    println!("\nMXFP4 GEMM, {tokens} tokens (hot): ms per call, GMAC/s");
+    for isa in Isa::available().into_iter().filter(|&i| i != Isa::Scalar) {
+        for t in [1, 2, 4, 8, 16, 64] {
+            let k = GemmKernel::new(GgmlType::MXFP4, isa).unwrap();
+            let prep = k.prepare(N, &acts[..ab * t], t).unwrap();
+            let s = time(reps.min(20), |_| {
+                k.gemm(&one, &prep, &mut out[..ROWS * t]).unwrap()
+            });
+            let macs = (ROWS * N * t) as f64;
+            println!(
+                "{:<36} T={t:<3} {:>8.3} ms {:>8.2} GMAC/s",
+                k.name(),
+                s * 1e3,
+                macs / s / 1e9
+            );
+        }
+    }
+}

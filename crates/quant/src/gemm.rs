@@ -1,0 +1,323 @@
+//! Multi-row, multi-token products ("GEMM") for the weight types whose llama.cpp order differs
+//! from, or gains from tiling over, the per-row [`crate::DotKernel`]:
+//!
+//! * **MXFP4 × Q8_0, block-wise order** (llama.cpp's repacked MXFP4 kernels): per output
+//!   `acc = 0`, then for each 32-element block `b` in order
+//!   `acc = fma(isum_b as f32, e8m0_half(e_b) · d_b, acc)`, where `isum_b` is the exact integer
+//!   dot of the block's table values with the activation bytes and the scale product is rounded
+//!   to f32 first. This is *not* the order of [`crate::DotKernel`]'s MXFP4 kernel (ggml's
+//!   `vec_dot`, two 8-lane accumulators).
+//! * **Q8_0 × Q8_0**: bit-identical to [`crate::DotKernel::dot`] (ggml's `vec_dot` order, which
+//!   llama.cpp's tinyBLAS shares for Q8_0).
+//! * **F32 × F32, 16-lane order** (llama.cpp's tinyBLAS for batches): lane `i % 16` takes
+//!   `fma(w_i, a_i, lane)`, then the lanes are summed by halving (as `_mm512_reduce_add_ps`).
+//!   For a single token ggml uses `vec_dot_f32` instead, which is [`crate::DotKernel::dot`].
+//!
+//! The SIMD kernels put 16 (AVX-512) or 8 (AVX2) MXFP4 weight rows in the vector lanes, so the
+//! per-block FMA is one vector instruction: each row's 16 nibble bytes are transposed as
+//! dwords, so lane `r` of the `k`-th vector holds elements `4k..4k+4` (and `16+4k..`) of row
+//! `r`, and one `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd`) against a broadcast activation dword
+//! adds four products per row. Weights enter the unsigned operand as `value + 12`; the
+//! `12 · Σa` this adds is subtracted per block from the integer sum (precomputed per token in
+//! [`GemmActs`]), which keeps the integer sum exact for every activation byte including -128.
+//! With several tokens, each group of rows is decoded once into a small buffer and reused for
+//! every token; Q8_0 and F32 use register tiles of rows × tokens.
+
+use crate::scalar::{
+    f16_to_f32, hsum16, rd_f32, rd_u16, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK,
+};
+use crate::{check_isa, row_bytes, vec_dot_type, GgmlType, Isa, QuantError};
+
+/// A GEMM kernel: `n` = elements per row, `w` = `out.len() / n_tokens` weight rows,
+/// `acts` = `n_tokens` activation rows, `bias` = [`GemmActs::bias`], `out` = `[row][token]`.
+pub(crate) type GemmFn =
+    unsafe fn(n: usize, w: &[u8], acts: &[u8], bias: &[i32], n_tokens: usize, out: &mut [f32]);
+
+/// The MXFP4 table values plus 12, so they fit the unsigned operand of `vpdpbusd`/`vpmaddubsw`.
+pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (KVALUES_MXFP4[i] + 12) as u8;
+        i += 1;
+    }
+    t
+};
+
+/// Activation rows prepared for one [`GemmKernel`]: the rows themselves plus, for MXFP4, the
+/// per-block correction `-12 · Σ a` of the biased weights. Prepare once per matmul and share
+/// between threads.
+#[derive(Clone, Debug)]
+pub struct GemmActs<'a> {
+    weight: GgmlType,
+    n: usize,
+    n_tokens: usize,
+    data: &'a [u8],
+    /// `-12 · Σ_j a_j` per token and block (`[token][block]`), MXFP4 only.
+    bias: Vec<i32>,
+}
+
+impl GemmActs<'_> {
+    /// Elements per activation row.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Number of activation rows (tokens).
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+}
+
+/// A resolved multi-token kernel for one weight type on one ISA (MXFP4, Q8_0 or F32; see the
+/// module docs for each type's summation order). Cheap to copy, `Send + Sync`.
+#[derive(Clone, Copy)]
+pub struct GemmKernel {
+    weight: GgmlType,
+    act: GgmlType,
+    isa: Isa,
+    name: &'static str,
+    f: GemmFn,
+}
+
+impl std::fmt::Debug for GemmKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GemmKernel")
+            .field("weight", &self.weight)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl GemmKernel {
+    /// The kernel for weights of type `weight` (MXFP4, Q8_0 or F32) on `isa`; errors for other
+    /// types or an ISA this CPU lacks.
+    pub fn new(weight: GgmlType, isa: Isa) -> Result<GemmKernel, QuantError> {
+        Self::resolve(weight, isa, true)
+    }
+
+    /// The kernel for `weight` on [`Isa::best`].
+    pub fn best(weight: GgmlType) -> Result<GemmKernel, QuantError> {
+        Self::new(weight, Isa::best())
+    }
+
+    /// Whether `weight` has a GEMM kernel (MXFP4, Q8_0, F32).
+    pub fn supports(weight: GgmlType) -> bool {
+        matches!(weight, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32)
+    }
+
+    /// [`GemmKernel::new`]; `allow_vnni = false` forces the AVX-512 kernels without VNNI.
+    pub(crate) fn resolve(
+        weight: GgmlType,
+        isa: Isa,
+        allow_vnni: bool,
+    ) -> Result<GemmKernel, QuantError> {
+        check_isa(isa)?;
+        let unsupported = QuantError::Unsupported {
+            ty: weight,
+            op: "gemm",
+        };
+        if !Self::supports(weight) {
+            return Err(unsupported);
+        }
+        let (name, f): (&'static str, GemmFn) = match isa {
+            Isa::Scalar => scalar_fn(weight),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => crate::x86_gemm_avx2::gemm_fn(weight),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                crate::x86_gemm_avx512::gemm_fn(weight, allow_vnni && crate::cpu::has_avx512_vnni())
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 | Isa::Avx512 => {
+                let _ = allow_vnni;
+                return Err(unsupported);
+            }
+        };
+        Ok(GemmKernel {
+            weight,
+            act: vec_dot_type(weight),
+            isa,
+            name,
+            f,
+        })
+    }
+
+    /// The weight type.
+    pub fn weight_type(&self) -> GgmlType {
+        self.weight
+    }
+
+    /// The activation type ([`vec_dot_type`] of the weight type: Q8_0, or F32 for F32).
+    pub fn act_type(&self) -> GgmlType {
+        self.act
+    }
+
+    /// The ISA the kernel runs on.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// A name for logs, e.g. `mxfp4*q8_0 blockwise/avx512vnni`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
+    /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
+    /// block once (for MXFP4 one `i32` per token and block).
+    pub fn prepare<'a>(
+        &self,
+        n: usize,
+        acts: &'a [u8],
+        n_tokens: usize,
+    ) -> Result<GemmActs<'a>, QuantError> {
+        let row = row_bytes(self.act, n)?;
+        let expected = row.checked_mul(n_tokens).ok_or(QuantError::ShapeMismatch {
+            what: "activation bytes",
+            expected: usize::MAX,
+            got: acts.len(),
+        })?;
+        if acts.len() != expected {
+            return Err(QuantError::ShapeMismatch {
+                what: "activation bytes",
+                expected,
+                got: acts.len(),
+            });
+        }
+        let bias = if self.weight == GgmlType::MXFP4 {
+            acts.chunks_exact(Q8_0_BYTES)
+                .map(|b| -12 * b[2..].iter().map(|&q| q as i8 as i32).sum::<i32>())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(GemmActs {
+            weight: self.weight,
+            n,
+            n_tokens,
+            data: acts,
+            bias,
+        })
+    }
+
+    /// `out[r * n_tokens + t] = W[r] · a[t]` for the `out.len() / n_tokens` weight rows in
+    /// `weight_rows` (contiguous) and the tokens of `acts`, in the kernel's summation order.
+    /// Every ISA gives bit-identical results. Allocates a scratch buffer of a few KiB for MXFP4
+    /// with more than one token.
+    pub fn gemm(
+        &self,
+        weight_rows: &[u8],
+        acts: &GemmActs<'_>,
+        out: &mut [f32],
+    ) -> Result<(), QuantError> {
+        if acts.weight != self.weight {
+            return Err(QuantError::Unsupported {
+                ty: acts.weight,
+                op: "gemm with activations prepared for another type",
+            });
+        }
+        let t = acts.n_tokens;
+        if t == 0 || out.is_empty() {
+            return if out.is_empty() {
+                Ok(())
+            } else {
+                Err(QuantError::ShapeMismatch {
+                    what: "output elements",
+                    expected: 0,
+                    got: out.len(),
+                })
+            };
+        }
+        if !out.len().is_multiple_of(t) {
+            return Err(QuantError::ShapeMismatch {
+                what: "output elements (a multiple of the token count)",
+                expected: out.len() / t * t,
+                got: out.len(),
+            });
+        }
+        let rows = out.len() / t;
+        let expected = row_bytes(self.weight, acts.n)? * rows;
+        if weight_rows.len() != expected {
+            return Err(QuantError::ShapeMismatch {
+                what: "weight bytes",
+                expected,
+                got: weight_rows.len(),
+            });
+        }
+        // SAFETY: the ISA was checked in `resolve`; `weight_rows` holds `rows` whole rows of
+        // `n` elements, `acts.data` `t` activation rows and `acts.bias` their block sums
+        // (checked in `prepare`), `out` `rows * t` results.
+        unsafe { (self.f)(acts.n, weight_rows, acts.data, &acts.bias, t, out) };
+        Ok(())
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// scalar reference
+
+/// MXFP4 × Q8_0 in the block-wise order (the definition the SIMD kernels reproduce).
+pub(crate) fn mxfp4_blockwise(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (wb, ab) in w.chunks_exact(MXFP4_BYTES).zip(a.chunks_exact(Q8_0_BYTES)) {
+        let scale = E8M0_HALF[wb[0] as usize] * f16_to_f32(rd_u16(ab, 0));
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            let q = wb[1 + j];
+            isum += KVALUES_MXFP4[(q & 15) as usize] as i32 * ab[2 + j] as i8 as i32;
+            isum += KVALUES_MXFP4[(q >> 4) as usize] as i32 * ab[2 + QK / 2 + j] as i8 as i32;
+        }
+        acc = (isum as f32).mul_add(scale, acc);
+    }
+    acc
+}
+
+/// F32 × F32 in 16 FMA lanes (lane `i % 16`), summed by halving.
+pub(crate) fn f32_lanes(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for i in 0..n {
+        lanes[i % 16] = rd_f32(w, i).mul_add(rd_f32(a, i), lanes[i % 16]);
+    }
+    hsum16(&lanes)
+}
+
+/// The scalar GEMM for `weight`: one reference dot per output.
+fn scalar_fn(weight: GgmlType) -> (&'static str, GemmFn) {
+    fn run(
+        n: usize,
+        w: &[u8],
+        acts: &[u8],
+        n_tokens: usize,
+        out: &mut [f32],
+        ty: GgmlType,
+        dot: impl Fn(&[u8], &[u8]) -> f32,
+    ) {
+        let wb = ty.block_bytes() * n / ty.block_elems();
+        let act = vec_dot_type(ty);
+        let ab = act.block_bytes() * n / act.block_elems();
+        for (r, o) in out.chunks_exact_mut(n_tokens).enumerate() {
+            let wr = &w[r * wb..(r + 1) * wb];
+            for (t, o) in o.iter_mut().enumerate() {
+                *o = dot(wr, &acts[t * ab..(t + 1) * ab]);
+            }
+        }
+    }
+    fn mxfp4(n: usize, w: &[u8], acts: &[u8], _: &[i32], n_tokens: usize, out: &mut [f32]) {
+        run(n, w, acts, n_tokens, out, GgmlType::MXFP4, mxfp4_blockwise);
+    }
+    fn q8_0(n: usize, w: &[u8], acts: &[u8], _: &[i32], n_tokens: usize, out: &mut [f32]) {
+        run(n, w, acts, n_tokens, out, GgmlType::Q8_0, |w, a| {
+            crate::scalar::dot_q8_0(n, w, a)
+        });
+    }
+    fn f32(n: usize, w: &[u8], acts: &[u8], _: &[i32], n_tokens: usize, out: &mut [f32]) {
+        run(n, w, acts, n_tokens, out, GgmlType::F32, |w, a| {
+            f32_lanes(n, w, a)
+        });
+    }
+    match weight {
+        GgmlType::MXFP4 => ("mxfp4*q8_0 blockwise/scalar", mxfp4),
+        GgmlType::Q8_0 => ("q8_0*q8_0 gemm/scalar", q8_0),
+        _ => ("f32*f32 lanes16/scalar", f32),
+    }
+}

@@ -1,0 +1,279 @@
+//! GEMM kernel tests: seeded random property tests of every ISA against the scalar reference
+//! (bit-exact, edge values included), the references against their definitions, errors.
+
+use crate::gemm::{f32_lanes, mxfp4_blockwise};
+use crate::scalar::{e8m0_to_f32_half, f16_to_f32, MXFP4_BYTES, Q8_0_BYTES};
+use crate::tests::{rand_f16, same, Rng};
+use crate::*;
+
+/// Every GEMM kernel this CPU can run for `ty`: each ISA, plus AVX-512 without VNNI.
+fn kernels(ty: GgmlType) -> Vec<GemmKernel> {
+    let mut ks: Vec<GemmKernel> = Isa::available()
+        .into_iter()
+        .map(|isa| GemmKernel::new(ty, isa).unwrap())
+        .collect();
+    if Isa::Avx512.is_available() {
+        ks.push(GemmKernel::resolve(ty, Isa::Avx512, false).unwrap());
+    }
+    ks
+}
+
+/// Random MXFP4 rows: random nibbles, exponents mostly near 127 plus the edges.
+fn mxfp4_rows(rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut w = Vec::new();
+    for _ in 0..rows * n / 32 {
+        let e = match rng.below(16) {
+            0 => 0,
+            1 => 1,
+            2 => 2,
+            3 => 254,
+            4 => rng.byte(),
+            _ => 118 + rng.below(12) as u8,
+        };
+        w.push(e);
+        for _ in 0..16 {
+            w.push(rng.byte());
+        }
+    }
+    w
+}
+
+/// Random Q8_0 blocks (weights or activations): scales over the f16 range including 0 and
+/// subnormals, bytes uniform with extra -128, -127 and 127.
+fn q8_0_rows(rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..rows * n / 32 {
+        let d = match rng.below(12) {
+            0 => 0,
+            1 => rand_f16(rng, 0, 0),
+            2 => rand_f16(rng, 25, 30),
+            _ => rand_f16(rng, 5, 16),
+        };
+        out.extend_from_slice(&d.to_le_bytes());
+        for _ in 0..32 {
+            out.push(match rng.below(10) {
+                0 => 0x80,
+                1 => 0x81,
+                2 => 0x7f,
+                _ => rng.byte(),
+            });
+        }
+    }
+    out
+}
+
+/// Random f32 rows with a spread of magnitudes, zeros and subnormals.
+fn f32_rows(rows: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut out = Vec::new();
+    for i in 0..rows * n {
+        let v = match i % 37 {
+            3 => f32::from_bits(rng.below(0x7f_ffff) as u32 + 1),
+            7 => -0.0,
+            _ => rng.spread(),
+        };
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Runs every kernel for `ty` on random operands of every shape and compares each output with
+/// `reference(n, weight_row, act_row)`.
+fn check_all_isas(
+    ty: GgmlType,
+    lens: &[usize],
+    weights: impl Fn(usize, usize, &mut Rng) -> Vec<u8>,
+    acts: impl Fn(usize, usize, &mut Rng) -> Vec<u8>,
+    reference: impl Fn(usize, &[u8], &[u8]) -> f32,
+) {
+    let mut rng = Rng(ty.id() as u64 + 0x5eed);
+    let act_ty = vec_dot_type(ty);
+    for &n in lens {
+        let wb = ty.row_bytes(n as u64).unwrap() as usize;
+        let ab = act_ty.row_bytes(n as u64).unwrap() as usize;
+        for &(rows, toks) in &[
+            (1, 1),
+            (16, 1),
+            (37, 1),
+            (5, 2),
+            (17, 3),
+            (8, 5),
+            (33, 9),
+            (3, 13),
+        ] {
+            let w = weights(rows, n, &mut rng);
+            let a = acts(toks, n, &mut rng);
+            let expect: Vec<f32> = (0..rows * toks)
+                .map(|i| {
+                    let (r, t) = (i / toks, i % toks);
+                    reference(n, &w[r * wb..(r + 1) * wb], &a[t * ab..(t + 1) * ab])
+                })
+                .collect();
+            for k in kernels(ty) {
+                let prep = k.prepare(n, &a, toks).unwrap();
+                let mut out = vec![f32::NAN; rows * toks];
+                k.gemm(&w, &prep, &mut out).unwrap();
+                for (i, (&got, &want)) in out.iter().zip(&expect).enumerate() {
+                    assert!(
+                        same(got, want),
+                        "{} n={n} rows={rows} tokens={toks} out[{}][{}]: {got:e} vs {want:e}",
+                        k.name(),
+                        i / toks,
+                        i % toks
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mxfp4_gemm_all_isas_bit_exact_with_blockwise_reference() {
+    check_all_isas(
+        GgmlType::MXFP4,
+        &[32, 64, 96, 2880],
+        mxfp4_rows,
+        q8_0_rows,
+        |_, w, a| mxfp4_blockwise(w, a),
+    );
+}
+
+#[test]
+fn q8_0_gemm_all_isas_equal_dot_kernel() {
+    let dot = DotKernel::new(GgmlType::Q8_0, Isa::Scalar).unwrap();
+    check_all_isas(
+        GgmlType::Q8_0,
+        &[32, 64, 96, 2880],
+        q8_0_rows,
+        q8_0_rows,
+        |n, w, a| dot.dot(n, w, a),
+    );
+    // And the SIMD dot kernels agree with the scalar one on the same data (so the GEMM equals
+    // whatever `DotKernel::dot` the model uses).
+    let mut rng = Rng(99);
+    let (w, a) = (q8_0_rows(1, 2880, &mut rng), q8_0_rows(1, 2880, &mut rng));
+    for isa in Isa::available() {
+        let k = DotKernel::new(GgmlType::Q8_0, isa).unwrap();
+        assert!(same(k.dot(2880, &w, &a), dot.dot(2880, &w, &a)));
+    }
+}
+
+#[test]
+fn f32_gemm_all_isas_bit_exact_with_lanes_reference() {
+    check_all_isas(
+        GgmlType::F32,
+        &[1, 7, 15, 16, 17, 33, 100, 2880, 2881],
+        f32_rows,
+        f32_rows,
+        f32_lanes,
+    );
+}
+
+/// The F32 reference is the 16-lane order written the way the model crate did: chunks of 16,
+/// a partial last chunk, then pairwise halving sums.
+#[test]
+fn f32_lanes_reference_matches_chunked_definition() {
+    let mut rng = Rng(7);
+    for n in [1, 15, 16, 31, 100, 2881] {
+        let (w, a) = (f32_rows(1, n, &mut rng), f32_rows(1, n, &mut rng));
+        let rd = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let mut l = [0f32; 16];
+        for (cw, ca) in w.chunks(64).zip(a.chunks(64)) {
+            for (i, (x, y)) in cw.chunks_exact(4).zip(ca.chunks_exact(4)).enumerate() {
+                l[i] = rd(x).mul_add(rd(y), l[i]);
+            }
+        }
+        let t8: Vec<f32> = (0..8).map(|i| l[i] + l[i + 8]).collect();
+        let t4 = [t8[0] + t8[4], t8[1] + t8[5], t8[2] + t8[6], t8[3] + t8[7]];
+        let want = (t4[0] + t4[2]) + (t4[1] + t4[3]);
+        assert!(same(f32_lanes(n, &w, &a), want), "n={n}");
+    }
+}
+
+/// Hand-checked block: the integer sum is exact for activation -128 against negative values
+/// (no sign-trick wrap), the scale is `2^(e-128) · d` rounded once, one FMA per block.
+#[test]
+fn mxfp4_blockwise_known_values() {
+    // Block 0: every element the value -12 (nibble 15), activations all -128, e = 128 (×1), d = 1.
+    let mut w = vec![128u8];
+    w.extend([0xffu8; 16]);
+    let mut a = f32_to_f16_bytes(1.0);
+    a.extend([0x80u8; 32]);
+    assert_eq!(mxfp4_blockwise(&w, &a), 32.0 * 12.0 * 128.0);
+    // Two blocks: e = 0 (2^-128, subnormal scale product) then e = 254 with d = 0.5.
+    let mut w2 = vec![0u8];
+    w2.extend([0x11u8; 16]); // value 1 everywhere
+    w2.push(254);
+    w2.extend([0x00u8; 15]);
+    w2.push(0x07); // element 15 = 12, element 31 = 0
+    let mut a2 = f32_to_f16_bytes(1.0);
+    a2.extend([1u8; 32]);
+    a2.extend(f32_to_f16_bytes(0.5));
+    a2.extend([3u8; 32]);
+    let s0 = e8m0_to_f32_half(0) * 1.0;
+    let s1 = e8m0_to_f32_half(254) * 0.5;
+    let want = (36.0f32).mul_add(s1, (32.0f32).mul_add(s0, 0.0));
+    assert_eq!(mxfp4_blockwise(&w2, &a2).to_bits(), want.to_bits());
+    for k in kernels(GgmlType::MXFP4) {
+        for (w, a, want) in [(&w, &a, 49152.0), (&w2, &a2, want)] {
+            let n = w.len() / MXFP4_BYTES * 32;
+            let prep = k.prepare(n, a, 1).unwrap();
+            let mut out = [0f32];
+            k.gemm(w, &prep, &mut out).unwrap();
+            assert_eq!(out[0].to_bits(), want.to_bits(), "{}", k.name());
+        }
+    }
+}
+
+fn f32_to_f16_bytes(x: f32) -> Vec<u8> {
+    let h = half::f16::from_f32(x);
+    assert_eq!(f16_to_f32(h.to_bits()), x);
+    h.to_bits().to_le_bytes().to_vec()
+}
+
+#[test]
+fn gemm_errors_for_bad_input() {
+    let k = GemmKernel::best(GgmlType::MXFP4).unwrap();
+    assert!(matches!(
+        GemmKernel::best(GgmlType::Q4_K),
+        Err(QuantError::Unsupported { .. })
+    ));
+    assert!(GemmKernel::supports(GgmlType::F32) && !GemmKernel::supports(GgmlType::F16));
+    let a = vec![0u8; 2 * Q8_0_BYTES];
+    assert!(matches!(
+        k.prepare(33, &a, 1),
+        Err(QuantError::NotBlockMultiple { .. })
+    ));
+    assert!(matches!(
+        k.prepare(32, &a, 1),
+        Err(QuantError::ShapeMismatch { .. })
+    ));
+    let prep = k.prepare(32, &a, 2).unwrap();
+    assert_eq!((prep.n(), prep.n_tokens()), (32, 2));
+    let w = vec![127u8; 3 * MXFP4_BYTES];
+    let mut out = vec![0f32; 5];
+    assert!(matches!(
+        k.gemm(&w, &prep, &mut out),
+        Err(QuantError::ShapeMismatch { .. })
+    ));
+    let mut out = vec![0f32; 4];
+    assert!(matches!(
+        k.gemm(&w, &prep, &mut out),
+        Err(QuantError::ShapeMismatch { .. })
+    ));
+    let mut out = vec![1f32; 6];
+    k.gemm(&w, &prep, &mut out).unwrap();
+    assert_eq!(out, vec![0f32; 6]);
+    let q = GemmKernel::best(GgmlType::Q8_0).unwrap();
+    assert!(q.gemm(&w, &prep, &mut out).is_err());
+    let empty = k.prepare(32, &[], 0).unwrap();
+    k.gemm(&[], &empty, &mut []).unwrap();
+    assert!(k.gemm(&[], &empty, &mut [0.0]).is_err());
+}
+
+#[test]
+fn gemm_kernels_are_send_sync_copy() {
+    fn check<T: Send + Sync + Copy + 'static>() {}
+    check::<GemmKernel>();
+    fn sync<T: Send + Sync>() {}
+    sync::<GemmActs<'static>>();
+}

@@ -1,0 +1,349 @@
+//! AVX2 + FMA + F16C GEMM kernels, bit-identical to the scalar references in `gemm.rs`.
+//!
+//! * MXFP4: 8 weight rows in the 8 lanes, the layout of the AVX-512 kernel at half width
+//!   (see `x86_gemm_avx512.rs`); products by `vpmaddubsw` of the biased values (≤ 24) with
+//!   activation bytes, four 16-bit results summed before one `vpmaddwd` (|sum| ≤ 24576, no
+//!   overflow); the scale `2^(e-128)` is built from the exponent bits and multiplied by `d`.
+//! * Q8_0: tiles of 2 rows × 4 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per pair).
+//! * F32: tiles of 2 rows × 2 tokens of 16-lane (two-register) FMA accumulators.
+//!
+//! Safety: every `unsafe fn` here needs AVX2, FMA and F16C, and the slice contract of
+//! [`GemmFn`].
+
+use core::arch::x86_64::*;
+
+use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12};
+use crate::scalar::{MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86_avx2::{f16_at, hsum8};
+use crate::GgmlType;
+
+/// MXFP4 rows per group (one per lane).
+const G: usize = 8;
+/// Vectors per decoded MXFP4 block in the buffer: 8 of values, 1 of scales.
+const DEC: usize = 9;
+
+/// The little-endian dword at `p`, broadcast.
+#[inline(always)]
+unsafe fn bcast32(p: *const u8) -> __m256i {
+    _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// Decodes the MXFP4 block at byte `off` of 8 rows: `u[k]` (`u[4 + k]`) holds in lane `r` the
+/// biased values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`; the second result is
+/// each row's `2^(e-128)`.
+#[inline(always)]
+unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
+    let mut z = [_mm256_setzero_si256(); 4];
+    for (g, z) in z.iter_mut().enumerate() {
+        // 128-bit lane i of z[g] holds row 4i + g.
+        let lo = _mm_loadu_si128(rows[g].add(off + 1).cast());
+        let hi = _mm_loadu_si128(rows[4 + g].add(off + 1).cast());
+        *z = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+    }
+    // 4×4 dword transpose inside each 128-bit lane: lane 4i + j of v[k] = dword k of row 4i + j.
+    let t01l = _mm256_unpacklo_epi32(z[0], z[1]);
+    let t01h = _mm256_unpackhi_epi32(z[0], z[1]);
+    let t23l = _mm256_unpacklo_epi32(z[2], z[3]);
+    let t23h = _mm256_unpackhi_epi32(z[2], z[3]);
+    let v = [
+        _mm256_unpacklo_epi64(t01l, t23l),
+        _mm256_unpackhi_epi64(t01l, t23l),
+        _mm256_unpacklo_epi64(t01h, t23h),
+        _mm256_unpackhi_epi64(t01h, t23h),
+    ];
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut u = [_mm256_setzero_si256(); 8];
+    for k in 0..4 {
+        u[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(v[k], m4));
+        u[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi32::<4>(v[k]), m4));
+    }
+    let mut e8 = 0u64;
+    for (i, r) in rows.iter().enumerate() {
+        e8 |= (*r.add(off) as u64) << (8 * i);
+    }
+    let e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(e8 as i64));
+    // 2^(e-128): exponent field e - 1 for e ≥ 2, the subnormals 2^-128 and 2^-127 below.
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    let pow2 = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, is_sub));
+    (u, pow2)
+}
+
+/// Every row's exact integer dot of one block with the activation block at `ab`, plus `bias`.
+#[inline(always)]
+unsafe fn isum8(u: &[__m256i; 8], ab: *const u8, bias: i32) -> __m256i {
+    let mut lo = _mm256_maddubs_epi16(u[0], bcast32(ab.add(2)));
+    let mut hi = _mm256_maddubs_epi16(u[4], bcast32(ab.add(2 + QK / 2)));
+    for k in 1..4 {
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[k], bcast32(ab.add(2 + 4 * k))));
+        hi = _mm256_add_epi16(
+            hi,
+            _mm256_maddubs_epi16(u[4 + k], bcast32(ab.add(2 + QK / 2 + 4 * k))),
+        );
+    }
+    let ones = _mm256_set1_epi16(1);
+    let s = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+    _mm256_add_epi32(s, _mm256_set1_epi32(bias))
+}
+
+/// `fma(isum, 2^(e-128) · d, acc)` for the 8 rows, `d` the activation block's f16 scale at `ab`.
+#[inline(always)]
+unsafe fn block_fma(isum: __m256i, pow2: __m256, ab: *const u8, acc: __m256) -> __m256 {
+    let scale = _mm256_mul_ps(pow2, _mm256_set1_ps(f16_at(ab)));
+    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc)
+}
+
+/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
+/// last one (their results are dropped).
+#[inline(always)]
+unsafe fn row_ptrs<const N: usize>(
+    w: *const u8,
+    r0: usize,
+    rows: usize,
+    stride: usize,
+) -> [*const u8; N] {
+    let mut p = [w; N];
+    for (i, p) in p.iter_mut().enumerate() {
+        *p = w.add((r0 + i).min(rows - 1) * stride);
+    }
+    p
+}
+
+/// Stores lanes `0..valid` of `v` to `out`, `step` floats apart.
+#[inline(always)]
+unsafe fn store_lanes(v: __m256, valid: usize, out: *mut f32, step: usize) {
+    let mut tmp = [0f32; G];
+    _mm256_storeu_ps(tmp.as_mut_ptr(), v);
+    for (r, &x) in tmp.iter().enumerate().take(valid) {
+        *out.add(r * step) = x;
+    }
+}
+
+/// `TT` tokens over one decoded row group.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn mxfp4_tile<const TT: usize>(
+    nb: usize,
+    buf: *const __m256i,
+    a: *const u8,
+    bias: *const i32,
+    out: *mut f32,
+    n_tokens: usize,
+    valid: usize,
+) {
+    let astride = nb * Q8_0_BYTES;
+    let mut acc = [_mm256_setzero_ps(); TT];
+    for b in 0..nb {
+        let p = buf.add(DEC * b);
+        let mut u = [_mm256_setzero_si256(); 8];
+        for (k, u) in u.iter_mut().enumerate() {
+            *u = *p.add(k);
+        }
+        let pow2 = _mm256_castsi256_ps(*p.add(8));
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let ab = a.add(j * astride + b * Q8_0_BYTES);
+            *acc = block_fma(isum8(&u, ab, *bias.add(j * nb + b)), pow2, ab, *acc);
+        }
+    }
+    for (j, &acc) in acc.iter().enumerate() {
+        store_lanes(acc, valid, out.add(j), n_tokens);
+    }
+}
+
+#[inline(always)]
+unsafe fn mxfp4_gemm(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    bias: &[i32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * MXFP4_BYTES;
+    let astride = nb * Q8_0_BYTES;
+    let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
+    let mut buf = if n_tokens > 1 {
+        vec![_mm256_setzero_si256(); DEC * nb]
+    } else {
+        Vec::new()
+    };
+    for r0 in (0..rows).step_by(G) {
+        let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
+        let valid = (rows - r0).min(G);
+        let out_g = o.add(r0 * n_tokens);
+        if n_tokens == 1 {
+            let mut acc = _mm256_setzero_ps();
+            for b in 0..nb {
+                let (u, pow2) = decode8(&ptrs, b * MXFP4_BYTES);
+                let ab = a.add(b * Q8_0_BYTES);
+                acc = block_fma(isum8(&u, ab, *bias.add(b)), pow2, ab, acc);
+            }
+            store_lanes(acc, valid, out_g, 1);
+            continue;
+        }
+        for (b, d) in buf.chunks_exact_mut(DEC).enumerate() {
+            let (u, pow2) = decode8(&ptrs, b * MXFP4_BYTES);
+            d[..8].copy_from_slice(&u);
+            d[8] = _mm256_castps_si256(pow2);
+        }
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
+            let left = n_tokens - t0;
+            let p = buf.as_ptr();
+            t0 += if left >= 4 {
+                mxfp4_tile::<4>(nb, p, at, bt, ot, n_tokens, valid);
+                4
+            } else if left >= 2 {
+                mxfp4_tile::<2>(nb, p, at, bt, ot, n_tokens, valid);
+                2
+            } else {
+                mxfp4_tile::<1>(nb, p, at, bt, ot, n_tokens, valid);
+                1
+            };
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Q8_0
+
+/// Q8_0 rows per tile.
+const Q8_R: usize = 2;
+/// Q8_0 tokens per tile.
+const Q8_T: usize = 4;
+
+#[inline(always)]
+unsafe fn q8_0_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [f32]) {
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * Q8_0_BYTES;
+    let o = out.as_mut_ptr();
+    let ones = _mm256_set1_epi16(1);
+    for r0 in (0..rows).step_by(Q8_R) {
+        let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
+        for t0 in (0..n_tokens).step_by(Q8_T) {
+            let ta = row_ptrs::<Q8_T>(acts.as_ptr(), t0, n_tokens, stride);
+            let mut acc = [[_mm256_setzero_ps(); Q8_T]; Q8_R];
+            for b in 0..nb {
+                let off = b * Q8_0_BYTES;
+                let mut ys = [_mm256_setzero_si256(); Q8_T];
+                let mut das = [0f32; Q8_T];
+                for j in 0..Q8_T {
+                    ys[j] = _mm256_loadu_si256(ta[j].add(off + 2).cast());
+                    das[j] = f16_at(ta[j].add(off));
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let wb = wr[r].add(off);
+                    let x = _mm256_loadu_si256(wb.add(2).cast());
+                    let ax = _mm256_sign_epi8(x, x);
+                    let dw = f16_at(wb);
+                    for j in 0..Q8_T {
+                        // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
+                        let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(ys[j], x));
+                        let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * das[j]), q, acc[j]);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                for (j, &acc) in acc.iter().enumerate().take(n_tokens - t0) {
+                    *o.add((r0 + r) * n_tokens + t0 + j) = hsum8(acc);
+                }
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// F32
+
+/// F32 rows per tile.
+const F_R: usize = 2;
+/// F32 tokens per tile.
+const F_T: usize = 2;
+
+/// `fma(x, y, acc)` in the lanes set in `mask` (all bits of the lane), `acc` elsewhere.
+#[inline(always)]
+unsafe fn fma_masked(x: __m256, y: __m256, acc: __m256, mask: __m256) -> __m256 {
+    _mm256_blendv_ps(acc, _mm256_fmadd_ps(x, y, acc), mask)
+}
+
+#[inline(always)]
+unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [f32]) {
+    let rows = out.len() / n_tokens;
+    let stride = 4 * n;
+    let o = out.as_mut_ptr();
+    let n16 = n & !15;
+    let rem = (n - n16) as i32;
+    let idx_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let idx_hi = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    let m_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), idx_lo);
+    let m_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), idx_hi);
+    for r0 in (0..rows).step_by(F_R) {
+        let wr = row_ptrs::<F_R>(w.as_ptr(), r0, rows, stride);
+        for t0 in (0..n_tokens).step_by(F_T) {
+            let ta = row_ptrs::<F_T>(acts.as_ptr(), t0, n_tokens, stride);
+            // [row][token][half]: lanes 0..8 and 8..16 of the 16-lane accumulator.
+            let mut acc = [[[_mm256_setzero_ps(); 2]; F_T]; F_R];
+            let mut i = 0;
+            while i < n16 {
+                let mut y = [[_mm256_setzero_ps(); 2]; F_T];
+                for (y, &p) in y.iter_mut().zip(&ta) {
+                    y[0] = _mm256_loadu_ps(p.add(4 * i).cast());
+                    y[1] = _mm256_loadu_ps(p.add(4 * i + 32).cast());
+                }
+                for (acc, &p) in acc.iter_mut().zip(&wr) {
+                    let x0 = _mm256_loadu_ps(p.add(4 * i).cast());
+                    let x1 = _mm256_loadu_ps(p.add(4 * i + 32).cast());
+                    for (acc, y) in acc.iter_mut().zip(&y) {
+                        acc[0] = _mm256_fmadd_ps(x0, y[0], acc[0]);
+                        acc[1] = _mm256_fmadd_ps(x1, y[1], acc[1]);
+                    }
+                }
+                i += 16;
+            }
+            if rem != 0 {
+                let mut y = [[_mm256_setzero_ps(); 2]; F_T];
+                for (y, &p) in y.iter_mut().zip(&ta) {
+                    y[0] = _mm256_maskload_ps(p.add(4 * n16).cast(), m_lo);
+                    y[1] = _mm256_maskload_ps(p.add(4 * n16 + 32).cast(), m_hi);
+                }
+                let (f_lo, f_hi) = (_mm256_castsi256_ps(m_lo), _mm256_castsi256_ps(m_hi));
+                for (acc, &p) in acc.iter_mut().zip(&wr) {
+                    let x0 = _mm256_maskload_ps(p.add(4 * n16).cast(), m_lo);
+                    let x1 = _mm256_maskload_ps(p.add(4 * n16 + 32).cast(), m_hi);
+                    for (acc, y) in acc.iter_mut().zip(&y) {
+                        acc[0] = fma_masked(x0, y[0], acc[0], f_lo);
+                        acc[1] = fma_masked(x1, y[1], acc[1], f_hi);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                for (j, acc) in acc.iter().enumerate().take(n_tokens - t0) {
+                    *o.add((r0 + r) * n_tokens + t0 + j) = hsum8(_mm256_add_ps(acc[0], acc[1]));
+                }
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// entry points
+
+gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, bias);
+gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm);
+gemm_entry!("avx2,fma,f16c", f32_avx2, f32_gemm);
+
+/// The AVX2 GEMM for `ty` (MXFP4, Q8_0 or F32).
+pub(crate) fn gemm_fn(ty: GgmlType) -> (&'static str, GemmFn) {
+    match ty {
+        GgmlType::MXFP4 => ("mxfp4*q8_0 blockwise/avx2", mxfp4_avx2),
+        GgmlType::Q8_0 => ("q8_0*q8_0 gemm/avx2", q8_0_avx2),
+        _ => ("f32*f32 lanes16/avx2", f32_avx2),
+    }
+}

@@ -1,0 +1,403 @@
+//! AVX-512 F/BW/VL GEMM kernels (VNNI `vpdpbusd` when present), bit-identical to the scalar
+//! references in `gemm.rs`.
+//!
+//! * MXFP4: 16 weight rows in the 16 lanes. For each block the rows' 16 nibble bytes are
+//!   transposed as dwords (4 × `vinserti32x4` per 4 rows, then `vpunpck{l,h}{dq,qdq}`), so
+//!   vector `k` holds, in lane `r`, bytes `4k..4k+4` of row `r`: elements `4k..4k+4` in the low
+//!   nibbles and `16+4k..` in the high ones. `vpshufb` maps nibbles to `value + 12`, and one
+//!   `vpdpbusd` per vector against a broadcast activation dword adds four products to every
+//!   row's sum; the sum starts at `-12 · Σa`, so it ends exact. The scale `2^(e-128) · d` is
+//!   `vscalefps(d, e - 128)` (one rounding, as the scalar product of two f32), then one FMA
+//!   accumulates all 16 rows. With several tokens the decoded values of a row group are kept
+//!   in a buffer and every token runs over them.
+//! * Q8_0: tiles of 4 rows × 4 tokens; two tokens share a zmm (lanes 0..8 and 8..16 are the
+//!   8-lane accumulators of ggml's AVX2 kernel for each).
+//! * F32: tiles of 4 rows × 4 tokens of 16-lane FMA accumulators.
+//!
+//! Safety: every `unsafe fn` here needs AVX-512 F/BW/VL plus AVX2, FMA and F16C (and VNNI for
+//! `VNNI = true`), and the slice contract of [`GemmFn`].
+
+use core::arch::x86_64::*;
+
+use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12};
+use crate::scalar::{MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86_avx2::{f16_at, hsum8};
+use crate::x86_avx512::{dot_u8i8, hi256, hsum16, lo256, load_2x256, neg_where};
+use crate::GgmlType;
+
+/// MXFP4 rows per group (one per lane).
+const G: usize = 16;
+/// Vectors per decoded MXFP4 block in the buffer: 8 of values, 1 of exponents.
+const DEC: usize = 9;
+
+/// `acc + Σ u[4l..4l+4] · s[4l..4l+4]` per int32 lane `l` (unsigned × signed bytes): `vpdpbusd`,
+/// or `vpmaddubsw` + `vpmaddwd`, whose 16-bit pair sums cannot saturate for `u ≤ 24`.
+#[inline(always)]
+unsafe fn dot_acc<const VNNI: bool>(acc: __m512i, u: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(acc, u, s)
+    } else {
+        let p = _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+        _mm512_add_epi32(acc, p)
+    }
+}
+
+/// The little-endian dword at `p`, broadcast.
+#[inline(always)]
+unsafe fn bcast32(p: *const u8) -> __m512i {
+    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
+}
+
+/// Decodes the MXFP4 block at byte `off` of 16 rows: `u[k]` (`u[4 + k]`) holds in lane `r` the
+/// biased values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`; the second result is each
+/// row's exponent minus 128, as f32.
+#[inline(always)]
+unsafe fn decode16(rows: &[*const u8; G], off: usize) -> ([__m512i; 8], __m512) {
+    let mut z = [_mm512_setzero_si512(); 4];
+    for (g, z) in z.iter_mut().enumerate() {
+        // 128-bit lane i of z[g] holds row 4i + g.
+        let q = |r: usize| rows[r].add(off + 1).cast::<__m128i>();
+        let mut v = _mm512_castsi128_si512(_mm_loadu_si128(q(g)));
+        v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(q(4 + g)));
+        v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(q(8 + g)));
+        v = _mm512_inserti32x4::<3>(v, _mm_loadu_si128(q(12 + g)));
+        *z = v;
+    }
+    // 4×4 dword transpose inside each 128-bit lane: lane 4i + j of v[k] = dword k of row 4i + j.
+    let t01l = _mm512_unpacklo_epi32(z[0], z[1]);
+    let t01h = _mm512_unpackhi_epi32(z[0], z[1]);
+    let t23l = _mm512_unpacklo_epi32(z[2], z[3]);
+    let t23h = _mm512_unpackhi_epi32(z[2], z[3]);
+    let v = [
+        _mm512_unpacklo_epi64(t01l, t23l),
+        _mm512_unpackhi_epi64(t01l, t23l),
+        _mm512_unpacklo_epi64(t01h, t23h),
+        _mm512_unpackhi_epi64(t01h, t23h),
+    ];
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
+    let m4 = _mm512_set1_epi8(0x0f);
+    let mut u = [_mm512_setzero_si512(); 8];
+    for k in 0..4 {
+        u[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v[k], m4));
+        u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32::<4>(v[k]), m4));
+    }
+    // The exponent bytes, gathered in general-purpose registers.
+    let (mut lo, mut hi) = (0u64, 0u64);
+    for i in 0..8 {
+        lo |= (*rows[i].add(off) as u64) << (8 * i);
+        hi |= (*rows[8 + i].add(off) as u64) << (8 * i);
+    }
+    let e = _mm512_cvtepu8_epi32(_mm_set_epi64x(hi as i64, lo as i64));
+    let ef = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
+    (u, ef)
+}
+
+/// Every row's exact integer dot of one block with the activation block at `ab`, starting from
+/// `bias = -12 · Σa` (two chains for latency).
+#[inline(always)]
+unsafe fn isum16<const VNNI: bool>(u: &[__m512i; 8], ab: *const u8, bias: i32) -> __m512i {
+    let mut s0 = _mm512_set1_epi32(bias);
+    let mut s1 = _mm512_setzero_si512();
+    for k in 0..4 {
+        s0 = dot_acc::<VNNI>(s0, u[k], bcast32(ab.add(2 + 4 * k)));
+        s1 = dot_acc::<VNNI>(s1, u[4 + k], bcast32(ab.add(2 + QK / 2 + 4 * k)));
+    }
+    _mm512_add_epi32(s0, s1)
+}
+
+/// `fma(isum, 2^(e-128) · d, acc)` for the 16 rows, `d` the activation block's f16 scale at `ab`.
+#[inline(always)]
+unsafe fn block_fma(isum: __m512i, ef: __m512, ab: *const u8, acc: __m512) -> __m512 {
+    let scale = _mm512_scalef_ps(_mm512_set1_ps(f16_at(ab)), ef);
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc)
+}
+
+/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
+/// last one (their results are dropped).
+#[inline(always)]
+unsafe fn row_ptrs<const N: usize>(
+    w: *const u8,
+    r0: usize,
+    rows: usize,
+    stride: usize,
+) -> [*const u8; N] {
+    let mut p = [w; N];
+    for (i, p) in p.iter_mut().enumerate() {
+        *p = w.add((r0 + i).min(rows - 1) * stride);
+    }
+    p
+}
+
+/// Stores lanes `0..valid` of `v` to `out`, `step` floats apart.
+#[inline(always)]
+unsafe fn store_lanes(v: __m512, valid: usize, out: *mut f32, step: usize) {
+    let mut tmp = [0f32; G];
+    _mm512_storeu_ps(tmp.as_mut_ptr(), v);
+    for (r, &x) in tmp.iter().enumerate().take(valid) {
+        *out.add(r * step) = x;
+    }
+}
+
+/// `TT` tokens over one decoded row group.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
+    nb: usize,
+    buf: *const __m512i,
+    a: *const u8,
+    bias: *const i32,
+    out: *mut f32,
+    n_tokens: usize,
+    valid: usize,
+) {
+    let astride = nb * Q8_0_BYTES;
+    let mut acc = [_mm512_setzero_ps(); TT];
+    for b in 0..nb {
+        let p = buf.add(DEC * b);
+        let mut u = [_mm512_setzero_si512(); 8];
+        for (k, u) in u.iter_mut().enumerate() {
+            *u = *p.add(k);
+        }
+        let ef = _mm512_castsi512_ps(*p.add(8));
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let ab = a.add(j * astride + b * Q8_0_BYTES);
+            let isum = isum16::<VNNI>(&u, ab, *bias.add(j * nb + b));
+            *acc = block_fma(isum, ef, ab, *acc);
+        }
+    }
+    for (j, &acc) in acc.iter().enumerate() {
+        store_lanes(acc, valid, out.add(j), n_tokens);
+    }
+}
+
+#[inline(always)]
+unsafe fn mxfp4_gemm<const VNNI: bool>(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    bias: &[i32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * MXFP4_BYTES;
+    let astride = nb * Q8_0_BYTES;
+    let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
+    let mut buf = if n_tokens > 1 {
+        vec![_mm512_setzero_si512(); DEC * nb]
+    } else {
+        Vec::new()
+    };
+    for r0 in (0..rows).step_by(G) {
+        let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
+        let valid = (rows - r0).min(G);
+        let out_g = o.add(r0 * n_tokens);
+        if n_tokens == 1 {
+            let mut acc = _mm512_setzero_ps();
+            for b in 0..nb {
+                let (u, ef) = decode16(&ptrs, b * MXFP4_BYTES);
+                let ab = a.add(b * Q8_0_BYTES);
+                acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(b)), ef, ab, acc);
+            }
+            store_lanes(acc, valid, out_g, 1);
+            continue;
+        }
+        for (b, d) in buf.chunks_exact_mut(DEC).enumerate() {
+            let (u, ef) = decode16(&ptrs, b * MXFP4_BYTES);
+            d[..8].copy_from_slice(&u);
+            d[8] = _mm512_castps_si512(ef);
+        }
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
+            let left = n_tokens - t0;
+            let p = buf.as_ptr();
+            t0 += if left >= 8 {
+                mxfp4_tile::<8, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                8
+            } else if left >= 4 {
+                mxfp4_tile::<4, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                4
+            } else if left >= 2 {
+                mxfp4_tile::<2, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                2
+            } else {
+                mxfp4_tile::<1, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                1
+            };
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Q8_0
+
+/// Q8_0 rows per tile.
+const Q8_R: usize = 4;
+/// Q8_0 token pairs per tile.
+const Q8_TP: usize = 2;
+
+#[inline(always)]
+unsafe fn q8_0_gemm<const VNNI: bool>(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * Q8_0_BYTES;
+    let o = out.as_mut_ptr();
+    for r0 in (0..rows).step_by(Q8_R) {
+        let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
+        for t0 in (0..n_tokens).step_by(2 * Q8_TP) {
+            // Token pairs (t0 + 2p, t0 + 2p + 1), past the end clamped to the last token.
+            let (mut tl, mut th) = ([acts.as_ptr(); Q8_TP], [acts.as_ptr(); Q8_TP]);
+            for p in 0..Q8_TP {
+                tl[p] = acts.as_ptr().add((t0 + 2 * p).min(n_tokens - 1) * stride);
+                th[p] = acts
+                    .as_ptr()
+                    .add((t0 + 2 * p + 1).min(n_tokens - 1) * stride);
+            }
+            let mut acc = [[_mm512_setzero_ps(); Q8_TP]; Q8_R];
+            for b in 0..nb {
+                let off = b * Q8_0_BYTES;
+                let mut ys = [_mm512_setzero_si512(); Q8_TP];
+                let mut das = [_mm512_setzero_ps(); Q8_TP];
+                for p in 0..Q8_TP {
+                    ys[p] = load_2x256(tl[p].add(off + 2), th[p].add(off + 2));
+                    das[p] = _mm512_mask_blend_ps(
+                        0xff00,
+                        _mm512_set1_ps(f16_at(tl[p].add(off))),
+                        _mm512_set1_ps(f16_at(th[p].add(off))),
+                    );
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let wb = wr[r].add(off);
+                    let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
+                    let ax = _mm512_abs_epi8(x);
+                    let neg = _mm512_movepi8_mask(x);
+                    let dw = _mm512_set1_ps(f16_at(wb));
+                    for p in 0..Q8_TP {
+                        // |x| · sign(y, x): y negated where x < 0 (ggml's sign trick).
+                        let q = dot_u8i8::<VNNI>(ax, neg_where(ys[p], neg));
+                        let s = _mm512_mul_ps(dw, das[p]);
+                        acc[p] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), acc[p]);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                let dst = o.add((r0 + r) * n_tokens);
+                for (p, &acc) in acc.iter().enumerate() {
+                    let t = t0 + 2 * p;
+                    if t < n_tokens {
+                        *dst.add(t) = hsum8(lo256(acc));
+                    }
+                    if t + 1 < n_tokens {
+                        *dst.add(t + 1) = hsum8(hi256(acc));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// F32
+
+/// F32 rows per tile.
+const F_R: usize = 4;
+/// F32 tokens per tile.
+const F_T: usize = 4;
+
+#[inline(always)]
+unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [f32]) {
+    let rows = out.len() / n_tokens;
+    let stride = 4 * n;
+    let o = out.as_mut_ptr();
+    let n16 = n & !15;
+    let tail: __mmask16 = ((1u32 << (n - n16)) - 1) as __mmask16;
+    for r0 in (0..rows).step_by(F_R) {
+        let wr = row_ptrs::<F_R>(w.as_ptr(), r0, rows, stride);
+        for t0 in (0..n_tokens).step_by(F_T) {
+            let ta = row_ptrs::<F_T>(acts.as_ptr(), t0, n_tokens, stride);
+            let mut acc = [[_mm512_setzero_ps(); F_T]; F_R];
+            let mut i = 0;
+            while i < n16 {
+                let mut y = [_mm512_setzero_ps(); F_T];
+                for (y, &p) in y.iter_mut().zip(&ta) {
+                    *y = _mm512_loadu_ps(p.add(4 * i).cast());
+                }
+                for (acc, &p) in acc.iter_mut().zip(&wr) {
+                    let x = _mm512_loadu_ps(p.add(4 * i).cast());
+                    for (acc, &y) in acc.iter_mut().zip(&y) {
+                        *acc = _mm512_fmadd_ps(x, y, *acc);
+                    }
+                }
+                i += 16;
+            }
+            if tail != 0 {
+                let mut y = [_mm512_setzero_ps(); F_T];
+                for (y, &p) in y.iter_mut().zip(&ta) {
+                    *y = _mm512_maskz_loadu_ps(tail, p.add(4 * n16).cast());
+                }
+                for (acc, &p) in acc.iter_mut().zip(&wr) {
+                    let x = _mm512_maskz_loadu_ps(tail, p.add(4 * n16).cast());
+                    for (acc, &y) in acc.iter_mut().zip(&y) {
+                        // Lanes past the row keep their value.
+                        *acc = _mm512_mask3_fmadd_ps(x, y, *acc, tail);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                for (j, &acc) in acc.iter().enumerate().take(n_tokens - t0) {
+                    *o.add((r0 + r) * n_tokens + t0 + j) = hsum16(acc);
+                }
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// entry points
+
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    mxfp4_plain,
+    mxfp4_gemm::<false>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    mxfp4_vnni,
+    mxfp4_gemm::<true>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    q8_0_plain,
+    q8_0_gemm::<false>
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    q8_0_vnni,
+    q8_0_gemm::<true>
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    f32_plain,
+    f32_gemm
+);
+
+/// The AVX-512 GEMM for `ty` (MXFP4, Q8_0 or F32), with VNNI when `vnni`.
+pub(crate) fn gemm_fn(ty: GgmlType, vnni: bool) -> (&'static str, GemmFn) {
+    match (ty, vnni) {
+        (GgmlType::MXFP4, false) => ("mxfp4*q8_0 blockwise/avx512", mxfp4_plain),
+        (GgmlType::MXFP4, true) => ("mxfp4*q8_0 blockwise/avx512vnni", mxfp4_vnni),
+        (GgmlType::Q8_0, false) => ("q8_0*q8_0 gemm/avx512", q8_0_plain),
+        (GgmlType::Q8_0, true) => ("q8_0*q8_0 gemm/avx512vnni", q8_0_vnni),
+        _ => ("f32*f32 lanes16/avx512", f32_plain),
+    }
+}
