@@ -1,7 +1,8 @@
 //! Flags shared by the commands that load a model, and the loading itself.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use hmoe_gguf::{GgufModel, LoadOptions};
+use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{KvType, LanguageModel};
 
 use crate::placement_args::PlacementArgs;
@@ -21,22 +22,27 @@ pub struct ModelArgs {
     /// Lock the weights in RAM.
     #[arg(long = "mlock")]
     pub mlock: bool,
+    /// Flash attention (`-fa`): on, off or auto (= on, as llama.cpp resolves it on the CPU).
+    /// A bare `-fa` means on. A quantized V cache (`-ctv q8_0`) requires it.
+    #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1,
+          default_missing_value = "on", default_value = "auto")]
+    pub flash_attn: String,
     #[command(flatten)]
     pub placement: PlacementArgs,
 }
 
 impl ModelArgs {
-    /// The KV cache type from `-ctk/-ctv`.
+    /// The KV cache types from `-ctk/-ctv` and the attention mode from `-fa`.
     pub fn kv_type(&self) -> anyhow::Result<KvType> {
         let a = &self.placement.args;
-        let k = KvType::parse(&a.cache_type_k)
-            .with_context(|| format!("unsupported K cache type '{}' (f32, f16)", a.cache_type_k))?;
-        let v = KvType::parse(&a.cache_type_v)
-            .with_context(|| format!("unsupported V cache type '{}' (f32, f16)", a.cache_type_v))?;
-        if k != v {
-            bail!("different K and V cache types are not supported yet");
-        }
-        Ok(k)
+        let types = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1";
+        let k = CacheType::parse(&a.cache_type_k)
+            .with_context(|| format!("unsupported K cache type '{}' ({types})", a.cache_type_k))?;
+        let v = CacheType::parse(&a.cache_type_v)
+            .with_context(|| format!("unsupported V cache type '{}' ({types})", a.cache_type_v))?;
+        let fa = FlashAttn::parse(&self.flash_attn)
+            .with_context(|| format!("unknown value for --flash-attn: '{}' (on, off, auto)", self.flash_attn))?;
+        KvType::new(k, v, fa).map_err(|e| anyhow::anyhow!("{e}: use -fa on (or auto), or -ctv f16"))
     }
 
     /// Sets up the global thread pool and loads the model.
@@ -113,4 +119,38 @@ pub fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
         .filter(|p| !p.is_empty())
         .map(|p| p.parse::<u32>().with_context(|| format!("bad token id '{p}'")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use hmoe_model::kv_cache::CacheType;
+
+    use super::ModelArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        model: ModelArgs,
+    }
+
+    fn kv(args: &[&str]) -> anyhow::Result<hmoe_model::KvType> {
+        let argv = ["hmoe", "-m", "x.gguf"].iter().chain(args).copied();
+        Cli::try_parse_from(argv).unwrap().model.kv_type()
+    }
+
+    #[test]
+    fn cache_types_and_flash_attention() {
+        let default = kv(&[]).unwrap();
+        assert_eq!((default.k(), default.v(), default.flash_attn()), (CacheType::F16, CacheType::F16, true));
+        let t = kv(&["--cache-type-k", "q8_0", "--cache-type-v", "q4_0", "--flash-attn", "on"]).unwrap();
+        assert_eq!((t.k(), t.v(), t.flash_attn()), (CacheType::Q8_0, CacheType::Q4_0, true));
+        assert!(kv(&["--flash-attn"]).unwrap().flash_attn(), "a bare -fa means on");
+        assert!(!kv(&["--flash-attn", "off"]).unwrap().flash_attn());
+        assert!(kv(&["--cache-type-k", "q8_0", "--flash-attn", "off"]).is_ok(), "a quantized K alone works without");
+        let err = kv(&["--cache-type-v", "q8_0", "--flash-attn", "off"]).unwrap_err().to_string();
+        assert!(err.contains("requires flash attention"), "{err}");
+        assert!(kv(&["--cache-type-k", "q4_k"]).is_err());
+        assert!(kv(&["--flash-attn", "sometimes"]).is_err());
+    }
 }
