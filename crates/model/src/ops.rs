@@ -103,21 +103,48 @@ pub fn matmul(
     let row_bytes = w.len() / n_out;
     let n_tokens = acts.rows();
     debug_assert_eq!(out.len(), n_tokens * n_out);
+    if n_tokens == 0 {
+        return;
+    }
+    // Rows per task of a single-token MXFP4 product (enough work to amortise the scheduling).
+    const GEMV_ROWS: usize = 64;
+    let ty = kernel.weight_type();
+    // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order), Q8_0 and F32 batches
+    // their tiles (Q8_0 in `vec_dot` order, F32 in tinyBLAS's 16-lane order).
+    let gemm = (ty == GgmlType::MXFP4
+        || (n_tokens > 1 && matches!(ty, GgmlType::Q8_0 | GgmlType::F32)))
+    .then(|| {
+        hmoe_quant::GemmKernel::new(ty, kernel.isa())
+            .expect("MXFP4, Q8_0 and F32 have GEMM kernels on every ISA")
+    });
+    let prep = gemm.map(|g| {
+        g.prepare(n_in, &acts.data, n_tokens)
+            .expect("activations converted for these weights")
+    });
+    // Debug builds check the first output against the plain definitions below.
+    let check_first = |got: f32| {
+        let (w0, a0) = (&w[..row_bytes], acts.row(0));
+        let want = match ty {
+            GgmlType::MXFP4 => dot_mxfp4_blockwise(w0, a0),
+            GgmlType::F32 if n_tokens > 1 => dot_f32_lanes(w0, a0),
+            _ => kernel.dot(n_in, w0, a0),
+        };
+        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
+    };
     if n_tokens == 1 {
         let act = acts.row(0);
-        out.par_chunks_mut(ROWS_PER_TASK)
+        let rows_per_task = if gemm.is_some() { GEMV_ROWS } else { ROWS_PER_TASK };
+        out.par_chunks_mut(rows_per_task)
             .enumerate()
             .for_each(|(chunk, dst)| {
-                let r0 = chunk * ROWS_PER_TASK;
+                let r0 = chunk * rows_per_task;
                 let rows = &w[r0 * row_bytes..(r0 + dst.len()) * row_bytes];
-                if kernel.weight_type() == GgmlType::MXFP4 {
-                    for (d, wrow) in dst.iter_mut().zip(rows.chunks_exact(row_bytes)) {
-                        *d = dot_mxfp4_blockwise(wrow, act);
-                    }
-                } else {
-                    kernel.dot_rows(n_in, rows, act, dst);
+                match (&gemm, &prep) {
+                    (Some(g), Some(p)) => g.gemm(rows, p, dst).expect("whole rows"),
+                    _ => kernel.dot_rows(n_in, rows, act, dst),
                 }
             });
+        debug_assert!(check_first(out[0]), "matmul differs from the reference");
         return;
     }
     // Batch: each task owns a block of weight rows and runs every token through it, so the
@@ -128,17 +155,20 @@ pub fn matmul(
         .enumerate()
         .for_each(|(chunk, dst)| {
             let r0 = chunk * ROWS_PER_TASK;
+            let rows = dst.len() / n_tokens;
+            if let (Some(g), Some(p)) = (&gemm, &prep) {
+                let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
+                g.gemm(w_rows, p, dst).expect("whole rows");
+                return;
+            }
             for (i, dst_row) in dst.chunks_exact_mut(n_tokens).enumerate() {
                 let wrow = &w[(r0 + i) * row_bytes..(r0 + i + 1) * row_bytes];
                 for (t, d) in dst_row.iter_mut().enumerate() {
-                    *d = match kernel.weight_type() {
-                        GgmlType::F32 => dot_f32_lanes(wrow, acts.row(t)),
-                        GgmlType::MXFP4 => dot_mxfp4_blockwise(wrow, acts.row(t)),
-                        _ => kernel.dot(n_in, wrow, acts.row(t)),
-                    };
+                    *d = kernel.dot(n_in, wrow, acts.row(t));
                 }
             }
         });
+    debug_assert!(check_first(transposed[0]), "matmul differs from the reference");
     for (r, col) in transposed.chunks_exact(n_tokens).enumerate() {
         for (t, &v) in col.iter().enumerate() {
             out[t * n_out + r] = v;
