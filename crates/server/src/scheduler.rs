@@ -4,14 +4,19 @@
 //! bounded queue; each loop iteration admits waiting requests into free slots and then runs one
 //! forward pass holding the next token of every generating slot plus prompt chunks of new
 //! requests (at most one micro-batch of prompt tokens per pass, so a new prompt delays running
-//! streams by at most one micro-batch). Prompt chunks are always cut at multiples of the
-//! micro-batch from the start of the uncached part, and the model's batched forward returns for
-//! each sequence exactly what it would return alone, so a request's tokens do not depend on
-//! what else runs beside it.
+//! streams by at most one micro-batch). The model's batched forward returns for each sequence
+//! exactly what it would return alone, so a request's tokens do not depend on what else runs
+//! beside it.
+//!
+//! A slot keeps its cache after a request ends; the next request that shares a prefix with it
+//! reuses the cached positions. Reuse must not change results either: the kernels compute a
+//! token alone in a pass differently from one among several (as ggml does), so prompts are cut
+//! into chunks at multiples of the micro-batch counted from position 0, and only cached
+//! positions that a prefill from scratch would have computed the same way are reused (whole
+//! chunks of prompt, never generated tokens).
 //!
 //! A request whose receiver is gone (the client disconnected) is dropped before the next pass
-//! and its slot freed. A slot keeps its cache after a request ends; the next request that
-//! shares a prefix with it reuses the cached positions.
+//! and its slot freed.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -205,6 +210,7 @@ impl Scheduler {
                 id,
                 cache: model.new_cache(config.kv_type, config.n_ctx_slot, config.n_ubatch),
                 tokens: Vec::new(),
+                n_exact: 0,
                 last_used: 0,
                 active: None,
             })
@@ -313,6 +319,8 @@ struct Slot {
     cache: KvCache,
     /// The tokens whose keys and values are in `cache`.
     tokens: Vec<u32>,
+    /// Leading cached positions computed exactly as a prefill from scratch computes them.
+    n_exact: usize,
     last_used: u64,
     active: Option<Active>,
 }
@@ -378,6 +386,7 @@ impl Worker {
                     let s = &mut self.slots[i];
                     s.cache.clear();
                     s.tokens.clear();
+                    s.n_exact = 0;
                     if let Some(a) = &s.active {
                         let _ = a
                             .job
@@ -442,7 +451,7 @@ impl Worker {
         let idle = self.slots.iter().filter(|s| s.active.is_none());
         let best = idle
             .clone()
-            .map(|s| (common_prefix(&s.tokens, &spec.prompt), s))
+            .map(|s| (common_prefix(&s.tokens, &spec.prompt).min(s.n_exact), s))
             .filter(|(n, _)| spec.cache_prompt && *n > 0)
             .max_by_key(|(n, s)| (*n, std::cmp::Reverse(s.id)));
         match best {
@@ -455,12 +464,14 @@ impl Worker {
         let s = &mut self.slots[slot];
         let prompt = &job.spec.prompt;
         let mut keep = if job.spec.cache_prompt {
-            common_prefix(&s.tokens, prompt)
+            common_prefix(&s.tokens, prompt).min(s.n_exact)
         } else {
             0
         };
-        // At least one prompt token must run to produce logits.
+        // At least one prompt token must run to produce logits, and the rest of the prompt is
+        // chunked as from scratch only if it starts on a chunk boundary.
         keep = keep.min(prompt.len() - 1);
+        keep -= keep % self.n_ubatch;
         if !s.cache.truncate(keep) {
             keep = 0;
         }
@@ -468,6 +479,7 @@ impl Worker {
             s.cache.clear();
         }
         s.tokens.truncate(keep);
+        s.n_exact = s.n_exact.min(keep);
         let mut picker: Box<dyn TokenPicker> = match &self.picker {
             Some(f) => f(&job.spec.sampling),
             None => Box::new(Sampler::new(job.spec.sampling.clone())),
@@ -541,6 +553,7 @@ impl Worker {
                     let s = &mut self.slots[f.slot];
                     s.cache.clear();
                     s.tokens.clear();
+                    s.n_exact = 0;
                     if let Some(a) = &s.active {
                         let _ = a.job.events.send(JobEvent::Failed(why.clone()));
                     }
@@ -604,6 +617,15 @@ impl Worker {
     fn after_pass(&mut self, feed: Feed, logits: Vec<f32>) {
         let stats = self.shared.stats.clone();
         let s = &mut self.slots[feed.slot];
+        // A prompt chunk of several tokens (or any, with one-token micro-batches) is computed as
+        // a prefill from scratch computes it; a lone token is not (unless it is the whole chunk
+        // there too, which a longer prompt sharing the prefix would not have).
+        if feed.prefill
+            && s.n_exact == s.tokens.len()
+            && (feed.tokens.len() > 1 || self.n_ubatch == 1)
+        {
+            s.n_exact += feed.tokens.len();
+        }
         s.tokens.extend_from_slice(&feed.tokens);
         let Some(a) = &mut s.active else { return };
         if feed.prefill {
@@ -737,10 +759,6 @@ impl Worker {
             slot,
             tokens: a.generated.clone(),
         };
-        let stats = &self.shared.stats;
-        Stats::add(&stats.prompt_us, (prompt_ms * 1e3) as u64);
-        Stats::add(&stats.predicted_us, (decode_ms * 1e3) as u64);
-        Stats::add(&stats.predicted_tokens, a.generated.len() as u64);
         if !deltas.is_empty() || !probs.is_empty() {
             let _ = a.job.events.send(JobEvent::Output { deltas, probs });
         }
@@ -748,11 +766,31 @@ impl Worker {
         self.release(slot);
     }
 
+    /// Frees a slot, whatever ended its request, and accounts for the request's work.
     fn release(&mut self, slot: usize) {
         let s = &mut self.slots[slot];
-        if s.active.take().is_some() {
+        if let Some(a) = s.active.take() {
             s.last_used = self.clock;
             lock(&self.shared.queue).free_slots += 1;
+            let now = Instant::now();
+            let stats = &self.shared.stats;
+            match a.first_token {
+                Some(first) => {
+                    Stats::add(
+                        &stats.prompt_us,
+                        first.duration_since(a.started).as_micros() as u64,
+                    );
+                    Stats::add(
+                        &stats.predicted_us,
+                        now.duration_since(first).as_micros() as u64,
+                    );
+                }
+                None => Stats::add(
+                    &stats.prompt_us,
+                    now.duration_since(a.started).as_micros() as u64,
+                ),
+            }
+            Stats::add(&stats.predicted_tokens, a.generated.len() as u64);
         }
     }
 

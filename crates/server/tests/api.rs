@@ -224,8 +224,7 @@ fn api_keys_guard_everything_but_health_and_models() {
 fn completions_whole_and_streamed_agree() {
     let s = start(tiny_config());
     let a = s.local_addr();
-    let body =
-        json!({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "logprobs": 3});
+    let body = json!({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "logprobs": 3, "ignore_eos": true});
     let whole = post(a, "/v1/completions", &body).json();
     assert_eq!(whole["object"], "text_completion");
     let choice = &whole["choices"][0];
@@ -279,7 +278,7 @@ fn completions_whole_and_streamed_agree() {
     let native = post(
         a,
         "/completion",
-        &json!({"prompt": "The quick brown fox", "n_predict": 12, "temperature": 0, "n_probs": 2}),
+        &json!({"prompt": "The quick brown fox", "n_predict": 12, "temperature": 0, "n_probs": 2, "ignore_eos": true}),
     )
     .json();
     assert_eq!(native["content"], choice["text"]);
@@ -297,7 +296,7 @@ fn completions_whole_and_streamed_agree() {
             .len(),
         2
     );
-    let events = Sse::open(a, "/completion", &json!({"prompt": "The quick brown fox", "n_predict": 12, "temperature": 0, "stream": true})).all();
+    let events = Sse::open(a, "/completion", &json!({"prompt": "The quick brown fox", "n_predict": 12, "temperature": 0, "stream": true, "ignore_eos": true})).all();
     let mut text = String::new();
     for e in &events {
         let v: Value = serde_json::from_str(e).unwrap();

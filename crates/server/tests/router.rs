@@ -150,7 +150,7 @@ fn a_model_with_a_request_in_flight_is_never_unloaded() {
     let mut busy = Sse::open(
         a,
         "/v1/completions",
-        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true}),
+        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true, "ignore_eos": true}),
     );
     assert_eq!(busy.status, 200);
     assert!(busy.next_data().is_some());

@@ -313,7 +313,7 @@ impl Sse {
 /// Polls `/slots` until no slot is processing (bounded).
 pub fn wait_idle(addr: SocketAddr) -> Value {
     let mut last = Value::Null;
-    for _ in 0..250 {
+    for _ in 0..1000 {
         last = get(addr, "/slots").json();
         if last
             .as_array()
