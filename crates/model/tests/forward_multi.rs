@@ -130,6 +130,16 @@ fn quantized_weights_are_batch_invariant() {
 }
 
 #[test]
+fn flash_attention_and_quantized_caches_are_batch_invariant() {
+    use hmoe_model::kv_cache::{CacheType, FlashAttn};
+    let fa = |k, v| KvType::new(k, v, FlashAttn::On).unwrap();
+    check("gptoss-tiny.gguf", fa(CacheType::F16, CacheType::F16));
+    // Block-quantized caches need heads of whole blocks: head size 64 here.
+    check("gptoss-small.gguf", fa(CacheType::Q8_0, CacheType::Q4_0));
+    check("gptoss-openai.gguf", fa(CacheType::BF16, CacheType::Q8_0));
+}
+
+#[test]
 fn f32_weights_are_batch_invariant() {
     check("gptoss-openai.gguf", KvType::F32);
     check("gptoss-openai-f32experts.gguf", KvType::F16);
@@ -170,4 +180,22 @@ fn errors_leave_no_sequence_half_run() {
     ];
     assert!(model.forward_multi(&mut seqs).is_err());
     assert_eq!((a.n_past(), b.n_past()), (0, 0));
+    // Heads of 16 are not whole q8_0 blocks: refused as forward refuses it.
+    use hmoe_model::kv_cache::{CacheType, FlashAttn};
+    let q8 = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
+    let mut c = model.new_cache(q8, 8, UBATCH);
+    let mut d = model.new_cache(q8, 8, UBATCH);
+    let mut seqs = [
+        SeqBatch {
+            cache: &mut c,
+            tokens: &[1, 2],
+            logits: true,
+        },
+        SeqBatch {
+            cache: &mut d,
+            tokens: &[3],
+            logits: true,
+        },
+    ];
+    assert!(model.forward_multi(&mut seqs).is_err());
 }

@@ -38,6 +38,8 @@ impl GptOss {
             if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= n_vocab) {
                 return Err(ModelError::BadToken { id, n_vocab });
             }
+            s.cache
+                .check_heads(self.params.head_dim, self.params.head_dim)?;
             if s.cache.n_past() + s.tokens.len() > s.cache.n_ctx() {
                 return Err(ModelError::ContextFull {
                     pos: s.cache.n_past(),
