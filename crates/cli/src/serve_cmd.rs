@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use hmoe_chat::ReasoningFormat;
 use hmoe_gguf::LoadOptions;
+use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
 use hmoe_server::{ModelSource, RunningServer, ServerConfig};
 
@@ -76,9 +77,10 @@ pub struct ServeArgs {
     /// Do not serve /slots.
     #[arg(long = "no-slots")]
     pub no_slots: bool,
-    /// Flash attention (`-fa`, `-fa on|off|auto`): accepted; the CPU attention is exact either way.
-    #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on", default_value = "auto",
-          value_parser = ["on", "off", "auto", "1", "0", "true", "false", "enabled", "disabled"])]
+    /// Flash attention (`-fa` = on, `-fa on|off|auto`); auto is on, as llama.cpp resolves it on
+    /// the CPU. A quantized V cache needs it.
+    #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
+          default_value = "auto", allow_negative_numbers = true)]
     pub flash_attn: String,
     /// Continuous batching (always on; accepted for compatibility).
     #[arg(long = "cont-batching")]
@@ -158,14 +160,20 @@ impl ServeArgs {
         if !a.gpu_mem.is_empty() || !matches!(a.n_gpu_layers.as_str(), "auto" | "0") {
             tracing::warn!("no GPU backend in this build: every tensor stays on the CPU");
         }
-        let kv = |s: &str, which: &str| {
-            KvType::parse(s)
-                .with_context(|| format!("unsupported {which} cache type '{s}' in this build"))
+        let types = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1";
+        let cache = |s: &str, which: &str| {
+            CacheType::parse(s)
+                .with_context(|| format!("unsupported {which} cache type '{s}' ({types})"))
         };
-        let (k, v) = (kv(&a.cache_type_k, "K")?, kv(&a.cache_type_v, "V")?);
-        if k != v {
-            bail!("different K and V cache types are not supported yet");
-        }
+        let (k, v) = (cache(&a.cache_type_k, "K")?, cache(&a.cache_type_v, "V")?);
+        let fa = FlashAttn::parse(&self.flash_attn).with_context(|| {
+            format!(
+                "unknown value for --flash-attn: '{}' (on, off, auto)",
+                self.flash_attn
+            )
+        })?;
+        let kv_type = KvType::new(k, v, fa)
+            .map_err(|e| anyhow::anyhow!("{e}: use -fa on (or auto), or -ctv f16"))?;
         let mut config = ServerConfig::new(models);
         config.host = self.host.clone();
         config.port = self.port;
@@ -205,7 +213,7 @@ impl ServeArgs {
         config.engine.n_parallel = a.parallel.max(1) as usize;
         config.engine.n_ctx = a.ctx_size.unwrap_or(0) as usize;
         config.engine.n_ubatch = a.ubatch_size.min(a.batch_size).max(1) as usize;
-        config.engine.kv_type = k;
+        config.engine.kv_type = kv_type;
         config.engine.max_queue = self.max_queue;
         config.engine.load = LoadOptions {
             use_mmap: !self.no_mmap,
@@ -339,6 +347,31 @@ mod tests {
         assert_eq!(a.threads, Some(-1));
         assert_eq!(parse(&["-m", "x", "--flash-attn", "off"]).flash_attn, "off");
         assert_eq!(parse(&["-m", "x"]).flash_attn, "auto");
+        assert!(c.engine.kv_type.flash_attn());
+        let off = parse(&["-m", "x", "--flash-attn", "off"]).config().unwrap();
+        assert!(!off.engine.kv_type.flash_attn());
+        let q = parse(&[
+            "-m",
+            "x",
+            "--cache-type-k",
+            "q8_0",
+            "--cache-type-v",
+            "q4_0",
+        ])
+        .config()
+        .unwrap();
+        assert_eq!(
+            (q.engine.kv_type.k(), q.engine.kv_type.v()),
+            (CacheType::Q8_0, CacheType::Q4_0)
+        );
+        assert!(
+            parse(&["-m", "x", "--cache-type-v", "q8_0", "--flash-attn", "off"])
+                .config()
+                .is_err()
+        );
+        assert!(parse(&["-m", "x", "--flash-attn", "sometimes"])
+            .config()
+            .is_err());
     }
 
     #[test]

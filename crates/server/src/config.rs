@@ -6,6 +6,7 @@ use std::sync::Arc;
 use hmoe_chat::ReasoningFormat;
 use hmoe_engine::SamplerParams;
 use hmoe_gguf::LoadOptions;
+use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
 
 use crate::sampling::PickerFactory;
@@ -32,7 +33,7 @@ pub struct EngineConfig {
     /// Micro-batch (`-ub`, at most `-b`): prompt tokens run per step, and the most a new
     /// prompt delays the running streams by.
     pub n_ubatch: usize,
-    /// KV cache element type (`-ctk/-ctv`).
+    /// KV cache element types (`-ctk/-ctv`) and flash attention (`-fa`).
     pub kv_type: KvType,
     /// Requests that may wait for a slot; beyond that the server answers 503.
     pub max_queue: usize,
@@ -46,7 +47,9 @@ impl Default for EngineConfig {
             n_parallel: 1,
             n_ctx: 4096,
             n_ubatch: 512,
-            kv_type: KvType::F16,
+            // f16 K and V with flash attention: llama-server's defaults (-fa auto is on).
+            kv_type: KvType::new(CacheType::F16, CacheType::F16, FlashAttn::Auto)
+                .unwrap_or(KvType::F16),
             max_queue: 256,
             load: LoadOptions::default(),
         }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use hmoe_gguf::GgufModel;
-use hmoe_model::LanguageModel;
+use hmoe_model::{LanguageModel, LogitsWanted};
 use hmoe_tokenizer::Tokenizer;
 
 use crate::chat::ChatSetup;
@@ -83,6 +83,13 @@ impl ModelHost {
         if n_ctx_slot < 2 {
             return Err(err(format!("a context of {n_ctx} split over {n_parallel} slots leaves {n_ctx_slot} positions per slot")));
         }
+        // The cache types must suit the model (e.g. quantized caches need heads of whole
+        // blocks): an empty forward pass checks that now rather than at the first request.
+        let mut probe = model.new_cache(e.kv_type, 1, 1);
+        model
+            .forward(&mut probe, &[], LogitsWanted::Last)
+            .map_err(|x| err(format!("KV cache: {x}")))?;
+        drop(probe);
         let stats = Arc::new(Stats::default());
         let slots = SlotConfig {
             n_slots: n_parallel,

@@ -579,3 +579,15 @@ fn think_tags_split_for_qwen3_templates() {
     let r = post(a, "/v1/chat/completions", &raw).json();
     assert_eq!(r["choices"][0]["message"]["content"], script);
 }
+
+#[test]
+fn unsuitable_cache_types_fail_at_load() {
+    use hmoe_model::kv_cache::{CacheType, FlashAttn};
+    let mut c = tiny_config();
+    // The tiny model's heads (16) are not whole q8_0 blocks (32).
+    c.engine.kv_type =
+        hmoe_model::KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
+    let s = hmoe_server::RunningServer::start(c).unwrap();
+    let err = s.wait().unwrap_err().to_string();
+    assert!(err.contains("KV cache"), "{err}");
+}

@@ -220,7 +220,7 @@ fn full_queue_answers_503_and_disconnects_free_the_slot() {
 
 /// Reusing a slot's cached prompt prefix gives the same tokens and log-probabilities as a
 /// fresh server, with F32 and F16 caches (where a lone token and a batch of several are
-/// computed differently).
+/// computed differently) and with flash attention.
 #[test]
 fn prompt_cache_reuse_gives_fresh_results() {
     let _alone = serial();
@@ -233,7 +233,9 @@ fn prompt_cache_reuse_gives_fresh_results() {
         assert_eq!(r.status, 200, "{}", r.body);
         r.json()
     };
-    for kv in [hmoe_model::KvType::F32, hmoe_model::KvType::F16] {
+    use hmoe_model::kv_cache::{CacheType, FlashAttn};
+    let flash = hmoe_model::KvType::new(CacheType::F16, CacheType::F16, FlashAttn::On).unwrap();
+    for kv in [hmoe_model::KvType::F32, hmoe_model::KvType::F16, flash] {
         let mut c = tiny_config();
         c.engine.n_parallel = 1;
         c.engine.n_ubatch = 4;
