@@ -40,8 +40,12 @@ impl ModelArgs {
             .with_context(|| format!("unsupported K cache type '{}' ({types})", a.cache_type_k))?;
         let v = CacheType::parse(&a.cache_type_v)
             .with_context(|| format!("unsupported V cache type '{}' ({types})", a.cache_type_v))?;
-        let fa = FlashAttn::parse(&self.flash_attn)
-            .with_context(|| format!("unknown value for --flash-attn: '{}' (on, off, auto)", self.flash_attn))?;
+        let fa = FlashAttn::parse(&self.flash_attn).with_context(|| {
+            format!(
+                "unknown value for --flash-attn: '{}' (on, off, auto)",
+                self.flash_attn
+            )
+        })?;
         KvType::new(k, v, fa).map_err(|e| anyhow::anyhow!("{e}: use -fa on (or auto), or -ctv f16"))
     }
 
@@ -117,7 +121,10 @@ pub fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
     s.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
-        .map(|p| p.parse::<u32>().with_context(|| format!("bad token id '{p}'")))
+        .map(|p| {
+            p.parse::<u32>()
+                .with_context(|| format!("bad token id '{p}'"))
+        })
         .collect()
 }
 
@@ -142,13 +149,35 @@ mod tests {
     #[test]
     fn cache_types_and_flash_attention() {
         let default = kv(&[]).unwrap();
-        assert_eq!((default.k(), default.v(), default.flash_attn()), (CacheType::F16, CacheType::F16, true));
-        let t = kv(&["--cache-type-k", "q8_0", "--cache-type-v", "q4_0", "--flash-attn", "on"]).unwrap();
-        assert_eq!((t.k(), t.v(), t.flash_attn()), (CacheType::Q8_0, CacheType::Q4_0, true));
-        assert!(kv(&["--flash-attn"]).unwrap().flash_attn(), "a bare -fa means on");
+        assert_eq!(
+            (default.k(), default.v(), default.flash_attn()),
+            (CacheType::F16, CacheType::F16, true)
+        );
+        let t = kv(&[
+            "--cache-type-k",
+            "q8_0",
+            "--cache-type-v",
+            "q4_0",
+            "--flash-attn",
+            "on",
+        ])
+        .unwrap();
+        assert_eq!(
+            (t.k(), t.v(), t.flash_attn()),
+            (CacheType::Q8_0, CacheType::Q4_0, true)
+        );
+        assert!(
+            kv(&["--flash-attn"]).unwrap().flash_attn(),
+            "a bare -fa means on"
+        );
         assert!(!kv(&["--flash-attn", "off"]).unwrap().flash_attn());
-        assert!(kv(&["--cache-type-k", "q8_0", "--flash-attn", "off"]).is_ok(), "a quantized K alone works without");
-        let err = kv(&["--cache-type-v", "q8_0", "--flash-attn", "off"]).unwrap_err().to_string();
+        assert!(
+            kv(&["--cache-type-k", "q8_0", "--flash-attn", "off"]).is_ok(),
+            "a quantized K alone works without"
+        );
+        let err = kv(&["--cache-type-v", "q8_0", "--flash-attn", "off"])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("requires flash attention"), "{err}");
         assert!(kv(&["--cache-type-k", "q4_k"]).is_err());
         assert!(kv(&["--flash-attn", "sometimes"]).is_err());

@@ -261,7 +261,11 @@ pub(crate) fn attention_ext(
 ) {
     // Values stored inside the keys were rotated with them.
     let rot_q = cache.k.rotation();
-    let rot_out = if shape.v_in_k { rot_q } else { cache.v.rotation() };
+    let rot_out = if shape.v_in_k {
+        rot_q
+    } else {
+        cache.v.rotation()
+    };
     if rot_q == 0 && rot_out == 0 {
         return attention_ext_rotated(cache, shape, q, pos0, out);
     }
@@ -415,14 +419,20 @@ fn needs_flash(v: &Cells) -> bool {
 /// Whether key heads of `kd` and value heads of `vd` elements are whole blocks of the cache
 /// types (values stored in the keys when `v_in_k`).
 fn heads_fit(cache: &LayerCache, kd: usize, vd: usize, v_in_k: bool) -> bool {
-    let v_block = if v_in_k { cache.k.block_elems() } else { cache.v.block_elems() };
+    let v_block = if v_in_k {
+        cache.k.block_elems()
+    } else {
+        cache.v.block_elems()
+    };
     kd.is_multiple_of(cache.k.block_elems()) && vd.is_multiple_of(v_block)
 }
 
 /// K's `vec_dot` kernel for block-typed keys; `None` for f32/f16 keys.
 fn block_kernel(k: &Cells) -> Option<DotKernel> {
     match k {
-        Cells::Blocks { ty, .. } => Some(DotKernel::best(*ty).expect("every cache type has a dot kernel")),
+        Cells::Blocks { ty, .. } => {
+            Some(DotKernel::best(*ty).expect("every cache type has a dot kernel"))
+        }
         _ => None,
     }
 }
@@ -434,7 +444,8 @@ fn quantize_query(kernel: Option<&DotKernel>, q: &[f32]) -> Vec<u8> {
         return Vec::new();
     };
     let mut out = vec![0u8; kernel.act_row_bytes(q.len())];
-    hmoe_quant::quantize_row(kernel.act_type(), q, &mut out).expect("heads are whole blocks (checked)");
+    hmoe_quant::quantize_row(kernel.act_type(), q, &mut out)
+        .expect("heads are whole blocks (checked)");
     out
 }
 
@@ -445,7 +456,14 @@ fn block_range(ty: GgmlType, at: usize, n: usize) -> std::ops::Range<usize> {
 }
 
 /// K's `vec_dot` of the `n` keys from element `at` with a converted query.
-fn block_dot(kernel: Option<&DotKernel>, ty: GgmlType, data: &[u8], at: usize, n: usize, q: &[u8]) -> f32 {
+fn block_dot(
+    kernel: Option<&DotKernel>,
+    ty: GgmlType,
+    data: &[u8],
+    at: usize,
+    n: usize,
+    q: &[u8],
+) -> f32 {
     kernel.map_or(0.0, |k| k.dot(n, &data[block_range(ty, at, n)], q))
 }
 
@@ -520,7 +538,11 @@ pub(crate) fn flash_attention(
     let group = n_head / n_head_kv;
     let n_tokens = q.len() / (n_head * kd);
     let k_width = n_head_kv * kd;
-    let v_width = if shape.v_in_k { k_width } else { n_head_kv * vd };
+    let v_width = if shape.v_in_k {
+        k_width
+    } else {
+        n_head_kv * vd
+    };
     let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
     let k_kernel = block_kernel(&cache.k);
     let n_tiles = n_tokens.div_ceil(Q_TILE);
@@ -550,7 +572,9 @@ pub(crate) fn flash_attention(
                         first: cache.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
                         last: pos,
                         q: match &cache.k {
-                            Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+                            Cells::F16(_) => {
+                                qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
+                            }
                             _ => qh.to_vec(),
                         },
                         q_blocks: quantize_query(k_kernel.as_ref(), qh),
@@ -565,7 +589,11 @@ pub(crate) fn flash_attention(
             let mut v_row = vec![0f32; vd];
             for p in lo..=hi {
                 let k_at = (p % cache.cells) * k_width + kvh * kd;
-                let v_at = if shape.v_in_k { k_at } else { (p % cache.cells) * v_width + kvh * vd };
+                let v_at = if shape.v_in_k {
+                    k_at
+                } else {
+                    (p % cache.cells) * v_width + kvh * vd
+                };
                 let mut v_ready = false;
                 for r in rows.iter_mut().filter(|r| r.first <= p && p <= r.last) {
                     let score = match &cache.k {
@@ -645,5 +673,249 @@ fn scale_f32(y: &mut [f32], s: f32) {
 fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
     for (a, &b) in y.iter_mut().zip(x) {
         *a = b.mul_add(s, *a);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
+
+    /// Deterministic values in [-1, 1).
+    fn noise(seed: u64, n: usize) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    const N_HEAD: usize = 4;
+    const N_KV: usize = 2;
+    const HD: usize = 64;
+
+    fn shape() -> AttnShape {
+        AttnShape {
+            n_head: N_HEAD,
+            n_head_kv: N_KV,
+            head_dim: HD,
+            scale: 1.0 / (HD as f32).sqrt(),
+        }
+    }
+
+    /// Keys and values for `n` positions (keys scaled up so the softmax is far from uniform).
+    fn kv_rows(n: usize) -> (Vec<f32>, Vec<f32>) {
+        let k: Vec<f32> = noise(1, n * N_KV * HD).iter().map(|x| 3.0 * x).collect();
+        (k, noise(2, n * N_KV * HD))
+    }
+
+    /// f64 attention over exact keys and values: the reference.
+    fn reference(
+        k: &[f32],
+        v: &[f32],
+        q: &[f32],
+        pos0: usize,
+        window: Option<usize>,
+        sinks: &[f32],
+    ) -> Vec<f32> {
+        let w = N_KV * HD;
+        let n_tok = q.len() / (N_HEAD * HD);
+        let mut out = vec![0f32; q.len()];
+        for t in 0..n_tok {
+            let pos = pos0 + t;
+            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            for h in 0..N_HEAD {
+                let kvh = h / (N_HEAD / N_KV);
+                let qh = &q[(t * N_HEAD + h) * HD..][..HD];
+                let scores: Vec<f64> = (first..=pos)
+                    .map(|p| {
+                        let kh = &k[p * w + kvh * HD..][..HD];
+                        qh.iter()
+                            .zip(kh)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                            / (HD as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(sinks[h] as f64, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let sum: f64 = e.iter().sum::<f64>() + (sinks[h] as f64 - m).exp();
+                for d in 0..HD {
+                    let acc: f64 = (first..=pos)
+                        .zip(&e)
+                        .map(|(p, &e)| e * v[p * w + kvh * HD + d] as f64)
+                        .sum();
+                    out[(t * N_HEAD + h) * HD + d] = (acc / sum) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    /// Fills a one-layer cache with `n` positions (in micro-batches of `ub`) and runs attention
+    /// for the last `n_q` of them in one call.
+    fn run(
+        ty: KvType,
+        window: Option<usize>,
+        n: usize,
+        ub: usize,
+        n_q: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (k, v) = kv_rows(n);
+        let w = N_KV * HD;
+        let mut cache = KvCache::new(ty, n, ub, w, &[window]).with_head_dims(HD, HD);
+        let layer = &mut cache.layers[0];
+        for start in (0..n).step_by(ub) {
+            let end = (start + ub).min(n);
+            layer.store(
+                start,
+                &k[start * w..end * w],
+                &v[start * w..end * w],
+                end - start,
+            );
+        }
+        let q = noise(3, n_q * N_HEAD * HD);
+        let sinks = [0.5, -1.0, 2.0, 0.0];
+        let mut out = vec![0f32; q.len()];
+        attention(layer, &shape(), &q, n - n_q, Some(&sinks), &mut out);
+        (out, reference(&k, &v, &q, n - n_q, window, &sinks))
+    }
+
+    /// Largest |a − b| relative to the largest |b|.
+    fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    #[test]
+    fn flash_attention_matches_f64_for_every_cache_type() {
+        // Bounds: 1.5-2× the measured conversion error of each type (max |error| over the
+        // largest |output|); a wrong head or position gives errors of order 1.
+        let cases = [
+            (CacheType::F32, 1e-6),
+            (CacheType::F16, 4e-3),
+            (CacheType::BF16, 6e-3),
+            (CacheType::Q8_0, 2.5e-2),
+            (CacheType::Q5_0, 1.2e-1),
+            (CacheType::Q5_1, 1.2e-1),
+            (CacheType::Q4_0, 2.5e-1),
+            (CacheType::Q4_1, 2.5e-1),
+        ];
+        for (t, tol) in cases {
+            let ty = KvType::new(t, t, FlashAttn::On).unwrap();
+            // A prefill of several query tiles, then one decode token; full and sliding layers.
+            for (window, n, n_q) in [
+                (None, 70, 40),
+                (Some(8), 70, 40),
+                (None, 70, 1),
+                (Some(8), 70, 1),
+            ] {
+                let (out, want) = run(ty, window, n, 40, n_q);
+                let err = rel_err(&out, &want);
+                assert!(
+                    err < tol,
+                    "{t} window {window:?} queries {n_q}: relative error {err:.2e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn non_flash_attention_reads_block_keys_and_bf16_values() {
+        for (k, v, tol) in [
+            (CacheType::Q8_0, CacheType::F16, 2e-2),
+            (CacheType::Q4_0, CacheType::F32, 2e-1),
+            (CacheType::BF16, CacheType::BF16, 6e-3),
+        ] {
+            let ty = KvType::new(k, v, FlashAttn::Off).unwrap();
+            assert!(!ty.flash_attn());
+            for n_q in [1, 40] {
+                let (out, want) = run(ty, Some(8), 70, 40, n_q);
+                let err = rel_err(&out, &want);
+                assert!(err < tol, "{k}/{v} queries {n_q}: relative error {err:.2e}");
+            }
+        }
+    }
+
+    #[test]
+    fn flash_attention_rows_do_not_depend_on_the_batch() {
+        // The same queries, all at once and one at a time, give identical bits.
+        let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
+        let (n, n_q) = (50, 20);
+        let (k, v) = kv_rows(n);
+        let w = N_KV * HD;
+        let mut cache = KvCache::new(ty, n, n, w, &[Some(8)]).with_head_dims(HD, HD);
+        cache.layers[0].store(0, &k, &v, n);
+        let q = noise(3, n_q * N_HEAD * HD);
+        let sinks = [0.5, -1.0, 2.0, 0.0];
+        let mut all = vec![0f32; q.len()];
+        attention(
+            &cache.layers[0],
+            &shape(),
+            &q,
+            n - n_q,
+            Some(&sinks),
+            &mut all,
+        );
+        for t in 0..n_q {
+            let row = N_HEAD * HD;
+            let mut one = vec![0f32; row];
+            attention(
+                &cache.layers[0],
+                &shape(),
+                &q[t * row..(t + 1) * row],
+                n - n_q + t,
+                Some(&sinks),
+                &mut one,
+            );
+            assert_eq!(one, all[t * row..(t + 1) * row], "query {t}");
+        }
+    }
+
+    #[test]
+    fn quantized_heads_are_rotated_like_llama_cpp() {
+        let ty = KvType::new(CacheType::Q8_0, CacheType::Q4_0, FlashAttn::On).unwrap();
+        let cache = KvCache::new(ty, 8, 8, 2 * 128, &[None]).with_head_dims(128, 128);
+        // K: the largest power of two dividing the head; V: always 64.
+        assert_eq!(
+            (cache.layers[0].k.rotation(), cache.layers[0].v.rotation()),
+            (128, 64)
+        );
+        let plain = KvCache::new(KvType::F16, 8, 8, 128, &[None]).with_head_dims(64, 64);
+        assert_eq!(plain.layers[0].k.rotation(), 0);
+        // The transform is orthonormal and its own inverse.
+        let x = noise(5, 64);
+        let mut y = x.clone();
+        fwht(&mut y);
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((norm(&y) - norm(&x)).abs() < 1e-4 * norm(&x));
+        fwht(&mut y);
+        assert!(rel_err(&y, &x) < 1e-6);
+        // Head 0 of a rotated row is H·x: its first value is the scaled sum.
+        let mut first = x.clone();
+        fwht(&mut first);
+        assert!((first[0] - x.iter().sum::<f32>() / 8.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn heads_that_straddle_blocks_are_refused() {
+        let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
+        let cache = KvCache::new(ty, 8, 8, 2 * 16, &[None]);
+        let shape = AttnShape {
+            n_head: 2,
+            n_head_kv: 2,
+            head_dim: 16,
+            scale: 0.25,
+        };
+        let mut out = vec![1f32; 32];
+        attention(&cache.layers[0], &shape, &[0.0; 32], 0, None, &mut out);
+        assert!(cache.layers[0]
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed));
+        assert!(out.iter().all(|&x| x == 0.0));
     }
 }

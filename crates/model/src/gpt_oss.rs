@@ -266,7 +266,8 @@ impl GptOss {
             .map(|l| self.params.window(l))
             .collect();
         let width = self.params.n_head_kv * self.params.head_dim;
-        KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows).with_head_dims(self.params.head_dim, self.params.head_dim)
+        let hd = self.params.head_dim;
+        KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows).with_head_dims(hd, hd)
     }
 
     /// Runs `tokens` at the next positions of `cache` and returns logits (`n_vocab` per

@@ -65,7 +65,9 @@ impl CacheType {
     /// Parses a `-ctk` / `-ctv` value (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`, `q5_0`,
     /// `q5_1`; case-insensitive).
     pub fn parse(s: &str) -> Option<CacheType> {
-        Self::ALL.into_iter().find(|t| t.name().eq_ignore_ascii_case(s))
+        Self::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s))
     }
 
     /// The lower-case name llama.cpp uses (`q8_0`).
@@ -225,7 +227,11 @@ pub(crate) enum Cells {
     /// BF16 and the block types, as ggml lays them out: `ty.block_elems()` values in
     /// `ty.block_bytes()` bytes. Rows are rotated in chunks of `rot` values before they are
     /// quantized (0: not rotated).
-    Blocks { ty: GgmlType, data: Vec<u8>, rot: usize },
+    Blocks {
+        ty: GgmlType,
+        data: Vec<u8>,
+        rot: usize,
+    },
 }
 
 impl Cells {
@@ -280,7 +286,8 @@ impl Cells {
                 } else {
                     src
                 };
-                hmoe_quant::quantize_row(*ty, src, dst).expect("K/V rows are whole blocks (checked by the cache)");
+                hmoe_quant::quantize_row(*ty, src, dst)
+                    .expect("K/V rows are whole blocks (checked by the cache)");
             }
         }
     }
@@ -303,7 +310,13 @@ pub(crate) struct LayerCache {
 }
 
 impl LayerCache {
-    fn new(ty: KvType, cells: usize, k_width: usize, v_width: usize, window: Option<usize>) -> LayerCache {
+    fn new(
+        ty: KvType,
+        cells: usize,
+        k_width: usize,
+        v_width: usize,
+        window: Option<usize>,
+    ) -> LayerCache {
         LayerCache {
             k: Cells::new(ty.k, cells * k_width),
             v: Cells::new(ty.v, cells * v_width),
@@ -349,7 +362,13 @@ pub struct KvCache {
 impl KvCache {
     /// A cache for `n_ctx` positions; `windows[l]` is the sliding window of layer `l`, if any;
     /// `width` = kv heads × head dim; batches are processed `n_ubatch` tokens at a time.
-    pub fn new(ty: KvType, n_ctx: usize, n_ubatch: usize, width: usize, windows: &[Option<usize>]) -> KvCache {
+    pub fn new(
+        ty: KvType,
+        n_ctx: usize,
+        n_ubatch: usize,
+        width: usize,
+        windows: &[Option<usize>],
+    ) -> KvCache {
         let layers = windows
             .iter()
             .map(|&window| {
@@ -380,7 +399,8 @@ impl KvCache {
             true => 1 << k_head.trailing_zeros(),
             false => 0,
         };
-        let rot_v = match self.ty.v.is_quantized() && v_head.is_multiple_of(64) && !self.is_k_only() {
+        let rot_v = match self.ty.v.is_quantized() && v_head.is_multiple_of(64) && !self.is_k_only()
+        {
             true => 64,
             false => 0,
         };
@@ -445,8 +465,16 @@ impl KvCache {
     /// A cache that stores only keys, `k_width` elements per position in each of `n_layer`
     /// full-attention layers: for multi-head latent attention, whose values are the first
     /// elements of each key (llama.cpp's K-only MLA cache). The values take the K type.
-    pub fn new_k_only(ty: KvType, n_ctx: usize, n_ubatch: usize, k_width: usize, n_layer: usize) -> KvCache {
-        let layers = (0..n_layer).map(|_| LayerCache::new(ty, n_ctx, k_width, 0, None)).collect();
+    pub fn new_k_only(
+        ty: KvType,
+        n_ctx: usize,
+        n_ubatch: usize,
+        k_width: usize,
+        n_layer: usize,
+    ) -> KvCache {
+        let layers = (0..n_layer)
+            .map(|_| LayerCache::new(ty, n_ctx, k_width, 0, None))
+            .collect();
         KvCache {
             layers,
             ty,
@@ -506,7 +534,11 @@ impl KvCache {
                 LogitsWanted::Last => None,
             };
             logits.extend(step(self, chunk, want));
-            if self.layers.iter().any(|l| l.refused.swap(false, Ordering::Relaxed)) {
+            if self
+                .layers
+                .iter()
+                .any(|l| l.refused.swap(false, Ordering::Relaxed))
+            {
                 let (which, ty) = match self.ty.k.is_quantized() {
                     true => ("K", self.ty.k),
                     false => ("V", self.ty.v),
@@ -592,12 +624,17 @@ mod tests {
     #[test]
     fn quantized_v_needs_flash_attention() {
         let err = KvType::new(CacheType::F16, CacheType::Q8_0, FlashAttn::Off).unwrap_err();
-        assert!(err.to_string().contains("requires flash attention"), "{err}");
+        assert!(
+            err.to_string().contains("requires flash attention"),
+            "{err}"
+        );
         assert!(KvType::new(CacheType::Q8_0, CacheType::F16, FlashAttn::Off).is_ok());
         assert!(KvType::new(CacheType::BF16, CacheType::BF16, FlashAttn::Off).is_ok());
         let auto = KvType::new(CacheType::Q4_0, CacheType::Q4_0, FlashAttn::Auto).unwrap();
         assert!(auto.flash_attn());
-        assert!(KvType::new(CacheType::F32, CacheType::F32, FlashAttn::Auto).unwrap().flash_attn());
+        assert!(KvType::new(CacheType::F32, CacheType::F32, FlashAttn::Auto)
+            .unwrap()
+            .flash_attn());
     }
 
     #[test]

@@ -1,0 +1,296 @@
+//! Quantized KV caches and flash attention against llama.cpp (../shared/fixtures/gpt-oss and
+//! tests/data). Teacher-forced: the golden prompt and greedy tokens are fed, and every step's
+//! distribution is compared with the golden's top-10 probabilities.
+//!
+//! * q8_0 K and V with flash attention: llama.cpp's golden, reproduced to print precision.
+//! * f16 K and V with flash attention: llama.cpp's own flash attention on the same prompts
+//!   (tests/data/gptoss-fa-f16kv.llamacpp.json, see make_fa_f16_reference.py), likewise.
+//! * The f32/f16-KV goldens, made *without* flash attention, with flash attention on. Flash
+//!   attention sums in another order (online softmax, libm `expf`, f16 accumulators for f16
+//!   values), and the synthetic MXFP4 models amplify last-bit differences through their Q8_0
+//!   activation rounding and expert routing (f16 instead of f32 KV moves their logits by up to
+//!   0.96, see the fixtures README). llama.cpp's own flash attention misses its non-flash f16
+//!   golden by 0.13 in the logits (tiny, case 0) — exactly where ours lands. So those goldens
+//!   are held to the strict tolerance where the numerics allow it, and otherwise to the
+//!   README's tolerance for engines with different numerics (per-step KL < 0.01, top-1 where
+//!   the golden margin exceeds 0.05, top-10 overlap ≥ 8).
+
+use std::path::PathBuf;
+
+use hmoe_gguf::{GgufModel, LoadOptions};
+use hmoe_model::kv_cache::{CacheType, FlashAttn};
+use hmoe_model::{GptOss, KvType, LogitsWanted};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    std::env::var_os("HMOE_FIXTURES").map_or_else(
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures"
+            ))
+        },
+        PathBuf::from,
+    )
+}
+
+fn read_json(path: PathBuf) -> Value {
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn golden(name: &str) -> Value {
+    read_json(fixtures().join("gpt-oss").join(name))
+}
+
+/// llama.cpp's flash attention with an f16 cache, for `model` (`gptoss-tiny`, `gptoss-small`).
+fn fa_f16_reference(model: &str) -> Value {
+    let path = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/gptoss-fa-f16kv.llamacpp.json"
+    ));
+    read_json(path)["models"][model].clone()
+}
+
+fn load_model(file: &str) -> GptOss {
+    let gguf = GgufModel::open(
+        fixtures().join("gpt-oss").join(file),
+        LoadOptions::default(),
+    )
+    .unwrap();
+    GptOss::load(gguf).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn softmax64(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / s).collect()
+}
+
+fn fa(k: CacheType, v: CacheType) -> KvType {
+    KvType::new(k, v, FlashAttn::On).unwrap()
+}
+
+/// How far one teacher-forced step is from the golden.
+struct Step {
+    /// Largest |Δp| over the golden top-10.
+    max_dp: f64,
+    /// KL(golden ‖ ours) over the golden top-10 ids plus one bucket for the rest.
+    kl: f64,
+    /// Golden top-1 margin over its top-2.
+    margin: f64,
+    /// Whether our argmax is the golden top-1.
+    top1_same: bool,
+    /// Golden top-10 ids among our top-10.
+    overlap: usize,
+}
+
+/// Runs every case of `golden` teacher-forced; per case, the steps and the largest |Δlogit|
+/// of the last prompt position (when the golden stores those logits).
+fn teacher_forced(model: &GptOss, golden: &Value, kv: KvType) -> Vec<(Vec<Step>, Option<f32>)> {
+    golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|case| {
+            let prompt = ids(&case["prompt_tokens"]);
+            let greedy = ids(&case["greedy_tokens"]);
+            let mut cache = model.new_cache(kv, 512, 512);
+            let mut logits = model
+                .forward(&mut cache, &prompt, LogitsWanted::Last)
+                .unwrap();
+            let logit_diff = case["prompt_logits_last"].as_array().map(|want| {
+                want.iter()
+                    .zip(&logits)
+                    .map(|(w, &v)| (v - w.as_f64().unwrap() as f32).abs())
+                    .fold(0.0, f32::max)
+            });
+            let mut steps = Vec::new();
+            for (step, top) in case["top_probs"].as_array().unwrap().iter().enumerate() {
+                let probs = softmax64(&logits);
+                let top: Vec<(usize, f64)> = top
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| (p[0].as_u64().unwrap() as usize, p[1].as_f64().unwrap()))
+                    .collect();
+                let mut ours: Vec<usize> = (0..probs.len()).collect();
+                ours.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+                let (rest_g, rest_o) = top
+                    .iter()
+                    .fold((1.0, 1.0), |(g, o), &(id, p)| (g - p, o - probs[id]));
+                let kl = top
+                    .iter()
+                    .map(|&(id, p)| p * (p / probs[id]).ln())
+                    .sum::<f64>()
+                    + if rest_g > 1e-12 {
+                        rest_g * (rest_g / rest_o.max(1e-300)).ln()
+                    } else {
+                        0.0
+                    };
+                steps.push(Step {
+                    max_dp: top
+                        .iter()
+                        .map(|&(id, p)| (probs[id] - p).abs())
+                        .fold(0.0, f64::max),
+                    kl,
+                    margin: top[0].1 - top[1].1,
+                    top1_same: ours[0] == top[0].0,
+                    overlap: top.iter().filter(|(id, _)| ours[..10].contains(id)).count(),
+                });
+                if step + 1 < greedy.len() {
+                    logits = model
+                        .forward(&mut cache, &[greedy[step]], LogitsWanted::Last)
+                        .unwrap();
+                }
+            }
+            (steps, logit_diff)
+        })
+        .collect()
+}
+
+/// What a case must meet.
+#[derive(Clone, Copy, Debug)]
+enum Tolerance {
+    /// Top-10 probabilities within this at every step but at most one (an expert-routing
+    /// near-tie), and the same top-1 wherever the golden margin exceeds 0.01.
+    Strict(f64),
+    /// The fixtures README's tolerance for different numerics: KL < 0.01, the same top-1
+    /// wherever the golden margin exceeds 0.05, and top-10 overlap ≥ 8, at every step but at
+    /// most one (a routing flip, as the README allows).
+    DifferentNumerics,
+}
+
+/// Checks every case of `golden` (a fixture file name, or an inline JSON object with `cases`)
+/// and returns a summary line per case; panics with all of them when a case fails.
+fn check(model_file: &str, label: &str, golden: &Value, kv: KvType, tol: Tolerance) {
+    let model = load_model(model_file);
+    let mut lines = Vec::new();
+    let mut failed = false;
+    for (i, (steps, logit_diff)) in teacher_forced(&model, golden, kv).iter().enumerate() {
+        let max_dp = steps.iter().map(|s| s.max_dp).fold(0.0, f64::max);
+        let max_kl = steps.iter().map(|s| s.kl).fold(0.0, f64::max);
+        let ok = match tol {
+            Tolerance::Strict(t) => {
+                steps.iter().filter(|s| s.max_dp > t).count() <= 1
+                    && steps.iter().all(|s| s.top1_same || s.margin <= 0.01)
+            }
+            Tolerance::DifferentNumerics => {
+                steps
+                    .iter()
+                    .filter(|s| {
+                        !(s.kl < 0.01 && s.overlap >= 8 && (s.top1_same || s.margin <= 0.05))
+                    })
+                    .count()
+                    <= 1
+            }
+        };
+
+        failed |= !ok;
+        lines.push(format!(
+            "{label} case {i} ({tol:?}): max |Δp| {max_dp:.2e}, max KL {max_kl:.1e}, prompt logits max |Δ| {}{}",
+            logit_diff.map_or("-".into(), |d| format!("{d:.2e}")),
+            if ok { "" } else { "  FAILED" }
+        ));
+    }
+    for l in &lines {
+        eprintln!("{l}");
+    }
+    assert!(!failed, "{}", lines.join("\n"));
+}
+
+#[test]
+fn small_matches_llama_cpp_q8_0_kv_flash_attention() {
+    let kv = fa(CacheType::Q8_0, CacheType::Q8_0);
+    let golden = golden("gptoss-small.golden-q8kv-fa.json");
+    check(
+        "gptoss-small.gguf",
+        "q8_0 KV, fa",
+        &golden,
+        kv,
+        Tolerance::Strict(5e-3),
+    );
+    // Bit-exact in practice: hold it to print precision so a numerics change shows.
+    check(
+        "gptoss-small.gguf",
+        "q8_0 KV, fa",
+        &golden,
+        kv,
+        Tolerance::Strict(1e-6),
+    );
+}
+
+#[test]
+fn f16_flash_attention_matches_llama_cpp_flash_attention() {
+    let kv = fa(CacheType::F16, CacheType::F16);
+    for model in ["gptoss-tiny", "gptoss-small"] {
+        let reference = fa_f16_reference(model);
+        check(
+            &format!("{model}.gguf"),
+            &format!("{model} f16 KV, fa vs llama.cpp fa"),
+            &reference,
+            kv,
+            Tolerance::Strict(1e-6),
+        );
+    }
+}
+
+#[test]
+fn flash_attention_meets_the_f32_kv_goldens() {
+    let kv = fa(CacheType::F32, CacheType::F32);
+    for (model, tol) in [
+        ("gptoss-tiny", Tolerance::Strict(2e-3)),
+        ("gptoss-openai", Tolerance::Strict(2e-3)),
+        ("gptoss-openai-f32experts", Tolerance::Strict(2e-3)),
+        // Cases 0 and 1 are bit-exact; case 2 (40 tokens) drifts by up to 9e-3.
+        ("gptoss-small", Tolerance::DifferentNumerics),
+    ] {
+        let golden = golden(&format!("{model}.golden.json"));
+        check(
+            &format!("{model}.gguf"),
+            &format!("{model} f32 KV, fa"),
+            &golden,
+            kv,
+            tol,
+        );
+    }
+}
+
+/// gptoss-small is left out: llama.cpp's own flash attention (which ours reproduces bit for bit,
+/// see above) leaves its non-flash f16 golden at 5 and 3 steps of cases 1 and 2 (KL up to 0.2).
+#[test]
+fn flash_attention_meets_the_f16_kv_goldens() {
+    let kv = fa(CacheType::F16, CacheType::F16);
+    for model in ["gptoss-tiny", "gptoss-openai", "gptoss-openai-f32experts"] {
+        let golden = golden(&format!("{model}.golden-f16kv.json"));
+        check(
+            &format!("{model}.gguf"),
+            &format!("{model} f16 KV, fa"),
+            &golden,
+            kv,
+            Tolerance::DifferentNumerics,
+        );
+    }
+}
+
+/// Exact-math model: the last prompt position within the README's f16-KV tolerance for it
+/// (logits atol 0.05) of the non-flash f16 golden.
+#[test]
+fn f32_experts_f16_flash_attention_logits_within_the_exact_math_tolerance() {
+    let model = load_model("gptoss-openai-f32experts.gguf");
+    let golden = golden("gptoss-openai-f32experts.golden-f16kv.json");
+    for (steps, diff) in teacher_forced(&model, &golden, fa(CacheType::F16, CacheType::F16)) {
+        let diff = diff.unwrap();
+        assert!(diff < 0.05, "max |Δlogit| {diff}");
+        assert!(steps.iter().all(|s| s.top1_same || s.margin <= 0.01));
+    }
+}
