@@ -378,6 +378,8 @@ impl Worker {
                     q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             }
+            // Show admitted requests before any of their output can reach a client.
+            self.publish();
             let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
             if stepped.is_err() {
                 // A bug must not take the model down: fail what was running and start clean.

@@ -147,16 +147,26 @@ fn concurrent_streams_match_solo_runs_and_disconnects_free_slots() {
     assert!(grown < 16 * 1024, "RSS grew by {grown} KiB");
 }
 
-fn cancelled(a: std::net::SocketAddr) -> f64 {
-    let m = get(a, "/metrics").body;
-    m.lines()
-        .find_map(|l| {
-            l.strip_prefix("hmoe:requests_cancelled_total")?
-                .trim()
-                .parse()
-                .ok()
-        })
-        .unwrap()
+/// Waits (bounded) until the server has counted `n` cancelled requests; returns the count.
+fn cancelled(a: std::net::SocketAddr, n: f64) -> f64 {
+    let mut count = 0.0;
+    for _ in 0..500 {
+        let m = get(a, "/metrics").body;
+        count = m
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("hmoe:requests_cancelled_total")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no cancellation count in {m}"));
+        if count >= n {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    count
 }
 
 #[test]
@@ -185,7 +195,7 @@ fn full_queue_answers_503_and_disconnects_free_the_slot() {
     drop(first);
     drop(second);
     wait_idle(a);
-    assert_eq!(cancelled(a), 2.0, "{}", get(a, "/metrics").body);
+    assert_eq!(cancelled(a, 2.0), 2.0, "{}", get(a, "/metrics").body);
     // A non-streamed request whose client goes away is cancelled too.
     {
         let body = json!({"prompt": "Tell me a story", "max_tokens": 8000, "ignore_eos": true})
@@ -209,7 +219,7 @@ fn full_queue_answers_503_and_disconnects_free_the_slot() {
         assert!(running);
     }
     wait_idle(a);
-    assert_eq!(cancelled(a), 3.0, "{}", get(a, "/metrics").body);
+    assert_eq!(cancelled(a, 3.0), 3.0, "{}", get(a, "/metrics").body);
     let r = post(
         a,
         "/v1/completions",
