@@ -3,7 +3,8 @@
 //!
 //! Prints, per kernel, the median time of one matrix-vector product and the weight bytes read
 //! per second, both for one matrix that stays in cache ("hot") and cycling through 256 MiB of
-//! matrices ("cold", memory-bound), then the multi-token GEMM throughput.
+//! matrices ("cold", memory-bound), the same for Q8_0 `dot_rows` as a streaming reference, then
+//! the multi-token GEMM throughput.
 
 use std::time::Instant;
 
@@ -17,18 +18,27 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median seconds of `f(i)` over `reps` calls (after one warm-up call).
-fn time(reps: usize, mut f: impl FnMut(usize)) -> f64 {
+/// Seconds per call of `f(i)` over `reps` calls (after one warm-up call): the median, or with
+/// `min` the fastest (for calls longer than a scheduler slice on a shared machine).
+fn time_with(reps: usize, min: bool, mut f: impl FnMut(usize)) -> f64 {
     f(0);
-    median(
-        (1..=reps)
-            .map(|i| {
-                let t = Instant::now();
-                f(i);
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
+    let v: Vec<f64> = (1..=reps)
+        .map(|i| {
+            let t = Instant::now();
+            f(i);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    if min {
+        v.into_iter().fold(f64::MAX, f64::min)
+    } else {
+        median(v)
+    }
+}
+
+/// Median seconds per call of `f(i)`.
+fn time(reps: usize, f: impl FnMut(usize)) -> f64 {
+    time_with(reps, false, f)
 }
 
 fn main() {
@@ -95,9 +105,33 @@ fn main() {
         let cold = time(r, |i| run(&mats[i % n_mats]));
         report(k.name(), hot, cold);
     }
-    println!("\nMXFP4 GEMM, {tokens} tokens (hot): ms per call, GMAC/s");
+    // For comparison: Q8_0 rows of the same count (1.9x the bytes), the plain streaming dot.
+    let q8_bytes = GgmlType::Q8_0.row_bytes(N as u64).unwrap() as usize * ROWS;
+    let xq: Vec<f32> = x.iter().map(|v| v * 0.5).collect();
+    let mut q8 = vec![0u8; q8_bytes];
+    quantize_row(GgmlType::Q8_0, &xq, &mut q8).unwrap();
+    let q8_mats: Vec<Vec<u8>> = (0..(256 << 20) / q8_bytes + 1)
+        .map(|_| q8.clone())
+        .collect();
+    let k = DotKernel::best(GgmlType::Q8_0).unwrap();
+    let mut run = |w: &[u8]| k.dot_rows(N, w, act, &mut out[..ROWS]);
+    let hot = time(reps, |_| run(&q8));
+    let cold = time(reps, |i| run(&q8_mats[i % q8_mats.len()]));
+    let qgb = q8_bytes as f64 / 1e9;
+    println!(
+        "{:<36} {:>10.3} {:>9.2} {:>10.3} {:>9.2}",
+        k.name(),
+        hot * 1e3,
+        qgb / hot,
+        cold * 1e3,
+        qgb / cold
+    );
+    println!(
+        "\nMXFP4 GEMM (hot, fastest of {} calls): ms per call, GMAC/s",
+        reps.min(20)
+    );
     for isa in Isa::available().into_iter().filter(|&i| i != Isa::Scalar) {
-        for t in [1, 2, 4, 8, 16, 64] {
+        for t in [1, 2, 4, 8, 16, 24, 32, 48, 64] {
             let k = GemmKernel::new(GgmlType::MXFP4, isa).unwrap();
             let prep = k.prepare(N, &acts[..ab * t], t).unwrap();
             let s = time(reps.min(20), |_| {

@@ -223,8 +223,17 @@ unsafe fn q8_0_rows<const R: usize, const VNNI: bool>(
 ) {
     let nb = n / QK;
     let mut acc = [_mm256_setzero_ps(); R];
+    // With several rows (contiguous in `dot_rows`), prefetch the next R rows into L2 as this
+    // pass runs: the pass is memory-bound and the hardware prefetchers miss the R streams.
+    let next = w.wrapping_add(R * stride);
     let mut ib = 0;
     while ib + 1 < nb {
+        if R > 1 {
+            for l in 0..(2 * R * Q8_0_BYTES).div_ceil(64) + 1 {
+                let p = next.wrapping_add(ib * R * Q8_0_BYTES + 64 * l);
+                _mm_prefetch::<_MM_HINT_T1>(p.cast());
+            }
+        }
         let a0 = a.add(ib * Q8_0_BYTES);
         let a1 = a0.add(Q8_0_BYTES);
         let y = load_2x256(a0.add(2), a1.add(2));

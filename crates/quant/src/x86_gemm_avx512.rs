@@ -48,19 +48,26 @@ unsafe fn bcast32(p: *const u8) -> __m512i {
     _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
-/// Decodes the MXFP4 block at byte `off` of 16 rows: `u[k]` (`u[4 + k]`) holds in lane `r` the
-/// biased values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`; the second result is each
-/// row's exponent minus 128, as f32.
+/// Decodes the MXFP4 block at byte `off` of the 16 rows `base + r · stride`: `u[k]` (`u[4 + k]`)
+/// holds in lane `r` the biased values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`;
+/// the second result is each row's exponent minus 128, as f32. (Addresses are formed from four
+/// group bases and `g · stride`, so the row pointers stay in registers.)
 #[inline(always)]
-unsafe fn decode16(rows: &[*const u8; G], off: usize) -> ([__m512i; 8], __m512) {
+unsafe fn decode16(base: *const u8, stride: usize, off: usize) -> ([__m512i; 8], __m512) {
+    let p = [
+        base.add(off),
+        base.add(4 * stride + off),
+        base.add(8 * stride + off),
+        base.add(12 * stride + off),
+    ];
     let mut z = [_mm512_setzero_si512(); 4];
     for (g, z) in z.iter_mut().enumerate() {
         // 128-bit lane i of z[g] holds row 4i + g.
-        let q = |r: usize| rows[r].add(off + 1).cast::<__m128i>();
-        let mut v = _mm512_castsi128_si512(_mm_loadu_si128(q(g)));
-        v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(q(4 + g)));
-        v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(q(8 + g)));
-        v = _mm512_inserti32x4::<3>(v, _mm_loadu_si128(q(12 + g)));
+        let q = |i: usize| p[i].add(g * stride + 1).cast::<__m128i>();
+        let mut v = _mm512_castsi128_si512(_mm_loadu_si128(q(0)));
+        v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(q(1)));
+        v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(q(2)));
+        v = _mm512_inserti32x4::<3>(v, _mm_loadu_si128(q(3)));
         *z = v;
     }
     // 4×4 dword transpose inside each 128-bit lane: lane 4i + j of v[k] = dword k of row 4i + j.
@@ -81,11 +88,13 @@ unsafe fn decode16(rows: &[*const u8; G], off: usize) -> ([__m512i; 8], __m512) 
         u[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v[k], m4));
         u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32::<4>(v[k]), m4));
     }
-    // The exponent bytes, gathered in general-purpose registers.
+    // The exponent bytes, gathered in general-purpose registers: byte 4i + g is row 4i + g.
     let (mut lo, mut hi) = (0u64, 0u64);
-    for i in 0..8 {
-        lo |= (*rows[i].add(off) as u64) << (8 * i);
-        hi |= (*rows[8 + i].add(off) as u64) << (8 * i);
+    for g in 0..4 {
+        for i in 0..2 {
+            lo |= (*p[i].add(g * stride) as u64) << (8 * (4 * i + g));
+            hi |= (*p[2 + i].add(g * stride) as u64) << (8 * (4 * i + g));
+        }
     }
     let e = _mm512_cvtepu8_epi32(_mm_set_epi64x(hi as i64, lo as i64));
     let ef = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
@@ -128,12 +137,19 @@ unsafe fn row_ptrs<const N: usize>(
     p
 }
 
-/// Stores lanes `0..valid` of `v` to `out`, `step` floats apart.
+/// The lanes `skip..skip + valid` of a row group's results.
+#[derive(Clone, Copy)]
+struct Lanes {
+    skip: usize,
+    valid: usize,
+}
+
+/// Stores `lanes` of `v` to `out`, `step` floats apart.
 #[inline(always)]
-unsafe fn store_lanes(v: __m512, valid: usize, out: *mut f32, step: usize) {
+unsafe fn store_lanes(v: __m512, lanes: Lanes, out: *mut f32, step: usize) {
     let mut tmp = [0f32; G];
     _mm512_storeu_ps(tmp.as_mut_ptr(), v);
-    for (r, &x) in tmp.iter().enumerate().take(valid) {
+    for (r, &x) in tmp[lanes.skip..].iter().take(lanes.valid).enumerate() {
         *out.add(r * step) = x;
     }
 }
@@ -148,7 +164,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
     bias: *const i32,
     out: *mut f32,
     n_tokens: usize,
-    valid: usize,
+    lanes: Lanes,
 ) {
     let astride = nb * Q8_0_BYTES;
     let mut acc = [_mm512_setzero_ps(); TT];
@@ -166,7 +182,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
         }
     }
     for (j, &acc) in acc.iter().enumerate() {
-        store_lanes(acc, valid, out.add(j), n_tokens);
+        store_lanes(acc, lanes, out.add(j), n_tokens);
     }
 }
 
@@ -189,22 +205,41 @@ unsafe fn mxfp4_gemm<const VNNI: bool>(
     } else {
         Vec::new()
     };
+    // Fewer than 16 rows: run on a zero-padded copy.
+    let padded: Vec<u8>;
+    let (w, w_rows) = if rows < G {
+        padded = [&w[..rows * stride], &vec![0u8; (G - rows) * stride]].concat();
+        (padded.as_ptr(), G)
+    } else {
+        (w.as_ptr(), rows)
+    };
     for r0 in (0..rows).step_by(G) {
-        let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
-        let valid = (rows - r0).min(G);
+        // A partial last group reruns the rows before it and keeps the new rows' results.
+        let first = r0.min(w_rows - G);
+        let lanes = Lanes {
+            skip: r0 - first,
+            valid: (rows - r0).min(G),
+        };
+        let base = w.add(first * stride);
         let out_g = o.add(r0 * n_tokens);
         if n_tokens == 1 {
+            // Memory-bound: prefetch the next group (contiguous) into L2, 272 bytes per block.
+            let next = base.wrapping_add(G * stride);
             let mut acc = _mm512_setzero_ps();
             for b in 0..nb {
-                let (u, ef) = decode16(&ptrs, b * MXFP4_BYTES);
+                for l in 0..5 {
+                    let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
+                    _mm_prefetch::<_MM_HINT_T1>(p.cast());
+                }
+                let (u, ef) = decode16(base, stride, b * MXFP4_BYTES);
                 let ab = a.add(b * Q8_0_BYTES);
                 acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(b)), ef, ab, acc);
             }
-            store_lanes(acc, valid, out_g, 1);
+            store_lanes(acc, lanes, out_g, 1);
             continue;
         }
         for (b, d) in buf.chunks_exact_mut(DEC).enumerate() {
-            let (u, ef) = decode16(&ptrs, b * MXFP4_BYTES);
+            let (u, ef) = decode16(base, stride, b * MXFP4_BYTES);
             d[..8].copy_from_slice(&u);
             d[8] = _mm512_castps_si512(ef);
         }
@@ -214,16 +249,16 @@ unsafe fn mxfp4_gemm<const VNNI: bool>(
             let left = n_tokens - t0;
             let p = buf.as_ptr();
             t0 += if left >= 8 {
-                mxfp4_tile::<8, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                mxfp4_tile::<8, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
                 8
             } else if left >= 4 {
-                mxfp4_tile::<4, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                mxfp4_tile::<4, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
                 4
             } else if left >= 2 {
-                mxfp4_tile::<2, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                mxfp4_tile::<2, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
                 2
             } else {
-                mxfp4_tile::<1, VNNI>(nb, p, at, bt, ot, n_tokens, valid);
+                mxfp4_tile::<1, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
                 1
             };
         }
