@@ -141,6 +141,9 @@ fn concurrent_streams_match_solo_runs_and_disconnects_free_slots() {
         metric("llamacpp:n_busy_slots_per_decode") > 1.0,
         "steps were batched"
     );
+    // A pass holds at most one micro-batch of prompt tokens beside the other slots' decode
+    // tokens: a new prompt never stalls the running streams for longer than that.
+    assert!(metric("llamacpp:n_tokens_max") <= (4 + 3) as f64);
     // The slots' caches were allocated up front: a second round of 32 clients leaves memory
     // where the first left it.
     let grown = rss_kib().saturating_sub(rss_before);
