@@ -44,7 +44,7 @@ enum Command {
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
-const SHORT_ALIASES: [(&str, &str); 12] = [
+const SHORT_ALIASES: [(&str, &str); 18] = [
     ("-ngl", "--n-gpu-layers"),
     ("-ctk", "--cache-type-k"),
     ("-ctv", "--cache-type-v"),
@@ -57,6 +57,12 @@ const SHORT_ALIASES: [(&str, &str); 12] = [
     ("-dev", "--device"),
     ("-ts", "--tensor-split"),
     ("-mg", "--main-gpu"),
+    ("-cb", "--cont-batching"),
+    ("-tb", "--threads-batch"),
+    ("-kvu", "--kv-unified"),
+    ("-hf", "--hf-repo"),
+    ("-fitt", "--fit-target"),
+    ("-fitc", "--fit-ctx"),
 ];
 
 fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
