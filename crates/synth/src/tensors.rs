@@ -1,0 +1,179 @@
+//! Random tensors generated directly in their storage format, and the plan/assembly shared by
+//! the Qwen3-MoE and DeepSeek writers.
+
+use half::f16;
+use hmoe_gguf::GgufWriter;
+use hmoe_quant::GgmlType;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+/// A tensor to generate: name, type, ggml shape and the distribution of its values.
+pub(crate) struct Plan {
+    pub name: String,
+    pub ty: GgmlType,
+    pub dims: Vec<u64>,
+    pub std: f32,
+    pub mean: f32,
+}
+
+impl Plan {
+    /// A weight matrix `[n_in, n_out, extra…]` of type `ty`, falling back to F32 when its rows
+    /// are not a whole number of `ty` blocks; values of std `gain / √n_in`.
+    pub fn matrix(name: String, ty: GgmlType, dims: Vec<u64>, gain: f32) -> Plan {
+        let n_in = dims[0];
+        let ty = if n_in.is_multiple_of(ty.block_elems() as u64) {
+            ty
+        } else {
+            GgmlType::F32
+        };
+        Plan {
+            name,
+            ty,
+            dims,
+            std: gain / (n_in as f32).sqrt(),
+            mean: 0.0,
+        }
+    }
+
+    /// An F32 vector or matrix of values `mean ± std`.
+    pub fn f32(name: String, dims: Vec<u64>, std: f32, mean: f32) -> Plan {
+        Plan {
+            name,
+            ty: GgmlType::F32,
+            dims,
+            std,
+            mean,
+        }
+    }
+}
+
+/// The weight types the synthetic writers can generate for matrices.
+pub fn supported_weight_type(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_K
+    )
+}
+
+/// Generates every planned tensor (in parallel, one seeded stream per tensor) and adds them to
+/// `w`; with `sparse`, adds file holes instead of data.
+pub(crate) fn add_planned(
+    w: &mut GgufWriter,
+    plans: Vec<Plan>,
+    seed: u64,
+    sparse: bool,
+) -> Result<(), String> {
+    let data: Vec<Option<Vec<u8>>> = plans
+        .par_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let seed = seed.wrapping_mul(1_000_003).wrapping_add(i as u64);
+            (!sparse).then(|| random_tensor(p, seed))
+        })
+        .collect();
+    for (p, bytes) in plans.into_iter().zip(data) {
+        match bytes {
+            Some(bytes) => w.add_tensor(p.name, p.ty, &p.dims, bytes),
+            None => w.add_tensor_hole(p.name, p.ty, &p.dims),
+        }
+        .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Random values of roughly standard deviation `std` around `mean` (quantized types: mean 0),
+/// written straight into the tensor's blocks.
+pub(crate) fn random_tensor(p: &Plan, seed: u64) -> Vec<u8> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n: u64 = p.dims.iter().product();
+    let bytes = p.ty.row_bytes(n).expect("dims are whole blocks") as usize;
+    let mut out = vec![0u8; bytes];
+    let f16_bytes = |x: f32| f16::from_f32(x).to_le_bytes();
+    match p.ty {
+        GgmlType::F32 => {
+            for c in out.chunks_exact_mut(4) {
+                // Sum of 4 uniforms: cheap, roughly normal, std 1 after scaling by √3.
+                let u: f32 = (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * 3f32.sqrt();
+                c.copy_from_slice(&(p.mean + p.std * u).to_le_bytes());
+            }
+        }
+        GgmlType::Q8_0 => {
+            // int8 uniform in [-127, 127] has std ≈ 73.3.
+            let d = f16_bytes(p.std / 73.3);
+            for block in out.chunks_exact_mut(34) {
+                block[..2].copy_from_slice(&d);
+                for q in &mut block[2..] {
+                    *q = rng.random_range(-127i8..=127) as u8;
+                }
+            }
+        }
+        GgmlType::Q4_0 => {
+            // q − 8 with q uniform in 0..16 has std ≈ 4.61.
+            let d = f16_bytes(p.std / 4.61);
+            for block in out.chunks_exact_mut(18) {
+                block[..2].copy_from_slice(&d);
+                rng.fill(&mut block[2..]);
+            }
+        }
+        GgmlType::Q4_K => {
+            // d·sc·q − dmin·m with uniform 6-bit sc, m and 4-bit q: dmin = 7.5·d centres the
+            // values; their std is then ≈ 256·d.
+            let d = p.std / 256.0;
+            let (dd, dmin) = (f16_bytes(d), f16_bytes(7.5 * d));
+            for block in out.chunks_exact_mut(144) {
+                block[..2].copy_from_slice(&dd);
+                block[2..4].copy_from_slice(&dmin);
+                rng.fill(&mut block[4..]);
+            }
+        }
+        other => unreachable!("the synthetic writers generate no {other} tensors"),
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantized_tensors_have_about_the_requested_spread() {
+        for ty in [
+            GgmlType::F32,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4_K,
+        ] {
+            let p = Plan::matrix("w".into(), ty, vec![256, 64], 1.0);
+            assert_eq!(p.ty, ty);
+            let bytes = random_tensor(&p, 7);
+            let mut vals = vec![0f32; 256 * 64];
+            hmoe_quant::dequantize_row(ty, &bytes, &mut vals).unwrap();
+            let n = vals.len() as f32;
+            let mean = vals.iter().sum::<f32>() / n;
+            let std = (vals.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / n).sqrt();
+            assert!(mean.abs() < 0.2 * p.std, "{ty:?}: mean {mean}");
+            assert!(
+                (std / p.std - 1.0).abs() < 0.25,
+                "{ty:?}: std {std} vs {}",
+                p.std
+            );
+        }
+    }
+
+    #[test]
+    fn rows_that_are_not_whole_blocks_fall_back_to_f32() {
+        assert_eq!(
+            Plan::matrix("w".into(), GgmlType::Q4_K, vec![64, 8], 1.0).ty,
+            GgmlType::F32
+        );
+        assert_eq!(
+            Plan::matrix("w".into(), GgmlType::Q8_0, vec![48, 8], 1.0).ty,
+            GgmlType::F32
+        );
+        assert_eq!(
+            Plan::matrix("w".into(), GgmlType::Q8_0, vec![64, 8], 1.0).ty,
+            GgmlType::Q8_0
+        );
+    }
+}
