@@ -11,6 +11,7 @@
 //! [`flash_attention`] instead: ggml's CPU flash-attention kernel, an online softmax over the
 //! keys with no score matrix.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use hmoe_quant::{DotKernel, GgmlType};
 use rayon::prelude::*;
@@ -200,11 +201,11 @@ fn dot_lanes_f16(q: &[f32], k: &[f16]) -> f32 {
 fn dot_vec<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32, f64_tail: bool) -> f32 {
     let np = a.len() / 64 * 64;
     let mut acc = [[0f32; LANES]; 4];
-    for i in (0..np).step_by(64) {
+    // Whole 64-element steps as fixed-size chunks, so the lanes vectorize.
+    for (ca, cb) in a[..np].chunks_exact(64).zip(b[..np].chunks_exact(64)) {
         for (j, lanes) in acc.iter_mut().enumerate() {
             for (l, lane) in lanes.iter_mut().enumerate() {
-                let k = i + j * LANES + l;
-                *lane = a[k].mul_add(to_f32(b[k]), *lane);
+                *lane = ca[j * LANES + l].mul_add(to_f32(cb[j * LANES + l]), *lane);
             }
         }
     }
@@ -586,7 +587,9 @@ pub(crate) fn flash_attention(
                 .collect();
             let lo = rows.iter().map(|r| r.first).min().unwrap_or(0);
             let hi = pos0 + t_end - 1;
-            let mut v_row = vec![0f32; vd];
+            // Each position's key and value heads in f32, converted once for all rows.
+            let (mut k_row, mut v_row) = (vec![0f32; kd], vec![0f32; vd]);
+            let mut f16_tmp = vec![f16::ZERO; vd];
             for p in lo..=hi {
                 let k_at = (p % cache.cells) * k_width + kvh * kd;
                 let v_at = if shape.v_in_k {
@@ -594,11 +597,34 @@ pub(crate) fn flash_attention(
                 } else {
                     (p % cache.cells) * v_width + kvh * vd
                 };
-                let mut v_ready = false;
+                if !rows.iter().any(|r| r.first <= p && p <= r.last) {
+                    continue;
+                }
+                let k_f32: &[f32] = match &cache.k {
+                    Cells::F32(k) => &k[k_at..k_at + kd],
+                    Cells::F16(k) => {
+                        k[k_at..k_at + kd].convert_to_f32_slice(&mut k_row);
+                        &k_row
+                    }
+                    Cells::Blocks { .. } => &[],
+                };
+                let v_f32: &[f32] = match v_cells {
+                    Cells::F32(v) => &v[v_at..v_at + vd],
+                    Cells::F16(v) => {
+                        v[v_at..v_at + vd].convert_to_f32_slice(&mut v_row);
+                        &v_row
+                    }
+                    Cells::Blocks { ty, data, .. } => {
+                        dequantize_at(*ty, data, v_at, &mut v_row);
+                        &v_row
+                    }
+                };
+                let f16_acc = matches!(v_cells, Cells::F16(_));
                 for r in rows.iter_mut().filter(|r| r.first <= p && p <= r.last) {
                     let score = match &cache.k {
-                        Cells::F32(k) => dot_vec_f32(&r.q, &k[k_at..k_at + kd]),
-                        Cells::F16(k) => dot_vec(&r.q, &k[k_at..k_at + kd], f16::to_f32, true),
+                        Cells::F32(_) => dot_vec_f32(&r.q, k_f32),
+                        // `vec_dot_f16` of the f16-rounded query (exact in f32).
+                        Cells::F16(_) => dot_vec(&r.q, k_f32, |x| x, true),
                         Cells::Blocks { ty, data, .. } => {
                             block_dot(k_kernel.as_ref(), *ty, data, k_at, kd, &r.q_blocks)
                         }
@@ -610,30 +636,14 @@ pub(crate) fn flash_attention(
                     } else {
                         (1.0, (score - r.m).exp())
                     };
-                    match v_cells {
-                        Cells::F32(v) => {
-                            scale_f32(&mut r.acc, ms);
-                            mad_f32(&mut r.acc, &v[v_at..v_at + vd], vs);
-                        }
-                        Cells::F16(v) => {
-                            // ggml keeps this accumulator in f16, rounding after each step.
-                            if ms != 1.0 {
-                                for a in r.acc.iter_mut() {
-                                    *a = f16::from_f32(*a * ms).to_f32();
-                                }
-                            }
-                            for (a, &x) in r.acc.iter_mut().zip(&v[v_at..v_at + vd]) {
-                                *a = f16::from_f32(x.to_f32().mul_add(vs, *a)).to_f32();
-                            }
-                        }
-                        Cells::Blocks { ty, data, .. } => {
-                            if !v_ready {
-                                dequantize_at(*ty, data, v_at, &mut v_row);
-                                v_ready = true;
-                            }
-                            scale_f32(&mut r.acc, ms);
-                            mad_f32(&mut r.acc, &v_row, vs);
-                        }
+                    scale_f32(&mut r.acc, ms);
+                    if f16_acc && ms != 1.0 {
+                        round_f16(&mut r.acc, &mut f16_tmp);
+                    }
+                    mad_f32(&mut r.acc, v_f32, vs);
+                    if f16_acc {
+                        // ggml keeps this accumulator in f16, rounding after each step.
+                        round_f16(&mut r.acc, &mut f16_tmp);
                     }
                     r.s = r.s.mul_add(ms, vs);
                 }
@@ -667,6 +677,12 @@ fn scale_f32(y: &mut [f32], s: f32) {
             *v *= s;
         }
     }
+}
+
+/// Rounds every value to the nearest f16 (ties to even, as F16C does), through `tmp`.
+fn round_f16(y: &mut [f32], tmp: &mut [f16]) {
+    tmp.convert_from_f32_slice(y);
+    tmp.convert_to_f32_slice(y);
 }
 
 /// `y += x·s` with one rounding per element (ggml's `vec_mad_f32`, FMA lanes).
@@ -917,5 +933,48 @@ mod tests {
             .refused
             .load(std::sync::atomic::Ordering::Relaxed));
         assert!(out.iter().all(|&x| x == 0.0));
+    }
+}
+
+#[cfg(test)]
+mod bench_scratch {
+    use super::*;
+    use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
+
+    #[test]
+    #[ignore]
+    fn decode_at_depth() {
+        let (nh, nkv, hd, depth) = (64, 8, 64, 4096);
+        let w = nkv * hd;
+        for (k, v, fa) in [
+            (CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On),
+            (CacheType::F16, CacheType::F16, FlashAttn::On),
+            (CacheType::F16, CacheType::F16, FlashAttn::Off),
+        ] {
+            if std::env::var("ONLY").is_ok_and(|o| o != k.name()) {
+                continue;
+            }
+            let ty = KvType::new(k, v, fa).unwrap();
+            let mut cache = KvCache::new(ty, depth + 1, 512, w, &[None]).with_head_dims(hd, hd);
+            let kv: Vec<f32> = (0..(depth + 1) * w).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+            cache.layers[0].store(0, &kv, &kv, depth + 1);
+            let q: Vec<f32> = (0..nh * hd).map(|i| ((i * 31) % 100) as f32 / 50.0 - 1.0).collect();
+            let shape = AttnShape { n_head: nh, n_head_kv: nkv, head_dim: hd, scale: 0.125 };
+            let mut out = vec![0f32; nh * hd];
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+            let cpu_ns = || -> f64 {
+                std::fs::read_to_string("/proc/thread-self/schedstat").unwrap().split(' ').next().unwrap().parse().unwrap()
+            };
+            let best = pool.install(|| {
+                let mut best = f64::MAX;
+                for _ in 0..std::env::var("REPS").map_or(10, |r| r.parse().unwrap()) {
+                    let t = cpu_ns();
+                    attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
+                    best = best.min((cpu_ns() - t) * 1e-9);
+                }
+                best
+            });
+            eprintln!("{k}/{v} fa {:?}: {:.2} ms per layer-token (1 thread)", fa, best * 1e3);
+        }
     }
 }
