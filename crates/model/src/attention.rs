@@ -936,45 +936,81 @@ mod tests {
     }
 }
 
+/// Speed of attention on gpt-oss-120b's shapes (64 query heads, 8 KV heads of 64), one thread:
+/// `cargo test --release -p hmoe-model --lib attention_speed -- --ignored --nocapture`.
 #[cfg(test)]
-mod bench_scratch {
+mod speed {
     use super::*;
     use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
 
+    /// CPU time of this thread in seconds (wall time where /proc has no schedstat).
+    fn cpu_seconds() -> f64 {
+        std::fs::read_to_string("/proc/thread-self/schedstat")
+            .ok()
+            .and_then(|s| s.split(' ').next()?.parse::<f64>().ok())
+            .map_or_else(
+                || {
+                    static START: std::sync::OnceLock<std::time::Instant> =
+                        std::sync::OnceLock::new();
+                    START
+                        .get_or_init(std::time::Instant::now)
+                        .elapsed()
+                        .as_secs_f64()
+                },
+                |ns| ns * 1e-9,
+            )
+    }
+
     #[test]
     #[ignore]
-    fn decode_at_depth() {
-        let (nh, nkv, hd, depth) = (64, 8, 64, 4096);
+    fn attention_speed() {
+        let (nh, nkv, hd) = (64, 8, 64);
         let w = nkv * hd;
-        for (k, v, fa) in [
-            (CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On),
-            (CacheType::F16, CacheType::F16, FlashAttn::On),
-            (CacheType::F16, CacheType::F16, FlashAttn::Off),
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        for (what, depth, n_q) in [
+            ("decode at depth 4096", 4096, 1),
+            ("prefill of 512", 0, 512),
         ] {
-            if std::env::var("ONLY").is_ok_and(|o| o != k.name()) {
-                continue;
+            for (k, v, fa) in [
+                (CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On),
+                (CacheType::F16, CacheType::F16, FlashAttn::On),
+                (CacheType::F16, CacheType::F16, FlashAttn::Off),
+            ] {
+                let n = depth + n_q;
+                let ty = KvType::new(k, v, fa).unwrap();
+                let mut cache = KvCache::new(ty, n, n_q, w, &[None]).with_head_dims(hd, hd);
+                let rows: Vec<f32> = (0..n * w)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                cache.layers[0].store(0, &rows, &rows, n);
+                let q: Vec<f32> = (0..n_q * nh * hd)
+                    .map(|i| ((i * 31) % 100) as f32 / 50.0 - 1.0)
+                    .collect();
+                let shape = AttnShape {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: hd,
+                    scale: 0.125,
+                };
+                let mut out = vec![0f32; q.len()];
+                let best = pool.install(|| {
+                    (0..3)
+                        .map(|_| {
+                            let t = cpu_seconds();
+                            attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
+                            cpu_seconds() - t
+                        })
+                        .fold(f64::MAX, f64::min)
+                });
+                eprintln!(
+                    "{what}, {k}/{v}, flash {}: {:.2} ms per layer",
+                    ty.flash_attn(),
+                    best * 1e3
+                );
             }
-            let ty = KvType::new(k, v, fa).unwrap();
-            let mut cache = KvCache::new(ty, depth + 1, 512, w, &[None]).with_head_dims(hd, hd);
-            let kv: Vec<f32> = (0..(depth + 1) * w).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-            cache.layers[0].store(0, &kv, &kv, depth + 1);
-            let q: Vec<f32> = (0..nh * hd).map(|i| ((i * 31) % 100) as f32 / 50.0 - 1.0).collect();
-            let shape = AttnShape { n_head: nh, n_head_kv: nkv, head_dim: hd, scale: 0.125 };
-            let mut out = vec![0f32; nh * hd];
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-            let cpu_ns = || -> f64 {
-                std::fs::read_to_string("/proc/thread-self/schedstat").unwrap().split(' ').next().unwrap().parse().unwrap()
-            };
-            let best = pool.install(|| {
-                let mut best = f64::MAX;
-                for _ in 0..std::env::var("REPS").map_or(10, |r| r.parse().unwrap()) {
-                    let t = cpu_ns();
-                    attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
-                    best = best.min((cpu_ns() - t) * 1e-9);
-                }
-                best
-            });
-            eprintln!("{k}/{v} fa {:?}: {:.2} ms per layer-token (1 thread)", fa, best * 1e3);
         }
     }
 }
