@@ -7,6 +7,7 @@ mod demo_cmd;
 mod fit_cmd;
 mod inspect_cmd;
 mod make_model_cmd;
+mod perplexity_cmd;
 mod placement_args;
 mod run_cmd;
 mod serve_cmd;
@@ -29,6 +30,8 @@ enum Command {
     Inspect(inspect_cmd::InspectArgs),
     /// Write a random-weight model with a real architecture.
     MakeTestModel(make_model_cmd::MakeModelArgs),
+    /// Perplexity of a model on a text file (like llama-perplexity).
+    Perplexity(perplexity_cmd::PerplexityArgs),
     /// Make a small model and generate from it: a first run on a fresh machine.
     Demo(demo_cmd::DemoArgs),
     /// Chat with a model in the terminal (uses its chat template).
@@ -96,6 +99,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Run(args) => run_cmd::run(args),
         Command::Inspect(args) => inspect_cmd::run(args),
         Command::MakeTestModel(args) => make_model_cmd::run(args),
+        Command::Perplexity(args) => perplexity_cmd::run(args),
         Command::Demo(args) => demo_cmd::run(args),
         Command::Chat(args) => chat_cmd::run(args),
         Command::Tokenize(args) => tokenize_cmd::run(args),

@@ -3,16 +3,24 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use hmoe_synth::{gpt_oss_layout_writer, gpt_oss_writer, GptOssSpec};
+use hmoe_gguf::GgufWriter;
+use hmoe_quant::GgmlType;
+use hmoe_synth::{
+    deepseek2_layout_writer, deepseek2_writer, gpt_oss_layout_writer, gpt_oss_writer,
+    qwen3moe_layout_writer, qwen3moe_writer, Deepseek2Spec, GptOssSpec, Qwen3MoeSpec,
+};
 
 /// Arguments of `hmoe make-test-model`.
 #[derive(clap::Args, Debug)]
 pub struct MakeModelArgs {
-    /// Architecture (gpt-oss).
+    /// Architecture: gpt-oss, qwen3moe or deepseek2.
     #[arg(long, default_value = "gpt-oss")]
     pub arch: String,
-    /// Starting dimensions: `tiny`, `gpt-oss-120b-layers` (120b's per-layer dims, 2 layers,
-    /// 32k vocabulary), `gpt-oss-120b` or `gpt-oss-20b` (the published models' full tables).
+    /// Starting dimensions: `tiny` for every architecture; gpt-oss: `gpt-oss-120b-layers`
+    /// (120b's per-layer dims, 2 layers, 32k vocabulary), `gpt-oss-120b`, `gpt-oss-20b`;
+    /// qwen3moe: `qwen3-30b-a3b`, `qwen3-235b-a22b`; deepseek2: `deepseek-v3-layers` (V3's
+    /// per-layer dims, 1 dense + 3 MoE layers, 32k vocabulary), `deepseek-v3` (the published
+    /// models' full tables).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Transformer blocks.
@@ -42,9 +50,15 @@ pub struct MakeModelArgs {
     /// Vocabulary size.
     #[arg(long)]
     pub vocab: Option<usize>,
-    /// Sliding window of even layers.
+    /// Sliding window of even layers (gpt-oss).
     #[arg(long)]
     pub window: Option<usize>,
+    /// Storage type of the expert matrices (qwen3moe, deepseek2): q8_0, q4_0, q4_k or f32.
+    #[arg(long, default_value = "q8_0")]
+    pub expert_type: String,
+    /// Leading dense layers (deepseek2).
+    #[arg(long)]
+    pub dense_layers: Option<usize>,
     /// Random seed.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -63,14 +77,19 @@ pub struct MakeModelArgs {
 impl MakeModelArgs {
     fn spec(&self) -> anyhow::Result<GptOssSpec> {
         if self.arch != "gpt-oss" {
-            bail!("make-test-model supports --arch gpt-oss (got '{}')", self.arch);
+            bail!(
+                "make-test-model supports --arch gpt-oss (got '{}')",
+                self.arch
+            );
         }
         let mut s = match self.preset.as_str() {
             "tiny" => GptOssSpec::tiny(),
             "gpt-oss-120b-layers" => GptOssSpec::gpt_oss_120b_layers(2, 32000),
             "gpt-oss-120b" => GptOssSpec::gpt_oss_120b(),
             "gpt-oss-20b" => GptOssSpec::gpt_oss_20b(),
-            other => bail!("unknown preset '{other}' (tiny, gpt-oss-120b-layers, gpt-oss-120b, gpt-oss-20b)"),
+            other => bail!(
+                "unknown preset '{other}' (tiny, gpt-oss-120b-layers, gpt-oss-120b, gpt-oss-20b)"
+            ),
         };
         let set = |dst: &mut usize, v: Option<usize>| {
             if let Some(v) = v {
@@ -93,20 +112,119 @@ impl MakeModelArgs {
     }
 }
 
+impl MakeModelArgs {
+    /// The writer for `--arch` with the preset and overrides applied.
+    fn writer(&self) -> anyhow::Result<GgufWriter> {
+        let set = |dst: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *dst = v;
+            }
+        };
+        let expert_type = || {
+            GgmlType::from_name(&self.expert_type)
+                .with_context(|| format!("unknown tensor type '{}'", self.expert_type))
+        };
+        let unused = |flags: &[(&str, bool)]| -> anyhow::Result<()> {
+            match flags.iter().find(|f| f.1) {
+                Some((name, _)) => bail!("--{name} does not apply to --arch {}", self.arch),
+                None => Ok(()),
+            }
+        };
+        let w = match self.arch.as_str() {
+            "gpt-oss" => {
+                let spec = self.spec()?;
+                if self.sparse {
+                    gpt_oss_layout_writer(&spec)
+                } else {
+                    gpt_oss_writer(&spec)
+                }
+            }
+            "qwen3moe" => {
+                unused(&[
+                    ("dense-layers", self.dense_layers.is_some()),
+                    ("window", self.window.is_some()),
+                ])?;
+                let mut s = match self.preset.as_str() {
+                    "tiny" => Qwen3MoeSpec::tiny(),
+                    "qwen3-30b-a3b" => Qwen3MoeSpec::qwen3_30b_a3b(),
+                    "qwen3-235b-a22b" => Qwen3MoeSpec::qwen3_235b_a22b(),
+                    other => bail!(
+                        "unknown qwen3moe preset '{other}' (tiny, qwen3-30b-a3b, qwen3-235b-a22b)"
+                    ),
+                };
+                set(&mut s.n_layer, self.layers);
+                set(&mut s.n_embd, self.embd);
+                set(&mut s.n_head, self.heads);
+                set(&mut s.n_head_kv, self.kv_heads);
+                set(&mut s.head_dim, self.head_dim);
+                set(&mut s.n_expert, self.experts);
+                set(&mut s.n_expert_used, self.experts_used);
+                set(&mut s.n_ff_exp, self.ff);
+                set(&mut s.n_vocab, self.vocab);
+                s.expert_type = expert_type()?;
+                s.seed = self.seed;
+                if self.sparse {
+                    qwen3moe_layout_writer(&s)
+                } else {
+                    qwen3moe_writer(&s)
+                }
+            }
+            "deepseek2" => {
+                unused(&[
+                    ("kv-heads", self.kv_heads.is_some()),
+                    ("head-dim", self.head_dim.is_some()),
+                    ("window", self.window.is_some()),
+                ])?;
+                let mut s = match self.preset.as_str() {
+                    "tiny" => Deepseek2Spec::tiny(),
+                    "deepseek-v3-layers" => Deepseek2Spec::deepseek_v3_layers(4, 1, 32000),
+                    "deepseek-v3" => Deepseek2Spec::deepseek_v3(),
+                    other => bail!("unknown deepseek2 preset '{other}' (tiny, deepseek-v3-layers, deepseek-v3)"),
+                };
+                set(&mut s.n_layer, self.layers);
+                set(&mut s.n_layer_dense_lead, self.dense_layers);
+                set(&mut s.n_embd, self.embd);
+                set(&mut s.n_head, self.heads);
+                set(&mut s.n_expert, self.experts);
+                set(&mut s.n_expert_used, self.experts_used);
+                set(&mut s.n_ff_exp, self.ff);
+                set(&mut s.n_vocab, self.vocab);
+                if self.experts.is_some() && !s.n_expert.is_multiple_of(s.n_group) {
+                    // A custom expert count keeps the routing valid without groups.
+                    (s.n_group, s.n_group_used) = (1, 1);
+                }
+                s.expert_type = expert_type()?;
+                s.seed = self.seed;
+                if self.sparse {
+                    deepseek2_layout_writer(&s)
+                } else {
+                    deepseek2_writer(&s)
+                }
+            }
+            other => bail!(
+                "make-test-model supports --arch gpt-oss, qwen3moe, deepseek2 (got '{other}')"
+            ),
+        };
+        w.map_err(anyhow::Error::msg)
+    }
+}
+
 /// Runs `hmoe make-test-model`.
 pub fn run(args: MakeModelArgs) -> anyhow::Result<()> {
-    let spec = args.spec()?;
-    let writer = if args.sparse { gpt_oss_layout_writer(&spec) } else { gpt_oss_writer(&spec) }
-        .map_err(anyhow::Error::msg)?;
+    let writer = args.writer()?;
     match args.split_max_tensors {
         Some(n) => {
-            let paths = writer.write_split(&args.output, n).context("writing shards")?;
+            let paths = writer
+                .write_split(&args.output, n)
+                .context("writing shards")?;
             for p in paths {
                 println!("{}", p.display());
             }
         }
         None => {
-            writer.write(&args.output).with_context(|| format!("writing {}", args.output.display()))?;
+            writer
+                .write(&args.output)
+                .with_context(|| format!("writing {}", args.output.display()))?;
             println!("{}", args.output.display());
         }
     }
