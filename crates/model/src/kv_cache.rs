@@ -524,7 +524,11 @@ impl KvCache {
             });
         }
         // Whole rows must be whole blocks; heads are checked by attention (`refused`).
-        self.check_heads(self.width, self.v_width)?;
+        for (which, ty, n) in [("K", self.ty.k, self.width), ("V", self.ty.v, self.v_width)] {
+            if !n.is_multiple_of(ty.block_elems()) {
+                return Err(misaligned(which, ty, 0));
+            }
+        }
         let mut logits = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.n_ubatch);
         for (i, chunk) in tokens.chunks(self.n_ubatch).enumerate() {
