@@ -917,6 +917,39 @@ mod tests {
         assert!((first[0] - x.iter().sum::<f32>() / 8.0).abs() < 1e-5);
     }
 
+    /// `vec_dot_f32`'s order written out index by index: four 16-lane accumulators per
+    /// 64 elements, folded (0+2)+(1+3), reduced, then the tail.
+    fn dot_by_index(a: &[f32], b: &[f32]) -> f32 {
+        let np = a.len() / 64 * 64;
+        let mut acc = [[0f32; LANES]; 4];
+        for i in (0..np).step_by(64) {
+            for j in 0..4 {
+                for l in 0..LANES {
+                    acc[j][l] = a[i + j * LANES + l].mul_add(b[i + j * LANES + l], acc[j][l]);
+                }
+            }
+        }
+        let folded: [f32; LANES] =
+            std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+        let mut sum = reduce16(&folded);
+        for k in np..a.len() {
+            sum += a[k] * b[k];
+        }
+        sum
+    }
+
+    #[test]
+    fn dot_vec_keeps_ggml_order() {
+        for n in [16, 64, 80, 128, 200, 576] {
+            let (a, b) = (noise(7, n), noise(8, n));
+            assert_eq!(
+                dot_vec_f32(&a, &b).to_bits(),
+                dot_by_index(&a, &b).to_bits(),
+                "n {n}"
+            );
+        }
+    }
+
     #[test]
     fn heads_that_straddle_blocks_are_refused() {
         let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
