@@ -441,6 +441,7 @@ impl LanguageModel for Dense {
             p.n_head_kv * p.head_dim,
             &vec![None; p.n_layer],
         )
+        .with_head_dims(p.head_dim, p.head_dim)
     }
     fn forward(
         &self,
