@@ -4,6 +4,7 @@
 //!   (see `x86_gemm_avx512.rs`); products by `vpmaddubsw` of the biased values (≤ 24) with
 //!   activation bytes, four 16-bit results summed before one `vpmaddwd` (|sum| ≤ 24576, no
 //!   overflow); the scale `2^(e-128)` is built from the exponent bits and multiplied by `d`.
+//!   Tiles of up to 4 tokens share each decoded block; the next row group is prefetched.
 //! * Q8_0: tiles of 2 rows × 4 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per pair).
 //! * F32: tiles of 2 rows × 2 tokens of 16-lane (two-register) FMA accumulators.
 //!
@@ -19,8 +20,6 @@ use crate::GgmlType;
 
 /// MXFP4 rows per group (one per lane).
 const G: usize = 8;
-/// Vectors per decoded MXFP4 block in the buffer: 8 of values, 1 of scales.
-const DEC: usize = 9;
 
 /// The little-endian dword at `p`, broadcast.
 #[inline(always)]
@@ -121,12 +120,14 @@ unsafe fn store_lanes(v: __m256, valid: usize, out: *mut f32, step: usize) {
     }
 }
 
-/// `TT` tokens over one decoded row group.
+/// `TT` tokens (`a`, `bias` and `out` at the first) over one row group, decoding each block
+/// once for all of them; the next group (contiguous) is prefetched into L2.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn mxfp4_tile<const TT: usize>(
     nb: usize,
-    buf: *const __m256i,
+    rows: &[*const u8; G],
+    next: *const u8,
     a: *const u8,
     bias: *const i32,
     out: *mut f32,
@@ -136,12 +137,11 @@ unsafe fn mxfp4_tile<const TT: usize>(
     let astride = nb * Q8_0_BYTES;
     let mut acc = [_mm256_setzero_ps(); TT];
     for b in 0..nb {
-        let p = buf.add(DEC * b);
-        let mut u = [_mm256_setzero_si256(); 8];
-        for (k, u) in u.iter_mut().enumerate() {
-            *u = *p.add(k);
+        for l in 0..3 {
+            let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
         }
-        let pow2 = _mm256_castsi256_ps(*p.add(8));
+        let (u, pow2) = decode8(rows, b * MXFP4_BYTES);
         for (j, acc) in acc.iter_mut().enumerate() {
             let ab = a.add(j * astride + b * Q8_0_BYTES);
             *acc = block_fma(isum8(&u, ab, *bias.add(j * nb + b)), pow2, ab, *acc);
@@ -166,51 +166,21 @@ unsafe fn mxfp4_gemm(
     let stride = nb * MXFP4_BYTES;
     let astride = nb * Q8_0_BYTES;
     let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
-    let mut buf = if n_tokens > 1 {
-        vec![_mm256_setzero_si256(); DEC * nb]
-    } else {
-        Vec::new()
-    };
     for r0 in (0..rows).step_by(G) {
         let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
+        let next = w.as_ptr().wrapping_add((r0 + G) * stride);
         let valid = (rows - r0).min(G);
         let out_g = o.add(r0 * n_tokens);
-        if n_tokens == 1 {
-            // Memory-bound: prefetch the next group (contiguous) into L2, 136 bytes per block.
-            let next = w.as_ptr().wrapping_add((r0 + G) * stride);
-            let mut acc = _mm256_setzero_ps();
-            for b in 0..nb {
-                for l in 0..3 {
-                    let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
-                    _mm_prefetch::<_MM_HINT_T1>(p.cast());
-                }
-                let (u, pow2) = decode8(&ptrs, b * MXFP4_BYTES);
-                let ab = a.add(b * Q8_0_BYTES);
-                acc = block_fma(isum8(&u, ab, *bias.add(b)), pow2, ab, acc);
-            }
-            store_lanes(acc, valid, out_g, 1);
-            continue;
-        }
-        for (b, d) in buf.chunks_exact_mut(DEC).enumerate() {
-            let (u, pow2) = decode8(&ptrs, b * MXFP4_BYTES);
-            d[..8].copy_from_slice(&u);
-            d[8] = _mm256_castps_si256(pow2);
-        }
-        let mut t0 = 0;
-        while t0 < n_tokens {
+        // Tokens in tiles of up to 4; each tile decodes the group again, from cache after the
+        // first.
+        for t0 in (0..n_tokens).step_by(4) {
             let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
-            let left = n_tokens - t0;
-            let p = buf.as_ptr();
-            t0 += if left >= 4 {
-                mxfp4_tile::<4>(nb, p, at, bt, ot, n_tokens, valid);
-                4
-            } else if left >= 2 {
-                mxfp4_tile::<2>(nb, p, at, bt, ot, n_tokens, valid);
-                2
-            } else {
-                mxfp4_tile::<1>(nb, p, at, bt, ot, n_tokens, valid);
-                1
-            };
+            match n_tokens - t0 {
+                1 => mxfp4_tile::<1>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
+                2 => mxfp4_tile::<2>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
+                3 => mxfp4_tile::<3>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
+                _ => mxfp4_tile::<4>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
+            }
         }
     }
 }

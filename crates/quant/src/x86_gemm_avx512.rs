@@ -8,8 +8,9 @@
 //!   `vpdpbusd` per vector against a broadcast activation dword adds four products to every
 //!   row's sum; the sum starts at `-12 · Σa`, so it ends exact. The scale `2^(e-128) · d` is
 //!   `vscalefps(d, e - 128)` (one rounding, as the scalar product of two f32), then one FMA
-//!   accumulates all 16 rows. With several tokens the decoded values of a row group are kept
-//!   in a buffer and every token runs over them.
+//!   accumulates all 16 rows. Several tokens share each decoded block (tiles of up to 8
+//!   tokens, accumulators in registers; a further tile decodes the group again from cache).
+//!   The single-token pass is memory-bound, so each group prefetches the next one into L2.
 //! * Q8_0: tiles of 4 rows × 4 tokens; two tokens share a zmm (lanes 0..8 and 8..16 are the
 //!   8-lane accumulators of ggml's AVX2 kernel for each).
 //! * F32: tiles of 4 rows × 4 tokens of 16-lane FMA accumulators.
@@ -27,8 +28,6 @@ use crate::GgmlType;
 
 /// MXFP4 rows per group (one per lane).
 const G: usize = 16;
-/// Vectors per decoded MXFP4 block in the buffer: 8 of values, 1 of exponents.
-const DEC: usize = 9;
 
 /// `acc + Σ u[4l..4l+4] · s[4l..4l+4]` per int32 lane `l` (unsigned × signed bytes): `vpdpbusd`,
 /// or `vpmaddubsw` + `vpmaddwd`, whose 16-bit pair sums cannot saturate for `u ≤ 24`.
@@ -154,12 +153,24 @@ unsafe fn store_lanes(v: __m512, lanes: Lanes, out: *mut f32, step: usize) {
     }
 }
 
-/// `TT` tokens over one decoded row group.
+/// Prefetches into L2 the 272 bytes of the next row group (contiguous, at `next`) that match
+/// block `b` of the current one, so the next group streams in while this one computes.
+#[inline(always)]
+unsafe fn prefetch_group(next: *const u8, b: usize) {
+    for l in 0..5 {
+        let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
+        _mm_prefetch::<_MM_HINT_T1>(p.cast());
+    }
+}
+
+/// `TT` tokens (`a`, `bias` and `out` at the first) over one row group, decoding each block
+/// once for all of them; the next group is prefetched.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
     nb: usize,
-    buf: *const __m512i,
+    base: *const u8,
+    stride: usize,
     a: *const u8,
     bias: *const i32,
     out: *mut f32,
@@ -167,18 +178,14 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
     lanes: Lanes,
 ) {
     let astride = nb * Q8_0_BYTES;
+    let next = base.wrapping_add(G * stride);
     let mut acc = [_mm512_setzero_ps(); TT];
     for b in 0..nb {
-        let p = buf.add(DEC * b);
-        let mut u = [_mm512_setzero_si512(); 8];
-        for (k, u) in u.iter_mut().enumerate() {
-            *u = *p.add(k);
-        }
-        let ef = _mm512_castsi512_ps(*p.add(8));
+        prefetch_group(next, b);
+        let (u, ef) = decode16(base, stride, b * MXFP4_BYTES);
         for (j, acc) in acc.iter_mut().enumerate() {
             let ab = a.add(j * astride + b * Q8_0_BYTES);
-            let isum = isum16::<VNNI>(&u, ab, *bias.add(j * nb + b));
-            *acc = block_fma(isum, ef, ab, *acc);
+            *acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(j * nb + b)), ef, ab, *acc);
         }
     }
     for (j, &acc) in acc.iter().enumerate() {
@@ -200,11 +207,6 @@ unsafe fn mxfp4_gemm<const VNNI: bool>(
     let stride = nb * MXFP4_BYTES;
     let astride = nb * Q8_0_BYTES;
     let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
-    let mut buf = if n_tokens > 1 {
-        vec![_mm512_setzero_si512(); DEC * nb]
-    } else {
-        Vec::new()
-    };
     // Fewer than 16 rows: run on a zero-padded copy.
     let padded: Vec<u8>;
     let (w, w_rows) = if rows < G {
@@ -222,47 +224,40 @@ unsafe fn mxfp4_gemm<const VNNI: bool>(
         };
         let base = w.add(first * stride);
         let out_g = o.add(r0 * n_tokens);
-        if n_tokens == 1 {
-            // Memory-bound: prefetch the next group (contiguous) into L2, 272 bytes per block.
-            let next = base.wrapping_add(G * stride);
-            let mut acc = _mm512_setzero_ps();
-            for b in 0..nb {
-                for l in 0..5 {
-                    let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
-                    _mm_prefetch::<_MM_HINT_T1>(p.cast());
-                }
-                let (u, ef) = decode16(base, stride, b * MXFP4_BYTES);
-                let ab = a.add(b * Q8_0_BYTES);
-                acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(b)), ef, ab, acc);
-            }
-            store_lanes(acc, lanes, out_g, 1);
-            continue;
-        }
-        for (b, d) in buf.chunks_exact_mut(DEC).enumerate() {
-            let (u, ef) = decode16(base, stride, b * MXFP4_BYTES);
-            d[..8].copy_from_slice(&u);
-            d[8] = _mm512_castps_si512(ef);
-        }
-        let mut t0 = 0;
-        while t0 < n_tokens {
+        // Tokens in tiles of up to 8 (accumulators in registers); each tile decodes the group's
+        // blocks again, from cache after the first.
+        for t0 in (0..n_tokens).step_by(8) {
             let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
-            let left = n_tokens - t0;
-            let p = buf.as_ptr();
-            t0 += if left >= 8 {
-                mxfp4_tile::<8, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
-                8
-            } else if left >= 4 {
-                mxfp4_tile::<4, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
-                4
-            } else if left >= 2 {
-                mxfp4_tile::<2, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
-                2
-            } else {
-                mxfp4_tile::<1, VNNI>(nb, p, at, bt, ot, n_tokens, lanes);
-                1
-            };
+            let args = (nb, base, stride, at, bt, ot, n_tokens, lanes);
+            match n_tokens - t0 {
+                1 => tile_call::<1, VNNI>(args),
+                2 => tile_call::<2, VNNI>(args),
+                3 => tile_call::<3, VNNI>(args),
+                4 => tile_call::<4, VNNI>(args),
+                5 => tile_call::<5, VNNI>(args),
+                6 => tile_call::<6, VNNI>(args),
+                7 => tile_call::<7, VNNI>(args),
+                _ => tile_call::<8, VNNI>(args),
+            }
         }
     }
+}
+
+/// The arguments of [`mxfp4_tile`].
+type TileArgs = (
+    usize,
+    *const u8,
+    usize,
+    *const u8,
+    *const i32,
+    *mut f32,
+    usize,
+    Lanes,
+);
+
+#[inline(always)]
+unsafe fn tile_call<const TT: usize, const VNNI: bool>(x: TileArgs) {
+    mxfp4_tile::<TT, VNNI>(x.0, x.1, x.2, x.3, x.4, x.5, x.6, x.7)
 }
 
 // ----------------------------------------------------------------------------------------------
