@@ -156,4 +156,54 @@ fn main() {
             );
         }
     }
+
+    // Q8_0 and F32 batches: the model's old path (one `DotKernel::dot` per row and token) against
+    // the GEMM tiles, 1024 rows in calls of 16 / 64 rows, hot.
+    let rows = 1024;
+    for (ty, tokens) in [
+        (GgmlType::Q8_0, 64),
+        (GgmlType::Q8_0, 512),
+        (GgmlType::F32, 64),
+    ] {
+        let wb = ty.row_bytes(N as u64).unwrap() as usize;
+        let act_ty = hmoe_quant::vec_dot_type(ty);
+        let abt = act_ty.row_bytes(N as u64).unwrap() as usize;
+        let mut w = vec![0u8; wb * rows];
+        quantize_row(ty, &x[..N * rows], &mut w).unwrap();
+        let xs: Vec<f32> = (0..N * tokens).map(|i| x[i % x.len()] * 0.7).collect();
+        let mut a = vec![0u8; abt * tokens];
+        quantize_row(act_ty, &xs, &mut a).unwrap();
+        let mut o = vec![0f32; rows * tokens];
+        let dot = DotKernel::best(ty).unwrap();
+        let per_dot = time_with(3, true, |_| {
+            for (r, o) in o.chunks_mut(tokens).enumerate() {
+                for (t, o) in o.iter_mut().enumerate() {
+                    *o = dot.dot(N, &w[r * wb..(r + 1) * wb], &a[t * abt..(t + 1) * abt]);
+                }
+            }
+        });
+        let macs = (rows * N * tokens) as f64;
+        println!(
+            "\n{ty:?} {rows}x{N}, {tokens} tokens: per-token dot {:.2} ms ({:.1} GMAC/s)",
+            per_dot * 1e3,
+            macs / per_dot / 1e9
+        );
+        let k = GemmKernel::best(ty).unwrap();
+        let prep = k.prepare(N, &a, tokens).unwrap();
+        for chunk in [16, 64] {
+            let s = time_with(reps.min(10), true, |_| {
+                for (c, o) in o.chunks_mut(chunk * tokens).enumerate() {
+                    let r = o.len() / tokens;
+                    k.gemm(&w[c * chunk * wb..(c * chunk + r) * wb], &prep, o)
+                        .unwrap();
+                }
+            });
+            println!(
+                "{:<36} calls of {chunk:>2} rows {:>8.2} ms ({:.1} GMAC/s)",
+                k.name(),
+                s * 1e3,
+                macs / s / 1e9
+            );
+        }
+    }
 }

@@ -20,8 +20,9 @@
 //! adds four products per row. Weights enter the unsigned operand as `value + 12`; the
 //! `12 · Σa` this adds is subtracted per block from the integer sum (precomputed per token in
 //! [`GemmActs`]), which keeps the integer sum exact for every activation byte including -128.
-//! With several tokens, each group of rows is decoded once into a small buffer and reused for
-//! every token; Q8_0 and F32 use register tiles of rows × tokens.
+//! With several tokens, each decoded block of a row group serves a tile of up to 8 tokens
+//! (accumulators in registers); Q8_0 and F32 use register tiles of rows × tokens. The
+//! single-token passes, which are memory-bound, prefetch the next rows into L2.
 
 use crate::scalar::{
     f16_to_f32, hsum16, rd_f32, rd_u16, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK,
@@ -203,8 +204,8 @@ impl GemmKernel {
 
     /// `out[r * n_tokens + t] = W[r] · a[t]` for the `out.len() / n_tokens` weight rows in
     /// `weight_rows` (contiguous) and the tokens of `acts`, in the kernel's summation order.
-    /// Every ISA gives bit-identical results. Allocates a scratch buffer of a few KiB for MXFP4
-    /// with more than one token.
+    /// Every ISA gives bit-identical results. Allocates only for MXFP4 with fewer than 16 rows
+    /// (a padded copy of the rows).
     pub fn gemm(
         &self,
         weight_rows: &[u8],

@@ -61,8 +61,7 @@
 //! bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
 //!
 //! All functions are thread-safe and allocation-free, except [`GemmKernel::prepare`] (a vector
-//! of block sums for MXFP4) and [`GemmKernel::gemm`] (a scratch buffer for MXFP4 with several
-//! tokens).
+//! of block sums for MXFP4) and [`GemmKernel::gemm`] for MXFP4 with fewer than 16 rows.
 
 #[macro_use]
 mod kernels;

@@ -5,7 +5,8 @@
 //!   activation bytes, four 16-bit results summed before one `vpmaddwd` (|sum| ≤ 24576, no
 //!   overflow); the scale `2^(e-128)` is built from the exponent bits and multiplied by `d`.
 //!   Tiles of up to 4 tokens share each decoded block; the next row group is prefetched.
-//! * Q8_0: tiles of 2 rows × 4 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per pair).
+//! * Q8_0: tiles of 2 rows × 4 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
+//!   pair), in chunks of 64 tokens.
 //! * F32: tiles of 2 rows × 2 tokens of 16-lane (two-register) FMA accumulators.
 //!
 //! Safety: every `unsafe fn` here needs AVX2, FMA and F16C, and the slice contract of
@@ -192,6 +193,8 @@ unsafe fn mxfp4_gemm(
 const Q8_R: usize = 2;
 /// Q8_0 tokens per tile.
 const Q8_T: usize = 4;
+/// Q8_0 tokens per chunk (a multiple of `Q8_T`).
+const Q8_TC: usize = 64;
 
 #[inline(always)]
 unsafe fn q8_0_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [f32]) {
@@ -200,35 +203,38 @@ unsafe fn q8_0_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut 
     let stride = nb * Q8_0_BYTES;
     let o = out.as_mut_ptr();
     let ones = _mm256_set1_epi16(1);
-    for r0 in (0..rows).step_by(Q8_R) {
-        let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
-        for t0 in (0..n_tokens).step_by(Q8_T) {
-            let ta = row_ptrs::<Q8_T>(acts.as_ptr(), t0, n_tokens, stride);
-            let mut acc = [[_mm256_setzero_ps(); Q8_T]; Q8_R];
-            for b in 0..nb {
-                let off = b * Q8_0_BYTES;
-                let mut ys = [_mm256_setzero_si256(); Q8_T];
-                let mut das = [0f32; Q8_T];
-                for j in 0..Q8_T {
-                    ys[j] = _mm256_loadu_si256(ta[j].add(off + 2).cast());
-                    das[j] = f16_at(ta[j].add(off));
-                }
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let wb = wr[r].add(off);
-                    let x = _mm256_loadu_si256(wb.add(2).cast());
-                    let ax = _mm256_sign_epi8(x, x);
-                    let dw = f16_at(wb);
+    // Tokens in chunks whose activations stay in L2 while every row tile runs over them.
+    for tc in (0..n_tokens).step_by(Q8_TC) {
+        for r0 in (0..rows).step_by(Q8_R) {
+            let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
+            for t0 in (tc..n_tokens.min(tc + Q8_TC)).step_by(Q8_T) {
+                let ta = row_ptrs::<Q8_T>(acts.as_ptr(), t0, n_tokens, stride);
+                let mut acc = [[_mm256_setzero_ps(); Q8_T]; Q8_R];
+                for b in 0..nb {
+                    let off = b * Q8_0_BYTES;
+                    let mut ys = [_mm256_setzero_si256(); Q8_T];
+                    let mut das = [0f32; Q8_T];
                     for j in 0..Q8_T {
-                        // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
-                        let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(ys[j], x));
-                        let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * das[j]), q, acc[j]);
+                        ys[j] = _mm256_loadu_si256(ta[j].add(off + 2).cast());
+                        das[j] = f16_at(ta[j].add(off));
+                    }
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let wb = wr[r].add(off);
+                        let x = _mm256_loadu_si256(wb.add(2).cast());
+                        let ax = _mm256_sign_epi8(x, x);
+                        let dw = f16_at(wb);
+                        for j in 0..Q8_T {
+                            // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
+                            let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(ys[j], x));
+                            let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * das[j]), q, acc[j]);
+                        }
                     }
                 }
-            }
-            for (r, acc) in acc.iter().enumerate().take(rows - r0) {
-                for (j, &acc) in acc.iter().enumerate().take(n_tokens - t0) {
-                    *o.add((r0 + r) * n_tokens + t0 + j) = hsum8(acc);
+                for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                    for (j, &acc) in acc.iter().enumerate().take(n_tokens - t0) {
+                        *o.add((r0 + r) * n_tokens + t0 + j) = hsum8(acc);
+                    }
                 }
             }
         }

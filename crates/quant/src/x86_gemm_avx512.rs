@@ -11,8 +11,8 @@
 //!   accumulates all 16 rows. Several tokens share each decoded block (tiles of up to 8
 //!   tokens, accumulators in registers; a further tile decodes the group again from cache).
 //!   The single-token pass is memory-bound, so each group prefetches the next one into L2.
-//! * Q8_0: tiles of 4 rows × 4 tokens; two tokens share a zmm (lanes 0..8 and 8..16 are the
-//!   8-lane accumulators of ggml's AVX2 kernel for each).
+//! * Q8_0: tiles of 4 rows × 8 tokens, in chunks of 64 tokens; two tokens share a zmm (lanes
+//!   0..8 and 8..16 are the 8-lane accumulators of ggml's AVX2 kernel for each).
 //! * F32: tiles of 4 rows × 4 tokens of 16-lane FMA accumulators.
 //!
 //! Safety: every `unsafe fn` here needs AVX-512 F/BW/VL plus AVX2, FMA and F16C (and VNNI for
@@ -266,7 +266,9 @@ unsafe fn tile_call<const TT: usize, const VNNI: bool>(x: TileArgs) {
 /// Q8_0 rows per tile.
 const Q8_R: usize = 4;
 /// Q8_0 token pairs per tile.
-const Q8_TP: usize = 2;
+const Q8_TP: usize = 4;
+/// Q8_0 tokens per chunk (a multiple of `2 * Q8_TP`).
+const Q8_TC: usize = 64;
 
 #[inline(always)]
 unsafe fn q8_0_gemm<const VNNI: bool>(
@@ -280,53 +282,56 @@ unsafe fn q8_0_gemm<const VNNI: bool>(
     let rows = out.len() / n_tokens;
     let stride = nb * Q8_0_BYTES;
     let o = out.as_mut_ptr();
-    for r0 in (0..rows).step_by(Q8_R) {
-        let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
-        for t0 in (0..n_tokens).step_by(2 * Q8_TP) {
-            // Token pairs (t0 + 2p, t0 + 2p + 1), past the end clamped to the last token.
-            let (mut tl, mut th) = ([acts.as_ptr(); Q8_TP], [acts.as_ptr(); Q8_TP]);
-            for p in 0..Q8_TP {
-                tl[p] = acts.as_ptr().add((t0 + 2 * p).min(n_tokens - 1) * stride);
-                th[p] = acts
-                    .as_ptr()
-                    .add((t0 + 2 * p + 1).min(n_tokens - 1) * stride);
-            }
-            let mut acc = [[_mm512_setzero_ps(); Q8_TP]; Q8_R];
-            for b in 0..nb {
-                let off = b * Q8_0_BYTES;
-                let mut ys = [_mm512_setzero_si512(); Q8_TP];
-                let mut das = [_mm512_setzero_ps(); Q8_TP];
+    // Tokens in chunks whose activations stay in L2 while every row tile runs over them.
+    for tc in (0..n_tokens).step_by(Q8_TC) {
+        for r0 in (0..rows).step_by(Q8_R) {
+            let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
+            for t0 in (tc..n_tokens.min(tc + Q8_TC)).step_by(2 * Q8_TP) {
+                // Token pairs (t0 + 2p, t0 + 2p + 1), past the end clamped to the last token.
+                let (mut tl, mut th) = ([acts.as_ptr(); Q8_TP], [acts.as_ptr(); Q8_TP]);
                 for p in 0..Q8_TP {
-                    ys[p] = load_2x256(tl[p].add(off + 2), th[p].add(off + 2));
-                    das[p] = _mm512_mask_blend_ps(
-                        0xff00,
-                        _mm512_set1_ps(f16_at(tl[p].add(off))),
-                        _mm512_set1_ps(f16_at(th[p].add(off))),
-                    );
+                    tl[p] = acts.as_ptr().add((t0 + 2 * p).min(n_tokens - 1) * stride);
+                    th[p] = acts
+                        .as_ptr()
+                        .add((t0 + 2 * p + 1).min(n_tokens - 1) * stride);
                 }
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let wb = wr[r].add(off);
-                    let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
-                    let ax = _mm512_abs_epi8(x);
-                    let neg = _mm512_movepi8_mask(x);
-                    let dw = _mm512_set1_ps(f16_at(wb));
+                let mut acc = [[_mm512_setzero_ps(); Q8_TP]; Q8_R];
+                for b in 0..nb {
+                    let off = b * Q8_0_BYTES;
+                    let mut ys = [_mm512_setzero_si512(); Q8_TP];
+                    let mut das = [_mm512_setzero_ps(); Q8_TP];
                     for p in 0..Q8_TP {
-                        // |x| · sign(y, x): y negated where x < 0 (ggml's sign trick).
-                        let q = dot_u8i8::<VNNI>(ax, neg_where(ys[p], neg));
-                        let s = _mm512_mul_ps(dw, das[p]);
-                        acc[p] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), acc[p]);
+                        ys[p] = load_2x256(tl[p].add(off + 2), th[p].add(off + 2));
+                        das[p] = _mm512_mask_blend_ps(
+                            0xff00,
+                            _mm512_set1_ps(f16_at(tl[p].add(off))),
+                            _mm512_set1_ps(f16_at(th[p].add(off))),
+                        );
+                    }
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let wb = wr[r].add(off);
+                        let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
+                        let ax = _mm512_abs_epi8(x);
+                        let neg = _mm512_movepi8_mask(x);
+                        let dw = _mm512_set1_ps(f16_at(wb));
+                        for p in 0..Q8_TP {
+                            // |x| · sign(y, x): y negated where x < 0 (ggml's sign trick).
+                            let q = dot_u8i8::<VNNI>(ax, neg_where(ys[p], neg));
+                            let s = _mm512_mul_ps(dw, das[p]);
+                            acc[p] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), acc[p]);
+                        }
                     }
                 }
-            }
-            for (r, acc) in acc.iter().enumerate().take(rows - r0) {
-                let dst = o.add((r0 + r) * n_tokens);
-                for (p, &acc) in acc.iter().enumerate() {
-                    let t = t0 + 2 * p;
-                    if t < n_tokens {
-                        *dst.add(t) = hsum8(lo256(acc));
-                    }
-                    if t + 1 < n_tokens {
-                        *dst.add(t + 1) = hsum8(hi256(acc));
+                for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                    let dst = o.add((r0 + r) * n_tokens);
+                    for (p, &acc) in acc.iter().enumerate() {
+                        let t = t0 + 2 * p;
+                        if t < n_tokens {
+                            *dst.add(t) = hsum8(lo256(acc));
+                        }
+                        if t + 1 < n_tokens {
+                            *dst.add(t + 1) = hsum8(hi256(acc));
+                        }
                     }
                 }
             }
