@@ -99,6 +99,7 @@ fn check_all_isas(
             (8, 5),
             (33, 9),
             (3, 13),
+            (5, 70),
         ] {
             let w = weights(rows, n, &mut rng);
             let a = acts(toks, n, &mut rng);
