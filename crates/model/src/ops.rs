@@ -106,8 +106,8 @@ pub fn matmul(
     if n_tokens == 0 {
         return;
     }
-    // Rows per task of a single-token MXFP4 product (enough work to amortise the scheduling).
-    const GEMV_ROWS: usize = 64;
+    // Rows per task for the GEMM kernels (enough work to amortise the scheduling).
+    const GEMM_ROWS: usize = 64;
     let ty = kernel.weight_type();
     // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order), Q8_0 and F32 batches
     // their tiles (Q8_0 in `vec_dot` order, F32 in tinyBLAS's 16-lane order).
@@ -131,9 +131,9 @@ pub fn matmul(
         };
         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
     };
+    let rows_per_task = if gemm.is_some() { GEMM_ROWS } else { ROWS_PER_TASK };
     if n_tokens == 1 {
         let act = acts.row(0);
-        let rows_per_task = if gemm.is_some() { GEMV_ROWS } else { ROWS_PER_TASK };
         out.par_chunks_mut(rows_per_task)
             .enumerate()
             .for_each(|(chunk, dst)| {
@@ -151,10 +151,10 @@ pub fn matmul(
     // weights are read once; the result is produced transposed and then laid out per token.
     let mut transposed = vec![0f32; n_out * n_tokens];
     transposed
-        .par_chunks_mut(ROWS_PER_TASK * n_tokens)
+        .par_chunks_mut(rows_per_task * n_tokens)
         .enumerate()
         .for_each(|(chunk, dst)| {
-            let r0 = chunk * ROWS_PER_TASK;
+            let r0 = chunk * rows_per_task;
             let rows = dst.len() / n_tokens;
             if let (Some(g), Some(p)) = (&gemm, &prep) {
                 let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
@@ -169,9 +169,12 @@ pub fn matmul(
             }
         });
     debug_assert!(check_first(transposed[0]), "matmul differs from the reference");
-    for (r, col) in transposed.chunks_exact(n_tokens).enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            out[t * n_out + r] = v;
+    // Transposed back in blocks of rows, so reads and writes both stay in cache.
+    for (rb, block) in transposed.chunks(64 * n_tokens).enumerate() {
+        for (t, dst) in out.chunks_exact_mut(n_out).enumerate() {
+            for (i, col) in block.chunks_exact(n_tokens).enumerate() {
+                dst[rb * 64 + i] = col[t];
+            }
         }
     }
 }
