@@ -1,28 +1,15 @@
 //! Teacher-forced comparison with llama.cpp's goldens and OpenAI's reference logits
 //! (../shared/fixtures/gpt-oss; tolerances from its README).
 
-use std::path::PathBuf;
+mod common;
 
+use common::{fixtures, ids, softmax64};
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{GptOss, KvType, LogitsWanted};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
-
 fn load_json(name: &str) -> Value {
-    let path = fixtures().join("gpt-oss").join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::load_json("gpt-oss", name)
 }
 
 fn load_model(file: &str) -> GptOss {
@@ -32,21 +19,6 @@ fn load_model(file: &str) -> GptOss {
     )
     .unwrap();
     GptOss::load(gguf).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn softmax64(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
-    let s: f64 = e.iter().sum();
-    e.into_iter().map(|x| x / s).collect()
 }
 
 /// Per-case result of a teacher-forced run.
