@@ -45,7 +45,7 @@ pub struct ChatArgs {
 
 /// Splits generated tokens into answer and reasoning, for harmony or `<think>` models.
 enum Splitter {
-    Harmony(HarmonyStream),
+    Harmony(Box<HarmonyStream>),
     Think(ThinkSplitter, StreamDecoder),
 }
 
@@ -115,7 +115,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             anyhow::bail!("the conversation ({} tokens) no longer fits the context ({n_ctx}); raise -c", ids.len());
         }
         let mut splitter = match &harmony {
-            Some(h) => Splitter::Harmony(HarmonyStream::new(h.clone(), args.reasoning_format)),
+            Some(h) => Splitter::Harmony(Box::new(HarmonyStream::new(*h, args.reasoning_format))),
             None => Splitter::Think(ThinkSplitter::new(args.reasoning_format, false), StreamDecoder::new()),
         };
         let mut answer = String::new();
