@@ -6,8 +6,8 @@ use std::io::{BufRead, Write};
 
 use anyhow::Context;
 use hmoe_chat::{
-    load_chat_template, special_token_vars, ChatDelta, ChatTemplate, HarmonyStream,
-    HarmonyTokens, ReasoningFormat, ThinkSplitter,
+    load_chat_template, special_token_vars, ChatDelta, ChatTemplate, HarmonyStream, HarmonyTokens,
+    ReasoningFormat, ThinkSplitter,
 };
 use hmoe_engine::{Generator, Sampler, SamplerParams};
 use hmoe_tokenizer::{StreamDecoder, Tokenizer};
@@ -82,7 +82,10 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let model = args.model.load()?;
     let meta = model.gguf().metadata();
     let tok = Tokenizer::from_metadata(meta)?;
-    let template = ChatTemplate::new(&load_chat_template(meta, args.chat_template_file.as_deref())?)?;
+    let template = ChatTemplate::new(&load_chat_template(
+        meta,
+        args.chat_template_file.as_deref(),
+    )?)?;
     let harmony = HarmonyTokens::from_tokenizer(&tok).ok();
     let mut extra = special_token_vars(&tok);
     if let (Some(effort), Value::Object(m)) = (&args.reasoning_effort, &mut extra) {
@@ -112,11 +115,17 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         let prompt = template.render(&Value::Array(messages.clone()), None, true, &extra)?;
         let ids = tok.encode(&prompt, false, true)?;
         if ids.len() + args.n_predict > n_ctx {
-            anyhow::bail!("the conversation ({} tokens) no longer fits the context ({n_ctx}); raise -c", ids.len());
+            anyhow::bail!(
+                "the conversation ({} tokens) no longer fits the context ({n_ctx}); raise -c",
+                ids.len()
+            );
         }
         let mut splitter = match &harmony {
             Some(h) => Splitter::Harmony(Box::new(HarmonyStream::new(*h, args.reasoning_format))),
-            None => Splitter::Think(ThinkSplitter::new(args.reasoning_format, false), StreamDecoder::new()),
+            None => Splitter::Think(
+                ThinkSplitter::new(args.reasoning_format, false),
+                StreamDecoder::new(),
+            ),
         };
         let mut answer = String::new();
         let show = |deltas: Vec<ChatDelta>, answer: &mut String| {
@@ -134,10 +143,18 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             let _ = std::io::stdout().flush();
         };
         let is_stop = |id: u32| tok.is_eog(id) || harmony.as_ref().is_some_and(|h| h.is_stop(id));
-        generator.generate(&ids, args.n_predict, &mut sampler, None, 0, &is_stop, &mut |id| {
-            show(splitter.push(&tok, id), &mut answer);
-            true
-        })?;
+        generator.generate(
+            &ids,
+            args.n_predict,
+            &mut sampler,
+            None,
+            0,
+            &is_stop,
+            &mut |id| {
+                show(splitter.push(&tok, id), &mut answer);
+                true
+            },
+        )?;
         show(splitter.finish(), &mut answer);
         println!();
         messages.push(json!({"role": "assistant", "content": answer}));

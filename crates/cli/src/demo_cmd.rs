@@ -21,26 +21,52 @@ pub struct DemoArgs {
 
 /// Runs `hmoe demo`.
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let path = args
-        .output
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("hmoe-demo-{}.gguf", std::process::id())));
+    let path = args.output.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("hmoe-demo-{}.gguf", std::process::id()))
+    });
     let spec = GptOssSpec::tiny();
     let start = Instant::now();
-    gpt_oss_writer(&spec).map_err(anyhow::Error::msg)?.write(&path)?;
-    println!("wrote {} ({} layers, {} experts top-{}) in {:.0} ms", path.display(), spec.n_layer,
-        spec.n_expert, spec.n_expert_used, start.elapsed().as_secs_f64() * 1e3);
+    gpt_oss_writer(&spec)
+        .map_err(anyhow::Error::msg)?
+        .write(&path)?;
+    println!(
+        "wrote {} ({} layers, {} experts top-{}) in {:.0} ms",
+        path.display(),
+        spec.n_layer,
+        spec.n_expert,
+        spec.n_expert_used,
+        start.elapsed().as_secs_f64() * 1e3
+    );
     let gguf = hmoe_gguf::GgufModel::open(&path, hmoe_gguf::LoadOptions::default())
         .with_context(|| format!("loading {}", path.display()))?;
     let model = hmoe_model::load(gguf)?;
     let tokenizer = hmoe_tokenizer::Tokenizer::from_metadata(model.gguf().metadata())?;
     let prompt = tokenizer.encode("Hello from hmoe!", true, false)?;
-    let mut sampler = Sampler::new(SamplerParams { temperature: 0.0, ..SamplerParams::default() });
+    let mut sampler = Sampler::new(SamplerParams {
+        temperature: 0.0,
+        ..SamplerParams::default()
+    });
     let mut generator = Generator::new(model.as_ref(), KvType::F16, 512, 512);
-    let out = generator.generate(&prompt, args.n_predict, &mut sampler, None, 0, &|_| false, &mut |_| true)?;
+    let out = generator.generate(
+        &prompt,
+        args.n_predict,
+        &mut sampler,
+        None,
+        0,
+        &|_| false,
+        &mut |_| true,
+    )?;
     println!("prompt ids {:?}", out.prompt_tokens);
     println!("generated ids {:?}", out.generated);
-    println!("generated text (random weights, so noise): {:?}", String::from_utf8_lossy(&tokenizer.decode(&out.generated)));
+    println!(
+        "generated text (random weights, so noise): {:?}",
+        String::from_utf8_lossy(&tokenizer.decode(&out.generated))
+    );
     let t = &out.timings;
-    println!("prompt {:.1} t/s, generation {:.1} t/s", t.prompt_tps(), t.decode_tps());
+    println!(
+        "prompt {:.1} t/s, generation {:.1} t/s",
+        t.prompt_tps(),
+        t.decode_tps()
+    );
     Ok(())
 }

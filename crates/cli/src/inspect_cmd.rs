@@ -19,36 +19,60 @@ pub struct InspectArgs {
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let g = GgufModel::open(&args.model, LoadOptions::default())
         .with_context(|| format!("loading {}", args.model.display()))?;
-    println!("GGUF v{} — {} shard(s), {} tensors, {} metadata keys", g.version(),
-        g.shard_paths().len().max(1), g.tensors().len(), g.metadata().len());
+    println!(
+        "GGUF v{} — {} shard(s), {} tensors, {} metadata keys",
+        g.version(),
+        g.shard_paths().len().max(1),
+        g.tensors().len(),
+        g.metadata().len()
+    );
     for (key, value) in g.metadata().iter() {
         println!("  {key} = {}", show(value));
     }
     if args.no_tensors {
         return Ok(());
     }
-    println!("\n{:<40} {:>6} {:>24} {:>14}", "tensor", "type", "shape", "bytes");
+    println!(
+        "\n{:<40} {:>6} {:>24} {:>14}",
+        "tensor", "type", "shape", "bytes"
+    );
     let mut per_type: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
     for t in g.tensors() {
         let shape = format!("{:?}", t.dims);
-        println!("{:<40} {:>6} {:>24} {:>14}", t.name, t.ty.name(), shape, t.n_bytes);
+        println!(
+            "{:<40} {:>6} {:>24} {:>14}",
+            t.name,
+            t.ty.name(),
+            shape,
+            t.n_bytes
+        );
         let e = per_type.entry(t.ty.name()).or_default();
         e.0 += 1;
         e.1 += t.n_bytes;
     }
     println!("\ntotals per type:");
     for (ty, (count, bytes)) in &per_type {
-        println!("  {ty:<6} {count:>5} tensors {:>16} bytes ({:.2} MiB)", bytes, *bytes as f64 / 1048576.0);
+        println!(
+            "  {ty:<6} {count:>5} tensors {:>16} bytes ({:.2} MiB)",
+            bytes,
+            *bytes as f64 / 1048576.0
+        );
     }
     let total = g.total_tensor_bytes();
-    println!("  all    {:>5} tensors {total:>16} bytes ({:.2} GiB)", g.tensors().len(), total as f64 / 1073741824.0);
+    println!(
+        "  all    {:>5} tensors {total:>16} bytes ({:.2} GiB)",
+        g.tensors().len(),
+        total as f64 / 1073741824.0
+    );
     Ok(())
 }
 
 /// A value on one line; long arrays are summarised.
 fn show(v: &MetaValue) -> String {
     match v {
-        MetaValue::String(s) if s.len() > 80 => format!("{:?}… ({} bytes)", &s[..s.floor_char_boundary(80)], s.len()),
+        MetaValue::String(s) if s.len() > 80 => {
+            format!("{:?}… ({} bytes)", &s[..s.floor_char_boundary(80)], s.len())
+        }
         MetaValue::String(s) => format!("{s:?}"),
         MetaValue::Array(ty, items) => {
             let head: Vec<String> = items.iter().take(5).map(show).collect();

@@ -79,7 +79,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let n_ctx = args.model.n_ctx(model.as_ref());
     let needed = prompt.len() + teacher.as_ref().map_or(args.n_predict, Vec::len);
     if needed > n_ctx {
-        bail!("prompt ({}) plus tokens to generate exceed the context ({n_ctx}); raise -c", prompt.len());
+        bail!(
+            "prompt ({}) plus tokens to generate exceed the context ({n_ctx}); raise -c",
+            prompt.len()
+        );
     }
     let mut sampler = Sampler::new(SamplerParams {
         temperature: args.temp,
@@ -93,7 +96,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let n_ubatch = args.model.n_ubatch();
     let mut generator = Generator::new(model.as_ref(), kv, n_ctx, n_ubatch);
     let tok = tokenizer.as_ref().ok();
-    let is_stop = |id: u32| !args.ignore_eos && teacher.is_none() && tok.is_some_and(|t| t.is_eog(id));
+    let is_stop =
+        |id: u32| !args.ignore_eos && teacher.is_none() && tok.is_some_and(|t| t.is_eog(id));
     let mut stdout = std::io::stdout().lock();
     let mut pending = Vec::new();
     let mut on_token = |id: u32| {
@@ -107,7 +111,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         true
     };
     let out = generator
-        .generate(&prompt, args.n_predict, &mut sampler, teacher.as_deref(), args.top_k_probs, &is_stop, &mut on_token)
+        .generate(
+            &prompt,
+            args.n_predict,
+            &mut sampler,
+            teacher.as_deref(),
+            args.top_k_probs,
+            &is_stop,
+            &mut on_token,
+        )
         .context("generation failed")?;
     let t = &out.timings;
     if args.json {

@@ -215,26 +215,60 @@ fn chat_answers_each_line_from_stdin() {
     use std::io::Write;
     let model = fixtures().join("gpt-oss/gptoss-tiny.gguf");
     let mut child = Command::new(env!("CARGO_BIN_EXE_hmoe"))
-        .args(["chat", "-m", model.to_str().unwrap(), "-n", "8", "--temp", "0", "-t", "2", "--reasoning-format", "none"])
+        .args([
+            "chat",
+            "-m",
+            model.to_str().unwrap(),
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "-t",
+            "2",
+            "--reasoning-format",
+            "none",
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"Hello there\nWhat is two plus two?\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello there\nWhat is two plus two?\n")
+        .unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let replies: Vec<&str> = stdout.split_terminator('\n').filter(|l| !l.is_empty()).collect();
+    let replies: Vec<&str> = stdout
+        .split_terminator('\n')
+        .filter(|l| !l.is_empty())
+        .collect();
     assert!(replies.len() >= 2, "{stdout:?}");
-    assert_eq!(String::from_utf8_lossy(&out.stderr).matches("> ").count(), 3);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).matches("> ").count(),
+        3
+    );
 }
 
 /// The full gpt-oss-120b layout as a sparse file, planned by `hmoe fit` (issue 4's checks).
 #[test]
 fn fit_plans_the_sparse_gpt_oss_120b_layout() {
     let model = scratch("g120-sparse.gguf");
-    ok_stdout(&["make-test-model", "--preset", "gpt-oss-120b", "--sparse", "-o", model.to_str().unwrap()]);
+    ok_stdout(&[
+        "make-test-model",
+        "--preset",
+        "gpt-oss-120b",
+        "--sparse",
+        "-o",
+        model.to_str().unwrap(),
+    ]);
     let m = model.to_str().unwrap();
     let inspect = ok_stdout(&["inspect", m, "--no-tensors"]);
     assert!(inspect.contains("687 tensors"), "{inspect}");
@@ -244,7 +278,13 @@ fn fit_plans_the_sparse_gpt_oss_120b_layout() {
         serde_json::from_str(&ok_stdout(&args)).unwrap()
     };
     let dev = |v: &Value, name: &str| -> Value {
-        v["devices"].as_array().unwrap().iter().find(|d| d["device"] == name).unwrap().clone()
+        v["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["device"] == name)
+            .unwrap()
+            .clone()
     };
     let gib = |x: &Value| x.as_u64().unwrap() as f64 / (1u64 << 30) as f64;
     let cpu_moe = fit(&["--cpu-moe", "--gpu-mem", "8GiB"]);
@@ -257,6 +297,9 @@ fn fit_plans_the_sparse_gpt_oss_120b_layout() {
         let gpu = dev(&p, "CUDA0");
         let free_left = gib(&gpu["free"]) - gib(&gpu["total"]);
         assert!(free_left >= 1.0, "{mem}: {free_left} GiB left");
-        assert!(gpu["expert_layers"].as_u64().unwrap() >= min_layers, "{mem}: {gpu}");
+        assert!(
+            gpu["expert_layers"].as_u64().unwrap() >= min_layers,
+            "{mem}: {gpu}"
+        );
     }
 }
