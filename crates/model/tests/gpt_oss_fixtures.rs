@@ -249,3 +249,33 @@ fn openai_f32_experts_matches_llama_cpp_f16_kv() {
         2e-3,
     );
 }
+
+/// Free-running greedy decoding (argmax, ties to the lower id) reproduces llama.cpp's greedy
+/// tokens; with bit-identical logits there is no near-tie to stop at.
+#[test]
+fn free_running_greedy_matches_llama_cpp() {
+    for (file, golden) in [
+        ("gptoss-tiny.gguf", "gptoss-tiny.golden.json"),
+        ("gptoss-small.gguf", "gptoss-small.golden.json"),
+        ("gptoss-openai.gguf", "gptoss-openai.golden.json"),
+    ] {
+        let model = load_model(file);
+        for case in load_json(golden)["cases"].as_array().unwrap() {
+            let want = ids(&case["greedy_tokens"]);
+            let mut cache = model.new_cache(KvType::F32, 512, 512);
+            let mut logits = model
+                .forward(&mut cache, &ids(&case["prompt_tokens"]), LogitsWanted::Last)
+                .unwrap();
+            let mut got = Vec::new();
+            while got.len() < want.len() {
+                let next =
+                    (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+                got.push(next as u32);
+                logits = model
+                    .forward(&mut cache, &[next as u32], LogitsWanted::Last)
+                    .unwrap();
+            }
+            assert_eq!(got, want, "{golden}");
+        }
+    }
+}
