@@ -131,7 +131,11 @@ pub fn matmul(
         };
         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
     };
-    let rows_per_task = if gemm.is_some() { GEMM_ROWS } else { ROWS_PER_TASK };
+    let rows_per_task = if gemm.is_some() {
+        GEMM_ROWS
+    } else {
+        ROWS_PER_TASK
+    };
     if n_tokens == 1 {
         let act = acts.row(0);
         out.par_chunks_mut(rows_per_task)
@@ -168,7 +172,10 @@ pub fn matmul(
                 }
             }
         });
-    debug_assert!(check_first(transposed[0]), "matmul differs from the reference");
+    debug_assert!(
+        check_first(transposed[0]),
+        "matmul differs from the reference"
+    );
     // Transposed back in blocks of rows, so reads and writes both stay in cache.
     for (rb, block) in transposed.chunks(64 * n_tokens).enumerate() {
         for (t, dst) in out.chunks_exact_mut(n_out).enumerate() {
@@ -220,7 +227,11 @@ fn dot_mxfp4_blockwise(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (wb, ab) in w.chunks_exact(17).zip(a.chunks_exact(34)) {
         let e = wb[0] as u32;
-        let w_scale = f32::from_bits(if e >= 2 { (e - 1) << 23 } else { 0x0020_0000 << e });
+        let w_scale = f32::from_bits(if e >= 2 {
+            (e - 1) << 23
+        } else {
+            0x0020_0000 << e
+        });
         let a_scale = half::f16::from_le_bytes([ab[0], ab[1]]).to_f32();
         let mut isum = 0i32;
         for j in 0..16 {
