@@ -206,7 +206,16 @@ unsafe fn q8_0_rows<const R: usize>(
 ) {
     let nb = n / QK;
     let mut acc = [_mm256_setzero_ps(); R];
+    // With several rows (contiguous in `dot_rows`), prefetch the next R rows into L2 as this
+    // pass runs: the pass is memory-bound and the hardware prefetchers miss the R streams.
+    let next = w.wrapping_add(R * stride);
     for ib in 0..nb {
+        if R > 1 {
+            for l in 0..(R * Q8_0_BYTES).div_ceil(64) + 1 {
+                let p = next.wrapping_add(ib * R * Q8_0_BYTES + 64 * l);
+                _mm_prefetch::<_MM_HINT_T1>(p.cast());
+            }
+        }
         let ab = a.add(ib * Q8_0_BYTES);
         let y = _mm256_loadu_si256(ab.add(2).cast());
         let da = f16_at(ab);
