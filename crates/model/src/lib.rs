@@ -106,7 +106,9 @@ pub fn load(gguf: hmoe_gguf::GgufModel) -> Result<Box<dyn LanguageModel>, ModelE
         Some("deepseek2") => Ok(Box::new(Deepseek2::load(gguf)?)),
         Some("llama") | Some("qwen2") => Ok(Box::new(Dense::load(gguf)?)),
         other => Err(ModelError::UnsupportedArch(
-            other.unwrap_or("<missing general.architecture>").to_string(),
+            other
+                .unwrap_or("<missing general.architecture>")
+                .to_string(),
         )),
     }
 }

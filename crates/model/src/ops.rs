@@ -44,8 +44,9 @@ pub struct QuantizedActs {
 impl QuantizedActs {
     /// Converts each `n`-element row of `x` into `ty` (the weights' vec-dot type).
     pub fn quantize(&mut self, ty: GgmlType, x: &[f32], n: usize) {
-        let row_bytes = ty.row_bytes(n as u64).expect("row length is a whole number of blocks")
-            as usize;
+        let row_bytes = ty
+            .row_bytes(n as u64)
+            .expect("row length is a whole number of blocks") as usize;
         let rows = x.len() / n;
         self.ty = Some(ty);
         self.n = n;
@@ -61,11 +62,7 @@ impl QuantizedActs {
 
     /// Number of rows held.
     pub fn rows(&self) -> usize {
-        if self.row_bytes == 0 {
-            0
-        } else {
-            self.data.len() / self.row_bytes
-        }
+        self.data.len().checked_div(self.row_bytes).unwrap_or(0)
     }
 
     /// The bytes of row `i`.
@@ -346,7 +343,8 @@ impl Rope {
                 rope.freq_scale = 1.0 / factor;
                 rope.ext_factor = 1.0;
                 rope.attn_factor = attn_factor;
-                rope.corr_dims = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow);
+                rope.corr_dims =
+                    yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow);
             }
         }
         rope
@@ -451,7 +449,11 @@ impl RopeScaling {
                     log_mul /= 0.1;
                 }
                 let mut attn_factor = if log_mul != 0.0 {
-                    let mscale = if arch == "deepseek2" && log_mul != 1.0 { log_mul } else { 1.0 };
+                    let mscale = if arch == "deepseek2" && log_mul != 1.0 {
+                        log_mul
+                    } else {
+                        1.0
+                    };
                     get_mscale(factor, mscale) / get_mscale(factor, log_mul)
                 } else {
                     get_mscale(factor, 1.0)
@@ -491,7 +493,13 @@ fn yarn_corr_dim(n_dims: usize, n_ctx_orig: u32, n_rot: f32, base: f32) -> f32 {
 
 /// The dims between which YaRN blends interpolation and extrapolation, floored/ceiled as
 /// ggml does (OpenAI's reference keeps them fractional).
-fn yarn_corr_dims(n_dims: usize, n_ctx_orig: u32, base: f32, beta_fast: f32, beta_slow: f32) -> [f32; 2] {
+fn yarn_corr_dims(
+    n_dims: usize,
+    n_ctx_orig: u32,
+    base: f32,
+    beta_fast: f32,
+    beta_slow: f32,
+) -> [f32; 2] {
     let start = yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, base).floor();
     let end = yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, base).ceil();
     [start.max(0.0), end.min(n_dims as f32 - 1.0)]
@@ -604,17 +612,19 @@ pub fn sigmoid(x: f32) -> f32 {
 /// ggml's AVX-512 `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised
 /// exponential, the remainder of each row libm's `expf`.
 pub fn swiglu(gate: &mut [f32], up: &[f32], n: usize) {
-    gate.par_chunks_mut(n).zip(up.par_chunks(n)).for_each(|(g, u)| {
-        let blocks = n / 16 * 16;
-        for (gv, &uv) in g[..blocks].iter_mut().zip(&u[..blocks]) {
-            let x = *gv;
-            *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
-        }
-        for (gv, &uv) in g[blocks..].iter_mut().zip(&u[blocks..]) {
-            let x = *gv;
-            *gv = x / (1.0 + (-x).exp()) * uv;
-        }
-    });
+    gate.par_chunks_mut(n)
+        .zip(up.par_chunks(n))
+        .for_each(|(g, u)| {
+            let blocks = n / 16 * 16;
+            for (gv, &uv) in g[..blocks].iter_mut().zip(&u[..blocks]) {
+                let x = *gv;
+                *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+            }
+            for (gv, &uv) in g[blocks..].iter_mut().zip(&u[blocks..]) {
+                let x = *gv;
+                *gv = x / (1.0 + (-x).exp()) * uv;
+            }
+        });
 }
 
 /// The embedding rows of `tokens` (ids already checked against the vocabulary), dequantized.
@@ -675,18 +685,35 @@ pub(crate) fn moe_swiglu(
         routed.gather(acts, slots.iter().map(|&i| i / k_used));
         let mut gate = vec![0f32; m * ff];
         let mut up = vec![0f32; m * ff];
-        matmul_vec_dot(gate_exps.kernel, gate_exps.slice(g, e), d, ff, &routed, &mut gate);
+        matmul_vec_dot(
+            gate_exps.kernel,
+            gate_exps.slice(g, e),
+            d,
+            ff,
+            &routed,
+            &mut gate,
+        );
         if up_exps.kernel.act_type() == gate_exps.kernel.act_type() {
             matmul_vec_dot(up_exps.kernel, up_exps.slice(g, e), d, ff, &routed, &mut up);
         } else {
-            let rows: Vec<f32> = slots.iter().flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied()).collect();
+            let rows: Vec<f32> = slots
+                .iter()
+                .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied())
+                .collect();
             act_q.quantize(up_exps.kernel.act_type(), &rows, d);
             matmul_vec_dot(up_exps.kernel, up_exps.slice(g, e), d, ff, &act_q, &mut up);
         }
         swiglu(&mut gate, &up, ff);
         act_q.quantize(down_exps.kernel.act_type(), &gate, ff);
         let mut down = vec![0f32; m * d];
-        matmul_vec_dot(down_exps.kernel, down_exps.slice(g, e), ff, d, &act_q, &mut down);
+        matmul_vec_dot(
+            down_exps.kernel,
+            down_exps.slice(g, e),
+            ff,
+            d,
+            &act_q,
+            &mut down,
+        );
         for (row, &slot) in down.chunks_exact(d).zip(&slots) {
             per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
         }
@@ -731,7 +758,13 @@ impl Routing {
     /// Picks the experts of one token from its gate probabilities `probs`; `bias` (DeepSeek-V3's
     /// `exp_probs_b`) is added for the choice only. Writes the chosen experts (best first) and
     /// their weights, taken from the unbiased `probs`.
-    pub fn select(&self, probs: &[f32], bias: Option<&[f32]>, experts: &mut Vec<usize>, weights: &mut Vec<f32>) {
+    pub fn select(
+        &self,
+        probs: &[f32],
+        bias: Option<&[f32]>,
+        experts: &mut Vec<usize>,
+        weights: &mut Vec<f32>,
+    ) {
         let mut scores: Vec<f32> = match bias {
             Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
             None => probs.to_vec(),
@@ -800,13 +833,17 @@ impl ArchMeta<'_> {
 
     /// An optional non-negative integer.
     pub fn usize_or(&self, k: &str, default: usize) -> usize {
-        self.meta.get_u64(&self.key(k)).map_or(default, |v| v as usize)
+        self.meta
+            .get_u64(&self.key(k))
+            .map_or(default, |v| v as usize)
     }
 
     /// A required number.
     pub fn f32(&self, k: &str) -> Result<f32, crate::ModelError> {
         let key = self.key(k);
-        self.meta.get_f32(&key).ok_or(crate::ModelError::MissingKey(key))
+        self.meta
+            .get_f32(&key)
+            .ok_or(crate::ModelError::MissingKey(key))
     }
 
     /// An optional number.
@@ -825,7 +862,11 @@ impl ArchMeta<'_> {
 }
 
 /// The LM head: `output.weight`, or the token embedding when the file ties them.
-pub(crate) fn output_head(g: &GgufModel, n_embd: usize, n_vocab: usize) -> Result<Mat, crate::ModelError> {
+pub(crate) fn output_head(
+    g: &GgufModel,
+    n_embd: usize,
+    n_vocab: usize,
+) -> Result<Mat, crate::ModelError> {
     let name = if g.tensor_info("output.weight").is_some() {
         "output.weight"
     } else {
