@@ -68,7 +68,9 @@ mod kernels;
 mod gemm;
 mod kquants;
 mod legacy;
+mod repack;
 mod scalar;
+mod tiled;
 mod types;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
@@ -94,6 +96,7 @@ use std::sync::OnceLock;
 
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
+pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::GgmlType;
 
 /// An instruction-set level the kernels are compiled for.
