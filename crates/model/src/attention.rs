@@ -5,7 +5,8 @@
 //! where it matters (a last-bit change can flip a Q8_0 rounding downstream): scores as
 //! 16-lane FMA chains (tinyBLAS) — except for f32 keys in multi-token batches, where ggml's
 //! `vec_dot_f32` runs —, exponentials with ggml's vectorised `expf`, the softmax sum in chunks
-//! of 16 positions, and the value sum as 16-lane FMA chains over positions.
+//! of 16 positions, and the value sum as 16-lane FMA chains over positions (for one token with
+//! f32/f16 values, `vec_dot`'s four chains taking 16 positions in turn).
 //!
 //! Caches marked for flash attention (and every cache with a quantized V) go through
 //! [`flash_attention`] instead: ggml's CPU flash-attention kernel, an online softmax over the
@@ -366,9 +367,17 @@ fn attention_ext_rotated(
         for v in probs.iter_mut() {
             *v *= inv;
         }
-        let mut acc = vec![[0f32; LANES]; vd];
+        // A batch sums the values in one 16-lane chain over positions (tinyBLAS); one token
+        // with f32/f16 values goes through `vec_dot_f32`/`vec_dot_f16`, whose four chains take
+        // 16 positions in turn.
+        let chains = match v_cells {
+            Cells::F32(_) | Cells::F16(_) if single_token => VEC_DOT_CHAINS,
+            _ => 1,
+        };
+        let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; vd];
         let mut v_row = vec![0f32; vd];
         for (c, chunk) in probs.chunks(LANES).enumerate() {
+            let chain = (chunk_start / LANES + c) % chains;
             for (i, &w) in chunk.iter().enumerate() {
                 let p = chunk_start + c * LANES + i;
                 if p < first {
@@ -378,29 +387,46 @@ fn attention_ext_rotated(
                 match v_cells {
                     Cells::F32(v) => {
                         for (a, &x) in acc.iter_mut().zip(&v[at..at + vd]) {
-                            a[i] = x.mul_add(w, a[i]);
+                            a[chain][i] = x.mul_add(w, a[chain][i]);
                         }
                     }
                     Cells::F16(v) => {
                         let w = f16::from_f32(w).to_f32();
                         for (a, &x) in acc.iter_mut().zip(&v[at..at + vd]) {
-                            a[i] = x.to_f32().mul_add(w, a[i]);
+                            a[chain][i] = x.to_f32().mul_add(w, a[chain][i]);
                         }
                     }
                     Cells::Blocks { ty, data, .. } => {
                         dequantize_at(*ty, data, at, &mut v_row);
                         let w = round_weight(*ty, w);
                         for (a, &x) in acc.iter_mut().zip(&v_row) {
-                            a[i] = x.mul_add(w, a[i]);
+                            a[chain][i] = x.mul_add(w, a[chain][i]);
                         }
                     }
                 }
             }
         }
         for (d, a) in dst.iter_mut().zip(&acc) {
-            *d = reduce16(a);
+            *d = if chains == 1 {
+                reduce16(&a[0])
+            } else {
+                reduce_chains(a)
+            };
         }
     });
+}
+
+/// Accumulator chains of ggml's `vec_dot_f32`/`vec_dot_f16` on an AVX-512 build (64 elements
+/// per step, 16 per chain).
+const VEC_DOT_CHAINS: usize = 4;
+
+/// Folds the chains as `vec_dot` does, `(c0 + c2) + (c1 + c3)` lane by lane, then sums the lanes.
+fn reduce_chains(a: &[[f32; LANES]; VEC_DOT_CHAINS]) -> f32 {
+    let mut folded = [0f32; LANES];
+    for (l, f) in folded.iter_mut().enumerate() {
+        *f = (a[0][l] + a[2][l]) + (a[1][l] + a[3][l]);
+    }
+    reduce16(&folded)
 }
 
 /// Undoes the rotation of the stored values on the attention output (the Walsh–Hadamard

@@ -4,7 +4,7 @@
 //! and softmax sums accumulate in f64.
 
 use hmoe_gguf::GgufModel;
-use hmoe_quant::{DotKernel, GgmlType};
+use hmoe_quant::{BatchKind, DotKernel, GgmlType};
 use rayon::prelude::*;
 
 use crate::weights::{project, Mat};
@@ -95,6 +95,20 @@ pub fn matmul(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
+    matmul_as(BatchKind::Dense, kernel, w, n_in, n_out, acts, out)
+}
+
+/// [`matmul`] as part of a `kind` operation: the order in which llama.cpp sums a batch of
+/// K-quant or repacked Q4_K products depends on it ([`DotKernel::dot_tokens`]).
+fn matmul_as(
+    kind: BatchKind,
+    kernel: DotKernel,
+    w: &[u8],
+    n_in: usize,
+    n_out: usize,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
     debug_assert_eq!(acts.ty, Some(kernel.act_type()));
     debug_assert_eq!(acts.n, n_in);
     let row_bytes = w.len() / n_out;
@@ -124,6 +138,11 @@ pub fn matmul(
         let want = match ty {
             GgmlType::MXFP4 => dot_mxfp4_blockwise(w0, a0),
             GgmlType::F32 if n_tokens > 1 => dot_f32_lanes(w0, a0),
+            _ if n_tokens > 1 => {
+                let mut col = vec![0f32; n_tokens];
+                kernel.dot_tokens(kind, n_in, w0, &acts.data, &mut col);
+                col[0]
+            }
             _ => kernel.dot(n_in, w0, a0),
         };
         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
@@ -164,9 +183,9 @@ pub fn matmul(
             }
             for (i, dst_row) in dst.chunks_exact_mut(n_tokens).enumerate() {
                 let wrow = &w[(r0 + i) * row_bytes..(r0 + i + 1) * row_bytes];
-                for (t, d) in dst_row.iter_mut().enumerate() {
-                    *d = kernel.dot(n_in, wrow, acts.row(t));
-                }
+                // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
+                // repacked Q4_K); `vec_dot` for the other types.
+                kernel.dot_tokens(kind, n_in, wrow, &acts.data, dst_row);
             }
         });
     debug_assert!(
@@ -186,7 +205,7 @@ pub fn matmul(
 /// [`matmul`] with every product in the order of ggml's `vec_dot` kernels, which is what ggml
 /// computes where tinyBLAS is not used for a batch: expert matmuls (`mul_mat_id`) and products
 /// with a non-contiguous activation (MLA's permuted `q_nope`). Differs from [`matmul`] only for
-/// batches of F32 weights.
+/// batches of F32 weights, and of repacked Q4_K (`mul_mat_id` sums every token like one).
 pub fn matmul_vec_dot(
     kernel: DotKernel,
     w: &[u8],
@@ -196,7 +215,7 @@ pub fn matmul_vec_dot(
     out: &mut [f32],
 ) {
     if kernel.weight_type() != GgmlType::F32 || acts.rows() <= 1 {
-        return matmul(kernel, w, n_in, n_out, acts, out);
+        return matmul_as(BatchKind::Expert, kernel, w, n_in, n_out, acts, out);
     }
     out.par_chunks_mut(n_out)
         .enumerate()

@@ -24,9 +24,12 @@ impl Mat {
     /// Looks up `name` and checks its shape is `[n_in, n_out, extra…]` in ggml order.
     pub fn load(g: &GgufModel, name: &str, shape: &[u64]) -> Result<Mat, ModelError> {
         let info = expect_tensor(g, name, shape)?;
-        let kernel = DotKernel::best(info.ty).map_err(|_| ModelError::UnsupportedType {
-            name: name.to_string(),
-            ty: info.ty,
+        // The kernel llama.cpp uses for this matrix (repacked Q4_0/Q4_K when it repacks them).
+        let kernel = DotKernel::for_matrix(info.ty, shape[1] as usize).map_err(|_| {
+            ModelError::UnsupportedType {
+                name: name.to_string(),
+                ty: info.ty,
+            }
         })?;
         Ok(Mat {
             n_in: shape[0] as usize,
