@@ -376,13 +376,7 @@ impl Deepseek2 {
         let g = &self.gguf;
         let pos0 = cache.n_past();
         let mut x = embed(g, &self.tok_embd, tokens);
-        let rope_cs: Vec<_> = (0..tokens.len())
-            .map(|t| {
-                let mut cs = Vec::new();
-                self.rope.cache(pos0 + t, &mut cs);
-                cs
-            })
-            .collect();
+        let rope_cs = self.rope.caches(pos0, tokens.len());
         let mut h = vec![0f32; x.len()];
         let mut acts = QuantizedActs::default();
         for (l, b) in self.blocks.iter().enumerate() {

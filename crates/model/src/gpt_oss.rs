@@ -320,10 +320,7 @@ impl GptOss {
             hmoe_quant::dequantize_row(self.tok_embd.info.ty, row, &mut x[t * d..(t + 1) * d])
                 .expect("embedding row size checked at load");
         }
-        let mut rope_cs = vec![Vec::new(); n];
-        for (t, cs) in rope_cs.iter_mut().enumerate() {
-            self.rope.cache(pos0 + t, cs);
-        }
+        let rope_cs = self.rope.caches(pos0, n);
         let mut h = vec![0f32; n * d];
         let mut acts = QuantizedActs::default();
         for (l, b) in self.blocks.iter().enumerate() {

@@ -319,6 +319,17 @@ impl Rope {
         }
     }
 
+    /// The `(cos, sin)` tables of `n` consecutive positions starting at `pos0` (one batch).
+    pub fn caches(&self, pos0: usize, n: usize) -> Vec<Vec<(f32, f32)>> {
+        (pos0..pos0 + n)
+            .map(|pos| {
+                let mut cs = Vec::new();
+                self.cache(pos, &mut cs);
+                cs
+            })
+            .collect()
+    }
+
     fn yarn(&self, theta_extrap: f32, i0: usize) -> (f32, f32) {
         let theta_interp = self.freq_scale * theta_extrap;
         let mut theta = theta_interp;

@@ -202,13 +202,7 @@ impl Qwen3Moe {
         let g = &self.gguf;
         let pos0 = cache.n_past();
         let mut x = embed(g, &self.tok_embd, tokens);
-        let rope_cs: Vec<_> = (0..tokens.len())
-            .map(|t| {
-                let mut cs = Vec::new();
-                self.rope.cache(pos0 + t, &mut cs);
-                cs
-            })
-            .collect();
+        let rope_cs = self.rope.caches(pos0, tokens.len());
         let mut h = vec![0f32; x.len()];
         let mut acts = QuantizedActs::default();
         let scale = 1.0 / (p.head_dim as f32).sqrt();

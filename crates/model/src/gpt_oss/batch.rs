@@ -93,15 +93,7 @@ impl GptOss {
         let rope_cs: Vec<Vec<Vec<(f32, f32)>>> = seqs
             .iter()
             .zip(&pos0)
-            .map(|(s, &p0)| {
-                (0..s.tokens.len())
-                    .map(|t| {
-                        let mut cs = Vec::new();
-                        self.rope.cache(p0 + t, &mut cs);
-                        cs
-                    })
-                    .collect()
-            })
+            .map(|(s, &p0)| self.rope.caches(p0, s.tokens.len()))
             .collect();
         let mut h = vec![0f32; n * d];
         let mut acts = QuantizedActs::default();
