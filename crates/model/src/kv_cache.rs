@@ -155,8 +155,10 @@ pub enum KvTypeError {
 }
 
 /// What the KV cache stores and how attention reads it: the K and V element types and
-/// whether attention is computed by flash attention (tiled online softmax, see
-/// `attention::flash_attention`) or by ggml's non-flash path (a full score row per query).
+/// whether flash attention is on. Flash attention decides which V types are allowed (a
+/// quantized V needs it, as in llama.cpp); attention over block-quantized values runs ggml's
+/// flash kernel (online softmax), over f32/f16/bf16 values the non-flash numerics, which meet
+/// the non-flash goldens exactly (see the `attention` module).
 ///
 /// [`KvType::F32`] and [`KvType::F16`] are the non-flash caches of earlier versions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -302,8 +304,6 @@ pub(crate) struct LayerCache {
     pub cells: usize,
     /// `Some(w)`: a query at `p` sees keys `p-w+1 ..= p`.
     pub window: Option<usize>,
-    /// Attention reads this layer with flash attention.
-    pub flash: bool,
     /// Set by attention when a head does not start on a block boundary of a block type
     /// (llama.cpp refuses such caches); the forward pass then reports an error.
     pub refused: AtomicBool,
@@ -322,7 +322,6 @@ impl LayerCache {
             v: Cells::new(ty.v, cells * v_width),
             cells,
             window,
-            flash: ty.flash_attn,
             refused: AtomicBool::new(false),
         }
     }
