@@ -1,0 +1,1155 @@
+//! A CUDA device with the kernels loaded: buffers, transfers and the ops of gpt-oss.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use hmoe_quant::GgmlType;
+
+use crate::error::{ensure, guarded, CudaError};
+use crate::kernels::{self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, ROW_WARPS};
+use crate::probe::{info_of, GpuInfo};
+
+/// Batches of at least this many tokens multiply F32/F16/BF16 weights with cuBLAS (when
+/// libcublas is present); smaller ones (decode) use the GEMV kernel.
+pub const CUBLAS_MIN_TOKENS: usize = 16;
+
+/// Largest grid y dimension CUDA allows (tokens or expert slots per launch).
+const MAX_GRID_Y: usize = 65_535;
+
+/// The weight types the kernels dequantise.
+pub const SUPPORTED_TYPES: [GgmlType; 5] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::MXFP4,
+];
+
+/// A 2-D weight matrix on the device in its GGUF encoding: `rows` rows of `cols` elements,
+/// each row `ty.row_bytes(cols)` contiguous bytes.
+pub struct DeviceMatrix {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: CudaSlice<u8>,
+}
+
+impl DeviceMatrix {
+    /// The element type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// Rows (outputs of a matmul).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Columns (inputs of a matmul).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.rows * self.row_bytes
+    }
+}
+
+/// The expert tensors of one MoE weight: `n_expert` matrices of `rows × cols` (GGUF
+/// `[E, rows, cols]`, e.g. `ffn_gate_exps` with rows = n_ff, cols = n_embd), back to back.
+pub struct DeviceExperts {
+    ty: GgmlType,
+    n_expert: usize,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: CudaSlice<u8>,
+}
+
+impl DeviceExperts {
+    /// The element type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// Number of experts.
+    pub fn n_expert(&self) -> usize {
+        self.n_expert
+    }
+    /// Rows of each expert's matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Columns of each expert's matrix.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.n_expert * self.rows * self.row_bytes
+    }
+}
+
+/// One layer's MoE experts (gpt-oss): gate and up `[E, ff, d]`, down `[E, d, ff]`, and the
+/// optional biases `[E, ff]`, `[E, ff]`, `[E, d]` (gate and up biases come together).
+pub struct MoeWeights {
+    /// `ffn_gate_exps`.
+    pub gate: DeviceExperts,
+    /// `ffn_up_exps`.
+    pub up: DeviceExperts,
+    /// `ffn_down_exps`.
+    pub down: DeviceExperts,
+    /// `ffn_gate_exps.bias`, `n_expert × ff`.
+    pub gate_bias: Option<CudaSlice<f32>>,
+    /// `ffn_up_exps.bias`, `n_expert × ff`.
+    pub up_bias: Option<CudaSlice<f32>>,
+    /// `ffn_down_exps.bias`, `n_expert × d`.
+    pub down_bias: Option<CudaSlice<f32>>,
+}
+
+/// RoPE parameters in the form the kernel (and the CPU engine's `Rope`) uses them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeParams {
+    /// Rotated dims per head (the first `n_dims` of each head).
+    pub n_dims: usize,
+    /// `freq_base^(-2 / n_dims)`.
+    pub theta_scale: f32,
+    /// `1 / factor` for linear or YaRN scaling, else 1.
+    pub freq_scale: f32,
+    /// 1 for YaRN, 0 otherwise.
+    pub ext_factor: f32,
+    /// Magnitude multiplied into cos and sin (YaRN: also × `1 + 0.1 ln(1/freq_scale)`).
+    pub attn_factor: f32,
+    /// YaRN correction dims `[low, high]` (floored/ceiled, as ggml).
+    pub corr_dims: [f32; 2],
+}
+
+impl RopeParams {
+    /// Plain RoPE over `n_dims` dims with base `freq_base`.
+    pub fn plain(n_dims: usize, freq_base: f32) -> RopeParams {
+        RopeParams {
+            n_dims,
+            theta_scale: freq_base.powf(-2.0 / n_dims as f32),
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            corr_dims: [0.0, 0.0],
+        }
+    }
+
+    /// YaRN as llama.cpp hands it to ggml (the CPU engine's `Rope::scaled` with
+    /// `RopeScaling::Yarn`): `attn_factor` is the value after llama.cpp's division by
+    /// `1 + 0.1 ln(factor)`; for gpt-oss (factor 32 over 4096, no log multiplier) that is
+    /// exactly 1, and the kernel's own `1 + 0.1 ln(32)` gives the magnitude 1.3466.
+    pub fn yarn(
+        n_dims: usize,
+        freq_base: f32,
+        factor: f32,
+        n_ctx_orig: u32,
+        attn_factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+    ) -> RopeParams {
+        let corr_dim = |n_rot: f32| {
+            n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * freq_base.ln())
+        };
+        let low = corr_dim(beta_fast).floor().max(0.0);
+        let high = corr_dim(beta_slow).ceil().min(n_dims as f32 - 1.0);
+        RopeParams {
+            freq_scale: 1.0 / factor,
+            ext_factor: 1.0,
+            attn_factor,
+            corr_dims: [low, high],
+            ..RopeParams::plain(n_dims, freq_base)
+        }
+    }
+
+    /// `(cos, sin)` of rotated pair `pair` at position `pos`, computed on the host exactly as
+    /// the kernel does (the reference for the RoPE test).
+    pub fn cos_sin(&self, pos: i32, pair: usize) -> (f32, f32) {
+        let mut theta_extrap = pos as f32;
+        for _ in 0..pair {
+            theta_extrap *= self.theta_scale;
+        }
+        let theta_interp = self.freq_scale * theta_extrap;
+        let mut theta = theta_interp;
+        let mut mscale = self.attn_factor;
+        if self.ext_factor != 0.0 {
+            let [low, high] = self.corr_dims;
+            let y = (pair as f32 - low) / (high - low).max(0.001);
+            let ramp = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+            theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
+            mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
+        }
+        (theta.cos() * mscale, theta.sin() * mscale)
+    }
+}
+
+/// Shape of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads (`n_head` must be a multiple).
+    pub n_head_kv: usize,
+    /// Dims per head: a multiple of 32, at most 256.
+    pub head_dim: usize,
+    /// Cells in the (ring) KV cache: token at position p lives in cell `p % cells`.
+    pub cells: usize,
+    /// Sliding window: a query at `p` sees keys `p - window + 1 ..= p`; `None`: all of `0..=p`.
+    pub window: Option<usize>,
+    /// Score scale, `1/sqrt(head_dim)` for gpt-oss.
+    pub scale: f32,
+}
+
+/// A CUDA device with a stream, the compiled kernels and (when libcublas loads) a cuBLAS
+/// handle. Every op is queued on the one stream; [`CudaDevice::synchronize`] waits for them,
+/// and the downloads wait by themselves.
+pub struct CudaDevice {
+    info: GpuInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    blas: Option<CudaBlas>,
+    ptx_origin: PtxOrigin,
+    /// One f32 handed to kernels in place of an absent optional buffer.
+    dummy: CudaSlice<f32>,
+}
+
+fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        what: format!("{what} = {v} exceeds i32"),
+    })
+}
+
+fn u32_of(op: &'static str, what: &str, v: usize) -> Result<u32, CudaError> {
+    u32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        what: format!("{what} = {v} exceeds u32"),
+    })
+}
+
+fn check_type(ty: GgmlType, op: &'static str) -> Result<(), CudaError> {
+    if SUPPORTED_TYPES.contains(&ty) {
+        Ok(())
+    } else {
+        Err(CudaError::UnsupportedType { ty, op })
+    }
+}
+
+/// Bytes of a row of `cols` elements of `ty`, or a shape error for a partial block.
+fn row_bytes(ty: GgmlType, cols: usize, op: &'static str) -> Result<usize, CudaError> {
+    let block = ty.block_elems();
+    ensure(cols.is_multiple_of(block) && cols > 0, op, || {
+        format!("{cols} columns is not a positive whole number of {ty} blocks of {block}")
+    })?;
+    Ok(cols / block * ty.block_bytes())
+}
+
+fn grid_1d(n: usize, op: &'static str) -> Result<LaunchConfig, CudaError> {
+    Ok(LaunchConfig {
+        grid_dim: (u32_of(op, "elements / 256", n.div_ceil(256))?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: creates its context and stream, loads the kernels (PTX from
+    /// the disk cache or compiled by NVRTC for its compute capability) and cuBLAS if present.
+    /// Without a driver: `Err(NoDriver)`; without NVRTC: `Err(NoNvrtc)`; never panics.
+    pub fn new(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let count = crate::device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        if !crate::nvrtc_present() {
+            return Err(CudaError::NoNvrtc);
+        }
+        guarded(|| {
+            let ctx = CudaContext::new(ordinal)?;
+            let info = info_of(&ctx)?;
+            let (ptx, ptx_origin) = kernels::ptx_for(info.compute_capability)?;
+            let module = ctx.load_module(Ptx::from_src(ptx))?;
+            let mut funcs = HashMap::new();
+            for &name in kernels::KERNELS {
+                funcs.insert(name, module.load_function(name)?);
+            }
+            let stream = ctx.new_stream()?;
+            let blas = if crate::cublas_present() {
+                Some(CudaBlas::new(stream.clone())?)
+            } else {
+                None
+            };
+            let dummy = stream.alloc_zeros::<f32>(1)?;
+            Ok(CudaDevice {
+                info,
+                ctx,
+                stream,
+                funcs,
+                blas,
+                ptx_origin,
+                dummy,
+            })
+        })
+    }
+
+    /// The device as probed when it was opened.
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// Whether the kernels' PTX came from the disk cache or was compiled now.
+    pub fn ptx_origin(&self) -> &PtxOrigin {
+        &self.ptx_origin
+    }
+
+    /// Whether batched F32/F16/BF16 matmuls go through cuBLAS.
+    pub fn has_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// `(free, total)` device memory in bytes now.
+    pub fn mem_info(&self) -> Result<(u64, u64), CudaError> {
+        let (free, total) = self.ctx.mem_get_info()?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// The stream every op is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits until every queued op has finished.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Buffers and transfers.
+
+    /// A new device buffer holding a copy of `src`.
+    pub fn upload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(src)?)
+    }
+
+    /// Copies `src` into the start of `dst` (queued on the stream; `src` is read before this
+    /// returns for pageable memory).
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        ensure(dst.len() >= src.len(), "upload_into", || {
+            format!("{} elements into a buffer of {}", src.len(), dst.len())
+        })?;
+        Ok(self.stream.memcpy_htod(src, dst)?)
+    }
+
+    /// A new zeroed device buffer of `len` elements.
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    /// The contents of `src` (waits for the queued ops that write it).
+    pub fn download<T: DeviceRepr + Clone + Default>(
+        &self,
+        src: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        let mut out = vec![T::default(); src.len()];
+        self.stream.memcpy_dtoh(src, &mut out)?;
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    /// A zeroed page-locked host buffer of `len` elements, for asynchronous copies.
+    pub fn alloc_pinned<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>, CudaError> {
+        // SAFETY: the memory is filled with zero bits (valid for T) before anyone reads it.
+        let mut buf = unsafe {
+            self.ctx
+                .alloc_pinned_with_flags::<T>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
+        }?;
+        let bytes = buf.num_bytes();
+        let ptr = buf.as_mut_ptr()?;
+        // SAFETY: `ptr` points to `bytes` bytes of host memory owned by `buf`.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+        Ok(buf)
+    }
+
+    /// Queues a copy from pinned host memory to `dst` and returns at once; cudarc's events
+    /// keep `src` from being reused before the copy has run.
+    pub fn upload_async<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        src: &PinnedHostSlice<T>,
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        ensure(dst.len() >= src.len(), "upload_async", || {
+            format!("{} elements into a buffer of {}", src.len(), dst.len())
+        })?;
+        Ok(self.stream.memcpy_htod(src, dst)?)
+    }
+
+    /// Queues a copy from `src` into pinned host memory and returns at once; reading `dst`
+    /// (`as_slice`) waits for the copy.
+    pub fn download_async<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut PinnedHostSlice<T>,
+    ) -> Result<(), CudaError> {
+        ensure(dst.len() >= src.len(), "download_async", || {
+            format!("{} elements into a buffer of {}", src.len(), dst.len())
+        })?;
+        Ok(self.stream.memcpy_dtoh(src, dst)?)
+    }
+
+    /// Uploads a weight matrix: `data` is `rows` GGUF rows of `cols` elements of `ty`.
+    pub fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<DeviceMatrix, CudaError> {
+        check_type(ty, "upload_matrix")?;
+        let rb = row_bytes(ty, cols, "upload_matrix")?;
+        ensure(rows > 0 && data.len() == rows * rb, "upload_matrix", || {
+            format!(
+                "{rows} rows of {cols} {ty} need {} bytes, got {}",
+                rows * rb,
+                data.len()
+            )
+        })?;
+        Ok(DeviceMatrix {
+            ty,
+            rows,
+            cols,
+            row_bytes: rb,
+            data: self.upload(data)?,
+        })
+    }
+
+    /// Uploads an expert tensor `[n_expert, rows, cols]` of `ty`.
+    pub fn upload_experts(
+        &self,
+        ty: GgmlType,
+        n_expert: usize,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<DeviceExperts, CudaError> {
+        check_type(ty, "upload_experts")?;
+        let rb = row_bytes(ty, cols, "upload_experts")?;
+        let want = n_expert * rows * rb;
+        ensure(
+            n_expert > 0 && rows > 0 && data.len() == want,
+            "upload_experts",
+            || {
+                format!(
+                    "{n_expert}×{rows} rows of {cols} {ty} need {want} bytes, got {}",
+                    data.len()
+                )
+            },
+        )?;
+        Ok(DeviceExperts {
+            ty,
+            n_expert,
+            rows,
+            cols,
+            row_bytes: rb,
+            data: self.upload(data)?,
+        })
+    }
+
+    fn func(&self, name: &'static str) -> &CudaFunction {
+        // Every name in KERNELS was loaded by `new`, and callers only pass names from it.
+        &self.funcs[name]
+    }
+
+    fn builder(&self, name: &'static str) -> LaunchArgs<'_> {
+        self.stream.launch_builder(self.func(name))
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Ops.
+
+    /// Embedding lookup: `out[t] = table[ids[t]]` dequantised to f32 (`out`: `ids.len() ×
+    /// cols`). Ids outside the table give zero rows.
+    pub fn get_rows(
+        &self,
+        table: &DeviceMatrix,
+        ids: &CudaSlice<i32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "get_rows";
+        let n = ids.len();
+        ensure(out.len() >= n * table.cols, OP, || {
+            format!("out holds {} values, need {n}×{}", out.len(), table.cols)
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let name = match table.ty {
+            GgmlType::F32 => "get_rows_f32",
+            GgmlType::F16 => "get_rows_f16",
+            GgmlType::BF16 => "get_rows_bf16",
+            GgmlType::Q8_0 => "get_rows_q8_0",
+            _ => "get_rows_mxfp4",
+        };
+        let row_bytes = table.row_bytes as u64;
+        let n_rows = i32_of(OP, "rows", table.rows)?;
+        let n_tokens = i32_of(OP, "tokens", n)?;
+        let cols = i32_of(OP, "cols", table.cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "tokens", n)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(name);
+        b.arg(&table.data)
+            .arg(&row_bytes)
+            .arg(&n_rows)
+            .arg(ids)
+            .arg(out)
+            .arg(&n_tokens)
+            .arg(&cols);
+        // SAFETY: argument types match `get_rows_*` in kernels.cu; `out` holds n × cols
+        // values (checked), `table.data` rows × row_bytes bytes, ids are bounds-checked in
+        // the kernel.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// RMSNorm of every row of `x` (rows of `weight.len()`): `out = x / sqrt(mean(x²) + eps) ·
+    /// weight`. Squares in f32, summed in f64 as the CPU engine does.
+    pub fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rms_norm";
+        let n = weight.len();
+        ensure(
+            n > 0 && x.len().is_multiple_of(n) && out.len() >= x.len(),
+            OP,
+            || format!("x {} / weight {n} / out {}", x.len(), out.len()),
+        )?;
+        let rows = x.len() / n;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (n_rows, n_i) = (i32_of(OP, "rows", rows)?, i32_of(OP, "n", n)?);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "rows", rows)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder("rms_norm_f32");
+        b.arg(x)
+            .arg(weight)
+            .arg(out)
+            .arg(&n_rows)
+            .arg(&n_i)
+            .arg(&eps);
+        // SAFETY: argument types match `rms_norm_f32`; x and out hold rows × n values, weight n.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`. Batches
+    /// of [`CUBLAS_MIN_TOKENS`] or more with F32/F16/BF16 weights use cuBLAS (activations
+    /// rounded to the weight's 16-bit type, f32 accumulation); everything else the
+    /// dequantising GEMV kernel with f32 activations.
+    pub fn matmul(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        ensure(x.len() >= n * w.cols && y.len() >= n * w.rows, OP, || {
+            format!(
+                "x {} / y {} for {n} tokens of a {}×{} matrix",
+                x.len(),
+                y.len(),
+                w.rows,
+                w.cols
+            )
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let dense = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if dense && n >= CUBLAS_MIN_TOKENS {
+            if let Some(blas) = &self.blas {
+                return self.matmul_cublas(blas, w, x, n, y);
+            }
+        }
+        let name = match w.ty {
+            GgmlType::F32 => "matmul_f32",
+            GgmlType::F16 => "matmul_f16",
+            GgmlType::BF16 => "matmul_bf16",
+            GgmlType::Q8_0 => "matmul_q8_0",
+            _ => "matmul_mxfp4",
+        };
+        let row_bytes = w.row_bytes as u64;
+        let (rows, cols, n_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let gy = n.div_ceil(MM_TOKENS as usize);
+        ensure(gy <= MAX_GRID_Y, OP, || format!("{n} tokens in one call"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(OP, "row blocks", w.rows.div_ceil(ROW_WARPS as usize))?,
+                gy as u32,
+                1,
+            ),
+            block_dim: (ROW_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(name);
+        b.arg(&w.data)
+            .arg(&row_bytes)
+            .arg(x)
+            .arg(y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&n_i);
+        // SAFETY: argument types match `matmul_*`; sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    fn matmul_cublas(
+        &self,
+        blas: &CudaBlas,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul (cuBLAS)";
+        use blas_sys::cudaDataType_t as Dt;
+        // Row-major W [rows × cols] is column-major [cols × rows]: C = Wᵀ·X in cuBLAS terms,
+        // with X column-major [cols × n] and Y column-major [rows × n].
+        let (m, k, nn) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let converted: Option<CudaSlice<u16>> = match w.ty {
+            GgmlType::F32 => None,
+            ty => {
+                let len = n * w.cols;
+                // SAFETY: every element is written by the conversion kernel before use.
+                let mut buf = unsafe { self.stream.alloc::<u16>(len) }?;
+                let name = if ty == GgmlType::F16 {
+                    "f32_to_f16"
+                } else {
+                    "f32_to_bf16"
+                };
+                let len64 = len as u64;
+                let mut b = self.builder(name);
+                b.arg(x).arg(&mut buf).arg(&len64);
+                // SAFETY: argument types match `f32_to_f16`/`f32_to_bf16`; both hold `len`.
+                unsafe { b.launch(grid_1d(len, OP)?) }?;
+                Some(buf)
+            }
+        };
+        let dt = match w.ty {
+            GgmlType::F32 => Dt::CUDA_R_32F,
+            GgmlType::F16 => Dt::CUDA_R_16F,
+            _ => Dt::CUDA_R_16BF,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (wp, _wg) = w.data.device_ptr(&self.stream);
+        let (xp, _xg) = match &converted {
+            Some(buf) => buf.device_ptr(&self.stream),
+            None => x.device_ptr(&self.stream),
+        };
+        let (yp, _yg) = y.device_ptr_mut(&self.stream);
+        // SAFETY: the pointers are live device buffers of the sizes checked by `matmul`
+        // (W rows × cols of `dt`, X n × cols of `dt`, Y n × rows f32); the guards keep the
+        // stream ordering for the duration of the call; the handle is bound to our stream.
+        unsafe {
+            blas_result::gemm_ex(
+                *blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                nn,
+                k,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                dt,
+                k,
+                xp as *const _,
+                dt,
+                k,
+                (&beta) as *const f32 as *const _,
+                yp as *mut _,
+                Dt::CUDA_R_32F,
+                m,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// `x += y` element-wise (the residual add).
+    pub fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), CudaError> {
+        const OP: &str = "add_assign";
+        ensure(y.len() >= x.len(), OP, || {
+            format!("x {} / y {}", x.len(), y.len())
+        })?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.builder("add_inplace_f32");
+        b.arg(&mut *x).arg(y).arg(&n64);
+        // SAFETY: argument types match `add_inplace_f32`; both hold at least n values.
+        unsafe { b.launch(grid_1d(n, OP)?) }?;
+        Ok(())
+    }
+
+    /// Adds `bias` to every row of `x` (rows of `bias.len()`).
+    pub fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), CudaError> {
+        const OP: &str = "add_bias";
+        let cols = bias.len();
+        ensure(cols > 0 && x.len().is_multiple_of(cols), OP, || {
+            format!("x {} is not rows of bias {cols}", x.len())
+        })?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, cols_i) = (n as u64, i32_of(OP, "cols", cols)?);
+        let mut b = self.builder("add_bias_f32");
+        b.arg(&mut *x).arg(bias).arg(&n64).arg(&cols_i);
+        // SAFETY: argument types match `add_bias_f32`; x holds n values, bias cols.
+        unsafe { b.launch(grid_1d(n, OP)?) }?;
+        Ok(())
+    }
+
+    /// NeoX RoPE (with YaRN per `p`) in place on `x`: `positions.len()` tokens of `n_heads`
+    /// heads of `head_dim` values; token t is at `positions[t]`.
+    pub fn rope_neox(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope_neox";
+        let n = positions.len();
+        ensure(x.len() >= n * n_heads * head_dim, OP, || {
+            format!(
+                "x {} for {n} tokens × {n_heads} heads × {head_dim}",
+                x.len()
+            )
+        })?;
+        ensure(
+            p.n_dims <= head_dim && p.n_dims.is_multiple_of(2) && p.n_dims > 0,
+            OP,
+            || format!("n_dims {} with head_dim {head_dim}", p.n_dims),
+        )?;
+        if n == 0 || n_heads == 0 {
+            return Ok(());
+        }
+        ensure(n <= MAX_GRID_Y, OP, || format!("{n} tokens in one call"))?;
+        let (n_i, nh, hd, nd) = (
+            i32_of(OP, "tokens", n)?,
+            i32_of(OP, "heads", n_heads)?,
+            i32_of(OP, "head_dim", head_dim)?,
+            i32_of(OP, "n_dims", p.n_dims)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "heads", n_heads)?, n as u32, 1),
+            block_dim: (((p.n_dims / 2).clamp(32, 256)) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder("rope_neox_f32");
+        b.arg(&mut *x)
+            .arg(positions)
+            .arg(&n_i)
+            .arg(&nh)
+            .arg(&hd)
+            .arg(&nd)
+            .arg(&p.theta_scale)
+            .arg(&p.freq_scale)
+            .arg(&p.ext_factor)
+            .arg(&p.attn_factor)
+            .arg(&p.corr_dims[0])
+            .arg(&p.corr_dims[1]);
+        // SAFETY: argument types match `rope_neox_f32`; x holds n × heads × head_dim values.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Writes `n_tokens` rows of `width` f32 values from `src` into the f16 ring cache
+    /// (`cells × width`): token t goes to cell `(pos0 + t) % cells`.
+    pub fn kv_store_f16(
+        &self,
+        src: &CudaSlice<f32>,
+        cache: &mut CudaSlice<u16>,
+        n_tokens: usize,
+        width: usize,
+        cells: usize,
+        pos0: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_store_f16";
+        ensure(
+            cells > 0 && src.len() >= n_tokens * width && cache.len() >= cells * width,
+            OP,
+            || {
+                format!(
+                    "src {} / cache {} for {n_tokens}×{width} into {cells} cells",
+                    src.len(),
+                    cache.len()
+                )
+            },
+        )?;
+        let total = n_tokens * width;
+        if total == 0 {
+            return Ok(());
+        }
+        let (n_i, w_i, c_i) = (
+            i32_of(OP, "tokens", n_tokens)?,
+            i32_of(OP, "width", width)?,
+            i32_of(OP, "cells", cells)?,
+        );
+        // pos0 + n_tokens fits in i32, so pos0 does too.
+        let pos0_i = i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_i;
+        let mut b = self.builder("kv_store_f16");
+        b.arg(src)
+            .arg(cache)
+            .arg(&n_i)
+            .arg(&w_i)
+            .arg(&c_i)
+            .arg(&pos0_i);
+        // SAFETY: argument types match `kv_store_f16`; writes land in cells < `cells`.
+        unsafe { b.launch(grid_1d(total, OP)?) }?;
+        Ok(())
+    }
+
+    /// Attention for `n_tokens` queries at positions `pos0..pos0 + n_tokens` (their K/V
+    /// already stored) over the f16 caches, with GQA, the window of `p` and optional per-head
+    /// `sinks` (`n_head` logits). `q` and `out`: `n_tokens × n_head × head_dim`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        p: &AttnParams,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        sinks: Option<&CudaSlice<f32>>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attention";
+        let qw = p.n_head * p.head_dim;
+        let kvw = p.n_head_kv * p.head_dim;
+        ensure(
+            p.head_dim.is_multiple_of(32)
+                && p.head_dim > 0
+                && p.head_dim <= ATT_MAX_HEAD_DIM
+                && p.n_head_kv > 0
+                && p.n_head.is_multiple_of(p.n_head_kv)
+                && p.cells > 0,
+            OP,
+            || format!("unsupported shape {p:?}"),
+        )?;
+        ensure(
+            q.len() >= n_tokens * qw
+                && out.len() >= n_tokens * qw
+                && k_cache.len() >= p.cells * kvw
+                && v_cache.len() >= p.cells * kvw
+                && sinks.is_none_or(|s| s.len() >= p.n_head),
+            OP,
+            || {
+                format!(
+                    "q {} / out {} / k {} / v {} for {n_tokens} tokens, {} cells",
+                    q.len(),
+                    out.len(),
+                    k_cache.len(),
+                    v_cache.len(),
+                    p.cells
+                )
+            },
+        )?;
+        // Keys of a window must all still be in the ring.
+        let span = p.window.unwrap_or(pos0 + n_tokens);
+        ensure(
+            span.min(pos0 + n_tokens) <= p.cells || n_tokens == 0,
+            OP,
+            || format!("{} cells cannot hold the {span} keys a query sees", p.cells),
+        )?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        ensure(n_tokens <= MAX_GRID_Y, OP, || {
+            format!("{n_tokens} tokens in one call")
+        })?;
+        let has_sinks = i32::from(sinks.is_some());
+        let sinks = sinks.unwrap_or(&self.dummy);
+        let window = i32_of(OP, "window", p.window.unwrap_or(0))?;
+        let (n_i, nh, nkv, hd, cells) = (
+            i32_of(OP, "tokens", n_tokens)?,
+            i32_of(OP, "heads", p.n_head)?,
+            i32_of(OP, "kv heads", p.n_head_kv)?,
+            i32_of(OP, "head_dim", p.head_dim)?,
+            i32_of(OP, "cells", p.cells)?,
+        );
+        let pos0_i = i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_i;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "heads", p.n_head)?, n_tokens as u32, 1),
+            block_dim: (ATT_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder("attn_f16");
+        b.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(sinks)
+            .arg(&has_sinks)
+            .arg(out)
+            .arg(&n_i)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&cells)
+            .arg(&pos0_i)
+            .arg(&window)
+            .arg(&p.scale);
+        // SAFETY: argument types match `attn_f16`; sizes checked above; cells are indexed
+        // modulo `cells`.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Router: for each of the `logits.len() / n_expert` tokens, the `k` largest logits
+    /// (ties: lower expert first) into `selected` and the softmax over those `k` into
+    /// `weights` (both `n × k`).
+    pub fn router_top_k(
+        &self,
+        logits: &CudaSlice<f32>,
+        n_expert: usize,
+        k: usize,
+        selected: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "router_top_k";
+        ensure(
+            n_expert > 0 && logits.len().is_multiple_of(n_expert) && k > 0 && k <= n_expert,
+            OP,
+            || format!("logits {} / n_expert {n_expert} / k {k}", logits.len()),
+        )?;
+        let n = logits.len() / n_expert;
+        ensure(
+            selected.len() >= n * k && weights.len() >= n * k,
+            OP,
+            || {
+                format!(
+                    "selected {} / weights {} for {n}×{k}",
+                    selected.len(),
+                    weights.len()
+                )
+            },
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n_i, ne, k_i) = (
+            i32_of(OP, "tokens", n)?,
+            i32_of(OP, "experts", n_expert)?,
+            i32_of(OP, "k", k)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "tokens", n.div_ceil(ROW_WARPS as usize))?, 1, 1),
+            block_dim: (ROW_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder("router_topk_softmax");
+        b.arg(logits)
+            .arg(selected)
+            .arg(weights)
+            .arg(&n_i)
+            .arg(&ne)
+            .arg(&k_i);
+        // SAFETY: argument types match `router_topk_softmax`; sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// gpt-oss MoE for one layer: for each token t (rows of `x`, `n × d`) and slot j < k with
+    /// expert `e = selected[t·k + j]` and weight `w = weights[t·k + j]`,
+    /// `out[t] = Σ_j w · (down_e · swiglu_oai(gate_e·x + bg_e, up_e·x + bu_e) + bd_e)` with
+    /// swiglu_oai(g, u) = min(g,7)·σ(1.702·min(g,7))·(clamp(u,−7,7)+1). Slots add in order.
+    /// Expert ids out of range contribute nothing. Each slot reads its expert's rows once
+    /// (tokens are not grouped by expert: right for decode, wasteful for large batches).
+    pub fn moe(
+        &self,
+        w: &MoeWeights,
+        x: &CudaSlice<f32>,
+        selected: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        k: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe";
+        let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
+        ensure(
+            w.up.cols == d
+                && w.up.rows == ff
+                && w.down.cols == ff
+                && w.down.rows == d
+                && w.up.n_expert == ne
+                && w.down.n_expert == ne
+                && w.gate.ty == w.up.ty
+                && w.gate.ty == w.down.ty,
+            OP,
+            || "gate/up must be [E, ff, d] and down [E, d, ff] of one type".into(),
+        )?;
+        let (gate_up, down) = match w.gate.ty {
+            GgmlType::MXFP4 => ("moe_gate_up_mxfp4", "moe_down_mxfp4"),
+            GgmlType::Q8_0 => ("moe_gate_up_q8_0", "moe_down_q8_0"),
+            GgmlType::F16 => ("moe_gate_up_f16", "moe_down_f16"),
+            ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
+        };
+        ensure(
+            w.gate_bias.is_some() == w.up_bias.is_some()
+                && w.gate_bias.as_ref().is_none_or(|b| b.len() >= ne * ff)
+                && w.up_bias.as_ref().is_none_or(|b| b.len() >= ne * ff)
+                && w.down_bias.as_ref().is_none_or(|b| b.len() >= ne * d),
+            OP,
+            || "biases: gate and up together, [E, ff] and [E, d]".into(),
+        )?;
+        ensure(k > 0 && x.len().is_multiple_of(d), OP, || {
+            format!("x {} is not rows of {d}", x.len())
+        })?;
+        let n = x.len() / d;
+        let slots = n * k;
+        ensure(
+            selected.len() >= slots && weights.len() >= slots && out.len() >= n * d,
+            OP,
+            || {
+                format!(
+                    "selected {} / weights {} / out {} for {n}×{k}",
+                    selected.len(),
+                    weights.len(),
+                    out.len()
+                )
+            },
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        ensure(slots <= MAX_GRID_Y, OP, || {
+            format!("{slots} expert slots in one call")
+        })?;
+        // SAFETY: every element of both scratch buffers is written by the kernels below
+        // before it is read.
+        let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        // SAFETY: as above.
+        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+        let (slots_i, k_i, ne_i, d_i, ff_i) = (
+            i32_of(OP, "slots", slots)?,
+            i32_of(OP, "k", k)?,
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "d", d)?,
+            i32_of(OP, "ff", ff)?,
+        );
+        let has_gu_bias = i32::from(w.gate_bias.is_some());
+        let has_d_bias = i32::from(w.down_bias.is_some());
+        let bg = w.gate_bias.as_ref().unwrap_or(&self.dummy);
+        let bu = w.up_bias.as_ref().unwrap_or(&self.dummy);
+        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
+        let rb_d = w.gate.row_bytes as u64;
+        let rb_ff = w.down.row_bytes as u64;
+        let block = (ROW_WARPS * 32, 1, 1);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(OP, "ff blocks", ff.div_ceil(ROW_WARPS as usize))?,
+                slots as u32,
+                1,
+            ),
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(gate_up);
+        b.arg(&w.gate.data)
+            .arg(&w.up.data)
+            .arg(bg)
+            .arg(bu)
+            .arg(&has_gu_bias)
+            .arg(x)
+            .arg(selected)
+            .arg(&mut h)
+            .arg(&slots_i)
+            .arg(&k_i)
+            .arg(&ne_i)
+            .arg(&d_i)
+            .arg(&ff_i)
+            .arg(&rb_d);
+        // SAFETY: argument types match `moe_gate_up_*`; expert ids are range-checked in the
+        // kernel; h holds slots × ff values; shapes checked above.
+        unsafe { b.launch(cfg) }?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(OP, "d blocks", d.div_ceil(ROW_WARPS as usize))?,
+                slots as u32,
+                1,
+            ),
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(down);
+        b.arg(&w.down.data)
+            .arg(bd)
+            .arg(&has_d_bias)
+            .arg(&h)
+            .arg(selected)
+            .arg(&mut y)
+            .arg(&slots_i)
+            .arg(&ne_i)
+            .arg(&d_i)
+            .arg(&ff_i)
+            .arg(&rb_ff);
+        // SAFETY: argument types match `moe_down_*`; y holds slots × d values.
+        unsafe { b.launch(cfg) }?;
+
+        let n_i = i32_of(OP, "tokens", n)?;
+        let mut b = self.builder("moe_combine");
+        b.arg(&y)
+            .arg(weights)
+            .arg(out)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&d_i);
+        // SAFETY: argument types match `moe_combine`; out holds n × d values.
+        unsafe { b.launch(grid_1d(n * d, OP)?) }?;
+        Ok(())
+    }
+}

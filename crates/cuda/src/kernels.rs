@@ -1,0 +1,204 @@
+//! The CUDA C source of the kernels, its entry points, and its compilation by NVRTC (with the
+//! on-disk PTX cache).
+
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+
+use crate::cache;
+use crate::error::CudaError;
+
+/// The kernels' CUDA C source (header-free; see the comment at its top).
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// Every `extern "C"` entry point in [`SOURCE`] that the Rust side launches.
+pub const KERNELS: &[&str] = &[
+    "get_rows_f32",
+    "get_rows_f16",
+    "get_rows_bf16",
+    "get_rows_q8_0",
+    "get_rows_mxfp4",
+    "rms_norm_f32",
+    "matmul_f32",
+    "matmul_f16",
+    "matmul_bf16",
+    "matmul_q8_0",
+    "matmul_mxfp4",
+    "add_inplace_f32",
+    "add_bias_f32",
+    "f32_to_f16",
+    "f32_to_bf16",
+    "rope_neox_f32",
+    "kv_store_f16",
+    "attn_f16",
+    "router_topk_softmax",
+    "moe_gate_up_mxfp4",
+    "moe_down_mxfp4",
+    "moe_gate_up_q8_0",
+    "moe_down_q8_0",
+    "moe_gate_up_f16",
+    "moe_down_f16",
+    "moe_combine",
+];
+
+/// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
+pub(crate) const ROW_WARPS: u32 = 4;
+/// Tokens per block of the matmul kernel (`MM_TOKENS` in the source).
+pub(crate) const MM_TOKENS: u32 = 8;
+/// Warps per block of the attention kernel (`ATT_WARPS` in the source).
+pub(crate) const ATT_WARPS: u32 = 8;
+/// Largest head dimension the attention kernel handles (`ATT_MAX_PER_LANE` × 32).
+pub(crate) const ATT_MAX_HEAD_DIM: usize = 256;
+
+/// NVRTC's virtual architecture for a compute capability: `compute_90` for 9.0.
+pub fn arch_for(compute_capability: (u32, u32)) -> String {
+    format!("compute_{}{}", compute_capability.0, compute_capability.1)
+}
+
+/// The NVRTC options for `arch`: the target, and no implicit multiply-add contraction (the
+/// source writes its FMAs, so rounding follows the CPU engine where it matters).
+pub fn compile_options(arch: &str) -> Vec<String> {
+    vec![format!("--gpu-architecture={arch}"), "--fmad=false".into()]
+}
+
+/// NVRTC's version `(major, minor)`. Needs libnvrtc ([`crate::nvrtc_present`]).
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    if !crate::nvrtc_present() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: libnvrtc is loadable (checked above); nvrtcVersion writes two ints.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    match status {
+        cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => Ok((major, minor)),
+        other => Err(CudaError::Compile {
+            message: format!("nvrtcVersion: {other:?}"),
+            log: String::new(),
+        }),
+    }
+}
+
+/// Where the PTX came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PtxOrigin {
+    /// Read from this cache file.
+    Cache(std::path::PathBuf),
+    /// Compiled now (and stored in the cache when it has a directory).
+    Compiled,
+}
+
+/// PTX of [`SOURCE`] for a device of `compute_capability`: from the disk cache when it holds
+/// it, else compiled by NVRTC and stored.
+pub fn ptx_for(compute_capability: (u32, u32)) -> Result<(String, PtxOrigin), CudaError> {
+    let arch = arch_for(compute_capability);
+    let options = compile_options(&arch);
+    let version = nvrtc_version()?;
+    let key = cache::cache_key(SOURCE, &arch, version, &options);
+    let dir = cache::cache_dir();
+    if let Some(dir) = &dir {
+        if let Some(ptx) = cache::load(dir, &key) {
+            return Ok((ptx, PtxOrigin::Cache(dir.join(format!("{key}.ptx")))));
+        }
+    }
+    let ptx = compile(&options)?;
+    if let Some(dir) = &dir {
+        if let Err(e) = cache::store(dir, &key, &ptx) {
+            tracing_free_warn(&format!("could not cache PTX in {}: {e}", dir.display()));
+        }
+    }
+    Ok((ptx, PtxOrigin::Compiled))
+}
+
+/// A cache write failure is not an error; it is said once on stderr.
+fn tracing_free_warn(msg: &str) {
+    eprintln!("hmoe-cuda: warning: {msg}");
+}
+
+/// Compiles [`SOURCE`] with `options` and returns the PTX text.
+fn compile(options: &[String]) -> Result<String, CudaError> {
+    let opts = CompileOptions {
+        options: options.to_vec(),
+        name: Some("hmoe_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx: Ptx = compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
+        CompileError::CompileError {
+            nvrtc,
+            options,
+            log,
+        } => CudaError::Compile {
+            message: format!("{nvrtc:?} with {options:?}"),
+            log: log.to_string_lossy().into_owned(),
+        },
+        other => CudaError::Compile {
+            message: format!("{other:?}"),
+            log: String::new(),
+        },
+    })?;
+    Ok(ptx.to_src())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel is defined directly or by a `MOE_WRAPPERS(SUFFIX, ...)` instantiation.
+    fn defined(name: &str) -> bool {
+        if SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")) {
+            return true;
+        }
+        ["moe_gate_up_", "moe_down_"].iter().any(|p| {
+            name.strip_prefix(p)
+                .is_some_and(|suffix| SOURCE.contains(&format!("\nMOE_WRAPPERS({suffix}, ")))
+        })
+    }
+
+    #[test]
+    fn every_launched_kernel_is_in_the_source() {
+        for name in KERNELS {
+            assert!(defined(name), "{name} is not defined in kernels.cu");
+        }
+        // And every directly defined entry point is launched from Rust.
+        for line in SOURCE.lines() {
+            if let Some(rest) = line.strip_prefix("extern \"C\" __global__ void ") {
+                let name = rest.split('(').next().unwrap();
+                assert!(KERNELS.contains(&name), "{name} is never launched");
+            }
+        }
+    }
+
+    #[test]
+    fn source_is_header_free_and_balanced() {
+        assert!(
+            !SOURCE.contains("#include"),
+            "NVRTC has no include path here"
+        );
+        let count = |c: char| SOURCE.chars().filter(|&x| x == c).count();
+        assert_eq!(count('{'), count('}'));
+        assert_eq!(count('('), count(')'));
+        assert_eq!(count('['), count(']'));
+        assert!(!SOURCE.contains('\0'), "NVRTC takes a C string");
+    }
+
+    #[test]
+    fn source_constants_match_the_launch_code() {
+        for (name, value) in [
+            ("ROW_WARPS", ROW_WARPS as usize),
+            ("MM_TOKENS", MM_TOKENS as usize),
+            ("ATT_WARPS", ATT_WARPS as usize),
+            ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
+        ] {
+            assert!(
+                SOURCE.contains(&format!("#define {name} {value}\n")),
+                "{name} should be {value} in kernels.cu"
+            );
+        }
+    }
+
+    #[test]
+    fn arch_and_options() {
+        assert_eq!(arch_for((9, 0)), "compute_90");
+        assert_eq!(arch_for((12, 1)), "compute_121");
+        let o = compile_options("compute_90");
+        assert!(o.contains(&"--gpu-architecture=compute_90".to_string()));
+        assert!(o.contains(&"--fmad=false".to_string()));
+    }
+}

@@ -1,0 +1,28 @@
+//! CUDA backend for hmoe: device probe, NVRTC-compiled kernels for gpt-oss's ops (embedding
+//! gather, RMSNorm, dequantising GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4 weights, NeoX RoPE
+//! with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
+//! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block), device buffers and
+//! transfers.
+//!
+//! Every entry point works on a machine without CUDA: the driver library is loaded at run
+//! time (never linked), and before any CUDA call the crate checks that it can be loaded, so
+//! the answer there is [`CudaError::NoDriver`], never a panic.
+//!
+//! Kernels are CUDA C in `kernels.cu`, compiled once per device architecture by NVRTC at
+//! [`CudaDevice::new`] and cached on disk as PTX (see [`cache`]).
+
+pub mod cache;
+mod device;
+mod error;
+pub mod kernels;
+mod probe;
+
+pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
+pub use device::{
+    AttnParams, CudaDevice, DeviceExperts, DeviceMatrix, MoeWeights, RopeParams, CUBLAS_MIN_TOKENS,
+    SUPPORTED_TYPES,
+};
+pub use error::CudaError;
+pub use probe::{
+    cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,
+};
