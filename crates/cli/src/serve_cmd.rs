@@ -267,6 +267,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .num_threads(threads.max(1))
         .build_global()
         .context("starting the thread pool")?;
+    hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
     let server = RunningServer::start_with_signals(config)?;
     eprintln!("hmoe serve: listening on http://{}", server.local_addr());
     server.wait()?;

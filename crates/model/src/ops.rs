@@ -5,7 +5,6 @@
 
 use hmoe_gguf::GgufModel;
 use hmoe_quant::{BatchKind, DotKernel, GgmlType};
-use rayon::prelude::*;
 
 use crate::weights::{project, Mat};
 
@@ -52,12 +51,10 @@ impl QuantizedActs {
         self.n = n;
         self.row_bytes = row_bytes;
         self.data.resize(rows * row_bytes, 0);
-        self.data
-            .par_chunks_mut(row_bytes)
-            .zip(x.par_chunks(n))
-            .for_each(|(dst, src)| {
-                hmoe_quant::quantize_row(ty, src, dst).expect("sizes checked above");
-            });
+        hmoe_pool::global().for_each_chunk_mut(&mut self.data, row_bytes, |r, dst| {
+            let src = &x[r * n..(r + 1) * n];
+            hmoe_quant::quantize_row(ty, src, dst).expect("sizes checked above");
+        });
     }
 
     /// Number of rows held.
@@ -154,26 +151,24 @@ fn matmul_as(
     };
     if n_tokens == 1 {
         let act = acts.row(0);
-        out.par_chunks_mut(rows_per_task)
-            .enumerate()
-            .for_each(|(chunk, dst)| {
-                let r0 = chunk * rows_per_task;
-                let rows = &w[r0 * row_bytes..(r0 + dst.len()) * row_bytes];
-                match (&gemm, &prep) {
-                    (Some(g), Some(p)) => g.gemm(rows, p, dst).expect("whole rows"),
-                    _ => kernel.dot_rows(n_in, rows, act, dst),
-                }
-            });
+        hmoe_pool::global().for_each_chunk_mut(out, rows_per_task, |chunk, dst| {
+            let r0 = chunk * rows_per_task;
+            let rows = &w[r0 * row_bytes..(r0 + dst.len()) * row_bytes];
+            match (&gemm, &prep) {
+                (Some(g), Some(p)) => g.gemm(rows, p, dst).expect("whole rows"),
+                _ => kernel.dot_rows(n_in, rows, act, dst),
+            }
+        });
         debug_assert!(check_first(out[0]), "matmul differs from the reference");
         return;
     }
     // Batch: each task owns a block of weight rows and runs every token through it, so the
     // weights are read once; the result is produced transposed and then laid out per token.
     let mut transposed = vec![0f32; n_out * n_tokens];
-    transposed
-        .par_chunks_mut(rows_per_task * n_tokens)
-        .enumerate()
-        .for_each(|(chunk, dst)| {
+    hmoe_pool::global().for_each_chunk_mut(
+        &mut transposed,
+        rows_per_task * n_tokens,
+        |chunk, dst| {
             let r0 = chunk * rows_per_task;
             let rows = dst.len() / n_tokens;
             if let (Some(g), Some(p)) = (&gemm, &prep) {
@@ -187,7 +182,8 @@ fn matmul_as(
                 // repacked Q4_K); `vec_dot` for the other types.
                 kernel.dot_tokens(kind, n_in, wrow, &acts.data, dst_row);
             }
-        });
+        },
+    );
     debug_assert!(
         check_first(transposed[0]),
         "matmul differs from the reference"
@@ -217,9 +213,9 @@ pub fn matmul_vec_dot(
     if kernel.weight_type() != GgmlType::F32 || acts.rows() <= 1 {
         return matmul_as(BatchKind::Expert, kernel, w, n_in, n_out, acts, out);
     }
-    out.par_chunks_mut(n_out)
-        .enumerate()
-        .for_each(|(t, dst)| kernel.dot_rows(n_in, w, acts.row(t), dst));
+    hmoe_pool::global().for_each_chunk_mut(out, n_out, |t, dst| {
+        kernel.dot_rows(n_in, w, acts.row(t), dst)
+    });
 }
 
 /// F32 dot product in the order ggml's tinyBLAS uses for multi-token batches: 16 FMA lanes
@@ -642,19 +638,18 @@ pub fn sigmoid(x: f32) -> f32 {
 /// ggml's AVX-512 `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised
 /// exponential, the remainder of each row libm's `expf`.
 pub fn swiglu(gate: &mut [f32], up: &[f32], n: usize) {
-    gate.par_chunks_mut(n)
-        .zip(up.par_chunks(n))
-        .for_each(|(g, u)| {
-            let blocks = n / 16 * 16;
-            for (gv, &uv) in g[..blocks].iter_mut().zip(&u[..blocks]) {
-                let x = *gv;
-                *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
-            }
-            for (gv, &uv) in g[blocks..].iter_mut().zip(&u[blocks..]) {
-                let x = *gv;
-                *gv = x / (1.0 + (-x).exp()) * uv;
-            }
-        });
+    hmoe_pool::global().for_each_chunk_mut(gate, n, |r, g| {
+        let u = &up[r * n..(r + 1) * n];
+        let blocks = n / 16 * 16;
+        for (gv, &uv) in g[..blocks].iter_mut().zip(&u[..blocks]) {
+            let x = *gv;
+            *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+        }
+        for (gv, &uv) in g[blocks..].iter_mut().zip(&u[blocks..]) {
+            let x = *gv;
+            *gv = x / (1.0 + (-x).exp()) * uv;
+        }
+    });
 }
 
 /// The embedding rows of `tokens` (ids already checked against the vocabulary), dequantized.

@@ -1,0 +1,185 @@
+use super::*;
+use std::sync::atomic::AtomicU32;
+
+fn counts(n: usize) -> Vec<AtomicU32> {
+    (0..n).map(|_| AtomicU32::new(0)).collect()
+}
+
+#[test]
+fn every_chunk_runs_exactly_once() {
+    for threads in [1, 2, 3, 5] {
+        let pool = ThreadPool::new(threads).unwrap();
+        assert_eq!(pool.n_threads(), threads);
+        for n in [1, 2, 7, 64, 1000] {
+            let hits = counts(n);
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "{threads} {n}"
+            );
+        }
+    }
+}
+
+#[test]
+fn many_small_jobs_in_a_loop() {
+    let pool = ThreadPool::new(3).unwrap();
+    let mut data = vec![0u64; 37];
+    for round in 0..20_000u64 {
+        pool.for_each_chunk_mut(&mut data, 4, |c, chunk| {
+            for (j, v) in chunk.iter_mut().enumerate() {
+                *v += (c * 4 + j) as u64 + round;
+            }
+        });
+    }
+    let rounds: u64 = (0..20_000).sum();
+    for (i, &v) in data.iter().enumerate() {
+        assert_eq!(v, i as u64 * 20_000 + rounds);
+    }
+}
+
+#[test]
+fn zero_chunks_calls_nothing() {
+    let pool = ThreadPool::new(2).unwrap();
+    pool.run(0, &|_| panic!("no chunk expected"));
+    let mut empty: [u8; 0] = [];
+    pool.for_each_chunk_mut(&mut empty, 8, |_, _| panic!("no chunk expected"));
+}
+
+#[test]
+fn uneven_last_chunk() {
+    let pool = ThreadPool::new(2).unwrap();
+    let mut data = vec![0usize; 10];
+    pool.for_each_chunk_mut(&mut data, 4, |c, chunk| {
+        assert_eq!(chunk.len(), if c == 2 { 2 } else { 4 });
+        chunk.fill(c + 1);
+    });
+    assert_eq!(data, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]);
+}
+
+#[test]
+fn nested_jobs_run_inline() {
+    let pool = ThreadPool::new(3).unwrap();
+    let total = AtomicUsize::new(0);
+    pool.run(8, &|_| {
+        // Same pool and the global pool: both must run inline, not wait for busy workers.
+        pool.run(5, &|j| {
+            total.fetch_add(j, Ordering::Relaxed);
+        });
+        global().run(4, &|j| {
+            total.fetch_add(100 * j, Ordering::Relaxed);
+        });
+    });
+    assert_eq!(total.load(Ordering::Relaxed), 8 * (10 + 600));
+}
+
+#[test]
+fn panic_propagates_and_the_pool_still_works() {
+    let pool = ThreadPool::new(3).unwrap();
+    for _ in 0..20 {
+        let ran = AtomicUsize::new(0);
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(64, &|i| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                if i == 5 {
+                    panic!("chunk five");
+                }
+            })
+        }));
+        let payload = result.expect_err("the panic reaches the caller");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"chunk five"));
+        assert!(ran.load(Ordering::Relaxed) >= 1);
+        // The nested-job flag is reset after a caught panic.
+        assert!(!IN_JOB.with(Cell::get));
+        let hits = counts(100);
+        pool.run(100, &|i| {
+            hits[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+    }
+}
+
+#[test]
+fn parked_workers_wake_up() {
+    let pool = ThreadPool::with_spin(3, Duration::from_micros(100)).unwrap();
+    for _ in 0..5 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.shared.sleepers.load(Ordering::SeqCst) < 2 {
+            assert!(Instant::now() < deadline, "workers park when idle");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let seen = Mutex::new(std::collections::HashSet::new());
+        // Each chunk waits until a second thread has run one: only a woken worker can.
+        pool.run(4, &|_| {
+            seen.lock().unwrap().insert(std::thread::current().id());
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while seen.lock().unwrap().len() < 2 && Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+        });
+        assert!(
+            seen.lock().unwrap().len() >= 2,
+            "a parked worker joined the job"
+        );
+    }
+}
+
+#[test]
+fn drop_joins_the_workers() {
+    let pool = ThreadPool::with_spin(4, Duration::from_micros(10)).unwrap();
+    pool.run(10, &|_| {});
+    let shared = Arc::downgrade(&pool.shared);
+    drop(pool);
+    assert!(shared.upgrade().is_none(), "every worker exited");
+    // Also while spinning (no time to park).
+    let pool = ThreadPool::new(4).unwrap();
+    pool.run(10, &|_| {});
+    let shared = Arc::downgrade(&pool.shared);
+    drop(pool);
+    assert!(shared.upgrade().is_none());
+}
+
+#[test]
+fn several_submitting_threads_share_one_pool() {
+    let pool = ThreadPool::new(3).unwrap();
+    let total = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..500 {
+                    pool.run(9, &|i| {
+                        total.fetch_add(i, Ordering::Relaxed);
+                    });
+                }
+            });
+        }
+    });
+    assert_eq!(total.load(Ordering::Relaxed), 4 * 500 * 36);
+}
+
+#[test]
+fn borrows_from_the_callers_stack() {
+    let pool = ThreadPool::new(2).unwrap();
+    for n in 1..50 {
+        let input: Vec<u64> = (0..n).collect();
+        let mut out = vec![0u64; n as usize];
+        pool.for_each_chunk_mut(&mut out, 3, |c, chunk| {
+            for (j, v) in chunk.iter_mut().enumerate() {
+                *v = input[c * 3 + j] * 2;
+            }
+        });
+        assert!(out.iter().zip(&input).all(|(&o, &i)| o == 2 * i));
+    }
+}
+
+#[test]
+fn global_pool_and_core_count() {
+    assert!(physical_cores() >= 1);
+    assert!(current_num_threads() >= 1);
+    assert!(matches!(
+        init_global(2),
+        Err(PoolError::AlreadyInitialized { .. })
+    ));
+}
