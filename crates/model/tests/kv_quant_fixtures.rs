@@ -170,21 +170,9 @@ fn check(model_file: &str, label: &str, golden: &Value, kv: KvType, tol: f64) {
 fn small_matches_llama_cpp_q8_0_kv_flash_attention() {
     let kv = fa(CacheType::Q8_0, CacheType::Q8_0);
     let golden = golden("gptoss-small.golden-q8kv-fa.json");
-    check(
-        "gptoss-small.gguf",
-        "q8_0 KV, fa",
-        &golden,
-        kv,
-        5e-3,
-    );
+    check("gptoss-small.gguf", "q8_0 KV, fa", &golden, kv, 5e-3);
     // Bit-exact in practice: hold it to print precision so a numerics change shows.
-    check(
-        "gptoss-small.gguf",
-        "q8_0 KV, fa",
-        &golden,
-        kv,
-        1e-6,
-    );
+    check("gptoss-small.gguf", "q8_0 KV, fa", &golden, kv, 1e-6);
 }
 
 /// With f32/f16 values, `-fa on` keeps the non-flash numerics (see the `attention` module), so
