@@ -58,6 +58,9 @@ pub enum ModelError {
         /// Context size of the cache.
         n_ctx: usize,
     },
+    /// The expert boundary of hybrid execution failed (placement, upload or device run).
+    #[error(transparent)]
+    ExpertDevice(#[from] crate::hybrid::ExpertDeviceError),
     /// A kernel rejected its input.
     #[error(transparent)]
     Quant(#[from] hmoe_quant::QuantError),

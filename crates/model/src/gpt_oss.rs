@@ -14,21 +14,27 @@
 //! logits = Wout · (rmsnorm(x) · output_norm)
 //! expert(h) = Wd · (min(g,7) · σ(1.702·min(g,7)) · (clamp(u,−7,7) + 1)) + bd,  g = Wg·h + bg,  u = Wu·h + bu
 //! ```
+//!
+//! Hybrid execution ([`GptOss::load_placed`]): each layer's routed experts live on the host
+//! (run over the file mapping) or on an [`ExpertDevice`]; the expert sum of a device layer is
+//! one round trip per micro-batch (see [`crate::hybrid`]).
 
 mod batch;
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use hmoe_gguf::{GgufModel, Metadata};
-use rayon::prelude::*;
 
 use crate::attention::{attention, AttnShape};
+use crate::hybrid::{
+    host_experts, ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertKernels,
+    ExpertMatrix, ExpertPlacement, ExpertScratch, ExpertTensors,
+};
 use crate::kv_cache::{KvCache, KvType};
-use crate::ops::{add_bias, matmul, rms_norm, softmax, top_k, QuantizedActs, Rope};
+use crate::ops::{add_bias, rms_norm, softmax, top_k, QuantizedActs, Rope};
 use crate::weights::{load_f32, project, Mat};
 use crate::{LogitsWanted, ModelError};
-
-/// SwiGLU constants of gpt-oss experts (fixed by the architecture, not stored in GGUF).
-const SWIGLU_ALPHA: f32 = 1.702;
-const SWIGLU_LIMIT: f32 = 7.0;
 
 /// Hyperparameters of a gpt-oss model, read from GGUF metadata (`gpt-oss.*`).
 #[derive(Clone, Debug, PartialEq)]
@@ -186,6 +192,46 @@ struct Block {
     down_b: Vec<f32>,
 }
 
+impl Block {
+    /// The block's routed experts as stored in the file.
+    fn experts<'g>(&'g self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
+        let m = |w: &Mat| ExpertMatrix {
+            ty: w.info.ty,
+            n_in: w.n_in,
+            n_out: w.n_out,
+            data: w.bytes(g),
+        };
+        ExpertTensors {
+            n_expert,
+            gate: m(&self.gate_exps),
+            up: m(&self.up_exps),
+            down: m(&self.down_exps),
+            gate_bias: &self.gate_b,
+            up_bias: &self.up_b,
+            down_bias: &self.down_b,
+        }
+    }
+
+    /// The kernels chosen at load for the expert matrices.
+    fn expert_kernels(&self) -> ExpertKernels {
+        ExpertKernels::new(
+            self.gate_exps.kernel,
+            self.up_exps.kernel,
+            self.down_exps.kernel,
+        )
+    }
+}
+
+/// Where the routed experts of each layer run.
+struct Experts {
+    /// Home of each layer's experts.
+    homes: Vec<ExpertHome>,
+    /// The device holding the [`ExpertHome::Device`] layers (and running op offload).
+    device: Option<Arc<dyn ExpertDevice>>,
+    /// Op offload threshold in tokens per micro-batch (`None`: off).
+    op_offload_min_batch: Option<usize>,
+}
+
 /// A loaded gpt-oss model: hyperparameters plus views of its weights in the file mapping.
 pub struct GptOss {
     params: GptOssParams,
@@ -194,6 +240,7 @@ pub struct GptOss {
     output_norm: Vec<f32>,
     output: Mat,
     blocks: Vec<Block>,
+    experts: Experts,
     gguf: GgufModel,
 }
 
@@ -244,10 +291,70 @@ impl GptOss {
             tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
             output_norm: load_f32(g, "output_norm.weight", &[d])?,
             output: Mat::load(g, "output.weight", &[d, n_vocab as u64])?,
+            experts: Experts {
+                homes: vec![ExpertHome::Host; p.n_layer],
+                device: None,
+                op_offload_min_batch: None,
+            },
             blocks,
             params: p,
             gguf,
         })
+    }
+
+    /// Builds the model with each layer's routed experts where `placement` says: the experts
+    /// of [`ExpertHome::Device`] layers are uploaded to `device` now and run there; the others
+    /// run on the host over the file mapping. With op offload on, micro-batches of at least
+    /// [`ExpertPlacement::op_offload_min_batch`] tokens run the routed experts of host layers
+    /// on `device` too (copied there for the batch). Results are those of [`GptOss::load`]'s
+    /// model bit for bit when `device` computes as the host does ([`crate::StagingDevice`]).
+    pub fn load_placed(
+        gguf: GgufModel,
+        placement: &ExpertPlacement,
+        device: Arc<dyn ExpertDevice>,
+    ) -> Result<GptOss, ModelError> {
+        let mut model = GptOss::load(gguf)?;
+        let n_layer = model.params.n_layer;
+        if placement.layers.len() != n_layer {
+            return Err(ExpertDeviceError::Placement(format!(
+                "{} layer homes for a {n_layer}-layer model",
+                placement.layers.len()
+            ))
+            .into());
+        }
+        if placement.op_offload_min_batch == Some(0) {
+            return Err(ExpertDeviceError::Placement(
+                "op offload minimum batch must be ≥ 1".into(),
+            )
+            .into());
+        }
+        for (l, home) in placement.layers.iter().enumerate() {
+            if *home == ExpertHome::Device {
+                let t = model.blocks[l].experts(&model.gguf, model.params.n_expert);
+                device.upload_layer(l, &t)?;
+            }
+        }
+        model.experts = Experts {
+            homes: placement.layers.clone(),
+            device: Some(device),
+            op_offload_min_batch: placement.op_offload_min_batch,
+        };
+        Ok(model)
+    }
+
+    /// Where each layer's routed experts live.
+    pub fn expert_homes(&self) -> &[ExpertHome] {
+        &self.experts.homes
+    }
+
+    /// The expert device, for a model built with [`GptOss::load_placed`].
+    pub fn expert_device(&self) -> Option<&Arc<dyn ExpertDevice>> {
+        self.experts.device.as_ref()
+    }
+
+    /// Sets the op offload threshold (`None` turns op offload off; 0 is treated as 1).
+    pub fn set_op_offload(&mut self, min_batch: Option<usize>) {
+        self.experts.op_offload_min_batch = min_batch.map(|m| m.max(1));
     }
 
     /// The hyperparameters.
@@ -298,7 +405,7 @@ impl GptOss {
                 LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
                 LogitsWanted::Last => None,
             };
-            logits.extend(self.forward_ubatch(cache, chunk, want));
+            logits.extend(self.forward_ubatch(cache, chunk, want)?);
         }
         Ok(logits)
     }
@@ -308,7 +415,7 @@ impl GptOss {
         cache: &mut KvCache,
         tokens: &[u32],
         want: Option<LogitsWanted>,
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>, ModelError> {
         let p = &self.params;
         let g = &self.gguf;
         let (n, d) = (tokens.len(), p.n_embd);
@@ -330,20 +437,20 @@ impl GptOss {
                 *xv += av;
             }
             rms_norm(&x, &b.ffn_norm, p.rms_eps, &mut h);
-            let moe = self.moe_block(b, &h, &mut acts);
+            let moe = self.moe_block(l, b, &h, std::slice::from_ref(&(0..n)), &mut acts)?;
             for (xv, mv) in x.iter_mut().zip(&moe) {
                 *xv += mv;
             }
         }
         cache.advance(n);
         let rows = match want {
-            None => return Vec::new(),
+            None => return Ok(Vec::new()),
             Some(LogitsWanted::All) => &x[..],
             Some(LogitsWanted::Last) => &x[(n - 1) * d..],
         };
         let mut normed = vec![0f32; rows.len()];
         rms_norm(rows, &self.output_norm, p.rms_eps, &mut normed);
-        project(g, &self.output, &normed, &mut acts)
+        Ok(project(g, &self.output, &normed, &mut acts))
     }
 
     /// `Wo · attention(q, k, v) + bo` for one block; appends the batch's K/V to the cache.
@@ -393,15 +500,25 @@ impl GptOss {
         o
     }
 
-    /// `Σ_k w_k · expert_k(h)` for every token of the batch, tokens grouped by expert.
-    fn moe_block(&self, b: &Block, h: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
+    /// `Σ_k w_k · expert_k(h)` for every token of the batch (rows `groups` belong to separate
+    /// sequences): the router on the host, then the experts where they live. A device layer
+    /// is one round trip; a host layer runs over the mapping, or, for a micro-batch of at least
+    /// the op offload threshold, on the device with the routed experts copied there.
+    fn moe_block(
+        &self,
+        l: usize,
+        b: &Block,
+        h: &[f32],
+        groups: &[Range<usize>],
+        acts: &mut QuantizedActs,
+    ) -> Result<Vec<f32>, ModelError> {
         let p = &self.params;
         let g = &self.gguf;
-        let (d, ff, k_used) = (p.n_embd, p.n_ff_exp, p.n_expert_used);
+        let (d, k_used) = (p.n_embd, p.n_expert_used);
         let n = h.len() / d;
-        let mut scores = project(g, &b.router, h, acts);
+        let mut scores = batch::project_grouped(g, &b.router, h, groups, acts);
         add_bias(&mut scores, &b.router_b);
-        let mut selected = vec![0usize; n * k_used];
+        let mut selected = vec![0u32; n * k_used];
         let mut weights = vec![0f32; n * k_used];
         let mut top = Vec::new();
         for t in 0..n {
@@ -409,58 +526,36 @@ impl GptOss {
             top_k(s, k_used, &mut top);
             let w = &mut weights[t * k_used..(t + 1) * k_used];
             for (i, &e) in top.iter().enumerate() {
-                selected[t * k_used + i] = e;
+                selected[t * k_used + i] = e as u32;
                 w[i] = s[e];
             }
             softmax(w);
         }
-        acts.quantize(b.gate_exps.kernel.act_type(), h, d);
-        let mut per_slot = vec![0f32; n * k_used * d];
-        let (mut routed, mut act_q) = (QuantizedActs::default(), QuantizedActs::default());
-        for e in 0..p.n_expert {
-            let slots: Vec<usize> = (0..n * k_used).filter(|&i| selected[i] == e).collect();
-            if slots.is_empty() {
-                continue;
-            }
-            let m = slots.len();
-            routed.gather(acts, slots.iter().map(|&i| i / k_used));
-            let mut gate = vec![0f32; m * ff];
-            let mut up = vec![0f32; m * ff];
-            let (gm, um, dm) = (&b.gate_exps, &b.up_exps, &b.down_exps);
-            matmul(gm.kernel, gm.slice(g, e), d, ff, &routed, &mut gate);
-            matmul(um.kernel, um.slice(g, e), d, ff, &routed, &mut up);
-            add_bias(&mut gate, &b.gate_b[e * ff..(e + 1) * ff]);
-            add_bias(&mut up, &b.up_b[e * ff..(e + 1) * ff]);
-            gate.par_iter_mut()
-                .zip(&up)
-                .for_each(|(gv, &uv)| *gv = swiglu_oai(*gv, uv));
-            act_q.quantize(dm.kernel.act_type(), &gate, ff);
-            let mut down = vec![0f32; m * d];
-            matmul(dm.kernel, dm.slice(g, e), ff, d, &act_q, &mut down);
-            add_bias(&mut down, &b.down_b[e * d..(e + 1) * d]);
-            for (row, &slot) in down.chunks_exact(d).zip(&slots) {
-                per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
-            }
-        }
-        // Weighted sum in slot order (highest router score first), as llama.cpp adds them.
+        let batch = ExpertBatch {
+            h,
+            selected: &selected,
+            weights: &weights,
+            n_used: k_used,
+            groups,
+        };
         let mut out = vec![0f32; n * d];
-        for t in 0..n {
-            let dst = &mut out[t * d..(t + 1) * d];
-            for s in 0..k_used {
-                let w = weights[t * k_used + s];
-                let src = &per_slot[(t * k_used + s) * d..(t * k_used + s + 1) * d];
-                for (o, &v) in dst.iter_mut().zip(src) {
-                    *o += v * w;
-                }
+        let ex = &self.experts;
+        match (ex.homes[l], &ex.device) {
+            (ExpertHome::Device, Some(dev)) => dev.run(l, &batch, &mut out)?,
+            (ExpertHome::Host, Some(dev)) if ex.op_offload_min_batch.is_some_and(|m| n >= m) => {
+                let t = b.experts(g, p.n_expert);
+                dev.upload_experts(l, &t, &batch.routed_experts())?;
+                dev.run(l, &batch, &mut out)?;
             }
+            _ => host_experts(
+                l,
+                &b.expert_kernels(),
+                &b.experts(g, p.n_expert),
+                &batch,
+                &mut ExpertScratch::default(),
+                &mut out,
+            )?,
         }
-        out
+        Ok(out)
     }
-}
-
-/// gpt-oss's clamped SwiGLU: `min(g,7)·σ(1.702·min(g,7))·(clamp(u,−7,7)+1)`.
-fn swiglu_oai(gate: f32, up: f32) -> f32 {
-    let x = gate.min(SWIGLU_LIMIT);
-    let y = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT);
-    x / (1.0 + (-SWIGLU_ALPHA * x).exp()) * (y + 1.0)
 }

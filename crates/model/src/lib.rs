@@ -7,6 +7,7 @@ mod attention;
 pub mod deepseek2;
 mod error;
 pub mod gpt_oss;
+pub mod hybrid;
 pub mod kv_cache;
 pub mod llama;
 pub mod ops;
@@ -16,6 +17,10 @@ mod weights;
 pub use deepseek2::{Deepseek2, Deepseek2Params};
 pub use error::ModelError;
 pub use gpt_oss::{GptOss, GptOssParams};
+pub use hybrid::{
+    ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors,
+    StagingDevice, TransferStats,
+};
 pub use kv_cache::{KvCache, KvType};
 pub use llama::{Dense, DenseArch, DenseParams};
 pub use qwen3_moe::{Qwen3Moe, Qwen3MoeParams};
