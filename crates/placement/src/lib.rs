@@ -13,18 +13,23 @@
 //!
 //! * **weights**: the bytes of every tensor placed there (plus a copy of `token_embd` on the
 //!   output device when the model ties its output head to the embedding and that device is a
-//!   GPU).
+//!   GPU). The CPU also holds the f32 copies the engine makes at load of every norm, bias and
+//!   sink (1-D tensors and `*.bias`, `4 × elements` each), wherever those tensors are placed;
+//!   the matrices stay in the file mapping and are resident once read.
 //! * **kv**: per layer, on the device of the layer (`-ngl`), `cells × (row(type_k, n_head_kv ×
 //!   head_dim_k) + row(type_v, n_head_kv × head_dim_v))`, rows sized with the ggml block size
 //!   of the cache type (MLA models cache K only). `n_ctx` is padded up to a multiple of 256.
 //!   Full-attention layers have `n_ctx` cells; sliding-window layers (gpt-oss's even layers)
 //!   have `pad256(min(n_ctx, window × n_parallel + n_ubatch))` cells (llama.cpp's unified
-//!   iSWA cache).
-//! * **compute** (activations for one ubatch of `T = n_ubatch` tokens, f32 = 4 bytes, E =
-//!   n_embd, H/Hkv heads, Dq/Dk/Dv head sizes, X experts, k used, F expert width, V vocab):
-//!   the device keeps the largest phase it runs live at a time (buffers are reused between
-//!   phases, as ggml's graph allocator does), plus inputs that live through the whole graph,
-//!   plus the staging buffers of op offload:
+//!   iSWA cache). When the flags give the run's token counts ([`RunTokens`]), the CPU counts
+//!   only what the run writes, since the engine allocates its cache untouched: per layer
+//!   `min(total, cells)` cells (a sliding layer's ring being `window × n_parallel + n_ubatch`
+//!   cells), K and V each rounded up to whole 4 KiB pages.
+//! * **compute** on a GPU (activations for one ubatch of `T = n_ubatch` tokens, f32 = 4
+//!   bytes, E = n_embd, H/Hkv heads, Dq/Dk/Dv head sizes, X experts, k used, F expert width,
+//!   V vocab): the device keeps the largest phase it runs live at a time (buffers are reused
+//!   between phases, as ggml's graph allocator does), plus inputs that live through the whole
+//!   graph, plus the staging buffers of op offload:
 //!   - attention phase: `T·4·(3E + H·Dq + Hkv·(Dk+Dv) + H·Dv)` (residual, normed input, q,
 //!     k, v, attention output, projection; the attention itself is flash-style, so no
 //!     `T × n_kv` score matrix);
@@ -35,19 +40,38 @@
 //!   - output phase: `T·4·(E + V)` (normed state and logits for every token of the ubatch,
 //!     the worst case that perplexity and speculative verification need);
 //!   - inputs: one f16 `T × n_kv` attention mask per cache kind (full, sliding) used there;
-//!     on the CPU also the embedding rows `T·4·E` and the host logits buffer
-//!     `4·V·n_parallel`;
-//!   - op offload staging (GPU): when op offload is on and `T ≥ 32`, matmuls whose weights
-//!     are on the CPU run on the GPU of their layer (else CUDA0) for that ubatch; the GPU
-//!     holds the two largest such weights at once (one in use, one being copied), and runs
-//!     the expert phase.
+//!   - op offload staging: when op offload is on and `T ≥ 32`, matmuls whose weights are on
+//!     the CPU run on the GPU of their layer (else CUDA0) for that ubatch; the GPU holds the
+//!     two largest such weights at once (one in use, one being copied), and runs the expert
+//!     phase.
+//! * **compute** on the CPU: the buffers the hmoe engine's forward pass allocates (they are
+//!   freed between phases, so the largest phase counts), for `T` tokens (`n_ubatch`, or the
+//!   run's prompt when shorter) and `R` logits rows (1 for a generation run, else `T`):
+//!   - always live: residual and normed state `2·T·4·E`, RoPE tables `T·(Dk/2)·8`, and the
+//!     activations converted for the widest CPU projection (`T ×` a row of the weights'
+//!     vec-dot type);
+//!   - attention phase: q, k, v and the attention output `T·4·(H·Dq + Hkv·(Dk+Dv) + H·Dv)`,
+//!     plus the larger of the flash-attention rows (per token and head a query copy, its
+//!     converted blocks for a quantized K, an accumulator and 144 bytes of bookkeeping) and
+//!     the output projection with its transposed matmul result `2·T·4·E`;
+//!   - MoE phase: router scores, choices and weights, the output, every slot's expert output
+//!     and the converted input `T·4·(X + 2k + E + kE) + T·act(E)`, plus one expert's work on
+//!     at most all `T` tokens (routed activations, gate, up, converted hidden, down and the
+//!     transposed matmul result);
+//!   - output phase: `R·4·(E + V)`, plus the transposed result `R·4·V` when `R > 1`;
+//!   - a generation run also holds the previous token's logits `4V` during each decode
+//!     step, and the sampler's candidates and sort scratch (`20V` with the logits) between
+//!     steps; the largest of prompt step, decode step and sampling counts.
 //! * **overhead**: the runtime's own allowance per GPU ([`crate::DEFAULT_GPU_OVERHEAD`] unless
 //!   the caller says otherwise); 0 on the CPU.
 //!
 //! A GPU fits when `free − total ≥ margin` (`--fit-target`). The host is never a constraint.
 //!
-//! These are allocation sizes. A process's resident memory reaches them only once every page
-//! was touched: memory-mapped weights as they are read, KV pages as the context fills.
+//! Without [`RunTokens`] these are allocation sizes. A process's resident memory reaches
+//! them only once every page was touched: memory-mapped weights as they are read (a run
+//! reads the embedding rows of its tokens and the experts its tokens are routed to), KV pages
+//! as the context fills. Not counted: the parsed metadata and tokenizer, and the program's
+//! own code pages and thread stacks.
 
 mod device;
 mod error;
@@ -61,7 +85,7 @@ pub use device::{DeviceBudget, DeviceId, GpuBudget, DEFAULT_GPU_OVERHEAD};
 pub use error::{PlacementError, Shortfall};
 pub use flags::{
     parse_cache_type, parse_override_list, parse_size, shell_quote, GpuLayers, PlacementFlags,
-    TensorRule, FFN_EXPS_REGEX, OP_OFFLOAD_MIN_BATCH,
+    RunTokens, TensorRule, FFN_EXPS_REGEX, OP_OFFLOAD_MIN_BATCH,
 };
 pub use plan::{plan, DeviceUsage, Plan};
 pub use presets::{gpt_oss_tensor_table, GptOssDims};

@@ -178,6 +178,28 @@ fn pad256(n: u64) -> u64 {
     n.div_ceil(256) * 256
 }
 
+/// Memory page size: a lazily touched buffer is resident in whole pages.
+const PAGE: u64 = 4096;
+
+/// `n` bytes rounded up to whole pages.
+fn pages(n: u64) -> u64 {
+    n.div_ceil(PAGE) * PAGE
+}
+
+/// Bookkeeping of one flash-attention row besides its vectors: the row struct (four indices,
+/// three `Vec` headers, two floats: 112 bytes) and the allocator headers of its two vectors.
+const FLASH_ROW_BYTES: u64 = 112 + 2 * 16;
+
+/// Bytes of the f32 copy the engine makes at load of a norm, bias or sink (1-D tensors and
+/// `*.bias`); 0 for the matrices, which stay in the file mapping.
+fn host_copy_bytes(t: &TensorDesc) -> u64 {
+    if t.dims.len() == 1 || t.name.ends_with(".bias") {
+        4 * t.dims.iter().product::<u64>()
+    } else {
+        0
+    }
+}
+
 fn compile_rules(
     rules: &[TensorRule],
     n_gpus: usize,
@@ -543,6 +565,9 @@ impl<'a> Planner<'a> {
                 }
             }
         }
+        // The engine keeps an f32 copy of every norm, bias and sink in host memory, made at
+        // load whatever device the tensor is placed on.
+        u[0].weights += self.tensors.iter().map(host_copy_bytes).sum::<u64>();
         let out_dev = self.dev_index(self.layer_device(s.n_layer, st.ngl));
         if let Some(b) = self.tied_output {
             if out_dev != 0 {
@@ -563,13 +588,29 @@ impl<'a> Planner<'a> {
 
         // KV cache and attention, per layer on its device.
         let row = |ty: hmoe_quant::GgmlType, n: u64| ty.row_bytes(n).unwrap_or(0);
-        let per_cell =
-            row(f.cache_type_k, s.n_embd_k_gqa()) + row(f.cache_type_v, s.n_embd_v_gqa());
+        let (row_k, row_v) = (
+            row(f.cache_type_k, s.n_embd_k_gqa()),
+            row(f.cache_type_v, s.n_embd_v_gqa()),
+        );
         for il in 0..s.n_layer {
             let d = self.dev_index(self.layer_device(il, st.ngl));
             u[d].layers += 1;
             let swa = s.is_swa(il);
-            u[d].kv += per_cell * if swa { cells_swa } else { cells_full };
+            let cells = if swa { cells_swa } else { cells_full };
+            u[d].kv += match f.run_tokens {
+                // The CPU cache is allocated untouched: a run holds the pages of the cells it
+                // writes. A sliding layer's ring has window + ubatch cells (no padding).
+                Some(r) if d == 0 => {
+                    let ring = if swa {
+                        cells.min(s.sliding_window as u64 * f.n_parallel as u64 + t)
+                    } else {
+                        cells
+                    };
+                    let n = (r.total as u64).min(ring);
+                    pages(n * row_k) + pages(n * row_v)
+                }
+                _ => (row_k + row_v) * cells,
+            };
             act[d].attn = true;
             if swa {
                 act[d].mask_swa = true;
@@ -592,6 +633,10 @@ impl<'a> Planner<'a> {
         let phase_ffn = |w: u64| t * 4 * (2 * e + 3 * w);
         let phase_output = t * 4 * (e + s.n_vocab);
         for (d, a) in act.iter().enumerate() {
+            if d == 0 {
+                u[0].compute = self.cpu_compute(a, assign, t);
+                continue;
+            }
             let mut peak = 0;
             if a.attn {
                 peak = peak.max(phase_attn);
@@ -615,12 +660,93 @@ impl<'a> Planner<'a> {
             if a.mask_swa {
                 inputs += t * cells_swa * 2;
             }
-            if d == 0 {
-                inputs += t * 4 * e + 4 * s.n_vocab * f.n_parallel as u64;
-            }
             u[d].compute = peak + inputs + a.staging[0] + a.staging[1];
         }
         u
+    }
+
+    /// The hmoe engine's CPU compute memory (see the crate docs): the largest set of buffers
+    /// live at once in a forward pass of `t`-token micro-batches (fewer when the run's prompt
+    /// is shorter), the logits the caller holds, and the sampler's scratch.
+    fn cpu_compute(&self, a: &Activity, assign: &[DeviceId], t: u64) -> u64 {
+        let s = self.shape;
+        let f = self.flags;
+        let (e, v) = (s.n_embd, s.n_vocab);
+        // Bytes of one activation row converted for the CPU matrices of these kinds.
+        let act_row = |kinds: &[TensorKind]| {
+            self.tensors
+                .iter()
+                .zip(&self.kinds)
+                .zip(assign)
+                .filter(|((tn, k), &dev)| {
+                    dev == DeviceId::Cpu && tn.dims.len() >= 2 && kinds.contains(k)
+                })
+                .filter_map(|((tn, _), _)| hmoe_quant::vec_dot_type(tn.ty).row_bytes(tn.dims[0]))
+                .max()
+                .unwrap_or(0)
+        };
+        let act_main = act_row(&[
+            TensorKind::Attention,
+            TensorKind::Router,
+            TensorKind::OutputHead,
+            TensorKind::DenseFfn,
+            TensorKind::SharedExperts,
+        ]);
+        let act_exp = act_row(&[TensorKind::Experts]);
+        let q_blocks = match f.cache_type_k {
+            hmoe_quant::GgmlType::F32 | hmoe_quant::GgmlType::F16 => 0,
+            ty => hmoe_quant::vec_dot_type(ty)
+                .row_bytes(s.head_dim_k)
+                .unwrap_or(0),
+        };
+        let (h, hkv) = (s.n_head, s.n_head_kv);
+        let ff = s.n_ff_exp.max(s.n_ff).max(s.n_ff_shexp);
+        let k_used = s.n_expert_used;
+        // One forward pass of `n` tokens returning `rows` logits rows.
+        let forward = |n: u64, rows: u64| {
+            // Live through the whole micro-batch: residual and normed state, the RoPE
+            // tables, the converted activations of the widest projection.
+            let base = n * 4 * 2 * e + n * (s.head_dim_k / 2) * 8 + n * act_main;
+            let mut phase = 0;
+            if a.attn {
+                let qkvo = n * 4 * (h * s.head_dim_q + hkv * (s.head_dim_k + s.head_dim_v))
+                    + n * 4 * h * s.head_dim_v;
+                // Flash attention: per (token, head) a query copy, its blocks, an
+                // accumulator and the row's bookkeeping; later the projection and the
+                // matmul's transposed result.
+                let rows_fa =
+                    n * h * (4 * s.head_dim_q + q_blocks + 4 * s.head_dim_v + FLASH_ROW_BYTES);
+                phase = phase.max(qkvo + rows_fa.max(n * 4 * 2 * e));
+            }
+            if a.router || a.experts {
+                // Router scores, choices and weights, the output, every slot's expert
+                // output, the expert activations; then per expert (at most all `n`
+                // tokens): routed activations, gate, up, converted hidden, down and the
+                // matmul's transposed result.
+                let per_batch = n * 4 * (s.n_expert + 2 * k_used + e + k_used * e) + n * act_exp;
+                let per_expert = n * (act_exp + 4 * 2 * ff + act_exp + 4 * e + 4 * ff.max(e));
+                phase = phase.max(per_batch + if a.experts { per_expert } else { 0 });
+            }
+            if a.ffn_width > 0 {
+                phase = phase.max(n * 4 * (e + 3 * a.ffn_width));
+            }
+            if a.output {
+                let transposed = if rows > 1 { rows * 4 * v } else { 0 };
+                phase = phase.max(rows * 4 * (e + v) + transposed);
+            }
+            base + phase
+        };
+        // Logits held by the caller, candidates and sort scratch of the sampler.
+        let sampling = 4 * v + 8 * v + 8 * v;
+        match f.run_tokens {
+            Some(r) => {
+                let prompt = forward(t.min(r.prompt.max(1) as u64), 1);
+                let decode = forward(1, 1) + 4 * v;
+                prompt.max(decode).max(sampling)
+            }
+            // Unknown run: full micro-batches, logits for every token (perplexity).
+            None => forward(t, t).max(sampling),
+        }
     }
 
     fn evaluate(&self, st: &State) -> (Vec<DeviceId>, Vec<DeviceUsage>) {

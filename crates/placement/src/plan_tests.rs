@@ -1,6 +1,6 @@
 use super::*;
 use crate::device::GpuBudget;
-use crate::flags::parse_override_list;
+use crate::flags::{parse_override_list, RunTokens};
 use crate::presets::{gpt_oss_tensor_table, GptOssDims};
 use hmoe_quant::GgmlType;
 
@@ -146,9 +146,105 @@ fn no_gpu_means_everything_on_the_cpu() {
     assert!(p.tensor_devices.iter().all(|&d| d == CPU));
     assert_eq!(p.devices.len(), 1);
     let total: u64 = t.iter().map(|x| x.n_bytes).sum();
-    assert_eq!(p.devices[0].weights, total);
+    // Plus the engine's f32 copies of norms, biases and sinks.
+    let copies: u64 = t
+        .iter()
+        .filter(|x| x.dims.len() == 1 || x.name.ends_with(".bias"))
+        .map(|x| 4 * x.dims.iter().product::<u64>())
+        .sum();
+    assert!(copies > 0);
+    assert_eq!(p.devices[0].weights, total + copies);
     assert_eq!(p.devices[0].layers, 4);
     assert_eq!(p.devices[0].expert_layers, 4);
+}
+
+#[test]
+fn host_copies_stay_on_the_cpu_whatever_the_placement() {
+    let (t, s) = model(tiny_dims());
+    let all_gpu = PlacementFlags {
+        n_gpu_layers: GpuLayers::All,
+        ..off()
+    };
+    let p = plan(&t, &s, &gpus(&[8 * GIB]), &all_gpu).unwrap();
+    let embd = t.iter().find(|x| x.name == "token_embd.weight").unwrap();
+    let norm_and_bias: u64 = t
+        .iter()
+        .filter(|x| x.dims.len() == 1 || x.name.ends_with(".bias"))
+        .map(|x| 4 * x.dims.iter().product::<u64>())
+        .sum();
+    assert_eq!(p.device(CPU).unwrap().weights, embd.n_bytes + norm_and_bias);
+}
+
+#[test]
+fn a_known_run_counts_the_kv_pages_it_writes() {
+    let d = small_dims();
+    let (t, s) = model(d);
+    let flags = |run| PlacementFlags {
+        ctx_size: Some(8192),
+        run_tokens: run,
+        ..off()
+    };
+    let alloc = plan(&t, &s, &DeviceBudget::default(), &flags(None)).unwrap();
+    // f16 K and V rows of 4 heads × 64: 512 bytes each.
+    let row = 4 * 64 * 2;
+    let (full, swa) = (4, 4);
+    assert_eq!(
+        alloc.devices[0].kv,
+        2 * row * (full * 8192 + swa * alloc.kv_cells_swa as u64)
+    );
+    // 1000 tokens: full layers hold 1000 cells, sliding ones their ring of 128 + 512.
+    let run = RunTokens {
+        prompt: 100,
+        total: 1000,
+    };
+    let p = plan(&t, &s, &DeviceBudget::default(), &flags(Some(run))).unwrap();
+    let page = |n: u64| n.div_ceil(4096) * 4096;
+    assert_eq!(
+        p.devices[0].kv,
+        2 * (full * page(1000 * row) + swa * page(640 * row))
+    );
+    // Ten tokens (5120 bytes): two pages per K and V buffer and layer.
+    let short = RunTokens {
+        prompt: 5,
+        total: 10,
+    };
+    let p10 = plan(&t, &s, &DeviceBudget::default(), &flags(Some(short))).unwrap();
+    assert_eq!(p10.devices[0].kv, 2 * 8 * page(10 * row));
+    assert_eq!(p10.devices[0].weights, alloc.devices[0].weights);
+}
+
+#[test]
+fn a_generation_run_computes_last_token_logits_only() {
+    let (t, s) = model(small_dims());
+    let flags = |run| PlacementFlags {
+        ctx_size: Some(4096),
+        run_tokens: run,
+        ..off()
+    };
+    let budget = DeviceBudget::default();
+    let worst = plan(&t, &s, &budget, &flags(None)).unwrap().devices[0].compute;
+    // 512 tokens × 32000 logits (and their transposed copy) dominate the unknown run.
+    assert!(worst > 2 * 512 * 4 * 32000, "{worst}");
+    let run = |prompt| {
+        plan(
+            &t,
+            &s,
+            &budget,
+            &flags(Some(RunTokens {
+                prompt,
+                total: prompt + 64,
+            })),
+        )
+        .unwrap()
+        .devices[0]
+            .compute
+    };
+    let (short, long) = (run(8), run(512));
+    assert!(short < long && long < worst / 4, "{short} {long} {worst}");
+    // Prompts beyond the micro-batch are computed 512 tokens at a time.
+    assert_eq!(run(5000), long);
+    // A one-token prompt: the sampler (logits, candidates, sort scratch) is the peak.
+    assert_eq!(run(1), 20 * 32000);
 }
 
 #[test]
