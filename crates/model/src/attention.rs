@@ -100,8 +100,9 @@ fn attention_rotated(
         let pos = pos0 + t;
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let qh = &q[task * hd..(task + 1) * hd];
-        let q16: Vec<f32> = match (&cache.k, single_token) {
-            (Cells::F16(_), true) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        // ggml rounds the query to f16 before dotting it with f16 keys.
+        let q16: Vec<f32> = match &cache.k {
+            Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
             _ => Vec::new(),
         };
         let q_blocks = quantize_query(k_kernel.as_ref(), qh);
@@ -119,7 +120,7 @@ fn attention_rotated(
                 Cells::F16(k) if single_token => {
                     dot_vec(&q16, &k[cell(p)..cell(p) + hd], f16::to_f32, true)
                 }
-                Cells::F16(k) => dot_lanes_f16(qh, &k[cell(p)..cell(p) + hd]),
+                Cells::F16(k) => dot_lanes_f16(&q16, &k[cell(p)..cell(p) + hd]),
                 Cells::Blocks { ty, data, .. } => {
                     block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks)
                 }
@@ -192,13 +193,13 @@ fn attention_rotated(
     });
 }
 
-/// Scores against f16 keys: the query is rounded to f16 first, as ggml converts it.
-fn dot_lanes_f16(q: &[f32], k: &[f16]) -> f32 {
+/// Scores against f16 keys as tinyBLAS sums them, for a query already rounded to f16 (as ggml
+/// converts it).
+fn dot_lanes_f16(q16: &[f32], k: &[f16]) -> f32 {
     let mut lanes = [0f32; LANES];
-    for (cq, ck) in q.chunks(LANES).zip(k.chunks(LANES)) {
+    for (cq, ck) in q16.chunks(LANES).zip(k.chunks(LANES)) {
         for i in 0..cq.len() {
-            let qv = f16::from_f32(cq[i]).to_f32();
-            lanes[i] = qv.mul_add(ck[i].to_f32(), lanes[i]);
+            lanes[i] = cq[i].mul_add(ck[i].to_f32(), lanes[i]);
         }
     }
     reduce16(&lanes)
@@ -348,7 +349,7 @@ fn attention_ext_rotated(
                 Cells::F32(k) => dot_vec_f32(qh, &k[at..at + kd]),
                 // A batch goes through tinyBLAS when the head is a multiple of 16 long; one
                 // token, or a head tinyBLAS declines, through `vec_dot_f16`.
-                Cells::F16(k) if lanes_ok && !single_token => dot_lanes_f16(qh, &k[at..at + kd]),
+                Cells::F16(k) if lanes_ok && !single_token => dot_lanes_f16(&q16, &k[at..at + kd]),
                 Cells::F16(k) => dot_vec(&q16, &k[at..at + kd], f16::to_f32, true),
                 Cells::Blocks { ty, data, .. } => {
                     block_dot(k_kernel.as_ref(), *ty, data, at, kd, &q_blocks)
@@ -522,6 +523,10 @@ fn round_weight(ty: GgmlType, w: f32) -> f32 {
 /// queries (times the query heads sharing a KV head).
 const Q_TILE: usize = 16;
 
+/// Positions whose key and value heads flash attention converts together before the rows
+/// consume them.
+const POS_BLOCK: usize = 32;
+
 /// One (query, head) row of flash attention: the running maximum `m`, the running sum `s`
 /// of `e^(score − m)`, and the value accumulator.
 struct FlashRow {
@@ -581,23 +586,37 @@ pub(crate) fn flash_attention(
     let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
     let k_kernel = block_kernel(&cache.k);
     let n_tiles = n_tokens.div_ceil(Q_TILE);
-    // Whole head groups per task unless that leaves threads idle (one decode token).
-    let heads_per_task = if n_tiles * n_head_kv >= 2 * rayon::current_num_threads() {
-        group
+    // Tasks: a tile of queries × a run of KV heads (with their query heads). Whole head groups
+    // unless that leaves threads idle (one decode token); several KV heads per task when there
+    // are tasks to spare, so a task reads each position's keys and values as one longer run.
+    let threads = rayon::current_num_threads();
+    let (kv_per_task, heads_per_task) = if n_tiles * n_head_kv >= 2 * threads {
+        let want = (n_tiles * n_head_kv / (2 * threads)).clamp(1, n_head_kv);
+        let kv = (1..=want)
+            .rev()
+            .find(|d| n_head_kv.is_multiple_of(*d))
+            .unwrap_or(1);
+        (kv, group)
     } else {
-        1
+        (1, 1)
     };
     let splits = group / heads_per_task;
-    let n_tasks = n_tiles * n_head_kv * splits;
+    let kv_runs = n_head_kv / kv_per_task;
+    let n_tasks = n_tiles * kv_runs * splits;
     let tasks: Vec<Vec<FlashRow>> = (0..n_tasks)
         .into_par_iter()
         .map(|task| {
-            let tile = task / (n_head_kv * splits);
-            let kvh = task % (n_head_kv * splits) / splits;
-            let h0 = kvh * group + task % splits * heads_per_task;
+            let tile = task / (kv_runs * splits);
+            let kvh0 = task % (kv_runs * splits) / splits * kv_per_task;
+            let split = task % splits;
             let t_end = ((tile + 1) * Q_TILE).min(n_tokens);
             let mut rows: Vec<FlashRow> = (tile * Q_TILE..t_end)
-                .flat_map(|t| (h0..h0 + heads_per_task).map(move |h| (t, h)))
+                .flat_map(|t| {
+                    (kvh0..kvh0 + kv_per_task).flat_map(move |kvh| {
+                        let h0 = kvh * group + split * heads_per_task;
+                        (h0..h0 + heads_per_task).map(move |h| (t, h))
+                    })
+                })
                 .map(|(t, h)| {
                     let pos = pos0 + t;
                     let qh = &q[(t * n_head + h) * kd..(t * n_head + h + 1) * kd];
@@ -621,56 +640,82 @@ pub(crate) fn flash_attention(
                 .collect();
             let lo = rows.iter().map(|r| r.first).min().unwrap_or(0);
             let hi = pos0 + t_end - 1;
-            // Each position's key and value heads in f32, converted once for all rows.
-            let (mut k_row, mut v_row) = (vec![0f32; kd], vec![0f32; vd]);
-            for p in lo..=hi {
-                let k_at = (p % cache.cells) * k_width + kvh * kd;
-                let v_at = if shape.v_in_k {
-                    k_at
-                } else {
-                    (p % cache.cells) * v_width + kvh * vd
-                };
-                if !rows.iter().any(|r| r.first <= p && p <= r.last) {
-                    continue;
-                }
-                let k_f32: &[f32] = match &cache.k {
-                    Cells::F32(k) => &k[k_at..k_at + kd],
-                    Cells::F16(k) => {
-                        k[k_at..k_at + kd].convert_to_f32_slice(&mut k_row);
-                        &k_row
-                    }
-                    Cells::Blocks { .. } => &[],
-                };
-                let v_f32: &[f32] = match v_cells {
-                    Cells::F32(v) => &v[v_at..v_at + vd],
-                    Cells::F16(v) => {
-                        v[v_at..v_at + vd].convert_to_f32_slice(&mut v_row);
-                        &v_row
-                    }
-                    Cells::Blocks { ty, data, .. } => {
-                        dequantize_at(*ty, data, v_at, &mut v_row);
-                        &v_row
-                    }
-                };
-                for r in rows.iter_mut().filter(|r| r.first <= p && p <= r.last) {
-                    let score = match &cache.k {
-                        Cells::F32(_) => dot_vec_f32(&r.q, k_f32),
-                        // `vec_dot_f16` of the f16-rounded query (exact in f32).
-                        Cells::F16(_) => dot_vec(&r.q, k_f32, |x| x, true),
-                        Cells::Blocks { ty, data, .. } => {
-                            block_dot(k_kernel.as_ref(), *ty, data, k_at, kd, &r.q_blocks)
+            let cell_at = |p: usize, width: usize, dim: usize, kvh: usize| {
+                (p % cache.cells) * width + kvh * dim
+            };
+            // Positions go in blocks: the block's key and value heads are converted to f32
+            // once for all rows and its scores computed together, then each row runs its online
+            // softmax over the block in position order (the order ggml's kernel uses). Block
+            // slot `(j, i)` holds KV head `kvh0 + j` at position `b0 + i`.
+            let slot = |j: usize, i: usize| j * POS_BLOCK + i;
+            let mut k_block = vec![0f32; kv_per_task * POS_BLOCK * kd];
+            let mut v_block = vec![0f32; kv_per_task * POS_BLOCK * vd];
+            let mut scores = vec![0f32; rows.len() * POS_BLOCK];
+            let (k_be, k_bb) = match &cache.k {
+                Cells::Blocks { ty, .. } => (ty.block_elems(), ty.block_bytes()),
+                _ => (1, 0),
+            };
+            let k_row_bytes = kd / k_be * k_bb;
+            for b0 in (lo..=hi).step_by(POS_BLOCK) {
+                let b1 = (b0 + POS_BLOCK).min(hi + 1);
+                let seen = |p: usize| rows.iter().any(|r| r.first <= p && p <= r.last);
+                for p in (b0..b1).filter(|&p| seen(p)) {
+                    for j in 0..kv_per_task {
+                        let k_at = cell_at(p, k_width, kd, kvh0 + j);
+                        let v_at = if shape.v_in_k {
+                            k_at
+                        } else {
+                            cell_at(p, v_width, vd, kvh0 + j)
+                        };
+                        let at = slot(j, p - b0);
+                        let kb = &mut k_block[at * kd..(at + 1) * kd];
+                        match &cache.k {
+                            Cells::F32(k) => kb.copy_from_slice(&k[k_at..k_at + kd]),
+                            Cells::F16(k) => k[k_at..k_at + kd].convert_to_f32_slice(kb),
+                            Cells::Blocks { .. } => {}
                         }
-                    } * shape.scale;
-                    let (ms, vs) = if score > r.m {
-                        let ms = (r.m - score).exp();
-                        r.m = score;
-                        (ms, 1.0)
-                    } else {
-                        (1.0, (score - r.m).exp())
-                    };
-                    scale_f32(&mut r.acc, ms);
-                    mad_f32(&mut r.acc, v_f32, vs);
-                    r.s = r.s.mul_add(ms, vs);
+                        let vb = &mut v_block[at * vd..(at + 1) * vd];
+                        match v_cells {
+                            Cells::F32(v) => vb.copy_from_slice(&v[v_at..v_at + vd]),
+                            Cells::F16(v) => v[v_at..v_at + vd].convert_to_f32_slice(vb),
+                            Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, v_at, vb),
+                        }
+                    }
+                }
+                for (r, sc) in rows.iter().zip(scores.chunks_exact_mut(POS_BLOCK)) {
+                    let j = r.h / group - kvh0;
+                    for p in r.first.max(b0)..=r.last.min(b1 - 1) {
+                        let at = slot(j, p - b0);
+                        let kb = &k_block[at * kd..(at + 1) * kd];
+                        sc[p - b0] = match &cache.k {
+                            Cells::F32(_) => dot_vec_f32(&r.q, kb),
+                            // `vec_dot_f16` of the f16-rounded query (exact in f32).
+                            Cells::F16(_) => dot_vec(&r.q, kb, |x| x, true),
+                            Cells::Blocks { data, .. } => {
+                                let off = cell_at(p, k_width, kd, kvh0 + j) / k_be * k_bb;
+                                k_kernel.as_ref().map_or(0.0, |kk| {
+                                    kk.dot(kd, &data[off..off + k_row_bytes], &r.q_blocks)
+                                })
+                            }
+                        } * shape.scale;
+                    }
+                }
+                for (r, sc) in rows.iter_mut().zip(scores.chunks_exact(POS_BLOCK)) {
+                    let j = r.h / group - kvh0;
+                    for p in r.first.max(b0)..=r.last.min(b1 - 1) {
+                        let score = sc[p - b0];
+                        let (ms, vs) = if score > r.m {
+                            let ms = (r.m - score).exp();
+                            r.m = score;
+                            (ms, 1.0)
+                        } else {
+                            (1.0, (score - r.m).exp())
+                        };
+                        scale_f32(&mut r.acc, ms);
+                        let at = slot(j, p - b0);
+                        mad_f32(&mut r.acc, &v_block[at * vd..(at + 1) * vd], vs);
+                        r.s = r.s.mul_add(ms, vs);
+                    }
                 }
             }
             for r in rows.iter_mut() {
