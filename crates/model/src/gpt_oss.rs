@@ -543,9 +543,7 @@ impl GptOss {
         match (ex.homes[l], &ex.device) {
             (ExpertHome::Device, Some(dev)) => dev.run(l, &batch, &mut out)?,
             (ExpertHome::Host, Some(dev)) if ex.op_offload_min_batch.is_some_and(|m| n >= m) => {
-                let t = b.experts(g, p.n_expert);
-                dev.upload_experts(l, &t, &batch.routed_experts())?;
-                dev.run(l, &batch, &mut out)?;
+                dev.run_offloaded(l, &b.experts(g, p.n_expert), &batch, &mut out)?;
             }
             _ => host_experts(
                 l,

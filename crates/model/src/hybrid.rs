@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use hmoe_quant::{DotKernel, GgmlType};
 use rayon::prelude::*;
@@ -445,6 +445,22 @@ pub trait ExpertDevice: Send + Sync {
         out: &mut [f32],
     ) -> Result<(), ExpertDeviceError>;
 
+    /// Op offload of one layer for one batch: copies exactly the experts `batch` routes to
+    /// ([`ExpertBatch::routed_experts`]) into the staging area and runs the batch there. An
+    /// implementation should overlap the copies with the compute (expert `i + 1` copied while
+    /// expert `i` runs); the default does [`ExpertDevice::upload_experts`] then
+    /// [`ExpertDevice::run`], one after the other. Counted as one upload and one round trip.
+    fn run_offloaded(
+        &self,
+        layer: usize,
+        experts: &ExpertTensors<'_>,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ExpertDeviceError> {
+        self.upload_experts(layer, experts, &batch.routed_experts())?;
+        self.run(layer, batch, out)
+    }
+
     /// Transfers counted since the device was created.
     fn stats(&self) -> TransferStats;
 }
@@ -616,6 +632,7 @@ const DEVICE_ALIGN: usize = 64;
 
 /// Bytes owned by the device, starting at a [`DEVICE_ALIGN`]-byte boundary when the allocator
 /// allows it.
+#[derive(Debug)]
 struct AlignedBytes {
     buf: Vec<u8>,
     start: usize,
@@ -644,6 +661,7 @@ impl AlignedBytes {
 }
 
 /// One expert's weights in device memory.
+#[derive(Debug)]
 struct DeviceExpert {
     gate: AlignedBytes,
     up: AlignedBytes,
@@ -651,6 +669,31 @@ struct DeviceExpert {
     gate_bias: Vec<f32>,
     up_bias: Vec<f32>,
     down_bias: Vec<f32>,
+}
+
+impl DeviceExpert {
+    /// A device copy of one expert (a host → device upload).
+    fn copy_of(v: &ExpertView<'_>) -> DeviceExpert {
+        DeviceExpert {
+            gate: AlignedBytes::copy_of(v.gate),
+            up: AlignedBytes::copy_of(v.up),
+            down: AlignedBytes::copy_of(v.down),
+            gate_bias: v.gate_bias.to_vec(),
+            up_bias: v.up_bias.to_vec(),
+            down_bias: v.down_bias.to_vec(),
+        }
+    }
+
+    fn view(&self) -> ExpertView<'_> {
+        ExpertView {
+            gate: self.gate.as_slice(),
+            up: self.up.as_slice(),
+            down: self.down.as_slice(),
+            gate_bias: &self.gate_bias,
+            up_bias: &self.up_bias,
+            down_bias: &self.down_bias,
+        }
+    }
 }
 
 /// A layer's experts in device memory (all of them, or the staged ones).
@@ -683,14 +726,7 @@ impl DeviceLayer {
                 expert: e,
                 n_expert: t.n_expert,
             })?;
-            experts[e] = Some(DeviceExpert {
-                gate: AlignedBytes::copy_of(v.gate),
-                up: AlignedBytes::copy_of(v.up),
-                down: AlignedBytes::copy_of(v.down),
-                gate_bias: v.gate_bias.to_vec(),
-                up_bias: v.up_bias.to_vec(),
-                down_bias: v.down_bias.to_vec(),
-            });
+            experts[e] = Some(DeviceExpert::copy_of(&v));
         }
         let copied = experts.iter().flatten().count() as u64 * t.expert_bytes();
         Ok((
@@ -705,15 +741,7 @@ impl DeviceLayer {
     }
 
     fn view(&self, e: usize) -> Option<ExpertView<'_>> {
-        let x = self.experts.get(e)?.as_ref()?;
-        Some(ExpertView {
-            gate: x.gate.as_slice(),
-            up: x.up.as_slice(),
-            down: x.down.as_slice(),
-            gate_bias: &x.gate_bias,
-            up_bias: &x.up_bias,
-            down_bias: &x.down_bias,
-        })
+        Some(self.experts.get(e)?.as_ref()?.view())
     }
 }
 
@@ -724,14 +752,84 @@ struct Staging {
     resident: HashMap<usize, DeviceLayer>,
     /// The op-offload staging area: one layer's routed experts.
     staged: Option<(usize, DeviceLayer)>,
-    /// Device-side copies of a batch's inputs and output.
+    /// Device-side buffers of a batch.
+    io: DeviceIo,
+    stats: TransferStats,
+}
+
+/// Device-side copies of a batch's inputs and output, and the compute scratch.
+#[derive(Default)]
+struct DeviceIo {
     h: Vec<f32>,
     selected: Vec<u32>,
     weights: Vec<f32>,
     groups: Vec<Range<usize>>,
     out: Vec<f32>,
     scratch: ExpertScratch,
-    stats: TransferStats,
+}
+
+impl DeviceIo {
+    /// Inputs in (one host → device transfer), the expert sum over `view`'s experts, the result
+    /// out (one device → host transfer).
+    #[allow(clippy::too_many_arguments)]
+    fn round_trip<'w>(
+        &mut self,
+        layer: usize,
+        kernels: &ExpertKernels,
+        (d, ff, n_expert): (usize, usize, usize),
+        batch: &ExpertBatch<'_>,
+        view: impl Fn(usize) -> Option<ExpertView<'w>>,
+        stats: &mut TransferStats,
+        out: &mut [f32],
+    ) -> Result<(), ExpertDeviceError> {
+        let n = batch.validate(d, n_expert)?;
+        if out.len() != n * d {
+            return Err(shape_err(
+                "output",
+                format!("{} floats for {n} tokens × {d}", out.len()),
+            ));
+        }
+        let DeviceIo {
+            h,
+            selected,
+            weights,
+            groups,
+            out: dev_out,
+            scratch,
+        } = self;
+        h.clear();
+        h.extend_from_slice(batch.h);
+        selected.clear();
+        selected.extend_from_slice(batch.selected);
+        weights.clear();
+        weights.extend_from_slice(batch.weights);
+        groups.clear();
+        groups.extend_from_slice(batch.groups);
+        stats.to_device += 1;
+        stats.to_device_bytes += 4 * (h.len() + selected.len() + weights.len()) as u64;
+        let dev_batch = ExpertBatch {
+            h,
+            selected,
+            weights,
+            n_used: batch.n_used,
+            groups,
+        };
+        dev_out.clear();
+        dev_out.resize(n * d, 0.0);
+        mix_experts(
+            layer,
+            kernels,
+            (d, ff, n_expert),
+            &dev_batch,
+            view,
+            scratch,
+            dev_out,
+        )?;
+        out.copy_from_slice(dev_out);
+        stats.to_host += 1;
+        stats.to_host_bytes += 4 * out.len() as u64;
+        Ok(())
+    }
 }
 
 /// A CPU stand-in for a GPU on the far side of the expert boundary: it owns aligned copies of
@@ -828,12 +926,7 @@ impl ExpertDevice for StagingDevice {
         let Staging {
             resident,
             staged,
-            h,
-            selected,
-            weights,
-            groups,
-            out: dev_out,
-            scratch,
+            io,
             stats,
         } = &mut *guard;
         let dl = match (resident.get(&layer), staged.as_ref()) {
@@ -841,47 +934,86 @@ impl ExpertDevice for StagingDevice {
             (None, Some((l, dl))) if *l == layer => dl,
             _ => return Err(ExpertDeviceError::NotUploaded { layer }),
         };
-        let n = batch.validate(dl.d, dl.experts.len())?;
-        if out.len() != n * dl.d {
-            return Err(shape_err(
-                "output",
-                format!("{} floats for {n} tokens × {}", out.len(), dl.d),
-            ));
-        }
-        // Host → device: the batch's inputs into device buffers.
-        h.clear();
-        h.extend_from_slice(batch.h);
-        selected.clear();
-        selected.extend_from_slice(batch.selected);
-        weights.clear();
-        weights.extend_from_slice(batch.weights);
-        groups.clear();
-        groups.extend_from_slice(batch.groups);
-        stats.to_device += 1;
-        stats.to_device_bytes += 4 * (h.len() + selected.len() + weights.len()) as u64;
-        let dev_batch = ExpertBatch {
-            h,
-            selected,
-            weights,
-            n_used: batch.n_used,
-            groups,
-        };
-        dev_out.clear();
-        dev_out.resize(n * dl.d, 0.0);
-        mix_experts(
+        let dims = (dl.d, dl.ff, dl.experts.len());
+        io.round_trip(layer, &dl.kernels, dims, batch, |e| dl.view(e), stats, out)
+    }
+
+    /// Copies the routed experts on a second thread, in ascending order, while this thread
+    /// computes: expert `e` runs as soon as its copy is complete, so copying the next experts
+    /// overlaps computing the previous ones. The result is that of `upload_experts` + `run`.
+    fn run_offloaded(
+        &self,
+        layer: usize,
+        experts: &ExpertTensors<'_>,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ExpertDeviceError> {
+        let (d, ff) = experts.validate()?;
+        batch.validate(d, experts.n_expert)?;
+        let kernels = ExpertKernels::for_tensors(experts)?;
+        let ids = batch.routed_experts();
+        let views = ids
+            .iter()
+            .map(|&e| {
+                experts.view(e).ok_or(ExpertDeviceError::BadExpertId {
+                    expert: e,
+                    n_expert: experts.n_expert,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut guard = self.lock();
+        let Staging {
+            staged, io, stats, ..
+        } = &mut *guard;
+        // Free the previous staging area before filling it again.
+        *staged = None;
+        let slots: Vec<OnceLock<DeviceExpert>> =
+            (0..experts.n_expert).map(|_| OnceLock::new()).collect();
+        let copied = Mutex::new(0usize);
+        let arrived = Condvar::new();
+        let result = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for (&e, v) in ids.iter().zip(&views) {
+                    // Each id is set once (ids are distinct).
+                    let _ = slots[e].set(DeviceExpert::copy_of(v));
+                    *copied.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+                    arrived.notify_all();
+                }
+            });
+            // Waits for expert `e`'s copy; `None` for an expert that is not being copied.
+            let wait = |e: usize| -> Option<ExpertView<'_>> {
+                if ids.binary_search(&e).is_err() {
+                    return None;
+                }
+                let mut n = copied.lock().unwrap_or_else(PoisonError::into_inner);
+                while slots[e].get().is_none() {
+                    n = arrived.wait(n).unwrap_or_else(PoisonError::into_inner);
+                }
+                slots[e].get().map(DeviceExpert::view)
+            };
+            io.round_trip(
+                layer,
+                &kernels,
+                (d, ff, experts.n_expert),
+                batch,
+                wait,
+                stats,
+                out,
+            )
+        });
+        stats.uploads += 1;
+        stats.upload_bytes += ids.len() as u64 * experts.expert_bytes();
+        let experts = slots.into_iter().map(OnceLock::into_inner).collect();
+        *staged = Some((
             layer,
-            &dl.kernels,
-            (dl.d, dl.ff, dl.experts.len()),
-            &dev_batch,
-            |e| dl.view(e),
-            scratch,
-            dev_out,
-        )?;
-        // Device → host: the expert sum.
-        out.copy_from_slice(dev_out);
-        stats.to_host += 1;
-        stats.to_host_bytes += 4 * out.len() as u64;
-        Ok(())
+            DeviceLayer {
+                kernels,
+                d,
+                ff,
+                experts,
+            },
+        ));
+        result
     }
 
     fn stats(&self) -> TransferStats {
@@ -962,6 +1094,39 @@ mod tests {
         assert_eq!((s.to_device, s.to_device_bytes), (1, 4 * (96 + 6 + 6)));
         assert_eq!((s.to_host, s.to_host_bytes), (1, 4 * 96));
         assert_eq!(dev.bytes_held(), t.layer_bytes());
+    }
+
+    #[test]
+    fn pipelined_offload_matches_host_and_copies_only_routed_experts() {
+        let (data, bias) = q8_layer();
+        let t = tensors(&data, &bias);
+        let h: Vec<f32> = (0..2 * 32).map(|i| (i as f32 * 0.21).cos()).collect();
+        let groups = [0..2];
+        let batch = ExpertBatch {
+            h: &h,
+            selected: &[1, 1],
+            weights: &[1.0, 1.0],
+            n_used: 1,
+            groups: &groups,
+        };
+        let k = ExpertKernels::for_tensors(&t).unwrap();
+        let mut host = vec![0f32; 64];
+        host_experts(0, &k, &t, &batch, &mut ExpertScratch::default(), &mut host).unwrap();
+        let dev = StagingDevice::new("test");
+        let mut got = vec![0f32; 64];
+        dev.run_offloaded(3, &t, &batch, &mut got).unwrap();
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            host.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        let s = dev.stats();
+        assert_eq!((s.uploads, s.upload_bytes), (1, t.expert_bytes()));
+        assert_eq!((s.to_device, s.to_host), (1, 1));
+        assert_eq!(dev.bytes_held(), t.expert_bytes());
+        // The staged expert stays usable until the next offload replaces it.
+        let mut again = vec![0f32; 64];
+        dev.run(3, &batch, &mut again).unwrap();
+        assert_eq!(again, got);
     }
 
     #[test]

@@ -350,13 +350,27 @@ fn op_offload_copies_exactly_the_routed_experts() {
         let load_stats = rec.stats();
         let want = run(&host, &prompt(n_prompt), ubatch, 2);
         let got = run(&model, &prompt(n_prompt), ubatch, 2);
-        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        // The staging device's own (pipelined) offload, beside the trait's default that the
+        // recorder uses.
+        let (piped, staging) = hybrid(file, &placement);
+        let got_piped = run(&piped, &prompt(n_prompt), ubatch, 2);
+        for (step, ((g, p), w)) in got.iter().zip(&got_piped).zip(&want).enumerate() {
             assert_eq!(
                 bits(g),
                 bits(w),
                 "{name} {min_batch:?} ub {ubatch}: step {step}"
             );
+            assert_eq!(
+                bits(p),
+                bits(w),
+                "{name} {min_batch:?} ub {ubatch}: step {step}"
+            );
         }
+        assert_eq!(
+            staging.stats(),
+            rec.stats(),
+            "{name}: same transfers either way"
+        );
         // Micro-batch sizes: the prompt's chunks, then two single-token decode steps.
         let mut sizes: Vec<usize> = prompt(n_prompt).chunks(ubatch).map(<[u32]>::len).collect();
         sizes.extend([1, 1]);
