@@ -171,18 +171,14 @@ pub struct PlacementFlags {
     /// [`OP_OFFLOAD_MIN_BATCH`] tokens, matmuls whose weights live on the CPU run on a GPU, which
     /// then needs a staging buffer for those weights.
     pub op_offload: bool,
-    /// The token counts of one generation run, when known (`hmoe run`): the CPU's estimate
-    /// then counts what that run touches instead of what is allocated (see [`RunTokens`]).
-    /// `None` (the default): allocation sizes, the whole context.
-    pub run_tokens: Option<RunTokens>,
 }
 
 /// The tokens one generation run processes: the prompt in micro-batches of at most `-ub`
 /// tokens, then one token per step, with the logits of the last token only.
 ///
 /// The hmoe engine allocates its CPU KV cache zeroed and untouched, so a run holds only the
-/// pages of the cells it writes; with these counts the CPU estimate is what the run's
-/// resident memory grows by, not the allocation.
+/// pages of the cells it writes; given these counts ([`crate::plan_run`]) the CPU estimate is
+/// what the run's resident memory grows by, not the allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RunTokens {
     /// Tokens of the prompt (its first micro-batch is the largest one the run computes).
@@ -209,7 +205,6 @@ impl Default for PlacementFlags {
             fit_target_mib: vec![1024],
             fit_ctx: 4096,
             op_offload: true,
-            run_tokens: None,
         }
     }
 }

@@ -21,7 +21,7 @@
 //!   of the cache type (MLA models cache K only). `n_ctx` is padded up to a multiple of 256.
 //!   Full-attention layers have `n_ctx` cells; sliding-window layers (gpt-oss's even layers)
 //!   have `pad256(min(n_ctx, window × n_parallel + n_ubatch))` cells (llama.cpp's unified
-//!   iSWA cache). When the flags give the run's token counts ([`RunTokens`]), the CPU counts
+//!   iSWA cache). Given the run's token counts ([`RunTokens`], [`plan_run`]), the CPU counts
 //!   only what the run writes, since the engine allocates its cache untouched: per layer
 //!   `min(total, cells)` cells (a sliding layer's ring being `window × n_parallel + n_ubatch`
 //!   cells), K and V each rounded up to whole 4 KiB pages.
@@ -87,7 +87,7 @@ pub use flags::{
     parse_cache_type, parse_override_list, parse_size, shell_quote, GpuLayers, PlacementFlags,
     RunTokens, TensorRule, FFN_EXPS_REGEX, OP_OFFLOAD_MIN_BATCH,
 };
-pub use plan::{plan, DeviceUsage, Plan};
+pub use plan::{plan, plan_run, DeviceUsage, Plan};
 pub use presets::{gpt_oss_tensor_table, GptOssDims};
 pub use shape::{HparamSource, ModelShape};
 pub use tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};

@@ -8,7 +8,8 @@ use regex::Regex;
 use crate::device::{DeviceBudget, DeviceId};
 use crate::error::{PlacementError, Shortfall};
 use crate::flags::{
-    parse_cache_type, GpuLayers, PlacementFlags, TensorRule, FFN_EXPS_REGEX, OP_OFFLOAD_MIN_BATCH,
+    parse_cache_type, GpuLayers, PlacementFlags, RunTokens, TensorRule, FFN_EXPS_REGEX,
+    OP_OFFLOAD_MIN_BATCH,
 };
 use crate::shape::ModelShape;
 use crate::tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};
@@ -144,7 +145,21 @@ pub fn plan(
     budget: &DeviceBudget,
     flags: &PlacementFlags,
 ) -> Result<Plan, PlacementError> {
-    let planner = Planner::new(tensors, shape, budget, flags)?;
+    plan_run(tensors, shape, budget, flags, None)
+}
+
+/// [`plan()`] for one generation run whose token counts are known (`hmoe run`): the CPU's KV
+/// cache and compute buffers are then what that run touches, not what is allocated (see
+/// [`RunTokens`] and the crate docs). `run = None` is [`plan()`].
+pub fn plan_run(
+    tensors: &[TensorDesc],
+    shape: &ModelShape,
+    budget: &DeviceBudget,
+    flags: &PlacementFlags,
+    run: Option<RunTokens>,
+) -> Result<Plan, PlacementError> {
+    let mut planner = Planner::new(tensors, shape, budget, flags)?;
+    planner.run = run;
     planner.search()
 }
 
@@ -172,6 +187,8 @@ struct Planner<'a> {
     splits: Vec<f64>,
     /// Bytes of `token_embd.weight` when there is no `output.weight` (tied head).
     tied_output: Option<u64>,
+    /// The run's token counts, when known.
+    run: Option<RunTokens>,
 }
 
 fn pad256(n: u64) -> u64 {
@@ -417,6 +434,7 @@ impl<'a> Planner<'a> {
             pinned,
             splits,
             tied_output,
+            run: None,
         })
     }
 
@@ -597,7 +615,7 @@ impl<'a> Planner<'a> {
             u[d].layers += 1;
             let swa = s.is_swa(il);
             let cells = if swa { cells_swa } else { cells_full };
-            u[d].kv += match f.run_tokens {
+            u[d].kv += match self.run {
                 // The CPU cache is allocated untouched: a run holds the pages of the cells it
                 // writes. A sliding layer's ring has window + ubatch cells (no padding).
                 Some(r) if d == 0 => {
@@ -738,7 +756,7 @@ impl<'a> Planner<'a> {
         };
         // Logits held by the caller, candidates and sort scratch of the sampler.
         let sampling = 4 * v + 8 * v + 8 * v;
-        match f.run_tokens {
+        match self.run {
             Some(r) => {
                 let prompt = forward(t.min(r.prompt.max(1) as u64), 1);
                 let decode = forward(1, 1) + 4 * v;

@@ -179,12 +179,12 @@ fn host_copies_stay_on_the_cpu_whatever_the_placement() {
 fn a_known_run_counts_the_kv_pages_it_writes() {
     let d = small_dims();
     let (t, s) = model(d);
-    let flags = |run| PlacementFlags {
+    let flags = PlacementFlags {
         ctx_size: Some(8192),
-        run_tokens: run,
         ..off()
     };
-    let alloc = plan(&t, &s, &DeviceBudget::default(), &flags(None)).unwrap();
+    let at = |run| plan_run(&t, &s, &DeviceBudget::default(), &flags, run).unwrap();
+    let alloc = at(None);
     // f16 K and V rows of 4 heads × 64: 512 bytes each.
     let row = 4 * 64 * 2;
     let (full, swa) = (4, 4);
@@ -197,7 +197,7 @@ fn a_known_run_counts_the_kv_pages_it_writes() {
         prompt: 100,
         total: 1000,
     };
-    let p = plan(&t, &s, &DeviceBudget::default(), &flags(Some(run))).unwrap();
+    let p = at(Some(run));
     let page = |n: u64| n.div_ceil(4096) * 4096;
     assert_eq!(
         p.devices[0].kv,
@@ -208,7 +208,7 @@ fn a_known_run_counts_the_kv_pages_it_writes() {
         prompt: 5,
         total: 10,
     };
-    let p10 = plan(&t, &s, &DeviceBudget::default(), &flags(Some(short))).unwrap();
+    let p10 = at(Some(short));
     assert_eq!(p10.devices[0].kv, 2 * 8 * page(10 * row));
     assert_eq!(p10.devices[0].weights, alloc.devices[0].weights);
 }
@@ -216,27 +216,22 @@ fn a_known_run_counts_the_kv_pages_it_writes() {
 #[test]
 fn a_generation_run_computes_last_token_logits_only() {
     let (t, s) = model(small_dims());
-    let flags = |run| PlacementFlags {
+    let flags = PlacementFlags {
         ctx_size: Some(4096),
-        run_tokens: run,
         ..off()
     };
     let budget = DeviceBudget::default();
-    let worst = plan(&t, &s, &budget, &flags(None)).unwrap().devices[0].compute;
+    let worst = plan(&t, &s, &budget, &flags).unwrap().devices[0].compute;
     // 512 tokens × 32000 logits (and their transposed copy) dominate the unknown run.
     assert!(worst > 2 * 512 * 4 * 32000, "{worst}");
     let run = |prompt| {
-        plan(
-            &t,
-            &s,
-            &budget,
-            &flags(Some(RunTokens {
-                prompt,
-                total: prompt + 64,
-            })),
-        )
-        .unwrap()
-        .devices[0]
+        let tokens = RunTokens {
+            prompt,
+            total: prompt + 64,
+        };
+        plan_run(&t, &s, &budget, &flags, Some(tokens))
+            .unwrap()
+            .devices[0]
             .compute
     };
     let (short, long) = (run(8), run(512));
