@@ -84,6 +84,10 @@ impl ModelArgs {
     /// CPU-only run) and says where tensors go: this build computes everything on the CPU.
     pub fn check_placement(&self) -> anyhow::Result<()> {
         self.placement.to_flags()?;
+        if self.placement.args.device.is_some() {
+            let probed = crate::placement_args::Probed::now();
+            self.placement.selected_devices(&probed)?;
+        }
         if !self.placement.args.gpu_mem.is_empty() || self.placement.args.n_gpu_layers != "auto" {
             tracing::warn!("no GPU backend in this build: every tensor stays on the CPU");
         }

@@ -32,6 +32,17 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
     // Host RAM is reported, not enforced: weights are memory-mapped, so a model larger than
     // RAM still runs (paging), as with llama.cpp.
     let budget = args.placement.gpu_budget()?;
+    if args.placement.args.gpu_mem.is_empty() && !budget.gpus.is_empty() {
+        let free: Vec<String> = budget
+            .gpus
+            .iter()
+            .map(|g| format!("{} MiB", g.free >> 20))
+            .collect();
+        eprintln!(
+            "fit: GPU budget from the free memory the driver reports: {}",
+            free.join(", ")
+        );
+    }
     let plan = plan(&tensors, &shape, &budget, &flags)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&to_json(&plan))?);

@@ -16,10 +16,18 @@ mod tokenize_cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "hmoe", version, about = "Mixture-of-Experts inference engine")]
+#[command(
+    name = "hmoe",
+    version,
+    about = "Mixture-of-Experts inference engine",
+    arg_required_else_help = true
+)]
 struct Cli {
+    /// Print the GPUs found, with total and free memory, and exit (as llama.cpp's flag).
+    #[arg(long = "list-devices")]
+    list_devices: bool,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -44,6 +52,8 @@ enum Command {
     Bench(bench_cmd::BenchArgs),
     /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
     Serve(Box<serve_cmd::ServeArgs>),
+    /// Print the GPUs found, with total and free memory (same as `hmoe --list-devices`).
+    ListDevices,
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
@@ -87,7 +97,12 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse_from(normalise_args(std::env::args()));
-    if let Err(e) = run(cli.command) {
+    let result = match cli.command {
+        _ if cli.list_devices => list_devices(),
+        Some(command) => run(command),
+        None => list_devices(),
+    };
+    if let Err(e) = result {
         // The cause chain on one line; no backtrace even when RUST_BACKTRACE is set.
         eprintln!("error: {e:#}");
         std::process::exit(1);
@@ -106,5 +121,77 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Fit(args) => fit_cmd::run(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Serve(args) => serve_cmd::run(*args),
+        Command::ListDevices => list_devices(),
+    }
+}
+
+/// `--list-devices`: llama.cpp's list on stdout; without CUDA an empty list and a note on
+/// stderr (exit 0).
+fn list_devices() -> anyhow::Result<()> {
+    let probed = placement_args::Probed::now();
+    print!("{}", device_list(&probed));
+    if let Some(why) = &probed.why_none {
+        eprintln!("note: CUDA not found or no GPU: {why}");
+    }
+    Ok(())
+}
+
+/// `Available devices:` then `  CUDA0: NAME (TOTAL MiB, FREE MiB free)` per GPU.
+fn device_list(probed: &placement_args::Probed) -> String {
+    let mut out = String::from("Available devices:\n");
+    for g in &probed.gpus {
+        out.push_str(&format!(
+            "  {}: {} ({} MiB, {} MiB free)\n",
+            g.device_name(),
+            g.name,
+            g.total_bytes >> 20,
+            g.free_bytes >> 20
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_list_is_llama_cpp_shaped() {
+        let probed = placement_args::Probed {
+            gpus: vec![hmoe_cuda::GpuInfo {
+                index: 0,
+                name: "NVIDIA H200".into(),
+                total_bytes: 143_771 << 20,
+                free_bytes: (143_000 << 20) + 5,
+                compute_capability: (9, 0),
+            }],
+            why_none: None,
+        };
+        assert_eq!(
+            device_list(&probed),
+            "Available devices:\n  CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)\n"
+        );
+        assert_eq!(
+            device_list(&placement_args::Probed::default()),
+            "Available devices:\n"
+        );
+    }
+
+    #[test]
+    fn list_devices_flag_and_subcommand_parse() {
+        let cli = Cli::try_parse_from(["hmoe", "--list-devices"]).unwrap();
+        assert!(cli.list_devices && cli.command.is_none());
+        let cli = Cli::try_parse_from(["hmoe", "list-devices"]).unwrap();
+        assert!(matches!(cli.command, Some(Command::ListDevices)));
+        let argv = normalise_args(
+            ["hmoe", "fit", "-m", "x.gguf", "-dev", "none"]
+                .iter()
+                .map(|s| s.to_string()),
+        );
+        let cli = Cli::try_parse_from(argv).unwrap();
+        let Some(Command::Fit(fit)) = cli.command else {
+            panic!("fit")
+        };
+        assert_eq!(fit.placement.args.device.as_deref(), Some("none"));
     }
 }

@@ -83,6 +83,75 @@ pub struct PlacementFlagArgs {
     /// Never run matmuls of CPU-resident weights on a GPU for large batches.
     #[arg(long = "no-op-offload")]
     pub no_op_offload: bool,
+    /// GPUs to use (`-dev`): a comma list of CUDA0, CUDA1, ... or `none` (CPU only).
+    /// Default: every GPU found. `hmoe --list-devices` shows them.
+    #[arg(long = "device", value_name = "CUDA0,...|none")]
+    pub device: Option<String>,
+}
+
+/// The CUDA devices of this machine, or none and why (no driver, no device).
+#[derive(Clone, Debug, Default)]
+pub struct Probed {
+    /// The devices, `CUDA0` first.
+    pub gpus: Vec<hmoe_cuda::GpuInfo>,
+    /// Why there are none, when the probe failed.
+    pub why_none: Option<String>,
+}
+
+impl Probed {
+    /// Probes the driver (an empty list with the reason when CUDA is absent).
+    pub fn now() -> Probed {
+        match hmoe_cuda::probe() {
+            Ok(gpus) => Probed {
+                why_none: gpus.is_empty().then(|| "no CUDA device found".to_string()),
+                gpus,
+            },
+            Err(e) => Probed {
+                gpus: Vec::new(),
+                why_none: Some(e.to_string()),
+            },
+        }
+    }
+
+    fn names(&self) -> String {
+        if self.gpus.is_empty() {
+            format!(
+                "none ({})",
+                self.why_none.as_deref().unwrap_or("no CUDA device found")
+            )
+        } else {
+            self.gpus
+                .iter()
+                .map(hmoe_cuda::GpuInfo::device_name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    }
+}
+
+/// Parses a `--device` list against the probed GPUs: positions in `probed.gpus` of the named
+/// devices in the order given, empty for `none`.
+pub fn parse_device_list(list: &str, probed: &Probed) -> anyhow::Result<Vec<usize>> {
+    let list = list.trim();
+    if list.eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for name in list.split(',').map(str::trim) {
+        let index = probed
+            .gpus
+            .iter()
+            .position(|g| g.device_name().eq_ignore_ascii_case(name))
+            .with_context(|| {
+                format!(
+                    "--device: unknown device '{name}'; available: {} (or `none`)",
+                    probed.names()
+                )
+            })?;
+        anyhow::ensure!(!out.contains(&index), "--device: '{name}' is listed twice");
+        out.push(index);
+    }
+    Ok(out)
 }
 
 /// The placement flags plus the command-line order of the rule flags.
@@ -124,19 +193,52 @@ impl PlacementArgs {
         })
     }
 
-    /// The GPUs given by `--gpu-mem` (default runtime overhead each), no host figure.
+    /// The GPUs the plan may use (default runtime overhead each), no host figure: those of
+    /// `--gpu-mem` when given, else the free memory (`cuMemGetInfo`) of the GPUs found, limited
+    /// to `--device`. Probes the driver only when it needs to (no `--gpu-mem`, or `--device`).
     pub fn gpu_budget(&self) -> anyhow::Result<DeviceBudget> {
-        let gpus = self
-            .args
-            .gpu_mem
-            .iter()
-            .map(|s| parse_size(s).map(GpuBudget::new))
-            .collect::<Result<Vec<_>, _>>()
-            .context("--gpu-mem")?;
+        let probed = if self.args.gpu_mem.is_empty() || self.args.device.is_some() {
+            Probed::now()
+        } else {
+            Probed::default()
+        };
+        self.gpu_budget_with(&probed)
+    }
+
+    /// [`PlacementArgs::gpu_budget`] against already probed GPUs. With `--device`, the plan's
+    /// GPU k is the k-th device listed; `--device none` means no GPU even with `--gpu-mem`.
+    pub fn gpu_budget_with(&self, probed: &Probed) -> anyhow::Result<DeviceBudget> {
+        let selected = self.selected_devices(probed)?;
+        let gpus = if selected.as_ref().is_some_and(Vec::is_empty) {
+            Vec::new()
+        } else if !self.args.gpu_mem.is_empty() {
+            self.args
+                .gpu_mem
+                .iter()
+                .map(|s| parse_size(s).map(GpuBudget::new))
+                .collect::<Result<Vec<_>, _>>()
+                .context("--gpu-mem")?
+        } else {
+            let all: Vec<usize> = (0..probed.gpus.len()).collect();
+            selected
+                .unwrap_or(all)
+                .iter()
+                .map(|&i| GpuBudget::new(probed.gpus[i].free_bytes))
+                .collect()
+        };
         Ok(DeviceBudget {
             gpus,
             host_free: None,
         })
+    }
+
+    /// The probed GPUs `--device` names (positions in `probed.gpus`, in the order given), or
+    /// `None` without the flag.
+    pub fn selected_devices(&self, probed: &Probed) -> anyhow::Result<Option<Vec<usize>>> {
+        let Some(list) = &self.args.device else {
+            return Ok(None);
+        };
+        parse_device_list(list, probed).map(Some)
     }
 
     fn ordered_rules(
@@ -316,6 +418,75 @@ mod tests {
         assert_eq!(b.gpus.len(), 2);
         assert_eq!(b.gpus[0].free, 8 << 30);
         assert_eq!(b.gpus[1].free, 24 << 30);
-        assert!(parse(&[]).gpu_budget().unwrap().gpus.is_empty());
+        assert!(parse(&[])
+            .gpu_budget_with(&Probed::default())
+            .unwrap()
+            .gpus
+            .is_empty());
+    }
+
+    fn gpu(index: usize, free_gib: u64) -> hmoe_cuda::GpuInfo {
+        hmoe_cuda::GpuInfo {
+            index,
+            name: format!("Test GPU {index}"),
+            total_bytes: 80 << 30,
+            free_bytes: free_gib << 30,
+            compute_capability: (9, 0),
+        }
+    }
+
+    #[test]
+    fn budget_defaults_to_the_probed_free_memory() {
+        let probed = Probed {
+            gpus: vec![gpu(0, 70), gpu(1, 20)],
+            why_none: None,
+        };
+        let free = |args: &[&str]| -> Vec<u64> {
+            parse(args)
+                .gpu_budget_with(&probed)
+                .unwrap()
+                .gpus
+                .iter()
+                .map(|g| g.free >> 30)
+                .collect()
+        };
+        assert_eq!(free(&[]), vec![70, 20]);
+        assert_eq!(free(&["--device", "CUDA1"]), vec![20]);
+        assert_eq!(free(&["--device", "cuda1,CUDA0"]), vec![20, 70]);
+        assert_eq!(free(&["--device", "none"]), Vec::<u64>::new());
+        assert_eq!(free(&["--gpu-mem", "8GiB"]), vec![8], "--gpu-mem wins");
+        assert_eq!(
+            free(&["--gpu-mem", "8GiB", "--device", "none"]),
+            Vec::<u64>::new()
+        );
+    }
+
+    #[test]
+    fn unknown_devices_list_the_valid_ones() {
+        let probed = Probed {
+            gpus: vec![gpu(0, 70)],
+            why_none: None,
+        };
+        let err = parse(&["--device", "CUDA3"])
+            .gpu_budget_with(&probed)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("'CUDA3'") && err.contains("available: CUDA0"),
+            "{err}"
+        );
+        assert!(parse(&["--device", "CUDA0,CUDA0"])
+            .gpu_budget_with(&probed)
+            .is_err());
+        let none = Probed {
+            gpus: Vec::new(),
+            why_none: Some("no CUDA driver (libcuda not found)".into()),
+        };
+        let err = parse(&["--device", "CUDA0"])
+            .gpu_budget_with(&none)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("none (no CUDA driver"), "{err}");
+        assert!(parse(&["--device", "none"]).gpu_budget_with(&none).is_ok());
     }
 }

@@ -898,13 +898,18 @@ impl CudaDevice {
                 )
             },
         )?;
-        // Keys of a window must all still be in the ring.
-        let span = p.window.unwrap_or(pos0 + n_tokens);
-        ensure(
-            span.min(pos0 + n_tokens) <= p.cells || n_tokens == 0,
-            OP,
-            || format!("{} cells cannot hold the {span} keys a query sees", p.cells),
-        )?;
+        // Every key the batch's queries see must still be in the ring after the batch's
+        // own keys were stored: the window plus the batch, at most the whole sequence.
+        let span = p
+            .window
+            .map_or(usize::MAX, |w| w + n_tokens.saturating_sub(1))
+            .min(pos0 + n_tokens);
+        ensure(span <= p.cells || n_tokens == 0, OP, || {
+            format!(
+                "{} cells cannot hold the {span} keys this batch sees",
+                p.cells
+            )
+        })?;
         if n_tokens == 0 {
             return Ok(());
         }

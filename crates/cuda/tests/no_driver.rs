@@ -14,7 +14,10 @@ fn probe_without_a_driver_is_a_clean_error() {
     let err = probe().unwrap_err();
     assert!(matches!(err, CudaError::NoDriver), "{err:?}");
     assert_eq!(err.to_string(), "no CUDA driver (libcuda not found)");
-    assert!(matches!(hmoe_cuda::device_count(), Err(CudaError::NoDriver)));
+    assert!(matches!(
+        hmoe_cuda::device_count(),
+        Err(CudaError::NoDriver)
+    ));
     assert!(matches!(hmoe_cuda::probe_one(0), Err(CudaError::NoDriver)));
     assert!(matches!(CudaDevice::new(0), Err(CudaError::NoDriver)));
 }

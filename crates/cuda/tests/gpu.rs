@@ -1,0 +1,529 @@
+//! The CUDA test suite: every kernel against a plain-Rust reference on random data. Each test
+//! returns early ("no CUDA device: skipped") on a machine without a CUDA device, so these pass
+//! trivially here and check the kernels on a GPU machine (scripts/gpu-check.sh).
+
+use std::sync::OnceLock;
+
+use half::f16;
+use hmoe_cuda::{AttnParams, CudaDevice, MoeWeights, RopeParams};
+use hmoe_quant::{dequantize_row, quantize_row, GgmlType};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
+fn device() -> Option<&'static CudaDevice> {
+    static DEV: OnceLock<Option<CudaDevice>> = OnceLock::new();
+    let dev = DEV.get_or_init(|| match hmoe_cuda::probe() {
+        Ok(gpus) if !gpus.is_empty() => {
+            Some(CudaDevice::new(0).unwrap_or_else(|e| panic!("a GPU is present but: {e}")))
+        }
+        _ => None,
+    });
+    if dev.is_none() {
+        eprintln!("no CUDA device: skipped");
+    }
+    dev.as_ref()
+}
+
+fn noise(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// `rows × cols` random weights in `ty` and their exact dequantised values.
+fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let src = noise(rng, rows * cols, 1.0);
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let mut q = vec![0u8; rows * rb];
+    let mut deq = vec![0f32; rows * cols];
+    for r in 0..rows {
+        quantize_row(
+            ty,
+            &src[r * cols..(r + 1) * cols],
+            &mut q[r * rb..(r + 1) * rb],
+        )
+        .unwrap();
+        dequantize_row(
+            ty,
+            &q[r * rb..(r + 1) * rb],
+            &mut deq[r * cols..(r + 1) * cols],
+        )
+        .unwrap();
+    }
+    (q, deq)
+}
+
+/// `|got - want| <= tol · scale` element-wise, where `scale` is each value's error scale.
+fn assert_close(what: &str, got: &[f32], want: &[f32], scale: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, ((&g, &w), &s)) in got.iter().zip(want).zip(scale).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * s.max(1e-6),
+            "{what}[{i}]: got {g}, want {w} (scale {s}, tol {tol})"
+        );
+    }
+}
+
+const TYPES: [GgmlType; 5] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::MXFP4,
+];
+
+#[test]
+fn get_rows_dequantises_exactly() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(1);
+    let (rows, cols) = (50, 96);
+    for ty in TYPES {
+        let (q, deq) = weights(&mut rng, ty, rows, cols);
+        let table = dev.upload_matrix(ty, rows, cols, &q).unwrap();
+        let ids = [3i32, 0, 49, 3, 17, -1, 50];
+        let ids_d = dev.upload(&ids).unwrap();
+        let mut out = dev.alloc_zeros::<f32>(ids.len() * cols).unwrap();
+        dev.get_rows(&table, &ids_d, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        for (t, &id) in ids.iter().enumerate() {
+            let row = &got[t * cols..(t + 1) * cols];
+            if (0..rows as i32).contains(&id) {
+                let want = &deq[id as usize * cols..(id as usize + 1) * cols];
+                assert_eq!(row, want, "{ty} row {id}");
+            } else {
+                assert!(row.iter().all(|&v| v == 0.0), "{ty}: id {id} gives zeros");
+            }
+        }
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(2);
+    let (rows, n, eps) = (5, 2880, 1e-5f32);
+    let x = noise(&mut rng, rows * n, 3.0);
+    let w = noise(&mut rng, n, 1.0);
+    let mut want = vec![0f32; rows * n];
+    for r in 0..rows {
+        let row = &x[r * n..(r + 1) * n];
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+        let scale = 1.0 / ((sum / n as f64) as f32 + eps).sqrt();
+        for i in 0..n {
+            want[r * n + i] = row[i] * scale * w[i];
+        }
+    }
+    let (xd, wd) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+    let mut out = dev.alloc_zeros::<f32>(rows * n).unwrap();
+    dev.rms_norm(&xd, &wd, eps, &mut out).unwrap();
+    let got = dev.download(&out).unwrap();
+    let scale: Vec<f32> = want.iter().map(|v| v.abs()).collect();
+    assert_close("rms_norm", &got, &want, &scale, 1e-5);
+}
+
+#[test]
+fn matmul_every_type_and_batch_size() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(3);
+    let (rows, cols) = (70, 160);
+    for ty in TYPES {
+        let (q, deq) = weights(&mut rng, ty, rows, cols);
+        let w = dev.upload_matrix(ty, rows, cols, &q).unwrap();
+        for n in [1usize, 3, 9, 20] {
+            let x = noise(&mut rng, n * cols, 1.0);
+            // cuBLAS rounds activations to the weight's 16-bit type for batches.
+            let cublas = n >= hmoe_cuda::CUBLAS_MIN_TOKENS
+                && dev.has_cublas()
+                && matches!(ty, GgmlType::F16 | GgmlType::BF16);
+            let tol = match (cublas, ty) {
+                (true, GgmlType::BF16) => 1e-2,
+                (true, _) => 2e-3,
+                _ => 3e-5,
+            };
+            let mut want = vec![0f32; n * rows];
+            let mut scale = vec![0f32; n * rows];
+            for t in 0..n {
+                for r in 0..rows {
+                    let (mut s, mut a) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let p = deq[r * cols + c] as f64 * x[t * cols + c] as f64;
+                        s += p;
+                        a += p.abs();
+                    }
+                    want[t * rows + r] = s as f32;
+                    scale[t * rows + r] = a as f32;
+                }
+            }
+            let xd = dev.upload(&x).unwrap();
+            let mut y = dev.alloc_zeros::<f32>(n * rows).unwrap();
+            dev.matmul(&w, &xd, n, &mut y).unwrap();
+            let got = dev.download(&y).unwrap();
+            assert_close(&format!("matmul {ty} n={n}"), &got, &want, &scale, tol);
+        }
+    }
+}
+
+#[test]
+fn adds() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(4);
+    let (a, b, bias) = (
+        noise(&mut rng, 3 * 40, 1.0),
+        noise(&mut rng, 3 * 40, 1.0),
+        noise(&mut rng, 40, 1.0),
+    );
+    let mut ad = dev.upload(&a).unwrap();
+    dev.add_assign(&mut ad, &dev.upload(&b).unwrap()).unwrap();
+    dev.add_bias(&mut ad, &dev.upload(&bias).unwrap()).unwrap();
+    let got = dev.download(&ad).unwrap();
+    for i in 0..a.len() {
+        assert_eq!(got[i], (a[i] + b[i]) + bias[i % 40], "[{i}]");
+    }
+}
+
+#[test]
+fn rope_neox_yarn_matches_the_host_formula() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    let (n_heads, hd) = (3, 64);
+    let positions = [0i32, 1, 7, 130, 4095, 70000];
+    let n = positions.len();
+    for p in [
+        RopeParams::yarn(hd, 150000.0, 32.0, 4096, 1.0, 32.0, 1.0),
+        RopeParams::plain(hd, 10000.0),
+    ] {
+        let x = noise(&mut rng, n * n_heads * hd, 2.0);
+        let mut want = x.clone();
+        let half = hd / 2;
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..n_heads {
+                let head = &mut want[(t * n_heads + h) * hd..(t * n_heads + h + 1) * hd];
+                for i in 0..half {
+                    let (c, s) = p.cos_sin(pos, i);
+                    let (x0, x1) = (head[i], head[i + half]);
+                    head[i] = x0.mul_add(c, -(x1 * s));
+                    head[i + half] = x0.mul_add(s, x1 * c);
+                }
+            }
+        }
+        let mut xd = dev.upload(&x).unwrap();
+        let pd = dev.upload(&positions).unwrap();
+        dev.rope_neox(&mut xd, &pd, n_heads, hd, &p).unwrap();
+        let got = dev.download(&xd).unwrap();
+        // cosf/sinf on the GPU are within 2 ulp of the host's; large angles lose more.
+        let scale = vec![4.0f32; got.len()];
+        assert_close("rope", &got, &want, &scale, 1e-5);
+    }
+}
+
+/// CPU attention over f16-rounded K/V with sinks, window and GQA.
+#[allow(clippy::too_many_arguments)]
+fn attention_ref(
+    p: &AttnParams,
+    q: &[f32],
+    k_all: &[f32],
+    v_all: &[f32],
+    sinks: Option<&[f32]>,
+    n_tokens: usize,
+    pos0: usize,
+) -> Vec<f32> {
+    let hd = p.head_dim;
+    let kvw = p.n_head_kv * hd;
+    let group = p.n_head / p.n_head_kv;
+    let r16 = |v: f32| f16::from_f32(v).to_f32();
+    let mut out = vec![0f32; n_tokens * p.n_head * hd];
+    for t in 0..n_tokens {
+        let pos = pos0 + t;
+        let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        for h in 0..p.n_head {
+            let qh = &q[(t * p.n_head + h) * hd..][..hd];
+            let kvh = h / group;
+            let scores: Vec<f64> = (first..=pos)
+                .map(|j| {
+                    let k = &k_all[j * kvw + kvh * hd..][..hd];
+                    qh.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * r16(b) as f64)
+                        .sum::<f64>()
+                        * p.scale as f64
+                })
+                .collect();
+            let sink = sinks.map(|s| s[h] as f64);
+            let m = scores
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
+            let denom: f64 = scores.iter().map(|s| (s - m).exp()).sum::<f64>()
+                + sink.map_or(0.0, |s| (s - m).exp());
+            let o = &mut out[(t * p.n_head + h) * hd..][..hd];
+            for (i, j) in (first..=pos).enumerate() {
+                let pr = (scores[i] - m).exp() / denom;
+                let v = &v_all[j * kvw + kvh * hd..][..hd];
+                for d in 0..hd {
+                    o[d] += (pr * r16(v[d]) as f64) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn attention_with_sinks_window_gqa_and_a_ring_cache() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(6);
+    let (n_head, n_kv, hd) = (8, 2, 64);
+    let kvw = n_kv * hd;
+    // (window, cells, pos0, n_tokens): full causal; a window in a ring smaller than the
+    // sequence (cells wrap); a prefill batch with a window.
+    for (window, cells, pos0, n_tokens) in [
+        (None, 64, 20, 3),
+        (Some(8), 12, 40, 2),
+        (Some(8), 32, 0, 20),
+    ] {
+        for with_sinks in [false, true] {
+            let total = pos0 + n_tokens;
+            let k_all = noise(&mut rng, total * kvw, 1.0);
+            let v_all = noise(&mut rng, total * kvw, 1.0);
+            let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
+            let sinks = noise(&mut rng, n_head, 2.0);
+            let p = AttnParams {
+                n_head,
+                n_head_kv: n_kv,
+                head_dim: hd,
+                cells,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let mut kc = dev.alloc_zeros::<u16>(cells * kvw).unwrap();
+            let mut vc = dev.alloc_zeros::<u16>(cells * kvw).unwrap();
+            // Store the history one token at a time (as decode does), then the batch.
+            for pos in 0..pos0 {
+                let kd = dev.upload(&k_all[pos * kvw..(pos + 1) * kvw]).unwrap();
+                let vd = dev.upload(&v_all[pos * kvw..(pos + 1) * kvw]).unwrap();
+                dev.kv_store_f16(&kd, &mut kc, 1, kvw, cells, pos).unwrap();
+                dev.kv_store_f16(&vd, &mut vc, 1, kvw, cells, pos).unwrap();
+            }
+            let kd = dev.upload(&k_all[pos0 * kvw..]).unwrap();
+            let vd = dev.upload(&v_all[pos0 * kvw..]).unwrap();
+            dev.kv_store_f16(&kd, &mut kc, n_tokens, kvw, cells, pos0)
+                .unwrap();
+            dev.kv_store_f16(&vd, &mut vc, n_tokens, kvw, cells, pos0)
+                .unwrap();
+            if window.is_none() {
+                // The cache holds f16 bits of the values, cell = position.
+                let bits = dev.download(&kc).unwrap();
+                assert_eq!(bits[5], f16::from_f32(k_all[5]).to_bits());
+            }
+            let qd = dev.upload(&q).unwrap();
+            let sd = dev.upload(&sinks).unwrap();
+            let mut out = dev.alloc_zeros::<f32>(q.len()).unwrap();
+            let s = with_sinks.then_some(&sd);
+            dev.attention(&p, &qd, &kc, &vc, s, n_tokens, pos0, &mut out)
+                .unwrap();
+            let got = dev.download(&out).unwrap();
+            let want = attention_ref(
+                &p,
+                &q,
+                &k_all,
+                &v_all,
+                with_sinks.then_some(&sinks[..]),
+                n_tokens,
+                pos0,
+            );
+            let scale = vec![1.0f32; want.len()];
+            assert_close(
+                &format!("attention window {window:?} sinks {with_sinks}"),
+                &got,
+                &want,
+                &scale,
+                2e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn router_picks_top_k_and_normalises_them() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(7);
+    let (n, ne, k) = (9, 128, 4);
+    let mut logits = noise(&mut rng, n * ne, 4.0);
+    // Ties: the lower index wins.
+    logits[5] = 10.0;
+    logits[9] = 10.0;
+    logits[ne + 100] = 7.0;
+    logits[ne + 3] = 7.0;
+    let ld = dev.upload(&logits).unwrap();
+    let mut sel = dev.alloc_zeros::<i32>(n * k).unwrap();
+    let mut w = dev.alloc_zeros::<f32>(n * k).unwrap();
+    dev.router_top_k(&ld, ne, k, &mut sel, &mut w).unwrap();
+    let (sel, w) = (dev.download(&sel).unwrap(), dev.download(&w).unwrap());
+    for t in 0..n {
+        let row = &logits[t * ne..(t + 1) * ne];
+        let mut idx: Vec<usize> = (0..ne).collect();
+        idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let top: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
+        assert_eq!(&sel[t * k..(t + 1) * k], &top[..], "token {t}");
+        let m = row[idx[0]];
+        let e: Vec<f32> = idx[..k].iter().map(|&i| (row[i] - m).exp()).collect();
+        let sum: f32 = e.iter().sum();
+        for j in 0..k {
+            assert!(
+                (w[t * k + j] - e[j] / sum).abs() < 1e-6,
+                "token {t} slot {j}"
+            );
+        }
+    }
+    assert_eq!(&sel[..2], &[5, 9]);
+    assert_eq!(&sel[k..k + 2], &[3, 100]);
+}
+
+fn swiglu_oai(g: f32, u: f32) -> f32 {
+    let x = g.min(7.0);
+    let y = u.clamp(-7.0, 7.0);
+    x / (1.0 + (-1.702 * x).exp()) * (y + 1.0)
+}
+
+#[test]
+fn moe_experts_match_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(8);
+    let (ne, d, ff, n, k) = (8, 64, 96, 5, 2);
+    for ty in [GgmlType::MXFP4, GgmlType::Q8_0, GgmlType::F16] {
+        let (gq, gdq) = weights(&mut rng, ty, ne * ff, d);
+        let (uq, udq) = weights(&mut rng, ty, ne * ff, d);
+        let (dq, ddq) = weights(&mut rng, ty, ne * d, ff);
+        let (bg, bu, bd) = (
+            noise(&mut rng, ne * ff, 0.5),
+            noise(&mut rng, ne * ff, 0.5),
+            noise(&mut rng, ne * d, 0.5),
+        );
+        let x = noise(&mut rng, n * d, 1.0);
+        let sel: Vec<i32> = (0..n * k).map(|_| rng.random_range(0..ne as i32)).collect();
+        let wts = noise(&mut rng, n * k, 1.0);
+        for with_bias in [true, false] {
+            let mw = MoeWeights {
+                gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),
+                up: dev.upload_experts(ty, ne, ff, d, &uq).unwrap(),
+                down: dev.upload_experts(ty, ne, d, ff, &dq).unwrap(),
+                gate_bias: with_bias.then(|| dev.upload(&bg).unwrap()),
+                up_bias: with_bias.then(|| dev.upload(&bu).unwrap()),
+                down_bias: with_bias.then(|| dev.upload(&bd).unwrap()),
+            };
+            let b = |v: &[f32], i: usize| if with_bias { v[i] } else { 0.0 };
+            let mut want = vec![0f32; n * d];
+            let mut scale = vec![0f32; n * d];
+            for t in 0..n {
+                for j in 0..k {
+                    let e = sel[t * k + j] as usize;
+                    let h: Vec<f32> = (0..ff)
+                        .map(|r| {
+                            let row = (e * ff + r) * d;
+                            let dot = |m: &[f32]| -> f32 {
+                                (0..d)
+                                    .map(|c| m[row + c] as f64 * x[t * d + c] as f64)
+                                    .sum::<f64>() as f32
+                            };
+                            swiglu_oai(
+                                dot(&gdq) + b(&bg, e * ff + r),
+                                dot(&udq) + b(&bu, e * ff + r),
+                            )
+                        })
+                        .collect();
+                    for r in 0..d {
+                        let row = (e * d + r) * ff;
+                        let (mut s, mut a) = (0f64, 0f64);
+                        for c in 0..ff {
+                            let p = ddq[row + c] as f64 * h[c] as f64;
+                            s += p;
+                            a += p.abs();
+                        }
+                        let y = s as f32 + b(&bd, e * d + r);
+                        want[t * d + r] += wts[t * k + j] * y;
+                        scale[t * d + r] += wts[t * k + j].abs() * (a as f32 + 1.0);
+                    }
+                }
+            }
+            let xd = dev.upload(&x).unwrap();
+            let sd = dev.upload(&sel).unwrap();
+            let wd = dev.upload(&wts).unwrap();
+            let mut out = dev.alloc_zeros::<f32>(n * d).unwrap();
+            dev.moe(&mw, &xd, &sd, &wd, k, &mut out).unwrap();
+            let got = dev.download(&out).unwrap();
+            assert_close(
+                &format!("moe {ty} bias {with_bias}"),
+                &got,
+                &want,
+                &scale,
+                1e-4,
+            );
+        }
+    }
+}
+
+#[test]
+fn pinned_async_round_trip() {
+    let Some(dev) = device() else { return };
+    let n = 1 << 16;
+    let mut host = dev.alloc_pinned::<f32>(n).unwrap();
+    for (i, v) in host.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *v = i as f32 * 0.5;
+    }
+    let mut d = dev.alloc_zeros::<f32>(n).unwrap();
+    dev.upload_async(&host, &mut d).unwrap();
+    let mut back = dev.alloc_pinned::<f32>(n).unwrap();
+    dev.download_async(&d, &mut back).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(back.as_slice().unwrap(), host.as_slice().unwrap());
+}
+
+#[test]
+fn probe_reports_memory_and_the_cache_is_used() {
+    let Some(dev) = device() else { return };
+    let info = dev.info();
+    assert!(
+        info.total_bytes > 0 && info.free_bytes <= info.total_bytes,
+        "{info:?}"
+    );
+    assert!(info.compute_capability.0 >= 5, "{info:?}");
+    let (free, total) = dev.mem_info().unwrap();
+    assert_eq!(total, info.total_bytes);
+    assert!(free <= total);
+    let gpus = hmoe_cuda::probe().unwrap();
+    assert_eq!(gpus[0].name, info.name);
+    eprintln!("{info:?}, kernels from {:?}", dev.ptx_origin());
+    if hmoe_cuda::cache::cache_dir().is_some() {
+        // The first open compiled or read the cache; a second open must read it.
+        let again = CudaDevice::new(0).unwrap();
+        assert!(
+            matches!(again.ptx_origin(), hmoe_cuda::kernels::PtxOrigin::Cache(_)),
+            "{:?}",
+            again.ptx_origin()
+        );
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors_not_panics() {
+    let Some(dev) = device() else { return };
+    let x = dev.alloc_zeros::<f32>(10).unwrap();
+    let w = dev.alloc_zeros::<f32>(4).unwrap();
+    let mut out = dev.alloc_zeros::<f32>(10).unwrap();
+    assert!(
+        dev.rms_norm(&x, &w, 1e-5, &mut out).is_err(),
+        "10 is not rows of 4"
+    );
+    assert!(dev
+        .upload_matrix(GgmlType::Q8_0, 2, 31, &[0u8; 68])
+        .is_err());
+    assert!(dev
+        .upload_matrix(GgmlType::Q4_K, 1, 256, &[0u8; 144])
+        .is_err());
+    let mut sel = dev.alloc_zeros::<i32>(1).unwrap();
+    let mut wt = dev.alloc_zeros::<f32>(1).unwrap();
+    assert!(
+        dev.router_top_k(&x, 5, 6, &mut sel, &mut wt).is_err(),
+        "k > n_expert"
+    );
+}
