@@ -656,12 +656,35 @@ pub(crate) fn flash_attention(
                 _ => (1, 0),
             };
             let k_row_bytes = kd / k_be * k_bb;
+            // Q8_0 keys dot Q8_0 queries, and that dot is symmetric (an exact integer sum per
+            // block times the product of the two scales): the query heads sharing a key head
+            // go through one `dot_rows` call as "weight rows" against the key as "activation".
+            let swapped = match (&cache.k, k_kernel.as_ref()) {
+                (
+                    Cells::Blocks {
+                        ty: GgmlType::Q8_0, ..
+                    },
+                    Some(kk),
+                ) if kk.act_type() == GgmlType::Q8_0 => Some(kk),
+                _ => None,
+            };
+            let group_q: Vec<u8> = match swapped {
+                Some(_) => rows
+                    .iter()
+                    .flat_map(|r| r.q_blocks.iter().copied())
+                    .collect(),
+                None => Vec::new(),
+            };
+            let mut group_scores = vec![0f32; heads_per_task];
+            // Byte offset of each block slot's key head (block-typed keys).
+            let mut k_off = vec![0usize; kv_per_task * POS_BLOCK];
             for b0 in (lo..=hi).step_by(POS_BLOCK) {
                 let b1 = (b0 + POS_BLOCK).min(hi + 1);
                 let seen = |p: usize| rows.iter().any(|r| r.first <= p && p <= r.last);
                 for p in (b0..b1).filter(|&p| seen(p)) {
                     for j in 0..kv_per_task {
                         let k_at = cell_at(p, k_width, kd, kvh0 + j);
+                        k_off[slot(j, p - b0)] = k_at / k_be * k_bb;
                         let v_at = if shape.v_in_k {
                             k_at
                         } else {
@@ -682,22 +705,40 @@ pub(crate) fn flash_attention(
                         }
                     }
                 }
-                for (r, sc) in rows.iter().zip(scores.chunks_exact_mut(POS_BLOCK)) {
-                    let j = r.h / group - kvh0;
-                    for p in r.first.max(b0)..=r.last.min(b1 - 1) {
-                        let at = slot(j, p - b0);
-                        let kb = &k_block[at * kd..(at + 1) * kd];
-                        sc[p - b0] = match &cache.k {
-                            Cells::F32(_) => dot_vec_f32(&r.q, kb),
-                            // `vec_dot_f16` of the f16-rounded query (exact in f32).
-                            Cells::F16(_) => dot_vec(&r.q, kb, |x| x, true),
-                            Cells::Blocks { data, .. } => {
-                                let off = cell_at(p, k_width, kd, kvh0 + j) / k_be * k_bb;
-                                k_kernel.as_ref().map_or(0.0, |kk| {
-                                    kk.dot(kd, &data[off..off + k_row_bytes], &r.q_blocks)
-                                })
+                if let (Some(kk), Cells::Blocks { data, .. }) = (swapped, &cache.k) {
+                    // Rows come in runs of `heads_per_task` sharing a query and a key head.
+                    let run_q = heads_per_task * k_row_bytes;
+                    for (g, run) in rows.chunks(heads_per_task).enumerate() {
+                        let (r0, j) = (&run[0], run[0].h / group - kvh0);
+                        let qs = &group_q[g * run_q..(g + 1) * run_q];
+                        for p in r0.first.max(b0)..=r0.last.min(b1 - 1) {
+                            let off = k_off[slot(j, p - b0)];
+                            let k_row = &data[off..off + k_row_bytes];
+                            kk.dot_rows(kd, qs, k_row, &mut group_scores);
+                            for (i, &v) in group_scores.iter().enumerate() {
+                                scores[(g * heads_per_task + i) * POS_BLOCK + p - b0] =
+                                    v * shape.scale;
                             }
-                        } * shape.scale;
+                        }
+                    }
+                } else {
+                    for (r, sc) in rows.iter().zip(scores.chunks_exact_mut(POS_BLOCK)) {
+                        let j = r.h / group - kvh0;
+                        for p in r.first.max(b0)..=r.last.min(b1 - 1) {
+                            let at = slot(j, p - b0);
+                            let kb = &k_block[at * kd..(at + 1) * kd];
+                            sc[p - b0] = match &cache.k {
+                                Cells::F32(_) => dot_vec_f32(&r.q, kb),
+                                // `vec_dot_f16` of the f16-rounded query (exact in f32).
+                                Cells::F16(_) => dot_vec(&r.q, kb, |x| x, true),
+                                Cells::Blocks { data, .. } => {
+                                    let off = k_off[at];
+                                    k_kernel.as_ref().map_or(0.0, |kk| {
+                                        kk.dot(kd, &data[off..off + k_row_bytes], &r.q_blocks)
+                                    })
+                                }
+                            } * shape.scale;
+                        }
                     }
                 }
                 for (r, sc) in rows.iter_mut().zip(scores.chunks_exact(POS_BLOCK)) {
