@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain: the release
+# `hmoe` binary and the test executables of hmoe-cuda (the CUDA test suite), copied with
+# gpu-check.sh itself into one folder, dist/gpu-check/ by default. Carry that folder to the GPU
+# machine and run `./gpu-check.sh` inside it.
+#
+# usage: scripts/build-gpu-check.sh [OUT_DIR]
+# The binaries load libcuda/libnvrtc/libcublas at run time (nothing CUDA is linked), so this
+# builds on a machine without CUDA. They need a glibc at least as new as this machine's.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:-$ROOT/dist/gpu-check}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+cd "$ROOT"
+
+mkdir -p "$OUT/tests"
+rm -f "$OUT"/tests/*
+
+echo "build-gpu-check: cargo build --release -p hmoe-cli" >&2
+cargo build --release -p hmoe-cli
+cp "$TARGET/release/hmoe" "$OUT/hmoe"
+
+echo "build-gpu-check: cargo test -p hmoe-cuda --release --no-run" >&2
+# Cargo prints one JSON message per artifact; test targets carry their executable's path.
+cargo test -p hmoe-cuda --release --no-run --message-format=json 2>/dev/null \
+    | grep -o '"executable":"[^"]*"' \
+    | sed 's/^"executable":"//; s/"$//' \
+    | while read -r exe; do
+        name="$(basename "$exe" | sed 's/-[0-9a-f]\{16\}$//')"
+        cp "$exe" "$OUT/tests/$name"
+        echo "build-gpu-check: test executable $name <- $exe" >&2
+    done
+[ -n "$(ls -A "$OUT/tests")" ] || { echo "build-gpu-check: no test executables found" >&2; exit 1; }
+
+cp "$ROOT/scripts/gpu-check.sh" "$OUT/gpu-check.sh"
+chmod +x "$OUT/gpu-check.sh" "$OUT/hmoe" "$OUT"/tests/*
+# Debug line tables make the folder ~100 MiB; stripped it is ~35 MiB (small enough to carry).
+if command -v strip >/dev/null 2>&1; then
+    strip "$OUT/hmoe" "$OUT"/tests/*
+fi
+du -sh "$OUT" >&2
+echo "build-gpu-check: done: $OUT (run ./gpu-check.sh there on the GPU machine)" >&2
