@@ -62,10 +62,10 @@ pub fn cache_dir() -> Option<PathBuf> {
 }
 
 /// The cached PTX for `key` in `dir`, if present and plausible (PTX text with a `.version`
-/// directive and an entry point).
+/// directive and an entry point, and no NUL byte: the driver takes it as a C string).
 pub fn load(dir: &Path, key: &str) -> Option<String> {
     let text = std::fs::read_to_string(dir.join(format!("{key}.ptx"))).ok()?;
-    (text.contains(".version") && text.contains(".entry")).then_some(text)
+    (text.contains(".version") && text.contains(".entry") && !text.contains('\0')).then_some(text)
 }
 
 /// Stores `ptx` under `key` in `dir` (created if missing), atomically: a temporary file
@@ -157,6 +157,12 @@ mod tests {
         assert_eq!(load(&dir, "0123").as_deref(), Some(ptx), "overwrite");
         std::fs::write(dir.join("bad.ptx"), "garbage").unwrap();
         assert_eq!(load(&dir, "bad"), None, "implausible files are ignored");
+        std::fs::write(dir.join("nul.ptx"), format!("{ptx}\0")).unwrap();
+        assert_eq!(
+            load(&dir, "nul"),
+            None,
+            "a NUL byte would not pass to the driver"
+        );
         let leftovers = std::fs::read_dir(&dir)
             .unwrap()
             .filter(|e| {
