@@ -591,7 +591,7 @@ pub(crate) fn flash_attention(
     // are tasks to spare, so a task reads each position's keys and values as one longer run.
     let threads = rayon::current_num_threads();
     let (kv_per_task, heads_per_task) = if n_tiles * n_head_kv >= 2 * threads {
-        let want = (n_tiles * n_head_kv / (2 * threads)).clamp(1, n_head_kv);
+        let want = (n_tiles * n_head_kv / threads).clamp(1, n_head_kv);
         let kv = (1..=want)
             .rev()
             .find(|d| n_head_kv.is_multiple_of(*d))
