@@ -357,6 +357,40 @@ impl GptOss {
         self.experts.op_offload_min_batch = min_batch.map(|m| m.max(1));
     }
 
+    /// The routed experts of layer `layer` as stored in the file (biases dequantized to f32),
+    /// for a backend that uploads them elsewhere; `None` past the last layer.
+    pub fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        let b = self.blocks.get(layer)?;
+        Some(b.experts(&self.gguf, self.params.n_expert))
+    }
+
+    /// Runs the routed experts of layer `layer` on the host over the file mapping, exactly as
+    /// the host path of [`GptOss::forward`] does: `out` (`n_tokens × n_embd`) gets
+    /// `Σ_s w[t,s] · expert_{sel[t,s]}(h[t])`. For a backend that computes the dense part
+    /// elsewhere and brings the normed hidden state and the router's choices to the host.
+    pub fn run_host_experts(
+        &self,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let b = self.blocks.get(layer).ok_or_else(|| {
+            ExpertDeviceError::Placement(format!(
+                "layer {layer} of a {}-layer model",
+                self.params.n_layer
+            ))
+        })?;
+        host_experts(
+            layer,
+            &b.expert_kernels(),
+            &b.experts(&self.gguf, self.params.n_expert),
+            batch,
+            &mut ExpertScratch::default(),
+            out,
+        )?;
+        Ok(())
+    }
+
     /// The hyperparameters.
     pub fn params(&self) -> &GptOssParams {
         &self.params
