@@ -743,19 +743,16 @@ pub(crate) fn flash_attention(
                 }
                 for (r, sc) in rows.iter_mut().zip(scores.chunks_exact(POS_BLOCK)) {
                     let j = r.h / group - kvh0;
-                    for p in r.first.max(b0)..=r.last.min(b1 - 1) {
-                        let score = sc[p - b0];
-                        let (ms, vs) = if score > r.m {
-                            let ms = (r.m - score).exp();
-                            r.m = score;
-                            (ms, 1.0)
-                        } else {
-                            (1.0, (score - r.m).exp())
-                        };
-                        scale_f32(&mut r.acc, ms);
-                        let at = slot(j, p - b0);
-                        mad_f32(&mut r.acc, &v_block[at * vd..(at + 1) * vd], vs);
-                        r.s = r.s.mul_add(ms, vs);
+                    let (from, to) = (r.first.max(b0), r.last.min(b1 - 1));
+                    if from > to {
+                        continue;
+                    }
+                    let scores = &sc[from - b0..=to - b0];
+                    let values = &v_block[slot(j, from - b0) * vd..slot(j, to - b0 + 1) * vd];
+                    match vd {
+                        64 => r.online_softmax::<64>(scores, values),
+                        128 => r.online_softmax::<128>(scores, values),
+                        _ => r.online_softmax_any(scores, values),
                     }
                 }
             }
@@ -778,6 +775,52 @@ pub(crate) fn flash_attention(
         .collect();
     for r in tasks.iter().flatten() {
         out[(r.t * n_head + r.h) * vd..(r.t * n_head + r.h + 1) * vd].copy_from_slice(&r.acc);
+    }
+}
+
+impl FlashRow {
+    /// One step of the online softmax for a key with `score` (ggml's order): the new maximum
+    /// and the factors `(ms, vs)` that scale the accumulator and the value.
+    #[inline(always)]
+    fn step(&mut self, score: f32) -> (f32, f32) {
+        let (ms, vs) = if score > self.m {
+            let ms = (self.m - score).exp();
+            self.m = score;
+            (ms, 1.0)
+        } else {
+            (1.0, (score - self.m).exp())
+        };
+        self.s = self.s.mul_add(ms, vs);
+        (ms, vs)
+    }
+
+    /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`) into
+    /// the row, with the accumulator held in registers for the whole run.
+    fn online_softmax<const D: usize>(&mut self, scores: &[f32], values: &[f32]) {
+        let mut acc = [0f32; D];
+        acc.copy_from_slice(&self.acc);
+        for (&score, v) in scores.iter().zip(values.chunks_exact(D)) {
+            let (ms, vs) = self.step(score);
+            if ms != 1.0 {
+                for a in acc.iter_mut() {
+                    *a *= ms;
+                }
+            }
+            for (a, &x) in acc.iter_mut().zip(v) {
+                *a = x.mul_add(vs, *a);
+            }
+        }
+        self.acc.copy_from_slice(&acc);
+    }
+
+    /// [`FlashRow::online_softmax`] for value heads of any size.
+    fn online_softmax_any(&mut self, scores: &[f32], values: &[f32]) {
+        let vd = self.acc.len();
+        for (&score, v) in scores.iter().zip(values.chunks_exact(vd)) {
+            let (ms, vs) = self.step(score);
+            scale_f32(&mut self.acc, ms);
+            mad_f32(&mut self.acc, v, vs);
+        }
     }
 }
 
