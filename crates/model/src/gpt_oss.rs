@@ -411,6 +411,23 @@ impl GptOss {
         KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows).with_head_dims(hd, hd)
     }
 
+    /// A cache that holds positions and the ring geometry of [`GptOss::new_cache`] (windowed
+    /// layers keep `window + n_ubatch` cells, so [`KvCache::truncate`] answers as for a real
+    /// cache) but no keys or values: the handle of a backend that keeps K/V elsewhere (on a
+    /// GPU). Such a cache must not be passed to [`GptOss::forward`].
+    pub fn new_position_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        let windows: Vec<_> = (0..self.params.n_layer)
+            .map(|l| self.params.window(l))
+            .collect();
+        KvCache::new(ty, n_ctx, n_ubatch.max(1), 0, &windows)
+    }
+
+    /// Records that a backend keeping K/V elsewhere stored `n` more positions of the sequence
+    /// `cache` stands for (see [`GptOss::new_position_cache`]).
+    pub fn advance_positions(cache: &mut KvCache, n: usize) {
+        cache.advance(n);
+    }
+
     /// Runs `tokens` at the next positions of `cache` and returns logits (`n_vocab` per
     /// returned token). Batches longer than the cache's micro-batch are split.
     pub fn forward(
