@@ -707,11 +707,15 @@ pub(crate) fn flash_attention(
                 }
                 if let (Some(kk), Cells::Blocks { data, .. }) = (swapped, &cache.k) {
                     // Rows come in runs of `heads_per_task` sharing a query and a key head.
+                    // Position-major, so the key heads of one position are read as one run.
                     let run_q = heads_per_task * k_row_bytes;
-                    for (g, run) in rows.chunks(heads_per_task).enumerate() {
-                        let (r0, j) = (&run[0], run[0].h / group - kvh0);
-                        let qs = &group_q[g * run_q..(g + 1) * run_q];
-                        for p in r0.first.max(b0)..=r0.last.min(b1 - 1) {
+                    for p in b0..b1 {
+                        for (g, run) in rows.chunks(heads_per_task).enumerate() {
+                            let (r0, j) = (&run[0], run[0].h / group - kvh0);
+                            if p < r0.first || p > r0.last {
+                                continue;
+                            }
+                            let qs = &group_q[g * run_q..(g + 1) * run_q];
                             let off = k_off[slot(j, p - b0)];
                             let k_row = &data[off..off + k_row_bytes];
                             kk.dot_rows(kd, qs, k_row, &mut group_scores);
