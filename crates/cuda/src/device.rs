@@ -352,6 +352,20 @@ impl CudaDevice {
         Ok(self.stream.memcpy_htod(src, dst)?)
     }
 
+    /// A new device buffer holding a copy of `src[range]` (queued on the stream).
+    pub fn copy_range<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        range: std::ops::Range<usize>,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        ensure(
+            range.start < range.end && range.end <= src.len(),
+            "copy_range",
+            || format!("range {range:?} of a buffer of {}", src.len()),
+        )?;
+        Ok(self.stream.clone_dtod(&src.slice(range))?)
+    }
+
     /// A new zeroed device buffer of `len` elements.
     pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,
@@ -1040,6 +1054,8 @@ impl CudaDevice {
             GgmlType::MXFP4 => ("moe_gate_up_mxfp4", "moe_down_mxfp4"),
             GgmlType::Q8_0 => ("moe_gate_up_q8_0", "moe_down_q8_0"),
             GgmlType::F16 => ("moe_gate_up_f16", "moe_down_f16"),
+            GgmlType::BF16 => ("moe_gate_up_bf16", "moe_down_bf16"),
+            GgmlType::F32 => ("moe_gate_up_f32", "moe_down_f32"),
             ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
         };
         ensure(

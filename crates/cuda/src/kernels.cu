@@ -526,6 +526,8 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
 MOE_WRAPPERS(mxfp4, TY_MXFP4)
 MOE_WRAPPERS(q8_0, TY_Q8_0)
 MOE_WRAPPERS(f16, TY_F16)
+MOE_WRAPPERS(bf16, TY_BF16)
+MOE_WRAPPERS(f32, TY_F32)
 
 // out[t][c] = sum_j w[t][j] * y[t*k+j][c], slots in order. One thread per output element.
 extern "C" __global__ void moe_combine(const float* y, const float* w, float* out, int n, int k,

@@ -36,6 +36,10 @@ pub const KERNELS: &[&str] = &[
     "moe_down_q8_0",
     "moe_gate_up_f16",
     "moe_down_f16",
+    "moe_gate_up_bf16",
+    "moe_down_bf16",
+    "moe_gate_up_f32",
+    "moe_down_f32",
     "moe_combine",
 ];
 

@@ -2,7 +2,8 @@
 //! gather, RMSNorm, dequantising GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4 weights, NeoX RoPE
 //! with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block), device buffers and
-//! transfers.
+//! transfers; and [`GpuGptOss`], gpt-oss with its dense part on the GPU and each layer's
+//! routed experts on the GPU or the host (issue #5's hybrid executor).
 //!
 //! Every entry point works on a machine without CUDA: the driver library is loaded at run
 //! time (never linked), and before any CUDA call the crate checks that it can be loaded, so
@@ -14,6 +15,7 @@
 pub mod cache;
 mod device;
 mod error;
+pub mod gpt_oss;
 pub mod kernels;
 mod probe;
 
@@ -23,6 +25,7 @@ pub use device::{
     SUPPORTED_TYPES,
 };
 pub use error::CudaError;
+pub use gpt_oss::{GpuGptOss, GpuModelError, GpuStats};
 pub use probe::{
     cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,
 };

@@ -390,7 +390,7 @@ fn moe_experts_match_the_cpu() {
     let Some(dev) = device() else { return };
     let mut rng = StdRng::seed_from_u64(8);
     let (ne, d, ff, n, k) = (8, 64, 96, 5, 2);
-    for ty in [GgmlType::MXFP4, GgmlType::Q8_0, GgmlType::F16] {
+    for ty in TYPES {
         let (gq, gdq) = weights(&mut rng, ty, ne * ff, d);
         let (uq, udq) = weights(&mut rng, ty, ne * ff, d);
         let (dq, ddq) = weights(&mut rng, ty, ne * d, ff);

@@ -1,0 +1,759 @@
+//! gpt-oss on a CUDA device (issue #5): the dense part of every layer on the GPU, each layer's
+//! routed experts where the placement puts them.
+//!
+//! Per micro-batch the token ids and positions go up (two small copies), then, per layer, on
+//! the GPU: RMSNorm, Q/K/V with their biases, NeoX RoPE with YaRN ([`rope_params`]), the K/V
+//! store into the layer's f16 cache, attention with sinks (sliding window on even layers),
+//! the output projection with its bias and the residual add, RMSNorm, the router with its
+//! bias and the top-k softmax; then the layer's experts:
+//!
+//! - [`ExpertHome::Device`]: the `moe` kernel over the layer's experts, uploaded at load;
+//! - [`ExpertHome::Host`]: one round trip. The normed hidden state, the chosen experts and
+//!   their weights come down into pinned buffers, the host runs the layer's experts over the
+//!   file mapping with the CPU engine's own code ([`GptOss::run_host_experts`]), and the
+//!   weighted sum goes back up through a pinned buffer.
+//!
+//! After the last layer: output norm and head on the GPU, and the logits come down. With every
+//! layer's experts on the GPU nothing crosses the bus between the ids and the logits.
+//!
+//! Limits of this executor:
+//! - **One sequence at a time.** The K/V cache lives on the GPU inside the executor; the
+//!   [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions only (see
+//!   [`GptOss::new_position_cache`]). A cache at position 0 starts a new sequence (the GPU
+//!   cache is reallocated when its size differs); a cache that went back
+//!   ([`KvCache::truncate`]) continues from there; a cache ahead of what the GPU holds is an
+//!   error. Two caches used in turn are not told apart when their positions agree, so the
+//!   engine must use one at a time; [`LanguageModel::forward_multi`] takes one sequence.
+//! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
+//! - **No op offload yet**: large batches of host layers run on the host too
+//!   ([`GpuGptOss::op_offload_min_batch`] is recorded, not used).
+
+use std::sync::{Mutex, PoisonError};
+
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use hmoe_gguf::GgufModel;
+use hmoe_model::kv_cache::CacheType;
+use hmoe_model::{
+    ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss, GptOssParams, KvCache,
+    KvType, LanguageModel, LogitsWanted, ModelError, SeqBatch,
+};
+
+use crate::device::{AttnParams, CudaDevice, DeviceMatrix, MoeWeights, RopeParams};
+use crate::error::CudaError;
+
+/// What can go wrong loading or running gpt-oss on the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuModelError {
+    /// The CUDA backend failed.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// The model (its file, or the host experts) failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A placement this executor cannot run.
+    #[error("placement: {0}")]
+    Placement(String),
+    /// A cache that does not stand for the sequence on the GPU, or of a type it cannot hold.
+    #[error("GPU KV cache: {0}")]
+    Cache(String),
+}
+
+impl From<GpuModelError> for ModelError {
+    fn from(e: GpuModelError) -> ModelError {
+        match e {
+            GpuModelError::Model(m) => m,
+            other => ModelError::ExpertDevice(ExpertDeviceError::Backend {
+                device: "CUDA".into(),
+                message: other.to_string(),
+            }),
+        }
+    }
+}
+
+impl From<cudarc::driver::DriverError> for GpuModelError {
+    fn from(e: cudarc::driver::DriverError) -> GpuModelError {
+        GpuModelError::Cuda(e.into())
+    }
+}
+
+/// The RoPE parameters of a gpt-oss model in the kernel's form, equal to those of the CPU
+/// engine's `Rope::new(head_dim, rope_freq_base, yarn)` (YaRN with beta_fast 32, beta_slow 1,
+/// and llama.cpp's attention factor that cancels ggml's own magnitude factor).
+pub fn rope_params(p: &GptOssParams) -> RopeParams {
+    match p.yarn {
+        None => RopeParams::plain(p.head_dim, p.rope_freq_base),
+        Some((factor, n_ctx_orig)) => {
+            let mscale = 0.1 * factor.ln() + 1.0;
+            let attn_factor = mscale * (1.0 / (1.0 + 0.1 * factor.ln()));
+            RopeParams::yarn(
+                p.head_dim,
+                p.rope_freq_base,
+                factor,
+                n_ctx_orig,
+                attn_factor,
+                32.0,
+                1.0,
+            )
+        }
+    }
+}
+
+/// Cells of each layer's K/V ring for a context of `n_ctx` and micro-batches of `n_ubatch`
+/// tokens, as the CPU cache sizes them: a sliding layer keeps `window + n_ubatch` cells (at
+/// most `n_ctx`), a full layer `n_ctx`.
+pub fn kv_cells(p: &GptOssParams, n_ctx: usize, n_ubatch: usize) -> Vec<usize> {
+    let n_ubatch = n_ubatch.max(1);
+    (0..p.n_layer)
+        .map(|l| p.window(l).map_or(n_ctx, |w| n_ctx.min(w + n_ubatch)))
+        .collect()
+}
+
+/// What the GPU cache must do before a forward pass on a cache handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KvAction {
+    /// Keep the GPU cache; the sequence continues at the handle's position (equal to or
+    /// before what the GPU holds).
+    Continue,
+    /// Allocate a fresh GPU cache (a new sequence, or the first).
+    Allocate,
+    /// The handle is ahead of the GPU cache or of another size: not the sequence on the GPU.
+    Mismatch,
+}
+
+/// The decision of [`KvAction`]: `gpu` is the GPU cache's `((n_ctx, n_ubatch), positions
+/// held)`, `handle` the cache's `(n_ctx, n_ubatch)` and `n_past` its position.
+pub(crate) fn kv_action(
+    gpu: Option<((usize, usize), usize)>,
+    handle: (usize, usize),
+    n_past: usize,
+) -> KvAction {
+    match gpu {
+        Some((geometry, held)) if geometry == handle && n_past <= held => KvAction::Continue,
+        _ if n_past == 0 => KvAction::Allocate,
+        _ => KvAction::Mismatch,
+    }
+}
+
+/// Transfers at the expert boundary, counted by the executor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuStats {
+    /// Micro-batches run.
+    pub ubatches: u64,
+    /// Round trips to the host experts (one per host layer per micro-batch).
+    pub host_round_trips: u64,
+    /// Bytes brought down for them: hidden state, expert ids and weights.
+    pub bytes_to_host: u64,
+    /// Bytes sent back up: the expert sums.
+    pub bytes_to_device: u64,
+}
+
+/// One layer's weights on the GPU.
+struct LayerWeights {
+    attn_norm: CudaSlice<f32>,
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
+    wo: DeviceMatrix,
+    bq: CudaSlice<f32>,
+    bk: CudaSlice<f32>,
+    bv: CudaSlice<f32>,
+    bo: CudaSlice<f32>,
+    sinks: CudaSlice<f32>,
+    ffn_norm: CudaSlice<f32>,
+    router: DeviceMatrix,
+    router_b: CudaSlice<f32>,
+    /// The routed experts, for a [`ExpertHome::Device`] layer.
+    experts: Option<MoeWeights>,
+}
+
+/// One layer's K/V ring on the GPU.
+struct LayerKv {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    cells: usize,
+}
+
+/// The sequence's K/V cache on the GPU.
+struct GpuKv {
+    /// `(n_ctx, n_ubatch)` of the handle it was made for.
+    geometry: (usize, usize),
+    /// Positions stored.
+    held: usize,
+    layers: Vec<LayerKv>,
+}
+
+/// Pinned staging buffers of the host round trip, for micro-batches of `n` tokens.
+struct HostIo {
+    n: usize,
+    h: PinnedHostSlice<f32>,
+    sel: PinnedHostSlice<i32>,
+    w: PinnedHostSlice<f32>,
+    out: PinnedHostSlice<f32>,
+}
+
+/// What changes while running.
+#[derive(Default)]
+struct State {
+    kv: Option<GpuKv>,
+    io: Option<HostIo>,
+    stats: GpuStats,
+}
+
+/// gpt-oss with its dense part on a CUDA device and each layer's routed experts where an
+/// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits).
+pub struct GpuGptOss {
+    host: GptOss,
+    dev: CudaDevice,
+    rope: RopeParams,
+    tok_embd: DeviceMatrix,
+    output_norm: CudaSlice<f32>,
+    output: DeviceMatrix,
+    layers: Vec<LayerWeights>,
+    homes: Vec<ExpertHome>,
+    op_offload_min_batch: Option<usize>,
+    weight_bytes: u64,
+    state: Mutex<State>,
+}
+
+/// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
+fn upload_matrix(
+    dev: &CudaDevice,
+    g: &GgufModel,
+    name: &str,
+) -> Result<DeviceMatrix, GpuModelError> {
+    let info = g
+        .tensor_info(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let cols = info.dims.first().copied().unwrap_or(0) as usize;
+    let rows = info.dims.iter().skip(1).product::<u64>() as usize;
+    Ok(dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?)
+}
+
+/// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32.
+fn upload_f32(
+    dev: &CudaDevice,
+    g: &GgufModel,
+    name: &str,
+) -> Result<CudaSlice<f32>, GpuModelError> {
+    let info = g
+        .tensor_info(name)
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let mut v = vec![0f32; info.n_elements as usize];
+    hmoe_quant::dequantize_row(info.ty, g.data_of(info), &mut v).map_err(ModelError::from)?;
+    Ok(dev.upload(&v)?)
+}
+
+impl GpuGptOss {
+    /// Loads `gguf` (checked as [`GptOss::load`] checks it) onto `dev`: every dense weight,
+    /// and the routed experts of the layers `placement` puts on the device. The experts of the
+    /// other layers stay in the file mapping and run on the host.
+    pub fn load(
+        gguf: GgufModel,
+        dev: CudaDevice,
+        placement: &ExpertPlacement,
+    ) -> Result<GpuGptOss, GpuModelError> {
+        let host = GptOss::load(gguf)?;
+        let p = host.params().clone();
+        if placement.layers.len() != p.n_layer {
+            return Err(GpuModelError::Placement(format!(
+                "{} layer homes for a {}-layer model",
+                placement.layers.len(),
+                p.n_layer
+            )));
+        }
+        let g = host.gguf();
+        let mut weight_bytes = 0u64;
+        let mut layers = Vec::with_capacity(p.n_layer);
+        for (l, home) in placement.layers.iter().enumerate() {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let m = |s: &str| upload_matrix(&dev, g, &n(s));
+            let f = |s: &str| upload_f32(&dev, g, &n(s));
+            let experts = match home {
+                ExpertHome::Host => None,
+                ExpertHome::Device => {
+                    let t = host.layer_experts(l).ok_or_else(|| {
+                        GpuModelError::Placement(format!("layer {l} has no experts"))
+                    })?;
+                    let up = |m: &hmoe_model::hybrid::ExpertMatrix<'_>| {
+                        dev.upload_experts(m.ty, t.n_expert, m.n_out, m.n_in, m.data)
+                    };
+                    Some(MoeWeights {
+                        gate: up(&t.gate)?,
+                        up: up(&t.up)?,
+                        down: up(&t.down)?,
+                        gate_bias: Some(dev.upload(t.gate_bias)?),
+                        up_bias: Some(dev.upload(t.up_bias)?),
+                        down_bias: Some(dev.upload(t.down_bias)?),
+                    })
+                }
+            };
+            let lw = LayerWeights {
+                attn_norm: f("attn_norm.weight")?,
+                wq: m("attn_q.weight")?,
+                wk: m("attn_k.weight")?,
+                wv: m("attn_v.weight")?,
+                wo: m("attn_output.weight")?,
+                bq: f("attn_q.bias")?,
+                bk: f("attn_k.bias")?,
+                bv: f("attn_v.bias")?,
+                bo: f("attn_output.bias")?,
+                sinks: f("attn_sinks.weight")?,
+                ffn_norm: f("post_attention_norm.weight")?,
+                router: m("ffn_gate_inp.weight")?,
+                router_b: f("ffn_gate_inp.bias")?,
+                experts,
+            };
+            weight_bytes += layer_bytes(&lw);
+            layers.push(lw);
+        }
+        let tok_embd = upload_matrix(&dev, g, "token_embd.weight")?;
+        let output = upload_matrix(&dev, g, "output.weight")?;
+        let output_norm = upload_f32(&dev, g, "output_norm.weight")?;
+        weight_bytes += (tok_embd.bytes() + output.bytes() + 4 * output_norm.len()) as u64;
+        dev.synchronize()?;
+        Ok(GpuGptOss {
+            rope: rope_params(&p),
+            dev,
+            tok_embd,
+            output_norm,
+            output,
+            layers,
+            homes: placement.layers.clone(),
+            op_offload_min_batch: placement.op_offload_min_batch,
+            weight_bytes,
+            state: Mutex::new(State::default()),
+            host,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn params(&self) -> &GptOssParams {
+        self.host.params()
+    }
+
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Where each layer's routed experts run.
+    pub fn expert_homes(&self) -> &[ExpertHome] {
+        &self.homes
+    }
+
+    /// The op offload threshold of the placement (recorded; this executor runs host layers on
+    /// the host whatever the batch).
+    pub fn op_offload_min_batch(&self) -> Option<usize> {
+        self.op_offload_min_batch
+    }
+
+    /// Bytes of weights uploaded at load.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// Transfers at the expert boundary so far.
+    pub fn stats(&self) -> GpuStats {
+        self.lock().stats
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `tokens` at the next positions of `cache` (a handle from
+    /// [`LanguageModel::new_cache`]) and returns `n_vocab` logits per wanted token, as
+    /// [`GptOss::forward`] does.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+    ) -> Result<Vec<f32>, GpuModelError> {
+        let p = self.host.params();
+        let n_vocab = p.n_vocab;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(ModelError::BadToken { id, n_vocab }.into());
+        }
+        if cache.n_past() + tokens.len() > cache.n_ctx() {
+            return Err(ModelError::ContextFull {
+                pos: cache.n_past(),
+                n_tokens: tokens.len(),
+                n_ctx: cache.n_ctx(),
+            }
+            .into());
+        }
+        let ty = cache.kv_type();
+        if ty.k() != CacheType::F16 || ty.v() != CacheType::F16 {
+            return Err(GpuModelError::Cache(format!(
+                "K {} / V {}: the GPU executor keeps f16 K/V only",
+                ty.k().name(),
+                ty.v().name()
+            )));
+        }
+        let mut st = self.lock();
+        self.prepare_kv(&mut st, cache)?;
+        let mut logits = Vec::new();
+        let n_ubatch = cache.n_ubatch().max(1);
+        let n_chunks = tokens.len().div_ceil(n_ubatch);
+        for (i, chunk) in tokens.chunks(n_ubatch).enumerate() {
+            let want = match wanted {
+                LogitsWanted::All => Some(LogitsWanted::All),
+                LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
+                LogitsWanted::Last => None,
+            };
+            let pos0 = cache.n_past();
+            logits.extend(self.ubatch(&mut st, pos0, chunk, want)?);
+            GptOss::advance_positions(cache, chunk.len());
+            if let Some(kv) = st.kv.as_mut() {
+                kv.held = cache.n_past();
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Makes the GPU cache stand for `cache` (see [`kv_action`]).
+    fn prepare_kv(&self, st: &mut State, cache: &KvCache) -> Result<(), GpuModelError> {
+        let geometry = (cache.n_ctx(), cache.n_ubatch());
+        let gpu = st.kv.as_ref().map(|kv| (kv.geometry, kv.held));
+        match kv_action(gpu, geometry, cache.n_past()) {
+            KvAction::Continue => {
+                if let Some(kv) = st.kv.as_mut() {
+                    kv.held = cache.n_past();
+                }
+                Ok(())
+            }
+            KvAction::Allocate => {
+                // Free the old cache before the new one takes its memory.
+                st.kv = None;
+                let p = self.host.params();
+                let width = p.n_head_kv * p.head_dim;
+                let layers = kv_cells(p, geometry.0, geometry.1)
+                    .into_iter()
+                    .map(|cells| {
+                        Ok(LayerKv {
+                            k: self.dev.alloc_zeros::<u16>(cells * width)?,
+                            v: self.dev.alloc_zeros::<u16>(cells * width)?,
+                            cells,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, CudaError>>()?;
+                st.kv = Some(GpuKv {
+                    geometry,
+                    held: 0,
+                    layers,
+                });
+                Ok(())
+            }
+            KvAction::Mismatch => Err(GpuModelError::Cache(format!(
+                "a cache at position {} (n_ctx {}, n_ubatch {}) is not the sequence on the GPU \
+                 ({:?}); this executor keeps one sequence, and a new one must start at 0",
+                cache.n_past(),
+                geometry.0,
+                geometry.1,
+                gpu
+            ))),
+        }
+    }
+
+    /// One micro-batch of `tokens` at positions `pos0..`: every layer, then the logits that
+    /// `want` asks for.
+    fn ubatch(
+        &self,
+        st: &mut State,
+        pos0: usize,
+        tokens: &[u32],
+        want: Option<LogitsWanted>,
+    ) -> Result<Vec<f32>, GpuModelError> {
+        let dev = &self.dev;
+        let p = self.host.params();
+        let (n, d, hd) = (tokens.len(), p.n_embd, p.head_dim);
+        let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
+        let (ne, k_used) = (p.n_expert, p.n_expert_used);
+        let i32_of = |v: usize| {
+            i32::try_from(v).map_err(|_| GpuModelError::Cache(format!("position {v} exceeds i32")))
+        };
+        let ids = tokens
+            .iter()
+            .map(|&t| i32_of(t as usize))
+            .collect::<Result<Vec<i32>, _>>()?;
+        let positions = (pos0..pos0 + n)
+            .map(i32_of)
+            .collect::<Result<Vec<i32>, _>>()?;
+        let ids = dev.upload(&ids)?;
+        let pos = dev.upload(&positions)?;
+        let mut x = dev.alloc_zeros::<f32>(n * d)?;
+        dev.get_rows(&self.tok_embd, &ids, &mut x)?;
+        let mut h = dev.alloc_zeros::<f32>(n * d)?;
+        let mut q = dev.alloc_zeros::<f32>(n * qw)?;
+        let mut k = dev.alloc_zeros::<f32>(n * kvw)?;
+        let mut v = dev.alloc_zeros::<f32>(n * kvw)?;
+        let mut att = dev.alloc_zeros::<f32>(n * qw)?;
+        let mut o = dev.alloc_zeros::<f32>(n * d)?;
+        let mut scores = dev.alloc_zeros::<f32>(n * ne)?;
+        let mut sel = dev.alloc_zeros::<i32>(n * k_used)?;
+        let mut wts = dev.alloc_zeros::<f32>(n * k_used)?;
+        let mut moe = dev.alloc_zeros::<f32>(n * d)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (l, lw) in self.layers.iter().enumerate() {
+            dev.rms_norm(&x, &lw.attn_norm, p.rms_eps, &mut h)?;
+            dev.matmul(&lw.wq, &h, n, &mut q)?;
+            dev.add_bias(&mut q, &lw.bq)?;
+            dev.matmul(&lw.wk, &h, n, &mut k)?;
+            dev.add_bias(&mut k, &lw.bk)?;
+            dev.matmul(&lw.wv, &h, n, &mut v)?;
+            dev.add_bias(&mut v, &lw.bv)?;
+            dev.rope_neox(&mut q, &pos, p.n_head, hd, &self.rope)?;
+            dev.rope_neox(&mut k, &pos, p.n_head_kv, hd, &self.rope)?;
+            let kv = st
+                .kv
+                .as_mut()
+                .and_then(|kv| kv.layers.get_mut(l))
+                .ok_or_else(|| GpuModelError::Cache("no GPU cache for this layer".into()))?;
+            dev.kv_store_f16(&k, &mut kv.k, n, kvw, kv.cells, pos0)?;
+            dev.kv_store_f16(&v, &mut kv.v, n, kvw, kv.cells, pos0)?;
+            let ap = AttnParams {
+                n_head: p.n_head,
+                n_head_kv: p.n_head_kv,
+                head_dim: hd,
+                cells: kv.cells,
+                window: p.window(l),
+                scale,
+            };
+            dev.attention(&ap, &q, &kv.k, &kv.v, Some(&lw.sinks), n, pos0, &mut att)?;
+            dev.matmul(&lw.wo, &att, n, &mut o)?;
+            dev.add_bias(&mut o, &lw.bo)?;
+            dev.add_assign(&mut x, &o)?;
+            dev.rms_norm(&x, &lw.ffn_norm, p.rms_eps, &mut h)?;
+            dev.matmul(&lw.router, &h, n, &mut scores)?;
+            dev.add_bias(&mut scores, &lw.router_b)?;
+            dev.router_top_k(&scores, ne, k_used, &mut sel, &mut wts)?;
+            match &lw.experts {
+                Some(experts) => dev.moe(experts, &h, &sel, &wts, k_used, &mut moe)?,
+                None => self.host_experts(st, l, (&h, &sel, &wts), n, &mut moe)?,
+            }
+            dev.add_assign(&mut x, &moe)?;
+        }
+        st.stats.ubatches += 1;
+        let rows = match want {
+            None => {
+                dev.synchronize()?;
+                return Ok(Vec::new());
+            }
+            Some(LogitsWanted::All) => x,
+            Some(LogitsWanted::Last) => dev.copy_range(&x, (n - 1) * d..n * d)?,
+        };
+        let n_rows = rows.len() / d;
+        let mut normed = dev.alloc_zeros::<f32>(rows.len())?;
+        dev.rms_norm(&rows, &self.output_norm, p.rms_eps, &mut normed)?;
+        let mut logits = dev.alloc_zeros::<f32>(n_rows * p.n_vocab)?;
+        dev.matmul(&self.output, &normed, n_rows, &mut logits)?;
+        Ok(dev.download(&logits)?)
+    }
+
+    /// The round trip of a host layer: `(h, sel, wts)` down through pinned buffers, the
+    /// layer's experts on the host, the sum up into `out`.
+    fn host_experts(
+        &self,
+        st: &mut State,
+        layer: usize,
+        (h, sel, wts): (&CudaSlice<f32>, &CudaSlice<i32>, &CudaSlice<f32>),
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuModelError> {
+        let dev = &self.dev;
+        let p = self.host.params();
+        let (d, k_used) = (p.n_embd, p.n_expert_used);
+        if st.io.as_ref().is_none_or(|io| io.n != n) {
+            st.io = None;
+            st.io = Some(HostIo {
+                n,
+                h: dev.alloc_pinned::<f32>(n * d)?,
+                sel: dev.alloc_pinned::<i32>(n * k_used)?,
+                w: dev.alloc_pinned::<f32>(n * k_used)?,
+                out: dev.alloc_pinned::<f32>(n * d)?,
+            });
+        }
+        let Some(io) = st.io.as_mut() else {
+            return Err(GpuModelError::Cache("no staging buffers".into()));
+        };
+        dev.download_async(h, &mut io.h)?;
+        dev.download_async(sel, &mut io.sel)?;
+        dev.download_async(wts, &mut io.w)?;
+        // `as_slice` waits for the copies.
+        let selected: Vec<u32> = io.sel.as_slice()?.iter().map(|&e| e as u32).collect();
+        let groups = [0..n];
+        let batch = ExpertBatch {
+            h: io.h.as_slice()?,
+            selected: &selected,
+            weights: io.w.as_slice()?,
+            n_used: k_used,
+            groups: &groups,
+        };
+        self.host
+            .run_host_experts(layer, &batch, io.out.as_mut_slice()?)?;
+        dev.upload_async(&io.out, out)?;
+        st.stats.host_round_trips += 1;
+        st.stats.bytes_to_host += 4 * (n * d + 2 * n * k_used) as u64;
+        st.stats.bytes_to_device += 4 * (n * d) as u64;
+        Ok(())
+    }
+}
+
+/// Bytes of one layer's weights on the device.
+fn layer_bytes(lw: &LayerWeights) -> u64 {
+    let mats = [&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.router]
+        .iter()
+        .map(|m| m.bytes())
+        .sum::<usize>();
+    let vecs = [
+        &lw.attn_norm,
+        &lw.bq,
+        &lw.bk,
+        &lw.bv,
+        &lw.bo,
+        &lw.sinks,
+        &lw.ffn_norm,
+        &lw.router_b,
+    ]
+    .iter()
+    .map(|v| 4 * v.len())
+    .sum::<usize>();
+    let experts = lw.experts.as_ref().map_or(0, |e| {
+        let biases = [&e.gate_bias, &e.up_bias, &e.down_bias]
+            .iter()
+            .map(|b| b.as_ref().map_or(0, |b| 4 * b.len()))
+            .sum::<usize>();
+        e.gate.bytes() + e.up.bytes() + e.down.bytes() + biases
+    });
+    (mats + vecs + experts) as u64
+}
+
+impl LanguageModel for GpuGptOss {
+    fn n_vocab(&self) -> usize {
+        self.host.params().n_vocab
+    }
+    fn n_ctx_train(&self) -> usize {
+        self.host.params().n_ctx_train
+    }
+    /// A handle of the GPU cache: positions only (see the module docs).
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        self.host.new_position_cache(ty, n_ctx, n_ubatch)
+    }
+    fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+    ) -> Result<Vec<f32>, ModelError> {
+        Ok(GpuGptOss::forward(self, cache, tokens, wanted)?)
+    }
+    fn gguf(&self) -> &GgufModel {
+        self.host.gguf()
+    }
+    /// One sequence only (the GPU keeps one K/V cache).
+    fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        if seqs.len() > 1 {
+            return Err(GpuModelError::Cache(format!(
+                "{} sequences in one step: the GPU executor runs one sequence",
+                seqs.len()
+            ))
+            .into());
+        }
+        seqs.iter_mut()
+            .map(|s| {
+                let logits = GpuGptOss::forward(self, s.cache, s.tokens, LogitsWanted::Last)?;
+                Ok(if s.logits { logits } else { Vec::new() })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hmoe_model::ops::Rope;
+
+    fn params(yarn: Option<(f32, u32)>) -> GptOssParams {
+        GptOssParams {
+            n_layer: 4,
+            n_embd: 2880,
+            n_head: 64,
+            n_head_kv: 8,
+            head_dim: 64,
+            n_vocab: 201_088,
+            n_expert: 128,
+            n_expert_used: 4,
+            n_ff_exp: 2880,
+            sliding_window: 128,
+            rms_eps: 1e-5,
+            rope_freq_base: 150_000.0,
+            yarn,
+            n_ctx_train: 131_072,
+        }
+    }
+
+    /// The kernel's cos/sin (computed on the host as the kernel does) are the CPU engine's,
+    /// bit for bit, for gpt-oss's YaRN and for plain RoPE.
+    #[test]
+    fn rope_params_match_the_cpu_engine() {
+        for yarn in [Some((32.0, 4096)), None] {
+            let p = params(yarn);
+            let rp = rope_params(&p);
+            let rope = Rope::new(p.head_dim, p.rope_freq_base, p.yarn);
+            let mut cs = Vec::new();
+            for pos in [0usize, 1, 2, 17, 127, 128, 4095, 4096, 70_000, 131_071] {
+                rope.cache(pos, &mut cs);
+                assert_eq!(cs.len(), p.head_dim / 2);
+                for (pair, &(c, s)) in cs.iter().enumerate() {
+                    let (gc, gs) = rp.cos_sin(pos as i32, pair);
+                    assert_eq!(
+                        (gc.to_bits(), gs.to_bits()),
+                        (c.to_bits(), s.to_bits()),
+                        "yarn {yarn:?} pos {pos} pair {pair}: ({gc}, {gs}) vs ({c}, {s})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kv_rings_are_sized_as_the_cpu_cache() {
+        let p = params(None);
+        assert_eq!(kv_cells(&p, 4096, 512), vec![640, 4096, 640, 4096]);
+        assert_eq!(kv_cells(&p, 300, 512), vec![300; 4], "never above n_ctx");
+        assert_eq!(kv_cells(&p, 4096, 0), vec![129, 4096, 129, 4096]);
+    }
+
+    #[test]
+    fn one_sequence_on_the_gpu() {
+        use KvAction::*;
+        let g = (4096, 512);
+        assert_eq!(kv_action(None, g, 0), Allocate, "first sequence");
+        assert_eq!(kv_action(None, g, 5), Mismatch, "nothing on the GPU yet");
+        assert_eq!(kv_action(Some((g, 10)), g, 10), Continue, "next step");
+        assert_eq!(kv_action(Some((g, 10)), g, 4), Continue, "truncated");
+        assert_eq!(kv_action(Some((g, 10)), g, 0), Continue, "cleared");
+        assert_eq!(
+            kv_action(Some((g, 10)), g, 11),
+            Mismatch,
+            "ahead of the GPU"
+        );
+        assert_eq!(
+            kv_action(Some((g, 10)), (512, 512), 0),
+            Allocate,
+            "new size"
+        );
+        assert_eq!(kv_action(Some((g, 10)), (512, 512), 3), Mismatch);
+    }
+
+    #[test]
+    fn errors_become_model_errors() {
+        let e: ModelError = GpuModelError::Cache("x".into()).into();
+        assert!(e.to_string().contains("GPU KV cache: x"), "{e}");
+        let e: ModelError = GpuModelError::Model(ModelError::MissingTensor("t".into())).into();
+        assert!(matches!(e, ModelError::MissingTensor(_)));
+        let e: ModelError = GpuModelError::Cuda(CudaError::NoDriver).into();
+        assert!(e.to_string().contains("no CUDA driver"), "{e}");
+    }
+}
