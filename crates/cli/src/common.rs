@@ -5,7 +5,11 @@ use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{KvType, LanguageModel};
 
-use crate::placement_args::PlacementArgs;
+use hmoe_model::ExpertPlacement;
+use hmoe_placement::{plan, DeviceId, ModelShape, TensorDesc};
+
+use crate::engine_select::{choose_engine, gpu_executor_arch, EngineChoice, EngineInputs};
+use crate::placement_args::{PlacementArgs, Probed};
 
 /// How to load the model and size its context.
 #[derive(clap::Args, Debug, Clone)]
@@ -49,7 +53,9 @@ impl ModelArgs {
         KvType::new(k, v, fa).map_err(|e| anyhow::anyhow!("{e}: use -fa on (or auto), or -ctv f16"))
     }
 
-    /// Sets up the global thread pool and loads the model.
+    /// Sets up the global thread pool and loads the model: on the GPU executor when
+    /// [`crate::engine_select::choose_engine`] picks it (a GPU, gpt-oss, f16 K/V, and a plan
+    /// with every layer's dense part on one GPU), else on the CPU engine, saying why once.
     pub fn load(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
         let threads = self.threads.unwrap_or_else(physical_cores).max(1);
         rayon::ThreadPoolBuilder::new()
@@ -57,13 +63,79 @@ impl ModelArgs {
             .build_global()
             .context("starting the thread pool")?;
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
+        let gguf = self.open()?;
+        match self.engine_choice(&gguf)? {
+            EngineChoice::Gpu { ordinal, placement } => match load_gpu(gguf, ordinal, &placement) {
+                Ok(model) => return Ok(model),
+                Err(e) => tracing::warn!("GPU executor failed to load ({e:#}); running on the CPU"),
+            },
+            EngineChoice::Cpu { why } => {
+                if self.asks_for_gpu() {
+                    tracing::warn!("running on the CPU: {why}");
+                } else {
+                    tracing::info!("running on the CPU: {why}");
+                }
+                return Ok(hmoe_model::load(gguf)?);
+            }
+        }
+        Ok(hmoe_model::load(self.open()?)?)
+    }
+
+    fn open(&self) -> anyhow::Result<GgufModel> {
         let opts = LoadOptions {
             use_mmap: !self.no_mmap,
             mlock: self.mlock,
         };
-        let gguf = GgufModel::open(&self.model, opts)
-            .with_context(|| format!("loading {}", self.model.display()))?;
-        Ok(hmoe_model::load(gguf)?)
+        GgufModel::open(&self.model, opts)
+            .with_context(|| format!("loading {}", self.model.display()))
+    }
+
+    /// Whether the flags ask for GPU offload explicitly (`-ngl` other than auto or 0,
+    /// `--gpu-mem`, or `--device` other than none): a CPU run then warns why.
+    fn asks_for_gpu(&self) -> bool {
+        let a = &self.placement.args;
+        !matches!(a.n_gpu_layers.as_str(), "auto" | "0")
+            || !a.gpu_mem.is_empty()
+            || a.device
+                .as_deref()
+                .is_some_and(|d| !d.eq_ignore_ascii_case("none"))
+    }
+
+    /// Probes the GPUs and, for an architecture with a GPU executor, plans the placement;
+    /// then [`choose_engine`].
+    pub fn engine_choice(&self, gguf: &GgufModel) -> anyhow::Result<EngineChoice> {
+        let probed = Probed::now();
+        let selected = self
+            .placement
+            .selected_devices(&probed)?
+            .unwrap_or_else(|| (0..probed.gpus.len()).collect());
+        let ordinals: Vec<usize> = selected.iter().map(|&i| probed.gpus[i].index).collect();
+        let arch = gguf.metadata().architecture();
+        let mut planned: Vec<(&str, DeviceId)> = Vec::new();
+        let mut n_layer = 0;
+        if !ordinals.is_empty() && gpu_executor_arch(arch) {
+            let shape = ModelShape::from_metadata(gguf.metadata())?;
+            let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
+            let flags = self.placement.to_flags()?;
+            let budget = self.placement.gpu_budget_with(&probed)?;
+            let p = plan(&tensors, &shape, &budget, &flags)?;
+            n_layer = shape.n_layer as usize;
+            planned = gguf
+                .tensors()
+                .iter()
+                .map(|t| t.name.as_str())
+                .zip(p.tensor_devices.iter().copied())
+                .collect();
+        }
+        Ok(choose_engine(&EngineInputs {
+            gpus: &ordinals,
+            why_no_gpu: probed.why_none.as_deref(),
+            arch,
+            kv: self.kv_type()?,
+            n_layer,
+            tensors: &planned,
+            op_offload: self.placement.op_offload(),
+        }))
     }
 
     /// The context size: `-c N`, or the model's trained context for `-c 0` or no `-c`.
@@ -80,19 +152,37 @@ impl ModelArgs {
         a.ubatch_size.min(a.batch_size).max(1) as usize
     }
 
-    /// Checks the placement flags (an unknown device or a bad regex is an error even on a
-    /// CPU-only run) and says where tensors go: this build computes everything on the CPU.
+    /// Checks the placement flags: an unknown device or a bad regex is an error even on a
+    /// CPU-only run.
     pub fn check_placement(&self) -> anyhow::Result<()> {
         self.placement.to_flags()?;
         if self.placement.args.device.is_some() {
-            let probed = crate::placement_args::Probed::now();
+            let probed = Probed::now();
             self.placement.selected_devices(&probed)?;
-        }
-        if !self.placement.args.gpu_mem.is_empty() || self.placement.args.n_gpu_layers != "auto" {
-            tracing::warn!("no GPU backend in this build: every tensor stays on the CPU");
         }
         Ok(())
     }
+}
+
+/// Loads gpt-oss onto CUDA device `ordinal` with the experts where `placement` says, and
+/// says so on stderr.
+fn load_gpu(
+    gguf: GgufModel,
+    ordinal: usize,
+    placement: &ExpertPlacement,
+) -> anyhow::Result<Box<dyn LanguageModel>> {
+    let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
+    let name = format!("CUDA{ordinal} ({})", dev.info().name);
+    let model = hmoe_cuda::GpuGptOss::load(gguf, dev, placement)?;
+    let n_layer = placement.layers.len();
+    eprintln!(
+        "hmoe: gpt-oss on {name}: dense part of {n_layer} layers and experts of {} on the GPU, \
+         {} on the CPU; {:.1} MiB of weights on the GPU",
+        placement.device_layers(),
+        n_layer - placement.device_layers(),
+        model.weight_bytes() as f64 / (1u64 << 20) as f64
+    );
+    Ok(Box::new(model))
 }
 
 /// Physical cores (hyper-threads share execution units, so llama.cpp defaults to these).

@@ -4,6 +4,7 @@ mod bench_cmd;
 mod chat_cmd;
 mod common;
 mod demo_cmd;
+mod engine_select;
 mod fit_cmd;
 mod inspect_cmd;
 mod make_model_cmd;

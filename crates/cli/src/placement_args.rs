@@ -83,6 +83,15 @@ pub struct PlacementFlagArgs {
     /// Never run matmuls of CPU-resident weights on a GPU for large batches.
     #[arg(long = "no-op-offload")]
     pub no_op_offload: bool,
+    /// Op offload: micro-batches of at least N tokens run the experts of CPU layers on the
+    /// GPU (llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH, default 32).
+    #[arg(
+        long = "op-offload-min-batch",
+        value_name = "N",
+        default_value_t = hmoe_model::hybrid::OP_OFFLOAD_MIN_BATCH as u64,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub op_offload_min_batch: u64,
     /// GPUs to use (`-dev`): a comma list of CUDA0, CUDA1, ... or `none` (CPU only).
     /// Default: every GPU found. `hmoe --list-devices` shows them.
     #[arg(long = "device", value_name = "CUDA0,...|none")]
@@ -191,6 +200,12 @@ impl PlacementArgs {
             fit_ctx: a.fit_ctx,
             op_offload: !a.no_op_offload,
         })
+    }
+
+    /// The op offload threshold: `--op-offload-min-batch`, or `None` with `--no-op-offload`.
+    pub fn op_offload(&self) -> Option<usize> {
+        let n = usize::try_from(self.args.op_offload_min_batch).unwrap_or(usize::MAX);
+        (!self.args.no_op_offload).then_some(n)
     }
 
     /// The GPUs the plan may use (default runtime overhead each), no host figure: those of
@@ -363,6 +378,27 @@ mod tests {
             GpuLayers::All
         );
         assert_eq!(flags(&["-c", "0"]).ctx_size, Some(0));
+    }
+
+    #[test]
+    fn op_offload_flags() {
+        assert_eq!(parse(&[]).op_offload(), Some(32));
+        assert_eq!(
+            parse(&["--op-offload-min-batch", "64"]).op_offload(),
+            Some(64)
+        );
+        assert_eq!(parse(&["--no-op-offload"]).op_offload(), None);
+        assert_eq!(
+            parse(&["--no-op-offload", "--op-offload-min-batch", "8"]).op_offload(),
+            None
+        );
+        assert!(!flags(&["--no-op-offload"]).op_offload);
+        for bad in ["0", "-1", "many"] {
+            assert!(
+                T::try_parse_from(["t", "--op-offload-min-batch", bad]).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

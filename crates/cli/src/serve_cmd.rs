@@ -158,7 +158,10 @@ impl ServeArgs {
         self.placement.to_flags()?;
         let a = &self.placement.args;
         if !a.gpu_mem.is_empty() || !matches!(a.n_gpu_layers.as_str(), "auto" | "0") {
-            tracing::warn!("no GPU backend in this build: every tensor stays on the CPU");
+            tracing::warn!(
+                "the server runs on the CPU engine (the GPU executor serves hmoe run, bench, chat \
+                 and perplexity, one sequence at a time)"
+            );
         }
         let types = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1";
         let cache = |s: &str, which: &str| {
