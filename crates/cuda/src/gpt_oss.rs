@@ -582,13 +582,13 @@ impl GpuGptOss {
         dev.download_async(wts, &mut io.w)?;
         // `as_slice` waits for the copies.
         let selected: Vec<u32> = io.sel.as_slice()?.iter().map(|&e| e as u32).collect();
-        let groups = [0..n];
+        let whole = 0..n;
         let batch = ExpertBatch {
             h: io.h.as_slice()?,
             selected: &selected,
             weights: io.w.as_slice()?,
             n_used: k_used,
-            groups: &groups,
+            groups: std::slice::from_ref(&whole),
         };
         self.host
             .run_host_experts(layer, &batch, io.out.as_mut_slice()?)?;
