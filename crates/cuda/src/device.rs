@@ -486,6 +486,46 @@ impl CudaDevice {
         })
     }
 
+    /// Uploads an expert tensor from per-expert parts: expert `i` of the result is `parts[i]`,
+    /// `rows` rows of `cols` elements of `ty`, copied straight from where it lies (the file
+    /// mapping: no gather on the host). For op offload of the experts a batch routes to.
+    pub fn upload_experts_from(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        parts: &[&[u8]],
+    ) -> Result<DeviceExperts, CudaError> {
+        const OP: &str = "upload_experts_from";
+        check_type(ty, OP)?;
+        let rb = row_bytes(ty, cols, OP)?;
+        let eb = rows * rb;
+        ensure(
+            !parts.is_empty() && rows > 0 && parts.iter().all(|p| p.len() == eb),
+            OP,
+            || {
+                format!(
+                    "{} parts of {rows} rows of {cols} {ty} ({eb} bytes each)",
+                    parts.len()
+                )
+            },
+        )?;
+        // SAFETY: every byte is written by the copies below before any kernel reads it.
+        let mut data = unsafe { self.stream.alloc::<u8>(parts.len() * eb) }?;
+        for (i, part) in parts.iter().enumerate() {
+            let mut dst = data.slice_mut(i * eb..(i + 1) * eb);
+            self.stream.memcpy_htod(*part, &mut dst)?;
+        }
+        Ok(DeviceExperts {
+            ty,
+            n_expert: parts.len(),
+            rows,
+            cols,
+            row_bytes: rb,
+            data,
+        })
+    }
+
     fn func(&self, name: &'static str) -> &CudaFunction {
         // Every name in KERNELS was loaded by `new`, and callers only pass names from it.
         &self.funcs[name]

@@ -25,13 +25,16 @@
 //!   error. Two caches used in turn are not told apart when their positions agree, so the
 //!   engine must use one at a time; [`LanguageModel::forward_multi`] takes one sequence.
 //! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
-//! - **No op offload yet**: large batches of host layers run on the host too
-//!   ([`GpuGptOss::op_offload_min_batch`] is recorded, not used).
+//! - **Op offload without overlap**: a micro-batch of at least the placement's
+//!   `op_offload_min_batch` tokens runs a host layer on the GPU with the experts it routes to
+//!   uploaded from the file mapping for that batch, but the copies of layer `l + 1` do not yet
+//!   overlap the compute of layer `l` (one stream).
 
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use hmoe_gguf::GgufModel;
+use hmoe_model::hybrid::ExpertMatrix;
 use hmoe_model::kv_cache::CacheType;
 use hmoe_model::{
     ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss, GptOssParams, KvCache,
@@ -145,6 +148,12 @@ pub struct GpuStats {
     pub bytes_to_host: u64,
     /// Bytes sent back up: the expert sums.
     pub bytes_to_device: u64,
+    /// Host layers run on the GPU by op offload (one per such layer per micro-batch).
+    pub offloaded_layers: u64,
+    /// Experts uploaded for them (each routed expert once per offloaded layer).
+    pub offloaded_experts: u64,
+    /// Bytes of those uploads (weights and biases).
+    pub offload_bytes: u64,
 }
 
 /// One layer's weights on the GPU.
@@ -274,7 +283,7 @@ impl GpuGptOss {
                     let t = host.layer_experts(l).ok_or_else(|| {
                         GpuModelError::Placement(format!("layer {l} has no experts"))
                     })?;
-                    let up = |m: &hmoe_model::hybrid::ExpertMatrix<'_>| {
+                    let up = |m: &ExpertMatrix<'_>| {
                         dev.upload_experts(m.ty, t.n_expert, m.n_out, m.n_in, m.data)
                     };
                     Some(MoeWeights {
@@ -341,8 +350,8 @@ impl GpuGptOss {
         &self.homes
     }
 
-    /// The op offload threshold of the placement (recorded; this executor runs host layers on
-    /// the host whatever the batch).
+    /// The op offload threshold of the placement: micro-batches of at least this many tokens
+    /// run host layers on the GPU with their routed experts uploaded (`None`: never).
     pub fn op_offload_min_batch(&self) -> Option<usize> {
         self.op_offload_min_batch
     }
@@ -530,6 +539,9 @@ impl GpuGptOss {
             dev.router_top_k(&scores, ne, k_used, &mut sel, &mut wts)?;
             match &lw.experts {
                 Some(experts) => dev.moe(experts, &h, &sel, &wts, k_used, &mut moe)?,
+                None if self.op_offload_min_batch.is_some_and(|m| n >= m) => {
+                    self.offloaded_experts(st, l, (&h, &sel, &wts), &mut moe)?
+                }
                 None => self.host_experts(st, l, (&h, &sel, &wts), n, &mut moe)?,
             }
             dev.add_assign(&mut x, &moe)?;
@@ -549,6 +561,55 @@ impl GpuGptOss {
         let mut logits = dev.alloc_zeros::<f32>(n_rows * p.n_vocab)?;
         dev.matmul(&self.output, &normed, n_rows, &mut logits)?;
         Ok(dev.download(&logits)?)
+    }
+
+    /// Op offload of a host layer for a large micro-batch: the chosen experts come down (one
+    /// small copy), the experts they name are uploaded from the file mapping (each once, in
+    /// ascending id order) with the ids renumbered to match, and the layer runs on the GPU.
+    fn offloaded_experts(
+        &self,
+        st: &mut State,
+        layer: usize,
+        (h, sel, wts): (&CudaSlice<f32>, &CudaSlice<i32>, &CudaSlice<f32>),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuModelError> {
+        let dev = &self.dev;
+        let k_used = self.host.params().n_expert_used;
+        let t = self
+            .host
+            .layer_experts(layer)
+            .ok_or_else(|| GpuModelError::Placement(format!("layer {layer} has no experts")))?;
+        let chosen = dev.download(sel)?;
+        let (ids, remapped) = compact_ids(&chosen, t.n_expert);
+        let (d, ff) = (t.gate.n_in, t.gate.n_out);
+        let missing = || GpuModelError::Placement(format!("layer {layer}: expert data"));
+        let gate = expert_parts(&t.gate, &ids).ok_or_else(missing)?;
+        let up = expert_parts(&t.up, &ids).ok_or_else(missing)?;
+        let down = expert_parts(&t.down, &ids).ok_or_else(missing)?;
+        let biases = |b: &[f32], w: usize| -> Result<Vec<f32>, GpuModelError> {
+            let mut v = Vec::with_capacity(ids.len() * w);
+            for &e in &ids {
+                let row = b.get(e * w..(e + 1) * w).ok_or_else(|| {
+                    GpuModelError::Placement(format!("layer {layer}: expert {e} bias"))
+                })?;
+                v.extend_from_slice(row);
+            }
+            Ok(v)
+        };
+        let w = MoeWeights {
+            gate: dev.upload_experts_from(t.gate.ty, ff, d, &gate)?,
+            up: dev.upload_experts_from(t.up.ty, ff, d, &up)?,
+            down: dev.upload_experts_from(t.down.ty, d, ff, &down)?,
+            gate_bias: Some(dev.upload(&biases(t.gate_bias, ff)?)?),
+            up_bias: Some(dev.upload(&biases(t.up_bias, ff)?)?),
+            down_bias: Some(dev.upload(&biases(t.down_bias, d)?)?),
+        };
+        let sel_compact = dev.upload(&remapped)?;
+        dev.moe(&w, h, &sel_compact, wts, k_used, out)?;
+        st.stats.offloaded_layers += 1;
+        st.stats.offloaded_experts += ids.len() as u64;
+        st.stats.offload_bytes += ids.len() as u64 * t.expert_bytes();
+        Ok(())
     }
 
     /// The round trip of a host layer: `(h, sel, wts)` down through pinned buffers, the
@@ -598,6 +659,29 @@ impl GpuGptOss {
         st.stats.bytes_to_device += 4 * (n * d) as u64;
         Ok(())
     }
+}
+
+/// Experts `ids` of `m`, each where it lies in the mapping (`None` if one is missing).
+fn expert_parts<'a>(m: &ExpertMatrix<'a>, ids: &[usize]) -> Option<Vec<&'a [u8]>> {
+    ids.iter().map(|&e| m.expert(e)).collect()
+}
+
+/// The distinct valid expert ids of `chosen` (ascending) and `chosen` renumbered to positions
+/// in that list; ids outside `0..n_expert` become -1 (the `moe` kernel gives them zero rows).
+pub(crate) fn compact_ids(chosen: &[i32], n_expert: usize) -> (Vec<usize>, Vec<i32>) {
+    let valid = |e: i32| usize::try_from(e).ok().filter(|&e| e < n_expert);
+    let mut ids: Vec<usize> = chosen.iter().filter_map(|&e| valid(e)).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut slot = vec![-1i32; n_expert];
+    for (i, &e) in ids.iter().enumerate() {
+        slot[e] = i as i32;
+    }
+    let remapped = chosen
+        .iter()
+        .map(|&e| valid(e).map_or(-1, |e| slot[e]))
+        .collect();
+    (ids, remapped)
 }
 
 /// Bytes of one layer's weights on the device.
@@ -745,6 +829,15 @@ mod tests {
             "new size"
         );
         assert_eq!(kv_action(Some((g, 10)), (512, 512), 3), Mismatch);
+    }
+
+    #[test]
+    fn op_offload_renumbers_the_routed_experts() {
+        let (ids, remapped) = compact_ids(&[7, 2, 7, 5, 2, 9, -1, 8], 8);
+        assert_eq!(ids, vec![2, 5, 7]);
+        assert_eq!(remapped, vec![2, 0, 2, 1, 0, -1, -1, -1]);
+        let (ids, remapped) = compact_ids(&[], 4);
+        assert!(ids.is_empty() && remapped.is_empty());
     }
 
     #[test]

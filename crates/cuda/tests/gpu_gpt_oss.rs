@@ -3,7 +3,8 @@
 //! `-ngl all --n-cpu-moe 1`, planned by hmoe-placement's real `plan()`): teacher-forced top-10
 //! probabilities within 5e-3 of the CPU run and of the golden (f16 KV) at every step, and
 //! exactly one host round trip per host layer per micro-batch (none with every expert on the
-//! GPU). Each test returns early ("no CUDA device: skipped") without a device.
+//! GPU), and op offload of host layers for micro-batches from a threshold. Each test returns
+//! early ("no CUDA device: skipped") without a device.
 
 use std::path::PathBuf;
 
@@ -66,11 +67,23 @@ fn planned(gguf: &GgufModel, rules: Vec<TensorRule>) -> ExpertPlacement {
     ExpertPlacement::from_tensor_devices(shape.n_layer as usize, names.zip(on_gpu)).unwrap()
 }
 
-fn configs() -> Vec<(&'static str, Vec<TensorRule>)> {
+/// The placements of issue #5, and two with op offload from 4 tokens (so that every golden
+/// prompt, 5 to 40 tokens, runs its host layers on the GPU and decode steps round-trip).
+fn configs() -> Vec<(&'static str, Vec<TensorRule>, Option<usize>)> {
     vec![
-        ("-ngl all", vec![]),
-        ("-ngl all --cpu-moe", vec![TensorRule::CpuMoe]),
-        ("-ngl all --n-cpu-moe 1", vec![TensorRule::NCpuMoe(1)]),
+        ("-ngl all", vec![], None),
+        ("-ngl all --cpu-moe", vec![TensorRule::CpuMoe], None),
+        ("-ngl all --n-cpu-moe 1", vec![TensorRule::NCpuMoe(1)], None),
+        (
+            "-ngl all --cpu-moe --op-offload-min-batch 4",
+            vec![TensorRule::CpuMoe],
+            Some(4),
+        ),
+        (
+            "-ngl all --n-cpu-moe 1 --op-offload-min-batch 4",
+            vec![TensorRule::NCpuMoe(1)],
+            Some(4),
+        ),
     ]
 }
 
@@ -125,9 +138,9 @@ fn check_fixture(file: &str, golden_file: &str) {
     let cases = golden["cases"].as_array().unwrap();
     let cpu = GptOss::load(open(file)).unwrap();
     let cpu_runs: Vec<_> = cases.iter().map(|c| teacher_forced(&cpu, c)).collect();
-    for (name, rules) in configs() {
+    for (name, rules, op_offload) in configs() {
         let gguf = open(file);
-        let placement = planned(&gguf, rules).with_op_offload(None);
+        let placement = planned(&gguf, rules).with_op_offload(op_offload);
         let n_host = placement
             .layers
             .iter()
@@ -161,13 +174,23 @@ fn check_fixture(file: &str, golden_file: &str) {
             }
         }
         let stats = gpu.stats();
-        // Every step is one micro-batch (prompts are shorter than the micro-batch).
+        // Every step is one micro-batch (prompts are shorter than the micro-batch); with op
+        // offload each prompt's host layers run on the GPU, decode steps round-trip.
+        let n_cases = cases.len() as u64;
+        let (trips, offloads) = match op_offload {
+            None => (n_host * steps, 0),
+            Some(_) => (n_host * (steps - n_cases), n_host * n_cases),
+        };
         assert_eq!(stats.ubatches, steps, "{name}");
-        assert_eq!(stats.host_round_trips, n_host * steps, "{name}");
+        assert_eq!(stats.host_round_trips, trips, "{name}");
+        assert_eq!(stats.offloaded_layers, offloads, "{name}");
         eprintln!(
             "{file} {name}: max |Δp| vs CPU {worst_cpu:.2e}, vs golden {worst_golden:.2e}, \
-             {} host round trips, {:.1} MiB of weights on the GPU",
+             {} host round trips, {} offloaded layers ({} experts), {:.1} MiB of weights on \
+             the GPU",
             stats.host_round_trips,
+            stats.offloaded_layers,
+            stats.offloaded_experts,
             gpu.weight_bytes() as f64 / (1 << 20) as f64
         );
     }
