@@ -7,6 +7,8 @@
 # usage: scripts/build-gpu-check.sh [OUT_DIR]
 # The binaries load libcuda/libnvrtc/libcublas at run time (nothing CUDA is linked), so this
 # builds on a machine without CUDA. They need a glibc at least as new as this machine's.
+# Also copied: scripts/gpu_compare.py (teacher-forced GPU vs CPU vs golden, python3 stdlib) and
+# the gpt-oss fixtures with their f16-KV goldens (from $HMOE_FIXTURES or ../shared/fixtures).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -34,8 +36,20 @@ cargo test -p hmoe-cuda --release --no-run --message-format=json 2>/dev/null \
 [ -n "$(ls -A "$OUT/tests")" ] || { echo "build-gpu-check: no test executables found" >&2; exit 1; }
 
 cp "$ROOT/scripts/gpu-check.sh" "$OUT/gpu-check.sh"
-chmod +x "$OUT/gpu-check.sh" "$OUT/hmoe" "$OUT"/tests/*
-# Debug line tables make the folder ~100 MiB; stripped it is ~35 MiB (small enough to carry).
+cp "$ROOT/scripts/gpu_compare.py" "$OUT/gpu_compare.py"
+chmod +x "$OUT/gpu-check.sh" "$OUT/gpu_compare.py" "$OUT/hmoe" "$OUT"/tests/*
+
+# The gpt-oss fixtures (~22 MiB): the GPU tests (HMOE_FIXTURES) and gpu_compare.py read them.
+FIX="${HMOE_FIXTURES:-$ROOT/../shared/fixtures}/gpt-oss"
+rm -rf "$OUT/fixtures"
+if [ -d "$FIX" ]; then
+    mkdir -p "$OUT/fixtures/gpt-oss"
+    cp "$FIX"/*.gguf "$FIX"/*.golden-f16kv.json "$OUT/fixtures/gpt-oss/"
+    echo "build-gpu-check: fixtures <- $FIX" >&2
+else
+    echo "build-gpu-check: no fixtures at $FIX (the GPU tests and gpu_compare.py need them)" >&2
+fi
+# Debug line tables make the folder ~100 MiB; stripped it is ~35 MiB with the fixtures.
 if command -v strip >/dev/null 2>&1; then
     strip "$OUT/hmoe" "$OUT"/tests/*
 fi

@@ -8,9 +8,16 @@
 #   HMOE_CUDA_TESTS   folder of test executables (else $DIST/tests)
 #   HMOE_DIST         folder with both           (else this script's folder, else
 #                                                  ../dist/gpu-check beside it)
+#   HMOE_FIXTURES     fixtures folder (else $DIST/fixtures, which build-gpu-check.sh fills):
+#                     the GPU tests read gpt-oss/ in it
+#   HMOE_GPTOSS_FIXTURES  the gpt-oss fixtures gpu_compare.py runs (else $HMOE_FIXTURES/gpt-oss)
 # Optional:
-#   HMOE_BENCH_MODEL  a GGUF model: `hmoe bench` with --cpu-moe and with every layer on the GPU
+#   HMOE_BENCH_MODEL  a GGUF model: `hmoe bench` with --cpu-moe and with every layer on the GPU,
+#                     each with the peak GPU memory of the bench process (nvidia-smi)
+#   HMOE_BENCH_MAKE   with no HMOE_BENCH_MODEL: `g120-4l` makes the 4-layer gpt-oss-120b-dims
+#                     model (hmoe make-test-model, ~7 GB in $TMPDIR) and benches it
 #   HMOE_BENCH_ARGS   extra bench flags (default: -p 512 -n 128 -r 3)
+#   HMOE_SKIP_TESTS   1: skip the CUDA test executables (gpu_compare and bench only)
 #   CUDA_HOME         CUDA install (default /usr/local/cuda): its lib64 goes on LD_LIBRARY_PATH
 #   HMOE_CUDA_CACHE   the kernel PTX cache (default: a fresh folder, so the first test compiles)
 #
@@ -79,6 +86,14 @@ if [ -z "${HMOE_CUDA_CACHE:-}" ]; then
 fi
 echo "gpu-check: HMOE_CUDA_CACHE=$HMOE_CUDA_CACHE"
 
+if [ -z "${HMOE_FIXTURES:-}" ] && [ -d "$DIST/fixtures" ]; then
+    HMOE_FIXTURES="$DIST/fixtures"
+fi
+if [ -n "${HMOE_FIXTURES:-}" ]; then
+    export HMOE_FIXTURES
+fi
+echo "gpu-check: HMOE_FIXTURES=${HMOE_FIXTURES:-unset (the compiled-in path)}"
+
 if [ -x "$HMOE" ]; then
     step "hmoe --list-devices" "$HMOE" --list-devices
 else
@@ -88,7 +103,9 @@ else
 fi
 
 found_tests=0
+[ "${HMOE_SKIP_TESTS:-0}" = 1 ] && found_tests=skip
 for t in "$TESTS"/*; do
+    [ "$found_tests" = skip ] && break
     [ -x "$t" ] || continue
     found_tests=1
     # One thread: the tests share the device and their output stays readable.
@@ -100,10 +117,74 @@ if [ "$found_tests" -eq 0 ]; then
     FAILED=1
 fi
 
+# Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every gpt-oss
+# fixture, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1 (max |dp| <= 5e-3).
+GPTOSS_FIX="${HMOE_GPTOSS_FIXTURES:-${HMOE_FIXTURES:-$HERE/../../shared/fixtures}/gpt-oss}"
+COMPARE="$DIST/gpu_compare.py"
+[ -f "$COMPARE" ] || COMPARE="$HERE/gpu_compare.py"
+if [ -x "$HMOE" ] && [ -f "$COMPARE" ] && [ -d "$GPTOSS_FIX" ] && command -v python3 >/dev/null; then
+    step "gpu_compare (GPU vs CPU vs golden)" python3 "$COMPARE" --hmoe "$HMOE" --fixtures "$GPTOSS_FIX"
+else
+    echo "gpu-check: cannot run gpu_compare.py (hmoe=$HMOE script=$COMPARE fixtures=$GPTOSS_FIX, python3?)"
+    REPORT+=("$(printf '%-28s missing' 'gpu_compare')")
+    FAILED=1
+fi
+
+# bench_vram NAME ARGS...: `hmoe bench ARGS` with the peak GPU memory of its process, sampled
+# every 0.2 s from nvidia-smi (the compute-apps query; the whole GPU's use as a fallback).
+bench_vram() {
+    local name="$1"; shift
+    local log peak_file
+    log="$(mktemp)"; peak_file="$(mktemp)"
+    echo 0 > "$peak_file"
+    "$HMOE" bench "$@" 2>&1 | tee "$log" &
+    local pipe_pid=$!
+    (
+        peak=0
+        while kill -0 "$pipe_pid" 2>/dev/null; do
+            pid="$(pgrep -n -f "$HMOE bench" 2>/dev/null || true)"
+            used=""
+            if [ -n "$pid" ]; then
+                used="$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
+                    | awk -F', *' -v p="$pid" '$1 == p { print $2 }' | head -n1)"
+            fi
+            if [ -z "$used" ]; then
+                used="$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -n1)"
+            fi
+            if [[ "$used" =~ ^[0-9]+$ ]] && [ "$used" -gt "$peak" ]; then
+                peak="$used"
+                echo "$peak" > "$peak_file"
+            fi
+            sleep 0.2
+        done
+    ) &
+    local sampler=$!
+    wait "$pipe_pid"
+    local rc=$?
+    wait "$sampler" 2>/dev/null
+    local peak
+    peak="$(cat "$peak_file")"
+    echo "gpu-check: $name: peak GPU memory ${peak} MiB"
+    if ! grep -m1 "hmoe: gpt-oss on" "$log"; then
+        echo "gpu-check: $name: the GPU executor did not run (see the log)"
+        [ "$rc" -ne 0 ] || rc=1
+    fi
+    BENCH_VRAM+=("$(printf '%-28s peak GPU memory %6s MiB' "$name" "$peak")")
+    rm -f "$log" "$peak_file"
+    return "$rc"
+}
+BENCH_VRAM=()
+
+if [ -z "${HMOE_BENCH_MODEL:-}" ] && [ "${HMOE_BENCH_MAKE:-}" = g120-4l ] && [ -x "$HMOE" ]; then
+    HMOE_BENCH_MODEL="${TMPDIR:-/tmp}/hmoe-g120-4l.gguf"
+    [ -f "$HMOE_BENCH_MODEL" ] || step "make g120-4l" "$HMOE" make-test-model \
+        --preset gpt-oss-120b-layers --layers 4 -o "$HMOE_BENCH_MODEL"
+fi
 if [ -n "${HMOE_BENCH_MODEL:-}" ] && [ -x "$HMOE" ]; then
     read -r -a BENCH_ARGS <<< "${HMOE_BENCH_ARGS:--p 512 -n 128 -r 3}"
-    step "bench --cpu-moe" "$HMOE" bench -m "$HMOE_BENCH_MODEL" -ngl all --cpu-moe "${BENCH_ARGS[@]}"
-    step "bench all layers on GPU" "$HMOE" bench -m "$HMOE_BENCH_MODEL" -ngl all "${BENCH_ARGS[@]}"
+    step "bench --cpu-moe" bench_vram "bench --cpu-moe" -m "$HMOE_BENCH_MODEL" -ngl all --cpu-moe "${BENCH_ARGS[@]}"
+    step "bench all layers on GPU" bench_vram "bench all on GPU" -m "$HMOE_BENCH_MODEL" -ngl all "${BENCH_ARGS[@]}"
+    step "bench CPU (-dev none)" "$HMOE" bench -m "$HMOE_BENCH_MODEL" -dev none "${BENCH_ARGS[@]}"
 else
     echo
     echo "gpu-check: HMOE_BENCH_MODEL not set: no bench"
@@ -112,5 +193,6 @@ fi
 echo
 echo "=== gpu-check report"
 for line in "${REPORT[@]}"; do echo "  $line"; done
+for line in "${BENCH_VRAM[@]}"; do echo "  $line"; done
 if [ "$FAILED" -eq 0 ]; then echo "gpu-check: all steps passed"; else echo "gpu-check: some steps FAILED"; fi
 exit "$FAILED"

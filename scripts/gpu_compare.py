@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Teacher-forced top-10 probabilities of the GPU executor against the CPU engine and the
+goldens (issue #5), for every gpt-oss fixture in a folder. Python 3 standard library only.
+
+For each fixture FILE.gguf with a golden FILE.golden-f16kv.json (split models: the first
+shard, golden named after the stem without -00001-of-0000N), and each golden case (a prompt
+and the golden greedy tokens), it runs
+
+    hmoe run -m FILE --prompt-tokens P --teacher-tokens G --top-k-probs 10 --json -c 512
+
+once on the CPU (-dev none) and once per GPU configuration (-ngl all; -ngl all --cpu-moe;
+-ngl all --n-cpu-moe 1), checks from stderr that the GPU executor ran, and prints per
+fixture and configuration the largest |dp| over the reference's top-10 ids at every step
+against the CPU run and against the golden. An id missing from the other run's top 10 counts
+as p_ref - (that run's 10th probability), a lower bound of its true |dp|.
+
+usage: gpu_compare.py --hmoe PATH --fixtures DIR [--tol 5e-3]
+Exit status 0 when every number is within the tolerance and every GPU run used the GPU.
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+CONFIGS = [
+    ("-ngl all", ["-ngl", "all"]),
+    ("-ngl all --cpu-moe", ["-ngl", "all", "--cpu-moe"]),
+    ("-ngl all --n-cpu-moe 1", ["-ngl", "all", "--n-cpu-moe", "1"]),
+]
+GPU_MARK = re.compile(r"hmoe: gpt-oss on CUDA")
+
+
+def fixtures(folder):
+    """(model path, golden path, name) of every gpt-oss fixture with an f16-KV golden."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.gguf"))):
+        base = os.path.basename(path)
+        m = re.match(r"(.*)-(\d{5})-of-(\d{5})\.gguf$", base)
+        if m and m.group(2) != "00001":
+            continue
+        stem = m.group(1) if m else base[: -len(".gguf")]
+        golden = os.path.join(folder, stem + ".golden-f16kv.json")
+        if os.path.exists(golden):
+            out.append((path, golden, stem))
+    return out
+
+
+def run(hmoe, model, case, extra):
+    """top_probs of one teacher-forced run, and whether the GPU executor ran."""
+    prompt = ",".join(str(t) for t in case["prompt_tokens"])
+    teacher = ",".join(str(t) for t in case["greedy_tokens"][: len(case["top_probs"])])
+    cmd = [
+        hmoe, "run", "-m", model, "--prompt-tokens", prompt, "--teacher-tokens", teacher,
+        "--top-k-probs", "10", "--json", "-c", "512", "--temp", "0",
+    ] + extra
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), p.returncode, p.stderr[-2000:]))
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    return out["top_probs"], bool(GPU_MARK.search(p.stderr)), p.stderr
+
+
+def worst_dp(ref_steps, got_steps):
+    """Largest |dp| over the reference's top ids at every step (see the module doc)."""
+    worst = 0.0
+    for ref, got in zip(ref_steps, got_steps):
+        gp = {int(i): float(p) for i, p in got}
+        floor = min(gp.values()) if gp else 0.0
+        for i, p in ref:
+            p = float(p)
+            d = abs(p - gp[int(i)]) if int(i) in gp else max(0.0, p - floor)
+            worst = max(worst, d)
+    if len(ref_steps) != len(got_steps):
+        worst = float("inf")
+    return worst
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hmoe", required=True)
+    ap.add_argument("--fixtures", required=True)
+    ap.add_argument("--tol", type=float, default=5e-3)
+    a = ap.parse_args()
+    found = fixtures(a.fixtures)
+    if not found:
+        print("gpu_compare: no gpt-oss fixture with a .golden-f16kv.json in %s" % a.fixtures)
+        return 1
+    ok = True
+    rows = []
+    for model, golden_path, name in found:
+        with open(golden_path) as f:
+            golden = json.load(f)
+        cases = golden["cases"]
+        try:
+            cpu = [run(a.hmoe, model, c, ["-dev", "none"])[0] for c in cases]
+        except RuntimeError as e:
+            print("gpu_compare: %s CPU: %s" % (name, e))
+            ok = False
+            continue
+        cpu_vs_golden = max(worst_dp(c["top_probs"], r) for c, r in zip(cases, cpu))
+        rows.append((name, "CPU (-dev none)", "-", cpu_vs_golden, "cpu"))
+        for label, extra in CONFIGS:
+            try:
+                runs = [run(a.hmoe, model, c, extra) for c in cases]
+            except RuntimeError as e:
+                print("gpu_compare: %s %s: %s" % (name, label, e))
+                rows.append((name, label, float("inf"), float("inf"), "failed"))
+                ok = False
+                continue
+            on_gpu = all(r[1] for r in runs)
+            vs_cpu = max(worst_dp(c, r[0]) for c, r in zip(cpu, runs))
+            vs_golden = max(worst_dp(c["top_probs"], r[0]) for c, r in zip(cases, runs))
+            engine = "gpu" if on_gpu else "NOT ON GPU"
+            if not on_gpu:
+                print("gpu_compare: %s %s did not run on the GPU; stderr:\n%s"
+                      % (name, label, runs[0][2][-1500:]))
+            rows.append((name, label, vs_cpu, vs_golden, engine))
+            ok = ok and on_gpu and vs_cpu <= a.tol and vs_golden <= a.tol
+    print()
+    print("%-28s %-26s %-12s %-12s %s" % ("fixture", "config", "max|dp| CPU", "max|dp| gold", "engine"))
+    for name, label, vs_cpu, vs_golden, engine in rows:
+        fmt = lambda v: v if isinstance(v, str) else "%.3e" % v
+        print("%-28s %-26s %-12s %-12s %s" % (name, label, fmt(vs_cpu), fmt(vs_golden), engine))
+    print("gpu_compare: %s (tolerance %.0e)" % ("PASS" if ok else "FAIL", a.tol))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
