@@ -16,6 +16,15 @@
 //! After the last layer: output norm and head on the GPU, and the logits come down. With every
 //! layer's experts on the GPU nothing crosses the bus between the ids and the logits.
 //!
+//! The ops run on a [`Backend`]: [`CudaDevice`] (the kernels), or [`crate::RefBackend`], plain
+//! Rust with the kernels' semantics, which runs the same executor in CI.
+//!
+//! Numerics: activations stay f32 into every product (the CPU engine, like ggml's CPU backend,
+//! quantizes them to Q8_0 for Q8_0/MXFP4 weights and rounds attention queries and
+//! probabilities to f16). On models whose routing is that sensitive (the synthetic Q8_0/MXFP4
+//! fixtures) results then differ from the CPU engine's by more than rounding; see
+//! `tests/gpu_gpt_oss.rs` for the measured figures.
+//!
 //! Limits of this executor:
 //! - **One sequence at a time.** The K/V cache lives on the GPU inside the executor; the
 //!   [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions only (see
@@ -32,16 +41,15 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use hmoe_gguf::GgufModel;
-use hmoe_model::hybrid::ExpertMatrix;
 use hmoe_model::kv_cache::CacheType;
 use hmoe_model::{
     ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss, GptOssParams, KvCache,
     KvType, LanguageModel, LogitsWanted, ModelError, SeqBatch,
 };
 
-use crate::device::{AttnParams, CudaDevice, DeviceMatrix, MoeWeights, RopeParams};
+use crate::backend::Backend;
+use crate::device::{AttnParams, CudaDevice, RopeParams};
 use crate::error::CudaError;
 
 /// What can go wrong loading or running gpt-oss on the GPU.
@@ -157,79 +165,93 @@ pub struct GpuStats {
 }
 
 /// One layer's weights on the GPU.
-struct LayerWeights {
-    attn_norm: CudaSlice<f32>,
-    wq: DeviceMatrix,
-    wk: DeviceMatrix,
-    wv: DeviceMatrix,
-    wo: DeviceMatrix,
-    bq: CudaSlice<f32>,
-    bk: CudaSlice<f32>,
-    bv: CudaSlice<f32>,
-    bo: CudaSlice<f32>,
-    sinks: CudaSlice<f32>,
-    ffn_norm: CudaSlice<f32>,
-    router: DeviceMatrix,
-    router_b: CudaSlice<f32>,
+struct LayerWeights<B: Backend> {
+    attn_norm: B::Buf<f32>,
+    wq: B::Matrix,
+    wk: B::Matrix,
+    wv: B::Matrix,
+    wo: B::Matrix,
+    bq: B::Buf<f32>,
+    bk: B::Buf<f32>,
+    bv: B::Buf<f32>,
+    bo: B::Buf<f32>,
+    sinks: B::Buf<f32>,
+    ffn_norm: B::Buf<f32>,
+    router: B::Matrix,
+    router_b: B::Buf<f32>,
     /// The routed experts, for a [`ExpertHome::Device`] layer.
-    experts: Option<MoeWeights>,
+    experts: Option<B::Moe>,
 }
 
+/// A layer's expert inputs on the device: normed hidden state, chosen experts, weights.
+type Routed<'a, B> = (
+    &'a <B as Backend>::Buf<f32>,
+    &'a <B as Backend>::Buf<i32>,
+    &'a <B as Backend>::Buf<f32>,
+);
+
 /// One layer's K/V ring on the GPU.
-struct LayerKv {
-    k: CudaSlice<u16>,
-    v: CudaSlice<u16>,
+struct LayerKv<B: Backend> {
+    k: B::Buf<u16>,
+    v: B::Buf<u16>,
     cells: usize,
 }
 
 /// The sequence's K/V cache on the GPU.
-struct GpuKv {
+struct GpuKv<B: Backend> {
     /// `(n_ctx, n_ubatch)` of the handle it was made for.
     geometry: (usize, usize),
     /// Positions stored.
     held: usize,
-    layers: Vec<LayerKv>,
+    layers: Vec<LayerKv<B>>,
 }
 
-/// Pinned staging buffers of the host round trip, for micro-batches of `n` tokens.
-struct HostIo {
+/// Staging buffers of the host round trip, for micro-batches of `n` tokens.
+struct HostIo<B: Backend> {
     n: usize,
-    h: PinnedHostSlice<f32>,
-    sel: PinnedHostSlice<i32>,
-    w: PinnedHostSlice<f32>,
-    out: PinnedHostSlice<f32>,
+    io: B::Staging,
 }
 
 /// What changes while running.
-#[derive(Default)]
-struct State {
-    kv: Option<GpuKv>,
-    io: Option<HostIo>,
+struct State<B: Backend> {
+    kv: Option<GpuKv<B>>,
+    io: Option<HostIo<B>>,
     stats: GpuStats,
 }
 
+impl<B: Backend> Default for State<B> {
+    fn default() -> Self {
+        State {
+            kv: None,
+            io: None,
+            stats: GpuStats::default(),
+        }
+    }
+}
+
 /// gpt-oss with its dense part on a CUDA device and each layer's routed experts where an
-/// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits).
-pub struct GpuGptOss {
+/// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits). The
+/// ops run on a [`Backend`]: the CUDA device, or [`crate::RefBackend`] in tests.
+pub struct GpuGptOss<B: Backend = CudaDevice> {
     host: GptOss,
-    dev: CudaDevice,
+    dev: B,
     rope: RopeParams,
-    tok_embd: DeviceMatrix,
-    output_norm: CudaSlice<f32>,
-    output: DeviceMatrix,
-    layers: Vec<LayerWeights>,
+    tok_embd: B::Matrix,
+    output_norm: B::Buf<f32>,
+    output: B::Matrix,
+    layers: Vec<LayerWeights<B>>,
     homes: Vec<ExpertHome>,
     op_offload_min_batch: Option<usize>,
     weight_bytes: u64,
-    state: Mutex<State>,
+    state: Mutex<State<B>>,
 }
 
 /// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
-fn upload_matrix(
-    dev: &CudaDevice,
+fn upload_matrix<B: Backend>(
+    dev: &B,
     g: &GgufModel,
     name: &str,
-) -> Result<DeviceMatrix, GpuModelError> {
+) -> Result<B::Matrix, GpuModelError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -239,11 +261,11 @@ fn upload_matrix(
 }
 
 /// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32.
-fn upload_f32(
-    dev: &CudaDevice,
+fn upload_f32<B: Backend>(
+    dev: &B,
     g: &GgufModel,
     name: &str,
-) -> Result<CudaSlice<f32>, GpuModelError> {
+) -> Result<B::Buf<f32>, GpuModelError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -252,15 +274,15 @@ fn upload_f32(
     Ok(dev.upload(&v)?)
 }
 
-impl GpuGptOss {
+impl<B: Backend> GpuGptOss<B> {
     /// Loads `gguf` (checked as [`GptOss::load`] checks it) onto `dev`: every dense weight,
     /// and the routed experts of the layers `placement` puts on the device. The experts of the
     /// other layers stay in the file mapping and run on the host.
     pub fn load(
         gguf: GgufModel,
-        dev: CudaDevice,
+        dev: B,
         placement: &ExpertPlacement,
-    ) -> Result<GpuGptOss, GpuModelError> {
+    ) -> Result<GpuGptOss<B>, GpuModelError> {
         let host = GptOss::load(gguf)?;
         let p = host.params().clone();
         if placement.layers.len() != p.n_layer {
@@ -283,17 +305,7 @@ impl GpuGptOss {
                     let t = host.layer_experts(l).ok_or_else(|| {
                         GpuModelError::Placement(format!("layer {l} has no experts"))
                     })?;
-                    let up = |m: &ExpertMatrix<'_>| {
-                        dev.upload_experts(m.ty, t.n_expert, m.n_out, m.n_in, m.data)
-                    };
-                    Some(MoeWeights {
-                        gate: up(&t.gate)?,
-                        up: up(&t.up)?,
-                        down: up(&t.down)?,
-                        gate_bias: Some(dev.upload(t.gate_bias)?),
-                        up_bias: Some(dev.upload(t.up_bias)?),
-                        down_bias: Some(dev.upload(t.down_bias)?),
-                    })
+                    Some(dev.upload_moe(&t, None)?)
                 }
             };
             let lw = LayerWeights {
@@ -312,13 +324,15 @@ impl GpuGptOss {
                 router_b: f("ffn_gate_inp.bias")?,
                 experts,
             };
-            weight_bytes += layer_bytes(&lw);
+            weight_bytes += layer_bytes::<B>(&lw);
             layers.push(lw);
         }
         let tok_embd = upload_matrix(&dev, g, "token_embd.weight")?;
         let output = upload_matrix(&dev, g, "output.weight")?;
         let output_norm = upload_f32(&dev, g, "output_norm.weight")?;
-        weight_bytes += (tok_embd.bytes() + output.bytes() + 4 * output_norm.len()) as u64;
+        weight_bytes += (B::matrix_bytes(&tok_embd)
+            + B::matrix_bytes(&output)
+            + 4 * B::buf_len(&output_norm)) as u64;
         dev.synchronize()?;
         Ok(GpuGptOss {
             rope: rope_params(&p),
@@ -341,7 +355,7 @@ impl GpuGptOss {
     }
 
     /// The device.
-    pub fn device(&self) -> &CudaDevice {
+    pub fn device(&self) -> &B {
         &self.dev
     }
 
@@ -366,7 +380,7 @@ impl GpuGptOss {
         self.lock().stats
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<B>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -422,7 +436,7 @@ impl GpuGptOss {
     }
 
     /// Makes the GPU cache stand for `cache` (see [`kv_action`]).
-    fn prepare_kv(&self, st: &mut State, cache: &KvCache) -> Result<(), GpuModelError> {
+    fn prepare_kv(&self, st: &mut State<B>, cache: &KvCache) -> Result<(), GpuModelError> {
         let geometry = (cache.n_ctx(), cache.n_ubatch());
         let gpu = st.kv.as_ref().map(|kv| (kv.geometry, kv.held));
         match kv_action(gpu, geometry, cache.n_past()) {
@@ -441,8 +455,8 @@ impl GpuGptOss {
                     .into_iter()
                     .map(|cells| {
                         Ok(LayerKv {
-                            k: self.dev.alloc_zeros::<u16>(cells * width)?,
-                            v: self.dev.alloc_zeros::<u16>(cells * width)?,
+                            k: self.dev.alloc::<u16>(cells * width)?,
+                            v: self.dev.alloc::<u16>(cells * width)?,
                             cells,
                         })
                     })
@@ -469,7 +483,7 @@ impl GpuGptOss {
     /// `want` asks for.
     fn ubatch(
         &self,
-        st: &mut State,
+        st: &mut State<B>,
         pos0: usize,
         tokens: &[u32],
         want: Option<LogitsWanted>,
@@ -491,18 +505,18 @@ impl GpuGptOss {
             .collect::<Result<Vec<i32>, _>>()?;
         let ids = dev.upload(&ids)?;
         let pos = dev.upload(&positions)?;
-        let mut x = dev.alloc_zeros::<f32>(n * d)?;
+        let mut x = dev.alloc::<f32>(n * d)?;
         dev.get_rows(&self.tok_embd, &ids, &mut x)?;
-        let mut h = dev.alloc_zeros::<f32>(n * d)?;
-        let mut q = dev.alloc_zeros::<f32>(n * qw)?;
-        let mut k = dev.alloc_zeros::<f32>(n * kvw)?;
-        let mut v = dev.alloc_zeros::<f32>(n * kvw)?;
-        let mut att = dev.alloc_zeros::<f32>(n * qw)?;
-        let mut o = dev.alloc_zeros::<f32>(n * d)?;
-        let mut scores = dev.alloc_zeros::<f32>(n * ne)?;
-        let mut sel = dev.alloc_zeros::<i32>(n * k_used)?;
-        let mut wts = dev.alloc_zeros::<f32>(n * k_used)?;
-        let mut moe = dev.alloc_zeros::<f32>(n * d)?;
+        let mut h = dev.alloc::<f32>(n * d)?;
+        let mut q = dev.alloc::<f32>(n * qw)?;
+        let mut k = dev.alloc::<f32>(n * kvw)?;
+        let mut v = dev.alloc::<f32>(n * kvw)?;
+        let mut att = dev.alloc::<f32>(n * qw)?;
+        let mut o = dev.alloc::<f32>(n * d)?;
+        let mut scores = dev.alloc::<f32>(n * ne)?;
+        let mut sel = dev.alloc::<i32>(n * k_used)?;
+        let mut wts = dev.alloc::<f32>(n * k_used)?;
+        let mut moe = dev.alloc::<f32>(n * d)?;
         let scale = 1.0 / (hd as f32).sqrt();
         for (l, lw) in self.layers.iter().enumerate() {
             dev.rms_norm(&x, &lw.attn_norm, p.rms_eps, &mut h)?;
@@ -555,10 +569,10 @@ impl GpuGptOss {
             Some(LogitsWanted::All) => x,
             Some(LogitsWanted::Last) => dev.copy_range(&x, (n - 1) * d..n * d)?,
         };
-        let n_rows = rows.len() / d;
-        let mut normed = dev.alloc_zeros::<f32>(rows.len())?;
+        let n_rows = B::buf_len(&rows) / d;
+        let mut normed = dev.alloc::<f32>(n_rows * d)?;
         dev.rms_norm(&rows, &self.output_norm, p.rms_eps, &mut normed)?;
-        let mut logits = dev.alloc_zeros::<f32>(n_rows * p.n_vocab)?;
+        let mut logits = dev.alloc::<f32>(n_rows * p.n_vocab)?;
         dev.matmul(&self.output, &normed, n_rows, &mut logits)?;
         Ok(dev.download(&logits)?)
     }
@@ -568,10 +582,10 @@ impl GpuGptOss {
     /// ascending id order) with the ids renumbered to match, and the layer runs on the GPU.
     fn offloaded_experts(
         &self,
-        st: &mut State,
+        st: &mut State<B>,
         layer: usize,
-        (h, sel, wts): (&CudaSlice<f32>, &CudaSlice<i32>, &CudaSlice<f32>),
-        out: &mut CudaSlice<f32>,
+        (h, sel, wts): Routed<'_, B>,
+        out: &mut B::Buf<f32>,
     ) -> Result<(), GpuModelError> {
         let dev = &self.dev;
         let k_used = self.host.params().n_expert_used;
@@ -581,29 +595,7 @@ impl GpuGptOss {
             .ok_or_else(|| GpuModelError::Placement(format!("layer {layer} has no experts")))?;
         let chosen = dev.download(sel)?;
         let (ids, remapped) = compact_ids(&chosen, t.n_expert);
-        let (d, ff) = (t.gate.n_in, t.gate.n_out);
-        let missing = || GpuModelError::Placement(format!("layer {layer}: expert data"));
-        let gate = expert_parts(&t.gate, &ids).ok_or_else(missing)?;
-        let up = expert_parts(&t.up, &ids).ok_or_else(missing)?;
-        let down = expert_parts(&t.down, &ids).ok_or_else(missing)?;
-        let biases = |b: &[f32], w: usize| -> Result<Vec<f32>, GpuModelError> {
-            let mut v = Vec::with_capacity(ids.len() * w);
-            for &e in &ids {
-                let row = b.get(e * w..(e + 1) * w).ok_or_else(|| {
-                    GpuModelError::Placement(format!("layer {layer}: expert {e} bias"))
-                })?;
-                v.extend_from_slice(row);
-            }
-            Ok(v)
-        };
-        let w = MoeWeights {
-            gate: dev.upload_experts_from(t.gate.ty, ff, d, &gate)?,
-            up: dev.upload_experts_from(t.up.ty, ff, d, &up)?,
-            down: dev.upload_experts_from(t.down.ty, d, ff, &down)?,
-            gate_bias: Some(dev.upload(&biases(t.gate_bias, ff)?)?),
-            up_bias: Some(dev.upload(&biases(t.up_bias, ff)?)?),
-            down_bias: Some(dev.upload(&biases(t.down_bias, d)?)?),
-        };
+        let w = dev.upload_moe(&t, Some(&ids))?;
         let sel_compact = dev.upload(&remapped)?;
         dev.moe(&w, h, &sel_compact, wts, k_used, out)?;
         st.stats.offloaded_layers += 1;
@@ -616,11 +608,11 @@ impl GpuGptOss {
     /// layer's experts on the host, the sum up into `out`.
     fn host_experts(
         &self,
-        st: &mut State,
+        st: &mut State<B>,
         layer: usize,
-        (h, sel, wts): (&CudaSlice<f32>, &CudaSlice<i32>, &CudaSlice<f32>),
+        (h, sel, wts): Routed<'_, B>,
         n: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut B::Buf<f32>,
     ) -> Result<(), GpuModelError> {
         let dev = &self.dev;
         let p = self.host.params();
@@ -629,41 +621,30 @@ impl GpuGptOss {
             st.io = None;
             st.io = Some(HostIo {
                 n,
-                h: dev.alloc_pinned::<f32>(n * d)?,
-                sel: dev.alloc_pinned::<i32>(n * k_used)?,
-                w: dev.alloc_pinned::<f32>(n * k_used)?,
-                out: dev.alloc_pinned::<f32>(n * d)?,
+                io: dev.staging(n * d, n * k_used)?,
             });
         }
-        let Some(io) = st.io.as_mut() else {
+        let Some(HostIo { io, .. }) = st.io.as_mut() else {
             return Err(GpuModelError::Cache("no staging buffers".into()));
         };
-        dev.download_async(h, &mut io.h)?;
-        dev.download_async(sel, &mut io.sel)?;
-        dev.download_async(wts, &mut io.w)?;
-        // `as_slice` waits for the copies.
-        let selected: Vec<u32> = io.sel.as_slice()?.iter().map(|&e| e as u32).collect();
+        dev.stage_down(io, h, sel, wts)?;
+        let staged = dev.staged(io)?;
+        let selected: Vec<u32> = staged.sel.iter().map(|&e| e as u32).collect();
         let whole = 0..n;
         let batch = ExpertBatch {
-            h: io.h.as_slice()?,
+            h: staged.h,
             selected: &selected,
-            weights: io.w.as_slice()?,
+            weights: staged.w,
             n_used: k_used,
             groups: std::slice::from_ref(&whole),
         };
-        self.host
-            .run_host_experts(layer, &batch, io.out.as_mut_slice()?)?;
-        dev.upload_async(&io.out, out)?;
+        self.host.run_host_experts(layer, &batch, staged.out)?;
+        dev.stage_up(io, out)?;
         st.stats.host_round_trips += 1;
         st.stats.bytes_to_host += 4 * (n * d + 2 * n * k_used) as u64;
         st.stats.bytes_to_device += 4 * (n * d) as u64;
         Ok(())
     }
-}
-
-/// Experts `ids` of `m`, each where it lies in the mapping (`None` if one is missing).
-fn expert_parts<'a>(m: &ExpertMatrix<'a>, ids: &[usize]) -> Option<Vec<&'a [u8]>> {
-    ids.iter().map(|&e| m.expert(e)).collect()
 }
 
 /// The distinct valid expert ids of `chosen` (ascending) and `chosen` renumbered to positions
@@ -685,10 +666,10 @@ pub(crate) fn compact_ids(chosen: &[i32], n_expert: usize) -> (Vec<usize>, Vec<i
 }
 
 /// Bytes of one layer's weights on the device.
-fn layer_bytes(lw: &LayerWeights) -> u64 {
+fn layer_bytes<B: Backend>(lw: &LayerWeights<B>) -> u64 {
     let mats = [&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.router]
         .iter()
-        .map(|m| m.bytes())
+        .map(|m| B::matrix_bytes(m))
         .sum::<usize>();
     let vecs = [
         &lw.attn_norm,
@@ -701,19 +682,13 @@ fn layer_bytes(lw: &LayerWeights) -> u64 {
         &lw.router_b,
     ]
     .iter()
-    .map(|v| 4 * v.len())
+    .map(|v| 4 * B::buf_len(*v))
     .sum::<usize>();
-    let experts = lw.experts.as_ref().map_or(0, |e| {
-        let biases = [&e.gate_bias, &e.up_bias, &e.down_bias]
-            .iter()
-            .map(|b| b.as_ref().map_or(0, |b| 4 * b.len()))
-            .sum::<usize>();
-        e.gate.bytes() + e.up.bytes() + e.down.bytes() + biases
-    });
+    let experts = lw.experts.as_ref().map_or(0, B::moe_bytes);
     (mats + vecs + experts) as u64
 }
 
-impl LanguageModel for GpuGptOss {
+impl<B: Backend> LanguageModel for GpuGptOss<B> {
     fn n_vocab(&self) -> usize {
         self.host.params().n_vocab
     }
@@ -730,7 +705,7 @@ impl LanguageModel for GpuGptOss {
         tokens: &[u32],
         wanted: LogitsWanted,
     ) -> Result<Vec<f32>, ModelError> {
-        Ok(GpuGptOss::forward(self, cache, tokens, wanted)?)
+        Ok(GpuGptOss::<B>::forward(self, cache, tokens, wanted)?)
     }
     fn gguf(&self) -> &GgufModel {
         self.host.gguf()
@@ -746,7 +721,7 @@ impl LanguageModel for GpuGptOss {
         }
         seqs.iter_mut()
             .map(|s| {
-                let logits = GpuGptOss::forward(self, s.cache, s.tokens, LogitsWanted::Last)?;
+                let logits = GpuGptOss::<B>::forward(self, s.cache, s.tokens, LogitsWanted::Last)?;
                 Ok(if s.logits { logits } else { Vec::new() })
             })
             .collect()

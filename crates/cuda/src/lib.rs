@@ -12,12 +12,14 @@
 //! Kernels are CUDA C in `kernels.cu`, compiled once per device architecture by NVRTC at
 //! [`CudaDevice::new`] and cached on disk as PTX (see [`cache`]).
 
+pub mod backend;
 pub mod cache;
 mod device;
 mod error;
 pub mod gpt_oss;
 pub mod kernels;
 mod probe;
+mod reference;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
@@ -29,3 +31,4 @@ pub use gpt_oss::{GpuGptOss, GpuModelError, GpuStats};
 pub use probe::{
     cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,
 };
+pub use reference::RefBackend;
