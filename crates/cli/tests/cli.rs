@@ -303,3 +303,76 @@ fn fit_plans_the_sparse_gpt_oss_120b_layout() {
         );
     }
 }
+
+/// On a machine without a GPU, asking for GPU offload (`-ngl all`, `--cpu-moe`) runs the CPU
+/// engine exactly as a plain run (same top probabilities, bit for bit) and says why once; a
+/// plain run says nothing. With a GPU (gpu-check.sh) this test is skipped: the GPU executor
+/// then runs instead.
+#[test]
+fn gpu_flags_without_a_gpu_run_the_cpu_engine_unchanged() {
+    if hmoe_cuda_present() {
+        eprintln!("a CUDA device is present: skipped");
+        return;
+    }
+    let model = fixtures().join("gpt-oss").join("gptoss-tiny.gguf");
+    let model = model.to_str().unwrap();
+    let base = [
+        "run",
+        "-m",
+        model,
+        "--prompt-tokens",
+        "46,77,344,510,261",
+        "--teacher-tokens",
+        "648,428,336",
+        "--top-k-probs",
+        "10",
+        "--json",
+        "-c",
+        "512",
+        "-t",
+        "1",
+    ];
+    let run = |extra: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let out = hmoe(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            v["top_probs"].clone(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (plain, plain_err) = run(&[]);
+    assert!(!plain_err.contains("running on the CPU"), "{plain_err}");
+    for extra in [
+        &["-ngl", "all"][..],
+        &["-ngl", "all", "--cpu-moe"],
+        &[
+            "--n-gpu-layers",
+            "all",
+            "--n-cpu-moe",
+            "1",
+            "--op-offload-min-batch",
+            "4",
+        ],
+        &["-ngl", "all", "--no-op-offload"],
+    ] {
+        let (probs, err) = run(extra);
+        assert_eq!(probs, plain, "{extra:?}");
+        assert_eq!(
+            err.matches("running on the CPU: no GPU").count(),
+            1,
+            "{extra:?}: {err}"
+        );
+    }
+}
+
+/// Whether a CUDA device answers (then the GPU executor would run).
+fn hmoe_cuda_present() -> bool {
+    let out = hmoe(&["--list-devices"]);
+    String::from_utf8_lossy(&out.stdout).contains("CUDA0")
+}
