@@ -167,6 +167,7 @@ struct RunInfo {
     n_cpu_moe: u32,
     no_op_offload: bool,
     cpu_info: String,
+    engine: crate::common::EngineUsed,
 }
 
 /// Roofline numbers for generation tests.
@@ -297,8 +298,8 @@ impl Record<'_> {
         put("build_commit", json!(env!("CARGO_PKG_VERSION")));
         put("build_number", json!(0));
         put("cpu_info", json!(i.cpu_info));
-        put("gpu_info", json!(""));
-        put("backends", json!("CPU"));
+        put("gpu_info", json!(i.engine.gpu_info));
+        put("backends", json!(i.engine.backend));
         put("model_filename", json!(i.filename));
         put("model_type", json!(i.model_type));
         put("model_size", json!(i.size));
@@ -308,7 +309,7 @@ impl Record<'_> {
         put("n_threads", json!(i.n_threads));
         put("type_k", json!(i.type_k));
         put("type_v", json!(i.type_v));
-        put("n_gpu_layers", json!(0));
+        put("n_gpu_layers", json!(i.engine.n_gpu_layers));
         put("n_cpu_moe", json!(i.n_cpu_moe));
         put("no_op_offload", json!(u8::from(i.no_op_offload)));
         put("n_prompt", json!(self.test.n_prompt));
@@ -425,7 +426,7 @@ impl Printer {
                         "model" => i.model_type.clone(),
                         "size" => size_label(i.size),
                         "params" => params_label(i.n_params),
-                        "backend" => "CPU".to_string(),
+                        "backend" => i.engine.backend.to_string(),
                         "threads" => i.n_threads.to_string(),
                         "n_cpu_moe" => i.n_cpu_moe.to_string(),
                         "n_batch" => i.n_batch.to_string(),
@@ -663,6 +664,7 @@ fn run_info(args: &BenchArgs, model: &dyn LanguageModel, n_threads: usize) -> Ru
         n_cpu_moe: pa.n_cpu_moe.unwrap_or(0),
         no_op_offload: pa.no_op_offload,
         cpu_info: cpu_info(),
+        engine: args.model.engine.get().cloned().unwrap_or_default(),
     }
 }
 

@@ -33,6 +33,30 @@ pub struct ModelArgs {
     pub flash_attn: String,
     #[command(flatten)]
     pub placement: PlacementArgs,
+    /// The engine [`ModelArgs::load`] chose (set once it has loaded the model).
+    #[arg(skip)]
+    pub engine: std::sync::OnceLock<EngineUsed>,
+}
+
+/// The engine a model was loaded on, for reports (`hmoe bench`'s backend columns).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineUsed {
+    /// `CUDA` or `CPU`, as llama-bench's `backends`.
+    pub backend: &'static str,
+    /// The GPU's name (empty on the CPU).
+    pub gpu_info: String,
+    /// Layers whose dense part runs on the GPU.
+    pub n_gpu_layers: usize,
+}
+
+impl Default for EngineUsed {
+    fn default() -> Self {
+        EngineUsed {
+            backend: "CPU",
+            gpu_info: String::new(),
+            n_gpu_layers: 0,
+        }
+    }
 }
 
 impl ModelArgs {
@@ -66,7 +90,10 @@ impl ModelArgs {
         let gguf = self.open()?;
         match self.engine_choice(&gguf)? {
             EngineChoice::Gpu { ordinal, placement } => match load_gpu(gguf, ordinal, &placement) {
-                Ok(model) => return Ok(model),
+                Ok((model, used)) => {
+                    let _ = self.engine.set(used);
+                    return Ok(model);
+                }
                 Err(e) => tracing::warn!("GPU executor failed to load ({e:#}); running on the CPU"),
             },
             EngineChoice::Cpu { why } => {
@@ -170,9 +197,10 @@ fn load_gpu(
     gguf: GgufModel,
     ordinal: usize,
     placement: &ExpertPlacement,
-) -> anyhow::Result<Box<dyn LanguageModel>> {
+) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
     let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
-    let name = format!("CUDA{ordinal} ({})", dev.info().name);
+    let gpu_info = dev.info().name.clone();
+    let name = format!("CUDA{ordinal} ({gpu_info})");
     let model = hmoe_cuda::GpuGptOss::load(gguf, dev, placement)?;
     let n_layer = placement.layers.len();
     eprintln!(
@@ -182,7 +210,12 @@ fn load_gpu(
         n_layer - placement.device_layers(),
         model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
-    Ok(Box::new(model))
+    let used = EngineUsed {
+        backend: "CUDA",
+        gpu_info,
+        n_gpu_layers: n_layer,
+    };
+    Ok((Box::new(model), used))
 }
 
 /// Physical cores (hyper-threads share execution units, so llama.cpp defaults to these).
