@@ -293,13 +293,14 @@ fn micro_batches_and_truncation<B: Backend>(backend: B) {
             .fold(0f64, f64::max)
     };
     // Micro-batches of 3 (the sliding layers' rings wrap) against one micro-batch: the same
-    // executor on the same backend sees the same keys, so the results agree closely.
+    // executor on the same backend sees the same keys, so the results agree closely (exactly
+    // on the reference backend; on CUDA batches of 16+ tokens take cuBLAS, another sum order).
     let mut whole = gpu.new_cache(KvType::F16, 64, 512);
     let want = LanguageModel::forward(&gpu, &mut whole, &prompt, LogitsWanted::All).unwrap();
     let mut gc = gpu.new_cache(KvType::F16, 64, 3);
     let got = LanguageModel::forward(&gpu, &mut gc, &prompt, LogitsWanted::All).unwrap();
     let dp = worst(&got, &want);
-    assert!(dp <= 1e-4, "ubatch 3 vs 512: max |Δp| {dp}");
+    assert!(dp <= 1e-3, "ubatch 3 vs 512: max |Δp| {dp}");
     let mut cc = LanguageModel::new_cache(&cpu, KvType::F16, 64, 3);
     let cpu_all = LanguageModel::forward(&cpu, &mut cc, &prompt, LogitsWanted::All).unwrap();
     let dp = worst(&got, &cpu_all);
