@@ -11,6 +11,9 @@ use hmoe_placement::{plan, DeviceId, ModelShape, TensorDesc};
 use crate::engine_select::{choose_engine, gpu_executor_arch, EngineChoice, EngineInputs};
 use crate::placement_args::{PlacementArgs, Probed};
 
+/// Physical cores, the default of `-t` (as llama.cpp's).
+pub use hmoe_pool::physical_cores;
+
 /// How to load the model and size its context.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -216,32 +219,6 @@ fn load_gpu(
         n_gpu_layers: n_layer,
     };
     Ok((Box::new(model), used))
-}
-
-/// Physical cores (hyper-threads share execution units, so llama.cpp defaults to these).
-pub fn physical_cores() -> usize {
-    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
-        return logical;
-    };
-    let mut cores = std::collections::HashSet::new();
-    let mut physical = "";
-    for line in info.lines() {
-        if let Some((key, value)) = line.split_once(':') {
-            match key.trim() {
-                "physical id" => physical = value.trim(),
-                "core id" => {
-                    cores.insert((physical.to_string(), value.trim().to_string()));
-                }
-                _ => {}
-            }
-        }
-    }
-    if cores.is_empty() {
-        logical
-    } else {
-        cores.len().min(logical)
-    }
 }
 
 /// Parses `1,2,3` into token ids.
