@@ -24,9 +24,8 @@ use std::ops::Range;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use hmoe_quant::{DotKernel, GgmlType};
-use rayon::prelude::*;
 
-use crate::ops::{add_bias, matmul, QuantizedActs};
+use crate::ops::{add_bias, matmul, QuantizedActs, RowProduct};
 
 /// SwiGLU constants of gpt-oss experts (fixed by the architecture, not stored in GGUF).
 const SWIGLU_ALPHA: f32 = 1.702;
@@ -511,7 +510,13 @@ pub(crate) struct ExpertScratch {
     routed: QuantizedActs,
     act_q: QuantizedActs,
     per_slot: Vec<f32>,
+    /// The single-token path's SwiGLU output in the down projection's activation type, one
+    /// row per slot.
+    hidden_q: Vec<u8>,
 }
+
+/// Most rows one task of the single-token expert jobs computes (its stack buffers).
+const ONE_TOKEN_MAX_ROWS: usize = 256;
 
 /// The expert sum of a batch over the experts of one layer that `view` finds, tokens grouped by
 /// expert (ascending ids) and slots summed in order, as llama.cpp's CPU backend does. Shared by
@@ -533,12 +538,18 @@ fn mix_experts<'w>(
             format!("{} floats for {n} tokens × {d}", out.len()),
         ));
     }
+    if n == 1 && k.gate.act_type() == k.up.act_type() {
+        if let Some(rows) = one_token_rows(k, ff) {
+            return mix_one_token(layer, k, (d, ff, rows), batch, view, scratch, out);
+        }
+    }
     let k_used = batch.n_used;
     let ExpertScratch {
         acts,
         routed,
         act_q,
         per_slot,
+        ..
     } = scratch;
     acts.quantize(k.gate.act_type(), batch.h, d);
     per_slot.clear();
@@ -572,9 +583,9 @@ fn mix_experts<'w>(
             matmul(k.up, w.up, d, ff, routed, &mut up);
             add_bias(&mut gate, w.gate_bias);
             add_bias(&mut up, w.up_bias);
-            gate.par_iter_mut()
-                .zip(&up)
-                .for_each(|(gv, &uv)| *gv = swiglu_oai(*gv, uv));
+            for (gv, &uv) in gate.iter_mut().zip(&up) {
+                *gv = swiglu_oai(*gv, uv);
+            }
             act_q.quantize(k.down.act_type(), &gate, ff);
             let mut down = vec![0f32; m * d];
             matmul(k.down, w.down, ff, d, act_q, &mut down);
@@ -596,6 +607,99 @@ fn mix_experts<'w>(
             }
         }
     }
+    Ok(())
+}
+
+/// Rows per task of [`mix_one_token`]'s gate/up job: the GEMM-sized block of rows rounded up
+/// to whole blocks of the down projection's activation type, so that each task quantizes its
+/// own part of the SwiGLU output. `None` when that exceeds [`ONE_TOKEN_MAX_ROWS`] or `ff` is
+/// not whole blocks (the general path handles those).
+fn one_token_rows(k: &ExpertKernels, ff: usize) -> Option<usize> {
+    let blk = k.down.act_type().block_elems();
+    let rows = 64usize.div_ceil(blk) * blk;
+    (rows <= ONE_TOKEN_MAX_ROWS && ff.is_multiple_of(blk)).then_some(rows)
+}
+
+/// [`mix_experts`] for a single token (decode), in two pool jobs instead of three matmuls per
+/// expert: the first computes, for every slot, blocks of `rows` rows of gate and up together,
+/// adds the biases, applies the SwiGLU and quantizes the result for the down projection; the
+/// second computes blocks of output rows over every slot's down projection, adds its bias and
+/// sums the slots in order with their router weights. Each product is the one [`matmul`]
+/// computes for a single token, and the sums run in the same order, so the bits are the same.
+fn mix_one_token<'w>(
+    layer: usize,
+    k: &ExpertKernels,
+    (d, ff, rows): (usize, usize, usize),
+    batch: &ExpertBatch<'_>,
+    view: impl Fn(usize) -> Option<ExpertView<'w>>,
+    scratch: &mut ExpertScratch,
+    out: &mut [f32],
+) -> Result<(), ExpertDeviceError> {
+    let views = batch
+        .selected
+        .iter()
+        .map(|&e| {
+            let e = e as usize;
+            view(e).ok_or(ExpertDeviceError::MissingExpert { layer, expert: e })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let pool = hmoe_pool::global();
+    scratch.acts.quantize(k.gate.act_type(), batch.h, d);
+    let act = scratch.acts.row(0);
+    let (gate_p, up_p) = (
+        RowProduct::new(k.gate, d, act),
+        RowProduct::new(k.up, d, act),
+    );
+    let (gate_rb, up_rb) = (k.gate.weight_row_bytes(d), k.up.weight_row_bytes(d));
+    // The SwiGLU output of slot `s`, quantized: tasks of `rows` rows, whole blocks each; the
+    // last task of a slot may hold fewer rows, and the slot's row is padded to whole tasks.
+    let hid_ty = k.down.act_type();
+    let blk = hid_ty.block_elems();
+    let task_bytes = rows / blk * hid_ty.block_bytes();
+    let tasks_per_slot = ff.div_ceil(rows);
+    let slot_bytes = tasks_per_slot * task_bytes;
+    let hidden_q = &mut scratch.hidden_q;
+    hidden_q.clear();
+    hidden_q.resize(views.len() * slot_bytes, 0);
+    pool.for_each_chunk_mut(hidden_q, task_bytes, |i, dst| {
+        let (s, r0) = (i / tasks_per_slot, i % tasks_per_slot * rows);
+        let m = rows.min(ff - r0);
+        let w = &views[s];
+        let mut gate = [0f32; ONE_TOKEN_MAX_ROWS];
+        let mut up = [0f32; ONE_TOKEN_MAX_ROWS];
+        let (gate, up) = (&mut gate[..m], &mut up[..m]);
+        gate_p.rows(&w.gate[r0 * gate_rb..(r0 + m) * gate_rb], gate);
+        up_p.rows(&w.up[r0 * up_rb..(r0 + m) * up_rb], up);
+        let (gb, ub) = (&w.gate_bias[r0..r0 + m], &w.up_bias[r0..r0 + m]);
+        for (((g, &u), &bg), &bu) in gate.iter_mut().zip(up.iter()).zip(gb).zip(ub) {
+            *g = swiglu_oai(*g + bg, u + bu);
+        }
+        let dst = &mut dst[..m / blk * hid_ty.block_bytes()];
+        hmoe_quant::quantize_row(hid_ty, gate, dst).expect("whole blocks");
+    });
+    let hidden_row = ff / blk * hid_ty.block_bytes();
+    let down_p: Vec<RowProduct<'_>> = (0..views.len())
+        .map(|s| RowProduct::new(k.down, ff, &hidden_q[s * slot_bytes..][..hidden_row]))
+        .collect();
+    let down_rb = k.down.weight_row_bytes(ff);
+    let out_rows = down_p[0].rows_per_task();
+    // Weighted sum in slot order (highest router score first), as llama.cpp adds them.
+    pool.for_each_chunk_mut(out, out_rows, |i, dst| {
+        let (r0, m) = (i * out_rows, dst.len());
+        dst.fill(0.0);
+        let mut down = [0f32; ONE_TOKEN_MAX_ROWS];
+        let down = &mut down[..m];
+        for ((w, p), &wt) in views.iter().zip(&down_p).zip(batch.weights) {
+            p.rows(&w.down[r0 * down_rb..(r0 + m) * down_rb], down);
+            for ((o, &v), &b) in dst
+                .iter_mut()
+                .zip(down.iter())
+                .zip(&w.down_bias[r0..r0 + m])
+            {
+                *o += (v + b) * wt;
+            }
+        }
+    });
     Ok(())
 }
 
@@ -1127,6 +1231,95 @@ mod tests {
         let mut again = vec![0f32; 64];
         dev.run(3, &batch, &mut again).unwrap();
         assert_eq!(again, got);
+    }
+
+    /// Random experts of `ty` (MXFP4 or Q8_0): `n_expert` experts of `d → ff → d`.
+    fn random_layer(ty: GgmlType, d: usize, ff: usize, n_expert: usize) -> Vec<Vec<u8>> {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ ty.id() as u64;
+        let mut next = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        [(d, ff), (d, ff), (ff, d)]
+            .iter()
+            .map(|&(n_in, n_out)| {
+                let rows = n_expert * n_out;
+                let row = ty.row_bytes(n_in as u64).unwrap() as usize;
+                let mut data = vec![0u8; rows * row];
+                for r in data.chunks_exact_mut(row) {
+                    if ty == GgmlType::MXFP4 {
+                        for b in r.chunks_exact_mut(17) {
+                            b[0] = 120 + (next() % 12) as u8;
+                            b[1..].iter_mut().for_each(|q| *q = next() as u8);
+                        }
+                    } else {
+                        let vals: Vec<f32> = (0..n_in)
+                            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                            .collect();
+                        hmoe_quant::quantize_row(ty, &vals, r).unwrap();
+                    }
+                }
+                data
+            })
+            .collect()
+    }
+
+    /// The single-token path (two fused jobs) gives the bits of the batch path, which runs
+    /// the experts as separate matmuls: a token alone equals the same token in a batch of two.
+    #[test]
+    fn single_token_path_matches_batch_path() {
+        let (d, ff, n_expert) = (160usize, 96usize, 4usize);
+        for ty in [GgmlType::MXFP4, GgmlType::Q8_0] {
+            let mats = random_layer(ty, d, ff, n_expert);
+            let m = |i: usize, n_in, n_out| ExpertMatrix {
+                ty,
+                n_in,
+                n_out,
+                data: &mats[i],
+            };
+            let gb: Vec<f32> = (0..n_expert * ff).map(|i| (i as f32 * 0.7).sin()).collect();
+            let ub: Vec<f32> = (0..n_expert * ff).map(|i| (i as f32 * 0.3).cos()).collect();
+            let db: Vec<f32> = (0..n_expert * d).map(|i| (i as f32 * 0.1).sin()).collect();
+            let t = ExpertTensors {
+                n_expert,
+                gate: m(0, d, ff),
+                up: m(1, d, ff),
+                down: m(2, ff, d),
+                gate_bias: &gb,
+                up_bias: &ub,
+                down_bias: &db,
+            };
+            let k = ExpertKernels::for_tensors(&t).unwrap();
+            let h: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+            // Three slots, so that the order of the weighted sum shows in the bits.
+            let (selected, weights) = ([2u32, 0, 3], [0.5f32, 0.3, 0.2]);
+            let one = ExpertBatch {
+                h: &h,
+                selected: &selected,
+                weights: &weights,
+                n_used: 3,
+                groups: &[0..1],
+            };
+            let mut got = vec![f32::NAN; d];
+            host_experts(0, &k, &t, &one, &mut ExpertScratch::default(), &mut got).unwrap();
+            let h2 = [h.clone(), h.clone()].concat();
+            let (sel2, w2) = ([selected, selected].concat(), [weights, weights].concat());
+            let two = ExpertBatch {
+                h: &h2,
+                selected: &sel2,
+                weights: &w2,
+                n_used: 3,
+                groups: &[0..2],
+            };
+            let mut want = vec![f32::NAN; 2 * d];
+            host_experts(0, &k, &t, &two, &mut ExpertScratch::default(), &mut want).unwrap();
+            assert!(got.iter().all(|v| v.is_finite() && *v != 0.0), "{ty}");
+            for (i, (a, b)) in got.iter().zip(&want[..d]).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{ty} output {i}: {a} vs {b}");
+            }
+        }
     }
 
     #[test]

@@ -82,6 +82,57 @@ impl QuantizedActs {
 /// Rows of output computed per parallel task.
 const ROWS_PER_TASK: usize = 16;
 
+/// Rows per task for the GEMM kernels (enough work to amortise the scheduling).
+const GEMM_ROWS: usize = 64;
+
+/// One token's activation row prepared for products with the rows of one weight matrix, in
+/// the order [`matmul`] uses for a single token: the block-wise GEMM kernel for MXFP4 (as
+/// llama.cpp's repacked kernels), [`DotKernel::dot_rows`] for the other types. Shared by the
+/// threads of a job, each computing its own blocks of rows with [`RowProduct::rows`].
+pub(crate) struct RowProduct<'a> {
+    kernel: DotKernel,
+    n_in: usize,
+    act: &'a [u8],
+    gemm: Option<(hmoe_quant::GemmKernel, hmoe_quant::GemmActs<'a>)>,
+}
+
+impl<'a> RowProduct<'a> {
+    /// Prepares `act` (one row of `n_in` elements in `kernel`'s activation type).
+    pub(crate) fn new(kernel: DotKernel, n_in: usize, act: &'a [u8]) -> RowProduct<'a> {
+        let gemm = (kernel.weight_type() == GgmlType::MXFP4).then(|| {
+            let g = hmoe_quant::GemmKernel::new(GgmlType::MXFP4, kernel.isa())
+                .expect("MXFP4 has GEMM kernels on every ISA");
+            let p = g
+                .prepare(n_in, act, 1)
+                .expect("activations converted for these weights");
+            (g, p)
+        });
+        RowProduct {
+            kernel,
+            n_in,
+            act,
+            gemm,
+        }
+    }
+
+    /// Rows per task that amortise the scheduling for this kernel.
+    pub(crate) fn rows_per_task(&self) -> usize {
+        if self.gemm.is_some() {
+            GEMM_ROWS
+        } else {
+            ROWS_PER_TASK
+        }
+    }
+
+    /// `out[i] = W[i] · act` for the `out.len()` whole weight rows in `w_rows`.
+    pub(crate) fn rows(&self, w_rows: &[u8], out: &mut [f32]) {
+        match &self.gemm {
+            Some((g, p)) => g.gemm(w_rows, p, out).expect("whole rows"),
+            None => self.kernel.dot_rows(self.n_in, w_rows, self.act, out),
+        }
+    }
+}
+
 /// `out[t][r] = W[r] · x[t]` for a weight matrix `w` of `n_out` rows (each `row_bytes` long)
 /// and the quantized activations `acts`; `out` is `[tokens][n_out]`.
 pub fn matmul(
@@ -114,21 +165,7 @@ fn matmul_as(
     if n_tokens == 0 {
         return;
     }
-    // Rows per task for the GEMM kernels (enough work to amortise the scheduling).
-    const GEMM_ROWS: usize = 64;
     let ty = kernel.weight_type();
-    // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order), Q8_0 and F32 batches
-    // their tiles (Q8_0 in `vec_dot` order, F32 in tinyBLAS's 16-lane order).
-    let gemm = (ty == GgmlType::MXFP4
-        || (n_tokens > 1 && matches!(ty, GgmlType::Q8_0 | GgmlType::F32)))
-    .then(|| {
-        hmoe_quant::GemmKernel::new(ty, kernel.isa())
-            .expect("MXFP4, Q8_0 and F32 have GEMM kernels on every ISA")
-    });
-    let prep = gemm.map(|g| {
-        g.prepare(n_in, &acts.data, n_tokens)
-            .expect("activations converted for these weights")
-    });
     // Debug builds check the first output against the plain definitions below.
     let check_first = |got: f32| {
         let (w0, a0) = (&w[..row_bytes], acts.row(0));
@@ -144,24 +181,31 @@ fn matmul_as(
         };
         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
     };
+    if n_tokens == 1 {
+        let product = RowProduct::new(kernel, n_in, acts.row(0));
+        let rows_per_task = product.rows_per_task();
+        hmoe_pool::global().for_each_chunk_mut(out, rows_per_task, |chunk, dst| {
+            let r0 = chunk * rows_per_task;
+            product.rows(&w[r0 * row_bytes..(r0 + dst.len()) * row_bytes], dst);
+        });
+        debug_assert!(check_first(out[0]), "matmul differs from the reference");
+        return;
+    }
+    // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order), Q8_0 and F32 batches
+    // their tiles (Q8_0 in `vec_dot` order, F32 in tinyBLAS's 16-lane order).
+    let gemm = matches!(ty, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32).then(|| {
+        hmoe_quant::GemmKernel::new(ty, kernel.isa())
+            .expect("MXFP4, Q8_0 and F32 have GEMM kernels on every ISA")
+    });
+    let prep = gemm.map(|g| {
+        g.prepare(n_in, &acts.data, n_tokens)
+            .expect("activations converted for these weights")
+    });
     let rows_per_task = if gemm.is_some() {
         GEMM_ROWS
     } else {
         ROWS_PER_TASK
     };
-    if n_tokens == 1 {
-        let act = acts.row(0);
-        hmoe_pool::global().for_each_chunk_mut(out, rows_per_task, |chunk, dst| {
-            let r0 = chunk * rows_per_task;
-            let rows = &w[r0 * row_bytes..(r0 + dst.len()) * row_bytes];
-            match (&gemm, &prep) {
-                (Some(g), Some(p)) => g.gemm(rows, p, dst).expect("whole rows"),
-                _ => kernel.dot_rows(n_in, rows, act, dst),
-            }
-        });
-        debug_assert!(check_first(out[0]), "matmul differs from the reference");
-        return;
-    }
     // Batch: each task owns a block of weight rows and runs every token through it, so the
     // weights are read once; the result is produced transposed and then laid out per token.
     let mut transposed = vec![0f32; n_out * n_tokens];
