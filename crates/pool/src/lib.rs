@@ -5,8 +5,12 @@
 //! * A job is `(n_chunks, &dyn Fn(chunk))`, published by bumping an epoch counter; nothing is
 //!   allocated and no channel is crossed per job. The closure may borrow from the caller's
 //!   stack: [`ThreadPool::run`] returns only once no worker can touch it any more.
-//! * Chunks are claimed with an atomic `fetch_add`, so a descheduled thread's share is taken by
-//!   the others.
+//! * The chunks are split into one contiguous segment per thread, which each thread walks in
+//!   order, claiming with an atomic `fetch_add`; a thread whose segment is used up takes
+//!   chunks from the others' segments, so a descheduled thread's share is taken by the others.
+//!   Walking a contiguous run keeps a kernel's prefetch of the rows after its chunk useful:
+//!   they belong to the chunk the same thread runs next (a memory-bound single-token matmul on
+//!   2 threads read 10–20% faster than with chunks dealt out alternately).
 //! * Idle workers poll (with the `pause` hint) for a bounded time, then park on a condition
 //!   variable; the caller wakes them only when some are parked.
 //! * A job submitted from inside a job (on any pool) runs inline on the current thread, so
@@ -71,8 +75,8 @@ struct Shared {
     epoch: AtomicU64,
     /// Written only by the submitter, while it holds the submit lock and no worker is active.
     job: UnsafeCell<Job>,
-    /// Next chunk index to claim.
-    next: AtomicUsize,
+    /// Per thread (the caller is 0), the offset of the next chunk to claim in its segment.
+    next: Box<[Claim]>,
     /// Chunks finished (or skipped after a panic).
     done: AtomicUsize,
     /// Workers that registered for the current epoch and may be reading the job.
@@ -101,25 +105,39 @@ unsafe impl Sync for Shared {}
 // SAFETY: as above; the pointer is only dereferenced under that protocol, on any thread.
 unsafe impl Send for Shared {}
 
+/// A segment's claim counter, alone in its cache lines (the threads claim concurrently).
+#[repr(align(128))]
+struct Claim(AtomicUsize);
+
 impl Shared {
-    /// Claims and runs chunks of `f` until none is left. Panics are caught and recorded.
-    fn work(&self, f: &(dyn Fn(usize) + Sync + '_), n: usize) {
+    /// Claims and runs chunks of `f` until none is left: first the segment of thread `me`, then
+    /// those of the following threads. Panics are caught and recorded.
+    fn work(&self, f: &(dyn Fn(usize) + Sync + '_), n: usize, me: usize) {
         let outer = IN_JOB.with(|c| c.replace(true));
-        loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= n {
-                break;
-            }
-            if !self.panicked.load(Ordering::Relaxed) {
-                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(i))) {
-                    self.panicked.store(true, Ordering::Relaxed);
-                    let mut slot = self.panic.lock().unwrap_or_else(PoisonError::into_inner);
-                    slot.get_or_insert(payload);
+        let t = self.next.len();
+        for k in (me..t).chain(0..me) {
+            let (start, end) = segment(n, t, k);
+            loop {
+                let i = start + self.next[k].0.fetch_add(1, Ordering::Relaxed);
+                if i >= end {
+                    break;
                 }
+                self.run_chunk(f, i);
             }
-            self.done.fetch_add(1, Ordering::Release);
         }
         IN_JOB.with(|c| c.set(outer));
+    }
+
+    /// Runs chunk `i` of `f` (skipped after a panic) and counts it done.
+    fn run_chunk(&self, f: &(dyn Fn(usize) + Sync + '_), i: usize) {
+        if !self.panicked.load(Ordering::Relaxed) {
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                self.panicked.store(true, Ordering::Relaxed);
+                let mut slot = self.panic.lock().unwrap_or_else(PoisonError::into_inner);
+                slot.get_or_insert(payload);
+            }
+        }
+        self.done.fetch_add(1, Ordering::Release);
     }
 
     /// Waits until the epoch differs from `seen` (spinning, then parking); `None` on shutdown.
@@ -165,8 +183,8 @@ impl Shared {
         result
     }
 
-    /// A worker thread's life: join every job it sees until shutdown.
-    fn worker(&self) {
+    /// A worker thread's life (thread `me` of the pool): join every job it sees until shutdown.
+    fn worker(&self, me: usize) {
         let mut seen = 0u64;
         while let Some(e) = self.wait_for_change(seen) {
             seen = e;
@@ -182,12 +200,17 @@ impl Shared {
                 let job = unsafe { *self.job.get() };
                 if let Some(f) = job.f {
                     // SAFETY: the closure outlives the open epoch (see `ThreadPool::run`).
-                    self.work(unsafe { &*f }, job.n);
+                    self.work(unsafe { &*f }, job.n, me);
                 }
             }
             self.active.fetch_sub(1, Ordering::Release);
         }
     }
+}
+
+/// Chunks `start..end` of `n`: segment `k` of `t` near-equal contiguous segments.
+fn segment(n: usize, t: usize, k: usize) -> (usize, usize) {
+    (n * k / t, n * (k + 1) / t)
 }
 
 /// Polls `cond` with the `pause` hint, then yielding the core, until it holds.
@@ -233,7 +256,9 @@ impl ThreadPool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(Job { f: None, n: 0 }),
-            next: AtomicUsize::new(0),
+            next: (0..n_threads.max(1))
+                .map(|_| Claim(AtomicUsize::new(0)))
+                .collect(),
             done: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
@@ -253,7 +278,7 @@ impl ThreadPool {
             let shared = Arc::clone(&pool.shared);
             let handle = std::thread::Builder::new()
                 .name(format!("hmoe-pool-{i}"))
-                .spawn(move || shared.worker())?;
+                .spawn(move || shared.worker(i))?;
             // On an error above, dropping `pool` joins the workers started so far.
             pool.workers.push(handle);
         }
@@ -293,7 +318,9 @@ impl ThreadPool {
                 n: n_chunks,
             };
         }
-        sh.next.store(0, Ordering::Relaxed);
+        for c in sh.next.iter() {
+            c.0.store(0, Ordering::Relaxed);
+        }
         sh.done.store(0, Ordering::Relaxed);
         sh.panicked.store(false, Ordering::Relaxed);
         let open = sh.epoch.load(Ordering::Relaxed) + 1;
@@ -303,7 +330,7 @@ impl ThreadPool {
             let _lock = sh.sleep_lock.lock().unwrap_or_else(PoisonError::into_inner);
             sh.wake.notify_all();
         }
-        sh.work(f, n_chunks);
+        sh.work(f, n_chunks, 0);
         wait_until(|| sh.done.load(Ordering::Acquire) >= n_chunks);
         sh.epoch.store(open + 1, Ordering::SeqCst);
         wait_until(|| sh.active.load(Ordering::SeqCst) == 0);

@@ -183,3 +183,50 @@ fn global_pool_and_core_count() {
         Err(PoolError::AlreadyInitialized { .. })
     ));
 }
+
+#[test]
+fn segments_tile_the_chunks_in_order() {
+    for (n, t) in [(0, 2), (1, 2), (7, 2), (64, 3), (1000, 5), (3, 5)] {
+        let bounds: Vec<(usize, usize)> = (0..t).map(|k| segment(n, t, k)).collect();
+        assert_eq!(bounds[0].0, 0);
+        assert_eq!(bounds[t - 1].1, n);
+        for w in bounds.windows(2) {
+            assert_eq!(w[0].1, w[1].0, "{n} {t}");
+        }
+        let sizes: Vec<usize> = bounds.iter().map(|(a, b)| b - a).collect();
+        let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+        assert!(hi - lo <= 1, "{n} {t}: {sizes:?}");
+    }
+}
+
+/// Each thread walks the chunks it claims in ascending order inside each segment, so a
+/// kernel's prefetch past the end of its chunk reaches the chunk the same thread runs next.
+#[test]
+fn each_thread_walks_its_segments_in_ascending_order() {
+    let pool = ThreadPool::new(2).unwrap();
+    for _ in 0..200 {
+        let n = 64;
+        let seen = Mutex::new(Vec::new());
+        pool.run(n, &|i| {
+            let me = std::thread::current().id();
+            seen.lock().unwrap().push((me, i));
+        });
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), n);
+        let mut by_thread: std::collections::HashMap<_, Vec<usize>> = Default::default();
+        for (id, i) in seen {
+            by_thread.entry(id).or_default().push(i);
+        }
+        for chunks in by_thread.values() {
+            for k in 0..2 {
+                let (a, b) = segment(n, 2, k);
+                let mine: Vec<usize> = chunks
+                    .iter()
+                    .copied()
+                    .filter(|i| (a..b).contains(i))
+                    .collect();
+                assert!(mine.windows(2).all(|w| w[0] < w[1]), "{mine:?}");
+            }
+        }
+    }
+}
