@@ -193,6 +193,9 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
     }
 }
 
+/// Blocks per row of gpt-oss's matrices (width 2880 in and out).
+const GPT_OSS_NB: usize = 2880 / QK;
+
 #[inline(always)]
 unsafe fn mxfp4_gemm<const VNNI: bool>(
     n: usize,
@@ -203,6 +206,26 @@ unsafe fn mxfp4_gemm<const VNNI: bool>(
     out: &mut [f32],
 ) {
     let nb = n / QK;
+    // One token of gpt-oss's width: compiled with the row stride a constant, so each of the 16
+    // rows is the group's base plus an immediate offset (no row pointers to keep in registers,
+    // nor to spill and reload every block).
+    if n_tokens == 1 && nb == GPT_OSS_NB {
+        mxfp4_gemm_nb::<VNNI>(GPT_OSS_NB, w, acts, bias, 1, out)
+    } else {
+        mxfp4_gemm_nb::<VNNI>(nb, w, acts, bias, n_tokens, out)
+    }
+}
+
+/// [`mxfp4_gemm`] for rows of `nb` blocks.
+#[inline(always)]
+unsafe fn mxfp4_gemm_nb<const VNNI: bool>(
+    nb: usize,
+    w: &[u8],
+    acts: &[u8],
+    bias: &[i32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
     let astride = nb * Q8_0_BYTES;
