@@ -94,7 +94,7 @@ impl GemmKernel {
     /// The kernel for weights of type `weight` (MXFP4, Q8_0 or F32) on `isa`; errors for other
     /// types or an ISA this CPU lacks.
     pub fn new(weight: GgmlType, isa: Isa) -> Result<GemmKernel, QuantError> {
-        Self::resolve(weight, isa, true)
+        Self::resolve(weight, isa, true, true)
     }
 
     /// The kernel for `weight` on [`Isa::best`].
@@ -107,11 +107,13 @@ impl GemmKernel {
         matches!(weight, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32)
     }
 
-    /// [`GemmKernel::new`]; `allow_vnni = false` forces the AVX-512 kernels without VNNI.
+    /// [`GemmKernel::new`]; `allow_vnni = false` (`allow_vbmi = false`) forces the AVX-512
+    /// kernels without VNNI (VBMI).
     pub(crate) fn resolve(
         weight: GgmlType,
         isa: Isa,
         allow_vnni: bool,
+        allow_vbmi: bool,
     ) -> Result<GemmKernel, QuantError> {
         check_isa(isa)?;
         let unsupported = QuantError::Unsupported {
@@ -126,12 +128,14 @@ impl GemmKernel {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => crate::x86_gemm_avx2::gemm_fn(weight),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                crate::x86_gemm_avx512::gemm_fn(weight, allow_vnni && crate::cpu::has_avx512_vnni())
-            }
+            Isa::Avx512 => crate::x86_gemm_avx512::gemm_fn(
+                weight,
+                allow_vnni && crate::cpu::has_avx512_vnni(),
+                allow_vbmi && crate::cpu::has_avx512_vbmi(),
+            ),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512 => {
-                let _ = allow_vnni;
+                let _ = (allow_vnni, allow_vbmi);
                 return Err(unsupported);
             }
         };

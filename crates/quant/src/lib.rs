@@ -184,6 +184,11 @@ mod cpu {
     pub(crate) fn has_avx512_vnni() -> bool {
         has_avx512() && is_x86_feature_detected!("avx512vnni")
     }
+
+    /// AVX-512 VBMI (`vpermb`), used by the AVX-512 MXFP4 GEMM's nibble lookup when present.
+    pub(crate) fn has_avx512_vbmi() -> bool {
+        has_avx512() && is_x86_feature_detected!("avx512vbmi")
+    }
 }
 
 /// Errors from the conversion functions and kernel construction.

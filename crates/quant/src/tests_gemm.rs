@@ -6,14 +6,17 @@ use crate::scalar::{e8m0_to_f32_half, f16_to_f32, MXFP4_BYTES, Q8_0_BYTES};
 use crate::tests::{rand_f16, same, Rng};
 use crate::*;
 
-/// Every GEMM kernel this CPU can run for `ty`: each ISA, plus AVX-512 without VNNI.
+/// Every GEMM kernel this CPU can run for `ty`: each ISA, plus AVX-512 without VNNI and/or
+/// VBMI.
 fn kernels(ty: GgmlType) -> Vec<GemmKernel> {
     let mut ks: Vec<GemmKernel> = Isa::available()
         .into_iter()
         .map(|isa| GemmKernel::new(ty, isa).unwrap())
         .collect();
     if Isa::Avx512.is_available() {
-        ks.push(GemmKernel::resolve(ty, Isa::Avx512, false).unwrap());
+        for (vnni, vbmi) in [(false, true), (true, false), (false, false)] {
+            ks.push(GemmKernel::resolve(ty, Isa::Avx512, vnni, vbmi).unwrap());
+        }
     }
     ks
 }

@@ -52,7 +52,11 @@ unsafe fn bcast32(p: *const u8) -> __m512i {
 /// the second result is each row's exponent minus 128, as f32. (Addresses are formed from four
 /// group bases and `g · stride`, so the row pointers stay in registers.)
 #[inline(always)]
-unsafe fn decode16(base: *const u8, stride: usize, off: usize) -> ([__m512i; 8], __m512) {
+unsafe fn decode16<const VBMI: bool>(
+    base: *const u8,
+    stride: usize,
+    off: usize,
+) -> ([__m512i; 8], __m512) {
     let p = [
         base.add(off),
         base.add(4 * stride + off),
@@ -81,11 +85,19 @@ unsafe fn decode16(base: *const u8, stride: usize, off: usize) -> ([__m512i; 8],
         _mm512_unpackhi_epi64(t01h, t23h),
     ];
     let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
-    let m4 = _mm512_set1_epi8(0x0f);
     let mut u = [_mm512_setzero_si512(); 8];
     for k in 0..4 {
-        u[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v[k], m4));
-        u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32::<4>(v[k]), m4));
+        let hi = _mm512_srli_epi32::<4>(v[k]);
+        if VBMI {
+            // `vpermb` reads 6 index bits; the table repeats every 16 bytes, so bits 4 and 5
+            // (the other nibble, or the next byte's low bits after the shift) do not matter.
+            u[k] = _mm512_permutexvar_epi8(v[k], table);
+            u[4 + k] = _mm512_permutexvar_epi8(hi, table);
+        } else {
+            let m4 = _mm512_set1_epi8(0x0f);
+            u[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v[k], m4));
+            u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(hi, m4));
+        }
     }
     // The exponent bytes, gathered in general-purpose registers: byte 4i + g is row 4i + g.
     let (mut lo, mut hi) = (0u64, 0u64);
@@ -167,7 +179,7 @@ unsafe fn prefetch_group(next: *const u8, b: usize) {
 /// once for all of them; the next group is prefetched.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
+unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool>(
     nb: usize,
     base: *const u8,
     stride: usize,
@@ -182,7 +194,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
     let mut acc = [_mm512_setzero_ps(); TT];
     for b in 0..nb {
         prefetch_group(next, b);
-        let (u, ef) = decode16(base, stride, b * MXFP4_BYTES);
+        let (u, ef) = decode16::<VBMI>(base, stride, b * MXFP4_BYTES);
         for (j, acc) in acc.iter_mut().enumerate() {
             let ab = a.add(j * astride + b * Q8_0_BYTES);
             *acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(j * nb + b)), ef, ab, *acc);
@@ -197,7 +209,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool>(
 const GPT_OSS_NB: usize = 2880 / QK;
 
 #[inline(always)]
-unsafe fn mxfp4_gemm<const VNNI: bool>(
+unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -210,15 +222,15 @@ unsafe fn mxfp4_gemm<const VNNI: bool>(
     // rows is the group's base plus an immediate offset (no row pointers to keep in registers,
     // nor to spill and reload every block).
     if n_tokens == 1 && nb == GPT_OSS_NB {
-        mxfp4_gemm_nb::<VNNI>(GPT_OSS_NB, w, acts, bias, 1, out)
+        mxfp4_gemm_nb::<VNNI, VBMI>(GPT_OSS_NB, w, acts, bias, 1, out)
     } else {
-        mxfp4_gemm_nb::<VNNI>(nb, w, acts, bias, n_tokens, out)
+        mxfp4_gemm_nb::<VNNI, VBMI>(nb, w, acts, bias, n_tokens, out)
     }
 }
 
 /// [`mxfp4_gemm`] for rows of `nb` blocks.
 #[inline(always)]
-unsafe fn mxfp4_gemm_nb<const VNNI: bool>(
+unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool>(
     nb: usize,
     w: &[u8],
     acts: &[u8],
@@ -253,14 +265,14 @@ unsafe fn mxfp4_gemm_nb<const VNNI: bool>(
             let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
             let args = (nb, base, stride, at, bt, ot, n_tokens, lanes);
             match n_tokens - t0 {
-                1 => tile_call::<1, VNNI>(args),
-                2 => tile_call::<2, VNNI>(args),
-                3 => tile_call::<3, VNNI>(args),
-                4 => tile_call::<4, VNNI>(args),
-                5 => tile_call::<5, VNNI>(args),
-                6 => tile_call::<6, VNNI>(args),
-                7 => tile_call::<7, VNNI>(args),
-                _ => tile_call::<8, VNNI>(args),
+                1 => tile_call::<1, VNNI, VBMI>(args),
+                2 => tile_call::<2, VNNI, VBMI>(args),
+                3 => tile_call::<3, VNNI, VBMI>(args),
+                4 => tile_call::<4, VNNI, VBMI>(args),
+                5 => tile_call::<5, VNNI, VBMI>(args),
+                6 => tile_call::<6, VNNI, VBMI>(args),
+                7 => tile_call::<7, VNNI, VBMI>(args),
+                _ => tile_call::<8, VNNI, VBMI>(args),
             }
         }
     }
@@ -279,8 +291,8 @@ type TileArgs = (
 );
 
 #[inline(always)]
-unsafe fn tile_call<const TT: usize, const VNNI: bool>(x: TileArgs) {
-    mxfp4_tile::<TT, VNNI>(x.0, x.1, x.2, x.3, x.4, x.5, x.6, x.7)
+unsafe fn tile_call<const TT: usize, const VNNI: bool, const VBMI: bool>(x: TileArgs) {
+    mxfp4_tile::<TT, VNNI, VBMI>(x.0, x.1, x.2, x.3, x.4, x.5, x.6, x.7)
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -424,13 +436,25 @@ unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [
 gemm_entry!(
     "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
     mxfp4_plain,
-    mxfp4_gemm::<false>,
+    mxfp4_gemm::<false, false>,
     bias
 );
 gemm_entry!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     mxfp4_vnni,
-    mxfp4_gemm::<true>,
+    mxfp4_gemm::<true, false>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c",
+    mxfp4_plain_vbmi,
+    mxfp4_gemm::<false, true>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c",
+    mxfp4_vnni_vbmi,
+    mxfp4_gemm::<true, true>,
     bias
 );
 gemm_entry!(
@@ -449,9 +473,14 @@ gemm_entry!(
     f32_gemm
 );
 
-/// The AVX-512 GEMM for `ty` (MXFP4, Q8_0 or F32), with VNNI when `vnni`.
-pub(crate) fn gemm_fn(ty: GgmlType, vnni: bool) -> (&'static str, GemmFn) {
+/// The AVX-512 GEMM for `ty` (MXFP4, Q8_0 or F32), with VNNI when `vnni` and (MXFP4) the
+/// VBMI nibble lookup when `vbmi`.
+pub(crate) fn gemm_fn(ty: GgmlType, vnni: bool, vbmi: bool) -> (&'static str, GemmFn) {
     match (ty, vnni) {
+        (GgmlType::MXFP4, false) if vbmi => ("mxfp4*q8_0 blockwise/avx512vbmi", mxfp4_plain_vbmi),
+        (GgmlType::MXFP4, true) if vbmi => {
+            ("mxfp4*q8_0 blockwise/avx512vnni+vbmi", mxfp4_vnni_vbmi)
+        }
         (GgmlType::MXFP4, false) => ("mxfp4*q8_0 blockwise/avx512", mxfp4_plain),
         (GgmlType::MXFP4, true) => ("mxfp4*q8_0 blockwise/avx512vnni", mxfp4_vnni),
         (GgmlType::Q8_0, false) => ("q8_0*q8_0 gemm/avx512", q8_0_plain),
