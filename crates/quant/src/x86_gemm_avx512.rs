@@ -68,9 +68,9 @@ unsafe fn decode16<const VBMI: bool>(
         // 128-bit lane i of z[g] holds row 4i + g.
         let q = |i: usize| p[i].add(g * stride + 1).cast::<__m128i>();
         let mut v = _mm512_castsi128_si512(_mm_loadu_si128(q(0)));
-        v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(q(1)));
-        v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(q(2)));
-        v = _mm512_inserti32x4::<3>(v, _mm_loadu_si128(q(3)));
+        v = _mm512_mask_broadcast_i32x4(v, 0x00f0, _mm_loadu_si128(q(1)));
+        v = _mm512_mask_broadcast_i32x4(v, 0x0f00, _mm_loadu_si128(q(2)));
+        v = _mm512_mask_broadcast_i32x4(v, 0xf000, _mm_loadu_si128(q(3)));
         *z = v;
     }
     // 4×4 dword transpose inside each 128-bit lane: lane 4i + j of v[k] = dword k of row 4i + j.
