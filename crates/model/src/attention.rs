@@ -798,10 +798,30 @@ impl FlashRow {
     /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`) into
     /// the row, with the accumulator held in registers for the whole run.
     fn online_softmax<const D: usize>(&mut self, scores: &[f32], values: &[f32]) {
+        // The running maximum first, then the one exponential each key needs (independent
+        // calls, so they overlap), then the accumulator in key order: the same operations
+        // on the same operands as `step` key by key.
+        let n = scores.len().min(POS_BLOCK);
+        let (mut arg, mut new_max) = ([0f32; POS_BLOCK], [false; POS_BLOCK]);
+        let mut m = self.m;
+        for (i, &score) in scores[..n].iter().enumerate() {
+            if score > m {
+                (arg[i], new_max[i]) = (m - score, true);
+                m = score;
+            } else {
+                arg[i] = score - m;
+            }
+        }
+        self.m = m;
+        let mut e = [0f32; POS_BLOCK];
+        for (e, &a) in e[..n].iter_mut().zip(&arg[..n]) {
+            *e = a.exp();
+        }
         let mut acc = [0f32; D];
         acc.copy_from_slice(&self.acc);
-        for (&score, v) in scores.iter().zip(values.chunks_exact(D)) {
-            let (ms, vs) = self.step(score);
+        for (i, v) in values.chunks_exact(D).take(n).enumerate() {
+            let (ms, vs) = if new_max[i] { (e[i], 1.0) } else { (1.0, e[i]) };
+            self.s = self.s.mul_add(ms, vs);
             if ms != 1.0 {
                 for a in acc.iter_mut() {
                     *a *= ms;
