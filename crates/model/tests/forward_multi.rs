@@ -2,22 +2,11 @@
 //! chunks and decode tokens of other sequences beside it) gets bit for bit the logits that
 //! `forward` gives it alone, for quantized (Q8_0/MXFP4) and F32 weights and both KV types.
 
-use std::path::PathBuf;
+mod common;
 
+use common::fixtures;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{KvType, LanguageModel, LogitsWanted, SeqBatch};
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
 
 const UBATCH: usize = 16;
 

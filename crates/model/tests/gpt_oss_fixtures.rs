@@ -3,22 +3,12 @@
 
 mod common;
 
-use common::{fixtures, ids, softmax64};
-use hmoe_gguf::{GgufModel, LoadOptions};
+use common::{ids, load_gpt_oss as load_model, softmax64};
 use hmoe_model::{GptOss, KvType, LogitsWanted};
 use serde_json::Value;
 
 fn load_json(name: &str) -> Value {
     common::load_json("gpt-oss", name)
-}
-
-fn load_model(file: &str) -> GptOss {
-    let gguf = GgufModel::open(
-        fixtures().join("gpt-oss").join(file),
-        LoadOptions::default(),
-    )
-    .unwrap();
-    GptOss::load(gguf).unwrap()
 }
 
 /// Per-case result of a teacher-forced run.

@@ -7,56 +7,15 @@
 //!   values keep the non-flash numerics under `-fa on` (see the `attention` module), so they
 //!   hold to the same tolerance as with it off.
 
-use std::path::PathBuf;
+mod common;
 
-use hmoe_gguf::{GgufModel, LoadOptions};
+use common::{ids, load_gpt_oss as load_model, softmax64};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{GptOss, KvType, LogitsWanted};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
-
-fn read_json(path: PathBuf) -> Value {
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
-}
-
 fn golden(name: &str) -> Value {
-    read_json(fixtures().join("gpt-oss").join(name))
-}
-
-fn load_model(file: &str) -> GptOss {
-    let gguf = GgufModel::open(
-        fixtures().join("gpt-oss").join(file),
-        LoadOptions::default(),
-    )
-    .unwrap();
-    GptOss::load(gguf).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn softmax64(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
-    let s: f64 = e.iter().sum();
-    e.into_iter().map(|x| x / s).collect()
+    common::load_json("gpt-oss", name)
 }
 
 fn fa(k: CacheType, v: CacheType) -> KvType {

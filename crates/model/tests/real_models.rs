@@ -14,28 +14,18 @@
 //! (about 2.5 minutes on 2 cores), Qwen2.5 in an ignored test (about 5.5 minutes; run it with
 //! `cargo test -p hmoe-model --test real_models -- --ignored`).
 
+mod common;
+
 use std::path::PathBuf;
 
+use common::{fixtures, ids, load_json, softmax64};
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 use hmoe_tokenizer::Tokenizer;
-use serde_json::Value;
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const QWEN25: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
 
 /// The model cache of `scripts/fetch-real-models.sh`.
 fn models_dir() -> Option<PathBuf> {
@@ -62,26 +52,6 @@ fn load_model(file: &str) -> Option<Box<dyn LanguageModel>> {
     }
 }
 
-fn load_json(path: PathBuf) -> Value {
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn softmax64(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
-    let s: f64 = e.iter().sum();
-    e.into_iter().map(|x| x / s).collect()
-}
-
 /// Argmax with ties to the lowest id, as the goldens were taken.
 fn argmax(logits: &[f32]) -> usize {
     (0..logits.len()).fold(0, |best, j| if logits[j] > logits[best] { j } else { best })
@@ -90,7 +60,7 @@ fn argmax(logits: &[f32]) -> usize {
 /// Teacher-forced run of every case of `golden` (f32 KV): the prompt in one batch, then the
 /// recorded greedy tokens one at a time.
 fn check_golden(model: &dyn LanguageModel, golden: &str, p_tol: f64) {
-    let golden = load_json(fixtures().join("real").join(golden));
+    let golden = load_json("real", golden);
     let tokenizer = Tokenizer::from_metadata(model.gguf().metadata()).unwrap();
     let mut worst = 0f64;
     for (i, case) in golden["cases"].as_array().unwrap().iter().enumerate() {
@@ -206,7 +176,7 @@ fn check_perplexity(file: &str) {
     let Some(model) = load_model(file) else {
         return;
     };
-    let recorded = load_json(fixtures().join("real/perplexity.json"));
+    let recorded = load_json("real", "perplexity.json");
     let rec = &recorded["results"][file];
     let want: Vec<f64> = rec["running_ppl_after_each_chunk"]
         .as_array()
