@@ -518,6 +518,23 @@ pub(crate) struct ExpertScratch {
 /// Most rows one task of the single-token expert jobs computes (its stack buffers).
 const ONE_TOKEN_MAX_ROWS: usize = 256;
 
+/// Validates `batch` for hidden size `d` and `n_expert` experts and that `out` holds its
+/// `n × d` result; returns the token count `n`.
+fn check_batch_io(
+    batch: &ExpertBatch<'_>,
+    (d, n_expert): (usize, usize),
+    out: &[f32],
+) -> Result<usize, ExpertDeviceError> {
+    let n = batch.validate(d, n_expert)?;
+    if out.len() != n * d {
+        return Err(shape_err(
+            "output",
+            format!("{} floats for {n} tokens × {d}", out.len()),
+        ));
+    }
+    Ok(n)
+}
+
 /// The expert sum of a batch over the experts of one layer that `view` finds, tokens grouped by
 /// expert (ascending ids) and slots summed in order, as llama.cpp's CPU backend does. Shared by
 /// the host path and [`StagingDevice`], so both give the same bits. `batch` must be valid
@@ -531,13 +548,7 @@ fn mix_experts<'w>(
     scratch: &mut ExpertScratch,
     out: &mut [f32],
 ) -> Result<(), ExpertDeviceError> {
-    let n = batch.validate(d, n_expert)?;
-    if out.len() != n * d {
-        return Err(shape_err(
-            "output",
-            format!("{} floats for {n} tokens × {d}", out.len()),
-        ));
-    }
+    let n = check_batch_io(batch, (d, n_expert), out)?;
     if n == 1 && k.gate.act_type() == k.up.act_type() {
         if let Some(rows) = one_token_rows(k, ff) {
             return mix_one_token(layer, k, (d, ff, rows), batch, view, scratch, out);
@@ -886,13 +897,7 @@ impl DeviceIo {
         stats: &mut TransferStats,
         out: &mut [f32],
     ) -> Result<(), ExpertDeviceError> {
-        let n = batch.validate(d, n_expert)?;
-        if out.len() != n * d {
-            return Err(shape_err(
-                "output",
-                format!("{} floats for {n} tokens × {d}", out.len()),
-            ));
-        }
+        let n = check_batch_io(batch, (d, n_expert), out)?;
         let DeviceIo {
             h,
             selected,
