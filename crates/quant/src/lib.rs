@@ -60,11 +60,15 @@
 //! MXFP4 kernels (one FMA per block of an exact integer block sum, see `gemm.rs`), Q8_0
 //! bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
 //!
+//! [`expf`] and [`expf_slice`] compute `e^x` bit-identically to glibc's `expf` (its FMA build,
+//! what `f32::exp` calls on x86-64 with FMA), the latter vectorised (see `exp.rs`).
+//!
 //! All functions are thread-safe and allocation-free, except [`GemmKernel::prepare`] (a vector
 //! of block sums for MXFP4) and [`GemmKernel::gemm`] for MXFP4 with fewer than 16 rows.
 
 #[macro_use]
 mod kernels;
+mod exp;
 mod gemm;
 mod kquants;
 mod legacy;
@@ -88,12 +92,15 @@ mod x86_gemm_avx512;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_exp;
+#[cfg(test)]
 mod tests_gemm;
 #[cfg(test)]
 mod tests_lowbit;
 
 use std::sync::OnceLock;
 
+pub use exp::{expf, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
