@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use hmoe_quant::{DotKernel, GgmlType};
+use hmoe_quant::{expf_slice, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
 
 use crate::kv_cache::{fwht, rotate_chunks, Cells, LayerCache};
 use crate::ops::{expf_ggml, reduce16};
@@ -586,6 +586,12 @@ pub(crate) fn flash_attention(
     };
     let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
     let k_kernel = block_kernel(&cache.k);
+    let v_dequant = match v_cells {
+        Cells::Blocks { ty, .. } => {
+            Some(Dequantizer::new(*ty).expect("every cache type dequantizes"))
+        }
+        _ => None,
+    };
     let n_tiles = n_tokens.div_ceil(Q_TILE);
     // Tasks: a tile of queries × a run of KV heads (with their query heads). Whole head groups
     // unless that leaves threads idle (one decode token); several KV heads per task when there
@@ -610,12 +616,12 @@ pub(crate) fn flash_attention(
         let kvh0 = task % (kv_runs * splits) / splits * kv_per_task;
         let split = task % splits;
         let t_end = ((tile + 1) * Q_TILE).min(n_tokens);
-        let mut rows: Vec<FlashRow> = (tile * Q_TILE..t_end)
-            .flat_map(|t| {
-                (kvh0..kvh0 + kv_per_task).flat_map(move |kvh| {
-                    let h0 = kvh * group + split * heads_per_task;
-                    (h0..h0 + heads_per_task).map(move |h| (t, h))
-                })
+        // KV head major, so the rows of one KV head are one run.
+        let mut rows: Vec<FlashRow> = (kvh0..kvh0 + kv_per_task)
+            .flat_map(|kvh| {
+                let h0 = kvh * group + split * heads_per_task;
+                (tile * Q_TILE..t_end)
+                    .flat_map(move |t| (h0..h0 + heads_per_task).map(move |h| (t, h)))
             })
             .map(|(t, h)| {
                 let pos = pos0 + t;
@@ -653,26 +659,23 @@ pub(crate) fn flash_attention(
             _ => (1, 0),
         };
         let k_row_bytes = kd / k_be * k_bb;
-        // Q8_0 keys dot Q8_0 queries, and that dot is symmetric (an exact integer sum per
-        // block times the product of the two scales): the query heads sharing a key head
-        // go through one `dot_rows` call as "weight rows" against the key as "activation".
-        let swapped = match (&cache.k, k_kernel.as_ref()) {
-            (
-                Cells::Blocks {
-                    ty: GgmlType::Q8_0, ..
-                },
-                Some(kk),
-            ) if kk.act_type() == GgmlType::Q8_0 => Some(kk),
-            _ => None,
-        };
-        let group_q: Vec<u8> = match swapped {
-            Some(_) => rows
-                .iter()
-                .flat_map(|r| r.q_blocks.iter().copied())
+        // Q8_0 keys: the rows of each KV head score a block of keys in one call.
+        let per_kv = rows.len() / kv_per_task;
+        let q8_queries: Vec<Q8_0Queries> = match &cache.k {
+            Cells::Blocks {
+                ty: GgmlType::Q8_0, ..
+            } => rows
+                .chunks(per_kv)
+                .map(|run| {
+                    let bytes: Vec<u8> = run
+                        .iter()
+                        .flat_map(|r| r.q_blocks.iter().copied())
+                        .collect();
+                    Q8_0Queries::new(kd, &bytes)
+                })
                 .collect(),
-            None => Vec::new(),
+            _ => Vec::new(),
         };
-        let mut group_scores = vec![0f32; heads_per_task];
         // Byte offset of each block slot's key head (block-typed keys).
         let mut k_off = vec![0usize; kv_per_task * POS_BLOCK];
         for b0 in (lo..=hi).step_by(POS_BLOCK) {
@@ -699,28 +702,17 @@ pub(crate) fn flash_attention(
                     match v_cells {
                         Cells::F32(v) => vb.copy_from_slice(&v[v_at..v_at + vd]),
                         Cells::F16(v) => v[v_at..v_at + vd].convert_to_f32_slice(vb),
-                        Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, v_at, vb),
+                        Cells::Blocks { ty, data, .. } => v_dequant
+                            .expect("block values have a dequantizer")
+                            .row(&data[block_range(*ty, v_at, vd)], vb),
                     }
                 }
             }
-            if let (Some(kk), Cells::Blocks { data, .. }) = (swapped, &cache.k) {
-                // Rows come in runs of `heads_per_task` sharing a query and a key head.
-                // Position-major, so the key heads of one position are read as one run.
-                let run_q = heads_per_task * k_row_bytes;
-                for p in b0..b1 {
-                    for (g, run) in rows.chunks(heads_per_task).enumerate() {
-                        let (r0, j) = (&run[0], run[0].h / group - kvh0);
-                        if p < r0.first || p > r0.last {
-                            continue;
-                        }
-                        let qs = &group_q[g * run_q..(g + 1) * run_q];
-                        let off = k_off[slot(j, p - b0)];
-                        let k_row = &data[off..off + k_row_bytes];
-                        kk.dot_rows(kd, qs, k_row, &mut group_scores);
-                        for (i, &v) in group_scores.iter().enumerate() {
-                            scores[(g * heads_per_task + i) * POS_BLOCK + p - b0] = v * shape.scale;
-                        }
-                    }
+            if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
+                for (j, queries) in q8_queries.iter().enumerate() {
+                    let key_at = &k_off[slot(j, 0)..slot(j, b1 - b0)];
+                    let out = &mut scores[j * per_kv * POS_BLOCK..(j + 1) * per_kv * POS_BLOCK];
+                    queries.scores(data, key_at, shape.scale, out, POS_BLOCK);
                 }
             } else {
                 for (r, sc) in rows.iter().zip(scores.chunks_exact_mut(POS_BLOCK)) {
@@ -804,19 +796,26 @@ impl FlashRow {
         let n = scores.len().min(POS_BLOCK);
         let (mut arg, mut new_max) = ([0f32; POS_BLOCK], [false; POS_BLOCK]);
         let mut m = self.m;
-        for (i, &score) in scores[..n].iter().enumerate() {
-            if score > m {
-                (arg[i], new_max[i]) = (m - score, true);
-                m = score;
-            } else {
-                arg[i] = score - m;
+        let block_max = scores[..n].iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
+        if block_max > m {
+            for (i, &score) in scores[..n].iter().enumerate() {
+                if score > m {
+                    (arg[i], new_max[i]) = (m - score, true);
+                    m = score;
+                } else {
+                    arg[i] = score - m;
+                }
+            }
+        } else {
+            // No key raises the maximum (the common case once a few blocks are in).
+            for (a, &score) in arg[..n].iter_mut().zip(&scores[..n]) {
+                *a = score - m;
             }
         }
         self.m = m;
-        let mut e = [0f32; POS_BLOCK];
-        for (e, &a) in e[..n].iter_mut().zip(&arg[..n]) {
-            *e = a.exp();
-        }
+        // libm's `expf`, sixteen lanes at a time.
+        let mut e = arg;
+        expf_slice(&mut e[..n]);
         let mut acc = [0f32; D];
         acc.copy_from_slice(&self.acc);
         for (i, v) in values.chunks_exact(D).take(n).enumerate() {

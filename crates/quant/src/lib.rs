@@ -74,6 +74,7 @@ mod kquants;
 mod legacy;
 mod repack;
 mod scalar;
+mod scores;
 mod tiled;
 mod types;
 #[cfg(target_arch = "x86_64")]
@@ -103,6 +104,7 @@ use std::sync::OnceLock;
 pub use exp::{expf, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
+pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::GgmlType;
 
@@ -313,6 +315,44 @@ pub fn dequantize_row_with(
     // SAFETY: `isa` is available on this CPU and `src` holds exactly the blocks of `dst`.
     unsafe { f(src, dst) };
     Ok(())
+}
+
+/// [`dequantize_row`] resolved once for one type on [`Isa::best`], for callers that convert
+/// many short rows (attention's value heads) where the per-call lookup would dominate.
+#[derive(Clone, Copy)]
+pub struct Dequantizer {
+    ty: GgmlType,
+    f: DequantFn,
+}
+
+impl Dequantizer {
+    /// The dequantiser for `ty`; errors for types without one.
+    pub fn new(ty: GgmlType) -> Result<Dequantizer, QuantError> {
+        let f = kernels::dequantize_fn(Isa::best(), ty).ok_or(QuantError::Unsupported {
+            ty,
+            op: "dequantize",
+        })?;
+        Ok(Dequantizer { ty, f })
+    }
+
+    /// Dequantises `dst.len()` elements from `src`, bit-identical to [`dequantize_row`].
+    ///
+    /// # Panics
+    /// If `src` is not exactly the blocks of `dst.len()` elements.
+    #[inline]
+    pub fn row(&self, src: &[u8], dst: &mut [f32]) {
+        let (be, bb) = (self.ty.block_elems(), self.ty.block_bytes());
+        assert!(
+            dst.len().is_multiple_of(be) && src.len() == dst.len() / be * bb,
+            "{} bytes are not the {} blocks of {} elements",
+            src.len(),
+            self.ty,
+            dst.len()
+        );
+        // SAFETY: `Isa::best` is available on this CPU and `src` holds exactly the blocks of
+        // `dst` (asserted above).
+        unsafe { (self.f)(src, dst) }
+    }
 }
 
 /// Quantises `src` into `dst` (exactly `ty.row_bytes(src.len())` bytes). Supports F32, F16,

@@ -456,6 +456,12 @@ fn dequantize_all_isas_bit_exact_with_scalar() {
                     assert!(same(*g, *w), "{ty} on {isa}: {g} vs {w}");
                 }
             }
+            let mut got = vec![0.0f32; n];
+            Dequantizer::new(ty).unwrap().row(&src, &mut got);
+            assert!(
+                got.iter().zip(&want).all(|(g, w)| same(*g, *w)),
+                "{ty}: Dequantizer"
+            );
         }
     }
 }
@@ -675,4 +681,12 @@ fn kernels_are_send_sync_copy() {
     fn check<T: Send + Sync + Copy + 'static>() {}
     check::<DotKernel>();
     check::<Isa>();
+}
+
+#[test]
+#[should_panic(expected = "are not the")]
+fn dequantizer_refuses_a_short_row() {
+    Dequantizer::new(GgmlType::Q8_0)
+        .unwrap()
+        .row(&[0u8; 33], &mut [0.0; 32]);
 }
