@@ -651,6 +651,10 @@ pub(crate) fn flash_attention(
         // softmax over the block in position order (the order ggml's kernel uses). Block
         // slot `(j, i)` holds KV head `kvh0 + j` at position `b0 + i`.
         let slot = |j: usize, i: usize| j * POS_BLOCK + i;
+        // Value slots are position-major, so one call converts a position's value heads
+        // (adjacent in the cache) for every KV head of the task.
+        let v_slot = |j: usize, i: usize| i * kv_per_task + j;
+        let v_heads_adjacent = !shape.v_in_k;
         let mut k_block = vec![0f32; kv_per_task * POS_BLOCK * kd];
         let mut v_block = vec![0f32; kv_per_task * POS_BLOCK * vd];
         let mut scores = vec![0f32; rows.len() * POS_BLOCK];
@@ -683,29 +687,38 @@ pub(crate) fn flash_attention(
             // Every position of `lo..=hi` is seen by some row: the tile's queries are
             // consecutive, so their windows overlap or touch.
             for p in b0..b1 {
+                let i = p - b0;
                 for j in 0..kv_per_task {
                     let k_at = cell_at(p, k_width, kd, kvh0 + j);
-                    k_off[slot(j, p - b0)] = k_at / k_be * k_bb;
-                    let v_at = if shape.v_in_k {
-                        k_at
-                    } else {
-                        cell_at(p, v_width, vd, kvh0 + j)
-                    };
-                    let at = slot(j, p - b0);
-                    let kb = &mut k_block[at * kd..(at + 1) * kd];
+                    k_off[slot(j, i)] = k_at / k_be * k_bb;
+                    let kb = &mut k_block[slot(j, i) * kd..(slot(j, i) + 1) * kd];
                     match &cache.k {
                         Cells::F32(k) => kb.copy_from_slice(&k[k_at..k_at + kd]),
                         Cells::F16(k) => k[k_at..k_at + kd].convert_to_f32_slice(kb),
                         Cells::Blocks { .. } => {}
                     }
-                    let vb = &mut v_block[at * vd..(at + 1) * vd];
+                }
+                // Value heads `kvh0..kvh0 + heads` of position `p` into their slots.
+                let mut convert = |j: usize, heads: usize| {
+                    let v_at = if shape.v_in_k {
+                        cell_at(p, k_width, kd, kvh0 + j)
+                    } else {
+                        cell_at(p, v_width, vd, kvh0 + j)
+                    };
+                    let n = heads * vd;
+                    let vb = &mut v_block[v_slot(j, i) * vd..v_slot(j, i) * vd + n];
                     match v_cells {
-                        Cells::F32(v) => vb.copy_from_slice(&v[v_at..v_at + vd]),
-                        Cells::F16(v) => v[v_at..v_at + vd].convert_to_f32_slice(vb),
+                        Cells::F32(v) => vb.copy_from_slice(&v[v_at..v_at + n]),
+                        Cells::F16(v) => v[v_at..v_at + n].convert_to_f32_slice(vb),
                         Cells::Blocks { ty, data, .. } => v_dequant
                             .expect("block values have a dequantizer")
-                            .row(&data[block_range(*ty, v_at, vd)], vb),
+                            .row(&data[block_range(*ty, v_at, n)], vb),
                     }
+                };
+                if v_heads_adjacent {
+                    convert(0, kv_per_task);
+                } else {
+                    (0..kv_per_task).for_each(|j| convert(j, 1));
                 }
             }
             if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
@@ -741,11 +754,12 @@ pub(crate) fn flash_attention(
                     continue;
                 }
                 let scores = &sc[from - b0..=to - b0];
-                let values = &v_block[slot(j, from - b0) * vd..slot(j, to - b0 + 1) * vd];
+                let values = &v_block[v_slot(j, from - b0) * vd..v_slot(j, to - b0) * vd + vd];
+                let stride = kv_per_task * vd;
                 match vd {
-                    64 => r.online_softmax::<64>(scores, values),
-                    128 => r.online_softmax::<128>(scores, values),
-                    _ => r.online_softmax_any(scores, values),
+                    64 => r.online_softmax::<64>(scores, values, stride),
+                    128 => r.online_softmax::<128>(scores, values, stride),
+                    _ => r.online_softmax_any(scores, values, stride),
                 }
             }
         }
@@ -787,17 +801,18 @@ impl FlashRow {
         (ms, vs)
     }
 
-    /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`) into
-    /// the row, with the accumulator held in registers for the whole run.
-    fn online_softmax<const D: usize>(&mut self, scores: &[f32], values: &[f32]) {
+    /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`,
+    /// `stride` apart) into the row, with the accumulator held in registers for the whole run.
+    fn online_softmax<const D: usize>(&mut self, scores: &[f32], values: &[f32], stride: usize) {
         // The running maximum first, then the one exponential each key needs (independent
         // calls, so they overlap), then the accumulator in key order: the same operations
         // on the same operands as `step` key by key.
         let n = scores.len().min(POS_BLOCK);
         let (mut arg, mut new_max) = ([0f32; POS_BLOCK], [false; POS_BLOCK]);
         let mut m = self.m;
-        let block_max = scores[..n].iter().fold(f32::NEG_INFINITY, |a, &s| a.max(s));
-        if block_max > m {
+        // An OR of comparisons (not `any`, which stops early) so that it vectorizes.
+        let raises = scores[..n].iter().fold(false, |r, &s| r | (s > m));
+        if raises {
             for (i, &score) in scores[..n].iter().enumerate() {
                 if score > m {
                     (arg[i], new_max[i]) = (m - score, true);
@@ -818,7 +833,8 @@ impl FlashRow {
         expf_slice(&mut e[..n]);
         let mut acc = [0f32; D];
         acc.copy_from_slice(&self.acc);
-        for (i, v) in values.chunks_exact(D).take(n).enumerate() {
+        for (i, v) in values.chunks(stride).take(n).enumerate() {
+            let v = &v[..D];
             let (ms, vs) = if new_max[i] { (e[i], 1.0) } else { (1.0, e[i]) };
             self.s = self.s.mul_add(ms, vs);
             if ms != 1.0 {
@@ -834,9 +850,10 @@ impl FlashRow {
     }
 
     /// [`FlashRow::online_softmax`] for value heads of any size.
-    fn online_softmax_any(&mut self, scores: &[f32], values: &[f32]) {
+    fn online_softmax_any(&mut self, scores: &[f32], values: &[f32], stride: usize) {
         let vd = self.acc.len();
-        for (&score, v) in scores.iter().zip(values.chunks_exact(vd)) {
+        for (&score, v) in scores.iter().zip(values.chunks(stride)) {
+            let v = &v[..vd];
             let (ms, vs) = self.step(score);
             scale_f32(&mut self.acc, ms);
             mad_f32(&mut self.acc, v, vs);
