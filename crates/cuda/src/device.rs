@@ -197,7 +197,7 @@ pub struct AttnParams {
     pub n_head: usize,
     /// K/V heads (`n_head` must be a multiple).
     pub n_head_kv: usize,
-    /// Dims per head: a multiple of 32, at most 256.
+    /// Dims per head: a multiple of 16, at most 256.
     pub head_dim: usize,
     /// Cells in the (ring) KV cache: token at position p lives in cell `p % cells`.
     pub cells: usize,
@@ -623,10 +623,14 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`. Batches
-    /// of [`CUBLAS_MIN_TOKENS`] or more with F32/F16/BF16 weights use cuBLAS (activations
-    /// rounded to the weight's 16-bit type, f32 accumulation); everything else the
-    /// dequantising GEMV kernel with f32 activations.
+    /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
+    /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
+    /// weights, [`CudaDevice::quantize_q8_0`]; f16/bf16 for F16/BF16; f32 for F32), and the
+    /// GEMV kernel sums Q8_0, MXFP4 and F32 products in the CPU engine's order (F32: one
+    /// token in `vec_dot` order, several in 16 lanes), so those results are the CPU engine's
+    /// bits. Batches of [`CUBLAS_MIN_TOKENS`] or more with F32/F16/BF16 weights use cuBLAS
+    /// instead (activations rounded to the weight's 16-bit type, f32 accumulation in cuBLAS's
+    /// order).
     pub fn matmul(
         &self,
         w: &DeviceMatrix,
@@ -677,17 +681,48 @@ impl CudaDevice {
             block_dim: (ROW_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
+        let quantized = match w.ty {
+            GgmlType::Q8_0 | GgmlType::MXFP4 => Some(self.quantize_q8_0(x, n * w.cols)?),
+            _ => None,
+        };
         let mut b = self.builder(name);
-        b.arg(&w.data)
-            .arg(&row_bytes)
-            .arg(x)
-            .arg(y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&n_i);
-        // SAFETY: argument types match `matmul_*`; sizes checked above.
+        b.arg(&w.data).arg(&row_bytes);
+        match &quantized {
+            Some(xq) => b.arg(xq),
+            None => b.arg(x),
+        };
+        b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
+        // SAFETY: argument types match `matmul_*` (x as Q8_0 blocks for Q8_0/MXFP4 weights,
+        // f32 otherwise); sizes checked above.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// The first `len` values of `x` (a multiple of 32) as Q8_0 blocks, exactly as
+    /// `hmoe_quant::quantize_row(Q8_0, …)` (ggml's x86 quantiser) makes them from finite
+    /// values: the activations of Q8_0 and MXFP4 products.
+    pub fn quantize_q8_0(
+        &self,
+        x: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<CudaSlice<u8>, CudaError> {
+        const OP: &str = "quantize_q8_0";
+        ensure(len.is_multiple_of(32) && len <= x.len(), OP, || {
+            format!("{len} values of a buffer of {} in blocks of 32", x.len())
+        })?;
+        let blocks = len / 32;
+        // SAFETY: every byte is written by the kernel below before it is read.
+        let mut out = unsafe { self.stream.alloc::<u8>(blocks * 34) }?;
+        if blocks == 0 {
+            return Ok(out);
+        }
+        let n_blocks = blocks as u64;
+        let mut b = self.builder("quantize_q8_0");
+        b.arg(x).arg(&mut out).arg(&n_blocks);
+        // SAFETY: argument types match `quantize_q8_0`; x holds at least 32 × blocks values
+        // and out 34 × blocks bytes.
+        unsafe { b.launch(grid_1d(blocks, OP)?) }?;
+        Ok(out)
     }
 
     fn matmul_cublas(
@@ -908,7 +943,9 @@ impl CudaDevice {
 
     /// Attention for `n_tokens` queries at positions `pos0..pos0 + n_tokens` (their K/V
     /// already stored) over the f16 caches, with GQA, the window of `p` and optional per-head
-    /// `sinks` (`n_head` logits). `q` and `out`: `n_tokens × n_head × head_dim`.
+    /// `sinks` (`n_head` logits). `q` and `out`: `n_tokens × n_head × head_dim`. The CPU
+    /// engine's numerics for f16 K/V: the query and the probabilities rounded to f16, ggml's
+    /// vectorised `expf`, and the CPU's summation orders (see `attn_f16` in the kernels).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -925,7 +962,7 @@ impl CudaDevice {
         let qw = p.n_head * p.head_dim;
         let kvw = p.n_head_kv * p.head_dim;
         ensure(
-            p.head_dim.is_multiple_of(32)
+            p.head_dim.is_multiple_of(16)
                 && p.head_dim > 0
                 && p.head_dim <= ATT_MAX_HEAD_DIM
                 && p.n_head_kv > 0
@@ -1067,6 +1104,9 @@ impl CudaDevice {
     /// swiglu_oai(g, u) = min(g,7)·σ(1.702·min(g,7))·(clamp(u,−7,7)+1). Slots add in order.
     /// Expert ids out of range contribute nothing. Each slot reads its expert's rows once
     /// (tokens are not grouped by expert: right for decode, wasteful for large batches).
+    /// Numerics as [`CudaDevice::matmul`]'s GEMV: activations (`x`, and each slot's SwiGLU
+    /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU engine's
+    /// order (F32: `vec_dot` order for an expert only one slot routes to, else 16 lanes).
     pub fn moe(
         &self,
         w: &MoeWeights,
@@ -1158,14 +1198,23 @@ impl CudaDevice {
             block_dim: block,
             shared_mem_bytes: 0,
         };
+        let quantized = matches!(w.gate.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
+        let xq = if quantized {
+            Some(self.quantize_q8_0(x, n * d)?)
+        } else {
+            None
+        };
         let mut b = self.builder(gate_up);
         b.arg(&w.gate.data)
             .arg(&w.up.data)
             .arg(bg)
             .arg(bu)
-            .arg(&has_gu_bias)
-            .arg(x)
-            .arg(selected)
+            .arg(&has_gu_bias);
+        match &xq {
+            Some(xq) => b.arg(xq),
+            None => b.arg(x),
+        };
+        b.arg(selected)
             .arg(&mut h)
             .arg(&slots_i)
             .arg(&k_i)
@@ -1173,8 +1222,9 @@ impl CudaDevice {
             .arg(&d_i)
             .arg(&ff_i)
             .arg(&rb_d);
-        // SAFETY: argument types match `moe_gate_up_*`; expert ids are range-checked in the
-        // kernel; h holds slots × ff values; shapes checked above.
+        // SAFETY: argument types match `moe_gate_up_*` (x as Q8_0 blocks for Q8_0/MXFP4
+        // experts, f32 otherwise); expert ids are range-checked in the kernel; h holds
+        // slots × ff values; shapes checked above.
         unsafe { b.launch(cfg) }?;
 
         let cfg = LaunchConfig {
@@ -1186,19 +1236,26 @@ impl CudaDevice {
             block_dim: block,
             shared_mem_bytes: 0,
         };
+        let hq = if quantized {
+            Some(self.quantize_q8_0(&h, slots * ff)?)
+        } else {
+            None
+        };
         let mut b = self.builder(down);
-        b.arg(&w.down.data)
-            .arg(bd)
-            .arg(&has_d_bias)
-            .arg(&h)
-            .arg(selected)
+        b.arg(&w.down.data).arg(bd).arg(&has_d_bias);
+        match &hq {
+            Some(hq) => b.arg(hq),
+            None => b.arg(&h),
+        };
+        b.arg(selected)
             .arg(&mut y)
             .arg(&slots_i)
             .arg(&ne_i)
             .arg(&d_i)
             .arg(&ff_i)
             .arg(&rb_ff);
-        // SAFETY: argument types match `moe_down_*`; y holds slots × d values.
+        // SAFETY: argument types match `moe_down_*` (h as Q8_0 blocks for Q8_0/MXFP4
+        // experts, f32 otherwise); y holds slots × d values.
         unsafe { b.launch(cfg) }?;
 
         let n_i = i32_of(OP, "tokens", n)?;

@@ -19,11 +19,15 @@
 //! The ops run on a [`Backend`]: [`CudaDevice`] (the kernels), or [`crate::RefBackend`], plain
 //! Rust with the kernels' semantics, which runs the same executor in CI.
 //!
-//! Numerics: activations stay f32 into every product (the CPU engine, like ggml's CPU backend,
-//! quantizes them to Q8_0 for Q8_0/MXFP4 weights and rounds attention queries and
-//! probabilities to f16). On models whose routing is that sensitive (the synthetic Q8_0/MXFP4
-//! fixtures) results then differ from the CPU engine's by more than rounding; see
-//! `tests/gpu_gpt_oss.rs` for the measured figures.
+//! Numerics: the CPU engine's. Products convert activations as ggml does (Q8_0 blocks for
+//! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
+//! engine's order; attention rounds the query and the probabilities to f16 and sums in the
+//! CPU's orders with ggml's `expf`. On [`crate::RefBackend`] the logits are the CPU engine's
+//! bit for bit on the gpt-oss fixtures (`tests/gpu_gpt_oss.rs`). On a GPU what still differs
+//! is cuBLAS's order for batches of F32/F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the
+//! f64-rounded `expf` where the CPU calls libm's, and F16/BF16 summation orders; on models
+//! whose routing is that sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still
+//! flip an expert choice.
 //!
 //! Limits of this executor:
 //! - **One sequence at a time.** The K/V cache lives on the GPU inside the executor; the

@@ -4,7 +4,7 @@
 // cuda_bf16.h, which NVRTC can only find with the toolkit's include path. Half and bfloat16
 // values travel as `unsigned short` bits and are converted with one PTX instruction (f16) or
 // a shift (bf16). Compiled with --fmad=false: every fused multiply-add below is an explicit
-// fmaf, so the rounding follows the CPU engine's order where it matters (RoPE).
+// fmaf, so the rounding follows the CPU engine's order.
 //
 // Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39. Rows of a weight matrix
 // are contiguous; a row of `cols` elements takes `row_bytes` bytes (GGUF layout).
@@ -12,6 +12,16 @@
 //   MXFP4: blocks of 32 = E8M0 byte e + 16 bytes of nibbles; element j < 16 is the low nibble
 //          of byte j, element j >= 16 the high nibble of byte j - 16; x = KV[nib] * 2^(e-128)
 //          with KV the E2M1 table doubled {0,1,2,3,4,6,8,12,-0,-1,-2,-3,-4,-6,-8,-12}.
+//
+// Numerics: the CPU engine's (ggml's CPU backend's), which RefBackend (reference.rs) computes
+// on the host in the same steps. Products convert activations to the weight type's
+// `vec_dot_type` as ggml does: Q8_0 blocks for Q8_0 and MXFP4 weights (quantize_q8_0, once
+// per activation row), f16 or bf16 for F16 or BF16 weights, f32 for F32; integer block sums
+// are exact, and the float sums follow the CPU engine's orders for Q8_0, MXFP4 and F32 (see
+// the warp_dot_* functions). Attention rounds the query and the probabilities to f16 (as ggml
+// does for f16 K/V) and sums in the CPU engine's orders with ggml's vectorised expf. Where
+// the CPU calls libm's expf (sinks, router softmax, SwiGLU) the kernels round the f64 exp,
+// which agrees with glibc's expf except in rare near-halfway cases.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -58,12 +68,51 @@ __device__ __forceinline__ float e8m0_half(u32 e) {
     return e < 2 ? __uint_as_float(0x00200000u << e) : __uint_as_float((e - 1u) << 23);
 }
 
-__device__ __forceinline__ float mxfp4_value(u32 nib) {
-    // Doubled E2M1 values; the sign is bit 3.
-    const float mag[8] = {0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f};
-    float v = mag[nib & 7u];
+// The MXFP4 table value of a nibble: the doubled E2M1 magnitudes {0,1,2,3,4,6,8,12} packed
+// as nibbles of one constant, the sign in bit 3 (ggml's kvalues_mxfp4).
+__device__ __forceinline__ int mxfp4_int(u32 nib) {
+    int v = (int)((0xC8643210u >> (4u * (nib & 7u))) & 15u);
     return (nib & 8u) ? -v : v;
 }
+
+__device__ __forceinline__ float mxfp4_value(u32 nib) { return (float)mxfp4_int(nib); }
+
+// The f16 scale of a Q8_0 block.
+__device__ __forceinline__ float q8_scale(const u8* b) { return h2f((u16)(b[0] | (b[1] << 8))); }
+
+// x * 2^n without intermediate overflow or underflow (as vscalefps).
+__device__ __forceinline__ float scale_by_pow2(float x, int n) {
+    while (n > 127) {
+        x *= __uint_as_float(0x7f000000u);
+        n -= 127;
+    }
+    while (n < -126) {
+        x *= __uint_as_float(0x00800000u);
+        n += 126;
+    }
+    return x * __uint_as_float((u32)(n + 127) << 23);
+}
+
+// e^x as ggml's vectorised expf computes it (hmoe_model::ops::expf_ggml, bit for bit): range
+// reduction by n = round(x log2 e), a polynomial in the remainder, then scaling by 2^n.
+__device__ float expf_ggml(float x) {
+    const float r = __uint_as_float(0x4b400000u);  // 1.5 * 2^23
+    float z = fmaf(x, __uint_as_float(0x3fb8aa3bu), r);
+    float n = z - r;
+    float b = fmaf(-n, __uint_as_float(0x3f317200u), x);
+    b = fmaf(-n, __uint_as_float(0x35bfbe8eu), b);
+    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : f_inf();
+    float u = b * b;
+    float p45 = fmaf(__uint_as_float(0x3c072010u), b, __uint_as_float(0x3d2b9f17u));
+    float p23 = fmaf(__uint_as_float(0x3e2aaf33u), b, __uint_as_float(0x3efffedbu));
+    float p01 = fmaf(__uint_as_float(0x3f7ffff6u), b, 1.0f);
+    float j = fmaf(fmaf(p45, u, p23), u, p01);
+    return scale_by_pow2(j, (int)n);
+}
+
+// e^x rounded from f64: the correctly rounded f32 except in rare near-halfway cases, which is
+// what glibc's expf (the CPU engine's f32::exp) returns.
+__device__ __forceinline__ float expf_libm(float x) { return (float)exp((double)x); }
 
 // Element `e` of a weight row of type TY.
 template <int TY>
@@ -108,14 +157,14 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Lane's partial dot product of one weight row with one f32 vector (elements lane, lane+32, ...).
-template <int TY>
-__device__ __forceinline__ float row_dot_partial(const u8* row, const float* x, int cols) {
-    float acc = 0.f;
-    for (int e = threadIdx.x % WARP; e < cols; e += WARP) {
-        acc = fmaf(load_w<TY>(row, e), x[e], acc);
+// The sum of v over the 16 lanes of each half-warp by halving: lanes i and i+8, then +4, +2,
+// +1 (_mm512_reduce_add_ps; the CPU engine's reduce16). Every lane of the half gets it (in
+// another but commutation-equal order); every lane of the warp must call it.
+__device__ __forceinline__ float half_warp_sum16(float v) {
+    for (int o = 8; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
     }
-    return acc;
+    return v;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -189,32 +238,189 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* o
 }
 
 // ---------------------------------------------------------------------------------------------
-// Matmul: y[t][r] = sum_c W[r][c] * x[t][c] for weights of type TY, f32 activations. One warp
-// per output row, up to MM_TOKENS tokens per block (grid.y covers the rest).
+// Activations of Q8_0 and MXFP4 products: each block of 32 values becomes a Q8_0 block exactly
+// as hmoe_quant::quantize_row(Q8_0) (ggml's x86 quantize_row_q8_0) makes it: amax = max |x|,
+// d = amax / 127 stored as f16 (round to nearest even), q = x * (127 / amax) (0 when amax is
+// 0) rounded half to even and saturated to int8 (a NaN product gives -128, as on the CPU).
+// Finite inputs give the CPU's bytes. x: n_blocks blocks of 32 values back to back (rows of
+// whole blocks); out: n_blocks * 34 bytes. One thread per block; grid = ceil(n_blocks / 256),
+// block = 256.
+
+extern "C" __global__ void quantize_q8_0(const float* x, u8* out, u64 n_blocks) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    const float* xb = x + b * 32u;
+    u8* ob = out + b * 34u;
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    u16 d = f2h(amax / 127.0f);
+    float id = amax != 0.f ? 127.0f / amax : 0.f;
+    ob[0] = (u8)(d & 0xffu);
+    ob[1] = (u8)(d >> 8);
+    for (int j = 0; j < 32; j++) {
+        float q = fminf(fmaxf(rintf(xb[j] * id), -128.0f), 127.0f);
+        ob[2 + j] = (u8)(int)q;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products of one weight row with one activation row, computed by a whole warp: every
+// lane returns the same value, and every lane of the warp must call them (they shuffle).
+// The integer work of 32 blocks runs on the 32 lanes at once; then every lane replays the CPU
+// engine's float chain over those blocks in order with the shuffled block results.
+
+// Q8_0 x Q8_0 in ggml's vec_dot order (hmoe_quant's dot_q8_0): eight accumulators; for each
+// block in order d = d_w * d_a, and accumulator k takes fma(d, s_k, acc_k), s_k the integer
+// sum of elements 4k..4k+3; then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). (ggml
+// forms each product as |w| * sign(a, w), which differs from w * a only for an activation of
+// -128, which the quantizer gives only for NaN.) w: nb Q8_0 blocks; a: nb Q8_0 blocks.
+__device__ float warp_dot_q8_0(const u8* w, const u8* a, int nb) {
+    int lane = threadIdx.x % WARP;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) acc[k] = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += WARP) {
+        int b = b0 + lane;
+        int s[8];
+        float d = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) s[k] = 0;
+        if (b < nb) {
+            const u8* wb = w + (u64)b * 34u;
+            const u8* ab = a + (u64)b * 34u;
+            d = q8_scale(wb) * q8_scale(ab);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+#pragma unroll
+                for (int j = 4 * k; j < 4 * k + 4; j++) {
+                    s[k] += (int)(signed char)wb[2 + j] * (int)(signed char)ab[2 + j];
+                }
+            }
+        }
+        int m = nb - b0 < WARP ? nb - b0 : WARP;
+        for (int j = 0; j < m; j++) {
+            float dj = __shfl_sync(0xffffffffu, d, j);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                acc[k] = fmaf(dj, (float)__shfl_sync(0xffffffffu, s[k], j), acc[k]);
+            }
+        }
+    }
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+// MXFP4 x Q8_0 in llama.cpp's block-wise order (hmoe_quant's GEMM order, which the CPU engine
+// uses for every MXFP4 product): for each block in order acc = fma(isum, 2^(e-128) * d_a,
+// acc), isum the exact integer sum of the table values times the activation's int8.
+// w: nb MXFP4 blocks; a: nb Q8_0 blocks.
+__device__ float warp_dot_mxfp4(const u8* w, const u8* a, int nb) {
+    int lane = threadIdx.x % WARP;
+    float acc = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += WARP) {
+        int b = b0 + lane;
+        int isum = 0;
+        float scale = 0.f;
+        if (b < nb) {
+            const u8* wb = w + (u64)b * 17u;
+            const u8* ab = a + (u64)b * 34u;
+            scale = e8m0_half(wb[0]) * q8_scale(ab);
+            for (int j = 0; j < 16; j++) {
+                u32 q = wb[1 + j];
+                isum += mxfp4_int(q & 15u) * (int)(signed char)ab[2 + j];
+                isum += mxfp4_int(q >> 4) * (int)(signed char)ab[18 + j];
+            }
+        }
+        int m = nb - b0 < WARP ? nb - b0 : WARP;
+        for (int j = 0; j < m; j++) {
+            float sj = (float)__shfl_sync(0xffffffffu, isum, j);
+            acc = fmaf(sj, __shfl_sync(0xffffffffu, scale, j), acc);
+        }
+    }
+    return acc;
+}
+
+// F32 x F32 in ggml's vec_dot_f32 order (hmoe_quant's dot_f32): four 16-lane FMA accumulators
+// over 64-element steps (element 64i + 16j + l into accumulator j, lane l), folded per lane as
+// (s0 + s2) + (s1 + s3), summed by halving, then the last n % 64 elements fused in one by one.
+// Half-warp h keeps accumulators h and h + 2 of lane l.
+__device__ float warp_dot_f32_vec(const float* w, const float* x, int n) {
+    int lane = threadIdx.x % WARP;
+    int l = lane & 15, h = lane >> 4;
+    int np = n & ~63;
+    float lo = 0.f, hi = 0.f;
+    for (int base = 0; base < np; base += 64) {
+        int i = base + 16 * h + l;
+        lo = fmaf(w[i], x[i], lo);
+        hi = fmaf(w[i + 32], x[i + 32], hi);
+    }
+    float v = lo + hi;                                // s_h + s_{h+2}
+    v += __shfl_xor_sync(0xffffffffu, v, 16);         // (s0 + s2) + (s1 + s3)
+    v = half_warp_sum16(v);
+    for (int i = np; i < n; i++) v = fmaf(w[i], x[i], v);
+    return v;
+}
+
+// F32 x F32 in tinyBLAS's order (hmoe_quant's f32_lanes, the CPU's order for batches):
+// element i fused into lane i % 16, then summed by halving. Both half-warps compute it.
+__device__ float warp_dot_f32_lanes(const float* w, const float* x, int n) {
+    int l = threadIdx.x % 16;
+    float acc = 0.f;
+    for (int i = l; i < n; i += 16) acc = fmaf(w[i], x[i], acc);
+    return half_warp_sum16(acc);
+}
+
+// F16 or BF16 weights: the activation rounded to the weight's type (as ggml converts it), exact
+// products summed in lane order (not the CPU's order).
+template <int TY>
+__device__ float warp_dot_rounded(const u8* w, const float* x, int n) {
+    float acc = 0.f;
+    for (int e = threadIdx.x % WARP; e < n; e += WARP) {
+        float xv = TY == TY_F16 ? h2f(f2h(x[e])) : bf2f(f2bf(x[e]));
+        acc = fmaf(load_w<TY>(w, e), xv, acc);
+    }
+    return warp_sum(acc);
+}
+
+// Where activation row i of n elements starts: Q8_0 blocks for Q8_0 and MXFP4 weights (from
+// quantize_q8_0), f32 values otherwise.
+template <int TY>
+__device__ __forceinline__ const void* act_row(const void* act, u64 i, int n) {
+    if (TY == TY_Q8_0 || TY == TY_MXFP4) return (const u8*)act + i * (u64)(n / 32) * 34u;
+    return (const float*)act + i * (u64)n;
+}
+
+// Weight row (type TY, n elements) times an activation row from act_row. F32 sums in vec_dot
+// order when `vec_order`, else in 16 lanes. Every lane returns it; every lane must call it.
+template <int TY>
+__device__ float warp_dot(const u8* row, const void* act, int n, bool vec_order) {
+    if (TY == TY_Q8_0) return warp_dot_q8_0(row, (const u8*)act, n / 32);
+    if (TY == TY_MXFP4) return warp_dot_mxfp4(row, (const u8*)act, n / 32);
+    if (TY == TY_F32) {
+        return vec_order ? warp_dot_f32_vec((const float*)row, (const float*)act, n)
+                         : warp_dot_f32_lanes((const float*)row, (const float*)act, n);
+    }
+    return warp_dot_rounded<TY>(row, (const float*)act, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matmul: y[t][r] = W[r] . x[t] for weights of type TY. x: for Q8_0 and MXFP4 weights the
+// activations as Q8_0 blocks (quantize_q8_0), else f32. F32 weights sum one token in vec_dot
+// order and several in 16 lanes, as the CPU engine does. One warp per output row, up to
+// MM_TOKENS tokens per block (grid.y covers the rest).
 // grid = (ceil(rows / ROW_WARPS), ceil(n / MM_TOKENS)), block = ROW_WARPS * 32.
 
 template <int TY>
-__device__ void matmul_impl(const u8* w, u64 row_bytes, const float* x, float* y, int rows,
+__device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y, int rows,
                             int cols, int n) {
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     if (r >= rows) return;
     int t0 = blockIdx.y * MM_TOKENS;
     int nt = n - t0 < MM_TOKENS ? n - t0 : MM_TOKENS;
     const u8* row = w + (u64)r * row_bytes;
-    float acc[MM_TOKENS];
-#pragma unroll
-    for (int i = 0; i < MM_TOKENS; i++) acc[i] = 0.f;
-    for (int e = threadIdx.x % WARP; e < cols; e += WARP) {
-        float wv = load_w<TY>(row, e);
-#pragma unroll
-        for (int i = 0; i < MM_TOKENS; i++) {
-            if (i < nt) acc[i] = fmaf(wv, x[(u64)(t0 + i) * cols + e], acc[i]);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < MM_TOKENS; i++) {
-        float s = warp_sum(acc[i]);
-        if (i < nt && threadIdx.x % WARP == 0) y[(u64)(t0 + i) * rows + r] = s;
+    for (int i = 0; i < nt; i++) {
+        u64 t = (u64)(t0 + i);
+        float s = warp_dot<TY>(row, act_row<TY>(x, t, cols), cols, n == 1);
+        if (threadIdx.x % WARP == 0) y[t * rows + r] = s;
     }
 }
 
@@ -230,13 +436,13 @@ extern "C" __global__ void matmul_bf16(const u8* w, u64 row_bytes, const float* 
                                        int rows, int cols, int n) {
     matmul_impl<TY_BF16>(w, row_bytes, x, y, rows, cols, n);
 }
-extern "C" __global__ void matmul_q8_0(const u8* w, u64 row_bytes, const float* x, float* y,
+extern "C" __global__ void matmul_q8_0(const u8* w, u64 row_bytes, const u8* xq, float* y,
                                        int rows, int cols, int n) {
-    matmul_impl<TY_Q8_0>(w, row_bytes, x, y, rows, cols, n);
+    matmul_impl<TY_Q8_0>(w, row_bytes, xq, y, rows, cols, n);
 }
-extern "C" __global__ void matmul_mxfp4(const u8* w, u64 row_bytes, const float* x, float* y,
+extern "C" __global__ void matmul_mxfp4(const u8* w, u64 row_bytes, const u8* xq, float* y,
                                         int rows, int cols, int n) {
-    matmul_impl<TY_MXFP4>(w, row_bytes, x, y, rows, cols, n);
+    matmul_impl<TY_MXFP4>(w, row_bytes, xq, y, rows, cols, n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -317,83 +523,175 @@ extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_toke
 // Attention over an f16 KV cache with GQA, an optional sliding window and optional per-head
 // sink logits (gpt-oss): the sink joins the softmax's denominator and adds no value.
 // q, out: [n_tokens][n_head][head_dim] f32 (q already rotated). Token t sits at position
-// pos0 + t and sees keys max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos).
-// One block per (head, token); each warp runs an online softmax over every nw-th key, lanes
-// own dims lane, lane+32, ...; the warps' partial states are merged at the end.
-// head_dim must be a multiple of 32 and at most 256. grid = (n_head, n_tokens),
+// pos0 + t and sees keys first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos).
+//
+// The CPU engine's numerics (RefBackend::attention, hmoe_model's attention for f16 K/V), bit
+// for bit: the query rounded to f16; scores in ggml's vec_dot_f16 order for one query token,
+// tinyBLAS's 16 lanes for several (attn_score), times `scale`; m = the largest score (and
+// sink); positions in chunks of 16 from first rounded down to a multiple of 16, each chunk's
+// expf_ggml(s - m) summed by halving and added to an f64 sum in chunk order, plus the sink's
+// exp; probabilities expf_ggml(s - m) * (f32)(1 / sum) rounded to f16; output dimension d sums
+// in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc), then by halving.
+//
+// One block per (head, token); each half-warp takes one chunk of a round of ATT_CHUNKS chunks.
+// Scores are computed three times (the maximum, the sum, the values) instead of being stored.
+// head_dim must be a multiple of 16 and at most 256. grid = (n_head, n_tokens),
 // block = ATT_WARPS * 32.
 #define ATT_WARPS 8
 #define ATT_MAX_PER_LANE 8
+#define ATT_CHUNKS (2 * ATT_WARPS)
+#define ATT_MAX_DIMS_PER_THREAD (ATT_MAX_PER_LANE * WARP / 16)
+
+// The score of the f16 key `k` against the f16-rounded query `q16` (shared memory), by the 16
+// lanes of a half-warp (l: lane within the half): one query token in ggml's vec_dot_f16 order
+// (four 16-lane FMA accumulators over 64-element steps folded (s0 + s2) + (s1 + s3), summed by
+// halving, the last hd % 64 products rounded to f32 and added in f64), several in tinyBLAS's
+// (element i into lane i % 16, summed by halving). Every lane of the half gets it; every lane
+// of the warp must call it.
+__device__ float attn_score(const float* q16, const u16* k, int hd, int l, int single) {
+    if (single) {
+        int np = hd & ~63;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        for (int b = 0; b < np; b += 64) {
+            a0 = fmaf(q16[b + l], h2f(k[b + l]), a0);
+            a1 = fmaf(q16[b + 16 + l], h2f(k[b + 16 + l]), a1);
+            a2 = fmaf(q16[b + 32 + l], h2f(k[b + 32 + l]), a2);
+            a3 = fmaf(q16[b + 48 + l], h2f(k[b + 48 + l]), a3);
+        }
+        double sum = (double)half_warp_sum16((a0 + a2) + (a1 + a3));
+        for (int i = np; i < hd; i++) sum += (double)(q16[i] * h2f(k[i]));
+        return (float)sum;
+    }
+    float a = 0.f;
+    for (int i = l; i < hd; i += 16) a = fmaf(q16[i], h2f(k[i]), a);
+    return half_warp_sum16(a);
+}
 
 extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc,
                                     const float* sinks, int has_sinks, float* out, int n_tokens,
                                     int n_head, int n_kv, int head_dim, int cells, int pos0,
                                     int window, float scale) {
-    __shared__ float sm_m[ATT_WARPS];
-    __shared__ float sm_l[ATT_WARPS];
-    __shared__ float sm_acc[ATT_WARPS][ATT_MAX_PER_LANE * WARP];
+    __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
+    __shared__ float sm_p[ATT_CHUNKS * 16];
+    __shared__ float sm_red[ATT_CHUNKS];
+    __shared__ float sm_max;
+    __shared__ float sm_inv;
     int h = blockIdx.x, t = blockIdx.y;
     if (h >= n_head || t >= n_tokens) return;
-    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    int per = head_dim / WARP;
+    int tid = threadIdx.x;
+    int lane = tid % WARP, wid = tid / WARP;
+    int hw = tid / 16, l = tid % 16;  // half-warp (its chunk of each round) and lane in it
     int pos = pos0 + t;
     int first = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;
+    int chunk0 = first / 16 * 16;
+    int n_chunks = (pos + 1 - chunk0 + 15) / 16;
+    int rounds = (n_chunks + ATT_CHUNKS - 1) / ATT_CHUNKS;
+    int single = n_tokens == 1;
     int kvh = h / (n_head / n_kv);
     u64 width = (u64)n_kv * head_dim;
+    const u16* kh = kc + (u64)kvh * head_dim;
+    const u16* vh = vc + (u64)kvh * head_dim;
     const float* qh = q + ((u64)t * n_head + h) * head_dim;
-    float qv[ATT_MAX_PER_LANE], acc[ATT_MAX_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ATT_MAX_PER_LANE; i++) {
-        qv[i] = i < per ? qh[i * WARP + lane] : 0.f;
-        acc[i] = 0.f;
-    }
-    float m = -f_inf(), l = 0.f;
-    for (int p = first + wid; p <= pos; p += ATT_WARPS) {
-        u64 base = (u64)(p % cells) * width + (u64)kvh * head_dim;
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < ATT_MAX_PER_LANE; i++) {
-            if (i < per) s = fmaf(qv[i], h2f(kc[base + i * WARP + lane]), s);
+    for (int i = tid; i < head_dim; i += blockDim.x) sm_q[i] = h2f(f2h(qh[i]));
+    __syncthreads();
+
+    // Pass 1: the largest score (and sink). Out-of-range slots score position `pos` and are
+    // ignored, so that every lane takes part in the shuffles.
+    float m = -f_inf();
+    for (int r = 0; r < rounds; r++) {
+        int c = r * ATT_CHUNKS + hw;
+        for (int i = 0; i < 16; i++) {
+            int p = chunk0 + 16 * c + i;
+            bool ok = c < n_chunks && p >= first && p <= pos;
+            u64 cell = (u64)((ok ? p : pos) % cells);
+            float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+            if (ok) m = fmaxf(m, s);
         }
-        s = warp_sum(s) * scale;
-        float m_new = fmaxf(m, s);
-        float corr = expf(m - m_new);
-        float e = expf(s - m_new);
-        l = fmaf(l, corr, e);
-#pragma unroll
-        for (int i = 0; i < ATT_MAX_PER_LANE; i++) {
-            if (i < per) acc[i] = fmaf(acc[i], corr, e * h2f(vc[base + i * WARP + lane]));
-        }
-        m = m_new;
     }
-    if (lane == 0) {
-        sm_m[wid] = m;
-        sm_l[wid] = l;
-    }
-#pragma unroll
-    for (int i = 0; i < ATT_MAX_PER_LANE; i++) {
-        if (i < per) sm_acc[wid][i * WARP + lane] = acc[i];
+    m = warp_max(m);
+    if (lane == 0) sm_red[wid] = m;
+    __syncthreads();
+    if (tid == 0) {
+        float big = has_sinks ? sinks[h] : -f_inf();
+        for (int w = 0; w < ATT_WARPS; w++) big = fmaxf(big, sm_red[w]);
+        sm_max = big;
     }
     __syncthreads();
-    float big = has_sinks ? sinks[h] : -f_inf();
-    for (int w = 0; w < ATT_WARPS; w++) big = fmaxf(big, sm_m[w]);
-    float denom = has_sinks ? expf(sinks[h] - big) : 0.f;
-    for (int w = 0; w < ATT_WARPS; w++) {
-        if (sm_m[w] != -f_inf()) denom += sm_l[w] * expf(sm_m[w] - big);
+    float big = sm_max;
+
+    // Pass 2: the denominator, chunk sums added in f64 in chunk order (by thread 0).
+    double total = 0.0;
+    for (int r = 0; r < rounds; r++) {
+        int c = r * ATT_CHUNKS + hw;
+        float mine = 0.f;
+        for (int i = 0; i < 16; i++) {
+            int p = chunk0 + 16 * c + i;
+            bool ok = c < n_chunks && p >= first && p <= pos;
+            u64 cell = (u64)((ok ? p : pos) % cells);
+            float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+            if (ok && l == i) mine = expf_ggml(s - big);
+        }
+        float chunk_sum = half_warp_sum16(mine);
+        if (l == 0) sm_red[hw] = chunk_sum;
+        __syncthreads();
+        if (tid == 0) {
+            for (int j = 0; j < ATT_CHUNKS; j++) {
+                if (r * ATT_CHUNKS + j < n_chunks) total += (double)sm_red[j];
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        if (has_sinks) total += (double)expf_libm(sinks[h] - big);
+        sm_inv = (float)(1.0 / total);
+    }
+    __syncthreads();
+    float inv = sm_inv;
+
+    // Pass 3: the values. Thread (hw, l) keeps lane l of dimensions hw, hw + 16, ...
+    int nd = head_dim / 16;
+    float acc[ATT_MAX_DIMS_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) acc[k] = 0.f;
+    for (int r = 0; r < rounds; r++) {
+        int c = r * ATT_CHUNKS + hw;
+        float mine = 0.f;
+        for (int i = 0; i < 16; i++) {
+            int p = chunk0 + 16 * c + i;
+            bool ok = c < n_chunks && p >= first && p <= pos;
+            u64 cell = (u64)((ok ? p : pos) % cells);
+            float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+            if (ok && l == i) mine = h2f(f2h(expf_ggml(s - big) * inv));
+        }
+        sm_p[hw * 16 + l] = mine;
+        __syncthreads();
+        for (int j = 0; j < ATT_CHUNKS; j++) {
+            int cj = r * ATT_CHUNKS + j;
+            int p = chunk0 + 16 * cj + l;
+            if (cj < n_chunks && p >= first && p <= pos) {
+                float w = sm_p[j * 16 + l];
+                const u16* v = vh + (u64)(p % cells) * width;
+#pragma unroll
+                for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
+                    if (k < nd) acc[k] = fmaf(h2f(v[hw + 16 * k]), w, acc[k]);
+                }
+            }
+        }
+        __syncthreads();
     }
     float* oh = out + ((u64)t * n_head + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float v = 0.f;
-        for (int w = 0; w < ATT_WARPS; w++) {
-            if (sm_m[w] != -f_inf()) v += sm_acc[w][d] * expf(sm_m[w] - big);
+#pragma unroll
+    for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
+        if (k < nd) {
+            float o = half_warp_sum16(acc[k]);
+            if (l == 0) oh[hw + 16 * k] = o;
         }
-        oh[d] = denom > 0.f ? v / denom : 0.f;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Router: per token, the k largest logits (ties: lower index first), then a softmax over
-// those k only. sel: [n][k] expert ids, weights: [n][k]. One warp per token;
+// those k only (exps summed in f64, as the CPU engine does). sel: [n][k] expert ids, weights: [n][k]. One warp per token;
 // grid = ceil(n / ROW_WARPS), block = ROW_WARPS * 32. k <= 64.
 
 extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, float* weights,
@@ -434,14 +732,15 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
     }
     __syncwarp();
     if (lane == 0) {
+        // As the CPU engine's softmax: exps summed in f64, times the f32 of 1 / sum.
         float* w = weights + (u64)t * k;
         float mx = w[0];
-        float sum = 0.f;
+        double sum = 0.0;
         for (int i = 0; i < k; i++) {
-            w[i] = expf(w[i] - mx);
-            sum += w[i];
+            w[i] = expf_libm(w[i] - mx);
+            sum += (double)w[i];
         }
-        float inv = 1.0f / sum;
+        float inv = (float)(1.0 / sum);
         for (int i = 0; i < k; i++) w[i] *= inv;
     }
 }
@@ -453,18 +752,33 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
 //   y_s = down_e . h_s + bd_e
 //   out_t = sum_j w[t][j] * y_{t*k+j}   (in slot order)
 // Expert tensors are [n_expert][rows][cols] with contiguous rows. Out-of-range expert ids give
-// zero rows. The biases are [n_expert][rows]; has_bias = 0 ignores them.
+// zero rows. The biases are [n_expert][rows]; has_bias = 0 ignores them. Activations as for
+// matmul: for Q8_0 and MXFP4 experts x and h are Q8_0 blocks (quantize_q8_0 of each token's
+// row, and of each slot's h between the two kernels), else f32. F32 experts sum in vec_dot
+// order when only one slot of the call routes to the expert, else in 16 lanes: the CPU engine
+// multiplies each expert's tokens as one batch.
 
 __device__ __forceinline__ float swiglu_oai(float g, float u) {
     float x = fminf(g, 7.0f);
     float y = fminf(fmaxf(u, -7.0f), 7.0f);
-    return x / (1.0f + expf(-1.702f * x)) * (y + 1.0f);
+    return x / (1.0f + expf_libm(-1.702f * x)) * (y + 1.0f);
+}
+
+// Whether F32 products for expert e sum in vec_dot order: e is routed to by one slot only.
+// Every lane of the warp gets it; every lane must call it.
+template <int TY>
+__device__ bool moe_vec_order(const int* sel, int n_slots, int e) {
+    if (TY != TY_F32) return true;
+    int c = 0;
+    for (int j = threadIdx.x % WARP; j < n_slots; j += WARP) c += sel[j] == e ? 1 : 0;
+    for (int o = WARP / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    return c == 1;
 }
 
 // grid = (ceil(ff / ROW_WARPS), n_slots), block = ROW_WARPS * 32. h: [n_slots][ff].
 template <int TY>
 __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, const float* bu,
-                                 int has_bias, const float* x, const int* sel, float* h,
+                                 int has_bias, const void* x, const int* sel, float* h,
                                  int n_slots, int k, int n_expert, int d, int ff, u64 row_bytes) {
     int slot = blockIdx.y;
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
@@ -475,9 +789,10 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
         return;
     }
     u64 off = ((u64)e * ff + r) * row_bytes;
-    const float* xt = x + (u64)(slot / k) * d;
-    float g = warp_sum(row_dot_partial<TY>(gate + off, xt, d));
-    float u = warp_sum(row_dot_partial<TY>(up + off, xt, d));
+    const void* xt = act_row<TY>(x, (u64)(slot / k), d);
+    bool vec = moe_vec_order<TY>(sel, n_slots, e);
+    float g = warp_dot<TY>(gate + off, xt, d, vec);
+    float u = warp_dot<TY>(up + off, xt, d, vec);
     if (threadIdx.x % WARP == 0) {
         if (has_bias) {
             g += bg[(u64)e * ff + r];
@@ -489,7 +804,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
 
 // grid = (ceil(d / ROW_WARPS), n_slots), block = ROW_WARPS * 32. y: [n_slots][d].
 template <int TY>
-__device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, const float* h,
+__device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, const void* h,
                               const int* sel, float* y, int n_slots, int n_expert, int d, int ff,
                               u64 row_bytes) {
     int slot = blockIdx.y;
@@ -501,33 +816,34 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
         return;
     }
     u64 off = ((u64)e * d + r) * row_bytes;
-    float s = warp_sum(row_dot_partial<TY>(down + off, h + (u64)slot * ff, ff));
+    bool vec = moe_vec_order<TY>(sel, n_slots, e);
+    float s = warp_dot<TY>(down + off, act_row<TY>(h, (u64)slot, ff), ff, vec);
     if (threadIdx.x % WARP == 0) {
         if (has_bias) s += bd[(u64)e * d + r];
         y[(u64)slot * d + r] = s;
     }
 }
 
-#define MOE_WRAPPERS(SUFFIX, TY)                                                                \
+// ACT: the activation pointer type (const u8* for Q8_0 blocks, const float* for f32).
+#define MOE_WRAPPERS(SUFFIX, TY, ACT)                                                           \
     extern "C" __global__ void moe_gate_up_##SUFFIX(                                           \
-        const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias,           \
-        const float* x, const int* sel, float* h, int n_slots, int k, int n_expert, int d,      \
-        int ff, u64 row_bytes) {                                                                \
+        const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias, ACT x,    \
+        const int* sel, float* h, int n_slots, int k, int n_expert, int d, int ff,              \
+        u64 row_bytes) {                                                                        \
         moe_gate_up_impl<TY>(gate, up, bg, bu, has_bias, x, sel, h, n_slots, k, n_expert, d,    \
                              ff, row_bytes);                                                    \
     }                                                                                           \
     extern "C" __global__ void moe_down_##SUFFIX(const u8* down, const float* bd, int has_bias, \
-                                                 const float* h, const int* sel, float* y,      \
-                                                 int n_slots, int n_expert, int d, int ff,      \
-                                                 u64 row_bytes) {                               \
+                                                 ACT h, const int* sel, float* y, int n_slots,  \
+                                                 int n_expert, int d, int ff, u64 row_bytes) {  \
         moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes);  \
     }
 
-MOE_WRAPPERS(mxfp4, TY_MXFP4)
-MOE_WRAPPERS(q8_0, TY_Q8_0)
-MOE_WRAPPERS(f16, TY_F16)
-MOE_WRAPPERS(bf16, TY_BF16)
-MOE_WRAPPERS(f32, TY_F32)
+MOE_WRAPPERS(mxfp4, TY_MXFP4, const u8*)
+MOE_WRAPPERS(q8_0, TY_Q8_0, const u8*)
+MOE_WRAPPERS(f16, TY_F16, const float*)
+MOE_WRAPPERS(bf16, TY_BF16, const float*)
+MOE_WRAPPERS(f32, TY_F32, const float*)
 
 // out[t][c] = sum_j w[t][j] * y[t*k+j][c], slots in order. One thread per output element.
 extern "C" __global__ void moe_combine(const float* y, const float* w, float* out, int n, int k,

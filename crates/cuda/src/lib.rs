@@ -1,5 +1,6 @@
 //! CUDA backend for hmoe: device probe, NVRTC-compiled kernels for gpt-oss's ops (embedding
-//! gather, RMSNorm, dequantising GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4 weights, NeoX RoPE
+//! gather, RMSNorm, GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4 weights with ggml's activation
+//! conversion (Q8_0 activations for Q8_0/MXFP4 weights), NeoX RoPE
 //! with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block), device buffers and
 //! transfers; and [`GpuGptOss`], gpt-oss with its dense part on the GPU and each layer's

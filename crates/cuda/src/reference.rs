@@ -1,37 +1,56 @@
 //! [`RefBackend`]: the ops of [`Backend`] in plain Rust on the host, with the semantics of the
-//! CUDA kernels (f32 activations, dequantized weights, f16 K/V rings, sinks, sliding window,
-//! top-k then softmax, the clamped SwiGLU experts). It lets the executor ([`crate::GpuGptOss`])
-//! run and be compared with the CPU engine on a machine without a GPU; it is a test stand-in,
-//! not a fast path.
+//! CUDA kernels (weights in their file encoding, activations converted to the weight type's
+//! `vec_dot_type` as ggml does, f16 K/V rings, sinks, sliding window, top-k then softmax, the
+//! clamped SwiGLU experts). It lets the executor ([`crate::GpuGptOss`]) run and be compared
+//! with the CPU engine on a machine without a GPU; it is a test stand-in, not a fast path.
+//!
+//! Products (`matmul` and the experts) as the kernels compute them: each activation row is
+//! converted once to ggml's `vec_dot_type` of the weights ([`hmoe_quant::vec_dot_type`]):
+//! Q8_0 blocks for Q8_0 and MXFP4 weights (ggml's quantiser, [`hmoe_quant::quantize_row`]),
+//! f16- or bf16-rounded values for F16 or BF16 weights, f32 for F32. A Q8_0 or MXFP4 block
+//! contributes `isum · (d_w · d_a)` in f32, `isum` the exact integer sum of the weight's
+//! integers (Q8_0 int8, or MXFP4's doubled E2M1 values with the half E8M0 scale `2^(e-128)`
+//! as `d_w`) times the activation's int8; the float types contribute exact products. The
+//! terms are summed in f64 here, in f32 lanes on the GPU: only that order differs.
 
 use std::ops::Range;
 use std::sync::Mutex;
 
-use half::f16;
-use hmoe_model::hybrid::ExpertTensors;
+use half::{bf16, f16};
+use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
 use hmoe_quant::GgmlType;
 
 use crate::backend::{Backend, Elem, StagedIo};
 use crate::device::{AttnParams, RopeParams, SUPPORTED_TYPES};
 use crate::error::{ensure, CudaError};
 
-/// A weight matrix, dequantized.
+/// A weight matrix in its file encoding: `rows` rows of `row_bytes` bytes.
 pub struct RefMatrix {
+    ty: GgmlType,
     rows: usize,
     cols: usize,
-    bytes: usize,
-    w: Vec<f32>,
+    row_bytes: usize,
+    data: Vec<u8>,
 }
 
-/// One layer's experts, dequantized: gate and up `[E][ff][d]`, down `[E][d][ff]`.
+impl RefMatrix {
+    /// Row `r`'s bytes.
+    fn row(&self, r: usize) -> &[u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+}
+
+/// One layer's experts in their file encoding: gate and up `[E][ff][d]`, down `[E][d][ff]`
+/// (each expert's matrix a [`RefMatrix`] of its rows).
 pub struct RefMoe {
+    ty: GgmlType,
     n_expert: usize,
     d: usize,
     ff: usize,
     bytes: usize,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    down: Vec<f32>,
+    gate: Vec<RefMatrix>,
+    up: Vec<RefMatrix>,
+    down: Vec<RefMatrix>,
     gate_bias: Vec<f32>,
     up_bias: Vec<f32>,
     down_bias: Vec<f32>,
@@ -66,31 +85,257 @@ impl RefBackend {
     }
 }
 
-fn dequantize(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<Vec<f32>, CudaError> {
+/// Checks `data` as `rows` rows of `cols` elements of `ty` and keeps it.
+fn matrix(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<RefMatrix, CudaError> {
     const OP: &str = "reference upload";
     ensure(SUPPORTED_TYPES.contains(&ty), OP, || format!("type {ty}"))?;
     let rb = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
     ensure(rb > 0 && data.len() == rows * rb, OP, || {
         format!("{} bytes for {rows} rows of {cols} {ty}", data.len())
     })?;
-    let mut w = vec![0f32; rows * cols];
-    for (r, row) in w.chunks_exact_mut(cols).enumerate() {
-        hmoe_quant::dequantize_row(ty, &data[r * rb..(r + 1) * rb], row).map_err(|e| {
-            CudaError::Shape {
-                op: OP,
-                what: e.to_string(),
-            }
-        })?;
-    }
-    Ok(w)
+    Ok(RefMatrix {
+        ty,
+        rows,
+        cols,
+        row_bytes: rb,
+        data: data.to_vec(),
+    })
 }
 
-/// `Σ a·b` accumulated in f64.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| x as f64 * y as f64)
-        .sum::<f64>() as f32
+fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> CudaError {
+    move |e| CudaError::Shape {
+        op,
+        what: e.to_string(),
+    }
+}
+
+/// Elements per Q8_0 / MXFP4 block.
+const QK: usize = 32;
+/// Bytes of a Q8_0 block: f16 scale, 32 int8.
+const Q8_0_BYTES: usize = 34;
+/// Bytes of an MXFP4 block: E8M0 exponent, 16 bytes of nibbles.
+const MXFP4_BYTES: usize = 17;
+
+/// The MXFP4 table value of a nibble: the E2M1 values doubled to integers
+/// {0, 1, 2, 3, 4, 6, 8, 12}, sign in bit 3 (ggml's `kvalues_mxfp4`); the kernels read the
+/// magnitudes from the same packed nibbles.
+fn mxfp4_int(nib: u8) -> i32 {
+    let v = ((0xC864_3210u32 >> (4 * (nib & 7) as u32)) & 15) as i32;
+    if nib & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Half the E8M0 scale, `2^(e-128)`, exact for every byte (it goes with the doubled values).
+fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e as u32) - 1) << 23)
+    }
+}
+
+/// The little-endian f16 at element `i` of `b`, as f32.
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])).to_f32()
+}
+
+/// The little-endian f32 at element `i` of `b`.
+fn f32_at(b: &[u8], i: usize) -> f32 {
+    f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+}
+
+/// An activation row in the `vec_dot_type` of a weight type.
+enum Acts {
+    /// F32 weights: the row itself; F16/BF16 weights: the row rounded to that type.
+    Float(Vec<f32>),
+    /// Q8_0/MXFP4 weights: the row as Q8_0 blocks.
+    Q8_0(Vec<u8>),
+}
+
+/// `x` converted for a product with weights of type `ty`, as ggml converts it (the kernels:
+/// `quantize_q8_0`, and the rounding in `warp_dot_rounded`).
+fn acts(ty: GgmlType, x: &[f32]) -> Result<Acts, CudaError> {
+    const OP: &str = "reference activations";
+    let vt = hmoe_quant::vec_dot_type(ty);
+    match vt {
+        GgmlType::F32 => Ok(Acts::Float(x.to_vec())),
+        GgmlType::F16 => Ok(Acts::Float(
+            x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        )),
+        GgmlType::BF16 => Ok(Acts::Float(
+            x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+        )),
+        GgmlType::Q8_0 => {
+            let rb = vt.row_bytes(x.len() as u64).unwrap_or(0) as usize;
+            ensure(rb > 0, OP, || format!("{} values in Q8_0 blocks", x.len()))?;
+            let mut q = vec![0u8; rb];
+            hmoe_quant::quantize_row(vt, x, &mut q).map_err(quant_err(OP))?;
+            Ok(Acts::Q8_0(q))
+        }
+        other => Err(CudaError::UnsupportedType { ty: other, op: OP }),
+    }
+}
+
+/// The order in which F32 products are summed (the two orders of ggml's CPU backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum F32Order {
+    /// `vec_dot_f32`: one token of a dense matmul, and every expert product.
+    VecDot,
+    /// tinyBLAS's 16 lanes: dense matmuls of several tokens.
+    Lanes16,
+}
+
+/// The 16-lane horizontal sum by halving: lanes `i` and `i + 8`, then `+ 4`, `+ 2`, `+ 1`
+/// (`_mm512_reduce_add_ps`; the kernels' `__shfl_xor_sync` steps 8, 4, 2, 1).
+fn hsum16(a: &[f32; 16]) -> f32 {
+    let mut h = *a;
+    for step in [8, 4, 2, 1] {
+        for i in 0..step {
+            h[i] += h[i + step];
+        }
+    }
+    h[0]
+}
+
+/// Q8_0 × Q8_0 in ggml's `vec_dot` order (hmoe_quant's `dot_q8_0`): eight accumulators; for
+/// each block in order `d = d_w · d_a` and accumulator `k` takes `fma(d, s_k, acc_k)`, `s_k`
+/// the integer sum of elements `4k..4k+4`; then `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
+/// (ggml forms each product as `|w| · sign(a, w)`, which differs from `w · a` only for an
+/// activation of -128, which the quantizer gives only for NaN.)
+fn dot_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (wb, ab) in w.chunks_exact(Q8_0_BYTES).zip(a.chunks_exact(Q8_0_BYTES)) {
+        let d = f16_at(wb, 0) * f16_at(ab, 0);
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let s: i32 = (4 * k..4 * k + 4)
+                .map(|j| wb[2 + j] as i8 as i32 * ab[2 + j] as i8 as i32)
+                .sum();
+            *acc = d.mul_add(s as f32, *acc);
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// MXFP4 × Q8_0 in llama.cpp's block-wise order (hmoe_quant's GEMM order, which the CPU
+/// engine uses for every MXFP4 product): for each block in order
+/// `acc = fma(isum, 2^(e-128) · d_a, acc)`, `isum` the exact integer sum of the table values
+/// times the activation's int8.
+fn dot_mxfp4(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (wb, ab) in w.chunks_exact(MXFP4_BYTES).zip(a.chunks_exact(Q8_0_BYTES)) {
+        let scale = e8m0_half(wb[0]) * f16_at(ab, 0);
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            let q = wb[1 + j];
+            isum += mxfp4_int(q & 15) * ab[2 + j] as i8 as i32;
+            isum += mxfp4_int(q >> 4) * ab[2 + QK / 2 + j] as i8 as i32;
+        }
+        acc = (isum as f32).mul_add(scale, acc);
+    }
+    acc
+}
+
+/// F32 × F32 in ggml's `vec_dot_f32` order (hmoe_quant's `dot_f32`): four 16-lane FMA
+/// accumulators over 64-element steps (element `64i + 16j + l` into accumulator `j`, lane
+/// `l`), folded per lane as `(s0 + s2) + (s1 + s3)`, summed by [`hsum16`], then the last
+/// `n % 64` elements fused in one by one.
+fn dot_f32_vec(w: &[u8], x: &[f32]) -> f32 {
+    let n = x.len();
+    let np = n / 64 * 64;
+    let mut s = [[0f32; 16]; 4];
+    for base in (0..np).step_by(64) {
+        for (j, acc) in s.iter_mut().enumerate() {
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let i = base + 16 * j + l;
+                *acc = f32_at(w, i).mul_add(x[i], *acc);
+            }
+        }
+    }
+    let mut folded = [0f32; 16];
+    for (l, f) in folded.iter_mut().enumerate() {
+        *f = (s[0][l] + s[2][l]) + (s[1][l] + s[3][l]);
+    }
+    let mut sum = hsum16(&folded);
+    for (i, &xv) in x.iter().enumerate().skip(np) {
+        sum = f32_at(w, i).mul_add(xv, sum);
+    }
+    sum
+}
+
+/// F32 × F32 in tinyBLAS's order (hmoe_quant's `f32_lanes`): element `i` fused into lane
+/// `i % 16`, then [`hsum16`].
+fn dot_f32_lanes(w: &[u8], x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for (i, &xv) in x.iter().enumerate() {
+        lanes[i % 16] = f32_at(w, i).mul_add(xv, lanes[i % 16]);
+    }
+    hsum16(&lanes)
+}
+
+/// One weight row (file encoding `ty`) times an activation row converted by [`acts`] for
+/// `ty`, in the CPU engine's order for Q8_0, MXFP4 and F32 (`order`); F16 and BF16 products
+/// (exact in f32) are summed in f64, which is not the CPU's order.
+fn row_dot(ty: GgmlType, row: &[u8], a: &Acts, order: F32Order) -> f32 {
+    match (ty, a) {
+        (GgmlType::Q8_0, Acts::Q8_0(q)) => dot_q8_0(row, q),
+        (GgmlType::MXFP4, Acts::Q8_0(q)) => dot_mxfp4(row, q),
+        (GgmlType::F32, Acts::Float(x)) => match order {
+            F32Order::VecDot => dot_f32_vec(row, x),
+            F32Order::Lanes16 => dot_f32_lanes(row, x),
+        },
+        (GgmlType::F16, Acts::Float(x)) => (0..x.len())
+            .map(|i| f16_at(row, i) as f64 * x[i] as f64)
+            .sum::<f64>() as f32,
+        (_, Acts::Float(x)) => (0..x.len())
+            .map(|i| {
+                let bits = u16::from_le_bytes([row[2 * i], row[2 * i + 1]]);
+                bf16::from_bits(bits).to_f32() as f64 * x[i] as f64
+            })
+            .sum::<f64>() as f32,
+        // `acts` gives Q8_0 blocks exactly for Q8_0 and MXFP4 weights.
+        (_, Acts::Q8_0(_)) => f32::NAN,
+    }
+}
+
+/// An attention score in ggml's `vec_dot_f16` order (one query token): the rounded query
+/// against f16 key bits as four 16-lane FMA accumulators over 64-element steps, folded
+/// `(s0 + s2) + (s1 + s3)`, [`hsum16`], then the last `n % 64` products (rounded to f32) added
+/// in f64.
+fn score_vec_dot(q16: &[f32], k: &[u16]) -> f32 {
+    let n = q16.len();
+    let np = n / 64 * 64;
+    let kv = |i: usize| f16::from_bits(k[i]).to_f32();
+    let mut s = [[0f32; 16]; 4];
+    for base in (0..np).step_by(64) {
+        for (j, acc) in s.iter_mut().enumerate() {
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let i = base + 16 * j + l;
+                *acc = q16[i].mul_add(kv(i), *acc);
+            }
+        }
+    }
+    let mut folded = [0f32; 16];
+    for (l, f) in folded.iter_mut().enumerate() {
+        *f = (s[0][l] + s[2][l]) + (s[1][l] + s[3][l]);
+    }
+    let mut sum = hsum16(&folded) as f64;
+    for (i, &qv) in q16.iter().enumerate().skip(np) {
+        sum += (qv * kv(i)) as f64;
+    }
+    sum as f32
+}
+
+/// An attention score in tinyBLAS's order (several query tokens): element `i` fused into lane
+/// `i % 16`, then [`hsum16`].
+fn score_lanes(q16: &[f32], k: &[u16]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for (i, (&qv, &kb)) in q16.iter().zip(k).enumerate() {
+        lanes[i % 16] = qv.mul_add(f16::from_bits(kb).to_f32(), lanes[i % 16]);
+    }
+    hsum16(&lanes)
 }
 
 fn swiglu_oai(g: f32, u: f32) -> f32 {
@@ -142,15 +387,10 @@ impl Backend for RefBackend {
         cols: usize,
         data: &[u8],
     ) -> Result<RefMatrix, CudaError> {
-        Ok(RefMatrix {
-            rows,
-            cols,
-            bytes: data.len(),
-            w: dequantize(ty, rows, cols, data)?,
-        })
+        matrix(ty, rows, cols, data)
     }
     fn matrix_bytes(m: &RefMatrix) -> usize {
-        m.bytes
+        m.data.len()
     }
     fn upload_moe(
         &self,
@@ -164,7 +404,18 @@ impl Backend for RefBackend {
             op: "upload_moe",
             what: "expert missing from the tensors".into(),
         };
+        ensure(
+            t.up.ty == t.gate.ty && t.down.ty == t.gate.ty,
+            "upload_moe",
+            || {
+                format!(
+                    "gate {}, up {}, down {}: the experts' matrices must share one type",
+                    t.gate.ty, t.up.ty, t.down.ty
+                )
+            },
+        )?;
         let mut m = RefMoe {
+            ty: t.gate.ty,
             n_expert: ids.len(),
             d,
             ff,
@@ -177,14 +428,15 @@ impl Backend for RefBackend {
             down_bias: Vec::new(),
         };
         for &e in ids {
-            for (dst, src, rows, cols) in [
+            let pairs: [(&mut Vec<RefMatrix>, &ExpertMatrix<'_>, usize, usize); 3] = [
                 (&mut m.gate, &t.gate, ff, d),
                 (&mut m.up, &t.up, ff, d),
                 (&mut m.down, &t.down, d, ff),
-            ] {
+            ];
+            for (dst, src, rows, cols) in pairs {
                 let data = src.expert(e).ok_or_else(missing)?;
                 m.bytes += data.len();
-                dst.extend(dequantize(src.ty, rows, cols, data)?);
+                dst.push(matrix(src.ty, rows, cols, data)?);
             }
             for (dst, src, w) in [
                 (&mut m.gate_bias, t.gate_bias, ff),
@@ -207,7 +459,8 @@ impl Backend for RefBackend {
         for (i, &id) in ids.iter().enumerate() {
             let dst = &mut out[i * t.cols..(i + 1) * t.cols];
             match usize::try_from(id).ok().filter(|&r| r < t.rows) {
-                Some(r) => dst.copy_from_slice(&t.w[r * t.cols..(r + 1) * t.cols]),
+                Some(r) => hmoe_quant::dequantize_row(t.ty, t.row(r), dst)
+                    .map_err(quant_err("get_rows"))?,
                 None => dst.fill(0.0),
             }
         }
@@ -247,10 +500,16 @@ impl Backend for RefBackend {
             x.len() >= n * w.cols && y.len() >= n * w.rows,
             || format!("x {} / y {} for {n} tokens", x.len(), y.len()),
         )?;
+        // ggml sums one token's F32 products in `vec_dot` order and a batch's in 16 lanes.
+        let order = if n == 1 {
+            F32Order::VecDot
+        } else {
+            F32Order::Lanes16
+        };
         for t in 0..n {
-            let xt = &x[t * w.cols..(t + 1) * w.cols];
+            let a = acts(w.ty, &x[t * w.cols..(t + 1) * w.cols])?;
             for r in 0..w.rows {
-                y[t * w.rows + r] = dot(&w.w[r * w.cols..(r + 1) * w.cols], xt);
+                y[t * w.rows + r] = row_dot(w.ty, w.row(r), &a, order);
             }
         }
         Ok(())
@@ -350,39 +609,78 @@ impl Backend for RefBackend {
             format!("{} cells for {span} keys", p.cells)
         })?;
         let h16 = |b: u16| f16::from_bits(b).to_f32();
+        let single = n_tokens == 1;
         for t in 0..n_tokens {
             let pos = pos0 + t;
             let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            // Positions in chunks of 16 from `first` rounded down to a multiple of 16; those
+            // before `first` weigh 0.
+            let chunk_start = first / 16 * 16;
             for h in 0..nh {
                 let kvh = h / (nh / nkv);
-                let qh = &q[(t * nh + h) * hd..][..hd];
                 let base = |pp: usize| (pp % p.cells) * kvw + kvh * hd;
-                let scores: Vec<f32> = (first..=pos)
+                // The query rounded to f16, as ggml converts it for the f16 keys.
+                let q16: Vec<f32> = q[(t * nh + h) * hd..][..hd]
+                    .iter()
+                    .map(|&v| f16::from_f32(v).to_f32())
+                    .collect();
+                let scores: Vec<f32> = (chunk_start..=pos)
                     .map(|pp| {
-                        let k: Vec<f32> =
-                            k_cache[base(pp)..][..hd].iter().map(|&b| h16(b)).collect();
-                        dot(qh, &k) * p.scale
+                        if pp < first {
+                            return 0.0;
+                        }
+                        let k = &k_cache[base(pp)..][..hd];
+                        let s = if single {
+                            score_vec_dot(&q16, k)
+                        } else {
+                            score_lanes(&q16, k)
+                        };
+                        s * p.scale
                     })
                     .collect();
                 let sink = sinks.map(|s| s[h]);
-                let m = scores
+                let m = scores[first - chunk_start..]
                     .iter()
                     .copied()
                     .chain(sink)
                     .fold(f32::NEG_INFINITY, f32::max);
-                let e: Vec<f64> = scores.iter().map(|&s| ((s - m) as f64).exp()).collect();
-                let denom = e.iter().sum::<f64>() + sink.map_or(0.0, |s| ((s - m) as f64).exp());
+                let e: Vec<f32> = scores
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &s)| {
+                        if chunk_start + i < first {
+                            0.0
+                        } else {
+                            hmoe_model::ops::expf_ggml(s - m)
+                        }
+                    })
+                    .collect();
+                let mut sum = 0f64;
+                for chunk in e.chunks(16) {
+                    let mut lanes = [0f32; 16];
+                    lanes[..chunk.len()].copy_from_slice(chunk);
+                    sum += hsum16(&lanes) as f64;
+                }
+                if let Some(s) = sink {
+                    sum += (s - m).exp() as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                // Probabilities rounded to f16, as ggml converts them for the f16 values;
+                // lane `i` of a value dimension takes position `i` of every chunk.
+                let mut acc = vec![[0f32; 16]; hd];
+                for (i, &ev) in e.iter().enumerate() {
+                    let pp = chunk_start + i;
+                    if pp < first {
+                        continue;
+                    }
+                    let w = f16::from_f32(ev * inv).to_f32();
+                    for (a, &v) in acc.iter_mut().zip(&v_cache[base(pp)..][..hd]) {
+                        a[i % 16] = h16(v).mul_add(w, a[i % 16]);
+                    }
+                }
                 let o = &mut out[(t * nh + h) * hd..][..hd];
-                for (dd, ov) in o.iter_mut().enumerate() {
-                    let acc: f64 = (first..=pos)
-                        .zip(&e)
-                        .map(|(pp, &w)| w * h16(v_cache[base(pp) + dd]) as f64)
-                        .sum();
-                    *ov = if denom > 0.0 {
-                        (acc / denom) as f32
-                    } else {
-                        0.0
-                    };
+                for (ov, a) in o.iter_mut().zip(&acc) {
+                    *ov = hsum16(a);
                 }
             }
         }
@@ -413,10 +711,11 @@ impl Backend for RefBackend {
             idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
             let mx = row[idx[0]];
             let e: Vec<f32> = idx[..k].iter().map(|&i| (row[i] - mx).exp()).collect();
-            let sum: f32 = e.iter().sum();
+            let sum: f64 = e.iter().map(|&v| v as f64).sum();
+            let inv = (1.0 / sum) as f32;
             for j in 0..k {
                 selected[t * k + j] = idx[j] as i32;
-                weights[t * k + j] = e[j] * (1.0 / sum);
+                weights[t * k + j] = e[j] * inv;
             }
         }
         Ok(())
@@ -438,28 +737,42 @@ impl Backend for RefBackend {
             selected.len() >= n * k && weights.len() >= n * k && out.len() >= n * d,
             || "lengths".into(),
         )?;
+        let expert = |slot: usize| {
+            usize::try_from(selected[slot])
+                .ok()
+                .filter(|&e| e < w.n_expert)
+        };
+        // ggml multiplies each expert's tokens as one batch: F32 products of an expert that
+        // several slots of the micro-batch route to take the 16-lane order.
+        let mut routed = vec![0usize; w.n_expert];
+        for e in (0..n * k).filter_map(expert) {
+            routed[e] += 1;
+        }
         let mut h = vec![0f32; ff];
         for t in 0..n {
-            let xt = &x[t * d..(t + 1) * d];
             let o = &mut out[t * d..(t + 1) * d];
             o.fill(0.0);
+            // The token's row, converted once for every expert it goes to.
+            let xa = acts(w.ty, &x[t * d..(t + 1) * d])?;
             for j in 0..k {
-                let Some(e) = usize::try_from(selected[t * k + j])
-                    .ok()
-                    .filter(|&e| e < w.n_expert)
-                else {
+                let Some(e) = expert(t * k + j) else {
                     continue;
                 };
+                let order = if routed[e] == 1 {
+                    F32Order::VecDot
+                } else {
+                    F32Order::Lanes16
+                };
+                let (gate, up, down) = (&w.gate[e], &w.up[e], &w.down[e]);
                 for (r, hv) in h.iter_mut().enumerate() {
-                    let row = (e * ff + r) * d;
-                    let g = dot(&w.gate[row..row + d], xt) + w.gate_bias[e * ff + r];
-                    let u = dot(&w.up[row..row + d], xt) + w.up_bias[e * ff + r];
+                    let g = row_dot(w.ty, gate.row(r), &xa, order) + w.gate_bias[e * ff + r];
+                    let u = row_dot(w.ty, up.row(r), &xa, order) + w.up_bias[e * ff + r];
                     *hv = swiglu_oai(g, u);
                 }
+                let ha = acts(w.ty, &h)?;
                 let wt = weights[t * k + j];
                 for (r, ov) in o.iter_mut().enumerate() {
-                    let row = (e * d + r) * ff;
-                    let y = dot(&w.down[row..row + ff], &h) + w.down_bias[e * d + r];
+                    let y = row_dot(w.ty, down.row(r), &ha, order) + w.down_bias[e * d + r];
                     *ov += y * wt;
                 }
             }
@@ -507,5 +820,57 @@ impl Backend for RefBackend {
         shape("stage_up", out.len() >= st.out.len(), || "lengths".into())?;
         out[..st.out.len()].copy_from_slice(&st.out);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// `rows × cols` weights of `ty` quantized from noise.
+    fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+        let mut q = vec![0u8; rows * rb];
+        for row in q.chunks_exact_mut(rb) {
+            let src: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            hmoe_quant::quantize_row(ty, &src, row).unwrap();
+        }
+        q
+    }
+
+    /// The reference backend's products are the CPU engine's, bit for bit, for the types whose
+    /// order it follows (Q8_0, MXFP4, F32 one token and batches), including F32 rows with a
+    /// tail after the last 64 elements.
+    #[test]
+    fn matmul_is_the_cpu_engines_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let be = RefBackend::new();
+        for ty in [GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::F32] {
+            for (rows, cols) in [(37, 256), (9, 160), (5, 2880)] {
+                let q = weights(&mut rng, ty, rows, cols);
+                let m = be.upload_matrix(ty, rows, cols, &q).unwrap();
+                for n in [1usize, 3, 9] {
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|_| rng.random_range(-3.0f32..3.0))
+                        .collect();
+                    let mut got = vec![0f32; n * rows];
+                    be.matmul(&m, &x, n, &mut got).unwrap();
+                    let kernel = hmoe_quant::DotKernel::best(ty).unwrap();
+                    let mut qa = hmoe_model::ops::QuantizedActs::default();
+                    qa.quantize(kernel.act_type(), &x, cols);
+                    let mut want = vec![0f32; n * rows];
+                    hmoe_model::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{ty} {rows}x{cols} n={n} [{i}]: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -8,17 +8,16 @@
 //! Each check runs twice: on the CUDA device (skipped without one: "no CUDA device: skipped")
 //! and on [`RefBackend`], plain Rust with the kernels' semantics, which runs everywhere.
 //!
-//! Tolerances. The executor computes with f32 activations (as the CUDA kernels do); the CPU
-//! engine reproduces ggml's CPU backend bit for bit, which quantizes activations to Q8_0 for
-//! Q8_0/MXFP4 weights and rounds attention queries and probabilities to f16. On the fixtures
-//! whose dense or expert weights are Q8_0/MXFP4 (gptoss-tiny, -small, -openai) those last bits
-//! move expert routing: measured on the reference backend, max |Δp| over the golden steps is
-//! 0.44 (tiny), 0.28 (small) and 0.03 (openai) for f32 activations, and still 0.15 / 0.27 /
-//! 0.02 when the reference also quantizes activations to Q8_0 (summation orders differ). So
-//! the 5e-3 criterion of issue #5 is asserted where f32 activations can meet it,
-//! gptoss-openai-f32experts (measured 2.6e-3 on the reference backend); on the others the
-//! reference backend is held to a sanity bound of 0.5 (deterministic, measured 0.44 at most)
-//! and the GPU's figures are reported, not asserted (other sums, other flips).
+//! Tolerances. The executor converts activations as ggml's CPU backend does (Q8_0 blocks for
+//! Q8_0/MXFP4 weights, the attention query and probabilities rounded to f16) and sums in the
+//! CPU engine's orders, so on [`RefBackend`] its probabilities are the CPU engine's bit for
+//! bit on every gpt-oss fixture (asserted). Before that (f32 activations, f64 sums) routing
+//! flips put the reference backend at max |Δp| 0.44 (tiny), 0.28 (small) and 0.03 (openai).
+//! The 5e-3 criterion of issue #5 is asserted on the reference backend for every fixture (at
+//! most one step per case above it, as the fixtures' README allows for routing flips) and on
+//! the GPU for gptoss-openai-f32experts; on the Q8_0/MXFP4 fixtures the GPU's figures are
+//! reported, not asserted (cuBLAS, `cosf`/`sinf` and `expf` on the GPU can still flip a
+//! routing choice).
 
 use std::path::PathBuf;
 
@@ -33,9 +32,30 @@ use serde_json::Value;
 
 /// The probability tolerance of issue #5.
 const P_TOL: f64 = 5e-3;
-/// The bound on the fixtures where routing flips make 5e-3 unattainable (see the module docs):
-/// a wrong executor gives unrelated distributions, far above it.
-const P_SANITY: f64 = 0.5;
+
+/// What a fixture run must meet: every top-10 probability within `p` of the CPU engine's and
+/// the golden's, except at up to `flips_per_case` steps of each case.
+#[derive(Clone, Copy)]
+struct Tolerance {
+    p: f64,
+    flips_per_case: usize,
+}
+
+/// Issue #5's 5e-3 at every step.
+const STRICT: Tolerance = Tolerance {
+    p: P_TOL,
+    flips_per_case: 0,
+};
+/// 5e-3 with one step per case left to a routing flip (the fixtures' README).
+const ONE_FLIP: Tolerance = Tolerance {
+    p: P_TOL,
+    flips_per_case: 1,
+};
+/// No assertion (figures reported only).
+const REPORT: Tolerance = Tolerance {
+    p: f64::INFINITY,
+    flips_per_case: 0,
+};
 
 fn fixtures() -> PathBuf {
     std::env::var_os("HMOE_FIXTURES").map_or_else(
@@ -157,7 +177,7 @@ fn teacher_forced(model: &dyn LanguageModel, case: &Value) -> Vec<Vec<f64>> {
 fn check_fixture<B: Backend>(
     file: &str,
     golden_file: &str,
-    tol: f64,
+    tol: Tolerance,
     backend: impl Fn() -> B,
 ) -> Vec<(&'static str, f64)> {
     let mut report = Vec::new();
@@ -182,25 +202,34 @@ fn check_fixture<B: Backend>(
         for (i, case) in cases.iter().enumerate() {
             let got = teacher_forced(&gpu, case);
             steps += got.len() as u64;
+            let mut flips = Vec::new();
             for (step, (g, c)) in got.iter().zip(&cpu_runs[i]).enumerate() {
-                for id in top10(c) {
-                    let dp = (g[id] - c[id]).abs();
-                    worst_cpu = worst_cpu.max(dp);
-                    assert!(
-                        dp <= tol,
-                        "{file} {name} case {i} step {step}: id {id} |Δp| vs CPU {dp}"
-                    );
-                }
-                for pair in case["top_probs"][step].as_array().unwrap() {
-                    let id = pair[0].as_u64().unwrap() as usize;
-                    let dp = (g[id] - pair[1].as_f64().unwrap()).abs();
-                    worst_golden = worst_golden.max(dp);
-                    assert!(
-                        dp <= tol,
-                        "{file} {name} case {i} step {step}: id {id} |Δp| vs golden {dp}"
-                    );
+                let vs_cpu = top10(c)
+                    .into_iter()
+                    .map(|id| (g[id] - c[id]).abs())
+                    .fold(0f64, f64::max);
+                let vs_golden = case["top_probs"][step]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|pair| {
+                        let id = pair[0].as_u64().unwrap() as usize;
+                        (g[id] - pair[1].as_f64().unwrap()).abs()
+                    })
+                    .fold(0f64, f64::max);
+                worst_cpu = worst_cpu.max(vs_cpu);
+                worst_golden = worst_golden.max(vs_golden);
+                if vs_cpu > tol.p || vs_golden > tol.p {
+                    flips.push((step, vs_cpu, vs_golden));
                 }
             }
+            assert!(
+                flips.len() <= tol.flips_per_case,
+                "{file} {name} case {i}: {} steps above |Δp| {} (step, vs CPU, vs golden): \
+                 {flips:?}",
+                flips.len(),
+                tol.p
+            );
         }
         let stats = gpu.stats();
         // Every step is one micro-batch (prompts are shorter than the micro-batch); with op
@@ -235,7 +264,7 @@ fn gpu_f32experts_within_5e3_of_the_cpu_engine_and_the_golden() {
     check_fixture(
         "gptoss-openai-f32experts.gguf",
         "gptoss-openai-f32experts.golden-f16kv.json",
-        P_TOL,
+        STRICT,
         cuda,
     );
 }
@@ -248,7 +277,7 @@ fn gpu_tiny_small_openai_reported() {
     for stem in ["gptoss-tiny", "gptoss-small", "gptoss-openai"] {
         let gguf = format!("{stem}.gguf");
         let golden = format!("{stem}.golden-f16kv.json");
-        for (name, worst) in check_fixture(&gguf, &golden, f64::INFINITY, cuda) {
+        for (name, worst) in check_fixture(&gguf, &golden, REPORT, cuda) {
             eprintln!(
                 "GPU {stem} {name}: max |Δp| vs CPU {worst:.3e} ({})",
                 if worst <= P_TOL {
@@ -294,8 +323,9 @@ fn micro_batches_and_truncation<B: Backend>(backend: B) {
             .fold(0f64, f64::max)
     };
     // Micro-batches of 3 (the sliding layers' rings wrap) against one micro-batch: the same
-    // executor on the same backend sees the same keys, so the results agree closely (exactly
-    // on the reference backend; on CUDA batches of 16+ tokens take cuBLAS, another sum order).
+    // executor on the same backend sees the same keys, so the results agree closely (not
+    // exactly: F32 products of one token and of a batch sum in different orders, as on the
+    // CPU; on CUDA batches of 16+ tokens take cuBLAS, another order again).
     let mut whole = gpu.new_cache(KvType::F16, 64, 512);
     let want = LanguageModel::forward(&gpu, &mut whole, &prompt, LogitsWanted::All).unwrap();
     let mut gc = gpu.new_cache(KvType::F16, 64, 3);
@@ -332,18 +362,27 @@ fn reference_backend_f32experts_within_5e3_of_the_cpu_engine_and_the_golden() {
     check_fixture(
         "gptoss-openai-f32experts.gguf",
         "gptoss-openai-f32experts.golden-f16kv.json",
-        P_TOL,
+        STRICT,
         RefBackend::new,
     );
 }
 
+/// Issue #5's criterion on the Q8_0/MXFP4 fixtures, which needs ggml's activation conversion:
+/// within 5e-3 of the CPU engine and the golden (one step per case may flip). The reference
+/// backend in fact reproduces the CPU engine bit for bit (Δp = 0 everywhere): the CUDA kernels
+/// mirror it, so a change of numerics on either side shows up here first.
 #[test]
-fn reference_backend_tiny_and_small_stay_sane() {
-    for stem in ["gptoss-tiny", "gptoss-small"] {
+fn reference_backend_tiny_small_openai_within_5e3_of_the_cpu_engine_and_the_golden() {
+    for stem in ["gptoss-tiny", "gptoss-small", "gptoss-openai"] {
         let gguf = format!("{stem}.gguf");
         let golden = format!("{stem}.golden-f16kv.json");
-        for (name, worst) in check_fixture(&gguf, &golden, P_SANITY, RefBackend::new) {
+        for (name, worst) in check_fixture(&gguf, &golden, ONE_FLIP, RefBackend::new) {
             eprintln!("reference {stem} {name}: max |Δp| vs CPU {worst:.3e}");
+            assert_eq!(
+                worst, 0.0,
+                "{stem} {name}: the reference backend no longer reproduces the CPU engine bit \
+                 for bit (the kernels mirror it: update both with the CPU's numerics)"
+            );
         }
     }
 }

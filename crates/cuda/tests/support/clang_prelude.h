@@ -14,3 +14,6 @@ __device__ float expf(float); __device__ float logf(float); __device__ float sin
 __device__ float cosf(float); __device__ float sqrtf(float); __device__ float fmaf(float,float,float);
 __device__ float fminf(float,float); __device__ float fmaxf(float,float);
 __device__ void __syncthreads(); __device__ void __syncwarp(unsigned m = 0xffffffffu);
+__device__ float __shfl_sync(unsigned, float, int);
+__device__ int __shfl_sync(unsigned, int, int);
+__device__ float fabsf(float); __device__ float rintf(float); __device__ double exp(double);
