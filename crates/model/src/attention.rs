@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use hmoe_quant::{expf_slice, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
+use hmoe_quant::{expf_slice, f16_bytes, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
 
 use crate::kv_cache::{fwht, rotate_chunks, Cells, LayerCache};
 use crate::ops::{expf_ggml, reduce16};
@@ -95,103 +95,141 @@ fn attention_rotated(
     let group = shape.n_head / shape.n_head_kv;
     let width = shape.n_head_kv * hd;
     let single_token = q.len() == shape.n_head * hd;
-    hmoe_pool::global().for_each_chunk_mut(out, hd, |task, dst| {
-        let t = task / shape.n_head;
-        let h = task % shape.n_head;
+    // `vec_dot_f16` for one token's f16 keys: symmetric, so the group's query heads go through
+    // one `dot_rows` call per key as the "weight rows".
+    let f16_kernel = match &cache.k {
+        Cells::F16(_) if single_token => {
+            Some(DotKernel::best(GgmlType::F16).expect("f16 has a dot kernel"))
+        }
+        _ => None,
+    };
+    // One task per (token, KV head): the query heads sharing a KV head read each key and
+    // value row once.
+    hmoe_pool::global().for_each_chunk_mut(out, group * hd, |task, dst| {
+        let t = task / shape.n_head_kv;
+        let kvh = task % shape.n_head_kv;
         let pos = pos0 + t;
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let qh = &q[task * hd..(task + 1) * hd];
+        let heads = &q[task * group * hd..(task + 1) * group * hd];
         // ggml rounds the query to f16 before dotting it with f16 keys.
-        let q16: Vec<f32> = match &cache.k {
-            Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        let q16: Vec<f16> = match &cache.k {
+            Cells::F16(_) => heads.iter().map(|&v| f16::from_f32(v)).collect(),
             _ => Vec::new(),
         };
-        let q_blocks = quantize_query(k_kernel.as_ref(), qh);
-        let kv_off = (h / group) * hd;
+        let q16_bytes: Vec<u8> = q16.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let q16: Vec<f32> = q16.iter().map(|v| v.to_f32()).collect();
+        let q_blocks: Vec<Vec<u8>> = heads
+            .chunks_exact(hd)
+            .map(|qh| quantize_query(k_kernel.as_ref(), qh))
+            .collect();
+        let kv_off = kvh * hd;
         let cell = |p: usize| (p % cache.cells) * width + kv_off;
-        // Probabilities for positions chunk_start..=pos, zero outside the window.
+        // Probabilities for positions chunk_start..=pos per head, zero outside the window.
         let chunk_start = first / LANES * LANES;
-        let mut probs = vec![0f32; pos + 1 - chunk_start];
-        let mut max = f32::NEG_INFINITY;
+        let span = pos + 1 - chunk_start;
+        let mut probs = vec![0f32; group * span];
+        let mut row_scores = vec![0f32; group];
         for p in first..=pos {
-            let s = match &cache.k {
-                Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
-                // ggml rounds the query to f16 first; one token goes through `vec_dot_f16`,
-                // a batch through tinyBLAS.
-                Cells::F16(k) if single_token => {
-                    dot_vec(&q16, &k[cell(p)..cell(p) + hd], f16::to_f32, true)
+            match &cache.k {
+                Cells::F16(k) if f16_kernel.is_some() => {
+                    let key = f16_bytes(&k[cell(p)..cell(p) + hd]);
+                    f16_kernel.as_ref().expect("checked").dot_rows(
+                        hd,
+                        &q16_bytes,
+                        key,
+                        &mut row_scores,
+                    );
                 }
-                Cells::F16(k) => dot_lanes_f16(&q16, &k[cell(p)..cell(p) + hd]),
-                Cells::Blocks { ty, data, .. } => {
-                    block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks)
+                _ => {
+                    for (g, s) in row_scores.iter_mut().enumerate() {
+                        let qh = &heads[g * hd..(g + 1) * hd];
+                        *s = match &cache.k {
+                            Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
+                            // A batch goes through tinyBLAS.
+                            Cells::F16(k) => {
+                                dot_lanes_f16(&q16[g * hd..(g + 1) * hd], &k[cell(p)..cell(p) + hd])
+                            }
+                            Cells::Blocks { ty, data, .. } => {
+                                block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks[g])
+                            }
+                        };
+                    }
                 }
-            } * shape.scale;
-            probs[p - chunk_start] = s;
-            max = max.max(s);
-        }
-        let sink = sinks.map(|s| s[h]);
-        if let Some(s) = sink {
-            max = max.max(s);
-        }
-        let mut sum = 0f64;
-        for chunk in probs.chunks_mut(LANES) {
-            let mut lanes = [0f32; LANES];
-            for (i, v) in chunk.iter_mut().enumerate() {
-                // Positions before the window hold 0 and must stay 0.
-                *v = if *v == 0.0 && i + chunk_start < first {
-                    0.0
-                } else {
-                    expf_ggml(*v - max)
-                };
-                lanes[i] = *v;
             }
-            sum += reduce16(&lanes) as f64;
+            for (g, &s) in row_scores.iter().enumerate() {
+                probs[g * span + p - chunk_start] = s * shape.scale;
+            }
         }
-        // Zero the positions before the window (their slots were never written above).
-        for v in probs.iter_mut().take(first - chunk_start) {
-            *v = 0.0;
+        for (g, probs) in probs.chunks_exact_mut(span).enumerate() {
+            softmax_window(
+                probs,
+                first - chunk_start,
+                sinks.map(|s| s[kvh * group + g]),
+            );
         }
-        if let Some(s) = sink {
-            sum += (s - max).exp() as f64;
-        }
-        let inv = (1.0 / sum) as f32;
-        for v in probs.iter_mut() {
-            *v *= inv;
-        }
-        let mut acc = vec![[0f32; LANES]; hd];
+        // Per head, one 16-lane accumulator per output element, lane = position mod 16
+        // (ggml's order), stored lane-major so that a position updates one contiguous row of
+        // `hd` values.
+        let mut acc = vec![0f32; group * LANES * hd];
         let mut v_row = vec![0f32; hd];
-        for (c, chunk) in probs.chunks(LANES).enumerate() {
-            for (i, &w) in chunk.iter().enumerate() {
-                let p = chunk_start + c * LANES + i;
-                if p < first {
-                    continue;
-                }
-                match &cache.v {
-                    Cells::F32(v) => {
-                        for (a, &x) in acc.iter_mut().zip(&v[cell(p)..cell(p) + hd]) {
-                            a[i] = x.mul_add(w, a[i]);
-                        }
-                    }
-                    Cells::F16(v) => {
-                        let w = f16::from_f32(w).to_f32();
-                        for (a, &x) in acc.iter_mut().zip(&v[cell(p)..cell(p) + hd]) {
-                            a[i] = x.to_f32().mul_add(w, a[i]);
-                        }
-                    }
-                    Cells::Blocks { ty, data, .. } => {
-                        dequantize_at(*ty, data, cell(p), &mut v_row);
-                        let w = round_weight(*ty, w);
-                        for (a, &x) in acc.iter_mut().zip(&v_row) {
-                            a[i] = x.mul_add(w, a[i]);
-                        }
-                    }
+        for p in first..=pos {
+            let lane = (p - chunk_start) % LANES;
+            match &cache.v {
+                Cells::F32(v) => v_row.copy_from_slice(&v[cell(p)..cell(p) + hd]),
+                Cells::F16(v) => v[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut v_row),
+                Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, cell(p), &mut v_row),
+            }
+            for (g, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
+                let w = probs[g * span + p - chunk_start];
+                // The probability in the activation type of V's matmul.
+                let w = match &cache.v {
+                    Cells::F32(_) => w,
+                    Cells::F16(_) => f16::from_f32(w).to_f32(),
+                    Cells::Blocks { ty, .. } => round_weight(*ty, w),
+                };
+                for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(&v_row) {
+                    *a = x.mul_add(w, *a);
                 }
             }
         }
-        for (d, a) in dst.iter_mut().zip(&acc) {
-            *d = reduce16(a);
+        for (dst, acc) in dst.chunks_exact_mut(hd).zip(acc.chunks_exact(LANES * hd)) {
+            for (d, out) in dst.iter_mut().enumerate() {
+                *out = reduce16(&std::array::from_fn(|l| acc[l * hd + d]));
+            }
         }
     });
+}
+
+/// Softmax in place over `probs[skip..]` (ggml's `soft_max`: the maximum including the sink,
+/// `expf_ggml` in 16-lane chunks summed in f64, the sink's term added last, one multiply by
+/// the f32 inverse), leaving `probs[..skip]` (positions before the window) at zero.
+fn softmax_window(probs: &mut [f32], skip: usize, sink: Option<f32>) {
+    let mut max = probs[skip..]
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if let Some(s) = sink {
+        max = max.max(s);
+    }
+    let mut sum = 0f64;
+    for (c, chunk) in probs.chunks_mut(LANES).enumerate() {
+        let mut lanes = [0f32; LANES];
+        for (i, v) in chunk.iter_mut().enumerate() {
+            *v = if c * LANES + i < skip {
+                0.0
+            } else {
+                expf_ggml(*v - max)
+            };
+            lanes[i] = *v;
+        }
+        sum += reduce16(&lanes) as f64;
+    }
+    if let Some(s) = sink {
+        sum += (s - max).exp() as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in probs.iter_mut() {
+        *v *= inv;
+    }
 }
 
 /// Scores against f16 keys as tinyBLAS sums them, for a query already rounded to f16 (as ggml

@@ -317,6 +317,15 @@ pub fn dequantize_row_with(
     Ok(())
 }
 
+/// f16 values as the F16 row bytes the kernels take (little-endian, as GGUF stores them),
+/// without a copy.
+#[cfg(target_endian = "little")]
+pub fn f16_bytes(v: &[half::f16]) -> &[u8] {
+    // SAFETY: `f16` is a `repr(transparent)` u16: two bytes, no padding, every bit pattern a
+    // valid u8 pair; u8 needs no alignment; the new length covers exactly the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
 /// [`dequantize_row`] resolved once for one type on [`Isa::best`], for callers that convert
 /// many short rows (attention's value heads) where the per-call lookup would dominate.
 #[derive(Clone, Copy)]

@@ -690,3 +690,15 @@ fn dequantizer_refuses_a_short_row() {
         .unwrap()
         .row(&[0u8; 33], &mut [0.0; 32]);
 }
+
+#[test]
+fn f16_bytes_are_the_little_endian_values() {
+    let v = [
+        half::f16::from_f32(1.5),
+        half::f16::from_f32(-2.0),
+        half::f16::NAN,
+    ];
+    let want: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    assert_eq!(f16_bytes(&v), &want[..]);
+    assert!(f16_bytes(&[]).is_empty());
+}
