@@ -129,6 +129,7 @@ fn attention_rotated(
         let span = pos + 1 - chunk_start;
         let mut probs = vec![0f32; group * span];
         let mut row_scores = vec![0f32; group];
+        let mut k_row = vec![0f32; hd];
         for p in first..=pos {
             match &cache.k {
                 Cells::F16(k) if f16_kernel.is_some() => {
@@ -141,14 +142,15 @@ fn attention_rotated(
                     );
                 }
                 _ => {
+                    if let Cells::F16(k) = &cache.k {
+                        k[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut k_row);
+                    }
                     for (g, s) in row_scores.iter_mut().enumerate() {
                         let qh = &heads[g * hd..(g + 1) * hd];
                         *s = match &cache.k {
                             Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
                             // A batch goes through tinyBLAS.
-                            Cells::F16(k) => {
-                                dot_lanes_f16(&q16[g * hd..(g + 1) * hd], &k[cell(p)..cell(p) + hd])
-                            }
+                            Cells::F16(_) => dot_lanes(&q16[g * hd..(g + 1) * hd], &k_row),
                             Cells::Blocks { ty, data, .. } => {
                                 block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks[g])
                             }
@@ -232,14 +234,18 @@ fn softmax_window(probs: &mut [f32], skip: usize, sink: Option<f32>) {
     }
 }
 
-/// Scores against f16 keys as tinyBLAS sums them, for a query already rounded to f16 (as ggml
-/// converts it).
-fn dot_lanes_f16(q16: &[f32], k: &[f16]) -> f32 {
+/// A score as tinyBLAS sums it (one 16-lane FMA accumulator, then halving), for f16 keys
+/// converted to f32 and a query already rounded to f16 (as ggml converts it).
+fn dot_lanes(q16: &[f32], k: &[f32]) -> f32 {
     let mut lanes = [0f32; LANES];
-    for (cq, ck) in q16.chunks(LANES).zip(k.chunks(LANES)) {
-        for i in 0..cq.len() {
-            lanes[i] = cq[i].mul_add(ck[i].to_f32(), lanes[i]);
+    let (mut qc, mut kc) = (q16.chunks_exact(LANES), k.chunks_exact(LANES));
+    for (cq, ck) in (&mut qc).zip(&mut kc) {
+        for i in 0..LANES {
+            lanes[i] = cq[i].mul_add(ck[i], lanes[i]);
         }
+    }
+    for (i, (&a, &b)) in qc.remainder().iter().zip(kc.remainder()).enumerate() {
+        lanes[i] = a.mul_add(b, lanes[i]);
     }
     reduce16(&lanes)
 }
@@ -381,6 +387,7 @@ fn attention_ext_rotated(
         let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
         let chunk_start = first / LANES * LANES;
         let mut probs = vec![0f32; pos + 1 - chunk_start];
+        let mut k_row = vec![0f32; kd];
         let mut max = f32::NEG_INFINITY;
         for p in first..=pos {
             let at = k_at(p);
@@ -388,7 +395,10 @@ fn attention_ext_rotated(
                 Cells::F32(k) => dot_vec_f32(qh, &k[at..at + kd]),
                 // A batch goes through tinyBLAS when the head is a multiple of 16 long; one
                 // token, or a head tinyBLAS declines, through `vec_dot_f16`.
-                Cells::F16(k) if lanes_ok && !single_token => dot_lanes_f16(&q16, &k[at..at + kd]),
+                Cells::F16(k) if lanes_ok && !single_token => {
+                    k[at..at + kd].convert_to_f32_slice(&mut k_row);
+                    dot_lanes(&q16, &k_row)
+                }
                 Cells::F16(k) => dot_vec(&q16, &k[at..at + kd], f16::to_f32, true),
                 Cells::Blocks { ty, data, .. } => {
                     block_dot(k_kernel.as_ref(), *ty, data, at, kd, &q_blocks)
