@@ -388,7 +388,6 @@ fn attention_ext_rotated(
         let chunk_start = first / LANES * LANES;
         let mut probs = vec![0f32; pos + 1 - chunk_start];
         let mut k_row = vec![0f32; kd];
-        let mut max = f32::NEG_INFINITY;
         for p in first..=pos {
             let at = k_at(p);
             let s = match &cache.k {
@@ -405,26 +404,8 @@ fn attention_ext_rotated(
                 }
             } * shape.scale;
             probs[p - chunk_start] = s;
-            max = max.max(s);
         }
-        let mut sum = 0f64;
-        for (c, chunk) in probs.chunks_mut(LANES).enumerate() {
-            let mut lanes = [0f32; LANES];
-            for (i, v) in chunk.iter_mut().enumerate() {
-                // Positions before the window contribute exactly 0.
-                *v = if chunk_start + c * LANES + i < first {
-                    0.0
-                } else {
-                    expf_ggml(*v - max)
-                };
-                lanes[i] = *v;
-            }
-            sum += reduce16(&lanes) as f64;
-        }
-        let inv = (1.0 / sum) as f32;
-        for v in probs.iter_mut() {
-            *v *= inv;
-        }
+        softmax_window(&mut probs, first - chunk_start, None);
         // A batch sums the values in one 16-lane chain over positions (tinyBLAS); one token
         // with f32/f16 values goes through `vec_dot_f32`/`vec_dot_f16`, whose four chains take
         // 16 positions in turn.
