@@ -4,14 +4,22 @@
 //! clamped SwiGLU experts). It lets the executor ([`crate::GpuGptOss`]) run and be compared
 //! with the CPU engine on a machine without a GPU; it is a test stand-in, not a fast path.
 //!
-//! Products (`matmul` and the experts) as the kernels compute them: each activation row is
-//! converted once to ggml's `vec_dot_type` of the weights ([`hmoe_quant::vec_dot_type`]):
-//! Q8_0 blocks for Q8_0 and MXFP4 weights (ggml's quantiser, [`hmoe_quant::quantize_row`]),
-//! f16- or bf16-rounded values for F16 or BF16 weights, f32 for F32. A Q8_0 or MXFP4 block
-//! contributes `isum · (d_w · d_a)` in f32, `isum` the exact integer sum of the weight's
-//! integers (Q8_0 int8, or MXFP4's doubled E2M1 values with the half E8M0 scale `2^(e-128)`
-//! as `d_w`) times the activation's int8; the float types contribute exact products. The
-//! terms are summed in f64 here, in f32 lanes on the GPU: only that order differs.
+//! The numerics are the CPU engine's (ggml's CPU backend's), step for step as `kernels.cu`
+//! computes them, so that on the gpt-oss fixtures this backend's logits are the CPU engine's
+//! bit for bit:
+//!
+//! - Products (`matmul` and the experts): each activation row is converted once to ggml's
+//!   `vec_dot_type` of the weights ([`hmoe_quant::vec_dot_type`]): Q8_0 blocks for Q8_0 and
+//!   MXFP4 weights ([`hmoe_quant::quantize_row`]; the kernels' `quantize_q8_0`), f16- or
+//!   bf16-rounded values for F16 or BF16 weights, f32 for F32. Q8_0 products sum in ggml's
+//!   `vec_dot` order (`dot_q8_0`), MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`),
+//!   F32 in `vec_dot_f32` order for one token (and for an expert only one slot routes to),
+//!   else in tinyBLAS's 16 lanes (`F32Order`). F16 and BF16 products sum in f64 here and in
+//!   lane order on the GPU (not the CPU's order).
+//! - Attention rounds the query and the probabilities to f16, scores and sums in the CPU
+//!   engine's orders with ggml's `expf` ([`hmoe_model::ops::expf_ggml`]).
+//! - The router's softmax and the SwiGLU call f32 `exp` (libm), as the CPU engine does; the
+//!   kernels round the f64 `exp` there, which can differ from glibc's `expf` in the last bit.
 
 use std::ops::Range;
 use std::sync::Mutex;

@@ -1,0 +1,370 @@
+//! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
+//! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
+//! against [`RefBackend`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router
+//! and attention must give the reference backend's bits (the emulator's libm stands in for
+//! the GPU's, so `expf`-rounding differences between glibc and the GPU are not seen here);
+//! F16/BF16 products (another summation order) are only reported.
+//!
+//! Slow (minutes: every shuffle is a barrier of OS threads), so ignored by default:
+//! `cargo test -p hmoe-cuda --test emulated -- --ignored --nocapture`. Skipped when clang++
+//! with C++20 `<barrier>` and F16C is not available. A real GPU runs tests/gpu.rs.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use half::f16;
+use hmoe_cuda::backend::Backend;
+use hmoe_cuda::{AttnParams, RefBackend};
+use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
+use hmoe_quant::{quantize_row, GgmlType};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// A value written to or read from the emulator's files (raw little-endian arrays).
+trait Raw: Copy {
+    const SIZE: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(b: &[u8]) -> Self;
+}
+
+macro_rules! raw {
+    ($($t:ty),*) => {$(
+        impl Raw for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().unwrap())
+            }
+        }
+    )*};
+}
+raw!(f32, i32, u16, u8);
+
+/// The compiled emulator and its I/O directory.
+struct Emulator {
+    dir: PathBuf,
+    exe: PathBuf,
+}
+
+impl Emulator {
+    /// Builds the emulator in a temporary directory; `None` (skip) without a suitable clang++.
+    fn build() -> Option<Emulator> {
+        let clang = std::env::var("HMOE_CLANGXX").unwrap_or_else(|_| "clang++".into());
+        let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("io")).unwrap();
+        // The two PTX conversions become F16C calls on the host.
+        let source = hmoe_cuda::kernels::SOURCE;
+        let host = source
+            .replace(
+                r#"asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));"#,
+                "f = host_h2f(h);",
+            )
+            .replace(
+                r#"asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));"#,
+                "h = host_f2h(f);",
+            );
+        assert!(
+            !host.contains("asm("),
+            "kernels.cu has inline PTX the emulator does not know"
+        );
+        std::fs::write(dir.join("k_host.cu"), host).unwrap();
+        let harness = dir.join("kernel_emulator.cpp");
+        std::fs::write(&harness, include_str!("support/kernel_emulator.cpp")).unwrap();
+        let exe = dir.join("kernel_emulator");
+        let out = Command::new(&clang)
+            .args([
+                "-std=c++20",
+                "-O2",
+                "-ffp-contract=off",
+                "-mf16c",
+                "-pthread",
+                "-w",
+            ])
+            .arg(&harness)
+            .arg("-o")
+            .arg(&exe)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(Emulator { dir, exe }),
+            Ok(o) => {
+                eprintln!(
+                    "{clang} cannot build the emulator: skipped\n{}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("{clang}: {e}: skipped");
+                None
+            }
+        }
+    }
+
+    fn io(&self) -> PathBuf {
+        self.dir.join("io")
+    }
+
+    fn write<T: Raw>(&self, name: &str, v: &[T]) {
+        let mut b = Vec::with_capacity(v.len() * T::SIZE);
+        v.iter().for_each(|&x| x.put(&mut b));
+        std::fs::write(self.io().join(name), b).unwrap();
+    }
+
+    fn read<T: Raw>(&self, name: &str) -> Vec<T> {
+        let b = std::fs::read(self.io().join(name)).unwrap();
+        b.chunks_exact(T::SIZE).map(T::get).collect()
+    }
+
+    /// Runs `op` with `args`; a deadlock (a shuffle not every lane reaches) times out.
+    fn run(&self, op: &str, args: &[String]) {
+        let status = Command::new("timeout")
+            .arg("900")
+            .arg(&self.exe)
+            .arg(op)
+            .arg(self.io())
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(status.success(), "emulated {op} {args:?}: {status}");
+    }
+}
+
+impl Drop for Emulator {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn noise(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let mut q = vec![0u8; rows * rb];
+    for row in q.chunks_exact_mut(rb) {
+        quantize_row(ty, &noise(rng, cols, 1.0), row).unwrap();
+    }
+    q
+}
+
+const TYPES: [GgmlType; 5] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::MXFP4,
+];
+
+/// Types whose products the kernels sum in the CPU engine's order.
+fn exact(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::MXFP4)
+}
+
+/// `(bit-identical values, max |difference|)`.
+fn compare(got: &[f32], want: &[f32]) -> (usize, f32) {
+    assert_eq!(got.len(), want.len());
+    let same = got
+        .iter()
+        .zip(want)
+        .filter(|(g, w)| g.to_bits() == w.to_bits())
+        .count();
+    let max = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, f32::max);
+    (same, max)
+}
+
+fn s(v: impl ToString) -> String {
+    v.to_string()
+}
+
+#[test]
+#[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_kernels_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build() else { return };
+    let cpu = RefBackend::new();
+    let mut rng = StdRng::seed_from_u64(5);
+    let ggml_id = |ty: GgmlType| match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::Q8_0 => 8,
+        GgmlType::BF16 => 30,
+        _ => 39,
+    };
+
+    // The activation quantizer, with an all-zero block and ties (amax 127: multiplier 1).
+    let mut x = Vec::new();
+    for scale in [1e-3f32, 0.5, 3.0, 1e4, 1e-30] {
+        x.extend(noise(&mut rng, 32 * 7, scale));
+    }
+    x.extend([0.0f32; 32]);
+    let mut ties = vec![0.5f32, 1.5, 2.5, -2.5, -3.5, 126.5, -126.5, 127.0];
+    ties.resize(32, 0.25);
+    x.extend(ties);
+    let mut want = vec![0u8; x.len() / 32 * 34];
+    quantize_row(GgmlType::Q8_0, &x, &mut want).unwrap();
+    emu.write("x", &x);
+    emu.run("quantize", &[]);
+    assert_eq!(emu.read::<u8>("out"), want, "quantize_q8_0");
+
+    // Matmul (the GEMV kernel): rows with a tail after 64 elements, gpt-oss's 2880, and 64.
+    for (rows, cols) in [(13, 160), (6, 2880), (5, 64)] {
+        for ty in TYPES {
+            let q = weights(&mut rng, ty, rows, cols);
+            let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+            for n in [1usize, 3, 9, 20] {
+                let x = noise(&mut rng, n * cols, 1.0);
+                emu.write("w", &q);
+                emu.write("x", &x);
+                emu.run("matmul", &[s(ggml_id(ty)), s(rows), s(cols), s(n)]);
+                let got: Vec<f32> = emu.read("y");
+                let mut want = vec![0f32; n * rows];
+                cpu.matmul(&m, &x, n, &mut want).unwrap();
+                let (same, max) = compare(&got, &want);
+                eprintln!(
+                    "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
+                    got.len()
+                );
+                if exact(ty) {
+                    assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
+                }
+            }
+        }
+    }
+
+    // Router.
+    let (n, ne, k) = (9, 128, 4);
+    let logits = noise(&mut rng, n * ne, 4.0);
+    emu.write("logits", &logits);
+    emu.run("router", &[s(n), s(ne), s(k)]);
+    let (mut sel, mut w) = (vec![0i32; n * k], vec![0f32; n * k]);
+    cpu.router_top_k(&logits, ne, k, &mut sel, &mut w).unwrap();
+    assert_eq!(emu.read::<i32>("sel"), sel, "router ids");
+    let (same, _) = compare(&emu.read::<f32>("w"), &w);
+    assert_eq!(same, w.len(), "router weights");
+
+    // MoE: expert 3 twice (F32: 16-lane order), an out-of-range id.
+    let (ne, d, ff, n, k) = (8, 64, 96, 5, 2);
+    let sel: Vec<i32> = vec![3, 0, 5, 3, 7, 1, 2, 6, 4, 9];
+    for ty in TYPES {
+        let (gq, uq, dq) = (
+            weights(&mut rng, ty, ne * ff, d),
+            weights(&mut rng, ty, ne * ff, d),
+            weights(&mut rng, ty, ne * d, ff),
+        );
+        let (bg, bu, bd) = (
+            noise(&mut rng, ne * ff, 0.5),
+            noise(&mut rng, ne * ff, 0.5),
+            noise(&mut rng, ne * d, 0.5),
+        );
+        let x = noise(&mut rng, n * d, 1.0);
+        let wts = noise(&mut rng, n * k, 1.0);
+        for (name, v) in [("gate", &gq), ("up", &uq), ("down", &dq)] {
+            emu.write(name, v);
+        }
+        for (name, v) in [
+            ("bg", &bg),
+            ("bu", &bu),
+            ("bd", &bd),
+            ("x", &x),
+            ("wts", &wts),
+        ] {
+            emu.write(name, v);
+        }
+        emu.write("sel", &sel);
+        emu.run("moe", &[s(ggml_id(ty)), s(ne), s(d), s(ff), s(n), s(k)]);
+        let got: Vec<f32> = emu.read("out");
+        let matrix = |n_in, n_out, data| ExpertMatrix {
+            ty,
+            n_in,
+            n_out,
+            data,
+        };
+        let t = ExpertTensors {
+            n_expert: ne,
+            gate: matrix(d, ff, &gq),
+            up: matrix(d, ff, &uq),
+            down: matrix(ff, d, &dq),
+            gate_bias: &bg,
+            up_bias: &bu,
+            down_bias: &bd,
+        };
+        let rm = cpu.upload_moe(&t, None).unwrap();
+        let mut want = vec![0f32; n * d];
+        cpu.moe(&rm, &x, &sel, &wts, k, &mut want).unwrap();
+        let (same, max) = compare(&got, &want);
+        eprintln!("moe {ty}: {same}/{} identical, max |Δ| {max:e}", got.len());
+        if exact(ty) {
+            assert_eq!(same, got.len(), "moe {ty}");
+        }
+    }
+
+    // Attention: (head_dim, window, cells, pos0, n_tokens) as in tests/gpu.rs, over random
+    // f16 rings.
+    let (n_head, n_kv) = (8usize, 2usize);
+    for (hd, window, cells, pos0, n_tokens) in [
+        (64usize, None, 64usize, 20usize, 3usize),
+        (64, Some(8usize), 12, 40, 2),
+        (64, Some(8), 32, 0, 20),
+        (64, None, 600, 520, 1),
+        (16, Some(8), 16, 30, 1),
+        (16, None, 40, 5, 7),
+        (80, None, 40, 33, 1),
+        (80, Some(20), 48, 10, 4),
+    ] {
+        let kvw = n_kv * hd;
+        let ring = |rng: &mut StdRng| -> Vec<u16> {
+            noise(rng, cells * kvw, 1.0)
+                .iter()
+                .map(|&v| f16::from_f32(v).to_bits())
+                .collect()
+        };
+        for with_sinks in [false, true] {
+            let (kb, vb) = (ring(&mut rng), ring(&mut rng));
+            let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
+            let sinks = noise(&mut rng, n_head, 2.0);
+            let p = AttnParams {
+                n_head,
+                n_head_kv: n_kv,
+                head_dim: hd,
+                cells,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            emu.write("q", &q);
+            emu.write("k", &kb);
+            emu.write("v", &vb);
+            emu.write("sinks", &sinks);
+            emu.run(
+                "attn",
+                &[
+                    s(n_tokens),
+                    s(n_head),
+                    s(n_kv),
+                    s(hd),
+                    s(cells),
+                    s(pos0),
+                    s(window.unwrap_or(0)),
+                    s(i32::from(with_sinks)),
+                    s(p.scale.to_bits()),
+                ],
+            );
+            let got: Vec<f32> = emu.read("out");
+            let mut want = vec![0f32; q.len()];
+            let sinks_opt = with_sinks.then_some(&sinks);
+            cpu.attention(&p, &q, &kb, &vb, sinks_opt, n_tokens, pos0, &mut want)
+                .unwrap();
+            let (same, max) = compare(&got, &want);
+            let what = format!(
+                "attention hd {hd} window {window:?} pos0 {pos0} n {n_tokens} sinks {with_sinks}"
+            );
+            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+            assert_eq!(same, got.len(), "{what}");
+        }
+    }
+}

@@ -1,0 +1,212 @@
+// Host emulation of kernels.cu for tests/emulated.rs: one std::thread per CUDA thread, the
+// blocks of a launch one at a time, shuffles and __syncthreads as barriers (a shuffle that not
+// every lane of the warp reaches deadlocks, which the test's timeout reports). Host libm
+// stands in for the device math (fmaf, rintf, exp, ...), F16C for the two PTX conversions
+// (the test replaces the inline asm with host_h2f/host_f2h). The launches mirror device.rs.
+// Usage: kernel_emulator OP DIR ARGS...: reads DIR/<input> files of raw little-endian arrays
+// and writes DIR/<output> files (see main).
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <immintrin.h>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct uint3 { unsigned x, y, z; };
+thread_local uint3 threadIdx, blockIdx;
+uint3 blockDim, gridDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct Ctx {
+    std::unique_ptr<std::barrier<>> block;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    uint64_t slots[1024];
+};
+static Ctx* g_ctx;
+void __syncthreads() { g_ctx->block->arrive_and_wait(); }
+void __syncwarp(unsigned = 0xffffffffu) { g_ctx->warps[threadIdx.x / 32]->arrive_and_wait(); }
+template <class T> T shfl_any(T v, unsigned src) {
+    unsigned w = threadIdx.x / 32;
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    g_ctx->slots[threadIdx.x] = bits;
+    g_ctx->warps[w]->arrive_and_wait();
+    uint64_t r = g_ctx->slots[w * 32 + (src & 31)];
+    g_ctx->warps[w]->arrive_and_wait();
+    T out;
+    memcpy(&out, &r, sizeof(T));
+    return out;
+}
+float __shfl_sync(unsigned, float v, int s) { return shfl_any(v, s); }
+int __shfl_sync(unsigned, int v, int s) { return shfl_any(v, s); }
+float __shfl_xor_sync(unsigned, float v, int m) { return shfl_any(v, (threadIdx.x % 32) ^ m); }
+double __shfl_xor_sync(unsigned, double v, int m) { return shfl_any(v, (threadIdx.x % 32) ^ m); }
+int __shfl_xor_sync(unsigned, int v, int m) { return shfl_any(v, (threadIdx.x % 32) ^ m); }
+float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+float host_h2f(unsigned short h) { return _cvtsh_ss(h); }
+unsigned short host_f2h(float f) { return _cvtss_sh(f, 0); }
+
+#include "k_host.cu"
+
+template <class F> void launch(uint3 grid, uint3 block, F body) {
+    gridDim = grid;
+    blockDim = block;
+    unsigned nt = block.x;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                Ctx ctx;
+                ctx.block = std::make_unique<std::barrier<>>(nt);
+                for (unsigned w = 0; w < (nt + 31) / 32; w++) {
+                    unsigned c = nt - w * 32 < 32 ? nt - w * 32 : 32;
+                    ctx.warps.push_back(std::make_unique<std::barrier<>>(c));
+                }
+                g_ctx = &ctx;
+                std::vector<std::thread> ths;
+                for (unsigned t = 0; t < nt; t++) {
+                    ths.emplace_back([&, t] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        body();
+                        ctx.block->arrive_and_drop();
+                        ctx.warps[t / 32]->arrive_and_drop();
+                    });
+                }
+                for (auto& th : ths) th.join();
+            }
+}
+
+template <class T> std::vector<T> rd(const char* path) {
+    FILE* f = fopen(path, "rb");
+    if (!f) { perror(path); exit(1); }
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    std::vector<T> v(n / sizeof(T));
+    if (fread(v.data(), 1, n, f) != (size_t)n) exit(2);
+    fclose(f);
+    return v;
+}
+template <class T> void wr(const char* path, const std::vector<T>& v) {
+    FILE* f = fopen(path, "wb");
+    fwrite(v.data(), sizeof(T), v.size(), f);
+    fclose(f);
+}
+static unsigned cdiv(unsigned a, unsigned b) { return (a + b - 1) / b; }
+
+static std::vector<u8> quantize(const float* x, size_t len) {
+    size_t blocks = len / 32;
+    std::vector<u8> out(blocks * 34);
+    u8* o = out.data();
+    unsigned long long nb = blocks;
+    launch({cdiv(blocks, 256), 1, 1}, {256, 1, 1}, [&] { quantize_q8_0(x, o, nb); });
+    return out;
+}
+
+int main(int argc, char** argv) {
+    std::string op = argv[1];
+    std::string dir = argv[2];
+    auto P = [&](const char* n) { static std::string s; s = dir + "/" + n; return s.c_str(); };
+    if (op == "quantize") {
+        auto x = rd<float>(P("x"));
+        wr(P("out"), quantize(x.data(), x.size()));
+    } else if (op == "matmul") {
+        int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]), n = atoi(argv[6]);
+        auto w = rd<u8>(P("w"));
+        auto x = rd<float>(P("x"));
+        std::vector<float> y((size_t)n * rows);
+        unsigned long long rb = w.size() / rows;
+        std::vector<u8> xq;
+        uint3 grid = {cdiv(rows, ROW_WARPS), cdiv(n, MM_TOKENS), 1}, blk = {ROW_WARPS * 32, 1, 1};
+        float* yp = y.data();
+        const u8* wp = w.data();
+        if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n * cols);
+        const u8* xqp = xq.data();
+        const float* xp = x.data();
+        launch(grid, blk, [&] {
+            switch (ty) {
+            case 0: matmul_f32(wp, rb, xp, yp, rows, cols, n); break;
+            case 1: matmul_f16(wp, rb, xp, yp, rows, cols, n); break;
+            case 30: matmul_bf16(wp, rb, xp, yp, rows, cols, n); break;
+            case 8: matmul_q8_0(wp, rb, xqp, yp, rows, cols, n); break;
+            case 39: matmul_mxfp4(wp, rb, xqp, yp, rows, cols, n); break;
+            }
+        });
+        wr(P("y"), y);
+    } else if (op == "moe") {
+        int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
+            n = atoi(argv[7]), k = atoi(argv[8]);
+        auto gate = rd<u8>(P("gate")), up = rd<u8>(P("up")), down = rd<u8>(P("down"));
+        auto bg = rd<float>(P("bg")), bu = rd<float>(P("bu")), bd = rd<float>(P("bd"));
+        auto x = rd<float>(P("x"));
+        auto sel = rd<int>(P("sel"));
+        auto wts = rd<float>(P("wts"));
+        int slots = n * k;
+        std::vector<float> h((size_t)slots * ff), y((size_t)slots * d), out((size_t)n * d);
+        unsigned long long rb_d = gate.size() / ((size_t)ne * ff), rb_ff = down.size() / ((size_t)ne * d);
+        bool qz = ty == 8 || ty == 39;
+        std::vector<u8> xq, hq;
+        if (qz) xq = quantize(x.data(), (size_t)n * d);
+        const void* xa = qz ? (const void*)xq.data() : (const void*)x.data();
+        float* hp = h.data();
+        launch({cdiv(ff, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+            switch (ty) {
+            case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+            case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+            case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+            case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+            case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+            }
+        });
+        if (qz) hq = quantize(h.data(), (size_t)slots * ff);
+        const void* ha = qz ? (const void*)hq.data() : (const void*)h.data();
+        float* yp = y.data();
+        launch({cdiv(d, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+            switch (ty) {
+            case 0: moe_down_f32(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+            case 1: moe_down_f16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+            case 30: moe_down_bf16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+            case 8: moe_down_q8_0(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+            case 39: moe_down_mxfp4(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+            }
+        });
+        float* op_ = out.data();
+        launch({cdiv(n * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_combine(yp, wts.data(), op_, n, k, d); });
+        wr(P("out"), out);
+    } else if (op == "attn") {
+        int n_tokens = atoi(argv[3]), n_head = atoi(argv[4]), n_kv = atoi(argv[5]), hd = atoi(argv[6]),
+            cells = atoi(argv[7]), pos0 = atoi(argv[8]), window = atoi(argv[9]), has_sinks = atoi(argv[10]);
+        unsigned scale_bits = (unsigned)strtoul(argv[11], nullptr, 10);
+        float scale = __uint_as_float(scale_bits);
+        auto q = rd<float>(P("q"));
+        auto kc = rd<unsigned short>(P("k")), vc = rd<unsigned short>(P("v"));
+        auto sinks = rd<float>(P("sinks"));
+        std::vector<float> out(q.size());
+        float* o = out.data();
+        launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {ATT_WARPS * 32, 1, 1}, [&] {
+            attn_f16(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale);
+        });
+        wr(P("out"), out);
+    } else if (op == "router") {
+        int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]);
+        auto logits = rd<float>(P("logits"));
+        std::vector<int> sel((size_t)n * k);
+        std::vector<float> w((size_t)n * k);
+        int* sp = sel.data();
+        float* wp = w.data();
+        launch({cdiv(n, ROW_WARPS), 1, 1}, {ROW_WARPS * 32, 1, 1}, [&] { router_topk_softmax(logits.data(), sp, wp, n, ne, k); });
+        wr(P("sel"), sel);
+        wr(P("w"), w);
+    }
+    return 0;
+}
