@@ -119,8 +119,7 @@ fi
 
 # Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every gpt-oss
 # fixture, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1: max |dp| <= 5e-3 on
-# gptoss-openai-f32experts; printed on the Q8_0/MXFP4 fixtures, where f32 activations flip
-# expert routing (see gpu_compare.py's docstring).
+# every fixture (see gpu_compare.py's docstring).
 GPTOSS_FIX="${HMOE_GPTOSS_FIXTURES:-${HMOE_FIXTURES:-$HERE/../../shared/fixtures}/gpt-oss}"
 COMPARE="$DIST/gpu_compare.py"
 [ -f "$COMPARE" ] || COMPARE="$HERE/gpu_compare.py"
