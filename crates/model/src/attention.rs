@@ -673,8 +673,6 @@ pub(crate) fn flash_attention(
             .collect();
         let lo = rows.iter().map(|r| r.first).min().unwrap_or(0);
         let hi = pos0 + t_end - 1;
-        let cell_at =
-            |p: usize, width: usize, dim: usize, kvh: usize| (p % cache.cells) * width + kvh * dim;
         // Positions go in blocks: the block's key and value heads are converted to f32
         // once for all rows and its scores computed together, then each row runs its online
         // softmax over the block in position order (the order ggml's kernel uses). Block
@@ -691,7 +689,9 @@ pub(crate) fn flash_attention(
             Cells::Blocks { ty, .. } => (ty.block_elems(), ty.block_bytes()),
             _ => (1, 0),
         };
+        // Bytes of a key head and of a cache cell (block-typed keys).
         let k_row_bytes = kd / k_be * k_bb;
+        let k_cell_bytes = k_width / k_be * k_bb;
         // Q8_0 keys: the rows of each KV head score a block of keys in one call.
         let per_kv = rows.len() / kv_per_task;
         let q8_queries: Vec<Q8_0Queries> = match &cache.k {
@@ -717,9 +717,10 @@ pub(crate) fn flash_attention(
             // consecutive, so their windows overlap or touch.
             for p in b0..b1 {
                 let i = p - b0;
+                let cell = p % cache.cells;
                 for j in 0..kv_per_task {
-                    let k_at = cell_at(p, k_width, kd, kvh0 + j);
-                    k_off[slot(j, i)] = k_at / k_be * k_bb;
+                    let k_at = cell * k_width + (kvh0 + j) * kd;
+                    k_off[slot(j, i)] = cell * k_cell_bytes + (kvh0 + j) * k_row_bytes;
                     let kb = &mut k_block[slot(j, i) * kd..(slot(j, i) + 1) * kd];
                     match &cache.k {
                         Cells::F32(k) => kb.copy_from_slice(&k[k_at..k_at + kd]),
@@ -730,9 +731,9 @@ pub(crate) fn flash_attention(
                 // Value heads `kvh0..kvh0 + heads` of position `p` into their slots.
                 let mut convert = |j: usize, heads: usize| {
                     let v_at = if shape.v_in_k {
-                        cell_at(p, k_width, kd, kvh0 + j)
+                        cell * k_width + (kvh0 + j) * kd
                     } else {
-                        cell_at(p, v_width, vd, kvh0 + j)
+                        cell * v_width + (kvh0 + j) * vd
                     };
                     let n = heads * vd;
                     let vb = &mut v_block[v_slot(j, i) * vd..v_slot(j, i) * vd + n];

@@ -184,8 +184,8 @@ mod vnni {
                 // The f16 scale is the low half of the word at the block's start.
                 let d = _mm512_i32gather_epi32::<1>(idx, at.cast());
                 dk[b] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d));
-                for g in 0..8 {
-                    let w = _mm512_i32gather_epi32::<1>(idx, at.add(2 + 4 * g).cast());
+                let groups = super::transpose_groups(|i| at.add(lanes[i] as usize + 2));
+                for (g, w) in groups.into_iter().enumerate() {
                     ku[b * 8 + g] = _mm512_xor_si512(w, flip);
                 }
             }
@@ -219,6 +219,47 @@ mod vnni {
             }
         }
     }
+}
+
+/// The eight 4-byte groups of sixteen 32-byte rows (`row(i)` for key `i`), transposed: output
+/// `g` holds group `g` of key `i` in lane `i`. Keys `i` and `i + 8` share a register, and an
+/// 8×8 transpose runs in both 256-bit halves at once.
+///
+/// Safety: AVX-512 F present; every `row(i)` valid for 32 bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+unsafe fn transpose_groups(row: impl Fn(usize) -> *const u8) -> [core::arch::x86_64::__m512i; 8] {
+    use core::arch::x86_64::*;
+    let r: [__m512i; 8] = core::array::from_fn(|i| {
+        let lo = _mm512_castsi256_si512(_mm256_loadu_si256(row(i).cast()));
+        _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(row(i + 8).cast()))
+    });
+    // Pairs of keys interleaved by dword, then by qword: per 128-bit lane, four keys' group.
+    let t: [__m512i; 8] = core::array::from_fn(|k| {
+        let (a, b) = (r[k / 2 * 2], r[k / 2 * 2 + 1]);
+        if k % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4h + m]: keys 4h..4h+4 of group m (128-bit lane 0) and m + 4 (lane 1), per half.
+    let u: [__m512i; 8] = core::array::from_fn(|k| {
+        let (h, m) = (k / 4, k % 4);
+        let (a, b) = (t[4 * h + m / 2], t[4 * h + m / 2 + 2]);
+        if m % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    let first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    core::array::from_fn(|g| {
+        let idx = if g < 4 { first } else { second };
+        _mm512_permutex2var_epi64(u[g % 4], idx, u[4 + g % 4])
+    })
 }
 
 #[cfg(test)]
