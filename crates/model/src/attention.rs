@@ -682,7 +682,12 @@ pub(crate) fn flash_attention(
         // (adjacent in the cache) for every KV head of the task.
         let v_slot = |j: usize, i: usize| i * kv_per_task + j;
         let v_heads_adjacent = !shape.v_in_k;
-        let mut k_block = vec![0f32; kv_per_task * POS_BLOCK * kd];
+        // f32/f16 keys are converted per block; block-typed keys are read in place.
+        let k_floats = match &cache.k {
+            Cells::Blocks { .. } => 0,
+            _ => kv_per_task * POS_BLOCK * kd,
+        };
+        let mut k_block = vec![0f32; k_floats];
         let mut v_block = vec![0f32; kv_per_task * POS_BLOCK * vd];
         let mut scores = vec![0f32; rows.len() * POS_BLOCK];
         let (k_be, k_bb) = match &cache.k {
@@ -721,10 +726,10 @@ pub(crate) fn flash_attention(
                 for j in 0..kv_per_task {
                     let k_at = cell * k_width + (kvh0 + j) * kd;
                     k_off[slot(j, i)] = cell * k_cell_bytes + (kvh0 + j) * k_row_bytes;
-                    let kb = &mut k_block[slot(j, i) * kd..(slot(j, i) + 1) * kd];
+                    let kb = slot(j, i) * kd..(slot(j, i) + 1) * kd;
                     match &cache.k {
-                        Cells::F32(k) => kb.copy_from_slice(&k[k_at..k_at + kd]),
-                        Cells::F16(k) => k[k_at..k_at + kd].convert_to_f32_slice(kb),
+                        Cells::F32(k) => k_block[kb].copy_from_slice(&k[k_at..k_at + kd]),
+                        Cells::F16(k) => k[k_at..k_at + kd].convert_to_f32_slice(&mut k_block[kb]),
                         Cells::Blocks { .. } => {}
                     }
                 }
@@ -762,11 +767,11 @@ pub(crate) fn flash_attention(
                     let j = r.h / group - kvh0;
                     for p in r.first.max(b0)..=r.last.min(b1 - 1) {
                         let at = slot(j, p - b0);
-                        let kb = &k_block[at * kd..(at + 1) * kd];
+                        let kb = at * kd..(at + 1) * kd;
                         sc[p - b0] = match &cache.k {
-                            Cells::F32(_) => dot_vec_f32(&r.q, kb),
+                            Cells::F32(_) => dot_vec_f32(&r.q, &k_block[kb]),
                             // `vec_dot_f16` of the f16-rounded query (exact in f32).
-                            Cells::F16(_) => dot_vec(&r.q, kb, |x| x, true),
+                            Cells::F16(_) => dot_vec(&r.q, &k_block[kb], |x| x, true),
                             Cells::Blocks { data, .. } => {
                                 let off = k_off[at];
                                 k_kernel.as_ref().map_or(0.0, |kk| {
