@@ -317,6 +317,28 @@ pub fn dequantize_row_with(
     Ok(())
 }
 
+/// Asks the CPU to start loading `bytes` into its caches: a hint for data that will be read
+/// soon from scattered places (a KV cache), with no effect on results.
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let start = bytes.as_ptr() as usize & !63;
+        let end = bytes.as_ptr() as usize + bytes.len();
+        for line in (start..end).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults or changes memory; `line` is the
+            // first byte of a cache line that holds part of `bytes`.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                    line as *const i8,
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// f16 values as the F16 row bytes the kernels take (little-endian, as GGUF stores them),
 /// without a copy.
 #[cfg(target_endian = "little")]

@@ -702,3 +702,12 @@ fn f16_bytes_are_the_little_endian_values() {
     assert_eq!(f16_bytes(&v), &want[..]);
     assert!(f16_bytes(&[]).is_empty());
 }
+
+#[test]
+fn prefetch_is_only_a_hint() {
+    let data: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+    for (a, b) in [(0, 0), (0, 1), (3, 70), (63, 1000), (999, 1000)] {
+        prefetch(&data[a..b]);
+    }
+    assert!(data.iter().enumerate().all(|(i, &v)| v == i as u8));
+}
