@@ -246,19 +246,28 @@ fn dot_mxfp4(w: &[u8], a: &[u8]) -> f32 {
     acc
 }
 
-/// F32 × F32 in ggml's `vec_dot_f32` order (hmoe_quant's `dot_f32`): four 16-lane FMA
-/// accumulators over 64-element steps (element `64i + 16j + l` into accumulator `j`, lane
-/// `l`), folded per lane as `(s0 + s2) + (s1 + s3)`, summed by [`hsum16`], then the last
-/// `n % 64` elements fused in one by one.
+/// F32 × F32 in ggml's `vec_dot_f32` order (hmoe_quant's `dot_f32`): [`vec_dot_head`], then
+/// the last `n % 64` elements fused in one by one.
 fn dot_f32_vec(w: &[u8], x: &[f32]) -> f32 {
-    let n = x.len();
-    let np = n / 64 * 64;
+    let np = x.len() / 64 * 64;
+    let mut sum = vec_dot_head(np, |i| (f32_at(w, i), x[i]));
+    for (i, &xv) in x.iter().enumerate().skip(np) {
+        sum = f32_at(w, i).mul_add(xv, sum);
+    }
+    sum
+}
+
+/// The whole 64-element steps of ggml's `vec_dot_f32`/`vec_dot_f16` over the first `np`
+/// elements (`pair(i)` gives element `i` of both operands): four 16-lane FMA accumulators
+/// (element `64i + 16j + l` into accumulator `j`, lane `l`), folded per lane as
+/// `(s0 + s2) + (s1 + s3)`, summed by [`hsum16`].
+fn vec_dot_head(np: usize, pair: impl Fn(usize) -> (f32, f32)) -> f32 {
     let mut s = [[0f32; 16]; 4];
     for base in (0..np).step_by(64) {
         for (j, acc) in s.iter_mut().enumerate() {
             for (l, acc) in acc.iter_mut().enumerate() {
-                let i = base + 16 * j + l;
-                *acc = f32_at(w, i).mul_add(x[i], *acc);
+                let (a, b) = pair(base + 16 * j + l);
+                *acc = a.mul_add(b, *acc);
             }
         }
     }
@@ -266,11 +275,7 @@ fn dot_f32_vec(w: &[u8], x: &[f32]) -> f32 {
     for (l, f) in folded.iter_mut().enumerate() {
         *f = (s[0][l] + s[2][l]) + (s[1][l] + s[3][l]);
     }
-    let mut sum = hsum16(&folded);
-    for (i, &xv) in x.iter().enumerate().skip(np) {
-        sum = f32_at(w, i).mul_add(xv, sum);
-    }
-    sum
+    hsum16(&folded)
 }
 
 /// F32 × F32 in tinyBLAS's order (hmoe_quant's `f32_lanes`): element `i` fused into lane
@@ -309,27 +314,12 @@ fn row_dot(ty: GgmlType, row: &[u8], a: &Acts, order: F32Order) -> f32 {
 }
 
 /// An attention score in ggml's `vec_dot_f16` order (one query token): the rounded query
-/// against f16 key bits as four 16-lane FMA accumulators over 64-element steps, folded
-/// `(s0 + s2) + (s1 + s3)`, [`hsum16`], then the last `n % 64` products (rounded to f32) added
-/// in f64.
+/// against f16 key bits as [`vec_dot_head`], then the last `n % 64` products (rounded to f32)
+/// added in f64.
 fn score_vec_dot(q16: &[f32], k: &[u16]) -> f32 {
-    let n = q16.len();
-    let np = n / 64 * 64;
+    let np = q16.len() / 64 * 64;
     let kv = |i: usize| f16::from_bits(k[i]).to_f32();
-    let mut s = [[0f32; 16]; 4];
-    for base in (0..np).step_by(64) {
-        for (j, acc) in s.iter_mut().enumerate() {
-            for (l, acc) in acc.iter_mut().enumerate() {
-                let i = base + 16 * j + l;
-                *acc = q16[i].mul_add(kv(i), *acc);
-            }
-        }
-    }
-    let mut folded = [0f32; 16];
-    for (l, f) in folded.iter_mut().enumerate() {
-        *f = (s[0][l] + s[2][l]) + (s[1][l] + s[3][l]);
-    }
-    let mut sum = hsum16(&folded) as f64;
+    let mut sum = vec_dot_head(np, |i| (q16[i], kv(i))) as f64;
     for (i, &qv) in q16.iter().enumerate().skip(np) {
         sum += (qv * kv(i)) as f64;
     }
