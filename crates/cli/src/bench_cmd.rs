@@ -550,7 +550,7 @@ fn roofline_text(r: &Roofline, threads: usize, args: &BenchArgs, records: &[Reco
 }
 
 /// Runs `hmoe bench`.
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     let n_prompt = parse_counts("-p", &args.n_prompt)?;
     let n_gen = parse_counts("-n", &args.n_gen)?;
     let n_depth = parse_counts("-d", &args.n_depth)?;
@@ -574,6 +574,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let kv = args.model.kv_type()?;
     args.model.check_placement()?;
+    // As llama.cpp maps models: every page in before the first test, so that the first test
+    // does not pay the page faults of first touching each expert.
+    args.model.populate = true;
     let model = args.model.load()?;
     let n_threads = rayon::current_num_threads();
     let info = run_info(&args, model.as_ref(), n_threads);

@@ -36,6 +36,9 @@ pub struct ModelArgs {
     pub flash_attn: String,
     #[command(flatten)]
     pub placement: PlacementArgs,
+    /// Fault the mapped file in at load (set by `hmoe bench`, see [`LoadOptions::populate`]).
+    #[arg(skip)]
+    pub populate: bool,
     /// The engine [`ModelArgs::load`] chose (set once it has loaded the model).
     #[arg(skip)]
     pub engine: std::sync::OnceLock<EngineUsed>,
@@ -115,6 +118,7 @@ impl ModelArgs {
         let opts = LoadOptions {
             use_mmap: !self.no_mmap,
             mlock: self.mlock,
+            populate: self.populate,
         };
         GgufModel::open(&self.model, opts)
             .with_context(|| format!("loading {}", self.model.display()))

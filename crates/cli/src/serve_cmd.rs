@@ -221,6 +221,7 @@ impl ServeArgs {
         config.engine.load = LoadOptions {
             use_mmap: !self.no_mmap,
             mlock: self.mlock,
+            populate: false,
         };
         config.chat.template = match (&self.chat_template_file, &self.chat_template) {
             (Some(f), _) => Some(

@@ -29,6 +29,11 @@ pub struct LoadOptions {
     /// If locking fails (typically `RLIMIT_MEMLOCK`, see `ulimit -l`), loading fails with
     /// [`GgufError::Mlock`], which names the file, the size and the OS error.
     pub mlock: bool,
+    /// Fault every page of a mapped file in while loading (`MAP_POPULATE`, default off), so
+    /// that the first use of each expert does not stop on a page fault. Loading then reads the
+    /// whole file; llama.cpp does this by default. `hmoe bench` turns it on so that its first
+    /// test is not slower than the rest.
+    pub populate: bool,
 }
 
 impl Default for LoadOptions {
@@ -36,6 +41,7 @@ impl Default for LoadOptions {
         LoadOptions {
             use_mmap: true,
             mlock: false,
+            populate: false,
         }
     }
 }
@@ -82,8 +88,11 @@ impl Shard {
             // rules are only upheld while no other process truncates or rewrites the file;
             // like every mmap-based model loader we require model files not to be modified
             // while they are loaded (a truncation would raise SIGBUS on access).
-            let map =
-                unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(|e| io("map", e))?;
+            let mut options = memmap2::MmapOptions::new();
+            if opts.populate {
+                options.populate();
+            }
+            let map = unsafe { options.map(&file) }.map_err(|e| io("map", e))?;
             Shard {
                 bytes: Bytes::Mapped(map),
                 locked_heap: false,

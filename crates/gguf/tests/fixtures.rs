@@ -240,11 +240,20 @@ fn load_options_give_the_same_data() {
         &path,
         LoadOptions {
             use_mmap: false,
-            mlock: false,
+            ..LoadOptions::default()
         },
     )
     .unwrap();
     assert_same_tensors(&mapped, &read);
+    let populated = GgufModel::open(
+        &path,
+        LoadOptions {
+            populate: true,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
+    assert_same_tensors(&mapped, &populated);
     for use_mmap in [true, false] {
         // mlock may be refused by RLIMIT_MEMLOCK; then the error must say so clearly.
         match GgufModel::open(
@@ -252,6 +261,7 @@ fn load_options_give_the_same_data() {
             LoadOptions {
                 use_mmap,
                 mlock: true,
+                populate: false,
             },
         ) {
             Ok(locked) => assert_same_tensors(&mapped, &locked),
