@@ -19,7 +19,7 @@ Strict and reported fixtures: the GPU kernels convert activations as ggml's CPU 
 summation orders, so hmoe-cuda's reference backend reproduces the CPU engine bit for bit on
 every fixture (crates/cuda/tests/gpu_gpt_oss.rs). Every fixture matching --strict (default:
 all) is held to --tol; others are printed against --sanity (default 1, bounds nothing).
-Known sources of GPU-only differences: cuBLAS sums batches of 16+ tokens with F32/F16/BF16
+Known sources of GPU-only differences: cuBLAS sums batches of 16+ tokens with F16/BF16
 weights in its own order, and the GPU's cosf/sinf/expf may differ in the last bit.
 
 usage: gpu_compare.py --hmoe PATH --fixtures DIR [--tol 5e-3] [--strict REGEX] [--sanity 1]

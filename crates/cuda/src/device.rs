@@ -15,8 +15,10 @@ use crate::error::{ensure, guarded, CudaError};
 use crate::kernels::{self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, ROW_WARPS};
 use crate::probe::{info_of, GpuInfo};
 
-/// Batches of at least this many tokens multiply F32/F16/BF16 weights with cuBLAS (when
-/// libcublas is present); smaller ones (decode) use the GEMV kernel.
+/// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
+/// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
+/// small test models) always use the GEMV kernel, which sums in the CPU engine's order: a
+/// router's logits summed in another order can flip an expert choice.
 pub const CUBLAS_MIN_TOKENS: usize = 16;
 
 /// Largest grid y dimension CUDA allows (tokens or expert slots per launch).
@@ -310,7 +312,7 @@ impl CudaDevice {
         &self.ptx_origin
     }
 
-    /// Whether batched F32/F16/BF16 matmuls go through cuBLAS.
+    /// Whether batched F16/BF16 matmuls go through cuBLAS.
     pub fn has_cublas(&self) -> bool {
         self.blas.is_some()
     }
@@ -628,9 +630,8 @@ impl CudaDevice {
     /// weights, [`CudaDevice::quantize_q8_0`]; f16/bf16 for F16/BF16; f32 for F32), and the
     /// GEMV kernel sums Q8_0, MXFP4 and F32 products in the CPU engine's order (F32: one
     /// token in `vec_dot` order, several in 16 lanes), so those results are the CPU engine's
-    /// bits. Batches of [`CUBLAS_MIN_TOKENS`] or more with F32/F16/BF16 weights use cuBLAS
-    /// instead (activations rounded to the weight's 16-bit type, f32 accumulation in cuBLAS's
-    /// order).
+    /// bits. Batches of [`CUBLAS_MIN_TOKENS`] or more with F16/BF16 weights use cuBLAS instead
+    /// (activations rounded to the weight's 16-bit type, f32 accumulation in cuBLAS's order).
     pub fn matmul(
         &self,
         w: &DeviceMatrix,
@@ -651,8 +652,8 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        let dense = matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        if dense && n >= CUBLAS_MIN_TOKENS {
+        let half = matches!(w.ty, GgmlType::F16 | GgmlType::BF16);
+        if half && n >= CUBLAS_MIN_TOKENS {
             if let Some(blas) = &self.blas {
                 return self.matmul_cublas(blas, w, x, n, y);
             }
@@ -742,36 +743,23 @@ impl CudaDevice {
             i32_of(OP, "cols", w.cols)?,
             i32_of(OP, "tokens", n)?,
         );
-        let converted: Option<CudaSlice<u16>> = match w.ty {
-            GgmlType::F32 => None,
-            ty => {
-                let len = n * w.cols;
-                // SAFETY: every element is written by the conversion kernel before use.
-                let mut buf = unsafe { self.stream.alloc::<u16>(len) }?;
-                let name = if ty == GgmlType::F16 {
-                    "f32_to_f16"
-                } else {
-                    "f32_to_bf16"
-                };
-                let len64 = len as u64;
-                let mut b = self.builder(name);
-                b.arg(x).arg(&mut buf).arg(&len64);
-                // SAFETY: argument types match `f32_to_f16`/`f32_to_bf16`; both hold `len`.
-                unsafe { b.launch(grid_1d(len, OP)?) }?;
-                Some(buf)
-            }
+        // The activations in the weight's 16-bit type (F16 or BF16: `matmul` sends only those).
+        let (name, dt) = if w.ty == GgmlType::F16 {
+            ("f32_to_f16", Dt::CUDA_R_16F)
+        } else {
+            ("f32_to_bf16", Dt::CUDA_R_16BF)
         };
-        let dt = match w.ty {
-            GgmlType::F32 => Dt::CUDA_R_32F,
-            GgmlType::F16 => Dt::CUDA_R_16F,
-            _ => Dt::CUDA_R_16BF,
-        };
+        let len = n * w.cols;
+        // SAFETY: every element is written by the conversion kernel before use.
+        let mut converted = unsafe { self.stream.alloc::<u16>(len) }?;
+        let len64 = len as u64;
+        let mut b = self.builder(name);
+        b.arg(x).arg(&mut converted).arg(&len64);
+        // SAFETY: argument types match `f32_to_f16`/`f32_to_bf16`; both hold `len`.
+        unsafe { b.launch(grid_1d(len, OP)?) }?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (wp, _wg) = w.data.device_ptr(&self.stream);
-        let (xp, _xg) = match &converted {
-            Some(buf) => buf.device_ptr(&self.stream),
-            None => x.device_ptr(&self.stream),
-        };
+        let (xp, _xg) = converted.device_ptr(&self.stream);
         let (yp, _yg) = y.device_ptr_mut(&self.stream);
         // SAFETY: the pointers are live device buffers of the sizes checked by `matmul`
         // (W rows × cols of `dt`, X n × cols of `dt`, Y n × rows f32); the guards keep the

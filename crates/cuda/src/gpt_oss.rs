@@ -24,7 +24,7 @@
 //! engine's order; attention rounds the query and the probabilities to f16 and sums in the
 //! CPU's orders with ggml's `expf`. On [`crate::RefBackend`] the logits are the CPU engine's
 //! bit for bit on the gpt-oss fixtures (`tests/gpu_gpt_oss.rs`). On a GPU what still differs
-//! is cuBLAS's order for batches of F32/F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the
+//! is cuBLAS's order for batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the
 //! f64-rounded `expf` where the CPU calls libm's, and F16/BF16 summation orders; on models
 //! whose routing is that sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still
 //! flip an expert choice.

@@ -163,8 +163,8 @@ fn quantize_q8_0_gives_the_cpus_bytes() {
 }
 
 /// The GEMV kernel reproduces the reference backend (the CPU engine's bits) exactly for Q8_0,
-/// MXFP4 and F32 weights; F16/BF16 sum in another order, and cuBLAS (batches of 16+ with
-/// F32/F16/BF16 weights) in its own.
+/// MXFP4 and F32 weights at every batch size; F16/BF16 sum in another order, and cuBLAS
+/// (batches of 16+ with F16/BF16 weights) in its own.
 #[test]
 fn matmul_every_type_and_batch_size() {
     let Some(dev) = device() else { return };
@@ -178,7 +178,7 @@ fn matmul_every_type_and_batch_size() {
                 let x = noise(&mut rng, n * cols, 1.0);
                 let cublas = n >= hmoe_cuda::CUBLAS_MIN_TOKENS
                     && dev.has_cublas()
-                    && matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+                    && matches!(ty, GgmlType::F16 | GgmlType::BF16);
                 let exact =
                     !cublas && matches!(ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::MXFP4);
                 let shape = (ty, rows, cols);
