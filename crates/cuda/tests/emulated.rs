@@ -18,7 +18,10 @@ use hmoe_cuda::{AttnParams, RefBackend};
 use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
+
+mod common;
+use common::{noise, quantizer_cases, TYPES};
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
 trait Raw: Copy {
@@ -137,10 +140,6 @@ impl Drop for Emulator {
     }
 }
 
-fn noise(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
-}
-
 fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let rb = ty.row_bytes(cols as u64).unwrap() as usize;
     let mut q = vec![0u8; rows * rb];
@@ -149,14 +148,6 @@ fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> 
     }
     q
 }
-
-const TYPES: [GgmlType; 5] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::MXFP4,
-];
 
 /// Types whose products the kernels sum in the CPU engine's order.
 fn exact(ty: GgmlType) -> bool {
@@ -197,17 +188,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         _ => 39,
     };
 
-    // The activation quantizer, with an all-zero block and ties (amax 127: multiplier 1).
-    let mut x = Vec::new();
-    for scale in [1e-3f32, 0.5, 3.0, 1e4, 1e-30] {
-        x.extend(noise(&mut rng, 32 * 7, scale));
-    }
-    x.extend([0.0f32; 32]);
-    let mut ties = vec![0.5f32, 1.5, 2.5, -2.5, -3.5, 126.5, -126.5, 127.0];
-    ties.resize(32, 0.25);
-    x.extend(ties);
-    let mut want = vec![0u8; x.len() / 32 * 34];
-    quantize_row(GgmlType::Q8_0, &x, &mut want).unwrap();
+    // The activation quantizer.
+    let (x, want) = quantizer_cases(&mut rng);
     emu.write("x", &x);
     emu.run("quantize", &[]);
     assert_eq!(emu.read::<u8>("out"), want, "quantize_q8_0");

@@ -13,7 +13,10 @@ use hmoe_cuda::{AttnParams, CudaDevice, MoeWeights, RefBackend, RopeParams};
 use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
 use hmoe_quant::{dequantize_row, quantize_row, GgmlType};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
+
+mod common;
+use common::{noise, quantizer_cases, TYPES};
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
 fn device() -> Option<&'static CudaDevice> {
@@ -28,10 +31,6 @@ fn device() -> Option<&'static CudaDevice> {
         eprintln!("no CUDA device: skipped");
     }
     dev.as_ref()
-}
-
-fn noise(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
 }
 
 /// `rows × cols` random weights in `ty` and their exact dequantised values.
@@ -67,14 +66,6 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], scale: &[f32], tol: f32) 
         );
     }
 }
-
-const TYPES: [GgmlType; 5] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::MXFP4,
-];
 
 #[test]
 fn get_rows_dequantises_exactly() {
@@ -143,18 +134,7 @@ fn matmul_on<B: Backend>(
 #[test]
 fn quantize_q8_0_gives_the_cpus_bytes() {
     let Some(dev) = device() else { return };
-    let mut rng = StdRng::seed_from_u64(9);
-    let mut x = Vec::new();
-    for scale in [1e-3f32, 0.5, 3.0, 1e4, 1e-30] {
-        x.extend(noise(&mut rng, 32 * 7, scale));
-    }
-    // An all-zero block, and ties: amax 127 makes the multiplier 1, so x.5 rounds to even.
-    x.extend([0.0f32; 32]);
-    let mut ties = vec![0.5f32, 1.5, 2.5, -2.5, -3.5, 126.5, -126.5, 127.0];
-    ties.resize(32, 0.25);
-    x.extend(ties);
-    let mut want = vec![0u8; x.len() / 32 * 34];
-    quantize_row(GgmlType::Q8_0, &x, &mut want).unwrap();
+    let (x, want) = quantizer_cases(&mut StdRng::seed_from_u64(9));
     let xd = dev.upload(&x).unwrap();
     let got = dev
         .download(&dev.quantize_q8_0(&xd, x.len()).unwrap())
