@@ -112,12 +112,11 @@ fn attention_rotated(
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let heads = &q[task * group * hd..(task + 1) * group * hd];
         // ggml rounds the query to f16 before dotting it with f16 keys.
-        let q16: Vec<f16> = match &cache.k {
+        let q_half: Vec<f16> = match &cache.k {
             Cells::F16(_) => heads.iter().map(|&v| f16::from_f32(v)).collect(),
             _ => Vec::new(),
         };
-        let q16_bytes: Vec<u8> = q16.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let q16: Vec<f32> = q16.iter().map(|v| v.to_f32()).collect();
+        let q16: Vec<f32> = q_half.iter().map(|v| v.to_f32()).collect();
         let q_blocks: Vec<Vec<u8>> = heads
             .chunks_exact(hd)
             .map(|qh| quantize_query(k_kernel.as_ref(), qh))
@@ -136,7 +135,7 @@ fn attention_rotated(
                     let key = f16_bytes(&k[cell(p)..cell(p) + hd]);
                     f16_kernel.as_ref().expect("checked").dot_rows(
                         hd,
-                        &q16_bytes,
+                        f16_bytes(&q_half),
                         key,
                         &mut row_scores,
                     );
