@@ -20,6 +20,8 @@
 #   HMOE_SKIP_TESTS   1: skip the CUDA test executables (gpu_compare and bench only)
 #   CUDA_HOME         CUDA install (default /usr/local/cuda): its lib64 goes on LD_LIBRARY_PATH
 #   HMOE_CUDA_CACHE   the kernel PTX cache (default: a fresh folder, so the first test compiles)
+#   HMOE_STEP_TIMEOUT seconds any one step may run before it is killed (default 240), so that
+#                     one hung step cannot eat a short GPU lease
 #
 # Exit status: 0 when every step passed, 1 otherwise.
 set -u
@@ -38,15 +40,23 @@ TESTS="${HMOE_CUDA_TESTS:-$DIST/tests}"
 REPORT=()
 FAILED=0
 
-# step NAME CMD...: runs CMD, records its exit status (never stops the script).
+STEP_TIMEOUT="${HMOE_STEP_TIMEOUT:-240}"
+
+# step NAME CMD...: runs CMD (a program, killed after STEP_TIMEOUT seconds, or a function of
+# this script), records its exit status (never stops the script).
 step() {
     local name="$1"; shift
     echo
     echo "=== $name: $*"
     local t0 t1 rc
     t0=$(date +%s.%N)
-    "$@"
+    if [ "$(type -t "$1")" = function ]; then
+        "$@"
+    else
+        timeout -k 10 "$STEP_TIMEOUT" "$@"
+    fi
     rc=$?
+    [ "$rc" -ne 124 ] || echo "=== $name: killed after ${STEP_TIMEOUT} s"
     t1=$(date +%s.%N)
     local secs
     secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
@@ -67,6 +77,16 @@ for d in "$CUDA_HOME/lib64" "$CUDA_HOME/targets/x86_64-linux/lib" /usr/local/cud
             *":$d:"*) ;;
             *) LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
         esac
+    fi
+done
+# CUDA's libraries may come only from Python wheels (nvidia-cublas, nvidia-cuda-nvrtc): their
+# lib folders join the path when the toolkit's own folders lack a library.
+for lib in libnvrtc.so.13 libcublas.so.13; do
+    if ! ls ${LD_LIBRARY_PATH//:/ } 2>/dev/null | grep -q "^$lib\$"; then
+        found="$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -n1)"
+        if [ -n "$found" ]; then
+            LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
     fi
 done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
@@ -102,6 +122,39 @@ else
     FAILED=1
 fi
 
+# The bench model is made in the background (CPU and disk only) while the GPU steps run.
+MAKE_PID=""
+if [ -z "${HMOE_BENCH_MODEL:-}" ] && [ "${HMOE_BENCH_MAKE:-}" = g120-4l ] && [ -x "$HMOE" ]; then
+    HMOE_BENCH_MODEL="${TMPDIR:-/tmp}/hmoe-g120-4l.gguf"
+    MAKE_LOG="$(mktemp)"
+    if [ ! -f "$HMOE_BENCH_MODEL" ]; then
+        ( timeout -k 10 "$STEP_TIMEOUT" "$HMOE" make-test-model --preset gpt-oss-120b-layers \
+            --layers 4 -o "$HMOE_BENCH_MODEL.part" && mv "$HMOE_BENCH_MODEL.part" "$HMOE_BENCH_MODEL" \
+        ) > "$MAKE_LOG" 2>&1 &
+        MAKE_PID=$!
+    fi
+fi
+wait_for_model() {
+    wait "$MAKE_PID"
+    local rc=$?
+    tail -n 5 "$MAKE_LOG"
+    return "$rc"
+}
+
+# Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every gpt-oss
+# fixture, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1: max |dp| <= 5e-3 on
+# every fixture (see gpu_compare.py's docstring).
+GPTOSS_FIX="${HMOE_GPTOSS_FIXTURES:-${HMOE_FIXTURES:-$HERE/../../shared/fixtures}/gpt-oss}"
+COMPARE="$DIST/gpu_compare.py"
+[ -f "$COMPARE" ] || COMPARE="$HERE/gpu_compare.py"
+if [ -x "$HMOE" ] && [ -f "$COMPARE" ] && [ -d "$GPTOSS_FIX" ] && command -v python3 >/dev/null; then
+    step "gpu_compare (GPU vs CPU vs golden)" python3 "$COMPARE" --hmoe "$HMOE" --fixtures "$GPTOSS_FIX" --jobs "${HMOE_COMPARE_JOBS:-6}" --threads "${HMOE_COMPARE_THREADS:-2}"
+else
+    echo "gpu-check: cannot run gpu_compare.py (hmoe=$HMOE script=$COMPARE fixtures=$GPTOSS_FIX, python3?)"
+    REPORT+=("$(printf '%-28s missing' 'gpu_compare')")
+    FAILED=1
+fi
+
 found_tests=0
 [ "${HMOE_SKIP_TESTS:-0}" = 1 ] && found_tests=skip
 for t in "$TESTS"/*; do
@@ -117,20 +170,6 @@ if [ "$found_tests" -eq 0 ]; then
     FAILED=1
 fi
 
-# Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every gpt-oss
-# fixture, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1: max |dp| <= 5e-3 on
-# every fixture (see gpu_compare.py's docstring).
-GPTOSS_FIX="${HMOE_GPTOSS_FIXTURES:-${HMOE_FIXTURES:-$HERE/../../shared/fixtures}/gpt-oss}"
-COMPARE="$DIST/gpu_compare.py"
-[ -f "$COMPARE" ] || COMPARE="$HERE/gpu_compare.py"
-if [ -x "$HMOE" ] && [ -f "$COMPARE" ] && [ -d "$GPTOSS_FIX" ] && command -v python3 >/dev/null; then
-    step "gpu_compare (GPU vs CPU vs golden)" python3 "$COMPARE" --hmoe "$HMOE" --fixtures "$GPTOSS_FIX"
-else
-    echo "gpu-check: cannot run gpu_compare.py (hmoe=$HMOE script=$COMPARE fixtures=$GPTOSS_FIX, python3?)"
-    REPORT+=("$(printf '%-28s missing' 'gpu_compare')")
-    FAILED=1
-fi
-
 # bench_vram NAME ARGS...: `hmoe bench ARGS` with the peak GPU memory of its process, sampled
 # every 0.2 s from nvidia-smi (the compute-apps query; the whole GPU's use as a fallback).
 bench_vram() {
@@ -138,7 +177,7 @@ bench_vram() {
     local log peak_file
     log="$(mktemp)"; peak_file="$(mktemp)"
     echo 0 > "$peak_file"
-    "$HMOE" bench "$@" 2>&1 | tee "$log" &
+    timeout -k 10 "$STEP_TIMEOUT" "$HMOE" bench "$@" 2>&1 | tee "$log" &
     local pipe_pid=$!
     (
         peak=0
@@ -176,10 +215,8 @@ bench_vram() {
 }
 BENCH_VRAM=()
 
-if [ -z "${HMOE_BENCH_MODEL:-}" ] && [ "${HMOE_BENCH_MAKE:-}" = g120-4l ] && [ -x "$HMOE" ]; then
-    HMOE_BENCH_MODEL="${TMPDIR:-/tmp}/hmoe-g120-4l.gguf"
-    [ -f "$HMOE_BENCH_MODEL" ] || step "make g120-4l" "$HMOE" make-test-model \
-        --preset gpt-oss-120b-layers --layers 4 -o "$HMOE_BENCH_MODEL"
+if [ -n "$MAKE_PID" ]; then
+    step "make g120-4l (background)" wait_for_model
 fi
 if [ -n "${HMOE_BENCH_MODEL:-}" ] && [ -x "$HMOE" ]; then
     read -r -a BENCH_ARGS <<< "${HMOE_BENCH_ARGS:--p 512 -n 128 -r 3}"

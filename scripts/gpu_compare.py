@@ -22,11 +22,17 @@ all) is held to --tol; others are printed against --sanity (default 1, bounds no
 Known sources of GPU-only differences: cuBLAS sums batches of 16+ tokens with F16/BF16
 weights in its own order, and the GPU's cosf/sinf/expf may differ in the last bit.
 
+The runs are independent and go --jobs at a time (default 4), each with --threads CPU
+threads (default: hmoe's own choice), so that a short GPU lease is not spent waiting on one
+process at a time.
+
 usage: gpu_compare.py --hmoe PATH --fixtures DIR [--tol 5e-3] [--strict REGEX] [--sanity 1]
+                      [--jobs 4] [--threads N]
 Exit status 0 when every GPU run used the GPU and every number is within its bound.
 """
 
 import argparse
+import concurrent.futures
 import glob
 import json
 import os
@@ -95,19 +101,36 @@ def main():
     ap.add_argument("--strict", default=".",
                     help="regex of the fixtures held to --tol (the others to --sanity)")
     ap.add_argument("--sanity", type=float, default=1.0)
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
     found = fixtures(a.fixtures)
     if not found:
         print("gpu_compare: no gpt-oss fixture with a .golden-f16kv.json in %s" % a.fixtures)
         return 1
+    threads = ["-t", str(a.threads)] if a.threads > 0 else []
+    goldens = {}
+    for model, golden_path, name in found:
+        with open(golden_path) as f:
+            goldens[name] = json.load(f)["cases"]
+    # Every (fixture, configuration, case) run, started together; results read in order below.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs))
+    pending = {}
+    for model, _, name in found:
+        for label, extra in [("cpu", ["-dev", "none"])] + CONFIGS:
+            pending[(name, label)] = [
+                pool.submit(run, a.hmoe, model, c, extra + threads) for c in goldens[name]
+            ]
+
+    def results(name, label):
+        return [f.result() for f in pending[(name, label)]]
+
     ok = True
     rows = []
     for model, golden_path, name in found:
-        with open(golden_path) as f:
-            golden = json.load(f)
-        cases = golden["cases"]
+        cases = goldens[name]
         try:
-            cpu = [run(a.hmoe, model, c, ["-dev", "none"])[0] for c in cases]
+            cpu = [r[0] for r in results(name, "cpu")]
         except RuntimeError as e:
             print("gpu_compare: %s CPU: %s" % (name, e))
             ok = False
@@ -116,9 +139,9 @@ def main():
         strict = re.search(a.strict, name) is not None
         bound = a.tol if strict else a.sanity
         rows.append((name, "CPU (-dev none)", "-", cpu_vs_golden, "cpu", "-"))
-        for label, extra in CONFIGS:
+        for label, _ in CONFIGS:
             try:
-                runs = [run(a.hmoe, model, c, extra) for c in cases]
+                runs = results(name, label)
             except RuntimeError as e:
                 print("gpu_compare: %s %s: %s" % (name, label, e))
                 rows.append((name, label, float("inf"), float("inf"), "failed", bound))
@@ -141,6 +164,7 @@ def main():
         within = "-" if isinstance(vs_cpu, str) else ("yes" if max(vs_cpu, vs_golden) <= a.tol else "no")
         print("%-28s %-26s %-12s %-12s %-8s %-10s %s" % (
             name, label, fmt(vs_cpu), fmt(vs_golden), fmt(bound), engine, within))
+    pool.shutdown()
     print("gpu_compare: %s (--tol %.0e for /%s/, --sanity %.2g for the others)"
           % ("PASS" if ok else "FAIL", a.tol, a.strict, a.sanity))
     return 0 if ok else 1
