@@ -1,7 +1,7 @@
 //! A CUDA device with the kernels loaded: buffers, transfers and the ops of gpt-oss.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
@@ -14,6 +14,7 @@ use hmoe_quant::GgmlType;
 use crate::error::{ensure, guarded, CudaError};
 use crate::kernels::{self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, ROW_WARPS};
 use crate::probe::{info_of, GpuInfo};
+use crate::staging::Staging;
 
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
@@ -93,6 +94,10 @@ impl DeviceExperts {
     /// Bytes on the device.
     pub fn bytes(&self) -> usize {
         self.n_expert * self.rows * self.row_bytes
+    }
+    /// The experts' GGUF bytes on the device, expert after expert.
+    pub fn data(&self) -> &CudaSlice<u8> {
+        &self.data
     }
 }
 
@@ -221,6 +226,8 @@ pub struct CudaDevice {
     ptx_origin: PtxOrigin,
     /// One f32 handed to kernels in place of an absent optional buffer.
     dummy: CudaSlice<f32>,
+    /// Pinned buffers for uploads from the file mapping, allocated at the first such upload.
+    staging: Mutex<Option<Staging>>,
 }
 
 fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
@@ -298,6 +305,7 @@ impl CudaDevice {
                 blas,
                 ptx_origin,
                 dummy,
+                staging: Mutex::new(None),
             })
         })
     }
@@ -489,8 +497,9 @@ impl CudaDevice {
     }
 
     /// Uploads an expert tensor from per-expert parts: expert `i` of the result is `parts[i]`,
-    /// `rows` rows of `cols` elements of `ty`, copied straight from where it lies (the file
-    /// mapping: no gather on the host). For op offload of the experts a batch routes to.
+    /// `rows` rows of `cols` elements of `ty`, gathered from where it lies (the file mapping)
+    /// by the CPU pool into pinned buffers that the copies drain as they fill
+    /// ([`Staging`]). For op offload of the experts a batch routes to.
     pub fn upload_experts_from(
         &self,
         ty: GgmlType,
@@ -512,11 +521,15 @@ impl CudaDevice {
                 )
             },
         )?;
-        // SAFETY: every byte is written by the copies below before any kernel reads it.
+        // SAFETY: every byte is written by the staged copies below before any kernel reads it
+        // (they are queued on the stream ahead of every later op).
         let mut data = unsafe { self.stream.alloc::<u8>(parts.len() * eb) }?;
-        for (i, part) in parts.iter().enumerate() {
-            let mut dst = data.slice_mut(i * eb..(i + 1) * eb);
-            self.stream.memcpy_htod(*part, &mut dst)?;
+        let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
+        if staging.is_none() {
+            *staging = Some(Staging::new(&self.ctx)?);
+        }
+        if let Some(ring) = staging.as_mut() {
+            ring.upload(&self.stream, parts, eb, &mut data)?;
         }
         Ok(DeviceExperts {
             ty,

@@ -21,6 +21,7 @@ pub mod gpt_oss;
 pub mod kernels;
 mod probe;
 mod reference;
+mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{

@@ -6,10 +6,11 @@
 //! (scripts/gpu-check.sh).
 
 use std::sync::OnceLock;
+use std::time::Instant;
 
 use half::f16;
 use hmoe_cuda::backend::Backend;
-use hmoe_cuda::{AttnParams, CudaDevice, MoeWeights, RefBackend, RopeParams};
+use hmoe_cuda::{AttnParams, CudaDevice, DeviceExperts, MoeWeights, RefBackend, RopeParams};
 use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
 use hmoe_quant::{dequantize_row, quantize_row, GgmlType};
 use rand::rngs::StdRng;
@@ -490,6 +491,52 @@ fn pinned_async_round_trip() {
     dev.download_async(&d, &mut back).unwrap();
     dev.synchronize().unwrap();
     assert_eq!(back.as_slice().unwrap(), host.as_slice().unwrap());
+}
+
+#[test]
+fn staged_expert_uploads_keep_every_byte() {
+    let Some(dev) = device() else { return };
+    // 120 Q8_0 experts of 2880 × 2880 (8.8 MB each, about 1 GB): 32 slots of the pinned
+    // ring, the last one partial, taken in a scrambled order as op offload picks experts.
+    let (ty, rows, cols, n) = (GgmlType::Q8_0, 2880, 2880, 120);
+    let eb = rows * cols / 32 * 34;
+    let mut bytes = vec![0u8; n * eb];
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for chunk in bytes.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+    let order: Vec<usize> = (0..n).map(|i| i * 7 % n).collect();
+    let parts: Vec<&[u8]> = order
+        .iter()
+        .map(|&e| &bytes[e * eb..(e + 1) * eb])
+        .collect();
+    let timed = |f: &dyn Fn() -> DeviceExperts| {
+        let t = Instant::now();
+        let experts = f();
+        dev.synchronize().unwrap();
+        (experts, t.elapsed().as_secs_f64())
+    };
+    let staged = || dev.upload_experts_from(ty, rows, cols, &parts).unwrap();
+    let (first, _) = timed(&staged);
+    let back = dev.download(first.data()).unwrap();
+    for (i, &e) in order.iter().enumerate() {
+        assert!(
+            back[i * eb..(i + 1) * eb] == bytes[e * eb..(e + 1) * eb],
+            "expert {i} (source {e}) differs"
+        );
+    }
+    drop(first);
+    let (_, staged_s) = timed(&staged);
+    let (_, pageable_s) = timed(&|| dev.upload_experts(ty, n, rows, cols, &bytes).unwrap());
+    let gb = (n * eb) as f64 / 1e9;
+    eprintln!(
+        "{gb:.2} GB of experts: staged {:.1} GB/s, pageable {:.1} GB/s",
+        gb / staged_s,
+        gb / pageable_s
+    );
 }
 
 #[test]

@@ -1,0 +1,135 @@
+//! Uploads from pageable memory (the file mapping) through a ring of pinned buffers.
+//!
+//! A copy from pageable memory makes the driver stage it through its own pinned buffer with
+//! one CPU thread, which on op offload (gigabytes of experts per micro-batch) is the whole
+//! cost. Here the CPU pool gathers the source into one pinned slot while the copy engine
+//! drains the slot before it, so the upload runs at the slower of the pool's copy speed and
+//! the bus instead of one thread's.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut, PinnedHostSlice,
+};
+
+use crate::error::{ensure, CudaError};
+
+/// Pinned slots in the ring: one being filled, the others in flight.
+const SLOTS: usize = 3;
+/// Bytes per slot: large enough that each copy runs far past its launch cost.
+const SLOT_BYTES: usize = 32 << 20;
+/// Bytes each task of the CPU pool gathers (one slot is split into this many tasks).
+const TASK_BYTES: usize = 1 << 20;
+
+/// The ring: each slot with the event recorded after the copy that last read it.
+pub(crate) struct Staging {
+    slots: Vec<(PinnedHostSlice<u8>, CudaEvent)>,
+    next: usize,
+}
+
+impl Staging {
+    /// Allocates the ring's pinned slots (`SLOTS × SLOT_BYTES` of page-locked memory).
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Staging, CudaError> {
+        let mut slots = Vec::with_capacity(SLOTS);
+        for _ in 0..SLOTS {
+            // SAFETY: every byte of a slot is written by `gather` before a copy reads it.
+            let buf = unsafe {
+                ctx.alloc_pinned_with_flags::<u8>(
+                    SLOT_BYTES,
+                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
+                )
+            }?;
+            let done = ctx.new_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))?;
+            slots.push((buf, done));
+        }
+        Ok(Staging { slots, next: 0 })
+    }
+
+    /// Queues on `stream` the upload of `parts` (each `part_len` bytes, concatenated) into
+    /// the start of `dst`. Returns once every byte has been gathered into a slot; the last
+    /// copies may still be running (the stream orders them before later work on it).
+    pub(crate) fn upload(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        parts: &[&[u8]],
+        part_len: usize,
+        dst: &mut CudaSlice<u8>,
+    ) -> Result<(), CudaError> {
+        let total = parts.len() * part_len;
+        ensure(
+            parts.iter().all(|p| p.len() == part_len) && dst.len() >= total,
+            "staged upload",
+            || {
+                format!(
+                    "{} parts of {part_len} bytes into {}",
+                    parts.len(),
+                    dst.len()
+                )
+            },
+        )?;
+        let (base, _written) = dst.device_ptr_mut(stream);
+        let mut done = 0;
+        while done < total {
+            let len = (total - done).min(SLOT_BYTES);
+            let (buf, copied) = &mut self.slots[self.next];
+            // The copy that last read this slot must finish before it is refilled.
+            copied.synchronize()?;
+            let slot = &mut buf.as_mut_slice()?[..len];
+            hmoe_pool::global().for_each_chunk_mut(slot, TASK_BYTES, |i, chunk| {
+                gather(parts, part_len, done + i * TASK_BYTES, chunk)
+            });
+            // SAFETY: `slot` is pinned host memory of `len` bytes that stays untouched until
+            // `copied` (recorded next) has fired, and `base + done .. + len` lies inside
+            // `dst` (`done + len <= total <= dst.len()`), which `_written` keeps alive and
+            // marks written on the stream.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + done as u64,
+                    slot,
+                    stream.cu_stream(),
+                )
+            }?;
+            copied.record(stream)?;
+            self.next = (self.next + 1) % SLOTS;
+            done += len;
+        }
+        Ok(())
+    }
+}
+
+/// Fills `out` with the bytes at `start..` of the concatenation of `parts` (each `part_len`
+/// bytes long; `start + out.len()` within their total).
+pub(crate) fn gather(parts: &[&[u8]], part_len: usize, start: usize, out: &mut [u8]) {
+    let mut at = start;
+    let mut filled = 0;
+    while filled < out.len() {
+        let (part, offset) = (at / part_len, at % part_len);
+        let n = (part_len - offset).min(out.len() - filled);
+        out[filled..filled + n].copy_from_slice(&parts[part][offset..offset + n]);
+        filled += n;
+        at += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gather;
+
+    #[test]
+    fn gather_reads_across_part_boundaries() {
+        let parts: Vec<Vec<u8>> = (0..5u8)
+            .map(|p| (0..7u8).map(|i| p * 10 + i).collect())
+            .collect();
+        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let whole: Vec<u8> = parts.concat();
+        for start in 0..whole.len() {
+            for len in 0..=whole.len() - start {
+                let mut out = vec![0xAA; len];
+                gather(&refs, 7, start, &mut out);
+                assert_eq!(out, whole[start..start + len], "start {start} len {len}");
+            }
+        }
+    }
+}
