@@ -12,7 +12,10 @@ use cudarc::nvrtc::Ptx;
 use hmoe_quant::GgmlType;
 
 use crate::error::{ensure, guarded, CudaError};
-use crate::kernels::{self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, ROW_WARPS};
+use crate::kernels::{
+    self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, MOE_MAX_EXPERTS, MOE_TILE_ROWS,
+    ROW_WARPS,
+};
 use crate::probe::{info_of, GpuInfo};
 use crate::staging::Staging;
 
@@ -24,6 +27,10 @@ pub const CUBLAS_MIN_TOKENS: usize = 16;
 
 /// Largest grid y dimension CUDA allows (tokens or expert slots per launch).
 const MAX_GRID_Y: usize = 65_535;
+
+/// Expert slots (tokens × experts per token) from which MXFP4 experts use the tiled kernels
+/// (a weight row read once per tile of an expert's slots) instead of a warp per slot and row.
+const MOE_TILED_MIN_SLOTS: usize = 64;
 
 /// The weight types the kernels dequantise.
 pub const SUPPORTED_TYPES: [GgmlType; 5] = [
@@ -1170,95 +1177,101 @@ impl CudaDevice {
         ensure(slots <= MAX_GRID_Y, OP, || {
             format!("{slots} expert slots in one call")
         })?;
-        // SAFETY: every element of both scratch buffers is written by the kernels below
-        // before it is read.
-        let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        // SAFETY: as above.
-        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
-        let (slots_i, k_i, ne_i, d_i, ff_i) = (
-            i32_of(OP, "slots", slots)?,
-            i32_of(OP, "k", k)?,
-            i32_of(OP, "experts", ne)?,
-            i32_of(OP, "d", d)?,
-            i32_of(OP, "ff", ff)?,
-        );
-        let has_gu_bias = i32::from(w.gate_bias.is_some());
-        let has_d_bias = i32::from(w.down_bias.is_some());
-        let bg = w.gate_bias.as_ref().unwrap_or(&self.dummy);
-        let bu = w.up_bias.as_ref().unwrap_or(&self.dummy);
-        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
-        let rb_d = w.gate.row_bytes as u64;
-        let rb_ff = w.down.row_bytes as u64;
-        let block = (ROW_WARPS * 32, 1, 1);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32_of(OP, "ff blocks", ff.div_ceil(ROW_WARPS as usize))?,
-                slots as u32,
-                1,
-            ),
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
-        let quantized = matches!(w.gate.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
-        let xq = if quantized {
-            Some(self.quantize_q8_0(x, n * d)?)
+        let (k_i, d_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?);
+        let tiled =
+            w.gate.ty == GgmlType::MXFP4 && slots >= MOE_TILED_MIN_SLOTS && ne <= MOE_MAX_EXPERTS;
+        let y = if tiled {
+            self.moe_products_tiled(w, x, selected, k)?
         } else {
-            None
-        };
-        let mut b = self.builder(gate_up);
-        b.arg(&w.gate.data)
-            .arg(&w.up.data)
-            .arg(bg)
-            .arg(bu)
-            .arg(&has_gu_bias);
-        match &xq {
-            Some(xq) => b.arg(xq),
-            None => b.arg(x),
-        };
-        b.arg(selected)
-            .arg(&mut h)
-            .arg(&slots_i)
-            .arg(&k_i)
-            .arg(&ne_i)
-            .arg(&d_i)
-            .arg(&ff_i)
-            .arg(&rb_d);
-        // SAFETY: argument types match `moe_gate_up_*` (x as Q8_0 blocks for Q8_0/MXFP4
-        // experts, f32 otherwise); expert ids are range-checked in the kernel; h holds
-        // slots × ff values; shapes checked above.
-        unsafe { b.launch(cfg) }?;
+            // SAFETY: every element of both scratch buffers is written by the kernels below
+            // before it is read.
+            let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+            // SAFETY: as above.
+            let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+            let (slots_i, ne_i, ff_i) = (
+                i32_of(OP, "slots", slots)?,
+                i32_of(OP, "experts", ne)?,
+                i32_of(OP, "ff", ff)?,
+            );
+            let has_gu_bias = i32::from(w.gate_bias.is_some());
+            let has_d_bias = i32::from(w.down_bias.is_some());
+            let bg = w.gate_bias.as_ref().unwrap_or(&self.dummy);
+            let bu = w.up_bias.as_ref().unwrap_or(&self.dummy);
+            let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
+            let rb_d = w.gate.row_bytes as u64;
+            let rb_ff = w.down.row_bytes as u64;
+            let block = (ROW_WARPS * 32, 1, 1);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32_of(OP, "ff blocks", ff.div_ceil(ROW_WARPS as usize))?,
+                    slots as u32,
+                    1,
+                ),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            };
+            let quantized = matches!(w.gate.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
+            let xq = if quantized {
+                Some(self.quantize_q8_0(x, n * d)?)
+            } else {
+                None
+            };
+            let mut b = self.builder(gate_up);
+            b.arg(&w.gate.data)
+                .arg(&w.up.data)
+                .arg(bg)
+                .arg(bu)
+                .arg(&has_gu_bias);
+            match &xq {
+                Some(xq) => b.arg(xq),
+                None => b.arg(x),
+            };
+            b.arg(selected)
+                .arg(&mut h)
+                .arg(&slots_i)
+                .arg(&k_i)
+                .arg(&ne_i)
+                .arg(&d_i)
+                .arg(&ff_i)
+                .arg(&rb_d);
+            // SAFETY: argument types match `moe_gate_up_*` (x as Q8_0 blocks for Q8_0/MXFP4
+            // experts, f32 otherwise); expert ids are range-checked in the kernel; h holds
+            // slots × ff values; shapes checked above.
+            unsafe { b.launch(cfg) }?;
 
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32_of(OP, "d blocks", d.div_ceil(ROW_WARPS as usize))?,
-                slots as u32,
-                1,
-            ),
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
-        let hq = if quantized {
-            Some(self.quantize_q8_0(&h, slots * ff)?)
-        } else {
-            None
-        };
-        let mut b = self.builder(down);
-        b.arg(&w.down.data).arg(bd).arg(&has_d_bias);
-        match &hq {
-            Some(hq) => b.arg(hq),
-            None => b.arg(&h),
-        };
-        b.arg(selected)
-            .arg(&mut y)
-            .arg(&slots_i)
-            .arg(&ne_i)
-            .arg(&d_i)
-            .arg(&ff_i)
-            .arg(&rb_ff);
-        // SAFETY: argument types match `moe_down_*` (h as Q8_0 blocks for Q8_0/MXFP4
-        // experts, f32 otherwise); y holds slots × d values.
-        unsafe { b.launch(cfg) }?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32_of(OP, "d blocks", d.div_ceil(ROW_WARPS as usize))?,
+                    slots as u32,
+                    1,
+                ),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            };
+            let hq = if quantized {
+                Some(self.quantize_q8_0(&h, slots * ff)?)
+            } else {
+                None
+            };
+            let mut b = self.builder(down);
+            b.arg(&w.down.data).arg(bd).arg(&has_d_bias);
+            match &hq {
+                Some(hq) => b.arg(hq),
+                None => b.arg(&h),
+            };
+            b.arg(selected)
+                .arg(&mut y)
+                .arg(&slots_i)
+                .arg(&ne_i)
+                .arg(&d_i)
+                .arg(&ff_i)
+                .arg(&rb_ff);
+            // SAFETY: argument types match `moe_down_*` (h as Q8_0 blocks for Q8_0/MXFP4
+            // experts, f32 otherwise); y holds slots × d values.
+            unsafe { b.launch(cfg) }?;
 
+            y
+        };
         let n_i = i32_of(OP, "tokens", n)?;
         let mut b = self.builder("moe_combine");
         b.arg(&y)
@@ -1269,6 +1282,138 @@ impl CudaDevice {
             .arg(&d_i);
         // SAFETY: argument types match `moe_combine`; out holds n × d values.
         unsafe { b.launch(grid_1d(n * d, OP)?) }?;
+        Ok(())
+    }
+
+    /// The expert products of [`CudaDevice::moe`] for a large batch of MXFP4 experts (shapes
+    /// checked there): the slots grouped by expert (`moe_group`), tiled products
+    /// (`moe_mm_mxfp4`) for gate, up and down, the SwiGLU and the down biases. Returns y,
+    /// `[slots][d]`, with the bits of the row-per-warp kernels.
+    fn moe_products_tiled(
+        &self,
+        w: &MoeWeights,
+        x: &CudaSlice<f32>,
+        selected: &CudaSlice<i32>,
+        k: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        const OP: &str = "moe";
+        let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
+        let n = x.len() / d;
+        let slots = n * k;
+        let (slots_i, ne_i, d_i, ff_i) = (
+            i32_of(OP, "slots", slots)?,
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "d", d)?,
+            i32_of(OP, "ff", ff)?,
+        );
+        // SAFETY: moe_group writes all ne + 1 offsets and an order entry for every slot with a
+        // valid expert, which are the only entries moe_mm_mxfp4 reads.
+        let mut offsets = unsafe { self.stream.alloc::<i32>(ne + 1) }?;
+        // SAFETY: as above.
+        let mut order = unsafe { self.stream.alloc::<i32>(slots) }?;
+        let mut b = self.builder("moe_group");
+        b.arg(selected)
+            .arg(&slots_i)
+            .arg(&ne_i)
+            .arg(&mut offsets)
+            .arg(&mut order);
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match `moe_group`; ne <= MOE_MAX_EXPERTS (checked by the
+        // caller), the size of its shared counts.
+        unsafe { b.launch(one_block) }?;
+
+        let xq = self.quantize_q8_0(x, n * d)?;
+        // SAFETY: moe_mm_mxfp4 writes the rows of every slot with a valid expert, the only
+        // ones moe_swiglu reads.
+        let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        // SAFETY: as above.
+        let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        self.moe_mm_mxfp4(&w.gate, &xq, k, (&offsets, &order), &mut g)?;
+        self.moe_mm_mxfp4(&w.up, &xq, k, (&offsets, &order), &mut u)?;
+        // SAFETY: moe_swiglu writes every element.
+        let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        let has_gu_bias = i32::from(w.gate_bias.is_some());
+        let mut b = self.builder("moe_swiglu");
+        b.arg(&g)
+            .arg(&u)
+            .arg(w.gate_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(w.up_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(&has_gu_bias)
+            .arg(selected)
+            .arg(&mut h)
+            .arg(&slots_i)
+            .arg(&ne_i)
+            .arg(&ff_i);
+        // SAFETY: argument types match `moe_swiglu`; the biases hold ne × ff values when
+        // present (checked by the caller).
+        unsafe { b.launch(grid_1d(slots * ff, OP)?) }?;
+
+        let hq = self.quantize_q8_0(&h, slots * ff)?;
+        // SAFETY: moe_mm_mxfp4 writes the slots with a valid expert and moe_down_bias zeroes
+        // the others.
+        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+        self.moe_mm_mxfp4(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
+        let has_d_bias = i32::from(w.down_bias.is_some());
+        let mut b = self.builder("moe_down_bias");
+        b.arg(&mut y)
+            .arg(w.down_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(&has_d_bias)
+            .arg(selected)
+            .arg(&slots_i)
+            .arg(&ne_i)
+            .arg(&d_i);
+        // SAFETY: argument types match `moe_down_bias`; the bias holds ne × d values when
+        // present (checked by the caller).
+        unsafe { b.launch(grid_1d(slots * d, OP)?) }?;
+        Ok(y)
+    }
+
+    /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
+    /// by `moe_group` (`groups` = its offsets and order); act: Q8_0 rows of `experts.cols`.
+    fn moe_mm_mxfp4(
+        &self,
+        experts: &DeviceExperts,
+        act: &CudaSlice<u8>,
+        act_div: usize,
+        (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_mm_mxfp4";
+        let rows_i = i32_of(OP, "rows", experts.rows)?;
+        let nb_i = i32_of(OP, "blocks per row", experts.cols / 32)?;
+        let act_div_i = i32_of(OP, "act_div", act_div)?;
+        let row_bytes = experts.row_bytes as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(
+                    OP,
+                    "row tiles",
+                    experts.rows.div_ceil(MOE_TILE_ROWS as usize),
+                )?,
+                u32_of(OP, "experts", experts.n_expert)?,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder("moe_mm_mxfp4");
+        b.arg(&experts.data)
+            .arg(&row_bytes)
+            .arg(&rows_i)
+            .arg(&nb_i)
+            .arg(act)
+            .arg(&act_div_i)
+            .arg(offsets)
+            .arg(order)
+            .arg(out);
+        // SAFETY: argument types match `moe_mm_mxfp4`; experts holds n_expert × rows rows of
+        // row_bytes, act the Q8_0 rows its slots name and out a row of `rows` per slot (sizes
+        // from CudaDevice::moe's checks).
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 }

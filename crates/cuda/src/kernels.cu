@@ -37,6 +37,12 @@ typedef unsigned long long u64;
 // Warps per block of the row-per-warp kernels; tokens per block of the matmul kernel.
 #define ROW_WARPS 4
 #define MM_TOKENS 8
+// The tiled MXFP4 expert products: weight rows and slots per block, quant blocks staged in
+// shared memory at a time, and the most experts the grouping kernel handles.
+#define MOE_TILE_ROWS 64
+#define MOE_TILE_SLOTS 32
+#define MOE_KB 8
+#define MOE_MAX_EXPERTS 1024
 
 __device__ __forceinline__ float f_inf() { return __int_as_float(0x7f800000); }
 
@@ -844,6 +850,171 @@ MOE_WRAPPERS(q8_0, TY_Q8_0, const u8*)
 MOE_WRAPPERS(f16, TY_F16, const float*)
 MOE_WRAPPERS(bf16, TY_BF16, const float*)
 MOE_WRAPPERS(f32, TY_F32, const float*)
+
+// ---------------------------------------------------------------------------------------------
+// The MoE block for large batches of MXFP4 experts: the slots are grouped by expert
+// (moe_group), each block multiplies MOE_TILE_ROWS rows of one expert by up to MOE_TILE_SLOTS
+// of its slots at a time with both tiles staged in shared memory (weights decoded to int8), so
+// a weight row is read once per tile instead of once per slot. Each output still sums block by
+// block in order, acc = fma(isum, 2^(e-128) * d_a, acc) with isum the exact integer dot
+// product: the bits of warp_dot_mxfp4, whatever the tiling. Then moe_swiglu and
+// moe_down_bias finish what moe_gate_up_mxfp4 and moe_down_mxfp4 do after their products.
+
+// offsets[e] .. offsets[e + 1]: where expert e's slots sit in `order` (ids outside
+// 0 .. n_expert are left out). One block; n_expert <= MOE_MAX_EXPERTS.
+extern "C" __global__ void moe_group(const int* sel, int n_slots, int n_expert, int* offsets,
+                                     int* order) {
+    __shared__ int count[MOE_MAX_EXPERTS];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+        int e = sel[s];
+        if (e >= 0 && e < n_expert) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int start = 0;
+        for (int e = 0; e < n_expert; e++) {
+            int c = count[e];
+            offsets[e] = start;
+            count[e] = start;
+            start += c;
+        }
+        offsets[n_expert] = start;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+        int e = sel[s];
+        if (e >= 0 && e < n_expert) order[atomicAdd(&count[e], 1)] = s;
+    }
+}
+
+// Four int8 values as one int (little-endian), for __dp4a.
+__device__ __forceinline__ int pack_i8x4(int a, int b, int c, int d) {
+    return (int)(((u32)(u8)a) | ((u32)(u8)b << 8) | ((u32)(u8)c << 16) | ((u32)(u8)d << 24));
+}
+
+// out[slot][r] = w_e[r] . act[slot / act_div] for every slot of every expert e (grouped by
+// moe_group); w: [n_expert][rows] rows of nb MXFP4 blocks, act: rows of nb Q8_0 blocks.
+// grid = (ceil(rows / MOE_TILE_ROWS), n_expert), block = 256: thread t owns row
+// t % MOE_TILE_ROWS of the tile and slots 8 * (t / MOE_TILE_ROWS) .. + 7.
+extern "C" __global__ void moe_mm_mxfp4(const u8* w, u64 row_bytes, int rows, int nb,
+                                        const u8* act, int act_div, const int* offsets,
+                                        const int* order, float* out) {
+    // Row stride of 8 * MOE_KB + 4 ints: the 16-byte loads of 8 threads in a row land in
+    // distinct banks.
+    __shared__ int ws[MOE_TILE_ROWS][8 * MOE_KB + 4];
+    __shared__ float wsc[MOE_TILE_ROWS][MOE_KB];
+    __shared__ int xs[MOE_TILE_SLOTS][8 * MOE_KB];
+    __shared__ float xsc[MOE_TILE_SLOTS][MOE_KB];
+    __shared__ int slot_of[MOE_TILE_SLOTS];
+    int e = blockIdx.y;
+    int beg = offsets[e], end = offsets[e + 1];
+    int r0 = blockIdx.x * MOE_TILE_ROWS;
+    int tid = threadIdx.x;
+    int my_row = tid % MOE_TILE_ROWS;
+    int my_slots = 8 * (tid / MOE_TILE_ROWS);
+    const u8* we = w + (u64)e * (u64)rows * row_bytes;
+    for (int t0 = beg; t0 < end; t0 += MOE_TILE_SLOTS) {
+        int nt = end - t0 < MOE_TILE_SLOTS ? end - t0 : MOE_TILE_SLOTS;
+        __syncthreads();  // the previous tile's stores have read slot_of
+        if (tid < MOE_TILE_SLOTS) slot_of[tid] = tid < nt ? order[t0 + tid] : -1;
+        float acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = 0.f;
+        for (int kb0 = 0; kb0 < nb; kb0 += MOE_KB) {
+            int kbn = nb - kb0 < MOE_KB ? nb - kb0 : MOE_KB;
+            __syncthreads();  // slot_of is set; the previous chunk has been used
+            for (int i = tid; i < MOE_TILE_ROWS * MOE_KB; i += blockDim.x) {
+                int r = i / MOE_KB, b = i % MOE_KB;
+                int* dst = &ws[r][8 * b];
+                if (r0 + r < rows && b < kbn) {
+                    const u8* wb = we + (u64)(r0 + r) * row_bytes + (u64)(kb0 + b) * 17u;
+                    wsc[r][b] = e8m0_half(wb[0]);
+                    // Low nibbles are values 0..15 of the block, high nibbles 16..31.
+                    for (int j = 0; j < 4; j++) {
+                        const u8* q = wb + 1 + 4 * j;
+                        dst[j] = pack_i8x4(mxfp4_int(q[0] & 15u), mxfp4_int(q[1] & 15u),
+                                           mxfp4_int(q[2] & 15u), mxfp4_int(q[3] & 15u));
+                        dst[4 + j] = pack_i8x4(mxfp4_int(q[0] >> 4), mxfp4_int(q[1] >> 4),
+                                               mxfp4_int(q[2] >> 4), mxfp4_int(q[3] >> 4));
+                    }
+                } else {
+                    wsc[r][b] = 0.f;
+                    for (int j = 0; j < 8; j++) dst[j] = 0;
+                }
+            }
+            for (int i = tid; i < MOE_TILE_SLOTS * MOE_KB; i += blockDim.x) {
+                int s = i / MOE_KB, b = i % MOE_KB;
+                int slot = slot_of[s];
+                int* dst = &xs[s][8 * b];
+                if (slot >= 0 && b < kbn) {
+                    const u8* ab = act + ((u64)(slot / act_div) * (u64)nb + (u64)(kb0 + b)) * 34u;
+                    xsc[s][b] = q8_scale(ab);
+                    for (int j = 0; j < 8; j++) {
+                        const u8* q = ab + 2 + 4 * j;
+                        dst[j] = pack_i8x4(q[0], q[1], q[2], q[3]);
+                    }
+                } else {
+                    xsc[s][b] = 0.f;
+                    for (int j = 0; j < 8; j++) dst[j] = 0;
+                }
+            }
+            __syncthreads();
+            for (int b = 0; b < kbn; b++) {
+                int wv[8];
+                for (int j = 0; j < 8; j++) wv[j] = ws[my_row][8 * b + j];
+                float wscale = wsc[my_row][b];
+                for (int i = 0; i < 8; i++) {
+                    const int* xv = &xs[my_slots + i][8 * b];
+                    int isum = 0;
+                    for (int j = 0; j < 8; j++) isum = __dp4a(wv[j], xv[j], isum);
+                    acc[i] = fmaf((float)isum, wscale * xsc[my_slots + i][b], acc[i]);
+                }
+            }
+        }
+        if (r0 + my_row < rows) {
+            for (int i = 0; i < 8; i++) {
+                int s = my_slots + i;
+                if (s < nt) out[(u64)slot_of[s] * (u64)rows + (u64)(r0 + my_row)] = acc[i];
+            }
+        }
+    }
+}
+
+// h[s][r] = swiglu(g[s][r] + bg[e][r], u[s][r] + bu[e][r]) for slot s of expert e = sel[s];
+// 0 where e is out of range. One thread per element.
+extern "C" __global__ void moe_swiglu(const float* g, const float* u, const float* bg,
+                                      const float* bu, int has_bias, const int* sel, float* h,
+                                      int n_slots, int n_expert, int ff) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_slots * ff) return;
+    u64 s = i / (u64)ff, r = i % (u64)ff;
+    int e = sel[s];
+    if (e < 0 || e >= n_expert) {
+        h[i] = 0.f;
+        return;
+    }
+    float gv = g[i], uv = u[i];
+    if (has_bias) {
+        gv += bg[(u64)e * ff + r];
+        uv += bu[(u64)e * ff + r];
+    }
+    h[i] = swiglu_oai(gv, uv);
+}
+
+// y[s][c] += bd[e][c] for slot s of expert e = sel[s]; 0 where e is out of range.
+extern "C" __global__ void moe_down_bias(float* y, const float* bd, int has_bias, const int* sel,
+                                         int n_slots, int n_expert, int d) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_slots * d) return;
+    u64 s = i / (u64)d, c = i % (u64)d;
+    int e = sel[s];
+    if (e < 0 || e >= n_expert) {
+        y[i] = 0.f;
+    } else if (has_bias) {
+        y[i] += bd[(u64)e * d + c];
+    }
+}
 
 // out[t][c] = sum_j w[t][j] * y[t*k+j][c], slots in order. One thread per output element.
 extern "C" __global__ void moe_combine(const float* y, const float* w, float* out, int n, int k,

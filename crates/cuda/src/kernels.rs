@@ -42,12 +42,20 @@ pub const KERNELS: &[&str] = &[
     "moe_gate_up_f32",
     "moe_down_f32",
     "moe_combine",
+    "moe_group",
+    "moe_mm_mxfp4",
+    "moe_swiglu",
+    "moe_down_bias",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
 pub(crate) const ROW_WARPS: u32 = 4;
 /// Tokens per block of the matmul kernel (`MM_TOKENS` in the source).
 pub(crate) const MM_TOKENS: u32 = 8;
+/// Weight rows per block of the tiled MXFP4 expert products (`MOE_TILE_ROWS` in the source).
+pub(crate) const MOE_TILE_ROWS: u32 = 64;
+/// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).
+pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
 /// Warps per block of the attention kernel (`ATT_WARPS` in the source).
 pub(crate) const ATT_WARPS: u32 = 8;
 /// Largest head dimension the attention kernel handles (`ATT_MAX_PER_LANE` × 32).
@@ -188,6 +196,8 @@ mod tests {
         for (name, value) in [
             ("ROW_WARPS", ROW_WARPS as usize),
             ("MM_TOKENS", MM_TOKENS as usize),
+            ("MOE_TILE_ROWS", MOE_TILE_ROWS as usize),
+            ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
         ] {

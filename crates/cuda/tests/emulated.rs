@@ -230,10 +230,19 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     let (same, _) = compare(&emu.read::<f32>("w"), &w);
     assert_eq!(same, w.len(), "router weights");
 
-    // MoE: expert 3 twice (F32: 16-lane order), an out-of-range id.
-    let (ne, d, ff, n, k) = (8, 64, 96, 5, 2);
-    let sel: Vec<i32> = vec![3, 0, 5, 3, 7, 1, 2, 6, 4, 9];
-    for ty in TYPES {
+    // MoE: expert 3 twice (F32: 16-lane order), an out-of-range id; then MXFP4 with 80 slots
+    // (the tiled kernels: several tiles of slots for some experts, partial row tiles and
+    // shared-memory chunks, out-of-range ids).
+    let small: Vec<i32> = vec![3, 0, 5, 3, 7, 1, 2, 6, 4, 9];
+    let large: Vec<i32> = (0..80).map(|i| [3, 3, 5, 3, 9, 3, 7, -1][i % 8]).collect();
+    let cases = TYPES.iter().map(|&ty| (ty, 64, 5, small.clone())).chain([(
+        GgmlType::MXFP4,
+        320,
+        40,
+        large,
+    )]);
+    for (ty, d, n, sel) in cases {
+        let (ne, ff, k) = (8, 96, 2);
         let (gq, uq, dq) = (
             weights(&mut rng, ty, ne * ff, d),
             weights(&mut rng, ty, ne * ff, d),

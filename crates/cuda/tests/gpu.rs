@@ -494,6 +494,62 @@ fn pinned_async_round_trip() {
 }
 
 #[test]
+fn tiled_mxfp4_moe_matches_one_token_at_a_time() {
+    let Some(dev) = device() else { return };
+    // 96 tokens × 4 = 384 slots take the tiled kernels; one token (4 slots) the row-per-warp
+    // ones. Every output must agree bit for bit: both sum each product block by block in
+    // order. d = 2880 (90 blocks: 12 shared-memory chunks, the last partial), ff = 224
+    // (a partial row tile), expert 5 with 200 slots (7 tiles of slots), ids out of range.
+    let (ty, ne, d, ff, n, k) = (GgmlType::MXFP4, 16, 2880, 224, 96, 4);
+    let mut rng = StdRng::seed_from_u64(21);
+    let (gq, _) = weights(&mut rng, ty, ne * ff, d);
+    let (uq, _) = weights(&mut rng, ty, ne * ff, d);
+    let (dq, _) = weights(&mut rng, ty, ne * d, ff);
+    let sel: Vec<i32> = (0..n * k)
+        .map(|i| match i % 8 {
+            0 | 2 | 4 => 5,
+            7 if i % 16 == 7 => -1,
+            7 => 99,
+            j => ((i / 8 + j) % ne) as i32,
+        })
+        .collect();
+    let x = noise(&mut rng, n * d, 1.0);
+    let wts = noise(&mut rng, n * k, 1.0);
+    let mw = MoeWeights {
+        gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),
+        up: dev.upload_experts(ty, ne, ff, d, &uq).unwrap(),
+        down: dev.upload_experts(ty, ne, d, ff, &dq).unwrap(),
+        gate_bias: Some(dev.upload(&noise(&mut rng, ne * ff, 0.5)).unwrap()),
+        up_bias: Some(dev.upload(&noise(&mut rng, ne * ff, 0.5)).unwrap()),
+        down_bias: Some(dev.upload(&noise(&mut rng, ne * d, 0.5)).unwrap()),
+    };
+    let run = |range: std::ops::Range<usize>| {
+        let m = range.len();
+        let xd = dev.upload(&x[range.start * d..range.end * d]).unwrap();
+        let sd = dev.upload(&sel[range.start * k..range.end * k]).unwrap();
+        let wd = dev.upload(&wts[range.start * k..range.end * k]).unwrap();
+        let mut out = dev.alloc_zeros::<f32>(m * d).unwrap();
+        dev.moe(&mw, &xd, &sd, &wd, k, &mut out).unwrap();
+        dev.download(&out).unwrap()
+    };
+    let t = Instant::now();
+    let batched = run(0..n);
+    let batched_s = t.elapsed().as_secs_f64();
+    for token in 0..n {
+        let one = run(token..token + 1);
+        let same = one
+            .iter()
+            .zip(&batched[token * d..(token + 1) * d])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "token {token}: tiled and row-per-warp results differ");
+    }
+    eprintln!(
+        "tiled MoE of {n} tokens: {:.2} ms with uploads",
+        batched_s * 1e3
+    );
+}
+
+#[test]
 fn staged_expert_uploads_keep_every_byte() {
     let Some(dev) = device() else { return };
     // 120 Q8_0 experts of 2880 × 2880 (8.8 MB each, about 1 GB): 32 slots of the pinned

@@ -53,6 +53,11 @@ int __shfl_xor_sync(unsigned, int v, int m) { return shfl_any(v, (threadIdx.x % 
 float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
 float host_h2f(unsigned short h) { return _cvtsh_ss(h); }
 unsigned short host_f2h(float f) { return _cvtss_sh(f, 0); }
 
@@ -159,27 +164,46 @@ int main(int argc, char** argv) {
         if (qz) xq = quantize(x.data(), (size_t)n * d);
         const void* xa = qz ? (const void*)xq.data() : (const void*)x.data();
         float* hp = h.data();
-        launch({cdiv(ff, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
-            switch (ty) {
-            case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-            case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-            case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-            case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-            case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-            }
-        });
-        if (qz) hq = quantize(h.data(), (size_t)slots * ff);
-        const void* ha = qz ? (const void*)hq.data() : (const void*)h.data();
         float* yp = y.data();
-        launch({cdiv(d, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
-            switch (ty) {
-            case 0: moe_down_f32(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-            case 1: moe_down_f16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-            case 30: moe_down_bf16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-            case 8: moe_down_q8_0(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-            case 39: moe_down_mxfp4(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-            }
-        });
+        if (ty == 39 && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
+            std::vector<int> offsets(ne + 1), order(slots);
+            launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
+            auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
+                launch({cdiv(rows, 64), (unsigned)ne, 1}, {256, 1, 1}, [&] {
+                    moe_mm_mxfp4(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
+                });
+            };
+            std::vector<float> g((size_t)slots * ff), u((size_t)slots * ff);
+            mm(gate, rb_d, ff, d / 32, xq.data(), k, g.data());
+            mm(up, rb_d, ff, d / 32, xq.data(), k, u.data());
+            launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
+                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), 1, sel.data(), hp, slots, ne, ff);
+            });
+            hq = quantize(h.data(), (size_t)slots * ff);
+            mm(down, rb_ff, d, ff / 32, hq.data(), 1, yp);
+            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), 1, sel.data(), slots, ne, d); });
+        } else {
+            launch({cdiv(ff, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+                switch (ty) {
+                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                }
+            });
+            if (qz) hq = quantize(h.data(), (size_t)slots * ff);
+            const void* ha = qz ? (const void*)hq.data() : (const void*)h.data();
+            launch({cdiv(d, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+                switch (ty) {
+                case 0: moe_down_f32(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                case 1: moe_down_f16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                case 30: moe_down_bf16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                case 8: moe_down_q8_0(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                case 39: moe_down_mxfp4(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                }
+            });
+        }
         float* op_ = out.data();
         launch({cdiv(n * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_combine(yp, wts.data(), op_, n, k, d); });
         wr(P("out"), out);
