@@ -13,8 +13,8 @@ use hmoe_quant::GgmlType;
 
 use crate::error::{ensure, guarded, CudaError};
 use crate::kernels::{
-    self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, MOE_MAX_EXPERTS, MOE_TILE_ROWS,
-    ROW_WARPS,
+    self, PtxOrigin, ATT_MAX_HEAD_DIM, ATT_WARPS, MM_TOKENS, MOE_MAX_EXPERTS, ROW_WARPS, TILE_ROWS,
+    TILE_SLOTS,
 };
 use crate::probe::{info_of, GpuInfo};
 use crate::staging::Staging;
@@ -28,9 +28,12 @@ pub const CUBLAS_MIN_TOKENS: usize = 16;
 /// Largest grid y dimension CUDA allows (tokens or expert slots per launch).
 const MAX_GRID_Y: usize = 65_535;
 
-/// Expert slots (tokens × experts per token) from which MXFP4 experts use the tiled kernels
-/// (a weight row read once per tile of an expert's slots) instead of a warp per slot and row.
+/// Expert slots (tokens × experts per token) from which Q8_0/MXFP4 experts use the tiled
+/// kernels (a weight row read once per tile of an expert's slots) instead of a warp per slot
+/// and row.
 const MOE_TILED_MIN_SLOTS: usize = 64;
+/// Tokens from which Q8_0/MXFP4 matmuls use the tiled kernel instead of the GEMV kernel.
+const MM_TILED_MIN_TOKENS: usize = 32;
 
 /// The weight types the kernels dequantise.
 pub const SUPPORTED_TYPES: [GgmlType; 5] = [
@@ -678,6 +681,10 @@ impl CudaDevice {
                 return self.matmul_cublas(blas, w, x, n, y);
             }
         }
+        let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
+        if quantized && n >= MM_TILED_MIN_TOKENS {
+            return self.matmul_tiled(w, x, n, y);
+        }
         let name = match w.ty {
             GgmlType::F32 => "matmul_f32",
             GgmlType::F16 => "matmul_f16",
@@ -702,9 +709,10 @@ impl CudaDevice {
             block_dim: (ROW_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let quantized = match w.ty {
-            GgmlType::Q8_0 | GgmlType::MXFP4 => Some(self.quantize_q8_0(x, n * w.cols)?),
-            _ => None,
+        let quantized = if quantized {
+            Some(self.quantize_q8_0(x, n * w.cols)?)
+        } else {
+            None
         };
         let mut b = self.builder(name);
         b.arg(&w.data).arg(&row_bytes);
@@ -744,6 +752,52 @@ impl CudaDevice {
         // and out 34 × blocks bytes.
         unsafe { b.launch(grid_1d(blocks, OP)?) }?;
         Ok(out)
+    }
+
+    /// [`CudaDevice::matmul`] for a batch of Q8_0 or MXFP4 weights (checked there): the tiled
+    /// kernel, TILE_ROWS rows × TILE_SLOTS tokens per block, with the GEMV kernel's bits.
+    fn matmul_tiled(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        let name = match w.ty {
+            GgmlType::MXFP4 => "matmul_tiled_mxfp4",
+            _ => "matmul_tiled_q8_0",
+        };
+        let (rows, nb, n_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "blocks per row", w.cols / 32)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let gy = n.div_ceil(TILE_SLOTS as usize);
+        ensure(gy <= MAX_GRID_Y, OP, || format!("{n} tokens in one call"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(OP, "row tiles", w.rows.div_ceil(TILE_ROWS as usize))?,
+                gy as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let xq = self.quantize_q8_0(x, n * w.cols)?;
+        let row_bytes = w.row_bytes as u64;
+        let mut b = self.builder(name);
+        b.arg(&w.data)
+            .arg(&row_bytes)
+            .arg(&rows)
+            .arg(&nb)
+            .arg(&xq)
+            .arg(&n_i)
+            .arg(y);
+        // SAFETY: argument types match `matmul_tiled_*`; x holds n rows of w.cols (so xq n
+        // rows of nb Q8_0 blocks) and y n rows of w.rows (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 
     fn matmul_cublas(
@@ -1178,8 +1232,9 @@ impl CudaDevice {
             format!("{slots} expert slots in one call")
         })?;
         let (k_i, d_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?);
-        let tiled =
-            w.gate.ty == GgmlType::MXFP4 && slots >= MOE_TILED_MIN_SLOTS && ne <= MOE_MAX_EXPERTS;
+        let tiled = matches!(w.gate.ty, GgmlType::MXFP4 | GgmlType::Q8_0)
+            && slots >= MOE_TILED_MIN_SLOTS
+            && ne <= MOE_MAX_EXPERTS;
         let y = if tiled {
             self.moe_products_tiled(w, x, selected, k)?
         } else {
@@ -1285,9 +1340,9 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// The expert products of [`CudaDevice::moe`] for a large batch of MXFP4 experts (shapes
-    /// checked there): the slots grouped by expert (`moe_group`), tiled products
-    /// (`moe_mm_mxfp4`) for gate, up and down, the SwiGLU and the down biases. Returns y,
+    /// The expert products of [`CudaDevice::moe`] for a large batch of Q8_0 or MXFP4 experts
+    /// (shapes checked there): the slots grouped by expert (`moe_group`), tiled products
+    /// (`moe_mm_*`) for gate, up and down, the SwiGLU and the down biases. Returns y,
     /// `[slots][d]`, with the bits of the row-per-warp kernels.
     fn moe_products_tiled(
         &self,
@@ -1327,13 +1382,13 @@ impl CudaDevice {
         unsafe { b.launch(one_block) }?;
 
         let xq = self.quantize_q8_0(x, n * d)?;
-        // SAFETY: moe_mm_mxfp4 writes the rows of every slot with a valid expert, the only
-        // ones moe_swiglu reads.
+        // SAFETY: moe_mm writes the rows of every slot with a valid expert, the only ones
+        // moe_swiglu reads.
         let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         // SAFETY: as above.
         let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        self.moe_mm_mxfp4(&w.gate, &xq, k, (&offsets, &order), &mut g)?;
-        self.moe_mm_mxfp4(&w.up, &xq, k, (&offsets, &order), &mut u)?;
+        self.moe_mm(&w.gate, &xq, k, (&offsets, &order), &mut g)?;
+        self.moe_mm(&w.up, &xq, k, (&offsets, &order), &mut u)?;
         // SAFETY: moe_swiglu writes every element.
         let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         let has_gu_bias = i32::from(w.gate_bias.is_some());
@@ -1353,10 +1408,10 @@ impl CudaDevice {
         unsafe { b.launch(grid_1d(slots * ff, OP)?) }?;
 
         let hq = self.quantize_q8_0(&h, slots * ff)?;
-        // SAFETY: moe_mm_mxfp4 writes the slots with a valid expert and moe_down_bias zeroes
-        // the others.
+        // SAFETY: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
+        // others.
         let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
-        self.moe_mm_mxfp4(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
+        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
         let has_d_bias = i32::from(w.down_bias.is_some());
         let mut b = self.builder("moe_down_bias");
         b.arg(&mut y)
@@ -1374,7 +1429,7 @@ impl CudaDevice {
 
     /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
     /// by `moe_group` (`groups` = its offsets and order); act: Q8_0 rows of `experts.cols`.
-    fn moe_mm_mxfp4(
+    fn moe_mm(
         &self,
         experts: &DeviceExperts,
         act: &CudaSlice<u8>,
@@ -1382,25 +1437,26 @@ impl CudaDevice {
         (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "moe_mm_mxfp4";
+        const OP: &str = "moe_mm";
+        let name = match experts.ty {
+            GgmlType::MXFP4 => "moe_mm_mxfp4",
+            GgmlType::Q8_0 => "moe_mm_q8_0",
+            ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
+        };
         let rows_i = i32_of(OP, "rows", experts.rows)?;
         let nb_i = i32_of(OP, "blocks per row", experts.cols / 32)?;
         let act_div_i = i32_of(OP, "act_div", act_div)?;
         let row_bytes = experts.row_bytes as u64;
         let cfg = LaunchConfig {
             grid_dim: (
-                u32_of(
-                    OP,
-                    "row tiles",
-                    experts.rows.div_ceil(MOE_TILE_ROWS as usize),
-                )?,
+                u32_of(OP, "row tiles", experts.rows.div_ceil(TILE_ROWS as usize))?,
                 u32_of(OP, "experts", experts.n_expert)?,
                 1,
             ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.builder("moe_mm_mxfp4");
+        let mut b = self.builder(name);
         b.arg(&experts.data)
             .arg(&row_bytes)
             .arg(&rows_i)
@@ -1410,7 +1466,7 @@ impl CudaDevice {
             .arg(offsets)
             .arg(order)
             .arg(out);
-        // SAFETY: argument types match `moe_mm_mxfp4`; experts holds n_expert × rows rows of
+        // SAFETY: argument types match `moe_mm_*`; experts holds n_expert × rows rows of
         // row_bytes, act the Q8_0 rows its slots name and out a row of `rows` per slot (sizes
         // from CudaDevice::moe's checks).
         unsafe { b.launch(cfg) }?;

@@ -38,10 +38,12 @@
 //!   error. Two caches used in turn are not told apart when their positions agree, so the
 //!   engine must use one at a time; [`LanguageModel::forward_multi`] takes one sequence.
 //! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
-//! - **Op offload without overlap**: a micro-batch of at least the placement's
+//! - **Op offload without overlap between layers**: a micro-batch of at least the placement's
 //!   `op_offload_min_batch` tokens runs a host layer on the GPU with the experts it routes to
-//!   uploaded from the file mapping for that batch, but the copies of layer `l + 1` do not yet
-//!   overlap the compute of layer `l` (one stream).
+//!   uploaded from the file mapping for that batch. The upload goes through pinned buffers that
+//!   the CPU pool fills while the copy engine drains them (37–44 GB/s on an H200 machine with
+//!   16 cores, against 7–8 GB/s for plain pageable copies), but the copies of layer `l + 1` do not overlap the
+//!   compute of layer `l` (one stream).
 
 use std::sync::{Mutex, PoisonError};
 

@@ -37,11 +37,11 @@ typedef unsigned long long u64;
 // Warps per block of the row-per-warp kernels; tokens per block of the matmul kernel.
 #define ROW_WARPS 4
 #define MM_TOKENS 8
-// The tiled MXFP4 expert products: weight rows and slots per block, quant blocks staged in
-// shared memory at a time, and the most experts the grouping kernel handles.
-#define MOE_TILE_ROWS 64
-#define MOE_TILE_SLOTS 32
-#define MOE_KB 8
+// The tiled Q8_0/MXFP4 products: weight rows and tokens (or expert slots) per tile, quant
+// blocks staged in shared memory at a time, and the most experts the grouping kernel handles.
+#define TILE_ROWS 64
+#define TILE_SLOTS 32
+#define TILE_KB 8
 #define MOE_MAX_EXPERTS 1024
 
 __device__ __forceinline__ float f_inf() { return __int_as_float(0x7f800000); }
@@ -852,13 +852,14 @@ MOE_WRAPPERS(bf16, TY_BF16, const float*)
 MOE_WRAPPERS(f32, TY_F32, const float*)
 
 // ---------------------------------------------------------------------------------------------
-// The MoE block for large batches of MXFP4 experts: the slots are grouped by expert
-// (moe_group), each block multiplies MOE_TILE_ROWS rows of one expert by up to MOE_TILE_SLOTS
-// of its slots at a time with both tiles staged in shared memory (weights decoded to int8), so
-// a weight row is read once per tile instead of once per slot. Each output still sums block by
-// block in order, acc = fma(isum, 2^(e-128) * d_a, acc) with isum the exact integer dot
-// product: the bits of warp_dot_mxfp4, whatever the tiling. Then moe_swiglu and
-// moe_down_bias finish what moe_gate_up_mxfp4 and moe_down_mxfp4 do after their products.
+// Tiled products for large batches of Q8_0 or MXFP4 weights: each block multiplies TILE_ROWS
+// weight rows by up to TILE_SLOTS activation rows at a time, both staged in shared memory as
+// int8 (MXFP4 decoded), so a weight row is read once per tile instead of once per token. Each
+// output keeps the row-per-warp kernels' float chain (warp_dot_q8_0 / warp_dot_mxfp4): block
+// by block in order with exact integer block sums, so the bits do not depend on the tiling.
+// Dense matmuls tile the tokens (matmul_tiled_*); the MoE block groups the expert slots by
+// expert first (moe_group) and tiles each expert's slots (moe_mm_*), then moe_swiglu and
+// moe_down_bias finish what moe_gate_up_* and moe_down_* do after their products.
 
 // offsets[e] .. offsets[e + 1]: where expert e's slots sit in `order` (ids outside
 // 0 .. n_expert are left out). One block; n_expert <= MOE_MAX_EXPERTS.
@@ -894,57 +895,73 @@ __device__ __forceinline__ int pack_i8x4(int a, int b, int c, int d) {
     return (int)(((u32)(u8)a) | ((u32)(u8)b << 8) | ((u32)(u8)c << 16) | ((u32)(u8)d << 24));
 }
 
-// out[slot][r] = w_e[r] . act[slot / act_div] for every slot of every expert e (grouped by
-// moe_group); w: [n_expert][rows] rows of nb MXFP4 blocks, act: rows of nb Q8_0 blocks.
-// grid = (ceil(rows / MOE_TILE_ROWS), n_expert), block = 256: thread t owns row
-// t % MOE_TILE_ROWS of the tile and slots 8 * (t / MOE_TILE_ROWS) .. + 7.
-extern "C" __global__ void moe_mm_mxfp4(const u8* w, u64 row_bytes, int rows, int nb,
-                                        const u8* act, int act_div, const int* offsets,
-                                        const int* order, float* out) {
-    // Row stride of 8 * MOE_KB + 4 ints: the 16-byte loads of 8 threads in a row land in
+// Stages weight block kb of row `wrow` (TY: Q8_0 or MXFP4) as 8 ints of int8 values 0..31
+// and its scale (the f16 d, or 2^(e-128)).
+template <int TY>
+__device__ __forceinline__ void stage_weight_block(const u8* wrow, int kb, int* dst, float* scale) {
+    if (TY == TY_MXFP4) {
+        const u8* wb = wrow + (u64)kb * 17u;
+        *scale = e8m0_half(wb[0]);
+        // Low nibbles are values 0..15 of the block, high nibbles 16..31.
+        for (int j = 0; j < 4; j++) {
+            const u8* q = wb + 1 + 4 * j;
+            dst[j] = pack_i8x4(mxfp4_int(q[0] & 15u), mxfp4_int(q[1] & 15u),
+                               mxfp4_int(q[2] & 15u), mxfp4_int(q[3] & 15u));
+            dst[4 + j] = pack_i8x4(mxfp4_int(q[0] >> 4), mxfp4_int(q[1] >> 4),
+                                   mxfp4_int(q[2] >> 4), mxfp4_int(q[3] >> 4));
+        }
+    } else {
+        const u8* wb = wrow + (u64)kb * 34u;
+        *scale = q8_scale(wb);
+        for (int j = 0; j < 8; j++) {
+            const u8* q = wb + 2 + 4 * j;
+            dst[j] = pack_i8x4(q[0], q[1], q[2], q[3]);
+        }
+    }
+}
+
+// out[slot][r] = w[r] . act[slot / act_div] for the slots order[beg .. end] (or beg .. end
+// themselves when order is null) and the TILE_ROWS rows from blockIdx.x * TILE_ROWS; w: rows
+// of nb blocks of TY, act: rows of nb Q8_0 blocks. block = 256: thread t owns row
+// t % TILE_ROWS of the tile and slots 8 * (t / TILE_ROWS) .. + 7 of each tile of slots.
+template <int TY>
+__device__ void tiled_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8* act,
+                           int act_div, int beg, int end, const int* order, float* out) {
+    // Row stride of 8 * TILE_KB + 4 ints: the 16-byte loads of 8 threads in a row land in
     // distinct banks.
-    __shared__ int ws[MOE_TILE_ROWS][8 * MOE_KB + 4];
-    __shared__ float wsc[MOE_TILE_ROWS][MOE_KB];
-    __shared__ int xs[MOE_TILE_SLOTS][8 * MOE_KB];
-    __shared__ float xsc[MOE_TILE_SLOTS][MOE_KB];
-    __shared__ int slot_of[MOE_TILE_SLOTS];
-    int e = blockIdx.y;
-    int beg = offsets[e], end = offsets[e + 1];
-    int r0 = blockIdx.x * MOE_TILE_ROWS;
+    __shared__ int ws[TILE_ROWS][8 * TILE_KB + 4];
+    __shared__ float wsc[TILE_ROWS][TILE_KB];
+    __shared__ int xs[TILE_SLOTS][8 * TILE_KB];
+    __shared__ float xsc[TILE_SLOTS][TILE_KB];
+    __shared__ int slot_of[TILE_SLOTS];
+    int r0 = blockIdx.x * TILE_ROWS;
     int tid = threadIdx.x;
-    int my_row = tid % MOE_TILE_ROWS;
-    int my_slots = 8 * (tid / MOE_TILE_ROWS);
-    const u8* we = w + (u64)e * (u64)rows * row_bytes;
-    for (int t0 = beg; t0 < end; t0 += MOE_TILE_SLOTS) {
-        int nt = end - t0 < MOE_TILE_SLOTS ? end - t0 : MOE_TILE_SLOTS;
+    int my_row = tid % TILE_ROWS;
+    int my_slots = 8 * (tid / TILE_ROWS);
+    // MXFP4 keeps one accumulator per output, Q8_0 eight (ggml's vec_dot order).
+    const int n_acc = TY == TY_MXFP4 ? 1 : 8;
+    for (int t0 = beg; t0 < end; t0 += TILE_SLOTS) {
+        int nt = end - t0 < TILE_SLOTS ? end - t0 : TILE_SLOTS;
         __syncthreads();  // the previous tile's stores have read slot_of
-        if (tid < MOE_TILE_SLOTS) slot_of[tid] = tid < nt ? order[t0 + tid] : -1;
-        float acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = 0.f;
-        for (int kb0 = 0; kb0 < nb; kb0 += MOE_KB) {
-            int kbn = nb - kb0 < MOE_KB ? nb - kb0 : MOE_KB;
+        if (tid < TILE_SLOTS) slot_of[tid] = tid >= nt ? -1 : order ? order[t0 + tid] : t0 + tid;
+        float acc[8][8];
+        for (int i = 0; i < 8; i++)
+            for (int k = 0; k < n_acc; k++) acc[i][k] = 0.f;
+        for (int kb0 = 0; kb0 < nb; kb0 += TILE_KB) {
+            int kbn = nb - kb0 < TILE_KB ? nb - kb0 : TILE_KB;
             __syncthreads();  // slot_of is set; the previous chunk has been used
-            for (int i = tid; i < MOE_TILE_ROWS * MOE_KB; i += blockDim.x) {
-                int r = i / MOE_KB, b = i % MOE_KB;
+            for (int i = tid; i < TILE_ROWS * TILE_KB; i += blockDim.x) {
+                int r = i / TILE_KB, b = i % TILE_KB;
                 int* dst = &ws[r][8 * b];
                 if (r0 + r < rows && b < kbn) {
-                    const u8* wb = we + (u64)(r0 + r) * row_bytes + (u64)(kb0 + b) * 17u;
-                    wsc[r][b] = e8m0_half(wb[0]);
-                    // Low nibbles are values 0..15 of the block, high nibbles 16..31.
-                    for (int j = 0; j < 4; j++) {
-                        const u8* q = wb + 1 + 4 * j;
-                        dst[j] = pack_i8x4(mxfp4_int(q[0] & 15u), mxfp4_int(q[1] & 15u),
-                                           mxfp4_int(q[2] & 15u), mxfp4_int(q[3] & 15u));
-                        dst[4 + j] = pack_i8x4(mxfp4_int(q[0] >> 4), mxfp4_int(q[1] >> 4),
-                                               mxfp4_int(q[2] >> 4), mxfp4_int(q[3] >> 4));
-                    }
+                    stage_weight_block<TY>(w + (u64)(r0 + r) * row_bytes, kb0 + b, dst, &wsc[r][b]);
                 } else {
                     wsc[r][b] = 0.f;
                     for (int j = 0; j < 8; j++) dst[j] = 0;
                 }
             }
-            for (int i = tid; i < MOE_TILE_SLOTS * MOE_KB; i += blockDim.x) {
-                int s = i / MOE_KB, b = i % MOE_KB;
+            for (int i = tid; i < TILE_SLOTS * TILE_KB; i += blockDim.x) {
+                int s = i / TILE_KB, b = i % TILE_KB;
                 int slot = slot_of[s];
                 int* dst = &xs[s][8 * b];
                 if (slot >= 0 && b < kbn) {
@@ -966,20 +983,60 @@ extern "C" __global__ void moe_mm_mxfp4(const u8* w, u64 row_bytes, int rows, in
                 float wscale = wsc[my_row][b];
                 for (int i = 0; i < 8; i++) {
                     const int* xv = &xs[my_slots + i][8 * b];
-                    int isum = 0;
-                    for (int j = 0; j < 8; j++) isum = __dp4a(wv[j], xv[j], isum);
-                    acc[i] = fmaf((float)isum, wscale * xsc[my_slots + i][b], acc[i]);
+                    float d = wscale * xsc[my_slots + i][b];
+                    if (TY == TY_MXFP4) {
+                        int isum = 0;
+                        for (int j = 0; j < 8; j++) isum = __dp4a(wv[j], xv[j], isum);
+                        acc[i][0] = fmaf((float)isum, d, acc[i][0]);
+                    } else {
+                        for (int k = 0; k < 8; k++) {
+                            acc[i][k] = fmaf(d, (float)__dp4a(wv[k], xv[k], 0), acc[i][k]);
+                        }
+                    }
                 }
             }
         }
         if (r0 + my_row < rows) {
             for (int i = 0; i < 8; i++) {
                 int s = my_slots + i;
-                if (s < nt) out[(u64)slot_of[s] * (u64)rows + (u64)(r0 + my_row)] = acc[i];
+                if (s >= nt) continue;
+                float v = acc[i][0];
+                if (TY == TY_Q8_0) {
+                    v = ((acc[i][0] + acc[i][4]) + (acc[i][2] + acc[i][6])) +
+                        ((acc[i][1] + acc[i][5]) + (acc[i][3] + acc[i][7]));
+                }
+                out[(u64)slot_of[s] * (u64)rows + (u64)(r0 + my_row)] = v;
             }
         }
     }
 }
+
+// y[t][r] = W[r] . x[t] (x: n rows of Q8_0 blocks). grid = (ceil(rows / TILE_ROWS),
+// ceil(n / TILE_SLOTS)), block = 256.
+#define MATMUL_TILED(SUFFIX, TY)                                                                \
+    extern "C" __global__ void matmul_tiled_##SUFFIX(const u8* w, u64 row_bytes, int rows,     \
+                                                     int nb, const u8* xq, int n, float* y) {  \
+        int beg = blockIdx.y * TILE_SLOTS;                                                      \
+        int end = n - beg < TILE_SLOTS ? n : beg + TILE_SLOTS;                                  \
+        tiled_impl<TY>(w, row_bytes, rows, nb, xq, 1, beg, end, nullptr, y);                    \
+    }
+
+// out[slot][r] = w_e[r] . act[slot / act_div] for every slot of every expert e (grouped by
+// moe_group); w: [n_expert][rows] rows of nb blocks. grid = (ceil(rows / TILE_ROWS), n_expert),
+// block = 256.
+#define MOE_MM(SUFFIX, TY)                                                                      \
+    extern "C" __global__ void moe_mm_##SUFFIX(const u8* w, u64 row_bytes, int rows, int nb,   \
+                                               const u8* act, int act_div, const int* offsets,  \
+                                               const int* order, float* out) {                  \
+        int e = blockIdx.y;                                                                     \
+        tiled_impl<TY>(w + (u64)e * (u64)rows * row_bytes, row_bytes, rows, nb, act, act_div,   \
+                       offsets[e], offsets[e + 1], order, out);                                 \
+    }
+
+MATMUL_TILED(q8_0, TY_Q8_0)
+MATMUL_TILED(mxfp4, TY_MXFP4)
+MOE_MM(q8_0, TY_Q8_0)
+MOE_MM(mxfp4, TY_MXFP4)
 
 // h[s][r] = swiglu(g[s][r] + bg[e][r], u[s][r] + bu[e][r]) for slot s of expert e = sel[s];
 // 0 where e is out of range. One thread per element.

@@ -44,6 +44,9 @@ pub const KERNELS: &[&str] = &[
     "moe_combine",
     "moe_group",
     "moe_mm_mxfp4",
+    "moe_mm_q8_0",
+    "matmul_tiled_q8_0",
+    "matmul_tiled_mxfp4",
     "moe_swiglu",
     "moe_down_bias",
 ];
@@ -52,8 +55,10 @@ pub const KERNELS: &[&str] = &[
 pub(crate) const ROW_WARPS: u32 = 4;
 /// Tokens per block of the matmul kernel (`MM_TOKENS` in the source).
 pub(crate) const MM_TOKENS: u32 = 8;
-/// Weight rows per block of the tiled MXFP4 expert products (`MOE_TILE_ROWS` in the source).
-pub(crate) const MOE_TILE_ROWS: u32 = 64;
+/// Weight rows per block of the tiled Q8_0/MXFP4 products (`TILE_ROWS` in the source).
+pub(crate) const TILE_ROWS: u32 = 64;
+/// Tokens (or expert slots) per tile of the tiled products (`TILE_SLOTS` in the source).
+pub(crate) const TILE_SLOTS: u32 = 32;
 /// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).
 pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
 /// Warps per block of the attention kernel (`ATT_WARPS` in the source).
@@ -196,7 +201,8 @@ mod tests {
         for (name, value) in [
             ("ROW_WARPS", ROW_WARPS as usize),
             ("MM_TOKENS", MM_TOKENS as usize),
-            ("MOE_TILE_ROWS", MOE_TILE_ROWS as usize),
+            ("TILE_ROWS", TILE_ROWS as usize),
+            ("TILE_SLOTS", TILE_SLOTS as usize),
             ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),

@@ -2,8 +2,9 @@
 //! gather, RMSNorm, GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4 weights with ggml's activation
 //! conversion (Q8_0 activations for Q8_0/MXFP4 weights), NeoX RoPE
 //! with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
-//! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block), device buffers and
-//! transfers; and [`GpuGptOss`], gpt-oss with its dense part on the GPU and each layer's
+//! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4
+//! products run tiled kernels with shared-memory tiles and `__dp4a`, with the same bits),
+//! device buffers and transfers (uploads from the file mapping through pinned buffers); and [`GpuGptOss`], gpt-oss with its dense part on the GPU and each layer's
 //! routed experts on the GPU or the host (issue #5's hybrid executor).
 //!
 //! Every entry point works on a machine without CUDA: the driver library is loaded at run

@@ -194,12 +194,13 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     emu.run("quantize", &[]);
     assert_eq!(emu.read::<u8>("out"), want, "quantize_q8_0");
 
-    // Matmul (the GEMV kernel): rows with a tail after 64 elements, gpt-oss's 2880, and 64.
+    // Matmul (the GEMV kernel; from 32 tokens the tiled kernel for Q8_0/MXFP4): rows with a
+    // tail after 64 elements, gpt-oss's 2880, and 64.
     for (rows, cols) in [(13, 160), (6, 2880), (5, 64)] {
         for ty in TYPES {
             let q = weights(&mut rng, ty, rows, cols);
             let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
-            for n in [1usize, 3, 9, 20] {
+            for n in [1usize, 3, 9, 20, 40] {
                 let x = noise(&mut rng, n * cols, 1.0);
                 emu.write("w", &q);
                 emu.write("x", &x);
@@ -230,17 +231,15 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     let (same, _) = compare(&emu.read::<f32>("w"), &w);
     assert_eq!(same, w.len(), "router weights");
 
-    // MoE: expert 3 twice (F32: 16-lane order), an out-of-range id; then MXFP4 with 80 slots
-    // (the tiled kernels: several tiles of slots for some experts, partial row tiles and
-    // shared-memory chunks, out-of-range ids).
+    // MoE: expert 3 twice (F32: 16-lane order), an out-of-range id; then Q8_0 and MXFP4 with
+    // 80 slots (the tiled kernels: several tiles of slots for some experts, partial row tiles
+    // and shared-memory chunks, out-of-range ids).
     let small: Vec<i32> = vec![3, 0, 5, 3, 7, 1, 2, 6, 4, 9];
     let large: Vec<i32> = (0..80).map(|i| [3, 3, 5, 3, 9, 3, 7, -1][i % 8]).collect();
-    let cases = TYPES.iter().map(|&ty| (ty, 64, 5, small.clone())).chain([(
-        GgmlType::MXFP4,
-        320,
-        40,
-        large,
-    )]);
+    let cases = TYPES
+        .iter()
+        .map(|&ty| (ty, 64, 5, small.clone()))
+        .chain([GgmlType::Q8_0, GgmlType::MXFP4].map(|ty| (ty, 320, 40, large.clone())));
     for (ty, d, n, sel) in cases {
         let (ne, ff, k) = (8, 96, 2);
         let (gq, uq, dq) = (

@@ -143,8 +143,8 @@ fn quantize_q8_0_gives_the_cpus_bytes() {
     assert_eq!(got, want);
 }
 
-/// The GEMV kernel reproduces the reference backend (the CPU engine's bits) exactly for Q8_0,
-/// MXFP4 and F32 weights at every batch size; F16/BF16 sum in another order, and cuBLAS
+/// The GEMV kernel (the tiled kernel from 32 tokens for Q8_0/MXFP4) reproduces the reference
+/// backend (the CPU engine's bits) exactly for Q8_0, MXFP4 and F32 weights at every batch size; F16/BF16 sum in another order, and cuBLAS
 /// (batches of 16+ with F16/BF16 weights) in its own.
 #[test]
 fn matmul_every_type_and_batch_size() {
@@ -155,7 +155,7 @@ fn matmul_every_type_and_batch_size() {
     for (rows, cols) in [(70, 160), (20, 2880)] {
         for ty in TYPES {
             let (q, deq) = weights(&mut rng, ty, rows, cols);
-            for n in [1usize, 3, 9, 20] {
+            for n in [1usize, 3, 9, 20, 40, 100] {
                 let x = noise(&mut rng, n * cols, 1.0);
                 let cublas = n >= hmoe_cuda::CUBLAS_MIN_TOKENS
                     && dev.has_cublas()
@@ -494,17 +494,14 @@ fn pinned_async_round_trip() {
 }
 
 #[test]
-fn tiled_mxfp4_moe_matches_one_token_at_a_time() {
+fn tiled_moe_matches_one_token_at_a_time() {
     let Some(dev) = device() else { return };
     // 96 tokens × 4 = 384 slots take the tiled kernels; one token (4 slots) the row-per-warp
     // ones. Every output must agree bit for bit: both sum each product block by block in
     // order. d = 2880 (90 blocks: 12 shared-memory chunks, the last partial), ff = 224
     // (a partial row tile), expert 5 with 200 slots (7 tiles of slots), ids out of range.
-    let (ty, ne, d, ff, n, k) = (GgmlType::MXFP4, 16, 2880, 224, 96, 4);
+    let (ne, d, ff, n, k) = (16, 2880, 224, 96, 4);
     let mut rng = StdRng::seed_from_u64(21);
-    let (gq, _) = weights(&mut rng, ty, ne * ff, d);
-    let (uq, _) = weights(&mut rng, ty, ne * ff, d);
-    let (dq, _) = weights(&mut rng, ty, ne * d, ff);
     let sel: Vec<i32> = (0..n * k)
         .map(|i| match i % 8 {
             0 | 2 | 4 => 5,
@@ -515,38 +512,46 @@ fn tiled_mxfp4_moe_matches_one_token_at_a_time() {
         .collect();
     let x = noise(&mut rng, n * d, 1.0);
     let wts = noise(&mut rng, n * k, 1.0);
-    let mw = MoeWeights {
-        gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),
-        up: dev.upload_experts(ty, ne, ff, d, &uq).unwrap(),
-        down: dev.upload_experts(ty, ne, d, ff, &dq).unwrap(),
-        gate_bias: Some(dev.upload(&noise(&mut rng, ne * ff, 0.5)).unwrap()),
-        up_bias: Some(dev.upload(&noise(&mut rng, ne * ff, 0.5)).unwrap()),
-        down_bias: Some(dev.upload(&noise(&mut rng, ne * d, 0.5)).unwrap()),
-    };
-    let run = |range: std::ops::Range<usize>| {
-        let m = range.len();
-        let xd = dev.upload(&x[range.start * d..range.end * d]).unwrap();
-        let sd = dev.upload(&sel[range.start * k..range.end * k]).unwrap();
-        let wd = dev.upload(&wts[range.start * k..range.end * k]).unwrap();
-        let mut out = dev.alloc_zeros::<f32>(m * d).unwrap();
-        dev.moe(&mw, &xd, &sd, &wd, k, &mut out).unwrap();
-        dev.download(&out).unwrap()
-    };
-    let t = Instant::now();
-    let batched = run(0..n);
-    let batched_s = t.elapsed().as_secs_f64();
-    for token in 0..n {
-        let one = run(token..token + 1);
-        let same = one
-            .iter()
-            .zip(&batched[token * d..(token + 1) * d])
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "token {token}: tiled and row-per-warp results differ");
+    for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
+        let (gq, _) = weights(&mut rng, ty, ne * ff, d);
+        let (uq, _) = weights(&mut rng, ty, ne * ff, d);
+        let (dq, _) = weights(&mut rng, ty, ne * d, ff);
+        let mw = MoeWeights {
+            gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),
+            up: dev.upload_experts(ty, ne, ff, d, &uq).unwrap(),
+            down: dev.upload_experts(ty, ne, d, ff, &dq).unwrap(),
+            gate_bias: Some(dev.upload(&noise(&mut rng, ne * ff, 0.5)).unwrap()),
+            up_bias: Some(dev.upload(&noise(&mut rng, ne * ff, 0.5)).unwrap()),
+            down_bias: Some(dev.upload(&noise(&mut rng, ne * d, 0.5)).unwrap()),
+        };
+        let run = |range: std::ops::Range<usize>| {
+            let m = range.len();
+            let xd = dev.upload(&x[range.start * d..range.end * d]).unwrap();
+            let sd = dev.upload(&sel[range.start * k..range.end * k]).unwrap();
+            let wd = dev.upload(&wts[range.start * k..range.end * k]).unwrap();
+            let mut out = dev.alloc_zeros::<f32>(m * d).unwrap();
+            dev.moe(&mw, &xd, &sd, &wd, k, &mut out).unwrap();
+            dev.download(&out).unwrap()
+        };
+        let t = Instant::now();
+        let batched = run(0..n);
+        let batched_s = t.elapsed().as_secs_f64();
+        for token in 0..n {
+            let one = run(token..token + 1);
+            let same = one
+                .iter()
+                .zip(&batched[token * d..(token + 1) * d])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{ty} token {token}: tiled and row-per-warp results differ"
+            );
+        }
+        eprintln!(
+            "tiled {ty} MoE of {n} tokens: {:.2} ms with uploads",
+            batched_s * 1e3
+        );
     }
-    eprintln!(
-        "tiled MoE of {n} tokens: {:.2} ms with uploads",
-        batched_s * 1e3
-    );
 }
 
 #[test]

@@ -138,6 +138,14 @@ int main(int argc, char** argv) {
         if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n * cols);
         const u8* xqp = xq.data();
         const float* xp = x.data();
+        if ((ty == 8 || ty == 39) && n >= 32) {  // device.rs: MM_TILED_MIN_TOKENS
+            launch({cdiv(rows, 64), cdiv(n, 32), 1}, {256, 1, 1}, [&] {
+                if (ty == 8) matmul_tiled_q8_0(wp, rb, rows, cols / 32, xqp, n, yp);
+                else matmul_tiled_mxfp4(wp, rb, rows, cols / 32, xqp, n, yp);
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         launch(grid, blk, [&] {
             switch (ty) {
             case 0: matmul_f32(wp, rb, xp, yp, rows, cols, n); break;
@@ -165,12 +173,13 @@ int main(int argc, char** argv) {
         const void* xa = qz ? (const void*)xq.data() : (const void*)x.data();
         float* hp = h.data();
         float* yp = y.data();
-        if (ty == 39 && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
+        if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
                 launch({cdiv(rows, 64), (unsigned)ne, 1}, {256, 1, 1}, [&] {
-                    moe_mm_mxfp4(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
+                    if (ty == 8) moe_mm_q8_0(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
+                    else moe_mm_mxfp4(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
                 });
             };
             std::vector<float> g((size_t)slots * ff), u((size_t)slots * ff);
