@@ -158,14 +158,22 @@ fn compile(options: &[String]) -> Result<String, CudaError> {
 mod tests {
     use super::*;
 
-    /// A kernel is defined directly or by a `MOE_WRAPPERS(SUFFIX, ...)` instantiation.
+    /// A kernel is defined directly or by a macro instantiation (`MOE_WRAPPERS(SUFFIX, ...)`
+    /// for `moe_gate_up_*`/`moe_down_*`, `MATMUL_TILED` and `MOE_MM` likewise).
     fn defined(name: &str) -> bool {
         if SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")) {
             return true;
         }
-        ["moe_gate_up_", "moe_down_"].iter().any(|p| {
-            name.strip_prefix(p)
-                .is_some_and(|suffix| SOURCE.contains(&format!("\nMOE_WRAPPERS({suffix}, ")))
+        [
+            ("moe_gate_up_", "MOE_WRAPPERS"),
+            ("moe_down_", "MOE_WRAPPERS"),
+            ("matmul_tiled_", "MATMUL_TILED"),
+            ("moe_mm_", "MOE_MM"),
+        ]
+        .iter()
+        .any(|(prefix, instantiation)| {
+            name.strip_prefix(prefix)
+                .is_some_and(|suffix| SOURCE.contains(&format!("\n{instantiation}({suffix}, ")))
         })
     }
 
