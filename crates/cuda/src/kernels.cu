@@ -540,13 +540,15 @@ extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_toke
 // in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc), then by halving.
 //
 // One block per (head, token); each half-warp takes one chunk of a round of ATT_CHUNKS chunks.
-// Scores are computed three times (the maximum, the sum, the values) instead of being stored.
+// Pass 1 keeps the scores in shared memory when the token sees at most ATT_SCORE_CACHE
+// positions; beyond that they are computed again in passes 2 and 3 (the same bits either way).
 // head_dim must be a multiple of 16 and at most 256. grid = (n_head, n_tokens),
 // block = ATT_WARPS * 32.
 #define ATT_WARPS 8
 #define ATT_MAX_PER_LANE 8
 #define ATT_CHUNKS (2 * ATT_WARPS)
 #define ATT_MAX_DIMS_PER_THREAD (ATT_MAX_PER_LANE * WARP / 16)
+#define ATT_SCORE_CACHE 8192
 
 // The score of the f16 key `k` against the f16-rounded query `q16` (shared memory), by the 16
 // lanes of a half-warp (l: lane within the half): one query token in ggml's vec_dot_f16 order
@@ -578,6 +580,7 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
                                     int n_head, int n_kv, int head_dim, int cells, int pos0,
                                     int window, float scale) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
+    __shared__ float sm_s[ATT_SCORE_CACHE];
     __shared__ float sm_p[ATT_CHUNKS * 16];
     __shared__ float sm_red[ATT_CHUNKS];
     __shared__ float sm_max;
@@ -592,6 +595,8 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
     int chunk0 = first / 16 * 16;
     int n_chunks = (pos + 1 - chunk0 + 15) / 16;
     int rounds = (n_chunks + ATT_CHUNKS - 1) / ATT_CHUNKS;
+    // Score of position chunk0 + j at sm_s[j] (the same for every thread of the block).
+    bool cached = n_chunks * 16 <= ATT_SCORE_CACHE;
     int single = n_tokens == 1;
     int kvh = h / (n_head / n_kv);
     u64 width = (u64)n_kv * head_dim;
@@ -612,6 +617,7 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
             u64 cell = (u64)((ok ? p : pos) % cells);
             float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
             if (ok) m = fmaxf(m, s);
+            if (ok && cached && l == i) sm_s[16 * c + i] = s;
         }
     }
     m = warp_max(m);
@@ -630,12 +636,17 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
     for (int r = 0; r < rounds; r++) {
         int c = r * ATT_CHUNKS + hw;
         float mine = 0.f;
-        for (int i = 0; i < 16; i++) {
-            int p = chunk0 + 16 * c + i;
-            bool ok = c < n_chunks && p >= first && p <= pos;
-            u64 cell = (u64)((ok ? p : pos) % cells);
-            float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
-            if (ok && l == i) mine = expf_ggml(s - big);
+        if (cached) {
+            int p = chunk0 + 16 * c + l;
+            if (c < n_chunks && p >= first && p <= pos) mine = expf_ggml(sm_s[16 * c + l] - big);
+        } else {
+            for (int i = 0; i < 16; i++) {
+                int p = chunk0 + 16 * c + i;
+                bool ok = c < n_chunks && p >= first && p <= pos;
+                u64 cell = (u64)((ok ? p : pos) % cells);
+                float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+                if (ok && l == i) mine = expf_ggml(s - big);
+            }
         }
         float chunk_sum = half_warp_sum16(mine);
         if (l == 0) sm_red[hw] = chunk_sum;
@@ -662,12 +673,19 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
     for (int r = 0; r < rounds; r++) {
         int c = r * ATT_CHUNKS + hw;
         float mine = 0.f;
-        for (int i = 0; i < 16; i++) {
-            int p = chunk0 + 16 * c + i;
-            bool ok = c < n_chunks && p >= first && p <= pos;
-            u64 cell = (u64)((ok ? p : pos) % cells);
-            float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
-            if (ok && l == i) mine = h2f(f2h(expf_ggml(s - big) * inv));
+        if (cached) {
+            int p = chunk0 + 16 * c + l;
+            if (c < n_chunks && p >= first && p <= pos) {
+                mine = h2f(f2h(expf_ggml(sm_s[16 * c + l] - big) * inv));
+            }
+        } else {
+            for (int i = 0; i < 16; i++) {
+                int p = chunk0 + 16 * c + i;
+                bool ok = c < n_chunks && p >= first && p <= pos;
+                u64 cell = (u64)((ok ? p : pos) % cells);
+                float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+                if (ok && l == i) mine = h2f(f2h(expf_ggml(s - big) * inv));
+            }
         }
         sm_p[hw * 16 + l] = mine;
         __syncthreads();

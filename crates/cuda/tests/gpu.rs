@@ -251,9 +251,11 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
     let (n_head, n_kv) = (8, 2);
     // (head_dim, window, cells, pos0, n_tokens): full causal; a window in a ring smaller than
     // the sequence (cells wrap); a prefill batch with a window; one token after 520 (several
-    // rounds of chunks); head dims of 16 (no 64-element step) and 80 (a tail after it).
+    // rounds of chunks); head dims of 16 (no 64-element step) and 80 (a tail after it); more
+    // positions than the kernel keeps scores of in shared memory (8192: scores recomputed).
     for (hd, window, cells, pos0, n_tokens) in [
         (64, None, 64, 20, 3),
+        (64, None, 8300, 8250, 3),
         (64, Some(8), 12, 40, 2),
         (64, Some(8), 32, 0, 20),
         (64, None, 600, 520, 1),
