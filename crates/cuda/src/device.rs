@@ -271,6 +271,27 @@ fn row_bytes(ty: GgmlType, cols: usize, op: &'static str) -> Result<usize, CudaE
     Ok(cols / block * ty.block_bytes())
 }
 
+/// A launch over `rows` in blocks of `rows_per_block` (grid x) and `n` tokens (or expert
+/// slots) in blocks of `tokens_per_block` (grid y), `threads` per block.
+fn rows_by_tokens(
+    op: &'static str,
+    (rows, rows_per_block): (usize, u32),
+    (n, tokens_per_block): (usize, u32),
+    threads: u32,
+) -> Result<LaunchConfig, CudaError> {
+    let gy = n.div_ceil(tokens_per_block as usize);
+    ensure(gy <= MAX_GRID_Y, op, || format!("{n} tokens in one call"))?;
+    Ok(LaunchConfig {
+        grid_dim: (
+            u32_of(op, "row blocks", rows.div_ceil(rows_per_block as usize))?,
+            gy as u32,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 fn grid_1d(n: usize, op: &'static str) -> Result<LaunchConfig, CudaError> {
     Ok(LaunchConfig {
         grid_dim: (u32_of(op, "elements / 256", n.div_ceil(256))?, 1, 1),
@@ -698,17 +719,7 @@ impl CudaDevice {
             i32_of(OP, "cols", w.cols)?,
             i32_of(OP, "tokens", n)?,
         );
-        let gy = n.div_ceil(MM_TOKENS as usize);
-        ensure(gy <= MAX_GRID_Y, OP, || format!("{n} tokens in one call"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32_of(OP, "row blocks", w.rows.div_ceil(ROW_WARPS as usize))?,
-                gy as u32,
-                1,
-            ),
-            block_dim: (ROW_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, MM_TOKENS), ROW_WARPS * 32)?;
         let quantized = if quantized {
             Some(self.quantize_q8_0(x, n * w.cols)?)
         } else {
@@ -773,17 +784,7 @@ impl CudaDevice {
             i32_of(OP, "blocks per row", w.cols / 32)?,
             i32_of(OP, "tokens", n)?,
         );
-        let gy = n.div_ceil(TILE_SLOTS as usize);
-        ensure(gy <= MAX_GRID_Y, OP, || format!("{n} tokens in one call"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32_of(OP, "row tiles", w.rows.div_ceil(TILE_ROWS as usize))?,
-                gy as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_by_tokens(OP, (w.rows, TILE_ROWS), (n, TILE_SLOTS), 256)?;
         let xq = self.quantize_q8_0(x, n * w.cols)?;
         let row_bytes = w.row_bytes as u64;
         let mut b = self.builder(name);
@@ -1255,16 +1256,7 @@ impl CudaDevice {
             let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
             let rb_d = w.gate.row_bytes as u64;
             let rb_ff = w.down.row_bytes as u64;
-            let block = (ROW_WARPS * 32, 1, 1);
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    u32_of(OP, "ff blocks", ff.div_ceil(ROW_WARPS as usize))?,
-                    slots as u32,
-                    1,
-                ),
-                block_dim: block,
-                shared_mem_bytes: 0,
-            };
+            let cfg = rows_by_tokens(OP, (ff, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
             let quantized = matches!(w.gate.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
             let xq = if quantized {
                 Some(self.quantize_q8_0(x, n * d)?)
@@ -1294,15 +1286,7 @@ impl CudaDevice {
             // slots × ff values; shapes checked above.
             unsafe { b.launch(cfg) }?;
 
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    u32_of(OP, "d blocks", d.div_ceil(ROW_WARPS as usize))?,
-                    slots as u32,
-                    1,
-                ),
-                block_dim: block,
-                shared_mem_bytes: 0,
-            };
+            let cfg = rows_by_tokens(OP, (d, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
             let hq = if quantized {
                 Some(self.quantize_q8_0(&h, slots * ff)?)
             } else {
