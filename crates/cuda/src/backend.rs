@@ -257,7 +257,7 @@ impl Backend for CudaDevice {
             for &e in ids {
                 v.extend_from_slice(b.get(e * w..(e + 1) * w).ok_or_else(|| bad("bias"))?);
             }
-            CudaDevice::upload(self, &v)
+            self.upload_for_offload(&v)
         };
         Ok(MoeWeights {
             gate: parts(&t.gate, ff, d)?,

@@ -226,11 +226,14 @@ pub struct AttnParams {
 
 /// A CUDA device with a stream, the compiled kernels and (when libcublas loads) a cuBLAS
 /// handle. Every op is queued on the one stream; [`CudaDevice::synchronize`] waits for them,
-/// and the downloads wait by themselves.
+/// and the downloads wait by themselves. Op offload's uploads go on a second stream, so that
+/// they overlap the work queued before them; cudarc's events order every buffer's use
+/// across the two streams.
 pub struct CudaDevice {
     info: GpuInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    copy_stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
     blas: Option<CudaBlas>,
     ptx_origin: PtxOrigin,
@@ -322,6 +325,7 @@ impl CudaDevice {
                 funcs.insert(name, module.load_function(name)?);
             }
             let stream = ctx.new_stream()?;
+            let copy_stream = ctx.new_stream()?;
             let blas = if crate::cublas_present() {
                 Some(CudaBlas::new(stream.clone())?)
             } else {
@@ -332,6 +336,7 @@ impl CudaDevice {
                 info,
                 ctx,
                 stream,
+                copy_stream,
                 funcs,
                 blas,
                 ptx_origin,
@@ -378,6 +383,13 @@ impl CudaDevice {
     /// A new device buffer holding a copy of `src`.
     pub fn upload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.clone_htod(src)?)
+    }
+
+    /// [`CudaDevice::upload`] on the copy stream, for op offload: a copy from pageable memory
+    /// waits for its stream's earlier work, which on the compute stream would hold the host
+    /// until the layers queued before had run.
+    pub fn upload_for_offload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.copy_stream.clone_htod(src)?)
     }
 
     /// Copies `src` into the start of `dst` (queued on the stream; `src` is read before this
@@ -553,14 +565,14 @@ impl CudaDevice {
             },
         )?;
         // SAFETY: every byte is written by the staged copies below before any kernel reads it
-        // (they are queued on the stream ahead of every later op).
-        let mut data = unsafe { self.stream.alloc::<u8>(parts.len() * eb) }?;
+        // (kernels on the compute stream wait for the buffer's write event).
+        let mut data = unsafe { self.copy_stream.alloc::<u8>(parts.len() * eb) }?;
         let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         if staging.is_none() {
             *staging = Some(Staging::new(&self.ctx)?);
         }
         if let Some(ring) = staging.as_mut() {
-            ring.upload(&self.stream, parts, eb, &mut data)?;
+            ring.upload(&self.copy_stream, parts, eb, &mut data)?;
         }
         Ok(DeviceExperts {
             ty,

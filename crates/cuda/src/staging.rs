@@ -49,7 +49,8 @@ impl Staging {
 
     /// Queues on `stream` the upload of `parts` (each `part_len` bytes, concatenated) into
     /// the start of `dst`. Returns once every byte has been gathered into a slot; the last
-    /// copies may still be running (the stream orders them before later work on it).
+    /// copies may still be running (dst's write event, recorded after them, orders them before
+    /// its later uses on any stream).
     pub(crate) fn upload(
         &mut self,
         stream: &Arc<CudaStream>,

@@ -22,6 +22,7 @@
 use std::path::PathBuf;
 
 use hmoe_cuda::backend::Backend;
+use hmoe_cuda::gpt_oss::PREFETCH_ROUTES_PER_EXPERT;
 use hmoe_cuda::{CudaDevice, GpuGptOss, RefBackend};
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{ExpertHome, ExpertPlacement, GptOss, KvType, LanguageModel, LogitsWanted};
@@ -239,16 +240,34 @@ fn check_fixture<B: Backend>(
             None => (n_host * steps, 0),
             Some(_) => (n_host * (steps - n_cases), n_host * n_cases),
         };
+        // A prompt that routes to nearly every expert uploads each host layer's experts while
+        // the host layer before it runs (all but the first).
+        let p = cpu.params();
+        let prefetches = match op_offload {
+            None => 0,
+            Some(_) => {
+                cases
+                    .iter()
+                    .filter(|c| {
+                        let n = c["prompt_tokens"].as_array().unwrap().len();
+                        n * p.n_expert_used >= PREFETCH_ROUTES_PER_EXPERT * p.n_expert
+                    })
+                    .count() as u64
+                    * n_host.saturating_sub(1)
+            }
+        };
         assert_eq!(stats.ubatches, steps, "{name}");
         assert_eq!(stats.host_round_trips, trips, "{name}");
         assert_eq!(stats.offloaded_layers, offloads, "{name}");
+        assert_eq!(stats.prefetched_layers, prefetches, "{name}");
         eprintln!(
             "{file} {name}: max |Δp| vs CPU {worst_cpu:.2e}, vs golden {worst_golden:.2e}, \
-             {} host round trips, {} offloaded layers ({} experts), {:.1} MiB of weights on \
-             the GPU",
+             {} host round trips, {} offloaded layers ({} experts, {} prefetched), {:.1} MiB \
+             of weights on the GPU",
             stats.host_round_trips,
             stats.offloaded_layers,
             stats.offloaded_experts,
+            stats.prefetched_layers,
             gpu.weight_bytes() as f64 / (1 << 20) as f64
         );
         report.push((name, worst_cpu));
