@@ -48,6 +48,8 @@ pub trait Backend: Send + Sync {
 
     /// A name for messages (`CUDA0`).
     fn name(&self) -> String;
+    /// Device memory free now, in bytes; `None` where there is no limit to respect.
+    fn free_memory(&self) -> Result<Option<u64>, CudaError>;
     /// A buffer holding a copy of `src`.
     fn upload<T: Elem>(&self, src: &[T]) -> Result<Self::Buf<T>, CudaError>;
     /// A zeroed buffer of `len` elements.
@@ -192,6 +194,9 @@ impl Backend for CudaDevice {
 
     fn name(&self) -> String {
         self.info().device_name()
+    }
+    fn free_memory(&self) -> Result<Option<u64>, CudaError> {
+        Ok(Some(self.mem_info()?.0))
     }
     fn upload<T: Elem>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
         CudaDevice::upload(self, src)

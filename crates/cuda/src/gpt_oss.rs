@@ -45,8 +45,10 @@
 //!   16 cores, against 7–8 GB/s for plain pageable copies), on the device's copy stream. When
 //!   the batch routes to nearly every expert ([`PREFETCH_ROUTES_PER_EXPERT`]) every expert is
 //!   uploaded, and the next host layer's upload starts as soon as this layer's MoE is queued,
-//!   so that it overlaps this layer's compute; the GPU then holds two layers' experts. Smaller
-//!   batches wait for the routing and upload the chosen experts only, without overlap.
+//!   so that it overlaps this layer's compute; the GPU then holds two layers' experts, which
+//!   it does only while its free memory has room for them ([`PREFETCH_RESERVE_BYTES`] more).
+//!   Smaller batches wait for the routing and upload the chosen experts only, without
+//!   overlap.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -181,6 +183,10 @@ pub struct GpuStats {
 /// about e^-4 ≈ 2% of the experts go unused, and since no routing is awaited, the next host
 /// layer's upload starts before this layer's compute and overlaps it.
 pub const PREFETCH_ROUTES_PER_EXPERT: usize = 4;
+
+/// Device memory left free beside a prefetched layer's experts (the running layer's scratch
+/// buffers come out of it); with less room the next layer is uploaded when it is reached.
+pub const PREFETCH_RESERVE_BYTES: u64 = 512 << 20;
 
 /// One layer's weights on the GPU.
 struct LayerWeights<B: Backend> {
@@ -585,7 +591,7 @@ impl<B: Backend> GpuGptOss<B> {
                     // the CPU pool gathers while the GPU computes.
                     let next =
                         (l + 1..self.layers.len()).find(|&j| self.layers[j].experts.is_none());
-                    if let Some(nl) = next {
+                    if let Some(nl) = next.filter(|&nl| self.room_for_experts(nl)) {
                         prefetched = Some((nl, self.upload_layer_experts(st, nl)?));
                         st.stats.prefetched_layers += 1;
                     }
@@ -610,6 +616,20 @@ impl<B: Backend> GpuGptOss<B> {
         let mut logits = dev.alloc::<f32>(n_rows * p.n_vocab)?;
         dev.matmul(&self.output, &normed, n_rows, &mut logits)?;
         Ok(dev.download(&logits)?)
+    }
+
+    /// Whether the device has room for every expert of host layer `layer` beside what it holds
+    /// now and [`PREFETCH_RESERVE_BYTES`] (always, on a backend without a limit; never, if the
+    /// free memory cannot be read).
+    fn room_for_experts(&self, layer: usize) -> bool {
+        let Some(t) = self.host.layer_experts(layer) else {
+            return false;
+        };
+        let need = t.n_expert as u64 * t.expert_bytes() + PREFETCH_RESERVE_BYTES;
+        match self.dev.free_memory() {
+            Ok(free) => free.is_none_or(|free| free >= need),
+            Err(_) => false,
+        }
     }
 
     /// Every expert of host layer `layer` on the GPU, uploaded from the file mapping (op

@@ -76,12 +76,22 @@ pub struct RefStaging {
 #[derive(Default)]
 pub struct RefBackend {
     staged: Mutex<u64>,
+    free_memory: Option<u64>,
 }
 
 impl RefBackend {
-    /// A new reference backend.
+    /// A new reference backend (no memory limit).
     pub fn new() -> RefBackend {
         RefBackend::default()
+    }
+
+    /// A reference backend that reports `bytes` of free device memory (buffers take none of
+    /// it), for the executor's decisions that depend on room.
+    pub fn with_free_memory(bytes: u64) -> RefBackend {
+        RefBackend {
+            free_memory: Some(bytes),
+            ..RefBackend::default()
+        }
     }
 
     /// Round trips staged so far (calls of `stage_down`).
@@ -354,6 +364,9 @@ impl Backend for RefBackend {
 
     fn name(&self) -> String {
         "reference".into()
+    }
+    fn free_memory(&self) -> Result<Option<u64>, CudaError> {
+        Ok(self.free_memory)
     }
     fn upload<T: Elem>(&self, src: &[T]) -> Result<Vec<T>, CudaError> {
         Ok(src.to_vec())
