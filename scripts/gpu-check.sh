@@ -18,6 +18,8 @@
 #                     model (hmoe make-test-model, ~7 GB in $TMPDIR) and benches it
 #   HMOE_BENCH_ARGS   extra bench flags (default: -p 512 -n 128 -r 3)
 #   HMOE_SKIP_TESTS   1: skip the CUDA test executables (gpu_compare and bench only)
+#   HMOE_COMPARE_JOBS, HMOE_COMPARE_THREADS  gpu_compare.py's runs at a time (default 6) and
+#                     CPU threads each (default 2)
 #   CUDA_HOME         CUDA install (default /usr/local/cuda): its lib64 goes on LD_LIBRARY_PATH
 #   HMOE_CUDA_CACHE   the kernel PTX cache (default: a fresh folder, so the first test compiles)
 #   HMOE_STEP_TIMEOUT seconds any one step may run before it is killed (default 240), so that
