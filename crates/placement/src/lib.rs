@@ -41,9 +41,11 @@
 //!     the worst case that perplexity and speculative verification need);
 //!   - inputs: one f16 `T × n_kv` attention mask per cache kind (full, sliding) used there;
 //!   - op offload staging: when op offload is on and `T ≥ 32`, matmuls whose weights are on
-//!     the CPU run on the GPU of their layer (else CUDA0) for that ubatch; the GPU holds the
-//!     two largest such weights at once (one in use, one being copied), and runs the expert
-//!     phase.
+//!     the CPU run on the GPU of their layer (else CUDA0) for that ubatch, and the GPU runs
+//!     the expert phase; it holds the larger of the two largest such weights (one in use, one
+//!     being copied, as ggml's scheduler does) and one layer's offloaded experts (hmoe's GPU
+//!     executor uploads a layer's gate, up and down together and keeps them until the layer's
+//!     MoE has run; it prefetches a second layer only into memory left free beyond that).
 //! * **compute** on the CPU: the buffers the hmoe engine's forward pass allocates (they are
 //!   freed between phases, so the largest phase counts), for `T` tokens (`n_ubatch`, or the
 //!   run's prompt when shorter) and `R` logits rows (1 for a generation run, else `T`):

@@ -3,6 +3,8 @@
 //!
 //! The memory model is described in the crate documentation.
 
+use std::collections::HashMap;
+
 use regex::Regex;
 
 use crate::device::{DeviceBudget, DeviceId};
@@ -331,7 +333,11 @@ struct Activity {
     output: bool,
     mask_full: bool,
     mask_swa: bool,
+    /// The two largest CPU weights offloaded to this device.
     staging: [u64; 2],
+    /// Offloaded expert bytes per layer (hmoe's GPU executor uploads a layer's experts
+    /// together and keeps them until its MoE has run).
+    expert_staging: HashMap<u32, u64>,
 }
 
 impl Activity {
@@ -341,6 +347,13 @@ impl Activity {
         } else if bytes > self.staging[1] {
             self.staging[1] = bytes;
         }
+    }
+
+    /// Device memory op offload needs: the larger of two weights at once (one in use, one
+    /// being copied, as ggml's scheduler does) and one layer's experts (hmoe's executor).
+    fn staging_bytes(&self) -> u64 {
+        let layer = self.expert_staging.values().copied().max().unwrap_or(0);
+        (self.staging[0] + self.staging[1]).max(layer)
     }
 }
 
@@ -572,6 +585,11 @@ impl<'a> Planner<'a> {
                 };
                 let a = &mut act[target + 1];
                 a.stage(tensor.n_bytes);
+                if let (TensorKind::Experts, LayerGroup::Block(il)) =
+                    (self.kinds[i], self.groups[i])
+                {
+                    *a.expert_staging.entry(il).or_default() += tensor.n_bytes;
+                }
                 match self.kinds[i] {
                     TensorKind::Experts => a.experts = true,
                     TensorKind::OutputHead => a.output = true,
@@ -678,7 +696,7 @@ impl<'a> Planner<'a> {
             if a.mask_swa {
                 inputs += t * cells_swa * 2;
             }
-            u[d].compute = peak + inputs + a.staging[0] + a.staging[1];
+            u[d].compute = peak + inputs + a.staging_bytes();
         }
         u
     }

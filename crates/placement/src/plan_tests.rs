@@ -268,6 +268,27 @@ fn cpu_moe_moves_expert_weights_and_biases_but_not_router() {
     assert_eq!(gpu0(&p).layers, 4);
 }
 
+/// Op offload stages one whole layer's experts on the GPU (hmoe's executor uploads gate, up
+/// and down, with their biases, and keeps them until the layer's MoE has run): with the
+/// expert phase on the GPU either way, turning it on adds exactly one layer's expert bytes.
+#[test]
+fn op_offload_stages_one_layers_experts() {
+    let (t, s) = model(small_dims());
+    let compute = |op_offload: bool| {
+        let f = PlacementFlags {
+            op_offload,
+            ..with_rules(off(), &[TensorRule::NCpuMoe(1)])
+        };
+        gpu0(&plan(&t, &s, &gpus(&[GIB]), &f).unwrap()).compute
+    };
+    let layer0: u64 = t
+        .iter()
+        .filter(|x| x.name.starts_with("blk.0.") && x.name.contains("_exps"))
+        .map(|x| x.n_bytes)
+        .sum();
+    assert_eq!(compute(true) - compute(false), layer0);
+}
+
 #[test]
 fn n_cpu_moe_takes_the_first_layers_only() {
     let d = GptOssDims {
@@ -854,7 +875,13 @@ fn fit_works_per_gpu() {
         ..fit_flags(Some(4096), 0)
     };
     let p = plan(&t, &s, &gpus(&[free, free]), &f).unwrap();
-    assert_eq!(p.fit_cpu_expert_layers, vec![4], "the last layer on CUDA0");
+    // With op offload the first layer moved to the CPU frees nothing: prefill stages one
+    // layer's experts on CUDA0 again. The second one frees a layer's worth.
+    assert_eq!(
+        p.fit_cpu_expert_layers,
+        vec![3, 4],
+        "the last layers on CUDA0"
+    );
     assert_eq!(p.device(DeviceId::Gpu(1)).unwrap().expert_layers, 3);
 }
 
