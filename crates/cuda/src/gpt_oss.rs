@@ -53,6 +53,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use hmoe_gguf::GgufModel;
+use hmoe_model::hybrid::ExpertTensors;
 use hmoe_model::kv_cache::CacheType;
 use hmoe_model::{
     ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss, GptOssParams, KvCache,
@@ -325,12 +326,7 @@ impl<B: Backend> GpuGptOss<B> {
             let f = |s: &str| upload_f32(&dev, g, &n(s));
             let experts = match home {
                 ExpertHome::Host => None,
-                ExpertHome::Device => {
-                    let t = host.layer_experts(l).ok_or_else(|| {
-                        GpuModelError::Placement(format!("layer {l} has no experts"))
-                    })?;
-                    Some(dev.upload_moe(&t, None)?)
-                }
+                ExpertHome::Device => Some(dev.upload_moe(&experts_of(&host, l)?, None)?),
             };
             let lw = LayerWeights {
                 attn_norm: f("attn_norm.weight")?,
@@ -584,7 +580,7 @@ impl<B: Backend> GpuGptOss<B> {
                 None if upload_all => {
                     let w = match prefetched.take() {
                         Some((pl, w)) if pl == l => w,
-                        _ => self.upload_layer_experts(st, l)?,
+                        _ => self.upload_offloaded(st, l, None)?,
                     };
                     dev.moe(&w, &h, &sel, &wts, k_used, &mut moe)?;
                     // Queued behind this layer's work: the next host layer's upload, which
@@ -592,7 +588,7 @@ impl<B: Backend> GpuGptOss<B> {
                     let next =
                         (l + 1..self.layers.len()).find(|&j| self.layers[j].experts.is_none());
                     if let Some(nl) = next.filter(|&nl| self.room_for_experts(nl)) {
-                        prefetched = Some((nl, self.upload_layer_experts(st, nl)?));
+                        prefetched = Some((nl, self.upload_offloaded(st, nl, None)?));
                         st.stats.prefetched_layers += 1;
                     }
                 }
@@ -622,7 +618,7 @@ impl<B: Backend> GpuGptOss<B> {
     /// now and [`PREFETCH_RESERVE_BYTES`] (always, on a backend without a limit; never, if the
     /// free memory cannot be read).
     fn room_for_experts(&self, layer: usize) -> bool {
-        let Some(t) = self.host.layer_experts(layer) else {
+        let Ok(t) = experts_of(&self.host, layer) else {
             return false;
         };
         let need = t.n_expert as u64 * t.expert_bytes() + PREFETCH_RESERVE_BYTES;
@@ -632,21 +628,20 @@ impl<B: Backend> GpuGptOss<B> {
         }
     }
 
-    /// Every expert of host layer `layer` on the GPU, uploaded from the file mapping (op
-    /// offload of a micro-batch that routes to nearly all of them).
-    fn upload_layer_experts(
+    /// The experts `ids` (every one when `None`) of host layer `layer` on the GPU, uploaded
+    /// from the file mapping for op offload and counted in the stats.
+    fn upload_offloaded(
         &self,
         st: &mut State<B>,
         layer: usize,
+        ids: Option<&[usize]>,
     ) -> Result<B::Moe, GpuModelError> {
-        let t = self
-            .host
-            .layer_experts(layer)
-            .ok_or_else(|| GpuModelError::Placement(format!("layer {layer} has no experts")))?;
-        let w = self.dev.upload_moe(&t, None)?;
+        let t = experts_of(&self.host, layer)?;
+        let w = self.dev.upload_moe(&t, ids)?;
+        let n = ids.map_or(t.n_expert, <[usize]>::len) as u64;
         st.stats.offloaded_layers += 1;
-        st.stats.offloaded_experts += t.n_expert as u64;
-        st.stats.offload_bytes += t.n_expert as u64 * t.expert_bytes();
+        st.stats.offloaded_experts += n;
+        st.stats.offload_bytes += n * t.expert_bytes();
         Ok(w)
     }
 
@@ -661,19 +656,12 @@ impl<B: Backend> GpuGptOss<B> {
         out: &mut B::Buf<f32>,
     ) -> Result<(), GpuModelError> {
         let dev = &self.dev;
-        let k_used = self.host.params().n_expert_used;
-        let t = self
-            .host
-            .layer_experts(layer)
-            .ok_or_else(|| GpuModelError::Placement(format!("layer {layer} has no experts")))?;
+        let p = self.host.params();
         let chosen = dev.download(sel)?;
-        let (ids, remapped) = compact_ids(&chosen, t.n_expert);
-        let w = dev.upload_moe(&t, Some(&ids))?;
+        let (ids, remapped) = compact_ids(&chosen, p.n_expert);
+        let w = self.upload_offloaded(st, layer, Some(&ids))?;
         let sel_compact = dev.upload(&remapped)?;
-        dev.moe(&w, h, &sel_compact, wts, k_used, out)?;
-        st.stats.offloaded_layers += 1;
-        st.stats.offloaded_experts += ids.len() as u64;
-        st.stats.offload_bytes += ids.len() as u64 * t.expert_bytes();
+        dev.moe(&w, h, &sel_compact, wts, p.n_expert_used, out)?;
         Ok(())
     }
 
@@ -718,6 +706,12 @@ impl<B: Backend> GpuGptOss<B> {
         st.stats.bytes_to_device += 4 * (n * d) as u64;
         Ok(())
     }
+}
+
+/// The routed experts of layer `layer` of `host`, or a placement error for a layer without.
+fn experts_of(host: &GptOss, layer: usize) -> Result<ExpertTensors<'_>, GpuModelError> {
+    host.layer_experts(layer)
+        .ok_or_else(|| GpuModelError::Placement(format!("layer {layer} has no experts")))
 }
 
 /// The distinct valid expert ids of `chosen` (ascending) and `chosen` renumbered to positions
