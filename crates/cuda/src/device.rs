@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use hmoe_quant::GgmlType;
@@ -455,6 +455,13 @@ impl CudaDevice {
         Ok(buf)
     }
 
+    /// An event without timing, recorded by the caller to know when queued work has run.
+    pub(crate) fn new_event(&self) -> Result<CudaEvent, CudaError> {
+        Ok(self.ctx.new_event(Some(
+            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+        ))?)
+    }
+
     /// Queues a copy from pinned host memory to `dst` and returns at once; cudarc's events
     /// keep `src` from being reused before the copy has run.
     pub fn upload_async<T: DeviceRepr + ValidAsZeroBits>(
@@ -568,12 +575,13 @@ impl CudaDevice {
         // (kernels on the compute stream wait for the buffer's write event).
         let mut data = unsafe { self.copy_stream.alloc::<u8>(parts.len() * eb) }?;
         let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
-        if staging.is_none() {
-            *staging = Some(Staging::new(&self.ctx)?);
-        }
-        if let Some(ring) = staging.as_mut() {
-            ring.upload(&self.copy_stream, parts, eb, &mut data)?;
-        }
+        let ring = match staging.take() {
+            Some(ring) => ring,
+            None => Staging::new(self)?,
+        };
+        staging
+            .insert(ring)
+            .upload(&self.copy_stream, parts, eb, &mut data)?;
         Ok(DeviceExperts {
             ty,
             n_expert: parts.len(),

@@ -8,10 +8,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut, PinnedHostSlice,
-};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, PinnedHostSlice};
 
+use crate::device::CudaDevice;
 use crate::error::{ensure, CudaError};
 
 /// Pinned slots in the ring: one being filled, the others in flight.
@@ -28,22 +27,12 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// Allocates the ring's pinned slots (`SLOTS × SLOT_BYTES` of page-locked memory).
-    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Staging, CudaError> {
-        let mut slots = Vec::with_capacity(SLOTS);
-        for _ in 0..SLOTS {
-            // SAFETY: every byte of a slot is written by `gather` before a copy reads it.
-            let buf = unsafe {
-                ctx.alloc_pinned_with_flags::<u8>(
-                    SLOT_BYTES,
-                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
-                )
-            }?;
-            let done = ctx.new_event(Some(
-                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-            ))?;
-            slots.push((buf, done));
-        }
+    /// Allocates the ring's pinned slots on `dev` (`SLOTS × SLOT_BYTES` of page-locked
+    /// memory).
+    pub(crate) fn new(dev: &CudaDevice) -> Result<Staging, CudaError> {
+        let slots = (0..SLOTS)
+            .map(|_| Ok((dev.alloc_pinned::<u8>(SLOT_BYTES)?, dev.new_event()?)))
+            .collect::<Result<_, CudaError>>()?;
         Ok(Staging { slots, next: 0 })
     }
 
