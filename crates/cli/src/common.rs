@@ -5,11 +5,13 @@ use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{KvType, LanguageModel};
 
-use hmoe_model::ExpertPlacement;
 use hmoe_placement::{plan, DeviceId, ModelShape, TensorDesc};
 
-use crate::engine_select::{choose_engine, gpu_executor_arch, EngineChoice, EngineInputs};
-use crate::placement_args::{PlacementArgs, Probed};
+use crate::engine_select::{
+    choose_engine, gpu_executor_arch, load_device, plan_error, plan_flags, EngineChoice,
+    EngineDevice, EngineInputs,
+};
+use crate::placement_args::{PlacementArgs, Probed, Selected};
 
 /// Physical cores, the default of `-t` (as llama.cpp's).
 pub use hmoe_pool::physical_cores;
@@ -47,7 +49,7 @@ pub struct ModelArgs {
 /// The engine a model was loaded on, for reports (`hmoe bench`'s backend columns).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineUsed {
-    /// `CUDA` or `CPU`, as llama-bench's `backends`.
+    /// `CUDA`, `REF0` or `CPU`, as llama-bench's `backends`.
     pub backend: &'static str,
     /// The GPU's name (empty on the CPU).
     pub gpu_info: String,
@@ -95,13 +97,19 @@ impl ModelArgs {
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
         let gguf = self.open()?;
         match self.engine_choice(&gguf)? {
-            EngineChoice::Gpu { ordinal, placement } => match load_gpu(gguf, ordinal, &placement) {
-                Ok((model, used)) => {
-                    let _ = self.engine.set(used);
-                    return Ok(model);
+            EngineChoice::Device { device, placement } => {
+                match load_device(gguf, device, &placement) {
+                    Ok((model, used)) => {
+                        let _ = self.engine.set(used);
+                        return Ok(model);
+                    }
+                    // The reference device is for testing: a failure there is the answer.
+                    Err(e) if matches!(device, EngineDevice::Ref0 { .. }) => return Err(e),
+                    Err(e) => {
+                        tracing::warn!("GPU executor failed to load ({e:#}); running on the CPU")
+                    }
                 }
-                Err(e) => tracing::warn!("GPU executor failed to load ({e:#}); running on the CPU"),
-            },
+            }
             EngineChoice::Cpu { why } => {
                 if self.asks_for_gpu() {
                     tracing::warn!("running on the CPU: {why}");
@@ -142,17 +150,25 @@ impl ModelArgs {
         let selected = self
             .placement
             .selected_devices(&probed)?
-            .unwrap_or_else(|| (0..probed.gpus.len()).collect());
-        let ordinals: Vec<usize> = selected.iter().map(|&i| probed.gpus[i].index).collect();
+            .unwrap_or_else(|| (0..probed.gpus.len()).map(Selected::Cuda).collect());
+        let budget = self.placement.gpu_budget_with(&probed)?;
+        let devices: Vec<EngineDevice> = selected
+            .iter()
+            .zip(&budget.gpus)
+            .map(|(&d, b)| match d {
+                Selected::Cuda(i) => EngineDevice::Cuda(probed.gpus[i].index),
+                Selected::Ref0 => EngineDevice::Ref0 { budget: b.free },
+            })
+            .collect();
+        let names: Vec<String> = selected.iter().map(|&d| probed.name_of(d)).collect();
         let arch = gguf.metadata().architecture();
         let mut planned: Vec<(&str, DeviceId)> = Vec::new();
         let mut n_layer = 0;
-        if !ordinals.is_empty() && gpu_executor_arch(arch) {
+        if !devices.is_empty() && gpu_executor_arch(arch) {
             let shape = ModelShape::from_metadata(gguf.metadata())?;
             let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
-            let flags = self.placement.to_flags()?;
-            let budget = self.placement.gpu_budget_with(&probed)?;
-            let p = plan(&tensors, &shape, &budget, &flags)?;
+            let flags = plan_flags(self.placement.to_flags()?, &names);
+            let p = plan(&tensors, &shape, &budget, &flags).map_err(|e| plan_error(e, &names))?;
             n_layer = shape.n_layer as usize;
             planned = gguf
                 .tensors()
@@ -162,7 +178,7 @@ impl ModelArgs {
                 .collect();
         }
         Ok(choose_engine(&EngineInputs {
-            gpus: &ordinals,
+            devices: &devices,
             why_no_gpu: probed.why_none.as_deref(),
             arch,
             kv: self.kv_type()?,
@@ -196,33 +212,6 @@ impl ModelArgs {
         }
         Ok(())
     }
-}
-
-/// Loads gpt-oss onto CUDA device `ordinal` with the experts where `placement` says, and
-/// says so on stderr.
-fn load_gpu(
-    gguf: GgufModel,
-    ordinal: usize,
-    placement: &ExpertPlacement,
-) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
-    let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
-    let gpu_info = dev.info().name.clone();
-    let name = format!("CUDA{ordinal} ({gpu_info})");
-    let model = hmoe_cuda::GpuGptOss::load(gguf, dev, placement)?;
-    let n_layer = placement.layers.len();
-    eprintln!(
-        "hmoe: gpt-oss on {name}: dense part of {n_layer} layers and experts of {} on the GPU, \
-         {} on the CPU; {:.1} MiB of weights on the GPU",
-        placement.device_layers(),
-        n_layer - placement.device_layers(),
-        model.weight_bytes() as f64 / (1u64 << 20) as f64
-    );
-    let used = EngineUsed {
-        backend: "CUDA",
-        gpu_info,
-        n_gpu_layers: n_layer,
-    };
-    Ok((Box::new(model), used))
 }
 
 /// Parses `1,2,3` into token ids.

@@ -1,24 +1,41 @@
-//! Which engine runs a model: the GPU executor for gpt-oss ([`hmoe_cuda::GpuGptOss`]) when a
-//! GPU is there and the placement plan puts every layer's dense part on it, else the CPU
-//! engine, with the reason.
+//! Which engine runs a model: the device executor for gpt-oss ([`hmoe_model::DeviceGptOss`])
+//! on a CUDA GPU or on the reference device `REF0` when the placement plan puts every layer's
+//! dense part there, else the CPU engine, with the reason; and loading the model on the
+//! chosen device.
 
+use anyhow::Context;
+use hmoe_backend::{Backend, Ref0, REF0_NAME};
+use hmoe_gguf::GgufModel;
 use hmoe_model::kv_cache::CacheType;
-use hmoe_model::{ExpertPlacement, KvType};
-use hmoe_placement::DeviceId;
+use hmoe_model::{DeviceGptOss, ExecStats, ExpertPlacement, KvType, LanguageModel};
+use hmoe_placement::{DeviceId, PlacementError, PlacementFlags, TensorRule};
+
+use crate::common::EngineUsed;
+
+/// A device the executor can run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineDevice {
+    /// CUDA device `ordinal`.
+    Cuda(usize),
+    /// The reference device with `budget` bytes of memory.
+    Ref0 {
+        /// Its memory (`--gpu-mem`).
+        budget: u64,
+    },
+}
 
 /// The engine chosen for a run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineChoice {
-    /// The CPU engine, and why not the GPU.
+    /// The CPU engine, and why not a device.
     Cpu {
-        /// Why the GPU executor is not used.
+        /// Why the device executor is not used.
         why: String,
     },
-    /// The GPU executor on CUDA device `ordinal`, with each layer's experts where the plan
-    /// puts them.
-    Gpu {
-        /// The CUDA device ordinal.
-        ordinal: usize,
+    /// The device executor on `device`, with each layer's experts where the plan puts them.
+    Device {
+        /// The device.
+        device: EngineDevice,
         /// Expert homes and the op offload threshold.
         placement: ExpertPlacement,
     },
@@ -27,10 +44,10 @@ pub enum EngineChoice {
 /// What the choice depends on.
 #[derive(Clone, Debug)]
 pub struct EngineInputs<'a> {
-    /// CUDA ordinals of the GPUs the run may use (after `--device`), in the plan's order:
-    /// the plan's `Gpu(i)` is `gpus[i]`.
-    pub gpus: &'a [usize],
-    /// Why there is no GPU, when `gpus` is empty.
+    /// The devices the run may use (after `--device`), in the plan's order: the plan's
+    /// `Gpu(i)` is `devices[i]`.
+    pub devices: &'a [EngineDevice],
+    /// Why there is no GPU, when `devices` is empty.
     pub why_no_gpu: Option<&'a str>,
     /// `general.architecture`.
     pub arch: Option<&'a str>,
@@ -44,7 +61,7 @@ pub struct EngineInputs<'a> {
     pub op_offload: Option<usize>,
 }
 
-/// Whether the architecture has a GPU executor (the plan is worth making only then).
+/// Whether the architecture has a device executor (the plan is worth making only then).
 pub fn gpu_executor_arch(arch: Option<&str>) -> bool {
     arch == Some("gpt-oss")
 }
@@ -56,12 +73,13 @@ fn attn_q_layer(name: &str) -> Option<usize> {
     (tail == "attn_q.weight").then(|| layer.parse().ok())?
 }
 
-/// The engine for `i`: the GPU executor when there is a GPU, the model is gpt-oss, the K/V
-/// cache is f16, and the plan puts every layer's dense part on one GPU (each layer's experts
-/// where the plan puts them, a layer's experts as a unit); else the CPU engine and why.
+/// The engine for `i`: the device executor when there is a device, the model is gpt-oss, the
+/// K/V cache is f16, and the plan puts every layer's dense part on one device (each layer's
+/// experts where the plan puts them, a layer's experts as a unit); else the CPU engine and
+/// why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let cpu = |why: String| EngineChoice::Cpu { why };
-    if i.gpus.is_empty() {
+    if i.devices.is_empty() {
         return cpu(format!(
             "no GPU ({})",
             i.why_no_gpu.unwrap_or("none selected")
@@ -120,17 +138,147 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
             used.len()
         ));
     }
-    let Some(&ordinal) = used.first().and_then(|&g| i.gpus.get(g)) else {
+    let Some(&device) = used.first().and_then(|&g| i.devices.get(g)) else {
         return cpu("the plan names a GPU that was not probed".into());
     };
     let tensors = i.tensors.iter().map(|&(n, d)| (n, d.is_gpu()));
     match ExpertPlacement::from_tensor_devices(i.n_layer, tensors) {
-        Ok(p) => EngineChoice::Gpu {
-            ordinal,
+        Ok(p) => EngineChoice::Device {
+            device,
             placement: p.with_op_offload(i.op_offload),
         },
         Err(e) => cpu(e.to_string()),
     }
+}
+
+/// `flags` with `-ot` rules that name a device by its name in `names` (the plan's GPU `i` is
+/// `names[i]`, `REF0` for the reference device) renamed to the planner's `CUDA<i>`.
+pub fn plan_flags(mut flags: PlacementFlags, names: &[String]) -> PlacementFlags {
+    for rule in &mut flags.rules {
+        if let TensorRule::Override { device, .. } = rule {
+            if let Some(i) = names.iter().position(|n| n == device) {
+                *device = DeviceId::Gpu(i).to_string();
+            }
+        }
+    }
+    flags
+}
+
+/// A planner error with the plan's GPUs called by `names` (`REF0` where the planner says
+/// `CUDA<i>`): for a plan that does not fit, what each device lacks.
+pub fn plan_error(e: PlacementError, names: &[String]) -> anyhow::Error {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    match e {
+        PlacementError::DoesNotFit(short) => {
+            let parts: Vec<String> = short
+                .iter()
+                .map(|s| {
+                    let name = match s.device {
+                        DeviceId::Gpu(i) => names.get(i).cloned(),
+                        DeviceId::Cpu => None,
+                    };
+                    format!(
+                        "{} is {:.0} MiB short (plan {:.0} MiB + margin {:.0} MiB > {:.0} MiB \
+                         free)",
+                        name.unwrap_or_else(|| s.device.to_string()),
+                        mib(s.missing()),
+                        mib(s.projected),
+                        mib(s.margin),
+                        mib(s.free)
+                    )
+                })
+                .collect();
+            anyhow::anyhow!(
+                "the model does not fit, even with the smallest allowed context and every \
+                 movable expert on the CPU: {} (raise --gpu-mem, lower --fit-target, or put \
+                 fewer layers on the device)",
+                parts.join("; ")
+            )
+        }
+        other => other.into(),
+    }
+}
+
+/// Loads gpt-oss onto `device` with the experts where `placement` says, and says so on
+/// stderr.
+pub fn load_device(
+    gguf: GgufModel,
+    device: EngineDevice,
+    placement: &ExpertPlacement,
+) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
+    match device {
+        EngineDevice::Cuda(ordinal) => {
+            let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
+            let gpu_info = dev.info().name.clone();
+            let name = format!("CUDA{ordinal} ({gpu_info})");
+            loaded(gguf, dev, name, "CUDA", gpu_info, placement)
+        }
+        EngineDevice::Ref0 { budget } => {
+            let name = format!(
+                "{REF0_NAME} (reference device, {:.0} MiB)",
+                budget as f64 / (1u64 << 20) as f64
+            );
+            loaded(
+                gguf,
+                Ref0::with_budget(budget),
+                name,
+                REF0_NAME,
+                "reference device".into(),
+                placement,
+            )
+            .with_context(|| format!("loading the model on {REF0_NAME}"))
+        }
+    }
+}
+
+/// The device executor's counts as JSON (`hmoe run --json`'s `device_stats`): micro-batches,
+/// round trips at the expert boundary (one per CPU-expert layer per micro-batch), op offload,
+/// and the device's own count of every host ↔ device copy where it keeps one.
+pub fn stats_json(s: &ExecStats) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "ubatches": s.ubatches,
+        "host_round_trips": s.host_round_trips,
+        "bytes_to_host": s.bytes_to_host,
+        "bytes_to_device": s.bytes_to_device,
+        "offloaded_layers": s.offloaded_layers,
+        "offloaded_experts": s.offloaded_experts,
+        "prefetched_layers": s.prefetched_layers,
+    });
+    if let Some(t) = s.transfers {
+        v["transfers"] = serde_json::json!({
+            "uploads": t.uploads,
+            "upload_bytes": t.upload_bytes,
+            "downloads": t.downloads,
+            "download_bytes": t.download_bytes,
+        });
+    }
+    v
+}
+
+/// [`DeviceGptOss::load`] on `dev` and the report of it.
+fn loaded<B: Backend + 'static>(
+    gguf: GgufModel,
+    dev: B,
+    name: String,
+    backend: &'static str,
+    gpu_info: String,
+    placement: &ExpertPlacement,
+) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
+    let model = DeviceGptOss::load(gguf, dev, placement)?;
+    let n_layer = placement.layers.len();
+    eprintln!(
+        "hmoe: gpt-oss on {name}: dense part of {n_layer} layers and experts of {} on the \
+         device, {} on the CPU; {:.1} MiB of weights on the device",
+        placement.device_layers(),
+        n_layer - placement.device_layers(),
+        model.weight_bytes() as f64 / (1u64 << 20) as f64
+    );
+    let used = EngineUsed {
+        backend,
+        gpu_info,
+        n_gpu_layers: n_layer,
+    };
+    Ok((Box::new(model), used))
 }
 
 #[cfg(test)]
@@ -140,6 +288,7 @@ mod tests {
 
     const G: DeviceId = DeviceId::Gpu(0);
     const C: DeviceId = DeviceId::Cpu;
+    const CUDA0: EngineDevice = EngineDevice::Cuda(0);
 
     /// Tensor names of a 2-layer gpt-oss with `dense[l]` and `experts[l]` devices.
     fn names() -> Vec<String> {
@@ -178,7 +327,7 @@ mod tests {
     }
 
     fn choose(
-        gpus: &[usize],
+        gpus: &[EngineDevice],
         arch: &str,
         kv: KvType,
         dense: [DeviceId; 2],
@@ -188,7 +337,7 @@ mod tests {
         let devs = devices(&names, dense, experts);
         let tensors: Vec<(&str, DeviceId)> = names.iter().map(String::as_str).zip(devs).collect();
         choose_engine(&EngineInputs {
-            gpus,
+            devices: gpus,
             why_no_gpu: Some("no CUDA driver (libcuda not found)"),
             arch: Some(arch),
             kv,
@@ -205,10 +354,10 @@ mod tests {
         }
     }
 
-    fn homes(c: EngineChoice) -> (usize, Vec<ExpertHome>, Option<usize>) {
+    fn homes(c: EngineChoice) -> (EngineDevice, Vec<ExpertHome>, Option<usize>) {
         match c {
-            EngineChoice::Gpu { ordinal, placement } => {
-                (ordinal, placement.layers, placement.op_offload_min_batch)
+            EngineChoice::Device { device, placement } => {
+                (device, placement.layers, placement.op_offload_min_batch)
             }
             other => panic!("expected the GPU executor, got {other:?}"),
         }
@@ -219,24 +368,37 @@ mod tests {
         use ExpertHome::{Device as D, Host as H};
         let f16 = KvType::F16;
         assert_eq!(
-            homes(choose(&[0], "gpt-oss", f16, [G, G], [G, G])),
-            (0, vec![D, D], Some(32)),
+            homes(choose(&[CUDA0], "gpt-oss", f16, [G, G], [G, G])),
+            (CUDA0, vec![D, D], Some(32)),
             "-ngl all"
         );
         assert_eq!(
-            homes(choose(&[0], "gpt-oss", f16, [G, G], [C, C])),
-            (0, vec![H, H], Some(32)),
+            homes(choose(&[CUDA0], "gpt-oss", f16, [G, G], [C, C])),
+            (CUDA0, vec![H, H], Some(32)),
             "-ngl all --cpu-moe"
         );
         assert_eq!(
-            homes(choose(&[0], "gpt-oss", f16, [G, G], [C, G])),
-            (0, vec![H, D], Some(32)),
+            homes(choose(&[CUDA0], "gpt-oss", f16, [G, G], [C, G])),
+            (CUDA0, vec![H, D], Some(32)),
             "--n-cpu-moe 1"
         );
         assert_eq!(
-            homes(choose(&[3], "gpt-oss", f16, [G, G], [G, G])).0,
-            3,
+            homes(choose(
+                &[EngineDevice::Cuda(3)],
+                "gpt-oss",
+                f16,
+                [G, G],
+                [G, G]
+            ))
+            .0,
+            EngineDevice::Cuda(3),
             "the plan's GPU 0 is the first --device"
+        );
+        let ref0 = EngineDevice::Ref0 { budget: 1 << 30 };
+        assert_eq!(
+            homes(choose(&[ref0], "gpt-oss", f16, [G, G], [C, G])),
+            (ref0, vec![H, D], Some(32)),
+            "REF0 takes what a GPU would"
         );
     }
 
@@ -245,16 +407,16 @@ mod tests {
         let f16 = KvType::F16;
         let w = why(choose(&[], "gpt-oss", f16, [G, G], [G, G]));
         assert!(w.contains("no GPU (no CUDA driver"), "{w}");
-        let w = why(choose(&[0], "qwen3moe", f16, [G, G], [G, G]));
+        let w = why(choose(&[CUDA0], "qwen3moe", f16, [G, G], [G, G]));
         assert!(w.contains("gpt-oss only") && w.contains("qwen3moe"), "{w}");
-        let w = why(choose(&[0], "gpt-oss", KvType::F32, [G, G], [G, G]));
+        let w = why(choose(&[CUDA0], "gpt-oss", KvType::F32, [G, G], [G, G]));
         assert!(w.contains("f16 K/V"), "{w}");
-        let w = why(choose(&[0], "gpt-oss", f16, [C, C], [C, C]));
+        let w = why(choose(&[CUDA0], "gpt-oss", f16, [C, C], [C, C]));
         assert!(w.contains("no layer on the GPU"), "{w}");
-        let w = why(choose(&[0], "gpt-oss", f16, [C, G], [C, G]));
+        let w = why(choose(&[CUDA0], "gpt-oss", f16, [C, G], [C, G]));
         assert!(w.contains("1 of 2 layers"), "{w}");
         let w = why(choose(
-            &[0, 1],
+            &[CUDA0, EngineDevice::Cuda(1)],
             "gpt-oss",
             f16,
             [G, DeviceId::Gpu(1)],
@@ -262,7 +424,7 @@ mod tests {
         ));
         assert!(w.contains("over 2 GPUs"), "{w}");
         let no_plan = choose_engine(&EngineInputs {
-            gpus: &[0],
+            devices: &[CUDA0],
             why_no_gpu: None,
             arch: Some("gpt-oss"),
             kv: f16,
@@ -284,7 +446,7 @@ mod tests {
         devs[i] = C;
         let tensors: Vec<(&str, DeviceId)> = names.iter().map(String::as_str).zip(devs).collect();
         let c = choose_engine(&EngineInputs {
-            gpus: &[0],
+            devices: &[CUDA0],
             why_no_gpu: None,
             arch: Some("gpt-oss"),
             kv: KvType::F16,
@@ -293,6 +455,39 @@ mod tests {
             op_offload: None,
         });
         assert!(why(c).contains("split between host and device"));
+    }
+
+    #[test]
+    fn ref0_in_rules_and_errors() {
+        let names = vec!["REF0".to_string()];
+        let flags = PlacementFlags {
+            rules: vec![
+                TensorRule::Override {
+                    pattern: "a".into(),
+                    device: "REF0".into(),
+                },
+                TensorRule::Override {
+                    pattern: "b".into(),
+                    device: "CPU".into(),
+                },
+            ],
+            ..PlacementFlags::default()
+        };
+        let f = plan_flags(flags, &names);
+        assert!(matches!(&f.rules[0], TensorRule::Override { device, .. } if device == "CUDA0"));
+        assert!(matches!(&f.rules[1], TensorRule::Override { device, .. } if device == "CPU"));
+        let e = plan_error(
+            PlacementError::DoesNotFit(vec![hmoe_placement::Shortfall {
+                device: G,
+                projected: 300 << 20,
+                free: 100 << 20,
+                margin: 1024 << 20,
+            }]),
+            &names,
+        )
+        .to_string();
+        assert!(e.contains("REF0 is 1224 MiB short"), "{e}");
+        assert!(!e.contains("CUDA0"), "{e}");
     }
 
     #[test]

@@ -126,8 +126,8 @@ fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-/// `--list-devices`: llama.cpp's list on stdout; without CUDA an empty list and a note on
-/// stderr (exit 0).
+/// `--list-devices`: llama.cpp's list on stdout, the CUDA GPUs then the reference device
+/// `REF0` (marked as a testing device); without CUDA a note on stderr (exit 0).
 fn list_devices() -> anyhow::Result<()> {
     let probed = placement_args::Probed::now();
     print!("{}", device_list(&probed));
@@ -137,7 +137,8 @@ fn list_devices() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `Available devices:` then `  CUDA0: NAME (TOTAL MiB, FREE MiB free)` per GPU.
+/// `Available devices:` then `  CUDA0: NAME (TOTAL MiB, FREE MiB free)` per GPU, then
+/// `REF0` with its default memory (`--gpu-mem` sets it).
 fn device_list(probed: &placement_args::Probed) -> String {
     let mut out = String::from("Available devices:\n");
     for g in &probed.gpus {
@@ -149,6 +150,12 @@ fn device_list(probed: &placement_args::Probed) -> String {
             g.free_bytes >> 20
         ));
     }
+    let ref0 = placement_args::REF0_DEFAULT_BYTES >> 20;
+    out.push_str(&format!(
+        "  {}: reference device, for testing: plain Rust on the CPU, used as a GPU \
+         ({ref0} MiB, {ref0} MiB free; --gpu-mem sets it)\n",
+        hmoe_backend::REF0_NAME
+    ));
     out
 }
 
@@ -168,13 +175,17 @@ mod tests {
             }],
             why_none: None,
         };
+        let ref0 = "  REF0: reference device, for testing: plain Rust on the CPU, used as a GPU \
+                    (16384 MiB, 16384 MiB free; --gpu-mem sets it)\n";
         assert_eq!(
             device_list(&probed),
-            "Available devices:\n  CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)\n"
+            format!(
+                "Available devices:\n  CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)\n{ref0}"
+            )
         );
         assert_eq!(
             device_list(&placement_args::Probed::default()),
-            "Available devices:\n"
+            format!("Available devices:\n{ref0}")
         );
     }
 

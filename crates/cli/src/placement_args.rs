@@ -92,10 +92,23 @@ pub struct PlacementFlagArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub op_offload_min_batch: u64,
-    /// GPUs to use (`-dev`): a comma list of CUDA0, CUDA1, ... or `none` (CPU only).
-    /// Default: every GPU found. `hmoe --list-devices` shows them.
-    #[arg(long = "device", value_name = "CUDA0,...|none")]
+    /// GPUs to use (`-dev`): a comma list of CUDA0, CUDA1, ..., REF0 (the reference device,
+    /// for testing: plain Rust on the host, used as a GPU; --gpu-mem sets its memory) or
+    /// `none` (CPU only). Default: every CUDA GPU found. `hmoe --list-devices` shows them.
+    #[arg(long = "device", value_name = "CUDA0,...|REF0|none")]
     pub device: Option<String>,
+}
+
+/// Memory of the reference device `REF0` without `--gpu-mem`.
+pub const REF0_DEFAULT_BYTES: u64 = 16 << 30;
+
+/// A device `--device` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selected {
+    /// A probed CUDA GPU: its position in [`Probed::gpus`].
+    Cuda(usize),
+    /// The reference device `REF0`.
+    Ref0,
 }
 
 /// The CUDA devices of this machine, or none and why (no driver, no device).
@@ -123,9 +136,9 @@ impl Probed {
     }
 
     fn names(&self) -> String {
-        if self.gpus.is_empty() {
+        let cuda = if self.gpus.is_empty() {
             format!(
-                "none ({})",
+                "no CUDA device ({})",
                 self.why_none.as_deref().unwrap_or("no CUDA device found")
             )
         } else {
@@ -134,31 +147,48 @@ impl Probed {
                 .map(hmoe_cuda::GpuInfo::device_name)
                 .collect::<Vec<_>>()
                 .join(", ")
+        };
+        format!(
+            "{cuda}; {} (reference device, for testing)",
+            hmoe_backend::REF0_NAME
+        )
+    }
+
+    /// The name of a selected device (`CUDA0`, `REF0`).
+    pub fn name_of(&self, d: Selected) -> String {
+        match d {
+            Selected::Cuda(i) => self.gpus[i].device_name(),
+            Selected::Ref0 => hmoe_backend::REF0_NAME.to_string(),
         }
     }
 }
 
-/// Parses a `--device` list against the probed GPUs: positions in `probed.gpus` of the named
-/// devices in the order given, empty for `none`.
-pub fn parse_device_list(list: &str, probed: &Probed) -> anyhow::Result<Vec<usize>> {
+/// Parses a `--device` list against the probed GPUs: the named devices in the order given
+/// (`REF0` is always there), empty for `none`.
+pub fn parse_device_list(list: &str, probed: &Probed) -> anyhow::Result<Vec<Selected>> {
     let list = list.trim();
     if list.eq_ignore_ascii_case("none") {
         return Ok(Vec::new());
     }
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim) {
-        let index = probed
-            .gpus
-            .iter()
-            .position(|g| g.device_name().eq_ignore_ascii_case(name))
-            .with_context(|| {
-                format!(
-                    "--device: unknown device '{name}'; available: {} (or `none`)",
-                    probed.names()
-                )
-            })?;
-        anyhow::ensure!(!out.contains(&index), "--device: '{name}' is listed twice");
-        out.push(index);
+        let dev = if name.eq_ignore_ascii_case(hmoe_backend::REF0_NAME) {
+            Selected::Ref0
+        } else {
+            probed
+                .gpus
+                .iter()
+                .position(|g| g.device_name().eq_ignore_ascii_case(name))
+                .map(Selected::Cuda)
+                .with_context(|| {
+                    format!(
+                        "--device: unknown device '{name}'; available: {} (or `none`)",
+                        probed.names()
+                    )
+                })?
+        };
+        anyhow::ensure!(!out.contains(&dev), "--device: '{name}' is listed twice");
+        out.push(dev);
     }
     Ok(out)
 }
@@ -221,7 +251,8 @@ impl PlacementArgs {
     }
 
     /// [`PlacementArgs::gpu_budget`] against already probed GPUs. With `--device`, the plan's
-    /// GPU k is the k-th device listed; `--device none` means no GPU even with `--gpu-mem`.
+    /// GPU k is the k-th device listed (`REF0` has [`REF0_DEFAULT_BYTES`] without
+    /// `--gpu-mem`); `--device none` means no GPU even with `--gpu-mem`.
     pub fn gpu_budget_with(&self, probed: &Probed) -> anyhow::Result<DeviceBudget> {
         let selected = self.selected_devices(probed)?;
         let gpus = if selected.as_ref().is_some_and(Vec::is_empty) {
@@ -234,11 +265,14 @@ impl PlacementArgs {
                 .collect::<Result<Vec<_>, _>>()
                 .context("--gpu-mem")?
         } else {
-            let all: Vec<usize> = (0..probed.gpus.len()).collect();
+            let all: Vec<Selected> = (0..probed.gpus.len()).map(Selected::Cuda).collect();
             selected
                 .unwrap_or(all)
                 .iter()
-                .map(|&i| GpuBudget::new(probed.gpus[i].free_bytes))
+                .map(|&d| match d {
+                    Selected::Cuda(i) => GpuBudget::new(probed.gpus[i].free_bytes),
+                    Selected::Ref0 => GpuBudget::new(REF0_DEFAULT_BYTES),
+                })
                 .collect()
         };
         Ok(DeviceBudget {
@@ -247,9 +281,8 @@ impl PlacementArgs {
         })
     }
 
-    /// The probed GPUs `--device` names (positions in `probed.gpus`, in the order given), or
-    /// `None` without the flag.
-    pub fn selected_devices(&self, probed: &Probed) -> anyhow::Result<Option<Vec<usize>>> {
+    /// The devices `--device` names (in the order given), or `None` without the flag.
+    pub fn selected_devices(&self, probed: &Probed) -> anyhow::Result<Option<Vec<Selected>>> {
         let Some(list) = &self.args.device else {
             return Ok(None);
         };
@@ -508,7 +541,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("'CUDA3'") && err.contains("available: CUDA0"),
+            err.contains("'CUDA3'") && err.contains("available: CUDA0; REF0"),
             "{err}"
         );
         assert!(parse(&["--device", "CUDA0,CUDA0"])
@@ -522,7 +555,41 @@ mod tests {
             .gpu_budget_with(&none)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("none (no CUDA driver"), "{err}");
+        assert!(err.contains("no CUDA device (no CUDA driver"), "{err}");
         assert!(parse(&["--device", "none"]).gpu_budget_with(&none).is_ok());
+    }
+
+    #[test]
+    fn ref0_is_a_gpu_of_the_plan() {
+        let none = Probed::default();
+        let sel = |args: &[&str]| parse(args).selected_devices(&none).unwrap();
+        assert_eq!(sel(&["--device", "REF0"]), Some(vec![Selected::Ref0]));
+        assert_eq!(sel(&["--device", "ref0"]), Some(vec![Selected::Ref0]));
+        assert!(parse(&["--device", "REF0,REF0"])
+            .selected_devices(&none)
+            .is_err());
+        let free = |args: &[&str], probed: &Probed| -> Vec<u64> {
+            let b = parse(args).gpu_budget_with(probed).unwrap();
+            b.gpus.iter().map(|g| g.free >> 20).collect()
+        };
+        assert_eq!(free(&["--device", "REF0"], &none), vec![16 << 10]);
+        assert_eq!(
+            free(&["--device", "REF0", "--gpu-mem", "64MiB"], &none),
+            vec![64]
+        );
+        assert_eq!(
+            free(&[], &none),
+            Vec::<u64>::new(),
+            "never without --device"
+        );
+        let one = Probed {
+            gpus: vec![gpu(0, 70)],
+            why_none: None,
+        };
+        assert_eq!(
+            free(&["--device", "CUDA0,REF0"], &one),
+            vec![70 << 10, 16 << 10]
+        );
+        assert_eq!(one.name_of(Selected::Ref0), "REF0");
     }
 }

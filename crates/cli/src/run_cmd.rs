@@ -161,6 +161,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         if let Some(m) = memory {
             obj["memory"] = m;
         }
+        let engine = args.model.engine.get().cloned().unwrap_or_default();
+        obj["engine"] = json!(engine.backend);
+        if let Some(s) = model.device_stats() {
+            obj["device_stats"] = crate::engine_select::stats_json(&s);
+        }
         println!("{obj}");
     } else {
         if let Some(m) = &memory {

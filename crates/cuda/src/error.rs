@@ -91,3 +91,17 @@ pub(crate) fn guarded<T>(f: impl FnOnce() -> Result<T, CudaError>) -> Result<T, 
         }
     }
 }
+
+impl From<CudaError> for hmoe_backend::BackendError {
+    fn from(e: CudaError) -> hmoe_backend::BackendError {
+        use hmoe_backend::BackendError;
+        match e {
+            CudaError::Shape { op, what } => BackendError::Shape { op, what },
+            CudaError::UnsupportedType { ty, op } => BackendError::UnsupportedType { ty, op },
+            other => BackendError::Device {
+                device: "CUDA".into(),
+                message: other.to_string(),
+            },
+        }
+    }
+}

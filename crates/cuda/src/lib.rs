@@ -1,11 +1,12 @@
-//! CUDA backend for hmoe: device probe, NVRTC-compiled kernels for gpt-oss's ops (embedding
-//! gather, RMSNorm, GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4 weights with ggml's activation
-//! conversion (Q8_0 activations for Q8_0/MXFP4 weights), NeoX RoPE
-//! with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
+//! CUDA backend for hmoe: device probe, NVRTC-compiled kernels for the ops of the device
+//! contract (`hmoe-backend`: embedding gather, RMSNorm, GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4
+//! weights with ggml's activation conversion (Q8_0 activations for Q8_0/MXFP4 weights), NeoX
+//! RoPE with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4
 //! products run tiled kernels with shared-memory tiles and `__dp4a`, with the same bits),
-//! device buffers and transfers (uploads from the file mapping through pinned buffers); and [`GpuGptOss`], gpt-oss with its dense part on the GPU and each layer's
-//! routed experts on the GPU or the host (issue #5's hybrid executor).
+//! device buffers and transfers (uploads from the file mapping through pinned buffers).
+//! [`CudaDevice`] implements [`hmoe_backend::Backend`]; this crate knows no architecture (the
+//! executor that runs a model over it is `hmoe_model::executor`).
 //!
 //! Every entry point works on a machine without CUDA: the driver library is loaded at run
 //! time (never linked), and before any CUDA call the crate checks that it can be loaded, so
@@ -18,20 +19,16 @@ pub mod backend;
 pub mod cache;
 mod device;
 mod error;
-pub mod gpt_oss;
 pub mod kernels;
 mod probe;
-mod reference;
 mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
-    AttnParams, CudaDevice, DeviceExperts, DeviceMatrix, MoeWeights, RopeParams, CUBLAS_MIN_TOKENS,
-    SUPPORTED_TYPES,
+    CudaDevice, DeviceExperts, DeviceMatrix, MoeWeights, CUBLAS_MIN_TOKENS, SUPPORTED_TYPES,
 };
 pub use error::CudaError;
-pub use gpt_oss::{GpuGptOss, GpuModelError, GpuStats};
+pub use hmoe_backend::{AttnParams, RopeParams};
 pub use probe::{
     cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,
 };
-pub use reference::RefBackend;

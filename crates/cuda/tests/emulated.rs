@@ -1,6 +1,6 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
-//! against [`RefBackend`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router
+//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router
 //! and attention must give the reference backend's bits (the emulator's libm stands in for
 //! the GPU's, so `expf`-rounding differences between glibc and the GPU are not seen here);
 //! F16/BF16 products (another summation order) are only reported.
@@ -13,15 +13,13 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use half::f16;
-use hmoe_cuda::backend::Backend;
-use hmoe_cuda::{AttnParams, RefBackend};
-use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
+use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{noise, quantizer_cases, TYPES};
+use common::{noise, quantizer_cases, ref_attention, ref_moe, TYPES};
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
 trait Raw: Copy {
@@ -178,7 +176,7 @@ fn s(v: impl ToString) -> String {
 #[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_kernels_give_the_reference_backends_bits() {
     let Some(emu) = Emulator::build() else { return };
-    let cpu = RefBackend::new();
+    let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(5);
     let ggml_id = |ty: GgmlType| match ty {
         GgmlType::F32 => 0,
@@ -206,8 +204,10 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 emu.write("x", &x);
                 emu.run("matmul", &[s(ggml_id(ty)), s(rows), s(cols), s(n)]);
                 let got: Vec<f32> = emu.read("y");
-                let mut want = vec![0f32; n * rows];
-                cpu.matmul(&m, &x, n, &mut want).unwrap();
+                let xd = cpu.upload(&x).unwrap();
+                let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
+                cpu.matmul(&m, &xd, n, &mut yd).unwrap();
+                let want = cpu.download(&yd).unwrap();
                 let (same, max) = compare(&got, &want);
                 eprintln!(
                     "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
@@ -225,8 +225,13 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     let logits = noise(&mut rng, n * ne, 4.0);
     emu.write("logits", &logits);
     emu.run("router", &[s(n), s(ne), s(k)]);
-    let (mut sel, mut w) = (vec![0i32; n * k], vec![0f32; n * k]);
-    cpu.router_top_k(&logits, ne, k, &mut sel, &mut w).unwrap();
+    let (mut sel, mut w) = (
+        cpu.alloc::<i32>(n * k).unwrap(),
+        cpu.alloc::<f32>(n * k).unwrap(),
+    );
+    let ld = cpu.upload(&logits).unwrap();
+    cpu.router_top_k(&ld, ne, k, &mut sel, &mut w).unwrap();
+    let (sel, w) = (cpu.download(&sel).unwrap(), cpu.download(&w).unwrap());
     assert_eq!(emu.read::<i32>("sel"), sel, "router ids");
     let (same, _) = compare(&emu.read::<f32>("w"), &w);
     assert_eq!(same, w.len(), "router weights");
@@ -285,8 +290,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             down_bias: &bd,
         };
         let rm = cpu.upload_moe(&t, None).unwrap();
-        let mut want = vec![0f32; n * d];
-        cpu.moe(&rm, &x, &sel, &wts, k, &mut want).unwrap();
+        let want = ref_moe(&cpu, &rm, &x, &sel, &wts, k);
         let (same, max) = compare(&got, &want);
         eprintln!("moe {ty}: {same}/{} identical, max |Δ| {max:e}", got.len());
         if exact(ty) {
@@ -345,10 +349,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 ],
             );
             let got: Vec<f32> = emu.read("out");
-            let mut want = vec![0f32; q.len()];
-            let sinks_opt = with_sinks.then_some(&sinks);
-            cpu.attention(&p, &q, &kb, &vb, sinks_opt, n_tokens, pos0, &mut want)
-                .unwrap();
+            let sinks_opt = with_sinks.then_some(&sinks[..]);
+            let want = ref_attention(&cpu, &p, &q, &kb, &vb, sinks_opt, n_tokens, pos0);
             let (same, max) = compare(&got, &want);
             let what = format!(
                 "attention hd {hd} window {window:?} pos0 {pos0} n {n_tokens} sinks {with_sinks}"

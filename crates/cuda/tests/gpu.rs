@@ -1,5 +1,5 @@
 //! The CUDA test suite: every kernel against a plain-Rust reference on random data: the
-//! products, attention and the router against [`RefBackend`] (the CPU engine's numerics, which
+//! products, attention and the router against [`Ref0`] (the CPU engine's numerics, which
 //! the kernels reproduce: bit for bit where no libm `expf` or cuBLAS is involved), the rest
 //! against formulas here. Each test returns early ("no CUDA device: skipped") on a machine
 //! without a CUDA device, so these pass trivially here and check the kernels on a GPU machine
@@ -9,15 +9,14 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use half::f16;
-use hmoe_cuda::backend::Backend;
-use hmoe_cuda::{AttnParams, CudaDevice, DeviceExperts, MoeWeights, RefBackend, RopeParams};
-use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
+use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
+use hmoe_cuda::{CudaDevice, DeviceExperts, MoeWeights};
 use hmoe_quant::{dequantize_row, quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{noise, quantizer_cases, TYPES};
+use common::{noise, quantizer_cases, ref_attention, ref_moe, TYPES};
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
 fn device() -> Option<&'static CudaDevice> {
@@ -150,7 +149,7 @@ fn quantize_q8_0_gives_the_cpus_bytes() {
 fn matmul_every_type_and_batch_size() {
     let Some(dev) = device() else { return };
     let mut rng = StdRng::seed_from_u64(3);
-    let cpu = RefBackend::new();
+    let cpu = Ref0::new();
     // 160 columns: F32 rows have a tail after the last 64 elements; 2880 as gpt-oss.
     for (rows, cols) in [(70, 160), (20, 2880)] {
         for ty in TYPES {
@@ -246,7 +245,7 @@ fn rope_neox_yarn_matches_the_host_formula() {
 #[test]
 fn attention_with_sinks_window_gqa_and_a_ring_cache() {
     let Some(dev) = device() else { return };
-    let cpu = RefBackend::new();
+    let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(6);
     let (n_head, n_kv) = (8, 2);
     // (head_dim, window, cells, pos0, n_tokens): full causal; a window in a ring smaller than
@@ -306,19 +305,8 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
             dev.attention(&p, &qd, &kc, &vc, s, n_tokens, pos0, &mut out)
                 .unwrap();
             let got = dev.download(&out).unwrap();
-            let mut want = vec![0f32; q.len()];
-            let host_sinks = sinks.clone();
-            cpu.attention(
-                &p,
-                &q,
-                &k_bits,
-                &v_bits,
-                with_sinks.then_some(&host_sinks),
-                n_tokens,
-                pos0,
-                &mut want,
-            )
-            .unwrap();
+            let s = with_sinks.then_some(&sinks[..]);
+            let want = ref_attention(&cpu, &p, &q, &k_bits, &v_bits, s, n_tokens, pos0);
             let what = format!("attention hd {hd} window {window:?} sinks {with_sinks}");
             if with_sinks {
                 let scale = vec![1.0f32; want.len()];
@@ -379,7 +367,7 @@ fn router_picks_top_k_and_normalises_them() {
 #[test]
 fn moe_experts_match_the_reference_backend() {
     let Some(dev) = device() else { return };
-    let cpu = RefBackend::new();
+    let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(8);
     let (ne, d, ff, n, k) = (8, 64, 96, 5, 2);
     for ty in TYPES {
@@ -427,8 +415,7 @@ fn moe_experts_match_the_reference_backend() {
                 down_bias: bd_h,
             };
             let rm = cpu.upload_moe(&tensors, None).unwrap();
-            let mut want = vec![0f32; n * d];
-            cpu.moe(&rm, &x, &sel, &wts, k, &mut want).unwrap();
+            let want = ref_moe(&cpu, &rm, &x, &sel, &wts, k);
             // The device without biases takes the kernels' has_bias = 0 path.
             let mw = MoeWeights {
                 gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),

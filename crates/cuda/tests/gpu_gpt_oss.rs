@@ -1,4 +1,4 @@
-//! The gpt-oss executor ([`GpuGptOss`]) against the CPU engine and llama.cpp's goldens (f16
+//! The gpt-oss executor ([`DeviceGptOss`]) against the CPU engine and llama.cpp's goldens (f16
 //! KV) on the gpt-oss fixtures, for the placements of issue #5 (`-ngl all`, `-ngl all
 //! --cpu-moe`, `-ngl all --n-cpu-moe 1`, planned by hmoe-placement's real `plan()`) and op
 //! offload from 4 tokens: teacher-forced top-10 probabilities at every step, one host round
@@ -6,11 +6,11 @@
 //! prompts' host layers.
 //!
 //! Each check runs twice: on the CUDA device (skipped without one: "no CUDA device: skipped")
-//! and on [`RefBackend`], plain Rust with the kernels' semantics, which runs everywhere.
+//! and on [`Ref0`], plain Rust with the kernels' semantics, which runs everywhere.
 //!
 //! Tolerances. The executor converts activations as ggml's CPU backend does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, the attention query and probabilities rounded to f16) and sums in the
-//! CPU engine's orders, so on [`RefBackend`] its probabilities are the CPU engine's bit for
+//! CPU engine's orders, so on [`Ref0`] its probabilities are the CPU engine's bit for
 //! bit on every gpt-oss fixture (asserted). Before that (f32 activations, f64 sums) routing
 //! flips put the reference backend at max |Δp| 0.44 (tiny), 0.28 (small) and 0.03 (openai).
 //! The 5e-3 criterion of issue #5 is asserted on the reference backend for every fixture (at
@@ -21,11 +21,13 @@
 
 use std::path::PathBuf;
 
-use hmoe_cuda::backend::Backend;
-use hmoe_cuda::gpt_oss::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
-use hmoe_cuda::{CudaDevice, GpuGptOss, RefBackend};
+use hmoe_backend::{Backend, Ref0};
+use hmoe_cuda::CudaDevice;
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_model::{ExpertHome, ExpertPlacement, GptOss, KvType, LanguageModel, LogitsWanted};
+use hmoe_model::executor::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
+use hmoe_model::{
+    DeviceGptOss, ExpertHome, ExpertPlacement, GptOss, KvType, LanguageModel, LogitsWanted,
+};
 use hmoe_placement::{
     plan, DeviceBudget, GpuLayers, ModelShape, PlacementFlags, TensorDesc, TensorRule,
 };
@@ -197,7 +199,7 @@ fn check_fixture<B: Backend>(
             .iter()
             .filter(|&&h| h == ExpertHome::Host)
             .count() as u64;
-        let gpu = GpuGptOss::load(gguf, backend(), &placement).unwrap();
+        let gpu = DeviceGptOss::load(gguf, backend(), &placement).unwrap();
         let (mut worst_cpu, mut worst_golden) = (0f64, 0f64);
         let mut steps = 0u64;
         for (i, case) in cases.iter().enumerate() {
@@ -330,7 +332,7 @@ fn micro_batches_and_truncation<B: Backend>(backend: B) {
     let cpu = GptOss::load(open(file)).unwrap();
     let gguf = open(file);
     let placement = planned(&gguf, vec![TensorRule::NCpuMoe(1)]).with_op_offload(None);
-    let gpu = GpuGptOss::load(gguf, backend, &placement).unwrap();
+    let gpu = DeviceGptOss::load(gguf, backend, &placement).unwrap();
     let n_vocab = cpu.params().n_vocab;
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % n_vocab as u32).collect();
     let worst = |a: &[f32], b: &[f32]| {
@@ -387,7 +389,7 @@ fn reference_backend_f32experts_within_5e3_of_the_cpu_engine_and_the_golden() {
         "gptoss-openai-f32experts.gguf",
         "gptoss-openai-f32experts.golden-f16kv.json",
         STRICT,
-        RefBackend::new,
+        Ref0::new,
     );
 }
 
@@ -400,7 +402,7 @@ fn reference_backend_tiny_small_openai_within_5e3_of_the_cpu_engine_and_the_gold
     for stem in ["gptoss-tiny", "gptoss-small", "gptoss-openai"] {
         let gguf = format!("{stem}.gguf");
         let golden = format!("{stem}.golden-f16kv.json");
-        for (name, worst) in check_fixture(&gguf, &golden, ONE_FLIP, RefBackend::new) {
+        for (name, worst) in check_fixture(&gguf, &golden, ONE_FLIP, Ref0::new) {
             eprintln!("reference {stem} {name}: max |Δp| vs CPU {worst:.3e}");
             assert_eq!(
                 worst, 0.0,
@@ -411,15 +413,16 @@ fn reference_backend_tiny_small_openai_within_5e3_of_the_cpu_engine_and_the_gold
     }
 }
 
-/// Without room on the device for a second layer's experts the executor uploads each layer
-/// when it reaches it: no prefetch, the same bits.
+/// Without room on the device for a second layer's experts (a 256 MiB budget keeps less than
+/// the prefetch reserve free) the executor uploads each layer when it reaches it: no
+/// prefetch, the same bits.
 #[test]
 fn reference_backend_without_room_does_not_prefetch() {
     for (name, worst) in check_fixture(
         "gptoss-small.gguf",
         "gptoss-small.golden-f16kv.json",
         ONE_FLIP,
-        || RefBackend::with_free_memory(0),
+        || Ref0::with_budget(256 << 20),
     ) {
         assert_eq!(worst, 0.0, "{name}");
     }
@@ -427,7 +430,7 @@ fn reference_backend_without_room_does_not_prefetch() {
 
 #[test]
 fn reference_backend_micro_batches_and_truncation() {
-    micro_batches_and_truncation(RefBackend::new());
+    micro_batches_and_truncation(Ref0::new());
 }
 
 #[test]
@@ -435,7 +438,7 @@ fn reference_backend_stages_one_round_trip_per_host_layer() {
     let file = "gptoss-tiny.gguf";
     let gguf = open(file);
     let placement = planned(&gguf, vec![TensorRule::NCpuMoe(1)]).with_op_offload(None);
-    let gpu = GpuGptOss::load(gguf, RefBackend::new(), &placement).unwrap();
+    let gpu = DeviceGptOss::load(gguf, Ref0::new(), &placement).unwrap();
     let mut cache = gpu.new_cache(KvType::F16, 64, 8);
     LanguageModel::forward(&gpu, &mut cache, &[1, 2, 3, 4, 5], LogitsWanted::Last).unwrap();
     LanguageModel::forward(&gpu, &mut cache, &[6], LogitsWanted::Last).unwrap();

@@ -23,13 +23,16 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
+use hmoe_backend::{BackendError, ExpertView};
 use hmoe_quant::{DotKernel, GgmlType};
+
+pub use hmoe_backend::{ExpertMatrix, ExpertTensors};
 
 use crate::ops::{add_bias, matmul, QuantizedActs, RowProduct};
 
 /// SwiGLU constants of gpt-oss experts (fixed by the architecture, not stored in GGUF).
-const SWIGLU_ALPHA: f32 = 1.702;
-const SWIGLU_LIMIT: f32 = 7.0;
+pub(crate) const SWIGLU_ALPHA: f32 = 1.702;
+pub(crate) const SWIGLU_LIMIT: f32 = 7.0;
 
 /// Smallest micro-batch (tokens) for which op offload happens by default (llama.cpp's
 /// `GGML_OP_OFFLOAD_MIN_BATCH`).
@@ -75,6 +78,9 @@ pub enum ExpertDeviceError {
     /// A placement that cannot be executed.
     #[error("placement: {0}")]
     Placement(String),
+    /// A device of the contract failed (out of memory, an unsupported op, its driver).
+    #[error(transparent)]
+    Device(BackendError),
     /// The device itself failed (an implementation's driver or runtime error).
     #[error("device {device}: {message}")]
     Backend {
@@ -83,6 +89,18 @@ pub enum ExpertDeviceError {
         /// What the device reported.
         message: String,
     },
+}
+
+impl From<BackendError> for ExpertDeviceError {
+    fn from(e: BackendError) -> ExpertDeviceError {
+        match e {
+            BackendError::Shape { op, what } => ExpertDeviceError::Shape {
+                what: op,
+                detail: what,
+            },
+            other => ExpertDeviceError::Device(other),
+        }
+    }
 }
 
 fn shape_err(what: &'static str, detail: String) -> ExpertDeviceError {
@@ -185,130 +203,6 @@ fn routed_expert_layer(name: &str) -> Option<usize> {
         .iter()
         .any(|p| tail.starts_with(p))
         .then_some(layer)
-}
-
-/// One stacked expert matrix as stored in GGUF: `n_expert` matrices of `n_out` rows of
-/// `n_in` elements of type `ty`, expert after expert.
-#[derive(Clone, Copy, Debug)]
-pub struct ExpertMatrix<'a> {
-    /// Weight type (MXFP4 in published gpt-oss files).
-    pub ty: GgmlType,
-    /// Elements per row (the input size).
-    pub n_in: usize,
-    /// Rows per expert (the output size).
-    pub n_out: usize,
-    /// Raw bytes of every expert's matrix.
-    pub data: &'a [u8],
-}
-
-impl<'a> ExpertMatrix<'a> {
-    /// Bytes of one expert's matrix (`None` when `n_in` is not whole blocks of `ty`).
-    pub fn expert_bytes(&self) -> Option<usize> {
-        let row = self.ty.row_bytes(self.n_in as u64)?;
-        usize::try_from(row).ok()?.checked_mul(self.n_out)
-    }
-
-    /// Expert `e`'s matrix, if the data holds it.
-    pub fn expert(&self, e: usize) -> Option<&'a [u8]> {
-        let size = self.expert_bytes()?;
-        let start = e.checked_mul(size)?;
-        self.data.get(start..start.checked_add(size)?)
-    }
-}
-
-/// The routed experts of one layer: three stacked matrices and their biases, as in the file.
-#[derive(Clone, Copy, Debug)]
-pub struct ExpertTensors<'a> {
-    /// Experts in the layer.
-    pub n_expert: usize,
-    /// `ffn_gate_exps.weight`: `n_embd → n_ff` per expert.
-    pub gate: ExpertMatrix<'a>,
-    /// `ffn_up_exps.weight`: `n_embd → n_ff` per expert.
-    pub up: ExpertMatrix<'a>,
-    /// `ffn_down_exps.weight`: `n_ff → n_embd` per expert.
-    pub down: ExpertMatrix<'a>,
-    /// `ffn_gate_exps.bias`, `n_ff` per expert.
-    pub gate_bias: &'a [f32],
-    /// `ffn_up_exps.bias`, `n_ff` per expert.
-    pub up_bias: &'a [f32],
-    /// `ffn_down_exps.bias`, `n_embd` per expert.
-    pub down_bias: &'a [f32],
-}
-
-impl<'a> ExpertTensors<'a> {
-    /// Checks that the shapes agree (gate and up `d → ff`, down `ff → d`, data and biases of
-    /// `n_expert` experts) and returns `(d, ff)`.
-    pub fn validate(&self) -> Result<(usize, usize), ExpertDeviceError> {
-        let (d, ff) = (self.gate.n_in, self.gate.n_out);
-        let dims = |m: &ExpertMatrix<'_>| (m.n_in, m.n_out);
-        if dims(&self.up) != (d, ff) || dims(&self.down) != (ff, d) || d == 0 || ff == 0 {
-            return Err(shape_err(
-                "expert tensors",
-                format!(
-                    "gate {:?}, up {:?}, down {:?} (want gate = up = (d, ff), down = (ff, d))",
-                    dims(&self.gate),
-                    dims(&self.up),
-                    dims(&self.down)
-                ),
-            ));
-        }
-        for (what, m) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
-            let want = m.expert_bytes().and_then(|b| b.checked_mul(self.n_expert));
-            if want != Some(m.data.len()) {
-                return Err(shape_err(
-                    "expert matrix",
-                    format!(
-                        "{what}: {} bytes, want {want:?} for {} experts",
-                        m.data.len(),
-                        self.n_expert
-                    ),
-                ));
-            }
-        }
-        for (what, b, n) in [
-            ("gate bias", self.gate_bias, ff),
-            ("up bias", self.up_bias, ff),
-            ("down bias", self.down_bias, d),
-        ] {
-            if Some(b.len()) != n.checked_mul(self.n_expert) {
-                return Err(shape_err(
-                    "expert bias",
-                    format!("{what}: {} floats, want {n} × {}", b.len(), self.n_expert),
-                ));
-            }
-        }
-        Ok((d, ff))
-    }
-
-    /// Bytes one expert occupies on a device: its three matrices plus its three f32 bias rows.
-    /// Op offload of `m` experts copies `m ×` this many bytes.
-    pub fn expert_bytes(&self) -> u64 {
-        let mats: usize = [&self.gate, &self.up, &self.down]
-            .iter()
-            .map(|m| m.expert_bytes().unwrap_or(0))
-            .sum();
-        let n_ff = self.gate.n_out;
-        let n_embd = self.down.n_out;
-        (mats + 4 * (2 * n_ff + n_embd)) as u64
-    }
-
-    /// Bytes of the whole layer (every expert), as [`ExpertDevice::upload_layer`] copies it.
-    pub fn layer_bytes(&self) -> u64 {
-        self.expert_bytes() * self.n_expert as u64
-    }
-
-    /// Expert `e`'s weights (`None` when the tensors do not hold it).
-    fn view(&self, e: usize) -> Option<ExpertView<'a>> {
-        let (d, ff) = (self.down.n_out, self.gate.n_out);
-        Some(ExpertView {
-            gate: self.gate.expert(e)?,
-            up: self.up.expert(e)?,
-            down: self.down.expert(e)?,
-            gate_bias: self.gate_bias.get(e * ff..(e + 1) * ff)?,
-            up_bias: self.up_bias.get(e * ff..(e + 1) * ff)?,
-            down_bias: self.down_bias.get(e * d..(e + 1) * d)?,
-        })
-    }
 }
 
 /// One layer's expert work for a batch: the input of the experts and the router's choices.
@@ -490,17 +384,6 @@ impl ExpertKernels {
     pub(crate) fn new(gate: DotKernel, up: DotKernel, down: DotKernel) -> ExpertKernels {
         ExpertKernels { gate, up, down }
     }
-}
-
-/// One expert's weights wherever they live.
-#[derive(Clone, Copy)]
-struct ExpertView<'a> {
-    gate: &'a [u8],
-    up: &'a [u8],
-    down: &'a [u8],
-    gate_bias: &'a [f32],
-    up_bias: &'a [f32],
-    down_bias: &'a [f32],
 }
 
 /// Reusable buffers of [`mix_experts`].

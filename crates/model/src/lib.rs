@@ -1,11 +1,13 @@
 //! Model architectures over GGUF weights: hyperparameters, KV cache and the CPU forward pass.
 //!
 //! Each architecture lives in one file that reads like its math (`gpt_oss.rs`); the numeric
-//! building blocks (norms, RoPE, attention, matmul over quantized weights) live in `ops`.
+//! building blocks (norms, RoPE, attention, matmul over quantized weights) live in `ops`;
+//! [`executor`] runs gpt-oss on a device of the contract (`hmoe-backend`).
 
 mod attention;
 pub mod deepseek2;
 mod error;
+pub mod executor;
 pub mod gpt_oss;
 pub mod hybrid;
 pub mod kv_cache;
@@ -16,6 +18,7 @@ mod weights;
 
 pub use deepseek2::{Deepseek2, Deepseek2Params};
 pub use error::ModelError;
+pub use executor::{DeviceGptOss, ExecError, ExecStats};
 pub use gpt_oss::{GptOss, GptOssParams};
 pub use hybrid::{
     ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors,
@@ -62,6 +65,11 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<Vec<f32>, ModelError>;
     /// The file(s) the weights live in (metadata for tokenizer and chat template).
     fn gguf(&self) -> &hmoe_gguf::GgufModel;
+    /// What the device executor counted (micro-batches, round trips at the expert boundary,
+    /// the device's transfers), for a model that runs on a device; `None` on the CPU engine.
+    fn device_stats(&self) -> Option<ExecStats> {
+        None
+    }
     /// Runs several sequences in one pass (continuous batching): each sequence's tokens go to
     /// the next positions of its own cache, and every sequence's result is exactly what
     /// [`LanguageModel::forward`] would return for it alone (batch invariance). The default

@@ -1,5 +1,6 @@
 //! Inputs shared by the GPU tests (`gpu.rs`) and the host emulation (`emulated.rs`).
 
+use hmoe_backend::{AttnParams, Backend, GatedAct, Ref0, RefMoe};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -33,4 +34,46 @@ pub fn quantizer_cases(rng: &mut StdRng) -> (Vec<f32>, Vec<u8>) {
     let mut want = vec![0u8; x.len() / 32 * 34];
     quantize_row(GgmlType::Q8_0, &x, &mut want).unwrap();
     (x, want)
+}
+
+/// The activation of the MoE kernels, as the contract's `moe` takes it.
+pub const KERNEL_ACT: GatedAct = GatedAct::ClampedSwiglu {
+    alpha: 1.702,
+    limit: 7.0,
+};
+
+/// The reference device's expert sum of `x` over `m` (host slices in, the result out).
+pub fn ref_moe(cpu: &Ref0, m: &RefMoe, x: &[f32], sel: &[i32], wts: &[f32], k: usize) -> Vec<f32> {
+    let (xd, sd, wd) = (
+        cpu.upload(x).unwrap(),
+        cpu.upload(sel).unwrap(),
+        cpu.upload(wts).unwrap(),
+    );
+    let mut out = cpu.alloc::<f32>(x.len()).unwrap();
+    cpu.moe(m, KERNEL_ACT, &xd, &sd, &wd, k, &mut out).unwrap();
+    cpu.download(&out).unwrap()
+}
+
+/// The reference device's attention over f16 rings given as host slices.
+#[allow(clippy::too_many_arguments)]
+pub fn ref_attention(
+    cpu: &Ref0,
+    p: &AttnParams,
+    q: &[f32],
+    k_bits: &[u16],
+    v_bits: &[u16],
+    sinks: Option<&[f32]>,
+    n_tokens: usize,
+    pos0: usize,
+) -> Vec<f32> {
+    let (qd, kd, vd) = (
+        cpu.upload(q).unwrap(),
+        cpu.upload(k_bits).unwrap(),
+        cpu.upload(v_bits).unwrap(),
+    );
+    let sd = sinks.map(|s| cpu.upload(s).unwrap());
+    let mut out = cpu.alloc::<f32>(q.len()).unwrap();
+    cpu.attention(p, &qd, &kd, &vd, sd.as_ref(), n_tokens, pos0, &mut out)
+        .unwrap();
+    cpu.download(&out).unwrap()
 }

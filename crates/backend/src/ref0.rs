@@ -1,44 +1,114 @@
-//! [`RefBackend`]: the ops of [`Backend`] in plain Rust on the host, with the semantics of the
-//! CUDA kernels (weights in their file encoding, activations converted to the weight type's
-//! `vec_dot_type` as ggml does, f16 K/V rings, sinks, sliding window, top-k then softmax, the
-//! clamped SwiGLU experts). It lets the executor ([`crate::GpuGptOss`]) run and be compared
-//! with the CPU engine on a machine without a GPU; it is a test stand-in, not a fast path.
+//! [`Ref0`]: the reference device, the ops of [`Backend`] in plain Rust on the host with the
+//! semantics of hmoe's GPU kernels, behaving like a GPU: it owns copies of everything it is
+//! given (weights in their file encoding, buffers), within a byte budget (`--gpu-mem`), and
+//! counts every host ↔ device transfer. It is selectable from the command line as `REF0`
+//! (`-dev REF0`) so that every placement path runs on a machine without a GPU; it is a testing
+//! device, not a fast path.
 //!
-//! The numerics are the CPU engine's (ggml's CPU backend's), step for step as `kernels.cu`
-//! computes them, so that on the gpt-oss fixtures this backend's logits are the CPU engine's
-//! bit for bit:
+//! The numerics are the CPU engine's (ggml's CPU backend's), step for step as the CUDA kernels
+//! compute them, so that on the gpt-oss fixtures its logits are the CPU engine's bit for bit:
 //!
 //! - Products (`matmul` and the experts): each activation row is converted once to ggml's
 //!   `vec_dot_type` of the weights ([`hmoe_quant::vec_dot_type`]): Q8_0 blocks for Q8_0 and
-//!   MXFP4 weights ([`hmoe_quant::quantize_row`]; the kernels' `quantize_q8_0`), f16- or
-//!   bf16-rounded values for F16 or BF16 weights, f32 for F32. Q8_0 products sum in ggml's
-//!   `vec_dot` order (`dot_q8_0`), MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`),
-//!   F32 in `vec_dot_f32` order for one token (and for an expert only one slot routes to),
-//!   else in tinyBLAS's 16 lanes (`F32Order`). F16 and BF16 products sum in f64 here and in
-//!   lane order on the GPU (not the CPU's order).
+//!   MXFP4 weights ([`hmoe_quant::quantize_row`]), f16- or bf16-rounded values for F16 or
+//!   BF16 weights, f32 for F32. Q8_0 products sum in ggml's `vec_dot` order (`dot_q8_0`),
+//!   MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`), F32 in `vec_dot_f32` order for one
+//!   token (and for an expert only one slot routes to), else in tinyBLAS's 16 lanes
+//!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order).
 //! - Attention rounds the query and the probabilities to f16, scores and sums in the CPU
-//!   engine's orders with ggml's `expf` ([`hmoe_model::ops::expf_ggml`]).
-//! - The router's softmax and the SwiGLU call f32 `exp` (libm), as the CPU engine does; the
-//!   kernels round the f64 `exp` there, which can differ from glibc's `expf` in the last bit.
+//!   engine's orders with ggml's `expf` ([`crate::numerics::expf_ggml`]).
+//! - The router's softmax and the gated activation call f32 `exp` (libm), as the CPU engine
+//!   does.
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::{bf16, f16};
-use hmoe_model::hybrid::{ExpertMatrix, ExpertTensors};
 use hmoe_quant::GgmlType;
 
-use crate::backend::{Backend, Elem, StagedIo};
-use crate::device::{AttnParams, RopeParams, SUPPORTED_TYPES};
-use crate::error::{ensure, CudaError};
+use crate::error::ensure;
+use crate::{AttnParams, RopeParams};
+use crate::{
+    Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, StagedIo, TransferCounts,
+};
 
-/// A weight matrix in its file encoding: `rows` rows of `row_bytes` bytes.
+/// The reference device's name in device lists and messages.
+pub const REF0_NAME: &str = "REF0";
+
+/// The weight types the reference device multiplies (those of the CUDA kernels).
+pub const REF0_TYPES: [GgmlType; 5] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::MXFP4,
+];
+
+/// The device's memory: bytes held now, the most ever held, and the budget.
+#[derive(Debug)]
+struct Memory {
+    budget: Option<u64>,
+    held: Mutex<(u64, u64)>,
+}
+
+impl Memory {
+    fn lock(&self) -> MutexGuard<'_, (u64, u64)> {
+        // Only counters live behind the lock; a panic elsewhere leaves them consistent.
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Bytes of device memory taken by one allocation, given back when it is dropped.
+#[derive(Debug)]
+struct Charge {
+    mem: Arc<Memory>,
+    bytes: u64,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let mut h = self.mem.lock();
+        h.0 = h.0.saturating_sub(self.bytes);
+    }
+}
+
+/// A buffer in the reference device's memory.
+#[derive(Debug)]
+pub struct RefBuf<T> {
+    data: Vec<T>,
+    _charge: Charge,
+}
+
+impl<T> std::ops::Deref for RefBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.data
+    }
+}
+
+impl<'a, T> IntoIterator for &'a RefBuf<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.data.iter()
+    }
+}
+
+impl<T> std::ops::DerefMut for RefBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.data
+    }
+}
+
+/// A weight matrix in its file encoding: `rows` rows of `row_bytes` bytes (in the device's
+/// memory when uploaded on its own; an expert's matrix is charged with its [`RefMoe`]).
 pub struct RefMatrix {
     ty: GgmlType,
     rows: usize,
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
+    _charge: Option<Charge>,
 }
 
 impl RefMatrix {
@@ -49,7 +119,7 @@ impl RefMatrix {
 }
 
 /// One layer's experts in their file encoding: gate and up `[E][ff][d]`, down `[E][d][ff]`
-/// (each expert's matrix a [`RefMatrix`] of its rows).
+/// (each expert's matrix a [`RefMatrix`] of its rows), in the device's memory.
 pub struct RefMoe {
     ty: GgmlType,
     n_expert: usize,
@@ -62,9 +132,10 @@ pub struct RefMoe {
     gate_bias: Vec<f32>,
     up_bias: Vec<f32>,
     down_bias: Vec<f32>,
+    _charge: Option<Charge>,
 }
 
-/// Host buffers of the round trip.
+/// Host buffers of the round trip (host memory: not charged to the device).
 pub struct RefStaging {
     h: Vec<f32>,
     sel: Vec<i32>,
@@ -72,41 +143,132 @@ pub struct RefStaging {
     out: Vec<f32>,
 }
 
-/// The reference backend; counts the round trips it stages.
-#[derive(Default)]
-pub struct RefBackend {
-    staged: Mutex<u64>,
-    free_memory: Option<u64>,
+/// The reference device `REF0` (see the module docs).
+pub struct Ref0 {
+    mem: Arc<Memory>,
+    counts: Mutex<TransferCounts>,
+    trips: Mutex<u64>,
 }
 
-impl RefBackend {
-    /// A new reference backend (no memory limit).
-    pub fn new() -> RefBackend {
-        RefBackend::default()
+impl Default for Ref0 {
+    fn default() -> Self {
+        Ref0::new()
+    }
+}
+
+impl Ref0 {
+    /// A reference device without a memory limit.
+    pub fn new() -> Ref0 {
+        Ref0::with_budget_opt(None)
     }
 
-    /// A reference backend that reports `bytes` of free device memory (buffers take none of
-    /// it), for the executor's decisions that depend on room.
-    pub fn with_free_memory(bytes: u64) -> RefBackend {
-        RefBackend {
-            free_memory: Some(bytes),
-            ..RefBackend::default()
+    /// A reference device with `bytes` of memory: an allocation beyond it is
+    /// [`BackendError::OutOfMemory`], and [`Backend::free_memory`] reports what is left.
+    pub fn with_budget(bytes: u64) -> Ref0 {
+        Ref0::with_budget_opt(Some(bytes))
+    }
+
+    fn with_budget_opt(budget: Option<u64>) -> Ref0 {
+        Ref0 {
+            mem: Arc::new(Memory {
+                budget,
+                held: Mutex::new((0, 0)),
+            }),
+            counts: Mutex::new(TransferCounts::default()),
+            trips: Mutex::new(0),
         }
+    }
+
+    /// The memory budget (`None`: unlimited).
+    pub fn budget(&self) -> Option<u64> {
+        self.mem.budget
+    }
+
+    /// Bytes of device memory held now.
+    pub fn bytes_held(&self) -> u64 {
+        self.mem.lock().0
+    }
+
+    /// The most bytes of device memory held at once so far.
+    pub fn peak_bytes(&self) -> u64 {
+        self.mem.lock().1
     }
 
     /// Round trips staged so far (calls of `stage_down`).
     pub fn round_trips(&self) -> u64 {
-        *self
-            .staged
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *self.trips.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes `bytes` of device memory for `what`, or [`BackendError::OutOfMemory`].
+    fn charge(&self, what: &'static str, bytes: u64) -> Result<Charge, BackendError> {
+        let mut h = self.mem.lock();
+        if let Some(total) = self.mem.budget {
+            let free = total.saturating_sub(h.0);
+            if bytes > free {
+                return Err(BackendError::OutOfMemory {
+                    device: REF0_NAME.into(),
+                    what,
+                    requested: bytes,
+                    free,
+                    total,
+                });
+            }
+        }
+        h.0 += bytes;
+        h.1 = h.1.max(h.0);
+        Ok(Charge {
+            mem: Arc::clone(&self.mem),
+            bytes,
+        })
+    }
+
+    /// A device buffer of `data` (charged).
+    fn buf<T: Elem>(&self, what: &'static str, data: Vec<T>) -> Result<RefBuf<T>, BackendError> {
+        let charge = self.charge(what, (data.len() * T::BYTES) as u64)?;
+        Ok(RefBuf {
+            data,
+            _charge: charge,
+        })
+    }
+
+    fn count(&self) -> MutexGuard<'_, TransferCounts> {
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn count_up(&self, bytes: usize) {
+        let mut c = self.count();
+        c.uploads += 1;
+        c.upload_bytes += bytes as u64;
+    }
+
+    fn count_down(&self, bytes: usize) {
+        let mut c = self.count();
+        c.downloads += 1;
+        c.download_bytes += bytes as u64;
+    }
+
+    fn upload_any<T: Elem>(&self, src: &[T]) -> Result<RefBuf<T>, BackendError> {
+        let b = self.buf("upload", src.to_vec())?;
+        self.count_up(std::mem::size_of_val(src));
+        Ok(b)
+    }
+
+    fn alloc_any<T: Elem>(&self, len: usize) -> Result<RefBuf<T>, BackendError> {
+        self.buf("alloc", vec![T::default(); len])
+    }
+
+    fn download_any<T: Elem>(&self, src: &RefBuf<T>) -> Result<Vec<T>, BackendError> {
+        self.count_down(src.data.len() * T::BYTES);
+        Ok(src.data.clone())
     }
 }
 
 /// Checks `data` as `rows` rows of `cols` elements of `ty` and keeps it.
-fn matrix(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<RefMatrix, CudaError> {
+fn matrix(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<RefMatrix, BackendError> {
     const OP: &str = "reference upload";
-    ensure(SUPPORTED_TYPES.contains(&ty), OP, || format!("type {ty}"))?;
+    if !REF0_TYPES.contains(&ty) {
+        return Err(BackendError::UnsupportedType { ty, op: OP });
+    }
     let rb = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
     ensure(rb > 0 && data.len() == rows * rb, OP, || {
         format!("{} bytes for {rows} rows of {cols} {ty}", data.len())
@@ -117,11 +279,13 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<RefMatr
         cols,
         row_bytes: rb,
         data: data.to_vec(),
+        _charge: None,
     })
 }
 
-fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> CudaError {
-    move |e| CudaError::Shape {
+/// A quantizer error as a shape error of `op`.
+fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> BackendError {
+    move |e| BackendError::Shape {
         op,
         what: e.to_string(),
     }
@@ -175,7 +339,7 @@ enum Acts {
 
 /// `x` converted for a product with weights of type `ty`, as ggml converts it (the kernels:
 /// `quantize_q8_0`, and the rounding in `warp_dot_rounded`).
-fn acts(ty: GgmlType, x: &[f32]) -> Result<Acts, CudaError> {
+fn acts(ty: GgmlType, x: &[f32]) -> Result<Acts, BackendError> {
     const OP: &str = "reference activations";
     let vt = hmoe_quant::vec_dot_type(ty);
     match vt {
@@ -193,7 +357,7 @@ fn acts(ty: GgmlType, x: &[f32]) -> Result<Acts, CudaError> {
             hmoe_quant::quantize_row(vt, x, &mut q).map_err(quant_err(OP))?;
             Ok(Acts::Q8_0(q))
         }
-        other => Err(CudaError::UnsupportedType { ty: other, op: OP }),
+        other => Err(BackendError::UnsupportedType { ty: other, op: OP }),
     }
 }
 
@@ -346,49 +510,80 @@ fn score_lanes(q16: &[f32], k: &[u16]) -> f32 {
     hsum16(&lanes)
 }
 
-fn swiglu_oai(g: f32, u: f32) -> f32 {
-    let x = g.min(7.0);
-    let y = u.clamp(-7.0, 7.0);
-    x / (1.0 + (-1.702 * x).exp()) * (y + 1.0)
-}
-
-fn shape(op: &'static str, ok: bool, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+fn shape(op: &'static str, ok: bool, what: impl FnOnce() -> String) -> Result<(), BackendError> {
     ensure(ok, op, what)
 }
 
-impl Backend for RefBackend {
-    type Buf<T: Elem> = Vec<T>;
+impl Backend for Ref0 {
+    type Buf<T: Elem> = RefBuf<T>;
     type Matrix = RefMatrix;
     type Moe = RefMoe;
     type Staging = RefStaging;
 
     fn name(&self) -> String {
-        "reference".into()
+        REF0_NAME.into()
     }
-    fn free_memory(&self) -> Result<Option<u64>, CudaError> {
-        Ok(self.free_memory)
+    fn free_memory(&self) -> Result<Option<u64>, BackendError> {
+        Ok(self.mem.budget.map(|b| b.saturating_sub(self.bytes_held())))
     }
-    fn upload<T: Elem>(&self, src: &[T]) -> Result<Vec<T>, CudaError> {
-        Ok(src.to_vec())
+    fn transfers(&self) -> Option<TransferCounts> {
+        Some(*self.count())
     }
-    fn alloc<T: Elem>(&self, len: usize) -> Result<Vec<T>, CudaError> {
-        Ok(vec![T::default(); len])
+    fn upload_f32(&self, src: &[f32]) -> Result<RefBuf<f32>, BackendError> {
+        self.upload_any(src)
     }
-    fn download<T: Elem>(&self, src: &Vec<T>) -> Result<Vec<T>, CudaError> {
-        Ok(src.clone())
+    fn upload_i32(&self, src: &[i32]) -> Result<RefBuf<i32>, BackendError> {
+        self.upload_any(src)
     }
-    fn buf_len<T: Elem>(b: &Vec<T>) -> usize {
-        b.len()
+    fn upload_u16(&self, src: &[u16]) -> Result<RefBuf<u16>, BackendError> {
+        self.upload_any(src)
     }
-    fn copy_range(&self, src: &Vec<f32>, range: Range<usize>) -> Result<Vec<f32>, CudaError> {
-        src.get(range.clone())
+    fn upload_u8(&self, src: &[u8]) -> Result<RefBuf<u8>, BackendError> {
+        self.upload_any(src)
+    }
+    fn alloc_f32(&self, len: usize) -> Result<RefBuf<f32>, BackendError> {
+        self.alloc_any(len)
+    }
+    fn alloc_i32(&self, len: usize) -> Result<RefBuf<i32>, BackendError> {
+        self.alloc_any(len)
+    }
+    fn alloc_u16(&self, len: usize) -> Result<RefBuf<u16>, BackendError> {
+        self.alloc_any(len)
+    }
+    fn alloc_u8(&self, len: usize) -> Result<RefBuf<u8>, BackendError> {
+        self.alloc_any(len)
+    }
+    fn download_f32(&self, src: &RefBuf<f32>) -> Result<Vec<f32>, BackendError> {
+        self.download_any(src)
+    }
+    fn download_i32(&self, src: &RefBuf<i32>) -> Result<Vec<i32>, BackendError> {
+        self.download_any(src)
+    }
+    fn download_u16(&self, src: &RefBuf<u16>) -> Result<Vec<u16>, BackendError> {
+        self.download_any(src)
+    }
+    fn download_u8(&self, src: &RefBuf<u8>) -> Result<Vec<u8>, BackendError> {
+        self.download_any(src)
+    }
+    fn buf_len<T: Elem>(b: &RefBuf<T>) -> usize {
+        b.data.len()
+    }
+    fn copy_range(
+        &self,
+        src: &RefBuf<f32>,
+        range: Range<usize>,
+    ) -> Result<RefBuf<f32>, BackendError> {
+        let data = src
+            .data
+            .get(range.clone())
             .map(<[f32]>::to_vec)
-            .ok_or_else(|| CudaError::Shape {
+            .ok_or_else(|| BackendError::Shape {
                 op: "copy_range",
-                what: format!("{range:?} of {}", src.len()),
-            })
+                what: format!("{range:?} of {}", src.data.len()),
+            })?;
+        self.buf("copy_range", data)
     }
-    fn synchronize(&self) -> Result<(), CudaError> {
+    fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
     }
     fn upload_matrix(
@@ -397,8 +592,11 @@ impl Backend for RefBackend {
         rows: usize,
         cols: usize,
         data: &[u8],
-    ) -> Result<RefMatrix, CudaError> {
-        matrix(ty, rows, cols, data)
+    ) -> Result<RefMatrix, BackendError> {
+        let mut m = matrix(ty, rows, cols, data)?;
+        m._charge = Some(self.charge("upload_matrix", data.len() as u64)?);
+        self.count_up(data.len());
+        Ok(m)
     }
     fn matrix_bytes(m: &RefMatrix) -> usize {
         m.data.len()
@@ -407,11 +605,11 @@ impl Backend for RefBackend {
         &self,
         t: &ExpertTensors<'_>,
         ids: Option<&[usize]>,
-    ) -> Result<RefMoe, CudaError> {
+    ) -> Result<RefMoe, BackendError> {
         let (d, ff) = (t.gate.n_in, t.gate.n_out);
         let all: Vec<usize> = (0..t.n_expert).collect();
         let ids = ids.unwrap_or(&all);
-        let missing = || CudaError::Shape {
+        let missing = || BackendError::Shape {
             op: "upload_moe",
             what: "expert missing from the tensors".into(),
         };
@@ -437,6 +635,7 @@ impl Backend for RefBackend {
             gate_bias: Vec::new(),
             up_bias: Vec::new(),
             down_bias: Vec::new(),
+            _charge: None,
         };
         for &e in ids {
             let pairs: [(&mut Vec<RefMatrix>, &ExpertMatrix<'_>, usize, usize); 3] = [
@@ -458,12 +657,19 @@ impl Backend for RefBackend {
                 m.bytes += 4 * w;
             }
         }
+        m._charge = Some(self.charge("upload_moe", m.bytes as u64)?);
+        self.count_up(m.bytes);
         Ok(m)
     }
     fn moe_bytes(m: &RefMoe) -> usize {
         m.bytes
     }
-    fn get_rows(&self, t: &RefMatrix, ids: &Vec<i32>, out: &mut Vec<f32>) -> Result<(), CudaError> {
+    fn get_rows(
+        &self,
+        t: &RefMatrix,
+        ids: &RefBuf<i32>,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         shape("get_rows", out.len() >= ids.len() * t.cols, || {
             format!("out {}", out.len())
         })?;
@@ -479,11 +685,11 @@ impl Backend for RefBackend {
     }
     fn rms_norm(
         &self,
-        x: &Vec<f32>,
-        weight: &Vec<f32>,
+        x: &RefBuf<f32>,
+        weight: &RefBuf<f32>,
         eps: f32,
-        out: &mut Vec<f32>,
-    ) -> Result<(), CudaError> {
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         let n = weight.len();
         shape(
             "rms_norm",
@@ -502,10 +708,10 @@ impl Backend for RefBackend {
     fn matmul(
         &self,
         w: &RefMatrix,
-        x: &Vec<f32>,
+        x: &RefBuf<f32>,
         n: usize,
-        y: &mut Vec<f32>,
-    ) -> Result<(), CudaError> {
+        y: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         shape(
             "matmul",
             x.len() >= n * w.cols && y.len() >= n * w.rows,
@@ -525,12 +731,12 @@ impl Backend for RefBackend {
         }
         Ok(())
     }
-    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), CudaError> {
+    fn add_assign(&self, x: &mut RefBuf<f32>, y: &RefBuf<f32>) -> Result<(), BackendError> {
         shape("add_assign", y.len() >= x.len(), || "lengths".into())?;
         x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
         Ok(())
     }
-    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>) -> Result<(), CudaError> {
+    fn add_bias(&self, x: &mut RefBuf<f32>, bias: &RefBuf<f32>) -> Result<(), BackendError> {
         let c = bias.len();
         shape("add_bias", c > 0 && x.len().is_multiple_of(c), || {
             "lengths".into()
@@ -542,12 +748,12 @@ impl Backend for RefBackend {
     }
     fn rope_neox(
         &self,
-        x: &mut Vec<f32>,
-        positions: &Vec<i32>,
+        x: &mut RefBuf<f32>,
+        positions: &RefBuf<i32>,
         n_heads: usize,
         head_dim: usize,
         p: &RopeParams,
-    ) -> Result<(), CudaError> {
+    ) -> Result<(), BackendError> {
         shape(
             "rope_neox",
             x.len() >= positions.len() * n_heads * head_dim && p.n_dims <= head_dim,
@@ -569,13 +775,13 @@ impl Backend for RefBackend {
     }
     fn kv_store_f16(
         &self,
-        src: &Vec<f32>,
-        cache: &mut Vec<u16>,
+        src: &RefBuf<f32>,
+        cache: &mut RefBuf<u16>,
         n_tokens: usize,
         width: usize,
         cells: usize,
         pos0: usize,
-    ) -> Result<(), CudaError> {
+    ) -> Result<(), BackendError> {
         shape(
             "kv_store_f16",
             cells > 0 && src.len() >= n_tokens * width && cache.len() >= cells * width,
@@ -592,14 +798,14 @@ impl Backend for RefBackend {
     fn attention(
         &self,
         p: &AttnParams,
-        q: &Vec<f32>,
-        k_cache: &Vec<u16>,
-        v_cache: &Vec<u16>,
-        sinks: Option<&Vec<f32>>,
+        q: &RefBuf<f32>,
+        k_cache: &RefBuf<u16>,
+        v_cache: &RefBuf<u16>,
+        sinks: Option<&RefBuf<f32>>,
         n_tokens: usize,
         pos0: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<(), CudaError> {
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
         let kvw = nkv * hd;
         shape(
@@ -662,7 +868,7 @@ impl Backend for RefBackend {
                         if chunk_start + i < first {
                             0.0
                         } else {
-                            hmoe_model::ops::expf_ggml(s - m)
+                            crate::numerics::expf_ggml(s - m)
                         }
                     })
                     .collect();
@@ -699,12 +905,12 @@ impl Backend for RefBackend {
     }
     fn router_top_k(
         &self,
-        logits: &Vec<f32>,
+        logits: &RefBuf<f32>,
         n_expert: usize,
         k: usize,
-        selected: &mut Vec<i32>,
-        weights: &mut Vec<f32>,
-    ) -> Result<(), CudaError> {
+        selected: &mut RefBuf<i32>,
+        weights: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         shape(
             "router_top_k",
             n_expert > 0 && k > 0 && k <= n_expert && logits.len().is_multiple_of(n_expert),
@@ -734,12 +940,13 @@ impl Backend for RefBackend {
     fn moe(
         &self,
         w: &RefMoe,
-        x: &Vec<f32>,
-        selected: &Vec<i32>,
-        weights: &Vec<f32>,
+        act: GatedAct,
+        x: &RefBuf<f32>,
+        selected: &RefBuf<i32>,
+        weights: &RefBuf<f32>,
         k: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<(), CudaError> {
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         let (d, ff) = (w.d, w.ff);
         shape("moe", k > 0 && x.len().is_multiple_of(d), || "x".into())?;
         let n = x.len() / d;
@@ -778,7 +985,7 @@ impl Backend for RefBackend {
                 for (r, hv) in h.iter_mut().enumerate() {
                     let g = row_dot(w.ty, gate.row(r), &xa, order) + w.gate_bias[e * ff + r];
                     let u = row_dot(w.ty, up.row(r), &xa, order) + w.up_bias[e * ff + r];
-                    *hv = swiglu_oai(g, u);
+                    *hv = act.apply(g, u);
                 }
                 let ha = acts(w.ty, &h)?;
                 let wt = weights[t * k + j];
@@ -790,7 +997,7 @@ impl Backend for RefBackend {
         }
         Ok(())
     }
-    fn staging(&self, n_d: usize, n_k: usize) -> Result<RefStaging, CudaError> {
+    fn staging(&self, n_d: usize, n_k: usize) -> Result<RefStaging, BackendError> {
         Ok(RefStaging {
             h: vec![0.0; n_d],
             sel: vec![0; n_k],
@@ -801,10 +1008,10 @@ impl Backend for RefBackend {
     fn stage_down(
         &self,
         st: &mut RefStaging,
-        h: &Vec<f32>,
-        sel: &Vec<i32>,
-        w: &Vec<f32>,
-    ) -> Result<(), CudaError> {
+        h: &RefBuf<f32>,
+        sel: &RefBuf<i32>,
+        w: &RefBuf<f32>,
+    ) -> Result<(), BackendError> {
         shape(
             "stage_down",
             st.h.len() == h.len() && st.sel.len() == sel.len() && st.w.len() == w.len(),
@@ -813,13 +1020,11 @@ impl Backend for RefBackend {
         st.h.copy_from_slice(h);
         st.sel.copy_from_slice(sel);
         st.w.copy_from_slice(w);
-        *self
-            .staged
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+        self.count_down(4 * (h.len() + sel.len() + w.len()));
+        *self.trips.lock().unwrap_or_else(PoisonError::into_inner) += 1;
         Ok(())
     }
-    fn staged<'s>(&self, st: &'s mut RefStaging) -> Result<StagedIo<'s>, CudaError> {
+    fn staged<'s>(&self, st: &'s mut RefStaging) -> Result<StagedIo<'s>, BackendError> {
         Ok(StagedIo {
             h: &st.h,
             sel: &st.sel,
@@ -827,9 +1032,10 @@ impl Backend for RefBackend {
             out: &mut st.out,
         })
     }
-    fn stage_up(&self, st: &RefStaging, out: &mut Vec<f32>) -> Result<(), CudaError> {
+    fn stage_up(&self, st: &RefStaging, out: &mut RefBuf<f32>) -> Result<(), BackendError> {
         shape("stage_up", out.len() >= st.out.len(), || "lengths".into())?;
         out[..st.out.len()].copy_from_slice(&st.out);
+        self.count_up(4 * st.out.len());
         Ok(())
     }
 }
@@ -837,51 +1043,82 @@ impl Backend for RefBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::rngs::StdRng;
-    use rand::{Rng, SeedableRng};
 
-    /// `rows × cols` weights of `ty` quantized from noise.
-    fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
-        let mut q = vec![0u8; rows * rb];
-        for row in q.chunks_exact_mut(rb) {
-            let src: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-            hmoe_quant::quantize_row(ty, &src, row).unwrap();
-        }
-        q
+    #[test]
+    fn budget_is_enforced_and_freed_on_drop() {
+        let dev = Ref0::with_budget(1000);
+        assert_eq!(dev.free_memory().unwrap(), Some(1000));
+        let a = dev.alloc::<f32>(200).unwrap();
+        assert_eq!(
+            (dev.bytes_held(), dev.free_memory().unwrap()),
+            (800, Some(200))
+        );
+        let err = match dev.upload(&[0u16; 101]) {
+            Err(e) => e,
+            Ok(_) => panic!("202 bytes fit in 200"),
+        };
+        assert!(
+            matches!(&err, BackendError::OutOfMemory { device, requested: 202, free: 200, total: 1000, .. } if device == "REF0"),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("REF0: out of memory") && msg.contains("MiB missing"),
+            "{msg}"
+        );
+        drop(a);
+        assert_eq!(dev.bytes_held(), 0);
+        assert_eq!(dev.peak_bytes(), 800);
+        let q = vec![0u8; 34 * 4];
+        let m = dev.upload_matrix(GgmlType::Q8_0, 4, 32, &q).unwrap();
+        assert_eq!(dev.bytes_held(), 136);
+        drop(m);
+        assert_eq!(dev.bytes_held(), 0);
+        assert_eq!(Ref0::new().free_memory().unwrap(), None);
     }
 
-    /// The reference backend's products are the CPU engine's, bit for bit, for the types whose
-    /// order it follows (Q8_0, MXFP4, F32 one token and batches), including F32 rows with a
-    /// tail after the last 64 elements.
     #[test]
-    fn matmul_is_the_cpu_engines_bit_for_bit() {
-        let mut rng = StdRng::seed_from_u64(11);
-        let be = RefBackend::new();
-        for ty in [GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::F32] {
-            for (rows, cols) in [(37, 256), (9, 160), (5, 2880)] {
-                let q = weights(&mut rng, ty, rows, cols);
-                let m = be.upload_matrix(ty, rows, cols, &q).unwrap();
-                for n in [1usize, 3, 9] {
-                    let x: Vec<f32> = (0..n * cols)
-                        .map(|_| rng.random_range(-3.0f32..3.0))
-                        .collect();
-                    let mut got = vec![0f32; n * rows];
-                    be.matmul(&m, &x, n, &mut got).unwrap();
-                    let kernel = hmoe_quant::DotKernel::best(ty).unwrap();
-                    let mut qa = hmoe_model::ops::QuantizedActs::default();
-                    qa.quantize(kernel.act_type(), &x, cols);
-                    let mut want = vec![0f32; n * rows];
-                    hmoe_model::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "{ty} {rows}x{cols} n={n} [{i}]: {g} vs {w}"
-                        );
-                    }
-                }
-            }
-        }
+    fn every_transfer_is_counted() {
+        let dev = Ref0::new();
+        let x = dev.upload(&[1.0f32, 2.0, 3.0]).unwrap();
+        let y = dev.alloc::<f32>(3).unwrap();
+        assert_eq!(dev.download(&x).unwrap(), vec![1.0, 2.0, 3.0]);
+        let c = dev.transfers().unwrap();
+        assert_eq!(
+            (c.uploads, c.upload_bytes, c.downloads, c.download_bytes),
+            (1, 12, 1, 12)
+        );
+        let sel = dev.upload(&[0i32, 1, 2]).unwrap();
+        let mut st = dev.staging(3, 3).unwrap();
+        dev.stage_down(&mut st, &x, &sel, &y).unwrap();
+        let io = dev.staged(&mut st).unwrap();
+        assert_eq!(io.h, &[1.0, 2.0, 3.0]);
+        io.out.copy_from_slice(&[4.0, 5.0, 6.0]);
+        let mut out = dev.alloc::<f32>(3).unwrap();
+        dev.stage_up(&st, &mut out).unwrap();
+        assert_eq!(&out[..], &[4.0, 5.0, 6.0]);
+        let c = dev.transfers().unwrap();
+        assert_eq!(
+            (c.uploads, c.downloads),
+            (3, 2),
+            "stage_down is one transfer"
+        );
+        assert_eq!(c.download_bytes, 12 + 36);
+        assert_eq!(dev.round_trips(), 1);
+    }
+
+    #[test]
+    fn bad_shapes_and_types_are_errors() {
+        let dev = Ref0::new();
+        assert!(matches!(
+            dev.upload_matrix(GgmlType::Q4_K, 1, 256, &[0; 144]),
+            Err(BackendError::UnsupportedType { .. })
+        ));
+        assert!(matches!(
+            dev.upload_matrix(GgmlType::Q8_0, 2, 32, &[0; 34]),
+            Err(BackendError::Shape { .. })
+        ));
+        let x = dev.upload(&[1.0f32; 4]).unwrap();
+        assert!(dev.copy_range(&x, 2..6).is_err());
     }
 }

@@ -1,101 +1,102 @@
-//! gpt-oss on a CUDA device (issue #5): the dense part of every layer on the GPU, each layer's
-//! routed experts where the placement puts them.
+//! The device executor (issue #5, moved below the devices by issue #15): gpt-oss with the
+//! dense part of every layer on a device of the contract ([`hmoe_backend::Backend`]: a CUDA
+//! GPU, or the reference device `REF0`) and each layer's routed experts where the placement
+//! puts them.
+//!
+//! This file holds the architecture's side of device execution; the devices know no
+//! architecture. (It is still gpt-oss only, beside the CPU forward in `gpt_oss.rs`; issue #15
+//! folds both into one forward over the contract.)
 //!
 //! Per micro-batch the token ids and positions go up (two small copies), then, per layer, on
-//! the GPU: RMSNorm, Q/K/V with their biases, NeoX RoPE with YaRN ([`rope_params`]), the K/V
+//! the device: RMSNorm, Q/K/V with their biases, NeoX RoPE with YaRN ([`rope_params`]), the K/V
 //! store into the layer's f16 cache, attention with sinks (sliding window on even layers),
 //! the output projection with its bias and the residual add, RMSNorm, the router with its
 //! bias and the top-k softmax; then the layer's experts:
 //!
-//! - [`ExpertHome::Device`]: the `moe` kernel over the layer's experts, uploaded at load;
+//! - [`ExpertHome::Device`]: the `moe` op over the layer's experts, uploaded at load;
 //! - [`ExpertHome::Host`]: one round trip. The normed hidden state, the chosen experts and
-//!   their weights come down into pinned buffers, the host runs the layer's experts over the
-//!   file mapping with the CPU engine's own code ([`GptOss::run_host_experts`]), and the
-//!   weighted sum goes back up through a pinned buffer.
+//!   their weights come down into the device's staging buffers (pinned on CUDA), the host runs
+//!   the layer's experts over the file mapping with the CPU engine's own code
+//!   ([`GptOss::run_host_experts`]), and the weighted sum goes back up.
 //!
-//! After the last layer: output norm and head on the GPU, and the logits come down. With every
-//! layer's experts on the GPU nothing crosses the bus between the ids and the logits.
-//!
-//! The ops run on a [`Backend`]: [`CudaDevice`] (the kernels), or [`crate::RefBackend`], plain
-//! Rust with the kernels' semantics, which runs the same executor in CI.
+//! After the last layer: output norm and head on the device, and the logits come down. With
+//! every layer's experts on the device nothing crosses the bus between the ids and the logits.
 //!
 //! Numerics: the CPU engine's. Products convert activations as ggml does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
 //! engine's order; attention rounds the query and the probabilities to f16 and sums in the
-//! CPU's orders with ggml's `expf`. On [`crate::RefBackend`] the logits are the CPU engine's
-//! bit for bit on the gpt-oss fixtures (`tests/gpu_gpt_oss.rs`). On a GPU what still differs
-//! is cuBLAS's order for batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the
-//! f64-rounded `expf` where the CPU calls libm's, and F16/BF16 summation orders; on models
-//! whose routing is that sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still
-//! flip an expert choice.
+//! CPU's orders with ggml's `expf`. On [`hmoe_backend::Ref0`] the logits are the CPU engine's
+//! bit for bit on the gpt-oss fixtures. On a GPU what still differs is cuBLAS's order for
+//! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where
+//! the CPU calls libm's, and F16/BF16 summation orders; on models whose routing is that
+//! sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
 //!
 //! Limits of this executor:
-//! - **One sequence at a time.** The K/V cache lives on the GPU inside the executor; the
+//! - **One sequence at a time.** The K/V cache lives on the device inside the executor; the
 //!   [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions only (see
-//!   [`GptOss::new_position_cache`]). A cache at position 0 starts a new sequence (the GPU
+//!   [`GptOss::new_position_cache`]). A cache at position 0 starts a new sequence (the device
 //!   cache is reallocated when its size differs); a cache that went back
-//!   ([`KvCache::truncate`]) continues from there; a cache ahead of what the GPU holds is an
-//!   error. Two caches used in turn are not told apart when their positions agree, so the
+//!   ([`KvCache::truncate`]) continues from there; a cache ahead of what the device holds is
+//!   an error. Two caches used in turn are not told apart when their positions agree, so the
 //!   engine must use one at a time; [`LanguageModel::forward_multi`] takes one sequence.
 //! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
 //! - **Op offload overlaps large batches only**: a micro-batch of at least the placement's
-//!   `op_offload_min_batch` tokens runs a host layer on the GPU with the experts it routes to
-//!   uploaded from the file mapping for that batch. The upload goes through pinned buffers that
-//!   the CPU pool fills while the copy engine drains them (37–48 GB/s on an H200 machine with
-//!   16 cores, against 7–8 GB/s for plain pageable copies), on the device's copy stream. When
-//!   the batch routes to nearly every expert ([`PREFETCH_ROUTES_PER_EXPERT`]) every expert is
+//!   `op_offload_min_batch` tokens runs a host layer on the device with the experts it routes
+//!   to uploaded from the file mapping for that batch (on CUDA through pinned buffers that the
+//!   CPU pool fills while the copy engine drains them, on the device's copy stream). When the
+//!   batch routes to nearly every expert ([`PREFETCH_ROUTES_PER_EXPERT`]) every expert is
 //!   uploaded, and the next host layer's upload starts as soon as this layer's MoE is queued,
-//!   so that it overlaps this layer's compute; the GPU then holds two layers' experts, which
-//!   it does only while its free memory has room for them ([`PREFETCH_RESERVE_BYTES`] more).
-//!   Smaller batches wait for the routing and upload the chosen experts only, without
-//!   overlap.
+//!   so that it overlaps this layer's compute; the device then holds two layers' experts,
+//!   which it does only while its free memory has room for them ([`PREFETCH_RESERVE_BYTES`]
+//!   more). Smaller batches wait for the routing and upload the chosen experts only.
 
 use std::sync::{Mutex, PoisonError};
 
+use hmoe_backend::{AttnParams, Backend, BackendError, GatedAct, RopeParams, TransferCounts};
 use hmoe_gguf::GgufModel;
-use hmoe_model::hybrid::ExpertTensors;
-use hmoe_model::kv_cache::CacheType;
-use hmoe_model::{
+
+use crate::hybrid::{ExpertTensors, SWIGLU_ALPHA, SWIGLU_LIMIT};
+use crate::kv_cache::CacheType;
+use crate::{
     ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss, GptOssParams, KvCache,
     KvType, LanguageModel, LogitsWanted, ModelError, SeqBatch,
 };
 
-use crate::backend::Backend;
-use crate::device::{AttnParams, CudaDevice, RopeParams};
-use crate::error::CudaError;
+/// gpt-oss's expert activation as the contract's `moe` op takes it.
+const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
+    alpha: SWIGLU_ALPHA,
+    limit: SWIGLU_LIMIT,
+};
 
-/// What can go wrong loading or running gpt-oss on the GPU.
+/// What can go wrong loading or running gpt-oss on a device.
 #[derive(Debug, thiserror::Error)]
-pub enum GpuModelError {
-    /// The CUDA backend failed.
+pub enum ExecError {
+    /// The device failed.
     #[error(transparent)]
-    Cuda(#[from] CudaError),
+    Backend(#[from] BackendError),
     /// The model (its file, or the host experts) failed.
     #[error(transparent)]
     Model(#[from] ModelError),
     /// A placement this executor cannot run.
     #[error("placement: {0}")]
     Placement(String),
-    /// A cache that does not stand for the sequence on the GPU, or of a type it cannot hold.
-    #[error("GPU KV cache: {0}")]
+    /// A cache that does not stand for the sequence on the device, or of a type it cannot
+    /// hold.
+    #[error("device KV cache: {0}")]
     Cache(String),
 }
 
-impl From<GpuModelError> for ModelError {
-    fn from(e: GpuModelError) -> ModelError {
+impl From<ExecError> for ModelError {
+    fn from(e: ExecError) -> ModelError {
         match e {
-            GpuModelError::Model(m) => m,
-            other => ModelError::ExpertDevice(ExpertDeviceError::Backend {
-                device: "CUDA".into(),
-                message: other.to_string(),
+            ExecError::Model(m) => m,
+            ExecError::Backend(b) => ModelError::ExpertDevice(ExpertDeviceError::Device(b)),
+            ExecError::Placement(p) => ModelError::ExpertDevice(ExpertDeviceError::Placement(p)),
+            cache @ ExecError::Cache(_) => ModelError::ExpertDevice(ExpertDeviceError::Backend {
+                device: "executor".into(),
+                message: cache.to_string(),
             }),
         }
-    }
-}
-
-impl From<cudarc::driver::DriverError> for GpuModelError {
-    fn from(e: cudarc::driver::DriverError) -> GpuModelError {
-        GpuModelError::Cuda(e.into())
     }
 }
 
@@ -131,19 +132,19 @@ pub fn kv_cells(p: &GptOssParams, n_ctx: usize, n_ubatch: usize) -> Vec<usize> {
         .collect()
 }
 
-/// What the GPU cache must do before a forward pass on a cache handle.
+/// What the device cache must do before a forward pass on a cache handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KvAction {
-    /// Keep the GPU cache; the sequence continues at the handle's position (equal to or
-    /// before what the GPU holds).
+    /// Keep the device cache; the sequence continues at the handle's position (equal to or
+    /// before what the device holds).
     Continue,
-    /// Allocate a fresh GPU cache (a new sequence, or the first).
+    /// Allocate a fresh device cache (a new sequence, or the first).
     Allocate,
-    /// The handle is ahead of the GPU cache or of another size: not the sequence on the GPU.
+    /// The handle is ahead of the device cache or of another size: not the sequence on the device.
     Mismatch,
 }
 
-/// The decision of [`KvAction`]: `gpu` is the GPU cache's `((n_ctx, n_ubatch), positions
+/// The decision of [`KvAction`]: `gpu` is the device cache's `((n_ctx, n_ubatch), positions
 /// held)`, `handle` the cache's `(n_ctx, n_ubatch)` and `n_past` its position.
 pub(crate) fn kv_action(
     gpu: Option<((usize, usize), usize)>,
@@ -159,7 +160,7 @@ pub(crate) fn kv_action(
 
 /// Transfers at the expert boundary, counted by the executor.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GpuStats {
+pub struct ExecStats {
     /// Micro-batches run.
     pub ubatches: u64,
     /// Round trips to the host experts (one per host layer per micro-batch).
@@ -168,7 +169,7 @@ pub struct GpuStats {
     pub bytes_to_host: u64,
     /// Bytes sent back up: the expert sums.
     pub bytes_to_device: u64,
-    /// Host layers run on the GPU by op offload (one per such layer per micro-batch).
+    /// Host layers run on the device by op offload (one per such layer per micro-batch).
     pub offloaded_layers: u64,
     /// Experts uploaded for them (each routed expert once per offloaded layer).
     pub offloaded_experts: u64,
@@ -177,6 +178,9 @@ pub struct GpuStats {
     /// Offloaded layers whose upload (of every expert) was started while the host layer
     /// before them ran (see [`PREFETCH_ROUTES_PER_EXPERT`]).
     pub prefetched_layers: u64,
+    /// Every host ↔ device copy the device counted (weights at load included), for a device
+    /// that counts them ([`Backend::transfers`]).
+    pub transfers: Option<TransferCounts>,
 }
 
 /// Expert choices per expert (`n_tokens × n_expert_used / n_expert`) from which an offloaded
@@ -189,7 +193,7 @@ pub const PREFETCH_ROUTES_PER_EXPERT: usize = 4;
 /// buffers come out of it); with less room the next layer is uploaded when it is reached.
 pub const PREFETCH_RESERVE_BYTES: u64 = 512 << 20;
 
-/// One layer's weights on the GPU.
+/// One layer's weights on the device.
 struct LayerWeights<B: Backend> {
     attn_norm: B::Buf<f32>,
     wq: B::Matrix,
@@ -215,15 +219,15 @@ type Routed<'a, B> = (
     &'a <B as Backend>::Buf<f32>,
 );
 
-/// One layer's K/V ring on the GPU.
+/// One layer's K/V ring on the device.
 struct LayerKv<B: Backend> {
     k: B::Buf<u16>,
     v: B::Buf<u16>,
     cells: usize,
 }
 
-/// The sequence's K/V cache on the GPU.
-struct GpuKv<B: Backend> {
+/// The sequence's K/V cache on the device.
+struct DeviceKv<B: Backend> {
     /// `(n_ctx, n_ubatch)` of the handle it was made for.
     geometry: (usize, usize),
     /// Positions stored.
@@ -239,9 +243,9 @@ struct HostIo<B: Backend> {
 
 /// What changes while running.
 struct State<B: Backend> {
-    kv: Option<GpuKv<B>>,
+    kv: Option<DeviceKv<B>>,
     io: Option<HostIo<B>>,
-    stats: GpuStats,
+    stats: ExecStats,
 }
 
 impl<B: Backend> Default for State<B> {
@@ -249,15 +253,14 @@ impl<B: Backend> Default for State<B> {
         State {
             kv: None,
             io: None,
-            stats: GpuStats::default(),
+            stats: ExecStats::default(),
         }
     }
 }
 
-/// gpt-oss with its dense part on a CUDA device and each layer's routed experts where an
-/// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits). The
-/// ops run on a [`Backend`]: the CUDA device, or [`crate::RefBackend`] in tests.
-pub struct GpuGptOss<B: Backend = CudaDevice> {
+/// gpt-oss with its dense part on a device `B` and each layer's routed experts where an
+/// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits).
+pub struct DeviceGptOss<B: Backend> {
     host: GptOss,
     dev: B,
     rope: RopeParams,
@@ -272,11 +275,7 @@ pub struct GpuGptOss<B: Backend = CudaDevice> {
 }
 
 /// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
-fn upload_matrix<B: Backend>(
-    dev: &B,
-    g: &GgufModel,
-    name: &str,
-) -> Result<B::Matrix, GpuModelError> {
+fn upload_matrix<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<B::Matrix, ExecError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -286,11 +285,7 @@ fn upload_matrix<B: Backend>(
 }
 
 /// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32.
-fn upload_f32<B: Backend>(
-    dev: &B,
-    g: &GgufModel,
-    name: &str,
-) -> Result<B::Buf<f32>, GpuModelError> {
+fn upload_f32<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<B::Buf<f32>, ExecError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -299,7 +294,7 @@ fn upload_f32<B: Backend>(
     Ok(dev.upload(&v)?)
 }
 
-impl<B: Backend> GpuGptOss<B> {
+impl<B: Backend> DeviceGptOss<B> {
     /// Loads `gguf` (checked as [`GptOss::load`] checks it) onto `dev`: every dense weight,
     /// and the routed experts of the layers `placement` puts on the device. The experts of the
     /// other layers stay in the file mapping and run on the host.
@@ -307,11 +302,11 @@ impl<B: Backend> GpuGptOss<B> {
         gguf: GgufModel,
         dev: B,
         placement: &ExpertPlacement,
-    ) -> Result<GpuGptOss<B>, GpuModelError> {
+    ) -> Result<DeviceGptOss<B>, ExecError> {
         let host = GptOss::load(gguf)?;
         let p = host.params().clone();
         if placement.layers.len() != p.n_layer {
-            return Err(GpuModelError::Placement(format!(
+            return Err(ExecError::Placement(format!(
                 "{} layer homes for a {}-layer model",
                 placement.layers.len(),
                 p.n_layer
@@ -354,7 +349,7 @@ impl<B: Backend> GpuGptOss<B> {
             + B::matrix_bytes(&output)
             + 4 * B::buf_len(&output_norm)) as u64;
         dev.synchronize()?;
-        Ok(GpuGptOss {
+        Ok(DeviceGptOss {
             rope: rope_params(&p),
             dev,
             tok_embd,
@@ -385,7 +380,7 @@ impl<B: Backend> GpuGptOss<B> {
     }
 
     /// The op offload threshold of the placement: micro-batches of at least this many tokens
-    /// run host layers on the GPU with their routed experts uploaded (`None`: never).
+    /// run host layers on the device with their routed experts uploaded (`None`: never).
     pub fn op_offload_min_batch(&self) -> Option<usize> {
         self.op_offload_min_batch
     }
@@ -396,8 +391,11 @@ impl<B: Backend> GpuGptOss<B> {
     }
 
     /// Transfers at the expert boundary so far.
-    pub fn stats(&self) -> GpuStats {
-        self.lock().stats
+    pub fn stats(&self) -> ExecStats {
+        ExecStats {
+            transfers: self.dev.transfers(),
+            ..self.lock().stats
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State<B>> {
@@ -412,7 +410,7 @@ impl<B: Backend> GpuGptOss<B> {
         cache: &mut KvCache,
         tokens: &[u32],
         wanted: LogitsWanted,
-    ) -> Result<Vec<f32>, GpuModelError> {
+    ) -> Result<Vec<f32>, ExecError> {
         let p = self.host.params();
         let n_vocab = p.n_vocab;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
@@ -428,8 +426,8 @@ impl<B: Backend> GpuGptOss<B> {
         }
         let ty = cache.kv_type();
         if ty.k() != CacheType::F16 || ty.v() != CacheType::F16 {
-            return Err(GpuModelError::Cache(format!(
-                "K {} / V {}: the GPU executor keeps f16 K/V only",
+            return Err(ExecError::Cache(format!(
+                "K {} / V {}: the device executor keeps f16 K/V only",
                 ty.k().name(),
                 ty.v().name()
             )));
@@ -455,8 +453,8 @@ impl<B: Backend> GpuGptOss<B> {
         Ok(logits)
     }
 
-    /// Makes the GPU cache stand for `cache` (see [`kv_action`]).
-    fn prepare_kv(&self, st: &mut State<B>, cache: &KvCache) -> Result<(), GpuModelError> {
+    /// Makes the device cache stand for `cache` (see [`kv_action`]).
+    fn prepare_kv(&self, st: &mut State<B>, cache: &KvCache) -> Result<(), ExecError> {
         let geometry = (cache.n_ctx(), cache.n_ubatch());
         let gpu = st.kv.as_ref().map(|kv| (kv.geometry, kv.held));
         match kv_action(gpu, geometry, cache.n_past()) {
@@ -480,16 +478,16 @@ impl<B: Backend> GpuGptOss<B> {
                             cells,
                         })
                     })
-                    .collect::<Result<Vec<_>, CudaError>>()?;
-                st.kv = Some(GpuKv {
+                    .collect::<Result<Vec<_>, BackendError>>()?;
+                st.kv = Some(DeviceKv {
                     geometry,
                     held: 0,
                     layers,
                 });
                 Ok(())
             }
-            KvAction::Mismatch => Err(GpuModelError::Cache(format!(
-                "a cache at position {} (n_ctx {}, n_ubatch {}) is not the sequence on the GPU \
+            KvAction::Mismatch => Err(ExecError::Cache(format!(
+                "a cache at position {} (n_ctx {}, n_ubatch {}) is not the sequence on the device \
                  ({:?}); this executor keeps one sequence, and a new one must start at 0",
                 cache.n_past(),
                 geometry.0,
@@ -507,14 +505,14 @@ impl<B: Backend> GpuGptOss<B> {
         pos0: usize,
         tokens: &[u32],
         want: Option<LogitsWanted>,
-    ) -> Result<Vec<f32>, GpuModelError> {
+    ) -> Result<Vec<f32>, ExecError> {
         let dev = &self.dev;
         let p = self.host.params();
         let (n, d, hd) = (tokens.len(), p.n_embd, p.head_dim);
         let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
         let (ne, k_used) = (p.n_expert, p.n_expert_used);
         let i32_of = |v: usize| {
-            i32::try_from(v).map_err(|_| GpuModelError::Cache(format!("position {v} exceeds i32")))
+            i32::try_from(v).map_err(|_| ExecError::Cache(format!("position {v} exceeds i32")))
         };
         let ids = tokens
             .iter()
@@ -556,7 +554,7 @@ impl<B: Backend> GpuGptOss<B> {
                 .kv
                 .as_mut()
                 .and_then(|kv| kv.layers.get_mut(l))
-                .ok_or_else(|| GpuModelError::Cache("no GPU cache for this layer".into()))?;
+                .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
             dev.kv_store_f16(&k, &mut kv.k, n, kvw, kv.cells, pos0)?;
             dev.kv_store_f16(&v, &mut kv.v, n, kvw, kv.cells, pos0)?;
             let ap = AttnParams {
@@ -576,15 +574,15 @@ impl<B: Backend> GpuGptOss<B> {
             dev.add_bias(&mut scores, &lw.router_b)?;
             dev.router_top_k(&scores, ne, k_used, &mut sel, &mut wts)?;
             match &lw.experts {
-                Some(experts) => dev.moe(experts, &h, &sel, &wts, k_used, &mut moe)?,
+                Some(experts) => dev.moe(experts, EXPERT_ACT, &h, &sel, &wts, k_used, &mut moe)?,
                 None if upload_all => {
                     let w = match prefetched.take() {
                         Some((pl, w)) if pl == l => w,
                         _ => self.upload_offloaded(st, l, None)?,
                     };
-                    dev.moe(&w, &h, &sel, &wts, k_used, &mut moe)?;
+                    dev.moe(&w, EXPERT_ACT, &h, &sel, &wts, k_used, &mut moe)?;
                     // Queued behind this layer's work: the next host layer's upload, which
-                    // the CPU pool gathers while the GPU computes.
+                    // the CPU pool gathers while the device computes.
                     let next =
                         (l + 1..self.layers.len()).find(|&j| self.layers[j].experts.is_none());
                     if let Some(nl) = next.filter(|&nl| self.room_for_experts(nl)) {
@@ -628,14 +626,14 @@ impl<B: Backend> GpuGptOss<B> {
         }
     }
 
-    /// The experts `ids` (every one when `None`) of host layer `layer` on the GPU, uploaded
+    /// The experts `ids` (every one when `None`) of host layer `layer` on the device, uploaded
     /// from the file mapping for op offload and counted in the stats.
     fn upload_offloaded(
         &self,
         st: &mut State<B>,
         layer: usize,
         ids: Option<&[usize]>,
-    ) -> Result<B::Moe, GpuModelError> {
+    ) -> Result<B::Moe, ExecError> {
         let t = experts_of(&self.host, layer)?;
         let w = self.dev.upload_moe(&t, ids)?;
         let n = ids.map_or(t.n_expert, <[usize]>::len) as u64;
@@ -647,21 +645,21 @@ impl<B: Backend> GpuGptOss<B> {
 
     /// Op offload of a host layer for a large micro-batch: the chosen experts come down (one
     /// small copy), the experts they name are uploaded from the file mapping (each once, in
-    /// ascending id order) with the ids renumbered to match, and the layer runs on the GPU.
+    /// ascending id order) with the ids renumbered to match, and the layer runs on the device.
     fn offloaded_experts(
         &self,
         st: &mut State<B>,
         layer: usize,
         (h, sel, wts): Routed<'_, B>,
         out: &mut B::Buf<f32>,
-    ) -> Result<(), GpuModelError> {
+    ) -> Result<(), ExecError> {
         let dev = &self.dev;
         let p = self.host.params();
         let chosen = dev.download(sel)?;
         let (ids, remapped) = compact_ids(&chosen, p.n_expert);
         let w = self.upload_offloaded(st, layer, Some(&ids))?;
         let sel_compact = dev.upload(&remapped)?;
-        dev.moe(&w, h, &sel_compact, wts, p.n_expert_used, out)?;
+        dev.moe(&w, EXPERT_ACT, h, &sel_compact, wts, p.n_expert_used, out)?;
         Ok(())
     }
 
@@ -674,7 +672,7 @@ impl<B: Backend> GpuGptOss<B> {
         (h, sel, wts): Routed<'_, B>,
         n: usize,
         out: &mut B::Buf<f32>,
-    ) -> Result<(), GpuModelError> {
+    ) -> Result<(), ExecError> {
         let dev = &self.dev;
         let p = self.host.params();
         let (d, k_used) = (p.n_embd, p.n_expert_used);
@@ -686,7 +684,7 @@ impl<B: Backend> GpuGptOss<B> {
             });
         }
         let Some(HostIo { io, .. }) = st.io.as_mut() else {
-            return Err(GpuModelError::Cache("no staging buffers".into()));
+            return Err(ExecError::Cache("no staging buffers".into()));
         };
         dev.stage_down(io, h, sel, wts)?;
         let staged = dev.staged(io)?;
@@ -709,9 +707,9 @@ impl<B: Backend> GpuGptOss<B> {
 }
 
 /// The routed experts of layer `layer` of `host`, or a placement error for a layer without.
-fn experts_of(host: &GptOss, layer: usize) -> Result<ExpertTensors<'_>, GpuModelError> {
+fn experts_of(host: &GptOss, layer: usize) -> Result<ExpertTensors<'_>, ExecError> {
     host.layer_experts(layer)
-        .ok_or_else(|| GpuModelError::Placement(format!("layer {layer} has no experts")))
+        .ok_or_else(|| ExecError::Placement(format!("layer {layer} has no experts")))
 }
 
 /// The distinct valid expert ids of `chosen` (ascending) and `chosen` renumbered to positions
@@ -755,14 +753,14 @@ fn layer_bytes<B: Backend>(lw: &LayerWeights<B>) -> u64 {
     (mats + vecs + experts) as u64
 }
 
-impl<B: Backend> LanguageModel for GpuGptOss<B> {
+impl<B: Backend> LanguageModel for DeviceGptOss<B> {
     fn n_vocab(&self) -> usize {
         self.host.params().n_vocab
     }
     fn n_ctx_train(&self) -> usize {
         self.host.params().n_ctx_train
     }
-    /// A handle of the GPU cache: positions only (see the module docs).
+    /// A handle of the device cache: positions only (see the module docs).
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
         self.host.new_position_cache(ty, n_ctx, n_ubatch)
     }
@@ -772,23 +770,27 @@ impl<B: Backend> LanguageModel for GpuGptOss<B> {
         tokens: &[u32],
         wanted: LogitsWanted,
     ) -> Result<Vec<f32>, ModelError> {
-        Ok(GpuGptOss::<B>::forward(self, cache, tokens, wanted)?)
+        Ok(DeviceGptOss::<B>::forward(self, cache, tokens, wanted)?)
     }
     fn gguf(&self) -> &GgufModel {
         self.host.gguf()
     }
-    /// One sequence only (the GPU keeps one K/V cache).
+    fn device_stats(&self) -> Option<ExecStats> {
+        Some(self.stats())
+    }
+    /// One sequence only (the device keeps one K/V cache).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         if seqs.len() > 1 {
-            return Err(GpuModelError::Cache(format!(
-                "{} sequences in one step: the GPU executor runs one sequence",
+            return Err(ExecError::Cache(format!(
+                "{} sequences in one step: the device executor runs one sequence",
                 seqs.len()
             ))
             .into());
         }
         seqs.iter_mut()
             .map(|s| {
-                let logits = GpuGptOss::<B>::forward(self, s.cache, s.tokens, LogitsWanted::Last)?;
+                let logits =
+                    DeviceGptOss::<B>::forward(self, s.cache, s.tokens, LogitsWanted::Last)?;
                 Ok(if s.logits { logits } else { Vec::new() })
             })
             .collect()
@@ -798,7 +800,7 @@ impl<B: Backend> LanguageModel for GpuGptOss<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hmoe_model::ops::Rope;
+    use crate::ops::Rope;
 
     fn params(yarn: Option<(f32, u32)>) -> GptOssParams {
         GptOssParams {
@@ -884,11 +886,19 @@ mod tests {
 
     #[test]
     fn errors_become_model_errors() {
-        let e: ModelError = GpuModelError::Cache("x".into()).into();
-        assert!(e.to_string().contains("GPU KV cache: x"), "{e}");
-        let e: ModelError = GpuModelError::Model(ModelError::MissingTensor("t".into())).into();
+        let e: ModelError = ExecError::Cache("x".into()).into();
+        assert!(e.to_string().contains("device KV cache: x"), "{e}");
+        let e: ModelError = ExecError::Model(ModelError::MissingTensor("t".into())).into();
         assert!(matches!(e, ModelError::MissingTensor(_)));
-        let e: ModelError = GpuModelError::Cuda(CudaError::NoDriver).into();
-        assert!(e.to_string().contains("no CUDA driver"), "{e}");
+        let oom = BackendError::OutOfMemory {
+            device: "REF0".into(),
+            what: "alloc",
+            requested: 3 << 20,
+            free: 1 << 20,
+            total: 8 << 20,
+        };
+        let e: ModelError = ExecError::Backend(oom).into();
+        assert!(e.to_string().starts_with("REF0: out of memory"), "{e}");
+        assert!(e.to_string().contains("2.0 MiB missing"), "{e}");
     }
 }

@@ -1,0 +1,327 @@
+//! The device contract of hmoe (DESIGN.md §1, the `backend` layer): the [`Backend`] trait,
+//! which a device implements to hold weights and buffers and run the ops of a forward pass
+//! over them, its element and parameter types, and [`Ref0`], a reference device in plain Rust
+//! that behaves like a GPU (its own memory with a byte budget, every transfer counted).
+//!
+//! The contract knows no architecture: it names tensors by role (a weight matrix in its file
+//! encoding, one layer's stacked routed experts), never by model. The architectures (crate
+//! `hmoe-model`) are written over it; the devices (`hmoe-cuda`'s `CudaDevice`, [`Ref0`])
+//! implement it. Dependencies run one way: `gguf → quant → backend → model`, and
+//! `backend → cuda`.
+//!
+//! Every op is queued in order on the device; downloads wait for what was queued before them.
+
+mod error;
+mod experts;
+pub mod numerics;
+mod params;
+mod ref0;
+
+use std::ops::Range;
+
+use hmoe_quant::GgmlType;
+
+pub use error::BackendError;
+pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
+pub use params::{AttnParams, RopeParams};
+pub use ref0::{Ref0, RefBuf, RefMatrix, RefMoe, RefStaging, REF0_NAME, REF0_TYPES};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for i32 {}
+    impl Sealed for u16 {}
+    impl Sealed for u8 {}
+}
+
+/// An element type of device buffers: f32 activations, i32 ids and positions, u16 f16 bits
+/// (K/V rings), u8 bytes. Sealed: these four are the types every device supports; generic
+/// code reaches the device's method for each through [`Backend::upload`], [`Backend::alloc`]
+/// and [`Backend::download`].
+pub trait Elem:
+    Copy + Default + PartialEq + Send + Sync + std::fmt::Debug + 'static + sealed::Sealed
+{
+    /// Bytes per element.
+    const BYTES: usize;
+    /// `b`'s upload for this type.
+    fn upload_to<B: Backend + ?Sized>(b: &B, src: &[Self]) -> Result<B::Buf<Self>, BackendError>;
+    /// `b`'s zeroed allocation for this type.
+    fn alloc_on<B: Backend + ?Sized>(b: &B, len: usize) -> Result<B::Buf<Self>, BackendError>;
+    /// `b`'s download for this type.
+    fn download_from<B: Backend + ?Sized>(
+        b: &B,
+        src: &B::Buf<Self>,
+    ) -> Result<Vec<Self>, BackendError>;
+}
+
+macro_rules! elem {
+    ($t:ty, $up:ident, $alloc:ident, $down:ident) => {
+        impl Elem for $t {
+            const BYTES: usize = std::mem::size_of::<$t>();
+            fn upload_to<B: Backend + ?Sized>(
+                b: &B,
+                src: &[$t],
+            ) -> Result<B::Buf<$t>, BackendError> {
+                b.$up(src)
+            }
+            fn alloc_on<B: Backend + ?Sized>(
+                b: &B,
+                len: usize,
+            ) -> Result<B::Buf<$t>, BackendError> {
+                b.$alloc(len)
+            }
+            fn download_from<B: Backend + ?Sized>(
+                b: &B,
+                src: &B::Buf<$t>,
+            ) -> Result<Vec<$t>, BackendError> {
+                b.$down(src)
+            }
+        }
+    };
+}
+elem!(f32, upload_f32, alloc_f32, download_f32);
+elem!(i32, upload_i32, alloc_i32, download_i32);
+elem!(u16, upload_u16, alloc_u16, download_u16);
+elem!(u8, upload_u8, alloc_u8, download_u8);
+
+/// The host side of one round trip at the expert boundary: the inputs brought down and the
+/// output to send up.
+pub struct StagedIo<'s> {
+    /// Normed hidden state, `n × d`.
+    pub h: &'s [f32],
+    /// Chosen experts, `n × k`.
+    pub sel: &'s [i32],
+    /// Their weights, `n × k`.
+    pub w: &'s [f32],
+    /// The expert sum to send up, `n × d`.
+    pub out: &'s mut [f32],
+}
+
+/// Host ↔ device copies a device counted (every upload and download, weights included).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferCounts {
+    /// Host → device copies (buffers, weight matrices, expert sets, staged expert sums).
+    pub uploads: u64,
+    /// Their bytes.
+    pub upload_bytes: u64,
+    /// Device → host copies (buffers, and each staged round trip's inputs as one).
+    pub downloads: u64,
+    /// Their bytes.
+    pub download_bytes: u64,
+}
+
+/// The gated activation of a routed expert, `h = act(gate·x + bg, up·x + bu)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GatedAct {
+    /// The clamped SwiGLU with the input-scaled sigmoid:
+    /// `g = min(g, limit)`, `u = clamp(u, −limit, limit)`, `h = g·σ(alpha·g)·(u + 1)`.
+    ClampedSwiglu {
+        /// The sigmoid's input scale.
+        alpha: f32,
+        /// The clamp.
+        limit: f32,
+    },
+}
+
+impl GatedAct {
+    /// `act(gate, up)` in f32 with libm's `exp`, as the CPU engine computes it.
+    pub fn apply(self, gate: f32, up: f32) -> f32 {
+        match self {
+            GatedAct::ClampedSwiglu { alpha, limit } => {
+                let x = gate.min(limit);
+                let y = up.clamp(-limit, limit);
+                x / (1.0 + (-alpha * x).exp()) * (y + 1.0)
+            }
+        }
+    }
+}
+
+/// A device that holds weights and buffers and runs the ops of a forward pass over them.
+/// Shapes are row-major: `n` tokens of `width` values are `n × width` consecutive elements.
+///
+/// Buffers are typed by [`Elem`]; a device implements the per-type `upload_*`, `alloc_*` and
+/// `download_*` methods, and generic code calls [`Backend::upload`], [`Backend::alloc`] and
+/// [`Backend::download`].
+pub trait Backend: Send + Sync {
+    /// A buffer of `T` on the device.
+    type Buf<T: Elem>: Send + Sync;
+    /// A weight matrix in its file encoding.
+    type Matrix: Send + Sync;
+    /// One layer's routed experts (all, or a subset renumbered `0..m`).
+    type Moe: Send + Sync;
+    /// Host buffers of the expert-boundary round trip.
+    type Staging: Send;
+
+    /// A name for messages and device lists (`CUDA0`, `REF0`).
+    fn name(&self) -> String;
+    /// Device memory free now, in bytes; `None` where there is no limit to respect.
+    fn free_memory(&self) -> Result<Option<u64>, BackendError>;
+    /// Host ↔ device copies counted so far; `None` for a device that does not count them.
+    fn transfers(&self) -> Option<TransferCounts> {
+        None
+    }
+
+    /// A buffer holding a copy of `src`.
+    fn upload<T: Elem>(&self, src: &[T]) -> Result<Self::Buf<T>, BackendError> {
+        T::upload_to(self, src)
+    }
+    /// A zeroed buffer of `len` elements.
+    fn alloc<T: Elem>(&self, len: usize) -> Result<Self::Buf<T>, BackendError> {
+        T::alloc_on(self, len)
+    }
+    /// The contents of `src`.
+    fn download<T: Elem>(&self, src: &Self::Buf<T>) -> Result<Vec<T>, BackendError> {
+        T::download_from(self, src)
+    }
+    /// [`Backend::upload`] of f32.
+    fn upload_f32(&self, src: &[f32]) -> Result<Self::Buf<f32>, BackendError>;
+    /// [`Backend::upload`] of i32.
+    fn upload_i32(&self, src: &[i32]) -> Result<Self::Buf<i32>, BackendError>;
+    /// [`Backend::upload`] of u16.
+    fn upload_u16(&self, src: &[u16]) -> Result<Self::Buf<u16>, BackendError>;
+    /// [`Backend::upload`] of u8.
+    fn upload_u8(&self, src: &[u8]) -> Result<Self::Buf<u8>, BackendError>;
+    /// [`Backend::alloc`] of f32.
+    fn alloc_f32(&self, len: usize) -> Result<Self::Buf<f32>, BackendError>;
+    /// [`Backend::alloc`] of i32.
+    fn alloc_i32(&self, len: usize) -> Result<Self::Buf<i32>, BackendError>;
+    /// [`Backend::alloc`] of u16.
+    fn alloc_u16(&self, len: usize) -> Result<Self::Buf<u16>, BackendError>;
+    /// [`Backend::alloc`] of u8.
+    fn alloc_u8(&self, len: usize) -> Result<Self::Buf<u8>, BackendError>;
+    /// [`Backend::download`] of f32.
+    fn download_f32(&self, src: &Self::Buf<f32>) -> Result<Vec<f32>, BackendError>;
+    /// [`Backend::download`] of i32.
+    fn download_i32(&self, src: &Self::Buf<i32>) -> Result<Vec<i32>, BackendError>;
+    /// [`Backend::download`] of u16.
+    fn download_u16(&self, src: &Self::Buf<u16>) -> Result<Vec<u16>, BackendError>;
+    /// [`Backend::download`] of u8.
+    fn download_u8(&self, src: &Self::Buf<u8>) -> Result<Vec<u8>, BackendError>;
+
+    /// Elements in `b`.
+    fn buf_len<T: Elem>(b: &Self::Buf<T>) -> usize;
+    /// A new buffer holding `src[range]` (a copy on the device).
+    fn copy_range(
+        &self,
+        src: &Self::Buf<f32>,
+        range: Range<usize>,
+    ) -> Result<Self::Buf<f32>, BackendError>;
+    /// Waits for everything queued.
+    fn synchronize(&self) -> Result<(), BackendError>;
+    /// Uploads `rows` rows of `cols` elements of `ty` in their file encoding.
+    fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<Self::Matrix, BackendError>;
+    /// Bytes a matrix occupies.
+    fn matrix_bytes(m: &Self::Matrix) -> usize;
+    /// Uploads the experts `ids` of `t` (every expert when `None`), renumbered `0..ids.len()`.
+    fn upload_moe(
+        &self,
+        t: &ExpertTensors<'_>,
+        ids: Option<&[usize]>,
+    ) -> Result<Self::Moe, BackendError>;
+    /// Bytes an expert set occupies.
+    fn moe_bytes(m: &Self::Moe) -> usize;
+    /// Embedding rows: row `ids[i]` of `table`, dequantized to f32, into row `i` of `out`.
+    fn get_rows(
+        &self,
+        table: &Self::Matrix,
+        ids: &Self::Buf<i32>,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// RMSNorm of every row of `x` (rows of `weight`'s length), times `weight`.
+    fn rms_norm(
+        &self,
+        x: &Self::Buf<f32>,
+        weight: &Self::Buf<f32>,
+        eps: f32,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// `y = W·x` for `n` tokens, activations converted to the weight type's `vec_dot_type`.
+    fn matmul(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Buf<f32>,
+        n: usize,
+        y: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>) -> Result<(), BackendError>;
+    /// `x[r] += bias` for every row `r`.
+    fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>) -> Result<(), BackendError>;
+    /// NeoX RoPE (rotate halves) in place, heads of `head_dim`, one position per token.
+    fn rope_neox(
+        &self,
+        x: &mut Self::Buf<f32>,
+        positions: &Self::Buf<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError>;
+    /// K or V rows of `n_tokens` tokens into an f16 ring of `cells` cells of `width`
+    /// (position `p` in cell `p % cells`), from position `pos0`.
+    fn kv_store_f16(
+        &self,
+        src: &Self::Buf<f32>,
+        cache: &mut Self::Buf<u16>,
+        n_tokens: usize,
+        width: usize,
+        cells: usize,
+        pos0: usize,
+    ) -> Result<(), BackendError>;
+    /// Attention of `n_tokens` queries at positions `pos0..` over the f16 rings (causal,
+    /// sliding window, GQA, and one sink logit per head when `sinks` is given).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        p: &AttnParams,
+        q: &Self::Buf<f32>,
+        k_cache: &Self::Buf<u16>,
+        v_cache: &Self::Buf<u16>,
+        sinks: Option<&Self::Buf<f32>>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// Top-`k` of each row of router logits (ties to the lower id) and the softmax over them.
+    fn router_top_k(
+        &self,
+        logits: &Self::Buf<f32>,
+        n_expert: usize,
+        k: usize,
+        selected: &mut Self::Buf<i32>,
+        weights: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// The weighted expert sum of a layer, `out[t] = Σ_s weights[t,s] ·
+    /// expert_{selected[t,s]}(x[t])`, slots in order, each expert
+    /// `down·act(gate·x + bg, up·x + bu) + bd`; ids outside the set give nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        w: &Self::Moe,
+        act: GatedAct,
+        x: &Self::Buf<f32>,
+        selected: &Self::Buf<i32>,
+        weights: &Self::Buf<f32>,
+        k: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// Host buffers for a round trip of `n_d` hidden values and `n_k` expert slots.
+    fn staging(&self, n_d: usize, n_k: usize) -> Result<Self::Staging, BackendError>;
+    /// Queues the copies of `h`, `sel` and `w` down into `st` (one transfer).
+    fn stage_down(
+        &self,
+        st: &mut Self::Staging,
+        h: &Self::Buf<f32>,
+        sel: &Self::Buf<i32>,
+        w: &Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// The staged inputs (waiting for their copies) and the output buffer.
+    fn staged<'s>(&self, st: &'s mut Self::Staging) -> Result<StagedIo<'s>, BackendError>;
+    /// Queues the copy of the staged output up into `out`.
+    fn stage_up(&self, st: &Self::Staging, out: &mut Self::Buf<f32>) -> Result<(), BackendError>;
+}

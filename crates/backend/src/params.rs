@@ -1,0 +1,97 @@
+//! Parameters of the RoPE and attention ops.
+
+/// RoPE parameters in the form the kernel (and the CPU engine's `Rope`) uses them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeParams {
+    /// Rotated dims per head (the first `n_dims` of each head).
+    pub n_dims: usize,
+    /// `freq_base^(-2 / n_dims)`.
+    pub theta_scale: f32,
+    /// `1 / factor` for linear or YaRN scaling, else 1.
+    pub freq_scale: f32,
+    /// 1 for YaRN, 0 otherwise.
+    pub ext_factor: f32,
+    /// Magnitude multiplied into cos and sin (YaRN: also × `1 + 0.1 ln(1/freq_scale)`).
+    pub attn_factor: f32,
+    /// YaRN correction dims `[low, high]` (floored/ceiled, as ggml).
+    pub corr_dims: [f32; 2],
+}
+
+impl RopeParams {
+    /// Plain RoPE over `n_dims` dims with base `freq_base`.
+    pub fn plain(n_dims: usize, freq_base: f32) -> RopeParams {
+        RopeParams {
+            n_dims,
+            theta_scale: freq_base.powf(-2.0 / n_dims as f32),
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            corr_dims: [0.0, 0.0],
+        }
+    }
+
+    /// YaRN as llama.cpp hands it to ggml (the CPU engine's `Rope::scaled` with
+    /// `RopeScaling::Yarn`): `attn_factor` is the value after llama.cpp's division by
+    /// `1 + 0.1 ln(factor)`; for gpt-oss (factor 32 over 4096, no log multiplier) that is
+    /// exactly 1, and the kernel's own `1 + 0.1 ln(32)` gives the magnitude 1.3466.
+    pub fn yarn(
+        n_dims: usize,
+        freq_base: f32,
+        factor: f32,
+        n_ctx_orig: u32,
+        attn_factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+    ) -> RopeParams {
+        let corr_dim = |n_rot: f32| {
+            n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * freq_base.ln())
+        };
+        let low = corr_dim(beta_fast).floor().max(0.0);
+        let high = corr_dim(beta_slow).ceil().min(n_dims as f32 - 1.0);
+        RopeParams {
+            freq_scale: 1.0 / factor,
+            ext_factor: 1.0,
+            attn_factor,
+            corr_dims: [low, high],
+            ..RopeParams::plain(n_dims, freq_base)
+        }
+    }
+
+    /// `(cos, sin)` of rotated pair `pair` at position `pos`, computed on the host exactly as
+    /// the kernel does (the reference for the RoPE test).
+    pub fn cos_sin(&self, pos: i32, pair: usize) -> (f32, f32) {
+        let mut theta_extrap = pos as f32;
+        for _ in 0..pair {
+            theta_extrap *= self.theta_scale;
+        }
+        let theta_interp = self.freq_scale * theta_extrap;
+        let mut theta = theta_interp;
+        let mut mscale = self.attn_factor;
+        if self.ext_factor != 0.0 {
+            let [low, high] = self.corr_dims;
+            let y = (pair as f32 - low) / (high - low).max(0.001);
+            let ramp = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+            theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
+            mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
+        }
+        (theta.cos() * mscale, theta.sin() * mscale)
+    }
+}
+
+/// Shape of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads (`n_head` must be a multiple).
+    pub n_head_kv: usize,
+    /// Dims per head: a multiple of 16, at most 256.
+    pub head_dim: usize,
+    /// Cells in the (ring) KV cache: token at position p lives in cell `p % cells`.
+    pub cells: usize,
+    /// Sliding window: a query at `p` sees keys `p - window + 1 ..= p`; `None`: all of `0..=p`.
+    pub window: Option<usize>,
+    /// Score scale, usually `1/sqrt(head_dim)`.
+    pub scale: f32,
+}

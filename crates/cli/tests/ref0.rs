@@ -1,0 +1,279 @@
+//! The reference device `REF0` from the command line (issue #15): `hmoe --list-devices` lists
+//! it, `-dev REF0` puts on it what would go to a GPU (the same placement plan), and on it the
+//! teacher-forced top-10 probabilities of `hmoe run` are the CPU engine's (`-dev none`) bit
+//! for bit on every gpt-oss fixture, for `-ngl all`, `-ngl all --cpu-moe`, `--n-cpu-moe 1`
+//! and an `-ot` rule for one layer; the transfer counts in `--json` show one round trip per
+//! CPU-expert layer per micro-batch and none with everything on REF0. `--gpu-mem` sets its
+//! memory: a plan or an upload beyond it is an error naming REF0 and the missing MiB.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    std::env::var_os("HMOE_FIXTURES").map_or_else(
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures"
+            ))
+        },
+        PathBuf::from,
+    )
+}
+
+fn hmoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hmoe"))
+        .args(args)
+        .output()
+        .expect("hmoe runs")
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+fn join(v: &[u64]) -> String {
+    v.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// A fixture with the first golden case's prompt and greedy continuation (6 steps).
+struct Fixture {
+    model: String,
+    prompt: String,
+    teacher: String,
+    /// Decode steps: the prompt's micro-batch plus one per teacher token.
+    ubatches: u64,
+    n_layer: u64,
+}
+
+fn fixture(stem: &str, model_file: &str) -> Fixture {
+    let dir = fixtures().join("gpt-oss");
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join(format!("{stem}.golden-f16kv.json"))).unwrap(),
+    )
+    .unwrap();
+    let case = &golden["cases"][0];
+    let teacher: Vec<u64> = ids(&case["greedy_tokens"]).into_iter().take(6).collect();
+    let model = dir.join(model_file).to_str().unwrap().to_string();
+    let out = hmoe(&["inspect", "-m", &model, "--no-tensors"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let n_layer = text
+        .lines()
+        .find(|l| l.contains("gpt-oss.block_count"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no block_count in `hmoe inspect` of {model}:\n{text}"));
+    Fixture {
+        model,
+        prompt: join(&ids(&case["prompt_tokens"])),
+        ubatches: 1 + teacher.len() as u64,
+        teacher: join(&teacher),
+        n_layer,
+    }
+}
+
+/// `hmoe run --json` teacher-forced with `extra` flags; the parsed output and stderr.
+fn run(f: &Fixture, extra: &[&str]) -> (Value, String) {
+    let mut args = vec![
+        "run",
+        "-m",
+        &f.model,
+        "--prompt-tokens",
+        &f.prompt,
+        "--teacher-tokens",
+        &f.teacher,
+        "--top-k-probs",
+        "10",
+        "--json",
+        "-c",
+        "256",
+        "-t",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    let out = hmoe(&args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "hmoe {args:?} failed: {err}");
+    (serde_json::from_slice(&out.stdout).unwrap(), err)
+}
+
+const FIXTURES: [(&str, &str); 5] = [
+    ("gptoss-tiny", "gptoss-tiny.gguf"),
+    ("gptoss-tiny-split", "gptoss-tiny-split-00001-of-00003.gguf"),
+    ("gptoss-small", "gptoss-small.gguf"),
+    ("gptoss-openai", "gptoss-openai.gguf"),
+    ("gptoss-openai-f32experts", "gptoss-openai-f32experts.gguf"),
+];
+
+/// The layers whose experts each placement keeps on the CPU (`None`: every layer).
+fn placements() -> Vec<(Vec<&'static str>, Option<u64>)> {
+    vec![
+        (vec!["-ngl", "all"], Some(0)),
+        (vec!["-ngl", "all", "--cpu-moe"], None),
+        (vec!["-ngl", "all", "--n-cpu-moe", "1"], Some(1)),
+        (
+            vec!["-ngl", "all", "-ot", r"blk\.1\.ffn_(gate|up|down)_exps=CPU"],
+            Some(1),
+        ),
+    ]
+}
+
+#[test]
+fn list_devices_shows_ref0_as_a_testing_device_last() {
+    let out = hmoe(&["--list-devices"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("  REF0: reference device, for testing"),
+        "{text}"
+    );
+    assert_eq!(text.matches("REF0").count(), 1, "{text}");
+}
+
+#[test]
+fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+    for (stem, file) in FIXTURES {
+        let f = fixture(stem, file);
+        let (cpu, _) = run(&f, &["-dev", "none"]);
+        assert_eq!(cpu["engine"], "CPU");
+        assert!(cpu.get("device_stats").is_none(), "{stem}: {cpu}");
+        let steps = cpu["top_probs"].as_array().unwrap().len() as u64;
+        assert_eq!(steps, f.ubatches, "{stem}");
+        for (flags, host_layers) in placements() {
+            let mut extra = vec!["-dev", "REF0"];
+            extra.extend_from_slice(&flags);
+            let (got, err) = run(&f, &extra);
+            let what = format!("{stem} {extra:?}");
+            assert_eq!(got["engine"], "REF0", "{what}: {err}");
+            assert!(err.contains("gpt-oss on REF0"), "{what}: {err}");
+            assert_eq!(got["top_probs"], cpu["top_probs"], "{what}");
+            assert_eq!(got["generated_tokens"], cpu["generated_tokens"], "{what}");
+            let s = &got["device_stats"];
+            let host = host_layers.unwrap_or(f.n_layer);
+            assert_eq!(s["ubatches"], f.ubatches, "{what}: {s}");
+            assert_eq!(s["host_round_trips"], host * f.ubatches, "{what}: {s}");
+            assert_eq!(s["offloaded_layers"], 0, "{what}: prompts below 32 tokens");
+            // Device → host: the logits of each micro-batch and one staged copy per round
+            // trip; nothing else leaves the device.
+            let t = &s["transfers"];
+            assert_eq!(
+                t["downloads"].as_u64(),
+                Some(f.ubatches + host * f.ubatches),
+                "{what}: {s}"
+            );
+        }
+    }
+}
+
+/// Op offload from 4 tokens: the prompt's CPU-expert layers run on REF0 with the experts they
+/// route to uploaded (no round trip), the decode steps round-trip; the same bits.
+#[test]
+fn ref0_op_offload_gives_the_same_bits() {
+    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let (cpu, _) = run(&f, &["-dev", "none"]);
+    let (got, err) = run(
+        &f,
+        &[
+            "-dev",
+            "REF0",
+            "-ngl",
+            "all",
+            "--cpu-moe",
+            "--op-offload-min-batch",
+            "4",
+        ],
+    );
+    assert_eq!(got["top_probs"], cpu["top_probs"], "{err}");
+    let s = &got["device_stats"];
+    assert_eq!(s["offloaded_layers"], f.n_layer, "{s}");
+    assert_eq!(s["host_round_trips"], f.n_layer * (f.ubatches - 1), "{s}");
+}
+
+/// The executor keeps f16 K/V only: with f32 or q8_0 K/V a REF0 run says why and runs on the
+/// CPU engine (the same bits as `-dev none` with those types).
+#[test]
+fn ref0_with_other_kv_types_runs_on_the_cpu_and_says_why() {
+    let f = fixture("gptoss-tiny", "gptoss-tiny.gguf");
+    for kv in [
+        ["-ctk", "f32", "-ctv", "f32"],
+        ["-ctk", "q8_0", "-ctv", "q8_0"],
+    ] {
+        let (cpu, _) = run(&f, &[&["-dev", "none"][..], &kv].concat());
+        let (got, err) = run(&f, &[&["-dev", "REF0", "-ngl", "all"][..], &kv].concat());
+        assert_eq!(got["engine"], "CPU", "{kv:?}: {err}");
+        assert!(err.contains("f16 K/V cache"), "{kv:?}: {err}");
+        assert_eq!(got["top_probs"], cpu["top_probs"], "{kv:?}");
+    }
+}
+
+#[test]
+fn ref0_over_budget_is_an_error_naming_it_and_the_missing_mib() {
+    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let model = f.model.as_str();
+    let base = [
+        "run",
+        "-m",
+        model,
+        "--prompt-tokens",
+        "1,2,3",
+        "-n",
+        "1",
+        "-c",
+        "256",
+    ];
+    // The plan (weights, K/V, compute, overhead, the 1024 MiB --fit-target) does not fit.
+    let args = [
+        &base[..],
+        &["-dev", "REF0", "-ngl", "all", "--gpu-mem", "512MiB"],
+    ]
+    .concat();
+    let out = hmoe(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("REF0 is") && err.contains("MiB short"),
+        "{err}"
+    );
+    assert!(!err.contains("CUDA0"), "{err}");
+    // Without fit the plan is taken as given and REF0 itself runs out of memory.
+    let args = [
+        &base[..],
+        &[
+            "-dev",
+            "REF0",
+            "-ngl",
+            "all",
+            "--fit",
+            "off",
+            "--gpu-mem",
+            "1MiB",
+        ],
+    ]
+    .concat();
+    let out = hmoe(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("REF0: out of memory") && err.contains("MiB missing"),
+        "{err}"
+    );
+    // With enough memory the same run works.
+    let args = [
+        &base[..],
+        &["-dev", "REF0", "-ngl", "all", "--gpu-mem", "2GiB"],
+    ]
+    .concat();
+    let out = hmoe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
