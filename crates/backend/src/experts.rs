@@ -41,12 +41,14 @@ pub struct ExpertMatrix<'a> {
 
 impl<'a> ExpertMatrix<'a> {
     /// Bytes of one expert's matrix (`None` when `n_in` is not whole blocks of `ty`).
+    #[inline]
     pub fn expert_bytes(&self) -> Option<usize> {
         let row = self.ty.row_bytes(self.n_in as u64)?;
         usize::try_from(row).ok()?.checked_mul(self.n_out)
     }
 
     /// Expert `e`'s matrix, if the data holds it.
+    #[inline]
     pub fn expert(&self, e: usize) -> Option<&'a [u8]> {
         let size = self.expert_bytes()?;
         let start = e.checked_mul(size)?;
@@ -136,6 +138,7 @@ impl<'a> ExpertTensors<'a> {
     }
 
     /// Expert `e`'s weights (`None` when the tensors do not hold it).
+    #[inline]
     pub fn view(&self, e: usize) -> Option<ExpertView<'a>> {
         let (d, ff) = (self.down.n_out, self.gate.n_out);
         Some(ExpertView {

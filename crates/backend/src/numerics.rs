@@ -3,6 +3,7 @@
 
 /// e^x as computed by ggml's vectorised exponential (a polynomial after range reduction,
 /// ≤ 1.5 ulp from the true value). Softmax in attention uses it, so we do too.
+#[inline]
 pub fn expf_ggml(x: f32) -> f32 {
     let r = f32::from_bits(0x4b40_0000); // 1.5 · 2^23: rounds to an integer when added
     let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // x · log2(e) + r
@@ -21,6 +22,7 @@ pub fn expf_ggml(x: f32) -> f32 {
 }
 
 /// `x · 2^n` without intermediate overflow (like `vscalefps`).
+#[inline]
 fn scale_by_pow2(x: f32, n: i32) -> f32 {
     let mut x = x;
     let mut n = n;
