@@ -1,8 +1,14 @@
 //! `hmoe chat`: an interactive conversation in the terminal, rendered with the model's chat
 //! template. Reasoning goes to stderr, the answer to stdout, so `hmoe chat < questions.txt`
 //! prints only answers.
+//!
+//! Ctrl-C during a reply stops it and keeps the conversation (the partial reply included);
+//! Ctrl-C at the prompt, or Ctrl-D, leaves. `/clear` starts over, `/save FILE` writes the
+//! conversation as JSON messages.
 
 use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context;
 use hmoe_chat::{
@@ -75,6 +81,29 @@ impl Splitter {
     }
 }
 
+/// A line that is a command rather than a message.
+#[derive(Debug, PartialEq)]
+enum Command<'a> {
+    /// `/clear`: forget the conversation (the system prompt stays).
+    Clear,
+    /// `/save FILE`: write the messages as JSON.
+    Save(&'a str),
+    /// A line starting with `/` that is neither (`/save` without a file included).
+    Unknown(&'a str),
+}
+
+fn command(line: &str) -> Option<Command<'_>> {
+    let line = line.trim();
+    let rest = line.strip_prefix('/')?;
+    let (name, arg) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
+    let arg = arg.trim();
+    Some(match (name, arg.is_empty()) {
+        ("clear", true) => Command::Clear,
+        ("save", false) => Command::Save(arg),
+        _ => Command::Unknown(line),
+    })
+}
+
 /// Runs `hmoe chat`.
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let kv = args.model.kv_type()?;
@@ -102,23 +131,62 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     if let Some(sys) = &args.system_prompt {
         messages.push(json!({"role": "system", "content": sys}));
     }
+    let system = messages.clone();
+    // SIGINT sets `interrupted`; while it is already set (at the prompt) SIGINT does what it
+    // always does and ends the program.
+    let interrupted = Arc::new(AtomicBool::new(true));
+    signal_hook::flag::register_conditional_default(
+        signal_hook::consts::SIGINT,
+        interrupted.clone(),
+    )
+    .context("installing the Ctrl-C handler")?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, interrupted.clone())
+        .context("installing the Ctrl-C handler")?;
+    eprintln!(
+        "hmoe chat: {} - Ctrl-C stops a reply; Ctrl-C at the prompt or Ctrl-D leaves; /clear starts over, /save FILE keeps the conversation",
+        args.model.model.display()
+    );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
+        interrupted.store(true, Ordering::SeqCst);
         eprint!("\n> ");
         let Some(line) = lines.next() else { break };
         let line = line.context("reading stdin")?;
         if line.trim().is_empty() {
             continue;
         }
+        match command(&line) {
+            Some(Command::Clear) => {
+                messages = system.clone();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            Some(Command::Save(file)) => {
+                let text = serde_json::to_string_pretty(&messages)?;
+                match std::fs::write(file, text + "\n") {
+                    Ok(()) => eprintln!("(saved {} messages to {file})", messages.len()),
+                    Err(e) => eprintln!("could not write {file}: {e}"),
+                }
+                continue;
+            }
+            Some(Command::Unknown(c)) => {
+                eprintln!("unknown command {c} (/clear, /save FILE)");
+                continue;
+            }
+            None => {}
+        }
         messages.push(json!({"role": "user", "content": line}));
         let prompt = template.render(&Value::Array(messages.clone()), None, true, &extra)?;
         let ids = tok.encode(&prompt, false, true)?;
         if ids.len() + args.n_predict > n_ctx {
-            anyhow::bail!(
-                "the conversation ({} tokens) no longer fits the context ({n_ctx}); raise -c",
-                ids.len()
+            messages.pop();
+            eprintln!(
+                "the conversation ({} tokens) and a reply of -n {} no longer fit the context ({n_ctx}); /clear, or restart with a larger -c",
+                ids.len(),
+                args.n_predict
             );
+            continue;
         }
         let mut splitter = match &harmony {
             Some(h) => Splitter::Harmony(Box::new(HarmonyStream::new(*h, args.reasoning_format))),
@@ -143,6 +211,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             let _ = std::io::stdout().flush();
         };
         let is_stop = |id: u32| tok.is_eog(id) || harmony.as_ref().is_some_and(|h| h.is_stop(id));
+        interrupted.store(false, Ordering::SeqCst);
         generator.generate(
             &ids,
             args.n_predict,
@@ -152,12 +221,32 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             &is_stop,
             &mut |id| {
                 show(splitter.push(&tok, id), &mut answer);
-                true
+                !interrupted.load(Ordering::SeqCst)
             },
         )?;
         show(splitter.finish(), &mut answer);
         println!();
+        if interrupted.load(Ordering::SeqCst) {
+            eprintln!("[stopped]");
+        }
         messages.push(json!({"role": "assistant", "content": answer}));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands() {
+        assert_eq!(command("/clear"), Some(Command::Clear));
+        assert_eq!(
+            command("  /save  my chat.json "),
+            Some(Command::Save("my chat.json"))
+        );
+        assert_eq!(command("/save"), Some(Command::Unknown("/save")));
+        assert_eq!(command("/quit"), Some(Command::Unknown("/quit")));
+        assert_eq!(command("hello /clear"), None);
+    }
 }

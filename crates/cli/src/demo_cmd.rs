@@ -68,5 +68,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         t.prompt_tps(),
         t.decode_tps()
     );
+    println!(
+        "next: `hmoe chat -m {0}` talks to it in the terminal, `hmoe serve -m {0}` serves it with \
+         a chat page at http://127.0.0.1:8080/ (it carries gpt-oss's chat template; its answers \
+         are noise). For real answers, serve a real GGUF (see README.md, \"With a real model\").",
+        path.display()
+    );
     Ok(())
 }

@@ -104,7 +104,7 @@ pub struct ServeArgs {
     /// Accepted for compatibility (no read/write timeout is applied).
     #[arg(long = "timeout", value_name = "SECONDS")]
     pub timeout: Option<u64>,
-    /// Accepted for compatibility (there is no web UI).
+    /// Do not serve the chat page at `/`.
     #[arg(long = "no-webui")]
     pub no_webui: bool,
     /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
@@ -256,6 +256,7 @@ impl ServeArgs {
         config.metrics = self.metrics;
         config.slots_endpoint = !self.no_slots;
         config.models_max = self.models_max;
+        config.webui = !self.no_webui;
         Ok(config)
     }
 }
@@ -272,10 +273,123 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build_global()
         .context("starting the thread pool")?;
     hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
-    let server = RunningServer::start_with_signals(config)?;
-    eprintln!("hmoe serve: listening on http://{}", server.local_addr());
+    let summary = startup_summary(&args, &config, threads);
+    let server = RunningServer::start_with_signals(config.clone())?;
+    for line in summary {
+        eprintln!("hmoe serve: {line}");
+    }
+    let url = format!("http://{}", server.local_addr());
+    if config.webui {
+        eprintln!("hmoe serve: chat page {url}/ (API {url}/v1)");
+    }
+    eprintln!("hmoe serve: listening on {url}");
     server.wait()?;
     Ok(())
+}
+
+/// What the server will run, in a few plain lines: the model(s), the devices with their memory,
+/// context and slots, the KV cache type and the threads.
+fn startup_summary(args: &ServeArgs, config: &ServerConfig, threads: usize) -> Vec<String> {
+    let e = &config.engine;
+    let kv = format!(
+        "KV cache K {} / V {}, flash attention {}",
+        e.kv_type.k(),
+        e.kv_type.v(),
+        if e.kv_type.flash_attn() { "on" } else { "off" }
+    );
+    let slots = |n_ctx: usize| {
+        let n = e.n_parallel.max(1);
+        format!("context {n_ctx}, {n} slot(s) of {} positions", n_ctx / n)
+    };
+    let mut out = Vec::new();
+    match &config.models {
+        ModelSource::Dir(dir) => {
+            let n = hmoe_server::registry::scan_models_dir(dir).map_or(0, |m| m.len());
+            let max = match config.models_max {
+                0 => "no limit".to_string(),
+                m => format!("at most {m} loaded"),
+            };
+            out.push(format!(
+                "router mode: {n} model(s) in {} ({max}; each loads on its first request)",
+                dir.display()
+            ));
+            out.push("devices: CPU (the server runs on the CPU engine)".into());
+            out.push(if e.n_ctx == 0 {
+                format!(
+                    "context: each model's trained length, {} slot(s)",
+                    e.n_parallel.max(1)
+                )
+            } else {
+                slots(e.n_ctx)
+            });
+        }
+        ModelSource::File(path) => match describe_model(args, path, e.n_ctx, e.n_parallel) {
+            Ok((model, device, n_ctx)) => {
+                out.push(model);
+                out.push(device);
+                out.push(slots(n_ctx));
+            }
+            Err(err) => out.push(format!("model: {} ({err:#})", path.display())),
+        },
+    }
+    out.push(kv);
+    out.push(format!("threads: {threads}"));
+    out
+}
+
+/// The model line, the device line (from the placement estimate for the CPU) and the context.
+fn describe_model(
+    args: &ServeArgs,
+    path: &std::path::Path,
+    n_ctx: usize,
+    n_parallel: usize,
+) -> anyhow::Result<(String, String, usize)> {
+    let gguf = hmoe_gguf::GgufModel::open(path, LoadOptions::default())?;
+    let meta = gguf.metadata();
+    let arch = meta.architecture().unwrap_or("unknown").to_string();
+    let name = meta
+        .get_str("general.name")
+        .map_or_else(String::new, |n| format!(" \"{n}\""));
+    let shape = hmoe_placement::ModelShape::from_metadata(meta)?;
+    let n_ctx = if n_ctx == 0 {
+        shape.n_ctx_train as usize
+    } else {
+        n_ctx
+    };
+    let mut flags = args.placement.to_flags()?;
+    flags.n_gpu_layers = hmoe_placement::GpuLayers::parse("0")?;
+    flags.rules.clear();
+    flags.ctx_size = Some(n_ctx as u32);
+    flags.n_parallel = n_parallel.max(1) as u32;
+    flags.fit = false;
+    let tensors: Vec<hmoe_placement::TensorDesc> = gguf
+        .tensors()
+        .iter()
+        .map(hmoe_placement::TensorDesc::from)
+        .collect();
+    let plan = hmoe_placement::plan(
+        &tensors,
+        &shape,
+        &hmoe_placement::DeviceBudget::default(),
+        &flags,
+    )?;
+    let mib = |b: u64| b >> 20;
+    let device = match plan.device(hmoe_placement::DeviceId::Cpu) {
+        Some(d) => format!(
+            "devices: CPU {} MiB ({} MiB weights, {} MiB KV cache, {} MiB compute); the server runs on the CPU engine",
+            mib(d.total()),
+            mib(d.weights),
+            mib(d.kv),
+            mib(d.compute)
+        ),
+        None => "devices: CPU".into(),
+    };
+    let model = format!(
+        "model: {}{name}, architecture {arch}, {} MiB",
+        path.display(),
+        mib(gguf.total_tensor_bytes())
+    );
+    Ok((model, device, n_ctx))
 }
 
 #[cfg(test)]
@@ -400,5 +514,7 @@ mod tests {
         assert!(parse(&["-m", "a", "--chat-template-kwargs", "[1]"])
             .config()
             .is_err());
+        assert!(parse(&["-m", "a"]).config().unwrap().webui);
+        assert!(!parse(&["-m", "a", "--no-webui"]).config().unwrap().webui);
     }
 }

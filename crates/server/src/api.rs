@@ -43,8 +43,12 @@ type Res = Result<Response, ApiError>;
 
 /// The application: every route, behind the API-key check.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/health", get(health))
+    let page = if state.config.webui {
+        crate::webui::routes()
+    } else {
+        Router::new()
+    };
+    page.route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/models", get(models))
         .route("/v1/models", get(models))
@@ -64,12 +68,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(crate::request_log::log_requests))
         .with_state(state)
 }
 
 /// Routes anyone may call.
 fn is_public(path: &str) -> bool {
     matches!(path, "/health" | "/v1/health" | "/models" | "/v1/models")
+        || crate::webui::is_webui_path(path)
 }
 
 /// Compares in time independent of where the strings differ.

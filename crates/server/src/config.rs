@@ -116,6 +116,8 @@ pub struct ServerConfig {
     /// Replaces the sampler of every request (an extension point; the tests use it to replay
     /// fixed token sequences). `None` = the engine's sampler.
     pub picker: Option<PickerFactory>,
+    /// Serve the chat page at `/` (on unless `--no-webui`).
+    pub webui: bool,
 }
 
 impl ServerConfig {
@@ -134,6 +136,7 @@ impl ServerConfig {
             slots_endpoint: true,
             models_max: 4,
             picker: None,
+            webui: true,
         }
     }
 }
@@ -152,6 +155,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("metrics", &self.metrics)
             .field("models_max", &self.models_max)
             .field("picker", &self.picker.is_some())
+            .field("webui", &self.webui)
             .finish()
     }
 }

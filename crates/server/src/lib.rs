@@ -29,8 +29,10 @@ pub mod oai;
 pub mod output;
 pub mod params;
 pub mod registry;
+pub mod request_log;
 pub mod sampling;
 pub mod scheduler;
+pub mod webui;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

@@ -11,6 +11,7 @@ use hmoe_quant::GgmlType;
 
 use crate::add_byte_vocab;
 use crate::tensors::{add_planned, supported_weight_type, Plan};
+use crate::vocab::DEEPSEEK_V3;
 
 /// Dimensions of a synthetic DeepSeek model.
 #[derive(Clone, Debug, PartialEq)]
@@ -309,7 +310,7 @@ fn build(s: &Deepseek2Spec, sparse: bool) -> Result<GgufWriter, String> {
         MetaValue::F32(1e-6),
     );
     w.add_meta("deepseek2.rope.freq_base", MetaValue::F32(10000.0));
-    add_byte_vocab(&mut w, s.n_vocab);
+    add_byte_vocab(&mut w, s.n_vocab, &DEEPSEEK_V3);
     add_planned(&mut w, plans, s.seed, sparse)?;
     Ok(w)
 }

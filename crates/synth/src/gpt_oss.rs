@@ -9,6 +9,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 use crate::add_byte_vocab;
+use crate::vocab::GPT_OSS;
 
 /// Dimensions of a synthetic gpt-oss model.
 #[derive(Clone, Debug, PartialEq)]
@@ -249,7 +250,7 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
         MetaValue::String("yarn".into()),
     );
     w.add_meta("gpt-oss.rope.scaling.factor", MetaValue::F32(32.0));
-    add_byte_vocab(&mut w, s.n_vocab);
+    add_byte_vocab(&mut w, s.n_vocab, &GPT_OSS);
     for (p, bytes) in plans.into_iter().zip(data) {
         match bytes {
             Some(bytes) => w.add_tensor(p.name, p.ty, &p.dims, bytes),

@@ -7,6 +7,7 @@ use hmoe_quant::GgmlType;
 
 use crate::add_byte_vocab;
 use crate::tensors::{add_planned, supported_weight_type, Plan};
+use crate::vocab::QWEN3;
 
 /// Dimensions of a synthetic Qwen3-MoE model.
 #[derive(Clone, Debug, PartialEq)]
@@ -195,7 +196,7 @@ fn build(s: &Qwen3MoeSpec, sparse: bool) -> Result<GgufWriter, String> {
         MetaValue::F32(1e-6),
     );
     w.add_meta("qwen3moe.rope.freq_base", MetaValue::F32(1_000_000.0));
-    add_byte_vocab(&mut w, s.n_vocab);
+    add_byte_vocab(&mut w, s.n_vocab, &QWEN3);
     add_planned(&mut w, plans, s.seed, sparse)?;
     Ok(w)
 }
