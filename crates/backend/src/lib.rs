@@ -206,6 +206,14 @@ pub trait Backend: Send + Sync {
         src: &Self::Buf<f32>,
         range: Range<usize>,
     ) -> Result<Self::Buf<f32>, BackendError>;
+    /// Copies all of `src` into `dst` from element `at` on (a copy on the device): with
+    /// [`Backend::copy_range`], how per-sequence results are gathered into a batch.
+    fn copy_into(
+        &self,
+        src: &Self::Buf<f32>,
+        dst: &mut Self::Buf<f32>,
+        at: usize,
+    ) -> Result<(), BackendError>;
     /// Waits for everything queued.
     fn synchronize(&self) -> Result<(), BackendError>;
     /// Uploads `rows` rows of `cols` elements of `ty` in their file encoding.

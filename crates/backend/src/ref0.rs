@@ -583,6 +583,22 @@ impl Backend for Ref0 {
             })?;
         self.buf("copy_range", data)
     }
+    fn copy_into(
+        &self,
+        src: &RefBuf<f32>,
+        dst: &mut RefBuf<f32>,
+        at: usize,
+    ) -> Result<(), BackendError> {
+        let end = at.checked_add(src.len()).filter(|&e| e <= dst.len());
+        let Some(end) = end else {
+            return Err(BackendError::Shape {
+                op: "copy_into",
+                what: format!("{} values at {at} of {}", src.len(), dst.len()),
+            });
+        };
+        dst[at..end].copy_from_slice(src);
+        Ok(())
+    }
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
     }

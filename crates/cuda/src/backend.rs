@@ -84,6 +84,24 @@ impl Backend for CudaDevice {
     ) -> Result<CudaSlice<f32>, BackendError> {
         Ok(CudaDevice::copy_range(self, src, range)?)
     }
+    fn copy_into(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+    ) -> Result<(), BackendError> {
+        let end = at.checked_add(src.len()).filter(|&e| e <= dst.len());
+        let Some(end) = end else {
+            return Err(BackendError::Shape {
+                op: "copy_into",
+                what: format!("{} values at {at} of {}", src.len(), dst.len()),
+            });
+        };
+        self.stream()
+            .memcpy_dtod(src, &mut dst.slice_mut(at..end))
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(CudaDevice::synchronize(self)?)
     }
