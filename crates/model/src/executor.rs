@@ -647,9 +647,9 @@ impl<B: Backend> DeviceGptOss<B> {
                 let cells = kv_cells(p, geometry.0, geometry.1);
                 let kv_bytes = (2 * 2 * width * cells.iter().sum::<usize>()) as u64;
                 let need = kv_bytes + self.scratch_bytes(geometry.1);
-                while self.dev.free_memory()?.is_some_and(|free| free < need)
-                    && st.evict_idle(keep)
-                {}
+                while self.dev.free_memory()?.is_some_and(|free| free < need) && st.evict_idle(keep)
+                {
+                }
                 let alloc = || {
                     cells
                         .iter()
@@ -684,7 +684,8 @@ impl<B: Backend> DeviceGptOss<B> {
                 geometry.0,
                 geometry.1,
                 match held {
-                    Some(((c, u), h)) => format!("its device cache: n_ctx {c}, n_ubatch {u}, {h} positions"),
+                    Some(((c, u), h)) =>
+                        format!("its device cache: n_ctx {c}, n_ubatch {u}, {h} positions"),
                     None => "no device cache for it".into(),
                 }
             ))),

@@ -22,7 +22,11 @@ const N_CTX: usize = 64;
 const N_DECODE: usize = 4;
 
 fn open(file: &str) -> GgufModel {
-    GgufModel::open(fixtures().join("gpt-oss").join(file), LoadOptions::default()).unwrap()
+    GgufModel::open(
+        fixtures().join("gpt-oss").join(file),
+        LoadOptions::default(),
+    )
+    .unwrap()
 }
 
 fn argmax(l: &[f32]) -> u32 {
@@ -119,7 +123,10 @@ fn check(file: &str) {
     let reference: Vec<_> = prompts().iter().map(|p| alone(cpu.as_ref(), p)).collect();
     let feeds: Vec<Vec<Vec<u32>>> = reference.iter().map(|r| r.0.clone()).collect();
     let (cpu_batched, _) = batched(cpu.as_ref(), &feeds);
-    let n_layer = hmoe_model::GptOss::load(open(file)).unwrap().params().n_layer;
+    let n_layer = hmoe_model::GptOss::load(open(file))
+        .unwrap()
+        .params()
+        .n_layer;
     let n_steps = schedule().len() as u64;
     let placements = [
         ("-ngl all", vec![ExpertHome::Device; n_layer]),
@@ -141,7 +148,10 @@ fn check(file: &str) {
         for (i, (f, want)) in reference.iter().enumerate() {
             let (_, got) = alone(&dev, &f[0]);
             for (s, (g, w)) in got.iter().zip(want).enumerate() {
-                assert!(bits(g) == bits(w), "{file} {what}: sequence {i} alone, feed {s}");
+                assert!(
+                    bits(g) == bits(w),
+                    "{file} {what}: sequence {i} alone, feed {s}"
+                );
             }
         }
         let before = dev.stats();
@@ -169,8 +179,16 @@ fn check(file: &str) {
         assert_eq!(trips, host_layers * n_steps, "{file} {what}");
         assert_eq!(after.offloaded_layers, 0, "{file} {what}: below 32 tokens");
         let (t0, t1) = (before.transfers.unwrap(), after.transfers.unwrap());
-        assert_eq!(t1.downloads - t0.downloads, with_logits + trips, "{file} {what}");
-        assert_eq!(t1.uploads - t0.uploads, 2 * n_steps + trips, "{file} {what}");
+        assert_eq!(
+            t1.downloads - t0.downloads,
+            with_logits + trips,
+            "{file} {what}"
+        );
+        assert_eq!(
+            t1.uploads - t0.uploads,
+            2 * n_steps + trips,
+            "{file} {what}"
+        );
     }
 }
 
