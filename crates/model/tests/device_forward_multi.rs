@@ -6,6 +6,7 @@
 //! first layer's on the host (`--n-cpu-moe 1`), for quantized, F32-dense and F32-expert
 //! weights; the transfer counts show one round trip per host layer per micro-batch, whatever
 //! the number of sequences in it, and nothing else crossing but ids, positions and logits.
+//! Device caches follow their handles and are freed by need (least recently used first).
 
 mod common;
 
@@ -205,4 +206,68 @@ fn f32_weights_batched_on_ref0_are_bit_exact() {
 #[test]
 fn f32_experts_batched_on_ref0_are_bit_exact() {
     check("gptoss-openai-f32experts.gguf");
+}
+
+/// Device caches per handle: two sequences fed in turn through `forward` keep their own
+/// caches (each gets its logits alone); on a device with room for two caches, a third
+/// sequence frees the least recently used one, whose handle then fails to continue (with a
+/// clear error) until it starts again from position 0, which gives the same logits again.
+#[test]
+fn device_caches_follow_their_handles_and_are_freed_by_need() {
+    let file = "gptoss-tiny.gguf";
+    let cpu = hmoe_model::load(open(file)).unwrap();
+    let reference: Vec<_> = prompts().iter().map(|p| alone(cpu.as_ref(), p)).collect();
+    let n_layer = hmoe_model::GptOss::load(open(file))
+        .unwrap()
+        .params()
+        .n_layer;
+    let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
+    // Measure the weights and one sequence's cache on an unlimited device.
+    let probe = DeviceGptOss::load(open(file), Ref0::new(), &placement).unwrap();
+    let weights = probe.device().bytes_held();
+    let mut c = probe.new_cache(KvType::F16, N_CTX, UBATCH);
+    probe.forward(&mut c, &[1], LogitsWanted::Last).unwrap();
+    let kv = probe.device().bytes_held() - weights;
+    // Room for two caches, a micro-batch's scratch, and half a cache more.
+    let budget = weights + 2 * kv + probe.scratch_bytes(UBATCH) + kv / 2;
+    let dev = DeviceGptOss::load(open(file), Ref0::with_budget(budget), &placement).unwrap();
+    let mut caches: Vec<KvCache> = (0..3)
+        .map(|_| dev.new_cache(KvType::F16, N_CTX, UBATCH))
+        .collect();
+    // Sequences 0 and 1 in turn, feed by feed.
+    for s in 0..reference[0].0.len() {
+        for i in 0..2 {
+            let got = dev
+                .forward(&mut caches[i], &reference[i].0[s], LogitsWanted::Last)
+                .unwrap();
+            assert!(
+                bits(&got) == bits(&reference[i].1[s]),
+                "sequence {i}, feed {s}"
+            );
+        }
+    }
+    assert_eq!(dev.device().bytes_held(), weights + 2 * kv);
+    // Sequence 2 needs room: sequence 0's cache (used least recently) is freed.
+    let got = dev
+        .forward(&mut caches[2], &reference[2].0[0], LogitsWanted::Last)
+        .unwrap();
+    assert!(bits(&got) == bits(&reference[2].1[0]));
+    assert_eq!(dev.device().bytes_held(), weights + 2 * kv);
+    let got = dev
+        .forward(&mut caches[1], &[5], LogitsWanted::Last)
+        .unwrap();
+    assert_eq!(got.len(), dev.n_vocab(), "sequence 1 kept its cache");
+    let e = dev
+        .forward(&mut caches[0], &[5], LogitsWanted::Last)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no device cache for it") && e.contains("starts at 0"),
+        "{e}"
+    );
+    caches[0].clear();
+    let got = dev
+        .forward(&mut caches[0], &reference[0].0[0], LogitsWanted::Last)
+        .unwrap();
+    assert!(bits(&got) == bits(&reference[0].1[0]), "sequence 0 again");
 }
