@@ -136,6 +136,22 @@ impl GatedAct {
     }
 }
 
+/// The elements `dst[at..at + src_len]` that [`Backend::copy_into`] writes, or the shape
+/// error for a destination of `dst_len` elements that does not hold them.
+pub fn copy_into_range(
+    src_len: usize,
+    dst_len: usize,
+    at: usize,
+) -> Result<Range<usize>, BackendError> {
+    match at.checked_add(src_len).filter(|&end| end <= dst_len) {
+        Some(end) => Ok(at..end),
+        None => Err(BackendError::Shape {
+            op: "copy_into",
+            what: format!("{src_len} values at {at} of {dst_len}"),
+        }),
+    }
+}
+
 /// A device that holds weights and buffers and runs the ops of a forward pass over them.
 /// Shapes are row-major: `n` tokens of `width` values are `n × width` consecutive elements.
 ///

@@ -90,15 +90,9 @@ impl Backend for CudaDevice {
         dst: &mut CudaSlice<f32>,
         at: usize,
     ) -> Result<(), BackendError> {
-        let end = at.checked_add(src.len()).filter(|&e| e <= dst.len());
-        let Some(end) = end else {
-            return Err(BackendError::Shape {
-                op: "copy_into",
-                what: format!("{} values at {at} of {}", src.len(), dst.len()),
-            });
-        };
+        let range = hmoe_backend::copy_into_range(src.len(), dst.len(), at)?;
         self.stream()
-            .memcpy_dtod(src, &mut dst.slice_mut(at..end))
+            .memcpy_dtod(src, &mut dst.slice_mut(range))
             .map_err(CudaError::from)?;
         Ok(())
     }

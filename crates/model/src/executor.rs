@@ -532,25 +532,24 @@ impl<B: Backend> DeviceGptOss<B> {
     /// cache; returns the last token's logits of the sequences that want them (empty vectors
     /// for the others). Each result equals [`DeviceGptOss::forward`] with
     /// [`LogitsWanted::Last`] on that sequence alone (see the module docs). As in the CPU
-    /// engine, a step with one sequence, or with a sequence of no tokens or of more than its
-    /// cache's micro-batch, runs the sequences one after the other. Every input is checked
-    /// before anything runs.
+    /// engine, a step with a sequence of no tokens or of more than its cache's micro-batch
+    /// runs the sequences one after the other. Every input is checked before anything runs.
     pub fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         for s in seqs.iter() {
             self.check_input(s.cache, s.tokens)?;
         }
-        let simple = seqs.len() == 1
-            || seqs
-                .iter()
-                .any(|s| s.tokens.is_empty() || s.tokens.len() > s.cache.n_ubatch());
-        if simple {
-            return seqs
-                .iter_mut()
-                .map(|s| {
-                    let logits = self.forward(s.cache, s.tokens, LogitsWanted::Last)?;
-                    Ok(if s.logits { logits } else { Vec::new() })
-                })
-                .collect();
+        // A sequence of no tokens or of more than one micro-batch runs alone (split as
+        // `forward` splits it), and so do the others then.
+        let one_ubatch = seqs
+            .iter()
+            .all(|s| (1..=s.cache.n_ubatch()).contains(&s.tokens.len()));
+        if !one_ubatch {
+            let mut out = Vec::with_capacity(seqs.len());
+            for s in seqs.iter_mut() {
+                let logits = self.forward(s.cache, s.tokens, LogitsWanted::Last)?;
+                out.push(if s.logits { logits } else { Vec::new() });
+            }
+            return Ok(out);
         }
         let mut st = self.lock();
         let handles: Vec<usize> = seqs.iter().map(|s| handle_of(s.cache)).collect();
