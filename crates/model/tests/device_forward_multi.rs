@@ -271,3 +271,40 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
         .unwrap();
     assert!(bits(&got) == bits(&reference[0].1[0]), "sequence 0 again");
 }
+
+/// A step with a bad token, a sequence past its context or a cache of another K/V type is an
+/// error before anything runs: no sequence advances, and nothing goes to the device.
+#[test]
+fn bad_steps_run_nothing() {
+    let file = "gptoss-tiny.gguf";
+    let n_layer = hmoe_model::GptOss::load(open(file))
+        .unwrap()
+        .params()
+        .n_layer;
+    let placement = ExpertPlacement::all(n_layer, ExpertHome::Host);
+    let dev = DeviceGptOss::load(open(file), Ref0::new(), &placement).unwrap();
+    let mut a = dev.new_cache(KvType::F16, 8, UBATCH);
+    let mut b = dev.new_cache(KvType::F16, 8, UBATCH);
+    let mut c = dev.new_cache(KvType::F32, 8, UBATCH);
+    let before = dev.stats();
+    let long = [1u32; 9];
+    let bad: [(usize, &[u32]); 3] = [(0, &[5000]), (0, &long), (1, &[3])];
+    for (which, tokens) in bad {
+        let second = if which == 0 { &mut b } else { &mut c };
+        let mut seqs = [
+            SeqBatch {
+                cache: &mut a,
+                tokens: &[1, 2],
+                logits: true,
+            },
+            SeqBatch {
+                cache: second,
+                tokens,
+                logits: true,
+            },
+        ];
+        assert!(dev.forward_multi(&mut seqs).is_err(), "{tokens:?}");
+    }
+    assert_eq!((a.n_past(), b.n_past(), c.n_past()), (0, 0, 0));
+    assert_eq!(dev.stats(), before);
+}
