@@ -136,6 +136,22 @@ impl GatedAct {
     }
 }
 
+/// The elements `dst[at..at + src_len]` that [`Backend::copy_into`] writes, or the shape
+/// error for a destination of `dst_len` elements that does not hold them.
+pub fn copy_into_range(
+    src_len: usize,
+    dst_len: usize,
+    at: usize,
+) -> Result<Range<usize>, BackendError> {
+    match at.checked_add(src_len).filter(|&end| end <= dst_len) {
+        Some(end) => Ok(at..end),
+        None => Err(BackendError::Shape {
+            op: "copy_into",
+            what: format!("{src_len} values at {at} of {dst_len}"),
+        }),
+    }
+}
+
 /// A device that holds weights and buffers and runs the ops of a forward pass over them.
 /// Shapes are row-major: `n` tokens of `width` values are `n × width` consecutive elements.
 ///
@@ -206,6 +222,14 @@ pub trait Backend: Send + Sync {
         src: &Self::Buf<f32>,
         range: Range<usize>,
     ) -> Result<Self::Buf<f32>, BackendError>;
+    /// Copies all of `src` into `dst` from element `at` on (a copy on the device): with
+    /// [`Backend::copy_range`], how per-sequence results are gathered into a batch.
+    fn copy_into(
+        &self,
+        src: &Self::Buf<f32>,
+        dst: &mut Self::Buf<f32>,
+        at: usize,
+    ) -> Result<(), BackendError>;
     /// Waits for everything queued.
     fn synchronize(&self) -> Result<(), BackendError>;
     /// Uploads `rows` rows of `cols` elements of `ty` in their file encoding.

@@ -583,6 +583,16 @@ impl Backend for Ref0 {
             })?;
         self.buf("copy_range", data)
     }
+    fn copy_into(
+        &self,
+        src: &RefBuf<f32>,
+        dst: &mut RefBuf<f32>,
+        at: usize,
+    ) -> Result<(), BackendError> {
+        let range = crate::copy_into_range(src.len(), dst.len(), at)?;
+        dst[range].copy_from_slice(src);
+        Ok(())
+    }
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
     }
@@ -1105,6 +1115,23 @@ mod tests {
         );
         assert_eq!(c.download_bytes, 12 + 36);
         assert_eq!(dev.round_trips(), 1);
+    }
+
+    /// `copy_into` writes `src` at its offset on the device (no transfer counted) and refuses
+    /// a destination too short, even by an overflowing offset.
+    #[test]
+    fn copy_into_writes_at_the_offset_on_the_device() {
+        let dev = Ref0::new();
+        let src = dev.upload(&[1.0f32, 2.0]).unwrap();
+        let mut dst = dev.alloc::<f32>(5).unwrap();
+        let before = dev.transfers();
+        dev.copy_into(&src, &mut dst, 3).unwrap();
+        assert_eq!(dev.transfers(), before);
+        assert_eq!(dev.download(&dst).unwrap(), [0.0, 0.0, 0.0, 1.0, 2.0]);
+        for at in [4, usize::MAX] {
+            let e = dev.copy_into(&src, &mut dst, at).unwrap_err().to_string();
+            assert!(e.starts_with("copy_into: 2 values at"), "{e}");
+        }
     }
 
     #[test]

@@ -4,10 +4,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_placement::{plan, DeviceId, DeviceUsage, ModelShape, Plan, TensorDesc};
+use hmoe_placement::{
+    plan, DeviceBudget, DeviceId, DeviceUsage, ModelShape, Plan, TensorDesc, TensorRule,
+};
 use serde_json::{json, Value};
 
-use crate::placement_args::PlacementArgs;
+use crate::engine_select::{plan_error, plan_flags};
+use crate::placement_args::{PlacementArgs, Probed, Selected};
 
 /// Arguments of `hmoe fit`.
 #[derive(clap::Args)]
@@ -28,26 +31,42 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
         .with_context(|| format!("opening {}", args.model.display()))?;
     let shape = ModelShape::from_metadata(model.metadata())?;
     let tensors: Vec<TensorDesc> = model.tensors().iter().map(TensorDesc::from).collect();
-    let flags = args.placement.to_flags()?;
+    let a = &args.placement.args;
     // Host RAM is reported, not enforced: weights are memory-mapped, so a model larger than
     // RAM still runs (paging), as with llama.cpp.
     let budget = args.placement.gpu_budget()?;
-    if args.placement.args.gpu_mem.is_empty() && !budget.gpus.is_empty() {
-        let free: Vec<String> = budget
-            .gpus
-            .iter()
-            .map(|g| format!("{} MiB", g.free >> 20))
-            .collect();
-        eprintln!(
-            "fit: GPU budget from the free memory the driver reports: {}",
-            free.join(", ")
-        );
-    }
-    let plan = plan(&tensors, &shape, &budget, &flags)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&to_json(&plan))?);
+    // The devices --device names (the driver is asked again only then).
+    let probed = if a.device.is_some() {
+        Probed::now()
     } else {
-        print!("{}", render(&plan));
+        Probed::default()
+    };
+    let selected = args.placement.selected_devices(&probed)?;
+    // The plan's GPU i is the i-th device of --device (else CUDA<i>).
+    let names: Vec<String> = selected
+        .iter()
+        .flatten()
+        .map(|&d| probed.name_of(d))
+        .collect();
+    if !budget.gpus.is_empty() {
+        let sources = budget_sources(&budget, selected.as_deref(), &names, !a.gpu_mem.is_empty());
+        eprintln!("fit: device budget: {}", sources.join(", "));
+    }
+    let flags = plan_flags(args.placement.to_flags()?, &names);
+    let mut plan = plan(&tensors, &shape, &budget, &flags).map_err(|e| plan_error(e, &names))?;
+    // Rules that named a device by its own name say it again in the printed flags.
+    for rule in &mut plan.flags.rules {
+        if let TensorRule::Override { device, .. } = rule {
+            let named = (0..names.len()).find(|&i| *device == DeviceId::Gpu(i).to_string());
+            if let Some(i) = named {
+                *device = names[i].clone();
+            }
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&to_json(&plan, &names))?);
+    } else {
+        print!("{}", render(&plan, &names));
         let cpu = plan.device(DeviceId::Cpu).map_or(0, DeviceUsage::total);
         if let Some(avail) = host_available().filter(|&a| a < cpu) {
             println!(
@@ -60,9 +79,37 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The text report: the command line, the table and what fit did.
-fn render(p: &Plan) -> String {
-    let mut out = format!("{}\n\n{}", p.command_line(), p.table());
+/// Where each GPU's budget comes from, named as the plan's report names it: `--gpu-mem`, the
+/// free memory the driver reports, or the reference device's default.
+fn budget_sources(
+    budget: &DeviceBudget,
+    selected: Option<&[Selected]>,
+    names: &[String],
+    gpu_mem_given: bool,
+) -> Vec<String> {
+    (budget.gpus.iter().enumerate())
+        .map(|(i, g)| {
+            let dev = selected.and_then(|s| s.get(i)).copied();
+            let from = match dev {
+                _ if gpu_mem_given => "--gpu-mem".to_string(),
+                Some(Selected::Ref0) => {
+                    "the reference device's default; --gpu-mem sets it".to_string()
+                }
+                _ => "free memory the driver reports".to_string(),
+            };
+            format!(
+                "{} {} MiB ({from})",
+                DeviceId::Gpu(i).name_in(names),
+                g.free >> 20
+            )
+        })
+        .collect()
+}
+
+/// The text report: the command line, the table (GPU `i` called `names[i]` where given) and
+/// what fit did.
+fn render(p: &Plan, names: &[String]) -> String {
+    let mut out = format!("{}\n\n{}", p.command_line(), p.table_named(names));
     for n in &p.notes {
         out.push_str(&format!("fit: {n}\n"));
     }
@@ -72,9 +119,9 @@ fn render(p: &Plan) -> String {
     out
 }
 
-fn device_json(d: &DeviceUsage) -> Value {
+fn device_json(d: &DeviceUsage, names: &[String]) -> Value {
     json!({
-        "device": d.device.to_string(),
+        "device": d.device.name_in(names),
         "weights": d.weights,
         "kv": d.kv,
         "compute": d.compute,
@@ -88,7 +135,7 @@ fn device_json(d: &DeviceUsage) -> Value {
 }
 
 /// The JSON report: flags, context, and per device weights, kv, compute, total and free bytes.
-fn to_json(p: &Plan) -> Value {
+fn to_json(p: &Plan, names: &[String]) -> Value {
     json!({
         "flags": p.command_line(),
         "n_ctx": p.n_ctx,
@@ -99,7 +146,7 @@ fn to_json(p: &Plan) -> Value {
         "fit_cpu_expert_layers": p.fit_cpu_expert_layers,
         "fits": p.fits(),
         "notes": p.notes,
-        "devices": p.devices.iter().map(device_json).collect::<Vec<_>>(),
+        "devices": p.devices.iter().map(|d| device_json(d, names)).collect::<Vec<_>>(),
     })
 }
 
@@ -127,7 +174,7 @@ mod tests {
             &PlacementFlags::default(),
         )
         .unwrap();
-        let v = to_json(&p);
+        let v = to_json(&p, &[]);
         assert!(v["flags"].as_str().unwrap().starts_with("-c "));
         let devs = v["devices"].as_array().unwrap();
         assert_eq!(devs.len(), 2);
@@ -136,7 +183,40 @@ mod tests {
             assert!(devs[1][k].as_u64().is_some(), "{k}");
         }
         assert_eq!(devs[1]["total"].as_u64().unwrap(), p.devices[1].total());
-        let text = render(&p);
+        let text = render(&p, &[]);
         assert!(text.contains("CUDA0") && text.contains("weights"), "{text}");
+        // The plan's GPU 0 selected as REF0 is called so in both reports.
+        let names = ["REF0".to_string()];
+        assert_eq!(to_json(&p, &names)["devices"][1]["device"], "REF0");
+        let text = render(&p, &names);
+        assert!(
+            text.contains("\nREF0 ") && !text.contains("CUDA0"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn budget_sources_name_the_device_and_where_its_budget_comes_from() {
+        let b = DeviceBudget::with_gpus(&[2 << 30, 8 << 30]);
+        let names = ["REF0".to_string(), "CUDA1".to_string()];
+        let sel = [Selected::Ref0, Selected::Cuda(1)];
+        assert_eq!(
+            budget_sources(&b, Some(&sel), &names, true),
+            ["REF0 2048 MiB (--gpu-mem)", "CUDA1 8192 MiB (--gpu-mem)"]
+        );
+        assert_eq!(
+            budget_sources(&b, Some(&sel), &names, false),
+            [
+                "REF0 2048 MiB (the reference device's default; --gpu-mem sets it)",
+                "CUDA1 8192 MiB (free memory the driver reports)"
+            ]
+        );
+        assert_eq!(
+            budget_sources(&b, None, &[], false),
+            [
+                "CUDA0 2048 MiB (free memory the driver reports)",
+                "CUDA1 8192 MiB (free memory the driver reports)"
+            ]
+        );
     }
 }

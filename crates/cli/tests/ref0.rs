@@ -279,3 +279,41 @@ fn ref0_over_budget_is_an_error_naming_it_and_the_missing_mib() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `hmoe fit -dev REF0` names the device REF0 (table, JSON, and the rules of the printed
+/// flags) and says its budget comes from `--gpu-mem` (or REF0's default), not the driver.
+#[test]
+fn fit_on_ref0_names_it_and_its_budget() {
+    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let base = ["fit", "-m", f.model.as_str(), "-c", "256", "-dev", "REF0"];
+    let rule = r"blk\.0\.ffn_up_exps=REF0";
+    let out = hmoe(&[&base[..], &["--gpu-mem", "2GiB", "-ot", rule]].concat());
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("fit: device budget: REF0 2048 MiB (--gpu-mem)"),
+        "{err}"
+    );
+    assert!(!err.contains("driver"), "{err}");
+    assert!(text.lines().any(|l| l.starts_with("REF0 ")), "{text}");
+    assert!(text.contains(r"blk\.0\.ffn_up_exps=REF0"), "{text}");
+    assert!(!text.contains("CUDA0"), "{text}");
+    let out = hmoe(&[&base[..], &["--json"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("REF0 16384 MiB (the reference device's default"),
+        "{err}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let devs: Vec<&str> = v["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["device"].as_str().unwrap())
+        .collect();
+    assert_eq!(devs, ["CPU", "REF0"], "{v}");
+}

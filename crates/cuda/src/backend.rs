@@ -84,6 +84,18 @@ impl Backend for CudaDevice {
     ) -> Result<CudaSlice<f32>, BackendError> {
         Ok(CudaDevice::copy_range(self, src, range)?)
     }
+    fn copy_into(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+    ) -> Result<(), BackendError> {
+        let range = hmoe_backend::copy_into_range(src.len(), dst.len(), at)?;
+        self.stream()
+            .memcpy_dtod(src, &mut dst.slice_mut(range))
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(CudaDevice::synchronize(self)?)
     }

@@ -31,14 +31,30 @@
 //! the CPU calls libm's, and F16/BF16 summation orders; on models whose routing is that
 //! sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
 //!
+//! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each
+//! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
+//! tokens, so a CPU-expert layer still makes one round trip per micro-batch. The result is
+//! batch-invariant, as the CPU engine's (`gpt_oss/batch.rs`): row-wise ops (embedding, norms,
+//! biases, RoPE with each token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over
+//! the whole micro-batch, attention runs per sequence over its cache, and the products the CPU
+//! engine sums in another order for a batch than for one token (F32 weights, and the experts
+//! of a layer with F32 experts, which the `moe` op sums by how many tokens route to each) run
+//! per sequence on exactly the rows the sequence alone would have. On
+//! [`hmoe_backend::Ref0`] every sequence's logits are then the CPU engine's bit for bit.
+//!
+//! Device caches: the [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions
+//! only (see [`GptOss::new_position_cache`]); the executor keeps one device cache per handle,
+//! told apart by the handle's own allocation (which stays put while the handle lives, even
+//! when the handle moves). A handle at position 0 starts a new sequence (its device cache is
+//! reallocated when its size differs); one that went back ([`KvCache::truncate`]) continues
+//! from there; one ahead of what the device holds is an error. A dropped handle cannot be
+//! seen, so device caches are freed by need: before a new sequence's cache is allocated, the
+//! least recently used caches of sequences outside the step are freed until the device has
+//! room for it and a micro-batch's scratch buffers ([`DeviceGptOss::scratch_bytes`]), and
+//! again if the allocation still runs out of memory. A handle whose cache was freed can
+//! only start again from position 0.
+//!
 //! Limits of this executor:
-//! - **One sequence at a time.** The K/V cache lives on the device inside the executor; the
-//!   [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions only (see
-//!   [`GptOss::new_position_cache`]). A cache at position 0 starts a new sequence (the device
-//!   cache is reallocated when its size differs); a cache that went back
-//!   ([`KvCache::truncate`]) continues from there; a cache ahead of what the device holds is
-//!   an error. Two caches used in turn are not told apart when their positions agree, so the
-//!   engine must use one at a time; [`LanguageModel::forward_multi`] takes one sequence.
 //! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
 //! - **Op offload overlaps large batches only**: a micro-batch of at least the placement's
 //!   `op_offload_min_batch` tokens runs a host layer on the device with the experts it routes
@@ -52,8 +68,11 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use std::ops::Range;
+
 use hmoe_backend::{AttnParams, Backend, BackendError, GatedAct, RopeParams, TransferCounts};
 use hmoe_gguf::GgufModel;
+use hmoe_quant::GgmlType;
 
 use crate::hybrid::{ExpertTensors, SWIGLU_ALPHA, SWIGLU_LIMIT};
 use crate::kv_cache::CacheType;
@@ -193,31 +212,49 @@ pub const PREFETCH_ROUTES_PER_EXPERT: usize = 4;
 /// buffers come out of it); with less room the next layer is uploaded when it is reached.
 pub const PREFETCH_RESERVE_BYTES: u64 = 512 << 20;
 
+/// A weight matrix on the device, `rows × cols`, and whether a micro-batch of several
+/// sequences multiplies it per sequence: F32 weights, whose products the CPU engine sums in
+/// one order for a single token and in another for several.
+struct DevMat<B: Backend> {
+    m: B::Matrix,
+    rows: usize,
+    cols: usize,
+    per_seq: bool,
+}
+
 /// One layer's weights on the device.
 struct LayerWeights<B: Backend> {
     attn_norm: B::Buf<f32>,
-    wq: B::Matrix,
-    wk: B::Matrix,
-    wv: B::Matrix,
-    wo: B::Matrix,
+    wq: DevMat<B>,
+    wk: DevMat<B>,
+    wv: DevMat<B>,
+    wo: DevMat<B>,
     bq: B::Buf<f32>,
     bk: B::Buf<f32>,
     bv: B::Buf<f32>,
     bo: B::Buf<f32>,
     sinks: B::Buf<f32>,
     ffn_norm: B::Buf<f32>,
-    router: B::Matrix,
+    router: DevMat<B>,
     router_b: B::Buf<f32>,
     /// The routed experts, for a [`ExpertHome::Device`] layer.
     experts: Option<B::Moe>,
+    /// Whether the experts are F32 (the `moe` op then runs per sequence of a micro-batch:
+    /// it sums an expert's products in another order when several tokens route to it).
+    experts_per_seq: bool,
 }
 
-/// A layer's expert inputs on the device: normed hidden state, chosen experts, weights.
-type Routed<'a, B> = (
-    &'a <B as Backend>::Buf<f32>,
-    &'a <B as Backend>::Buf<i32>,
-    &'a <B as Backend>::Buf<f32>,
-);
+/// A layer's expert inputs on the device for a micro-batch: normed hidden state, router
+/// logits, chosen experts and their weights (of every token), the sequences' rows, and whether
+/// the experts run per sequence (F32 experts, several sequences).
+struct Routing<'a, B: Backend> {
+    h: &'a B::Buf<f32>,
+    scores: &'a B::Buf<f32>,
+    sel: &'a B::Buf<i32>,
+    wts: &'a B::Buf<f32>,
+    groups: &'a [Range<usize>],
+    per_seq: bool,
+}
 
 /// One layer's K/V ring on the device.
 struct LayerKv<B: Backend> {
@@ -226,13 +263,34 @@ struct LayerKv<B: Backend> {
     cells: usize,
 }
 
-/// The sequence's K/V cache on the device.
+/// One sequence's K/V cache on the device.
 struct DeviceKv<B: Backend> {
+    /// The handle it stands for ([`handle_of`]).
+    handle: usize,
     /// `(n_ctx, n_ubatch)` of the handle it was made for.
     geometry: (usize, usize),
     /// Positions stored.
     held: usize,
+    /// When it was last used ([`State::clock`]).
+    last_used: u64,
     layers: Vec<LayerKv<B>>,
+}
+
+/// The identity of a cache handle: the address of its layer list, which is allocated with the
+/// handle and stays put while the handle lives (moving a [`KvCache`] does not move it).
+fn handle_of(cache: &KvCache) -> usize {
+    cache.layers.as_ptr() as usize
+}
+
+/// One sequence's share of a micro-batch.
+struct Member<'t> {
+    /// Its device cache's index in [`State::kvs`].
+    kv: usize,
+    /// The position of its first token.
+    pos0: usize,
+    tokens: &'t [u32],
+    /// The logits it wants (`None`: none).
+    want: Option<LogitsWanted>,
 }
 
 /// Staging buffers of the host round trip, for micro-batches of `n` tokens.
@@ -243,7 +301,10 @@ struct HostIo<B: Backend> {
 
 /// What changes while running.
 struct State<B: Backend> {
-    kv: Option<DeviceKv<B>>,
+    /// The device caches of the sequences seen, in no order.
+    kvs: Vec<DeviceKv<B>>,
+    /// Counts cache uses, for freeing the least recently used.
+    clock: u64,
     io: Option<HostIo<B>>,
     stats: ExecStats,
 }
@@ -251,10 +312,29 @@ struct State<B: Backend> {
 impl<B: Backend> Default for State<B> {
     fn default() -> Self {
         State {
-            kv: None,
+            kvs: Vec::new(),
+            clock: 0,
             io: None,
             stats: ExecStats::default(),
         }
+    }
+}
+
+impl<B: Backend> State<B> {
+    /// Frees the least recently used device cache whose handle is not in `keep`; false when
+    /// there is none.
+    fn evict_idle(&mut self, keep: &[usize]) -> bool {
+        let lru = (self.kvs.iter().enumerate())
+            .filter(|(_, kv)| !keep.contains(&kv.handle))
+            .min_by_key(|(_, kv)| kv.last_used)
+            .map(|(i, _)| i);
+        lru.map(|i| self.kvs.swap_remove(i)).is_some()
+    }
+
+    /// The index in `kvs` of the device cache of `handle`.
+    fn slot_of(&self, handle: usize) -> Result<usize, ExecError> {
+        (self.kvs.iter().position(|kv| kv.handle == handle))
+            .ok_or_else(|| ExecError::Cache("no device cache for this handle".into()))
     }
 }
 
@@ -264,9 +344,9 @@ pub struct DeviceGptOss<B: Backend> {
     host: GptOss,
     dev: B,
     rope: RopeParams,
-    tok_embd: B::Matrix,
+    tok_embd: DevMat<B>,
     output_norm: B::Buf<f32>,
-    output: B::Matrix,
+    output: DevMat<B>,
     layers: Vec<LayerWeights<B>>,
     homes: Vec<ExpertHome>,
     op_offload_min_batch: Option<usize>,
@@ -275,13 +355,18 @@ pub struct DeviceGptOss<B: Backend> {
 }
 
 /// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
-fn upload_matrix<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<B::Matrix, ExecError> {
+fn upload_matrix<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<DevMat<B>, ExecError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
     let cols = info.dims.first().copied().unwrap_or(0) as usize;
     let rows = info.dims.iter().skip(1).product::<u64>() as usize;
-    Ok(dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?)
+    Ok(DevMat {
+        m: dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?,
+        rows,
+        cols,
+        per_seq: info.ty == GgmlType::F32,
+    })
 }
 
 /// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32.
@@ -338,6 +423,9 @@ impl<B: Backend> DeviceGptOss<B> {
                 router: m("ffn_gate_inp.weight")?,
                 router_b: f("ffn_gate_inp.bias")?,
                 experts,
+                experts_per_seq: host
+                    .layer_experts(l)
+                    .is_some_and(|t| t.gate.ty == GgmlType::F32),
             };
             weight_bytes += layer_bytes::<B>(&lw);
             layers.push(lw);
@@ -345,8 +433,8 @@ impl<B: Backend> DeviceGptOss<B> {
         let tok_embd = upload_matrix(&dev, g, "token_embd.weight")?;
         let output = upload_matrix(&dev, g, "output.weight")?;
         let output_norm = upload_f32(&dev, g, "output_norm.weight")?;
-        weight_bytes += (B::matrix_bytes(&tok_embd)
-            + B::matrix_bytes(&output)
+        weight_bytes += (B::matrix_bytes(&tok_embd.m)
+            + B::matrix_bytes(&output.m)
             + 4 * B::buf_len(&output_norm)) as u64;
         dev.synchronize()?;
         Ok(DeviceGptOss {
@@ -411,8 +499,87 @@ impl<B: Backend> DeviceGptOss<B> {
         tokens: &[u32],
         wanted: LogitsWanted,
     ) -> Result<Vec<f32>, ExecError> {
-        let p = self.host.params();
-        let n_vocab = p.n_vocab;
+        self.check_input(cache, tokens)?;
+        let mut st = self.lock();
+        let handle = handle_of(cache);
+        self.prepare_kv(&mut st, cache, &[handle])?;
+        let kv = st.slot_of(handle)?;
+        let mut logits = Vec::new();
+        let n_ubatch = cache.n_ubatch().max(1);
+        let n_chunks = tokens.len().div_ceil(n_ubatch);
+        for (i, chunk) in tokens.chunks(n_ubatch).enumerate() {
+            let want = match wanted {
+                LogitsWanted::All => Some(LogitsWanted::All),
+                LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
+                LogitsWanted::Last => None,
+            };
+            let member = Member {
+                kv,
+                pos0: cache.n_past(),
+                tokens: chunk,
+                want,
+            };
+            let out = self.step(&mut st, std::slice::from_ref(&member))?;
+            logits.extend(out.into_iter().flatten());
+            GptOss::advance_positions(cache, chunk.len());
+            st.kvs[kv].held = cache.n_past();
+        }
+        Ok(logits)
+    }
+
+    /// Runs several sequences in one pass: every sequence's tokens in one micro-batch (one
+    /// round trip per CPU-expert layer for all of them), each at the next positions of its own
+    /// cache; returns the last token's logits of the sequences that want them (empty vectors
+    /// for the others). Each result equals [`DeviceGptOss::forward`] with
+    /// [`LogitsWanted::Last`] on that sequence alone (see the module docs). As in the CPU
+    /// engine, a step with a sequence of no tokens or of more than its cache's micro-batch
+    /// runs the sequences one after the other. Every input is checked before anything runs.
+    pub fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ExecError> {
+        for s in seqs.iter() {
+            self.check_input(s.cache, s.tokens)?;
+        }
+        // A sequence of no tokens or of more than one micro-batch runs alone (split as
+        // `forward` splits it), and so do the others then.
+        let one_ubatch = seqs
+            .iter()
+            .all(|s| (1..=s.cache.n_ubatch()).contains(&s.tokens.len()));
+        if !one_ubatch {
+            let mut out = Vec::with_capacity(seqs.len());
+            for s in seqs.iter_mut() {
+                let logits = self.forward(s.cache, s.tokens, LogitsWanted::Last)?;
+                out.push(if s.logits { logits } else { Vec::new() });
+            }
+            return Ok(out);
+        }
+        let mut st = self.lock();
+        let handles: Vec<usize> = seqs.iter().map(|s| handle_of(s.cache)).collect();
+        for s in seqs.iter() {
+            self.prepare_kv(&mut st, s.cache, &handles)?;
+        }
+        let members = seqs
+            .iter()
+            .zip(&handles)
+            .map(|(s, &h)| {
+                Ok(Member {
+                    kv: st.slot_of(h)?,
+                    pos0: s.cache.n_past(),
+                    tokens: s.tokens,
+                    want: s.logits.then_some(LogitsWanted::Last),
+                })
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let out = self.step(&mut st, &members)?;
+        for (s, m) in seqs.iter_mut().zip(&members) {
+            GptOss::advance_positions(s.cache, s.tokens.len());
+            st.kvs[m.kv].held = s.cache.n_past();
+        }
+        Ok(out)
+    }
+
+    /// Checks a sequence's tokens and cache before anything runs: token ids, room in the
+    /// context, f16 K/V.
+    fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), ExecError> {
+        let n_vocab = self.host.params().n_vocab;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(ModelError::BadToken { id, n_vocab }.into());
         }
@@ -432,99 +599,150 @@ impl<B: Backend> DeviceGptOss<B> {
                 ty.v().name()
             )));
         }
-        let mut st = self.lock();
-        self.prepare_kv(&mut st, cache)?;
-        let mut logits = Vec::new();
-        let n_ubatch = cache.n_ubatch().max(1);
-        let n_chunks = tokens.len().div_ceil(n_ubatch);
-        for (i, chunk) in tokens.chunks(n_ubatch).enumerate() {
-            let want = match wanted {
-                LogitsWanted::All => Some(LogitsWanted::All),
-                LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
-                LogitsWanted::Last => None,
-            };
-            let pos0 = cache.n_past();
-            logits.extend(self.ubatch(&mut st, pos0, chunk, want)?);
-            GptOss::advance_positions(cache, chunk.len());
-            if let Some(kv) = st.kv.as_mut() {
-                kv.held = cache.n_past();
-            }
-        }
-        Ok(logits)
+        Ok(())
     }
 
-    /// Makes the device cache stand for `cache` (see [`kv_action`]).
-    fn prepare_kv(&self, st: &mut State<B>, cache: &KvCache) -> Result<(), ExecError> {
+    /// Bytes of the scratch buffers of a micro-batch of `n_tokens` tokens with every token's
+    /// logits: what a new sequence's cache leaves free on the device (see the module docs).
+    /// The per-sequence copies of a batch of several sequences take at most as much again,
+    /// which the estimate counts too.
+    pub fn scratch_bytes(&self, n_tokens: usize) -> u64 {
+        let p = self.host.params();
+        let (qw, kvw) = (p.n_head * p.head_dim, p.n_head_kv * p.head_dim);
+        let k = p.n_expert_used;
+        let per_token = 5 * p.n_embd + 2 * qw + 2 * kvw + p.n_expert + 2 * k;
+        (4 * n_tokens * (2 * per_token + p.n_embd + p.n_vocab)) as u64
+    }
+
+    /// Makes a device cache stand for `cache` (see [`kv_action`]); the caches of the handles
+    /// in `keep` (the step's) are never freed to make room.
+    fn prepare_kv(
+        &self,
+        st: &mut State<B>,
+        cache: &KvCache,
+        keep: &[usize],
+    ) -> Result<(), ExecError> {
+        let handle = handle_of(cache);
         let geometry = (cache.n_ctx(), cache.n_ubatch());
-        let gpu = st.kv.as_ref().map(|kv| (kv.geometry, kv.held));
-        match kv_action(gpu, geometry, cache.n_past()) {
+        st.clock += 1;
+        let clock = st.clock;
+        let at = st.kvs.iter().position(|kv| kv.handle == handle);
+        let held = at.map(|i| (st.kvs[i].geometry, st.kvs[i].held));
+        match kv_action(held, geometry, cache.n_past()) {
             KvAction::Continue => {
-                if let Some(kv) = st.kv.as_mut() {
+                if let Some(kv) = at.map(|i| &mut st.kvs[i]) {
                     kv.held = cache.n_past();
+                    kv.last_used = clock;
                 }
                 Ok(())
             }
             KvAction::Allocate => {
                 // Free the old cache before the new one takes its memory.
-                st.kv = None;
+                if let Some(i) = at {
+                    st.kvs.swap_remove(i);
+                }
                 let p = self.host.params();
                 let width = p.n_head_kv * p.head_dim;
-                let layers = kv_cells(p, geometry.0, geometry.1)
-                    .into_iter()
-                    .map(|cells| {
-                        Ok(LayerKv {
-                            k: self.dev.alloc::<u16>(cells * width)?,
-                            v: self.dev.alloc::<u16>(cells * width)?,
-                            cells,
+                let cells = kv_cells(p, geometry.0, geometry.1);
+                let kv_bytes = (2 * 2 * width * cells.iter().sum::<usize>()) as u64;
+                let need = kv_bytes + self.scratch_bytes(geometry.1);
+                while self.dev.free_memory()?.is_some_and(|free| free < need) && st.evict_idle(keep)
+                {
+                }
+                let alloc = || {
+                    cells
+                        .iter()
+                        .map(|&cells| {
+                            Ok(LayerKv {
+                                k: self.dev.alloc::<u16>(cells * width)?,
+                                v: self.dev.alloc::<u16>(cells * width)?,
+                                cells,
+                            })
                         })
-                    })
-                    .collect::<Result<Vec<_>, BackendError>>()?;
-                st.kv = Some(DeviceKv {
+                        .collect::<Result<Vec<_>, BackendError>>()
+                };
+                let layers = loop {
+                    match alloc() {
+                        Err(BackendError::OutOfMemory { .. }) if st.evict_idle(keep) => {}
+                        other => break other?,
+                    }
+                };
+                st.kvs.push(DeviceKv {
+                    handle,
                     geometry,
                     held: 0,
+                    last_used: clock,
                     layers,
                 });
                 Ok(())
             }
             KvAction::Mismatch => Err(ExecError::Cache(format!(
-                "a cache at position {} (n_ctx {}, n_ubatch {}) is not the sequence on the device \
-                 ({:?}); this executor keeps one sequence, and a new one must start at 0",
+                "a cache at position {} (n_ctx {}, n_ubatch {}) is not a sequence on the device \
+                 ({}); a new sequence, or one whose device cache was freed, starts at 0",
                 cache.n_past(),
                 geometry.0,
                 geometry.1,
-                gpu
+                match held {
+                    Some(((c, u), h)) =>
+                        format!("its device cache: n_ctx {c}, n_ubatch {u}, {h} positions"),
+                    None => "no device cache for it".into(),
+                }
             ))),
         }
     }
 
-    /// One micro-batch of `tokens` at positions `pos0..`: every layer, then the logits that
-    /// `want` asks for.
-    fn ubatch(
+    /// `y = W·x` for the rows of `groups` (consecutive, from row 0): one product over every
+    /// row, or one per group for weights whose products go per sequence ([`DevMat`]).
+    fn matmul(
         &self,
-        st: &mut State<B>,
-        pos0: usize,
-        tokens: &[u32],
-        want: Option<LogitsWanted>,
-    ) -> Result<Vec<f32>, ExecError> {
+        w: &DevMat<B>,
+        x: &B::Buf<f32>,
+        groups: &[Range<usize>],
+        y: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = &self.dev;
+        let n = groups.last().map_or(0, |g| g.end);
+        if !w.per_seq || groups.len() == 1 {
+            return Ok(dev.matmul(&w.m, x, n, y)?);
+        }
+        for g in groups {
+            let xs = dev.copy_range(x, g.start * w.cols..g.end * w.cols)?;
+            let mut ys = dev.alloc::<f32>(g.len() * w.rows)?;
+            dev.matmul(&w.m, &xs, g.len(), &mut ys)?;
+            dev.copy_into(&ys, y, g.start * w.rows)?;
+        }
+        Ok(())
+    }
+
+    /// One micro-batch of the `members`' tokens (each at its positions, over its device
+    /// cache): every layer, then the logits each member wants (empty for `None`).
+    fn step(&self, st: &mut State<B>, members: &[Member<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         let dev = &self.dev;
         let p = self.host.params();
-        let (n, d, hd) = (tokens.len(), p.n_embd, p.head_dim);
+        let (d, hd) = (p.n_embd, p.head_dim);
         let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
         let (ne, k_used) = (p.n_expert, p.n_expert_used);
+        let mut groups = Vec::with_capacity(members.len());
+        let mut n = 0;
+        for m in members {
+            groups.push(n..n + m.tokens.len());
+            n += m.tokens.len();
+        }
         let i32_of = |v: usize| {
             i32::try_from(v).map_err(|_| ExecError::Cache(format!("position {v} exceeds i32")))
         };
-        let ids = tokens
-            .iter()
-            .map(|&t| i32_of(t as usize))
-            .collect::<Result<Vec<i32>, _>>()?;
-        let positions = (pos0..pos0 + n)
-            .map(i32_of)
-            .collect::<Result<Vec<i32>, _>>()?;
+        let mut ids = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        for m in members {
+            for (t, &tok) in m.tokens.iter().enumerate() {
+                ids.push(i32_of(tok as usize)?);
+                positions.push(i32_of(m.pos0 + t)?);
+            }
+        }
         let ids = dev.upload(&ids)?;
         let pos = dev.upload(&positions)?;
         let mut x = dev.alloc::<f32>(n * d)?;
-        dev.get_rows(&self.tok_embd, &ids, &mut x)?;
+        dev.get_rows(&self.tok_embd.m, &ids, &mut x)?;
         let mut h = dev.alloc::<f32>(n * d)?;
         let mut q = dev.alloc::<f32>(n * qw)?;
         let mut k = dev.alloc::<f32>(n * kvw)?;
@@ -542,45 +760,68 @@ impl<B: Backend> DeviceGptOss<B> {
         let mut prefetched: Option<(usize, B::Moe)> = None;
         for (l, lw) in self.layers.iter().enumerate() {
             dev.rms_norm(&x, &lw.attn_norm, p.rms_eps, &mut h)?;
-            dev.matmul(&lw.wq, &h, n, &mut q)?;
+            self.matmul(&lw.wq, &h, &groups, &mut q)?;
             dev.add_bias(&mut q, &lw.bq)?;
-            dev.matmul(&lw.wk, &h, n, &mut k)?;
+            self.matmul(&lw.wk, &h, &groups, &mut k)?;
             dev.add_bias(&mut k, &lw.bk)?;
-            dev.matmul(&lw.wv, &h, n, &mut v)?;
+            self.matmul(&lw.wv, &h, &groups, &mut v)?;
             dev.add_bias(&mut v, &lw.bv)?;
             dev.rope_neox(&mut q, &pos, p.n_head, hd, &self.rope)?;
             dev.rope_neox(&mut k, &pos, p.n_head_kv, hd, &self.rope)?;
-            let kv = st
-                .kv
-                .as_mut()
-                .and_then(|kv| kv.layers.get_mut(l))
-                .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
-            dev.kv_store_f16(&k, &mut kv.k, n, kvw, kv.cells, pos0)?;
-            dev.kv_store_f16(&v, &mut kv.v, n, kvw, kv.cells, pos0)?;
-            let ap = AttnParams {
-                n_head: p.n_head,
-                n_head_kv: p.n_head_kv,
-                head_dim: hd,
-                cells: kv.cells,
-                window: p.window(l),
-                scale,
-            };
-            dev.attention(&ap, &q, &kv.k, &kv.v, Some(&lw.sinks), n, pos0, &mut att)?;
-            dev.matmul(&lw.wo, &att, n, &mut o)?;
+            for (m, g) in members.iter().zip(&groups) {
+                let kv = st
+                    .kvs
+                    .get_mut(m.kv)
+                    .and_then(|kv| kv.layers.get_mut(l))
+                    .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
+                let ap = AttnParams {
+                    n_head: p.n_head,
+                    n_head_kv: p.n_head_kv,
+                    head_dim: hd,
+                    cells: kv.cells,
+                    window: p.window(l),
+                    scale,
+                };
+                let nt = g.len();
+                if members.len() == 1 {
+                    dev.kv_store_f16(&k, &mut kv.k, nt, kvw, kv.cells, m.pos0)?;
+                    dev.kv_store_f16(&v, &mut kv.v, nt, kvw, kv.cells, m.pos0)?;
+                    dev.attention(&ap, &q, &kv.k, &kv.v, Some(&lw.sinks), nt, m.pos0, &mut att)?;
+                    continue;
+                }
+                let ks = dev.copy_range(&k, g.start * kvw..g.end * kvw)?;
+                let vs = dev.copy_range(&v, g.start * kvw..g.end * kvw)?;
+                let qs = dev.copy_range(&q, g.start * qw..g.end * qw)?;
+                dev.kv_store_f16(&ks, &mut kv.k, nt, kvw, kv.cells, m.pos0)?;
+                dev.kv_store_f16(&vs, &mut kv.v, nt, kvw, kv.cells, m.pos0)?;
+                let mut a = dev.alloc::<f32>(nt * qw)?;
+                dev.attention(&ap, &qs, &kv.k, &kv.v, Some(&lw.sinks), nt, m.pos0, &mut a)?;
+                dev.copy_into(&a, &mut att, g.start * qw)?;
+            }
+            self.matmul(&lw.wo, &att, &groups, &mut o)?;
             dev.add_bias(&mut o, &lw.bo)?;
             dev.add_assign(&mut x, &o)?;
             dev.rms_norm(&x, &lw.ffn_norm, p.rms_eps, &mut h)?;
-            dev.matmul(&lw.router, &h, n, &mut scores)?;
+            self.matmul(&lw.router, &h, &groups, &mut scores)?;
             dev.add_bias(&mut scores, &lw.router_b)?;
             dev.router_top_k(&scores, ne, k_used, &mut sel, &mut wts)?;
+            let per_seq = lw.experts_per_seq && groups.len() > 1;
+            let routed = Routing {
+                h: &h,
+                scores: &scores,
+                sel: &sel,
+                wts: &wts,
+                groups: &groups,
+                per_seq,
+            };
             match &lw.experts {
-                Some(experts) => dev.moe(experts, EXPERT_ACT, &h, &sel, &wts, k_used, &mut moe)?,
+                Some(experts) => self.device_moe(experts, &routed, &mut moe)?,
                 None if upload_all => {
                     let w = match prefetched.take() {
                         Some((pl, w)) if pl == l => w,
                         _ => self.upload_offloaded(st, l, None)?,
                     };
-                    dev.moe(&w, EXPERT_ACT, &h, &sel, &wts, k_used, &mut moe)?;
+                    self.device_moe(&w, &routed, &mut moe)?;
                     // Queued behind this layer's work: the next host layer's upload, which
                     // the CPU pool gathers while the device computes.
                     let next =
@@ -590,26 +831,99 @@ impl<B: Backend> DeviceGptOss<B> {
                         st.stats.prefetched_layers += 1;
                     }
                 }
-                None if offload => self.offloaded_experts(st, l, (&h, &sel, &wts), &mut moe)?,
-                None => self.host_experts(st, l, (&h, &sel, &wts), n, &mut moe)?,
+                None if offload => self.offloaded_experts(st, l, &routed, &mut moe)?,
+                None => self.host_experts(st, l, &routed, &mut moe)?,
             }
             dev.add_assign(&mut x, &moe)?;
         }
         st.stats.ubatches += 1;
-        let rows = match want {
-            None => {
-                dev.synchronize()?;
-                return Ok(Vec::new());
+        self.logits(members, &groups, x)
+    }
+
+    /// The output norm and head over the rows the members want of the final hidden state `x`
+    /// (every row of a member that wants [`LogitsWanted::All`], the last of one that wants
+    /// [`LogitsWanted::Last`]), brought down in one copy and split per member.
+    fn logits(
+        &self,
+        members: &[Member<'_>],
+        groups: &[Range<usize>],
+        x: B::Buf<f32>,
+    ) -> Result<Vec<Vec<f32>>, ExecError> {
+        let dev = &self.dev;
+        let p = self.host.params();
+        let d = p.n_embd;
+        // Rows of `x` wanted, per member.
+        let wanted: Vec<Option<Range<usize>>> = members
+            .iter()
+            .zip(groups)
+            .map(|(m, g)| match m.want {
+                None => None,
+                Some(LogitsWanted::All) => Some(g.clone()),
+                Some(LogitsWanted::Last) => Some(g.end - 1..g.end),
+            })
+            .collect();
+        let mut out_groups = Vec::new();
+        let mut n_rows = 0;
+        for r in wanted.iter().flatten() {
+            out_groups.push(n_rows..n_rows + r.len());
+            n_rows += r.len();
+        }
+        if n_rows == 0 {
+            dev.synchronize()?;
+            return Ok(vec![Vec::new(); members.len()]);
+        }
+        let rows = match wanted.as_slice() {
+            [Some(r)] if r.len() * d == B::buf_len(&x) => x,
+            [Some(r)] => dev.copy_range(&x, r.start * d..r.end * d)?,
+            _ => {
+                let mut rows = dev.alloc::<f32>(n_rows * d)?;
+                for (r, og) in wanted.iter().flatten().zip(&out_groups) {
+                    let part = dev.copy_range(&x, r.start * d..r.end * d)?;
+                    dev.copy_into(&part, &mut rows, og.start * d)?;
+                }
+                rows
             }
-            Some(LogitsWanted::All) => x,
-            Some(LogitsWanted::Last) => dev.copy_range(&x, (n - 1) * d..n * d)?,
         };
-        let n_rows = B::buf_len(&rows) / d;
         let mut normed = dev.alloc::<f32>(n_rows * d)?;
         dev.rms_norm(&rows, &self.output_norm, p.rms_eps, &mut normed)?;
         let mut logits = dev.alloc::<f32>(n_rows * p.n_vocab)?;
-        dev.matmul(&self.output, &normed, n_rows, &mut logits)?;
-        Ok(dev.download(&logits)?)
+        self.matmul(&self.output, &normed, &out_groups, &mut logits)?;
+        let all = dev.download(&logits)?;
+        let mut og = out_groups.iter();
+        Ok(wanted
+            .iter()
+            .map(|w| match w.as_ref().and_then(|_| og.next()) {
+                Some(g) => all[g.start * p.n_vocab..g.end * p.n_vocab].to_vec(),
+                None => Vec::new(),
+            })
+            .collect())
+    }
+
+    /// The `moe` op of a layer over the whole micro-batch, or, when the routing says so
+    /// ([`Routing::per_seq`]), per sequence: each sequence's rows with its own routing.
+    fn device_moe(
+        &self,
+        w: &B::Moe,
+        r: &Routing<'_, B>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = &self.dev;
+        let p = self.host.params();
+        let (d, ne, k) = (p.n_embd, p.n_expert, p.n_expert_used);
+        if !r.per_seq {
+            return Ok(dev.moe(w, EXPERT_ACT, r.h, r.sel, r.wts, k, out)?);
+        }
+        for g in r.groups {
+            let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
+            let ss = dev.copy_range(r.scores, g.start * ne..g.end * ne)?;
+            let mut sel = dev.alloc::<i32>(g.len() * k)?;
+            let mut wts = dev.alloc::<f32>(g.len() * k)?;
+            dev.router_top_k(&ss, ne, k, &mut sel, &mut wts)?;
+            let mut o = dev.alloc::<f32>(g.len() * d)?;
+            dev.moe(w, EXPERT_ACT, &hs, &sel, &wts, k, &mut o)?;
+            dev.copy_into(&o, out, g.start * d)?;
+        }
+        Ok(())
     }
 
     /// Whether the device has room for every expert of host layer `layer` beside what it holds
@@ -645,37 +959,52 @@ impl<B: Backend> DeviceGptOss<B> {
 
     /// Op offload of a host layer for a large micro-batch: the chosen experts come down (one
     /// small copy), the experts they name are uploaded from the file mapping (each once, in
-    /// ascending id order) with the ids renumbered to match, and the layer runs on the device.
+    /// ascending id order) with the ids renumbered to match, and the layer runs on the device
+    /// (per sequence when [`Routing::per_seq`], each with its share of the renumbered ids).
     fn offloaded_experts(
         &self,
         st: &mut State<B>,
         layer: usize,
-        (h, sel, wts): Routed<'_, B>,
+        r: &Routing<'_, B>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
         let dev = &self.dev;
         let p = self.host.params();
-        let chosen = dev.download(sel)?;
+        let (d, k) = (p.n_embd, p.n_expert_used);
+        let chosen = dev.download(r.sel)?;
         let (ids, remapped) = compact_ids(&chosen, p.n_expert);
         let w = self.upload_offloaded(st, layer, Some(&ids))?;
-        let sel_compact = dev.upload(&remapped)?;
-        dev.moe(&w, EXPERT_ACT, h, &sel_compact, wts, p.n_expert_used, out)?;
+        if !r.per_seq {
+            let sel = dev.upload(&remapped)?;
+            dev.moe(&w, EXPERT_ACT, r.h, &sel, r.wts, k, out)?;
+            return Ok(());
+        }
+        for g in r.groups {
+            let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
+            let wts = dev.copy_range(r.wts, g.start * k..g.end * k)?;
+            let sel = dev.upload(&remapped[g.start * k..g.end * k])?;
+            let mut o = dev.alloc::<f32>(g.len() * d)?;
+            dev.moe(&w, EXPERT_ACT, &hs, &sel, &wts, k, &mut o)?;
+            dev.copy_into(&o, out, g.start * d)?;
+        }
         Ok(())
     }
 
-    /// The round trip of a host layer: `(h, sel, wts)` down through pinned buffers, the
-    /// layer's experts on the host, the sum up into `out`.
+    /// The round trip of a host layer: the normed hidden state and the routing of every
+    /// token of the micro-batch down through pinned buffers in one copy, the layer's experts
+    /// on the host (F32 products per sequence, as the CPU engine computes them), the sum up
+    /// into `out`.
     fn host_experts(
         &self,
         st: &mut State<B>,
         layer: usize,
-        (h, sel, wts): Routed<'_, B>,
-        n: usize,
+        r: &Routing<'_, B>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
         let dev = &self.dev;
         let p = self.host.params();
         let (d, k_used) = (p.n_embd, p.n_expert_used);
+        let n = r.groups.last().map_or(0, |g| g.end);
         if st.io.as_ref().is_none_or(|io| io.n != n) {
             st.io = None;
             st.io = Some(HostIo {
@@ -686,16 +1015,15 @@ impl<B: Backend> DeviceGptOss<B> {
         let Some(HostIo { io, .. }) = st.io.as_mut() else {
             return Err(ExecError::Cache("no staging buffers".into()));
         };
-        dev.stage_down(io, h, sel, wts)?;
+        dev.stage_down(io, r.h, r.sel, r.wts)?;
         let staged = dev.staged(io)?;
         let selected: Vec<u32> = staged.sel.iter().map(|&e| e as u32).collect();
-        let whole = 0..n;
         let batch = ExpertBatch {
             h: staged.h,
             selected: &selected,
             weights: staged.w,
             n_used: k_used,
-            groups: std::slice::from_ref(&whole),
+            groups: r.groups,
         };
         self.host.run_host_experts(layer, &batch, staged.out)?;
         dev.stage_up(io, out)?;
@@ -734,7 +1062,7 @@ pub(crate) fn compact_ids(chosen: &[i32], n_expert: usize) -> (Vec<usize>, Vec<i
 fn layer_bytes<B: Backend>(lw: &LayerWeights<B>) -> u64 {
     let mats = [&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.router]
         .iter()
-        .map(|m| B::matrix_bytes(m))
+        .map(|m| B::matrix_bytes(&m.m))
         .sum::<usize>();
     let vecs = [
         &lw.attn_norm,
@@ -778,22 +1106,10 @@ impl<B: Backend> LanguageModel for DeviceGptOss<B> {
     fn device_stats(&self) -> Option<ExecStats> {
         Some(self.stats())
     }
-    /// One sequence only (the device keeps one K/V cache).
+    /// Every sequence's tokens in one micro-batch, each over its own device cache (see
+    /// [`DeviceGptOss::forward_multi`]).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        if seqs.len() > 1 {
-            return Err(ExecError::Cache(format!(
-                "{} sequences in one step: the device executor runs one sequence",
-                seqs.len()
-            ))
-            .into());
-        }
-        seqs.iter_mut()
-            .map(|s| {
-                let logits =
-                    DeviceGptOss::<B>::forward(self, s.cache, s.tokens, LogitsWanted::Last)?;
-                Ok(if s.logits { logits } else { Vec::new() })
-            })
-            .collect()
+        Ok(DeviceGptOss::<B>::forward_multi(self, seqs)?)
     }
 }
 
@@ -854,7 +1170,7 @@ mod tests {
     }
 
     #[test]
-    fn one_sequence_on_the_gpu() {
+    fn device_cache_actions() {
         use KvAction::*;
         let g = (4096, 512);
         assert_eq!(kv_action(None, g, 0), Allocate, "first sequence");

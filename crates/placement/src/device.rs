@@ -34,6 +34,15 @@ impl DeviceId {
         (i < n_gpus).then_some(DeviceId::Gpu(i))
     }
 
+    /// The device's name with GPU `i` called `names[i]` where given, else as [`fmt::Display`]
+    /// writes it (`CPU`, `CUDA<i>`).
+    pub fn name_in(self, names: &[String]) -> String {
+        match self {
+            DeviceId::Gpu(i) if i < names.len() => names[i].clone(),
+            other => other.to_string(),
+        }
+    }
+
     /// The names `parse` accepts for `n_gpus` GPUs, comma separated.
     pub fn valid_names(n_gpus: usize) -> String {
         let mut v = vec!["CPU".to_string()];
@@ -119,6 +128,10 @@ mod tests {
         assert_eq!(DeviceId::parse("CUDA01", 2), None);
         assert_eq!(DeviceId::parse("CUDA_Host", 1), None);
         assert_eq!(DeviceId::valid_names(2), "CPU, CUDA0, CUDA1");
+        let names = ["REF0".to_string()];
+        assert_eq!(DeviceId::Gpu(0).name_in(&names), "REF0");
+        assert_eq!(DeviceId::Gpu(1).name_in(&names), "CUDA1");
+        assert_eq!(DeviceId::Cpu.name_in(&names), "CPU");
         assert_eq!(DeviceId::Gpu(3).to_string(), "CUDA3");
     }
 }

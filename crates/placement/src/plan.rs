@@ -987,6 +987,12 @@ impl Plan {
     /// The plan as a text table, one row per device, sizes in MiB: layers (attention + KV),
     /// expert layers, weights, KV, compute, overhead, total, free, free after loading, margin.
     pub fn table(&self) -> String {
+        self.table_named(&[])
+    }
+
+    /// [`Plan::table`] with GPU `i` called `names[i]` where given (a device the caller
+    /// selected by another name, such as the reference device `REF0`), else `CUDA<i>`.
+    pub fn table_named(&self, names: &[String]) -> String {
         let header = [
             "device", "layers", "experts", "weights", "kv", "compute", "overhead", "total", "free",
             "left", "margin",
@@ -999,7 +1005,7 @@ impl Plan {
                 m.to_string()
             });
             rows.push(vec![
-                d.device.to_string(),
+                d.device.name_in(names),
                 d.layers.to_string(),
                 d.expert_layers.to_string(),
                 mib(d.weights),
