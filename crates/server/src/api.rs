@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Query, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, HeaderMap};
 use axum::middleware;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -59,6 +59,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/slots", get(slots))
         .route("/metrics", get(metrics_route))
         .fallback(not_found)
+        // The guard reads bodies within the limit; the extractors must not apply axum's 2 MB.
+        .layer(DefaultBodyLimit::max(state.config.limits.max_body))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             crate::guard::guard,
