@@ -108,7 +108,7 @@ struct Single {
     names: Vec<String>,
     path: PathBuf,
     /// The file, opened (and its tables checked) before the server listens.
-    opened: Mutex<Option<GgufModel>>,
+    opened: Mutex<Option<Box<GgufModel>>>,
     state: Mutex<SingleState>,
 }
 
@@ -214,7 +214,7 @@ impl Registry {
                     id,
                     names,
                     path: path.clone(),
-                    opened: Mutex::new(Some(opened)),
+                    opened: Mutex::new(Some(Box::new(opened))),
                     state: Mutex::new(SingleState::Loading),
                 })
             }
@@ -261,7 +261,7 @@ impl Registry {
         };
         let opened = lock(&s.opened).take();
         let loaded = match opened {
-            Some(gguf) => Prepared::new(gguf, &s.path, &self.config)
+            Some(gguf) => Prepared::new(*gguf, &s.path, &self.config)
                 .and_then(|p| p.start(s.id.clone(), &self.config)),
             None => ModelHost::load(s.id.clone(), &s.path, &self.config),
         };

@@ -273,7 +273,7 @@ fn random_and_mutated_bodies_never_panic() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed);
     let tok = tokenizer(&tiny_model());
-    let g = hmoe_gguf::GgufModel::open(&tiny_model(), Default::default()).unwrap();
+    let g = hmoe_gguf::GgufModel::open(tiny_model(), Default::default()).unwrap();
     let template = g
         .metadata()
         .get_str("tokenizer.chat_template")
