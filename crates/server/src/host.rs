@@ -135,15 +135,7 @@ impl Prepared {
 
     /// Starts the slots: the model is then served as `id`.
     pub fn start(self, id: String, config: &ServerConfig) -> Result<ModelHost, ServerError> {
-        let Prepared {
-            path,
-            model,
-            tokenizer,
-            chat,
-            chat_error,
-            n_parallel,
-            n_ctx_slot,
-        } = self;
+        let (n_parallel, n_ctx_slot) = (self.n_parallel, self.n_ctx_slot);
         let e = &config.engine;
         let stats = Arc::new(Stats::default());
         let slots = SlotConfig {
@@ -154,23 +146,23 @@ impl Prepared {
             max_queue: e.max_queue,
         };
         let scheduler = Scheduler::start(
-            model.clone(),
-            tokenizer.clone(),
+            self.model.clone(),
+            self.tokenizer.clone(),
             slots,
             config.picker.clone(),
             stats.clone(),
         )?;
         tracing::info!(
             "{id}: loaded {} ({n_parallel} slots of {n_ctx_slot} positions)",
-            path.display()
+            self.path.display()
         );
         Ok(ModelHost {
             id,
-            path,
-            model,
-            tokenizer,
-            chat,
-            chat_error,
+            path: self.path,
+            model: self.model,
+            tokenizer: self.tokenizer,
+            chat: self.chat,
+            chat_error: self.chat_error,
             scheduler,
             stats,
             created: SystemTime::now()

@@ -137,24 +137,9 @@ fn router_loads_on_demand_and_evicts_the_least_recently_used() {
 
 #[test]
 fn a_model_with_a_request_in_flight_is_never_unloaded() {
-    let dir = scratch("router-busy");
-    let gpt = fixtures().join("gpt-oss");
-    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("alpha.gguf")).unwrap();
-    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("beta.gguf")).unwrap();
-    let mut c = ServerConfig::new(ModelSource::Dir(dir.clone()));
-    c.port = 0;
-    c.engine.n_ctx = 8192;
-    c.models_max = 1;
-    c.limits.timeout = std::time::Duration::from_secs(1);
-    let s = start(c);
+    let (dir, s) = two_model_router("router-busy", 1);
     let a = s.local_addr();
-    let mut busy = Sse::open(
-        a,
-        "/v1/completions",
-        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true, "ignore_eos": true}),
-    );
-    assert_eq!(busy.status, 200);
-    assert!(busy.next_data().is_some());
+    let busy = hold_alpha(a);
     let r = post(
         a,
         "/completion",
@@ -189,6 +174,19 @@ fn a_model_with_a_request_in_flight_is_never_unloaded() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A long streaming request on alpha, read until its first event (alpha is then busy until
+/// the stream is dropped).
+fn hold_alpha(a: std::net::SocketAddr) -> Sse {
+    let mut busy = Sse::open(
+        a,
+        "/v1/completions",
+        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true, "ignore_eos": true}),
+    );
+    assert_eq!(busy.status, 200);
+    assert!(busy.next_data().is_some());
+    busy
+}
+
 /// Two tiny models in a directory, at most one loaded.
 fn two_model_router(
     name: &str,
@@ -210,13 +208,7 @@ fn two_model_router(
 fn a_request_for_another_model_waits_while_every_loaded_one_is_busy() {
     let (dir, s) = two_model_router("router-queue", 30);
     let a = s.local_addr();
-    let mut busy = Sse::open(
-        a,
-        "/v1/completions",
-        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true, "ignore_eos": true}),
-    );
-    assert_eq!(busy.status, 200);
-    assert!(busy.next_data().is_some());
+    let busy = hold_alpha(a);
     let waiter = std::thread::spawn(move || {
         let t = std::time::Instant::now();
         let r = post(
