@@ -16,14 +16,35 @@ use crate::placement_args::{PlacementArgs, Probed, Selected};
 /// Physical cores, the default of `-t` (as llama.cpp's).
 pub use hmoe_pool::physical_cores;
 
+/// `-t N`: a thread count of at most [`hmoe_pool::MAX_THREADS`] (llama.cpp's bound), so that a
+/// typo such as `-t 100000` is an error instead of a hundred thousand threads.
+pub fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a thread count"))?;
+    check_threads(n)
+}
+
+/// The bound of [`parse_threads`] on an already parsed count.
+pub fn check_threads(n: usize) -> Result<usize, String> {
+    if n > hmoe_pool::MAX_THREADS {
+        return Err(format!(
+            "{n} threads is more than the {} allowed",
+            hmoe_pool::MAX_THREADS
+        ));
+    }
+    Ok(n)
+}
+
 /// How to load the model and size its context.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Model file (for a split model, any of its shards).
     #[arg(short = 'm', long = "model")]
     pub model: std::path::PathBuf,
-    /// Threads for computation (default: physical cores).
-    #[arg(short = 't', long = "threads")]
+    /// Threads for computation (default: physical cores; at most 512).
+    #[arg(short = 't', long = "threads", value_parser = parse_threads)]
     pub threads: Option<usize>,
     /// Read the file into memory instead of mapping it.
     #[arg(long = "no-mmap")]

@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use std::io::Write;
+
 use anyhow::Context;
 use hmoe_gguf::{GgufModel, LoadOptions, MetaValue};
 
@@ -15,55 +17,64 @@ pub struct InspectArgs {
     pub no_tensors: bool,
 }
 
-/// Runs `hmoe inspect`.
+/// Runs `hmoe inspect`. Output goes through a locked stdout whose errors are returned, so a
+/// reader that stops early (`hmoe inspect M | head`) ends the command quietly (see `main`).
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let g = GgufModel::open(&args.model, LoadOptions::default())
         .with_context(|| format!("loading {}", args.model.display()))?;
-    println!(
+    writeln!(
+        out,
         "GGUF v{} — {} shard(s), {} tensors, {} metadata keys",
         g.version(),
         g.shard_paths().len().max(1),
         g.tensors().len(),
         g.metadata().len()
-    );
+    )?;
     for (key, value) in g.metadata().iter() {
-        println!("  {key} = {}", show(value));
+        writeln!(out, "  {key} = {}", show(value))?;
     }
     if args.no_tensors {
+        out.flush()?;
         return Ok(());
     }
-    println!(
+    writeln!(
+        out,
         "\n{:<40} {:>6} {:>24} {:>14}",
         "tensor", "type", "shape", "bytes"
-    );
+    )?;
     let mut per_type: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
     for t in g.tensors() {
         let shape = format!("{:?}", t.dims);
-        println!(
+        writeln!(
+            out,
             "{:<40} {:>6} {:>24} {:>14}",
             t.name,
             t.ty.name(),
             shape,
             t.n_bytes
-        );
+        )?;
         let e = per_type.entry(t.ty.name()).or_default();
         e.0 += 1;
         e.1 += t.n_bytes;
     }
-    println!("\ntotals per type:");
+    writeln!(out, "\ntotals per type:")?;
     for (ty, (count, bytes)) in &per_type {
-        println!(
+        writeln!(
+            out,
             "  {ty:<6} {count:>5} tensors {:>16} bytes ({:.2} MiB)",
             bytes,
             *bytes as f64 / 1048576.0
-        );
+        )?;
     }
     let total = g.total_tensor_bytes();
-    println!(
+    writeln!(
+        out,
         "  all    {:>5} tensors {total:>16} bytes ({:.2} GiB)",
         g.tensors().len(),
         total as f64 / 1073741824.0
-    );
+    )?;
+    out.flush()?;
     Ok(())
 }
 

@@ -52,13 +52,14 @@ enum Command {
     /// Measure prompt and generation speed as llama-bench does (its table and JSON fields).
     Bench(bench_cmd::BenchArgs),
     /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
+    #[command(after_help = serve_cmd::LIMITS_HELP)]
     Serve(Box<serve_cmd::ServeArgs>),
     /// Print the GPUs found, with total and free memory (same as `hmoe --list-devices`).
     ListDevices,
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
-const SHORT_ALIASES: [(&str, &str); 18] = [
+const SHORT_ALIASES: [(&str, &str); 22] = [
     ("-ngl", "--n-gpu-layers"),
     ("-ctk", "--cache-type-k"),
     ("-ctv", "--cache-type-v"),
@@ -77,6 +78,10 @@ const SHORT_ALIASES: [(&str, &str); 18] = [
     ("-hf", "--hf-repo"),
     ("-fitt", "--fit-target"),
     ("-fitc", "--fit-ctx"),
+    ("-fit", "--fit"),
+    ("-nkvo", "--no-kv-offload"),
+    ("-sm", "--split-mode"),
+    ("-sps", "--slot-prompt-similarity"),
 ];
 
 fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
@@ -89,21 +94,47 @@ fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
     .collect()
 }
 
+/// The log filter: `RUST_LOG` if set, else `warn`; `-v`/`--verbose` make it `debug` and
+/// `--log-disable` turns logging off (llama.cpp's flags, read here because logging starts
+/// before the command line is parsed).
+fn log_filter(args: &[String]) -> tracing_subscriber::EnvFilter {
+    let flag = |names: &[&str]| args.iter().skip(1).any(|a| names.contains(&a.as_str()));
+    if flag(&["--log-disable"]) {
+        tracing_subscriber::EnvFilter::new("off")
+    } else if flag(&["-v", "--verbose"]) {
+        tracing_subscriber::EnvFilter::new("debug")
+    } else {
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,hmoe_server::request=info"))
+    }
+}
+
+/// Whether the error is a write to a closed pipe (`hmoe inspect M | head`): the reader has
+/// what it wanted, so the command ends quietly.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 fn main() {
+    let args = normalise_args(std::env::args());
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
+        .with_env_filter(log_filter(&args))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse_from(normalise_args(std::env::args()));
+    let cli = Cli::parse_from(args);
     let result = match cli.command {
         _ if cli.list_devices => list_devices(),
         Some(command) => run(command),
         None => list_devices(),
     };
     if let Err(e) = result {
+        if is_broken_pipe(&e) {
+            return;
+        }
         // The cause chain on one line; no backtrace even when RUST_BACKTRACE is set.
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -41,7 +41,12 @@ pub struct PlacementFlagArgs {
     pub override_tensor: Vec<String>,
     /// Context size in tokens (0 = the model's trained context). Unset: the trained context,
     /// which --fit may reduce.
-    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
     pub ctx_size: Option<u32>,
     /// KV cache type for K (`-ctk`): f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1.
     #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
@@ -55,8 +60,9 @@ pub struct PlacementFlagArgs {
     /// Physical batch size (`-ub`); compute buffers are sized for it.
     #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
     pub ubatch_size: u32,
-    /// Parallel sequences (`-np`).
-    #[arg(long = "parallel", visible_alias = "np", default_value_t = 1)]
+    /// Parallel sequences (`-np`), at least 1.
+    #[arg(long = "parallel", visible_alias = "np", default_value_t = 1, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
     /// Adjust unset flags so every GPU keeps --fit-target free: on or off.
     #[arg(long = "fit", value_parser = ["on", "off"], default_value = "on")]
@@ -296,9 +302,23 @@ impl PlacementArgs {
         let mut at: Vec<(usize, TensorRule)> = Vec::new();
         if let Some(idx) = m.indices_of("override_tensor") {
             for (i, v) in idx.zip(&args.override_tensor) {
-                let rules = parse_override_list(v).map_err(|e| {
-                    clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{e}\n"))
-                })?;
+                let invalid = |msg: String| {
+                    clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{msg}\n"))
+                };
+                let rules = parse_override_list(v).map_err(|e| invalid(e.to_string()))?;
+                for r in &rules {
+                    if let TensorRule::Override { pattern, .. } = r {
+                        regex::Regex::new(pattern).map_err(|e| {
+                            // The regex crate's message spans lines (pattern, caret, reason).
+                            let text = e.to_string();
+                            let why = text.lines().last().unwrap_or("").trim();
+                            let why = why.strip_prefix("error: ").unwrap_or(why);
+                            invalid(format!(
+                                "--override-tensor: `{pattern}` is not a valid regular expression ({why})"
+                            ))
+                        })?;
+                    }
+                }
                 at.extend(rules.into_iter().map(|r| (i, r)));
             }
         }

@@ -1,16 +1,31 @@
 //! `hmoe serve`: the OpenAI-compatible server, with llama-server's flags.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use hmoe_chat::ReasoningFormat;
 use hmoe_gguf::LoadOptions;
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
-use hmoe_server::{ModelSource, RunningServer, ServerConfig};
+use hmoe_server::{Limits, ModelSource, RunningServer, ServerConfig};
 
-use crate::common::physical_cores;
-use crate::placement_args::PlacementArgs;
+use crate::common::{check_threads, physical_cores};
+use crate::placement_args::{PlacementArgs, Probed};
+
+/// The bounds on what clients can make the server hold, for `hmoe serve --help`.
+pub const LIMITS_HELP: &str = "\
+Limits (every resource a client controls is bounded):
+  threads            -t at most 512
+  connections        --max-connections (512, lowered to fit the open-file limit); beyond it a
+                     reserve that answers only /health, then the oldest reserve one is closed
+  request headers    --header-timeout seconds (10), also the keep-alive idle time
+  request body       64 MiB (413), sent within --timeout seconds (600; else 408)
+  queued requests    --max-queue per model (256; then 503); router mode waits at most
+                     --timeout for a busy model, at most --max-queue requests at once
+  prompt + output    the slot's context (-c / -np); n_predict stops there
+  n_probs            at most 100
+  /tokenize pieces   streamed, a few bytes per token";
 
 /// Arguments of `hmoe serve` (llama-server's spelling).
 #[derive(clap::Args, Debug)]
@@ -29,20 +44,20 @@ pub struct ServeArgs {
     #[arg(long = "host", default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on (0 = any free port, printed at start).
-    #[arg(long = "port", default_value_t = 8080)]
+    #[arg(long = "port", default_value_t = 8080, allow_negative_numbers = true)]
     pub port: u16,
     /// API key clients must send (`Authorization: Bearer KEY` or `X-Api-Key: KEY`); repeatable,
-    /// or several separated by commas.
+    /// or several separated by commas. An empty key is an error.
     #[arg(long = "api-key", value_name = "KEY", value_delimiter = ',')]
     pub api_key: Vec<String>,
-    /// File with one API key per line.
+    /// File with one API key per line (blank lines are skipped; a file with no key is an error).
     #[arg(long = "api-key-file", value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Names the model answers to in the `model` field (comma separated); the first is listed.
     #[arg(short = 'a', long = "alias", value_delimiter = ',')]
     pub alias: Vec<String>,
-    /// Threads for computation (default, or any negative value: physical cores).
-    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
+    /// Threads for computation (default, or any negative value: physical cores; at most 512).
+    #[arg(short = 't', long = "threads", allow_negative_numbers = true, value_parser = parse_threads_or_default)]
     pub threads: Option<i64>,
     /// Read the file into memory instead of mapping it.
     #[arg(long = "no-mmap")]
@@ -65,6 +80,14 @@ pub struct ServeArgs {
     /// Extra template variables as a JSON object, e.g. '{"reasoning_effort": "high"}'.
     #[arg(long = "chat-template-kwargs", value_name = "JSON")]
     pub chat_template_kwargs: Option<String>,
+    /// Thinking: on, off (the template is told `enable_thinking: false`) or auto (the model's
+    /// default).
+    #[arg(long = "reasoning", value_parser = ["on", "off", "auto"], default_value = "auto")]
+    pub reasoning: String,
+    /// Thinking budget in tokens: -1 = unlimited, 0 = no thinking (as --reasoning off); other
+    /// values are not supported (as in llama-server).
+    #[arg(long = "reasoning-budget", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub reasoning_budget: i64,
     /// Where reasoning goes: none (left in content), auto or deepseek (reasoning_content).
     #[arg(long = "reasoning-format", value_parser = ["none", "auto", "deepseek", "deepseek-legacy"], default_value = "auto")]
     pub reasoning_format: String,
@@ -80,7 +103,7 @@ pub struct ServeArgs {
     /// Flash attention (`-fa` = on, `-fa on|off|auto`); auto is on, as llama.cpp resolves it on
     /// the CPU. A quantized V cache needs it.
     #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
-          default_value = "auto", allow_negative_numbers = true)]
+          default_value = "auto", allow_negative_numbers = true, overrides_with = "flash_attn")]
     pub flash_attn: String,
     /// Continuous batching (always on; accepted for compatibility).
     #[arg(long = "cont-batching")]
@@ -101,12 +124,62 @@ pub struct ServeArgs {
         allow_negative_numbers = true
     )]
     pub threads_batch: Option<i64>,
-    /// Accepted for compatibility (no read/write timeout is applied).
-    #[arg(long = "timeout", value_name = "SECONDS")]
-    pub timeout: Option<u64>,
+    /// Seconds a client has to send a request body, and the longest a router-mode request
+    /// waits for a busy model (llama-server's read/write timeout).
+    #[arg(long = "timeout", value_name = "SECONDS", default_value_t = 600,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
+    /// Seconds a client has to send a request's headers; also how long a kept-alive
+    /// connection may sit idle.
+    #[arg(long = "header-timeout", value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout: u64,
+    /// Open connections served at once (lowered to fit the open-file limit). Beyond it a few
+    /// more are accepted that answer only /health (others get 503); the rest are closed.
+    #[arg(long = "max-connections", value_name = "N", default_value_t = 512,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections: u64,
+    /// Origins browsers may call from, comma separated (`*` = any, the default).
+    #[arg(
+        long = "cors-origins",
+        value_name = "ORIGIN,...",
+        value_delimiter = ',',
+        default_value = "*"
+    )]
+    pub cors_origins: Vec<String>,
     /// Do not serve the chat page at `/`.
     #[arg(long = "no-webui")]
     pub no_webui: bool,
+    /// Log debug messages (as RUST_LOG=debug; read before parsing, see main).
+    #[arg(short = 'v', long = "verbose")]
+    pub verbose: bool,
+    /// No log messages.
+    #[arg(long = "log-disable")]
+    pub log_disable: bool,
+    /// Accepted for compatibility: hmoe runs no warm-up pass.
+    #[arg(long = "no-warmup")]
+    pub no_warmup: bool,
+    /// How a model is split over GPUs (`-sm none|layer|row`); does not apply to the CPU server.
+    #[arg(long = "split-mode", value_parser = ["none", "layer", "row"])]
+    pub split_mode: Option<String>,
+    /// Keep the KV cache off the GPU (`-nkvo`); the server's cache is in host memory anyway.
+    #[arg(long = "no-kv-offload")]
+    pub no_kv_offload: bool,
+    /// Full-size cache for sliding-window layers (llama.cpp); does not apply: hmoe keeps
+    /// window-sized caches for those layers.
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
+    /// Context checkpoints per slot (llama.cpp's SWA checkpoints); does not apply.
+    #[arg(long = "ctx-checkpoints", value_name = "N")]
+    pub ctx_checkpoints: Option<u32>,
+    /// How similar a prompt must be to a slot's cached prompt to reuse that slot (0 to 1,
+    /// 0 = off).
+    #[arg(
+        long = "slot-prompt-similarity",
+        value_name = "F",
+        default_value_t = 0.1
+    )]
+    pub slot_prompt_similarity: f32,
     /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
     #[arg(long = "hf-repo", value_name = "REPO")]
     pub hf_repo: Option<String>,
@@ -141,7 +214,120 @@ pub struct ServeArgs {
     pub placement: PlacementArgs,
 }
 
+/// `-t`: any negative count means the default (physical cores); positive ones are bounded.
+fn parse_threads_or_default(s: &str) -> Result<i64, String> {
+    let n: i64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a thread count"))?;
+    if n > 0 {
+        check_threads(n as usize)?;
+    }
+    Ok(n)
+}
+
 impl ServeArgs {
+    /// The API keys of `--api-key`, `--api-key-file` and (without those) `LLAMA_API_KEY`. An
+    /// empty key, or a key file with none, is an error: it never means "no authentication".
+    fn api_keys(&self) -> anyhow::Result<Vec<String>> {
+        let mut keys = Vec::new();
+        for k in &self.api_key {
+            if k.trim().is_empty() {
+                bail!("--api-key: an empty key would let anyone in; leave --api-key out for no authentication");
+            }
+            keys.push(k.trim().to_string());
+        }
+        if let Some(f) = &self.api_key_file {
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            let before = keys.len();
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty())
+                    .map(String::from),
+            );
+            if keys.len() == before {
+                bail!("--api-key-file {}: the file holds no key", f.display());
+            }
+        }
+        if keys.is_empty() {
+            // llama-server reads its key from LLAMA_API_KEY too.
+            if let Ok(k) = std::env::var("LLAMA_API_KEY") {
+                for part in k.split(',') {
+                    if part.trim().is_empty() {
+                        bail!("LLAMA_API_KEY holds an empty key; unset it for no authentication");
+                    }
+                    keys.push(part.trim().to_string());
+                }
+            }
+        }
+        Ok(keys)
+    }
+
+    /// The sampling defaults must be numbers in range (`--temp nan` is an error, not `null`).
+    fn check_sampling(&self) -> anyhow::Result<()> {
+        let finite = [
+            ("--temp", self.temp as f64),
+            ("--top-k", self.top_k),
+            ("--repeat-penalty", self.repeat_penalty as f64),
+        ];
+        for (flag, v) in finite {
+            if !v.is_finite() {
+                bail!("{flag} must be a finite number (got {v})");
+            }
+        }
+        for (flag, v) in [("--top-p", self.top_p), ("--min-p", self.min_p)] {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("{flag} must be between 0 and 1 (got {v})");
+            }
+        }
+        if self.repeat_penalty < 0.0 {
+            bail!(
+                "--repeat-penalty must not be negative (got {})",
+                self.repeat_penalty
+            );
+        }
+        Ok(())
+    }
+
+    /// Flags accepted for llama-server compatibility that do nothing here, each with why (the
+    /// server says so once at start).
+    pub fn ignored_flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut note = |on: bool, flag: &str, why: &str| {
+            if on {
+                out.push(format!(
+                    "{flag} does not apply to hmoe serve ({why}); ignored"
+                ));
+            }
+        };
+        let cpu = "the server runs on the CPU engine";
+        note(self.split_mode.is_some(), "--split-mode", cpu);
+        note(self.no_kv_offload, "--no-kv-offload", cpu);
+        note(
+            self.swa_full,
+            "--swa-full",
+            "sliding-window layers keep window-sized caches",
+        );
+        note(
+            self.ctx_checkpoints.is_some(),
+            "--ctx-checkpoints",
+            "hmoe keeps no context checkpoints",
+        );
+        note(
+            self.placement.args.fit == "off",
+            "--fit off",
+            "the server plans no GPU placement",
+        );
+        note(
+            self.threads_batch.is_some(),
+            "--threads-batch",
+            "prompt batches use the -t threads",
+        );
+        out
+    }
+
     /// The server configuration these flags describe.
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
         if let Some(repo) = &self.hf_repo {
@@ -157,6 +343,17 @@ impl ServeArgs {
         };
         self.placement.to_flags()?;
         let a = &self.placement.args;
+        if a.device.is_some() {
+            // A device that does not exist is an error even though the server runs on the CPU.
+            self.placement.selected_devices(&Probed::now())?;
+        }
+        self.check_sampling()?;
+        if !(0.0..=1.0).contains(&self.slot_prompt_similarity) {
+            bail!(
+                "--slot-prompt-similarity must be between 0 and 1 (got {})",
+                self.slot_prompt_similarity
+            );
+        }
         if !a.gpu_mem.is_empty() || !matches!(a.n_gpu_layers.as_str(), "auto" | "0") {
             tracing::warn!(
                 "the server runs on the CPU engine (the GPU executor serves hmoe run, bench, chat \
@@ -186,34 +383,15 @@ impl ServeArgs {
             .filter(|s| !s.is_empty())
             .cloned()
             .collect();
-        config.api_keys = self
-            .api_key
-            .iter()
-            .filter(|k| !k.is_empty())
-            .cloned()
-            .collect();
-        if config.api_keys.is_empty() {
-            // llama-server reads its key from LLAMA_API_KEY too.
-            if let Ok(k) = std::env::var("LLAMA_API_KEY") {
-                config.api_keys.extend(
-                    k.split(',')
-                        .map(str::trim)
-                        .filter(|k| !k.is_empty())
-                        .map(String::from),
-                );
-            }
-        }
-        if let Some(f) = &self.api_key_file {
-            let text =
-                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
-            config.api_keys.extend(
-                text.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty())
-                    .map(String::from),
-            );
-        }
-        config.engine.n_parallel = a.parallel.max(1) as usize;
+        config.api_keys = self.api_keys()?;
+        config.cors_origins = self.cors_origins.clone();
+        config.limits = Limits {
+            max_connections: self.max_connections as usize,
+            header_timeout: Duration::from_secs(self.header_timeout),
+            timeout: Duration::from_secs(self.timeout),
+            ..Limits::default()
+        };
+        config.engine.n_parallel = a.parallel as usize;
         config.engine.n_ctx = a.ctx_size.unwrap_or(0) as usize;
         config.engine.n_ubatch = a.ubatch_size.min(a.batch_size).max(1) as usize;
         config.engine.kv_type = kv_type;
@@ -243,6 +421,25 @@ impl ServeArgs {
                 _ => bail!("--chat-template-kwargs must be a JSON object"),
             }
         }
+        match (self.reasoning.as_str(), self.reasoning_budget) {
+            (_, b) if b != -1 && b != 0 => bail!(
+                "--reasoning-budget {b}: only -1 (unlimited) and 0 (no thinking) are supported"
+            ),
+            ("on", 0) => bail!("--reasoning on contradicts --reasoning-budget 0"),
+            ("off", _) | (_, 0) => {
+                config
+                    .chat
+                    .template_kwargs
+                    .insert("enable_thinking".into(), false.into());
+            }
+            ("on", _) => {
+                config
+                    .chat
+                    .template_kwargs
+                    .insert("enable_thinking".into(), true.into());
+            }
+            _ => {}
+        }
         let s = &mut config.sampling;
         s.params.temperature = self.temp;
         s.params.top_k = self.top_k.max(0.0) as usize;
@@ -264,6 +461,9 @@ impl ServeArgs {
 /// Runs `hmoe serve` until SIGINT/SIGTERM (or until the model fails to load).
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
+    for note in args.ignored_flags() {
+        eprintln!("note: {note}");
+    }
     let threads = match args.threads {
         Some(n) if n > 0 => n as usize,
         _ => physical_cores(),

@@ -43,6 +43,10 @@ type ChunkFn = dyn Fn(usize) + Sync;
 /// about twice the tokens per second of 2 ms with yielding).
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
+/// The most threads a pool may have (llama.cpp's `-t` bound, `GGML_MAX_N_THREADS`): a larger
+/// request is an error rather than thousands of threads.
+pub const MAX_THREADS: usize = 512;
+
 /// Errors of the pool.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
@@ -51,6 +55,14 @@ pub enum PoolError {
     AlreadyInitialized {
         /// Threads of the existing global pool.
         n_threads: usize,
+    },
+    /// More threads were asked for than [`MAX_THREADS`].
+    #[error("{n_threads} threads asked for; at most {max} are allowed")]
+    TooManyThreads {
+        /// Threads asked for.
+        n_threads: usize,
+        /// [`MAX_THREADS`].
+        max: usize,
     },
     /// The operating system refused to start a worker thread.
     #[error("starting a worker thread: {0}")]
@@ -253,6 +265,12 @@ impl ThreadPool {
 
     /// A pool of `n_threads` threads whose idle workers poll for `spin` before parking.
     pub fn with_spin(n_threads: usize, spin: Duration) -> Result<ThreadPool, PoolError> {
+        if n_threads > MAX_THREADS {
+            return Err(PoolError::TooManyThreads {
+                n_threads,
+                max: MAX_THREADS,
+            });
+        }
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(Job { f: None, n: 0 }),

@@ -230,3 +230,21 @@ fn each_thread_walks_its_segments_in_ascending_order() {
         }
     }
 }
+
+#[test]
+fn thread_count_is_bounded() {
+    // 100000 threads would be 100000 OS threads; the bound refuses before spawning any.
+    match ThreadPool::new(100_000) {
+        Err(PoolError::TooManyThreads { n_threads, max }) => {
+            assert_eq!((n_threads, max), (100_000, MAX_THREADS))
+        }
+        other => panic!(
+            "expected TooManyThreads, got {:?}",
+            other.map(|p| p.n_threads())
+        ),
+    }
+    assert_eq!(
+        ThreadPool::new(MAX_THREADS.min(4)).unwrap().n_threads(),
+        MAX_THREADS.min(4)
+    );
+}

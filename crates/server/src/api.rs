@@ -5,9 +5,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
-use axum::middleware::{self, Next};
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{header, HeaderMap};
+use axum::middleware;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,9 +26,6 @@ use crate::output::OutputKind;
 use crate::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor, GenParams};
 use crate::registry::{Lease, Registry};
 use crate::scheduler::JobSpec;
-
-/// Largest request body accepted.
-const MAX_BODY: usize = 64 << 20;
 
 /// What every handler shares.
 pub struct AppState {
@@ -66,73 +63,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/slots", get(slots))
         .route("/metrics", get(metrics_route))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(MAX_BODY))
-        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        // The guard reads bodies within the limit; the extractors must not apply axum's 2 MB.
+        .layer(DefaultBodyLimit::max(state.config.limits.max_body))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::guard::guard,
+        ))
         .layer(middleware::from_fn(crate::request_log::log_requests))
         .with_state(state)
-}
-
-/// Routes anyone may call.
-fn is_public(path: &str) -> bool {
-    matches!(path, "/health" | "/v1/health" | "/models" | "/v1/models")
-        || crate::webui::is_webui_path(path)
-}
-
-/// Compares in time independent of where the strings differ.
-fn same_key(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
-}
-
-fn presented_key(h: &HeaderMap) -> Option<&str> {
-    if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
-        let v = v.trim();
-        if v.len() > 7 && v[..7].eq_ignore_ascii_case("bearer ") {
-            return Some(v[7..].trim());
-        }
-    }
-    h.get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-}
-
-async fn auth(State(st): St, req: Request, next: Next) -> Response {
-    let cors = |mut r: Response| {
-        r.headers_mut().insert(
-            header::ACCESS_CONTROL_ALLOW_ORIGIN,
-            HeaderValue::from_static("*"),
-        );
-        r
-    };
-    if req.method() == Method::OPTIONS {
-        let mut r = StatusCode::NO_CONTENT.into_response();
-        let h = r.headers_mut();
-        h.insert(
-            header::ACCESS_CONTROL_ALLOW_METHODS,
-            HeaderValue::from_static("GET, POST, OPTIONS"),
-        );
-        h.insert(
-            header::ACCESS_CONTROL_ALLOW_HEADERS,
-            HeaderValue::from_static("*"),
-        );
-        h.insert(
-            header::ACCESS_CONTROL_MAX_AGE,
-            HeaderValue::from_static("86400"),
-        );
-        return cors(r);
-    }
-    let keys = &st.config.api_keys;
-    if !keys.is_empty() && !is_public(req.uri().path()) {
-        let ok =
-            presented_key(req.headers()).is_some_and(|k| keys.iter().any(|key| same_key(key, k)));
-        if !ok {
-            return cors(ApiError::unauthorized().into_response());
-        }
-    }
-    cors(next.run(req).await)
 }
 
 async fn not_found() -> ApiError {
@@ -144,8 +82,9 @@ async fn health(State(st): St) -> Res {
     Ok(Json(json!({"status": "ok"})).into_response())
 }
 
-async fn models(State(st): St) -> Response {
-    Json(json!({"object": "list", "data": st.registry.list()})).into_response()
+async fn models(State(st): St, headers: HeaderMap) -> Response {
+    let full = crate::guard::authorized(&st.config, &headers);
+    Json(json!({"object": "list", "data": st.registry.list(full)})).into_response()
 }
 
 async fn load_model(State(st): St, body: Bytes) -> Res {
@@ -349,21 +288,12 @@ async fn tokenize(State(st): St, body: Bytes) -> Res {
     let ids = tok
         .encode(content, add_special, parse_special)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let tokens: Value = if f.bool("with_pieces")?.unwrap_or(false) {
-        ids.iter()
-            .map(|&id| {
-                let bytes = tok.token_bytes(id);
-                let piece = match std::str::from_utf8(bytes) {
-                    Ok(s) => json!(s),
-                    Err(_) => json!(bytes),
-                };
-                json!({"id": id, "piece": piece})
-            })
-            .collect()
-    } else {
-        json!(ids)
-    };
-    Ok(Json(json!({ "tokens": tokens })).into_response())
+    let with_pieces = f.bool("with_pieces")?.unwrap_or(false);
+    Ok(crate::pieces::tokens_response(
+        lease.host.tokenizer.clone(),
+        ids,
+        with_pieces,
+    ))
 }
 
 async fn detokenize(State(st): St, body: Bytes) -> Res {
@@ -404,7 +334,9 @@ async fn apply_template(State(st): St, body: Bytes) -> Res {
 
 async fn props(State(st): St, Query(q): Query<HashMap<String, String>>) -> Res {
     if st.registry.is_router() && !q.contains_key("model") {
-        return Ok(Json(json!({"role": "router", "total_models": st.registry.list().len(), "build_info": build_info()})).into_response());
+        let mut p = st.registry.router_props();
+        p["build_info"] = build_info().into();
+        return Ok(Json(p).into_response());
     }
     let lease = st
         .registry
@@ -494,25 +426,4 @@ async fn metrics_route(State(st): St) -> Res {
         text,
     )
         .into_response())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_from_headers() {
-        let mut h = HeaderMap::new();
-        assert_eq!(presented_key(&h), None);
-        h.insert(
-            header::AUTHORIZATION,
-            HeaderValue::from_static("Bearer  sk-1 "),
-        );
-        assert_eq!(presented_key(&h), Some("sk-1"));
-        let mut h = HeaderMap::new();
-        h.insert("x-api-key", HeaderValue::from_static("k2"));
-        assert_eq!(presented_key(&h), Some("k2"));
-        assert!(same_key("abc", "abc") && !same_key("abc", "abd") && !same_key("ab", "abc"));
-        assert!(is_public("/health") && !is_public("/v1/chat/completions"));
-    }
 }

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use hmoe_chat::ReasoningFormat;
 use hmoe_engine::SamplerParams;
@@ -88,6 +89,39 @@ impl Default for SamplingDefaults {
     }
 }
 
+/// Bounds on what clients can make the server hold (connections, time, bytes). The other
+/// input-controlled bounds live where they apply: threads (`hmoe_pool::MAX_THREADS`, via the
+/// CLI), queued requests ([`EngineConfig::max_queue`]), tokens to generate and prompt length
+/// (the slot's context), `n_probs` ([`crate::params::MAX_PROBS`]), pieces of `/tokenize`
+/// (streamed).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Open connections served normally (`--max-connections`; lowered to fit the process's
+    /// file descriptor limit). Beyond it a few more are accepted that answer only `/health`
+    /// (others get 503), with a one-second header timeout; beyond those, connections are
+    /// closed at once.
+    pub max_connections: usize,
+    /// Time a client has to send a request's head (and the most a kept-alive connection may
+    /// sit idle) before the connection is closed (`--header-timeout`).
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's body (`--timeout`, llama-server's read timeout,
+    /// default 600 s), and the longest a router-mode request waits for a model to be free.
+    pub timeout: Duration,
+    /// Largest request body in bytes; larger ones get 413.
+    pub max_body: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_connections: 512,
+            header_timeout: Duration::from_secs(10),
+            timeout: Duration::from_secs(600),
+            max_body: 64 << 20,
+        }
+    }
+}
+
 /// Everything the server needs to start.
 #[derive(Clone)]
 pub struct ServerConfig {
@@ -99,8 +133,14 @@ pub struct ServerConfig {
     pub models: ModelSource,
     /// Names the single model also answers to (`--alias`); the first is its listed id.
     pub alias: Vec<String>,
-    /// Accepted API keys (`--api-key`); empty = no authentication.
+    /// Accepted API keys (`--api-key`); empty = no authentication. An empty key is a
+    /// configuration error ([`crate::RunningServer::start`] refuses it), never "no auth".
     pub api_keys: Vec<String>,
+    /// Origins browsers may call from (`--cors-origins`); `*` (the default) allows any,
+    /// answering with the request's `Origin` as llama-server does.
+    pub cors_origins: Vec<String>,
+    /// Connection, time and size bounds.
+    pub limits: Limits,
     /// Engine settings per model.
     pub engine: EngineConfig,
     /// Chat settings.
@@ -129,6 +169,8 @@ impl ServerConfig {
             models,
             alias: Vec::new(),
             api_keys: Vec::new(),
+            cors_origins: vec!["*".into()],
+            limits: Limits::default(),
             engine: EngineConfig::default(),
             chat: ChatConfig::default(),
             sampling: SamplingDefaults::default(),
@@ -149,6 +191,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("models", &self.models)
             .field("alias", &self.alias)
             .field("api_keys", &self.api_keys.len())
+            .field("cors_origins", &self.cors_origins)
+            .field("limits", &self.limits)
             .field("engine", &self.engine)
             .field("chat", &self.chat)
             .field("sampling", &self.sampling)

@@ -62,6 +62,20 @@ impl ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "not_found_error", message)
     }
 
+    /// 408: the client did not send its request in time.
+    pub fn timeout(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", message)
+    }
+
+    /// 413: the request body is larger than allowed.
+    pub fn too_large(message: impl Into<String>) -> ApiError {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            message,
+        )
+    }
+
     /// 500: the server failed.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

@@ -48,11 +48,43 @@ impl std::fmt::Debug for ModelHost {
 impl ModelHost {
     /// Loads `path` and starts its slots.
     pub fn load(id: String, path: &Path, config: &ServerConfig) -> Result<ModelHost, ServerError> {
+        Prepared::new(open_gguf(path, config)?, path, config)?.start(id, config)
+    }
+}
+
+/// Opens a model file (its header and tensor table, checked against the file's size): what
+/// [`crate::RunningServer::start`] does before listening, so that a wrong `-m` fails at once.
+pub fn open_gguf(path: &Path, config: &ServerConfig) -> Result<GgufModel, ServerError> {
+    GgufModel::open(path, config.engine.load).map_err(|e| ServerError::Load {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// A model whose file, tokenizer, chat template and cache types have been checked, before its
+/// slots (and their KV caches) exist: router mode prepares a model before unloading another
+/// for it, so that a broken file evicts nothing.
+pub struct Prepared {
+    path: PathBuf,
+    model: Arc<dyn LanguageModel>,
+    tokenizer: Arc<Tokenizer>,
+    chat: Option<ChatSetup>,
+    chat_error: Option<String>,
+    n_parallel: usize,
+    n_ctx_slot: usize,
+}
+
+impl Prepared {
+    /// Builds the model from an opened file and checks everything but memory for its slots.
+    pub fn new(
+        gguf: GgufModel,
+        path: &Path,
+        config: &ServerConfig,
+    ) -> Result<Prepared, ServerError> {
         let err = |message: String| ServerError::Load {
             path: path.display().to_string(),
             message,
         };
-        let gguf = GgufModel::open(path, config.engine.load).map_err(|e| err(e.to_string()))?;
         let model: Arc<dyn LanguageModel> =
             Arc::from(hmoe_model::load(gguf).map_err(|e| err(e.to_string()))?);
         let tokenizer = Arc::new(
@@ -90,6 +122,21 @@ impl ModelHost {
             .forward(&mut probe, &[], LogitsWanted::Last)
             .map_err(|x| err(format!("KV cache: {x}")))?;
         drop(probe);
+        Ok(Prepared {
+            path: path.to_path_buf(),
+            model,
+            tokenizer,
+            chat,
+            chat_error,
+            n_parallel,
+            n_ctx_slot,
+        })
+    }
+
+    /// Starts the slots: the model is then served as `id`.
+    pub fn start(self, id: String, config: &ServerConfig) -> Result<ModelHost, ServerError> {
+        let (n_parallel, n_ctx_slot) = (self.n_parallel, self.n_ctx_slot);
+        let e = &config.engine;
         let stats = Arc::new(Stats::default());
         let slots = SlotConfig {
             n_slots: n_parallel,
@@ -99,23 +146,23 @@ impl ModelHost {
             max_queue: e.max_queue,
         };
         let scheduler = Scheduler::start(
-            model.clone(),
-            tokenizer.clone(),
+            self.model.clone(),
+            self.tokenizer.clone(),
             slots,
             config.picker.clone(),
             stats.clone(),
         )?;
         tracing::info!(
             "{id}: loaded {} ({n_parallel} slots of {n_ctx_slot} positions)",
-            path.display()
+            self.path.display()
         );
         Ok(ModelHost {
             id,
-            path: path.to_path_buf(),
-            model,
-            tokenizer,
-            chat,
-            chat_error,
+            path: self.path,
+            model: self.model,
+            tokenizer: self.tokenizer,
+            chat: self.chat,
+            chat_error: self.chat_error,
             scheduler,
             stats,
             created: SystemTime::now()
@@ -123,7 +170,9 @@ impl ModelHost {
                 .map_or(0, |d| d.as_secs()),
         })
     }
+}
 
+impl ModelHost {
     /// Positions per slot.
     pub fn n_ctx_slot(&self) -> usize {
         self.scheduler.config().n_ctx_slot

@@ -22,12 +22,15 @@
 pub mod api;
 pub mod chat;
 pub mod config;
+pub mod conn;
 pub mod error;
+pub mod guard;
 pub mod host;
 pub mod metrics;
 pub mod oai;
 pub mod output;
 pub mod params;
+pub mod pieces;
 pub mod registry;
 pub mod request_log;
 pub mod sampling;
@@ -41,7 +44,7 @@ use std::time::Duration;
 
 use tokio::sync::{oneshot, watch};
 
-pub use config::{ChatConfig, EngineConfig, ModelSource, SamplingDefaults, ServerConfig};
+pub use config::{ChatConfig, EngineConfig, Limits, ModelSource, SamplingDefaults, ServerConfig};
 pub use error::{ApiError, ServerError};
 pub use sampling::{PickerFactory, TokenPicker};
 
@@ -56,8 +59,10 @@ pub struct RunningServer {
 }
 
 impl RunningServer {
-    /// Binds `config.host:config.port`, then serves; in single-model mode the model loads in the
-    /// background (`/health` answers 503 until it is ready). Returns once the socket listens.
+    /// Checks the configuration (an empty API key is an error) and, in single-model mode, opens
+    /// the model file; then binds `config.host:config.port` and serves, the model loading in
+    /// the background (`/health` answers 503 until it is ready). Returns once the socket
+    /// listens, or with the first error before anything listens.
     pub fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
         Self::spawn(config, false)
     }
@@ -68,6 +73,7 @@ impl RunningServer {
     }
 
     fn spawn(config: ServerConfig, signals: bool) -> Result<RunningServer, ServerError> {
+        validate(&config)?;
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
         let thread = std::thread::Builder::new()
@@ -79,6 +85,13 @@ impl RunningServer {
                     .enable_all()
                     .build()?;
                 rt.block_on(async move {
+                    let registry = match registry::Registry::new(Arc::new(config.clone())) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = addr_tx.send(Err(e));
+                            return Ok(());
+                        }
+                    };
                     let addr = format!("{}:{}", config.host, config.port);
                     let listener = match tokio::net::TcpListener::bind(&addr).await {
                         Ok(l) => l,
@@ -91,13 +104,6 @@ impl RunningServer {
                         }
                     };
                     let local = listener.local_addr()?;
-                    let registry = match registry::Registry::new(Arc::new(config.clone())) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            let _ = addr_tx.send(Err(e));
-                            return Ok(());
-                        }
-                    };
                     let _ = addr_tx.send(Ok(local));
                     serve(listener, config, registry, stop_rx, signals).await
                 })
@@ -149,6 +155,30 @@ impl Drop for RunningServer {
     }
 }
 
+/// Settings no server can run with.
+fn validate(config: &ServerConfig) -> Result<(), ServerError> {
+    if config.api_keys.iter().any(|k| k.trim().is_empty()) {
+        return Err(ServerError::Config(
+            "an API key is empty (--api-key \"\" or a blank --api-key-file): an empty key does not mean no authentication; leave the flag out for none".into(),
+        ));
+    }
+    if config.engine.n_parallel == 0 {
+        return Err(ServerError::Config("--parallel must be at least 1".into()));
+    }
+    let l = &config.limits;
+    if l.max_connections == 0 || l.max_body == 0 {
+        return Err(ServerError::Config(
+            "--max-connections and the body limit must be at least 1".into(),
+        ));
+    }
+    if l.header_timeout.is_zero() || l.timeout.is_zero() {
+        return Err(ServerError::Config(
+            "--timeout and --header-timeout must be at least 1 second".into(),
+        ));
+    }
+    Ok(())
+}
+
 async fn wait_signal(signals: bool) {
     if !signals {
         return std::future::pending().await;
@@ -188,8 +218,8 @@ async fn serve(
         let st = state.clone();
         let failure = failure.clone();
         tokio::task::spawn_blocking(move || {
+            // The error is returned by `RunningServer::wait` (and shown by `/health`).
             if let Err(e) = st.registry.load_single() {
-                tracing::error!("{e}");
                 *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 let _ = load_fail_tx.send(());
             }
@@ -213,14 +243,8 @@ async fn serve(
             let _ = down_tx.send(true);
         });
     }
-    let graceful = {
-        let mut rx = down_rx.clone();
-        async move {
-            let _ = rx.wait_for(|d| *d).await;
-        }
-    };
     let app = api::router(state.clone());
-    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
+    let server = conn::serve(listener, app, &state.config.limits, down_rx.clone());
     let drained = {
         let mut rx = down_rx;
         async move {

@@ -4,14 +4,17 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use hmoe_gguf::GgufModel;
 
 use serde_json::{json, Value};
 
 use crate::config::{ModelSource, ServerConfig};
 use crate::error::{ApiError, ServerError};
-use crate::host::ModelHost;
+use crate::host::{open_gguf, ModelHost, Prepared};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -104,6 +107,8 @@ struct Single {
     id: String,
     names: Vec<String>,
     path: PathBuf,
+    /// The file, opened (and its tables checked) before the server listens.
+    opened: Mutex<Option<Box<GgufModel>>>,
     state: Mutex<SingleState>,
 }
 
@@ -133,6 +138,29 @@ struct Dir {
     state: Mutex<DirState>,
     load_lock: tokio::sync::Mutex<()>,
     tick: AtomicU64,
+    /// Signalled when a lease ends or a model is unloaded (waiting requests look again).
+    released: tokio::sync::Notify,
+    /// Requests waiting for a busy model to be released.
+    waiters: AtomicUsize,
+}
+
+/// A place among the requests waiting for a model (released on drop).
+struct WaitTicket(Arc<Dir>);
+
+impl WaitTicket {
+    /// A place, if fewer than `max` requests wait.
+    fn take(d: &Arc<Dir>, max: usize) -> Option<WaitTicket> {
+        d.waiters
+            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| WaitTicket(d.clone()))
+    }
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Relaxed);
+    }
 }
 
 enum Mode {
@@ -159,12 +187,15 @@ impl Drop for Lease {
             if let Some(e) = lock(&dir.state).entries.get_mut(name) {
                 e.in_flight = e.in_flight.saturating_sub(1);
             }
+            dir.released.notify_waiters();
         }
     }
 }
 
 impl Registry {
-    /// The registry for `config.models` (nothing is loaded yet; see [`Registry::load_single`]).
+    /// The registry for `config.models`. A single model's file is opened and its tables
+    /// checked now (an error names the file); nothing is loaded yet (see
+    /// [`Registry::load_single`]).
     pub fn new(config: Arc<ServerConfig>) -> Result<Registry, ServerError> {
         let mode = match &config.models {
             ModelSource::File(path) => {
@@ -178,10 +209,12 @@ impl Registry {
                 if let Some(f) = path.file_name() {
                     names.push(f.to_string_lossy().into_owned());
                 }
+                let opened = open_gguf(path, &config)?;
                 Mode::Single(Single {
                     id,
                     names,
                     path: path.clone(),
+                    opened: Mutex::new(Some(Box::new(opened))),
                     state: Mutex::new(SingleState::Loading),
                 })
             }
@@ -213,6 +246,8 @@ impl Registry {
                     state: Mutex::new(DirState { entries }),
                     load_lock: tokio::sync::Mutex::new(()),
                     tick: AtomicU64::new(0),
+                    released: tokio::sync::Notify::new(),
+                    waiters: AtomicUsize::new(0),
                 }))
             }
         };
@@ -224,7 +259,13 @@ impl Registry {
         let Mode::Single(s) = &self.mode else {
             return Ok(());
         };
-        match ModelHost::load(s.id.clone(), &s.path, &self.config) {
+        let opened = lock(&s.opened).take();
+        let loaded = match opened {
+            Some(gguf) => Prepared::new(*gguf, &s.path, &self.config)
+                .and_then(|p| p.start(s.id.clone(), &self.config)),
+            None => ModelHost::load(s.id.clone(), &s.path, &self.config),
+        };
+        match loaded {
             Ok(host) => {
                 *lock(&s.state) = SingleState::Ready(Arc::new(host));
                 Ok(())
@@ -285,75 +326,140 @@ impl Registry {
         }
     }
 
+    /// Router mode: a lease on `name`, loading it when needed. When `--models-max` models are
+    /// loaded and every one has requests in flight, the request waits (at most `--timeout`, with
+    /// at most `--max-queue` others) until one is released.
     async fn acquire_dir(&self, d: &Arc<Dir>, name: &str) -> Result<Lease, ApiError> {
+        let limits = &self.config.limits;
+        let deadline = Instant::now() + limits.timeout;
+        let mut ticket: Option<WaitTicket> = None;
         loop {
             if let Some(lease) = Self::try_lease(d, name)? {
                 return Ok(lease);
             }
-            let _loading = d.load_lock.lock().await;
-            if let Some(lease) = Self::try_lease(d, name)? {
-                return Ok(lease);
-            }
-            let (path, evicted) = {
-                let mut st = lock(&d.state);
-                let loaded = st.entries.values().filter(|e| e.host.is_some()).count();
-                let mut evicted = None;
-                if d.max > 0 && loaded >= d.max {
-                    let victim = st
-                        .entries
-                        .iter()
-                        .filter(|(_, e)| e.host.is_some() && e.in_flight == 0)
-                        .min_by_key(|(_, e)| e.last_used)
-                        .map(|(k, _)| k.clone());
-                    let Some(victim) = victim else {
-                        return Err(ApiError::unavailable(
-                            "model limit reached and every loaded model is busy, try again later",
-                        ));
-                    };
-                    let e = st.entries.get_mut(&victim).expect("victim exists");
-                    e.status = Status::Unloaded;
-                    tracing::info!("unloading {victim} (least recently used) to load {name}");
-                    evicted = e.host.take();
+            // Made before looking, so that a release in between still wakes this request.
+            let released = d.released.notified();
+            {
+                let _loading = d.load_lock.lock().await;
+                if let Some(lease) = Self::try_lease(d, name)? {
+                    return Ok(lease);
                 }
-                let e = st
-                    .entries
-                    .get_mut(name)
-                    .ok_or_else(|| ApiError::bad_request(format!("model '{name}' not found")))?;
-                e.status = Status::Loading;
-                (e.path.clone(), evicted)
-            };
-            if let Some(h) = evicted {
-                // Joining the model's worker thread blocks.
-                let _ = tokio::task::spawn_blocking(move || drop(h)).await;
+                if self.load_into(d, name).await? {
+                    continue;
+                }
             }
-            let config = self.config.clone();
-            let id = name.to_string();
-            let loaded =
-                tokio::task::spawn_blocking(move || ModelHost::load(id, &path, &config)).await;
+            if ticket.is_none() {
+                ticket = Some(WaitTicket::take(d, self.config.engine.max_queue).ok_or_else(
+                    || {
+                        ApiError::unavailable(
+                            "every loaded model is busy and the queue for models is full, try again later",
+                        )
+                    },
+                )?);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ApiError::unavailable(format!(
+                    "model limit reached and every loaded model stayed busy for {} s (--timeout), try again later",
+                    limits.timeout.as_secs()
+                )));
+            }
+            // A release notifies; the poll interval covers one that came before `released`
+            // was first polled.
+            let wait = (deadline - now).min(Duration::from_millis(250));
+            let _ = tokio::time::timeout(wait, released).await;
+        }
+    }
+
+    /// The least recently used loaded model with no request in flight, if the limit needs one
+    /// unloaded to load another; `Ok(None)` when there is room; `Err(())` when every loaded
+    /// model is busy.
+    fn victim(d: &Dir, st: &DirState) -> Result<Option<String>, ()> {
+        let loaded = st.entries.values().filter(|e| e.host.is_some()).count();
+        if d.max == 0 || loaded < d.max {
+            return Ok(None);
+        }
+        st.entries
+            .iter()
+            .filter(|(_, e)| e.host.is_some() && e.in_flight == 0)
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(k, _)| Some(k.clone()))
+            .ok_or(())
+    }
+
+    /// Loads `name` (holding `load_lock`): `Ok(false)` when the limit is reached and every
+    /// loaded model is busy. The model is prepared (file, tokenizer, template checked) before
+    /// anything is unloaded for it, so a model that fails to load evicts nothing.
+    async fn load_into(&self, d: &Arc<Dir>, name: &str) -> Result<bool, ApiError> {
+        let path = {
             let mut st = lock(&d.state);
+            if Self::victim(d, &st).is_err() {
+                return Ok(false);
+            }
             let e = st
                 .entries
                 .get_mut(name)
                 .ok_or_else(|| ApiError::bad_request(format!("model '{name}' not found")))?;
-            match loaded {
-                Ok(Ok(host)) => {
-                    e.host = Some(Arc::new(host));
-                    e.status = Status::Loaded;
+            e.status = Status::Loading;
+            e.path.clone()
+        };
+        let fail = |message: String| {
+            if let Some(e) = lock(&d.state).entries.get_mut(name) {
+                e.status = Status::Failed(message.clone());
+            }
+            ApiError::internal(format!("failed to load model '{name}': {message}"))
+        };
+        let config = self.config.clone();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let gguf = open_gguf(&path, &config)?;
+            Prepared::new(gguf, &path, &config)
+        })
+        .await;
+        let prepared = match prepared {
+            Ok(Ok(p)) => p,
+            Ok(Err(err)) => return Err(fail(err.to_string())),
+            Err(join) => return Err(fail(join.to_string())),
+        };
+        let evicted = {
+            let mut st = lock(&d.state);
+            match Self::victim(d, &st) {
+                Ok(None) => None,
+                Ok(Some(victim)) => {
+                    tracing::info!("unloading {victim} (least recently used) to load {name}");
+                    st.entries.get_mut(&victim).and_then(|e| {
+                        e.status = Status::Unloaded;
+                        e.host.take()
+                    })
                 }
-                Ok(Err(err)) => {
-                    e.status = Status::Failed(err.to_string());
-                    return Err(ApiError::internal(format!(
-                        "failed to load model '{name}': {err}"
-                    )));
-                }
-                Err(join) => {
-                    e.status = Status::Failed(join.to_string());
-                    return Err(ApiError::internal(format!(
-                        "failed to load model '{name}': {join}"
-                    )));
+                Err(()) => {
+                    // A request took the idle model meanwhile.
+                    if let Some(e) = st.entries.get_mut(name) {
+                        e.status = Status::Unloaded;
+                    }
+                    return Ok(false);
                 }
             }
+        };
+        if let Some(h) = evicted {
+            // Joining the model's worker thread blocks.
+            let _ = tokio::task::spawn_blocking(move || drop(h)).await;
         }
+        let config = self.config.clone();
+        let id = name.to_string();
+        let started = tokio::task::spawn_blocking(move || prepared.start(id, &config)).await;
+        let host = match started {
+            Ok(Ok(h)) => h,
+            Ok(Err(err)) => return Err(fail(err.to_string())),
+            Err(join) => return Err(fail(join.to_string())),
+        };
+        let mut st = lock(&d.state);
+        let e = st
+            .entries
+            .get_mut(name)
+            .ok_or_else(|| ApiError::bad_request(format!("model '{name}' not found")))?;
+        e.host = Some(Arc::new(host));
+        e.status = Status::Loaded;
+        Ok(true)
     }
 
     /// A lease on `name` if it is loaded; `Err` if there is no such model.
@@ -411,6 +517,7 @@ impl Registry {
                 .ok_or_else(|| ApiError::bad_request(format!("model '{name}' is not loaded")))?
         };
         let _ = tokio::task::spawn_blocking(move || drop(host)).await;
+        d.released.notify_waiters();
         Ok(())
     }
 
@@ -434,8 +541,9 @@ impl Registry {
         }
     }
 
-    /// The `data` of `/v1/models`.
-    pub fn list(&self) -> Vec<Value> {
+    /// The `data` of `/v1/models`; with `full` false (a client without the API key) router
+    /// mode lists names and status only: no file paths, sizes or load errors.
+    pub fn list(&self, full: bool) -> Vec<Value> {
         match &self.mode {
             Mode::Single(s) => {
                 let (created, meta) = match &*lock(&s.state) {
@@ -450,6 +558,15 @@ impl Registry {
                 .entries
                 .iter()
                 .map(|(name, e)| {
+                    if !full {
+                        let value = match &e.status {
+                            Status::Loading => "loading",
+                            Status::Loaded => "loaded",
+                            Status::Unloaded | Status::Failed(_) => "unloaded",
+                        };
+                        return json!({"id": name, "object": "model", "owned_by": "hmoe",
+                                      "status": {"value": value}});
+                    }
                     let status = match &e.status {
                         Status::Unloaded => json!({"value": "unloaded"}),
                         Status::Loading => json!({"value": "loading"}),
@@ -467,6 +584,32 @@ impl Registry {
                 })
                 .collect(),
         }
+    }
+
+    /// `/props` in router mode (without `?model=`): the router's settings.
+    pub fn router_props(&self) -> Value {
+        let Mode::Dir(d) = &self.mode else {
+            return json!({});
+        };
+        let st = lock(&d.state);
+        let loaded: Vec<&String> = st
+            .entries
+            .iter()
+            .filter(|(_, e)| e.host.is_some())
+            .map(|(k, _)| k)
+            .collect();
+        let l = &self.config.limits;
+        json!({
+            "role": "router",
+            "total_models": st.entries.len(),
+            "loaded_models": loaded,
+            "models_max": d.max,
+            "max_queue": self.config.engine.max_queue,
+            "waiting": d.waiters.load(Relaxed),
+            "timeout": l.timeout.as_secs(),
+            "n_parallel": self.config.engine.n_parallel,
+            "n_ctx": self.config.engine.n_ctx,
+        })
     }
 
     /// Stops every model's slots (running requests fail, so streams end).

@@ -137,29 +137,17 @@ fn router_loads_on_demand_and_evicts_the_least_recently_used() {
 
 #[test]
 fn a_model_with_a_request_in_flight_is_never_unloaded() {
-    let dir = scratch("router-busy");
-    let gpt = fixtures().join("gpt-oss");
-    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("alpha.gguf")).unwrap();
-    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("beta.gguf")).unwrap();
-    let mut c = ServerConfig::new(ModelSource::Dir(dir.clone()));
-    c.port = 0;
-    c.engine.n_ctx = 8192;
-    c.models_max = 1;
-    let s = start(c);
+    let (dir, s) = two_model_router("router-busy", 1);
     let a = s.local_addr();
-    let mut busy = Sse::open(
-        a,
-        "/v1/completions",
-        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true, "ignore_eos": true}),
-    );
-    assert_eq!(busy.status, 200);
-    assert!(busy.next_data().is_some());
+    let busy = hold_alpha(a);
     let r = post(
         a,
         "/completion",
         &json!({"model": "beta", "prompt": "x", "n_predict": 2}),
     );
+    // It waited for --timeout (1 s here), then gave up.
     assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("--timeout"), "{}", r.body);
     assert_eq!(status_of(&get(a, "/v1/models").json(), "alpha"), "loaded");
     drop(busy);
     // Once alpha's request is gone, beta may replace it (the lease ends with the stream).
@@ -182,6 +170,147 @@ fn a_model_with_a_request_in_flight_is_never_unloaded() {
         (status_of(&models, "alpha"), status_of(&models, "beta")),
         ("unloaded".into(), "loaded".into())
     );
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A long streaming request on alpha, read until its first event (alpha is then busy until
+/// the stream is dropped).
+fn hold_alpha(a: std::net::SocketAddr) -> Sse {
+    let mut busy = Sse::open(
+        a,
+        "/v1/completions",
+        &json!({"model": "alpha", "prompt": "Tell me", "max_tokens": 8000, "stream": true, "ignore_eos": true}),
+    );
+    assert_eq!(busy.status, 200);
+    assert!(busy.next_data().is_some());
+    busy
+}
+
+/// Two tiny models in a directory, at most one loaded.
+fn two_model_router(
+    name: &str,
+    timeout_s: u64,
+) -> (std::path::PathBuf, hmoe_server::RunningServer) {
+    let dir = scratch(name);
+    let gpt = fixtures().join("gpt-oss");
+    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("alpha.gguf")).unwrap();
+    std::fs::copy(gpt.join("gptoss-tiny.gguf"), dir.join("beta.gguf")).unwrap();
+    let mut c = ServerConfig::new(ModelSource::Dir(dir.clone()));
+    c.port = 0;
+    c.engine.n_ctx = 8192;
+    c.models_max = 1;
+    c.limits.timeout = std::time::Duration::from_secs(timeout_s);
+    (dir, start(c))
+}
+
+#[test]
+fn a_request_for_another_model_waits_while_every_loaded_one_is_busy() {
+    let (dir, s) = two_model_router("router-queue", 30);
+    let a = s.local_addr();
+    let busy = hold_alpha(a);
+    let waiter = std::thread::spawn(move || {
+        let t = std::time::Instant::now();
+        let r = post(
+            a,
+            "/completion",
+            &json!({"model": "beta", "prompt": "x", "n_predict": 2}),
+        );
+        (r.status, r.body, t.elapsed())
+    });
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    // The router reports the waiting request.
+    let props = get(a, "/props").json();
+    assert_eq!(props["role"], "router");
+    assert_eq!(props["models_max"], 1);
+    assert_eq!(props["waiting"], 1, "{props}");
+    assert_eq!(props["loaded_models"], json!(["alpha"]));
+    drop(busy);
+    let (status, body, waited) = waiter.join().unwrap();
+    // Queued, not refused: it got its answer once alpha's request ended.
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        waited >= std::time::Duration::from_millis(500),
+        "{waited:?}"
+    );
+    let models = get(a, "/v1/models").json();
+    assert_eq!(status_of(&models, "beta"), "loaded");
+    assert_eq!(get(a, "/props").json()["waiting"], 0);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_model_that_fails_to_load_evicts_nothing() {
+    let (dir, s) = two_model_router("router-bad", 5);
+    let tiny = std::fs::read(dir.join("alpha.gguf")).unwrap();
+    std::fs::write(dir.join("bad.gguf"), &tiny[..tiny.len() / 3]).unwrap();
+    let a = s.local_addr();
+    let ok = json!({"model": "alpha", "prompt": "x", "n_predict": 2});
+    assert_eq!(post(a, "/completion", &ok).status, 200);
+    let r = post(
+        a,
+        "/completion",
+        &json!({"model": "bad", "prompt": "x", "n_predict": 2}),
+    );
+    assert_eq!(r.status, 500, "{}", r.body);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("bad.gguf"), "{msg}");
+    let models = get(a, "/v1/models").json();
+    assert_eq!(status_of(&models, "alpha"), "loaded", "{models}");
+    let bad = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "bad")
+        .unwrap()
+        .clone();
+    assert_eq!(bad["status"]["failed"], true, "{bad}");
+    // alpha still answers without being loaded again.
+    assert_eq!(post(a, "/completion", &ok).status, 200);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn without_the_key_the_model_list_shows_names_and_status_only() {
+    let dir = scratch("router-auth");
+    std::fs::copy(tiny_model(), dir.join("alpha.gguf")).unwrap();
+    std::fs::write(dir.join("broken.gguf"), b"GGUF").unwrap();
+    let mut c = ServerConfig::new(ModelSource::Dir(dir.clone()));
+    c.port = 0;
+    c.engine.n_ctx = 256;
+    c.api_keys = vec!["secret".into()];
+    let s = start(c);
+    let a = s.local_addr();
+    let auth = [("Authorization", "Bearer secret")];
+    // A failed load leaves a message (with the path) in the full listing.
+    let r = request(
+        a,
+        "POST",
+        "/completion",
+        &auth,
+        json!({"model": "broken", "prompt": "x"})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 500);
+    let full = request(a, "GET", "/v1/models", &auth, b"").json();
+    let text = full.to_string();
+    assert!(text.contains(&dir.display().to_string()), "{text}");
+    let public = get(a, "/v1/models").json();
+    let text = public.to_string();
+    assert!(!text.contains(&dir.display().to_string()), "{text}");
+    assert!(
+        !text.contains("message") && !text.contains("meta"),
+        "{text}"
+    );
+    for m in public["data"].as_array().unwrap() {
+        let mut keys: Vec<&str> = m.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, ["id", "object", "owned_by", "status"], "{m}");
+    }
+    assert_eq!(status_of(&public, "alpha"), "unloaded");
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,305 @@
+//! Hostile clients: stalled connections, slow and oversized bodies, broken chunked encoding,
+//! API keys. Each test reproduces a case of the hostile-input issue and checks the bound.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::*;
+use hmoe_server::{ModelSource, RunningServer, ServerConfig};
+use serde_json::{json, Value};
+
+/// A connection that sent `bytes` and then stalls.
+fn stalled(addr: SocketAddr, bytes: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.write_all(bytes).unwrap();
+    s
+}
+
+/// Whether the server closed `s` (EOF or reset) within `within`; returns what it sent.
+fn closed_within(s: &mut TcpStream, within: Duration) -> Option<String> {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(String::from_utf8_lossy(&got).into_owned()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return None
+            }
+            Err(_) => return Some(String::from_utf8_lossy(&got).into_owned()),
+        }
+    }
+}
+
+/// The JSON body of a raw HTTP/1.1 response.
+fn body_json(raw: &str) -> Value {
+    let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {raw}"))
+}
+
+#[test]
+fn stalled_connections_are_closed_and_health_answers_beyond_the_cap() {
+    let mut c = tiny_config();
+    c.limits.max_connections = 8;
+    c.limits.header_timeout = Duration::from_secs(1);
+    let s = start(c);
+    let a = s.local_addr();
+    // Eight normal places, then the reserve (8/8 + 16 = 17), then more: 60 clients that send
+    // half a request head and stall.
+    let mut held: Vec<TcpStream> = (0..60)
+        .map(|_| {
+            stalled(
+                a,
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+            )
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    // /health answers while every place is taken (it takes a reserve place, closing the
+    // oldest stalled one); other routes on a reserve place get the JSON 503.
+    for _ in 0..5 {
+        let t = Instant::now();
+        let h = get(a, "/health");
+        assert_eq!(h.status, 200, "{}", h.body);
+        assert!(t.elapsed() < Duration::from_secs(2));
+    }
+    let busy = get(a, "/v1/models");
+    assert_eq!(busy.status, 503, "{}", busy.body);
+    assert!(busy.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--max-connections"));
+    // Every stalled connection is closed within the header timeout (plus slack).
+    let t = Instant::now();
+    for (i, conn) in held.iter_mut().enumerate() {
+        let left = Duration::from_secs(4).saturating_sub(t.elapsed());
+        assert!(
+            closed_within(conn, left.max(Duration::from_millis(1))).is_some(),
+            "stalled connection {i} still open after {:?}",
+            t.elapsed()
+        );
+    }
+    drop(held);
+    // Places are free again: normal routes answer.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(get(a, "/v1/models").status, 200);
+}
+
+#[test]
+fn a_body_that_does_not_arrive_in_time_gets_408() {
+    let mut c = tiny_config();
+    c.limits.timeout = Duration::from_secs(1);
+    let s = start(c);
+    let mut conn = stalled(
+        s.local_addr(),
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messages\"",
+    );
+    let raw = closed_within(&mut conn, Duration::from_secs(5)).expect("answered and closed");
+    assert!(raw.starts_with("HTTP/1.1 408"), "{raw}");
+    let e = body_json(&raw);
+    assert_eq!(e["error"]["code"], 408);
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("--timeout"));
+}
+
+#[test]
+fn oversized_and_malformed_bodies_get_the_json_error_object() {
+    let mut c = tiny_config();
+    c.limits.max_body = 1 << 20;
+    let s = start(c);
+    let a = s.local_addr();
+    // Declared too large: 413 before any of it is read.
+    let mut conn = stalled(
+        a,
+        b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n",
+    );
+    let raw = closed_within(&mut conn, Duration::from_secs(5)).expect("answered");
+    assert!(raw.starts_with("HTTP/1.1 413"), "{raw}");
+    assert!(
+        raw.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{raw}"
+    );
+    assert_eq!(body_json(&raw)["error"]["code"], 413);
+    // Chunked past the limit: 413 too.
+    let mut conn = stalled(
+        a,
+        b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+    );
+    let chunk = vec![b'a'; 64 << 10];
+    for _ in 0..20 {
+        if conn
+            .write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+            .is_err()
+            || conn.write_all(&chunk).is_err()
+            || conn.write_all(b"\r\n").is_err()
+        {
+            break;
+        }
+    }
+    let raw = closed_within(&mut conn, Duration::from_secs(5)).expect("answered");
+    assert!(raw.starts_with("HTTP/1.1 413"), "{raw}");
+    assert_eq!(body_json(&raw)["error"]["type"], "invalid_request_error");
+    // Broken chunked encoding: 400 with the error object.
+    let mut conn = stalled(
+        a,
+        b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+    );
+    let raw = closed_within(&mut conn, Duration::from_secs(5)).expect("answered");
+    assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
+    let e = body_json(&raw);
+    assert_eq!(e["error"]["code"], 400);
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("request body"));
+    // The server still serves.
+    assert_eq!(get(a, "/health").status, 200);
+}
+
+#[test]
+fn empty_api_keys_are_refused_and_every_key_works() {
+    for keys in [vec![String::new()], vec!["k1".into(), " ".into()]] {
+        let mut c = tiny_config();
+        c.api_keys = keys.clone();
+        let e = RunningServer::start(c)
+            .err()
+            .expect("an empty key is refused");
+        assert!(e.to_string().contains("empty"), "{keys:?}: {e}");
+    }
+    let mut c = tiny_config();
+    c.api_keys = vec!["alpha".into(), "beta".into(), "gamma".into()];
+    let s = start(c);
+    let a = s.local_addr();
+    for (key, status) in [
+        ("alpha", 200),
+        ("beta", 200),
+        ("gamma", 200),
+        ("gamm", 401),
+        ("gammaa", 401),
+        ("", 401),
+    ] {
+        let auth = format!("Bearer {key}");
+        let r = request(a, "GET", "/props", &[("Authorization", &auth)], b"");
+        assert_eq!(r.status, status, "key {key:?}: {}", r.body);
+    }
+}
+
+#[test]
+fn cors_preflight_answers_as_llama_server() {
+    let mut c = tiny_config();
+    c.api_keys = vec!["k".into()];
+    let s = start(c);
+    let a = s.local_addr();
+    let origin = ("Origin", "http://ui.example");
+    let r = request(
+        a,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[origin, ("Access-Control-Request-Method", "POST")],
+        b"",
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, "");
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://ui.example")
+    );
+    assert_eq!(r.header("access-control-allow-methods"), Some("GET, POST"));
+    assert_eq!(r.header("access-control-allow-headers"), Some("*"));
+    assert_eq!(r.header("access-control-allow-credentials"), Some("true"));
+    // Errors carry the header too, so a browser can read them.
+    let denied = request(a, "POST", "/completion", &[origin], b"{}");
+    assert_eq!(denied.status, 401);
+    assert_eq!(
+        denied.header("access-control-allow-origin"),
+        Some("http://ui.example")
+    );
+    drop(s);
+    let mut c = tiny_config();
+    c.cors_origins = vec!["http://ok.example".into()];
+    let s = start(c);
+    let r = request(s.local_addr(), "GET", "/health", &[origin], b"");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("access-control-allow-origin"), None);
+    let r = request(
+        s.local_addr(),
+        "GET",
+        "/health",
+        &[("Origin", "http://ok.example")],
+        b"",
+    );
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("http://ok.example")
+    );
+}
+
+#[test]
+fn bad_model_files_fail_before_listening() {
+    let dir = scratch("badfiles");
+    let text = dir.join("notes.txt");
+    std::fs::write(&text, "not a model\n").unwrap();
+    let truncated = dir.join("truncated.gguf");
+    let tiny = std::fs::read(tiny_model()).unwrap();
+    std::fs::write(&truncated, &tiny[..tiny.len() / 2]).unwrap();
+    for path in [
+        dir.join("nonexistent.gguf"),
+        dir.clone(),
+        text,
+        truncated,
+        "/dev/zero".into(),
+    ] {
+        let mut c = ServerConfig::new(ModelSource::File(path.clone()));
+        c.port = 0;
+        let t = Instant::now();
+        let e = RunningServer::start(c)
+            .err()
+            .unwrap_or_else(|| panic!("{} was served", path.display()));
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert!(
+            e.to_string().contains(&path.display().to_string()),
+            "{}: {e}",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn tokenize_pieces_stream_and_match_the_ids() {
+    let s = start(tiny_config());
+    let a = s.local_addr();
+    let content = "ab ".repeat(20_000);
+    let ids = post(a, "/tokenize", &json!({"content": content})).json();
+    let pieces = post(
+        a,
+        "/tokenize",
+        &json!({"content": content, "with_pieces": true}),
+    )
+    .json();
+    let ids = ids["tokens"].as_array().unwrap();
+    let pieces = pieces["tokens"].as_array().unwrap();
+    assert!(ids.len() > 10_000, "{}", ids.len());
+    assert_eq!(ids.len(), pieces.len());
+    let mut text = String::new();
+    for (id, p) in ids.iter().zip(pieces) {
+        assert_eq!(&p["id"], id);
+        text.push_str(p["piece"].as_str().expect("ASCII pieces are strings"));
+    }
+    assert_eq!(text, content);
+    assert_eq!(
+        post(a, "/tokenize", &json!({"content": ""})).json(),
+        json!({"tokens": []})
+    );
+}
