@@ -19,7 +19,9 @@
 //! server.wait().unwrap();
 //! ```
 
+pub mod anthropic;
 pub mod api;
+pub mod blocks;
 pub mod chat;
 pub mod config;
 pub mod error;
@@ -29,6 +31,7 @@ pub mod oai;
 pub mod output;
 pub mod params;
 pub mod registry;
+pub mod responses;
 pub mod sampling;
 pub mod scheduler;
 

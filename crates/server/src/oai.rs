@@ -53,6 +53,7 @@ pub struct Responder {
     probs: Vec<TokenLogprob>,
     text_offset: usize,
     summary: Option<Summary>,
+    post_sampling: bool,
 }
 
 impl Responder {
@@ -75,7 +76,15 @@ impl Responder {
             probs: Vec::new(),
             text_offset: 0,
             summary: None,
+            post_sampling: false,
         }
+    }
+
+    /// `/completion`'s `post_sampling_probs`: probabilities (`prob`, `top_probs`) rather than
+    /// log-probabilities.
+    pub fn with_post_sampling(mut self, on: bool) -> Responder {
+        self.post_sampling = on;
+        self
     }
 
     /// Records deltas and returns them as chat `delta` objects (consecutive pieces of the same
@@ -182,23 +191,38 @@ impl Responder {
                 }
                 json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
             }
-            Flavor::Native => Value::Array(
-                probs
-                    .iter()
-                    .map(|p| {
-                        let (text, bytes) = self.piece(p.id);
-                        let top: Vec<Value> = p
-                            .top
-                            .iter()
-                            .map(|&(id, lp)| {
-                                let (t, b) = self.piece(id);
-                                json!({"id": id, "token": t, "logprob": lp, "bytes": b})
-                            })
-                            .collect();
-                        json!({"id": p.id, "token": text, "logprob": p.logprob, "bytes": bytes, "top_logprobs": top})
-                    })
-                    .collect(),
-            ),
+            Flavor::Native => {
+                // llama-server: `prob` / `top_probs` after the sampler chain, else log-probs.
+                let (value, list) = if self.post_sampling {
+                    ("prob", "top_probs")
+                } else {
+                    ("logprob", "top_logprobs")
+                };
+                let v = |lp: f32| -> Value {
+                    if self.post_sampling {
+                        json!((lp as f64).exp())
+                    } else {
+                        json!(lp)
+                    }
+                };
+                Value::Array(
+                    probs
+                        .iter()
+                        .map(|p| {
+                            let (text, bytes) = self.piece(p.id);
+                            let top: Vec<Value> = p
+                                .top
+                                .iter()
+                                .map(|&(id, lp)| {
+                                    let (t, b) = self.piece(id);
+                                    json!({"id": id, "token": t, value: v(lp), "bytes": b})
+                                })
+                                .collect();
+                            json!({"id": p.id, "token": text, value: v(p.logprob), "bytes": bytes, list: top})
+                        })
+                        .collect(),
+                )
+            }
         }
     }
 
