@@ -127,19 +127,25 @@ impl ChatSetup {
         } else {
             messages
         };
-        self.template
-            .render(
-                messages,
-                tools,
-                add_generation_prompt,
-                &Value::Object(extra),
-            )
-            .map_err(|e| match e {
-                ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
-                ChatError::Template(m) => {
-                    ApiError::bad_request(format!("the chat template failed: {m}"))
-                }
-            })
+        let extra = Value::Object(extra);
+        let mut result = self
+            .template
+            .render(messages, tools, add_generation_prompt, &extra);
+        if matches!(result, Err(ChatError::Template(_))) {
+            // Templates that print every message's `content` as a string fail on assistant
+            // tool-call turns without one: they get an empty string instead.
+            if let Some(filled) = fill_missing_content(messages) {
+                result = self
+                    .template
+                    .render(&filled, tools, add_generation_prompt, &extra);
+            }
+        }
+        result.map_err(|e| match e {
+            ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
+            ChatError::Template(m) => {
+                ApiError::bad_request(format!("the chat template failed: {m}"))
+            }
+        })
     }
 
     /// How to read the output that follows `prompt`.
@@ -165,6 +171,23 @@ impl ChatSetup {
         }
         Ok(ids)
     }
+}
+
+/// The messages with `content: ""` where a message has none; `None` when all have one.
+fn fill_missing_content(messages: &Value) -> Option<Value> {
+    let mut out = messages.clone();
+    let mut changed = false;
+    for m in out
+        .as_array_mut()?
+        .iter_mut()
+        .filter_map(Value::as_object_mut)
+    {
+        if !m.contains_key("content") {
+            m.insert("content".into(), "".into());
+            changed = true;
+        }
+    }
+    changed.then_some(out)
 }
 
 /// gpt-oss templates take an assistant tool-call turn's analysis from `thinking` or `content`,

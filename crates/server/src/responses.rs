@@ -86,11 +86,14 @@ impl Conversation {
         self.messages.push(m);
     }
 
-    /// The assistant turn being built; a new one when `key` is already filled.
+    /// The assistant turn being built; a new one when `key` (reasoning or content) is already
+    /// filled or the turn already called tools (calls themselves accumulate).
     fn assistant(&mut self, key: &str) -> &mut Map<String, Value> {
-        let taken = self.assistant.as_ref().is_some_and(|a| {
-            a.contains_key(key) || (key != "tool_calls" && a.contains_key("tool_calls"))
-        });
+        let taken = key != "tool_calls"
+            && self
+                .assistant
+                .as_ref()
+                .is_some_and(|a| a.contains_key(key) || a.contains_key("tool_calls"));
         if taken {
             self.flush();
         }
