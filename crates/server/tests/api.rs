@@ -109,8 +109,8 @@ fn health_models_props_and_errors() {
     // One model answers any `model` name, under its own.
     let any = post(
         a,
-        "/v1/chat/completions",
-        &json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+        "/v1/completions",
+        &json!({"model": "gpt-4o", "prompt": "x", "max_tokens": 1}),
     );
     assert_eq!(any.status, 200, "{}", any.body);
     assert_eq!(any.json()["model"], "gptoss-tiny");
