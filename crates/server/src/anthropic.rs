@@ -16,7 +16,8 @@ use serde_json::{json, Map, Value};
 
 use crate::api::{render_chat, AppState};
 use crate::blocks::{
-    arguments_object, run_blocks, Block, BlockApi, BlockEvent, BlockKind, Blocks, Sent,
+    arguments_object, copy_shared_fields, function_tool, run_blocks, Block, BlockApi, BlockEvent,
+    BlockKind, Blocks, Sent,
 };
 use crate::chat::prepare_chat;
 use crate::error::ApiError;
@@ -190,21 +191,7 @@ fn chat_request(req: &Map<String, Value>, generate: bool) -> Result<Map<String, 
             .ok_or_else(|| ApiError::bad_request("'max_tokens' is required"))?;
         out.insert("max_tokens".into(), n.into());
     }
-    for key in [
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stream",
-        "reasoning_format",
-        "chat_template_kwargs",
-        "cache_prompt",
-    ] {
-        if let Some(v) = f.value(key) {
-            out.insert(key.into(), v.clone());
-        }
-    }
+    copy_shared_fields(req, &mut out);
     if let Some(stops) = f.value("stop_sequences") {
         out.insert("stop".into(), stops.clone());
     }
@@ -218,17 +205,14 @@ fn chat_request(req: &Map<String, Value>, generate: bool) -> Result<Map<String, 
                 t.get("input_schema").is_some() || t.get("type").is_none_or(|ty| ty == "custom")
             })
             .map(|t| {
-                let mut func = Map::new();
-                for (from, to) in [
-                    ("name", "name"),
-                    ("description", "description"),
-                    ("input_schema", "parameters"),
-                ] {
-                    if let Some(v) = t.get(from).filter(|v| !v.is_null()) {
-                        func.insert(to.into(), v.clone());
-                    }
-                }
-                json!({"type": "function", "function": func})
+                function_tool(
+                    t,
+                    &[
+                        ("name", "name"),
+                        ("description", "description"),
+                        ("input_schema", "parameters"),
+                    ],
+                )
             })
             .collect();
         out.insert("tools".into(), Value::Array(functions));

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, StreamExt};
 use hmoe_chat::ChatDelta;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ApiError;
@@ -249,6 +249,42 @@ pub async fn run_blocks<A: BlockApi>(
         }
     }
     Err(ApiError::internal("the request ended without a result"))
+}
+
+/// Request fields that mean the same on the chat route (llama.cpp's extensions too).
+const SHARED_FIELDS: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stream",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "reasoning_format",
+    "chat_template_kwargs",
+    "cache_prompt",
+];
+
+/// Copies the fields of `req` that the chat route reads the same way into `out`.
+pub fn copy_shared_fields(req: &Map<String, Value>, out: &mut Map<String, Value>) {
+    for &key in SHARED_FIELDS {
+        if let Some(v) = req.get(key).filter(|v| !v.is_null()) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+}
+
+/// A chat `function` tool from an API's tool object, its fields renamed `(from, to)`.
+pub fn function_tool(t: &Value, names: &[(&str, &str)]) -> Value {
+    let mut func = Map::new();
+    for &(from, to) in names {
+        if let Some(v) = t.get(from).filter(|v| !v.is_null()) {
+            func.insert(to.into(), v.clone());
+        }
+    }
+    serde_json::json!({"type": "function", "function": func})
 }
 
 /// A tool call's arguments as a JSON object (what the model wrote when it is one, else `{}`).

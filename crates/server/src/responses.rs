@@ -14,7 +14,10 @@ use axum::response::Response;
 use serde_json::{json, Map, Value};
 
 use crate::api::AppState;
-use crate::blocks::{run_blocks, Block, BlockApi, BlockEvent, BlockKind, Blocks, Sent};
+use crate::blocks::{
+    copy_shared_fields, function_tool, run_blocks, Block, BlockApi, BlockEvent, BlockKind, Blocks,
+    Sent,
+};
 use crate::chat::prepare_chat;
 use crate::error::ApiError;
 use crate::oai::{random_id, unix_now};
@@ -207,24 +210,7 @@ fn chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiError
     let mut out = Map::new();
     out.insert("messages".into(), Value::Array(conv.messages));
     // Settings with the same meaning pass through (llama.cpp's sampling extensions too).
-    for key in [
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stream",
-        "repeat_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "reasoning_format",
-        "chat_template_kwargs",
-        "cache_prompt",
-    ] {
-        if let Some(v) = f.value(key) {
-            out.insert(key.into(), v.clone());
-        }
-    }
+    copy_shared_fields(req, &mut out);
     if let Some(n) = f.value("max_output_tokens") {
         out.insert("max_tokens".into(), n.clone());
     }
@@ -246,13 +232,15 @@ fn chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiError
             .iter()
             .filter(|t| t.get("type").and_then(Value::as_str) == Some("function"))
             .map(|t| {
-                let mut func = Map::new();
-                for key in ["name", "description", "parameters", "strict"] {
-                    if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
-                        func.insert(key.into(), v.clone());
-                    }
-                }
-                json!({"type": "function", "function": func})
+                function_tool(
+                    t,
+                    &[
+                        ("name", "name"),
+                        ("description", "description"),
+                        ("parameters", "parameters"),
+                        ("strict", "strict"),
+                    ],
+                )
             })
             .collect();
         if functions.len() < list.len() {

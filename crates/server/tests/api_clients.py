@@ -14,9 +14,6 @@ Exit status 0 when every check passed; prints 'N passed, M failed'.
 import argparse
 import datetime
 import json
-import sys
-import time
-import traceback
 import urllib.error
 import urllib.request
 
@@ -24,13 +21,13 @@ import anthropic
 import openai
 from openai import OpenAI
 
+from openai_client import TOOLS, extra, run_checks  # the same directory
+
 # Seeds the Rust test scripts (see api_clients.rs).
 REASONING, TOOL, FINAL, LONG = 1001, 1002, 1004, 1005
 
-FUNCTION = {
-    "name": "get_weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
+# openai_client.py's function, without its description.
+FUNCTION = {k: v for k, v in TOOLS[0]["function"].items() if k != "description"}
 CHECKS = []
 
 
@@ -52,13 +49,6 @@ def post(ctx, path, body):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def extra(obj, key):
-    value = getattr(obj, key, None)
-    if value is None and obj.model_extra:
-        value = obj.model_extra.get(key)
-    return value
 
 
 @check
@@ -301,24 +291,9 @@ def main():
     # Token limit: room for the scripted outputs; little for real models (CPU time).
     ctx.n = 64 if ctx.scripted else 12
     ctx.oa = OpenAI(base_url=ctx.root + "/v1", api_key="none", max_retries=0, timeout=60)
-    passed = failed = 0
-    for fn in CHECKS:
-        if getattr(fn, "scripted_only", False) and not ctx.scripted:
-            continue
-        if ctx.templates_only and fn is not template_edge_cases:
-            continue
-        t0 = time.monotonic()
-        try:
-            fn(ctx)
-            passed += 1
-            print(f"ok   {fn.__name__} ({time.monotonic() - t0:.1f} s)")
-        except Exception:  # noqa: BLE001 - report every failing check
-            failed += 1
-            print(f"FAIL {fn.__name__}")
-            traceback.print_exc()
-    print(f"{passed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
+    run_checks([fn for fn in CHECKS
+                if (ctx.scripted or not getattr(fn, "scripted_only", False))
+                and (not ctx.templates_only or fn is template_edge_cases)], ctx)
 
 if __name__ == "__main__":
     main()
