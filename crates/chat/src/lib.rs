@@ -1,11 +1,13 @@
 //! Chat formatting for hmoe: rendering the model's chat template, and reading the model's output
 //! back as messages (gpt-oss harmony channels and tool calls, `<think>` reasoning).
 
+mod builtin;
 mod harmony;
 mod model;
 mod reasoning;
 mod template;
 
+pub use builtin::{builtin_template, builtin_template_names, resolve_chat_template};
 pub use harmony::{
     HarmonyEvent, HarmonyHeader, HarmonyMessage, HarmonyParser, HarmonyStop, HarmonyTokens,
 };

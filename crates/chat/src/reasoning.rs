@@ -209,6 +209,33 @@ pub struct HarmonyStream {
     route: Route,
     n_calls: usize,
     stop: Option<HarmonyStop>,
+    /// Whether the output is harmony: unknown until the first header is read or goes wrong.
+    shape: Shape,
+    /// Raw text while the shape is unknown (shown as content if it is not harmony).
+    pending_raw: String,
+}
+
+/// What the output turned out to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Unknown,
+    Harmony,
+    /// Not harmony (e.g. a model with random weights): the raw text is the content.
+    Raw,
+}
+
+/// Longest first header accepted after `assistant` (e.g. `<|channel|>commentary
+/// to=functions.NAME <|constrain|>json`).
+const MAX_HEADER: usize = 256;
+
+/// Whether `rest`, the header text after `assistant` so far, can still become a harmony header:
+/// it starts with `<|channel|>` or ` to=`.
+fn plausible_header(rest: &str) -> bool {
+    rest.len() <= MAX_HEADER
+        && !rest.contains('\n')
+        && ["<|channel|>", " to="]
+            .iter()
+            .any(|p| rest.starts_with(p) || p.starts_with(rest))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +256,8 @@ impl HarmonyStream {
             route: Route::Drop,
             n_calls: 0,
             stop: None,
+            shape: Shape::Unknown,
+            pending_raw: String::new(),
         }
     }
 
@@ -247,8 +276,40 @@ impl HarmonyStream {
             }
             return out;
         }
+        // Control tokens (`<|return|>`...) are not text of a non-harmony answer.
+        let piece = if tok.is_control(id) {
+            String::new()
+        } else {
+            self.raw.push(tok, id)
+        };
+        match self.shape {
+            Shape::Raw => {
+                push_delta(&mut out, ChatDelta::Content(piece));
+                return out;
+            }
+            Shape::Unknown => self.pending_raw.push_str(&piece),
+            Shape::Harmony => {}
+        }
         for ev in self.parser.push(tok, id) {
+            if matches!(ev, HarmonyEvent::MessageStart(_)) {
+                self.shape = Shape::Harmony;
+                self.pending_raw.clear();
+            }
             self.route_event(ev, &mut out);
+        }
+        if self.shape == Shape::Unknown {
+            let rest = self
+                .parser
+                .pending_header()
+                .and_then(|h| h.strip_prefix("assistant"));
+            if !rest.is_some_and(plausible_header) {
+                // Not harmony: everything so far, and from now on each token, is content.
+                self.shape = Shape::Raw;
+                push_delta(
+                    &mut out,
+                    ChatDelta::Content(std::mem::take(&mut self.pending_raw)),
+                );
+            }
         }
         out
     }
@@ -293,8 +354,17 @@ impl HarmonyStream {
     /// Ends the stream.
     pub fn finish(&mut self) -> Vec<ChatDelta> {
         let mut out = Vec::new();
-        if self.format == ReasoningFormat::None {
+        if self.format == ReasoningFormat::None || self.shape == Shape::Raw {
             push_delta(&mut out, ChatDelta::Content(self.raw.finish()));
+            return out;
+        }
+        if self.shape == Shape::Unknown {
+            // The output ended inside its first header: not a harmony message.
+            self.pending_raw.push_str(&self.raw.finish());
+            push_delta(
+                &mut out,
+                ChatDelta::Content(std::mem::take(&mut self.pending_raw)),
+            );
             return out;
         }
         for ev in self.parser.finish() {

@@ -412,3 +412,20 @@ fn gpt_oss_model_file_template_and_specials() {
     assert_eq!(p.messages()[1].content, "hi");
     assert_eq!(p.pending_header(), Some("assistant"));
 }
+
+#[test]
+fn output_that_is_not_harmony_streams_as_content() {
+    // A model with random weights does not write a harmony header: its text is the content, as
+    // it comes (not at the end), without control tokens.
+    let (d, _) = stream(
+        ReasoningFormat::Auto,
+        "Just some plain words here<|return|>",
+    );
+    let (r, c, calls) = collect(&d);
+    assert_eq!((r.as_str(), c.as_str()), ("", "Just some plain words here"));
+    assert!(calls.is_empty());
+    assert!(d.len() >= 4, "{d:?}");
+    // Output that starts as harmony is read as harmony.
+    let (d, _) = stream(ReasoningFormat::Auto, "<|channel|>analysis<|message|>x");
+    assert_eq!(collect(&d).0, "x");
+}

@@ -74,8 +74,9 @@ pub struct ServeArgs {
     /// Jinja chat template file replacing the model's.
     #[arg(long = "chat-template-file", value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
-    /// Jinja chat template text replacing the model's.
-    #[arg(long = "chat-template", value_name = "JINJA")]
+    /// Chat template replacing the model's: a built-in name (chatml, qwen3, llama3, gpt-oss,
+    /// deepseek3, deepseek2, phi3, zephyr, gemma, mistral-v7) or Jinja text.
+    #[arg(long = "chat-template", value_name = "NAME|JINJA")]
     pub chat_template: Option<String>,
     /// Extra template variables as a JSON object, e.g. '{"reasoning_effort": "high"}'.
     #[arg(long = "chat-template-kwargs", value_name = "JSON")]
@@ -405,7 +406,7 @@ impl ServeArgs {
             (Some(f), _) => Some(
                 std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
             ),
-            (None, Some(t)) => Some(t.clone()),
+            (None, Some(t)) => Some(hmoe_chat::resolve_chat_template(t)),
             (None, None) => None,
         };
         config.chat.reasoning_format = match self.reasoning_format.as_str() {

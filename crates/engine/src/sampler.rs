@@ -65,6 +65,34 @@ impl Sampler {
 
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let (cand, probs) = match self.chain(logits) {
+            Chain::Greedy(t) => return t,
+            Chain::Draw(cand, probs) => (cand, probs),
+        };
+        let r: f64 = self.rng.random();
+        let mut cum = 0.0;
+        for (i, q) in probs.iter().enumerate() {
+            cum += q;
+            if r < cum {
+                return cand[i].0;
+            }
+        }
+        cand[cand.len() - 1].0
+    }
+
+    /// The tokens the next [`Sampler::sample`] chooses among, with their probabilities, most
+    /// likely first (llama.cpp's post-sampling probabilities): what is left after the penalty,
+    /// top-k, top-p and min-p, at the temperature. Greedy sampling leaves the most likely
+    /// token alone, with probability 1.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        match self.chain(logits) {
+            Chain::Greedy(t) => vec![(t, 1.0)],
+            Chain::Draw(cand, probs) => cand.into_iter().map(|c| c.0).zip(probs).collect(),
+        }
+    }
+
+    /// Runs the chain up to the draw.
+    fn chain(&self, logits: &[f32]) -> Chain {
         let p = &self.params;
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
@@ -83,7 +111,7 @@ impl Sampler {
             }
         }
         if p.temperature <= 0.0 {
-            return argmax(&cand);
+            return Chain::Greedy(argmax(&cand));
         }
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
@@ -108,16 +136,16 @@ impl Sampler {
             cand.truncate(keep);
         }
         let probs = softmax(&cand, p.temperature);
-        let r: f64 = self.rng.random();
-        let mut cum = 0.0;
-        for (i, q) in probs.iter().enumerate() {
-            cum += q;
-            if r < cum {
-                return cand[i].0;
-            }
-        }
-        cand[cand.len() - 1].0
+        Chain::Draw(cand, probs)
     }
+}
+
+/// Where the chain leaves a draw.
+enum Chain {
+    /// Temperature ≤ 0: this token, no draw.
+    Greedy(u32),
+    /// Candidates (most likely first) and their probabilities.
+    Draw(Vec<(u32, f32)>, Vec<f64>),
 }
 
 fn argmax(cand: &[(u32, f32)]) -> u32 {
@@ -160,6 +188,23 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(params(0.0));
         assert_eq!(s.sample(&[0.0, 2.0, 2.0, 1.0]), 1);
+        assert_eq!(s.distribution(&[0.0, 2.0, 2.0, 1.0]), vec![(1, 1.0)]);
+    }
+
+    #[test]
+    fn distribution_is_what_is_left_after_the_chain() {
+        // probabilities 0.5, 0.3, 0.2; top-k 2 keeps the first two, renormalised.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let s = Sampler::new(SamplerParams {
+            top_k: 2,
+            ..params(1.0)
+        });
+        let d = s.distribution(&logits);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
+        assert!(
+            (d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6,
+            "{d:?}"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use hmoe_chat::ReasoningFormat;
 use serde_json::{json, Map, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::chat::normalize_messages;
+use crate::chat::{normalize_messages, normalize_tools, prepare_chat};
 use crate::config::ServerConfig;
 use crate::error::ApiError;
 use crate::metrics;
@@ -25,7 +25,6 @@ use crate::oai::Responder;
 use crate::output::OutputKind;
 use crate::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor, GenParams};
 use crate::registry::{Lease, Registry};
-use crate::scheduler::JobSpec;
 
 /// What every handler shares.
 pub struct AppState {
@@ -54,6 +53,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/chat/completions", post(chat))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(crate::responses::create))
+        .route("/responses", post(crate::responses::create))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::anthropic::count_tokens),
+        )
         .route("/completion", post(native_completion))
         .route("/completions", post(native_completion))
         .route("/tokenize", post(tokenize))
@@ -122,7 +128,7 @@ fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
 }
 
 /// The prompt text of a chat request (template rendered) and how to read its output.
-fn render_chat(
+pub(crate) fn render_chat(
     st: &AppState,
     lease: &Lease,
     req: &Map<String, Value>,
@@ -144,26 +150,7 @@ fn render_chat(
             ))
         }
     }
-    let tools = match f.value("tools") {
-        None => None,
-        Some(Value::Array(t)) if t.is_empty() || choice.and_then(Value::as_str) == Some("none") => {
-            None
-        }
-        Some(Value::Array(t)) => {
-            if t.iter().any(|x| {
-                x.get("function")
-                    .and_then(|f| f.get("name"))
-                    .and_then(Value::as_str)
-                    .is_none()
-            }) {
-                return Err(ApiError::bad_request(
-                    "every tool needs a 'function' with a 'name'",
-                ));
-            }
-            Some(Value::Array(t.clone()))
-        }
-        Some(_) => return Err(ApiError::bad_request("'tools' must be an array")),
-    };
+    let tools = normalize_tools(f.value("tools"), choice)?;
     let format = match f.str("reasoning_format")? {
         Some(s) => reasoning_format(s)?,
         None => st.config.chat.reasoning_format,
@@ -181,20 +168,15 @@ fn render_chat(
     if let Some(effort) = f.str("reasoning_effort")? {
         extra.insert("reasoning_effort".into(), effort.into());
     }
-    Ok((chat.render(&messages, tools.as_ref(), extra)?, format))
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    let text = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
+    Ok((text, format))
 }
 
 async fn chat(State(st): St, body: Bytes) -> Res {
     let req = parse_body(&body)?;
-    let f = Fields(&req);
-    let lease = st.registry.acquire(f.str("model")?).await?;
-    let (text, format) = render_chat(&st, &lease, &req)?;
-    let host = lease.host.clone();
-    let chat = host.chat()?;
-    let prompt = chat.tokenize(&host.tokenizer, &text)?;
-    let gen = gen_params(&f, &st.config.sampling, Flavor::Chat, &host.tokenizer)?;
-    let output = chat.output_kind(&text, format);
-    run(lease, Flavor::Chat, prompt, gen, output).await
+    let p = prepare_chat(&st, Fields(&req).str("model")?, &req).await?;
+    run(p.lease, Flavor::Chat, p.prompt, p.gen, p.output).await
 }
 
 async fn completions(State(st): St, body: Bytes) -> Res {
@@ -237,20 +219,9 @@ async fn run(
     output: OutputKind,
 ) -> Res {
     let host = lease.host.clone();
-    let spec = JobSpec {
-        prompt,
-        n_predict: gen.n_predict,
-        sampling: gen.sampling,
-        adjust: gen.adjust,
-        logprobs: gen.logprobs,
-        n_probs: gen.n_probs,
-        stop: gen.stop,
-        ignore_eos: gen.ignore_eos,
-        output,
-        cache_prompt: gen.cache_prompt,
-    };
-    let mut rx = host.submit(spec)?;
-    let mut resp = Responder::new(flavor, &host.id, host.tokenizer.clone(), gen.include_usage);
+    let mut rx = host.submit(gen.job(prompt, output))?;
+    let mut resp = Responder::new(flavor, &host.id, host.tokenizer.clone(), gen.include_usage)
+        .with_post_sampling(gen.post_sampling_probs);
     if gen.stream {
         let head = resp.stream_start();
         let events = UnboundedReceiverStream::new(rx).flat_map(move |ev| {

@@ -5,8 +5,51 @@ use hmoe_chat::{ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
+use crate::api::{render_chat, AppState};
 use crate::error::ApiError;
 use crate::output::OutputKind;
+use crate::params::{gen_params, Fields, Flavor, GenParams};
+use crate::registry::Lease;
+
+/// A chat request ready to run: the model held, the prompt, the settings and how to read the
+/// output.
+pub struct PreparedChat {
+    /// The model.
+    pub lease: Lease,
+    /// The rendered and tokenized prompt.
+    pub prompt: Vec<u32>,
+    /// The generation settings.
+    pub gen: GenParams,
+    /// How to read the output.
+    pub output: OutputKind,
+}
+
+/// Takes the model named by `model`, renders the chat request `req` (OpenAI chat fields) and
+/// reads its generation settings.
+pub async fn prepare_chat(
+    st: &AppState,
+    model: Option<&str>,
+    req: &Map<String, Value>,
+) -> Result<PreparedChat, ApiError> {
+    let lease = st.registry.acquire(model).await?;
+    let (text, format) = render_chat(st, &lease, req)?;
+    let host = lease.host.clone();
+    let chat = host.chat()?;
+    let prompt = chat.tokenize(&host.tokenizer, &text)?;
+    let gen = gen_params(
+        &Fields(req),
+        &st.config.sampling,
+        Flavor::Chat,
+        &host.tokenizer,
+    )?;
+    let output = chat.output_kind(&text, format);
+    Ok(PreparedChat {
+        lease,
+        prompt,
+        gen,
+        output,
+    })
+}
 
 /// A model's chat format.
 pub struct ChatSetup {
@@ -61,11 +104,14 @@ impl ChatSetup {
         self.harmony.is_some()
     }
 
-    /// Renders a conversation (already [`normalize_messages`]d) with the generation prompt.
+    /// Renders a conversation (already [`normalize_messages`]d), with the assistant's
+    /// generation prompt when `add_generation_prompt`. Whatever the template rejects or fails
+    /// on is a 400 carrying the template's message.
     pub fn render(
         &self,
         messages: &Value,
         tools: Option<&Value>,
+        add_generation_prompt: bool,
         mut extra: Map<String, Value>,
     ) -> Result<String, ApiError> {
         extra
@@ -74,13 +120,32 @@ impl ChatSetup {
         extra
             .entry("eos_token")
             .or_insert_with(|| self.eos.clone().into());
-        self.template
-            .render(messages, tools, true, &Value::Object(extra))
-            .map_err(|e| match e {
-                ChatError::Raised(m) => ApiError::bad_request(m),
-                ChatError::Input(m) => ApiError::bad_request(m),
-                ChatError::Template(m) => ApiError::internal(format!("chat template: {m}")),
-            })
+        let harmony_fixed;
+        let messages = if self.is_harmony() {
+            harmony_fixed = harmony_history(messages);
+            &harmony_fixed
+        } else {
+            messages
+        };
+        let extra = Value::Object(extra);
+        let mut result = self
+            .template
+            .render(messages, tools, add_generation_prompt, &extra);
+        if matches!(result, Err(ChatError::Template(_))) {
+            // Templates that print every message's `content` as a string fail on assistant
+            // tool-call turns without one: they get an empty string instead.
+            if let Some(filled) = fill_missing_content(messages) {
+                result = self
+                    .template
+                    .render(&filled, tools, add_generation_prompt, &extra);
+            }
+        }
+        result.map_err(|e| match e {
+            ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
+            ChatError::Template(m) => {
+                ApiError::bad_request(format!("the chat template failed: {m}"))
+            }
+        })
     }
 
     /// How to read the output that follows `prompt`.
@@ -106,6 +171,86 @@ impl ChatSetup {
         }
         Ok(ids)
     }
+}
+
+/// The messages with `content: ""` where a message has none; `None` when all have one.
+fn fill_missing_content(messages: &Value) -> Option<Value> {
+    let mut out = messages.clone();
+    let mut changed = false;
+    for m in out
+        .as_array_mut()?
+        .iter_mut()
+        .filter_map(Value::as_object_mut)
+    {
+        if !m.contains_key("content") {
+            m.insert("content".into(), "".into());
+            changed = true;
+        }
+    }
+    changed.then_some(out)
+}
+
+/// gpt-oss templates take an assistant tool-call turn's analysis from `thinking` or `content`,
+/// not both: where a client sends both back, the reasoning is kept (the content of such a turn
+/// is the model's preamble to the call).
+fn harmony_history(messages: &Value) -> Value {
+    let mut out = messages.clone();
+    if let Some(list) = out.as_array_mut() {
+        for m in list.iter_mut().filter_map(Value::as_object_mut) {
+            let both = m.contains_key("tool_calls")
+                && m.get("thinking")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty())
+                && m.get("content")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty());
+            if both {
+                m.remove("content");
+            }
+        }
+    }
+    out
+}
+
+/// Checks a request's `tools` and fills what templates read without checking: every function
+/// gets a `description` (empty) and `parameters` (an empty object schema) when it has none, as
+/// llama-server does. `None` when there are no tools or `tool_choice` is `"none"`.
+pub fn normalize_tools(
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+) -> Result<Option<Value>, ApiError> {
+    let list = match tools {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(t)) => t,
+        Some(_) => return Err(ApiError::bad_request("'tools' must be an array")),
+    };
+    if list.is_empty() || tool_choice.and_then(Value::as_str) == Some("none") {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let mut t = t.clone();
+        let f = t
+            .get_mut("function")
+            .and_then(Value::as_object_mut)
+            .filter(|f| f.get("name").is_some_and(Value::is_string))
+            .ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "tools[{i}]: every tool needs a 'function' with a 'name'"
+                ))
+            })?;
+        if !f.get("description").is_some_and(Value::is_string) {
+            f.insert("description".into(), "".into());
+        }
+        if !f.get("parameters").is_some_and(Value::is_object) {
+            f.insert(
+                "parameters".into(),
+                serde_json::json!({"type": "object", "properties": {}}),
+            );
+        }
+        out.push(t);
+    }
+    Ok(Some(Value::Array(out)))
 }
 
 /// Text of an OpenAI `content` value: a string, or the text parts of an array joined.
@@ -142,8 +287,9 @@ pub fn content_text(v: &Value, what: &str) -> Result<String, ApiError> {
 }
 
 /// Checks OpenAI messages and rewrites them the way templates expect: `content` as a string,
-/// `reasoning_content` as `thinking`, tool-call `arguments` as JSON objects, no `content` on
-/// assistant tool-call messages that have none.
+/// reasoning as both `reasoning_content` (Qwen3, DeepSeek templates) and `thinking` (gpt-oss),
+/// tool-call `arguments` as JSON objects, no `content` on assistant tool-call messages that have
+/// none.
 pub fn normalize_messages(messages: Option<&Value>) -> Result<Value, ApiError> {
     let Some(Value::Array(list)) = messages else {
         return Err(ApiError::bad_request(
@@ -194,12 +340,16 @@ pub fn normalize_messages(messages: Option<&Value>) -> Result<Value, ApiError> {
         } else {
             n.insert("content".into(), text.into());
         }
-        if let Some(r) = m.get("reasoning_content") {
-            let r = content_text(r, &what)?;
-            n.remove("reasoning_content");
-            if !r.is_empty() && !n.contains_key("thinking") {
-                n.insert("thinking".into(), r.into());
-            }
+        let reasoning = match (m.get("reasoning_content"), m.get("thinking")) {
+            (Some(r), _) if !r.is_null() => content_text(r, &what)?,
+            (_, Some(r)) if !r.is_null() => content_text(r, &what)?,
+            _ => String::new(),
+        };
+        n.remove("reasoning_content");
+        n.remove("thinking");
+        if !reasoning.is_empty() {
+            n.insert("reasoning_content".into(), reasoning.clone().into());
+            n.insert("thinking".into(), reasoning.into());
         }
         out.push(Value::Object(n));
     }
@@ -247,6 +397,7 @@ mod tests {
         assert_eq!(n[0]["content"], "ab");
         assert!(n[1].get("content").is_none());
         assert_eq!(n[1]["thinking"], "think");
+        assert_eq!(n[1]["reasoning_content"], "think");
         assert_eq!(
             n[1]["tool_calls"][0]["function"]["arguments"],
             json!({"a": 1})

@@ -19,7 +19,9 @@
 //! server.wait().unwrap();
 //! ```
 
+pub mod anthropic;
 pub mod api;
+pub mod blocks;
 pub mod chat;
 pub mod config;
 pub mod conn;
@@ -33,6 +35,7 @@ pub mod params;
 pub mod pieces;
 pub mod registry;
 pub mod request_log;
+pub mod responses;
 pub mod sampling;
 pub mod scheduler;
 pub mod webui;

@@ -53,6 +53,7 @@ pub struct Responder {
     probs: Vec<TokenLogprob>,
     text_offset: usize,
     summary: Option<Summary>,
+    post_sampling: bool,
 }
 
 impl Responder {
@@ -75,7 +76,15 @@ impl Responder {
             probs: Vec::new(),
             text_offset: 0,
             summary: None,
+            post_sampling: false,
         }
+    }
+
+    /// `/completion`'s `post_sampling_probs`: probabilities (`prob`, `top_probs`) rather than
+    /// log-probabilities.
+    pub fn with_post_sampling(mut self, on: bool) -> Responder {
+        self.post_sampling = on;
+        self
     }
 
     /// Records deltas and returns them as chat `delta` objects (consecutive pieces of the same
@@ -146,21 +155,8 @@ impl Responder {
     fn logprobs_json(&mut self, probs: &[TokenLogprob]) -> Value {
         match self.flavor {
             Flavor::Chat => {
-                let content: Vec<Value> = probs
-                    .iter()
-                    .map(|p| {
-                        let (text, bytes) = self.piece(p.id);
-                        let top: Vec<Value> = p
-                            .top
-                            .iter()
-                            .map(|&(id, lp)| {
-                                let (t, b) = self.piece(id);
-                                json!({"token": t, "logprob": lp, "bytes": b})
-                            })
-                            .collect();
-                        json!({"token": text, "logprob": p.logprob, "bytes": bytes, "top_logprobs": top})
-                    })
-                    .collect();
+                let content: Vec<Value> =
+                    probs.iter().map(|p| self.token_entry(p, false)).collect();
                 json!({ "content": content })
             }
             Flavor::Completion => {
@@ -182,24 +178,45 @@ impl Responder {
                 }
                 json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
             }
-            Flavor::Native => Value::Array(
-                probs
-                    .iter()
-                    .map(|p| {
-                        let (text, bytes) = self.piece(p.id);
-                        let top: Vec<Value> = p
-                            .top
-                            .iter()
-                            .map(|&(id, lp)| {
-                                let (t, b) = self.piece(id);
-                                json!({"id": id, "token": t, "logprob": lp, "bytes": b})
-                            })
-                            .collect();
-                        json!({"id": p.id, "token": text, "logprob": p.logprob, "bytes": bytes, "top_logprobs": top})
-                    })
-                    .collect(),
-            ),
+            Flavor::Native => {
+                Value::Array(probs.iter().map(|p| self.token_entry(p, true)).collect())
+            }
         }
+    }
+
+    /// A token's entry: `token`, `logprob` (or, for `/completion` with `post_sampling_probs`,
+    /// `prob`) and `bytes`, with its `id` on `/completion`.
+    fn prob_entry(&self, id: u32, lp: f32, native: bool) -> Map<String, Value> {
+        let (text, bytes) = self.piece(id);
+        let mut m = Map::new();
+        if native {
+            m.insert("id".into(), id.into());
+        }
+        m.insert("token".into(), text.into());
+        if native && self.post_sampling {
+            m.insert("prob".into(), (lp as f64).exp().into());
+        } else {
+            m.insert("logprob".into(), lp.into());
+        }
+        m.insert("bytes".into(), bytes.into());
+        m
+    }
+
+    /// A generated token's entry with its alternatives (`top_logprobs`, or `top_probs`).
+    fn token_entry(&self, p: &TokenLogprob, native: bool) -> Value {
+        let mut m = self.prob_entry(p.id, p.logprob, native);
+        let top: Vec<Value> = p
+            .top
+            .iter()
+            .map(|&(id, lp)| Value::Object(self.prob_entry(id, lp, native)))
+            .collect();
+        let key = if native && self.post_sampling {
+            "top_probs"
+        } else {
+            "top_logprobs"
+        };
+        m.insert(key.into(), top.into());
+        Value::Object(m)
     }
 
     fn usage(s: &Summary) -> Value {

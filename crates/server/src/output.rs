@@ -95,10 +95,6 @@ pub struct OutputState {
     think: Option<ThinkSplitter>,
     harmony: Option<HarmonyStream>,
     stop: StopMatcher,
-    /// Raw text of everything generated (harmony fallback when the output is not harmony).
-    raw: StreamDecoder,
-    raw_text: String,
-    produced: bool,
 }
 
 impl OutputState {
@@ -115,9 +111,6 @@ impl OutputState {
             think,
             harmony,
             stop: StopMatcher::new(stops),
-            raw: StreamDecoder::new(),
-            raw_text: String::new(),
-            produced: false,
         }
     }
 
@@ -145,8 +138,6 @@ impl OutputState {
                 self.text_out(&safe, &mut out);
             }
             OutputKind::Harmony(..) => {
-                let piece = self.raw.push(tok, id);
-                self.raw_text.push_str(&piece);
                 let deltas = match &mut self.harmony {
                     Some(h) => h.push(tok, id),
                     None => Vec::new(),
@@ -154,7 +145,6 @@ impl OutputState {
                 self.harmony_out(deltas, &mut out);
             }
         }
-        self.produced |= !out.is_empty();
         out
     }
 
@@ -181,19 +171,8 @@ impl OutputState {
                 if !held.is_empty() {
                     out.push(ChatDelta::Content(held));
                 }
-                self.raw_text.push_str(&self.raw.finish());
-                if !self.produced
-                    && out.is_empty()
-                    && !self.raw_text.is_empty()
-                    && self.stop.hit().is_none()
-                {
-                    // Not harmony at all (e.g. an untrained model): show the raw text rather
-                    // than nothing.
-                    out.push(ChatDelta::Content(std::mem::take(&mut self.raw_text)));
-                }
             }
         }
-        self.produced |= !out.is_empty();
         out
     }
 

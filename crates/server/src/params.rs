@@ -7,7 +7,9 @@ use serde_json::{Map, Value};
 
 use crate::config::SamplingDefaults;
 use crate::error::ApiError;
+use crate::output::OutputKind;
 use crate::sampling::LogitAdjust;
+use crate::scheduler::JobSpec;
 
 /// Parses a request body as a JSON object.
 pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -121,6 +123,8 @@ pub struct GenParams {
     pub logprobs: bool,
     /// Alternatives per token.
     pub n_probs: usize,
+    /// Probabilities after the sampler chain (`/completion`'s `post_sampling_probs`).
+    pub post_sampling_probs: bool,
     /// Penalties and bias.
     pub adjust: LogitAdjust,
     /// Ignore end-of-generation tokens.
@@ -131,6 +135,25 @@ pub struct GenParams {
     pub include_usage: bool,
     /// Reuse cached prompt prefixes.
     pub cache_prompt: bool,
+}
+
+impl GenParams {
+    /// The scheduler's job for `prompt` with these settings, its output read as `output`.
+    pub fn job(&self, prompt: Vec<u32>, output: OutputKind) -> JobSpec {
+        JobSpec {
+            prompt,
+            n_predict: self.n_predict,
+            sampling: self.sampling.clone(),
+            adjust: self.adjust.clone(),
+            logprobs: self.logprobs,
+            n_probs: self.n_probs,
+            post_sampling_probs: self.post_sampling_probs,
+            stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+            output,
+            cache_prompt: self.cache_prompt,
+        }
+    }
 }
 
 /// Most alternatives per token a request may ask for.
@@ -262,6 +285,8 @@ pub fn gen_params(
         stop,
         logprobs,
         n_probs,
+        post_sampling_probs: flavor == Flavor::Native
+            && f.bool("post_sampling_probs")?.unwrap_or(false),
         adjust,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         stream: f.bool("stream")?.unwrap_or(false),

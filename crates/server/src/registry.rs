@@ -105,7 +105,6 @@ enum SingleState {
 
 struct Single {
     id: String,
-    names: Vec<String>,
     path: PathBuf,
     /// The file, opened (and its tables checked) before the server listens.
     opened: Mutex<Option<Box<GgufModel>>>,
@@ -204,15 +203,9 @@ impl Registry {
                     .first()
                     .cloned()
                     .unwrap_or_else(|| model_name(path));
-                let mut names = vec![id.clone(), model_name(path), path.display().to_string()];
-                names.extend(config.alias.iter().cloned());
-                if let Some(f) = path.file_name() {
-                    names.push(f.to_string_lossy().into_owned());
-                }
                 let opened = open_gguf(path, &config)?;
                 Mode::Single(Single {
                     id,
-                    names,
                     path: path.clone(),
                     opened: Mutex::new(Some(Box::new(opened))),
                     state: Mutex::new(SingleState::Loading),
@@ -295,26 +288,18 @@ impl Registry {
     pub async fn acquire(&self, name: Option<&str>) -> Result<Lease, ApiError> {
         let name = name.filter(|n| !n.is_empty());
         match &self.mode {
-            Mode::Single(s) => {
-                if let Some(n) = name {
-                    if !s.names.iter().any(|k| k == n) {
-                        return Err(ApiError::bad_request(format!(
-                            "model '{n}' not found; this server serves '{}'",
-                            s.id
-                        )));
-                    }
+            // One model answers whatever `model` a client sends (llama-server does the same);
+            // responses carry the served name.
+            Mode::Single(s) => match &*lock(&s.state) {
+                SingleState::Ready(h) => Ok(Lease {
+                    host: h.clone(),
+                    dir: None,
+                }),
+                SingleState::Loading => Err(ApiError::unavailable("Loading model")),
+                SingleState::Failed(e) => {
+                    Err(ApiError::internal(format!("the model failed to load: {e}")))
                 }
-                match &*lock(&s.state) {
-                    SingleState::Ready(h) => Ok(Lease {
-                        host: h.clone(),
-                        dir: None,
-                    }),
-                    SingleState::Loading => Err(ApiError::unavailable("Loading model")),
-                    SingleState::Failed(e) => {
-                        Err(ApiError::internal(format!("the model failed to load: {e}")))
-                    }
-                }
-            }
+            },
             Mode::Dir(d) => {
                 let Some(name) = name else {
                     return Err(ApiError::bad_request(

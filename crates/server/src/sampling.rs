@@ -12,6 +12,11 @@ pub trait TokenPicker: Send {
     fn accept(&mut self, token: u32);
     /// Picks the next token from the logits (already biased and penalised).
     fn pick(&mut self, logits: &[f32]) -> u32;
+    /// The tokens `pick` would choose among and their probabilities, most likely first
+    /// (`post_sampling_probs`); `None` when the picker cannot tell.
+    fn distribution(&self, _logits: &[f32]) -> Option<Vec<(u32, f64)>> {
+        None
+    }
 }
 
 impl TokenPicker for Sampler {
@@ -20,6 +25,9 @@ impl TokenPicker for Sampler {
     }
     fn pick(&mut self, logits: &[f32]) -> u32 {
         self.sample(logits)
+    }
+    fn distribution(&self, logits: &[f32]) -> Option<Vec<(u32, f64)>> {
+        Some(Sampler::distribution(self, logits))
     }
 }
 

@@ -49,6 +49,9 @@ pub struct JobSpec {
     pub logprobs: bool,
     /// Report this many most likely alternatives per token.
     pub n_probs: usize,
+    /// Report probabilities after the sampler chain (`post_sampling_probs`) instead of the
+    /// softmax of the raw logits.
+    pub post_sampling_probs: bool,
     /// Stop strings.
     pub stop: Vec<String>,
     /// Keep going after end-of-generation tokens.
@@ -663,40 +666,52 @@ impl Worker {
         } else {
             0.0
         };
-        let top = if spec.n_probs > 0 {
-            top_probs(&logits, spec.n_probs)
-                .into_iter()
-                .map(|(id, p)| (id, (p as f64).ln() as f32))
-                .collect()
+        let raw = if want_probs && !spec.adjust.is_noop() {
+            Some(logits.clone())
         } else {
-            Vec::new()
+            None
         };
-        let token = if spec.adjust.is_noop() {
-            a.picker.pick(&logits)
-        } else {
-            let raw = if want_probs {
-                Some(logits.clone())
-            } else {
-                None
-            };
+        if !spec.adjust.is_noop() {
             spec.adjust.apply(&mut logits, &a.counts);
-            let t = a.picker.pick(&logits);
-            if let Some(r) = raw {
-                logits = r;
-            }
-            t
+        }
+        let post = if want_probs && spec.post_sampling_probs {
+            a.picker.distribution(&logits)
+        } else {
+            None
         };
+        let token = a.picker.pick(&logits);
+        if let Some(r) = raw {
+            logits = r;
+        }
         a.picker.accept(token);
         a.generated.push(token);
         *a.counts.entry(token).or_default() += 1;
-        let probs = if want_probs {
-            vec![TokenLogprob {
+        let probs = match post {
+            _ if !want_probs => Vec::new(),
+            Some(dist) => vec![TokenLogprob {
+                id: token,
+                logprob: dist
+                    .iter()
+                    .find(|c| c.0 == token)
+                    .map_or(f32::NEG_INFINITY, |c| c.1.ln() as f32),
+                top: dist
+                    .iter()
+                    .take(spec.n_probs)
+                    .map(|&(id, p)| (id, p.ln() as f32))
+                    .collect(),
+            }],
+            None => vec![TokenLogprob {
                 id: token,
                 logprob: log_softmax_at(&logits, token, lse),
-                top,
-            }]
-        } else {
-            Vec::new()
+                top: if spec.n_probs > 0 {
+                    top_probs(&logits, spec.n_probs)
+                        .into_iter()
+                        .map(|(id, p)| (id, (p as f64).ln() as f32))
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+            }],
         };
         let eog = tok.is_eog(token) && !spec.ignore_eos;
         let deltas = if eog && !a.output.reads_eog() {

@@ -255,7 +255,7 @@ fn handle(
             Some(Value::Object(m)) => m.clone(),
             _ => Map::new(),
         };
-        if let Ok(text) = chat.render(&messages, tools, extra) {
+        if let Ok(text) = chat.render(&messages, tools, true, extra) {
             reached.rendered += 1;
             let _ = chat.tokenize(tok, &text);
         }

@@ -2,7 +2,8 @@
 //! completions, whole and streamed, reasoning per --reasoning-format, a tool-call round trip,
 //! 401 without the key, 400 on bad JSON, and curl for /health, /metrics and /tokenize.
 //!
-//! Needs `python3` with the `openai` package; the test installs it with pip when it is missing.
+//! Needs `$HMOE_PYTHON` (else `python3`) with the `openai` package; the test installs it with pip
+//! when it is missing.
 //! Set `HMOE_SKIP_PYTHON=1` to skip on a machine without Python or network.
 
 mod common;
@@ -12,8 +13,9 @@ use std::process::Command;
 use common::*;
 use hmoe_chat::ReasoningFormat;
 
-fn python_with_openai() -> Option<&'static str> {
-    let py = "python3";
+fn python_with_openai() -> Option<String> {
+    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = py.as_str();
     let has = || {
         Command::new(py)
             .args(["-c", "import openai"])
@@ -21,17 +23,17 @@ fn python_with_openai() -> Option<&'static str> {
             .is_ok_and(|o| o.status.success())
     };
     if has() {
-        return Some(py);
+        return Some(py.to_string());
     }
     if std::env::var_os("HMOE_SKIP_PYTHON").is_some() {
-        eprintln!("HMOE_SKIP_PYTHON set and no `openai` package: skipping");
+        eprintln!("SKIPPED: HMOE_SKIP_PYTHON set and no `openai` package");
         return None;
     }
     let pip = Command::new(py)
         .args(["-m", "pip", "install", "--quiet", "openai"])
         .status();
     assert!(pip.is_ok_and(|s| s.success()) && has(), "python3 with the `openai` package is needed (pip install openai), or set HMOE_SKIP_PYTHON=1");
-    Some(py)
+    Some(py.to_string())
 }
 
 fn run_client(py: &str, server: &hmoe_server::RunningServer, format: &str) {
@@ -81,6 +83,6 @@ fn official_openai_client() {
     let Some(py) = python_with_openai() else {
         return;
     };
-    run_client(py, &server(ReasoningFormat::Auto), "auto");
-    run_client(py, &server(ReasoningFormat::None), "none");
+    run_client(&py, &server(ReasoningFormat::Auto), "auto");
+    run_client(&py, &server(ReasoningFormat::None), "none");
 }

@@ -1,0 +1,158 @@
+//! The official `openai` and `anthropic` Python packages against the server
+//! (tests/api_clients.py): any model name, log-probability shapes, the Responses and Anthropic
+//! Messages APIs (create, stream, tool round trips), reasoning streamed token by token and
+//! chat-template edge cases, on the tiny gpt-oss fixture with scripted outputs and on the real
+//! models of `scripts/fetch-real-models.sh` (skipped when absent). Also, without Python: a
+//! template that fails is a 400 with its message, and `--chat-template NAME` resolves.
+//!
+//! The interpreter is `$HMOE_PYTHON` (else `python3`); without the packages the Python tests
+//! print `SKIPPED:` and pass.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::*;
+use hmoe_server::{ModelSource, RunningServer};
+use serde_json::json;
+
+fn python() -> Option<String> {
+    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import openai, anthropic"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        Some(py)
+    } else {
+        eprintln!("SKIPPED: {py} lacks the openai and anthropic packages (set HMOE_PYTHON)");
+        None
+    }
+}
+
+/// How much of the script runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Everything, outputs scripted.
+    Scripted,
+    /// Everything that holds for any model.
+    Real,
+    /// Only the template checks that generate nothing.
+    Templates,
+}
+
+fn run_script(py: &str, server: &RunningServer, model: &str, mode: Mode) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/api_clients.py");
+    let mut cmd = Command::new(py);
+    cmd.arg(script)
+        .args(["--url", &format!("http://{}", server.local_addr())])
+        .args(["--model", model]);
+    match mode {
+        Mode::Scripted => drop(cmd.arg("--scripted")),
+        Mode::Templates => drop(cmd.arg("--templates-only")),
+        Mode::Real => {}
+    }
+    let out = cmd.output().expect("python runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{model}:\n{text}");
+    assert!(
+        out.status.success(),
+        "client checks failed ({model}):\n{text}"
+    );
+    assert!(text.contains(" passed, 0 failed"), "{text}");
+}
+
+#[test]
+fn gpt_oss_through_openai_and_anthropic_clients() {
+    let Some(py) = python() else { return };
+    let tok = tokenizer(&tiny_model());
+    let mut c = tiny_config();
+    c.picker = Some(scripted(
+        &tok,
+        &[
+            (1001, "<|channel|>analysis<|message|>The user says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello there!<|return|>"),
+            (1002, "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>"),
+            (1004, "<|channel|>final<|message|>It is sunny in Paris.<|return|>"),
+            (1005, "<|channel|>analysis<|message|>one two three four five six<|end|><|start|>assistant<|channel|>final<|message|>alpha beta gamma delta<|return|>"),
+        ],
+    ));
+    run_script(&py, &start(c), "gptoss-tiny", Mode::Scripted);
+}
+
+fn real_model(file: &str) -> Option<PathBuf> {
+    let dir = std::env::var_os("HMOE_MODELS").map_or_else(
+        || PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/hmoe-models"),
+        PathBuf::from,
+    );
+    let path = dir.join(file);
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "SKIPPED: {} is absent (run scripts/fetch-real-models.sh)",
+            path.display()
+        );
+        None
+    }
+}
+
+#[test]
+fn real_models_through_openai_and_anthropic_clients() {
+    let Some(py) = python() else { return };
+    // SmolLM2 (135M) runs every check; Qwen2.5 (0.5B, slower) its template with tools.
+    for (file, name, mode) in [
+        (
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "SmolLM2-135M-Instruct.Q4_1",
+            Mode::Real,
+        ),
+        (
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m",
+            Mode::Templates,
+        ),
+    ] {
+        let Some(path) = real_model(file) else {
+            continue;
+        };
+        let mut c = tiny_config();
+        c.models = ModelSource::File(path);
+        c.engine.n_parallel = 1;
+        run_script(&py, &start(c), name, mode);
+    }
+}
+
+#[test]
+fn template_failures_are_400_and_builtin_names_resolve() {
+    let mut c = tiny_config();
+    // Adding a number to a string fails while rendering.
+    c.chat.template = Some("{% for m in messages %}{{ m.content + 1 }}{% endfor %}".into());
+    let s = start(c);
+    let r = post(
+        s.local_addr(),
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("chat template"), "{msg}");
+    drop(s);
+
+    let mut c = tiny_config();
+    c.chat.template = Some(hmoe_chat::resolve_chat_template("chatml"));
+    let s = start(c);
+    let r = post(
+        s.local_addr(),
+        "/apply-template",
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(
+        r.json()["prompt"],
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
