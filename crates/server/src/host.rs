@@ -97,6 +97,7 @@ impl ModelHost {
             n_ubatch: e.n_ubatch.max(1),
             kv_type: e.kv_type,
             max_queue: e.max_queue,
+            slot_prompt_similarity: e.slot_prompt_similarity,
         };
         let scheduler = Scheduler::start(
             model.clone(),
