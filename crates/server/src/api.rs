@@ -303,6 +303,7 @@ async fn run(
         ignore_eos: gen.ignore_eos,
         output,
         cache_prompt: gen.cache_prompt,
+        constraint: gen.constraint,
     };
     let mut rx = host.submit(spec)?;
     let mut resp = Responder::new(flavor, &host.id, host.tokenizer.clone(), gen.include_usage);

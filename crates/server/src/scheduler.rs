@@ -71,6 +71,8 @@ pub struct JobSpec {
     pub output: OutputKind,
     /// Reuse the slot's cached prefix (`cache_prompt`, default on).
     pub cache_prompt: bool,
+    /// The grammar the generated tokens must follow (compiled, at its start).
+    pub constraint: Option<hmoe_grammar::Constraint>,
 }
 
 /// Log-probabilities of one generated token.
@@ -423,6 +425,7 @@ struct Active {
     /// The token to run next once the prompt is done.
     next: Option<u32>,
     picker: Box<dyn TokenPicker>,
+    constraint: Option<hmoe_grammar::Constraint>,
     output: OutputState,
     generated: Vec<u32>,
     counts: HashMap<u32, usize>,
@@ -587,7 +590,7 @@ impl Worker {
         keep
     }
 
-    fn start_job(&mut self, slot: usize, job: Job) {
+    fn start_job(&mut self, slot: usize, mut job: Job) {
         let mut keep = match job.spec.cache_prompt {
             true => self.reusable(&self.slots[slot], &job.spec.prompt),
             false => 0,
@@ -611,6 +614,7 @@ impl Worker {
         }
         let output = OutputState::new(job.spec.output, job.spec.stop.clone());
         s.active = Some(Active {
+            constraint: job.spec.constraint.take(),
             prompt_pos: keep,
             n_cached: keep,
             next: None,
@@ -789,7 +793,7 @@ impl Worker {
         } else {
             Vec::new()
         };
-        let token = if spec.adjust.is_noop() {
+        let token = if spec.adjust.is_noop() && a.constraint.is_none() {
             a.picker.pick(&logits)
         } else {
             let raw = if want_probs {
@@ -798,12 +802,29 @@ impl Worker {
                 None
             };
             spec.adjust.apply(&mut logits, &a.counts);
+            if let Some(c) = &mut a.constraint {
+                if let Err(e) = c.mask(&mut logits) {
+                    let _ = a.job.events.send(JobEvent::Failed(e.to_string()));
+                    self.release(slot);
+                    return;
+                }
+            }
             let t = a.picker.pick(&logits);
             if let Some(r) = raw {
                 logits = r;
             }
             t
         };
+        // The grammar is complete once it allows nothing more (its end-of-generation token).
+        let mut grammar_done = false;
+        if let Some(c) = &mut a.constraint {
+            if let Err(e) = c.accept(token) {
+                let _ = a.job.events.send(JobEvent::Failed(e.to_string()));
+                self.release(slot);
+                return;
+            }
+            grammar_done = c.is_finished();
+        }
         a.picker.accept(token);
         a.generated.push(token);
         *a.counts.entry(token).or_default() += 1;
@@ -822,7 +843,7 @@ impl Worker {
         } else {
             a.output.push(&tok, token)
         };
-        let finish = if eog {
+        let finish = if eog || grammar_done {
             Some(Finish::Eog)
         } else if let Some(w) = a.output.stop_hit() {
             Some(Finish::StopWord(w.to_string()))

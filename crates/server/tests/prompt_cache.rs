@@ -40,7 +40,7 @@ fn complete(addr: std::net::SocketAddr, prompt: &str, n: usize) -> Value {
 
 #[test]
 fn gpt_oss_kernels_are_measured_free_of_batch_splits() {
-    let g = GgufModel::open(&tiny_model(), LoadOptions::default()).unwrap();
+    let g = GgufModel::open(tiny_model(), LoadOptions::default()).unwrap();
     let m = hmoe_model::load(g).unwrap();
     // gpt-oss's MXFP4 / Q8_0 / f32 kernels sum a token the same way whatever shares its pass.
     for ub in [4, 512] {
