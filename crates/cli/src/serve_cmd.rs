@@ -173,17 +173,17 @@ pub struct ServeArgs {
     /// Context checkpoints per slot (llama.cpp's SWA checkpoints); does not apply.
     #[arg(long = "ctx-checkpoints", value_name = "N")]
     pub ctx_checkpoints: Option<u32>,
-    /// How similar a prompt must be to a slot's cached prompt to reuse that slot (0 to 1,
-    /// 0 = off).
+    /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
+    #[arg(long = "hf-repo", value_name = "REPO")]
+    pub hf_repo: Option<String>,
+    /// A request goes to the slot whose cached prompt shares the longest prefix with it when
+    /// that is more than this fraction of the prompt (0: the least recently used slot).
     #[arg(
         long = "slot-prompt-similarity",
         value_name = "F",
         default_value_t = 0.1
     )]
     pub slot_prompt_similarity: f32,
-    /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
-    #[arg(long = "hf-repo", value_name = "REPO")]
-    pub hf_repo: Option<String>,
     /// Requests that may wait for a free slot; beyond that the server answers 503.
     #[arg(long = "max-queue", value_name = "N", default_value_t = 256)]
     pub max_queue: usize,
@@ -397,6 +397,7 @@ impl ServeArgs {
         config.engine.n_ubatch = a.ubatch_size.min(a.batch_size).max(1) as usize;
         config.engine.kv_type = kv_type;
         config.engine.max_queue = self.max_queue;
+        config.engine.slot_prompt_similarity = self.slot_prompt_similarity;
         config.engine.load = LoadOptions {
             use_mmap: !self.no_mmap,
             mlock: self.mlock,

@@ -215,7 +215,7 @@ async fn run(
     lease: Lease,
     flavor: Flavor,
     prompt: Vec<u32>,
-    gen: GenParams,
+    mut gen: GenParams,
     output: OutputKind,
 ) -> Res {
     let host = lease.host.clone();

@@ -195,7 +195,7 @@ pub trait BlockApi: Send + 'static {
 pub async fn run_blocks<A: BlockApi>(
     lease: Lease,
     prompt: Vec<u32>,
-    gen: GenParams,
+    mut gen: GenParams,
     output: OutputKind,
     call_prefix: &'static str,
     mut api: A,

@@ -38,6 +38,10 @@ pub struct EngineConfig {
     pub kv_type: KvType,
     /// Requests that may wait for a slot; beyond that the server answers 503.
     pub max_queue: usize,
+    /// `--slot-prompt-similarity`: a request goes to the slot whose cache shares the longest
+    /// prefix with it when that is more than this fraction of the prompt (0 = least recently
+    /// used slot always).
+    pub slot_prompt_similarity: f32,
     /// How to open the files.
     pub load: LoadOptions,
 }
@@ -52,6 +56,7 @@ impl Default for EngineConfig {
             kv_type: KvType::new(CacheType::F16, CacheType::F16, FlashAttn::Auto)
                 .unwrap_or(KvType::F16),
             max_queue: 256,
+            slot_prompt_similarity: 0.1,
             load: LoadOptions::default(),
         }
     }

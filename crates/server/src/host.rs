@@ -144,6 +144,7 @@ impl Prepared {
             n_ubatch: e.n_ubatch.max(1),
             kv_type: e.kv_type,
             max_queue: e.max_queue,
+            slot_prompt_similarity: e.slot_prompt_similarity,
         };
         let scheduler = Scheduler::start(
             self.model.clone(),

@@ -344,15 +344,18 @@ impl Responder {
                     }
                     _ => json!({"text": "", "index": 0, "logprobs": null, "finish_reason": reason}),
                 };
-                let mut last = self.chunk(choice);
-                last["timings"] = Self::timings(s);
-                let mut out = vec![last.to_string()];
+                let mut chunks = vec![self.chunk(choice)];
                 if self.include_usage {
                     let mut u = self.chunk(Value::Null);
                     u["choices"] = json!([]);
                     u["usage"] = Self::usage(s);
-                    out.push(u.to_string());
+                    chunks.push(u);
                 }
+                // The last chunk carries the timings, as llama-server sends them.
+                if let Some(last) = chunks.last_mut() {
+                    last["timings"] = Self::timings(s);
+                }
+                let mut out: Vec<String> = chunks.iter().map(Value::to_string).collect();
                 out.push("[DONE]".into());
                 out
             }

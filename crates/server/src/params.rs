@@ -1,7 +1,10 @@
 //! Reading request bodies: typed field access with OpenAI-style 400s, and the generation
 //! settings shared by the completion routes.
 
+use std::sync::Arc;
+
 use hmoe_engine::SamplerParams;
+use hmoe_grammar::{Constraint, Frame, Grammar, Tool, ToolFormat, Vocab};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -135,11 +138,15 @@ pub struct GenParams {
     pub include_usage: bool,
     /// Reuse cached prompt prefixes.
     pub cache_prompt: bool,
+    /// Grammar the output must follow (`grammar`, `json_schema`, `response_format`,
+    /// `tool_choice`).
+    pub constraint: Option<Constraint>,
 }
 
 impl GenParams {
-    /// The scheduler's job for `prompt` with these settings, its output read as `output`.
-    pub fn job(&self, prompt: Vec<u32>, output: OutputKind) -> JobSpec {
+    /// The scheduler's job for `prompt` with these settings, its output read as `output`; the
+    /// request's constraint moves into the job.
+    pub fn job(&mut self, prompt: Vec<u32>, output: OutputKind) -> JobSpec {
         JobSpec {
             prompt,
             n_predict: self.n_predict,
@@ -152,6 +159,7 @@ impl GenParams {
             ignore_eos: self.ignore_eos,
             output,
             cache_prompt: self.cache_prompt,
+            constraint: self.constraint.take(),
         }
     }
 }
@@ -164,7 +172,7 @@ pub fn gen_params(
     f: &Fields<'_>,
     defaults: &SamplingDefaults,
     flavor: Flavor,
-    tok: &Tokenizer,
+    tok: &Arc<Tokenizer>,
 ) -> Result<GenParams, ApiError> {
     let d = &defaults.params;
     let mut sampling = d.clone();
@@ -262,15 +270,7 @@ pub fn gen_params(
         frequency: f.f32("frequency_penalty")?.unwrap_or(0.0),
         bias: logit_bias(f.value("logit_bias"), tok)?,
     };
-    match f.value("response_format") {
-        None => {}
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "'response_format' other than text is not supported yet (no grammar-constrained sampling)",
-            ))
-        }
-    }
+    let constraint = constraint(f, flavor, tok)?;
     let include_usage = match f.value("stream_options") {
         Some(Value::Object(o)) => o
             .get("include_usage")
@@ -292,7 +292,117 @@ pub fn gen_params(
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
         cache_prompt: f.bool("cache_prompt")?.unwrap_or(true),
+        constraint,
     })
+}
+
+/// The grammar a request asks for: `grammar` (GBNF; Lark after `%llguidance`) and
+/// `json_schema` (llama.cpp), `response_format` `json_object` / `json_schema` (OpenAI), and on
+/// chat `tool_choice` `"required"` or a named function, written in the model's tool-call format.
+/// On a gpt-oss chat a response format is the `final` channel's content. At most one may be
+/// given; an invalid grammar or schema is a 400 with the parser's message.
+fn constraint(
+    f: &Fields<'_>,
+    flavor: Flavor,
+    tok: &Arc<Tokenizer>,
+) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: &str| ApiError::bad_request(m.to_string());
+    let mut asked: Vec<Grammar> = Vec::new();
+    if let Some(g) = f.str("grammar")? {
+        asked.push(match g.trim_start().strip_prefix("%llguidance") {
+            Some(_) => Grammar::Lark(g.to_string()),
+            None => Grammar::Gbnf(g.to_string()),
+        });
+    }
+    if let Some(s) = f.value("json_schema") {
+        asked.push(Grammar::JsonSchema(s.clone()));
+    }
+    match f.value("response_format") {
+        None => {}
+        Some(Value::Object(o)) => {
+            match o.get("type").and_then(Value::as_str) {
+                Some("text") => {}
+                Some("json_object") => asked.push(match o.get("schema") {
+                    Some(s) => Grammar::JsonSchema(s.clone()),
+                    None => Grammar::JsonObject,
+                }),
+                Some("json_schema") => {
+                    let schema = o
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .or_else(|| o.get("schema"))
+                    .ok_or_else(|| bad("'response_format' json_schema needs 'json_schema': {'schema': ...}"))?;
+                    asked.push(Grammar::JsonSchema(schema.clone()));
+                }
+                _ => return Err(bad(
+                    "'response_format' type must be \"text\", \"json_object\" or \"json_schema\"",
+                )),
+            }
+        }
+        Some(_) => return Err(bad("'response_format' must be an object")),
+    }
+    let mut frame = Frame::Raw;
+    if flavor == Flavor::Chat {
+        let format = ToolFormat::detect(tok);
+        if format == Some(ToolFormat::Harmony) {
+            frame = Frame::HarmonyFinal;
+        }
+        if let Some(call) = tool_call(f, format)? {
+            asked.push(call);
+            frame = Frame::Raw;
+        }
+    }
+    if asked.len() > 1 {
+        return Err(bad(
+            "give at most one of 'grammar', 'json_schema', 'response_format' and a forced 'tool_choice'",
+        ));
+    }
+    let Some(grammar) = asked.pop() else {
+        return Ok(None);
+    };
+    let vocab = Vocab::shared(tok).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    vocab
+        .compile(&grammar, frame)
+        .map(Some)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// The tool-call grammar of `tool_choice` `"required"` (any of `tools`) or a named function.
+fn tool_call(f: &Fields<'_>, format: Option<ToolFormat>) -> Result<Option<Grammar>, ApiError> {
+    let wanted: Option<&str> = match f.value("tool_choice") {
+        Some(Value::String(s)) if s == "required" => None,
+        Some(Value::Object(o)) => match o.get("function").and_then(|x| x.get("name")) {
+            Some(Value::String(n)) => Some(n.as_str()),
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    let tools: Vec<Tool> = match f.value("tools") {
+        Some(Value::Array(t)) => t
+            .iter()
+            .filter_map(|t| {
+                let func = t.get("function")?;
+                Some(Tool {
+                    name: func.get("name")?.as_str()?.to_string(),
+                    parameters: func.get("parameters").filter(|p| !p.is_null()).cloned(),
+                })
+            })
+            .filter(|t| wanted.is_none_or(|w| w == t.name))
+            .collect(),
+        _ => Vec::new(),
+    };
+    if tools.is_empty() {
+        return Err(ApiError::bad_request(match wanted {
+            Some(w) => format!("'tool_choice' names '{w}', which is not among 'tools'"),
+            None => "'tool_choice': \"required\" needs 'tools'".to_string(),
+        }));
+    }
+    let Some(format) = format else {
+        return Err(ApiError::bad_request(
+            "this model's chat format has no tool-call markup hmoe can enforce (harmony or <tool_call> tags)",
+        ));
+    };
+    Ok(Some(Grammar::ToolCall { format, tools }))
 }
 
 /// `logit_bias` as OpenAI (`{"id": bias}`) or llama.cpp (`[[id or text, bias or false], ...]`)

@@ -8,12 +8,26 @@
 //! exactly what it would return alone, so a request's tokens do not depend on what else runs
 //! beside it.
 //!
-//! A slot keeps its cache after a request ends; the next request that shares a prefix with it
-//! reuses the cached positions. Reuse must not change results either: the kernels compute a
-//! token alone in a pass differently from one among several (as ggml does), so prompts are cut
-//! into chunks at multiples of the micro-batch counted from position 0, and only cached
-//! positions that a prefill from scratch would have computed the same way are reused (whole
-//! chunks of prompt, never generated tokens).
+//! A slot keeps its cache after a request ends; the next request goes to the idle slot whose
+//! cache shares the longest usable prefix with its prompt (when that prefix is more than
+//! `slot_prompt_similarity` of the prompt, as llama-server's `--slot-prompt-similarity`; else
+//! to the least recently used slot) and computes only the rest. Reuse must not change
+//! results: a request served from a cached prefix gets exactly the tokens of a cold run. The
+//! kernels follow ggml's numerics, in which a token's result can depend on how many tokens
+//! share its pass (K-quant tiles, tinyBLAS for f32 weights, single-token GEMV), so at start
+//! the worker measures which splits of a prompt leave the results unchanged (see [`Reuse`])
+//! and reuses cached positions only where that holds:
+//! - every cached position (prompt and generated tokens) when one-token passes and any split
+//!   of a prompt give the same bits as one prefill (gpt-oss's MXFP4/Q8_0 kernels);
+//! - the positions computed in prompt chunks of two or more tokens when only splits are free
+//!   (generated tokens are computed again, in a batch);
+//! - otherwise whole micro-batches counted from position 0, as a cold prefill cuts them.
+//!
+//! Prompts are always cut at multiples of the micro-batch counted from position 0 (as a cold
+//! run cuts them), and a resumed prompt never starts with a lone token where a cold run would
+//! not have one. A sliding-window layer's ring holds only `window + ubatch` positions; a cache
+//! that would have to go back further than that is recomputed from position 0
+//! ([`KvCache::truncate`] refuses).
 //!
 //! A request whose receiver is gone (the client disconnected) is dropped before the next pass
 //! and its slot freed.
@@ -60,6 +74,8 @@ pub struct JobSpec {
     pub output: OutputKind,
     /// Reuse the slot's cached prefix (`cache_prompt`, default on).
     pub cache_prompt: bool,
+    /// The grammar the generated tokens must follow (compiled, at its start).
+    pub constraint: Option<hmoe_grammar::Constraint>,
 }
 
 /// Log-probabilities of one generated token.
@@ -164,6 +180,79 @@ pub struct SlotConfig {
     pub kv_type: KvType,
     /// Queue capacity.
     pub max_queue: usize,
+    /// A request goes to the idle slot sharing the longest reusable prefix with its prompt only
+    /// when that prefix is more than this fraction of the prompt (`--slot-prompt-similarity`,
+    /// llama-server's default 0.1); else, and always with 0, to the least recently used slot.
+    pub slot_prompt_similarity: f32,
+}
+
+/// Which cached positions a new request may reuse without changing its results, as measured on
+/// the model when the slots start ([`measure_reuse`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reuse {
+    /// Every cached position: splitting a prompt and one-token passes change no bit.
+    All,
+    /// Positions computed in prompt chunks of two or more tokens: splitting a prompt changes
+    /// nothing, one-token passes do.
+    PromptChunks,
+    /// Whole micro-batches counted from position 0 only (a token's result depends on the size
+    /// of its pass).
+    Aligned,
+}
+
+/// Measures which splits of a prompt leave `model`'s results unchanged, bit for bit, in caches
+/// of the slots' geometry: one prefill of 40 tokens against the same tokens split in two at
+/// three points (chunks of 2 to 38 tokens, across the kernels' tile sizes), and against a
+/// prefill followed by four one-token passes. Any error or a context under 16 positions gives
+/// [`Reuse::Aligned`], which never changes results.
+pub fn measure_reuse(
+    model: &dyn LanguageModel,
+    kv_type: KvType,
+    n_ctx: usize,
+    n_ubatch: usize,
+) -> Reuse {
+    let n = 40.min(n_ctx.saturating_sub(1));
+    if n < 16 || model.n_vocab() == 0 {
+        return Reuse::Aligned;
+    }
+    let n_vocab = model.n_vocab() as u64;
+    let tokens: Vec<u32> = (0..n as u64)
+        .map(|i| ((i * 7919 + 13) % n_vocab) as u32)
+        .collect();
+    let last_logits = |parts: &[&[u32]]| -> Option<Vec<f32>> {
+        let mut cache = model.new_cache(kv_type, n_ctx, n_ubatch);
+        let mut logits = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            let mut seq = [SeqBatch {
+                cache: &mut cache,
+                tokens: part,
+                logits: i + 1 == parts.len(),
+            }];
+            logits = model.forward_multi(&mut seq).ok()?.pop()?;
+        }
+        Some(logits)
+    };
+    let Some(cold) = last_logits(&[&tokens]) else {
+        return Reuse::Aligned;
+    };
+    let same = |l: Option<Vec<f32>>| {
+        l.is_some_and(|l| {
+            l.len() == cold.len() && l.iter().zip(&cold).all(|(a, b)| a.to_bits() == b.to_bits())
+        })
+    };
+    let splits_free = [3, 17, n - 2]
+        .into_iter()
+        .all(|k| same(last_logits(&[&tokens[..k], &tokens[k..]])));
+    if !splits_free {
+        return Reuse::Aligned;
+    }
+    let m = n - 4;
+    let mut parts: Vec<&[u32]> = vec![&tokens[..m]];
+    parts.extend(tokens[m..].chunks(1));
+    match same(last_logits(&parts)) {
+        true => Reuse::All,
+        false => Reuse::PromptChunks,
+    }
 }
 
 struct Job {
@@ -249,6 +338,8 @@ impl Scheduler {
             picker,
             n_ubatch: config.n_ubatch.max(1),
             n_ctx_slot: config.n_ctx_slot,
+            similarity: config.slot_prompt_similarity,
+            reuse: Reuse::Aligned,
             clock: 0,
         };
         let thread = std::thread::Builder::new()
@@ -322,7 +413,8 @@ struct Slot {
     cache: KvCache,
     /// The tokens whose keys and values are in `cache`.
     tokens: Vec<u32>,
-    /// Leading cached positions computed exactly as a prefill from scratch computes them.
+    /// Leading cached positions that a cold prefill of a longer prompt computes the same way
+    /// (see [`Reuse`]).
     n_exact: usize,
     last_used: u64,
     active: Option<Active>,
@@ -336,6 +428,7 @@ struct Active {
     /// The token to run next once the prompt is done.
     next: Option<u32>,
     picker: Box<dyn TokenPicker>,
+    constraint: Option<hmoe_grammar::Constraint>,
     output: OutputState,
     generated: Vec<u32>,
     counts: HashMap<u32, usize>,
@@ -351,6 +444,8 @@ struct Worker {
     picker: Option<PickerFactory>,
     n_ubatch: usize,
     n_ctx_slot: usize,
+    similarity: f32,
+    reuse: Reuse,
     clock: u64,
 }
 
@@ -364,6 +459,13 @@ struct Feed {
 
 impl Worker {
     fn run(mut self) {
+        self.reuse = measure_reuse(
+            self.model.as_ref(),
+            self.slots[0].cache.kv_type(),
+            self.n_ctx_slot,
+            self.n_ubatch,
+        );
+        tracing::debug!("prompt cache reuse: {:?}", self.reuse);
         loop {
             {
                 let shared = self.shared.clone();
@@ -451,13 +553,17 @@ impl Worker {
             .store(busy as u64, Relaxed);
     }
 
-    /// The idle slot sharing the longest prefix with the prompt, else the least recently used.
+    /// The idle slot sharing the longest reusable prefix with the prompt when that is more
+    /// than `similarity` of it, else the least recently used idle slot.
     fn pick_slot(&self, spec: &JobSpec) -> usize {
         let idle = self.slots.iter().filter(|s| s.active.is_none());
         let best = idle
             .clone()
-            .map(|s| (common_prefix(&s.tokens, &spec.prompt).min(s.n_exact), s))
-            .filter(|(n, _)| spec.cache_prompt && *n > 0)
+            .filter(|_| spec.cache_prompt && self.similarity > 0.0)
+            .map(|s| (self.reusable(s, &spec.prompt), s))
+            .filter(|(n, _)| {
+                *n > 0 && *n as f64 > self.similarity as f64 * spec.prompt.len() as f64
+            })
             .max_by_key(|(n, s)| (*n, std::cmp::Reverse(s.id)));
         match best {
             Some((_, s)) => s.id,
@@ -465,18 +571,35 @@ impl Worker {
         }
     }
 
-    fn start_job(&mut self, slot: usize, job: Job) {
+    /// Leading positions of `prompt` that slot `s` can serve from its cache without changing
+    /// results (at least one prompt token is always left to run, for its logits).
+    fn reusable(&self, s: &Slot, prompt: &[u32]) -> usize {
+        let ub = self.n_ubatch;
+        let mut keep = common_prefix(&s.tokens, prompt)
+            .min(s.n_exact)
+            .min(prompt.len().saturating_sub(1));
+        match self.reuse {
+            // The rest of the prompt is chunked as from scratch only from a chunk boundary.
+            Reuse::Aligned => keep -= keep % ub,
+            // A resumed prompt must not start with a lone token where a cold run has more.
+            Reuse::PromptChunks
+                if !keep.is_multiple_of(ub)
+                    && ((keep / ub + 1) * ub).min(prompt.len()) - keep == 1 =>
+            {
+                keep -= 1
+            }
+            Reuse::PromptChunks | Reuse::All => {}
+        }
+        keep
+    }
+
+    fn start_job(&mut self, slot: usize, mut job: Job) {
+        let mut keep = match job.spec.cache_prompt {
+            true => self.reusable(&self.slots[slot], &job.spec.prompt),
+            false => 0,
+        };
         let s = &mut self.slots[slot];
         let prompt = &job.spec.prompt;
-        let mut keep = if job.spec.cache_prompt {
-            common_prefix(&s.tokens, prompt).min(s.n_exact)
-        } else {
-            0
-        };
-        // At least one prompt token must run to produce logits, and the rest of the prompt is
-        // chunked as from scratch only if it starts on a chunk boundary.
-        keep = keep.min(prompt.len() - 1);
-        keep -= keep % self.n_ubatch;
         if !s.cache.truncate(keep) {
             keep = 0;
         }
@@ -494,6 +617,7 @@ impl Worker {
         }
         let output = OutputState::new(job.spec.output, job.spec.stop.clone());
         s.active = Some(Active {
+            constraint: job.spec.constraint.take(),
             prompt_pos: keep,
             n_cached: keep,
             next: None,
@@ -597,10 +721,8 @@ impl Worker {
                 continue;
             };
             let prompt = &a.job.spec.prompt;
-            // Chunks start at multiples of n_ubatch from the first uncached token.
-            let done = a.prompt_pos - a.n_cached;
-            let chunk_end =
-                (a.n_cached + (done / self.n_ubatch + 1) * self.n_ubatch).min(prompt.len());
+            // Chunks end at multiples of n_ubatch counted from position 0, as in a cold run.
+            let chunk_end = ((a.prompt_pos / self.n_ubatch + 1) * self.n_ubatch).min(prompt.len());
             let n = chunk_end - a.prompt_pos;
             if n > budget && budget < self.n_ubatch {
                 break;
@@ -622,13 +744,13 @@ impl Worker {
     fn after_pass(&mut self, feed: Feed, logits: Vec<f32>) {
         let stats = self.shared.stats.clone();
         let s = &mut self.slots[feed.slot];
-        // A prompt chunk of several tokens (or any, with one-token micro-batches) is computed as
-        // a prefill from scratch computes it; a lone token is not (unless it is the whole chunk
-        // there too, which a longer prompt sharing the prefix would not have).
-        if feed.prefill
-            && s.n_exact == s.tokens.len()
-            && (feed.tokens.len() > 1 || self.n_ubatch == 1)
-        {
+        // Which positions a cold prefill of a longer prompt computes the same way: with
+        // one-token micro-batches every one; else prompt chunks of several tokens, and one-token
+        // passes too where the model was measured not to care (see `Reuse`).
+        let exact = self.n_ubatch == 1
+            || self.reuse == Reuse::All
+            || (feed.prefill && feed.tokens.len() > 1);
+        if exact && s.n_exact == s.tokens.len() {
             s.n_exact += feed.tokens.len();
         }
         s.tokens.extend_from_slice(&feed.tokens);
@@ -666,13 +788,20 @@ impl Worker {
         } else {
             0.0
         };
-        let raw = if want_probs && !spec.adjust.is_noop() {
+        let raw = if want_probs && (!spec.adjust.is_noop() || a.constraint.is_some()) {
             Some(logits.clone())
         } else {
             None
         };
         if !spec.adjust.is_noop() {
             spec.adjust.apply(&mut logits, &a.counts);
+        }
+        if let Some(c) = &mut a.constraint {
+            if let Err(e) = c.mask(&mut logits) {
+                let _ = a.job.events.send(JobEvent::Failed(e.to_string()));
+                self.release(slot);
+                return;
+            }
         }
         let post = if want_probs && spec.post_sampling_probs {
             a.picker.distribution(&logits)
@@ -682,6 +811,16 @@ impl Worker {
         let token = a.picker.pick(&logits);
         if let Some(r) = raw {
             logits = r;
+        }
+        // The grammar is complete once it allows nothing more (its end-of-generation token).
+        let mut grammar_done = false;
+        if let Some(c) = &mut a.constraint {
+            if let Err(e) = c.accept(token) {
+                let _ = a.job.events.send(JobEvent::Failed(e.to_string()));
+                self.release(slot);
+                return;
+            }
+            grammar_done = c.is_finished();
         }
         a.picker.accept(token);
         a.generated.push(token);
@@ -719,7 +858,7 @@ impl Worker {
         } else {
             a.output.push(&tok, token)
         };
-        let finish = if eog {
+        let finish = if eog || grammar_done {
             Some(Finish::Eog)
         } else if let Some(w) = a.output.stop_hit() {
             Some(Finish::StopWord(w.to_string()))

@@ -274,7 +274,6 @@ fn prompt_cache_reuse_gives_fresh_results() {
                 .as_u64()
                 .unwrap();
             assert!(cached > 0, "{kv:?}: nothing reused");
-            assert_eq!(cached % 4, 0, "reuse ends on a micro-batch boundary");
             assert_eq!(
                 r["choices"][0]["text"], expect["choices"][0]["text"],
                 "{kv:?}: {p}"

@@ -238,7 +238,7 @@ struct Reached {
 fn handle(
     bytes: &[u8],
     chat: &ChatSetup,
-    tok: &hmoe_tokenizer::Tokenizer,
+    tok: &std::sync::Arc<hmoe_tokenizer::Tokenizer>,
     defaults: &SamplingDefaults,
     reached: &mut Reached,
 ) {
@@ -272,7 +272,7 @@ fn random_and_mutated_bodies_never_panic() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed);
-    let tok = tokenizer(&tiny_model());
+    let tok = std::sync::Arc::new(tokenizer(&tiny_model()));
     let g = hmoe_gguf::GgufModel::open(tiny_model(), Default::default()).unwrap();
     let template = g
         .metadata()

@@ -1,0 +1,433 @@
+//! Constrained sampling with llguidance: GBNF and Lark grammars, JSON schemas, any JSON
+//! object, and the tool-call formats of chat templates (gpt-oss harmony, `<tool_call>` tags),
+//! enforced token by token over hmoe's tokenizer.
+//!
+//! A [`Vocab`] is llguidance's view of a tokenizer: a trie of every token's bytes, chat markup
+//! tokens (control tokens, and user-defined ones written `<…>`) under llguidance's
+//! special-token marker so grammars name them as `<|name|>`, and the end-of-generation tokens
+//! as its EOS set. Building it walks the whole vocabulary once; [`Vocab::shared`] keeps one per live tokenizer. [`Vocab::compile`] turns a
+//! [`Grammar`] into a [`Constraint`], which masks each step's logits ([`Constraint::mask`]) and
+//! follows the chosen tokens ([`Constraint::accept`]).
+
+mod gbnf;
+
+use std::sync::{Arc, Mutex, Weak};
+
+use hmoe_tokenizer::{TokenAttr, Tokenizer, VocabType};
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value};
+use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+
+pub use gbnf::{gbnf_to_lark, GbnfError};
+
+/// Why a grammar could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrammarError {
+    /// A GBNF grammar that does not parse.
+    #[error(transparent)]
+    Gbnf(#[from] GbnfError),
+    /// llguidance refused the grammar or schema (its message).
+    #[error("invalid grammar: {0}")]
+    Invalid(String),
+    /// The constraint failed while generating (llguidance's message).
+    #[error("constrained sampling failed: {0}")]
+    Runtime(String),
+}
+
+/// What to enforce.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grammar {
+    /// A GBNF grammar (llama.cpp's format; start rule `root`).
+    Gbnf(String),
+    /// An llguidance Lark grammar (start rule `start`).
+    Lark(String),
+    /// JSON valid against a JSON schema.
+    JsonSchema(Value),
+    /// Any JSON object.
+    JsonObject,
+    /// A call of one of `tools`, written the way the model's chat format writes tool calls.
+    ToolCall {
+        /// The format.
+        format: ToolFormat,
+        /// The functions that may be called.
+        tools: Vec<Tool>,
+    },
+}
+
+/// A function the model may call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// JSON schema of its arguments (`None`: any object).
+    pub parameters: Option<Value>,
+}
+
+/// How a model writes a tool call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// gpt-oss harmony: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+    /// + arguments + `<|call|>` (after a prompt ending in `<|start|>assistant`).
+    Harmony,
+    /// Hermes / Qwen: `<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`.
+    ToolCallTags,
+}
+
+impl ToolFormat {
+    /// The format of a tokenizer's chat markup: harmony when it has harmony's control tokens,
+    /// `<tool_call>` tags when it has that token, else `None`.
+    pub fn detect(tok: &Tokenizer) -> Option<ToolFormat> {
+        let markup = |t: &str| tok.token_id(t).is_some_and(|id| is_markup(tok, id));
+        if markup("<|channel|>") && markup("<|constrain|>") && markup("<|call|>") {
+            Some(ToolFormat::Harmony)
+        } else if markup("<tool_call>") && markup("</tool_call>") {
+            Some(ToolFormat::ToolCallTags)
+        } else {
+            None
+        }
+    }
+}
+
+/// Whether token `id` is chat markup, which grammars name as `<|name|>` rather than spell: a
+/// control token, or a user-defined one written `<…>` (e.g. harmony's `<|channel|>`, Qwen's
+/// `<tool_call>`, which GGUF files mark user-defined).
+fn is_markup(tok: &Tokenizer, id: u32) -> bool {
+    let attr = tok.token_attr(id);
+    let text = tok.token_text(id).unwrap_or_default();
+    attr.contains(TokenAttr::CONTROL)
+        || (attr.contains(TokenAttr::USER_DEFINED)
+            && text.len() > 2
+            && text.starts_with('<')
+            && text.ends_with('>'))
+}
+
+/// Where the constrained text goes in the model's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// The whole output is the grammar's text.
+    Raw,
+    /// gpt-oss harmony: the output is a `final` channel message whose content is the grammar's
+    /// text: `<|channel|>final<|message|>` + text + `<|return|>`.
+    HarmonyFinal,
+}
+
+/// llguidance's view of a tokenizer (see the crate docs).
+pub struct Vocab {
+    factory: ParserFactory,
+}
+
+impl std::fmt::Debug for Vocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vocab")
+            .field("n_vocab", &self.factory.tok_env().tok_trie().vocab_size())
+            .finish()
+    }
+}
+
+/// Tokenization for llguidance's forced tokens: the tokenizer itself while it lives.
+struct Env {
+    trie: TokTrie,
+    tok: Weak<Tokenizer>,
+    canonical: bool,
+}
+
+impl TokenizerEnv for Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let encoded = match (std::str::from_utf8(s), self.tok.upgrade()) {
+            (Ok(text), Some(tok)) => tok.encode(text, false, false).ok(),
+            _ => None,
+        };
+        encoded.unwrap_or_else(|| self.trie.greedy_tokenize(s))
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        self.canonical
+    }
+}
+
+impl Vocab {
+    /// Builds the trie of `tok`'s vocabulary.
+    pub fn new(tok: &Arc<Tokenizer>) -> Result<Vocab, GrammarError> {
+        let n = tok.n_vocab();
+        let words: Vec<Vec<u8>> = (0..n as u32)
+            .map(|id| match is_markup(tok, id) {
+                true => {
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(tok.token_text(id).unwrap_or_default().as_bytes());
+                    w
+                }
+                false => tok.token_bytes(id).to_vec(),
+            })
+            .collect();
+        let eog: Vec<u32> = tok.eog_tokens().to_vec();
+        let eos = eog.first().copied().or(tok.eos()).unwrap_or(0);
+        let mut info = TokRxInfo::new(n as u32, eos);
+        info.tok_bos = tok.bos();
+        let mut trie = TokTrie::from(&info, &words);
+        if !eog.is_empty() {
+            trie = trie.with_eos_tokens(&eog);
+        }
+        let env: TokEnv = Arc::new(Env {
+            trie,
+            tok: Arc::downgrade(tok),
+            // SentencePiece encodings of a piece of text add a leading space.
+            canonical: tok.vocab_type() == VocabType::Bpe,
+        });
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        factory.quiet();
+        Ok(Vocab { factory })
+    }
+
+    /// The vocabulary of `tok`, built on first use and kept while `tok` lives.
+    pub fn shared(tok: &Arc<Tokenizer>) -> Result<Arc<Vocab>, GrammarError> {
+        type Cache = Vec<(Weak<Tokenizer>, Arc<Vocab>)>;
+        static CACHE: Mutex<Cache> = Mutex::new(Vec::new());
+        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        cache.retain(|(t, _)| t.strong_count() > 0);
+        if let Some((_, v)) = cache
+            .iter()
+            .find(|(t, _)| t.upgrade().is_some_and(|t| Arc::ptr_eq(&t, tok)))
+        {
+            return Ok(v.clone());
+        }
+        let v = Arc::new(Vocab::new(tok)?);
+        cache.push((Arc::downgrade(tok), v.clone()));
+        Ok(v)
+    }
+
+    /// The Lark text llguidance compiles for `grammar` in `frame`.
+    pub fn lark(&self, grammar: &Grammar, frame: Frame) -> Result<String, GrammarError> {
+        let body = match grammar {
+            Grammar::Gbnf(src) => return framed(gbnf_to_lark(src)?, frame),
+            Grammar::Lark(src) => return framed(src.clone(), frame),
+            Grammar::JsonSchema(schema) => format!("start: {}\n", json_rule(schema.clone())?),
+            Grammar::JsonObject => format!("start: {}\n", json_rule(json!({"type": "object"}))?),
+            Grammar::ToolCall { format, tools } => return self.tool_call_lark(*format, tools),
+        };
+        framed(body, frame)
+    }
+
+    fn tool_call_lark(&self, format: ToolFormat, tools: &[Tool]) -> Result<String, GrammarError> {
+        if tools.is_empty() {
+            return Err(GrammarError::Invalid("no tool to call".into()));
+        }
+        let mut out = String::from("start: ");
+        let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
+        out.push_str(&alts.join(" | "));
+        out.push('\n');
+        let trie = self.factory.tok_env().tok_trie();
+        // A control token by name, else its text.
+        let mark = |t: &str| match trie.get_special_token(t) {
+            Some(_) => t.to_string(),
+            None => lark_string(t),
+        };
+        for (i, tool) in tools.iter().enumerate() {
+            let params = tool
+                .parameters
+                .clone()
+                .unwrap_or_else(|| json!({"type": "object"}));
+            match format {
+                ToolFormat::Harmony => {
+                    out.push_str(&format!(
+                        "call_{i}: {} {} {} {} {} {} {}\n",
+                        mark("<|channel|>"),
+                        lark_string(&format!("commentary to=functions.{} ", tool.name)),
+                        mark("<|constrain|>"),
+                        lark_string("json"),
+                        mark("<|message|>"),
+                        json_rule(params)?,
+                        mark("<|call|>"),
+                    ));
+                }
+                ToolFormat::ToolCallTags => {
+                    let call = json!({
+                        "type": "object",
+                        "properties": {"name": {"const": tool.name}, "arguments": params},
+                        "required": ["name", "arguments"],
+                        "additionalProperties": false,
+                    });
+                    out.push_str(&format!(
+                        "call_{i}: {} {} {} {} {}\n",
+                        mark("<tool_call>"),
+                        lark_string("\n"),
+                        json_rule(call)?,
+                        lark_string("\n"),
+                        mark("</tool_call>"),
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Compiles `grammar` (framed as `frame`) into a constraint at the start of generation.
+    pub fn compile(&self, grammar: &Grammar, frame: Frame) -> Result<Constraint, GrammarError> {
+        let lark = self.lark(grammar, frame)?;
+        let parser = self
+            .factory
+            .create_parser(TopLevelGrammar::from_lark(lark))
+            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(GrammarError::Invalid(e));
+        }
+        Ok(Constraint { matcher })
+    }
+}
+
+/// `%json` with compact separators (no free whitespace, which a weak model could emit without
+/// end) unless the schema sets its own `x-guidance` options.
+fn json_rule(mut schema: Value) -> Result<String, GrammarError> {
+    match &mut schema {
+        Value::Object(o) => {
+            o.entry("x-guidance")
+                .or_insert_with(|| json!({"whitespace_flexible": false}));
+        }
+        Value::Bool(true) => schema = json!({"x-guidance": {"whitespace_flexible": false}}),
+        _ => {
+            return Err(GrammarError::Invalid(
+                "a JSON schema must be an object".into(),
+            ))
+        }
+    }
+    Ok(format!("%json {schema}"))
+}
+
+/// Wraps a Lark grammar's `start` in `frame`.
+fn framed(lark: String, frame: Frame) -> Result<String, GrammarError> {
+    match frame {
+        Frame::Raw => Ok(lark),
+        Frame::HarmonyFinal => Ok(format!(
+            "start: <|channel|> \"final\" <|message|> inner <|return|>\n{}",
+            rename_start(&lark)
+        )),
+    }
+}
+
+/// The grammar with its rule `start` renamed to `inner` (definition and uses).
+fn rename_start(lark: &str) -> String {
+    let mut out = String::with_capacity(lark.len() + 16);
+    let bytes = lark.as_bytes();
+    let mut i = 0;
+    let mut in_str = false;
+    while i < bytes.len() {
+        let c = bytes[i];
+        if in_str {
+            out.push(c as char);
+            if c == b'\\' && i + 1 < bytes.len() {
+                out.push(bytes[i + 1] as char);
+                i += 1;
+            } else if c == b'"' {
+                in_str = false;
+            }
+            i += 1;
+            continue;
+        }
+        if c == b'"' {
+            in_str = true;
+        }
+        let word_start = i == 0
+            || !(bytes[i - 1].is_ascii_alphanumeric() || matches!(bytes[i - 1], b'_' | b'-'));
+        if word_start && lark[i..].starts_with("start") {
+            let after = bytes.get(i + 5).copied();
+            if !after.is_some_and(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-')) {
+                out.push_str("inner");
+                i += 5;
+                continue;
+            }
+        }
+        // Copy one whole UTF-8 character.
+        let len = lark[i..].chars().next().map_or(1, char::len_utf8);
+        out.push_str(&lark[i..i + len]);
+        i += len;
+    }
+    out
+}
+
+/// `text` as a Lark (JSON) string literal.
+fn lark_string(text: &str) -> String {
+    Value::String(text.to_string())
+        .to_string()
+        .replace('\u{7f}', "\\u007f")
+}
+
+/// A grammar being enforced on one generation.
+pub struct Constraint {
+    matcher: Matcher,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("stopped", &self.matcher.is_stopped())
+            .finish()
+    }
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Constraint {
+        Constraint {
+            matcher: self.matcher.deep_clone(),
+        }
+    }
+}
+
+impl Constraint {
+    /// Sets the logit of every token the grammar does not allow next to −∞ (only the
+    /// end-of-generation tokens once the grammar is complete).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
+        let allowed = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| GrammarError::Runtime(e.to_string()))?;
+        if allowed.num_set() == 0 {
+            return Err(GrammarError::Runtime("the grammar allows no token".into()));
+        }
+        let n = logits.len();
+        allowed.iter_unset_entries(|i| {
+            if i < n {
+                logits[i] = f32::NEG_INFINITY;
+            }
+        });
+        Ok(())
+    }
+
+    /// Follows a generated token (one the mask allowed).
+    pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| GrammarError::Runtime(e.to_string()))
+    }
+
+    /// Whether the grammar is complete and allows nothing more.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_is_renamed_outside_strings_only() {
+        let l = rename_start("start: a \"start\" | start_x\nx: start\n");
+        assert_eq!(l, "inner: a \"start\" | start_x\nx: inner\n");
+    }
+
+    #[test]
+    fn schemas_get_compact_separators_unless_they_say() {
+        assert!(json_rule(json!({"type": "object"}))
+            .unwrap()
+            .contains("\"whitespace_flexible\":false"));
+        let own = json_rule(json!({"x-guidance": {"whitespace_flexible": true}})).unwrap();
+        assert!(own.contains("true"), "{own}");
+        assert!(json_rule(json!([1])).is_err());
+    }
+}
