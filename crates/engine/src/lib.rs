@@ -6,7 +6,7 @@ mod sampler;
 
 pub use bench::{
     mean, measure_read_bandwidth, run_test, stddev, BenchConfig, BenchError, BenchSamples,
-    BenchTest, WeightTraffic,
+    BenchTest, WeightTraffic, kv_bytes_per_token,
 };
 pub use generate::{top_probs, Generation, Generator, StepObserver, Timings};
 pub use sampler::{Sampler, SamplerParams};
