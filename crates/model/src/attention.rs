@@ -150,7 +150,9 @@ fn attention_rotated(
             match &cache.v {
                 Cells::F32(_) => {}
                 Cells::F16(_) => round_f16(probs),
-                Cells::Blocks { ty, .. } => probs.iter_mut().for_each(|w| *w = round_weight(*ty, *w)),
+                Cells::Blocks { ty, .. } => {
+                    probs.iter_mut().for_each(|w| *w = round_weight(*ty, *w))
+                }
             }
         }
         // Per head, one 16-lane accumulator per output element, lane = position mod 16
@@ -1181,8 +1183,14 @@ mod tests {
         // F16 dot kernel's bits (it replaced the kernel there).
         let kernel = DotKernel::best(GgmlType::F16).unwrap();
         for (seed, hd) in [(1, 64), (2, 80), (3, 128), (4, 576)] {
-            let q: Vec<f16> = noise(seed, hd).iter().map(|&x| f16::from_f32(8.0 * x)).collect();
-            let k: Vec<f16> = noise(seed + 50, hd).iter().map(|&x| f16::from_f32(3.0 * x)).collect();
+            let q: Vec<f16> = noise(seed, hd)
+                .iter()
+                .map(|&x| f16::from_f32(8.0 * x))
+                .collect();
+            let k: Vec<f16> = noise(seed + 50, hd)
+                .iter()
+                .map(|&x| f16::from_f32(3.0 * x))
+                .collect();
             let (q32, k32): (Vec<f32>, Vec<f32>) = (
                 q.iter().map(|v| v.to_f32()).collect(),
                 k.iter().map(|v| v.to_f32()).collect(),

@@ -639,7 +639,11 @@ pub fn expf_ggml16(x: &mut [f32; 16]) {
         };
         let scaled = j * f32::from_bits((ni.wrapping_add(127) as u32) << 23);
         let out_of_range = if n <= 0.0 { 0.0 } else { f32::INFINITY };
-        *v = if n.abs() > 192.0 { out_of_range } else { scaled };
+        *v = if n.abs() > 192.0 {
+            out_of_range
+        } else {
+            scaled
+        };
     }
 }
 
@@ -1008,8 +1012,17 @@ mod tests {
         // positive values up past overflow, and the specials.
         let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 1.0e-3).collect();
         xs.extend((0..4000).map(|i| i as f32 * 0.05 - 100.0));
-        xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40, -1e-40]);
-        xs.extend([-87.3, -87.4, -103.9, -104.0, 88.7, 88.8, 133.0, 192.4, -192.4, -300.0]);
+        xs.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            1e-40,
+            -1e-40,
+        ]);
+        xs.extend([
+            -87.3, -87.4, -103.9, -104.0, 88.7, 88.8, 133.0, 192.4, -192.4, -300.0,
+        ]);
         for chunk in xs.chunks(16) {
             let mut lanes = [0f32; 16];
             lanes[..chunk.len()].copy_from_slice(chunk);

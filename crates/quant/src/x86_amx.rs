@@ -49,8 +49,7 @@ pub(crate) fn amx_status() -> &'static AmxStatus {
         if std::env::var("HMOE_AMX").is_ok_and(|v| v == "0") {
             return AmxStatus::Disabled;
         }
-        if !(crate::cpu::has_avx512_vnni() && crate::cpu::has_avx512_vbmi() && cpu_reports_amx())
-        {
+        if !(crate::cpu::has_avx512_vnni() && crate::cpu::has_avx512_vbmi() && cpu_reports_amx()) {
             return AmxStatus::NotReported;
         }
         if let Err(errno) = request_tile_permission() {
@@ -66,7 +65,13 @@ fn request_tile_permission() -> Result<(), i32> {
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: arch_prctl with these arguments only changes the process's permitted XSAVE
     // features; it reads and writes no memory of ours.
-    let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
     if r == 0 {
         Ok(())
     } else {
@@ -193,7 +198,11 @@ unsafe fn tile_product(a: *const u8, b: *const u8, c: *mut i32) {
         options(nostack, readonly),
     );
     // SAFETY: tile registers only (configured above).
-    asm!("tilezero tmm2", "tdpbssd tmm2, tmm0, tmm1", options(nostack, nomem));
+    asm!(
+        "tilezero tmm2",
+        "tdpbssd tmm2, tmm0, tmm1",
+        options(nostack, nomem)
+    );
     // SAFETY: `c` has room for 16 rows of 64 bytes.
     asm!(
         "tilestored [{c} + {sc}*1], tmm2",
