@@ -94,7 +94,7 @@ impl GemmKernel {
     /// The kernel for weights of type `weight` (MXFP4, Q8_0 or F32) on `isa`; errors for other
     /// types or an ISA this CPU lacks.
     pub fn new(weight: GgmlType, isa: Isa) -> Result<GemmKernel, QuantError> {
-        Self::resolve(weight, isa, true, true, true)
+        Self::resolve(weight, isa, true, true, crate::amx_in_use())
     }
 
     /// The kernel for `weight` on [`Isa::best`].
@@ -128,7 +128,8 @@ impl GemmKernel {
             Isa::Scalar => scalar_fn(weight),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => crate::x86_gemm_avx2::gemm_fn(weight),
-            // Batched MXFP4 on AMX tiles where they run (the same bits as VNNI + VBMI).
+            // Batched MXFP4 on AMX tiles where they run and are wanted (the same bits as
+            // VNNI + VBMI).
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => match crate::x86_amx::gemm_fn() {
                 Some(amx) if weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx => {

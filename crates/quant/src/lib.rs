@@ -177,7 +177,7 @@ impl std::fmt::Display for Isa {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AmxStatus {
     /// Tile permission granted and a tile multiply gave the right result: batched MXFP4
-    /// products use AMX.
+    /// products can use AMX (they do with `HMOE_AMX=1`, see [`amx_in_use`]).
     Usable,
     /// The CPU does not report AMX-TILE and AMX-INT8 (or AVX-512 VNNI/VBMI, which the
     /// kernel's fallbacks need).
@@ -193,7 +193,9 @@ pub enum AmxStatus {
 impl std::fmt::Display for AmxStatus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            AmxStatus::Usable => f.write_str("amx-int8 (tile permission granted, probe passed)"),
+            AmxStatus::Usable => {
+                f.write_str("amx-int8 runs (tile permission granted, probe passed)")
+            }
             AmxStatus::NotReported => f.write_str("no amx (not reported by the CPU)"),
             AmxStatus::Disabled => f.write_str("no amx (HMOE_AMX=0)"),
             AmxStatus::PermissionDenied(e) => {
@@ -214,6 +216,17 @@ pub fn amx_status() -> &'static AmxStatus {
     return &AmxStatus::NotReported;
 }
 
+/// Whether batched MXFP4 products use the AMX tiles: where they run ([`amx_status`]) and
+/// `HMOE_AMX=1` asks for them. Off by default: on the one AMX machine measured (a shared
+/// 2-core Sapphire Rapids VM) the tile kernel was no faster than AVX-512 VNNI for gpt-oss
+/// prefill (about 16 tokens per expert, so most tiles are partly padding).
+pub fn amx_in_use() -> bool {
+    static IN_USE: OnceLock<bool> = OnceLock::new();
+    *IN_USE.get_or_init(|| {
+        std::env::var("HMOE_AMX").is_ok_and(|v| v == "1") && *amx_status() == AmxStatus::Usable
+    })
+}
+
 /// One line naming the CPU kernels this process uses, for benchmark reports: the best ISA,
 /// VNNI/VBMI where the AVX-512 kernels use them, and the AMX status.
 pub fn kernel_summary() -> String {
@@ -231,7 +244,13 @@ pub fn kernel_summary() -> String {
             }
         }
     }
-    format!("{s}, {}", amx_status())
+    let amx = amx_status();
+    let used = match (amx, amx_in_use()) {
+        (AmxStatus::Usable, true) => ", used for batched MXFP4",
+        (AmxStatus::Usable, false) => ", not used (HMOE_AMX=1 uses it)",
+        _ => "",
+    };
+    format!("{s}, {amx}{used}")
 }
 
 /// CPU feature detection (x86-64 only), cached by `std`'s detection macro.

@@ -6,8 +6,8 @@ use crate::scalar::{e8m0_to_f32_half, f16_to_f32, MXFP4_BYTES, Q8_0_BYTES};
 use crate::tests::{rand_f16, same, Rng};
 use crate::*;
 
-/// Every GEMM kernel this CPU can run for `ty`: each ISA (AVX-512 with AMX where it runs),
-/// plus AVX-512 without AMX, VNNI and/or VBMI.
+/// Every GEMM kernel this CPU can run for `ty`: each ISA, plus AVX-512 with AMX (where the
+/// tiles run), and without VNNI and/or VBMI.
 fn kernels(ty: GgmlType) -> Vec<GemmKernel> {
     let mut ks: Vec<GemmKernel> = Isa::available()
         .into_iter()
@@ -15,6 +15,7 @@ fn kernels(ty: GgmlType) -> Vec<GemmKernel> {
         .collect();
     if Isa::Avx512.is_available() {
         for (vnni, vbmi, amx) in [
+            (true, true, true),
             (true, true, false),
             (false, true, true),
             (true, false, true),
@@ -297,7 +298,7 @@ fn amx_mxfp4_equals_vnni_bit_for_bit() {
         eprintln!("SKIPPED: AMX MXFP4 kernel not tested: {status}");
         return;
     }
-    let amx = GemmKernel::new(GgmlType::MXFP4, Isa::Avx512).unwrap();
+    let amx = GemmKernel::resolve(GgmlType::MXFP4, Isa::Avx512, true, true, true).unwrap();
     let vnni = GemmKernel::resolve(GgmlType::MXFP4, Isa::Avx512, true, true, false).unwrap();
     assert!(amx.name().contains("amx"), "{}", amx.name());
     assert!(!vnni.name().contains("amx"), "{}", vnni.name());

@@ -335,7 +335,8 @@ unsafe fn mxfp4_amx_vnni(
     mxfp4_amx(n, w, acts, bias, n_tokens, out, fallback)
 }
 
-/// The AMX MXFP4 GEMM, where [`amx_status`] is [`AmxStatus::Usable`].
+/// The AMX MXFP4 GEMM, where [`amx_status`] is [`AmxStatus::Usable`] (`GemmKernel::new`
+/// takes it only when `crate::amx_in_use`).
 pub(crate) fn gemm_fn() -> Option<(&'static str, GemmFn)> {
     (*amx_status() == AmxStatus::Usable).then_some((
         "mxfp4*q8_0 blockwise/amx-int8+avx512vnni",
