@@ -24,10 +24,10 @@ use std::sync::OnceLock;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use hmoe_quant::{expf_slice, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
+use hmoe_quant::{expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
 
 use crate::kv_cache::{fwht, rotate_chunks, Cells, LayerCache};
-use crate::ops::{expf_ggml16, reduce16};
+use crate::ops::{expf_ggml, reduce16};
 
 /// Shape of one attention call.
 pub(crate) struct AttnShape {
@@ -95,6 +95,14 @@ fn attention_rotated(
     let group = shape.n_head / shape.n_head_kv;
     let width = shape.n_head_kv * hd;
     let single_token = q.len() == shape.n_head * hd;
+    // `vec_dot_f16` for one token's f16 keys: symmetric, so the group's query heads go through
+    // one `dot_rows` call per key as the "weight rows".
+    let f16_kernel = match &cache.k {
+        Cells::F16(_) if single_token => {
+            Some(DotKernel::best(GgmlType::F16).expect("f16 has a dot kernel"))
+        }
+        _ => None,
+    };
     // One task per (token, KV head): the query heads sharing a KV head read each key and
     // value row once.
     hmoe_pool::global().for_each_chunk_mut(out, group * hd, |task, dst| {
@@ -104,10 +112,11 @@ fn attention_rotated(
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let heads = &q[task * group * hd..(task + 1) * group * hd];
         // ggml rounds the query to f16 before dotting it with f16 keys.
-        let q16: Vec<f32> = match &cache.k {
-            Cells::F16(_) => heads.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        let q_half: Vec<f16> = match &cache.k {
+            Cells::F16(_) => heads.iter().map(|&v| f16::from_f32(v)).collect(),
             _ => Vec::new(),
         };
+        let q16: Vec<f32> = q_half.iter().map(|v| v.to_f32()).collect();
         let q_blocks: Vec<Vec<u8>> = heads
             .chunks_exact(hd)
             .map(|qh| quantize_query(k_kernel.as_ref(), qh))
@@ -118,25 +127,37 @@ fn attention_rotated(
         let chunk_start = first / LANES * LANES;
         let span = pos + 1 - chunk_start;
         let mut probs = vec![0f32; group * span];
+        let mut row_scores = vec![0f32; group];
         let mut k_row = vec![0f32; hd];
         for p in first..=pos {
-            if let Cells::F16(k) = &cache.k {
-                k[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut k_row);
+            match &cache.k {
+                Cells::F16(k) if f16_kernel.is_some() => {
+                    let key = f16_bytes(&k[cell(p)..cell(p) + hd]);
+                    f16_kernel.as_ref().expect("checked").dot_rows(
+                        hd,
+                        f16_bytes(&q_half),
+                        key,
+                        &mut row_scores,
+                    );
+                }
+                _ => {
+                    if let Cells::F16(k) = &cache.k {
+                        k[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut k_row);
+                    }
+                    for (g, s) in row_scores.iter_mut().enumerate() {
+                        let qh = &heads[g * hd..(g + 1) * hd];
+                        *s = match &cache.k {
+                            Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
+                            // A batch goes through tinyBLAS.
+                            Cells::F16(_) => dot_lanes(&q16[g * hd..(g + 1) * hd], &k_row),
+                            Cells::Blocks { ty, data, .. } => {
+                                block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks[g])
+                            }
+                        };
+                    }
+                }
             }
-            for g in 0..group {
-                let qh = &heads[g * hd..(g + 1) * hd];
-                let s = match &cache.k {
-                    Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
-                    // One token: `vec_dot_f16` (f16 × f16 products are exact in f32, so
-                    // this is its arithmetic); a batch goes through tinyBLAS.
-                    Cells::F16(_) if single_token => {
-                        dot_vec(&q16[g * hd..(g + 1) * hd], &k_row, |x| x, true)
-                    }
-                    Cells::F16(_) => dot_lanes(&q16[g * hd..(g + 1) * hd], &k_row),
-                    Cells::Blocks { ty, data, .. } => {
-                        block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks[g])
-                    }
-                };
+            for (g, &s) in row_scores.iter().enumerate() {
                 probs[g * span + p - chunk_start] = s * shape.scale;
             }
         }
@@ -146,14 +167,6 @@ fn attention_rotated(
                 first - chunk_start,
                 sinks.map(|s| s[kvh * group + g]),
             );
-            // The probability in the activation type of V's matmul.
-            match &cache.v {
-                Cells::F32(_) => {}
-                Cells::F16(_) => round_f16(probs),
-                Cells::Blocks { ty, .. } => {
-                    probs.iter_mut().for_each(|w| *w = round_weight(*ty, *w))
-                }
-            }
         }
         // Per head, one 16-lane accumulator per output element, lane = position mod 16
         // (ggml's order), stored lane-major so that a position updates one contiguous row of
@@ -162,20 +175,20 @@ fn attention_rotated(
         let mut v_row = vec![0f32; hd];
         for p in first..=pos {
             let lane = (p - chunk_start) % LANES;
-            let v_row: &[f32] = match &cache.v {
-                Cells::F32(v) => &v[cell(p)..cell(p) + hd],
-                Cells::F16(v) => {
-                    v[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut v_row);
-                    &v_row
-                }
-                Cells::Blocks { ty, data, .. } => {
-                    dequantize_at(*ty, data, cell(p), &mut v_row);
-                    &v_row
-                }
-            };
+            match &cache.v {
+                Cells::F32(v) => v_row.copy_from_slice(&v[cell(p)..cell(p) + hd]),
+                Cells::F16(v) => v[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut v_row),
+                Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, cell(p), &mut v_row),
+            }
             for (g, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
                 let w = probs[g * span + p - chunk_start];
-                for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(v_row) {
+                // The probability in the activation type of V's matmul.
+                let w = match &cache.v {
+                    Cells::F32(_) => w,
+                    Cells::F16(_) => f16::from_f32(w).to_f32(),
+                    Cells::Blocks { ty, .. } => round_weight(*ty, w),
+                };
+                for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(&v_row) {
                     *a = x.mul_add(w, *a);
                 }
             }
@@ -186,16 +199,6 @@ fn attention_rotated(
             }
         }
     });
-}
-
-/// Rounds each value to f16 and back (F16C's round-to-nearest-even, as `f16::from_f32`).
-fn round_f16(x: &mut [f32]) {
-    let mut half = [f16::ZERO; LANES];
-    for chunk in x.chunks_mut(LANES) {
-        let h = &mut half[..chunk.len()];
-        h.convert_from_f32_slice(chunk);
-        h.convert_to_f32_slice(chunk);
-    }
 }
 
 /// Softmax in place over `probs[skip..]` (ggml's `soft_max`: the maximum including the sink,
@@ -210,18 +213,15 @@ fn softmax_window(probs: &mut [f32], skip: usize, sink: Option<f32>) {
     }
     let mut sum = 0f64;
     for (c, chunk) in probs.chunks_mut(LANES).enumerate() {
-        // Sixteen exponentials at once; lanes before the window and past the row are zero.
         let mut lanes = [0f32; LANES];
-        for (l, &v) in lanes.iter_mut().zip(chunk.iter()) {
-            *l = v - max;
+        for (i, v) in chunk.iter_mut().enumerate() {
+            *v = if c * LANES + i < skip {
+                0.0
+            } else {
+                expf_ggml(*v - max)
+            };
+            lanes[i] = *v;
         }
-        expf_ggml16(&mut lanes);
-        for (i, l) in lanes.iter_mut().enumerate() {
-            if c * LANES + i < skip || i >= chunk.len() {
-                *l = 0.0;
-            }
-        }
-        chunk.copy_from_slice(&lanes[..chunk.len()]);
         sum += reduce16(&lanes) as f64;
     }
     if let Some(s) = sink {
@@ -1175,33 +1175,6 @@ mod tests {
             sum += a[k] * b[k];
         }
         sum
-    }
-
-    #[test]
-    fn f16_scores_equal_vec_dot_f16() {
-        // One decode token's f16 scores: `dot_vec` over the f16 values as f32 must be the
-        // F16 dot kernel's bits (it replaced the kernel there).
-        let kernel = DotKernel::best(GgmlType::F16).unwrap();
-        for (seed, hd) in [(1, 64), (2, 80), (3, 128), (4, 576)] {
-            let q: Vec<f16> = noise(seed, hd)
-                .iter()
-                .map(|&x| f16::from_f32(8.0 * x))
-                .collect();
-            let k: Vec<f16> = noise(seed + 50, hd)
-                .iter()
-                .map(|&x| f16::from_f32(3.0 * x))
-                .collect();
-            let (q32, k32): (Vec<f32>, Vec<f32>) = (
-                q.iter().map(|v| v.to_f32()).collect(),
-                k.iter().map(|v| v.to_f32()).collect(),
-            );
-            let want = kernel.dot(hd, hmoe_quant::f16_bytes(&k), hmoe_quant::f16_bytes(&q));
-            assert_eq!(
-                dot_vec(&q32, &k32, |x| x, true).to_bits(),
-                want.to_bits(),
-                "head of {hd}"
-            );
-        }
     }
 
     #[test]

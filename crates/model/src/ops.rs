@@ -610,43 +610,6 @@ pub fn expf_ggml(x: f32) -> f32 {
     scale_by_pow2(j, n as i32)
 }
 
-/// [`expf_ggml`] of 16 values in place, the same bits lane by lane, written without branches
-/// so that it compiles to vector code: the range test becomes a select, and `scale_by_pow2`'s
-/// loops one conditional step each (for `|n| ≤ 192` neither runs twice).
-pub fn expf_ggml16(x: &mut [f32; 16]) {
-    for v in x.iter_mut() {
-        let xv = *v;
-        let r = f32::from_bits(0x4b40_0000);
-        let z = xv.mul_add(f32::from_bits(0x3fb8_aa3b), r);
-        let n = z - r;
-        let b = (-n).mul_add(f32::from_bits(0x3f31_7200), xv);
-        let b = (-n).mul_add(f32::from_bits(0x35bf_be8e), b);
-        let u = b * b;
-        let p45 = f32::from_bits(0x3c07_2010).mul_add(b, f32::from_bits(0x3d2b_9f17));
-        let p23 = f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3efffedb));
-        let p01 = f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0);
-        let j = p45.mul_add(u, p23).mul_add(u, p01);
-        let ni = n as i32;
-        let (j, ni) = if ni > 127 {
-            (j * f32::from_bits(0x7f00_0000), ni.wrapping_sub(127))
-        } else {
-            (j, ni)
-        };
-        let (j, ni) = if ni < -126 {
-            (j * f32::from_bits(0x0080_0000), ni.wrapping_add(126))
-        } else {
-            (j, ni)
-        };
-        let scaled = j * f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-        let out_of_range = if n <= 0.0 { 0.0 } else { f32::INFINITY };
-        *v = if n.abs() > 192.0 {
-            out_of_range
-        } else {
-            scaled
-        };
-    }
-}
-
 /// `x · 2^n` without intermediate overflow (like `vscalefps`).
 fn scale_by_pow2(x: f32, n: i32) -> f32 {
     let mut x = x;
@@ -1005,38 +968,6 @@ pub(crate) fn final_logits(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn expf_ggml16_equals_expf_ggml_lane_by_lane() {
-        // A dense sweep of softmax's range (x ≤ 0, down past the subnormals and the cut-off),
-        // positive values up past overflow, and the specials.
-        let mut xs: Vec<f32> = (0..200_000).map(|i| -(i as f32) * 1.0e-3).collect();
-        xs.extend((0..4000).map(|i| i as f32 * 0.05 - 100.0));
-        xs.extend([
-            f32::NAN,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            -0.0,
-            1e-40,
-            -1e-40,
-        ]);
-        xs.extend([
-            -87.3, -87.4, -103.9, -104.0, 88.7, 88.8, 133.0, 192.4, -192.4, -300.0,
-        ]);
-        for chunk in xs.chunks(16) {
-            let mut lanes = [0f32; 16];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let want = lanes.map(expf_ggml);
-            expf_ggml16(&mut lanes);
-            for (i, (a, b)) in lanes.iter().zip(&want).enumerate() {
-                assert!(
-                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                    "x = {}: {a} vs {b}",
-                    chunk.get(i).copied().unwrap_or(0.0)
-                );
-            }
-        }
-    }
 
     #[test]
     fn yarn_corr_dims_are_rounded_like_ggml() {
