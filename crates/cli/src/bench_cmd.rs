@@ -6,7 +6,8 @@ use std::io::Write;
 
 use anyhow::{bail, Context};
 use hmoe_engine::{
-    measure_read_bandwidth, run_test, BenchConfig, BenchSamples, BenchTest, WeightTraffic,
+    kv_bytes_per_token, measure_read_bandwidth, run_test, BenchConfig, BenchSamples, BenchTest,
+    WeightTraffic,
 };
 use hmoe_model::LanguageModel;
 use serde_json::{json, Map, Value};
@@ -284,6 +285,8 @@ struct Record<'a> {
     time: String,
     samples: BenchSamples,
     roofline: Option<&'a Roofline>,
+    /// KV cache bytes each generated token of the test reads on average (roofline only).
+    kv_bytes: f64,
 }
 
 impl Record<'_> {
@@ -333,22 +336,28 @@ impl Record<'_> {
             m.insert("roofline_bandwidth_bytes_per_s".into(), json!(r.bandwidth));
             m.insert(
                 "roofline_bytes_per_token".into(),
-                json!(r.traffic.bytes_per_token()),
+                json!(r.traffic.bytes_per_token() + self.kv_bytes),
             );
+            m.insert("roofline_kv_bytes_per_token".into(), json!(self.kv_bytes));
             m.insert("roofline_ts".into(), json!(bound));
             m.insert("roofline_fraction".into(), json!(fraction));
         }
         Value::Object(m)
     }
 
-    /// For a generation-only test under `--roofline`: the bandwidth-bound t/s and the
-    /// achieved fraction of it.
+    /// For a generation-only test under `--roofline`: the bandwidth-bound t/s (weights plus,
+    /// at a depth, the KV cache each token reads) and the achieved fraction of it.
     fn bound(&self) -> Option<(f64, f64)> {
         let r = self.roofline?;
         if self.test.n_prompt > 0 || self.test.n_gen == 0 {
             return None;
         }
-        let bound = r.traffic.bound_ts(r.bandwidth);
+        let bytes = r.traffic.bytes_per_token() + self.kv_bytes;
+        let bound = if bytes > 0.0 {
+            r.bandwidth / bytes
+        } else {
+            0.0
+        };
         (bound > 0.0).then(|| (bound, self.samples.avg_ts() / bound))
     }
 }
@@ -510,18 +519,20 @@ fn roofline_text(r: &Roofline, threads: usize, args: &BenchArgs, records: &[Reco
         bytes_label(t.output_bytes as f64),
         bytes_label(t.embd_row_bytes as f64),
     ));
+    s.push_str("roofline: each test's bound adds the KV cache its tokens read (its depth)\n");
     let rows: Vec<String> = records
         .iter()
         .filter_map(|rec| {
             let (bound, fraction) = rec.bound()?;
             Some(format!(
-                "| {:>15} | {:>20} | {:>10.2} | {:>8.3} |",
+                "| {:>15} | {:>20} | {:>12} | {:>10.2} | {:>8.3} |",
                 rec.test.name(),
                 format!(
                     "{:.2} ± {:.2}",
                     rec.samples.avg_ts(),
                     rec.samples.stddev_ts()
                 ),
+                bytes_label(rec.kv_bytes),
                 bound,
                 fraction
             ))
@@ -531,13 +542,15 @@ fn roofline_text(r: &Roofline, threads: usize, args: &BenchArgs, records: &[Reco
         s.push_str("roofline: no generation test to compare (give -n N)\n");
     } else {
         s.push_str(&format!(
-            "\n| {:>15} | {:>20} | {:>10} | {:>8} |\n| {}: | {}: | {}: | {}: |\n",
+            "\n| {:>15} | {:>20} | {:>12} | {:>10} | {:>8} |\n| {}: | {}: | {}: | {}: | {}: |\n",
             "test",
             "t/s",
+            "KV per token",
             "bound t/s",
             "fraction",
             "-".repeat(14),
             "-".repeat(19),
+            "-".repeat(11),
             "-".repeat(9),
             "-".repeat(7)
         ));
@@ -577,6 +590,8 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     // As llama.cpp maps models: every page in before the first test, so that the first test
     // does not pay the page faults of first touching each expert.
     args.model.populate = true;
+    // Decided before the load, so that the tile probe forks a small process.
+    let kernels = hmoe_quant::kernel_summary();
     let model = args.model.load()?;
     let n_threads = rayon::current_num_threads();
     let info = run_info(&args, model.as_ref(), n_threads);
@@ -611,12 +626,17 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         let time = now_rfc3339();
         let samples = run_test(model.as_ref(), &test, &cfg)
             .with_context(|| format!("test {}", test.name()))?;
+        let kv_bytes = match (&roofline, test.n_prompt, test.n_gen) {
+            (Some(_), 0, g) if g > 0 => kv_bytes_per_token(model.as_ref(), kv, test.n_depth, g),
+            _ => 0.0,
+        };
         let rec = Record {
             info: &info,
             test,
             time,
             samples,
             roofline: roofline.as_ref(),
+            kv_bytes,
         };
         printer.record(&mut out, &rec)?;
         out.flush()?;
@@ -630,9 +650,13 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
         if let Some(text) = &roof {
             writeln!(out, "\n{}", text.trim_end())?;
         }
-        writeln!(out, "\nbuild: hmoe {} ({})", env!("CARGO_PKG_VERSION"), 0)?;
-    } else if let Some(text) = &roof {
-        eprint!("{text}");
+        writeln!(out, "\ncpu kernels: {kernels}")?;
+        writeln!(out, "build: hmoe {} ({})", env!("CARGO_PKG_VERSION"), 0)?;
+    } else {
+        if let Some(text) = &roof {
+            eprint!("{text}");
+        }
+        eprintln!("cpu kernels: {kernels}");
     }
     out.flush()?;
     Ok(())

@@ -226,10 +226,10 @@ fn roofline_reports_bandwidth_and_fraction() {
         .lines()
         .filter(|l| l.starts_with('|'))
         .map(cells)
-        .find(|c| c.len() == 4 && c[0] == "tg4")
+        .find(|c| c.len() == 5 && c[0] == "tg4")
         .unwrap_or_else(|| panic!("no roofline row: {out}"));
-    let bound: f64 = row[2].parse().unwrap();
-    let fraction: f64 = row[3].parse().unwrap();
+    let bound: f64 = row[3].parse().unwrap();
+    let fraction: f64 = row[4].parse().unwrap();
     assert!(bound > 0.0, "{out}");
     assert!(fraction > 0.0 && fraction <= 1.5, "{out}");
 
@@ -242,6 +242,19 @@ fn roofline_reports_bandwidth_and_fraction() {
     let f = recs[1]["roofline_fraction"].as_f64().unwrap();
     assert!(f > 0.0 && f <= 1.5);
     assert!(recs[1]["roofline_bytes_per_token"].as_f64().unwrap() > 0.0);
+
+    // At a depth the bound counts the KV cache the tokens read: more bytes, a lower bound.
+    json_args.extend(["-d", "0,64"]);
+    let v: Value = serde_json::from_str(&ok_stdout(&json_args)).unwrap();
+    let recs = v.as_array().unwrap();
+    let key = |i: usize, k: &str| recs[i][k].as_f64().unwrap();
+    assert_eq!(recs[3]["n_depth"], 64);
+    let (kv0, kv64) = (
+        key(1, "roofline_kv_bytes_per_token"),
+        key(3, "roofline_kv_bytes_per_token"),
+    );
+    assert!(kv0 > 0.0 && kv64 > kv0, "{kv0} {kv64}");
+    assert!(key(3, "roofline_ts") < key(1, "roofline_ts"));
 }
 
 #[test]

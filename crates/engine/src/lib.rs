@@ -5,8 +5,8 @@ mod generate;
 mod sampler;
 
 pub use bench::{
-    mean, measure_read_bandwidth, run_test, stddev, BenchConfig, BenchError, BenchSamples,
-    BenchTest, WeightTraffic,
+    kv_bytes_per_token, mean, measure_read_bandwidth, run_test, stddev, BenchConfig, BenchError,
+    BenchSamples, BenchTest, WeightTraffic,
 };
 pub use generate::{top_probs, Generation, Generator, StepObserver, Timings};
 pub use sampler::{Sampler, SamplerParams};

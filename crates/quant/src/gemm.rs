@@ -94,7 +94,7 @@ impl GemmKernel {
     /// The kernel for weights of type `weight` (MXFP4, Q8_0 or F32) on `isa`; errors for other
     /// types or an ISA this CPU lacks.
     pub fn new(weight: GgmlType, isa: Isa) -> Result<GemmKernel, QuantError> {
-        Self::resolve(weight, isa, true, true)
+        Self::resolve(weight, isa, true, true, crate::amx_in_use())
     }
 
     /// The kernel for `weight` on [`Isa::best`].
@@ -107,13 +107,14 @@ impl GemmKernel {
         matches!(weight, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32)
     }
 
-    /// [`GemmKernel::new`]; `allow_vnni = false` (`allow_vbmi = false`) forces the AVX-512
-    /// kernels without VNNI (VBMI).
+    /// [`GemmKernel::new`]; `allow_vnni = false` (`allow_vbmi = false`, `allow_amx = false`)
+    /// forces the AVX-512 kernels without VNNI (VBMI, AMX).
     pub(crate) fn resolve(
         weight: GgmlType,
         isa: Isa,
         allow_vnni: bool,
         allow_vbmi: bool,
+        allow_amx: bool,
     ) -> Result<GemmKernel, QuantError> {
         check_isa(isa)?;
         let unsupported = QuantError::Unsupported {
@@ -127,15 +128,22 @@ impl GemmKernel {
             Isa::Scalar => scalar_fn(weight),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => crate::x86_gemm_avx2::gemm_fn(weight),
+            // Batched MXFP4 on AMX tiles where they run and are wanted (the same bits as
+            // VNNI + VBMI).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => crate::x86_gemm_avx512::gemm_fn(
-                weight,
-                allow_vnni && crate::cpu::has_avx512_vnni(),
-                allow_vbmi && crate::cpu::has_avx512_vbmi(),
-            ),
+            Isa::Avx512 => match crate::x86_amx::gemm_fn() {
+                Some(amx) if weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx => {
+                    amx
+                }
+                _ => crate::x86_gemm_avx512::gemm_fn(
+                    weight,
+                    allow_vnni && crate::cpu::has_avx512_vnni(),
+                    allow_vbmi && crate::cpu::has_avx512_vbmi(),
+                ),
+            },
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512 => {
-                let _ = (allow_vnni, allow_vbmi);
+                let _ = (allow_vnni, allow_vbmi, allow_amx);
                 return Err(unsupported);
             }
         };

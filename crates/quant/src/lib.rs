@@ -78,6 +78,8 @@ mod scores;
 mod tiled;
 mod types;
 #[cfg(target_arch = "x86_64")]
+mod x86_amx;
+#[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2_lowbit;
@@ -169,6 +171,86 @@ impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// Whether AMX-INT8 runs here, and if not, why not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AmxStatus {
+    /// Tile permission granted and a tile multiply gave the right result: batched MXFP4
+    /// products can use AMX (they do with `HMOE_AMX=1`, see [`amx_in_use`]).
+    Usable,
+    /// The CPU does not report AMX-TILE and AMX-INT8 (or AVX-512 VNNI/VBMI, which the
+    /// kernel's fallbacks need).
+    NotReported,
+    /// `HMOE_AMX=0` turned it off.
+    Disabled,
+    /// The kernel refused the tile permission (the errno).
+    PermissionDenied(i32),
+    /// The probe's tile instructions faulted or computed the wrong result.
+    ProbeFailed(String),
+}
+
+impl std::fmt::Display for AmxStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AmxStatus::Usable => {
+                f.write_str("amx-int8 runs (tile permission granted, probe passed)")
+            }
+            AmxStatus::NotReported => f.write_str("no amx (not reported by the CPU)"),
+            AmxStatus::Disabled => f.write_str("no amx (HMOE_AMX=0)"),
+            AmxStatus::PermissionDenied(e) => {
+                write!(f, "no amx (tile permission refused, errno {e})")
+            }
+            AmxStatus::ProbeFailed(why) => write!(f, "no amx ({why})"),
+        }
+    }
+}
+
+/// Whether batched MXFP4 products run on AMX tiles here ([`GemmKernel`] on [`Isa::Avx512`]
+/// picks them then): the CPU reports AMX-TILE/AMX-INT8, Linux granted the tile permission and
+/// a probe multiply in a forked child ran and was right. Decided once per process.
+pub fn amx_status() -> &'static AmxStatus {
+    #[cfg(target_arch = "x86_64")]
+    return x86_amx::amx_status();
+    #[cfg(not(target_arch = "x86_64"))]
+    return &AmxStatus::NotReported;
+}
+
+/// Whether batched MXFP4 products use the AMX tiles: where they run ([`amx_status`]) and
+/// `HMOE_AMX=1` asks for them. Off by default: on the one AMX machine measured (a shared
+/// 2-core Sapphire Rapids VM) the tile kernel was no faster than AVX-512 VNNI for gpt-oss
+/// prefill (about 16 tokens per expert, so most tiles are partly padding).
+pub fn amx_in_use() -> bool {
+    static IN_USE: OnceLock<bool> = OnceLock::new();
+    *IN_USE.get_or_init(|| {
+        std::env::var("HMOE_AMX").is_ok_and(|v| v == "1") && *amx_status() == AmxStatus::Usable
+    })
+}
+
+/// One line naming the CPU kernels this process uses, for benchmark reports: the best ISA,
+/// VNNI/VBMI where the AVX-512 kernels use them, and the AMX status.
+pub fn kernel_summary() -> String {
+    let isa = Isa::best();
+    let mut s = isa.name().to_string();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        for (has, name) in [
+            (cpu::has_avx512_vnni(), "vnni"),
+            (cpu::has_avx512_vbmi(), "vbmi"),
+        ] {
+            if has {
+                s.push('+');
+                s.push_str(name);
+            }
+        }
+    }
+    let amx = amx_status();
+    let used = match (amx, amx_in_use()) {
+        (AmxStatus::Usable, true) => ", used for batched MXFP4",
+        (AmxStatus::Usable, false) => ", not used (HMOE_AMX=1 uses it)",
+        _ => "",
+    };
+    format!("{s}, {amx}{used}")
 }
 
 /// CPU feature detection (x86-64 only), cached by `std`'s detection macro.

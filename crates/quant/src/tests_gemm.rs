@@ -6,16 +6,22 @@ use crate::scalar::{e8m0_to_f32_half, f16_to_f32, MXFP4_BYTES, Q8_0_BYTES};
 use crate::tests::{rand_f16, same, Rng};
 use crate::*;
 
-/// Every GEMM kernel this CPU can run for `ty`: each ISA, plus AVX-512 without VNNI and/or
-/// VBMI.
+/// Every GEMM kernel this CPU can run for `ty`: each ISA, plus AVX-512 with AMX (where the
+/// tiles run), and without VNNI and/or VBMI.
 fn kernels(ty: GgmlType) -> Vec<GemmKernel> {
     let mut ks: Vec<GemmKernel> = Isa::available()
         .into_iter()
         .map(|isa| GemmKernel::new(ty, isa).unwrap())
         .collect();
     if Isa::Avx512.is_available() {
-        for (vnni, vbmi) in [(false, true), (true, false), (false, false)] {
-            ks.push(GemmKernel::resolve(ty, Isa::Avx512, vnni, vbmi).unwrap());
+        for (vnni, vbmi, amx) in [
+            (true, true, true),
+            (true, true, false),
+            (false, true, true),
+            (true, false, true),
+            (false, false, true),
+        ] {
+            ks.push(GemmKernel::resolve(ty, Isa::Avx512, vnni, vbmi, amx).unwrap());
         }
     }
     ks
@@ -280,4 +286,46 @@ fn gemm_kernels_are_send_sync_copy() {
     check::<GemmKernel>();
     fn sync<T: Send + Sync>() {}
     sync::<GemmActs<'static>>();
+}
+
+/// The AMX MXFP4 kernel equals the AVX-512 VNNI + VBMI one bit for bit, over token counts on
+/// both sides of its threshold and of a 16-token tile, row counts that leave a partial group,
+/// and widths of one block to gpt-oss's 2880 (runs only where the tile probe passed).
+#[test]
+fn amx_mxfp4_equals_vnni_bit_for_bit() {
+    let status = amx_status();
+    if *status != AmxStatus::Usable {
+        eprintln!("SKIPPED: AMX MXFP4 kernel not tested: {status}");
+        return;
+    }
+    let amx = GemmKernel::resolve(GgmlType::MXFP4, Isa::Avx512, true, true, true).unwrap();
+    let vnni = GemmKernel::resolve(GgmlType::MXFP4, Isa::Avx512, true, true, false).unwrap();
+    assert!(amx.name().contains("amx"), "{}", amx.name());
+    assert!(!vnni.name().contains("amx"), "{}", vnni.name());
+    let mut rng = Rng(21);
+    for (rows, n, n_tokens) in [
+        (16, 32, 4),
+        (16, 64, 16),
+        (32, 96, 17),
+        (48, 2880, 5),
+        (70, 2880, 33),
+        (64, 320, 3),
+        (21, 128, 40),
+    ] {
+        let w = mxfp4_rows(rows, n, &mut rng);
+        let a = q8_0_rows(n_tokens, n, &mut rng);
+        let run = |k: &GemmKernel| {
+            let acts = k.prepare(n, &a, n_tokens).unwrap();
+            let mut out = vec![0f32; rows * n_tokens];
+            k.gemm(&w, &acts, &mut out).unwrap();
+            out
+        };
+        let (x, y) = (run(&amx), run(&vnni));
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            assert!(
+                same(*p, *q),
+                "rows {rows} n {n} tokens {n_tokens}: output {i}: amx {p} vnni {q}"
+            );
+        }
+    }
 }
