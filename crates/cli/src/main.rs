@@ -104,8 +104,9 @@ fn log_filter(args: &[String]) -> tracing_subscriber::EnvFilter {
     } else if flag(&["-v", "--verbose"]) {
         tracing_subscriber::EnvFilter::new("debug")
     } else {
-        tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,hmoe_server::request=info"))
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new("warn,hmoe_server::request=info")
+        })
     }
 }
 
