@@ -25,6 +25,7 @@ Limits (every resource a client controls is bounded):
                      --timeout for a busy model, at most --max-queue requests at once
   prompt + output    the slot's context (-c / -np); n_predict stops there
   n_probs            at most 100
+  stop strings       at most 64, each at most 1024 bytes
   /tokenize pieces   streamed, a few bytes per token";
 
 /// Arguments of `hmoe serve` (llama-server's spelling).

@@ -97,7 +97,8 @@ impl Default for SamplingDefaults {
 /// Bounds on what clients can make the server hold (connections, time, bytes). The other
 /// input-controlled bounds live where they apply: threads (`hmoe_pool::MAX_THREADS`, via the
 /// CLI), queued requests ([`EngineConfig::max_queue`]), tokens to generate and prompt length
-/// (the slot's context), `n_probs` ([`crate::params::MAX_PROBS`]), pieces of `/tokenize`
+/// (the slot's context), `n_probs` ([`crate::params::MAX_PROBS`]), stop strings
+/// ([`crate::params::MAX_STOP`]), pieces of `/tokenize`
 /// (streamed).
 #[derive(Clone, Debug)]
 pub struct Limits {

@@ -167,6 +167,10 @@ impl GenParams {
 /// Most alternatives per token a request may ask for.
 pub const MAX_PROBS: usize = 100;
 
+/// Most stop strings a request may give, and the longest one in bytes: every generated token
+/// is checked against all of them.
+pub const MAX_STOP: (usize, usize) = (64, 1024);
+
 /// Reads the generation settings common to the completion routes.
 pub fn gen_params(
     f: &Fields<'_>,
@@ -225,6 +229,12 @@ pub fn gen_params(
             ))
         }
     };
+    let (max_count, max_len) = MAX_STOP;
+    if stop.len() > max_count || stop.iter().any(|s| s.len() > max_len) {
+        return Err(ApiError::bad_request(format!(
+            "'stop' may hold at most {max_count} strings of at most {max_len} bytes each"
+        )));
+    }
     let (logprobs, n_probs) = match flavor {
         Flavor::Chat => {
             let on = f.bool("logprobs")?.unwrap_or(false);

@@ -50,7 +50,9 @@ fn body_json(raw: &str) -> Value {
 fn stalled_connections_are_closed_and_health_answers_beyond_the_cap() {
     let mut c = tiny_config();
     c.limits.max_connections = 8;
-    c.limits.header_timeout = Duration::from_secs(1);
+    // Long enough that no stalled connection times out before the 503 is checked, even on a
+    // loaded machine.
+    c.limits.header_timeout = Duration::from_secs(3);
     let s = start(c);
     let a = s.local_addr();
     // Eight normal places, then the reserve (8/8 + 16 = 17), then more: 60 clients that send
@@ -81,7 +83,7 @@ fn stalled_connections_are_closed_and_health_answers_beyond_the_cap() {
     // Every stalled connection is closed within the header timeout (plus slack).
     let t = Instant::now();
     for (i, conn) in held.iter_mut().enumerate() {
-        let left = Duration::from_secs(4).saturating_sub(t.elapsed());
+        let left = Duration::from_secs(8).saturating_sub(t.elapsed());
         assert!(
             closed_within(conn, left.max(Duration::from_millis(1))).is_some(),
             "stalled connection {i} still open after {:?}",
@@ -302,4 +304,25 @@ fn tokenize_pieces_stream_and_match_the_ids() {
         post(a, "/tokenize", &json!({"content": ""})).json(),
         json!({"tokens": []})
     );
+}
+
+#[test]
+fn stop_strings_are_bounded() {
+    let server = start(tiny_config());
+    let a = server.local_addr();
+    let ok = post(
+        a,
+        "/completion",
+        &json!({"prompt": "hi", "n_predict": 2, "stop": vec!["x"; 64]}),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    for stop in [json!(vec!["x"; 65]), json!(["y".repeat(1025)])] {
+        let r = post(
+            a,
+            "/completion",
+            &json!({"prompt": "hi", "n_predict": 2, "stop": stop}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains("at most 64 strings"), "{}", r.body);
+    }
 }
