@@ -3,6 +3,9 @@
 //! package (crates/server/tests/openai_client.py) from `$HMOE_PYTHON` (the venv `.ci/run`
 //! makes; else `python3`); without it the Python part prints `SKIPPED:`.
 
+#[path = "../../server/tests/common/python.rs"]
+mod python;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -95,20 +98,6 @@ fn http(addr: &str, method: &str, path: &str, key: &str, body: &str) -> (u16, St
     (status, body)
 }
 
-/// The Python with the `openai` package: `HMOE_PYTHON` (the venv `.ci/run` makes) or
-/// `python3`. Nothing is installed: without it the Python part skips and says so.
-fn python_with_openai() -> Option<String> {
-    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&py)
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIPPED: {py} has no `openai` package (run .ci/run, or set HMOE_PYTHON)");
-    }
-    has.then_some(py)
-}
-
 #[test]
 fn seed_command_line_serves_the_openai_client() {
     let model = fixtures().join("gpt-oss/gptoss-tiny.gguf");
@@ -154,7 +143,7 @@ fn seed_command_line_serves_the_openai_client() {
     assert_eq!(props["default_generation_settings"]["n_ctx"], 65536);
     assert_eq!(props["total_slots"], 2);
     assert_eq!(http(&s.addr, "GET", "/props", "", "").0, 401);
-    if let Some(py) = python_with_openai() {
+    if let Some(py) = python::python_with(&["openai"]) {
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../server/tests/openai_client.py"

@@ -17,20 +17,6 @@ use common::*;
 use hmoe_server::{ModelSource, RunningServer};
 use serde_json::json;
 
-fn python() -> Option<String> {
-    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import openai, anthropic"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        Some(py)
-    } else {
-        eprintln!("SKIPPED: {py} lacks the openai and anthropic packages (set HMOE_PYTHON)");
-        None
-    }
-}
-
 /// How much of the script runs.
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
@@ -69,7 +55,9 @@ fn run_script(py: &str, server: &RunningServer, model: &str, mode: Mode) {
 
 #[test]
 fn gpt_oss_through_openai_and_anthropic_clients() {
-    let Some(py) = python() else { return };
+    let Some(py) = common::python::python_with(&["openai", "anthropic"]) else {
+        return;
+    };
     let tok = tokenizer(&tiny_model());
     let mut c = tiny_config();
     c.picker = Some(scripted(
@@ -103,7 +91,9 @@ fn real_model(file: &str) -> Option<PathBuf> {
 
 #[test]
 fn real_models_through_openai_and_anthropic_clients() {
-    let Some(py) = python() else { return };
+    let Some(py) = common::python::python_with(&["openai", "anthropic"]) else {
+        return;
+    };
     // SmolLM2 (135M) runs every check; Qwen2.5 (0.5B, slower) its template with tools.
     for (file, name, mode) in [
         (

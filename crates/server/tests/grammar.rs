@@ -171,12 +171,9 @@ fn chat_response_formats_and_forced_tool_calls_are_valid_over_http() {
 
 #[test]
 fn the_openai_package_gets_valid_structured_output() {
-    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&py).args(["-c", "import openai"]).output();
-    if !has.is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIPPED: {py} has no `openai` package (set HMOE_PYTHON)");
+    let Some(py) = common::python::python_with(&["openai"]) else {
         return;
-    }
+    };
     let s = start(tiny_config());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/grammar_python.py");
     let out = Command::new(&py)

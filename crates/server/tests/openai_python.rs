@@ -12,20 +12,6 @@ use std::process::Command;
 use common::*;
 use hmoe_chat::ReasoningFormat;
 
-/// The Python with the `openai` package: `HMOE_PYTHON` (the venv `.ci/run` makes) or
-/// `python3`. Nothing is installed: without it the test skips and says so.
-fn python_with_openai() -> Option<String> {
-    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&py)
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIPPED: {py} has no `openai` package (run .ci/run, or set HMOE_PYTHON)");
-    }
-    has.then_some(py)
-}
-
 fn run_client(py: &str, server: &hmoe_server::RunningServer, format: &str) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
     let out = Command::new(py)
@@ -70,7 +56,7 @@ fn server(format: ReasoningFormat) -> hmoe_server::RunningServer {
 
 #[test]
 fn official_openai_client() {
-    let Some(py) = python_with_openai() else {
+    let Some(py) = common::python::python_with(&["openai"]) else {
         return;
     };
     run_client(&py, &server(ReasoningFormat::Auto), "auto");

@@ -95,16 +95,7 @@ fn browser() -> Result<(String, PathBuf, PathBuf), String> {
             ));
         }
     }
-    let py = std::env::var("HMOE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = Command::new(&py)
-        .args(["-c", "import selenium"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has {
-        return Err(format!(
-            "{py} has no `selenium` package (set HMOE_PYTHON to a Python with it)"
-        ));
-    }
+    let py = common::python::python_or_why(&["selenium"])?;
     Ok((py, chromium, driver))
 }
 

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod python;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
