@@ -1,11 +1,13 @@
 //! Chat formatting for hmoe: rendering the model's chat template, and reading the model's output
-//! back as messages (gpt-oss harmony channels and tool calls, `<think>` reasoning).
+//! back as messages (gpt-oss harmony channels and tool calls, `<think>` reasoning, the tool calls
+//! of Qwen3 / Qwen3-Coder / DeepSeek templates).
 
 mod builtin;
 mod harmony;
 mod model;
 mod reasoning;
 mod template;
+mod toolcall;
 
 pub use builtin::{builtin_template, builtin_template_names, resolve_chat_template};
 pub use harmony::{
@@ -14,6 +16,7 @@ pub use harmony::{
 pub use model::{load_chat_template, special_token_vars, KEY_CHAT_TEMPLATE};
 pub use reasoning::{ChatDelta, HarmonyStream, ReasoningFormat, ThinkSplitter};
 pub use template::{render_template, ChatTemplate, Clock};
+pub use toolcall::{ToolCallFormat, ToolCallParser, ToolCallSpec, MAX_HELD};
 
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
@@ -38,5 +41,6 @@ mod tests {
         check::<super::HarmonyParser>();
         check::<super::HarmonyStream>();
         check::<super::ThinkSplitter>();
+        check::<super::ToolCallParser>();
     }
 }

@@ -178,7 +178,7 @@ impl ThinkSplitter {
     }
 }
 
-fn push_delta(out: &mut Vec<ChatDelta>, d: ChatDelta) {
+pub(crate) fn push_delta(out: &mut Vec<ChatDelta>, d: ChatDelta) {
     let empty = match &d {
         ChatDelta::Content(s) | ChatDelta::Reasoning(s) => s.is_empty(),
         ChatDelta::ToolCallArgs { delta, .. } => delta.is_empty(),
@@ -190,7 +190,7 @@ fn push_delta(out: &mut Vec<ChatDelta>, d: ChatDelta) {
 }
 
 /// Length of the longest suffix of `s` that is a proper prefix of `tag`.
-fn partial_suffix(s: &str, tag: &str) -> usize {
+pub(crate) fn partial_suffix(s: &str, tag: &str) -> usize {
     (1..tag.len())
         .rev()
         .find(|&n| {

@@ -1,0 +1,374 @@
+//! Tool calls of the Qwen3, Qwen3-Coder and DeepSeek formats read back from the exact text their
+//! fixture templates teach (an assistant turn with calls rendered, minus the generation prompt),
+//! whole and streamed in pieces; malformed calls come back as content.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use hmoe_chat::{
+    render_template, ChatDelta, ReasoningFormat, ThinkSplitter, ToolCallFormat, ToolCallParser,
+    ToolCallSpec, MAX_HELD,
+};
+use serde_json::{json, Value};
+
+fn template(name: &str) -> String {
+    let root = std::env::var("HMOE_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures"
+            ))
+        });
+    std::fs::read_to_string(root.join("chat").join(name)).expect("template")
+}
+
+fn tools() -> Value {
+    json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"},
+            "opts": {"type": "object"}, "note": {"type": ["string", "null"]}},
+            "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time", "description": "Time.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}])
+}
+
+/// The calls the assistant turn makes (arguments as objects, as the server hands them to
+/// templates).
+fn calls() -> Vec<(String, Value)> {
+    vec![
+        (
+            "get_weather".into(),
+            json!({"city": "Paris", "days": 3, "opts": {"metric": true}, "note": "12"}),
+        ),
+        ("get_time".into(), json!({"zone": "Europe/Paris"})),
+    ]
+}
+
+#[derive(Debug, Default, PartialEq)]
+struct Read {
+    reasoning: String,
+    content: String,
+    calls: Vec<(String, Value)>,
+}
+
+/// Runs text through `<think>` splitting and the tool-call reader, in `chunks`.
+fn read(spec: &Arc<ToolCallSpec>, think_open: bool, chunks: &[&str]) -> Read {
+    let mut think = ThinkSplitter::new(ReasoningFormat::Auto, think_open);
+    let mut parser = ToolCallParser::new(spec.clone());
+    let mut routed = Vec::new();
+    for c in chunks {
+        for d in think.push(c) {
+            match d {
+                ChatDelta::Content(t) => routed.extend(parser.push(&t)),
+                other => routed.push(other),
+            }
+        }
+    }
+    for d in think.finish() {
+        match d {
+            ChatDelta::Content(t) => routed.extend(parser.push(&t)),
+            other => routed.push(other),
+        }
+    }
+    routed.extend(parser.finish());
+    let mut out = Read::default();
+    let mut args: Vec<String> = Vec::new();
+    for r in routed {
+        match r {
+            ChatDelta::Reasoning(t) => out.reasoning.push_str(&t),
+            ChatDelta::Content(t) => out.content.push_str(&t),
+            ChatDelta::ToolCallStart { index, name } => {
+                assert_eq!(index, out.calls.len());
+                out.calls.push((name, Value::Null));
+                args.push(String::new());
+            }
+            ChatDelta::ToolCallArgs { index, delta } => args[index].push_str(&delta),
+        }
+    }
+    for (c, a) in out.calls.iter_mut().zip(&args) {
+        c.1 = serde_json::from_str(a).unwrap_or_else(|e| panic!("{e}: {a}"));
+    }
+    out
+}
+
+/// Reading `text` whole equals reading it one character at a time and in two pieces split at
+/// every character boundary.
+fn read_every_way(spec: &Arc<ToolCallSpec>, think_open: bool, text: &str) -> Read {
+    let whole = read(spec, think_open, &[text]);
+    let chars: Vec<String> = text.chars().map(String::from).collect();
+    let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+    assert_eq!(
+        read(spec, think_open, &refs),
+        whole,
+        "char by char: {text:?}"
+    );
+    for (i, _) in text.char_indices().skip(1) {
+        let (a, b) = text.split_at(i);
+        assert_eq!(
+            read(spec, think_open, &[a, b]),
+            whole,
+            "split at {i}: {text:?}"
+        );
+    }
+    whole
+}
+
+/// What the model is taught to write for an assistant turn with `content` and the calls:
+/// the turn rendered after the conversation, past the generation prompt, without the
+/// end-of-turn markup; and whether the generation prompt opened `<think>`.
+fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
+    let src = template(name);
+    let user = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let tool_calls: Vec<Value> = calls()
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n, a))| json!({"id": format!("call_{i}"), "type": "function", "function": {"name": n, "arguments": a}}))
+        .collect();
+    let mut with_turn = user.clone();
+    with_turn
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "assistant", "content": content, "tool_calls": tool_calls}));
+    let extra =
+        json!({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"});
+    let prompt = render_template(&src, &user, Some(&tools()), true, &extra).unwrap();
+    let full = render_template(&src, &with_turn, Some(&tools()), false, &extra).unwrap();
+    // Templates that drop the generation prompt's `<think>` from history (DeepSeek R1) are cut
+    // after the last assistant marker instead.
+    let (turn, think_open) = match full.strip_prefix(prompt.as_str()) {
+        Some(t) => (t, prompt.trim_end().ends_with("<think>")),
+        None => {
+            let marker = "<｜Assistant｜>";
+            let at = prompt.rfind(marker).expect("an assistant marker") + marker.len();
+            let t = full
+                .strip_prefix(&prompt[..at])
+                .unwrap_or_else(|| panic!("{name}: the turn does not follow the prompt"));
+            (t, false)
+        }
+    };
+    let cut = turn
+        .find(end)
+        .unwrap_or_else(|| panic!("{name}: {turn:?} does not end in {end}"));
+    (turn[..cut].trim_end().to_string(), think_open)
+}
+
+fn check_template(name: &str, format: ToolCallFormat, end: &str) {
+    let src = template(name);
+    assert_eq!(ToolCallFormat::detect(&src), Some(format), "{name}");
+    let spec = Arc::new(ToolCallSpec::new(format, Some(&tools()), true));
+    for content in ["Let me check.", ""] {
+        let (text, think_open) = taught(name, content, end);
+        let got = read_every_way(&spec, think_open, &text);
+        assert_eq!(got.calls, calls(), "{name}: {text:?}");
+        // DeepSeek R1 templates drop the content of a tool-call turn.
+        let shown = if text.contains(content) { content } else { "" };
+        assert_eq!(got.content, shown, "{name}: {text:?}");
+    }
+}
+
+#[test]
+fn qwen3_hermes_calls_round_trip() {
+    check_template(
+        "Qwen-Qwen3-0.6B.jinja",
+        ToolCallFormat::Hermes,
+        "<|im_end|>",
+    );
+}
+
+#[test]
+fn qwen3_coder_xml_calls_round_trip_with_typed_values() {
+    check_template(
+        "Qwen3-Coder.jinja",
+        ToolCallFormat::Qwen3Coder,
+        "<|im_end|>",
+    );
+    // A string-typed parameter stays a string even when it reads as a number.
+    let spec = Arc::new(ToolCallSpec::new(
+        ToolCallFormat::Qwen3Coder,
+        Some(&tools()),
+        true,
+    ));
+    let r = read(
+        &spec,
+        false,
+        &["<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\nsoon\n</parameter>\n</function>\n</tool_call>"],
+    );
+    assert_eq!(
+        r.calls,
+        vec![(
+            "get_weather".to_string(),
+            json!({"city": "42", "days": "soon"})
+        )]
+    );
+}
+
+#[test]
+fn deepseek_v3_1_calls_round_trip() {
+    check_template(
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        ToolCallFormat::DeepSeek,
+        "<｜end▁of▁sentence｜>",
+    );
+}
+
+#[test]
+fn deepseek_r1_calls_round_trip() {
+    check_template(
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+        ToolCallFormat::DeepSeek,
+        "<｜end▁of▁sentence｜>",
+    );
+    assert_eq!(
+        ToolCallFormat::detect(&template("llama-cpp-deepseek-r1.jinja")),
+        Some(ToolCallFormat::DeepSeek)
+    );
+    assert_eq!(
+        ToolCallFormat::detect(&template("openai-gpt-oss-120b.jinja")),
+        None
+    );
+}
+
+#[test]
+fn reasoning_then_calls() {
+    let spec = Arc::new(ToolCallSpec::new(
+        ToolCallFormat::Hermes,
+        Some(&tools()),
+        true,
+    ));
+    let text = "<think>\nCall it.\n</think>\n\nOne moment.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+    let r = read_every_way(&spec, false, text);
+    assert_eq!(r.reasoning, "\nCall it.\n");
+    assert_eq!(r.content, "One moment.");
+    assert_eq!(r.calls, vec![("get_time".to_string(), json!({}))]);
+}
+
+#[test]
+fn content_before_a_call_streams_and_the_call_is_held_back() {
+    let spec = Arc::new(ToolCallSpec::new(ToolCallFormat::Hermes, None, true));
+    let mut p = ToolCallParser::new(spec);
+    assert_eq!(p.push("Sure "), vec![ChatDelta::Content("Sure".into())]);
+    assert_eq!(
+        p.push("thing.\n<tool"),
+        vec![ChatDelta::Content(" thing.".into())]
+    );
+    assert!(p
+        .push("_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_")
+        .is_empty());
+    assert_eq!(
+        p.push("call>\n"),
+        vec![
+            ChatDelta::ToolCallStart {
+                index: 0,
+                name: "f".into()
+            },
+            ChatDelta::ToolCallArgs {
+                index: 0,
+                delta: "{\"a\":1}".into()
+            },
+        ]
+    );
+    assert!(p.finish().is_empty());
+    assert_eq!(p.n_calls(), 1);
+}
+
+#[test]
+fn malformed_calls_come_back_as_content() {
+    let spec = Arc::new(ToolCallSpec::new(ToolCallFormat::Hermes, None, true));
+    let cases = [
+        // Not JSON.
+        "Hi <tool_call>\n{not json}\n</tool_call> bye",
+        // No name.
+        "<tool_call>{\"arguments\": {}}</tool_call>",
+        // Arguments that are not an object.
+        "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>",
+        // Unterminated and incomplete.
+        "<tool_call>\n{\"name\": \"f\", \"argu",
+        // A partial tag at the end.
+        "text <tool_ca",
+        // XML without its end.
+        "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>",
+    ];
+    for text in cases {
+        let r = read_every_way(&spec, false, text);
+        assert!(r.calls.is_empty(), "{text:?}: {r:?}");
+        assert_eq!(
+            r.content,
+            text.replace("Hi <", "Hi<").trim_start(),
+            "{text:?}"
+        );
+    }
+    // A good call after a bad one is still read.
+    let text = "<tool_call>oops</tool_call><tool_call>{\"name\": \"g\"}</tool_call>";
+    let r = read_every_way(&spec, false, text);
+    assert_eq!(r.content, "<tool_call>oops</tool_call>");
+    assert_eq!(r.calls, vec![("g".to_string(), json!({}))]);
+    // A complete call whose end tag never came is taken (the model stopped after it).
+    let r = read(
+        &spec,
+        false,
+        &["<tool_call>{\"name\": \"g\", \"arguments\": {\"x\": 2}}"],
+    );
+    assert_eq!(r.calls, vec![("g".to_string(), json!({"x": 2}))]);
+    // DeepSeek: a block that holds no call.
+    let ds = Arc::new(ToolCallSpec::new(ToolCallFormat::DeepSeek, None, true));
+    let text = "A<｜tool▁calls▁begin｜>nothing<｜tool▁calls▁end｜>";
+    let r = read_every_way(&ds, false, text);
+    assert!(r.calls.is_empty());
+    assert_eq!(r.content, text);
+}
+
+#[test]
+fn held_back_text_is_bounded() {
+    let spec = Arc::new(ToolCallSpec::new(ToolCallFormat::Hermes, None, true));
+    let mut p = ToolCallParser::new(spec);
+    let mut shown = 0;
+    assert!(p
+        .push("<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": \"")
+        .is_empty());
+    let chunk = "x".repeat(1000);
+    let mut pushed = 0;
+    while shown == 0 {
+        pushed += chunk.len();
+        assert!(
+            pushed <= MAX_HELD + chunk.len(),
+            "nothing given back after {pushed} bytes"
+        );
+        for d in p.push(&chunk) {
+            match d {
+                ChatDelta::Content(t) => shown += t.len(),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert!(shown > MAX_HELD - chunk.len(), "{shown}");
+    // From then on the text is content as it comes.
+    assert_eq!(p.push("abc"), vec![ChatDelta::Content("abc".into())]);
+}
+
+#[test]
+fn without_parallel_calls_only_the_first_is_read() {
+    let spec = Arc::new(ToolCallSpec::new(ToolCallFormat::Hermes, None, false));
+    let mut p = ToolCallParser::new(spec);
+    let text = "<tool_call>{\"name\": \"a\"}</tool_call>\n<tool_call>{\"name\": \"b\"}</tool_call>";
+    let ds = p.push(text);
+    assert!(p.done());
+    assert_eq!(
+        ds,
+        vec![
+            ChatDelta::ToolCallStart {
+                index: 0,
+                name: "a".into()
+            },
+            ChatDelta::ToolCallArgs {
+                index: 0,
+                delta: "{}".into()
+            },
+        ]
+    );
+    assert!(p.push("more").is_empty() && p.finish().is_empty());
+    let ds = Arc::new(ToolCallSpec::new(ToolCallFormat::DeepSeek, None, false));
+    let r = read(&ds, false, &["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>b<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"]);
+    assert_eq!(r.calls, vec![("a".to_string(), json!({}))]);
+}
