@@ -46,7 +46,7 @@ pub async fn count_tokens(
     let req = parse_body(&body)?;
     let chat = chat_request(&req, false)?;
     let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
-    let (text, _) = render_chat(&st, &lease, &chat)?;
+    let (text, _, _) = render_chat(&st, &lease, &chat)?;
     let n = lease
         .host
         .chat()?
@@ -236,6 +236,13 @@ fn chat_request(req: &Map<String, Value>, generate: bool) -> Result<Map<String, 
             }
         };
         out.insert("tool_choice".into(), mapped);
+        if choice
+            .get("disable_parallel_tool_use")
+            .and_then(Value::as_bool)
+            == Some(true)
+        {
+            out.insert("parallel_tool_calls".into(), false.into());
+        }
     }
     Ok(out)
 }
@@ -351,7 +358,7 @@ mod tests {
             "model": "x", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}],
             "stop_sequences": ["END"],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-            "tool_choice": {"type": "any"},
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
             "messages": [
                 {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": [
@@ -382,6 +389,7 @@ mod tests {
             json!({"type": "object"})
         );
         assert_eq!(c["tool_choice"], "required");
+        assert_eq!(c["parallel_tool_calls"], false);
         assert_eq!(c["stop"], json!(["END"]));
         assert_eq!(c["max_tokens"], 5);
         for bad in [

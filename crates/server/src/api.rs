@@ -127,12 +127,13 @@ fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
     }
 }
 
-/// The prompt text of a chat request (template rendered) and how to read its output.
+/// The prompt text of a chat request (template rendered), how to read its reasoning, and the
+/// tools the template was given (`None`: none, or `tool_choice` `"none"`).
 pub(crate) fn render_chat(
     st: &AppState,
     lease: &Lease,
     req: &Map<String, Value>,
-) -> Result<(String, ReasoningFormat), ApiError> {
+) -> Result<(String, ReasoningFormat, Option<Value>), ApiError> {
     let f = Fields(req);
     let chat = lease.host.chat()?;
     let messages = normalize_messages(req.get("messages"))?;
@@ -170,7 +171,7 @@ pub(crate) fn render_chat(
     }
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let text = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
-    Ok((text, format))
+    Ok((text, format, tools))
 }
 
 async fn chat(State(st): St, body: Bytes) -> Res {
@@ -299,7 +300,7 @@ async fn detokenize(State(st): St, body: Bytes) -> Res {
 async fn apply_template(State(st): St, body: Bytes) -> Res {
     let req = parse_body(&body)?;
     let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
-    let (text, _) = render_chat(&st, &lease, &req)?;
+    let (text, _, _) = render_chat(&st, &lease, &req)?;
     Ok(Json(json!({ "prompt": text })).into_response())
 }
 

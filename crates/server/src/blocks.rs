@@ -265,6 +265,7 @@ const SHARED_FIELDS: &[&str] = &[
     "reasoning_format",
     "chat_template_kwargs",
     "cache_prompt",
+    "parallel_tool_calls",
 ];
 
 /// Copies the fields of `req` that the chat route reads the same way into `out`.

@@ -1,7 +1,11 @@
 //! Chat requests to prompts: OpenAI messages normalised for Hugging Face templates, the
 //! model's (or `--chat-template-file`'s) template, and how the output is to be read.
 
-use hmoe_chat::{ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat};
+use std::sync::Arc;
+
+use hmoe_chat::{
+    ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, ToolCallFormat, ToolCallSpec,
+};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -32,9 +36,11 @@ pub async fn prepare_chat(
     req: &Map<String, Value>,
 ) -> Result<PreparedChat, ApiError> {
     let lease = st.registry.acquire(model).await?;
-    let (text, format) = render_chat(st, &lease, req)?;
+    let (text, format, tools) = render_chat(st, &lease, req)?;
     let host = lease.host.clone();
     let chat = host.chat()?;
+    // As llama-server: several calls may follow one another unless the request says not.
+    let parallel = Fields(req).bool("parallel_tool_calls")?.unwrap_or(true);
     let prompt = chat.tokenize(&host.tokenizer, &text)?;
     let gen = gen_params(
         &Fields(req),
@@ -42,7 +48,7 @@ pub async fn prepare_chat(
         Flavor::Chat,
         &host.tokenizer,
     )?;
-    let output = chat.output_kind(&text, format);
+    let output = chat.output_kind(&text, format, tools.as_ref(), parallel);
     Ok(PreparedChat {
         lease,
         prompt,
@@ -57,6 +63,7 @@ pub struct ChatSetup {
     source: String,
     harmony: Option<HarmonyTokens>,
     think: bool,
+    tool_calls: Option<ToolCallFormat>,
     bos: String,
     eos: String,
 }
@@ -66,6 +73,7 @@ impl std::fmt::Debug for ChatSetup {
         f.debug_struct("ChatSetup")
             .field("harmony", &self.harmony.is_some())
             .field("think", &self.think)
+            .field("tool_calls", &self.tool_calls)
             .finish()
     }
 }
@@ -86,6 +94,10 @@ impl ChatSetup {
         };
         Ok(ChatSetup {
             think: harmony.is_none() && source.contains("<think>"),
+            tool_calls: harmony
+                .is_none()
+                .then(|| ToolCallFormat::detect(&source))
+                .flatten(),
             template,
             harmony,
             bos: text(tok.bos()),
@@ -148,13 +160,36 @@ impl ChatSetup {
         })
     }
 
-    /// How to read the output that follows `prompt`.
-    pub fn output_kind(&self, prompt: &str, format: ReasoningFormat) -> OutputKind {
-        match self.harmony {
-            Some(t) if prompt.ends_with("<|start|>assistant") => OutputKind::Harmony(t, format),
-            Some(_) => OutputKind::Text,
-            None if self.think => OutputKind::Think(format, prompt.trim_end().ends_with("<think>")),
-            None => OutputKind::Text,
+    /// How the template writes tool calls, when it is not harmony and hmoe knows the format.
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        self.tool_calls
+    }
+
+    /// How to read the output that follows `prompt`; `tools` are the tools the template was
+    /// given: with them, tool calls in the template's format are read from the text (several
+    /// when `parallel`).
+    pub fn output_kind(
+        &self,
+        prompt: &str,
+        format: ReasoningFormat,
+        tools: Option<&Value>,
+        parallel: bool,
+    ) -> OutputKind {
+        let think = (self.harmony.is_none() && self.think)
+            .then(|| (format, prompt.trim_end().ends_with("<think>")));
+        match (self.harmony, self.tool_calls, tools) {
+            (Some(t), _, _) if prompt.ends_with("<|start|>assistant") => {
+                OutputKind::Harmony(t, format)
+            }
+            (Some(_), _, _) => OutputKind::Text,
+            (None, Some(calls), Some(tools)) => OutputKind::ToolCalls {
+                think,
+                spec: Arc::new(ToolCallSpec::new(calls, Some(tools), parallel)),
+            },
+            (None, _, _) => match think {
+                Some((f, open)) => OutputKind::Think(f, open),
+                None => OutputKind::Text,
+            },
         }
     }
 

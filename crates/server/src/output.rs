@@ -1,16 +1,31 @@
-//! Turning generated tokens into response pieces: plain text, `<think>` splitting or gpt-oss
-//! harmony channels and tool calls, with stop strings held back until they can no longer match.
+//! Turning generated tokens into response pieces: plain text, `<think>` splitting, the tool calls
+//! of Qwen3 / Qwen3-Coder / DeepSeek templates, or gpt-oss harmony channels and tool calls, with
+//! stop strings held back until they can no longer match.
 
-use hmoe_chat::{ChatDelta, HarmonyStream, HarmonyTokens, ReasoningFormat, ThinkSplitter};
+use std::sync::Arc;
+
+use hmoe_chat::{
+    ChatDelta, HarmonyStream, HarmonyTokens, ReasoningFormat, ThinkSplitter, ToolCallParser,
+    ToolCallSpec,
+};
 use hmoe_tokenizer::{StreamDecoder, Tokenizer};
 
 /// How a request's output is read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum OutputKind {
     /// Plain text (completions, chat templates without reasoning).
     Text,
     /// `<think>…</think>` reasoning; `bool` = the prompt already opened `<think>`.
     Think(ReasoningFormat, bool),
+    /// Text whose content holds tool calls in `spec`'s format (after `<think>` splitting as
+    /// [`OutputKind::Think`] when `think` is set).
+    ToolCalls {
+        /// The reasoning format and whether the prompt opened `<think>`, for templates with
+        /// reasoning.
+        think: Option<(ReasoningFormat, bool)>,
+        /// The format and the request's tools.
+        spec: Arc<ToolCallSpec>,
+    },
     /// gpt-oss harmony after a prompt ending in `<|start|>assistant`.
     Harmony(HarmonyTokens, ReasoningFormat),
 }
@@ -93,6 +108,7 @@ pub struct OutputState {
     kind: OutputKind,
     decoder: StreamDecoder,
     think: Option<ThinkSplitter>,
+    calls: Option<ToolCallParser>,
     harmony: Option<HarmonyStream>,
     stop: StopMatcher,
 }
@@ -100,15 +116,21 @@ pub struct OutputState {
 impl OutputState {
     /// A reader of `kind` output that stops at any of `stops`.
     pub fn new(kind: OutputKind, stops: Vec<String>) -> OutputState {
-        let (think, harmony) = match kind {
-            OutputKind::Text => (None, None),
-            OutputKind::Think(f, open) => (Some(ThinkSplitter::new(f, open)), None),
-            OutputKind::Harmony(t, f) => (None, Some(HarmonyStream::new(t, f))),
+        let (think, calls, harmony) = match &kind {
+            OutputKind::Text => (None, None, None),
+            OutputKind::Think(f, open) => (Some(ThinkSplitter::new(*f, *open)), None, None),
+            OutputKind::ToolCalls { think, spec } => (
+                think.map(|(f, open)| ThinkSplitter::new(f, open)),
+                Some(ToolCallParser::new(spec.clone())),
+                None,
+            ),
+            OutputKind::Harmony(t, f) => (None, None, Some(HarmonyStream::new(*t, *f))),
         };
         OutputState {
             kind,
             decoder: StreamDecoder::new(),
             think,
+            calls,
             harmony,
             stop: StopMatcher::new(stops),
         }
@@ -125,15 +147,35 @@ impl OutputState {
         matches!(self.kind, OutputKind::Harmony(..))
     }
 
+    /// Whether the output is complete before the model stopped: the one tool call of a request
+    /// without `parallel_tool_calls` was read.
+    pub fn ended(&self) -> bool {
+        self.calls.as_ref().is_some_and(ToolCallParser::done)
+    }
+
     /// Feeds one generated token.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Vec<ChatDelta> {
         let mut out = Vec::new();
-        match self.kind {
-            OutputKind::Text | OutputKind::Think(..) => {
-                if tok.is_control(id) {
+        match &self.kind {
+            OutputKind::Text | OutputKind::Think(..) | OutputKind::ToolCalls { .. } => {
+                // Control tokens are not text, except a tool-call format's markup.
+                let markup = match &self.kind {
+                    OutputKind::ToolCalls { spec, .. } => tok
+                        .token_text(id)
+                        .filter(|t| spec.format().markers().contains(t)),
+                    _ => None,
+                };
+                if tok.is_control(id) && markup.is_none() {
                     return out;
                 }
-                let text = self.decoder.push(tok, id);
+                let text = match markup {
+                    Some(m) if tok.is_control(id) => {
+                        let mut t = self.decoder.finish();
+                        t.push_str(m);
+                        t
+                    }
+                    _ => self.decoder.push(tok, id),
+                };
                 let safe = self.stop.push(&text);
                 self.text_out(&safe, &mut out);
             }
@@ -152,13 +194,17 @@ impl OutputState {
     pub fn finish(&mut self) -> Vec<ChatDelta> {
         let mut out = Vec::new();
         match self.kind {
-            OutputKind::Text | OutputKind::Think(..) => {
+            OutputKind::Text | OutputKind::Think(..) | OutputKind::ToolCalls { .. } => {
                 let tail = self.decoder.finish();
                 let mut safe = self.stop.push(&tail);
                 safe.push_str(&self.stop.flush());
                 self.text_out(&safe, &mut out);
                 if let Some(t) = &mut self.think {
-                    out.extend(t.finish());
+                    let rest = t.finish();
+                    self.route_content(rest, &mut out);
+                }
+                if let Some(c) = &mut self.calls {
+                    out.extend(c.finish());
                 }
             }
             OutputKind::Harmony(..) => {
@@ -180,9 +226,24 @@ impl OutputState {
         if text.is_empty() {
             return;
         }
-        match &mut self.think {
-            Some(t) => out.extend(t.push(text)),
-            None => out.push(ChatDelta::Content(text.to_string())),
+        let deltas = match &mut self.think {
+            Some(t) => t.push(text),
+            None => vec![ChatDelta::Content(text.to_string())],
+        };
+        self.route_content(deltas, out);
+    }
+
+    /// Content goes through the tool-call reader when there is one.
+    fn route_content(&mut self, deltas: Vec<ChatDelta>, out: &mut Vec<ChatDelta>) {
+        let Some(calls) = &mut self.calls else {
+            out.extend(deltas);
+            return;
+        };
+        for d in deltas {
+            match d {
+                ChatDelta::Content(t) => out.extend(calls.push(&t)),
+                other => out.push(other),
+            }
         }
     }
 

@@ -615,7 +615,7 @@ impl Worker {
         for &t in prompt {
             picker.accept(t);
         }
-        let output = OutputState::new(job.spec.output, job.spec.stop.clone());
+        let output = OutputState::new(job.spec.output.clone(), job.spec.stop.clone());
         s.active = Some(Active {
             constraint: job.spec.constraint.take(),
             prompt_pos: keep,
@@ -858,7 +858,7 @@ impl Worker {
         } else {
             a.output.push(&tok, token)
         };
-        let finish = if eog || grammar_done {
+        let finish = if eog || grammar_done || a.output.ended() {
             Some(Finish::Eog)
         } else if let Some(w) = a.output.stop_hit() {
             Some(Finish::StopWord(w.to_string()))
