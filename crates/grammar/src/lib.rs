@@ -5,13 +5,13 @@
 //! A [`Vocab`] is llguidance's view of a tokenizer: a trie of every token's bytes, chat markup
 //! tokens (control tokens, and user-defined ones written `<…>`) under llguidance's
 //! special-token marker so grammars name them as `<|name|>`, and the end-of-generation tokens
-//! as its EOS set. Building it walks the whole vocabulary once; [`Vocab::shared`] keeps one per live tokenizer. [`Vocab::compile`] turns a
-//! [`Grammar`] into a [`Constraint`], which masks each step's logits ([`Constraint::mask`]) and
+//! as its EOS set. Building it walks the whole vocabulary once (seconds for a 200k vocabulary: build
+//! it once per tokenizer, off the async workers). [`Vocab::compile`] turns a [`Grammar`] into a [`Constraint`], which masks each step's logits ([`Constraint::mask`]) and
 //! follows the chosen tokens ([`Constraint::accept`]).
 
 mod gbnf;
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 
 use hmoe_tokenizer::{TokenAttr, Tokenizer, VocabType};
 use llguidance::api::TopLevelGrammar;
@@ -182,23 +182,6 @@ impl Vocab {
             ParserFactory::new_simple(&env).map_err(|e| GrammarError::Invalid(e.to_string()))?;
         factory.quiet();
         Ok(Vocab { factory })
-    }
-
-    /// The vocabulary of `tok`, built on first use and kept while `tok` lives.
-    pub fn shared(tok: &Arc<Tokenizer>) -> Result<Arc<Vocab>, GrammarError> {
-        type Cache = Vec<(Weak<Tokenizer>, Arc<Vocab>)>;
-        static CACHE: Mutex<Cache> = Mutex::new(Vec::new());
-        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        cache.retain(|(t, _)| t.strong_count() > 0);
-        if let Some((_, v)) = cache
-            .iter()
-            .find(|(t, _)| t.upgrade().is_some_and(|t| Arc::ptr_eq(&t, tok)))
-        {
-            return Ok(v.clone());
-        }
-        let v = Arc::new(Vocab::new(tok)?);
-        cache.push((Arc::downgrade(tok), v.clone()));
-        Ok(v)
     }
 
     /// The Lark text llguidance compiles for `grammar` in `frame`.

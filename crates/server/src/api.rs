@@ -195,7 +195,8 @@ async fn completions(State(st): St, body: Bytes) -> Res {
     let lease = st.registry.acquire(f.str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
     let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let gen = gen_params(&f, &st.config.sampling, Flavor::Completion, &tok)?;
+    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Completion, &tok)?;
+    gen.compile(&lease.host).await?;
     run(lease, Flavor::Completion, prompt, gen, OutputKind::Text).await
 }
 
@@ -205,7 +206,8 @@ async fn native_completion(State(st): St, body: Bytes) -> Res {
     let lease = st.registry.acquire(f.str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
     let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let gen = gen_params(&f, &st.config.sampling, Flavor::Native, &tok)?;
+    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Native, &tok)?;
+    gen.compile(&lease.host).await?;
     run(lease, Flavor::Native, prompt, gen, OutputKind::Text).await
 }
 

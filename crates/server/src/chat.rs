@@ -42,12 +42,13 @@ pub async fn prepare_chat(
     // As llama-server: several calls may follow one another unless the request says not.
     let parallel = Fields(req).bool("parallel_tool_calls")?.unwrap_or(true);
     let prompt = chat.tokenize(&host.tokenizer, &text)?;
-    let gen = gen_params(
+    let mut gen = gen_params(
         &Fields(req),
         &st.config.sampling,
         Flavor::Chat,
         &host.tokenizer,
     )?;
+    gen.compile(&host).await?;
     let output = chat.output_kind(&text, format, tools.as_ref(), parallel);
     Ok(PreparedChat {
         lease,

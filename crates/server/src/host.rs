@@ -1,7 +1,7 @@
 //! One loaded model: weights, tokenizer, chat format and its slots.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use hmoe_gguf::GgufModel;
@@ -34,6 +34,9 @@ pub struct ModelHost {
     pub stats: Arc<Stats>,
     /// Unix time it was loaded.
     pub created: u64,
+    /// The vocabulary grammars are compiled against, built on first use (see
+    /// [`crate::params::compile_constraint`]).
+    pub(crate) vocab: OnceLock<Result<Arc<hmoe_grammar::Vocab>, hmoe_grammar::GrammarError>>,
 }
 
 impl std::fmt::Debug for ModelHost {
@@ -169,6 +172,7 @@ impl Prepared {
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            vocab: OnceLock::new(),
         })
     }
 }

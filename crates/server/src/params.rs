@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use hmoe_engine::SamplerParams;
 use hmoe_grammar::{Constraint, Frame, Grammar, Tool, ToolFormat, Vocab};
+
+use crate::host::ModelHost;
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -139,14 +141,26 @@ pub struct GenParams {
     /// Reuse cached prompt prefixes.
     pub cache_prompt: bool,
     /// Grammar the output must follow (`grammar`, `json_schema`, `response_format`,
-    /// `tool_choice`).
+    /// `tool_choice`) and where it goes, until [`GenParams::compile`] compiles it.
+    pub grammar: Option<(Grammar, Frame)>,
+    /// The compiled grammar.
     pub constraint: Option<Constraint>,
 }
 
 impl GenParams {
+    /// Compiles the requested grammar for `host`'s vocabulary (see [`compile_constraint`]); call
+    /// before [`GenParams::job`].
+    pub async fn compile(&mut self, host: &Arc<ModelHost>) -> Result<(), ApiError> {
+        if let Some((grammar, frame)) = self.grammar.take() {
+            self.constraint = Some(compile_constraint(host, grammar, frame).await?);
+        }
+        Ok(())
+    }
+
     /// The scheduler's job for `prompt` with these settings, its output read as `output`; the
     /// request's constraint moves into the job.
     pub fn job(&mut self, prompt: Vec<u32>, output: OutputKind) -> JobSpec {
+        debug_assert!(self.grammar.is_none(), "GenParams::compile comes first");
         JobSpec {
             prompt,
             n_predict: self.n_predict,
@@ -171,7 +185,8 @@ pub const MAX_PROBS: usize = 100;
 /// is checked against all of them.
 pub const MAX_STOP: (usize, usize) = (64, 1024);
 
-/// Reads the generation settings common to the completion routes.
+/// Reads the generation settings common to the completion routes. A grammar the request asks
+/// for is checked for shape here and compiled by [`GenParams::compile`].
 pub fn gen_params(
     f: &Fields<'_>,
     defaults: &SamplingDefaults,
@@ -280,7 +295,7 @@ pub fn gen_params(
         frequency: f.f32("frequency_penalty")?.unwrap_or(0.0),
         bias: logit_bias(f.value("logit_bias"), tok)?,
     };
-    let constraint = constraint(f, flavor, tok)?;
+    let grammar = constraint(f, flavor, tok)?;
     let include_usage = match f.value("stream_options") {
         Some(Value::Object(o)) => o
             .get("include_usage")
@@ -302,7 +317,8 @@ pub fn gen_params(
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
         cache_prompt: f.bool("cache_prompt")?.unwrap_or(true),
-        constraint,
+        grammar,
+        constraint: None,
     })
 }
 
@@ -310,12 +326,12 @@ pub fn gen_params(
 /// `json_schema` (llama.cpp), `response_format` `json_object` / `json_schema` (OpenAI), and on
 /// chat `tool_choice` `"required"` or a named function, written in the model's tool-call format.
 /// On a gpt-oss chat a response format is the `final` channel's content. At most one may be
-/// given; an invalid grammar or schema is a 400 with the parser's message.
+/// given.
 fn constraint(
     f: &Fields<'_>,
     flavor: Flavor,
     tok: &Arc<Tokenizer>,
-) -> Result<Option<Constraint>, ApiError> {
+) -> Result<Option<(Grammar, Frame)>, ApiError> {
     let bad = |m: &str| ApiError::bad_request(m.to_string());
     let mut asked: Vec<Grammar> = Vec::new();
     if let Some(g) = f.str("grammar")? {
@@ -367,14 +383,28 @@ fn constraint(
             "give at most one of 'grammar', 'json_schema', 'response_format' and a forced 'tool_choice'",
         ));
     }
-    let Some(grammar) = asked.pop() else {
-        return Ok(None);
-    };
-    let vocab = Vocab::shared(tok).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    vocab
-        .compile(&grammar, frame)
-        .map(Some)
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+    Ok(asked.pop().map(|g| (g, frame)))
+}
+
+/// Compiles `grammar` in `frame` for `host`'s vocabulary, on a blocking thread: the first
+/// request builds the vocabulary (seconds for a 200k vocabulary), which no async worker waits
+/// on, and later ones reuse it. An invalid grammar or schema is a 400 with the parser's message.
+pub async fn compile_constraint(
+    host: &Arc<ModelHost>,
+    grammar: Grammar,
+    frame: Frame,
+) -> Result<Constraint, ApiError> {
+    let host = host.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        let vocab = host
+            .vocab
+            .get_or_init(|| Vocab::new(&host.tokenizer).map(Arc::new))
+            .clone()?;
+        vocab.compile(&grammar, frame)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("compiling the grammar: {e}")))?;
+    built.map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 /// The tool-call grammar of `tool_choice` `"required"` (any of `tools`) or a named function.

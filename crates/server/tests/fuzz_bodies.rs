@@ -13,6 +13,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use common::*;
+use hmoe_grammar::Vocab;
 use hmoe_server::chat::{normalize_messages, ChatSetup};
 use hmoe_server::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor};
 use hmoe_server::SamplingDefaults;
@@ -239,6 +240,7 @@ fn handle(
     bytes: &[u8],
     chat: &ChatSetup,
     tok: &std::sync::Arc<hmoe_tokenizer::Tokenizer>,
+    vocab: &Vocab,
     defaults: &SamplingDefaults,
     reached: &mut Reached,
 ) {
@@ -246,7 +248,10 @@ fn handle(
     reached.parsed += 1;
     let f = Fields(&req);
     for flavor in [Flavor::Chat, Flavor::Completion, Flavor::Native] {
-        let _ = gen_params(&f, defaults, flavor, tok);
+        if let Ok(Some((grammar, frame))) = gen_params(&f, defaults, flavor, tok).map(|g| g.grammar)
+        {
+            let _ = vocab.compile(&grammar, frame);
+        }
     }
     let _ = prompt_tokens(req.get("prompt"), tok);
     if let Ok(messages) = normalize_messages(req.get("messages")) {
@@ -280,6 +285,7 @@ fn random_and_mutated_bodies_never_panic() {
         .expect("the fixture has a template")
         .to_string();
     let chat = ChatSetup::new(template, &tok).unwrap();
+    let vocab = Vocab::new(&tok).unwrap();
     let defaults = SamplingDefaults::default();
     let seeds = seeds();
     // The seeds themselves are valid requests.
@@ -296,7 +302,7 @@ fn random_and_mutated_bodies_never_panic() {
     for i in 0..iters {
         let bytes = input(&mut r, &seeds);
         if catch_unwind(AssertUnwindSafe(|| {
-            handle(&bytes, &chat, &tok, &defaults, &mut reached)
+            handle(&bytes, &chat, &tok, &vocab, &defaults, &mut reached)
         }))
         .is_err()
         {
