@@ -1,22 +1,12 @@
 //! The other fixture templates (Qwen3, Qwen3-Coder, DeepSeek V3.1 / R1) render real conversations
 //! (tools, tool results, reasoning) with the functions and Python methods they call.
 
-use std::path::PathBuf;
+mod common;
+
+use common::template;
 
 use hmoe_chat::{render_template, ChatDelta, ReasoningFormat, ThinkSplitter};
 use serde_json::{json, Value};
-
-fn template(name: &str) -> String {
-    let root = std::env::var("HMOE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        });
-    std::fs::read_to_string(root.join("chat").join(name)).expect("template")
-}
 
 fn conversation() -> (Value, Value) {
     let tools = json!([{"type": "function", "function": {

@@ -2,7 +2,9 @@
 //! fixture templates teach (an assistant turn with calls rendered, minus the generation prompt),
 //! whole and streamed in pieces; malformed calls come back as content.
 
-use std::path::PathBuf;
+mod common;
+
+use common::template;
 use std::sync::Arc;
 
 use hmoe_chat::{
@@ -10,18 +12,6 @@ use hmoe_chat::{
     ToolCallSpec, MAX_HELD,
 };
 use serde_json::{json, Value};
-
-fn template(name: &str) -> String {
-    let root = std::env::var("HMOE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        });
-    std::fs::read_to_string(root.join("chat").join(name)).expect("template")
-}
 
 fn tools() -> Value {
     json!([{"type": "function", "function": {

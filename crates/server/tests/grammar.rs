@@ -176,21 +176,9 @@ fn the_openai_package_gets_valid_structured_output() {
     };
     let s = start(tiny_config());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/grammar_python.py");
-    let out = Command::new(&py)
-        .args([
-            script,
-            &format!("http://{}/v1", s.local_addr()),
-            "gptoss-tiny",
-        ])
-        .output()
-        .expect("python runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && text.contains(" passed, 0 failed"),
-        "{text}"
-    );
+    common::python::run_checks(Command::new(&py).args([
+        script,
+        &format!("http://{}/v1", s.local_addr()),
+        "gptoss-tiny",
+    ]));
 }

@@ -7,6 +7,8 @@ import sys
 
 from openai import OpenAI
 
+from checks import check, report
+
 base_url, model = sys.argv[1], sys.argv[2]
 client = OpenAI(base_url=base_url, api_key="none")
 SCHEMA = {
@@ -21,16 +23,6 @@ SCHEMA = {
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
     "required": ["city"], "additionalProperties": False}}}]
-passed = failed = 0
-
-
-def check(what, cond):
-    global passed, failed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print("FAILED:", what)
 
 
 for seed in range(3):
@@ -55,5 +47,4 @@ for seed in range(3):
           and json.loads(calls[0].function.arguments).get("city") in ("Paris", "Oslo"))
     check(f"finish reason seed {seed}: {r.choices[0].finish_reason}", r.choices[0].finish_reason == "tool_calls")
 
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+report()

@@ -14,27 +14,20 @@ use hmoe_chat::ReasoningFormat;
 
 fn run_client(py: &str, server: &hmoe_server::RunningServer, format: &str) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = Command::new(py)
-        .arg(script)
-        .args(["--base-url", &format!("http://{}/v1", server.local_addr())])
-        .args([
-            "--api-key",
-            "sk-test",
-            "--model",
-            "gptoss-tiny",
-            "--scripted",
-            "--reasoning-format",
-            format,
-        ])
-        .output()
-        .expect("python3 runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    common::python::run_checks(
+        Command::new(py)
+            .arg(script)
+            .args(["--base-url", &format!("http://{}/v1", server.local_addr())])
+            .args([
+                "--api-key",
+                "sk-test",
+                "--model",
+                "gptoss-tiny",
+                "--scripted",
+                "--reasoning-format",
+                format,
+            ]),
     );
-    assert!(out.status.success(), "openai client checks failed:\n{text}");
-    assert!(text.contains(" passed, 0 failed"), "{text}");
 }
 
 fn server(format: ReasoningFormat) -> hmoe_server::RunningServer {

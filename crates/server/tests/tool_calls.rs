@@ -250,17 +250,7 @@ fn the_openai_package_reads_qwen3_tool_calls() {
     };
     let s = server();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/tool_calls_python.py");
-    let out = Command::new(&py)
-        .args([script, &format!("http://{}/v1", s.local_addr())])
-        .output()
-        .expect("python runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && text.contains(" passed, 0 failed"),
-        "{text}"
+    common::python::run_checks(
+        Command::new(&py).args([script, &format!("http://{}/v1", s.local_addr())]),
     );
 }

@@ -7,6 +7,8 @@ import sys
 
 from openai import OpenAI
 
+from checks import check, report
+
 client = OpenAI(base_url=sys.argv[1], api_key="none")
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
@@ -16,16 +18,6 @@ TOOLS = [
 ]
 WANT = [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
 MESSAGES = [{"role": "user", "content": "Weather and time in Paris?"}]
-passed = failed = 0
-
-
-def check(what, cond):
-    global passed, failed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print("FAILED:", what)
 
 
 r = client.chat.completions.create(model="qwen3moe-tiny", messages=MESSAGES, tools=TOOLS, seed=1,
@@ -64,5 +56,4 @@ r = client.chat.completions.create(model="qwen3moe-tiny", messages=history, tool
                                    max_tokens=200)
 check(f"round trip: {r.choices[0]}", r.choices[0].finish_reason == "tool_calls")
 
-print(f"{passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+report()

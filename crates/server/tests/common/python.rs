@@ -26,3 +26,19 @@ pub fn python_with(modules: &[&str]) -> Option<String> {
         .map_err(|why| eprintln!("SKIPPED: {why}"))
         .ok()
 }
+
+/// Runs a client check script (it prints `N passed, M failed` and exits non-zero on failures);
+/// panics with its output unless it passed every check. Returns its stdout and stderr.
+pub fn run_checks(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("python runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains(" passed, 0 failed"),
+        "client checks failed:\n{text}"
+    );
+    text
+}
