@@ -148,27 +148,18 @@ fn seed_command_line_serves_the_openai_client() {
             env!("CARGO_MANIFEST_DIR"),
             "/../server/tests/openai_client.py"
         );
-        let out = Command::new(&py)
-            .arg(script)
-            .args([
-                "--base-url",
-                &format!("http://{}/v1", s.addr),
-                "--api-key",
-                "sk-test",
-                "--model",
-                "gptoss-tiny",
-            ])
-            .args(["--reasoning-format", "none"])
-            .output()
-            .expect("python3 runs");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains(" passed, 0 failed"),
-            "{text}"
+        python::run_checks(
+            Command::new(&py)
+                .arg(script)
+                .args([
+                    "--base-url",
+                    &format!("http://{}/v1", s.addr),
+                    "--api-key",
+                    "sk-test",
+                    "--model",
+                    "gptoss-tiny",
+                ])
+                .args(["--reasoning-format", "none"]),
         );
     }
 }
