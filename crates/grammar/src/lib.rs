@@ -72,22 +72,37 @@ pub enum ToolFormat {
     Harmony,
     /// Hermes / Qwen: `<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`.
     ToolCallTags,
+    /// DeepSeek V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`
+    /// `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`.
+    DeepSeek,
 }
 
 impl ToolFormat {
     /// The format of a tokenizer's chat markup: harmony when it has harmony's control tokens,
-    /// `<tool_call>` tags when it has that token, else `None`.
+    /// `<tool_call>` tags when it has that token, DeepSeek's when it has its tool-call tokens,
+    /// else `None`.
     pub fn detect(tok: &Tokenizer) -> Option<ToolFormat> {
         let markup = |t: &str| tok.token_id(t).is_some_and(|id| is_markup(tok, id));
         if markup("<|channel|>") && markup("<|constrain|>") && markup("<|call|>") {
             Some(ToolFormat::Harmony)
         } else if markup("<tool_call>") && markup("</tool_call>") {
             Some(ToolFormat::ToolCallTags)
+        } else if DEEPSEEK_MARKUP.iter().all(|t| markup(t)) {
+            Some(ToolFormat::DeepSeek)
         } else {
             None
         }
     }
 }
+
+/// DeepSeek's tool-call markup: calls begin, call begin, separator, call end, calls end.
+const DEEPSEEK_MARKUP: [&str; 5] = [
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+];
 
 /// Whether token `id` is chat markup, which grammars name as `<|name|>` rather than spell: a
 /// control token, or a user-defined one written `<…>` (e.g. harmony's `<|channel|>`, Qwen's
@@ -242,6 +257,14 @@ impl Vocab {
                         json_rule(call)?,
                         lark_string("\n"),
                         mark("</tool_call>"),
+                    ));
+                }
+                ToolFormat::DeepSeek => {
+                    let [calls, call, sep, call_end, calls_end] = DEEPSEEK_MARKUP.map(mark);
+                    out.push_str(&format!(
+                        "call_{i}: {calls} {call} {} {sep} {} {call_end} {calls_end}\n",
+                        lark_string(&tool.name),
+                        json_rule(params)?,
                     ));
                 }
             }

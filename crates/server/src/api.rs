@@ -195,7 +195,7 @@ async fn completions(State(st): St, body: Bytes) -> Res {
     let lease = st.registry.acquire(f.str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
     let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Completion, &tok)?;
+    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Completion, &tok, None)?;
     gen.compile(&lease.host).await?;
     run(lease, Flavor::Completion, prompt, gen, OutputKind::Text).await
 }
@@ -206,7 +206,7 @@ async fn native_completion(State(st): St, body: Bytes) -> Res {
     let lease = st.registry.acquire(f.str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
     let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Native, &tok)?;
+    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Native, &tok, None)?;
     gen.compile(&lease.host).await?;
     run(lease, Flavor::Native, prompt, gen, OutputKind::Text).await
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use hmoe_chat::{
     ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, ToolCallFormat, ToolCallSpec,
 };
+use hmoe_grammar::ToolFormat;
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -47,6 +48,7 @@ pub async fn prepare_chat(
         &st.config.sampling,
         Flavor::Chat,
         &host.tokenizer,
+        chat.forced_tool_format(&host.tokenizer),
     )?;
     gen.compile(&host).await?;
     let output = chat.output_kind(&text, format, tools.as_ref(), parallel);
@@ -164,6 +166,20 @@ impl ChatSetup {
     /// How the template writes tool calls, when it is not harmony and hmoe knows the format.
     pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
         self.tool_calls
+    }
+
+    /// How a forced tool call (`tool_choice` `"required"` or a function) is written: the
+    /// template's format (Qwen3-Coder templates get `<tool_call>` JSON, which hmoe reads back as
+    /// well), else what the vocabulary's markup tokens suggest.
+    pub fn forced_tool_format(&self, tok: &Tokenizer) -> Option<ToolFormat> {
+        match (self.harmony, self.tool_calls) {
+            (Some(_), _) => Some(ToolFormat::Harmony),
+            (None, Some(ToolCallFormat::Hermes | ToolCallFormat::Qwen3Coder)) => {
+                Some(ToolFormat::ToolCallTags)
+            }
+            (None, Some(ToolCallFormat::DeepSeek)) => Some(ToolFormat::DeepSeek),
+            (None, None) => ToolFormat::detect(tok),
+        }
     }
 
     /// How to read the output that follows `prompt`; `tools` are the tools the template was

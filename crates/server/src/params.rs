@@ -186,12 +186,15 @@ pub const MAX_PROBS: usize = 100;
 pub const MAX_STOP: (usize, usize) = (64, 1024);
 
 /// Reads the generation settings common to the completion routes. A grammar the request asks
-/// for is checked for shape here and compiled by [`GenParams::compile`].
+/// for is checked for shape here and compiled by [`GenParams::compile`]; `tool_format` is how
+/// a forced chat tool call is written (the chat template's format; see
+/// [`crate::chat::ChatSetup::forced_tool_format`]).
 pub fn gen_params(
     f: &Fields<'_>,
     defaults: &SamplingDefaults,
     flavor: Flavor,
     tok: &Arc<Tokenizer>,
+    tool_format: Option<ToolFormat>,
 ) -> Result<GenParams, ApiError> {
     let d = &defaults.params;
     let mut sampling = d.clone();
@@ -295,7 +298,7 @@ pub fn gen_params(
         frequency: f.f32("frequency_penalty")?.unwrap_or(0.0),
         bias: logit_bias(f.value("logit_bias"), tok)?,
     };
-    let grammar = constraint(f, flavor, tok)?;
+    let grammar = constraint(f, flavor, tok, tool_format)?;
     let include_usage = match f.value("stream_options") {
         Some(Value::Object(o)) => o
             .get("include_usage")
@@ -331,6 +334,7 @@ fn constraint(
     f: &Fields<'_>,
     flavor: Flavor,
     tok: &Arc<Tokenizer>,
+    tool_format: Option<ToolFormat>,
 ) -> Result<Option<(Grammar, Frame)>, ApiError> {
     let bad = |m: &str| ApiError::bad_request(m.to_string());
     let mut asked: Vec<Grammar> = Vec::new();
@@ -369,11 +373,10 @@ fn constraint(
     }
     let mut frame = Frame::Raw;
     if flavor == Flavor::Chat {
-        let format = ToolFormat::detect(tok);
-        if format == Some(ToolFormat::Harmony) {
+        if ToolFormat::detect(tok) == Some(ToolFormat::Harmony) {
             frame = Frame::HarmonyFinal;
         }
-        if let Some(call) = tool_call(f, format)? {
+        if let Some(call) = tool_call(f, tool_format)? {
             asked.push(call);
             frame = Frame::Raw;
         }
@@ -439,7 +442,7 @@ fn tool_call(f: &Fields<'_>, format: Option<ToolFormat>) -> Result<Option<Gramma
     }
     let Some(format) = format else {
         return Err(ApiError::bad_request(
-            "this model's chat format has no tool-call markup hmoe can enforce (harmony or <tool_call> tags)",
+            "this model's chat format has no tool-call markup hmoe can enforce (harmony, <tool_call> tags or DeepSeek's)",
         ));
     };
     Ok(Some(Grammar::ToolCall { format, tools }))

@@ -248,7 +248,8 @@ fn handle(
     reached.parsed += 1;
     let f = Fields(&req);
     for flavor in [Flavor::Chat, Flavor::Completion, Flavor::Native] {
-        if let Ok(Some((grammar, frame))) = gen_params(&f, defaults, flavor, tok).map(|g| g.grammar)
+        if let Ok(Some((grammar, frame))) =
+            gen_params(&f, defaults, flavor, tok, chat.forced_tool_format(tok)).map(|g| g.grammar)
         {
             let _ = vocab.compile(&grammar, frame);
         }

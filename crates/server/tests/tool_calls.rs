@@ -18,20 +18,24 @@ const TWO_CALLS: &str = "<think>\nThe user wants weather and time.\n</think>\n\n
 const BROKEN: &str =
     "Hmm <tool_call>\n{\"name\": \"get_weather\", oops}\n</tool_call><|endoftext|>";
 
-fn model() -> std::path::PathBuf {
-    fixtures().join("qwen3moe/qwen3moe-tiny.gguf")
-}
+const QWEN3: (&str, &str) = ("qwen3moe/qwen3moe-tiny.gguf", "Qwen-Qwen3-0.6B.jinja");
 
-fn server() -> hmoe_server::RunningServer {
-    let tok = tokenizer(&model());
-    let mut c = ServerConfig::new(ModelSource::File(model()));
+/// A server for fixture `model` with fixture chat template `template`.
+fn config((model, template): (&str, &str)) -> ServerConfig {
+    let mut c = ServerConfig::new(ModelSource::File(fixtures().join(model)));
     c.port = 0;
     c.engine.n_ctx = 4096;
     c.engine.n_parallel = 2;
     c.engine.n_ubatch = 64;
-    c.chat.template = Some(
-        std::fs::read_to_string(fixtures().join("chat/Qwen-Qwen3-0.6B.jinja")).expect("template"),
-    );
+    c.chat.template =
+        Some(std::fs::read_to_string(fixtures().join("chat").join(template)).expect("template"));
+    c
+}
+
+/// Qwen3 with scripted output: seed 1 two calls, seed 2 a broken one.
+fn server() -> hmoe_server::RunningServer {
+    let mut c = config(QWEN3);
+    let tok = tokenizer(&fixtures().join(QWEN3.0));
     c.picker = Some(scripted(&tok, &[(1, TWO_CALLS), (2, BROKEN)]));
     start(c)
 }
@@ -241,6 +245,61 @@ fn anthropic_and_responses_get_the_calls() {
         })
         .collect();
     assert_eq!(items, both_calls(), "{v}");
+}
+
+/// Forced calls (`tool_choice` `"required"` or named) at temperature 1 on random weights: the
+/// grammar writes the template's format, which is read back as a call valid for its schema.
+#[test]
+fn forced_calls_on_random_weights_come_back_as_tool_calls() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+         "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                        "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "noop", "description": "Nothing",
+         "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}}
+    ]);
+    for setup in [
+        QWEN3,
+        ("qwen3moe/qwen3moe-tiny.gguf", "Qwen3-Coder.jinja"),
+        (
+            "deepseek2/deepseek2-tiny.gguf",
+            "deepseek-ai-DeepSeek-V3.1.jinja",
+        ),
+    ] {
+        let s = start(config(setup));
+        let a = s.local_addr();
+        for seed in 0..3 {
+            for choice in [
+                json!("required"),
+                json!({"type": "function", "function": {"name": "get_weather"}}),
+            ] {
+                let body = json!({"messages": [{"role": "user", "content": "Weather?"}], "tools": tools,
+                                  "tool_choice": choice, "temperature": 1.0, "seed": seed, "max_tokens": 150});
+                let r = post(a, "/v1/chat/completions", &body);
+                assert_eq!(r.status, 200, "{setup:?}: {}", r.body);
+                let c = &r.json()["choices"][0];
+                assert_eq!(c["finish_reason"], "tool_calls", "{setup:?} {choice}: {c}");
+                let calls = calls_of(&c["message"]);
+                assert_eq!(calls.len(), 1, "{setup:?}: {c}");
+                let (name, args) = &calls[0];
+                match name.as_str() {
+                    "get_weather" => {
+                        assert!(
+                            ["Paris", "Oslo"].contains(&args["city"].as_str().unwrap_or("")),
+                            "{c}"
+                        );
+                        assert!(
+                            args["days"].as_u64().is_some_and(|d| (1..=9).contains(&d)),
+                            "{c}"
+                        );
+                    }
+                    "noop" => assert!(choice == "required" && args == &json!({}), "{c}"),
+                    other => panic!("{setup:?}: unknown tool {other}: {c}"),
+                }
+            }
+        }
+    }
 }
 
 #[test]
