@@ -364,12 +364,13 @@ fn slot_without_device_memory_gets_503() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let slots = json_ok(&s.addr, "GET", "/slots", &Value::Null);
-        let busy = slots
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|v| v["is_processing"] == true);
-        if busy {
+        // The second task (the first was `alone`), generating: its cache is on REF0.
+        let running = (slots.as_array().unwrap().iter()).any(|v| {
+            v["is_processing"] == true
+                && v["id_task"] == 1
+                && v["next_token"]["n_decoded"].as_u64() > Some(0)
+        });
+        if running {
             break;
         }
         assert!(Instant::now() < deadline, "the first request never ran");
