@@ -9,14 +9,15 @@
 #[path = "../../server/tests/common/python.rs"]
 mod python;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+#[path = "common/serve.rs"]
+mod server;
+
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use server::{fixtures, Server};
 
 /// The K/V cache flags of the seed command line (one line to change for a quantized cache).
 const KV: &[&str] = &["-ctk", "f16", "-ctv", "f16"];
@@ -43,108 +44,21 @@ const SEED: &[&str] = &[
 ];
 
 fn fixture() -> String {
-    let dir = std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    );
-    dir.join("gpt-oss/gptoss-tiny.gguf")
+    fixtures()
+        .join("gpt-oss/gptoss-tiny.gguf")
         .to_string_lossy()
         .into_owned()
 }
 
-/// The server process (killed when dropped) and what it wrote to stderr so far.
-struct Server {
-    child: Child,
-    addr: String,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    /// Its stderr so far.
-    fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-}
-
-/// `hmoe serve -m FIXTURE ARGS --port 0`, once it is healthy (the model loaded).
+/// `hmoe serve -m FIXTURE ARGS`, once the model is loaded.
 fn serve(args: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hmoe"))
-        .args(["serve", "-m", &fixture()])
-        .args(args)
-        .args(["--host", "127.0.0.1", "--port", "0"])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("hmoe serve starts");
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let stderr = Arc::new(Mutex::new(String::new()));
-    let mut line = String::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let addr = loop {
-        line.clear();
-        if err.read_line(&mut line).unwrap_or(0) == 0 || Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("hmoe serve did not start: {}{line}", stderr.lock().unwrap());
-        }
-        stderr.lock().unwrap().push_str(&line);
-        if let Some(a) = line.trim().strip_prefix("hmoe serve: listening on http://") {
-            break a.to_string();
-        }
-    };
-    let sink = stderr.clone();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        while err.read_line(&mut line).unwrap_or(0) > 0 {
-            sink.lock().unwrap().push_str(&line);
-            line.clear();
-        }
-    });
-    let server = Server {
-        child,
-        addr,
-        stderr,
-    };
-    for _ in 0..1000 {
-        if http(&server.addr, "GET", "/health", "").0 == 200 {
-            return server;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("hmoe serve never became healthy: {}", server.stderr());
+    let model = fixture();
+    server::serve(&[&["-m", model.as_str()], args].concat())
 }
 
-/// One HTTP/1.1 request with the API key `k`; returns (status, body).
+/// One request with the API key `k`; returns (status, body).
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nAuthorization: Bearer k\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let status = (resp.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, body.to_string())
+    server::http(addr, method, path, "k", body)
 }
 
 /// `method path body` as JSON, which must answer 200.
