@@ -274,7 +274,8 @@ fn slot_without_device_memory_gets_503() {
     let long = json!({"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": true, "temperature": 0});
     let alone = json_ok(&s.addr, "POST", "/completion", &long);
     let addr = s.addr.clone();
-    let first = std::thread::spawn(move || json_ok(&addr, "POST", "/completion", &long));
+    let body = long.clone();
+    let first = std::thread::spawn(move || json_ok(&addr, "POST", "/completion", &body));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let slots = json_ok(&s.addr, "GET", "/slots", &Value::Null);
@@ -300,7 +301,58 @@ fn slot_without_device_memory_gets_503() {
     let first = first.join().unwrap();
     assert_eq!(first["content"], alone["content"]);
     assert_eq!(first["tokens_predicted"], 400, "{first}");
+    // Now the other request runs, in the free slot, freeing the idle slot's device cache to
+    // make room; the long prompt, sent again, is then computed afresh, as alone.
     json_ok(&s.addr, "POST", "/completion", &other);
+    let again = json_ok(&s.addr, "POST", "/completion", &long);
+    assert_eq!(again["content"], alone["content"]);
+    assert_eq!(again["tokens_cached"], 0, "{again}");
+}
+
+/// Without `-c`, `--fit` cuts the context to what REF0 holds, and the slots get that.
+#[test]
+fn fit_cuts_the_context_to_the_device() {
+    let s = serve(&[
+        "-dev",
+        "REF0",
+        "-ngl",
+        "all",
+        "--gpu-mem",
+        "1430MiB",
+        "-np",
+        "2",
+        "--api-key",
+        "k",
+    ]);
+    let err = s.stderr();
+    let line = (err.lines())
+        .find(|l| l.contains("(--fit: context reduced from 131072 to "))
+        .unwrap_or_else(|| panic!("no context line:\n{err}"));
+    let props = json_ok(&s.addr, "GET", "/props", &Value::Null);
+    let n_ctx = props["placement"]["n_ctx"].as_u64().unwrap();
+    assert!(
+        n_ctx < 131072 && line.contains(&format!("context {n_ctx} ")),
+        "{line}"
+    );
+    assert_eq!(props["default_generation_settings"]["n_ctx"], n_ctx / 2);
+}
+
+/// `-nkvo` keeps the K/V cache in RAM: the CPU engine, which says why.
+#[test]
+fn no_kv_offload_runs_on_the_cpu_engine() {
+    let args: Vec<&str> = [SEED, KV, &["-nkvo"]].concat();
+    let s = serve(&args);
+    let props = json_ok(&s.addr, "GET", "/props", &Value::Null);
+    let p = &props["placement"];
+    assert_eq!(p["engine"], "CPU", "{p}");
+    assert!(
+        p["why_cpu"].as_str().unwrap().contains("--no-kv-offload"),
+        "{p}"
+    );
+    assert!(s
+        .stderr()
+        .contains("hmoe serve: engine: CPU (--no-kv-offload"));
+    assert!(!s.stderr().contains("--no-kv-offload does not apply"));
 }
 
 /// A REF0 too small for the model fails at start with the device and the missing MiB: the
