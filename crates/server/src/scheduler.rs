@@ -31,6 +31,13 @@
 //!
 //! A request whose receiver is gone (the client disconnected) is dropped before the next pass
 //! and its slot freed.
+//!
+//! On the device executor the slots' K/V caches live on the device. Before each pass the
+//! worker names the slots' caches, busy and idle ([`LanguageModel::retain_caches`]): a busy
+//! slot's device cache is never freed to make room, an idle one's may be, and its prompt cache
+//! then counts as empty ([`LanguageModel::cache_held`]). A pass of several sequences that fails
+//! runs each sequence alone from where it was (results do not depend on the batch), so only
+//! the request that cannot run fails; one the device has no K/V memory for gets 503.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
