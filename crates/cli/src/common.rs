@@ -5,7 +5,7 @@ use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{KvType, LanguageModel};
 
-use hmoe_placement::{plan, DeviceId, ModelShape, TensorDesc};
+use hmoe_placement::{plan, DeviceId, ModelShape, Plan, TensorDesc};
 
 use crate::engine_select::{
     choose_engine, gpu_executor_arch, load_device, plan_error, plan_flags, EngineChoice,
@@ -117,30 +117,12 @@ impl ModelArgs {
             .context("starting the thread pool")?;
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
         let gguf = self.open()?;
-        match self.engine_choice(&gguf)? {
-            EngineChoice::Device { device, placement } => {
-                match load_device(gguf, device, &placement) {
-                    Ok((model, used)) => {
-                        let _ = self.engine.set(used);
-                        return Ok(model);
-                    }
-                    // The reference device is for testing: a failure there is the answer.
-                    Err(e) if matches!(device, EngineDevice::Ref0 { .. }) => return Err(e),
-                    Err(e) => {
-                        tracing::warn!("GPU executor failed to load ({e:#}); running on the CPU")
-                    }
-                }
-            }
-            EngineChoice::Cpu { why } => {
-                if self.asks_for_gpu() {
-                    tracing::warn!("running on the CPU: {why}");
-                } else {
-                    tracing::info!("running on the CPU: {why}");
-                }
-                return Ok(hmoe_model::load(gguf)?);
-            }
+        let choice = self.engine_choice(&gguf)?;
+        let loaded = load_chosen(gguf, choice, || self.open(), self.placement.asks_for_gpu())?;
+        if let Some(used) = loaded.used {
+            let _ = self.engine.set(used);
         }
-        Ok(hmoe_model::load(self.open()?)?)
+        Ok(loaded.model)
     }
 
     fn open(&self) -> anyhow::Result<GgufModel> {
@@ -153,60 +135,10 @@ impl ModelArgs {
             .with_context(|| format!("loading {}", self.model.display()))
     }
 
-    /// Whether the flags ask for GPU offload explicitly (`-ngl` other than auto or 0,
-    /// `--gpu-mem`, or `--device` other than none): a CPU run then warns why.
-    fn asks_for_gpu(&self) -> bool {
-        let a = &self.placement.args;
-        !matches!(a.n_gpu_layers.as_str(), "auto" | "0")
-            || !a.gpu_mem.is_empty()
-            || a.device
-                .as_deref()
-                .is_some_and(|d| !d.eq_ignore_ascii_case("none"))
-    }
-
     /// Probes the GPUs and, for an architecture with a GPU executor, plans the placement;
     /// then [`choose_engine`].
     pub fn engine_choice(&self, gguf: &GgufModel) -> anyhow::Result<EngineChoice> {
-        let probed = Probed::now();
-        let selected = self
-            .placement
-            .selected_devices(&probed)?
-            .unwrap_or_else(|| (0..probed.gpus.len()).map(Selected::Cuda).collect());
-        let budget = self.placement.gpu_budget_with(&probed)?;
-        let devices: Vec<EngineDevice> = selected
-            .iter()
-            .zip(&budget.gpus)
-            .map(|(&d, b)| match d {
-                Selected::Cuda(i) => EngineDevice::Cuda(probed.gpus[i].index),
-                Selected::Ref0 => EngineDevice::Ref0 { budget: b.free },
-            })
-            .collect();
-        let names: Vec<String> = selected.iter().map(|&d| probed.name_of(d)).collect();
-        let arch = gguf.metadata().architecture();
-        let mut planned: Vec<(&str, DeviceId)> = Vec::new();
-        let mut n_layer = 0;
-        if !devices.is_empty() && gpu_executor_arch(arch) {
-            let shape = ModelShape::from_metadata(gguf.metadata())?;
-            let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
-            let flags = plan_flags(self.placement.to_flags()?, &names);
-            let p = plan(&tensors, &shape, &budget, &flags).map_err(|e| plan_error(e, &names))?;
-            n_layer = shape.n_layer as usize;
-            planned = gguf
-                .tensors()
-                .iter()
-                .map(|t| t.name.as_str())
-                .zip(p.tensor_devices.iter().copied())
-                .collect();
-        }
-        Ok(choose_engine(&EngineInputs {
-            devices: &devices,
-            why_no_gpu: probed.why_none.as_deref(),
-            arch,
-            kv: self.kv_type()?,
-            n_layer,
-            tensors: &planned,
-            op_offload: self.placement.op_offload(),
-        }))
+        Ok(plan_engine(&self.placement, self.kv_type()?, gguf)?.choice)
     }
 
     /// The context size: `-c N`, or the model's trained context for `-c 0` or no `-c`.
@@ -233,6 +165,131 @@ impl ModelArgs {
         }
         Ok(())
     }
+}
+
+/// An engine choice and the plan it was made from.
+#[derive(Clone, Debug)]
+pub struct PlannedEngine {
+    /// The engine.
+    pub choice: EngineChoice,
+    /// The placement plan, when one was made (a device to plan for and an architecture with a
+    /// device executor).
+    pub plan: Option<Plan>,
+    /// The plan's GPUs by name (`CUDA0`, `REF0`): its `Gpu(i)` is `names[i]`.
+    pub names: Vec<String>,
+}
+
+/// Probes the GPUs and, for an architecture with a GPU executor, plans the placement of
+/// `gguf` under `placement` with the K/V cache `kv`; then [`choose_engine`]. A plan that does
+/// not fit is an error naming each device and what it lacks ([`plan_error`]).
+pub fn plan_engine(
+    placement: &PlacementArgs,
+    kv: KvType,
+    gguf: &GgufModel,
+) -> anyhow::Result<PlannedEngine> {
+    let probed = Probed::now();
+    let selected = placement
+        .selected_devices(&probed)?
+        .unwrap_or_else(|| (0..probed.gpus.len()).map(Selected::Cuda).collect());
+    let budget = placement.gpu_budget_with(&probed)?;
+    let devices: Vec<EngineDevice> = selected
+        .iter()
+        .zip(&budget.gpus)
+        .map(|(&d, b)| match d {
+            Selected::Cuda(i) => EngineDevice::Cuda(probed.gpus[i].index),
+            Selected::Ref0 => EngineDevice::Ref0 { budget: b.free },
+        })
+        .collect();
+    let names: Vec<String> = selected.iter().map(|&d| probed.name_of(d)).collect();
+    let arch = gguf.metadata().architecture();
+    let mut planned: Vec<(&str, DeviceId)> = Vec::new();
+    let mut n_layer = 0;
+    let mut made = None;
+    if !devices.is_empty() && gpu_executor_arch(arch) {
+        let shape = ModelShape::from_metadata(gguf.metadata())?;
+        let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
+        let flags = plan_flags(placement.to_flags()?, &names);
+        let p = plan(&tensors, &shape, &budget, &flags).map_err(|e| plan_error(e, &names))?;
+        n_layer = shape.n_layer as usize;
+        planned = gguf
+            .tensors()
+            .iter()
+            .map(|t| t.name.as_str())
+            .zip(p.tensor_devices.iter().copied())
+            .collect();
+        made = Some(p);
+    }
+    let choice = choose_engine(&EngineInputs {
+        devices: &devices,
+        why_no_gpu: probed.why_none.as_deref(),
+        arch,
+        kv,
+        n_layer,
+        tensors: &planned,
+        op_offload: placement.op_offload(),
+    });
+    Ok(PlannedEngine {
+        choice,
+        plan: made,
+        names,
+    })
+}
+
+/// What [`load_chosen`] loaded.
+pub struct LoadedEngine {
+    /// The model.
+    pub model: Box<dyn LanguageModel>,
+    /// The device it runs on (`None`: the CPU engine).
+    pub used: Option<EngineUsed>,
+    /// Why the CPU engine runs it (`None` on a device).
+    pub why_cpu: Option<String>,
+}
+
+/// Loads `gguf` on the engine of `choice`: the device executor, or the CPU engine with the
+/// reason logged (a warning when `asks_for_gpu`). A CUDA device that fails to load falls back
+/// to the CPU engine over a file opened again by `reopen`; a failure on the reference device
+/// is the answer.
+pub fn load_chosen(
+    gguf: GgufModel,
+    choice: EngineChoice,
+    reopen: impl FnOnce() -> anyhow::Result<GgufModel>,
+    asks_for_gpu: bool,
+) -> anyhow::Result<LoadedEngine> {
+    let why = match choice {
+        EngineChoice::Device { device, placement } => {
+            match load_device(gguf, device, &placement) {
+                Ok((model, used)) => {
+                    return Ok(LoadedEngine {
+                        model,
+                        used: Some(used),
+                        why_cpu: None,
+                    })
+                }
+                // The reference device is for testing: a failure there is the answer.
+                Err(e) if matches!(device, EngineDevice::Ref0 { .. }) => return Err(e),
+                Err(e) => {
+                    tracing::warn!("GPU executor failed to load ({e:#}); running on the CPU");
+                    let model = hmoe_model::load(reopen()?)?;
+                    return Ok(LoadedEngine {
+                        model,
+                        used: None,
+                        why_cpu: Some(format!("the GPU executor failed to load ({e:#})")),
+                    });
+                }
+            }
+        }
+        EngineChoice::Cpu { why } => why,
+    };
+    if asks_for_gpu {
+        tracing::warn!("running on the CPU: {why}");
+    } else {
+        tracing::info!("running on the CPU: {why}");
+    }
+    Ok(LoadedEngine {
+        model: hmoe_model::load(gguf)?,
+        used: None,
+        why_cpu: Some(why),
+    })
 }
 
 /// Parses `1,2,3` into token ids.

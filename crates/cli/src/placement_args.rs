@@ -238,6 +238,17 @@ impl PlacementArgs {
         })
     }
 
+    /// Whether the flags ask for GPU offload explicitly (`-ngl` other than auto or 0,
+    /// `--gpu-mem`, or `--device` other than none): a CPU run then warns why.
+    pub fn asks_for_gpu(&self) -> bool {
+        let a = &self.args;
+        !matches!(a.n_gpu_layers.as_str(), "auto" | "0")
+            || !a.gpu_mem.is_empty()
+            || a.device
+                .as_deref()
+                .is_some_and(|d| !d.eq_ignore_ascii_case("none"))
+    }
+
     /// The op offload threshold: `--op-offload-min-batch`, or `None` with `--no-op-offload`.
     pub fn op_offload(&self) -> Option<usize> {
         let n = usize::try_from(self.args.op_offload_min_batch).unwrap_or(usize::MAX);

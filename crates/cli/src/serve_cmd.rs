@@ -1,16 +1,22 @@
 //! `hmoe serve`: the OpenAI-compatible server, with llama-server's flags.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use hmoe_chat::ReasoningFormat;
-use hmoe_gguf::LoadOptions;
+use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
-use hmoe_server::{Limits, ModelSource, RunningServer, ServerConfig};
+use hmoe_placement::Plan;
+use hmoe_server::{
+    DevicePlacement, Limits, LoadedModel, ModelLoader, ModelSource, Placement, RunningServer,
+    ServerConfig,
+};
 
-use crate::common::{check_threads, physical_cores};
+use crate::common::{check_threads, load_chosen, physical_cores, plan_engine};
+use crate::engine_select::{EngineChoice, EngineDevice};
 use crate::placement_args::{PlacementArgs, Probed};
 
 /// The bounds on what clients can make the server hold, for `hmoe serve --help`.
@@ -161,10 +167,12 @@ pub struct ServeArgs {
     /// Accepted for compatibility: hmoe runs no warm-up pass.
     #[arg(long = "no-warmup")]
     pub no_warmup: bool,
-    /// How a model is split over GPUs (`-sm none|layer|row`); does not apply to the CPU server.
+    /// How a model is split over GPUs (`-sm none|layer|row`); does not apply: the device
+    /// executor runs on one device.
     #[arg(long = "split-mode", value_parser = ["none", "layer", "row"])]
     pub split_mode: Option<String>,
-    /// Keep the KV cache off the GPU (`-nkvo`); the server's cache is in host memory anyway.
+    /// Keep the KV cache off the GPU (`-nkvo`): the model then runs on the CPU engine (the
+    /// device executor keeps K/V on the device).
     #[arg(long = "no-kv-offload")]
     pub no_kv_offload: bool,
     /// Full-size cache for sliding-window layers (llama.cpp); does not apply: hmoe keeps
@@ -304,9 +312,11 @@ impl ServeArgs {
                 ));
             }
         };
-        let cpu = "the server runs on the CPU engine";
-        note(self.split_mode.is_some(), "--split-mode", cpu);
-        note(self.no_kv_offload, "--no-kv-offload", cpu);
+        note(
+            self.split_mode.is_some(),
+            "--split-mode",
+            "the device executor runs on one device",
+        );
         note(
             self.swa_full,
             "--swa-full",
@@ -316,11 +326,6 @@ impl ServeArgs {
             self.ctx_checkpoints.is_some(),
             "--ctx-checkpoints",
             "hmoe keeps no context checkpoints",
-        );
-        note(
-            self.placement.args.fit == "off",
-            "--fit off",
-            "the server plans no GPU placement",
         );
         note(
             self.threads_batch.is_some(),
@@ -346,7 +351,7 @@ impl ServeArgs {
         self.placement.to_flags()?;
         let a = &self.placement.args;
         if a.device.is_some() {
-            // A device that does not exist is an error even though the server runs on the CPU.
+            // A device that does not exist is an error before anything starts.
             self.placement.selected_devices(&Probed::now())?;
         }
         self.check_sampling()?;
@@ -354,12 +359,6 @@ impl ServeArgs {
             bail!(
                 "--slot-prompt-similarity must be between 0 and 1 (got {})",
                 self.slot_prompt_similarity
-            );
-        }
-        if !a.gpu_mem.is_empty() || !matches!(a.n_gpu_layers.as_str(), "auto" | "0") {
-            tracing::warn!(
-                "the server runs on the CPU engine (the GPU executor serves hmoe run, bench, chat \
-                 and perplexity, one sequence at a time)"
             );
         }
         let types = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1";
@@ -404,6 +403,7 @@ impl ServeArgs {
             mlock: self.mlock,
             populate: false,
         };
+        config.loader = self.loader(kv_type, config.engine.load);
         config.chat.template = match (&self.chat_template_file, &self.chat_template) {
             (Some(f), _) => Some(
                 std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
@@ -476,7 +476,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build_global()
         .context("starting the thread pool")?;
     hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
-    let summary = startup_summary(&args, &config, threads);
+    let summary = startup_summary(&config, threads);
     let server = RunningServer::start_with_signals(config.clone())?;
     for line in summary {
         eprintln!("hmoe serve: {line}");
@@ -490,109 +490,181 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What the server will run, in a few plain lines: the model(s), the devices with their memory,
-/// context and slots, the KV cache type and the threads.
-fn startup_summary(args: &ServeArgs, config: &ServerConfig, threads: usize) -> Vec<String> {
+/// What the server will run, in a few plain lines: router mode's models, the KV cache type and
+/// the threads. Each model's own lines (engine, memory per device, context and slots) come
+/// when it loads ([`ServeArgs::loader`]).
+fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
     let e = &config.engine;
-    let kv = format!(
+    let mut out = Vec::new();
+    if let ModelSource::Dir(dir) = &config.models {
+        let n = hmoe_server::registry::scan_models_dir(dir).map_or(0, |m| m.len());
+        let max = match config.models_max {
+            0 => "no limit".to_string(),
+            m => format!("at most {m} loaded"),
+        };
+        out.push(format!(
+            "router mode: {n} model(s) in {} ({max}; each loads on its first request, placed \
+             as -m would be)",
+            dir.display()
+        ));
+    }
+    out.push(format!(
         "KV cache K {} / V {}, flash attention {}",
         e.kv_type.k(),
         e.kv_type.v(),
         if e.kv_type.flash_attn() { "on" } else { "off" }
-    );
-    let slots = |n_ctx: usize| {
-        let n = e.n_parallel.max(1);
-        format!("context {n_ctx}, {n} slot(s) of {} positions", n_ctx / n)
-    };
-    let mut out = Vec::new();
-    match &config.models {
-        ModelSource::Dir(dir) => {
-            let n = hmoe_server::registry::scan_models_dir(dir).map_or(0, |m| m.len());
-            let max = match config.models_max {
-                0 => "no limit".to_string(),
-                m => format!("at most {m} loaded"),
-            };
-            out.push(format!(
-                "router mode: {n} model(s) in {} ({max}; each loads on its first request)",
-                dir.display()
-            ));
-            out.push("devices: CPU (the server runs on the CPU engine)".into());
-            out.push(if e.n_ctx == 0 {
-                format!(
-                    "context: each model's trained length, {} slot(s)",
-                    e.n_parallel.max(1)
-                )
-            } else {
-                slots(e.n_ctx)
-            });
-        }
-        ModelSource::File(path) => match describe_model(args, path, e.n_ctx, e.n_parallel) {
-            Ok((model, device, n_ctx)) => {
-                out.push(model);
-                out.push(device);
-                out.push(slots(n_ctx));
-            }
-            Err(err) => out.push(format!("model: {} ({err:#})", path.display())),
-        },
-    }
-    out.push(kv);
+    ));
     out.push(format!("threads: {threads}"));
     out
 }
 
-/// The model line, the device line (from the placement estimate for the CPU) and the context.
-fn describe_model(
-    args: &ServeArgs,
-    path: &std::path::Path,
-    n_ctx: usize,
-    n_parallel: usize,
-) -> anyhow::Result<(String, String, usize)> {
-    let gguf = hmoe_gguf::GgufModel::open(path, LoadOptions::default())?;
+impl ServeArgs {
+    /// The server's loader: the placement plan and engine choice of `hmoe run`
+    /// ([`plan_engine`], [`load_chosen`]), except that `--no-kv-offload` runs the CPU engine;
+    /// it prints what it chose (see [`load_model`]).
+    fn loader(&self, kv: KvType, opts: LoadOptions) -> ModelLoader {
+        let placement = self.placement.clone();
+        let no_kv_offload = self.no_kv_offload;
+        Arc::new(move |gguf: GgufModel, path: &Path| {
+            load_model(&placement, kv, no_kv_offload, opts, gguf, path)
+                .map_err(|e| format!("{e:#}"))
+        })
+    }
+}
+
+/// Plans and loads one model for the server, and says on stderr what was chosen: the model,
+/// the engine (and why the CPU, when it is), memory per device (the `hmoe fit` table), the
+/// context and why, and the slots.
+fn load_model(
+    placement: &PlacementArgs,
+    kv: KvType,
+    no_kv_offload: bool,
+    opts: LoadOptions,
+    gguf: GgufModel,
+    path: &Path,
+) -> anyhow::Result<LoadedModel> {
+    let mut planned = plan_engine(placement, kv, &gguf)?;
+    if no_kv_offload && matches!(planned.choice, EngineChoice::Device { .. }) {
+        planned.choice = EngineChoice::Cpu {
+            why: "--no-kv-offload keeps the K/V cache in RAM, and the device executor keeps it \
+                  on the device"
+                .into(),
+        };
+    }
+    let engine = match &planned.choice {
+        EngineChoice::Device {
+            device: EngineDevice::Cuda(ordinal),
+            ..
+        } => format!("CUDA{ordinal}"),
+        EngineChoice::Device {
+            device: EngineDevice::Ref0 { .. },
+            ..
+        } => hmoe_backend::REF0_NAME.to_string(),
+        EngineChoice::Cpu { .. } => "CPU".to_string(),
+    };
+    let model_line = model_line(path, &gguf);
+    let reopen =
+        || GgufModel::open(path, opts).with_context(|| format!("loading {}", path.display()));
+    let loaded = load_chosen(gguf, planned.choice, reopen, placement.asks_for_gpu())?;
+    let (plan, names, engine) = match (planned.plan, &loaded.why_cpu) {
+        (Some(p), None) => (Ok(p), planned.names, engine),
+        // An architecture the planner cannot describe still runs on the CPU engine.
+        _ => (
+            cpu_plan(placement, loaded.model.gguf()),
+            Vec::new(),
+            "CPU".into(),
+        ),
+    };
+    let n_ctx_train = loaded.model.n_ctx_train();
+    let (n_ctx, n_ctx_why) = match placement.args.ctx_size {
+        Some(c) if c > 0 => (c as usize, format!("-c {c}")),
+        _ => {
+            let notes = plan.as_ref().map_or(&[][..], |p| &p.notes[..]);
+            let reduced = notes.iter().find(|n| n.starts_with("context reduced"));
+            match (reduced, &plan) {
+                (Some(note), Ok(plan)) if loaded.why_cpu.is_none() => (
+                    (plan.n_ctx as usize).min(n_ctx_train),
+                    format!("--fit: {note} to fit the device"),
+                ),
+                _ => (n_ctx_train, "-c 0: the model's trained context".into()),
+            }
+        }
+    };
+    let devices: Vec<DevicePlacement> = (plan.iter().flat_map(|p| &p.devices))
+        .map(|d| DevicePlacement {
+            name: d.device.name_in(&names),
+            layers: d.layers,
+            expert_layers: d.expert_layers,
+            weight_bytes: d.weights,
+            kv_bytes: d.kv,
+            compute_bytes: d.compute,
+        })
+        .collect();
+    let n_slots = placement.args.parallel.max(1) as usize;
+    let mut lines = vec![model_line];
+    lines.push(match &loaded.why_cpu {
+        None => format!("engine: the device executor on {engine}"),
+        Some(why) => format!("engine: CPU ({why})"),
+    });
+    match &plan {
+        Ok(plan) => {
+            lines.push("memory per device (MiB):".into());
+            lines.extend(plan.table_named(&names).lines().map(|l| format!("  {l}")));
+        }
+        Err(e) => lines.push(format!("memory per device: no estimate ({e:#})")),
+    }
+    lines.push(format!(
+        "context {n_ctx} ({n_ctx_why}), {n_slots} slot(s) of {} positions",
+        n_ctx / n_slots
+    ));
+    for line in lines {
+        eprintln!("hmoe serve: {line}");
+    }
+    Ok(LoadedModel {
+        model: Arc::from(loaded.model),
+        placement: Placement {
+            engine,
+            why_cpu: loaded.why_cpu,
+            devices,
+            n_ctx: Some(n_ctx),
+            n_ctx_why: Some(n_ctx_why),
+        },
+    })
+}
+
+/// `model: PATH "NAME", architecture ARCH, N MiB`.
+fn model_line(path: &Path, gguf: &GgufModel) -> String {
     let meta = gguf.metadata();
-    let arch = meta.architecture().unwrap_or("unknown").to_string();
     let name = meta
         .get_str("general.name")
         .map_or_else(String::new, |n| format!(" \"{n}\""));
-    let shape = hmoe_placement::ModelShape::from_metadata(meta)?;
-    let n_ctx = if n_ctx == 0 {
-        shape.n_ctx_train as usize
-    } else {
-        n_ctx
-    };
-    let mut flags = args.placement.to_flags()?;
+    format!(
+        "model: {}{name}, architecture {}, {} MiB",
+        path.display(),
+        meta.architecture().unwrap_or("unknown"),
+        gguf.total_tensor_bytes() >> 20
+    )
+}
+
+/// The placement estimate of the CPU engine: every layer on the CPU, the server's context and
+/// slots.
+fn cpu_plan(placement: &PlacementArgs, gguf: &GgufModel) -> anyhow::Result<Plan> {
+    let shape = hmoe_placement::ModelShape::from_metadata(gguf.metadata())?;
+    let mut flags = placement.to_flags()?;
     flags.n_gpu_layers = hmoe_placement::GpuLayers::parse("0")?;
     flags.rules.clear();
-    flags.ctx_size = Some(n_ctx as u32);
-    flags.n_parallel = n_parallel.max(1) as u32;
     flags.fit = false;
     let tensors: Vec<hmoe_placement::TensorDesc> = gguf
         .tensors()
         .iter()
         .map(hmoe_placement::TensorDesc::from)
         .collect();
-    let plan = hmoe_placement::plan(
+    Ok(hmoe_placement::plan(
         &tensors,
         &shape,
         &hmoe_placement::DeviceBudget::default(),
         &flags,
-    )?;
-    let mib = |b: u64| b >> 20;
-    let device = match plan.device(hmoe_placement::DeviceId::Cpu) {
-        Some(d) => format!(
-            "devices: CPU {} MiB ({} MiB weights, {} MiB KV cache, {} MiB compute); the server runs on the CPU engine",
-            mib(d.total()),
-            mib(d.weights),
-            mib(d.kv),
-            mib(d.compute)
-        ),
-        None => "devices: CPU".into(),
-    };
-    let model = format!(
-        "model: {}{name}, architecture {arch}, {} MiB",
-        path.display(),
-        mib(gguf.total_tensor_bytes())
-    );
-    Ok((model, device, n_ctx))
+    )?)
 }
 
 #[cfg(test)]

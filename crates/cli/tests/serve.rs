@@ -6,97 +6,13 @@
 #[path = "../../server/tests/common/python.rs"]
 mod python;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+#[path = "common/serve.rs"]
+mod server;
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+use std::io::Write;
+use std::process::Command;
 
-/// The server process; killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `hmoe serve ARGS --port 0` and reads the address it listens on.
-fn serve(args: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hmoe"))
-        .arg("serve")
-        .args(args)
-        .args(["--host", "127.0.0.1", "--port", "0"])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("hmoe serve starts");
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let addr = loop {
-        line.clear();
-        if err.read_line(&mut line).unwrap_or(0) == 0 || Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("hmoe serve did not start: {line}");
-        }
-        if let Some(a) = line.trim().strip_prefix("hmoe serve: listening on http://") {
-            break a.to_string();
-        }
-    };
-    // Keep draining stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    let server = Server { child, addr };
-    for _ in 0..500 {
-        if http(&server.addr, "GET", "/health", "", "").0 == 200 {
-            return server;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("hmoe serve never became healthy");
-}
-
-/// A minimal HTTP/1.1 request; returns (status, body) (chunked bodies are returned raw).
-fn http(addr: &str, method: &str, path: &str, key: &str, body: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let auth = if key.is_empty() {
-        String::new()
-    } else {
-        format!("Authorization: Bearer {key}\r\n")
-    };
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}Content-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
-}
+use server::{fixtures, http, serve};
 
 #[test]
 fn seed_command_line_serves_the_openai_client() {

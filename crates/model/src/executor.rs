@@ -52,7 +52,10 @@
 //! least recently used caches of sequences outside the step are freed until the device has
 //! room for it and a micro-batch's scratch buffers ([`DeviceGptOss::scratch_bytes`]), and
 //! again if the allocation still runs out of memory. A handle whose cache was freed can
-//! only start again from position 0.
+//! only start again from position 0 ([`LanguageModel::cache_held`] tells). An owner of every
+//! live handle (the server's slots) names them with [`LanguageModel::retain_caches`]: the
+//! caches of other handles are freed then, and those of busy sequences are never freed to
+//! make room for another.
 //!
 //! Limits of this executor:
 //! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
@@ -77,8 +80,8 @@ use hmoe_quant::GgmlType;
 use crate::hybrid::{ExpertTensors, SWIGLU_ALPHA, SWIGLU_LIMIT};
 use crate::kv_cache::CacheType;
 use crate::{
-    ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss, GptOssParams, KvCache,
-    KvType, LanguageModel, LogitsWanted, ModelError, SeqBatch,
+    DeviceMemory, ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss,
+    GptOssParams, KvCache, KvType, LanguageModel, LogitsWanted, ModelError, SeqBatch,
 };
 
 /// gpt-oss's expert activation as the contract's `moe` op takes it.
@@ -273,6 +276,8 @@ struct DeviceKv<B: Backend> {
     held: usize,
     /// When it was last used ([`State::clock`]).
     last_used: u64,
+    /// Bytes of its K/V buffers.
+    bytes: u64,
     layers: Vec<LayerKv<B>>,
 }
 
@@ -305,6 +310,9 @@ struct State<B: Backend> {
     kvs: Vec<DeviceKv<B>>,
     /// Counts cache uses, for freeing the least recently used.
     clock: u64,
+    /// Handles of sequences under way ([`LanguageModel::retain_caches`]), never freed to
+    /// make room.
+    busy: Vec<usize>,
     io: Option<HostIo<B>>,
     stats: ExecStats,
 }
@@ -314,6 +322,7 @@ impl<B: Backend> Default for State<B> {
         State {
             kvs: Vec::new(),
             clock: 0,
+            busy: Vec::new(),
             io: None,
             stats: ExecStats::default(),
         }
@@ -321,11 +330,11 @@ impl<B: Backend> Default for State<B> {
 }
 
 impl<B: Backend> State<B> {
-    /// Frees the least recently used device cache whose handle is not in `keep`; false when
-    /// there is none.
+    /// Frees the least recently used device cache whose handle is neither in `keep` nor busy;
+    /// false when there is none.
     fn evict_idle(&mut self, keep: &[usize]) -> bool {
         let lru = (self.kvs.iter().enumerate())
-            .filter(|(_, kv)| !keep.contains(&kv.handle))
+            .filter(|(_, kv)| !keep.contains(&kv.handle) && !self.busy.contains(&kv.handle))
             .min_by_key(|(_, kv)| kv.last_used)
             .map(|(i, _)| i);
         lru.map(|i| self.kvs.swap_remove(i)).is_some()
@@ -484,6 +493,38 @@ impl<B: Backend> DeviceGptOss<B> {
             transfers: self.dev.transfers(),
             ..self.lock().stats
         }
+    }
+
+    /// The device's name, the weights, the K/V caches held now and the free memory.
+    pub fn device_memory(&self) -> Result<DeviceMemory, ExecError> {
+        let kv_bytes = self.lock().kvs.iter().map(|kv| kv.bytes).sum();
+        Ok(DeviceMemory {
+            device: self.dev.name(),
+            weight_bytes: self.weight_bytes,
+            kv_bytes,
+            free_bytes: self.dev.free_memory()?,
+        })
+    }
+
+    /// Keeps the device caches of `busy` and `idle` handles only (see
+    /// [`LanguageModel::retain_caches`]); those of `busy` are not freed to make room.
+    pub fn retain_caches(&self, busy: &[&KvCache], idle: &[&KvCache]) {
+        let mut st = self.lock();
+        st.busy = busy.iter().map(|c| handle_of(c)).collect();
+        let idle: Vec<usize> = idle.iter().map(|c| handle_of(c)).collect();
+        let State { kvs, busy, .. } = &mut *st;
+        kvs.retain(|kv| busy.contains(&kv.handle) || idle.contains(&kv.handle));
+    }
+
+    /// Whether the device holds the positions of `cache` (a handle at position 0 always
+    /// can start).
+    pub fn cache_held(&self, cache: &KvCache) -> bool {
+        let st = self.lock();
+        let held = (st.kvs.iter().find(|kv| kv.handle == handle_of(cache)))
+            .map(|kv| (kv.geometry, kv.held));
+        cache.n_past() == 0
+            || kv_action(held, (cache.n_ctx(), cache.n_ubatch()), cache.n_past())
+                == KvAction::Continue
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State<B>> {
@@ -672,6 +713,7 @@ impl<B: Backend> DeviceGptOss<B> {
                     geometry,
                     held: 0,
                     last_used: clock,
+                    bytes: kv_bytes,
                     layers,
                 });
                 Ok(())
@@ -1105,6 +1147,15 @@ impl<B: Backend> LanguageModel for DeviceGptOss<B> {
     }
     fn device_stats(&self) -> Option<ExecStats> {
         Some(self.stats())
+    }
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        DeviceGptOss::<B>::device_memory(self).ok()
+    }
+    fn retain_caches(&self, busy: &[&KvCache], idle: &[&KvCache]) {
+        DeviceGptOss::<B>::retain_caches(self, busy, idle)
+    }
+    fn cache_held(&self, cache: &KvCache) -> bool {
+        DeviceGptOss::<B>::cache_held(self, cache)
     }
     /// Every sequence's tokens in one micro-batch, each over its own device cache (see
     /// [`DeviceGptOss::forward_multi`]).

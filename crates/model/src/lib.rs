@@ -48,6 +48,19 @@ pub struct SeqBatch<'c, 't> {
     pub logits: bool,
 }
 
+/// Memory a model holds on its device now ([`LanguageModel::device_memory`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The device (`CUDA0`, `REF0`).
+    pub device: String,
+    /// Weights uploaded at load.
+    pub weight_bytes: u64,
+    /// The K/V caches of every sequence it holds.
+    pub kv_bytes: u64,
+    /// What the device reports free (`None`: a device with no limit to report).
+    pub free_bytes: Option<u64>,
+}
+
 /// What the engine needs from any architecture.
 pub trait LanguageModel: Send + Sync {
     /// Vocabulary size (length of each logits row).
@@ -69,6 +82,24 @@ pub trait LanguageModel: Send + Sync {
     /// the device's transfers), for a model that runs on a device; `None` on the CPU engine.
     fn device_stats(&self) -> Option<ExecStats> {
         None
+    }
+    /// The memory the model holds on its device, for a model that runs on one; `None` on the
+    /// CPU engine.
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        None
+    }
+    /// For a model that keeps K/V apart from the cache handles (the device executor): the
+    /// handles that are alive, from an owner that holds every live handle of this model (a
+    /// server's slots). The K/V of `busy` sequences (under way) is never freed to make room
+    /// for another sequence; that of `idle` ones may be (see [`LanguageModel::cache_held`]);
+    /// that of any other handle is freed now. The CPU engine keeps K/V in the handle and has
+    /// nothing to do.
+    fn retain_caches(&self, _busy: &[&KvCache], _idle: &[&KvCache]) {}
+    /// Whether the K/V of `cache`'s positions is still there: false when the device executor
+    /// freed an idle sequence's cache to make room, after which the handle can only start
+    /// again from position 0 ([`KvCache::clear`]). Always true on the CPU engine.
+    fn cache_held(&self, _cache: &KvCache) -> bool {
+        true
     }
     /// Runs several sequences in one pass (continuous batching): each sequence's tokens go to
     /// the next positions of its own cache, and every sequence's result is exactly what

@@ -345,6 +345,7 @@ async fn props(State(st): St, Query(q): Query<HashMap<String, String>>) -> Res {
         "build_info": build_info(),
         "modalities": {"vision": false, "audio": false},
         "is_sleeping": false,
+        "placement": h.placement.to_json(),
     }))
     .into_response())
 }
@@ -391,7 +392,11 @@ async fn metrics_route(State(st): St) -> Res {
         .iter()
         .map(|h| (label.then(|| h.id.clone()), &*h.stats))
         .collect();
-    let text = metrics::render(&entries);
+    let mut text = metrics::render(&entries);
+    let devices: Vec<(Option<String>, hmoe_model::DeviceMemory)> = (hosts.iter())
+        .filter_map(|h| Some((label.then(|| h.id.clone()), h.model.device_memory()?)))
+        .collect();
+    text.push_str(&metrics::render_devices(&devices));
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -223,7 +223,7 @@ pub async fn run_blocks<A: BlockApi>(
                     out.extend(api.stream_done(&s, &blocks));
                     out
                 }
-                JobEvent::Failed(m) => vec![api.stream_failed(&m)],
+                JobEvent::Failed(m) => vec![api.stream_failed(&m.message)],
             };
             stream::iter(out)
         });
@@ -245,7 +245,7 @@ pub async fn run_blocks<A: BlockApi>(
                 drop(lease);
                 return Ok(Json(body).into_response());
             }
-            JobEvent::Failed(m) => return Err(ApiError::internal(m)),
+            JobEvent::Failed(m) => return Err(m.api_error()),
         }
     }
     Err(ApiError::internal("the request ended without a result"))

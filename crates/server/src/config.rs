@@ -10,6 +10,7 @@ use hmoe_gguf::LoadOptions;
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
 
+use crate::loader::{cpu_loader, ModelLoader};
 use crate::sampling::PickerFactory;
 
 /// Where the models come from.
@@ -164,6 +165,10 @@ pub struct ServerConfig {
     pub picker: Option<PickerFactory>,
     /// Serve the chat page at `/` (on unless `--no-webui`).
     pub webui: bool,
+    /// Turns an opened model file into a model (in router mode, each model): the CLI plans
+    /// the placement and picks the engine as `hmoe run` does. The default runs the CPU engine
+    /// ([`cpu_loader`]).
+    pub loader: ModelLoader,
 }
 
 impl ServerConfig {
@@ -185,6 +190,7 @@ impl ServerConfig {
             models_max: 4,
             picker: None,
             webui: true,
+            loader: cpu_loader(),
         }
     }
 }

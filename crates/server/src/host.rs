@@ -11,6 +11,7 @@ use hmoe_tokenizer::Tokenizer;
 use crate::chat::ChatSetup;
 use crate::config::ServerConfig;
 use crate::error::{ApiError, ServerError};
+use crate::loader::{LoadedModel, Placement};
 use crate::metrics::Stats;
 use crate::scheduler::{JobEvent, JobSpec, Scheduler, SlotConfig, SubmitError};
 
@@ -32,6 +33,8 @@ pub struct ModelHost {
     pub scheduler: Scheduler,
     /// Its counters.
     pub stats: Arc<Stats>,
+    /// Where it runs (the engine, and memory per device).
+    pub placement: Placement,
     /// Unix time it was loaded.
     pub created: u64,
     /// The vocabulary grammars are compiled against, built on first use (see
@@ -73,6 +76,7 @@ pub struct Prepared {
     tokenizer: Arc<Tokenizer>,
     chat: Option<ChatSetup>,
     chat_error: Option<String>,
+    placement: Placement,
     n_parallel: usize,
     n_ctx_slot: usize,
 }
@@ -88,8 +92,7 @@ impl Prepared {
             path: path.display().to_string(),
             message,
         };
-        let model: Arc<dyn LanguageModel> =
-            Arc::from(hmoe_model::load(gguf).map_err(|e| err(e.to_string()))?);
+        let LoadedModel { model, placement } = (config.loader)(gguf, path).map_err(err)?;
         let tokenizer = Arc::new(
             Tokenizer::from_metadata(model.gguf().metadata())
                 .map_err(|e| err(format!("tokenizer: {e}")))?,
@@ -109,10 +112,10 @@ impl Prepared {
         };
         let e = &config.engine;
         let n_parallel = e.n_parallel.max(1);
-        let n_ctx = if e.n_ctx == 0 {
-            model.n_ctx_train()
-        } else {
-            e.n_ctx
+        let n_ctx = match (placement.n_ctx, e.n_ctx) {
+            (Some(n), _) => n,
+            (None, 0) => model.n_ctx_train(),
+            (None, n) => n,
         };
         let n_ctx_slot = n_ctx / n_parallel;
         if n_ctx_slot < 2 {
@@ -131,6 +134,7 @@ impl Prepared {
             tokenizer,
             chat,
             chat_error,
+            placement,
             n_parallel,
             n_ctx_slot,
         })
@@ -169,6 +173,7 @@ impl Prepared {
             chat_error: self.chat_error,
             scheduler,
             stats,
+            placement: self.placement,
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),

@@ -28,6 +28,7 @@ pub mod conn;
 pub mod error;
 pub mod guard;
 pub mod host;
+pub mod loader;
 pub mod metrics;
 pub mod oai;
 pub mod output;
@@ -49,6 +50,7 @@ use tokio::sync::{oneshot, watch};
 
 pub use config::{ChatConfig, EngineConfig, Limits, ModelSource, SamplingDefaults, ServerConfig};
 pub use error::{ApiError, ServerError};
+pub use loader::{cpu_loader, DevicePlacement, LoadedModel, ModelLoader, Placement};
 pub use sampling::{PickerFactory, TokenPicker};
 
 /// How long a stopping server waits for open responses to end.

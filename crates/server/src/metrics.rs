@@ -193,6 +193,51 @@ pub fn render(models: &[(Option<String>, &Stats)]) -> String {
     out
 }
 
+/// Writes the device memory of every model that runs on a device (`label`: `Some(model id)`
+/// in router mode): in use (weights and K/V caches), of it the K/V caches, and free.
+pub fn render_devices(models: &[(Option<String>, hmoe_model::DeviceMemory)]) -> String {
+    type Get = fn(&hmoe_model::DeviceMemory) -> Option<u64>;
+    let metrics: [(&str, &str, Get); 3] = [
+        (
+            "hmoe:device_memory_used_bytes",
+            "Device memory the model holds: weights and K/V caches.",
+            |m| Some(m.weight_bytes + m.kv_bytes),
+        ),
+        (
+            "hmoe:device_kv_cache_bytes",
+            "Device memory of the slots' K/V caches.",
+            |m| Some(m.kv_bytes),
+        ),
+        (
+            "hmoe:device_memory_free_bytes",
+            "Device memory free, as the device reports it.",
+            |m| m.free_bytes,
+        ),
+    ];
+    let mut out = String::new();
+    if models.is_empty() {
+        return out;
+    }
+    for (name, help, get) in metrics {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for (label, mem) in models {
+            let Some(v) = get(mem) else { continue };
+            let device = escape_label(&mem.device);
+            match label {
+                Some(l) => {
+                    let model = escape_label(l);
+                    let _ = writeln!(out, "{name}{{model=\"{model}\",device=\"{device}\"}} {v}");
+                }
+                None => {
+                    let _ = writeln!(out, "{name}{{device=\"{device}\"}} {v}");
+                }
+            }
+        }
+    }
+    out
+}
+
 fn escape_label(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -215,5 +260,26 @@ mod tests {
         assert!(text.contains("llamacpp:prompt_tokens_seconds 5\n"));
         let text = render(&[(Some("a\"b".into()), &s)]);
         assert!(text.contains("llamacpp:prompt_tokens_total{model=\"a\\\"b\"} 10\n"));
+    }
+
+    #[test]
+    fn renders_device_memory() {
+        assert_eq!(render_devices(&[]), "");
+        let m = hmoe_model::DeviceMemory {
+            device: "REF0".into(),
+            weight_bytes: 1000,
+            kv_bytes: 24,
+            free_bytes: None,
+        };
+        let text = render_devices(&[(None, m.clone())]);
+        assert!(text.contains("hmoe:device_memory_used_bytes{device=\"REF0\"} 1024\n"));
+        assert!(text.contains("hmoe:device_kv_cache_bytes{device=\"REF0\"} 24\n"));
+        assert!(!text.contains("hmoe:device_memory_free_bytes{"), "{text}");
+        let m = hmoe_model::DeviceMemory {
+            free_bytes: Some(7),
+            ..m
+        };
+        let text = render_devices(&[(Some("a".into()), m)]);
+        assert!(text.contains("hmoe:device_memory_free_bytes{model=\"a\",device=\"REF0\"} 7\n"));
     }
 }

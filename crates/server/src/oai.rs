@@ -275,7 +275,7 @@ impl Responder {
                 self.summary = Some(s);
                 out
             }
-            JobEvent::Failed(m) => vec![ApiError::internal(m).body().to_string()],
+            JobEvent::Failed(m) => vec![m.api_error().body().to_string()],
         }
     }
 
@@ -396,7 +396,7 @@ impl Responder {
                 self.summary = Some(s);
                 Ok(())
             }
-            JobEvent::Failed(m) => Err(ApiError::internal(m)),
+            JobEvent::Failed(m) => Err(m.api_error()),
         }
     }
 

@@ -31,6 +31,13 @@
 //!
 //! A request whose receiver is gone (the client disconnected) is dropped before the next pass
 //! and its slot freed.
+//!
+//! On the device executor the slots' K/V caches live on the device. Before each pass the
+//! worker names the slots' caches, busy and idle ([`LanguageModel::retain_caches`]): a busy
+//! slot's device cache is never freed to make room, an idle one's may be, and its prompt cache
+//! then counts as empty ([`LanguageModel::cache_held`]). A pass of several sequences that fails
+//! runs each sequence alone from where it was (results do not depend on the batch), so only
+//! the request that cannot run fails; one the device has no K/V memory for gets 503.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -38,12 +45,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use hmoe_backend::BackendError;
 use hmoe_chat::ChatDelta;
 use hmoe_engine::{top_probs, Sampler, SamplerParams};
-use hmoe_model::{KvCache, KvType, LanguageModel, SeqBatch};
+use hmoe_model::{ExpertDeviceError, KvCache, KvType, LanguageModel, ModelError, SeqBatch};
 use hmoe_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use crate::error::ApiError;
 use crate::metrics::Stats;
 use crate::output::{OutputKind, OutputState};
 use crate::sampling::{log_softmax_at, log_sum_exp, LogitAdjust, PickerFactory, TokenPicker};
@@ -134,7 +143,52 @@ pub enum JobEvent {
     /// The request is complete.
     Done(Summary),
     /// The request failed; no more events follow.
-    Failed(String),
+    Failed(JobFailure),
+}
+
+/// Why a request failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobFailure {
+    /// What went wrong.
+    pub message: String,
+    /// Whether the server lacked a resource that may free up (the device had no memory for
+    /// the request's K/V cache): 503 rather than 500.
+    pub unavailable: bool,
+}
+
+impl JobFailure {
+    /// A failure that is no lack of resources (500).
+    pub fn internal(message: impl Into<String>) -> JobFailure {
+        JobFailure {
+            message: message.into(),
+            unavailable: false,
+        }
+    }
+
+    /// A failed forward pass: a device out of memory is a 503, anything else a 500.
+    pub fn of_model_error(e: &ModelError) -> JobFailure {
+        let oom = matches!(
+            e,
+            ModelError::ExpertDevice(ExpertDeviceError::Device(BackendError::OutOfMemory { .. }))
+        );
+        JobFailure {
+            message: match oom {
+                true => format!(
+                    "no device memory for this request's KV cache now ({e}); try again later"
+                ),
+                false => format!("inference failed: {e}"),
+            },
+            unavailable: oom,
+        }
+    }
+
+    /// The HTTP error it becomes.
+    pub fn api_error(&self) -> ApiError {
+        match self.unavailable {
+            true => ApiError::unavailable(self.message.clone()),
+            false => ApiError::internal(self.message.clone()),
+        }
+    }
 }
 
 /// Why a request was not queued.
@@ -466,6 +520,8 @@ impl Worker {
             self.n_ubatch,
         );
         tracing::debug!("prompt cache reuse: {:?}", self.reuse);
+        // Frees what the probes left on a device.
+        self.retain_caches();
         loop {
             {
                 let shared = self.shared.clone();
@@ -495,10 +551,9 @@ impl Worker {
                     s.tokens.clear();
                     s.n_exact = 0;
                     if let Some(a) = &s.active {
-                        let _ = a
-                            .job
-                            .events
-                            .send(JobEvent::Failed("internal error while generating".into()));
+                        let _ = a.job.events.send(JobEvent::Failed(JobFailure::internal(
+                            "internal error while generating",
+                        )));
                     }
                     self.release(i);
                 }
@@ -510,12 +565,15 @@ impl Worker {
     fn fail_all(&mut self, why: &str) {
         let mut q = lock(&self.shared.queue);
         for job in q.jobs.drain(..) {
-            let _ = job.events.send(JobEvent::Failed(why.into()));
+            let _ = job.events.send(JobEvent::Failed(JobFailure::internal(why)));
         }
         drop(q);
         for i in 0..self.slots.len() {
             if let Some(a) = self.slots[i].active.take() {
-                let _ = a.job.events.send(JobEvent::Failed(why.into()));
+                let _ = a
+                    .job
+                    .events
+                    .send(JobEvent::Failed(JobFailure::internal(why)));
             }
         }
         self.shared.stats.requests_processing.store(0, Relaxed);
@@ -531,11 +589,13 @@ impl Worker {
                 continue;
             }
             if job.spec.prompt.is_empty() || job.spec.prompt.len() >= self.n_ctx_slot {
-                let _ = job.events.send(JobEvent::Failed(format!(
-                    "the prompt ({} tokens) does not fit in a slot's context ({})",
-                    job.spec.prompt.len(),
-                    self.n_ctx_slot
-                )));
+                let _ = job
+                    .events
+                    .send(JobEvent::Failed(JobFailure::internal(format!(
+                        "the prompt ({} tokens) does not fit in a slot's context ({})",
+                        job.spec.prompt.len(),
+                        self.n_ctx_slot
+                    ))));
                 continue;
             }
             let slot = self.pick_slot(&job.spec);
@@ -574,6 +634,10 @@ impl Worker {
     /// Leading positions of `prompt` that slot `s` can serve from its cache without changing
     /// results (at least one prompt token is always left to run, for its logits).
     fn reusable(&self, s: &Slot, prompt: &[u32]) -> usize {
+        // A device cache freed to make room for another sequence holds nothing.
+        if !self.model.cache_held(&s.cache) {
+            return 0;
+        }
         let ub = self.n_ubatch;
         let mut keep = common_prefix(&s.tokens, prompt)
             .min(s.n_exact)
@@ -648,9 +712,13 @@ impl Worker {
         if feeds.is_empty() {
             return;
         }
+        self.retain_caches();
         // The batch lists sequences in slot order; results come back in that order.
         feeds.sort_unstable_by_key(|f| f.slot);
         let n_tokens: usize = feeds.iter().map(|f| f.tokens.len()).sum();
+        let n_past: Vec<usize> = (feeds.iter())
+            .map(|f| self.slots[f.slot].cache.n_past())
+            .collect();
         let result = {
             let mut by_slot: Vec<Option<&Feed>> = vec![None; self.slots.len()];
             for f in &feeds {
@@ -675,18 +743,34 @@ impl Worker {
         Stats::add(&stats.n_busy_slots, feeds.len() as u64);
         stats.n_tokens_max.fetch_max(n_tokens as u64, Relaxed);
         match result {
-            Err(e) => {
-                let why = format!("inference failed: {e}");
-                tracing::error!("{why}");
-                for f in &feeds {
-                    let s = &mut self.slots[f.slot];
-                    s.cache.clear();
-                    s.tokens.clear();
-                    s.n_exact = 0;
-                    if let Some(a) = &s.active {
-                        let _ = a.job.events.send(JobEvent::Failed(why.clone()));
+            Err(e) if feeds.len() > 1 => {
+                // A sequence's result does not depend on the others in its pass, so each runs
+                // alone from where it was, and only those that fail alone fail (one the
+                // device has no K/V memory for gets 503; the others go on).
+                tracing::warn!("a batched pass failed ({e}); running its sequences one by one");
+                for (f, n_past) in feeds.into_iter().zip(n_past) {
+                    let cache = &mut self.slots[f.slot].cache;
+                    if cache.n_past() != n_past && !cache.truncate(n_past) {
+                        self.fail_feed(f.slot, &e);
+                        continue;
                     }
-                    self.release(f.slot);
+                    let mut seq = [SeqBatch {
+                        cache,
+                        tokens: &f.tokens,
+                        logits: f.logits,
+                    }];
+                    match self.model.forward_multi(&mut seq) {
+                        Ok(mut logits) => {
+                            let logits = logits.pop().unwrap_or_default();
+                            self.after_pass(f, logits);
+                        }
+                        Err(e) => self.fail_feed(f.slot, &e),
+                    }
+                }
+            }
+            Err(e) => {
+                for f in &feeds {
+                    self.fail_feed(f.slot, &e);
                 }
             }
             Ok(all_logits) => {
@@ -695,6 +779,32 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Fails the request of `slot` after a failed pass, and empties its cache.
+    fn fail_feed(&mut self, slot: usize, e: &ModelError) {
+        let failure = JobFailure::of_model_error(e);
+        tracing::error!("slot {slot}: {}", failure.message);
+        let s = &mut self.slots[slot];
+        s.cache.clear();
+        s.tokens.clear();
+        s.n_exact = 0;
+        if let Some(a) = &s.active {
+            let _ = a.job.events.send(JobEvent::Failed(failure));
+        }
+        self.release(slot);
+    }
+
+    /// Tells the model which caches are alive (every slot's) and which run a request, so that
+    /// a device executor frees the others and never frees a running one to make room.
+    fn retain_caches(&self) {
+        let caches = |busy: bool| -> Vec<&KvCache> {
+            (self.slots.iter())
+                .filter(|s| s.active.is_some() == busy)
+                .map(|s| &s.cache)
+                .collect()
+        };
+        self.model.retain_caches(&caches(true), &caches(false));
     }
 
     /// Decode tokens of generating slots, then prompt chunks in arrival order within one
@@ -798,7 +908,7 @@ impl Worker {
         }
         if let Some(c) = &mut a.constraint {
             if let Err(e) = c.mask(&mut logits) {
-                let _ = a.job.events.send(JobEvent::Failed(e.to_string()));
+                let _ = (a.job.events).send(JobEvent::Failed(JobFailure::internal(e.to_string())));
                 self.release(slot);
                 return;
             }
@@ -816,7 +926,7 @@ impl Worker {
         let mut grammar_done = false;
         if let Some(c) = &mut a.constraint {
             if let Err(e) = c.accept(token) {
-                let _ = a.job.events.send(JobEvent::Failed(e.to_string()));
+                let _ = (a.job.events).send(JobEvent::Failed(JobFailure::internal(e.to_string())));
                 self.release(slot);
                 return;
             }
