@@ -1,6 +1,6 @@
 //! Inputs shared by the GPU tests (`gpu.rs`) and the host emulation (`emulated.rs`).
 
-use hmoe_backend::{AttnParams, Backend, GatedAct, Ref0, RefMoe};
+use hmoe_backend::{AttnParams, Backend, GatedAct, KvLayout, KvRing, Ref0, RefMoe};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -54,23 +54,44 @@ pub fn ref_moe(cpu: &Ref0, m: &RefMoe, x: &[f32], sel: &[i32], wts: &[f32], k: u
     cpu.download(&out).unwrap()
 }
 
-/// The reference device's attention over f16 rings given as host slices.
+/// The K/V ring types of the kernels' tests, as (K, V) pairs: the row kernel (f16/f32
+/// values) and flash attention (Q8_0/Q4_0 values, keys of every type).
+pub const KV_PAIRS: [(GgmlType, GgmlType); 6] = [
+    (GgmlType::F16, GgmlType::F16),
+    (GgmlType::F32, GgmlType::F32),
+    (GgmlType::Q8_0, GgmlType::Q8_0),
+    (GgmlType::Q4_0, GgmlType::Q4_0),
+    (GgmlType::F16, GgmlType::Q8_0),
+    (GgmlType::F32, GgmlType::Q4_0),
+];
+
+/// The bytes of a ring of `layout` whose every cell the reference device stored from `rows`
+/// (`cells × width` values).
+#[allow(dead_code)] // emulated.rs's, not gpu.rs's
+pub fn ref_ring(cpu: &Ref0, layout: KvLayout, rows: &[f32]) -> Vec<u8> {
+    let mut ring = cpu.kv_alloc(layout).unwrap();
+    let src = cpu.upload(rows).unwrap();
+    cpu.kv_store(&src, &mut ring, layout.cells, 0).unwrap();
+    cpu.download(&ring.data).unwrap()
+}
+
+/// The reference device's attention over K and V rings given as host bytes.
 #[allow(clippy::too_many_arguments)]
 pub fn ref_attention(
     cpu: &Ref0,
     p: &AttnParams,
     q: &[f32],
-    k_bits: &[u16],
-    v_bits: &[u16],
+    k: (KvLayout, &[u8]),
+    v: (KvLayout, &[u8]),
     sinks: Option<&[f32]>,
     n_tokens: usize,
     pos0: usize,
 ) -> Vec<f32> {
-    let (qd, kd, vd) = (
-        cpu.upload(q).unwrap(),
-        cpu.upload(k_bits).unwrap(),
-        cpu.upload(v_bits).unwrap(),
-    );
+    let ring = |(layout, bytes): (KvLayout, &[u8])| KvRing::<Ref0> {
+        data: cpu.upload(bytes).unwrap(),
+        layout,
+    };
+    let (qd, kd, vd) = (cpu.upload(q).unwrap(), ring(k), ring(v));
     let sd = sinks.map(|s| cpu.upload(s).unwrap());
     let mut out = cpu.alloc::<f32>(q.len()).unwrap();
     cpu.attention(p, &qd, &kd, &vd, sd.as_ref(), n_tokens, pos0, &mut out)
