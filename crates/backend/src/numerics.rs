@@ -121,3 +121,21 @@ pub fn dot_vec<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32, f64_tail:
         sum
     }
 }
+
+/// One key of ggml's online softmax (its CPU flash-attention kernel) with running maximum `m`
+/// and running sum `s`: a `score` above `m` becomes the maximum and rescales what came before
+/// by `ms = e^(m_old − score)` (`vs = 1`), else `vs = e^(score − m)` (`ms = 1`), with libm's
+/// `expf`; `s = s·ms + vs` in one rounding. Returns `(ms, vs)`: the factors of the value
+/// accumulator and of the key's value.
+#[inline(always)]
+pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
+    let (ms, vs) = if score > *m {
+        let ms = (*m - score).exp();
+        *m = score;
+        (ms, 1.0)
+    } else {
+        (1.0, (score - *m).exp())
+    };
+    *s = s.mul_add(ms, vs);
+    (ms, vs)
+}

@@ -26,7 +26,7 @@ use half::{bf16, f16};
 use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::error::ensure;
-use crate::numerics::{dot_vec, expf_ggml, fwht, hsum16, rotate_chunks};
+use crate::numerics::{dot_vec, expf_ggml, fwht, hsum16, online_softmax_step, rotate_chunks};
 use crate::{AttnParams, BackendError, KvLayout};
 
 /// Lanes of ggml's accumulators.
@@ -241,10 +241,7 @@ pub(crate) fn attention(
             },
         )?;
     }
-    let span = p
-        .window
-        .map_or(usize::MAX, |w| w + n_tokens.saturating_sub(1))
-        .min(pos0 + n_tokens);
+    let span = p.keys_seen(n_tokens, pos0);
     ensure(span <= p.cells || n_tokens == 0, OP, || {
         format!("{} cells for {span} keys", p.cells)
     })?;
@@ -360,14 +357,7 @@ impl FlashRow {
 
     /// One key: a new maximum rescales what came before by `e^(m_old − m)`.
     fn add(&mut self, score: f32, v: &[f32]) {
-        let (ms, vs) = if score > self.m {
-            let ms = (self.m - score).exp();
-            self.m = score;
-            (ms, 1.0)
-        } else {
-            (1.0, (score - self.m).exp())
-        };
-        self.s = self.s.mul_add(ms, vs);
+        let (ms, vs) = online_softmax_step(&mut self.m, &mut self.s, score);
         self.scale(ms);
         for (a, &x) in self.acc.iter_mut().zip(v) {
             *a = x.mul_add(vs, *a);

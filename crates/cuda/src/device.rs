@@ -1049,12 +1049,8 @@ impl CudaDevice {
                 )
             },
         )?;
-        // Every key the batch's queries see must still be in the ring after the batch's
-        // own keys were stored: the window plus the batch, at most the whole sequence.
-        let span = p
-            .window
-            .map_or(usize::MAX, |w| w + n_tokens.saturating_sub(1))
-            .min(pos0 + n_tokens);
+        // Every key the batch's queries see must still be in the ring.
+        let span = p.keys_seen(n_tokens, pos0);
         ensure(span <= p.cells || n_tokens == 0, OP, || {
             format!(
                 "{} cells cannot hold the {span} keys this batch sees",

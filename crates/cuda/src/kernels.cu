@@ -20,8 +20,8 @@
 // are exact, and the float sums follow the CPU engine's orders for Q8_0, MXFP4 and F32 (see
 // the warp_dot_* functions). Attention rounds the query and the probabilities to f16 (as ggml
 // does for f16 K/V) and sums in the CPU engine's orders with ggml's vectorised expf. Where
-// the CPU calls libm's expf (sinks, router softmax, SwiGLU) the kernels round the f64 exp,
-// which agrees with glibc's expf except in rare near-halfway cases.
+// the CPU calls libm's expf (sinks, flash attention, router softmax, SwiGLU) the kernels
+// compute glibc's expf bit for bit (expf_libm).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -117,9 +117,48 @@ __device__ float expf_ggml(float x) {
     return scale_by_pow2(j, (int)n);
 }
 
-// e^x rounded from f64: the correctly rounded f32 except in rare near-halfway cases, which is
-// what glibc's expf (the CPU engine's f32::exp) returns.
-__device__ __forceinline__ float expf_libm(float x) { return (float)exp((double)x); }
+// 2^(i/32) as f64 bits, minus i << 47 (glibc's __exp2f_data table, as hmoe_quant's exp.rs).
+__device__ const u64 EXP2F_TAB[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+// e^x bit for bit as glibc's expf on x86-64 with FMA (the CPU engine's f32::exp; hmoe_quant's
+// expf computes the same, see exp.rs there): with xd = x as f64, kds = fma(32/ln2, xd,
+// 0x1.8p52) (k = round(x * 32/ln2) in its low bits), r = fma(32/ln2, xd, -(kds - 0x1.8p52)),
+// s = 2^(k/32) as the table entry plus k << 47, y = fma(fma(C0, r, C1), r * r, fma(C2, r, 1)),
+// and (float)(y * s); |x| >= 88 and NaN take glibc's special cases.
+__device__ float expf_libm(float x) {
+    u32 bits = __float_as_uint(x);
+    u32 abs = bits & 0x7fffffffu;
+    if (abs >= 0x42b00000u) {
+        if (bits == 0xff800000u) return 0.f;
+        if (abs >= 0x7f800000u) return x + x;
+        if (x > __uint_as_float(0x42b17217u)) return f_inf();
+        if (x < __uint_as_float(0xc2cff1b4u)) return 0.f;
+        if (x < __uint_as_float(0xc2ce8ecfu)) return __uint_as_float(1u);
+    }
+    double inv_ln2_n = __longlong_as_double(0x40471547652b82fell);
+    double shift = __longlong_as_double(0x4338000000000000ll);
+    double xd = (double)x;
+    double kds = fma(inv_ln2_n, xd, shift);
+    u64 ki = (u64)__double_as_longlong(kds);
+    double kd = kds - shift;
+    double r = fma(inv_ln2_n, xd, -kd);
+    double s = __longlong_as_double((long long)(EXP2F_TAB[ki % 32] + (ki << 47)));
+    double z = fma(__longlong_as_double(0x3ebc6af84b912394ll), r,
+                   __longlong_as_double(0x3f2ebfce50fac4f3ll));
+    double r2 = r * r;
+    double y = fma(__longlong_as_double(0x3f962e42ff0c52d6ll), r, 1.0);
+    y = fma(z, r2, y);
+    return (float)(y * s);
+}
 
 // Element `e` of a weight row of type TY.
 template <int TY>
@@ -893,7 +932,7 @@ __device__ float flash_score(const float* q, const u8* qb, const u8* k, int ty, 
 // and m = s, else ms = 1, vs = expf(s - m); S = fma(S, ms, vs); acc *= ms (when ms != 1);
 // acc = fma(v, vs, acc) with v the dequantized value (q · d). The sink folds in last (a sink
 // above m rescales acc and S as a key would, without a value; else S += expf(sink - m)), then
-// acc · (1 / S), rotated back like the values (v_rot). expf is libm's (here the f64-rounded).
+// acc · (1 / S), rotated back like the values (v_rot). expf is glibc's (expf_libm).
 //
 // One warp per (head, token): its lanes score 32 positions at a time (one each), then every
 // lane runs the online softmax over them in order for the dimensions it keeps (lane, lane + 32,

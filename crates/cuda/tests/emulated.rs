@@ -1,9 +1,10 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
-//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router
-//! and attention must give the reference backend's bits (the emulator's libm stands in for
-//! the GPU's, so `expf`-rounding differences between glibc and the GPU are not seen here);
-//! F16/BF16 products (another summation order) are only reported.
+//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router,
+//! the K/V store of every ring type and attention over every ring type pair (the row kernel
+//! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
+//! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
+//! GPU's `cosf`/`sinf`); F16/BF16 products (another summation order) are only reported.
 //!
 //! Slow (minutes: every shuffle is a barrier of OS threads), so ignored by default:
 //! `cargo test -p hmoe-cuda --test emulated -- --ignored --nocapture`. Skipped when clang++
@@ -18,7 +19,10 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{noise, quantizer_cases, ref_attention, ref_moe, ref_ring, KV_PAIRS, TYPES};
+use common::{
+    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KV_PAIRS,
+    TYPES,
+};
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
 trait Raw: Copy {
@@ -330,30 +334,16 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         );
     }
 
-    // Attention: (head_dim, window, cells, pos0, n_tokens) as in tests/gpu.rs, over random
-    // rings of every type pair (quantized pairs on the shapes whose heads are whole blocks).
+    // Attention over random rings of every type pair (quantized pairs on the shapes whose
+    // heads are whole blocks).
     let (n_head, n_kv) = (8usize, 2usize);
-    for (hd, window, cells, pos0, n_tokens) in [
-        (64usize, None, 64usize, 20usize, 3usize),
-        (64, Some(8usize), 12, 40, 2),
-        (64, Some(8), 32, 0, 20),
-        (64, None, 600, 520, 1),
-        (16, Some(8), 16, 30, 1),
-        (16, None, 40, 5, 7),
-        (80, None, 40, 33, 1),
-        (80, Some(20), 48, 10, 4),
-        (128, Some(8), 24, 30, 3),
-        (32, None, 40, 20, 2),
-    ] {
+    for (hd, window, cells, pos0, n_tokens) in ATTN_CASES {
         let kvw = n_kv * hd;
-        for (kt, vt) in KV_PAIRS {
-            if !hd.is_multiple_of(kt.block_elems()) || !hd.is_multiple_of(vt.block_elems()) {
+        for pair in KV_PAIRS {
+            let Some((kl, vl)) = kv_layouts(pair, hd, n_kv, cells) else {
                 continue;
-            }
-            let layout = |ty: GgmlType, key: bool| {
-                KvLayout::new(ty, kvw, cells, KvLayout::rotation(ty, hd, key)).unwrap()
             };
-            let (kl, vl) = (layout(kt, true), layout(vt, false));
+            let (kt, vt) = pair;
             for with_sinks in [false, true] {
                 let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
                 let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));

@@ -26,7 +26,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use hmoe_quant::{expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
 
-use hmoe_backend::numerics::{dot_vec, fwht, rotate_chunks};
+use hmoe_backend::numerics::{dot_vec, fwht, online_softmax_step, rotate_chunks};
 
 use crate::kv_cache::{Cells, LayerCache};
 use crate::ops::{expf_ggml, reduce16};
@@ -812,15 +812,7 @@ impl FlashRow {
     /// and the factors `(ms, vs)` that scale the accumulator and the value.
     #[inline(always)]
     fn step(&mut self, score: f32) -> (f32, f32) {
-        let (ms, vs) = if score > self.m {
-            let ms = (self.m - score).exp();
-            self.m = score;
-            (ms, 1.0)
-        } else {
-            (1.0, (score - self.m).exp())
-        };
-        self.s = self.s.mul_add(ms, vs);
-        (ms, vs)
+        online_softmax_step(&mut self.m, &mut self.s, score)
     }
 
     /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`,
@@ -900,12 +892,12 @@ fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
 
     /// Deterministic values in [-1, 1).
-    fn noise(seed: u64, n: usize) -> Vec<f32> {
+    pub(crate) fn noise(seed: u64, n: usize) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {

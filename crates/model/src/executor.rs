@@ -30,8 +30,8 @@
 //! takes its path for the value type (the row kernel over float values, flash attention over
 //! block-quantized ones). On [`hmoe_backend::Ref0`] the logits are the CPU engine's
 //! bit for bit on the gpt-oss fixtures. On a GPU what still differs is cuBLAS's order for
-//! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where
-//! the CPU calls libm's, and F16/BF16 summation orders; on models whose routing is that
+//! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, and F16/BF16 summation
+//! orders; on models whose routing is that
 //! sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
 //!
 //! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each

@@ -9,21 +9,9 @@
 use half::f16;
 use hmoe_backend::{AttnParams, Backend, KvLayout, KvRing, Ref0};
 
+use crate::attention::tests::noise;
 use crate::attention::{attention, AttnShape};
 use crate::kv_cache::{CacheType, Cells, FlashAttn, KvCache, KvType};
-
-/// Deterministic values in [-1, 1).
-fn noise(seed: u64, n: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 /// The CPU cells as ring bytes (ggml's layout of the type, little-endian).
 fn cell_bytes(c: &Cells) -> Vec<u8> {

@@ -65,6 +65,39 @@ pub const KV_PAIRS: [(GgmlType, GgmlType); 6] = [
     (GgmlType::F32, GgmlType::Q4_0),
 ];
 
+/// Attention shapes of the kernels' tests: `(head_dim, window, cells, pos0, n_tokens)`: full
+/// causal; a window in a ring smaller than the sequence (cells wrap); a prefill batch with a
+/// window; one token after 520 (several rounds of chunks); head dims of 16 (no 64-element
+/// step) and 80 (a tail after it); 128 (a K rotation of 128) and 32 (quantized, not rotated).
+pub const ATTN_CASES: [(usize, Option<usize>, usize, usize, usize); 10] = [
+    (64, None, 64, 20, 3),
+    (64, Some(8), 12, 40, 2),
+    (64, Some(8), 32, 0, 20),
+    (64, None, 600, 520, 1),
+    (16, Some(8), 16, 30, 1),
+    (16, None, 40, 5, 7),
+    (80, None, 40, 33, 1),
+    (80, Some(20), 48, 10, 4),
+    (128, Some(8), 24, 30, 3),
+    (32, None, 40, 20, 2),
+];
+
+/// The K and V ring layouts of a test with heads of `hd` (`n_kv` of them) in `cells` cells,
+/// rotated as the executor rotates them; `None` when the heads are not whole blocks.
+pub fn kv_layouts(
+    (kt, vt): (GgmlType, GgmlType),
+    hd: usize,
+    n_kv: usize,
+    cells: usize,
+) -> Option<(KvLayout, KvLayout)> {
+    let layout = |ty: GgmlType, key: bool| {
+        let rot = KvLayout::rotation(ty, hd, key);
+        (hd.is_multiple_of(ty.block_elems()))
+            .then(|| KvLayout::new(ty, n_kv * hd, cells, rot).unwrap())
+    };
+    Some((layout(kt, true)?, layout(vt, false)?))
+}
+
 /// The bytes of a ring of `layout` whose every cell the reference device stored from `rows`
 /// (`cells × width` values).
 #[allow(dead_code)] // emulated.rs's, not gpu.rs's

@@ -53,6 +53,8 @@ int __shfl_xor_sync(unsigned, int v, int m) { return shfl_any(v, (threadIdx.x % 
 float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
+double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
