@@ -582,7 +582,7 @@ extern "C" __global__ void kv_store_f32(const float* src, float* cache, int n_to
     cache[cell * width + c] = src[i];
 }
 
-// The CPU engine's fast Walsh–Hadamard transform of x[0..n) in place (n a power of two):
+// The CPU engine's fast Walsh–Hadamard transform of the n values of x in place (n a power of two):
 // scale by 1 / sqrt(n), then butterflies (u + v, u - v) over strides 1, 2, 4, ... n / 2. Its
 // own inverse.
 __device__ void fwht_serial(float* x, int n) {
@@ -627,8 +627,8 @@ __device__ void quantize_block_q4_0(const float* x, u8* ob) {
 
 #define KV_MAX_CHUNK 256
 
-// One thread per chunk of max(rot, 32) values (at most KV_MAX_CHUNK) of the batch's rows: the chunk rotated (rot > 0),
-// then quantized block by block into its cell.
+// One thread per chunk of max(rot, 32) values (at most KV_MAX_CHUNK) of the batch's rows:
+// each `rot` values of it rotated (rot > 0), then quantized block by block into its cell.
 __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int width, int cells,
                                 int pos0, int rot, int block_bytes, bool q4) {
     int chunk = rot > 32 ? rot : 32;
@@ -639,7 +639,7 @@ __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int w
     float x[KV_MAX_CHUNK];
     const float* s = src + (u64)t * width + (u64)c * chunk;
     for (int j = 0; j < chunk; j++) x[j] = s[j];
-    if (rot > 0) fwht_serial(x, rot);
+    for (int r = 0; rot > 0 && r < chunk; r += rot) fwht_serial(x + r, rot);
     u64 cell = (u64)((pos0 + t) % cells);
     u8* row = cache + cell * (u64)(width / 32) * block_bytes;
     for (int b = 0; b < chunk / 32; b++) {
