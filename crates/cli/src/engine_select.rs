@@ -137,8 +137,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let (k, v) = (i.kv.k(), i.kv.v());
     if !device_keeps_kv(device, k, v) {
         return cpu(format!(
-            "{} does not keep a -ctk {k} -ctv {v} K/V cache (CUDA: f32/f16 values with f32/f16 \
-             keys, q8_0/q4_0 values with f32/f16/q8_0/q4_0 keys)",
+            "{} does not keep a -ctk {k} -ctv {v} K/V cache (CUDA: f32, f16, q8_0 and q4_0)",
             match device {
                 EngineDevice::Cuda(o) => format!("CUDA{o}"),
                 EngineDevice::Ref0 { .. } => REF0_NAME.into(),
@@ -419,6 +418,9 @@ mod tests {
             "REF0 takes what a GPU would"
         );
         // Quantized and f32 K/V stay on the device: every type on REF0, f32/q8_0/q4_0 on CUDA.
+        let q8k_f16v = KvType::new(CacheType::Q8_0, CacheType::F16, FlashAttn::Off).unwrap();
+        let on_cuda = choose(&[CUDA0], "gpt-oss", q8k_f16v, [G, G], [G, G]);
+        assert_eq!(homes(on_cuda).0, CUDA0, "block keys with f16 values");
         for kv in ["f32", "q8_0", "q4_0"] {
             let ty = KvType::parse(kv).unwrap();
             assert_eq!(
@@ -448,9 +450,9 @@ mod tests {
             w.contains("CUDA0 does not keep a -ctk bf16 -ctv bf16"),
             "{w}"
         );
-        let q8k_f16v = KvType::new(CacheType::Q8_0, CacheType::F16, FlashAttn::Off).unwrap();
-        let w = why(choose(&[CUDA0], "gpt-oss", q8k_f16v, [G, G], [G, G]));
-        assert!(w.contains("-ctk q8_0 -ctv f16"), "{w}");
+        let q8k_q5v = KvType::new(CacheType::Q8_0, CacheType::Q5_0, FlashAttn::On).unwrap();
+        let w = why(choose(&[CUDA0], "gpt-oss", q8k_q5v, [G, G], [G, G]));
+        assert!(w.contains("-ctk q8_0 -ctv q5_0"), "{w}");
         let w = why(choose(&[CUDA0], "gpt-oss", f16, [C, C], [C, C]));
         assert!(w.contains("no layer on the GPU"), "{w}");
         let w = why(choose(&[CUDA0], "gpt-oss", f16, [C, G], [C, G]));

@@ -151,15 +151,11 @@ pub struct CudaDevice {
 /// The K/V ring types the kernels store and read (`kv_store_*`, `attn_row`, `attn_flash`).
 pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
-/// Whether the attention kernels read keys of `k` with values of `v`: f32/f16 values by the
-/// row kernel (f32/f16 keys), Q8_0/Q4_0 values by flash attention (keys of any of
-/// [`KV_TYPES`]), as the CPU engine chooses its path by the value type.
+/// Whether the attention kernels read keys of `k` with values of `v`: both of [`KV_TYPES`]
+/// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU engine
+/// chooses its path by the value type; keys of every type in both).
 pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
-    let float = |t: GgmlType| matches!(t, GgmlType::F32 | GgmlType::F16);
-    match float(v) {
-        true => float(k),
-        false => KV_TYPES.contains(&v) && KV_TYPES.contains(&k),
-    }
+    KV_TYPES.contains(&v) && KV_TYPES.contains(&k)
 }
 
 /// Whether a ring of `l` is one the kernels store and read: a type of [`KV_TYPES`], rotated

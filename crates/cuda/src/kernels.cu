@@ -671,14 +671,15 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 // logits (gpt-oss): the sink joins the softmax's denominator and adds no value. q, out:
 // [n_tokens][n_head][head_dim] f32. Token t sits at position pos0 + t and sees keys
 // first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos). Like the CPU engine,
-// the value type chooses the kernel: f32/f16 values attn_row (f32/f16 keys), Q8_0/Q4_0 values
-// attn_flash (keys of f32, f16, Q8_0 or Q4_0). Both take the same arguments: the rings' ggml
-// types, and their rotation chunks (attn_row's rings are never rotated).
+// the value type chooses the kernel: f32/f16 values attn_row, Q8_0/Q4_0 values attn_flash, each
+// with keys of f32, f16, Q8_0 or Q4_0. Both take the same arguments: the rings' ggml types and
+// their rotation chunks (only block-quantized rings are rotated).
 //
 // attn_row: the CPU engine's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
-// float values), bit for bit: the query rounded to f16 for f16 keys; scores in ggml's
-// vec_dot_f16 order for one query token and f16 keys, tinyBLAS's 16 lanes for several, and
-// vec_dot_f32's order for f32 keys (attn_score), times `scale`; m = the largest score (and
+// float values), bit for bit: the query rounded to f16 for f16 keys, rotated and converted to
+// Q8_0 blocks for Q8_0/Q4_0 keys; scores in ggml's vec_dot_f16 order for one query token and
+// f16 keys, tinyBLAS's 16 lanes for several, vec_dot_f32's order for f32 keys and ggml's
+// vec_dot for block keys (attn_score), times `scale`; m = the largest score (and
 // sink); positions in chunks of 16 from first rounded down to a multiple of 16, each chunk's
 // expf_ggml(s - m) summed by halving and added to an f64 sum in chunk order, plus the sink's
 // exp; probabilities expf_ggml(s - m) * (f32)(1 / sum), rounded to f16 for f16 values; output
@@ -696,15 +697,42 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 #define ATT_MAX_DIMS_PER_THREAD (ATT_MAX_PER_LANE * WARP / 16)
 #define ATT_SCORE_CACHE 8192
 
-// The score of the key at element `at` of the f32/f16 ring `k` against the query `q` (shared
-// memory; rounded to f16 for f16 keys), by the 16 lanes of a half-warp (l: lane within the
-// half): f32 keys, and one query token with f16 keys, in ggml's vec_dot order (four 16-lane
+// Element j (0..31) of a Q8_0 or Q4_0 block, as its integer.
+__device__ __forceinline__ int block_int(const u8* b, bool q4, int j) {
+    if (!q4) return (int)(signed char)b[2 + j];
+    u8 byte = b[2 + (j & 15)];
+    return (int)(j < 16 ? byte & 15 : byte >> 4) - 8;
+}
+
+// The score of the key at element `at` of the ring `k` against the query `q` (shared memory;
+// rounded to f16 for f16 keys; as Q8_0 blocks `qb` for Q8_0/Q4_0 keys), by the 16 lanes of a
+// half-warp (l: lane within the half): block keys in ggml's vec_dot order (flash_score's); f32 keys, and one query token with f16 keys, in ggml's vec_dot order (four 16-lane
 // FMA accumulators over 64-element steps folded (s0 + s2) + (s1 + s3), summed by halving, then
 // the last hd % 64 products added one by one, in f32 for f32 keys and rounded to f32 and added
 // in f64 for f16), several tokens with f16 keys in tinyBLAS's (element i into lane i % 16,
 // summed by halving). Every lane of the half gets it; every lane of the warp must call it.
-__device__ float attn_score(const float* q, const u8* k, int k_ty, u64 at, int hd, int l,
-                            int single) {
+__device__ float attn_score(const float* q, const u8* qb, const u8* k, int k_ty, u64 at, int hd,
+                            int l, int single) {
+    if (k_ty == TY_Q8_0 || k_ty == TY_Q4_0) {
+        // Lanes 0..7 of the half keep accumulator l of ggml's vec_dot (see flash_score), folded
+        // by xor-shuffles 4, 2, 1: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+        bool q4 = k_ty == TY_Q4_0;
+        int bb = q4 ? 18 : 34;
+        const u8* kb = k + at / 32 * bb;
+        float a = 0.f;
+        if (l < 8) {
+            for (int b = 0; b < hd / 32; b++) {
+                const u8* w = kb + b * bb;
+                const u8* x = qb + b * 34;
+                float d = q8_scale(w) * q8_scale(x);
+                int s = 0;
+                for (int e = 4 * l; e < 4 * l + 4; e++) s += block_int(w, q4, e) * (int)(signed char)x[2 + e];
+                a = fmaf(d, (float)s, a);
+            }
+        }
+        for (int o = 4; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        return __shfl_sync(0xffffffffu, a, (int)(threadIdx.x & ~15u));
+    }
     if (single || k_ty == TY_F32) {
         int np = hd & ~63;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -734,6 +762,7 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                                     int window, float scale, int k_ty, int v_ty, int k_rot,
                                     int v_rot) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
+    __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
     __shared__ float sm_s[ATT_SCORE_CACHE];
     __shared__ float sm_p[ATT_CHUNKS * 16];
     __shared__ float sm_red[ATT_CHUNKS];
@@ -761,6 +790,14 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
         sm_q[i] = k_ty == TY_F16 ? h2f(f2h(qh[i])) : qh[i];
     }
     __syncthreads();
+    // Block keys: the query rotated like them, as Q8_0 blocks.
+    bool kq = k_ty == TY_Q8_0 || k_ty == TY_Q4_0;
+    if (kq && k_rot > 0 && tid == 0) {
+        for (int c = 0; c < head_dim; c += k_rot) fwht_serial(sm_q + c, k_rot);
+    }
+    __syncthreads();
+    if (kq && tid < head_dim / 32) quantize_block_q8_0(sm_q + 32 * tid, sm_qb + 34 * tid);
+    __syncthreads();
 
     // Pass 1: the largest score (and sink). Out-of-range slots score position `pos` and are
     // ignored, so that every lane takes part in the shuffles.
@@ -771,7 +808,7 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
             int p = chunk0 + 16 * c + i;
             bool ok = c < n_chunks && p >= first && p <= pos;
             u64 cell = (u64)((ok ? p : pos) % cells);
-            float s = attn_score(sm_q, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
+            float s = attn_score(sm_q, sm_qb, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
             if (ok) m = fmaxf(m, s);
             if (ok && cached && l == i) sm_s[16 * c + i] = s;
         }
@@ -800,7 +837,7 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                 int p = chunk0 + 16 * c + i;
                 bool ok = c < n_chunks && p >= first && p <= pos;
                 u64 cell = (u64)((ok ? p : pos) % cells);
-                float s = attn_score(sm_q, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
+                float s = attn_score(sm_q, sm_qb, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
                 if (ok && l == i) mine = expf_ggml(s - big);
             }
         }
@@ -839,7 +876,7 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                 int p = chunk0 + 16 * c + i;
                 bool ok = c < n_chunks && p >= first && p <= pos;
                 u64 cell = (u64)((ok ? p : pos) % cells);
-                float s = attn_score(sm_q, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
+                float s = attn_score(sm_q, sm_qb, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
                 if (ok && l == i) mine = expf_ggml(s - big) * inv;
             }
         }
@@ -867,13 +904,6 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
             if (l == 0) oh[hw + 16 * k] = o;
         }
     }
-}
-
-// Element j (0..31) of a Q8_0 or Q4_0 block, as its integer.
-__device__ __forceinline__ int block_int(const u8* b, bool q4, int j) {
-    if (!q4) return (int)(signed char)b[2 + j];
-    u8 byte = b[2 + (j & 15)];
-    return (int)(j < 16 ? byte & 15 : byte >> 4) - 8;
 }
 
 // The key at element `at` of a ring of `ty` (one thread): f32 keys against the query `q` in

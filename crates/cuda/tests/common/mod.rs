@@ -56,9 +56,11 @@ pub fn ref_moe(cpu: &Ref0, m: &RefMoe, x: &[f32], sel: &[i32], wts: &[f32], k: u
 
 /// The K/V ring types of the kernels' tests, as (K, V) pairs: the row kernel (f16/f32
 /// values) and flash attention (Q8_0/Q4_0 values, keys of every type).
-pub const KV_PAIRS: [(GgmlType, GgmlType); 6] = [
+pub const KV_PAIRS: [(GgmlType, GgmlType); 8] = [
     (GgmlType::F16, GgmlType::F16),
     (GgmlType::F32, GgmlType::F32),
+    (GgmlType::Q8_0, GgmlType::F16),
+    (GgmlType::Q4_0, GgmlType::F32),
     (GgmlType::Q8_0, GgmlType::Q8_0),
     (GgmlType::Q4_0, GgmlType::Q4_0),
     (GgmlType::F16, GgmlType::Q8_0),
