@@ -31,8 +31,8 @@
 //! block-quantized ones). On [`hmoe_backend::Ref0`] the logits are the CPU engine's
 //! bit for bit on the gpt-oss fixtures. On a GPU what still differs is cuBLAS's order for
 //! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, and F16/BF16 summation
-//! orders; on models whose routing is that
-//! sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
+//! orders; on models whose routing is that sensitive (the synthetic Q8_0/MXFP4 fixtures) a
+//! last bit can still flip an expert choice.
 //!
 //! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
