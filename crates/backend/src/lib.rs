@@ -16,6 +16,7 @@ mod experts;
 pub mod numerics;
 mod params;
 mod ref0;
+mod ref0_kv;
 
 use std::ops::Range;
 
@@ -34,8 +35,8 @@ mod sealed {
     impl Sealed for u8 {}
 }
 
-/// An element type of device buffers: f32 activations, i32 ids and positions, u16 f16 bits
-/// (K/V rings), u8 bytes. Sealed: these four are the types every device supports; generic
+/// An element type of device buffers: f32 activations, i32 ids and positions, u16 f16 bits,
+/// u8 bytes (K/V rings). Sealed: these four are the types every device supports; generic
 /// code reaches the device's method for each through [`Backend::upload`], [`Backend::alloc`]
 /// and [`Backend::download`].
 pub trait Elem:
@@ -150,6 +151,102 @@ pub fn copy_into_range(
             what: format!("{src_len} values at {at} of {dst_len}"),
         }),
     }
+}
+
+/// The element types of K/V rings the contract knows (the CPU engine's `-ctk`/`-ctv` types):
+/// F32, F16, BF16 and the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. A device says which it
+/// stores and attends over ([`Backend::kv_types`]).
+pub const KV_TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+];
+
+/// How a K/V ring stores its rows: `cells` rows (position `p` in cell `p % cells`) of `width`
+/// values of `ty`, each row in ggml's layout of the type (the block types: whole blocks),
+/// Walsh–Hadamard rotated in chunks of `rot` values before it is converted (0: not rotated;
+/// llama.cpp's rotation of block-quantized heads, see [`numerics::fwht`]). A ring holds K or V
+/// of a layer, or a K-only (latent) cache of any width that is whole blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Element type of the rows (one of [`KV_TYPES`]).
+    pub ty: GgmlType,
+    /// Values per row.
+    pub width: usize,
+    /// Rows in the ring.
+    pub cells: usize,
+    /// Rotation chunk (a power of two dividing `width`), or 0.
+    pub rot: usize,
+}
+
+impl KvLayout {
+    /// A layout, or the shape error when `ty` is not a K/V type, `width` is not whole blocks
+    /// of it, or `rot` is not 0 or a power of two dividing `width`.
+    pub fn new(
+        ty: GgmlType,
+        width: usize,
+        cells: usize,
+        rot: usize,
+    ) -> Result<KvLayout, BackendError> {
+        const OP: &str = "K/V ring";
+        if !KV_TYPES.contains(&ty) {
+            return Err(BackendError::UnsupportedType { ty, op: OP });
+        }
+        error::ensure(
+            width > 0 && width.is_multiple_of(ty.block_elems()),
+            OP,
+            || format!("rows of {width} values are not whole {ty} blocks"),
+        )?;
+        error::ensure(
+            rot == 0 || (rot.is_power_of_two() && width.is_multiple_of(rot)),
+            OP,
+            || format!("rotation chunks of {rot} for rows of {width}"),
+        )?;
+        Ok(KvLayout {
+            ty,
+            width,
+            cells,
+            rot,
+        })
+    }
+
+    /// The rotation chunk of a ring of `ty` whose heads are `head` values long, as llama.cpp
+    /// (and the CPU engine's cache) rotates them: a block-quantized type (not f32, f16 or
+    /// bf16) with heads a multiple of 64 long is rotated, keys (`key`) in chunks of the
+    /// largest power of two dividing the head, values in chunks of 64; else 0.
+    pub fn rotation(ty: GgmlType, head: usize, key: bool) -> usize {
+        let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if float || !head.is_multiple_of(64) || (key && head == 0) {
+            return 0;
+        }
+        match key {
+            true => 1 << head.trailing_zeros(),
+            false => 64,
+        }
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.width / self.ty.block_elems() * self.ty.block_bytes()
+    }
+
+    /// Bytes of the ring.
+    pub fn bytes(&self) -> usize {
+        self.cells * self.row_bytes()
+    }
+}
+
+/// A K/V ring on device `B`: its bytes and their [`KvLayout`].
+pub struct KvRing<B: Backend + ?Sized> {
+    /// The rows, [`KvLayout::bytes`] bytes.
+    pub data: B::Buf<u8>,
+    /// How they are stored.
+    pub layout: KvLayout,
 }
 
 /// A device that holds weights and buffers and runs the ops of a forward pass over them.
@@ -286,26 +383,50 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError>;
-    /// K or V rows of `n_tokens` tokens into an f16 ring of `cells` cells of `width`
-    /// (position `p` in cell `p % cells`), from position `pos0`.
-    fn kv_store_f16(
+    /// The K/V types ([`KV_TYPES`]) this device stores in rings.
+    fn kv_types(&self) -> &'static [GgmlType];
+    /// Whether [`Backend::attention`] reads keys of type `k` with values of type `v` (by
+    /// default: whenever the device stores both).
+    fn supports_kv(&self, k: GgmlType, v: GgmlType) -> bool {
+        self.kv_types().contains(&k) && self.kv_types().contains(&v)
+    }
+    /// A zeroed ring of `layout`, or [`BackendError::UnsupportedType`] for a type the device
+    /// does not keep ([`Backend::kv_types`]).
+    fn kv_alloc(&self, layout: KvLayout) -> Result<KvRing<Self>, BackendError> {
+        if !self.kv_types().contains(&layout.ty) {
+            return Err(BackendError::UnsupportedType {
+                ty: layout.ty,
+                op: "kv_alloc",
+            });
+        }
+        Ok(KvRing {
+            data: self.alloc::<u8>(layout.bytes())?,
+            layout,
+        })
+    }
+    /// Rows of `n_tokens` tokens (`ring.layout.width` values each) into `ring` from position
+    /// `pos0` (position `p` in cell `p % cells`), rotated and converted as the layout says
+    /// (as the CPU engine's cache stores them: f16/bf16 rounded to nearest even, block types
+    /// by hmoe-quant's quantizers).
+    fn kv_store(
         &self,
         src: &Self::Buf<f32>,
-        cache: &mut Self::Buf<u16>,
+        ring: &mut KvRing<Self>,
         n_tokens: usize,
-        width: usize,
-        cells: usize,
         pos0: usize,
     ) -> Result<(), BackendError>;
-    /// Attention of `n_tokens` queries at positions `pos0..` over the f16 rings (causal,
-    /// sliding window, GQA, and one sink logit per head when `sinks` is given).
+    /// Attention of `n_tokens` queries at positions `pos0..` over the K and V rings (causal,
+    /// sliding window, GQA, and one sink logit per head when `sinks` is given), with the CPU
+    /// engine's numerics for the rings' types: the row kernel (softmax, then the value sum)
+    /// over f32/f16/bf16 values, flash attention (online softmax) over block-quantized
+    /// values; the query rotated like the keys and the output rotated back like the values.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         p: &AttnParams,
         q: &Self::Buf<f32>,
-        k_cache: &Self::Buf<u16>,
-        v_cache: &Self::Buf<u16>,
+        k: &KvRing<Self>,
+        v: &KvRing<Self>,
         sinks: Option<&Self::Buf<f32>>,
         n_tokens: usize,
         pos0: usize,

@@ -36,3 +36,106 @@ fn scale_by_pow2(x: f32, n: i32) -> f32 {
     }
     x * f32::from_bits(((n + 127) as u32) << 23)
 }
+
+/// ggml's fast Walsh–Hadamard transform of one chunk (what llama.cpp's rotation of
+/// block-quantized K/V heads computes): scale by `1/√n`, then butterflies `(u + v, u − v)`
+/// over strides 1, 2, 4, … `n/2`. The transform is its own inverse. `x.len()` must be a
+/// power of two.
+#[inline]
+pub fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    let scale = 1.0 / (n as f32).sqrt();
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+    let mut len = 1;
+    while len < n {
+        for i in (0..n).step_by(2 * len) {
+            for j in i..i + len {
+                let (u, v) = (x[j], x[j + len]);
+                x[j] = u + v;
+                x[j + len] = u - v;
+            }
+        }
+        len <<= 1;
+    }
+}
+
+/// `src` with every chunk of `rot` values transformed by [`fwht`].
+pub fn rotate_chunks(src: &[f32], rot: usize) -> Vec<f32> {
+    let mut out = src.to_vec();
+    for chunk in out.chunks_exact_mut(rot) {
+        fwht(chunk);
+    }
+    out
+}
+
+/// Lanes of ggml's AVX-512 accumulators.
+const LANES: usize = 16;
+
+/// The horizontal sum of 16 lanes by halving (lanes `i` and `i + 8`, then `+ 4`, `+ 2`,
+/// `+ 1`), as `_mm512_reduce_add_ps` sums them.
+#[inline]
+pub fn hsum16(a: &[f32; LANES]) -> f32 {
+    let mut h = *a;
+    for step in [8, 4, 2, 1] {
+        for i in 0..step {
+            h[i] += h[i + step];
+        }
+    }
+    h[0]
+}
+
+/// ggml's `vec_dot_f32` / `vec_dot_f16` on an AVX-512 build (`b` converted by `to_f32`):
+/// four 16-lane FMA accumulators per 64 elements, folded pairwise `(0 + 2) + (1 + 3)`, summed
+/// by halving, then the tail added one product at a time (in f32 for f32 data, in f64 for f16
+/// data when `f64_tail`, as ggml does).
+#[inline]
+pub fn dot_vec<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32, f64_tail: bool) -> f32 {
+    let np = a.len() / 64 * 64;
+    let mut acc = [[0f32; LANES]; 4];
+    // Whole 64-element steps as fixed-size chunks, so the lanes vectorize.
+    for (ca, cb) in a[..np].chunks_exact(64).zip(b[..np].chunks_exact(64)) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                *lane = ca[j * LANES + l].mul_add(to_f32(cb[j * LANES + l]), *lane);
+            }
+        }
+    }
+    let mut folded = [0f32; LANES];
+    for l in 0..LANES {
+        folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let head = hsum16(&folded);
+    if f64_tail {
+        let mut sum = head as f64;
+        for k in np..a.len() {
+            sum += (a[k] * to_f32(b[k])) as f64;
+        }
+        sum as f32
+    } else {
+        let mut sum = head;
+        for k in np..a.len() {
+            sum += a[k] * to_f32(b[k]);
+        }
+        sum
+    }
+}
+
+/// One key of ggml's online softmax (its CPU flash-attention kernel) with running maximum `m`
+/// and running sum `s`: a `score` above `m` becomes the maximum and rescales what came before
+/// by `ms = e^(m_old − score)` (`vs = 1`), else `vs = e^(score − m)` (`ms = 1`), with libm's
+/// `expf`; `s = s·ms + vs` in one rounding. Returns `(ms, vs)`: the factors of the value
+/// accumulator and of the key's value.
+#[inline(always)]
+pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
+    let (ms, vs) = if score > *m {
+        let ms = (*m - score).exp();
+        *m = score;
+        (ms, 1.0)
+    } else {
+        (1.0, (score - *m).exp())
+    };
+    *s = s.mul_add(ms, vs);
+    (ms, vs)
+}

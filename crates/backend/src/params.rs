@@ -95,3 +95,14 @@ pub struct AttnParams {
     /// Score scale, usually `1/sqrt(head_dim)`.
     pub scale: f32,
 }
+
+impl AttnParams {
+    /// The keys a batch of `n_tokens` queries from position `pos0` sees, all of which the ring
+    /// must still hold once the batch's own keys are stored: the window plus the batch, at
+    /// most the whole sequence (`cells` must be at least this).
+    pub fn keys_seen(&self, n_tokens: usize, pos0: usize) -> usize {
+        self.window
+            .map_or(usize::MAX, |w| w + n_tokens.saturating_sub(1))
+            .min(pos0 + n_tokens)
+    }
+}

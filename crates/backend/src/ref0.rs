@@ -15,8 +15,10 @@
 //!   MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`), F32 in `vec_dot_f32` order for one
 //!   token (and for an expert only one slot routes to), else in tinyBLAS's 16 lanes
 //!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order).
-//! - Attention rounds the query and the probabilities to f16, scores and sums in the CPU
-//!   engine's orders with ggml's `expf` ([`crate::numerics::expf_ggml`]).
+//! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
+//!   engine's cache and attention do (see `ref0_kv.rs`): the row kernel with ggml's `expf`
+//!   ([`crate::numerics::expf_ggml`]) over f32/f16/bf16 values, flash attention over
+//!   block-quantized ones.
 //! - The router's softmax and the gated activation call f32 `exp` (libm), as the CPU engine
 //!   does.
 
@@ -27,9 +29,11 @@ use half::{bf16, f16};
 use hmoe_quant::GgmlType;
 
 use crate::error::ensure;
+use crate::numerics::hsum16;
 use crate::{AttnParams, RopeParams};
 use crate::{
-    Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, StagedIo, TransferCounts,
+    Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
+    TransferCounts,
 };
 
 /// The reference device's name in device lists and messages.
@@ -370,18 +374,6 @@ enum F32Order {
     Lanes16,
 }
 
-/// The 16-lane horizontal sum by halving: lanes `i` and `i + 8`, then `+ 4`, `+ 2`, `+ 1`
-/// (`_mm512_reduce_add_ps`; the kernels' `__shfl_xor_sync` steps 8, 4, 2, 1).
-fn hsum16(a: &[f32; 16]) -> f32 {
-    let mut h = *a;
-    for step in [8, 4, 2, 1] {
-        for i in 0..step {
-            h[i] += h[i + step];
-        }
-    }
-    h[0]
-}
-
 /// Q8_0 × Q8_0 in ggml's `vec_dot` order (hmoe_quant's `dot_q8_0`): eight accumulators; for
 /// each block in order `d = d_w · d_a` and accumulator `k` takes `fma(d, s_k, acc_k)`, `s_k`
 /// the integer sum of elements `4k..4k+4`; then `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
@@ -485,29 +477,6 @@ fn row_dot(ty: GgmlType, row: &[u8], a: &Acts, order: F32Order) -> f32 {
         // `acts` gives Q8_0 blocks exactly for Q8_0 and MXFP4 weights.
         (_, Acts::Q8_0(_)) => f32::NAN,
     }
-}
-
-/// An attention score in ggml's `vec_dot_f16` order (one query token): the rounded query
-/// against f16 key bits as [`vec_dot_head`], then the last `n % 64` products (rounded to f32)
-/// added in f64.
-fn score_vec_dot(q16: &[f32], k: &[u16]) -> f32 {
-    let np = q16.len() / 64 * 64;
-    let kv = |i: usize| f16::from_bits(k[i]).to_f32();
-    let mut sum = vec_dot_head(np, |i| (q16[i], kv(i))) as f64;
-    for (i, &qv) in q16.iter().enumerate().skip(np) {
-        sum += (qv * kv(i)) as f64;
-    }
-    sum as f32
-}
-
-/// An attention score in tinyBLAS's order (several query tokens): element `i` fused into lane
-/// `i % 16`, then [`hsum16`].
-fn score_lanes(q16: &[f32], k: &[u16]) -> f32 {
-    let mut lanes = [0f32; 16];
-    for (i, (&qv, &kb)) in q16.iter().zip(k).enumerate() {
-        lanes[i % 16] = qv.mul_add(f16::from_bits(kb).to_f32(), lanes[i % 16]);
-    }
-    hsum16(&lanes)
 }
 
 fn shape(op: &'static str, ok: bool, what: impl FnOnce() -> String) -> Result<(), BackendError> {
@@ -783,135 +752,39 @@ impl Backend for Ref0 {
         }
         Ok(())
     }
-    fn kv_store_f16(
+    fn kv_types(&self) -> &'static [GgmlType] {
+        &crate::KV_TYPES
+    }
+    fn kv_store(
         &self,
         src: &RefBuf<f32>,
-        cache: &mut RefBuf<u16>,
+        ring: &mut KvRing<Ref0>,
         n_tokens: usize,
-        width: usize,
-        cells: usize,
         pos0: usize,
     ) -> Result<(), BackendError> {
-        shape(
-            "kv_store_f16",
-            cells > 0 && src.len() >= n_tokens * width && cache.len() >= cells * width,
-            || "lengths".into(),
-        )?;
-        for t in 0..n_tokens {
-            let cell = (pos0 + t) % cells;
-            for c in 0..width {
-                cache[cell * width + c] = f16::from_f32(src[t * width + c]).to_bits();
-            }
-        }
-        Ok(())
+        crate::ref0_kv::store(&ring.layout, src, &mut ring.data, n_tokens, pos0)
     }
     fn attention(
         &self,
         p: &AttnParams,
         q: &RefBuf<f32>,
-        k_cache: &RefBuf<u16>,
-        v_cache: &RefBuf<u16>,
+        k: &KvRing<Ref0>,
+        v: &KvRing<Ref0>,
         sinks: Option<&RefBuf<f32>>,
         n_tokens: usize,
         pos0: usize,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
-        let kvw = nkv * hd;
-        shape(
-            "attention",
-            nkv > 0
-                && nh.is_multiple_of(nkv)
-                && q.len() >= n_tokens * nh * hd
-                && out.len() >= n_tokens * nh * hd
-                && k_cache.len() >= p.cells * kvw
-                && v_cache.len() >= p.cells * kvw,
-            || format!("{p:?}"),
-        )?;
-        let span = p
-            .window
-            .map_or(usize::MAX, |w| w + n_tokens.saturating_sub(1))
-            .min(pos0 + n_tokens);
-        shape("attention", span <= p.cells || n_tokens == 0, || {
-            format!("{} cells for {span} keys", p.cells)
-        })?;
-        let h16 = |b: u16| f16::from_bits(b).to_f32();
-        let single = n_tokens == 1;
-        for t in 0..n_tokens {
-            let pos = pos0 + t;
-            let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            // Positions in chunks of 16 from `first` rounded down to a multiple of 16; those
-            // before `first` weigh 0.
-            let chunk_start = first / 16 * 16;
-            for h in 0..nh {
-                let kvh = h / (nh / nkv);
-                let base = |pp: usize| (pp % p.cells) * kvw + kvh * hd;
-                // The query rounded to f16, as ggml converts it for the f16 keys.
-                let q16: Vec<f32> = q[(t * nh + h) * hd..][..hd]
-                    .iter()
-                    .map(|&v| f16::from_f32(v).to_f32())
-                    .collect();
-                let scores: Vec<f32> = (chunk_start..=pos)
-                    .map(|pp| {
-                        if pp < first {
-                            return 0.0;
-                        }
-                        let k = &k_cache[base(pp)..][..hd];
-                        let s = if single {
-                            score_vec_dot(&q16, k)
-                        } else {
-                            score_lanes(&q16, k)
-                        };
-                        s * p.scale
-                    })
-                    .collect();
-                let sink = sinks.map(|s| s[h]);
-                let m = scores[first - chunk_start..]
-                    .iter()
-                    .copied()
-                    .chain(sink)
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let e: Vec<f32> = scores
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &s)| {
-                        if chunk_start + i < first {
-                            0.0
-                        } else {
-                            crate::numerics::expf_ggml(s - m)
-                        }
-                    })
-                    .collect();
-                let mut sum = 0f64;
-                for chunk in e.chunks(16) {
-                    let mut lanes = [0f32; 16];
-                    lanes[..chunk.len()].copy_from_slice(chunk);
-                    sum += hsum16(&lanes) as f64;
-                }
-                if let Some(s) = sink {
-                    sum += (s - m).exp() as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                // Probabilities rounded to f16, as ggml converts them for the f16 values;
-                // lane `i` of a value dimension takes position `i` of every chunk.
-                let mut acc = vec![[0f32; 16]; hd];
-                for (i, &ev) in e.iter().enumerate() {
-                    let pp = chunk_start + i;
-                    if pp < first {
-                        continue;
-                    }
-                    let w = f16::from_f32(ev * inv).to_f32();
-                    for (a, &v) in acc.iter_mut().zip(&v_cache[base(pp)..][..hd]) {
-                        a[i % 16] = h16(v).mul_add(w, a[i % 16]);
-                    }
-                }
-                let o = &mut out[(t * nh + h) * hd..][..hd];
-                for (ov, a) in o.iter_mut().zip(&acc) {
-                    *ov = hsum16(a);
-                }
-            }
-        }
-        Ok(())
+        crate::ref0_kv::attention(
+            p,
+            q,
+            (&k.layout, &k.data),
+            (&v.layout, &v.data),
+            sinks.map(|s| &s[..]),
+            n_tokens,
+            pos0,
+            out,
+        )
     }
     fn router_top_k(
         &self,

@@ -107,8 +107,9 @@ impl ModelArgs {
     }
 
     /// Sets up the global thread pool and loads the model: on the GPU executor when
-    /// [`crate::engine_select::choose_engine`] picks it (a GPU, gpt-oss, f16 K/V, and a plan
-    /// with every layer's dense part on one GPU), else on the CPU engine, saying why once.
+    /// [`crate::engine_select::choose_engine`] picks it (a GPU, gpt-oss, K/V types the device
+    /// keeps, and a plan with every layer's dense part on one GPU), else on the CPU engine,
+    /// saying why once.
     pub fn load(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
         let threads = self.threads.unwrap_or_else(physical_cores).max(1);
         rayon::ThreadPoolBuilder::new()

@@ -74,7 +74,7 @@ fn attn_q_layer(name: &str) -> Option<usize> {
 }
 
 /// The engine for `i`: the device executor when there is a device, the model is gpt-oss, the
-/// K/V cache is f16, and the plan puts every layer's dense part on one device (each layer's
+/// device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's dense part on one device (each layer's
 /// experts where the plan puts them, a layer's experts as a unit); else the CPU engine and
 /// why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
@@ -89,13 +89,6 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
         return cpu(format!(
             "the GPU executor runs gpt-oss only, this model is {}",
             i.arch.unwrap_or("of unknown architecture")
-        ));
-    }
-    if i.kv.k() != CacheType::F16 || i.kv.v() != CacheType::F16 {
-        return cpu(format!(
-            "the GPU executor keeps an f16 K/V cache (asked: -ctk {} -ctv {})",
-            i.kv.k().name(),
-            i.kv.v().name()
         ));
     }
     if i.tensors.is_empty() {
@@ -141,6 +134,16 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let Some(&device) = used.first().and_then(|&g| i.devices.get(g)) else {
         return cpu("the plan names a GPU that was not probed".into());
     };
+    let (k, v) = (i.kv.k(), i.kv.v());
+    if !device_keeps_kv(device, k, v) {
+        return cpu(format!(
+            "{} does not keep a -ctk {k} -ctv {v} K/V cache (CUDA: f32, f16, q8_0 and q4_0)",
+            match device {
+                EngineDevice::Cuda(o) => format!("CUDA{o}"),
+                EngineDevice::Ref0 { .. } => REF0_NAME.into(),
+            }
+        ));
+    }
     let tensors = i.tensors.iter().map(|&(n, d)| (n, d.is_gpu()));
     match ExpertPlacement::from_tensor_devices(i.n_layer, tensors) {
         Ok(p) => EngineChoice::Device {
@@ -148,6 +151,19 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
             placement: p.with_op_offload(i.op_offload),
         },
         Err(e) => cpu(e.to_string()),
+    }
+}
+
+/// Whether `device` keeps a K/V cache of `k` keys and `v` values (its
+/// [`Backend::supports_kv`], known without opening it): REF0 every type, CUDA those of
+/// [`hmoe_cuda::kv_pair_supported`].
+pub fn device_keeps_kv(device: EngineDevice, k: CacheType, v: CacheType) -> bool {
+    let (k, v) = (k.ggml_type(), v.ggml_type());
+    match device {
+        EngineDevice::Cuda(_) => hmoe_cuda::kv_pair_supported(k, v),
+        EngineDevice::Ref0 { .. } => {
+            hmoe_backend::KV_TYPES.contains(&k) && hmoe_backend::KV_TYPES.contains(&v)
+        }
     }
 }
 
@@ -284,6 +300,7 @@ fn loaded<B: Backend + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hmoe_model::kv_cache::FlashAttn;
     use hmoe_model::ExpertHome;
 
     const G: DeviceId = DeviceId::Gpu(0);
@@ -400,6 +417,24 @@ mod tests {
             (ref0, vec![H, D], Some(32)),
             "REF0 takes what a GPU would"
         );
+        // Quantized and f32 K/V stay on the device: every type on REF0, f32/q8_0/q4_0 on CUDA.
+        let q8k_f16v = KvType::new(CacheType::Q8_0, CacheType::F16, FlashAttn::Off).unwrap();
+        let on_cuda = choose(&[CUDA0], "gpt-oss", q8k_f16v, [G, G], [G, G]);
+        assert_eq!(homes(on_cuda).0, CUDA0, "block keys with f16 values");
+        for kv in ["f32", "q8_0", "q4_0"] {
+            let ty = KvType::parse(kv).unwrap();
+            assert_eq!(
+                homes(choose(&[CUDA0], "gpt-oss", ty, [G, G], [G, G])).0,
+                CUDA0
+            );
+        }
+        for kv in ["bf16", "q4_1", "q5_0", "q5_1"] {
+            let ty = KvType::parse(kv).unwrap();
+            assert_eq!(
+                homes(choose(&[ref0], "gpt-oss", ty, [G, G], [G, G])).0,
+                ref0
+            );
+        }
     }
 
     #[test]
@@ -409,8 +444,15 @@ mod tests {
         assert!(w.contains("no GPU (no CUDA driver"), "{w}");
         let w = why(choose(&[CUDA0], "qwen3moe", f16, [G, G], [G, G]));
         assert!(w.contains("gpt-oss only") && w.contains("qwen3moe"), "{w}");
-        let w = why(choose(&[CUDA0], "gpt-oss", KvType::F32, [G, G], [G, G]));
-        assert!(w.contains("f16 K/V"), "{w}");
+        let bf16 = KvType::parse("bf16").unwrap();
+        let w = why(choose(&[CUDA0], "gpt-oss", bf16, [G, G], [G, G]));
+        assert!(
+            w.contains("CUDA0 does not keep a -ctk bf16 -ctv bf16"),
+            "{w}"
+        );
+        let q8k_q5v = KvType::new(CacheType::Q8_0, CacheType::Q5_0, FlashAttn::On).unwrap();
+        let w = why(choose(&[CUDA0], "gpt-oss", q8k_q5v, [G, G], [G, G]));
+        assert!(w.contains("-ctk q8_0 -ctv q5_0"), "{w}");
         let w = why(choose(&[CUDA0], "gpt-oss", f16, [C, C], [C, C]));
         assert!(w.contains("no layer on the GPU"), "{w}");
         let w = why(choose(&[CUDA0], "gpt-oss", f16, [C, G], [C, G]));

@@ -5,7 +5,9 @@
 use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
-use hmoe_backend::{Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, StagedIo};
+use hmoe_backend::{
+    Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
+};
 use hmoe_quant::GgmlType;
 
 use crate::device::{CudaDevice, DeviceMatrix, MoeWeights};
@@ -203,32 +205,50 @@ impl Backend for CudaDevice {
             self, x, positions, n_heads, head_dim, p,
         )?)
     }
-    fn kv_store_f16(
+    fn kv_types(&self) -> &'static [GgmlType] {
+        &crate::KV_TYPES
+    }
+    fn supports_kv(&self, k: GgmlType, v: GgmlType) -> bool {
+        crate::kv_pair_supported(k, v)
+    }
+    fn kv_store(
         &self,
         src: &CudaSlice<f32>,
-        cache: &mut CudaSlice<u16>,
+        ring: &mut KvRing<CudaDevice>,
         n_tokens: usize,
-        width: usize,
-        cells: usize,
         pos0: usize,
     ) -> Result<(), BackendError> {
-        Ok(CudaDevice::kv_store_f16(
-            self, src, cache, n_tokens, width, cells, pos0,
+        let layout = ring.layout;
+        Ok(CudaDevice::kv_store(
+            self,
+            src,
+            &mut ring.data,
+            &layout,
+            n_tokens,
+            pos0,
         )?)
     }
     fn attention(
         &self,
         p: &AttnParams,
         q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
+        k: &KvRing<CudaDevice>,
+        v: &KvRing<CudaDevice>,
         sinks: Option<&CudaSlice<f32>>,
         n_tokens: usize,
         pos0: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
         Ok(CudaDevice::attention(
-            self, p, q, k_cache, v_cache, sinks, n_tokens, pos0, out,
+            self,
+            p,
+            q,
+            (&k.data, &k.layout),
+            (&v.data, &v.layout),
+            sinks,
+            n_tokens,
+            pos0,
+            out,
         )?)
     }
     fn router_top_k(

@@ -9,7 +9,7 @@ use cudarc::driver::{
     DeviceRepr, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
-use hmoe_backend::{AttnParams, RopeParams};
+use hmoe_backend::{AttnParams, KvLayout, RopeParams};
 use hmoe_quant::GgmlType;
 
 use crate::error::{ensure, guarded, CudaError};
@@ -147,6 +147,39 @@ pub struct CudaDevice {
     /// Pinned buffers for uploads from the file mapping, allocated at the first such upload.
     staging: Mutex<Option<Staging>>,
 }
+
+/// The K/V ring types the kernels store and read (`kv_store_*`, `attn_row`, `attn_flash`).
+pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
+
+/// Whether the attention kernels read keys of `k` with values of `v`: both of [`KV_TYPES`]
+/// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU engine
+/// chooses its path by the value type; keys of every type in both).
+pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
+    KV_TYPES.contains(&v) && KV_TYPES.contains(&k)
+}
+
+/// Whether a ring of `l` is one the kernels store and read: a type of [`KV_TYPES`], rotated
+/// only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
+fn kv_type_ok(l: &KvLayout) -> bool {
+    let block = !matches!(l.ty, GgmlType::F32 | GgmlType::F16);
+    KV_TYPES.contains(&l.ty) && (l.rot == 0 || block && l.rot <= ATT_MAX_HEAD_DIM)
+}
+
+/// The store kernel of a block-quantized K/V type.
+fn kv_store_kernel(ty: GgmlType) -> &'static str {
+    match ty {
+        GgmlType::Q4_0 => "kv_store_q4_0",
+        _ => "kv_store_q8_0",
+    }
+}
+
+/// ggml's id of a type, as the kernels name them (`TY_*`).
+fn ggml_id(ty: GgmlType) -> i32 {
+    ty.id() as i32
+}
+
+/// Threads of one warp (the flash attention kernel's block).
+const WARP_THREADS: u32 = 32;
 
 fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape {
@@ -883,26 +916,30 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Writes `n_tokens` rows of `width` f32 values from `src` into the f16 ring cache
-    /// (`cells × width`): token t goes to cell `(pos0 + t) % cells`.
-    pub fn kv_store_f16(
+    /// Writes `n_tokens` rows of `layout.width` f32 values from `src` into the K/V ring
+    /// `ring` of `layout` (one of [`KV_TYPES`]): token t goes to cell `(pos0 + t) % cells`,
+    /// converted as the CPU engine's cache converts it (see `kv_store_*` in the kernels).
+    pub fn kv_store(
         &self,
         src: &CudaSlice<f32>,
-        cache: &mut CudaSlice<u16>,
+        ring: &mut CudaSlice<u8>,
+        layout: &KvLayout,
         n_tokens: usize,
-        width: usize,
-        cells: usize,
         pos0: usize,
     ) -> Result<(), CudaError> {
-        const OP: &str = "kv_store_f16";
+        const OP: &str = "kv_store";
+        let (width, cells) = (layout.width, layout.cells);
+        ensure(kv_type_ok(layout), OP, || {
+            format!("{} K/V rings (rotation {})", layout.ty, layout.rot)
+        })?;
         ensure(
-            cells > 0 && src.len() >= n_tokens * width && cache.len() >= cells * width,
+            cells > 0 && src.len() >= n_tokens * width && ring.len() >= layout.bytes(),
             OP,
             || {
                 format!(
-                    "src {} / cache {} for {n_tokens}×{width} into {cells} cells",
+                    "src {} / ring {} bytes for {n_tokens}×{width} into {cells} cells",
                     src.len(),
-                    cache.len()
+                    ring.len()
                 )
             },
         )?;
@@ -917,36 +954,54 @@ impl CudaDevice {
         );
         // pos0 + n_tokens fits in i32, so pos0 does too.
         let pos0_i = i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_i;
-        let mut b = self.builder("kv_store_f16");
+        let (kernel, grid) = match layout.ty {
+            GgmlType::F16 => ("kv_store_f16", grid_1d(total, OP)?),
+            GgmlType::F32 => ("kv_store_f32", grid_1d(total, OP)?),
+            // One thread per rotation chunk (or block when not rotated).
+            ty => {
+                let chunk = layout.rot.max(ty.block_elems());
+                (kv_store_kernel(ty), grid_1d(total / chunk, OP)?)
+            }
+        };
+        let rot = i32_of(OP, "rotation", layout.rot)?;
+        let mut b = self.builder(kernel);
         b.arg(src)
-            .arg(cache)
+            .arg(ring)
             .arg(&n_i)
             .arg(&w_i)
             .arg(&c_i)
             .arg(&pos0_i);
-        // SAFETY: argument types match `kv_store_f16`; writes land in cells < `cells`.
-        unsafe { b.launch(grid_1d(total, OP)?) }?;
+        if !matches!(layout.ty, GgmlType::F16 | GgmlType::F32) {
+            b.arg(&rot);
+        }
+        // SAFETY: argument types match the `kv_store_*` kernel of the type; the ring holds
+        // `cells` rows of the type's `row_bytes(width)` (checked above); writes land in cells
+        // < `cells`.
+        unsafe { b.launch(grid) }?;
         Ok(())
     }
 
     /// Attention for `n_tokens` queries at positions `pos0..pos0 + n_tokens` (their K/V
-    /// already stored) over the f16 caches, with GQA, the window of `p` and optional per-head
-    /// `sinks` (`n_head` logits). `q` and `out`: `n_tokens × n_head × head_dim`. The CPU
-    /// engine's numerics for f16 K/V: the query and the probabilities rounded to f16, ggml's
-    /// vectorised `expf`, and the CPU's summation orders (see `attn_f16` in the kernels).
+    /// already stored) over the K and V rings of `kl` and `vl`, with GQA, the window of `p`
+    /// and optional per-head `sinks` (`n_head` logits). `q` and `out`:
+    /// `n_tokens × n_head × head_dim`. The CPU engine's numerics for the rings' types (see
+    /// `attn_row` and `attn_flash` in the kernels): f16/f32 values take the row kernel (for
+    /// f16 the query and the probabilities rounded to f16), block-quantized values flash
+    /// attention; the query is rotated like the keys and the output back like the values.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         p: &AttnParams,
         q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<u16>,
-        v_cache: &CudaSlice<u16>,
+        k: (&CudaSlice<u8>, &KvLayout),
+        v: (&CudaSlice<u8>, &KvLayout),
         sinks: Option<&CudaSlice<f32>>,
         n_tokens: usize,
         pos0: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attention";
+        let ((k_ring, kl), (v_ring, vl)) = (k, v);
         let qw = p.n_head * p.head_dim;
         let kvw = p.n_head_kv * p.head_dim;
         ensure(
@@ -955,34 +1010,43 @@ impl CudaDevice {
                 && p.head_dim <= ATT_MAX_HEAD_DIM
                 && p.n_head_kv > 0
                 && p.n_head.is_multiple_of(p.n_head_kv)
-                && p.cells > 0,
+                && p.cells > 0
+                && p.head_dim.is_multiple_of(kl.ty.block_elems())
+                && p.head_dim.is_multiple_of(vl.ty.block_elems())
+                && kv_pair_supported(kl.ty, vl.ty),
             OP,
-            || format!("unsupported shape {p:?}"),
+            || format!("unsupported shape {p:?} for K {} / V {}", kl.ty, vl.ty),
         )?;
+        for (which, l) in [("K", kl), ("V", vl)] {
+            ensure(
+                kv_type_ok(l)
+                    && l.width == kvw
+                    && l.cells == p.cells
+                    && (l.rot == 0 || p.head_dim.is_multiple_of(l.rot)),
+                OP,
+                || format!("{which} ring {l:?} for {p:?}"),
+            )?;
+        }
         ensure(
             q.len() >= n_tokens * qw
                 && out.len() >= n_tokens * qw
-                && k_cache.len() >= p.cells * kvw
-                && v_cache.len() >= p.cells * kvw
+                && k_ring.len() >= kl.bytes()
+                && v_ring.len() >= vl.bytes()
                 && sinks.is_none_or(|s| s.len() >= p.n_head),
             OP,
             || {
                 format!(
-                    "q {} / out {} / k {} / v {} for {n_tokens} tokens, {} cells",
+                    "q {} / out {} / k {} / v {} bytes for {n_tokens} tokens, {} cells",
                     q.len(),
                     out.len(),
-                    k_cache.len(),
-                    v_cache.len(),
+                    k_ring.len(),
+                    v_ring.len(),
                     p.cells
                 )
             },
         )?;
-        // Every key the batch's queries see must still be in the ring after the batch's
-        // own keys were stored: the window plus the batch, at most the whole sequence.
-        let span = p
-            .window
-            .map_or(usize::MAX, |w| w + n_tokens.saturating_sub(1))
-            .min(pos0 + n_tokens);
+        // Every key the batch's queries see must still be in the ring.
+        let span = p.keys_seen(n_tokens, pos0);
         ensure(span <= p.cells || n_tokens == 0, OP, || {
             format!(
                 "{} cells cannot hold the {span} keys this batch sees",
@@ -1006,15 +1070,26 @@ impl CudaDevice {
             i32_of(OP, "cells", p.cells)?,
         );
         let pos0_i = i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_i;
+        let (k_ty, v_ty) = (ggml_id(kl.ty), ggml_id(vl.ty));
+        let (k_rot, v_rot) = (
+            i32_of(OP, "rotation", kl.rot)?,
+            i32_of(OP, "rotation", vl.rot)?,
+        );
+        let flash = !matches!(vl.ty, GgmlType::F16 | GgmlType::F32);
+        let (kernel, block) = if flash {
+            ("attn_flash", WARP_THREADS)
+        } else {
+            ("attn_row", ATT_WARPS * 32)
+        };
         let cfg = LaunchConfig {
             grid_dim: (u32_of(OP, "heads", p.n_head)?, n_tokens as u32, 1),
-            block_dim: (ATT_WARPS * 32, 1, 1),
+            block_dim: (block, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.builder("attn_f16");
+        let mut b = self.builder(kernel);
         b.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
+            .arg(k_ring)
+            .arg(v_ring)
             .arg(sinks)
             .arg(&has_sinks)
             .arg(out)
@@ -1025,9 +1100,13 @@ impl CudaDevice {
             .arg(&cells)
             .arg(&pos0_i)
             .arg(&window)
-            .arg(&p.scale);
-        // SAFETY: argument types match `attn_f16`; sizes checked above; cells are indexed
-        // modulo `cells`.
+            .arg(&p.scale)
+            .arg(&k_ty)
+            .arg(&v_ty)
+            .arg(&k_rot)
+            .arg(&v_rot);
+        // SAFETY: argument types match the kernel; sizes checked above; cells are indexed
+        // modulo `cells`; the types are those the kernels read (`kv_type_ok`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

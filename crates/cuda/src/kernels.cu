@@ -6,7 +6,7 @@
 // a shift (bf16). Compiled with --fmad=false: every fused multiply-add below is an explicit
 // fmaf, so the rounding follows the CPU engine's order.
 //
-// Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39. Rows of a weight matrix
+// Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39; K/V rings also Q4_0 2. Rows of a weight matrix
 // are contiguous; a row of `cols` elements takes `row_bytes` bytes (GGUF layout).
 //   Q8_0:  blocks of 32 = f16 scale d (2 bytes) + 32 int8 q;  x = q * d.
 //   MXFP4: blocks of 32 = E8M0 byte e + 16 bytes of nibbles; element j < 16 is the low nibble
@@ -20,8 +20,8 @@
 // are exact, and the float sums follow the CPU engine's orders for Q8_0, MXFP4 and F32 (see
 // the warp_dot_* functions). Attention rounds the query and the probabilities to f16 (as ggml
 // does for f16 K/V) and sums in the CPU engine's orders with ggml's vectorised expf. Where
-// the CPU calls libm's expf (sinks, router softmax, SwiGLU) the kernels round the f64 exp,
-// which agrees with glibc's expf except in rare near-halfway cases.
+// the CPU calls libm's expf (sinks, flash attention, router softmax, SwiGLU) the kernels
+// compute glibc's expf bit for bit (expf_libm).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -31,6 +31,7 @@ typedef unsigned long long u64;
 #define WARP 32
 #define TY_F32 0
 #define TY_F16 1
+#define TY_Q4_0 2
 #define TY_Q8_0 8
 #define TY_BF16 30
 #define TY_MXFP4 39
@@ -116,9 +117,48 @@ __device__ float expf_ggml(float x) {
     return scale_by_pow2(j, (int)n);
 }
 
-// e^x rounded from f64: the correctly rounded f32 except in rare near-halfway cases, which is
-// what glibc's expf (the CPU engine's f32::exp) returns.
-__device__ __forceinline__ float expf_libm(float x) { return (float)exp((double)x); }
+// 2^(i/32) as f64 bits, minus i << 47 (glibc's __exp2f_data table, as hmoe_quant's exp.rs).
+__device__ const u64 EXP2F_TAB[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+// e^x bit for bit as glibc's expf on x86-64 with FMA (the CPU engine's f32::exp; hmoe_quant's
+// expf computes the same, see exp.rs there): with xd = x as f64, kds = fma(32/ln2, xd,
+// 0x1.8p52) (k = round(x * 32/ln2) in its low bits), r = fma(32/ln2, xd, -(kds - 0x1.8p52)),
+// s = 2^(k/32) as the table entry plus k << 47, y = fma(fma(C0, r, C1), r * r, fma(C2, r, 1)),
+// and (float)(y * s); |x| >= 88 and NaN take glibc's special cases.
+__device__ float expf_libm(float x) {
+    u32 bits = __float_as_uint(x);
+    u32 abs = bits & 0x7fffffffu;
+    if (abs >= 0x42b00000u) {
+        if (bits == 0xff800000u) return 0.f;
+        if (abs >= 0x7f800000u) return x + x;
+        if (x > __uint_as_float(0x42b17217u)) return f_inf();
+        if (x < __uint_as_float(0xc2cff1b4u)) return 0.f;
+        if (x < __uint_as_float(0xc2ce8ecfu)) return __uint_as_float(1u);
+    }
+    double inv_ln2_n = __longlong_as_double(0x40471547652b82fell);
+    double shift = __longlong_as_double(0x4338000000000000ll);
+    double xd = (double)x;
+    double kds = fma(inv_ln2_n, xd, shift);
+    u64 ki = (u64)__double_as_longlong(kds);
+    double kd = kds - shift;
+    double r = fma(inv_ln2_n, xd, -kd);
+    double s = __longlong_as_double((long long)(EXP2F_TAB[ki % 32] + (ki << 47)));
+    double z = fma(__longlong_as_double(0x3ebc6af84b912394ll), r,
+                   __longlong_as_double(0x3f2ebfce50fac4f3ll));
+    double r2 = r * r;
+    double y = fma(__longlong_as_double(0x3f962e42ff0c52d6ll), r, 1.0);
+    y = fma(z, r2, y);
+    return (float)(y * s);
+}
 
 // Element `e` of a weight row of type TY.
 template <int TY>
@@ -252,11 +292,8 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* o
 // whole blocks); out: n_blocks * 34 bytes. One thread per block; grid = ceil(n_blocks / 256),
 // block = 256.
 
-extern "C" __global__ void quantize_q8_0(const float* x, u8* out, u64 n_blocks) {
-    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_blocks) return;
-    const float* xb = x + b * 32u;
-    u8* ob = out + b * 34u;
+// One block of 32 values as Q8_0 (see quantize_q8_0).
+__device__ void quantize_block_q8_0(const float* xb, u8* ob) {
     float amax = 0.f;
     for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
     u16 d = f2h(amax / 127.0f);
@@ -267,6 +304,12 @@ extern "C" __global__ void quantize_q8_0(const float* x, u8* out, u64 n_blocks) 
         float q = fminf(fmaxf(rintf(xb[j] * id), -128.0f), 127.0f);
         ob[2 + j] = (u8)(int)q;
     }
+}
+
+extern "C" __global__ void quantize_q8_0(const float* x, u8* out, u64 n_blocks) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    quantize_block_q8_0(x + b * 32u, out + b * 34u);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -514,8 +557,12 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
 }
 
 // ---------------------------------------------------------------------------------------------
-// KV cache. Row `width` = n_kv_heads * head_dim values per cell; the cache is a ring of
-// `cells` cells and token t of the batch goes to cell (pos0 + t) % cells.
+// KV cache. A ring of `cells` rows of `width` values (n_kv_heads * head_dim); token t of the
+// batch goes to cell (pos0 + t) % cells. Rows are stored as the CPU engine's cache stores them
+// (ggml's set_rows): f32 as is, f16 rounded to nearest even, Q8_0 by the activations'
+// quantizer (quantize_block_q8_0), Q4_0 by ggml's reference quantizer; a block-quantized row
+// is first Walsh–Hadamard rotated in chunks of `rot` values (0: not rotated), as llama.cpp
+// rotates quantized heads.
 
 extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_tokens, int width,
                                         int cells, int pos0) {
@@ -526,18 +573,118 @@ extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_toke
     cache[cell * width + c] = f2h(src[i]);
 }
 
-// Attention over an f16 KV cache with GQA, an optional sliding window and optional per-head
-// sink logits (gpt-oss): the sink joins the softmax's denominator and adds no value.
-// q, out: [n_tokens][n_head][head_dim] f32 (q already rotated). Token t sits at position
-// pos0 + t and sees keys first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos).
+extern "C" __global__ void kv_store_f32(const float* src, float* cache, int n_tokens, int width,
+                                        int cells, int pos0) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_tokens * width) return;
+    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
+    u64 cell = (u64)((pos0 + t) % cells);
+    cache[cell * width + c] = src[i];
+}
+
+// The CPU engine's fast Walsh–Hadamard transform of the n values of x in place (n a power of two):
+// scale by 1 / sqrt(n), then butterflies (u + v, u - v) over strides 1, 2, 4, ... n / 2. Its
+// own inverse.
+__device__ void fwht_serial(float* x, int n) {
+    float scale = 1.0f / sqrtf((float)n);
+    for (int i = 0; i < n; i++) x[i] *= scale;
+    for (int len = 1; len < n; len <<= 1) {
+        for (int i = 0; i < n; i += 2 * len) {
+            for (int j = i; j < i + len; j++) {
+                float u = x[j], v = x[j + len];
+                x[j] = u + v;
+                x[j + len] = u - v;
+            }
+        }
+    }
+}
+
+// ggml's reference Q4_0 quantizer (quantize_row_q4_0_ref) of one block of 32: d = max / -8
+// with max the value of the largest magnitude (the first of equals), q = min(15,
+// (int8)(x / d + 8.5)) (x * (1 / d), truncated as x86's cvttss2si), element j < 16 in the low
+// nibble of byte j, element j + 16 in its high nibble.
+__device__ void quantize_block_q4_0(const float* x, u8* ob) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < 32; j++) {
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    }
+    float d = max / -8.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    u16 dh = f2h(d);
+    ob[0] = (u8)(dh & 0xffu);
+    ob[1] = (u8)(dh >> 8);
+    for (int j = 0; j < 16; j++) {
+        int q0 = (int)(signed char)(int)(x[j] * id + 8.5f);
+        int q1 = (int)(signed char)(int)(x[j + 16] * id + 8.5f);
+        q0 = q0 < 15 ? q0 : 15;
+        q1 = q1 < 15 ? q1 : 15;
+        ob[2 + j] = (u8)((q0 & 15) | ((q1 & 15) << 4));
+    }
+}
+
+#define KV_MAX_CHUNK 256
+
+// One thread per chunk of max(rot, 32) values (at most KV_MAX_CHUNK) of the batch's rows:
+// each `rot` values of it rotated (rot > 0), then quantized block by block into its cell.
+__device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int width, int cells,
+                                int pos0, int rot, int block_bytes, bool q4) {
+    int chunk = rot > 32 ? rot : 32;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 per_row = (u64)(width / chunk);
+    if (i >= (u64)n_tokens * per_row) return;
+    int t = (int)(i / per_row), c = (int)(i % per_row);
+    float x[KV_MAX_CHUNK];
+    const float* s = src + (u64)t * width + (u64)c * chunk;
+    for (int j = 0; j < chunk; j++) x[j] = s[j];
+    for (int r = 0; rot > 0 && r < chunk; r += rot) fwht_serial(x + r, rot);
+    u64 cell = (u64)((pos0 + t) % cells);
+    u8* row = cache + cell * (u64)(width / 32) * block_bytes;
+    for (int b = 0; b < chunk / 32; b++) {
+        u8* ob = row + (u64)(c * (chunk / 32) + b) * block_bytes;
+        if (q4) {
+            quantize_block_q4_0(x + 32 * b, ob);
+        } else {
+            quantize_block_q8_0(x + 32 * b, ob);
+        }
+    }
+}
+
+extern "C" __global__ void kv_store_q8_0(const float* src, u8* cache, int n_tokens, int width,
+                                         int cells, int pos0, int rot) {
+    kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, 34, false);
+}
+
+extern "C" __global__ void kv_store_q4_0(const float* src, u8* cache, int n_tokens, int width,
+                                         int cells, int pos0, int rot) {
+    kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, 18, true);
+}
+
+// Element i of an f32 (ty TY_F32) or f16 ring, as f32.
+__device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
+    return ty == TY_F16 ? h2f(((const u16*)ring)[i]) : ((const float*)ring)[i];
+}
+
+// Attention over a K/V ring with GQA, an optional sliding window and optional per-head sink
+// logits (gpt-oss): the sink joins the softmax's denominator and adds no value. q, out:
+// [n_tokens][n_head][head_dim] f32. Token t sits at position pos0 + t and sees keys
+// first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos). Like the CPU engine,
+// the value type chooses the kernel: f32/f16 values attn_row, Q8_0/Q4_0 values attn_flash, each
+// with keys of f32, f16, Q8_0 or Q4_0. Both take the same arguments: the rings' ggml types and
+// their rotation chunks (only block-quantized rings are rotated).
 //
-// The CPU engine's numerics (RefBackend::attention, hmoe_model's attention for f16 K/V), bit
-// for bit: the query rounded to f16; scores in ggml's vec_dot_f16 order for one query token,
-// tinyBLAS's 16 lanes for several (attn_score), times `scale`; m = the largest score (and
+// attn_row: the CPU engine's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
+// float values), bit for bit: the query rounded to f16 for f16 keys, rotated and converted to
+// Q8_0 blocks for Q8_0/Q4_0 keys; scores in ggml's vec_dot_f16 order for one query token and
+// f16 keys, tinyBLAS's 16 lanes for several, vec_dot_f32's order for f32 keys and ggml's
+// vec_dot for block keys (attn_score), times `scale`; m = the largest score (and
 // sink); positions in chunks of 16 from first rounded down to a multiple of 16, each chunk's
 // expf_ggml(s - m) summed by halving and added to an f64 sum in chunk order, plus the sink's
-// exp; probabilities expf_ggml(s - m) * (f32)(1 / sum) rounded to f16; output dimension d sums
-// in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc), then by halving.
+// exp; probabilities expf_ggml(s - m) * (f32)(1 / sum), rounded to f16 for f16 values; output
+// dimension d sums in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc),
+// then by halving.
 //
 // One block per (head, token); each half-warp takes one chunk of a round of ATT_CHUNKS chunks.
 // Pass 1 keeps the scores in shared memory when the token sees at most ATT_SCORE_CACHE
@@ -550,36 +697,72 @@ extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_toke
 #define ATT_MAX_DIMS_PER_THREAD (ATT_MAX_PER_LANE * WARP / 16)
 #define ATT_SCORE_CACHE 8192
 
-// The score of the f16 key `k` against the f16-rounded query `q16` (shared memory), by the 16
-// lanes of a half-warp (l: lane within the half): one query token in ggml's vec_dot_f16 order
-// (four 16-lane FMA accumulators over 64-element steps folded (s0 + s2) + (s1 + s3), summed by
-// halving, the last hd % 64 products rounded to f32 and added in f64), several in tinyBLAS's
-// (element i into lane i % 16, summed by halving). Every lane of the half gets it; every lane
-// of the warp must call it.
-__device__ float attn_score(const float* q16, const u16* k, int hd, int l, int single) {
-    if (single) {
+// Element j (0..31) of a Q8_0 or Q4_0 block, as its integer.
+__device__ __forceinline__ int block_int(const u8* b, bool q4, int j) {
+    if (!q4) return (int)(signed char)b[2 + j];
+    u8 byte = b[2 + (j & 15)];
+    return (int)(j < 16 ? byte & 15 : byte >> 4) - 8;
+}
+
+// The score of the key at element `at` of the ring `k` against the query `q` (shared memory;
+// rounded to f16 for f16 keys; as Q8_0 blocks `qb` for Q8_0/Q4_0 keys), by the 16 lanes of a
+// half-warp (l: lane within the half): block keys in ggml's vec_dot order (flash_score's); f32 keys, and one query token with f16 keys, in ggml's vec_dot order (four 16-lane
+// FMA accumulators over 64-element steps folded (s0 + s2) + (s1 + s3), summed by halving, then
+// the last hd % 64 products added one by one, in f32 for f32 keys and rounded to f32 and added
+// in f64 for f16), several tokens with f16 keys in tinyBLAS's (element i into lane i % 16,
+// summed by halving). Every lane of the half gets it; every lane of the warp must call it.
+__device__ float attn_score(const float* q, const u8* qb, const u8* k, int k_ty, u64 at, int hd,
+                            int l, int single) {
+    if (k_ty == TY_Q8_0 || k_ty == TY_Q4_0) {
+        // Lanes 0..7 of the half keep accumulator l of ggml's vec_dot (see flash_score), folded
+        // by xor-shuffles 4, 2, 1: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+        bool q4 = k_ty == TY_Q4_0;
+        int bb = q4 ? 18 : 34;
+        const u8* kb = k + at / 32 * bb;
+        float a = 0.f;
+        if (l < 8) {
+            for (int b = 0; b < hd / 32; b++) {
+                const u8* w = kb + b * bb;
+                const u8* x = qb + b * 34;
+                float d = q8_scale(w) * q8_scale(x);
+                int s = 0;
+                for (int e = 4 * l; e < 4 * l + 4; e++) s += block_int(w, q4, e) * (int)(signed char)x[2 + e];
+                a = fmaf(d, (float)s, a);
+            }
+        }
+        for (int o = 4; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        return __shfl_sync(0xffffffffu, a, (int)(threadIdx.x & ~15u));
+    }
+    if (single || k_ty == TY_F32) {
         int np = hd & ~63;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
         for (int b = 0; b < np; b += 64) {
-            a0 = fmaf(q16[b + l], h2f(k[b + l]), a0);
-            a1 = fmaf(q16[b + 16 + l], h2f(k[b + 16 + l]), a1);
-            a2 = fmaf(q16[b + 32 + l], h2f(k[b + 32 + l]), a2);
-            a3 = fmaf(q16[b + 48 + l], h2f(k[b + 48 + l]), a3);
+            a0 = fmaf(q[b + l], kv_float(k, k_ty, at + b + l), a0);
+            a1 = fmaf(q[b + 16 + l], kv_float(k, k_ty, at + b + 16 + l), a1);
+            a2 = fmaf(q[b + 32 + l], kv_float(k, k_ty, at + b + 32 + l), a2);
+            a3 = fmaf(q[b + 48 + l], kv_float(k, k_ty, at + b + 48 + l), a3);
         }
-        double sum = (double)half_warp_sum16((a0 + a2) + (a1 + a3));
-        for (int i = np; i < hd; i++) sum += (double)(q16[i] * h2f(k[i]));
+        float head = half_warp_sum16((a0 + a2) + (a1 + a3));
+        if (k_ty == TY_F32) {
+            for (int i = np; i < hd; i++) head += q[i] * kv_float(k, k_ty, at + i);
+            return head;
+        }
+        double sum = (double)head;
+        for (int i = np; i < hd; i++) sum += (double)(q[i] * kv_float(k, k_ty, at + i));
         return (float)sum;
     }
     float a = 0.f;
-    for (int i = l; i < hd; i += 16) a = fmaf(q16[i], h2f(k[i]), a);
+    for (int i = l; i < hd; i += 16) a = fmaf(q[i], kv_float(k, k_ty, at + i), a);
     return half_warp_sum16(a);
 }
 
-extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc,
+extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                                     const float* sinks, int has_sinks, float* out, int n_tokens,
                                     int n_head, int n_kv, int head_dim, int cells, int pos0,
-                                    int window, float scale) {
+                                    int window, float scale, int k_ty, int v_ty, int k_rot,
+                                    int v_rot) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
+    __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
     __shared__ float sm_s[ATT_SCORE_CACHE];
     __shared__ float sm_p[ATT_CHUNKS * 16];
     __shared__ float sm_red[ATT_CHUNKS];
@@ -600,10 +783,20 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
     int single = n_tokens == 1;
     int kvh = h / (n_head / n_kv);
     u64 width = (u64)n_kv * head_dim;
-    const u16* kh = kc + (u64)kvh * head_dim;
-    const u16* vh = vc + (u64)kvh * head_dim;
+    u64 kv_off = (u64)kvh * head_dim;
+    bool v16 = v_ty == TY_F16;
     const float* qh = q + ((u64)t * n_head + h) * head_dim;
-    for (int i = tid; i < head_dim; i += blockDim.x) sm_q[i] = h2f(f2h(qh[i]));
+    for (int i = tid; i < head_dim; i += blockDim.x) {
+        sm_q[i] = k_ty == TY_F16 ? h2f(f2h(qh[i])) : qh[i];
+    }
+    __syncthreads();
+    // Block keys: the query rotated like them, as Q8_0 blocks.
+    bool kq = k_ty == TY_Q8_0 || k_ty == TY_Q4_0;
+    if (kq && k_rot > 0 && tid == 0) {
+        for (int c = 0; c < head_dim; c += k_rot) fwht_serial(sm_q + c, k_rot);
+    }
+    __syncthreads();
+    if (kq && tid < head_dim / 32) quantize_block_q8_0(sm_q + 32 * tid, sm_qb + 34 * tid);
     __syncthreads();
 
     // Pass 1: the largest score (and sink). Out-of-range slots score position `pos` and are
@@ -615,7 +808,7 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
             int p = chunk0 + 16 * c + i;
             bool ok = c < n_chunks && p >= first && p <= pos;
             u64 cell = (u64)((ok ? p : pos) % cells);
-            float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+            float s = attn_score(sm_q, sm_qb, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
             if (ok) m = fmaxf(m, s);
             if (ok && cached && l == i) sm_s[16 * c + i] = s;
         }
@@ -644,7 +837,7 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
                 int p = chunk0 + 16 * c + i;
                 bool ok = c < n_chunks && p >= first && p <= pos;
                 u64 cell = (u64)((ok ? p : pos) % cells);
-                float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
+                float s = attn_score(sm_q, sm_qb, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
                 if (ok && l == i) mine = expf_ggml(s - big);
             }
         }
@@ -676,28 +869,28 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
         if (cached) {
             int p = chunk0 + 16 * c + l;
             if (c < n_chunks && p >= first && p <= pos) {
-                mine = h2f(f2h(expf_ggml(sm_s[16 * c + l] - big) * inv));
+                mine = expf_ggml(sm_s[16 * c + l] - big) * inv;
             }
         } else {
             for (int i = 0; i < 16; i++) {
                 int p = chunk0 + 16 * c + i;
                 bool ok = c < n_chunks && p >= first && p <= pos;
                 u64 cell = (u64)((ok ? p : pos) % cells);
-                float s = attn_score(sm_q, kh + cell * width, head_dim, l, single) * scale;
-                if (ok && l == i) mine = h2f(f2h(expf_ggml(s - big) * inv));
+                float s = attn_score(sm_q, sm_qb, kc, k_ty, cell * width + kv_off, head_dim, l, single) * scale;
+                if (ok && l == i) mine = expf_ggml(s - big) * inv;
             }
         }
-        sm_p[hw * 16 + l] = mine;
+        sm_p[hw * 16 + l] = v16 ? h2f(f2h(mine)) : mine;
         __syncthreads();
         for (int j = 0; j < ATT_CHUNKS; j++) {
             int cj = r * ATT_CHUNKS + j;
             int p = chunk0 + 16 * cj + l;
             if (cj < n_chunks && p >= first && p <= pos) {
                 float w = sm_p[j * 16 + l];
-                const u16* v = vh + (u64)(p % cells) * width;
+                u64 at = (u64)(p % cells) * width + kv_off;
 #pragma unroll
                 for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
-                    if (k < nd) acc[k] = fmaf(h2f(v[hw + 16 * k]), w, acc[k]);
+                    if (k < nd) acc[k] = fmaf(kv_float(vc, v_ty, at + hw + 16 * k), w, acc[k]);
                 }
             }
         }
@@ -711,6 +904,164 @@ extern "C" __global__ void attn_f16(const float* q, const u16* kc, const u16* vc
             if (l == 0) oh[hw + 16 * k] = o;
         }
     }
+}
+
+// The key at element `at` of a ring of `ty` (one thread): f32 keys against the query `q` in
+// vec_dot_f32's order, f16 keys against the f16-rounded query in vec_dot_f16's (see
+// attn_score: four 16-lane chains per 64 elements, the tail in f32 or f64), Q8_0/Q4_0 keys
+// against the query's Q8_0 blocks `qb` in ggml's vec_dot order (eight accumulators: for each
+// block in order, accumulator k takes fma(d_k · d_q, Σ of elements 4k..4k+3, acc_k); then
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))).
+__device__ float flash_score(const float* q, const u8* qb, const u8* k, int ty, u64 at, int hd) {
+    if (ty == TY_F32 || ty == TY_F16) {
+        int np = hd & ~63;
+        float lanes[4][16];
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 16; i++) lanes[j][i] = 0.f;
+        for (int b = 0; b < np; b += 64)
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < 16; i++) {
+                    int e = b + 16 * j + i;
+                    lanes[j][i] = fmaf(q[e], kv_float(k, ty, at + e), lanes[j][i]);
+                }
+        float f[16];
+        for (int i = 0; i < 16; i++) f[i] = (lanes[0][i] + lanes[2][i]) + (lanes[1][i] + lanes[3][i]);
+        for (int step = 8; step > 0; step >>= 1)
+            for (int i = 0; i < step; i++) f[i] += f[i + step];
+        if (ty == TY_F32) {
+            float sum = f[0];
+            for (int i = np; i < hd; i++) sum += q[i] * kv_float(k, ty, at + i);
+            return sum;
+        }
+        double sum = (double)f[0];
+        for (int i = np; i < hd; i++) sum += (double)(q[i] * kv_float(k, ty, at + i));
+        return (float)sum;
+    }
+    bool q4 = ty != TY_Q8_0;
+    int bb = q4 ? 18 : 34;
+    const u8* kb = k + at / 32 * bb;
+    float a[8];
+    for (int j = 0; j < 8; j++) a[j] = 0.f;
+    for (int b = 0; b < hd / 32; b++) {
+        const u8* w = kb + b * bb;
+        const u8* x = qb + b * 34;
+        float d = q8_scale(w) * q8_scale(x);
+        for (int j = 0; j < 8; j++) {
+            int s = 0;
+            for (int e = 4 * j; e < 4 * j + 4; e++) s += block_int(w, q4, e) * (int)(signed char)x[2 + e];
+            a[j] = fmaf(d, (float)s, a[j]);
+        }
+    }
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// attn_flash: the CPU engine's flash attention (ggml's CPU kernel; RefBackend's `ref0_kv`),
+// for Q8_0/Q4_0 values: the query rotated like the keys (k_rot), converted to the keys'
+// vec_dot type (f16-rounded for f16 keys, Q8_0 blocks for Q8_0/Q4_0 keys); then per key in
+// position order, score s = dot · scale: a new maximum (s > m) gives ms = expf(m - s), vs = 1
+// and m = s, else ms = 1, vs = expf(s - m); S = fma(S, ms, vs); acc *= ms (when ms != 1);
+// acc = fma(v, vs, acc) with v the dequantized value (q · d). The sink folds in last (a sink
+// above m rescales acc and S as a key would, without a value; else S += expf(sink - m)), then
+// acc · (1 / S), rotated back like the values (v_rot). expf is glibc's (expf_libm).
+//
+// One warp per (head, token): its lanes score 32 positions at a time (one each), then every
+// lane runs the online softmax over them in order for the dimensions it keeps (lane, lane + 32,
+// ...). head_dim a multiple of 32, at most 256. grid = (n_head, n_tokens), block = 32.
+extern "C" __global__ void attn_flash(const float* q, const u8* kc, const u8* vc,
+                                      const float* sinks, int has_sinks, float* out,
+                                      int n_tokens, int n_head, int n_kv, int head_dim,
+                                      int cells, int pos0, int window, float scale, int k_ty,
+                                      int v_ty, int k_rot, int v_rot) {
+    __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
+    __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
+    __shared__ float sm_s[WARP];
+    __shared__ float sm_o[ATT_MAX_PER_LANE * WARP];
+    int h = blockIdx.x, t = blockIdx.y;
+    if (h >= n_head || t >= n_tokens) return;
+    int lane = threadIdx.x;
+    int pos = pos0 + t;
+    int first = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;
+    int kvh = h / (n_head / n_kv);
+    u64 width = (u64)n_kv * head_dim;
+    u64 kv_off = (u64)kvh * head_dim;
+    const float* qh = q + ((u64)t * n_head + h) * head_dim;
+    for (int i = lane; i < head_dim; i += WARP) sm_q[i] = qh[i];
+    __syncwarp();
+    if (lane == 0 && k_rot > 0) {
+        for (int c = 0; c < head_dim; c += k_rot) fwht_serial(sm_q + c, k_rot);
+    }
+    __syncwarp();
+    if (k_ty == TY_F16) {
+        for (int i = lane; i < head_dim; i += WARP) sm_q[i] = h2f(f2h(sm_q[i]));
+    }
+    if (k_ty != TY_F32 && k_ty != TY_F16) {
+        if (lane < head_dim / 32) quantize_block_q8_0(sm_q + 32 * lane, sm_qb + 34 * lane);
+    }
+    __syncwarp();
+    bool vq4 = v_ty != TY_Q8_0;
+    int vbb = vq4 ? 18 : 34;
+    int nd = head_dim / WARP;
+    float acc[ATT_MAX_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < ATT_MAX_PER_LANE; k++) acc[k] = 0.f;
+    float m = -f_inf(), S = 0.f;
+    for (int base = first; base <= pos; base += WARP) {
+        int p = base + lane;
+        if (p <= pos) {
+            u64 at = (u64)(p % cells) * width + kv_off;
+            sm_s[lane] = flash_score(sm_q, sm_qb, kc, k_ty, at, head_dim) * scale;
+        }
+        __syncwarp();
+        int n = pos + 1 - base < WARP ? pos + 1 - base : WARP;
+        for (int i = 0; i < n; i++) {
+            float s = sm_s[i];
+            float ms = 1.f, vs = 1.f;
+            if (s > m) {
+                ms = expf_libm(m - s);
+                m = s;
+            } else {
+                vs = expf_libm(s - m);
+            }
+            S = fmaf(S, ms, vs);
+            const u8* vrow = vc + ((u64)((base + i) % cells) * width + kv_off) / 32 * vbb;
+#pragma unroll
+            for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
+                if (k < nd) {
+                    int e = lane + WARP * k;
+                    const u8* b = vrow + (e / 32) * vbb;
+                    float v = (float)block_int(b, vq4, e % 32) * q8_scale(b);
+                    if (ms != 1.f) acc[k] *= ms;
+                    acc[k] = fmaf(v, vs, acc[k]);
+                }
+            }
+        }
+        __syncwarp();
+    }
+    if (has_sinks) {
+        float sink = sinks[h];
+        if (sink > m) {
+            float ms = expf_libm(m - sink);
+#pragma unroll
+            for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
+                if (k < nd && ms != 1.f) acc[k] *= ms;
+            }
+            S = fmaf(S, ms, 1.f);
+        } else {
+            S += expf_libm(sink - m);
+        }
+    }
+    float inv = S == 0.f ? 0.f : 1.f / S;
+#pragma unroll
+    for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
+        if (k < nd) sm_o[lane + WARP * k] = inv != 1.f ? acc[k] * inv : acc[k];
+    }
+    __syncwarp();
+    if (lane == 0 && v_rot > 0) {
+        for (int c = 0; c < head_dim; c += v_rot) fwht_serial(sm_o + c, v_rot);
+    }
+    __syncwarp();
+    float* oh = out + ((u64)t * n_head + h) * head_dim;
+    for (int i = lane; i < head_dim; i += WARP) oh[i] = sm_o[i];
 }
 
 // ---------------------------------------------------------------------------------------------

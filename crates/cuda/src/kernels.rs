@@ -29,7 +29,11 @@ pub const KERNELS: &[&str] = &[
     "f32_to_bf16",
     "rope_neox_f32",
     "kv_store_f16",
-    "attn_f16",
+    "kv_store_f32",
+    "kv_store_q8_0",
+    "kv_store_q4_0",
+    "attn_row",
+    "attn_flash",
     "router_topk_softmax",
     "moe_gate_up_mxfp4",
     "moe_down_mxfp4",
@@ -214,6 +218,7 @@ mod tests {
             ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
+            ("KV_MAX_CHUNK", ATT_MAX_HEAD_DIM),
         ] {
             assert!(
                 SOURCE.contains(&format!("#define {name} {value}\n")),

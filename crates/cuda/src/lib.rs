@@ -1,7 +1,8 @@
 //! CUDA backend for hmoe: device probe, NVRTC-compiled kernels for the ops of the device
 //! contract (`hmoe-backend`: embedding gather, RMSNorm, GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4
 //! weights with ggml's activation conversion (Q8_0 activations for Q8_0/MXFP4 weights), NeoX
-//! RoPE with YaRN, attention with sinks, sliding window and GQA over an f16 KV cache, router
+//! RoPE with YaRN, attention with sinks, sliding window and GQA over f32/f16/Q8_0/Q4_0 K/V rings
+//! (the row kernel over float values, flash attention over quantized ones), router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4
 //! products run tiled kernels with shared-memory tiles and `__dp4a`, with the same bits),
 //! device buffers and transfers (uploads from the file mapping through pinned buffers).
@@ -25,7 +26,8 @@ mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
-    CudaDevice, DeviceExperts, DeviceMatrix, MoeWeights, CUBLAS_MIN_TOKENS, SUPPORTED_TYPES,
+    kv_pair_supported, CudaDevice, DeviceExperts, DeviceMatrix, MoeWeights, CUBLAS_MIN_TOKENS,
+    KV_TYPES, SUPPORTED_TYPES,
 };
 pub use error::CudaError;
 pub use hmoe_backend::{AttnParams, RopeParams};

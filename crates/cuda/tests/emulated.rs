@@ -1,9 +1,10 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
-//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router
-//! and attention must give the reference backend's bits (the emulator's libm stands in for
-//! the GPU's, so `expf`-rounding differences between glibc and the GPU are not seen here);
-//! F16/BF16 products (another summation order) are only reported.
+//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router,
+//! the K/V store of every ring type and attention over every ring type pair (the row kernel
+//! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
+//! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
+//! GPU's `cosf`/`sinf`); F16/BF16 products (another summation order) are only reported.
 //!
 //! Slow (minutes: every shuffle is a barrier of OS threads), so ignored by default:
 //! `cargo test -p hmoe-cuda --test emulated -- --ignored --nocapture`. Skipped when clang++
@@ -12,14 +13,16 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use half::f16;
-use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0};
+use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, KvLayout, KvRing, Ref0};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{noise, quantizer_cases, ref_attention, ref_moe, TYPES};
+use common::{
+    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KV_PAIRS,
+    TYPES,
+};
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
 trait Raw: Copy {
@@ -298,65 +301,104 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         }
     }
 
-    // Attention: (head_dim, window, cells, pos0, n_tokens) as in tests/gpu.rs, over random
-    // f16 rings.
-    let (n_head, n_kv) = (8usize, 2usize);
-    for (hd, window, cells, pos0, n_tokens) in [
-        (64usize, None, 64usize, 20usize, 3usize),
-        (64, Some(8usize), 12, 40, 2),
-        (64, Some(8), 32, 0, 20),
-        (64, None, 600, 520, 1),
-        (16, Some(8), 16, 30, 1),
-        (16, None, 40, 5, 7),
-        (80, None, 40, 33, 1),
-        (80, Some(20), 48, 10, 4),
+    // The K/V store of every ring type (rotated as the executor rotates quantized heads of
+    // 64 and 128): REF0's bytes, in a ring that wraps.
+    for (ty, hd) in [
+        (GgmlType::F32, 64usize),
+        (GgmlType::F16, 64),
+        (GgmlType::Q8_0, 64),
+        (GgmlType::Q8_0, 128),
+        (GgmlType::Q4_0, 64),
+        (GgmlType::Q4_0, 32),
     ] {
-        let kvw = n_kv * hd;
-        let ring = |rng: &mut StdRng| -> Vec<u16> {
-            noise(rng, cells * kvw, 1.0)
-                .iter()
-                .map(|&v| f16::from_f32(v).to_bits())
-                .collect()
+        let (width, cells, pos0, n) = (2 * hd, 5usize, 3usize, 4usize);
+        let layout = KvLayout::new(ty, width, cells, KvLayout::rotation(ty, hd, true)).unwrap();
+        let before = ref_ring(&cpu, layout, &noise(&mut rng, cells * width, 1.0));
+        let rows = noise(&mut rng, n * width, 2.0);
+        let mut ring = KvRing::<Ref0> {
+            data: cpu.upload(&before).unwrap(),
+            layout,
         };
-        for with_sinks in [false, true] {
-            let (kb, vb) = (ring(&mut rng), ring(&mut rng));
-            let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
-            let sinks = noise(&mut rng, n_head, 2.0);
-            let p = AttnParams {
-                n_head,
-                n_head_kv: n_kv,
-                head_dim: hd,
-                cells,
-                window,
-                scale: 1.0 / (hd as f32).sqrt(),
+        cpu.kv_store(&cpu.upload(&rows).unwrap(), &mut ring, n, pos0)
+            .unwrap();
+        emu.write("src", &rows);
+        emu.write("ring", &before);
+        emu.run(
+            "kv_store",
+            &[s(ty.id()), s(n), s(width), s(cells), s(pos0), s(layout.rot)],
+        );
+        let got: Vec<u8> = emu.read("ring");
+        assert!(
+            got == cpu.download(&ring.data).unwrap(),
+            "kv_store {ty} hd {hd}"
+        );
+    }
+
+    // Attention over random rings of every type pair (quantized pairs on the shapes whose
+    // heads are whole blocks).
+    let (n_head, n_kv) = (8usize, 2usize);
+    for (hd, window, cells, pos0, n_tokens) in ATTN_CASES {
+        let kvw = n_kv * hd;
+        for pair in KV_PAIRS {
+            let Some((kl, vl)) = kv_layouts(pair, hd, n_kv, cells) else {
+                continue;
             };
-            emu.write("q", &q);
-            emu.write("k", &kb);
-            emu.write("v", &vb);
-            emu.write("sinks", &sinks);
-            emu.run(
-                "attn",
-                &[
-                    s(n_tokens),
-                    s(n_head),
-                    s(n_kv),
-                    s(hd),
-                    s(cells),
-                    s(pos0),
-                    s(window.unwrap_or(0)),
-                    s(i32::from(with_sinks)),
-                    s(p.scale.to_bits()),
-                ],
-            );
-            let got: Vec<f32> = emu.read("out");
-            let sinks_opt = with_sinks.then_some(&sinks[..]);
-            let want = ref_attention(&cpu, &p, &q, &kb, &vb, sinks_opt, n_tokens, pos0);
-            let (same, max) = compare(&got, &want);
-            let what = format!(
-                "attention hd {hd} window {window:?} pos0 {pos0} n {n_tokens} sinks {with_sinks}"
-            );
-            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-            assert_eq!(same, got.len(), "{what}");
+            let (kt, vt) = pair;
+            for with_sinks in [false, true] {
+                let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
+                let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
+                let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
+                let sinks = noise(&mut rng, n_head, 2.0);
+                let p = AttnParams {
+                    n_head,
+                    n_head_kv: n_kv,
+                    head_dim: hd,
+                    cells,
+                    window,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                };
+                emu.write("q", &q);
+                emu.write("k", &kb);
+                emu.write("v", &vb);
+                emu.write("sinks", &sinks);
+                emu.run(
+                    "attn",
+                    &[
+                        s(n_tokens),
+                        s(n_head),
+                        s(n_kv),
+                        s(hd),
+                        s(cells),
+                        s(pos0),
+                        s(window.unwrap_or(0)),
+                        s(i32::from(with_sinks)),
+                        s(p.scale.to_bits()),
+                        s(kt.id()),
+                        s(vt.id()),
+                        s(kl.rot),
+                        s(vl.rot),
+                    ],
+                );
+                let got: Vec<f32> = emu.read("out");
+                let sinks_opt = with_sinks.then_some(&sinks[..]);
+                let want = ref_attention(
+                    &cpu,
+                    &p,
+                    &q,
+                    (kl, &kb),
+                    (vl, &vb),
+                    sinks_opt,
+                    n_tokens,
+                    pos0,
+                );
+                let (same, max) = compare(&got, &want);
+                let what = format!(
+                    "attention K {kt} / V {vt} hd {hd} window {window:?} pos0 {pos0} n {n_tokens} \
+                     sinks {with_sinks}"
+                );
+                eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+                assert_eq!(same, got.len(), "{what}");
+            }
         }
     }
 }

@@ -26,7 +26,9 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use hmoe_quant::{expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
 
-use crate::kv_cache::{fwht, rotate_chunks, Cells, LayerCache};
+use hmoe_backend::numerics::{dot_vec, fwht, online_softmax_step, rotate_chunks};
+
+use crate::kv_cache::{Cells, LayerCache};
 use crate::ops::{expf_ggml, reduce16};
 
 /// Shape of one attention call.
@@ -247,40 +249,6 @@ fn dot_lanes(q16: &[f32], k: &[f32]) -> f32 {
         lanes[i] = a.mul_add(b, lanes[i]);
     }
     reduce16(&lanes)
-}
-
-/// ggml's `vec_dot_f32` / `vec_dot_f16` on an AVX-512 build: four 16-lane FMA accumulators
-/// per 64 elements, folded pairwise, then the tail added one product at a time (in f32 for
-/// f32 data, in f64 for f16 data, as ggml does).
-fn dot_vec<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32, f64_tail: bool) -> f32 {
-    let np = a.len() / 64 * 64;
-    let mut acc = [[0f32; LANES]; 4];
-    // Whole 64-element steps as fixed-size chunks, so the lanes vectorize.
-    for (ca, cb) in a[..np].chunks_exact(64).zip(b[..np].chunks_exact(64)) {
-        for (j, lanes) in acc.iter_mut().enumerate() {
-            for (l, lane) in lanes.iter_mut().enumerate() {
-                *lane = ca[j * LANES + l].mul_add(to_f32(cb[j * LANES + l]), *lane);
-            }
-        }
-    }
-    let mut folded = [0f32; LANES];
-    for l in 0..LANES {
-        folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-    }
-    let head = reduce16(&folded);
-    if f64_tail {
-        let mut sum = head as f64;
-        for k in np..a.len() {
-            sum += (a[k] * to_f32(b[k])) as f64;
-        }
-        sum as f32
-    } else {
-        let mut sum = head;
-        for k in np..a.len() {
-            sum += a[k] * to_f32(b[k]);
-        }
-        sum
-    }
 }
 
 fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -844,15 +812,7 @@ impl FlashRow {
     /// and the factors `(ms, vs)` that scale the accumulator and the value.
     #[inline(always)]
     fn step(&mut self, score: f32) -> (f32, f32) {
-        let (ms, vs) = if score > self.m {
-            let ms = (self.m - score).exp();
-            self.m = score;
-            (ms, 1.0)
-        } else {
-            (1.0, (score - self.m).exp())
-        };
-        self.s = self.s.mul_add(ms, vs);
-        (ms, vs)
+        online_softmax_step(&mut self.m, &mut self.s, score)
     }
 
     /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`,
@@ -932,12 +892,12 @@ fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
 
     /// Deterministic values in [-1, 1).
-    fn noise(seed: u64, n: usize) -> Vec<f32> {
+    pub(crate) fn noise(seed: u64, n: usize) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {

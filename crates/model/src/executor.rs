@@ -9,7 +9,8 @@
 //!
 //! Per micro-batch the token ids and positions go up (two small copies), then, per layer, on
 //! the device: RMSNorm, Q/K/V with their biases, NeoX RoPE with YaRN ([`rope_params`]), the K/V
-//! store into the layer's f16 cache, attention with sinks (sliding window on even layers),
+//! store into the layer's K/V rings (of the cache's `-ctk`/`-ctv` types, [`device_kv_layouts`]),
+//! attention with sinks (sliding window on even layers),
 //! the output projection with its bias and the residual add, RMSNorm, the router with its
 //! bias and the top-k softmax; then the layer's experts:
 //!
@@ -24,12 +25,14 @@
 //!
 //! Numerics: the CPU engine's. Products convert activations as ggml does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
-//! engine's order; attention rounds the query and the probabilities to f16 and sums in the
-//! CPU's orders with ggml's `expf`. On [`hmoe_backend::Ref0`] the logits are the CPU engine's
+//! engine's order; attention stores and reads the K/V rings as the CPU engine's cache does
+//! (f32, f16, bf16 and the block types, rotated as llama.cpp rotates quantized heads) and
+//! takes its path for the value type (the row kernel over float values, flash attention over
+//! block-quantized ones). On [`hmoe_backend::Ref0`] the logits are the CPU engine's
 //! bit for bit on the gpt-oss fixtures. On a GPU what still differs is cuBLAS's order for
-//! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where
-//! the CPU calls libm's, and F16/BF16 summation orders; on models whose routing is that
-//! sensitive (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
+//! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, and F16/BF16 summation
+//! orders; on models whose routing is that sensitive (the synthetic Q8_0/MXFP4 fixtures) a
+//! last bit can still flip an expert choice.
 //!
 //! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
@@ -58,7 +61,8 @@
 //! make room for another.
 //!
 //! Limits of this executor:
-//! - **f16 K/V only**: a cache of another type is an error (the CLI chooses the CPU engine).
+//! - **K/V types the device keeps** ([`Backend::supports_kv`]; REF0 every `-ctk`/`-ctv` pair):
+//!   a cache of another type is an error (the CLI chooses the CPU engine then).
 //! - **Op offload overlaps large batches only**: a micro-batch of at least the placement's
 //!   `op_offload_min_batch` tokens runs a host layer on the device with the experts it routes
 //!   to uploaded from the file mapping for that batch (on CUDA through pinned buffers that the
@@ -73,7 +77,9 @@ use std::sync::{Mutex, PoisonError};
 
 use std::ops::Range;
 
-use hmoe_backend::{AttnParams, Backend, BackendError, GatedAct, RopeParams, TransferCounts};
+use hmoe_backend::{
+    AttnParams, Backend, BackendError, GatedAct, KvLayout, KvRing, RopeParams, TransferCounts,
+};
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 
@@ -259,11 +265,26 @@ struct Routing<'a, B: Backend> {
     per_seq: bool,
 }
 
-/// One layer's K/V ring on the device.
+/// One layer's K and V rings on the device (each of its [`KvLayout`]'s type and cells).
 struct LayerKv<B: Backend> {
-    k: B::Buf<u16>,
-    v: B::Buf<u16>,
+    k: KvRing<B>,
+    v: KvRing<B>,
+}
+
+/// The layouts of one layer's K and V rings of `cells` cells for K/V types `ty`: rows of
+/// `n_head_kv × head_dim` values, rotated as the CPU engine's cache rotates them
+/// ([`KvLayout::rotation`]).
+pub fn device_kv_layouts(
+    p: &GptOssParams,
+    ty: KvType,
     cells: usize,
+) -> Result<(KvLayout, KvLayout), BackendError> {
+    let (hd, width) = (p.head_dim, p.n_head_kv * p.head_dim);
+    let layout = |t: CacheType, key: bool| {
+        let ty = t.ggml_type();
+        KvLayout::new(ty, width, cells, KvLayout::rotation(ty, hd, key))
+    };
+    Ok((layout(ty.k(), true)?, layout(ty.v(), false)?))
 }
 
 /// One sequence's K/V cache on the device.
@@ -272,6 +293,8 @@ struct DeviceKv<B: Backend> {
     handle: usize,
     /// `(n_ctx, n_ubatch)` of the handle it was made for.
     geometry: (usize, usize),
+    /// Its K/V types.
+    ty: KvType,
     /// Positions stored.
     held: usize,
     /// When it was last used ([`State::clock`]).
@@ -618,7 +641,7 @@ impl<B: Backend> DeviceGptOss<B> {
     }
 
     /// Checks a sequence's tokens and cache before anything runs: token ids, room in the
-    /// context, f16 K/V.
+    /// context, K/V types the device keeps ([`Backend::supports_kv`]) with heads of whole blocks.
     fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), ExecError> {
         let n_vocab = self.host.params().n_vocab;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
@@ -633,12 +656,23 @@ impl<B: Backend> DeviceGptOss<B> {
             .into());
         }
         let ty = cache.kv_type();
-        if ty.k() != CacheType::F16 || ty.v() != CacheType::F16 {
+        let hd = self.host.params().head_dim;
+        if !self.dev.supports_kv(ty.k().ggml_type(), ty.v().ggml_type()) {
             return Err(ExecError::Cache(format!(
-                "K {} / V {}: the device executor keeps f16 K/V only",
-                ty.k().name(),
-                ty.v().name()
+                "K {} / V {}: {} does not keep this K/V cache",
+                ty.k(),
+                ty.v(),
+                self.dev.name()
             )));
+        }
+        for (which, t) in [("K", ty.k()), ("V", ty.v())] {
+            if !hd.is_multiple_of(t.block_elems()) {
+                return Err(ExecError::Cache(format!(
+                    "{which} {t}: attention heads of {hd} are not whole blocks of {} (llama.cpp \
+                     refuses this too)",
+                    t.block_elems()
+                )));
+            }
         }
         Ok(())
     }
@@ -668,7 +702,10 @@ impl<B: Backend> DeviceGptOss<B> {
         st.clock += 1;
         let clock = st.clock;
         let at = st.kvs.iter().position(|kv| kv.handle == handle);
-        let held = at.map(|i| (st.kvs[i].geometry, st.kvs[i].held));
+        let ty = cache.kv_type();
+        // A cache of other K/V types (a new handle at a freed one's address) is not this one.
+        let held =
+            (at.filter(|&i| st.kvs[i].ty == ty)).map(|i| (st.kvs[i].geometry, st.kvs[i].held));
         match kv_action(held, geometry, cache.n_past()) {
             KvAction::Continue => {
                 if let Some(kv) = at.map(|i| &mut st.kvs[i]) {
@@ -683,10 +720,12 @@ impl<B: Backend> DeviceGptOss<B> {
                     st.kvs.swap_remove(i);
                 }
                 let p = self.host.params();
-                let width = p.n_head_kv * p.head_dim;
                 let cells = kv_cells(p, geometry.0, geometry.1);
-                let kv_bytes = (2 * 2 * width * cells.iter().sum::<usize>()) as u64;
-                let need = kv_bytes + self.scratch_bytes(geometry.1);
+                let layouts = |cells: usize| device_kv_layouts(p, ty, cells);
+                let kv_bytes: usize = (cells.iter())
+                    .map(|&c| layouts(c).map(|(k, v)| k.bytes() + v.bytes()))
+                    .sum::<Result<_, _>>()?;
+                let need = kv_bytes as u64 + self.scratch_bytes(geometry.1);
                 while self.dev.free_memory()?.is_some_and(|free| free < need) && st.evict_idle(keep)
                 {
                 }
@@ -694,10 +733,10 @@ impl<B: Backend> DeviceGptOss<B> {
                     cells
                         .iter()
                         .map(|&cells| {
+                            let (k, v) = layouts(cells)?;
                             Ok(LayerKv {
-                                k: self.dev.alloc::<u16>(cells * width)?,
-                                v: self.dev.alloc::<u16>(cells * width)?,
-                                cells,
+                                k: self.dev.kv_alloc(k)?,
+                                v: self.dev.kv_alloc(v)?,
                             })
                         })
                         .collect::<Result<Vec<_>, BackendError>>()
@@ -711,6 +750,7 @@ impl<B: Backend> DeviceGptOss<B> {
                 st.kvs.push(DeviceKv {
                     handle,
                     geometry,
+                    ty,
                     held: 0,
                     last_used: clock,
                     bytes: kv_bytes,
@@ -820,22 +860,22 @@ impl<B: Backend> DeviceGptOss<B> {
                     n_head: p.n_head,
                     n_head_kv: p.n_head_kv,
                     head_dim: hd,
-                    cells: kv.cells,
+                    cells: kv.k.layout.cells,
                     window: p.window(l),
                     scale,
                 };
                 let nt = g.len();
                 if members.len() == 1 {
-                    dev.kv_store_f16(&k, &mut kv.k, nt, kvw, kv.cells, m.pos0)?;
-                    dev.kv_store_f16(&v, &mut kv.v, nt, kvw, kv.cells, m.pos0)?;
+                    dev.kv_store(&k, &mut kv.k, nt, m.pos0)?;
+                    dev.kv_store(&v, &mut kv.v, nt, m.pos0)?;
                     dev.attention(&ap, &q, &kv.k, &kv.v, Some(&lw.sinks), nt, m.pos0, &mut att)?;
                     continue;
                 }
                 let ks = dev.copy_range(&k, g.start * kvw..g.end * kvw)?;
                 let vs = dev.copy_range(&v, g.start * kvw..g.end * kvw)?;
                 let qs = dev.copy_range(&q, g.start * qw..g.end * qw)?;
-                dev.kv_store_f16(&ks, &mut kv.k, nt, kvw, kv.cells, m.pos0)?;
-                dev.kv_store_f16(&vs, &mut kv.v, nt, kvw, kv.cells, m.pos0)?;
+                dev.kv_store(&ks, &mut kv.k, nt, m.pos0)?;
+                dev.kv_store(&vs, &mut kv.v, nt, m.pos0)?;
                 let mut a = dev.alloc::<f32>(nt * qw)?;
                 dev.attention(&ap, &qs, &kv.k, &kv.v, Some(&lw.sinks), nt, m.pos0, &mut a)?;
                 dev.copy_into(&a, &mut att, g.start * qw)?;

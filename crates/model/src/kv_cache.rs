@@ -24,6 +24,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use half::f16;
 use hmoe_quant::GgmlType;
 
+use hmoe_backend::numerics::rotate_chunks;
+use hmoe_backend::KvLayout;
+
 use crate::{LogitsWanted, ModelError};
 use half::vec::HalfBitsVecExt;
 
@@ -393,15 +396,10 @@ impl KvCache {
     /// Walsh–Hadamard rotation of block-quantized halves whose heads are a multiple of 64 long
     /// (see the module docs). Call before anything is stored.
     pub fn with_head_dims(mut self, k_head: usize, v_head: usize) -> KvCache {
-        let rot_k = match self.ty.k.is_quantized() && k_head > 0 && k_head.is_multiple_of(64) {
-            // The largest power of two dividing the head size.
-            true => 1 << k_head.trailing_zeros(),
-            false => 0,
-        };
-        let rot_v = match self.ty.v.is_quantized() && v_head.is_multiple_of(64) && !self.is_k_only()
-        {
-            true => 64,
-            false => 0,
+        let rot_k = KvLayout::rotation(self.ty.k.ggml_type(), k_head, true);
+        let rot_v = match self.is_k_only() {
+            true => 0,
+            false => KvLayout::rotation(self.ty.v.ggml_type(), v_head, false),
         };
         for layer in &mut self.layers {
             for (cells, r) in [(&mut layer.k, rot_k), (&mut layer.v, rot_v)] {
@@ -555,37 +553,6 @@ impl KvCache {
     pub(crate) fn advance(&mut self, n: usize) {
         self.n_past += n;
     }
-}
-
-/// ggml's fast Walsh–Hadamard transform of one chunk (what llama.cpp's rotation computes):
-/// scale by `1/√n`, then butterflies `(u + v, u − v)` over strides 1, 2, 4, … `n/2`. The
-/// transform is its own inverse. `x.len()` must be a power of two.
-pub(crate) fn fwht(x: &mut [f32]) {
-    let n = x.len();
-    let scale = 1.0 / (n as f32).sqrt();
-    for v in x.iter_mut() {
-        *v *= scale;
-    }
-    let mut len = 1;
-    while len < n {
-        for i in (0..n).step_by(2 * len) {
-            for j in i..i + len {
-                let (u, v) = (x[j], x[j + len]);
-                x[j] = u + v;
-                x[j + len] = u - v;
-            }
-        }
-        len <<= 1;
-    }
-}
-
-/// `src` with every chunk of `rot` values transformed by [`fwht`].
-pub(crate) fn rotate_chunks(src: &[f32], rot: usize) -> Vec<f32> {
-    let mut out = src.to_vec();
-    for chunk in out.chunks_exact_mut(rot) {
-        fwht(chunk);
-    }
-    out
 }
 
 /// The error for heads that are not whole blocks of a block-quantized cache type (`n` = 0:

@@ -14,6 +14,8 @@ pub mod kv_cache;
 pub mod llama;
 pub mod ops;
 pub mod qwen3_moe;
+#[cfg(test)]
+mod ref0_kv_tests;
 mod weights;
 
 pub use deepseek2::{Deepseek2, Deepseek2Params};

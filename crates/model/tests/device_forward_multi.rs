@@ -272,8 +272,9 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
     assert!(bits(&got) == bits(&reference[0].1[0]), "sequence 0 again");
 }
 
-/// A step with a bad token, a sequence past its context or a cache of another K/V type is an
-/// error before anything runs: no sequence advances, and nothing goes to the device.
+/// A step with a bad token, a sequence past its context or a cache whose heads are not whole
+/// blocks of its K/V type (gptoss-tiny's 16 in q8_0) is an error before anything runs: no
+/// sequence advances, and nothing goes to the device.
 #[test]
 fn bad_steps_run_nothing() {
     let file = "gptoss-tiny.gguf";
@@ -285,7 +286,7 @@ fn bad_steps_run_nothing() {
     let dev = DeviceGptOss::load(open(file), Ref0::new(), &placement).unwrap();
     let mut a = dev.new_cache(KvType::F16, 8, UBATCH);
     let mut b = dev.new_cache(KvType::F16, 8, UBATCH);
-    let mut c = dev.new_cache(KvType::F32, 8, UBATCH);
+    let mut c = dev.new_cache(KvType::parse("q8_0").unwrap(), 8, UBATCH);
     let before = dev.stats();
     let long = [1u32; 9];
     let bad: [(usize, &[u32]); 3] = [(0, &[5000]), (0, &long), (1, &[3])];

@@ -1,6 +1,6 @@
 //! Inputs shared by the GPU tests (`gpu.rs`) and the host emulation (`emulated.rs`).
 
-use hmoe_backend::{AttnParams, Backend, GatedAct, Ref0, RefMoe};
+use hmoe_backend::{AttnParams, Backend, GatedAct, KvLayout, KvRing, Ref0, RefMoe};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -54,23 +54,79 @@ pub fn ref_moe(cpu: &Ref0, m: &RefMoe, x: &[f32], sel: &[i32], wts: &[f32], k: u
     cpu.download(&out).unwrap()
 }
 
-/// The reference device's attention over f16 rings given as host slices.
+/// The K/V ring types of the kernels' tests, as (K, V) pairs: the row kernel (f16/f32
+/// values) and flash attention (Q8_0/Q4_0 values, keys of every type).
+pub const KV_PAIRS: [(GgmlType, GgmlType); 8] = [
+    (GgmlType::F16, GgmlType::F16),
+    (GgmlType::F32, GgmlType::F32),
+    (GgmlType::Q8_0, GgmlType::F16),
+    (GgmlType::Q4_0, GgmlType::F32),
+    (GgmlType::Q8_0, GgmlType::Q8_0),
+    (GgmlType::Q4_0, GgmlType::Q4_0),
+    (GgmlType::F16, GgmlType::Q8_0),
+    (GgmlType::F32, GgmlType::Q4_0),
+];
+
+/// Attention shapes of the kernels' tests: `(head_dim, window, cells, pos0, n_tokens)`: full
+/// causal; a window in a ring smaller than the sequence (cells wrap); a prefill batch with a
+/// window; one token after 520 (several rounds of chunks); head dims of 16 (no 64-element
+/// step) and 80 (a tail after it); 128 (a K rotation of 128) and 32 (quantized, not rotated).
+pub const ATTN_CASES: [(usize, Option<usize>, usize, usize, usize); 10] = [
+    (64, None, 64, 20, 3),
+    (64, Some(8), 12, 40, 2),
+    (64, Some(8), 32, 0, 20),
+    (64, None, 600, 520, 1),
+    (16, Some(8), 16, 30, 1),
+    (16, None, 40, 5, 7),
+    (80, None, 40, 33, 1),
+    (80, Some(20), 48, 10, 4),
+    (128, Some(8), 24, 30, 3),
+    (32, None, 40, 20, 2),
+];
+
+/// The K and V ring layouts of a test with heads of `hd` (`n_kv` of them) in `cells` cells,
+/// rotated as the executor rotates them; `None` when the heads are not whole blocks.
+pub fn kv_layouts(
+    (kt, vt): (GgmlType, GgmlType),
+    hd: usize,
+    n_kv: usize,
+    cells: usize,
+) -> Option<(KvLayout, KvLayout)> {
+    let layout = |ty: GgmlType, key: bool| {
+        let rot = KvLayout::rotation(ty, hd, key);
+        (hd.is_multiple_of(ty.block_elems()))
+            .then(|| KvLayout::new(ty, n_kv * hd, cells, rot).unwrap())
+    };
+    Some((layout(kt, true)?, layout(vt, false)?))
+}
+
+/// The bytes of a ring of `layout` whose every cell the reference device stored from `rows`
+/// (`cells × width` values).
+#[allow(dead_code)] // emulated.rs's, not gpu.rs's
+pub fn ref_ring(cpu: &Ref0, layout: KvLayout, rows: &[f32]) -> Vec<u8> {
+    let mut ring = cpu.kv_alloc(layout).unwrap();
+    let src = cpu.upload(rows).unwrap();
+    cpu.kv_store(&src, &mut ring, layout.cells, 0).unwrap();
+    cpu.download(&ring.data).unwrap()
+}
+
+/// The reference device's attention over K and V rings given as host bytes.
 #[allow(clippy::too_many_arguments)]
 pub fn ref_attention(
     cpu: &Ref0,
     p: &AttnParams,
     q: &[f32],
-    k_bits: &[u16],
-    v_bits: &[u16],
+    k: (KvLayout, &[u8]),
+    v: (KvLayout, &[u8]),
     sinks: Option<&[f32]>,
     n_tokens: usize,
     pos0: usize,
 ) -> Vec<f32> {
-    let (qd, kd, vd) = (
-        cpu.upload(q).unwrap(),
-        cpu.upload(k_bits).unwrap(),
-        cpu.upload(v_bits).unwrap(),
-    );
+    let ring = |(layout, bytes): (KvLayout, &[u8])| KvRing::<Ref0> {
+        data: cpu.upload(bytes).unwrap(),
+        layout,
+    };
+    let (qd, kd, vd) = (cpu.upload(q).unwrap(), ring(k), ring(v));
     let sd = sinks.map(|s| cpu.upload(s).unwrap());
     let mut out = cpu.alloc::<f32>(q.len()).unwrap();
     cpu.attention(p, &qd, &kd, &vd, sd.as_ref(), n_tokens, pos0, &mut out)

@@ -7,6 +7,9 @@
 __device__ float __int_as_float(int);
 __device__ float __uint_as_float(unsigned int);
 __device__ unsigned int __float_as_uint(float);
+__device__ long long __double_as_longlong(double);
+__device__ double __longlong_as_double(long long);
+__device__ double fma(double, double, double);
 __device__ float __shfl_xor_sync(unsigned, float, int);
 __device__ double __shfl_xor_sync(unsigned, double, int);
 __device__ int __shfl_xor_sync(unsigned, int, int);

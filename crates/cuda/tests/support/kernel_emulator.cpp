@@ -53,6 +53,8 @@ int __shfl_xor_sync(unsigned, int v, int m) { return shfl_any(v, (threadIdx.x % 
 float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
+double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
@@ -216,18 +218,42 @@ int main(int argc, char** argv) {
         float* op_ = out.data();
         launch({cdiv(n * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_combine(yp, wts.data(), op_, n, k, d); });
         wr(P("out"), out);
+    } else if (op == "kv_store") {
+        int ty = atoi(argv[3]), n_tokens = atoi(argv[4]), width = atoi(argv[5]), cells = atoi(argv[6]),
+            pos0 = atoi(argv[7]), rot = atoi(argv[8]);
+        auto src = rd<float>(P("src"));
+        auto ring = rd<u8>(P("ring"));
+        u8* r = ring.data();
+        unsigned total = (unsigned)(n_tokens * width);
+        if (ty == 0) {
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f32(src.data(), (float*)r, n_tokens, width, cells, pos0); });
+        } else if (ty == 1) {
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
+        } else {
+            unsigned chunk = rot > 32 ? rot : 32;
+            launch({cdiv(total / chunk, 256), 1, 1}, {256, 1, 1}, [&] {
+                if (ty == 2) kv_store_q4_0(src.data(), r, n_tokens, width, cells, pos0, rot);
+                else kv_store_q8_0(src.data(), r, n_tokens, width, cells, pos0, rot);
+            });
+        }
+        wr(P("ring"), ring);
     } else if (op == "attn") {
         int n_tokens = atoi(argv[3]), n_head = atoi(argv[4]), n_kv = atoi(argv[5]), hd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]), window = atoi(argv[9]), has_sinks = atoi(argv[10]);
         unsigned scale_bits = (unsigned)strtoul(argv[11], nullptr, 10);
+        int k_ty = atoi(argv[12]), v_ty = atoi(argv[13]), k_rot = atoi(argv[14]), v_rot = atoi(argv[15]);
         float scale = __uint_as_float(scale_bits);
         auto q = rd<float>(P("q"));
-        auto kc = rd<unsigned short>(P("k")), vc = rd<unsigned short>(P("v"));
+        auto kc = rd<u8>(P("k")), vc = rd<u8>(P("v"));
         auto sinks = rd<float>(P("sinks"));
         std::vector<float> out(q.size());
         float* o = out.data();
-        launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {ATT_WARPS * 32, 1, 1}, [&] {
-            attn_f16(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale);
+        bool flash = v_ty != 0 && v_ty != 1;
+        launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {flash ? 32u : ATT_WARPS * 32, 1, 1}, [&] {
+            if (flash)
+                attn_flash(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
+            else
+                attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
         });
         wr(P("out"), out);
     } else if (op == "router") {

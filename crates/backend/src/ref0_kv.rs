@@ -1,0 +1,382 @@
+//! The reference device's K/V rings: the store and attention over rings of every K/V type
+//! ([`crate::KV_TYPES`]), with the CPU engine's numerics (hmoe-model's `kv_cache` and
+//! `attention` modules) step for step, so that REF0 gives the CPU engine's bits:
+//!
+//! - **Store**: a row is rotated in chunks of the layout's `rot` (the Walsh–Hadamard transform,
+//!   [`numerics::fwht`]) and converted: f32 as is, f16 rounded to nearest even, bf16 and the
+//!   block types by [`hmoe_quant::quantize_row`].
+//! - **Attention** rotates the query like the keys and the output back like the values, then
+//!   takes the CPU engine's path for the value type:
+//!   - f32/f16/bf16 values, the row kernel: scores over the visible keys (chunks of 16
+//!     positions from the window's start rounded down), a softmax with ggml's `expf` summed per
+//!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
+//!     value sum as 16 lanes (lane = position mod 16) with the probability rounded to the value
+//!     type (f16, bf16; f32 as is);
+//!   - block-quantized values, ggml's flash kernel: per key in position order an online
+//!     softmax with libm's `expf` (`S = S·ms + vs`, the accumulator rescaled by a new
+//!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
+//!     last, then `acc / S`.
+//!
+//!   Scores: f32 keys in `vec_dot_f32` order ([`numerics::dot_vec`]); f16 keys against the
+//!   query rounded to f16, in `vec_dot_f16` order (one query token, and flash attention) or
+//!   tinyBLAS's 16 lanes (a batch in the row kernel); bf16 and block keys by hmoe-quant's
+//!   `vec_dot` kernel ([`DotKernel`]) against the query converted to its activation type.
+
+use half::{bf16, f16};
+use hmoe_quant::{DotKernel, GgmlType};
+
+use crate::error::ensure;
+use crate::numerics::{dot_vec, expf_ggml, fwht, hsum16, online_softmax_step, rotate_chunks};
+use crate::{AttnParams, BackendError, KvLayout};
+
+/// Lanes of ggml's accumulators.
+const LANES: usize = 16;
+
+/// A quantizer error as a shape error of `op`.
+fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> BackendError {
+    move |e| BackendError::Shape {
+        op,
+        what: e.to_string(),
+    }
+}
+
+/// Bytes of the `n` values from value `at` of rows of `ty`.
+fn byte_range(ty: GgmlType, at: usize, n: usize) -> std::ops::Range<usize> {
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    at / be * bb..(at + n) / be * bb
+}
+
+/// Stores `n_tokens` rows of `src` into the ring `data` of `layout` from position `pos0`.
+pub(crate) fn store(
+    layout: &KvLayout,
+    src: &[f32],
+    data: &mut [u8],
+    n_tokens: usize,
+    pos0: usize,
+) -> Result<(), BackendError> {
+    const OP: &str = "kv_store";
+    let (w, rb) = (layout.width, layout.row_bytes());
+    ensure(
+        layout.cells > 0 && src.len() >= n_tokens * w && data.len() >= layout.bytes(),
+        OP,
+        || format!("{n_tokens} rows of {w} into {} bytes", data.len()),
+    )?;
+    for t in 0..n_tokens {
+        let cell = (pos0 + t) % layout.cells;
+        let row = &src[t * w..(t + 1) * w];
+        let rotated;
+        let row = if layout.rot > 0 {
+            rotated = rotate_chunks(row, layout.rot);
+            &rotated[..]
+        } else {
+            row
+        };
+        let dst = &mut data[cell * rb..(cell + 1) * rb];
+        match layout.ty {
+            GgmlType::F32 => {
+                for (d, v) in dst.chunks_exact_mut(4).zip(row) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            GgmlType::F16 => {
+                for (d, &v) in dst.chunks_exact_mut(2).zip(row) {
+                    d.copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            ty => hmoe_quant::quantize_row(ty, row, dst).map_err(quant_err(OP))?,
+        }
+    }
+    Ok(())
+}
+
+/// A query head converted for keys of one type, as the CPU engine converts it.
+enum Query {
+    /// f32 keys: the head itself; f16 keys: the head rounded to f16.
+    Floats(Vec<f32>),
+    /// bf16 and block keys: the head in the key kernel's activation type.
+    Blocks(Vec<u8>),
+}
+
+/// A ring's keys as attention reads them.
+struct Keys<'a> {
+    ty: GgmlType,
+    data: &'a [u8],
+    /// The `vec_dot` kernel of bf16 and block keys.
+    kernel: Option<DotKernel>,
+}
+
+impl<'a> Keys<'a> {
+    fn new(ty: GgmlType, data: &'a [u8]) -> Result<Keys<'a>, BackendError> {
+        let kernel = match ty {
+            GgmlType::F32 | GgmlType::F16 => None,
+            _ => Some(DotKernel::best(ty).map_err(quant_err("attention"))?),
+        };
+        Ok(Keys { ty, data, kernel })
+    }
+
+    /// `qh` converted for these keys.
+    fn query(&self, qh: &[f32]) -> Result<Query, BackendError> {
+        Ok(match (&self.kernel, self.ty) {
+            (Some(k), _) => {
+                let mut out = vec![0u8; k.act_row_bytes(qh.len())];
+                hmoe_quant::quantize_row(k.act_type(), qh, &mut out)
+                    .map_err(quant_err("attention"))?;
+                Query::Blocks(out)
+            }
+            (None, GgmlType::F16) => {
+                Query::Floats(qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect())
+            }
+            (None, _) => Query::Floats(qh.to_vec()),
+        })
+    }
+
+    /// The unscaled score of the key head of `n` values from value `at`; `lanes`: f16 keys in
+    /// tinyBLAS's 16-lane order (else `vec_dot_f16`'s).
+    fn score(&self, q: &Query, at: usize, n: usize, lanes: bool) -> f32 {
+        let b = &self.data[byte_range(self.ty, at, n)];
+        match (q, &self.kernel) {
+            (Query::Blocks(qb), Some(k)) => k.dot(n, b, qb),
+            (Query::Floats(qf), _) if self.ty == GgmlType::F32 => {
+                let k: Vec<f32> = b.chunks_exact(4).map(le_f32).collect();
+                dot_vec(qf, &k, |v| v, false)
+            }
+            (Query::Floats(qf), _) => {
+                let k: Vec<f32> = b.chunks_exact(2).map(le_f16).collect();
+                if lanes {
+                    let mut acc = [0f32; LANES];
+                    for (i, (&a, &kv)) in qf.iter().zip(&k).enumerate() {
+                        acc[i % LANES] = a.mul_add(kv, acc[i % LANES]);
+                    }
+                    hsum16(&acc)
+                } else {
+                    dot_vec(qf, &k, |v| v, true)
+                }
+            }
+            // `query` gives blocks exactly when there is a kernel.
+            (Query::Blocks(_), None) => f32::NAN,
+        }
+    }
+}
+
+fn le_f32(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+fn le_f16(b: &[u8]) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// The `out.len()` values of a row of `ty` from value `at` of `data`, as f32.
+fn values(ty: GgmlType, data: &[u8], at: usize, out: &mut [f32]) -> Result<(), BackendError> {
+    let b = &data[byte_range(ty, at, out.len())];
+    match ty {
+        GgmlType::F32 => out
+            .iter_mut()
+            .zip(b.chunks_exact(4))
+            .for_each(|(o, c)| *o = le_f32(c)),
+        GgmlType::F16 => out
+            .iter_mut()
+            .zip(b.chunks_exact(2))
+            .for_each(|(o, c)| *o = le_f16(c)),
+        _ => hmoe_quant::dequantize_row(ty, b, out).map_err(quant_err("attention"))?,
+    }
+    Ok(())
+}
+
+/// Whether values of `ty` are read by flash attention (block-quantized, not bf16), as the CPU
+/// engine decides.
+fn flash(ty: GgmlType) -> bool {
+    !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+/// A probability as the row kernel's value product sees it: rounded to f16/bf16 values.
+fn round_weight(ty: GgmlType, w: f32) -> f32 {
+    match ty {
+        GgmlType::F16 => f16::from_f32(w).to_f32(),
+        GgmlType::BF16 => bf16::from_f32(w).to_f32(),
+        _ => w,
+    }
+}
+
+/// One attention call over rings: K `(layout, bytes)`, V likewise (see the module docs).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    p: &AttnParams,
+    q: &[f32],
+    k: (&KvLayout, &[u8]),
+    v: (&KvLayout, &[u8]),
+    sinks: Option<&[f32]>,
+    n_tokens: usize,
+    pos0: usize,
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    const OP: &str = "attention";
+    let (hd, nh, nkv) = (p.head_dim, p.n_head, p.n_head_kv);
+    let kvw = nkv * hd;
+    let ((kl, kd), (vl, vd)) = (k, v);
+    let n_q = n_tokens * nh * hd;
+    ensure(
+        nkv > 0
+            && nh.is_multiple_of(nkv)
+            && q.len() >= n_q
+            && out.len() >= n_q
+            && sinks.is_none_or(|s| s.len() >= nh)
+            && [kl, vl]
+                .iter()
+                .all(|l| l.width == kvw && l.cells == p.cells)
+            && kd.len() >= kl.bytes()
+            && vd.len() >= vl.bytes(),
+        OP,
+        || format!("{p:?} over K {kl:?} / V {vl:?}"),
+    )?;
+    for (which, l) in [("K", kl), ("V", vl)] {
+        ensure(
+            hd.is_multiple_of(l.ty.block_elems()) && (l.rot == 0 || hd.is_multiple_of(l.rot)),
+            OP,
+            || {
+                format!(
+                    "{which} heads of {hd} are not whole {} blocks / rotation chunks of {}",
+                    l.ty, l.rot
+                )
+            },
+        )?;
+    }
+    let span = p.keys_seen(n_tokens, pos0);
+    ensure(span <= p.cells || n_tokens == 0, OP, || {
+        format!("{} cells for {span} keys", p.cells)
+    })?;
+    let q = &q[..n_q];
+    let rotated;
+    let q = if kl.rot > 0 {
+        rotated = rotate_chunks(q, kl.rot);
+        &rotated[..]
+    } else {
+        q
+    };
+    let keys = Keys::new(kl.ty, kd)?;
+    let single = n_tokens == 1;
+    let mut v_row = vec![0f32; hd];
+    for t in 0..n_tokens {
+        let pos = pos0 + t;
+        let first = p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        for h in 0..nh {
+            let kvh = h / (nh / nkv);
+            let at = |pp: usize| (pp % p.cells) * kvw + kvh * hd;
+            let qh = keys.query(&q[(t * nh + h) * hd..][..hd])?;
+            let sink = sinks.map(|s| s[h]);
+            let o = &mut out[(t * nh + h) * hd..][..hd];
+            if flash(vl.ty) {
+                let mut row = FlashRow::new(hd);
+                for pp in first..=pos {
+                    let s = keys.score(&qh, at(pp), hd, false) * p.scale;
+                    values(vl.ty, vd, at(pp), &mut v_row)?;
+                    row.add(s, &v_row);
+                }
+                row.finish(sink, o);
+                continue;
+            }
+            // Positions in chunks of 16 from `first` rounded down to a multiple of 16; those
+            // before `first` weigh 0.
+            let chunk_start = first / LANES * LANES;
+            let scores: Vec<f32> = (chunk_start..=pos)
+                .map(|pp| match pp < first {
+                    true => 0.0,
+                    false => keys.score(&qh, at(pp), hd, !single) * p.scale,
+                })
+                .collect();
+            let m = scores[first - chunk_start..]
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| match chunk_start + i < first {
+                    true => 0.0,
+                    false => expf_ggml(s - m),
+                })
+                .collect();
+            let mut sum = 0f64;
+            for chunk in e.chunks(LANES) {
+                let mut lanes = [0f32; LANES];
+                lanes[..chunk.len()].copy_from_slice(chunk);
+                sum += hsum16(&lanes) as f64;
+            }
+            if let Some(s) = sink {
+                sum += (s - m).exp() as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            // Lane `i` of a value dimension takes position `i` of every chunk.
+            let mut acc = vec![[0f32; LANES]; hd];
+            for (i, &ev) in e.iter().enumerate() {
+                let pp = chunk_start + i;
+                if pp < first {
+                    continue;
+                }
+                let w = round_weight(vl.ty, ev * inv);
+                values(vl.ty, vd, at(pp), &mut v_row)?;
+                for (a, &x) in acc.iter_mut().zip(&v_row) {
+                    a[i % LANES] = x.mul_add(w, a[i % LANES]);
+                }
+            }
+            for (ov, a) in o.iter_mut().zip(&acc) {
+                *ov = hsum16(a);
+            }
+        }
+    }
+    if vl.rot > 0 {
+        out[..n_q].chunks_exact_mut(vl.rot).for_each(fwht);
+    }
+    Ok(())
+}
+
+/// One (query, head) row of flash attention: the running maximum, the running sum of
+/// `e^(score − m)` and the value accumulator.
+struct FlashRow {
+    m: f32,
+    s: f32,
+    acc: Vec<f32>,
+}
+
+impl FlashRow {
+    fn new(n: usize) -> FlashRow {
+        FlashRow {
+            m: f32::NEG_INFINITY,
+            s: 0.0,
+            acc: vec![0.0; n],
+        }
+    }
+
+    /// `acc *= f` (skipped for 1, which changes nothing).
+    fn scale(&mut self, f: f32) {
+        if f != 1.0 {
+            self.acc.iter_mut().for_each(|a| *a *= f);
+        }
+    }
+
+    /// One key: a new maximum rescales what came before by `e^(m_old − m)`.
+    fn add(&mut self, score: f32, v: &[f32]) {
+        let (ms, vs) = online_softmax_step(&mut self.m, &mut self.s, score);
+        self.scale(ms);
+        for (a, &x) in self.acc.iter_mut().zip(v) {
+            *a = x.mul_add(vs, *a);
+        }
+    }
+
+    /// The sink folded in, then `acc / S` into `out`.
+    fn finish(mut self, sink: Option<f32>, out: &mut [f32]) {
+        if let Some(sink) = sink {
+            if sink > self.m {
+                let ms = (self.m - sink).exp();
+                self.scale(ms);
+                self.s = self.s.mul_add(ms, 1.0);
+            } else {
+                self.s += (sink - self.m).exp();
+            }
+        }
+        let inv = if self.s == 0.0 { 0.0 } else { 1.0 / self.s };
+        self.scale(inv);
+        out.copy_from_slice(&self.acc);
+    }
+}
