@@ -753,7 +753,7 @@ impl<B: Backend> DeviceGptOss<B> {
                     ty,
                     held: 0,
                     last_used: clock,
-                    bytes: kv_bytes,
+                    bytes: kv_bytes as u64,
                     layers,
                 });
                 Ok(())
