@@ -36,3 +36,30 @@ fn scale_by_pow2(x: f32, n: i32) -> f32 {
     }
     x * f32::from_bits(((n + 127) as u32) << 23)
 }
+
+/// Horizontal sum of 16 lanes in the order of an AVX-512 `reduce_add` (halves, then
+/// quarters, then pairs), so that sums match ggml's SIMD code bit for bit.
+#[inline]
+pub fn reduce16(lanes: &[f32; 16]) -> f32 {
+    let mut t8 = [0f32; 8];
+    for i in 0..8 {
+        t8[i] = lanes[i] + lanes[i + 8];
+    }
+    let t4 = [t8[0] + t8[4], t8[1] + t8[5], t8[2] + t8[6], t8[3] + t8[7]];
+    (t4[0] + t4[2]) + (t4[1] + t4[3])
+}
+
+/// SwiGLU of one row in place, `gate[i] = silu(gate[i]) · up[i]`, as ggml's AVX-512
+/// `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised exponential
+/// ([`expf_ggml`]), the remainder of the row libm's `expf`.
+pub fn swiglu_row(gate: &mut [f32], up: &[f32]) {
+    let blocks = gate.len() / 16 * 16;
+    for (gv, &uv) in gate[..blocks].iter_mut().zip(&up[..blocks]) {
+        let x = *gv;
+        *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+    }
+    for (gv, &uv) in gate[blocks..].iter_mut().zip(&up[blocks..]) {
+        let x = *gv;
+        *gv = x / (1.0 + (-x).exp()) * uv;
+    }
+}

@@ -27,7 +27,8 @@ use half::{bf16, f16};
 use hmoe_quant::GgmlType;
 
 use crate::error::ensure;
-use crate::{AttnParams, RopeParams};
+use crate::numerics::{expf_ggml, reduce16};
+use crate::{AttnParams, Gating, KOnlyAttnParams, RopeParams, Routing, RowCopy};
 use crate::{
     Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, StagedIo, TransferCounts,
 };
@@ -1003,6 +1004,180 @@ impl Backend for Ref0 {
                     let y = row_dot(w.ty, down.row(r), &ha, order) + w.down_bias[e * d + r];
                     *ov += y * wt;
                 }
+            }
+        }
+        Ok(())
+    }
+    fn copy_rows(
+        &self,
+        src: &RefBuf<f32>,
+        dst: &mut RefBuf<f32>,
+        c: &RowCopy,
+    ) -> Result<(), BackendError> {
+        c.check(src.len(), dst.len())?;
+        for r in 0..c.n_rows {
+            let from = &src[r * c.src_stride + c.src_offset..][..c.width];
+            dst[r * c.dst_stride + c.dst_offset..][..c.width].copy_from_slice(from);
+        }
+        Ok(())
+    }
+    fn rope_norm(
+        &self,
+        x: &mut RefBuf<f32>,
+        positions: &RefBuf<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        first: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        crate::shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..n_heads {
+                let head = &mut x[(t * n_heads + h) * head_dim + first..][..p.n_dims];
+                for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                    let (c, s) = p.cos_sin(pos, i);
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = x0.mul_add(c, -(x1 * s));
+                    pair[1] = x0.mul_add(s, x1 * c);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn matmul_heads(
+        &self,
+        w: &RefMatrix,
+        x: &RefBuf<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let out =
+            crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
+        let order = if x_stride == w.cols && n > 1 {
+            F32Order::Lanes16
+        } else {
+            F32Order::VecDot
+        };
+        for t in 0..n {
+            for h in 0..n_heads {
+                let a = acts(w.ty, &x[(t * n_heads + h) * x_stride..][..w.cols])?;
+                let dst = &mut y[(t * n_heads + h) * out..][..out];
+                for (r, d) in dst.iter_mut().enumerate() {
+                    *d = row_dot(w.ty, w.row(h * out + r), &a, order);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn swiglu(
+        &self,
+        gate: &mut RefBuf<f32>,
+        up: &RefBuf<f32>,
+        n: usize,
+    ) -> Result<(), BackendError> {
+        crate::shapes::swiglu(gate.len(), up.len(), n)?;
+        for (r, g) in gate.chunks_exact_mut(n).enumerate() {
+            crate::numerics::swiglu_row(g, &up[r * n..(r + 1) * n]);
+        }
+        Ok(())
+    }
+    fn attention_k_only(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &RefBuf<f32>,
+        k_cache: &RefBuf<u16>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let (nh, kd, vd) = (p.n_head, p.k_dim, p.v_dim);
+        crate::shapes::attention_k_only(p, q.len(), k_cache.len(), out.len(), n_tokens, pos0)?;
+        let single = n_tokens == 1;
+        // A batch's scores go through tinyBLAS when a key is whole 16-lane steps long.
+        let lanes = !single && kd.is_multiple_of(16);
+        // One token's values go through `vec_dot`'s four chains, 16 positions each in turn.
+        let chains = if single { 4 } else { 1 };
+        for t in 0..n_tokens {
+            let pos = pos0 + t;
+            for h in 0..nh {
+                let q16: Vec<f32> = q[(t * nh + h) * kd..][..kd]
+                    .iter()
+                    .map(|&v| f16::from_f32(v).to_f32())
+                    .collect();
+                let key = |pp: usize| &k_cache[(pp % p.cells) * kd..][..kd];
+                let mut probs: Vec<f32> = (0..=pos)
+                    .map(|pp| {
+                        let s = if lanes {
+                            score_lanes(&q16, key(pp))
+                        } else {
+                            score_vec_dot(&q16, key(pp))
+                        };
+                        s * p.scale
+                    })
+                    .collect();
+                let m = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f64;
+                for chunk in probs.chunks_mut(16) {
+                    let mut l = [0f32; 16];
+                    for (v, lv) in chunk.iter_mut().zip(l.iter_mut()) {
+                        *v = expf_ggml(*v - m);
+                        *lv = *v;
+                    }
+                    sum += reduce16(&l) as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                probs.iter_mut().for_each(|v| *v *= inv);
+                let mut acc = vec![[[0f32; 16]; 4]; vd];
+                for (pp, &pr) in probs.iter().enumerate() {
+                    let (chain, lane) = ((pp / 16) % chains, pp % 16);
+                    let w = f16::from_f32(pr).to_f32();
+                    for (a, &v) in acc.iter_mut().zip(&key(pp)[..vd]) {
+                        a[chain][lane] = f16::from_bits(v).to_f32().mul_add(w, a[chain][lane]);
+                    }
+                }
+                let o = &mut out[(t * nh + h) * vd..][..vd];
+                for (ov, a) in o.iter_mut().zip(&acc) {
+                    *ov = if single {
+                        let folded: [f32; 16] =
+                            std::array::from_fn(|l| (a[0][l] + a[2][l]) + (a[1][l] + a[3][l]));
+                        reduce16(&folded)
+                    } else {
+                        reduce16(&a[0])
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+    fn route(
+        &self,
+        logits: &RefBuf<f32>,
+        bias: Option<&RefBuf<f32>>,
+        gating: Gating,
+        routing: &Routing,
+        n_expert: usize,
+        selected: &mut RefBuf<i32>,
+        weights: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let k = routing.k;
+        crate::shapes::route(
+            routing,
+            n_expert,
+            logits.len(),
+            bias.map(|b| b.len()),
+            selected.len(),
+            weights.len(),
+        )?;
+        let (mut top, mut w) = (Vec::new(), Vec::new());
+        for (t, row) in logits.chunks_exact(n_expert).enumerate() {
+            let mut probs = row.to_vec();
+            crate::routing::gate_probs(gating, &mut probs);
+            routing.select(&probs, bias.map(|b| &b[..]), &mut top, &mut w);
+            for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
+                selected[t * k + j] = e as i32;
+                weights[t * k + j] = wv;
             }
         }
         Ok(())

@@ -20,6 +20,8 @@ use crate::kernels::{
 use crate::probe::{info_of, GpuInfo};
 use crate::staging::Staging;
 
+mod ext;
+
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
 /// small test models) always use the GEMV kernel, which sums in the CPU engine's order: a

@@ -360,3 +360,203 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         }
     }
 }
+
+/// The kernels of latent attention and grouped routing (`rope_norm_f32`, `matmul_heads_*`,
+/// `swiglu_f32`, `attn_k_only_f16`, `route_f32`) against the reference device's ops, bit for
+/// bit (F16/BF16 per-head products only reported, as for `matmul`).
+#[test]
+#[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
+    use hmoe_backend::{Gating, KOnlyAttnParams, RopeParams, Routing};
+    let Some(emu) = Emulator::build() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(6);
+
+    // Normal RoPE over the dims after a latent part, plain and YaRN.
+    for p in [
+        RopeParams::plain(8, 10000.0),
+        RopeParams::yarn(64, 10000.0, 40.0, 4096, 0.7, 32.0, 1.0),
+    ] {
+        let (n, nh, first) = (3, 2, 16);
+        let hd = first + p.n_dims;
+        let x = noise(&mut rng, n * nh * hd, 2.0);
+        let pos: Vec<i32> = vec![0, 7, 3000];
+        emu.write("x", &x);
+        emu.write("pos", &pos);
+        let f = [
+            p.theta_scale,
+            p.freq_scale,
+            p.ext_factor,
+            p.attn_factor,
+            p.corr_dims[0],
+            p.corr_dims[1],
+        ];
+        emu.write("params", &f);
+        emu.run("rope_norm", &[s(n), s(nh), s(hd), s(first), s(p.n_dims)]);
+        let got: Vec<f32> = emu.read("x");
+        let mut xd = cpu.upload(&x).unwrap();
+        let pd = cpu.upload(&pos).unwrap();
+        cpu.rope_norm(&mut xd, &pd, nh, hd, first, &p).unwrap();
+        let (same, max) = compare(&got, &cpu.download(&xd).unwrap());
+        eprintln!(
+            "rope_norm {p:?}: {same}/{} identical, max |Δ| {max:e}",
+            got.len()
+        );
+        assert_eq!(same, got.len(), "rope_norm {p:?}");
+    }
+
+    // Per-head products, contiguous and strided inputs.
+    for ty in TYPES {
+        let (nh, out, cols) = (2, 8, 64);
+        let w = weights(&mut rng, ty, nh * out, cols);
+        let m = cpu.upload_matrix(ty, nh * out, cols, &w).unwrap();
+        for (stride, n) in [(cols, 1), (cols, 3), (cols + 32, 3)] {
+            let x = noise(&mut rng, n * nh * stride, 2.0);
+            emu.write("w", &w);
+            emu.write("x", &x);
+            let vec_order = i32::from(!(stride == cols && n > 1));
+            let args = [
+                ty.id() as usize,
+                out,
+                cols,
+                n * nh,
+                nh,
+                stride,
+                vec_order as usize,
+            ];
+            emu.run("matmul_heads", &args.map(s));
+            let got: Vec<f32> = emu.read("y");
+            let xd = cpu.upload(&x).unwrap();
+            let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
+            cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
+            let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
+            let what = format!("matmul_heads {ty} stride {stride} n {n}");
+            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+            if exact(ty) {
+                assert_eq!(same, got.len(), "{what}");
+            } else {
+                assert!(max < 1e-3, "{what}");
+            }
+        }
+    }
+
+    // SwiGLU with whole 16-blocks and a tail.
+    for n in [32, 40] {
+        let g = noise(&mut rng, 3 * n, 8.0);
+        let u = noise(&mut rng, 3 * n, 2.0);
+        emu.write("g", &g);
+        emu.write("u", &u);
+        emu.run("swiglu", &[s(n)]);
+        let got: Vec<f32> = emu.read("g");
+        let mut gd = cpu.upload(&g).unwrap();
+        cpu.swiglu(&mut gd, &cpu.upload(&u).unwrap(), n).unwrap();
+        let (same, max) = compare(&got, &cpu.download(&gd).unwrap());
+        eprintln!(
+            "swiglu n {n}: {same}/{} identical, max |Δ| {max:e}",
+            got.len()
+        );
+        assert_eq!(same, got.len(), "swiglu n {n}");
+    }
+
+    // K-only attention: keys not whole 16-lane steps (24) and whole (32), one token and a
+    // batch, more than one chunk of 16 positions.
+    for (kd, vd) in [(24, 16), (32, 16)] {
+        let (nh, cells) = (2, 40);
+        for (pos0, n) in [(20, 1), (3, 5)] {
+            let p = KOnlyAttnParams {
+                n_head: nh,
+                k_dim: kd,
+                v_dim: vd,
+                cells,
+                scale: 0.05,
+            };
+            let keys = noise(&mut rng, cells * kd, 3.0);
+            let kb: Vec<u16> = keys.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+            let q = noise(&mut rng, n * nh * kd, 3.0);
+            emu.write("q", &q);
+            emu.write("k", &kb);
+            let args = [
+                s(n),
+                s(nh),
+                s(kd),
+                s(vd),
+                s(cells),
+                s(pos0),
+                s(p.scale.to_bits()),
+            ];
+            emu.run("attn_k_only", &args);
+            let got: Vec<f32> = emu.read("out");
+            let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
+            let (qd, kdv) = (cpu.upload(&q).unwrap(), cpu.upload(&kb).unwrap());
+            cpu.attention_k_only(&p, &qd, &kdv, n, pos0, &mut out)
+                .unwrap();
+            let (same, max) = compare(&got, &cpu.download(&out).unwrap());
+            let what = format!("attention_k_only kd {kd} pos0 {pos0} n {n}");
+            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+            assert_eq!(same, got.len(), "{what}");
+        }
+    }
+
+    // Routing: softmax without groups, sigmoid with groups, a bias and scaled weights.
+    let ne = 32;
+    for (gating, routing, with_bias) in [
+        (
+            Gating::Softmax,
+            Routing {
+                k: 4,
+                groups: None,
+                norm: false,
+                scale: 1.0,
+            },
+            false,
+        ),
+        (
+            Gating::Sigmoid,
+            Routing {
+                k: 4,
+                groups: Some((4, 2)),
+                norm: true,
+                scale: 2.5,
+            },
+            true,
+        ),
+    ] {
+        let n = 6;
+        let logits = noise(&mut rng, n * ne, 4.0);
+        let bias = noise(&mut rng, ne, 0.3);
+        emu.write("logits", &logits);
+        emu.write("bias", &bias);
+        let (groups, used) = routing.groups.unwrap_or((1, 1));
+        let gating_i = usize::from(gating == Gating::Sigmoid);
+        let args = [
+            s(n),
+            s(ne),
+            s(routing.k),
+            s(gating_i),
+            s(groups),
+            s(used),
+            s(i32::from(routing.norm)),
+            s(i32::from(with_bias)),
+            s(routing.scale.to_bits()),
+        ];
+        emu.run("route", &args);
+        let (got_sel, got_w): (Vec<i32>, Vec<f32>) = (emu.read("sel"), emu.read("w"));
+        let ld = cpu.upload(&logits).unwrap();
+        let bd = cpu.upload(&bias).unwrap();
+        let k = routing.k;
+        let (mut sel, mut w) = (
+            cpu.alloc::<i32>(n * k).unwrap(),
+            cpu.alloc::<f32>(n * k).unwrap(),
+        );
+        let b = with_bias.then_some(&bd);
+        cpu.route(&ld, b, gating, &routing, ne, &mut sel, &mut w)
+            .unwrap();
+        assert_eq!(got_sel, cpu.download(&sel).unwrap(), "route {routing:?}");
+        let (same, max) = compare(&got_w, &cpu.download(&w).unwrap());
+        eprintln!(
+            "route {routing:?}: {same}/{} identical, max |Δ| {max:e}",
+            got_w.len()
+        );
+        assert_eq!(same, got_w.len(), "route {routing:?}");
+    }
+}

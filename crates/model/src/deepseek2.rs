@@ -673,25 +673,6 @@ mod tests {
     }
 
     #[test]
-    fn group_limited_routing() {
-        // Two groups of four; group 1 holds the two best biased scores, so only it is eligible
-        // even though expert 0 alone has the highest probability.
-        let routing = Routing {
-            k: 2,
-            groups: Some((2, 1)),
-            norm: true,
-            scale: 2.5,
-        };
-        let probs = [0.9, 0.1, 0.1, 0.1, 0.6, 0.7, 0.5, 0.2];
-        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0];
-        let (mut top, mut w) = (Vec::new(), Vec::new());
-        routing.select(&probs, Some(&bias), &mut top, &mut w);
-        assert_eq!(top, vec![6, 5]);
-        // Weights come from the unbiased probabilities, normalised then scaled.
-        assert!((w[0] - 0.5 / 1.2 * 2.5).abs() < 1e-6 && (w[1] - 0.7 / 1.2 * 2.5).abs() < 1e-6);
-    }
-
-    #[test]
     fn old_mla_less_files_are_refused() {
         let mut m = v3_metadata(false);
         m.remove(&format!("{ARCH}.attention.key_length_mla"));
@@ -699,5 +680,86 @@ mod tests {
             Deepseek2Params::from_metadata(&m, 10),
             Err(ModelError::BadParam { .. })
         ));
+    }
+
+    /// The reference device's K-only attention equals the CPU engine's latent attention
+    /// (`attention_ext` with values inside the f16 keys) bit for bit: one token (`vec_dot`'s
+    /// four value chains) and batches, keys a multiple of 16 long (tinyBLAS scores) or not
+    /// (the fixture's 24), across more than one 16-position chunk.
+    #[test]
+    fn ref0_k_only_attention_is_the_cpu_engines_bit_for_bit() {
+        use crate::attention::{attention_ext, AttnLayout};
+        use hmoe_backend::{Backend, KOnlyAttnParams, Ref0};
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut noise = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    // Magnitudes over 2^-6 .. 2^6, so that sums of products round and
+                    // the summation order shows.
+                    let v = (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                    v * ((seed & 15) as f32 - 6.0).exp2()
+                })
+                .collect()
+        };
+        let dev = Ref0::new();
+        for (kd, vd, nh, cells) in [(24, 16, 4, 64), (48, 32, 3, 40)] {
+            let mut cpu = KvCache::new_k_only(KvType::F16, cells, 64, kd, 1);
+            let mut ring = dev.alloc::<u16>(cells * kd).unwrap();
+            let scale = 0.01;
+            let shape = AttnLayout {
+                n_head: nh,
+                n_head_kv: 1,
+                k_dim: kd,
+                v_dim: vd,
+                v_in_k: true,
+                scale,
+            };
+            let p = KOnlyAttnParams {
+                n_head: nh,
+                k_dim: kd,
+                v_dim: vd,
+                cells,
+                scale,
+            };
+            let mut pos0 = 0;
+            for n in [5, 1, 17, 1, 9] {
+                let keys = noise(n * kd);
+                let q: Vec<f32> = noise(n * nh * kd).iter().map(|v| v * 0.05).collect();
+                cpu.layers[0].store(pos0, &keys, &[], n);
+                let mut want = vec![0f32; n * nh * vd];
+                attention_ext(&cpu.layers[0], &shape, &q, pos0, &mut want);
+                let kd_buf = dev.upload(&keys).unwrap();
+                dev.kv_store_f16(&kd_buf, &mut ring, n, kd, cells, pos0)
+                    .unwrap();
+                let qd = dev.upload(&q).unwrap();
+                let mut out = dev.alloc::<f32>(n * nh * vd).unwrap();
+                dev.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
+                    .unwrap();
+                let got = dev.download(&out).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "kd {kd} n {n} at {pos0} [{i}]: {g} vs {w}"
+                    );
+                }
+                pos0 += n;
+            }
+        }
+        // More positions than cells cannot be attended to.
+        let p = KOnlyAttnParams {
+            n_head: 1,
+            k_dim: 24,
+            v_dim: 16,
+            cells: 4,
+            scale: 1.0,
+        };
+        let q = dev.alloc::<f32>(24).unwrap();
+        let ring = dev.alloc::<u16>(4 * 24).unwrap();
+        let mut out = dev.alloc::<f32>(16).unwrap();
+        assert!(dev.attention_k_only(&p, &q, &ring, 1, 4, &mut out).is_err());
     }
 }
