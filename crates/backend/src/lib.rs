@@ -124,10 +124,17 @@ pub enum GatedAct {
         /// The clamp.
         limit: f32,
     },
+    /// SwiGLU, `h = silu(g)·u`, as the CPU engine's SwiGLU experts compute it (Qwen3-MoE,
+    /// DeepSeek): [`numerics::swiglu_row`] over each expert row of `ff` values, and every
+    /// product of F32 experts in `vec_dot` order (ggml's `mul_mat_id`), however many slots
+    /// route to the expert.
+    Silu,
 }
 
 impl GatedAct {
-    /// `act(gate, up)` in f32 with libm's `exp`, as the CPU engine computes it.
+    /// `act(gate, up)` of one element in f32 with libm's `exp`, as the CPU engine computes it
+    /// (for [`GatedAct::Silu`]: an element past a row's last whole 16-block; see
+    /// [`GatedAct::apply_row`]).
     pub fn apply(self, gate: f32, up: f32) -> f32 {
         match self {
             GatedAct::ClampedSwiglu { alpha, limit } => {
@@ -135,6 +142,19 @@ impl GatedAct {
                 let y = up.clamp(-limit, limit);
                 x / (1.0 + (-alpha * x).exp()) * (y + 1.0)
             }
+            GatedAct::Silu => gate / (1.0 + (-gate).exp()) * up,
+        }
+    }
+
+    /// `gate[i] = act(gate[i], up[i])` over one expert row, as the CPU engine computes it.
+    pub fn apply_row(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            GatedAct::ClampedSwiglu { .. } => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = self.apply(*g, u);
+                }
+            }
+            GatedAct::Silu => numerics::swiglu_row(gate, up),
         }
     }
 }

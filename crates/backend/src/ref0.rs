@@ -13,7 +13,8 @@
 //!   MXFP4 weights ([`hmoe_quant::quantize_row`]), f16- or bf16-rounded values for F16 or
 //!   BF16 weights, f32 for F32. Q8_0 products sum in ggml's `vec_dot` order (`dot_q8_0`),
 //!   MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`), F32 in `vec_dot_f32` order for one
-//!   token (and for an expert only one slot routes to), else in tinyBLAS's 16 lanes
+//!   token (and for an expert only one slot routes to, and for every SiLU expert), else in
+//!   tinyBLAS's 16 lanes
 //!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order).
 //! - Attention rounds the query and the probabilities to f16, scores and sums in the CPU
 //!   engine's orders with ggml's `expf` ([`crate::numerics::expf_ggml`]).
@@ -659,6 +660,9 @@ impl Backend for Ref0 {
                 m.bytes += data.len();
                 dst.push(matrix(src.ty, rows, cols, data)?);
             }
+            if !t.has_biases() {
+                continue;
+            }
             for (dst, src, w) in [
                 (&mut m.gate_bias, t.gate_bias, ff),
                 (&mut m.up_bias, t.up_bias, ff),
@@ -978,6 +982,10 @@ impl Backend for Ref0 {
             routed[e] += 1;
         }
         let mut h = vec![0f32; ff];
+        let mut u = vec![0f32; ff];
+        // Bias `r` of expert `e` in `b` (rows of `len`), if the experts have biases.
+        let bias = |b: &[f32], len: usize, e: usize, r: usize| b.get(e * len + r).copied();
+        let with_bias = |v: f32, b: Option<f32>| b.map_or(v, |b| v + b);
         for t in 0..n {
             let o = &mut out[t * d..(t + 1) * d];
             o.fill(0.0);
@@ -987,22 +995,24 @@ impl Backend for Ref0 {
                 let Some(e) = expert(t * k + j) else {
                     continue;
                 };
-                let order = if routed[e] == 1 {
+                let order = if routed[e] == 1 || act == GatedAct::Silu {
                     F32Order::VecDot
                 } else {
                     F32Order::Lanes16
                 };
                 let (gate, up, down) = (&w.gate[e], &w.up[e], &w.down[e]);
-                for (r, hv) in h.iter_mut().enumerate() {
-                    let g = row_dot(w.ty, gate.row(r), &xa, order) + w.gate_bias[e * ff + r];
-                    let u = row_dot(w.ty, up.row(r), &xa, order) + w.up_bias[e * ff + r];
-                    *hv = act.apply(g, u);
+                for (r, (hv, uv)) in h.iter_mut().zip(u.iter_mut()).enumerate() {
+                    let g = row_dot(w.ty, gate.row(r), &xa, order);
+                    *hv = with_bias(g, bias(&w.gate_bias, ff, e, r));
+                    let up_r = row_dot(w.ty, up.row(r), &xa, order);
+                    *uv = with_bias(up_r, bias(&w.up_bias, ff, e, r));
                 }
+                act.apply_row(&mut h, &u);
                 let ha = acts(w.ty, &h)?;
                 let wt = weights[t * k + j];
                 for (r, ov) in o.iter_mut().enumerate() {
-                    let y = row_dot(w.ty, down.row(r), &ha, order) + w.down_bias[e * d + r];
-                    *ov += y * wt;
+                    let y = row_dot(w.ty, down.row(r), &ha, order);
+                    *ov += with_bias(y, bias(&w.down_bias, d, e, r)) * wt;
                 }
             }
         }

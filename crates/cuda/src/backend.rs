@@ -11,12 +11,12 @@ use hmoe_backend::{
 };
 use hmoe_quant::GgmlType;
 
-use crate::device::{CudaDevice, DeviceMatrix, MoeWeights};
+use crate::device::{CudaDevice, DeviceMatrix, ExpertAct, MoeWeights};
 use crate::error::CudaError;
 use crate::{AttnParams, RopeParams};
 
-/// The activation the MoE kernels compute: the clamped SwiGLU with alpha 1.702, limit 7.
-const KERNEL_ACT: GatedAct = GatedAct::ClampedSwiglu {
+/// The clamped SwiGLU the MoE kernels compute: alpha 1.702, limit 7.
+const KERNEL_CLAMPED: GatedAct = GatedAct::ClampedSwiglu {
     alpha: 1.702,
     limit: 7.0,
 };
@@ -146,13 +146,14 @@ impl Backend for CudaDevice {
             }
             Ok(self.upload_for_offload(&v)?)
         };
+        let has = t.has_biases();
         Ok(MoeWeights {
             gate: parts(&t.gate, ff, d)?,
             up: parts(&t.up, ff, d)?,
             down: parts(&t.down, d, ff)?,
-            gate_bias: Some(biases(t.gate_bias, ff)?),
-            up_bias: Some(biases(t.up_bias, ff)?),
-            down_bias: Some(biases(t.down_bias, d)?),
+            gate_bias: has.then(|| biases(t.gate_bias, ff)).transpose()?,
+            up_bias: has.then(|| biases(t.up_bias, ff)).transpose()?,
+            down_bias: has.then(|| biases(t.down_bias, d)).transpose()?,
         })
     }
     fn moe_bytes(m: &MoeWeights) -> usize {
@@ -256,13 +257,17 @@ impl Backend for CudaDevice {
         k: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        if act != KERNEL_ACT {
-            return Err(BackendError::Unsupported {
-                op: "moe",
-                what: format!("{act:?} (the kernels compute {KERNEL_ACT:?})"),
-            });
-        }
-        Ok(CudaDevice::moe(self, w, x, selected, weights, k, out)?)
+        let act = match act {
+            GatedAct::Silu => ExpertAct::Silu,
+            a if a == KERNEL_CLAMPED => ExpertAct::ClampedSwiglu,
+            other => {
+                return Err(BackendError::Unsupported {
+                    op: "moe",
+                    what: format!("{other:?} (the kernels compute {KERNEL_CLAMPED:?} and SiLU)"),
+                })
+            }
+        };
+        Ok(CudaDevice::moe(self, w, act, x, selected, weights, k, out)?)
     }
     fn copy_rows(
         &self,

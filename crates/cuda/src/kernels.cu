@@ -780,12 +780,26 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
 // matmul: for Q8_0 and MXFP4 experts x and h are Q8_0 blocks (quantize_q8_0 of each token's
 // row, and of each slot's h between the two kernels), else f32. F32 experts sum in vec_dot
 // order when only one slot of the call routes to the expert, else in 16 lanes: the CPU engine
-// multiplies each expert's tokens as one batch.
+// multiplies each expert's tokens as one batch (SiLU experts, act = ACT_SILU: always vec_dot,
+// as the CPU engine's SwiGLU experts). The activation is gated_act(act, ...).
 
 __device__ __forceinline__ float swiglu_oai(float g, float u) {
     float x = fminf(g, 7.0f);
     float y = fminf(fmaxf(u, -7.0f), 7.0f);
     return x / (1.0f + expf_libm(-1.702f * x)) * (y + 1.0f);
+}
+
+// The experts' gated activation of element r of a row of ff: act 0 the clamped SwiGLU above
+// (gpt-oss), act 1 SwiGLU silu(g) * u as the CPU engine's swiglu (expf_ggml in the row's whole
+// 16-blocks, libm's expf after them; Qwen3-MoE, DeepSeek).
+#define ACT_CLAMPED_SWIGLU 0
+#define ACT_SILU 1
+__device__ __forceinline__ float gated_act(int act, float g, float u, int r, int ff) {
+    if (act == ACT_SILU) {
+        float e = r < ff / 16 * 16 ? expf_ggml(0.0f - g) : expf_libm(-g);
+        return g / (1.0f + e) * u;
+    }
+    return swiglu_oai(g, u);
 }
 
 // Whether F32 products for expert e sum in vec_dot order: e is routed to by one slot only.
@@ -803,7 +817,8 @@ __device__ bool moe_vec_order(const int* sel, int n_slots, int e) {
 template <int TY>
 __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, const float* bu,
                                  int has_bias, const void* x, const int* sel, float* h,
-                                 int n_slots, int k, int n_expert, int d, int ff, u64 row_bytes) {
+                                 int n_slots, int k, int n_expert, int d, int ff, u64 row_bytes,
+                                 int act) {
     int slot = blockIdx.y;
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     if (slot >= n_slots || r >= ff) return;
@@ -814,7 +829,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
     }
     u64 off = ((u64)e * ff + r) * row_bytes;
     const void* xt = act_row<TY>(x, (u64)(slot / k), d);
-    bool vec = moe_vec_order<TY>(sel, n_slots, e);
+    bool vec = act == ACT_SILU || moe_vec_order<TY>(sel, n_slots, e);
     float g = warp_dot<TY>(gate + off, xt, d, vec);
     float u = warp_dot<TY>(up + off, xt, d, vec);
     if (threadIdx.x % WARP == 0) {
@@ -822,7 +837,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
             g += bg[(u64)e * ff + r];
             u += bu[(u64)e * ff + r];
         }
-        h[(u64)slot * ff + r] = swiglu_oai(g, u);
+        h[(u64)slot * ff + r] = gated_act(act, g, u, r, ff);
     }
 }
 
@@ -830,7 +845,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
 template <int TY>
 __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, const void* h,
                               const int* sel, float* y, int n_slots, int n_expert, int d, int ff,
-                              u64 row_bytes) {
+                              u64 row_bytes, int act) {
     int slot = blockIdx.y;
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     if (slot >= n_slots || r >= d) return;
@@ -840,7 +855,7 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
         return;
     }
     u64 off = ((u64)e * d + r) * row_bytes;
-    bool vec = moe_vec_order<TY>(sel, n_slots, e);
+    bool vec = act == ACT_SILU || moe_vec_order<TY>(sel, n_slots, e);
     float s = warp_dot<TY>(down + off, act_row<TY>(h, (u64)slot, ff), ff, vec);
     if (threadIdx.x % WARP == 0) {
         if (has_bias) s += bd[(u64)e * d + r];
@@ -853,14 +868,16 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
     extern "C" __global__ void moe_gate_up_##SUFFIX(                                           \
         const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias, ACT x,    \
         const int* sel, float* h, int n_slots, int k, int n_expert, int d, int ff,              \
-        u64 row_bytes) {                                                                        \
+        u64 row_bytes, int act) {                                                               \
         moe_gate_up_impl<TY>(gate, up, bg, bu, has_bias, x, sel, h, n_slots, k, n_expert, d,    \
-                             ff, row_bytes);                                                    \
+                             ff, row_bytes, act);                                               \
     }                                                                                           \
     extern "C" __global__ void moe_down_##SUFFIX(const u8* down, const float* bd, int has_bias, \
                                                  ACT h, const int* sel, float* y, int n_slots,  \
-                                                 int n_expert, int d, int ff, u64 row_bytes) {  \
-        moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes);  \
+                                                 int n_expert, int d, int ff, u64 row_bytes,    \
+                                                 int act) {                                     \
+        moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes,   \
+                          act);                                                                 \
     }
 
 MOE_WRAPPERS(mxfp4, TY_MXFP4, const u8*)
@@ -1056,11 +1073,11 @@ MATMUL_TILED(mxfp4, TY_MXFP4)
 MOE_MM(q8_0, TY_Q8_0)
 MOE_MM(mxfp4, TY_MXFP4)
 
-// h[s][r] = swiglu(g[s][r] + bg[e][r], u[s][r] + bu[e][r]) for slot s of expert e = sel[s];
+// h[s][r] = gated_act(act, g[s][r] + bg[e][r], u[s][r] + bu[e][r]) for slot s of expert e = sel[s];
 // 0 where e is out of range. One thread per element.
 extern "C" __global__ void moe_swiglu(const float* g, const float* u, const float* bg,
                                       const float* bu, int has_bias, const int* sel, float* h,
-                                      int n_slots, int n_expert, int ff) {
+                                      int n_slots, int n_expert, int ff, int act) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)n_slots * ff) return;
     u64 s = i / (u64)ff, r = i % (u64)ff;
@@ -1074,7 +1091,7 @@ extern "C" __global__ void moe_swiglu(const float* g, const float* u, const floa
         gv += bg[(u64)e * ff + r];
         uv += bu[(u64)e * ff + r];
     }
-    h[i] = swiglu_oai(gv, uv);
+    h[i] = gated_act(act, gv, uv, (int)r, ff);
 }
 
 // y[s][c] += bd[e][c] for slot s of expert e = sel[s]; 0 where e is out of range.

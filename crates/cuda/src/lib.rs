@@ -25,7 +25,8 @@ mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
-    CudaDevice, DeviceExperts, DeviceMatrix, MoeWeights, CUBLAS_MIN_TOKENS, SUPPORTED_TYPES,
+    CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct, MoeWeights, CUBLAS_MIN_TOKENS,
+    SUPPORTED_TYPES,
 };
 pub use error::CudaError;
 pub use hmoe_backend::{AttnParams, RopeParams};

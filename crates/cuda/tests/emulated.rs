@@ -13,13 +13,13 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use half::f16;
-use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0};
+use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, GatedAct, Ref0};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
-use common::{noise, quantizer_cases, ref_attention, ref_moe, TYPES};
+use common::{noise, quantizer_cases, ref_attention, ref_moe, KERNEL_ACT, TYPES};
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
 trait Raw: Copy {
@@ -50,10 +50,11 @@ struct Emulator {
 }
 
 impl Emulator {
-    /// Builds the emulator in a temporary directory; `None` (skip) without a suitable clang++.
-    fn build() -> Option<Emulator> {
+    /// Builds the emulator in a temporary directory of its own (`test`: the test's name);
+    /// `None` (skip) without a suitable clang++.
+    fn build(test: &str) -> Option<Emulator> {
         let clang = std::env::var("HMOE_CLANGXX").unwrap_or_else(|_| "clang++".into());
-        let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}-{test}", std::process::id()));
         std::fs::create_dir_all(dir.join("io")).unwrap();
         // The two PTX conversions become F16C calls on the host.
         let source = hmoe_cuda::kernels::SOURCE;
@@ -175,7 +176,9 @@ fn s(v: impl ToString) -> String {
 #[test]
 #[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_kernels_give_the_reference_backends_bits() {
-    let Some(emu) = Emulator::build() else { return };
+    let Some(emu) = Emulator::build("kernels") else {
+        return;
+    };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(5);
     let ggml_id = |ty: GgmlType| match ty {
@@ -245,7 +248,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         .iter()
         .map(|&ty| (ty, 64, 5, small.clone()))
         .chain([GgmlType::Q8_0, GgmlType::MXFP4].map(|ty| (ty, 320, 40, large.clone())));
-    for (ty, d, n, sel) in cases {
+    // Each case with gpt-oss's clamped SwiGLU and biases, and with SiLU and no biases.
+    let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
+    for ((ty, d, n, sel), (act, with_bias)) in cases.flat_map(|c| acts.map(|a| (c.clone(), a))) {
         let (ne, ff, k) = (8, 96, 2);
         let (gq, uq, dq) = (
             weights(&mut rng, ty, ne * ff, d),
@@ -272,7 +277,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             emu.write(name, v);
         }
         emu.write("sel", &sel);
-        emu.run("moe", &[s(ggml_id(ty)), s(ne), s(d), s(ff), s(n), s(k)]);
+        let act_id = usize::from(act == GatedAct::Silu);
+        let args = [ggml_id(ty), ne, d, ff, n, k, act_id, usize::from(with_bias)];
+        emu.run("moe", &args.map(s));
         let got: Vec<f32> = emu.read("out");
         let matrix = |n_in, n_out, data| ExpertMatrix {
             ty,
@@ -285,16 +292,19 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             gate: matrix(d, ff, &gq),
             up: matrix(d, ff, &uq),
             down: matrix(ff, d, &dq),
-            gate_bias: &bg,
-            up_bias: &bu,
-            down_bias: &bd,
+            gate_bias: if with_bias { &bg } else { &[] },
+            up_bias: if with_bias { &bu } else { &[] },
+            down_bias: if with_bias { &bd } else { &[] },
         };
         let rm = cpu.upload_moe(&t, None).unwrap();
-        let want = ref_moe(&cpu, &rm, &x, &sel, &wts, k);
+        let want = ref_moe(&cpu, &rm, act, &x, &sel, &wts, k);
         let (same, max) = compare(&got, &want);
-        eprintln!("moe {ty}: {same}/{} identical, max |Δ| {max:e}", got.len());
+        eprintln!(
+            "moe {ty} {act:?}: {same}/{} identical, max |Δ| {max:e}",
+            got.len()
+        );
         if exact(ty) {
-            assert_eq!(same, got.len(), "moe {ty}");
+            assert_eq!(same, got.len(), "moe {ty} {act:?}");
         }
     }
 
@@ -368,7 +378,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
 #[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
     use hmoe_backend::{Gating, KOnlyAttnParams, RopeParams, Routing};
-    let Some(emu) = Emulator::build() else { return };
+    let Some(emu) = Emulator::build("latent") else {
+        return;
+    };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(6);
 

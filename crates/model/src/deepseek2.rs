@@ -573,6 +573,7 @@ impl LanguageModel for Deepseek2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hmoe_backend::{ExpertMatrix, ExpertTensors};
     use hmoe_gguf::{MetaValue, Metadata};
 
     /// DeepSeek-V3's own hyperparameters (no weights needed for these).
@@ -761,5 +762,125 @@ mod tests {
         let ring = dev.alloc::<u16>(4 * 24).unwrap();
         let mut out = dev.alloc::<f32>(16).unwrap();
         assert!(dev.attention_k_only(&p, &q, &ring, 1, 4, &mut out).is_err());
+    }
+
+    /// The routed experts as the device contract takes them (no biases).
+    fn expert_tensors<'g>(e: &Experts, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
+        let m = |w: &Mat| ExpertMatrix {
+            ty: w.info.ty,
+            n_in: w.n_in,
+            n_out: w.n_out,
+            data: w.bytes(g),
+        };
+        ExpertTensors {
+            n_expert,
+            gate: m(&e.gate_exps),
+            up: m(&e.up_exps),
+            down: m(&e.down_exps),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        }
+    }
+
+    fn tiny() -> Deepseek2 {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/deepseek2/deepseek2-tiny.gguf");
+        let path = std::env::var_os("HMOE_FIXTURES").map_or(path, |f| {
+            std::path::PathBuf::from(f).join("deepseek2/deepseek2-tiny.gguf")
+        });
+        Deepseek2::load(GgufModel::open(&path, Default::default()).unwrap()).unwrap()
+    }
+
+    /// On the fixture's weights, the reference device's SiLU experts without biases equal the
+    /// CPU engine's `moe_swiglu` (routing by the CPU engine, several slots per expert: F32
+    /// products in `vec_dot` order), and its dense SwiGLU FFN (`matmul`, `swiglu`, `matmul`)
+    /// equals `ffn_swiglu` for the shared experts and the leading dense layer, bit for bit.
+    #[test]
+    fn ref0_silu_experts_and_dense_swiglu_are_the_cpu_engines_bit_for_bit() {
+        use hmoe_backend::{Backend, GatedAct, Ref0};
+        let model = tiny();
+        let (p, g) = (&model.params, &model.gguf);
+        let Ffn::Moe(e) = &model.blocks[1].ffn else {
+            panic!("block 1 has experts")
+        };
+        let n = 7;
+        let h: Vec<f32> = (0..n * p.n_embd)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 1.5)
+            .collect();
+        let mut acts = QuantizedActs::default();
+        let mut probs = project(g, &e.router, &h, &mut acts);
+        let (mut sel, mut w) = (Vec::new(), Vec::new());
+        let (mut top, mut tw) = (Vec::new(), Vec::new());
+        for row in probs.chunks_exact_mut(p.n_expert) {
+            gate_probs(p.gating, row);
+            p.routing
+                .select(row, e.probs_bias.as_deref(), &mut top, &mut tw);
+            sel.extend_from_slice(&top);
+            w.extend_from_slice(&tw);
+        }
+        let k = p.routing.k;
+        let want = moe_swiglu(
+            g,
+            &e.gate_exps,
+            &e.up_exps,
+            &e.down_exps,
+            &h,
+            &sel,
+            &w,
+            k,
+            &mut acts,
+        );
+        let mut per_expert = vec![0; p.n_expert];
+        sel.iter().for_each(|&x| per_expert[x] += 1);
+        assert!(
+            per_expert.iter().any(|&c| c > 1),
+            "some expert takes several slots"
+        );
+        let dev = Ref0::new();
+        let moe = dev
+            .upload_moe(&expert_tensors(e, g, p.n_expert), None)
+            .unwrap();
+        let sel_i: Vec<i32> = sel.iter().map(|&x| x as i32).collect();
+        let (hd, sd, wd) = (
+            dev.upload(&h).unwrap(),
+            dev.upload(&sel_i).unwrap(),
+            dev.upload(&w).unwrap(),
+        );
+        let mut out = dev.alloc::<f32>(n * p.n_embd).unwrap();
+        dev.moe(&moe, GatedAct::Silu, &hd, &sd, &wd, k, &mut out)
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&dev.download(&out).unwrap()),
+            bits(&want),
+            "routed experts"
+        );
+
+        let Ffn::Dense(dense) = &model.blocks[0].ffn else {
+            panic!("block 0 is dense")
+        };
+        for f in [e.shared.as_ref().unwrap(), &**dense] {
+            let want = ffn_swiglu(g, &f.gate, &f.up, &f.down, &h, &mut acts);
+            let up_m = |m: &Mat| dev.upload_matrix(m.info.ty, m.n_out, m.n_in, m.bytes(g));
+            let (gm, um, dm) = (
+                up_m(&f.gate).unwrap(),
+                up_m(&f.up).unwrap(),
+                up_m(&f.down).unwrap(),
+            );
+            let ff = f.gate.n_out;
+            let mut gt = dev.alloc::<f32>(n * ff).unwrap();
+            let mut ut = dev.alloc::<f32>(n * ff).unwrap();
+            dev.matmul(&um, &hd, n, &mut ut).unwrap();
+            dev.matmul(&gm, &hd, n, &mut gt).unwrap();
+            dev.swiglu(&mut gt, &ut, ff).unwrap();
+            let mut y = dev.alloc::<f32>(n * p.n_embd).unwrap();
+            dev.matmul(&dm, &gt, n, &mut y).unwrap();
+            assert_eq!(
+                bits(&dev.download(&y).unwrap()),
+                bits(&want),
+                "dense ff {ff}"
+            );
+        }
     }
 }

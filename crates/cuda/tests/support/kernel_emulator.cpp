@@ -159,6 +159,8 @@ int main(int argc, char** argv) {
     } else if (op == "moe") {
         int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
             n = atoi(argv[7]), k = atoi(argv[8]);
+        // Optional: the activation (0 clamped SwiGLU, 1 SiLU) and whether there are biases.
+        int act = argc > 9 ? atoi(argv[9]) : 0, hb = argc > 10 ? atoi(argv[10]) : 1;
         auto gate = rd<u8>(P("gate")), up = rd<u8>(P("up")), down = rd<u8>(P("down"));
         auto bg = rd<float>(P("bg")), bu = rd<float>(P("bu")), bd = rd<float>(P("bd"));
         auto x = rd<float>(P("x"));
@@ -186,30 +188,30 @@ int main(int argc, char** argv) {
             mm(gate, rb_d, ff, d / 32, xq.data(), k, g.data());
             mm(up, rb_d, ff, d / 32, xq.data(), k, u.data());
             launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
-                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), 1, sel.data(), hp, slots, ne, ff);
+                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), hb, sel.data(), hp, slots, ne, ff, act);
             });
             hq = quantize(h.data(), (size_t)slots * ff);
             mm(down, rb_ff, d, ff / 32, hq.data(), 1, yp);
-            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), 1, sel.data(), slots, ne, d); });
+            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
         } else {
             launch({cdiv(ff, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
                 switch (ty) {
-                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), hb, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), hb, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
                 }
             });
             if (qz) hq = quantize(h.data(), (size_t)slots * ff);
             const void* ha = qz ? (const void*)hq.data() : (const void*)h.data();
             launch({cdiv(d, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
                 switch (ty) {
-                case 0: moe_down_f32(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 1: moe_down_f16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 30: moe_down_bf16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 8: moe_down_q8_0(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 39: moe_down_mxfp4(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                case 0: moe_down_f32(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 1: moe_down_f16(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 30: moe_down_bf16(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 8: moe_down_q8_0(down.data(), bd.data(), hb, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 39: moe_down_mxfp4(down.data(), bd.data(), hb, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
                 }
             });
         }
