@@ -359,6 +359,21 @@ impl Rope {
         }
     }
 
+    /// These parameters in the form of the device contract's RoPE ops, whose cos/sin are
+    /// this cache's bit for bit; `None` with frequency factors, which the contract lacks.
+    pub fn device_params(&self) -> Option<hmoe_backend::RopeParams> {
+        self.freq_factors
+            .is_none()
+            .then_some(hmoe_backend::RopeParams {
+                n_dims: self.n_dims,
+                theta_scale: self.theta_scale,
+                freq_scale: self.freq_scale,
+                ext_factor: self.ext_factor,
+                attn_factor: self.attn_factor,
+                corr_dims: self.corr_dims,
+            })
+    }
+
     /// The `(cos, sin)` tables of `n` consecutive positions starting at `pos0` (one batch).
     pub fn caches(&self, pos0: usize, n: usize) -> Vec<Vec<(f32, f32)>> {
         (pos0..pos0 + n)
@@ -418,22 +433,6 @@ impl Rope {
             }
         }
         rope
-    }
-
-    /// These parameters in the device contract's form, which computes each pair's `(cos, sin)`
-    /// exactly as [`Rope::cache`] does; `None` with per-pair frequency factors, which the
-    /// contract does not carry.
-    pub fn device_params(&self) -> Option<hmoe_backend::RopeParams> {
-        self.freq_factors
-            .is_none()
-            .then_some(hmoe_backend::RopeParams {
-                n_dims: self.n_dims,
-                theta_scale: self.theta_scale,
-                freq_scale: self.freq_scale,
-                ext_factor: self.ext_factor,
-                attn_factor: self.attn_factor,
-                corr_dims: self.corr_dims,
-            })
     }
 
     /// Divides the frequency of rotated pair `i` by `factors[i]` (llama 3's `rope_freqs`);
