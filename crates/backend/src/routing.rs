@@ -15,7 +15,7 @@ pub enum Gating {
 }
 
 /// Routing rules of one MoE block, as llama.cpp's `build_moe_ffn` applies them.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Routing {
     /// Experts per token.
     pub k: usize,

@@ -66,11 +66,12 @@ pub fn gpu_executor_arch(arch: Option<&str>) -> bool {
     hmoe_model::device_arch(arch)
 }
 
-/// The layer of an attention weight (`blk.N.attn_q.weight`), the dense part's marker.
-fn attn_q_layer(name: &str) -> Option<usize> {
+/// The layer of an attention output weight (`blk.N.attn_output.weight`, which every
+/// architecture has), the dense part's marker.
+fn attn_layer(name: &str) -> Option<usize> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, tail) = rest.split_once('.')?;
-    (tail == "attn_q.weight").then(|| layer.parse().ok())?
+    (tail == "attn_output.weight").then(|| layer.parse().ok())?
 }
 
 /// The engine for `i`: the device executor when there is a device, the model's architecture
@@ -105,7 +106,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     }
     let mut dense_on_gpu = vec![None; i.n_layer];
     for &(name, dev) in i.tensors {
-        if let Some(slot) = attn_q_layer(name).and_then(|l| dense_on_gpu.get_mut(l)) {
+        if let Some(slot) = attn_layer(name).and_then(|l| dense_on_gpu.get_mut(l)) {
             *slot = Some(dev);
         }
     }
@@ -303,6 +304,7 @@ mod tests {
             for t in [
                 "attn_q.weight",
                 "attn_k.weight",
+                "attn_output.weight",
                 "ffn_gate_inp.weight",
                 "ffn_gate_exps.weight",
                 "ffn_up_exps.weight",
@@ -501,9 +503,9 @@ mod tests {
 
     #[test]
     fn attention_layer_names() {
-        assert_eq!(attn_q_layer("blk.12.attn_q.weight"), Some(12));
-        assert_eq!(attn_q_layer("blk.12.attn_q.bias"), None);
-        assert_eq!(attn_q_layer("blk.x.attn_q.weight"), None);
-        assert_eq!(attn_q_layer("output.weight"), None);
+        assert_eq!(attn_layer("blk.12.attn_output.weight"), Some(12));
+        assert_eq!(attn_layer("blk.12.attn_output.bias"), None);
+        assert_eq!(attn_layer("blk.x.attn_output.weight"), None);
+        assert_eq!(attn_layer("output.weight"), None);
     }
 }

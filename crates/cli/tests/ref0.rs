@@ -6,103 +6,10 @@
 //! CPU-expert layer per micro-batch and none with everything on REF0. `--gpu-mem` sets its
 //! memory: a plan or an upload beyond it is an error naming REF0 and the missing MiB.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
+use common::{fixture, hmoe, placements, run};
 use serde_json::Value;
-
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
-
-fn hmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hmoe"))
-        .args(args)
-        .output()
-        .expect("hmoe runs")
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap())
-        .collect()
-}
-
-fn join(v: &[u64]) -> String {
-    v.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// A fixture with the first golden case's prompt and greedy continuation (6 steps).
-struct Fixture {
-    model: String,
-    prompt: String,
-    teacher: String,
-    /// Micro-batches: the prompt, then every teacher token but the last (each step gives the
-    /// next distribution).
-    ubatches: u64,
-    n_layer: u64,
-}
-
-fn fixture(stem: &str, model_file: &str) -> Fixture {
-    let dir = fixtures().join("gpt-oss");
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join(format!("{stem}.golden-f16kv.json"))).unwrap(),
-    )
-    .unwrap();
-    let case = &golden["cases"][0];
-    let teacher: Vec<u64> = ids(&case["greedy_tokens"]).into_iter().take(6).collect();
-    let model = dir.join(model_file).to_str().unwrap().to_string();
-    let out = hmoe(&["inspect", &model, "--no-tensors"]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    let n_layer = text
-        .lines()
-        .find(|l| l.contains("gpt-oss.block_count"))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no block_count in `hmoe inspect` of {model}:\n{text}"));
-    Fixture {
-        model,
-        prompt: join(&ids(&case["prompt_tokens"])),
-        ubatches: teacher.len() as u64,
-        teacher: join(&teacher),
-        n_layer,
-    }
-}
-
-/// `hmoe run --json` teacher-forced with `extra` flags; the parsed output and stderr.
-fn run(f: &Fixture, extra: &[&str]) -> (Value, String) {
-    let mut args = vec![
-        "run",
-        "-m",
-        &f.model,
-        "--prompt-tokens",
-        &f.prompt,
-        "--teacher-tokens",
-        &f.teacher,
-        "--top-k-probs",
-        "10",
-        "--json",
-        "-c",
-        "256",
-        "-t",
-        "2",
-    ];
-    args.extend_from_slice(extra);
-    let out = hmoe(&args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "hmoe {args:?} failed: {err}");
-    (serde_json::from_slice(&out.stdout).unwrap(), err)
-}
 
 const FIXTURES: [(&str, &str); 5] = [
     ("gptoss-tiny", "gptoss-tiny.gguf"),
@@ -111,19 +18,6 @@ const FIXTURES: [(&str, &str); 5] = [
     ("gptoss-openai", "gptoss-openai.gguf"),
     ("gptoss-openai-f32experts", "gptoss-openai-f32experts.gguf"),
 ];
-
-/// The layers whose experts each placement keeps on the CPU (`None`: every layer).
-fn placements() -> Vec<(Vec<&'static str>, Option<u64>)> {
-    vec![
-        (vec!["-ngl", "all"], Some(0)),
-        (vec!["-ngl", "all", "--cpu-moe"], None),
-        (vec!["-ngl", "all", "--n-cpu-moe", "1"], Some(1)),
-        (
-            vec!["-ngl", "all", "-ot", r"blk\.1\.ffn_(gate|up|down)_exps=CPU"],
-            Some(1),
-        ),
-    ]
-}
 
 #[test]
 fn list_devices_shows_ref0_as_a_testing_device_last() {
@@ -141,7 +35,7 @@ fn list_devices_shows_ref0_as_a_testing_device_last() {
 #[test]
 fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
     for (stem, file) in FIXTURES {
-        let f = fixture(stem, file);
+        let f = fixture("gpt-oss", stem, file);
         let (cpu, _) = run(&f, &["-dev", "none"]);
         assert_eq!(cpu["engine"], "CPU");
         assert!(cpu.get("device_stats").is_none(), "{stem}: {cpu}");
@@ -177,7 +71,7 @@ fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
 /// route to uploaded (no round trip), the decode steps round-trip; the same bits.
 #[test]
 fn ref0_op_offload_gives_the_same_bits() {
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     let (cpu, _) = run(&f, &["-dev", "none"]);
     let (got, err) = run(
         &f,
@@ -202,7 +96,7 @@ fn ref0_op_offload_gives_the_same_bits() {
 #[test]
 fn ref0_with_other_kv_types_runs_on_the_cpu_and_says_why() {
     // gptoss-small: heads of whole q8_0 blocks (gptoss-tiny's 16 are not).
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     for kv in [
         ["-ctk", "f32", "-ctv", "f32"],
         ["-ctk", "q8_0", "-ctv", "q8_0"],
@@ -217,7 +111,7 @@ fn ref0_with_other_kv_types_runs_on_the_cpu_and_says_why() {
 
 #[test]
 fn ref0_over_budget_is_an_error_naming_it_and_the_missing_mib() {
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     let model = f.model.as_str();
     let base = [
         "run",
@@ -284,7 +178,7 @@ fn ref0_over_budget_is_an_error_naming_it_and_the_missing_mib() {
 /// flags) and says its budget comes from `--gpu-mem` (or REF0's default), not the driver.
 #[test]
 fn fit_on_ref0_names_it_and_its_budget() {
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     let base = ["fit", "-m", f.model.as_str(), "-c", "256", "-dev", "REF0"];
     let rule = r"blk\.0\.ffn_up_exps=REF0";
     let out = hmoe(&[&base[..], &["--gpu-mem", "2GiB", "-ot", rule]].concat());

@@ -28,9 +28,17 @@
 //! The cache holds only `[c, k_pe]` per position (kv_lora + rope dims): values are the first
 //! kv_lora elements of each key, as in llama.cpp's K-only MLA cache.
 
+use hmoe_backend::{
+    Backend, ExpertMatrix, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy,
+};
 use hmoe_gguf::GgufModel;
 
 use crate::attention::{attention_ext, AttnLayout};
+use crate::executor::blocks::SwiGluFfn;
+use crate::executor::{
+    upload_f32, upload_f32_opt, upload_matrix, DevMat, DeviceLayers, ExecError, ExpertSplit,
+    Gating as RouterGating, ModelDims, Routed, Router, Step,
+};
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::llama::load_f32_opt;
 use crate::ops::{
@@ -38,7 +46,7 @@ use crate::ops::{
     rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling, Routing,
 };
 use crate::weights::{load_f32, project, Mat};
-use crate::{LanguageModel, LogitsWanted, ModelError};
+use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
 
 const ARCH: &str = "deepseek2";
 
@@ -248,6 +256,27 @@ struct Experts {
     down_exps: Mat,
     /// The shared experts, if any.
     shared: Option<SwiGlu>,
+}
+
+impl Experts {
+    /// The routed experts as the device contract takes them (no biases).
+    fn tensors<'g>(&self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
+        let m = |w: &Mat| ExpertMatrix {
+            ty: w.info.ty,
+            n_in: w.n_in,
+            n_out: w.n_out,
+            data: w.bytes(g),
+        };
+        ExpertTensors {
+            n_expert,
+            gate: m(&self.gate_exps),
+            up: m(&self.up_exps),
+            down: m(&self.down_exps),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        }
+    }
 }
 
 /// A dense SwiGLU feed-forward network `Wd · (silu(Wg·h) ⊙ Wu·h)`.
@@ -570,10 +599,376 @@ impl LanguageModel for Deepseek2 {
     }
 }
 
+/// The query path of a layer on the device.
+enum DevQuery<B: Backend> {
+    Lora {
+        wq_a: DevMat<B>,
+        q_a_norm: B::Buf<f32>,
+        wq_b: DevMat<B>,
+    },
+    Plain(DevMat<B>),
+}
+
+/// A layer's multi-head latent attention on the device.
+struct DevMla<B: Backend> {
+    norm: B::Buf<f32>,
+    q: DevQuery<B>,
+    wkv_a: DevMat<B>,
+    kv_a_norm: B::Buf<f32>,
+    wk_b: DevMat<B>,
+    wv_b: DevMat<B>,
+    wo: DevMat<B>,
+}
+
+/// A layer's feed-forward part on the device (the routed experts are the executor's).
+enum DevFfn<B: Backend> {
+    Dense(SwiGluFfn<B>),
+    Moe {
+        router: DevMat<B>,
+        probs_bias: Option<B::Buf<f32>>,
+        shared: Option<SwiGluFfn<B>>,
+    },
+}
+
+struct DevLayer<B: Backend> {
+    attn: DevMla<B>,
+    ffn_norm: B::Buf<f32>,
+    ffn: DevFfn<B>,
+}
+
+/// DeepSeek-V2/V3's layers on a device ([`crate::DeviceModel`]), the same math as
+/// [`Deepseek2`]'s forward pass over the contract's ops: the absorbed MLA over a K-only f16
+/// ring of `[c, k_pe]` (normal RoPE over the rope dims, the key up-projection per head on the
+/// strided `q_nope`, the value up-projection per head on the latent output), then a dense
+/// SwiGLU FFN (leading layers) or the routed SiLU experts (gate scores, selection bias,
+/// expert groups, renormalised scaled weights; wherever the placement puts them) plus the
+/// shared experts.
+pub(crate) struct DeviceDeepseek2<B: Backend> {
+    host: Deepseek2,
+    rope: RopeParams,
+    layers: Vec<DevLayer<B>>,
+}
+
+impl<B: Backend> DeviceDeepseek2<B> {
+    /// Loads `gguf` (checked as [`Deepseek2::load`] checks it) and uploads every layer's dense
+    /// weights to `dev`.
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceDeepseek2<B>, ExecError> {
+        let host = Deepseek2::load(gguf)?;
+        let rope = (host.rope.device_params())
+            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+        let g = &host.gguf;
+        let p = &host.params;
+        let layers = (0..p.n_layer)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}");
+                let m = |s: &str| upload_matrix(dev, g, &n(s));
+                let f = |s: &str| upload_f32(dev, g, &n(s));
+                let q = match p.q_lora_rank {
+                    Some(_) => DevQuery::Lora {
+                        wq_a: m("attn_q_a.weight")?,
+                        q_a_norm: f("attn_q_a_norm.weight")?,
+                        wq_b: m("attn_q_b.weight")?,
+                    },
+                    None => DevQuery::Plain(m("attn_q.weight")?),
+                };
+                let attn = DevMla {
+                    norm: f("attn_norm.weight")?,
+                    q,
+                    wkv_a: m("attn_kv_a_mqa.weight")?,
+                    kv_a_norm: f("attn_kv_a_norm.weight")?,
+                    wk_b: m("attn_k_b.weight")?,
+                    wv_b: m("attn_v_b.weight")?,
+                    wo: m("attn_output.weight")?,
+                };
+                let ffn = if l < p.n_layer_dense_lead {
+                    DevFfn::Dense(SwiGluFfn::load(dev, g, l, "")?)
+                } else {
+                    DevFfn::Moe {
+                        router: m("ffn_gate_inp.weight")?,
+                        probs_bias: upload_f32_opt(dev, g, &n("exp_probs_b.bias"))?,
+                        shared: (p.n_expert_shared > 0)
+                            .then(|| SwiGluFfn::load(dev, g, l, "_shexp"))
+                            .transpose()?,
+                    }
+                };
+                Ok(DevLayer {
+                    attn,
+                    ffn_norm: f("ffn_norm.weight")?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        Ok(DeviceDeepseek2 { host, rope, layers })
+    }
+
+    /// The absorbed MLA of one layer over the micro-batch `x`, residual add included.
+    fn attention(
+        &self,
+        a: &DevMla<B>,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let p = &self.host.params;
+        let dev = cx.dev();
+        let n = cx.n_tokens();
+        let (nh, nope, rd, kvl, vd) = (
+            p.n_head,
+            p.qk_nope_dim,
+            p.qk_rope_dim,
+            p.kv_lora_rank,
+            p.v_head_dim,
+        );
+        let (qd, ld) = (nope + rd, p.latent_dim());
+        let mut h = cx.alloc(p.n_embd)?;
+        dev.rms_norm(x, &a.norm, p.rms_eps, &mut h)?;
+        let mut q = cx.alloc(nh * qd)?;
+        match &a.q {
+            DevQuery::Lora {
+                wq_a,
+                q_a_norm,
+                wq_b,
+            } => {
+                let r = p.q_lora_rank.unwrap_or(0);
+                let mut cq = cx.alloc(r)?;
+                cx.matmul(wq_a, &h, &mut cq)?;
+                let mut cq_n = cx.alloc(r)?;
+                dev.rms_norm(&cq, q_a_norm, p.rms_eps, &mut cq_n)?;
+                cx.matmul(wq_b, &cq_n, &mut q)?;
+            }
+            DevQuery::Plain(wq) => cx.matmul(wq, &h, &mut q)?,
+        }
+        let mut ckv = cx.alloc(ld)?;
+        cx.matmul(&a.wkv_a, &h, &mut ckv)?;
+        // Keys: [rmsnorm(c) · kv_a_norm, rope(k_pe)] per token.
+        let rows = |n_rows, width, (src_stride, src_offset), (dst_stride, dst_offset)| RowCopy {
+            n_rows,
+            width,
+            src_stride,
+            src_offset,
+            dst_stride,
+            dst_offset,
+        };
+        let mut c = cx.alloc(kvl)?;
+        dev.copy_rows(&ckv, &mut c, &rows(n, kvl, (ld, 0), (kvl, 0)))?;
+        let mut c_n = cx.alloc(kvl)?;
+        dev.rms_norm(&c, &a.kv_a_norm, p.rms_eps, &mut c_n)?;
+        let mut keys = cx.alloc(ld)?;
+        dev.copy_rows(&c_n, &mut keys, &rows(n, kvl, (kvl, 0), (ld, 0)))?;
+        dev.copy_rows(&ckv, &mut keys, &rows(n, rd, (ld, kvl), (ld, kvl)))?;
+        dev.rope_norm(&mut keys, cx.positions(), 1, ld, kvl, &self.rope)?;
+        // Queries: [Wkb_head · q_nope, rope(q_pe)] per token and head.
+        let mut q_lat = cx.alloc(nh * kvl)?;
+        cx.matmul_heads(&a.wk_b, &q, nh, qd, &mut q_lat)?;
+        let mut queries = cx.alloc(nh * ld)?;
+        let heads = n * nh;
+        dev.copy_rows(&q_lat, &mut queries, &rows(heads, kvl, (kvl, 0), (ld, 0)))?;
+        dev.copy_rows(&q, &mut queries, &rows(heads, rd, (qd, nope), (ld, kvl)))?;
+        dev.rope_norm(&mut queries, cx.positions(), nh, ld, kvl, &self.rope)?;
+        let shape = KOnlyAttnParams {
+            n_head: nh,
+            k_dim: ld,
+            v_dim: kvl,
+            cells: 0,
+            scale: self.host.kq_scale,
+        };
+        let mut o_lat = cx.alloc(nh * kvl)?;
+        cx.attend_k_only(layer, &shape, &queries, &keys, &mut o_lat)?;
+        // Values: Wvb_head · o_lat per head, laid out [token][head][v_head_dim].
+        let mut v = cx.alloc(nh * vd)?;
+        cx.matmul_heads(&a.wv_b, &o_lat, nh, kvl, &mut v)?;
+        let mut o = cx.alloc(p.n_embd)?;
+        cx.matmul(&a.wo, &v, &mut o)?;
+        dev.add_assign(x, &o)?;
+        Ok(())
+    }
+
+    /// The feed-forward part of one layer over the micro-batch `x`, residual add included.
+    fn ffn(
+        &self,
+        l: &DevLayer<B>,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let p = &self.host.params;
+        let dev = cx.dev();
+        let n = cx.n_tokens();
+        let mut h = cx.alloc(p.n_embd)?;
+        dev.rms_norm(x, &l.ffn_norm, p.rms_eps, &mut h)?;
+        let mut out = cx.alloc(p.n_embd)?;
+        match &l.ffn {
+            DevFfn::Dense(f) => f.forward(cx, &h, &mut out)?,
+            DevFfn::Moe {
+                router,
+                probs_bias,
+                shared,
+            } => {
+                let r = Router {
+                    n_expert: p.n_expert,
+                    k: p.routing.k,
+                    gating: RouterGating::Scored(p.gating, p.routing),
+                };
+                let mut scores = cx.alloc(p.n_expert)?;
+                cx.matmul(router, &h, &mut scores)?;
+                let mut sel = dev.alloc::<i32>(n * r.k)?;
+                let mut wts = dev.alloc::<f32>(n * r.k)?;
+                r.route(dev, &scores, probs_bias.as_ref(), &mut sel, &mut wts)?;
+                let routed = Routed {
+                    h: &h,
+                    scores: &scores,
+                    bias: probs_bias.as_ref(),
+                    sel: &sel,
+                    wts: &wts,
+                    router: r,
+                    act: GatedAct::Silu,
+                    split: ExpertSplit::PerSequence,
+                };
+                cx.experts(layer, &routed, &mut out)?;
+                if let Some(f) = shared {
+                    let mut s = cx.alloc(p.n_embd)?;
+                    f.forward(cx, &h, &mut s)?;
+                    dev.add_assign(&mut out, &s)?;
+                }
+            }
+        }
+        dev.add_assign(x, &out)?;
+        Ok(())
+    }
+
+    /// Floats per token of one layer's scratch buffers (the larger of attention and FFN).
+    fn scratch_per_token(&self) -> usize {
+        let p = &self.host.params;
+        let (nh, kvl, ld) = (p.n_head, p.kv_lora_rank, p.latent_dim());
+        let qd = p.qk_nope_dim + p.qk_rope_dim;
+        let attn = 2 * p.n_embd
+            + nh * qd
+            + 2 * p.q_lora_rank.unwrap_or(0)
+            + 2 * ld
+            + 2 * kvl
+            + nh * (2 * kvl + ld + p.v_head_dim);
+        let ffn = self.layers.iter().map(|l| match &l.ffn {
+            DevFfn::Dense(f) => f.scratch_per_token(),
+            DevFfn::Moe { shared, .. } => {
+                p.n_expert
+                    + 2 * p.routing.k
+                    + p.n_embd
+                    + shared.as_ref().map_or(0, |f| f.scratch_per_token())
+            }
+        });
+        attn.max(2 * p.n_embd + ffn.max().unwrap_or(0))
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
+    fn dims(&self) -> ModelDims {
+        let p = &self.host.params;
+        ModelDims {
+            n_layer: p.n_layer,
+            n_embd: p.n_embd,
+            n_vocab: p.n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            rms_eps: p.rms_eps,
+            scratch_per_token: self.scratch_per_token(),
+        }
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.host.gguf
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        // Positions and the ring's cells only: the latent cache lives on the device.
+        KvCache::new_k_only(ty, n_ctx, n_ubatch, 0, self.host.params.n_layer)
+    }
+    fn kv_widths(&self, _layer: usize) -> (usize, usize) {
+        (self.host.params.latent_dim(), 0)
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+        let layer = &self.layers[l];
+        self.attention(&layer.attn, cx, l, x)?;
+        self.ffn(layer, cx, l, x)
+    }
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        match &self.host.blocks.get(layer)?.ffn {
+            Ffn::Moe(e) => Some(e.tensors(&self.host.gguf, self.host.params.n_expert)),
+            Ffn::Dense(_) => None,
+        }
+    }
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let Some(Ffn::Moe(e)) = self.host.blocks.get(layer).map(|b| &b.ffn) else {
+            return Err(ModelError::MissingTensor(format!(
+                "blk.{layer}.ffn_gate_exps.weight"
+            )));
+        };
+        let (d, k) = (self.host.params.n_embd, batch.n_used);
+        let mut acts = QuantizedActs::default();
+        // Each sequence as the CPU engine's forward pass runs it.
+        for g in batch.groups {
+            let sel: Vec<usize> = batch.selected[g.start * k..g.end * k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect();
+            let y = moe_swiglu(
+                &self.host.gguf,
+                &e.gate_exps,
+                &e.up_exps,
+                &e.down_exps,
+                &batch.h[g.start * d..g.end * d],
+                &sel,
+                &batch.weights[g.start * k..g.end * k],
+                k,
+                &mut acts,
+            );
+            out[g.start * d..g.end * d].copy_from_slice(&y);
+        }
+        Ok(())
+    }
+    fn weight_bytes(&self) -> u64 {
+        let buf = |b: &B::Buf<f32>| 4 * B::buf_len(b) as u64;
+        self.layers
+            .iter()
+            .map(|l| {
+                let a = &l.attn;
+                let q = match &a.q {
+                    DevQuery::Lora {
+                        wq_a,
+                        q_a_norm,
+                        wq_b,
+                    } => wq_a.bytes() + buf(q_a_norm) + wq_b.bytes(),
+                    DevQuery::Plain(wq) => wq.bytes(),
+                };
+                let attn = q
+                    + buf(&a.norm)
+                    + a.wkv_a.bytes()
+                    + buf(&a.kv_a_norm)
+                    + a.wk_b.bytes()
+                    + a.wv_b.bytes()
+                    + a.wo.bytes();
+                let ffn = match &l.ffn {
+                    DevFfn::Dense(f) => f.bytes(),
+                    DevFfn::Moe {
+                        router,
+                        probs_bias,
+                        shared,
+                    } => {
+                        router.bytes()
+                            + probs_bias.as_ref().map_or(0, buf)
+                            + shared.as_ref().map_or(0, |f| f.bytes())
+                    }
+                };
+                attn + ffn + buf(&l.ffn_norm)
+            })
+            .sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hmoe_backend::{ExpertMatrix, ExpertTensors};
     use hmoe_gguf::{MetaValue, Metadata};
 
     /// DeepSeek-V3's own hyperparameters (no weights needed for these).
@@ -764,25 +1159,6 @@ mod tests {
         assert!(dev.attention_k_only(&p, &q, &ring, 1, 4, &mut out).is_err());
     }
 
-    /// The routed experts as the device contract takes them (no biases).
-    fn expert_tensors<'g>(e: &Experts, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
-        let m = |w: &Mat| ExpertMatrix {
-            ty: w.info.ty,
-            n_in: w.n_in,
-            n_out: w.n_out,
-            data: w.bytes(g),
-        };
-        ExpertTensors {
-            n_expert,
-            gate: m(&e.gate_exps),
-            up: m(&e.up_exps),
-            down: m(&e.down_exps),
-            gate_bias: &[],
-            up_bias: &[],
-            down_bias: &[],
-        }
-    }
-
     fn tiny() -> Deepseek2 {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../shared/fixtures/deepseek2/deepseek2-tiny.gguf");
@@ -838,9 +1214,7 @@ mod tests {
             "some expert takes several slots"
         );
         let dev = Ref0::new();
-        let moe = dev
-            .upload_moe(&expert_tensors(e, g, p.n_expert), None)
-            .unwrap();
+        let moe = dev.upload_moe(&e.tensors(g, p.n_expert), None).unwrap();
         let sel_i: Vec<i32> = sel.iter().map(|&x| x as i32).collect();
         let (hd, sd, wd) = (
             dev.upload(&h).unwrap(),

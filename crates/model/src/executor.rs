@@ -74,7 +74,7 @@ pub(crate) mod blocks;
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
-use hmoe_backend::{AttnParams, Backend, BackendError, GatedAct, TransferCounts};
+use hmoe_backend::{AttnParams, Backend, BackendError, GatedAct, KOnlyAttnParams, TransferCounts};
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 
@@ -205,6 +205,10 @@ pub(crate) fn buf_bytes<B: Backend>(b: &B::Buf<f32>) -> u64 {
 pub(crate) enum Gating {
     /// The top `k` logits (ties to the lower id), softmax over them (gpt-oss).
     TopKSoftmax,
+    /// Gate probabilities of every expert (softmax or sigmoid), then the contract's
+    /// [`hmoe_backend::Routing`] (a selection-only bias, expert groups, renormalised and
+    /// scaled weights; the `route` op).
+    Scored(hmoe_backend::Gating, hmoe_backend::Routing),
 }
 
 /// A layer's router as the executor runs it: `n_expert` logits per token, `k` chosen.
@@ -220,16 +224,20 @@ pub(crate) struct Router {
 
 impl Router {
     /// The chosen experts `sel` and their weights `wts` (`k` per token) of router logits
-    /// `scores`, on the device.
+    /// `scores`, on the device (`bias`: the selection bias of [`Gating::Scored`]).
     pub(crate) fn route<B: Backend>(
         &self,
         dev: &B,
         scores: &B::Buf<f32>,
+        bias: Option<&B::Buf<f32>>,
         sel: &mut B::Buf<i32>,
         wts: &mut B::Buf<f32>,
     ) -> Result<(), BackendError> {
         match self.gating {
             Gating::TopKSoftmax => dev.router_top_k(scores, self.n_expert, self.k, sel, wts),
+            Gating::Scored(gating, routing) => {
+                dev.route(scores, bias, gating, &routing, self.n_expert, sel, wts)
+            }
         }
     }
 }
@@ -251,6 +259,8 @@ pub(crate) struct Routed<'a, B: Backend> {
     pub h: &'a B::Buf<f32>,
     /// Router logits, `n × n_expert` (routed again per part when the batch is split).
     pub scores: &'a B::Buf<f32>,
+    /// The router's selection bias ([`Gating::Scored`]).
+    pub bias: Option<&'a B::Buf<f32>>,
     /// Chosen experts, `n × k`.
     pub sel: &'a B::Buf<i32>,
     /// Their weights, `n × k`.
@@ -465,6 +475,9 @@ fn load_layers<B: Backend + 'static>(
 ) -> Result<Box<dyn DeviceLayers<B>>, ExecError> {
     match gguf.metadata().architecture() {
         Some("gpt-oss") => Ok(Box::new(crate::gpt_oss::DeviceGptOss::load(gguf, dev)?)),
+        Some("deepseek2") => Ok(Box::new(crate::deepseek2::DeviceDeepseek2::load(
+            gguf, dev,
+        )?)),
         other => Err(ModelError::UnsupportedArch(format!(
             "{} (no device executor for it)",
             other.unwrap_or("<missing general.architecture>")
@@ -474,7 +487,7 @@ fn load_layers<B: Backend + 'static>(
 }
 
 /// The architectures (`general.architecture`) that have a device layer.
-pub const DEVICE_ARCHS: &[&str] = &["gpt-oss"];
+pub const DEVICE_ARCHS: &[&str] = &["gpt-oss", "deepseek2"];
 
 /// Whether [`DeviceModel::load`] runs the architecture `arch` (`general.architecture`).
 pub fn device_arch(arch: Option<&str>) -> bool {
@@ -1010,6 +1023,69 @@ impl<'s, B: Backend> Step<'s, B> {
         Ok(())
     }
 
+    /// One matrix per head ([`Backend::matmul_heads`]) over the micro-batch: per sequence
+    /// for weights whose products go per sequence ([`DevMat`]) when every head's input is its
+    /// whole row (then the order depends on the rows multiplied together).
+    pub(crate) fn matmul_heads(
+        &self,
+        w: &DevMat<B>,
+        x: &B::Buf<f32>,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = self.dev();
+        let contiguous = x_stride == w.cols;
+        if !(w.per_seq && contiguous) || self.groups.len() == 1 {
+            return Ok(dev.matmul_heads(&w.m, x, self.n_tokens(), n_heads, x_stride, y)?);
+        }
+        for g in &self.groups {
+            let xs = dev.copy_range(x, g.start * n_heads * x_stride..g.end * n_heads * x_stride)?;
+            let mut ys = dev.alloc::<f32>(g.len() * w.rows)?;
+            dev.matmul_heads(&w.m, &xs, g.len(), n_heads, x_stride, &mut ys)?;
+            dev.copy_into(&ys, y, g.start * w.rows)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the batch's keys `k` (`p.k_dim` a token) in layer `layer`'s K-only cache of
+    /// each sequence and attends each sequence's queries `q` over it
+    /// ([`Backend::attention_k_only`]; `p.cells` is taken from the cache) into `out`.
+    pub(crate) fn attend_k_only(
+        &mut self,
+        layer: usize,
+        p: &KOnlyAttnParams,
+        q: &B::Buf<f32>,
+        k: &B::Buf<f32>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = self.dev();
+        let (qw, kw, ow) = (p.n_head * p.k_dim, p.k_dim, p.n_head * p.v_dim);
+        let single = self.members.len() == 1;
+        for (m, g) in self.members.iter().zip(&self.groups) {
+            let kv = (self.st.kvs.get_mut(m.kv))
+                .and_then(|kv| kv.layers.get_mut(layer))
+                .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
+            let ap = KOnlyAttnParams {
+                cells: kv.cells,
+                ..*p
+            };
+            let nt = g.len();
+            if single {
+                dev.kv_store_f16(k, &mut kv.k, nt, kw, kv.cells, m.pos0)?;
+                dev.attention_k_only(&ap, q, &kv.k, nt, m.pos0, out)?;
+                continue;
+            }
+            let ks = dev.copy_range(k, g.start * kw..g.end * kw)?;
+            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            dev.kv_store_f16(&ks, &mut kv.k, nt, kw, kv.cells, m.pos0)?;
+            let mut a = dev.alloc::<f32>(nt * ow)?;
+            dev.attention_k_only(&ap, &qs, &kv.k, nt, m.pos0, &mut a)?;
+            dev.copy_into(&a, out, g.start * ow)?;
+        }
+        Ok(())
+    }
+
     /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for F32
     /// experts, each part of [`ExpertSplit`] alone (`None`: the whole batch).
     fn moe_parts(&self, layer: usize, split: ExpertSplit) -> Option<Vec<Range<usize>>> {
@@ -1082,7 +1158,7 @@ impl<'s, B: Backend> Step<'s, B> {
             let ss = dev.copy_range(r.scores, g.start * ne..g.end * ne)?;
             let mut sel = dev.alloc::<i32>(g.len() * k)?;
             let mut wts = dev.alloc::<f32>(g.len() * k)?;
-            r.router.route(dev, &ss, &mut sel, &mut wts)?;
+            r.router.route(dev, &ss, r.bias, &mut sel, &mut wts)?;
             let mut o = dev.alloc::<f32>(g.len() * d)?;
             dev.moe(w, r.act, &hs, &sel, &wts, k, &mut o)?;
             dev.copy_into(&o, out, g.start * d)?;

@@ -194,7 +194,7 @@ fn ref0_route_is_the_cpu_engines() {
     let dev = Ref0::new();
     let ne = p.n_expert;
     let cases = [
-        (p.gating, p.routing.clone(), Some(&bias)),
+        (p.gating, p.routing, Some(&bias)),
         (
             Gating::Softmax,
             Routing {

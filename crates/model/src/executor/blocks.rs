@@ -238,10 +238,11 @@ impl<B: Backend> MoeBlock<B> {
         add_bias_opt(dev, &mut scores, self.router_b.as_ref())?;
         let mut sel = dev.alloc::<i32>(n * router.k)?;
         let mut wts = dev.alloc::<f32>(n * router.k)?;
-        router.route(dev, &scores, &mut sel, &mut wts)?;
+        router.route(dev, &scores, None, &mut sel, &mut wts)?;
         let routed = Routed {
             h: &h,
             scores: &scores,
+            bias: None,
             sel: &sel,
             wts: &wts,
             router,
@@ -252,5 +253,57 @@ impl<B: Backend> MoeBlock<B> {
         cx.experts(layer, &routed, &mut moe)?;
         dev.add_assign(x, &moe)?;
         Ok(())
+    }
+}
+
+/// A dense SwiGLU feed-forward network, `Wd · (silu(Wg·h) ⊙ Wu·h)` (a dense layer's FFN, a
+/// MoE layer's shared experts), as the CPU engine's `ffn_swiglu` computes it.
+pub(crate) struct SwiGluFfn<B: Backend> {
+    gate: DevMat<B>,
+    up: DevMat<B>,
+    down: DevMat<B>,
+}
+
+impl<B: Backend> SwiGluFfn<B> {
+    /// Uploads layer `l`'s `ffn_{gate,up,down}{suffix}.weight` (`suffix`: `""`, or `"_shexp"`
+    /// for shared experts).
+    pub(crate) fn load(
+        dev: &B,
+        g: &GgufModel,
+        l: usize,
+        suffix: &str,
+    ) -> Result<SwiGluFfn<B>, ExecError> {
+        let m = |s: &str| upload_matrix(dev, g, &format!("blk.{l}.ffn_{s}{suffix}.weight"));
+        Ok(SwiGluFfn {
+            gate: m("gate")?,
+            up: m("up")?,
+            down: m("down")?,
+        })
+    }
+
+    /// Bytes of its weights on the device.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
+
+    /// Floats per token of its scratch buffers.
+    pub(crate) fn scratch_per_token(&self) -> usize {
+        2 * self.gate.rows + self.down.rows
+    }
+
+    /// `out = Wd · (silu(Wg·h) ⊙ Wu·h)` over the micro-batch.
+    pub(crate) fn forward(
+        &self,
+        cx: &Step<'_, B>,
+        h: &B::Buf<f32>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let ff = self.gate.rows;
+        let mut up = cx.alloc(ff)?;
+        cx.matmul(&self.up, h, &mut up)?;
+        let mut gate = cx.alloc(ff)?;
+        cx.matmul(&self.gate, h, &mut gate)?;
+        cx.dev().swiglu(&mut gate, &up, ff)?;
+        cx.matmul(&self.down, &gate, out)
     }
 }
