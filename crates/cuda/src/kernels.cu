@@ -484,6 +484,27 @@ extern "C" __global__ void f32_to_bf16(const float* x, u16* out, u64 n) {
 // x: [n_tokens][n_heads][head_dim], rotated in place; pos: [n_tokens].
 // grid = (n_heads, n_tokens), block = any (threads loop over the n_dims/2 pairs).
 
+// The (cos, sin) of rotated pair i at position p, as the CPU engine's RoPE tables: theta =
+// p * theta_scale^i by repeated multiplication, the YaRN blend by the ramp between the
+// correction dims, magnitude attn_factor (times 1 + 0.1 ln(1/freq_scale) with YaRN).
+__device__ void rope_cos_sin(float p, int i, float theta_scale, float freq_scale,
+                             float ext_factor, float attn_factor, float corr_low,
+                             float corr_high, float* c, float* s) {
+    float theta_extrap = p;
+    for (int j = 0; j < i; j++) theta_extrap *= theta_scale;
+    float theta_interp = freq_scale * theta_extrap;
+    float theta = theta_interp;
+    float mscale = attn_factor;
+    if (ext_factor != 0.0f) {
+        float y = ((float)i - corr_low) / fmaxf(0.001f, corr_high - corr_low);
+        float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+        theta = theta_interp * (1.0f - ramp) + theta_extrap * ramp;
+        mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
+    }
+    *c = cosf(theta) * mscale;
+    *s = sinf(theta) * mscale;
+}
+
 extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens, int n_heads,
                                          int head_dim, int n_dims, float theta_scale,
                                          float freq_scale, float ext_factor, float attn_factor,
@@ -494,19 +515,9 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
     int half = n_dims / 2;
     float p = (float)pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float theta_extrap = p;
-        for (int j = 0; j < i; j++) theta_extrap *= theta_scale;
-        float theta_interp = freq_scale * theta_extrap;
-        float theta = theta_interp;
-        float mscale = attn_factor;
-        if (ext_factor != 0.0f) {
-            float y = ((float)i - corr_low) / fmaxf(0.001f, corr_high - corr_low);
-            float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
-            theta = theta_interp * (1.0f - ramp) + theta_extrap * ramp;
-            mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
-        }
-        float c = cosf(theta) * mscale;
-        float s = sinf(theta) * mscale;
+        float c, s;
+        rope_cos_sin(p, i, theta_scale, freq_scale, ext_factor, attn_factor, corr_low, corr_high,
+                     &c, &s);
         float x0 = head[i], x1 = head[i + half];
         head[i] = fmaf(x0, c, -(x1 * s));
         head[i + half] = fmaf(x0, s, x1 * c);
@@ -1149,19 +1160,9 @@ extern "C" __global__ void rope_norm_f32(float* x, const int* pos, int n_tokens,
     float* head = x + ((u64)t * n_heads + h) * head_dim + first;
     float p = (float)pos[t];
     for (int i = threadIdx.x; i < n_dims / 2; i += blockDim.x) {
-        float theta_extrap = p;
-        for (int j = 0; j < i; j++) theta_extrap *= theta_scale;
-        float theta_interp = freq_scale * theta_extrap;
-        float theta = theta_interp;
-        float mscale = attn_factor;
-        if (ext_factor != 0.0f) {
-            float y = ((float)i - corr_low) / fmaxf(0.001f, corr_high - corr_low);
-            float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
-            theta = theta_interp * (1.0f - ramp) + theta_extrap * ramp;
-            mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
-        }
-        float c = cosf(theta) * mscale;
-        float s = sinf(theta) * mscale;
+        float c, s;
+        rope_cos_sin(p, i, theta_scale, freq_scale, ext_factor, attn_factor, corr_low, corr_high,
+                     &c, &s);
         float x0 = head[2 * i], x1 = head[2 * i + 1];
         head[2 * i] = fmaf(x0, c, -(x1 * s));
         head[2 * i + 1] = fmaf(x0, s, x1 * c);
