@@ -8,7 +8,17 @@ fn shape(op: &'static str, what: String) -> BackendError {
     BackendError::Shape { op, what }
 }
 
-/// One expert's weights wherever they live: its three matrices' bytes and bias rows.
+/// Expert `e`'s row of `n` biases, or an empty row when there are no biases.
+fn bias_row(b: &[f32], e: usize, n: usize) -> Option<&[f32]> {
+    if b.is_empty() {
+        Some(b)
+    } else {
+        b.get(e * n..(e + 1) * n)
+    }
+}
+
+/// One expert's weights wherever they live: its three matrices' bytes and bias rows (empty
+/// rows: no biases).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertView<'a> {
     /// Gate matrix, `ff` rows of `d`.
@@ -67,17 +77,17 @@ pub struct ExpertTensors<'a> {
     pub up: ExpertMatrix<'a>,
     /// `ffn_down_exps.weight`: `n_ff → n_embd` per expert.
     pub down: ExpertMatrix<'a>,
-    /// `ffn_gate_exps.bias`, `n_ff` per expert.
+    /// `ffn_gate_exps.bias`, `n_ff` per expert (empty: none; the three come together).
     pub gate_bias: &'a [f32],
-    /// `ffn_up_exps.bias`, `n_ff` per expert.
+    /// `ffn_up_exps.bias`, `n_ff` per expert (empty: none).
     pub up_bias: &'a [f32],
-    /// `ffn_down_exps.bias`, `n_embd` per expert.
+    /// `ffn_down_exps.bias`, `n_embd` per expert (empty: none).
     pub down_bias: &'a [f32],
 }
 
 impl<'a> ExpertTensors<'a> {
     /// Checks that the shapes agree (gate and up `d → ff`, down `ff → d`, data and biases of
-    /// `n_expert` experts) and returns `(d, ff)`.
+    /// `n_expert` experts, or no biases at all) and returns `(d, ff)`.
     pub fn validate(&self) -> Result<(usize, usize), BackendError> {
         let (d, ff) = (self.gate.n_in, self.gate.n_out);
         let dims = |m: &ExpertMatrix<'_>| (m.n_in, m.n_out);
@@ -110,7 +120,12 @@ impl<'a> ExpertTensors<'a> {
             ("up bias", self.up_bias, ff),
             ("down bias", self.down_bias, d),
         ] {
-            if Some(b.len()) != n.checked_mul(self.n_expert) {
+            let want = if self.has_biases() {
+                n.checked_mul(self.n_expert)
+            } else {
+                Some(0)
+            };
+            if Some(b.len()) != want {
                 return Err(shape(
                     "expert bias",
                     format!("{what}: {} floats, want {n} × {}", b.len(), self.n_expert),
@@ -120,8 +135,13 @@ impl<'a> ExpertTensors<'a> {
         Ok((d, ff))
     }
 
-    /// Bytes one expert occupies on a device: its three matrices plus its three f32 bias rows.
-    /// Op offload of `m` experts copies `m ×` this many bytes.
+    /// Whether the experts have biases (any of the three bias tensors given).
+    pub fn has_biases(&self) -> bool {
+        !(self.gate_bias.is_empty() && self.up_bias.is_empty() && self.down_bias.is_empty())
+    }
+
+    /// Bytes one expert occupies on a device: its three matrices plus its three f32 bias rows
+    /// (if it has biases). Op offload of `m` experts copies `m ×` this many bytes.
     pub fn expert_bytes(&self) -> u64 {
         let mats: usize = [&self.gate, &self.up, &self.down]
             .iter()
@@ -129,7 +149,12 @@ impl<'a> ExpertTensors<'a> {
             .sum();
         let n_ff = self.gate.n_out;
         let n_embd = self.down.n_out;
-        (mats + 4 * (2 * n_ff + n_embd)) as u64
+        let biases = if self.has_biases() {
+            4 * (2 * n_ff + n_embd)
+        } else {
+            0
+        };
+        (mats + biases) as u64
     }
 
     /// Bytes of the whole layer (every expert).
@@ -145,9 +170,9 @@ impl<'a> ExpertTensors<'a> {
             gate: self.gate.expert(e)?,
             up: self.up.expert(e)?,
             down: self.down.expert(e)?,
-            gate_bias: self.gate_bias.get(e * ff..(e + 1) * ff)?,
-            up_bias: self.up_bias.get(e * ff..(e + 1) * ff)?,
-            down_bias: self.down_bias.get(e * d..(e + 1) * d)?,
+            gate_bias: bias_row(self.gate_bias, e, ff)?,
+            up_bias: bias_row(self.up_bias, e, ff)?,
+            down_bias: bias_row(self.down_bias, e, d)?,
         })
     }
 }

@@ -17,6 +17,8 @@ pub mod numerics;
 mod params;
 mod ref0;
 mod ref0_kv;
+pub mod routing;
+pub mod shapes;
 
 use std::ops::Range;
 
@@ -24,8 +26,9 @@ use hmoe_quant::GgmlType;
 
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
-pub use params::{AttnParams, RopeParams};
+pub use params::{AttnParams, KOnlyAttnParams, RopeParams, RowCopy};
 pub use ref0::{Ref0, RefBuf, RefMatrix, RefMoe, RefStaging, REF0_NAME, REF0_TYPES};
+pub use routing::{Gating, Routing};
 
 mod sealed {
     pub trait Sealed {}
@@ -122,10 +125,17 @@ pub enum GatedAct {
         /// The clamp.
         limit: f32,
     },
+    /// SwiGLU, `h = silu(g)·u`, as the CPU engine's SwiGLU experts compute it (Qwen3-MoE,
+    /// DeepSeek): [`numerics::swiglu_row`] over each expert row of `ff` values, and every
+    /// product of F32 experts in `vec_dot` order (ggml's `mul_mat_id`), however many slots
+    /// route to the expert.
+    Silu,
 }
 
 impl GatedAct {
-    /// `act(gate, up)` in f32 with libm's `exp`, as the CPU engine computes it.
+    /// `act(gate, up)` of one element in f32 with libm's `exp`, as the CPU engine computes it
+    /// (for [`GatedAct::Silu`]: an element past a row's last whole 16-block; see
+    /// [`GatedAct::apply_row`]).
     pub fn apply(self, gate: f32, up: f32) -> f32 {
         match self {
             GatedAct::ClampedSwiglu { alpha, limit } => {
@@ -133,6 +143,19 @@ impl GatedAct {
                 let y = up.clamp(-limit, limit);
                 x / (1.0 + (-alpha * x).exp()) * (y + 1.0)
             }
+            GatedAct::Silu => gate / (1.0 + (-gate).exp()) * up,
+        }
+    }
+
+    /// `gate[i] = act(gate[i], up[i])` over one expert row, as the CPU engine computes it.
+    pub fn apply_row(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            GatedAct::ClampedSwiglu { .. } => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = self.apply(*g, u);
+                }
+            }
+            GatedAct::Silu => numerics::swiglu_row(gate, up),
         }
     }
 }
@@ -454,6 +477,76 @@ pub trait Backend: Send + Sync {
         weights: &Self::Buf<f32>,
         k: usize,
         out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// Strided copy of rows from `src` into `dst` (a copy on the device), as `c` describes:
+    /// how heads are split out of and gathered into wider rows.
+    fn copy_rows(
+        &self,
+        src: &Self::Buf<f32>,
+        dst: &mut Self::Buf<f32>,
+        c: &RowCopy,
+    ) -> Result<(), BackendError>;
+    /// Normal-style RoPE (rotating adjacent pairs `(2i, 2i+1)`) in place over dims
+    /// `first .. first + p.n_dims` of every head of `head_dim`, one position per token; the
+    /// other dims are left as they are.
+    fn rope_norm(
+        &self,
+        x: &mut Self::Buf<f32>,
+        positions: &Self::Buf<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        first: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError>;
+    /// One matrix per head: `w` holds `n_heads` stacked matrices of `w.rows / n_heads` rows,
+    /// and `y[(t·n_heads + h)·out + r] = W_h[r] · x[(t·n_heads + h)·x_stride ..][..cols]` for
+    /// `n` tokens (the head's input the first `cols` of its `x_stride` values). Summed as
+    /// [`Backend::matmul`] sums a batch of `n` tokens when every head's input is its whole row
+    /// (`x_stride == cols`), else as one token each (ggml's order for a non-contiguous
+    /// activation).
+    fn matmul_heads(
+        &self,
+        w: &Self::Matrix,
+        x: &Self::Buf<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// `gate[i] = silu(gate[i]) · up[i]` in place, rows of `n` values (the dense SwiGLU
+    /// feed-forward's activation; the CPU engine's `exp` per position in the row).
+    fn swiglu(
+        &self,
+        gate: &mut Self::Buf<f32>,
+        up: &Self::Buf<f32>,
+        n: usize,
+    ) -> Result<(), BackendError>;
+    /// Attention of `n_tokens` queries at positions `pos0..` over a K-only f16 ring (causal,
+    /// every query head against the one key head; values are the first `p.v_dim` elements of
+    /// each key): `out` holds `p.v_dim` values per query head. A ring of another type is a
+    /// shape error.
+    fn attention_k_only(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &Self::Buf<f32>,
+        k_cache: &KvRing<Self>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError>;
+    /// Expert choice of each row of router logits (`n_expert` a row): gate probabilities by
+    /// `gating`, then [`Routing::select`] with the selection-only `bias` (groups, top-k,
+    /// renormalisation, scale): `selected` and `weights` get `routing.k` per row.
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &self,
+        logits: &Self::Buf<f32>,
+        bias: Option<&Self::Buf<f32>>,
+        gating: Gating,
+        routing: &Routing,
+        n_expert: usize,
+        selected: &mut Self::Buf<i32>,
+        weights: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
     /// Host buffers for a round trip of `n_d` hidden values and `n_k` expert slots.
     fn staging(&self, n_d: usize, n_k: usize) -> Result<Self::Staging, BackendError>;

@@ -139,3 +139,17 @@ pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
     *s = s.mul_add(ms, vs);
     (ms, vs)
 }
+/// SwiGLU of one row in place, `gate[i] = silu(gate[i]) · up[i]`, as ggml's AVX-512
+/// `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised exponential
+/// ([`expf_ggml`]), the remainder of the row libm's `expf`.
+pub fn swiglu_row(gate: &mut [f32], up: &[f32]) {
+    let blocks = gate.len() / 16 * 16;
+    for (gv, &uv) in gate[..blocks].iter_mut().zip(&up[..blocks]) {
+        let x = *gv;
+        *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+    }
+    for (gv, &uv) in gate[blocks..].iter_mut().zip(&up[blocks..]) {
+        let x = *gv;
+        *gv = x / (1.0 + (-x).exp()) * uv;
+    }
+}

@@ -106,3 +106,67 @@ impl AttnParams {
             .min(pos0 + n_tokens)
     }
 }
+
+/// Shape of one attention call over a K-only cache ([`crate::Backend::attention_k_only`]): one
+/// key head shared by every query head (MQA), each cached key `k_dim` values long, and the
+/// values the first `v_dim` elements of each key (multi-head latent attention in its absorbed
+/// form, whose cache holds `[latent, rope]` per position).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KOnlyAttnParams {
+    /// Query heads.
+    pub n_head: usize,
+    /// Elements of each query head and of each cached key.
+    pub k_dim: usize,
+    /// Leading elements of each key that are its value (`≤ k_dim`).
+    pub v_dim: usize,
+    /// Cells in the ring: the key of position p lives in cell `p % cells`.
+    pub cells: usize,
+    /// Score scale.
+    pub scale: f32,
+}
+
+/// A strided copy of rows ([`crate::Backend::copy_rows`]): `n_rows` rows of `width` values,
+/// row `r` read from element `r · src_stride + src_offset` and written to element
+/// `r · dst_stride + dst_offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowCopy {
+    /// Rows copied.
+    pub n_rows: usize,
+    /// Values per row.
+    pub width: usize,
+    /// Elements between row starts in the source.
+    pub src_stride: usize,
+    /// Where row 0 starts in the source.
+    pub src_offset: usize,
+    /// Elements between row starts in the destination.
+    pub dst_stride: usize,
+    /// Where row 0 starts in the destination.
+    pub dst_offset: usize,
+}
+
+impl RowCopy {
+    /// Checks the copy against buffers of `src_len` and `dst_len` elements: the shape error of
+    /// a copy that reads or writes past one of them.
+    pub fn check(&self, src_len: usize, dst_len: usize) -> Result<(), crate::BackendError> {
+        let end = |stride: usize, offset: usize| -> Option<usize> {
+            if self.n_rows == 0 {
+                return Some(0);
+            }
+            (self.n_rows - 1)
+                .checked_mul(stride)?
+                .checked_add(offset)?
+                .checked_add(self.width)
+        };
+        let fits = |stride, offset, len| end(stride, offset).is_some_and(|e| e <= len);
+        if fits(self.src_stride, self.src_offset, src_len)
+            && fits(self.dst_stride, self.dst_offset, dst_len)
+        {
+            Ok(())
+        } else {
+            Err(crate::BackendError::Shape {
+                op: "copy_rows",
+                what: format!("{self:?} from {src_len} into {dst_len} values"),
+            })
+        }
+    }
+}

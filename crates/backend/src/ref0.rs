@@ -13,7 +13,8 @@
 //!   MXFP4 weights ([`hmoe_quant::quantize_row`]), f16- or bf16-rounded values for F16 or
 //!   BF16 weights, f32 for F32. Q8_0 products sum in ggml's `vec_dot` order (`dot_q8_0`),
 //!   MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`), F32 in `vec_dot_f32` order for one
-//!   token (and for an expert only one slot routes to), else in tinyBLAS's 16 lanes
+//!   token (and for an expert only one slot routes to, and for every SiLU expert), else in
+//!   tinyBLAS's 16 lanes
 //!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order).
 //! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
 //!   engine's cache and attention do (see `ref0_kv.rs`): the row kernel with ggml's `expf`
@@ -29,8 +30,8 @@ use half::{bf16, f16};
 use hmoe_quant::GgmlType;
 
 use crate::error::ensure;
-use crate::numerics::hsum16;
-use crate::{AttnParams, RopeParams};
+use crate::numerics::{expf_ggml, hsum16};
+use crate::{AttnParams, Gating, KOnlyAttnParams, RopeParams, Routing, RowCopy};
 use crate::{
     Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
     TransferCounts,
@@ -627,6 +628,9 @@ impl Backend for Ref0 {
                 m.bytes += data.len();
                 dst.push(matrix(src.ty, rows, cols, data)?);
             }
+            if !t.has_biases() {
+                continue;
+            }
             for (dst, src, w) in [
                 (&mut m.gate_bias, t.gate_bias, ff),
                 (&mut m.up_bias, t.up_bias, ff),
@@ -850,6 +854,10 @@ impl Backend for Ref0 {
             routed[e] += 1;
         }
         let mut h = vec![0f32; ff];
+        let mut u = vec![0f32; ff];
+        // Bias `r` of expert `e` in `b` (rows of `len`), if the experts have biases.
+        let bias = |b: &[f32], len: usize, e: usize, r: usize| b.get(e * len + r).copied();
+        let with_bias = |v: f32, b: Option<f32>| b.map_or(v, |b| v + b);
         for t in 0..n {
             let o = &mut out[t * d..(t + 1) * d];
             o.fill(0.0);
@@ -859,23 +867,196 @@ impl Backend for Ref0 {
                 let Some(e) = expert(t * k + j) else {
                     continue;
                 };
-                let order = if routed[e] == 1 {
+                let order = if routed[e] == 1 || act == GatedAct::Silu {
                     F32Order::VecDot
                 } else {
                     F32Order::Lanes16
                 };
                 let (gate, up, down) = (&w.gate[e], &w.up[e], &w.down[e]);
-                for (r, hv) in h.iter_mut().enumerate() {
-                    let g = row_dot(w.ty, gate.row(r), &xa, order) + w.gate_bias[e * ff + r];
-                    let u = row_dot(w.ty, up.row(r), &xa, order) + w.up_bias[e * ff + r];
-                    *hv = act.apply(g, u);
+                for (r, (hv, uv)) in h.iter_mut().zip(u.iter_mut()).enumerate() {
+                    let g = row_dot(w.ty, gate.row(r), &xa, order);
+                    *hv = with_bias(g, bias(&w.gate_bias, ff, e, r));
+                    let up_r = row_dot(w.ty, up.row(r), &xa, order);
+                    *uv = with_bias(up_r, bias(&w.up_bias, ff, e, r));
                 }
+                act.apply_row(&mut h, &u);
                 let ha = acts(w.ty, &h)?;
                 let wt = weights[t * k + j];
                 for (r, ov) in o.iter_mut().enumerate() {
-                    let y = row_dot(w.ty, down.row(r), &ha, order) + w.down_bias[e * d + r];
-                    *ov += y * wt;
+                    let y = row_dot(w.ty, down.row(r), &ha, order);
+                    *ov += with_bias(y, bias(&w.down_bias, d, e, r)) * wt;
                 }
+            }
+        }
+        Ok(())
+    }
+    fn copy_rows(
+        &self,
+        src: &RefBuf<f32>,
+        dst: &mut RefBuf<f32>,
+        c: &RowCopy,
+    ) -> Result<(), BackendError> {
+        c.check(src.len(), dst.len())?;
+        for r in 0..c.n_rows {
+            let from = &src[r * c.src_stride + c.src_offset..][..c.width];
+            dst[r * c.dst_stride + c.dst_offset..][..c.width].copy_from_slice(from);
+        }
+        Ok(())
+    }
+    fn rope_norm(
+        &self,
+        x: &mut RefBuf<f32>,
+        positions: &RefBuf<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        first: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        crate::shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
+        for (t, &pos) in positions.iter().enumerate() {
+            for h in 0..n_heads {
+                let head = &mut x[(t * n_heads + h) * head_dim + first..][..p.n_dims];
+                for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                    let (c, s) = p.cos_sin(pos, i);
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = x0.mul_add(c, -(x1 * s));
+                    pair[1] = x0.mul_add(s, x1 * c);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn matmul_heads(
+        &self,
+        w: &RefMatrix,
+        x: &RefBuf<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let out =
+            crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
+        let order = if x_stride == w.cols && n > 1 {
+            F32Order::Lanes16
+        } else {
+            F32Order::VecDot
+        };
+        for t in 0..n {
+            for h in 0..n_heads {
+                let a = acts(w.ty, &x[(t * n_heads + h) * x_stride..][..w.cols])?;
+                let dst = &mut y[(t * n_heads + h) * out..][..out];
+                for (r, d) in dst.iter_mut().enumerate() {
+                    *d = row_dot(w.ty, w.row(h * out + r), &a, order);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn swiglu(
+        &self,
+        gate: &mut RefBuf<f32>,
+        up: &RefBuf<f32>,
+        n: usize,
+    ) -> Result<(), BackendError> {
+        crate::shapes::swiglu(gate.len(), up.len(), n)?;
+        for (r, g) in gate.chunks_exact_mut(n).enumerate() {
+            crate::numerics::swiglu_row(g, &up[r * n..(r + 1) * n]);
+        }
+        Ok(())
+    }
+    fn attention_k_only(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &RefBuf<f32>,
+        k_ring: &KvRing<Ref0>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let (nh, kd, vd) = (p.n_head, p.k_dim, p.v_dim);
+        crate::shapes::attention_k_only(p, q.len(), &k_ring.layout, out.len(), n_tokens, pos0)?;
+        // The ring is f16 (checked above): its keys as floats.
+        let k_cache: Vec<f32> = (k_ring.data.chunks_exact(2))
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        let single = n_tokens == 1;
+        // A batch's scores go through tinyBLAS when a key is whole 16-lane steps long.
+        let lanes = !single && kd.is_multiple_of(16);
+        // One token's values go through `vec_dot`'s four chains, 16 positions each in turn.
+        let chains = if single { 4 } else { 1 };
+        for t in 0..n_tokens {
+            let pos = pos0 + t;
+            for h in 0..nh {
+                let q16: Vec<f32> = q[(t * nh + h) * kd..][..kd]
+                    .iter()
+                    .map(|&v| f16::from_f32(v).to_f32())
+                    .collect();
+                let key = |pp: usize| &k_cache[(pp % p.cells) * kd..][..kd];
+                let mut probs: Vec<f32> = (0..=pos)
+                    .map(|pp| crate::ref0_kv::score_f16(&q16, key(pp), lanes) * p.scale)
+                    .collect();
+                let m = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f64;
+                for chunk in probs.chunks_mut(16) {
+                    let mut l = [0f32; 16];
+                    for (v, lv) in chunk.iter_mut().zip(l.iter_mut()) {
+                        *v = expf_ggml(*v - m);
+                        *lv = *v;
+                    }
+                    sum += hsum16(&l) as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                probs.iter_mut().for_each(|v| *v *= inv);
+                let mut acc = vec![[[0f32; 16]; 4]; vd];
+                for (pp, &pr) in probs.iter().enumerate() {
+                    let (chain, lane) = ((pp / 16) % chains, pp % 16);
+                    let w = f16::from_f32(pr).to_f32();
+                    for (a, &v) in acc.iter_mut().zip(&key(pp)[..vd]) {
+                        a[chain][lane] = v.mul_add(w, a[chain][lane]);
+                    }
+                }
+                let o = &mut out[(t * nh + h) * vd..][..vd];
+                for (ov, a) in o.iter_mut().zip(&acc) {
+                    *ov = if single {
+                        let folded: [f32; 16] =
+                            std::array::from_fn(|l| (a[0][l] + a[2][l]) + (a[1][l] + a[3][l]));
+                        hsum16(&folded)
+                    } else {
+                        hsum16(&a[0])
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+    fn route(
+        &self,
+        logits: &RefBuf<f32>,
+        bias: Option<&RefBuf<f32>>,
+        gating: Gating,
+        routing: &Routing,
+        n_expert: usize,
+        selected: &mut RefBuf<i32>,
+        weights: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let k = routing.k;
+        crate::shapes::route(
+            routing,
+            n_expert,
+            logits.len(),
+            bias.map(|b| b.len()),
+            selected.len(),
+            weights.len(),
+        )?;
+        let (mut top, mut w) = (Vec::new(), Vec::new());
+        for (t, row) in logits.chunks_exact(n_expert).enumerate() {
+            let mut probs = row.to_vec();
+            crate::routing::gate_probs(gating, &mut probs);
+            routing.select(&probs, bias.map(|b| &b[..]), &mut top, &mut w);
+            for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
+                selected[t * k + j] = e as i32;
+                weights[t * k + j] = wv;
             }
         }
         Ok(())

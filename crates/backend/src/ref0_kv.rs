@@ -142,19 +142,25 @@ impl<'a> Keys<'a> {
             }
             (Query::Floats(qf), _) => {
                 let k: Vec<f32> = b.chunks_exact(2).map(le_f16).collect();
-                if lanes {
-                    let mut acc = [0f32; LANES];
-                    for (i, (&a, &kv)) in qf.iter().zip(&k).enumerate() {
-                        acc[i % LANES] = a.mul_add(kv, acc[i % LANES]);
-                    }
-                    hsum16(&acc)
-                } else {
-                    dot_vec(qf, &k, |v| v, true)
-                }
+                score_f16(qf, &k, lanes)
             }
             // `query` gives blocks exactly when there is a kernel.
             (Query::Blocks(_), None) => f32::NAN,
         }
+    }
+}
+
+/// The unscaled score of query `q` against an f16 key (as floats): in tinyBLAS's 16-lane
+/// order when `lanes` (a batch of queries), else `vec_dot_f16`'s.
+pub(crate) fn score_f16(q: &[f32], k: &[f32], lanes: bool) -> f32 {
+    if lanes {
+        let mut acc = [0f32; LANES];
+        for (i, (&a, &kv)) in q.iter().zip(k).enumerate() {
+            acc[i % LANES] = a.mul_add(kv, acc[i % LANES]);
+        }
+        hsum16(&acc)
+    } else {
+        dot_vec(q, k, |v| v, true)
     }
 }
 

@@ -1,5 +1,5 @@
-//! Which engine runs a model: the device executor for gpt-oss ([`hmoe_model::DeviceGptOss`])
-//! on a CUDA GPU or on the reference device `REF0` when the placement plan puts every layer's
+//! Which engine runs a model: the device executor ([`hmoe_model::DeviceModel`], for the
+//! architectures of [`hmoe_model::executor::DEVICE_ARCHS`]) on a CUDA GPU or on the reference device `REF0` when the placement plan puts every layer's
 //! dense part there, else the CPU engine, with the reason; and loading the model on the
 //! chosen device.
 
@@ -7,7 +7,7 @@ use anyhow::Context;
 use hmoe_backend::{Backend, Ref0, REF0_NAME};
 use hmoe_gguf::GgufModel;
 use hmoe_model::kv_cache::CacheType;
-use hmoe_model::{DeviceGptOss, ExecStats, ExpertPlacement, KvType, LanguageModel};
+use hmoe_model::{DeviceModel, ExecStats, ExpertPlacement, KvType, LanguageModel};
 use hmoe_placement::{DeviceId, PlacementError, PlacementFlags, TensorRule};
 
 use crate::common::EngineUsed;
@@ -63,18 +63,20 @@ pub struct EngineInputs<'a> {
 
 /// Whether the architecture has a device executor (the plan is worth making only then).
 pub fn gpu_executor_arch(arch: Option<&str>) -> bool {
-    arch == Some("gpt-oss")
+    hmoe_model::device_arch(arch)
 }
 
-/// The layer of an attention weight (`blk.N.attn_q.weight`), the dense part's marker.
-fn attn_q_layer(name: &str) -> Option<usize> {
+/// The layer of an attention output weight (`blk.N.attn_output.weight`, which every
+/// architecture has), the dense part's marker.
+fn attn_layer(name: &str) -> Option<usize> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, tail) = rest.split_once('.')?;
-    (tail == "attn_q.weight").then(|| layer.parse().ok())?
+    (tail == "attn_output.weight").then(|| layer.parse().ok())?
 }
 
-/// The engine for `i`: the device executor when there is a device, the model is gpt-oss, the
-/// device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's dense part on one device (each layer's
+/// The engine for `i`: the device executor when there is a device, the model's architecture
+/// has a device layer ([`gpu_executor_arch`]), the device keeps the K/V cache's types
+/// ([`device_keeps_kv`]), and the plan puts every layer's dense part on one device (each layer's
 /// experts where the plan puts them, a layer's experts as a unit); else the CPU engine and
 /// why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
@@ -87,7 +89,8 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     }
     if !gpu_executor_arch(i.arch) {
         return cpu(format!(
-            "the GPU executor runs gpt-oss only, this model is {}",
+            "the GPU executor runs {} only, this model is {}",
+            hmoe_model::executor::DEVICE_ARCHS.join(", "),
             i.arch.unwrap_or("of unknown architecture")
         ));
     }
@@ -96,7 +99,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     }
     let mut dense_on_gpu = vec![None; i.n_layer];
     for &(name, dev) in i.tensors {
-        if let Some(slot) = attn_q_layer(name).and_then(|l| dense_on_gpu.get_mut(l)) {
+        if let Some(slot) = attn_layer(name).and_then(|l| dense_on_gpu.get_mut(l)) {
             *slot = Some(dev);
         }
     }
@@ -142,6 +145,12 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
                 EngineDevice::Cuda(o) => format!("CUDA{o}"),
                 EngineDevice::Ref0 { .. } => REF0_NAME.into(),
             }
+        ));
+    }
+    if !hmoe_model::executor::arch_keeps_kv(i.arch, k, v) {
+        return cpu(format!(
+            "the device keeps {}'s latent K-only cache in f16 only (asked: -ctk {k} -ctv {v})",
+            i.arch.unwrap_or("this model")
         ));
     }
     let tensors = i.tensors.iter().map(|&(n, d)| (n, d.is_gpu()));
@@ -215,7 +224,7 @@ pub fn plan_error(e: PlacementError, names: &[String]) -> anyhow::Error {
     }
 }
 
-/// Loads gpt-oss onto `device` with the experts where `placement` says, and says so on
+/// Loads the model onto `device` with the experts where `placement` says, and says so on
 /// stderr.
 pub fn load_device(
     gguf: GgufModel,
@@ -271,7 +280,7 @@ pub fn stats_json(s: &ExecStats) -> serde_json::Value {
     v
 }
 
-/// [`DeviceGptOss::load`] on `dev` and the report of it.
+/// [`DeviceModel::load`] on `dev` and the report of it.
 fn loaded<B: Backend + 'static>(
     gguf: GgufModel,
     dev: B,
@@ -280,11 +289,15 @@ fn loaded<B: Backend + 'static>(
     gpu_info: String,
     placement: &ExpertPlacement,
 ) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
-    let model = DeviceGptOss::load(gguf, dev, placement)?;
+    let arch = (gguf.metadata().architecture())
+        .unwrap_or_default()
+        .to_string();
+    let model = DeviceModel::load(gguf, dev, placement)?;
     let n_layer = placement.layers.len();
     eprintln!(
-        "hmoe: gpt-oss on {name}: dense part of {n_layer} layers and experts of {} on the \
+        "hmoe: {} on {name}: dense part of {n_layer} layers and experts of {} on the \
          device, {} on the CPU; {:.1} MiB of weights on the device",
+        arch,
         placement.device_layers(),
         n_layer - placement.device_layers(),
         model.weight_bytes() as f64 / (1u64 << 20) as f64
@@ -314,6 +327,7 @@ mod tests {
             for t in [
                 "attn_q.weight",
                 "attn_k.weight",
+                "attn_output.weight",
                 "ffn_gate_inp.weight",
                 "ffn_gate_exps.weight",
                 "ffn_up_exps.weight",
@@ -442,8 +456,11 @@ mod tests {
         let f16 = KvType::F16;
         let w = why(choose(&[], "gpt-oss", f16, [G, G], [G, G]));
         assert!(w.contains("no GPU (no CUDA driver"), "{w}");
-        let w = why(choose(&[CUDA0], "qwen3moe", f16, [G, G], [G, G]));
-        assert!(w.contains("gpt-oss only") && w.contains("qwen3moe"), "{w}");
+        let w = why(choose(&[CUDA0], "mamba", f16, [G, G], [G, G]));
+        assert!(
+            w.contains("gpt-oss") && w.contains("only, this model is mamba"),
+            "{w}"
+        );
         let bf16 = KvType::parse("bf16").unwrap();
         let w = why(choose(&[CUDA0], "gpt-oss", bf16, [G, G], [G, G]));
         assert!(
@@ -534,9 +551,9 @@ mod tests {
 
     #[test]
     fn attention_layer_names() {
-        assert_eq!(attn_q_layer("blk.12.attn_q.weight"), Some(12));
-        assert_eq!(attn_q_layer("blk.12.attn_q.bias"), None);
-        assert_eq!(attn_q_layer("blk.x.attn_q.weight"), None);
-        assert_eq!(attn_q_layer("output.weight"), None);
+        assert_eq!(attn_layer("blk.12.attn_output.weight"), Some(12));
+        assert_eq!(attn_layer("blk.12.attn_output.bias"), None);
+        assert_eq!(attn_layer("blk.x.attn_output.weight"), None);
+        assert_eq!(attn_layer("output.weight"), None);
     }
 }

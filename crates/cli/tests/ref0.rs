@@ -6,23 +6,10 @@
 //! CPU-expert layer per micro-batch and none with everything on REF0. `--gpu-mem` sets its
 //! memory: a plan or an upload beyond it is an error naming REF0 and the missing MiB.
 
-use serde_json::Value;
-
 mod common;
-use common::{fixture, hmoe, run, FIXTURES};
 
-/// The layers whose experts each placement keeps on the CPU (`None`: every layer).
-fn placements() -> Vec<(Vec<&'static str>, Option<u64>)> {
-    vec![
-        (vec!["-ngl", "all"], Some(0)),
-        (vec!["-ngl", "all", "--cpu-moe"], None),
-        (vec!["-ngl", "all", "--n-cpu-moe", "1"], Some(1)),
-        (
-            vec!["-ngl", "all", "-ot", r"blk\.1\.ffn_(gate|up|down)_exps=CPU"],
-            Some(1),
-        ),
-    ]
-}
+use common::{fixture, hmoe, placements, run, FIXTURES};
+use serde_json::Value;
 
 #[test]
 fn list_devices_shows_ref0_as_a_testing_device_last() {
@@ -40,7 +27,7 @@ fn list_devices_shows_ref0_as_a_testing_device_last() {
 #[test]
 fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
     for (stem, file) in FIXTURES {
-        let f = fixture(stem, file);
+        let f = fixture("gpt-oss", stem, file);
         let (cpu, _) = run(&f, &["-dev", "none"]);
         assert_eq!(cpu["engine"], "CPU");
         assert!(cpu.get("device_stats").is_none(), "{stem}: {cpu}");
@@ -76,7 +63,7 @@ fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
 /// route to uploaded (no round trip), the decode steps round-trip; the same bits.
 #[test]
 fn ref0_op_offload_gives_the_same_bits() {
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     let (cpu, _) = run(&f, &["-dev", "none"]);
     let (got, err) = run(
         &f,
@@ -98,7 +85,7 @@ fn ref0_op_offload_gives_the_same_bits() {
 
 #[test]
 fn ref0_over_budget_is_an_error_naming_it_and_the_missing_mib() {
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     let model = f.model.as_str();
     let base = [
         "run",
@@ -165,7 +152,7 @@ fn ref0_over_budget_is_an_error_naming_it_and_the_missing_mib() {
 /// flags) and says its budget comes from `--gpu-mem` (or REF0's default), not the driver.
 #[test]
 fn fit_on_ref0_names_it_and_its_budget() {
-    let f = fixture("gptoss-small", "gptoss-small.gguf");
+    let f = fixture("gpt-oss", "gptoss-small", "gptoss-small.gguf");
     let base = ["fit", "-m", f.model.as_str(), "-c", "256", "-dev", "REF0"];
     let rule = r"blk\.0\.ffn_up_exps=REF0";
     let out = hmoe(&[&base[..], &["--gpu-mem", "2GiB", "-ot", rule]].concat());

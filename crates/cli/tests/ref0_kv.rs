@@ -31,7 +31,7 @@ fn try_run(model: &str, extra: &[&str]) -> (bool, String) {
 /// or, where the CPU engine refuses the type (heads not whole blocks), REF0 refuses it too.
 fn check(fixtures: &[(&str, &str)], kvs: &[[&str; 6]]) {
     for &(stem, file) in fixtures {
-        let f = fixture(stem, file);
+        let f = fixture("gpt-oss", stem, file);
         for kv in kvs {
             let what = format!("{stem} {kv:?}");
             let (cpu_ok, cpu_err) = try_run(&f.model, &[&["-dev", "none"][..], kv].concat());

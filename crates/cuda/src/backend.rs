@@ -6,16 +6,17 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use hmoe_backend::{
-    Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
+    shapes, Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, Gating,
+    KOnlyAttnParams, KvRing, Routing, RowCopy, StagedIo,
 };
 use hmoe_quant::GgmlType;
 
-use crate::device::{CudaDevice, DeviceMatrix, MoeWeights};
+use crate::device::{CudaDevice, DeviceMatrix, ExpertAct, MoeWeights};
 use crate::error::CudaError;
 use crate::{AttnParams, RopeParams};
 
-/// The activation the MoE kernels compute: the clamped SwiGLU with alpha 1.702, limit 7.
-const KERNEL_ACT: GatedAct = GatedAct::ClampedSwiglu {
+/// The clamped SwiGLU the MoE kernels compute: alpha 1.702, limit 7.
+const KERNEL_CLAMPED: GatedAct = GatedAct::ClampedSwiglu {
     alpha: 1.702,
     limit: 7.0,
 };
@@ -145,13 +146,14 @@ impl Backend for CudaDevice {
             }
             Ok(self.upload_for_offload(&v)?)
         };
+        let has = t.has_biases();
         Ok(MoeWeights {
             gate: parts(&t.gate, ff, d)?,
             up: parts(&t.up, ff, d)?,
             down: parts(&t.down, d, ff)?,
-            gate_bias: Some(biases(t.gate_bias, ff)?),
-            up_bias: Some(biases(t.up_bias, ff)?),
-            down_bias: Some(biases(t.down_bias, d)?),
+            gate_bias: has.then(|| biases(t.gate_bias, ff)).transpose()?,
+            up_bias: has.then(|| biases(t.up_bias, ff)).transpose()?,
+            down_bias: has.then(|| biases(t.down_bias, d)).transpose()?,
         })
     }
     fn moe_bytes(m: &MoeWeights) -> usize {
@@ -273,13 +275,105 @@ impl Backend for CudaDevice {
         k: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        if act != KERNEL_ACT {
-            return Err(BackendError::Unsupported {
-                op: "moe",
-                what: format!("{act:?} (the kernels compute {KERNEL_ACT:?})"),
-            });
-        }
-        Ok(CudaDevice::moe(self, w, x, selected, weights, k, out)?)
+        let act = match act {
+            GatedAct::Silu => ExpertAct::Silu,
+            a if a == KERNEL_CLAMPED => ExpertAct::ClampedSwiglu,
+            other => {
+                return Err(BackendError::Unsupported {
+                    op: "moe",
+                    what: format!("{other:?} (the kernels compute {KERNEL_CLAMPED:?} and SiLU)"),
+                })
+            }
+        };
+        Ok(CudaDevice::moe(self, w, act, x, selected, weights, k, out)?)
+    }
+    fn copy_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        c: &RowCopy,
+    ) -> Result<(), BackendError> {
+        c.check(src.len(), dst.len())?;
+        Ok(CudaDevice::copy_rows(self, src, dst, c)?)
+    }
+    fn rope_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        first: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
+        Ok(CudaDevice::rope_norm(
+            self, x, positions, n_heads, head_dim, first, p,
+        )?)
+    }
+    fn matmul_heads(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        let out = shapes::matmul_heads(w.rows(), w.cols(), n, n_heads, x_stride, x.len(), y.len())?;
+        Ok(CudaDevice::matmul_heads(
+            self, w, x, n, n_heads, x_stride, out, y,
+        )?)
+    }
+    fn swiglu(
+        &self,
+        gate: &mut CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), BackendError> {
+        shapes::swiglu(gate.len(), up.len(), n)?;
+        Ok(CudaDevice::swiglu(self, gate, up, n)?)
+    }
+    fn attention_k_only(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &CudaSlice<f32>,
+        k_cache: &KvRing<Self>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        shapes::attention_k_only(p, q.len(), &k_cache.layout, out.len(), n_tokens, pos0)?;
+        Ok(CudaDevice::attention_k_only(
+            self,
+            p,
+            q,
+            &k_cache.data,
+            n_tokens,
+            pos0,
+            out,
+        )?)
+    }
+    fn route(
+        &self,
+        logits: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        gating: Gating,
+        routing: &Routing,
+        n_expert: usize,
+        selected: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        shapes::route(
+            routing,
+            n_expert,
+            logits.len(),
+            bias.map(|b| b.len()),
+            selected.len(),
+            weights.len(),
+        )?;
+        Ok(CudaDevice::route(
+            self, logits, bias, gating, routing, n_expert, selected, weights,
+        )?)
     }
     fn staging(&self, n_d: usize, n_k: usize) -> Result<PinnedIo, BackendError> {
         Ok(PinnedIo {

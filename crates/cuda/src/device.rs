@@ -20,6 +20,8 @@ use crate::kernels::{
 use crate::probe::{info_of, GpuInfo};
 use crate::staging::Staging;
 
+mod ext;
+
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
 /// small test models) always use the GEMV kernel, which sums in the CPU engine's order: a
@@ -110,6 +112,15 @@ impl DeviceExperts {
     pub fn data(&self) -> &CudaSlice<u8> {
         &self.data
     }
+}
+
+/// The gated activation the MoE kernels compute (`ACT_*` in the source).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertAct {
+    /// gpt-oss's clamped SwiGLU (alpha 1.702, limit 7).
+    ClampedSwiglu = 0,
+    /// SwiGLU `silu(g)·u`, every F32 product in `vec_dot` order (Qwen3-MoE, DeepSeek).
+    Silu = 1,
 }
 
 /// One layer's MoE experts (gpt-oss): gate and up `[E, ff, d]`, down `[E, d, ff]`, and the
@@ -1174,9 +1185,11 @@ impl CudaDevice {
     /// Numerics as [`CudaDevice::matmul`]'s GEMV: activations (`x`, and each slot's SwiGLU
     /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU engine's
     /// order (F32: `vec_dot` order for an expert only one slot routes to, else 16 lanes).
+    #[allow(clippy::too_many_arguments)]
     pub fn moe(
         &self,
         w: &MoeWeights,
+        act: ExpertAct,
         x: &CudaSlice<f32>,
         selected: &CudaSlice<i32>,
         weights: &CudaSlice<f32>,
@@ -1237,11 +1250,12 @@ impl CudaDevice {
             format!("{slots} expert slots in one call")
         })?;
         let (k_i, d_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?);
+        let act_i = act as i32;
         let tiled = matches!(w.gate.ty, GgmlType::MXFP4 | GgmlType::Q8_0)
             && slots >= MOE_TILED_MIN_SLOTS
             && ne <= MOE_MAX_EXPERTS;
         let y = if tiled {
-            self.moe_products_tiled(w, x, selected, k)?
+            self.moe_products_tiled(w, act, x, selected, k)?
         } else {
             // SAFETY: every element of both scratch buffers is written by the kernels below
             // before it is read.
@@ -1284,7 +1298,8 @@ impl CudaDevice {
                 .arg(&ne_i)
                 .arg(&d_i)
                 .arg(&ff_i)
-                .arg(&rb_d);
+                .arg(&rb_d)
+                .arg(&act_i);
             // SAFETY: argument types match `moe_gate_up_*` (x as Q8_0 blocks for Q8_0/MXFP4
             // experts, f32 otherwise); expert ids are range-checked in the kernel; h holds
             // slots × ff values; shapes checked above.
@@ -1308,7 +1323,8 @@ impl CudaDevice {
                 .arg(&ne_i)
                 .arg(&d_i)
                 .arg(&ff_i)
-                .arg(&rb_ff);
+                .arg(&rb_ff)
+                .arg(&act_i);
             // SAFETY: argument types match `moe_down_*` (h as Q8_0 blocks for Q8_0/MXFP4
             // experts, f32 otherwise); y holds slots × d values.
             unsafe { b.launch(cfg) }?;
@@ -1335,6 +1351,7 @@ impl CudaDevice {
     fn moe_products_tiled(
         &self,
         w: &MoeWeights,
+        act: ExpertAct,
         x: &CudaSlice<f32>,
         selected: &CudaSlice<i32>,
         k: usize,
@@ -1380,6 +1397,7 @@ impl CudaDevice {
         // SAFETY: moe_swiglu writes every element.
         let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         let has_gu_bias = i32::from(w.gate_bias.is_some());
+        let act_i = act as i32;
         let mut b = self.builder("moe_swiglu");
         b.arg(&g)
             .arg(&u)
@@ -1390,7 +1408,8 @@ impl CudaDevice {
             .arg(&mut h)
             .arg(&slots_i)
             .arg(&ne_i)
-            .arg(&ff_i);
+            .arg(&ff_i)
+            .arg(&act_i);
         // SAFETY: argument types match `moe_swiglu`; the biases hold ne × ff values when
         // present (checked by the caller).
         unsafe { b.launch(grid_1d(slots * ff, OP)?) }?;

@@ -204,7 +204,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // The sum of v over the 16 lanes of each half-warp by halving: lanes i and i+8, then +4, +2,
-// +1 (_mm512_reduce_add_ps; the CPU engine's reduce16). Every lane of the half gets it (in
+// +1 (_mm512_reduce_add_ps; the CPU engine's hsum16). Every lane of the half gets it (in
 // another but commutation-equal order); every lane of the warp must call it.
 __device__ __forceinline__ float half_warp_sum16(float v) {
     for (int o = 8; o > 0; o >>= 1) {
@@ -527,6 +527,27 @@ extern "C" __global__ void f32_to_bf16(const float* x, u16* out, u64 n) {
 // x: [n_tokens][n_heads][head_dim], rotated in place; pos: [n_tokens].
 // grid = (n_heads, n_tokens), block = any (threads loop over the n_dims/2 pairs).
 
+// The (cos, sin) of rotated pair i at position p, as the CPU engine's RoPE tables: theta =
+// p * theta_scale^i by repeated multiplication, the YaRN blend by the ramp between the
+// correction dims, magnitude attn_factor (times 1 + 0.1 ln(1/freq_scale) with YaRN).
+__device__ void rope_cos_sin(float p, int i, float theta_scale, float freq_scale,
+                             float ext_factor, float attn_factor, float corr_low,
+                             float corr_high, float* c, float* s) {
+    float theta_extrap = p;
+    for (int j = 0; j < i; j++) theta_extrap *= theta_scale;
+    float theta_interp = freq_scale * theta_extrap;
+    float theta = theta_interp;
+    float mscale = attn_factor;
+    if (ext_factor != 0.0f) {
+        float y = ((float)i - corr_low) / fmaxf(0.001f, corr_high - corr_low);
+        float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
+        theta = theta_interp * (1.0f - ramp) + theta_extrap * ramp;
+        mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
+    }
+    *c = cosf(theta) * mscale;
+    *s = sinf(theta) * mscale;
+}
+
 extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens, int n_heads,
                                          int head_dim, int n_dims, float theta_scale,
                                          float freq_scale, float ext_factor, float attn_factor,
@@ -537,19 +558,9 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
     int half = n_dims / 2;
     float p = (float)pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float theta_extrap = p;
-        for (int j = 0; j < i; j++) theta_extrap *= theta_scale;
-        float theta_interp = freq_scale * theta_extrap;
-        float theta = theta_interp;
-        float mscale = attn_factor;
-        if (ext_factor != 0.0f) {
-            float y = ((float)i - corr_low) / fmaxf(0.001f, corr_high - corr_low);
-            float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * ext_factor;
-            theta = theta_interp * (1.0f - ramp) + theta_extrap * ramp;
-            mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
-        }
-        float c = cosf(theta) * mscale;
-        float s = sinf(theta) * mscale;
+        float c, s;
+        rope_cos_sin(p, i, theta_scale, freq_scale, ext_factor, attn_factor, corr_low, corr_high,
+                     &c, &s);
         float x0 = head[i], x1 = head[i + half];
         head[i] = fmaf(x0, c, -(x1 * s));
         head[i + half] = fmaf(x0, s, x1 * c);
@@ -1131,12 +1142,26 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
 // matmul: for Q8_0 and MXFP4 experts x and h are Q8_0 blocks (quantize_q8_0 of each token's
 // row, and of each slot's h between the two kernels), else f32. F32 experts sum in vec_dot
 // order when only one slot of the call routes to the expert, else in 16 lanes: the CPU engine
-// multiplies each expert's tokens as one batch.
+// multiplies each expert's tokens as one batch (SiLU experts, act = ACT_SILU: always vec_dot,
+// as the CPU engine's SwiGLU experts). The activation is gated_act(act, ...).
 
 __device__ __forceinline__ float swiglu_oai(float g, float u) {
     float x = fminf(g, 7.0f);
     float y = fminf(fmaxf(u, -7.0f), 7.0f);
     return x / (1.0f + expf_libm(-1.702f * x)) * (y + 1.0f);
+}
+
+// The experts' gated activation of element r of a row of ff: act 0 the clamped SwiGLU above
+// (gpt-oss), act 1 SwiGLU silu(g) * u as the CPU engine's swiglu (expf_ggml in the row's whole
+// 16-blocks, libm's expf after them; Qwen3-MoE, DeepSeek).
+#define ACT_CLAMPED_SWIGLU 0
+#define ACT_SILU 1
+__device__ __forceinline__ float gated_act(int act, float g, float u, int r, int ff) {
+    if (act == ACT_SILU) {
+        float e = r < ff / 16 * 16 ? expf_ggml(0.0f - g) : expf_libm(-g);
+        return g / (1.0f + e) * u;
+    }
+    return swiglu_oai(g, u);
 }
 
 // Whether F32 products for expert e sum in vec_dot order: e is routed to by one slot only.
@@ -1154,7 +1179,8 @@ __device__ bool moe_vec_order(const int* sel, int n_slots, int e) {
 template <int TY>
 __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, const float* bu,
                                  int has_bias, const void* x, const int* sel, float* h,
-                                 int n_slots, int k, int n_expert, int d, int ff, u64 row_bytes) {
+                                 int n_slots, int k, int n_expert, int d, int ff, u64 row_bytes,
+                                 int act) {
     int slot = blockIdx.y;
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     if (slot >= n_slots || r >= ff) return;
@@ -1165,7 +1191,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
     }
     u64 off = ((u64)e * ff + r) * row_bytes;
     const void* xt = act_row<TY>(x, (u64)(slot / k), d);
-    bool vec = moe_vec_order<TY>(sel, n_slots, e);
+    bool vec = act == ACT_SILU || moe_vec_order<TY>(sel, n_slots, e);
     float g = warp_dot<TY>(gate + off, xt, d, vec);
     float u = warp_dot<TY>(up + off, xt, d, vec);
     if (threadIdx.x % WARP == 0) {
@@ -1173,7 +1199,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
             g += bg[(u64)e * ff + r];
             u += bu[(u64)e * ff + r];
         }
-        h[(u64)slot * ff + r] = swiglu_oai(g, u);
+        h[(u64)slot * ff + r] = gated_act(act, g, u, r, ff);
     }
 }
 
@@ -1181,7 +1207,7 @@ __device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, 
 template <int TY>
 __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, const void* h,
                               const int* sel, float* y, int n_slots, int n_expert, int d, int ff,
-                              u64 row_bytes) {
+                              u64 row_bytes, int act) {
     int slot = blockIdx.y;
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     if (slot >= n_slots || r >= d) return;
@@ -1191,7 +1217,7 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
         return;
     }
     u64 off = ((u64)e * d + r) * row_bytes;
-    bool vec = moe_vec_order<TY>(sel, n_slots, e);
+    bool vec = act == ACT_SILU || moe_vec_order<TY>(sel, n_slots, e);
     float s = warp_dot<TY>(down + off, act_row<TY>(h, (u64)slot, ff), ff, vec);
     if (threadIdx.x % WARP == 0) {
         if (has_bias) s += bd[(u64)e * d + r];
@@ -1204,14 +1230,16 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
     extern "C" __global__ void moe_gate_up_##SUFFIX(                                           \
         const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias, ACT x,    \
         const int* sel, float* h, int n_slots, int k, int n_expert, int d, int ff,              \
-        u64 row_bytes) {                                                                        \
+        u64 row_bytes, int act) {                                                               \
         moe_gate_up_impl<TY>(gate, up, bg, bu, has_bias, x, sel, h, n_slots, k, n_expert, d,    \
-                             ff, row_bytes);                                                    \
+                             ff, row_bytes, act);                                               \
     }                                                                                           \
     extern "C" __global__ void moe_down_##SUFFIX(const u8* down, const float* bd, int has_bias, \
                                                  ACT h, const int* sel, float* y, int n_slots,  \
-                                                 int n_expert, int d, int ff, u64 row_bytes) {  \
-        moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes);  \
+                                                 int n_expert, int d, int ff, u64 row_bytes,    \
+                                                 int act) {                                     \
+        moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes,   \
+                          act);                                                                 \
     }
 
 MOE_WRAPPERS(mxfp4, TY_MXFP4, const u8*)
@@ -1407,11 +1435,11 @@ MATMUL_TILED(mxfp4, TY_MXFP4)
 MOE_MM(q8_0, TY_Q8_0)
 MOE_MM(mxfp4, TY_MXFP4)
 
-// h[s][r] = swiglu(g[s][r] + bg[e][r], u[s][r] + bu[e][r]) for slot s of expert e = sel[s];
+// h[s][r] = gated_act(act, g[s][r] + bg[e][r], u[s][r] + bu[e][r]) for slot s of expert e = sel[s];
 // 0 where e is out of range. One thread per element.
 extern "C" __global__ void moe_swiglu(const float* g, const float* u, const float* bg,
                                       const float* bu, int has_bias, const int* sel, float* h,
-                                      int n_slots, int n_expert, int ff) {
+                                      int n_slots, int n_expert, int ff, int act) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)n_slots * ff) return;
     u64 s = i / (u64)ff, r = i % (u64)ff;
@@ -1425,7 +1453,7 @@ extern "C" __global__ void moe_swiglu(const float* g, const float* u, const floa
         gv += bg[(u64)e * ff + r];
         uv += bu[(u64)e * ff + r];
     }
-    h[i] = swiglu_oai(gv, uv);
+    h[i] = gated_act(act, gv, uv, (int)r, ff);
 }
 
 // y[s][c] += bd[e][c] for slot s of expert e = sel[s]; 0 where e is out of range.
@@ -1453,4 +1481,334 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, float* ou
         acc += y[(t * k + j) * d + c] * w[t * k + j];
     }
     out[i] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strided row copies: row r of width values from src[r * src_stride + src_off] to
+// dst[r * dst_stride + dst_off]. One thread per element.
+
+extern "C" __global__ void copy_rows_f32(const float* src, float* dst, int n_rows, int width,
+                                         u64 src_stride, u64 src_off, u64 dst_stride,
+                                         u64 dst_off) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_rows * width) return;
+    u64 r = i / (u64)width, c = i % (u64)width;
+    dst[r * dst_stride + dst_off + c] = src[r * src_stride + src_off + c];
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE, normal layout (element 2i pairs with 2i + 1) over dims first .. first + n_dims of each
+// head, with YaRN: the same angles and rotation as rope_neox_f32.
+// x: [n_tokens][n_heads][head_dim], rotated in place; pos: [n_tokens].
+// grid = (n_heads, n_tokens), block = any (threads loop over the n_dims/2 pairs).
+
+extern "C" __global__ void rope_norm_f32(float* x, const int* pos, int n_tokens, int n_heads,
+                                         int head_dim, int first, int n_dims, float theta_scale,
+                                         float freq_scale, float ext_factor, float attn_factor,
+                                         float corr_low, float corr_high) {
+    int h = blockIdx.x, t = blockIdx.y;
+    if (h >= n_heads || t >= n_tokens) return;
+    float* head = x + ((u64)t * n_heads + h) * head_dim + first;
+    float p = (float)pos[t];
+    for (int i = threadIdx.x; i < n_dims / 2; i += blockDim.x) {
+        float c, s;
+        rope_cos_sin(p, i, theta_scale, freq_scale, ext_factor, attn_factor, corr_low, corr_high,
+                     &c, &s);
+        float x0 = head[2 * i], x1 = head[2 * i + 1];
+        head[2 * i] = fmaf(x0, c, -(x1 * s));
+        head[2 * i + 1] = fmaf(x0, s, x1 * c);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-head products: y[(t * n_heads + h) * out + r] = W[h * out + r] . x_row(t * n_heads + h),
+// the activation rows x_stride values apart, of which the first cols are used (for Q8_0 and
+// MXFP4 weights x_stride is a multiple of 32 and x the Q8_0 blocks of all of it). F32 sums in
+// vec_dot order when vec_order, else in 16 lanes. One warp per output row.
+// grid = (ceil(out / ROW_WARPS), n * n_heads), block = ROW_WARPS * 32.
+
+template <int TY>
+__device__ void matmul_heads_impl(const u8* w, u64 row_bytes, const void* x, float* y, int out,
+                                  int cols, int n_rows, int n_heads, int x_stride,
+                                  int vec_order) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int i = blockIdx.y;
+    if (r >= out || i >= n_rows) return;
+    int h = i % n_heads;
+    const u8* row = w + ((u64)h * out + r) * row_bytes;
+    float s = warp_dot<TY>(row, act_row<TY>(x, (u64)i, x_stride), cols, vec_order != 0);
+    if (threadIdx.x % WARP == 0) y[(u64)i * out + r] = s;
+}
+
+#define MATMUL_HEADS(SUFFIX, TY, ACT)                                                           \
+    extern "C" __global__ void matmul_heads_##SUFFIX(const u8* w, u64 row_bytes, ACT x,        \
+                                                     float* y, int out, int cols, int n_rows,   \
+                                                     int n_heads, int x_stride,                 \
+                                                     int vec_order) {                           \
+        matmul_heads_impl<TY>(w, row_bytes, x, y, out, cols, n_rows, n_heads, x_stride,         \
+                              vec_order);                                                       \
+    }
+
+MATMUL_HEADS(f32, TY_F32, const float*)
+MATMUL_HEADS(f16, TY_F16, const float*)
+MATMUL_HEADS(bf16, TY_BF16, const float*)
+MATMUL_HEADS(q8_0, TY_Q8_0, const u8*)
+MATMUL_HEADS(mxfp4, TY_MXFP4, const u8*)
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU of rows of n values in place, gate = silu(gate) * up, as the CPU engine's swiglu: the
+// whole 16-blocks of a row with expf_ggml, the rest of the row with libm's expf. One thread per
+// element.
+
+extern "C" __global__ void swiglu_f32(float* gate, const float* up, u64 total, int n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int c = (int)(i % (u64)n);
+    float x = gate[i];
+    float e = c < n / 16 * 16 ? expf_ggml(0.0f - x) : expf_libm(-x);
+    gate[i] = x / (1.0f + e) * up[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over a K-only f16 ring (multi-head latent attention in its absorbed form): every
+// query head against the one key head; the value of a position is the first v_dim elements of
+// its key. q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at
+// position pos0 + t and sees 0 ..= pos.
+//
+// The CPU engine's numerics (Ref0::attention_k_only), bit for bit: the query rounded to f16;
+// scores in vec_dot_f16 order (one query token, or a key not whole 16-lane steps long) or
+// tinyBLAS's 16 lanes, times scale; m = the largest score; expf_ggml(s - m) summed by halving
+// per chunk of 16 positions, chunk sums added in f64 in order; probabilities expf_ggml(s - m) *
+// (f32)(1 / sum) rounded to f16; value dimension d sums fma(v, p, acc) per (chain, lane) with
+// lane = position % 16 and chain = (position / 16) % 4 for one query token (vec_dot's four
+// chains; 1 chain for a batch), then (c0 + c2) + (c1 + c3) per lane and by halving.
+//
+// One block per (head, token), KO_THREADS threads: each thread scores one position of a tile
+// of KO_THREADS positions (whole chunks) at a time, serially in the CPU's order; thread d
+// accumulates value dims d, d + KO_THREADS. k_dim <= KO_MAX_K, v_dim <= KO_THREADS *
+// KO_DIMS_PER_THREAD. grid = (n_head, n_tokens), block = KO_THREADS.
+#define KO_THREADS 256
+#define KO_MAX_K 1024
+#define KO_DIMS_PER_THREAD 2
+
+__device__ float reduce16_serial(const float* a) {
+    float t8[8];
+    for (int i = 0; i < 8; i++) t8[i] = a[i] + a[i + 8];
+    float t4[4];
+    for (int i = 0; i < 4; i++) t4[i] = t8[i] + t8[i + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+__device__ float k_only_score(const float* q16, const u16* k, int kd, int lanes) {
+    float acc[4][16];
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 16; l++) acc[j][l] = 0.f;
+    if (lanes) {
+        for (int i = 0; i < kd; i++) acc[0][i % 16] = fmaf(q16[i], h2f(k[i]), acc[0][i % 16]);
+        return reduce16_serial(acc[0]);
+    }
+    int np = kd / 64 * 64;
+    for (int b = 0; b < np; b += 64)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 16; l++) {
+                int i = b + 16 * j + l;
+                acc[j][l] = fmaf(q16[i], h2f(k[i]), acc[j][l]);
+            }
+    float folded[16];
+    for (int l = 0; l < 16; l++) folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    double sum = (double)reduce16_serial(folded);
+    for (int i = np; i < kd; i++) sum += (double)(q16[i] * h2f(k[i]));
+    return (float)sum;
+}
+
+extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float* out,
+                                           int n_tokens, int n_head, int k_dim, int v_dim,
+                                           int cells, int pos0, float scale) {
+    __shared__ float sm_q[KO_MAX_K];
+    __shared__ float sm_e[KO_THREADS];
+    __shared__ float sm_red[KO_THREADS];
+    __shared__ double sm_sum;
+    int h = blockIdx.x, t = blockIdx.y;
+    if (h >= n_head || t >= n_tokens) return;
+    int tid = threadIdx.x;
+    int pos = pos0 + t;
+    int single = n_tokens == 1;
+    int lanes = !single && k_dim % 16 == 0;
+    int chains = single ? 4 : 1;
+    const float* qh = q + ((u64)t * n_head + h) * k_dim;
+    for (int i = tid; i < k_dim; i += KO_THREADS) sm_q[i] = h2f(f2h(qh[i]));
+    __syncthreads();
+    int n_tiles = (pos + KO_THREADS) / KO_THREADS;
+
+    // Pass 1: the largest score.
+    float m = -f_inf();
+    for (int tile = 0; tile < n_tiles; tile++) {
+        int p = tile * KO_THREADS + tid;
+        if (p <= pos) {
+            m = fmaxf(m, k_only_score(sm_q, kc + (u64)(p % cells) * k_dim, k_dim, lanes) * scale);
+        }
+    }
+    sm_red[tid] = m;
+    __syncthreads();
+    if (tid == 0) {
+        float big = -f_inf();
+        for (int i = 0; i < KO_THREADS; i++) big = fmaxf(big, sm_red[i]);
+        sm_red[0] = big;
+        sm_sum = 0.0;
+    }
+    __syncthreads();
+    float big = sm_red[0];
+    __syncthreads();
+
+    // Pass 2: the denominator, chunk by chunk in order.
+    for (int tile = 0; tile < n_tiles; tile++) {
+        int p = tile * KO_THREADS + tid;
+        float e = 0.f;
+        if (p <= pos) {
+            float s = k_only_score(sm_q, kc + (u64)(p % cells) * k_dim, k_dim, lanes) * scale;
+            e = expf_ggml(s - big);
+        }
+        sm_e[tid] = e;
+        __syncthreads();
+        if (tid == 0) {
+            for (int c = 0; c < KO_THREADS / 16; c++) {
+                if (tile * KO_THREADS + 16 * c <= pos) sm_sum += (double)reduce16_serial(sm_e + 16 * c);
+            }
+        }
+        __syncthreads();
+    }
+    float inv = (float)(1.0 / sm_sum);
+
+    // Pass 3: the values.
+    float acc[KO_DIMS_PER_THREAD][4][16];
+    for (int k = 0; k < KO_DIMS_PER_THREAD; k++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 16; l++) acc[k][j][l] = 0.f;
+    for (int tile = 0; tile < n_tiles; tile++) {
+        int p = tile * KO_THREADS + tid;
+        float w = 0.f;
+        if (p <= pos) {
+            float s = k_only_score(sm_q, kc + (u64)(p % cells) * k_dim, k_dim, lanes) * scale;
+            w = h2f(f2h(expf_ggml(s - big) * inv));
+        }
+        __syncthreads();
+        sm_e[tid] = w;
+        __syncthreads();
+        for (int i = 0; i < KO_THREADS; i++) {
+            int pp = tile * KO_THREADS + i;
+            if (pp > pos) break;
+            const u16* v = kc + (u64)(pp % cells) * k_dim;
+            int chain = (pp / 16) % chains, lane = pp % 16;
+            for (int k = 0; k < KO_DIMS_PER_THREAD; k++) {
+                int d = tid + k * KO_THREADS;
+                if (d < v_dim) acc[k][chain][lane] = fmaf(h2f(v[d]), sm_e[i], acc[k][chain][lane]);
+            }
+        }
+    }
+    float* oh = out + ((u64)t * n_head + h) * v_dim;
+    for (int k = 0; k < KO_DIMS_PER_THREAD; k++) {
+        int d = tid + k * KO_THREADS;
+        if (d >= v_dim) continue;
+        float folded[16];
+        for (int l = 0; l < 16; l++) {
+            folded[l] = single ? (acc[k][0][l] + acc[k][2][l]) + (acc[k][1][l] + acc[k][3][l])
+                               : acc[k][0][l];
+        }
+        oh[d] = reduce16_serial(folded);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert choice (the CPU engine's gate_probs + Routing::select), one thread per token: gate
+// probabilities (gating 0: ggml's softmax, whole 16-blocks with expf_ggml summed by halving
+// and added in f64, the rest with libm's expf; 1: sigmoid 1 / (1 + expf(-x))); selection
+// scores p + bias; with groups > 1, a group scores the f64 sum of its two best scores and only
+// the `used` best groups stay eligible; the k best eligible experts (ties: lower id) with
+// weights p[e], divided by their f64 sum (at least 2^-14) when norm, times scale unless it is
+// 0 or 1. probs and scores: [n][n_expert] scratch. grid = ceil(n / 64), block = 64.
+
+// The index of the largest of the first n values of v not yet taken (taken[i] != 0), ties to
+// the lower index.
+__device__ int route_best(const float* v, int n, const unsigned char* taken) {
+    int best = -1;
+    for (int i = 0; i < n; i++) {
+        if (taken[i]) continue;
+        if (best < 0 || v[i] > v[best]) best = i;
+    }
+    return best;
+}
+
+#define ROUTE_MAX_EXPERTS 512
+#define ROUTE_MAX_GROUPS 64
+
+extern "C" __global__ void route_f32(const float* logits, const float* bias, int has_bias,
+                                     int gating, int* sel, float* weights, float* probs,
+                                     float* scores, int n, int n_expert, int k, int n_groups,
+                                     int n_used, int norm, float wscale) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float* row = logits + (u64)t * n_expert;
+    float* p = probs + (u64)t * n_expert;
+    float* s = scores + (u64)t * n_expert;
+    if (gating == 0) {
+        float mx = -f_inf();
+        for (int e = 0; e < n_expert; e++) mx = fmaxf(mx, row[e]);
+        double sum = 0.0;
+        int blocks = n_expert / 16 * 16;
+        for (int b = 0; b < blocks; b += 16) {
+            for (int l = 0; l < 16; l++) p[b + l] = expf_ggml(row[b + l] - mx);
+            sum += (double)reduce16_serial(p + b);
+        }
+        for (int e = blocks; e < n_expert; e++) {
+            p[e] = expf_libm(row[e] - mx);
+            sum += (double)p[e];
+        }
+        float inv = (float)(1.0 / sum);
+        for (int e = 0; e < n_expert; e++) p[e] *= inv;
+    } else {
+        for (int e = 0; e < n_expert; e++) p[e] = 1.0f / (1.0f + expf_libm(-row[e]));
+    }
+    for (int e = 0; e < n_expert; e++) s[e] = has_bias ? p[e] + bias[e] : p[e];
+    unsigned char taken[ROUTE_MAX_EXPERTS];
+    if (n_groups > 1) {
+        int per = n_expert / n_groups;
+        float gs[ROUTE_MAX_GROUPS];
+        for (int g = 0; g < n_groups; g++) {
+            for (int i = 0; i < per; i++) taken[i] = 0;
+            int two = per < 2 ? per : 2;
+            double sum = 0.0;
+            for (int j = 0; j < two; j++) {
+                int b = route_best(s + g * per, per, taken);
+                taken[b] = 1;
+                sum += (double)s[g * per + b];
+            }
+            gs[g] = (float)sum;
+        }
+        unsigned char keep[ROUTE_MAX_GROUPS];
+        for (int g = 0; g < n_groups; g++) keep[g] = 0;
+        for (int j = 0; j < n_used; j++) keep[route_best(gs, n_groups, keep)] = 1;
+        for (int g = 0; g < n_groups; g++) {
+            if (!keep[g]) {
+                for (int i = 0; i < per; i++) s[g * per + i] = -f_inf();
+            }
+        }
+    }
+    for (int e = 0; e < n_expert; e++) taken[e] = 0;
+    int* st = sel + (u64)t * k;
+    float* wt = weights + (u64)t * k;
+    for (int j = 0; j < k; j++) {
+        int b = route_best(s, n_expert, taken);
+        taken[b] = 1;
+        st[j] = b;
+        wt[j] = p[b];
+    }
+    if (norm) {
+        double sum = 0.0;
+        for (int j = 0; j < k; j++) sum += (double)wt[j];
+        float d = fmaxf((float)sum, 6.103515625e-5f);
+        for (int j = 0; j < k; j++) wt[j] /= d;
+    }
+    if (wscale != 0.0f && wscale != 1.0f) {
+        for (int j = 0; j < k; j++) wt[j] *= wscale;
+    }
 }

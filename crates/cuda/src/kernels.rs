@@ -53,6 +53,16 @@ pub const KERNELS: &[&str] = &[
     "matmul_tiled_mxfp4",
     "moe_swiglu",
     "moe_down_bias",
+    "copy_rows_f32",
+    "rope_norm_f32",
+    "matmul_heads_f32",
+    "matmul_heads_f16",
+    "matmul_heads_bf16",
+    "matmul_heads_q8_0",
+    "matmul_heads_mxfp4",
+    "swiglu_f32",
+    "attn_k_only_f16",
+    "route_f32",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -69,6 +79,17 @@ pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
 pub(crate) const ATT_WARPS: u32 = 8;
 /// Largest head dimension the attention kernel handles (`ATT_MAX_PER_LANE` × 32).
 pub(crate) const ATT_MAX_HEAD_DIM: usize = 256;
+
+/// Threads per block of the K-only attention kernel (`KO_THREADS` in the source).
+pub(crate) const KO_THREADS: u32 = 256;
+/// Longest key the K-only attention kernel handles (`KO_MAX_K` in the source).
+pub(crate) const KO_MAX_K: usize = 1024;
+/// Longest value the K-only attention kernel handles (`KO_THREADS × KO_DIMS_PER_THREAD`).
+pub(crate) const KO_MAX_V: usize = 512;
+/// Most experts the routing kernel handles (`ROUTE_MAX_EXPERTS` in the source).
+pub(crate) const ROUTE_MAX_EXPERTS: usize = 512;
+/// Most expert groups the routing kernel handles (`ROUTE_MAX_GROUPS` in the source).
+pub(crate) const ROUTE_MAX_GROUPS: usize = 64;
 
 /// NVRTC's virtual architecture for a compute capability: `compute_90` for 9.0.
 pub fn arch_for(compute_capability: (u32, u32)) -> String {
@@ -173,6 +194,7 @@ mod tests {
             ("moe_down_", "MOE_WRAPPERS"),
             ("matmul_tiled_", "MATMUL_TILED"),
             ("moe_mm_", "MOE_MM"),
+            ("matmul_heads_", "MATMUL_HEADS"),
         ]
         .iter()
         .any(|(prefix, instantiation)| {
@@ -219,6 +241,11 @@ mod tests {
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
             ("KV_MAX_CHUNK", ATT_MAX_HEAD_DIM),
+            ("KO_THREADS", KO_THREADS as usize),
+            ("KO_MAX_K", KO_MAX_K),
+            ("KO_DIMS_PER_THREAD", KO_MAX_V / KO_THREADS as usize),
+            ("ROUTE_MAX_EXPERTS", ROUTE_MAX_EXPERTS),
+            ("ROUTE_MAX_GROUPS", ROUTE_MAX_GROUPS),
         ] {
             assert!(
                 SOURCE.contains(&format!("#define {name} {value}\n")),

@@ -13,15 +13,18 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, KvLayout, KvRing, Ref0};
+use half::f16;
+use hmoe_backend::{
+    AttnParams, Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0,
+};
 use hmoe_quant::{quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KV_PAIRS,
-    TYPES,
+    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
+    KV_PAIRS, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -53,10 +56,11 @@ struct Emulator {
 }
 
 impl Emulator {
-    /// Builds the emulator in a temporary directory; `None` (skip) without a suitable clang++.
-    fn build() -> Option<Emulator> {
+    /// Builds the emulator in a temporary directory of its own (`test`: the test's name);
+    /// `None` (skip) without a suitable clang++.
+    fn build(test: &str) -> Option<Emulator> {
         let clang = std::env::var("HMOE_CLANGXX").unwrap_or_else(|_| "clang++".into());
-        let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}-{test}", std::process::id()));
         std::fs::create_dir_all(dir.join("io")).unwrap();
         // The two PTX conversions become F16C calls on the host.
         let source = hmoe_cuda::kernels::SOURCE;
@@ -178,7 +182,9 @@ fn s(v: impl ToString) -> String {
 #[test]
 #[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_kernels_give_the_reference_backends_bits() {
-    let Some(emu) = Emulator::build() else { return };
+    let Some(emu) = Emulator::build("kernels") else {
+        return;
+    };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(5);
     let ggml_id = |ty: GgmlType| match ty {
@@ -248,7 +254,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         .iter()
         .map(|&ty| (ty, 64, 5, small.clone()))
         .chain([GgmlType::Q8_0, GgmlType::MXFP4].map(|ty| (ty, 320, 40, large.clone())));
-    for (ty, d, n, sel) in cases {
+    // Each case with gpt-oss's clamped SwiGLU and biases, and with SiLU and no biases.
+    let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
+    for ((ty, d, n, sel), (act, with_bias)) in cases.flat_map(|c| acts.map(|a| (c.clone(), a))) {
         let (ne, ff, k) = (8, 96, 2);
         let (gq, uq, dq) = (
             weights(&mut rng, ty, ne * ff, d),
@@ -275,7 +283,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             emu.write(name, v);
         }
         emu.write("sel", &sel);
-        emu.run("moe", &[s(ggml_id(ty)), s(ne), s(d), s(ff), s(n), s(k)]);
+        let act_id = usize::from(act == GatedAct::Silu);
+        let args = [ggml_id(ty), ne, d, ff, n, k, act_id, usize::from(with_bias)];
+        emu.run("moe", &args.map(s));
         let got: Vec<f32> = emu.read("out");
         let matrix = |n_in, n_out, data| ExpertMatrix {
             ty,
@@ -288,16 +298,19 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             gate: matrix(d, ff, &gq),
             up: matrix(d, ff, &uq),
             down: matrix(ff, d, &dq),
-            gate_bias: &bg,
-            up_bias: &bu,
-            down_bias: &bd,
+            gate_bias: if with_bias { &bg } else { &[] },
+            up_bias: if with_bias { &bu } else { &[] },
+            down_bias: if with_bias { &bd } else { &[] },
         };
         let rm = cpu.upload_moe(&t, None).unwrap();
-        let want = ref_moe(&cpu, &rm, &x, &sel, &wts, k);
+        let want = ref_moe(&cpu, &rm, act, &x, &sel, &wts, k);
         let (same, max) = compare(&got, &want);
-        eprintln!("moe {ty}: {same}/{} identical, max |Δ| {max:e}", got.len());
+        eprintln!(
+            "moe {ty} {act:?}: {same}/{} identical, max |Δ| {max:e}",
+            got.len()
+        );
         if exact(ty) {
-            assert_eq!(same, got.len(), "moe {ty}");
+            assert_eq!(same, got.len(), "moe {ty} {act:?}");
         }
     }
 
@@ -400,5 +413,212 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 assert_eq!(same, got.len(), "{what}");
             }
         }
+    }
+}
+
+/// The kernels of latent attention and grouped routing (`rope_norm_f32`, `matmul_heads_*`,
+/// `swiglu_f32`, `attn_k_only_f16`, `route_f32`) against the reference device's ops, bit for
+/// bit (F16/BF16 per-head products only reported, as for `matmul`).
+#[test]
+#[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
+    use hmoe_backend::{Gating, KOnlyAttnParams, RopeParams, Routing};
+    let Some(emu) = Emulator::build("latent") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(6);
+
+    // Normal RoPE over the dims after a latent part, plain and YaRN.
+    for p in [
+        RopeParams::plain(8, 10000.0),
+        RopeParams::yarn(64, 10000.0, 40.0, 4096, 0.7, 32.0, 1.0),
+    ] {
+        let (n, nh, first) = (3, 2, 16);
+        let hd = first + p.n_dims;
+        let x = noise(&mut rng, n * nh * hd, 2.0);
+        let pos: Vec<i32> = vec![0, 7, 3000];
+        emu.write("x", &x);
+        emu.write("pos", &pos);
+        let f = [
+            p.theta_scale,
+            p.freq_scale,
+            p.ext_factor,
+            p.attn_factor,
+            p.corr_dims[0],
+            p.corr_dims[1],
+        ];
+        emu.write("params", &f);
+        emu.run("rope_norm", &[s(n), s(nh), s(hd), s(first), s(p.n_dims)]);
+        let got: Vec<f32> = emu.read("x");
+        let mut xd = cpu.upload(&x).unwrap();
+        let pd = cpu.upload(&pos).unwrap();
+        cpu.rope_norm(&mut xd, &pd, nh, hd, first, &p).unwrap();
+        let (same, max) = compare(&got, &cpu.download(&xd).unwrap());
+        eprintln!(
+            "rope_norm {p:?}: {same}/{} identical, max |Δ| {max:e}",
+            got.len()
+        );
+        assert_eq!(same, got.len(), "rope_norm {p:?}");
+    }
+
+    // Per-head products, contiguous and strided inputs.
+    for ty in TYPES {
+        let (nh, out, cols) = (2, 8, 64);
+        let w = weights(&mut rng, ty, nh * out, cols);
+        let m = cpu.upload_matrix(ty, nh * out, cols, &w).unwrap();
+        for (stride, n) in [(cols, 1), (cols, 3), (cols + 32, 3)] {
+            let x = noise(&mut rng, n * nh * stride, 2.0);
+            emu.write("w", &w);
+            emu.write("x", &x);
+            let vec_order = i32::from(!(stride == cols && n > 1));
+            let args = [
+                ty.id() as usize,
+                out,
+                cols,
+                n * nh,
+                nh,
+                stride,
+                vec_order as usize,
+            ];
+            emu.run("matmul_heads", &args.map(s));
+            let got: Vec<f32> = emu.read("y");
+            let xd = cpu.upload(&x).unwrap();
+            let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
+            cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
+            let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
+            let what = format!("matmul_heads {ty} stride {stride} n {n}");
+            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+            if exact(ty) {
+                assert_eq!(same, got.len(), "{what}");
+            } else {
+                assert!(max < 1e-3, "{what}");
+            }
+        }
+    }
+
+    // SwiGLU with whole 16-blocks and a tail.
+    for n in [32, 40] {
+        let g = noise(&mut rng, 3 * n, 8.0);
+        let u = noise(&mut rng, 3 * n, 2.0);
+        emu.write("g", &g);
+        emu.write("u", &u);
+        emu.run("swiglu", &[s(n)]);
+        let got: Vec<f32> = emu.read("g");
+        let mut gd = cpu.upload(&g).unwrap();
+        cpu.swiglu(&mut gd, &cpu.upload(&u).unwrap(), n).unwrap();
+        let (same, max) = compare(&got, &cpu.download(&gd).unwrap());
+        eprintln!(
+            "swiglu n {n}: {same}/{} identical, max |Δ| {max:e}",
+            got.len()
+        );
+        assert_eq!(same, got.len(), "swiglu n {n}");
+    }
+
+    // K-only attention: keys not whole 16-lane steps (24) and whole (32), one token and a
+    // batch, more than one chunk of 16 positions.
+    for (kd, vd) in [(24, 16), (32, 16)] {
+        let (nh, cells) = (2, 40);
+        for (pos0, n) in [(20, 1), (3, 5)] {
+            let p = KOnlyAttnParams {
+                n_head: nh,
+                k_dim: kd,
+                v_dim: vd,
+                cells,
+                scale: 0.05,
+            };
+            let keys = noise(&mut rng, cells * kd, 3.0);
+            let kb: Vec<u16> = keys.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+            let q = noise(&mut rng, n * nh * kd, 3.0);
+            emu.write("q", &q);
+            emu.write("k", &kb);
+            let args = [
+                s(n),
+                s(nh),
+                s(kd),
+                s(vd),
+                s(cells),
+                s(pos0),
+                s(p.scale.to_bits()),
+            ];
+            emu.run("attn_k_only", &args);
+            let got: Vec<f32> = emu.read("out");
+            let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
+            let bytes: Vec<u8> = kb.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let ring = KvRing {
+                data: cpu.upload(&bytes).unwrap(),
+                layout: KvLayout::new(GgmlType::F16, kd, cells, 0).unwrap(),
+            };
+            let qd = cpu.upload(&q).unwrap();
+            cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
+                .unwrap();
+            let (same, max) = compare(&got, &cpu.download(&out).unwrap());
+            let what = format!("attention_k_only kd {kd} pos0 {pos0} n {n}");
+            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+            assert_eq!(same, got.len(), "{what}");
+        }
+    }
+
+    // Routing: softmax without groups, sigmoid with groups, a bias and scaled weights.
+    let ne = 32;
+    for (gating, routing, with_bias) in [
+        (
+            Gating::Softmax,
+            Routing {
+                k: 4,
+                groups: None,
+                norm: false,
+                scale: 1.0,
+            },
+            false,
+        ),
+        (
+            Gating::Sigmoid,
+            Routing {
+                k: 4,
+                groups: Some((4, 2)),
+                norm: true,
+                scale: 2.5,
+            },
+            true,
+        ),
+    ] {
+        let n = 6;
+        let logits = noise(&mut rng, n * ne, 4.0);
+        let bias = noise(&mut rng, ne, 0.3);
+        emu.write("logits", &logits);
+        emu.write("bias", &bias);
+        let (groups, used) = routing.groups.unwrap_or((1, 1));
+        let gating_i = usize::from(gating == Gating::Sigmoid);
+        let args = [
+            s(n),
+            s(ne),
+            s(routing.k),
+            s(gating_i),
+            s(groups),
+            s(used),
+            s(i32::from(routing.norm)),
+            s(i32::from(with_bias)),
+            s(routing.scale.to_bits()),
+        ];
+        emu.run("route", &args);
+        let (got_sel, got_w): (Vec<i32>, Vec<f32>) = (emu.read("sel"), emu.read("w"));
+        let ld = cpu.upload(&logits).unwrap();
+        let bd = cpu.upload(&bias).unwrap();
+        let k = routing.k;
+        let (mut sel, mut w) = (
+            cpu.alloc::<i32>(n * k).unwrap(),
+            cpu.alloc::<f32>(n * k).unwrap(),
+        );
+        let b = with_bias.then_some(&bd);
+        cpu.route(&ld, b, gating, &routing, ne, &mut sel, &mut w)
+            .unwrap();
+        assert_eq!(got_sel, cpu.download(&sel).unwrap(), "route {routing:?}");
+        let (same, max) = compare(&got_w, &cpu.download(&w).unwrap());
+        eprintln!(
+            "route {routing:?}: {same}/{} identical, max |Δ| {max:e}",
+            got_w.len()
+        );
+        assert_eq!(same, got_w.len(), "route {routing:?}");
     }
 }

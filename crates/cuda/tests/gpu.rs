@@ -10,14 +10,15 @@ use std::time::Instant;
 
 use half::f16;
 use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
-use hmoe_cuda::{CudaDevice, DeviceExperts, MoeWeights};
+use hmoe_cuda::{CudaDevice, DeviceExperts, ExpertAct, MoeWeights};
 use hmoe_quant::{dequantize_row, quantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ATTN_CASES, KV_PAIRS, TYPES,
+    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
+    TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -434,7 +435,7 @@ fn moe_experts_match_the_reference_backend() {
                 down_bias: bd_h,
             };
             let rm = cpu.upload_moe(&tensors, None).unwrap();
-            let want = ref_moe(&cpu, &rm, &x, &sel, &wts, k);
+            let want = ref_moe(&cpu, &rm, KERNEL_ACT, &x, &sel, &wts, k);
             // The device without biases takes the kernels' has_bias = 0 path.
             let mw = MoeWeights {
                 gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),
@@ -448,7 +449,8 @@ fn moe_experts_match_the_reference_backend() {
             let sd = dev.upload(&sel).unwrap();
             let wd = dev.upload(&wts).unwrap();
             let mut out = dev.alloc_zeros::<f32>(n * d).unwrap();
-            dev.moe(&mw, &xd, &sd, &wd, k, &mut out).unwrap();
+            dev.moe(&mw, ExpertAct::ClampedSwiglu, &xd, &sd, &wd, k, &mut out)
+                .unwrap();
             let got = dev.download(&out).unwrap();
             // Error scale: Σ_j |w_j| (Σ_c |W_down[r][c]| + 1), the size of one unit of h.
             let mut scale = vec![0f32; n * d];
@@ -538,7 +540,8 @@ fn tiled_moe_matches_one_token_at_a_time() {
             let sd = dev.upload(&sel[range.start * k..range.end * k]).unwrap();
             let wd = dev.upload(&wts[range.start * k..range.end * k]).unwrap();
             let mut out = dev.alloc_zeros::<f32>(m * d).unwrap();
-            dev.moe(&mw, &xd, &sd, &wd, k, &mut out).unwrap();
+            dev.moe(&mw, ExpertAct::ClampedSwiglu, &xd, &sd, &wd, k, &mut out)
+                .unwrap();
             dev.download(&out).unwrap()
         };
         let t = Instant::now();

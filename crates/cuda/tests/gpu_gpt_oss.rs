@@ -1,4 +1,4 @@
-//! The gpt-oss executor ([`DeviceGptOss`]) against the CPU engine and llama.cpp's goldens (f16
+//! The gpt-oss executor ([`DeviceModel`]) against the CPU engine and llama.cpp's goldens (f16
 //! KV) on the gpt-oss fixtures, for the placements of issue #5 (`-ngl all`, `-ngl all
 //! --cpu-moe`, `-ngl all --n-cpu-moe 1`, planned by hmoe-placement's real `plan()`) and op
 //! offload from 4 tokens: teacher-forced top-10 probabilities at every step, one host round
@@ -26,7 +26,7 @@ use hmoe_cuda::CudaDevice;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::executor::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
 use hmoe_model::{
-    DeviceGptOss, ExpertHome, ExpertPlacement, GptOss, KvType, LanguageModel, LogitsWanted,
+    DeviceModel, ExpertHome, ExpertPlacement, GptOss, KvType, LanguageModel, LogitsWanted,
 };
 use hmoe_placement::{
     plan, DeviceBudget, GpuLayers, ModelShape, PlacementFlags, TensorDesc, TensorRule,
@@ -178,7 +178,7 @@ fn teacher_forced(model: &dyn LanguageModel, case: &Value) -> Vec<Vec<f64>> {
 
 /// Runs every configuration of [`configs`] on `file` and checks it against the CPU engine and
 /// the golden within `tol`; returns the worst |Δp| against the CPU per configuration.
-fn check_fixture<B: Backend>(
+fn check_fixture<B: Backend + 'static>(
     file: &str,
     golden_file: &str,
     tol: Tolerance,
@@ -200,7 +200,7 @@ fn check_fixture<B: Backend>(
             .iter()
             .filter(|&&h| h == ExpertHome::Host)
             .count() as u64;
-        let gpu = DeviceGptOss::load(gguf, backend(), &placement).unwrap();
+        let gpu = DeviceModel::load(gguf, backend(), &placement).unwrap();
         let (mut worst_cpu, mut worst_golden) = (0f64, 0f64);
         let mut steps = 0u64;
         for (i, case) in cases.iter().enumerate() {
@@ -328,12 +328,12 @@ fn micro_batches_and_truncation_match_the_cpu_engine() {
     micro_batches_and_truncation(cuda());
 }
 
-fn micro_batches_and_truncation<B: Backend>(backend: B) {
+fn micro_batches_and_truncation<B: Backend + 'static>(backend: B) {
     let file = "gptoss-openai-f32experts.gguf";
     let cpu = GptOss::load(open(file)).unwrap();
     let gguf = open(file);
     let placement = planned(&gguf, vec![TensorRule::NCpuMoe(1)]).with_op_offload(None);
-    let gpu = DeviceGptOss::load(gguf, backend, &placement).unwrap();
+    let gpu = DeviceModel::load(gguf, backend, &placement).unwrap();
     let n_vocab = cpu.params().n_vocab;
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % n_vocab as u32).collect();
     let worst = |a: &[f32], b: &[f32]| {
@@ -445,16 +445,17 @@ fn reference_backend_micro_batches_and_truncation() {
 fn reference_backend_stages_one_round_trip_per_host_layer() {
     let file = "gptoss-tiny.gguf";
     let gguf = open(file);
+    let params = GptOss::load(open(file)).unwrap().params().clone();
     let placement = planned(&gguf, vec![TensorRule::NCpuMoe(1)]).with_op_offload(None);
-    let gpu = DeviceGptOss::load(gguf, Ref0::new(), &placement).unwrap();
+    let gpu = DeviceModel::load(gguf, Ref0::new(), &placement).unwrap();
     let mut cache = gpu.new_cache(KvType::F16, 64, 8);
     LanguageModel::forward(&gpu, &mut cache, &[1, 2, 3, 4, 5], LogitsWanted::Last).unwrap();
     LanguageModel::forward(&gpu, &mut cache, &[6], LogitsWanted::Last).unwrap();
     let s = gpu.stats();
     assert_eq!((s.ubatches, s.host_round_trips), (2, 2), "one host layer");
     assert_eq!(gpu.device().round_trips(), 2);
-    let d = gpu.params().n_embd as u64;
-    let k = gpu.params().n_expert_used as u64;
+    let d = params.n_embd as u64;
+    let k = params.n_expert_used as u64;
     assert_eq!(s.bytes_to_host, 4 * 6 * (d + 2 * k));
     assert_eq!(s.bytes_to_device, 4 * 6 * d);
 }

@@ -29,7 +29,7 @@ use hmoe_quant::{expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlTy
 use hmoe_backend::numerics::{dot_vec, fwht, online_softmax_step, rotate_chunks};
 
 use crate::kv_cache::{Cells, LayerCache};
-use crate::ops::{expf_ggml, reduce16};
+use crate::ops::{expf_ggml, hsum16};
 
 /// Shape of one attention call.
 pub(crate) struct AttnShape {
@@ -197,7 +197,7 @@ fn attention_rotated(
         }
         for (dst, acc) in dst.chunks_exact_mut(hd).zip(acc.chunks_exact(LANES * hd)) {
             for (d, out) in dst.iter_mut().enumerate() {
-                *out = reduce16(&std::array::from_fn(|l| acc[l * hd + d]));
+                *out = hsum16(&std::array::from_fn(|l| acc[l * hd + d]));
             }
         }
     });
@@ -224,7 +224,7 @@ fn softmax_window(probs: &mut [f32], skip: usize, sink: Option<f32>) {
             };
             lanes[i] = *v;
         }
-        sum += reduce16(&lanes) as f64;
+        sum += hsum16(&lanes) as f64;
     }
     if let Some(s) = sink {
         sum += (s - max).exp() as f64;
@@ -248,7 +248,7 @@ fn dot_lanes(q16: &[f32], k: &[f32]) -> f32 {
     for (i, (&a, &b)) in qc.remainder().iter().zip(kc.remainder()).enumerate() {
         lanes[i] = a.mul_add(b, lanes[i]);
     }
-    reduce16(&lanes)
+    hsum16(&lanes)
 }
 
 fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -414,7 +414,7 @@ fn attention_ext_rotated(
         }
         for (d, a) in dst.iter_mut().zip(&acc) {
             *d = if chains == 1 {
-                reduce16(&a[0])
+                hsum16(&a[0])
             } else {
                 reduce_chains(a)
             };
@@ -432,7 +432,7 @@ fn reduce_chains(a: &[[f32; LANES]; VEC_DOT_CHAINS]) -> f32 {
     for (l, f) in folded.iter_mut().enumerate() {
         *f = (a[0][l] + a[2][l]) + (a[1][l] + a[3][l]);
     }
-    reduce16(&folded)
+    hsum16(&folded)
 }
 
 /// Undoes the rotation of the stored values on the attention output (the Walsh–Hadamard
@@ -1130,7 +1130,7 @@ pub(crate) mod tests {
         }
         let folded: [f32; LANES] =
             std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
-        let mut sum = reduce16(&folded);
+        let mut sum = hsum16(&folded);
         for k in np..a.len() {
             sum += a[k] * b[k];
         }

@@ -28,9 +28,17 @@
 //! The cache holds only `[c, k_pe]` per position (kv_lora + rope dims): values are the first
 //! kv_lora elements of each key, as in llama.cpp's K-only MLA cache.
 
+use hmoe_backend::{
+    Backend, ExpertMatrix, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy,
+};
 use hmoe_gguf::GgufModel;
 
 use crate::attention::{attention_ext, AttnLayout};
+use crate::executor::blocks::SwiGluFfn;
+use crate::executor::{
+    upload_f32, upload_f32_opt, upload_matrix, DevMat, DeviceLayers, ExecError, ExpertSplit,
+    Gating as RouterGating, ModelDims, Routed, Router, Step,
+};
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::llama::load_f32_opt;
 use crate::ops::{
@@ -38,7 +46,7 @@ use crate::ops::{
     rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling, Routing,
 };
 use crate::weights::{load_f32, project, Mat};
-use crate::{LanguageModel, LogitsWanted, ModelError};
+use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
 
 const ARCH: &str = "deepseek2";
 
@@ -248,6 +256,27 @@ struct Experts {
     down_exps: Mat,
     /// The shared experts, if any.
     shared: Option<SwiGlu>,
+}
+
+impl Experts {
+    /// The routed experts as the device contract takes them (no biases).
+    fn tensors<'g>(&self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
+        let m = |w: &Mat| ExpertMatrix {
+            ty: w.info.ty,
+            n_in: w.n_in,
+            n_out: w.n_out,
+            data: w.bytes(g),
+        };
+        ExpertTensors {
+            n_expert,
+            gate: m(&self.gate_exps),
+            up: m(&self.up_exps),
+            down: m(&self.down_exps),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        }
+    }
 }
 
 /// A dense SwiGLU feed-forward network `Wd · (silu(Wg·h) ⊙ Wu·h)`.
@@ -570,6 +599,374 @@ impl LanguageModel for Deepseek2 {
     }
 }
 
+/// The query path of a layer on the device.
+enum DevQuery<B: Backend> {
+    Lora {
+        wq_a: DevMat<B>,
+        q_a_norm: B::Buf<f32>,
+        wq_b: DevMat<B>,
+    },
+    Plain(DevMat<B>),
+}
+
+/// A layer's multi-head latent attention on the device.
+struct DevMla<B: Backend> {
+    norm: B::Buf<f32>,
+    q: DevQuery<B>,
+    wkv_a: DevMat<B>,
+    kv_a_norm: B::Buf<f32>,
+    wk_b: DevMat<B>,
+    wv_b: DevMat<B>,
+    wo: DevMat<B>,
+}
+
+/// A layer's feed-forward part on the device (the routed experts are the executor's).
+enum DevFfn<B: Backend> {
+    Dense(SwiGluFfn<B>),
+    Moe {
+        router: DevMat<B>,
+        probs_bias: Option<B::Buf<f32>>,
+        shared: Option<SwiGluFfn<B>>,
+    },
+}
+
+struct DevLayer<B: Backend> {
+    attn: DevMla<B>,
+    ffn_norm: B::Buf<f32>,
+    ffn: DevFfn<B>,
+}
+
+/// DeepSeek-V2/V3's layers on a device ([`crate::DeviceModel`]), the same math as
+/// [`Deepseek2`]'s forward pass over the contract's ops: the absorbed MLA over a K-only f16
+/// ring of `[c, k_pe]` (normal RoPE over the rope dims, the key up-projection per head on the
+/// strided `q_nope`, the value up-projection per head on the latent output), then a dense
+/// SwiGLU FFN (leading layers) or the routed SiLU experts (gate scores, selection bias,
+/// expert groups, renormalised scaled weights; wherever the placement puts them) plus the
+/// shared experts.
+pub(crate) struct DeviceDeepseek2<B: Backend> {
+    host: Deepseek2,
+    rope: RopeParams,
+    layers: Vec<DevLayer<B>>,
+}
+
+impl<B: Backend> DeviceDeepseek2<B> {
+    /// Loads `gguf` (checked as [`Deepseek2::load`] checks it) and uploads every layer's dense
+    /// weights to `dev`.
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceDeepseek2<B>, ExecError> {
+        let host = Deepseek2::load(gguf)?;
+        let rope = (host.rope.device_params())
+            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+        let g = &host.gguf;
+        let p = &host.params;
+        let layers = (0..p.n_layer)
+            .map(|l| {
+                let n = |s: &str| format!("blk.{l}.{s}");
+                let m = |s: &str| upload_matrix(dev, g, &n(s));
+                let f = |s: &str| upload_f32(dev, g, &n(s));
+                let q = match p.q_lora_rank {
+                    Some(_) => DevQuery::Lora {
+                        wq_a: m("attn_q_a.weight")?,
+                        q_a_norm: f("attn_q_a_norm.weight")?,
+                        wq_b: m("attn_q_b.weight")?,
+                    },
+                    None => DevQuery::Plain(m("attn_q.weight")?),
+                };
+                let attn = DevMla {
+                    norm: f("attn_norm.weight")?,
+                    q,
+                    wkv_a: m("attn_kv_a_mqa.weight")?,
+                    kv_a_norm: f("attn_kv_a_norm.weight")?,
+                    wk_b: m("attn_k_b.weight")?,
+                    wv_b: m("attn_v_b.weight")?,
+                    wo: m("attn_output.weight")?,
+                };
+                let ffn = if l < p.n_layer_dense_lead {
+                    DevFfn::Dense(SwiGluFfn::load(dev, g, l, "")?)
+                } else {
+                    DevFfn::Moe {
+                        router: m("ffn_gate_inp.weight")?,
+                        probs_bias: upload_f32_opt(dev, g, &n("exp_probs_b.bias"))?,
+                        shared: (p.n_expert_shared > 0)
+                            .then(|| SwiGluFfn::load(dev, g, l, "_shexp"))
+                            .transpose()?,
+                    }
+                };
+                Ok(DevLayer {
+                    attn,
+                    ffn_norm: f("ffn_norm.weight")?,
+                    ffn,
+                })
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        Ok(DeviceDeepseek2 { host, rope, layers })
+    }
+
+    /// The absorbed MLA of one layer over the micro-batch `x`, residual add included.
+    fn attention(
+        &self,
+        a: &DevMla<B>,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let p = &self.host.params;
+        let dev = cx.dev();
+        let n = cx.n_tokens();
+        let (nh, nope, rd, kvl, vd) = (
+            p.n_head,
+            p.qk_nope_dim,
+            p.qk_rope_dim,
+            p.kv_lora_rank,
+            p.v_head_dim,
+        );
+        let (qd, ld) = (nope + rd, p.latent_dim());
+        let mut h = cx.alloc(p.n_embd)?;
+        dev.rms_norm(x, &a.norm, p.rms_eps, &mut h)?;
+        let mut q = cx.alloc(nh * qd)?;
+        match &a.q {
+            DevQuery::Lora {
+                wq_a,
+                q_a_norm,
+                wq_b,
+            } => {
+                let r = p.q_lora_rank.unwrap_or(0);
+                let mut cq = cx.alloc(r)?;
+                cx.matmul(wq_a, &h, &mut cq)?;
+                let mut cq_n = cx.alloc(r)?;
+                dev.rms_norm(&cq, q_a_norm, p.rms_eps, &mut cq_n)?;
+                cx.matmul(wq_b, &cq_n, &mut q)?;
+            }
+            DevQuery::Plain(wq) => cx.matmul(wq, &h, &mut q)?,
+        }
+        let mut ckv = cx.alloc(ld)?;
+        cx.matmul(&a.wkv_a, &h, &mut ckv)?;
+        // Keys: [rmsnorm(c) · kv_a_norm, rope(k_pe)] per token.
+        let rows = |n_rows, width, (src_stride, src_offset), (dst_stride, dst_offset)| RowCopy {
+            n_rows,
+            width,
+            src_stride,
+            src_offset,
+            dst_stride,
+            dst_offset,
+        };
+        let mut c = cx.alloc(kvl)?;
+        dev.copy_rows(&ckv, &mut c, &rows(n, kvl, (ld, 0), (kvl, 0)))?;
+        let mut c_n = cx.alloc(kvl)?;
+        dev.rms_norm(&c, &a.kv_a_norm, p.rms_eps, &mut c_n)?;
+        let mut keys = cx.alloc(ld)?;
+        dev.copy_rows(&c_n, &mut keys, &rows(n, kvl, (kvl, 0), (ld, 0)))?;
+        dev.copy_rows(&ckv, &mut keys, &rows(n, rd, (ld, kvl), (ld, kvl)))?;
+        dev.rope_norm(&mut keys, cx.positions(), 1, ld, kvl, &self.rope)?;
+        // Queries: [Wkb_head · q_nope, rope(q_pe)] per token and head.
+        let mut q_lat = cx.alloc(nh * kvl)?;
+        cx.matmul_heads(&a.wk_b, &q, nh, qd, &mut q_lat)?;
+        let mut queries = cx.alloc(nh * ld)?;
+        let heads = n * nh;
+        dev.copy_rows(&q_lat, &mut queries, &rows(heads, kvl, (kvl, 0), (ld, 0)))?;
+        dev.copy_rows(&q, &mut queries, &rows(heads, rd, (qd, nope), (ld, kvl)))?;
+        dev.rope_norm(&mut queries, cx.positions(), nh, ld, kvl, &self.rope)?;
+        let shape = KOnlyAttnParams {
+            n_head: nh,
+            k_dim: ld,
+            v_dim: kvl,
+            cells: 0,
+            scale: self.host.kq_scale,
+        };
+        let mut o_lat = cx.alloc(nh * kvl)?;
+        cx.attend_k_only(layer, &shape, &queries, &keys, &mut o_lat)?;
+        // Values: Wvb_head · o_lat per head, laid out [token][head][v_head_dim].
+        let mut v = cx.alloc(nh * vd)?;
+        cx.matmul_heads(&a.wv_b, &o_lat, nh, kvl, &mut v)?;
+        let mut o = cx.alloc(p.n_embd)?;
+        cx.matmul(&a.wo, &v, &mut o)?;
+        dev.add_assign(x, &o)?;
+        Ok(())
+    }
+
+    /// The feed-forward part of one layer over the micro-batch `x`, residual add included.
+    fn ffn(
+        &self,
+        l: &DevLayer<B>,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let p = &self.host.params;
+        let dev = cx.dev();
+        let n = cx.n_tokens();
+        let mut h = cx.alloc(p.n_embd)?;
+        dev.rms_norm(x, &l.ffn_norm, p.rms_eps, &mut h)?;
+        let mut out = cx.alloc(p.n_embd)?;
+        match &l.ffn {
+            DevFfn::Dense(f) => f.forward(cx, &h, &mut out)?,
+            DevFfn::Moe {
+                router,
+                probs_bias,
+                shared,
+            } => {
+                let r = Router {
+                    n_expert: p.n_expert,
+                    k: p.routing.k,
+                    gating: RouterGating::Scored(p.gating, p.routing),
+                };
+                let mut scores = cx.alloc(p.n_expert)?;
+                cx.matmul(router, &h, &mut scores)?;
+                let mut sel = dev.alloc::<i32>(n * r.k)?;
+                let mut wts = dev.alloc::<f32>(n * r.k)?;
+                r.route(dev, &scores, probs_bias.as_ref(), &mut sel, &mut wts)?;
+                let routed = Routed {
+                    h: &h,
+                    scores: &scores,
+                    bias: probs_bias.as_ref(),
+                    sel: &sel,
+                    wts: &wts,
+                    router: r,
+                    act: GatedAct::Silu,
+                    split: ExpertSplit::PerSequence,
+                };
+                cx.experts(layer, &routed, &mut out)?;
+                if let Some(f) = shared {
+                    let mut s = cx.alloc(p.n_embd)?;
+                    f.forward(cx, &h, &mut s)?;
+                    dev.add_assign(&mut out, &s)?;
+                }
+            }
+        }
+        dev.add_assign(x, &out)?;
+        Ok(())
+    }
+
+    /// Floats per token of one layer's scratch buffers (the larger of attention and FFN).
+    fn scratch_per_token(&self) -> usize {
+        let p = &self.host.params;
+        let (nh, kvl, ld) = (p.n_head, p.kv_lora_rank, p.latent_dim());
+        let qd = p.qk_nope_dim + p.qk_rope_dim;
+        let attn = 2 * p.n_embd
+            + nh * qd
+            + 2 * p.q_lora_rank.unwrap_or(0)
+            + 2 * ld
+            + 2 * kvl
+            + nh * (2 * kvl + ld + p.v_head_dim);
+        let ffn = self.layers.iter().map(|l| match &l.ffn {
+            DevFfn::Dense(f) => f.scratch_per_token(),
+            DevFfn::Moe { shared, .. } => {
+                p.n_expert
+                    + 2 * p.routing.k
+                    + p.n_embd
+                    + shared.as_ref().map_or(0, |f| f.scratch_per_token())
+            }
+        });
+        attn.max(2 * p.n_embd + ffn.max().unwrap_or(0))
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
+    fn dims(&self) -> ModelDims {
+        let p = &self.host.params;
+        ModelDims {
+            n_layer: p.n_layer,
+            n_embd: p.n_embd,
+            n_vocab: p.n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            rms_eps: p.rms_eps,
+            scratch_per_token: self.scratch_per_token(),
+            kv_head_dim: p.latent_dim(),
+        }
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.host.gguf
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        // Positions and the ring's cells only: the latent cache lives on the device.
+        KvCache::new_k_only(ty, n_ctx, n_ubatch, 0, self.host.params.n_layer)
+    }
+    fn kv_widths(&self, _layer: usize) -> (usize, usize) {
+        (self.host.params.latent_dim(), 0)
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+        let layer = &self.layers[l];
+        self.attention(&layer.attn, cx, l, x)?;
+        self.ffn(layer, cx, l, x)
+    }
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        match &self.host.blocks.get(layer)?.ffn {
+            Ffn::Moe(e) => Some(e.tensors(&self.host.gguf, self.host.params.n_expert)),
+            Ffn::Dense(_) => None,
+        }
+    }
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let Some(Ffn::Moe(e)) = self.host.blocks.get(layer).map(|b| &b.ffn) else {
+            return Err(ModelError::MissingTensor(format!(
+                "blk.{layer}.ffn_gate_exps.weight"
+            )));
+        };
+        let (d, k) = (self.host.params.n_embd, batch.n_used);
+        let mut acts = QuantizedActs::default();
+        // Each sequence as the CPU engine's forward pass runs it.
+        for g in batch.groups {
+            let sel: Vec<usize> = batch.selected[g.start * k..g.end * k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect();
+            let y = moe_swiglu(
+                &self.host.gguf,
+                &e.gate_exps,
+                &e.up_exps,
+                &e.down_exps,
+                &batch.h[g.start * d..g.end * d],
+                &sel,
+                &batch.weights[g.start * k..g.end * k],
+                k,
+                &mut acts,
+            );
+            out[g.start * d..g.end * d].copy_from_slice(&y);
+        }
+        Ok(())
+    }
+    fn weight_bytes(&self) -> u64 {
+        let buf = |b: &B::Buf<f32>| 4 * B::buf_len(b) as u64;
+        self.layers
+            .iter()
+            .map(|l| {
+                let a = &l.attn;
+                let q = match &a.q {
+                    DevQuery::Lora {
+                        wq_a,
+                        q_a_norm,
+                        wq_b,
+                    } => wq_a.bytes() + buf(q_a_norm) + wq_b.bytes(),
+                    DevQuery::Plain(wq) => wq.bytes(),
+                };
+                let attn = q
+                    + buf(&a.norm)
+                    + a.wkv_a.bytes()
+                    + buf(&a.kv_a_norm)
+                    + a.wk_b.bytes()
+                    + a.wv_b.bytes()
+                    + a.wo.bytes();
+                let ffn = match &l.ffn {
+                    DevFfn::Dense(f) => f.bytes(),
+                    DevFfn::Moe {
+                        router,
+                        probs_bias,
+                        shared,
+                    } => {
+                        router.bytes()
+                            + probs_bias.as_ref().map_or(0, buf)
+                            + shared.as_ref().map_or(0, |f| f.bytes())
+                    }
+                };
+                attn + ffn + buf(&l.ffn_norm)
+            })
+            .sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -673,25 +1070,6 @@ mod tests {
     }
 
     #[test]
-    fn group_limited_routing() {
-        // Two groups of four; group 1 holds the two best biased scores, so only it is eligible
-        // even though expert 0 alone has the highest probability.
-        let routing = Routing {
-            k: 2,
-            groups: Some((2, 1)),
-            norm: true,
-            scale: 2.5,
-        };
-        let probs = [0.9, 0.1, 0.1, 0.1, 0.6, 0.7, 0.5, 0.2];
-        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.0];
-        let (mut top, mut w) = (Vec::new(), Vec::new());
-        routing.select(&probs, Some(&bias), &mut top, &mut w);
-        assert_eq!(top, vec![6, 5]);
-        // Weights come from the unbiased probabilities, normalised then scaled.
-        assert!((w[0] - 0.5 / 1.2 * 2.5).abs() < 1e-6 && (w[1] - 0.7 / 1.2 * 2.5).abs() < 1e-6);
-    }
-
-    #[test]
     fn old_mla_less_files_are_refused() {
         let mut m = v3_metadata(false);
         m.remove(&format!("{ARCH}.attention.key_length_mla"));
@@ -699,5 +1077,197 @@ mod tests {
             Deepseek2Params::from_metadata(&m, 10),
             Err(ModelError::BadParam { .. })
         ));
+    }
+
+    /// The reference device's K-only attention equals the CPU engine's latent attention
+    /// (`attention_ext` with values inside the f16 keys) bit for bit: one token (`vec_dot`'s
+    /// four value chains) and batches, keys a multiple of 16 long (tinyBLAS scores) or not
+    /// (the fixture's 24), across more than one 16-position chunk.
+    #[test]
+    fn ref0_k_only_attention_is_the_cpu_engines_bit_for_bit() {
+        use crate::attention::{attention_ext, AttnLayout};
+        use hmoe_backend::{Backend, KOnlyAttnParams, KvLayout, Ref0};
+        use hmoe_quant::GgmlType;
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut noise = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    // Magnitudes over 2^-6 .. 2^6, so that sums of products round and
+                    // the summation order shows.
+                    let v = (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                    v * ((seed & 15) as f32 - 6.0).exp2()
+                })
+                .collect()
+        };
+        let dev = Ref0::new();
+        for (kd, vd, nh, cells) in [(24, 16, 4, 64), (48, 32, 3, 40)] {
+            let mut cpu = KvCache::new_k_only(KvType::F16, cells, 64, kd, 1);
+            let layout = KvLayout::new(GgmlType::F16, kd, cells, 0).unwrap();
+            let mut ring = dev.kv_alloc(layout).unwrap();
+            let scale = 0.01;
+            let shape = AttnLayout {
+                n_head: nh,
+                n_head_kv: 1,
+                k_dim: kd,
+                v_dim: vd,
+                v_in_k: true,
+                scale,
+            };
+            let p = KOnlyAttnParams {
+                n_head: nh,
+                k_dim: kd,
+                v_dim: vd,
+                cells,
+                scale,
+            };
+            let mut pos0 = 0;
+            for n in [5, 1, 17, 1, 9] {
+                let keys = noise(n * kd);
+                let q: Vec<f32> = noise(n * nh * kd).iter().map(|v| v * 0.05).collect();
+                cpu.layers[0].store(pos0, &keys, &[], n);
+                let mut want = vec![0f32; n * nh * vd];
+                attention_ext(&cpu.layers[0], &shape, &q, pos0, &mut want);
+                let kd_buf = dev.upload(&keys).unwrap();
+                dev.kv_store(&kd_buf, &mut ring, n, pos0).unwrap();
+                let qd = dev.upload(&q).unwrap();
+                let mut out = dev.alloc::<f32>(n * nh * vd).unwrap();
+                dev.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
+                    .unwrap();
+                let got = dev.download(&out).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "kd {kd} n {n} at {pos0} [{i}]: {g} vs {w}"
+                    );
+                }
+                pos0 += n;
+            }
+        }
+        // More positions than cells cannot be attended to.
+        let p = KOnlyAttnParams {
+            n_head: 1,
+            k_dim: 24,
+            v_dim: 16,
+            cells: 4,
+            scale: 1.0,
+        };
+        let q = dev.alloc::<f32>(24).unwrap();
+        let ring = dev
+            .kv_alloc(KvLayout::new(GgmlType::F16, 24, 4, 0).unwrap())
+            .unwrap();
+        let mut out = dev.alloc::<f32>(16).unwrap();
+        assert!(dev.attention_k_only(&p, &q, &ring, 1, 4, &mut out).is_err());
+        // A K-only ring of another type is refused.
+        let q8 = dev
+            .kv_alloc(KvLayout::new(GgmlType::Q8_0, 32, 4, 0).unwrap())
+            .unwrap();
+        let p8 = KOnlyAttnParams { k_dim: 32, ..p };
+        let q32 = dev.alloc::<f32>(32).unwrap();
+        assert!(dev
+            .attention_k_only(&p8, &q32, &q8, 1, 0, &mut out)
+            .is_err());
+    }
+
+    fn tiny() -> Deepseek2 {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/fixtures/deepseek2/deepseek2-tiny.gguf");
+        let path = std::env::var_os("HMOE_FIXTURES").map_or(path, |f| {
+            std::path::PathBuf::from(f).join("deepseek2/deepseek2-tiny.gguf")
+        });
+        Deepseek2::load(GgufModel::open(&path, Default::default()).unwrap()).unwrap()
+    }
+
+    /// On the fixture's weights, the reference device's SiLU experts without biases equal the
+    /// CPU engine's `moe_swiglu` (routing by the CPU engine, several slots per expert: F32
+    /// products in `vec_dot` order), and its dense SwiGLU FFN (`matmul`, `swiglu`, `matmul`)
+    /// equals `ffn_swiglu` for the shared experts and the leading dense layer, bit for bit.
+    #[test]
+    fn ref0_silu_experts_and_dense_swiglu_are_the_cpu_engines_bit_for_bit() {
+        use hmoe_backend::{Backend, GatedAct, Ref0};
+        let model = tiny();
+        let (p, g) = (&model.params, &model.gguf);
+        let Ffn::Moe(e) = &model.blocks[1].ffn else {
+            panic!("block 1 has experts")
+        };
+        let n = 7;
+        let h: Vec<f32> = (0..n * p.n_embd)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 1.5)
+            .collect();
+        let mut acts = QuantizedActs::default();
+        let mut probs = project(g, &e.router, &h, &mut acts);
+        let (mut sel, mut w) = (Vec::new(), Vec::new());
+        let (mut top, mut tw) = (Vec::new(), Vec::new());
+        for row in probs.chunks_exact_mut(p.n_expert) {
+            gate_probs(p.gating, row);
+            p.routing
+                .select(row, e.probs_bias.as_deref(), &mut top, &mut tw);
+            sel.extend_from_slice(&top);
+            w.extend_from_slice(&tw);
+        }
+        let k = p.routing.k;
+        let want = moe_swiglu(
+            g,
+            &e.gate_exps,
+            &e.up_exps,
+            &e.down_exps,
+            &h,
+            &sel,
+            &w,
+            k,
+            &mut acts,
+        );
+        let mut per_expert = vec![0; p.n_expert];
+        sel.iter().for_each(|&x| per_expert[x] += 1);
+        assert!(
+            per_expert.iter().any(|&c| c > 1),
+            "some expert takes several slots"
+        );
+        let dev = Ref0::new();
+        let moe = dev.upload_moe(&e.tensors(g, p.n_expert), None).unwrap();
+        let sel_i: Vec<i32> = sel.iter().map(|&x| x as i32).collect();
+        let (hd, sd, wd) = (
+            dev.upload(&h).unwrap(),
+            dev.upload(&sel_i).unwrap(),
+            dev.upload(&w).unwrap(),
+        );
+        let mut out = dev.alloc::<f32>(n * p.n_embd).unwrap();
+        dev.moe(&moe, GatedAct::Silu, &hd, &sd, &wd, k, &mut out)
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&dev.download(&out).unwrap()),
+            bits(&want),
+            "routed experts"
+        );
+
+        let Ffn::Dense(dense) = &model.blocks[0].ffn else {
+            panic!("block 0 is dense")
+        };
+        for f in [e.shared.as_ref().unwrap(), &**dense] {
+            let want = ffn_swiglu(g, &f.gate, &f.up, &f.down, &h, &mut acts);
+            let up_m = |m: &Mat| dev.upload_matrix(m.info.ty, m.n_out, m.n_in, m.bytes(g));
+            let (gm, um, dm) = (
+                up_m(&f.gate).unwrap(),
+                up_m(&f.up).unwrap(),
+                up_m(&f.down).unwrap(),
+            );
+            let ff = f.gate.n_out;
+            let mut gt = dev.alloc::<f32>(n * ff).unwrap();
+            let mut ut = dev.alloc::<f32>(n * ff).unwrap();
+            dev.matmul(&um, &hd, n, &mut ut).unwrap();
+            dev.matmul(&gm, &hd, n, &mut gt).unwrap();
+            dev.swiglu(&mut gt, &ut, ff).unwrap();
+            let mut y = dev.alloc::<f32>(n * p.n_embd).unwrap();
+            dev.matmul(&dm, &gt, n, &mut y).unwrap();
+            assert_eq!(
+                bits(&dev.download(&y).unwrap()),
+                bits(&want),
+                "dense ff {ff}"
+            );
+        }
     }
 }

@@ -1,68 +1,70 @@
-//! The device executor (issue #5, moved below the devices by issue #15): gpt-oss with the
-//! dense part of every layer on a device of the contract ([`hmoe_backend::Backend`]: a CUDA
-//! GPU, or the reference device `REF0`) and each layer's routed experts where the placement
-//! puts them.
+//! The device executor (issues #5 and #15): a model with the dense part of every layer on a
+//! device of the contract ([`hmoe_backend::Backend`]: a CUDA GPU, or the reference device
+//! `REF0`) and each layer's routed experts where the placement puts them, for every
+//! architecture that has a device layer.
 //!
-//! This file holds the architecture's side of device execution; the devices know no
-//! architecture. (It is still gpt-oss only, beside the CPU forward in `gpt_oss.rs`; issue #15
-//! folds both into one forward over the contract.)
+//! This file is the architecture-neutral part: [`DeviceModel`] (loaded by
+//! [`DeviceModel::load`], which dispatches on `general.architecture`), the per-sequence device
+//! K/V caches, micro-batching, batch invariance, the expert boundary, op offload and the
+//! logits. Each architecture writes its layer in its own file over the contract's ops and the
+//! shared blocks of [`blocks`] (the attention block and the routed-MoE block), and hands it
+//! to the executor as a [`DeviceLayers`]. The devices know no architecture.
 //!
-//! Per micro-batch the token ids and positions go up (two small copies), then, per layer, on
-//! the device: RMSNorm, Q/K/V with their biases, NeoX RoPE with YaRN ([`rope_params`]), the K/V
-//! store into the layer's K/V rings (of the cache's `-ctk`/`-ctv` types, [`device_kv_layouts`]),
-//! attention with sinks (sliding window on even layers),
-//! the output projection with its bias and the residual add, RMSNorm, the router with its
-//! bias and the top-k softmax; then the layer's experts:
+//! Per micro-batch the token ids and positions go up (two small copies), the embedding rows
+//! are gathered on the device, then every layer runs ([`DeviceLayers::layer`]); a layer's
+//! routed experts run ([`Step::experts`]):
 //!
 //! - [`ExpertHome::Device`]: the `moe` op over the layer's experts, uploaded at load;
 //! - [`ExpertHome::Host`]: one round trip. The normed hidden state, the chosen experts and
 //!   their weights come down into the device's staging buffers (pinned on CUDA), the host runs
 //!   the layer's experts over the file mapping with the CPU engine's own code
-//!   ([`GptOss::run_host_experts`]), and the weighted sum goes back up.
+//!   ([`DeviceLayers::run_host_experts`]), and the weighted sum goes back up.
 //!
 //! After the last layer: output norm and head on the device, and the logits come down. With
 //! every layer's experts on the device nothing crosses the bus between the ids and the logits.
 //!
 //! Numerics: the CPU engine's. Products convert activations as ggml does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
-//! engine's order; attention stores and reads the K/V rings as the CPU engine's cache does
-//! (f32, f16, bf16 and the block types, rotated as llama.cpp rotates quantized heads) and
-//! takes its path for the value type (the row kernel over float values, flash attention over
-//! block-quantized ones). On [`hmoe_backend::Ref0`] the logits are the CPU engine's
-//! bit for bit on the gpt-oss fixtures. On a GPU what still differs is cuBLAS's order for
-//! batches of F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, and F16/BF16 summation
-//! orders; on models whose routing is that sensitive (the synthetic Q8_0/MXFP4 fixtures) a
-//! last bit can still flip an expert choice.
+//! engine's order; attention rounds the query and the probabilities to f16 and sums in the
+//! CPU's orders with ggml's `expf`. On [`hmoe_backend::Ref0`] the logits are the CPU engine's
+//! bit for bit on the fixtures. On a GPU what still differs is cuBLAS's order for batches of
+//! F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where the CPU
+//! calls libm's, and F16/BF16 summation orders; on models whose routing is that sensitive
+//! (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
 //!
 //! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
 //! tokens, so a CPU-expert layer still makes one round trip per micro-batch. The result is
-//! batch-invariant, as the CPU engine's (`gpt_oss/batch.rs`): row-wise ops (embedding, norms,
-//! biases, RoPE with each token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over
-//! the whole micro-batch, attention runs per sequence over its cache, and the products the CPU
+//! batch-invariant, as the CPU engine's: row-wise ops (embedding, norms, biases, RoPE with each
+//! token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over the whole micro-batch,
+//! attention runs per sequence over its cache ([`Step::attend`]), and the products the CPU
 //! engine sums in another order for a batch than for one token (F32 weights, and the experts
 //! of a layer with F32 experts, which the `moe` op sums by how many tokens route to each) run
-//! per sequence on exactly the rows the sequence alone would have. On
-//! [`hmoe_backend::Ref0`] every sequence's logits are then the CPU engine's bit for bit.
+//! on exactly the rows the CPU engine gives them together ([`Step::matmul`],
+//! [`ExpertSplit`]). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU
+//! engine's bit for bit.
 //!
 //! Device caches: the [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions
-//! only (see [`GptOss::new_position_cache`]); the executor keeps one device cache per handle,
-//! told apart by the handle's own allocation (which stays put while the handle lives, even
-//! when the handle moves). A handle at position 0 starts a new sequence (its device cache is
-//! reallocated when its size differs); one that went back ([`KvCache::truncate`]) continues
-//! from there; one ahead of what the device holds is an error. A dropped handle cannot be
-//! seen, so device caches are freed by need: before a new sequence's cache is allocated, the
-//! least recently used caches of sequences outside the step are freed until the device has
-//! room for it and a micro-batch's scratch buffers ([`DeviceGptOss::scratch_bytes`]), and
-//! again if the allocation still runs out of memory. A handle whose cache was freed can
-//! only start again from position 0 ([`LanguageModel::cache_held`] tells). An owner of every
-//! live handle (the server's slots) names them with [`LanguageModel::retain_caches`]: the
-//! caches of other handles are freed then, and those of busy sequences are never freed to
-//! make room for another.
+//! and the ring geometry of the architecture's CPU cache, no keys or values
+//! ([`DeviceLayers::new_cache`]); the executor keeps one device cache per handle, told apart
+//! by the handle's own allocation (which stays put while the handle lives, even when the
+//! handle moves), with the handle's cells per layer. A handle at position 0 starts a new
+//! sequence (its device cache is reallocated when its size differs); one that went back
+//! ([`KvCache::truncate`]) continues from there; one ahead of what the device holds is an
+//! error. A dropped handle cannot be seen, so device caches are freed by need: before a new
+//! sequence's cache is allocated, the least recently used caches of sequences outside the
+//! step are freed until the device has room for it and a micro-batch's scratch buffers
+//! ([`DeviceModel::scratch_bytes`]), and again if the allocation still runs out of memory. A
+//! handle whose cache was freed can only start again from position 0
+//! ([`LanguageModel::cache_held`] tells). An owner of every live handle (the server's slots)
+//! names them with [`LanguageModel::retain_caches`]: the caches of other handles are freed
+//! then, and those of busy sequences are never freed to make room for another.
 //!
 //! Limits of this executor:
-//! - **K/V types the device keeps** ([`Backend::supports_kv`]; REF0 every `-ctk`/`-ctv` pair):
-//!   a cache of another type is an error (the CLI chooses the CPU engine then).
+//! - **K/V types the device keeps** ([`Backend::supports_kv`]; REF0 every `-ctk`/`-ctv` pair),
+//!   stored and read as the CPU engine's cache does ([`device_kv_layouts`]); a K-only cache
+//!   (DeepSeek's latent cache) is f16. A cache of another type is an error (the CLI chooses
+//!   the CPU engine then).
 //! - **Op offload overlaps large batches only**: a micro-batch of at least the placement's
 //!   `op_offload_min_batch` tokens runs a host layer on the device with the experts it routes
 //!   to uploaded from the file mapping for that batch (on CUDA through pinned buffers that the
@@ -73,30 +75,25 @@
 //!   which it does only while its free memory has room for them ([`PREFETCH_RESERVE_BYTES`]
 //!   more). Smaller batches wait for the routing and upload the chosen experts only.
 
-use std::sync::{Mutex, PoisonError};
+pub(crate) mod blocks;
 
 use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
 
 use hmoe_backend::{
-    AttnParams, Backend, BackendError, GatedAct, KvLayout, KvRing, RopeParams, TransferCounts,
+    AttnParams, Backend, BackendError, GatedAct, KOnlyAttnParams, KvLayout, KvRing, TransferCounts,
 };
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 
-use crate::hybrid::{ExpertTensors, SWIGLU_ALPHA, SWIGLU_LIMIT};
+use crate::hybrid::ExpertTensors;
 use crate::kv_cache::CacheType;
 use crate::{
-    DeviceMemory, ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, GptOss,
-    GptOssParams, KvCache, KvType, LanguageModel, LogitsWanted, ModelError, SeqBatch,
+    DeviceMemory, ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, KvCache, KvType,
+    LanguageModel, LogitsWanted, ModelError, SeqBatch,
 };
 
-/// gpt-oss's expert activation as the contract's `moe` op takes it.
-const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
-    alpha: SWIGLU_ALPHA,
-    limit: SWIGLU_LIMIT,
-};
-
-/// What can go wrong loading or running gpt-oss on a device.
+/// What can go wrong loading or running a model on a device.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     /// The device failed.
@@ -126,38 +123,6 @@ impl From<ExecError> for ModelError {
             }),
         }
     }
-}
-
-/// The RoPE parameters of a gpt-oss model in the kernel's form, equal to those of the CPU
-/// engine's `Rope::new(head_dim, rope_freq_base, yarn)` (YaRN with beta_fast 32, beta_slow 1,
-/// and llama.cpp's attention factor that cancels ggml's own magnitude factor).
-pub fn rope_params(p: &GptOssParams) -> RopeParams {
-    match p.yarn {
-        None => RopeParams::plain(p.head_dim, p.rope_freq_base),
-        Some((factor, n_ctx_orig)) => {
-            let mscale = 0.1 * factor.ln() + 1.0;
-            let attn_factor = mscale * (1.0 / (1.0 + 0.1 * factor.ln()));
-            RopeParams::yarn(
-                p.head_dim,
-                p.rope_freq_base,
-                factor,
-                n_ctx_orig,
-                attn_factor,
-                32.0,
-                1.0,
-            )
-        }
-    }
-}
-
-/// Cells of each layer's K/V ring for a context of `n_ctx` and micro-batches of `n_ubatch`
-/// tokens, as the CPU cache sizes them: a sliding layer keeps `window + n_ubatch` cells (at
-/// most `n_ctx`), a full layer `n_ctx`.
-pub fn kv_cells(p: &GptOssParams, n_ctx: usize, n_ubatch: usize) -> Vec<usize> {
-    let n_ubatch = n_ubatch.max(1);
-    (0..p.n_layer)
-        .map(|l| p.window(l).map_or(n_ctx, |w| n_ctx.min(w + n_ubatch)))
-        .collect()
 }
 
 /// What the device cache must do before a forward pass on a cache handle.
@@ -224,67 +189,122 @@ pub const PREFETCH_RESERVE_BYTES: u64 = 512 << 20;
 /// A weight matrix on the device, `rows × cols`, and whether a micro-batch of several
 /// sequences multiplies it per sequence: F32 weights, whose products the CPU engine sums in
 /// one order for a single token and in another for several.
-struct DevMat<B: Backend> {
+pub(crate) struct DevMat<B: Backend> {
     m: B::Matrix,
     rows: usize,
     cols: usize,
     per_seq: bool,
 }
 
-/// One layer's weights on the device.
-struct LayerWeights<B: Backend> {
-    attn_norm: B::Buf<f32>,
-    wq: DevMat<B>,
-    wk: DevMat<B>,
-    wv: DevMat<B>,
-    wo: DevMat<B>,
-    bq: B::Buf<f32>,
-    bk: B::Buf<f32>,
-    bv: B::Buf<f32>,
-    bo: B::Buf<f32>,
-    sinks: B::Buf<f32>,
-    ffn_norm: B::Buf<f32>,
-    router: DevMat<B>,
-    router_b: B::Buf<f32>,
-    /// The routed experts, for a [`ExpertHome::Device`] layer.
-    experts: Option<B::Moe>,
-    /// Whether the experts are F32 (the `moe` op then runs per sequence of a micro-batch:
-    /// it sums an expert's products in another order when several tokens route to it).
-    experts_per_seq: bool,
+impl<B: Backend> DevMat<B> {
+    /// Bytes it occupies on the device.
+    pub(crate) fn bytes(&self) -> u64 {
+        B::matrix_bytes(&self.m) as u64
+    }
+}
+
+/// Bytes of an f32 buffer on the device.
+pub(crate) fn buf_bytes<B: Backend>(b: &B::Buf<f32>) -> u64 {
+    4 * B::buf_len(b) as u64
+}
+
+/// How a routed-MoE block turns router logits into chosen experts and their weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Gating {
+    /// The top `k` logits (ties to the lower id), softmax over them (gpt-oss).
+    TopKSoftmax,
+    /// Gate probabilities of every expert (softmax or sigmoid), then the contract's
+    /// [`hmoe_backend::Routing`] (a selection-only bias, expert groups, renormalised and
+    /// scaled weights; the `route` op).
+    Scored(hmoe_backend::Gating, hmoe_backend::Routing),
+}
+
+/// A layer's router as the executor runs it: `n_expert` logits per token, `k` chosen.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Router {
+    /// Experts of the layer.
+    pub n_expert: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// How the choice and the weights come from the logits.
+    pub gating: Gating,
+}
+
+impl Router {
+    /// The chosen experts `sel` and their weights `wts` (`k` per token) of router logits
+    /// `scores`, on the device (`bias`: the selection bias of [`Gating::Scored`]).
+    pub(crate) fn route<B: Backend>(
+        &self,
+        dev: &B,
+        scores: &B::Buf<f32>,
+        bias: Option<&B::Buf<f32>>,
+        sel: &mut B::Buf<i32>,
+        wts: &mut B::Buf<f32>,
+    ) -> Result<(), BackendError> {
+        match self.gating {
+            Gating::TopKSoftmax => dev.router_top_k(scores, self.n_expert, self.k, sel, wts),
+            Gating::Scored(gating, routing) => {
+                dev.route(scores, bias, gating, &routing, self.n_expert, sel, wts)
+            }
+        }
+    }
+}
+
+/// Which rows the CPU engine multiplies together by a layer's F32 experts (whose products it
+/// sums in another order when several rows route to one expert): the `moe` op then runs on
+/// each such set of rows alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExpertSplit {
+    /// One sequence's tokens (gpt-oss's host experts group a sequence's rows per expert).
+    PerSequence,
 }
 
 /// A layer's expert inputs on the device for a micro-batch: normed hidden state, router
-/// logits, chosen experts and their weights (of every token), the sequences' rows, and whether
-/// the experts run per sequence (F32 experts, several sequences).
-struct Routing<'a, B: Backend> {
-    h: &'a B::Buf<f32>,
-    scores: &'a B::Buf<f32>,
-    sel: &'a B::Buf<i32>,
-    wts: &'a B::Buf<f32>,
-    groups: &'a [Range<usize>],
-    per_seq: bool,
+/// logits, chosen experts and their weights (of every token), the router, the experts'
+/// activation, and how F32 experts split the batch.
+pub(crate) struct Routed<'a, B: Backend> {
+    /// Normed hidden state, `n × n_embd`.
+    pub h: &'a B::Buf<f32>,
+    /// Router logits, `n × n_expert` (routed again per part when the batch is split).
+    pub scores: &'a B::Buf<f32>,
+    /// The router's selection bias ([`Gating::Scored`]).
+    pub bias: Option<&'a B::Buf<f32>>,
+    /// Chosen experts, `n × k`.
+    pub sel: &'a B::Buf<i32>,
+    /// Their weights, `n × k`.
+    pub wts: &'a B::Buf<f32>,
+    /// The layer's router.
+    pub router: Router,
+    /// The experts' gated activation.
+    pub act: GatedAct,
+    /// How F32 experts split the batch.
+    pub split: ExpertSplit,
 }
 
-/// One layer's K and V rings on the device (each of its [`KvLayout`]'s type and cells).
+/// One layer's K and V rings on the device (each of its [`KvLayout`]'s type and cells); a
+/// K-only cache has no V ring.
 struct LayerKv<B: Backend> {
     k: KvRing<B>,
-    v: KvRing<B>,
+    v: Option<KvRing<B>>,
 }
 
 /// The layouts of one layer's K and V rings of `cells` cells for K/V types `ty`: rows of
-/// `n_head_kv × head_dim` values, rotated as the CPU engine's cache rotates them
-/// ([`KvLayout::rotation`]).
+/// `k_width` and `v_width` values (no V ring for a width of 0, a K-only cache), heads of
+/// `head_dim` rotated as the CPU engine's cache rotates them ([`KvLayout::rotation`]).
 pub fn device_kv_layouts(
-    p: &GptOssParams,
     ty: KvType,
     cells: usize,
-) -> Result<(KvLayout, KvLayout), BackendError> {
-    let (hd, width) = (p.head_dim, p.n_head_kv * p.head_dim);
-    let layout = |t: CacheType, key: bool| {
+    (k_width, v_width): (usize, usize),
+    head_dim: usize,
+) -> Result<(KvLayout, Option<KvLayout>), BackendError> {
+    let layout = |t: CacheType, width: usize, key: bool| {
         let ty = t.ggml_type();
-        KvLayout::new(ty, width, cells, KvLayout::rotation(ty, hd, key))
+        KvLayout::new(ty, width, cells, KvLayout::rotation(ty, head_dim, key))
     };
-    Ok((layout(ty.k(), true)?, layout(ty.v(), false)?))
+    let v = (v_width > 0)
+        .then(|| layout(ty.v(), v_width, false))
+        .transpose()?;
+    Ok((layout(ty.k(), k_width, true)?, v))
 }
 
 /// One sequence's K/V cache on the device.
@@ -293,12 +313,12 @@ struct DeviceKv<B: Backend> {
     handle: usize,
     /// `(n_ctx, n_ubatch)` of the handle it was made for.
     geometry: (usize, usize),
-    /// Its K/V types.
-    ty: KvType,
     /// Positions stored.
     held: usize,
     /// When it was last used ([`State::clock`]).
     last_used: u64,
+    /// Its K/V types.
+    ty: KvType,
     /// Bytes of its K/V buffers.
     bytes: u64,
     layers: Vec<LayerKv<B>>,
@@ -370,16 +390,71 @@ impl<B: Backend> State<B> {
     }
 }
 
-/// gpt-oss with its dense part on a device `B` and each layer's routed experts where an
+/// One architecture's layers on a device, written in the architecture's file over the
+/// contract's ops and the shared [`blocks`]; the executor runs them.
+pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
+    /// The sizes the executor needs.
+    fn dims(&self) -> ModelDims;
+    /// The file(s) the weights live in.
+    fn gguf(&self) -> &GgufModel;
+    /// A cache handle for the device: positions and the CPU cache's ring geometry (cells per
+    /// layer), no keys or values.
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache;
+    /// Floats of K and of V per cell of layer `layer`'s cache.
+    fn kv_widths(&self, layer: usize) -> (usize, usize);
+    /// Layer `layer` over the micro-batch's hidden state `x` (`n × n_embd`), in place.
+    fn layer(
+        &self,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError>;
+    /// The routed experts of layer `layer` as the file stores them (`None`: a layer without).
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>>;
+    /// Runs the routed experts of layer `layer` on the host over the file mapping as the CPU
+    /// engine does (`out = Σ_s w · expert(h)` per token; `batch.groups` are the sequences).
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError>;
+    /// Bytes of the layers' weights on the device (the routed experts not included).
+    fn weight_bytes(&self) -> u64;
+}
+
+/// The sizes of a model the executor needs from its architecture.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ModelDims {
+    /// Layers.
+    pub n_layer: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Vocabulary size.
+    pub n_vocab: usize,
+    /// Context length the model was trained for.
+    pub n_ctx_train: usize,
+    /// Epsilon of the output norm.
+    pub rms_eps: f32,
+    /// Floats of one layer's scratch buffers per token of a micro-batch.
+    pub scratch_per_token: usize,
+    /// Values per K/V head in the cache (what quantized caches rotate and must hold whole
+    /// blocks of).
+    pub kv_head_dim: usize,
+}
+
+/// A model with its dense part on a device `B` and each layer's routed experts where an
 /// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits).
-pub struct DeviceGptOss<B: Backend> {
-    host: GptOss,
+pub struct DeviceModel<B: Backend> {
+    arch: Box<dyn DeviceLayers<B>>,
     dev: B,
-    rope: RopeParams,
     tok_embd: DevMat<B>,
     output_norm: B::Buf<f32>,
     output: DevMat<B>,
-    layers: Vec<LayerWeights<B>>,
+    /// The routed experts of each [`ExpertHome::Device`] layer.
+    experts: Vec<Option<B::Moe>>,
+    /// Whether each layer's routed experts are F32 (see [`ExpertSplit`]).
+    f32_experts: Vec<bool>,
     homes: Vec<ExpertHome>,
     op_offload_min_batch: Option<usize>,
     weight_bytes: u64,
@@ -387,7 +462,11 @@ pub struct DeviceGptOss<B: Backend> {
 }
 
 /// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
-fn upload_matrix<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<DevMat<B>, ExecError> {
+pub(crate) fn upload_matrix<B: Backend>(
+    dev: &B,
+    g: &GgufModel,
+    name: &str,
+) -> Result<DevMat<B>, ExecError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -402,7 +481,11 @@ fn upload_matrix<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<DevMa
 }
 
 /// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32.
-fn upload_f32<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<B::Buf<f32>, ExecError> {
+pub(crate) fn upload_f32<B: Backend>(
+    dev: &B,
+    g: &GgufModel,
+    name: &str,
+) -> Result<B::Buf<f32>, ExecError> {
     let info = g
         .tensor_info(name)
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
@@ -411,84 +494,113 @@ fn upload_f32<B: Backend>(dev: &B, g: &GgufModel, name: &str) -> Result<B::Buf<f
     Ok(dev.upload(&v)?)
 }
 
-impl<B: Backend> DeviceGptOss<B> {
-    /// Loads `gguf` (checked as [`GptOss::load`] checks it) onto `dev`: every dense weight,
-    /// and the routed experts of the layers `placement` puts on the device. The experts of the
-    /// other layers stay in the file mapping and run on the host.
+/// [`upload_f32`] of `name` if the file has it.
+pub(crate) fn upload_f32_opt<B: Backend>(
+    dev: &B,
+    g: &GgufModel,
+    name: &str,
+) -> Result<Option<B::Buf<f32>>, ExecError> {
+    match g.tensor_info(name) {
+        Some(_) => upload_f32(dev, g, name).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The device layers of the architecture `gguf` names, loaded onto `dev`.
+fn load_layers<B: Backend + 'static>(
+    gguf: GgufModel,
+    dev: &B,
+) -> Result<Box<dyn DeviceLayers<B>>, ExecError> {
+    match gguf.metadata().architecture() {
+        Some("gpt-oss") => Ok(Box::new(crate::gpt_oss::DeviceGptOss::load(gguf, dev)?)),
+        Some("deepseek2") => Ok(Box::new(crate::deepseek2::DeviceDeepseek2::load(
+            gguf, dev,
+        )?)),
+        other => Err(ModelError::UnsupportedArch(format!(
+            "{} (no device executor for it)",
+            other.unwrap_or("<missing general.architecture>")
+        ))
+        .into()),
+    }
+}
+
+/// The architectures (`general.architecture`) that have a device layer.
+pub const DEVICE_ARCHS: &[&str] = &["gpt-oss", "deepseek2"];
+
+/// Whether [`DeviceModel::load`] runs the architecture `arch` (`general.architecture`).
+pub fn device_arch(arch: Option<&str>) -> bool {
+    arch.is_some_and(|a| DEVICE_ARCHS.contains(&a))
+}
+
+/// Architectures whose device cache is K-only (DeepSeek's latent cache), which the device
+/// keeps in f16.
+pub const K_ONLY_ARCHS: &[&str] = &["deepseek2"];
+
+/// Whether the device executor keeps a cache of K type `k` and V type `v` for architecture
+/// `arch` (on a device that keeps the pair, [`Backend::supports_kv`]).
+pub fn arch_keeps_kv(arch: Option<&str>, k: CacheType, v: CacheType) -> bool {
+    !arch.is_some_and(|a| K_ONLY_ARCHS.contains(&a)) || (k == CacheType::F16 && v == CacheType::F16)
+}
+
+impl<B: Backend + 'static> DeviceModel<B> {
+    /// Loads `gguf` (checked as the CPU engine checks it) onto `dev`, whichever architecture
+    /// it is ([`device_arch`]): every dense weight, and the routed experts of the layers
+    /// `placement` puts on the device. The experts of the other layers stay in the file
+    /// mapping and run on the host.
     pub fn load(
         gguf: GgufModel,
         dev: B,
         placement: &ExpertPlacement,
-    ) -> Result<DeviceGptOss<B>, ExecError> {
-        let host = GptOss::load(gguf)?;
-        let p = host.params().clone();
-        if placement.layers.len() != p.n_layer {
+    ) -> Result<DeviceModel<B>, ExecError> {
+        let arch = load_layers(gguf, &dev)?;
+        let dims = arch.dims();
+        if placement.layers.len() != dims.n_layer {
             return Err(ExecError::Placement(format!(
                 "{} layer homes for a {}-layer model",
                 placement.layers.len(),
-                p.n_layer
+                dims.n_layer
             )));
         }
-        let g = host.gguf();
-        let mut weight_bytes = 0u64;
-        let mut layers = Vec::with_capacity(p.n_layer);
+        let mut weight_bytes = arch.weight_bytes();
+        let mut experts = Vec::with_capacity(dims.n_layer);
+        let mut f32_experts = Vec::with_capacity(dims.n_layer);
         for (l, home) in placement.layers.iter().enumerate() {
-            let n = |s: &str| format!("blk.{l}.{s}");
-            let m = |s: &str| upload_matrix(&dev, g, &n(s));
-            let f = |s: &str| upload_f32(&dev, g, &n(s));
-            let experts = match home {
-                ExpertHome::Host => None,
-                ExpertHome::Device => Some(dev.upload_moe(&experts_of(&host, l)?, None)?),
+            let t = arch.layer_experts(l);
+            f32_experts.push(t.is_some_and(|t| t.gate.ty == GgmlType::F32));
+            let moe = match (home, t) {
+                (ExpertHome::Device, Some(t)) => Some(dev.upload_moe(&t, None)?),
+                _ => None,
             };
-            let lw = LayerWeights {
-                attn_norm: f("attn_norm.weight")?,
-                wq: m("attn_q.weight")?,
-                wk: m("attn_k.weight")?,
-                wv: m("attn_v.weight")?,
-                wo: m("attn_output.weight")?,
-                bq: f("attn_q.bias")?,
-                bk: f("attn_k.bias")?,
-                bv: f("attn_v.bias")?,
-                bo: f("attn_output.bias")?,
-                sinks: f("attn_sinks.weight")?,
-                ffn_norm: f("post_attention_norm.weight")?,
-                router: m("ffn_gate_inp.weight")?,
-                router_b: f("ffn_gate_inp.bias")?,
-                experts,
-                experts_per_seq: host
-                    .layer_experts(l)
-                    .is_some_and(|t| t.gate.ty == GgmlType::F32),
-            };
-            weight_bytes += layer_bytes::<B>(&lw);
-            layers.push(lw);
+            weight_bytes += moe.as_ref().map_or(0, |m| B::moe_bytes(m) as u64);
+            experts.push(moe);
         }
+        let g = arch.gguf();
         let tok_embd = upload_matrix(&dev, g, "token_embd.weight")?;
-        let output = upload_matrix(&dev, g, "output.weight")?;
+        let head = match g.tensor_info("output.weight") {
+            Some(_) => "output.weight",
+            None => "token_embd.weight",
+        };
+        let output = upload_matrix(&dev, g, head)?;
         let output_norm = upload_f32(&dev, g, "output_norm.weight")?;
-        weight_bytes += (B::matrix_bytes(&tok_embd.m)
-            + B::matrix_bytes(&output.m)
-            + 4 * B::buf_len(&output_norm)) as u64;
+        weight_bytes += tok_embd.bytes() + output.bytes() + buf_bytes::<B>(&output_norm);
         dev.synchronize()?;
-        Ok(DeviceGptOss {
-            rope: rope_params(&p),
+        Ok(DeviceModel {
+            arch,
             dev,
             tok_embd,
             output_norm,
             output,
-            layers,
+            experts,
+            f32_experts,
             homes: placement.layers.clone(),
             op_offload_min_batch: placement.op_offload_min_batch,
             weight_bytes,
             state: Mutex::new(State::default()),
-            host,
         })
     }
+}
 
-    /// The hyperparameters.
-    pub fn params(&self) -> &GptOssParams {
-        self.host.params()
-    }
-
+impl<B: Backend> DeviceModel<B> {
     /// The device.
     pub fn device(&self) -> &B {
         &self.dev
@@ -556,7 +668,7 @@ impl<B: Backend> DeviceGptOss<B> {
 
     /// Runs `tokens` at the next positions of `cache` (a handle from
     /// [`LanguageModel::new_cache`]) and returns `n_vocab` logits per wanted token, as
-    /// [`GptOss::forward`] does.
+    /// the CPU engine's forward does.
     pub fn forward(
         &self,
         cache: &mut KvCache,
@@ -585,7 +697,7 @@ impl<B: Backend> DeviceGptOss<B> {
             };
             let out = self.step(&mut st, std::slice::from_ref(&member))?;
             logits.extend(out.into_iter().flatten());
-            GptOss::advance_positions(cache, chunk.len());
+            cache.advance(chunk.len());
             st.kvs[kv].held = cache.n_past();
         }
         Ok(logits)
@@ -594,7 +706,7 @@ impl<B: Backend> DeviceGptOss<B> {
     /// Runs several sequences in one pass: every sequence's tokens in one micro-batch (one
     /// round trip per CPU-expert layer for all of them), each at the next positions of its own
     /// cache; returns the last token's logits of the sequences that want them (empty vectors
-    /// for the others). Each result equals [`DeviceGptOss::forward`] with
+    /// for the others). Each result equals [`DeviceModel::forward`] with
     /// [`LogitsWanted::Last`] on that sequence alone (see the module docs). As in the CPU
     /// engine, a step with a sequence of no tokens or of more than its cache's micro-batch
     /// runs the sequences one after the other. Every input is checked before anything runs.
@@ -634,16 +746,17 @@ impl<B: Backend> DeviceGptOss<B> {
             .collect::<Result<Vec<_>, ExecError>>()?;
         let out = self.step(&mut st, &members)?;
         for (s, m) in seqs.iter_mut().zip(&members) {
-            GptOss::advance_positions(s.cache, s.tokens.len());
+            s.cache.advance(s.tokens.len());
             st.kvs[m.kv].held = s.cache.n_past();
         }
         Ok(out)
     }
 
     /// Checks a sequence's tokens and cache before anything runs: token ids, room in the
-    /// context, K/V types the device keeps ([`Backend::supports_kv`]) with heads of whole blocks.
+    /// context, K/V types the device keeps ([`Backend::supports_kv`]) with heads of whole
+    /// blocks (f16 for a K-only cache).
     fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), ExecError> {
-        let n_vocab = self.host.params().n_vocab;
+        let n_vocab = self.arch.dims().n_vocab;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(ModelError::BadToken { id, n_vocab }.into());
         }
@@ -656,7 +769,15 @@ impl<B: Backend> DeviceGptOss<B> {
             .into());
         }
         let ty = cache.kv_type();
-        let hd = self.host.params().head_dim;
+        let (k_width, v_width) = self.arch.kv_widths(0);
+        let k_only = v_width == 0 && k_width > 0;
+        if k_only && (ty.k() != CacheType::F16 || ty.v() != CacheType::F16) {
+            return Err(ExecError::Cache(format!(
+                "K {} / V {}: the device keeps a K-only (latent) cache in f16 only",
+                ty.k(),
+                ty.v()
+            )));
+        }
         if !self.dev.supports_kv(ty.k().ggml_type(), ty.v().ggml_type()) {
             return Err(ExecError::Cache(format!(
                 "K {} / V {}: {} does not keep this K/V cache",
@@ -665,6 +786,7 @@ impl<B: Backend> DeviceGptOss<B> {
                 self.dev.name()
             )));
         }
+        let hd = self.arch.dims().kv_head_dim;
         for (which, t) in [("K", ty.k()), ("V", ty.v())] {
             if !hd.is_multiple_of(t.block_elems()) {
                 return Err(ExecError::Cache(format!(
@@ -682,11 +804,8 @@ impl<B: Backend> DeviceGptOss<B> {
     /// The per-sequence copies of a batch of several sequences take at most as much again,
     /// which the estimate counts too.
     pub fn scratch_bytes(&self, n_tokens: usize) -> u64 {
-        let p = self.host.params();
-        let (qw, kvw) = (p.n_head * p.head_dim, p.n_head_kv * p.head_dim);
-        let k = p.n_expert_used;
-        let per_token = 5 * p.n_embd + 2 * qw + 2 * kvw + p.n_expert + 2 * k;
-        (4 * n_tokens * (2 * per_token + p.n_embd + p.n_vocab)) as u64
+        let d = self.arch.dims();
+        (4 * n_tokens * (2 * d.scratch_per_token + d.n_embd + d.n_vocab)) as u64
     }
 
     /// Makes a device cache stand for `cache` (see [`kv_action`]); the caches of the handles
@@ -719,24 +838,27 @@ impl<B: Backend> DeviceGptOss<B> {
                 if let Some(i) = at {
                     st.kvs.swap_remove(i);
                 }
-                let p = self.host.params();
-                let cells = kv_cells(p, geometry.0, geometry.1);
-                let layouts = |cells: usize| device_kv_layouts(p, ty, cells);
-                let kv_bytes: usize = (cells.iter())
-                    .map(|&c| layouts(c).map(|(k, v)| k.bytes() + v.bytes()))
-                    .sum::<Result<_, _>>()?;
-                let need = kv_bytes as u64 + self.scratch_bytes(geometry.1);
+                // The CPU cache's rings: the handle's cells per layer.
+                let hd = self.arch.dims().kv_head_dim;
+                let rings = (cache.layers.iter().enumerate())
+                    .map(|(l, layer)| {
+                        device_kv_layouts(ty, layer.cells, self.arch.kv_widths(l), hd)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let kv_bytes = (rings.iter())
+                    .map(|(k, v)| k.bytes() + v.as_ref().map_or(0, KvLayout::bytes))
+                    .sum::<usize>() as u64;
+                let need = kv_bytes + self.scratch_bytes(geometry.1);
                 while self.dev.free_memory()?.is_some_and(|free| free < need) && st.evict_idle(keep)
                 {
                 }
                 let alloc = || {
-                    cells
+                    rings
                         .iter()
-                        .map(|&cells| {
-                            let (k, v) = layouts(cells)?;
+                        .map(|(k, v)| {
                             Ok(LayerKv {
-                                k: self.dev.kv_alloc(k)?,
-                                v: self.dev.kv_alloc(v)?,
+                                k: self.dev.kv_alloc(*k)?,
+                                v: v.map(|v| self.dev.kv_alloc(v)).transpose()?,
                             })
                         })
                         .collect::<Result<Vec<_>, BackendError>>()
@@ -750,10 +872,10 @@ impl<B: Backend> DeviceGptOss<B> {
                 st.kvs.push(DeviceKv {
                     handle,
                     geometry,
-                    ty,
                     held: 0,
                     last_used: clock,
-                    bytes: kv_bytes as u64,
+                    ty,
+                    bytes: kv_bytes,
                     layers,
                 });
                 Ok(())
@@ -800,10 +922,7 @@ impl<B: Backend> DeviceGptOss<B> {
     /// cache): every layer, then the logits each member wants (empty for `None`).
     fn step(&self, st: &mut State<B>, members: &[Member<'_>]) -> Result<Vec<Vec<f32>>, ExecError> {
         let dev = &self.dev;
-        let p = self.host.params();
-        let (d, hd) = (p.n_embd, p.head_dim);
-        let (qw, kvw) = (p.n_head * hd, p.n_head_kv * hd);
-        let (ne, k_used) = (p.n_expert, p.n_expert_used);
+        let dims = self.arch.dims();
         let mut groups = Vec::with_capacity(members.len());
         let mut n = 0;
         for m in members {
@@ -823,101 +942,22 @@ impl<B: Backend> DeviceGptOss<B> {
         }
         let ids = dev.upload(&ids)?;
         let pos = dev.upload(&positions)?;
-        let mut x = dev.alloc::<f32>(n * d)?;
+        let mut x = dev.alloc::<f32>(n * dims.n_embd)?;
         dev.get_rows(&self.tok_embd.m, &ids, &mut x)?;
-        let mut h = dev.alloc::<f32>(n * d)?;
-        let mut q = dev.alloc::<f32>(n * qw)?;
-        let mut k = dev.alloc::<f32>(n * kvw)?;
-        let mut v = dev.alloc::<f32>(n * kvw)?;
-        let mut att = dev.alloc::<f32>(n * qw)?;
-        let mut o = dev.alloc::<f32>(n * d)?;
-        let mut scores = dev.alloc::<f32>(n * ne)?;
-        let mut sel = dev.alloc::<i32>(n * k_used)?;
-        let mut wts = dev.alloc::<f32>(n * k_used)?;
-        let mut moe = dev.alloc::<f32>(n * d)?;
-        let scale = 1.0 / (hd as f32).sqrt();
         let offload = self.op_offload_min_batch.is_some_and(|m| n >= m);
-        let upload_all = offload && n * k_used >= PREFETCH_ROUTES_PER_EXPERT * ne;
-        // The next host layer's experts, uploading while the layers before it run.
-        let mut prefetched: Option<(usize, B::Moe)> = None;
-        for (l, lw) in self.layers.iter().enumerate() {
-            dev.rms_norm(&x, &lw.attn_norm, p.rms_eps, &mut h)?;
-            self.matmul(&lw.wq, &h, &groups, &mut q)?;
-            dev.add_bias(&mut q, &lw.bq)?;
-            self.matmul(&lw.wk, &h, &groups, &mut k)?;
-            dev.add_bias(&mut k, &lw.bk)?;
-            self.matmul(&lw.wv, &h, &groups, &mut v)?;
-            dev.add_bias(&mut v, &lw.bv)?;
-            dev.rope_neox(&mut q, &pos, p.n_head, hd, &self.rope)?;
-            dev.rope_neox(&mut k, &pos, p.n_head_kv, hd, &self.rope)?;
-            for (m, g) in members.iter().zip(&groups) {
-                let kv = st
-                    .kvs
-                    .get_mut(m.kv)
-                    .and_then(|kv| kv.layers.get_mut(l))
-                    .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
-                let ap = AttnParams {
-                    n_head: p.n_head,
-                    n_head_kv: p.n_head_kv,
-                    head_dim: hd,
-                    cells: kv.k.layout.cells,
-                    window: p.window(l),
-                    scale,
-                };
-                let nt = g.len();
-                if members.len() == 1 {
-                    dev.kv_store(&k, &mut kv.k, nt, m.pos0)?;
-                    dev.kv_store(&v, &mut kv.v, nt, m.pos0)?;
-                    dev.attention(&ap, &q, &kv.k, &kv.v, Some(&lw.sinks), nt, m.pos0, &mut att)?;
-                    continue;
-                }
-                let ks = dev.copy_range(&k, g.start * kvw..g.end * kvw)?;
-                let vs = dev.copy_range(&v, g.start * kvw..g.end * kvw)?;
-                let qs = dev.copy_range(&q, g.start * qw..g.end * qw)?;
-                dev.kv_store(&ks, &mut kv.k, nt, m.pos0)?;
-                dev.kv_store(&vs, &mut kv.v, nt, m.pos0)?;
-                let mut a = dev.alloc::<f32>(nt * qw)?;
-                dev.attention(&ap, &qs, &kv.k, &kv.v, Some(&lw.sinks), nt, m.pos0, &mut a)?;
-                dev.copy_into(&a, &mut att, g.start * qw)?;
-            }
-            self.matmul(&lw.wo, &att, &groups, &mut o)?;
-            dev.add_bias(&mut o, &lw.bo)?;
-            dev.add_assign(&mut x, &o)?;
-            dev.rms_norm(&x, &lw.ffn_norm, p.rms_eps, &mut h)?;
-            self.matmul(&lw.router, &h, &groups, &mut scores)?;
-            dev.add_bias(&mut scores, &lw.router_b)?;
-            dev.router_top_k(&scores, ne, k_used, &mut sel, &mut wts)?;
-            let per_seq = lw.experts_per_seq && groups.len() > 1;
-            let routed = Routing {
-                h: &h,
-                scores: &scores,
-                sel: &sel,
-                wts: &wts,
-                groups: &groups,
-                per_seq,
-            };
-            match &lw.experts {
-                Some(experts) => self.device_moe(experts, &routed, &mut moe)?,
-                None if upload_all => {
-                    let w = match prefetched.take() {
-                        Some((pl, w)) if pl == l => w,
-                        _ => self.upload_offloaded(st, l, None)?,
-                    };
-                    self.device_moe(&w, &routed, &mut moe)?;
-                    // Queued behind this layer's work: the next host layer's upload, which
-                    // the CPU pool gathers while the device computes.
-                    let next =
-                        (l + 1..self.layers.len()).find(|&j| self.layers[j].experts.is_none());
-                    if let Some(nl) = next.filter(|&nl| self.room_for_experts(nl)) {
-                        prefetched = Some((nl, self.upload_offloaded(st, nl, None)?));
-                        st.stats.prefetched_layers += 1;
-                    }
-                }
-                None if offload => self.offloaded_experts(st, l, &routed, &mut moe)?,
-                None => self.host_experts(st, l, &routed, &mut moe)?,
-            }
-            dev.add_assign(&mut x, &moe)?;
+        let mut cx = Step {
+            model: self,
+            st,
+            members,
+            groups,
+            pos,
+            offload,
+            prefetched: None,
+        };
+        for l in 0..dims.n_layer {
+            self.arch.layer(&mut cx, l, &mut x)?;
         }
+        let Step { st, groups, .. } = cx;
         st.stats.ubatches += 1;
         self.logits(members, &groups, x)
     }
@@ -932,7 +972,7 @@ impl<B: Backend> DeviceGptOss<B> {
         x: B::Buf<f32>,
     ) -> Result<Vec<Vec<f32>>, ExecError> {
         let dev = &self.dev;
-        let p = self.host.params();
+        let p = self.arch.dims();
         let d = p.n_embd;
         // Rows of `x` wanted, per member.
         let wanted: Vec<Option<Range<usize>>> = members
@@ -980,29 +1020,262 @@ impl<B: Backend> DeviceGptOss<B> {
             })
             .collect())
     }
+}
 
-    /// The `moe` op of a layer over the whole micro-batch, or, when the routing says so
-    /// ([`Routing::per_seq`]), per sequence: each sequence's rows with its own routing.
+/// One micro-batch in flight: what a [`DeviceLayers::layer`] runs its ops through (the
+/// device, the batch's rows per sequence, their positions and device caches, the experts).
+pub(crate) struct Step<'s, B: Backend> {
+    model: &'s DeviceModel<B>,
+    st: &'s mut State<B>,
+    members: &'s [Member<'s>],
+    groups: Vec<Range<usize>>,
+    pos: B::Buf<i32>,
+    /// Whether host layers run on the device for this batch (op offload).
+    offload: bool,
+    /// The next host layer's experts, uploading while the layers before it run.
+    prefetched: Option<(usize, B::Moe)>,
+}
+
+/// The shape of one attention call, less the cache's cells (the executor's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttnShape {
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads.
+    pub n_head_kv: usize,
+    /// Dims per head.
+    pub head_dim: usize,
+    /// Sliding window (`None`: causal over everything).
+    pub window: Option<usize>,
+    /// Score scale.
+    pub scale: f32,
+}
+
+impl<'s, B: Backend> Step<'s, B> {
+    /// The device.
+    pub(crate) fn dev(&self) -> &'s B {
+        &self.model.dev
+    }
+
+    /// Tokens in the micro-batch.
+    pub(crate) fn n_tokens(&self) -> usize {
+        self.groups.last().map_or(0, |g| g.end)
+    }
+
+    /// Each token's position.
+    pub(crate) fn positions(&self) -> &B::Buf<i32> {
+        &self.pos
+    }
+
+    /// A zeroed buffer of `width` floats per token.
+    pub(crate) fn alloc(&self, width: usize) -> Result<B::Buf<f32>, ExecError> {
+        Ok(self.dev().alloc::<f32>(self.n_tokens() * width)?)
+    }
+
+    /// `y = W·x` over the micro-batch, per sequence for weights that need it ([`DevMat`]).
+    pub(crate) fn matmul(
+        &self,
+        w: &DevMat<B>,
+        x: &B::Buf<f32>,
+        y: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        self.model.matmul(w, x, &self.groups, y)
+    }
+
+    /// Stores the batch's keys `k` and values `v` in layer `layer`'s cache of each sequence
+    /// and attends each sequence's queries `q` over it (with a sink logit per head when
+    /// `sinks` is given) into `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend(
+        &mut self,
+        layer: usize,
+        shape: &AttnShape,
+        q: &B::Buf<f32>,
+        k: &B::Buf<f32>,
+        v: &B::Buf<f32>,
+        sinks: Option<&B::Buf<f32>>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = self.dev();
+        let hd = shape.head_dim;
+        let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
+        let single = self.members.len() == 1;
+        for (m, g) in self.members.iter().zip(&self.groups) {
+            let kv = (self.st.kvs.get_mut(m.kv))
+                .and_then(|kv| kv.layers.get_mut(layer))
+                .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
+            let LayerKv {
+                k: k_ring,
+                v: Some(v_ring),
+            } = kv
+            else {
+                return Err(ExecError::Cache("a K-only cache for K/V attention".into()));
+            };
+            let ap = AttnParams {
+                n_head: shape.n_head,
+                n_head_kv: shape.n_head_kv,
+                head_dim: hd,
+                cells: k_ring.layout.cells,
+                window: shape.window,
+                scale: shape.scale,
+            };
+            let nt = g.len();
+            if single {
+                dev.kv_store(k, k_ring, nt, m.pos0)?;
+                dev.kv_store(v, v_ring, nt, m.pos0)?;
+                dev.attention(&ap, q, k_ring, v_ring, sinks, nt, m.pos0, out)?;
+                continue;
+            }
+            let ks = dev.copy_range(k, g.start * kvw..g.end * kvw)?;
+            let vs = dev.copy_range(v, g.start * kvw..g.end * kvw)?;
+            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            dev.kv_store(&ks, k_ring, nt, m.pos0)?;
+            dev.kv_store(&vs, v_ring, nt, m.pos0)?;
+            let mut a = dev.alloc::<f32>(nt * qw)?;
+            dev.attention(&ap, &qs, k_ring, v_ring, sinks, nt, m.pos0, &mut a)?;
+            dev.copy_into(&a, out, g.start * qw)?;
+        }
+        Ok(())
+    }
+
+    /// One matrix per head ([`Backend::matmul_heads`]) over the micro-batch: per sequence
+    /// for weights whose products go per sequence ([`DevMat`]) when every head's input is its
+    /// whole row (then the order depends on the rows multiplied together).
+    pub(crate) fn matmul_heads(
+        &self,
+        w: &DevMat<B>,
+        x: &B::Buf<f32>,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = self.dev();
+        let contiguous = x_stride == w.cols;
+        if !(w.per_seq && contiguous) || self.groups.len() == 1 {
+            return Ok(dev.matmul_heads(&w.m, x, self.n_tokens(), n_heads, x_stride, y)?);
+        }
+        for g in &self.groups {
+            let xs = dev.copy_range(x, g.start * n_heads * x_stride..g.end * n_heads * x_stride)?;
+            let mut ys = dev.alloc::<f32>(g.len() * w.rows)?;
+            dev.matmul_heads(&w.m, &xs, g.len(), n_heads, x_stride, &mut ys)?;
+            dev.copy_into(&ys, y, g.start * w.rows)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the batch's keys `k` (`p.k_dim` a token) in layer `layer`'s K-only cache of
+    /// each sequence and attends each sequence's queries `q` over it
+    /// ([`Backend::attention_k_only`]; `p.cells` is taken from the cache) into `out`.
+    pub(crate) fn attend_k_only(
+        &mut self,
+        layer: usize,
+        p: &KOnlyAttnParams,
+        q: &B::Buf<f32>,
+        k: &B::Buf<f32>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = self.dev();
+        let (qw, kw, ow) = (p.n_head * p.k_dim, p.k_dim, p.n_head * p.v_dim);
+        let single = self.members.len() == 1;
+        for (m, g) in self.members.iter().zip(&self.groups) {
+            let kv = (self.st.kvs.get_mut(m.kv))
+                .and_then(|kv| kv.layers.get_mut(layer))
+                .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
+            let ap = KOnlyAttnParams {
+                cells: kv.k.layout.cells,
+                ..*p
+            };
+            let nt = g.len();
+            if single {
+                dev.kv_store(k, &mut kv.k, nt, m.pos0)?;
+                dev.attention_k_only(&ap, q, &kv.k, nt, m.pos0, out)?;
+                continue;
+            }
+            let ks = dev.copy_range(k, g.start * kw..g.end * kw)?;
+            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            dev.kv_store(&ks, &mut kv.k, nt, m.pos0)?;
+            let mut a = dev.alloc::<f32>(nt * ow)?;
+            dev.attention_k_only(&ap, &qs, &kv.k, nt, m.pos0, &mut a)?;
+            dev.copy_into(&a, out, g.start * ow)?;
+        }
+        Ok(())
+    }
+
+    /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for F32
+    /// experts, each part of [`ExpertSplit`] alone (`None`: the whole batch).
+    fn moe_parts(&self, layer: usize, split: ExpertSplit) -> Option<Vec<Range<usize>>> {
+        if !self.model.f32_experts.get(layer).copied().unwrap_or(false) {
+            return None;
+        }
+        match split {
+            ExpertSplit::PerSequence if self.groups.len() > 1 => Some(self.groups.clone()),
+            _ => None,
+        }
+    }
+
+    /// The weighted sum of layer `layer`'s routed experts for the batch into `out`, wherever
+    /// the placement puts them: the `moe` op over the device's experts; a host layer's
+    /// experts uploaded for the batch (op offload; every expert, with the next host layer's
+    /// upload queued behind, when the batch routes to nearly all); or one round trip to the
+    /// host.
+    pub(crate) fn experts(
+        &mut self,
+        layer: usize,
+        r: &Routed<'_, B>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let model = self.model;
+        let parts = self.moe_parts(layer, r.split);
+        if let Some(Some(experts)) = model.experts.get(layer) {
+            return self.device_moe(experts, r, parts.as_deref(), out);
+        }
+        let n = self.n_tokens();
+        let upload_all =
+            self.offload && n * r.router.k >= PREFETCH_ROUTES_PER_EXPERT * r.router.n_expert;
+        if upload_all {
+            let w = match self.prefetched.take() {
+                Some((pl, w)) if pl == layer => w,
+                _ => self.upload_offloaded(layer, None)?,
+            };
+            self.device_moe(&w, r, parts.as_deref(), out)?;
+            // Queued behind this layer's work: the next host layer's upload, which the CPU
+            // pool gathers while the device computes.
+            let next = (layer + 1..model.homes.len()).find(|&j| model.experts[j].is_none());
+            if let Some(nl) = next.filter(|&nl| self.room_for_experts(nl)) {
+                self.prefetched = Some((nl, self.upload_offloaded(nl, None)?));
+                self.st.stats.prefetched_layers += 1;
+            }
+            return Ok(());
+        }
+        if self.offload {
+            return self.offloaded_experts(layer, r, parts.as_deref(), out);
+        }
+        self.host_experts(layer, r, out)
+    }
+
+    /// The `moe` op of a layer over the whole micro-batch, or, with `parts`, over each part
+    /// alone with its own routing.
     fn device_moe(
         &self,
         w: &B::Moe,
-        r: &Routing<'_, B>,
+        r: &Routed<'_, B>,
+        parts: Option<&[Range<usize>]>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
-        let dev = &self.dev;
-        let p = self.host.params();
-        let (d, ne, k) = (p.n_embd, p.n_expert, p.n_expert_used);
-        if !r.per_seq {
-            return Ok(dev.moe(w, EXPERT_ACT, r.h, r.sel, r.wts, k, out)?);
-        }
-        for g in r.groups {
+        let dev = self.dev();
+        let d = self.model.arch.dims().n_embd;
+        let (ne, k) = (r.router.n_expert, r.router.k);
+        let Some(parts) = parts else {
+            return Ok(dev.moe(w, r.act, r.h, r.sel, r.wts, k, out)?);
+        };
+        for g in parts {
             let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
             let ss = dev.copy_range(r.scores, g.start * ne..g.end * ne)?;
             let mut sel = dev.alloc::<i32>(g.len() * k)?;
             let mut wts = dev.alloc::<f32>(g.len() * k)?;
-            dev.router_top_k(&ss, ne, k, &mut sel, &mut wts)?;
+            r.router.route(dev, &ss, r.bias, &mut sel, &mut wts)?;
             let mut o = dev.alloc::<f32>(g.len() * d)?;
-            dev.moe(w, EXPERT_ACT, &hs, &sel, &wts, k, &mut o)?;
+            dev.moe(w, r.act, &hs, &sel, &wts, k, &mut o)?;
             dev.copy_into(&o, out, g.start * d)?;
         }
         Ok(())
@@ -1012,11 +1285,11 @@ impl<B: Backend> DeviceGptOss<B> {
     /// now and [`PREFETCH_RESERVE_BYTES`] (always, on a backend without a limit; never, if the
     /// free memory cannot be read).
     fn room_for_experts(&self, layer: usize) -> bool {
-        let Ok(t) = experts_of(&self.host, layer) else {
+        let Ok(t) = experts_of(self.model.arch.as_ref(), layer) else {
             return false;
         };
         let need = t.n_expert as u64 * t.expert_bytes() + PREFETCH_RESERVE_BYTES;
-        match self.dev.free_memory() {
+        match self.dev().free_memory() {
             Ok(free) => free.is_none_or(|free| free >= need),
             Err(_) => false,
         }
@@ -1025,48 +1298,48 @@ impl<B: Backend> DeviceGptOss<B> {
     /// The experts `ids` (every one when `None`) of host layer `layer` on the device, uploaded
     /// from the file mapping for op offload and counted in the stats.
     fn upload_offloaded(
-        &self,
-        st: &mut State<B>,
+        &mut self,
         layer: usize,
         ids: Option<&[usize]>,
     ) -> Result<B::Moe, ExecError> {
-        let t = experts_of(&self.host, layer)?;
-        let w = self.dev.upload_moe(&t, ids)?;
+        let t = experts_of(self.model.arch.as_ref(), layer)?;
+        let w = self.dev().upload_moe(&t, ids)?;
         let n = ids.map_or(t.n_expert, <[usize]>::len) as u64;
-        st.stats.offloaded_layers += 1;
-        st.stats.offloaded_experts += n;
-        st.stats.offload_bytes += n * t.expert_bytes();
+        let stats = &mut self.st.stats;
+        stats.offloaded_layers += 1;
+        stats.offloaded_experts += n;
+        stats.offload_bytes += n * t.expert_bytes();
         Ok(w)
     }
 
     /// Op offload of a host layer for a large micro-batch: the chosen experts come down (one
     /// small copy), the experts they name are uploaded from the file mapping (each once, in
     /// ascending id order) with the ids renumbered to match, and the layer runs on the device
-    /// (per sequence when [`Routing::per_seq`], each with its share of the renumbered ids).
+    /// (on each of `parts` alone when given, each with its share of the renumbered ids).
     fn offloaded_experts(
-        &self,
-        st: &mut State<B>,
+        &mut self,
         layer: usize,
-        r: &Routing<'_, B>,
+        r: &Routed<'_, B>,
+        parts: Option<&[Range<usize>]>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
-        let dev = &self.dev;
-        let p = self.host.params();
-        let (d, k) = (p.n_embd, p.n_expert_used);
+        let dev = self.dev();
+        let d = self.model.arch.dims().n_embd;
+        let k = r.router.k;
         let chosen = dev.download(r.sel)?;
-        let (ids, remapped) = compact_ids(&chosen, p.n_expert);
-        let w = self.upload_offloaded(st, layer, Some(&ids))?;
-        if !r.per_seq {
+        let (ids, remapped) = compact_ids(&chosen, r.router.n_expert);
+        let w = self.upload_offloaded(layer, Some(&ids))?;
+        let Some(parts) = parts else {
             let sel = dev.upload(&remapped)?;
-            dev.moe(&w, EXPERT_ACT, r.h, &sel, r.wts, k, out)?;
+            dev.moe(&w, r.act, r.h, &sel, r.wts, k, out)?;
             return Ok(());
-        }
-        for g in r.groups {
+        };
+        for g in parts {
             let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
             let wts = dev.copy_range(r.wts, g.start * k..g.end * k)?;
             let sel = dev.upload(&remapped[g.start * k..g.end * k])?;
             let mut o = dev.alloc::<f32>(g.len() * d)?;
-            dev.moe(&w, EXPERT_ACT, &hs, &sel, &wts, k, &mut o)?;
+            dev.moe(&w, r.act, &hs, &sel, &wts, k, &mut o)?;
             dev.copy_into(&o, out, g.start * d)?;
         }
         Ok(())
@@ -1074,19 +1347,18 @@ impl<B: Backend> DeviceGptOss<B> {
 
     /// The round trip of a host layer: the normed hidden state and the routing of every
     /// token of the micro-batch down through pinned buffers in one copy, the layer's experts
-    /// on the host (F32 products per sequence, as the CPU engine computes them), the sum up
-    /// into `out`.
+    /// on the host (as the CPU engine computes them for each sequence), the sum up into `out`.
     fn host_experts(
-        &self,
-        st: &mut State<B>,
+        &mut self,
         layer: usize,
-        r: &Routing<'_, B>,
+        r: &Routed<'_, B>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
-        let dev = &self.dev;
-        let p = self.host.params();
-        let (d, k_used) = (p.n_embd, p.n_expert_used);
-        let n = r.groups.last().map_or(0, |g| g.end);
+        let dev = self.dev();
+        let d = self.model.arch.dims().n_embd;
+        let k_used = r.router.k;
+        let n = self.n_tokens();
+        let st = &mut *self.st;
         if st.io.as_ref().is_none_or(|io| io.n != n) {
             st.io = None;
             st.io = Some(HostIo {
@@ -1105,9 +1377,11 @@ impl<B: Backend> DeviceGptOss<B> {
             selected: &selected,
             weights: staged.w,
             n_used: k_used,
-            groups: r.groups,
+            groups: &self.groups,
         };
-        self.host.run_host_experts(layer, &batch, staged.out)?;
+        self.model
+            .arch
+            .run_host_experts(layer, &batch, staged.out)?;
         dev.stage_up(io, out)?;
         st.stats.host_round_trips += 1;
         st.stats.bytes_to_host += 4 * (n * d + 2 * n * k_used) as u64;
@@ -1116,9 +1390,12 @@ impl<B: Backend> DeviceGptOss<B> {
     }
 }
 
-/// The routed experts of layer `layer` of `host`, or a placement error for a layer without.
-fn experts_of(host: &GptOss, layer: usize) -> Result<ExpertTensors<'_>, ExecError> {
-    host.layer_experts(layer)
+/// The routed experts of layer `layer`, or a placement error for a layer without.
+fn experts_of<B: Backend>(
+    arch: &dyn DeviceLayers<B>,
+    layer: usize,
+) -> Result<ExpertTensors<'_>, ExecError> {
+    arch.layer_experts(layer)
         .ok_or_else(|| ExecError::Placement(format!("layer {layer} has no experts")))
 }
 
@@ -1140,39 +1417,16 @@ pub(crate) fn compact_ids(chosen: &[i32], n_expert: usize) -> (Vec<usize>, Vec<i
     (ids, remapped)
 }
 
-/// Bytes of one layer's weights on the device.
-fn layer_bytes<B: Backend>(lw: &LayerWeights<B>) -> u64 {
-    let mats = [&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.router]
-        .iter()
-        .map(|m| B::matrix_bytes(&m.m))
-        .sum::<usize>();
-    let vecs = [
-        &lw.attn_norm,
-        &lw.bq,
-        &lw.bk,
-        &lw.bv,
-        &lw.bo,
-        &lw.sinks,
-        &lw.ffn_norm,
-        &lw.router_b,
-    ]
-    .iter()
-    .map(|v| 4 * B::buf_len(*v))
-    .sum::<usize>();
-    let experts = lw.experts.as_ref().map_or(0, B::moe_bytes);
-    (mats + vecs + experts) as u64
-}
-
-impl<B: Backend> LanguageModel for DeviceGptOss<B> {
+impl<B: Backend> LanguageModel for DeviceModel<B> {
     fn n_vocab(&self) -> usize {
-        self.host.params().n_vocab
+        self.arch.dims().n_vocab
     }
     fn n_ctx_train(&self) -> usize {
-        self.host.params().n_ctx_train
+        self.arch.dims().n_ctx_train
     }
     /// A handle of the device cache: positions only (see the module docs).
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        self.host.new_position_cache(ty, n_ctx, n_ubatch)
+        self.arch.new_cache(ty, n_ctx, n_ubatch)
     }
     fn forward(
         &self,
@@ -1180,84 +1434,71 @@ impl<B: Backend> LanguageModel for DeviceGptOss<B> {
         tokens: &[u32],
         wanted: LogitsWanted,
     ) -> Result<Vec<f32>, ModelError> {
-        Ok(DeviceGptOss::<B>::forward(self, cache, tokens, wanted)?)
+        Ok(DeviceModel::<B>::forward(self, cache, tokens, wanted)?)
     }
     fn gguf(&self) -> &GgufModel {
-        self.host.gguf()
+        self.arch.gguf()
     }
     fn device_stats(&self) -> Option<ExecStats> {
         Some(self.stats())
     }
     fn device_memory(&self) -> Option<DeviceMemory> {
-        DeviceGptOss::<B>::device_memory(self).ok()
+        DeviceModel::<B>::device_memory(self).ok()
     }
     fn retain_caches(&self, busy: &[&KvCache], idle: &[&KvCache]) {
-        DeviceGptOss::<B>::retain_caches(self, busy, idle)
+        DeviceModel::<B>::retain_caches(self, busy, idle)
     }
     fn cache_held(&self, cache: &KvCache) -> bool {
-        DeviceGptOss::<B>::cache_held(self, cache)
+        DeviceModel::<B>::cache_held(self, cache)
     }
     /// Every sequence's tokens in one micro-batch, each over its own device cache (see
-    /// [`DeviceGptOss::forward_multi`]).
+    /// [`DeviceModel::forward_multi`]).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        Ok(DeviceGptOss::<B>::forward_multi(self, seqs)?)
+        Ok(DeviceModel::<B>::forward_multi(self, seqs)?)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::Rope;
-
-    fn params(yarn: Option<(f32, u32)>) -> GptOssParams {
-        GptOssParams {
-            n_layer: 4,
-            n_embd: 2880,
-            n_head: 64,
-            n_head_kv: 8,
-            head_dim: 64,
-            n_vocab: 201_088,
-            n_expert: 128,
-            n_expert_used: 4,
-            n_ff_exp: 2880,
-            sliding_window: 128,
-            rms_eps: 1e-5,
-            rope_freq_base: 150_000.0,
-            yarn,
-            n_ctx_train: 131_072,
-        }
-    }
+    use crate::ops::{Rope, RopeScaling};
 
     /// The kernel's cos/sin (computed on the host as the kernel does) are the CPU engine's,
-    /// bit for bit, for gpt-oss's YaRN and for plain RoPE.
+    /// bit for bit, for gpt-oss's YaRN, for Qwen3's long-context YaRN, for linear scaling
+    /// and for plain RoPE.
     #[test]
-    fn rope_params_match_the_cpu_engine() {
-        for yarn in [Some((32.0, 4096)), None] {
-            let p = params(yarn);
-            let rp = rope_params(&p);
-            let rope = Rope::new(p.head_dim, p.rope_freq_base, p.yarn);
+    fn device_rope_params_match_the_cpu_engine() {
+        let yarn_qwen = RopeScaling::Yarn {
+            factor: 4.0,
+            n_ctx_orig: 32_768,
+            attn_factor: 1.0 / (1.0 + 0.1 * 4f32.ln()) * (0.1 * 4f32.ln() + 1.0),
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        };
+        let ropes = [
+            Rope::new(64, 150_000.0, Some((32.0, 4096))),
+            Rope::new(64, 150_000.0, None),
+            Rope::scaled(128, 1e6, yarn_qwen),
+            Rope::scaled(64, 10_000.0, RopeScaling::Linear { factor: 2.0 }),
+        ];
+        for rope in &ropes {
+            let rp = rope.device_params().expect("no frequency factors");
             let mut cs = Vec::new();
             for pos in [0usize, 1, 2, 17, 127, 128, 4095, 4096, 70_000, 131_071] {
                 rope.cache(pos, &mut cs);
-                assert_eq!(cs.len(), p.head_dim / 2);
+                assert_eq!(cs.len(), rp.n_dims / 2);
                 for (pair, &(c, s)) in cs.iter().enumerate() {
                     let (gc, gs) = rp.cos_sin(pos as i32, pair);
                     assert_eq!(
                         (gc.to_bits(), gs.to_bits()),
                         (c.to_bits(), s.to_bits()),
-                        "yarn {yarn:?} pos {pos} pair {pair}: ({gc}, {gs}) vs ({c}, {s})"
+                        "{rope:?} pos {pos} pair {pair}: ({gc}, {gs}) vs ({c}, {s})"
                     );
                 }
             }
         }
-    }
-
-    #[test]
-    fn kv_rings_are_sized_as_the_cpu_cache() {
-        let p = params(None);
-        assert_eq!(kv_cells(&p, 4096, 512), vec![640, 4096, 640, 4096]);
-        assert_eq!(kv_cells(&p, 300, 512), vec![300; 4], "never above n_ctx");
-        assert_eq!(kv_cells(&p, 4096, 0), vec![129, 4096, 129, 4096]);
+        let factors = Rope::new(8, 10_000.0, None).with_freq_factors(vec![1.0; 4]);
+        assert!(factors.device_params().is_none(), "frequency factors");
     }
 
     #[test]

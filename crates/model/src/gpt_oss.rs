@@ -24,9 +24,14 @@ mod batch;
 use std::ops::Range;
 use std::sync::Arc;
 
+use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
 
-use crate::attention::{attention, AttnShape};
+use crate::attention::{attention, AttnShape as CpuAttnShape};
+use crate::executor::blocks::{AttnBlock, AttnSpec, MoeBlock, MoeSpec};
+use crate::executor::{
+    AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router, Step,
+};
 use crate::hybrid::{
     host_experts, ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertKernels,
     ExpertMatrix, ExpertPlacement, ExpertScratch, ExpertTensors,
@@ -538,7 +543,7 @@ impl GptOss {
             layer.k.store(cell, &k[t * kv_width..(t + 1) * kv_width]);
             layer.v.store(cell, &v[t * kv_width..(t + 1) * kv_width]);
         }
-        let shape = AttnShape {
+        let shape = CpuAttnShape {
             n_head: p.n_head,
             n_head_kv: p.n_head_kv,
             head_dim: hd,
@@ -606,5 +611,109 @@ impl GptOss {
             )?,
         }
         Ok(out)
+    }
+}
+
+/// gpt-oss's expert activation as the contract's `moe` op takes it.
+const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
+    alpha: crate::hybrid::SWIGLU_ALPHA,
+    limit: crate::hybrid::SWIGLU_LIMIT,
+};
+
+/// gpt-oss's layers on a device ([`crate::DeviceModel`]): each layer is the attention block
+/// (q/k/v/o biases, NeoX RoPE with YaRN, sinks, the sliding window on even layers) and the
+/// routed-MoE block (router bias, top-k then softmax, the clamped SwiGLU experts with biases,
+/// a sequence's rows multiplied together by F32 experts as the host experts do).
+pub(crate) struct DeviceGptOss<B: Backend> {
+    host: GptOss,
+    layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
+}
+
+impl<B: Backend> DeviceGptOss<B> {
+    /// Loads `gguf` (checked as [`GptOss::load`] checks it) and uploads every layer's dense
+    /// weights to `dev`.
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceGptOss<B>, ExecError> {
+        let host = GptOss::load(gguf)?;
+        let p = &host.params;
+        let rope = (host.rope.device_params())
+            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+        let layers = (0..p.n_layer)
+            .map(|l| {
+                let shape = AttnShape {
+                    n_head: p.n_head,
+                    n_head_kv: p.n_head_kv,
+                    head_dim: p.head_dim,
+                    window: p.window(l),
+                    scale: 1.0 / (p.head_dim as f32).sqrt(),
+                };
+                let attn = AttnSpec {
+                    shape,
+                    rope,
+                    rms_eps: p.rms_eps,
+                };
+                let moe = MoeSpec {
+                    router: Router {
+                        n_expert: p.n_expert,
+                        k: p.n_expert_used,
+                        gating: Gating::TopKSoftmax,
+                    },
+                    act: EXPERT_ACT,
+                    split: ExpertSplit::PerSequence,
+                    rms_eps: p.rms_eps,
+                };
+                Ok((
+                    AttnBlock::load(dev, &host.gguf, l, attn)?,
+                    MoeBlock::load(dev, &host.gguf, l, "post_attention_norm.weight", moe)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        Ok(DeviceGptOss { host, layers })
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
+    fn dims(&self) -> ModelDims {
+        let p = &self.host.params;
+        ModelDims {
+            n_layer: p.n_layer,
+            n_embd: p.n_embd,
+            n_vocab: p.n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            rms_eps: p.rms_eps,
+            scratch_per_token: self.layers.first().map_or(0, |(a, m)| {
+                a.scratch_per_token(p.n_embd) + m.scratch_per_token(p.n_embd)
+            }),
+            kv_head_dim: p.head_dim,
+        }
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.host.gguf
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        self.host.new_position_cache(ty, n_ctx, n_ubatch)
+    }
+    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+        self.layers
+            .get(layer)
+            .map_or((0, 0), |(a, _)| a.kv_widths())
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+        let (attn, moe) = &self.layers[l];
+        attn.forward(cx, l, x)?;
+        moe.forward(cx, l, x)
+    }
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        self.host.layer_experts(layer)
+    }
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.host.run_host_experts(layer, batch, out)
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.layers.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
     }
 }

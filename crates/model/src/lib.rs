@@ -2,7 +2,8 @@
 //!
 //! Each architecture lives in one file that reads like its math (`gpt_oss.rs`); the numeric
 //! building blocks (norms, RoPE, attention, matmul over quantized weights) live in `ops`;
-//! [`executor`] runs gpt-oss on a device of the contract (`hmoe-backend`).
+//! [`executor`] runs them on a device of the contract (`hmoe-backend`), each architecture's
+//! device layer written once in its own file over the executor's shared blocks.
 
 mod attention;
 pub mod deepseek2;
@@ -20,7 +21,7 @@ mod weights;
 
 pub use deepseek2::{Deepseek2, Deepseek2Params};
 pub use error::ModelError;
-pub use executor::{DeviceGptOss, ExecError, ExecStats};
+pub use executor::{device_arch, DeviceModel, ExecError, ExecStats};
 pub use gpt_oss::{GptOss, GptOssParams};
 pub use hybrid::{
     ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors,

@@ -273,7 +273,7 @@ fn dot_f32_lanes(w: &[u8], a: &[u8]) -> f32 {
             lanes[i] = read(x).mul_add(read(y), lanes[i]);
         }
     }
-    reduce16(&lanes)
+    hsum16(&lanes)
 }
 
 /// MXFP4 × Q8_0 as ggml's repacked CPU kernels sum it: an exact integer dot per block, then
@@ -357,6 +357,21 @@ impl Rope {
             out.push(self.yarn(theta / ff, i0));
             theta *= self.theta_scale;
         }
+    }
+
+    /// These parameters in the form of the device contract's RoPE ops, whose cos/sin are
+    /// this cache's bit for bit; `None` with frequency factors, which the contract lacks.
+    pub fn device_params(&self) -> Option<hmoe_backend::RopeParams> {
+        self.freq_factors
+            .is_none()
+            .then_some(hmoe_backend::RopeParams {
+                n_dims: self.n_dims,
+                theta_scale: self.theta_scale,
+                freq_scale: self.freq_scale,
+                ext_factor: self.ext_factor,
+                attn_factor: self.attn_factor,
+                corr_dims: self.corr_dims,
+            })
     }
 
     /// The `(cos, sin)` tables of `n` consecutive positions starting at `pos0` (one batch).
@@ -580,19 +595,11 @@ fn yarn_ramp(low: f32, high: f32, i0: usize) -> f32 {
     1.0 - y.clamp(0.0, 1.0)
 }
 
-/// Horizontal sum of 16 lanes in the order of an AVX-512 `reduce_add` (halves, then
-/// quarters, then pairs), so that sums match ggml's SIMD code bit for bit.
-pub fn reduce16(lanes: &[f32; 16]) -> f32 {
-    let mut t8 = [0f32; 8];
-    for i in 0..8 {
-        t8[i] = lanes[i] + lanes[i + 8];
-    }
-    let t4 = [t8[0] + t8[4], t8[1] + t8[5], t8[2] + t8[6], t8[3] + t8[7]];
-    (t4[0] + t4[2]) + (t4[1] + t4[3])
-}
-
 /// e^x as computed by ggml's vectorised exponential (shared with the reference device).
-pub use hmoe_backend::numerics::expf_ggml;
+pub use hmoe_backend::numerics::{expf_ggml, hsum16};
+
+/// Expert routing, shared with the reference device.
+pub use hmoe_backend::routing::{gate_probs, sigmoid, softmax_ggml, top_k, Gating, Routing};
 
 /// In-place softmax of one row; the sum accumulates in f64 like ggml.
 pub fn softmax(x: &mut [f32]) {
@@ -608,60 +615,12 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// Indices of the `k` largest values, largest first (ties: lower index first).
-pub fn top_k(x: &[f32], k: usize, out: &mut Vec<usize>) {
-    out.clear();
-    out.extend(0..x.len());
-    out.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
-    out.truncate(k);
-}
-
-/// In-place softmax of one row as ggml's AVX-512 `ggml_vec_soft_max_f32` computes it: blocks
-/// of 16 with the vectorised exponential (each block's sum added in f64), the remainder with
-/// libm's `expf`, then one multiplication by the f32 reciprocal of the f64 sum. Identical to
-/// [`softmax`] for rows shorter than 16.
-pub fn softmax_ggml(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f64;
-    let blocks = x.len() / 16 * 16;
-    for chunk in x[..blocks].chunks_exact_mut(16) {
-        let mut lanes = [0f32; 16];
-        for (v, l) in chunk.iter_mut().zip(lanes.iter_mut()) {
-            *v = expf_ggml(*v - max);
-            *l = *v;
-        }
-        sum += reduce16(&lanes) as f64;
-    }
-    for v in x[blocks..].iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
-
-/// The logistic function as ggml's `ggml_vec_sigmoid_f32`: `1 / (1 + expf(−x))`.
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 /// SwiGLU in place, `gate[i] = silu(gate[i]) · up[i]`, row by row (`n` elements a row) as
 /// ggml's AVX-512 `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised
 /// exponential, the remainder of each row libm's `expf`.
 pub fn swiglu(gate: &mut [f32], up: &[f32], n: usize) {
     hmoe_pool::global().for_each_chunk_mut(gate, n, |r, g| {
-        let u = &up[r * n..(r + 1) * n];
-        let blocks = n / 16 * 16;
-        for (gv, &uv) in g[..blocks].iter_mut().zip(&u[..blocks]) {
-            let x = *gv;
-            *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
-        }
-        for (gv, &uv) in g[blocks..].iter_mut().zip(&u[blocks..]) {
-            let x = *gv;
-            *gv = x / (1.0 + (-x).exp()) * uv;
-        }
+        hmoe_backend::numerics::swiglu_row(g, &up[r * n..(r + 1) * n])
     });
 }
 
@@ -767,86 +726,6 @@ pub(crate) fn moe_swiglu(
         }
     }
     out
-}
-
-/// How expert weights are derived from router logits (GGUF `expert_gating_func`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gating {
-    /// Softmax over all experts (Qwen3-MoE, Mixtral, DeepSeek-V2).
-    Softmax,
-    /// Independent sigmoids (DeepSeek-V3).
-    Sigmoid,
-}
-
-/// Routing rules of one MoE block, as llama.cpp's `build_moe_ffn` applies them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Routing {
-    /// Experts per token.
-    pub k: usize,
-    /// `Some((groups, used))`: experts fall into `groups` equal groups, a group scores the sum of
-    /// its two best selection scores, and only the `used` best groups are eligible.
-    pub groups: Option<(usize, usize)>,
-    /// Divide the chosen weights by their sum (clamped to ≥ 2^−14).
-    pub norm: bool,
-    /// Multiply the chosen weights by this (0 or 1: no scaling).
-    pub scale: f32,
-}
-
-impl Routing {
-    /// Picks the experts of one token from its gate probabilities `probs`; `bias` (DeepSeek-V3's
-    /// `exp_probs_b`) is added for the choice only. Writes the chosen experts (best first) and
-    /// their weights, taken from the unbiased `probs`.
-    pub fn select(
-        &self,
-        probs: &[f32],
-        bias: Option<&[f32]>,
-        experts: &mut Vec<usize>,
-        weights: &mut Vec<f32>,
-    ) {
-        let mut scores: Vec<f32> = match bias {
-            Some(b) => probs.iter().zip(b).map(|(p, b)| p + b).collect(),
-            None => probs.to_vec(),
-        };
-        if let Some((n_groups, n_used)) = self.groups.filter(|&(g, _)| g > 1) {
-            let per_group = scores.len() / n_groups;
-            let mut top = Vec::new();
-            let group_scores: Vec<f32> = scores
-                .chunks(per_group)
-                .map(|grp| {
-                    top_k(grp, 2.min(per_group), &mut top);
-                    top.iter().map(|&i| grp[i] as f64).sum::<f64>() as f32
-                })
-                .collect();
-            top_k(&group_scores, n_used, &mut top);
-            for (gi, grp) in scores.chunks_mut(per_group).enumerate() {
-                if !top.contains(&gi) {
-                    grp.fill(f32::NEG_INFINITY);
-                }
-            }
-        }
-        top_k(&scores, self.k, experts);
-        weights.clear();
-        weights.extend(experts.iter().map(|&e| probs[e]));
-        if self.norm {
-            let sum = (weights.iter().map(|&w| w as f64).sum::<f64>() as f32).max(6.103_515_6e-5);
-            for w in weights.iter_mut() {
-                *w /= sum;
-            }
-        }
-        if self.scale != 0.0 && self.scale != 1.0 {
-            for w in weights.iter_mut() {
-                *w *= self.scale;
-            }
-        }
-    }
-}
-
-/// Gate probabilities of one token from its router logits, in place.
-pub fn gate_probs(gating: Gating, logits: &mut [f32]) {
-    match gating {
-        Gating::Softmax => softmax_ggml(logits),
-        Gating::Sigmoid => logits.iter_mut().for_each(|v| *v = sigmoid(*v)),
-    }
 }
 
 /// Reads `ARCH.*` hyperparameters from GGUF metadata.
@@ -970,14 +849,7 @@ mod tests {
         }
         assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
         assert_eq!(expf_ggml(0.0), 1.0);
-        assert_eq!(reduce16(&[1.0; 16]), 16.0);
-    }
-
-    #[test]
-    fn top_k_orders_and_breaks_ties_by_index() {
-        let mut idx = Vec::new();
-        top_k(&[1.0, 3.0, 3.0, -1.0, 2.0], 3, &mut idx);
-        assert_eq!(idx, vec![1, 2, 4]);
+        assert_eq!(hsum16(&[1.0; 16]), 16.0);
     }
 
     #[test]

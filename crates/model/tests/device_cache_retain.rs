@@ -11,7 +11,7 @@ use common::fixtures;
 use hmoe_backend::Ref0;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{
-    DeviceGptOss, ExpertHome, ExpertPlacement, KvCache, KvType, LanguageModel, LogitsWanted,
+    DeviceModel, ExpertHome, ExpertPlacement, KvCache, KvType, LanguageModel, LogitsWanted,
 };
 
 const UBATCH: usize = 16;
@@ -27,14 +27,14 @@ fn busy_caches_stay_idle_ones_make_room() {
     let n_layer = hmoe_model::GptOss::load(open()).unwrap().params().n_layer;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
     // The weights and one sequence's cache, measured on an unlimited device.
-    let probe = DeviceGptOss::load(open(), Ref0::new(), &placement).unwrap();
+    let probe = DeviceModel::load(open(), Ref0::new(), &placement).unwrap();
     let weights = probe.device().bytes_held();
     let mut c = probe.new_cache(KvType::F16, N_CTX, UBATCH);
     probe.forward(&mut c, &[1], LogitsWanted::Last).unwrap();
     let kv = probe.device().bytes_held() - weights;
     // Room for two caches, a micro-batch's scratch, and half a cache more.
     let budget = weights + 2 * kv + probe.scratch_bytes(UBATCH) + kv / 2;
-    let dev = DeviceGptOss::load(open(), Ref0::with_budget(budget), &placement).unwrap();
+    let dev = DeviceModel::load(open(), Ref0::with_budget(budget), &placement).unwrap();
     let m: &dyn LanguageModel = &dev;
     assert_eq!(m.device_memory().unwrap().kv_bytes, 0);
     let mut caches: Vec<KvCache> = (0..3)

@@ -1,5 +1,5 @@
 //! Several sequences at once on the reference device (issue #15 item 5): three sequences of
-//! different lengths batched on REF0 (`DeviceGptOss<Ref0>::forward_multi`, each sequence with
+//! different lengths batched on REF0 (`DeviceModel<Ref0>::forward_multi`, each sequence with
 //! its own device K/V cache) get, bit for bit, the logits each gets alone on REF0, alone on
 //! the CPU engine, and batched the same way on the CPU engine's `forward_multi`, with every
 //! layer's experts on the device (`-ngl all`), every layer's on the host (`--cpu-moe`) and the
@@ -14,7 +14,7 @@ use common::fixtures;
 use hmoe_backend::Ref0;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{
-    DeviceGptOss, ExpertHome, ExpertPlacement, KvCache, KvType, LanguageModel, LogitsWanted,
+    DeviceModel, ExpertHome, ExpertPlacement, KvCache, KvType, LanguageModel, LogitsWanted,
     SeqBatch,
 };
 
@@ -144,7 +144,7 @@ fn check(file: &str) {
             layers,
             ..ExpertPlacement::all(n_layer, ExpertHome::Device)
         };
-        let dev = DeviceGptOss::load(open(file), Ref0::new(), &placement).unwrap();
+        let dev = DeviceModel::load(open(file), Ref0::new(), &placement).unwrap();
         // Alone on REF0: the CPU engine's bits.
         for (i, (f, want)) in reference.iter().enumerate() {
             let (_, got) = alone(&dev, &f[0]);
@@ -223,14 +223,14 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
         .n_layer;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
     // Measure the weights and one sequence's cache on an unlimited device.
-    let probe = DeviceGptOss::load(open(file), Ref0::new(), &placement).unwrap();
+    let probe = DeviceModel::load(open(file), Ref0::new(), &placement).unwrap();
     let weights = probe.device().bytes_held();
     let mut c = probe.new_cache(KvType::F16, N_CTX, UBATCH);
     probe.forward(&mut c, &[1], LogitsWanted::Last).unwrap();
     let kv = probe.device().bytes_held() - weights;
     // Room for two caches, a micro-batch's scratch, and half a cache more.
     let budget = weights + 2 * kv + probe.scratch_bytes(UBATCH) + kv / 2;
-    let dev = DeviceGptOss::load(open(file), Ref0::with_budget(budget), &placement).unwrap();
+    let dev = DeviceModel::load(open(file), Ref0::with_budget(budget), &placement).unwrap();
     let mut caches: Vec<KvCache> = (0..3)
         .map(|_| dev.new_cache(KvType::F16, N_CTX, UBATCH))
         .collect();
@@ -283,7 +283,7 @@ fn bad_steps_run_nothing() {
         .params()
         .n_layer;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Host);
-    let dev = DeviceGptOss::load(open(file), Ref0::new(), &placement).unwrap();
+    let dev = DeviceModel::load(open(file), Ref0::new(), &placement).unwrap();
     let mut a = dev.new_cache(KvType::F16, 8, UBATCH);
     let mut b = dev.new_cache(KvType::F16, 8, UBATCH);
     let mut c = dev.new_cache(KvType::parse("q8_0").unwrap(), 8, UBATCH);

@@ -9,7 +9,7 @@ use common::fixtures;
 use hmoe_backend::Ref0;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
-use hmoe_model::{DeviceGptOss, ExpertHome, ExpertPlacement, KvType, LanguageModel, LogitsWanted};
+use hmoe_model::{DeviceModel, ExpertHome, ExpertPlacement, KvType, LanguageModel, LogitsWanted};
 use hmoe_placement::{plan, DeviceBudget, GpuLayers, ModelShape, PlacementFlags, TensorDesc};
 
 const FILE: &str = "gptoss-small.gguf";
@@ -57,7 +57,7 @@ fn estimate(ty: CacheType) -> u64 {
 fn device_kv_bytes_are_the_estimates_for_every_device_type() {
     let n_layer = hmoe_model::GptOss::load(open()).unwrap().params().n_layer;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
-    let dev = DeviceGptOss::load(open(), Ref0::new(), &placement).unwrap();
+    let dev = DeviceModel::load(open(), Ref0::new(), &placement).unwrap();
     let mut measured = Vec::new();
     // Each sequence's rings stay on the device while its handle lives (kept here).
     let mut caches = Vec::new();

@@ -3,6 +3,8 @@
 //! including F32 rows with a tail after the last 64 elements. (Here, above both: the contract
 //! crate cannot see the CPU engine.)
 
+mod common;
+
 use hmoe_backend::{Backend, Ref0};
 use hmoe_quant::GgmlType;
 use rand::rngs::StdRng;
@@ -50,4 +52,235 @@ fn ref0_matmul_is_the_cpu_engines_bit_for_bit() {
             }
         }
     }
+}
+
+fn noise(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
+}
+
+fn assert_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what} [{i}]: {g} vs {w}");
+    }
+}
+
+/// Normal-style RoPE over a sub-range of each head (MLA's rope dims after the latent), plain
+/// and with YaRN: the CPU engine's `Rope::apply_norm` on those dims, bit for bit.
+#[test]
+fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
+    use hmoe_model::ops::{Rope, RopeScaling};
+    let mut rng = StdRng::seed_from_u64(12);
+    let dev = Ref0::new();
+    let yarn = RopeScaling::Yarn {
+        factor: 40.0,
+        n_ctx_orig: 4096,
+        attn_factor: 0.7,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+    };
+    for (scaling, rd, first, hd) in [
+        (RopeScaling::None, 8, 16, 24),
+        (yarn, 64, 512, 576),
+        (RopeScaling::Linear { factor: 4.0 }, 16, 0, 16),
+    ] {
+        let rope = Rope::scaled(rd, 10000.0, scaling);
+        let (n, nh, pos0) = (5, 3, 1000);
+        let x = noise(&mut rng, n * nh * hd, 2.0);
+        let positions: Vec<i32> = (pos0..pos0 + n as i32).collect();
+        let mut xd = dev.upload(&x).unwrap();
+        let pd = dev.upload(&positions).unwrap();
+        let p = rope.device_params().unwrap();
+        dev.rope_norm(&mut xd, &pd, nh, hd, first, &p).unwrap();
+        let mut want = x.clone();
+        let cs = rope.caches(pos0 as usize, n);
+        for (t, cs) in cs.iter().enumerate() {
+            for h in 0..nh {
+                let head = &mut want[(t * nh + h) * hd..][..hd];
+                rope.apply_norm(&mut head[first..first + rd], rd, cs);
+            }
+        }
+        assert_bits(&dev.download(&xd).unwrap(), &want, &format!("{scaling:?}"));
+    }
+    // Rotated dims past the head are refused.
+    let mut xd = dev.upload(&[0f32; 24]).unwrap();
+    let pd = dev.upload(&[0i32]).unwrap();
+    let p = Rope::scaled(8, 1e4, RopeScaling::None)
+        .device_params()
+        .unwrap();
+    assert!(dev.rope_norm(&mut xd, &pd, 1, 24, 20, &p).is_err());
+}
+
+/// Per-head products (MLA's absorbed key and value up-projections): with a strided input
+/// (`q_nope` inside the query rows) in `vec_dot` order, as the CPU engine's
+/// `matmul_vec_dot`; with contiguous rows as its `matmul` of each head's batch.
+#[test]
+fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
+    use hmoe_model::ops::{matmul, matmul_vec_dot, QuantizedActs};
+    let mut rng = StdRng::seed_from_u64(13);
+    let dev = Ref0::new();
+    for ty in [GgmlType::F32, GgmlType::Q8_0] {
+        let (nh, out, cols) = (3, 48, 64);
+        let q = weights(&mut rng, ty, nh * out, cols);
+        let m = dev.upload_matrix(ty, nh * out, cols, &q).unwrap();
+        let kernel = hmoe_quant::DotKernel::best(ty).unwrap();
+        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+        for (stride, n) in [(cols, 1), (cols, 7), (cols + 32, 1), (cols + 32, 7)] {
+            let x = noise(&mut rng, n * nh * stride, 3.0);
+            let xd = dev.upload(&x).unwrap();
+            let mut yd = dev.alloc::<f32>(n * nh * out).unwrap();
+            dev.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
+            let mut want = vec![0f32; n * nh * out];
+            for h in 0..nh {
+                let rows: Vec<f32> = (0..n)
+                    .flat_map(|t| x[(t * nh + h) * stride..][..cols].to_vec())
+                    .collect();
+                let mut qa = QuantizedActs::default();
+                qa.quantize(kernel.act_type(), &rows, cols);
+                let w = &q[h * out * rb..(h + 1) * out * rb];
+                let mut y = vec![0f32; n * out];
+                if stride == cols {
+                    matmul(kernel, w, cols, out, &qa, &mut y);
+                } else {
+                    matmul_vec_dot(kernel, w, cols, out, &qa, &mut y);
+                }
+                for t in 0..n {
+                    want[(t * nh + h) * out..][..out].copy_from_slice(&y[t * out..][..out]);
+                }
+            }
+            let what = format!("{ty} stride {stride} n {n}");
+            assert_bits(&dev.download(&yd).unwrap(), &want, &what);
+        }
+    }
+}
+
+/// `silu(g)·u` with whole 16-blocks (ggml's vectorised `exp`) and a tail (libm's), as the CPU
+/// engine's `swiglu`.
+#[test]
+fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let dev = Ref0::new();
+    for n in [32, 40, 7] {
+        let g = noise(&mut rng, 3 * n, 8.0);
+        let u = noise(&mut rng, 3 * n, 2.0);
+        let mut gd = dev.upload(&g).unwrap();
+        let ud = dev.upload(&u).unwrap();
+        dev.swiglu(&mut gd, &ud, n).unwrap();
+        let mut want = g.clone();
+        hmoe_model::ops::swiglu(&mut want, &u, n);
+        assert_bits(&dev.download(&gd).unwrap(), &want, &format!("n {n}"));
+    }
+}
+
+/// Routing (softmax or sigmoid gate, selection bias, expert groups, renormalised and scaled
+/// weights) on the DeepSeek-V3 fixture's router and score bias, and on random logits: the
+/// CPU engine's `gate_probs` + `Routing::select`, row by row.
+#[test]
+fn ref0_route_is_the_cpu_engines() {
+    use hmoe_model::ops::{gate_probs, Gating, Routing};
+    let path = common::fixtures().join("deepseek2/deepseek2-tiny.gguf");
+    let g = hmoe_gguf::GgufModel::open(&path, hmoe_gguf::LoadOptions::default()).unwrap();
+    let model = hmoe_model::Deepseek2::load(g).unwrap();
+    let p = model.params().clone();
+    let gguf = hmoe_model::LanguageModel::gguf(&model);
+    let bias: Vec<f32> = gguf
+        .tensor_data("blk.1.exp_probs_b.bias")
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(bias.len(), p.n_expert);
+    let mut rng = StdRng::seed_from_u64(15);
+    let dev = Ref0::new();
+    let ne = p.n_expert;
+    let cases = [
+        (p.gating, p.routing, Some(&bias)),
+        (
+            Gating::Softmax,
+            Routing {
+                k: 3,
+                groups: None,
+                norm: false,
+                scale: 1.0,
+            },
+            None,
+        ),
+        (
+            Gating::Sigmoid,
+            Routing {
+                k: 4,
+                groups: Some((4, 2)),
+                norm: true,
+                scale: 0.5,
+            },
+            None,
+        ),
+    ];
+    for (gating, routing, bias) in cases {
+        let n = 9;
+        let logits = noise(&mut rng, n * ne, 4.0);
+        let ld = dev.upload(&logits).unwrap();
+        let bd = bias.map(|b| dev.upload(b).unwrap());
+        let k = routing.k;
+        let mut sel = dev.alloc::<i32>(n * k).unwrap();
+        let mut w = dev.alloc::<f32>(n * k).unwrap();
+        dev.route(&ld, bd.as_ref(), gating, &routing, ne, &mut sel, &mut w)
+            .unwrap();
+        let (sel, w) = (dev.download(&sel).unwrap(), dev.download(&w).unwrap());
+        let (mut top, mut tw) = (Vec::new(), Vec::new());
+        for t in 0..n {
+            let mut row = logits[t * ne..(t + 1) * ne].to_vec();
+            gate_probs(gating, &mut row);
+            routing.select(&row, bias.map(|b| &b[..]), &mut top, &mut tw);
+            let want_sel: Vec<i32> = top.iter().map(|&e| e as i32).collect();
+            assert_eq!(
+                &sel[t * k..(t + 1) * k],
+                &want_sel[..],
+                "{routing:?} row {t}"
+            );
+            assert_bits(&w[t * k..(t + 1) * k], &tw, &format!("{routing:?} row {t}"));
+        }
+    }
+    // Groups that do not split the experts are refused.
+    let ld = dev.upload(&vec![0f32; ne]).unwrap();
+    let (mut sel, mut w) = (dev.alloc::<i32>(2).unwrap(), dev.alloc::<f32>(2).unwrap());
+    let bad = Routing {
+        k: 2,
+        groups: Some((3, 1)),
+        norm: true,
+        scale: 1.0,
+    };
+    assert!(dev
+        .route(&ld, None, Gating::Sigmoid, &bad, ne, &mut sel, &mut w)
+        .is_err());
+}
+
+/// Strided row copies (heads split out of and gathered into wider rows), and their bounds.
+#[test]
+fn ref0_copy_rows_copies_strided_rows() {
+    use hmoe_backend::RowCopy;
+    let dev = Ref0::new();
+    let src: Vec<f32> = (0..12).map(|v| v as f32).collect();
+    let sd = dev.upload(&src).unwrap();
+    let mut dd = dev.alloc::<f32>(9).unwrap();
+    let c = RowCopy {
+        n_rows: 3,
+        width: 2,
+        src_stride: 4,
+        src_offset: 1,
+        dst_stride: 3,
+        dst_offset: 1,
+    };
+    dev.copy_rows(&sd, &mut dd, &c).unwrap();
+    assert_eq!(
+        dev.download(&dd).unwrap(),
+        [0.0, 1.0, 2.0, 0.0, 5.0, 6.0, 0.0, 9.0, 10.0]
+    );
+    let too_far = RowCopy { dst_offset: 2, ..c }; // row 2 would end at 10
+    assert!(dev.copy_rows(&sd, &mut dd, &too_far).is_err());
+    let huge = RowCopy {
+        src_stride: usize::MAX,
+        ..c
+    };
+    assert!(dev.copy_rows(&sd, &mut dd, &huge).is_err());
 }

@@ -1,5 +1,7 @@
-//! What the REF0 tests (`ref0.rs`, `ref0_kv.rs`) share: the gpt-oss fixtures with their first
-//! golden case, and `hmoe run --json` teacher-forced over them.
+//! What the REF0 command-line tests (ref0.rs, ref0_kv.rs, ref0_arch.rs, ref0_deepseek2.rs)
+//! share: the fixtures with their first golden case, `hmoe run --json` teacher-forced with the
+//! top-10 probabilities over them, and the placements.
+#![allow(dead_code)] // each test binary uses part of it
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -27,7 +29,7 @@ pub fn hmoe(args: &[&str]) -> Output {
         .expect("hmoe runs")
 }
 
-fn ids(v: &Value) -> Vec<u64> {
+pub fn ids(v: &Value) -> Vec<u64> {
     v.as_array()
         .unwrap()
         .iter()
@@ -35,7 +37,7 @@ fn ids(v: &Value) -> Vec<u64> {
         .collect()
 }
 
-fn join(v: &[u64]) -> String {
+pub fn join(v: &[u64]) -> String {
     v.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
 }
 
@@ -50,8 +52,8 @@ pub struct Fixture {
     pub n_layer: u64,
 }
 
-pub fn fixture(stem: &str, model_file: &str) -> Fixture {
-    let dir = fixtures().join("gpt-oss");
+pub fn fixture(dir: &str, stem: &str, model_file: &str) -> Fixture {
+    let dir = fixtures().join(dir);
     let golden: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join(format!("{stem}.golden-f16kv.json"))).unwrap(),
     )
@@ -63,7 +65,7 @@ pub fn fixture(stem: &str, model_file: &str) -> Fixture {
     let text = String::from_utf8_lossy(&out.stdout);
     let n_layer = text
         .lines()
-        .find(|l| l.contains("gpt-oss.block_count"))
+        .find(|l| l.contains(".block_count"))
         .and_then(|l| l.split_whitespace().last())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no block_count in `hmoe inspect` of {model}:\n{text}"));
@@ -109,3 +111,16 @@ pub const FIXTURES: [(&str, &str); 5] = [
     ("gptoss-openai", "gptoss-openai.gguf"),
     ("gptoss-openai-f32experts", "gptoss-openai-f32experts.gguf"),
 ];
+
+/// The layers whose experts each placement keeps on the CPU (`None`: every layer).
+pub fn placements() -> Vec<(Vec<&'static str>, Option<u64>)> {
+    vec![
+        (vec!["-ngl", "all"], Some(0)),
+        (vec!["-ngl", "all", "--cpu-moe"], None),
+        (vec!["-ngl", "all", "--n-cpu-moe", "1"], Some(1)),
+        (
+            vec!["-ngl", "all", "-ot", r"blk\.1\.ffn_(gate|up|down)_exps=CPU"],
+            Some(1),
+        ),
+    ]
+}

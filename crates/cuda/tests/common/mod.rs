@@ -42,15 +42,24 @@ pub const KERNEL_ACT: GatedAct = GatedAct::ClampedSwiglu {
     limit: 7.0,
 };
 
-/// The reference device's expert sum of `x` over `m` (host slices in, the result out).
-pub fn ref_moe(cpu: &Ref0, m: &RefMoe, x: &[f32], sel: &[i32], wts: &[f32], k: usize) -> Vec<f32> {
+/// The reference device's expert sum of `x` over `m` with activation `act` (host slices in,
+/// the result out).
+pub fn ref_moe(
+    cpu: &Ref0,
+    m: &RefMoe,
+    act: GatedAct,
+    x: &[f32],
+    sel: &[i32],
+    wts: &[f32],
+    k: usize,
+) -> Vec<f32> {
     let (xd, sd, wd) = (
         cpu.upload(x).unwrap(),
         cpu.upload(sel).unwrap(),
         cpu.upload(wts).unwrap(),
     );
     let mut out = cpu.alloc::<f32>(x.len()).unwrap();
-    cpu.moe(m, KERNEL_ACT, &xd, &sd, &wd, k, &mut out).unwrap();
+    cpu.moe(m, act, &xd, &sd, &wd, k, &mut out).unwrap();
     cpu.download(&out).unwrap()
 }
 

@@ -161,6 +161,8 @@ int main(int argc, char** argv) {
     } else if (op == "moe") {
         int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
             n = atoi(argv[7]), k = atoi(argv[8]);
+        // Optional: the activation (0 clamped SwiGLU, 1 SiLU) and whether there are biases.
+        int act = argc > 9 ? atoi(argv[9]) : 0, hb = argc > 10 ? atoi(argv[10]) : 1;
         auto gate = rd<u8>(P("gate")), up = rd<u8>(P("up")), down = rd<u8>(P("down"));
         auto bg = rd<float>(P("bg")), bu = rd<float>(P("bu")), bd = rd<float>(P("bd"));
         auto x = rd<float>(P("x"));
@@ -188,30 +190,30 @@ int main(int argc, char** argv) {
             mm(gate, rb_d, ff, d / 32, xq.data(), k, g.data());
             mm(up, rb_d, ff, d / 32, xq.data(), k, u.data());
             launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
-                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), 1, sel.data(), hp, slots, ne, ff);
+                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), hb, sel.data(), hp, slots, ne, ff, act);
             });
             hq = quantize(h.data(), (size_t)slots * ff);
             mm(down, rb_ff, d, ff / 32, hq.data(), 1, yp);
-            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), 1, sel.data(), slots, ne, d); });
+            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
         } else {
             launch({cdiv(ff, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
                 switch (ty) {
-                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), 1, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
-                case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), 1, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d); break;
+                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), hb, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), hb, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
                 }
             });
             if (qz) hq = quantize(h.data(), (size_t)slots * ff);
             const void* ha = qz ? (const void*)hq.data() : (const void*)h.data();
             launch({cdiv(d, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
                 switch (ty) {
-                case 0: moe_down_f32(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 1: moe_down_f16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 30: moe_down_bf16(down.data(), bd.data(), 1, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 8: moe_down_q8_0(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
-                case 39: moe_down_mxfp4(down.data(), bd.data(), 1, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff); break;
+                case 0: moe_down_f32(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 1: moe_down_f16(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 30: moe_down_bf16(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 8: moe_down_q8_0(down.data(), bd.data(), hb, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 39: moe_down_mxfp4(down.data(), bd.data(), hb, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
                 }
             });
         }
@@ -256,6 +258,73 @@ int main(int argc, char** argv) {
                 attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
         });
         wr(P("out"), out);
+    } else if (op == "rope_norm") {
+        int n = atoi(argv[3]), nh = atoi(argv[4]), hd = atoi(argv[5]), first = atoi(argv[6]), nd = atoi(argv[7]);
+        auto x = rd<float>(P("x"));
+        auto pos = rd<int>(P("pos"));
+        auto f = rd<float>(P("params"));  // theta_scale, freq_scale, ext_factor, attn_factor, low, high
+        float* xp = x.data();
+        launch({(unsigned)nh, (unsigned)n, 1}, {32, 1, 1}, [&] {
+            rope_norm_f32(xp, pos.data(), n, nh, hd, first, nd, f[0], f[1], f[2], f[3], f[4], f[5]);
+        });
+        wr(P("x"), x);
+    } else if (op == "matmul_heads") {
+        int ty = atoi(argv[3]), out = atoi(argv[4]), cols = atoi(argv[5]), n_rows = atoi(argv[6]),
+            nh = atoi(argv[7]), stride = atoi(argv[8]), vec = atoi(argv[9]);
+        auto w = rd<u8>(P("w"));
+        auto x = rd<float>(P("x"));
+        std::vector<float> y((size_t)n_rows * out);
+        unsigned long long rb = w.size() / ((size_t)out * nh);
+        std::vector<u8> xq;
+        if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n_rows * stride);
+        const u8 *wp = w.data(), *xqp = xq.data();
+        const float* xp = x.data();
+        float* yp = y.data();
+        launch({cdiv(out, ROW_WARPS), (unsigned)n_rows, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+            switch (ty) {
+            case 0: matmul_heads_f32(wp, rb, xp, yp, out, cols, n_rows, nh, stride, vec); break;
+            case 1: matmul_heads_f16(wp, rb, xp, yp, out, cols, n_rows, nh, stride, vec); break;
+            case 30: matmul_heads_bf16(wp, rb, xp, yp, out, cols, n_rows, nh, stride, vec); break;
+            case 8: matmul_heads_q8_0(wp, rb, xqp, yp, out, cols, n_rows, nh, stride, vec); break;
+            case 39: matmul_heads_mxfp4(wp, rb, xqp, yp, out, cols, n_rows, nh, stride, vec); break;
+            }
+        });
+        wr(P("y"), y);
+    } else if (op == "swiglu") {
+        int n = atoi(argv[3]);
+        auto g = rd<float>(P("g"));
+        auto u = rd<float>(P("u"));
+        float* gp = g.data();
+        unsigned long long total = g.size();
+        launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { swiglu_f32(gp, u.data(), total, n); });
+        wr(P("g"), g);
+    } else if (op == "attn_k_only") {
+        int n = atoi(argv[3]), nh = atoi(argv[4]), kd = atoi(argv[5]), vd = atoi(argv[6]),
+            cells = atoi(argv[7]), pos0 = atoi(argv[8]);
+        float scale = __uint_as_float((unsigned)strtoul(argv[9], nullptr, 10));
+        auto q = rd<float>(P("q"));
+        auto kc = rd<unsigned short>(P("k"));
+        std::vector<float> out((size_t)n * nh * vd);
+        float* o = out.data();
+        launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+            attn_k_only_f16(q.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
+        });
+        wr(P("out"), out);
+    } else if (op == "route") {
+        int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]), gating = atoi(argv[6]),
+            groups = atoi(argv[7]), used = atoi(argv[8]), norm = atoi(argv[9]), has_bias = atoi(argv[10]);
+        float wscale = __uint_as_float((unsigned)strtoul(argv[11], nullptr, 10));
+        auto logits = rd<float>(P("logits"));
+        auto bias = rd<float>(P("bias"));
+        std::vector<int> sel((size_t)n * k);
+        std::vector<float> w((size_t)n * k), probs((size_t)n * ne), scores((size_t)n * ne);
+        int* sp = sel.data();
+        float *wp = w.data(), *pp = probs.data(), *qp = scores.data();
+        launch({cdiv(n, 64), 1, 1}, {64, 1, 1}, [&] {
+            route_f32(logits.data(), bias.data(), has_bias, gating, sp, wp, pp, qp, n, ne, k, groups, used, norm, wscale);
+        });
+        wr(P("sel"), sel);
+        wr(P("w"), w);
     } else if (op == "router") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]);
         auto logits = rd<float>(P("logits"));

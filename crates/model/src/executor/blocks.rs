@@ -1,0 +1,309 @@
+//! The blocks the architectures' device layers are made of, written once over the contract:
+//! the attention block and the routed-MoE block. Each loads its weights by the usual GGUF
+//! names of layer `l` (optional tensors used when the file has them) and runs over one
+//! micro-batch through the executor's [`Step`].
+
+use hmoe_backend::{Backend, GatedAct, RopeParams};
+use hmoe_gguf::GgufModel;
+
+use super::{
+    buf_bytes, upload_f32, upload_f32_opt, upload_matrix, AttnShape, DevMat, ExecError,
+    ExpertSplit, Routed, Router, Step,
+};
+
+/// `x[r] += b` for every row when there is a bias.
+fn add_bias_opt<B: Backend>(
+    dev: &B,
+    x: &mut B::Buf<f32>,
+    b: Option<&B::Buf<f32>>,
+) -> Result<(), ExecError> {
+    if let Some(b) = b {
+        dev.add_bias(x, b)?;
+    }
+    Ok(())
+}
+
+/// Bytes of the optional f32 tensors `bufs`.
+fn bufs_bytes<B: Backend>(bufs: &[Option<&B::Buf<f32>>]) -> u64 {
+    bufs.iter().flatten().map(|b| buf_bytes::<B>(b)).sum()
+}
+
+/// What an attention block is, beside its weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttnSpec {
+    /// Heads, window and scale of the attention.
+    pub shape: AttnShape,
+    /// RoPE (NeoX layout).
+    pub rope: RopeParams,
+    /// Epsilon of the block's norms.
+    pub rms_eps: f32,
+}
+
+/// Grouped-query self-attention of one layer with its residual add:
+/// `x += Wo · attention(rope(qnorm(Wq·h + bq)), rope(knorm(Wk·h + bk)), Wv·h + bv; sinks) + bo`,
+/// `h = rmsnorm(x) · attn_norm`. Biases, the per-head q/k norms and the sinks are optional.
+pub(crate) struct AttnBlock<B: Backend> {
+    spec: AttnSpec,
+    norm: B::Buf<f32>,
+    wq: DevMat<B>,
+    wk: DevMat<B>,
+    wv: DevMat<B>,
+    wo: DevMat<B>,
+    bq: Option<B::Buf<f32>>,
+    bk: Option<B::Buf<f32>>,
+    bv: Option<B::Buf<f32>>,
+    bo: Option<B::Buf<f32>>,
+    q_norm: Option<B::Buf<f32>>,
+    k_norm: Option<B::Buf<f32>>,
+    sinks: Option<B::Buf<f32>>,
+}
+
+impl<B: Backend> AttnBlock<B> {
+    /// Uploads layer `l`'s `attn_norm`, `attn_{q,k,v,output}` (weights and any biases),
+    /// `attn_{q,k}_norm` and `attn_sinks` when present.
+    pub(crate) fn load(
+        dev: &B,
+        g: &GgufModel,
+        l: usize,
+        spec: AttnSpec,
+    ) -> Result<AttnBlock<B>, ExecError> {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        let m = |s: &str| upload_matrix(dev, g, &n(s));
+        let o = |s: &str| upload_f32_opt(dev, g, &n(s));
+        Ok(AttnBlock {
+            spec,
+            norm: upload_f32(dev, g, &n("attn_norm.weight"))?,
+            wq: m("attn_q.weight")?,
+            wk: m("attn_k.weight")?,
+            wv: m("attn_v.weight")?,
+            wo: m("attn_output.weight")?,
+            bq: o("attn_q.bias")?,
+            bk: o("attn_k.bias")?,
+            bv: o("attn_v.bias")?,
+            bo: o("attn_output.bias")?,
+            q_norm: o("attn_q_norm.weight")?,
+            k_norm: o("attn_k_norm.weight")?,
+            sinks: o("attn_sinks.weight")?,
+        })
+    }
+
+    /// Bytes of its weights on the device.
+    pub(crate) fn bytes(&self) -> u64 {
+        let mats = [&self.wq, &self.wk, &self.wv, &self.wo];
+        mats.iter().map(|m| m.bytes()).sum::<u64>()
+            + bufs_bytes::<B>(&[
+                Some(&self.norm),
+                self.bq.as_ref(),
+                self.bk.as_ref(),
+                self.bv.as_ref(),
+                self.bo.as_ref(),
+                self.q_norm.as_ref(),
+                self.k_norm.as_ref(),
+                self.sinks.as_ref(),
+            ])
+    }
+
+    /// Floats per token of the block's scratch buffers.
+    pub(crate) fn scratch_per_token(&self, n_embd: usize) -> usize {
+        let s = &self.spec.shape;
+        let (qw, kvw) = (s.n_head * s.head_dim, s.n_head_kv * s.head_dim);
+        3 * n_embd + 2 * qw + 2 * kvw
+    }
+
+    /// Floats of K and of V per cell of the block's cache.
+    pub(crate) fn kv_widths(&self) -> (usize, usize) {
+        let s = &self.spec.shape;
+        (s.n_head_kv * s.head_dim, s.n_head_kv * s.head_dim)
+    }
+
+    /// The block over the micro-batch `x` of layer `layer`, residual add included.
+    pub(crate) fn forward(
+        &self,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = cx.dev();
+        let AttnSpec { shape, rope, .. } = self.spec;
+        let hd = shape.head_dim;
+        let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
+        let d = x_width::<B>(x, cx);
+        let mut h = cx.alloc(d)?;
+        dev.rms_norm(x, &self.norm, self.spec.rms_eps, &mut h)?;
+        let mut q = cx.alloc(qw)?;
+        cx.matmul(&self.wq, &h, &mut q)?;
+        add_bias_opt(dev, &mut q, self.bq.as_ref())?;
+        let mut k = cx.alloc(kvw)?;
+        cx.matmul(&self.wk, &h, &mut k)?;
+        add_bias_opt(dev, &mut k, self.bk.as_ref())?;
+        let mut v = cx.alloc(kvw)?;
+        cx.matmul(&self.wv, &h, &mut v)?;
+        add_bias_opt(dev, &mut v, self.bv.as_ref())?;
+        // Per-head RMSNorm: rows of the weight's length (one head).
+        for (t, norm) in [(&mut q, &self.q_norm), (&mut k, &self.k_norm)] {
+            if let Some(norm) = norm {
+                let raw = dev.copy_range(t, 0..B::buf_len(t))?;
+                dev.rms_norm(&raw, norm, self.spec.rms_eps, t)?;
+            }
+        }
+        dev.rope_neox(&mut q, cx.positions(), shape.n_head, hd, &rope)?;
+        dev.rope_neox(&mut k, cx.positions(), shape.n_head_kv, hd, &rope)?;
+        let mut att = cx.alloc(qw)?;
+        cx.attend(layer, &shape, &q, &k, &v, self.sinks.as_ref(), &mut att)?;
+        let mut o = cx.alloc(d)?;
+        cx.matmul(&self.wo, &att, &mut o)?;
+        add_bias_opt(dev, &mut o, self.bo.as_ref())?;
+        dev.add_assign(x, &o)?;
+        Ok(())
+    }
+}
+
+/// Floats per token of the micro-batch's hidden state `x`.
+fn x_width<B: Backend>(x: &B::Buf<f32>, cx: &Step<'_, B>) -> usize {
+    B::buf_len(x) / cx.n_tokens().max(1)
+}
+
+/// What a routed-MoE block is, beside its weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct MoeSpec {
+    /// The router: experts, top-k and gating.
+    pub router: Router,
+    /// The experts' gated activation.
+    pub act: GatedAct,
+    /// Which rows the CPU engine multiplies together by F32 experts.
+    pub split: ExpertSplit,
+    /// Epsilon of the block's norm.
+    pub rms_eps: f32,
+}
+
+/// The routed experts of one layer with their norm, router and residual add:
+/// `x += Σ_k w_k · expert_k(h)`, `h = rmsnorm(x) · norm`, the experts and weights chosen by the
+/// router from `Wr·h + br`; the experts run wherever the placement puts them ([`Step::experts`]).
+pub(crate) struct MoeBlock<B: Backend> {
+    spec: MoeSpec,
+    norm: B::Buf<f32>,
+    router: DevMat<B>,
+    router_b: Option<B::Buf<f32>>,
+}
+
+impl<B: Backend> MoeBlock<B> {
+    /// Uploads layer `l`'s norm `norm_name` and `ffn_gate_inp` (weight and any bias); the
+    /// experts are the executor's.
+    pub(crate) fn load(
+        dev: &B,
+        g: &GgufModel,
+        l: usize,
+        norm_name: &str,
+        spec: MoeSpec,
+    ) -> Result<MoeBlock<B>, ExecError> {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        Ok(MoeBlock {
+            spec,
+            norm: upload_f32(dev, g, &n(norm_name))?,
+            router: upload_matrix(dev, g, &n("ffn_gate_inp.weight"))?,
+            router_b: upload_f32_opt(dev, g, &n("ffn_gate_inp.bias"))?,
+        })
+    }
+
+    /// Bytes of its weights on the device (the experts not included).
+    pub(crate) fn bytes(&self) -> u64 {
+        self.router.bytes() + bufs_bytes::<B>(&[Some(&self.norm), self.router_b.as_ref()])
+    }
+
+    /// Floats per token of the block's scratch buffers.
+    pub(crate) fn scratch_per_token(&self, n_embd: usize) -> usize {
+        2 * n_embd + self.spec.router.n_expert + 2 * self.spec.router.k
+    }
+
+    /// The block over the micro-batch `x` of layer `layer`, residual add included.
+    pub(crate) fn forward(
+        &self,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let dev = cx.dev();
+        let MoeSpec {
+            router,
+            act,
+            split,
+            rms_eps,
+        } = self.spec;
+        let n = cx.n_tokens();
+        let d = x_width::<B>(x, cx);
+        let mut h = cx.alloc(d)?;
+        dev.rms_norm(x, &self.norm, rms_eps, &mut h)?;
+        let mut scores = cx.alloc(router.n_expert)?;
+        cx.matmul(&self.router, &h, &mut scores)?;
+        add_bias_opt(dev, &mut scores, self.router_b.as_ref())?;
+        let mut sel = dev.alloc::<i32>(n * router.k)?;
+        let mut wts = dev.alloc::<f32>(n * router.k)?;
+        router.route(dev, &scores, None, &mut sel, &mut wts)?;
+        let routed = Routed {
+            h: &h,
+            scores: &scores,
+            bias: None,
+            sel: &sel,
+            wts: &wts,
+            router,
+            act,
+            split,
+        };
+        let mut moe = cx.alloc(d)?;
+        cx.experts(layer, &routed, &mut moe)?;
+        dev.add_assign(x, &moe)?;
+        Ok(())
+    }
+}
+
+/// A dense SwiGLU feed-forward network, `Wd · (silu(Wg·h) ⊙ Wu·h)` (a dense layer's FFN, a
+/// MoE layer's shared experts), as the CPU engine's `ffn_swiglu` computes it.
+pub(crate) struct SwiGluFfn<B: Backend> {
+    gate: DevMat<B>,
+    up: DevMat<B>,
+    down: DevMat<B>,
+}
+
+impl<B: Backend> SwiGluFfn<B> {
+    /// Uploads layer `l`'s `ffn_{gate,up,down}{suffix}.weight` (`suffix`: `""`, or `"_shexp"`
+    /// for shared experts).
+    pub(crate) fn load(
+        dev: &B,
+        g: &GgufModel,
+        l: usize,
+        suffix: &str,
+    ) -> Result<SwiGluFfn<B>, ExecError> {
+        let m = |s: &str| upload_matrix(dev, g, &format!("blk.{l}.ffn_{s}{suffix}.weight"));
+        Ok(SwiGluFfn {
+            gate: m("gate")?,
+            up: m("up")?,
+            down: m("down")?,
+        })
+    }
+
+    /// Bytes of its weights on the device.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.gate.bytes() + self.up.bytes() + self.down.bytes()
+    }
+
+    /// Floats per token of its scratch buffers.
+    pub(crate) fn scratch_per_token(&self) -> usize {
+        2 * self.gate.rows + self.down.rows
+    }
+
+    /// `out = Wd · (silu(Wg·h) ⊙ Wu·h)` over the micro-batch.
+    pub(crate) fn forward(
+        &self,
+        cx: &Step<'_, B>,
+        h: &B::Buf<f32>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let ff = self.gate.rows;
+        let mut up = cx.alloc(ff)?;
+        cx.matmul(&self.up, h, &mut up)?;
+        let mut gate = cx.alloc(ff)?;
+        cx.matmul(&self.gate, h, &mut gate)?;
+        cx.dev().swiglu(&mut gate, &up, ff)?;
+        cx.matmul(&self.down, &gate, out)
+    }
+}
