@@ -205,14 +205,18 @@ fn stand_ins_chat_at_once_and_serve_explains_itself() {
 
     let model = dir.join("qwen3moe.gguf");
     let single = Serve::start(&["-m", model.to_str().unwrap(), "-c", "512", "-np", "2"]);
-    let text = plain(&single.startup.join("\n"));
+    // The model's own lines come when it has loaded, before or after "listening".
+    let mut lines = single.startup.clone();
+    if !lines.iter().any(|l| l.contains("slot(s) of")) {
+        lines.extend(until(&single.stderr, "slot(s) of"));
+    }
+    let text = plain(&lines.join("\n"));
     for want in [
         "hmoe serve: model: ",
         "architecture qwen3moe",
-        "devices: CPU ",
-        "MiB weights",
-        "MiB KV cache",
-        "context 512, 2 slot(s) of 256 positions",
+        "engine: CPU (",
+        "memory per device (MiB):",
+        "context 512 (-c 512), 2 slot(s) of 256 positions",
         "KV cache K f16 / V f16, flash attention on",
         "threads: 2",
         &format!("chat page http://{}/", single.addr),
