@@ -28,9 +28,7 @@
 //! The cache holds only `[c, k_pe]` per position (kv_lora + rope dims): values are the first
 //! kv_lora elements of each key, as in llama.cpp's K-only MLA cache.
 
-use hmoe_backend::{
-    Backend, ExpertMatrix, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy,
-};
+use hmoe_backend::{Backend, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy};
 use hmoe_gguf::GgufModel;
 
 use crate::attention::{attention_ext, AttnLayout};
@@ -261,17 +259,11 @@ struct Experts {
 impl Experts {
     /// The routed experts as the device contract takes them (no biases).
     fn tensors<'g>(&self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
-        let m = |w: &Mat| ExpertMatrix {
-            ty: w.info.ty,
-            n_in: w.n_in,
-            n_out: w.n_out,
-            data: w.bytes(g),
-        };
         ExpertTensors {
             n_expert,
-            gate: m(&self.gate_exps),
-            up: m(&self.up_exps),
-            down: m(&self.down_exps),
+            gate: self.gate_exps.expert_matrix(g),
+            up: self.up_exps.expert_matrix(g),
+            down: self.down_exps.expert_matrix(g),
             gate_bias: &[],
             up_bias: &[],
             down_bias: &[],

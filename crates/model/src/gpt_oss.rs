@@ -34,7 +34,7 @@ use crate::executor::{
 };
 use crate::hybrid::{
     host_experts, ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertKernels,
-    ExpertMatrix, ExpertPlacement, ExpertScratch, ExpertTensors,
+    ExpertPlacement, ExpertScratch, ExpertTensors,
 };
 use crate::kv_cache::{KvCache, KvType};
 use crate::ops::{add_bias, rms_norm, softmax, top_k, QuantizedActs, Rope};
@@ -200,17 +200,11 @@ struct Block {
 impl Block {
     /// The block's routed experts as stored in the file.
     fn experts<'g>(&'g self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
-        let m = |w: &Mat| ExpertMatrix {
-            ty: w.info.ty,
-            n_in: w.n_in,
-            n_out: w.n_out,
-            data: w.bytes(g),
-        };
         ExpertTensors {
             n_expert,
-            gate: m(&self.gate_exps),
-            up: m(&self.up_exps),
-            down: m(&self.down_exps),
+            gate: self.gate_exps.expert_matrix(g),
+            up: self.up_exps.expert_matrix(g),
+            down: self.down_exps.expert_matrix(g),
             gate_bias: &self.gate_b,
             up_bias: &self.up_b,
             down_bias: &self.down_b,

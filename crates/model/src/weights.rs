@@ -45,6 +45,16 @@ impl Mat {
         g.data_of(&self.info)
     }
 
+    /// The stacked experts this matrix holds, as the device contract takes them.
+    pub fn expert_matrix<'g>(&self, g: &'g GgufModel) -> hmoe_backend::ExpertMatrix<'g> {
+        hmoe_backend::ExpertMatrix {
+            ty: self.info.ty,
+            n_in: self.n_in,
+            n_out: self.n_out,
+            data: self.bytes(g),
+        }
+    }
+
     /// Bytes of one matrix of a stacked `[n_in, n_out, n]` tensor.
     pub fn slice<'g>(&self, g: &'g GgufModel, index: usize) -> &'g [u8] {
         let size = self.n_out * self.row_bytes;
