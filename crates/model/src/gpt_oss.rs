@@ -15,14 +15,12 @@
 //! expert(h) = Wd · (min(g,7) · σ(1.702·min(g,7)) · (clamp(u,−7,7) + 1)) + bd,  g = Wg·h + bg,  u = Wu·h + bu
 //! ```
 //!
-//! Hybrid execution ([`GptOss::load_placed`]): each layer's routed experts live on the host
-//! (run over the file mapping) or on an [`ExpertDevice`]; the expert sum of a device layer is
-//! one round trip per micro-batch (see [`crate::hybrid`]).
+//! This file holds gpt-oss's CPU forward ([`GptOss`]) and its layer over the device contract
+//! ([`DeviceGptOss`], run by [`crate::DeviceModel`] where the placement puts it).
 
 mod batch;
 
 use std::ops::Range;
-use std::sync::Arc;
 
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
@@ -33,8 +31,7 @@ use crate::executor::{
     AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router, Step,
 };
 use crate::hybrid::{
-    host_experts, ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertKernels,
-    ExpertPlacement, ExpertScratch, ExpertTensors,
+    host_experts, ExpertBatch, ExpertDeviceError, ExpertKernels, ExpertScratch, ExpertTensors,
 };
 use crate::kv_cache::{KvCache, KvType};
 use crate::ops::{add_bias, rms_norm, softmax, top_k, QuantizedActs, Rope};
@@ -221,16 +218,6 @@ impl Block {
     }
 }
 
-/// Where the routed experts of each layer run.
-struct Experts {
-    /// Home of each layer's experts.
-    homes: Vec<ExpertHome>,
-    /// The device holding the [`ExpertHome::Device`] layers (and running op offload).
-    device: Option<Arc<dyn ExpertDevice>>,
-    /// Op offload threshold in tokens per micro-batch (`None`: off).
-    op_offload_min_batch: Option<usize>,
-}
-
 /// A loaded gpt-oss model: hyperparameters plus views of its weights in the file mapping.
 pub struct GptOss {
     params: GptOssParams,
@@ -239,7 +226,6 @@ pub struct GptOss {
     output_norm: Vec<f32>,
     output: Mat,
     blocks: Vec<Block>,
-    experts: Experts,
     gguf: GgufModel,
 }
 
@@ -290,70 +276,10 @@ impl GptOss {
             tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
             output_norm: load_f32(g, "output_norm.weight", &[d])?,
             output: Mat::load(g, "output.weight", &[d, n_vocab as u64])?,
-            experts: Experts {
-                homes: vec![ExpertHome::Host; p.n_layer],
-                device: None,
-                op_offload_min_batch: None,
-            },
             blocks,
             params: p,
             gguf,
         })
-    }
-
-    /// Builds the model with each layer's routed experts where `placement` says: the experts
-    /// of [`ExpertHome::Device`] layers are uploaded to `device` now and run there; the others
-    /// run on the host over the file mapping. With op offload on, micro-batches of at least
-    /// [`ExpertPlacement::op_offload_min_batch`] tokens run the routed experts of host layers
-    /// on `device` too (copied there for the batch). Results are those of [`GptOss::load`]'s
-    /// model bit for bit when `device` computes as the host does ([`crate::StagingDevice`]).
-    pub fn load_placed(
-        gguf: GgufModel,
-        placement: &ExpertPlacement,
-        device: Arc<dyn ExpertDevice>,
-    ) -> Result<GptOss, ModelError> {
-        let mut model = GptOss::load(gguf)?;
-        let n_layer = model.params.n_layer;
-        if placement.layers.len() != n_layer {
-            return Err(ExpertDeviceError::Placement(format!(
-                "{} layer homes for a {n_layer}-layer model",
-                placement.layers.len()
-            ))
-            .into());
-        }
-        if placement.op_offload_min_batch == Some(0) {
-            return Err(ExpertDeviceError::Placement(
-                "op offload minimum batch must be ≥ 1".into(),
-            )
-            .into());
-        }
-        for (l, home) in placement.layers.iter().enumerate() {
-            if *home == ExpertHome::Device {
-                let t = model.blocks[l].experts(&model.gguf, model.params.n_expert);
-                device.upload_layer(l, &t)?;
-            }
-        }
-        model.experts = Experts {
-            homes: placement.layers.clone(),
-            device: Some(device),
-            op_offload_min_batch: placement.op_offload_min_batch,
-        };
-        Ok(model)
-    }
-
-    /// Where each layer's routed experts live.
-    pub fn expert_homes(&self) -> &[ExpertHome] {
-        &self.experts.homes
-    }
-
-    /// The expert device, for a model built with [`GptOss::load_placed`].
-    pub fn expert_device(&self) -> Option<&Arc<dyn ExpertDevice>> {
-        self.experts.device.as_ref()
-    }
-
-    /// Sets the op offload threshold (`None` turns op offload off; 0 is treated as 1).
-    pub fn set_op_offload(&mut self, min_batch: Option<usize>) {
-        self.experts.op_offload_min_batch = min_batch.map(|m| m.max(1));
     }
 
     /// The routed experts of layer `layer` as stored in the file (biases dequantized to f32),
@@ -551,9 +477,7 @@ impl GptOss {
     }
 
     /// `Σ_k w_k · expert_k(h)` for every token of the batch (rows `groups` belong to separate
-    /// sequences): the router on the host, then the experts where they live. A device layer
-    /// is one round trip; a host layer runs over the mapping, or, for a micro-batch of at least
-    /// the op offload threshold, on the device with the routed experts copied there.
+    /// sequences): the router, then the routed experts over the file mapping.
     fn moe_block(
         &self,
         l: usize,
@@ -589,21 +513,14 @@ impl GptOss {
             groups,
         };
         let mut out = vec![0f32; n * d];
-        let ex = &self.experts;
-        match (ex.homes[l], &ex.device) {
-            (ExpertHome::Device, Some(dev)) => dev.run(l, &batch, &mut out)?,
-            (ExpertHome::Host, Some(dev)) if ex.op_offload_min_batch.is_some_and(|m| n >= m) => {
-                dev.run_offloaded(l, &b.experts(g, p.n_expert), &batch, &mut out)?;
-            }
-            _ => host_experts(
-                l,
-                &b.expert_kernels(),
-                &b.experts(g, p.n_expert),
-                &batch,
-                &mut ExpertScratch::default(),
-                &mut out,
-            )?,
-        }
+        host_experts(
+            l,
+            &b.expert_kernels(),
+            &b.experts(g, p.n_expert),
+            &batch,
+            &mut ExpertScratch::default(),
+            &mut out,
+        )?;
         Ok(out)
     }
 }

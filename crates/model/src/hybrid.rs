@@ -1,27 +1,15 @@
-//! The expert boundary of hybrid execution (DESIGN.md §1): which side holds each layer's
-//! routed experts, the [`ExpertDevice`] trait a backend implements to hold and run them, and
-//! [`StagingDevice`], a CPU stand-in for a GPU that owns copies of what it is given and counts
-//! every transfer.
+//! The expert boundary of hybrid execution (DESIGN.md §1): where each layer's routed experts
+//! live ([`ExpertPlacement`], read off the placement plan's tensor devices), the batch that
+//! crosses the boundary ([`ExpertBatch`]: the normed hidden state with the router's choices and
+//! weights), and the host's expert kernels over the file mapping ([`host_experts`]), which the
+//! CPU engine and the device executor's host-expert layers both run.
 //!
-//! The dense part of a layer (attention, router) runs on the host in this build, so the hidden
-//! state lives there. For a layer whose experts live on an [`ExpertDevice`], the forward pass
-//! makes exactly one round trip: the normed hidden state with the router's choices and weights
-//! go to the device ([`ExpertDevice::run`]), the weighted expert sum comes back. Layers whose
-//! experts live on the host run over the mapped file with no copy at all.
-//!
-//! Op offload (issue #5 item 3): for a micro-batch of at least
-//! [`ExpertPlacement::op_offload_min_batch`] tokens, a host layer's experts that the batch
-//! routes to are copied to the device ([`ExpertDevice::upload_experts`]) and run there.
-//!
-//! Every implementation must compute, for each token `t` of the batch,
+//! For each token `t` of the batch the host computes
 //! `out[t] = Σ_s w[t,s] · expert_{sel[t,s]}(h[t])`, the slots `s` summed in order (highest
-//! router score first) starting from zero, with gpt-oss's expert
-//! `down · swiglu_oai(gate·h + bg, up·h + bu) + bd`. [`StagingDevice`] uses the very kernels
-//! of the host path, so its results are bit-identical to it.
+//! router score first) starting from zero, tokens grouped by expert as llama.cpp's CPU backend
+//! does. The device side of the boundary is [`crate::DeviceModel`]'s.
 
-use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use hmoe_backend::{BackendError, ExpertView};
 use hmoe_quant::{DotKernel, GgmlType};
@@ -41,12 +29,6 @@ pub const OP_OFFLOAD_MIN_BATCH: usize = 32;
 /// What can go wrong at the expert boundary.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExpertDeviceError {
-    /// `run` was called for a layer whose experts were never uploaded.
-    #[error("layer {layer}: no experts of this layer are on the device")]
-    NotUploaded {
-        /// The layer.
-        layer: usize,
-    },
     /// The batch routes a token to an expert that is not on the device (op offload uploads
     /// only the routed ones).
     #[error("layer {layer}: expert {expert} is not on the device")]
@@ -72,9 +54,6 @@ pub enum ExpertDeviceError {
         /// What disagrees.
         detail: String,
     },
-    /// A weight type without a kernel on this device.
-    #[error("expert weights of type {0} have no kernel on this device")]
-    UnsupportedType(GgmlType),
     /// A placement that cannot be executed.
     #[error("placement: {0}")]
     Placement(String),
@@ -283,81 +262,6 @@ impl ExpertBatch<'_> {
     }
 }
 
-/// Transfers across the boundary, as a device counts them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TransferStats {
-    /// Weight uploads (one per [`ExpertDevice::upload_layer`] or
-    /// [`ExpertDevice::upload_experts`] call).
-    pub uploads: u64,
-    /// Bytes of weights uploaded (see [`ExpertTensors::expert_bytes`]).
-    pub upload_bytes: u64,
-    /// Host → device transfers of a batch's inputs (one per [`ExpertDevice::run`]).
-    pub to_device: u64,
-    /// Their bytes: `4·n·d` of hidden state plus `4·n·k` each of ids and weights.
-    pub to_device_bytes: u64,
-    /// Device → host transfers of the expert sum (one per [`ExpertDevice::run`]).
-    pub to_host: u64,
-    /// Their bytes: `4·n·d`.
-    pub to_host_bytes: u64,
-}
-
-/// A device that holds the routed experts of some layers and runs them for a batch.
-///
-/// Methods take `&self` (a model is shared between threads); an implementation serialises its
-/// own work. Layers are identified by their index in the model.
-pub trait ExpertDevice: Send + Sync {
-    /// A name for messages (`CUDA0`, `staging`).
-    fn name(&self) -> &str;
-
-    /// Copies every expert of `layer` to the device, where they stay (called at load for the
-    /// layers the placement puts there). Replaces what the layer had.
-    fn upload_layer(
-        &self,
-        layer: usize,
-        experts: &ExpertTensors<'_>,
-    ) -> Result<(), ExpertDeviceError>;
-
-    /// Op offload: copies experts `ids` (distinct, ascending) of `layer` into the device's
-    /// staging area, replacing what it held, so that the next [`ExpertDevice::run`] of that
-    /// layer can use them. The staging area holds one layer at a time.
-    fn upload_experts(
-        &self,
-        layer: usize,
-        experts: &ExpertTensors<'_>,
-        ids: &[usize],
-    ) -> Result<(), ExpertDeviceError>;
-
-    /// Computes `out[t] = Σ_s weights[t,s] · expert_{selected[t,s]}(h[t])` with the experts of
-    /// `layer` (uploaded with `upload_layer`, else those staged for it). `out` is
-    /// `n_tokens × n_embd`. One host → device transfer of the inputs, one device → host
-    /// transfer of the result.
-    fn run(
-        &self,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ExpertDeviceError>;
-
-    /// Op offload of one layer for one batch: copies exactly the experts `batch` routes to
-    /// ([`ExpertBatch::routed_experts`]) into the staging area and runs the batch there. An
-    /// implementation should overlap the copies with the compute (expert `i + 1` copied while
-    /// expert `i` runs); the default does [`ExpertDevice::upload_experts`] then
-    /// [`ExpertDevice::run`], one after the other. Counted as one upload and one round trip.
-    fn run_offloaded(
-        &self,
-        layer: usize,
-        experts: &ExpertTensors<'_>,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ExpertDeviceError> {
-        self.upload_experts(layer, experts, &batch.routed_experts())?;
-        self.run(layer, batch, out)
-    }
-
-    /// Transfers counted since the device was created.
-    fn stats(&self) -> TransferStats;
-}
-
 /// The dot kernels of one layer's three expert matrices (llama.cpp's choice for their type).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ExpertKernels {
@@ -367,12 +271,12 @@ pub(crate) struct ExpertKernels {
 }
 
 impl ExpertKernels {
-    /// The kernels for the layer's matrices.
-    pub(crate) fn for_tensors(t: &ExpertTensors<'_>) -> Result<ExpertKernels, ExpertDeviceError> {
-        let k = |m: &ExpertMatrix<'_>| {
-            DotKernel::for_matrix(m.ty, m.n_out)
-                .map_err(|_| ExpertDeviceError::UnsupportedType(m.ty))
-        };
+    /// The kernels for the layer's matrices (tests build layers without a model).
+    #[cfg(test)]
+    pub(crate) fn for_tensors(
+        t: &ExpertTensors<'_>,
+    ) -> Result<ExpertKernels, hmoe_quant::QuantError> {
+        let k = |m: &ExpertMatrix<'_>| DotKernel::for_matrix(m.ty, m.n_out);
         Ok(ExpertKernels {
             gate: k(&t.gate)?,
             up: k(&t.up)?,
@@ -625,394 +529,6 @@ pub(crate) fn swiglu_oai(gate: f32, up: f32) -> f32 {
     x / (1.0 + (-SWIGLU_ALPHA * x).exp()) * (y + 1.0)
 }
 
-/// Alignment of the staging device's weight copies (a GPU allocation is at least this aligned).
-const DEVICE_ALIGN: usize = 64;
-
-/// Bytes owned by the device, starting at a [`DEVICE_ALIGN`]-byte boundary when the allocator
-/// allows it.
-#[derive(Debug)]
-struct AlignedBytes {
-    buf: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl AlignedBytes {
-    fn copy_of(src: &[u8]) -> AlignedBytes {
-        let mut buf = vec![0u8; src.len() + DEVICE_ALIGN - 1];
-        // `align_offset` may decline (usize::MAX); unaligned data is still correct.
-        let start = match buf.as_ptr().align_offset(DEVICE_ALIGN) {
-            off if off < DEVICE_ALIGN => off,
-            _ => 0,
-        };
-        buf[start..start + src.len()].copy_from_slice(src);
-        AlignedBytes {
-            buf,
-            start,
-            len: src.len(),
-        }
-    }
-
-    fn as_slice(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
-    }
-}
-
-/// One expert's weights in device memory.
-#[derive(Debug)]
-struct DeviceExpert {
-    gate: AlignedBytes,
-    up: AlignedBytes,
-    down: AlignedBytes,
-    gate_bias: Vec<f32>,
-    up_bias: Vec<f32>,
-    down_bias: Vec<f32>,
-}
-
-impl DeviceExpert {
-    /// A device copy of one expert (a host → device upload).
-    fn copy_of(v: &ExpertView<'_>) -> DeviceExpert {
-        DeviceExpert {
-            gate: AlignedBytes::copy_of(v.gate),
-            up: AlignedBytes::copy_of(v.up),
-            down: AlignedBytes::copy_of(v.down),
-            gate_bias: v.gate_bias.to_vec(),
-            up_bias: v.up_bias.to_vec(),
-            down_bias: v.down_bias.to_vec(),
-        }
-    }
-
-    fn view(&self) -> ExpertView<'_> {
-        ExpertView {
-            gate: self.gate.as_slice(),
-            up: self.up.as_slice(),
-            down: self.down.as_slice(),
-            gate_bias: &self.gate_bias,
-            up_bias: &self.up_bias,
-            down_bias: &self.down_bias,
-        }
-    }
-}
-
-/// A layer's experts in device memory (all of them, or the staged ones).
-struct DeviceLayer {
-    kernels: ExpertKernels,
-    d: usize,
-    ff: usize,
-    experts: Vec<Option<DeviceExpert>>,
-}
-
-impl DeviceLayer {
-    /// Copies experts `ids` of `t` (all when `None`); returns the layer and the bytes copied.
-    fn copy_of(
-        t: &ExpertTensors<'_>,
-        ids: Option<&[usize]>,
-    ) -> Result<(DeviceLayer, u64), ExpertDeviceError> {
-        let (d, ff) = t.validate()?;
-        let kernels = ExpertKernels::for_tensors(t)?;
-        let mut experts: Vec<Option<DeviceExpert>> = (0..t.n_expert).map(|_| None).collect();
-        let all: Vec<usize>;
-        let ids = match ids {
-            Some(ids) => ids,
-            None => {
-                all = (0..t.n_expert).collect();
-                &all
-            }
-        };
-        for &e in ids {
-            let v = t.view(e).ok_or(ExpertDeviceError::BadExpertId {
-                expert: e,
-                n_expert: t.n_expert,
-            })?;
-            experts[e] = Some(DeviceExpert::copy_of(&v));
-        }
-        let copied = experts.iter().flatten().count() as u64 * t.expert_bytes();
-        Ok((
-            DeviceLayer {
-                kernels,
-                d,
-                ff,
-                experts,
-            },
-            copied,
-        ))
-    }
-
-    fn view(&self, e: usize) -> Option<ExpertView<'_>> {
-        Some(self.experts.get(e)?.as_ref()?.view())
-    }
-}
-
-/// Everything the staging device holds.
-#[derive(Default)]
-struct Staging {
-    /// Layers uploaded at load.
-    resident: HashMap<usize, DeviceLayer>,
-    /// The op-offload staging area: one layer's routed experts.
-    staged: Option<(usize, DeviceLayer)>,
-    /// Device-side buffers of a batch.
-    io: DeviceIo,
-    stats: TransferStats,
-}
-
-/// Device-side copies of a batch's inputs and output, and the compute scratch.
-#[derive(Default)]
-struct DeviceIo {
-    h: Vec<f32>,
-    selected: Vec<u32>,
-    weights: Vec<f32>,
-    groups: Vec<Range<usize>>,
-    out: Vec<f32>,
-    scratch: ExpertScratch,
-}
-
-impl DeviceIo {
-    /// Inputs in (one host → device transfer), the expert sum over `view`'s experts, the result
-    /// out (one device → host transfer).
-    #[allow(clippy::too_many_arguments)]
-    fn round_trip<'w>(
-        &mut self,
-        layer: usize,
-        kernels: &ExpertKernels,
-        (d, ff, n_expert): (usize, usize, usize),
-        batch: &ExpertBatch<'_>,
-        view: impl Fn(usize) -> Option<ExpertView<'w>>,
-        stats: &mut TransferStats,
-        out: &mut [f32],
-    ) -> Result<(), ExpertDeviceError> {
-        let n = check_batch_io(batch, (d, n_expert), out)?;
-        let DeviceIo {
-            h,
-            selected,
-            weights,
-            groups,
-            out: dev_out,
-            scratch,
-        } = self;
-        h.clear();
-        h.extend_from_slice(batch.h);
-        selected.clear();
-        selected.extend_from_slice(batch.selected);
-        weights.clear();
-        weights.extend_from_slice(batch.weights);
-        groups.clear();
-        groups.extend_from_slice(batch.groups);
-        stats.to_device += 1;
-        stats.to_device_bytes += 4 * (h.len() + selected.len() + weights.len()) as u64;
-        let dev_batch = ExpertBatch {
-            h,
-            selected,
-            weights,
-            n_used: batch.n_used,
-            groups,
-        };
-        dev_out.clear();
-        dev_out.resize(n * d, 0.0);
-        mix_experts(
-            layer,
-            kernels,
-            (d, ff, n_expert),
-            &dev_batch,
-            view,
-            scratch,
-            dev_out,
-        )?;
-        out.copy_from_slice(dev_out);
-        stats.to_host += 1;
-        stats.to_host_bytes += 4 * out.len() as u64;
-        Ok(())
-    }
-}
-
-/// A CPU stand-in for a GPU on the far side of the expert boundary: it owns aligned copies of
-/// the expert weights uploaded to it (as VRAM would), copies each batch's inputs into its own
-/// buffers and the result back out (as host ↔ device transfers), computes with the host's
-/// kernels (so results are bit-identical to the host path), and counts every transfer.
-///
-/// It lets the hybrid executor's placement, upload and transfer logic run for real on machines
-/// without a GPU.
-pub struct StagingDevice {
-    name: String,
-    inner: Mutex<Staging>,
-}
-
-impl StagingDevice {
-    /// An empty device called `name`.
-    pub fn new(name: impl Into<String>) -> StagingDevice {
-        StagingDevice {
-            name: name.into(),
-            inner: Mutex::new(Staging::default()),
-        }
-    }
-
-    /// Bytes of expert weights held (resident layers plus the staging area).
-    pub fn bytes_held(&self) -> u64 {
-        let s = self.lock();
-        let layer_bytes = |l: &DeviceLayer| -> u64 {
-            l.experts
-                .iter()
-                .flatten()
-                .map(|x| {
-                    (x.gate.len + x.up.len + x.down.len) as u64
-                        + 4 * (x.gate_bias.len() + x.up_bias.len() + x.down_bias.len()) as u64
-                })
-                .sum()
-        };
-        s.resident.values().map(layer_bytes).sum::<u64>()
-            + s.staged.as_ref().map_or(0, |(_, l)| layer_bytes(l))
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Staging> {
-        // A panic while holding the lock leaves only buffers that every call rewrites.
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-impl ExpertDevice for StagingDevice {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn upload_layer(
-        &self,
-        layer: usize,
-        experts: &ExpertTensors<'_>,
-    ) -> Result<(), ExpertDeviceError> {
-        let (copy, bytes) = DeviceLayer::copy_of(experts, None)?;
-        let mut s = self.lock();
-        s.resident.insert(layer, copy);
-        s.stats.uploads += 1;
-        s.stats.upload_bytes += bytes;
-        Ok(())
-    }
-
-    fn upload_experts(
-        &self,
-        layer: usize,
-        experts: &ExpertTensors<'_>,
-        ids: &[usize],
-    ) -> Result<(), ExpertDeviceError> {
-        if ids.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(shape_err(
-                "expert ids",
-                format!("{ids:?} are not distinct and ascending"),
-            ));
-        }
-        let mut s = self.lock();
-        // Free the previous staging area before filling it again.
-        s.staged = None;
-        let (copy, bytes) = DeviceLayer::copy_of(experts, Some(ids))?;
-        s.staged = Some((layer, copy));
-        s.stats.uploads += 1;
-        s.stats.upload_bytes += bytes;
-        Ok(())
-    }
-
-    fn run(
-        &self,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ExpertDeviceError> {
-        let mut guard = self.lock();
-        let Staging {
-            resident,
-            staged,
-            io,
-            stats,
-        } = &mut *guard;
-        let dl = match (resident.get(&layer), staged.as_ref()) {
-            (Some(dl), _) => dl,
-            (None, Some((l, dl))) if *l == layer => dl,
-            _ => return Err(ExpertDeviceError::NotUploaded { layer }),
-        };
-        let dims = (dl.d, dl.ff, dl.experts.len());
-        io.round_trip(layer, &dl.kernels, dims, batch, |e| dl.view(e), stats, out)
-    }
-
-    /// Copies the routed experts on a second thread, in ascending order, while this thread
-    /// computes: expert `e` runs as soon as its copy is complete, so copying the next experts
-    /// overlaps computing the previous ones. The result is that of `upload_experts` + `run`.
-    fn run_offloaded(
-        &self,
-        layer: usize,
-        experts: &ExpertTensors<'_>,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ExpertDeviceError> {
-        let (d, ff) = experts.validate()?;
-        batch.validate(d, experts.n_expert)?;
-        let kernels = ExpertKernels::for_tensors(experts)?;
-        let ids = batch.routed_experts();
-        let views = ids
-            .iter()
-            .map(|&e| {
-                experts.view(e).ok_or(ExpertDeviceError::BadExpertId {
-                    expert: e,
-                    n_expert: experts.n_expert,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut guard = self.lock();
-        let Staging {
-            staged, io, stats, ..
-        } = &mut *guard;
-        // Free the previous staging area before filling it again.
-        *staged = None;
-        let slots: Vec<OnceLock<DeviceExpert>> =
-            (0..experts.n_expert).map(|_| OnceLock::new()).collect();
-        let copied = Mutex::new(0usize);
-        let arrived = Condvar::new();
-        let result = std::thread::scope(|scope| {
-            scope.spawn(|| {
-                for (&e, v) in ids.iter().zip(&views) {
-                    // Each id is set once (ids are distinct).
-                    let _ = slots[e].set(DeviceExpert::copy_of(v));
-                    *copied.lock().unwrap_or_else(PoisonError::into_inner) += 1;
-                    arrived.notify_all();
-                }
-            });
-            // Waits for expert `e`'s copy; `None` for an expert that is not being copied.
-            let wait = |e: usize| -> Option<ExpertView<'_>> {
-                if ids.binary_search(&e).is_err() {
-                    return None;
-                }
-                let mut n = copied.lock().unwrap_or_else(PoisonError::into_inner);
-                while slots[e].get().is_none() {
-                    n = arrived.wait(n).unwrap_or_else(PoisonError::into_inner);
-                }
-                slots[e].get().map(DeviceExpert::view)
-            };
-            io.round_trip(
-                layer,
-                &kernels,
-                (d, ff, experts.n_expert),
-                batch,
-                wait,
-                stats,
-                out,
-            )
-        });
-        stats.uploads += 1;
-        stats.upload_bytes += ids.len() as u64 * experts.expert_bytes();
-        let experts = slots.into_iter().map(OnceLock::into_inner).collect();
-        *staged = Some((
-            layer,
-            DeviceLayer {
-                kernels,
-                d,
-                ff,
-                experts,
-            },
-        ));
-        result
-    }
-
-    fn stats(&self) -> TransferStats {
-        self.lock().stats
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::single_range_in_vec_init)] // slices of token ranges, one sequence each
 mod tests {
@@ -1049,76 +565,6 @@ mod tests {
             up_bias: bias,
             down_bias: bias,
         }
-    }
-
-    #[test]
-    fn staging_device_matches_host_and_counts() {
-        let (data, bias) = q8_layer();
-        let t = tensors(&data, &bias);
-        let h: Vec<f32> = (0..3 * 32).map(|i| (i as f32 * 0.37).sin()).collect();
-        let selected = [1, 0, 0, 1, 1, 0];
-        let weights = [0.75, 0.25, 0.5, 0.5, 0.9, 0.1];
-        let groups = [0..3];
-        let batch = ExpertBatch {
-            h: &h,
-            selected: &selected,
-            weights: &weights,
-            n_used: 2,
-            groups: &groups,
-        };
-        let k = ExpertKernels::for_tensors(&t).unwrap();
-        let mut host = vec![0f32; 3 * 32];
-        host_experts(0, &k, &t, &batch, &mut ExpertScratch::default(), &mut host).unwrap();
-        let dev = StagingDevice::new("test");
-        let mut got = vec![f32::NAN; 3 * 32];
-        assert_eq!(
-            dev.run(5, &batch, &mut got),
-            Err(ExpertDeviceError::NotUploaded { layer: 5 })
-        );
-        dev.upload_layer(5, &t).unwrap();
-        dev.run(5, &batch, &mut got).unwrap();
-        assert_eq!(
-            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            host.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
-        let s = dev.stats();
-        assert_eq!((s.uploads, s.upload_bytes), (1, t.layer_bytes()));
-        assert_eq!((s.to_device, s.to_device_bytes), (1, 4 * (96 + 6 + 6)));
-        assert_eq!((s.to_host, s.to_host_bytes), (1, 4 * 96));
-        assert_eq!(dev.bytes_held(), t.layer_bytes());
-    }
-
-    #[test]
-    fn pipelined_offload_matches_host_and_copies_only_routed_experts() {
-        let (data, bias) = q8_layer();
-        let t = tensors(&data, &bias);
-        let h: Vec<f32> = (0..2 * 32).map(|i| (i as f32 * 0.21).cos()).collect();
-        let groups = [0..2];
-        let batch = ExpertBatch {
-            h: &h,
-            selected: &[1, 1],
-            weights: &[1.0, 1.0],
-            n_used: 1,
-            groups: &groups,
-        };
-        let k = ExpertKernels::for_tensors(&t).unwrap();
-        let mut host = vec![0f32; 64];
-        host_experts(0, &k, &t, &batch, &mut ExpertScratch::default(), &mut host).unwrap();
-        let dev = StagingDevice::new("test");
-        let mut got = vec![0f32; 64];
-        dev.run_offloaded(3, &t, &batch, &mut got).unwrap();
-        assert_eq!(
-            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            host.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
-        let s = dev.stats();
-        assert_eq!((s.uploads, s.upload_bytes), (1, t.expert_bytes()));
-        assert_eq!((s.to_device, s.to_host), (1, 1));
-        assert_eq!(dev.bytes_held(), t.expert_bytes());
-        // The staged expert stays usable until the next offload replaces it.
-        let mut again = vec![0f32; 64];
-        dev.run(3, &batch, &mut again).unwrap();
-        assert_eq!(again, got);
     }
 
     /// Random experts of `ty` (MXFP4 or Q8_0): `n_expert` experts of `d → ff → d`.
@@ -1211,56 +657,23 @@ mod tests {
     }
 
     #[test]
-    fn staged_experts_cover_only_their_ids() {
-        let (data, bias) = q8_layer();
-        let t = tensors(&data, &bias);
-        let dev = StagingDevice::new("test");
-        dev.upload_experts(2, &t, &[1]).unwrap();
-        assert_eq!(dev.stats().upload_bytes, t.expert_bytes());
-        let h = vec![0.5f32; 32];
-        let mut out = vec![0f32; 32];
-        let groups = [0..1];
-        let mk = |sel: &'static [u32]| ExpertBatch {
-            h: &h,
-            selected: sel,
-            weights: &[1.0],
-            n_used: 1,
-            groups: &groups,
-        };
-        dev.run(2, &mk(&[1]), &mut out).unwrap();
-        assert_eq!(
-            dev.run(2, &mk(&[0]), &mut out),
-            Err(ExpertDeviceError::MissingExpert {
-                layer: 2,
-                expert: 0
-            })
-        );
-        assert_eq!(
-            dev.run(3, &mk(&[1]), &mut out),
-            Err(ExpertDeviceError::NotUploaded { layer: 3 })
-        );
-        assert!(matches!(
-            dev.run(2, &mk(&[7]), &mut out),
-            Err(ExpertDeviceError::BadExpertId { expert: 7, .. })
-        ));
-        assert!(dev.upload_experts(2, &t, &[1, 1]).is_err());
-        assert!(dev.upload_experts(2, &t, &[5]).is_err());
-    }
-
-    #[test]
     fn bad_batches_and_tensors_are_errors() {
         let (data, bias) = q8_layer();
         let t = tensors(&data, &bias);
-        let dev = StagingDevice::new("test");
-        dev.upload_layer(0, &t).unwrap();
+        let k = ExpertKernels::for_tensors(&t).unwrap();
         let h = vec![0.5f32; 64];
         let mut out = vec![0f32; 64];
         let ok_groups = [0..2];
         let bad_groups = [0..1];
+        let mut run = |batch: &ExpertBatch<'_>, t: &ExpertTensors<'_>, out_len: usize| {
+            let mut scratch = ExpertScratch::default();
+            host_experts(0, &k, t, batch, &mut scratch, &mut out[..out_len])
+        };
         for (sel, w, groups, out_len) in [
             (&[0u32, 1][..], &[1.0f32][..], &ok_groups, 64),
             (&[0, 1], &[1.0, 1.0], &bad_groups, 64),
             (&[0, 1], &[1.0, 1.0], &ok_groups, 63),
+            (&[0, 7], &[1.0, 1.0], &ok_groups, 64),
         ] {
             let batch = ExpertBatch {
                 h: &h,
@@ -1269,14 +682,19 @@ mod tests {
                 n_used: 1,
                 groups,
             };
-            assert!(matches!(
-                dev.run(0, &batch, &mut out[..out_len]),
-                Err(ExpertDeviceError::Shape { .. })
-            ));
+            assert!(run(&batch, &t, out_len).is_err(), "{sel:?} {w:?} {out_len}");
         }
+        let good = ExpertBatch {
+            h: &h,
+            selected: &[0, 1],
+            weights: &[1.0, 1.0],
+            n_used: 1,
+            groups: &ok_groups,
+        };
+        assert!(run(&good, &t, 64).is_ok());
         let short = tensors(&data[1..], &bias);
         assert!(matches!(
-            dev.upload_layer(1, &short),
+            run(&good, &short, 64),
             Err(ExpertDeviceError::Shape { .. })
         ));
     }

@@ -23,10 +23,7 @@ pub use deepseek2::{Deepseek2, Deepseek2Params};
 pub use error::ModelError;
 pub use executor::{device_arch, DeviceModel, ExecError, ExecStats};
 pub use gpt_oss::{GptOss, GptOssParams};
-pub use hybrid::{
-    ExpertBatch, ExpertDevice, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors,
-    StagingDevice, TransferStats,
-};
+pub use hybrid::{ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors};
 pub use kv_cache::{KvCache, KvType};
 pub use llama::{Dense, DenseArch, DenseParams};
 pub use qwen3_moe::{Qwen3Moe, Qwen3MoeParams};
