@@ -27,6 +27,8 @@ Limits (every resource a client controls is bounded):
                      reserve that answers only /health, then the oldest reserve one is closed
   request headers    --header-timeout seconds (10), also the keep-alive idle time
   request body       64 MiB (413), sent within --timeout seconds (600; else 408)
+  response           a client that reads nothing for --timeout seconds is dropped (its
+                     generation cancelled)
   queued requests    --max-queue per model (256; then 503); router mode waits at most
                      --timeout for a busy model, at most --max-queue requests at once
   prompt + output    the slot's context (-c / -np); n_predict stops there
@@ -132,8 +134,9 @@ pub struct ServeArgs {
         allow_negative_numbers = true
     )]
     pub threads_batch: Option<i64>,
-    /// Seconds a client has to send a request body, and the longest a router-mode request
-    /// waits for a busy model (llama-server's read/write timeout).
+    /// Seconds a client has to send a request body, the longest a response waits for a
+    /// client that reads nothing (then the connection is closed), and the longest a
+    /// router-mode request waits for a busy model (llama-server's read/write timeout).
     #[arg(long = "timeout", value_name = "SECONDS", default_value_t = 600,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,

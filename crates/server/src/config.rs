@@ -111,8 +111,9 @@ pub struct Limits {
     /// Time a client has to send a request's head (and the most a kept-alive connection may
     /// sit idle) before the connection is closed (`--header-timeout`).
     pub header_timeout: Duration,
-    /// Time a client has to send a request's body (`--timeout`, llama-server's read timeout,
-    /// default 600 s), and the longest a router-mode request waits for a model to be free.
+    /// Time a client has to send a request's body (`--timeout`, llama-server's read/write
+    /// timeout, default 600 s), the longest a response may wait for a client that reads
+    /// nothing, and the longest a router-mode request waits for a model to be free.
     pub timeout: Duration,
     /// Largest request body in bytes; larger ones get 413.
     pub max_body: usize,

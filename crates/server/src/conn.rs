@@ -6,11 +6,20 @@
 //! that answer `/health` as usual and every other route with 503; when the reserve is full the
 //! oldest reserve connection is closed to make room. So `/health` answers while stalled
 //! clients hold every place (normal ones are dropped after [`Limits::header_timeout`]).
+//!
+//! A client that stops reading a response is dropped too: when the socket has taken no bytes
+//! for [`Limits::timeout`] (llama-server's write timeout is its `--timeout` as well) the write
+//! fails, the connection closes, and a generation streaming to it is cancelled, so a stalled
+//! reader holds neither a connection nor a slot for longer than that.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -18,9 +27,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::{AbortHandle, JoinSet};
+use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::config::Limits;
@@ -123,6 +134,7 @@ pub async fn serve(
             limits.header_timeout
         };
         let mut down = down.clone();
+        let write_timeout = limits.timeout;
         let handle = conns.spawn(async move {
             let _open = guard;
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
@@ -139,7 +151,8 @@ pub async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .keep_alive(!overflow);
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            let io = WriteDeadline::new(stream, write_timeout);
+            let conn = builder.serve_connection(TokioIo::new(io), service);
             tokio::pin!(conn);
             tokio::select! {
                 r = conn.as_mut() => {
@@ -160,6 +173,91 @@ pub async fn serve(
     drop(listener);
     while conns.join_next().await.is_some() {}
     Ok(())
+}
+
+/// A stream whose writes fail once the peer has taken no bytes for `timeout`: the clock
+/// starts when a write first finds the socket full and stops at the next write that goes
+/// through. Reads pass through untouched (the header and body timeouts bound them).
+struct WriteDeadline<S> {
+    inner: S,
+    timeout: Duration,
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(inner: S, timeout: Duration) -> WriteDeadline<S> {
+        WriteDeadline {
+            inner,
+            timeout,
+            stalled: None,
+        }
+    }
+
+    /// What a write that returned `r` returns under the deadline.
+    fn watch<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if r.is_ready() {
+            self.stalled = None;
+            return r;
+        }
+        let timeout = self.timeout;
+        let sleep = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the client read nothing for {} s (--timeout)",
+                    timeout.as_secs()
+                ),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, r)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.watch(cx, r)
+    }
 }
 
 /// Waits until the flag is true (without holding the watch's guard).
@@ -192,5 +290,47 @@ mod tests {
         let (n, r) = connection_caps(512, Some(10));
         assert!(n >= 1 && r >= 1);
         assert!(open_file_limit().is_none_or(|l| l > 0));
+    }
+
+    /// A peer that never reads: writes fail after the timeout, not before, and a peer that
+    /// reads again in time resets the clock.
+    #[tokio::test(start_paused = true)]
+    async fn writes_to_a_stalled_reader_time_out() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut w = WriteDeadline::new(a, Duration::from_secs(5));
+        let chunk = vec![7u8; 1024];
+        w.write_all(&chunk).await.unwrap();
+        let started = tokio::time::Instant::now();
+        // The pipe is full: the next write waits for the reader, then gives up.
+        let err = w.write_all(&chunk).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(
+            started.elapsed() >= Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            started.elapsed()
+        );
+        // A reader that keeps up never trips it, however long the whole transfer takes.
+        let (a, mut b2) = tokio::io::duplex(1024);
+        let mut w = WriteDeadline::new(a, Duration::from_secs(5));
+        let reader = tokio::spawn(async move {
+            let mut got = 0usize;
+            let mut buf = [0u8; 512];
+            while got < 16 * 1024 {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                got += b2.read(&mut buf).await.unwrap();
+            }
+            got
+        });
+        for _ in 0..16 {
+            w.write_all(&chunk).await.unwrap();
+        }
+        assert_eq!(reader.await.unwrap(), 16 * 1024);
+        drop(b.read(&mut [0u8; 1]).await);
     }
 }

@@ -326,3 +326,40 @@ fn stop_strings_are_bounded() {
         assert!(r.body.contains("at most 64 strings"), "{}", r.body);
     }
 }
+
+/// A client that stops reading a response is dropped after `--timeout` instead of holding its
+/// connection for ever: the response is cut short and the socket closed.
+#[test]
+fn a_client_that_stops_reading_is_dropped_after_the_timeout() {
+    let mut c = tiny_config();
+    c.limits.timeout = Duration::from_secs(2);
+    let s = start(c);
+    let a = s.local_addr();
+    // A response of several MiB, more than the socket buffers on both sides hold.
+    let body = json!({"content": "ab ".repeat(1_000_000), "with_pieces": true}).to_string();
+    let request = format!(
+        "POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let started = Instant::now();
+    let whole = post(
+        a,
+        "/tokenize",
+        &serde_json::from_str::<Value>(&body).unwrap(),
+    );
+    let full_len = whole.body.len();
+    let took = started.elapsed();
+    assert!(full_len > 8 << 20, "{full_len}");
+    let mut conn = stalled(a, request.as_bytes());
+    // Long enough for the server to answer, fill the buffers and give up on the reader.
+    std::thread::sleep(took * 2 + Duration::from_secs(5));
+    let raw = closed_within(&mut conn, Duration::from_secs(20)).expect("the server closed it");
+    assert!(
+        raw.starts_with("HTTP/1.1 200"),
+        "{}",
+        &raw[..raw.len().min(200)]
+    );
+    assert!(raw.len() < full_len, "{} of {full_len} bytes", raw.len());
+    // The server goes on serving.
+    assert_eq!(get(a, "/health").status, 200);
+}
