@@ -337,6 +337,14 @@ impl<B: Backend> DeviceQwen3Moe<B> {
     pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceQwen3Moe<B>, ExecError> {
         let host = Qwen3Moe::load(gguf)?;
         let p = &host.params;
+        // The contract's attention (`AttnParams::head_dim`), where the CPU engine's scores
+        // of a batch also take tinyBLAS's 16-lane order.
+        if !p.head_dim.is_multiple_of(16) || p.head_dim > 256 {
+            return Err(ExecError::Placement(format!(
+                "attention heads of {} values: the device takes multiples of 16 up to 256",
+                p.head_dim
+            )));
+        }
         let rope = (host.rope.device_params())
             .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
         let attn = AttnSpec {

@@ -5,7 +5,8 @@
 //! routed experts on the device, on the host (one round trip per layer per micro-batch), on
 //! the host with op offload, and on the host for one layer only; for f32, f16, bf16 and
 //! (where heads are whole blocks) q8_0 K/V caches; and several sequences batched in one
-//! `forward_multi` get what each gets alone, with one round trip per host layer.
+//! `forward_multi` get what each gets alone, with one round trip per host layer. Heads the
+//! device cannot attend (not a multiple of 16 values) are refused at load.
 
 mod common;
 
@@ -32,29 +33,35 @@ enum Model {
     Synth,
 }
 
+/// The synthetic model's dimensions.
+fn synth_spec() -> Qwen3MoeSpec {
+    Qwen3MoeSpec {
+        n_layer: 2,
+        n_embd: 64,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 32,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 64,
+        n_vocab: 300,
+        expert_type: GgmlType::Q8_0,
+        seed: 7,
+    }
+}
+
+/// Writes `spec` to a temporary file named after `stem` and returns its path.
+fn write(spec: &Qwen3MoeSpec, stem: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("hmoe-{stem}-{}.gguf", std::process::id()));
+    qwen3moe_writer(spec).unwrap().write(&path).unwrap();
+    path
+}
+
 /// Writes the synthetic model once per test binary and returns its path.
 fn synth_path() -> PathBuf {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let spec = Qwen3MoeSpec {
-            n_layer: 2,
-            n_embd: 64,
-            n_head: 4,
-            n_head_kv: 2,
-            head_dim: 32,
-            n_expert: 8,
-            n_expert_used: 2,
-            n_ff_exp: 64,
-            n_vocab: 300,
-            expert_type: GgmlType::Q8_0,
-            seed: 7,
-        };
-        let path =
-            std::env::temp_dir().join(format!("hmoe-device-qwen3moe-{}.gguf", std::process::id()));
-        qwen3moe_writer(&spec).unwrap().write(&path).unwrap();
-        path
-    })
-    .clone()
+    PATH.get_or_init(|| write(&synth_spec(), "device-qwen3moe"))
+        .clone()
 }
 
 fn open(m: Model) -> GgufModel {
@@ -262,4 +269,26 @@ fn ref0_qwen3moe_batched_sequences_equal_each_alone() {
             }
         }
     }
+}
+
+/// Heads the device's attention does not take (not a multiple of 16 values) are refused at
+/// load, naming the head size; the CPU engine still runs the file.
+#[test]
+fn ref0_qwen3moe_refuses_heads_it_cannot_attend() {
+    let spec = Qwen3MoeSpec {
+        head_dim: 8,
+        ..synth_spec()
+    };
+    let path = write(&spec, "device-qwen3moe-hd8");
+    let gguf = || GgufModel::open(&path, LoadOptions::default()).unwrap();
+    let placement = ExpertPlacement {
+        layers: vec![ExpertHome::Device; 2],
+        op_offload_min_batch: None,
+    };
+    let Err(e) = DeviceModel::load(gguf(), Ref0::new(), &placement) else {
+        panic!("heads of 8 loaded on the device")
+    };
+    assert!(e.to_string().contains("heads of 8 values"), "{e}");
+    assert!(hmoe_model::load(gguf()).is_ok());
+    let _ = std::fs::remove_file(&path);
 }
