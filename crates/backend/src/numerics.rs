@@ -86,6 +86,22 @@ pub fn hsum16(a: &[f32; LANES]) -> f32 {
     h[0]
 }
 
+/// Accumulator chains of ggml's `vec_dot_f32` / `vec_dot_f16` on an AVX-512 build (64
+/// elements per step, 16 per chain).
+pub const VEC_DOT_CHAINS: usize = 4;
+
+/// The sum of `chains` (1 or [`VEC_DOT_CHAINS`]) 16-lane accumulators: one chain summed by
+/// halving, or four folded lane by lane as `vec_dot` folds them, `(c0 + c2) + (c1 + c3)`,
+/// then summed by halving.
+#[inline]
+pub fn sum_chains(a: &[[f32; LANES]; VEC_DOT_CHAINS], chains: usize) -> f32 {
+    if chains == 1 {
+        return hsum16(&a[0]);
+    }
+    let folded: [f32; LANES] = std::array::from_fn(|l| (a[0][l] + a[2][l]) + (a[1][l] + a[3][l]));
+    hsum16(&folded)
+}
+
 /// ggml's `vec_dot_f32` / `vec_dot_f16` on an AVX-512 build (`b` converted by `to_f32`):
 /// four 16-lane FMA accumulators per 64 elements, folded pairwise `(0 + 2) + (1 + 3)`, summed
 /// by halving, then the tail added one product at a time (in f32 for f32 data, in f64 for f16

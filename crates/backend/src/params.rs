@@ -94,6 +94,14 @@ pub struct AttnParams {
     pub window: Option<usize>,
     /// Score scale, usually `1/sqrt(head_dim)`.
     pub scale: f32,
+    /// Accumulator chains of the value sum of one query token over f32/f16 values (the row
+    /// kernel), 1 or [`crate::numerics::VEC_DOT_CHAINS`]: with 4, position `p` adds into lane
+    /// `p % 16` of chain `(p / 16) % 4` and the chains fold as `(c0 + c2) + (c1 + c3)` before
+    /// the lanes are summed, as ggml's `vec_dot_f32`/`vec_dot_f16` sum (the CPU engine's
+    /// attention of Llama-style blocks, Qwen3-MoE's); with 1 every position adds into one
+    /// 16-lane chain (its gpt-oss attention). A batch of several tokens, and bf16 or
+    /// block-quantized values, always sum in one chain.
+    pub value_chains: usize,
 }
 
 impl AttnParams {

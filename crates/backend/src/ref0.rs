@@ -984,7 +984,11 @@ impl Backend for Ref0 {
         // A batch's scores go through tinyBLAS when a key is whole 16-lane steps long.
         let lanes = !single && kd.is_multiple_of(16);
         // One token's values go through `vec_dot`'s four chains, 16 positions each in turn.
-        let chains = if single { 4 } else { 1 };
+        let chains = if single {
+            crate::numerics::VEC_DOT_CHAINS
+        } else {
+            1
+        };
         for t in 0..n_tokens {
             let pos = pos0 + t;
             for h in 0..nh {
@@ -1008,7 +1012,7 @@ impl Backend for Ref0 {
                 }
                 let inv = (1.0 / sum) as f32;
                 probs.iter_mut().for_each(|v| *v *= inv);
-                let mut acc = vec![[[0f32; 16]; 4]; vd];
+                let mut acc = vec![[[0f32; 16]; crate::numerics::VEC_DOT_CHAINS]; vd];
                 for (pp, &pr) in probs.iter().enumerate() {
                     let (chain, lane) = ((pp / 16) % chains, pp % 16);
                     let w = f16::from_f32(pr).to_f32();
@@ -1018,13 +1022,7 @@ impl Backend for Ref0 {
                 }
                 let o = &mut out[(t * nh + h) * vd..][..vd];
                 for (ov, a) in o.iter_mut().zip(&acc) {
-                    *ov = if single {
-                        let folded: [f32; 16] =
-                            std::array::from_fn(|l| (a[0][l] + a[2][l]) + (a[1][l] + a[3][l]));
-                        hsum16(&folded)
-                    } else {
-                        hsum16(&a[0])
-                    };
+                    *ov = crate::numerics::sum_chains(a, chains);
                 }
             }
         }

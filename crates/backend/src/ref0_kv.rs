@@ -11,7 +11,8 @@
 //!     positions from the window's start rounded down), a softmax with ggml's `expf` summed per
 //!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
 //!     value sum as 16 lanes (lane = position mod 16) with the probability rounded to the value
-//!     type (f16, bf16; f32 as is);
+//!     type (f16, bf16; f32 as is), or, for one query token over f32/f16 values with
+//!     [`AttnParams::value_chains`] 4, in `vec_dot`'s four chains of 16 lanes;
 //!   - block-quantized values, ggml's flash kernel: per key in position order an online
 //!     softmax with libm's `expf` (`S = S·ms + vs`, the accumulator rescaled by a new
 //!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
@@ -26,7 +27,10 @@ use half::{bf16, f16};
 use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::error::ensure;
-use crate::numerics::{dot_vec, expf_ggml, fwht, hsum16, online_softmax_step, rotate_chunks};
+use crate::numerics::{
+    dot_vec, expf_ggml, fwht, hsum16, online_softmax_step, rotate_chunks, sum_chains,
+    VEC_DOT_CHAINS,
+};
 use crate::{AttnParams, BackendError, KvLayout};
 
 /// Lanes of ggml's accumulators.
@@ -227,6 +231,7 @@ pub(crate) fn attention(
             && q.len() >= n_q
             && out.len() >= n_q
             && sinks.is_none_or(|s| s.len() >= nh)
+            && matches!(p.value_chains, 1 | VEC_DOT_CHAINS)
             && [kl, vl]
                 .iter()
                 .all(|l| l.width == kvw && l.cells == p.cells)
@@ -261,6 +266,11 @@ pub(crate) fn attention(
     };
     let keys = Keys::new(kl.ty, kd)?;
     let single = n_tokens == 1;
+    // One token's f32/f16 values in the chains the call asks for; everything else in one.
+    let chains = match vl.ty {
+        GgmlType::F32 | GgmlType::F16 if single => p.value_chains,
+        _ => 1,
+    };
     let mut v_row = vec![0f32; hd];
     for t in 0..n_tokens {
         let pos = pos0 + t;
@@ -313,8 +323,9 @@ pub(crate) fn attention(
                 sum += (s - m).exp() as f64;
             }
             let inv = (1.0 / sum) as f32;
-            // Lane `i` of a value dimension takes position `i` of every chunk.
-            let mut acc = vec![[0f32; LANES]; hd];
+            // Lane `i` of a value dimension takes position `i` of every chunk (of the chunk's
+            // chain, for one token's float values in `vec_dot`'s chains).
+            let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; hd];
             for (i, &ev) in e.iter().enumerate() {
                 let pp = chunk_start + i;
                 if pp < first {
@@ -322,12 +333,13 @@ pub(crate) fn attention(
                 }
                 let w = round_weight(vl.ty, ev * inv);
                 values(vl.ty, vd, at(pp), &mut v_row)?;
+                let (chain, lane) = ((pp / LANES) % chains, i % LANES);
                 for (a, &x) in acc.iter_mut().zip(&v_row) {
-                    a[i % LANES] = x.mul_add(w, a[i % LANES]);
+                    a[chain][lane] = x.mul_add(w, a[chain][lane]);
                 }
             }
             for (ov, a) in o.iter_mut().zip(&acc) {
-                *ov = hsum16(a);
+                *ov = sum_chains(a, chains);
             }
         }
     }

@@ -229,6 +229,63 @@ fn seed_command_line_serves_on_ref0() {
     assert_eq!(alone, on_cpu);
 }
 
+/// A greedy completion of `prompt` (`/completion`, no chat template): its text.
+fn complete(addr: &str, prompt: &str) -> String {
+    let body = json!({"prompt": prompt, "temperature": 0, "n_predict": 12});
+    let r = json_ok(addr, "POST", "/completion", &body);
+    r["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {r}"))
+        .to_string()
+}
+
+/// Qwen3-MoE on the device executor (issue #16): the qwen3moe fixture with `-dev REF0` and
+/// one layer's experts on the CPU starts on REF0, and 8 concurrent greedy completions equal
+/// each alone and the CPU engine's.
+#[test]
+fn qwen3moe_serves_on_ref0() {
+    let model = fixtures().join("qwen3moe/qwen3moe-tiny.gguf");
+    let model = model.to_str().unwrap();
+    let args = [
+        "-m",
+        model,
+        "-ngl",
+        "all",
+        "--n-cpu-moe",
+        "1",
+        "-c",
+        "1024",
+        "-np",
+        "4",
+        "--api-key",
+        "k",
+    ];
+    let s = server::serve(&[&args[..], &["-dev", "REF0"]].concat());
+    let err = s.stderr();
+    assert!(
+        err.contains("hmoe serve: engine: the device executor on REF0"),
+        "{err}"
+    );
+    let qs = questions();
+    let alone: Vec<String> = qs.iter().map(|q| complete(&s.addr, q)).collect();
+    let together: Vec<String> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (qs.iter())
+            .map(|q| sc.spawn(|| complete(&s.addr, q)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(alone, together);
+    assert!(alone.iter().any(|a| !a.is_empty()), "{alone:?}");
+    let c = server::serve(&[&args[..], &["-dev", "none"]].concat());
+    assert!(
+        c.stderr().contains("hmoe serve: engine: CPU ("),
+        "{}",
+        c.stderr()
+    );
+    let on_cpu: Vec<String> = qs.iter().map(|q| complete(&c.addr, q)).collect();
+    assert_eq!(alone, on_cpu);
+}
+
 /// The same through the official `openai` package: 8 concurrent chats equal to each alone,
 /// and a second turn that reuses the first's cache.
 #[test]

@@ -1024,7 +1024,8 @@ impl CudaDevice {
                 && p.cells > 0
                 && p.head_dim.is_multiple_of(kl.ty.block_elems())
                 && p.head_dim.is_multiple_of(vl.ty.block_elems())
-                && kv_pair_supported(kl.ty, vl.ty),
+                && kv_pair_supported(kl.ty, vl.ty)
+                && matches!(p.value_chains, 1 | 4),
             OP,
             || format!("unsupported shape {p:?} for K {} / V {}", kl.ty, vl.ty),
         )?;
@@ -1086,6 +1087,7 @@ impl CudaDevice {
             i32_of(OP, "rotation", kl.rot)?,
             i32_of(OP, "rotation", vl.rot)?,
         );
+        let value_chains = i32_of(OP, "value chains", p.value_chains)?;
         let flash = !matches!(vl.ty, GgmlType::F16 | GgmlType::F32);
         let (kernel, block) = if flash {
             ("attn_flash", WARP_THREADS)
@@ -1116,6 +1118,10 @@ impl CudaDevice {
             .arg(&v_ty)
             .arg(&k_rot)
             .arg(&v_rot);
+        // The row kernel's last argument (flash attention sums values in its own order).
+        if !flash {
+            b.arg(&value_chains);
+        }
         // SAFETY: argument types match the kernel; sizes checked above; cells are indexed
         // modulo `cells`; the types are those the kernels read (`kv_type_ok`).
         unsafe { b.launch(cfg) }?;

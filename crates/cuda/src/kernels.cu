@@ -695,7 +695,9 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 // expf_ggml(s - m) summed by halving and added to an f64 sum in chunk order, plus the sink's
 // exp; probabilities expf_ggml(s - m) * (f32)(1 / sum), rounded to f16 for f16 values; output
 // dimension d sums in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc),
-// then by halving.
+// then by halving. With value_chains 4 and one query token, vec_dot's order instead: position
+// p into lane p % 16 of chain (p / 16) % 4, the chains folded (c0 + c2) + (c1 + c3) per lane,
+// then by halving (value_chains 1: one chain).
 //
 // One block per (head, token); each half-warp takes one chunk of a round of ATT_CHUNKS chunks.
 // Pass 1 keeps the scores in shared memory when the token sees at most ATT_SCORE_CACHE
@@ -771,7 +773,7 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                                     const float* sinks, int has_sinks, float* out, int n_tokens,
                                     int n_head, int n_kv, int head_dim, int cells, int pos0,
                                     int window, float scale, int k_ty, int v_ty, int k_rot,
-                                    int v_rot) {
+                                    int v_rot, int value_chains) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
     __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
     __shared__ float sm_s[ATT_SCORE_CACHE];
@@ -869,11 +871,15 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
     __syncthreads();
     float inv = sm_inv;
 
-    // Pass 3: the values. Thread (hw, l) keeps lane l of dimensions hw, hw + 16, ...
+    // Pass 3: the values. Thread (hw, l) keeps lane l of dimensions hw, hw + 16, ..., in
+    // each chain.
     int nd = head_dim / 16;
-    float acc[ATT_MAX_DIMS_PER_THREAD];
+    int chains = single && value_chains == 4 ? 4 : 1;
+    float acc[4][ATT_MAX_DIMS_PER_THREAD];
 #pragma unroll
-    for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) acc[k] = 0.f;
+    for (int c = 0; c < 4; c++)
+#pragma unroll
+        for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) acc[c][k] = 0.f;
     for (int r = 0; r < rounds; r++) {
         int c = r * ATT_CHUNKS + hw;
         float mine = 0.f;
@@ -899,9 +905,16 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
             if (cj < n_chunks && p >= first && p <= pos) {
                 float w = sm_p[j * 16 + l];
                 u64 at = (u64)(p % cells) * width + kv_off;
+                int chain = (p / 16) % chains;
 #pragma unroll
                 for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
-                    if (k < nd) acc[k] = fmaf(kv_float(vc, v_ty, at + hw + 16 * k), w, acc[k]);
+                    if (k < nd) {
+                        float x = kv_float(vc, v_ty, at + hw + 16 * k);
+#pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            if (c == chain) acc[c][k] = fmaf(x, w, acc[c][k]);
+                        }
+                    }
                 }
             }
         }
@@ -911,7 +924,8 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
 #pragma unroll
     for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
         if (k < nd) {
-            float o = half_warp_sum16(acc[k]);
+            float a = chains == 1 ? acc[0][k] : (acc[0][k] + acc[2][k]) + (acc[1][k] + acc[3][k]);
+            float o = half_warp_sum16(a);
             if (l == 0) oh[hw + 16 * k] = o;
         }
     }

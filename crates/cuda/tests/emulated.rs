@@ -357,7 +357,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 continue;
             };
             let (kt, vt) = pair;
-            for with_sinks in [false, true] {
+            // Sinks with one value chain (gpt-oss), four chains without (Qwen3-MoE).
+            for (with_sinks, value_chains) in [(false, 1), (true, 1), (false, 4)] {
                 let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
                 let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
                 let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
@@ -369,6 +370,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                     cells,
                     window,
                     scale: 1.0 / (hd as f32).sqrt(),
+                    value_chains,
                 };
                 emu.write("q", &q);
                 emu.write("k", &kb);
@@ -390,6 +392,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                         s(vt.id()),
                         s(kl.rot),
                         s(vl.rot),
+                        s(value_chains),
                     ],
                 );
                 let got: Vec<f32> = emu.read("out");
@@ -407,7 +410,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 let (same, max) = compare(&got, &want);
                 let what = format!(
                     "attention K {kt} / V {vt} hd {hd} window {window:?} pos0 {pos0} n {n_tokens} \
-                     sinks {with_sinks}"
+                     sinks {with_sinks} chains {value_chains}"
                 );
                 eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
                 assert_eq!(same, got.len(), "{what}");

@@ -264,7 +264,8 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                 continue;
             };
             let (kt, vt) = pair;
-            for with_sinks in [false, true] {
+            // Sinks with one value chain (gpt-oss), four chains without (Qwen3-MoE).
+            for (with_sinks, value_chains) in [(false, 1), (true, 1), (false, 4)] {
                 let total = pos0 + n_tokens;
                 let k_all = noise(&mut rng, total * kvw, 1.0);
                 let v_all = noise(&mut rng, total * kvw, 1.0);
@@ -277,6 +278,7 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                     cells,
                     window,
                     scale: 1.0 / (hd as f32).sqrt(),
+                    value_chains,
                 };
                 let (mut kc, mut vc) = (dev.kv_alloc(kl).unwrap(), dev.kv_alloc(vl).unwrap());
                 let (mut kr, mut vr) = (cpu.kv_alloc(kl).unwrap(), cpu.kv_alloc(vl).unwrap());
@@ -296,7 +298,8 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                     cpu.kv_store(&vd, &mut vr, n, at).unwrap();
                 }
                 let what = format!(
-                    "attention K {kt} / V {vt} hd {hd} window {window:?} sinks {with_sinks}"
+                    "attention K {kt} / V {vt} hd {hd} window {window:?} sinks {with_sinks} \
+                     chains {value_chains}"
                 );
                 let (k_bytes, v_bytes) = (
                     dev.download(&kc.data).unwrap(),

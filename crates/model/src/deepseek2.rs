@@ -40,8 +40,9 @@ use crate::executor::{
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::llama::load_f32_opt;
 use crate::ops::{
-    embed, ffn_swiglu, final_logits, gate_probs, matmul, matmul_vec_dot, moe_swiglu, output_head,
-    rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling, Routing,
+    embed, ffn_swiglu, final_logits, gate_probs, matmul, matmul_vec_dot, moe_swiglu,
+    moe_swiglu_per_seq, output_head, rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling,
+    Routing,
 };
 use crate::weights::{load_f32, project, Mat};
 use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
@@ -259,15 +260,12 @@ struct Experts {
 impl Experts {
     /// The routed experts as the device contract takes them (no biases).
     fn tensors<'g>(&self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
-        ExpertTensors {
-            n_expert,
-            gate: self.gate_exps.expert_matrix(g),
-            up: self.up_exps.expert_matrix(g),
-            down: self.down_exps.expert_matrix(g),
-            gate_bias: &[],
-            up_bias: &[],
-            down_bias: &[],
-        }
+        Mat::expert_tensors(g, n_expert, self.stacked())
+    }
+
+    /// The stacked experts `[gate, up, down]`.
+    fn stacked(&self) -> [&Mat; 3] {
+        [&self.gate_exps, &self.up_exps, &self.down_exps]
     }
 }
 
@@ -897,27 +895,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
                 "blk.{layer}.ffn_gate_exps.weight"
             )));
         };
-        let (d, k) = (self.host.params.n_embd, batch.n_used);
-        let mut acts = QuantizedActs::default();
-        // Each sequence as the CPU engine's forward pass runs it.
-        for g in batch.groups {
-            let sel: Vec<usize> = batch.selected[g.start * k..g.end * k]
-                .iter()
-                .map(|&e| e as usize)
-                .collect();
-            let y = moe_swiglu(
-                &self.host.gguf,
-                &e.gate_exps,
-                &e.up_exps,
-                &e.down_exps,
-                &batch.h[g.start * d..g.end * d],
-                &sel,
-                &batch.weights[g.start * k..g.end * k],
-                k,
-                &mut acts,
-            );
-            out[g.start * d..g.end * d].copy_from_slice(&y);
-        }
+        moe_swiglu_per_seq(&self.host.gguf, e.stacked(), batch, out);
         Ok(())
     }
     fn weight_bytes(&self) -> u64 {

@@ -26,7 +26,9 @@
 //! Numerics: the CPU engine's. Products convert activations as ggml does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
 //! engine's order; attention rounds the query and the probabilities to f16 and sums in the
-//! CPU's orders with ggml's `expf`. On [`hmoe_backend::Ref0`] the logits are the CPU engine's
+//! CPU's orders with ggml's `expf` (one token's values in one 16-lane chain as its gpt-oss
+//! attention, or in `vec_dot`'s four as its Qwen3/Llama-style attention: each architecture's
+//! [`AttnShape::value_chains`]). On [`hmoe_backend::Ref0`] the logits are the CPU engine's
 //! bit for bit on the fixtures. On a GPU what still differs is cuBLAS's order for batches of
 //! F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where the CPU
 //! calls libm's, and F16/BF16 summation orders; on models whose routing is that sensitive
@@ -516,6 +518,7 @@ fn load_layers<B: Backend + 'static>(
         Some("deepseek2") => Ok(Box::new(crate::deepseek2::DeviceDeepseek2::load(
             gguf, dev,
         )?)),
+        Some("qwen3moe") => Ok(Box::new(crate::qwen3_moe::DeviceQwen3Moe::load(gguf, dev)?)),
         other => Err(ModelError::UnsupportedArch(format!(
             "{} (no device executor for it)",
             other.unwrap_or("<missing general.architecture>")
@@ -525,7 +528,7 @@ fn load_layers<B: Backend + 'static>(
 }
 
 /// The architectures (`general.architecture`) that have a device layer.
-pub const DEVICE_ARCHS: &[&str] = &["gpt-oss", "deepseek2"];
+pub const DEVICE_ARCHS: &[&str] = &["gpt-oss", "deepseek2", "qwen3moe"];
 
 /// Whether [`DeviceModel::load`] runs the architecture `arch` (`general.architecture`).
 pub fn device_arch(arch: Option<&str>) -> bool {
@@ -1049,6 +1052,9 @@ pub(crate) struct AttnShape {
     pub window: Option<usize>,
     /// Score scale.
     pub scale: f32,
+    /// Chains of one token's value sum ([`AttnParams::value_chains`]): 1 as the CPU engine's
+    /// gpt-oss attention, 4 as its `attention_ext` (Llama-style blocks, Qwen3-MoE).
+    pub value_chains: usize,
 }
 
 impl<'s, B: Backend> Step<'s, B> {
@@ -1118,6 +1124,7 @@ impl<'s, B: Backend> Step<'s, B> {
                 cells: k_ring.layout.cells,
                 window: shape.window,
                 scale: shape.scale,
+                value_chains: shape.value_chains,
             };
             let nt = g.len();
             if single {

@@ -556,6 +556,8 @@ impl<B: Backend> DeviceGptOss<B> {
                     head_dim: p.head_dim,
                     window: p.window(l),
                     scale: 1.0 / (p.head_dim as f32).sqrt(),
+                    // The CPU engine's `attention` sums one token's values in one chain.
+                    value_chains: 1,
                 };
                 let attn = AttnSpec {
                     shape,

@@ -728,6 +728,37 @@ pub(crate) fn moe_swiglu(
     out
 }
 
+/// Bias-less routed SwiGLU experts of a device layer run on the host ([`moe_swiglu`] over the
+/// stacked `[gate, up, down]` experts): each sequence of `batch` (its `groups`) alone, as the
+/// CPU engine's forward pass runs it, into `out` (`n_tokens × n_embd`).
+pub(crate) fn moe_swiglu_per_seq(
+    g: &GgufModel,
+    [gate_exps, up_exps, down_exps]: [&Mat; 3],
+    batch: &crate::hybrid::ExpertBatch<'_>,
+    out: &mut [f32],
+) {
+    let (d, k) = (gate_exps.n_in, batch.n_used);
+    let mut acts = QuantizedActs::default();
+    for r in batch.groups {
+        let sel: Vec<usize> = batch.selected[r.start * k..r.end * k]
+            .iter()
+            .map(|&e| e as usize)
+            .collect();
+        let y = moe_swiglu(
+            g,
+            gate_exps,
+            up_exps,
+            down_exps,
+            &batch.h[r.start * d..r.end * d],
+            &sel,
+            &batch.weights[r.start * k..r.end * k],
+            k,
+            &mut acts,
+        );
+        out[r.start * d..r.end * d].copy_from_slice(&y);
+    }
+}
+
 /// Reads `ARCH.*` hyperparameters from GGUF metadata.
 pub(crate) struct ArchMeta<'a> {
     pub meta: &'a hmoe_gguf::Metadata,

@@ -17,17 +17,29 @@
 //! ```
 //!
 //! The attention block is [`crate::llama::SelfAttention`] with its q/k norms.
+//!
+//! On a device ([`crate::DeviceModel`]) each layer is the executor's shared attention block
+//! (per-head q/k RMSNorm, NeoX RoPE, GQA without sinks, the value sum of one token in
+//! `vec_dot`'s four chains as `attention_ext` sums it) and its routed-MoE block (softmax gate
+//! over every expert, top-k renormalised by the contract's `route` op, bias-less SiLU experts),
+//! with host experts run by this file's own expert code.
 
+use hmoe_backend::{Backend, ExpertTensors, GatedAct};
 use hmoe_gguf::GgufModel;
 
+use crate::executor::blocks::{AttnBlock, AttnSpec, MoeBlock, MoeSpec};
+use crate::executor::{
+    AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating as RouterGating, ModelDims, Router,
+    Step,
+};
 use crate::kv_cache::{KvCache, KvType};
 use crate::llama::{check_heads, SelfAttention};
 use crate::ops::{
-    embed, final_logits, gate_probs, moe_swiglu, output_head, rms_norm, ArchMeta, Gating,
-    QuantizedActs, Rope, RopeMode, RopeScaling, Routing,
+    embed, final_logits, gate_probs, moe_swiglu, moe_swiglu_per_seq, output_head, rms_norm,
+    ArchMeta, Gating, QuantizedActs, Rope, RopeMode, RopeScaling, Routing,
 };
 use crate::weights::{load_f32, project, Mat};
-use crate::{LanguageModel, LogitsWanted, ModelError};
+use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
 
 const ARCH: &str = "qwen3moe";
 
@@ -135,6 +147,13 @@ struct Block {
     gate_exps: Mat,
     up_exps: Mat,
     down_exps: Mat,
+}
+
+impl Block {
+    /// The stacked experts `[gate, up, down]`.
+    fn experts(&self) -> [&Mat; 3] {
+        [&self.gate_exps, &self.up_exps, &self.down_exps]
+    }
 }
 
 /// A loaded Qwen3-MoE model: hyperparameters plus views of its weights in the file mapping.
@@ -296,5 +315,131 @@ impl LanguageModel for Qwen3Moe {
     }
     fn gguf(&self) -> &GgufModel {
         &self.gguf
+    }
+}
+
+/// The SiLU experts' activation as the contract's `moe` op takes it.
+const EXPERT_ACT: GatedAct = GatedAct::Silu;
+
+/// Qwen3-MoE's layers on a device ([`crate::DeviceModel`]): each layer is the attention block
+/// (per-head q/k norms, NeoX RoPE, GQA, no biases or sinks, one token's values summed in the
+/// four chains of the CPU engine's `attention_ext`) and the routed-MoE block (`ffn_norm`,
+/// softmax over every expert, top-k renormalised, bias-less SiLU experts; a sequence's rows
+/// multiplied together by F32 experts as the host experts do).
+pub(crate) struct DeviceQwen3Moe<B: Backend> {
+    host: Qwen3Moe,
+    layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
+}
+
+impl<B: Backend> DeviceQwen3Moe<B> {
+    /// Loads `gguf` (checked as [`Qwen3Moe::load`] checks it) and uploads every layer's dense
+    /// weights to `dev`.
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceQwen3Moe<B>, ExecError> {
+        let host = Qwen3Moe::load(gguf)?;
+        let p = &host.params;
+        // The contract's attention (`AttnParams::head_dim`), where the CPU engine's scores
+        // of a batch also take tinyBLAS's 16-lane order.
+        if !p.head_dim.is_multiple_of(16) || p.head_dim > 256 {
+            return Err(ExecError::Placement(format!(
+                "attention heads of {} values: the device takes multiples of 16 up to 256",
+                p.head_dim
+            )));
+        }
+        let rope = (host.rope.device_params())
+            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+        let attn = AttnSpec {
+            shape: AttnShape {
+                n_head: p.n_head,
+                n_head_kv: p.n_head_kv,
+                head_dim: p.head_dim,
+                window: None,
+                scale: 1.0 / (p.head_dim as f32).sqrt(),
+                value_chains: hmoe_backend::numerics::VEC_DOT_CHAINS,
+            },
+            rope,
+            rms_eps: p.rms_eps,
+        };
+        let moe = MoeSpec {
+            router: Router {
+                n_expert: p.n_expert,
+                k: p.routing.k,
+                gating: RouterGating::Scored(Gating::Softmax, p.routing),
+            },
+            act: EXPERT_ACT,
+            split: ExpertSplit::PerSequence,
+            rms_eps: p.rms_eps,
+        };
+        let layers = (0..p.n_layer)
+            .map(|l| {
+                Ok((
+                    AttnBlock::load(dev, &host.gguf, l, attn)?,
+                    MoeBlock::load(dev, &host.gguf, l, "ffn_norm.weight", moe)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        Ok(DeviceQwen3Moe { host, layers })
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
+    fn dims(&self) -> ModelDims {
+        let p = &self.host.params;
+        ModelDims {
+            n_layer: p.n_layer,
+            n_embd: p.n_embd,
+            n_vocab: p.n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            rms_eps: p.rms_eps,
+            scratch_per_token: self.layers.first().map_or(0, |(a, m)| {
+                a.scratch_per_token(p.n_embd) + m.scratch_per_token(p.n_embd)
+            }),
+            kv_head_dim: p.head_dim,
+        }
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.host.gguf
+    }
+    /// Positions and the CPU cache's ring geometry (every layer full), no keys or values.
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        KvCache::new(
+            ty,
+            n_ctx,
+            n_ubatch.max(1),
+            0,
+            &vec![None; self.host.params.n_layer],
+        )
+    }
+    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+        self.layers
+            .get(layer)
+            .map_or((0, 0), |(a, _)| a.kv_widths())
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+        let (attn, moe) = &self.layers[l];
+        attn.forward(cx, l, x)?;
+        moe.forward(cx, l, x)
+    }
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        let b = self.host.blocks.get(layer)?;
+        Some(Mat::expert_tensors(
+            &self.host.gguf,
+            self.host.params.n_expert,
+            b.experts(),
+        ))
+    }
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let b = self.host.blocks.get(layer).ok_or_else(|| {
+            ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps.weight"))
+        })?;
+        moe_swiglu_per_seq(&self.host.gguf, b.experts(), batch, out);
+        Ok(())
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.layers.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
     }
 }

@@ -4,13 +4,16 @@
 //! kernel over f32/f16/bf16 values, flash attention over block-quantized ones), for prefill
 //! batches and single tokens, full and sliding-window layers, with and without sinks, and
 //! heads of 32 (not rotated), 64, 80 (a tail after the 64-element steps) and 128 (a K rotation
-//! of 128). Here, in the CPU engine's crate, because the contract crate cannot see it.
+//! of 128); both of the CPU engine's attentions: gpt-oss's (`attention`, one value chain) and
+//! that of Llama-style blocks and Qwen3-MoE (`attention_ext`, `vec_dot`'s four value chains for
+//! one token, [`AttnParams::value_chains`] 4). Here, in the CPU engine's crate, because the
+//! contract crate cannot see it.
 
 use half::f16;
 use hmoe_backend::{AttnParams, Backend, KvLayout, KvRing, Ref0};
 
 use crate::attention::tests::noise;
-use crate::attention::{attention, AttnShape};
+use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
 use crate::kv_cache::{CacheType, Cells, FlashAttn, KvCache, KvType};
 
 /// The CPU cells as ring bytes (ggml's layout of the type, little-endian).
@@ -26,8 +29,17 @@ const N_HEAD: usize = 4;
 const N_KV: usize = 2;
 
 /// One case: the CPU cache and REF0's rings filled with the same `n` positions in
-/// micro-batches of `ub`, then attention for the last `n_q` positions on both.
-fn check(k: CacheType, v: CacheType, hd: usize, window: Option<usize>, n_q: usize, sinks: bool) {
+/// micro-batches of `ub`, then attention for the last `n_q` positions on both (`ext`: the CPU
+/// engine's `attention_ext`, no sinks, against REF0 with four value chains).
+fn check(
+    k: CacheType,
+    v: CacheType,
+    hd: usize,
+    window: Option<usize>,
+    n_q: usize,
+    sinks: bool,
+    ext: bool,
+) {
     let (n, ub) = (70, 40);
     let w = N_KV * hd;
     let ty = KvType::new(k, v, FlashAttn::On).unwrap();
@@ -59,7 +71,9 @@ fn check(k: CacheType, v: CacheType, hd: usize, window: Option<usize>, n_q: usiz
         dev.kv_store(&dev.upload(vs).unwrap(), &mut vr, end - start, start)
             .unwrap();
     }
-    let what = format!("K {k} / V {v}, head {hd}, window {window:?}, {n_q} queries, sinks {sinks}");
+    let what = format!(
+        "K {k} / V {v}, head {hd}, window {window:?}, {n_q} queries, sinks {sinks}, ext {ext}"
+    );
     assert!(
         dev.download(&kr.data).unwrap() == cell_bytes(&layer.k),
         "{what}: K ring"
@@ -79,7 +93,20 @@ fn check(k: CacheType, v: CacheType, hd: usize, window: Option<usize>, n_q: usiz
         scale,
     };
     let mut want = vec![0f32; q.len()];
-    attention(layer, &shape, &q, n - n_q, sinks, &mut want);
+    if ext {
+        assert!(sinks.is_none(), "attention_ext has no sinks");
+        let layout = AttnLayout {
+            n_head: N_HEAD,
+            n_head_kv: N_KV,
+            k_dim: hd,
+            v_dim: hd,
+            v_in_k: false,
+            scale,
+        };
+        attention_ext(layer, &layout, &q, n - n_q, &mut want);
+    } else {
+        attention(layer, &shape, &q, n - n_q, sinks, &mut want);
+    }
     let p = AttnParams {
         n_head: N_HEAD,
         n_head_kv: N_KV,
@@ -87,6 +114,7 @@ fn check(k: CacheType, v: CacheType, hd: usize, window: Option<usize>, n_q: usiz
         cells: layer.cells,
         window,
         scale,
+        value_chains: if ext { 4 } else { 1 },
     };
     let sd = sinks.map(|s| dev.upload(s).unwrap());
     let mut out = dev.alloc::<f32>(q.len()).unwrap();
@@ -120,7 +148,8 @@ fn ref0_kv_rings_and_attention_are_the_cpu_engines_bit_for_bit() {
                     _ => &[(Some(8), 40, true), (None, 1, true)],
                 };
                 for &(window, n_q, sinks) in cases {
-                    check(k, v, hd, window, n_q, sinks);
+                    check(k, v, hd, window, n_q, sinks, false);
+                    check(k, v, hd, window, n_q, false, true);
                 }
             }
         }

@@ -55,6 +55,24 @@ impl Mat {
         }
     }
 
+    /// Bias-less stacked experts `[gate, up, down]` of `n_expert` experts (SwiGLU experts of
+    /// Qwen3-MoE and DeepSeek) as the device contract takes them.
+    pub fn expert_tensors<'g>(
+        g: &'g GgufModel,
+        n_expert: usize,
+        [gate, up, down]: [&Mat; 3],
+    ) -> hmoe_backend::ExpertTensors<'g> {
+        hmoe_backend::ExpertTensors {
+            n_expert,
+            gate: gate.expert_matrix(g),
+            up: up.expert_matrix(g),
+            down: down.expert_matrix(g),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        }
+    }
+
     /// Bytes of one matrix of a stacked `[n_in, n_out, n]` tensor.
     pub fn slice<'g>(&self, g: &'g GgufModel, index: usize) -> &'g [u8] {
         let size = self.n_out * self.row_bytes;

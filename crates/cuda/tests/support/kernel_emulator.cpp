@@ -244,6 +244,7 @@ int main(int argc, char** argv) {
             cells = atoi(argv[7]), pos0 = atoi(argv[8]), window = atoi(argv[9]), has_sinks = atoi(argv[10]);
         unsigned scale_bits = (unsigned)strtoul(argv[11], nullptr, 10);
         int k_ty = atoi(argv[12]), v_ty = atoi(argv[13]), k_rot = atoi(argv[14]), v_rot = atoi(argv[15]);
+        int value_chains = atoi(argv[16]);
         float scale = __uint_as_float(scale_bits);
         auto q = rd<float>(P("q"));
         auto kc = rd<u8>(P("k")), vc = rd<u8>(P("v"));
@@ -255,7 +256,7 @@ int main(int argc, char** argv) {
             if (flash)
                 attn_flash(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
             else
-                attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
+                attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
         });
         wr(P("out"), out);
     } else if (op == "rope_norm") {
