@@ -224,19 +224,56 @@ pub fn plan_error(e: PlacementError, names: &[String]) -> anyhow::Error {
     }
 }
 
-/// Loads the model onto `device` with the experts where `placement` says, and says so on
-/// stderr.
+/// The device expert cache's budget for a run (`--moe-cache`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeCacheBudget {
+    /// No cache.
+    Off,
+    /// `--moe-cache MiB` in bytes: a budget too small for one expert is an error.
+    Explicit(u64),
+    /// The default, what the placement leaves beyond `--fit`'s margin, in bytes: a budget too
+    /// small for one expert disables the cache with a note.
+    Default(u64),
+}
+
+impl MoeCacheBudget {
+    /// The budget for `--moe-cache` (`flag`, MiB) on `device`: the flag when given; else, on a
+    /// CUDA GPU with experts on the host, the plan's room beyond `--fit`'s margin
+    /// (`room`, [`hmoe_placement::DeviceUsage::room_beyond_margin`]); else off. The reference
+    /// device has no default cache, so that its runs keep one round trip and one download per
+    /// host layer unless a test asks for the cache.
+    pub fn choose(
+        flag: Option<u64>,
+        device: Option<EngineDevice>,
+        placement: Option<&ExpertPlacement>,
+        room: u64,
+    ) -> MoeCacheBudget {
+        let host_layers = placement.is_some_and(|p| p.device_layers() < p.layers.len());
+        match (flag, device) {
+            (Some(0), _) | (None, None) => MoeCacheBudget::Off,
+            (Some(mib), _) => MoeCacheBudget::Explicit(mib.saturating_mul(1 << 20)),
+            (None, Some(EngineDevice::Cuda(_))) if host_layers && room > 0 => {
+                MoeCacheBudget::Default(room)
+            }
+            (None, Some(_)) => MoeCacheBudget::Off,
+        }
+    }
+}
+
+/// Loads the model onto `device` with the experts where `placement` says and the expert
+/// cache of `moe_cache`, and says so on stderr.
 pub fn load_device(
     gguf: GgufModel,
     device: EngineDevice,
     placement: &ExpertPlacement,
+    moe_cache: MoeCacheBudget,
 ) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
     match device {
         EngineDevice::Cuda(ordinal) => {
             let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
             let gpu_info = dev.info().name.clone();
             let name = format!("CUDA{ordinal} ({gpu_info})");
-            loaded(gguf, dev, name, "CUDA", gpu_info, placement)
+            loaded(gguf, dev, name, "CUDA", gpu_info, placement, moe_cache)
         }
         EngineDevice::Ref0 { budget } => {
             let name = format!(
@@ -250,6 +287,7 @@ pub fn load_device(
                 REF0_NAME,
                 "reference device".into(),
                 placement,
+                moe_cache,
             )
             .with_context(|| format!("loading the model on {REF0_NAME}"))
         }
@@ -288,6 +326,7 @@ fn loaded<B: Backend + 'static>(
     backend: &'static str,
     gpu_info: String,
     placement: &ExpertPlacement,
+    moe_cache: MoeCacheBudget,
 ) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
     let arch = (gguf.metadata().architecture())
         .unwrap_or_default()
@@ -302,6 +341,25 @@ fn loaded<B: Backend + 'static>(
         n_layer - placement.device_layers(),
         model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let set = match moe_cache {
+        MoeCacheBudget::Off => None,
+        MoeCacheBudget::Explicit(b) => Some(model.set_moe_cache(b)?),
+        MoeCacheBudget::Default(b) => match model.set_moe_cache(b) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("hmoe: no expert cache: {e}");
+                None
+            }
+        },
+    };
+    if let Some(s) = set {
+        eprintln!(
+            "hmoe: expert cache on {name}: {:.1} MiB, up to {} experts of the CPU layers",
+            mib(s.budget_bytes),
+            s.capacity
+        );
+    }
     let used = EngineUsed {
         backend,
         gpu_info,
@@ -555,5 +613,41 @@ mod tests {
         assert_eq!(attn_layer("blk.12.attn_output.bias"), None);
         assert_eq!(attn_layer("blk.x.attn_output.weight"), None);
         assert_eq!(attn_layer("output.weight"), None);
+    }
+
+    #[test]
+    fn moe_cache_budget_defaults_to_the_room_on_cuda_only() {
+        use ExpertHome::{Device as D, Host as H};
+        use MoeCacheBudget::*;
+        let host = ExpertPlacement {
+            layers: vec![H, D],
+            op_offload_min_batch: None,
+        };
+        let all = ExpertPlacement {
+            layers: vec![D, D],
+            op_offload_min_batch: None,
+        };
+        let ref0 = EngineDevice::Ref0 { budget: 1 << 30 };
+        let room = 300 << 20;
+        let choose = MoeCacheBudget::choose;
+        assert_eq!(choose(None, Some(CUDA0), Some(&host), room), Default(room));
+        assert_eq!(choose(None, Some(CUDA0), Some(&host), 0), Off, "no room");
+        assert_eq!(
+            choose(None, Some(CUDA0), Some(&all), room),
+            Off,
+            "no host layer"
+        );
+        assert_eq!(choose(None, Some(ref0), Some(&host), room), Off, "REF0");
+        assert_eq!(choose(None, None, None, room), Off, "the CPU engine");
+        assert_eq!(choose(Some(0), Some(CUDA0), Some(&host), room), Off);
+        assert_eq!(
+            choose(Some(64), Some(ref0), Some(&host), 0),
+            Explicit(64 << 20)
+        );
+        // An explicit cache with nothing to cache is the model's error to report.
+        assert_eq!(
+            choose(Some(8), Some(CUDA0), Some(&all), 0),
+            Explicit(8 << 20)
+        );
     }
 }

@@ -103,6 +103,12 @@ pub struct PlacementFlagArgs {
     /// `none` (CPU only). Default: every CUDA GPU found. `hmoe --list-devices` shows them.
     #[arg(long = "device", value_name = "CUDA0,...|REF0|none")]
     pub device: Option<String>,
+    /// Device expert cache in MiB for the layers whose experts stay on the CPU: the device
+    /// keeps their most recently used experts (one LRU per layer) and runs the routed experts
+    /// it holds; 0 disables it. Default: on a CUDA GPU, what the placement leaves free beyond
+    /// --fit-target; on REF0, off.
+    #[arg(long = "moe-cache", value_name = "MiB")]
+    pub moe_cache: Option<u64>,
 }
 
 /// Memory of the reference device `REF0` without `--gpu-mem`.
