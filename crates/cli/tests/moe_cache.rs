@@ -1,11 +1,13 @@
 //! `--moe-cache` end to end on the reference device: `hmoe bench -dev REF0 --cpu-moe
 //! --moe-cache 64` prints the cache's hits and misses (after the table, and per record in JSON),
 //! and the counts add up to the routed pairs; a cache with nothing to cache is an error; REF0
-//! has no cache unless one is asked for.
+//! has no cache unless one is asked for. `hmoe run --json` on REF0 with `--cpu-moe` and a cache
+//! gives the CPU engine's teacher-forced top-10 probabilities on every gpt-oss fixture and
+//! reports the cache.
 
 mod common;
 
-use common::{fixtures, hmoe};
+use common::{fixture, fixtures, hmoe, run, FIXTURES};
 use serde_json::Value;
 
 fn tiny() -> String {
@@ -120,4 +122,35 @@ fn no_cache_on_ref0_by_default_and_nothing_to_cache_is_an_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("nothing to cache"), "{err}");
+}
+
+#[test]
+fn run_with_a_cache_gives_the_cpu_engines_probabilities() {
+    for (stem, file) in FIXTURES {
+        let f = fixture("gpt-oss", stem, file);
+        let (cpu, _) = run(&f, &["-dev", "none"]);
+        assert!(cpu.get("moe_cache").is_none());
+        let extra = [
+            "-dev",
+            "REF0",
+            "-ngl",
+            "all",
+            "--cpu-moe",
+            "--moe-cache",
+            "1",
+        ];
+        let (got, err) = run(&f, &extra);
+        assert_eq!(got["engine"], "REF0", "{stem}: {err}");
+        assert_eq!(got["top_probs"], cpu["top_probs"], "{stem}");
+        let c = &got["moe_cache"];
+        let pairs = c["hits"].as_u64().unwrap() + c["misses"].as_u64().unwrap();
+        assert!(
+            pairs > 0 && c["uploads"].as_u64().unwrap() > 0,
+            "{stem}: {c}"
+        );
+        assert!(
+            c["held_bytes"].as_u64().unwrap() <= 1 << 20,
+            "{stem}: within the budget: {c}"
+        );
+    }
 }

@@ -22,11 +22,15 @@
 //! engine sums them, and the sum goes up as before. Results are therefore those of the run
 //! without a cache, bit for bit (on REF0, the CPU engine's).
 //!
-//! **Uploads.** The experts that missed are uploaded after the micro-batch (the most recently
-//! missed ones, at most what the layer's share holds, evicting its least recently used), so a
-//! token never waits for an upload it did not need. [`Backend::upload_moe`] is synchronous on
-//! REF0; on CUDA it is queued on the device's copy stream (as op offload's uploads are) and
-//! the next micro-batch's ops are ordered after it by the device. An upload that runs out of
+//! **Uploads.** The experts that missed are uploaded after the micro-batch's logits are down
+//! (the most recently missed ones, at most what the layer's share holds, evicting its least
+//! recently used), so a token never waits for an upload it did not need. [`Backend::upload_moe`]
+//! is synchronous on REF0; on CUDA it goes through the pinned staging ring on the device's copy
+//! stream (as op offload's uploads do), and the next micro-batch's kernels wait for it on the
+//! device. The host thread still fills the ring before it returns, so on CUDA the next
+//! micro-batch starts after the missed experts' bytes have been staged (about their size over
+//! the host's copy bandwidth); handing that to a background thread is left to the GPU work of
+//! issue #17. An upload that runs out of
 //! device memory is skipped (the expert stays a miss); K/V caches take precedence: a new
 //! sequence's cache evicts cached experts when the device is short ([`MoeCache::evict_one`]).
 //! Micro-batches that op offload runs on the device (large prefills) do not use the cache.
