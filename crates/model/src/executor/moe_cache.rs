@@ -379,9 +379,11 @@ impl<B: Backend> Step<'_, B> {
         let misses: Vec<usize> = (0..n * k).filter(|&i| homes[i] == PairHome::Host).collect();
         // Contributions `w·expert(h)` of every pair, `n·k × d`.
         let mut contrib = vec![0f32; n * k * d];
-        // Device: hit pairs grouped by cache entry, each entry's pairs in token order.
-        let mut down_bytes = 0u64;
+        // Device: hit pairs grouped by cache entry, each entry's pairs in token order, queued
+        // now and brought down after the host has run the misses (so that both sides work at
+        // once on a device that queues).
         let mut up_bytes = 0u64;
+        let mut device_part = None;
         if !hits.is_empty() {
             let Some(lru) = moe_cache.layers.get(layer).and_then(Option::as_ref) else {
                 return Err(ExecError::Cache("expert cache layer vanished".into()));
@@ -421,11 +423,7 @@ impl<B: Backend> Step<'_, B> {
                 dev.copy_into(&y, &mut ys, order.len() * d)?;
                 order.extend_from_slice(pairs);
             }
-            let ys = dev.download(&ys)?;
-            down_bytes += 4 * ys.len() as u64;
-            for (row, &i) in ys.chunks_exact(d).zip(&order) {
-                contrib[i * d..(i + 1) * d].copy_from_slice(row);
-            }
+            device_part = Some((ys, order));
         }
         // Host: the missed pairs as one-slot rows, in token order, each sequence's rows
         // together as its tokens were.
@@ -458,6 +456,14 @@ impl<B: Backend> Step<'_, B> {
             let mut ys = vec![0f32; misses.len() * d];
             model.arch.run_host_experts(layer, &batch, &mut ys)?;
             for (row, &i) in ys.chunks_exact(d).zip(&misses) {
+                contrib[i * d..(i + 1) * d].copy_from_slice(row);
+            }
+        }
+        let mut down_bytes = 0u64;
+        if let Some((ys, order)) = device_part {
+            let ys = dev.download(&ys)?;
+            down_bytes += 4 * ys.len() as u64;
+            for (row, &i) in ys.chunks_exact(d).zip(&order) {
                 contrib[i * d..(i + 1) * d].copy_from_slice(row);
             }
         }
