@@ -3,9 +3,12 @@
 //! and the counts add up to the routed pairs; a cache with nothing to cache is an error; REF0
 //! has no cache unless one is asked for. `hmoe run --json` on REF0 with `--cpu-moe` and a cache
 //! gives the CPU engine's teacher-forced top-10 probabilities on every gpt-oss fixture and
-//! reports the cache.
+//! reports the cache; `hmoe serve --metrics` on REF0 with a cache exposes its counts.
 
 mod common;
+#[allow(dead_code)]
+#[path = "common/serve.rs"]
+mod server;
 
 use common::{fixture, fixtures, hmoe, run, FIXTURES};
 use serde_json::Value;
@@ -153,4 +156,51 @@ fn run_with_a_cache_gives_the_cpu_engines_probabilities() {
             "{stem}: within the budget: {c}"
         );
     }
+}
+
+/// Summed values of the metric lines starting with `name`.
+fn metric(text: &str, name: &str) -> u64 {
+    (text.lines())
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[test]
+fn serve_exposes_the_caches_counts_in_metrics() {
+    let model = tiny();
+    let srv = server::serve(&[
+        "-m",
+        &model,
+        "-dev",
+        "REF0",
+        "-ngl",
+        "all",
+        "--cpu-moe",
+        "--moe-cache",
+        "1",
+        "-c",
+        "512",
+        "--metrics",
+    ]);
+    let body = r#"{"prompt": "Hello there", "n_predict": 8, "temperature": 0}"#;
+    let (status, reply) = server::http(&srv.addr, "POST", "/completion", "", body);
+    assert_eq!(status, 200, "{reply}");
+    let (status, text) = server::http(&srv.addr, "GET", "/metrics", "", "");
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        text.contains("# TYPE hmoe:moe_cache_hits_total counter"),
+        "{text}"
+    );
+    let (hits, misses) = (
+        metric(&text, "hmoe:moe_cache_hits_total"),
+        metric(&text, "hmoe:moe_cache_misses_total"),
+    );
+    // gptoss-tiny: 4 layers, 2 experts a token, and every prompt and generated token routed.
+    assert!(hits + misses >= 8 * 2 * 4, "{hits} hits, {misses} misses");
+    assert!(
+        hits > 0 && metric(&text, "hmoe:moe_cache_uploads_total") > 0,
+        "{text}"
+    );
+    assert!(metric(&text, "hmoe:moe_cache_bytes") <= 1 << 20, "{text}");
 }
