@@ -23,12 +23,25 @@
 #   LLAMA_RUN       llama.cpp's run.sh (else .baseline/llama-cuda/run.sh, else llama-cuda/run.sh
 #                   beside this script): see ../shared/baselines/README.md
 #   GPU_BENCH_TIMEOUT  seconds one invocation may run (default 300)
+#   GPU_BENCH_CONFIGS  the placements to run (default "cpu-moe ncmoe-half all-gpu")
+#   GPU_BENCH_KVS      the K/V types to run (default "f16 q8_0"); with these two a run that does
+#                      not fit one device call (10 minutes) can be split over two
 #   GPU_BENCH_CACHE    0: skip the expert-cache runs (default 1)
 #   GPU_BENCH_CACHE_MIB  the cache runs' --moe-cache (default 1700: a quarter of the experts of
 #                   the 4-layer 120b-dims model; empty: hmoe's default, the placement's room)
 # The placement matrix runs hmoe with --moe-cache 0, so that --cpu-moe means what it means to
 # llama.cpp (on a large GPU the default cache would end up holding every expert).
 # Exit status: 0 when every invocation ran and the result is valid.
+#
+# On the GPU machine (the device `run` tool; nothing is built there): here, run
+# scripts/build-gpu-check.sh (dist/gpu-check: the stripped hmoe, ~15 MB, this script and
+# gpu_bench_json.py) and copy ../shared/baselines/llama-cuda-sm90-llama-bench.tar.xz (21 MB) into
+# .baseline/ (ignored through .git/info/exclude); carry dist/gpu-check and .baseline, and run
+#   tar -C .baseline -xJf .baseline/llama-cuda-sm90-llama-bench.tar.xz &&
+#   LLAMA_RUN=.baseline/llama-cuda/run.sh dist/gpu-check/gpu-bench.sh --out $OUT
+# then copy the JSON that comes back into bench/results/. Making the two 4-layer models takes
+# about a minute; the 24 invocations of 3 repetitions a few minutes more: if one call's 10
+# minutes do not hold it, split it with GPU_BENCH_CONFIGS / GPU_BENCH_KVS (not yet timed).
 set -u -o pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -88,10 +101,21 @@ make_model() { # make_model OUT [extra make-test-model flags]
         && mv "$out.part" "$out"
 }
 TMP="${TMPDIR:-/tmp}"
+LOCAL="$WORK/locality.gguf"
+[ "$DRY" = 0 ] && LOCAL="$TMP/hmoe-g120-4l-locality.gguf"
+# Both files are made before anything is measured (the two at once), so that no measurement
+# shares the CPU with a model being written.
+LOCAL_PID=""
+if [ "${GPU_BENCH_CACHE:-1}" = 1 ]; then
+    make_model "$LOCAL" --routing-locality 0.9 &
+    LOCAL_PID=$!
+fi
 if [ -z "$MODEL" ]; then
     if [ "$DRY" = 1 ]; then MODEL="$WORK/tiny.gguf"; else MODEL="$TMP/hmoe-g120-4l.gguf"; fi
     make_model "$MODEL" || { echo "gpu-bench: could not make the model" >&2; exit 1; }
 fi
+LOCAL_OK=1
+if [ -n "$LOCAL_PID" ]; then wait "$LOCAL_PID" || LOCAL_OK=0; fi
 [ -f "$MODEL" ] || { echo "gpu-bench: no model file $MODEL" >&2; exit 2; }
 
 # Layers, from the file's metadata (`hmoe inspect` prints ARCH.block_count).
@@ -152,13 +176,13 @@ measure() {
 : > "$WORK/runs.tsv"
 : > "$WORK/cache.tsv"
 i=0
-for config in cpu-moe ncmoe-half all-gpu; do
+for config in ${GPU_BENCH_CONFIGS:-cpu-moe ncmoe-half all-gpu}; do
     case "$config" in
         cpu-moe) H_FLAGS=(--cpu-moe --moe-cache 0); L_FLAGS=(--n-cpu-moe "$N_LAYER") ;;
         ncmoe-half) H_FLAGS=(--n-cpu-moe "$HALF" --moe-cache 0); L_FLAGS=(--n-cpu-moe "$HALF") ;;
         all-gpu) H_FLAGS=(); L_FLAGS=() ;;
     esac
-    for kv in f16 q8_0; do
+    for kv in ${GPU_BENCH_KVS:-f16 q8_0}; do
         hmoe_half() {
             measure hmoe "$config" "$kv" "hmoe-$config-$kv-pp" "$HMOE" bench -m "$MODEL" \
                 "${DEV[@]}" -ngl all "${H_FLAGS[@]}" -fa on -ctk "$kv" -ctv "$kv" \
@@ -185,9 +209,7 @@ done
 # The device expert cache (hmoe only): --cpu-moe tg with the cache off and on (CACHE_MIB), on
 # the file and on a twin of it with routing locality (same dimensions and seed).
 if [ "${GPU_BENCH_CACHE:-1}" = 1 ]; then
-    LOCAL="$WORK/locality.gguf"
-    [ "$DRY" = 0 ] && LOCAL="$TMP/hmoe-g120-4l-locality.gguf"
-    if make_model "$LOCAL" --routing-locality 0.9; then
+    if [ "$LOCAL_OK" = 1 ] && [ -f "$LOCAL" ]; then
         for kind in random locality; do
             m="$MODEL"; [ "$kind" = locality ] && m="$LOCAL"
             on=(); [ -n "$CACHE_MIB" ] && on=(--moe-cache "$CACHE_MIB")
