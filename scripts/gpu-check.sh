@@ -227,7 +227,9 @@ if [ -n "$MAKE_PID" ]; then
 fi
 if [ -n "${HMOE_BENCH_MODEL:-}" ] && [ -x "$HMOE" ]; then
     read -r -a BENCH_ARGS <<< "${HMOE_BENCH_ARGS:--p 512 -n 128 -r 3}"
-    step "bench --cpu-moe" bench_vram "bench --cpu-moe" -m "$HMOE_BENCH_MODEL" -ngl all --cpu-moe "${BENCH_ARGS[@]}"
+    # --moe-cache 0: the host round trip, as measured before the cache existed (on a large GPU
+    # the default cache ends up holding every expert).
+    step "bench --cpu-moe" bench_vram "bench --cpu-moe" -m "$HMOE_BENCH_MODEL" -ngl all --cpu-moe --moe-cache 0 "${BENCH_ARGS[@]}"
     step "bench all layers on GPU" bench_vram "bench all on GPU" -m "$HMOE_BENCH_MODEL" -ngl all "${BENCH_ARGS[@]}"
     step "bench CPU (-dev none)" "$HMOE" bench -m "$HMOE_BENCH_MODEL" -dev none "${BENCH_ARGS[@]}"
     SERVE_CHECK="$DIST/serve_check.py"
