@@ -7,7 +7,10 @@
 # usage: scripts/build-gpu-check.sh [OUT_DIR]
 # The binaries load libcuda/libnvrtc/libcublas at run time (nothing CUDA is linked), so this
 # builds on a machine without CUDA. They need a glibc at least as new as this machine's.
-# Also copied: scripts/gpu_compare.py (teacher-forced GPU vs CPU vs golden, python3 stdlib) and
+# Also copied: scripts/gpu_compare.py (teacher-forced GPU vs CPU vs golden, python3 stdlib),
+# scripts/serve_check.py (the server checks of issue #16), scripts/gpu-bench.sh with
+# scripts/gpu_bench_json.py (hmoe vs llama.cpp, issue #17: run `./gpu-bench.sh --out DIR` there
+# with LLAMA_RUN pointing at llama.cpp's run.sh, see ../shared/baselines/README.md) and
 # the gpt-oss fixtures with their f16-KV goldens (from $HMOE_FIXTURES or ../shared/fixtures).
 set -euo pipefail
 
@@ -37,7 +40,11 @@ cargo test -p hmoe-cuda --release --no-run --message-format=json 2>/dev/null \
 
 cp "$ROOT/scripts/gpu-check.sh" "$OUT/gpu-check.sh"
 cp "$ROOT/scripts/gpu_compare.py" "$OUT/gpu_compare.py"
-chmod +x "$OUT/gpu-check.sh" "$OUT/gpu_compare.py" "$OUT/hmoe" "$OUT"/tests/*
+cp "$ROOT/scripts/serve_check.py" "$OUT/serve_check.py"
+cp "$ROOT/scripts/gpu-bench.sh" "$OUT/gpu-bench.sh"
+cp "$ROOT/scripts/gpu_bench_json.py" "$OUT/gpu_bench_json.py"
+chmod +x "$OUT/gpu-check.sh" "$OUT/gpu_compare.py" "$OUT/serve_check.py" "$OUT/gpu-bench.sh" \
+    "$OUT/gpu_bench_json.py" "$OUT/hmoe" "$OUT"/tests/*
 
 # The gpt-oss fixtures (~22 MiB): the GPU tests (HMOE_FIXTURES) and gpu_compare.py read them.
 FIX="${HMOE_FIXTURES:-$ROOT/../shared/fixtures}/gpt-oss"

@@ -17,6 +17,11 @@
 #   HMOE_BENCH_MAKE   with no HMOE_BENCH_MODEL: `g120-4l` makes the 4-layer gpt-oss-120b-dims
 #                     model (hmoe make-test-model, ~7 GB in $TMPDIR) and benches it
 #   HMOE_BENCH_ARGS   extra bench flags (default: -p 512 -n 128 -r 3)
+#   HMOE_SERVE_CHECK  0: skip the server checks of issue #16 on the bench model (default 1):
+#                     `hmoe serve -np 4` with --cpu-moe and with every layer on the GPU
+#                     (serve_check.py: 4 concurrent greedy streams equal solo runs, the server's
+#                     GPU memory from nvidia-smi within 5% + 300 MiB of /props' estimate,
+#                     aggregate decode t/s with 1 and 4 streams)
 #   HMOE_SKIP_TESTS   1: skip the CUDA test executables (gpu_compare and bench only)
 #   HMOE_COMPARE_JOBS, HMOE_COMPARE_THREADS  gpu_compare.py's runs at a time (default 6) and
 #                     CPU threads each (default 2)
@@ -222,9 +227,20 @@ if [ -n "$MAKE_PID" ]; then
 fi
 if [ -n "${HMOE_BENCH_MODEL:-}" ] && [ -x "$HMOE" ]; then
     read -r -a BENCH_ARGS <<< "${HMOE_BENCH_ARGS:--p 512 -n 128 -r 3}"
-    step "bench --cpu-moe" bench_vram "bench --cpu-moe" -m "$HMOE_BENCH_MODEL" -ngl all --cpu-moe "${BENCH_ARGS[@]}"
+    # --moe-cache 0: the host round trip, as measured before the cache existed (on a large GPU
+    # the default cache ends up holding every expert).
+    step "bench --cpu-moe" bench_vram "bench --cpu-moe" -m "$HMOE_BENCH_MODEL" -ngl all --cpu-moe --moe-cache 0 "${BENCH_ARGS[@]}"
     step "bench all layers on GPU" bench_vram "bench all on GPU" -m "$HMOE_BENCH_MODEL" -ngl all "${BENCH_ARGS[@]}"
     step "bench CPU (-dev none)" "$HMOE" bench -m "$HMOE_BENCH_MODEL" -dev none "${BENCH_ARGS[@]}"
+    SERVE_CHECK="$DIST/serve_check.py"
+    [ -f "$SERVE_CHECK" ] || SERVE_CHECK="$HERE/serve_check.py"
+    if [ "${HMOE_SERVE_CHECK:-1}" = 1 ] && [ -f "$SERVE_CHECK" ] && command -v python3 >/dev/null; then
+        # --moe-cache 0: the estimate of /props has no expert cache in it.
+        step "serve --cpu-moe -np 4 (#16)" python3 "$SERVE_CHECK" --hmoe "$HMOE" \
+            --model "$HMOE_BENCH_MODEL" --name serve-cpu-moe --flags "-ngl all --cpu-moe --moe-cache 0"
+        step "serve all on GPU -np 4 (#16)" python3 "$SERVE_CHECK" --hmoe "$HMOE" \
+            --model "$HMOE_BENCH_MODEL" --name serve-all-gpu --flags "-ngl all"
+    fi
 else
     echo
     echo "gpu-check: HMOE_BENCH_MODEL not set: no bench"

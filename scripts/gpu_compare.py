@@ -9,7 +9,7 @@ and the golden greedy tokens), it runs
     hmoe run -m FILE --prompt-tokens P --teacher-tokens G --top-k-probs 10 --json -c 512
 
 once on the CPU (-dev none) and once per GPU configuration (-ngl all; -ngl all --cpu-moe;
--ngl all --n-cpu-moe 1), checks from stderr that the GPU executor ran, and prints per
+-ngl all --cpu-moe --moe-cache 1; -ngl all --n-cpu-moe 1), checks from stderr that the GPU executor ran, and prints per
 fixture and configuration the largest |dp| over the reference's top-10 ids at every step
 against the CPU run and against the golden. An id missing from the other run's top 10 counts
 as p_ref - (that run's 10th probability), a lower bound of its true |dp|.
@@ -40,10 +40,13 @@ import re
 import subprocess
 import sys
 
+# --cpu-moe without the device expert cache (which CUDA turns on by default) is the host round
+# trip; with a 1 MiB cache, hits run on the GPU and misses on the CPU in the same layer.
 CONFIGS = [
     ("-ngl all", ["-ngl", "all"]),
-    ("-ngl all --cpu-moe", ["-ngl", "all", "--cpu-moe"]),
-    ("-ngl all --n-cpu-moe 1", ["-ngl", "all", "--n-cpu-moe", "1"]),
+    ("-ngl all --cpu-moe", ["-ngl", "all", "--cpu-moe", "--moe-cache", "0"]),
+    ("-ngl all --cpu-moe --moe-cache 1", ["-ngl", "all", "--cpu-moe", "--moe-cache", "1"]),
+    ("-ngl all --n-cpu-moe 1", ["-ngl", "all", "--n-cpu-moe", "1", "--moe-cache", "0"]),
 ]
 GPU_MARK = re.compile(r"hmoe: gpt-oss on CUDA")
 

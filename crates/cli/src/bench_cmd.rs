@@ -9,7 +9,7 @@ use hmoe_engine::{
     kv_bytes_per_token, measure_read_bandwidth, run_test, BenchConfig, BenchSamples, BenchTest,
     WeightTraffic,
 };
-use hmoe_model::LanguageModel;
+use hmoe_model::{LanguageModel, MoeCacheStats};
 use serde_json::{json, Map, Value};
 
 use crate::common::ModelArgs;
@@ -287,6 +287,41 @@ struct Record<'a> {
     roofline: Option<&'a Roofline>,
     /// KV cache bytes each generated token of the test reads on average (roofline only).
     kv_bytes: f64,
+    /// Hits and misses of the device expert cache during the test (its warm-up included),
+    /// when the model has one.
+    moe_cache: Option<(u64, u64)>,
+}
+
+/// `hits / (hits + misses)` in percent (0 with no routed pair).
+fn hit_percent((hits, misses): (u64, u64)) -> f64 {
+    if hits + misses == 0 {
+        0.0
+    } else {
+        100.0 * hits as f64 / (hits + misses) as f64
+    }
+}
+
+/// The expert cache's line after the table: its budget and capacity, then each test's hits
+/// and misses.
+fn moe_cache_text(s: &MoeCacheStats, records: &[Record]) -> String {
+    let tests: Vec<String> = (records.iter())
+        .filter_map(|r| {
+            let (h, m) = r.moe_cache?;
+            Some(format!(
+                "{} {h} hits / {m} misses ({:.1}%)",
+                r.test.name(),
+                hit_percent((h, m))
+            ))
+        })
+        .collect();
+    format!(
+        "moe cache: {:.1} MiB, {} experts, {} uploads, {} evictions; {}",
+        s.budget_bytes as f64 / (1u64 << 20) as f64,
+        s.capacity,
+        s.uploads,
+        s.evictions,
+        tests.join(", ")
+    )
 }
 
 impl Record<'_> {
@@ -331,6 +366,14 @@ impl Record<'_> {
         let mut m = self.fields();
         m.insert("samples_ns".into(), json!(self.samples.ns));
         m.insert("samples_ts".into(), json!(self.samples.ts()));
+        if let Some((hits, misses)) = self.moe_cache {
+            m.insert("moe_cache_hits".into(), json!(hits));
+            m.insert("moe_cache_misses".into(), json!(misses));
+            m.insert(
+                "moe_cache_hit_rate".into(),
+                json!(hit_percent((hits, misses)) / 100.0),
+            );
+        }
         if let Some((bound, fraction)) = self.bound() {
             let r = self.roofline.expect("bound implies roofline");
             m.insert("roofline_bandwidth_bytes_per_s".into(), json!(r.bandwidth));
@@ -624,8 +667,12 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     let mut records = Vec::new();
     for test in tests {
         let time = now_rfc3339();
+        let before = model.moe_cache_stats();
         let samples = run_test(model.as_ref(), &test, &cfg)
             .with_context(|| format!("test {}", test.name()))?;
+        let moe_cache = before
+            .zip(model.moe_cache_stats())
+            .map(|(b, a)| (a.hits - b.hits, a.misses - b.misses));
         let kv_bytes = match (&roofline, test.n_prompt, test.n_gen) {
             (Some(_), 0, g) if g > 0 => kv_bytes_per_token(model.as_ref(), kv, test.n_depth, g),
             _ => 0.0,
@@ -637,6 +684,7 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
             samples,
             roofline: roofline.as_ref(),
             kv_bytes,
+            moe_cache,
         };
         printer.record(&mut out, &rec)?;
         out.flush()?;
@@ -646,15 +694,22 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     let roof = roofline
         .as_ref()
         .map(|r| roofline_text(r, n_threads, &args, &records));
+    let cache = (model.moe_cache_stats()).map(|s| moe_cache_text(&s, &records));
     if args.output == OutputFormat::Md {
         if let Some(text) = &roof {
             writeln!(out, "\n{}", text.trim_end())?;
+        }
+        if let Some(text) = &cache {
+            writeln!(out, "\n{text}")?;
         }
         writeln!(out, "\ncpu kernels: {kernels}")?;
         writeln!(out, "build: hmoe {} ({})", env!("CARGO_PKG_VERSION"), 0)?;
     } else {
         if let Some(text) = &roof {
             eprint!("{text}");
+        }
+        if let Some(text) = &cache {
+            eprintln!("{text}");
         }
         eprintln!("cpu kernels: {kernels}");
     }

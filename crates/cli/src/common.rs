@@ -9,7 +9,7 @@ use hmoe_placement::{plan, DeviceId, ModelShape, Plan, TensorDesc};
 
 use crate::engine_select::{
     choose_engine, gpu_executor_arch, load_device, plan_error, plan_flags, EngineChoice,
-    EngineDevice, EngineInputs,
+    EngineDevice, EngineInputs, MoeCacheBudget,
 };
 use crate::placement_args::{PlacementArgs, Probed, Selected};
 
@@ -118,8 +118,14 @@ impl ModelArgs {
             .context("starting the thread pool")?;
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
         let gguf = self.open()?;
-        let choice = self.engine_choice(&gguf)?;
-        let loaded = load_chosen(gguf, choice, || self.open(), self.placement.asks_for_gpu())?;
+        let planned = plan_engine(&self.placement, self.kv_type()?, &gguf)?;
+        let loaded = load_chosen(
+            gguf,
+            planned.choice,
+            planned.moe_cache,
+            || self.open(),
+            self.placement.asks_for_gpu(),
+        )?;
         if let Some(used) = loaded.used {
             let _ = self.engine.set(used);
         }
@@ -134,12 +140,6 @@ impl ModelArgs {
         };
         GgufModel::open(&self.model, opts)
             .with_context(|| format!("loading {}", self.model.display()))
-    }
-
-    /// Probes the GPUs and, for an architecture with a GPU executor, plans the placement;
-    /// then [`choose_engine`].
-    pub fn engine_choice(&self, gguf: &GgufModel) -> anyhow::Result<EngineChoice> {
-        Ok(plan_engine(&self.placement, self.kv_type()?, gguf)?.choice)
     }
 
     /// The context size: `-c N`, or the model's trained context for `-c 0` or no `-c`.
@@ -178,6 +178,8 @@ pub struct PlannedEngine {
     pub plan: Option<Plan>,
     /// The plan's GPUs by name (`CUDA0`, `REF0`): its `Gpu(i)` is `names[i]`.
     pub names: Vec<String>,
+    /// The device expert cache's budget (`--moe-cache`, or the plan's room).
+    pub moe_cache: MoeCacheBudget,
 }
 
 /// Probes the GPUs and, for an architecture with a GPU executor, plans the placement of
@@ -229,10 +231,19 @@ pub fn plan_engine(
         tensors: &planned,
         op_offload: placement.op_offload(),
     });
+    let (device, expert_placement) = match &choice {
+        EngineChoice::Device { device, placement } => (Some(*device), Some(placement)),
+        EngineChoice::Cpu { .. } => (None, None),
+    };
+    let room = (made.as_ref())
+        .and_then(|p| p.device(DeviceId::Gpu(0)))
+        .map_or(0, |u| u.room_beyond_margin());
+    let moe_cache = MoeCacheBudget::choose(placement.args.moe_cache, expert_placement, room);
     Ok(PlannedEngine {
         choice,
         plan: made,
         names,
+        moe_cache,
     })
 }
 
@@ -253,12 +264,13 @@ pub struct LoadedEngine {
 pub fn load_chosen(
     gguf: GgufModel,
     choice: EngineChoice,
+    moe_cache: MoeCacheBudget,
     reopen: impl FnOnce() -> anyhow::Result<GgufModel>,
     asks_for_gpu: bool,
 ) -> anyhow::Result<LoadedEngine> {
     let why = match choice {
         EngineChoice::Device { device, placement } => {
-            match load_device(gguf, device, &placement) {
+            match load_device(gguf, device, &placement, moe_cache) {
                 Ok((model, used)) => {
                     return Ok(LoadedEngine {
                         model,

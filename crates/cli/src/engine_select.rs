@@ -224,19 +224,53 @@ pub fn plan_error(e: PlacementError, names: &[String]) -> anyhow::Error {
     }
 }
 
-/// Loads the model onto `device` with the experts where `placement` says, and says so on
-/// stderr.
+/// The device expert cache's budget for a run (`--moe-cache`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeCacheBudget {
+    /// No cache.
+    Off,
+    /// `--moe-cache MiB` in bytes: a budget too small for one expert is an error.
+    Explicit(u64),
+    /// `--moe-cache auto`, what the placement leaves beyond `--fit`'s margin, in bytes: a
+    /// budget too small for one expert disables the cache with a note.
+    Default(u64),
+}
+
+impl MoeCacheBudget {
+    /// The budget for `--moe-cache` (`flag`): the MiB given; with `auto`, when some layer's
+    /// experts stay on the host, the plan's room beyond `--fit`'s margin (`room`,
+    /// [`hmoe_placement::DeviceUsage::room_beyond_margin`]); else off. Off by default until
+    /// the cache has been measured on a GPU (one `moe` call per cached expert may cost more
+    /// launches than it saves).
+    pub fn choose(
+        flag: Option<MoeCacheFlag>,
+        placement: Option<&ExpertPlacement>,
+        room: u64,
+    ) -> MoeCacheBudget {
+        let host_layers = placement.is_some_and(|p| p.device_layers() < p.layers.len());
+        match flag {
+            None | Some(MoeCacheFlag::Mib(0)) => MoeCacheBudget::Off,
+            Some(MoeCacheFlag::Mib(mib)) => MoeCacheBudget::Explicit(mib.saturating_mul(1 << 20)),
+            Some(MoeCacheFlag::Auto) if host_layers && room > 0 => MoeCacheBudget::Default(room),
+            Some(MoeCacheFlag::Auto) => MoeCacheBudget::Off,
+        }
+    }
+}
+
+/// Loads the model onto `device` with the experts where `placement` says and the expert
+/// cache of `moe_cache`, and says so on stderr.
 pub fn load_device(
     gguf: GgufModel,
     device: EngineDevice,
     placement: &ExpertPlacement,
+    moe_cache: MoeCacheBudget,
 ) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
     match device {
         EngineDevice::Cuda(ordinal) => {
             let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
             let gpu_info = dev.info().name.clone();
             let name = format!("CUDA{ordinal} ({gpu_info})");
-            loaded(gguf, dev, name, "CUDA", gpu_info, placement)
+            loaded(gguf, dev, name, "CUDA", gpu_info, placement, moe_cache)
         }
         EngineDevice::Ref0 { budget } => {
             let name = format!(
@@ -250,6 +284,7 @@ pub fn load_device(
                 REF0_NAME,
                 "reference device".into(),
                 placement,
+                moe_cache,
             )
             .with_context(|| format!("loading the model on {REF0_NAME}"))
         }
@@ -288,6 +323,7 @@ fn loaded<B: Backend + 'static>(
     backend: &'static str,
     gpu_info: String,
     placement: &ExpertPlacement,
+    moe_cache: MoeCacheBudget,
 ) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
     let arch = (gguf.metadata().architecture())
         .unwrap_or_default()
@@ -302,6 +338,25 @@ fn loaded<B: Backend + 'static>(
         n_layer - placement.device_layers(),
         model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let set = match moe_cache {
+        MoeCacheBudget::Off => None,
+        MoeCacheBudget::Explicit(b) => Some(model.set_moe_cache(b)?),
+        MoeCacheBudget::Default(b) => match model.set_moe_cache(b) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("hmoe: no expert cache: {e}");
+                None
+            }
+        },
+    };
+    if let Some(s) = set {
+        eprintln!(
+            "hmoe: expert cache on {name}: {:.1} MiB, up to {} experts of the CPU layers",
+            mib(s.budget_bytes),
+            s.capacity
+        );
+    }
     let used = EngineUsed {
         backend,
         gpu_info,
@@ -555,5 +610,31 @@ mod tests {
         assert_eq!(attn_layer("blk.12.attn_output.bias"), None);
         assert_eq!(attn_layer("blk.x.attn_output.weight"), None);
         assert_eq!(attn_layer("output.weight"), None);
+    }
+
+    #[test]
+    fn moe_cache_budget_is_off_unless_asked_for() {
+        use crate::placement_args::MoeCacheFlag::{Auto, Mib};
+        use ExpertHome::{Device as D, Host as H};
+        use MoeCacheBudget::*;
+        let host = ExpertPlacement {
+            layers: vec![H, D],
+            op_offload_min_batch: None,
+        };
+        let all = ExpertPlacement {
+            layers: vec![D, D],
+            op_offload_min_batch: None,
+        };
+        let room = 300 << 20;
+        let choose = MoeCacheBudget::choose;
+        assert_eq!(choose(None, Some(&host), room), Off, "off by default");
+        assert_eq!(choose(Some(Auto), Some(&host), room), Default(room));
+        assert_eq!(choose(Some(Auto), Some(&host), 0), Off, "no room");
+        assert_eq!(choose(Some(Auto), Some(&all), room), Off, "no host layer");
+        assert_eq!(choose(Some(Auto), None, room), Off, "the CPU engine");
+        assert_eq!(choose(Some(Mib(0)), Some(&host), room), Off);
+        assert_eq!(choose(Some(Mib(64)), Some(&host), 0), Explicit(64 << 20));
+        // An explicit cache with nothing to cache is the model's error to report.
+        assert_eq!(choose(Some(Mib(8)), Some(&all), 0), Explicit(8 << 20));
     }
 }

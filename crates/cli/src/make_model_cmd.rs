@@ -72,6 +72,12 @@ pub struct MakeModelArgs {
     /// `inspect`; it cannot be run).
     #[arg(long)]
     pub sparse: bool,
+    /// Routing with locality (gpt-oss): routers that read mostly a running mean of the
+    /// sequence, so consecutive tokens tend to reuse experts (what the device expert cache,
+    /// `--moe-cache`, feeds on). F in 0..=1 is the share of that mean in the routing; a bare
+    /// flag means 0.9. Needs a hidden size that is a multiple of 64.
+    #[arg(long, value_name = "F", num_args = 0..=1, default_missing_value = "0.9")]
+    pub routing_locality: Option<f32>,
 }
 
 impl MakeModelArgs {
@@ -107,6 +113,7 @@ impl MakeModelArgs {
         set(&mut s.n_vocab, self.vocab);
         set(&mut s.sliding_window, self.window);
         s.seed = self.seed;
+        s.routing_locality = self.routing_locality;
         s.validate().map_err(anyhow::Error::msg)?;
         Ok(s)
     }
@@ -143,6 +150,7 @@ impl MakeModelArgs {
                 unused(&[
                     ("dense-layers", self.dense_layers.is_some()),
                     ("window", self.window.is_some()),
+                    ("routing-locality", self.routing_locality.is_some()),
                 ])?;
                 let mut s = match self.preset.as_str() {
                     "tiny" => Qwen3MoeSpec::tiny(),
@@ -174,6 +182,7 @@ impl MakeModelArgs {
                     ("kv-heads", self.kv_heads.is_some()),
                     ("head-dim", self.head_dim.is_some()),
                     ("window", self.window.is_some()),
+                    ("routing-locality", self.routing_locality.is_some()),
                 ])?;
                 let mut s = match self.preset.as_str() {
                     "tiny" => Deepseek2Spec::tiny(),

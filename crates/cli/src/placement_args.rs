@@ -103,6 +103,31 @@ pub struct PlacementFlagArgs {
     /// `none` (CPU only). Default: every CUDA GPU found. `hmoe --list-devices` shows them.
     #[arg(long = "device", value_name = "CUDA0,...|REF0|none")]
     pub device: Option<String>,
+    /// Device expert cache for the layers whose experts stay on the CPU: the device keeps
+    /// their most recently used experts (one LRU per layer) and runs the routed experts it
+    /// holds. MiB, or `auto` for what the placement leaves free beyond --fit-target; 0 or
+    /// unset: off (not yet the default: it has not been measured on a GPU).
+    #[arg(long = "moe-cache", value_name = "MiB|auto", value_parser = parse_moe_cache)]
+    pub moe_cache: Option<MoeCacheFlag>,
+}
+
+/// `--moe-cache`: a size, or the placement's spare room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeCacheFlag {
+    /// This many MiB (0: off).
+    Mib(u64),
+    /// What the placement leaves beyond `--fit-target` on the device.
+    Auto,
+}
+
+fn parse_moe_cache(s: &str) -> Result<MoeCacheFlag, String> {
+    match s {
+        "auto" => Ok(MoeCacheFlag::Auto),
+        _ => s
+            .parse()
+            .map(MoeCacheFlag::Mib)
+            .map_err(|_| format!("expected MiB or `auto`, got `{s}`")),
+    }
 }
 
 /// Memory of the reference device `REF0` without `--gpu-mem`.

@@ -166,6 +166,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         if let Some(s) = model.device_stats() {
             obj["device_stats"] = crate::engine_select::stats_json(&s);
         }
+        if let Some(c) = model.moe_cache_stats() {
+            obj["moe_cache"] = json!({
+                "hits": c.hits, "misses": c.misses, "uploads": c.uploads,
+                "evictions": c.evictions, "held_bytes": c.held_bytes,
+                "budget_bytes": c.budget_bytes, "capacity": c.capacity,
+            });
+        }
         println!("{obj}");
     } else {
         if let Some(m) = &memory {

@@ -568,7 +568,13 @@ fn load_model(
     let model_line = model_line(path, &gguf);
     let reopen =
         || GgufModel::open(path, opts).with_context(|| format!("loading {}", path.display()));
-    let loaded = load_chosen(gguf, planned.choice, reopen, placement.asks_for_gpu())?;
+    let loaded = load_chosen(
+        gguf,
+        planned.choice,
+        planned.moe_cache,
+        reopen,
+        placement.asks_for_gpu(),
+    )?;
     let (plan, names, engine) = match (planned.plan, &loaded.why_cpu) {
         (Some(p), None) => (Ok(p), planned.names, engine),
         // An architecture the planner cannot describe still runs on the CPU engine.

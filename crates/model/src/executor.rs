@@ -78,6 +78,9 @@
 //!   more). Smaller batches wait for the routing and upload the chosen experts only.
 
 pub(crate) mod blocks;
+mod moe_cache;
+
+pub use moe_cache::MoeCacheStats;
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
@@ -360,6 +363,8 @@ struct State<B: Backend> {
     busy: Vec<usize>,
     io: Option<HostIo<B>>,
     stats: ExecStats,
+    /// The device expert cache of the host layers (`--moe-cache`; empty: disabled).
+    moe_cache: moe_cache::MoeCache<B>,
 }
 
 impl<B: Backend> Default for State<B> {
@@ -370,6 +375,7 @@ impl<B: Backend> Default for State<B> {
             busy: Vec::new(),
             io: None,
             stats: ExecStats::default(),
+            moe_cache: moe_cache::MoeCache::default(),
         }
     }
 }
@@ -633,6 +639,23 @@ impl<B: Backend> DeviceModel<B> {
         }
     }
 
+    /// Sets the device expert cache of the host layers to `budget_bytes` (0 disables it),
+    /// dropping what the previous cache held; see the `moe_cache` module docs. Layers whose
+    /// experts are on the device are not cached. A budget too small for one expert of a host
+    /// layer, or a placement with no host layer, is an error (the cache is then disabled).
+    pub fn set_moe_cache(&self, budget_bytes: u64) -> Result<MoeCacheStats, ExecError> {
+        let mut st = self.lock();
+        st.moe_cache = moe_cache::MoeCache::default();
+        let cache = moe_cache::MoeCache::new(self.arch.as_ref(), &self.homes, budget_bytes)?;
+        st.moe_cache = cache;
+        Ok(st.moe_cache.stats())
+    }
+
+    /// What the device expert cache counted and holds (a budget of 0: disabled).
+    pub fn moe_cache_stats(&self) -> MoeCacheStats {
+        self.lock().moe_cache.stats()
+    }
+
     /// The device's name, the weights, the K/V caches held now and the free memory.
     pub fn device_memory(&self) -> Result<DeviceMemory, ExecError> {
         let kv_bytes = self.lock().kvs.iter().map(|kv| kv.bytes).sum();
@@ -852,9 +875,10 @@ impl<B: Backend> DeviceModel<B> {
                     .map(|(k, v)| k.bytes() + v.as_ref().map_or(0, KvLayout::bytes))
                     .sum::<usize>() as u64;
                 let need = kv_bytes + self.scratch_bytes(geometry.1);
-                while self.dev.free_memory()?.is_some_and(|free| free < need) && st.evict_idle(keep)
-                {
-                }
+                // Idle sequences' caches first, then cached experts.
+                while self.dev.free_memory()?.is_some_and(|free| free < need)
+                    && (st.evict_idle(keep) || st.moe_cache.evict_one())
+                {}
                 let alloc = || {
                     rings
                         .iter()
@@ -868,7 +892,8 @@ impl<B: Backend> DeviceModel<B> {
                 };
                 let layers = loop {
                     match alloc() {
-                        Err(BackendError::OutOfMemory { .. }) if st.evict_idle(keep) => {}
+                        Err(BackendError::OutOfMemory { .. })
+                            if st.evict_idle(keep) || st.moe_cache.evict_one() => {}
                         other => break other?,
                     }
                 };
@@ -962,7 +987,10 @@ impl<B: Backend> DeviceModel<B> {
         }
         let Step { st, groups, .. } = cx;
         st.stats.ubatches += 1;
-        self.logits(members, &groups, x)
+        let logits = self.logits(members, &groups, x)?;
+        // After the token's logits: the experts that missed go up for the next micro-batch.
+        st.moe_cache.upload_missed(&self.dev, self.arch.as_ref())?;
+        Ok(logits)
     }
 
     /// The output norm and head over the rows the members want of the final hidden state `x`
@@ -1361,21 +1389,15 @@ impl<'s, B: Backend> Step<'s, B> {
         r: &Routed<'_, B>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
+        if self.cached_host_experts(layer, r, out)? {
+            return Ok(());
+        }
         let dev = self.dev();
         let d = self.model.arch.dims().n_embd;
         let k_used = r.router.k;
         let n = self.n_tokens();
         let st = &mut *self.st;
-        if st.io.as_ref().is_none_or(|io| io.n != n) {
-            st.io = None;
-            st.io = Some(HostIo {
-                n,
-                io: dev.staging(n * d, n * k_used)?,
-            });
-        }
-        let Some(HostIo { io, .. }) = st.io.as_mut() else {
-            return Err(ExecError::Cache("no staging buffers".into()));
-        };
+        let io = staging_for(&mut st.io, dev, n, d, k_used)?;
         dev.stage_down(io, r.h, r.sel, r.wts)?;
         let staged = dev.staged(io)?;
         let selected: Vec<u32> = staged.sel.iter().map(|&e| e as u32).collect();
@@ -1394,6 +1416,28 @@ impl<'s, B: Backend> Step<'s, B> {
         st.stats.bytes_to_host += 4 * (n * d + 2 * n * k_used) as u64;
         st.stats.bytes_to_device += 4 * (n * d) as u64;
         Ok(())
+    }
+}
+
+/// The staging buffers of the host round trip for `n` tokens of width `d` and `k` slots,
+/// made anew when the batch size changed.
+fn staging_for<'a, B: Backend>(
+    io: &'a mut Option<HostIo<B>>,
+    dev: &B,
+    n: usize,
+    d: usize,
+    k: usize,
+) -> Result<&'a mut B::Staging, ExecError> {
+    if io.as_ref().is_none_or(|io| io.n != n) {
+        *io = None;
+        *io = Some(HostIo {
+            n,
+            io: dev.staging(n * d, n * k)?,
+        });
+    }
+    match io.as_mut() {
+        Some(HostIo { io, .. }) => Ok(io),
+        None => Err(ExecError::Cache("no staging buffers".into())),
     }
 }
 
@@ -1451,6 +1495,9 @@ impl<B: Backend> LanguageModel for DeviceModel<B> {
     }
     fn device_memory(&self) -> Option<DeviceMemory> {
         DeviceModel::<B>::device_memory(self).ok()
+    }
+    fn moe_cache_stats(&self) -> Option<MoeCacheStats> {
+        Some(DeviceModel::<B>::moe_cache_stats(self)).filter(|s| s.budget_bytes > 0)
     }
     fn retain_caches(&self, busy: &[&KvCache], idle: &[&KvCache]) {
         DeviceModel::<B>::retain_caches(self, busy, idle)

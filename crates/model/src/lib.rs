@@ -21,7 +21,7 @@ mod weights;
 
 pub use deepseek2::{Deepseek2, Deepseek2Params};
 pub use error::ModelError;
-pub use executor::{device_arch, DeviceModel, ExecError, ExecStats};
+pub use executor::{device_arch, DeviceModel, ExecError, ExecStats, MoeCacheStats};
 pub use gpt_oss::{GptOss, GptOssParams};
 pub use hybrid::{ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors};
 pub use kv_cache::{KvCache, KvType};
@@ -86,6 +86,11 @@ pub trait LanguageModel: Send + Sync {
     /// The memory the model holds on its device, for a model that runs on one; `None` on the
     /// CPU engine.
     fn device_memory(&self) -> Option<DeviceMemory> {
+        None
+    }
+    /// What the device expert cache (`--moe-cache`) counted and holds, for a model on a
+    /// device with the cache enabled; `None` otherwise.
+    fn moe_cache_stats(&self) -> Option<MoeCacheStats> {
         None
     }
     /// For a model that keeps K/V apart from the cache handles (the device executor): the

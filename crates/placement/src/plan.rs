@@ -55,6 +55,14 @@ impl DeviceUsage {
     pub fn fits(&self) -> bool {
         self.headroom().is_none_or(|h| h >= self.margin as i128)
     }
+
+    /// Bytes the plan leaves free on the device beyond `--fit`'s margin (`free − total −
+    /// margin`, at least 0; 0 when free is unknown): the default budget of the device expert
+    /// cache (`--moe-cache`), which may fill that room without eating into the margin.
+    pub fn room_beyond_margin(&self) -> u64 {
+        self.headroom()
+            .map_or(0, |h| u64::try_from(h - self.margin as i128).unwrap_or(0))
+    }
 }
 
 /// The result of planning.

@@ -1019,3 +1019,37 @@ fn number_regexes_match_exactly_their_sets() {
         assert!(!re.is_match("05"));
     }
 }
+
+#[test]
+fn the_expert_cache_gets_the_room_beyond_the_margin() {
+    let mut u = DeviceUsage {
+        device: DeviceId::Gpu(0),
+        weights: 3 * GIB,
+        kv: GIB,
+        compute: 512 * MIB,
+        overhead: 256 * MIB,
+        free: Some(8 * GIB),
+        margin: GIB,
+        layers: 4,
+        expert_layers: 0,
+    };
+    // 8 GiB − 4.75 GiB used − 1 GiB margin.
+    assert_eq!(u.room_beyond_margin(), 8 * GIB - 4 * GIB - 768 * MIB - GIB);
+    u.free = Some(5 * GIB);
+    assert_eq!(u.room_beyond_margin(), 0, "inside the margin");
+    u.free = Some(4 * GIB);
+    assert_eq!(u.room_beyond_margin(), 0, "over the device");
+    u.free = None;
+    assert_eq!(u.room_beyond_margin(), 0, "free memory unknown");
+    // A plan: the room is what fit left on the GPU.
+    let (t, s) = model(tiny_dims());
+    let flags = with_rules(PlacementFlags::default(), &[TensorRule::CpuMoe]);
+    let p = plan(&t, &s, &gpus(&[2 * GIB]), &flags).unwrap();
+    let g = gpu0(&p);
+    assert_eq!(g.margin, GIB);
+    assert!(g.room_beyond_margin() > 0);
+    assert_eq!(
+        g.room_beyond_margin(),
+        g.free.unwrap() - g.total() - g.margin
+    );
+}

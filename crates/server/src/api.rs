@@ -397,6 +397,10 @@ async fn metrics_route(State(st): St) -> Res {
         .filter_map(|h| Some((label.then(|| h.id.clone()), h.model.device_memory()?)))
         .collect();
     text.push_str(&metrics::render_devices(&devices));
+    let caches: Vec<(Option<String>, hmoe_model::MoeCacheStats)> = (hosts.iter())
+        .filter_map(|h| Some((label.then(|| h.id.clone()), h.model.moe_cache_stats()?)))
+        .collect();
+    text.push_str(&metrics::render_moe_cache(&caches));
     Ok((
         [(
             header::CONTENT_TYPE,

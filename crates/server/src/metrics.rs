@@ -238,6 +238,64 @@ pub fn render_devices(models: &[(Option<String>, hmoe_model::DeviceMemory)]) -> 
     out
 }
 
+/// Writes the device expert cache's counts of every model that has one (`label`: `Some(model
+/// id)` in router mode): routed pairs that hit and missed, uploads, evictions, bytes held.
+pub fn render_moe_cache(models: &[(Option<String>, hmoe_model::MoeCacheStats)]) -> String {
+    type Get = fn(&hmoe_model::MoeCacheStats) -> u64;
+    let metrics: [(&str, &str, &str, Get); 5] = [
+        (
+            "hmoe:moe_cache_hits_total",
+            "counter",
+            "Routed (token, expert) pairs of CPU-expert layers run by an expert the device cached.",
+            |s| s.hits,
+        ),
+        (
+            "hmoe:moe_cache_misses_total",
+            "counter",
+            "Routed (token, expert) pairs of CPU-expert layers run on the CPU.",
+            |s| s.misses,
+        ),
+        (
+            "hmoe:moe_cache_uploads_total",
+            "counter",
+            "Experts uploaded into the device expert cache.",
+            |s| s.uploads,
+        ),
+        (
+            "hmoe:moe_cache_evictions_total",
+            "counter",
+            "Experts evicted from the device expert cache.",
+            |s| s.evictions,
+        ),
+        (
+            "hmoe:moe_cache_bytes",
+            "gauge",
+            "Device memory the cached experts occupy.",
+            |s| s.held_bytes,
+        ),
+    ];
+    let mut out = String::new();
+    if models.is_empty() {
+        return out;
+    }
+    for (name, ty, help, get) in metrics {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {ty}");
+        for (label, s) in models {
+            let v = get(s);
+            match label {
+                Some(l) => {
+                    let _ = writeln!(out, "{name}{{model=\"{}\"}} {v}", escape_label(l));
+                }
+                None => {
+                    let _ = writeln!(out, "{name} {v}");
+                }
+            }
+        }
+    }
+    out
+}
+
 fn escape_label(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -260,6 +318,27 @@ mod tests {
         assert!(text.contains("llamacpp:prompt_tokens_seconds 5\n"));
         let text = render(&[(Some("a\"b".into()), &s)]);
         assert!(text.contains("llamacpp:prompt_tokens_total{model=\"a\\\"b\"} 10\n"));
+    }
+
+    #[test]
+    fn renders_the_expert_cache() {
+        assert_eq!(render_moe_cache(&[]), "");
+        let s = hmoe_model::MoeCacheStats {
+            hits: 81,
+            misses: 19,
+            held_bytes: 4096,
+            ..hmoe_model::MoeCacheStats::default()
+        };
+        let text = render_moe_cache(&[(None, s)]);
+        assert!(text.contains("# TYPE hmoe:moe_cache_hits_total counter\n"));
+        assert!(text.contains("hmoe:moe_cache_hits_total 81\n"), "{text}");
+        assert!(text.contains("hmoe:moe_cache_misses_total 19\n"), "{text}");
+        assert!(text.contains("hmoe:moe_cache_bytes 4096\n"), "{text}");
+        let text = render_moe_cache(&[(Some("m".into()), s)]);
+        assert!(
+            text.contains("hmoe:moe_cache_hits_total{model=\"m\"} 81\n"),
+            "{text}"
+        );
     }
 
     #[test]

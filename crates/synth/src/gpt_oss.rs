@@ -36,7 +36,21 @@ pub struct GptOssSpec {
     pub sliding_window: usize,
     /// RNG seed.
     pub seed: u64,
+    /// Routing with locality (`make-test-model --routing-locality F`, `F` in `0..=1`), so
+    /// that consecutive tokens tend to choose the same experts; `None`: routers of random
+    /// weights, which route nearly uniformly. The hidden size is split in halves, the token
+    /// half and the topic half. Token embeddings and the experts' outputs (their down rows
+    /// and biases) are zero in the topic half, so only attention writes there; the queries are
+    /// zero, so every head averages the values of its window (uniform scores, the sink taking
+    /// its share), and the value and output biases are zero: the topic half holds a running
+    /// mean over the sequence, which moves a little with each token. The router's weights on
+    /// the token half are scaled by `1 − F`, those on the topic half by `F ×` [`TOPIC_GAIN`].
+    pub routing_locality: Option<f32>,
 }
+
+/// Gain of the router's weights on the topic half under `--routing-locality` (the running
+/// mean of a window of random values is small next to a token's own embedding).
+pub const TOPIC_GAIN: f32 = 8.0;
 
 impl GptOssSpec {
     /// A model small enough to generate from in a fraction of a second.
@@ -53,6 +67,7 @@ impl GptOssSpec {
             n_vocab: 512,
             sliding_window: 128,
             seed: 42,
+            routing_locality: None,
         }
     }
 
@@ -70,6 +85,7 @@ impl GptOssSpec {
             n_vocab,
             sliding_window: 128,
             seed: 42,
+            routing_locality: None,
         }
     }
 
@@ -107,6 +123,18 @@ impl GptOssSpec {
         }
         if self.n_layer == 0 || !self.head_dim.is_multiple_of(2) || self.n_vocab < 264 {
             return Err("need n_layer ≥ 1, an even head_dim and n_vocab ≥ 264".into());
+        }
+        if let Some(f) = self.routing_locality {
+            if !(0.0..=1.0).contains(&f) {
+                return Err(format!("--routing-locality {f} must be in 0..=1"));
+            }
+            if !self.n_embd.is_multiple_of(64) {
+                return Err(format!(
+                    "--routing-locality needs n_embd a multiple of 64 (two halves of whole \
+                     blocks), got {}",
+                    self.n_embd
+                ));
+            }
         }
         Ok(())
     }
@@ -214,7 +242,13 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
         .enumerate()
         .map(|(i, p)| {
             let seed = s.seed.wrapping_mul(1_000_003).wrapping_add(i as u64);
-            (!sparse).then(|| random_tensor(p, seed))
+            (!sparse).then(|| {
+                let mut bytes = random_tensor(p, seed);
+                if let Some(f) = s.routing_locality {
+                    shape_for_locality(p, s, f, &mut bytes);
+                }
+                bytes
+            })
         })
         .collect();
     let mut w = GgufWriter::new();
@@ -259,6 +293,74 @@ fn build(spec: &GptOssSpec, sparse: bool) -> Result<GgufWriter, String> {
         .map_err(|e| e.to_string())?;
     }
     Ok(w)
+}
+
+/// Rewrites a random tensor of `p` for routing with locality `f` (see
+/// [`GptOssSpec::routing_locality`]); tensors it does not name are left as they are.
+fn shape_for_locality(p: &Plan, s: &GptOssSpec, f: f32, bytes: &mut [u8]) {
+    let d = s.n_embd;
+    let half = d / 2;
+    let name = p
+        .name
+        .rsplit_once("blk.")
+        .map_or(p.name.as_str(), |(_, n)| {
+            n.split_once('.').map_or(n, |(_, rest)| rest)
+        });
+    let f32s = |bytes: &mut [u8], each: &mut dyn FnMut(usize, &mut f32)| {
+        for (i, c) in bytes.chunks_exact_mut(4).enumerate() {
+            let mut v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            each(i, &mut v);
+            c.copy_from_slice(&v.to_le_bytes());
+        }
+    };
+    match name {
+        // Q8_0 rows of `d`: the topic half's blocks get a zero scale.
+        "token_embd.weight" => {
+            let blocks = d / 32;
+            for (i, block) in bytes.chunks_exact_mut(34).enumerate() {
+                if i % blocks >= half / 32 {
+                    block[..2].fill(0);
+                }
+            }
+        }
+        // Zero queries: uniform attention over the window.
+        "attn_q.weight" => {
+            for block in bytes.chunks_exact_mut(34) {
+                block[..2].fill(0);
+            }
+        }
+        "attn_q.bias" | "attn_v.bias" => bytes.fill(0),
+        "attn_output.bias" => f32s(bytes, &mut |i, v| {
+            if i >= half {
+                *v = 0.0;
+            }
+        }),
+        // MXFP4 rows of `n_ff` per output dim, `d` rows per expert: zero nibbles in the
+        // topic half's rows.
+        "ffn_down_exps.weight" => {
+            let row = s.n_ff_exp / 32 * 17;
+            for (r, row_bytes) in bytes.chunks_exact_mut(row).enumerate() {
+                if r % d >= half {
+                    for block in row_bytes.chunks_exact_mut(17) {
+                        block[1..].fill(0);
+                    }
+                }
+            }
+        }
+        "ffn_down_exps.bias" => f32s(bytes, &mut |i, v| {
+            if i % d >= half {
+                *v = 0.0;
+            }
+        }),
+        "ffn_gate_inp.weight" => f32s(bytes, &mut |i, v| {
+            *v *= if i % d >= half {
+                f * TOPIC_GAIN
+            } else {
+                1.0 - f
+            };
+        }),
+        _ => {}
+    }
 }
 
 /// Random values of standard deviation `std` around `mean`, generated directly in the
