@@ -231,9 +231,9 @@ pub fn plan_engine(
         tensors: &planned,
         op_offload: placement.op_offload(),
     });
-    let (device, expert_placement) = match &choice {
-        EngineChoice::Device { device, placement } => (Some(*device), Some(placement)),
-        EngineChoice::Cpu { .. } => (None, None),
+    let expert_placement = match &choice {
+        EngineChoice::Device { placement, .. } => Some(placement),
+        EngineChoice::Cpu { .. } => None,
     };
     let room = (made.as_ref())
         .and_then(|p| p.device(DeviceId::Gpu(0)))

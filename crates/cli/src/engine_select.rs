@@ -11,6 +11,7 @@ use hmoe_model::{DeviceModel, ExecStats, ExpertPlacement, KvType, LanguageModel}
 use hmoe_placement::{DeviceId, PlacementError, PlacementFlags, TensorRule};
 
 use crate::common::EngineUsed;
+use crate::placement_args::MoeCacheFlag;
 
 /// A device the executor can run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
