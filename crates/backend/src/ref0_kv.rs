@@ -31,6 +31,9 @@ use crate::{AttnParams, BackendError, KvLayout};
 
 /// Lanes of ggml's accumulators.
 const LANES: usize = 16;
+/// Accumulator chains of ggml's `vec_dot_f32`/`vec_dot_f16` (16 lanes each, 64 elements a
+/// step).
+const VEC_DOT_CHAINS: usize = 4;
 
 /// A quantizer error as a shape error of `op`.
 fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> BackendError {
@@ -313,21 +316,33 @@ pub(crate) fn attention(
                 sum += (s - m).exp() as f64;
             }
             let inv = (1.0 / sum) as f32;
-            // Lane `i` of a value dimension takes position `i` of every chunk.
-            let mut acc = vec![[0f32; LANES]; hd];
+            // Lane `i` of a value dimension takes position `i` of every chunk; one token's
+            // f32/f16 values go through `vec_dot`'s four chains, a chunk each in turn (a
+            // batch, and bf16 values, through one).
+            let chains = match vl.ty {
+                GgmlType::F32 | GgmlType::F16 if single => VEC_DOT_CHAINS,
+                _ => 1,
+            };
+            let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; hd];
             for (i, &ev) in e.iter().enumerate() {
                 let pp = chunk_start + i;
                 if pp < first {
                     continue;
                 }
+                let (chain, lane) = ((pp / LANES) % chains, i % LANES);
                 let w = round_weight(vl.ty, ev * inv);
                 values(vl.ty, vd, at(pp), &mut v_row)?;
                 for (a, &x) in acc.iter_mut().zip(&v_row) {
-                    a[i % LANES] = x.mul_add(w, a[i % LANES]);
+                    a[chain][lane] = x.mul_add(w, a[chain][lane]);
                 }
             }
             for (ov, a) in o.iter_mut().zip(&acc) {
-                *ov = hsum16(a);
+                *ov = match chains {
+                    1 => hsum16(&a[0]),
+                    _ => hsum16(&std::array::from_fn(|l| {
+                        (a[0][l] + a[2][l]) + (a[1][l] + a[3][l])
+                    })),
+                };
             }
         }
     }

@@ -17,16 +17,21 @@
 //! The self-attention of this file ([`SelfAttention`]) is shared with Qwen3-MoE, which adds a
 //! per-head RMSNorm of q and k before RoPE.
 
+use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_gguf::GgufModel;
 
 use crate::attention::{attention_ext, AttnLayout};
+use crate::executor::blocks::{AttnBlock, AttnSpec, SwiGluFfn};
+use crate::executor::{
+    buf_bytes, upload_f32, AttnShape, DeviceLayers, ExecError, ModelDims, Step,
+};
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::ops::{
     add_bias, embed, ffn_swiglu, final_logits, output_head, rms_norm, ArchMeta, QuantizedActs,
     Rope, RopeMode, RopeScaling,
 };
 use crate::weights::{load_f32, project, Mat};
-use crate::{LanguageModel, LogitsWanted, ModelError};
+use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
 
 /// Which member of the family a file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -449,6 +454,129 @@ impl LanguageModel for Dense {
     }
     fn gguf(&self) -> &GgufModel {
         &self.gguf
+    }
+}
+
+/// One layer of a dense model on a device: the attention block (residual add included), then
+/// `x += ffn(rmsnorm(x) · ffn_norm)`.
+struct DevDenseLayer<B: Backend> {
+    attn: AttnBlock<B>,
+    ffn_norm: B::Buf<f32>,
+    ffn: SwiGluFfn<B>,
+}
+
+/// The layers of [`Dense`] on a device ([`crate::DeviceModel`]), the same math over the
+/// contract's ops and the executor's shared blocks: the attention block (normal RoPE for
+/// `llama`, NeoX for `qwen2`, over whole heads; q/k/v/o biases when the file has them; GQA)
+/// and the dense SwiGLU FFN; the tied output head is the executor's. No routed experts, so
+/// nothing crosses the bus between the ids and the logits. A file with RoPE frequency factors
+/// (`rope_freqs.weight`, Llama 3) is refused: the contract's RoPE ops have none.
+pub(crate) struct DeviceDense<B: Backend> {
+    host: Dense,
+    layers: Vec<DevDenseLayer<B>>,
+}
+
+impl<B: Backend> DeviceDense<B> {
+    /// Loads `gguf` (checked as [`Dense::load`] checks it) and uploads every layer's weights
+    /// to `dev`.
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceDense<B>, ExecError> {
+        let host = Dense::load(gguf)?;
+        let p = &host.params;
+        let rope = host.rope.device_params().ok_or_else(|| {
+            ExecError::Placement(
+                "RoPE frequency factors (rope_freqs.weight): the device's RoPE ops have none; \
+                 this file runs on the CPU engine"
+                    .into(),
+            )
+        })?;
+        let g = &host.gguf;
+        let spec = AttnSpec {
+            shape: AttnShape {
+                n_head: p.n_head,
+                n_head_kv: p.n_head_kv,
+                head_dim: p.head_dim,
+                window: None,
+                scale: p.attn_scale,
+            },
+            rope,
+            rms_eps: p.rms_eps,
+        };
+        let layers = (0..p.n_layer)
+            .map(|l| {
+                Ok(DevDenseLayer {
+                    attn: AttnBlock::load(dev, g, l, spec)?.with_rope_mode(p.arch.rope_mode()),
+                    ffn_norm: upload_f32(dev, g, &format!("blk.{l}.ffn_norm.weight"))?,
+                    ffn: SwiGluFfn::load(dev, g, l, "")?,
+                })
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        Ok(DeviceDense { host, layers })
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for DeviceDense<B> {
+    fn dims(&self) -> ModelDims {
+        let p = &self.host.params;
+        let attn = self
+            .layers
+            .first()
+            .map_or(0, |l| l.attn.scratch_per_token(p.n_embd));
+        let ffn = self
+            .layers
+            .first()
+            .map_or(0, |l| 2 * p.n_embd + l.ffn.scratch_per_token());
+        ModelDims {
+            n_layer: p.n_layer,
+            n_embd: p.n_embd,
+            n_vocab: p.n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            rms_eps: p.rms_eps,
+            scratch_per_token: attn.max(ffn),
+            kv_head_dim: p.head_dim,
+        }
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.host.gguf
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        // Positions and the rings' cells only: K and V live on the device.
+        KvCache::new(ty, n_ctx, n_ubatch.max(1), 0, &vec![None; self.host.params.n_layer])
+    }
+    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+        self.layers
+            .get(layer)
+            .map_or((0, 0), |l| l.attn.kv_widths())
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+        let p = &self.host.params;
+        let layer = &self.layers[l];
+        layer.attn.forward(cx, l, x)?;
+        let dev = cx.dev();
+        let mut h = cx.alloc(p.n_embd)?;
+        dev.rms_norm(x, &layer.ffn_norm, p.rms_eps, &mut h)?;
+        let mut out = cx.alloc(p.n_embd)?;
+        layer.ffn.forward(cx, &h, &mut out)?;
+        dev.add_assign(x, &out)?;
+        Ok(())
+    }
+    fn layer_experts(&self, _layer: usize) -> Option<ExpertTensors<'_>> {
+        None
+    }
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        _batch: &ExpertBatch<'_>,
+        _out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        Err(ModelError::MissingTensor(format!(
+            "blk.{layer}.ffn_gate_exps.weight (a dense model has no experts)"
+        )))
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| l.attn.bytes() + buf_bytes::<B>(&l.ffn_norm) + l.ffn.bytes())
+            .sum()
     }
 }
 
