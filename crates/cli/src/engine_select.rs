@@ -113,8 +113,8 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     if on_gpu < i.n_layer {
         return cpu(format!(
             "the plan puts {on_gpu} of {} layers on the GPU; the GPU executor needs every \
-             layer's dense part there (-ngl all; keep experts on the CPU with --cpu-moe or \
-             --n-cpu-moe)",
+             layer's dense part there (-ngl all; a MoE model's experts can stay on the CPU \
+             with --cpu-moe or --n-cpu-moe)",
             i.n_layer
         ));
     }
@@ -292,14 +292,21 @@ fn loaded<B: Backend + 'static>(
     let arch = (gguf.metadata().architecture())
         .unwrap_or_default()
         .to_string();
+    let has_experts = gguf.tensors().iter().any(|t| t.name.contains("_exps"));
     let model = DeviceModel::load(gguf, dev, placement)?;
     let n_layer = placement.layers.len();
+    let experts = match has_experts {
+        true => format!(
+            "experts of {} on the device, {} on the CPU",
+            placement.device_layers(),
+            n_layer - placement.device_layers()
+        ),
+        false => "no experts".into(),
+    };
     eprintln!(
-        "hmoe: {} on {name}: dense part of {n_layer} layers and experts of {} on the \
-         device, {} on the CPU; {:.1} MiB of weights on the device",
+        "hmoe: {} on {name}: dense part of {n_layer} layers on the device, {experts}; {:.1} \
+         MiB of weights on the device",
         arch,
-        placement.device_layers(),
-        n_layer - placement.device_layers(),
         model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
     let used = EngineUsed {
