@@ -695,7 +695,9 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 // expf_ggml(s - m) summed by halving and added to an f64 sum in chunk order, plus the sink's
 // exp; probabilities expf_ggml(s - m) * (f32)(1 / sum), rounded to f16 for f16 values; output
 // dimension d sums in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc),
-// then by halving.
+// then by halving; for one query token in four chains of such lanes, chunk c of the sequence
+// (position / 16) into chain c % 4, folded (c0 + c2) + (c1 + c3) per lane before the halving
+// (vec_dot_f32/vec_dot_f16's accumulators).
 //
 // One block per (head, token); each half-warp takes one chunk of a round of ATT_CHUNKS chunks.
 // Pass 1 keeps the scores in shared memory when the token sees at most ATT_SCORE_CACHE
@@ -869,11 +871,16 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
     __syncthreads();
     float inv = sm_inv;
 
-    // Pass 3: the values. Thread (hw, l) keeps lane l of dimensions hw, hw + 16, ...
+    // Pass 3: the values. Thread (hw, l) keeps lane l of dimensions hw, hw + 16, ... in each
+    // chain (one query token: four, else one).
     int nd = head_dim / 16;
-    float acc[ATT_MAX_DIMS_PER_THREAD];
+    int chains = single ? 4 : 1;
+    float acc[ATT_MAX_DIMS_PER_THREAD][4];
 #pragma unroll
-    for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) acc[k] = 0.f;
+    for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc[k][c] = 0.f;
+    }
     for (int r = 0; r < rounds; r++) {
         int c = r * ATT_CHUNKS + hw;
         float mine = 0.f;
@@ -899,9 +906,15 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
             if (cj < n_chunks && p >= first && p <= pos) {
                 float w = sm_p[j * 16 + l];
                 u64 at = (u64)(p % cells) * width + kv_off;
+                int chain = (p / 16) % chains;
 #pragma unroll
                 for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
-                    if (k < nd) acc[k] = fmaf(kv_float(vc, v_ty, at + hw + 16 * k), w, acc[k]);
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        if (k < nd && c == chain) {
+                            acc[k][c] = fmaf(kv_float(vc, v_ty, at + hw + 16 * k), w, acc[k][c]);
+                        }
+                    }
                 }
             }
         }
@@ -911,7 +924,9 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
 #pragma unroll
     for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {
         if (k < nd) {
-            float o = half_warp_sum16(acc[k]);
+            float lane_sum = chains == 1 ? acc[k][0]
+                                         : (acc[k][0] + acc[k][2]) + (acc[k][1] + acc[k][3]);
+            float o = half_warp_sum16(lane_sum);
             if (l == 0) oh[hw + 16 * k] = o;
         }
     }
