@@ -42,8 +42,12 @@ fn real_fixture((file, stem): (&str, &str)) -> Option<Fixture> {
         }
     };
     let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("real").join(format!("{stem}.golden-f16kv.json")))
-            .unwrap(),
+        &std::fs::read_to_string(
+            fixtures()
+                .join("real")
+                .join(format!("{stem}.golden-f16kv.json")),
+        )
+        .unwrap(),
     )
     .unwrap();
     let case = &golden["cases"][0];

@@ -22,9 +22,7 @@ use hmoe_gguf::GgufModel;
 
 use crate::attention::{attention_ext, AttnLayout};
 use crate::executor::blocks::{AttnBlock, AttnSpec, SwiGluFfn};
-use crate::executor::{
-    buf_bytes, upload_f32, AttnShape, DeviceLayers, ExecError, ModelDims, Step,
-};
+use crate::executor::{buf_bytes, upload_f32, AttnShape, DeviceLayers, ExecError, ModelDims, Step};
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::ops::{
     add_bias, embed, ffn_swiglu, final_logits, output_head, rms_norm, ArchMeta, QuantizedActs,
@@ -540,7 +538,13 @@ impl<B: Backend> DeviceLayers<B> for DeviceDense<B> {
     }
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
         // Positions and the rings' cells only: K and V live on the device.
-        KvCache::new(ty, n_ctx, n_ubatch.max(1), 0, &vec![None; self.host.params.n_layer])
+        KvCache::new(
+            ty,
+            n_ctx,
+            n_ubatch.max(1),
+            0,
+            &vec![None; self.host.params.n_layer],
+        )
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
         self.layers
