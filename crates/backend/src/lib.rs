@@ -443,8 +443,10 @@ pub trait Backend: Send + Sync {
     /// Attention of `n_tokens` queries at positions `pos0..` over the K and V rings (causal,
     /// sliding window, GQA, and one sink logit per head when `sinks` is given), with the CPU
     /// engine's numerics for the rings' types: the row kernel (softmax, then the value sum)
-    /// over f32/f16/bf16 values, flash attention (online softmax) over block-quantized
-    /// values; the query rotated like the keys and the output rotated back like the values.
+    /// over f32/f16/bf16 values (one query token's f32/f16 values without sinks summed in
+    /// `vec_dot`'s four chains, as the CPU engine's `attention_ext`; with sinks in one, as its
+    /// gpt-oss attention), flash attention (online softmax) over block-quantized values; the
+    /// query rotated like the keys and the output rotated back like the values.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

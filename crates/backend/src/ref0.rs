@@ -1280,7 +1280,29 @@ mod tests {
     fn bad_shapes_and_types_are_errors() {
         let dev = Ref0::new();
         assert!(matches!(
-            dev.upload_matrix(GgmlType::Q4_K, 1, 256, &[0; 144]),
+            dev.upload_matrix(GgmlType::Q8_K, 1, 256, &[0; 292]),
+            Err(BackendError::UnsupportedType { .. })
+        ));
+        // Q4_K multiplies (`matmul`), but not as experts.
+        assert!(dev.upload_matrix(GgmlType::Q4_K, 1, 256, &[0; 144]).is_ok());
+        let bytes = vec![0u8; 256 * 144];
+        let m = || ExpertMatrix {
+            ty: GgmlType::Q4_K,
+            n_in: 256,
+            n_out: 256,
+            data: &bytes,
+        };
+        let t = ExpertTensors {
+            n_expert: 1,
+            gate: m(),
+            up: m(),
+            down: m(),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        };
+        assert!(matches!(
+            dev.upload_moe(&t, None),
             Err(BackendError::UnsupportedType { .. })
         ));
         assert!(matches!(

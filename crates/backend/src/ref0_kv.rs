@@ -11,7 +11,10 @@
 //!     positions from the window's start rounded down), a softmax with ggml's `expf` summed per
 //!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
 //!     value sum as 16 lanes (lane = position mod 16) with the probability rounded to the value
-//!     type (f16, bf16; f32 as is);
+//!     type (f16, bf16; f32 as is), one token's f32/f16 values without sinks in four chains
+//!     of such lanes (`vec_dot`'s: chunk c into chain c % 4, folded `(c0 + c2) + (c1 + c3)`),
+//!     as the CPU engine's `attention_ext` (llama, qwen2, qwen3moe); with sinks in one, as its
+//!     gpt-oss `attention`;
 //!   - block-quantized values, ggml's flash kernel: per key in position order an online
 //!     softmax with libm's `expf` (`S = S·ms + vs`, the accumulator rescaled by a new
 //!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
@@ -318,9 +321,10 @@ pub(crate) fn attention(
             let inv = (1.0 / sum) as f32;
             // Lane `i` of a value dimension takes position `i` of every chunk; one token's
             // f32/f16 values go through `vec_dot`'s four chains, a chunk each in turn (a
-            // batch, and bf16 values, through one).
+            // batch, bf16 values, and attention with sinks, the CPU engine's gpt-oss kernel,
+            // through one).
             let chains = match vl.ty {
-                GgmlType::F32 | GgmlType::F16 if single => VEC_DOT_CHAINS,
+                GgmlType::F32 | GgmlType::F16 if single && sinks.is_none() => VEC_DOT_CHAINS,
                 _ => 1,
             };
             let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; hd];

@@ -61,6 +61,10 @@ pub struct EngineInputs<'a> {
     pub op_offload: Option<usize>,
 }
 
+/// The per-pair RoPE frequency divisors of Llama 3 files, which the CPU engine applies and the
+/// device contract's RoPE ops do not.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// Whether the architecture has a device executor (the plan is worth making only then).
 pub fn gpu_executor_arch(arch: Option<&str>) -> bool {
     hmoe_model::device_arch(arch)
@@ -75,10 +79,10 @@ fn attn_layer(name: &str) -> Option<usize> {
 }
 
 /// The engine for `i`: the device executor when there is a device, the model's architecture
-/// has a device layer ([`gpu_executor_arch`]), the device keeps the K/V cache's types
-/// ([`device_keeps_kv`]), and the plan puts every layer's dense part on one device (each layer's
-/// experts where the plan puts them, a layer's experts as a unit); else the CPU engine and
-/// why.
+/// has a device layer ([`gpu_executor_arch`]) and the file no RoPE frequency factors, the
+/// device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's
+/// dense part on one device (each layer's experts where the plan puts them, a layer's experts
+/// as a unit); else the CPU engine and why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let cpu = |why: String| EngineChoice::Cpu { why };
     if i.devices.is_empty() {
@@ -96,6 +100,12 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     }
     if i.tensors.is_empty() {
         return cpu("no placement plan".into());
+    }
+    if i.tensors.iter().any(|&(name, _)| name == ROPE_FREQS) {
+        return cpu(format!(
+            "the file has RoPE frequency factors ({ROPE_FREQS}, Llama 3), which the device \
+             executor's RoPE does not apply"
+        ));
     }
     let mut dense_on_gpu = vec![None; i.n_layer];
     for &(name, dev) in i.tensors {
@@ -499,6 +509,19 @@ mod tests {
             op_offload: None,
         });
         assert!(why(no_plan).contains("no placement plan"));
+        let names = names();
+        let mut tensors: Vec<(&str, DeviceId)> = names.iter().map(|n| (n.as_str(), G)).collect();
+        tensors.push((ROPE_FREQS, G));
+        let llama3 = choose_engine(&EngineInputs {
+            devices: &[CUDA0],
+            why_no_gpu: None,
+            arch: Some("llama"),
+            kv: f16,
+            n_layer: 2,
+            tensors: &tensors,
+            op_offload: None,
+        });
+        assert!(why(llama3).contains("RoPE frequency factors"));
     }
 
     #[test]

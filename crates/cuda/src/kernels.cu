@@ -695,9 +695,10 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 // expf_ggml(s - m) summed by halving and added to an f64 sum in chunk order, plus the sink's
 // exp; probabilities expf_ggml(s - m) * (f32)(1 / sum), rounded to f16 for f16 values; output
 // dimension d sums in 16 lanes (lane i: position i of every chunk, in order) fma(v, p, acc),
-// then by halving; for one query token in four chains of such lanes, chunk c of the sequence
-// (position / 16) into chain c % 4, folded (c0 + c2) + (c1 + c3) per lane before the halving
-// (vec_dot_f32/vec_dot_f16's accumulators).
+// then by halving; for one query token without sinks in four chains of such lanes, chunk c of
+// the sequence (position / 16) into chain c % 4, folded (c0 + c2) + (c1 + c3) per lane before
+// the halving (vec_dot_f32/vec_dot_f16's accumulators, as the CPU engine's attention_ext; its
+// gpt-oss attention, with sinks, sums in one).
 //
 // One block per (head, token); each half-warp takes one chunk of a round of ATT_CHUNKS chunks.
 // Pass 1 keeps the scores in shared memory when the token sees at most ATT_SCORE_CACHE
@@ -872,9 +873,9 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
     float inv = sm_inv;
 
     // Pass 3: the values. Thread (hw, l) keeps lane l of dimensions hw, hw + 16, ... in each
-    // chain (one query token: four, else one).
+    // chain (one query token without sinks: four, else one).
     int nd = head_dim / 16;
-    int chains = single ? 4 : 1;
+    int chains = single && !has_sinks ? 4 : 1;
     float acc[ATT_MAX_DIMS_PER_THREAD][4];
 #pragma unroll
     for (int k = 0; k < ATT_MAX_DIMS_PER_THREAD; k++) {

@@ -468,7 +468,8 @@ struct DevDenseLayer<B: Backend> {
 /// `llama`, NeoX for `qwen2`, over whole heads; q/k/v/o biases when the file has them; GQA)
 /// and the dense SwiGLU FFN; the tied output head is the executor's. No routed experts, so
 /// nothing crosses the bus between the ids and the logits. A file with RoPE frequency factors
-/// (`rope_freqs.weight`, Llama 3) is refused: the contract's RoPE ops have none.
+/// (`rope_freqs.weight`, Llama 3) is refused: the contract's RoPE ops have none (the CLI runs
+/// such a file on the CPU engine).
 pub(crate) struct DeviceDense<B: Backend> {
     host: Dense,
     layers: Vec<DevDenseLayer<B>>,

@@ -1,7 +1,8 @@
 //! The reference device's K/V rings against the CPU engine's cache and attention, bit for bit,
 //! for every pair of `-ctk`/`-ctv` types: the bytes REF0 stores are the CPU cache's (rotated
 //! as it rotates quantized heads), and attention over them gives the CPU engine's bits (the row
-//! kernel over f32/f16/bf16 values, flash attention over block-quantized ones), for prefill
+//! kernel over f32/f16/bf16 values, flash attention over block-quantized ones; with sinks
+//! against the gpt-oss `attention`, without against `attention_ext`), for prefill
 //! batches and single tokens, full and sliding-window layers, with and without sinks, and
 //! heads of 32 (not rotated), 64, 80 (a tail after the 64-element steps) and 128 (a K rotation
 //! of 128). Here, in the CPU engine's crate, because the contract crate cannot see it.
@@ -10,7 +11,7 @@ use half::f16;
 use hmoe_backend::{AttnParams, Backend, KvLayout, KvRing, Ref0};
 
 use crate::attention::tests::noise;
-use crate::attention::{attention, AttnShape};
+use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
 use crate::kv_cache::{CacheType, Cells, FlashAttn, KvCache, KvType};
 
 /// The CPU cells as ring bytes (ggml's layout of the type, little-endian).
@@ -78,8 +79,23 @@ fn check(k: CacheType, v: CacheType, hd: usize, window: Option<usize>, n_q: usiz
         head_dim: hd,
         scale,
     };
+    // The CPU engine's attention with sinks (gpt-oss's), `attention_ext` without (the other
+    // architectures'); they sum one token's float values in different orders.
     let mut want = vec![0f32; q.len()];
-    attention(layer, &shape, &q, n - n_q, sinks, &mut want);
+    match sinks {
+        Some(_) => attention(layer, &shape, &q, n - n_q, sinks, &mut want),
+        None => {
+            let layout = AttnLayout {
+                n_head: N_HEAD,
+                n_head_kv: N_KV,
+                k_dim: hd,
+                v_dim: hd,
+                v_in_k: false,
+                scale,
+            };
+            attention_ext(layer, &layout, &q, n - n_q, &mut want);
+        }
+    }
     let p = AttnParams {
         n_head: N_HEAD,
         n_head_kv: N_KV,
