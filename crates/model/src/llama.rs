@@ -898,6 +898,68 @@ mod tests {
         assert!(matches!(Dense::load(g), Err(ModelError::BadParam { .. })));
     }
 
+    /// The device layers on REF0 give the CPU engine's logits bit for bit on the synthetic F32
+    /// models (normal RoPE with an untied head; NeoX RoPE, q/k/v biases and the tied head),
+    /// over micro-batches of 5 and then one token at a time past 16 positions, with f32 and
+    /// f16 K/V; two sequences in one `forward_multi` get what each gets alone (F32 products
+    /// per sequence). No model file needed, unlike tests/device_dense.rs.
+    #[test]
+    fn device_layers_on_ref0_are_the_cpu_engines_bit_for_bit() {
+        use crate::{DeviceModel, ExpertHome, ExpertPlacement, SeqBatch};
+        use hmoe_backend::Ref0;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for arch in [DenseArch::Llama, DenseArch::Qwen2] {
+            let tensors = synthetic(arch, 0xd0 + arch as u64);
+            let cpu = crate::load(write(arch, &tensors)).unwrap();
+            let placement = ExpertPlacement {
+                layers: vec![ExpertHome::Host; LAYERS],
+                op_offload_min_batch: None,
+            };
+            let dev = DeviceModel::load(write(arch, &tensors), Ref0::new(), &placement).unwrap();
+            let run = |m: &dyn LanguageModel, kv: KvType| {
+                let mut cache = m.new_cache(kv, 64, 5);
+                let mut out = vec![m.forward(&mut cache, &TOKENS, LogitsWanted::All).unwrap()];
+                for t in 0..12 {
+                    let tok = [(t * 7 + 2) % VOCAB as u32];
+                    out.push(m.forward(&mut cache, &tok, LogitsWanted::Last).unwrap());
+                }
+                out
+            };
+            for kv in [KvType::F32, KvType::F16] {
+                let (want, got) = (run(cpu.as_ref(), kv), run(&dev, kv));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(bits(g) == bits(w), "{arch:?} {kv:?}: feed {i}");
+                }
+            }
+            let prompts: [&[u32]; 2] = [&TOKENS[..3], &TOKENS[2..]];
+            let alone: Vec<Vec<f32>> = prompts
+                .iter()
+                .map(|p| {
+                    let mut c = cpu.new_cache(KvType::F32, 64, 16);
+                    cpu.forward(&mut c, p, LogitsWanted::Last).unwrap()
+                })
+                .collect();
+            let mut caches: Vec<_> = (0..2).map(|_| dev.new_cache(KvType::F32, 64, 16)).collect();
+            let mut seqs: Vec<SeqBatch<'_, '_>> = caches
+                .iter_mut()
+                .zip(prompts)
+                .map(|(cache, tokens)| SeqBatch {
+                    cache,
+                    tokens,
+                    logits: true,
+                })
+                .collect();
+            let together = dev.forward_multi(&mut seqs).unwrap();
+            for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+                assert!(
+                    bits(t) == bits(a),
+                    "{arch:?}: sequence {i} batched vs alone"
+                );
+            }
+            assert_eq!(dev.stats().host_round_trips, 0);
+        }
+    }
+
     #[test]
     fn rope_norm_pairs_neighbours() {
         let rope = Rope::new(4, 10000.0, None);
