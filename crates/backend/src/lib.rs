@@ -27,7 +27,9 @@ use hmoe_quant::GgmlType;
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
 pub use params::{AttnParams, KOnlyAttnParams, RopeParams, RowCopy};
-pub use ref0::{Ref0, RefBuf, RefMatrix, RefMoe, RefStaging, REF0_NAME, REF0_TYPES};
+pub use ref0::{
+    Ref0, RefBuf, RefMatrix, RefMoe, RefStaging, QUANT_KERNEL_TYPES, REF0_NAME, REF0_TYPES,
+};
 pub use routing::{Gating, Routing};
 
 mod sealed {
@@ -441,8 +443,10 @@ pub trait Backend: Send + Sync {
     /// Attention of `n_tokens` queries at positions `pos0..` over the K and V rings (causal,
     /// sliding window, GQA, and one sink logit per head when `sinks` is given), with the CPU
     /// engine's numerics for the rings' types: the row kernel (softmax, then the value sum)
-    /// over f32/f16/bf16 values, flash attention (online softmax) over block-quantized
-    /// values; the query rotated like the keys and the output rotated back like the values.
+    /// over f32/f16/bf16 values (one query token's f32/f16 values without sinks summed in
+    /// `vec_dot`'s four chains, as the CPU engine's `attention_ext`; with sinks in one, as its
+    /// gpt-oss attention), flash attention (online softmax) over block-quantized values; the
+    /// query rotated like the keys and the output rotated back like the values.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

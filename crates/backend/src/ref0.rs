@@ -15,7 +15,13 @@
 //!   MXFP4 in llama.cpp's block-wise order (`dot_mxfp4`), F32 in `vec_dot_f32` order for one
 //!   token (and for an expert only one slot routes to, and for every SiLU expert), else in
 //!   tinyBLAS's 16 lanes
-//!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order).
+//!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order). The other
+//!   types the CPU engine loads (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K) are multiplied with
+//!   hmoe-quant's own kernels, the one the CPU engine picks for the matrix
+//!   ([`hmoe_quant::DotKernel::for_matrix`], repacked Q4_0/Q4_K included), over activations
+//!   quantized by [`hmoe_quant::quantize_row`]: `dot` for one token, `dot_tokens` (the tiled
+//!   K-quant and grouped repacked orders) for a batch, exactly as the CPU engine's `matmul`;
+//!   `matmul_heads` and the experts (`moe`) do not take them.
 //! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
 //!   engine's cache and attention do (see `ref0_kv.rs`): the row kernel with ggml's `expf`
 //!   ([`crate::numerics::expf_ggml`]) over f32/f16/bf16 values, flash attention over
@@ -40,13 +46,39 @@ use crate::{
 /// The reference device's name in device lists and messages.
 pub const REF0_NAME: &str = "REF0";
 
-/// The weight types the reference device multiplies (those of the CUDA kernels).
-pub const REF0_TYPES: [GgmlType; 5] = [
+/// The weight types the reference device multiplies: those of the CUDA kernels (F32, F16,
+/// BF16, Q8_0, MXFP4), with its own code in the CPU engine's orders, and every other type the
+/// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]; `matmul` only).
+pub const REF0_TYPES: [GgmlType; 14] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::MXFP4,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// The weight types of [`REF0_TYPES`] that the reference device multiplies with hmoe-quant's
+/// kernels (the CPU engine's, chosen per matrix): `matmul` and `get_rows` take them;
+/// `matmul_heads` and expert sets refuse them ([`BackendError::UnsupportedType`]).
+pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
 ];
 
 /// The device's memory: bytes held now, the most ever held, and the budget.
@@ -113,6 +145,8 @@ pub struct RefMatrix {
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
+    /// The CPU engine's kernel for a matrix of [`QUANT_KERNEL_TYPES`].
+    kernel: Option<hmoe_quant::DotKernel>,
     _charge: Option<Charge>,
 }
 
@@ -278,14 +312,62 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<RefMatr
     ensure(rb > 0 && data.len() == rows * rb, OP, || {
         format!("{} bytes for {rows} rows of {cols} {ty}", data.len())
     })?;
+    let kernel = QUANT_KERNEL_TYPES
+        .contains(&ty)
+        .then(|| hmoe_quant::DotKernel::for_matrix(ty, rows))
+        .transpose()
+        .map_err(quant_err(OP))?;
     Ok(RefMatrix {
         ty,
         rows,
         cols,
         row_bytes: rb,
         data: data.to_vec(),
+        kernel,
         _charge: None,
     })
+}
+
+/// The refusal of an op that does not take matrices of [`QUANT_KERNEL_TYPES`].
+fn no_quant_kernel(m: &RefMatrix, op: &'static str) -> Result<(), BackendError> {
+    match m.kernel {
+        Some(_) => Err(BackendError::UnsupportedType { ty: m.ty, op }),
+        None => Ok(()),
+    }
+}
+
+/// `y = W·x` for `n` tokens of a matrix of [`QUANT_KERNEL_TYPES`] with the CPU engine's kernel
+/// `k` for it, as the CPU engine's `matmul` computes it: every row of `x` quantized to the
+/// kernel's activation type, then `dot` for one token and `dot_tokens` (a dense batch's
+/// order: tiled K-quants, grouped repacked rows) for several.
+fn kernel_matmul(
+    k: &hmoe_quant::DotKernel,
+    w: &RefMatrix,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> Result<(), BackendError> {
+    const OP: &str = "matmul";
+    let at = k.act_type();
+    let arb = at.row_bytes(w.cols as u64).unwrap_or(0) as usize;
+    ensure(arb > 0, OP, || format!("{} values in {at} blocks", w.cols))?;
+    let mut a = vec![0u8; n * arb];
+    for (t, dst) in a.chunks_exact_mut(arb).enumerate() {
+        hmoe_quant::quantize_row(at, &x[t * w.cols..(t + 1) * w.cols], dst)
+            .map_err(quant_err(OP))?;
+    }
+    let mut col = vec![0f32; n];
+    for r in 0..w.rows {
+        if n == 1 {
+            col[0] = k.dot(w.cols, w.row(r), &a);
+        } else {
+            k.dot_tokens(hmoe_quant::BatchKind::Dense, w.cols, w.row(r), &a, &mut col);
+        }
+        for (t, &v) in col.iter().enumerate() {
+            y[t * w.rows + r] = v;
+        }
+    }
+    Ok(())
 }
 
 /// A quantizer error as a shape error of `op`.
@@ -626,7 +708,9 @@ impl Backend for Ref0 {
             for (dst, src, rows, cols) in pairs {
                 let data = src.expert(e).ok_or_else(missing)?;
                 m.bytes += data.len();
-                dst.push(matrix(src.ty, rows, cols, data)?);
+                let mx = matrix(src.ty, rows, cols, data)?;
+                no_quant_kernel(&mx, "reference moe")?;
+                dst.push(mx);
             }
             if !t.has_biases() {
                 continue;
@@ -700,6 +784,9 @@ impl Backend for Ref0 {
             x.len() >= n * w.cols && y.len() >= n * w.rows,
             || format!("x {} / y {} for {n} tokens", x.len(), y.len()),
         )?;
+        if let Some(k) = &w.kernel {
+            return kernel_matmul(k, w, x, n, y);
+        }
         // ggml sums one token's F32 products in `vec_dot` order and a batch's in 16 lanes.
         let order = if n == 1 {
             F32Order::VecDot
@@ -935,6 +1022,7 @@ impl Backend for Ref0 {
         x_stride: usize,
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        no_quant_kernel(w, "matmul_heads")?;
         let out =
             crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
         let order = if x_stride == w.cols && n > 1 {
@@ -1190,7 +1278,29 @@ mod tests {
     fn bad_shapes_and_types_are_errors() {
         let dev = Ref0::new();
         assert!(matches!(
-            dev.upload_matrix(GgmlType::Q4_K, 1, 256, &[0; 144]),
+            dev.upload_matrix(GgmlType::Q8_K, 1, 256, &[0; 292]),
+            Err(BackendError::UnsupportedType { .. })
+        ));
+        // Q4_K multiplies (`matmul`), but not as experts.
+        assert!(dev.upload_matrix(GgmlType::Q4_K, 1, 256, &[0; 144]).is_ok());
+        let bytes = vec![0u8; 256 * 144];
+        let m = || ExpertMatrix {
+            ty: GgmlType::Q4_K,
+            n_in: 256,
+            n_out: 256,
+            data: &bytes,
+        };
+        let t = ExpertTensors {
+            n_expert: 1,
+            gate: m(),
+            up: m(),
+            down: m(),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        };
+        assert!(matches!(
+            dev.upload_moe(&t, None),
             Err(BackendError::UnsupportedType { .. })
         ));
         assert!(matches!(

@@ -62,6 +62,10 @@ pub struct EngineInputs<'a> {
     pub op_offload: Option<usize>,
 }
 
+/// The per-pair RoPE frequency divisors of Llama 3 files, which the CPU engine applies and the
+/// device contract's RoPE ops do not.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// Whether the architecture has a device executor (the plan is worth making only then).
 pub fn gpu_executor_arch(arch: Option<&str>) -> bool {
     hmoe_model::device_arch(arch)
@@ -76,10 +80,10 @@ fn attn_layer(name: &str) -> Option<usize> {
 }
 
 /// The engine for `i`: the device executor when there is a device, the model's architecture
-/// has a device layer ([`gpu_executor_arch`]), the device keeps the K/V cache's types
-/// ([`device_keeps_kv`]), and the plan puts every layer's dense part on one device (each layer's
-/// experts where the plan puts them, a layer's experts as a unit); else the CPU engine and
-/// why.
+/// has a device layer ([`gpu_executor_arch`]) and the file no RoPE frequency factors, the
+/// device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's
+/// dense part on one device (each layer's experts where the plan puts them, a layer's experts
+/// as a unit); else the CPU engine and why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let cpu = |why: String| EngineChoice::Cpu { why };
     if i.devices.is_empty() {
@@ -98,6 +102,12 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     if i.tensors.is_empty() {
         return cpu("no placement plan".into());
     }
+    if i.tensors.iter().any(|&(name, _)| name == ROPE_FREQS) {
+        return cpu(format!(
+            "the file has RoPE frequency factors ({ROPE_FREQS}, Llama 3), which the device \
+             executor's RoPE does not apply"
+        ));
+    }
     let mut dense_on_gpu = vec![None; i.n_layer];
     for &(name, dev) in i.tensors {
         if let Some(slot) = attn_layer(name).and_then(|l| dense_on_gpu.get_mut(l)) {
@@ -114,8 +124,8 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     if on_gpu < i.n_layer {
         return cpu(format!(
             "the plan puts {on_gpu} of {} layers on the GPU; the GPU executor needs every \
-             layer's dense part there (-ngl all; keep experts on the CPU with --cpu-moe or \
-             --n-cpu-moe)",
+             layer's dense part there (-ngl all; a MoE model's experts can stay on the CPU \
+             with --cpu-moe or --n-cpu-moe)",
             i.n_layer
         ));
     }
@@ -329,14 +339,21 @@ fn loaded<B: Backend + 'static>(
     let arch = (gguf.metadata().architecture())
         .unwrap_or_default()
         .to_string();
+    let has_experts = gguf.tensors().iter().any(|t| t.name.contains("_exps"));
     let model = DeviceModel::load(gguf, dev, placement)?;
     let n_layer = placement.layers.len();
+    let experts = match has_experts {
+        true => format!(
+            "experts of {} on the device, {} on the CPU",
+            placement.device_layers(),
+            n_layer - placement.device_layers()
+        ),
+        false => "no experts".into(),
+    };
     eprintln!(
-        "hmoe: {} on {name}: dense part of {n_layer} layers and experts of {} on the \
-         device, {} on the CPU; {:.1} MiB of weights on the device",
+        "hmoe: {} on {name}: dense part of {n_layer} layers on the device, {experts}; {:.1} \
+         MiB of weights on the device",
         arch,
-        placement.device_layers(),
-        n_layer - placement.device_layers(),
         model.weight_bytes() as f64 / (1u64 << 20) as f64
     );
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
@@ -548,6 +565,19 @@ mod tests {
             op_offload: None,
         });
         assert!(why(no_plan).contains("no placement plan"));
+        let names = names();
+        let mut tensors: Vec<(&str, DeviceId)> = names.iter().map(|n| (n.as_str(), G)).collect();
+        tensors.push((ROPE_FREQS, G));
+        let llama3 = choose_engine(&EngineInputs {
+            devices: &[CUDA0],
+            why_no_gpu: None,
+            arch: Some("llama"),
+            kv: f16,
+            n_layer: 2,
+            tensors: &tensors,
+            op_offload: None,
+        });
+        assert!(why(llama3).contains("RoPE frequency factors"));
     }
 
     #[test]

@@ -7,8 +7,11 @@
 //! [`DeviceModel::load`], which dispatches on `general.architecture`), the per-sequence device
 //! K/V caches, micro-batching, batch invariance, the expert boundary, op offload and the
 //! logits. Each architecture writes its layer in its own file over the contract's ops and the
-//! shared blocks of [`blocks`] (the attention block and the routed-MoE block), and hands it
-//! to the executor as a [`DeviceLayers`]. The devices know no architecture.
+//! shared blocks of [`blocks`] (the attention block, the routed-MoE block, the dense SwiGLU
+//! FFN), and hands it to the executor as a [`DeviceLayers`] (`gpt_oss.rs`, `deepseek2.rs`, and
+//! `llama.rs` for the dense `llama`/`qwen2` files, which have no experts: every layer runs on
+//! the device and nothing crosses the bus between the ids and the logits). The devices know no
+//! architecture.
 //!
 //! Per micro-batch the token ids and positions go up (two small copies), the embedding rows
 //! are gathered on the device, then every layer runs ([`DeviceLayers::layer`]); a layer's
@@ -25,7 +28,8 @@
 //!
 //! Numerics: the CPU engine's. Products convert activations as ggml does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
-//! engine's order; attention rounds the query and the probabilities to f16 and sums in the
+//! engine's order (REF0 multiplies the other types with the CPU engine's own kernels);
+//! attention rounds the query and the probabilities to f16 and sums in the
 //! CPU's orders with ggml's `expf` (one token's values in one 16-lane chain as its gpt-oss
 //! attention, or in `vec_dot`'s four as its Qwen3/Llama-style attention: each architecture's
 //! [`AttnShape::value_chains`]). On [`hmoe_backend::Ref0`] the logits are the CPU engine's
@@ -40,7 +44,8 @@
 //! batch-invariant, as the CPU engine's: row-wise ops (embedding, norms, biases, RoPE with each
 //! token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over the whole micro-batch,
 //! attention runs per sequence over its cache ([`Step::attend`]), and the products the CPU
-//! engine sums in another order for a batch than for one token (F32 weights, and the experts
+//! engine sums in another order for a batch than for one token (F32 weights, Q4_0 and K-quant
+//! weights, whose order depends on the batch's size: [`batch_order_varies`], and the experts
 //! of a layer with F32 experts, which the `moe` op sums by how many tokens route to each) run
 //! on exactly the rows the CPU engine gives them together ([`Step::matmul`],
 //! [`ExpertSplit`]). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU
@@ -192,8 +197,8 @@ pub const PREFETCH_ROUTES_PER_EXPERT: usize = 4;
 pub const PREFETCH_RESERVE_BYTES: u64 = 512 << 20;
 
 /// A weight matrix on the device, `rows × cols`, and whether a micro-batch of several
-/// sequences multiplies it per sequence: F32 weights, whose products the CPU engine sums in
-/// one order for a single token and in another for several.
+/// sequences multiplies it per sequence: weights whose products the CPU engine sums in an
+/// order that depends on how many tokens it multiplies together ([`batch_order_varies`]).
 pub(crate) struct DevMat<B: Backend> {
     m: B::Matrix,
     rows: usize,
@@ -206,6 +211,14 @@ impl<B: Backend> DevMat<B> {
     pub(crate) fn bytes(&self) -> u64 {
         B::matrix_bytes(&self.m) as u64
     }
+}
+
+/// Whether the CPU engine sums a batch's products by weights of type `ty` in an order that
+/// depends on the batch's size: F32 (one token in `vec_dot` order, several in tinyBLAS's
+/// lanes), the K-quants (tiled from 8 tokens) and Q4_0 (repacked rows, grouped by 4 tokens).
+pub(crate) fn batch_order_varies(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, F32 | Q4_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
 }
 
 /// Bytes of an f32 buffer on the device.
@@ -484,7 +497,7 @@ pub(crate) fn upload_matrix<B: Backend>(
         m: dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?,
         rows,
         cols,
-        per_seq: info.ty == GgmlType::F32,
+        per_seq: batch_order_varies(info.ty),
     })
 }
 
@@ -525,6 +538,7 @@ fn load_layers<B: Backend + 'static>(
             gguf, dev,
         )?)),
         Some("qwen3moe") => Ok(Box::new(crate::qwen3_moe::DeviceQwen3Moe::load(gguf, dev)?)),
+        Some("llama" | "qwen2") => Ok(Box::new(crate::llama::DeviceDense::load(gguf, dev)?)),
         other => Err(ModelError::UnsupportedArch(format!(
             "{} (no device executor for it)",
             other.unwrap_or("<missing general.architecture>")
@@ -534,7 +548,7 @@ fn load_layers<B: Backend + 'static>(
 }
 
 /// The architectures (`general.architecture`) that have a device layer.
-pub const DEVICE_ARCHS: &[&str] = &["gpt-oss", "deepseek2", "qwen3moe"];
+pub const DEVICE_ARCHS: &[&str] = &["gpt-oss", "deepseek2", "qwen3moe", "llama", "qwen2"];
 
 /// Whether [`DeviceModel::load`] runs the architecture `arch` (`general.architecture`).
 pub fn device_arch(arch: Option<&str>) -> bool {

@@ -17,16 +17,19 @@
 //! The self-attention of this file ([`SelfAttention`]) is shared with Qwen3-MoE, which adds a
 //! per-head RMSNorm of q and k before RoPE.
 
+use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_gguf::GgufModel;
 
 use crate::attention::{attention_ext, AttnLayout};
+use crate::executor::blocks::{AttnBlock, AttnSpec, SwiGluFfn};
+use crate::executor::{buf_bytes, upload_f32, AttnShape, DeviceLayers, ExecError, ModelDims, Step};
 use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::ops::{
     add_bias, embed, ffn_swiglu, final_logits, output_head, rms_norm, ArchMeta, QuantizedActs,
     Rope, RopeMode, RopeScaling,
 };
 use crate::weights::{load_f32, project, Mat};
-use crate::{LanguageModel, LogitsWanted, ModelError};
+use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
 
 /// Which member of the family a file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -452,6 +455,137 @@ impl LanguageModel for Dense {
     }
 }
 
+/// One layer of a dense model on a device: the attention block (residual add included), then
+/// `x += ffn(rmsnorm(x) · ffn_norm)`.
+struct DevDenseLayer<B: Backend> {
+    attn: AttnBlock<B>,
+    ffn_norm: B::Buf<f32>,
+    ffn: SwiGluFfn<B>,
+}
+
+/// The layers of [`Dense`] on a device ([`crate::DeviceModel`]), the same math over the
+/// contract's ops and the executor's shared blocks: the attention block (normal RoPE for
+/// `llama`, NeoX for `qwen2`, over whole heads; q/k/v/o biases when the file has them; GQA)
+/// and the dense SwiGLU FFN; the tied output head is the executor's. No routed experts, so
+/// nothing crosses the bus between the ids and the logits. A file with RoPE frequency factors
+/// (`rope_freqs.weight`, Llama 3) is refused: the contract's RoPE ops have none (the CLI runs
+/// such a file on the CPU engine).
+pub(crate) struct DeviceDense<B: Backend> {
+    host: Dense,
+    layers: Vec<DevDenseLayer<B>>,
+}
+
+impl<B: Backend> DeviceDense<B> {
+    /// Loads `gguf` (checked as [`Dense::load`] checks it) and uploads every layer's weights
+    /// to `dev`.
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceDense<B>, ExecError> {
+        let host = Dense::load(gguf)?;
+        let p = &host.params;
+        let rope = host.rope.device_params().ok_or_else(|| {
+            ExecError::Placement(
+                "RoPE frequency factors (rope_freqs.weight): the device's RoPE ops have none; \
+                 this file runs on the CPU engine"
+                    .into(),
+            )
+        })?;
+        let g = &host.gguf;
+        let spec = AttnSpec {
+            shape: AttnShape {
+                n_head: p.n_head,
+                n_head_kv: p.n_head_kv,
+                head_dim: p.head_dim,
+                window: None,
+                scale: p.attn_scale,
+                value_chains: hmoe_backend::numerics::VEC_DOT_CHAINS,
+            },
+            rope,
+            rms_eps: p.rms_eps,
+        };
+        let layers = (0..p.n_layer)
+            .map(|l| {
+                Ok(DevDenseLayer {
+                    attn: AttnBlock::load(dev, g, l, spec)?.with_rope_mode(p.arch.rope_mode()),
+                    ffn_norm: upload_f32(dev, g, &format!("blk.{l}.ffn_norm.weight"))?,
+                    ffn: SwiGluFfn::load(dev, g, l, "")?,
+                })
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        Ok(DeviceDense { host, layers })
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for DeviceDense<B> {
+    fn dims(&self) -> ModelDims {
+        let p = &self.host.params;
+        let attn = self
+            .layers
+            .first()
+            .map_or(0, |l| l.attn.scratch_per_token(p.n_embd));
+        let ffn = self
+            .layers
+            .first()
+            .map_or(0, |l| 2 * p.n_embd + l.ffn.scratch_per_token());
+        ModelDims {
+            n_layer: p.n_layer,
+            n_embd: p.n_embd,
+            n_vocab: p.n_vocab,
+            n_ctx_train: p.n_ctx_train,
+            rms_eps: p.rms_eps,
+            scratch_per_token: attn.max(ffn),
+            kv_head_dim: p.head_dim,
+        }
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.host.gguf
+    }
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        // Positions and the rings' cells only: K and V live on the device.
+        KvCache::new(
+            ty,
+            n_ctx,
+            n_ubatch.max(1),
+            0,
+            &vec![None; self.host.params.n_layer],
+        )
+    }
+    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+        self.layers
+            .get(layer)
+            .map_or((0, 0), |l| l.attn.kv_widths())
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+        let p = &self.host.params;
+        let layer = &self.layers[l];
+        layer.attn.forward(cx, l, x)?;
+        let dev = cx.dev();
+        let mut h = cx.alloc(p.n_embd)?;
+        dev.rms_norm(x, &layer.ffn_norm, p.rms_eps, &mut h)?;
+        let mut out = cx.alloc(p.n_embd)?;
+        layer.ffn.forward(cx, &h, &mut out)?;
+        dev.add_assign(x, &out)?;
+        Ok(())
+    }
+    fn layer_experts(&self, _layer: usize) -> Option<ExpertTensors<'_>> {
+        None
+    }
+    fn run_host_experts(
+        &self,
+        layer: usize,
+        _batch: &ExpertBatch<'_>,
+        _out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        Err(ModelError::MissingTensor(format!(
+            "blk.{layer}.ffn_gate_exps.weight (a dense model has no experts)"
+        )))
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| l.attn.bytes() + buf_bytes::<B>(&l.ffn_norm) + l.ffn.bytes())
+            .sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -763,6 +897,68 @@ mod tests {
         w.add_meta("llama.attention.head_count_kv", MetaValue::U32(3));
         let g = GgufModel::from_bytes(w.to_bytes().unwrap()).unwrap();
         assert!(matches!(Dense::load(g), Err(ModelError::BadParam { .. })));
+    }
+
+    /// The device layers on REF0 give the CPU engine's logits bit for bit on the synthetic F32
+    /// models (normal RoPE with an untied head; NeoX RoPE, q/k/v biases and the tied head),
+    /// over micro-batches of 5 and then one token at a time past 16 positions, with f32 and
+    /// f16 K/V; two sequences in one `forward_multi` get what each gets alone (F32 products
+    /// per sequence). No model file needed, unlike tests/device_dense.rs.
+    #[test]
+    fn device_layers_on_ref0_are_the_cpu_engines_bit_for_bit() {
+        use crate::{DeviceModel, ExpertHome, ExpertPlacement, SeqBatch};
+        use hmoe_backend::Ref0;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for arch in [DenseArch::Llama, DenseArch::Qwen2] {
+            let tensors = synthetic(arch, 0xd0 + arch as u64);
+            let cpu = crate::load(write(arch, &tensors)).unwrap();
+            let placement = ExpertPlacement {
+                layers: vec![ExpertHome::Host; LAYERS],
+                op_offload_min_batch: None,
+            };
+            let dev = DeviceModel::load(write(arch, &tensors), Ref0::new(), &placement).unwrap();
+            let run = |m: &dyn LanguageModel, kv: KvType| {
+                let mut cache = m.new_cache(kv, 64, 5);
+                let mut out = vec![m.forward(&mut cache, &TOKENS, LogitsWanted::All).unwrap()];
+                for t in 0..12 {
+                    let tok = [(t * 7 + 2) % VOCAB as u32];
+                    out.push(m.forward(&mut cache, &tok, LogitsWanted::Last).unwrap());
+                }
+                out
+            };
+            for kv in [KvType::F32, KvType::F16] {
+                let (want, got) = (run(cpu.as_ref(), kv), run(&dev, kv));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(bits(g) == bits(w), "{arch:?} {kv:?}: feed {i}");
+                }
+            }
+            let prompts: [&[u32]; 2] = [&TOKENS[..3], &TOKENS[2..]];
+            let alone: Vec<Vec<f32>> = prompts
+                .iter()
+                .map(|p| {
+                    let mut c = cpu.new_cache(KvType::F32, 64, 16);
+                    cpu.forward(&mut c, p, LogitsWanted::Last).unwrap()
+                })
+                .collect();
+            let mut caches: Vec<_> = (0..2).map(|_| dev.new_cache(KvType::F32, 64, 16)).collect();
+            let mut seqs: Vec<SeqBatch<'_, '_>> = caches
+                .iter_mut()
+                .zip(prompts)
+                .map(|(cache, tokens)| SeqBatch {
+                    cache,
+                    tokens,
+                    logits: true,
+                })
+                .collect();
+            let together = dev.forward_multi(&mut seqs).unwrap();
+            for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+                assert!(
+                    bits(t) == bits(a),
+                    "{arch:?}: sequence {i} batched vs alone"
+                );
+            }
+            assert_eq!(dev.stats().host_round_trips, 0);
+        }
     }
 
     #[test]

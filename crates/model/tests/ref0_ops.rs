@@ -54,6 +54,66 @@ fn ref0_matmul_is_the_cpu_engines_bit_for_bit() {
     }
 }
 
+/// `rows × cols` weights of `ty` from random bytes, each block's f16 scales (and mins) set to
+/// small finite values (ggml's block layouts: where `d`/`dmin` sit in each block).
+fn random_blocks(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let mut q: Vec<u8> = (0..rows * rb).map(|_| rng.random()).collect();
+    let scales: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        other => panic!("no block layout for {other}"),
+    };
+    for block in q.chunks_exact_mut(ty.block_bytes()) {
+        for &at in scales {
+            let v = half::f16::from_f32(rng.random_range(0.001f32..0.05));
+            block[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    q
+}
+
+/// The types REF0 multiplies with hmoe-quant's kernels (Q4_0 … Q6_K): its `matmul` is the CPU
+/// engine's `matmul` with the kernel the CPU engine picks for the matrix (repacked Q4_0/Q4_K
+/// for rows in multiples of 8), one token and batches below, at and above the 4-token groups
+/// of the repacked kernels and the 8 tokens from which K-quants are tiled.
+#[test]
+fn ref0_quant_kernel_matmul_is_the_cpu_engines_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(16);
+    let dev = Ref0::new();
+    for ty in hmoe_backend::QUANT_KERNEL_TYPES {
+        let cols = 2 * ty.block_elems().max(32).max(256);
+        for rows in [16, 12] {
+            let q = random_blocks(&mut rng, ty, rows, cols);
+            let m = dev.upload_matrix(ty, rows, cols, &q).unwrap();
+            let kernel = hmoe_quant::DotKernel::for_matrix(ty, rows).unwrap();
+            for n in [1usize, 3, 4, 6, 8, 13] {
+                let x = noise(&mut rng, n * cols, 3.0);
+                let xd = dev.upload(&x).unwrap();
+                let mut yd = dev.alloc::<f32>(n * rows).unwrap();
+                dev.matmul(&m, &xd, n, &mut yd).unwrap();
+                let mut qa = hmoe_model::ops::QuantizedActs::default();
+                qa.quantize(kernel.act_type(), &x, cols);
+                let mut want = vec![0f32; n * rows];
+                hmoe_model::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
+                assert!(want.iter().all(|v| v.is_finite()), "{ty}: finite products");
+                let what = format!("{ty} {rows}x{cols} n={n}");
+                assert_bits(&dev.download(&yd).unwrap(), &want, &what);
+            }
+            // Per-head products and experts of these types are refused, not approximated.
+            let xd = dev.upload(&noise(&mut rng, 2 * cols, 1.0)).unwrap();
+            let mut yd = dev.alloc::<f32>(rows).unwrap();
+            assert!(matches!(
+                dev.matmul_heads(&m, &xd, 1, 2, cols, &mut yd),
+                Err(hmoe_backend::BackendError::UnsupportedType { .. })
+            ));
+        }
+    }
+}
+
 fn noise(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-amp..amp)).collect()
 }

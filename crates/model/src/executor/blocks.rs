@@ -6,6 +6,8 @@
 use hmoe_backend::{Backend, GatedAct, RopeParams};
 use hmoe_gguf::GgufModel;
 
+use crate::ops::RopeMode;
+
 use super::{
     buf_bytes, upload_f32, upload_f32_opt, upload_matrix, AttnShape, DevMat, ExecError,
     ExpertSplit, Routed, Router, Step,
@@ -33,7 +35,7 @@ fn bufs_bytes<B: Backend>(bufs: &[Option<&B::Buf<f32>>]) -> u64 {
 pub(crate) struct AttnSpec {
     /// Heads, window and scale of the attention.
     pub shape: AttnShape,
-    /// RoPE (NeoX layout).
+    /// RoPE (NeoX layout unless [`AttnBlock::with_rope_mode`] says otherwise).
     pub rope: RopeParams,
     /// Epsilon of the block's norms.
     pub rms_eps: f32,
@@ -56,9 +58,17 @@ pub(crate) struct AttnBlock<B: Backend> {
     q_norm: Option<B::Buf<f32>>,
     k_norm: Option<B::Buf<f32>>,
     sinks: Option<B::Buf<f32>>,
+    rope_mode: RopeMode,
 }
 
 impl<B: Backend> AttnBlock<B> {
+    /// The block with q and k rotated in `mode`'s layout over whole heads (NeoX when not
+    /// set).
+    pub(crate) fn with_rope_mode(mut self, mode: RopeMode) -> AttnBlock<B> {
+        self.rope_mode = mode;
+        self
+    }
+
     /// Uploads layer `l`'s `attn_norm`, `attn_{q,k,v,output}` (weights and any biases),
     /// `attn_{q,k}_norm` and `attn_sinks` when present.
     pub(crate) fn load(
@@ -84,6 +94,7 @@ impl<B: Backend> AttnBlock<B> {
             q_norm: o("attn_q_norm.weight")?,
             k_norm: o("attn_k_norm.weight")?,
             sinks: o("attn_sinks.weight")?,
+            rope_mode: RopeMode::Neox,
         })
     }
 
@@ -146,8 +157,12 @@ impl<B: Backend> AttnBlock<B> {
                 dev.rms_norm(&raw, norm, self.spec.rms_eps, t)?;
             }
         }
-        dev.rope_neox(&mut q, cx.positions(), shape.n_head, hd, &rope)?;
-        dev.rope_neox(&mut k, cx.positions(), shape.n_head_kv, hd, &rope)?;
+        for (t, heads) in [(&mut q, shape.n_head), (&mut k, shape.n_head_kv)] {
+            match self.rope_mode {
+                RopeMode::Neox => dev.rope_neox(t, cx.positions(), heads, hd, &rope)?,
+                RopeMode::Norm => dev.rope_norm(t, cx.positions(), heads, hd, 0, &rope)?,
+            }
+        }
         let mut att = cx.alloc(qw)?;
         cx.attend(layer, &shape, &q, &k, &v, self.sinks.as_ref(), &mut att)?;
         let mut o = cx.alloc(d)?;
