@@ -94,6 +94,10 @@ pub struct AttnParams {
     pub window: Option<usize>,
     /// Score scale, usually `1/sqrt(head_dim)`.
     pub scale: f32,
+    /// Flash attention (`-fa on`): over f32/f16/bf16 values, the chunked online softmax of
+    /// the CPU engine ([`crate::numerics::FLASH_CHUNK`]) instead of the row kernel.
+    /// Block-quantized values always take flash attention (in one chunk, as ggml).
+    pub flash: bool,
 }
 
 impl AttnParams {

@@ -12,6 +12,10 @@
 //!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
 //!     value sum as 16 lanes (lane = position mod 16) with the probability rounded to the value
 //!     type (f16, bf16; f32 as is);
+//!   - f32/f16/bf16 values with [`AttnParams::flash`], the chunked flash kernel: the
+//!     positions in chunks of [`FLASH_CHUNK`] fixed by position, each chunk an online softmax
+//!     as below from an empty state, the chunks folded in position order by
+//!     [`merge_softmax_chunk`], then the sink and `acc / S` as below;
 //!   - block-quantized values, ggml's flash kernel: per key in position order an online
 //!     softmax with libm's `expf` (`S = S·ms + vs`, the accumulator rescaled by a new
 //!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
@@ -26,7 +30,10 @@ use half::{bf16, f16};
 use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::error::ensure;
-use crate::numerics::{dot_vec, expf_ggml, fwht, hsum16, online_softmax_step, rotate_chunks};
+use crate::numerics::{
+    dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step, rotate_chunks,
+    FLASH_CHUNK,
+};
 use crate::{AttnParams, BackendError, KvLayout};
 
 /// Lanes of ggml's accumulators.
@@ -279,6 +286,22 @@ pub(crate) fn attention(
                     row.add(s, &v_row);
                 }
                 row.finish(sink, o);
+                continue;
+            }
+            if p.flash {
+                // Chunks of `FLASH_CHUNK` positions fixed by position, each its own online
+                // softmax, folded in position order.
+                let mut total = FlashRow::new(hd);
+                for c in first / FLASH_CHUNK..=pos / FLASH_CHUNK {
+                    let mut row = FlashRow::new(hd);
+                    for pp in (c * FLASH_CHUNK).max(first)..=((c + 1) * FLASH_CHUNK - 1).min(pos) {
+                        let s = keys.score(&qh, at(pp), hd, false) * p.scale;
+                        values(vl.ty, vd, at(pp), &mut v_row)?;
+                        row.add(s, &v_row);
+                    }
+                    merge_softmax_chunk(&mut total.m, &mut total.s, &mut total.acc, (row.m, row.s, &row.acc));
+                }
+                total.finish(sink, o);
                 continue;
             }
             // Positions in chunks of 16 from `first` rounded down to a multiple of 16; those

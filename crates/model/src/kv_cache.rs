@@ -160,8 +160,9 @@ pub enum KvTypeError {
 /// What the KV cache stores and how attention reads it: the K and V element types and
 /// whether flash attention is on. Flash attention decides which V types are allowed (a
 /// quantized V needs it, as in llama.cpp); attention over block-quantized values runs ggml's
-/// flash kernel (online softmax), over f32/f16/bf16 values the non-flash numerics, which meet
-/// the non-flash goldens exactly (see the `attention` module).
+/// flash kernel (online softmax); over f32/f16/bf16 values flash attention runs the chunked
+/// online softmax (within the fixture tolerances of the goldens) and non-flash the row
+/// kernel, which meets the non-flash goldens exactly (see the `attention` module).
 ///
 /// [`KvType::F32`] and [`KvType::F16`] are the non-flash caches of earlier versions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -307,6 +308,9 @@ pub(crate) struct LayerCache {
     pub cells: usize,
     /// `Some(w)`: a query at `p` sees keys `p-w+1 ..= p`.
     pub window: Option<usize>,
+    /// Flash attention (`-fa on`): [`crate::attention::attention`] takes the flash kernel
+    /// over f32/f16/bf16 values too.
+    pub flash: bool,
     /// Set by attention when a head does not start on a block boundary of a block type
     /// (llama.cpp refuses such caches); the forward pass then reports an error.
     pub refused: AtomicBool,
@@ -325,6 +329,7 @@ impl LayerCache {
             v: Cells::new(ty.v, cells * v_width),
             cells,
             window,
+            flash: ty.flash_attn(),
             refused: AtomicBool::new(false),
         }
     }
