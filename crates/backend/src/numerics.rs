@@ -139,6 +139,14 @@ pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
     *s = s.mul_add(ms, vs);
     (ms, vs)
 }
+/// The score of the chunked flash kernel for f32/f16 keys (the query rounded to f16 for f16
+/// keys, the key converted exactly): one FMA chain in element order from 0, `s = q[e]·k[e] + s`.
+/// The CPU engine computes it for eight query heads at once, one head per lane.
+#[inline]
+pub fn dot_chain(q: &[f32], k: &[f32]) -> f32 {
+    q.iter().zip(k).fold(0.0, |s, (&a, &b)| a.mul_add(b, s))
+}
+
 /// Positions per chunk of the split (chunked) flash attention over f32/f16/bf16 values: chunk
 /// `c` holds positions `c·FLASH_CHUNK .. (c + 1)·FLASH_CHUNK`, fixed by position so that
 /// results depend neither on the thread count nor on the rest of the batch.

@@ -560,10 +560,54 @@ struct FlashScratch {
     m: Vec<f32>,
     s: Vec<f32>,
     acc: Vec<f32>,
+    /// The chunked kernel's f32/f16 keys: per KV head, groups of [`ROW_LANES`] query rows
+    /// transposed (element-major, one row per lane; missing rows zero).
+    qt: Vec<f32>,
     k_block: Vec<f32>,
     v_block: Vec<f32>,
     scores: Vec<f32>,
     k_off: Vec<usize>,
+}
+
+/// Query rows scored together against each key by [`chain_scores`], one per vector lane.
+const ROW_LANES: usize = 8;
+
+/// Keys [`chain_scores`] scores at once (independent FMA chains).
+const KEYS_AT_ONCE: usize = 8;
+
+/// [`hmoe_backend::numerics::dot_chain`] of [`ROW_LANES`] query rows (`qt[e·ROW_LANES + l]`: element `e` of row `l`)
+/// with `out.len()` keys of `kd` floats, one after another in `keys`: `out[i][l]` is row
+/// `l`'s score of key `i`. Lanes are rows, so each key element is broadcast and every step
+/// is one vector FMA, with [`KEYS_AT_ONCE`] keys in flight.
+fn chain_scores(qt: &[f32], keys: &[f32], kd: usize, out: &mut [[f32; ROW_LANES]]) {
+    let qt = &qt[..kd * ROW_LANES];
+    let mut blocks = out.chunks_exact_mut(KEYS_AT_ONCE);
+    let mut i = 0;
+    for dst in &mut blocks {
+        let k: [&[f32]; KEYS_AT_ONCE] = std::array::from_fn(|u| &keys[(i + u) * kd..][..kd]);
+        let mut acc = [[0f32; ROW_LANES]; KEYS_AT_ONCE];
+        for (e, q) in qt.chunks_exact(ROW_LANES).enumerate() {
+            for (a, ku) in acc.iter_mut().zip(&k) {
+                let kv = ku[e];
+                for (x, &qv) in a.iter_mut().zip(q) {
+                    *x = qv.mul_add(kv, *x);
+                }
+            }
+        }
+        dst.copy_from_slice(&acc);
+        i += KEYS_AT_ONCE;
+    }
+    for dst in blocks.into_remainder() {
+        let k = &keys[i * kd..][..kd];
+        let mut acc = [0f32; ROW_LANES];
+        for (q, &kv) in qt.chunks_exact(ROW_LANES).zip(k) {
+            for (x, &qv) in acc.iter_mut().zip(q) {
+                *x = qv.mul_add(kv, *x);
+            }
+        }
+        *dst = acc;
+        i += 1;
+    }
 }
 
 thread_local! {
@@ -595,6 +639,10 @@ fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 /// chunk is an online softmax from an empty state and the chunks are folded in position
 /// order ([`merge_softmax_chunk`]), so that one decode token can spread its keys over every
 /// thread and the result still depends neither on the threads nor on the rest of the batch.
+///
+/// The chunked kernel scores f32/f16 keys by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score, the
+/// query heads sharing a KV head in the lanes of one vector, [`chain_scores`]) instead of
+/// `vec_dot`'s four 16-lane chains.
 ///
 /// Unlike llama.cpp, f32 keys and values are not rounded to f16 first (llama.cpp casts an
 /// f32 cache to f16 for flash attention), and f16 values are summed in f32, not f16.
@@ -800,6 +848,26 @@ impl FlashTask<'_> {
                 _ => sc.q[r * kd..(r + 1) * kd].copy_from_slice(qh),
             }
         }
+        // The chunked kernel scores f32/f16 keys by `dot_chain`, eight rows per vector.
+        let chain = self.chunk != usize::MAX && matches!(cache.k, Cells::F32(_) | Cells::F16(_));
+        let per_kv = n_rows / kv_per_task;
+        let n_groups = per_kv.div_ceil(ROW_LANES);
+        if chain {
+            let qt = fit(&mut sc.qt, kv_per_task * n_groups * kd * ROW_LANES);
+            for (jg, qt) in qt.chunks_exact_mut(kd * ROW_LANES).enumerate() {
+                let (j, g) = (jg / n_groups, jg % n_groups);
+                for l in 0..ROW_LANES {
+                    let r = g * ROW_LANES + l;
+                    for e in 0..kd {
+                        qt[e * ROW_LANES + l] = if r < per_kv {
+                            sc.q[(j * per_kv + r) * kd + e]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+            }
+        }
         let state = vd + 2;
         // The task's running state per row starts empty in `dst`, the chunk's in the scratch.
         for st in dst.chunks_exact_mut(state).take(n_rows) {
@@ -837,7 +905,7 @@ impl FlashTask<'_> {
         let v_block = fit(&mut sc.v_block, kv_per_task * POS_BLOCK * vd);
         let scores = fit(&mut sc.scores, n_rows * POS_BLOCK);
         let k_off = fit(&mut sc.k_off, kv_per_task * POS_BLOCK);
-        let (rows, q_f, q_blocks) = (&sc.rows, &sc.q, &sc.q_blocks);
+        let (rows, q_f, q_blocks, qt) = (&sc.rows, &sc.q, &sc.q_blocks, &sc.qt);
         let (row_m, row_s, row_acc) = (&mut sc.m, &mut sc.s, &mut sc.acc);
         let (k_be, k_bb) = match &cache.k {
             Cells::Blocks { ty, .. } => (ty.block_elems(), ty.block_bytes()),
@@ -847,7 +915,6 @@ impl FlashTask<'_> {
         let k_row_bytes = kd / k_be * k_bb;
         let k_cell_bytes = k_width / k_be * k_bb;
         // Q8_0 keys: the rows of each KV head score a block of keys in one call.
-        let per_kv = n_rows / kv_per_task;
         let q8_queries: Vec<Q8_0Queries> = match &cache.k {
             Cells::Blocks {
                 ty: GgmlType::Q8_0, ..
@@ -933,7 +1000,23 @@ impl FlashTask<'_> {
                     (0..kv_per_task).for_each(|j| convert(j, 1));
                 }
             }
-            if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
+            if chain {
+                let n = b1 - b0;
+                let mut lanes = [[0f32; ROW_LANES]; POS_BLOCK];
+                for jg in 0..kv_per_task * n_groups {
+                    let (j, g) = (jg / n_groups, jg % n_groups);
+                    let keys = &k_block[slot(j, 0) * kd..slot(j, n) * kd];
+                    let qt = &qt[jg * kd * ROW_LANES..(jg + 1) * kd * ROW_LANES];
+                    chain_scores(qt, keys, kd, &mut lanes[..n]);
+                    for l in 0..ROW_LANES.min(per_kv - g * ROW_LANES) {
+                        let r = j * per_kv + g * ROW_LANES + l;
+                        let sc_row = &mut scores[r * POS_BLOCK..r * POS_BLOCK + n];
+                        for (d, src) in sc_row.iter_mut().zip(&lanes[..n]) {
+                            *d = src[l] * shape.scale;
+                        }
+                    }
+                }
+            } else if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
                 for (j, queries) in q8_queries.iter().enumerate() {
                     let key_at = &k_off[slot(j, 0)..slot(j, b1 - b0)];
                     let out = &mut scores[j * per_kv * POS_BLOCK..(j + 1) * per_kv * POS_BLOCK];
@@ -1360,6 +1443,31 @@ pub(crate) mod tests {
                 dot_by_index(&a, &b).to_bits(),
                 "n {n}"
             );
+        }
+    }
+
+    #[test]
+    fn chain_scores_are_dot_chain() {
+        // Rows by lane, keys a full block and a remainder, heads of 64 and 80.
+        for kd in [64, 80] {
+            for n in [POS_BLOCK, 13] {
+                let rows: Vec<Vec<f32>> = (0..ROW_LANES).map(|l| noise(20 + l as u64, kd)).collect();
+                let keys = noise(9, n * kd);
+                let mut qt = vec![0f32; kd * ROW_LANES];
+                for (l, row) in rows.iter().enumerate() {
+                    for (e, &x) in row.iter().enumerate() {
+                        qt[e * ROW_LANES + l] = x;
+                    }
+                }
+                let mut out = vec![[0f32; ROW_LANES]; n];
+                chain_scores(&qt, &keys, kd, &mut out);
+                for (i, o) in out.iter().enumerate() {
+                    for (l, row) in rows.iter().enumerate() {
+                        let want = hmoe_backend::numerics::dot_chain(row, &keys[i * kd..][..kd]);
+                        assert_eq!(o[l].to_bits(), want.to_bits(), "head {kd} key {i} row {l}");
+                    }
+                }
+            }
         }
     }
 
