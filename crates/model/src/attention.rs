@@ -1505,6 +1505,7 @@ mod speed {
         let w = nkv * hd;
         for (what, depth, n_q) in [
             ("decode at depth 4096", 4096, 1),
+            ("decode at depth 16384", 16384, 1),
             ("prefill of 512", 0, 512),
         ] {
             for (k, v, fa) in [
