@@ -32,8 +32,8 @@ use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::error::ensure;
 use crate::numerics::{
-    dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step, rotate_chunks,
-    FLASH_CHUNK,
+    dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step,
+    rotate_chunks, FLASH_CHUNK,
 };
 use crate::{AttnParams, BackendError, KvLayout};
 
@@ -317,7 +317,12 @@ pub(crate) fn attention(
                         values(vl.ty, vd, at(pp), &mut v_row)?;
                         row.add(s, &v_row);
                     }
-                    merge_softmax_chunk(&mut total.m, &mut total.s, &mut total.acc, (row.m, row.s, &row.acc));
+                    merge_softmax_chunk(
+                        &mut total.m,
+                        &mut total.s,
+                        &mut total.acc,
+                        (row.m, row.s, &row.acc),
+                    );
                 }
                 total.finish(sink, o);
                 continue;

@@ -1023,8 +1023,10 @@ impl FlashTask<'_> {
                     queries.scores(data, key_at, shape.scale, out, POS_BLOCK);
                 }
             } else {
-                for (r, (span, sc_row)) in
-                    rows.iter().zip(scores.chunks_exact_mut(POS_BLOCK)).enumerate()
+                for (r, (span, sc_row)) in rows
+                    .iter()
+                    .zip(scores.chunks_exact_mut(POS_BLOCK))
+                    .enumerate()
                 {
                     let j = span.h / group - kvh0;
                     for p in span.first.max(b0)..=span.last.min(b1 - 1) {
@@ -1049,8 +1051,7 @@ impl FlashTask<'_> {
                     }
                 }
             }
-            for (r, (span, sc_row)) in rows.iter().zip(scores.chunks_exact(POS_BLOCK)).enumerate()
-            {
+            for (r, (span, sc_row)) in rows.iter().zip(scores.chunks_exact(POS_BLOCK)).enumerate() {
                 let j = span.h / group - kvh0;
                 let (from, to) = (span.first.max(b0), span.last.min(b1 - 1));
                 if from > to {
@@ -1384,7 +1385,11 @@ pub(crate) mod tests {
                 Some(&sinks),
                 &mut one,
             );
-            assert_eq!(one, all[t * row..(t + 1) * row], "{ty:?} {window:?} query {t}");
+            assert_eq!(
+                one,
+                all[t * row..(t + 1) * row],
+                "{ty:?} {window:?} query {t}"
+            );
         }
     }
 
@@ -1451,7 +1456,8 @@ pub(crate) mod tests {
         // Rows by lane, keys a full block and a remainder, heads of 64 and 80.
         for kd in [64, 80] {
             for n in [POS_BLOCK, 13] {
-                let rows: Vec<Vec<f32>> = (0..ROW_LANES).map(|l| noise(20 + l as u64, kd)).collect();
+                let rows: Vec<Vec<f32>> =
+                    (0..ROW_LANES).map(|l| noise(20 + l as u64, kd)).collect();
                 let keys = noise(9, n * kd);
                 let mut qt = vec![0f32; kd * ROW_LANES];
                 for (l, row) in rows.iter().enumerate() {

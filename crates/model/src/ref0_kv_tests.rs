@@ -158,7 +158,16 @@ fn ref0_chunked_flash_and_row_kernels_are_the_cpu_engines_bit_for_bit() {
         }
     }
     // Block keys with f16 values.
-    check_with(CacheType::Q8_0, CacheType::F16, FlashAttn::On, 64, (600, 256), None, 3, true);
+    check_with(
+        CacheType::Q8_0,
+        CacheType::F16,
+        FlashAttn::On,
+        64,
+        (600, 256),
+        None,
+        3,
+        true,
+    );
 }
 
 /// A ring's bytes are what the store makes of them: an f16 cell holds the value's f16 bits,
