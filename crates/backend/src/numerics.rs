@@ -155,6 +155,48 @@ pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
     *s = s.mul_add(ms, vs);
     (ms, vs)
 }
+/// The score of the chunked flash kernel for f32/f16 keys (the query rounded to f16 for f16
+/// keys, the key converted exactly): one FMA chain in element order from 0, `s = q[e]·k[e] + s`.
+/// The CPU engine computes it for eight query heads at once, one head per lane.
+#[inline]
+pub fn dot_chain(q: &[f32], k: &[f32]) -> f32 {
+    q.iter().zip(k).fold(0.0, |s, (&a, &b)| a.mul_add(b, s))
+}
+
+/// Positions per chunk of the split (chunked) flash attention over f32/f16/bf16 values: chunk
+/// `c` holds positions `c·FLASH_CHUNK .. (c + 1)·FLASH_CHUNK`, fixed by position so that
+/// results depend neither on the thread count nor on the rest of the batch.
+pub const FLASH_CHUNK: usize = 256;
+
+/// Folds the online-softmax state of a later chunk (`m2`, `s2`, `acc2`: maximum, sum of
+/// `e^(score − m2)` and value accumulator) into the running state (`m`, `s`, `acc`) of the
+/// chunks before it: with `M = max(m, m2)`, `a = e^(m − M)` and `b = e^(m2 − M)` (libm's
+/// `expf`; the larger side's factor is exactly 1), `s = s2·b + s·a` and `acc = acc2·b + acc·a`
+/// element by element, each in one rounding after the product `s·a` / `acc·a`. An empty
+/// running state (`m = −∞`) takes the chunk's state as it is; an empty chunk changes nothing.
+pub fn merge_softmax_chunk(
+    m: &mut f32,
+    s: &mut f32,
+    acc: &mut [f32],
+    (m2, s2, acc2): (f32, f32, &[f32]),
+) {
+    if m2 == f32::NEG_INFINITY {
+        return;
+    }
+    if *m == f32::NEG_INFINITY {
+        (*m, *s) = (m2, s2);
+        acc.copy_from_slice(&acc2[..acc.len()]);
+        return;
+    }
+    let big = m.max(m2);
+    let (a, b) = ((*m - big).exp(), (m2 - big).exp());
+    *s = s2.mul_add(b, *s * a);
+    for (x, &y) in acc.iter_mut().zip(acc2) {
+        *x = y.mul_add(b, *x * a);
+    }
+    *m = big;
+}
+
 /// SwiGLU of one row in place, `gate[i] = silu(gate[i]) · up[i]`, as ggml's AVX-512
 /// `ggml_vec_swiglu_f32`: blocks of 16 use `x / (1 + e^−x)` with the vectorised exponential
 /// ([`expf_ggml`]), the remainder of the row libm's `expf`.

@@ -13,6 +13,11 @@
 //!     value sum as 16 lanes (lane = position mod 16) with the probability rounded to the value
 //!     type (f16, bf16; f32 as is), or, for one query token over f32/f16 values with
 //!     [`AttnParams::value_chains`] 4, in `vec_dot`'s four chains of 16 lanes;
+//!   - f32/f16/bf16 values with [`AttnParams::flash`], the chunked flash kernel: the
+//!     positions in chunks of [`FLASH_CHUNK`] fixed by position, each chunk an online softmax
+//!     as below from an empty state, the chunks folded in position order by
+//!     [`merge_softmax_chunk`], then the sink and `acc / S` as below; f32/f16 keys scored by
+//!     [`dot_chain`] (one FMA chain), bf16 and block keys by `vec_dot` as below;
 //!   - block-quantized values, ggml's flash kernel: per key in position order an online
 //!     softmax with libm's `expf` (`S = S·ms + vs`, the accumulator rescaled by a new
 //!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
@@ -28,8 +33,8 @@ use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::error::ensure;
 use crate::numerics::{
-    dot_vec, expf_ggml, fwht, hsum16, online_softmax_step, rotate_chunks, sum_chains,
-    VEC_DOT_CHAINS,
+    dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step,
+    rotate_chunks, sum_chains, FLASH_CHUNK, VEC_DOT_CHAINS,
 };
 use crate::{AttnParams, BackendError, KvLayout};
 
@@ -132,6 +137,23 @@ impl<'a> Keys<'a> {
             }
             (None, _) => Query::Floats(qh.to_vec()),
         })
+    }
+
+    /// The unscaled score of the chunked flash kernel: [`dot_chain`] for f32/f16 keys, else
+    /// as [`Keys::score`] (`vec_dot`).
+    fn score_chain(&self, q: &Query, at: usize, n: usize) -> f32 {
+        let b = &self.data[byte_range(self.ty, at, n)];
+        match (q, self.ty) {
+            (Query::Floats(qf), GgmlType::F32) => {
+                let k: Vec<f32> = b.chunks_exact(4).map(le_f32).collect();
+                dot_chain(qf, &k)
+            }
+            (Query::Floats(qf), GgmlType::F16) => {
+                let k: Vec<f32> = b.chunks_exact(2).map(le_f16).collect();
+                dot_chain(qf, &k)
+            }
+            _ => self.score(q, at, n, false),
+        }
     }
 
     /// The unscaled score of the key head of `n` values from value `at`; `lanes`: f16 keys in
@@ -289,6 +311,27 @@ pub(crate) fn attention(
                     row.add(s, &v_row);
                 }
                 row.finish(sink, o);
+                continue;
+            }
+            if p.flash {
+                // Chunks of `FLASH_CHUNK` positions fixed by position, each its own online
+                // softmax, folded in position order.
+                let mut total = FlashRow::new(hd);
+                for c in first / FLASH_CHUNK..=pos / FLASH_CHUNK {
+                    let mut row = FlashRow::new(hd);
+                    for pp in (c * FLASH_CHUNK).max(first)..=((c + 1) * FLASH_CHUNK - 1).min(pos) {
+                        let s = keys.score_chain(&qh, at(pp), hd) * p.scale;
+                        values(vl.ty, vd, at(pp), &mut v_row)?;
+                        row.add(s, &v_row);
+                    }
+                    merge_softmax_chunk(
+                        &mut total.m,
+                        &mut total.s,
+                        &mut total.acc,
+                        (row.m, row.s, &row.acc),
+                    );
+                }
+                total.finish(sink, o);
                 continue;
             }
             // Positions in chunks of 16 from `first` rounded down to a multiple of 16; those

@@ -371,6 +371,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                     window,
                     scale: 1.0 / (hd as f32).sqrt(),
                     value_chains,
+                    // The CUDA kernel is the row kernel (see the executor's numerics docs).
+                    flash: false,
                 };
                 emu.write("q", &q);
                 emu.write("k", &kb);

@@ -279,6 +279,8 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                     window,
                     scale: 1.0 / (hd as f32).sqrt(),
                     value_chains,
+                    // The CUDA kernel is the row kernel (see the executor's numerics docs).
+                    flash: false,
                 };
                 let (mut kc, mut vc) = (dev.kv_alloc(kl).unwrap(), dev.kv_alloc(vl).unwrap());
                 let (mut kr, mut vr) = (cpu.kv_alloc(kl).unwrap(), cpu.kv_alloc(vl).unwrap());

@@ -8,25 +8,32 @@
 //! of 16 positions, and the value sum as 16-lane FMA chains over positions (for one token with
 //! f32/f16 values, `vec_dot`'s four chains taking 16 positions in turn).
 //!
-//! Caches with block-quantized values go through [`flash_attention`] instead: ggml's CPU
-//! flash-attention kernel, an online softmax over the keys with no score matrix (llama.cpp
-//! reads a quantized V cache only that way).
+//! Caches with block-quantized values, and with an explicit `-fa on`
+//! ([`crate::KvType::chunked_flash`]) every cache (but DeepSeek's latent cache, whose values
+//! live inside the keys), go through [`flash_attention`] instead: an online softmax over the keys with no score matrix.
+//! Over block-quantized values it is ggml's CPU flash-attention kernel (llama.cpp reads a
+//! quantized V cache only that way). Over f32/f16/bf16 values the keys go in chunks of
+//! [`FLASH_CHUNK`] positions fixed by position, each its own online softmax, folded in
+//! position order: one decode token then spreads over every thread (split-K), and results
+//! still depend neither on the thread count nor on the rest of the batch. Its results differ
+//! from the row kernel's in the last bits (another summation order, f32 probabilities), and
+//! from llama.cpp's flash kernel too (which sums f16 values in f16); the goldens hold within
+//! the fixture tolerances (`tests/gpt_oss_fixtures.rs`).
 //!
-//! `-fa on` with f32/f16/bf16 values keeps the non-flash numerics: one query row at a time,
-//! so memory is one score row per (query, head) task and never a queries × keys matrix.
-//! ggml's flash kernel would sum f16 values in f16 accumulators and the softmax in another
-//! order; on the synthetic MXFP4 fixtures those last bits flip expert routing and miss the
-//! non-flash goldens (llama.cpp's own `-fa on` misses them by up to 0.2 in KL), while the
-//! non-flash order meets them exactly. So `-fa` changes the numerics only where it must: for
-//! a quantized V, where llama.cpp's flash results are the oracle and are reproduced.
+//! `-fa auto` (the default) and `-fa off` keep the row kernel (one query row at a time, so memory is one score row per
+//! (query, head) task and never a queries × keys matrix), whose numerics meet the non-flash
+//! goldens exactly. [`attention_ext`] over a latent cache (values inside the keys) takes the
+//! row kernel for f32/f16/bf16 values whatever `-fa` says.
 
-use std::sync::OnceLock;
+use std::cell::RefCell;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use hmoe_quant::{expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
 
-use hmoe_backend::numerics::{dot_vec, fwht, online_softmax_step, rotate_chunks};
+use hmoe_backend::numerics::{
+    dot_vec, fwht, merge_softmax_chunk, online_softmax_step, rotate_chunks, FLASH_CHUNK,
+};
 
 use crate::kv_cache::{Cells, LayerCache};
 use crate::ops::{expf_ggml, hsum16};
@@ -77,7 +84,7 @@ fn attention_rotated(
     out: &mut [f32],
 ) {
     let hd = shape.head_dim;
-    if needs_flash(&cache.v) {
+    if cache.flash || needs_flash(&cache.v) {
         let layout = AttnLayout {
             n_head: shape.n_head,
             n_head_kv: shape.n_head_kv,
@@ -312,7 +319,7 @@ fn attention_ext_rotated(
     out: &mut [f32],
 ) {
     let (kd, vd) = (shape.k_dim, shape.v_dim);
-    if !shape.v_in_k && needs_flash(&cache.v) {
+    if !shape.v_in_k && (cache.flash || needs_flash(&cache.v)) {
         return flash_attention(cache, shape, q, pos0, None, out);
     }
     if !heads_fit(cache, kd, vd, shape.v_in_k) {
@@ -529,9 +536,9 @@ const POS_BLOCK: usize = 32;
 /// no better).
 const PREFETCH_AHEAD: usize = POS_BLOCK;
 
-/// One (query, head) row of flash attention: the running maximum `m`, the running sum `s`
-/// of `e^(score − m)`, and the value accumulator.
-struct FlashRow {
+/// Where one (query, head) row of a flash-attention task looks.
+#[derive(Clone, Copy)]
+struct RowSpan {
     /// Index of the query in the batch.
     t: usize,
     /// Query head.
@@ -539,12 +546,83 @@ struct FlashRow {
     /// First and last visible positions.
     first: usize,
     last: usize,
-    /// The query, converted for K: f32 (rounded to f16 for f16 keys) or block bytes.
+}
+
+/// One flash-attention task's buffers, kept per thread between calls so that a token
+/// allocates nothing once they have grown to the shapes in use.
+#[derive(Default)]
+struct FlashScratch {
+    rows: Vec<RowSpan>,
+    /// Per row: the query converted for K (f32, rounded to f16 for f16 keys; empty for
+    /// block-typed keys) and in K's activation blocks (block-typed keys).
     q: Vec<f32>,
     q_blocks: Vec<u8>,
-    m: f32,
-    s: f32,
+    /// Per row: the online-softmax state of the chunk in progress (maximum, sum, values).
+    m: Vec<f32>,
+    s: Vec<f32>,
     acc: Vec<f32>,
+    /// The chunked kernel's f32/f16 keys: per KV head, groups of [`ROW_LANES`] query rows
+    /// transposed (element-major, one row per lane; missing rows zero).
+    qt: Vec<f32>,
+    k_block: Vec<f32>,
+    v_block: Vec<f32>,
+    scores: Vec<f32>,
+    k_off: Vec<usize>,
+}
+
+/// Query rows scored together against each key by [`chain_scores`], one per vector lane.
+const ROW_LANES: usize = 8;
+
+/// Keys [`chain_scores`] scores at once (independent FMA chains).
+const KEYS_AT_ONCE: usize = 8;
+
+/// [`hmoe_backend::numerics::dot_chain`] of [`ROW_LANES`] query rows (`qt[e·ROW_LANES + l]`: element `e` of row `l`)
+/// with `out.len()` keys of `kd` floats, one after another in `keys`: `out[i][l]` is row
+/// `l`'s score of key `i`. Lanes are rows, so each key element is broadcast and every step
+/// is one vector FMA, with [`KEYS_AT_ONCE`] keys in flight.
+fn chain_scores(qt: &[f32], keys: &[f32], kd: usize, out: &mut [[f32; ROW_LANES]]) {
+    let qt = &qt[..kd * ROW_LANES];
+    let mut blocks = out.chunks_exact_mut(KEYS_AT_ONCE);
+    let mut i = 0;
+    for dst in &mut blocks {
+        let k: [&[f32]; KEYS_AT_ONCE] = std::array::from_fn(|u| &keys[(i + u) * kd..][..kd]);
+        let mut acc = [[0f32; ROW_LANES]; KEYS_AT_ONCE];
+        for (e, q) in qt.chunks_exact(ROW_LANES).enumerate() {
+            for (a, ku) in acc.iter_mut().zip(&k) {
+                let kv = ku[e];
+                for (x, &qv) in a.iter_mut().zip(q) {
+                    *x = qv.mul_add(kv, *x);
+                }
+            }
+        }
+        dst.copy_from_slice(&acc);
+        i += KEYS_AT_ONCE;
+    }
+    for dst in blocks.into_remainder() {
+        let k = &keys[i * kd..][..kd];
+        let mut acc = [0f32; ROW_LANES];
+        for (q, &kv) in qt.chunks_exact(ROW_LANES).zip(k) {
+            for (x, &qv) in acc.iter_mut().zip(q) {
+                *x = qv.mul_add(kv, *x);
+            }
+        }
+        *dst = acc;
+        i += 1;
+    }
+}
+
+thread_local! {
+    static FLASH_SCRATCH: RefCell<FlashScratch> = RefCell::default();
+    /// The states tasks hand back: per task and row `[m, s, acc…]`.
+    static FLASH_STATES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `v` resized to `n` elements (contents unspecified), its capacity kept.
+fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+    &mut v[..n]
 }
 
 /// Flash attention over the cache, as ggml's CPU kernel (`flash_attn_ext_f16`, one query
@@ -552,16 +630,28 @@ struct FlashRow {
 /// Q8_0 for Q8_0/Q4_0/Q5_0 keys, Q8_1 for Q4_1/Q5_1, bf16 for bf16) and dotted with K's
 /// `vec_dot`; an online softmax over the visible keys in position order with libm's `expf`
 /// (a new maximum rescales the accumulator by `e^(m_old − m)`, the sum as `S·ms + vs` with
-/// GCC's FMA contraction); values accumulated as `acc += v·e^(s − m)` with FMA, in f16 for
-/// f16 values (ggml's `VKQ16`) and in f32 otherwise (block values dequantized first); the
-/// sink logit of the head folded in last; and `acc / S`.
+/// GCC's FMA contraction); values accumulated in f32 as `acc += v·e^(s − m)` with FMA (f16
+/// values converted exactly, block values dequantized first); the sink logit of the head
+/// folded in last; and `acc / S`.
+///
+/// Over block-quantized values this is ggml's order, one online softmax over all visible
+/// keys. Over f32/f16/bf16 values (`-fa on`) the keys go in chunks of
+/// [`FLASH_CHUNK`] positions fixed by position (chunk `c` holds `c·FLASH_CHUNK ..`): each
+/// chunk is an online softmax from an empty state and the chunks are folded in position
+/// order ([`merge_softmax_chunk`]), so that one decode token can spread its keys over every
+/// thread and the result still depends neither on the threads nor on the rest of the batch.
+///
+/// The chunked kernel scores f32/f16 keys by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score, the
+/// query heads sharing a KV head in the lanes of one vector, [`chain_scores`]) instead of
+/// `vec_dot`'s four 16-lane chains.
 ///
 /// Unlike llama.cpp, f32 keys and values are not rounded to f16 first (llama.cpp casts an
-/// f32 cache to f16 for flash attention), so `-ctk f32 -fa on` stays exact.
+/// f32 cache to f16 for flash attention), and f16 values are summed in f32, not f16.
 ///
 /// Work is split into tiles of [`Q_TILE`] queries × one KV head (× the query heads sharing
-/// it), so each key and value row is converted once per tile; nothing of size
-/// queries × keys is allocated. Results do not depend on the split.
+/// it), so each key and value row is converted once per tile, and, for one tile of chunked
+/// keys, into one task per chunk; nothing of size queries × keys is allocated. Results do not
+/// depend on the split.
 pub(crate) fn flash_attention(
     cache: &LayerCache,
     shape: &AttnLayout,
@@ -579,27 +669,33 @@ pub(crate) fn flash_attention(
     let (n_head, n_head_kv) = (shape.n_head, shape.n_head_kv);
     let group = n_head / n_head_kv;
     let n_tokens = q.len() / (n_head * kd);
-    let k_width = n_head_kv * kd;
-    let v_width = if shape.v_in_k {
-        k_width
-    } else {
-        n_head_kv * vd
-    };
+    if n_tokens == 0 {
+        return;
+    }
     let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
-    let k_kernel = block_kernel(&cache.k);
-    let v_dequant = match v_cells {
-        Cells::Blocks { ty, .. } => {
-            Some(Dequantizer::new(*ty).expect("every cache type dequantizes"))
-        }
-        _ => None,
+    // Chunk length: ggml's single online softmax (no chunks) for block-quantized values.
+    let chunk = if needs_flash(v_cells) {
+        usize::MAX
+    } else {
+        FLASH_CHUNK
     };
     let n_tiles = n_tokens.div_ceil(Q_TILE);
-    // Tasks: a tile of queries × a run of KV heads (with their query heads). Whole head groups
-    // unless that leaves threads idle (one decode token); several KV heads per task when there
-    // are tasks to spare, so a task reads each position's keys and values as one longer run.
+    // One tile of chunked keys: one task per chunk the tile's rows see.
+    let (first_chunk, n_chunks) = if chunk != usize::MAX && n_tiles == 1 {
+        let lo = cache.window.map_or(0, |w| (pos0 + 1).saturating_sub(w));
+        let hi = pos0 + n_tokens - 1;
+        (lo / chunk, hi / chunk - lo / chunk + 1)
+    } else {
+        (0, 1)
+    };
+    // Tasks: a tile of queries × a run of KV heads (with their query heads) × a chunk. Whole
+    // head groups unless that leaves threads idle (one decode token over few chunks); several
+    // KV heads per task when there are tasks to spare, so a task reads each position's keys
+    // and values as one longer run.
     let threads = hmoe_pool::current_num_threads();
-    let (kv_per_task, heads_per_task) = if n_tiles * n_head_kv >= 2 * threads {
-        let want = (n_tiles * n_head_kv / threads).clamp(1, n_head_kv);
+    let par = n_tiles * n_chunks;
+    let (kv_per_task, heads_per_task) = if par * n_head_kv >= 2 * threads {
+        let want = (par * n_head_kv / threads).clamp(1, n_head_kv);
         let kv = (1..=want)
             .rev()
             .find(|d| n_head_kv.is_multiple_of(*d))
@@ -610,45 +706,192 @@ pub(crate) fn flash_attention(
     };
     let splits = group / heads_per_task;
     let kv_runs = n_head_kv / kv_per_task;
-    let n_tasks = n_tiles * kv_runs * splits;
-    let tasks: Vec<OnceLock<Vec<FlashRow>>> = (0..n_tasks).map(|_| OnceLock::new()).collect();
-    hmoe_pool::global().run(n_tasks, &|task| {
-        let tile = task / (kv_runs * splits);
-        let kvh0 = task % (kv_runs * splits) / splits * kv_per_task;
-        let split = task % splits;
-        let t_end = ((tile + 1) * Q_TILE).min(n_tokens);
-        // KV head major, so the rows of one KV head are one run.
-        let mut rows: Vec<FlashRow> = (kvh0..kvh0 + kv_per_task)
-            .flat_map(|kvh| {
-                let h0 = kvh * group + split * heads_per_task;
-                (tile * Q_TILE..t_end)
-                    .flat_map(move |t| (h0..h0 + heads_per_task).map(move |h| (t, h)))
-            })
-            .map(|(t, h)| {
-                let pos = pos0 + t;
-                let qh = &q[(t * n_head + h) * kd..(t * n_head + h + 1) * kd];
-                FlashRow {
-                    t,
-                    h,
-                    first: cache.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
-                    last: pos,
-                    q: match &cache.k {
-                        Cells::F16(_) => qh.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-                        _ => qh.to_vec(),
-                    },
-                    q_blocks: quantize_query(k_kernel.as_ref(), qh),
-                    m: f32::NEG_INFINITY,
-                    s: 0.0,
-                    acc: vec![0.0; vd],
+    let n_tasks = n_tiles * kv_runs * splits * n_chunks;
+    let rows_max = kv_per_task * Q_TILE.min(n_tokens) * heads_per_task;
+    let state = vd + 2;
+    let ctx = FlashTask {
+        cache,
+        shape,
+        q,
+        pos0,
+        n_tokens,
+        chunk,
+        first_chunk,
+        n_chunks,
+        kv_per_task,
+        heads_per_task,
+        splits,
+        kv_runs,
+    };
+    FLASH_STATES.with_borrow_mut(|states| {
+        let states = fit(states, n_tasks * rows_max * state);
+        hmoe_pool::global().for_each_chunk_mut(states, rows_max * state, |task, dst| {
+            FLASH_SCRATCH.with_borrow_mut(|scratch| ctx.run(task, scratch, dst));
+        });
+        // Each output row: its chunks folded in position order, the sink, then `acc / S`.
+        let states = &*states;
+        hmoe_pool::global().for_each_chunk_mut(out, vd, |row, dst| {
+            let (t, h) = (row / n_head, row % n_head);
+            let (tile, kvh) = (t / Q_TILE, h / group);
+            let (run, j) = (kvh / kv_per_task, kvh % kv_per_task);
+            let (split, hh) = (h % group / heads_per_task, h % group % heads_per_task);
+            let t0 = tile * Q_TILE;
+            let tile_len = (t0 + Q_TILE).min(n_tokens) - t0;
+            let idx = (j * tile_len + t - t0) * heads_per_task + hh;
+            let task0 = ((tile * kv_runs + run) * splits + split) * n_chunks;
+            let at = |c: usize| ((task0 + c) * rows_max + idx) * state;
+            let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+            dst.fill(0.0);
+            for c in 0..n_chunks {
+                let st = &states[at(c)..at(c) + state];
+                merge_softmax_chunk(&mut m, &mut s, dst, (st[0], st[1], &st[2..]));
+            }
+            if let Some(sinks) = sinks {
+                let sink = sinks[h];
+                if sink > m {
+                    let ms = (m - sink).exp();
+                    scale_f32(dst, ms);
+                    s = s.mul_add(ms, 1.0);
+                } else {
+                    s += (sink - m).exp();
                 }
-            })
-            .collect();
-        let lo = rows.iter().map(|r| r.first).min().unwrap_or(0);
+            }
+            let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+            scale_f32(dst, inv);
+        });
+    });
+}
+
+/// What every task of one [`flash_attention`] call shares.
+struct FlashTask<'a> {
+    cache: &'a LayerCache,
+    shape: &'a AttnLayout,
+    q: &'a [f32],
+    pos0: usize,
+    n_tokens: usize,
+    /// Positions per chunk (`usize::MAX`: one chunk).
+    chunk: usize,
+    /// The chunk of task chunk index 0, and how many chunk indices there are (1 unless one
+    /// tile is split by chunk).
+    first_chunk: usize,
+    n_chunks: usize,
+    kv_per_task: usize,
+    heads_per_task: usize,
+    splits: usize,
+    kv_runs: usize,
+}
+
+impl FlashTask<'_> {
+    /// Runs task `task`, leaving each of its rows' state (`[m, s, acc…]`, the chunks it saw
+    /// folded in position order) in `dst`.
+    fn run(&self, task: usize, sc: &mut FlashScratch, dst: &mut [f32]) {
+        let (cache, shape, q, pos0) = (self.cache, self.shape, self.q, self.pos0);
+        let (kd, vd) = (shape.k_dim, shape.v_dim);
+        let (n_head, n_head_kv) = (shape.n_head, shape.n_head_kv);
+        let group = n_head / n_head_kv;
+        let (kv_per_task, heads_per_task) = (self.kv_per_task, self.heads_per_task);
+        let k_width = n_head_kv * kd;
+        let v_width = if shape.v_in_k {
+            k_width
+        } else {
+            n_head_kv * vd
+        };
+        let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
+        let k_kernel = block_kernel(&cache.k);
+        let v_dequant = match v_cells {
+            Cells::Blocks { ty, .. } => {
+                Some(Dequantizer::new(*ty).expect("every cache type dequantizes"))
+            }
+            _ => None,
+        };
+        let c_idx = task % self.n_chunks;
+        let rest = task / self.n_chunks;
+        let tile = rest / (self.kv_runs * self.splits);
+        let kvh0 = rest % (self.kv_runs * self.splits) / self.splits * kv_per_task;
+        let split = rest % self.splits;
+        let t_end = ((tile + 1) * Q_TILE).min(self.n_tokens);
+        // KV head major, so the rows of one KV head are one run.
+        sc.rows.clear();
+        for kvh in kvh0..kvh0 + kv_per_task {
+            let h0 = kvh * group + split * heads_per_task;
+            for t in tile * Q_TILE..t_end {
+                for h in h0..h0 + heads_per_task {
+                    let pos = pos0 + t;
+                    let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    sc.rows.push(RowSpan {
+                        t,
+                        h,
+                        first,
+                        last: pos,
+                    });
+                }
+            }
+        }
+        let n_rows = sc.rows.len();
+        let q_bytes = k_kernel.as_ref().map_or(0, |k| k.act_row_bytes(kd));
+        let q_floats = if k_kernel.is_some() { 0 } else { kd };
+        fit(&mut sc.q, n_rows * q_floats);
+        fit(&mut sc.q_blocks, n_rows * q_bytes);
+        for (r, span) in sc.rows.iter().enumerate() {
+            let qh = &q[(span.t * n_head + span.h) * kd..][..kd];
+            match (&cache.k, &k_kernel) {
+                (_, Some(k)) => hmoe_quant::quantize_row(
+                    k.act_type(),
+                    qh,
+                    &mut sc.q_blocks[r * q_bytes..(r + 1) * q_bytes],
+                )
+                .expect("heads are whole blocks (checked)"),
+                (Cells::F16(_), None) => {
+                    for (d, &v) in sc.q[r * kd..(r + 1) * kd].iter_mut().zip(qh) {
+                        *d = f16::from_f32(v).to_f32();
+                    }
+                }
+                _ => sc.q[r * kd..(r + 1) * kd].copy_from_slice(qh),
+            }
+        }
+        // The chunked kernel scores f32/f16 keys by `dot_chain`, eight rows per vector.
+        let chain = self.chunk != usize::MAX && matches!(cache.k, Cells::F32(_) | Cells::F16(_));
+        let per_kv = n_rows / kv_per_task;
+        let n_groups = per_kv.div_ceil(ROW_LANES);
+        if chain {
+            let qt = fit(&mut sc.qt, kv_per_task * n_groups * kd * ROW_LANES);
+            for (jg, qt) in qt.chunks_exact_mut(kd * ROW_LANES).enumerate() {
+                let (j, g) = (jg / n_groups, jg % n_groups);
+                for l in 0..ROW_LANES {
+                    let r = g * ROW_LANES + l;
+                    for e in 0..kd {
+                        qt[e * ROW_LANES + l] = if r < per_kv {
+                            sc.q[(j * per_kv + r) * kd + e]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+            }
+        }
+        let state = vd + 2;
+        // The task's running state per row starts empty in `dst`, the chunk's in the scratch.
+        for st in dst.chunks_exact_mut(state).take(n_rows) {
+            st[0] = f32::NEG_INFINITY;
+            st[1] = 0.0;
+        }
+        fit(&mut sc.m, n_rows).fill(f32::NEG_INFINITY);
+        fit(&mut sc.s, n_rows).fill(0.0);
+        fit(&mut sc.acc, n_rows * vd).fill(0.0);
+        let lo = sc.rows.iter().map(|r| r.first).min().unwrap_or(0);
         let hi = pos0 + t_end - 1;
-        // Positions go in blocks: the block's key and value heads are converted to f32
-        // once for all rows and its scores computed together, then each row runs its online
-        // softmax over the block in position order (the order ggml's kernel uses). Block
-        // slot `(j, i)` holds KV head `kvh0 + j` at position `b0 + i`.
+        // A task of a split tile sees one chunk.
+        let (lo, hi) = if self.n_chunks > 1 {
+            let c = self.first_chunk + c_idx;
+            (lo.max(c * self.chunk), hi.min((c + 1) * self.chunk - 1))
+        } else {
+            (lo, hi)
+        };
+        // Positions go in blocks (never across a chunk boundary): the block's key and value
+        // heads are converted to f32 once for all rows and its scores computed together,
+        // then each row runs its online softmax over the block in position order (the order
+        // ggml's kernel uses). Block slot `(j, i)` holds KV head `kvh0 + j` at position
+        // `b0 + i`.
         let slot = |j: usize, i: usize| j * POS_BLOCK + i;
         // Value slots are position-major, so one call converts a position's value heads
         // (adjacent in the cache) for every KV head of the task.
@@ -659,9 +902,12 @@ pub(crate) fn flash_attention(
             Cells::Blocks { .. } => 0,
             _ => kv_per_task * POS_BLOCK * kd,
         };
-        let mut k_block = vec![0f32; k_floats];
-        let mut v_block = vec![0f32; kv_per_task * POS_BLOCK * vd];
-        let mut scores = vec![0f32; rows.len() * POS_BLOCK];
+        let k_block = fit(&mut sc.k_block, k_floats);
+        let v_block = fit(&mut sc.v_block, kv_per_task * POS_BLOCK * vd);
+        let scores = fit(&mut sc.scores, n_rows * POS_BLOCK);
+        let k_off = fit(&mut sc.k_off, kv_per_task * POS_BLOCK);
+        let (rows, q_f, q_blocks, qt) = (&sc.rows, &sc.q, &sc.q_blocks, &sc.qt);
+        let (row_m, row_s, row_acc) = (&mut sc.m, &mut sc.s, &mut sc.acc);
         let (k_be, k_bb) = match &cache.k {
             Cells::Blocks { ty, .. } => (ty.block_elems(), ty.block_bytes()),
             _ => (1, 0),
@@ -670,34 +916,45 @@ pub(crate) fn flash_attention(
         let k_row_bytes = kd / k_be * k_bb;
         let k_cell_bytes = k_width / k_be * k_bb;
         // Q8_0 keys: the rows of each KV head score a block of keys in one call.
-        let per_kv = rows.len() / kv_per_task;
         let q8_queries: Vec<Q8_0Queries> = match &cache.k {
             Cells::Blocks {
                 ty: GgmlType::Q8_0, ..
-            } => rows
-                .chunks(per_kv)
-                .map(|run| {
-                    let bytes: Vec<u8> = run
-                        .iter()
-                        .flat_map(|r| r.q_blocks.iter().copied())
-                        .collect();
-                    Q8_0Queries::new(kd, &bytes)
-                })
+            } => q_blocks[..n_rows * q_bytes]
+                .chunks(per_kv * q_bytes)
+                .map(|run| Q8_0Queries::new(kd, run))
                 .collect(),
             _ => Vec::new(),
         };
-        // Byte offset of each block slot's key head (block-typed keys).
-        let mut k_off = vec![0usize; kv_per_task * POS_BLOCK];
-        for b0 in (lo..=hi).step_by(POS_BLOCK) {
+        // Folds each row's chunk state into its running state in `dst` and empties it.
+        let close_chunk = |m: &mut [f32], s: &mut [f32], acc: &mut [f32], dst: &mut [f32]| {
+            for (r, st) in dst.chunks_exact_mut(state).take(n_rows).enumerate() {
+                let (head, run) = st.split_at_mut(2);
+                let (tm, ts) = head.split_at_mut(1);
+                let a = &mut acc[r * vd..(r + 1) * vd];
+                merge_softmax_chunk(&mut tm[0], &mut ts[0], run, (m[r], s[r], a));
+                m[r] = f32::NEG_INFINITY;
+                s[r] = 0.0;
+                a.fill(0.0);
+            }
+        };
+        let mut b0 = lo;
+        while b0 <= hi {
             let b1 = (b0 + POS_BLOCK).min(hi + 1);
-
+            let b1 = match self.chunk {
+                usize::MAX => b1,
+                c => b1.min((b0 / c + 1) * c),
+            };
+            if b0 != lo && self.chunk != usize::MAX && b0.is_multiple_of(self.chunk) {
+                close_chunk(row_m, row_s, row_acc, dst);
+            }
             // Every position of `lo..=hi` is seen by some row: the tile's queries are
             // consecutive, so their windows overlap or touch.
             for p in b0..b1 {
                 let i = p - b0;
                 // Quantized key and value heads come from a cache far larger than the CPU's,
                 // in rows too short for the hardware prefetcher: ask for the heads
-                // [`PREFETCH_AHEAD`] positions on, one position at a time while this block computes.
+                // [`PREFETCH_AHEAD`] positions on, one position at a time while this block
+                // computes.
                 if p + PREFETCH_AHEAD <= hi {
                     let cell = (p + PREFETCH_AHEAD) % cache.cells;
                     if let Cells::Blocks { data, .. } = &cache.k {
@@ -733,6 +990,7 @@ pub(crate) fn flash_attention(
                         Cells::F32(v) => vb.copy_from_slice(&v[v_at..v_at + n]),
                         Cells::F16(v) => v[v_at..v_at + n].convert_to_f32_slice(vb),
                         Cells::Blocks { ty, data, .. } => v_dequant
+                            .as_ref()
                             .expect("block values have a dequantizer")
                             .row(&data[block_range(*ty, v_at, n)], vb),
                     }
@@ -743,135 +1001,157 @@ pub(crate) fn flash_attention(
                     (0..kv_per_task).for_each(|j| convert(j, 1));
                 }
             }
-            if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
+            if chain {
+                let n = b1 - b0;
+                let mut lanes = [[0f32; ROW_LANES]; POS_BLOCK];
+                for jg in 0..kv_per_task * n_groups {
+                    let (j, g) = (jg / n_groups, jg % n_groups);
+                    let keys = &k_block[slot(j, 0) * kd..slot(j, n) * kd];
+                    let qt = &qt[jg * kd * ROW_LANES..(jg + 1) * kd * ROW_LANES];
+                    chain_scores(qt, keys, kd, &mut lanes[..n]);
+                    for l in 0..ROW_LANES.min(per_kv - g * ROW_LANES) {
+                        let r = j * per_kv + g * ROW_LANES + l;
+                        let sc_row = &mut scores[r * POS_BLOCK..r * POS_BLOCK + n];
+                        for (d, src) in sc_row.iter_mut().zip(&lanes[..n]) {
+                            *d = src[l] * shape.scale;
+                        }
+                    }
+                }
+            } else if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
                 for (j, queries) in q8_queries.iter().enumerate() {
                     let key_at = &k_off[slot(j, 0)..slot(j, b1 - b0)];
                     let out = &mut scores[j * per_kv * POS_BLOCK..(j + 1) * per_kv * POS_BLOCK];
                     queries.scores(data, key_at, shape.scale, out, POS_BLOCK);
                 }
             } else {
-                for (r, sc) in rows.iter().zip(scores.chunks_exact_mut(POS_BLOCK)) {
-                    let j = r.h / group - kvh0;
-                    for p in r.first.max(b0)..=r.last.min(b1 - 1) {
+                for (r, (span, sc_row)) in rows
+                    .iter()
+                    .zip(scores.chunks_exact_mut(POS_BLOCK))
+                    .enumerate()
+                {
+                    let j = span.h / group - kvh0;
+                    for p in span.first.max(b0)..=span.last.min(b1 - 1) {
                         let at = slot(j, p - b0);
                         let kb = at * kd..(at + 1) * kd;
-                        sc[p - b0] = match &cache.k {
-                            Cells::F32(_) => dot_vec_f32(&r.q, &k_block[kb]),
+                        let qf = || &q_f[r * kd..(r + 1) * kd];
+                        sc_row[p - b0] = match &cache.k {
+                            Cells::F32(_) => dot_vec_f32(qf(), &k_block[kb]),
                             // `vec_dot_f16` of the f16-rounded query (exact in f32).
-                            Cells::F16(_) => dot_vec(&r.q, &k_block[kb], |x| x, true),
+                            Cells::F16(_) => dot_vec(qf(), &k_block[kb], |x| x, true),
                             Cells::Blocks { data, .. } => {
                                 let off = k_off[at];
                                 k_kernel.as_ref().map_or(0.0, |kk| {
-                                    kk.dot(kd, &data[off..off + k_row_bytes], &r.q_blocks)
+                                    kk.dot(
+                                        kd,
+                                        &data[off..off + k_row_bytes],
+                                        &q_blocks[r * q_bytes..(r + 1) * q_bytes],
+                                    )
                                 })
                             }
                         } * shape.scale;
                     }
                 }
             }
-            for (r, sc) in rows.iter_mut().zip(scores.chunks_exact(POS_BLOCK)) {
-                let j = r.h / group - kvh0;
-                let (from, to) = (r.first.max(b0), r.last.min(b1 - 1));
+            for (r, (span, sc_row)) in rows.iter().zip(scores.chunks_exact(POS_BLOCK)).enumerate() {
+                let j = span.h / group - kvh0;
+                let (from, to) = (span.first.max(b0), span.last.min(b1 - 1));
                 if from > to {
                     continue;
                 }
-                let scores = &sc[from - b0..=to - b0];
+                let scores = &sc_row[from - b0..=to - b0];
                 let values = &v_block[v_slot(j, from - b0) * vd..v_slot(j, to - b0) * vd + vd];
                 let stride = kv_per_task * vd;
+                let (m, s) = (&mut row_m[r], &mut row_s[r]);
+                let acc = &mut row_acc[r * vd..(r + 1) * vd];
                 match vd {
-                    64 => r.online_softmax::<64>(scores, values, stride),
-                    128 => r.online_softmax::<128>(scores, values, stride),
-                    _ => r.online_softmax_any(scores, values, stride),
+                    64 => online_softmax::<64>(m, s, acc, scores, values, stride),
+                    128 => online_softmax::<128>(m, s, acc, scores, values, stride),
+                    _ => online_softmax_any(m, s, acc, scores, values, stride),
                 }
             }
+            b0 = b1;
         }
-        for r in rows.iter_mut() {
-            if let Some(sinks) = sinks {
-                let sink = sinks[r.h];
-                if sink > r.m {
-                    let ms = (r.m - sink).exp();
-                    scale_f32(&mut r.acc, ms);
-                    r.s = r.s.mul_add(ms, 1.0);
-                } else {
-                    r.s += (sink - r.m).exp();
-                }
-            }
-            let inv = if r.s == 0.0 { 0.0 } else { 1.0 / r.s };
-            scale_f32(&mut r.acc, inv);
+        close_chunk(row_m, row_s, row_acc, dst);
+        // Rows a short last tile does not have stay empty.
+        for st in dst.chunks_exact_mut(state).skip(n_rows) {
+            st[0] = f32::NEG_INFINITY;
+            st[1] = 0.0;
         }
-        // Each task runs once, so its slot is empty here.
-        let _ = tasks[task].set(rows);
-    });
-    for r in tasks.iter().filter_map(OnceLock::get).flatten() {
-        out[(r.t * n_head + r.h) * vd..(r.t * n_head + r.h + 1) * vd].copy_from_slice(&r.acc);
     }
 }
 
-impl FlashRow {
-    /// One step of the online softmax for a key with `score` (ggml's order): the new maximum
-    /// and the factors `(ms, vs)` that scale the accumulator and the value.
-    #[inline(always)]
-    fn step(&mut self, score: f32) -> (f32, f32) {
-        online_softmax_step(&mut self.m, &mut self.s, score)
+/// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`,
+/// `stride` apart) into a row's online-softmax state (maximum `m`, sum `s`, values `acc`),
+/// with the accumulator held in registers for the whole run.
+fn online_softmax<const D: usize>(
+    m_row: &mut f32,
+    s_row: &mut f32,
+    acc_row: &mut [f32],
+    scores: &[f32],
+    values: &[f32],
+    stride: usize,
+) {
+    // The running maximum first, then the one exponential each key needs (independent
+    // calls, so they overlap), then the accumulator in key order: the same operations
+    // on the same operands as `online_softmax_step` key by key.
+    let n = scores.len().min(POS_BLOCK);
+    let (mut arg, mut new_max) = ([0f32; POS_BLOCK], [false; POS_BLOCK]);
+    let mut m = *m_row;
+    // An OR of comparisons (not `any`, which stops early) so that it vectorizes.
+    let raises = scores[..n].iter().fold(false, |r, &s| r | (s > m));
+    if raises {
+        for (i, &score) in scores[..n].iter().enumerate() {
+            if score > m {
+                (arg[i], new_max[i]) = (m - score, true);
+                m = score;
+            } else {
+                arg[i] = score - m;
+            }
+        }
+    } else {
+        // No key raises the maximum (the common case once a few blocks are in).
+        for (a, &score) in arg[..n].iter_mut().zip(&scores[..n]) {
+            *a = score - m;
+        }
     }
-
-    /// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`,
-    /// `stride` apart) into the row, with the accumulator held in registers for the whole run.
-    fn online_softmax<const D: usize>(&mut self, scores: &[f32], values: &[f32], stride: usize) {
-        // The running maximum first, then the one exponential each key needs (independent
-        // calls, so they overlap), then the accumulator in key order: the same operations
-        // on the same operands as `step` key by key.
-        let n = scores.len().min(POS_BLOCK);
-        let (mut arg, mut new_max) = ([0f32; POS_BLOCK], [false; POS_BLOCK]);
-        let mut m = self.m;
-        // An OR of comparisons (not `any`, which stops early) so that it vectorizes.
-        let raises = scores[..n].iter().fold(false, |r, &s| r | (s > m));
-        if raises {
-            for (i, &score) in scores[..n].iter().enumerate() {
-                if score > m {
-                    (arg[i], new_max[i]) = (m - score, true);
-                    m = score;
-                } else {
-                    arg[i] = score - m;
-                }
-            }
-        } else {
-            // No key raises the maximum (the common case once a few blocks are in).
-            for (a, &score) in arg[..n].iter_mut().zip(&scores[..n]) {
-                *a = score - m;
+    *m_row = m;
+    // libm's `expf`, sixteen lanes at a time.
+    let mut e = arg;
+    expf_slice(&mut e[..n]);
+    let mut acc = [0f32; D];
+    acc.copy_from_slice(acc_row);
+    let mut s = *s_row;
+    for (i, v) in values.chunks(stride).take(n).enumerate() {
+        let v = &v[..D];
+        let (ms, vs) = if new_max[i] { (e[i], 1.0) } else { (1.0, e[i]) };
+        s = s.mul_add(ms, vs);
+        if ms != 1.0 {
+            for a in acc.iter_mut() {
+                *a *= ms;
             }
         }
-        self.m = m;
-        // libm's `expf`, sixteen lanes at a time.
-        let mut e = arg;
-        expf_slice(&mut e[..n]);
-        let mut acc = [0f32; D];
-        acc.copy_from_slice(&self.acc);
-        for (i, v) in values.chunks(stride).take(n).enumerate() {
-            let v = &v[..D];
-            let (ms, vs) = if new_max[i] { (e[i], 1.0) } else { (1.0, e[i]) };
-            self.s = self.s.mul_add(ms, vs);
-            if ms != 1.0 {
-                for a in acc.iter_mut() {
-                    *a *= ms;
-                }
-            }
-            for (a, &x) in acc.iter_mut().zip(v) {
-                *a = x.mul_add(vs, *a);
-            }
+        for (a, &x) in acc.iter_mut().zip(v) {
+            *a = x.mul_add(vs, *a);
         }
-        self.acc.copy_from_slice(&acc);
     }
+    *s_row = s;
+    acc_row.copy_from_slice(&acc);
+}
 
-    /// [`FlashRow::online_softmax`] for value heads of any size.
-    fn online_softmax_any(&mut self, scores: &[f32], values: &[f32], stride: usize) {
-        let vd = self.acc.len();
-        for (&score, v) in scores.iter().zip(values.chunks(stride)) {
-            let v = &v[..vd];
-            let (ms, vs) = self.step(score);
-            scale_f32(&mut self.acc, ms);
-            mad_f32(&mut self.acc, v, vs);
-        }
+/// [`online_softmax`] for value heads of any size.
+fn online_softmax_any(
+    m: &mut f32,
+    s: &mut f32,
+    acc: &mut [f32],
+    scores: &[f32],
+    values: &[f32],
+    stride: usize,
+) {
+    let vd = acc.len();
+    for (&score, v) in scores.iter().zip(values.chunks(stride)) {
+        let (ms, vs) = online_softmax_step(m, s, score);
+        scale_f32(acc, ms);
+        mad_f32(acc, &v[..vd], vs);
     }
 }
 
@@ -1023,12 +1303,18 @@ pub(crate) mod tests {
         for (t, tol) in cases {
             let ty = KvType::new(t, t, FlashAttn::On).unwrap();
             // A prefill of several query tiles, then one decode token; full and sliding layers.
+            // Over f32/f16/bf16 values, also several flash chunks.
             for (window, n, n_q) in [
                 (None, 70, 40),
                 (Some(8), 70, 40),
                 (None, 70, 1),
                 (Some(8), 70, 1),
+                (None, 2 * FLASH_CHUNK + 30, 1),
+                (None, 2 * FLASH_CHUNK + 30, 20),
             ] {
+                if n > 70 && t.is_quantized() {
+                    continue;
+                }
                 let (out, want) = run(ty, window, n, 40, n_q);
                 let err = rel_err(&out, &want);
                 assert!(
@@ -1058,12 +1344,25 @@ pub(crate) mod tests {
 
     #[test]
     fn flash_attention_rows_do_not_depend_on_the_batch() {
-        // The same queries, all at once and one at a time, give identical bits.
-        let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
-        let (n, n_q) = (50, 20);
+        // The same queries, all at once and one at a time, give identical bits: ggml's kernel
+        // over quantized values, and the chunked kernel over f16 values (one token splits its
+        // chunks over tasks, a batch folds them in one task), full and sliding.
+        for (t, n, window) in [
+            (CacheType::Q8_0, 50, Some(8)),
+            (CacheType::F16, 50, Some(8)),
+            (CacheType::F16, 3 * FLASH_CHUNK + 50, None),
+            (CacheType::F32, 3 * FLASH_CHUNK + 50, Some(FLASH_CHUNK + 7)),
+        ] {
+            batch_invariance(t, n, window);
+        }
+    }
+
+    fn batch_invariance(t: CacheType, n: usize, window: Option<usize>) {
+        let ty = KvType::new(t, t, FlashAttn::On).unwrap();
+        let n_q = 20;
         let (k, v) = kv_rows(n);
         let w = N_KV * HD;
-        let mut cache = KvCache::new(ty, n, n, w, &[Some(8)]).with_head_dims(HD, HD);
+        let mut cache = KvCache::new(ty, n, n, w, &[window]).with_head_dims(HD, HD);
         cache.layers[0].store(0, &k, &v, n);
         let q = noise(3, n_q * N_HEAD * HD);
         let sinks = [0.5, -1.0, 2.0, 0.0];
@@ -1087,7 +1386,11 @@ pub(crate) mod tests {
                 Some(&sinks),
                 &mut one,
             );
-            assert_eq!(one, all[t * row..(t + 1) * row], "query {t}");
+            assert_eq!(
+                one,
+                all[t * row..(t + 1) * row],
+                "{ty:?} {window:?} query {t}"
+            );
         }
     }
 
@@ -1150,6 +1453,32 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn chain_scores_are_dot_chain() {
+        // Rows by lane, keys a full block and a remainder, heads of 64 and 80.
+        for kd in [64, 80] {
+            for n in [POS_BLOCK, 13] {
+                let rows: Vec<Vec<f32>> =
+                    (0..ROW_LANES).map(|l| noise(20 + l as u64, kd)).collect();
+                let keys = noise(9, n * kd);
+                let mut qt = vec![0f32; kd * ROW_LANES];
+                for (l, row) in rows.iter().enumerate() {
+                    for (e, &x) in row.iter().enumerate() {
+                        qt[e * ROW_LANES + l] = x;
+                    }
+                }
+                let mut out = vec![[0f32; ROW_LANES]; n];
+                chain_scores(&qt, &keys, kd, &mut out);
+                for (i, o) in out.iter().enumerate() {
+                    for (l, row) in rows.iter().enumerate() {
+                        let want = hmoe_backend::numerics::dot_chain(row, &keys[i * kd..][..kd]);
+                        assert_eq!(o[l].to_bits(), want.to_bits(), "head {kd} key {i} row {l}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn heads_that_straddle_blocks_are_refused() {
         let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
         let cache = KvCache::new(ty, 8, 8, 2 * 16, &[None]);
@@ -1183,6 +1512,7 @@ mod speed {
         let w = nkv * hd;
         for (what, depth, n_q) in [
             ("decode at depth 4096", 4096, 1),
+            ("decode at depth 16384", 16384, 1),
             ("prefill of 512", 0, 512),
         ] {
             for (k, v, fa) in [

@@ -36,7 +36,11 @@
 //! bit for bit on the fixtures. On a GPU what still differs is cuBLAS's order for batches of
 //! F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where the CPU
 //! calls libm's, and F16/BF16 summation orders; on models whose routing is that sensitive
-//! (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice.
+//! (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice. With
+//! an explicit `-fa on` over f32/f16/bf16 values the CPU engine and REF0 run the chunked
+//! flash kernel ([`AttnParams::flash`]), while the CUDA attention kernel still runs the row
+//! kernel's algorithm for those values: the same softmax in another order, so GPU attention
+//! differs there in the last bits as well (compared within 5e-3, never bit for bit).
 //!
 //! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
@@ -1149,8 +1153,11 @@ impl<'s, B: Backend> Step<'s, B> {
         let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
         let single = self.members.len() == 1;
         for (m, g) in self.members.iter().zip(&self.groups) {
-            let kv = (self.st.kvs.get_mut(m.kv))
-                .and_then(|kv| kv.layers.get_mut(layer))
+            let (kv, flash) = (self.st.kvs.get_mut(m.kv))
+                .and_then(|kv| {
+                    let flash = kv.ty.chunked_flash();
+                    kv.layers.get_mut(layer).map(|l| (l, flash))
+                })
                 .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;
             let LayerKv {
                 k: k_ring,
@@ -1167,6 +1174,7 @@ impl<'s, B: Backend> Step<'s, B> {
                 window: shape.window,
                 scale: shape.scale,
                 value_chains: shape.value_chains,
+                flash,
             };
             let nt = g.len();
             if single {

@@ -40,9 +40,24 @@ fn check(
     sinks: bool,
     ext: bool,
 ) {
-    let (n, ub) = (70, 40);
+    check_with(k, v, FlashAttn::On, hd, (70, 40), window, n_q, sinks, ext);
+}
+
+/// [`check`] with flash attention `fa` over `n` positions stored `ub` at a time.
+#[allow(clippy::too_many_arguments)]
+fn check_with(
+    k: CacheType,
+    v: CacheType,
+    fa: FlashAttn,
+    hd: usize,
+    (n, ub): (usize, usize),
+    window: Option<usize>,
+    n_q: usize,
+    sinks: bool,
+    ext: bool,
+) {
     let w = N_KV * hd;
-    let ty = KvType::new(k, v, FlashAttn::On).unwrap();
+    let ty = KvType::new(k, v, fa).unwrap();
     let mut cache = KvCache::new(ty, n, ub, w, &[window]).with_head_dims(hd, hd);
     let layer = &mut cache.layers[0];
     let dev = Ref0::new();
@@ -72,7 +87,9 @@ fn check(
             .unwrap();
     }
     let what = format!(
-        "K {k} / V {v}, head {hd}, window {window:?}, {n_q} queries, sinks {sinks}, ext {ext}"
+        "K {k} / V {v}, fa {}, head {hd}, {n} positions, window {window:?}, {n_q} queries, \
+         sinks {sinks}, ext {ext}",
+        ty.chunked_flash()
     );
     assert!(
         dev.download(&kr.data).unwrap() == cell_bytes(&layer.k),
@@ -115,6 +132,7 @@ fn check(
         window,
         scale,
         value_chains: if ext { 4 } else { 1 },
+        flash: ty.chunked_flash(),
     };
     let sd = sinks.map(|s| dev.upload(s).unwrap());
     let mut out = dev.alloc::<f32>(q.len()).unwrap();
@@ -154,6 +172,33 @@ fn ref0_kv_rings_and_attention_are_the_cpu_engines_bit_for_bit() {
             }
         }
     }
+}
+
+/// Over f32/f16/bf16 values, flash attention's chunks (several of them, a window across a
+/// chunk boundary, prefill and decode) and `-fa off`'s row kernel are REF0's bit for bit.
+#[test]
+fn ref0_chunked_flash_and_row_kernels_are_the_cpu_engines_bit_for_bit() {
+    for t in [CacheType::F32, CacheType::F16, CacheType::BF16] {
+        for fa in [FlashAttn::On, FlashAttn::Off] {
+            for (window, n_q, sinks) in [(None, 1, true), (None, 40, false), (Some(300), 1, true)] {
+                check_with(t, t, fa, 64, (700, 256), window, n_q, sinks, false);
+                // `attention_ext` (no sinks, four value chains) at the same depths.
+                check_with(t, t, fa, 64, (700, 256), window, n_q, false, true);
+            }
+        }
+    }
+    // Block keys with f16 values.
+    check_with(
+        CacheType::Q8_0,
+        CacheType::F16,
+        FlashAttn::On,
+        64,
+        (600, 256),
+        None,
+        3,
+        true,
+        false,
+    );
 }
 
 /// A ring's bytes are what the store makes of them: an f16 cell holds the value's f16 bits,

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{check_golden, check_reference};
+use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
 
 const DIR: &str = "qwen3moe";
@@ -25,6 +26,16 @@ fn tiny_matches_llama_cpp_f32_kv() {
 fn tiny_matches_llama_cpp_f16_kv() {
     let golden = format!("{MODEL}.golden-f16kv.json");
     check_golden(DIR, MODEL, &golden, KvType::F16, 2e-3, 0.2);
+}
+
+/// `-fa on` (the chunked flash kernel over f32/f16 values): the same tolerances as `-fa off`.
+#[test]
+fn tiny_matches_llama_cpp_with_flash_attention() {
+    let on = |t| KvType::new(t, t, FlashAttn::On).unwrap();
+    let golden = format!("{MODEL}.golden.json");
+    check_golden(DIR, MODEL, &golden, on(CacheType::F32), 2e-3, 1e-3);
+    let golden = format!("{MODEL}.golden-f16kv.json");
+    check_golden(DIR, MODEL, &golden, on(CacheType::F16), 2e-3, 0.2);
 }
 
 /// Every prompt position's logits within 1e-3 (+1e-4 relative) of transformers' float32 logits.
