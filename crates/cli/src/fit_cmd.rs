@@ -10,7 +10,7 @@ use hmoe_placement::{
 use serde_json::{json, Value};
 
 use crate::engine_select::{plan_error, plan_flags};
-use crate::placement_args::{PlacementArgs, Probed, Selected};
+use crate::placement_args::{MoeCacheFlag, PlacementArgs, Probed, Selected};
 
 /// Arguments of `hmoe fit`.
 #[derive(clap::Args)]
@@ -63,10 +63,20 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let moe_cache = moe_cache_bytes(&plan, a.moe_cache);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&to_json(&plan, &names))?);
+        let mut v = to_json(&plan, &names);
+        v["moe_cache_bytes"] = json!(moe_cache);
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", render(&plan, &names));
+        if moe_cache > 0 {
+            let gpu = names.first().map_or("GPU0", String::as_str);
+            println!(
+                "expert cache (--moe-cache): up to {} MiB more on {gpu}, out of what the plan leaves beyond --fit-target",
+                moe_cache >> 20
+            );
+        }
         let cpu = plan.device(DeviceId::Cpu).map_or(0, DeviceUsage::total);
         if let Some(avail) = host_available().filter(|&a| a < cpu) {
             println!(
@@ -77,6 +87,22 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The most the device expert cache takes on the first GPU under `--moe-cache`: the MiB given,
+/// or with `auto` the plan's room beyond `--fit-target`; 0 when off or when every layer's
+/// experts are on the GPU already (nothing to cache).
+fn moe_cache_bytes(plan: &Plan, flag: Option<MoeCacheFlag>) -> u64 {
+    let host_experts = plan
+        .device(DeviceId::Cpu)
+        .is_some_and(|cpu| cpu.expert_layers > 0);
+    match flag {
+        Some(MoeCacheFlag::Mib(m)) if host_experts => m << 20,
+        Some(MoeCacheFlag::Auto) if host_experts => plan
+            .device(DeviceId::Gpu(0))
+            .map_or(0, DeviceUsage::room_beyond_margin),
+        _ => 0,
+    }
 }
 
 /// Where each GPU's budget comes from, named as the plan's report names it: `--gpu-mem`, the

@@ -210,3 +210,41 @@ fn serve_exposes_the_caches_counts_in_metrics() {
     );
     assert!(metric(&text, "hmoe:moe_cache_bytes") <= 1 << 20, "{text}");
 }
+
+/// `hmoe fit` counts the cache `--moe-cache` asks for: the MiB given, `auto`'s room beyond
+/// `--fit-target`, nothing when no layer's experts stay on the CPU.
+#[test]
+fn fit_reports_the_expert_cache() {
+    let model = fixtures().join("gpt-oss/gptoss-small.gguf");
+    let model = model.to_str().unwrap();
+    let fit = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "fit",
+            "-m",
+            model,
+            "-dev",
+            "REF0",
+            "--gpu-mem",
+            "2GiB",
+            "-ngl",
+            "all",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = hmoe(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let cache = |v: &Value| v["moe_cache_bytes"].as_u64().unwrap();
+    assert_eq!(cache(&fit(&["--cpu-moe"])), 0, "off unless asked for");
+    assert_eq!(cache(&fit(&["--cpu-moe", "--moe-cache", "64"])), 64 << 20);
+    let auto = fit(&["--cpu-moe", "--moe-cache", "auto"]);
+    let dev = &auto["devices"].as_array().unwrap()[1];
+    assert!(cache(&auto) > 0, "{auto}");
+    assert!(cache(&auto) <= dev["free"].as_u64().unwrap(), "{auto}");
+    assert_eq!(cache(&fit(&["--moe-cache", "64"])), 0, "nothing to cache");
+}
