@@ -175,22 +175,33 @@ pub fn render(models: &[(Option<String>, &Stats)]) -> String {
         ),
     ];
     let mut out = String::new();
-    for (name, ty, help, get) in metrics.iter().chain(extra.iter()) {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {ty}");
-        for (label, stats) in models {
-            let v = get(stats);
-            match label {
-                Some(l) => {
-                    let _ = writeln!(out, "{name}{{model=\"{}\"}} {v}", escape_label(l));
-                }
-                None => {
-                    let _ = writeln!(out, "{name} {v}");
-                }
+    for &(name, ty, help, get) in metrics.iter().chain(extra.iter()) {
+        write_family(&mut out, (name, ty, help), models, |s| get(s));
+    }
+    out
+}
+
+/// One metric family: its `# HELP` and `# TYPE` lines, then one sample per model (labelled
+/// `model="…"` in router mode).
+fn write_family<S, V: std::fmt::Display>(
+    out: &mut String,
+    (name, ty, help): (&str, &str, &str),
+    models: &[(Option<String>, S)],
+    get: impl Fn(&S) -> V,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {ty}");
+    for (label, stats) in models {
+        let v = get(stats);
+        match label {
+            Some(l) => {
+                let _ = writeln!(out, "{name}{{model=\"{}\"}} {v}", escape_label(l));
+            }
+            None => {
+                let _ = writeln!(out, "{name} {v}");
             }
         }
     }
-    out
 }
 
 /// Writes the device memory of every model that runs on a device (`label`: `Some(model id)`
@@ -279,19 +290,7 @@ pub fn render_moe_cache(models: &[(Option<String>, hmoe_model::MoeCacheStats)]) 
         return out;
     }
     for (name, ty, help, get) in metrics {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {ty}");
-        for (label, s) in models {
-            let v = get(s);
-            match label {
-                Some(l) => {
-                    let _ = writeln!(out, "{name}{{model=\"{}\"}} {v}", escape_label(l));
-                }
-                None => {
-                    let _ = writeln!(out, "{name} {v}");
-                }
-            }
-        }
+        write_family(&mut out, (name, ty, help), models, get);
     }
     out
 }
