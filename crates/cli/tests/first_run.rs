@@ -214,7 +214,6 @@ fn stand_ins_chat_at_once_and_serve_explains_itself() {
     for want in [
         "hmoe serve: model: ",
         "architecture qwen3moe",
-        "engine: CPU (",
         "memory per device (MiB):",
         "context 512 (-c 512), 2 slot(s) of 256 positions",
         "KV cache K f16 / V f16, flash attention on",
@@ -226,6 +225,11 @@ fn stand_ins_chat_at_once_and_serve_explains_itself() {
             "{want:?} missing from the start-up lines:\n{text}"
         );
     }
+    // Without a GPU the CPU engine runs it; with one, `-ngl auto` puts it on the device.
+    assert!(
+        text.contains("engine: CPU (") || text.contains("engine: the device executor on CUDA0"),
+        "no engine line in the start-up lines:\n{text}"
+    );
     let (status, body) = single.chat(None);
     assert_eq!(status, 200, "{body}");
     let (status, page) = http(&single.addr, "GET", "/", None);
