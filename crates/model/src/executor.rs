@@ -50,7 +50,8 @@
 //! attention runs per sequence over its cache ([`Step::attend`]), and the products the CPU
 //! engine sums in another order for a batch than for one token (F32 weights, Q4_0 and K-quant
 //! weights, whose order depends on the batch's size: [`batch_order_varies`], and the experts
-//! of a layer with F32 experts, which the `moe` op sums by how many tokens route to each) run
+//! of a layer with F32 or K-quant experts, which the `moe` op sums by how many tokens route to
+//! each: [`expert_order_varies`]) run
 //! on exactly the rows the CPU engine gives them together ([`Step::matmul`],
 //! [`ExpertSplit`]). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU
 //! engine's bit for bit.
@@ -225,6 +226,14 @@ pub(crate) fn batch_order_varies(ty: GgmlType) -> bool {
     matches!(ty, F32 | Q4_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
 }
 
+/// Whether the CPU engine sums an expert's products by weights of type `ty` in an order that
+/// depends on how many rows route to the expert together: F32 (gpt-oss's experts: 16 lanes
+/// for several rows) and the K-quants (tiled from 8 rows).
+pub(crate) fn expert_order_varies(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, F32 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
+}
+
 /// Bytes of an f32 buffer on the device.
 pub(crate) fn buf_bytes<B: Backend>(b: &B::Buf<f32>) -> u64 {
     4 * B::buf_len(b) as u64
@@ -272,9 +281,9 @@ impl Router {
     }
 }
 
-/// Which rows the CPU engine multiplies together by a layer's F32 experts (whose products it
-/// sums in another order when several rows route to one expert): the `moe` op then runs on
-/// each such set of rows alone.
+/// Which rows the CPU engine multiplies together by a layer's experts whose products it sums
+/// in another order when several rows route to one expert ([`expert_order_varies`]): the
+/// `moe` op then runs on each such set of rows alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ExpertSplit {
     /// One sequence's tokens (gpt-oss's host experts group a sequence's rows per expert).
@@ -478,8 +487,9 @@ pub struct DeviceModel<B: Backend> {
     output: DevMat<B>,
     /// The routed experts of each [`ExpertHome::Device`] layer.
     experts: Vec<Option<B::Moe>>,
-    /// Whether each layer's routed experts are F32 (see [`ExpertSplit`]).
-    f32_experts: Vec<bool>,
+    /// Whether each layer's routed experts have a matrix whose products' order varies with
+    /// the rows routed together ([`expert_order_varies`], [`ExpertSplit`]).
+    split_experts: Vec<bool>,
     homes: Vec<ExpertHome>,
     op_offload_min_batch: Option<usize>,
     weight_bytes: u64,
@@ -590,10 +600,14 @@ impl<B: Backend + 'static> DeviceModel<B> {
         }
         let mut weight_bytes = arch.weight_bytes();
         let mut experts = Vec::with_capacity(dims.n_layer);
-        let mut f32_experts = Vec::with_capacity(dims.n_layer);
+        let mut split_experts = Vec::with_capacity(dims.n_layer);
         for (l, home) in placement.layers.iter().enumerate() {
             let t = arch.layer_experts(l);
-            f32_experts.push(t.is_some_and(|t| t.gate.ty == GgmlType::F32));
+            split_experts.push(t.is_some_and(|t| {
+                [t.gate.ty, t.up.ty, t.down.ty]
+                    .into_iter()
+                    .any(expert_order_varies)
+            }));
             let moe = match (home, t) {
                 (ExpertHome::Device, Some(t)) => Some(dev.upload_moe(&t, None)?),
                 _ => None,
@@ -618,7 +632,7 @@ impl<B: Backend + 'static> DeviceModel<B> {
             output_norm,
             output,
             experts,
-            f32_experts,
+            split_experts,
             homes: placement.layers.clone(),
             op_offload_min_batch: placement.op_offload_min_batch,
             weight_bytes,
@@ -1258,10 +1272,17 @@ impl<'s, B: Backend> Step<'s, B> {
         Ok(())
     }
 
-    /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for F32
-    /// experts, each part of [`ExpertSplit`] alone (`None`: the whole batch).
+    /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for
+    /// experts of [`expert_order_varies`], each part of [`ExpertSplit`] alone (`None`: the
+    /// whole batch).
     fn moe_parts(&self, layer: usize, split: ExpertSplit) -> Option<Vec<Range<usize>>> {
-        if !self.model.f32_experts.get(layer).copied().unwrap_or(false) {
+        if !self
+            .model
+            .split_experts
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+        {
             return None;
         }
         match split {
