@@ -30,7 +30,8 @@
 //! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
 //!   engine's cache and attention do (see `ref0_kv.rs`): the row kernel with ggml's `expf`
 //!   ([`crate::numerics::expf_ggml`]) over f32/f16/bf16 values, flash attention over
-//!   block-quantized ones.
+//!   block-quantized ones; K-only (latent) rings of every type with the row kernel, values
+//!   read from the keys.
 //! - The router's softmax and the gated activation call f32 `exp` (libm), as the CPU engine
 //!   does.
 
@@ -41,7 +42,7 @@ use half::{bf16, f16};
 use hmoe_quant::GgmlType;
 
 use crate::error::ensure;
-use crate::numerics::{expf_ggml, hsum16};
+use crate::numerics::hsum16;
 use crate::{AttnParams, Gating, KOnlyAttnParams, RopeParams, Routing, RowCopy};
 use crate::{
     Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
@@ -1073,6 +1074,9 @@ impl Backend for Ref0 {
         }
         Ok(())
     }
+    fn k_only_types(&self) -> &'static [GgmlType] {
+        &crate::KV_TYPES
+    }
     fn attention_k_only(
         &self,
         p: &KOnlyAttnParams,
@@ -1082,59 +1086,8 @@ impl Backend for Ref0 {
         pos0: usize,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let (nh, kd, vd) = (p.n_head, p.k_dim, p.v_dim);
         crate::shapes::attention_k_only(p, q.len(), &k_ring.layout, out.len(), n_tokens, pos0)?;
-        // The ring is f16 (checked above): its keys as floats.
-        let k_cache: Vec<f32> = (k_ring.data.chunks_exact(2))
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect();
-        let single = n_tokens == 1;
-        // A batch's scores go through tinyBLAS when a key is whole 16-lane steps long.
-        let lanes = !single && kd.is_multiple_of(16);
-        // One token's values go through `vec_dot`'s four chains, 16 positions each in turn.
-        let chains = if single {
-            crate::numerics::VEC_DOT_CHAINS
-        } else {
-            1
-        };
-        for t in 0..n_tokens {
-            let pos = pos0 + t;
-            for h in 0..nh {
-                let q16: Vec<f32> = q[(t * nh + h) * kd..][..kd]
-                    .iter()
-                    .map(|&v| f16::from_f32(v).to_f32())
-                    .collect();
-                let key = |pp: usize| &k_cache[(pp % p.cells) * kd..][..kd];
-                let mut probs: Vec<f32> = (0..=pos)
-                    .map(|pp| crate::ref0_kv::score_f16(&q16, key(pp), lanes) * p.scale)
-                    .collect();
-                let m = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f64;
-                for chunk in probs.chunks_mut(16) {
-                    let mut l = [0f32; 16];
-                    for (v, lv) in chunk.iter_mut().zip(l.iter_mut()) {
-                        *v = expf_ggml(*v - m);
-                        *lv = *v;
-                    }
-                    sum += hsum16(&l) as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                probs.iter_mut().for_each(|v| *v *= inv);
-                let mut acc = vec![[[0f32; 16]; crate::numerics::VEC_DOT_CHAINS]; vd];
-                for (pp, &pr) in probs.iter().enumerate() {
-                    let (chain, lane) = ((pp / 16) % chains, pp % 16);
-                    let w = f16::from_f32(pr).to_f32();
-                    for (a, &v) in acc.iter_mut().zip(&key(pp)[..vd]) {
-                        a[chain][lane] = v.mul_add(w, a[chain][lane]);
-                    }
-                }
-                let o = &mut out[(t * nh + h) * vd..][..vd];
-                for (ov, a) in o.iter_mut().zip(&acc) {
-                    *ov = crate::numerics::sum_chains(a, chains);
-                }
-            }
-        }
-        Ok(())
+        crate::ref0_kv::attention_k_only(p, q, (&k_ring.layout, &k_ring.data), n_tokens, pos0, out)
     }
     fn route(
         &self,

@@ -61,6 +61,10 @@ pub struct MakeModelArgs {
     /// --expert-type (q4_k with q6_k down is how Q4_K_M files store most experts).
     #[arg(long)]
     pub down_expert_type: Option<String>,
+    /// RoPE dimensions of each head (deepseek2's qk_rope_dim; the latent cache holds
+    /// kv_lora_rank + these per position).
+    #[arg(long)]
+    pub rope_dim: Option<usize>,
     /// Leading dense layers (deepseek2).
     #[arg(long)]
     pub dense_layers: Option<usize>,
@@ -155,6 +159,7 @@ impl MakeModelArgs {
             "qwen3moe" => {
                 unused(&[
                     ("dense-layers", self.dense_layers.is_some()),
+                    ("rope-dim", self.rope_dim.is_some()),
                     ("window", self.window.is_some()),
                     ("routing-locality", self.routing_locality.is_some()),
                 ])?;
@@ -199,6 +204,7 @@ impl MakeModelArgs {
                 };
                 set(&mut s.n_layer, self.layers);
                 set(&mut s.n_layer_dense_lead, self.dense_layers);
+                set(&mut s.qk_rope_dim, self.rope_dim);
                 set(&mut s.n_embd, self.embd);
                 set(&mut s.n_head, self.heads);
                 set(&mut s.n_expert, self.experts);

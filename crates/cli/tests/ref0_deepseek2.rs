@@ -5,7 +5,8 @@
 //! CPU-expert layer per micro-batch and none with everything on REF0. The fixture's first
 //! layer is dense (no experts), so `--cpu-moe` keeps two layers' experts on the CPU and
 //! `--n-cpu-moe 1` none (its first layer has no experts to keep). The same on a file with
-//! Q4_K experts and Q6_K down matrices.
+//! Q4_K experts and Q6_K down matrices, and with the latent cache in q8_0, q4_0, f32, bf16
+//! and q5_1 (issue #16).
 
 mod common;
 
@@ -63,5 +64,44 @@ fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_fo
         n_layer: 3,
     };
     assert_ref0_is_the_cpu_engine(&f, "deepseek2", &[], &PLACEMENTS);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DeepSeek's latent (K-only) cache on REF0 in every `-ctk` type the CPU engine keeps it in
+/// (`-ctv` unused), bit for bit, on a `make-test-model --arch deepseek2 --rope-dim 64` file
+/// (latent rows of 64 + 64 values: whole blocks of every type, and a multiple of 64 that the
+/// CPU engine's latent cache does not rotate).
+#[test]
+fn ref0_deepseek2_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
+    let (dir, model) = make_test_model(
+        "ref0-deepseek2-latent",
+        &[
+            "--arch",
+            "deepseek2",
+            "--layers",
+            "3",
+            "--rope-dim",
+            "64",
+            "--vocab",
+            "300",
+        ],
+    );
+    let f = Fixture {
+        model,
+        prompt: "1,17,250,3,99,42,7,200,5".into(),
+        teacher: "11,12,13,14,15,16".into(),
+        ubatches: 6,
+        n_layer: 3,
+    };
+    for kv in [
+        &["-ctk", "q8_0"][..],
+        &["-ctk", "q8_0", "-ctv", "q8_0"],
+        &["-ctk", "q4_0", "-ctv", "q4_0"],
+        &["-ctk", "f32", "-ctv", "f32"],
+        &["-ctk", "bf16"],
+        &["-ctk", "q5_1"],
+    ] {
+        assert_ref0_is_the_cpu_engine(&f, "deepseek2", kv, &PLACEMENTS);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

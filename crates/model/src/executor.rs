@@ -321,7 +321,8 @@ struct LayerKv<B: Backend> {
 
 /// The layouts of one layer's K and V rings of `cells` cells for K/V types `ty`: rows of
 /// `k_width` and `v_width` values (no V ring for a width of 0, a K-only cache), heads of
-/// `head_dim` rotated as the CPU engine's cache rotates them ([`KvLayout::rotation`]).
+/// `head_dim` rotated as the CPU engine's cache rotates them ([`KvLayout::rotation`]; a
+/// K-only cache, DeepSeek's latent cache, not at all).
 pub fn device_kv_layouts(
     ty: KvType,
     cells: usize,
@@ -330,7 +331,11 @@ pub fn device_kv_layouts(
 ) -> Result<(KvLayout, Option<KvLayout>), BackendError> {
     let layout = |t: CacheType, width: usize, key: bool| {
         let ty = t.ggml_type();
-        KvLayout::new(ty, width, cells, KvLayout::rotation(ty, head_dim, key))
+        let rot = match v_width {
+            0 => 0,
+            _ => KvLayout::rotation(ty, head_dim, key),
+        };
+        KvLayout::new(ty, width, cells, rot)
     };
     let v = (v_width > 0)
         .then(|| layout(ty.v(), v_width, false))
@@ -569,14 +574,16 @@ pub fn device_arch(arch: Option<&str>) -> bool {
     arch.is_some_and(|a| DEVICE_ARCHS.contains(&a))
 }
 
-/// Architectures whose device cache is K-only (DeepSeek's latent cache), which the device
-/// keeps in f16.
+/// Architectures whose device cache is K-only (DeepSeek's latent cache: `-ctk` is its type,
+/// `-ctv` is not used).
 pub const K_ONLY_ARCHS: &[&str] = &["deepseek2"];
 
-/// Whether the device executor keeps a cache of K type `k` and V type `v` for architecture
-/// `arch` (on a device that keeps the pair, [`Backend::supports_kv`]).
-pub fn arch_keeps_kv(arch: Option<&str>, k: CacheType, v: CacheType) -> bool {
-    !arch.is_some_and(|a| K_ONLY_ARCHS.contains(&a)) || (k == CacheType::F16 && v == CacheType::F16)
+/// Whether the device executor keeps a cache of K type `k` for architecture `arch` on a
+/// device whose K-only attention reads `k_only_types` ([`Backend::k_only_types`]; a device
+/// that keeps the K/V pair, [`Backend::supports_kv`]): any for an architecture with K and V,
+/// one of `k_only_types` for a K-only cache.
+pub fn arch_keeps_kv(arch: Option<&str>, k: CacheType, k_only_types: &[GgmlType]) -> bool {
+    !arch.is_some_and(|a| K_ONLY_ARCHS.contains(&a)) || k_only_types.contains(&k.ggml_type())
 }
 
 impl<B: Backend + 'static> DeviceModel<B> {
@@ -812,7 +819,7 @@ impl<B: Backend> DeviceModel<B> {
 
     /// Checks a sequence's tokens and cache before anything runs: token ids, room in the
     /// context, K/V types the device keeps ([`Backend::supports_kv`]) with heads of whole
-    /// blocks (f16 for a K-only cache).
+    /// blocks (a K-only cache: its K type one of [`Backend::k_only_types`], `-ctv` unused).
     fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), ExecError> {
         let n_vocab = self.arch.dims().n_vocab;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
@@ -829,11 +836,11 @@ impl<B: Backend> DeviceModel<B> {
         let ty = cache.kv_type();
         let (k_width, v_width) = self.arch.kv_widths(0);
         let k_only = v_width == 0 && k_width > 0;
-        if k_only && (ty.k() != CacheType::F16 || ty.v() != CacheType::F16) {
+        if k_only && !self.dev.k_only_types().contains(&ty.k().ggml_type()) {
             return Err(ExecError::Cache(format!(
-                "K {} / V {}: the device keeps a K-only (latent) cache in f16 only",
+                "K {}: {} does not keep a K-only (latent) cache of this type",
                 ty.k(),
-                ty.v()
+                self.dev.name()
             )));
         }
         if !self.dev.supports_kv(ty.k().ggml_type(), ty.v().ggml_type()) {
@@ -845,7 +852,13 @@ impl<B: Backend> DeviceModel<B> {
             )));
         }
         let hd = self.arch.dims().kv_head_dim;
-        for (which, t) in [("K", ty.k()), ("V", ty.v())] {
+        // A K-only cache has no V (`-ctv` is not used).
+        let checked = if k_only {
+            &[("K", ty.k())][..]
+        } else {
+            &[("K", ty.k()), ("V", ty.v())]
+        };
+        for &(which, t) in checked {
             if !hd.is_multiple_of(t.block_elems()) {
                 return Err(ExecError::Cache(format!(
                     "{which} {t}: attention heads of {hd} are not whole blocks of {} (llama.cpp \
