@@ -547,7 +547,7 @@ mod tests {
     }
 
     /// DeepSeek's latent (K-only) cache: REF0 keeps every `-ctk` type (`-ctv` unused), CUDA
-    /// f16 only and says why otherwise.
+    /// f16 and q8_0 and says why otherwise.
     #[test]
     fn latent_cache_types_by_device() {
         let ref0 = EngineDevice::Ref0 { budget: 1 << 30 };
@@ -564,19 +564,19 @@ mod tests {
             homes(choose(&[ref0], "deepseek2", q8k_f16v, [G, G], [G, G])).0,
             ref0
         );
-        let f16 = KvType::F16;
-        assert_eq!(
-            homes(choose(&[CUDA0], "deepseek2", f16, [G, G], [G, G])).0,
-            CUDA0
-        );
-        let q8 = KvType::parse("q8_0").unwrap();
-        let w = why(choose(&[CUDA0], "deepseek2", q8, [G, G], [G, G]));
-        assert!(
-            w.contains(
-                "CUDA0 keeps deepseek2's latent K-only cache in f16 only (asked: -ctk q8_0)"
-            ),
-            "{w}"
-        );
+        for kv in ["f16", "q8_0"] {
+            let ty = KvType::parse(kv).unwrap();
+            assert_eq!(
+                homes(choose(&[CUDA0], "deepseek2", ty, [G, G], [G, G])).0,
+                CUDA0,
+                "{kv}"
+            );
+        }
+        let q4 = KvType::parse("q4_0").unwrap();
+        let w = why(choose(&[CUDA0], "deepseek2", q4, [G, G], [G, G]));
+        let want =
+            "CUDA0 keeps deepseek2's latent K-only cache in f16, q8_0 only (asked: -ctk q4_0)";
+        assert!(w.contains(want), "{w}");
     }
 
     #[test]

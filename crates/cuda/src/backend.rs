@@ -357,6 +357,7 @@ impl Backend for CudaDevice {
             self,
             p,
             q,
+            ty,
             &k_cache.data,
             n_tokens,
             pos0,

@@ -171,7 +171,7 @@ pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
 
 /// The types of K-only (latent) rings the kernels attend over
 /// ([`hmoe_backend::Backend::k_only_types`]).
-pub const K_ONLY_TYPES: [GgmlType; 1] = [GgmlType::F16];
+pub const K_ONLY_TYPES: [GgmlType; 2] = [GgmlType::F16, GgmlType::Q8_0];
 
 /// Whether a ring of `l` is one the kernels store and read: a type of [`KV_TYPES`], rotated
 /// only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
