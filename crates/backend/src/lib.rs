@@ -525,10 +525,17 @@ pub trait Backend: Send + Sync {
         up: &Self::Buf<f32>,
         n: usize,
     ) -> Result<(), BackendError>;
-    /// Attention of `n_tokens` queries at positions `pos0..` over a K-only f16 ring (causal,
-    /// every query head against the one key head; values are the first `p.v_dim` elements of
-    /// each key): `out` holds `p.v_dim` values per query head. A ring of another type is a
-    /// shape error.
+    /// The K/V types of the K-only rings [`Backend::attention_k_only`] reads (by default:
+    /// f16).
+    fn k_only_types(&self) -> &'static [GgmlType] {
+        &[GgmlType::F16]
+    }
+    /// Attention of `n_tokens` queries at positions `pos0..` over a K-only ring of one of
+    /// [`Backend::k_only_types`] (causal, every query head against the one key head; values
+    /// are the first `p.v_dim` elements of each key, whole blocks of the ring's type): `out`
+    /// holds `p.v_dim` values per query head, with the CPU engine's numerics for the type (its
+    /// row kernel with values in the keys; the query rotated like the keys and the output
+    /// rotated back). A ring of another type is an [`BackendError::UnsupportedType`].
     fn attention_k_only(
         &self,
         p: &KOnlyAttnParams,

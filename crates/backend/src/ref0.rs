@@ -21,11 +21,17 @@
 //!   ([`hmoe_quant::DotKernel::for_matrix`], repacked Q4_0/Q4_K included), over activations
 //!   quantized by [`hmoe_quant::quantize_row`]: `dot` for one token, `dot_tokens` (the tiled
 //!   K-quant and grouped repacked orders) for a batch, exactly as the CPU engine's `matmul`;
-//!   `matmul_heads` and the experts (`moe`) do not take them.
+//!   the experts (`moe`) take them too, each expert's rows multiplied together in the order
+//!   of the CPU engine's expert matmul (`BatchKind::Expert`: tiled K-quants from 8 rows routed
+//!   to the expert), and an expert set's gate, up and down may be of different types (as in
+//!   Q4_K_M files); `matmul_heads` does not take them.
+//! - The experts (`moe`) run as the CPU engine's host experts do: each expert's routed rows
+//!   together, then every token's slot outputs weighted and added in slot order from zero.
 //! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
 //!   engine's cache and attention do (see `ref0_kv.rs`): the row kernel with ggml's `expf`
 //!   ([`crate::numerics::expf_ggml`]) over f32/f16/bf16 values, flash attention over
-//!   block-quantized ones.
+//!   block-quantized ones; K-only (latent) rings of every type with the row kernel, values
+//!   read from the keys.
 //! - The router's softmax and the gated activation call f32 `exp` (libm), as the CPU engine
 //!   does.
 
@@ -36,7 +42,7 @@ use half::{bf16, f16};
 use hmoe_quant::GgmlType;
 
 use crate::error::ensure;
-use crate::numerics::{expf_ggml, hsum16};
+use crate::numerics::hsum16;
 use crate::{AttnParams, Gating, KOnlyAttnParams, RopeParams, Routing, RowCopy};
 use crate::{
     Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
@@ -48,7 +54,7 @@ pub const REF0_NAME: &str = "REF0";
 
 /// The weight types the reference device multiplies: those of the CUDA kernels (F32, F16,
 /// BF16, Q8_0, MXFP4), with its own code in the CPU engine's orders, and every other type the
-/// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]; `matmul` only).
+/// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]; not `matmul_heads`).
 pub const REF0_TYPES: [GgmlType; 14] = [
     GgmlType::F32,
     GgmlType::F16,
@@ -67,8 +73,8 @@ pub const REF0_TYPES: [GgmlType; 14] = [
 ];
 
 /// The weight types of [`REF0_TYPES`] that the reference device multiplies with hmoe-quant's
-/// kernels (the CPU engine's, chosen per matrix): `matmul` and `get_rows` take them;
-/// `matmul_heads` and expert sets refuse them ([`BackendError::UnsupportedType`]).
+/// kernels (the CPU engine's, chosen per matrix): `matmul`, `get_rows` and expert sets take
+/// them; `matmul_heads` refuses them ([`BackendError::UnsupportedType`]).
 pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
@@ -158,9 +164,9 @@ impl RefMatrix {
 }
 
 /// One layer's experts in their file encoding: gate and up `[E][ff][d]`, down `[E][d][ff]`
-/// (each expert's matrix a [`RefMatrix`] of its rows), in the device's memory.
+/// (each expert's matrix a [`RefMatrix`] of its rows, of its tensor's type), in the device's
+/// memory.
 pub struct RefMoe {
-    ty: GgmlType,
     n_expert: usize,
     d: usize,
     ff: usize,
@@ -336,35 +342,53 @@ fn no_quant_kernel(m: &RefMatrix, op: &'static str) -> Result<(), BackendError> 
     }
 }
 
-/// `y = W·x` for `n` tokens of a matrix of [`QUANT_KERNEL_TYPES`] with the CPU engine's kernel
-/// `k` for it, as the CPU engine's `matmul` computes it: every row of `x` quantized to the
-/// kernel's activation type, then `dot` for one token and `dot_tokens` (a dense batch's
-/// order: tiled K-quants, grouped repacked rows) for several.
-fn kernel_matmul(
+/// `y[i] = W·rows[i]` for a matrix of [`QUANT_KERNEL_TYPES`] with the CPU engine's kernel `k`
+/// for it, as the CPU engine's `matmul` (`kind` [`hmoe_quant::BatchKind::Dense`]) or expert
+/// matmul (`Expert`, the rows routed to one expert) computes it: every row quantized to the
+/// kernel's activation type, then `dot_tokens` over them all (for one row: `dot`; for a batch:
+/// the tiled K-quant and grouped repacked orders where the kind takes them).
+fn kernel_products(
     k: &hmoe_quant::DotKernel,
     w: &RefMatrix,
-    x: &[f32],
-    n: usize,
+    kind: hmoe_quant::BatchKind,
+    rows: &[&[f32]],
     y: &mut [f32],
 ) -> Result<(), BackendError> {
     const OP: &str = "matmul";
     let at = k.act_type();
     let arb = at.row_bytes(w.cols as u64).unwrap_or(0) as usize;
     ensure(arb > 0, OP, || format!("{} values in {at} blocks", w.cols))?;
-    let mut a = vec![0u8; n * arb];
-    for (t, dst) in a.chunks_exact_mut(arb).enumerate() {
-        hmoe_quant::quantize_row(at, &x[t * w.cols..(t + 1) * w.cols], dst)
-            .map_err(quant_err(OP))?;
+    let mut a = vec![0u8; rows.len() * arb];
+    for (x, dst) in rows.iter().zip(a.chunks_exact_mut(arb)) {
+        hmoe_quant::quantize_row(at, &x[..w.cols], dst).map_err(quant_err(OP))?;
     }
-    let mut col = vec![0f32; n];
+    let mut col = vec![0f32; rows.len()];
     for r in 0..w.rows {
-        if n == 1 {
-            col[0] = k.dot(w.cols, w.row(r), &a);
-        } else {
-            k.dot_tokens(hmoe_quant::BatchKind::Dense, w.cols, w.row(r), &a, &mut col);
-        }
+        k.dot_tokens(kind, w.cols, w.row(r), &a, &mut col);
         for (t, &v) in col.iter().enumerate() {
             y[t * w.rows + r] = v;
+        }
+    }
+    Ok(())
+}
+
+/// `y[i] = W·rows[i]` for the rows routed to one expert (`rows.len()` of them), as the CPU
+/// engine's expert matmul computes it: [`kernel_products`] for a matrix of
+/// [`QUANT_KERNEL_TYPES`], else each row converted by [`acts`] and summed by [`row_dot`] in
+/// `order` (the F32 order).
+fn expert_products(
+    w: &RefMatrix,
+    rows: &[&[f32]],
+    order: F32Order,
+    y: &mut [f32],
+) -> Result<(), BackendError> {
+    if let Some(k) = &w.kernel {
+        return kernel_products(k, w, hmoe_quant::BatchKind::Expert, rows, y);
+    }
+    for (x, dst) in rows.iter().zip(y.chunks_exact_mut(w.rows)) {
+        let a = acts(w.ty, x)?;
+        for (r, d) in dst.iter_mut().enumerate() {
+            *d = row_dot(w.ty, w.row(r), &a, order);
         }
     }
     Ok(())
@@ -675,18 +699,7 @@ impl Backend for Ref0 {
             op: "upload_moe",
             what: "expert missing from the tensors".into(),
         };
-        ensure(
-            t.up.ty == t.gate.ty && t.down.ty == t.gate.ty,
-            "upload_moe",
-            || {
-                format!(
-                    "gate {}, up {}, down {}: the experts' matrices must share one type",
-                    t.gate.ty, t.up.ty, t.down.ty
-                )
-            },
-        )?;
         let mut m = RefMoe {
-            ty: t.gate.ty,
             n_expert: ids.len(),
             d,
             ff,
@@ -708,9 +721,7 @@ impl Backend for Ref0 {
             for (dst, src, rows, cols) in pairs {
                 let data = src.expert(e).ok_or_else(missing)?;
                 m.bytes += data.len();
-                let mx = matrix(src.ty, rows, cols, data)?;
-                no_quant_kernel(&mx, "reference moe")?;
-                dst.push(mx);
+                dst.push(matrix(src.ty, rows, cols, data)?);
             }
             if !t.has_biases() {
                 continue;
@@ -785,7 +796,8 @@ impl Backend for Ref0 {
             || format!("x {} / y {} for {n} tokens", x.len(), y.len()),
         )?;
         if let Some(k) = &w.kernel {
-            return kernel_matmul(k, w, x, n, y);
+            let rows: Vec<&[f32]> = x[..n * w.cols].chunks_exact(w.cols).collect();
+            return kernel_products(k, w, hmoe_quant::BatchKind::Dense, &rows, y);
         }
         // ggml sums one token's F32 products in `vec_dot` order and a batch's in 16 lanes.
         let order = if n == 1 {
@@ -934,44 +946,53 @@ impl Backend for Ref0 {
                 .ok()
                 .filter(|&e| e < w.n_expert)
         };
-        // ggml multiplies each expert's tokens as one batch: F32 products of an expert that
-        // several slots of the micro-batch route to take the 16-lane order.
-        let mut routed = vec![0usize; w.n_expert];
-        for e in (0..n * k).filter_map(expert) {
-            routed[e] += 1;
+        // Each expert's slots in order: ggml multiplies an expert's rows as one batch.
+        let mut slots_of = vec![Vec::new(); w.n_expert];
+        for s in 0..n * k {
+            if let Some(e) = expert(s) {
+                slots_of[e].push(s);
+            }
         }
-        let mut h = vec![0f32; ff];
-        let mut u = vec![0f32; ff];
         // Bias `r` of expert `e` in `b` (rows of `len`), if the experts have biases.
         let bias = |b: &[f32], len: usize, e: usize, r: usize| b.get(e * len + r).copied();
         let with_bias = |v: f32, b: Option<f32>| b.map_or(v, |b| v + b);
-        for t in 0..n {
-            let o = &mut out[t * d..(t + 1) * d];
-            o.fill(0.0);
-            // The token's row, converted once for every expert it goes to.
-            let xa = acts(w.ty, &x[t * d..(t + 1) * d])?;
-            for j in 0..k {
-                let Some(e) = expert(t * k + j) else {
-                    continue;
-                };
-                let order = if routed[e] == 1 || act == GatedAct::Silu {
-                    F32Order::VecDot
-                } else {
-                    F32Order::Lanes16
-                };
-                let (gate, up, down) = (&w.gate[e], &w.up[e], &w.down[e]);
-                for (r, (hv, uv)) in h.iter_mut().zip(u.iter_mut()).enumerate() {
-                    let g = row_dot(w.ty, gate.row(r), &xa, order);
-                    *hv = with_bias(g, bias(&w.gate_bias, ff, e, r));
-                    let up_r = row_dot(w.ty, up.row(r), &xa, order);
-                    *uv = with_bias(up_r, bias(&w.up_bias, ff, e, r));
+        // Every routed slot's expert output, `n·k × d`.
+        let mut per_slot = vec![0f32; n * k * d];
+        for (e, slots) in slots_of.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+            let m = slots.len();
+            // F32 products of an expert several slots route to take the 16-lane order
+            // (gpt-oss's experts); SiLU experts' always `vec_dot`'s.
+            let order = if m == 1 || act == GatedAct::Silu {
+                F32Order::VecDot
+            } else {
+                F32Order::Lanes16
+            };
+            let xs: Vec<&[f32]> = slots.iter().map(|&s| &x[(s / k) * d..][..d]).collect();
+            let (mut h, mut u) = (vec![0f32; m * ff], vec![0f32; m * ff]);
+            expert_products(&w.gate[e], &xs, order, &mut h)?;
+            expert_products(&w.up[e], &xs, order, &mut u)?;
+            for (hr, ur) in h.chunks_exact_mut(ff).zip(u.chunks_exact_mut(ff)) {
+                for (r, (hv, uv)) in hr.iter_mut().zip(ur.iter_mut()).enumerate() {
+                    *hv = with_bias(*hv, bias(&w.gate_bias, ff, e, r));
+                    *uv = with_bias(*uv, bias(&w.up_bias, ff, e, r));
                 }
-                act.apply_row(&mut h, &u);
-                let ha = acts(w.ty, &h)?;
+                act.apply_row(hr, ur);
+            }
+            let hs: Vec<&[f32]> = h.chunks_exact(ff).collect();
+            let mut y = vec![0f32; m * d];
+            expert_products(&w.down[e], &hs, order, &mut y)?;
+            for (yr, &s) in y.chunks_exact(d).zip(slots) {
+                for (r, (p, &v)) in per_slot[s * d..][..d].iter_mut().zip(yr).enumerate() {
+                    *p = with_bias(v, bias(&w.down_bias, d, e, r));
+                }
+            }
+        }
+        for (t, o) in out[..n * d].chunks_exact_mut(d).enumerate() {
+            o.fill(0.0);
+            for j in (0..k).filter(|&j| expert(t * k + j).is_some()) {
                 let wt = weights[t * k + j];
-                for (r, ov) in o.iter_mut().enumerate() {
-                    let y = row_dot(w.ty, down.row(r), &ha, order);
-                    *ov += with_bias(y, bias(&w.down_bias, d, e, r)) * wt;
+                for (ov, &y) in o.iter_mut().zip(&per_slot[(t * k + j) * d..][..d]) {
+                    *ov += y * wt;
                 }
             }
         }
@@ -1053,6 +1074,9 @@ impl Backend for Ref0 {
         }
         Ok(())
     }
+    fn k_only_types(&self) -> &'static [GgmlType] {
+        &crate::KV_TYPES
+    }
     fn attention_k_only(
         &self,
         p: &KOnlyAttnParams,
@@ -1062,59 +1086,8 @@ impl Backend for Ref0 {
         pos0: usize,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let (nh, kd, vd) = (p.n_head, p.k_dim, p.v_dim);
         crate::shapes::attention_k_only(p, q.len(), &k_ring.layout, out.len(), n_tokens, pos0)?;
-        // The ring is f16 (checked above): its keys as floats.
-        let k_cache: Vec<f32> = (k_ring.data.chunks_exact(2))
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect();
-        let single = n_tokens == 1;
-        // A batch's scores go through tinyBLAS when a key is whole 16-lane steps long.
-        let lanes = !single && kd.is_multiple_of(16);
-        // One token's values go through `vec_dot`'s four chains, 16 positions each in turn.
-        let chains = if single {
-            crate::numerics::VEC_DOT_CHAINS
-        } else {
-            1
-        };
-        for t in 0..n_tokens {
-            let pos = pos0 + t;
-            for h in 0..nh {
-                let q16: Vec<f32> = q[(t * nh + h) * kd..][..kd]
-                    .iter()
-                    .map(|&v| f16::from_f32(v).to_f32())
-                    .collect();
-                let key = |pp: usize| &k_cache[(pp % p.cells) * kd..][..kd];
-                let mut probs: Vec<f32> = (0..=pos)
-                    .map(|pp| crate::ref0_kv::score_f16(&q16, key(pp), lanes) * p.scale)
-                    .collect();
-                let m = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f64;
-                for chunk in probs.chunks_mut(16) {
-                    let mut l = [0f32; 16];
-                    for (v, lv) in chunk.iter_mut().zip(l.iter_mut()) {
-                        *v = expf_ggml(*v - m);
-                        *lv = *v;
-                    }
-                    sum += hsum16(&l) as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                probs.iter_mut().for_each(|v| *v *= inv);
-                let mut acc = vec![[[0f32; 16]; crate::numerics::VEC_DOT_CHAINS]; vd];
-                for (pp, &pr) in probs.iter().enumerate() {
-                    let (chain, lane) = ((pp / 16) % chains, pp % 16);
-                    let w = f16::from_f32(pr).to_f32();
-                    for (a, &v) in acc.iter_mut().zip(&key(pp)[..vd]) {
-                        a[chain][lane] = v.mul_add(w, a[chain][lane]);
-                    }
-                }
-                let o = &mut out[(t * nh + h) * vd..][..vd];
-                for (ov, a) in o.iter_mut().zip(&acc) {
-                    *ov = crate::numerics::sum_chains(a, chains);
-                }
-            }
-        }
-        Ok(())
+        crate::ref0_kv::attention_k_only(p, q, (&k_ring.layout, &k_ring.data), n_tokens, pos0, out)
     }
     fn route(
         &self,
@@ -1281,23 +1254,29 @@ mod tests {
             dev.upload_matrix(GgmlType::Q8_K, 1, 256, &[0; 292]),
             Err(BackendError::UnsupportedType { .. })
         ));
-        // Q4_K multiplies (`matmul`), but not as experts.
+        // Q4_K multiplies (`matmul`), and as experts, beside experts of other types.
         assert!(dev.upload_matrix(GgmlType::Q4_K, 1, 256, &[0; 144]).is_ok());
-        let bytes = vec![0u8; 256 * 144];
-        let m = || ExpertMatrix {
-            ty: GgmlType::Q4_K,
+        let (q4k, q8) = (vec![0u8; 256 * 144], vec![0u8; 256 * 8 * 34]);
+        let m = |ty, data| ExpertMatrix {
+            ty,
             n_in: 256,
             n_out: 256,
-            data: &bytes,
+            data,
         };
         let t = ExpertTensors {
             n_expert: 1,
-            gate: m(),
-            up: m(),
-            down: m(),
+            gate: m(GgmlType::Q4_K, &q4k),
+            up: m(GgmlType::Q4_K, &q4k),
+            down: m(GgmlType::Q8_0, &q8),
             gate_bias: &[],
             up_bias: &[],
             down_bias: &[],
+        };
+        assert!(dev.upload_moe(&t, None).is_ok());
+        let q8k = vec![0u8; 256 * 292];
+        let t = ExpertTensors {
+            down: m(GgmlType::Q8_K, &q8k),
+            ..t
         };
         assert!(matches!(
             dev.upload_moe(&t, None),

@@ -23,6 +23,9 @@
 //!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
 //!     last, then `acc / S`.
 //!
+//!   K-only (latent) rings take the row kernel whatever their type, the values read from
+//!   the keys ([`attention_k_only`]).
+//!
 //!   Scores: f32 keys in `vec_dot_f32` order ([`numerics::dot_vec`]); f16 keys against the
 //!   query rounded to f16, in `vec_dot_f16` order (one query token, and flash attention) or
 //!   tinyBLAS's 16 lanes (a batch in the row kernel); bf16 and block keys by hmoe-quant's
@@ -36,7 +39,7 @@ use crate::numerics::{
     dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step,
     rotate_chunks, sum_chains, FLASH_CHUNK, VEC_DOT_CHAINS,
 };
-use crate::{AttnParams, BackendError, KvLayout};
+use crate::{AttnParams, BackendError, KOnlyAttnParams, KvLayout};
 
 /// Lanes of ggml's accumulators.
 const LANES: usize = 16;
@@ -388,6 +391,78 @@ pub(crate) fn attention(
     }
     if vl.rot > 0 {
         out[..n_q].chunks_exact_mut(vl.rot).for_each(fwht);
+    }
+    Ok(())
+}
+
+/// Attention over a K-only ring (`layout`, bytes), the values the first `p.v_dim` of each key,
+/// as the CPU engine's latent attention (its row kernel with the values in the keys): the
+/// query rotated like the keys; scores as [`Keys::score`] (f16 keys of a batch in 16 lanes
+/// when a key is whole 16-lane steps long); the softmax of [`attention`]'s row kernel; the
+/// values summed in 16 lanes with the probability rounded to the ring's type, one query
+/// token's f32/f16 values in `vec_dot`'s four chains; the output rotated back like the keys.
+/// Shapes are checked by the caller ([`crate::shapes::attention_k_only`]).
+pub(crate) fn attention_k_only(
+    p: &KOnlyAttnParams,
+    q: &[f32],
+    (layout, data): (&KvLayout, &[u8]),
+    n_tokens: usize,
+    pos0: usize,
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    let (nh, kd, vd) = (p.n_head, p.k_dim, p.v_dim);
+    let q = &q[..n_tokens * nh * kd];
+    let rotated;
+    let q = if layout.rot > 0 {
+        rotated = rotate_chunks(q, layout.rot);
+        &rotated[..]
+    } else {
+        q
+    };
+    let keys = Keys::new(layout.ty, data)?;
+    let single = n_tokens == 1;
+    let lanes = !single && kd.is_multiple_of(LANES);
+    let chains = match layout.ty {
+        GgmlType::F32 | GgmlType::F16 if single => VEC_DOT_CHAINS,
+        _ => 1,
+    };
+    let at = |pp: usize| (pp % p.cells) * kd;
+    let mut v_row = vec![0f32; vd];
+    for t in 0..n_tokens {
+        let pos = pos0 + t;
+        for h in 0..nh {
+            let qh = keys.query(&q[(t * nh + h) * kd..][..kd])?;
+            let scores: Vec<f32> = (0..=pos)
+                .map(|pp| keys.score(&qh, at(pp), kd, lanes) * p.scale)
+                .collect();
+            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|&s| expf_ggml(s - m)).collect();
+            let mut sum = 0f64;
+            for chunk in e.chunks(LANES) {
+                let mut l = [0f32; LANES];
+                l[..chunk.len()].copy_from_slice(chunk);
+                sum += hsum16(&l) as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; vd];
+            for (pp, &ev) in e.iter().enumerate() {
+                let w = round_weight(layout.ty, ev * inv);
+                values(layout.ty, data, at(pp), &mut v_row)?;
+                let (chain, lane) = ((pp / LANES) % chains, pp % LANES);
+                for (a, &x) in acc.iter_mut().zip(&v_row) {
+                    a[chain][lane] = x.mul_add(w, a[chain][lane]);
+                }
+            }
+            let o = &mut out[(t * nh + h) * vd..][..vd];
+            for (ov, a) in o.iter_mut().zip(&acc) {
+                *ov = sum_chains(a, chains);
+            }
+        }
+    }
+    if layout.rot > 0 {
+        out[..n_tokens * nh * vd]
+            .chunks_exact_mut(layout.rot)
+            .for_each(fwht);
     }
     Ok(())
 }

@@ -77,7 +77,8 @@ pub fn swiglu(gate_len: usize, up_len: usize, n: usize) -> Result<(), BackendErr
 }
 
 /// [`crate::Backend::attention_k_only`]: queries, ring and output lengths for `n_tokens`
-/// from `pos0` (every position the batch sees must still be in the ring).
+/// from `pos0` (every position the batch sees must still be in the ring), values of whole
+/// blocks (and rotation chunks) of the ring's type.
 pub fn attention_k_only(
     p: &KOnlyAttnParams,
     q_len: usize,
@@ -93,7 +94,8 @@ pub fn attention_k_only(
         nh > 0
             && kd > 0
             && vd <= kd
-            && ring.ty == hmoe_quant::GgmlType::F16
+            && vd.is_multiple_of(ring.ty.block_elems())
+            && (ring.rot == 0 || vd.is_multiple_of(ring.rot))
             && ring.width == kd
             && ring.cells == p.cells
             && pos0.checked_add(n_tokens).is_some_and(|e| e <= p.cells)

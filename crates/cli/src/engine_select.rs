@@ -152,16 +152,20 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     if !device_keeps_kv(device, k, v) {
         return cpu(format!(
             "{} does not keep a -ctk {k} -ctv {v} K/V cache (CUDA: f32, f16, q8_0 and q4_0)",
-            match device {
-                EngineDevice::Cuda(o) => format!("CUDA{o}"),
-                EngineDevice::Ref0 { .. } => REF0_NAME.into(),
-            }
+            device_name(device)
         ));
     }
-    if !hmoe_model::executor::arch_keeps_kv(i.arch, k, v) {
+    let k_only = device_k_only_types(device);
+    if !hmoe_model::executor::arch_keeps_kv(i.arch, k, k_only) {
+        let types: Vec<String> = k_only
+            .iter()
+            .map(|t| t.to_string().to_lowercase())
+            .collect();
         return cpu(format!(
-            "the device keeps {}'s latent K-only cache in f16 only (asked: -ctk {k} -ctv {v})",
-            i.arch.unwrap_or("this model")
+            "{} keeps {}'s latent K-only cache in {} only (asked: -ctk {k})",
+            device_name(device),
+            i.arch.unwrap_or("this model"),
+            types.join(", ")
         ));
     }
     let tensors = i.tensors.iter().map(|&(n, d)| (n, d.is_gpu()));
@@ -171,6 +175,24 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
             placement: p.with_op_offload(i.op_offload),
         },
         Err(e) => cpu(e.to_string()),
+    }
+}
+
+/// `device`'s name in messages (`CUDA0`, `REF0`).
+fn device_name(device: EngineDevice) -> String {
+    match device {
+        EngineDevice::Cuda(o) => format!("CUDA{o}"),
+        EngineDevice::Ref0 { .. } => REF0_NAME.into(),
+    }
+}
+
+/// The types of K-only (latent) caches `device` attends over (its
+/// [`Backend::k_only_types`], known without opening it): REF0 every K/V type, CUDA those of
+/// [`hmoe_cuda::K_ONLY_TYPES`].
+pub fn device_k_only_types(device: EngineDevice) -> &'static [hmoe_quant::GgmlType] {
+    match device {
+        EngineDevice::Cuda(_) => &hmoe_cuda::K_ONLY_TYPES,
+        EngineDevice::Ref0 { .. } => &hmoe_backend::KV_TYPES,
     }
 }
 
@@ -522,6 +544,39 @@ mod tests {
                 ref0
             );
         }
+    }
+
+    /// DeepSeek's latent (K-only) cache: REF0 keeps every `-ctk` type (`-ctv` unused), CUDA
+    /// f16 and q8_0 and says why otherwise.
+    #[test]
+    fn latent_cache_types_by_device() {
+        let ref0 = EngineDevice::Ref0 { budget: 1 << 30 };
+        for kv in ["f16", "q8_0", "q4_0", "f32", "bf16", "q5_1"] {
+            let ty = KvType::parse(kv).unwrap();
+            assert_eq!(
+                homes(choose(&[ref0], "deepseek2", ty, [G, G], [G, G])).0,
+                ref0,
+                "{kv}"
+            );
+        }
+        let q8k_f16v = KvType::new(CacheType::Q8_0, CacheType::F16, FlashAttn::Off).unwrap();
+        assert_eq!(
+            homes(choose(&[ref0], "deepseek2", q8k_f16v, [G, G], [G, G])).0,
+            ref0
+        );
+        for kv in ["f16", "q8_0"] {
+            let ty = KvType::parse(kv).unwrap();
+            assert_eq!(
+                homes(choose(&[CUDA0], "deepseek2", ty, [G, G], [G, G])).0,
+                CUDA0,
+                "{kv}"
+            );
+        }
+        let q4 = KvType::parse("q4_0").unwrap();
+        let w = why(choose(&[CUDA0], "deepseek2", q4, [G, G], [G, G]));
+        let want =
+            "CUDA0 keeps deepseek2's latent K-only cache in f16, q8_0 only (asked: -ctk q4_0)";
+        assert!(w.contains(want), "{w}");
     }
 
     #[test]

@@ -53,9 +53,18 @@ pub struct MakeModelArgs {
     /// Sliding window of even layers (gpt-oss).
     #[arg(long)]
     pub window: Option<usize>,
-    /// Storage type of the expert matrices (qwen3moe, deepseek2): q8_0, q4_0, q4_k or f32.
+    /// Storage type of the expert matrices (qwen3moe, deepseek2): q8_0, q4_0, q4_k, q6_k or
+    /// f32.
     #[arg(long, default_value = "q8_0")]
     pub expert_type: String,
+    /// Storage type of the experts' down matrices (qwen3moe, deepseek2), when not
+    /// --expert-type (q4_k with q6_k down is how Q4_K_M files store most experts).
+    #[arg(long)]
+    pub down_expert_type: Option<String>,
+    /// RoPE dimensions of each head (deepseek2's qk_rope_dim; the latent cache holds
+    /// kv_lora_rank + these per position).
+    #[arg(long)]
+    pub rope_dim: Option<usize>,
     /// Leading dense layers (deepseek2).
     #[arg(long)]
     pub dense_layers: Option<usize>,
@@ -127,10 +136,11 @@ impl MakeModelArgs {
                 *dst = v;
             }
         };
-        let expert_type = || {
-            GgmlType::from_name(&self.expert_type)
-                .with_context(|| format!("unknown tensor type '{}'", self.expert_type))
+        let type_named = |name: &str| {
+            GgmlType::from_name(name).with_context(|| format!("unknown tensor type '{name}'"))
         };
+        let expert_type = || type_named(&self.expert_type);
+        let down_expert_type = || self.down_expert_type.as_deref().map(type_named).transpose();
         let unused = |flags: &[(&str, bool)]| -> anyhow::Result<()> {
             match flags.iter().find(|f| f.1) {
                 Some((name, _)) => bail!("--{name} does not apply to --arch {}", self.arch),
@@ -149,6 +159,7 @@ impl MakeModelArgs {
             "qwen3moe" => {
                 unused(&[
                     ("dense-layers", self.dense_layers.is_some()),
+                    ("rope-dim", self.rope_dim.is_some()),
                     ("window", self.window.is_some()),
                     ("routing-locality", self.routing_locality.is_some()),
                 ])?;
@@ -170,6 +181,7 @@ impl MakeModelArgs {
                 set(&mut s.n_ff_exp, self.ff);
                 set(&mut s.n_vocab, self.vocab);
                 s.expert_type = expert_type()?;
+                s.down_expert_type = down_expert_type()?;
                 s.seed = self.seed;
                 if self.sparse {
                     qwen3moe_layout_writer(&s)
@@ -192,6 +204,7 @@ impl MakeModelArgs {
                 };
                 set(&mut s.n_layer, self.layers);
                 set(&mut s.n_layer_dense_lead, self.dense_layers);
+                set(&mut s.qk_rope_dim, self.rope_dim);
                 set(&mut s.n_embd, self.embd);
                 set(&mut s.n_head, self.heads);
                 set(&mut s.n_expert, self.experts);
@@ -203,6 +216,7 @@ impl MakeModelArgs {
                     (s.n_group, s.n_group_used) = (1, 1);
                 }
                 s.expert_type = expert_type()?;
+                s.down_expert_type = down_expert_type()?;
                 s.seed = self.seed;
                 if self.sparse {
                     deepseek2_layout_writer(&s)

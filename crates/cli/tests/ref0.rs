@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{fixture, hmoe, placements, run, FIXTURES};
+use common::{assert_ref0_is_the_cpu_engine, fixture, hmoe, placements, run, Placement, FIXTURES};
 use serde_json::Value;
 
 #[test]
@@ -28,34 +28,13 @@ fn list_devices_shows_ref0_as_a_testing_device_last() {
 fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
     for (stem, file) in FIXTURES {
         let f = fixture("gpt-oss", stem, file);
-        let (cpu, _) = run(&f, &["-dev", "none"]);
-        assert_eq!(cpu["engine"], "CPU");
+        let cases: Vec<(Vec<&str>, u64)> = placements()
+            .into_iter()
+            .map(|(flags, host)| (flags, host.unwrap_or(f.n_layer)))
+            .collect();
+        let cases: Vec<Placement<'_>> = cases.iter().map(|(fl, h)| (&fl[..], *h)).collect();
+        let cpu = assert_ref0_is_the_cpu_engine(&f, "gpt-oss", &[], &cases);
         assert!(cpu.get("device_stats").is_none(), "{stem}: {cpu}");
-        let steps = cpu["top_probs"].as_array().unwrap().len() as u64;
-        assert_eq!(steps, f.ubatches, "{stem}");
-        for (flags, host_layers) in placements() {
-            let mut extra = vec!["-dev", "REF0"];
-            extra.extend_from_slice(&flags);
-            let (got, err) = run(&f, &extra);
-            let what = format!("{stem} {extra:?}");
-            assert_eq!(got["engine"], "REF0", "{what}: {err}");
-            assert!(err.contains("gpt-oss on REF0"), "{what}: {err}");
-            assert_eq!(got["top_probs"], cpu["top_probs"], "{what}");
-            assert_eq!(got["generated_tokens"], cpu["generated_tokens"], "{what}");
-            let s = &got["device_stats"];
-            let host = host_layers.unwrap_or(f.n_layer);
-            assert_eq!(s["ubatches"], f.ubatches, "{what}: {s}");
-            assert_eq!(s["host_round_trips"], host * f.ubatches, "{what}: {s}");
-            assert_eq!(s["offloaded_layers"], 0, "{what}: prompts below 32 tokens");
-            // Device → host: the logits of each micro-batch and one staged copy per round
-            // trip; nothing else leaves the device.
-            let t = &s["transfers"];
-            assert_eq!(
-                t["downloads"].as_u64(),
-                Some(f.ubatches + host * f.ubatches),
-                "{what}: {s}"
-            );
-        }
     }
 }
 

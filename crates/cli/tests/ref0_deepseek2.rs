@@ -4,44 +4,104 @@
 //! and `--n-cpu-moe 1`, and the transfer counts in `--json` show one round trip per
 //! CPU-expert layer per micro-batch and none with everything on REF0. The fixture's first
 //! layer is dense (no experts), so `--cpu-moe` keeps two layers' experts on the CPU and
-//! `--n-cpu-moe 1` none (its first layer has no experts to keep).
+//! `--n-cpu-moe 1` none (its first layer has no experts to keep). The same on a file with
+//! Q4_K experts and Q6_K down matrices, and with the latent cache in q8_0, q4_0, f32, bf16
+//! and q5_1 (issue #16).
 
 mod common;
 
-use common::{fixture, run};
+use common::{assert_ref0_is_the_cpu_engine, fixture, make_test_model, Fixture, Placement};
+
+/// The placements and the layers whose experts each keeps on the CPU.
+const PLACEMENTS: [Placement<'static>; 3] = [
+    (&["-ngl", "all"], 0),
+    (&["-ngl", "all", "--cpu-moe"], 2),
+    (&["-ngl", "all", "--n-cpu-moe", "2"], 1),
+];
 
 #[test]
 fn ref0_deepseek2_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
     let f = fixture("deepseek2", "deepseek2-tiny", "deepseek2-tiny.gguf");
     assert_eq!(f.n_layer, 3);
-    let (cpu, _) = run(&f, &["-dev", "none"]);
-    assert_eq!(cpu["engine"], "CPU");
-    let steps = cpu["top_probs"].as_array().unwrap().len() as u64;
-    assert_eq!(steps, f.ubatches);
-    // (flags, CPU-expert layers)
-    let cases: [(&[&str], u64); 3] = [
-        (&["-ngl", "all"], 0),
-        (&["-ngl", "all", "--cpu-moe"], 2),
-        (&["-ngl", "all", "--n-cpu-moe", "2"], 1),
-    ];
-    for (flags, host) in cases {
-        let mut extra = vec!["-dev", "REF0"];
-        extra.extend_from_slice(flags);
-        let (got, err) = run(&f, &extra);
-        let what = format!("{extra:?}");
-        assert_eq!(got["engine"], "REF0", "{what}: {err}");
-        assert!(err.contains("deepseek2 on REF0"), "{what}: {err}");
-        assert_eq!(got["top_probs"], cpu["top_probs"], "{what}");
-        assert_eq!(got["generated_tokens"], cpu["generated_tokens"], "{what}");
-        let s = &got["device_stats"];
-        assert_eq!(s["ubatches"], f.ubatches, "{what}: {s}");
-        assert_eq!(s["host_round_trips"], host * f.ubatches, "{what}: {s}");
-        // Device → host: the logits of each micro-batch and one staged copy per round trip.
-        let t = &s["transfers"];
-        assert_eq!(
-            t["downloads"].as_u64(),
-            Some(f.ubatches + host * f.ubatches),
-            "{what}: {s}"
-        );
+    assert_ref0_is_the_cpu_engine(&f, "deepseek2", &[], &PLACEMENTS);
+}
+
+/// K-quant experts (issue #16): a `make-test-model --arch deepseek2` file with Q4_K routed and
+/// shared experts and Q6_K down matrices (as in Q4_K_M files), 4 experts of which 2 are used,
+/// over a prompt of 24 tokens (some expert gets 8 rows or more: the CPU engine's tiled
+/// K-quant order).
+#[test]
+fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+    let (dir, model) = make_test_model(
+        "ref0-deepseek2-q4k",
+        &[
+            "--arch",
+            "deepseek2",
+            "--layers",
+            "3",
+            "--embd",
+            "256",
+            "--ff",
+            "256",
+            "--experts",
+            "4",
+            "--experts-used",
+            "2",
+            "--vocab",
+            "300",
+            "--expert-type",
+            "q4_k",
+            "--down-expert-type",
+            "q6_k",
+        ],
+    );
+    let prompt: Vec<String> = (0..24).map(|i| ((i * 37 + 1) % 300).to_string()).collect();
+    let f = Fixture {
+        model,
+        prompt: prompt.join(","),
+        teacher: "11,12,13,14,15,16".into(),
+        ubatches: 6,
+        n_layer: 3,
+    };
+    assert_ref0_is_the_cpu_engine(&f, "deepseek2", &[], &PLACEMENTS);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DeepSeek's latent (K-only) cache on REF0 in every `-ctk` type the CPU engine keeps it in
+/// (`-ctv` unused), bit for bit, on a `make-test-model --arch deepseek2 --rope-dim 64` file
+/// (latent rows of 64 + 64 values: whole blocks of every type, and a multiple of 64 that the
+/// CPU engine's latent cache does not rotate).
+#[test]
+fn ref0_deepseek2_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
+    let (dir, model) = make_test_model(
+        "ref0-deepseek2-latent",
+        &[
+            "--arch",
+            "deepseek2",
+            "--layers",
+            "3",
+            "--rope-dim",
+            "64",
+            "--vocab",
+            "300",
+        ],
+    );
+    let f = Fixture {
+        model,
+        prompt: "1,17,250,3,99,42,7,200,5".into(),
+        teacher: "11,12,13,14,15,16".into(),
+        ubatches: 6,
+        n_layer: 3,
+    };
+    for kv in [
+        &["-ctk", "q8_0"][..],
+        &["-ctk", "q8_0", "-ctv", "q8_0"],
+        &["-ctk", "q4_0", "-ctv", "q4_0"],
+        &["-ctk", "f32", "-ctv", "f32"],
+        &["-ctk", "bf16"],
+        &["-ctk", "q5_1"],
+    ] {
+        assert_ref0_is_the_cpu_engine(&f, "deepseek2", kv, &PLACEMENTS);
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }

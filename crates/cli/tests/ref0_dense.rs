@@ -12,7 +12,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{fixtures, hmoe, ids, join, run, Fixture};
+use common::{assert_ref0_is_the_cpu_engine, fixtures, hmoe, ids, join, run, Fixture};
 use serde_json::Value;
 
 /// The file in the model cache and the stem of its goldens in `fixtures/real`.
@@ -76,26 +76,7 @@ fn check(model: (&str, &str), arch: &str) {
     };
     for kv in ["f16", "q8_0", "f32"] {
         let kv_flags = ["-ctk", kv, "-ctv", kv];
-        let (cpu, _) = run(&f, &[&["-dev", "none"][..], &kv_flags].concat());
-        assert_eq!(cpu["engine"], "CPU", "{kv}");
-        let steps = cpu["top_probs"].as_array().unwrap().len() as u64;
-        assert_eq!(steps, f.ubatches, "{kv}");
-        let extra = [&["-dev", "REF0", "-ngl", "all"][..], &kv_flags].concat();
-        let what = format!("{} {extra:?}", model.0);
-        let (got, err) = run(&f, &extra);
-        assert_eq!(got["engine"], "REF0", "{what}: {err}");
-        assert!(err.contains(&format!("{arch} on REF0")), "{what}: {err}");
-        assert_eq!(got["top_probs"], cpu["top_probs"], "{what}");
-        assert_eq!(got["generated_tokens"], cpu["generated_tokens"], "{what}");
-        let s = &got["device_stats"];
-        assert_eq!(s["ubatches"], f.ubatches, "{what}: {s}");
-        assert_eq!(s["host_round_trips"], 0, "{what}: {s}");
-        // Device → host: the logits of each micro-batch, nothing else.
-        assert_eq!(
-            s["transfers"]["downloads"].as_u64(),
-            Some(f.ubatches),
-            "{what}: {s}"
-        );
+        assert_ref0_is_the_cpu_engine(&f, arch, &kv_flags, &[(&["-ngl", "all"], 0)]);
     }
     // Some layers on the CPU: the executor runs every layer on the device or none, so the
     // CPU engine runs it, and says why.

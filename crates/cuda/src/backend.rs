@@ -213,6 +213,9 @@ impl Backend for CudaDevice {
     fn supports_kv(&self, k: GgmlType, v: GgmlType) -> bool {
         crate::kv_pair_supported(k, v)
     }
+    fn k_only_types(&self) -> &'static [GgmlType] {
+        &crate::K_ONLY_TYPES
+    }
     fn kv_store(
         &self,
         src: &CudaSlice<f32>,
@@ -342,11 +345,19 @@ impl Backend for CudaDevice {
         pos0: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        let ty = k_cache.layout.ty;
+        if !self.k_only_types().contains(&ty) {
+            return Err(BackendError::UnsupportedType {
+                ty,
+                op: "attention_k_only",
+            });
+        }
         shapes::attention_k_only(p, q.len(), &k_cache.layout, out.len(), n_tokens, pos0)?;
         Ok(CudaDevice::attention_k_only(
             self,
             p,
             q,
+            ty,
             &k_cache.data,
             n_tokens,
             pos0,

@@ -169,6 +169,10 @@ pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
     KV_TYPES.contains(&v) && KV_TYPES.contains(&k)
 }
 
+/// The types of K-only (latent) rings the kernels attend over
+/// ([`hmoe_backend::Backend::k_only_types`]).
+pub const K_ONLY_TYPES: [GgmlType; 2] = [GgmlType::F16, GgmlType::Q8_0];
+
 /// Whether a ring of `l` is one the kernels store and read: a type of [`KV_TYPES`], rotated
 /// only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
 fn kv_type_ok(l: &KvLayout) -> bool {

@@ -1584,7 +1584,7 @@ extern "C" __global__ void swiglu_f32(float* gate, const float* up, u64 total, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention over a K-only f16 ring (multi-head latent attention in its absorbed form): every
+// Attention over a K-only f16 or Q8_0 ring (multi-head latent attention in its absorbed form): every
 // query head against the one key head; the value of a position is the first v_dim elements of
 // its key. q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at
 // position pos0 + t and sees 0 ..= pos.
@@ -1635,10 +1635,44 @@ __device__ float k_only_score(const float* q16, const u16* k, int kd, int lanes)
     return (float)sum;
 }
 
-extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float* out,
-                                           int n_tokens, int n_head, int k_dim, int v_dim,
-                                           int cells, int pos0, float scale) {
+// Q8_0 x Q8_0 of one key with the query's Q8_0 blocks, serially in hmoe_quant's dot_q8_0
+// order (warp_dot_q8_0's chain): nb blocks.
+__device__ float k_only_score_q8_0(const u8* qb, const u8* k, int nb) {
+    float acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const u8* kb = k + (u64)b * 34u;
+        const u8* ab = qb + (u64)b * 34u;
+        float d = q8_scale(kb) * q8_scale(ab);
+        for (int j = 0; j < 8; j++) {
+            int s = 0;
+            for (int i = 4 * j; i < 4 * j + 4; i++) s += (int)(signed char)kb[2 + i] * (int)(signed char)ab[2 + i];
+            acc[j] = fmaf(d, (float)s, acc[j]);
+        }
+    }
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+// The scaled score of the key at `row` (f16 keys against the f16-rounded query q16, or Q8_0
+// keys against the query's Q8_0 blocks qb).
+template <int Q8>
+__device__ float k_only_score_at(const float* q16, const u8* qb, const u8* row, int k_dim,
+                                 int lanes, float scale) {
+    float s = Q8 ? k_only_score_q8_0(qb, row, k_dim / 32)
+                 : k_only_score(q16, (const u16*)row, k_dim, lanes);
+    return s * scale;
+}
+
+// The body of attn_k_only_f16 (Q8 = 0) and attn_k_only_q8_0 (Q8 = 1). A Q8_0 ring (the CPU
+// engine's row kernel over block keys with the values in them): the query as Q8_0 blocks (qq,
+// quantize_q8_0 of q), scores by k_only_score_q8_0, probabilities not rounded, values
+// dequantized (d * q), summed in one 16-lane chain also for one query token.
+template <int Q8>
+__device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, float* out,
+                                 int n_tokens, int n_head, int k_dim, int v_dim, int cells,
+                                 int pos0, float scale) {
     __shared__ float sm_q[KO_MAX_K];
+    __shared__ u8 sm_qq[KO_MAX_K / 32 * 34];
     __shared__ float sm_e[KO_THREADS];
     __shared__ float sm_red[KO_THREADS];
     __shared__ double sm_sum;
@@ -1648,9 +1682,16 @@ extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float*
     int pos = pos0 + t;
     int single = n_tokens == 1;
     int lanes = !single && k_dim % 16 == 0;
-    int chains = single ? 4 : 1;
-    const float* qh = q + ((u64)t * n_head + h) * k_dim;
-    for (int i = tid; i < k_dim; i += KO_THREADS) sm_q[i] = h2f(f2h(qh[i]));
+    int chains = single && !Q8 ? 4 : 1;
+    u64 row_bytes = Q8 ? (u64)(k_dim / 32) * 34u : (u64)k_dim * 2u;
+    if (Q8) {
+        u64 qb = (u64)(k_dim / 32) * 34u;
+        const u8* qh = qq + ((u64)t * n_head + h) * qb;
+        for (u64 i = tid; i < qb; i += KO_THREADS) sm_qq[i] = qh[i];
+    } else {
+        const float* qh = q + ((u64)t * n_head + h) * k_dim;
+        for (int i = tid; i < k_dim; i += KO_THREADS) sm_q[i] = h2f(f2h(qh[i]));
+    }
     __syncthreads();
     int n_tiles = (pos + KO_THREADS) / KO_THREADS;
 
@@ -1658,9 +1699,7 @@ extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float*
     float m = -f_inf();
     for (int tile = 0; tile < n_tiles; tile++) {
         int p = tile * KO_THREADS + tid;
-        if (p <= pos) {
-            m = fmaxf(m, k_only_score(sm_q, kc + (u64)(p % cells) * k_dim, k_dim, lanes) * scale);
-        }
+        if (p <= pos) m = fmaxf(m, k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale));
     }
     sm_red[tid] = m;
     __syncthreads();
@@ -1678,10 +1717,7 @@ extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float*
     for (int tile = 0; tile < n_tiles; tile++) {
         int p = tile * KO_THREADS + tid;
         float e = 0.f;
-        if (p <= pos) {
-            float s = k_only_score(sm_q, kc + (u64)(p % cells) * k_dim, k_dim, lanes) * scale;
-            e = expf_ggml(s - big);
-        }
+        if (p <= pos) e = expf_ggml(k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big);
         sm_e[tid] = e;
         __syncthreads();
         if (tid == 0) {
@@ -1702,8 +1738,8 @@ extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float*
         int p = tile * KO_THREADS + tid;
         float w = 0.f;
         if (p <= pos) {
-            float s = k_only_score(sm_q, kc + (u64)(p % cells) * k_dim, k_dim, lanes) * scale;
-            w = h2f(f2h(expf_ggml(s - big) * inv));
+            w = expf_ggml(k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv;
+            if (!Q8) w = h2f(f2h(w));
         }
         __syncthreads();
         sm_e[tid] = w;
@@ -1711,11 +1747,19 @@ extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float*
         for (int i = 0; i < KO_THREADS; i++) {
             int pp = tile * KO_THREADS + i;
             if (pp > pos) break;
-            const u16* v = kc + (u64)(pp % cells) * k_dim;
+            const u8* row = kc + (u64)(pp % cells) * row_bytes;
             int chain = (pp / 16) % chains, lane = pp % 16;
             for (int k = 0; k < KO_DIMS_PER_THREAD; k++) {
                 int d = tid + k * KO_THREADS;
-                if (d < v_dim) acc[k][chain][lane] = fmaf(h2f(v[d]), sm_e[i], acc[k][chain][lane]);
+                if (d >= v_dim) continue;
+                float v;
+                if (Q8) {
+                    const u8* vb = row + (u64)(d / 32) * 34u;
+                    v = q8_scale(vb) * (float)(signed char)vb[2 + d % 32];
+                } else {
+                    v = h2f(((const u16*)row)[d]);
+                }
+                acc[k][chain][lane] = fmaf(v, sm_e[i], acc[k][chain][lane]);
             }
         }
     }
@@ -1725,11 +1769,27 @@ extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float*
         if (d >= v_dim) continue;
         float folded[16];
         for (int l = 0; l < 16; l++) {
-            folded[l] = single ? (acc[k][0][l] + acc[k][2][l]) + (acc[k][1][l] + acc[k][3][l])
-                               : acc[k][0][l];
+            folded[l] = chains == 4 ? (acc[k][0][l] + acc[k][2][l]) + (acc[k][1][l] + acc[k][3][l])
+                                    : acc[k][0][l];
         }
         oh[d] = reduce16_serial(folded);
     }
+}
+
+extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float* out,
+                                           int n_tokens, int n_head, int k_dim, int v_dim,
+                                           int cells, int pos0, float scale) {
+    attn_k_only_body<0>(q, nullptr, (const u8*)kc, out, n_tokens, n_head, k_dim, v_dim, cells,
+                        pos0, scale);
+}
+
+// attn_k_only_f16 over a Q8_0 ring (k_dim and v_dim multiples of 32): qq is the queries as
+// Q8_0 blocks ([n_tokens][n_head][k_dim / 32]).
+extern "C" __global__ void attn_k_only_q8_0(const u8* qq, const u8* kc, float* out,
+                                            int n_tokens, int n_head, int k_dim, int v_dim,
+                                            int cells, int pos0, float scale) {
+    attn_k_only_body<1>(nullptr, qq, kc, out, n_tokens, n_head, k_dim, v_dim, cells, pos0,
+                        scale);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ pub const KERNELS: &[&str] = &[
     "matmul_heads_mxfp4",
     "swiglu_f32",
     "attn_k_only_f16",
+    "attn_k_only_q8_0",
     "route_f32",
 ];
 

@@ -422,8 +422,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
 }
 
 /// The kernels of latent attention and grouped routing (`rope_norm_f32`, `matmul_heads_*`,
-/// `swiglu_f32`, `attn_k_only_f16`, `route_f32`) against the reference device's ops, bit for
-/// bit (F16/BF16 per-head products only reported, as for `matmul`).
+/// `swiglu_f32`, `attn_k_only_f16`, `attn_k_only_q8_0`, `route_f32`) against the reference
+/// device's ops, bit for bit (F16/BF16 per-head products only reported, as for `matmul`).
 #[test]
 #[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
@@ -520,9 +520,19 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         assert_eq!(same, got.len(), "swiglu n {n}");
     }
 
-    // K-only attention: keys not whole 16-lane steps (24) and whole (32), one token and a
-    // batch, more than one chunk of 16 positions.
-    for (kd, vd) in [(24, 16), (32, 16)] {
+    let ggml_id = |ty: GgmlType| match ty {
+        GgmlType::Q8_0 => 8,
+        _ => 1,
+    };
+    // K-only attention: f16 keys not whole 16-lane steps (24) and whole (32), Q8_0 keys (the
+    // query quantized, values dequantized from the keys), one token and a batch, more than
+    // one chunk of 16 positions.
+    for (ty, kd, vd) in [
+        (GgmlType::F16, 24, 16),
+        (GgmlType::F16, 32, 16),
+        (GgmlType::Q8_0, 64, 32),
+        (GgmlType::Q8_0, 96, 64),
+    ] {
         let (nh, cells) = (2, 40);
         for (pos0, n) in [(20, 1), (3, 5)] {
             let p = KOnlyAttnParams {
@@ -533,10 +543,20 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
                 scale: 0.05,
             };
             let keys = noise(&mut rng, cells * kd, 3.0);
-            let kb: Vec<u16> = keys.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+            let bytes: Vec<u8> = match ty {
+                GgmlType::F16 => keys
+                    .iter()
+                    .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
+                    .collect(),
+                _ => {
+                    let mut b = vec![0u8; ty.row_bytes(keys.len() as u64).unwrap() as usize];
+                    quantize_row(ty, &keys, &mut b).unwrap();
+                    b
+                }
+            };
             let q = noise(&mut rng, n * nh * kd, 3.0);
             emu.write("q", &q);
-            emu.write("k", &kb);
+            emu.write("k", &bytes);
             let args = [
                 s(n),
                 s(nh),
@@ -545,20 +565,20 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
                 s(cells),
                 s(pos0),
                 s(p.scale.to_bits()),
+                s(ggml_id(ty)),
             ];
             emu.run("attn_k_only", &args);
             let got: Vec<f32> = emu.read("out");
             let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
-            let bytes: Vec<u8> = kb.iter().flat_map(|b| b.to_le_bytes()).collect();
             let ring = KvRing {
                 data: cpu.upload(&bytes).unwrap(),
-                layout: KvLayout::new(GgmlType::F16, kd, cells, 0).unwrap(),
+                layout: KvLayout::new(ty, kd, cells, 0).unwrap(),
             };
             let qd = cpu.upload(&q).unwrap();
             cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
                 .unwrap();
             let (same, max) = compare(&got, &cpu.download(&out).unwrap());
-            let what = format!("attention_k_only kd {kd} pos0 {pos0} n {n}");
+            let what = format!("attention_k_only {ty} kd {kd} pos0 {pos0} n {n}");
             eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
             assert_eq!(same, got.len(), "{what}");
         }

@@ -1050,9 +1050,10 @@ mod tests {
     }
 
     /// The reference device's K-only attention equals the CPU engine's latent attention
-    /// (`attention_ext` with values inside the f16 keys) bit for bit: one token (`vec_dot`'s
-    /// four value chains) and batches, keys a multiple of 16 long (tinyBLAS scores) or not
-    /// (the fixture's 24), across more than one 16-position chunk.
+    /// (`attention_ext` with values inside the keys) bit for bit, for f16 keys and every other
+    /// K/V type: one token (`vec_dot`'s four value chains over f32/f16) and batches, f16 keys
+    /// a multiple of 16 long (tinyBLAS scores) or not (the fixture's 24), across more than
+    /// one 16-position chunk.
     #[test]
     fn ref0_k_only_attention_is_the_cpu_engines_bit_for_bit() {
         use crate::attention::{attention_ext, AttnLayout};
@@ -1073,9 +1074,19 @@ mod tests {
                 .collect()
         };
         let dev = Ref0::new();
-        for (kd, vd, nh, cells) in [(24, 16, 4, 64), (48, 32, 3, 40)] {
-            let mut cpu = KvCache::new_k_only(KvType::F16, cells, 64, kd, 1);
-            let layout = KvLayout::new(GgmlType::F16, kd, cells, 0).unwrap();
+        let cases = [
+            ("f16", 24, 16, 4, 64),
+            ("f16", 48, 32, 3, 40),
+            ("f32", 24, 16, 2, 40),
+            ("bf16", 48, 32, 2, 40),
+            ("q8_0", 96, 64, 3, 40),
+            ("q4_0", 64, 32, 2, 40),
+            ("q5_1", 96, 64, 2, 40),
+        ];
+        for (ty, kd, vd, nh, cells) in cases {
+            let kv_ty = KvType::parse(ty).unwrap();
+            let mut cpu = KvCache::new_k_only(kv_ty, cells, 64, kd, 1);
+            let layout = KvLayout::new(kv_ty.k().ggml_type(), kd, cells, 0).unwrap();
             let mut ring = dev.kv_alloc(layout).unwrap();
             let scale = 0.01;
             let shape = AttnLayout {
@@ -1111,7 +1122,7 @@ mod tests {
                     assert_eq!(
                         g.to_bits(),
                         w.to_bits(),
-                        "kd {kd} n {n} at {pos0} [{i}]: {g} vs {w}"
+                        "{ty} kd {kd} n {n} at {pos0} [{i}]: {g} vs {w}"
                     );
                 }
                 pos0 += n;
@@ -1131,7 +1142,7 @@ mod tests {
             .unwrap();
         let mut out = dev.alloc::<f32>(16).unwrap();
         assert!(dev.attention_k_only(&p, &q, &ring, 1, 4, &mut out).is_err());
-        // A K-only ring of another type is refused.
+        // Values that are not whole blocks of the ring's type are refused.
         let q8 = dev
             .kv_alloc(KvLayout::new(GgmlType::Q8_0, 32, 4, 0).unwrap())
             .unwrap();

@@ -50,7 +50,8 @@
 //! attention runs per sequence over its cache ([`Step::attend`]), and the products the CPU
 //! engine sums in another order for a batch than for one token (F32 weights, Q4_0 and K-quant
 //! weights, whose order depends on the batch's size: [`batch_order_varies`], and the experts
-//! of a layer with F32 experts, which the `moe` op sums by how many tokens route to each) run
+//! of a layer with F32 or K-quant experts, which the `moe` op sums by how many tokens route to
+//! each: [`expert_order_varies`]) run
 //! on exactly the rows the CPU engine gives them together ([`Step::matmul`],
 //! [`ExpertSplit`]). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU
 //! engine's bit for bit.
@@ -225,6 +226,14 @@ pub(crate) fn batch_order_varies(ty: GgmlType) -> bool {
     matches!(ty, F32 | Q4_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
 }
 
+/// Whether the CPU engine sums an expert's products by weights of type `ty` in an order that
+/// depends on how many rows route to the expert together: F32 (gpt-oss's experts: 16 lanes
+/// for several rows) and the K-quants (tiled from 8 rows).
+pub(crate) fn expert_order_varies(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, F32 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
+}
+
 /// Bytes of an f32 buffer on the device.
 pub(crate) fn buf_bytes<B: Backend>(b: &B::Buf<f32>) -> u64 {
     4 * B::buf_len(b) as u64
@@ -272,9 +281,9 @@ impl Router {
     }
 }
 
-/// Which rows the CPU engine multiplies together by a layer's F32 experts (whose products it
-/// sums in another order when several rows route to one expert): the `moe` op then runs on
-/// each such set of rows alone.
+/// Which rows the CPU engine multiplies together by a layer's experts whose products it sums
+/// in another order when several rows route to one expert ([`expert_order_varies`]): the
+/// `moe` op then runs on each such set of rows alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ExpertSplit {
     /// One sequence's tokens (gpt-oss's host experts group a sequence's rows per expert).
@@ -312,7 +321,8 @@ struct LayerKv<B: Backend> {
 
 /// The layouts of one layer's K and V rings of `cells` cells for K/V types `ty`: rows of
 /// `k_width` and `v_width` values (no V ring for a width of 0, a K-only cache), heads of
-/// `head_dim` rotated as the CPU engine's cache rotates them ([`KvLayout::rotation`]).
+/// `head_dim` rotated as the CPU engine's cache rotates them ([`KvLayout::rotation`]; a
+/// K-only cache, DeepSeek's latent cache, not at all).
 pub fn device_kv_layouts(
     ty: KvType,
     cells: usize,
@@ -321,7 +331,11 @@ pub fn device_kv_layouts(
 ) -> Result<(KvLayout, Option<KvLayout>), BackendError> {
     let layout = |t: CacheType, width: usize, key: bool| {
         let ty = t.ggml_type();
-        KvLayout::new(ty, width, cells, KvLayout::rotation(ty, head_dim, key))
+        let rot = match v_width {
+            0 => 0,
+            _ => KvLayout::rotation(ty, head_dim, key),
+        };
+        KvLayout::new(ty, width, cells, rot)
     };
     let v = (v_width > 0)
         .then(|| layout(ty.v(), v_width, false))
@@ -478,8 +492,9 @@ pub struct DeviceModel<B: Backend> {
     output: DevMat<B>,
     /// The routed experts of each [`ExpertHome::Device`] layer.
     experts: Vec<Option<B::Moe>>,
-    /// Whether each layer's routed experts are F32 (see [`ExpertSplit`]).
-    f32_experts: Vec<bool>,
+    /// Whether each layer's routed experts have a matrix whose products' order varies with
+    /// the rows routed together ([`expert_order_varies`], [`ExpertSplit`]).
+    split_experts: Vec<bool>,
     homes: Vec<ExpertHome>,
     op_offload_min_batch: Option<usize>,
     weight_bytes: u64,
@@ -559,14 +574,16 @@ pub fn device_arch(arch: Option<&str>) -> bool {
     arch.is_some_and(|a| DEVICE_ARCHS.contains(&a))
 }
 
-/// Architectures whose device cache is K-only (DeepSeek's latent cache), which the device
-/// keeps in f16.
+/// Architectures whose device cache is K-only (DeepSeek's latent cache: `-ctk` is its type,
+/// `-ctv` is not used).
 pub const K_ONLY_ARCHS: &[&str] = &["deepseek2"];
 
-/// Whether the device executor keeps a cache of K type `k` and V type `v` for architecture
-/// `arch` (on a device that keeps the pair, [`Backend::supports_kv`]).
-pub fn arch_keeps_kv(arch: Option<&str>, k: CacheType, v: CacheType) -> bool {
-    !arch.is_some_and(|a| K_ONLY_ARCHS.contains(&a)) || (k == CacheType::F16 && v == CacheType::F16)
+/// Whether the device executor keeps a cache of K type `k` for architecture `arch` on a
+/// device whose K-only attention reads `k_only_types` ([`Backend::k_only_types`]; a device
+/// that keeps the K/V pair, [`Backend::supports_kv`]): any for an architecture with K and V,
+/// one of `k_only_types` for a K-only cache.
+pub fn arch_keeps_kv(arch: Option<&str>, k: CacheType, k_only_types: &[GgmlType]) -> bool {
+    !arch.is_some_and(|a| K_ONLY_ARCHS.contains(&a)) || k_only_types.contains(&k.ggml_type())
 }
 
 impl<B: Backend + 'static> DeviceModel<B> {
@@ -590,10 +607,14 @@ impl<B: Backend + 'static> DeviceModel<B> {
         }
         let mut weight_bytes = arch.weight_bytes();
         let mut experts = Vec::with_capacity(dims.n_layer);
-        let mut f32_experts = Vec::with_capacity(dims.n_layer);
+        let mut split_experts = Vec::with_capacity(dims.n_layer);
         for (l, home) in placement.layers.iter().enumerate() {
             let t = arch.layer_experts(l);
-            f32_experts.push(t.is_some_and(|t| t.gate.ty == GgmlType::F32));
+            split_experts.push(t.is_some_and(|t| {
+                [t.gate.ty, t.up.ty, t.down.ty]
+                    .into_iter()
+                    .any(expert_order_varies)
+            }));
             let moe = match (home, t) {
                 (ExpertHome::Device, Some(t)) => Some(dev.upload_moe(&t, None)?),
                 _ => None,
@@ -618,7 +639,7 @@ impl<B: Backend + 'static> DeviceModel<B> {
             output_norm,
             output,
             experts,
-            f32_experts,
+            split_experts,
             homes: placement.layers.clone(),
             op_offload_min_batch: placement.op_offload_min_batch,
             weight_bytes,
@@ -798,7 +819,7 @@ impl<B: Backend> DeviceModel<B> {
 
     /// Checks a sequence's tokens and cache before anything runs: token ids, room in the
     /// context, K/V types the device keeps ([`Backend::supports_kv`]) with heads of whole
-    /// blocks (f16 for a K-only cache).
+    /// blocks (a K-only cache: its K type one of [`Backend::k_only_types`], `-ctv` unused).
     fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), ExecError> {
         let n_vocab = self.arch.dims().n_vocab;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
@@ -815,11 +836,11 @@ impl<B: Backend> DeviceModel<B> {
         let ty = cache.kv_type();
         let (k_width, v_width) = self.arch.kv_widths(0);
         let k_only = v_width == 0 && k_width > 0;
-        if k_only && (ty.k() != CacheType::F16 || ty.v() != CacheType::F16) {
+        if k_only && !self.dev.k_only_types().contains(&ty.k().ggml_type()) {
             return Err(ExecError::Cache(format!(
-                "K {} / V {}: the device keeps a K-only (latent) cache in f16 only",
+                "K {}: {} does not keep a K-only (latent) cache of this type",
                 ty.k(),
-                ty.v()
+                self.dev.name()
             )));
         }
         if !self.dev.supports_kv(ty.k().ggml_type(), ty.v().ggml_type()) {
@@ -831,7 +852,13 @@ impl<B: Backend> DeviceModel<B> {
             )));
         }
         let hd = self.arch.dims().kv_head_dim;
-        for (which, t) in [("K", ty.k()), ("V", ty.v())] {
+        // A K-only cache has no V (`-ctv` is not used).
+        let checked = if k_only {
+            &[("K", ty.k())][..]
+        } else {
+            &[("K", ty.k()), ("V", ty.v())]
+        };
+        for &(which, t) in checked {
             if !hd.is_multiple_of(t.block_elems()) {
                 return Err(ExecError::Cache(format!(
                     "{which} {t}: attention heads of {hd} are not whole blocks of {} (llama.cpp \
@@ -1258,10 +1285,17 @@ impl<'s, B: Backend> Step<'s, B> {
         Ok(())
     }
 
-    /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for F32
-    /// experts, each part of [`ExpertSplit`] alone (`None`: the whole batch).
+    /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for
+    /// experts of [`expert_order_varies`], each part of [`ExpertSplit`] alone (`None`: the
+    /// whole batch).
     fn moe_parts(&self, layer: usize, split: ExpertSplit) -> Option<Vec<Range<usize>>> {
-        if !self.model.f32_experts.get(layer).copied().unwrap_or(false) {
+        if !self
+            .model
+            .split_experts
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+        {
             return None;
         }
         match split {

@@ -1,7 +1,8 @@
 //! Qwen3-MoE (`qwen3moe`) on the reference device: `DeviceModel<Ref0>` gives the CPU engine's
 //! logits bit for bit (every prompt position over several micro-batches, then greedy decode
 //! steps, whose single-token attention sums values in `vec_dot`'s four chains) on the F32
-//! fixture and on a `make-test-model`-style file with Q8_0 attention and experts, with the
+//! fixture and on `make-test-model`-style files with Q8_0 attention and Q8_0 experts (or Q4_K
+//! experts with Q6_K down: the placements and batched sequences), with the
 //! routed experts on the device, on the host (one round trip per layer per micro-batch), on
 //! the host with op offload, and on the host for one layer only; for f32, f16, bf16 and
 //! (where heads are whole blocks) q8_0 K/V caches; and several sequences batched in one
@@ -31,6 +32,9 @@ enum Model {
     Fixture,
     /// Q8_0 attention, embedding, head and experts, heads of 32.
     Synth,
+    /// [`Model::Synth`] 256 wide with 4 experts, Q4_K gate/up and Q6_K down (as in Q4_K_M
+    /// files): an expert gets 8 or more rows of a batch (the CPU engine's tiled K-quant order).
+    SynthKQuant,
 }
 
 /// The synthetic model's dimensions.
@@ -46,6 +50,7 @@ fn synth_spec() -> Qwen3MoeSpec {
         n_ff_exp: 64,
         n_vocab: 300,
         expert_type: GgmlType::Q8_0,
+        down_expert_type: None,
         seed: 7,
     }
 }
@@ -68,6 +73,19 @@ fn open(m: Model) -> GgufModel {
     let path = match m {
         Model::Fixture => fixtures().join("qwen3moe/qwen3moe-tiny.gguf"),
         Model::Synth => synth_path(),
+        Model::SynthKQuant => {
+            static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+            let spec = Qwen3MoeSpec {
+                n_embd: 256,
+                n_expert: 4,
+                n_ff_exp: 256,
+                expert_type: GgmlType::Q4_K,
+                down_expert_type: Some(GgmlType::Q6_K),
+                ..synth_spec()
+            };
+            PATH.get_or_init(|| write(&spec, "device-qwen3moe-kquant"))
+                .clone()
+        }
     };
     GgufModel::open(path, LoadOptions::default()).unwrap()
 }
@@ -118,7 +136,7 @@ fn assert_same(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 #[test]
 fn ref0_qwen3moe_is_the_cpu_engine_bit_for_bit() {
     let (d, h) = (ExpertHome::Device, ExpertHome::Host);
-    for m in [Model::Fixture, Model::Synth] {
+    for m in [Model::Fixture, Model::Synth, Model::SynthKQuant] {
         let ty = kv(CacheType::F16, CacheType::F16);
         let cpu = hmoe_model::load(open(m)).unwrap();
         let want = run(cpu.as_ref(), ty);
@@ -157,11 +175,17 @@ fn ref0_qwen3moe_is_the_cpu_engine_bit_for_bit() {
                 assert_eq!((trips, offloaded), (ubatches * host_layers, 0), "{what}");
             }
             // Device → host: each micro-batch's logits, one staged copy per round trip and
-            // the routing of each offloaded layer; nothing else leaves the device.
+            // the routing of each offloaded layer, except where a micro-batch routes 4 rows
+            // or more per expert and every expert is uploaded instead (SynthKQuant's 8-token
+            // micro-batches over 4 experts); nothing else leaves the device.
+            let every_expert = match m {
+                Model::SynthKQuant => 2 * host_layers.min(offloaded),
+                Model::Fixture | Model::Synth => 0,
+            };
             let (t0, t1) = (before.transfers.unwrap(), after.transfers.unwrap());
             assert_eq!(
                 t1.downloads - t0.downloads,
-                ubatches + trips + offloaded,
+                ubatches + trips + offloaded - every_expert,
                 "{what}"
             );
         }
@@ -177,7 +201,9 @@ fn ref0_qwen3moe_kv_types_are_the_cpu_engines_bit_for_bit() {
         let pairs: &[(CacheType, CacheType)] = match m {
             // Heads of 16 are not whole Q8_0 blocks.
             Model::Fixture => &[(F32, F32), (BF16, BF16), (F16, F32)],
-            Model::Synth => &[(F32, F32), (Q8_0, Q8_0), (F16, Q8_0), (Q8_0, F16)],
+            Model::Synth | Model::SynthKQuant => {
+                &[(F32, F32), (Q8_0, Q8_0), (F16, Q8_0), (Q8_0, F16)]
+            }
         };
         let cpu = hmoe_model::load(open(m)).unwrap();
         for &(k, v) in pairs {
@@ -198,7 +224,7 @@ fn ref0_qwen3moe_kv_types_are_the_cpu_engines_bit_for_bit() {
 
 #[test]
 fn ref0_qwen3moe_batched_sequences_equal_each_alone() {
-    for m in [Model::Fixture, Model::Synth] {
+    for m in [Model::Fixture, Model::Synth, Model::SynthKQuant] {
         for home in [ExpertHome::Device, ExpertHome::Host] {
             let placement = ExpertPlacement {
                 layers: vec![home; 2],

@@ -103,13 +103,147 @@ fn ref0_quant_kernel_matmul_is_the_cpu_engines_bit_for_bit() {
                 let what = format!("{ty} {rows}x{cols} n={n}");
                 assert_bits(&dev.download(&yd).unwrap(), &want, &what);
             }
-            // Per-head products and experts of these types are refused, not approximated.
+            // Per-head products of these types are refused, not approximated.
             let xd = dev.upload(&noise(&mut rng, 2 * cols, 1.0)).unwrap();
             let mut yd = dev.alloc::<f32>(rows).unwrap();
             assert!(matches!(
                 dev.matmul_heads(&m, &xd, 1, 2, cols, &mut yd),
                 Err(hmoe_backend::BackendError::UnsupportedType { .. })
             ));
+        }
+    }
+}
+
+/// The CPU engine's routed SwiGLU experts (its host path, `moe_swiglu`) from its public
+/// pieces: each expert's routed rows together (quantized for the matrix's kernel, the one the
+/// CPU engine picks for it), `matmul_vec_dot` (the expert matmul's order), `swiglu`, then each
+/// token's slot outputs weighted and added in slot order from zero.
+#[allow(clippy::too_many_arguments)]
+fn cpu_moe_swiglu(
+    [gate, up, down]: [(GgmlType, &[u8]); 3],
+    (d, ff): (usize, usize),
+    x: &[f32],
+    sel: &[i32],
+    wts: &[f32],
+    k: usize,
+) -> Vec<f32> {
+    use hmoe_model::ops::{matmul_vec_dot, swiglu, QuantizedActs};
+    let n = x.len() / d;
+    let product = |(ty, data): (GgmlType, &[u8]), e: usize, rows: usize, cols, acts: &[f32]| {
+        let kernel = hmoe_quant::DotKernel::for_matrix(ty, rows).unwrap();
+        let size = rows * ty.row_bytes(cols as u64).unwrap() as usize;
+        let mut qa = QuantizedActs::default();
+        qa.quantize(kernel.act_type(), acts, cols);
+        let mut y = vec![0f32; acts.len() / cols * rows];
+        matmul_vec_dot(
+            kernel,
+            &data[e * size..(e + 1) * size],
+            cols,
+            rows,
+            &qa,
+            &mut y,
+        );
+        y
+    };
+    let mut per_slot = vec![0f32; n * k * d];
+    for e in 0..=sel.iter().copied().max().unwrap_or(0) as usize {
+        let slots: Vec<usize> = (0..n * k).filter(|&s| sel[s] == e as i32).collect();
+        if slots.is_empty() {
+            continue;
+        }
+        let rows: Vec<f32> = slots
+            .iter()
+            .flat_map(|&s| x[(s / k) * d..][..d].iter().copied())
+            .collect();
+        let mut g = product(gate, e, ff, d, &rows);
+        let u = product(up, e, ff, d, &rows);
+        swiglu(&mut g, &u, ff);
+        let y = product(down, e, d, ff, &g);
+        for (row, &s) in y.chunks_exact(d).zip(&slots) {
+            per_slot[s * d..(s + 1) * d].copy_from_slice(row);
+        }
+    }
+    let mut out = vec![0f32; n * d];
+    for (t, o) in out.chunks_exact_mut(d).enumerate() {
+        for s in 0..k {
+            let w = wts[t * k + s];
+            for (ov, &v) in o.iter_mut().zip(&per_slot[(t * k + s) * d..][..d]) {
+                *ov += v * w;
+            }
+        }
+    }
+    out
+}
+
+/// REF0's `moe` with SiLU experts of the quantized types of real files (Q4_K gate/up with
+/// Q6_K or Q8_0 down as in Q4_K_M, and the other K-quant and Q4/Q5 types) is the CPU engine's
+/// host expert path bit for bit: 12 tokens put every row on expert 0 (the tiled K-quant order
+/// of an expert matmul of 8 or more rows) and 6 on each of experts 1 and 2; one token alone.
+#[test]
+fn ref0_quant_silu_experts_are_the_cpu_engines_bit_for_bit() {
+    use hmoe_backend::{ExpertMatrix, ExpertTensors, GatedAct};
+    use GgmlType::*;
+    let mut rng = StdRng::seed_from_u64(21);
+    let dev = Ref0::new();
+    let (d, ff, ne, k) = (512, 256, 3, 2);
+    for [g_ty, u_ty, d_ty] in [
+        [Q4_K, Q4_K, Q6_K],
+        [Q4_K, Q4_K, Q8_0],
+        [Q5_K, Q5_K, Q5_K],
+        [Q2_K, Q3_K, Q4_K],
+        [Q4_0, Q4_1, Q5_0],
+        [Q5_1, Q8_0, Q4_0],
+    ] {
+        let stack = |rng: &mut StdRng, ty, rows, cols| -> Vec<u8> {
+            match ty {
+                Q8_0 => weights(rng, ty, ne * rows, cols),
+                _ => random_blocks(rng, ty, ne * rows, cols),
+            }
+        };
+        let (gw, uw, dw) = (
+            stack(&mut rng, g_ty, ff, d),
+            stack(&mut rng, u_ty, ff, d),
+            stack(&mut rng, d_ty, d, ff),
+        );
+        let m = |ty, n_in, n_out, data| ExpertMatrix {
+            ty,
+            n_in,
+            n_out,
+            data,
+        };
+        let t = ExpertTensors {
+            n_expert: ne,
+            gate: m(g_ty, d, ff, &gw),
+            up: m(u_ty, d, ff, &uw),
+            down: m(d_ty, ff, d, &dw),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        };
+        let experts = dev.upload_moe(&t, None).unwrap();
+        for n in [12usize, 1] {
+            let x = noise(&mut rng, n * d, 2.0);
+            let sel: Vec<i32> = (0..n).flat_map(|t| [0, 1 + (t % 2) as i32]).collect();
+            let wts = noise(&mut rng, n * k, 1.0);
+            let (xd, sd, wd) = (
+                dev.upload(&x).unwrap(),
+                dev.upload(&sel).unwrap(),
+                dev.upload(&wts).unwrap(),
+            );
+            let mut out = dev.alloc::<f32>(n * d).unwrap();
+            dev.moe(&experts, GatedAct::Silu, &xd, &sd, &wd, k, &mut out)
+                .unwrap();
+            let want = cpu_moe_swiglu(
+                [(g_ty, &gw), (u_ty, &uw), (d_ty, &dw)],
+                (d, ff),
+                &x,
+                &sel,
+                &wts,
+                k,
+            );
+            assert!(want.iter().all(|v| v.is_finite()), "finite outputs");
+            let what = format!("{g_ty}/{u_ty}/{d_ty} experts, {n} tokens");
+            assert_bits(&dev.download(&out).unwrap(), &want, &what);
         }
     }
 }

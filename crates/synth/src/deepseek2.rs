@@ -10,7 +10,7 @@ use hmoe_gguf::{GgufWriter, MetaValue};
 use hmoe_quant::GgmlType;
 
 use crate::add_byte_vocab;
-use crate::tensors::{add_planned, supported_weight_type, Plan};
+use crate::tensors::{add_planned, check_expert_types, Plan};
 use crate::vocab::DEEPSEEK_V3;
 
 /// Dimensions of a synthetic DeepSeek model.
@@ -52,8 +52,11 @@ pub struct Deepseek2Spec {
     pub routed_scale: f32,
     /// Vocabulary size (≥ 264).
     pub n_vocab: usize,
-    /// Storage type of the routed and shared expert matrices (Q8_0, Q4_0, Q4_K or F32).
+    /// Storage type of the routed and shared expert matrices (Q8_0, Q4_0, Q4_K, Q6_K or F32).
     pub expert_type: GgmlType,
+    /// Storage type of the routed and shared experts' down matrices when not `expert_type`
+    /// (a Q4_K_M file's Q6_K down experts).
+    pub down_expert_type: Option<GgmlType>,
     /// RNG seed.
     pub seed: u64,
 }
@@ -81,6 +84,7 @@ impl Deepseek2Spec {
             routed_scale: 2.5,
             n_vocab: 512,
             expert_type: GgmlType::Q8_0,
+            down_expert_type: None,
             seed: 42,
         }
     }
@@ -112,6 +116,7 @@ impl Deepseek2Spec {
             routed_scale: 2.5,
             n_vocab,
             expert_type: GgmlType::Q8_0,
+            down_expert_type: None,
             seed: 42,
         }
     }
@@ -149,20 +154,8 @@ impl Deepseek2Spec {
                 "expert groups must split the experts evenly and hold n_expert_used".into(),
             );
         }
-        if !supported_weight_type(s.expert_type) {
-            return Err(format!(
-                "expert type {} is not generated (use q8_0, q4_0, q4_k or f32)",
-                s.expert_type
-            ));
-        }
-        let block = s.expert_type.block_elems();
-        if !s.n_embd.is_multiple_of(block) || !s.n_ff_exp.is_multiple_of(block) {
-            return Err(format!(
-                "n_embd and n_ff_exp must be multiples of {block} for {} experts",
-                s.expert_type
-            ));
-        }
-        Ok(())
+        let down = s.down_expert_type.unwrap_or(s.expert_type);
+        check_expert_types(&[s.expert_type, down], (s.n_embd, s.n_ff_exp))
     }
 }
 
@@ -189,6 +182,7 @@ fn build(s: &Deepseek2Spec, sparse: bool) -> Result<GgufWriter, String> {
     let q_width = nh * (nope + rope);
     use GgmlType::Q8_0;
     let et = s.expert_type;
+    let det = s.down_expert_type.unwrap_or(et);
     let mut plans = vec![
         Plan::matrix(
             "token_embd.weight".into(),
@@ -245,14 +239,14 @@ fn build(s: &Deepseek2Spec, sparse: bool) -> Result<GgufWriter, String> {
             Plan::f32(n("exp_probs_b.bias"), vec![ne], 0.05, 0.0),
             Plan::matrix(n("ffn_gate_exps.weight"), et, vec![d, ff, ne], 1.5),
             Plan::matrix(n("ffn_up_exps.weight"), et, vec![d, ff, ne], 1.5),
-            Plan::matrix(n("ffn_down_exps.weight"), et, vec![ff, d, ne], 0.5),
+            Plan::matrix(n("ffn_down_exps.weight"), det, vec![ff, d, ne], 0.5),
         ]);
         if s.n_expert_shared > 0 {
             let fs = ff * u(s.n_expert_shared);
             plans.extend([
                 Plan::matrix(n("ffn_gate_shexp.weight"), et, vec![d, fs], 1.5),
                 Plan::matrix(n("ffn_up_shexp.weight"), et, vec![d, fs], 1.5),
-                Plan::matrix(n("ffn_down_shexp.weight"), et, vec![fs, d], 0.5),
+                Plan::matrix(n("ffn_down_shexp.weight"), det, vec![fs, d], 0.5),
             ]);
         }
     }

@@ -6,7 +6,7 @@ use hmoe_gguf::{GgufWriter, MetaValue};
 use hmoe_quant::GgmlType;
 
 use crate::add_byte_vocab;
-use crate::tensors::{add_planned, supported_weight_type, Plan};
+use crate::tensors::{add_planned, check_expert_types, Plan};
 use crate::vocab::QWEN3;
 
 /// Dimensions of a synthetic Qwen3-MoE model.
@@ -30,8 +30,11 @@ pub struct Qwen3MoeSpec {
     pub n_ff_exp: usize,
     /// Vocabulary size (≥ 264).
     pub n_vocab: usize,
-    /// Storage type of the expert matrices (Q8_0, Q4_0, Q4_K or F32).
+    /// Storage type of the expert matrices (Q8_0, Q4_0, Q4_K, Q6_K or F32).
     pub expert_type: GgmlType,
+    /// Storage type of the experts' down matrices when not `expert_type` (a Q4_K_M file's
+    /// Q6_K down experts).
+    pub down_expert_type: Option<GgmlType>,
     /// RNG seed.
     pub seed: u64,
 }
@@ -50,6 +53,7 @@ impl Qwen3MoeSpec {
             n_ff_exp: 256,
             n_vocab: 512,
             expert_type: GgmlType::Q8_0,
+            down_expert_type: None,
             seed: 42,
         }
     }
@@ -67,6 +71,7 @@ impl Qwen3MoeSpec {
             n_ff_exp: 768,
             n_vocab: 151936,
             expert_type: GgmlType::Q8_0,
+            down_expert_type: None,
             seed: 42,
         }
     }
@@ -97,20 +102,8 @@ impl Qwen3MoeSpec {
         if self.n_expert_used == 0 || self.n_expert_used > self.n_expert {
             return Err("n_expert_used must be in 1..=n_expert".into());
         }
-        if !supported_weight_type(self.expert_type) {
-            return Err(format!(
-                "expert type {} is not generated (use q8_0, q4_0, q4_k or f32)",
-                self.expert_type
-            ));
-        }
-        let block = self.expert_type.block_elems();
-        if !self.n_embd.is_multiple_of(block) || !self.n_ff_exp.is_multiple_of(block) {
-            return Err(format!(
-                "n_embd and n_ff_exp must be multiples of {block} for {} experts",
-                self.expert_type
-            ));
-        }
-        Ok(())
+        let down = self.down_expert_type.unwrap_or(self.expert_type);
+        check_expert_types(&[self.expert_type, down], (self.n_embd, self.n_ff_exp))
     }
 }
 
@@ -139,6 +132,7 @@ fn build(s: &Qwen3MoeSpec, sparse: bool) -> Result<GgufWriter, String> {
     );
     use GgmlType::Q8_0;
     let et = s.expert_type;
+    let det = s.down_expert_type.unwrap_or(et);
     let mut plans = vec![
         Plan::matrix(
             "token_embd.weight".into(),
@@ -168,7 +162,7 @@ fn build(s: &Qwen3MoeSpec, sparse: bool) -> Result<GgufWriter, String> {
             ),
             Plan::matrix(n("ffn_gate_exps.weight"), et, vec![d, ff, ne], 1.5),
             Plan::matrix(n("ffn_up_exps.weight"), et, vec![d, ff, ne], 1.5),
-            Plan::matrix(n("ffn_down_exps.weight"), et, vec![ff, d, ne], 0.5),
+            Plan::matrix(n("ffn_down_exps.weight"), det, vec![ff, d, ne], 0.5),
         ]);
     }
     let mut w = GgufWriter::new();
@@ -222,7 +216,12 @@ mod tests {
         assert!(bad(|s| s.n_head_kv = 3));
         assert!(bad(|s| s.n_expert_used = 17));
         assert!(bad(|s| s.head_dim = 31));
-        assert!(bad(|s| s.expert_type = GgmlType::Q6_K));
+        assert!(bad(|s| s.expert_type = GgmlType::Q5_K));
+        assert!(bad(|s| s.down_expert_type = Some(GgmlType::Q5_K)));
+        assert!(bad(|s| {
+            (s.expert_type, s.down_expert_type) = (GgmlType::Q4_0, Some(GgmlType::Q6_K));
+            s.n_ff_exp = 96;
+        }));
         assert!(bad(|s| {
             s.expert_type = GgmlType::Q4_K;
             s.n_ff_exp = 96;

@@ -52,8 +52,30 @@ impl Plan {
 pub fn supported_weight_type(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_K
+        GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::Q6_K
     )
+}
+
+/// Checks that the synthetic writers generate every type of `types` (expert matrices) and that
+/// each dimension of `dims` (`n_embd`, `n_ff_exp`) is whole blocks of each.
+pub(crate) fn check_expert_types(
+    types: &[GgmlType],
+    (n_embd, n_ff_exp): (usize, usize),
+) -> Result<(), String> {
+    for &ty in types {
+        if !supported_weight_type(ty) {
+            return Err(format!(
+                "expert type {ty} is not generated (use q8_0, q4_0, q4_k, q6_k or f32)"
+            ));
+        }
+        let block = ty.block_elems();
+        if !n_embd.is_multiple_of(block) || !n_ff_exp.is_multiple_of(block) {
+            return Err(format!(
+                "n_embd and n_ff_exp must be multiples of {block} for {ty} experts"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Generates every planned tensor (in parallel, one seeded stream per tensor) and adds them to
@@ -127,6 +149,15 @@ pub(crate) fn random_tensor(p: &Plan, seed: u64) -> Vec<u8> {
                 rng.fill(&mut block[4..]);
             }
         }
+        GgmlType::Q6_K => {
+            // d·sc·(q − 32) with uniform int8 sc (std ≈ 73.9) and 6-bit q (q − 32: std
+            // ≈ 18.5): std ≈ 1365·d. Quants and scales are random bytes, d the last two.
+            let d = f16_bytes(p.std / 1365.0);
+            for block in out.chunks_exact_mut(210) {
+                rng.fill(&mut block[..208]);
+                block[208..].copy_from_slice(&d);
+            }
+        }
         other => unreachable!("the synthetic writers generate no {other} tensors"),
     }
     out
@@ -143,6 +174,7 @@ mod tests {
             GgmlType::Q8_0,
             GgmlType::Q4_0,
             GgmlType::Q4_K,
+            GgmlType::Q6_K,
         ] {
             let p = Plan::matrix("w".into(), ty, vec![256, 64], 1.0);
             assert_eq!(p.ty, ty);

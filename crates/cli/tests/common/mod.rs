@@ -1,6 +1,7 @@
-//! What the REF0 command-line tests (ref0.rs, ref0_kv.rs, ref0_arch.rs, ref0_deepseek2.rs)
-//! share: the fixtures with their first golden case, `hmoe run --json` teacher-forced with the
-//! top-10 probabilities over them, and the placements.
+//! What the REF0 command-line tests (ref0*.rs, moe_cache.rs) share: the fixtures with their
+//! first golden case, `hmoe run --json` teacher-forced with the top-10 probabilities over them,
+//! the placements, the comparison of REF0 with the CPU engine
+//! ([`assert_ref0_is_the_cpu_engine`]) and `make-test-model` files.
 #![allow(dead_code)] // each test binary uses part of it
 
 use std::path::PathBuf;
@@ -123,4 +124,61 @@ pub fn placements() -> Vec<(Vec<&'static str>, Option<u64>)> {
             Some(1),
         ),
     ]
+}
+
+/// A `-dev REF0` placement (its flags) and the layers whose experts it keeps on the CPU.
+pub type Placement<'a> = (&'a [&'a str], u64);
+
+/// The teacher-forced top-10 probabilities of `f` with `-dev REF0` and each placement of
+/// `cases` (and the extra flags `kv`, the same on both sides) are the CPU engine's
+/// (`-dev none`) bit for bit: the run says it is `arch` on REF0, makes one round trip per
+/// CPU-expert layer per micro-batch, offloads nothing (prompts below 32 tokens), and brings
+/// down nothing but each micro-batch's logits and one staged copy per round trip. Returns the
+/// CPU engine's output.
+pub fn assert_ref0_is_the_cpu_engine(
+    f: &Fixture,
+    arch: &str,
+    kv: &[&str],
+    cases: &[Placement<'_>],
+) -> Value {
+    let (cpu, _) = run(f, &[&["-dev", "none"][..], kv].concat());
+    assert_eq!(cpu["engine"], "CPU", "{} {kv:?}", f.model);
+    let steps = cpu["top_probs"].as_array().unwrap().len() as u64;
+    assert_eq!(steps, f.ubatches, "{} {kv:?}", f.model);
+    for &(flags, host) in cases {
+        let extra = [&["-dev", "REF0"][..], flags, kv].concat();
+        let (got, err) = run(f, &extra);
+        let what = format!("{} {extra:?}", f.model);
+        assert_eq!(got["engine"], "REF0", "{what}: {err}");
+        assert!(err.contains(&format!("{arch} on REF0")), "{what}: {err}");
+        assert_eq!(got["top_probs"], cpu["top_probs"], "{what}");
+        assert_eq!(got["generated_tokens"], cpu["generated_tokens"], "{what}");
+        let s = &got["device_stats"];
+        assert_eq!(s["ubatches"], f.ubatches, "{what}: {s}");
+        assert_eq!(s["host_round_trips"], host * f.ubatches, "{what}: {s}");
+        assert_eq!(s["offloaded_layers"], 0, "{what}: prompts below 32 tokens");
+        // Device → host: the logits of each micro-batch and one staged copy per round trip;
+        // nothing else leaves the device.
+        assert_eq!(
+            s["transfers"]["downloads"].as_u64(),
+            Some(f.ubatches + host * f.ubatches),
+            "{what}: {s}"
+        );
+    }
+    cpu
+}
+
+/// A `make-test-model` file written by `args` (without `-o`) into a fresh temporary folder
+/// named after `tag`: the folder (remove it when done) and the file's path.
+pub fn make_test_model(tag: &str, args: &[&str]) -> (PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("hmoe-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.gguf").to_str().unwrap().to_string();
+    let out = hmoe(&[&["make-test-model"][..], args, &["-o", &path]].concat());
+    assert!(
+        out.status.success(),
+        "make-test-model {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (dir, path)
 }

@@ -177,11 +177,15 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Attention over a K-only f16 ring (see `hmoe_backend::Backend::attention_k_only`).
+    /// Attention over a K-only ring of `ty`, f16 or Q8_0 ([`crate::K_ONLY_TYPES`]; see
+    /// `hmoe_backend::Backend::attention_k_only`): the query quantized to Q8_0 for a Q8_0 ring
+    /// ([`CudaDevice::quantize_q8_0`], as the CPU engine converts it for the keys' `vec_dot`).
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_k_only(
         &self,
         p: &KOnlyAttnParams,
         q: &CudaSlice<f32>,
+        ty: GgmlType,
         k_cache: &CudaSlice<u8>,
         n_tokens: usize,
         pos0: usize,
@@ -213,15 +217,39 @@ impl CudaDevice {
             block_dim: (KO_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.builder("attn_k_only_f16");
-        b.arg(q).arg(k_cache).arg(out);
+        let qq = match ty {
+            GgmlType::F16 => None,
+            GgmlType::Q8_0 if p.k_dim.is_multiple_of(32) && p.v_dim.is_multiple_of(32) => {
+                Some(self.quantize_q8_0(q, n_tokens * p.n_head * p.k_dim)?)
+            }
+            _ => {
+                return Err(CudaError::Shape {
+                    op: OP,
+                    what: format!(
+                        "a K-only ring of {ty} with keys of {} and values of {}",
+                        p.k_dim, p.v_dim
+                    ),
+                })
+            }
+        };
+        let mut b = self.builder(match qq {
+            Some(_) => "attn_k_only_q8_0",
+            None => "attn_k_only_f16",
+        });
+        match &qq {
+            Some(qq) => b.arg(qq),
+            None => b.arg(q),
+        };
+        b.arg(k_cache).arg(out);
         for v in &ints {
             b.arg(v);
         }
         b.arg(&p.scale);
-        // SAFETY: argument types match `attn_k_only_f16` (the ring's bytes are its f16 rows, in
-        // an allocation aligned for u16); the caller checked q, the ring (f16, `cells × k_dim`)
-        // and out against the shape and that the ring holds every position the batch sees.
+        // SAFETY: argument types match `attn_k_only_f16` (q f32; the ring's bytes its f16 rows,
+        // in an allocation aligned for u16) or `attn_k_only_q8_0` (qq the queries' Q8_0 blocks,
+        // the ring Q8_0 rows of k_dim / 32 blocks); the caller checked q, the ring
+        // (`cells × k_dim` of `ty`) and out against the shape and that the ring holds every
+        // position the batch sees.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

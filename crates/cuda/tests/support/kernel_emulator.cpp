@@ -303,13 +303,22 @@ int main(int argc, char** argv) {
         int n = atoi(argv[3]), nh = atoi(argv[4]), kd = atoi(argv[5]), vd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]);
         float scale = __uint_as_float((unsigned)strtoul(argv[9], nullptr, 10));
+        int ty = argc > 10 ? atoi(argv[10]) : 1;  // ggml type id: 1 f16, 8 q8_0
         auto q = rd<float>(P("q"));
-        auto kc = rd<unsigned short>(P("k"));
         std::vector<float> out((size_t)n * nh * vd);
         float* o = out.data();
-        launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-            attn_k_only_f16(q.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
-        });
+        if (ty == 8) {
+            auto kc = rd<u8>(P("k"));
+            auto qq = quantize(q.data(), q.size());
+            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+                attn_k_only_q8_0(qq.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
+            });
+        } else {
+            auto kc = rd<unsigned short>(P("k"));
+            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+                attn_k_only_f16(q.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
+            });
+        }
         wr(P("out"), out);
     } else if (op == "route") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]), gating = atoi(argv[6]),

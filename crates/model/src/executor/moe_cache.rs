@@ -15,9 +15,10 @@
 //! `moe` op over that expert, one weighted contribution `w·expert(h)` per pair, brought down
 //! in one copy), the others are misses and run on the host as one-slot rows (the CPU engine's
 //! code, the same rows per expert and per sequence as without the cache, so the same bits).
-//! A layer of F32 experts, whose products the CPU engine sums in an order that depends on how
-//! many rows go to the expert together ([`super::ExpertSplit`]), runs each sequence's hit
-//! pairs of an expert in a `moe` call of their own, as the CPU engine groups them.
+//! A layer of F32 or K-quant experts, whose products the CPU engine sums in an order that
+//! depends on how many rows go to the expert together ([`super::ExpertSplit`]), runs each
+//! sequence's hit pairs of an expert in a `moe` call of their own, as the CPU engine groups
+//! them.
 //! The host then sums each token's contributions in slot order from zero, exactly as the CPU
 //! engine sums them, and the sum goes up as before. Results are therefore those of the run
 //! without a cache, bit for bit (on REF0, the CPU engine's).
@@ -388,8 +389,8 @@ impl<B: Backend> Step<'_, B> {
             let Some(lru) = moe_cache.layers.get(layer).and_then(Option::as_ref) else {
                 return Err(ExecError::Cache("expert cache layer vanished".into()));
             };
-            // F32 experts: each sequence's pairs apart (see the module docs).
-            let per_seq = model.f32_experts.get(layer).copied().unwrap_or(false);
+            // F32 or K-quant experts: each sequence's pairs apart (see the module docs).
+            let per_seq = model.split_experts.get(layer).copied().unwrap_or(false);
             let seq_of = |t: usize| groups.iter().position(|g| g.contains(&t)).unwrap_or(0);
             let mut by_entry: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
             for &i in &hits {
