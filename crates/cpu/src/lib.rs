@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod kv_cache;
+pub mod ops;
 #[cfg(test)]
 mod ref0_kv_tests;
 

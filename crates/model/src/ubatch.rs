@@ -54,7 +54,10 @@ impl Ubatches for KvCache {
             });
         }
         // Whole rows must be whole blocks; heads are checked by attention (`refused`).
-        for (which, ty, n) in [("K", self.ty.k(), self.width), ("V", self.ty.v(), self.v_width)] {
+        for (which, ty, n) in [
+            ("K", self.ty.k(), self.width),
+            ("V", self.ty.v(), self.v_width),
+        ] {
             if !n.is_multiple_of(ty.block_elems()) {
                 return Err(misaligned(which, ty, 0));
             }
