@@ -279,6 +279,28 @@ impl Cells {
         }
     }
 
+    /// Zeroed storage for a device ring of `layout` (its type, `cells × width` values, its
+    /// rotation), or `None` for a type that is not a cache type.
+    pub fn for_layout(layout: &KvLayout) -> Option<Cells> {
+        let ty = CacheType::ALL
+            .into_iter()
+            .find(|t| t.ggml_type() == layout.ty)?;
+        let mut cells = Cells::new(ty, layout.cells * layout.width);
+        if let Cells::Blocks { rot, .. } = &mut cells {
+            *rot = layout.rot;
+        }
+        Some(cells)
+    }
+
+    /// The values as ggml lays them out (little-endian), what a device ring holds.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match self {
+            Cells::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Cells::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Cells::Blocks { data, .. } => data.clone(),
+        }
+    }
+
     /// Elements per block (1 for the float types).
     pub fn block_elems(&self) -> usize {
         match self {
