@@ -135,7 +135,8 @@ impl ModelArgs {
         self.start_pools()?;
         let gguf = self.open()?;
         let n_layer = ModelShape::from_metadata(gguf.metadata())?.n_layer as usize;
-        let placement = hmoe_model::ExpertPlacement::all(n_layer, hmoe_model::ExpertHome::Host);
+        let placement = hmoe_model::ExpertPlacement::all(n_layer, hmoe_model::ExpertHome::Host)
+            .with_op_offload(None);
         let model = hmoe_model::DeviceModel::load(gguf, hmoe_cpu::Cpu::new(), &placement)?;
         Ok(Box::new(model))
     }

@@ -30,7 +30,7 @@ fn cpu_device(dir: &str, file: &str) -> DeviceModel<Cpu> {
         .metadata()
         .get_u32(&format!("{arch}.block_count"))
         .unwrap() as usize;
-    let placement = ExpertPlacement::all(n_layer, ExpertHome::Host);
+    let placement = ExpertPlacement::all(n_layer, ExpertHome::Host).with_op_offload(None);
     DeviceModel::load(g, Cpu::new(), &placement).unwrap()
 }
 
