@@ -1,9 +1,11 @@
-//! The CPU as a device of the contract (`hmoe_cpu::Cpu`): `DeviceModel<Cpu>` gives the CPU
-//! engine's logits bit for bit on every MoE fixture architecture (gpt-oss, Qwen3-MoE,
-//! DeepSeek-V2/V3), every prompt position over several micro-batches and then greedy decode
-//! steps, for f32, f16 and (where heads are whole blocks) q8_0 K/V; several sequences batched
-//! in one `forward_multi` get what each gets alone. The real dense files are covered with the
-//! device as a parameter in `device_dense.rs`.
+//! The CPU as a device of the contract (`hmoe_cpu::Cpu`): `DeviceModel<Cpu>`, every layer's
+//! experts on the host path, gives the CPU engine's logits bit for bit on every MoE fixture
+//! architecture (gpt-oss, Qwen3-MoE, DeepSeek-V2/V3), every prompt position over several
+//! micro-batches and then greedy decode steps, for f32, f16 and (where heads are whole blocks)
+//! q8_0 K/V, with `-fa auto` and `-fa on`; several sequences batched in one `forward_multi`
+//! get what each gets alone. The real dense files are covered with the device as a parameter
+//! in `device_dense.rs`; the REF0 files of the MoE architectures also put experts on the
+//! device and count transfers, which the CPU does neither of.
 
 mod common;
 
@@ -81,13 +83,20 @@ fn cpu_device_is_the_cpu_engine_bit_for_bit() {
     for (dir, file, types) in cases() {
         let cpu = hmoe_model::load(open(dir, file)).unwrap();
         let dev = cpu_device(dir, file);
+        // `-fa auto` (the row kernel over float values) and `-fa on` (the chunked flash
+        // kernel; block-quantized values take flash attention either way).
         for ty in types {
-            let kv = KvType::new(ty, ty, FlashAttn::Auto).unwrap();
-            let want = run(cpu.as_ref(), kv);
-            let got = run(&dev, kv);
-            assert_eq!(got.len(), want.len());
-            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(bits(g) == bits(w), "{file} K/V {ty}: feed {s} differs");
+            for fa in [FlashAttn::Auto, FlashAttn::On] {
+                let kv = KvType::new(ty, ty, fa).unwrap();
+                let want = run(cpu.as_ref(), kv);
+                let got = run(&dev, kv);
+                assert_eq!(got.len(), want.len());
+                for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        bits(g) == bits(w),
+                        "{file} K/V {ty} {fa:?}: feed {s} differs"
+                    );
+                }
             }
         }
     }
