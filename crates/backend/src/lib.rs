@@ -21,6 +21,7 @@ pub mod routing;
 pub mod shapes;
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use hmoe_quant::GgmlType;
 
@@ -101,6 +102,34 @@ pub struct StagedIo<'s> {
     pub w: &'s [f32],
     /// The expert sum to send up, `n × d`.
     pub out: &'s mut [f32],
+}
+
+/// Bytes that their owner keeps in place for as long as any handle to them lives (a tensor in
+/// a model file's mapping): what [`Backend::upload_matrix_shared`] takes, so that a device on
+/// the host can keep the handle instead of a copy of the weights.
+#[derive(Clone)]
+pub struct SharedBytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    range: Range<usize>,
+}
+
+impl SharedBytes {
+    /// The bytes `range` of `owner`, or `None` when `range` lies outside them.
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Option<Self> {
+        let inside = range.start <= range.end && range.end <= (*owner).as_ref().len();
+        inside.then_some(SharedBytes { owner, range })
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.range.clone()]
+    }
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBytes({:?})", self.range)
+    }
 }
 
 /// Host ↔ device copies a device counted (every upload and download, weights included).
@@ -362,6 +391,18 @@ pub trait Backend: Send + Sync {
         cols: usize,
         data: &[u8],
     ) -> Result<Self::Matrix, BackendError>;
+    /// [`Backend::upload_matrix`] of bytes that stay in place while `data` lives (a tensor in
+    /// the file mapping): a device on the host keeps the handle and never copies the weights;
+    /// by default a copy is uploaded.
+    fn upload_matrix_shared(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &SharedBytes,
+    ) -> Result<Self::Matrix, BackendError> {
+        self.upload_matrix(ty, rows, cols, data.bytes())
+    }
     /// Bytes a matrix occupies.
     fn matrix_bytes(m: &Self::Matrix) -> usize;
     /// Uploads the experts `ids` of `t` (every expert when `None`), renumbered `0..ids.len()`.

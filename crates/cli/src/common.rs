@@ -111,12 +111,7 @@ impl ModelArgs {
     /// keeps, and a plan with every layer's dense part on one GPU), else on the CPU engine,
     /// saying why once.
     pub fn load(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
-        let threads = self.threads.unwrap_or_else(physical_cores).max(1);
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global()
-            .context("starting the thread pool")?;
-        hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
+        self.start_pools()?;
         let gguf = self.open()?;
         let planned = plan_engine(&self.placement, self.kv_type()?, &gguf)?;
         let loaded = load_chosen(
@@ -130,6 +125,31 @@ impl ModelArgs {
             let _ = self.engine.set(used);
         }
         Ok(loaded.model)
+    }
+
+    /// Testing (`hmoe bench --cpu-device`): the thread pools as [`ModelArgs::load`] starts
+    /// them, and the model on the device executor over the CPU as a device
+    /// ([`hmoe_cpu::Cpu`], every layer's experts on the host path), to compare it with the
+    /// CPU engine.
+    pub fn load_cpu_device(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
+        self.start_pools()?;
+        let gguf = self.open()?;
+        let n_layer = ModelShape::from_metadata(gguf.metadata())?.n_layer as usize;
+        let placement = hmoe_model::ExpertPlacement::all(n_layer, hmoe_model::ExpertHome::Host)
+            .with_op_offload(None);
+        let model = hmoe_model::DeviceModel::load(gguf, hmoe_cpu::Cpu::new(), &placement)?;
+        Ok(Box::new(model))
+    }
+
+    /// Starts the global thread pools with `-t` threads (the physical cores by default).
+    fn start_pools(&self) -> anyhow::Result<()> {
+        let threads = self.threads.unwrap_or_else(physical_cores).max(1);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()
+            .context("starting the thread pool")?;
+        hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
+        Ok(())
     }
 
     fn open(&self) -> anyhow::Result<GgufModel> {

@@ -29,8 +29,8 @@ pub use error::{GgufError, Result, TensorProblem};
 pub use hmoe_quant::GgmlType;
 pub use meta::{MetaType, MetaValue, Metadata};
 pub use model::{
-    split_path, split_shard_paths, GgufModel, LoadOptions, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
-    KEY_SPLIT_TENSORS_COUNT,
+    split_path, split_shard_paths, GgufModel, LoadOptions, SharedData, SharedOwner,
+    KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT,
 };
 pub use parse::{
     GgufHeader, TensorInfo, DEFAULT_ALIGNMENT, MAX_ARRAY_DEPTH, MAX_DIMS, MAX_META_ELEMENTS,

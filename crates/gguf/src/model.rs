@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{GgufError, Result};
 use crate::meta::Metadata;
@@ -139,6 +140,12 @@ impl Shard {
     }
 }
 
+impl AsRef<[u8]> for Shard {
+    fn as_ref(&self) -> &[u8] {
+        self.data()
+    }
+}
+
 impl Drop for Shard {
     fn drop(&mut self) {
         // Mapped pages are unlocked by munmap; heap pages must be unlocked explicitly because
@@ -151,6 +158,12 @@ impl Drop for Shard {
     }
 }
 
+/// Something that holds bytes in place for as long as it lives (a file's mapping or buffer).
+pub type SharedOwner = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A tensor's bytes with their owner: `owner.as_ref()[range]` ([`GgufModel::shared_data_of`]).
+pub type SharedData = (SharedOwner, std::ops::Range<usize>);
+
 /// A model: one GGUF file, or all shards of a split set, with the tensor table of every shard
 /// and zero-copy access to tensor data.
 pub struct GgufModel {
@@ -159,7 +172,7 @@ pub struct GgufModel {
     metadata: Metadata,
     tensors: Vec<TensorInfo>,
     index: HashMap<String, usize>,
-    shards: Vec<Shard>,
+    shards: Vec<Arc<Shard>>,
     paths: Vec<PathBuf>,
 }
 
@@ -404,7 +417,7 @@ impl GgufModel {
 
     fn add_shard_unchecked(&mut self, shard: Shard, tensors: Vec<TensorInfo>) {
         let shard_index = self.shards.len();
-        self.shards.push(shard);
+        self.shards.push(Arc::new(shard));
         self.index.reserve(tensors.len());
         for mut t in tensors {
             t.shard = shard_index;
@@ -453,6 +466,17 @@ impl GgufModel {
             data.get(start..end)
         };
         range().unwrap_or(&[])
+    }
+
+    /// [`GgufModel::data_of`] with a handle that keeps the tensor's file (its mapping or
+    /// buffer) alive: the bytes `range` of `owner`, shared without a copy, so that a device
+    /// on the host can keep the weights where they are. `None` for an info that does not
+    /// describe data inside this model's files.
+    pub fn shared_data_of(&self, info: &TensorInfo) -> Option<SharedData> {
+        let shard = self.shards.get(info.shard)?;
+        let start = usize::try_from(info.offset).ok()?;
+        let end = start.checked_add(usize::try_from(info.n_bytes).ok()?)?;
+        (end <= shard.data().len()).then(|| (Arc::clone(shard) as SharedOwner, start..end))
     }
 
     /// The files of this model, shard order (empty for [`GgufModel::from_bytes`]).

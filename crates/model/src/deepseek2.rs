@@ -31,21 +31,22 @@
 use hmoe_backend::{Backend, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy};
 use hmoe_gguf::GgufModel;
 
-use crate::attention::{attention_ext, AttnLayout};
 use crate::executor::blocks::SwiGluFfn;
 use crate::executor::{
     upload_f32, upload_f32_opt, upload_matrix, DevMat, DeviceLayers, ExecError, ExpertSplit,
     Gating as RouterGating, ModelDims, Routed, Router, Step,
 };
-use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::llama::load_f32_opt;
 use crate::ops::{
     embed, ffn_swiglu, final_logits, gate_probs, matmul, matmul_vec_dot, moe_swiglu,
     moe_swiglu_per_seq, output_head, rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling,
     Routing,
 };
+use crate::ubatch::Ubatches;
 use crate::weights::{load_f32, project, Mat};
 use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
+use hmoe_cpu::attention::{attention_ext, AttnLayout};
+use hmoe_cpu::kv_cache::{KvCache, KvType, LayerCache};
 
 const ARCH: &str = "deepseek2";
 
@@ -1056,8 +1057,8 @@ mod tests {
     /// one 16-position chunk.
     #[test]
     fn ref0_k_only_attention_is_the_cpu_engines_bit_for_bit() {
-        use crate::attention::{attention_ext, AttnLayout};
         use hmoe_backend::{Backend, KOnlyAttnParams, KvLayout, Ref0};
+        use hmoe_cpu::attention::{attention_ext, AttnLayout};
         use hmoe_quant::GgmlType;
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut noise = |n: usize| -> Vec<f32> {

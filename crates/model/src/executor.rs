@@ -96,7 +96,8 @@ use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
 use hmoe_backend::{
-    AttnParams, Backend, BackendError, GatedAct, KOnlyAttnParams, KvLayout, KvRing, TransferCounts,
+    AttnParams, Backend, BackendError, GatedAct, KOnlyAttnParams, KvLayout, KvRing, SharedBytes,
+    TransferCounts,
 };
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
@@ -512,8 +513,15 @@ pub(crate) fn upload_matrix<B: Backend>(
         .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
     let cols = info.dims.first().copied().unwrap_or(0) as usize;
     let rows = info.dims.iter().skip(1).product::<u64>() as usize;
+    let m = match g
+        .shared_data_of(info)
+        .and_then(|(o, r)| SharedBytes::new(o, r))
+    {
+        Some(shared) => dev.upload_matrix_shared(info.ty, rows, cols, &shared)?,
+        None => dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?,
+    };
     Ok(DevMat {
-        m: dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?,
+        m,
         rows,
         cols,
         per_seq: batch_order_varies(info.ty),

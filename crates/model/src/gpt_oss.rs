@@ -25,7 +25,6 @@ use std::ops::Range;
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
 
-use crate::attention::{attention, AttnShape as CpuAttnShape};
 use crate::executor::blocks::{AttnBlock, AttnSpec, MoeBlock, MoeSpec};
 use crate::executor::{
     AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router, Step,
@@ -35,8 +34,10 @@ use crate::hybrid::{
 };
 use crate::kv_cache::{KvCache, KvType};
 use crate::ops::{add_bias, rms_norm, softmax, top_k, QuantizedActs, Rope};
+use crate::ubatch::Ubatches;
 use crate::weights::{load_f32, project, Mat};
 use crate::{LogitsWanted, ModelError};
+use hmoe_cpu::attention::{attention, AttnShape as CpuAttnShape};
 
 /// Hyperparameters of a gpt-oss model, read from GGUF metadata (`gpt-oss.*`).
 #[derive(Clone, Debug, PartialEq)]

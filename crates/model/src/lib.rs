@@ -5,18 +5,19 @@
 //! [`executor`] runs them on a device of the contract (`hmoe-backend`), each architecture's
 //! device layer written once in its own file over the executor's shared blocks.
 
-mod attention;
 pub mod deepseek2;
 mod error;
 pub mod executor;
 pub mod gpt_oss;
 pub mod hybrid;
-pub mod kv_cache;
+/// The K/V cache (in `hmoe-cpu`, re-exported here as before).
+pub mod kv_cache {
+    pub use hmoe_cpu::kv_cache::{CacheType, FlashAttn, KvCache, KvType, KvTypeError};
+}
 pub mod llama;
 pub mod ops;
 pub mod qwen3_moe;
-#[cfg(test)]
-mod ref0_kv_tests;
+mod ubatch;
 mod weights;
 
 pub use deepseek2::{Deepseek2, Deepseek2Params};

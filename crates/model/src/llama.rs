@@ -20,16 +20,17 @@
 use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_gguf::GgufModel;
 
-use crate::attention::{attention_ext, AttnLayout};
 use crate::executor::blocks::{AttnBlock, AttnSpec, SwiGluFfn};
 use crate::executor::{buf_bytes, upload_f32, AttnShape, DeviceLayers, ExecError, ModelDims, Step};
-use crate::kv_cache::{KvCache, KvType, LayerCache};
 use crate::ops::{
     add_bias, embed, ffn_swiglu, final_logits, output_head, rms_norm, ArchMeta, QuantizedActs,
     Rope, RopeMode, RopeScaling,
 };
+use crate::ubatch::Ubatches;
 use crate::weights::{load_f32, project, Mat};
 use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
+use hmoe_cpu::attention::{attention_ext, AttnLayout};
+use hmoe_cpu::kv_cache::{KvCache, KvType, LayerCache};
 
 /// Which member of the family a file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -38,6 +38,7 @@ use crate::ops::{
     embed, final_logits, gate_probs, moe_swiglu, moe_swiglu_per_seq, output_head, rms_norm,
     ArchMeta, Gating, QuantizedActs, Rope, RopeMode, RopeScaling, Routing,
 };
+use crate::ubatch::Ubatches;
 use crate::weights::{load_f32, project, Mat};
 use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
 

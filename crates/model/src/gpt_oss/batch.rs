@@ -16,6 +16,7 @@ use hmoe_quant::GgmlType;
 
 use super::GptOss;
 use crate::ops::{rms_norm, QuantizedActs};
+use crate::ubatch::Ubatches;
 use crate::weights::{project, Mat};
 use crate::{LogitsWanted, ModelError, SeqBatch};
 

@@ -27,7 +27,6 @@ use hmoe_quant::GgmlType;
 use hmoe_backend::numerics::rotate_chunks;
 use hmoe_backend::KvLayout;
 
-use crate::{LogitsWanted, ModelError};
 use half::vec::HalfBitsVecExt;
 
 /// Element type of one half (K or V) of the cache: the values of `-ctk` / `-ctv`.
@@ -247,15 +246,20 @@ impl KvType {
 
 /// Storage of one tensor (K or V) of one layer: `cells × width` elements.
 #[derive(Debug)]
-pub(crate) enum Cells {
+pub enum Cells {
+    /// f32 values.
     F32(Vec<f32>),
+    /// f16 values.
     F16(Vec<f16>),
     /// BF16 and the block types, as ggml lays them out: `ty.block_elems()` values in
     /// `ty.block_bytes()` bytes. Rows are rotated in chunks of `rot` values before they are
     /// quantized (0: not rotated).
     Blocks {
+        /// The element type.
         ty: GgmlType,
+        /// The blocks.
         data: Vec<u8>,
+        /// The rotation chunk (0: not rotated).
         rot: usize,
     },
 }
@@ -275,8 +279,30 @@ impl Cells {
         }
     }
 
+    /// Zeroed storage for a device ring of `layout` (its type, `cells × width` values, its
+    /// rotation), or `None` for a type that is not a cache type.
+    pub fn for_layout(layout: &KvLayout) -> Option<Cells> {
+        let ty = CacheType::ALL
+            .into_iter()
+            .find(|t| t.ggml_type() == layout.ty)?;
+        let mut cells = Cells::new(ty, layout.cells * layout.width);
+        if let Cells::Blocks { rot, .. } = &mut cells {
+            *rot = layout.rot;
+        }
+        Some(cells)
+    }
+
+    /// The values as ggml lays them out (little-endian), what a device ring holds.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match self {
+            Cells::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Cells::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Cells::Blocks { data, .. } => data.clone(),
+        }
+    }
+
     /// Elements per block (1 for the float types).
-    pub(crate) fn block_elems(&self) -> usize {
+    pub fn block_elems(&self) -> usize {
         match self {
             Cells::F32(_) | Cells::F16(_) => 1,
             Cells::Blocks { ty, .. } => ty.block_elems(),
@@ -284,7 +310,7 @@ impl Cells {
     }
 
     /// Length of the Walsh–Hadamard chunks rows are rotated in (0: not rotated).
-    pub(crate) fn rotation(&self) -> usize {
+    pub fn rotation(&self) -> usize {
         match self {
             Cells::Blocks { rot, .. } => *rot,
             _ => 0,
@@ -294,7 +320,7 @@ impl Cells {
     /// Stores `src` at element offset `at`, converting to the cell type as ggml's `set_rows`
     /// does. For block types `at` and `src.len()` are whole blocks (the cache checks that
     /// before anything is written).
-    pub(crate) fn store(&mut self, at: usize, src: &[f32]) {
+    pub fn store(&mut self, at: usize, src: &[f32]) {
         match self {
             Cells::F32(v) => v[at..at + src.len()].copy_from_slice(src),
             Cells::F16(v) => {
@@ -321,8 +347,10 @@ impl Cells {
 
 /// The cache of one layer.
 #[derive(Debug)]
-pub(crate) struct LayerCache {
+pub struct LayerCache {
+    /// The keys.
     pub k: Cells,
+    /// The values (empty in a K-only cache).
     pub v: Cells,
     /// Number of cells in the ring; position `p` lives in cell `p % cells`.
     pub cells: usize,
@@ -356,7 +384,7 @@ impl LayerCache {
 
     /// Stores the keys (and values, unless `v` is empty: a K-only cache) of a batch whose first
     /// token sits at position `pos0`; `k` and `v` hold one row per token.
-    pub(crate) fn store(&mut self, pos0: usize, k: &[f32], v: &[f32], n_tokens: usize) {
+    pub fn store(&mut self, pos0: usize, k: &[f32], v: &[f32], n_tokens: usize) {
         let (kw, vw) = (k.len() / n_tokens, v.len() / n_tokens);
         for t in 0..n_tokens {
             let cell = (pos0 + t) % self.cells;
@@ -368,7 +396,7 @@ impl LayerCache {
     }
 
     /// Records that attention could not read this layer (see `refused`).
-    pub(crate) fn refuse(&self) {
+    pub fn refuse(&self) {
         self.refused.store(true, Ordering::Relaxed);
     }
 }
@@ -376,11 +404,14 @@ impl LayerCache {
 /// Key/value cache for one sequence.
 #[derive(Debug)]
 pub struct KvCache {
-    pub(crate) layers: Vec<LayerCache>,
-    pub(crate) ty: KvType,
-    pub(crate) width: usize,
+    /// One ring per layer.
+    pub layers: Vec<LayerCache>,
+    /// Element types and attention mode.
+    pub ty: KvType,
+    /// Elements per cell of K (kv heads × head dim, or the latent width).
+    pub width: usize,
     /// Elements per cell of V (equal to `width`; 0 for a K-only cache).
-    pub(crate) v_width: usize,
+    pub v_width: usize,
     n_ctx: usize,
     n_ubatch: usize,
     n_past: usize,
@@ -513,84 +544,9 @@ impl KvCache {
         self.v_width == 0
     }
 
-    /// Checks that heads of `k_head` (keys) and `v_head` (values) elements are whole blocks
-    /// of the cache types, as llama.cpp requires of block-quantized caches.
-    pub(crate) fn check_heads(&self, k_head: usize, v_head: usize) -> Result<(), ModelError> {
-        let v_head = if self.is_k_only() { 0 } else { v_head };
-        for (which, ty, n) in [("K", self.ty.k, k_head), ("V", self.ty.v, v_head)] {
-            if !n.is_multiple_of(ty.block_elems()) {
-                return Err(misaligned(which, ty, n));
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks `tokens` against the vocabulary and the context, then runs them through `step`
-    /// one micro-batch at a time (`step(cache, chunk, wanted)` must advance the cache by the
-    /// chunk and return the logits it was asked for), concatenating the logits.
-    pub(crate) fn run_ubatches(
-        &mut self,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-        n_vocab: usize,
-        mut step: impl FnMut(&mut KvCache, &[u32], Option<LogitsWanted>) -> Vec<f32>,
-    ) -> Result<Vec<f32>, ModelError> {
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(ModelError::BadToken { id, n_vocab });
-        }
-        if self.n_past + tokens.len() > self.n_ctx {
-            return Err(ModelError::ContextFull {
-                pos: self.n_past,
-                n_tokens: tokens.len(),
-                n_ctx: self.n_ctx,
-            });
-        }
-        // Whole rows must be whole blocks; heads are checked by attention (`refused`).
-        for (which, ty, n) in [("K", self.ty.k, self.width), ("V", self.ty.v, self.v_width)] {
-            if !n.is_multiple_of(ty.block_elems()) {
-                return Err(misaligned(which, ty, 0));
-            }
-        }
-        let mut logits = Vec::new();
-        let n_chunks = tokens.len().div_ceil(self.n_ubatch);
-        for (i, chunk) in tokens.chunks(self.n_ubatch).enumerate() {
-            let want = match wanted {
-                LogitsWanted::All => Some(LogitsWanted::All),
-                LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
-                LogitsWanted::Last => None,
-            };
-            logits.extend(step(self, chunk, want));
-            if self
-                .layers
-                .iter()
-                .any(|l| l.refused.swap(false, Ordering::Relaxed))
-            {
-                let (which, ty) = match self.ty.k.is_quantized() {
-                    true => ("K", self.ty.k),
-                    false => ("V", self.ty.v),
-                };
-                return Err(misaligned(which, ty, 0));
-            }
-        }
-        Ok(logits)
-    }
-
-    pub(crate) fn advance(&mut self, n: usize) {
+    /// Moves the sequence on by `n` positions (after a forward pass stored them).
+    pub fn advance(&mut self, n: usize) {
         self.n_past += n;
-    }
-}
-
-/// The error for heads that are not whole blocks of a block-quantized cache type (`n` = 0:
-/// head size not known here).
-fn misaligned(which: &str, ty: CacheType, n: usize) -> ModelError {
-    ModelError::BadParam {
-        key: format!("{which} cache type"),
-        value: if n > 0 {
-            format!("{ty} (head size {n}, block size {})", ty.block_elems())
-        } else {
-            format!("{ty} (block size {})", ty.block_elems())
-        },
-        why: "attention heads must be a whole number of blocks of the cache type (llama.cpp refuses this too)",
     }
 }
 
@@ -655,8 +611,5 @@ mod tests {
             }
             other => panic!("unexpected cells {other:?}"),
         }
-        assert!(cache.check_heads(64, 64).is_ok());
-        let err = cache.check_heads(16, 16).unwrap_err();
-        assert!(err.to_string().contains("head size 16"), "{err}");
     }
 }

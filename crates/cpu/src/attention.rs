@@ -36,13 +36,17 @@ use hmoe_backend::numerics::{
 };
 
 use crate::kv_cache::{Cells, LayerCache};
-use crate::ops::{expf_ggml, hsum16};
+use hmoe_backend::numerics::{expf_ggml, hsum16};
 
 /// Shape of one attention call.
-pub(crate) struct AttnShape {
+pub struct AttnShape {
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads (GQA: each serves `n_head / n_head_kv` query heads).
     pub n_head_kv: usize,
+    /// Elements of each head.
     pub head_dim: usize,
+    /// Score scale.
     pub scale: f32,
 }
 
@@ -50,7 +54,7 @@ const LANES: usize = 16;
 
 /// `out[t][h] = Σ_j softmax_j(q[t][h]·k_j · scale ⊕ sink[h]) v_j` over the keys visible from
 /// position `pos0 + t`. The cache must already hold the batch's own keys and values.
-pub(crate) fn attention(
+pub fn attention(
     cache: &LayerCache,
     shape: &AttnShape,
     q: &[f32],
@@ -263,8 +267,10 @@ fn dot_vec_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Shape of an attention call whose key and value heads may differ in size.
-pub(crate) struct AttnLayout {
+pub struct AttnLayout {
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads.
     pub n_head_kv: usize,
     /// Elements of each query/key head.
     pub k_dim: usize,
@@ -273,6 +279,7 @@ pub(crate) struct AttnLayout {
     /// Values are the first `v_dim` elements of each key head (multi-head latent attention's
     /// K-only cache) instead of a separate V store.
     pub v_in_k: bool,
+    /// Score scale.
     pub scale: f32,
 }
 
@@ -282,7 +289,7 @@ pub(crate) struct AttnLayout {
 ///
 /// Numerics as [`attention`], plus what ggml does when an f16 key head is not a multiple of 16
 /// long (tinyBLAS declines it): the scores of a batch then come from `vec_dot_f16` too.
-pub(crate) fn attention_ext(
+pub fn attention_ext(
     cache: &LayerCache,
     shape: &AttnLayout,
     q: &[f32],
@@ -1499,7 +1506,7 @@ pub(crate) mod tests {
 
 /// Speed of attention on gpt-oss-120b's shapes (64 query heads, 8 KV heads of 64), with the
 /// cache warm in L3 and cold (64 MiB written first, as a generating model's weights evict it):
-/// `cargo test --release -p hmoe-model --lib attention_speed -- --ignored --nocapture`.
+/// `cargo test --release -p hmoe-cpu --lib attention_speed -- --ignored --nocapture`.
 #[cfg(test)]
 mod speed {
     use super::*;

@@ -1,0 +1,846 @@
+//! [`Cpu`]: the device contract ([`Backend`]) on the host, over the CPU engine's own kernels
+//! (this crate's [`crate::ops`], [`crate::attention`] and [`crate::kv_cache`], multithreaded
+//! with the hmoe-pool thread pool), so that the device executor running on it computes what
+//! the CPU engine computes, bit for bit.
+//!
+//! - Buffers are host vectors; nothing is transferred and nothing is counted
+//!   ([`Backend::transfers`] is `None`), and there is no memory limit to report
+//!   ([`Backend::free_memory`] is `None`).
+//! - Weights stay where they are: [`Backend::upload_matrix_shared`] keeps the handle to the
+//!   file mapping ([`SharedBytes`]), so a model is never copied; [`Backend::upload_matrix`]
+//!   (bytes without an owner) copies. Each matrix multiplies with the kernel the CPU engine
+//!   chooses for it ([`DotKernel::for_matrix`]).
+//! - K/V rings are the CPU engine's cache storage ([`Cells`]), stored and attended over by the
+//!   CPU engine's code: `kv_store` is its `set_rows` conversion (rotation included), attention
+//!   its row kernel or flash attention as [`AttnParams`] asks.
+//! - Routed experts run on the host path of the executor (the CPU engine's expert code over
+//!   the file mapping, [`Backend::staging`] being plain host buffers): this device keeps no
+//!   expert sets ([`Backend::upload_moe`] refuses them).
+
+use std::ops::{Deref, DerefMut, Range};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use hmoe_backend::{
+    AttnParams, Backend, BackendError, Elem, ExpertTensors, GatedAct, Gating, KOnlyAttnParams,
+    KvLayout, KvRing, RopeParams, Routing, RowCopy, SharedBytes, StagedIo, KV_TYPES,
+};
+use hmoe_quant::{DotKernel, GgmlType};
+
+use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
+use crate::kv_cache::{Cells, LayerCache};
+use crate::ops::{self, QuantizedActs};
+
+/// The CPU device's name in device lists and messages.
+pub const CPU_NAME: &str = "CPU";
+
+/// A buffer of the CPU device: a host vector, or (for a K/V ring) the CPU engine's cache
+/// storage of the ring's type.
+pub struct CpuBuf<T> {
+    data: Vec<T>,
+    ring: Option<Box<Ring>>,
+}
+
+/// A K/V ring's storage and its size in bytes.
+struct Ring {
+    cells: Mutex<Cells>,
+    bytes: usize,
+}
+
+impl<T> CpuBuf<T> {
+    fn host(data: Vec<T>) -> CpuBuf<T> {
+        CpuBuf { data, ring: None }
+    }
+}
+
+impl<T> Deref for CpuBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.data
+    }
+}
+
+impl<T> DerefMut for CpuBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.data
+    }
+}
+
+/// Where a matrix's bytes live.
+enum MatrixBytes {
+    /// A copy (bytes uploaded without an owner).
+    Owned(Vec<u8>),
+    /// The file mapping, kept alive by the handle.
+    Shared(SharedBytes),
+}
+
+/// A weight matrix in its file encoding, with the CPU engine's kernel for it.
+pub struct CpuMatrix {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    bytes: MatrixBytes,
+    kernel: DotKernel,
+}
+
+impl CpuMatrix {
+    fn data(&self) -> &[u8] {
+        match &self.bytes {
+            MatrixBytes::Owned(v) => v,
+            MatrixBytes::Shared(s) => s.bytes(),
+        }
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        &self.data()[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+}
+
+/// An expert set of the CPU device: never made ([`Backend::upload_moe`] refuses; the CPU runs
+/// routed experts on the executor's host path).
+pub enum CpuMoe {}
+
+/// Host buffers of the expert-boundary round trip (on the CPU, copies within host memory).
+pub struct CpuStaging {
+    h: Vec<f32>,
+    sel: Vec<i32>,
+    w: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// The CPU as a device of the contract (see the module docs).
+#[derive(Default)]
+pub struct Cpu {
+    /// Activations converted for a product, reused between calls.
+    acts: Mutex<QuantizedActs>,
+}
+
+impl Cpu {
+    /// The CPU device.
+    pub fn new() -> Cpu {
+        Cpu::default()
+    }
+
+    fn acts(&self) -> MutexGuard<'_, QuantizedActs> {
+        self.acts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn ensure(op: &'static str, ok: bool, what: impl FnOnce() -> String) -> Result<(), BackendError> {
+    match ok {
+        true => Ok(()),
+        false => Err(BackendError::Shape { op, what: what() }),
+    }
+}
+
+fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> BackendError {
+    move |e| BackendError::Shape {
+        op,
+        what: e.to_string(),
+    }
+}
+
+/// The matrix `data` of `rows × cols` values of `ty`, checked, with its kernel.
+fn matrix(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    len: usize,
+    bytes: MatrixBytes,
+) -> Result<CpuMatrix, BackendError> {
+    const OP: &str = "upload_matrix";
+    let kernel = DotKernel::for_matrix(ty, rows)
+        .map_err(|_| BackendError::UnsupportedType { ty, op: OP })?;
+    let row_bytes = ty.row_bytes(cols as u64).unwrap_or(0) as usize;
+    ensure(OP, row_bytes > 0 && len == rows * row_bytes, || {
+        format!("{len} bytes for {rows} rows of {cols} {ty}")
+    })?;
+    Ok(CpuMatrix {
+        ty,
+        rows,
+        cols,
+        row_bytes,
+        bytes,
+        kernel,
+    })
+}
+
+/// The ring's storage, or the shape error of a buffer that is not a ring.
+fn ring_cells<'r>(
+    ring: &'r KvRing<Cpu>,
+    op: &'static str,
+) -> Result<MutexGuard<'r, Cells>, BackendError> {
+    let r = ring.data.ring.as_ref().ok_or_else(|| BackendError::Shape {
+        op,
+        what: "a buffer that is not a K/V ring".into(),
+    })?;
+    Ok(r.cells.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
+/// Runs `f` over a [`LayerCache`] made of the rings' storage (moved in and back out, no
+/// copy); the shape error when the kernel refused the heads.
+fn with_layer(
+    op: &'static str,
+    k: &mut Cells,
+    v: Option<&mut Cells>,
+    (cells, window, flash): (usize, Option<usize>, bool),
+    f: impl FnOnce(&LayerCache),
+) -> Result<(), BackendError> {
+    let empty = || Cells::F32(Vec::new());
+    let mut spare = empty();
+    let v = v.unwrap_or(&mut spare);
+    let layer = LayerCache {
+        k: std::mem::replace(k, empty()),
+        v: std::mem::replace(v, empty()),
+        cells,
+        window,
+        flash,
+        refused: AtomicBool::new(false),
+    };
+    f(&layer);
+    let refused = layer.refused.load(Ordering::Relaxed);
+    *k = layer.k;
+    *v = layer.v;
+    ensure(op, !refused, || {
+        "heads that are not whole blocks of the cache type".into()
+    })
+}
+
+/// `(cos, sin)` of every rotated pair at `pos`.
+fn rope_table(p: &RopeParams, pos: i32, out: &mut Vec<(f32, f32)>) {
+    out.clear();
+    out.extend((0..p.n_dims / 2).map(|i| p.cos_sin(pos, i)));
+}
+
+impl Backend for Cpu {
+    type Buf<T: Elem> = CpuBuf<T>;
+    type Matrix = CpuMatrix;
+    type Moe = CpuMoe;
+    type Staging = CpuStaging;
+
+    fn name(&self) -> String {
+        CPU_NAME.into()
+    }
+    fn free_memory(&self) -> Result<Option<u64>, BackendError> {
+        Ok(None)
+    }
+    fn upload_f32(&self, src: &[f32]) -> Result<CpuBuf<f32>, BackendError> {
+        Ok(CpuBuf::host(src.to_vec()))
+    }
+    fn upload_i32(&self, src: &[i32]) -> Result<CpuBuf<i32>, BackendError> {
+        Ok(CpuBuf::host(src.to_vec()))
+    }
+    fn upload_u16(&self, src: &[u16]) -> Result<CpuBuf<u16>, BackendError> {
+        Ok(CpuBuf::host(src.to_vec()))
+    }
+    fn upload_u8(&self, src: &[u8]) -> Result<CpuBuf<u8>, BackendError> {
+        Ok(CpuBuf::host(src.to_vec()))
+    }
+    fn alloc_f32(&self, len: usize) -> Result<CpuBuf<f32>, BackendError> {
+        Ok(CpuBuf::host(vec![0.0; len]))
+    }
+    fn alloc_i32(&self, len: usize) -> Result<CpuBuf<i32>, BackendError> {
+        Ok(CpuBuf::host(vec![0; len]))
+    }
+    fn alloc_u16(&self, len: usize) -> Result<CpuBuf<u16>, BackendError> {
+        Ok(CpuBuf::host(vec![0; len]))
+    }
+    fn alloc_u8(&self, len: usize) -> Result<CpuBuf<u8>, BackendError> {
+        Ok(CpuBuf::host(vec![0; len]))
+    }
+    fn download_f32(&self, src: &CpuBuf<f32>) -> Result<Vec<f32>, BackendError> {
+        Ok(src.data.clone())
+    }
+    fn download_i32(&self, src: &CpuBuf<i32>) -> Result<Vec<i32>, BackendError> {
+        Ok(src.data.clone())
+    }
+    fn download_u16(&self, src: &CpuBuf<u16>) -> Result<Vec<u16>, BackendError> {
+        Ok(src.data.clone())
+    }
+    fn download_u8(&self, src: &CpuBuf<u8>) -> Result<Vec<u8>, BackendError> {
+        Ok(match &src.ring {
+            Some(r) => r
+                .cells
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .to_bytes(),
+            None => src.data.clone(),
+        })
+    }
+    fn buf_len<T: Elem>(b: &CpuBuf<T>) -> usize {
+        b.data.len() + b.ring.as_ref().map_or(0, |r| r.bytes)
+    }
+    fn copy_range(
+        &self,
+        src: &CpuBuf<f32>,
+        range: Range<usize>,
+    ) -> Result<CpuBuf<f32>, BackendError> {
+        let data = src.get(range.clone()).ok_or_else(|| BackendError::Shape {
+            op: "copy_range",
+            what: format!("{range:?} of {}", src.len()),
+        })?;
+        Ok(CpuBuf::host(data.to_vec()))
+    }
+    fn copy_into(
+        &self,
+        src: &CpuBuf<f32>,
+        dst: &mut CpuBuf<f32>,
+        at: usize,
+    ) -> Result<(), BackendError> {
+        let range = hmoe_backend::copy_into_range(src.len(), dst.len(), at)?;
+        dst[range].copy_from_slice(src);
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn upload_matrix(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<CpuMatrix, BackendError> {
+        matrix(
+            ty,
+            rows,
+            cols,
+            data.len(),
+            MatrixBytes::Owned(data.to_vec()),
+        )
+    }
+    fn upload_matrix_shared(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &SharedBytes,
+    ) -> Result<CpuMatrix, BackendError> {
+        let len = data.bytes().len();
+        matrix(ty, rows, cols, len, MatrixBytes::Shared(data.clone()))
+    }
+    fn matrix_bytes(m: &CpuMatrix) -> usize {
+        m.data().len()
+    }
+    fn upload_moe(
+        &self,
+        _t: &ExpertTensors<'_>,
+        _ids: Option<&[usize]>,
+    ) -> Result<CpuMoe, BackendError> {
+        Err(BackendError::Unsupported {
+            op: "upload_moe",
+            what: "an expert set (the CPU runs routed experts on the host path)".into(),
+        })
+    }
+    fn moe_bytes(m: &CpuMoe) -> usize {
+        match *m {}
+    }
+    fn get_rows(
+        &self,
+        t: &CpuMatrix,
+        ids: &CpuBuf<i32>,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        ensure("get_rows", out.len() >= ids.len() * t.cols, || {
+            format!("out {} for {} rows of {}", out.len(), ids.len(), t.cols)
+        })?;
+        for (i, &id) in ids.iter().enumerate() {
+            let dst = &mut out[i * t.cols..(i + 1) * t.cols];
+            match usize::try_from(id).ok().filter(|&r| r < t.rows) {
+                Some(r) => hmoe_quant::dequantize_row(t.ty, t.row(r), dst)
+                    .map_err(quant_err("get_rows"))?,
+                None => dst.fill(0.0),
+            }
+        }
+        Ok(())
+    }
+    fn rms_norm(
+        &self,
+        x: &CpuBuf<f32>,
+        weight: &CpuBuf<f32>,
+        eps: f32,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let n = weight.len();
+        ensure(
+            "rms_norm",
+            n > 0 && x.len().is_multiple_of(n) && out.len() >= x.len(),
+            || format!("x {} / weight {n} / out {}", x.len(), out.len()),
+        )?;
+        ops::rms_norm(x, weight, eps, &mut out[..x.len()]);
+        Ok(())
+    }
+    fn matmul(
+        &self,
+        w: &CpuMatrix,
+        x: &CpuBuf<f32>,
+        n: usize,
+        y: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        ensure(
+            "matmul",
+            x.len() >= n * w.cols && y.len() >= n * w.rows,
+            || format!("x {} / y {} for {n} tokens", x.len(), y.len()),
+        )?;
+        let mut acts = self.acts();
+        acts.quantize(w.kernel.act_type(), &x[..n * w.cols], w.cols);
+        let y = &mut y[..n * w.rows];
+        ops::matmul(w.kernel, w.data(), w.cols, w.rows, &acts, y);
+        Ok(())
+    }
+    fn add_assign(&self, x: &mut CpuBuf<f32>, y: &CpuBuf<f32>) -> Result<(), BackendError> {
+        ensure("add_assign", y.len() >= x.len(), || "lengths".into())?;
+        x.iter_mut().zip(y.iter()).for_each(|(a, &b)| *a += b);
+        Ok(())
+    }
+    fn add_bias(&self, x: &mut CpuBuf<f32>, bias: &CpuBuf<f32>) -> Result<(), BackendError> {
+        let c = bias.len();
+        ensure("add_bias", c > 0 && x.len().is_multiple_of(c), || {
+            "lengths".into()
+        })?;
+        ops::add_bias(x, bias);
+        Ok(())
+    }
+    fn rope_neox(
+        &self,
+        x: &mut CpuBuf<f32>,
+        positions: &CpuBuf<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        ensure(
+            "rope_neox",
+            x.len() >= positions.len() * n_heads * head_dim && p.n_dims <= head_dim,
+            || "lengths".into(),
+        )?;
+        let half = p.n_dims / 2;
+        let mut cs = Vec::with_capacity(half);
+        for (t, &pos) in positions.iter().enumerate() {
+            rope_table(p, pos, &mut cs);
+            let heads = &mut x[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
+            // The CPU engine's `Rope::apply_neox`: FMAs as ggml's build contracts them.
+            for head in heads.chunks_exact_mut(head_dim) {
+                for (i, &(c, s)) in cs.iter().enumerate() {
+                    let (x0, x1) = (head[i], head[i + half]);
+                    head[i] = x0.mul_add(c, -(x1 * s));
+                    head[i + half] = x0.mul_add(s, x1 * c);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn kv_types(&self) -> &'static [GgmlType] {
+        &KV_TYPES
+    }
+    fn kv_alloc(&self, layout: KvLayout) -> Result<KvRing<Cpu>, BackendError> {
+        let cells = Cells::for_layout(&layout).ok_or(BackendError::UnsupportedType {
+            ty: layout.ty,
+            op: "kv_alloc",
+        })?;
+        let ring = Ring {
+            cells: Mutex::new(cells),
+            bytes: layout.bytes(),
+        };
+        Ok(KvRing {
+            data: CpuBuf {
+                data: Vec::new(),
+                ring: Some(Box::new(ring)),
+            },
+            layout,
+        })
+    }
+    fn kv_store(
+        &self,
+        src: &CpuBuf<f32>,
+        ring: &mut KvRing<Cpu>,
+        n_tokens: usize,
+        pos0: usize,
+    ) -> Result<(), BackendError> {
+        let (w, n_cells) = (ring.layout.width, ring.layout.cells);
+        ensure("kv_store", src.len() >= n_tokens * w && n_cells > 0, || {
+            format!("{} values for {n_tokens} rows of {w}", src.len())
+        })?;
+        let mut cells = ring_cells(ring, "kv_store")?;
+        // The CPU engine's `LayerCache::store`: one row per token, converted as `set_rows`.
+        for (t, row) in src.chunks_exact(w).take(n_tokens).enumerate() {
+            cells.store((pos0 + t) % n_cells * w, row);
+        }
+        Ok(())
+    }
+    fn attention(
+        &self,
+        p: &AttnParams,
+        q: &CpuBuf<f32>,
+        k: &KvRing<Cpu>,
+        v: &KvRing<Cpu>,
+        sinks: Option<&CpuBuf<f32>>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "attention";
+        let (nh, nkv, hd) = (p.n_head, p.n_head_kv, p.head_dim);
+        let n_q = n_tokens * nh * hd;
+        ensure(
+            OP,
+            nkv > 0
+                && nh.is_multiple_of(nkv)
+                && q.len() >= n_q
+                && out.len() >= n_q
+                && sinks.is_none_or(|s| s.len() >= nh)
+                && [&k.layout, &v.layout]
+                    .iter()
+                    .all(|l| l.width == nkv * hd && l.cells == p.cells)
+                && p.keys_seen(n_tokens, pos0) <= p.cells.max(usize::from(n_tokens == 0)),
+            || format!("{p:?} over K {:?} / V {:?}", k.layout, v.layout),
+        )?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let (q, out) = (&q[..n_q], &mut out[..n_q]);
+        let mut kc = ring_cells(k, OP)?;
+        let mut vc = ring_cells(v, OP)?;
+        let ring = (p.cells, p.window, p.flash);
+        match (p.value_chains, sinks) {
+            // gpt-oss's attention: one value chain, sinks or not.
+            (1, sinks) => {
+                let shape = AttnShape {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: hd,
+                    scale: p.scale,
+                };
+                let sinks = sinks.map(|s| &s[..nh]);
+                with_layer(OP, &mut kc, Some(&mut vc), ring, |l| {
+                    attention(l, &shape, q, pos0, sinks, out)
+                })
+            }
+            // Llama-style blocks' and Qwen3-MoE's: `vec_dot`'s four chains, no sinks.
+            (hmoe_backend::numerics::VEC_DOT_CHAINS, None) => {
+                let shape = AttnLayout {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    k_dim: hd,
+                    v_dim: hd,
+                    v_in_k: false,
+                    scale: p.scale,
+                };
+                with_layer(OP, &mut kc, Some(&mut vc), ring, |l| {
+                    attention_ext(l, &shape, q, pos0, out)
+                })
+            }
+            (chains, sinks) => Err(BackendError::Unsupported {
+                op: OP,
+                what: format!(
+                    "{chains} value chains with{} sinks",
+                    if sinks.is_some() { "" } else { "out" }
+                ),
+            }),
+        }
+    }
+    fn router_top_k(
+        &self,
+        logits: &CpuBuf<f32>,
+        n_expert: usize,
+        k: usize,
+        selected: &mut CpuBuf<i32>,
+        weights: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        ensure(
+            "router_top_k",
+            n_expert > 0 && k > 0 && k <= n_expert && logits.len().is_multiple_of(n_expert),
+            || "shape".into(),
+        )?;
+        let n = logits.len() / n_expert;
+        ensure(
+            "router_top_k",
+            selected.len() >= n * k && weights.len() >= n * k,
+            || "lengths".into(),
+        )?;
+        // The CPU engine's gpt-oss routing: top-k, then the softmax over the chosen scores.
+        let (mut top, mut w) = (Vec::with_capacity(n_expert), Vec::with_capacity(k));
+        for (t, row) in logits.chunks_exact(n_expert).enumerate() {
+            hmoe_backend::routing::top_k(row, k, &mut top);
+            w.clear();
+            w.extend(top.iter().map(|&e| row[e]));
+            ops::softmax(&mut w);
+            for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
+                selected[t * k + j] = e as i32;
+                weights[t * k + j] = wv;
+            }
+        }
+        Ok(())
+    }
+    fn moe(
+        &self,
+        w: &CpuMoe,
+        _act: GatedAct,
+        _x: &CpuBuf<f32>,
+        _selected: &CpuBuf<i32>,
+        _weights: &CpuBuf<f32>,
+        _k: usize,
+        _out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        match *w {}
+    }
+    fn copy_rows(
+        &self,
+        src: &CpuBuf<f32>,
+        dst: &mut CpuBuf<f32>,
+        c: &RowCopy,
+    ) -> Result<(), BackendError> {
+        c.check(src.len(), dst.len())?;
+        for r in 0..c.n_rows {
+            let from = &src[r * c.src_stride + c.src_offset..][..c.width];
+            dst[r * c.dst_stride + c.dst_offset..][..c.width].copy_from_slice(from);
+        }
+        Ok(())
+    }
+    fn rope_norm(
+        &self,
+        x: &mut CpuBuf<f32>,
+        positions: &CpuBuf<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        first: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        hmoe_backend::shapes::rope_norm(
+            x.len(),
+            positions.len(),
+            n_heads,
+            head_dim,
+            first,
+            p.n_dims,
+        )?;
+        let mut cs = Vec::with_capacity(p.n_dims / 2);
+        for (t, &pos) in positions.iter().enumerate() {
+            rope_table(p, pos, &mut cs);
+            for h in 0..n_heads {
+                let head = &mut x[(t * n_heads + h) * head_dim + first..][..p.n_dims];
+                // The CPU engine's `Rope::apply_norm`.
+                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(&cs) {
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = x0.mul_add(c, -(x1 * s));
+                    pair[1] = x0.mul_add(s, x1 * c);
+                }
+            }
+        }
+        Ok(())
+    }
+    fn matmul_heads(
+        &self,
+        w: &CpuMatrix,
+        x: &CpuBuf<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let out = hmoe_backend::shapes::matmul_heads(
+            w.rows,
+            w.cols,
+            n,
+            n_heads,
+            x_stride,
+            x.len(),
+            y.len(),
+        )?;
+        // As the CPU engine's MLA: per head, the head's inputs of every token gathered, then
+        // `matmul` (whole rows) or `matmul_vec_dot` (a non-contiguous activation).
+        let mut acts = self.acts();
+        let mut xs = vec![0f32; n * w.cols];
+        let mut ys = vec![0f32; n * out];
+        let head_bytes = out * w.row_bytes;
+        for h in 0..n_heads {
+            for (t, dst) in xs.chunks_exact_mut(w.cols).enumerate() {
+                dst.copy_from_slice(&x[(t * n_heads + h) * x_stride..][..w.cols]);
+            }
+            acts.quantize(w.kernel.act_type(), &xs, w.cols);
+            let wh = &w.data()[h * head_bytes..(h + 1) * head_bytes];
+            match x_stride == w.cols {
+                true => ops::matmul(w.kernel, wh, w.cols, out, &acts, &mut ys),
+                false => ops::matmul_vec_dot(w.kernel, wh, w.cols, out, &acts, &mut ys),
+            }
+            for (t, src) in ys.chunks_exact(out).enumerate() {
+                y[(t * n_heads + h) * out..][..out].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+    fn swiglu(
+        &self,
+        gate: &mut CpuBuf<f32>,
+        up: &CpuBuf<f32>,
+        n: usize,
+    ) -> Result<(), BackendError> {
+        hmoe_backend::shapes::swiglu(gate.len(), up.len(), n)?;
+        ops::swiglu(gate, up, n);
+        Ok(())
+    }
+    fn attention_k_only(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &CpuBuf<f32>,
+        k_ring: &KvRing<Cpu>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "attention_k_only";
+        hmoe_backend::shapes::attention_k_only(
+            p,
+            q.len(),
+            &k_ring.layout,
+            out.len(),
+            n_tokens,
+            pos0,
+        )?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let shape = AttnLayout {
+            n_head: p.n_head,
+            n_head_kv: 1,
+            k_dim: p.k_dim,
+            v_dim: p.v_dim,
+            v_in_k: true,
+            scale: p.scale,
+        };
+        let q = &q[..n_tokens * p.n_head * p.k_dim];
+        let out = &mut out[..n_tokens * p.n_head * p.v_dim];
+        let mut kc = ring_cells(k_ring, OP)?;
+        // DeepSeek's latent cache: values inside the keys, the row kernel whatever `-fa` says.
+        with_layer(OP, &mut kc, None, (p.cells, None, false), |l| {
+            attention_ext(l, &shape, q, pos0, out)
+        })
+    }
+    fn route(
+        &self,
+        logits: &CpuBuf<f32>,
+        bias: Option<&CpuBuf<f32>>,
+        gating: Gating,
+        routing: &Routing,
+        n_expert: usize,
+        selected: &mut CpuBuf<i32>,
+        weights: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let k = routing.k;
+        hmoe_backend::shapes::route(
+            routing,
+            n_expert,
+            logits.len(),
+            bias.map(|b| b.len()),
+            selected.len(),
+            weights.len(),
+        )?;
+        // The CPU engine's routing (shared with every device): gate probabilities, then the
+        // selection.
+        let (mut top, mut w) = (Vec::new(), Vec::new());
+        let mut probs = Vec::with_capacity(n_expert);
+        for (t, row) in logits.chunks_exact(n_expert).enumerate() {
+            probs.clear();
+            probs.extend_from_slice(row);
+            hmoe_backend::routing::gate_probs(gating, &mut probs);
+            routing.select(&probs, bias.map(|b| &b[..]), &mut top, &mut w);
+            for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
+                selected[t * k + j] = e as i32;
+                weights[t * k + j] = wv;
+            }
+        }
+        Ok(())
+    }
+    fn staging(&self, n_d: usize, n_k: usize) -> Result<CpuStaging, BackendError> {
+        Ok(CpuStaging {
+            h: vec![0.0; n_d],
+            sel: vec![0; n_k],
+            w: vec![0.0; n_k],
+            out: vec![0.0; n_d],
+        })
+    }
+    fn stage_down(
+        &self,
+        st: &mut CpuStaging,
+        h: &CpuBuf<f32>,
+        sel: &CpuBuf<i32>,
+        w: &CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        ensure(
+            "stage_down",
+            st.h.len() == h.len() && st.sel.len() == sel.len() && st.w.len() == w.len(),
+            || "lengths".into(),
+        )?;
+        st.h.copy_from_slice(h);
+        st.sel.copy_from_slice(sel);
+        st.w.copy_from_slice(w);
+        Ok(())
+    }
+    fn staged<'s>(&self, st: &'s mut CpuStaging) -> Result<StagedIo<'s>, BackendError> {
+        Ok(StagedIo {
+            h: &st.h,
+            sel: &st.sel,
+            w: &st.w,
+            out: &mut st.out,
+        })
+    }
+    fn stage_up(&self, st: &CpuStaging, out: &mut CpuBuf<f32>) -> Result<(), BackendError> {
+        ensure("stage_up", out.len() >= st.out.len(), || "lengths".into())?;
+        out[..st.out.len()].copy_from_slice(&st.out);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn shared_weights_are_kept_in_place_and_multiply_like_a_copy() {
+        let (rows, cols) = (3, 32);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.1).sin()).collect();
+        let mut q = vec![0u8; GgmlType::Q8_0.row_bytes((rows * cols) as u64).unwrap() as usize];
+        hmoe_quant::quantize_row(GgmlType::Q8_0, &vals, &mut q).unwrap();
+        let owner: Arc<Vec<u8>> = Arc::new(q.clone());
+        let shared = SharedBytes::new(owner.clone(), 0..q.len()).unwrap();
+        let cpu = Cpu::new();
+        let m = cpu
+            .upload_matrix_shared(GgmlType::Q8_0, rows, cols, &shared)
+            .unwrap();
+        assert_eq!(m.data().as_ptr(), owner.as_ptr(), "no copy of the weights");
+        let copy = cpu.upload_matrix(GgmlType::Q8_0, rows, cols, &q).unwrap();
+        assert_ne!(copy.data().as_ptr(), owner.as_ptr());
+        let x = cpu.upload(&vals[..2 * cols]).unwrap();
+        let (mut a, mut b) = (cpu.alloc(2 * rows).unwrap(), cpu.alloc(2 * rows).unwrap());
+        cpu.matmul(&m, &x, 2, &mut a).unwrap();
+        cpu.matmul(&copy, &x, 2, &mut b).unwrap();
+        assert_eq!(cpu.download(&a).unwrap(), cpu.download(&b).unwrap());
+        assert!(cpu
+            .upload_matrix_shared(GgmlType::Q8_0, rows + 1, cols, &shared)
+            .is_err());
+    }
+
+    #[test]
+    fn rings_store_as_the_cpu_cache_and_download_its_bytes() {
+        let cpu = Cpu::new();
+        let layout = KvLayout::new(GgmlType::F16, 4, 2, 0).unwrap();
+        let mut ring = cpu.kv_alloc(layout).unwrap();
+        assert_eq!(Cpu::buf_len(&ring.data), layout.bytes());
+        let src = cpu
+            .upload(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+            .unwrap();
+        // Positions 1 and 2 go to cells 1 and 0.
+        cpu.kv_store(&src, &mut ring, 2, 1).unwrap();
+        let bytes = cpu.download(&ring.data).unwrap();
+        let f16_at = |i: usize| half::f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]);
+        assert_eq!(f16_at(0).to_f32(), 5.0);
+        assert_eq!(f16_at(4).to_f32(), 1.0);
+        let mut not_a_ring = KvRing {
+            data: cpu.alloc::<u8>(layout.bytes()).unwrap(),
+            layout,
+        };
+        assert!(cpu.kv_store(&src, &mut not_a_ring, 2, 0).is_err());
+    }
+}

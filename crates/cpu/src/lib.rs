@@ -1,0 +1,15 @@
+//! The CPU engine's kernels and the CPU as a device of the contract (DESIGN.md §1, the
+//! `backend` layer): attention over the K/V cache (the row kernel and flash attention, every
+//! `-ctk`/`-ctv` type), the cache itself, the row kernels (RMSNorm, matmul over quantized
+//! weights, softmax, SwiGLU), and [`Cpu`], the `hmoe_backend::Backend` built from them. They
+//! know no architecture; the architectures (crate `hmoe-model`) call them.
+
+pub mod attention;
+mod device;
+pub mod kv_cache;
+pub mod ops;
+#[cfg(test)]
+mod ref0_kv_tests;
+
+pub use device::{Cpu, CpuBuf, CpuMatrix, CpuMoe, CpuStaging, CPU_NAME};
+pub use kv_cache::{KvCache, KvType};
