@@ -102,24 +102,41 @@ fn attention_rotated(
         out.fill(0.0);
         return;
     }
+    let n_tokens = q.len() / (shape.n_head * hd);
     let ctx = RowTask {
         cache,
         k_kernel: block_kernel(&cache.k),
         group: shape.n_head / shape.n_head_kv,
         n_head_kv: shape.n_head_kv,
+        kv_per_task: row_kv_per_task(n_tokens, shape.n_head_kv, hmoe_pool::current_num_threads()),
         hd,
         scale: shape.scale,
-        single_token: q.len() == shape.n_head * hd,
+        single_token: n_tokens == 1,
         q,
         pos0,
         sinks,
     };
-    // One task per (token, KV head): the query heads sharing a KV head read each key and
-    // value row once.
-    hmoe_pool::global().for_each_chunk_mut(out, ctx.group * hd, |task, dst| {
+    // One task per (token, run of KV heads): the query heads sharing a KV head read each key
+    // and value row once.
+    let chunk = ctx.kv_per_task * ctx.group * hd;
+    hmoe_pool::global().for_each_chunk_mut(out, chunk, |task, dst| {
         ROW_SCRATCH.with_borrow_mut(|sc| ctx.run(task, sc, dst, true));
     });
 }
+
+/// KV heads per row-kernel task: as many as still leave a task for every thread, so that a
+/// task reads a longer run of each cache row (the heads of a position lie side by side, and
+/// runs a whole KV head apart defeat the hardware prefetchers). Results do not depend on it.
+fn row_kv_per_task(n_tokens: usize, n_head_kv: usize, threads: usize) -> usize {
+    (1..=n_head_kv)
+        .rev()
+        .find(|&k| n_head_kv.is_multiple_of(k) && n_tokens * (n_head_kv / k) >= threads)
+        .unwrap_or(1)
+}
+
+/// Positions a row-kernel task scores (and sums) for all its KV heads before the next ones,
+/// asking for the next block's rows meanwhile.
+const ROW_BLOCK: usize = 64;
 
 /// What every task of one row-kernel call ([`attention_rotated`]) shares.
 struct RowTask<'a> {
@@ -129,6 +146,8 @@ struct RowTask<'a> {
     /// Query heads per KV head.
     group: usize,
     n_head_kv: usize,
+    /// KV heads per task ([`row_kv_per_task`]).
+    kv_per_task: usize,
     hd: usize,
     scale: f32,
     single_token: bool,
@@ -172,52 +191,78 @@ fn cell_runs(first: usize, last: usize, cells: usize) -> impl Iterator<Item = (u
 }
 
 impl RowTask<'_> {
-    /// Runs task `task` (token `task / n_head_kv`, KV head `task % n_head_kv`), writing its
-    /// query heads' outputs to `dst`. `kernels`: f16 keys of one token and f16 values go
-    /// through the `hmoe_quant` attention kernels (the same bits as the element-by-element
-    /// loops, which `false` runs instead, for the tests).
+    /// Runs task `task` (token `t`, KV heads `kvh0..kvh0 + kv_per_task`), writing their query
+    /// heads' outputs to `dst`. `kernels`: f16 keys of one token and f16 values go through the
+    /// `hmoe_quant` attention kernels, a block of positions at a time for all the task's KV
+    /// heads (the same bits as the element-by-element loops, which `false` runs instead, for
+    /// the tests).
     fn run(&self, task: usize, sc: &mut RowScratch, dst: &mut [f32], kernels: bool) {
         let (cache, hd, group) = (self.cache, self.hd, self.group);
+        let n_kv = self.kv_per_task;
         let width = self.n_head_kv * hd;
-        let t = task / self.n_head_kv;
-        let kvh = task % self.n_head_kv;
+        let runs_per_token = self.n_head_kv / n_kv;
+        let t = task / runs_per_token;
+        let kvh0 = task % runs_per_token * n_kv;
         let pos = self.pos0 + t;
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let heads = &self.q[task * group * hd..(task + 1) * group * hd];
-        let kv_off = kvh * hd;
-        let cell = |p: usize| (p % cache.cells) * width + kv_off;
-        // Probabilities for positions chunk_start..=pos per head, zero outside the window.
+        let rows = n_kv * group;
+        let heads = &self.q[(t * self.n_head_kv + kvh0) * group * hd..][..rows * hd];
+        // Element offset of KV head `kvh0 + j` at position `p`.
+        let cell = |p: usize, j: usize| (p % cache.cells) * width + (kvh0 + j) * hd;
+        // Probabilities for positions chunk_start..=pos per query head (row `j · group + g`),
+        // zero outside the window.
         let chunk_start = first / LANES * LANES;
         let span = pos + 1 - chunk_start;
-        let probs = fit(&mut sc.probs, group * span);
+        let probs = fit(&mut sc.probs, rows * span);
+        // The blocks of `first..=pos` the kernels take in turn, each after asking for the
+        // task's heads of the next one.
+        let blocks = || {
+            (first..=pos)
+                .step_by(ROW_BLOCK)
+                .map(move |b| b..(b + ROW_BLOCK).min(pos + 1))
+        };
+        let ask = |data: &[f16], block: std::ops::Range<usize>| {
+            for p in block {
+                hmoe_quant::prefetch(f16_bytes(&data[cell(p, 0)..cell(p, 0) + n_kv * hd]));
+            }
+        };
+        let next = |b: &std::ops::Range<usize>| b.end..(b.end + ROW_BLOCK).min(pos + 1);
         match &cache.k {
             // `vec_dot_f16` for one token's f16 keys (ggml rounds the query to f16 first).
             Cells::F16(k) if self.single_token => {
                 sc.q_half.clear();
                 sc.q_half.extend(heads.iter().map(|&v| f16::from_f32(v)));
                 if kernels {
-                    for (a, len) in cell_runs(first, pos, cache.cells) {
-                        hmoe_quant::f16_head_scores(
-                            hd,
-                            &sc.q_half,
-                            &k[cell(a)..],
-                            width,
-                            len,
-                            self.scale,
-                            &mut probs[a - chunk_start..],
-                            span,
-                        );
+                    ask(k, first..(first + ROW_BLOCK).min(pos + 1));
+                    for block in blocks() {
+                        ask(k, next(&block));
+                        for (a, len) in cell_runs(block.start, block.end - 1, cache.cells) {
+                            for (j, q) in sc.q_half.chunks_exact(group * hd).enumerate() {
+                                hmoe_quant::f16_head_scores(
+                                    hd,
+                                    q,
+                                    &k[cell(a, j)..],
+                                    width,
+                                    len,
+                                    self.scale,
+                                    &mut probs[j * group * span + a - chunk_start..],
+                                    span,
+                                );
+                            }
+                        }
                     }
                 } else {
                     // Symmetric, so the group's query heads go through one `dot_rows` call
                     // per key as the "weight rows".
                     let kernel = DotKernel::best(GgmlType::F16).expect("f16 has a dot kernel");
                     let row_scores = fit(&mut sc.row_scores, group);
-                    for p in first..=pos {
-                        let key = f16_bytes(&k[cell(p)..cell(p) + hd]);
-                        kernel.dot_rows(hd, f16_bytes(&sc.q_half), key, row_scores);
-                        for (g, &s) in row_scores.iter().enumerate() {
-                            probs[g * span + p - chunk_start] = s * self.scale;
+                    for (j, q) in sc.q_half.chunks_exact(group * hd).enumerate() {
+                        for p in first..=pos {
+                            let key = f16_bytes(&k[cell(p, j)..cell(p, j) + hd]);
+                            kernel.dot_rows(hd, f16_bytes(q), key, row_scores);
+                            for (g, &s) in row_scores.iter().enumerate() {
+                                probs[(j * group + g) * span + p - chunk_start] = s * self.scale;
+                            }
                         }
                     }
                 }
@@ -230,7 +275,7 @@ impl RowTask<'_> {
                         .extend(heads.iter().map(|&v| f16::from_f32(v).to_f32()));
                 }
                 let q_bytes = self.k_kernel.as_ref().map_or(0, |k| k.act_row_bytes(hd));
-                let q_blocks = fit(&mut sc.q_blocks, group * q_bytes);
+                let q_blocks = fit(&mut sc.q_blocks, rows * q_bytes);
                 if let Some(kernel) = &self.k_kernel {
                     for (qh, dst) in heads
                         .chunks_exact(hd)
@@ -241,75 +286,88 @@ impl RowTask<'_> {
                     }
                 }
                 let k_row = fit(&mut sc.k_row, hd);
-                for p in first..=pos {
-                    if let Cells::F16(k) = &cache.k {
-                        k[cell(p)..cell(p) + hd].convert_to_f32_slice(k_row);
-                    }
-                    for g in 0..group {
-                        let qh = &heads[g * hd..(g + 1) * hd];
-                        let s = match &cache.k {
-                            Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
-                            Cells::F16(_) => dot_lanes(&sc.q16[g * hd..(g + 1) * hd], k_row),
-                            Cells::Blocks { ty, data, .. } => block_dot(
-                                self.k_kernel.as_ref(),
-                                *ty,
-                                data,
-                                cell(p),
-                                hd,
-                                &q_blocks[g * q_bytes..(g + 1) * q_bytes],
-                            ),
-                        };
-                        probs[g * span + p - chunk_start] = s * self.scale;
+                for j in 0..n_kv {
+                    for p in first..=pos {
+                        let at = cell(p, j);
+                        if let Cells::F16(k) = &cache.k {
+                            k[at..at + hd].convert_to_f32_slice(k_row);
+                        }
+                        for r in j * group..(j + 1) * group {
+                            let qh = &heads[r * hd..(r + 1) * hd];
+                            let s = match &cache.k {
+                                Cells::F32(k) => dot_vec_f32(qh, &k[at..at + hd]),
+                                Cells::F16(_) => dot_lanes(&sc.q16[r * hd..(r + 1) * hd], k_row),
+                                Cells::Blocks { ty, data, .. } => block_dot(
+                                    self.k_kernel.as_ref(),
+                                    *ty,
+                                    data,
+                                    at,
+                                    hd,
+                                    &q_blocks[r * q_bytes..(r + 1) * q_bytes],
+                                ),
+                            };
+                            probs[r * span + p - chunk_start] = s * self.scale;
+                        }
                     }
                 }
             }
         }
-        for (g, probs) in probs.chunks_exact_mut(span).enumerate() {
+        for (r, probs) in probs.chunks_exact_mut(span).enumerate() {
             softmax_window(
                 probs,
                 first - chunk_start,
-                self.sinks.map(|s| s[kvh * group + g]),
+                self.sinks.map(|s| s[kvh0 * group + r]),
             );
         }
         // Per head, one 16-lane accumulator per output element, lane = position mod 16
         // (ggml's order), stored lane-major so that a position updates one contiguous row of
         // `hd` values.
-        let acc = fit(&mut sc.acc, group * LANES * hd);
+        let acc = fit(&mut sc.acc, rows * LANES * hd);
         acc.fill(0.0);
         match &cache.v {
             Cells::F16(v) if kernels => {
-                for (a, len) in cell_runs(first, pos, cache.cells) {
-                    hmoe_quant::f16_value_lanes(
-                        hd,
-                        &v[cell(a)..],
-                        width,
-                        len,
-                        a - chunk_start,
-                        &probs[a - chunk_start..],
-                        span,
-                        acc,
-                    );
+                ask(v, first..(first + ROW_BLOCK).min(pos + 1));
+                for block in blocks() {
+                    ask(v, next(&block));
+                    for (a, len) in cell_runs(block.start, block.end - 1, cache.cells) {
+                        for (j, acc) in acc.chunks_exact_mut(group * LANES * hd).enumerate() {
+                            hmoe_quant::f16_value_lanes(
+                                hd,
+                                &v[cell(a, j)..],
+                                width,
+                                len,
+                                a - chunk_start,
+                                &probs[j * group * span + a - chunk_start..],
+                                span,
+                                acc,
+                            );
+                        }
+                    }
                 }
             }
             _ => {
                 let v_row = fit(&mut sc.v_row, hd);
-                for p in first..=pos {
-                    let lane = (p - chunk_start) % LANES;
-                    match &cache.v {
-                        Cells::F32(v) => v_row.copy_from_slice(&v[cell(p)..cell(p) + hd]),
-                        Cells::F16(v) => v[cell(p)..cell(p) + hd].convert_to_f32_slice(v_row),
-                        Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, cell(p), v_row),
-                    }
-                    for (g, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
-                        let w = probs[g * span + p - chunk_start];
-                        // The probability in the activation type of V's matmul.
-                        let w = match &cache.v {
-                            Cells::F32(_) => w,
-                            Cells::F16(_) => f16::from_f32(w).to_f32(),
-                            Cells::Blocks { ty, .. } => round_weight(*ty, w),
-                        };
-                        for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(&*v_row) {
-                            *a = x.mul_add(w, *a);
+                for j in 0..n_kv {
+                    for p in first..=pos {
+                        let lane = (p - chunk_start) % LANES;
+                        let at = cell(p, j);
+                        match &cache.v {
+                            Cells::F32(v) => v_row.copy_from_slice(&v[at..at + hd]),
+                            Cells::F16(v) => v[at..at + hd].convert_to_f32_slice(v_row),
+                            Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, at, v_row),
+                        }
+                        for r in j * group..(j + 1) * group {
+                            let acc = &mut acc[r * LANES * hd..(r + 1) * LANES * hd];
+                            let w = probs[r * span + p - chunk_start];
+                            // The probability in the activation type of V's matmul.
+                            let w = match &cache.v {
+                                Cells::F32(_) => w,
+                                Cells::F16(_) => f16::from_f32(w).to_f32(),
+                                Cells::Blocks { ty, .. } => round_weight(*ty, w),
+                            };
+                            for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(&*v_row) {
+                                *a = x.mul_add(w, *a);
+                            }
                         }
                     }
                 }
@@ -1609,20 +1667,23 @@ pub(crate) mod tests {
         }
     }
 
-    /// [`attention`] with the row kernel's element-by-element loops in place of the
-    /// `hmoe_quant` kernels, one task at a time.
-    fn row_kernel_by_loops(
+    /// The row kernel's tasks run one at a time with `kv_per_task` KV heads each, through the
+    /// `hmoe_quant` kernels or (`kernels` false) the element-by-element loops.
+    fn row_kernel_with(
         cache: &LayerCache,
         shape: &AttnShape,
         q: &[f32],
         pos0: usize,
         sinks: Option<&[f32]>,
+        kv_per_task: usize,
+        kernels: bool,
     ) -> Vec<f32> {
         let ctx = RowTask {
             cache,
             k_kernel: block_kernel(&cache.k),
             group: shape.n_head / shape.n_head_kv,
             n_head_kv: shape.n_head_kv,
+            kv_per_task,
             hd: shape.head_dim,
             scale: shape.scale,
             single_token: q.len() == shape.n_head * shape.head_dim,
@@ -1632,8 +1693,9 @@ pub(crate) mod tests {
         };
         let mut out = vec![0f32; q.len()];
         let mut sc = RowScratch::default();
-        for (task, dst) in out.chunks_exact_mut(ctx.group * shape.head_dim).enumerate() {
-            ctx.run(task, &mut sc, dst, false);
+        let chunk = kv_per_task * ctx.group * shape.head_dim;
+        for (task, dst) in out.chunks_exact_mut(chunk).enumerate() {
+            ctx.run(task, &mut sc, dst, kernels);
         }
         out
     }
@@ -1644,6 +1706,7 @@ pub(crate) mod tests {
         // kernels decline), full layers and windows whose positions wrap around the ring,
         // one token and a batch, with and without sinks.
         for (n_head, n_kv, hd, window, n, n_q) in [
+            (32, 4, 64, None, 300, 1),
             (16, 2, 64, None, 300, 1),
             (16, 2, 64, Some(40), 300, 1),
             (16, 2, 64, Some(40), 300, 7),
@@ -1677,7 +1740,7 @@ pub(crate) mod tests {
                 let mut out = vec![0f32; q.len()];
                 let layer = &cache.layers[0];
                 attention(layer, &shape, &q, n - n_q, sinks, &mut out);
-                let want = row_kernel_by_loops(layer, &shape, &q, n - n_q, sinks);
+                let want = row_kernel_with(layer, &shape, &q, n - n_q, sinks, 1, false);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&out),
@@ -1685,6 +1748,13 @@ pub(crate) mod tests {
                     "heads {n_head}/{n_kv} of {hd}, window {window:?}, {n_q} queries, sinks {}",
                     sinks.is_some()
                 );
+                // Any run of KV heads per task, either way.
+                for kv in (1..=n_kv).filter(|k| n_kv.is_multiple_of(*k)) {
+                    for kernels in [false, true] {
+                        let got = row_kernel_with(layer, &shape, &q, n - n_q, sinks, kv, kernels);
+                        assert_eq!(bits(&got), bits(&want), "{kv} KV heads per task");
+                    }
+                }
             }
         }
     }
@@ -1777,7 +1847,8 @@ pub(crate) mod tests {
 
 /// Speed of attention on gpt-oss-120b's shapes (64 query heads, 8 KV heads of 64), with the
 /// cache warm in L3 and cold (64 MiB written first, as a generating model's weights evict it):
-/// `cargo test --release -p hmoe-model --lib attention_speed -- --ignored --nocapture`.
+/// `cargo test --release -p hmoe-model --lib attention_speed -- --ignored --nocapture` (decode
+/// and prefill; `attention_speed_decode` for decode alone).
 #[cfg(test)]
 mod speed {
     use super::*;
@@ -1797,14 +1868,25 @@ mod speed {
 
     #[test]
     #[ignore]
-    fn attention_speed() {
-        let (nh, nkv, hd) = (64, 8, 64);
-        let w = nkv * hd;
-        for (what, depth, n_q) in [
+    fn attention_speed_decode() {
+        speed(&[
             ("decode at depth 4096", 4096, 1),
             ("decode at depth 16384", 16384, 1),
-            ("prefill of 512", 0, 512),
-        ] {
+        ]);
+    }
+
+    #[test]
+    #[ignore]
+    fn attention_speed_prefill() {
+        speed(&[("prefill of 512", 0, 512)]);
+    }
+
+    /// Each `(what, depth, queries)` case for the q8_0 flash kernel, the chunked f16 flash
+    /// kernel and the f16 row kernel.
+    fn speed(cases: &[(&str, usize, usize)]) {
+        let (nh, nkv, hd) = (64, 8, 64);
+        let w = nkv * hd;
+        for &(what, depth, n_q) in cases {
             for (k, v, fa) in [
                 (CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On),
                 (CacheType::F16, CacheType::F16, FlashAttn::On),
@@ -1840,7 +1922,7 @@ mod speed {
                         let (t, c) = (std::time::Instant::now(), cpu_ns());
                         attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
                         wall = wall.min(t.elapsed().as_secs_f64() * 1e3);
-                        cpu += (cpu_ns() - c) as f64 / 5e6;
+                        cpu += cpu_ns().saturating_sub(c) as f64 / 5e6;
                     }
                     (wall, cpu)
                 };

@@ -376,15 +376,16 @@ mod x86 {
         w_stride: usize,
         acc: &mut [f32],
     ) {
-        const BLOCK_FLOATS: usize = 32 * MAX_HEAD;
+        const BLOCK_FLOATS: usize = 16 * MAX_HEAD;
         let heads = acc.len() / (VALUE_LANES * n);
         let per_block = BLOCK_FLOATS / n;
         let mut vf = [0f32; BLOCK_FLOATS];
         let mut wr = [0f32; BLOCK_FLOATS / 16];
+        let row = |i: usize| values.as_ptr().add(i * stride);
         for b0 in (0..n_rows).step_by(per_block) {
             let m = (n_rows - b0).min(per_block);
             for i in 0..m {
-                let src = values.as_ptr().add((b0 + i) * stride);
+                let src = row(b0 + i);
                 for e in (0..n).step_by(16) {
                     _mm512_storeu_ps(vf.as_mut_ptr().add(i * n + e), load_f16(src.add(e)));
                 }
