@@ -15,7 +15,7 @@
 
 use half::f16;
 
-use crate::{DotKernel, GgmlType, Isa};
+use crate::{DotKernel, GgmlType};
 
 /// Lanes of [`f16_value_lanes`]' accumulators: row `i` of a call goes to lane
 /// `(lane0 + i) % VALUE_LANES`.
@@ -28,7 +28,7 @@ const MAX_HEAD: usize = 256;
 /// `out[h · out_stride + i] = dot(query h, key i) · scale` for the query heads in `queries`
 /// (`n` elements each) and `n_keys` keys of `n` elements, key `i` starting at element
 /// `i · key_stride` of `keys`: each dot the bits of the F16 [`DotKernel::dot`] on
-/// [`Isa::best`], then one rounding for the scale.
+/// [`crate::Isa::best`], then one rounding for the scale.
 ///
 /// # Panics
 /// If `n` is zero, `queries` is not whole heads, a key runs past `keys`, `out_stride < n_keys`
@@ -65,7 +65,7 @@ pub fn f16_head_scores(
         "score buffer too short"
     );
     #[cfg(target_arch = "x86_64")]
-    if Isa::best() == Isa::Avx512 && n.is_multiple_of(64) && n <= MAX_HEAD {
+    if crate::Isa::best() == crate::Isa::Avx512 && n.is_multiple_of(64) && n <= MAX_HEAD {
         // SAFETY: `Isa::Avx512` means AVX-512 F/BW/VL, AVX2, FMA and F16C are present; every
         // key and score written lies inside `keys` and `out` (asserted above), and `n` is a
         // multiple of 64 of at most `MAX_HEAD`.
@@ -127,7 +127,7 @@ pub fn f16_value_lanes(
     );
     let lane0 = lane0 % VALUE_LANES;
     #[cfg(target_arch = "x86_64")]
-    if Isa::best() == Isa::Avx512 && n.is_multiple_of(16) && n <= MAX_HEAD {
+    if crate::Isa::best() == crate::Isa::Avx512 && n.is_multiple_of(16) && n <= MAX_HEAD {
         // SAFETY: `Isa::Avx512` means AVX-512 F/BW/VL, AVX2, FMA and F16C are present; every
         // row, weight and accumulator touched lies inside the slices (asserted above), and `n`
         // is a multiple of 16 of at most `MAX_HEAD`.
@@ -184,7 +184,7 @@ pub fn expf_ggml(x: f32) -> f32 {
 /// [`expf_ggml`] of every element of `xs`, in place (the same bits on every ISA).
 pub fn expf_ggml_slice(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if Isa::best() == Isa::Avx512 {
+    if crate::Isa::best() == crate::Isa::Avx512 {
         // SAFETY: `Isa::Avx512` means AVX-512 F and FMA are present.
         unsafe { x86::expf_ggml_slice(xs) };
         return;
