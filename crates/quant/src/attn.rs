@@ -134,17 +134,13 @@ pub fn f16_value_lanes(
         unsafe { x86::value_lanes(n, values, stride, n_rows, lane0, weights, w_stride, acc) };
         return;
     }
-    let mut row = vec![0f32; n];
     for i in 0..n_rows {
         let l = (lane0 + i) % VALUE_LANES;
-        values[i * stride..i * stride + n]
-            .iter()
-            .zip(row.iter_mut())
-            .for_each(|(v, r)| *r = v.to_f32());
+        let row = &values[i * stride..i * stride + n];
         for (h, acc) in acc.chunks_exact_mut(VALUE_LANES * n).enumerate() {
             let w = f16::from_f32(weights[h * w_stride + i]).to_f32();
-            for (a, &x) in acc[l * n..(l + 1) * n].iter_mut().zip(&row) {
-                *a = x.mul_add(w, *a);
+            for (a, x) in acc[l * n..(l + 1) * n].iter_mut().zip(row) {
+                *a = x.to_f32().mul_add(w, *a);
             }
         }
     }
