@@ -29,14 +29,16 @@ use std::cell::RefCell;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use hmoe_quant::{expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries};
+use hmoe_quant::{
+    expf_ggml_slice, expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries,
+};
 
 use hmoe_backend::numerics::{
     dot_vec, fwht, merge_softmax_chunk, online_softmax_step, rotate_chunks, FLASH_CHUNK,
 };
 
 use crate::kv_cache::{Cells, LayerCache};
-use hmoe_backend::numerics::{expf_ggml, hsum16};
+use hmoe_backend::numerics::hsum16;
 
 /// Shape of one attention call.
 pub struct AttnShape {
@@ -104,137 +106,324 @@ fn attention_rotated(
         out.fill(0.0);
         return;
     }
-    let k_kernel = block_kernel(&cache.k);
-    let group = shape.n_head / shape.n_head_kv;
-    let width = shape.n_head_kv * hd;
-    let single_token = q.len() == shape.n_head * hd;
-    // `vec_dot_f16` for one token's f16 keys: symmetric, so the group's query heads go through
-    // one `dot_rows` call per key as the "weight rows".
-    let f16_kernel = match &cache.k {
-        Cells::F16(_) if single_token => {
-            Some(DotKernel::best(GgmlType::F16).expect("f16 has a dot kernel"))
-        }
-        _ => None,
+    let n_tokens = q.len() / (shape.n_head * hd);
+    let ctx = RowTask {
+        cache,
+        k_kernel: block_kernel(&cache.k),
+        group: shape.n_head / shape.n_head_kv,
+        n_head_kv: shape.n_head_kv,
+        kv_per_task: row_kv_per_task(n_tokens, shape.n_head_kv, hmoe_pool::current_num_threads()),
+        hd,
+        scale: shape.scale,
+        single_token: n_tokens == 1,
+        q,
+        pos0,
+        sinks,
     };
-    // One task per (token, KV head): the query heads sharing a KV head read each key and
-    // value row once.
-    hmoe_pool::global().for_each_chunk_mut(out, group * hd, |task, dst| {
-        let t = task / shape.n_head_kv;
-        let kvh = task % shape.n_head_kv;
-        let pos = pos0 + t;
+    // One task per (token, run of KV heads): the query heads sharing a KV head read each key
+    // and value row once.
+    let chunk = ctx.kv_per_task * ctx.group * hd;
+    hmoe_pool::global().for_each_chunk_mut(out, chunk, |task, dst| {
+        ROW_SCRATCH.with_borrow_mut(|sc| ctx.run(task, sc, dst, true));
+    });
+}
+
+/// KV heads per row-kernel task: as many as still leave a task for every thread, so that a
+/// task reads a longer run of each cache row (the heads of a position lie side by side, and
+/// runs a whole KV head apart defeat the hardware prefetchers). Results do not depend on it.
+fn row_kv_per_task(n_tokens: usize, n_head_kv: usize, threads: usize) -> usize {
+    (1..=n_head_kv)
+        .rev()
+        .find(|&k| n_head_kv.is_multiple_of(k) && n_tokens * (n_head_kv / k) >= threads)
+        .unwrap_or(1)
+}
+
+/// Positions a row-kernel task scores (and sums) for all its KV heads before the next ones,
+/// asking for the next block's rows meanwhile.
+const ROW_BLOCK: usize = 64;
+
+/// What every task of one row-kernel call ([`attention_rotated`]) shares.
+struct RowTask<'a> {
+    cache: &'a LayerCache,
+    /// K's `vec_dot` kernel for block-typed keys.
+    k_kernel: Option<DotKernel>,
+    /// Query heads per KV head.
+    group: usize,
+    n_head_kv: usize,
+    /// KV heads per task ([`row_kv_per_task`]).
+    kv_per_task: usize,
+    hd: usize,
+    scale: f32,
+    single_token: bool,
+    q: &'a [f32],
+    pos0: usize,
+    sinks: Option<&'a [f32]>,
+}
+
+/// One row-kernel task's buffers, kept per thread between calls so that a token allocates
+/// nothing once they have grown to the shapes in use (a score row of 4096 positions for eight
+/// heads is 128 KiB, which the allocator would otherwise hand back to the system every token).
+#[derive(Default)]
+struct RowScratch {
+    q_half: Vec<f16>,
+    q16: Vec<f32>,
+    q_blocks: Vec<u8>,
+    probs: Vec<f32>,
+    row_scores: Vec<f32>,
+    k_row: Vec<f32>,
+    v_row: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+thread_local! {
+    static ROW_SCRATCH: RefCell<RowScratch> = RefCell::default();
+}
+
+/// The runs of consecutive cells that positions `first..=last` occupy in a ring of `cells`:
+/// `(position, length)` pairs in position order.
+fn cell_runs(first: usize, last: usize, cells: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut p = first;
+    std::iter::from_fn(move || {
+        if p > last {
+            return None;
+        }
+        let len = (last + 1 - p).min(cells - p % cells);
+        let run = (p, len);
+        p += len;
+        Some(run)
+    })
+}
+
+impl RowTask<'_> {
+    /// Runs task `task` (token `t`, KV heads `kvh0..kvh0 + kv_per_task`), writing their query
+    /// heads' outputs to `dst`. `kernels`: f16 keys of one token and f16 values go through the
+    /// `hmoe_quant` attention kernels, a block of positions at a time for all the task's KV
+    /// heads (the same bits as the element-by-element loops, which `false` runs instead, for
+    /// the tests).
+    fn run(&self, task: usize, sc: &mut RowScratch, dst: &mut [f32], kernels: bool) {
+        let (cache, hd, group) = (self.cache, self.hd, self.group);
+        let n_kv = self.kv_per_task;
+        let width = self.n_head_kv * hd;
+        let runs_per_token = self.n_head_kv / n_kv;
+        let t = task / runs_per_token;
+        let kvh0 = task % runs_per_token * n_kv;
+        let pos = self.pos0 + t;
         let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let heads = &q[task * group * hd..(task + 1) * group * hd];
-        // ggml rounds the query to f16 before dotting it with f16 keys.
-        let q_half: Vec<f16> = match &cache.k {
-            Cells::F16(_) => heads.iter().map(|&v| f16::from_f32(v)).collect(),
-            _ => Vec::new(),
-        };
-        let q16: Vec<f32> = q_half.iter().map(|v| v.to_f32()).collect();
-        let q_blocks: Vec<Vec<u8>> = heads
-            .chunks_exact(hd)
-            .map(|qh| quantize_query(k_kernel.as_ref(), qh))
-            .collect();
-        let kv_off = kvh * hd;
-        let cell = |p: usize| (p % cache.cells) * width + kv_off;
-        // Probabilities for positions chunk_start..=pos per head, zero outside the window.
+        let rows = n_kv * group;
+        let heads = &self.q[(t * self.n_head_kv + kvh0) * group * hd..][..rows * hd];
+        // Element offset of KV head `kvh0 + j` at position `p`.
+        let cell = |p: usize, j: usize| (p % cache.cells) * width + (kvh0 + j) * hd;
+        // Probabilities for positions chunk_start..=pos per query head (row `j · group + g`),
+        // zero outside the window.
         let chunk_start = first / LANES * LANES;
         let span = pos + 1 - chunk_start;
-        let mut probs = vec![0f32; group * span];
-        let mut row_scores = vec![0f32; group];
-        let mut k_row = vec![0f32; hd];
-        for p in first..=pos {
-            match &cache.k {
-                Cells::F16(k) if f16_kernel.is_some() => {
-                    let key = f16_bytes(&k[cell(p)..cell(p) + hd]);
-                    f16_kernel.as_ref().expect("checked").dot_rows(
-                        hd,
-                        f16_bytes(&q_half),
-                        key,
-                        &mut row_scores,
-                    );
-                }
-                _ => {
-                    if let Cells::F16(k) = &cache.k {
-                        k[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut k_row);
-                    }
-                    for (g, s) in row_scores.iter_mut().enumerate() {
-                        let qh = &heads[g * hd..(g + 1) * hd];
-                        *s = match &cache.k {
-                            Cells::F32(k) => dot_vec_f32(qh, &k[cell(p)..cell(p) + hd]),
-                            // A batch goes through tinyBLAS.
-                            Cells::F16(_) => dot_lanes(&q16[g * hd..(g + 1) * hd], &k_row),
-                            Cells::Blocks { ty, data, .. } => {
-                                block_dot(k_kernel.as_ref(), *ty, data, cell(p), hd, &q_blocks[g])
+        let probs = fit(&mut sc.probs, rows * span);
+        // The blocks of `first..=pos` the kernels take in turn, each after asking for the
+        // task's heads of the next one.
+        let blocks = || {
+            (first..=pos)
+                .step_by(ROW_BLOCK)
+                .map(move |b| b..(b + ROW_BLOCK).min(pos + 1))
+        };
+        let ask = |data: &[f16], block: std::ops::Range<usize>| {
+            for p in block {
+                hmoe_quant::prefetch(f16_bytes(&data[cell(p, 0)..cell(p, 0) + n_kv * hd]));
+            }
+        };
+        let next = |b: &std::ops::Range<usize>| b.end..(b.end + ROW_BLOCK).min(pos + 1);
+        match &cache.k {
+            // `vec_dot_f16` for one token's f16 keys (ggml rounds the query to f16 first).
+            Cells::F16(k) if self.single_token => {
+                sc.q_half.clear();
+                sc.q_half.extend(heads.iter().map(|&v| f16::from_f32(v)));
+                if kernels {
+                    ask(k, first..(first + ROW_BLOCK).min(pos + 1));
+                    for block in blocks() {
+                        ask(k, next(&block));
+                        for (a, len) in cell_runs(block.start, block.end - 1, cache.cells) {
+                            for (j, q) in sc.q_half.chunks_exact(group * hd).enumerate() {
+                                hmoe_quant::f16_head_scores(
+                                    hd,
+                                    q,
+                                    &k[cell(a, j)..],
+                                    width,
+                                    len,
+                                    self.scale,
+                                    &mut probs[j * group * span + a - chunk_start..],
+                                    span,
+                                );
                             }
-                        };
+                        }
+                    }
+                } else {
+                    // Symmetric, so the group's query heads go through one `dot_rows` call
+                    // per key as the "weight rows".
+                    let kernel = DotKernel::best(GgmlType::F16).expect("f16 has a dot kernel");
+                    let row_scores = fit(&mut sc.row_scores, group);
+                    for (j, q) in sc.q_half.chunks_exact(group * hd).enumerate() {
+                        for p in first..=pos {
+                            let key = f16_bytes(&k[cell(p, j)..cell(p, j) + hd]);
+                            kernel.dot_rows(hd, f16_bytes(q), key, row_scores);
+                            for (g, &s) in row_scores.iter().enumerate() {
+                                probs[(j * group + g) * span + p - chunk_start] = s * self.scale;
+                            }
+                        }
                     }
                 }
             }
-            for (g, &s) in row_scores.iter().enumerate() {
-                probs[g * span + p - chunk_start] = s * shape.scale;
+            _ => {
+                // A batch of f16 keys goes through tinyBLAS, with the query rounded to f16.
+                sc.q16.clear();
+                if let Cells::F16(_) = &cache.k {
+                    sc.q16
+                        .extend(heads.iter().map(|&v| f16::from_f32(v).to_f32()));
+                }
+                let q_bytes = self.k_kernel.as_ref().map_or(0, |k| k.act_row_bytes(hd));
+                let q_blocks = fit(&mut sc.q_blocks, rows * q_bytes);
+                if let Some(kernel) = &self.k_kernel {
+                    for (qh, dst) in heads
+                        .chunks_exact(hd)
+                        .zip(q_blocks.chunks_exact_mut(q_bytes))
+                    {
+                        hmoe_quant::quantize_row(kernel.act_type(), qh, dst)
+                            .expect("heads are whole blocks (checked)");
+                    }
+                }
+                let k_row = fit(&mut sc.k_row, hd);
+                for j in 0..n_kv {
+                    for p in first..=pos {
+                        let at = cell(p, j);
+                        if let Cells::F16(k) = &cache.k {
+                            k[at..at + hd].convert_to_f32_slice(k_row);
+                        }
+                        for r in j * group..(j + 1) * group {
+                            let qh = &heads[r * hd..(r + 1) * hd];
+                            let s = match &cache.k {
+                                Cells::F32(k) => dot_vec_f32(qh, &k[at..at + hd]),
+                                Cells::F16(_) => dot_lanes(&sc.q16[r * hd..(r + 1) * hd], k_row),
+                                Cells::Blocks { ty, data, .. } => block_dot(
+                                    self.k_kernel.as_ref(),
+                                    *ty,
+                                    data,
+                                    at,
+                                    hd,
+                                    &q_blocks[r * q_bytes..(r + 1) * q_bytes],
+                                ),
+                            };
+                            probs[r * span + p - chunk_start] = s * self.scale;
+                        }
+                    }
+                }
             }
         }
-        for (g, probs) in probs.chunks_exact_mut(span).enumerate() {
+        for (r, probs) in probs.chunks_exact_mut(span).enumerate() {
             softmax_window(
                 probs,
                 first - chunk_start,
-                sinks.map(|s| s[kvh * group + g]),
+                self.sinks.map(|s| s[kvh0 * group + r]),
             );
         }
         // Per head, one 16-lane accumulator per output element, lane = position mod 16
         // (ggml's order), stored lane-major so that a position updates one contiguous row of
         // `hd` values.
-        let mut acc = vec![0f32; group * LANES * hd];
-        let mut v_row = vec![0f32; hd];
-        for p in first..=pos {
-            let lane = (p - chunk_start) % LANES;
-            match &cache.v {
-                Cells::F32(v) => v_row.copy_from_slice(&v[cell(p)..cell(p) + hd]),
-                Cells::F16(v) => v[cell(p)..cell(p) + hd].convert_to_f32_slice(&mut v_row),
-                Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, cell(p), &mut v_row),
+        let acc = fit(&mut sc.acc, rows * LANES * hd);
+        acc.fill(0.0);
+        match &cache.v {
+            Cells::F16(v) if kernels => {
+                ask(v, first..(first + ROW_BLOCK).min(pos + 1));
+                for block in blocks() {
+                    ask(v, next(&block));
+                    for (a, len) in cell_runs(block.start, block.end - 1, cache.cells) {
+                        for (j, acc) in acc.chunks_exact_mut(group * LANES * hd).enumerate() {
+                            hmoe_quant::f16_value_lanes(
+                                hd,
+                                &v[cell(a, j)..],
+                                width,
+                                len,
+                                a - chunk_start,
+                                &probs[j * group * span + a - chunk_start..],
+                                span,
+                                acc,
+                            );
+                        }
+                    }
+                }
             }
-            for (g, acc) in acc.chunks_exact_mut(LANES * hd).enumerate() {
-                let w = probs[g * span + p - chunk_start];
-                // The probability in the activation type of V's matmul.
-                let w = match &cache.v {
-                    Cells::F32(_) => w,
-                    Cells::F16(_) => f16::from_f32(w).to_f32(),
-                    Cells::Blocks { ty, .. } => round_weight(*ty, w),
-                };
-                for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(&v_row) {
-                    *a = x.mul_add(w, *a);
+            _ => {
+                let v_row = fit(&mut sc.v_row, hd);
+                for j in 0..n_kv {
+                    for p in first..=pos {
+                        let lane = (p - chunk_start) % LANES;
+                        let at = cell(p, j);
+                        match &cache.v {
+                            Cells::F32(v) => v_row.copy_from_slice(&v[at..at + hd]),
+                            Cells::F16(v) => v[at..at + hd].convert_to_f32_slice(v_row),
+                            Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, at, v_row),
+                        }
+                        for r in j * group..(j + 1) * group {
+                            let acc = &mut acc[r * LANES * hd..(r + 1) * LANES * hd];
+                            let w = probs[r * span + p - chunk_start];
+                            // The probability in the activation type of V's matmul.
+                            let w = match &cache.v {
+                                Cells::F32(_) => w,
+                                Cells::F16(_) => f16::from_f32(w).to_f32(),
+                                Cells::Blocks { ty, .. } => round_weight(*ty, w),
+                            };
+                            for (a, &x) in acc[lane * hd..(lane + 1) * hd].iter_mut().zip(&*v_row) {
+                                *a = x.mul_add(w, *a);
+                            }
+                        }
+                    }
                 }
             }
         }
-        for (dst, acc) in dst.chunks_exact_mut(hd).zip(acc.chunks_exact(LANES * hd)) {
-            for (d, out) in dst.iter_mut().enumerate() {
-                *out = hsum16(&std::array::from_fn(|l| acc[l * hd + d]));
+        // Each output element: its 16 lanes summed by halving (`hsum16`), all elements of a
+        // head at once.
+        for (dst, acc) in dst
+            .chunks_exact_mut(hd)
+            .zip(acc.chunks_exact_mut(LANES * hd))
+        {
+            for step in [8, 4, 2, 1] {
+                let (lo, hi) = acc.split_at_mut(step * hd);
+                for (a, &b) in lo.iter_mut().zip(&hi[..step * hd]) {
+                    *a += b;
+                }
             }
+            dst.copy_from_slice(&acc[..hd]);
         }
-    });
+    }
 }
 
 /// Softmax in place over `probs[skip..]` (ggml's `soft_max`: the maximum including the sink,
 /// `expf_ggml` in 16-lane chunks summed in f64, the sink's term added last, one multiply by
 /// the f32 inverse), leaving `probs[..skip]` (positions before the window) at zero.
 fn softmax_window(probs: &mut [f32], skip: usize, sink: Option<f32>) {
-    let mut max = probs[skip..]
+    // The maximum by lanes: `max` ignores NaN as the sequential fold does, and the order can
+    // only change the sign of a zero maximum, which no difference or exponential below sees.
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = probs[skip..].chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(v);
+        }
+    }
+    let mut max = chunks
+        .remainder()
         .iter()
+        .chain(&lanes)
         .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     if let Some(s) = sink {
         max = max.max(s);
     }
+    probs[..skip].fill(0.0);
+    for v in probs[skip..].iter_mut() {
+        *v -= max;
+    }
+    expf_ggml_slice(&mut probs[skip..]);
     let mut sum = 0f64;
-    for (c, chunk) in probs.chunks_mut(LANES).enumerate() {
+    for chunk in probs.chunks(LANES) {
         let mut lanes = [0f32; LANES];
-        for (i, v) in chunk.iter_mut().enumerate() {
-            *v = if c * LANES + i < skip {
-                0.0
-            } else {
-                expf_ggml(*v - max)
-            };
-            lanes[i] = *v;
-        }
+        lanes[..chunk.len()].copy_from_slice(chunk);
         sum += hsum16(&lanes) as f64;
     }
     if let Some(s) = sink {
@@ -1485,6 +1674,165 @@ pub(crate) mod tests {
         }
     }
 
+    /// The row kernel's tasks run one at a time with `kv_per_task` KV heads each, through the
+    /// `hmoe_quant` kernels or (`kernels` false) the element-by-element loops.
+    fn row_kernel_with(
+        cache: &LayerCache,
+        shape: &AttnShape,
+        q: &[f32],
+        pos0: usize,
+        sinks: Option<&[f32]>,
+        kv_per_task: usize,
+        kernels: bool,
+    ) -> Vec<f32> {
+        let ctx = RowTask {
+            cache,
+            k_kernel: block_kernel(&cache.k),
+            group: shape.n_head / shape.n_head_kv,
+            n_head_kv: shape.n_head_kv,
+            kv_per_task,
+            hd: shape.head_dim,
+            scale: shape.scale,
+            single_token: q.len() == shape.n_head * shape.head_dim,
+            q,
+            pos0,
+            sinks,
+        };
+        let mut out = vec![0f32; q.len()];
+        let mut sc = RowScratch::default();
+        let chunk = kv_per_task * ctx.group * shape.head_dim;
+        for (task, dst) in out.chunks_exact_mut(chunk).enumerate() {
+            ctx.run(task, &mut sc, dst, kernels);
+        }
+        out
+    }
+
+    #[test]
+    fn row_kernel_f16_kernels_equal_the_element_loops() {
+        // gpt-oss's group of 8 with heads of 64, other groups and head sizes (one the vector
+        // kernels decline), full layers and windows whose positions wrap around the ring,
+        // one token and a batch, with and without sinks.
+        for (n_head, n_kv, hd, window, n, n_q) in [
+            (32, 4, 64, None, 300, 1),
+            (16, 2, 64, None, 300, 1),
+            (16, 2, 64, Some(40), 300, 1),
+            (16, 2, 64, Some(40), 300, 7),
+            (8, 1, 128, None, 77, 1),
+            (6, 3, 32, Some(17), 90, 1),
+            (4, 2, 80, None, 50, 3),
+        ] {
+            let w = n_kv * hd;
+            let ub = 8;
+            let mut cache = KvCache::new(KvType::F16, n, ub, w, &[window]).with_head_dims(hd, hd);
+            let (k, v) = (noise(1, n * w), noise(2, n * w));
+            let k: Vec<f32> = k.iter().map(|x| 4.0 * x).collect();
+            for start in (0..n).step_by(ub) {
+                let end = (start + ub).min(n);
+                cache.layers[0].store(
+                    start,
+                    &k[start * w..end * w],
+                    &v[start * w..end * w],
+                    end - start,
+                );
+            }
+            let shape = AttnShape {
+                n_head,
+                n_head_kv: n_kv,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let sinks: Vec<f32> = noise(4, n_head);
+            for sinks in [None, Some(&sinks[..])] {
+                let q = noise(3, n_q * n_head * hd);
+                let mut out = vec![0f32; q.len()];
+                let layer = &cache.layers[0];
+                attention(layer, &shape, &q, n - n_q, sinks, &mut out);
+                let want = row_kernel_with(layer, &shape, &q, n - n_q, sinks, 1, false);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&out),
+                    bits(&want),
+                    "heads {n_head}/{n_kv} of {hd}, window {window:?}, {n_q} queries, sinks {}",
+                    sinks.is_some()
+                );
+                // Any run of KV heads per task, either way.
+                for kv in (1..=n_kv).filter(|k| n_kv.is_multiple_of(*k)) {
+                    for kernels in [false, true] {
+                        let got = row_kernel_with(layer, &shape, &q, n - n_q, sinks, kv, kernels);
+                        assert_eq!(bits(&got), bits(&want), "{kv} KV heads per task");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The softmax as it was written element by element (ggml's order, scalar `expf_ggml`).
+    fn softmax_by_element(probs: &mut [f32], skip: usize, sink: Option<f32>) {
+        let mut max = probs[skip..]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        if let Some(s) = sink {
+            max = max.max(s);
+        }
+        let mut sum = 0f64;
+        for (c, chunk) in probs.chunks_mut(LANES).enumerate() {
+            let mut lanes = [0f32; LANES];
+            for (i, v) in chunk.iter_mut().enumerate() {
+                *v = if c * LANES + i < skip {
+                    0.0
+                } else {
+                    hmoe_backend::numerics::expf_ggml(*v - max)
+                };
+                lanes[i] = *v;
+            }
+            sum += hsum16(&lanes) as f64;
+        }
+        if let Some(s) = sink {
+            sum += (s - max).exp() as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        for v in probs.iter_mut() {
+            *v *= inv;
+        }
+    }
+
+    #[test]
+    fn softmax_window_keeps_the_element_order_bits() {
+        for (n, skip, sink) in [
+            (1, 0, None),
+            (16, 3, Some(0.5)),
+            (37, 16, None),
+            (300, 5, Some(9.0)),
+            (4097, 0, Some(-3.0)),
+        ] {
+            // Scores over a wide range, a repeated maximum and a zero among them.
+            let mut scores: Vec<f32> = noise(9, n).iter().map(|x| 30.0 * x).collect();
+            scores[n / 2] = 0.0;
+            let top = scores.iter().copied().fold(f32::MIN, f32::max);
+            scores[n - 1] = top;
+            let mut want = scores.clone();
+            softmax_by_element(&mut want, skip, sink);
+            softmax_window(&mut scores, skip, sink);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&scores), bits(&want), "{n} scores, skip {skip}");
+        }
+        // The vector exponential is the backend's, bit for bit.
+        for i in 0..200_000u32 {
+            let x = f32::from_bits(0xc2f0_0000u32.wrapping_add(i * 10_007));
+            let y = -(i as f32) * 1e-3;
+            for x in [x, y] {
+                let (a, b) = (
+                    hmoe_quant::expf_ggml(x),
+                    hmoe_backend::numerics::expf_ggml(x),
+                );
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{x:e}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn heads_that_straddle_blocks_are_refused() {
         let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
@@ -1506,22 +1854,46 @@ pub(crate) mod tests {
 
 /// Speed of attention on gpt-oss-120b's shapes (64 query heads, 8 KV heads of 64), with the
 /// cache warm in L3 and cold (64 MiB written first, as a generating model's weights evict it):
-/// `cargo test --release -p hmoe-cpu --lib attention_speed -- --ignored --nocapture`.
+/// `cargo test --release -p hmoe-cpu --lib attention_speed -- --ignored --nocapture` (decode
+/// and prefill; `attention_speed_decode` for decode alone).
 #[cfg(test)]
 mod speed {
     use super::*;
     use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
 
+    /// Nanoseconds of CPU time this process's threads have run (Linux's per-thread
+    /// `schedstat`; 0 where it is missing).
+    fn cpu_ns() -> u64 {
+        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+            return 0;
+        };
+        tasks
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    }
+
     #[test]
     #[ignore]
-    fn attention_speed() {
-        let (nh, nkv, hd) = (64, 8, 64);
-        let w = nkv * hd;
-        for (what, depth, n_q) in [
+    fn attention_speed_decode() {
+        speed(&[
             ("decode at depth 4096", 4096, 1),
             ("decode at depth 16384", 16384, 1),
-            ("prefill of 512", 0, 512),
-        ] {
+        ]);
+    }
+
+    #[test]
+    #[ignore]
+    fn attention_speed_prefill() {
+        speed(&[("prefill of 512", 0, 512)]);
+    }
+
+    /// Each `(what, depth, queries)` case for the q8_0 flash kernel, the chunked f16 flash
+    /// kernel and the f16 row kernel.
+    fn speed(cases: &[(&str, usize, usize)]) {
+        let (nh, nkv, hd) = (64, 8, 64);
+        let w = nkv * hd;
+        for &(what, depth, n_q) in cases {
             for (k, v, fa) in [
                 (CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On),
                 (CacheType::F16, CacheType::F16, FlashAttn::On),
@@ -1545,23 +1917,26 @@ mod speed {
                 };
                 let mut out = vec![0f32; q.len()];
                 let mut evict = vec![0u8; 64 << 20];
+                // Per call: the best wall time of five, and the CPU time of all threads
+                // averaged over them (steadier than wall time on a busy machine).
                 let mut best = |cold: bool| {
-                    (0..5)
-                        .map(|_| {
-                            if cold {
-                                evict.iter_mut().for_each(|b| *b = b.wrapping_add(1));
-                                std::hint::black_box(&evict);
-                            }
-                            let t = std::time::Instant::now();
-                            attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
-                            t.elapsed().as_secs_f64() * 1e3
-                        })
-                        .fold(f64::MAX, f64::min)
+                    let (mut wall, mut cpu) = (f64::MAX, 0.0);
+                    for _ in 0..5 {
+                        if cold {
+                            evict.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+                            std::hint::black_box(&evict);
+                        }
+                        let (t, c) = (std::time::Instant::now(), cpu_ns());
+                        attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
+                        wall = wall.min(t.elapsed().as_secs_f64() * 1e3);
+                        cpu += cpu_ns().saturating_sub(c) as f64 / 5e6;
+                    }
+                    (wall, cpu)
                 };
-                let (warm, cold) = (best(false), best(true));
+                let ((warm, warm_cpu), (cold, cold_cpu)) = (best(false), best(true));
                 eprintln!(
                     "{what}, {k}/{v}, flash {}: {warm:.2} ms warm, {cold:.2} ms cold per layer \
-                     ({} threads, wall)",
+                     ({} threads, wall); CPU {warm_cpu:.2} ms warm, {cold_cpu:.2} ms cold",
                     ty.flash_attn(),
                     hmoe_pool::current_num_threads()
                 );

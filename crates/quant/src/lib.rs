@@ -68,6 +68,7 @@
 
 #[macro_use]
 mod kernels;
+mod attn;
 mod exp;
 mod gemm;
 mod kquants;
@@ -103,6 +104,7 @@ mod tests_lowbit;
 
 use std::sync::OnceLock;
 
+pub use attn::{expf_ggml, expf_ggml_slice, f16_head_scores, f16_value_lanes, VALUE_LANES};
 pub use exp::{expf, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
