@@ -680,6 +680,11 @@ impl Backend for Cpu {
         ops::swiglu(gate, up, n);
         Ok(())
     }
+    fn k_only_types(&self) -> &'static [GgmlType] {
+        // The CPU engine's latent cache in every `-ctk` type, never rotated (the executor's
+        // K-only layouts have rotation 0).
+        &KV_TYPES
+    }
     fn attention_k_only(
         &self,
         p: &KOnlyAttnParams,

@@ -3,7 +3,8 @@
 //! architecture (gpt-oss, Qwen3-MoE, DeepSeek-V2/V3), every prompt position over several
 //! micro-batches and then greedy decode steps, for f32, f16 and (where heads are whole blocks)
 //! q8_0 K/V, with `-fa auto` and `-fa on`; several sequences batched in one `forward_multi`
-//! get what each gets alone. The real dense files are covered with the device as a parameter
+//! get what each gets alone; DeepSeek's latent cache in q8_0, q4_0, q5_1, f32 and bf16
+//! is the CPU engine's too. The real dense files are covered with the device as a parameter
 //! in `device_dense.rs`; the REF0 files of the MoE architectures also put experts on the
 //! device and count transfers, which the CPU does neither of.
 
@@ -16,6 +17,7 @@ use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{
     DeviceModel, ExpertHome, ExpertPlacement, KvType, LanguageModel, LogitsWanted, SeqBatch,
 };
+use hmoe_synth::{deepseek2_writer, Deepseek2Spec};
 
 const N_CTX: usize = 64;
 const UBATCH: usize = 8;
@@ -26,7 +28,11 @@ fn open(dir: &str, file: &str) -> GgufModel {
 
 /// `DeviceModel<Cpu>` of the file, its routed experts on the host path.
 fn cpu_device(dir: &str, file: &str) -> DeviceModel<Cpu> {
-    let g = open(dir, file);
+    cpu_device_of(open(dir, file))
+}
+
+/// `DeviceModel<Cpu>` of `g`, its routed experts on the host path.
+fn cpu_device_of(g: GgufModel) -> DeviceModel<Cpu> {
     let arch = g.metadata().architecture().unwrap().to_string();
     let n_layer = g
         .metadata()
@@ -100,6 +106,46 @@ fn cpu_device_is_the_cpu_engine_bit_for_bit() {
             }
         }
     }
+}
+
+/// Asserts that `got` and `want` (feeds of [`run`]) are the same bits.
+fn assert_same(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (s, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(bits(g) == bits(w), "{what}: feed {s} differs");
+    }
+}
+
+/// DeepSeek's latent (K-only) cache in every `-ctk` type the CPU engine keeps it in, on a
+/// synthetic file with latent rows of 64 + 64 values (whole blocks of every type, a multiple
+/// of 64 that neither the CPU engine nor the device rotates).
+#[test]
+fn cpu_device_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
+    let spec = Deepseek2Spec {
+        n_layer: 3,
+        qk_rope_dim: 64,
+        n_vocab: 300,
+        ..Deepseek2Spec::tiny()
+    };
+    let path = std::env::temp_dir().join(format!(
+        "hmoe-device-cpu-latent-{}.gguf",
+        std::process::id()
+    ));
+    deepseek2_writer(&spec).unwrap().write(&path).unwrap();
+    let open = || GgufModel::open(&path, LoadOptions::default()).unwrap();
+    let cpu = hmoe_model::load(open()).unwrap();
+    let dev = cpu_device_of(open());
+    use CacheType::*;
+    for ty in [Q8_0, Q4_0, Q5_1, F32, BF16] {
+        // `-ctv` is not used by a K-only cache.
+        let kv = KvType::new(ty, F16, FlashAttn::Auto).unwrap();
+        assert_same(
+            &run(&dev, kv),
+            &run(cpu.as_ref(), kv),
+            &format!("latent {ty}"),
+        );
+    }
+    let _ = std::fs::remove_file(&path);
 }
 
 #[test]
