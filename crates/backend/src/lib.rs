@@ -411,6 +411,19 @@ pub trait Backend: Send + Sync {
         t: &ExpertTensors<'_>,
         ids: Option<&[usize]>,
     ) -> Result<Self::Moe, BackendError>;
+    /// [`Backend::upload_moe`] of experts whose three stacked matrices stay in place while
+    /// `data` lives: `data` holds the bytes of `t.gate.data`, `t.up.data` and `t.down.data`, in
+    /// that order (tensors in the file mapping), so that a device on the host keeps the
+    /// handles and never copies the experts; by default a copy is uploaded.
+    fn upload_moe_shared(
+        &self,
+        t: &ExpertTensors<'_>,
+        data: &[SharedBytes; 3],
+        ids: Option<&[usize]>,
+    ) -> Result<Self::Moe, BackendError> {
+        let _ = data;
+        self.upload_moe(t, ids)
+    }
     /// Bytes an expert set occupies.
     fn moe_bytes(m: &Self::Moe) -> usize;
     /// Embedding rows: row `ids[i]` of `table`, dequantized to f32, into row `i` of `out`.

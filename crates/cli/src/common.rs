@@ -129,13 +129,13 @@ impl ModelArgs {
 
     /// Testing (`hmoe bench --cpu-device`): the thread pools as [`ModelArgs::load`] starts
     /// them, and the model on the device executor over the CPU as a device
-    /// ([`hmoe_cpu::Cpu`], every layer's experts on the host path), to compare it with the
-    /// CPU engine.
+    /// ([`hmoe_cpu::Cpu`], every layer's experts on that device, kept in the file mapping),
+    /// to compare it with the CPU engine.
     pub fn load_cpu_device(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
         self.start_pools()?;
         let gguf = self.open()?;
         let n_layer = ModelShape::from_metadata(gguf.metadata())?.n_layer as usize;
-        let placement = hmoe_model::ExpertPlacement::all(n_layer, hmoe_model::ExpertHome::Host)
+        let placement = hmoe_model::ExpertPlacement::all(n_layer, hmoe_model::ExpertHome::Device)
             .with_op_offload(None);
         let model = hmoe_model::DeviceModel::load(gguf, hmoe_cpu::Cpu::new(), &placement)?;
         Ok(Box::new(model))

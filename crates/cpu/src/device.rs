@@ -13,21 +13,25 @@
 //! - K/V rings are the CPU engine's cache storage ([`Cells`]), stored and attended over by the
 //!   CPU engine's code: `kv_store` is its `set_rows` conversion (rotation included), attention
 //!   its row kernel or flash attention as [`AttnParams`] asks.
-//! - Routed experts run on the host path of the executor (the CPU engine's expert code over
-//!   the file mapping, [`Backend::staging`] being plain host buffers): this device keeps no
-//!   expert sets ([`Backend::upload_moe`] refuses them).
+//! - Expert sets stay where they are too ([`Backend::upload_moe_shared`] keeps the handles to
+//!   the stacked matrices in the mapping; [`Backend::upload_moe`] copies the chosen experts),
+//!   and `moe` runs the CPU engine's expert kernels over them ([`crate::experts`]), so that a
+//!   layer's experts are "on the device" with no round trip. The executor's host path
+//!   ([`Backend::staging`] being plain host buffers) computes the same.
 
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hmoe_backend::{
-    AttnParams, Backend, BackendError, Elem, ExpertTensors, GatedAct, Gating, KOnlyAttnParams,
-    KvLayout, KvRing, RopeParams, Routing, RowCopy, SharedBytes, StagedIo, KV_TYPES,
+    AttnParams, Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, ExpertView, GatedAct,
+    Gating, KOnlyAttnParams, KvLayout, KvRing, RopeParams, Routing, RowCopy, SharedBytes, StagedIo,
+    KV_TYPES,
 };
 use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
+use crate::experts::{self, ExpertBatch, ExpertKernels, ExpertScratch};
 use crate::kv_cache::{Cells, LayerCache};
 use crate::ops::{self, QuantizedActs};
 
@@ -97,9 +101,144 @@ impl CpuMatrix {
     }
 }
 
-/// An expert set of the CPU device: never made ([`Backend::upload_moe`] refuses; the CPU runs
-/// routed experts on the executor's host path).
-pub enum CpuMoe {}
+/// One stacked expert matrix of an expert set: its shape and where its bytes live.
+struct StackedBytes {
+    ty: GgmlType,
+    n_in: usize,
+    n_out: usize,
+    bytes: MatrixBytes,
+}
+
+impl StackedBytes {
+    fn matrix(&self) -> ExpertMatrix<'_> {
+        let data = match &self.bytes {
+            MatrixBytes::Owned(v) => &v[..],
+            MatrixBytes::Shared(s) => s.bytes(),
+        };
+        ExpertMatrix {
+            ty: self.ty,
+            n_in: self.n_in,
+            n_out: self.n_out,
+            data,
+        }
+    }
+}
+
+/// An expert set of the CPU device: the stacked gate, up and down matrices (the file's, kept in
+/// place, or a copy of the chosen experts), the chosen experts' biases, and the CPU engine's
+/// kernels for the matrices.
+pub struct CpuMoe {
+    d: usize,
+    ff: usize,
+    /// Expert `e` of the set is expert `stored[e]` of the stacked matrices.
+    stored: Vec<usize>,
+    /// Gate, up and down.
+    mats: [StackedBytes; 3],
+    /// Gate, up and down biases of the set's experts in set order (empty: none).
+    biases: [Vec<f32>; 3],
+    kernels: ExpertKernels,
+    bytes: usize,
+}
+
+impl CpuMoe {
+    /// Expert `e` of the set.
+    fn view(&self, e: usize) -> Option<ExpertView<'_>> {
+        let i = *self.stored.get(e)?;
+        let [g, u, dn] = &self.mats;
+        fn bias(b: &[f32], e: usize, n: usize) -> Option<&[f32]> {
+            match b.is_empty() {
+                true => Some(b),
+                false => b.get(e * n..(e + 1) * n),
+            }
+        }
+        Some(ExpertView {
+            gate: g.matrix().expert(i)?,
+            up: u.matrix().expert(i)?,
+            down: dn.matrix().expert(i)?,
+            gate_bias: bias(&self.biases[0], e, self.ff)?,
+            up_bias: bias(&self.biases[1], e, self.ff)?,
+            down_bias: bias(&self.biases[2], e, self.d)?,
+        })
+    }
+}
+
+/// The expert set `ids` (every expert when `None`) of `t`: the stacked matrices `shared` when
+/// given (the set indexes into them), else a copy of the chosen experts.
+fn expert_set(
+    t: &ExpertTensors<'_>,
+    shared: Option<&[SharedBytes; 3]>,
+    ids: Option<&[usize]>,
+) -> Result<CpuMoe, BackendError> {
+    const OP: &str = "upload_moe";
+    let (d, ff) = t.validate()?;
+    let all: Vec<usize> = (0..t.n_expert).collect();
+    let ids = ids.unwrap_or(&all);
+    ensure(OP, ids.iter().all(|&e| e < t.n_expert), || {
+        format!("experts {ids:?} of {}", t.n_expert)
+    })?;
+    let kernels = ExpertKernels::for_tensors(t).map_err(|_| BackendError::UnsupportedType {
+        ty: t.gate.ty,
+        op: OP,
+    })?;
+    let srcs = [&t.gate, &t.up, &t.down];
+    let (stored, mats) = match shared {
+        Some(shared) => {
+            for (m, s) in srcs.iter().zip(shared) {
+                ensure(OP, s.bytes().len() == m.data.len(), || {
+                    format!(
+                        "{} shared bytes for {} of experts",
+                        s.bytes().len(),
+                        m.data.len()
+                    )
+                })?;
+            }
+            let mats = std::array::from_fn(|i| StackedBytes {
+                ty: srcs[i].ty,
+                n_in: srcs[i].n_in,
+                n_out: srcs[i].n_out,
+                bytes: MatrixBytes::Shared(shared[i].clone()),
+            });
+            (ids.to_vec(), mats)
+        }
+        None => {
+            let copy = |m: &ExpertMatrix<'_>| {
+                let bytes = ids.iter().filter_map(|&e| m.expert(e)).flatten().copied();
+                StackedBytes {
+                    ty: m.ty,
+                    n_in: m.n_in,
+                    n_out: m.n_out,
+                    bytes: MatrixBytes::Owned(bytes.collect()),
+                }
+            };
+            ((0..ids.len()).collect(), srcs.map(copy))
+        }
+    };
+    let pick = |b: &[f32], n: usize| -> Vec<f32> {
+        match b.is_empty() {
+            true => Vec::new(),
+            false => ids
+                .iter()
+                .flat_map(|&e| &b[e * n..(e + 1) * n])
+                .copied()
+                .collect(),
+        }
+    };
+    let biases = [
+        pick(t.gate_bias, ff),
+        pick(t.up_bias, ff),
+        pick(t.down_bias, d),
+    ];
+    let bytes = ids.len() * t.expert_bytes() as usize;
+    Ok(CpuMoe {
+        d,
+        ff,
+        stored,
+        mats,
+        biases,
+        kernels,
+        bytes,
+    })
+}
 
 /// Host buffers of the expert-boundary round trip (on the CPU, copies within host memory).
 pub struct CpuStaging {
@@ -114,6 +253,8 @@ pub struct CpuStaging {
 pub struct Cpu {
     /// Activations converted for a product, reused between calls.
     acts: Mutex<QuantizedActs>,
+    /// Buffers of the `moe` op, reused between calls.
+    experts: Mutex<ExpertScratch>,
 }
 
 impl Cpu {
@@ -325,16 +466,21 @@ impl Backend for Cpu {
     }
     fn upload_moe(
         &self,
-        _t: &ExpertTensors<'_>,
-        _ids: Option<&[usize]>,
+        t: &ExpertTensors<'_>,
+        ids: Option<&[usize]>,
     ) -> Result<CpuMoe, BackendError> {
-        Err(BackendError::Unsupported {
-            op: "upload_moe",
-            what: "an expert set (the CPU runs routed experts on the host path)".into(),
-        })
+        expert_set(t, None, ids)
+    }
+    fn upload_moe_shared(
+        &self,
+        t: &ExpertTensors<'_>,
+        data: &[SharedBytes; 3],
+        ids: Option<&[usize]>,
+    ) -> Result<CpuMoe, BackendError> {
+        expert_set(t, Some(data), ids)
     }
     fn moe_bytes(m: &CpuMoe) -> usize {
-        match *m {}
+        m.bytes
     }
     fn get_rows(
         &self,
@@ -576,14 +722,79 @@ impl Backend for Cpu {
     fn moe(
         &self,
         w: &CpuMoe,
-        _act: GatedAct,
-        _x: &CpuBuf<f32>,
-        _selected: &CpuBuf<i32>,
-        _weights: &CpuBuf<f32>,
-        _k: usize,
-        _out: &mut CpuBuf<f32>,
+        act: GatedAct,
+        x: &CpuBuf<f32>,
+        selected: &CpuBuf<i32>,
+        weights: &CpuBuf<f32>,
+        k: usize,
+        out: &mut CpuBuf<f32>,
     ) -> Result<(), BackendError> {
-        match *w {}
+        const OP: &str = "moe";
+        let (d, ff, n_expert) = (w.d, w.ff, w.stored.len());
+        ensure(OP, k > 0 && x.len().is_multiple_of(d), || {
+            format!("x {} for rows of {d}, {k} slots", x.len())
+        })?;
+        let n = x.len() / d;
+        ensure(
+            OP,
+            selected.len() >= n * k && weights.len() >= n * k && out.len() >= n * d,
+            || "lengths".into(),
+        )?;
+        let (h, wts, out) = (&x[..], &weights[..n * k], &mut out[..n * d]);
+        let err = |e: experts::ExpertDeviceError| BackendError::Shape {
+            op: OP,
+            what: e.to_string(),
+        };
+        // The CPU engine's expert sum over the whole batch (the executor splits the batch
+        // where the order of the products depends on it).
+        match act {
+            GatedAct::Silu => {
+                let sel: Vec<usize> = selected[..n * k]
+                    .iter()
+                    .map(|&e| usize::try_from(e).unwrap_or(usize::MAX))
+                    .collect();
+                let mut acts = QuantizedActs::default();
+                let y = experts::moe_swiglu(
+                    &w.kernels,
+                    (d, ff, n_expert),
+                    |e| w.view(e),
+                    h,
+                    &sel,
+                    wts,
+                    k,
+                    &mut acts,
+                );
+                out.copy_from_slice(&y);
+                Ok(())
+            }
+            GatedAct::ClampedSwiglu { .. } => {
+                // gpt-oss's kernels refuse ids outside the set rather than skip them.
+                let sel: Vec<u32> = selected[..n * k]
+                    .iter()
+                    .map(|&e| u32::try_from(e).unwrap_or(u32::MAX))
+                    .collect();
+                let whole = 0..n;
+                let batch = ExpertBatch {
+                    h,
+                    selected: &sel,
+                    weights: wts,
+                    n_used: k,
+                    groups: std::slice::from_ref(&whole),
+                };
+                let mut scratch = self.experts.lock().unwrap_or_else(PoisonError::into_inner);
+                experts::expert_sum(
+                    0,
+                    &w.kernels,
+                    act,
+                    (d, ff, n_expert),
+                    &batch,
+                    |e| w.view(e),
+                    &mut scratch,
+                    out,
+                )
+                .map_err(err)
+            }
+        }
     }
     fn copy_rows(
         &self,
@@ -679,6 +890,11 @@ impl Backend for Cpu {
         hmoe_backend::shapes::swiglu(gate.len(), up.len(), n)?;
         ops::swiglu(gate, up, n);
         Ok(())
+    }
+    fn k_only_types(&self) -> &'static [GgmlType] {
+        // The CPU engine's latent cache in every `-ctk` type, never rotated (the executor's
+        // K-only layouts have rotation 0).
+        &KV_TYPES
     }
     fn attention_k_only(
         &self,
@@ -820,6 +1036,65 @@ mod tests {
         assert!(cpu
             .upload_matrix_shared(GgmlType::Q8_0, rows + 1, cols, &shared)
             .is_err());
+    }
+
+    #[test]
+    fn shared_expert_sets_are_kept_in_place_and_sum_like_a_copy() {
+        let (d, n_expert) = (32usize, 3usize);
+        let row = GgmlType::Q8_0.row_bytes(d as u64).unwrap() as usize;
+        let mut data = vec![0u8; n_expert * d * row];
+        for (i, r) in data.chunks_exact_mut(row).enumerate() {
+            let vals: Vec<f32> = (0..d)
+                .map(|j| ((i * 7 + j * 3) % 11) as f32 * 0.1 - 0.5)
+                .collect();
+            hmoe_quant::quantize_row(GgmlType::Q8_0, &vals, r).unwrap();
+        }
+        let owner: Arc<Vec<u8>> = Arc::new(data.clone());
+        let shared = SharedBytes::new(owner.clone(), 0..data.len()).unwrap();
+        let bias: Vec<f32> = (0..n_expert * d).map(|i| i as f32 * 0.01).collect();
+        let m = ExpertMatrix {
+            ty: GgmlType::Q8_0,
+            n_in: d,
+            n_out: d,
+            data: &data,
+        };
+        let t = ExpertTensors {
+            n_expert,
+            gate: m,
+            up: m,
+            down: m,
+            gate_bias: &bias,
+            up_bias: &bias,
+            down_bias: &bias,
+        };
+        let cpu = Cpu::new();
+        let three = [shared.clone(), shared.clone(), shared];
+        let ids = [2usize, 0];
+        let kept = cpu.upload_moe_shared(&t, &three, Some(&ids)).unwrap();
+        let copy = cpu.upload_moe(&t, Some(&ids)).unwrap();
+        let expert_bytes = d * row;
+        let kept_gate = kept.view(0).unwrap().gate.as_ptr();
+        assert_eq!(kept_gate, owner[2 * expert_bytes..].as_ptr(), "no copy");
+        assert_eq!(Cpu::moe_bytes(&kept), Cpu::moe_bytes(&copy));
+        let x: Vec<f32> = (0..2 * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x = cpu.upload(&x).unwrap();
+        let sel = cpu.upload(&[0i32, 1, 1, 0]).unwrap();
+        let wts = cpu.upload(&[0.6f32, 0.4, 0.7, 0.3]).unwrap();
+        for act in [
+            GatedAct::Silu,
+            GatedAct::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0,
+            },
+        ] {
+            let (mut a, mut b) = (cpu.alloc(2 * d).unwrap(), cpu.alloc(2 * d).unwrap());
+            cpu.moe(&kept, act, &x, &sel, &wts, 2, &mut a).unwrap();
+            cpu.moe(&copy, act, &x, &sel, &wts, 2, &mut b).unwrap();
+            let (a, b) = (cpu.download(&a).unwrap(), cpu.download(&b).unwrap());
+            assert!(a.iter().any(|&v| v != 0.0), "{act:?}");
+            assert_eq!(a, b, "{act:?}");
+        }
+        assert!(cpu.upload_moe(&t, Some(&[3])).is_err());
     }
 
     #[test]

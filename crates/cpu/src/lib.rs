@@ -1,11 +1,12 @@
 //! The CPU engine's kernels and the CPU as a device of the contract (DESIGN.md §1, the
 //! `backend` layer): attention over the K/V cache (the row kernel and flash attention, every
 //! `-ctk`/`-ctv` type), the cache itself, the row kernels (RMSNorm, matmul over quantized
-//! weights, softmax, SwiGLU), and [`Cpu`], the `hmoe_backend::Backend` built from them. They
+//! weights, softmax, SwiGLU), the routed-expert kernels, and [`Cpu`], the `hmoe_backend::Backend` built from them. They
 //! know no architecture; the architectures (crate `hmoe-model`) call them.
 
 pub mod attention;
 mod device;
+pub mod experts;
 pub mod kv_cache;
 pub mod ops;
 #[cfg(test)]

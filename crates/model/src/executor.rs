@@ -502,6 +502,36 @@ pub struct DeviceModel<B: Backend> {
     state: Mutex<State<B>>,
 }
 
+/// Uploads every expert of layer `layer` (`t`, read from `g`): without a copy
+/// ([`Backend::upload_moe_shared`]) when `t`'s matrices are the file's
+/// `blk.N.ffn_{gate,up,down}_exps.weight` tensors in the mapping, else a copy.
+fn upload_experts<B: Backend>(
+    dev: &B,
+    g: &GgufModel,
+    layer: usize,
+    t: &ExpertTensors<'_>,
+) -> Result<B::Moe, BackendError> {
+    let shared = |m: &str, data: &[u8]| {
+        let info = g.tensor_info(&format!("blk.{layer}.ffn_{m}_exps.weight"))?;
+        let s = g
+            .shared_data_of(info)
+            .and_then(|(o, r)| SharedBytes::new(o, r))?;
+        let b = s.bytes();
+        (b.as_ptr() == data.as_ptr() && b.len() == data.len()).then_some(s)
+    };
+    let all = (|| {
+        Some([
+            shared("gate", t.gate.data)?,
+            shared("up", t.up.data)?,
+            shared("down", t.down.data)?,
+        ])
+    })();
+    match all {
+        Some(data) => dev.upload_moe_shared(t, &data, None),
+        None => dev.upload_moe(t, None),
+    }
+}
+
 /// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
 pub(crate) fn upload_matrix<B: Backend>(
     dev: &B,
@@ -624,7 +654,7 @@ impl<B: Backend + 'static> DeviceModel<B> {
                     .any(expert_order_varies)
             }));
             let moe = match (home, t) {
-                (ExpertHome::Device, Some(t)) => Some(dev.upload_moe(&t, None)?),
+                (ExpertHome::Device, Some(t)) => Some(upload_experts(&dev, arch.gguf(), l, &t)?),
                 _ => None,
             };
             weight_bytes += moe.as_ref().map_or(0, |m| B::moe_bytes(m) as u64);

@@ -309,6 +309,7 @@ impl GptOss {
         host_experts(
             layer,
             &b.expert_kernels(),
+            EXPERT_ACT,
             &b.experts(&self.gguf, self.params.n_expert),
             batch,
             &mut ExpertScratch::default(),
@@ -517,6 +518,7 @@ impl GptOss {
         host_experts(
             l,
             &b.expert_kernels(),
+            EXPERT_ACT,
             &b.experts(g, p.n_expert),
             &batch,
             &mut ExpertScratch::default(),

@@ -5,9 +5,11 @@
 
 use hmoe_gguf::GgufModel;
 
+use hmoe_backend::ExpertView;
+use hmoe_cpu::experts::ExpertKernels;
+
 use crate::weights::{project, Mat};
 
-pub(crate) use hmoe_cpu::ops::RowProduct;
 pub use hmoe_cpu::ops::{
     add_bias, matmul, matmul_vec_dot, rms_norm, softmax, swiglu, QuantizedActs,
 };
@@ -340,10 +342,8 @@ pub(crate) fn ffn_swiglu(
     project(g, down, &gt, acts)
 }
 
-/// Routed SwiGLU experts: `y_t = Σ_s w[t][s] · expert_{sel[t][s]}(h_t)` with
-/// `expert_e(h) = Wd_e · (silu(Wg_e·h) ⊙ Wu_e·h)`, `k_used` slots per token. Tokens are grouped
-/// by expert so each expert's weights are read once per batch; products in `vec_dot` order
-/// (ggml's `mul_mat_id`); the weighted outputs are added in slot order, as llama.cpp does.
+/// Routed SwiGLU experts over the stacked matrices in the file mapping, the CPU engine's
+/// [`hmoe_cpu::experts::moe_swiglu`] (products in `vec_dot` order, slots added in order).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_swiglu(
     g: &GgufModel,
@@ -357,64 +357,33 @@ pub(crate) fn moe_swiglu(
     acts: &mut QuantizedActs,
 ) -> Vec<f32> {
     let (d, ff) = (gate_exps.n_in, gate_exps.n_out);
-    let n = h.len() / d;
-    acts.quantize(gate_exps.kernel.act_type(), h, d);
-    let mut per_slot = vec![0f32; n * k_used * d];
-    let (mut routed, mut act_q) = (QuantizedActs::default(), QuantizedActs::default());
     let n_expert = gate_exps.info.dims.get(2).copied().unwrap_or(1) as usize;
-    for e in 0..n_expert {
-        let slots: Vec<usize> = (0..n * k_used).filter(|&i| selected[i] == e).collect();
-        if slots.is_empty() {
-            continue;
-        }
-        let m = slots.len();
-        routed.gather(acts, slots.iter().map(|&i| i / k_used));
-        let mut gate = vec![0f32; m * ff];
-        let mut up = vec![0f32; m * ff];
-        matmul_vec_dot(
-            gate_exps.kernel,
-            gate_exps.slice(g, e),
-            d,
-            ff,
-            &routed,
-            &mut gate,
-        );
-        if up_exps.kernel.act_type() == gate_exps.kernel.act_type() {
-            matmul_vec_dot(up_exps.kernel, up_exps.slice(g, e), d, ff, &routed, &mut up);
-        } else {
-            let rows: Vec<f32> = slots
-                .iter()
-                .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied())
-                .collect();
-            act_q.quantize(up_exps.kernel.act_type(), &rows, d);
-            matmul_vec_dot(up_exps.kernel, up_exps.slice(g, e), d, ff, &act_q, &mut up);
-        }
-        swiglu(&mut gate, &up, ff);
-        act_q.quantize(down_exps.kernel.act_type(), &gate, ff);
-        let mut down = vec![0f32; m * d];
-        matmul_vec_dot(
-            down_exps.kernel,
-            down_exps.slice(g, e),
-            ff,
-            d,
-            &act_q,
-            &mut down,
-        );
-        for (row, &slot) in down.chunks_exact(d).zip(&slots) {
-            per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
-        }
-    }
-    let mut out = vec![0f32; n * d];
-    for (t, dst) in out.chunks_exact_mut(d).enumerate() {
-        for s in 0..k_used {
-            let w = weights[t * k_used + s];
-            let src = &per_slot[(t * k_used + s) * d..][..d];
-            for (o, &v) in dst.iter_mut().zip(src) {
-                *o += v * w;
-            }
-        }
-    }
-    out
+    let k = ExpertKernels::new(gate_exps.kernel, up_exps.kernel, down_exps.kernel);
+    let (gm, um, dm) = (
+        gate_exps.expert_matrix(g),
+        up_exps.expert_matrix(g),
+        down_exps.expert_matrix(g),
+    );
+    let view = |e: usize| {
+        Some(ExpertView {
+            gate: gm.expert(e)?,
+            up: um.expert(e)?,
+            down: dm.expert(e)?,
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        })
+    };
+    hmoe_cpu::experts::moe_swiglu(
+        &k,
+        (d, ff, n_expert),
+        view,
+        h,
+        selected,
+        weights,
+        k_used,
+        acts,
+    )
 }
 
 /// Bias-less routed SwiGLU experts of a device layer run on the host ([`moe_swiglu`] over the
