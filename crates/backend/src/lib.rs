@@ -13,6 +13,7 @@
 
 mod error;
 mod experts;
+pub mod host;
 pub mod numerics;
 mod params;
 mod ref0;
@@ -27,10 +28,9 @@ use hmoe_quant::GgmlType;
 
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
+pub use host::HostStaging;
 pub use params::{AttnParams, KOnlyAttnParams, RopeParams, RowCopy};
-pub use ref0::{
-    Ref0, RefBuf, RefMatrix, RefMoe, RefStaging, QUANT_KERNEL_TYPES, REF0_NAME, REF0_TYPES,
-};
+pub use ref0::{Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_NAME, REF0_TYPES};
 pub use routing::{Gating, Routing};
 
 mod sealed {

@@ -43,7 +43,7 @@ use hmoe_quant::GgmlType;
 
 use crate::error::ensure;
 use crate::numerics::hsum16;
-use crate::{AttnParams, Gating, KOnlyAttnParams, RopeParams, Routing, RowCopy};
+use crate::{AttnParams, Gating, HostStaging, KOnlyAttnParams, RopeParams, Routing, RowCopy};
 use crate::{
     Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, KvRing, StagedIo,
     TransferCounts,
@@ -178,14 +178,6 @@ pub struct RefMoe {
     up_bias: Vec<f32>,
     down_bias: Vec<f32>,
     _charge: Option<Charge>,
-}
-
-/// Host buffers of the round trip (host memory: not charged to the device).
-pub struct RefStaging {
-    h: Vec<f32>,
-    sel: Vec<i32>,
-    w: Vec<f32>,
-    out: Vec<f32>,
 }
 
 /// The reference device `REF0` (see the module docs).
@@ -594,7 +586,7 @@ impl Backend for Ref0 {
     type Buf<T: Elem> = RefBuf<T>;
     type Matrix = RefMatrix;
     type Moe = RefMoe;
-    type Staging = RefStaging;
+    type Staging = HostStaging;
 
     fn name(&self) -> String {
         REF0_NAME.into()
@@ -836,24 +828,7 @@ impl Backend for Ref0 {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        shape(
-            "rope_neox",
-            x.len() >= positions.len() * n_heads * head_dim && p.n_dims <= head_dim,
-            || "lengths".into(),
-        )?;
-        let half = p.n_dims / 2;
-        for (t, &pos) in positions.iter().enumerate() {
-            for h in 0..n_heads {
-                let head = &mut x[(t * n_heads + h) * head_dim..][..head_dim];
-                for i in 0..half {
-                    let (c, s) = p.cos_sin(pos, i);
-                    let (x0, x1) = (head[i], head[i + half]);
-                    head[i] = x0.mul_add(c, -(x1 * s));
-                    head[i + half] = x0.mul_add(s, x1 * c);
-                }
-            }
-        }
-        Ok(())
+        crate::host::rope_neox(x, positions, n_heads, head_dim, p)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
         &crate::KV_TYPES
@@ -1004,12 +979,7 @@ impl Backend for Ref0 {
         dst: &mut RefBuf<f32>,
         c: &RowCopy,
     ) -> Result<(), BackendError> {
-        c.check(src.len(), dst.len())?;
-        for r in 0..c.n_rows {
-            let from = &src[r * c.src_stride + c.src_offset..][..c.width];
-            dst[r * c.dst_stride + c.dst_offset..][..c.width].copy_from_slice(from);
-        }
-        Ok(())
+        crate::host::copy_rows(src, dst, c)
     }
     fn rope_norm(
         &self,
@@ -1020,19 +990,7 @@ impl Backend for Ref0 {
         first: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        crate::shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
-        for (t, &pos) in positions.iter().enumerate() {
-            for h in 0..n_heads {
-                let head = &mut x[(t * n_heads + h) * head_dim + first..][..p.n_dims];
-                for (i, pair) in head.chunks_exact_mut(2).enumerate() {
-                    let (c, s) = p.cos_sin(pos, i);
-                    let (x0, x1) = (pair[0], pair[1]);
-                    pair[0] = x0.mul_add(c, -(x1 * s));
-                    pair[1] = x0.mul_add(s, x1 * c);
-                }
-            }
-        }
-        Ok(())
+        crate::host::rope_norm(x, positions, n_heads, head_dim, first, p)
     }
     fn matmul_heads(
         &self,
@@ -1099,66 +1057,30 @@ impl Backend for Ref0 {
         selected: &mut RefBuf<i32>,
         weights: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let k = routing.k;
-        crate::shapes::route(
-            routing,
-            n_expert,
-            logits.len(),
-            bias.map(|b| b.len()),
-            selected.len(),
-            weights.len(),
-        )?;
-        let (mut top, mut w) = (Vec::new(), Vec::new());
-        for (t, row) in logits.chunks_exact(n_expert).enumerate() {
-            let mut probs = row.to_vec();
-            crate::routing::gate_probs(gating, &mut probs);
-            routing.select(&probs, bias.map(|b| &b[..]), &mut top, &mut w);
-            for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
-                selected[t * k + j] = e as i32;
-                weights[t * k + j] = wv;
-            }
-        }
-        Ok(())
+        let bias = bias.map(|b| &b[..]);
+        crate::host::route(logits, bias, gating, routing, n_expert, selected, weights)
     }
-    fn staging(&self, n_d: usize, n_k: usize) -> Result<RefStaging, BackendError> {
-        Ok(RefStaging {
-            h: vec![0.0; n_d],
-            sel: vec![0; n_k],
-            w: vec![0.0; n_k],
-            out: vec![0.0; n_d],
-        })
+    fn staging(&self, n_d: usize, n_k: usize) -> Result<HostStaging, BackendError> {
+        Ok(HostStaging::new(n_d, n_k))
     }
     fn stage_down(
         &self,
-        st: &mut RefStaging,
+        st: &mut HostStaging,
         h: &RefBuf<f32>,
         sel: &RefBuf<i32>,
         w: &RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        shape(
-            "stage_down",
-            st.h.len() == h.len() && st.sel.len() == sel.len() && st.w.len() == w.len(),
-            || "lengths".into(),
-        )?;
-        st.h.copy_from_slice(h);
-        st.sel.copy_from_slice(sel);
-        st.w.copy_from_slice(w);
+        st.fill(h, sel, w)?;
         self.count_down(4 * (h.len() + sel.len() + w.len()));
         *self.trips.lock().unwrap_or_else(PoisonError::into_inner) += 1;
         Ok(())
     }
-    fn staged<'s>(&self, st: &'s mut RefStaging) -> Result<StagedIo<'s>, BackendError> {
-        Ok(StagedIo {
-            h: &st.h,
-            sel: &st.sel,
-            w: &st.w,
-            out: &mut st.out,
-        })
+    fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
+        Ok(st.io())
     }
-    fn stage_up(&self, st: &RefStaging, out: &mut RefBuf<f32>) -> Result<(), BackendError> {
-        shape("stage_up", out.len() >= st.out.len(), || "lengths".into())?;
-        out[..st.out.len()].copy_from_slice(&st.out);
-        self.count_up(4 * st.out.len());
+    fn stage_up(&self, st: &HostStaging, out: &mut RefBuf<f32>) -> Result<(), BackendError> {
+        let n = st.send_up(out)?;
+        self.count_up(4 * n);
         Ok(())
     }
 }

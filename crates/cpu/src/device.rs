@@ -25,8 +25,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hmoe_backend::{
     AttnParams, Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, ExpertView, GatedAct,
-    Gating, KOnlyAttnParams, KvLayout, KvRing, RopeParams, Routing, RowCopy, SharedBytes, StagedIo,
-    KV_TYPES,
+    Gating, HostStaging, KOnlyAttnParams, KvLayout, KvRing, RopeParams, Routing, RowCopy,
+    SharedBytes, StagedIo, KV_TYPES,
 };
 use hmoe_quant::{DotKernel, GgmlType};
 
@@ -240,14 +240,6 @@ fn expert_set(
     })
 }
 
-/// Host buffers of the expert-boundary round trip (on the CPU, copies within host memory).
-pub struct CpuStaging {
-    h: Vec<f32>,
-    sel: Vec<i32>,
-    w: Vec<f32>,
-    out: Vec<f32>,
-}
-
 /// The CPU as a device of the contract (see the module docs).
 #[derive(Default)]
 pub struct Cpu {
@@ -348,17 +340,11 @@ fn with_layer(
     })
 }
 
-/// `(cos, sin)` of every rotated pair at `pos`.
-fn rope_table(p: &RopeParams, pos: i32, out: &mut Vec<(f32, f32)>) {
-    out.clear();
-    out.extend((0..p.n_dims / 2).map(|i| p.cos_sin(pos, i)));
-}
-
 impl Backend for Cpu {
     type Buf<T: Elem> = CpuBuf<T>;
     type Matrix = CpuMatrix;
     type Moe = CpuMoe;
-    type Staging = CpuStaging;
+    type Staging = HostStaging;
 
     fn name(&self) -> String {
         CPU_NAME.into()
@@ -556,26 +542,7 @@ impl Backend for Cpu {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        ensure(
-            "rope_neox",
-            x.len() >= positions.len() * n_heads * head_dim && p.n_dims <= head_dim,
-            || "lengths".into(),
-        )?;
-        let half = p.n_dims / 2;
-        let mut cs = Vec::with_capacity(half);
-        for (t, &pos) in positions.iter().enumerate() {
-            rope_table(p, pos, &mut cs);
-            let heads = &mut x[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
-            // The CPU engine's `Rope::apply_neox`: FMAs as ggml's build contracts them.
-            for head in heads.chunks_exact_mut(head_dim) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (x0, x1) = (head[i], head[i + half]);
-                    head[i] = x0.mul_add(c, -(x1 * s));
-                    head[i + half] = x0.mul_add(s, x1 * c);
-                }
-            }
-        }
-        Ok(())
+        hmoe_backend::host::rope_neox(x, positions, n_heads, head_dim, p)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
         &KV_TYPES
@@ -802,12 +769,7 @@ impl Backend for Cpu {
         dst: &mut CpuBuf<f32>,
         c: &RowCopy,
     ) -> Result<(), BackendError> {
-        c.check(src.len(), dst.len())?;
-        for r in 0..c.n_rows {
-            let from = &src[r * c.src_stride + c.src_offset..][..c.width];
-            dst[r * c.dst_stride + c.dst_offset..][..c.width].copy_from_slice(from);
-        }
-        Ok(())
+        hmoe_backend::host::copy_rows(src, dst, c)
     }
     fn rope_norm(
         &self,
@@ -818,28 +780,7 @@ impl Backend for Cpu {
         first: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        hmoe_backend::shapes::rope_norm(
-            x.len(),
-            positions.len(),
-            n_heads,
-            head_dim,
-            first,
-            p.n_dims,
-        )?;
-        let mut cs = Vec::with_capacity(p.n_dims / 2);
-        for (t, &pos) in positions.iter().enumerate() {
-            rope_table(p, pos, &mut cs);
-            for h in 0..n_heads {
-                let head = &mut x[(t * n_heads + h) * head_dim + first..][..p.n_dims];
-                // The CPU engine's `Rope::apply_norm`.
-                for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(&cs) {
-                    let (x0, x1) = (pair[0], pair[1]);
-                    pair[0] = x0.mul_add(c, -(x1 * s));
-                    pair[1] = x0.mul_add(s, x1 * c);
-                }
-            }
-        }
-        Ok(())
+        hmoe_backend::host::rope_norm(x, positions, n_heads, head_dim, first, p)
     }
     fn matmul_heads(
         &self,
@@ -943,68 +884,26 @@ impl Backend for Cpu {
         selected: &mut CpuBuf<i32>,
         weights: &mut CpuBuf<f32>,
     ) -> Result<(), BackendError> {
-        let k = routing.k;
-        hmoe_backend::shapes::route(
-            routing,
-            n_expert,
-            logits.len(),
-            bias.map(|b| b.len()),
-            selected.len(),
-            weights.len(),
-        )?;
-        // The CPU engine's routing (shared with every device): gate probabilities, then the
-        // selection.
-        let (mut top, mut w) = (Vec::new(), Vec::new());
-        let mut probs = Vec::with_capacity(n_expert);
-        for (t, row) in logits.chunks_exact(n_expert).enumerate() {
-            probs.clear();
-            probs.extend_from_slice(row);
-            hmoe_backend::routing::gate_probs(gating, &mut probs);
-            routing.select(&probs, bias.map(|b| &b[..]), &mut top, &mut w);
-            for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
-                selected[t * k + j] = e as i32;
-                weights[t * k + j] = wv;
-            }
-        }
-        Ok(())
+        let bias = bias.map(|b| &b[..]);
+        hmoe_backend::host::route(logits, bias, gating, routing, n_expert, selected, weights)
     }
-    fn staging(&self, n_d: usize, n_k: usize) -> Result<CpuStaging, BackendError> {
-        Ok(CpuStaging {
-            h: vec![0.0; n_d],
-            sel: vec![0; n_k],
-            w: vec![0.0; n_k],
-            out: vec![0.0; n_d],
-        })
+    fn staging(&self, n_d: usize, n_k: usize) -> Result<HostStaging, BackendError> {
+        Ok(HostStaging::new(n_d, n_k))
     }
     fn stage_down(
         &self,
-        st: &mut CpuStaging,
+        st: &mut HostStaging,
         h: &CpuBuf<f32>,
         sel: &CpuBuf<i32>,
         w: &CpuBuf<f32>,
     ) -> Result<(), BackendError> {
-        ensure(
-            "stage_down",
-            st.h.len() == h.len() && st.sel.len() == sel.len() && st.w.len() == w.len(),
-            || "lengths".into(),
-        )?;
-        st.h.copy_from_slice(h);
-        st.sel.copy_from_slice(sel);
-        st.w.copy_from_slice(w);
-        Ok(())
+        st.fill(h, sel, w)
     }
-    fn staged<'s>(&self, st: &'s mut CpuStaging) -> Result<StagedIo<'s>, BackendError> {
-        Ok(StagedIo {
-            h: &st.h,
-            sel: &st.sel,
-            w: &st.w,
-            out: &mut st.out,
-        })
+    fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
+        Ok(st.io())
     }
-    fn stage_up(&self, st: &CpuStaging, out: &mut CpuBuf<f32>) -> Result<(), BackendError> {
-        ensure("stage_up", out.len() >= st.out.len(), || "lengths".into())?;
-        out[..st.out.len()].copy_from_slice(&st.out);
-        Ok(())
+    fn stage_up(&self, st: &HostStaging, out: &mut CpuBuf<f32>) -> Result<(), BackendError> {
+        st.send_up(out).map(drop)
     }
 }
 

@@ -1,0 +1,165 @@
+//! Pieces shared by the devices whose buffers live in host memory (REF0 and the CPU device):
+//! the expert-boundary staging buffers, and the ops that are the same plain loops on both
+//! (strided row copies, routing, RoPE). Each checks its shapes as the contract says.
+
+use crate::{BackendError, Gating, RopeParams, Routing, RowCopy, StagedIo};
+
+/// Host buffers of one expert-boundary round trip: the normed hidden state, the chosen
+/// experts and their weights brought down, and the expert sum to send up.
+pub struct HostStaging {
+    h: Vec<f32>,
+    sel: Vec<i32>,
+    w: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl HostStaging {
+    /// Buffers for `n_d` hidden values and `n_k` expert slots.
+    pub fn new(n_d: usize, n_k: usize) -> HostStaging {
+        HostStaging {
+            h: vec![0.0; n_d],
+            sel: vec![0; n_k],
+            w: vec![0.0; n_k],
+            out: vec![0.0; n_d],
+        }
+    }
+
+    /// Copies the inputs in ([`crate::Backend::stage_down`]); they must have the lengths the
+    /// buffers were made for.
+    pub fn fill(&mut self, h: &[f32], sel: &[i32], w: &[f32]) -> Result<(), BackendError> {
+        crate::error::ensure(
+            self.h.len() == h.len() && self.sel.len() == sel.len() && self.w.len() == w.len(),
+            "stage_down",
+            || "lengths".into(),
+        )?;
+        self.h.copy_from_slice(h);
+        self.sel.copy_from_slice(sel);
+        self.w.copy_from_slice(w);
+        Ok(())
+    }
+
+    /// The staged inputs and the output buffer ([`crate::Backend::staged`]).
+    pub fn io(&mut self) -> StagedIo<'_> {
+        StagedIo {
+            h: &self.h,
+            sel: &self.sel,
+            w: &self.w,
+            out: &mut self.out,
+        }
+    }
+
+    /// Copies the expert sum into the front of `out` ([`crate::Backend::stage_up`]); returns
+    /// how many values it copied.
+    pub fn send_up(&self, out: &mut [f32]) -> Result<usize, BackendError> {
+        crate::error::ensure(out.len() >= self.out.len(), "stage_up", || "lengths".into())?;
+        out[..self.out.len()].copy_from_slice(&self.out);
+        Ok(self.out.len())
+    }
+}
+
+/// [`crate::Backend::copy_rows`] over host slices.
+pub fn copy_rows(src: &[f32], dst: &mut [f32], c: &RowCopy) -> Result<(), BackendError> {
+    c.check(src.len(), dst.len())?;
+    for r in 0..c.n_rows {
+        let from = &src[r * c.src_stride + c.src_offset..][..c.width];
+        dst[r * c.dst_stride + c.dst_offset..][..c.width].copy_from_slice(from);
+    }
+    Ok(())
+}
+
+/// [`crate::Backend::route`] over host slices: each row's gate probabilities, then
+/// [`Routing::select`] (the CPU engine's routing).
+pub fn route(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    gating: Gating,
+    routing: &Routing,
+    n_expert: usize,
+    selected: &mut [i32],
+    weights: &mut [f32],
+) -> Result<(), BackendError> {
+    let k = routing.k;
+    crate::shapes::route(
+        routing,
+        n_expert,
+        logits.len(),
+        bias.map(<[f32]>::len),
+        selected.len(),
+        weights.len(),
+    )?;
+    let (mut top, mut w) = (Vec::new(), Vec::new());
+    let mut probs = Vec::with_capacity(n_expert);
+    for (t, row) in logits.chunks_exact(n_expert).enumerate() {
+        probs.clear();
+        probs.extend_from_slice(row);
+        crate::routing::gate_probs(gating, &mut probs);
+        routing.select(&probs, bias, &mut top, &mut w);
+        for (j, (&e, &wv)) in top.iter().zip(&w).enumerate() {
+            selected[t * k + j] = e as i32;
+            weights[t * k + j] = wv;
+        }
+    }
+    Ok(())
+}
+
+/// `(cos, sin)` of every rotated pair at `pos` into `out`.
+fn rope_table(p: &RopeParams, pos: i32, out: &mut Vec<(f32, f32)>) {
+    out.clear();
+    out.extend((0..p.n_dims / 2).map(|i| p.cos_sin(pos, i)));
+}
+
+/// [`crate::Backend::rope_neox`] over host slices, with the CPU engine's FMAs (as ggml's
+/// build contracts them).
+pub fn rope_neox(
+    x: &mut [f32],
+    positions: &[i32],
+    n_heads: usize,
+    head_dim: usize,
+    p: &RopeParams,
+) -> Result<(), BackendError> {
+    crate::error::ensure(
+        x.len() >= positions.len() * n_heads * head_dim && p.n_dims <= head_dim,
+        "rope_neox",
+        || "lengths".into(),
+    )?;
+    let half = p.n_dims / 2;
+    let mut cs = Vec::with_capacity(half);
+    for (t, &pos) in positions.iter().enumerate() {
+        rope_table(p, pos, &mut cs);
+        let heads = &mut x[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
+        for head in heads.chunks_exact_mut(head_dim) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (x0, x1) = (head[i], head[i + half]);
+                head[i] = x0.mul_add(c, -(x1 * s));
+                head[i + half] = x0.mul_add(s, x1 * c);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`crate::Backend::rope_norm`] over host slices (adjacent pairs of dims
+/// `first .. first + p.n_dims` of every head), with the CPU engine's FMAs.
+pub fn rope_norm(
+    x: &mut [f32],
+    positions: &[i32],
+    n_heads: usize,
+    head_dim: usize,
+    first: usize,
+    p: &RopeParams,
+) -> Result<(), BackendError> {
+    crate::shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
+    let mut cs = Vec::with_capacity(p.n_dims / 2);
+    for (t, &pos) in positions.iter().enumerate() {
+        rope_table(p, pos, &mut cs);
+        for h in 0..n_heads {
+            let head = &mut x[(t * n_heads + h) * head_dim + first..][..p.n_dims];
+            for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(&cs) {
+                let (x0, x1) = (pair[0], pair[1]);
+                pair[0] = x0.mul_add(c, -(x1 * s));
+                pair[1] = x0.mul_add(s, x1 * c);
+            }
+        }
+    }
+    Ok(())
+}
