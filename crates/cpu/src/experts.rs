@@ -216,7 +216,7 @@ fn check_batch_io(
 
 /// The expert sum of a batch over the experts of one layer that `view` finds, tokens grouped by
 /// expert (ascending ids) and slots summed in order, as llama.cpp's CPU backend does. Shared by
-/// the host path and [`StagingDevice`], so both give the same bits. `batch` must be valid
+/// the host path and the CPU device's `moe`, so both give the same bits. `batch` must be valid
 /// ([`ExpertBatch::validate`]); `out` is overwritten.
 #[allow(clippy::too_many_arguments)]
 fn mix_experts<'w>(

@@ -26,7 +26,8 @@ pub const OP_OFFLOAD_MIN_BATCH: usize = 32;
 pub enum ExpertHome {
     /// Host memory: the experts run over the mapped file where the dense part runs.
     Host,
-    /// The model's [`ExpertDevice`]: uploaded once at load, run there.
+    /// The device that holds the layer's dense part: its experts are uploaded there once at
+    /// load and run there.
     Device,
 }
 
