@@ -25,7 +25,7 @@ use std::ops::Range;
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
 
-use crate::executor::blocks::{AttnBlock, AttnSpec, MoeBlock, MoeSpec};
+use crate::executor::blocks::{AttnBlock, AttnMoeLayers, AttnSpec, MoeBlock, MoeSpec};
 use crate::executor::{
     AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router, Step,
 };
@@ -540,7 +540,7 @@ const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
 /// a sequence's rows multiplied together by F32 experts as the host experts do).
 pub(crate) struct DeviceGptOss<B: Backend> {
     host: GptOss,
-    layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
+    layers: AttnMoeLayers<B>,
 }
 
 impl<B: Backend> DeviceGptOss<B> {
@@ -583,7 +583,10 @@ impl<B: Backend> DeviceGptOss<B> {
                 ))
             })
             .collect::<Result<Vec<_>, ExecError>>()?;
-        Ok(DeviceGptOss { host, layers })
+        Ok(DeviceGptOss {
+            host,
+            layers: AttnMoeLayers(layers),
+        })
     }
 }
 
@@ -596,9 +599,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
             n_vocab: p.n_vocab,
             n_ctx_train: p.n_ctx_train,
             rms_eps: p.rms_eps,
-            scratch_per_token: self.layers.first().map_or(0, |(a, m)| {
-                a.scratch_per_token(p.n_embd) + m.scratch_per_token(p.n_embd)
-            }),
+            scratch_per_token: self.layers.scratch_per_token(p.n_embd),
             kv_head_dim: p.head_dim,
         }
     }
@@ -609,14 +610,10 @@ impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
         self.host.new_position_cache(ty, n_ctx, n_ubatch)
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
-        self.layers
-            .get(layer)
-            .map_or((0, 0), |(a, _)| a.kv_widths())
+        self.layers.kv_widths(layer)
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
-        let (attn, moe) = &self.layers[l];
-        attn.forward(cx, l, x)?;
-        moe.forward(cx, l, x)
+        self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         self.host.layer_experts(layer)
@@ -630,6 +627,6 @@ impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
         self.host.run_host_experts(layer, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
-        self.layers.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
+        self.layers.bytes()
     }
 }

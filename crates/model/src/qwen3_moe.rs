@@ -27,7 +27,7 @@
 use hmoe_backend::{Backend, ExpertTensors, GatedAct};
 use hmoe_gguf::GgufModel;
 
-use crate::executor::blocks::{AttnBlock, AttnSpec, MoeBlock, MoeSpec};
+use crate::executor::blocks::{AttnBlock, AttnMoeLayers, AttnSpec, MoeBlock, MoeSpec};
 use crate::executor::{
     AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating as RouterGating, ModelDims, Router,
     Step,
@@ -329,7 +329,7 @@ const EXPERT_ACT: GatedAct = GatedAct::Silu;
 /// multiplied together by F32 experts as the host experts do).
 pub(crate) struct DeviceQwen3Moe<B: Backend> {
     host: Qwen3Moe,
-    layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
+    layers: AttnMoeLayers<B>,
 }
 
 impl<B: Backend> DeviceQwen3Moe<B> {
@@ -378,7 +378,10 @@ impl<B: Backend> DeviceQwen3Moe<B> {
                 ))
             })
             .collect::<Result<Vec<_>, ExecError>>()?;
-        Ok(DeviceQwen3Moe { host, layers })
+        Ok(DeviceQwen3Moe {
+            host,
+            layers: AttnMoeLayers(layers),
+        })
     }
 }
 
@@ -391,9 +394,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
             n_vocab: p.n_vocab,
             n_ctx_train: p.n_ctx_train,
             rms_eps: p.rms_eps,
-            scratch_per_token: self.layers.first().map_or(0, |(a, m)| {
-                a.scratch_per_token(p.n_embd) + m.scratch_per_token(p.n_embd)
-            }),
+            scratch_per_token: self.layers.scratch_per_token(p.n_embd),
             kv_head_dim: p.head_dim,
         }
     }
@@ -411,14 +412,10 @@ impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
         )
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
-        self.layers
-            .get(layer)
-            .map_or((0, 0), |(a, _)| a.kv_widths())
+        self.layers.kv_widths(layer)
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
-        let (attn, moe) = &self.layers[l];
-        attn.forward(cx, l, x)?;
-        moe.forward(cx, l, x)
+        self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         let b = self.host.blocks.get(layer)?;
@@ -441,6 +438,6 @@ impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
         Ok(())
     }
     fn weight_bytes(&self) -> u64 {
-        self.layers.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
+        self.layers.bytes()
     }
 }

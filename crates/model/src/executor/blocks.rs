@@ -271,6 +271,41 @@ impl<B: Backend> MoeBlock<B> {
     }
 }
 
+/// A stack of layers that are each an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE):
+/// what their device layers share.
+pub(crate) struct AttnMoeLayers<B: Backend>(pub(crate) Vec<(AttnBlock<B>, MoeBlock<B>)>);
+
+impl<B: Backend> AttnMoeLayers<B> {
+    /// Floats per token of one layer's scratch buffers (every layer has the same shapes).
+    pub(crate) fn scratch_per_token(&self, n_embd: usize) -> usize {
+        self.0.first().map_or(0, |(a, m)| {
+            a.scratch_per_token(n_embd) + m.scratch_per_token(n_embd)
+        })
+    }
+
+    /// K and V row widths of layer `layer` (0, 0 past the last).
+    pub(crate) fn kv_widths(&self, layer: usize) -> (usize, usize) {
+        self.0.get(layer).map_or((0, 0), |(a, _)| a.kv_widths())
+    }
+
+    /// Layer `l` over the micro-batch `x`: attention, then the routed experts.
+    pub(crate) fn forward(
+        &self,
+        cx: &mut Step<'_, B>,
+        l: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ExecError> {
+        let (attn, moe) = &self.0[l];
+        attn.forward(cx, l, x)?;
+        moe.forward(cx, l, x)
+    }
+
+    /// Device bytes of every layer's weights.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.0.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
+    }
+}
+
 /// A dense SwiGLU feed-forward network, `Wd · (silu(Wg·h) ⊙ Wu·h)` (a dense layer's FFN, a
 /// MoE layer's shared experts), as the CPU engine's `ffn_swiglu` computes it.
 pub(crate) struct SwiGluFfn<B: Backend> {
