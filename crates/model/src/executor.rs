@@ -635,6 +635,23 @@ impl<B: Backend + 'static> DeviceModel<B> {
         placement: &ExpertPlacement,
     ) -> Result<DeviceModel<B>, ExecError> {
         let arch = load_layers(gguf, &dev)?;
+        Self::with_layers(arch, dev, placement)
+    }
+
+    /// Loads `gguf` onto `dev` with every layer's routed experts on the device and no op
+    /// offload: how the CPU engine runs a model ([`crate::load`] over [`hmoe_cpu::Cpu`]).
+    pub fn load_whole(gguf: GgufModel, dev: B) -> Result<DeviceModel<B>, ExecError> {
+        let arch = load_layers(gguf, &dev)?;
+        let placement = ExpertPlacement::all(arch.dims().n_layer, ExpertHome::Device)
+            .with_op_offload(None);
+        Self::with_layers(arch, dev, &placement)
+    }
+
+    fn with_layers(
+        arch: Box<dyn DeviceLayers<B>>,
+        dev: B,
+        placement: &ExpertPlacement,
+    ) -> Result<DeviceModel<B>, ExecError> {
         let dims = arch.dims();
         if placement.layers.len() != dims.n_layer {
             return Err(ExecError::Placement(format!(

@@ -148,17 +148,8 @@ impl LanguageModel for GptOss {
     }
 }
 
-/// Builds the architecture named by the file's `general.architecture`.
+/// Builds the architecture named by the file's `general.architecture` on the CPU engine: the
+/// device executor over [`hmoe_cpu::Cpu`], every layer on the CPU.
 pub fn load(gguf: hmoe_gguf::GgufModel) -> Result<Box<dyn LanguageModel>, ModelError> {
-    match gguf.metadata().architecture() {
-        Some("gpt-oss") => Ok(Box::new(GptOss::load(gguf)?)),
-        Some("qwen3moe") => Ok(Box::new(Qwen3Moe::load(gguf)?)),
-        Some("deepseek2") => Ok(Box::new(Deepseek2::load(gguf)?)),
-        Some("llama") | Some("qwen2") => Ok(Box::new(Dense::load(gguf)?)),
-        other => Err(ModelError::UnsupportedArch(
-            other
-                .unwrap_or("<missing general.architecture>")
-                .to_string(),
-        )),
-    }
+    Ok(Box::new(DeviceModel::load_whole(gguf, hmoe_cpu::Cpu::new())?))
 }
