@@ -29,7 +29,7 @@ use hmoe_quant::GgmlType;
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
 pub use host::HostStaging;
-pub use params::{AttnParams, KOnlyAttnParams, RopeParams, RowCopy};
+pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_NAME, REF0_TYPES};
 pub use routing::{Gating, Routing};
 
@@ -326,6 +326,10 @@ pub trait Backend: Send + Sync {
     /// Host ↔ device copies counted so far; `None` for a device that does not count them.
     fn transfers(&self) -> Option<TransferCounts> {
         None
+    }
+    /// Whether the device is the host itself (the CPU): its memory is RAM, no bus between.
+    fn is_host(&self) -> bool {
+        false
     }
 
     /// A buffer holding a copy of `src`.

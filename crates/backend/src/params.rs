@@ -15,6 +15,42 @@ pub struct RopeParams {
     pub attn_factor: f32,
     /// YaRN correction dims `[low, high]` (floored/ceiled, as ggml).
     pub corr_dims: [f32; 2],
+    /// Per-pair divisors of the frequencies (llama 3's `rope_freqs.weight`), if any.
+    pub freq_factors: Option<FreqFactors>,
+}
+
+/// Most rotated pairs [`FreqFactors`] holds: heads of up to 256 dims, the contract's limit.
+pub const MAX_ROPE_PAIRS: usize = 128;
+
+/// Divisors of the rotation frequency of each rotated pair (llama 3's `rope_freqs.weight`),
+/// kept inline so that [`RopeParams`] stays a plain value.
+#[derive(Clone, Copy, PartialEq)]
+pub struct FreqFactors {
+    len: usize,
+    factors: [f32; MAX_ROPE_PAIRS],
+}
+
+impl FreqFactors {
+    /// The factors of pairs `0..f.len()`; `None` past [`MAX_ROPE_PAIRS`].
+    pub fn new(f: &[f32]) -> Option<FreqFactors> {
+        let mut factors = [1.0; MAX_ROPE_PAIRS];
+        factors.get_mut(..f.len())?.copy_from_slice(f);
+        Some(FreqFactors {
+            len: f.len(),
+            factors,
+        })
+    }
+
+    /// The factors, one per rotated pair.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.factors[..self.len]
+    }
+}
+
+impl std::fmt::Debug for FreqFactors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
 }
 
 impl RopeParams {
@@ -27,6 +63,7 @@ impl RopeParams {
             ext_factor: 0.0,
             attn_factor: 1.0,
             corr_dims: [0.0, 0.0],
+            freq_factors: None,
         }
     }
 
@@ -64,6 +101,9 @@ impl RopeParams {
         let mut theta_extrap = pos as f32;
         for _ in 0..pair {
             theta_extrap *= self.theta_scale;
+        }
+        if let Some(f) = &self.freq_factors {
+            theta_extrap /= f.as_slice().get(pair).copied().unwrap_or(1.0);
         }
         let theta_interp = self.freq_scale * theta_extrap;
         let mut theta = theta_interp;

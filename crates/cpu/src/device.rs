@@ -352,6 +352,9 @@ impl Backend for Cpu {
     fn free_memory(&self) -> Result<Option<u64>, BackendError> {
         Ok(None)
     }
+    fn is_host(&self) -> bool {
+        true
+    }
     fn upload_f32(&self, src: &[f32]) -> Result<CpuBuf<f32>, BackendError> {
         Ok(CpuBuf::host(src.to_vec()))
     }

@@ -20,6 +20,7 @@
 //! it fills.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 
 use half::f16;
 use hmoe_quant::GgmlType;
@@ -415,6 +416,8 @@ pub struct KvCache {
     n_ctx: usize,
     n_ubatch: usize,
     n_past: usize,
+    /// This handle's identity, alive while the handle is ([`KvCache::id`], [`KvCache::watch`]).
+    alive: Arc<()>,
 }
 
 impl KvCache {
@@ -445,6 +448,7 @@ impl KvCache {
             n_ctx,
             n_ubatch,
             n_past: 0,
+            alive: Arc::new(()),
         }
     }
 
@@ -465,6 +469,18 @@ impl KvCache {
             }
         }
         self
+    }
+
+    /// A number that tells this handle apart from every other live handle, and from every
+    /// dropped one whose [`KvCache::watch`] is still held.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.alive) as usize
+    }
+
+    /// A watch on this handle: [`Weak::strong_count`] drops to 0 when the handle is dropped,
+    /// so that whoever keeps K/V for it elsewhere can free it.
+    pub fn watch(&self) -> Weak<()> {
+        Arc::downgrade(&self.alive)
     }
 
     /// Positions already in the cache (the next token goes to this position).
@@ -536,6 +552,7 @@ impl KvCache {
             n_ctx,
             n_ubatch: n_ubatch.max(1),
             n_past: 0,
+            alive: Arc::new(()),
         }
     }
 

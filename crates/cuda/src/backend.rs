@@ -203,6 +203,7 @@ impl Backend for CudaDevice {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
+        no_freq_factors("rope_neox", p)?;
         Ok(CudaDevice::rope_neox(
             self, x, positions, n_heads, head_dim, p,
         )?)
@@ -309,6 +310,7 @@ impl Backend for CudaDevice {
         p: &RopeParams,
     ) -> Result<(), BackendError> {
         shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
+        no_freq_factors("rope_norm", p)?;
         Ok(CudaDevice::rope_norm(
             self, x, positions, n_heads, head_dim, first, p,
         )?)
@@ -416,5 +418,17 @@ impl Backend for CudaDevice {
     }
     fn stage_up(&self, st: &PinnedIo, out: &mut CudaSlice<f32>) -> Result<(), BackendError> {
         Ok(self.upload_async(&st.out, out)?)
+    }
+}
+
+/// The RoPE kernels take no frequency factors (the CLI runs files with `rope_freqs.weight` on
+/// the CPU).
+fn no_freq_factors(op: &'static str, p: &RopeParams) -> Result<(), BackendError> {
+    match p.freq_factors {
+        Some(_) => Err(BackendError::Unsupported {
+            op,
+            what: "RoPE frequency factors".into(),
+        }),
+        None => Ok(()),
     }
 }

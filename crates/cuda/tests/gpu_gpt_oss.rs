@@ -26,7 +26,7 @@ use hmoe_cuda::CudaDevice;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::executor::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
 use hmoe_model::{
-    DeviceModel, ExpertHome, ExpertPlacement, GptOss, KvType, LanguageModel, LogitsWanted,
+    DeviceModel, ExpertHome, ExpertPlacement, GptOssParams, KvType, LanguageModel, LogitsWanted,
 };
 use hmoe_placement::{
     plan, DeviceBudget, GpuLayers, ModelShape, PlacementFlags, TensorDesc, TensorRule,
@@ -158,6 +158,13 @@ fn top10(p: &[f64]) -> Vec<usize> {
 
 /// Teacher-forced probabilities of every golden case: the prompt in one batch, then the
 /// golden greedy tokens one at a time; one probability vector per step.
+/// The hyperparameters of the fixture `file`.
+fn params(file: &str) -> GptOssParams {
+    let g = open(file);
+    let n_vocab = g.tensor_info("token_embd.weight").unwrap().dims[1] as usize;
+    GptOssParams::from_metadata(g.metadata(), n_vocab).unwrap()
+}
+
 fn teacher_forced(model: &dyn LanguageModel, case: &Value) -> Vec<Vec<f64>> {
     let prompt = ids(&case["prompt_tokens"]);
     let greedy = ids(&case["greedy_tokens"]);
@@ -190,8 +197,11 @@ fn check_fixture<B: Backend + 'static>(
     )
     .unwrap();
     let cases = golden["cases"].as_array().unwrap();
-    let cpu = GptOss::load(open(file)).unwrap();
-    let cpu_runs: Vec<_> = cases.iter().map(|c| teacher_forced(&cpu, c)).collect();
+    let cpu = hmoe_model::load(open(file)).unwrap();
+    let cpu_runs: Vec<_> = cases
+        .iter()
+        .map(|c| teacher_forced(cpu.as_ref(), c))
+        .collect();
     for (name, rules, op_offload) in configs() {
         let gguf = open(file);
         let placement = planned(&gguf, rules).with_op_offload(op_offload);
@@ -246,7 +256,7 @@ fn check_fixture<B: Backend + 'static>(
         // A prompt that routes to nearly every expert uploads each host layer's experts while
         // the host layer before it runs (all but the first), where the device has room (the
         // fixtures' experts take a few MiB per layer).
-        let p = cpu.params();
+        let p = params(file);
         let room = backend()
             .free_memory()
             .unwrap()
@@ -330,11 +340,11 @@ fn micro_batches_and_truncation_match_the_cpu_engine() {
 
 fn micro_batches_and_truncation<B: Backend + 'static>(backend: B) {
     let file = "gptoss-openai-f32experts.gguf";
-    let cpu = GptOss::load(open(file)).unwrap();
+    let cpu = hmoe_model::load(open(file)).unwrap();
     let gguf = open(file);
     let placement = planned(&gguf, vec![TensorRule::NCpuMoe(1)]).with_op_offload(None);
     let gpu = DeviceModel::load(gguf, backend, &placement).unwrap();
-    let n_vocab = cpu.params().n_vocab;
+    let n_vocab = cpu.n_vocab();
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % n_vocab as u32).collect();
     let worst = |a: &[f32], b: &[f32]| {
         assert_eq!(a.len(), b.len());
@@ -359,21 +369,22 @@ fn micro_batches_and_truncation<B: Backend + 'static>(backend: B) {
     let got = LanguageModel::forward(&gpu, &mut gc, &prompt, LogitsWanted::All).unwrap();
     let dp = worst(&got, &want);
     assert!(dp <= 1e-3, "ubatch 3 vs 512: max |Δp| {dp}");
-    let mut cc = LanguageModel::new_cache(&cpu, KvType::F16, 64, 3);
-    let cpu_all = LanguageModel::forward(&cpu, &mut cc, &prompt, LogitsWanted::All).unwrap();
+    let mut cc = LanguageModel::new_cache(cpu.as_ref(), KvType::F16, 64, 3);
+    let cpu_all =
+        LanguageModel::forward(cpu.as_ref(), &mut cc, &prompt, LogitsWanted::All).unwrap();
     let dp = worst(&got, &cpu_all);
     assert!(dp <= P_TOL, "ubatch 3 vs the CPU engine: max |Δp| {dp}");
     // Back 2 positions (the ring holds window + 3) and on, as the CPU cache does.
     assert!(cc.truncate(38) && gc.truncate(38));
     let next = [5u32, 6, 7];
-    let want = LanguageModel::forward(&cpu, &mut cc, &next, LogitsWanted::Last).unwrap();
+    let want = LanguageModel::forward(cpu.as_ref(), &mut cc, &next, LogitsWanted::Last).unwrap();
     let got = LanguageModel::forward(&gpu, &mut gc, &next, LogitsWanted::Last).unwrap();
     let dp = worst(&got, &want);
     assert!(dp <= P_TOL, "after truncate: max |Δp| {dp}");
     // Another sequence has its own cache on the device: this one continues undisturbed.
     let mut other = gpu.new_cache(KvType::F16, 64, 3);
     LanguageModel::forward(&gpu, &mut other, &[1, 2], LogitsWanted::Last).unwrap();
-    let want = LanguageModel::forward(&cpu, &mut cc, &[1], LogitsWanted::Last).unwrap();
+    let want = LanguageModel::forward(cpu.as_ref(), &mut cc, &[1], LogitsWanted::Last).unwrap();
     let got = LanguageModel::forward(&gpu, &mut gc, &[1], LogitsWanted::Last).unwrap();
     let dp = worst(&got, &want);
     assert!(dp <= P_TOL, "after another sequence: max |Δp| {dp}");
@@ -445,7 +456,7 @@ fn reference_backend_micro_batches_and_truncation() {
 fn reference_backend_stages_one_round_trip_per_host_layer() {
     let file = "gptoss-tiny.gguf";
     let gguf = open(file);
-    let params = GptOss::load(open(file)).unwrap().params().clone();
+    let params = params(file);
     let placement = planned(&gguf, vec![TensorRule::NCpuMoe(1)]).with_op_offload(None);
     let gpu = DeviceModel::load(gguf, Ref0::new(), &placement).unwrap();
     let mut cache = gpu.new_cache(KvType::F16, 64, 8);

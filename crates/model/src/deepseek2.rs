@@ -36,17 +36,11 @@ use crate::executor::{
     upload_f32, upload_f32_opt, upload_matrix, DevMat, DeviceLayers, ExecError, ExpertSplit,
     Gating as RouterGating, ModelDims, Routed, Router, Step,
 };
-use crate::llama::load_f32_opt;
-use crate::ops::{
-    embed, ffn_swiglu, final_logits, gate_probs, matmul, matmul_vec_dot, moe_swiglu,
-    moe_swiglu_per_seq, output_head, rms_norm, ArchMeta, Gating, QuantizedActs, Rope, RopeScaling,
-    Routing,
-};
-use crate::ubatch::Ubatches;
-use crate::weights::{load_f32, project, Mat};
-use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
-use hmoe_cpu::attention::{attention_ext, AttnLayout};
-use hmoe_cpu::kv_cache::{KvCache, KvType, LayerCache};
+use crate::hybrid::HostExperts;
+use crate::kv_cache::{KvCache, KvType};
+use crate::ops::{ArchMeta, Gating, Rope, RopeScaling, Routing};
+use crate::weights::n_vocab;
+use crate::{ExpertBatch, ModelError};
 
 const ARCH: &str = "deepseek2";
 
@@ -229,367 +223,6 @@ impl Deepseek2Params {
     }
 }
 
-/// The query path: with a LoRA (`Wqb · norm(Wqa·h)`) or a plain projection.
-enum QueryProj {
-    Lora {
-        wq_a: Mat,
-        q_a_norm: Vec<f32>,
-        wq_b: Mat,
-    },
-    Plain(Mat),
-}
-
-struct Mla {
-    q: QueryProj,
-    wkv_a: Mat,
-    kv_a_norm: Vec<f32>,
-    wk_b: Mat,
-    wv_b: Mat,
-    wo: Mat,
-}
-
-struct Experts {
-    router: Mat,
-    probs_bias: Option<Vec<f32>>,
-    gate_exps: Mat,
-    up_exps: Mat,
-    down_exps: Mat,
-    /// The shared experts, if any.
-    shared: Option<SwiGlu>,
-}
-
-impl Experts {
-    /// The routed experts as the device contract takes them (no biases).
-    fn tensors<'g>(&self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
-        Mat::expert_tensors(g, n_expert, self.stacked())
-    }
-
-    /// The stacked experts `[gate, up, down]`.
-    fn stacked(&self) -> [&Mat; 3] {
-        [&self.gate_exps, &self.up_exps, &self.down_exps]
-    }
-}
-
-/// A dense SwiGLU feed-forward network `Wd · (silu(Wg·h) ⊙ Wu·h)`.
-struct SwiGlu {
-    gate: Mat,
-    up: Mat,
-    down: Mat,
-}
-
-enum Ffn {
-    Dense(Box<SwiGlu>),
-    Moe(Box<Experts>),
-}
-
-struct Block {
-    attn_norm: Vec<f32>,
-    attn: Mla,
-    ffn_norm: Vec<f32>,
-    ffn: Ffn,
-}
-
-/// A loaded DeepSeek-V2/V3 model: hyperparameters plus views of its weights in the mapping.
-pub struct Deepseek2 {
-    params: Deepseek2Params,
-    rope: Rope,
-    kq_scale: f32,
-    tok_embd: Mat,
-    output_norm: Vec<f32>,
-    output: Mat,
-    blocks: Vec<Block>,
-    gguf: GgufModel,
-}
-
-impl Deepseek2 {
-    /// Checks every tensor against the hyperparameters and builds the model.
-    pub fn load(gguf: GgufModel) -> Result<Deepseek2, ModelError> {
-        let embd = gguf
-            .tensor_info("token_embd.weight")
-            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
-        let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-        let p = Deepseek2Params::from_metadata(gguf.metadata(), n_vocab)?;
-        let g = &gguf;
-        let u = |v: usize| v as u64;
-        let (d, nh) = (u(p.n_embd), u(p.n_head));
-        let q_width = nh * u(p.qk_nope_dim + p.qk_rope_dim);
-        let blocks = (0..p.n_layer)
-            .map(|l| {
-                let n = |s: &str| format!("blk.{l}.{s}");
-                let q = match p.q_lora_rank {
-                    Some(r) => QueryProj::Lora {
-                        wq_a: Mat::load(g, &n("attn_q_a.weight"), &[d, u(r)])?,
-                        q_a_norm: load_f32(g, &n("attn_q_a_norm.weight"), &[u(r)])?,
-                        wq_b: Mat::load(g, &n("attn_q_b.weight"), &[u(r), q_width])?,
-                    },
-                    None => QueryProj::Plain(Mat::load(g, &n("attn_q.weight"), &[d, q_width])?),
-                };
-                let kvl = u(p.kv_lora_rank);
-                let attn = Mla {
-                    q,
-                    wkv_a: Mat::load(g, &n("attn_kv_a_mqa.weight"), &[d, u(p.latent_dim())])?,
-                    kv_a_norm: load_f32(g, &n("attn_kv_a_norm.weight"), &[kvl])?,
-                    wk_b: Mat::load(g, &n("attn_k_b.weight"), &[u(p.qk_nope_dim), kvl, nh])?,
-                    wv_b: Mat::load(g, &n("attn_v_b.weight"), &[kvl, u(p.v_head_dim), nh])?,
-                    wo: Mat::load(g, &n("attn_output.weight"), &[nh * u(p.v_head_dim), d])?,
-                };
-                let ffn = if l < p.n_layer_dense_lead {
-                    let ff = u(p.n_ff);
-                    Ffn::Dense(Box::new(SwiGlu {
-                        gate: Mat::load(g, &n("ffn_gate.weight"), &[d, ff])?,
-                        up: Mat::load(g, &n("ffn_up.weight"), &[d, ff])?,
-                        down: Mat::load(g, &n("ffn_down.weight"), &[ff, d])?,
-                    }))
-                } else {
-                    let (ff, ne) = (u(p.n_ff_exp), u(p.n_expert));
-                    let shared = if p.n_expert_shared > 0 {
-                        let fs = ff * u(p.n_expert_shared);
-                        Some(SwiGlu {
-                            gate: Mat::load(g, &n("ffn_gate_shexp.weight"), &[d, fs])?,
-                            up: Mat::load(g, &n("ffn_up_shexp.weight"), &[d, fs])?,
-                            down: Mat::load(g, &n("ffn_down_shexp.weight"), &[fs, d])?,
-                        })
-                    } else {
-                        None
-                    };
-                    Ffn::Moe(Box::new(Experts {
-                        router: Mat::load(g, &n("ffn_gate_inp.weight"), &[d, ne])?,
-                        probs_bias: load_f32_opt(g, &n("exp_probs_b.bias"), &[ne])?,
-                        gate_exps: Mat::load(g, &n("ffn_gate_exps.weight"), &[d, ff, ne])?,
-                        up_exps: Mat::load(g, &n("ffn_up_exps.weight"), &[d, ff, ne])?,
-                        down_exps: Mat::load(g, &n("ffn_down_exps.weight"), &[ff, d, ne])?,
-                        shared,
-                    }))
-                };
-                Ok(Block {
-                    attn_norm: load_f32(g, &n("attn_norm.weight"), &[d])?,
-                    attn,
-                    ffn_norm: load_f32(g, &n("ffn_norm.weight"), &[d])?,
-                    ffn,
-                })
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(Deepseek2 {
-            rope: Rope::scaled(p.qk_rope_dim, p.rope_freq_base, p.rope_scaling),
-            kq_scale: p.kq_scale(),
-            tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
-            output_norm: load_f32(g, "output_norm.weight", &[d])?,
-            output: output_head(g, p.n_embd, n_vocab)?,
-            blocks,
-            params: p,
-            gguf,
-        })
-    }
-
-    /// The hyperparameters.
-    pub fn params(&self) -> &Deepseek2Params {
-        &self.params
-    }
-
-    fn forward_ubatch(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        want: Option<LogitsWanted>,
-    ) -> Vec<f32> {
-        let p = &self.params;
-        let g = &self.gguf;
-        let pos0 = cache.n_past();
-        let mut x = embed(g, &self.tok_embd, tokens);
-        let rope_cs = self.rope.caches(pos0, tokens.len());
-        let mut h = vec![0f32; x.len()];
-        let mut acts = QuantizedActs::default();
-        for (l, b) in self.blocks.iter().enumerate() {
-            rms_norm(&x, &b.attn_norm, p.rms_eps, &mut h);
-            let attn = self.attention(&b.attn, &mut cache.layers[l], &h, pos0, &rope_cs, &mut acts);
-            x.iter_mut().zip(&attn).for_each(|(xv, a)| *xv += a);
-            rms_norm(&x, &b.ffn_norm, p.rms_eps, &mut h);
-            let ffn = match &b.ffn {
-                Ffn::Dense(f) => ffn_swiglu(g, &f.gate, &f.up, &f.down, &h, &mut acts),
-                Ffn::Moe(e) => self.moe(e, &h, &mut acts),
-            };
-            x.iter_mut().zip(&ffn).for_each(|(xv, f)| *xv += f);
-        }
-        cache.advance(tokens.len());
-        final_logits(
-            g,
-            &x,
-            want,
-            &self.output_norm,
-            p.rms_eps,
-            &self.output,
-            &mut acts,
-        )
-    }
-
-    /// Multi-head latent attention of one block in its absorbed form; appends the batch's
-    /// `[c, k_pe]` rows to the K-only cache `layer`.
-    fn attention(
-        &self,
-        a: &Mla,
-        layer: &mut LayerCache,
-        h: &[f32],
-        pos0: usize,
-        rope_cs: &[Vec<(f32, f32)>],
-        acts: &mut QuantizedActs,
-    ) -> Vec<f32> {
-        let p = &self.params;
-        let g = &self.gguf;
-        let n = rope_cs.len();
-        let (nh, nope, rd, kvl, vd) = (
-            p.n_head,
-            p.qk_nope_dim,
-            p.qk_rope_dim,
-            p.kv_lora_rank,
-            p.v_head_dim,
-        );
-        let (qd, ld) = (nope + rd, p.latent_dim());
-        let q = match &a.q {
-            QueryProj::Lora {
-                wq_a,
-                q_a_norm,
-                wq_b,
-            } => {
-                let cq = project(g, wq_a, h, acts);
-                let mut cq_n = vec![0f32; cq.len()];
-                rms_norm(&cq, q_a_norm, p.rms_eps, &mut cq_n);
-                project(g, wq_b, &cq_n, acts)
-            }
-            QueryProj::Plain(wq) => project(g, wq, h, acts),
-        };
-        let ckv = project(g, &a.wkv_a, h, acts);
-        // Keys: [rmsnorm(c) · kv_a_norm, rope(k_pe)] per token.
-        let mut keys = vec![0f32; n * ld];
-        for (t, (dst, src)) in keys
-            .chunks_exact_mut(ld)
-            .zip(ckv.chunks_exact(ld))
-            .enumerate()
-        {
-            rms_norm(&src[..kvl], &a.kv_a_norm, p.rms_eps, &mut dst[..kvl]);
-            dst[kvl..].copy_from_slice(&src[kvl..]);
-            self.rope.apply_norm(&mut dst[kvl..], rd, &rope_cs[t]);
-        }
-        // Queries: [Wkb_head · q_nope, rope(q_pe)] per token and head.
-        let mut queries = vec![0f32; n * nh * ld];
-        let mut q_nope = vec![0f32; n * nope];
-        let mut q_lat = vec![0f32; n * kvl];
-        for head in 0..nh {
-            for t in 0..n {
-                let src = &q[(t * nh + head) * qd..][..qd];
-                q_nope[t * nope..(t + 1) * nope].copy_from_slice(&src[..nope]);
-                let dst = &mut queries[(t * nh + head) * ld..][..ld];
-                dst[kvl..].copy_from_slice(&src[nope..]);
-                self.rope.apply_norm(&mut dst[kvl..], rd, &rope_cs[t]);
-            }
-            acts.quantize(a.wk_b.kernel.act_type(), &q_nope, nope);
-            // ggml reads the permuted (non-contiguous) q_nope: vec_dot order, not tinyBLAS.
-            matmul_vec_dot(
-                a.wk_b.kernel,
-                a.wk_b.slice(g, head),
-                nope,
-                kvl,
-                acts,
-                &mut q_lat,
-            );
-            for t in 0..n {
-                queries[(t * nh + head) * ld..][..kvl]
-                    .copy_from_slice(&q_lat[t * kvl..(t + 1) * kvl]);
-            }
-        }
-        layer.store(pos0, &keys, &[], n);
-        let shape = AttnLayout {
-            n_head: nh,
-            n_head_kv: 1,
-            k_dim: ld,
-            v_dim: kvl,
-            v_in_k: true,
-            scale: self.kq_scale,
-        };
-        let mut o_lat = vec![0f32; n * nh * kvl];
-        attention_ext(layer, &shape, &queries, pos0, &mut o_lat);
-        // Values: Wvb_head · o_lat per head, laid out [token][head][v_head_dim].
-        let mut heads = vec![0f32; n * nh * vd];
-        let mut lat = vec![0f32; n * kvl];
-        let mut v = vec![0f32; n * vd];
-        for head in 0..nh {
-            for t in 0..n {
-                lat[t * kvl..(t + 1) * kvl].copy_from_slice(&o_lat[(t * nh + head) * kvl..][..kvl]);
-            }
-            acts.quantize(a.wv_b.kernel.act_type(), &lat, kvl);
-            matmul(a.wv_b.kernel, a.wv_b.slice(g, head), kvl, vd, acts, &mut v);
-            for t in 0..n {
-                heads[(t * nh + head) * vd..][..vd].copy_from_slice(&v[t * vd..(t + 1) * vd]);
-            }
-        }
-        project(g, &a.wo, &heads, acts)
-    }
-
-    /// Routed experts (sigmoid or softmax gate, selection bias, group-limited top-k,
-    /// renormalised and scaled weights) plus the shared experts.
-    fn moe(&self, e: &Experts, h: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
-        let p = &self.params;
-        let k = p.routing.k;
-        let mut probs = project(&self.gguf, &e.router, h, acts);
-        let n = probs.len() / p.n_expert;
-        let (mut selected, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
-        let (mut top, mut w) = (Vec::new(), Vec::new());
-        for row in probs.chunks_exact_mut(p.n_expert) {
-            gate_probs(p.gating, row);
-            p.routing
-                .select(row, e.probs_bias.as_deref(), &mut top, &mut w);
-            selected.extend_from_slice(&top);
-            weights.extend_from_slice(&w);
-        }
-        let mut out = moe_swiglu(
-            &self.gguf,
-            &e.gate_exps,
-            &e.up_exps,
-            &e.down_exps,
-            h,
-            &selected,
-            &weights,
-            k,
-            acts,
-        );
-        if let Some(f) = &e.shared {
-            let shared = ffn_swiglu(&self.gguf, &f.gate, &f.up, &f.down, h, acts);
-            out.iter_mut().zip(&shared).for_each(|(o, s)| *o += s);
-        }
-        out
-    }
-}
-
-impl LanguageModel for Deepseek2 {
-    fn n_vocab(&self) -> usize {
-        self.params.n_vocab
-    }
-    fn n_ctx_train(&self) -> usize {
-        self.params.n_ctx_train
-    }
-    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        KvCache::new_k_only(
-            ty,
-            n_ctx,
-            n_ubatch,
-            self.params.latent_dim(),
-            self.params.n_layer,
-        )
-    }
-    fn forward(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
-        cache.run_ubatches(tokens, wanted, self.params.n_vocab, |c, chunk, want| {
-            self.forward_ubatch(c, chunk, want)
-        })
-    }
-    fn gguf(&self) -> &GgufModel {
-        &self.gguf
-    }
-}
-
 /// The query path of a layer on the device.
 enum DevQuery<B: Backend> {
     Lora {
@@ -627,69 +260,90 @@ struct DevLayer<B: Backend> {
     ffn: DevFfn<B>,
 }
 
-/// DeepSeek-V2/V3's layers on a device ([`crate::DeviceModel`]), the same math as
-/// [`Deepseek2`]'s forward pass over the contract's ops: the absorbed MLA over a K-only f16
-/// ring of `[c, k_pe]` (normal RoPE over the rope dims, the key up-projection per head on the
+/// DeepSeek-V2/V3's layers on a device ([`crate::DeviceModel`]), the math above over the
+/// contract's ops: the absorbed MLA over a K-only ring of `[c, k_pe]` (normal RoPE over the rope dims, the key up-projection per head on the
 /// strided `q_nope`, the value up-projection per head on the latent output), then a dense
 /// SwiGLU FFN (leading layers) or the routed SiLU experts (gate scores, selection bias,
 /// expert groups, renormalised scaled weights; wherever the placement puts them) plus the
 /// shared experts.
-pub(crate) struct DeviceDeepseek2<B: Backend> {
-    host: Deepseek2,
+pub(crate) struct Deepseek2<B: Backend> {
+    params: Deepseek2Params,
+    gguf: GgufModel,
     rope: RopeParams,
+    kq_scale: f32,
     layers: Vec<DevLayer<B>>,
+    /// The routed experts of each MoE layer (`None`: a leading dense layer).
+    experts: Vec<Option<HostExperts>>,
 }
 
-impl<B: Backend> DeviceDeepseek2<B> {
-    /// Loads `gguf` (checked as [`Deepseek2::load`] checks it) and uploads every layer's dense
-    /// weights to `dev`.
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceDeepseek2<B>, ExecError> {
-        let host = Deepseek2::load(gguf)?;
-        let rope = (host.rope.device_params())
+impl<B: Backend> Deepseek2<B> {
+    /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
+    /// dense weights to `dev` (the routed experts are the executor's).
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Deepseek2<B>, ExecError> {
+        let p = Deepseek2Params::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
+        let rope = (Rope::scaled(p.qk_rope_dim, p.rope_freq_base, p.rope_scaling).device_params())
             .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
-        let g = &host.gguf;
-        let p = &host.params;
-        let layers = (0..p.n_layer)
-            .map(|l| {
-                let n = |s: &str| format!("blk.{l}.{s}");
-                let m = |s: &str| upload_matrix(dev, g, &n(s));
-                let f = |s: &str| upload_f32(dev, g, &n(s));
-                let q = match p.q_lora_rank {
-                    Some(_) => DevQuery::Lora {
-                        wq_a: m("attn_q_a.weight")?,
-                        q_a_norm: f("attn_q_a_norm.weight")?,
-                        wq_b: m("attn_q_b.weight")?,
-                    },
-                    None => DevQuery::Plain(m("attn_q.weight")?),
+        let g = &gguf;
+        let u = |v: usize| v as u64;
+        let (d, nh, kvl) = (u(p.n_embd), u(p.n_head), u(p.kv_lora_rank));
+        let q_width = nh * u(p.qk_nope_dim + p.qk_rope_dim);
+        let mut layers = Vec::with_capacity(p.n_layer);
+        let mut experts = Vec::with_capacity(p.n_layer);
+        for l in 0..p.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let m = |s: &str, shape: &[u64]| upload_matrix(dev, g, &n(s), shape);
+            let f = |s: &str, len: u64| upload_f32(dev, g, &n(s), &[len]);
+            let q = match p.q_lora_rank.map(u) {
+                Some(r) => DevQuery::Lora {
+                    wq_a: m("attn_q_a.weight", &[d, r])?,
+                    q_a_norm: f("attn_q_a_norm.weight", r)?,
+                    wq_b: m("attn_q_b.weight", &[r, q_width])?,
+                },
+                None => DevQuery::Plain(m("attn_q.weight", &[d, q_width])?),
+            };
+            let attn = DevMla {
+                norm: f("attn_norm.weight", d)?,
+                q,
+                wkv_a: m("attn_kv_a_mqa.weight", &[d, u(p.latent_dim())])?,
+                kv_a_norm: f("attn_kv_a_norm.weight", kvl)?,
+                wk_b: m("attn_k_b.weight", &[u(p.qk_nope_dim), kvl, nh])?,
+                wv_b: m("attn_v_b.weight", &[kvl, u(p.v_head_dim), nh])?,
+                wo: m("attn_output.weight", &[nh * u(p.v_head_dim), d])?,
+            };
+            let (ffn, routed) = if l < p.n_layer_dense_lead {
+                let ffn = SwiGluFfn::load(dev, g, l, "", (p.n_embd, p.n_ff))?;
+                (DevFfn::Dense(ffn), None)
+            } else {
+                let ne = u(p.n_expert);
+                let shared_ff = p.n_ff_exp * p.n_expert_shared;
+                let ffn = DevFfn::Moe {
+                    router: m("ffn_gate_inp.weight", &[d, ne])?,
+                    probs_bias: upload_f32_opt(dev, g, &n("exp_probs_b.bias"), &[ne])?,
+                    shared: (p.n_expert_shared > 0)
+                        .then(|| SwiGluFfn::load(dev, g, l, "_shexp", (p.n_embd, shared_ff)))
+                        .transpose()?,
                 };
-                let attn = DevMla {
-                    norm: f("attn_norm.weight")?,
-                    q,
-                    wkv_a: m("attn_kv_a_mqa.weight")?,
-                    kv_a_norm: f("attn_kv_a_norm.weight")?,
-                    wk_b: m("attn_k_b.weight")?,
-                    wv_b: m("attn_v_b.weight")?,
-                    wo: m("attn_output.weight")?,
-                };
-                let ffn = if l < p.n_layer_dense_lead {
-                    DevFfn::Dense(SwiGluFfn::load(dev, g, l, "")?)
-                } else {
-                    DevFfn::Moe {
-                        router: m("ffn_gate_inp.weight")?,
-                        probs_bias: upload_f32_opt(dev, g, &n("exp_probs_b.bias"))?,
-                        shared: (p.n_expert_shared > 0)
-                            .then(|| SwiGluFfn::load(dev, g, l, "_shexp"))
-                            .transpose()?,
-                    }
-                };
-                Ok(DevLayer {
-                    attn,
-                    ffn_norm: f("ffn_norm.weight")?,
+                let dims = (p.n_embd, p.n_ff_exp, p.n_expert);
+                (
                     ffn,
-                })
-            })
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        Ok(DeviceDeepseek2 { host, rope, layers })
+                    Some(HostExperts::load(g, l, dims, GatedAct::Silu, false)?),
+                )
+            };
+            layers.push(DevLayer {
+                attn,
+                ffn_norm: f("ffn_norm.weight", d)?,
+                ffn,
+            });
+            experts.push(routed);
+        }
+        Ok(Deepseek2 {
+            kq_scale: p.kq_scale(),
+            params: p,
+            gguf,
+            rope,
+            layers,
+            experts,
+        })
     }
 
     /// The absorbed MLA of one layer over the micro-batch `x`, residual add included.
@@ -700,7 +354,7 @@ impl<B: Backend> DeviceDeepseek2<B> {
         layer: usize,
         x: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
-        let p = &self.host.params;
+        let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
         let (nh, nope, rd, kvl, vd) = (
@@ -761,7 +415,7 @@ impl<B: Backend> DeviceDeepseek2<B> {
             k_dim: ld,
             v_dim: kvl,
             cells: 0,
-            scale: self.host.kq_scale,
+            scale: self.kq_scale,
         };
         let mut o_lat = cx.alloc(nh * kvl)?;
         cx.attend_k_only(layer, &shape, &queries, &keys, &mut o_lat)?;
@@ -782,7 +436,7 @@ impl<B: Backend> DeviceDeepseek2<B> {
         layer: usize,
         x: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
-        let p = &self.host.params;
+        let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
         let mut h = cx.alloc(p.n_embd)?;
@@ -829,7 +483,7 @@ impl<B: Backend> DeviceDeepseek2<B> {
 
     /// Floats per token of one layer's scratch buffers (the larger of attention and FFN).
     fn scratch_per_token(&self) -> usize {
-        let p = &self.host.params;
+        let p = &self.params;
         let (nh, kvl, ld) = (p.n_head, p.kv_lora_rank, p.latent_dim());
         let qd = p.qk_nope_dim + p.qk_rope_dim;
         let attn = 2 * p.n_embd
@@ -851,9 +505,9 @@ impl<B: Backend> DeviceDeepseek2<B> {
     }
 }
 
-impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
+impl<B: Backend> DeviceLayers<B> for Deepseek2<B> {
     fn dims(&self) -> ModelDims {
-        let p = &self.host.params;
+        let p = &self.params;
         ModelDims {
             n_layer: p.n_layer,
             n_embd: p.n_embd,
@@ -865,14 +519,14 @@ impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
         }
     }
     fn gguf(&self) -> &GgufModel {
-        &self.host.gguf
+        &self.gguf
     }
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
         // Positions and the ring's cells only: the latent cache lives on the device.
-        KvCache::new_k_only(ty, n_ctx, n_ubatch, 0, self.host.params.n_layer)
+        KvCache::new_k_only(ty, n_ctx, n_ubatch, 0, self.params.n_layer)
     }
     fn kv_widths(&self, _layer: usize) -> (usize, usize) {
-        (self.host.params.latent_dim(), 0)
+        (self.params.latent_dim(), 0)
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
         let layer = &self.layers[l];
@@ -880,10 +534,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
         self.ffn(layer, cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        match &self.host.blocks.get(layer)?.ffn {
-            Ffn::Moe(e) => Some(e.tensors(&self.host.gguf, self.host.params.n_expert)),
-            Ffn::Dense(_) => None,
-        }
+        Some(self.experts.get(layer)?.as_ref()?.tensors(&self.gguf))
     }
     fn run_host_experts(
         &self,
@@ -891,13 +542,12 @@ impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
         batch: &ExpertBatch<'_>,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let Some(Ffn::Moe(e)) = self.host.blocks.get(layer).map(|b| &b.ffn) else {
+        let Some(Some(e)) = self.experts.get(layer) else {
             return Err(ModelError::MissingTensor(format!(
                 "blk.{layer}.ffn_gate_exps.weight"
             )));
         };
-        moe_swiglu_per_seq(&self.host.gguf, e.stacked(), batch, out);
-        Ok(())
+        e.run(layer, &self.gguf, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         let buf = |b: &B::Buf<f32>| 4 * B::buf_len(b) as u64;
@@ -941,6 +591,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceDeepseek2<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hmoe_backend::Backend;
     use hmoe_gguf::{MetaValue, Metadata};
 
     /// DeepSeek-V3's own hyperparameters (no weights needed for these).
@@ -1154,102 +805,78 @@ mod tests {
             .is_err());
     }
 
-    fn tiny() -> Deepseek2 {
+    fn tiny() -> GgufModel {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../shared/fixtures/deepseek2/deepseek2-tiny.gguf");
         let path = std::env::var_os("HMOE_FIXTURES").map_or(path, |f| {
             std::path::PathBuf::from(f).join("deepseek2/deepseek2-tiny.gguf")
         });
-        Deepseek2::load(GgufModel::open(&path, Default::default()).unwrap()).unwrap()
+        GgufModel::open(&path, Default::default()).unwrap()
     }
 
-    /// On the fixture's weights, the reference device's SiLU experts without biases equal the
-    /// CPU engine's `moe_swiglu` (routing by the CPU engine, several slots per expert: F32
-    /// products in `vec_dot` order), and its dense SwiGLU FFN (`matmul`, `swiglu`, `matmul`)
-    /// equals `ffn_swiglu` for the shared experts and the leading dense layer, bit for bit.
-    #[test]
-    fn ref0_silu_experts_and_dense_swiglu_are_the_cpu_engines_bit_for_bit() {
-        use hmoe_backend::{Backend, GatedAct, Ref0};
-        let model = tiny();
-        let (p, g) = (&model.params, &model.gguf);
-        let Ffn::Moe(e) = &model.blocks[1].ffn else {
-            panic!("block 1 has experts")
-        };
-        let n = 7;
-        let h: Vec<f32> = (0..n * p.n_embd)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 1.5)
+    /// The routed SiLU experts of layer 1 (several slots per expert), the shared experts and
+    /// the leading dense layer's SwiGLU FFN (`matmul`, `swiglu`, `matmul`) over the
+    /// fixture's weights, on `dev`.
+    fn silu_ffns<B: Backend>(dev: &B, g: &GgufModel, h: &[f32]) -> Vec<Vec<f32>> {
+        let p = Deepseek2Params::from_metadata(g.metadata(), n_vocab(g).unwrap()).unwrap();
+        let (d, ne, k) = (p.n_embd, p.n_expert, p.routing.k);
+        let n = h.len() / d;
+        let e = HostExperts::load(g, 1, (d, p.n_ff_exp, ne), GatedAct::Silu, false).unwrap();
+        let moe = dev.upload_moe(&e.tensors(g), None).unwrap();
+        // Token t takes experts 3t .. 3t + k: neighbours share experts.
+        let sel: Vec<i32> = (0..n)
+            .flat_map(|t| (0..k).map(move |s| ((3 * t + s) % ne) as i32))
             .collect();
-        let mut acts = QuantizedActs::default();
-        let mut probs = project(g, &e.router, &h, &mut acts);
-        let (mut sel, mut w) = (Vec::new(), Vec::new());
-        let (mut top, mut tw) = (Vec::new(), Vec::new());
-        for row in probs.chunks_exact_mut(p.n_expert) {
-            gate_probs(p.gating, row);
-            p.routing
-                .select(row, e.probs_bias.as_deref(), &mut top, &mut tw);
-            sel.extend_from_slice(&top);
-            w.extend_from_slice(&tw);
-        }
-        let k = p.routing.k;
-        let want = moe_swiglu(
-            g,
-            &e.gate_exps,
-            &e.up_exps,
-            &e.down_exps,
-            &h,
-            &sel,
-            &w,
-            k,
-            &mut acts,
-        );
-        let mut per_expert = vec![0; p.n_expert];
-        sel.iter().for_each(|&x| per_expert[x] += 1);
-        assert!(
-            per_expert.iter().any(|&c| c > 1),
-            "some expert takes several slots"
-        );
-        let dev = Ref0::new();
-        let moe = dev.upload_moe(&e.tensors(g, p.n_expert), None).unwrap();
-        let sel_i: Vec<i32> = sel.iter().map(|&x| x as i32).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| 0.1 + (i % 5) as f32 * 0.2).collect();
         let (hd, sd, wd) = (
-            dev.upload(&h).unwrap(),
-            dev.upload(&sel_i).unwrap(),
+            dev.upload(h).unwrap(),
+            dev.upload(&sel).unwrap(),
             dev.upload(&w).unwrap(),
         );
-        let mut out = dev.alloc::<f32>(n * p.n_embd).unwrap();
+        let mut out = dev.alloc::<f32>(n * d).unwrap();
         dev.moe(&moe, GatedAct::Silu, &hd, &sd, &wd, k, &mut out)
             .unwrap();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&dev.download(&out).unwrap()),
-            bits(&want),
-            "routed experts"
-        );
-
-        let Ffn::Dense(dense) = &model.blocks[0].ffn else {
-            panic!("block 0 is dense")
-        };
-        for f in [e.shared.as_ref().unwrap(), &**dense] {
-            let want = ffn_swiglu(g, &f.gate, &f.up, &f.down, &h, &mut acts);
-            let up_m = |m: &Mat| dev.upload_matrix(m.info.ty, m.n_out, m.n_in, m.bytes(g));
-            let (gm, um, dm) = (
-                up_m(&f.gate).unwrap(),
-                up_m(&f.up).unwrap(),
-                up_m(&f.down).unwrap(),
-            );
-            let ff = f.gate.n_out;
+        let mut outs = vec![dev.download(&out).unwrap()];
+        for (l, suffix) in [(1, "_shexp"), (0, "")] {
+            let up_m = |m: &str| {
+                let info = g
+                    .tensor_info(&format!("blk.{l}.ffn_{m}{suffix}.weight"))
+                    .unwrap();
+                let (cols, rows) = (info.dims[0] as usize, info.dims[1] as usize);
+                let m = dev.upload_matrix(info.ty, rows, cols, g.data_of(info));
+                (m.unwrap(), rows)
+            };
+            let ((gm, ff), (um, _), (dm, _)) = (up_m("gate"), up_m("up"), up_m("down"));
             let mut gt = dev.alloc::<f32>(n * ff).unwrap();
             let mut ut = dev.alloc::<f32>(n * ff).unwrap();
             dev.matmul(&um, &hd, n, &mut ut).unwrap();
             dev.matmul(&gm, &hd, n, &mut gt).unwrap();
             dev.swiglu(&mut gt, &ut, ff).unwrap();
-            let mut y = dev.alloc::<f32>(n * p.n_embd).unwrap();
+            let mut y = dev.alloc::<f32>(n * d).unwrap();
             dev.matmul(&dm, &gt, n, &mut y).unwrap();
-            assert_eq!(
-                bits(&dev.download(&y).unwrap()),
-                bits(&want),
-                "dense ff {ff}"
-            );
+            outs.push(dev.download(&y).unwrap());
+        }
+        outs
+    }
+
+    /// On the fixture's weights, the reference device's bias-less SiLU experts (F32
+    /// products in `vec_dot` order, several slots per expert) and its dense SwiGLU FFN are
+    /// the CPU's bit for bit.
+    #[test]
+    fn ref0_silu_experts_and_dense_swiglu_are_the_cpus_bit_for_bit() {
+        let g = tiny();
+        let d = g.metadata().get_u64("deepseek2.embedding_length").unwrap() as usize;
+        let h: Vec<f32> = (0..7 * d)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 1.5)
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = silu_ffns(&hmoe_cpu::Cpu::new(), &g, &h);
+        let got = silu_ffns(&hmoe_backend::Ref0::new(), &g, &h);
+        for (i, what) in ["routed experts", "shared experts", "dense FFN"]
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(bits(&got[i]), bits(&want[i]), "{what}");
         }
     }
 }

@@ -57,15 +57,15 @@
 //! engine's bit for bit.
 //!
 //! Device caches: the [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions
-//! and the ring geometry of the architecture's CPU cache, no keys or values
+//! and the ring geometry of the architecture's cache, no keys or values
 //! ([`DeviceLayers::new_cache`]); the executor keeps one device cache per handle, told apart
-//! by the handle's own allocation (which stays put while the handle lives, even when the
-//! handle moves), with the handle's cells per layer. A handle at position 0 starts a new
-//! sequence (its device cache is reallocated when its size differs); one that went back
-//! ([`KvCache::truncate`]) continues from there; one ahead of what the device holds is an
-//! error. A dropped handle cannot be seen, so device caches are freed by need: before a new
-//! sequence's cache is allocated, the least recently used caches of sequences outside the
-//! step are freed until the device has room for it and a micro-batch's scratch buffers
+//! by the handle's [`KvCache::id`], with the handle's cells per layer. A handle at position 0
+//! starts a new sequence (its device cache is reallocated when its size differs); one that
+//! went back ([`KvCache::truncate`]) continues from there; one ahead of what the device holds
+//! is an error. The cache of a dropped handle is freed at the next step
+//! ([`KvCache::watch`]). Beyond that, caches are freed by need: before a new sequence's cache
+//! is allocated, the least recently used caches of sequences outside the step are freed until
+//! the device has room for it and a micro-batch's scratch buffers
 //! ([`DeviceModel::scratch_bytes`]), and again if the allocation still runs out of memory. A
 //! handle whose cache was freed can only start again from position 0
 //! ([`LanguageModel::cache_held`] tells). An owner of every live handle (the server's slots)
@@ -93,7 +93,7 @@ mod moe_cache;
 pub use moe_cache::MoeCacheStats;
 
 use std::ops::Range;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError, Weak};
 
 use hmoe_backend::{
     AttnParams, Backend, BackendError, GatedAct, KOnlyAttnParams, KvLayout, KvRing, SharedBytes,
@@ -104,6 +104,7 @@ use hmoe_quant::GgmlType;
 
 use crate::hybrid::ExpertTensors;
 use crate::kv_cache::CacheType;
+use crate::weights::{expect_tensor, load_f32};
 use crate::{
     DeviceMemory, ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, KvCache, KvType,
     LanguageModel, LogitsWanted, ModelError, SeqBatch,
@@ -348,6 +349,8 @@ pub fn device_kv_layouts(
 struct DeviceKv<B: Backend> {
     /// The handle it stands for ([`handle_of`]).
     handle: usize,
+    /// Whether that handle is still alive ([`KvCache::watch`]).
+    alive: Weak<()>,
     /// `(n_ctx, n_ubatch)` of the handle it was made for.
     geometry: (usize, usize),
     /// Positions stored.
@@ -361,10 +364,9 @@ struct DeviceKv<B: Backend> {
     layers: Vec<LayerKv<B>>,
 }
 
-/// The identity of a cache handle: the address of its layer list, which is allocated with the
-/// handle and stays put while the handle lives (moving a [`KvCache`] does not move it).
+/// The identity of a cache handle ([`KvCache::id`]).
 fn handle_of(cache: &KvCache) -> usize {
-    cache.layers.as_ptr() as usize
+    cache.id()
 }
 
 /// One sequence's share of a micro-batch.
@@ -463,6 +465,18 @@ pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
     fn weight_bytes(&self) -> u64;
 }
 
+/// A cache handle of positions and ring geometry with no keys or values
+/// ([`DeviceLayers::new_cache`]): layer `l` keeps `n_ctx` cells, or `windows[l] + n_ubatch`
+/// when it slides, so that [`KvCache::truncate`] answers as for a cache that holds them.
+pub(crate) fn position_cache(
+    ty: KvType,
+    n_ctx: usize,
+    n_ubatch: usize,
+    windows: &[Option<usize>],
+) -> KvCache {
+    KvCache::new(ty, n_ctx, n_ubatch.max(1), 0, windows)
+}
+
 /// The sizes of a model the executor needs from its architecture.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct ModelDims {
@@ -532,23 +546,23 @@ fn upload_experts<B: Backend>(
     }
 }
 
-/// Uploads the matrix `name` (`[cols, rows…]` in ggml order) in its file encoding.
+/// Uploads the matrix `name` in its file encoding, checking that its shape is `shape`
+/// (`[cols, rows…]` in ggml order).
 pub(crate) fn upload_matrix<B: Backend>(
     dev: &B,
     g: &GgufModel,
     name: &str,
+    shape: &[u64],
 ) -> Result<DevMat<B>, ExecError> {
-    let info = g
-        .tensor_info(name)
-        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+    let info = expect_tensor(g, name, shape)?;
     let cols = info.dims.first().copied().unwrap_or(0) as usize;
     let rows = info.dims.iter().skip(1).product::<u64>() as usize;
     let m = match g
-        .shared_data_of(info)
+        .shared_data_of(&info)
         .and_then(|(o, r)| SharedBytes::new(o, r))
     {
         Some(shared) => dev.upload_matrix_shared(info.ty, rows, cols, &shared)?,
-        None => dev.upload_matrix(info.ty, rows, cols, g.data_of(info))?,
+        None => dev.upload_matrix(info.ty, rows, cols, g.data_of(&info))?,
     };
     Ok(DevMat {
         m,
@@ -558,18 +572,15 @@ pub(crate) fn upload_matrix<B: Backend>(
     })
 }
 
-/// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32.
+/// Uploads the small tensor `name` (norm, bias, sinks) dequantized to f32, checking that its
+/// shape is `shape`.
 pub(crate) fn upload_f32<B: Backend>(
     dev: &B,
     g: &GgufModel,
     name: &str,
+    shape: &[u64],
 ) -> Result<B::Buf<f32>, ExecError> {
-    let info = g
-        .tensor_info(name)
-        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-    let mut v = vec![0f32; info.n_elements as usize];
-    hmoe_quant::dequantize_row(info.ty, g.data_of(info), &mut v).map_err(ModelError::from)?;
-    Ok(dev.upload(&v)?)
+    Ok(dev.upload(&load_f32(g, name, shape)?)?)
 }
 
 /// [`upload_f32`] of `name` if the file has it.
@@ -577,9 +588,10 @@ pub(crate) fn upload_f32_opt<B: Backend>(
     dev: &B,
     g: &GgufModel,
     name: &str,
+    shape: &[u64],
 ) -> Result<Option<B::Buf<f32>>, ExecError> {
     match g.tensor_info(name) {
-        Some(_) => upload_f32(dev, g, name).map(Some),
+        Some(_) => upload_f32(dev, g, name, shape).map(Some),
         None => Ok(None),
     }
 }
@@ -590,12 +602,10 @@ fn load_layers<B: Backend + 'static>(
     dev: &B,
 ) -> Result<Box<dyn DeviceLayers<B>>, ExecError> {
     match gguf.metadata().architecture() {
-        Some("gpt-oss") => Ok(Box::new(crate::gpt_oss::DeviceGptOss::load(gguf, dev)?)),
-        Some("deepseek2") => Ok(Box::new(crate::deepseek2::DeviceDeepseek2::load(
-            gguf, dev,
-        )?)),
-        Some("qwen3moe") => Ok(Box::new(crate::qwen3_moe::DeviceQwen3Moe::load(gguf, dev)?)),
-        Some("llama" | "qwen2") => Ok(Box::new(crate::llama::DeviceDense::load(gguf, dev)?)),
+        Some("gpt-oss") => Ok(Box::new(crate::gpt_oss::GptOss::load(gguf, dev)?)),
+        Some("deepseek2") => Ok(Box::new(crate::deepseek2::Deepseek2::load(gguf, dev)?)),
+        Some("qwen3moe") => Ok(Box::new(crate::qwen3_moe::Qwen3Moe::load(gguf, dev)?)),
+        Some("llama" | "qwen2") => Ok(Box::new(crate::llama::Dense::load(gguf, dev)?)),
         other => Err(ModelError::UnsupportedArch(format!(
             "{} (no device executor for it)",
             other.unwrap_or("<missing general.architecture>")
@@ -642,8 +652,8 @@ impl<B: Backend + 'static> DeviceModel<B> {
     /// offload: how the CPU engine runs a model ([`crate::load`] over [`hmoe_cpu::Cpu`]).
     pub fn load_whole(gguf: GgufModel, dev: B) -> Result<DeviceModel<B>, ExecError> {
         let arch = load_layers(gguf, &dev)?;
-        let placement = ExpertPlacement::all(arch.dims().n_layer, ExpertHome::Device)
-            .with_op_offload(None);
+        let placement =
+            ExpertPlacement::all(arch.dims().n_layer, ExpertHome::Device).with_op_offload(None);
         Self::with_layers(arch, dev, &placement)
     }
 
@@ -678,13 +688,15 @@ impl<B: Backend + 'static> DeviceModel<B> {
             experts.push(moe);
         }
         let g = arch.gguf();
-        let tok_embd = upload_matrix(&dev, g, "token_embd.weight")?;
+        let (d, n_vocab) = (dims.n_embd as u64, dims.n_vocab as u64);
+        let tok_embd = upload_matrix(&dev, g, "token_embd.weight", &[d, n_vocab])?;
+        // Tied embeddings: the head is the embedding.
         let head = match g.tensor_info("output.weight") {
             Some(_) => "output.weight",
             None => "token_embd.weight",
         };
-        let output = upload_matrix(&dev, g, head)?;
-        let output_norm = upload_f32(&dev, g, "output_norm.weight")?;
+        let output = upload_matrix(&dev, g, head, &[d, n_vocab])?;
+        let output_norm = upload_f32(&dev, g, "output_norm.weight", &[d])?;
         weight_bytes += tok_embd.bytes() + output.bytes() + buf_bytes::<B>(&output_norm);
         dev.synchronize()?;
         Ok(DeviceModel {
@@ -944,6 +956,8 @@ impl<B: Backend> DeviceModel<B> {
     ) -> Result<(), ExecError> {
         let handle = handle_of(cache);
         let geometry = (cache.n_ctx(), cache.n_ubatch());
+        // The caches of dropped handles go first.
+        st.kvs.retain(|kv| kv.alive.strong_count() > 0);
         st.clock += 1;
         let clock = st.clock;
         let at = st.kvs.iter().position(|kv| kv.handle == handle);
@@ -999,6 +1013,7 @@ impl<B: Backend> DeviceModel<B> {
                 };
                 st.kvs.push(DeviceKv {
                     handle,
+                    alive: cache.watch(),
                     geometry,
                     held: 0,
                     last_used: clock,
@@ -1601,11 +1616,15 @@ impl<B: Backend> LanguageModel for DeviceModel<B> {
     fn gguf(&self) -> &GgufModel {
         self.arch.gguf()
     }
+    /// `None` on the CPU: nothing crosses a bus.
     fn device_stats(&self) -> Option<ExecStats> {
-        Some(self.stats())
+        (!self.dev.is_host()).then(|| self.stats())
     }
+    /// `None` on the CPU, whose K/V and weights are RAM.
     fn device_memory(&self) -> Option<DeviceMemory> {
-        DeviceModel::<B>::device_memory(self).ok()
+        (!self.dev.is_host())
+            .then(|| DeviceModel::<B>::device_memory(self).ok())
+            .flatten()
     }
     fn moe_cache_stats(&self) -> Option<MoeCacheStats> {
         Some(DeviceModel::<B>::moe_cache_stats(self)).filter(|s| s.budget_bytes > 0)
@@ -1629,8 +1648,8 @@ mod tests {
     use crate::ops::{Rope, RopeScaling};
 
     /// The kernel's cos/sin (computed on the host as the kernel does) are the CPU engine's,
-    /// bit for bit, for gpt-oss's YaRN, for Qwen3's long-context YaRN, for linear scaling
-    /// and for plain RoPE.
+    /// bit for bit, for gpt-oss's YaRN, for Qwen3's long-context YaRN, for linear scaling,
+    /// for plain RoPE and for llama 3's frequency factors.
     #[test]
     fn device_rope_params_match_the_cpu_engine() {
         let yarn_qwen = RopeScaling::Yarn {
@@ -1645,9 +1664,11 @@ mod tests {
             Rope::new(64, 150_000.0, None),
             Rope::scaled(128, 1e6, yarn_qwen),
             Rope::scaled(64, 10_000.0, RopeScaling::Linear { factor: 2.0 }),
+            Rope::new(64, 500_000.0, None)
+                .with_freq_factors((0..32).map(|i| 1.0 + i as f32 * 0.75).collect()),
         ];
         for rope in &ropes {
-            let rp = rope.device_params().expect("no frequency factors");
+            let rp = rope.device_params().expect("factors the contract holds");
             let mut cs = Vec::new();
             for pos in [0usize, 1, 2, 17, 127, 128, 4095, 4096, 70_000, 131_071] {
                 rope.cache(pos, &mut cs);
@@ -1662,8 +1683,11 @@ mod tests {
                 }
             }
         }
-        let factors = Rope::new(8, 10_000.0, None).with_freq_factors(vec![1.0; 4]);
-        assert!(factors.device_params().is_none(), "frequency factors");
+        let too_many = Rope::new(512, 10_000.0, None).with_freq_factors(vec![1.0; 256]);
+        assert!(
+            too_many.device_params().is_none(),
+            "more factors than the contract holds"
+        );
     }
 
     #[test]

@@ -15,29 +15,22 @@
 //! expert(h) = Wd · (min(g,7) · σ(1.702·min(g,7)) · (clamp(u,−7,7) + 1)) + bd,  g = Wg·h + bg,  u = Wu·h + bu
 //! ```
 //!
-//! This file holds gpt-oss's CPU forward ([`GptOss`]) and its layer over the device contract
-//! ([`DeviceGptOss`], run by [`crate::DeviceModel`] where the placement puts it).
-
-mod batch;
-
-use std::ops::Range;
+//! The layers run over the device contract ([`GptOss`], run by [`crate::DeviceModel`] on the
+//! CPU, a GPU or REF0, the experts wherever the placement puts them).
 
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
 
 use crate::executor::blocks::{AttnBlock, AttnMoeLayers, AttnSpec, MoeBlock, MoeSpec};
 use crate::executor::{
-    AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router, Step,
+    position_cache, AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router,
+    Step,
 };
-use crate::hybrid::{
-    host_experts, ExpertBatch, ExpertDeviceError, ExpertKernels, ExpertScratch, ExpertTensors,
-};
+use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
 use crate::kv_cache::{KvCache, KvType};
-use crate::ops::{add_bias, rms_norm, softmax, top_k, QuantizedActs, Rope};
-use crate::ubatch::Ubatches;
-use crate::weights::{load_f32, project, Mat};
-use crate::{LogitsWanted, ModelError};
-use hmoe_cpu::attention::{attention, AttnShape as CpuAttnShape};
+use crate::ops::Rope;
+use crate::weights::n_vocab;
+use crate::ModelError;
 
 /// Hyperparameters of a gpt-oss model, read from GGUF metadata (`gpt-oss.*`).
 #[derive(Clone, Debug, PartialEq)]
@@ -173,361 +166,6 @@ impl GptOssParams {
     }
 }
 
-struct Block {
-    attn_norm: Vec<f32>,
-    wq: Mat,
-    wk: Mat,
-    wv: Mat,
-    wo: Mat,
-    bq: Vec<f32>,
-    bk: Vec<f32>,
-    bv: Vec<f32>,
-    bo: Vec<f32>,
-    sinks: Vec<f32>,
-    ffn_norm: Vec<f32>,
-    router: Mat,
-    router_b: Vec<f32>,
-    gate_exps: Mat,
-    up_exps: Mat,
-    down_exps: Mat,
-    gate_b: Vec<f32>,
-    up_b: Vec<f32>,
-    down_b: Vec<f32>,
-}
-
-impl Block {
-    /// The block's routed experts as stored in the file.
-    fn experts<'g>(&'g self, g: &'g GgufModel, n_expert: usize) -> ExpertTensors<'g> {
-        ExpertTensors {
-            n_expert,
-            gate: self.gate_exps.expert_matrix(g),
-            up: self.up_exps.expert_matrix(g),
-            down: self.down_exps.expert_matrix(g),
-            gate_bias: &self.gate_b,
-            up_bias: &self.up_b,
-            down_bias: &self.down_b,
-        }
-    }
-
-    /// The kernels chosen at load for the expert matrices.
-    fn expert_kernels(&self) -> ExpertKernels {
-        ExpertKernels::new(
-            self.gate_exps.kernel,
-            self.up_exps.kernel,
-            self.down_exps.kernel,
-        )
-    }
-}
-
-/// A loaded gpt-oss model: hyperparameters plus views of its weights in the file mapping.
-pub struct GptOss {
-    params: GptOssParams,
-    rope: Rope,
-    tok_embd: Mat,
-    output_norm: Vec<f32>,
-    output: Mat,
-    blocks: Vec<Block>,
-    gguf: GgufModel,
-}
-
-impl GptOss {
-    /// Checks every tensor against the hyperparameters and builds the model.
-    pub fn load(gguf: GgufModel) -> Result<GptOss, ModelError> {
-        let embd = gguf
-            .tensor_info("token_embd.weight")
-            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
-        let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-        let p = GptOssParams::from_metadata(gguf.metadata(), n_vocab)?;
-        let (d, hd, ff, ne) = (
-            p.n_embd as u64,
-            p.head_dim as u64,
-            p.n_ff_exp as u64,
-            p.n_expert as u64,
-        );
-        let (nq, nkv) = (p.n_head as u64 * hd, p.n_head_kv as u64 * hd);
-        let g = &gguf;
-        let blocks = (0..p.n_layer)
-            .map(|l| {
-                let n = |s: &str| format!("blk.{l}.{s}");
-                Ok(Block {
-                    attn_norm: load_f32(g, &n("attn_norm.weight"), &[d])?,
-                    wq: Mat::load(g, &n("attn_q.weight"), &[d, nq])?,
-                    wk: Mat::load(g, &n("attn_k.weight"), &[d, nkv])?,
-                    wv: Mat::load(g, &n("attn_v.weight"), &[d, nkv])?,
-                    wo: Mat::load(g, &n("attn_output.weight"), &[nq, d])?,
-                    bq: load_f32(g, &n("attn_q.bias"), &[nq])?,
-                    bk: load_f32(g, &n("attn_k.bias"), &[nkv])?,
-                    bv: load_f32(g, &n("attn_v.bias"), &[nkv])?,
-                    bo: load_f32(g, &n("attn_output.bias"), &[d])?,
-                    sinks: load_f32(g, &n("attn_sinks.weight"), &[p.n_head as u64])?,
-                    ffn_norm: load_f32(g, &n("post_attention_norm.weight"), &[d])?,
-                    router: Mat::load(g, &n("ffn_gate_inp.weight"), &[d, ne])?,
-                    router_b: load_f32(g, &n("ffn_gate_inp.bias"), &[ne])?,
-                    gate_exps: Mat::load(g, &n("ffn_gate_exps.weight"), &[d, ff, ne])?,
-                    up_exps: Mat::load(g, &n("ffn_up_exps.weight"), &[d, ff, ne])?,
-                    down_exps: Mat::load(g, &n("ffn_down_exps.weight"), &[ff, d, ne])?,
-                    gate_b: load_f32(g, &n("ffn_gate_exps.bias"), &[ff, ne])?,
-                    up_b: load_f32(g, &n("ffn_up_exps.bias"), &[ff, ne])?,
-                    down_b: load_f32(g, &n("ffn_down_exps.bias"), &[d, ne])?,
-                })
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(GptOss {
-            rope: Rope::new(p.head_dim, p.rope_freq_base, p.yarn),
-            tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
-            output_norm: load_f32(g, "output_norm.weight", &[d])?,
-            output: Mat::load(g, "output.weight", &[d, n_vocab as u64])?,
-            blocks,
-            params: p,
-            gguf,
-        })
-    }
-
-    /// The routed experts of layer `layer` as stored in the file (biases dequantized to f32),
-    /// for a backend that uploads them elsewhere; `None` past the last layer.
-    pub fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        let b = self.blocks.get(layer)?;
-        Some(b.experts(&self.gguf, self.params.n_expert))
-    }
-
-    /// Runs the routed experts of layer `layer` on the host over the file mapping, exactly as
-    /// the host path of [`GptOss::forward`] does: `out` (`n_tokens × n_embd`) gets
-    /// `Σ_s w[t,s] · expert_{sel[t,s]}(h[t])`. For a backend that computes the dense part
-    /// elsewhere and brings the normed hidden state and the router's choices to the host.
-    pub fn run_host_experts(
-        &self,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let b = self.blocks.get(layer).ok_or_else(|| {
-            ExpertDeviceError::Placement(format!(
-                "layer {layer} of a {}-layer model",
-                self.params.n_layer
-            ))
-        })?;
-        host_experts(
-            layer,
-            &b.expert_kernels(),
-            EXPERT_ACT,
-            &b.experts(&self.gguf, self.params.n_expert),
-            batch,
-            &mut ExpertScratch::default(),
-            out,
-        )?;
-        Ok(())
-    }
-
-    /// The hyperparameters.
-    pub fn params(&self) -> &GptOssParams {
-        &self.params
-    }
-
-    /// The underlying file(s).
-    pub fn gguf(&self) -> &GgufModel {
-        &self.gguf
-    }
-
-    /// A KV cache for `n_ctx` positions, processing batches `n_ubatch` tokens at a time.
-    pub fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        let windows: Vec<_> = (0..self.params.n_layer)
-            .map(|l| self.params.window(l))
-            .collect();
-        let width = self.params.n_head_kv * self.params.head_dim;
-        let hd = self.params.head_dim;
-        KvCache::new(ty, n_ctx, n_ubatch.max(1), width, &windows).with_head_dims(hd, hd)
-    }
-
-    /// A cache that holds positions and the ring geometry of [`GptOss::new_cache`] (windowed
-    /// layers keep `window + n_ubatch` cells, so [`KvCache::truncate`] answers as for a real
-    /// cache) but no keys or values: the handle of a backend that keeps K/V elsewhere (on a
-    /// GPU). Such a cache must not be passed to [`GptOss::forward`].
-    pub fn new_position_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        let windows: Vec<_> = (0..self.params.n_layer)
-            .map(|l| self.params.window(l))
-            .collect();
-        KvCache::new(ty, n_ctx, n_ubatch.max(1), 0, &windows)
-    }
-
-    /// Records that a backend keeping K/V elsewhere stored `n` more positions of the sequence
-    /// `cache` stands for (see [`GptOss::new_position_cache`]).
-    pub fn advance_positions(cache: &mut KvCache, n: usize) {
-        cache.advance(n);
-    }
-
-    /// Runs `tokens` at the next positions of `cache` and returns logits (`n_vocab` per
-    /// returned token). Batches longer than the cache's micro-batch are split.
-    pub fn forward(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
-        let n_vocab = self.params.n_vocab;
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(ModelError::BadToken { id, n_vocab });
-        }
-        if cache.n_past() + tokens.len() > cache.n_ctx() {
-            return Err(ModelError::ContextFull {
-                pos: cache.n_past(),
-                n_tokens: tokens.len(),
-                n_ctx: cache.n_ctx(),
-            });
-        }
-        cache.check_heads(self.params.head_dim, self.params.head_dim)?;
-        let mut logits = Vec::new();
-        let n_chunks = tokens.len().div_ceil(cache.n_ubatch());
-        for (i, chunk) in tokens.chunks(cache.n_ubatch()).enumerate() {
-            let want = match wanted {
-                LogitsWanted::All => Some(LogitsWanted::All),
-                LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
-                LogitsWanted::Last => None,
-            };
-            logits.extend(self.forward_ubatch(cache, chunk, want)?);
-        }
-        Ok(logits)
-    }
-
-    fn forward_ubatch(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        want: Option<LogitsWanted>,
-    ) -> Result<Vec<f32>, ModelError> {
-        let p = &self.params;
-        let g = &self.gguf;
-        let (n, d) = (tokens.len(), p.n_embd);
-        let pos0 = cache.n_past();
-        let mut x = vec![0f32; n * d];
-        for (t, &id) in tokens.iter().enumerate() {
-            let row = &self.tok_embd.bytes(g)[id as usize * self.tok_embd.row_bytes..]
-                [..self.tok_embd.row_bytes];
-            hmoe_quant::dequantize_row(self.tok_embd.info.ty, row, &mut x[t * d..(t + 1) * d])
-                .expect("embedding row size checked at load");
-        }
-        let rope_cs = self.rope.caches(pos0, n);
-        let mut h = vec![0f32; n * d];
-        let mut acts = QuantizedActs::default();
-        for (l, b) in self.blocks.iter().enumerate() {
-            rms_norm(&x, &b.attn_norm, p.rms_eps, &mut h);
-            let attn = self.attention_block(cache, l, b, &h, pos0, &rope_cs, &mut acts);
-            for (xv, av) in x.iter_mut().zip(&attn) {
-                *xv += av;
-            }
-            rms_norm(&x, &b.ffn_norm, p.rms_eps, &mut h);
-            let moe = self.moe_block(l, b, &h, std::slice::from_ref(&(0..n)), &mut acts)?;
-            for (xv, mv) in x.iter_mut().zip(&moe) {
-                *xv += mv;
-            }
-        }
-        cache.advance(n);
-        let rows = match want {
-            None => return Ok(Vec::new()),
-            Some(LogitsWanted::All) => &x[..],
-            Some(LogitsWanted::Last) => &x[(n - 1) * d..],
-        };
-        let mut normed = vec![0f32; rows.len()];
-        rms_norm(rows, &self.output_norm, p.rms_eps, &mut normed);
-        Ok(project(g, &self.output, &normed, &mut acts))
-    }
-
-    /// `Wo · attention(q, k, v) + bo` for one block; appends the batch's K/V to the cache.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_block(
-        &self,
-        cache: &mut KvCache,
-        l: usize,
-        b: &Block,
-        h: &[f32],
-        pos0: usize,
-        rope_cs: &[Vec<(f32, f32)>],
-        acts: &mut QuantizedActs,
-    ) -> Vec<f32> {
-        let p = &self.params;
-        let g = &self.gguf;
-        let hd = p.head_dim;
-        let mut q = project(g, &b.wq, h, acts);
-        add_bias(&mut q, &b.bq);
-        let mut k = project(g, &b.wk, h, acts);
-        add_bias(&mut k, &b.bk);
-        let mut v = project(g, &b.wv, h, acts);
-        add_bias(&mut v, &b.bv);
-        let (q_width, kv_width) = (p.n_head * hd, p.n_head_kv * hd);
-        for (t, cs) in rope_cs.iter().enumerate() {
-            self.rope
-                .apply_neox(&mut q[t * q_width..(t + 1) * q_width], hd, cs);
-            self.rope
-                .apply_neox(&mut k[t * kv_width..(t + 1) * kv_width], hd, cs);
-        }
-        let layer = &mut cache.layers[l];
-        for t in 0..rope_cs.len() {
-            let cell = ((pos0 + t) % layer.cells) * kv_width;
-            layer.k.store(cell, &k[t * kv_width..(t + 1) * kv_width]);
-            layer.v.store(cell, &v[t * kv_width..(t + 1) * kv_width]);
-        }
-        let shape = CpuAttnShape {
-            n_head: p.n_head,
-            n_head_kv: p.n_head_kv,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
-        let mut out = vec![0f32; q.len()];
-        attention(layer, &shape, &q, pos0, Some(&b.sinks), &mut out);
-        let mut o = project(g, &b.wo, &out, acts);
-        add_bias(&mut o, &b.bo);
-        o
-    }
-
-    /// `Σ_k w_k · expert_k(h)` for every token of the batch (rows `groups` belong to separate
-    /// sequences): the router, then the routed experts over the file mapping.
-    fn moe_block(
-        &self,
-        l: usize,
-        b: &Block,
-        h: &[f32],
-        groups: &[Range<usize>],
-        acts: &mut QuantizedActs,
-    ) -> Result<Vec<f32>, ModelError> {
-        let p = &self.params;
-        let g = &self.gguf;
-        let (d, k_used) = (p.n_embd, p.n_expert_used);
-        let n = h.len() / d;
-        let mut scores = batch::project_grouped(g, &b.router, h, groups, acts);
-        add_bias(&mut scores, &b.router_b);
-        let mut selected = vec![0u32; n * k_used];
-        let mut weights = vec![0f32; n * k_used];
-        let mut top = Vec::new();
-        for t in 0..n {
-            let s = &scores[t * p.n_expert..(t + 1) * p.n_expert];
-            top_k(s, k_used, &mut top);
-            let w = &mut weights[t * k_used..(t + 1) * k_used];
-            for (i, &e) in top.iter().enumerate() {
-                selected[t * k_used + i] = e as u32;
-                w[i] = s[e];
-            }
-            softmax(w);
-        }
-        let batch = ExpertBatch {
-            h,
-            selected: &selected,
-            weights: &weights,
-            n_used: k_used,
-            groups,
-        };
-        let mut out = vec![0f32; n * d];
-        host_experts(
-            l,
-            &b.expert_kernels(),
-            EXPERT_ACT,
-            &b.experts(g, p.n_expert),
-            &batch,
-            &mut ExpertScratch::default(),
-            &mut out,
-        )?;
-        Ok(out)
-    }
-}
-
 /// gpt-oss's expert activation as the contract's `moe` op takes it.
 const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
     alpha: crate::hybrid::SWIGLU_ALPHA,
@@ -538,61 +176,68 @@ const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
 /// (q/k/v/o biases, NeoX RoPE with YaRN, sinks, the sliding window on even layers) and the
 /// routed-MoE block (router bias, top-k then softmax, the clamped SwiGLU experts with biases,
 /// a sequence's rows multiplied together by F32 experts as the host experts do).
-pub(crate) struct DeviceGptOss<B: Backend> {
-    host: GptOss,
+pub(crate) struct GptOss<B: Backend> {
+    params: GptOssParams,
+    gguf: GgufModel,
+    experts: Vec<HostExperts>,
     layers: AttnMoeLayers<B>,
 }
 
-impl<B: Backend> DeviceGptOss<B> {
-    /// Loads `gguf` (checked as [`GptOss::load`] checks it) and uploads every layer's dense
-    /// weights to `dev`.
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceGptOss<B>, ExecError> {
-        let host = GptOss::load(gguf)?;
-        let p = &host.params;
-        let rope = (host.rope.device_params())
+impl<B: Backend> GptOss<B> {
+    /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
+    /// dense weights to `dev` (the routed experts are the executor's).
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<GptOss<B>, ExecError> {
+        let p = GptOssParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
+        let rope = (Rope::new(p.head_dim, p.rope_freq_base, p.yarn).device_params())
             .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
-        let layers = (0..p.n_layer)
-            .map(|l| {
-                let shape = AttnShape {
-                    n_head: p.n_head,
-                    n_head_kv: p.n_head_kv,
-                    head_dim: p.head_dim,
-                    window: p.window(l),
-                    scale: 1.0 / (p.head_dim as f32).sqrt(),
-                    // The CPU engine's `attention` sums one token's values in one chain.
-                    value_chains: 1,
-                };
-                let attn = AttnSpec {
-                    shape,
-                    rope,
-                    rms_eps: p.rms_eps,
-                };
-                let moe = MoeSpec {
-                    router: Router {
-                        n_expert: p.n_expert,
-                        k: p.n_expert_used,
-                        gating: Gating::TopKSoftmax,
-                    },
-                    act: EXPERT_ACT,
-                    split: ExpertSplit::PerSequence,
-                    rms_eps: p.rms_eps,
-                };
-                Ok((
-                    AttnBlock::load(dev, &host.gguf, l, attn)?,
-                    MoeBlock::load(dev, &host.gguf, l, "post_attention_norm.weight", moe)?,
-                ))
-            })
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        Ok(DeviceGptOss {
-            host,
+        let mut experts = Vec::with_capacity(p.n_layer);
+        let mut layers = Vec::with_capacity(p.n_layer);
+        for l in 0..p.n_layer {
+            let shape = AttnShape {
+                n_head: p.n_head,
+                n_head_kv: p.n_head_kv,
+                head_dim: p.head_dim,
+                window: p.window(l),
+                scale: 1.0 / (p.head_dim as f32).sqrt(),
+                // The CPU's row kernel sums one token's values in one chain here.
+                value_chains: 1,
+            };
+            let attn = AttnSpec {
+                n_embd: p.n_embd,
+                shape,
+                rope,
+                rms_eps: p.rms_eps,
+            };
+            let moe = MoeSpec {
+                n_embd: p.n_embd,
+                router: Router {
+                    n_expert: p.n_expert,
+                    k: p.n_expert_used,
+                    gating: Gating::TopKSoftmax,
+                },
+                act: EXPERT_ACT,
+                split: ExpertSplit::PerSequence,
+                rms_eps: p.rms_eps,
+            };
+            let dims = (p.n_embd, p.n_ff_exp, p.n_expert);
+            experts.push(HostExperts::load(&gguf, l, dims, EXPERT_ACT, true)?);
+            layers.push((
+                AttnBlock::load(dev, &gguf, l, attn)?,
+                MoeBlock::load(dev, &gguf, l, "post_attention_norm.weight", moe)?,
+            ));
+        }
+        Ok(GptOss {
+            params: p,
+            gguf,
+            experts,
             layers: AttnMoeLayers(layers),
         })
     }
 }
 
-impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
+impl<B: Backend> DeviceLayers<B> for GptOss<B> {
     fn dims(&self) -> ModelDims {
-        let p = &self.host.params;
+        let p = &self.params;
         ModelDims {
             n_layer: p.n_layer,
             n_embd: p.n_embd,
@@ -604,10 +249,14 @@ impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
         }
     }
     fn gguf(&self) -> &GgufModel {
-        &self.host.gguf
+        &self.gguf
     }
+    /// Positions and the ring geometry: windowed layers keep `window + n_ubatch` cells.
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        self.host.new_position_cache(ty, n_ctx, n_ubatch)
+        let windows: Vec<_> = (0..self.params.n_layer)
+            .map(|l| self.params.window(l))
+            .collect();
+        position_cache(ty, n_ctx, n_ubatch, &windows)
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
         self.layers.kv_widths(layer)
@@ -616,7 +265,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
         self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        self.host.layer_experts(layer)
+        Some(self.experts.get(layer)?.tensors(&self.gguf))
     }
     fn run_host_experts(
         &self,
@@ -624,7 +273,9 @@ impl<B: Backend> DeviceLayers<B> for DeviceGptOss<B> {
         batch: &ExpertBatch<'_>,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        self.host.run_host_experts(layer, batch, out)
+        let e = (self.experts.get(layer))
+            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
+        e.run(layer, &self.gguf, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         self.layers.bytes()

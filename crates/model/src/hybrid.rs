@@ -10,8 +10,123 @@
 //! router score first) starting from zero, tokens grouped by expert as llama.cpp's CPU backend
 //! does. The device side of the boundary is [`crate::DeviceModel`]'s.
 
-pub(crate) use hmoe_cpu::experts::{host_experts, ExpertKernels, ExpertScratch};
+use hmoe_backend::{ExpertView, GatedAct};
+use hmoe_cpu::experts::{host_experts, ExpertKernels, ExpertScratch};
 pub use hmoe_cpu::experts::{ExpertBatch, ExpertDeviceError, ExpertMatrix, ExpertTensors};
+use hmoe_cpu::ops::QuantizedActs;
+use hmoe_gguf::GgufModel;
+
+use crate::weights::{load_f32, Mat};
+use crate::ModelError;
+
+/// One layer's routed experts as the file stores them (views of the mapping; gpt-oss's
+/// biases dequantized), with the kernels and the gated activation the host runs them with:
+/// what a device uploads, and what a layer whose experts stay on the host runs.
+pub(crate) struct HostExperts {
+    n_expert: usize,
+    gate: Mat,
+    up: Mat,
+    down: Mat,
+    /// Biases of gate, up and down (empty: none).
+    biases: [Vec<f32>; 3],
+    act: GatedAct,
+}
+
+impl HostExperts {
+    /// Layer `l`'s `ffn_{gate,up,down}_exps` of `n_expert` experts over `n_embd` inputs and
+    /// `n_ff` hidden values, with their `.bias` tensors when `biases`.
+    pub fn load(
+        g: &GgufModel,
+        l: usize,
+        (n_embd, n_ff, n_expert): (usize, usize, usize),
+        act: GatedAct,
+        biases: bool,
+    ) -> Result<HostExperts, ModelError> {
+        let n = |s: &str| format!("blk.{l}.ffn_{s}_exps.weight");
+        let b = |s: &str| format!("blk.{l}.ffn_{s}_exps.bias");
+        let (d, ff, ne) = (n_embd as u64, n_ff as u64, n_expert as u64);
+        let biases = match biases {
+            true => [
+                load_f32(g, &b("gate"), &[ff, ne])?,
+                load_f32(g, &b("up"), &[ff, ne])?,
+                load_f32(g, &b("down"), &[d, ne])?,
+            ],
+            false => Default::default(),
+        };
+        Ok(HostExperts {
+            n_expert,
+            gate: Mat::load(g, &n("gate"), &[d, ff, ne])?,
+            up: Mat::load(g, &n("up"), &[d, ff, ne])?,
+            down: Mat::load(g, &n("down"), &[ff, d, ne])?,
+            biases,
+            act,
+        })
+    }
+
+    /// The experts as the device contract takes them.
+    pub fn tensors<'g>(&'g self, g: &'g GgufModel) -> ExpertTensors<'g> {
+        let [gate_bias, up_bias, down_bias] = &self.biases;
+        ExpertTensors {
+            n_expert: self.n_expert,
+            gate: self.gate.expert_matrix(g),
+            up: self.up.expert_matrix(g),
+            down: self.down.expert_matrix(g),
+            gate_bias,
+            up_bias,
+            down_bias,
+        }
+    }
+
+    /// `out[t] = Σ_s w[t,s] · expert_{sel[t,s]}(h[t])` for every token of `batch` (layer
+    /// `layer`), on the host over the file mapping with the CPU's expert kernels: gpt-oss's
+    /// clamped SwiGLU through [`host_experts`], SiLU experts one sequence (`batch.groups`) at a
+    /// time, as the CPU sums them.
+    pub fn run(
+        &self,
+        layer: usize,
+        g: &GgufModel,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let kernels = ExpertKernels::new(self.gate.kernel, self.up.kernel, self.down.kernel);
+        let t = self.tensors(g);
+        if let GatedAct::ClampedSwiglu { .. } = self.act {
+            let mut scratch = ExpertScratch::default();
+            host_experts(layer, &kernels, self.act, &t, batch, &mut scratch, out)?;
+            return Ok(());
+        }
+        let (d, ff, k) = (self.gate.n_in, self.gate.n_out, batch.n_used);
+        let view = |e: usize| {
+            Some(ExpertView {
+                gate: t.gate.expert(e)?,
+                up: t.up.expert(e)?,
+                down: t.down.expert(e)?,
+                gate_bias: &[],
+                up_bias: &[],
+                down_bias: &[],
+            })
+        };
+        let mut acts = QuantizedActs::default();
+        for r in batch.groups {
+            let sel: Vec<usize> = batch.selected[r.start * k..r.end * k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect();
+            let y = hmoe_cpu::experts::moe_swiglu(
+                &kernels,
+                (d, ff, self.n_expert),
+                view,
+                &batch.h[r.start * d..r.end * d],
+                &sel,
+                &batch.weights[r.start * k..r.end * k],
+                k,
+                &mut acts,
+            );
+            out[r.start * d..r.end * d].copy_from_slice(&y);
+        }
+        Ok(())
+    }
+}
 
 /// SwiGLU constants of gpt-oss experts (fixed by the architecture, not stored in GGUF).
 pub(crate) const SWIGLU_ALPHA: f32 = 1.702;

@@ -1,9 +1,11 @@
-//! Model architectures over GGUF weights: hyperparameters, KV cache and the CPU forward pass.
+//! Model architectures over GGUF weights: hyperparameters and each architecture's forward
+//! pass, written once over the device contract (`hmoe-backend`).
 //!
-//! Each architecture lives in one file that reads like its math (`gpt_oss.rs`); the numeric
-//! building blocks (norms, RoPE, attention, matmul over quantized weights) live in `ops`;
-//! [`executor`] runs them on a device of the contract (`hmoe-backend`), each architecture's
-//! device layer written once in its own file over the executor's shared blocks.
+//! Each architecture lives in one file that reads like its math (`gpt_oss.rs`), built from
+//! the executor's shared blocks (attention, routed MoE, SwiGLU FFN); [`executor`] runs it on
+//! whichever device the placement chooses: the CPU ([`hmoe_cpu::Cpu`], what [`load`] gives),
+//! a CUDA GPU, or the reference device `REF0`, with each layer's routed experts on the device
+//! or on the host.
 
 pub mod deepseek2;
 mod error;
@@ -17,17 +19,16 @@ pub mod kv_cache {
 pub mod llama;
 pub mod ops;
 pub mod qwen3_moe;
-mod ubatch;
 mod weights;
 
-pub use deepseek2::{Deepseek2, Deepseek2Params};
+pub use deepseek2::Deepseek2Params;
 pub use error::ModelError;
 pub use executor::{device_arch, DeviceModel, ExecError, ExecStats, MoeCacheStats};
-pub use gpt_oss::{GptOss, GptOssParams};
+pub use gpt_oss::GptOssParams;
 pub use hybrid::{ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors};
 pub use kv_cache::{KvCache, KvType};
-pub use llama::{Dense, DenseArch, DenseParams};
-pub use qwen3_moe::{Qwen3Moe, Qwen3MoeParams};
+pub use llama::{DenseArch, DenseParams};
+pub use qwen3_moe::Qwen3MoeParams;
 
 /// Which logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,12 +81,12 @@ pub trait LanguageModel: Send + Sync {
     /// The file(s) the weights live in (metadata for tokenizer and chat template).
     fn gguf(&self) -> &hmoe_gguf::GgufModel;
     /// What the device executor counted (micro-batches, round trips at the expert boundary,
-    /// the device's transfers), for a model that runs on a device; `None` on the CPU engine.
+    /// the device's transfers), for a model on a GPU or REF0; `None` on the CPU.
     fn device_stats(&self) -> Option<ExecStats> {
         None
     }
-    /// The memory the model holds on its device, for a model that runs on one; `None` on the
-    /// CPU engine.
+    /// The memory the model holds on its device, for a model on a GPU or REF0; `None` on the
+    /// CPU.
     fn device_memory(&self) -> Option<DeviceMemory> {
         None
     }
@@ -98,12 +99,12 @@ pub trait LanguageModel: Send + Sync {
     /// handles that are alive, from an owner that holds every live handle of this model (a
     /// server's slots). The K/V of `busy` sequences (under way) is never freed to make room
     /// for another sequence; that of `idle` ones may be (see [`LanguageModel::cache_held`]);
-    /// that of any other handle is freed now. The CPU engine keeps K/V in the handle and has
-    /// nothing to do.
+    /// that of any other handle is freed now. The default is for a model that keeps K/V in
+    /// the handle, which has nothing to do.
     fn retain_caches(&self, _busy: &[&KvCache], _idle: &[&KvCache]) {}
     /// Whether the K/V of `cache`'s positions is still there: false when the device executor
     /// freed an idle sequence's cache to make room, after which the handle can only start
-    /// again from position 0 ([`KvCache::clear`]). Always true on the CPU engine.
+    /// again from position 0 ([`KvCache::clear`]). Always true by default.
     fn cache_held(&self, _cache: &KvCache) -> bool {
         true
     }
@@ -122,34 +123,11 @@ pub trait LanguageModel: Send + Sync {
     }
 }
 
-impl LanguageModel for GptOss {
-    fn n_vocab(&self) -> usize {
-        self.params().n_vocab
-    }
-    fn n_ctx_train(&self) -> usize {
-        self.params().n_ctx_train
-    }
-    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        GptOss::new_cache(self, ty, n_ctx, n_ubatch)
-    }
-    fn forward(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
-        GptOss::forward(self, cache, tokens, wanted)
-    }
-    fn gguf(&self) -> &hmoe_gguf::GgufModel {
-        GptOss::gguf(self)
-    }
-    fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        GptOss::forward_multi(self, seqs)
-    }
-}
-
-/// Builds the architecture named by the file's `general.architecture` on the CPU engine: the
-/// device executor over [`hmoe_cpu::Cpu`], every layer on the CPU.
+/// Builds the architecture named by the file's `general.architecture` on the CPU: the
+/// executor over [`hmoe_cpu::Cpu`], every layer and its experts there.
 pub fn load(gguf: hmoe_gguf::GgufModel) -> Result<Box<dyn LanguageModel>, ModelError> {
-    Ok(Box::new(DeviceModel::load_whole(gguf, hmoe_cpu::Cpu::new())?))
+    Ok(Box::new(DeviceModel::load_whole(
+        gguf,
+        hmoe_cpu::Cpu::new(),
+    )?))
 }

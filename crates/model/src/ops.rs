@@ -1,14 +1,7 @@
-//! CPU building blocks shared by the architectures: RoPE with YaRN, top-k, the embedding, the
-//! SwiGLU feed-forward and experts, the output head. The row kernels (RMSNorm, matmul over
-//! quantized weights, softmax, SwiGLU) live in `hmoe_cpu::ops` and are re-exported here.
-//! Numerics follow ggml's CPU backend so that results match llama.cpp's.
-
-use hmoe_gguf::GgufModel;
-
-use hmoe_backend::ExpertView;
-use hmoe_cpu::experts::ExpertKernels;
-
-use crate::weights::{project, Mat};
+//! What the architectures share beside the executor's blocks: RoPE parameters with YaRN as
+//! llama.cpp derives them, routing, and the reading of hyperparameters. The row kernels
+//! (RMSNorm, matmul over quantized weights, softmax, SwiGLU) live in `hmoe_cpu::ops` and are
+//! re-exported here. Numerics follow ggml's CPU backend so that results match llama.cpp's.
 
 pub use hmoe_cpu::ops::{
     add_bias, matmul, matmul_vec_dot, rms_norm, softmax, swiglu, QuantizedActs,
@@ -74,18 +67,21 @@ impl Rope {
     }
 
     /// These parameters in the form of the device contract's RoPE ops, whose cos/sin are
-    /// this cache's bit for bit; `None` with frequency factors, which the contract lacks.
+    /// this cache's bit for bit; `None` with more frequency factors than the contract holds.
     pub fn device_params(&self) -> Option<hmoe_backend::RopeParams> {
-        self.freq_factors
-            .is_none()
-            .then_some(hmoe_backend::RopeParams {
-                n_dims: self.n_dims,
-                theta_scale: self.theta_scale,
-                freq_scale: self.freq_scale,
-                ext_factor: self.ext_factor,
-                attn_factor: self.attn_factor,
-                corr_dims: self.corr_dims,
-            })
+        let freq_factors = match &self.freq_factors {
+            Some(f) => Some(hmoe_backend::FreqFactors::new(f)?),
+            None => None,
+        };
+        Some(hmoe_backend::RopeParams {
+            n_dims: self.n_dims,
+            theta_scale: self.theta_scale,
+            freq_scale: self.freq_scale,
+            ext_factor: self.ext_factor,
+            attn_factor: self.attn_factor,
+            corr_dims: self.corr_dims,
+            freq_factors,
+        })
     }
 
     /// The `(cos, sin)` tables of `n` consecutive positions starting at `pos0` (one batch).
@@ -109,20 +105,6 @@ impl Rope {
             mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
         }
         (theta.cos() * mscale, theta.sin() * mscale)
-    }
-
-    /// Rotates every `head_dim`-sized head in `x` (NeoX: element i pairs with i + n_dims/2).
-    pub fn apply_neox(&self, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
-        let half = self.n_dims / 2;
-        for head in x.chunks_exact_mut(head_dim) {
-            for (i, &(c, s)) in cs.iter().enumerate() {
-                let x0 = head[i];
-                let x1 = head[i + half];
-                // ggml's build contracts these into FMAs; so do we, for identical bits.
-                head[i] = x0.mul_add(c, -(x1 * s));
-                head[i + half] = x0.mul_add(s, x1 * c);
-            }
-        }
     }
 
     /// RoPE over `n_dims` dims with base `freq_base` and the given context scaling, with the
@@ -155,27 +137,6 @@ impl Rope {
         debug_assert_eq!(factors.len(), self.n_dims / 2);
         self.freq_factors = Some(factors);
         self
-    }
-
-    /// Rotates every `head_dim`-sized head in `x` in the "normal" (GPT-J) layout: element
-    /// `2i` pairs with `2i + 1`. Dims past `n_dims` are left as they are.
-    pub fn apply_norm(&self, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
-        for head in x.chunks_exact_mut(head_dim) {
-            for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
-                let (x0, x1) = (pair[0], pair[1]);
-                // The same FMA contraction as `apply_neox` (what GCC makes of ggml's rope).
-                pair[0] = x0.mul_add(c, -(x1 * s));
-                pair[1] = x0.mul_add(s, x1 * c);
-            }
-        }
-    }
-
-    /// Rotates with the layout of `mode`.
-    pub fn apply(&self, mode: RopeMode, x: &mut [f32], head_dim: usize, cs: &[(f32, f32)]) {
-        match mode {
-            RopeMode::Norm => self.apply_norm(x, head_dim, cs),
-            RopeMode::Neox => self.apply_neox(x, head_dim, cs),
-        }
     }
 }
 
@@ -315,108 +276,6 @@ pub use hmoe_backend::numerics::{expf_ggml, hsum16};
 /// Expert routing, shared with the reference device.
 pub use hmoe_backend::routing::{gate_probs, sigmoid, softmax_ggml, top_k, Gating, Routing};
 
-/// The embedding rows of `tokens` (ids already checked against the vocabulary), dequantized.
-pub(crate) fn embed(g: &GgufModel, tok_embd: &Mat, tokens: &[u32]) -> Vec<f32> {
-    let d = tok_embd.n_in;
-    let mut x = vec![0f32; tokens.len() * d];
-    for (dst, &id) in x.chunks_exact_mut(d).zip(tokens) {
-        let row = &tok_embd.bytes(g)[id as usize * tok_embd.row_bytes..][..tok_embd.row_bytes];
-        hmoe_quant::dequantize_row(tok_embd.info.ty, row, dst)
-            .expect("embedding row size checked at load");
-    }
-    x
-}
-
-/// Dense SwiGLU feed-forward: `Wd · (silu(Wg·h) ⊙ Wu·h)` for every row of `h`.
-pub(crate) fn ffn_swiglu(
-    g: &GgufModel,
-    gate: &Mat,
-    up: &Mat,
-    down: &Mat,
-    h: &[f32],
-    acts: &mut QuantizedActs,
-) -> Vec<f32> {
-    let u = project(g, up, h, acts);
-    let mut gt = project(g, gate, h, acts);
-    swiglu(&mut gt, &u, gate.n_out);
-    project(g, down, &gt, acts)
-}
-
-/// Routed SwiGLU experts over the stacked matrices in the file mapping, the CPU engine's
-/// [`hmoe_cpu::experts::moe_swiglu`] (products in `vec_dot` order, slots added in order).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn moe_swiglu(
-    g: &GgufModel,
-    gate_exps: &Mat,
-    up_exps: &Mat,
-    down_exps: &Mat,
-    h: &[f32],
-    selected: &[usize],
-    weights: &[f32],
-    k_used: usize,
-    acts: &mut QuantizedActs,
-) -> Vec<f32> {
-    let (d, ff) = (gate_exps.n_in, gate_exps.n_out);
-    let n_expert = gate_exps.info.dims.get(2).copied().unwrap_or(1) as usize;
-    let k = ExpertKernels::new(gate_exps.kernel, up_exps.kernel, down_exps.kernel);
-    let (gm, um, dm) = (
-        gate_exps.expert_matrix(g),
-        up_exps.expert_matrix(g),
-        down_exps.expert_matrix(g),
-    );
-    let view = |e: usize| {
-        Some(ExpertView {
-            gate: gm.expert(e)?,
-            up: um.expert(e)?,
-            down: dm.expert(e)?,
-            gate_bias: &[],
-            up_bias: &[],
-            down_bias: &[],
-        })
-    };
-    hmoe_cpu::experts::moe_swiglu(
-        &k,
-        (d, ff, n_expert),
-        view,
-        h,
-        selected,
-        weights,
-        k_used,
-        acts,
-    )
-}
-
-/// Bias-less routed SwiGLU experts of a device layer run on the host ([`moe_swiglu`] over the
-/// stacked `[gate, up, down]` experts): each sequence of `batch` (its `groups`) alone, as the
-/// CPU engine's forward pass runs it, into `out` (`n_tokens × n_embd`).
-pub(crate) fn moe_swiglu_per_seq(
-    g: &GgufModel,
-    [gate_exps, up_exps, down_exps]: [&Mat; 3],
-    batch: &crate::hybrid::ExpertBatch<'_>,
-    out: &mut [f32],
-) {
-    let (d, k) = (gate_exps.n_in, batch.n_used);
-    let mut acts = QuantizedActs::default();
-    for r in batch.groups {
-        let sel: Vec<usize> = batch.selected[r.start * k..r.end * k]
-            .iter()
-            .map(|&e| e as usize)
-            .collect();
-        let y = moe_swiglu(
-            g,
-            gate_exps,
-            up_exps,
-            down_exps,
-            &batch.h[r.start * d..r.end * d],
-            &sel,
-            &batch.weights[r.start * k..r.end * k],
-            k,
-            &mut acts,
-        );
-        out[r.start * d..r.end * d].copy_from_slice(&y);
-    }
-}
-
 /// Reads `ARCH.*` hyperparameters from GGUF metadata.
 pub(crate) struct ArchMeta<'a> {
     pub meta: &'a hmoe_gguf::Metadata,
@@ -467,41 +326,6 @@ impl ArchMeta<'_> {
     }
 }
 
-/// The LM head: `output.weight`, or the token embedding when the file ties them.
-pub(crate) fn output_head(
-    g: &GgufModel,
-    n_embd: usize,
-    n_vocab: usize,
-) -> Result<Mat, crate::ModelError> {
-    let name = if g.tensor_info("output.weight").is_some() {
-        "output.weight"
-    } else {
-        "token_embd.weight"
-    };
-    Mat::load(g, name, &[n_embd as u64, n_vocab as u64])
-}
-
-/// `Wout · (rmsnorm(x) · output_norm)` for the rows `want` asks for (none, the last, all).
-pub(crate) fn final_logits(
-    g: &GgufModel,
-    x: &[f32],
-    want: Option<crate::LogitsWanted>,
-    output_norm: &[f32],
-    eps: f32,
-    output: &Mat,
-    acts: &mut QuantizedActs,
-) -> Vec<f32> {
-    let d = output_norm.len();
-    let rows = match want {
-        None => return Vec::new(),
-        Some(crate::LogitsWanted::All) => x,
-        Some(crate::LogitsWanted::Last) => &x[x.len() - d..],
-    };
-    let mut normed = vec![0f32; rows.len()];
-    rms_norm(rows, output_norm, eps, &mut normed);
-    project(g, output, &normed, acts)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -514,18 +338,6 @@ mod tests {
         let raw_hi = yarn_corr_dim(64, 4096, 1.0, 150000.0);
         assert_eq!(d, [raw_lo.floor(), raw_hi.ceil()]);
         assert!(raw_lo.fract() != 0.0 && raw_hi.fract() != 0.0);
-    }
-
-    #[test]
-    fn rope_without_scaling_is_a_rotation() {
-        let rope = Rope::new(4, 10000.0, None);
-        let mut cs = Vec::new();
-        rope.cache(3, &mut cs);
-        let mut x = [1.0, 0.0, 0.0, 0.0];
-        rope.apply_neox(&mut x, 4, &cs);
-        assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[2] - 3f32.sin()).abs() < 1e-6);
-        let norm: f32 = x.iter().map(|v| v * v).sum();
-        assert!((norm - 1.0).abs() < 1e-6);
     }
 
     #[test]

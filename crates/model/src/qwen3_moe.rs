@@ -16,31 +16,25 @@
 //! logits = Wout · (rmsnorm(x) · output_norm)
 //! ```
 //!
-//! The attention block is [`crate::llama::SelfAttention`] with its q/k norms.
-//!
-//! On a device ([`crate::DeviceModel`]) each layer is the executor's shared attention block
-//! (per-head q/k RMSNorm, NeoX RoPE, GQA without sinks, the value sum of one token in
-//! `vec_dot`'s four chains as `attention_ext` sums it) and its routed-MoE block (softmax gate
-//! over every expert, top-k renormalised by the contract's `route` op, bias-less SiLU experts),
-//! with host experts run by this file's own expert code.
+//! Each layer is the executor's shared attention block (per-head q/k RMSNorm, NeoX RoPE, GQA
+//! without sinks, the value sum of one token in `vec_dot`'s four chains) and its routed-MoE
+//! block (softmax gate over every expert, top-k renormalised by the contract's `route` op,
+//! bias-less SiLU experts), run by [`crate::DeviceModel`] on the CPU, a GPU or REF0.
 
-use hmoe_backend::{Backend, ExpertTensors, GatedAct};
+use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::GgufModel;
 
 use crate::executor::blocks::{AttnBlock, AttnMoeLayers, AttnSpec, MoeBlock, MoeSpec};
 use crate::executor::{
-    AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating as RouterGating, ModelDims, Router,
-    Step,
+    position_cache, AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating as RouterGating,
+    ModelDims, Router, Step,
 };
+use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
 use crate::kv_cache::{KvCache, KvType};
-use crate::llama::{check_heads, SelfAttention};
-use crate::ops::{
-    embed, final_logits, gate_probs, moe_swiglu, moe_swiglu_per_seq, output_head, rms_norm,
-    ArchMeta, Gating, QuantizedActs, Rope, RopeMode, RopeScaling, Routing,
-};
-use crate::ubatch::Ubatches;
-use crate::weights::{load_f32, project, Mat};
-use crate::{ExpertBatch, LanguageModel, LogitsWanted, ModelError};
+use crate::llama::check_heads;
+use crate::ops::{ArchMeta, Gating, Rope, RopeScaling, Routing};
+use crate::weights::n_vocab;
+use crate::ModelError;
 
 const ARCH: &str = "qwen3moe";
 
@@ -140,215 +134,38 @@ impl Qwen3MoeParams {
     }
 }
 
-struct Block {
-    attn_norm: Vec<f32>,
-    attn: SelfAttention,
-    ffn_norm: Vec<f32>,
-    router: Mat,
-    gate_exps: Mat,
-    up_exps: Mat,
-    down_exps: Mat,
-}
-
-impl Block {
-    /// The stacked experts `[gate, up, down]`.
-    fn experts(&self) -> [&Mat; 3] {
-        [&self.gate_exps, &self.up_exps, &self.down_exps]
-    }
-}
-
-/// A loaded Qwen3-MoE model: hyperparameters plus views of its weights in the file mapping.
-pub struct Qwen3Moe {
-    params: Qwen3MoeParams,
-    rope: Rope,
-    tok_embd: Mat,
-    output_norm: Vec<f32>,
-    output: Mat,
-    blocks: Vec<Block>,
-    gguf: GgufModel,
-}
-
-impl Qwen3Moe {
-    /// Checks every tensor against the hyperparameters and builds the model.
-    pub fn load(gguf: GgufModel) -> Result<Qwen3Moe, ModelError> {
-        let embd = gguf
-            .tensor_info("token_embd.weight")
-            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
-        let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-        let p = Qwen3MoeParams::from_metadata(gguf.metadata(), n_vocab)?;
-        let g = &gguf;
-        let (d, ff, ne) = (p.n_embd as u64, p.n_ff_exp as u64, p.n_expert as u64);
-        let blocks = (0..p.n_layer)
-            .map(|l| {
-                let n = |s: &str| format!("blk.{l}.{s}");
-                let attn = SelfAttention::load(g, l, p.n_embd, p.n_head, p.n_head_kv, p.head_dim)?;
-                if !attn.has_qk_norm() {
-                    return Err(ModelError::MissingTensor(n("attn_q_norm.weight")));
-                }
-                Ok(Block {
-                    attn_norm: load_f32(g, &n("attn_norm.weight"), &[d])?,
-                    attn,
-                    ffn_norm: load_f32(g, &n("ffn_norm.weight"), &[d])?,
-                    router: Mat::load(g, &n("ffn_gate_inp.weight"), &[d, ne])?,
-                    gate_exps: Mat::load(g, &n("ffn_gate_exps.weight"), &[d, ff, ne])?,
-                    up_exps: Mat::load(g, &n("ffn_up_exps.weight"), &[d, ff, ne])?,
-                    down_exps: Mat::load(g, &n("ffn_down_exps.weight"), &[ff, d, ne])?,
-                })
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(Qwen3Moe {
-            rope: Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling),
-            tok_embd: Mat::load(g, "token_embd.weight", &[d, n_vocab as u64])?,
-            output_norm: load_f32(g, "output_norm.weight", &[d])?,
-            output: output_head(g, p.n_embd, n_vocab)?,
-            blocks,
-            params: p,
-            gguf,
-        })
-    }
-
-    /// The hyperparameters.
-    pub fn params(&self) -> &Qwen3MoeParams {
-        &self.params
-    }
-
-    fn forward_ubatch(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        want: Option<LogitsWanted>,
-    ) -> Vec<f32> {
-        let p = &self.params;
-        let g = &self.gguf;
-        let pos0 = cache.n_past();
-        let mut x = embed(g, &self.tok_embd, tokens);
-        let rope_cs = self.rope.caches(pos0, tokens.len());
-        let mut h = vec![0f32; x.len()];
-        let mut acts = QuantizedActs::default();
-        let scale = 1.0 / (p.head_dim as f32).sqrt();
-        for (l, b) in self.blocks.iter().enumerate() {
-            rms_norm(&x, &b.attn_norm, p.rms_eps, &mut h);
-            let layer = &mut cache.layers[l];
-            let attn = b.attn.forward(
-                g,
-                layer,
-                &h,
-                pos0,
-                &self.rope,
-                RopeMode::Neox,
-                &rope_cs,
-                p.rms_eps,
-                scale,
-                &mut acts,
-            );
-            x.iter_mut().zip(&attn).for_each(|(xv, a)| *xv += a);
-            rms_norm(&x, &b.ffn_norm, p.rms_eps, &mut h);
-            let moe = self.moe_block(b, &h, &mut acts);
-            x.iter_mut().zip(&moe).for_each(|(xv, m)| *xv += m);
-        }
-        cache.advance(tokens.len());
-        final_logits(
-            g,
-            &x,
-            want,
-            &self.output_norm,
-            p.rms_eps,
-            &self.output,
-            &mut acts,
-        )
-    }
-
-    /// `Σ_k w_k · expert_k(h)` with softmax routing over all experts, renormalised over the top k.
-    fn moe_block(&self, b: &Block, h: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
-        let p = &self.params;
-        let k = p.routing.k;
-        let mut probs = project(&self.gguf, &b.router, h, acts);
-        let n = probs.len() / p.n_expert;
-        let (mut selected, mut weights) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
-        let (mut top, mut w) = (Vec::new(), Vec::new());
-        for row in probs.chunks_exact_mut(p.n_expert) {
-            gate_probs(Gating::Softmax, row);
-            p.routing.select(row, None, &mut top, &mut w);
-            selected.extend_from_slice(&top);
-            weights.extend_from_slice(&w);
-        }
-        moe_swiglu(
-            &self.gguf,
-            &b.gate_exps,
-            &b.up_exps,
-            &b.down_exps,
-            h,
-            &selected,
-            &weights,
-            k,
-            acts,
-        )
-    }
-}
-
-impl LanguageModel for Qwen3Moe {
-    fn n_vocab(&self) -> usize {
-        self.params.n_vocab
-    }
-    fn n_ctx_train(&self) -> usize {
-        self.params.n_ctx_train
-    }
-    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        let p = &self.params;
-        KvCache::new(
-            ty,
-            n_ctx,
-            n_ubatch.max(1),
-            p.n_head_kv * p.head_dim,
-            &vec![None; p.n_layer],
-        )
-        .with_head_dims(p.head_dim, p.head_dim)
-    }
-    fn forward(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError> {
-        cache.run_ubatches(tokens, wanted, self.params.n_vocab, |c, chunk, want| {
-            self.forward_ubatch(c, chunk, want)
-        })
-    }
-    fn gguf(&self) -> &GgufModel {
-        &self.gguf
-    }
-}
-
 /// The SiLU experts' activation as the contract's `moe` op takes it.
 const EXPERT_ACT: GatedAct = GatedAct::Silu;
 
 /// Qwen3-MoE's layers on a device ([`crate::DeviceModel`]): each layer is the attention block
 /// (per-head q/k norms, NeoX RoPE, GQA, no biases or sinks, one token's values summed in the
-/// four chains of the CPU engine's `attention_ext`) and the routed-MoE block (`ffn_norm`,
-/// softmax over every expert, top-k renormalised, bias-less SiLU experts; a sequence's rows
-/// multiplied together by F32 experts as the host experts do).
-pub(crate) struct DeviceQwen3Moe<B: Backend> {
-    host: Qwen3Moe,
+/// four chains of `vec_dot`) and the routed-MoE block (`ffn_norm`, softmax over every expert,
+/// top-k renormalised, bias-less SiLU experts; a sequence's rows multiplied together by F32
+/// experts as the host experts do).
+pub(crate) struct Qwen3Moe<B: Backend> {
+    params: Qwen3MoeParams,
+    gguf: GgufModel,
+    experts: Vec<HostExperts>,
     layers: AttnMoeLayers<B>,
 }
 
-impl<B: Backend> DeviceQwen3Moe<B> {
-    /// Loads `gguf` (checked as [`Qwen3Moe::load`] checks it) and uploads every layer's dense
-    /// weights to `dev`.
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<DeviceQwen3Moe<B>, ExecError> {
-        let host = Qwen3Moe::load(gguf)?;
-        let p = &host.params;
-        // The contract's attention (`AttnParams::head_dim`), where the CPU engine's scores
-        // of a batch also take tinyBLAS's 16-lane order.
+impl<B: Backend> Qwen3Moe<B> {
+    /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
+    /// dense weights to `dev` (the routed experts are the executor's).
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Qwen3Moe<B>, ExecError> {
+        let p = Qwen3MoeParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
+        // The contract's attention (`AttnParams::head_dim`), where the CPU's scores of a
+        // batch also take tinyBLAS's 16-lane order.
         if !p.head_dim.is_multiple_of(16) || p.head_dim > 256 {
             return Err(ExecError::Placement(format!(
                 "attention heads of {} values: the device takes multiples of 16 up to 256",
                 p.head_dim
             )));
         }
-        let rope = (host.rope.device_params())
+        let rope = (Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling).device_params())
             .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
         let attn = AttnSpec {
+            n_embd: p.n_embd,
             shape: AttnShape {
                 n_head: p.n_head,
                 n_head_kv: p.n_head_kv,
@@ -361,6 +178,7 @@ impl<B: Backend> DeviceQwen3Moe<B> {
             rms_eps: p.rms_eps,
         };
         let moe = MoeSpec {
+            n_embd: p.n_embd,
             router: Router {
                 n_expert: p.n_expert,
                 k: p.routing.k,
@@ -370,24 +188,34 @@ impl<B: Backend> DeviceQwen3Moe<B> {
             split: ExpertSplit::PerSequence,
             rms_eps: p.rms_eps,
         };
-        let layers = (0..p.n_layer)
-            .map(|l| {
-                Ok((
-                    AttnBlock::load(dev, &host.gguf, l, attn)?,
-                    MoeBlock::load(dev, &host.gguf, l, "ffn_norm.weight", moe)?,
-                ))
-            })
-            .collect::<Result<Vec<_>, ExecError>>()?;
-        Ok(DeviceQwen3Moe {
-            host,
+        let mut experts = Vec::with_capacity(p.n_layer);
+        let mut layers = Vec::with_capacity(p.n_layer);
+        for l in 0..p.n_layer {
+            for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+                let name = format!("blk.{l}.{norm}");
+                if gguf.tensor_info(&name).is_none() {
+                    return Err(ModelError::MissingTensor(name).into());
+                }
+            }
+            let dims = (p.n_embd, p.n_ff_exp, p.n_expert);
+            experts.push(HostExperts::load(&gguf, l, dims, EXPERT_ACT, false)?);
+            layers.push((
+                AttnBlock::load(dev, &gguf, l, attn)?,
+                MoeBlock::load(dev, &gguf, l, "ffn_norm.weight", moe)?,
+            ));
+        }
+        Ok(Qwen3Moe {
+            params: p,
+            gguf,
+            experts,
             layers: AttnMoeLayers(layers),
         })
     }
 }
 
-impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
+impl<B: Backend> DeviceLayers<B> for Qwen3Moe<B> {
     fn dims(&self) -> ModelDims {
-        let p = &self.host.params;
+        let p = &self.params;
         ModelDims {
             n_layer: p.n_layer,
             n_embd: p.n_embd,
@@ -399,17 +227,11 @@ impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
         }
     }
     fn gguf(&self) -> &GgufModel {
-        &self.host.gguf
+        &self.gguf
     }
-    /// Positions and the CPU cache's ring geometry (every layer full), no keys or values.
+    /// Positions and the ring geometry (every layer full), no keys or values.
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        KvCache::new(
-            ty,
-            n_ctx,
-            n_ubatch.max(1),
-            0,
-            &vec![None; self.host.params.n_layer],
-        )
+        position_cache(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
         self.layers.kv_widths(layer)
@@ -418,12 +240,7 @@ impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
         self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        let b = self.host.blocks.get(layer)?;
-        Some(Mat::expert_tensors(
-            &self.host.gguf,
-            self.host.params.n_expert,
-            b.experts(),
-        ))
+        Some(self.experts.get(layer)?.tensors(&self.gguf))
     }
     fn run_host_experts(
         &self,
@@ -431,11 +248,9 @@ impl<B: Backend> DeviceLayers<B> for DeviceQwen3Moe<B> {
         batch: &ExpertBatch<'_>,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let b = self.host.blocks.get(layer).ok_or_else(|| {
-            ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps.weight"))
-        })?;
-        moe_swiglu_per_seq(&self.host.gguf, b.experts(), batch, out);
-        Ok(())
+        let e = (self.experts.get(layer))
+            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
+        e.run(layer, &self.gguf, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         self.layers.bytes()

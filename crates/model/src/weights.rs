@@ -3,8 +3,6 @@
 use hmoe_gguf::{GgufModel, TensorInfo};
 use hmoe_quant::DotKernel;
 
-use crate::ops::{matmul, QuantizedActs};
-
 use crate::ModelError;
 
 /// A weight matrix (or a stack of expert matrices) stored in the model file.
@@ -16,7 +14,6 @@ pub(crate) struct Mat {
     pub info: TensorInfo,
     pub n_in: usize,
     pub n_out: usize,
-    pub row_bytes: usize,
     pub kernel: DotKernel,
 }
 
@@ -34,7 +31,6 @@ impl Mat {
         Ok(Mat {
             n_in: shape[0] as usize,
             n_out: shape[1] as usize,
-            row_bytes: info.row_bytes() as usize,
             kernel,
             info,
         })
@@ -53,30 +49,6 @@ impl Mat {
             n_out: self.n_out,
             data: self.bytes(g),
         }
-    }
-
-    /// Bias-less stacked experts `[gate, up, down]` of `n_expert` experts (SwiGLU experts of
-    /// Qwen3-MoE and DeepSeek) as the device contract takes them.
-    pub fn expert_tensors<'g>(
-        g: &'g GgufModel,
-        n_expert: usize,
-        [gate, up, down]: [&Mat; 3],
-    ) -> hmoe_backend::ExpertTensors<'g> {
-        hmoe_backend::ExpertTensors {
-            n_expert,
-            gate: gate.expert_matrix(g),
-            up: up.expert_matrix(g),
-            down: down.expert_matrix(g),
-            gate_bias: &[],
-            up_bias: &[],
-            down_bias: &[],
-        }
-    }
-
-    /// Bytes of one matrix of a stacked `[n_in, n_out, n]` tensor.
-    pub fn slice<'g>(&self, g: &'g GgufModel, index: usize) -> &'g [u8] {
-        let size = self.n_out * self.row_bytes;
-        &self.bytes(g)[index * size..(index + 1) * size]
     }
 }
 
@@ -99,19 +71,18 @@ pub(crate) fn expect_tensor(
     Ok(info.clone())
 }
 
+/// The vocabulary size: the rows of the embedding `token_embd.weight`.
+pub(crate) fn n_vocab(g: &GgufModel) -> Result<usize, ModelError> {
+    let embd = g
+        .tensor_info("token_embd.weight")
+        .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
+    Ok(embd.dims.get(1).copied().unwrap_or(0) as usize)
+}
+
 /// Loads a small tensor (norm, bias, sink) fully dequantized to f32.
 pub(crate) fn load_f32(g: &GgufModel, name: &str, shape: &[u64]) -> Result<Vec<f32>, ModelError> {
     let info = expect_tensor(g, name, shape)?;
     let mut out = vec![0f32; info.n_elements as usize];
     hmoe_quant::dequantize_row(info.ty, g.data_of(&info), &mut out)?;
     Ok(out)
-}
-
-/// `W · x` for every row of `x`, converting `x` to the weight's dot format first.
-pub(crate) fn project(g: &GgufModel, w: &Mat, x: &[f32], acts: &mut QuantizedActs) -> Vec<f32> {
-    let n = x.len() / w.n_in;
-    acts.quantize(w.kernel.act_type(), x, w.n_in);
-    let mut out = vec![0f32; n * w.n_out];
-    matmul(w.kernel, w.bytes(g), w.n_in, w.n_out, acts, &mut out);
-    out
 }

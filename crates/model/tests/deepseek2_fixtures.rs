@@ -5,7 +5,7 @@
 mod common;
 
 use common::{check_golden, check_reference};
-use hmoe_model::KvType;
+use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 
 const DIR: &str = "deepseek2";
 const MODEL: &str = "deepseek2-tiny";
@@ -34,11 +34,18 @@ fn tiny_logits_match_transformers() {
     check_reference(DIR, MODEL);
 }
 
+/// The cache is K-only (the latent rows), as REF0 counts its bytes: 3 layers × 512
+/// positions × (kv_lora 16 + rope 8) f16 values.
 #[test]
 fn tiny_uses_k_only_latent_cache() {
-    let model = common::load_model(DIR, MODEL);
-    let cache = model.new_cache(KvType::F16, 512, 512);
+    let path = common::fixtures().join(DIR).join(format!("{MODEL}.gguf"));
+    let g = || hmoe_gguf::GgufModel::open(&path, Default::default()).unwrap();
+    let placement = hmoe_model::ExpertPlacement::all(3, hmoe_model::ExpertHome::Device);
+    let model = hmoe_model::DeviceModel::load(g(), hmoe_backend::Ref0::new(), &placement).unwrap();
+    let mut cache = model.new_cache(KvType::F16, 512, 512);
     assert!(cache.is_k_only());
-    // 3 layers × 512 positions × (kv_lora 16 + rope 8) f16 values.
-    assert_eq!(cache.bytes(), 3 * 512 * 24 * 2);
+    model
+        .forward(&mut cache, &[1, 2], LogitsWanted::Last)
+        .unwrap();
+    assert_eq!(model.device_memory().unwrap().kv_bytes, 3 * 512 * 24 * 2);
 }

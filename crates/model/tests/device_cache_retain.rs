@@ -24,7 +24,7 @@ fn open() -> GgufModel {
 
 #[test]
 fn busy_caches_stay_idle_ones_make_room() {
-    let n_layer = hmoe_model::GptOss::load(open()).unwrap().params().n_layer;
+    let n_layer = open().metadata().get_u64("gpt-oss.block_count").unwrap() as usize;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
     // The weights and one sequence's cache, measured on an unlimited device.
     let probe = DeviceModel::load(open(), Ref0::new(), &placement).unwrap();

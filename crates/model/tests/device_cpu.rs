@@ -1,14 +1,13 @@
-//! The CPU as a device of the contract (`hmoe_cpu::Cpu`): `DeviceModel<Cpu>`, every layer's
-//! experts on the host path or every layer's experts on the device (the `moe` op over the
-//! file mapping), gives the CPU engine's logits bit for bit on every MoE fixture architecture
-//! (gpt-oss with MXFP4/Q8_0/F32 experts, Qwen3-MoE, DeepSeek-V2/V3) and on synthetic
-//! Qwen3-MoE and DeepSeek files with Q4_K experts and Q6_K down matrices, every prompt
-//! position over several micro-batches and then greedy decode steps, for f32, f16 and (where
-//! heads are whole blocks) q8_0 K/V, with `-fa auto` and `-fa on`; several sequences batched in
-//! one `forward_multi` get what each gets alone; DeepSeek's latent cache in q8_0, q4_0, q5_1,
-//! f32 and bf16 is the CPU engine's too. The real dense files are covered with the device as
-//! a parameter in `device_dense.rs`; the REF0 files of the MoE architectures also count
-//! transfers, which the CPU does not.
+//! The CPU as a device of the contract (`hmoe_cpu::Cpu`, what `hmoe_model::load` runs every
+//! model on): every layer's experts on the host path (the round trip through the staging
+//! buffers and `run_host_experts`) gives the logits of every layer's experts on the device
+//! (the `moe` op over the file mapping) bit for bit, on every MoE fixture architecture
+//! (gpt-oss with MXFP4/Q8_0/F32 experts, Qwen3-MoE, DeepSeek-V2/V3) and on synthetic Qwen3-MoE
+//! and DeepSeek files with Q4_K experts and Q6_K down matrices, every prompt position over
+//! several micro-batches and then greedy decode steps, for f32, f16 and (where heads are whole
+//! blocks) q8_0 K/V, with `-fa auto` and `-fa on`; several sequences batched in one
+//! `forward_multi` get what each gets alone; DeepSeek's latent cache in q8_0, q4_0, q5_1, f32
+//! and bf16 too. REF0 is compared with the CPU in the `device_*` files of each architecture.
 
 mod common;
 
@@ -145,7 +144,7 @@ fn cases() -> Vec<(PathBuf, Vec<CacheType>)> {
 }
 
 #[test]
-fn cpu_device_is_the_cpu_engine_bit_for_bit() {
+fn cpu_host_experts_are_the_device_experts_bit_for_bit() {
     for (path, types) in cases() {
         let cpu = hmoe_model::load(open_path(&path)).unwrap();
         let file = path.file_name().unwrap().to_string_lossy();
@@ -161,7 +160,7 @@ fn cpu_device_is_the_cpu_engine_bit_for_bit() {
                 }
             }
             // Experts on the device: no round trip to the host path.
-            let trips = dev.device_stats().unwrap().host_round_trips;
+            let trips = dev.stats().host_round_trips;
             assert_eq!(
                 trips == 0,
                 home == ExpertHome::Device,

@@ -124,10 +124,10 @@ fn check(file: &str) {
     let reference: Vec<_> = prompts().iter().map(|p| alone(cpu.as_ref(), p)).collect();
     let feeds: Vec<Vec<Vec<u32>>> = reference.iter().map(|r| r.0.clone()).collect();
     let (cpu_batched, _) = batched(cpu.as_ref(), &feeds);
-    let n_layer = hmoe_model::GptOss::load(open(file))
-        .unwrap()
-        .params()
-        .n_layer;
+    let n_layer = open(file)
+        .metadata()
+        .get_u64("gpt-oss.block_count")
+        .unwrap() as usize;
     let n_steps = schedule().len() as u64;
     let placements = [
         ("-ngl all", vec![ExpertHome::Device; n_layer]),
@@ -217,10 +217,10 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
     let file = "gptoss-tiny.gguf";
     let cpu = hmoe_model::load(open(file)).unwrap();
     let reference: Vec<_> = prompts().iter().map(|p| alone(cpu.as_ref(), p)).collect();
-    let n_layer = hmoe_model::GptOss::load(open(file))
-        .unwrap()
-        .params()
-        .n_layer;
+    let n_layer = open(file)
+        .metadata()
+        .get_u64("gpt-oss.block_count")
+        .unwrap() as usize;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
     // Measure the weights and one sequence's cache on an unlimited device.
     let probe = DeviceModel::load(open(file), Ref0::new(), &placement).unwrap();
@@ -278,10 +278,10 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
 #[test]
 fn bad_steps_run_nothing() {
     let file = "gptoss-tiny.gguf";
-    let n_layer = hmoe_model::GptOss::load(open(file))
-        .unwrap()
-        .params()
-        .n_layer;
+    let n_layer = open(file)
+        .metadata()
+        .get_u64("gpt-oss.block_count")
+        .unwrap() as usize;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Host);
     let dev = DeviceModel::load(open(file), Ref0::new(), &placement).unwrap();
     let mut a = dev.new_cache(KvType::F16, 8, UBATCH);

@@ -55,7 +55,7 @@ fn estimate(ty: CacheType) -> u64 {
 
 #[test]
 fn device_kv_bytes_are_the_estimates_for_every_device_type() {
-    let n_layer = hmoe_model::GptOss::load(open()).unwrap().params().n_layer;
+    let n_layer = open().metadata().get_u64("gpt-oss.block_count").unwrap() as usize;
     let placement = ExpertPlacement::all(n_layer, ExpertHome::Device);
     let dev = DeviceModel::load(open(), Ref0::new(), &placement).unwrap();
     let mut measured = Vec::new();

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{ids, load_gpt_oss as load_model, softmax64};
-use hmoe_model::{GptOss, KvType, LogitsWanted};
+use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 use serde_json::Value;
 
 fn load_json(name: &str) -> Value {
@@ -21,7 +21,7 @@ struct CaseReport {
     prompt_logit_max_diff: f32,
 }
 
-fn teacher_forced(model: &GptOss, golden: &Value, kv: KvType) -> Vec<CaseReport> {
+fn teacher_forced(model: &dyn LanguageModel, golden: &Value, kv: KvType) -> Vec<CaseReport> {
     golden["cases"]
         .as_array()
         .unwrap()
@@ -82,7 +82,10 @@ fn check_golden(model_file: &str, golden_file: &str, kv: KvType, tol: f64) {
     let model = load_model(model_file);
     let golden = load_json(golden_file);
     let mut failures = Vec::new();
-    for (i, r) in teacher_forced(&model, &golden, kv).iter().enumerate() {
+    for (i, r) in teacher_forced(model.as_ref(), &golden, kv)
+        .iter()
+        .enumerate()
+    {
         let bad: Vec<(usize, f64)> = r
             .step_max_dp
             .iter()
@@ -162,7 +165,7 @@ fn openai_f32_experts_logits_match_reference_and_golden() {
     let model = load_model("gptoss-openai-f32experts.gguf");
     let reference = load_json("gptoss-openai-f32experts.reference-yarn-rounded.json");
     let golden = load_json("gptoss-openai-f32experts.golden.json");
-    let n_vocab = model.params().n_vocab;
+    let n_vocab = model.n_vocab();
     for (case, gold) in reference["cases"]
         .as_array()
         .unwrap()

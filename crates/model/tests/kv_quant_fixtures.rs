@@ -14,7 +14,7 @@ mod common;
 
 use common::{ids, load_gpt_oss as load_model, softmax64};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
-use hmoe_model::{GptOss, KvType, LogitsWanted};
+use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 use serde_json::Value;
 
 fn golden(name: &str) -> Value {
@@ -39,7 +39,11 @@ struct Step {
 
 /// Runs every case of `golden` teacher-forced; per case, the steps and the largest |Δlogit|
 /// of the last prompt position (when the golden stores those logits).
-fn teacher_forced(model: &GptOss, golden: &Value, kv: KvType) -> Vec<(Vec<Step>, Option<f32>)> {
+fn teacher_forced(
+    model: &dyn LanguageModel,
+    golden: &Value,
+    kv: KvType,
+) -> Vec<(Vec<Step>, Option<f32>)> {
     golden["cases"]
         .as_array()
         .unwrap()
@@ -109,7 +113,10 @@ fn check(model_file: &str, label: &str, golden: &Value, kv: KvType, tol: f64) {
     let model = load_model(model_file);
     let mut lines = Vec::new();
     let mut failed = false;
-    for (i, (steps, logit_diff)) in teacher_forced(&model, golden, kv).iter().enumerate() {
+    for (i, (steps, logit_diff)) in teacher_forced(model.as_ref(), golden, kv)
+        .iter()
+        .enumerate()
+    {
         let max_dp = steps.iter().map(|s| s.max_dp).fold(0.0, f64::max);
         let max_kl = steps.iter().map(|s| s.kl).fold(0.0, f64::max);
         let ok = steps.iter().filter(|s| s.max_dp > tol).count() <= 1
@@ -148,7 +155,10 @@ fn check_kl(model_file: &str, label: &str, golden: &Value, kv: KvType, flips: us
     let model = load_model(model_file);
     let mut lines = Vec::new();
     let mut failed = false;
-    for (i, (steps, logit_diff)) in teacher_forced(&model, golden, kv).iter().enumerate() {
+    for (i, (steps, logit_diff)) in teacher_forced(model.as_ref(), golden, kv)
+        .iter()
+        .enumerate()
+    {
         let max_dp = steps.iter().map(|s| s.max_dp).fold(0.0, f64::max);
         let max_kl = steps.iter().map(|s| s.kl).fold(0.0, f64::max);
         let over = steps.iter().filter(|s| s.kl >= 0.01).count();
@@ -203,7 +213,8 @@ fn flash_attention_meets_the_f32_and_f16_kv_goldens() {
 fn f32_experts_f16_flash_attention_logits_within_the_exact_math_tolerance() {
     let model = load_model("gptoss-openai-f32experts.gguf");
     let golden = golden("gptoss-openai-f32experts.golden-f16kv.json");
-    for (steps, diff) in teacher_forced(&model, &golden, fa(CacheType::F16, CacheType::F16)) {
+    for (steps, diff) in teacher_forced(model.as_ref(), &golden, fa(CacheType::F16, CacheType::F16))
+    {
         let diff = diff.unwrap();
         assert!(diff < 0.05, "max |Δlogit| {diff}");
         assert!(steps.iter().all(|s| s.top1_same || s.margin <= 0.01));

@@ -260,7 +260,8 @@ fn assert_bits(got: &[f32], want: &[f32], what: &str) {
 }
 
 /// Normal-style RoPE over a sub-range of each head (MLA's rope dims after the latent), plain
-/// and with YaRN: the CPU engine's `Rope::apply_norm` on those dims, bit for bit.
+/// and with YaRN: the rotation of adjacent pairs by the CPU's `(cos, sin)` table
+/// (`Rope::caches`) with ggml's FMA contraction, on those dims, bit for bit.
 #[test]
 fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
     use hmoe_model::ops::{Rope, RopeScaling};
@@ -291,7 +292,11 @@ fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
         for (t, cs) in cs.iter().enumerate() {
             for h in 0..nh {
                 let head = &mut want[(t * nh + h) * hd..][..hd];
-                rope.apply_norm(&mut head[first..first + rd], rd, cs);
+                for (pair, &(c, s)) in head[first..first + rd].chunks_exact_mut(2).zip(cs) {
+                    let (x0, x1) = (pair[0], pair[1]);
+                    pair[0] = x0.mul_add(c, -(x1 * s));
+                    pair[1] = x0.mul_add(s, x1 * c);
+                }
             }
         }
         assert_bits(&dev.download(&xd).unwrap(), &want, &format!("{scaling:?}"));
@@ -374,10 +379,9 @@ fn ref0_route_is_the_cpu_engines() {
     use hmoe_model::ops::{gate_probs, Gating, Routing};
     let path = common::fixtures().join("deepseek2/deepseek2-tiny.gguf");
     let g = hmoe_gguf::GgufModel::open(&path, hmoe_gguf::LoadOptions::default()).unwrap();
-    let model = hmoe_model::Deepseek2::load(g).unwrap();
-    let p = model.params().clone();
-    let gguf = hmoe_model::LanguageModel::gguf(&model);
-    let bias: Vec<f32> = gguf
+    let n_vocab = g.tensor_info("token_embd.weight").unwrap().dims[1] as usize;
+    let p = hmoe_model::Deepseek2Params::from_metadata(g.metadata(), n_vocab).unwrap();
+    let bias: Vec<f32> = g
         .tensor_data("blk.1.exp_probs_b.bias")
         .unwrap()
         .chunks_exact(4)

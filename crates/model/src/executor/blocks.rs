@@ -33,6 +33,8 @@ fn bufs_bytes<B: Backend>(bufs: &[Option<&B::Buf<f32>>]) -> u64 {
 /// What an attention block is, beside its weights.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct AttnSpec {
+    /// Hidden size.
+    pub n_embd: usize,
     /// Heads, window and scale of the attention.
     pub shape: AttnShape,
     /// RoPE (NeoX layout unless [`AttnBlock::with_rope_mode`] says otherwise).
@@ -70,7 +72,7 @@ impl<B: Backend> AttnBlock<B> {
     }
 
     /// Uploads layer `l`'s `attn_norm`, `attn_{q,k,v,output}` (weights and any biases),
-    /// `attn_{q,k}_norm` and `attn_sinks` when present.
+    /// `attn_{q,k}_norm` and `attn_sinks` when present, each checked against `spec`'s shapes.
     pub(crate) fn load(
         dev: &B,
         g: &GgufModel,
@@ -78,22 +80,25 @@ impl<B: Backend> AttnBlock<B> {
         spec: AttnSpec,
     ) -> Result<AttnBlock<B>, ExecError> {
         let n = |s: &str| format!("blk.{l}.{s}");
-        let m = |s: &str| upload_matrix(dev, g, &n(s));
-        let o = |s: &str| upload_f32_opt(dev, g, &n(s));
+        let s = &spec.shape;
+        let (d, hd) = (spec.n_embd as u64, s.head_dim as u64);
+        let (nq, nkv) = (s.n_head as u64 * hd, s.n_head_kv as u64 * hd);
+        let m = |name: &str, shape: &[u64]| upload_matrix(dev, g, &n(name), shape);
+        let o = |name: &str, len: u64| upload_f32_opt(dev, g, &n(name), &[len]);
         Ok(AttnBlock {
+            norm: upload_f32(dev, g, &n("attn_norm.weight"), &[d])?,
+            wq: m("attn_q.weight", &[d, nq])?,
+            wk: m("attn_k.weight", &[d, nkv])?,
+            wv: m("attn_v.weight", &[d, nkv])?,
+            wo: m("attn_output.weight", &[nq, d])?,
+            bq: o("attn_q.bias", nq)?,
+            bk: o("attn_k.bias", nkv)?,
+            bv: o("attn_v.bias", nkv)?,
+            bo: o("attn_output.bias", d)?,
+            q_norm: o("attn_q_norm.weight", hd)?,
+            k_norm: o("attn_k_norm.weight", hd)?,
+            sinks: o("attn_sinks.weight", s.n_head as u64)?,
             spec,
-            norm: upload_f32(dev, g, &n("attn_norm.weight"))?,
-            wq: m("attn_q.weight")?,
-            wk: m("attn_k.weight")?,
-            wv: m("attn_v.weight")?,
-            wo: m("attn_output.weight")?,
-            bq: o("attn_q.bias")?,
-            bk: o("attn_k.bias")?,
-            bv: o("attn_v.bias")?,
-            bo: o("attn_output.bias")?,
-            q_norm: o("attn_q_norm.weight")?,
-            k_norm: o("attn_k_norm.weight")?,
-            sinks: o("attn_sinks.weight")?,
             rope_mode: RopeMode::Neox,
         })
     }
@@ -181,6 +186,8 @@ fn x_width<B: Backend>(x: &B::Buf<f32>, cx: &Step<'_, B>) -> usize {
 /// What a routed-MoE block is, beside its weights.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct MoeSpec {
+    /// Hidden size.
+    pub n_embd: usize,
     /// The router: experts, top-k and gating.
     pub router: Router,
     /// The experts' gated activation.
@@ -202,8 +209,8 @@ pub(crate) struct MoeBlock<B: Backend> {
 }
 
 impl<B: Backend> MoeBlock<B> {
-    /// Uploads layer `l`'s norm `norm_name` and `ffn_gate_inp` (weight and any bias); the
-    /// experts are the executor's.
+    /// Uploads layer `l`'s norm `norm_name` and `ffn_gate_inp` (weight and any bias), checked
+    /// against `spec`'s shapes; the experts are the executor's.
     pub(crate) fn load(
         dev: &B,
         g: &GgufModel,
@@ -212,11 +219,12 @@ impl<B: Backend> MoeBlock<B> {
         spec: MoeSpec,
     ) -> Result<MoeBlock<B>, ExecError> {
         let n = |s: &str| format!("blk.{l}.{s}");
+        let (d, ne) = (spec.n_embd as u64, spec.router.n_expert as u64);
         Ok(MoeBlock {
+            norm: upload_f32(dev, g, &n(norm_name), &[d])?,
+            router: upload_matrix(dev, g, &n("ffn_gate_inp.weight"), &[d, ne])?,
+            router_b: upload_f32_opt(dev, g, &n("ffn_gate_inp.bias"), &[ne])?,
             spec,
-            norm: upload_f32(dev, g, &n(norm_name))?,
-            router: upload_matrix(dev, g, &n("ffn_gate_inp.weight"))?,
-            router_b: upload_f32_opt(dev, g, &n("ffn_gate_inp.bias"))?,
         })
     }
 
@@ -243,6 +251,7 @@ impl<B: Backend> MoeBlock<B> {
             act,
             split,
             rms_eps,
+            ..
         } = self.spec;
         let n = cx.n_tokens();
         let d = x_width::<B>(x, cx);
@@ -316,18 +325,22 @@ pub(crate) struct SwiGluFfn<B: Backend> {
 
 impl<B: Backend> SwiGluFfn<B> {
     /// Uploads layer `l`'s `ffn_{gate,up,down}{suffix}.weight` (`suffix`: `""`, or `"_shexp"`
-    /// for shared experts).
+    /// for shared experts) of `n_embd` inputs and `n_ff` hidden values.
     pub(crate) fn load(
         dev: &B,
         g: &GgufModel,
         l: usize,
         suffix: &str,
+        (n_embd, n_ff): (usize, usize),
     ) -> Result<SwiGluFfn<B>, ExecError> {
-        let m = |s: &str| upload_matrix(dev, g, &format!("blk.{l}.ffn_{s}{suffix}.weight"));
+        let (d, ff) = (n_embd as u64, n_ff as u64);
+        let m = |s: &str, shape: &[u64]| {
+            upload_matrix(dev, g, &format!("blk.{l}.ffn_{s}{suffix}.weight"), shape)
+        };
         Ok(SwiGluFfn {
-            gate: m("gate")?,
-            up: m("up")?,
-            down: m("down")?,
+            gate: m("gate", &[d, ff])?,
+            up: m("up", &[d, ff])?,
+            down: m("down", &[ff, d])?,
         })
     }
 

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_model::{GptOss, KvType, LanguageModel, LogitsWanted};
+use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 use serde_json::Value;
 
 pub fn fixtures() -> PathBuf {
@@ -32,10 +32,10 @@ pub fn load_model(dir: &str, model: &str) -> Box<dyn LanguageModel> {
     hmoe_model::load(gguf).unwrap()
 }
 
-/// A gpt-oss fixture (`file` in fixtures/gpt-oss) as the concrete type.
-pub fn load_gpt_oss(file: &str) -> GptOss {
+/// A gpt-oss fixture (`file` in fixtures/gpt-oss) on the CPU.
+pub fn load_gpt_oss(file: &str) -> Box<dyn LanguageModel> {
     let path = fixtures().join("gpt-oss").join(file);
-    GptOss::load(GgufModel::open(&path, LoadOptions::default()).unwrap()).unwrap()
+    hmoe_model::load(GgufModel::open(&path, LoadOptions::default()).unwrap()).unwrap()
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
