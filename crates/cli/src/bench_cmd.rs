@@ -78,9 +78,6 @@ pub struct BenchArgs {
     #[arg(long = "roofline-runs", default_value_t = 5,
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub roofline_runs: u32,
-    /// Testing: the device executor on the CPU as a device instead of the CPU engine.
-    #[arg(long = "cpu-device", hide = true)]
-    pub cpu_device: bool,
 }
 
 /// Parses llama-bench's integer lists: comma-separated items, each `N`, `A-B` (step 1),
@@ -638,10 +635,7 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     args.model.populate = true;
     // Decided before the load, so that the tile probe forks a small process.
     let kernels = hmoe_quant::kernel_summary();
-    let model = match args.cpu_device {
-        true => args.model.load_cpu_device()?,
-        false => args.model.load()?,
-    };
+    let model = args.model.load()?;
     let n_threads = rayon::current_num_threads();
     let info = run_info(&args, model.as_ref(), n_threads);
     let cfg = BenchConfig {

@@ -127,20 +127,6 @@ impl ModelArgs {
         Ok(loaded.model)
     }
 
-    /// Testing (`hmoe bench --cpu-device`): the thread pools as [`ModelArgs::load`] starts
-    /// them, and the model on the device executor over the CPU as a device
-    /// ([`hmoe_cpu::Cpu`], every layer's experts on that device, kept in the file mapping),
-    /// to compare it with the CPU engine.
-    pub fn load_cpu_device(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
-        self.start_pools()?;
-        let gguf = self.open()?;
-        let n_layer = ModelShape::from_metadata(gguf.metadata())?.n_layer as usize;
-        let placement = hmoe_model::ExpertPlacement::all(n_layer, hmoe_model::ExpertHome::Device)
-            .with_op_offload(None);
-        let model = hmoe_model::DeviceModel::load(gguf, hmoe_cpu::Cpu::new(), &placement)?;
-        Ok(Box::new(model))
-    }
-
     /// Starts the global thread pools with `-t` threads (the physical cores by default).
     fn start_pools(&self) -> anyhow::Result<()> {
         let threads = self.threads.unwrap_or_else(physical_cores).max(1);

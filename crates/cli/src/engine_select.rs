@@ -62,8 +62,8 @@ pub struct EngineInputs<'a> {
     pub op_offload: Option<usize>,
 }
 
-/// The per-pair RoPE frequency divisors of Llama 3 files, which the CPU engine applies and the
-/// device contract's RoPE ops do not.
+/// The per-pair RoPE frequency divisors of Llama 3 files, which the CPU and REF0 apply and the
+/// CUDA kernels do not yet.
 const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// Whether the architecture has a device executor (the plan is worth making only then).
@@ -101,12 +101,6 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     }
     if i.tensors.is_empty() {
         return cpu("no placement plan".into());
-    }
-    if i.tensors.iter().any(|&(name, _)| name == ROPE_FREQS) {
-        return cpu(format!(
-            "the file has RoPE frequency factors ({ROPE_FREQS}, Llama 3), which the device \
-             executor's RoPE does not apply"
-        ));
     }
     let mut dense_on_gpu = vec![None; i.n_layer];
     for &(name, dev) in i.tensors {
@@ -148,6 +142,13 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let Some(&device) = used.first().and_then(|&g| i.devices.get(g)) else {
         return cpu("the plan names a GPU that was not probed".into());
     };
+    let cuda = matches!(device, EngineDevice::Cuda(_));
+    if cuda && i.tensors.iter().any(|&(name, _)| name == ROPE_FREQS) {
+        return cpu(format!(
+            "the file has RoPE frequency factors ({ROPE_FREQS}, Llama 3), which the CUDA \
+             kernels' RoPE does not apply yet"
+        ));
+    }
     let (k, v) = (i.kv.k(), i.kv.v());
     if !device_keeps_kv(device, k, v) {
         return cpu(format!(
@@ -633,6 +634,19 @@ mod tests {
             op_offload: None,
         });
         assert!(why(llama3).contains("RoPE frequency factors"));
+        let on_ref0 = choose_engine(&EngineInputs {
+            devices: &[EngineDevice::Ref0 { budget: 1 << 30 }],
+            why_no_gpu: None,
+            arch: Some("llama"),
+            kv: f16,
+            n_layer: 2,
+            tensors: &tensors,
+            op_offload: None,
+        });
+        assert!(
+            matches!(on_ref0, EngineChoice::Device { .. }),
+            "REF0 applies the factors"
+        );
     }
 
     #[test]

@@ -37,7 +37,7 @@ fn check(fixtures: &[(&str, &str)], kvs: &[[&str; 6]]) {
             let (cpu_ok, cpu_err) = try_run(&f.model, &[&["-dev", "none"][..], kv].concat());
             if !cpu_ok {
                 assert!(
-                    cpu_err.contains("whole number of blocks"),
+                    cpu_err.contains("not whole blocks"),
                     "{what}: {cpu_err}"
                 );
                 let (ok, err) = try_run(

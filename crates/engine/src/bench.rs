@@ -318,7 +318,7 @@ pub fn kv_bytes_per_token(
     n_gen: usize,
 ) -> f64 {
     let mid = depth + n_gen.saturating_sub(1) / 2;
-    model.new_cache(kv, mid + 1, 1).bytes() as f64
+    model.kv_bytes(&model.new_cache(kv, mid + 1, 1)) as f64
 }
 
 /// Bytes of weights one generated token reads, from the model's tensor table.

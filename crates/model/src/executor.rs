@@ -345,6 +345,13 @@ pub fn device_kv_layouts(
     Ok((layout(ty.k(), k_width, true)?, v))
 }
 
+/// Bytes of K/V rings.
+fn rings_bytes(rings: &[(KvLayout, Option<KvLayout>)]) -> u64 {
+    (rings.iter())
+        .map(|(k, v)| k.bytes() + v.as_ref().map_or(0, KvLayout::bytes))
+        .sum::<usize>() as u64
+}
+
 /// One sequence's K/V cache on the device.
 struct DeviceKv<B: Backend> {
     /// The handle it stands for ([`handle_of`]).
@@ -946,6 +953,24 @@ impl<B: Backend> DeviceModel<B> {
         (4 * n_tokens * (2 * d.scratch_per_token + d.n_embd + d.n_vocab)) as u64
     }
 
+    /// The K (and V) ring layouts of each layer of a cache of `cache`'s types and geometry:
+    /// the handle's cells per layer.
+    fn rings_of(&self, cache: &KvCache) -> Result<Vec<(KvLayout, Option<KvLayout>)>, ExecError> {
+        let hd = self.arch.dims().kv_head_dim;
+        (cache.layers.iter().enumerate())
+            .map(|(l, layer)| {
+                device_kv_layouts(cache.kv_type(), layer.cells, self.arch.kv_widths(l), hd)
+            })
+            .collect::<Result<_, _>>()
+            .map_err(ExecError::from)
+    }
+
+    /// Bytes of the K/V a cache of `cache`'s types and geometry takes on the device (0 for
+    /// types the device cannot keep).
+    pub fn kv_bytes(&self, cache: &KvCache) -> u64 {
+        self.rings_of(cache).map_or(0, |r| rings_bytes(&r))
+    }
+
     /// Makes a device cache stand for `cache` (see [`kv_action`]); the caches of the handles
     /// in `keep` (the step's) are never freed to make room.
     fn prepare_kv(
@@ -978,16 +1003,8 @@ impl<B: Backend> DeviceModel<B> {
                 if let Some(i) = at {
                     st.kvs.swap_remove(i);
                 }
-                // The CPU cache's rings: the handle's cells per layer.
-                let hd = self.arch.dims().kv_head_dim;
-                let rings = (cache.layers.iter().enumerate())
-                    .map(|(l, layer)| {
-                        device_kv_layouts(ty, layer.cells, self.arch.kv_widths(l), hd)
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let kv_bytes = (rings.iter())
-                    .map(|(k, v)| k.bytes() + v.as_ref().map_or(0, KvLayout::bytes))
-                    .sum::<usize>() as u64;
+                let rings = self.rings_of(cache)?;
+                let kv_bytes = rings_bytes(&rings);
                 let need = kv_bytes + self.scratch_bytes(geometry.1);
                 // Idle sequences' caches first, then cached experts.
                 while self.dev.free_memory()?.is_some_and(|free| free < need)
@@ -1615,6 +1632,9 @@ impl<B: Backend> LanguageModel for DeviceModel<B> {
     }
     fn gguf(&self) -> &GgufModel {
         self.arch.gguf()
+    }
+    fn kv_bytes(&self, cache: &KvCache) -> u64 {
+        DeviceModel::<B>::kv_bytes(self, cache)
     }
     /// `None` on the CPU: nothing crosses a bus.
     fn device_stats(&self) -> Option<ExecStats> {

@@ -21,12 +21,12 @@
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
 
-use crate::executor::blocks::{AttnBlock, AttnMoeLayers, AttnSpec, MoeBlock, MoeSpec};
+use crate::executor::blocks::{AttnMoeLayers, AttnSpec, MoeSpec};
 use crate::executor::{
     position_cache, AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router,
     Step,
 };
-use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
+use crate::hybrid::{ExpertBatch, ExpertTensors};
 use crate::kv_cache::{KvCache, KvType};
 use crate::ops::Rope;
 use crate::weights::n_vocab;
@@ -179,7 +179,6 @@ const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
 pub(crate) struct GptOss<B: Backend> {
     params: GptOssParams,
     gguf: GgufModel,
-    experts: Vec<HostExperts>,
     layers: AttnMoeLayers<B>,
 }
 
@@ -190,8 +189,7 @@ impl<B: Backend> GptOss<B> {
         let p = GptOssParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
         let rope = (Rope::new(p.head_dim, p.rope_freq_base, p.yarn).device_params())
             .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
-        let mut experts = Vec::with_capacity(p.n_layer);
-        let mut layers = Vec::with_capacity(p.n_layer);
+        let mut layers = AttnMoeLayers::with_capacity(p.n_layer);
         for l in 0..p.n_layer {
             let shape = AttnShape {
                 n_head: p.n_head,
@@ -219,18 +217,20 @@ impl<B: Backend> GptOss<B> {
                 split: ExpertSplit::PerSequence,
                 rms_eps: p.rms_eps,
             };
-            let dims = (p.n_embd, p.n_ff_exp, p.n_expert);
-            experts.push(HostExperts::load(&gguf, l, dims, EXPERT_ACT, true)?);
-            layers.push((
-                AttnBlock::load(dev, &gguf, l, attn)?,
-                MoeBlock::load(dev, &gguf, l, "post_attention_norm.weight", moe)?,
-            ));
+            layers.push(
+                dev,
+                &gguf,
+                l,
+                attn,
+                ("post_attention_norm.weight", moe),
+                p.n_ff_exp,
+                true,
+            )?;
         }
         Ok(GptOss {
             params: p,
             gguf,
-            experts,
-            layers: AttnMoeLayers(layers),
+            layers,
         })
     }
 }
@@ -265,7 +265,7 @@ impl<B: Backend> DeviceLayers<B> for GptOss<B> {
         self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        Some(self.experts.get(layer)?.tensors(&self.gguf))
+        self.layers.experts(&self.gguf, layer)
     }
     fn run_host_experts(
         &self,
@@ -273,9 +273,7 @@ impl<B: Backend> DeviceLayers<B> for GptOss<B> {
         batch: &ExpertBatch<'_>,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let e = (self.experts.get(layer))
-            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
-        e.run(layer, &self.gguf, batch, out)
+        self.layers.run_host_experts(&self.gguf, layer, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         self.layers.bytes()

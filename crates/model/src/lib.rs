@@ -80,6 +80,11 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<Vec<f32>, ModelError>;
     /// The file(s) the weights live in (metadata for tokenizer and chat template).
     fn gguf(&self) -> &hmoe_gguf::GgufModel;
+    /// Bytes of K/V a cache of `cache`'s types and geometry holds once its positions are
+    /// filled (by default, what the handle itself holds).
+    fn kv_bytes(&self, cache: &KvCache) -> u64 {
+        cache.bytes() as u64
+    }
     /// What the device executor counted (micro-batches, round trips at the expert boundary,
     /// the device's transfers), for a model on a GPU or REF0; `None` on the CPU.
     fn device_stats(&self) -> Option<ExecStats> {

@@ -24,12 +24,12 @@
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::GgufModel;
 
-use crate::executor::blocks::{AttnBlock, AttnMoeLayers, AttnSpec, MoeBlock, MoeSpec};
+use crate::executor::blocks::{AttnMoeLayers, AttnSpec, MoeSpec};
 use crate::executor::{
     position_cache, AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating as RouterGating,
     ModelDims, Router, Step,
 };
-use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
+use crate::hybrid::{ExpertBatch, ExpertTensors};
 use crate::kv_cache::{KvCache, KvType};
 use crate::llama::check_heads;
 use crate::ops::{ArchMeta, Gating, Rope, RopeScaling, Routing};
@@ -145,7 +145,6 @@ const EXPERT_ACT: GatedAct = GatedAct::Silu;
 pub(crate) struct Qwen3Moe<B: Backend> {
     params: Qwen3MoeParams,
     gguf: GgufModel,
-    experts: Vec<HostExperts>,
     layers: AttnMoeLayers<B>,
 }
 
@@ -188,8 +187,7 @@ impl<B: Backend> Qwen3Moe<B> {
             split: ExpertSplit::PerSequence,
             rms_eps: p.rms_eps,
         };
-        let mut experts = Vec::with_capacity(p.n_layer);
-        let mut layers = Vec::with_capacity(p.n_layer);
+        let mut layers = AttnMoeLayers::with_capacity(p.n_layer);
         for l in 0..p.n_layer {
             for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
                 let name = format!("blk.{l}.{norm}");
@@ -197,18 +195,20 @@ impl<B: Backend> Qwen3Moe<B> {
                     return Err(ModelError::MissingTensor(name).into());
                 }
             }
-            let dims = (p.n_embd, p.n_ff_exp, p.n_expert);
-            experts.push(HostExperts::load(&gguf, l, dims, EXPERT_ACT, false)?);
-            layers.push((
-                AttnBlock::load(dev, &gguf, l, attn)?,
-                MoeBlock::load(dev, &gguf, l, "ffn_norm.weight", moe)?,
-            ));
+            layers.push(
+                dev,
+                &gguf,
+                l,
+                attn,
+                ("ffn_norm.weight", moe),
+                p.n_ff_exp,
+                false,
+            )?;
         }
         Ok(Qwen3Moe {
             params: p,
             gguf,
-            experts,
-            layers: AttnMoeLayers(layers),
+            layers,
         })
     }
 }
@@ -240,7 +240,7 @@ impl<B: Backend> DeviceLayers<B> for Qwen3Moe<B> {
         self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        Some(self.experts.get(layer)?.tensors(&self.gguf))
+        self.layers.experts(&self.gguf, layer)
     }
     fn run_host_experts(
         &self,
@@ -248,9 +248,7 @@ impl<B: Backend> DeviceLayers<B> for Qwen3Moe<B> {
         batch: &ExpertBatch<'_>,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let e = (self.experts.get(layer))
-            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
-        e.run(layer, &self.gguf, batch, out)
+        self.layers.run_host_experts(&self.gguf, layer, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         self.layers.bytes()

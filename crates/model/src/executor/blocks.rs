@@ -6,7 +6,9 @@
 use hmoe_backend::{Backend, GatedAct, RopeParams};
 use hmoe_gguf::GgufModel;
 
+use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
 use crate::ops::RopeMode;
+use crate::ModelError;
 
 use super::{
     buf_bytes, upload_f32, upload_f32_opt, upload_matrix, AttnShape, DevMat, ExecError,
@@ -280,21 +282,80 @@ impl<B: Backend> MoeBlock<B> {
     }
 }
 
-/// A stack of layers that are each an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE):
-/// what their device layers share.
-pub(crate) struct AttnMoeLayers<B: Backend>(pub(crate) Vec<(AttnBlock<B>, MoeBlock<B>)>);
+/// A stack of layers that are each an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE),
+/// with each layer's routed experts as the file stores them: what their layers share.
+pub(crate) struct AttnMoeLayers<B: Backend> {
+    layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
+    experts: Vec<HostExperts>,
+}
 
 impl<B: Backend> AttnMoeLayers<B> {
+    /// No layers yet, room for `n`.
+    pub(crate) fn with_capacity(n: usize) -> AttnMoeLayers<B> {
+        AttnMoeLayers {
+            layers: Vec::with_capacity(n),
+            experts: Vec::with_capacity(n),
+        }
+    }
+
+    /// Loads layer `l` (the next): its attention block, its MoE block with the norm
+    /// `norm_name`, and its routed experts of `n_ff` hidden values (with their biases when
+    /// `biases`), every tensor checked against the specs' shapes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn push(
+        &mut self,
+        dev: &B,
+        g: &GgufModel,
+        l: usize,
+        attn: AttnSpec,
+        (norm_name, moe): (&str, MoeSpec),
+        n_ff: usize,
+        biases: bool,
+    ) -> Result<(), ExecError> {
+        let dims = (moe.n_embd, n_ff, moe.router.n_expert);
+        self.experts
+            .push(HostExperts::load(g, l, dims, moe.act, biases)?);
+        self.layers.push((
+            AttnBlock::load(dev, g, l, attn)?,
+            MoeBlock::load(dev, g, l, norm_name, moe)?,
+        ));
+        Ok(())
+    }
+
+    /// The routed experts of layer `layer` as the file stores them.
+    pub(crate) fn experts<'g>(
+        &'g self,
+        g: &'g GgufModel,
+        layer: usize,
+    ) -> Option<ExpertTensors<'g>> {
+        Some(self.experts.get(layer)?.tensors(g))
+    }
+
+    /// Runs the routed experts of layer `layer` on the host ([`HostExperts::run`]).
+    pub(crate) fn run_host_experts(
+        &self,
+        g: &GgufModel,
+        layer: usize,
+        batch: &ExpertBatch<'_>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let e = (self.experts.get(layer))
+            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
+        e.run(layer, g, batch, out)
+    }
+
     /// Floats per token of one layer's scratch buffers (every layer has the same shapes).
     pub(crate) fn scratch_per_token(&self, n_embd: usize) -> usize {
-        self.0.first().map_or(0, |(a, m)| {
+        self.layers.first().map_or(0, |(a, m)| {
             a.scratch_per_token(n_embd) + m.scratch_per_token(n_embd)
         })
     }
 
     /// K and V row widths of layer `layer` (0, 0 past the last).
     pub(crate) fn kv_widths(&self, layer: usize) -> (usize, usize) {
-        self.0.get(layer).map_or((0, 0), |(a, _)| a.kv_widths())
+        self.layers
+            .get(layer)
+            .map_or((0, 0), |(a, _)| a.kv_widths())
     }
 
     /// Layer `l` over the micro-batch `x`: attention, then the routed experts.
@@ -304,14 +365,14 @@ impl<B: Backend> AttnMoeLayers<B> {
         l: usize,
         x: &mut B::Buf<f32>,
     ) -> Result<(), ExecError> {
-        let (attn, moe) = &self.0[l];
+        let (attn, moe) = &self.layers[l];
         attn.forward(cx, l, x)?;
         moe.forward(cx, l, x)
     }
 
     /// Device bytes of every layer's weights.
     pub(crate) fn bytes(&self) -> u64 {
-        self.0.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
+        self.layers.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
     }
 }
 
