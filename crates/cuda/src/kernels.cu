@@ -35,6 +35,15 @@ typedef unsigned long long u64;
 #define TY_Q8_0 8
 #define TY_BF16 30
 #define TY_MXFP4 39
+// The low-bit weight types of GGUF files (see "Low-bit weights" below).
+#define TY_Q4_1 3
+#define TY_Q5_0 6
+#define TY_Q5_1 7
+#define TY_Q2_K 10
+#define TY_Q3_K 11
+#define TY_Q4_K 12
+#define TY_Q5_K 13
+#define TY_Q6_K 14
 // Warps per block of the row-per-warp kernels; tokens per block of the matmul kernel.
 #define ROW_WARPS 4
 #define MM_TOKENS 8
@@ -160,6 +169,146 @@ __device__ float expf_libm(float x) {
     return (float)(y * s);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Low-bit weights: the legacy 32-element blocks Q4_0, Q4_1, Q5_0, Q5_1 and the 256-element
+// K-quant super-blocks Q2_K .. Q6_K (layouts as hmoe_quant's legacy.rs / kquants.rs):
+//   Q4_0 (18 bytes): f16 d, 16 bytes of nibbles; x = (q - 8) d.
+//   Q4_1 (20): f16 d, f16 m, nibbles; x = q d + m.    Q5_0 (22): f16 d, u32 qh, nibbles; (q - 16) d.
+//   Q5_1 (24): f16 d, f16 m, u32 qh, nibbles; x = q d + m. Element j < 16 is the low nibble of
+//   byte j, j >= 16 the high nibble of byte j - 16; the fifth bit of element j is bit j of qh.
+//   Q2_K (84): scales[16] (low nibble scale, high nibble min), qs[64] (2 bits), f16 d, f16 dmin.
+//   Q3_K (110): hmask[32], qs[64], scales[12] (16 6-bit scales - 32), f16 d.
+//   Q4_K (144): f16 d, f16 dmin, scales[12] (8 6-bit scales and mins), qs[128] (nibbles).
+//   Q5_K (176): as Q4_K with qh[32] before qs.   Q6_K (210): ql[128], qh[64], int8 scales[16], f16 d.
+// Their activations (ggml's vec_dot_type): Q8_0 for Q4_0/Q5_0, Q8_1 (36 bytes: f16 d, f16 s =
+// d * sum q, 32 int8) for Q4_1/Q5_1, Q8_K (292 bytes: f32 d, 256 int8, 16 int16 sums of 16) for
+// the K-quants.
+
+__device__ __forceinline__ bool is_kquant(int ty) { return ty >= TY_Q2_K && ty <= TY_Q6_K; }
+
+// Bytes of a weight block of TY (legacy types and Q8_0: 32 elements; K-quants: 256).
+__device__ __forceinline__ int lowbit_block_bytes(int ty) {
+    switch (ty) {
+    case TY_Q4_0: return 18;
+    case TY_Q4_1: return 20;
+    case TY_Q5_0: return 22;
+    case TY_Q5_1: return 24;
+    case TY_Q8_0: return 34;
+    case TY_Q2_K: return 84;
+    case TY_Q3_K: return 110;
+    case TY_Q4_K: return 144;
+    case TY_Q5_K: return 176;
+    default: return 210;  // Q6_K
+    }
+}
+
+// Bytes of an activation row of `cols` values in the vec_dot_type of TY.
+__device__ __forceinline__ u64 lowbit_act_bytes(int ty, int cols) {
+    if (is_kquant(ty)) return (u64)(cols / 256) * 292u;
+    return (u64)(cols / 32) * ((ty == TY_Q4_1 || ty == TY_Q5_1) ? 36u : 34u);
+}
+
+// The little-endian f16 at half-word i of b, and the f32 at byte 0.
+__device__ __forceinline__ float f16_at(const u8* b, int i) {
+    return h2f((u16)(b[2 * i] | (b[2 * i + 1] << 8)));
+}
+__device__ __forceinline__ float f32_at(const u8* b) {
+    return __uint_as_float((u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24));
+}
+
+// The integer value of element j of a legacy block (Q8_0 included): signed for Q4_0/Q5_0/Q8_0,
+// the unsigned code for Q4_1/Q5_1.
+template <int TY>
+__device__ __forceinline__ int legacy_q(const u8* b, int j) {
+    if (TY == TY_Q8_0) return (int)(signed char)b[2 + j];
+    int off = TY == TY_Q4_0 ? 2 : TY == TY_Q4_1 ? 4 : TY == TY_Q5_0 ? 6 : 8;
+    u32 byte = b[off + (j & 15)];
+    int q = (int)(j < 16 ? (byte & 15u) : (byte >> 4));
+    if (TY == TY_Q5_0 || TY == TY_Q5_1) {
+        int qh = TY == TY_Q5_0 ? 2 : 4;
+        q |= ((b[qh + j / 8] >> (j % 8)) & 1) << 4;
+    }
+    if (TY == TY_Q4_0) q -= 8;
+    if (TY == TY_Q5_0) q -= 16;
+    return q;
+}
+
+// Scale and min of 32-element sub-block j of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4;
+// q = the 12 scale bytes).
+__device__ __forceinline__ int k4_scale(const u8* q, int j) {
+    return j < 4 ? (q[j] & 63) : ((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+}
+__device__ __forceinline__ int k4_min(const u8* q, int j) {
+    return j < 4 ? (q[j + 4] & 63) : ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+}
+
+// Scale of 16-element group i of a Q3_K super-block, 32 subtracted.
+__device__ __forceinline__ int q3k_scale(const u8* b, int i) {
+    const u8* r = b + 96;
+    int low = i < 8 ? (r[i] & 15) : (r[i - 8] >> 4);
+    int high = (r[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+// The 2-bit field of element e from the 64 bytes at qs (Q2_K, Q3_K).
+__device__ __forceinline__ int low2(const u8* b, int qs, int e) {
+    return (b[qs + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+}
+
+// The quant of element e of a K-quant super-block: Q2_K 0..3, Q3_K -4..3, Q4_K 0..15, Q5_K
+// 0..31, Q6_K unsigned 0..63 (the value is this minus 32).
+template <int TY>
+__device__ __forceinline__ int kq_q(const u8* b, int e) {
+    if (TY == TY_Q2_K) return low2(b, 16, e);
+    if (TY == TY_Q3_K) return low2(b, 32, e) - (((b[e % 32] >> (e / 32)) & 1) ? 0 : 4);
+    if (TY == TY_Q4_K || TY == TY_Q5_K) {
+        int qs = TY == TY_Q4_K ? 16 : 48;
+        int q = (b[qs + 32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 15;
+        if (TY == TY_Q5_K) q |= ((b[16 + e % 32] >> (e / 32)) & 1) << 4;
+        return q;
+    }
+    int half = e / 128, group = (e % 128) / 32, t = e % 32;
+    int low = (b[64 * half + 32 * (group & 1) + t] >> (4 * (group >> 1))) & 15;
+    int high = (b[128 + 32 * half + t] >> (2 * group)) & 3;
+    return low | (high << 4);
+}
+
+// The scale of element e (as an integer factor of d): Q2_K the low nibble, Q3_K the 6-bit scale
+// minus 32, Q4_K/Q5_K the 6-bit sub-block scale, Q6_K the int8 scale.
+template <int TY>
+__device__ __forceinline__ int kq_sc(const u8* b, int e) {
+    if (TY == TY_Q2_K) return b[e / 16] & 15;
+    if (TY == TY_Q3_K) return q3k_scale(b, e / 16);
+    if (TY == TY_Q4_K || TY == TY_Q5_K) return k4_scale(b + 4, e / 32);
+    return (int)(signed char)b[192 + e / 16];
+}
+
+// Element e of a low-bit weight row, dequantised as hmoe_quant's dequantize_row (ggml's
+// dequantize_row_*: each product rounded on its own).
+template <int TY>
+__device__ __forceinline__ float load_lowbit(const u8* row, int e) {
+    if (!is_kquant(TY)) {
+        const u8* b = row + (u64)(e >> 5) * (u32)lowbit_block_bytes(TY);
+        float q = (float)legacy_q<TY>(b, e & 31);
+        if (TY == TY_Q4_1 || TY == TY_Q5_1) return q * f16_at(b, 0) + f16_at(b, 1);
+        return q * f16_at(b, 0);
+    }
+    const u8* b = row + (u64)(e >> 8) * (u32)lowbit_block_bytes(TY);
+    int i = e & 255;
+    if (TY == TY_Q2_K) {
+        int sc = b[i / 16];
+        float dl = f16_at(b, 40) * (float)(sc & 15), ml = f16_at(b, 41) * (float)(sc >> 4);
+        return dl * (float)kq_q<TY>(b, i) - ml;
+    }
+    if (TY == TY_Q3_K) return f16_at(b, 54) * (float)q3k_scale(b, i / 16) * (float)kq_q<TY>(b, i);
+    if (TY == TY_Q6_K) {
+        return f16_at(b, 104) * (float)kq_sc<TY>(b, i) * (float)(kq_q<TY>(b, i) - 32);
+    }
+    float dl = f16_at(b, 0) * (float)k4_scale(b + 4, i / 32);
+    float ml = f16_at(b, 1) * (float)k4_min(b + 4, i / 32);
+    return dl * (float)kq_q<TY>(b, i) - ml;
+}
+
 // Element `e` of a weight row of type TY.
 template <int TY>
 __device__ __forceinline__ float load_w(const u8* row, int e) {
@@ -173,6 +322,8 @@ __device__ __forceinline__ float load_w(const u8* row, int e) {
         const u8* b = row + (u64)(e >> 5) * 34u;
         float d = h2f((u16)(b[0] | (b[1] << 8)));
         return (float)(signed char)b[2 + (e & 31)] * d;
+    } else if (TY != TY_MXFP4) {
+        return load_lowbit<TY>(row, e);
     } else {
         const u8* b = row + (u64)(e >> 5) * 17u;
         int j = e & 31;
@@ -250,6 +401,21 @@ extern "C" __global__ void get_rows_mxfp4(const u8* table, u64 row_bytes, int n_
     const int* ids, float* out, int n_tokens, int cols) {
     get_rows_impl<TY_MXFP4>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
 }
+#define GET_ROWS(SUFFIX, TY)                                                                    \
+    extern "C" __global__ void get_rows_##SUFFIX(const u8* table, u64 row_bytes, int n_rows,   \
+                                                 const int* ids, float* out, int n_tokens,      \
+                                                 int cols) {                                    \
+        get_rows_impl<TY>(table, row_bytes, n_rows, ids, out, n_tokens, cols);                  \
+    }
+GET_ROWS(q4_0, TY_Q4_0)
+GET_ROWS(q4_1, TY_Q4_1)
+GET_ROWS(q5_0, TY_Q5_0)
+GET_ROWS(q5_1, TY_Q5_1)
+GET_ROWS(q2_k, TY_Q2_K)
+GET_ROWS(q3_k, TY_Q3_K)
+GET_ROWS(q4_k, TY_Q4_K)
+GET_ROWS(q5_k, TY_Q5_K)
+GET_ROWS(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out = x / sqrt(mean(x^2) + eps) * w. Squares in f32, summed in f64 (as the CPU
@@ -1495,6 +1661,393 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, float* ou
         acc += y[(t * k + j) * d + c] * w[t * k + j];
     }
     out[i] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Low-bit products (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K weights; Q8_0 too, for expert sets that
+// mix it with those): activations quantized as the CPU engine quantizes them (quantize_q8_0,
+// quantize_q8_1, quantize_q8_k), exact integer sums, and the float chains of the CPU engine's
+// kernels (hmoe_quant's legacy.rs, kquants.rs, tiled.rs, repack.rs), chosen per product by a
+// mode the launch code computes as the CPU engine chooses its kernel:
+//   LB_VEC:   ggml's vec_dot (AVX2 order): eight lanes, lane l taking elements with
+//             (e % 32) / 4 == l of every block (legacy: elements 4l..4l+3 of the 32), each lane
+//             fused into its own accumulator with the block's scale product, summed by halving;
+//             the min terms (Q4_1/Q5_1 m*s, Q4_K/Q5_K mins) in their own chains, added last
+//             (Q2_K adds its mins into the lanes first).
+//   LB_TILED: K-quants from TILED_MIN_TOKENS tokens (llama.cpp's tiled matmul): per super-block
+//             r = f32(s1) * d_w, r = fma(-dmin_w, f32(s2), r), acc = fma(r, d_a, acc).
+//   LB_BLOCK: the repacked Q4_0/Q4_K kernels (row counts that are multiples of 8): one chain
+//             per block, acc = fma(isum, d_w * d_a, acc) (Q4_K: and acc_min with the mins).
+//   LB_PAIR:  repacked Q4_K in a dense matmul's complete groups of four tokens: both chains
+//             advance per pair of sub-blocks.
+// Each warp computes one product: its lanes form the integer sums of up to 32 legacy blocks (a
+// block per lane) or 4 super-blocks (eight lanes each) into shared memory, then lanes replay
+// the float chains in block order; the result is valid in lane 0.
+#define LB_VEC 0
+#define LB_TILED 1
+#define LB_BLOCK 2
+#define LB_PAIR 3
+
+// One block of 32 values as Q8_1, as hmoe_quant's quantize_row(Q8_1) (ggml's x86 quantizer):
+// the Q8_0 quantization with d = amax / 127 and s = f16(d * sum), the sum of the int32 values
+// before they saturate (a NaN gives INT_MIN there and -128 in the block).
+__device__ void quantize_block_q8_1(const float* xb, u8* ob) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    float d = amax / 127.0f;
+    float id = amax != 0.f ? 127.0f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        float r = rintf(xb[j] * id);
+        int i = (r != r || r >= 2147483648.0f || r < -2147483648.0f) ? (int)0x80000000u : (int)r;
+        sum = (int)((u32)sum + (u32)i);
+        ob[4 + j] = (u8)(i < -128 ? -128 : i > 127 ? 127 : i);
+    }
+    u16 dh = f2h(d), sh = f2h(d * (float)sum);
+    ob[0] = (u8)(dh & 0xffu);
+    ob[1] = (u8)(dh >> 8);
+    ob[2] = (u8)(sh & 0xffu);
+    ob[3] = (u8)(sh >> 8);
+}
+
+extern "C" __global__ void quantize_q8_1(const float* x, u8* out, u64 n_blocks) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    quantize_block_q8_1(x + b * 32u, out + b * 36u);
+}
+
+// ggml's nearest_int: add 1.5 * 2^23 and read the low mantissa bits.
+__device__ __forceinline__ int nearest_int(float x) {
+    float v = x + 12582912.0f;
+    return (int)(__float_as_uint(v) & 0x007fffffu) - 0x00400000;
+}
+
+// One super-block of 256 values as Q8_K, as hmoe_quant's quantize_row(Q8_K) (ggml's
+// quantize_row_q8_K_ref): iscale = -127 / max for the first value of largest magnitude,
+// q = min(127, nearest_int(iscale * x)), d = 1 / iscale, sums of 16; all zero for a zero block.
+__device__ void quantize_block_q8_k(const float* xb, u8* ob) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < 256; j++) {
+        float a = fabsf(xb[j]);
+        if (a > amax) {
+            amax = a;
+            max = xb[j];
+        }
+    }
+    if (amax == 0.f) {
+        for (int j = 0; j < 292; j++) ob[j] = 0;
+        return;
+    }
+    float iscale = -127.0f / max;
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int j = 16 * g; j < 16 * g + 16; j++) {
+            int q = nearest_int(iscale * xb[j]);
+            q = q < 127 ? q : 127;
+            ob[4 + j] = (u8)q;
+            s += (int)(signed char)(u8)q;
+        }
+        ob[260 + 2 * g] = (u8)((u32)s & 0xffu);
+        ob[261 + 2 * g] = (u8)(((u32)s >> 8) & 0xffu);
+    }
+    u32 d = __float_as_uint(1.0f / iscale);
+    for (int j = 0; j < 4; j++) ob[j] = (u8)(d >> (8 * j));
+}
+
+extern "C" __global__ void quantize_q8_k(const float* x, u8* out, u64 n_blocks) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    quantize_block_q8_k(x + b * 256u, out + b * 292u);
+}
+
+// bsums[i] of a Q8_K block.
+__device__ __forceinline__ int q8k_bsum(const u8* a, int i) {
+    return (int)(short)(u16)(a[260 + 2 * i] | (a[261 + 2 * i] << 8));
+}
+
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the CPU engine's hsum8.
+__device__ __forceinline__ float hsum8(const float* a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// A legacy (or Q8_0) weight row of nb blocks times its Q8_0/Q8_1 activation row, in `mode`
+// (LB_VEC, or LB_BLOCK for repacked Q4_0). Every lane must call it; lane 0 gets the result.
+template <int TY>
+__device__ float warp_dot_legacy(const u8* w, const u8* a, int nb, int mode) {
+    __shared__ int lsum[ROW_WARPS][32][8];
+    __shared__ float lfin[ROW_WARPS][16];
+    const bool has_min = TY == TY_Q4_1 || TY == TY_Q5_1;
+    const u32 wbytes = (u32)lowbit_block_bytes(TY), abytes = has_min ? 36u : 34u;
+    const int aq = has_min ? 4 : 2;
+    int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP;
+    float acc = 0.f, acc2 = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += WARP) {
+        int b = b0 + lane;
+        int s[8];
+        for (int k = 0; k < 8; k++) s[k] = 0;
+        if (b < nb) {
+            const u8* wb = w + (u64)b * wbytes;
+            const u8* ab = a + (u64)b * abytes;
+            for (int j = 0; j < 32; j++) {
+                s[j / 4] += legacy_q<TY>(wb, j) * (int)(signed char)ab[aq + j];
+            }
+        }
+        for (int k = 0; k < 8; k++) lsum[wi][lane][k] = s[k];
+        __syncwarp();
+        int m = nb - b0 < WARP ? nb - b0 : WARP;
+        if (mode == LB_VEC) {
+            if (lane < 8) {
+                for (int j = 0; j < m; j++) {
+                    const u8* wb = w + (u64)(b0 + j) * wbytes;
+                    const u8* ab = a + (u64)(b0 + j) * abytes;
+                    float d = f16_at(wb, 0) * f16_at(ab, 0);
+                    acc = fmaf(d, (float)lsum[wi][j][lane], acc);
+                }
+            } else if (lane == 8 && has_min) {
+                for (int j = 0; j < m; j++) {
+                    const u8* wb = w + (u64)(b0 + j) * wbytes;
+                    const u8* ab = a + (u64)(b0 + j) * abytes;
+                    acc2 = fmaf(f16_at(wb, 1), f16_at(ab, 1), acc2);
+                }
+            }
+        } else if (lane == 0) {
+            for (int j = 0; j < m; j++) {
+                const u8* wb = w + (u64)(b0 + j) * wbytes;
+                const u8* ab = a + (u64)(b0 + j) * abytes;
+                int isum = 0;
+                for (int k = 0; k < 8; k++) isum += lsum[wi][j][k];
+                acc = fmaf((float)isum, f16_at(wb, 0) * f16_at(ab, 0), acc);
+            }
+        }
+        __syncwarp();
+    }
+    if (mode != LB_VEC) return acc;
+    if (lane < 9) lfin[wi][lane] = lane < 8 ? acc : acc2;
+    __syncwarp();
+    float r = 0.f;
+    if (lane == 0) {
+        r = hsum8(lfin[wi]);
+        if (has_min) r = r + lfin[wi][8];
+    }
+    __syncwarp();
+    return r;
+}
+
+// The mins of Q4_K/Q5_K sub-blocks 2k and 2k+1 against the activation's sums as vec_dot forms
+// them: m[2k] (b[4k] + b[4k+1]) + m[2k+1] (b[4k+2] + b[4k+3]), pair sums in wrapping int16.
+__device__ __forceinline__ int k4_min_prod(const u8* wb, const u8* ab, int k) {
+    int p = 0;
+    for (int h = 0; h < 2; h++) {
+        int j = 2 * k + h;
+        int pair = (int)(short)(q8k_bsum(ab, 2 * j) + q8k_bsum(ab, 2 * j + 1));
+        p += k4_min(wb + 4, j) * pair;
+    }
+    return p;
+}
+
+// The f16 d and dmin of a K-quant super-block (dmin 0 for Q3_K/Q6_K).
+template <int TY>
+__device__ __forceinline__ float kq_d(const u8* b) {
+    return TY == TY_Q2_K ? f16_at(b, 40) : TY == TY_Q3_K ? f16_at(b, 54)
+         : TY == TY_Q6_K ? f16_at(b, 104) : f16_at(b, 0);
+}
+template <int TY>
+__device__ __forceinline__ float kq_dmin(const u8* b) {
+    return TY == TY_Q2_K ? f16_at(b, 41) : f16_at(b, 1);
+}
+
+// s2 of the tiled order: sum over the 16 groups of min * bsum (formats with mins).
+template <int TY>
+__device__ __forceinline__ int kq_s2(const u8* wb, const u8* ab) {
+    int s2 = 0;
+    for (int g = 0; g < 16; g++) {
+        int m = TY == TY_Q2_K ? (wb[g] >> 4) : k4_min(wb + 4, g / 2);
+        s2 += m * q8k_bsum(ab, g);
+    }
+    return s2;
+}
+
+// The exact min sum of Q4_K sub-blocks j0 .. j1 - 1: sum of m_j (bsum_2j + bsum_2j+1).
+__device__ __forceinline__ int q4k_imin(const u8* wb, const u8* ab, int j0, int j1) {
+    int s = 0;
+    for (int j = j0; j < j1; j++) s += k4_min(wb + 4, j) * (q8k_bsum(ab, 2 * j) + q8k_bsum(ab, 2 * j + 1));
+    return s;
+}
+
+// A K-quant weight row of nsb super-blocks times its Q8_K activation row, in `mode`. Lane
+// 8 * i + l forms lane l's integer sum of super-block s0 + i (and, for LB_PAIR, its part of each
+// pair of sub-blocks); Q6_K subtracts 32 * (b[2l] sc[2l] + b[2l+1] sc[2l+1]) there, as vec_dot.
+// Every lane must call it; lane 0 gets the result.
+template <int TY>
+__device__ float warp_dot_kq(const u8* w, const u8* a, int nsb, int mode) {
+    __shared__ int ksum[ROW_WARPS][32];
+    __shared__ int kpair[ROW_WARPS][32][4];
+    __shared__ float kfin[ROW_WARPS][16];
+    const u32 wbytes = (u32)lowbit_block_bytes(TY);
+    const bool has_min = TY == TY_Q2_K || TY == TY_Q4_K || TY == TY_Q5_K;
+    int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP;
+    float acc = 0.f, acc2 = 0.f;
+    for (int s0 = 0; s0 < nsb; s0 += 4) {
+        int sb = s0 + lane / 8, l = lane % 8;
+        int sv = 0, pp[4] = {0, 0, 0, 0};
+        if (sb < nsb) {
+            const u8* wb = w + (u64)sb * wbytes;
+            const u8* ab = a + (u64)sb * 292u;
+            for (int g = 0; g < 8; g++) {
+                int sub = 0;
+                for (int i = 0; i < 4; i++) {
+                    int e = 32 * g + 4 * l + i;
+                    sub += kq_sc<TY>(wb, e) * kq_q<TY>(wb, e) * (int)(signed char)ab[4 + e];
+                }
+                pp[g / 2] += sub;
+                sv += sub;
+            }
+            if (TY == TY_Q6_K) {
+                int b2 = q8k_bsum(ab, 2 * l) * kq_sc<TY>(wb, 32 * l);
+                int b3 = q8k_bsum(ab, 2 * l + 1) * kq_sc<TY>(wb, 32 * l + 16);
+                sv = (int)((u32)sv - (u32)(b2 + b3) * 32u);
+            }
+        }
+        ksum[wi][lane] = sv;
+        for (int p = 0; p < 4; p++) kpair[wi][lane][p] = pp[p];
+        __syncwarp();
+        int m = nsb - s0 < 4 ? nsb - s0 : 4;
+        for (int j = 0; j < m; j++) {
+            const u8* wb = w + (u64)(s0 + j) * wbytes;
+            const u8* ab = a + (u64)(s0 + j) * 292u;
+            float da = f32_at(ab);
+            if (mode == LB_VEC) {
+                if (lane < 8) {
+                    if (TY == TY_Q2_K) {
+                        int prod = (wb[2 * lane] >> 4) * q8k_bsum(ab, 2 * lane) +
+                                   (wb[2 * lane + 1] >> 4) * q8k_bsum(ab, 2 * lane + 1);
+                        acc = fmaf(-da * kq_dmin<TY>(wb), (float)prod, acc);
+                    }
+                    acc = fmaf(da * kq_d<TY>(wb), (float)ksum[wi][8 * j + lane], acc);
+                } else if (TY == TY_Q4_K && lane < 12) {
+                    acc2 = fmaf(-da * kq_dmin<TY>(wb), (float)k4_min_prod(wb, ab, lane - 8), acc2);
+                } else if (TY == TY_Q5_K && lane == 8) {
+                    int ps = 0;
+                    for (int k = 0; k < 4; k++) ps = (int)((u32)ps + (u32)k4_min_prod(wb, ab, k));
+                    acc2 = fmaf(-da * kq_dmin<TY>(wb), (float)ps, acc2);
+                }
+            } else if (lane == 0) {
+                int s1 = 0;
+                for (int i = 0; i < 8; i++) s1 = (int)((u32)s1 + (u32)ksum[wi][8 * j + i]);
+                if (mode == LB_TILED) {
+                    float r = (float)s1 * kq_d<TY>(wb);
+                    if (has_min) r = fmaf(-kq_dmin<TY>(wb), (float)kq_s2<TY>(wb, ab), r);
+                    acc = fmaf(r, da, acc);
+                } else {
+                    float d = kq_d<TY>(wb) * da, dmin = kq_dmin<TY>(wb) * da;
+                    if (mode == LB_BLOCK) {
+                        acc = fmaf((float)s1, d, acc);
+                        acc2 = fmaf((float)q4k_imin(wb, ab, 0, 8), dmin, acc2);
+                    } else {
+                        for (int p = 0; p < 4; p++) {
+                            int isum = 0;
+                            for (int i = 0; i < 8; i++) isum += kpair[wi][8 * j + i][p];
+                            acc = fmaf((float)isum, d, acc);
+                            acc2 = fmaf((float)q4k_imin(wb, ab, 2 * p, 2 * p + 2), dmin, acc2);
+                        }
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+    if (mode == LB_TILED) return acc;
+    if (mode != LB_VEC) return acc - acc2;
+    if (lane < 12) kfin[wi][lane] = lane < 8 ? acc : acc2;
+    __syncwarp();
+    float r = 0.f;
+    if (lane == 0) {
+        r = hsum8(kfin[wi]);
+        if (TY == TY_Q4_K) r = r + ((kfin[wi][8] + kfin[wi][10]) + (kfin[wi][9] + kfin[wi][11]));
+        if (TY == TY_Q5_K) r = r + kfin[wi][8];
+    }
+    __syncwarp();
+    return r;
+}
+
+// A low-bit weight row of `cols` elements times an activation row of the weight's
+// vec_dot_type, in `mode`. Every lane must call it; lane 0 gets the result.
+template <int TY>
+__device__ float warp_dot_lowbit(const u8* row, const u8* act, int cols, int mode) {
+    if (is_kquant(TY)) return warp_dot_kq<TY>(row, act, cols / 256, mode);
+    return warp_dot_legacy<TY>(row, act, cols / 32, mode);
+}
+
+// y[t][r] = W[r] . xq[t] for low-bit weights; token t < grouped in mode_grouped, the others
+// in mode_rest. grid = (ceil(rows / ROW_WARPS), n), block = ROW_WARPS * 32.
+template <int TY>
+__device__ void matmul_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, float* y, int rows,
+                                   int cols, int n, int grouped, int mode_grouped,
+                                   int mode_rest) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int t = blockIdx.y;
+    if (r >= rows || t >= n) return;
+    int mode = t < grouped ? mode_grouped : mode_rest;
+    const u8* x = xq + (u64)t * lowbit_act_bytes(TY, cols);
+    float s = warp_dot_lowbit<TY>(w + (u64)r * row_bytes, x, cols, mode);
+    if (threadIdx.x % WARP == 0) y[(u64)t * rows + r] = s;
+}
+
+// out[slot][r] = experts[e][r] . act[slot / act_div] for slot s of expert e = sel[s] (0 where e
+// is out of range), in the CPU engine's order for an expert matmul: LB_BLOCK for repacked
+// experts, LB_TILED for K-quants when at least tiled_min slots route to e (offsets from
+// moe_group), else LB_VEC. grid = (ceil(rows / ROW_WARPS), n_slots), block = ROW_WARPS * 32.
+template <int TY>
+__device__ void moe_lowbit_impl(const u8* w, u64 row_bytes, int rows, int cols, const u8* act,
+                                int act_div, const int* sel, const int* offsets, int n_slots,
+                                int n_expert, int repacked, int tiled_min, float* out) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int slot = blockIdx.y;
+    if (r >= rows || slot >= n_slots) return;
+    int e = sel[slot];
+    if (e < 0 || e >= n_expert) {
+        if (threadIdx.x % WARP == 0) out[(u64)slot * rows + r] = 0.f;
+        return;
+    }
+    int count = offsets[e + 1] - offsets[e];
+    int mode = repacked ? LB_BLOCK : (is_kquant(TY) && count >= tiled_min ? LB_TILED : LB_VEC);
+    const u8* x = act + (u64)(slot / act_div) * lowbit_act_bytes(TY, cols);
+    float s = warp_dot_lowbit<TY>(w + ((u64)e * rows + r) * row_bytes, x, cols, mode);
+    if (threadIdx.x % WARP == 0) out[(u64)slot * rows + r] = s;
+}
+
+#define LOWBIT(SUFFIX, TY)                                                                      \
+    extern "C" __global__ void matmul_##SUFFIX(const u8* w, u64 row_bytes, const u8* xq,       \
+                                               float* y, int rows, int cols, int n,             \
+                                               int grouped, int mode_grouped, int mode_rest) {  \
+        matmul_lowbit_impl<TY>(w, row_bytes, xq, y, rows, cols, n, grouped, mode_grouped,       \
+                               mode_rest);                                                      \
+    }                                                                                           \
+    extern "C" __global__ void moe_lowbit_##SUFFIX(                                            \
+        const u8* w, u64 row_bytes, int rows, int cols, const u8* act, int act_div,            \
+        const int* sel, const int* offsets, int n_slots, int n_expert, int repacked,            \
+        int tiled_min, float* out) {                                                            \
+        moe_lowbit_impl<TY>(w, row_bytes, rows, cols, act, act_div, sel, offsets, n_slots,      \
+                            n_expert, repacked, tiled_min, out);                                \
+    }
+
+LOWBIT(q4_0, TY_Q4_0)
+LOWBIT(q4_1, TY_Q4_1)
+LOWBIT(q5_0, TY_Q5_0)
+LOWBIT(q5_1, TY_Q5_1)
+LOWBIT(q2_k, TY_Q2_K)
+LOWBIT(q3_k, TY_Q3_K)
+LOWBIT(q4_k, TY_Q4_K)
+LOWBIT(q5_k, TY_Q5_K)
+LOWBIT(q6_k, TY_Q6_K)
+
+// Q8_0 experts in a set with low-bit ones (vec_dot order, as warp_dot_q8_0).
+extern "C" __global__ void moe_lowbit_q8_0(const u8* w, u64 row_bytes, int rows, int cols,
+                                           const u8* act, int act_div, const int* sel,
+                                           const int* offsets, int n_slots, int n_expert,
+                                           int repacked, int tiled_min, float* out) {
+    moe_lowbit_impl<TY_Q8_0>(w, row_bytes, rows, cols, act, act_div, sel, offsets, n_slots,
+                             n_expert, repacked, tiled_min, out);
 }
 
 // ---------------------------------------------------------------------------------------------

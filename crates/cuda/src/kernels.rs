@@ -64,6 +64,36 @@ pub const KERNELS: &[&str] = &[
     "attn_k_only_f16",
     "attn_k_only_q8_0",
     "route_f32",
+    "quantize_q8_1",
+    "quantize_q8_k",
+    "get_rows_q4_0",
+    "get_rows_q4_1",
+    "get_rows_q5_0",
+    "get_rows_q5_1",
+    "get_rows_q2_k",
+    "get_rows_q3_k",
+    "get_rows_q4_k",
+    "get_rows_q5_k",
+    "get_rows_q6_k",
+    "matmul_q4_0",
+    "matmul_q4_1",
+    "matmul_q5_0",
+    "matmul_q5_1",
+    "matmul_q2_k",
+    "matmul_q3_k",
+    "matmul_q4_k",
+    "matmul_q5_k",
+    "matmul_q6_k",
+    "moe_lowbit_q4_0",
+    "moe_lowbit_q4_1",
+    "moe_lowbit_q5_0",
+    "moe_lowbit_q5_1",
+    "moe_lowbit_q2_k",
+    "moe_lowbit_q3_k",
+    "moe_lowbit_q4_k",
+    "moe_lowbit_q5_k",
+    "moe_lowbit_q6_k",
+    "moe_lowbit_q8_0",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -185,7 +215,8 @@ mod tests {
     use super::*;
 
     /// A kernel is defined directly or by a macro instantiation (`MOE_WRAPPERS(SUFFIX, ...)`
-    /// for `moe_gate_up_*`/`moe_down_*`, `MATMUL_TILED` and `MOE_MM` likewise).
+    /// for `moe_gate_up_*`/`moe_down_*`, `MATMUL_TILED`, `MOE_MM`, `GET_ROWS` and `LOWBIT`
+    /// likewise).
     fn defined(name: &str) -> bool {
         if SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")) {
             return true;
@@ -196,6 +227,9 @@ mod tests {
             ("matmul_tiled_", "MATMUL_TILED"),
             ("moe_mm_", "MOE_MM"),
             ("matmul_heads_", "MATMUL_HEADS"),
+            ("get_rows_", "GET_ROWS"),
+            ("matmul_", "LOWBIT"),
+            ("moe_lowbit_", "LOWBIT"),
         ]
         .iter()
         .any(|(prefix, instantiation)| {

@@ -27,7 +27,7 @@ mod staging;
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
     kv_pair_supported, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct, MoeWeights,
-    CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES, SUPPORTED_TYPES,
+    CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES, SUPPORTED_TYPES,
 };
 pub use error::CudaError;
 pub use hmoe_backend::{AttnParams, RopeParams};

@@ -87,7 +87,8 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head.
+    /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head;
+    /// F32, F16, BF16, Q8_0 and MXFP4 weights (the low-bit types are refused).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_heads(
         &self,
@@ -100,6 +101,10 @@ impl CudaDevice {
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul_heads";
+        // As the reference device: per-head products of the low-bit types are not taken.
+        if super::lowbit::is_lowbit(w.ty) {
+            return Err(CudaError::UnsupportedType { ty: w.ty, op: OP });
+        }
         let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
         ensure(!quantized || x_stride.is_multiple_of(32), OP, || {
             format!("a stride of {x_stride} is not whole Q8_0 blocks")

@@ -120,19 +120,95 @@ static std::vector<u8> quantize(const float* x, size_t len) {
     return out;
 }
 
+// The low-bit weight types (ggml ids) and their activation types (ggml's vec_dot_type).
+static bool lowbit(int ty) { return ty == 2 || ty == 3 || ty == 6 || ty == 7 || (ty >= 10 && ty <= 14); }
+static int act_type(int ty) { return ty == 3 || ty == 7 ? 9 : ty >= 10 && ty <= 14 ? 15 : 8; }
+
+// device.rs's quantize_acts: Q8_0 (8), Q8_1 (9) or Q8_K (15) blocks of the first len values.
+static std::vector<u8> quantize_act(int act, const float* x, size_t len) {
+    if (act == 8) return quantize(x, len);
+    size_t per = act == 9 ? 32 : 256, bytes = act == 9 ? 36 : 292, blocks = len / per;
+    std::vector<u8> out(blocks * bytes);
+    u8* o = out.data();
+    unsigned long long nb = blocks;
+    launch({cdiv(blocks, 256), 1, 1}, {256, 1, 1}, [&] {
+        if (act == 9) quantize_q8_1(x, o, nb);
+        else quantize_q8_k(x, o, nb);
+    });
+    return out;
+}
+
+#define LOWBIT_SWITCH(TY, CALL) \
+    switch (TY) { \
+    case 2: CALL(q4_0); break; case 3: CALL(q4_1); break; case 6: CALL(q5_0); break; \
+    case 7: CALL(q5_1); break; case 10: CALL(q2_k); break; case 11: CALL(q3_k); break; \
+    case 12: CALL(q4_k); break; case 13: CALL(q5_k); break; case 14: CALL(q6_k); break; \
+    case 8: CALL(q8_0); break; }
+
+// device.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot.
+static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int cols, const u8* act, int div,
+                       const int* sel, const int* offsets, int slots, float* out) {
+    unsigned long long rb = w.size() / ((size_t)ne * rows);
+    int repacked = (ty == 2 || ty == 12) && rows % 8 == 0;  // lowbit.rs: repacked
+    int tiled_min = 8;                                       // hmoe_quant::TILED_MIN_TOKENS
+    launch({cdiv(rows, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, sel, offsets, slots, ne, repacked, tiled_min, out)
+        LOWBIT_SWITCH(ty, CALL_MOE)
+    });
+}
+
 int main(int argc, char** argv) {
     std::string op = argv[1];
     std::string dir = argv[2];
     auto P = [&](const char* n) { static std::string s; s = dir + "/" + n; return s.c_str(); };
     if (op == "quantize") {
+        // Optional: the activation type (ggml id 8 Q8_0, 9 Q8_1, 15 Q8_K).
+        int act = argc > 3 ? atoi(argv[3]) : 8;
         auto x = rd<float>(P("x"));
-        wr(P("out"), quantize(x.data(), x.size()));
+        wr(P("out"), quantize_act(act, x.data(), x.size()));
+    } else if (op == "get_rows") {
+        int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]);
+        auto table = rd<u8>(P("w"));
+        auto ids = rd<int>(P("ids"));
+        int n = (int)ids.size();
+        std::vector<float> out((size_t)n * cols);
+        unsigned long long rb = table.size() / rows;
+        float* o = out.data();
+        launch({(unsigned)n, 1, 1}, {256, 1, 1}, [&] {
+#define CALL_ROWS(S) get_rows_##S(table.data(), rb, rows, ids.data(), o, n, cols)
+            LOWBIT_SWITCH(ty, CALL_ROWS)
+        });
+        wr(P("out"), out);
     } else if (op == "matmul") {
         int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]), n = atoi(argv[6]);
         auto w = rd<u8>(P("w"));
         auto x = rd<float>(P("x"));
         std::vector<float> y((size_t)n * rows);
         unsigned long long rb = w.size() / rows;
+        if (lowbit(ty)) {  // lowbit.rs: matmul_lowbit and dense_orders
+            auto xq = quantize_act(act_type(ty), x.data(), (size_t)n * cols);
+            bool kq = ty >= 10;
+            int grouped = 0, first = 0, rest = 0;
+            if ((ty == 2 || ty == 12) && rows % 8 == 0) {
+                first = ty == 12 ? 3 : 2;
+                rest = 2;
+                grouped = ty == 12 ? n - n % 4 : 0;
+            } else if (kq && n >= 8) {
+                first = rest = 1;
+            }
+            float* yp = y.data();
+            const u8 *wp = w.data(), *xqp = xq.data();
+            launch({cdiv(rows, ROW_WARPS), (unsigned)n, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_MM(S) matmul_##S(wp, rb, xqp, yp, rows, cols, n, grouped, first, rest)
+                switch (ty) {
+                case 2: CALL_MM(q4_0); break; case 3: CALL_MM(q4_1); break; case 6: CALL_MM(q5_0); break;
+                case 7: CALL_MM(q5_1); break; case 10: CALL_MM(q2_k); break; case 11: CALL_MM(q3_k); break;
+                case 12: CALL_MM(q4_k); break; case 13: CALL_MM(q5_k); break; case 14: CALL_MM(q6_k); break;
+                }
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         std::vector<u8> xq;
         uint3 grid = {cdiv(rows, ROW_WARPS), cdiv(n, MM_TOKENS), 1}, blk = {ROW_WARPS * 32, 1, 1};
         float* yp = y.data();
@@ -161,8 +237,10 @@ int main(int argc, char** argv) {
     } else if (op == "moe") {
         int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
             n = atoi(argv[7]), k = atoi(argv[8]);
-        // Optional: the activation (0 clamped SwiGLU, 1 SiLU) and whether there are biases.
+        // Optional: the activation (0 clamped SwiGLU, 1 SiLU), whether there are biases, and
+        // the types of up and down (default: ty).
         int act = argc > 9 ? atoi(argv[9]) : 0, hb = argc > 10 ? atoi(argv[10]) : 1;
+        int up_ty = argc > 11 ? atoi(argv[11]) : ty, down_ty = argc > 12 ? atoi(argv[12]) : ty;
         auto gate = rd<u8>(P("gate")), up = rd<u8>(P("up")), down = rd<u8>(P("down"));
         auto bg = rd<float>(P("bg")), bu = rd<float>(P("bu")), bd = rd<float>(P("bd"));
         auto x = rd<float>(P("x"));
@@ -177,7 +255,21 @@ int main(int argc, char** argv) {
         const void* xa = qz ? (const void*)xq.data() : (const void*)x.data();
         float* hp = h.data();
         float* yp = y.data();
-        if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
+        if (lowbit(ty) || lowbit(up_ty) || lowbit(down_ty)) {  // lowbit.rs: moe_products_lowbit
+            std::vector<int> offsets(ne + 1), order(slots);
+            launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
+            auto xg = quantize_act(act_type(ty), x.data(), (size_t)n * d);
+            auto xu = quantize_act(act_type(up_ty), x.data(), (size_t)n * d);
+            std::vector<float> g((size_t)slots * ff), u((size_t)slots * ff);
+            moe_lowbit(ty, gate, ne, ff, d, xg.data(), k, sel.data(), offsets.data(), slots, g.data());
+            moe_lowbit(up_ty, up, ne, ff, d, xu.data(), k, sel.data(), offsets.data(), slots, u.data());
+            launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
+                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), hb, sel.data(), hp, slots, ne, ff, act);
+            });
+            hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
+            moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, sel.data(), offsets.data(), slots, yp);
+            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
+        } else if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
