@@ -1,6 +1,8 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
-//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router,
+//! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
+//! every order the CPU engine picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
+//! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
 //! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
 //! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
@@ -23,8 +25,9 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
-    KV_PAIRS, TYPES,
+    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
+    ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_SEL,
+    LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -146,17 +149,12 @@ impl Drop for Emulator {
 }
 
 fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
-    let mut q = vec![0u8; rows * rb];
-    for row in q.chunks_exact_mut(rb) {
-        quantize_row(ty, &noise(rng, cols, 1.0), row).unwrap();
-    }
-    q
+    random_weights(rng, ty, rows, cols)
 }
 
-/// Types whose products the kernels sum in the CPU engine's order.
+/// Types whose products the kernels sum in the CPU engine's order (every type but F16/BF16).
 fn exact(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::MXFP4)
+    !matches!(ty, GgmlType::F16 | GgmlType::BF16)
 }
 
 /// `(bit-identical values, max |difference|)`.
@@ -179,6 +177,127 @@ fn s(v: impl ToString) -> String {
     v.to_string()
 }
 
+/// Runs the emulated matmul of a `rows × cols` matrix of `ty` on `n` random tokens against
+/// REF0's: the same bits for the types of [`exact`], else only reported.
+fn matmul_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    (rows, cols): (usize, usize),
+    n: usize,
+) {
+    let q = weights(rng, ty, rows, cols);
+    let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+    let x = noise(rng, n * cols, 1.0);
+    emu.write("w", &q);
+    emu.write("x", &x);
+    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n)]);
+    let got: Vec<f32> = emu.read("y");
+    let xd = cpu.upload(&x).unwrap();
+    let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
+    cpu.matmul(&m, &xd, n, &mut yd).unwrap();
+    let want = cpu.download(&yd).unwrap();
+    let (same, max) = compare(&got, &want);
+    eprintln!(
+        "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
+        got.len()
+    );
+    if exact(ty) {
+        assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
+    }
+}
+
+/// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.
+#[derive(Clone, Copy)]
+struct MoeShape {
+    ne: usize,
+    d: usize,
+    ff: usize,
+    n: usize,
+    k: usize,
+}
+
+/// Runs the emulated MoE block with gate, up and down experts of `types` (random weights,
+/// biases when `act.1`, the activation `act.0`) and the expert ids `sel` against REF0's: the
+/// same bits when every type is of [`exact`], else only reported.
+fn moe_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    types: [GgmlType; 3],
+    MoeShape { ne, d, ff, n, k }: MoeShape,
+    sel: &[i32],
+    (act, with_bias): (GatedAct, bool),
+) {
+    let [gt, ut, dt] = types;
+    let (gq, uq, dq) = (
+        weights(rng, gt, ne * ff, d),
+        weights(rng, ut, ne * ff, d),
+        weights(rng, dt, ne * d, ff),
+    );
+    let (bg, bu, bd) = (
+        noise(rng, ne * ff, 0.5),
+        noise(rng, ne * ff, 0.5),
+        noise(rng, ne * d, 0.5),
+    );
+    let x = noise(rng, n * d, 1.0);
+    let wts = noise(rng, n * k, 1.0);
+    for (name, v) in [("gate", &gq), ("up", &uq), ("down", &dq)] {
+        emu.write(name, v);
+    }
+    for (name, v) in [
+        ("bg", &bg),
+        ("bu", &bu),
+        ("bd", &bd),
+        ("x", &x),
+        ("wts", &wts),
+    ] {
+        emu.write(name, v);
+    }
+    emu.write("sel", sel);
+    let act_id = usize::from(act == GatedAct::Silu);
+    let args = [
+        gt.id() as usize,
+        ne,
+        d,
+        ff,
+        n,
+        k,
+        act_id,
+        usize::from(with_bias),
+        ut.id() as usize,
+        dt.id() as usize,
+    ];
+    emu.run("moe", &args.map(s));
+    let got: Vec<f32> = emu.read("out");
+    let matrix = |ty, n_in, n_out, data| ExpertMatrix {
+        ty,
+        n_in,
+        n_out,
+        data,
+    };
+    let t = ExpertTensors {
+        n_expert: ne,
+        gate: matrix(gt, d, ff, &gq),
+        up: matrix(ut, d, ff, &uq),
+        down: matrix(dt, ff, d, &dq),
+        gate_bias: if with_bias { &bg } else { &[] },
+        up_bias: if with_bias { &bu } else { &[] },
+        down_bias: if with_bias { &bd } else { &[] },
+    };
+    let rm = cpu.upload_moe(&t, None).unwrap();
+    let want = ref_moe(cpu, &rm, act, &x, sel, &wts, k);
+    let (same, max) = compare(&got, &want);
+    eprintln!(
+        "moe {types:?} {act:?}: {same}/{} identical, max |Δ| {max:e}",
+        got.len()
+    );
+    if types.iter().all(|&ty| exact(ty)) {
+        assert_eq!(same, got.len(), "moe {types:?} {act:?}");
+    }
+}
+
 #[test]
 #[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_kernels_give_the_reference_backends_bits() {
@@ -187,13 +306,6 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(5);
-    let ggml_id = |ty: GgmlType| match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::Q8_0 => 8,
-        GgmlType::BF16 => 30,
-        _ => 39,
-    };
 
     // The activation quantizer.
     let (x, want) = quantizer_cases(&mut rng);
@@ -205,26 +317,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     // tail after 64 elements, gpt-oss's 2880, and 64.
     for (rows, cols) in [(13, 160), (6, 2880), (5, 64)] {
         for ty in TYPES {
-            let q = weights(&mut rng, ty, rows, cols);
-            let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
             for n in [1usize, 3, 9, 20, 40] {
-                let x = noise(&mut rng, n * cols, 1.0);
-                emu.write("w", &q);
-                emu.write("x", &x);
-                emu.run("matmul", &[s(ggml_id(ty)), s(rows), s(cols), s(n)]);
-                let got: Vec<f32> = emu.read("y");
-                let xd = cpu.upload(&x).unwrap();
-                let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
-                cpu.matmul(&m, &xd, n, &mut yd).unwrap();
-                let want = cpu.download(&yd).unwrap();
-                let (same, max) = compare(&got, &want);
-                eprintln!(
-                    "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
-                    got.len()
-                );
-                if exact(ty) {
-                    assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
-                }
+                matmul_case(&emu, &cpu, &mut rng, ty, (rows, cols), n);
             }
         }
     }
@@ -256,62 +350,15 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         .chain([GgmlType::Q8_0, GgmlType::MXFP4].map(|ty| (ty, 320, 40, large.clone())));
     // Each case with gpt-oss's clamped SwiGLU and biases, and with SiLU and no biases.
     let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
-    for ((ty, d, n, sel), (act, with_bias)) in cases.flat_map(|c| acts.map(|a| (c.clone(), a))) {
-        let (ne, ff, k) = (8, 96, 2);
-        let (gq, uq, dq) = (
-            weights(&mut rng, ty, ne * ff, d),
-            weights(&mut rng, ty, ne * ff, d),
-            weights(&mut rng, ty, ne * d, ff),
-        );
-        let (bg, bu, bd) = (
-            noise(&mut rng, ne * ff, 0.5),
-            noise(&mut rng, ne * ff, 0.5),
-            noise(&mut rng, ne * d, 0.5),
-        );
-        let x = noise(&mut rng, n * d, 1.0);
-        let wts = noise(&mut rng, n * k, 1.0);
-        for (name, v) in [("gate", &gq), ("up", &uq), ("down", &dq)] {
-            emu.write(name, v);
-        }
-        for (name, v) in [
-            ("bg", &bg),
-            ("bu", &bu),
-            ("bd", &bd),
-            ("x", &x),
-            ("wts", &wts),
-        ] {
-            emu.write(name, v);
-        }
-        emu.write("sel", &sel);
-        let act_id = usize::from(act == GatedAct::Silu);
-        let args = [ggml_id(ty), ne, d, ff, n, k, act_id, usize::from(with_bias)];
-        emu.run("moe", &args.map(s));
-        let got: Vec<f32> = emu.read("out");
-        let matrix = |n_in, n_out, data| ExpertMatrix {
-            ty,
-            n_in,
-            n_out,
-            data,
+    for ((ty, d, n, sel), act) in cases.flat_map(|c| acts.map(|a| (c.clone(), a))) {
+        let shape = MoeShape {
+            ne: 8,
+            d,
+            ff: 96,
+            n,
+            k: 2,
         };
-        let t = ExpertTensors {
-            n_expert: ne,
-            gate: matrix(d, ff, &gq),
-            up: matrix(d, ff, &uq),
-            down: matrix(ff, d, &dq),
-            gate_bias: if with_bias { &bg } else { &[] },
-            up_bias: if with_bias { &bu } else { &[] },
-            down_bias: if with_bias { &bd } else { &[] },
-        };
-        let rm = cpu.upload_moe(&t, None).unwrap();
-        let want = ref_moe(&cpu, &rm, act, &x, &sel, &wts, k);
-        let (same, max) = compare(&got, &want);
-        eprintln!(
-            "moe {ty} {act:?}: {same}/{} identical, max |Δ| {max:e}",
-            got.len()
-        );
-        if exact(ty) {
-            assert_eq!(same, got.len(), "moe {ty} {act:?}");
-        }
+        moe_case(&emu, &cpu, &mut rng, [ty; 3], shape, &sel, act);
     }
 
     // The K/V store of every ring type (rotated as the executor rotates quantized heads of
@@ -418,6 +465,70 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 assert_eq!(same, got.len(), "{what}");
             }
         }
+    }
+}
+
+/// The low-bit weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K): the Q8_1 and Q8_K activation
+/// quantizers, embedding rows, matmuls of one token and of batches under and over the tiled
+/// K-quant threshold, with row counts that do and do not make the CPU engine repack Q4_0/Q4_K,
+/// and expert sets of each type and of the Q4_K_M mixes (an expert that 8 slots route to: the
+/// tiled order; fewer: `vec_dot`) must give REF0's bits (the CPU engine's kernels, whose float
+/// order the kernels replay for every batch size, so no tolerance is needed).
+#[test]
+#[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("lowbit") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(7);
+
+    for act in [GgmlType::Q8_1, GgmlType::Q8_K] {
+        let (x, want) = act_quantizer_cases(&mut rng, act);
+        emu.write("x", &x);
+        emu.run("quantize", &[s(act.id())]);
+        assert_eq!(emu.read::<u8>("out"), want, "quantize {act}");
+    }
+
+    for ty in LOWBIT_TYPES {
+        let (rows, cols) = (6, 512);
+        let q = weights(&mut rng, ty, rows, cols);
+        let ids: Vec<i32> = vec![3, 0, 5, -1, 6, 3];
+        emu.write("w", &q);
+        emu.write("ids", &ids);
+        emu.run("get_rows", &[s(ty.id()), s(rows), s(cols)]);
+        let got: Vec<f32> = emu.read("out");
+        let table = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+        let mut out = cpu.alloc::<f32>(ids.len() * cols).unwrap();
+        cpu.get_rows(&table, &cpu.upload(&ids).unwrap(), &mut out)
+            .unwrap();
+        let (same, _) = compare(&got, &cpu.download(&out).unwrap());
+        assert_eq!(same, got.len(), "get_rows {ty}");
+    }
+
+    for shape in LOWBIT_MATMULS {
+        for ty in LOWBIT_TYPES {
+            for n in LOWBIT_TOKENS {
+                matmul_case(&emu, &cpu, &mut rng, ty, shape, n);
+            }
+        }
+    }
+
+    // SiLU without biases (Qwen3-MoE), and for the first set gpt-oss's activation with biases.
+    let shape = MoeShape {
+        ne: 4,
+        d: 256,
+        ff: 256,
+        n: 8,
+        k: 2,
+    };
+    for (i, types) in lowbit_expert_sets().into_iter().enumerate() {
+        let act = if i == 0 {
+            (KERNEL_ACT, true)
+        } else {
+            (GatedAct::Silu, false)
+        };
+        moe_case(&emu, &cpu, &mut rng, types, shape, &LOWBIT_SEL, act);
     }
 }
 

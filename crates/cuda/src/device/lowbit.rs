@@ -92,7 +92,10 @@ pub(super) fn get_rows_kernel(ty: GgmlType) -> Option<&'static str> {
 }
 
 /// The dense and expert product kernels of a low-bit type (Q8_0: expert products only).
-fn product_kernels(ty: GgmlType, op: &'static str) -> Result<(&'static str, &'static str), CudaError> {
+fn product_kernels(
+    ty: GgmlType,
+    op: &'static str,
+) -> Result<(&'static str, &'static str), CudaError> {
     Ok(match ty {
         GgmlType::Q4_0 => ("matmul_q4_0", "moe_lowbit_q4_0"),
         GgmlType::Q4_1 => ("matmul_q4_1", "moe_lowbit_q4_1"),
@@ -126,7 +129,10 @@ impl CudaDevice {
             ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
         };
         ensure(len.is_multiple_of(block) && len <= x.len(), OP, || {
-            format!("{len} values of a buffer of {} in blocks of {block}", x.len())
+            format!(
+                "{len} values of a buffer of {} in blocks of {block}",
+                x.len()
+            )
         })?;
         let blocks = len / block;
         // SAFETY: every byte is written by the kernel below before it is read.
