@@ -146,6 +146,15 @@ impl Backend for CudaDevice {
             }
             Ok(self.upload_for_offload(&v)?)
         };
+        if !crate::expert_types_supported(t.gate.ty, t.up.ty, t.down.ty) {
+            return Err(BackendError::Unsupported {
+                op: "upload_moe",
+                what: format!(
+                    "experts of {} / {} / {} (one type, or low-bit types with Q8_0)",
+                    t.gate.ty, t.up.ty, t.down.ty
+                ),
+            });
+        }
         let has = t.has_biases();
         Ok(MoeWeights {
             gate: parts(&t.gate, ff, d)?,

@@ -176,6 +176,15 @@ pub struct CudaDevice {
 /// The K/V ring types the kernels store and read (`kv_store_*`, `attn_row`, `attn_flash`).
 pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
+/// Whether [`CudaDevice::moe`] takes experts with gate, up and down of these types: one type
+/// of [`SUPPORTED_TYPES`], or each of [`LOWBIT_TYPES`] or Q8_0.
+pub fn expert_types_supported(gate: GgmlType, up: GgmlType, down: GgmlType) -> bool {
+    let types = [gate, up, down];
+    let lowbit_set = |ty: GgmlType| lowbit::is_lowbit(ty) || ty == GgmlType::Q8_0;
+    let one = types.iter().all(|&ty| ty == gate) && SUPPORTED_TYPES.contains(&gate);
+    one || types.iter().any(|&ty| lowbit::is_lowbit(ty)) && types.into_iter().all(lowbit_set)
+}
+
 /// Whether the attention kernels read keys of `k` with values of `v`: both of [`KV_TYPES`]
 /// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU engine
 /// chooses its path by the value type; keys of every type in both).
@@ -1215,6 +1224,9 @@ impl CudaDevice {
     /// Numerics as [`CudaDevice::matmul`]'s GEMV: activations (`x`, and each slot's SwiGLU
     /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU engine's
     /// order (F32: `vec_dot` order for an expert only one slot routes to, else 16 lanes).
+    /// Gate, up and down are of one type, or (sets with low-bit experts, as in Q4_K_M files)
+    /// each of [`LOWBIT_TYPES`] or Q8_0: then every product is in the order of the CPU
+    /// engine's expert matmul for as many slots as route to the expert (`lowbit.rs`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe(
         &self,

@@ -6,7 +6,9 @@
 // a shift (bf16). Compiled with --fmad=false: every fused multiply-add below is an explicit
 // fmaf, so the rounding follows the CPU engine's order.
 //
-// Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39; K/V rings also Q4_0 2. Rows of a weight matrix
+// Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39, and the low-bit types
+// (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q2_K 10 .. Q6_K 14; see "Low-bit weights"); K/V rings also
+// Q4_0 2. Rows of a weight matrix
 // are contiguous; a row of `cols` elements takes `row_bytes` bytes (GGUF layout).
 //   Q8_0:  blocks of 32 = f16 scale d (2 bytes) + 32 int8 q;  x = q * d.
 //   MXFP4: blocks of 32 = E8M0 byte e + 16 bytes of nibbles; element j < 16 is the low nibble
