@@ -701,9 +701,23 @@ fn bad_shapes_are_errors_not_panics() {
     assert!(dev
         .upload_matrix(GgmlType::Q8_0, 2, 31, &[0u8; 68])
         .is_err());
-    assert!(dev
+    assert!(
+        dev.upload_matrix(GgmlType::Q4_K, 1, 128, &[0u8; 72])
+            .is_err(),
+        "half a super-block"
+    );
+    assert!(
+        dev.upload_matrix(GgmlType::Q8_K, 1, 256, &[0u8; 292])
+            .is_err(),
+        "an activation type"
+    );
+    // Per-head products of a low-bit type are refused (as on the reference device).
+    let q4k = dev
         .upload_matrix(GgmlType::Q4_K, 1, 256, &[0u8; 144])
-        .is_err());
+        .unwrap();
+    let x256 = dev.alloc_zeros::<f32>(256).unwrap();
+    let mut y = dev.alloc_zeros::<f32>(1).unwrap();
+    assert!(dev.matmul_heads(&q4k, &x256, 1, 1, 256, 1, &mut y).is_err());
     let mut sel = dev.alloc_zeros::<i32>(1).unwrap();
     let mut wt = dev.alloc_zeros::<f32>(1).unwrap();
     assert!(
