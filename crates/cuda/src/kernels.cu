@@ -1682,13 +1682,16 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, float* ou
 //             per block, acc = fma(isum, d_w * d_a, acc) (Q4_K: and acc_min with the mins).
 //   LB_PAIR:  repacked Q4_K in a dense matmul's complete groups of four tokens: both chains
 //             advance per pair of sub-blocks.
-// Each warp computes one product: its lanes form the integer sums of up to 32 legacy blocks (a
-// block per lane) or 4 super-blocks (eight lanes each) into shared memory, then lanes replay
-// the float chains in block order; the result is valid in lane 0.
+// Each warp computes the products of one weight row with up to LB_TOKENS activation rows: its
+// lanes decode up to 32 legacy blocks (a block per lane) or 4 super-blocks (eight lanes each)
+// once and form each token's integer sums into shared memory, then lanes replay each token's
+// float chains in block order; the results are valid in lane 0.
 #define LB_VEC 0
 #define LB_TILED 1
 #define LB_BLOCK 2
 #define LB_PAIR 3
+// Tokens (or expert slots) per warp: the weight row is decoded once for all of them.
+#define LB_TOKENS 8
 
 // One block of 32 values as Q8_1, as hmoe_quant's quantize_row(Q8_1) (ggml's x86 quantizer):
 // the Q8_0 quantization with d = amax / 127 and s = f16(d * sum), the sum of the int32 values
@@ -1772,67 +1775,78 @@ __device__ __forceinline__ float hsum8(const float* a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// A legacy (or Q8_0) weight row of nb blocks times its Q8_0/Q8_1 activation row, in `mode`
-// (LB_VEC, or LB_BLOCK for repacked Q4_0). Every lane must call it; lane 0 gets the result.
+// A legacy (or Q8_0) weight row of nb blocks times the Q8_0/Q8_1 activation rows act[t] of
+// nt <= LB_TOKENS tokens, token t in mode[t] (LB_VEC, or LB_BLOCK for repacked Q4_0): res[t]
+// in lane 0. Lane j decodes block b0 + j once for every token. Every lane must call it.
 template <int TY>
-__device__ float warp_dot_legacy(const u8* w, const u8* a, int nb, int mode) {
-    __shared__ int lsum[ROW_WARPS][32][8];
-    __shared__ float lfin[ROW_WARPS][16];
+__device__ __forceinline__ void warp_dot_legacy(const u8* w, const u8* const* act, const int* mode,
+                                                int nt, int nb, float* res) {
+    __shared__ int lsum[ROW_WARPS][LB_TOKENS][32][8];
+    __shared__ float lfin[ROW_WARPS][LB_TOKENS][16];
     const bool has_min = TY == TY_Q4_1 || TY == TY_Q5_1;
     const u32 wbytes = (u32)lowbit_block_bytes(TY), abytes = has_min ? 36u : 34u;
     const int aq = has_min ? 4 : 2;
     int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP;
-    float acc = 0.f, acc2 = 0.f;
+    float acc[LB_TOKENS], acc2[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) acc[t] = acc2[t] = 0.f;
     for (int b0 = 0; b0 < nb; b0 += WARP) {
         int b = b0 + lane;
-        int s[8];
-        for (int k = 0; k < 8; k++) s[k] = 0;
-        if (b < nb) {
-            const u8* wb = w + (u64)b * wbytes;
-            const u8* ab = a + (u64)b * abytes;
-            for (int j = 0; j < 32; j++) {
-                s[j / 4] += legacy_q<TY>(wb, j) * (int)(signed char)ab[aq + j];
+        int q[32];
+        const u8* wb = w + (u64)b * wbytes;
+        for (int j = 0; j < 32; j++) q[j] = b < nb ? legacy_q<TY>(wb, j) : 0;
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            int s[8];
+            for (int k = 0; k < 8; k++) s[k] = 0;
+            if (b < nb) {
+                const u8* ab = act[t] + (u64)b * abytes;
+                for (int j = 0; j < 32; j++) s[j / 4] += q[j] * (int)(signed char)ab[aq + j];
             }
+            for (int k = 0; k < 8; k++) lsum[wi][t][lane][k] = s[k];
         }
-        for (int k = 0; k < 8; k++) lsum[wi][lane][k] = s[k];
         __syncwarp();
         int m = nb - b0 < WARP ? nb - b0 : WARP;
-        if (mode == LB_VEC) {
-            if (lane < 8) {
-                for (int j = 0; j < m; j++) {
-                    const u8* wb = w + (u64)(b0 + j) * wbytes;
-                    const u8* ab = a + (u64)(b0 + j) * abytes;
-                    float d = f16_at(wb, 0) * f16_at(ab, 0);
-                    acc = fmaf(d, (float)lsum[wi][j][lane], acc);
-                }
-            } else if (lane == 8 && has_min) {
-                for (int j = 0; j < m; j++) {
-                    const u8* wb = w + (u64)(b0 + j) * wbytes;
-                    const u8* ab = a + (u64)(b0 + j) * abytes;
-                    acc2 = fmaf(f16_at(wb, 1), f16_at(ab, 1), acc2);
-                }
-            }
-        } else if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
             for (int j = 0; j < m; j++) {
-                const u8* wb = w + (u64)(b0 + j) * wbytes;
-                const u8* ab = a + (u64)(b0 + j) * abytes;
-                int isum = 0;
-                for (int k = 0; k < 8; k++) isum += lsum[wi][j][k];
-                acc = fmaf((float)isum, f16_at(wb, 0) * f16_at(ab, 0), acc);
+                const u8* wj = w + (u64)(b0 + j) * wbytes;
+                const u8* aj = act[t] + (u64)(b0 + j) * abytes;
+                if (mode[t] == LB_VEC) {
+                    if (lane < 8) {
+                        float d = f16_at(wj, 0) * f16_at(aj, 0);
+                        acc[t] = fmaf(d, (float)lsum[wi][t][j][lane], acc[t]);
+                    } else if (lane == 8 && has_min) {
+                        acc2[t] = fmaf(f16_at(wj, 1), f16_at(aj, 1), acc2[t]);
+                    }
+                } else if (lane == 0) {
+                    int isum = 0;
+                    for (int k = 0; k < 8; k++) isum += lsum[wi][t][j][k];
+                    acc[t] = fmaf((float)isum, f16_at(wj, 0) * f16_at(aj, 0), acc[t]);
+                }
             }
         }
         __syncwarp();
     }
-    if (mode != LB_VEC) return acc;
-    if (lane < 9) lfin[wi][lane] = lane < 8 ? acc : acc2;
-    __syncwarp();
-    float r = 0.f;
-    if (lane == 0) {
-        r = hsum8(lfin[wi]);
-        if (has_min) r = r + lfin[wi][8];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane < 9) lfin[wi][t][lane] = lane < 8 ? acc[t] : acc2[t];
     }
     __syncwarp();
-    return r;
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane == 0) {
+            if (mode[t] != LB_VEC) {
+                res[t] = acc[t];
+            } else {
+                float r = hsum8(lfin[wi][t]);
+                res[t] = has_min ? r + lfin[wi][t][8] : r;
+            }
+        }
+    }
+    __syncwarp();
 }
 
 // The mins of Q4_K/Q5_K sub-blocks 2k and 2k+1 against the activation's sums as vec_dot forms
@@ -1876,81 +1890,101 @@ __device__ __forceinline__ int q4k_imin(const u8* wb, const u8* ab, int j0, int 
     return s;
 }
 
-// A K-quant weight row of nsb super-blocks times its Q8_K activation row, in `mode`. Lane
-// 8 * i + l forms lane l's integer sum of super-block s0 + i (and, for LB_PAIR, its part of each
-// pair of sub-blocks); Q6_K subtracts 32 * (b[2l] sc[2l] + b[2l+1] sc[2l+1]) there, as vec_dot.
-// Every lane must call it; lane 0 gets the result.
+// A K-quant weight row of nsb super-blocks times the Q8_K activation rows act[t] of nt <=
+// LB_TOKENS tokens, token t in mode[t]: res[t] in lane 0. Lane 8 * i + l decodes lane l's
+// elements of super-block s0 + i once, then forms each token's integer sum of them (and, for
+// LB_PAIR, its part of each pair of sub-blocks); Q6_K subtracts 32 * (b[2l] sc[2l] + b[2l+1]
+// sc[2l+1]) there, as vec_dot. Every lane must call it.
 template <int TY>
-__device__ float warp_dot_kq(const u8* w, const u8* a, int nsb, int mode) {
-    __shared__ int ksum[ROW_WARPS][32];
-    __shared__ int kpair[ROW_WARPS][32][4];
-    __shared__ float kfin[ROW_WARPS][16];
+__device__ __forceinline__ void warp_dot_kq(const u8* w, const u8* const* act, const int* mode,
+                                            int nt, int nsb, float* res) {
+    __shared__ int ksum[ROW_WARPS][LB_TOKENS][32];
+    __shared__ int kpair[ROW_WARPS][LB_TOKENS][32][4];
+    __shared__ float kfin[ROW_WARPS][LB_TOKENS][16];
     const u32 wbytes = (u32)lowbit_block_bytes(TY);
     const bool has_min = TY == TY_Q2_K || TY == TY_Q4_K || TY == TY_Q5_K;
     int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP;
-    float acc = 0.f, acc2 = 0.f;
+    float acc[LB_TOKENS], acc2[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) acc[t] = acc2[t] = 0.f;
     for (int s0 = 0; s0 < nsb; s0 += 4) {
         int sb = s0 + lane / 8, l = lane % 8;
-        int sv = 0, pp[4] = {0, 0, 0, 0};
-        if (sb < nsb) {
-            const u8* wb = w + (u64)sb * wbytes;
-            const u8* ab = a + (u64)sb * 292u;
-            for (int g = 0; g < 8; g++) {
-                int sub = 0;
-                for (int i = 0; i < 4; i++) {
-                    int e = 32 * g + 4 * l + i;
-                    sub += kq_sc<TY>(wb, e) * kq_q<TY>(wb, e) * (int)(signed char)ab[4 + e];
-                }
-                pp[g / 2] += sub;
-                sv += sub;
-            }
-            if (TY == TY_Q6_K) {
-                int b2 = q8k_bsum(ab, 2 * l) * kq_sc<TY>(wb, 32 * l);
-                int b3 = q8k_bsum(ab, 2 * l + 1) * kq_sc<TY>(wb, 32 * l + 16);
-                sv = (int)((u32)sv - (u32)(b2 + b3) * 32u);
+        const u8* wb = w + (u64)sb * wbytes;
+        int sq[32];
+        for (int g = 0; g < 8; g++) {
+            for (int i = 0; i < 4; i++) {
+                int e = 32 * g + 4 * l + i;
+                sq[4 * g + i] = sb < nsb ? kq_sc<TY>(wb, e) * kq_q<TY>(wb, e) : 0;
             }
         }
-        ksum[wi][lane] = sv;
-        for (int p = 0; p < 4; p++) kpair[wi][lane][p] = pp[p];
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            int sv = 0, pp[4] = {0, 0, 0, 0};
+            if (sb < nsb) {
+                const u8* ab = act[t] + (u64)sb * 292u;
+                for (int g = 0; g < 8; g++) {
+                    int sub = 0;
+                    for (int i = 0; i < 4; i++) {
+                        sub += sq[4 * g + i] * (int)(signed char)ab[4 + 32 * g + 4 * l + i];
+                    }
+                    pp[g / 2] += sub;
+                    sv += sub;
+                }
+                if (TY == TY_Q6_K) {
+                    int b2 = q8k_bsum(ab, 2 * l) * kq_sc<TY>(wb, 32 * l);
+                    int b3 = q8k_bsum(ab, 2 * l + 1) * kq_sc<TY>(wb, 32 * l + 16);
+                    sv = (int)((u32)sv - (u32)(b2 + b3) * 32u);
+                }
+            }
+            ksum[wi][t][lane] = sv;
+            for (int p = 0; p < 4; p++) kpair[wi][t][lane][p] = pp[p];
+        }
         __syncwarp();
         int m = nsb - s0 < 4 ? nsb - s0 : 4;
-        for (int j = 0; j < m; j++) {
-            const u8* wb = w + (u64)(s0 + j) * wbytes;
-            const u8* ab = a + (u64)(s0 + j) * 292u;
-            float da = f32_at(ab);
-            if (mode == LB_VEC) {
-                if (lane < 8) {
-                    if (TY == TY_Q2_K) {
-                        int prod = (wb[2 * lane] >> 4) * q8k_bsum(ab, 2 * lane) +
-                                   (wb[2 * lane + 1] >> 4) * q8k_bsum(ab, 2 * lane + 1);
-                        acc = fmaf(-da * kq_dmin<TY>(wb), (float)prod, acc);
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            for (int j = 0; j < m; j++) {
+                const u8* wj = w + (u64)(s0 + j) * wbytes;
+                const u8* aj = act[t] + (u64)(s0 + j) * 292u;
+                float da = f32_at(aj);
+                if (mode[t] == LB_VEC) {
+                    if (lane < 8) {
+                        if (TY == TY_Q2_K) {
+                            int prod = (wj[2 * lane] >> 4) * q8k_bsum(aj, 2 * lane) +
+                                       (wj[2 * lane + 1] >> 4) * q8k_bsum(aj, 2 * lane + 1);
+                            acc[t] = fmaf(-da * kq_dmin<TY>(wj), (float)prod, acc[t]);
+                        }
+                        acc[t] = fmaf(da * kq_d<TY>(wj), (float)ksum[wi][t][8 * j + lane], acc[t]);
+                    } else if (TY == TY_Q4_K && lane < 12) {
+                        float p = (float)k4_min_prod(wj, aj, lane - 8);
+                        acc2[t] = fmaf(-da * kq_dmin<TY>(wj), p, acc2[t]);
+                    } else if (TY == TY_Q5_K && lane == 8) {
+                        int ps = 0;
+                        for (int k = 0; k < 4; k++) ps = (int)((u32)ps + (u32)k4_min_prod(wj, aj, k));
+                        acc2[t] = fmaf(-da * kq_dmin<TY>(wj), (float)ps, acc2[t]);
                     }
-                    acc = fmaf(da * kq_d<TY>(wb), (float)ksum[wi][8 * j + lane], acc);
-                } else if (TY == TY_Q4_K && lane < 12) {
-                    acc2 = fmaf(-da * kq_dmin<TY>(wb), (float)k4_min_prod(wb, ab, lane - 8), acc2);
-                } else if (TY == TY_Q5_K && lane == 8) {
-                    int ps = 0;
-                    for (int k = 0; k < 4; k++) ps = (int)((u32)ps + (u32)k4_min_prod(wb, ab, k));
-                    acc2 = fmaf(-da * kq_dmin<TY>(wb), (float)ps, acc2);
-                }
-            } else if (lane == 0) {
-                int s1 = 0;
-                for (int i = 0; i < 8; i++) s1 = (int)((u32)s1 + (u32)ksum[wi][8 * j + i]);
-                if (mode == LB_TILED) {
-                    float r = (float)s1 * kq_d<TY>(wb);
-                    if (has_min) r = fmaf(-kq_dmin<TY>(wb), (float)kq_s2<TY>(wb, ab), r);
-                    acc = fmaf(r, da, acc);
-                } else {
-                    float d = kq_d<TY>(wb) * da, dmin = kq_dmin<TY>(wb) * da;
-                    if (mode == LB_BLOCK) {
-                        acc = fmaf((float)s1, d, acc);
-                        acc2 = fmaf((float)q4k_imin(wb, ab, 0, 8), dmin, acc2);
+                } else if (lane == 0) {
+                    int s1 = 0;
+                    for (int i = 0; i < 8; i++) s1 = (int)((u32)s1 + (u32)ksum[wi][t][8 * j + i]);
+                    if (mode[t] == LB_TILED) {
+                        float r = (float)s1 * kq_d<TY>(wj);
+                        if (has_min) r = fmaf(-kq_dmin<TY>(wj), (float)kq_s2<TY>(wj, aj), r);
+                        acc[t] = fmaf(r, da, acc[t]);
                     } else {
-                        for (int p = 0; p < 4; p++) {
-                            int isum = 0;
-                            for (int i = 0; i < 8; i++) isum += kpair[wi][8 * j + i][p];
-                            acc = fmaf((float)isum, d, acc);
-                            acc2 = fmaf((float)q4k_imin(wb, ab, 2 * p, 2 * p + 2), dmin, acc2);
+                        float d = kq_d<TY>(wj) * da, dmin = kq_dmin<TY>(wj) * da;
+                        if (mode[t] == LB_BLOCK) {
+                            acc[t] = fmaf((float)s1, d, acc[t]);
+                            acc2[t] = fmaf((float)q4k_imin(wj, aj, 0, 8), dmin, acc2[t]);
+                        } else {
+                            for (int p = 0; p < 4; p++) {
+                                int isum = 0;
+                                for (int i = 0; i < 8; i++) isum += kpair[wi][t][8 * j + i][p];
+                                acc[t] = fmaf((float)isum, d, acc[t]);
+                                float mn = (float)q4k_imin(wj, aj, 2 * p, 2 * p + 2);
+                                acc2[t] = fmaf(mn, dmin, acc2[t]);
+                            }
                         }
                     }
                 }
@@ -1958,64 +1992,109 @@ __device__ float warp_dot_kq(const u8* w, const u8* a, int nsb, int mode) {
         }
         __syncwarp();
     }
-    if (mode == LB_TILED) return acc;
-    if (mode != LB_VEC) return acc - acc2;
-    if (lane < 12) kfin[wi][lane] = lane < 8 ? acc : acc2;
-    __syncwarp();
-    float r = 0.f;
-    if (lane == 0) {
-        r = hsum8(kfin[wi]);
-        if (TY == TY_Q4_K) r = r + ((kfin[wi][8] + kfin[wi][10]) + (kfin[wi][9] + kfin[wi][11]));
-        if (TY == TY_Q5_K) r = r + kfin[wi][8];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane < 12) kfin[wi][t][lane] = lane < 8 ? acc[t] : acc2[t];
     }
     __syncwarp();
-    return r;
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane == 0) {
+            if (mode[t] == LB_TILED) {
+                res[t] = acc[t];
+            } else if (mode[t] != LB_VEC) {
+                res[t] = acc[t] - acc2[t];
+            } else {
+                const float* f = kfin[wi][t];
+                float r = hsum8(f);
+                if (TY == TY_Q4_K) r = r + ((f[8] + f[10]) + (f[9] + f[11]));
+                if (TY == TY_Q5_K) r = r + f[8];
+                res[t] = r;
+            }
+        }
+    }
+    __syncwarp();
 }
 
-// A low-bit weight row of `cols` elements times an activation row of the weight's
-// vec_dot_type, in `mode`. Every lane must call it; lane 0 gets the result.
+// A low-bit weight row of `cols` elements times the activation rows act[t] (of the weight's
+// vec_dot_type) of nt <= LB_TOKENS tokens, token t in mode[t]: res[t] in lane 0. Every lane
+// must call it.
 template <int TY>
-__device__ float warp_dot_lowbit(const u8* row, const u8* act, int cols, int mode) {
-    if (is_kquant(TY)) return warp_dot_kq<TY>(row, act, cols / 256, mode);
-    return warp_dot_legacy<TY>(row, act, cols / 32, mode);
+__device__ __forceinline__ void warp_dot_lowbit(const u8* row, const u8* const* act,
+                                                const int* mode, int nt, int cols, float* res) {
+    if (is_kquant(TY)) {
+        warp_dot_kq<TY>(row, act, mode, nt, cols / 256, res);
+    } else {
+        warp_dot_legacy<TY>(row, act, mode, nt, cols / 32, res);
+    }
 }
 
 // y[t][r] = W[r] . xq[t] for low-bit weights; token t < grouped in mode_grouped, the others
-// in mode_rest. grid = (ceil(rows / ROW_WARPS), n), block = ROW_WARPS * 32.
+// in mode_rest. A warp per row and LB_TOKENS tokens.
+// grid = (ceil(rows / ROW_WARPS), ceil(n / LB_TOKENS)), block = ROW_WARPS * 32.
 template <int TY>
 __device__ void matmul_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, float* y, int rows,
                                    int cols, int n, int grouped, int mode_grouped,
                                    int mode_rest) {
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
-    int t = blockIdx.y;
-    if (r >= rows || t >= n) return;
-    int mode = t < grouped ? mode_grouped : mode_rest;
-    const u8* x = xq + (u64)t * lowbit_act_bytes(TY, cols);
-    float s = warp_dot_lowbit<TY>(w + (u64)r * row_bytes, x, cols, mode);
-    if (threadIdx.x % WARP == 0) y[(u64)t * rows + r] = s;
+    int t0 = blockIdx.y * LB_TOKENS;
+    if (r >= rows || t0 >= n) return;
+    int nt = n - t0 < LB_TOKENS ? n - t0 : LB_TOKENS;
+    const u8* act[LB_TOKENS];
+    int mode[LB_TOKENS];
+    float res[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        int tt = t0 + (t < nt ? t : 0);
+        act[t] = xq + (u64)tt * lowbit_act_bytes(TY, cols);
+        mode[t] = tt < grouped ? mode_grouped : mode_rest;
+        res[t] = 0.f;
+    }
+    warp_dot_lowbit<TY>(w + (u64)r * row_bytes, act, mode, nt, cols, res);
+    if (threadIdx.x % WARP == 0) {
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t < nt) y[(u64)(t0 + t) * rows + r] = res[t];
+        }
+    }
 }
 
-// out[slot][r] = experts[e][r] . act[slot / act_div] for slot s of expert e = sel[s] (0 where e
-// is out of range), in the CPU engine's order for an expert matmul: LB_BLOCK for repacked
-// experts, LB_TILED for K-quants when at least tiled_min slots route to e (offsets from
-// moe_group), else LB_VEC. grid = (ceil(rows / ROW_WARPS), n_slots), block = ROW_WARPS * 32.
+// out[slot][r] = experts[e][r] . act[slot / act_div] for the slots of expert e grouped by
+// moe_group (offsets, order), LB_TOKENS slots at a time, in the CPU engine's order for an
+// expert matmul: LB_BLOCK for repacked experts, LB_TILED for K-quants when at least tiled_min
+// slots route to e, else LB_VEC. Slots with an id out of range are not written (moe_swiglu and
+// moe_down_bias do not read them). grid = (ceil(rows / ROW_WARPS), n_expert),
+// block = ROW_WARPS * 32.
 template <int TY>
 __device__ void moe_lowbit_impl(const u8* w, u64 row_bytes, int rows, int cols, const u8* act,
-                                int act_div, const int* sel, const int* offsets, int n_slots,
-                                int n_expert, int repacked, int tiled_min, float* out) {
+                                int act_div, const int* offsets, const int* order, int repacked,
+                                int tiled_min, float* out) {
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
-    int slot = blockIdx.y;
-    if (r >= rows || slot >= n_slots) return;
-    int e = sel[slot];
-    if (e < 0 || e >= n_expert) {
-        if (threadIdx.x % WARP == 0) out[(u64)slot * rows + r] = 0.f;
-        return;
+    int e = blockIdx.y;
+    if (r >= rows) return;
+    int begin = offsets[e], end = offsets[e + 1];
+    int m = repacked ? LB_BLOCK : (is_kquant(TY) && end - begin >= tiled_min ? LB_TILED : LB_VEC);
+    const u8* row = w + ((u64)e * rows + r) * row_bytes;
+    for (int i0 = begin; i0 < end; i0 += LB_TOKENS) {
+        int nt = end - i0 < LB_TOKENS ? end - i0 : LB_TOKENS;
+        const u8* a[LB_TOKENS];
+        int mode[LB_TOKENS];
+        float res[LB_TOKENS];
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            int slot = order[i0 + (t < nt ? t : 0)];
+            a[t] = act + (u64)(slot / act_div) * lowbit_act_bytes(TY, cols);
+            mode[t] = m;
+            res[t] = 0.f;
+        }
+        warp_dot_lowbit<TY>(row, a, mode, nt, cols, res);
+        if (threadIdx.x % WARP == 0) {
+#pragma unroll
+            for (int t = 0; t < LB_TOKENS; t++) {
+                if (t < nt) out[(u64)order[i0 + t] * rows + r] = res[t];
+            }
+        }
     }
-    int count = offsets[e + 1] - offsets[e];
-    int mode = repacked ? LB_BLOCK : (is_kquant(TY) && count >= tiled_min ? LB_TILED : LB_VEC);
-    const u8* x = act + (u64)(slot / act_div) * lowbit_act_bytes(TY, cols);
-    float s = warp_dot_lowbit<TY>(w + ((u64)e * rows + r) * row_bytes, x, cols, mode);
-    if (threadIdx.x % WARP == 0) out[(u64)slot * rows + r] = s;
 }
 
 #define LOWBIT(SUFFIX, TY)                                                                      \
@@ -2027,10 +2106,9 @@ __device__ void moe_lowbit_impl(const u8* w, u64 row_bytes, int rows, int cols, 
     }                                                                                           \
     extern "C" __global__ void moe_lowbit_##SUFFIX(                                            \
         const u8* w, u64 row_bytes, int rows, int cols, const u8* act, int act_div,            \
-        const int* sel, const int* offsets, int n_slots, int n_expert, int repacked,            \
-        int tiled_min, float* out) {                                                            \
-        moe_lowbit_impl<TY>(w, row_bytes, rows, cols, act, act_div, sel, offsets, n_slots,      \
-                            n_expert, repacked, tiled_min, out);                                \
+        const int* offsets, const int* order, int repacked, int tiled_min, float* out) {        \
+        moe_lowbit_impl<TY>(w, row_bytes, rows, cols, act, act_div, offsets, order, repacked,   \
+                            tiled_min, out);                                                    \
     }
 
 LOWBIT(q4_0, TY_Q4_0)
@@ -2045,11 +2123,11 @@ LOWBIT(q6_k, TY_Q6_K)
 
 // Q8_0 experts in a set with low-bit ones (vec_dot order, as warp_dot_q8_0).
 extern "C" __global__ void moe_lowbit_q8_0(const u8* w, u64 row_bytes, int rows, int cols,
-                                           const u8* act, int act_div, const int* sel,
-                                           const int* offsets, int n_slots, int n_expert,
-                                           int repacked, int tiled_min, float* out) {
-    moe_lowbit_impl<TY_Q8_0>(w, row_bytes, rows, cols, act, act_div, sel, offsets, n_slots,
-                             n_expert, repacked, tiled_min, out);
+                                           const u8* act, int act_div, const int* offsets,
+                                           const int* order, int repacked, int tiled_min,
+                                           float* out) {
+    moe_lowbit_impl<TY_Q8_0>(w, row_bytes, rows, cols, act, act_div, offsets, order, repacked,
+                             tiled_min, out);
 }
 
 // ---------------------------------------------------------------------------------------------

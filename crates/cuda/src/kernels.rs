@@ -104,6 +104,8 @@ pub(crate) const MM_TOKENS: u32 = 8;
 pub(crate) const TILE_ROWS: u32 = 64;
 /// Tokens (or expert slots) per tile of the tiled products (`TILE_SLOTS` in the source).
 pub(crate) const TILE_SLOTS: u32 = 32;
+/// Tokens (or expert slots) per warp of the low-bit products (`LB_TOKENS` in the source).
+pub(crate) const LB_TOKENS: u32 = 8;
 /// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).
 pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
 /// Warps per block of the attention kernel (`ATT_WARPS` in the source).
@@ -273,6 +275,7 @@ mod tests {
             ("TILE_ROWS", TILE_ROWS as usize),
             ("TILE_SLOTS", TILE_SLOTS as usize),
             ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
+            ("LB_TOKENS", LB_TOKENS as usize),
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
             ("KV_MAX_CHUNK", ATT_MAX_HEAD_DIM),

@@ -26,8 +26,8 @@ use rand::SeedableRng;
 mod common;
 use common::{
     act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
-    ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_SEL,
-    LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
+    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -515,13 +515,8 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
     }
 
     // SiLU without biases (Qwen3-MoE), and for the first set gpt-oss's activation with biases.
-    let shape = MoeShape {
-        ne: 4,
-        d: 256,
-        ff: 256,
-        n: 8,
-        k: 2,
-    };
+    let (ne, d, ff, n, k) = LOWBIT_MOE;
+    let shape = MoeShape { ne, d, ff, n, k };
     for (i, types) in lowbit_expert_sets().into_iter().enumerate() {
         let act = if i == 0 {
             (KERNEL_ACT, true)

@@ -18,8 +18,8 @@ use rand::SeedableRng;
 mod common;
 use common::{
     act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
-    ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_SEL,
-    LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
+    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -446,7 +446,7 @@ fn lowbit_moe_experts_match_the_reference_backend() {
     let mut rng = StdRng::seed_from_u64(12);
     for types in lowbit_expert_sets() {
         let act = (ExpertAct::Silu, false);
-        moe_case(dev, &mut rng, types, (4, 256, 256, 8, 2), &LOWBIT_SEL, act);
+        moe_case(dev, &mut rng, types, LOWBIT_MOE, &LOWBIT_SEL, act);
     }
 }
 

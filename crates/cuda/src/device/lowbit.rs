@@ -19,6 +19,7 @@ use super::{
     MoeWeights, MOE_MAX_EXPERTS, ROW_WARPS,
 };
 use crate::error::CudaError;
+use crate::kernels::LB_TOKENS;
 
 /// The low-bit weight types the kernels multiply (besides F32, F16, BF16, Q8_0 and MXFP4).
 pub const LOWBIT_TYPES: [GgmlType; 9] = [
@@ -150,8 +151,9 @@ impl CudaDevice {
     }
 
     /// [`CudaDevice::matmul`] for low-bit weights (sizes checked there): the activations in
-    /// the weight's `vec_dot_type`, then a warp per row and token in the CPU engine's order
-    /// for this matrix and batch size.
+    /// the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens (the row
+    /// decoded once for them), each product in the CPU engine's order for this matrix and
+    /// batch size.
     pub(super) fn matmul_lowbit(
         &self,
         w: &DeviceMatrix,
@@ -171,7 +173,7 @@ impl CudaDevice {
             first,
             rest,
         ];
-        let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, 1), ROW_WARPS * 32)?;
+        let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, LB_TOKENS), ROW_WARPS * 32)?;
         let row_bytes = w.row_bytes as u64;
         let mut b = self.builder(name);
         b.arg(&w.data).arg(&row_bytes).arg(&xq).arg(y);
@@ -186,8 +188,9 @@ impl CudaDevice {
 
     /// The expert products of [`CudaDevice::moe`] when a set has low-bit experts (shapes
     /// checked there; gate, up and down each low-bit or Q8_0, of one type or not): the slots
-    /// counted by expert (`moe_group`), each matrix's products over activations in its own
-    /// `vec_dot_type`, the gated activation and the down biases. Returns y, `[slots][d]`.
+    /// grouped by expert (`moe_group`), each matrix's products over activations in its own
+    /// `vec_dot_type` (a warp per expert row and `LB_TOKENS` of its slots at a time), the
+    /// gated activation and the down biases. Returns y, `[slots][d]`.
     pub(super) fn moe_products_lowbit(
         &self,
         w: &MoeWeights,
@@ -207,8 +210,8 @@ impl CudaDevice {
         let n = x.len() / d;
         let slots = n * k;
         let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
-        // SAFETY: moe_group writes all ne + 1 offsets (the only ones read here) and an order
-        // entry for every slot with a valid expert (never read here).
+        // SAFETY: moe_group writes all ne + 1 offsets and an order entry for every slot with a
+        // valid expert, the only entries moe_lowbit reads.
         let mut offsets = unsafe { self.stream.alloc::<i32>(ne + 1) }?;
         // SAFETY: as above.
         let mut order = unsafe { self.stream.alloc::<i32>(slots) }?;
@@ -227,14 +230,15 @@ impl CudaDevice {
         // the size of its shared counts.
         unsafe { b.launch(one_block) }?;
 
-        let groups = (selected, &offsets);
+        let groups = (&offsets, &order);
         let xg = self.quantize_acts(vec_dot_type(w.gate.ty), x, n * d)?;
         let xu = if vec_dot_type(w.up.ty) == vec_dot_type(w.gate.ty) {
             None
         } else {
             Some(self.quantize_acts(vec_dot_type(w.up.ty), x, n * d)?)
         };
-        // SAFETY: moe_lowbit writes every slot's row (zeros for an id out of range).
+        // SAFETY: moe_lowbit writes the rows of every slot with a valid expert, the only ones
+        // moe_swiglu reads.
         let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         // SAFETY: as above.
         let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
@@ -242,46 +246,49 @@ impl CudaDevice {
         self.moe_lowbit(&w.up, xu.as_ref().unwrap_or(&xg), k, groups, &mut u)?;
         let h = self.moe_gated(w, act, (&g, &u), selected, slots)?;
         let hq = self.quantize_acts(vec_dot_type(w.down.ty), &h, slots * ff)?;
-        // SAFETY: moe_lowbit writes every slot's row.
+        // SAFETY: moe_lowbit writes the slots with a valid expert and moe_down_bias zeroes
+        // the others.
         let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
         self.moe_lowbit(&w.down, &hq, 1, groups, &mut y)?;
         self.moe_add_down_bias(w, &mut y, selected, slots)?;
         Ok(y)
     }
 
-    /// `out[slot] = experts[e] · act[slot / act_div]` for every slot of expert
-    /// `e = selected[slot]` (zeros for an id out of range), in the CPU engine's order for an
-    /// expert matmul of as many rows as `offsets` (from `moe_group`) says route to `e`.
+    /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
+    /// by `moe_group` (`groups` = its offsets and order), in the CPU engine's order for an
+    /// expert matmul of as many rows as route to `e`.
     fn moe_lowbit(
         &self,
         experts: &DeviceExperts,
         act: &CudaSlice<u8>,
         act_div: usize,
-        (selected, offsets): (&CudaSlice<i32>, &CudaSlice<i32>),
+        (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe";
         let (_, name) = product_kernels(experts.ty, OP)?;
-        let slots = out.len() / experts.rows;
         let ints = [
             i32_of(OP, "rows", experts.rows)?,
             i32_of(OP, "cols", experts.cols)?,
         ];
+        let act_div_i = i32_of(OP, "act_div", act_div)?;
         let tail = [
-            i32_of(OP, "slots", slots)?,
-            i32_of(OP, "experts", experts.n_expert)?,
             i32::from(repacked(experts.ty, experts.rows)),
             i32_of(OP, "tiled minimum", TILED_MIN_TOKENS)?,
         ];
-        let act_div_i = i32_of(OP, "act_div", act_div)?;
         let row_bytes = experts.row_bytes as u64;
-        let cfg = rows_by_tokens(OP, (experts.rows, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
+        let cfg = rows_by_tokens(
+            OP,
+            (experts.rows, ROW_WARPS),
+            (experts.n_expert, 1),
+            ROW_WARPS * 32,
+        )?;
         let mut b = self.builder(name);
         b.arg(&experts.data).arg(&row_bytes);
         for v in &ints {
             b.arg(v);
         }
-        b.arg(act).arg(&act_div_i).arg(selected).arg(offsets);
+        b.arg(act).arg(&act_div_i).arg(offsets).arg(order);
         for v in &tail {
             b.arg(v);
         }
@@ -289,7 +296,7 @@ impl CudaDevice {
         // SAFETY: argument types match `moe_lowbit_*`; experts holds n_expert × rows rows of
         // row_bytes, act the activation rows its slots name (slot / act_div < the rows
         // quantized by the caller), out a row of `rows` per slot; offsets holds n_expert + 1
-        // values and expert ids are range-checked in the kernel.
+        // values and order a slot for each of the offsets' entries (from moe_group).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

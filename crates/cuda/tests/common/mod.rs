@@ -23,8 +23,9 @@ pub const LOWBIT_TYPES: [GgmlType; 9] = hmoe_cuda::LOWBIT_TYPES;
 pub const LOWBIT_MATMULS: [(usize, usize); 2] = [(13, 512), (16, 256)];
 
 /// Token counts of the low-bit matmul tests: one token, a batch under the tiled K-quant
-/// threshold (8), and one over it (for repacked Q4_K: two groups of four and one more).
-pub const LOWBIT_TOKENS: [usize; 3] = [1, 3, 9];
+/// threshold (8), and two over it (the kernels take 8 tokens per warp; for repacked Q4_K:
+/// whole groups of four and one more, the last warp's tokens in both orders for 13).
+pub const LOWBIT_TOKENS: [usize; 4] = [1, 3, 9, 13];
 
 /// The low-bit expert sets `[gate, up, down]` of the tests: each type alone, and the mixes of
 /// Q4_K_M files (Q4_K gate/up with Q6_K down, Q5_0 with Q8_0 down).
@@ -39,9 +40,13 @@ pub fn lowbit_expert_sets() -> Vec<[GgmlType; 3]> {
         .collect()
 }
 
-/// Expert ids of the low-bit MoE tests (8 tokens × 2 slots, 4 experts): expert 1 in every
-/// token (8 slots: the tiled K-quant order), the others fewer, and an id out of range.
-pub const LOWBIT_SEL: [i32; 16] = [1, 0, 2, 1, 1, 3, 0, 1, 1, 2, 1, -1, 3, 1, 1, 0];
+/// The low-bit MoE tests' shape `(experts, d, ff, tokens, k)`.
+pub const LOWBIT_MOE: (usize, usize, usize, usize, usize) = (4, 256, 256, 10, 2);
+
+/// Expert ids of the low-bit MoE tests ([`LOWBIT_MOE`]): expert 1 in every token (10 slots:
+/// the tiled K-quant order, more than the kernels' 8 slots per warp), the others 3 each, and
+/// an id out of range.
+pub const LOWBIT_SEL: [i32; 20] = [1, 0, 2, 1, 1, 3, 0, 1, 1, 2, 1, -1, 3, 1, 1, 0, 2, 1, 1, 3];
 
 /// `rows × cols` random weights of `ty`: noise quantized by hmoe-quant where it quantizes the
 /// type, else (the K-quants) random bytes with small f16 scales.

@@ -145,14 +145,14 @@ static std::vector<u8> quantize_act(int act, const float* x, size_t len) {
     case 12: CALL(q4_k); break; case 13: CALL(q5_k); break; case 14: CALL(q6_k); break; \
     case 8: CALL(q8_0); break; }
 
-// device.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot.
+// lowbit.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot.
 static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int cols, const u8* act, int div,
-                       const int* sel, const int* offsets, int slots, float* out) {
+                       const int* offsets, const int* order, float* out) {
     unsigned long long rb = w.size() / ((size_t)ne * rows);
     int repacked = (ty == 2 || ty == 12) && rows % 8 == 0;  // lowbit.rs: repacked
     int tiled_min = 8;                                       // hmoe_quant::TILED_MIN_TOKENS
-    launch({cdiv(rows, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
-#define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, sel, offsets, slots, ne, repacked, tiled_min, out)
+    launch({cdiv(rows, ROW_WARPS), (unsigned)ne, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, offsets, order, repacked, tiled_min, out)
         LOWBIT_SWITCH(ty, CALL_MOE)
     });
 }
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
             }
             float* yp = y.data();
             const u8 *wp = w.data(), *xqp = xq.data();
-            launch({cdiv(rows, ROW_WARPS), (unsigned)n, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+            launch({cdiv(rows, ROW_WARPS), cdiv(n, LB_TOKENS), 1}, {ROW_WARPS * 32, 1, 1}, [&] {
 #define CALL_MM(S) matmul_##S(wp, rb, xqp, yp, rows, cols, n, grouped, first, rest)
                 switch (ty) {
                 case 2: CALL_MM(q4_0); break; case 3: CALL_MM(q4_1); break; case 6: CALL_MM(q5_0); break;
@@ -261,13 +261,13 @@ int main(int argc, char** argv) {
             auto xg = quantize_act(act_type(ty), x.data(), (size_t)n * d);
             auto xu = quantize_act(act_type(up_ty), x.data(), (size_t)n * d);
             std::vector<float> g((size_t)slots * ff), u((size_t)slots * ff);
-            moe_lowbit(ty, gate, ne, ff, d, xg.data(), k, sel.data(), offsets.data(), slots, g.data());
-            moe_lowbit(up_ty, up, ne, ff, d, xu.data(), k, sel.data(), offsets.data(), slots, u.data());
+            moe_lowbit(ty, gate, ne, ff, d, xg.data(), k, offsets.data(), order.data(), g.data());
+            moe_lowbit(up_ty, up, ne, ff, d, xu.data(), k, offsets.data(), order.data(), u.data());
             launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
                 moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), hb, sel.data(), hp, slots, ne, ff, act);
             });
             hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
-            moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, sel.data(), offsets.data(), slots, yp);
+            moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), yp);
             launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
         } else if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
