@@ -527,6 +527,79 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
     }
 }
 
+/// The low-bit kernels on real weights: in each real GGUF of the model cache (`$HMOE_MODELS`,
+/// default `~/.cache/hmoe-models`, filled by `scripts/fetch-real-models.sh`; Qwen2.5-Coder-0.5B
+/// Q4_K_M and SmolLM2-135M Q4_1), the first matrix of every quantized type the kernels
+/// multiply: the first 13 rows (`vec_dot` / tiled orders) and 16 rows (repacked Q4_0/Q4_K) on
+/// one token and nine, and the embedding rows of `token_embd`; REF0's bits. A model that is not
+/// there is skipped.
+#[test]
+#[ignore = "slow, and needs the real models: cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_lowbit_kernels_on_real_weights_give_the_reference_backends_bits() {
+    use hmoe_gguf::{GgufModel, LoadOptions};
+    let dir = std::env::var_os("HMOE_MODELS")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/hmoe-models")));
+    let files = [
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ];
+    let Some(emu) = Emulator::build("real") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(13);
+    for file in files {
+        let Some(path) = dir.as_ref().map(|d| d.join(file)).filter(|p| p.is_file()) else {
+            eprintln!("SKIPPED: {file} not in the model cache");
+            continue;
+        };
+        let gguf = GgufModel::open(&path, LoadOptions::default()).unwrap();
+        let mut seen = Vec::new();
+        for info in gguf.tensors() {
+            let ty = info.ty;
+            let embd = info.name == "token_embd.weight";
+            if info.dims.len() != 2 || !LOWBIT_TYPES.contains(&ty) || seen.contains(&ty) && !embd {
+                continue;
+            }
+            seen.push(ty);
+            let cols = info.dims[0] as usize;
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let data = gguf.data_of(info);
+            for rows in [13, 16] {
+                let q = &data[..rows * rb];
+                let m = cpu.upload_matrix(ty, rows, cols, q).unwrap();
+                if embd {
+                    let ids: Vec<i32> = vec![0, 12, 5, -1];
+                    emu.write("w", q);
+                    emu.write("ids", &ids);
+                    emu.run("get_rows", &[s(ty.id()), s(rows), s(cols)]);
+                    let got: Vec<f32> = emu.read("out");
+                    let mut out = cpu.alloc::<f32>(ids.len() * cols).unwrap();
+                    cpu.get_rows(&m, &cpu.upload(&ids).unwrap(), &mut out)
+                        .unwrap();
+                    let (same, _) = compare(&got, &cpu.download(&out).unwrap());
+                    assert_eq!(same, got.len(), "{file}: get_rows {}", info.name);
+                }
+                for n in [1, 9] {
+                    let x = noise(&mut rng, n * cols, 1.0);
+                    emu.write("w", q);
+                    emu.write("x", &x);
+                    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n)]);
+                    let got: Vec<f32> = emu.read("y");
+                    let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
+                    cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut yd)
+                        .unwrap();
+                    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
+                    let what = format!("{file}: {} ({ty}) {rows} rows n={n}", info.name);
+                    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+                    assert_eq!(same, got.len(), "{what}");
+                }
+            }
+        }
+    }
+}
+
 /// The kernels of latent attention and grouped routing (`rope_norm_f32`, `matmul_heads_*`,
 /// `swiglu_f32`, `attn_k_only_f16`, `attn_k_only_q8_0`, `route_f32`) against the reference
 /// device's ops, bit for bit (F16/BF16 per-head products only reported, as for `matmul`).
