@@ -39,8 +39,8 @@ const MOE_TILED_MIN_SLOTS: usize = 64;
 /// Tokens from which Q8_0/MXFP4 matmuls use the tiled kernel instead of the GEMV kernel.
 const MM_TILED_MIN_TOKENS: usize = 32;
 
-/// The weight types the kernels dequantise and multiply (`matmul`, `get_rows`, expert sets;
-/// `matmul_heads` takes the first five): F32, F16, BF16, Q8_0 and MXFP4, and the low-bit types
+/// The weight types the kernels dequantise and multiply (`matmul`, `matmul_heads`,
+/// `get_rows`, expert sets): F32, F16, BF16, Q8_0 and MXFP4, and the low-bit types
 /// of GGUF files ([`LOWBIT_TYPES`]).
 pub const SUPPORTED_TYPES: [GgmlType; 14] = [
     GgmlType::F32,

@@ -2130,6 +2130,59 @@ extern "C" __global__ void moe_lowbit_q8_0(const u8* w, u64 row_bytes, int rows,
                              tiled_min, out);
 }
 
+// Per-head products of low-bit weights (MLA's attn_k_b / attn_v_b in low-bit files):
+// y[(t * n_heads + h) * out + r] = W[h * out + r] . xq[t * n_heads + h], xq the head rows
+// gathered to `cols` values and quantized to the weight's vec_dot_type. Head h's tokens are
+// the CPU engine's batch for it: token t < grouped in mode_grouped, the others in mode_rest.
+// A warp per row and LB_TOKENS tokens of one head.
+// grid = (ceil(out / ROW_WARPS), n_heads * ceil(n / LB_TOKENS)), block = ROW_WARPS * 32.
+template <int TY>
+__device__ void matmul_heads_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, float* y,
+                                         int out, int cols, int n, int n_heads, int grouped,
+                                         int mode_grouped, int mode_rest) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int h = blockIdx.y % n_heads;
+    int t0 = blockIdx.y / n_heads * LB_TOKENS;
+    if (r >= out || t0 >= n) return;
+    int nt = n - t0 < LB_TOKENS ? n - t0 : LB_TOKENS;
+    const u8* act[LB_TOKENS];
+    int mode[LB_TOKENS];
+    float res[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        int tt = t0 + (t < nt ? t : 0);
+        act[t] = xq + ((u64)tt * n_heads + h) * lowbit_act_bytes(TY, cols);
+        mode[t] = tt < grouped ? mode_grouped : mode_rest;
+        res[t] = 0.f;
+    }
+    warp_dot_lowbit<TY>(w + ((u64)h * out + r) * row_bytes, act, mode, nt, cols, res);
+    if (threadIdx.x % WARP == 0) {
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t < nt) y[((u64)(t0 + t) * n_heads + h) * out + r] = res[t];
+        }
+    }
+}
+
+#define HEADS_LOWBIT(SUFFIX, TY)                                                                \
+    extern "C" __global__ void matmul_heads_##SUFFIX(const u8* w, u64 row_bytes, const u8* xq, \
+                                                     float* y, int out, int cols, int n,        \
+                                                     int n_heads, int grouped,                  \
+                                                     int mode_grouped, int mode_rest) {         \
+        matmul_heads_lowbit_impl<TY>(w, row_bytes, xq, y, out, cols, n, n_heads, grouped,       \
+                                     mode_grouped, mode_rest);                                  \
+    }
+
+HEADS_LOWBIT(q4_0, TY_Q4_0)
+HEADS_LOWBIT(q4_1, TY_Q4_1)
+HEADS_LOWBIT(q5_0, TY_Q5_0)
+HEADS_LOWBIT(q5_1, TY_Q5_1)
+HEADS_LOWBIT(q2_k, TY_Q2_K)
+HEADS_LOWBIT(q3_k, TY_Q3_K)
+HEADS_LOWBIT(q4_k, TY_Q4_K)
+HEADS_LOWBIT(q5_k, TY_Q5_K)
+HEADS_LOWBIT(q6_k, TY_Q6_K)
+
 // ---------------------------------------------------------------------------------------------
 // Strided row copies: row r of width values from src[r * src_stride + src_off] to
 // dst[r * dst_stride + dst_off]. One thread per element.

@@ -94,6 +94,15 @@ pub const KERNELS: &[&str] = &[
     "moe_lowbit_q5_k",
     "moe_lowbit_q6_k",
     "moe_lowbit_q8_0",
+    "matmul_heads_q4_0",
+    "matmul_heads_q4_1",
+    "matmul_heads_q5_0",
+    "matmul_heads_q5_1",
+    "matmul_heads_q2_k",
+    "matmul_heads_q3_k",
+    "matmul_heads_q4_k",
+    "matmul_heads_q5_k",
+    "matmul_heads_q6_k",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -229,6 +238,7 @@ mod tests {
             ("matmul_tiled_", "MATMUL_TILED"),
             ("moe_mm_", "MOE_MM"),
             ("matmul_heads_", "MATMUL_HEADS"),
+            ("matmul_heads_", "HEADS_LOWBIT"),
             ("get_rows_", "GET_ROWS"),
             ("matmul_", "LOWBIT"),
             ("moe_lowbit_", "LOWBIT"),

@@ -527,6 +527,67 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
     }
 }
 
+/// Runs the emulated per-head products of `nh` heads of `out` rows of `cols` of `ty` on `n`
+/// tokens whose head rows are `stride` values apart, against REF0's.
+fn matmul_heads_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    (nh, out, cols): (usize, usize, usize),
+    (stride, n): (usize, usize),
+) {
+    let w = weights(rng, ty, nh * out, cols);
+    let m = cpu.upload_matrix(ty, nh * out, cols, &w).unwrap();
+    let x = noise(rng, n * nh * stride, 2.0);
+    emu.write("w", &w);
+    emu.write("x", &x);
+    let vec_order = usize::from(!(stride == cols && n > 1));
+    let args = [ty.id() as usize, out, cols, n * nh, nh, stride, vec_order];
+    emu.run("matmul_heads", &args.map(s));
+    let got: Vec<f32> = emu.read("y");
+    let xd = cpu.upload(&x).unwrap();
+    let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
+    cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
+    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
+    let what = format!("matmul_heads {ty} {nh}x{out}x{cols} stride {stride} n {n}");
+    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    if exact(ty) {
+        assert_eq!(same, got.len(), "{what}");
+    } else {
+        assert!(max < 1e-3, "{what}");
+    }
+}
+
+/// Per-head products of the low-bit types (MLA's `attn_k_b`/`attn_v_b` in low-bit files):
+/// heads whose rows make a matrix the CPU engine repacks (Q4_0/Q4_K, 16 rows) and one it does
+/// not (9 rows), contiguous inputs (each head's batch as a dense matmul: the grouped repacked
+/// Q4_K order for 4 of 6 tokens, tiled K-quants from 8) and strided ones (`vec_dot`'s order,
+/// DeepSeek's `q_nope` inside query rows of 64 more values); REF0's bits.
+#[test]
+#[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_lowbit_matmul_heads_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("heads") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(8);
+    for ty in LOWBIT_TYPES {
+        let cols = 256;
+        for (nh, out) in [(2, 8), (3, 3)] {
+            for (stride, n) in [
+                (cols, 1),
+                (cols, 6),
+                (cols, 9),
+                (cols + 64, 3),
+                (cols + 64, 9),
+            ] {
+                matmul_heads_case(&emu, &cpu, &mut rng, ty, (nh, out, cols), (stride, n));
+            }
+        }
+    }
+}
+
 /// The low-bit kernels on real weights: in each real GGUF of the model cache (`$HMOE_MODELS`,
 /// default `~/.cache/hmoe-models`, filled by `scripts/fetch-real-models.sh`; Qwen2.5-Coder-0.5B
 /// Q4_K_M and SmolLM2-135M Q4_1), the first matrix of every quantized type the kernels
@@ -648,36 +709,8 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
 
     // Per-head products, contiguous and strided inputs.
     for ty in TYPES {
-        let (nh, out, cols) = (2, 8, 64);
-        let w = weights(&mut rng, ty, nh * out, cols);
-        let m = cpu.upload_matrix(ty, nh * out, cols, &w).unwrap();
-        for (stride, n) in [(cols, 1), (cols, 3), (cols + 32, 3)] {
-            let x = noise(&mut rng, n * nh * stride, 2.0);
-            emu.write("w", &w);
-            emu.write("x", &x);
-            let vec_order = i32::from(!(stride == cols && n > 1));
-            let args = [
-                ty.id() as usize,
-                out,
-                cols,
-                n * nh,
-                nh,
-                stride,
-                vec_order as usize,
-            ];
-            emu.run("matmul_heads", &args.map(s));
-            let got: Vec<f32> = emu.read("y");
-            let xd = cpu.upload(&x).unwrap();
-            let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
-            cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
-            let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
-            let what = format!("matmul_heads {ty} stride {stride} n {n}");
-            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-            if exact(ty) {
-                assert_eq!(same, got.len(), "{what}");
-            } else {
-                assert!(max < 1e-3, "{what}");
-            }
+        for case in [(64, 1), (64, 3), (64 + 32, 3)] {
+            matmul_heads_case(&emu, &cpu, &mut rng, ty, (2, 8, 64), case);
         }
     }
 

@@ -88,7 +88,8 @@ impl CudaDevice {
     }
 
     /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head;
-    /// F32, F16, BF16, Q8_0 and MXFP4 weights (the low-bit types are refused).
+    /// F32, F16, BF16, Q8_0, MXFP4 and the low-bit weights ([`crate::LOWBIT_TYPES`], in the
+    /// CPU engine's orders for each head's batch).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_heads(
         &self,
@@ -101,9 +102,8 @@ impl CudaDevice {
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul_heads";
-        // As the reference device: per-head products of the low-bit types are not taken.
         if super::lowbit::is_lowbit(w.ty) {
-            return Err(CudaError::UnsupportedType { ty: w.ty, op: OP });
+            return self.matmul_heads_lowbit(w, x, n, n_heads, x_stride, out, y);
         }
         let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
         ensure(!quantized || x_stride.is_multiple_of(32), OP, || {

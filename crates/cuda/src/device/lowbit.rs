@@ -1,7 +1,8 @@
 //! The low-bit weight types of GGUF files (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K) on the device:
 //! their activation quantizers (`quantize_q8_1`, `quantize_q8_k`, with `quantize_q8_0`), dense
-//! products (`matmul_*`) and expert products (`moe_lowbit_*`, Q8_0 experts too when a set mixes
-//! them with low-bit ones, as Q4_K_M files do).
+//! products (`matmul_*`), per-head products (`matmul_heads_*`, MLA's absorbed projections) and
+//! expert products (`moe_lowbit_*`, Q8_0 experts too when a set mixes them with low-bit ones,
+//! as Q4_K_M files do).
 //!
 //! Each product sums in the order of the CPU engine's kernel for it (hmoe_quant's
 //! `DotKernel::for_matrix` and `dot_tokens`, which the reference device `Ref0` calls): the
@@ -74,6 +75,38 @@ fn dense_orders(ty: GgmlType, rows: usize, n: usize) -> (usize, i32, i32) {
     } else {
         (0, LB_VEC, LB_VEC)
     }
+}
+
+/// The orders of the per-head products of `n` tokens by a `rows`-row matrix of `ty` (every
+/// head's batch; see `Cpu::matmul_heads`): a contiguous input (`dense`) as a dense matmul
+/// ([`dense_orders`]), a strided one as `matmul_vec_dot` (`BatchKind::Expert`: the repacked
+/// order for every token, tiled K-quants from [`TILED_MIN_TOKENS`], else `vec_dot`).
+fn heads_orders(ty: GgmlType, rows: usize, n: usize, dense: bool) -> (usize, i32, i32) {
+    if dense {
+        dense_orders(ty, rows, n)
+    } else if repacked(ty, rows) {
+        (0, LB_BLOCK, LB_BLOCK)
+    } else if is_kquant(ty) && n >= TILED_MIN_TOKENS {
+        (0, LB_TILED, LB_TILED)
+    } else {
+        (0, LB_VEC, LB_VEC)
+    }
+}
+
+/// The per-head product kernel of a low-bit type.
+fn heads_kernel(ty: GgmlType, op: &'static str) -> Result<&'static str, CudaError> {
+    Ok(match ty {
+        GgmlType::Q4_0 => "matmul_heads_q4_0",
+        GgmlType::Q4_1 => "matmul_heads_q4_1",
+        GgmlType::Q5_0 => "matmul_heads_q5_0",
+        GgmlType::Q5_1 => "matmul_heads_q5_1",
+        GgmlType::Q2_K => "matmul_heads_q2_k",
+        GgmlType::Q3_K => "matmul_heads_q3_k",
+        GgmlType::Q4_K => "matmul_heads_q4_k",
+        GgmlType::Q5_K => "matmul_heads_q5_k",
+        GgmlType::Q6_K => "matmul_heads_q6_k",
+        ty => return Err(CudaError::UnsupportedType { ty, op }),
+    })
 }
 
 /// The embedding kernel of a low-bit type.
@@ -182,6 +215,77 @@ impl CudaDevice {
         }
         // SAFETY: argument types match `matmul_<low-bit type>`; x holds n rows of w.cols (so
         // xq n activation rows) and y n rows of w.rows (checked by `matmul`).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// [`CudaDevice::matmul_heads`] for low-bit weights (shapes checked by the caller):
+    /// every head row's first `w.cols` values gathered (`copy_rows_f32`, when strided) and
+    /// quantized to the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens of
+    /// one head, each product in the CPU engine's order for a head's batch
+    /// ([`heads_orders`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_heads_lowbit(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        out: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul_heads";
+        let name = heads_kernel(w.ty, OP)?;
+        let n_rows = n * n_heads;
+        if n_rows == 0 || out == 0 {
+            return Ok(());
+        }
+        let cfg = rows_by_tokens(
+            OP,
+            (out, ROW_WARPS),
+            (n.div_ceil(LB_TOKENS as usize) * n_heads, 1),
+            ROW_WARPS * 32,
+        )?;
+        let dense = x_stride == w.cols;
+        let gathered;
+        let rows = if dense {
+            x
+        } else {
+            // SAFETY: copy_rows writes all n_rows × cols values before they are read.
+            let mut g = unsafe { self.stream.alloc::<f32>(n_rows * w.cols) }?;
+            let copy = hmoe_backend::RowCopy {
+                n_rows,
+                width: w.cols,
+                src_stride: x_stride,
+                src_offset: 0,
+                dst_stride: w.cols,
+                dst_offset: 0,
+            };
+            self.copy_rows(x, &mut g, &copy)?;
+            gathered = g;
+            &gathered
+        };
+        let xq = self.quantize_acts(vec_dot_type(w.ty), rows, n_rows * w.cols)?;
+        let (grouped, first, rest) = heads_orders(w.ty, w.rows, n, dense);
+        let ints = [
+            i32_of(OP, "rows per head", out)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+            i32_of(OP, "heads", n_heads)?,
+            i32_of(OP, "grouped tokens", grouped)?,
+            first,
+            rest,
+        ];
+        let row_bytes = w.row_bytes as u64;
+        let mut b = self.builder(name);
+        b.arg(&w.data).arg(&row_bytes).arg(&xq).arg(y);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types match `matmul_heads_<low-bit type>`; xq holds n × n_heads
+        // activation rows of w.cols, w n_heads × out rows, y n × n_heads rows of out (checked
+        // by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -324,12 +428,34 @@ mod tests {
     }
 
     #[test]
+    fn head_orders_follow_the_cpu_engines_matmul_and_matmul_vec_dot() {
+        let few = TILED_MIN_TOKENS - 1;
+        // Contiguous inputs: a dense matmul per head.
+        assert_eq!(
+            heads_orders(GgmlType::Q4_K, 16, 6, true),
+            (4, LB_PAIR, LB_BLOCK)
+        );
+        // Strided: every token as one (`mul_mat_id`'s order for repacked Q4_K).
+        assert_eq!(
+            heads_orders(GgmlType::Q4_K, 16, 6, false),
+            (0, LB_BLOCK, LB_BLOCK)
+        );
+        assert_eq!(heads_orders(GgmlType::Q6_K, 10, few, false).1, LB_VEC);
+        assert_eq!(
+            heads_orders(GgmlType::Q6_K, 10, TILED_MIN_TOKENS, false).1,
+            LB_TILED
+        );
+        assert_eq!(heads_orders(GgmlType::Q5_0, 16, 20, false).1, LB_VEC);
+    }
+
+    #[test]
     fn every_lowbit_type_has_its_kernels() {
         for ty in LOWBIT_TYPES {
             assert!(is_lowbit(ty));
             let (mm, moe) = product_kernels(ty, "test").unwrap();
             let rows = get_rows_kernel(ty).unwrap();
-            for name in [mm, moe, rows] {
+            let heads = heads_kernel(ty, "test").unwrap();
+            for name in [mm, moe, rows, heads] {
                 assert!(crate::kernels::KERNELS.contains(&name), "{name}");
             }
         }

@@ -368,6 +368,35 @@ int main(int argc, char** argv) {
         auto x = rd<float>(P("x"));
         std::vector<float> y((size_t)n_rows * out);
         unsigned long long rb = w.size() / ((size_t)out * nh);
+        if (lowbit(ty)) {  // lowbit.rs: matmul_heads_lowbit and heads_orders
+            int n = n_rows / nh, rows = out * nh;
+            std::vector<float> g((size_t)n_rows * cols);  // copy_rows_f32 when strided
+            for (int i = 0; i < n_rows; i++) memcpy(&g[(size_t)i * cols], &x[(size_t)i * stride], cols * 4);
+            auto xq = quantize_act(act_type(ty), g.data(), g.size());
+            bool kq = ty >= 10, rep = (ty == 2 || ty == 12) && rows % 8 == 0;
+            int grouped = 0, first = 0, rest = 0;
+            if (stride == cols && rep) {
+                first = ty == 12 ? 3 : 2;
+                rest = 2;
+                grouped = ty == 12 ? n - n % 4 : 0;
+            } else if (rep) {
+                first = rest = 2;
+            } else if (kq && n >= 8) {
+                first = rest = 1;
+            }
+            float* yp = y.data();
+            const u8 *wp = w.data(), *xqp = xq.data();
+            launch({cdiv(out, ROW_WARPS), cdiv(n, LB_TOKENS) * nh, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_HEADS(S) matmul_heads_##S(wp, rb, xqp, yp, out, cols, n, nh, grouped, first, rest)
+                switch (ty) {
+                case 2: CALL_HEADS(q4_0); break; case 3: CALL_HEADS(q4_1); break; case 6: CALL_HEADS(q5_0); break;
+                case 7: CALL_HEADS(q5_1); break; case 10: CALL_HEADS(q2_k); break; case 11: CALL_HEADS(q3_k); break;
+                case 12: CALL_HEADS(q4_k); break; case 13: CALL_HEADS(q5_k); break; case 14: CALL_HEADS(q6_k); break;
+                }
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         std::vector<u8> xq;
         if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n_rows * stride);
         const u8 *wp = w.data(), *xqp = xq.data();
