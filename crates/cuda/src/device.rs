@@ -173,7 +173,8 @@ pub struct CudaDevice {
     staging: Mutex<Option<Staging>>,
 }
 
-/// The K/V ring types the kernels store and read (`kv_store_*`, `attn_row`, `attn_flash`).
+/// The K/V ring types of K/V pairs the attention kernels read (`attn_row`, `attn_flash`);
+/// `kv_store` also stores the other types of [`K_ONLY_TYPES`].
 pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
 /// Whether [`CudaDevice::moe`] takes experts with gate, up and down of these types: one type
@@ -193,20 +194,35 @@ pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
 }
 
 /// The types of K-only (latent) rings the kernels attend over
-/// ([`hmoe_backend::Backend::k_only_types`]).
-pub const K_ONLY_TYPES: [GgmlType; 2] = [GgmlType::F16, GgmlType::Q8_0];
+/// ([`hmoe_backend::Backend::k_only_types`]): every K/V type of the contract
+/// (`hmoe_backend::KV_TYPES`). `kv_store` stores rings of all of them (the device's
+/// `kv_types`); [`KV_TYPES`] are those of K/V pairs.
+pub const K_ONLY_TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+];
 
-/// Whether a ring of `l` is one the kernels store and read: a type of [`KV_TYPES`], rotated
-/// only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
+/// Whether a ring of `l` is one the kernels store and read: a type of [`K_ONLY_TYPES`] (which
+/// holds [`KV_TYPES`]; the attention kernels also check the pair, [`kv_pair_supported`]),
+/// rotated only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
 fn kv_type_ok(l: &KvLayout) -> bool {
-    let block = !matches!(l.ty, GgmlType::F32 | GgmlType::F16);
-    KV_TYPES.contains(&l.ty) && (l.rot == 0 || block && l.rot <= ATT_MAX_HEAD_DIM)
+    let block = !matches!(l.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+    K_ONLY_TYPES.contains(&l.ty) && (l.rot == 0 || block && l.rot <= ATT_MAX_HEAD_DIM)
 }
 
 /// The store kernel of a block-quantized K/V type.
 fn kv_store_kernel(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::Q4_0 => "kv_store_q4_0",
+        GgmlType::Q4_1 => "kv_store_q4_1",
+        GgmlType::Q5_0 => "kv_store_q5_0",
+        GgmlType::Q5_1 => "kv_store_q5_1",
         _ => "kv_store_q8_0",
     }
 }
@@ -961,7 +977,7 @@ impl CudaDevice {
     }
 
     /// Writes `n_tokens` rows of `layout.width` f32 values from `src` into the K/V ring
-    /// `ring` of `layout` (one of [`KV_TYPES`]): token t goes to cell `(pos0 + t) % cells`,
+    /// `ring` of `layout` (one of [`K_ONLY_TYPES`]): token t goes to cell `(pos0 + t) % cells`,
     /// converted as the CPU engine's cache converts it (see `kv_store_*` in the kernels).
     pub fn kv_store(
         &self,
@@ -1001,6 +1017,7 @@ impl CudaDevice {
         let (kernel, grid) = match layout.ty {
             GgmlType::F16 => ("kv_store_f16", grid_1d(total, OP)?),
             GgmlType::F32 => ("kv_store_f32", grid_1d(total, OP)?),
+            GgmlType::BF16 => ("kv_store_bf16", grid_1d(total, OP)?),
             // One thread per rotation chunk (or block when not rotated).
             ty => {
                 let chunk = layout.rot.max(ty.block_elems());
@@ -1015,7 +1032,7 @@ impl CudaDevice {
             .arg(&w_i)
             .arg(&c_i)
             .arg(&pos0_i);
-        if !matches!(layout.ty, GgmlType::F16 | GgmlType::F32) {
+        if !matches!(layout.ty, GgmlType::F16 | GgmlType::F32 | GgmlType::BF16) {
             b.arg(&rot);
         }
         // SAFETY: argument types match the `kv_store_*` kernel of the type; the ring holds

@@ -738,10 +738,10 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
 // ---------------------------------------------------------------------------------------------
 // KV cache. A ring of `cells` rows of `width` values (n_kv_heads * head_dim); token t of the
 // batch goes to cell (pos0 + t) % cells. Rows are stored as the CPU engine's cache stores them
-// (ggml's set_rows): f32 as is, f16 rounded to nearest even, Q8_0 by the activations'
-// quantizer (quantize_block_q8_0), Q4_0 by ggml's reference quantizer; a block-quantized row
-// is first Walsh–Hadamard rotated in chunks of `rot` values (0: not rotated), as llama.cpp
-// rotates quantized heads.
+// (ggml's set_rows): f32 as is, f16 and bf16 rounded to nearest even, Q8_0 by the
+// activations' quantizer (quantize_block_q8_0), Q4_0, Q4_1, Q5_0 and Q5_1 by ggml's reference
+// quantizers (hmoe_quant's quantize_row); a block-quantized row is first Walsh–Hadamard
+// rotated in chunks of `rot` values (0: not rotated), as llama.cpp rotates quantized heads.
 
 extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_tokens, int width,
                                         int cells, int pos0) {
@@ -750,6 +750,15 @@ extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_toke
     int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
     u64 cell = (u64)((pos0 + t) % cells);
     cache[cell * width + c] = f2h(src[i]);
+}
+
+extern "C" __global__ void kv_store_bf16(const float* src, u16* cache, int n_tokens, int width,
+                                         int cells, int pos0) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_tokens * width) return;
+    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
+    u64 cell = (u64)((pos0 + t) % cells);
+    cache[cell * width + c] = f2bf(src[i]);
 }
 
 extern "C" __global__ void kv_store_f32(const float* src, float* cache, int n_tokens, int width,
@@ -804,12 +813,106 @@ __device__ void quantize_block_q4_0(const float* x, u8* ob) {
     }
 }
 
+// The value of the largest magnitude of a block of 32 (the first of equals), as ggml's
+// reference quantizers scan for it (`amax < |x|`).
+__device__ __forceinline__ float signed_max32(const float* x) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < 32; j++) {
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    }
+    return max;
+}
+
+// The minimum and maximum of a block of 32 as ggml's reference quantizers scan for them
+// (`x < min`, `x > max` from +-FLT_MAX).
+__device__ __forceinline__ void min_max32(const float* x, float* mn, float* mx) {
+    float lo = 3.40282347e38f, hi = -3.40282347e38f;
+    for (int j = 0; j < 32; j++) {
+        if (x[j] < lo) lo = x[j];
+        if (x[j] > hi) hi = x[j];
+    }
+    *mn = lo;
+    *mx = hi;
+}
+
+// The little-endian f16 of f at b, and the u32 v at b.
+__device__ __forceinline__ void put_f16(u8* b, float f) {
+    u16 h = f2h(f);
+    b[0] = (u8)(h & 0xffu);
+    b[1] = (u8)(h >> 8);
+}
+__device__ __forceinline__ void put_u32(u8* b, u32 v) {
+    for (int k = 0; k < 4; k++) b[k] = (u8)(v >> (8 * k));
+}
+
+// ggml's reference Q5_0 quantizer (quantize_row_q5_0_ref): d = max / -16 (max as for Q4_0),
+// q = min(31, (int8)(x / d + 16.5)); the low nibbles as Q4_0's at byte 6, the fifth bit of
+// element j in bit j of the u32 at byte 2.
+__device__ void quantize_block_q5_0(const float* x, u8* ob) {
+    float d = signed_max32(x) / -16.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    put_f16(ob, d);
+    u32 qh = 0;
+    for (int j = 0; j < 16; j++) {
+        int q0 = (int)(signed char)(int)(x[j] * id + 16.5f);
+        int q1 = (int)(signed char)(int)(x[j + 16] * id + 16.5f);
+        q0 = q0 < 31 ? q0 : 31;
+        q1 = q1 < 31 ? q1 : 31;
+        ob[6 + j] = (u8)((q0 & 15) | ((q1 & 15) << 4));
+        qh |= (u32)((q0 & 0x10) >> 4) << j;
+        qh |= (u32)((q1 & 0x10) >> 4) << (j + 16);
+    }
+    put_u32(ob + 2, qh);
+}
+
+// ggml's reference Q4_1 quantizer (quantize_row_q4_1_ref): d = (max - min) / 15, m = min,
+// q = min(15, (int8)((x - min) / d + 0.5)).
+__device__ void quantize_block_q4_1(const float* x, u8* ob) {
+    float mn, mx;
+    min_max32(x, &mn, &mx);
+    float d = (mx - mn) / 15.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    put_f16(ob, d);
+    put_f16(ob + 2, mn);
+    for (int j = 0; j < 16; j++) {
+        int q0 = (int)(signed char)(int)((x[j] - mn) * id + 0.5f);
+        int q1 = (int)(signed char)(int)((x[j + 16] - mn) * id + 0.5f);
+        q0 = q0 < 15 ? q0 : 15;
+        q1 = q1 < 15 ? q1 : 15;
+        ob[4 + j] = (u8)(q0 | (q1 << 4));
+    }
+}
+
+// ggml's reference Q5_1 quantizer (quantize_row_q5_1_ref): d = (max - min) / 31, m = min,
+// q = (uint8)((x - min) / d + 0.5); low nibbles at byte 8, fifth bits in the u32 at byte 4.
+__device__ void quantize_block_q5_1(const float* x, u8* ob) {
+    float mn, mx;
+    min_max32(x, &mn, &mx);
+    float d = (mx - mn) / 31.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    put_f16(ob, d);
+    put_f16(ob + 2, mn);
+    u32 qh = 0;
+    for (int j = 0; j < 16; j++) {
+        u32 q0 = (u8)(int)((x[j] - mn) * id + 0.5f);
+        u32 q1 = (u8)(int)((x[j + 16] - mn) * id + 0.5f);
+        ob[8 + j] = (u8)((q0 & 15u) | ((q1 & 15u) << 4));
+        qh |= ((q0 & 0x10u) >> 4) << j;
+        qh |= ((q1 & 0x10u) >> 4) << (j + 16);
+    }
+    put_u32(ob + 4, qh);
+}
+
 #define KV_MAX_CHUNK 256
 
 // One thread per chunk of max(rot, 32) values (at most KV_MAX_CHUNK) of the batch's rows:
 // each `rot` values of it rotated (rot > 0), then quantized block by block into its cell.
 __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int width, int cells,
-                                int pos0, int rot, int block_bytes, bool q4) {
+                                int pos0, int rot, int ty) {
+    int block_bytes = lowbit_block_bytes(ty);
     int chunk = rot > 32 ? rot : 32;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 per_row = (u64)(width / chunk);
@@ -823,23 +926,27 @@ __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int w
     u8* row = cache + cell * (u64)(width / 32) * block_bytes;
     for (int b = 0; b < chunk / 32; b++) {
         u8* ob = row + (u64)(c * (chunk / 32) + b) * block_bytes;
-        if (q4) {
-            quantize_block_q4_0(x + 32 * b, ob);
-        } else {
-            quantize_block_q8_0(x + 32 * b, ob);
+        switch (ty) {
+        case TY_Q4_0: quantize_block_q4_0(x + 32 * b, ob); break;
+        case TY_Q4_1: quantize_block_q4_1(x + 32 * b, ob); break;
+        case TY_Q5_0: quantize_block_q5_0(x + 32 * b, ob); break;
+        case TY_Q5_1: quantize_block_q5_1(x + 32 * b, ob); break;
+        default: quantize_block_q8_0(x + 32 * b, ob); break;
         }
     }
 }
 
-extern "C" __global__ void kv_store_q8_0(const float* src, u8* cache, int n_tokens, int width,
-                                         int cells, int pos0, int rot) {
-    kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, 34, false);
-}
+#define KV_STORE_BLOCKS(SUFFIX, TY)                                                             \
+    extern "C" __global__ void kv_store_##SUFFIX(const float* src, u8* cache, int n_tokens,    \
+                                                 int width, int cells, int pos0, int rot) {     \
+        kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, TY);                     \
+    }
 
-extern "C" __global__ void kv_store_q4_0(const float* src, u8* cache, int n_tokens, int width,
-                                         int cells, int pos0, int rot) {
-    kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, 18, true);
-}
+KV_STORE_BLOCKS(q8_0, TY_Q8_0)
+KV_STORE_BLOCKS(q4_0, TY_Q4_0)
+KV_STORE_BLOCKS(q4_1, TY_Q4_1)
+KV_STORE_BLOCKS(q5_0, TY_Q5_0)
+KV_STORE_BLOCKS(q5_1, TY_Q5_1)
 
 // Element i of an f32 (ty TY_F32) or f16 ring, as f32.
 __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
@@ -2270,23 +2377,29 @@ extern "C" __global__ void swiglu_f32(float* gate, const float* up, u64 total, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention over a K-only f16 or Q8_0 ring (multi-head latent attention in its absorbed form): every
-// query head against the one key head; the value of a position is the first v_dim elements of
-// its key. q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at
-// position pos0 + t and sees 0 ..= pos.
+// Attention over a K-only ring (multi-head latent attention in its absorbed form) of any K/V
+// type (TY: f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; not rotated): every query head
+// against the one key head; the value of a position is the first v_dim elements of its key.
+// q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at position
+// pos0 + t and sees 0 ..= pos.
 //
-// The CPU engine's numerics (Ref0::attention_k_only), bit for bit: the query rounded to f16;
-// scores in vec_dot_f16 order (one query token, or a key not whole 16-lane steps long) or
-// tinyBLAS's 16 lanes, times scale; m = the largest score; expf_ggml(s - m) summed by halving
-// per chunk of 16 positions, chunk sums added in f64 in order; probabilities expf_ggml(s - m) *
-// (f32)(1 / sum) rounded to f16; value dimension d sums fma(v, p, acc) per (chain, lane) with
-// lane = position % 16 and chain = (position / 16) % 4 for one query token (vec_dot's four
-// chains; 1 chain for a batch), then (c0 + c2) + (c1 + c3) per lane and by halving.
+// The CPU engine's numerics (Ref0::attention_k_only), bit for bit: the query as the keys'
+// vec_dot takes it (f32 as is; rounded to f16 or bf16; for block keys its Q8_0 blocks, Q8_1
+// for Q4_1/Q5_1, in qq from quantize_acts); scores: f32 keys in vec_dot_f32 order, f16 keys
+// in vec_dot_f16 order (one query token, or a key not whole 16-lane steps long) or tinyBLAS's
+// 16 lanes, bf16 keys in ggml's bf16 vec_dot order, block keys in ggml's vec_dot order (see
+// k_only_score_blocks); times scale; m = the largest score; expf_ggml(s - m) summed by halving
+// per chunk of 16 positions, chunk sums added in f64 in order; probabilities expf_ggml(s - m)
+// * (f32)(1 / sum), rounded to f16 / bf16 for f16 / bf16 rings; values read as
+// dequantize_row reads them; value dimension d sums fma(v, p, acc) per (chain, lane) with
+// lane = position % 16 and chain = (position / 16) % 4 for one query token over f32/f16 keys
+// (vec_dot's four chains; else 1 chain), then (c0 + c2) + (c1 + c3) per lane and by halving.
 //
 // One block per (head, token), KO_THREADS threads: each thread scores one position of a tile
 // of KO_THREADS positions (whole chunks) at a time, serially in the CPU's order; thread d
 // accumulates value dims d, d + KO_THREADS. k_dim <= KO_MAX_K, v_dim <= KO_THREADS *
-// KO_DIMS_PER_THREAD. grid = (n_head, n_tokens), block = KO_THREADS.
+// KO_DIMS_PER_THREAD; block rings: k_dim and v_dim multiples of 32.
+// grid = (n_head, n_tokens), block = KO_THREADS.
 #define KO_THREADS 256
 #define KO_MAX_K 1024
 #define KO_DIMS_PER_THREAD 2
@@ -2299,12 +2412,22 @@ __device__ float reduce16_serial(const float* a) {
     return (t4[0] + t4[2]) + (t4[1] + t4[3]);
 }
 
-__device__ float k_only_score(const float* q16, const u16* k, int kd, int lanes) {
+// Whether K-only rings of TY are block-quantized (their query as blocks).
+__device__ __forceinline__ bool ko_blocks(int ty) {
+    return ty != TY_F32 && ty != TY_F16 && ty != TY_BF16;
+}
+
+// f32 keys (TY_F32) or f16 keys (TY_F16) against the query qf (f16-rounded for f16 keys): with
+// `lanes` (f16 only) element i fused into lane i % 16, summed by halving; else vec_dot's four
+// 16-lane chains over 64-element steps folded (s0 + s2) + (s1 + s3), summed by halving, then
+// the last kd % 64 products added one by one (in f32 for f32, in f64 for f16).
+template <int TY>
+__device__ float k_only_score_float(const float* qf, const u8* row, int kd, int lanes) {
     float acc[4][16];
     for (int j = 0; j < 4; j++)
         for (int l = 0; l < 16; l++) acc[j][l] = 0.f;
-    if (lanes) {
-        for (int i = 0; i < kd; i++) acc[0][i % 16] = fmaf(q16[i], h2f(k[i]), acc[0][i % 16]);
+    if (TY == TY_F16 && lanes) {
+        for (int i = 0; i < kd; i++) acc[0][i % 16] = fmaf(qf[i], load_w<TY>(row, i), acc[0][i % 16]);
         return reduce16_serial(acc[0]);
     }
     int np = kd / 64 * 64;
@@ -2312,53 +2435,89 @@ __device__ float k_only_score(const float* q16, const u16* k, int kd, int lanes)
         for (int j = 0; j < 4; j++)
             for (int l = 0; l < 16; l++) {
                 int i = b + 16 * j + l;
-                acc[j][l] = fmaf(q16[i], h2f(k[i]), acc[j][l]);
+                acc[j][l] = fmaf(qf[i], load_w<TY>(row, i), acc[j][l]);
             }
     float folded[16];
     for (int l = 0; l < 16; l++) folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-    double sum = (double)reduce16_serial(folded);
-    for (int i = np; i < kd; i++) sum += (double)(q16[i] * h2f(k[i]));
+    float head = reduce16_serial(folded);
+    if (TY == TY_F32) {
+        for (int i = np; i < kd; i++) head = head + qf[i] * load_w<TY>(row, i);
+        return head;
+    }
+    double sum = (double)head;
+    for (int i = np; i < kd; i++) sum += (double)(qf[i] * load_w<TY>(row, i));
     return (float)sum;
 }
 
-// Q8_0 x Q8_0 of one key with the query's Q8_0 blocks, serially in hmoe_quant's dot_q8_0
-// order (warp_dot_q8_0's chain): nb blocks.
-__device__ float k_only_score_q8_0(const u8* qb, const u8* k, int nb) {
-    float acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = 0.f;
-    for (int b = 0; b < nb; b++) {
-        const u8* kb = k + (u64)b * 34u;
-        const u8* ab = qb + (u64)b * 34u;
-        float d = q8_scale(kb) * q8_scale(ab);
-        for (int j = 0; j < 8; j++) {
-            int s = 0;
-            for (int i = 4 * j; i < 4 * j + 4; i++) s += (int)(signed char)kb[2 + i] * (int)(signed char)ab[2 + i];
-            acc[j] = fmaf(d, (float)s, acc[j]);
+// bf16 keys against the bf16-rounded query in ggml's bf16 vec_dot order (hmoe_quant's
+// dot_bf16): two 16-lane accumulators over 32-element steps (elements 32s + l and
+// 32s + 16 + l) adding unfused products, each summed by halving and added in f64 from zero,
+// then the last kd % 32 products in f64.
+__device__ float k_only_score_bf16(const float* qf, const u8* row, int kd) {
+    float c1[16], c2[16];
+    for (int l = 0; l < 16; l++) c1[l] = c2[l] = 0.f;
+    int np = kd / 32 * 32;
+    for (int b = 0; b < np; b += 32)
+        for (int l = 0; l < 16; l++) {
+            c1[l] = c1[l] + load_w<TY_BF16>(row, b + l) * qf[b + l];
+            c2[l] = c2[l] + load_w<TY_BF16>(row, b + 16 + l) * qf[b + 16 + l];
         }
-    }
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    double sum = 0.0;
+    sum += (double)reduce16_serial(c1);
+    sum += (double)reduce16_serial(c2);
+    for (int i = np; i < kd; i++) sum += (double)(load_w<TY_BF16>(row, i) * qf[i]);
+    return (float)sum;
 }
 
-// The scaled score of the key at `row` (f16 keys against the f16-rounded query q16, or Q8_0
-// keys against the query's Q8_0 blocks qb).
-template <int Q8>
-__device__ float k_only_score_at(const float* q16, const u8* qb, const u8* row, int k_dim,
+// A key of nb legacy blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) against the query's Q8_0 (Q8_1)
+// blocks qb, serially in ggml's vec_dot order (warp_dot_legacy's LB_VEC chain): for each
+// block in order, accumulator k takes fma(d_k · d_q, Σ of elements 4k..4k+3, acc_k); Q4_1/Q5_1
+// fuse m_k · s_q into a chain of their own; hsum8 of the eight, plus that chain.
+template <int TY>
+__device__ float k_only_score_blocks(const u8* qb, const u8* k, int nb) {
+    const bool has_min = TY == TY_Q4_1 || TY == TY_Q5_1;
+    const u32 kbytes = (u32)lowbit_block_bytes(TY), abytes = has_min ? 36u : 34u;
+    const int aq = has_min ? 4 : 2;
+    float acc[8], acc2 = 0.f;
+    for (int j = 0; j < 8; j++) acc[j] = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const u8* kb = k + (u64)b * kbytes;
+        const u8* ab = qb + (u64)b * abytes;
+        float d = f16_at(kb, 0) * f16_at(ab, 0);
+        for (int j = 0; j < 8; j++) {
+            int s = 0;
+            for (int i = 4 * j; i < 4 * j + 4; i++) s += legacy_q<TY>(kb, i) * (int)(signed char)ab[aq + i];
+            acc[j] = fmaf(d, (float)s, acc[j]);
+        }
+        if (has_min) acc2 = fmaf(f16_at(kb, 1), f16_at(ab, 1), acc2);
+    }
+    float r = hsum8(acc);
+    return has_min ? r + acc2 : r;
+}
+
+// The scaled score of the key at `row` (float keys against the converted query qf, block keys
+// against the query's blocks qb).
+template <int TY>
+__device__ float k_only_score_at(const float* qf, const u8* qb, const u8* row, int k_dim,
                                  int lanes, float scale) {
-    float s = Q8 ? k_only_score_q8_0(qb, row, k_dim / 32)
-                 : k_only_score(q16, (const u16*)row, k_dim, lanes);
+    float s;
+    if (TY == TY_F32 || TY == TY_F16) {
+        s = k_only_score_float<TY>(qf, row, k_dim, lanes);
+    } else if (TY == TY_BF16) {
+        s = k_only_score_bf16(qf, row, k_dim);
+    } else {
+        s = k_only_score_blocks<TY>(qb, row, k_dim / 32);
+    }
     return s * scale;
 }
 
-// The body of attn_k_only_f16 (Q8 = 0) and attn_k_only_q8_0 (Q8 = 1). A Q8_0 ring (the CPU
-// engine's row kernel over block keys with the values in them): the query as Q8_0 blocks (qq,
-// quantize_q8_0 of q), scores by k_only_score_q8_0, probabilities not rounded, values
-// dequantized (d * q), summed in one 16-lane chain also for one query token.
-template <int Q8>
+// The body of attn_k_only_<type>: q the queries (f32), qq their blocks for block rings.
+template <int TY>
 __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, float* out,
                                  int n_tokens, int n_head, int k_dim, int v_dim, int cells,
                                  int pos0, float scale) {
     __shared__ float sm_q[KO_MAX_K];
-    __shared__ u8 sm_qq[KO_MAX_K / 32 * 34];
+    __shared__ u8 sm_qq[KO_MAX_K / 32 * 36];
     __shared__ float sm_e[KO_THREADS];
     __shared__ float sm_red[KO_THREADS];
     __shared__ double sm_sum;
@@ -2368,15 +2527,20 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     int pos = pos0 + t;
     int single = n_tokens == 1;
     int lanes = !single && k_dim % 16 == 0;
-    int chains = single && !Q8 ? 4 : 1;
-    u64 row_bytes = Q8 ? (u64)(k_dim / 32) * 34u : (u64)k_dim * 2u;
-    if (Q8) {
-        u64 qb = (u64)(k_dim / 32) * 34u;
+    int chains = single && (TY == TY_F32 || TY == TY_F16) ? 4 : 1;
+    const bool blocks = ko_blocks(TY);
+    u64 row_bytes = blocks ? (u64)(k_dim / 32) * (u32)lowbit_block_bytes(TY)
+                           : (u64)k_dim * (TY == TY_F32 ? 4u : 2u);
+    if (blocks) {
+        u64 qb = lowbit_act_bytes(TY, k_dim);
         const u8* qh = qq + ((u64)t * n_head + h) * qb;
         for (u64 i = tid; i < qb; i += KO_THREADS) sm_qq[i] = qh[i];
     } else {
         const float* qh = q + ((u64)t * n_head + h) * k_dim;
-        for (int i = tid; i < k_dim; i += KO_THREADS) sm_q[i] = h2f(f2h(qh[i]));
+        for (int i = tid; i < k_dim; i += KO_THREADS) {
+            float v = qh[i];
+            sm_q[i] = TY == TY_F16 ? h2f(f2h(v)) : TY == TY_BF16 ? bf2f(f2bf(v)) : v;
+        }
     }
     __syncthreads();
     int n_tiles = (pos + KO_THREADS) / KO_THREADS;
@@ -2385,7 +2549,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     float m = -f_inf();
     for (int tile = 0; tile < n_tiles; tile++) {
         int p = tile * KO_THREADS + tid;
-        if (p <= pos) m = fmaxf(m, k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale));
+        if (p <= pos) m = fmaxf(m, k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale));
     }
     sm_red[tid] = m;
     __syncthreads();
@@ -2403,7 +2567,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     for (int tile = 0; tile < n_tiles; tile++) {
         int p = tile * KO_THREADS + tid;
         float e = 0.f;
-        if (p <= pos) e = expf_ggml(k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big);
+        if (p <= pos) e = expf_ggml(k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big);
         sm_e[tid] = e;
         __syncthreads();
         if (tid == 0) {
@@ -2424,8 +2588,9 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
         int p = tile * KO_THREADS + tid;
         float w = 0.f;
         if (p <= pos) {
-            w = expf_ggml(k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv;
-            if (!Q8) w = h2f(f2h(w));
+            w = expf_ggml(k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv;
+            if (TY == TY_F16) w = h2f(f2h(w));
+            if (TY == TY_BF16) w = bf2f(f2bf(w));
         }
         __syncthreads();
         sm_e[tid] = w;
@@ -2438,14 +2603,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
             for (int k = 0; k < KO_DIMS_PER_THREAD; k++) {
                 int d = tid + k * KO_THREADS;
                 if (d >= v_dim) continue;
-                float v;
-                if (Q8) {
-                    const u8* vb = row + (u64)(d / 32) * 34u;
-                    v = q8_scale(vb) * (float)(signed char)vb[2 + d % 32];
-                } else {
-                    v = h2f(((const u16*)row)[d]);
-                }
-                acc[k][chain][lane] = fmaf(v, sm_e[i], acc[k][chain][lane]);
+                acc[k][chain][lane] = fmaf(load_w<TY>(row, d), sm_e[i], acc[k][chain][lane]);
             }
         }
     }
@@ -2462,21 +2620,26 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     }
 }
 
-extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float* out,
-                                           int n_tokens, int n_head, int k_dim, int v_dim,
-                                           int cells, int pos0, float scale) {
-    attn_k_only_body<0>(q, nullptr, (const u8*)kc, out, n_tokens, n_head, k_dim, v_dim, cells,
-                        pos0, scale);
-}
+// attn_k_only_<type>(q, qq, kc, out, ...): q the queries (f32; read for f32/f16/bf16 rings),
+// qq their Q8_0 or Q8_1 blocks ([n_tokens][n_head][k_dim / 32]; read for block rings), kc the
+// ring's bytes (aligned for its element type).
+#define K_ONLY(SUFFIX, TY)                                                                      \
+    extern "C" __global__ void attn_k_only_##SUFFIX(const float* q, const u8* qq, const u8* kc, \
+                                                    float* out, int n_tokens, int n_head,       \
+                                                    int k_dim, int v_dim, int cells, int pos0,  \
+                                                    float scale) {                              \
+        attn_k_only_body<TY>(q, qq, kc, out, n_tokens, n_head, k_dim, v_dim, cells, pos0,       \
+                             scale);                                                            \
+    }
 
-// attn_k_only_f16 over a Q8_0 ring (k_dim and v_dim multiples of 32): qq is the queries as
-// Q8_0 blocks ([n_tokens][n_head][k_dim / 32]).
-extern "C" __global__ void attn_k_only_q8_0(const u8* qq, const u8* kc, float* out,
-                                            int n_tokens, int n_head, int k_dim, int v_dim,
-                                            int cells, int pos0, float scale) {
-    attn_k_only_body<1>(nullptr, qq, kc, out, n_tokens, n_head, k_dim, v_dim, cells, pos0,
-                        scale);
-}
+K_ONLY(f32, TY_F32)
+K_ONLY(f16, TY_F16)
+K_ONLY(bf16, TY_BF16)
+K_ONLY(q8_0, TY_Q8_0)
+K_ONLY(q4_0, TY_Q4_0)
+K_ONLY(q4_1, TY_Q4_1)
+K_ONLY(q5_0, TY_Q5_0)
+K_ONLY(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
 // Expert choice (the CPU engine's gate_probs + Routing::select), one thread per token: gate

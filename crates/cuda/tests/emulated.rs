@@ -15,11 +15,10 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use half::f16;
 use hmoe_backend::{
     AttnParams, Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0,
 };
-use hmoe_quant::{quantize_row, GgmlType};
+use hmoe_quant::GgmlType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -661,13 +660,127 @@ fn emulated_lowbit_kernels_on_real_weights_give_the_reference_backends_bits() {
     }
 }
 
+/// Runs the emulated attention over a random K-only ring of `ty` (2 heads, 40 cells, keys of
+/// `kd` values, values the first `vd`) for `n` tokens from `pos0` against REF0's.
+fn k_only_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    (kd, vd): (usize, usize),
+    (pos0, n): (usize, usize),
+) {
+    use hmoe_backend::KOnlyAttnParams;
+    let (nh, cells) = (2, 40);
+    let p = KOnlyAttnParams {
+        n_head: nh,
+        k_dim: kd,
+        v_dim: vd,
+        cells,
+        scale: 0.05,
+    };
+    let layout = KvLayout::new(ty, kd, cells, 0).unwrap();
+    let bytes = ref_ring(cpu, layout, &noise(rng, cells * kd, 3.0));
+    let q = noise(rng, n * nh * kd, 3.0);
+    emu.write("q", &q);
+    emu.write("k", &bytes);
+    let args = [
+        s(n),
+        s(nh),
+        s(kd),
+        s(vd),
+        s(cells),
+        s(pos0),
+        s(p.scale.to_bits()),
+        s(ty.id()),
+    ];
+    emu.run("attn_k_only", &args);
+    let got: Vec<f32> = emu.read("out");
+    let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
+    let ring = KvRing {
+        data: cpu.upload(&bytes).unwrap(),
+        layout,
+    };
+    let qd = cpu.upload(&q).unwrap();
+    cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
+        .unwrap();
+    let (same, max) = compare(&got, &cpu.download(&out).unwrap());
+    let what = format!("attention_k_only {ty} kd {kd} vd {vd} pos0 {pos0} n {n}");
+    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    assert_eq!(same, got.len(), "{what}");
+}
+
+/// The K/V store of the types only K-only rings use, and attention over K-only (latent)
+/// rings of every K/V type (f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): keys whose last 64-element step (f32, f16) or 32-element step (bf16) is
+/// partial and whole ones, one query token (four value chains for f32/f16) and a batch,
+/// positions over more than one chunk of 16; REF0's bits.
+#[test]
+#[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_k_only_rings_of_every_type_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("k_only") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(9);
+    // The K/V store of the types only K-only rings use (bf16, Q4_1, Q5_0, Q5_1; block types
+    // also rotated): REF0's bytes, in a ring that wraps, with an all-zero block and one whose
+    // largest magnitudes tie.
+    for ty in [
+        GgmlType::BF16,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+    ] {
+        let rots: &[usize] = match ty {
+            GgmlType::BF16 => &[0],
+            _ => &[0, 64],
+        };
+        for &rot in rots {
+            let (width, cells, pos0, n) = (128usize, 5usize, 3usize, 4usize);
+            let layout = KvLayout::new(ty, width, cells, rot).unwrap();
+            let before = ref_ring(&cpu, layout, &noise(&mut rng, cells * width, 1.0));
+            let mut rows = noise(&mut rng, n * width, 2.0);
+            rows[..32].fill(0.0);
+            rows[32..64].fill(0.25);
+            rows[40] = -0.75;
+            rows[50] = 0.75;
+            let mut ring = KvRing::<Ref0> {
+                data: cpu.upload(&before).unwrap(),
+                layout,
+            };
+            cpu.kv_store(&cpu.upload(&rows).unwrap(), &mut ring, n, pos0)
+                .unwrap();
+            emu.write("src", &rows);
+            emu.write("ring", &before);
+            let args = [ty.id() as usize, n, width, cells, pos0, rot];
+            emu.run("kv_store", &args.map(s));
+            let got: Vec<u8> = emu.read("ring");
+            assert!(
+                got == cpu.download(&ring.data).unwrap(),
+                "kv_store {ty} rot {rot}"
+            );
+        }
+    }
+    for ty in hmoe_cuda::K_ONLY_TYPES {
+        let dims: &[(usize, usize)] = match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[(80, 48), (128, 64)],
+            _ => &[(96, 64)],
+        };
+        for &dims in dims {
+            for case in [(20, 1), (3, 5), (34, 4)] {
+                k_only_case(&emu, &cpu, &mut rng, ty, dims, case);
+            }
+        }
+    }
+}
+
 /// The kernels of latent attention and grouped routing (`rope_norm_f32`, `matmul_heads_*`,
 /// `swiglu_f32`, `attn_k_only_f16`, `attn_k_only_q8_0`, `route_f32`) against the reference
 /// device's ops, bit for bit (F16/BF16 per-head products only reported, as for `matmul`).
 #[test]
 #[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
-    use hmoe_backend::{Gating, KOnlyAttnParams, RopeParams, Routing};
+    use hmoe_backend::{Gating, RopeParams, Routing};
     let Some(emu) = Emulator::build("latent") else {
         return;
     };
@@ -732,10 +845,6 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         assert_eq!(same, got.len(), "swiglu n {n}");
     }
 
-    let ggml_id = |ty: GgmlType| match ty {
-        GgmlType::Q8_0 => 8,
-        _ => 1,
-    };
     // K-only attention: f16 keys not whole 16-lane steps (24) and whole (32), Q8_0 keys (the
     // query quantized, values dequantized from the keys), one token and a batch, more than
     // one chunk of 16 positions.
@@ -745,54 +854,8 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         (GgmlType::Q8_0, 64, 32),
         (GgmlType::Q8_0, 96, 64),
     ] {
-        let (nh, cells) = (2, 40);
-        for (pos0, n) in [(20, 1), (3, 5)] {
-            let p = KOnlyAttnParams {
-                n_head: nh,
-                k_dim: kd,
-                v_dim: vd,
-                cells,
-                scale: 0.05,
-            };
-            let keys = noise(&mut rng, cells * kd, 3.0);
-            let bytes: Vec<u8> = match ty {
-                GgmlType::F16 => keys
-                    .iter()
-                    .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
-                    .collect(),
-                _ => {
-                    let mut b = vec![0u8; ty.row_bytes(keys.len() as u64).unwrap() as usize];
-                    quantize_row(ty, &keys, &mut b).unwrap();
-                    b
-                }
-            };
-            let q = noise(&mut rng, n * nh * kd, 3.0);
-            emu.write("q", &q);
-            emu.write("k", &bytes);
-            let args = [
-                s(n),
-                s(nh),
-                s(kd),
-                s(vd),
-                s(cells),
-                s(pos0),
-                s(p.scale.to_bits()),
-                s(ggml_id(ty)),
-            ];
-            emu.run("attn_k_only", &args);
-            let got: Vec<f32> = emu.read("out");
-            let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
-            let ring = KvRing {
-                data: cpu.upload(&bytes).unwrap(),
-                layout: KvLayout::new(ty, kd, cells, 0).unwrap(),
-            };
-            let qd = cpu.upload(&q).unwrap();
-            cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
-                .unwrap();
-            let (same, max) = compare(&got, &cpu.download(&out).unwrap());
-            let what = format!("attention_k_only {ty} kd {kd} pos0 {pos0} n {n}");
-            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-            assert_eq!(same, got.len(), "{what}");
+        for case in [(20, 1), (3, 5)] {
+            k_only_case(&emu, &cpu, &mut rng, ty, (kd, vd), case);
         }
     }
 

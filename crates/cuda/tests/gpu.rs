@@ -277,6 +277,59 @@ fn matmul_heads_lowbit_types_give_the_cpus_bits() {
     }
 }
 
+/// Attention over a K-only ring of `layout` holding `keys` (stored by the backend itself) for
+/// `n` tokens from `pos0`, on any backend.
+fn k_only_on<B: Backend>(
+    be: &B,
+    p: &hmoe_backend::KOnlyAttnParams,
+    layout: hmoe_backend::KvLayout,
+    keys: &[f32],
+    q: &[f32],
+    (pos0, n): (usize, usize),
+) -> Vec<f32> {
+    let mut ring = be.kv_alloc(layout).unwrap();
+    let kd = be.upload(keys).unwrap();
+    be.kv_store(&kd, &mut ring, layout.cells, 0).unwrap();
+    let qd = be.upload(q).unwrap();
+    let mut out = be.alloc::<f32>(n * p.n_head * p.v_dim).unwrap();
+    be.attention_k_only(p, &qd, &ring, n, pos0, &mut out)
+        .unwrap();
+    be.download(&out).unwrap()
+}
+
+/// Attention over K-only (latent) rings of every K/V type, stored on the device: REF0's bits
+/// with DeepSeek's latent widths (keys of 576 = 512 + 64, values the first 512), 16 heads,
+/// one query token and batches, contexts of one and of several tiles of positions.
+#[test]
+fn attention_k_only_of_every_ring_type_gives_the_cpus_bits() {
+    let Some(dev) = device() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(22);
+    for ty in hmoe_cuda::K_ONLY_TYPES {
+        for (kd, vd) in [(576, 512), (96, 64)] {
+            let cells = 700;
+            let p = hmoe_backend::KOnlyAttnParams {
+                n_head: 16,
+                k_dim: kd,
+                v_dim: vd,
+                cells,
+                scale: 1.0 / (kd as f32).sqrt(),
+            };
+            let layout = hmoe_backend::KvLayout::new(ty, kd, cells, 0).unwrap();
+            let keys = noise(&mut rng, cells * kd, 2.0);
+            for (pos0, n) in [(0, 1), (600, 1), (0, 7), (500, 40)] {
+                let q = noise(&mut rng, n * p.n_head * kd, 2.0);
+                let got = k_only_on(dev, &p, layout, &keys, &q, (pos0, n));
+                let want = k_only_on(&cpu, &p, layout, &keys, &q, (pos0, n));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let what = format!("attention_k_only {ty} kd {kd} pos0 {pos0} n={n} [{i}]");
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn adds() {
     let Some(dev) = device() else { return };

@@ -323,11 +323,18 @@ int main(int argc, char** argv) {
             launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f32(src.data(), (float*)r, n_tokens, width, cells, pos0); });
         } else if (ty == 1) {
             launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
+        } else if (ty == 30) {
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_bf16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
         } else {
             unsigned chunk = rot > 32 ? rot : 32;
             launch({cdiv(total / chunk, 256), 1, 1}, {256, 1, 1}, [&] {
-                if (ty == 2) kv_store_q4_0(src.data(), r, n_tokens, width, cells, pos0, rot);
-                else kv_store_q8_0(src.data(), r, n_tokens, width, cells, pos0, rot);
+                switch (ty) {
+                case 2: kv_store_q4_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 3: kv_store_q4_1(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 6: kv_store_q5_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 7: kv_store_q5_1(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                default: kv_store_q8_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                }
             });
         }
         wr(P("ring"), ring);
@@ -424,22 +431,24 @@ int main(int argc, char** argv) {
         int n = atoi(argv[3]), nh = atoi(argv[4]), kd = atoi(argv[5]), vd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]);
         float scale = __uint_as_float((unsigned)strtoul(argv[9], nullptr, 10));
-        int ty = argc > 10 ? atoi(argv[10]) : 1;  // ggml type id: 1 f16, 8 q8_0
+        int ty = atoi(argv[10]);  // the ring's ggml type id
         auto q = rd<float>(P("q"));
+        auto kc = rd<u8>(P("k"));
         std::vector<float> out((size_t)n * nh * vd);
         float* o = out.data();
-        if (ty == 8) {
-            auto kc = rd<u8>(P("k"));
-            auto qq = quantize(q.data(), q.size());
-            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-                attn_k_only_q8_0(qq.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
-            });
-        } else {
-            auto kc = rd<unsigned short>(P("k"));
-            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-                attn_k_only_f16(q.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
-            });
-        }
+        // ext.rs: the queries in the keys' vec_dot_type for block rings.
+        bool blocks = ty != 0 && ty != 1 && ty != 30;
+        std::vector<u8> qq;
+        if (blocks) qq = quantize_act(act_type(ty), q.data(), q.size());
+        const u8 *qqp = qq.data(), *kp = kc.data();
+        launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+#define CALL_KO(S) attn_k_only_##S(q.data(), qqp, kp, o, n, nh, kd, vd, cells, pos0, scale)
+            switch (ty) {
+            case 0: CALL_KO(f32); break; case 1: CALL_KO(f16); break; case 30: CALL_KO(bf16); break;
+            case 8: CALL_KO(q8_0); break; case 2: CALL_KO(q4_0); break; case 3: CALL_KO(q4_1); break;
+            case 6: CALL_KO(q5_0); break; case 7: CALL_KO(q5_1); break;
+            }
+        });
         wr(P("out"), out);
     } else if (op == "route") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]), gating = atoi(argv[6]),
