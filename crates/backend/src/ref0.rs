@@ -24,7 +24,9 @@
 //!   the experts (`moe`) take them too, each expert's rows multiplied together in the order
 //!   of the CPU engine's expert matmul (`BatchKind::Expert`: tiled K-quants from 8 rows routed
 //!   to the expert), and an expert set's gate, up and down may be of different types (as in
-//!   Q4_K_M files); `matmul_heads` does not take them.
+//!   Q4_K_M files); `matmul_heads` multiplies each head's rows with the head's inputs of
+//!   every token together, as the CPU engine's MLA does (`dot_tokens` of the `Dense` kind for contiguous
+//!   inputs, of the `Expert` kind, `vec_dot`'s order, for strided ones).
 //! - The experts (`moe`) run as the CPU engine's host experts do: each expert's routed rows
 //!   together, then every token's slot outputs weighted and added in slot order from zero.
 //! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
@@ -54,7 +56,7 @@ pub const REF0_NAME: &str = "REF0";
 
 /// The weight types the reference device multiplies: those of the CUDA kernels (F32, F16,
 /// BF16, Q8_0, MXFP4), with its own code in the CPU engine's orders, and every other type the
-/// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]; not `matmul_heads`).
+/// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]).
 pub const REF0_TYPES: [GgmlType; 14] = [
     GgmlType::F32,
     GgmlType::F16,
@@ -73,8 +75,8 @@ pub const REF0_TYPES: [GgmlType; 14] = [
 ];
 
 /// The weight types of [`REF0_TYPES`] that the reference device multiplies with hmoe-quant's
-/// kernels (the CPU engine's, chosen per matrix): `matmul`, `get_rows` and expert sets take
-/// them; `matmul_heads` refuses them ([`BackendError::UnsupportedType`]).
+/// kernels (the CPU engine's, chosen per matrix): `matmul`, `matmul_heads`, `get_rows` and
+/// expert sets take them.
 pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
@@ -326,14 +328,6 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Result<RefMatr
     })
 }
 
-/// The refusal of an op that does not take matrices of [`QUANT_KERNEL_TYPES`].
-fn no_quant_kernel(m: &RefMatrix, op: &'static str) -> Result<(), BackendError> {
-    match m.kernel {
-        Some(_) => Err(BackendError::UnsupportedType { ty: m.ty, op }),
-        None => Ok(()),
-    }
-}
-
 /// `y[i] = W·rows[i]` for a matrix of [`QUANT_KERNEL_TYPES`] with the CPU engine's kernel `k`
 /// for it, as the CPU engine's `matmul` (`kind` [`hmoe_quant::BatchKind::Dense`]) or expert
 /// matmul (`Expert`, the rows routed to one expert) computes it: every row quantized to the
@@ -346,19 +340,36 @@ fn kernel_products(
     rows: &[&[f32]],
     y: &mut [f32],
 ) -> Result<(), BackendError> {
-    const OP: &str = "matmul";
+    kernel_products_of(k, w, 0..w.rows, kind, rows, y, "matmul")
+}
+
+/// [`kernel_products`] over the weight rows `range` only: `y[i][r - range.start] =
+/// W[r]·rows[i]` (`y` rows of `range.len()`), with `op` named in errors.
+fn kernel_products_of(
+    k: &hmoe_quant::DotKernel,
+    w: &RefMatrix,
+    range: Range<usize>,
+    kind: hmoe_quant::BatchKind,
+    rows: &[&[f32]],
+    y: &mut [f32],
+    op: &'static str,
+) -> Result<(), BackendError> {
     let at = k.act_type();
     let arb = at.row_bytes(w.cols as u64).unwrap_or(0) as usize;
-    ensure(arb > 0, OP, || format!("{} values in {at} blocks", w.cols))?;
+    ensure(arb > 0, op, || format!("{} values in {at} blocks", w.cols))?;
+    if rows.is_empty() {
+        return Ok(());
+    }
     let mut a = vec![0u8; rows.len() * arb];
     for (x, dst) in rows.iter().zip(a.chunks_exact_mut(arb)) {
-        hmoe_quant::quantize_row(at, &x[..w.cols], dst).map_err(quant_err(OP))?;
+        hmoe_quant::quantize_row(at, &x[..w.cols], dst).map_err(quant_err(op))?;
     }
     let mut col = vec![0f32; rows.len()];
-    for r in 0..w.rows {
+    let n_out = range.len();
+    for (i, r) in range.enumerate() {
         k.dot_tokens(kind, w.cols, w.row(r), &a, &mut col);
         for (t, &v) in col.iter().enumerate() {
-            y[t * w.rows + r] = v;
+            y[t * n_out + i] = v;
         }
     }
     Ok(())
@@ -1001,9 +1012,33 @@ impl Backend for Ref0 {
         x_stride: usize,
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        no_quant_kernel(w, "matmul_heads")?;
         let out =
             crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
+        if n == 0 || out == 0 {
+            return Ok(());
+        }
+        if let Some(k) = &w.kernel {
+            // As the CPU engine's MLA: per head, the head's inputs of every token together,
+            // then its rows in `matmul`'s order (contiguous inputs) or `vec_dot`'s (strided:
+            // `matmul_vec_dot`, the expert matmul's order).
+            let kind = if x_stride == w.cols {
+                hmoe_quant::BatchKind::Dense
+            } else {
+                hmoe_quant::BatchKind::Expert
+            };
+            let mut yh = vec![0f32; n * out];
+            for h in 0..n_heads {
+                let rows: Vec<&[f32]> = (0..n)
+                    .map(|t| &x[(t * n_heads + h) * x_stride..][..w.cols])
+                    .collect();
+                let range = h * out..(h + 1) * out;
+                kernel_products_of(k, w, range, kind, &rows, &mut yh, "matmul_heads")?;
+                for (t, src) in yh.chunks_exact(out).enumerate() {
+                    y[(t * n_heads + h) * out..][..out].copy_from_slice(src);
+                }
+            }
+            return Ok(());
+        }
         let order = if x_stride == w.cols && n > 1 {
             F32Order::Lanes16
         } else {

@@ -999,6 +999,92 @@ mod tests {
         assert!(cpu.upload_moe(&t, Some(&[3])).is_err());
     }
 
+    /// A deterministic stream of pseudo-random values (xorshift64*).
+    struct Stream(u64);
+
+    impl Stream {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        /// A value uniform in `[-scale, scale)`.
+        fn value(&mut self, scale: f32) -> f32 {
+            ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        }
+    }
+
+    /// `rows × cols` weights of a type REF0 multiplies with hmoe-quant's kernels: the legacy
+    /// types quantized from noise, the K-quants random bytes with small f16 scales.
+    fn quant_weights(s: &mut Stream, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+        let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+        let mut q = vec![0u8; rows * rb];
+        // The byte offsets of a K-quant super-block's f16 scales (d, and dmin where it has one).
+        let scales: &[usize] = match ty {
+            GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
+            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => {
+                for row in q.chunks_exact_mut(rb) {
+                    let vals: Vec<f32> = (0..cols).map(|_| s.value(1.0)).collect();
+                    hmoe_quant::quantize_row(ty, &vals, row).unwrap();
+                }
+                return q;
+            }
+        };
+        q.iter_mut().for_each(|b| *b = s.next() as u8);
+        for block in q.chunks_exact_mut(ty.block_bytes()) {
+            for &at in scales {
+                let v = half::f16::from_f32(0.001 + s.value(1.0).abs() * 0.009);
+                block[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+        }
+        q
+    }
+
+    /// REF0's per-head products of the types it multiplies with hmoe-quant's kernels (MLA's
+    /// `attn_k_b`/`attn_v_b` in low-bit files) are the CPU's bits: contiguous inputs (each
+    /// head's batch in `matmul`'s order: repacked Q4_0/Q4_K for a matrix of rows in multiples
+    /// of 8, the grouped Q4_K order from 4 tokens, tiled K-quants from 8) and strided ones
+    /// (`vec_dot`'s order), one token and batches.
+    #[test]
+    fn ref0_matmul_heads_of_quant_kernel_types_is_the_cpus_bits() {
+        let mut s = Stream(0x9e37_79b9_7f4a_7c15);
+        let (cpu, ref0) = (Cpu::new(), hmoe_backend::Ref0::new());
+        for ty in hmoe_backend::QUANT_KERNEL_TYPES {
+            let cols = ty.block_elems().max(64);
+            // 3 heads of 8 rows (a multiple of 8 in all), and 3 of 5.
+            for (nh, out) in [(3, 8), (3, 5)] {
+                let q = quant_weights(&mut s, ty, nh * out, cols);
+                let mc = cpu.upload_matrix(ty, nh * out, cols, &q).unwrap();
+                let mr = ref0.upload_matrix(ty, nh * out, cols, &q).unwrap();
+                for (stride, n) in [
+                    (cols, 1),
+                    (cols, 5),
+                    (cols, 9),
+                    (cols + 32, 1),
+                    (cols + 32, 9),
+                ] {
+                    let x: Vec<f32> = (0..n * nh * stride).map(|_| s.value(3.0)).collect();
+                    let mut yc = cpu.alloc::<f32>(n * nh * out).unwrap();
+                    let xc = cpu.upload(&x).unwrap();
+                    cpu.matmul_heads(&mc, &xc, n, nh, stride, &mut yc).unwrap();
+                    let mut yr = ref0.alloc::<f32>(n * nh * out).unwrap();
+                    let xr = ref0.upload(&x).unwrap();
+                    ref0.matmul_heads(&mr, &xr, n, nh, stride, &mut yr).unwrap();
+                    let (want, got) = (cpu.download(&yc).unwrap(), ref0.download(&yr).unwrap());
+                    let what = format!("{ty} {nh}x{out}x{cols} stride {stride} n {n}");
+                    assert!(want.iter().all(|v| v.is_finite()), "{what}: finite");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{what}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn rings_store_as_the_cpu_cache_and_download_its_bytes() {
         let cpu = Cpu::new();

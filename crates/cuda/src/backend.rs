@@ -146,6 +146,15 @@ impl Backend for CudaDevice {
             }
             Ok(self.upload_for_offload(&v)?)
         };
+        if !crate::expert_types_supported(t.gate.ty, t.up.ty, t.down.ty) {
+            return Err(BackendError::Unsupported {
+                op: "upload_moe",
+                what: format!(
+                    "experts of {} / {} / {} (one type, or low-bit types with Q8_0)",
+                    t.gate.ty, t.up.ty, t.down.ty
+                ),
+            });
+        }
         let has = t.has_biases();
         Ok(MoeWeights {
             gate: parts(&t.gate, ff, d)?,
@@ -209,7 +218,8 @@ impl Backend for CudaDevice {
         )?)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
-        &crate::KV_TYPES
+        // Every type `kv_store` stores (K-only rings included); pairs: `supports_kv`.
+        &crate::K_ONLY_TYPES
     }
     fn supports_kv(&self, k: GgmlType, v: GgmlType) -> bool {
         crate::kv_pair_supported(k, v)
@@ -355,6 +365,13 @@ impl Backend for CudaDevice {
             });
         }
         shapes::attention_k_only(p, q.len(), &k_cache.layout, out.len(), n_tokens, pos0)?;
+        // The kernels read latent rings as the executor lays them out: not rotated.
+        if k_cache.layout.rot != 0 {
+            return Err(BackendError::Shape {
+                op: "attention_k_only",
+                what: format!("a K-only ring rotated in chunks of {}", k_cache.layout.rot),
+            });
+        }
         Ok(CudaDevice::attention_k_only(
             self,
             p,

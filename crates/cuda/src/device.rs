@@ -21,6 +21,7 @@ use crate::probe::{info_of, GpuInfo};
 use crate::staging::Staging;
 
 mod ext;
+mod lowbit;
 
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
@@ -38,14 +39,27 @@ const MOE_TILED_MIN_SLOTS: usize = 64;
 /// Tokens from which Q8_0/MXFP4 matmuls use the tiled kernel instead of the GEMV kernel.
 const MM_TILED_MIN_TOKENS: usize = 32;
 
-/// The weight types the kernels dequantise.
-pub const SUPPORTED_TYPES: [GgmlType; 5] = [
+/// The weight types the kernels dequantise and multiply (`matmul`, `matmul_heads`,
+/// `get_rows`, expert sets): F32, F16, BF16, Q8_0 and MXFP4, and the low-bit types
+/// of GGUF files ([`LOWBIT_TYPES`]).
+pub const SUPPORTED_TYPES: [GgmlType; 14] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::MXFP4,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
 ];
+
+pub use lowbit::LOWBIT_TYPES;
 
 /// A 2-D weight matrix on the device in its GGUF encoding: `rows` rows of `cols` elements,
 /// each row `ty.row_bytes(cols)` contiguous bytes.
@@ -159,8 +173,18 @@ pub struct CudaDevice {
     staging: Mutex<Option<Staging>>,
 }
 
-/// The K/V ring types the kernels store and read (`kv_store_*`, `attn_row`, `attn_flash`).
+/// The K/V ring types of K/V pairs the attention kernels read (`attn_row`, `attn_flash`);
+/// `kv_store` also stores the other types of [`K_ONLY_TYPES`].
 pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
+
+/// Whether [`CudaDevice::moe`] takes experts with gate, up and down of these types: one type
+/// of [`SUPPORTED_TYPES`], or each of [`LOWBIT_TYPES`] or Q8_0.
+pub fn expert_types_supported(gate: GgmlType, up: GgmlType, down: GgmlType) -> bool {
+    let types = [gate, up, down];
+    let lowbit_set = |ty: GgmlType| lowbit::is_lowbit(ty) || ty == GgmlType::Q8_0;
+    let one = types.iter().all(|&ty| ty == gate) && SUPPORTED_TYPES.contains(&gate);
+    one || types.iter().any(|&ty| lowbit::is_lowbit(ty)) && types.into_iter().all(lowbit_set)
+}
 
 /// Whether the attention kernels read keys of `k` with values of `v`: both of [`KV_TYPES`]
 /// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU engine
@@ -170,20 +194,35 @@ pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
 }
 
 /// The types of K-only (latent) rings the kernels attend over
-/// ([`hmoe_backend::Backend::k_only_types`]).
-pub const K_ONLY_TYPES: [GgmlType; 2] = [GgmlType::F16, GgmlType::Q8_0];
+/// ([`hmoe_backend::Backend::k_only_types`]): every K/V type of the contract
+/// (`hmoe_backend::KV_TYPES`). `kv_store` stores rings of all of them (the device's
+/// `kv_types`); [`KV_TYPES`] are those of K/V pairs.
+pub const K_ONLY_TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+];
 
-/// Whether a ring of `l` is one the kernels store and read: a type of [`KV_TYPES`], rotated
-/// only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
+/// Whether a ring of `l` is one the kernels store and read: a type of [`K_ONLY_TYPES`] (which
+/// holds [`KV_TYPES`]; the attention kernels also check the pair, [`kv_pair_supported`]),
+/// rotated only when block-quantized, in chunks of at most [`ATT_MAX_HEAD_DIM`].
 fn kv_type_ok(l: &KvLayout) -> bool {
-    let block = !matches!(l.ty, GgmlType::F32 | GgmlType::F16);
-    KV_TYPES.contains(&l.ty) && (l.rot == 0 || block && l.rot <= ATT_MAX_HEAD_DIM)
+    let block = !matches!(l.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+    K_ONLY_TYPES.contains(&l.ty) && (l.rot == 0 || block && l.rot <= ATT_MAX_HEAD_DIM)
 }
 
 /// The store kernel of a block-quantized K/V type.
 fn kv_store_kernel(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::Q4_0 => "kv_store_q4_0",
+        GgmlType::Q4_1 => "kv_store_q4_1",
+        GgmlType::Q5_0 => "kv_store_q5_0",
+        GgmlType::Q5_1 => "kv_store_q5_1",
         _ => "kv_store_q8_0",
     }
 }
@@ -578,7 +617,8 @@ impl CudaDevice {
             GgmlType::F16 => "get_rows_f16",
             GgmlType::BF16 => "get_rows_bf16",
             GgmlType::Q8_0 => "get_rows_q8_0",
-            _ => "get_rows_mxfp4",
+            GgmlType::MXFP4 => "get_rows_mxfp4",
+            ty => lowbit::get_rows_kernel(ty).ok_or(CudaError::UnsupportedType { ty, op: OP })?,
         };
         let row_bytes = table.row_bytes as u64;
         let n_rows = i32_of(OP, "rows", table.rows)?;
@@ -644,7 +684,9 @@ impl CudaDevice {
 
     /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
     /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
-    /// weights, [`CudaDevice::quantize_q8_0`]; f16/bf16 for F16/BF16; f32 for F32), and the
+    /// weights, [`CudaDevice::quantize_q8_0`]; f16/bf16 for F16/BF16; f32 for F32; the
+    /// low-bit types' as [`CudaDevice::quantize_acts`] says, products in the CPU engine's
+    /// kernel's order for the matrix and batch, see `lowbit.rs`), and the
     /// GEMV kernel sums Q8_0, MXFP4 and F32 products in the CPU engine's order (F32: one
     /// token in `vec_dot` order, several in 16 lanes), so those results are the CPU engine's
     /// bits. Batches of [`CUBLAS_MIN_TOKENS`] or more with F16/BF16 weights use cuBLAS instead
@@ -668,6 +710,9 @@ impl CudaDevice {
         })?;
         if n == 0 {
             return Ok(());
+        }
+        if lowbit::is_lowbit(w.ty) {
+            return self.matmul_lowbit(w, x, n, y);
         }
         let half = matches!(w.ty, GgmlType::F16 | GgmlType::BF16);
         if half && n >= CUBLAS_MIN_TOKENS {
@@ -932,7 +977,7 @@ impl CudaDevice {
     }
 
     /// Writes `n_tokens` rows of `layout.width` f32 values from `src` into the K/V ring
-    /// `ring` of `layout` (one of [`KV_TYPES`]): token t goes to cell `(pos0 + t) % cells`,
+    /// `ring` of `layout` (one of [`K_ONLY_TYPES`]): token t goes to cell `(pos0 + t) % cells`,
     /// converted as the CPU engine's cache converts it (see `kv_store_*` in the kernels).
     pub fn kv_store(
         &self,
@@ -972,6 +1017,7 @@ impl CudaDevice {
         let (kernel, grid) = match layout.ty {
             GgmlType::F16 => ("kv_store_f16", grid_1d(total, OP)?),
             GgmlType::F32 => ("kv_store_f32", grid_1d(total, OP)?),
+            GgmlType::BF16 => ("kv_store_bf16", grid_1d(total, OP)?),
             // One thread per rotation chunk (or block when not rotated).
             ty => {
                 let chunk = layout.rot.max(ty.block_elems());
@@ -986,7 +1032,7 @@ impl CudaDevice {
             .arg(&w_i)
             .arg(&c_i)
             .arg(&pos0_i);
-        if !matches!(layout.ty, GgmlType::F16 | GgmlType::F32) {
+        if !matches!(layout.ty, GgmlType::F16 | GgmlType::F32 | GgmlType::BF16) {
             b.arg(&rot);
         }
         // SAFETY: argument types match the `kv_store_*` kernel of the type; the ring holds
@@ -1195,6 +1241,9 @@ impl CudaDevice {
     /// Numerics as [`CudaDevice::matmul`]'s GEMV: activations (`x`, and each slot's SwiGLU
     /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU engine's
     /// order (F32: `vec_dot` order for an expert only one slot routes to, else 16 lanes).
+    /// Gate, up and down are of one type, or (sets with low-bit experts, as in Q4_K_M files)
+    /// each of [`LOWBIT_TYPES`] or Q8_0: then every product is in the order of the CPU
+    /// engine's expert matmul for as many slots as route to the expert (`lowbit.rs`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe(
         &self,
@@ -1214,20 +1263,34 @@ impl CudaDevice {
                 && w.down.cols == ff
                 && w.down.rows == d
                 && w.up.n_expert == ne
-                && w.down.n_expert == ne
-                && w.gate.ty == w.up.ty
-                && w.gate.ty == w.down.ty,
+                && w.down.n_expert == ne,
             OP,
-            || "gate/up must be [E, ff, d] and down [E, d, ff] of one type".into(),
+            || "gate/up must be [E, ff, d] and down [E, d, ff]".into(),
         )?;
-        let (gate_up, down) = match w.gate.ty {
-            GgmlType::MXFP4 => ("moe_gate_up_mxfp4", "moe_down_mxfp4"),
-            GgmlType::Q8_0 => ("moe_gate_up_q8_0", "moe_down_q8_0"),
-            GgmlType::F16 => ("moe_gate_up_f16", "moe_down_f16"),
-            GgmlType::BF16 => ("moe_gate_up_bf16", "moe_down_bf16"),
-            GgmlType::F32 => ("moe_gate_up_f32", "moe_down_f32"),
-            ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
+        let lowbit = [&w.gate, &w.up, &w.down]
+            .iter()
+            .any(|m| lowbit::is_lowbit(m.ty));
+        if let Some(m) = [&w.up, &w.down].iter().find(|m| m.ty != w.gate.ty) {
+            if !lowbit {
+                return Err(CudaError::UnsupportedType { ty: m.ty, op: OP });
+            }
+        }
+        // The row-per-warp kernels of one type's experts (the low-bit ones have their own).
+        let unsupported = CudaError::UnsupportedType {
+            ty: w.gate.ty,
+            op: OP,
         };
+        let kernels = match w.gate.ty {
+            GgmlType::MXFP4 => Some(("moe_gate_up_mxfp4", "moe_down_mxfp4")),
+            GgmlType::Q8_0 => Some(("moe_gate_up_q8_0", "moe_down_q8_0")),
+            GgmlType::F16 => Some(("moe_gate_up_f16", "moe_down_f16")),
+            GgmlType::BF16 => Some(("moe_gate_up_bf16", "moe_down_bf16")),
+            GgmlType::F32 => Some(("moe_gate_up_f32", "moe_down_f32")),
+            _ => None,
+        };
+        if kernels.is_none() && !lowbit {
+            return Err(unsupported);
+        }
         ensure(
             w.gate_bias.is_some() == w.up_bias.is_some()
                 && w.gate_bias.as_ref().is_none_or(|b| b.len() >= ne * ff)
@@ -1264,9 +1327,12 @@ impl CudaDevice {
         let tiled = matches!(w.gate.ty, GgmlType::MXFP4 | GgmlType::Q8_0)
             && slots >= MOE_TILED_MIN_SLOTS
             && ne <= MOE_MAX_EXPERTS;
-        let y = if tiled {
+        let y = if lowbit {
+            self.moe_products_lowbit(w, act, x, selected, k)?
+        } else if tiled {
             self.moe_products_tiled(w, act, x, selected, k)?
         } else {
+            let (gate_up, down) = kernels.ok_or(unsupported)?;
             // SAFETY: every element of both scratch buffers is written by the kernels below
             // before it is read.
             let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
@@ -1370,12 +1436,7 @@ impl CudaDevice {
         let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
         let n = x.len() / d;
         let slots = n * k;
-        let (slots_i, ne_i, d_i, ff_i) = (
-            i32_of(OP, "slots", slots)?,
-            i32_of(OP, "experts", ne)?,
-            i32_of(OP, "d", d)?,
-            i32_of(OP, "ff", ff)?,
-        );
+        let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
         // SAFETY: moe_group writes all ne + 1 offsets and an order entry for every slot with a
         // valid expert, which are the only entries moe_mm_mxfp4 reads.
         let mut offsets = unsafe { self.stream.alloc::<i32>(ne + 1) }?;
@@ -1404,13 +1465,42 @@ impl CudaDevice {
         let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         self.moe_mm(&w.gate, &xq, k, (&offsets, &order), &mut g)?;
         self.moe_mm(&w.up, &xq, k, (&offsets, &order), &mut u)?;
+        let h = self.moe_gated(w, act, (&g, &u), selected, slots)?;
+
+        let hq = self.quantize_q8_0(&h, slots * ff)?;
+        // SAFETY: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
+        // others.
+        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
+        self.moe_add_down_bias(w, &mut y, selected, slots)?;
+        Ok(y)
+    }
+
+    /// `h[s] = act(g[s] + bg[e], u[s] + bu[e])` for every slot s of expert `e = selected[s]`
+    /// (0 for an expert id out of range), `[slots][ff]` (`moe_swiglu`; shapes checked by
+    /// [`CudaDevice::moe`]).
+    fn moe_gated(
+        &self,
+        w: &MoeWeights,
+        act: ExpertAct,
+        (g, u): (&CudaSlice<f32>, &CudaSlice<f32>),
+        selected: &CudaSlice<i32>,
+        slots: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        const OP: &str = "moe";
+        let (ff, ne) = (w.gate.rows, w.gate.n_expert);
+        let (slots_i, ne_i, ff_i) = (
+            i32_of(OP, "slots", slots)?,
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "ff", ff)?,
+        );
         // SAFETY: moe_swiglu writes every element.
         let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         let has_gu_bias = i32::from(w.gate_bias.is_some());
         let act_i = act as i32;
         let mut b = self.builder("moe_swiglu");
-        b.arg(&g)
-            .arg(&u)
+        b.arg(g)
+            .arg(u)
             .arg(w.gate_bias.as_ref().unwrap_or(&self.dummy))
             .arg(w.up_bias.as_ref().unwrap_or(&self.dummy))
             .arg(&has_gu_bias)
@@ -1420,28 +1510,41 @@ impl CudaDevice {
             .arg(&ne_i)
             .arg(&ff_i)
             .arg(&act_i);
-        // SAFETY: argument types match `moe_swiglu`; the biases hold ne × ff values when
-        // present (checked by the caller).
+        // SAFETY: argument types match `moe_swiglu`; g and u hold slots × ff values, the
+        // biases ne × ff when present (checked by the caller).
         unsafe { b.launch(grid_1d(slots * ff, OP)?) }?;
+        Ok(h)
+    }
 
-        let hq = self.quantize_q8_0(&h, slots * ff)?;
-        // SAFETY: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
-        // others.
-        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
-        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
+    /// Adds the down biases to `y` (`[slots][d]`) and zeroes the slots whose expert id is out
+    /// of range (`moe_down_bias`; shapes checked by [`CudaDevice::moe`]).
+    fn moe_add_down_bias(
+        &self,
+        w: &MoeWeights,
+        y: &mut CudaSlice<f32>,
+        selected: &CudaSlice<i32>,
+        slots: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe";
+        let (d, ne) = (w.down.rows, w.down.n_expert);
+        let (slots_i, ne_i, d_i) = (
+            i32_of(OP, "slots", slots)?,
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "d", d)?,
+        );
         let has_d_bias = i32::from(w.down_bias.is_some());
         let mut b = self.builder("moe_down_bias");
-        b.arg(&mut y)
+        b.arg(y)
             .arg(w.down_bias.as_ref().unwrap_or(&self.dummy))
             .arg(&has_d_bias)
             .arg(selected)
             .arg(&slots_i)
             .arg(&ne_i)
             .arg(&d_i);
-        // SAFETY: argument types match `moe_down_bias`; the bias holds ne × d values when
-        // present (checked by the caller).
+        // SAFETY: argument types match `moe_down_bias`; y holds slots × d values, the bias
+        // ne × d when present (checked by the caller).
         unsafe { b.launch(grid_1d(slots * d, OP)?) }?;
-        Ok(y)
+        Ok(())
     }
 
     /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`

@@ -6,7 +6,9 @@
 // a shift (bf16). Compiled with --fmad=false: every fused multiply-add below is an explicit
 // fmaf, so the rounding follows the CPU engine's order.
 //
-// Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39; K/V rings also Q4_0 2. Rows of a weight matrix
+// Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39, and the low-bit types
+// (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q2_K 10 .. Q6_K 14; see "Low-bit weights"); K/V rings also
+// Q4_0 2. Rows of a weight matrix
 // are contiguous; a row of `cols` elements takes `row_bytes` bytes (GGUF layout).
 //   Q8_0:  blocks of 32 = f16 scale d (2 bytes) + 32 int8 q;  x = q * d.
 //   MXFP4: blocks of 32 = E8M0 byte e + 16 bytes of nibbles; element j < 16 is the low nibble
@@ -35,6 +37,15 @@ typedef unsigned long long u64;
 #define TY_Q8_0 8
 #define TY_BF16 30
 #define TY_MXFP4 39
+// The low-bit weight types of GGUF files (see "Low-bit weights" below).
+#define TY_Q4_1 3
+#define TY_Q5_0 6
+#define TY_Q5_1 7
+#define TY_Q2_K 10
+#define TY_Q3_K 11
+#define TY_Q4_K 12
+#define TY_Q5_K 13
+#define TY_Q6_K 14
 // Warps per block of the row-per-warp kernels; tokens per block of the matmul kernel.
 #define ROW_WARPS 4
 #define MM_TOKENS 8
@@ -160,6 +171,146 @@ __device__ float expf_libm(float x) {
     return (float)(y * s);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Low-bit weights: the legacy 32-element blocks Q4_0, Q4_1, Q5_0, Q5_1 and the 256-element
+// K-quant super-blocks Q2_K .. Q6_K (layouts as hmoe_quant's legacy.rs / kquants.rs):
+//   Q4_0 (18 bytes): f16 d, 16 bytes of nibbles; x = (q - 8) d.
+//   Q4_1 (20): f16 d, f16 m, nibbles; x = q d + m.    Q5_0 (22): f16 d, u32 qh, nibbles; (q - 16) d.
+//   Q5_1 (24): f16 d, f16 m, u32 qh, nibbles; x = q d + m. Element j < 16 is the low nibble of
+//   byte j, j >= 16 the high nibble of byte j - 16; the fifth bit of element j is bit j of qh.
+//   Q2_K (84): scales[16] (low nibble scale, high nibble min), qs[64] (2 bits), f16 d, f16 dmin.
+//   Q3_K (110): hmask[32], qs[64], scales[12] (16 6-bit scales - 32), f16 d.
+//   Q4_K (144): f16 d, f16 dmin, scales[12] (8 6-bit scales and mins), qs[128] (nibbles).
+//   Q5_K (176): as Q4_K with qh[32] before qs.   Q6_K (210): ql[128], qh[64], int8 scales[16], f16 d.
+// Their activations (ggml's vec_dot_type): Q8_0 for Q4_0/Q5_0, Q8_1 (36 bytes: f16 d, f16 s =
+// d * sum q, 32 int8) for Q4_1/Q5_1, Q8_K (292 bytes: f32 d, 256 int8, 16 int16 sums of 16) for
+// the K-quants.
+
+__device__ __forceinline__ bool is_kquant(int ty) { return ty >= TY_Q2_K && ty <= TY_Q6_K; }
+
+// Bytes of a weight block of TY (legacy types and Q8_0: 32 elements; K-quants: 256).
+__device__ __forceinline__ int lowbit_block_bytes(int ty) {
+    switch (ty) {
+    case TY_Q4_0: return 18;
+    case TY_Q4_1: return 20;
+    case TY_Q5_0: return 22;
+    case TY_Q5_1: return 24;
+    case TY_Q8_0: return 34;
+    case TY_Q2_K: return 84;
+    case TY_Q3_K: return 110;
+    case TY_Q4_K: return 144;
+    case TY_Q5_K: return 176;
+    default: return 210;  // Q6_K
+    }
+}
+
+// Bytes of an activation row of `cols` values in the vec_dot_type of TY.
+__device__ __forceinline__ u64 lowbit_act_bytes(int ty, int cols) {
+    if (is_kquant(ty)) return (u64)(cols / 256) * 292u;
+    return (u64)(cols / 32) * ((ty == TY_Q4_1 || ty == TY_Q5_1) ? 36u : 34u);
+}
+
+// The little-endian f16 at half-word i of b, and the f32 at byte 0.
+__device__ __forceinline__ float f16_at(const u8* b, int i) {
+    return h2f((u16)(b[2 * i] | (b[2 * i + 1] << 8)));
+}
+__device__ __forceinline__ float f32_at(const u8* b) {
+    return __uint_as_float((u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16) | ((u32)b[3] << 24));
+}
+
+// The integer value of element j of a legacy block (Q8_0 included): signed for Q4_0/Q5_0/Q8_0,
+// the unsigned code for Q4_1/Q5_1.
+template <int TY>
+__device__ __forceinline__ int legacy_q(const u8* b, int j) {
+    if (TY == TY_Q8_0) return (int)(signed char)b[2 + j];
+    int off = TY == TY_Q4_0 ? 2 : TY == TY_Q4_1 ? 4 : TY == TY_Q5_0 ? 6 : 8;
+    u32 byte = b[off + (j & 15)];
+    int q = (int)(j < 16 ? (byte & 15u) : (byte >> 4));
+    if (TY == TY_Q5_0 || TY == TY_Q5_1) {
+        int qh = TY == TY_Q5_0 ? 2 : 4;
+        q |= ((b[qh + j / 8] >> (j % 8)) & 1) << 4;
+    }
+    if (TY == TY_Q4_0) q -= 8;
+    if (TY == TY_Q5_0) q -= 16;
+    return q;
+}
+
+// Scale and min of 32-element sub-block j of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4;
+// q = the 12 scale bytes).
+__device__ __forceinline__ int k4_scale(const u8* q, int j) {
+    return j < 4 ? (q[j] & 63) : ((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+}
+__device__ __forceinline__ int k4_min(const u8* q, int j) {
+    return j < 4 ? (q[j + 4] & 63) : ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+}
+
+// Scale of 16-element group i of a Q3_K super-block, 32 subtracted.
+__device__ __forceinline__ int q3k_scale(const u8* b, int i) {
+    const u8* r = b + 96;
+    int low = i < 8 ? (r[i] & 15) : (r[i - 8] >> 4);
+    int high = (r[8 + i % 4] >> (2 * (i / 4))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+// The 2-bit field of element e from the 64 bytes at qs (Q2_K, Q3_K).
+__device__ __forceinline__ int low2(const u8* b, int qs, int e) {
+    return (b[qs + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+}
+
+// The quant of element e of a K-quant super-block: Q2_K 0..3, Q3_K -4..3, Q4_K 0..15, Q5_K
+// 0..31, Q6_K unsigned 0..63 (the value is this minus 32).
+template <int TY>
+__device__ __forceinline__ int kq_q(const u8* b, int e) {
+    if (TY == TY_Q2_K) return low2(b, 16, e);
+    if (TY == TY_Q3_K) return low2(b, 32, e) - (((b[e % 32] >> (e / 32)) & 1) ? 0 : 4);
+    if (TY == TY_Q4_K || TY == TY_Q5_K) {
+        int qs = TY == TY_Q4_K ? 16 : 48;
+        int q = (b[qs + 32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 15;
+        if (TY == TY_Q5_K) q |= ((b[16 + e % 32] >> (e / 32)) & 1) << 4;
+        return q;
+    }
+    int half = e / 128, group = (e % 128) / 32, t = e % 32;
+    int low = (b[64 * half + 32 * (group & 1) + t] >> (4 * (group >> 1))) & 15;
+    int high = (b[128 + 32 * half + t] >> (2 * group)) & 3;
+    return low | (high << 4);
+}
+
+// The scale of element e (as an integer factor of d): Q2_K the low nibble, Q3_K the 6-bit scale
+// minus 32, Q4_K/Q5_K the 6-bit sub-block scale, Q6_K the int8 scale.
+template <int TY>
+__device__ __forceinline__ int kq_sc(const u8* b, int e) {
+    if (TY == TY_Q2_K) return b[e / 16] & 15;
+    if (TY == TY_Q3_K) return q3k_scale(b, e / 16);
+    if (TY == TY_Q4_K || TY == TY_Q5_K) return k4_scale(b + 4, e / 32);
+    return (int)(signed char)b[192 + e / 16];
+}
+
+// Element e of a low-bit weight row, dequantised as hmoe_quant's dequantize_row (ggml's
+// dequantize_row_*: each product rounded on its own).
+template <int TY>
+__device__ __forceinline__ float load_lowbit(const u8* row, int e) {
+    if (!is_kquant(TY)) {
+        const u8* b = row + (u64)(e >> 5) * (u32)lowbit_block_bytes(TY);
+        float q = (float)legacy_q<TY>(b, e & 31);
+        if (TY == TY_Q4_1 || TY == TY_Q5_1) return q * f16_at(b, 0) + f16_at(b, 1);
+        return q * f16_at(b, 0);
+    }
+    const u8* b = row + (u64)(e >> 8) * (u32)lowbit_block_bytes(TY);
+    int i = e & 255;
+    if (TY == TY_Q2_K) {
+        int sc = b[i / 16];
+        float dl = f16_at(b, 40) * (float)(sc & 15), ml = f16_at(b, 41) * (float)(sc >> 4);
+        return dl * (float)kq_q<TY>(b, i) - ml;
+    }
+    if (TY == TY_Q3_K) return f16_at(b, 54) * (float)q3k_scale(b, i / 16) * (float)kq_q<TY>(b, i);
+    if (TY == TY_Q6_K) {
+        return f16_at(b, 104) * (float)kq_sc<TY>(b, i) * (float)(kq_q<TY>(b, i) - 32);
+    }
+    float dl = f16_at(b, 0) * (float)k4_scale(b + 4, i / 32);
+    float ml = f16_at(b, 1) * (float)k4_min(b + 4, i / 32);
+    return dl * (float)kq_q<TY>(b, i) - ml;
+}
+
 // Element `e` of a weight row of type TY.
 template <int TY>
 __device__ __forceinline__ float load_w(const u8* row, int e) {
@@ -173,6 +324,8 @@ __device__ __forceinline__ float load_w(const u8* row, int e) {
         const u8* b = row + (u64)(e >> 5) * 34u;
         float d = h2f((u16)(b[0] | (b[1] << 8)));
         return (float)(signed char)b[2 + (e & 31)] * d;
+    } else if (TY != TY_MXFP4) {
+        return load_lowbit<TY>(row, e);
     } else {
         const u8* b = row + (u64)(e >> 5) * 17u;
         int j = e & 31;
@@ -250,6 +403,21 @@ extern "C" __global__ void get_rows_mxfp4(const u8* table, u64 row_bytes, int n_
     const int* ids, float* out, int n_tokens, int cols) {
     get_rows_impl<TY_MXFP4>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
 }
+#define GET_ROWS(SUFFIX, TY)                                                                    \
+    extern "C" __global__ void get_rows_##SUFFIX(const u8* table, u64 row_bytes, int n_rows,   \
+                                                 const int* ids, float* out, int n_tokens,      \
+                                                 int cols) {                                    \
+        get_rows_impl<TY>(table, row_bytes, n_rows, ids, out, n_tokens, cols);                  \
+    }
+GET_ROWS(q4_0, TY_Q4_0)
+GET_ROWS(q4_1, TY_Q4_1)
+GET_ROWS(q5_0, TY_Q5_0)
+GET_ROWS(q5_1, TY_Q5_1)
+GET_ROWS(q2_k, TY_Q2_K)
+GET_ROWS(q3_k, TY_Q3_K)
+GET_ROWS(q4_k, TY_Q4_K)
+GET_ROWS(q5_k, TY_Q5_K)
+GET_ROWS(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out = x / sqrt(mean(x^2) + eps) * w. Squares in f32, summed in f64 (as the CPU
@@ -570,10 +738,10 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
 // ---------------------------------------------------------------------------------------------
 // KV cache. A ring of `cells` rows of `width` values (n_kv_heads * head_dim); token t of the
 // batch goes to cell (pos0 + t) % cells. Rows are stored as the CPU engine's cache stores them
-// (ggml's set_rows): f32 as is, f16 rounded to nearest even, Q8_0 by the activations'
-// quantizer (quantize_block_q8_0), Q4_0 by ggml's reference quantizer; a block-quantized row
-// is first Walsh–Hadamard rotated in chunks of `rot` values (0: not rotated), as llama.cpp
-// rotates quantized heads.
+// (ggml's set_rows): f32 as is, f16 and bf16 rounded to nearest even, Q8_0 by the
+// activations' quantizer (quantize_block_q8_0), Q4_0, Q4_1, Q5_0 and Q5_1 by ggml's reference
+// quantizers (hmoe_quant's quantize_row); a block-quantized row is first Walsh–Hadamard
+// rotated in chunks of `rot` values (0: not rotated), as llama.cpp rotates quantized heads.
 
 extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_tokens, int width,
                                         int cells, int pos0) {
@@ -582,6 +750,15 @@ extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_toke
     int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
     u64 cell = (u64)((pos0 + t) % cells);
     cache[cell * width + c] = f2h(src[i]);
+}
+
+extern "C" __global__ void kv_store_bf16(const float* src, u16* cache, int n_tokens, int width,
+                                         int cells, int pos0) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_tokens * width) return;
+    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
+    u64 cell = (u64)((pos0 + t) % cells);
+    cache[cell * width + c] = f2bf(src[i]);
 }
 
 extern "C" __global__ void kv_store_f32(const float* src, float* cache, int n_tokens, int width,
@@ -636,12 +813,106 @@ __device__ void quantize_block_q4_0(const float* x, u8* ob) {
     }
 }
 
+// The value of the largest magnitude of a block of 32 (the first of equals), as ggml's
+// reference quantizers scan for it (`amax < |x|`).
+__device__ __forceinline__ float signed_max32(const float* x) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < 32; j++) {
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    }
+    return max;
+}
+
+// The minimum and maximum of a block of 32 as ggml's reference quantizers scan for them
+// (`x < min`, `x > max` from +-FLT_MAX).
+__device__ __forceinline__ void min_max32(const float* x, float* mn, float* mx) {
+    float lo = 3.40282347e38f, hi = -3.40282347e38f;
+    for (int j = 0; j < 32; j++) {
+        if (x[j] < lo) lo = x[j];
+        if (x[j] > hi) hi = x[j];
+    }
+    *mn = lo;
+    *mx = hi;
+}
+
+// The little-endian f16 of f at b, and the u32 v at b.
+__device__ __forceinline__ void put_f16(u8* b, float f) {
+    u16 h = f2h(f);
+    b[0] = (u8)(h & 0xffu);
+    b[1] = (u8)(h >> 8);
+}
+__device__ __forceinline__ void put_u32(u8* b, u32 v) {
+    for (int k = 0; k < 4; k++) b[k] = (u8)(v >> (8 * k));
+}
+
+// ggml's reference Q5_0 quantizer (quantize_row_q5_0_ref): d = max / -16 (max as for Q4_0),
+// q = min(31, (int8)(x / d + 16.5)); the low nibbles as Q4_0's at byte 6, the fifth bit of
+// element j in bit j of the u32 at byte 2.
+__device__ void quantize_block_q5_0(const float* x, u8* ob) {
+    float d = signed_max32(x) / -16.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    put_f16(ob, d);
+    u32 qh = 0;
+    for (int j = 0; j < 16; j++) {
+        int q0 = (int)(signed char)(int)(x[j] * id + 16.5f);
+        int q1 = (int)(signed char)(int)(x[j + 16] * id + 16.5f);
+        q0 = q0 < 31 ? q0 : 31;
+        q1 = q1 < 31 ? q1 : 31;
+        ob[6 + j] = (u8)((q0 & 15) | ((q1 & 15) << 4));
+        qh |= (u32)((q0 & 0x10) >> 4) << j;
+        qh |= (u32)((q1 & 0x10) >> 4) << (j + 16);
+    }
+    put_u32(ob + 2, qh);
+}
+
+// ggml's reference Q4_1 quantizer (quantize_row_q4_1_ref): d = (max - min) / 15, m = min,
+// q = min(15, (int8)((x - min) / d + 0.5)).
+__device__ void quantize_block_q4_1(const float* x, u8* ob) {
+    float mn, mx;
+    min_max32(x, &mn, &mx);
+    float d = (mx - mn) / 15.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    put_f16(ob, d);
+    put_f16(ob + 2, mn);
+    for (int j = 0; j < 16; j++) {
+        int q0 = (int)(signed char)(int)((x[j] - mn) * id + 0.5f);
+        int q1 = (int)(signed char)(int)((x[j + 16] - mn) * id + 0.5f);
+        q0 = q0 < 15 ? q0 : 15;
+        q1 = q1 < 15 ? q1 : 15;
+        ob[4 + j] = (u8)(q0 | (q1 << 4));
+    }
+}
+
+// ggml's reference Q5_1 quantizer (quantize_row_q5_1_ref): d = (max - min) / 31, m = min,
+// q = (uint8)((x - min) / d + 0.5); low nibbles at byte 8, fifth bits in the u32 at byte 4.
+__device__ void quantize_block_q5_1(const float* x, u8* ob) {
+    float mn, mx;
+    min_max32(x, &mn, &mx);
+    float d = (mx - mn) / 31.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    put_f16(ob, d);
+    put_f16(ob + 2, mn);
+    u32 qh = 0;
+    for (int j = 0; j < 16; j++) {
+        u32 q0 = (u8)(int)((x[j] - mn) * id + 0.5f);
+        u32 q1 = (u8)(int)((x[j + 16] - mn) * id + 0.5f);
+        ob[8 + j] = (u8)((q0 & 15u) | ((q1 & 15u) << 4));
+        qh |= ((q0 & 0x10u) >> 4) << j;
+        qh |= ((q1 & 0x10u) >> 4) << (j + 16);
+    }
+    put_u32(ob + 4, qh);
+}
+
 #define KV_MAX_CHUNK 256
 
 // One thread per chunk of max(rot, 32) values (at most KV_MAX_CHUNK) of the batch's rows:
 // each `rot` values of it rotated (rot > 0), then quantized block by block into its cell.
 __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int width, int cells,
-                                int pos0, int rot, int block_bytes, bool q4) {
+                                int pos0, int rot, int ty) {
+    int block_bytes = lowbit_block_bytes(ty);
     int chunk = rot > 32 ? rot : 32;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 per_row = (u64)(width / chunk);
@@ -655,23 +926,27 @@ __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int w
     u8* row = cache + cell * (u64)(width / 32) * block_bytes;
     for (int b = 0; b < chunk / 32; b++) {
         u8* ob = row + (u64)(c * (chunk / 32) + b) * block_bytes;
-        if (q4) {
-            quantize_block_q4_0(x + 32 * b, ob);
-        } else {
-            quantize_block_q8_0(x + 32 * b, ob);
+        switch (ty) {
+        case TY_Q4_0: quantize_block_q4_0(x + 32 * b, ob); break;
+        case TY_Q4_1: quantize_block_q4_1(x + 32 * b, ob); break;
+        case TY_Q5_0: quantize_block_q5_0(x + 32 * b, ob); break;
+        case TY_Q5_1: quantize_block_q5_1(x + 32 * b, ob); break;
+        default: quantize_block_q8_0(x + 32 * b, ob); break;
         }
     }
 }
 
-extern "C" __global__ void kv_store_q8_0(const float* src, u8* cache, int n_tokens, int width,
-                                         int cells, int pos0, int rot) {
-    kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, 34, false);
-}
+#define KV_STORE_BLOCKS(SUFFIX, TY)                                                             \
+    extern "C" __global__ void kv_store_##SUFFIX(const float* src, u8* cache, int n_tokens,    \
+                                                 int width, int cells, int pos0, int rot) {     \
+        kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, TY);                     \
+    }
 
-extern "C" __global__ void kv_store_q4_0(const float* src, u8* cache, int n_tokens, int width,
-                                         int cells, int pos0, int rot) {
-    kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, 18, true);
-}
+KV_STORE_BLOCKS(q8_0, TY_Q8_0)
+KV_STORE_BLOCKS(q4_0, TY_Q4_0)
+KV_STORE_BLOCKS(q4_1, TY_Q4_1)
+KV_STORE_BLOCKS(q5_0, TY_Q5_0)
+KV_STORE_BLOCKS(q5_1, TY_Q5_1)
 
 // Element i of an f32 (ty TY_F32) or f16 ring, as f32.
 __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
@@ -1498,6 +1773,524 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, float* ou
 }
 
 // ---------------------------------------------------------------------------------------------
+// Low-bit products (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K weights; Q8_0 too, for expert sets that
+// mix it with those): activations quantized as the CPU engine quantizes them (quantize_q8_0,
+// quantize_q8_1, quantize_q8_k), exact integer sums, and the float chains of the CPU engine's
+// kernels (hmoe_quant's legacy.rs, kquants.rs, tiled.rs, repack.rs), chosen per product by a
+// mode the launch code computes as the CPU engine chooses its kernel:
+//   LB_VEC:   ggml's vec_dot (AVX2 order): eight lanes, lane l taking elements with
+//             (e % 32) / 4 == l of every block (legacy: elements 4l..4l+3 of the 32), each lane
+//             fused into its own accumulator with the block's scale product, summed by halving;
+//             the min terms (Q4_1/Q5_1 m*s, Q4_K/Q5_K mins) in their own chains, added last
+//             (Q2_K adds its mins into the lanes first).
+//   LB_TILED: K-quants from TILED_MIN_TOKENS tokens (llama.cpp's tiled matmul): per super-block
+//             r = f32(s1) * d_w, r = fma(-dmin_w, f32(s2), r), acc = fma(r, d_a, acc).
+//   LB_BLOCK: the repacked Q4_0/Q4_K kernels (row counts that are multiples of 8): one chain
+//             per block, acc = fma(isum, d_w * d_a, acc) (Q4_K: and acc_min with the mins).
+//   LB_PAIR:  repacked Q4_K in a dense matmul's complete groups of four tokens: both chains
+//             advance per pair of sub-blocks.
+// Each warp computes the products of one weight row with up to LB_TOKENS activation rows: its
+// lanes decode up to 32 legacy blocks (a block per lane) or 4 super-blocks (eight lanes each)
+// once and form each token's integer sums into shared memory, then lanes replay each token's
+// float chains in block order; the results are valid in lane 0.
+#define LB_VEC 0
+#define LB_TILED 1
+#define LB_BLOCK 2
+#define LB_PAIR 3
+// Tokens (or expert slots) per warp: the weight row is decoded once for all of them.
+#define LB_TOKENS 8
+
+// One block of 32 values as Q8_1, as hmoe_quant's quantize_row(Q8_1) (ggml's x86 quantizer):
+// the Q8_0 quantization with d = amax / 127 and s = f16(d * sum), the sum of the int32 values
+// before they saturate (a NaN gives INT_MIN there and -128 in the block).
+__device__ void quantize_block_q8_1(const float* xb, u8* ob) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    float d = amax / 127.0f;
+    float id = amax != 0.f ? 127.0f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+        float r = rintf(xb[j] * id);
+        int i = (r != r || r >= 2147483648.0f || r < -2147483648.0f) ? (int)0x80000000u : (int)r;
+        sum = (int)((u32)sum + (u32)i);
+        ob[4 + j] = (u8)(i < -128 ? -128 : i > 127 ? 127 : i);
+    }
+    u16 dh = f2h(d), sh = f2h(d * (float)sum);
+    ob[0] = (u8)(dh & 0xffu);
+    ob[1] = (u8)(dh >> 8);
+    ob[2] = (u8)(sh & 0xffu);
+    ob[3] = (u8)(sh >> 8);
+}
+
+extern "C" __global__ void quantize_q8_1(const float* x, u8* out, u64 n_blocks) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    quantize_block_q8_1(x + b * 32u, out + b * 36u);
+}
+
+// ggml's nearest_int: add 1.5 * 2^23 and read the low mantissa bits.
+__device__ __forceinline__ int nearest_int(float x) {
+    float v = x + 12582912.0f;
+    return (int)(__float_as_uint(v) & 0x007fffffu) - 0x00400000;
+}
+
+// One super-block of 256 values as Q8_K, as hmoe_quant's quantize_row(Q8_K) (ggml's
+// quantize_row_q8_K_ref): iscale = -127 / max for the first value of largest magnitude,
+// q = min(127, nearest_int(iscale * x)), d = 1 / iscale, sums of 16; all zero for a zero block.
+__device__ void quantize_block_q8_k(const float* xb, u8* ob) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < 256; j++) {
+        float a = fabsf(xb[j]);
+        if (a > amax) {
+            amax = a;
+            max = xb[j];
+        }
+    }
+    if (amax == 0.f) {
+        for (int j = 0; j < 292; j++) ob[j] = 0;
+        return;
+    }
+    float iscale = -127.0f / max;
+    for (int g = 0; g < 16; g++) {
+        int s = 0;
+        for (int j = 16 * g; j < 16 * g + 16; j++) {
+            int q = nearest_int(iscale * xb[j]);
+            q = q < 127 ? q : 127;
+            ob[4 + j] = (u8)q;
+            s += (int)(signed char)(u8)q;
+        }
+        ob[260 + 2 * g] = (u8)((u32)s & 0xffu);
+        ob[261 + 2 * g] = (u8)(((u32)s >> 8) & 0xffu);
+    }
+    u32 d = __float_as_uint(1.0f / iscale);
+    for (int j = 0; j < 4; j++) ob[j] = (u8)(d >> (8 * j));
+}
+
+extern "C" __global__ void quantize_q8_k(const float* x, u8* out, u64 n_blocks) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    quantize_block_q8_k(x + b * 256u, out + b * 292u);
+}
+
+// bsums[i] of a Q8_K block.
+__device__ __forceinline__ int q8k_bsum(const u8* a, int i) {
+    return (int)(short)(u16)(a[260 + 2 * i] | (a[261 + 2 * i] << 8));
+}
+
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the CPU engine's hsum8.
+__device__ __forceinline__ float hsum8(const float* a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// A legacy (or Q8_0) weight row of nb blocks times the Q8_0/Q8_1 activation rows act[t] of
+// nt <= LB_TOKENS tokens, token t in mode[t] (LB_VEC, or LB_BLOCK for repacked Q4_0): res[t]
+// in lane 0. Lane j decodes block b0 + j once for every token. Every lane must call it.
+template <int TY>
+__device__ __forceinline__ void warp_dot_legacy(const u8* w, const u8* const* act, const int* mode,
+                                                int nt, int nb, float* res) {
+    __shared__ int lsum[ROW_WARPS][LB_TOKENS][32][8];
+    __shared__ float lfin[ROW_WARPS][LB_TOKENS][16];
+    const bool has_min = TY == TY_Q4_1 || TY == TY_Q5_1;
+    const u32 wbytes = (u32)lowbit_block_bytes(TY), abytes = has_min ? 36u : 34u;
+    const int aq = has_min ? 4 : 2;
+    int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP;
+    float acc[LB_TOKENS], acc2[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) acc[t] = acc2[t] = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += WARP) {
+        int b = b0 + lane;
+        int q[32];
+        const u8* wb = w + (u64)b * wbytes;
+        for (int j = 0; j < 32; j++) q[j] = b < nb ? legacy_q<TY>(wb, j) : 0;
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            int s[8];
+            for (int k = 0; k < 8; k++) s[k] = 0;
+            if (b < nb) {
+                const u8* ab = act[t] + (u64)b * abytes;
+                for (int j = 0; j < 32; j++) s[j / 4] += q[j] * (int)(signed char)ab[aq + j];
+            }
+            for (int k = 0; k < 8; k++) lsum[wi][t][lane][k] = s[k];
+        }
+        __syncwarp();
+        int m = nb - b0 < WARP ? nb - b0 : WARP;
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            for (int j = 0; j < m; j++) {
+                const u8* wj = w + (u64)(b0 + j) * wbytes;
+                const u8* aj = act[t] + (u64)(b0 + j) * abytes;
+                if (mode[t] == LB_VEC) {
+                    if (lane < 8) {
+                        float d = f16_at(wj, 0) * f16_at(aj, 0);
+                        acc[t] = fmaf(d, (float)lsum[wi][t][j][lane], acc[t]);
+                    } else if (lane == 8 && has_min) {
+                        acc2[t] = fmaf(f16_at(wj, 1), f16_at(aj, 1), acc2[t]);
+                    }
+                } else if (lane == 0) {
+                    int isum = 0;
+                    for (int k = 0; k < 8; k++) isum += lsum[wi][t][j][k];
+                    acc[t] = fmaf((float)isum, f16_at(wj, 0) * f16_at(aj, 0), acc[t]);
+                }
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane < 9) lfin[wi][t][lane] = lane < 8 ? acc[t] : acc2[t];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane == 0) {
+            if (mode[t] != LB_VEC) {
+                res[t] = acc[t];
+            } else {
+                float r = hsum8(lfin[wi][t]);
+                res[t] = has_min ? r + lfin[wi][t][8] : r;
+            }
+        }
+    }
+    __syncwarp();
+}
+
+// The mins of Q4_K/Q5_K sub-blocks 2k and 2k+1 against the activation's sums as vec_dot forms
+// them: m[2k] (b[4k] + b[4k+1]) + m[2k+1] (b[4k+2] + b[4k+3]), pair sums in wrapping int16.
+__device__ __forceinline__ int k4_min_prod(const u8* wb, const u8* ab, int k) {
+    int p = 0;
+    for (int h = 0; h < 2; h++) {
+        int j = 2 * k + h;
+        int pair = (int)(short)(q8k_bsum(ab, 2 * j) + q8k_bsum(ab, 2 * j + 1));
+        p += k4_min(wb + 4, j) * pair;
+    }
+    return p;
+}
+
+// The f16 d and dmin of a K-quant super-block (dmin 0 for Q3_K/Q6_K).
+template <int TY>
+__device__ __forceinline__ float kq_d(const u8* b) {
+    return TY == TY_Q2_K ? f16_at(b, 40) : TY == TY_Q3_K ? f16_at(b, 54)
+         : TY == TY_Q6_K ? f16_at(b, 104) : f16_at(b, 0);
+}
+template <int TY>
+__device__ __forceinline__ float kq_dmin(const u8* b) {
+    return TY == TY_Q2_K ? f16_at(b, 41) : f16_at(b, 1);
+}
+
+// s2 of the tiled order: sum over the 16 groups of min * bsum (formats with mins).
+template <int TY>
+__device__ __forceinline__ int kq_s2(const u8* wb, const u8* ab) {
+    int s2 = 0;
+    for (int g = 0; g < 16; g++) {
+        int m = TY == TY_Q2_K ? (wb[g] >> 4) : k4_min(wb + 4, g / 2);
+        s2 += m * q8k_bsum(ab, g);
+    }
+    return s2;
+}
+
+// The exact min sum of Q4_K sub-blocks j0 .. j1 - 1: sum of m_j (bsum_2j + bsum_2j+1).
+__device__ __forceinline__ int q4k_imin(const u8* wb, const u8* ab, int j0, int j1) {
+    int s = 0;
+    for (int j = j0; j < j1; j++) s += k4_min(wb + 4, j) * (q8k_bsum(ab, 2 * j) + q8k_bsum(ab, 2 * j + 1));
+    return s;
+}
+
+// A K-quant weight row of nsb super-blocks times the Q8_K activation rows act[t] of nt <=
+// LB_TOKENS tokens, token t in mode[t]: res[t] in lane 0. Lane 8 * i + l decodes lane l's
+// elements of super-block s0 + i once, then forms each token's integer sum of them (and, for
+// LB_PAIR, its part of each pair of sub-blocks); Q6_K subtracts 32 * (b[2l] sc[2l] + b[2l+1]
+// sc[2l+1]) there, as vec_dot. Every lane must call it.
+template <int TY>
+__device__ __forceinline__ void warp_dot_kq(const u8* w, const u8* const* act, const int* mode,
+                                            int nt, int nsb, float* res) {
+    __shared__ int ksum[ROW_WARPS][LB_TOKENS][32];
+    __shared__ int kpair[ROW_WARPS][LB_TOKENS][32][4];
+    __shared__ float kfin[ROW_WARPS][LB_TOKENS][16];
+    const u32 wbytes = (u32)lowbit_block_bytes(TY);
+    const bool has_min = TY == TY_Q2_K || TY == TY_Q4_K || TY == TY_Q5_K;
+    int lane = threadIdx.x % WARP, wi = threadIdx.x / WARP;
+    float acc[LB_TOKENS], acc2[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) acc[t] = acc2[t] = 0.f;
+    for (int s0 = 0; s0 < nsb; s0 += 4) {
+        int sb = s0 + lane / 8, l = lane % 8;
+        const u8* wb = w + (u64)sb * wbytes;
+        int sq[32];
+        for (int g = 0; g < 8; g++) {
+            for (int i = 0; i < 4; i++) {
+                int e = 32 * g + 4 * l + i;
+                sq[4 * g + i] = sb < nsb ? kq_sc<TY>(wb, e) * kq_q<TY>(wb, e) : 0;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            int sv = 0, pp[4] = {0, 0, 0, 0};
+            if (sb < nsb) {
+                const u8* ab = act[t] + (u64)sb * 292u;
+                for (int g = 0; g < 8; g++) {
+                    int sub = 0;
+                    for (int i = 0; i < 4; i++) {
+                        sub += sq[4 * g + i] * (int)(signed char)ab[4 + 32 * g + 4 * l + i];
+                    }
+                    pp[g / 2] += sub;
+                    sv += sub;
+                }
+                if (TY == TY_Q6_K) {
+                    int b2 = q8k_bsum(ab, 2 * l) * kq_sc<TY>(wb, 32 * l);
+                    int b3 = q8k_bsum(ab, 2 * l + 1) * kq_sc<TY>(wb, 32 * l + 16);
+                    sv = (int)((u32)sv - (u32)(b2 + b3) * 32u);
+                }
+            }
+            ksum[wi][t][lane] = sv;
+            for (int p = 0; p < 4; p++) kpair[wi][t][lane][p] = pp[p];
+        }
+        __syncwarp();
+        int m = nsb - s0 < 4 ? nsb - s0 : 4;
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t >= nt) continue;
+            for (int j = 0; j < m; j++) {
+                const u8* wj = w + (u64)(s0 + j) * wbytes;
+                const u8* aj = act[t] + (u64)(s0 + j) * 292u;
+                float da = f32_at(aj);
+                if (mode[t] == LB_VEC) {
+                    if (lane < 8) {
+                        if (TY == TY_Q2_K) {
+                            int prod = (wj[2 * lane] >> 4) * q8k_bsum(aj, 2 * lane) +
+                                       (wj[2 * lane + 1] >> 4) * q8k_bsum(aj, 2 * lane + 1);
+                            acc[t] = fmaf(-da * kq_dmin<TY>(wj), (float)prod, acc[t]);
+                        }
+                        acc[t] = fmaf(da * kq_d<TY>(wj), (float)ksum[wi][t][8 * j + lane], acc[t]);
+                    } else if (TY == TY_Q4_K && lane < 12) {
+                        float p = (float)k4_min_prod(wj, aj, lane - 8);
+                        acc2[t] = fmaf(-da * kq_dmin<TY>(wj), p, acc2[t]);
+                    } else if (TY == TY_Q5_K && lane == 8) {
+                        int ps = 0;
+                        for (int k = 0; k < 4; k++) ps = (int)((u32)ps + (u32)k4_min_prod(wj, aj, k));
+                        acc2[t] = fmaf(-da * kq_dmin<TY>(wj), (float)ps, acc2[t]);
+                    }
+                } else if (lane == 0) {
+                    int s1 = 0;
+                    for (int i = 0; i < 8; i++) s1 = (int)((u32)s1 + (u32)ksum[wi][t][8 * j + i]);
+                    if (mode[t] == LB_TILED) {
+                        float r = (float)s1 * kq_d<TY>(wj);
+                        if (has_min) r = fmaf(-kq_dmin<TY>(wj), (float)kq_s2<TY>(wj, aj), r);
+                        acc[t] = fmaf(r, da, acc[t]);
+                    } else {
+                        float d = kq_d<TY>(wj) * da, dmin = kq_dmin<TY>(wj) * da;
+                        if (mode[t] == LB_BLOCK) {
+                            acc[t] = fmaf((float)s1, d, acc[t]);
+                            acc2[t] = fmaf((float)q4k_imin(wj, aj, 0, 8), dmin, acc2[t]);
+                        } else {
+                            for (int p = 0; p < 4; p++) {
+                                int isum = 0;
+                                for (int i = 0; i < 8; i++) isum += kpair[wi][t][8 * j + i][p];
+                                acc[t] = fmaf((float)isum, d, acc[t]);
+                                float mn = (float)q4k_imin(wj, aj, 2 * p, 2 * p + 2);
+                                acc2[t] = fmaf(mn, dmin, acc2[t]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane < 12) kfin[wi][t][lane] = lane < 8 ? acc[t] : acc2[t];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        if (t < nt && lane == 0) {
+            if (mode[t] == LB_TILED) {
+                res[t] = acc[t];
+            } else if (mode[t] != LB_VEC) {
+                res[t] = acc[t] - acc2[t];
+            } else {
+                const float* f = kfin[wi][t];
+                float r = hsum8(f);
+                if (TY == TY_Q4_K) r = r + ((f[8] + f[10]) + (f[9] + f[11]));
+                if (TY == TY_Q5_K) r = r + f[8];
+                res[t] = r;
+            }
+        }
+    }
+    __syncwarp();
+}
+
+// A low-bit weight row of `cols` elements times the activation rows act[t] (of the weight's
+// vec_dot_type) of nt <= LB_TOKENS tokens, token t in mode[t]: res[t] in lane 0. Every lane
+// must call it.
+template <int TY>
+__device__ __forceinline__ void warp_dot_lowbit(const u8* row, const u8* const* act,
+                                                const int* mode, int nt, int cols, float* res) {
+    if (is_kquant(TY)) {
+        warp_dot_kq<TY>(row, act, mode, nt, cols / 256, res);
+    } else {
+        warp_dot_legacy<TY>(row, act, mode, nt, cols / 32, res);
+    }
+}
+
+// y[t][r] = W[r] . xq[t] for low-bit weights; token t < grouped in mode_grouped, the others
+// in mode_rest. A warp per row and LB_TOKENS tokens.
+// grid = (ceil(rows / ROW_WARPS), ceil(n / LB_TOKENS)), block = ROW_WARPS * 32.
+template <int TY>
+__device__ void matmul_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, float* y, int rows,
+                                   int cols, int n, int grouped, int mode_grouped,
+                                   int mode_rest) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int t0 = blockIdx.y * LB_TOKENS;
+    if (r >= rows || t0 >= n) return;
+    int nt = n - t0 < LB_TOKENS ? n - t0 : LB_TOKENS;
+    const u8* act[LB_TOKENS];
+    int mode[LB_TOKENS];
+    float res[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        int tt = t0 + (t < nt ? t : 0);
+        act[t] = xq + (u64)tt * lowbit_act_bytes(TY, cols);
+        mode[t] = tt < grouped ? mode_grouped : mode_rest;
+        res[t] = 0.f;
+    }
+    warp_dot_lowbit<TY>(w + (u64)r * row_bytes, act, mode, nt, cols, res);
+    if (threadIdx.x % WARP == 0) {
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t < nt) y[(u64)(t0 + t) * rows + r] = res[t];
+        }
+    }
+}
+
+// out[slot][r] = experts[e][r] . act[slot / act_div] for the slots of expert e grouped by
+// moe_group (offsets, order), LB_TOKENS slots at a time, in the CPU engine's order for an
+// expert matmul: LB_BLOCK for repacked experts, LB_TILED for K-quants when at least tiled_min
+// slots route to e, else LB_VEC. Slots with an id out of range are not written (moe_swiglu and
+// moe_down_bias do not read them). grid = (ceil(rows / ROW_WARPS), n_expert),
+// block = ROW_WARPS * 32.
+template <int TY>
+__device__ void moe_lowbit_impl(const u8* w, u64 row_bytes, int rows, int cols, const u8* act,
+                                int act_div, const int* offsets, const int* order, int repacked,
+                                int tiled_min, float* out) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int e = blockIdx.y;
+    if (r >= rows) return;
+    int begin = offsets[e], end = offsets[e + 1];
+    int m = repacked ? LB_BLOCK : (is_kquant(TY) && end - begin >= tiled_min ? LB_TILED : LB_VEC);
+    const u8* row = w + ((u64)e * rows + r) * row_bytes;
+    for (int i0 = begin; i0 < end; i0 += LB_TOKENS) {
+        int nt = end - i0 < LB_TOKENS ? end - i0 : LB_TOKENS;
+        const u8* a[LB_TOKENS];
+        int mode[LB_TOKENS];
+        float res[LB_TOKENS];
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            int slot = order[i0 + (t < nt ? t : 0)];
+            a[t] = act + (u64)(slot / act_div) * lowbit_act_bytes(TY, cols);
+            mode[t] = m;
+            res[t] = 0.f;
+        }
+        warp_dot_lowbit<TY>(row, a, mode, nt, cols, res);
+        if (threadIdx.x % WARP == 0) {
+#pragma unroll
+            for (int t = 0; t < LB_TOKENS; t++) {
+                if (t < nt) out[(u64)order[i0 + t] * rows + r] = res[t];
+            }
+        }
+    }
+}
+
+#define LOWBIT(SUFFIX, TY)                                                                      \
+    extern "C" __global__ void matmul_##SUFFIX(const u8* w, u64 row_bytes, const u8* xq,       \
+                                               float* y, int rows, int cols, int n,             \
+                                               int grouped, int mode_grouped, int mode_rest) {  \
+        matmul_lowbit_impl<TY>(w, row_bytes, xq, y, rows, cols, n, grouped, mode_grouped,       \
+                               mode_rest);                                                      \
+    }                                                                                           \
+    extern "C" __global__ void moe_lowbit_##SUFFIX(                                            \
+        const u8* w, u64 row_bytes, int rows, int cols, const u8* act, int act_div,            \
+        const int* offsets, const int* order, int repacked, int tiled_min, float* out) {        \
+        moe_lowbit_impl<TY>(w, row_bytes, rows, cols, act, act_div, offsets, order, repacked,   \
+                            tiled_min, out);                                                    \
+    }
+
+LOWBIT(q4_0, TY_Q4_0)
+LOWBIT(q4_1, TY_Q4_1)
+LOWBIT(q5_0, TY_Q5_0)
+LOWBIT(q5_1, TY_Q5_1)
+LOWBIT(q2_k, TY_Q2_K)
+LOWBIT(q3_k, TY_Q3_K)
+LOWBIT(q4_k, TY_Q4_K)
+LOWBIT(q5_k, TY_Q5_K)
+LOWBIT(q6_k, TY_Q6_K)
+
+// Q8_0 experts in a set with low-bit ones (vec_dot order, as warp_dot_q8_0).
+extern "C" __global__ void moe_lowbit_q8_0(const u8* w, u64 row_bytes, int rows, int cols,
+                                           const u8* act, int act_div, const int* offsets,
+                                           const int* order, int repacked, int tiled_min,
+                                           float* out) {
+    moe_lowbit_impl<TY_Q8_0>(w, row_bytes, rows, cols, act, act_div, offsets, order, repacked,
+                             tiled_min, out);
+}
+
+// Per-head products of low-bit weights (MLA's attn_k_b / attn_v_b in low-bit files):
+// y[(t * n_heads + h) * out + r] = W[h * out + r] . xq[t * n_heads + h], xq the head rows
+// gathered to `cols` values and quantized to the weight's vec_dot_type. Head h's tokens are
+// the CPU engine's batch for it: token t < grouped in mode_grouped, the others in mode_rest.
+// A warp per row and LB_TOKENS tokens of one head.
+// grid = (ceil(out / ROW_WARPS), n_heads * ceil(n / LB_TOKENS)), block = ROW_WARPS * 32.
+template <int TY>
+__device__ void matmul_heads_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, float* y,
+                                         int out, int cols, int n, int n_heads, int grouped,
+                                         int mode_grouped, int mode_rest) {
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    int h = blockIdx.y % n_heads;
+    int t0 = blockIdx.y / n_heads * LB_TOKENS;
+    if (r >= out || t0 >= n) return;
+    int nt = n - t0 < LB_TOKENS ? n - t0 : LB_TOKENS;
+    const u8* act[LB_TOKENS];
+    int mode[LB_TOKENS];
+    float res[LB_TOKENS];
+#pragma unroll
+    for (int t = 0; t < LB_TOKENS; t++) {
+        int tt = t0 + (t < nt ? t : 0);
+        act[t] = xq + ((u64)tt * n_heads + h) * lowbit_act_bytes(TY, cols);
+        mode[t] = tt < grouped ? mode_grouped : mode_rest;
+        res[t] = 0.f;
+    }
+    warp_dot_lowbit<TY>(w + ((u64)h * out + r) * row_bytes, act, mode, nt, cols, res);
+    if (threadIdx.x % WARP == 0) {
+#pragma unroll
+        for (int t = 0; t < LB_TOKENS; t++) {
+            if (t < nt) y[((u64)(t0 + t) * n_heads + h) * out + r] = res[t];
+        }
+    }
+}
+
+#define HEADS_LOWBIT(SUFFIX, TY)                                                                \
+    extern "C" __global__ void matmul_heads_##SUFFIX(const u8* w, u64 row_bytes, const u8* xq, \
+                                                     float* y, int out, int cols, int n,        \
+                                                     int n_heads, int grouped,                  \
+                                                     int mode_grouped, int mode_rest) {         \
+        matmul_heads_lowbit_impl<TY>(w, row_bytes, xq, y, out, cols, n, n_heads, grouped,       \
+                                     mode_grouped, mode_rest);                                  \
+    }
+
+HEADS_LOWBIT(q4_0, TY_Q4_0)
+HEADS_LOWBIT(q4_1, TY_Q4_1)
+HEADS_LOWBIT(q5_0, TY_Q5_0)
+HEADS_LOWBIT(q5_1, TY_Q5_1)
+HEADS_LOWBIT(q2_k, TY_Q2_K)
+HEADS_LOWBIT(q3_k, TY_Q3_K)
+HEADS_LOWBIT(q4_k, TY_Q4_K)
+HEADS_LOWBIT(q5_k, TY_Q5_K)
+HEADS_LOWBIT(q6_k, TY_Q6_K)
+
+// ---------------------------------------------------------------------------------------------
 // Strided row copies: row r of width values from src[r * src_stride + src_off] to
 // dst[r * dst_stride + dst_off]. One thread per element.
 
@@ -1584,23 +2377,29 @@ extern "C" __global__ void swiglu_f32(float* gate, const float* up, u64 total, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention over a K-only f16 or Q8_0 ring (multi-head latent attention in its absorbed form): every
-// query head against the one key head; the value of a position is the first v_dim elements of
-// its key. q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at
-// position pos0 + t and sees 0 ..= pos.
+// Attention over a K-only ring (multi-head latent attention in its absorbed form) of any K/V
+// type (TY: f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; not rotated): every query head
+// against the one key head; the value of a position is the first v_dim elements of its key.
+// q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at position
+// pos0 + t and sees 0 ..= pos.
 //
-// The CPU engine's numerics (Ref0::attention_k_only), bit for bit: the query rounded to f16;
-// scores in vec_dot_f16 order (one query token, or a key not whole 16-lane steps long) or
-// tinyBLAS's 16 lanes, times scale; m = the largest score; expf_ggml(s - m) summed by halving
-// per chunk of 16 positions, chunk sums added in f64 in order; probabilities expf_ggml(s - m) *
-// (f32)(1 / sum) rounded to f16; value dimension d sums fma(v, p, acc) per (chain, lane) with
-// lane = position % 16 and chain = (position / 16) % 4 for one query token (vec_dot's four
-// chains; 1 chain for a batch), then (c0 + c2) + (c1 + c3) per lane and by halving.
+// The CPU engine's numerics (Ref0::attention_k_only), bit for bit: the query as the keys'
+// vec_dot takes it (f32 as is; rounded to f16 or bf16; for block keys its Q8_0 blocks, Q8_1
+// for Q4_1/Q5_1, in qq from quantize_acts); scores: f32 keys in vec_dot_f32 order, f16 keys
+// in vec_dot_f16 order (one query token, or a key not whole 16-lane steps long) or tinyBLAS's
+// 16 lanes, bf16 keys in ggml's bf16 vec_dot order, block keys in ggml's vec_dot order (see
+// k_only_score_blocks); times scale; m = the largest score; expf_ggml(s - m) summed by halving
+// per chunk of 16 positions, chunk sums added in f64 in order; probabilities expf_ggml(s - m)
+// * (f32)(1 / sum), rounded to f16 / bf16 for f16 / bf16 rings; values read as
+// dequantize_row reads them; value dimension d sums fma(v, p, acc) per (chain, lane) with
+// lane = position % 16 and chain = (position / 16) % 4 for one query token over f32/f16 keys
+// (vec_dot's four chains; else 1 chain), then (c0 + c2) + (c1 + c3) per lane and by halving.
 //
 // One block per (head, token), KO_THREADS threads: each thread scores one position of a tile
 // of KO_THREADS positions (whole chunks) at a time, serially in the CPU's order; thread d
 // accumulates value dims d, d + KO_THREADS. k_dim <= KO_MAX_K, v_dim <= KO_THREADS *
-// KO_DIMS_PER_THREAD. grid = (n_head, n_tokens), block = KO_THREADS.
+// KO_DIMS_PER_THREAD; block rings: k_dim and v_dim multiples of 32.
+// grid = (n_head, n_tokens), block = KO_THREADS.
 #define KO_THREADS 256
 #define KO_MAX_K 1024
 #define KO_DIMS_PER_THREAD 2
@@ -1613,12 +2412,22 @@ __device__ float reduce16_serial(const float* a) {
     return (t4[0] + t4[2]) + (t4[1] + t4[3]);
 }
 
-__device__ float k_only_score(const float* q16, const u16* k, int kd, int lanes) {
+// Whether K-only rings of TY are block-quantized (their query as blocks).
+__device__ __forceinline__ bool ko_blocks(int ty) {
+    return ty != TY_F32 && ty != TY_F16 && ty != TY_BF16;
+}
+
+// f32 keys (TY_F32) or f16 keys (TY_F16) against the query qf (f16-rounded for f16 keys): with
+// `lanes` (f16 only) element i fused into lane i % 16, summed by halving; else vec_dot's four
+// 16-lane chains over 64-element steps folded (s0 + s2) + (s1 + s3), summed by halving, then
+// the last kd % 64 products added one by one (in f32 for f32, in f64 for f16).
+template <int TY>
+__device__ float k_only_score_float(const float* qf, const u8* row, int kd, int lanes) {
     float acc[4][16];
     for (int j = 0; j < 4; j++)
         for (int l = 0; l < 16; l++) acc[j][l] = 0.f;
-    if (lanes) {
-        for (int i = 0; i < kd; i++) acc[0][i % 16] = fmaf(q16[i], h2f(k[i]), acc[0][i % 16]);
+    if (TY == TY_F16 && lanes) {
+        for (int i = 0; i < kd; i++) acc[0][i % 16] = fmaf(qf[i], load_w<TY>(row, i), acc[0][i % 16]);
         return reduce16_serial(acc[0]);
     }
     int np = kd / 64 * 64;
@@ -1626,53 +2435,89 @@ __device__ float k_only_score(const float* q16, const u16* k, int kd, int lanes)
         for (int j = 0; j < 4; j++)
             for (int l = 0; l < 16; l++) {
                 int i = b + 16 * j + l;
-                acc[j][l] = fmaf(q16[i], h2f(k[i]), acc[j][l]);
+                acc[j][l] = fmaf(qf[i], load_w<TY>(row, i), acc[j][l]);
             }
     float folded[16];
     for (int l = 0; l < 16; l++) folded[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-    double sum = (double)reduce16_serial(folded);
-    for (int i = np; i < kd; i++) sum += (double)(q16[i] * h2f(k[i]));
+    float head = reduce16_serial(folded);
+    if (TY == TY_F32) {
+        for (int i = np; i < kd; i++) head = head + qf[i] * load_w<TY>(row, i);
+        return head;
+    }
+    double sum = (double)head;
+    for (int i = np; i < kd; i++) sum += (double)(qf[i] * load_w<TY>(row, i));
     return (float)sum;
 }
 
-// Q8_0 x Q8_0 of one key with the query's Q8_0 blocks, serially in hmoe_quant's dot_q8_0
-// order (warp_dot_q8_0's chain): nb blocks.
-__device__ float k_only_score_q8_0(const u8* qb, const u8* k, int nb) {
-    float acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = 0.f;
-    for (int b = 0; b < nb; b++) {
-        const u8* kb = k + (u64)b * 34u;
-        const u8* ab = qb + (u64)b * 34u;
-        float d = q8_scale(kb) * q8_scale(ab);
-        for (int j = 0; j < 8; j++) {
-            int s = 0;
-            for (int i = 4 * j; i < 4 * j + 4; i++) s += (int)(signed char)kb[2 + i] * (int)(signed char)ab[2 + i];
-            acc[j] = fmaf(d, (float)s, acc[j]);
+// bf16 keys against the bf16-rounded query in ggml's bf16 vec_dot order (hmoe_quant's
+// dot_bf16): two 16-lane accumulators over 32-element steps (elements 32s + l and
+// 32s + 16 + l) adding unfused products, each summed by halving and added in f64 from zero,
+// then the last kd % 32 products in f64.
+__device__ float k_only_score_bf16(const float* qf, const u8* row, int kd) {
+    float c1[16], c2[16];
+    for (int l = 0; l < 16; l++) c1[l] = c2[l] = 0.f;
+    int np = kd / 32 * 32;
+    for (int b = 0; b < np; b += 32)
+        for (int l = 0; l < 16; l++) {
+            c1[l] = c1[l] + load_w<TY_BF16>(row, b + l) * qf[b + l];
+            c2[l] = c2[l] + load_w<TY_BF16>(row, b + 16 + l) * qf[b + 16 + l];
         }
-    }
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    double sum = 0.0;
+    sum += (double)reduce16_serial(c1);
+    sum += (double)reduce16_serial(c2);
+    for (int i = np; i < kd; i++) sum += (double)(load_w<TY_BF16>(row, i) * qf[i]);
+    return (float)sum;
 }
 
-// The scaled score of the key at `row` (f16 keys against the f16-rounded query q16, or Q8_0
-// keys against the query's Q8_0 blocks qb).
-template <int Q8>
-__device__ float k_only_score_at(const float* q16, const u8* qb, const u8* row, int k_dim,
+// A key of nb legacy blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) against the query's Q8_0 (Q8_1)
+// blocks qb, serially in ggml's vec_dot order (warp_dot_legacy's LB_VEC chain): for each
+// block in order, accumulator k takes fma(d_k · d_q, Σ of elements 4k..4k+3, acc_k); Q4_1/Q5_1
+// fuse m_k · s_q into a chain of their own; hsum8 of the eight, plus that chain.
+template <int TY>
+__device__ float k_only_score_blocks(const u8* qb, const u8* k, int nb) {
+    const bool has_min = TY == TY_Q4_1 || TY == TY_Q5_1;
+    const u32 kbytes = (u32)lowbit_block_bytes(TY), abytes = has_min ? 36u : 34u;
+    const int aq = has_min ? 4 : 2;
+    float acc[8], acc2 = 0.f;
+    for (int j = 0; j < 8; j++) acc[j] = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const u8* kb = k + (u64)b * kbytes;
+        const u8* ab = qb + (u64)b * abytes;
+        float d = f16_at(kb, 0) * f16_at(ab, 0);
+        for (int j = 0; j < 8; j++) {
+            int s = 0;
+            for (int i = 4 * j; i < 4 * j + 4; i++) s += legacy_q<TY>(kb, i) * (int)(signed char)ab[aq + i];
+            acc[j] = fmaf(d, (float)s, acc[j]);
+        }
+        if (has_min) acc2 = fmaf(f16_at(kb, 1), f16_at(ab, 1), acc2);
+    }
+    float r = hsum8(acc);
+    return has_min ? r + acc2 : r;
+}
+
+// The scaled score of the key at `row` (float keys against the converted query qf, block keys
+// against the query's blocks qb).
+template <int TY>
+__device__ float k_only_score_at(const float* qf, const u8* qb, const u8* row, int k_dim,
                                  int lanes, float scale) {
-    float s = Q8 ? k_only_score_q8_0(qb, row, k_dim / 32)
-                 : k_only_score(q16, (const u16*)row, k_dim, lanes);
+    float s;
+    if (TY == TY_F32 || TY == TY_F16) {
+        s = k_only_score_float<TY>(qf, row, k_dim, lanes);
+    } else if (TY == TY_BF16) {
+        s = k_only_score_bf16(qf, row, k_dim);
+    } else {
+        s = k_only_score_blocks<TY>(qb, row, k_dim / 32);
+    }
     return s * scale;
 }
 
-// The body of attn_k_only_f16 (Q8 = 0) and attn_k_only_q8_0 (Q8 = 1). A Q8_0 ring (the CPU
-// engine's row kernel over block keys with the values in them): the query as Q8_0 blocks (qq,
-// quantize_q8_0 of q), scores by k_only_score_q8_0, probabilities not rounded, values
-// dequantized (d * q), summed in one 16-lane chain also for one query token.
-template <int Q8>
+// The body of attn_k_only_<type>: q the queries (f32), qq their blocks for block rings.
+template <int TY>
 __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, float* out,
                                  int n_tokens, int n_head, int k_dim, int v_dim, int cells,
                                  int pos0, float scale) {
     __shared__ float sm_q[KO_MAX_K];
-    __shared__ u8 sm_qq[KO_MAX_K / 32 * 34];
+    __shared__ u8 sm_qq[KO_MAX_K / 32 * 36];
     __shared__ float sm_e[KO_THREADS];
     __shared__ float sm_red[KO_THREADS];
     __shared__ double sm_sum;
@@ -1682,15 +2527,20 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     int pos = pos0 + t;
     int single = n_tokens == 1;
     int lanes = !single && k_dim % 16 == 0;
-    int chains = single && !Q8 ? 4 : 1;
-    u64 row_bytes = Q8 ? (u64)(k_dim / 32) * 34u : (u64)k_dim * 2u;
-    if (Q8) {
-        u64 qb = (u64)(k_dim / 32) * 34u;
+    int chains = single && (TY == TY_F32 || TY == TY_F16) ? 4 : 1;
+    const bool blocks = ko_blocks(TY);
+    u64 row_bytes = blocks ? (u64)(k_dim / 32) * (u32)lowbit_block_bytes(TY)
+                           : (u64)k_dim * (TY == TY_F32 ? 4u : 2u);
+    if (blocks) {
+        u64 qb = lowbit_act_bytes(TY, k_dim);
         const u8* qh = qq + ((u64)t * n_head + h) * qb;
         for (u64 i = tid; i < qb; i += KO_THREADS) sm_qq[i] = qh[i];
     } else {
         const float* qh = q + ((u64)t * n_head + h) * k_dim;
-        for (int i = tid; i < k_dim; i += KO_THREADS) sm_q[i] = h2f(f2h(qh[i]));
+        for (int i = tid; i < k_dim; i += KO_THREADS) {
+            float v = qh[i];
+            sm_q[i] = TY == TY_F16 ? h2f(f2h(v)) : TY == TY_BF16 ? bf2f(f2bf(v)) : v;
+        }
     }
     __syncthreads();
     int n_tiles = (pos + KO_THREADS) / KO_THREADS;
@@ -1699,7 +2549,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     float m = -f_inf();
     for (int tile = 0; tile < n_tiles; tile++) {
         int p = tile * KO_THREADS + tid;
-        if (p <= pos) m = fmaxf(m, k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale));
+        if (p <= pos) m = fmaxf(m, k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale));
     }
     sm_red[tid] = m;
     __syncthreads();
@@ -1717,7 +2567,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     for (int tile = 0; tile < n_tiles; tile++) {
         int p = tile * KO_THREADS + tid;
         float e = 0.f;
-        if (p <= pos) e = expf_ggml(k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big);
+        if (p <= pos) e = expf_ggml(k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big);
         sm_e[tid] = e;
         __syncthreads();
         if (tid == 0) {
@@ -1738,8 +2588,9 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
         int p = tile * KO_THREADS + tid;
         float w = 0.f;
         if (p <= pos) {
-            w = expf_ggml(k_only_score_at<Q8>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv;
-            if (!Q8) w = h2f(f2h(w));
+            w = expf_ggml(k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv;
+            if (TY == TY_F16) w = h2f(f2h(w));
+            if (TY == TY_BF16) w = bf2f(f2bf(w));
         }
         __syncthreads();
         sm_e[tid] = w;
@@ -1752,14 +2603,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
             for (int k = 0; k < KO_DIMS_PER_THREAD; k++) {
                 int d = tid + k * KO_THREADS;
                 if (d >= v_dim) continue;
-                float v;
-                if (Q8) {
-                    const u8* vb = row + (u64)(d / 32) * 34u;
-                    v = q8_scale(vb) * (float)(signed char)vb[2 + d % 32];
-                } else {
-                    v = h2f(((const u16*)row)[d]);
-                }
-                acc[k][chain][lane] = fmaf(v, sm_e[i], acc[k][chain][lane]);
+                acc[k][chain][lane] = fmaf(load_w<TY>(row, d), sm_e[i], acc[k][chain][lane]);
             }
         }
     }
@@ -1776,21 +2620,26 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     }
 }
 
-extern "C" __global__ void attn_k_only_f16(const float* q, const u16* kc, float* out,
-                                           int n_tokens, int n_head, int k_dim, int v_dim,
-                                           int cells, int pos0, float scale) {
-    attn_k_only_body<0>(q, nullptr, (const u8*)kc, out, n_tokens, n_head, k_dim, v_dim, cells,
-                        pos0, scale);
-}
+// attn_k_only_<type>(q, qq, kc, out, ...): q the queries (f32; read for f32/f16/bf16 rings),
+// qq their Q8_0 or Q8_1 blocks ([n_tokens][n_head][k_dim / 32]; read for block rings), kc the
+// ring's bytes (aligned for its element type).
+#define K_ONLY(SUFFIX, TY)                                                                      \
+    extern "C" __global__ void attn_k_only_##SUFFIX(const float* q, const u8* qq, const u8* kc, \
+                                                    float* out, int n_tokens, int n_head,       \
+                                                    int k_dim, int v_dim, int cells, int pos0,  \
+                                                    float scale) {                              \
+        attn_k_only_body<TY>(q, qq, kc, out, n_tokens, n_head, k_dim, v_dim, cells, pos0,       \
+                             scale);                                                            \
+    }
 
-// attn_k_only_f16 over a Q8_0 ring (k_dim and v_dim multiples of 32): qq is the queries as
-// Q8_0 blocks ([n_tokens][n_head][k_dim / 32]).
-extern "C" __global__ void attn_k_only_q8_0(const u8* qq, const u8* kc, float* out,
-                                            int n_tokens, int n_head, int k_dim, int v_dim,
-                                            int cells, int pos0, float scale) {
-    attn_k_only_body<1>(nullptr, qq, kc, out, n_tokens, n_head, k_dim, v_dim, cells, pos0,
-                        scale);
-}
+K_ONLY(f32, TY_F32)
+K_ONLY(f16, TY_F16)
+K_ONLY(bf16, TY_BF16)
+K_ONLY(q8_0, TY_Q8_0)
+K_ONLY(q4_0, TY_Q4_0)
+K_ONLY(q4_1, TY_Q4_1)
+K_ONLY(q5_0, TY_Q5_0)
+K_ONLY(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
 // Expert choice (the CPU engine's gate_probs + Routing::select), one thread per token: gate

@@ -32,6 +32,10 @@ pub const KERNELS: &[&str] = &[
     "kv_store_f32",
     "kv_store_q8_0",
     "kv_store_q4_0",
+    "kv_store_bf16",
+    "kv_store_q4_1",
+    "kv_store_q5_0",
+    "kv_store_q5_1",
     "attn_row",
     "attn_flash",
     "router_topk_softmax",
@@ -61,9 +65,54 @@ pub const KERNELS: &[&str] = &[
     "matmul_heads_q8_0",
     "matmul_heads_mxfp4",
     "swiglu_f32",
+    "attn_k_only_f32",
     "attn_k_only_f16",
+    "attn_k_only_bf16",
     "attn_k_only_q8_0",
+    "attn_k_only_q4_0",
+    "attn_k_only_q4_1",
+    "attn_k_only_q5_0",
+    "attn_k_only_q5_1",
     "route_f32",
+    "quantize_q8_1",
+    "quantize_q8_k",
+    "get_rows_q4_0",
+    "get_rows_q4_1",
+    "get_rows_q5_0",
+    "get_rows_q5_1",
+    "get_rows_q2_k",
+    "get_rows_q3_k",
+    "get_rows_q4_k",
+    "get_rows_q5_k",
+    "get_rows_q6_k",
+    "matmul_q4_0",
+    "matmul_q4_1",
+    "matmul_q5_0",
+    "matmul_q5_1",
+    "matmul_q2_k",
+    "matmul_q3_k",
+    "matmul_q4_k",
+    "matmul_q5_k",
+    "matmul_q6_k",
+    "moe_lowbit_q4_0",
+    "moe_lowbit_q4_1",
+    "moe_lowbit_q5_0",
+    "moe_lowbit_q5_1",
+    "moe_lowbit_q2_k",
+    "moe_lowbit_q3_k",
+    "moe_lowbit_q4_k",
+    "moe_lowbit_q5_k",
+    "moe_lowbit_q6_k",
+    "moe_lowbit_q8_0",
+    "matmul_heads_q4_0",
+    "matmul_heads_q4_1",
+    "matmul_heads_q5_0",
+    "matmul_heads_q5_1",
+    "matmul_heads_q2_k",
+    "matmul_heads_q3_k",
+    "matmul_heads_q4_k",
+    "matmul_heads_q5_k",
+    "matmul_heads_q6_k",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -74,6 +123,8 @@ pub(crate) const MM_TOKENS: u32 = 8;
 pub(crate) const TILE_ROWS: u32 = 64;
 /// Tokens (or expert slots) per tile of the tiled products (`TILE_SLOTS` in the source).
 pub(crate) const TILE_SLOTS: u32 = 32;
+/// Tokens (or expert slots) per warp of the low-bit products (`LB_TOKENS` in the source).
+pub(crate) const LB_TOKENS: u32 = 8;
 /// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).
 pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
 /// Warps per block of the attention kernel (`ATT_WARPS` in the source).
@@ -185,7 +236,8 @@ mod tests {
     use super::*;
 
     /// A kernel is defined directly or by a macro instantiation (`MOE_WRAPPERS(SUFFIX, ...)`
-    /// for `moe_gate_up_*`/`moe_down_*`, `MATMUL_TILED` and `MOE_MM` likewise).
+    /// for `moe_gate_up_*`/`moe_down_*`, `MATMUL_TILED`, `MOE_MM`, `GET_ROWS` and `LOWBIT`
+    /// likewise).
     fn defined(name: &str) -> bool {
         if SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")) {
             return true;
@@ -196,6 +248,12 @@ mod tests {
             ("matmul_tiled_", "MATMUL_TILED"),
             ("moe_mm_", "MOE_MM"),
             ("matmul_heads_", "MATMUL_HEADS"),
+            ("matmul_heads_", "HEADS_LOWBIT"),
+            ("attn_k_only_", "K_ONLY"),
+            ("kv_store_", "KV_STORE_BLOCKS"),
+            ("get_rows_", "GET_ROWS"),
+            ("matmul_", "LOWBIT"),
+            ("moe_lowbit_", "LOWBIT"),
         ]
         .iter()
         .any(|(prefix, instantiation)| {
@@ -239,6 +297,7 @@ mod tests {
             ("TILE_ROWS", TILE_ROWS as usize),
             ("TILE_SLOTS", TILE_SLOTS as usize),
             ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
+            ("LB_TOKENS", LB_TOKENS as usize),
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
             ("KV_MAX_CHUNK", ATT_MAX_HEAD_DIM),

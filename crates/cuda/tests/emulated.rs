@@ -1,6 +1,8 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
-//! against [`Ref0`]. Q8_0/MXFP4/F32 products, the quantizer, the MoE block, the router,
+//! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
+//! every order the CPU engine picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
+//! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
 //! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
 //! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
@@ -13,18 +15,18 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use half::f16;
 use hmoe_backend::{
     AttnParams, Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0,
 };
-use hmoe_quant::{quantize_row, GgmlType};
+use hmoe_quant::GgmlType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
-    KV_PAIRS, TYPES,
+    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
+    ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
+    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -146,17 +148,12 @@ impl Drop for Emulator {
 }
 
 fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
-    let mut q = vec![0u8; rows * rb];
-    for row in q.chunks_exact_mut(rb) {
-        quantize_row(ty, &noise(rng, cols, 1.0), row).unwrap();
-    }
-    q
+    random_weights(rng, ty, rows, cols)
 }
 
-/// Types whose products the kernels sum in the CPU engine's order.
+/// Types whose products the kernels sum in the CPU engine's order (every type but F16/BF16).
 fn exact(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::F32 | GgmlType::Q8_0 | GgmlType::MXFP4)
+    !matches!(ty, GgmlType::F16 | GgmlType::BF16)
 }
 
 /// `(bit-identical values, max |difference|)`.
@@ -179,6 +176,127 @@ fn s(v: impl ToString) -> String {
     v.to_string()
 }
 
+/// Runs the emulated matmul of a `rows × cols` matrix of `ty` on `n` random tokens against
+/// REF0's: the same bits for the types of [`exact`], else only reported.
+fn matmul_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    (rows, cols): (usize, usize),
+    n: usize,
+) {
+    let q = weights(rng, ty, rows, cols);
+    let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+    let x = noise(rng, n * cols, 1.0);
+    emu.write("w", &q);
+    emu.write("x", &x);
+    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n)]);
+    let got: Vec<f32> = emu.read("y");
+    let xd = cpu.upload(&x).unwrap();
+    let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
+    cpu.matmul(&m, &xd, n, &mut yd).unwrap();
+    let want = cpu.download(&yd).unwrap();
+    let (same, max) = compare(&got, &want);
+    eprintln!(
+        "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
+        got.len()
+    );
+    if exact(ty) {
+        assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
+    }
+}
+
+/// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.
+#[derive(Clone, Copy)]
+struct MoeShape {
+    ne: usize,
+    d: usize,
+    ff: usize,
+    n: usize,
+    k: usize,
+}
+
+/// Runs the emulated MoE block with gate, up and down experts of `types` (random weights,
+/// biases when `act.1`, the activation `act.0`) and the expert ids `sel` against REF0's: the
+/// same bits when every type is of [`exact`], else only reported.
+fn moe_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    types: [GgmlType; 3],
+    MoeShape { ne, d, ff, n, k }: MoeShape,
+    sel: &[i32],
+    (act, with_bias): (GatedAct, bool),
+) {
+    let [gt, ut, dt] = types;
+    let (gq, uq, dq) = (
+        weights(rng, gt, ne * ff, d),
+        weights(rng, ut, ne * ff, d),
+        weights(rng, dt, ne * d, ff),
+    );
+    let (bg, bu, bd) = (
+        noise(rng, ne * ff, 0.5),
+        noise(rng, ne * ff, 0.5),
+        noise(rng, ne * d, 0.5),
+    );
+    let x = noise(rng, n * d, 1.0);
+    let wts = noise(rng, n * k, 1.0);
+    for (name, v) in [("gate", &gq), ("up", &uq), ("down", &dq)] {
+        emu.write(name, v);
+    }
+    for (name, v) in [
+        ("bg", &bg),
+        ("bu", &bu),
+        ("bd", &bd),
+        ("x", &x),
+        ("wts", &wts),
+    ] {
+        emu.write(name, v);
+    }
+    emu.write("sel", sel);
+    let act_id = usize::from(act == GatedAct::Silu);
+    let args = [
+        gt.id() as usize,
+        ne,
+        d,
+        ff,
+        n,
+        k,
+        act_id,
+        usize::from(with_bias),
+        ut.id() as usize,
+        dt.id() as usize,
+    ];
+    emu.run("moe", &args.map(s));
+    let got: Vec<f32> = emu.read("out");
+    let matrix = |ty, n_in, n_out, data| ExpertMatrix {
+        ty,
+        n_in,
+        n_out,
+        data,
+    };
+    let t = ExpertTensors {
+        n_expert: ne,
+        gate: matrix(gt, d, ff, &gq),
+        up: matrix(ut, d, ff, &uq),
+        down: matrix(dt, ff, d, &dq),
+        gate_bias: if with_bias { &bg } else { &[] },
+        up_bias: if with_bias { &bu } else { &[] },
+        down_bias: if with_bias { &bd } else { &[] },
+    };
+    let rm = cpu.upload_moe(&t, None).unwrap();
+    let want = ref_moe(cpu, &rm, act, &x, sel, &wts, k);
+    let (same, max) = compare(&got, &want);
+    eprintln!(
+        "moe {types:?} {act:?}: {same}/{} identical, max |Δ| {max:e}",
+        got.len()
+    );
+    if types.iter().all(|&ty| exact(ty)) {
+        assert_eq!(same, got.len(), "moe {types:?} {act:?}");
+    }
+}
+
 #[test]
 #[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_kernels_give_the_reference_backends_bits() {
@@ -187,13 +305,6 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(5);
-    let ggml_id = |ty: GgmlType| match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::Q8_0 => 8,
-        GgmlType::BF16 => 30,
-        _ => 39,
-    };
 
     // The activation quantizer.
     let (x, want) = quantizer_cases(&mut rng);
@@ -205,26 +316,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     // tail after 64 elements, gpt-oss's 2880, and 64.
     for (rows, cols) in [(13, 160), (6, 2880), (5, 64)] {
         for ty in TYPES {
-            let q = weights(&mut rng, ty, rows, cols);
-            let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
             for n in [1usize, 3, 9, 20, 40] {
-                let x = noise(&mut rng, n * cols, 1.0);
-                emu.write("w", &q);
-                emu.write("x", &x);
-                emu.run("matmul", &[s(ggml_id(ty)), s(rows), s(cols), s(n)]);
-                let got: Vec<f32> = emu.read("y");
-                let xd = cpu.upload(&x).unwrap();
-                let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
-                cpu.matmul(&m, &xd, n, &mut yd).unwrap();
-                let want = cpu.download(&yd).unwrap();
-                let (same, max) = compare(&got, &want);
-                eprintln!(
-                    "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
-                    got.len()
-                );
-                if exact(ty) {
-                    assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
-                }
+                matmul_case(&emu, &cpu, &mut rng, ty, (rows, cols), n);
             }
         }
     }
@@ -256,62 +349,15 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         .chain([GgmlType::Q8_0, GgmlType::MXFP4].map(|ty| (ty, 320, 40, large.clone())));
     // Each case with gpt-oss's clamped SwiGLU and biases, and with SiLU and no biases.
     let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
-    for ((ty, d, n, sel), (act, with_bias)) in cases.flat_map(|c| acts.map(|a| (c.clone(), a))) {
-        let (ne, ff, k) = (8, 96, 2);
-        let (gq, uq, dq) = (
-            weights(&mut rng, ty, ne * ff, d),
-            weights(&mut rng, ty, ne * ff, d),
-            weights(&mut rng, ty, ne * d, ff),
-        );
-        let (bg, bu, bd) = (
-            noise(&mut rng, ne * ff, 0.5),
-            noise(&mut rng, ne * ff, 0.5),
-            noise(&mut rng, ne * d, 0.5),
-        );
-        let x = noise(&mut rng, n * d, 1.0);
-        let wts = noise(&mut rng, n * k, 1.0);
-        for (name, v) in [("gate", &gq), ("up", &uq), ("down", &dq)] {
-            emu.write(name, v);
-        }
-        for (name, v) in [
-            ("bg", &bg),
-            ("bu", &bu),
-            ("bd", &bd),
-            ("x", &x),
-            ("wts", &wts),
-        ] {
-            emu.write(name, v);
-        }
-        emu.write("sel", &sel);
-        let act_id = usize::from(act == GatedAct::Silu);
-        let args = [ggml_id(ty), ne, d, ff, n, k, act_id, usize::from(with_bias)];
-        emu.run("moe", &args.map(s));
-        let got: Vec<f32> = emu.read("out");
-        let matrix = |n_in, n_out, data| ExpertMatrix {
-            ty,
-            n_in,
-            n_out,
-            data,
+    for ((ty, d, n, sel), act) in cases.flat_map(|c| acts.map(|a| (c.clone(), a))) {
+        let shape = MoeShape {
+            ne: 8,
+            d,
+            ff: 96,
+            n,
+            k: 2,
         };
-        let t = ExpertTensors {
-            n_expert: ne,
-            gate: matrix(d, ff, &gq),
-            up: matrix(d, ff, &uq),
-            down: matrix(ff, d, &dq),
-            gate_bias: if with_bias { &bg } else { &[] },
-            up_bias: if with_bias { &bu } else { &[] },
-            down_bias: if with_bias { &bd } else { &[] },
-        };
-        let rm = cpu.upload_moe(&t, None).unwrap();
-        let want = ref_moe(&cpu, &rm, act, &x, &sel, &wts, k);
-        let (same, max) = compare(&got, &want);
-        eprintln!(
-            "moe {ty} {act:?}: {same}/{} identical, max |Δ| {max:e}",
-            got.len()
-        );
-        if exact(ty) {
-            assert_eq!(same, got.len(), "moe {ty} {act:?}");
-        }
+        moe_case(&emu, &cpu, &mut rng, [ty; 3], shape, &sel, act);
     }
 
     // The K/V store of every ring type (rotated as the executor rotates quantized heads of
@@ -421,13 +467,320 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     }
 }
 
+/// The low-bit weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K): the Q8_1 and Q8_K activation
+/// quantizers, embedding rows, matmuls of one token and of batches under and over the tiled
+/// K-quant threshold, with row counts that do and do not make the CPU engine repack Q4_0/Q4_K,
+/// and expert sets of each type and of the Q4_K_M mixes (an expert that 8 slots route to: the
+/// tiled order; fewer: `vec_dot`) must give REF0's bits (the CPU engine's kernels, whose float
+/// order the kernels replay for every batch size, so no tolerance is needed).
+#[test]
+#[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("lowbit") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(7);
+
+    for act in [GgmlType::Q8_1, GgmlType::Q8_K] {
+        let (x, want) = act_quantizer_cases(&mut rng, act);
+        emu.write("x", &x);
+        emu.run("quantize", &[s(act.id())]);
+        assert_eq!(emu.read::<u8>("out"), want, "quantize {act}");
+    }
+
+    for ty in LOWBIT_TYPES {
+        let (rows, cols) = (6, 512);
+        let q = weights(&mut rng, ty, rows, cols);
+        let ids: Vec<i32> = vec![3, 0, 5, -1, 6, 3];
+        emu.write("w", &q);
+        emu.write("ids", &ids);
+        emu.run("get_rows", &[s(ty.id()), s(rows), s(cols)]);
+        let got: Vec<f32> = emu.read("out");
+        let table = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+        let mut out = cpu.alloc::<f32>(ids.len() * cols).unwrap();
+        cpu.get_rows(&table, &cpu.upload(&ids).unwrap(), &mut out)
+            .unwrap();
+        let (same, _) = compare(&got, &cpu.download(&out).unwrap());
+        assert_eq!(same, got.len(), "get_rows {ty}");
+    }
+
+    for shape in LOWBIT_MATMULS {
+        for ty in LOWBIT_TYPES {
+            for n in LOWBIT_TOKENS {
+                matmul_case(&emu, &cpu, &mut rng, ty, shape, n);
+            }
+        }
+    }
+
+    // SiLU without biases (Qwen3-MoE), and for the first set gpt-oss's activation with biases.
+    let (ne, d, ff, n, k) = LOWBIT_MOE;
+    let shape = MoeShape { ne, d, ff, n, k };
+    for (i, types) in lowbit_expert_sets().into_iter().enumerate() {
+        let act = if i == 0 {
+            (KERNEL_ACT, true)
+        } else {
+            (GatedAct::Silu, false)
+        };
+        moe_case(&emu, &cpu, &mut rng, types, shape, &LOWBIT_SEL, act);
+    }
+}
+
+/// Runs the emulated per-head products of `nh` heads of `out` rows of `cols` of `ty` on `n`
+/// tokens whose head rows are `stride` values apart, against REF0's.
+fn matmul_heads_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    (nh, out, cols): (usize, usize, usize),
+    (stride, n): (usize, usize),
+) {
+    let w = weights(rng, ty, nh * out, cols);
+    let m = cpu.upload_matrix(ty, nh * out, cols, &w).unwrap();
+    let x = noise(rng, n * nh * stride, 2.0);
+    emu.write("w", &w);
+    emu.write("x", &x);
+    let vec_order = usize::from(!(stride == cols && n > 1));
+    let args = [ty.id() as usize, out, cols, n * nh, nh, stride, vec_order];
+    emu.run("matmul_heads", &args.map(s));
+    let got: Vec<f32> = emu.read("y");
+    let xd = cpu.upload(&x).unwrap();
+    let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
+    cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
+    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
+    let what = format!("matmul_heads {ty} {nh}x{out}x{cols} stride {stride} n {n}");
+    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    if exact(ty) {
+        assert_eq!(same, got.len(), "{what}");
+    } else {
+        assert!(max < 1e-3, "{what}");
+    }
+}
+
+/// Per-head products of the low-bit types (MLA's `attn_k_b`/`attn_v_b` in low-bit files):
+/// heads whose rows make a matrix the CPU engine repacks (Q4_0/Q4_K, 16 rows) and one it does
+/// not (9 rows), contiguous inputs (each head's batch as a dense matmul: the grouped repacked
+/// Q4_K order for 4 of 6 tokens, tiled K-quants from 8) and strided ones (`vec_dot`'s order,
+/// DeepSeek's `q_nope` inside query rows of 64 more values); REF0's bits.
+#[test]
+#[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_lowbit_matmul_heads_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("heads") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(8);
+    for ty in LOWBIT_TYPES {
+        let cols = 256;
+        for (nh, out) in [(2, 8), (3, 3)] {
+            for (stride, n) in [
+                (cols, 1),
+                (cols, 6),
+                (cols, 9),
+                (cols + 64, 3),
+                (cols + 64, 9),
+            ] {
+                matmul_heads_case(&emu, &cpu, &mut rng, ty, (nh, out, cols), (stride, n));
+            }
+        }
+    }
+}
+
+/// The low-bit kernels on real weights: in each real GGUF of the model cache (`$HMOE_MODELS`,
+/// default `~/.cache/hmoe-models`, filled by `scripts/fetch-real-models.sh`; Qwen2.5-Coder-0.5B
+/// Q4_K_M and SmolLM2-135M Q4_1), the first matrix of every quantized type the kernels
+/// multiply: the first 13 rows (`vec_dot` / tiled orders) and 16 rows (repacked Q4_0/Q4_K) on
+/// one token and nine, and the embedding rows of `token_embd`; REF0's bits. A model that is not
+/// there is skipped.
+#[test]
+#[ignore = "slow, and needs the real models: cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_lowbit_kernels_on_real_weights_give_the_reference_backends_bits() {
+    use hmoe_gguf::{GgufModel, LoadOptions};
+    let dir = std::env::var_os("HMOE_MODELS")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/hmoe-models")));
+    let files = [
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ];
+    let Some(emu) = Emulator::build("real") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(13);
+    for file in files {
+        let Some(path) = dir.as_ref().map(|d| d.join(file)).filter(|p| p.is_file()) else {
+            eprintln!("SKIPPED: {file} not in the model cache");
+            continue;
+        };
+        let gguf = GgufModel::open(&path, LoadOptions::default()).unwrap();
+        let mut seen = Vec::new();
+        for info in gguf.tensors() {
+            let ty = info.ty;
+            let embd = info.name == "token_embd.weight";
+            if info.dims.len() != 2 || !LOWBIT_TYPES.contains(&ty) || seen.contains(&ty) && !embd {
+                continue;
+            }
+            seen.push(ty);
+            let cols = info.dims[0] as usize;
+            let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+            let data = gguf.data_of(info);
+            for rows in [13, 16] {
+                let q = &data[..rows * rb];
+                let m = cpu.upload_matrix(ty, rows, cols, q).unwrap();
+                if embd {
+                    let ids: Vec<i32> = vec![0, 12, 5, -1];
+                    emu.write("w", q);
+                    emu.write("ids", &ids);
+                    emu.run("get_rows", &[s(ty.id()), s(rows), s(cols)]);
+                    let got: Vec<f32> = emu.read("out");
+                    let mut out = cpu.alloc::<f32>(ids.len() * cols).unwrap();
+                    cpu.get_rows(&m, &cpu.upload(&ids).unwrap(), &mut out)
+                        .unwrap();
+                    let (same, _) = compare(&got, &cpu.download(&out).unwrap());
+                    assert_eq!(same, got.len(), "{file}: get_rows {}", info.name);
+                }
+                for n in [1, 9] {
+                    let x = noise(&mut rng, n * cols, 1.0);
+                    emu.write("w", q);
+                    emu.write("x", &x);
+                    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n)]);
+                    let got: Vec<f32> = emu.read("y");
+                    let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
+                    cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut yd)
+                        .unwrap();
+                    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
+                    let what = format!("{file}: {} ({ty}) {rows} rows n={n}", info.name);
+                    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+                    assert_eq!(same, got.len(), "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// Runs the emulated attention over a random K-only ring of `ty` (2 heads, 40 cells, keys of
+/// `kd` values, values the first `vd`) for `n` tokens from `pos0` against REF0's.
+fn k_only_case(
+    emu: &Emulator,
+    cpu: &Ref0,
+    rng: &mut StdRng,
+    ty: GgmlType,
+    (kd, vd): (usize, usize),
+    (pos0, n): (usize, usize),
+) {
+    use hmoe_backend::KOnlyAttnParams;
+    let (nh, cells) = (2, 40);
+    let p = KOnlyAttnParams {
+        n_head: nh,
+        k_dim: kd,
+        v_dim: vd,
+        cells,
+        scale: 0.05,
+    };
+    let layout = KvLayout::new(ty, kd, cells, 0).unwrap();
+    let bytes = ref_ring(cpu, layout, &noise(rng, cells * kd, 3.0));
+    let q = noise(rng, n * nh * kd, 3.0);
+    emu.write("q", &q);
+    emu.write("k", &bytes);
+    let args = [
+        s(n),
+        s(nh),
+        s(kd),
+        s(vd),
+        s(cells),
+        s(pos0),
+        s(p.scale.to_bits()),
+        s(ty.id()),
+    ];
+    emu.run("attn_k_only", &args);
+    let got: Vec<f32> = emu.read("out");
+    let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
+    let ring = KvRing {
+        data: cpu.upload(&bytes).unwrap(),
+        layout,
+    };
+    let qd = cpu.upload(&q).unwrap();
+    cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
+        .unwrap();
+    let (same, max) = compare(&got, &cpu.download(&out).unwrap());
+    let what = format!("attention_k_only {ty} kd {kd} vd {vd} pos0 {pos0} n {n}");
+    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    assert_eq!(same, got.len(), "{what}");
+}
+
+/// The K/V store of the types only K-only rings use, and attention over K-only (latent)
+/// rings of every K/V type (f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): keys whose last 64-element step (f32, f16) or 32-element step (bf16) is
+/// partial and whole ones, one query token (four value chains for f32/f16) and a batch,
+/// positions over more than one chunk of 16; REF0's bits.
+#[test]
+#[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_k_only_rings_of_every_type_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("k_only") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(9);
+    // The K/V store of the types only K-only rings use (bf16, Q4_1, Q5_0, Q5_1; block types
+    // also rotated): REF0's bytes, in a ring that wraps, with an all-zero block and one whose
+    // largest magnitudes tie.
+    for ty in [
+        GgmlType::BF16,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+    ] {
+        let rots: &[usize] = match ty {
+            GgmlType::BF16 => &[0],
+            _ => &[0, 64],
+        };
+        for &rot in rots {
+            let (width, cells, pos0, n) = (128usize, 5usize, 3usize, 4usize);
+            let layout = KvLayout::new(ty, width, cells, rot).unwrap();
+            let before = ref_ring(&cpu, layout, &noise(&mut rng, cells * width, 1.0));
+            let mut rows = noise(&mut rng, n * width, 2.0);
+            rows[..32].fill(0.0);
+            rows[32..64].fill(0.25);
+            rows[40] = -0.75;
+            rows[50] = 0.75;
+            let mut ring = KvRing::<Ref0> {
+                data: cpu.upload(&before).unwrap(),
+                layout,
+            };
+            cpu.kv_store(&cpu.upload(&rows).unwrap(), &mut ring, n, pos0)
+                .unwrap();
+            emu.write("src", &rows);
+            emu.write("ring", &before);
+            let args = [ty.id() as usize, n, width, cells, pos0, rot];
+            emu.run("kv_store", &args.map(s));
+            let got: Vec<u8> = emu.read("ring");
+            assert!(
+                got == cpu.download(&ring.data).unwrap(),
+                "kv_store {ty} rot {rot}"
+            );
+        }
+    }
+    for ty in hmoe_cuda::K_ONLY_TYPES {
+        let dims: &[(usize, usize)] = match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[(80, 48), (128, 64)],
+            _ => &[(96, 64)],
+        };
+        for &dims in dims {
+            for case in [(20, 1), (3, 5), (34, 4)] {
+                k_only_case(&emu, &cpu, &mut rng, ty, dims, case);
+            }
+        }
+    }
+}
+
 /// The kernels of latent attention and grouped routing (`rope_norm_f32`, `matmul_heads_*`,
 /// `swiglu_f32`, `attn_k_only_f16`, `attn_k_only_q8_0`, `route_f32`) against the reference
 /// device's ops, bit for bit (F16/BF16 per-head products only reported, as for `matmul`).
 #[test]
 #[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
-    use hmoe_backend::{Gating, KOnlyAttnParams, RopeParams, Routing};
+    use hmoe_backend::{Gating, RopeParams, Routing};
     let Some(emu) = Emulator::build("latent") else {
         return;
     };
@@ -469,36 +822,8 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
 
     // Per-head products, contiguous and strided inputs.
     for ty in TYPES {
-        let (nh, out, cols) = (2, 8, 64);
-        let w = weights(&mut rng, ty, nh * out, cols);
-        let m = cpu.upload_matrix(ty, nh * out, cols, &w).unwrap();
-        for (stride, n) in [(cols, 1), (cols, 3), (cols + 32, 3)] {
-            let x = noise(&mut rng, n * nh * stride, 2.0);
-            emu.write("w", &w);
-            emu.write("x", &x);
-            let vec_order = i32::from(!(stride == cols && n > 1));
-            let args = [
-                ty.id() as usize,
-                out,
-                cols,
-                n * nh,
-                nh,
-                stride,
-                vec_order as usize,
-            ];
-            emu.run("matmul_heads", &args.map(s));
-            let got: Vec<f32> = emu.read("y");
-            let xd = cpu.upload(&x).unwrap();
-            let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
-            cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
-            let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
-            let what = format!("matmul_heads {ty} stride {stride} n {n}");
-            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-            if exact(ty) {
-                assert_eq!(same, got.len(), "{what}");
-            } else {
-                assert!(max < 1e-3, "{what}");
-            }
+        for case in [(64, 1), (64, 3), (64 + 32, 3)] {
+            matmul_heads_case(&emu, &cpu, &mut rng, ty, (2, 8, 64), case);
         }
     }
 
@@ -520,10 +845,6 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         assert_eq!(same, got.len(), "swiglu n {n}");
     }
 
-    let ggml_id = |ty: GgmlType| match ty {
-        GgmlType::Q8_0 => 8,
-        _ => 1,
-    };
     // K-only attention: f16 keys not whole 16-lane steps (24) and whole (32), Q8_0 keys (the
     // query quantized, values dequantized from the keys), one token and a batch, more than
     // one chunk of 16 positions.
@@ -533,54 +854,8 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         (GgmlType::Q8_0, 64, 32),
         (GgmlType::Q8_0, 96, 64),
     ] {
-        let (nh, cells) = (2, 40);
-        for (pos0, n) in [(20, 1), (3, 5)] {
-            let p = KOnlyAttnParams {
-                n_head: nh,
-                k_dim: kd,
-                v_dim: vd,
-                cells,
-                scale: 0.05,
-            };
-            let keys = noise(&mut rng, cells * kd, 3.0);
-            let bytes: Vec<u8> = match ty {
-                GgmlType::F16 => keys
-                    .iter()
-                    .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
-                    .collect(),
-                _ => {
-                    let mut b = vec![0u8; ty.row_bytes(keys.len() as u64).unwrap() as usize];
-                    quantize_row(ty, &keys, &mut b).unwrap();
-                    b
-                }
-            };
-            let q = noise(&mut rng, n * nh * kd, 3.0);
-            emu.write("q", &q);
-            emu.write("k", &bytes);
-            let args = [
-                s(n),
-                s(nh),
-                s(kd),
-                s(vd),
-                s(cells),
-                s(pos0),
-                s(p.scale.to_bits()),
-                s(ggml_id(ty)),
-            ];
-            emu.run("attn_k_only", &args);
-            let got: Vec<f32> = emu.read("out");
-            let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
-            let ring = KvRing {
-                data: cpu.upload(&bytes).unwrap(),
-                layout: KvLayout::new(ty, kd, cells, 0).unwrap(),
-            };
-            let qd = cpu.upload(&q).unwrap();
-            cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
-                .unwrap();
-            let (same, max) = compare(&got, &cpu.download(&out).unwrap());
-            let what = format!("attention_k_only {ty} kd {kd} pos0 {pos0} n {n}");
-            eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-            assert_eq!(same, got.len(), "{what}");
+        for case in [(20, 1), (3, 5)] {
+            k_only_case(&emu, &cpu, &mut rng, ty, (kd, vd), case);
         }
     }
 

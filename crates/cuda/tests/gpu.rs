@@ -11,14 +11,15 @@ use std::time::Instant;
 use half::f16;
 use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
 use hmoe_cuda::{CudaDevice, DeviceExperts, ExpertAct, MoeWeights};
-use hmoe_quant::{dequantize_row, quantize_row, GgmlType};
+use hmoe_quant::{dequantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    kv_layouts, noise, quantizer_cases, ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
-    TYPES,
+    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
+    ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
+    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -38,17 +39,10 @@ fn device() -> Option<&'static CudaDevice> {
 
 /// `rows × cols` random weights in `ty` and their exact dequantised values.
 fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
-    let src = noise(rng, rows * cols, 1.0);
     let rb = ty.row_bytes(cols as u64).unwrap() as usize;
-    let mut q = vec![0u8; rows * rb];
+    let q = random_weights(rng, ty, rows, cols);
     let mut deq = vec![0f32; rows * cols];
     for r in 0..rows {
-        quantize_row(
-            ty,
-            &src[r * cols..(r + 1) * cols],
-            &mut q[r * rb..(r + 1) * rb],
-        )
-        .unwrap();
         dequantize_row(
             ty,
             &q[r * rb..(r + 1) * rb],
@@ -74,8 +68,9 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], scale: &[f32], tol: f32) 
 fn get_rows_dequantises_exactly() {
     let Some(dev) = device() else { return };
     let mut rng = StdRng::seed_from_u64(1);
-    let (rows, cols) = (50, 96);
-    for ty in TYPES {
+    for ty in TYPES.into_iter().chain(LOWBIT_TYPES) {
+        // Three K-quant super-blocks per row, three 32-blocks for the others.
+        let (rows, cols) = (50, 3 * ty.block_elems().max(32));
         let (q, deq) = weights(&mut rng, ty, rows, cols);
         let table = dev.upload_matrix(ty, rows, cols, &q).unwrap();
         let ids = [3i32, 0, 49, 3, 17, -1, 50];
@@ -134,6 +129,21 @@ fn matmul_on<B: Backend>(
     be.download(&y).unwrap()
 }
 
+/// The activation quantizers of the low-bit products (and Q8_0's through the same entry).
+#[test]
+fn quantize_acts_gives_the_cpus_bytes() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(10);
+    for act in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K] {
+        let (x, want) = act_quantizer_cases(&mut rng, act);
+        let xd = dev.upload(&x).unwrap();
+        let got = dev
+            .download(&dev.quantize_acts(act, &xd, x.len()).unwrap())
+            .unwrap();
+        assert_eq!(got, want, "{act}");
+    }
+}
+
 #[test]
 fn quantize_q8_0_gives_the_cpus_bytes() {
     let Some(dev) = device() else { return };
@@ -184,6 +194,137 @@ fn matmul_every_type_and_batch_size() {
                     }
                 }
                 assert_close(&what, &got, &want, &scale, 1e-4);
+            }
+        }
+    }
+}
+
+/// The low-bit types' products are the CPU engine's bits at every batch size: the kernels
+/// replay the order of the CPU kernel for the matrix and batch (`vec_dot`, tiled K-quants from
+/// 8 tokens, repacked Q4_0/Q4_K for row counts that are multiples of 8).
+#[test]
+fn matmul_lowbit_types_give_the_cpus_bits() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(11);
+    let cpu = Ref0::new();
+    for (rows, cols) in LOWBIT_MATMULS.into_iter().chain([(64, 2048)]) {
+        for ty in LOWBIT_TYPES {
+            let (q, _) = weights(&mut rng, ty, rows, cols);
+            for n in LOWBIT_TOKENS.into_iter().chain([20, 40, 100]) {
+                let x = noise(&mut rng, n * cols, 1.0);
+                let shape = (ty, rows, cols);
+                let got = matmul_on(dev, shape, &q, &x, n);
+                let want = matmul_on(&cpu, shape, &q, &x, n);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let what = format!("matmul {ty} {rows}x{cols} n={n} [{i}]");
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
+/// Per-head products (`matmul_heads`) of `n` tokens by `nh` heads of `out` rows of `cols` of
+/// `ty`, the head rows `stride` values apart, on any backend.
+fn matmul_heads_on<B: Backend>(
+    be: &B,
+    (ty, nh, out, cols): (GgmlType, usize, usize, usize),
+    q: &[u8],
+    x: &[f32],
+    (n, stride): (usize, usize),
+) -> Vec<f32> {
+    let w = be.upload_matrix(ty, nh * out, cols, q).unwrap();
+    let xd = be.upload(x).unwrap();
+    let mut y = be.alloc::<f32>(n * nh * out).unwrap();
+    be.matmul_heads(&w, &xd, n, nh, stride, &mut y).unwrap();
+    be.download(&y).unwrap()
+}
+
+/// Per-head products of the low-bit types (DeepSeek's `attn_k_b` over `q_nope` inside query
+/// rows of 64 more values, `attn_v_b` over contiguous rows): REF0's bits (the CPU engine's
+/// orders for each head's batch) for one token and batches under and over the tiled
+/// K-quant threshold, with matrices the CPU engine repacks (Q4_0/Q4_K, 16 × 64 rows) and
+/// one it does not (4 × 13).
+#[test]
+fn matmul_heads_lowbit_types_give_the_cpus_bits() {
+    let Some(dev) = device() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(21);
+    for ty in LOWBIT_TYPES {
+        let cols = ty.block_elems().max(128);
+        for (nh, out) in [(16, 64), (4, 13)] {
+            let (q, _) = weights(&mut rng, ty, nh * out, cols);
+            for (stride, n) in [
+                (cols, 1),
+                (cols, 6),
+                (cols, 9),
+                (cols, 40),
+                (cols + 64, 1),
+                (cols + 64, 9),
+                (cols + 64, 40),
+            ] {
+                let x = noise(&mut rng, n * nh * stride, 2.0);
+                let shape = (ty, nh, out, cols);
+                let got = matmul_heads_on(dev, shape, &q, &x, (n, stride));
+                let want = matmul_heads_on(&cpu, shape, &q, &x, (n, stride));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let what =
+                        format!("matmul_heads {ty} {nh}x{out}x{cols} stride {stride} n={n} [{i}]");
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
+/// Attention over a K-only ring of `layout` holding `keys` (stored by the backend itself) for
+/// `n` tokens from `pos0`, on any backend.
+fn k_only_on<B: Backend>(
+    be: &B,
+    p: &hmoe_backend::KOnlyAttnParams,
+    layout: hmoe_backend::KvLayout,
+    keys: &[f32],
+    q: &[f32],
+    (pos0, n): (usize, usize),
+) -> Vec<f32> {
+    let mut ring = be.kv_alloc(layout).unwrap();
+    let kd = be.upload(keys).unwrap();
+    be.kv_store(&kd, &mut ring, layout.cells, 0).unwrap();
+    let qd = be.upload(q).unwrap();
+    let mut out = be.alloc::<f32>(n * p.n_head * p.v_dim).unwrap();
+    be.attention_k_only(p, &qd, &ring, n, pos0, &mut out)
+        .unwrap();
+    be.download(&out).unwrap()
+}
+
+/// Attention over K-only (latent) rings of every K/V type, stored on the device: REF0's bits
+/// with DeepSeek's latent widths (keys of 576 = 512 + 64, values the first 512), 16 heads,
+/// one query token and batches, contexts of one and of several tiles of positions.
+#[test]
+fn attention_k_only_of_every_ring_type_gives_the_cpus_bits() {
+    let Some(dev) = device() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(22);
+    for ty in hmoe_cuda::K_ONLY_TYPES {
+        for (kd, vd) in [(576, 512), (96, 64)] {
+            let cells = 700;
+            let p = hmoe_backend::KOnlyAttnParams {
+                n_head: 16,
+                k_dim: kd,
+                v_dim: vd,
+                cells,
+                scale: 1.0 / (kd as f32).sqrt(),
+            };
+            let layout = hmoe_backend::KvLayout::new(ty, kd, cells, 0).unwrap();
+            let keys = noise(&mut rng, cells * kd, 2.0);
+            for (pos0, n) in [(0, 1), (600, 1), (0, 7), (500, 40)] {
+                let q = noise(&mut rng, n * p.n_head * kd, 2.0);
+                let got = k_only_on(dev, &p, layout, &keys, &q, (pos0, n));
+                let want = k_only_on(&cpu, &p, layout, &keys, &q, (pos0, n));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let what = format!("attention_k_only {ty} kd {kd} pos0 {pos0} n={n} [{i}]");
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: {g} vs {w}");
+                }
             }
         }
     }
@@ -392,104 +533,115 @@ fn router_picks_top_k_and_normalises_them() {
 #[test]
 fn moe_experts_match_the_reference_backend() {
     let Some(dev) = device() else { return };
-    let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(8);
-    let (ne, d, ff, n, k) = (8, 64, 96, 5, 2);
+    // Expert 3 twice (F32: 16-lane order), the others once or not at all.
+    let sel: Vec<i32> = vec![3, 0, 5, 3, 7, 1, 2, 6, 4, 9];
     for ty in TYPES {
-        let (gq, _) = weights(&mut rng, ty, ne * ff, d);
-        let (uq, _) = weights(&mut rng, ty, ne * ff, d);
-        let (dq, ddq) = weights(&mut rng, ty, ne * d, ff);
-        let (bg, bu, bd) = (
-            noise(&mut rng, ne * ff, 0.5),
-            noise(&mut rng, ne * ff, 0.5),
-            noise(&mut rng, ne * d, 0.5),
-        );
-        let x = noise(&mut rng, n * d, 1.0);
-        // Expert 3 twice (F32: 16-lane order), the others once or not at all.
-        let sel: Vec<i32> = vec![3, 0, 5, 3, 7, 1, 2, 6, 4, 9];
-        let wts = noise(&mut rng, n * k, 1.0);
         for with_bias in [true, false] {
-            let zeros = (vec![0f32; ne * ff], vec![0f32; ne * d]);
-            let (bg_h, bu_h, bd_h) = if with_bias {
-                (&bg[..], &bu[..], &bd[..])
-            } else {
-                (&zeros.0[..], &zeros.0[..], &zeros.1[..])
-            };
-            let tensors = ExpertTensors {
-                n_expert: ne,
-                gate: ExpertMatrix {
-                    ty,
-                    n_in: d,
-                    n_out: ff,
-                    data: &gq,
-                },
-                up: ExpertMatrix {
-                    ty,
-                    n_in: d,
-                    n_out: ff,
-                    data: &uq,
-                },
-                down: ExpertMatrix {
-                    ty,
-                    n_in: ff,
-                    n_out: d,
-                    data: &dq,
-                },
-                gate_bias: bg_h,
-                up_bias: bu_h,
-                down_bias: bd_h,
-            };
-            let rm = cpu.upload_moe(&tensors, None).unwrap();
-            let want = ref_moe(&cpu, &rm, KERNEL_ACT, &x, &sel, &wts, k);
-            // The device without biases takes the kernels' has_bias = 0 path.
-            let mw = MoeWeights {
-                gate: dev.upload_experts(ty, ne, ff, d, &gq).unwrap(),
-                up: dev.upload_experts(ty, ne, ff, d, &uq).unwrap(),
-                down: dev.upload_experts(ty, ne, d, ff, &dq).unwrap(),
-                gate_bias: with_bias.then(|| dev.upload(&bg).unwrap()),
-                up_bias: with_bias.then(|| dev.upload(&bu).unwrap()),
-                down_bias: with_bias.then(|| dev.upload(&bd).unwrap()),
-            };
-            let xd = dev.upload(&x).unwrap();
-            let sd = dev.upload(&sel).unwrap();
-            let wd = dev.upload(&wts).unwrap();
-            let mut out = dev.alloc_zeros::<f32>(n * d).unwrap();
-            dev.moe(&mw, ExpertAct::ClampedSwiglu, &xd, &sd, &wd, k, &mut out)
-                .unwrap();
-            let got = dev.download(&out).unwrap();
-            // Error scale: Σ_j |w_j| (Σ_c |W_down[r][c]| + 1), the size of one unit of h.
-            let mut scale = vec![0f32; n * d];
-            for t in 0..n {
-                for j in 0..k {
-                    let e = sel[t * k + j];
-                    if !(0..ne as i32).contains(&e) {
-                        continue;
-                    }
-                    for r in 0..d {
-                        let row = (e as usize * d + r) * ff;
-                        let a: f32 = ddq[row..row + ff].iter().map(|v| v.abs()).sum();
-                        scale[t * d + r] += wts[t * k + j].abs() * (a + 1.0);
-                    }
-                }
-            }
-            let same = got
-                .iter()
-                .zip(&want)
-                .filter(|(g, w)| g.to_bits() == w.to_bits())
-                .count();
-            eprintln!(
-                "moe {ty} bias {with_bias}: {same} of {} values identical",
-                got.len()
-            );
-            assert_close(
-                &format!("moe {ty} bias {with_bias}"),
-                &got,
-                &want,
-                &scale,
-                1e-2,
-            );
+            let act = (ExpertAct::ClampedSwiglu, with_bias);
+            moe_case(dev, &mut rng, [ty; 3], (8, 64, 96, 5, 2), &sel, act);
         }
     }
+}
+
+/// [`moe_experts_match_the_reference_backend`] for low-bit expert sets, each type alone and the
+/// Q4_K_M mixes, with SiLU (Qwen3-MoE) and an expert 8 slots route to (the tiled K-quant order).
+#[test]
+fn lowbit_moe_experts_match_the_reference_backend() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    for types in lowbit_expert_sets() {
+        let act = (ExpertAct::Silu, false);
+        moe_case(dev, &mut rng, types, LOWBIT_MOE, &LOWBIT_SEL, act);
+    }
+}
+
+/// One MoE case of [`moe_experts_match_the_reference_backend`]: gate, up and down experts of
+/// `types`, `(ne, d, ff, n, k)`, expert ids `sel`, the activation and whether biases are given.
+fn moe_case(
+    dev: &CudaDevice,
+    rng: &mut StdRng,
+    [gt, ut, dt]: [GgmlType; 3],
+    (ne, d, ff, n, k): (usize, usize, usize, usize, usize),
+    sel: &[i32],
+    (act, with_bias): (ExpertAct, bool),
+) {
+    let cpu = Ref0::new();
+    let (gq, _) = weights(rng, gt, ne * ff, d);
+    let (uq, _) = weights(rng, ut, ne * ff, d);
+    let (dq, ddq) = weights(rng, dt, ne * d, ff);
+    let (bg, bu, bd) = (
+        noise(rng, ne * ff, 0.5),
+        noise(rng, ne * ff, 0.5),
+        noise(rng, ne * d, 0.5),
+    );
+    let x = noise(rng, n * d, 1.0);
+    let wts = noise(rng, n * k, 1.0);
+    let zeros = (vec![0f32; ne * ff], vec![0f32; ne * d]);
+    let (bg_h, bu_h, bd_h) = if with_bias {
+        (&bg[..], &bu[..], &bd[..])
+    } else {
+        (&zeros.0[..], &zeros.0[..], &zeros.1[..])
+    };
+    let matrix = |ty, n_in, n_out, data| ExpertMatrix {
+        ty,
+        n_in,
+        n_out,
+        data,
+    };
+    let tensors = ExpertTensors {
+        n_expert: ne,
+        gate: matrix(gt, d, ff, &gq),
+        up: matrix(ut, d, ff, &uq),
+        down: matrix(dt, ff, d, &dq),
+        gate_bias: bg_h,
+        up_bias: bu_h,
+        down_bias: bd_h,
+    };
+    let rm = cpu.upload_moe(&tensors, None).unwrap();
+    let ref_act = match act {
+        ExpertAct::ClampedSwiglu => KERNEL_ACT,
+        ExpertAct::Silu => hmoe_backend::GatedAct::Silu,
+    };
+    let want = ref_moe(&cpu, &rm, ref_act, &x, sel, &wts, k);
+    // The device without biases takes the kernels' has_bias = 0 path.
+    let mw = MoeWeights {
+        gate: dev.upload_experts(gt, ne, ff, d, &gq).unwrap(),
+        up: dev.upload_experts(ut, ne, ff, d, &uq).unwrap(),
+        down: dev.upload_experts(dt, ne, d, ff, &dq).unwrap(),
+        gate_bias: with_bias.then(|| dev.upload(&bg).unwrap()),
+        up_bias: with_bias.then(|| dev.upload(&bu).unwrap()),
+        down_bias: with_bias.then(|| dev.upload(&bd).unwrap()),
+    };
+    let xd = dev.upload(&x).unwrap();
+    let sd = dev.upload(sel).unwrap();
+    let wd = dev.upload(&wts).unwrap();
+    let mut out = dev.alloc_zeros::<f32>(n * d).unwrap();
+    dev.moe(&mw, act, &xd, &sd, &wd, k, &mut out).unwrap();
+    let got = dev.download(&out).unwrap();
+    // Error scale: Σ_j |w_j| (Σ_c |W_down[r][c]| + 1), the size of one unit of h.
+    let mut scale = vec![0f32; n * d];
+    for t in 0..n {
+        for j in 0..k {
+            let e = sel[t * k + j];
+            if !(0..ne as i32).contains(&e) {
+                continue;
+            }
+            for r in 0..d {
+                let row = (e as usize * d + r) * ff;
+                let a: f32 = ddq[row..row + ff].iter().map(|v| v.abs()).sum();
+                scale[t * d + r] += wts[t * k + j].abs() * (a + 1.0);
+            }
+        }
+    }
+    let same = got
+        .iter()
+        .zip(&want)
+        .filter(|(g, w)| g.to_bits() == w.to_bits())
+        .count();
+    let what = format!("moe {:?} {act:?} bias {with_bias}", [gt, ut, dt]);
+    eprintln!("{what}: {same} of {} values identical", got.len());
+    assert_close(&what, &got, &want, &scale, 1e-2);
 }
 
 #[test]
@@ -655,9 +807,16 @@ fn bad_shapes_are_errors_not_panics() {
     assert!(dev
         .upload_matrix(GgmlType::Q8_0, 2, 31, &[0u8; 68])
         .is_err());
-    assert!(dev
-        .upload_matrix(GgmlType::Q4_K, 1, 256, &[0u8; 144])
-        .is_err());
+    assert!(
+        dev.upload_matrix(GgmlType::Q4_K, 1, 128, &[0u8; 72])
+            .is_err(),
+        "half a super-block"
+    );
+    assert!(
+        dev.upload_matrix(GgmlType::Q8_K, 1, 256, &[0u8; 292])
+            .is_err(),
+        "an activation type"
+    );
     let mut sel = dev.alloc_zeros::<i32>(1).unwrap();
     let mut wt = dev.alloc_zeros::<f32>(1).unwrap();
     assert!(

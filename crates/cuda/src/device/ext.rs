@@ -1,7 +1,7 @@
 //! The ops of multi-head latent attention and grouped expert routing on the device: strided
 //! row copies, normal-style RoPE over part of each head, per-head products, SwiGLU, attention
-//! over a K-only f16 ring, and expert choice (kernels `copy_rows_f32`, `rope_norm_f32`,
-//! `matmul_heads_*`, `swiglu_f32`, `attn_k_only_f16`, `route_f32`). Shapes are checked by the
+//! over a K-only ring of any K/V type, and expert choice (kernels `copy_rows_f32`,
+//! `rope_norm_f32`, `matmul_heads_*`, `swiglu_f32`, `attn_k_only_*`, `route_f32`). Shapes are checked by the
 //! callers (hmoe_backend::shapes, in the contract's implementation).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -87,7 +87,9 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head.
+    /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head;
+    /// F32, F16, BF16, Q8_0, MXFP4 and the low-bit weights ([`crate::LOWBIT_TYPES`], in the
+    /// CPU engine's orders for each head's batch).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_heads(
         &self,
@@ -100,6 +102,9 @@ impl CudaDevice {
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul_heads";
+        if super::lowbit::is_lowbit(w.ty) {
+            return self.matmul_heads_lowbit(w, x, n, n_heads, x_stride, out, y);
+        }
         let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
         ensure(!quantized || x_stride.is_multiple_of(32), OP, || {
             format!("a stride of {x_stride} is not whole Q8_0 blocks")
@@ -177,9 +182,10 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Attention over a K-only ring of `ty`, f16 or Q8_0 ([`crate::K_ONLY_TYPES`]; see
-    /// `hmoe_backend::Backend::attention_k_only`): the query quantized to Q8_0 for a Q8_0 ring
-    /// ([`CudaDevice::quantize_q8_0`], as the CPU engine converts it for the keys' `vec_dot`).
+    /// Attention over a K-only ring of `ty`, any of [`crate::K_ONLY_TYPES`] (not rotated; see
+    /// `hmoe_backend::Backend::attention_k_only`): for a block-quantized ring the query
+    /// quantized to the keys' `vec_dot_type` ([`CudaDevice::quantize_acts`], as the CPU engine
+    /// converts it for the keys' `vec_dot`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_k_only(
         &self,
@@ -192,12 +198,34 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attention_k_only";
+        let name = match ty {
+            GgmlType::F32 => "attn_k_only_f32",
+            GgmlType::F16 => "attn_k_only_f16",
+            GgmlType::BF16 => "attn_k_only_bf16",
+            GgmlType::Q8_0 => "attn_k_only_q8_0",
+            GgmlType::Q4_0 => "attn_k_only_q4_0",
+            GgmlType::Q4_1 => "attn_k_only_q4_1",
+            GgmlType::Q5_0 => "attn_k_only_q5_0",
+            GgmlType::Q5_1 => "attn_k_only_q5_1",
+            ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
+        };
         ensure(p.k_dim <= KO_MAX_K && p.v_dim <= KO_MAX_V, OP, || {
             format!(
                 "keys of {} and values of {} (at most {KO_MAX_K} and {KO_MAX_V})",
                 p.k_dim, p.v_dim
             )
         })?;
+        let blocks = !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        ensure(
+            !blocks || p.k_dim.is_multiple_of(32) && p.v_dim.is_multiple_of(32),
+            OP,
+            || {
+                format!(
+                    "a K-only ring of {ty} with keys of {} and values of {}",
+                    p.k_dim, p.v_dim
+                )
+            },
+        )?;
         if n_tokens == 0 || p.n_head == 0 {
             return Ok(());
         }
@@ -217,27 +245,18 @@ impl CudaDevice {
             block_dim: (KO_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let qq = match ty {
-            GgmlType::F16 => None,
-            GgmlType::Q8_0 if p.k_dim.is_multiple_of(32) && p.v_dim.is_multiple_of(32) => {
-                Some(self.quantize_q8_0(q, n_tokens * p.n_head * p.k_dim)?)
+        let qq = match blocks {
+            true => {
+                let len = n_tokens * p.n_head * p.k_dim;
+                Some(self.quantize_acts(hmoe_quant::vec_dot_type(ty), q, len)?)
             }
-            _ => {
-                return Err(CudaError::Shape {
-                    op: OP,
-                    what: format!(
-                        "a K-only ring of {ty} with keys of {} and values of {}",
-                        p.k_dim, p.v_dim
-                    ),
-                })
-            }
+            false => None,
         };
-        let mut b = self.builder(match qq {
-            Some(_) => "attn_k_only_q8_0",
-            None => "attn_k_only_f16",
-        });
+        let mut b = self.builder(name);
+        b.arg(q);
         match &qq {
             Some(qq) => b.arg(qq),
+            // Not read for float rings.
             None => b.arg(q),
         };
         b.arg(k_cache).arg(out);
@@ -245,9 +264,9 @@ impl CudaDevice {
             b.arg(v);
         }
         b.arg(&p.scale);
-        // SAFETY: argument types match `attn_k_only_f16` (q f32; the ring's bytes its f16 rows,
-        // in an allocation aligned for u16) or `attn_k_only_q8_0` (qq the queries' Q8_0 blocks,
-        // the ring Q8_0 rows of k_dim / 32 blocks); the caller checked q, the ring
+        // SAFETY: argument types match `attn_k_only_<type>` (q f32; qq the queries' blocks in
+        // the keys' vec_dot_type for block rings; the ring's bytes rows of k_dim values of
+        // `ty`, in an allocation aligned for f32); the caller checked q, the ring
         // (`cells × k_dim` of `ty`) and out against the shape and that the ring holds every
         // position the batch sees.
         unsafe { b.launch(cfg) }?;

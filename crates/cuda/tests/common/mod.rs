@@ -14,6 +14,81 @@ pub const TYPES: [GgmlType; 5] = [
     GgmlType::MXFP4,
 ];
 
+/// The low-bit weight types the kernels multiply (their own kernels and activations).
+pub const LOWBIT_TYPES: [GgmlType; 9] = hmoe_cuda::LOWBIT_TYPES;
+
+/// Matmul shapes `(rows, cols)` of the low-bit tests: a row count that is not a multiple of 8
+/// (`vec_dot` and the tiled K-quant order) and one that is (the repacked Q4_0/Q4_K orders),
+/// with two K-quant super-blocks per row and one.
+pub const LOWBIT_MATMULS: [(usize, usize); 2] = [(13, 512), (16, 256)];
+
+/// Token counts of the low-bit matmul tests: one token, a batch under the tiled K-quant
+/// threshold (8), and two over it (the kernels take 8 tokens per warp; for repacked Q4_K:
+/// whole groups of four and one more, the last warp's tokens in both orders for 13).
+pub const LOWBIT_TOKENS: [usize; 4] = [1, 3, 9, 13];
+
+/// The low-bit expert sets `[gate, up, down]` of the tests: each type alone, and the mixes of
+/// Q4_K_M files (Q4_K gate/up with Q6_K down, Q5_0 with Q8_0 down).
+pub fn lowbit_expert_sets() -> Vec<[GgmlType; 3]> {
+    LOWBIT_TYPES
+        .iter()
+        .map(|&ty| [ty; 3])
+        .chain([
+            [GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K],
+            [GgmlType::Q5_0, GgmlType::Q5_0, GgmlType::Q8_0],
+        ])
+        .collect()
+}
+
+/// The low-bit MoE tests' shape `(experts, d, ff, tokens, k)`.
+pub const LOWBIT_MOE: (usize, usize, usize, usize, usize) = (4, 256, 256, 10, 2);
+
+/// Expert ids of the low-bit MoE tests ([`LOWBIT_MOE`]): expert 1 in every token (10 slots:
+/// the tiled K-quant order, more than the kernels' 8 slots per warp), the others 3 each, and
+/// an id out of range.
+pub const LOWBIT_SEL: [i32; 20] = [1, 0, 2, 1, 1, 3, 0, 1, 1, 2, 1, -1, 3, 1, 1, 0, 2, 1, 1, 3];
+
+/// `rows × cols` random weights of `ty`: noise quantized by hmoe-quant where it quantizes the
+/// type, else (the K-quants) random bytes with small f16 scales.
+pub fn random_weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let mut q = vec![0u8; rows * rb];
+    // The byte offsets of a K-quant super-block's f16 scales (d, and dmin where it has one).
+    let scales: &[usize] = match ty {
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => {
+            for row in q.chunks_exact_mut(rb) {
+                quantize_row(ty, &noise(rng, cols, 1.0), row).unwrap();
+            }
+            return q;
+        }
+    };
+    rng.fill(&mut q[..]);
+    for block in q.chunks_exact_mut(ty.block_bytes()) {
+        for &at in scales {
+            let v = half::f16::from_f32(rng.random_range(1e-3f32..1e-2));
+            block[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    q
+}
+
+/// Activations for the quantizer of `act` (Q8_0, Q8_1 or Q8_K): [`quantizer_cases`]' values
+/// padded with noise to whole blocks of `act`, then a zero block; with the CPU's bytes.
+pub fn act_quantizer_cases(rng: &mut StdRng, act: GgmlType) -> (Vec<f32>, Vec<u8>) {
+    let (mut x, _) = quantizer_cases(rng);
+    let block = act.block_elems();
+    let pad = x.len().next_multiple_of(block) - x.len();
+    x.extend(noise(rng, pad, 2.0));
+    x.extend(vec![0f32; block]);
+    let mut want = vec![0u8; act.row_bytes(x.len() as u64).unwrap() as usize];
+    quantize_row(act, &x, &mut want).unwrap();
+    (x, want)
+}
+
 /// `n` values uniform in `[-scale, scale)`.
 pub fn noise(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-scale..scale)).collect()

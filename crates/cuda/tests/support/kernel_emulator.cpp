@@ -120,19 +120,95 @@ static std::vector<u8> quantize(const float* x, size_t len) {
     return out;
 }
 
+// The low-bit weight types (ggml ids) and their activation types (ggml's vec_dot_type).
+static bool lowbit(int ty) { return ty == 2 || ty == 3 || ty == 6 || ty == 7 || (ty >= 10 && ty <= 14); }
+static int act_type(int ty) { return ty == 3 || ty == 7 ? 9 : ty >= 10 && ty <= 14 ? 15 : 8; }
+
+// device.rs's quantize_acts: Q8_0 (8), Q8_1 (9) or Q8_K (15) blocks of the first len values.
+static std::vector<u8> quantize_act(int act, const float* x, size_t len) {
+    if (act == 8) return quantize(x, len);
+    size_t per = act == 9 ? 32 : 256, bytes = act == 9 ? 36 : 292, blocks = len / per;
+    std::vector<u8> out(blocks * bytes);
+    u8* o = out.data();
+    unsigned long long nb = blocks;
+    launch({cdiv(blocks, 256), 1, 1}, {256, 1, 1}, [&] {
+        if (act == 9) quantize_q8_1(x, o, nb);
+        else quantize_q8_k(x, o, nb);
+    });
+    return out;
+}
+
+#define LOWBIT_SWITCH(TY, CALL) \
+    switch (TY) { \
+    case 2: CALL(q4_0); break; case 3: CALL(q4_1); break; case 6: CALL(q5_0); break; \
+    case 7: CALL(q5_1); break; case 10: CALL(q2_k); break; case 11: CALL(q3_k); break; \
+    case 12: CALL(q4_k); break; case 13: CALL(q5_k); break; case 14: CALL(q6_k); break; \
+    case 8: CALL(q8_0); break; }
+
+// lowbit.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot.
+static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int cols, const u8* act, int div,
+                       const int* offsets, const int* order, float* out) {
+    unsigned long long rb = w.size() / ((size_t)ne * rows);
+    int repacked = (ty == 2 || ty == 12) && rows % 8 == 0;  // lowbit.rs: repacked
+    int tiled_min = 8;                                       // hmoe_quant::TILED_MIN_TOKENS
+    launch({cdiv(rows, ROW_WARPS), (unsigned)ne, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, offsets, order, repacked, tiled_min, out)
+        LOWBIT_SWITCH(ty, CALL_MOE)
+    });
+}
+
 int main(int argc, char** argv) {
     std::string op = argv[1];
     std::string dir = argv[2];
     auto P = [&](const char* n) { static std::string s; s = dir + "/" + n; return s.c_str(); };
     if (op == "quantize") {
+        // Optional: the activation type (ggml id 8 Q8_0, 9 Q8_1, 15 Q8_K).
+        int act = argc > 3 ? atoi(argv[3]) : 8;
         auto x = rd<float>(P("x"));
-        wr(P("out"), quantize(x.data(), x.size()));
+        wr(P("out"), quantize_act(act, x.data(), x.size()));
+    } else if (op == "get_rows") {
+        int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]);
+        auto table = rd<u8>(P("w"));
+        auto ids = rd<int>(P("ids"));
+        int n = (int)ids.size();
+        std::vector<float> out((size_t)n * cols);
+        unsigned long long rb = table.size() / rows;
+        float* o = out.data();
+        launch({(unsigned)n, 1, 1}, {256, 1, 1}, [&] {
+#define CALL_ROWS(S) get_rows_##S(table.data(), rb, rows, ids.data(), o, n, cols)
+            LOWBIT_SWITCH(ty, CALL_ROWS)
+        });
+        wr(P("out"), out);
     } else if (op == "matmul") {
         int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]), n = atoi(argv[6]);
         auto w = rd<u8>(P("w"));
         auto x = rd<float>(P("x"));
         std::vector<float> y((size_t)n * rows);
         unsigned long long rb = w.size() / rows;
+        if (lowbit(ty)) {  // lowbit.rs: matmul_lowbit and dense_orders
+            auto xq = quantize_act(act_type(ty), x.data(), (size_t)n * cols);
+            bool kq = ty >= 10;
+            int grouped = 0, first = 0, rest = 0;
+            if ((ty == 2 || ty == 12) && rows % 8 == 0) {
+                first = ty == 12 ? 3 : 2;
+                rest = 2;
+                grouped = ty == 12 ? n - n % 4 : 0;
+            } else if (kq && n >= 8) {
+                first = rest = 1;
+            }
+            float* yp = y.data();
+            const u8 *wp = w.data(), *xqp = xq.data();
+            launch({cdiv(rows, ROW_WARPS), cdiv(n, LB_TOKENS), 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_MM(S) matmul_##S(wp, rb, xqp, yp, rows, cols, n, grouped, first, rest)
+                switch (ty) {
+                case 2: CALL_MM(q4_0); break; case 3: CALL_MM(q4_1); break; case 6: CALL_MM(q5_0); break;
+                case 7: CALL_MM(q5_1); break; case 10: CALL_MM(q2_k); break; case 11: CALL_MM(q3_k); break;
+                case 12: CALL_MM(q4_k); break; case 13: CALL_MM(q5_k); break; case 14: CALL_MM(q6_k); break;
+                }
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         std::vector<u8> xq;
         uint3 grid = {cdiv(rows, ROW_WARPS), cdiv(n, MM_TOKENS), 1}, blk = {ROW_WARPS * 32, 1, 1};
         float* yp = y.data();
@@ -161,8 +237,10 @@ int main(int argc, char** argv) {
     } else if (op == "moe") {
         int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
             n = atoi(argv[7]), k = atoi(argv[8]);
-        // Optional: the activation (0 clamped SwiGLU, 1 SiLU) and whether there are biases.
+        // Optional: the activation (0 clamped SwiGLU, 1 SiLU), whether there are biases, and
+        // the types of up and down (default: ty).
         int act = argc > 9 ? atoi(argv[9]) : 0, hb = argc > 10 ? atoi(argv[10]) : 1;
+        int up_ty = argc > 11 ? atoi(argv[11]) : ty, down_ty = argc > 12 ? atoi(argv[12]) : ty;
         auto gate = rd<u8>(P("gate")), up = rd<u8>(P("up")), down = rd<u8>(P("down"));
         auto bg = rd<float>(P("bg")), bu = rd<float>(P("bu")), bd = rd<float>(P("bd"));
         auto x = rd<float>(P("x"));
@@ -177,7 +255,21 @@ int main(int argc, char** argv) {
         const void* xa = qz ? (const void*)xq.data() : (const void*)x.data();
         float* hp = h.data();
         float* yp = y.data();
-        if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
+        if (lowbit(ty) || lowbit(up_ty) || lowbit(down_ty)) {  // lowbit.rs: moe_products_lowbit
+            std::vector<int> offsets(ne + 1), order(slots);
+            launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
+            auto xg = quantize_act(act_type(ty), x.data(), (size_t)n * d);
+            auto xu = quantize_act(act_type(up_ty), x.data(), (size_t)n * d);
+            std::vector<float> g((size_t)slots * ff), u((size_t)slots * ff);
+            moe_lowbit(ty, gate, ne, ff, d, xg.data(), k, offsets.data(), order.data(), g.data());
+            moe_lowbit(up_ty, up, ne, ff, d, xu.data(), k, offsets.data(), order.data(), u.data());
+            launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
+                moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), hb, sel.data(), hp, slots, ne, ff, act);
+            });
+            hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
+            moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), yp);
+            launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
+        } else if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
@@ -231,11 +323,18 @@ int main(int argc, char** argv) {
             launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f32(src.data(), (float*)r, n_tokens, width, cells, pos0); });
         } else if (ty == 1) {
             launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
+        } else if (ty == 30) {
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_bf16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
         } else {
             unsigned chunk = rot > 32 ? rot : 32;
             launch({cdiv(total / chunk, 256), 1, 1}, {256, 1, 1}, [&] {
-                if (ty == 2) kv_store_q4_0(src.data(), r, n_tokens, width, cells, pos0, rot);
-                else kv_store_q8_0(src.data(), r, n_tokens, width, cells, pos0, rot);
+                switch (ty) {
+                case 2: kv_store_q4_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 3: kv_store_q4_1(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 6: kv_store_q5_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 7: kv_store_q5_1(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                default: kv_store_q8_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                }
             });
         }
         wr(P("ring"), ring);
@@ -276,6 +375,35 @@ int main(int argc, char** argv) {
         auto x = rd<float>(P("x"));
         std::vector<float> y((size_t)n_rows * out);
         unsigned long long rb = w.size() / ((size_t)out * nh);
+        if (lowbit(ty)) {  // lowbit.rs: matmul_heads_lowbit and heads_orders
+            int n = n_rows / nh, rows = out * nh;
+            std::vector<float> g((size_t)n_rows * cols);  // copy_rows_f32 when strided
+            for (int i = 0; i < n_rows; i++) memcpy(&g[(size_t)i * cols], &x[(size_t)i * stride], cols * 4);
+            auto xq = quantize_act(act_type(ty), g.data(), g.size());
+            bool kq = ty >= 10, rep = (ty == 2 || ty == 12) && rows % 8 == 0;
+            int grouped = 0, first = 0, rest = 0;
+            if (stride == cols && rep) {
+                first = ty == 12 ? 3 : 2;
+                rest = 2;
+                grouped = ty == 12 ? n - n % 4 : 0;
+            } else if (rep) {
+                first = rest = 2;
+            } else if (kq && n >= 8) {
+                first = rest = 1;
+            }
+            float* yp = y.data();
+            const u8 *wp = w.data(), *xqp = xq.data();
+            launch({cdiv(out, ROW_WARPS), cdiv(n, LB_TOKENS) * nh, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_HEADS(S) matmul_heads_##S(wp, rb, xqp, yp, out, cols, n, nh, grouped, first, rest)
+                switch (ty) {
+                case 2: CALL_HEADS(q4_0); break; case 3: CALL_HEADS(q4_1); break; case 6: CALL_HEADS(q5_0); break;
+                case 7: CALL_HEADS(q5_1); break; case 10: CALL_HEADS(q2_k); break; case 11: CALL_HEADS(q3_k); break;
+                case 12: CALL_HEADS(q4_k); break; case 13: CALL_HEADS(q5_k); break; case 14: CALL_HEADS(q6_k); break;
+                }
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         std::vector<u8> xq;
         if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n_rows * stride);
         const u8 *wp = w.data(), *xqp = xq.data();
@@ -303,22 +431,24 @@ int main(int argc, char** argv) {
         int n = atoi(argv[3]), nh = atoi(argv[4]), kd = atoi(argv[5]), vd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]);
         float scale = __uint_as_float((unsigned)strtoul(argv[9], nullptr, 10));
-        int ty = argc > 10 ? atoi(argv[10]) : 1;  // ggml type id: 1 f16, 8 q8_0
+        int ty = atoi(argv[10]);  // the ring's ggml type id
         auto q = rd<float>(P("q"));
+        auto kc = rd<u8>(P("k"));
         std::vector<float> out((size_t)n * nh * vd);
         float* o = out.data();
-        if (ty == 8) {
-            auto kc = rd<u8>(P("k"));
-            auto qq = quantize(q.data(), q.size());
-            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-                attn_k_only_q8_0(qq.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
-            });
-        } else {
-            auto kc = rd<unsigned short>(P("k"));
-            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-                attn_k_only_f16(q.data(), kc.data(), o, n, nh, kd, vd, cells, pos0, scale);
-            });
-        }
+        // ext.rs: the queries in the keys' vec_dot_type for block rings.
+        bool blocks = ty != 0 && ty != 1 && ty != 30;
+        std::vector<u8> qq;
+        if (blocks) qq = quantize_act(act_type(ty), q.data(), q.size());
+        const u8 *qqp = qq.data(), *kp = kc.data();
+        launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+#define CALL_KO(S) attn_k_only_##S(q.data(), qqp, kp, o, n, nh, kd, vd, cells, pos0, scale)
+            switch (ty) {
+            case 0: CALL_KO(f32); break; case 1: CALL_KO(f16); break; case 30: CALL_KO(bf16); break;
+            case 8: CALL_KO(q8_0); break; case 2: CALL_KO(q4_0); break; case 3: CALL_KO(q4_1); break;
+            case 6: CALL_KO(q5_0); break; case 7: CALL_KO(q5_1); break;
+            }
+        });
         wr(P("out"), out);
     } else if (op == "route") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]), gating = atoi(argv[6]),
