@@ -917,7 +917,7 @@ impl<B: Backend> DeviceModel<B> {
                 self.dev.name()
             )));
         }
-        if !self.dev.supports_kv(ty.k().ggml_type(), ty.v().ggml_type()) {
+        if !k_only && !self.dev.supports_kv(ty.k().ggml_type(), ty.v().ggml_type()) {
             return Err(ExecError::Cache(format!(
                 "K {} / V {}: {} does not keep this K/V cache",
                 ty.k(),
