@@ -1,15 +1,16 @@
 //! The device executor (issues #5 and #15): a model with the dense part of every layer on a
-//! device of the contract ([`hmoe_backend::Backend`]: a CUDA GPU, or the reference device
-//! `REF0`) and each layer's routed experts where the placement puts them, for every
-//! architecture that has a device layer.
+//! device of the contract ([`hmoe_backend::Backend`]: the CPU, a CUDA GPU, or the reference
+//! device `REF0`) and each layer's routed experts where the placement puts them, for every
+//! architecture. On the CPU ([`hmoe_cpu::Cpu`], [`crate::load`]) every layer's experts are
+//! the device's and nothing crosses a bus.
 //!
 //! This file is the architecture-neutral part: [`DeviceModel`] (loaded by
 //! [`DeviceModel::load`], which dispatches on `general.architecture`), the per-sequence device
 //! K/V caches, micro-batching, batch invariance, the expert boundary, op offload and the
 //! logits. Each architecture writes its layer in its own file over the contract's ops and the
 //! shared blocks of [`blocks`] (the attention block, the routed-MoE block, the dense SwiGLU
-//! FFN), and hands it to the executor as a [`DeviceLayers`] (`gpt_oss.rs`, `deepseek2.rs`, and
-//! `llama.rs` for the dense `llama`/`qwen2` files, which have no experts: every layer runs on
+//! FFN), and hands it to the executor as a [`DeviceLayers`] (`gpt_oss.rs`, `qwen3_moe.rs`,
+//! `deepseek2.rs`, and `llama.rs` for the dense `llama`/`qwen2` files, which have no experts: every layer runs on
 //! the device and nothing crosses the bus between the ids and the logits). The devices know no
 //! architecture.
 //!
@@ -642,8 +643,8 @@ pub fn arch_keeps_kv(arch: Option<&str>, k: CacheType, k_only_types: &[GgmlType]
 }
 
 impl<B: Backend + 'static> DeviceModel<B> {
-    /// Loads `gguf` (checked as the CPU engine checks it) onto `dev`, whichever architecture
-    /// it is ([`device_arch`]): every dense weight, and the routed experts of the layers
+    /// Loads `gguf` (every tensor checked against the hyperparameters) onto `dev`, whichever
+    /// architecture it is ([`device_arch`]): every dense weight, and the routed experts of the layers
     /// `placement` puts on the device. The experts of the other layers stay in the file
     /// mapping and run on the host.
     pub fn load(
@@ -806,8 +807,8 @@ impl<B: Backend> DeviceModel<B> {
     }
 
     /// Runs `tokens` at the next positions of `cache` (a handle from
-    /// [`LanguageModel::new_cache`]) and returns `n_vocab` logits per wanted token, as
-    /// the CPU engine's forward does.
+    /// [`LanguageModel::new_cache`]) and returns `n_vocab` logits per wanted token (the
+    /// batch split into the cache's micro-batches).
     pub fn forward(
         &self,
         cache: &mut KvCache,

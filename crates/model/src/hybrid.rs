@@ -1,9 +1,9 @@
 //! The expert boundary of hybrid execution (DESIGN.md §1): where each layer's routed experts
 //! live ([`ExpertPlacement`], read off the placement plan's tensor devices), the batch that
 //! crosses the boundary ([`ExpertBatch`]: the normed hidden state with the router's choices and
-//! weights), and the host's expert kernels over the file mapping ([`host_experts`]), which the
-//! CPU engine and the device executor's host-expert layers both run (they live in
-//! `hmoe_cpu::experts` and are re-exported here).
+//! weights), and each layer's experts as the file stores them ([`HostExperts`]: what a device
+//! uploads, and what a layer whose experts stay in RAM runs on the host with the CPU's expert
+//! kernels of `hmoe_cpu::experts`).
 //!
 //! For each token `t` of the batch the host computes
 //! `out[t] = Σ_s w[t,s] · expert_{sel[t,s]}(h[t])`, the slots `s` summed in order (highest
