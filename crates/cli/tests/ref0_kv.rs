@@ -36,12 +36,18 @@ fn check(fixtures: &[(&str, &str)], kvs: &[[&str; 6]]) {
             let what = format!("{stem} {kv:?}");
             let (cpu_ok, cpu_err) = try_run(&f.model, &[&["-dev", "none"][..], kv].concat());
             if !cpu_ok {
-                assert!(cpu_err.contains("not whole blocks"), "{what}: {cpu_err}");
+                assert!(
+                    cpu_err.contains("whole number of blocks"),
+                    "{what}: {cpu_err}"
+                );
                 let (ok, err) = try_run(
                     &f.model,
                     &[&["-dev", "REF0", "-ngl", "all"][..], kv].concat(),
                 );
-                assert!(!ok && err.contains("not whole blocks"), "{what}: {err}");
+                assert!(
+                    !ok && err.contains("whole number of blocks"),
+                    "{what}: {err}"
+                );
                 continue;
             }
             let (cpu, _) = run(&f, &[&["-dev", "none"][..], kv].concat());

@@ -935,11 +935,13 @@ impl<B: Backend> DeviceModel<B> {
         };
         for &(which, t) in checked {
             if !hd.is_multiple_of(t.block_elems()) {
-                return Err(ExecError::Cache(format!(
-                    "{which} {t}: attention heads of {hd} are not whole blocks of {} (llama.cpp \
-                     refuses this too)",
-                    t.block_elems()
-                )));
+                return Err(ModelError::BadParam {
+                    key: format!("{which} cache type"),
+                    value: format!("{t} (head size {hd}, block size {})", t.block_elems()),
+                    why: "attention heads must be a whole number of blocks of the cache type \
+                          (llama.cpp refuses this too)",
+                }
+                .into());
             }
         }
         Ok(())
