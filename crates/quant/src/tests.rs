@@ -385,13 +385,22 @@ fn avx512_vnni_q8_0_rows_every_path_bit_exact_with_scalar() {
     };
     let s = DotKernel::new(GgmlType::Q8_0, Isa::Scalar).unwrap();
     let mut rng = Rng(4);
-    for (n, raw) in [(2880, false), (8192, false), (8224, false), (2880, true), (256, true)] {
+    for (n, raw) in [
+        (2880, false),
+        (8192, false),
+        (8224, false),
+        (2880, true),
+        (256, true),
+    ] {
         // Spread values quantise to -127..=127 (`act_values`' subnormal in a zero block
         // makes a -128, 0 times an infinite inverse scale).
         let a = if raw {
             weight_row(GgmlType::Q8_0, n, &mut rng)
         } else {
-            act_row(GgmlType::Q8_0, &(0..n).map(|_| rng.spread()).collect::<Vec<_>>())
+            act_row(
+                GgmlType::Q8_0,
+                &(0..n).map(|_| rng.spread()).collect::<Vec<_>>(),
+            )
         };
         assert_eq!(raw, a.chunks(34).any(|b| b[2..].contains(&0x80)), "n={n}");
         let rows: Vec<u8> = (0..7)

@@ -444,7 +444,7 @@ unsafe fn q8_0_rows_biased<const R: usize>(
     let mut acc = [_mm256_setzero_ps(); R];
     // As in `q8_0_rows`: prefetch the next R rows into L2 as this pass runs.
     let next = w.wrapping_add(R * stride);
-    for ib in 0..nb {
+    for (ib, c) in prep.neg_bias[..nb].iter().enumerate() {
         if R > 1 && ib % 2 == 0 {
             for l in 0..(2 * R * Q8_0_BYTES).div_ceil(64) + 1 {
                 let p = next.wrapping_add(ib * R * Q8_0_BYTES + 64 * l);
@@ -452,7 +452,7 @@ unsafe fn q8_0_rows_biased<const R: usize>(
             }
         }
         let y = _mm256_loadu_si256(a.add(ib * Q8_0_BYTES + 2).cast());
-        let c = prep.neg_bias[ib].assume_init();
+        let c = c.assume_init();
         for (r, acc) in acc.iter_mut().enumerate() {
             let x = _mm256_loadu_si256(w.add(r * stride + ib * Q8_0_BYTES + 2).cast());
             let p = _mm256_dpbusd_epi32(c, _mm256_xor_si256(x, bias), y);
