@@ -372,6 +372,50 @@ fn avx512_without_vnni_bit_exact_with_scalar() {
     }
 }
 
+/// The VNNI Q8_0 rows kernel biases the weights to unsigned bytes for rows it can prepare;
+/// rows too long for its stack buffers and activations holding -128 (whose product ggml's
+/// sign trick wraps) take the sign-trick kernel. All three against the scalar reference.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_vnni_q8_0_rows_every_path_bit_exact_with_scalar() {
+    let k = DotKernel::new(GgmlType::Q8_0, Isa::Avx512).ok();
+    let Some(k) = k.filter(|k| k.name().contains("vnni")) else {
+        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        return;
+    };
+    let s = DotKernel::new(GgmlType::Q8_0, Isa::Scalar).unwrap();
+    let mut rng = Rng(4);
+    for (n, raw) in [
+        (2880, false),
+        (8192, false),
+        (8224, false),
+        (2880, true),
+        (256, true),
+    ] {
+        // Spread values quantise to -127..=127 (`act_values`' subnormal in a zero block
+        // makes a -128, 0 times an infinite inverse scale).
+        let a = if raw {
+            weight_row(GgmlType::Q8_0, n, &mut rng)
+        } else {
+            act_row(
+                GgmlType::Q8_0,
+                &(0..n).map(|_| rng.spread()).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(raw, a.chunks(34).any(|b| b[2..].contains(&0x80)), "n={n}");
+        let rows: Vec<u8> = (0..7)
+            .flat_map(|_| weight_row(GgmlType::Q8_0, n, &mut rng))
+            .collect();
+        let mut out = [f32::NAN; 7];
+        k.dot_rows(n, &rows, &a, &mut out);
+        let rb = k.weight_row_bytes(n);
+        for (r, o) in out.iter().enumerate() {
+            let want = s.dot(n, &rows[r * rb..(r + 1) * rb], &a);
+            assert!(same(*o, want), "n={n} raw={raw} row {r}: {o} vs {want}");
+        }
+    }
+}
+
 #[test]
 fn dot_rows_equals_dot_per_row() {
     let mut rng = Rng(3);

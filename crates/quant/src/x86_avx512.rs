@@ -9,6 +9,7 @@
 //! the `VNNI = true` kernels), and pointers valid for the whole blocks it reads.
 
 use core::arch::x86_64::*;
+use core::mem::MaybeUninit;
 
 use crate::kernels::DotFns;
 use crate::scalar::{self, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
@@ -364,11 +365,135 @@ entry_points!(
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_q8_0_vnni,
-    rows_q8_0_vnni,
+    rows_q8_0_vnni_signed,
     q8_0_rows,
     4,
     true
 );
+
+/// Most blocks per row that [`rows_q8_0_vnni`] prepares on the stack (longer rows take
+/// [`q8_0_rows`]).
+const Q8_0_PREP_BLOCKS: usize = 256;
+
+/// One Q8_0 activation row prepared for [`q8_0_rows_biased`], for its first `nb` blocks (the
+/// rest of the arrays is never written nor read, so it is left uninitialised: zeroing it
+/// would cost as much as a pass over the rows).
+struct Q8_0Prep {
+    /// Per block, `-128 · Σ y` over each group of four quants (what biasing the weights by
+    /// 128 adds to `vpdpbusd`'s sums).
+    neg_bias: [MaybeUninit<__m256i>; Q8_0_PREP_BLOCKS],
+    /// Per block, the activation scale as f32.
+    d: [MaybeUninit<f32>; Q8_0_PREP_BLOCKS],
+}
+
+/// Prepares the `nb` blocks of `a`; `false` (nothing usable) where a quant is -128, whose
+/// product ggml's sign trick wraps (never produced by ggml's quantisers, but bytes are bytes).
+#[inline(always)]
+unsafe fn q8_0_prepare(nb: usize, a: *const u8, prep: &mut Q8_0Prep) -> bool {
+    let m128 = _mm256_set1_epi8(i8::MIN);
+    let mut bad = 0u32;
+    for ib in 0..nb {
+        let ab = a.add(ib * Q8_0_BYTES);
+        let y = _mm256_loadu_si256(ab.add(2).cast());
+        bad |= _mm256_cmpeq_epi8_mask(y, m128);
+        // 128 (the unsigned byte 0x80) times each group of four quants, negated.
+        let c = _mm256_dpbusd_epi32(_mm256_setzero_si256(), m128, y);
+        prep.neg_bias[ib].write(_mm256_sub_epi32(_mm256_setzero_si256(), c));
+        prep.d[ib].write(f16_at(ab));
+    }
+    bad == 0
+}
+
+/// Q8_0 × Q8_0 for `R` rows with VNNI on 8 lanes, one block per step: the weights biased to
+/// unsigned (`x ^ 0x80 = x + 128`) go straight into `vpdpbusd`, whose accumulator starts at
+/// the prepared `-128 · Σ y`, so each lane holds exactly the integer sum of [`q8_0_rows`]
+/// (which needs `|x|`, `sign(y, x)` and a 2-block shuffle for it); the block scales are
+/// gathered 8 at a time beforehand. The FMA chain per row is the same, block by block, so the
+/// result is bit-identical; the pass issues about half the instructions. `prep` holds the
+/// first `nb` blocks of `a`.
+#[inline(always)]
+unsafe fn q8_0_rows_biased<const R: usize>(
+    nb: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    prep: &Q8_0Prep,
+    out: *mut f32,
+) {
+    // Each row's scales times the activation's, block by block; only the first `nb` of each
+    // row are written and read.
+    let mut scale = [[MaybeUninit::<f32>::uninit(); Q8_0_PREP_BLOCKS]; R];
+    let da = prep.d.as_ptr().cast::<f32>();
+    let offsets = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+    for (r, scale) in scale.iter_mut().enumerate() {
+        let row = w.add(r * stride);
+        let dst = scale.as_mut_ptr().cast::<f32>();
+        let mut ib = 0;
+        while ib + 8 <= nb {
+            // Four bytes from each of 8 block starts: the f16 scale and the first 2 quants.
+            let g = _mm256_i32gather_epi32::<1>(row.add(ib * Q8_0_BYTES).cast(), offsets);
+            let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
+            _mm256_storeu_ps(dst.add(ib), _mm256_mul_ps(d, _mm256_loadu_ps(da.add(ib))));
+            ib += 8;
+        }
+        for ib in ib..nb {
+            *dst.add(ib) = f16_at(row.add(ib * Q8_0_BYTES)) * *da.add(ib);
+        }
+    }
+    let bias = _mm256_set1_epi8(i8::MIN);
+    let mut acc = [_mm256_setzero_ps(); R];
+    // As in `q8_0_rows`: prefetch the next R rows into L2 as this pass runs.
+    let next = w.wrapping_add(R * stride);
+    for (ib, c) in prep.neg_bias[..nb].iter().enumerate() {
+        if R > 1 && ib % 2 == 0 {
+            for l in 0..(2 * R * Q8_0_BYTES).div_ceil(64) + 1 {
+                let p = next.wrapping_add(ib * R * Q8_0_BYTES + 64 * l);
+                _mm_prefetch::<_MM_HINT_T1>(p.cast());
+            }
+        }
+        let y = _mm256_loadu_si256(a.add(ib * Q8_0_BYTES + 2).cast());
+        let c = c.assume_init();
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let x = _mm256_loadu_si256(w.add(r * stride + ib * Q8_0_BYTES + 2).cast());
+            let p = _mm256_dpbusd_epi32(c, _mm256_xor_si256(x, bias), y);
+            let s = scale[r][ib].assume_init();
+            *acc = _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(p), *acc);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        *out.add(r) = hsum8(*acc);
+    }
+}
+
+/// Q8_0 rows with VNNI: [`q8_0_rows_biased`] where the activation row can be prepared, else
+/// the sign-trick kernel.
+///
+/// # Safety
+/// The CPU has the enabled features; `w` holds `out.len()` rows `stride` bytes apart and `a`
+/// the blocks of `n` elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_q8_0_vnni(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+    let nb = n / QK;
+    let mut prep = Q8_0Prep {
+        neg_bias: [MaybeUninit::uninit(); Q8_0_PREP_BLOCKS],
+        d: [MaybeUninit::uninit(); Q8_0_PREP_BLOCKS],
+    };
+    if nb > Q8_0_PREP_BLOCKS || !q8_0_prepare(nb, a.as_ptr(), &mut prep) {
+        return rows_q8_0_vnni_signed(n, w, stride, a, out);
+    }
+    let rows = out.len();
+    let (w, a, o) = (w.as_ptr(), a.as_ptr(), out.as_mut_ptr());
+    let mut r = 0;
+    while rows - r >= 4 {
+        q8_0_rows_biased::<4>(nb, w.add(r * stride), stride, a, &prep, o.add(r));
+        r += 4;
+    }
+    while r < rows {
+        q8_0_rows_biased::<1>(nb, w.add(r * stride), stride, a, &prep, o.add(r));
+        r += 1;
+    }
+}
+
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_mxfp4_vnni,

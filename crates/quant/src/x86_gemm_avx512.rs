@@ -99,15 +99,14 @@ unsafe fn decode16<const VBMI: bool>(
             u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(hi, m4));
         }
     }
-    // The exponent bytes, gathered in general-purpose registers: byte 4i + g is row 4i + g.
-    let (mut lo, mut hi) = (0u64, 0u64);
-    for g in 0..4 {
-        for i in 0..2 {
-            lo |= (*p[i].add(g * stride) as u64) << (8 * (4 * i + g));
-            hi |= (*p[2 + i].add(g * stride) as u64) << (8 * (4 * i + g));
-        }
-    }
-    let e = _mm512_cvtepu8_epi32(_mm_set_epi64x(hi as i64, lo as i64));
+    // The exponent bytes: one dword gather from the 16 block starts (the exponent and the
+    // first three nibble bytes), masked to the exponent; lane r is row r.
+    let rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(stride as i32),
+    );
+    let g = _mm512_i32gather_epi32::<1>(rows, p[0].cast());
+    let e = _mm512_and_si512(g, _mm512_set1_epi32(0xff));
     let ef = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
     (u, ef)
 }
