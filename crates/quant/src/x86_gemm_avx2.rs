@@ -4,7 +4,9 @@
 //!   (see `x86_gemm_avx512.rs`); products by `vpmaddubsw` of the biased values (≤ 24) with
 //!   activation bytes, four 16-bit results summed before one `vpmaddwd` (|sum| ≤ 24576, no
 //!   overflow); the scale `2^(e-128)` is built from the exponent bits and multiplied by `d`.
-//!   Tiles of up to 4 tokens share each decoded block; the next row group is prefetched.
+//!   Calls of up to 4 tokens use each decoded block at once; longer calls decode runs of 16
+//!   blocks of a row group into L1 once and take every token over them, the accumulators of
+//!   up to 64 tokens carried from run to run. The next row group is prefetched.
 //! * Q8_0: tiles of 2 rows × 4 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
 //!   pair), in chunks of 64 tokens.
 //! * F32: tiles of 2 rows × 2 tokens of 16-lane (two-register) FMA accumulators.
@@ -125,7 +127,7 @@ unsafe fn store_lanes(v: __m256, valid: usize, out: *mut f32, step: usize) {
 /// once for all of them; the next group (contiguous) is prefetched into L2.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn mxfp4_tile<const TT: usize>(
+unsafe fn mxfp4_tile_regs<const TT: usize>(
     nb: usize,
     rows: &[*const u8; G],
     next: *const u8,
@@ -153,8 +155,14 @@ unsafe fn mxfp4_tile<const TT: usize>(
     }
 }
 
+/// Calls of at most this many tokens decode each block in registers and use it at once
+/// ([`mxfp4_gemm_small`]); longer ones decode a run of blocks once for all their tokens.
+const SMALL_TOKENS: usize = 4;
+
+/// Up to [`SMALL_TOKENS`] tokens: each block of a row group decoded in registers and used by
+/// every token at once.
 #[inline(always)]
-unsafe fn mxfp4_gemm(
+unsafe fn mxfp4_gemm_small(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -165,22 +173,111 @@ unsafe fn mxfp4_gemm(
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
-    let astride = nb * Q8_0_BYTES;
     let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
     for r0 in (0..rows).step_by(G) {
         let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
         let next = w.as_ptr().wrapping_add((r0 + G) * stride);
         let valid = (rows - r0).min(G);
-        let out_g = o.add(r0 * n_tokens);
-        // Tokens in tiles of up to 4; each tile decodes the group again, from cache after the
-        // first.
-        for t0 in (0..n_tokens).step_by(4) {
-            let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
-            match n_tokens - t0 {
-                1 => mxfp4_tile::<1>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
-                2 => mxfp4_tile::<2>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
-                3 => mxfp4_tile::<3>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
-                _ => mxfp4_tile::<4>(nb, &ptrs, next, at, bt, ot, n_tokens, valid),
+        let ot = o.add(r0 * n_tokens);
+        match n_tokens {
+            1 => mxfp4_tile_regs::<1>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
+            2 => mxfp4_tile_regs::<2>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
+            3 => mxfp4_tile_regs::<3>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
+            _ => mxfp4_tile_regs::<4>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
+        }
+    }
+}
+
+/// Blocks of a row group decoded at a time: their values (8 registers each) and scales stay
+/// in L1 while every token of the call runs over them.
+const DEC_BLOCKS: usize = 16;
+/// Tokens whose accumulators one pass over a row group keeps (a call's tokens in chunks).
+const TOK_CHUNK: usize = 64;
+
+/// `DEC_BLOCKS` decoded blocks of one row group ([`decode8`]'s results).
+struct Decoded {
+    u: [[__m256i; 8]; DEC_BLOCKS],
+    pow2: [__m256; DEC_BLOCKS],
+}
+
+/// `TT` tokens (`a` and `bias` at block 0 of the decoded run, of the first token) over the
+/// `nbc` decoded blocks of `dec`, carrying their accumulators in `acc`.
+#[inline(always)]
+unsafe fn mxfp4_tile<const TT: usize>(
+    dec: &Decoded,
+    nbc: usize,
+    a: *const u8,
+    astride: usize,
+    bias: *const i32,
+    nb: usize,
+    acc: &mut [__m256],
+) {
+    let mut r = [_mm256_setzero_ps(); TT];
+    r.copy_from_slice(&acc[..TT]);
+    for i in 0..nbc {
+        let u = &dec.u[i];
+        for (j, r) in r.iter_mut().enumerate() {
+            let ab = a.add(j * astride + i * Q8_0_BYTES);
+            *r = block_fma(isum8(u, ab, *bias.add(j * nb + i)), dec.pow2[i], ab, *r);
+        }
+    }
+    acc[..TT].copy_from_slice(&r);
+}
+
+#[inline(always)]
+unsafe fn mxfp4_gemm(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    bias: &[i32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    if n_tokens <= SMALL_TOKENS {
+        return mxfp4_gemm_small(n, w, acts, bias, n_tokens, out);
+    }
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * MXFP4_BYTES;
+    let astride = nb * Q8_0_BYTES;
+    let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
+    let mut dec = Decoded {
+        u: [[_mm256_setzero_si256(); 8]; DEC_BLOCKS],
+        pow2: [_mm256_setzero_ps(); DEC_BLOCKS],
+    };
+    let mut acc = [_mm256_setzero_ps(); TOK_CHUNK];
+    for tc in (0..n_tokens).step_by(TOK_CHUNK) {
+        let tn = (n_tokens - tc).min(TOK_CHUNK);
+        for r0 in (0..rows).step_by(G) {
+            let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
+            let next = w.as_ptr().wrapping_add((r0 + G) * stride);
+            acc[..tn].fill(_mm256_setzero_ps());
+            for b0 in (0..nb).step_by(DEC_BLOCKS) {
+                let nbc = (nb - b0).min(DEC_BLOCKS);
+                for i in 0..nbc {
+                    let b = b0 + i;
+                    // The next group (contiguous) into L2 while this one runs.
+                    for l in 0..3 {
+                        let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
+                        _mm_prefetch::<_MM_HINT_T1>(p.cast());
+                    }
+                    (dec.u[i], dec.pow2[i]) = decode8(&ptrs, b * MXFP4_BYTES);
+                }
+                for t0 in (0..tn).step_by(4) {
+                    let t = tc + t0;
+                    let (at, bt) = (a.add(t * astride + b0 * Q8_0_BYTES), bias.add(t * nb + b0));
+                    let acc = &mut acc[t0..];
+                    match tn - t0 {
+                        1 => mxfp4_tile::<1>(&dec, nbc, at, astride, bt, nb, acc),
+                        2 => mxfp4_tile::<2>(&dec, nbc, at, astride, bt, nb, acc),
+                        3 => mxfp4_tile::<3>(&dec, nbc, at, astride, bt, nb, acc),
+                        _ => mxfp4_tile::<4>(&dec, nbc, at, astride, bt, nb, acc),
+                    }
+                }
+            }
+            let valid = (rows - r0).min(G);
+            for (j, &acc) in acc[..tn].iter().enumerate() {
+                store_lanes(acc, valid, o.add(r0 * n_tokens + tc + j), n_tokens);
             }
         }
     }
@@ -222,12 +319,14 @@ unsafe fn q8_0_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut 
                         let wb = wr[r].add(off);
                         let x = _mm256_loadu_si256(wb.add(2).cast());
                         let ax = _mm256_sign_epi8(x, x);
-                        let dw = f16_at(wb);
+                        let dw = _mm256_set1_ps(f16_at(wb));
                         for j in 0..Q8_T {
                             // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
                             let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(ys[j], x));
                             let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * das[j]), q, acc[j]);
+                            // The f32 product dw · da in every lane, from a broadcast load.
+                            let d = _mm256_mul_ps(dw, _mm256_broadcast_ss(&das[j]));
+                            acc[j] = _mm256_fmadd_ps(d, q, acc[j]);
                         }
                     }
                 }
