@@ -7,8 +7,9 @@
 #
 # HMOE is the hmoe binary (default: target/release/hmoe, else target/debug/hmoe); LLAMA_BENCH is
 # llama.cpp's llama-bench (default: unpacked from ../shared/baselines/llama-cpu-x86-64-avx512.tar.xz
-# into target/llama-cpu). Each round runs each engine once per KV type with `-r 2`; the table
-# gives, per test, the median over rounds of each engine's mean t/s and hmoe / llama.cpp.
+# into target/llama-cpu, on CPUs with the AVX-512 it needs; elsewhere set LLAMA_BENCH). Each
+# round runs each engine once per KV type with `-r 2`; the table gives, per test, the median
+# over rounds of each engine's mean t/s and hmoe / llama.cpp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,6 +39,17 @@ fi
 LLAMA_BENCH="${LLAMA_BENCH:-}"
 if [ -z "$LLAMA_BENCH" ]; then
     LLAMA_BENCH=target/llama-cpu/llama-cpu/bin/llama-bench
+    # The prebuilt baseline needs AVX-512 F/BW/DQ/VL/VNNI/VBMI/BF16; elsewhere it dies of an
+    # illegal instruction, so say what to do instead.
+    flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+    for f in avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_vbmi avx512_bf16; do
+        case "$flags" in
+            *" $f "*) ;;
+            *) echo "cpu-bench: this CPU lacks $f, which ../shared/baselines' llama-bench needs;" \
+                    "build llama.cpp's llama-bench for this machine (outside the repo) and set" \
+                    "LLAMA_BENCH to it" >&2; exit 1 ;;
+        esac
+    done
     if [ ! -x "$LLAMA_BENCH" ]; then
         mkdir -p target/llama-cpu
         tar -C target/llama-cpu -xJf ../shared/baselines/llama-cpu-x86-64-avx512.tar.xz

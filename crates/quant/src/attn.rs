@@ -11,7 +11,8 @@
 //! * [`f16_value_lanes`]: `acc[head][lane][e] = fma(v[e], f16(w), acc[head][lane][e])` over the
 //!   rows in order, lane = position mod 16 (tinyBLAS's lanes over positions), with the
 //!   accumulators of one head, lane range and 16 elements held in registers across many rows.
-//! * [`expf_ggml_slice`]: [`expf_ggml`] of every element, sixteen at a time.
+//! * [`expf_ggml_slice`]: [`expf_ggml`] of every element, sixteen (AVX-512) or eight (AVX2) at
+//!   a time.
 
 use half::f16;
 
@@ -183,6 +184,12 @@ pub fn expf_ggml_slice(xs: &mut [f32]) {
     if crate::Isa::best() == crate::Isa::Avx512 {
         // SAFETY: `Isa::Avx512` means AVX-512 F and FMA are present.
         unsafe { x86::expf_ggml_slice(xs) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::best() == crate::Isa::Avx2 {
+        // SAFETY: `Isa::Avx2` means AVX2 and FMA are present.
+        unsafe { x86_avx2::expf_ggml_slice(xs) };
         return;
     }
     xs.iter_mut().for_each(|x| *x = expf_ggml(*x));
@@ -475,6 +482,76 @@ mod x86 {
             let p = chunk.as_mut_ptr();
             let y = expf_ggml16(_mm512_maskz_loadu_ps(mask, p));
             _mm512_mask_storeu_ps(p, mask, y);
+        }
+    }
+}
+
+/// The AVX2 exponential (8 lanes, the same operations as the AVX-512 one and the scalar code).
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2 {
+    use core::arch::x86_64::*;
+
+    /// [`super::expf_ggml`] of eight lanes: the same operations lane by lane, the special
+    /// cases selected by blends.
+    #[inline(always)]
+    unsafe fn expf_ggml8(x: __m256) -> __m256 {
+        let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+        let r = c(0x4b40_0000);
+        let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(n, c(0x3f31_7200), x);
+        let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), b);
+        let u = _mm256_mul_ps(b, b);
+        let p45 = _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17));
+        let p23 = _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb));
+        let p01 = _mm256_fmadd_ps(c(0x3f7f_fff6), b, _mm256_set1_ps(1.0));
+        let j = _mm256_fmadd_ps(_mm256_fmadd_ps(p45, u, p23), u, p01);
+        // |n| ≤ 192 here (the others are replaced below): at most one pre-scaling.
+        let ni = _mm256_cvtps_epi32(n);
+        let over = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));
+        let under = _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni);
+        let pre = _mm256_blendv_ps(
+            _mm256_blendv_ps(
+                _mm256_set1_ps(1.0),
+                c(0x0080_0000),
+                _mm256_castsi256_ps(under),
+            ),
+            c(0x7f00_0000),
+            _mm256_castsi256_ps(over),
+        );
+        let ni = _mm256_sub_epi32(ni, _mm256_and_si256(over, _mm256_set1_epi32(127)));
+        let ni = _mm256_add_epi32(ni, _mm256_and_si256(under, _mm256_set1_epi32(126)));
+        let pow = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            ni,
+            _mm256_set1_epi32(127),
+        )));
+        let y = _mm256_mul_ps(_mm256_mul_ps(j, pre), pow);
+        // NaN lanes: the scalar code scales by 2^0 (`NaN as i32` is 0).
+        let y = _mm256_blendv_ps(y, j, _mm256_cmp_ps::<_CMP_UNORD_Q>(n, n));
+        let abs = _mm256_and_ps(n, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
+        let big = _mm256_cmp_ps::<_CMP_GT_OQ>(abs, _mm256_set1_ps(192.0));
+        let nonpos = _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps());
+        let limit = _mm256_blendv_ps(_mm256_set1_ps(f32::INFINITY), _mm256_setzero_ps(), nonpos);
+        _mm256_blendv_ps(y, limit, big)
+    }
+
+    /// [`super::expf_ggml_slice`].
+    ///
+    /// Safety: AVX2 and FMA present.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn expf_ggml_slice(xs: &mut [f32]) {
+        let mut chunks = xs.chunks_exact_mut(8);
+        for chunk in &mut chunks {
+            let p = chunk.as_mut_ptr();
+            _mm256_storeu_ps(p, expf_ggml8(_mm256_loadu_ps(p)));
+        }
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            let mut tmp = [0f32; 8];
+            tmp[..rest.len()].copy_from_slice(rest);
+            let y = expf_ggml8(_mm256_loadu_ps(tmp.as_ptr()));
+            _mm256_storeu_ps(tmp.as_mut_ptr(), y);
+            rest.copy_from_slice(&tmp[..rest.len()]);
         }
     }
 }
