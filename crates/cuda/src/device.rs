@@ -195,18 +195,9 @@ pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
 
 /// The types of K-only (latent) rings the kernels attend over
 /// ([`hmoe_backend::Backend::k_only_types`]): every K/V type of the contract
-/// (`hmoe_backend::KV_TYPES`). `kv_store` stores rings of all of them (the device's
+/// ([`hmoe_backend::KV_TYPES`]). `kv_store` stores rings of all of them (the device's
 /// `kv_types`); [`KV_TYPES`] are those of K/V pairs.
-pub const K_ONLY_TYPES: [GgmlType; 8] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-];
+pub const K_ONLY_TYPES: [GgmlType; 8] = hmoe_backend::KV_TYPES;
 
 /// Whether a ring of `l` is one the kernels store and read: a type of [`K_ONLY_TYPES`] (which
 /// holds [`KV_TYPES`]; the attention kernels also check the pair, [`kv_pair_supported`]),
