@@ -8,9 +8,10 @@
 //!   `vpdpbusd` per vector against a broadcast activation dword adds four products to every
 //!   row's sum; the sum starts at `-12 · Σa`, so it ends exact. The scale `2^(e-128) · d` is
 //!   `vscalefps(d, e - 128)` (one rounding, as the scalar product of two f32), then one FMA
-//!   accumulates all 16 rows. Several tokens share each decoded block (tiles of up to 8
-//!   tokens, accumulators in registers; a further tile decodes the group again from cache).
-//!   The single-token pass is memory-bound, so each group prefetches the next one into L2.
+//!   accumulates all 16 rows. Calls of up to 8 tokens use each decoded block at once
+//!   (accumulators in registers); longer ones decode runs of 16 blocks of a row group into L1
+//!   once and take every token over them in tiles of 8, the accumulators of up to 64 tokens
+//!   carried from run to run. Each group prefetches the next one into L2.
 //! * Q8_0: tiles of 4 rows × 8 tokens, in chunks of 64 tokens; two tokens share a zmm (lanes
 //!   0..8 and 8..16 are the 8-lane accumulators of ggml's AVX2 kernel for each).
 //! * F32: tiles of 4 rows × 4 tokens of 16-lane FMA accumulators.
@@ -222,8 +223,123 @@ unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
     // nor to spill and reload every block).
     if n_tokens == 1 && nb == GPT_OSS_NB {
         mxfp4_gemm_nb::<VNNI, VBMI>(GPT_OSS_NB, w, acts, bias, 1, out)
-    } else {
+    } else if n_tokens <= TILE_TOKENS {
         mxfp4_gemm_nb::<VNNI, VBMI>(nb, w, acts, bias, n_tokens, out)
+    } else {
+        mxfp4_gemm_runs::<VNNI, VBMI>(nb, w, acts, bias, n_tokens, out)
+    }
+}
+
+/// Tokens whose accumulators one tile keeps in registers.
+const TILE_TOKENS: usize = 8;
+/// Blocks of a row group decoded at a time: their values (8 registers each) and scales stay
+/// in L1 while every token of the call runs over them.
+const DEC_BLOCKS: usize = 16;
+/// Tokens whose accumulators one pass over a row group carries from run to run.
+const TOK_CHUNK: usize = 64;
+
+/// `DEC_BLOCKS` decoded blocks of one row group ([`decode16`]'s results).
+struct Decoded {
+    u: [[__m512i; 8]; DEC_BLOCKS],
+    ef: [__m512; DEC_BLOCKS],
+}
+
+/// `TT` tokens (`a` and `bias` at the run's first block, of the first token) over the `nbc`
+/// decoded blocks of `dec`, carrying their accumulators in `acc`.
+#[inline(always)]
+unsafe fn mxfp4_run_tile<const TT: usize, const VNNI: bool>(
+    dec: &Decoded,
+    nbc: usize,
+    (a, astride): (*const u8, usize),
+    (bias, nb): (*const i32, usize),
+    acc: &mut [__m512],
+) {
+    let mut r = [_mm512_setzero_ps(); TT];
+    r.copy_from_slice(&acc[..TT]);
+    for i in 0..nbc {
+        let u = &dec.u[i];
+        for (j, r) in r.iter_mut().enumerate() {
+            let ab = a.add(j * astride + i * Q8_0_BYTES);
+            *r = block_fma(
+                isum16::<VNNI>(u, ab, *bias.add(j * nb + i)),
+                dec.ef[i],
+                ab,
+                *r,
+            );
+        }
+    }
+    acc[..TT].copy_from_slice(&r);
+}
+
+/// More than [`TILE_TOKENS`] tokens: each run of [`DEC_BLOCKS`] blocks of a row group is
+/// decoded once into L1 and every token of a chunk of up to [`TOK_CHUNK`] runs over it, so the
+/// decoding is not repeated per tile of tokens.
+#[inline(always)]
+unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
+    nb: usize,
+    w: &[u8],
+    acts: &[u8],
+    bias: &[i32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let rows = out.len() / n_tokens;
+    let stride = nb * MXFP4_BYTES;
+    let astride = nb * Q8_0_BYTES;
+    let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
+    // Fewer than 16 rows: run on a zero-padded copy.
+    let padded: Vec<u8>;
+    let (w, w_rows) = if rows < G {
+        padded = [&w[..rows * stride], &vec![0u8; (G - rows) * stride]].concat();
+        (padded.as_ptr(), G)
+    } else {
+        (w.as_ptr(), rows)
+    };
+    let mut dec = Decoded {
+        u: [[_mm512_setzero_si512(); 8]; DEC_BLOCKS],
+        ef: [_mm512_setzero_ps(); DEC_BLOCKS],
+    };
+    let mut acc = [_mm512_setzero_ps(); TOK_CHUNK];
+    for tc in (0..n_tokens).step_by(TOK_CHUNK) {
+        let tn = (n_tokens - tc).min(TOK_CHUNK);
+        for r0 in (0..rows).step_by(G) {
+            // A partial last group reruns the rows before it and keeps the new rows' results.
+            let first = r0.min(w_rows - G);
+            let lanes = Lanes {
+                skip: r0 - first,
+                valid: (rows - r0).min(G),
+            };
+            let base = w.add(first * stride);
+            let next = base.wrapping_add(G * stride);
+            acc[..tn].fill(_mm512_setzero_ps());
+            for b0 in (0..nb).step_by(DEC_BLOCKS) {
+                let nbc = (nb - b0).min(DEC_BLOCKS);
+                for i in 0..nbc {
+                    let b = b0 + i;
+                    prefetch_group(next, b);
+                    (dec.u[i], dec.ef[i]) = decode16::<VBMI>(base, stride, b * MXFP4_BYTES);
+                }
+                for t0 in (0..tn).step_by(TILE_TOKENS) {
+                    let t = tc + t0;
+                    let at = (a.add(t * astride + b0 * Q8_0_BYTES), astride);
+                    let bt = (bias.add(t * nb + b0), nb);
+                    let acc = &mut acc[t0..];
+                    match tn - t0 {
+                        1 => mxfp4_run_tile::<1, VNNI>(&dec, nbc, at, bt, acc),
+                        2 => mxfp4_run_tile::<2, VNNI>(&dec, nbc, at, bt, acc),
+                        3 => mxfp4_run_tile::<3, VNNI>(&dec, nbc, at, bt, acc),
+                        4 => mxfp4_run_tile::<4, VNNI>(&dec, nbc, at, bt, acc),
+                        5 => mxfp4_run_tile::<5, VNNI>(&dec, nbc, at, bt, acc),
+                        6 => mxfp4_run_tile::<6, VNNI>(&dec, nbc, at, bt, acc),
+                        7 => mxfp4_run_tile::<7, VNNI>(&dec, nbc, at, bt, acc),
+                        _ => mxfp4_run_tile::<8, VNNI>(&dec, nbc, at, bt, acc),
+                    }
+                }
+            }
+            for (j, &acc) in acc[..tn].iter().enumerate() {
+                store_lanes(acc, lanes, o.add(r0 * n_tokens + tc + j), n_tokens);
+            }
+        }
     }
 }
 
@@ -260,7 +376,7 @@ unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool>(
         let out_g = o.add(r0 * n_tokens);
         // Tokens in tiles of up to 8 (accumulators in registers); each tile decodes the group's
         // blocks again, from cache after the first.
-        for t0 in (0..n_tokens).step_by(8) {
+        for t0 in (0..n_tokens).step_by(TILE_TOKENS) {
             let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
             let args = (nb, base, stride, at, bt, ot, n_tokens, lanes);
             match n_tokens - t0 {
