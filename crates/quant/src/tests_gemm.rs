@@ -157,6 +157,24 @@ fn q8_0_gemm_all_isas_equal_dot_kernel() {
         q8_0_rows,
         |n, w, a| dot.dot(n, w, a),
     );
+    // Activations as Q8_0 quantization makes them (no byte -128), which the AVX-512 VNNI
+    // kernel runs on its unsigned-activation path (the bytes above send it to its fallback).
+    check_all_isas(
+        GgmlType::Q8_0,
+        &[32, 64, 96, 2880],
+        q8_0_rows,
+        |rows, n, rng| {
+            let mut a = q8_0_rows(rows, n, rng);
+            for block in a.chunks_exact_mut(Q8_0_BYTES) {
+                block[2..]
+                    .iter_mut()
+                    .filter(|q| **q == 0x80)
+                    .for_each(|q| *q = 0x81);
+            }
+            a
+        },
+        |n, w, a| dot.dot(n, w, a),
+    );
     // And the SIMD dot kernels agree with the scalar one on the same data (so the GEMM equals
     // whatever `DotKernel::dot` the model uses).
     let mut rng = Rng(99);

@@ -429,6 +429,14 @@ unsafe fn q8_0_gemm<const VNNI: bool>(
     out: &mut [f32],
 ) {
     let nb = n / QK;
+    if VNNI && !has_minus_128(acts, n_tokens * nb) {
+        // Taken out and put back, so the kernel runs in this function's target features (a
+        // closure would not inherit them).
+        let mut pairs = Q8_PAIRS.take();
+        q8_0_gemm_vnni(n, w, acts, n_tokens, out, &mut pairs);
+        Q8_PAIRS.set(pairs);
+        return;
+    }
     let rows = out.len() / n_tokens;
     let stride = nb * Q8_0_BYTES;
     let o = out.as_mut_ptr();
@@ -480,6 +488,127 @@ unsafe fn q8_0_gemm<const VNNI: bool>(
                             *dst.add(t) = hsum8(lo256(acc));
                         }
                         if t + 1 < n_tokens {
+                            *dst.add(t + 1) = hsum8(hi256(acc));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rows and token pairs per tile of [`q8_0_gemm_vnni`].
+const Q8V_R: usize = 4;
+const Q8V_TP: usize = 4;
+
+/// Whether any of the `blocks` Q8_0 blocks at `acts` holds the byte -128 (which ggml's sign
+/// trick negates to itself, so [`q8_0_gemm_vnni`] would not reproduce it; Q8_0 quantization
+/// never makes it).
+#[inline(always)]
+unsafe fn has_minus_128(acts: &[u8], blocks: usize) -> bool {
+    let m128 = _mm256_set1_epi8(-128);
+    let mut any = _mm256_setzero_si256();
+    for b in 0..blocks {
+        let q = _mm256_loadu_si256(acts.as_ptr().add(b * Q8_0_BYTES + 2).cast());
+        any = _mm256_or_si256(any, _mm256_cmpeq_epi8(q, m128));
+    }
+    _mm256_testz_si256(any, any) == 0
+}
+
+/// A chunk's token pairs as [`q8_0_gemm_vnni`] reads them, per pair and block: the two
+/// tokens' activation bytes plus 128 (as unsigned bytes; lanes 0..8 of the low token, 8..16 of
+/// the high one) and their scales (lanes 0..8 and 8..16).
+#[derive(Default)]
+struct Q8Pairs {
+    biased: Vec<__m512i>,
+    scales: Vec<__m512>,
+}
+
+std::thread_local! {
+    /// Each thread's [`Q8Pairs`], kept between calls (a chunk of 64 tokens of width 2880 is
+    /// 360 KiB, which would otherwise be mapped and unmapped per call).
+    static Q8_PAIRS: core::cell::RefCell<Q8Pairs> = core::cell::RefCell::default();
+}
+
+/// [`q8_0_gemm`] with VNNI. The activations enter `vpdpbusd`'s unsigned operand as `a + 128`
+/// (once per chunk of tokens, [`Q8Pairs`]) and the weights its signed one as they are, so
+/// `Σ (a + 128)·x − 128·Σ x` is each lane's exact sum of four products `Σ a·x`, which is the
+/// integer that ggml's sign trick (`maddubs(|x|, sign(a, x))`, `madd` by ones) gives for every
+/// activation byte from -127 to 127, the only ones Q8_0 quantization makes (the caller checks).
+/// The correction
+/// `-128·Σ x` is computed once per weight row and block (one more `vpdpbusd`) and starts each
+/// accumulator, so a row × token pair costs one `vpdpbusd`, the conversion and the FMA.
+#[inline(always)]
+unsafe fn q8_0_gemm_vnni(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    n_tokens: usize,
+    out: &mut [f32],
+    pairs: &mut Q8Pairs,
+) {
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * Q8_0_BYTES;
+    let o = out.as_mut_ptr();
+    let n_pairs = Q8_TC / 2;
+    pairs.biased.resize(n_pairs * nb, _mm512_setzero_si512());
+    pairs.scales.resize(n_pairs * nb, _mm512_setzero_ps());
+    let flip = _mm512_set1_epi8(-128);
+    let m128 = _mm512_set1_epi8(-128);
+    for tc in (0..n_tokens).step_by(Q8_TC) {
+        let tn = (n_tokens - tc).min(Q8_TC);
+        // The chunk's pairs; past the end, the last token again (its results are dropped).
+        for p in 0..tn.div_ceil(2) {
+            let tl = acts.as_ptr().add((tc + 2 * p) * stride);
+            let th = acts
+                .as_ptr()
+                .add((tc + 2 * p + 1).min(n_tokens - 1) * stride);
+            for b in 0..nb {
+                let off = b * Q8_0_BYTES;
+                let y = load_2x256(tl.add(off + 2), th.add(off + 2));
+                pairs.biased[p * nb + b] = _mm512_xor_si512(y, flip);
+                pairs.scales[p * nb + b] = _mm512_mask_blend_ps(
+                    0xff00,
+                    _mm512_set1_ps(f16_at(tl.add(off))),
+                    _mm512_set1_ps(f16_at(th.add(off))),
+                );
+            }
+        }
+        let (biased, scales) = (pairs.biased.as_ptr(), pairs.scales.as_ptr());
+        for r0 in (0..rows).step_by(Q8V_R) {
+            let wr = row_ptrs::<Q8V_R>(w.as_ptr(), r0, rows, stride);
+            for p0 in (0..tn.div_ceil(2)).step_by(Q8V_TP) {
+                // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
+                let last = tn.div_ceil(2) - 1;
+                let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
+                let mut acc = [[_mm512_setzero_ps(); Q8V_TP]; Q8V_R];
+                for b in 0..nb {
+                    let off = b * Q8_0_BYTES;
+                    let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *biased.add(pp[i] + b));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let wb = wr[r].add(off);
+                        let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
+                        let corr = _mm512_sub_epi32(
+                            _mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), m128, x),
+                        );
+                        let dw = _mm512_set1_ps(f16_at(wb));
+                        for (p, acc) in acc.iter_mut().enumerate() {
+                            let q = _mm512_dpbusd_epi32(corr, ys[p], x);
+                            let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
+                            *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
+                        }
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate().take(rows - r0) {
+                    let dst = o.add((r0 + r) * n_tokens + tc);
+                    for (p, &acc) in acc.iter().enumerate() {
+                        let t = 2 * (p0 + p);
+                        if t < tn {
+                            *dst.add(t) = hsum8(lo256(acc));
+                        }
+                        if t + 1 < tn {
                             *dst.add(t + 1) = hsum8(hi256(acc));
                         }
                     }
