@@ -218,6 +218,22 @@ unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
     out: &mut [f32],
 ) {
     let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * MXFP4_BYTES;
+    // Fewer than 16 rows: run on a zero-padded copy.
+    let padded: Vec<u8>;
+    let w = if rows < G {
+        padded = [&w[..rows * stride], &vec![0u8; (G - rows) * stride]].concat();
+        Padded {
+            w: padded.as_ptr(),
+            rows: G,
+        }
+    } else {
+        Padded {
+            w: w.as_ptr(),
+            rows,
+        }
+    };
     // One token of gpt-oss's width: compiled with the row stride a constant, so each of the 16
     // rows is the group's base plus an immediate offset (no row pointers to keep in registers,
     // nor to spill and reload every block).
@@ -228,6 +244,26 @@ unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
     } else {
         mxfp4_gemm_runs::<VNNI, VBMI>(nb, w, acts, bias, n_tokens, out)
     }
+}
+
+/// Weight rows, at least [`G`] of them (fewer are zero-padded by [`mxfp4_gemm`]).
+#[derive(Clone, Copy)]
+struct Padded {
+    w: *const u8,
+    rows: usize,
+}
+
+/// The row group that yields rows `r0..` of the `rows` wanted: its first row's address and
+/// which of its lanes are those rows (a partial last group reruns the rows before it and keeps
+/// the new rows' results).
+#[inline(always)]
+unsafe fn row_group(w: Padded, r0: usize, rows: usize, stride: usize) -> (*const u8, Lanes) {
+    let first = r0.min(w.rows - G);
+    let lanes = Lanes {
+        skip: r0 - first,
+        valid: (rows - r0).min(G),
+    };
+    (w.w.add(first * stride), lanes)
 }
 
 /// Tokens whose accumulators one tile keeps in registers.
@@ -277,7 +313,7 @@ unsafe fn mxfp4_run_tile<const TT: usize, const VNNI: bool>(
 #[inline(always)]
 unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
     nb: usize,
-    w: &[u8],
+    w: Padded,
     acts: &[u8],
     bias: &[i32],
     n_tokens: usize,
@@ -287,14 +323,6 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
     let stride = nb * MXFP4_BYTES;
     let astride = nb * Q8_0_BYTES;
     let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
-    // Fewer than 16 rows: run on a zero-padded copy.
-    let padded: Vec<u8>;
-    let (w, w_rows) = if rows < G {
-        padded = [&w[..rows * stride], &vec![0u8; (G - rows) * stride]].concat();
-        (padded.as_ptr(), G)
-    } else {
-        (w.as_ptr(), rows)
-    };
     let mut dec = Decoded {
         u: [[_mm512_setzero_si512(); 8]; DEC_BLOCKS],
         ef: [_mm512_setzero_ps(); DEC_BLOCKS],
@@ -303,13 +331,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
     for tc in (0..n_tokens).step_by(TOK_CHUNK) {
         let tn = (n_tokens - tc).min(TOK_CHUNK);
         for r0 in (0..rows).step_by(G) {
-            // A partial last group reruns the rows before it and keeps the new rows' results.
-            let first = r0.min(w_rows - G);
-            let lanes = Lanes {
-                skip: r0 - first,
-                valid: (rows - r0).min(G),
-            };
-            let base = w.add(first * stride);
+            let (base, lanes) = row_group(w, r0, rows, stride);
             let next = base.wrapping_add(G * stride);
             acc[..tn].fill(_mm512_setzero_ps());
             for b0 in (0..nb).step_by(DEC_BLOCKS) {
@@ -347,7 +369,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
 #[inline(always)]
 unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool>(
     nb: usize,
-    w: &[u8],
+    w: Padded,
     acts: &[u8],
     bias: &[i32],
     n_tokens: usize,
@@ -357,22 +379,8 @@ unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool>(
     let stride = nb * MXFP4_BYTES;
     let astride = nb * Q8_0_BYTES;
     let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
-    // Fewer than 16 rows: run on a zero-padded copy.
-    let padded: Vec<u8>;
-    let (w, w_rows) = if rows < G {
-        padded = [&w[..rows * stride], &vec![0u8; (G - rows) * stride]].concat();
-        (padded.as_ptr(), G)
-    } else {
-        (w.as_ptr(), rows)
-    };
     for r0 in (0..rows).step_by(G) {
-        // A partial last group reruns the rows before it and keeps the new rows' results.
-        let first = r0.min(w_rows - G);
-        let lanes = Lanes {
-            skip: r0 - first,
-            valid: (rows - r0).min(G),
-        };
-        let base = w.add(first * stride);
+        let (base, lanes) = row_group(w, r0, rows, stride);
         let out_g = o.add(r0 * n_tokens);
         // Tokens in tiles of up to 8 (accumulators in registers); each tile decodes the group's
         // blocks again, from cache after the first.
