@@ -20,6 +20,7 @@
 //! `VNNI = true`), and the slice contract of [`GemmFn`].
 
 use core::arch::x86_64::*;
+use core::ops::Range;
 
 use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12};
 use crate::scalar::{MXFP4_BYTES, Q8_0_BYTES, QK};
@@ -437,93 +438,139 @@ unsafe fn q8_0_gemm<const VNNI: bool>(
     out: &mut [f32],
 ) {
     let nb = n / QK;
-    if VNNI && !has_minus_128(acts, n_tokens * nb) {
-        // Taken out and put back, so the kernel runs in this function's target features (a
-        // closure would not inherit them).
-        let mut pairs = Q8_PAIRS.take();
-        q8_0_gemm_vnni(n, w, acts, n_tokens, out, &mut pairs);
-        Q8_PAIRS.set(pairs);
-        return;
-    }
-    let rows = out.len() / n_tokens;
-    let stride = nb * Q8_0_BYTES;
-    let o = out.as_mut_ptr();
+    let mats = Q8Mats {
+        nb,
+        rows: out.len() / n_tokens,
+        w: w.as_ptr(),
+        acts: acts.as_ptr(),
+        n_tokens,
+        out: out.as_mut_ptr(),
+    };
+    // Taken out and put back, so the kernels run in this function's target features (a
+    // closure would not inherit them).
+    let mut pairs = if VNNI {
+        Q8_PAIRS.take()
+    } else {
+        Q8Pairs::default()
+    };
     // Tokens in chunks whose activations stay in L2 while every row tile runs over them.
     for tc in (0..n_tokens).step_by(Q8_TC) {
-        for r0 in (0..rows).step_by(Q8_R) {
-            let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
-            for t0 in (tc..n_tokens.min(tc + Q8_TC)).step_by(2 * Q8_TP) {
-                // Token pairs (t0 + 2p, t0 + 2p + 1), past the end clamped to the last token.
-                let (mut tl, mut th) = ([acts.as_ptr(); Q8_TP], [acts.as_ptr(); Q8_TP]);
-                for p in 0..Q8_TP {
-                    tl[p] = acts.as_ptr().add((t0 + 2 * p).min(n_tokens - 1) * stride);
-                    th[p] = acts
-                        .as_ptr()
-                        .add((t0 + 2 * p + 1).min(n_tokens - 1) * stride);
+        let chunk = tc..n_tokens.min(tc + Q8_TC);
+        if VNNI && pairs.prepare(&mats, chunk.clone()) {
+            q8_0_chunk_vnni(&mats, chunk, &pairs);
+        } else {
+            q8_0_chunk_signed::<VNNI>(&mats, chunk);
+        }
+    }
+    if VNNI {
+        Q8_PAIRS.set(pairs);
+    }
+}
+
+/// The operands of one Q8_0 GEMM call.
+struct Q8Mats {
+    nb: usize,
+    rows: usize,
+    w: *const u8,
+    acts: *const u8,
+    n_tokens: usize,
+    out: *mut f32,
+}
+
+impl Q8Mats {
+    /// Bytes per weight or activation row.
+    fn stride(&self) -> usize {
+        self.nb * Q8_0_BYTES
+    }
+
+    /// Token `t`'s activation row, past the last token clamped to it.
+    unsafe fn act(&self, t: usize) -> *const u8 {
+        self.acts.add(t.min(self.n_tokens - 1) * self.stride())
+    }
+
+    /// Token pair `(t, t + 1)`'s quants and scales of block `b`: lanes 0..8 (bytes 0..32) the
+    /// low token's, 8..16 the high one's.
+    #[inline(always)]
+    unsafe fn pair(&self, t: usize, b: usize) -> (__m512i, __m512) {
+        let (tl, th) = (
+            self.act(t).add(b * Q8_0_BYTES),
+            self.act(t + 1).add(b * Q8_0_BYTES),
+        );
+        let y = load_2x256(tl.add(2), th.add(2));
+        let d = _mm512_mask_blend_ps(
+            0xff00,
+            _mm512_set1_ps(f16_at(tl)),
+            _mm512_set1_ps(f16_at(th)),
+        );
+        (y, d)
+    }
+
+    /// Stores a tile's results: `acc[r][p]` is row `r0 + r`'s pair of tokens `t0 + 2p`,
+    /// `t0 + 2p + 1`, each kept if below `t_end`.
+    #[inline(always)]
+    unsafe fn store<const R: usize, const TP: usize>(
+        &self,
+        acc: &[[__m512; TP]; R],
+        r0: usize,
+        t0: usize,
+        t_end: usize,
+    ) {
+        for (r, acc) in acc.iter().enumerate().take(self.rows - r0) {
+            let dst = self.out.add((r0 + r) * self.n_tokens);
+            for (p, &acc) in acc.iter().enumerate() {
+                let t = t0 + 2 * p;
+                if t < t_end {
+                    *dst.add(t) = hsum8(lo256(acc));
                 }
-                let mut acc = [[_mm512_setzero_ps(); Q8_TP]; Q8_R];
-                for b in 0..nb {
-                    let off = b * Q8_0_BYTES;
-                    let mut ys = [_mm512_setzero_si512(); Q8_TP];
-                    let mut das = [_mm512_setzero_ps(); Q8_TP];
-                    for p in 0..Q8_TP {
-                        ys[p] = load_2x256(tl[p].add(off + 2), th[p].add(off + 2));
-                        das[p] = _mm512_mask_blend_ps(
-                            0xff00,
-                            _mm512_set1_ps(f16_at(tl[p].add(off))),
-                            _mm512_set1_ps(f16_at(th[p].add(off))),
-                        );
-                    }
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let wb = wr[r].add(off);
-                        let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
-                        let ax = _mm512_abs_epi8(x);
-                        let neg = _mm512_movepi8_mask(x);
-                        let dw = _mm512_set1_ps(f16_at(wb));
-                        for p in 0..Q8_TP {
-                            // |x| · sign(y, x): y negated where x < 0 (ggml's sign trick).
-                            let q = dot_u8i8::<VNNI>(ax, neg_where(ys[p], neg));
-                            let s = _mm512_mul_ps(dw, das[p]);
-                            acc[p] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), acc[p]);
-                        }
-                    }
-                }
-                for (r, acc) in acc.iter().enumerate().take(rows - r0) {
-                    let dst = o.add((r0 + r) * n_tokens);
-                    for (p, &acc) in acc.iter().enumerate() {
-                        let t = t0 + 2 * p;
-                        if t < n_tokens {
-                            *dst.add(t) = hsum8(lo256(acc));
-                        }
-                        if t + 1 < n_tokens {
-                            *dst.add(t + 1) = hsum8(hi256(acc));
-                        }
-                    }
+                if t + 1 < t_end {
+                    *dst.add(t + 1) = hsum8(hi256(acc));
                 }
             }
         }
     }
 }
 
-/// Rows and token pairs per tile of [`q8_0_gemm_vnni`].
-const Q8V_R: usize = 4;
-const Q8V_TP: usize = 4;
-
-/// Whether any of the `blocks` Q8_0 blocks at `acts` holds the byte -128 (which ggml's sign
-/// trick negates to itself, so [`q8_0_gemm_vnni`] would not reproduce it; Q8_0 quantization
-/// never makes it).
+/// The tokens `chunk` of [`q8_0_gemm`] with ggml's sign trick: `|x|` against the activations
+/// negated where `x < 0`, in tiles of [`Q8_R`] rows × [`Q8_TP`] token pairs.
 #[inline(always)]
-unsafe fn has_minus_128(acts: &[u8], blocks: usize) -> bool {
-    let m128 = _mm256_set1_epi8(-128);
-    let mut any = _mm256_setzero_si256();
-    for b in 0..blocks {
-        let q = _mm256_loadu_si256(acts.as_ptr().add(b * Q8_0_BYTES + 2).cast());
-        any = _mm256_or_si256(any, _mm256_cmpeq_epi8(q, m128));
+unsafe fn q8_0_chunk_signed<const VNNI: bool>(m: &Q8Mats, chunk: Range<usize>) {
+    let stride = m.stride();
+    for r0 in (0..m.rows).step_by(Q8_R) {
+        let wr = row_ptrs::<Q8_R>(m.w, r0, m.rows, stride);
+        for t0 in chunk.clone().step_by(2 * Q8_TP) {
+            let mut acc = [[_mm512_setzero_ps(); Q8_TP]; Q8_R];
+            for b in 0..m.nb {
+                let off = b * Q8_0_BYTES;
+                let (ys, das): ([__m512i; Q8_TP], [__m512; Q8_TP]) = {
+                    let pairs: [_; Q8_TP] = core::array::from_fn(|p| m.pair(t0 + 2 * p, b));
+                    (pairs.map(|p| p.0), pairs.map(|p| p.1))
+                };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let wb = wr[r].add(off);
+                    let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
+                    let ax = _mm512_abs_epi8(x);
+                    let neg = _mm512_movepi8_mask(x);
+                    let dw = _mm512_set1_ps(f16_at(wb));
+                    for p in 0..Q8_TP {
+                        // |x| · sign(y, x): y negated where x < 0 (ggml's sign trick).
+                        let q = dot_u8i8::<VNNI>(ax, neg_where(ys[p], neg));
+                        let s = _mm512_mul_ps(dw, das[p]);
+                        acc[p] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), acc[p]);
+                    }
+                }
+            }
+            m.store(&acc, r0, t0, chunk.end);
+        }
     }
-    _mm256_testz_si256(any, any) == 0
 }
 
-/// A chunk's token pairs as [`q8_0_gemm_vnni`] reads them, per pair and block: the two
+/// The byte -128 in every lane.
+#[inline(always)]
+unsafe fn minus_128() -> __m512i {
+    _mm512_set1_epi8(i8::MIN)
+}
+
+/// A chunk's token pairs as [`q8_0_chunk_vnni`] reads them, per pair and block: the two
 /// tokens' activation bytes plus 128 (as unsigned bytes; lanes 0..8 of the low token, 8..16 of
 /// the high one) and their scales (lanes 0..8 and 8..16).
 #[derive(Default)]
@@ -532,96 +579,75 @@ struct Q8Pairs {
     scales: Vec<__m512>,
 }
 
+impl Q8Pairs {
+    /// Fills in the pairs of the tokens `chunk` (past the last token, that token again);
+    /// `false` where an activation byte is -128, which ggml's sign trick negates to itself, so
+    /// [`q8_0_chunk_vnni`] would not reproduce it (Q8_0 quantization never makes it).
+    #[inline(always)]
+    unsafe fn prepare(&mut self, m: &Q8Mats, chunk: Range<usize>) -> bool {
+        let n = chunk.len().div_ceil(2) * m.nb;
+        self.biased.resize(n, _mm512_setzero_si512());
+        self.scales.resize(n, _mm512_setzero_ps());
+        let mut bad = 0u64;
+        for (i, t) in chunk.step_by(2).enumerate() {
+            for b in 0..m.nb {
+                let (y, d) = m.pair(t, b);
+                bad |= _mm512_cmpeq_epi8_mask(y, minus_128());
+                self.biased[i * m.nb + b] = _mm512_xor_si512(y, minus_128());
+                self.scales[i * m.nb + b] = d;
+            }
+        }
+        bad == 0
+    }
+}
+
 std::thread_local! {
     /// Each thread's [`Q8Pairs`], kept between calls (a chunk of 64 tokens of width 2880 is
     /// 360 KiB, which would otherwise be mapped and unmapped per call).
     static Q8_PAIRS: core::cell::RefCell<Q8Pairs> = core::cell::RefCell::default();
 }
 
-/// [`q8_0_gemm`] with VNNI. The activations enter `vpdpbusd`'s unsigned operand as `a + 128`
-/// (once per chunk of tokens, [`Q8Pairs`]) and the weights its signed one as they are, so
-/// `Σ (a + 128)·x − 128·Σ x` is each lane's exact sum of four products `Σ a·x`, which is the
+/// Rows and token pairs per tile of [`q8_0_chunk_vnni`].
+const Q8V_R: usize = 4;
+const Q8V_TP: usize = 4;
+
+/// The tokens `chunk` of [`q8_0_gemm`] with VNNI, `pairs` prepared for them. The activations
+/// enter `vpdpbusd`'s unsigned operand as `a + 128` and the weights its signed one as they
+/// are, so `Σ (a + 128)·x − 128·Σ x` is each lane's exact sum of four products `Σ a·x`: the
 /// integer that ggml's sign trick (`maddubs(|x|, sign(a, x))`, `madd` by ones) gives for every
-/// activation byte from -127 to 127, the only ones Q8_0 quantization makes (the caller checks).
-/// The correction
-/// `-128·Σ x` is computed once per weight row and block (one more `vpdpbusd`) and starts each
+/// activation byte from -127 to 127 ([`Q8Pairs::prepare`] checks). The correction `-128·Σ x`
+/// is computed once per weight row and block (one more `vpdpbusd`) and starts each
 /// accumulator, so a row × token pair costs one `vpdpbusd`, the conversion and the FMA.
 #[inline(always)]
-unsafe fn q8_0_gemm_vnni(
-    n: usize,
-    w: &[u8],
-    acts: &[u8],
-    n_tokens: usize,
-    out: &mut [f32],
-    pairs: &mut Q8Pairs,
-) {
-    let nb = n / QK;
-    let rows = out.len() / n_tokens;
-    let stride = nb * Q8_0_BYTES;
-    let o = out.as_mut_ptr();
-    let n_pairs = Q8_TC / 2;
-    pairs.biased.resize(n_pairs * nb, _mm512_setzero_si512());
-    pairs.scales.resize(n_pairs * nb, _mm512_setzero_ps());
-    let flip = _mm512_set1_epi8(-128);
-    let m128 = _mm512_set1_epi8(-128);
-    for tc in (0..n_tokens).step_by(Q8_TC) {
-        let tn = (n_tokens - tc).min(Q8_TC);
-        // The chunk's pairs; past the end, the last token again (its results are dropped).
-        for p in 0..tn.div_ceil(2) {
-            let tl = acts.as_ptr().add((tc + 2 * p) * stride);
-            let th = acts
-                .as_ptr()
-                .add((tc + 2 * p + 1).min(n_tokens - 1) * stride);
+unsafe fn q8_0_chunk_vnni(m: &Q8Mats, chunk: Range<usize>, pairs: &Q8Pairs) {
+    let (nb, stride) = (m.nb, m.stride());
+    let (biased, scales) = (pairs.biased.as_ptr(), pairs.scales.as_ptr());
+    let last = chunk.len().div_ceil(2) - 1;
+    for r0 in (0..m.rows).step_by(Q8V_R) {
+        let wr = row_ptrs::<Q8V_R>(m.w, r0, m.rows, stride);
+        for p0 in (0..=last).step_by(Q8V_TP) {
+            // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
+            let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
+            let mut acc = [[_mm512_setzero_ps(); Q8V_TP]; Q8V_R];
             for b in 0..nb {
                 let off = b * Q8_0_BYTES;
-                let y = load_2x256(tl.add(off + 2), th.add(off + 2));
-                pairs.biased[p * nb + b] = _mm512_xor_si512(y, flip);
-                pairs.scales[p * nb + b] = _mm512_mask_blend_ps(
-                    0xff00,
-                    _mm512_set1_ps(f16_at(tl.add(off))),
-                    _mm512_set1_ps(f16_at(th.add(off))),
-                );
-            }
-        }
-        let (biased, scales) = (pairs.biased.as_ptr(), pairs.scales.as_ptr());
-        for r0 in (0..rows).step_by(Q8V_R) {
-            let wr = row_ptrs::<Q8V_R>(w.as_ptr(), r0, rows, stride);
-            for p0 in (0..tn.div_ceil(2)).step_by(Q8V_TP) {
-                // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
-                let last = tn.div_ceil(2) - 1;
-                let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
-                let mut acc = [[_mm512_setzero_ps(); Q8V_TP]; Q8V_R];
-                for b in 0..nb {
-                    let off = b * Q8_0_BYTES;
-                    let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *biased.add(pp[i] + b));
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let wb = wr[r].add(off);
-                        let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
-                        let corr = _mm512_sub_epi32(
-                            _mm512_setzero_si512(),
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), m128, x),
-                        );
-                        let dw = _mm512_set1_ps(f16_at(wb));
-                        for (p, acc) in acc.iter_mut().enumerate() {
-                            let q = _mm512_dpbusd_epi32(corr, ys[p], x);
-                            let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
-                            *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
-                        }
-                    }
-                }
-                for (r, acc) in acc.iter().enumerate().take(rows - r0) {
-                    let dst = o.add((r0 + r) * n_tokens + tc);
-                    for (p, &acc) in acc.iter().enumerate() {
-                        let t = 2 * (p0 + p);
-                        if t < tn {
-                            *dst.add(t) = hsum8(lo256(acc));
-                        }
-                        if t + 1 < tn {
-                            *dst.add(t + 1) = hsum8(hi256(acc));
-                        }
+                let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *biased.add(pp[i] + b));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let wb = wr[r].add(off);
+                    let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
+                    let corr = _mm512_sub_epi32(
+                        _mm512_setzero_si512(),
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus_128(), x),
+                    );
+                    let dw = _mm512_set1_ps(f16_at(wb));
+                    for (p, acc) in acc.iter_mut().enumerate() {
+                        let q = _mm512_dpbusd_epi32(corr, ys[p], x);
+                        let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
+                        *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
                     }
                 }
             }
+            m.store(&acc, r0, chunk.start + 2 * p0, chunk.end);
         }
     }
 }
