@@ -72,6 +72,7 @@ mod attn;
 mod exp;
 mod gemm;
 mod kquants;
+mod lanes;
 mod legacy;
 mod repack;
 mod scalar;
@@ -108,6 +109,7 @@ pub use attn::{expf_ggml, expf_ggml_slice, f16_head_scores, f16_value_lanes, VAL
 pub use exp::{expf, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
+pub use lanes::{softmax_lanes, LaneFactors, SOFTMAX_LANES};
 pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::GgmlType;
