@@ -40,6 +40,9 @@ use hmoe_backend::numerics::{
 use crate::kv_cache::{Cells, LayerCache};
 use hmoe_backend::numerics::hsum16;
 
+mod lanes;
+use lanes::{chain_scores, LaneSoftmax, ROW_LANES};
+
 /// Shape of one attention call.
 pub struct AttnShape {
     /// Query heads.
@@ -781,47 +784,8 @@ struct FlashScratch {
     v_block: Vec<f32>,
     scores: Vec<f32>,
     k_off: Vec<usize>,
-}
-
-/// Query rows scored together against each key by [`chain_scores`], one per vector lane.
-const ROW_LANES: usize = 8;
-
-/// Keys [`chain_scores`] scores at once (independent FMA chains).
-const KEYS_AT_ONCE: usize = 8;
-
-/// [`hmoe_backend::numerics::dot_chain`] of [`ROW_LANES`] query rows (`qt[e·ROW_LANES + l]`: element `e` of row `l`)
-/// with `out.len()` keys of `kd` floats, one after another in `keys`: `out[i][l]` is row
-/// `l`'s score of key `i`. Lanes are rows, so each key element is broadcast and every step
-/// is one vector FMA, with [`KEYS_AT_ONCE`] keys in flight.
-fn chain_scores(qt: &[f32], keys: &[f32], kd: usize, out: &mut [[f32; ROW_LANES]]) {
-    let qt = &qt[..kd * ROW_LANES];
-    let mut blocks = out.chunks_exact_mut(KEYS_AT_ONCE);
-    let mut i = 0;
-    for dst in &mut blocks {
-        let k: [&[f32]; KEYS_AT_ONCE] = std::array::from_fn(|u| &keys[(i + u) * kd..][..kd]);
-        let mut acc = [[0f32; ROW_LANES]; KEYS_AT_ONCE];
-        for (e, q) in qt.chunks_exact(ROW_LANES).enumerate() {
-            for (a, ku) in acc.iter_mut().zip(&k) {
-                let kv = ku[e];
-                for (x, &qv) in a.iter_mut().zip(q) {
-                    *x = qv.mul_add(kv, *x);
-                }
-            }
-        }
-        dst.copy_from_slice(&acc);
-        i += KEYS_AT_ONCE;
-    }
-    for dst in blocks.into_remainder() {
-        let k = &keys[i * kd..][..kd];
-        let mut acc = [0f32; ROW_LANES];
-        for (q, &kv) in qt.chunks_exact(ROW_LANES).zip(k) {
-            for (x, &qv) in acc.iter_mut().zip(q) {
-                *x = qv.mul_add(kv, *x);
-            }
-        }
-        *dst = acc;
-        i += 1;
-    }
+    /// The chunked kernel's online softmax of one group of rows.
+    lanes: LaneSoftmax,
 }
 
 thread_local! {
@@ -1107,9 +1071,14 @@ impl FlashTask<'_> {
         // `b0 + i`.
         let slot = |j: usize, i: usize| j * POS_BLOCK + i;
         // Value slots are position-major, so one call converts a position's value heads
-        // (adjacent in the cache) for every KV head of the task.
-        let v_slot = |j: usize, i: usize| i * kv_per_task + j;
-        let v_heads_adjacent = !shape.v_in_k;
+        // (adjacent in the cache) for every KV head of the task; in the chunked kernel over
+        // f32/f16 keys they are KV-head-major as the keys, so a head's values are one run for
+        // its lanes.
+        let v_slot = |j: usize, i: usize| match chain {
+            true => j * POS_BLOCK + i,
+            false => i * kv_per_task + j,
+        };
+        let v_heads_adjacent = !shape.v_in_k && !chain;
         // f32/f16 keys are converted per block; block-typed keys are read in place.
         let k_floats = match &cache.k {
             Cells::Blocks { .. } => 0,
@@ -1150,6 +1119,24 @@ impl FlashTask<'_> {
                 a.fill(0.0);
             }
         };
+        // Value heads `kvh0 + j ..` of the position in `cell`, as many as `dst` holds.
+        let values_at = |cell: usize, j: usize, dst: &mut [f32]| {
+            let v_at = if shape.v_in_k {
+                cell * k_width + (kvh0 + j) * kd
+            } else {
+                cell * v_width + (kvh0 + j) * vd
+            };
+            let n = dst.len();
+            match v_cells {
+                Cells::F32(v) => dst.copy_from_slice(&v[v_at..v_at + n]),
+                Cells::F16(v) => v[v_at..v_at + n].convert_to_f32_slice(dst),
+                Cells::Blocks { ty, data, .. } => v_dequant
+                    .as_ref()
+                    .expect("block values have a dequantizer")
+                    .row(&data[block_range(*ty, v_at, n)], dst),
+            }
+        };
+        let lane_sm = &mut sc.lanes;
         let mut b0 = lo;
         while b0 <= hi {
             let b1 = (b0 + POS_BLOCK).min(hi + 1);
@@ -1190,47 +1177,53 @@ impl FlashTask<'_> {
                         Cells::Blocks { .. } => {}
                     }
                 }
-                // Value heads `kvh0..kvh0 + heads` of position `p` into their slots.
-                let mut convert = |j: usize, heads: usize| {
-                    let v_at = if shape.v_in_k {
-                        cell * k_width + (kvh0 + j) * kd
-                    } else {
-                        cell * v_width + (kvh0 + j) * vd
-                    };
-                    let n = heads * vd;
-                    let vb = &mut v_block[v_slot(j, i) * vd..v_slot(j, i) * vd + n];
-                    match v_cells {
-                        Cells::F32(v) => vb.copy_from_slice(&v[v_at..v_at + n]),
-                        Cells::F16(v) => v[v_at..v_at + n].convert_to_f32_slice(vb),
-                        Cells::Blocks { ty, data, .. } => v_dequant
-                            .as_ref()
-                            .expect("block values have a dequantizer")
-                            .row(&data[block_range(*ty, v_at, n)], vb),
-                    }
-                };
+                let v_at = |j: usize| v_slot(j, i) * vd;
                 if v_heads_adjacent {
-                    convert(0, kv_per_task);
+                    values_at(cell, 0, &mut v_block[v_at(0)..v_at(0) + kv_per_task * vd]);
                 } else {
-                    (0..kv_per_task).for_each(|j| convert(j, 1));
+                    (0..kv_per_task)
+                        .for_each(|j| values_at(cell, j, &mut v_block[v_at(j)..v_at(j) + vd]));
                 }
             }
             if chain {
+                // Each group of rows of a KV head scores the block's keys, steps its softmax
+                // and sums the values, in lanes.
                 let n = b1 - b0;
                 let mut lanes = [[0f32; ROW_LANES]; POS_BLOCK];
-                for jg in 0..kv_per_task * n_groups {
-                    let (j, g) = (jg / n_groups, jg % n_groups);
-                    let keys = &k_block[slot(j, 0) * kd..slot(j, n) * kd];
-                    let qt = &qt[jg * kd * ROW_LANES..(jg + 1) * kd * ROW_LANES];
-                    chain_scores(qt, keys, kd, &mut lanes[..n]);
-                    for l in 0..ROW_LANES.min(per_kv - g * ROW_LANES) {
-                        let r = j * per_kv + g * ROW_LANES + l;
-                        let sc_row = &mut scores[r * POS_BLOCK..r * POS_BLOCK + n];
-                        for (d, src) in sc_row.iter_mut().zip(&lanes[..n]) {
-                            *d = src[l] * shape.scale;
+                for j in 0..kv_per_task {
+                    for g in 0..n_groups {
+                        let jg = j * n_groups + g;
+                        let qt = &qt[jg * kd * ROW_LANES..(jg + 1) * kd * ROW_LANES];
+                        chain_scores(
+                            qt,
+                            &k_block[slot(j, 0) * kd..slot(j, n) * kd],
+                            kd,
+                            &mut lanes[..n],
+                        );
+                        let r0 = j * per_kv + g * ROW_LANES;
+                        let here = ROW_LANES.min(per_kv - g * ROW_LANES);
+                        for l in 0..ROW_LANES {
+                            match rows.get(r0 + l).filter(|_| l < here) {
+                                Some(span) => lane_sm.set_row(
+                                    l,
+                                    (row_m[r0 + l], row_s[r0 + l]),
+                                    (span.first, span.last),
+                                ),
+                                None => lane_sm.clear_row(l),
+                            }
+                        }
+                        lane_sm.step_block(&lanes[..n], shape.scale, b0);
+                        let values = &v_block[v_slot(j, 0) * vd..v_slot(j, n) * vd];
+                        lane_sm.add_values(&mut row_acc[r0 * vd..], here, values, vd);
+                        for l in 0..here {
+                            (row_m[r0 + l], row_s[r0 + l]) = lane_sm.row_state(l);
                         }
                     }
                 }
-            } else if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
+                b0 = b1;
+                continue;
+            }
+            if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
                 for (j, queries) in q8_queries.iter().enumerate() {
                     let key_at = &k_off[slot(j, 0)..slot(j, b1 - b0)];
                     let out = &mut scores[j * per_kv * POS_BLOCK..(j + 1) * per_kv * POS_BLOCK];
