@@ -386,6 +386,7 @@ fn avx512_vnni_q8_0_rows_every_path_bit_exact_with_scalar() {
     let s = DotKernel::new(GgmlType::Q8_0, Isa::Scalar).unwrap();
     let mut rng = Rng(4);
     for (n, raw) in [
+        (96, false),
         (2880, false),
         (8192, false),
         (8224, false),
