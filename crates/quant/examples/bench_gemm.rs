@@ -105,6 +105,23 @@ fn main() {
         let cold = time(r, |i| run(&mats[i % n_mats]));
         report(k.name(), hot, cold);
     }
+    // The same matrices interleaved for the kernel that reads them so, where there is one.
+    let interleaved = GemmKernel::interleaved(Isa::Avx512);
+    let xmats: Vec<Vec<u8>> = match interleaved {
+        Some(k) => {
+            let mut x = one.clone();
+            k.interleave_into(N, &one, &mut x).unwrap();
+            (0..n_mats).map(|_| x.clone()).collect()
+        }
+        None => Vec::new(),
+    };
+    if let Some(k) = interleaved {
+        let prep = k.prepare(N, act, 1).unwrap();
+        let mut run = |w: &[u8]| k.gemm(w, &prep, &mut out[..ROWS]).unwrap();
+        let hot = time(reps, |_| run(&xmats[0]));
+        let cold = time(reps, |i| run(&xmats[i % n_mats]));
+        report(k.name(), hot, cold);
+    }
     // For comparison: Q8_0 rows of the same count (1.9x the bytes), the plain streaming dot.
     let q8_bytes = GgmlType::Q8_0.row_bytes(N as u64).unwrap() as usize * ROWS;
     let xq: Vec<f32> = x.iter().map(|v| v * 0.5).collect();
@@ -131,8 +148,12 @@ fn main() {
          through the matrices (cold): fastest and median of {} calls",
         reps.min(20)
     );
-    for isa in Isa::available().into_iter().filter(|&i| i != Isa::Scalar) {
-        let k = GemmKernel::new(GgmlType::MXFP4, isa).unwrap();
+    let gemms = Isa::available()
+        .into_iter()
+        .filter(|&i| i != Isa::Scalar)
+        .map(|isa| (GemmKernel::new(GgmlType::MXFP4, isa).unwrap(), &mats))
+        .chain(interleaved.map(|k| (k, &xmats)));
+    for (k, mats) in gemms {
         for t in [1, 2, 4, 8, 12, 16, 32, 64] {
             let prep = k.prepare(N, &acts[..ab * t], t).unwrap();
             let wb = mat_bytes / ROWS;

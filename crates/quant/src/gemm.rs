@@ -79,6 +79,8 @@ pub struct GemmKernel {
     isa: Isa,
     name: &'static str,
     f: GemmFn,
+    /// Reads MXFP4 rows interleaved by [`GemmKernel::interleave_into`].
+    interleaved: bool,
 }
 
 impl std::fmt::Debug for GemmKernel {
@@ -153,7 +155,83 @@ impl GemmKernel {
             isa,
             name,
             f,
+            interleaved: false,
         })
+    }
+
+    /// The MXFP4 kernel over rows interleaved in groups of 16 ([`GemmKernel::interleave_into`]),
+    /// which reads each block of 16 rows with four vector loads instead of transposing it and
+    /// gathering its exponents: on [`Isa::Avx512`] where batched products do not use AMX
+    /// (whose kernel reads the file's layout); `None` elsewhere. Same bits as
+    /// [`GemmKernel::new`]'s MXFP4 kernels.
+    pub fn interleaved(isa: Isa) -> Option<GemmKernel> {
+        Self::resolve_interleaved(isa, true, true)
+    }
+
+    /// [`GemmKernel::interleaved`]; `allow_vnni = false` (`allow_vbmi = false`) forces the
+    /// kernels without VNNI (VBMI).
+    pub(crate) fn resolve_interleaved(
+        isa: Isa,
+        allow_vnni: bool,
+        allow_vbmi: bool,
+    ) -> Option<GemmKernel> {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && check_isa(isa).is_ok() && !crate::amx_in_use() {
+            let (name, f) = crate::x86_gemm_avx512::gemm_fn_x16(
+                allow_vnni && crate::cpu::has_avx512_vnni(),
+                allow_vbmi && crate::cpu::has_avx512_vbmi(),
+            );
+            return Some(GemmKernel {
+                weight: GgmlType::MXFP4,
+                act: GgmlType::Q8_0,
+                isa,
+                name,
+                f,
+                interleaved: true,
+            });
+        }
+        let _ = (isa, allow_vnni, allow_vbmi);
+        None
+    }
+
+    /// Whether the kernel reads interleaved rows ([`GemmKernel::interleave_into`]).
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    /// Writes the MXFP4 rows of `n` elements in `weight_rows` to `dst` (as long) in the layout
+    /// an [`GemmKernel::interleaved`] kernel reads. Each group of 16 rows keeps its byte range,
+    /// so whole groups can be sliced as before; inside it, per block `b`, four 64-byte
+    /// vectors, the `k`-th holding in its dword `r` nibble bytes `4k..4k+4` of row `r`'s block
+    /// `b` (256 bytes a block), then the 16 exponent bytes of every block (row `r`'s at byte
+    /// `r`). Errors for another kernel, or unless the rows are whole groups of 16.
+    pub fn interleave_into(
+        &self,
+        n: usize,
+        weight_rows: &[u8],
+        dst: &mut [u8],
+    ) -> Result<(), QuantError> {
+        let group = row_bytes(GgmlType::MXFP4, n)? * 16;
+        if !self.interleaved {
+            return Err(QuantError::Unsupported {
+                ty: self.weight,
+                op: "interleave for a kernel that reads the file's layout",
+            });
+        }
+        if !weight_rows.len().is_multiple_of(group) || dst.len() != weight_rows.len() {
+            return Err(QuantError::ShapeMismatch {
+                what: "interleaved bytes (whole groups of 16 rows, as long as the rows)",
+                expected: weight_rows.len() / group * group,
+                got: dst.len(),
+            });
+        }
+        for (src, dst) in weight_rows
+            .chunks_exact(group)
+            .zip(dst.chunks_exact_mut(group))
+        {
+            interleave_x16(n / QK, src, dst);
+        }
+        Ok(())
     }
 
     /// The weight type.
@@ -217,7 +295,7 @@ impl GemmKernel {
     /// `out[r * n_tokens + t] = W[r] · a[t]` for the `out.len() / n_tokens` weight rows in
     /// `weight_rows` (contiguous) and the tokens of `acts`, in the kernel's summation order.
     /// Every ISA gives bit-identical results. Allocates only for MXFP4 with fewer than 16 rows
-    /// (a padded copy of the rows).
+    /// (a padded copy of the rows). An interleaved kernel takes whole groups of 16 rows.
     pub fn gemm(
         &self,
         weight_rows: &[u8],
@@ -250,6 +328,13 @@ impl GemmKernel {
             });
         }
         let rows = out.len() / t;
+        if self.interleaved && !rows.is_multiple_of(16) {
+            return Err(QuantError::ShapeMismatch {
+                what: "interleaved rows (whole groups of 16)",
+                expected: rows / 16 * 16,
+                got: rows,
+            });
+        }
         let expected = row_bytes(self.weight, acts.n)? * rows;
         if weight_rows.len() != expected {
             return Err(QuantError::ShapeMismatch {
@@ -268,6 +353,24 @@ impl GemmKernel {
 
 // ----------------------------------------------------------------------------------------------
 // scalar reference
+
+/// One group of 16 MXFP4 rows of `nb` blocks (`src`) in the interleaved layout
+/// ([`GemmKernel::interleave_into`]).
+pub(crate) fn interleave_x16(nb: usize, src: &[u8], dst: &mut [u8]) {
+    const G: usize = 16;
+    let stride = nb * MXFP4_BYTES;
+    let (nibbles, exps) = dst.split_at_mut(nb * G * 16);
+    for r in 0..G {
+        let row = &src[r * stride..(r + 1) * stride];
+        for (b, blk) in row.chunks_exact(MXFP4_BYTES).enumerate() {
+            exps[b * G + r] = blk[0];
+            for k in 0..4 {
+                let at = b * G * 16 + 64 * k + 4 * r;
+                nibbles[at..at + 4].copy_from_slice(&blk[1 + 4 * k..5 + 4 * k]);
+            }
+        }
+    }
+}
 
 /// MXFP4 × Q8_0 in the block-wise order (the definition the SIMD kernels reproduce).
 pub(crate) fn mxfp4_blockwise(w: &[u8], a: &[u8]) -> f32 {

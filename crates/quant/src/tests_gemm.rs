@@ -147,6 +147,73 @@ fn mxfp4_gemm_all_isas_bit_exact_with_blockwise_reference() {
     );
 }
 
+/// The kernels over interleaved MXFP4 rows (every VNNI/VBMI variant this CPU runs) give the
+/// block-wise reference's bits, for whole matrices and for slices of whole groups (how the
+/// matmuls hand rows to threads); interleaving checks its shapes and the kernel its rows.
+#[test]
+fn mxfp4_interleaved_gemm_bit_exact_with_blockwise_reference() {
+    let Some(best) = GemmKernel::interleaved(Isa::Avx512) else {
+        eprintln!("skipped: no interleaved MXFP4 kernel on this CPU (AVX-512 without AMX)");
+        return;
+    };
+    let ks: Vec<GemmKernel> = [(true, true), (true, false), (false, true), (false, false)]
+        .into_iter()
+        .filter_map(|(vnni, vbmi)| GemmKernel::resolve_interleaved(Isa::Avx512, vnni, vbmi))
+        .collect();
+    let mut rng = Rng(0x16);
+    for n in [32, 64, 96, 2880] {
+        let wb = GgmlType::MXFP4.row_bytes(n as u64).unwrap() as usize;
+        let ab = GgmlType::Q8_0.row_bytes(n as u64).unwrap() as usize;
+        for (rows, toks) in [
+            (16, 1),
+            (64, 1),
+            (32, 2),
+            (48, 5),
+            (16, 9),
+            (32, 13),
+            (16, 70),
+        ] {
+            let w = mxfp4_rows(rows, n, &mut rng);
+            let a = q8_0_rows(toks, n, &mut rng);
+            let mut x = vec![0u8; w.len()];
+            best.interleave_into(n, &w, &mut x).unwrap();
+            for k in &ks {
+                let prep = k.prepare(n, &a, toks).unwrap();
+                // The whole matrix, then its groups from the second on.
+                for from in [0, 16.min(rows - 16)] {
+                    let mut out = vec![f32::NAN; (rows - from) * toks];
+                    k.gemm(&x[from * wb..], &prep, &mut out).unwrap();
+                    for (i, &got) in out.iter().enumerate() {
+                        let (r, t) = (from + i / toks, i % toks);
+                        let want = mxfp4_blockwise(&w[r * wb..(r + 1) * wb], &a[t * ab..][..ab]);
+                        assert!(
+                            same(got, want),
+                            "{} n={n} rows={rows} tokens={toks} out[{r}][{t}]: {got:e} vs {want:e}",
+                            k.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Shapes: rows in whole groups, as many bytes out as in, only for an interleaved kernel.
+    let w = mxfp4_rows(17, 64, &mut rng);
+    let mut x = vec![0u8; w.len()];
+    assert!(best.interleave_into(64, &w, &mut x).is_err());
+    assert!(best
+        .interleave_into(64, &w[..16 * 34], &mut x[..15 * 34])
+        .is_err());
+    let plain = GemmKernel::new(GgmlType::MXFP4, Isa::Avx512).unwrap();
+    assert!(plain
+        .interleave_into(64, &w[..16 * 34], &mut x[..16 * 34])
+        .is_err());
+    assert!(best.is_interleaved() && !plain.is_interleaved());
+    let a = q8_0_rows(1, 64, &mut rng);
+    let prep = best.prepare(64, &a, 1).unwrap();
+    let mut out = vec![0f32; 17];
+    assert!(best.gemm(&w, &prep, &mut out).is_err());
+}
+
 #[test]
 fn q8_0_gemm_all_isas_equal_dot_kernel() {
     let dot = DotKernel::new(GgmlType::Q8_0, Isa::Scalar).unwrap();

@@ -456,10 +456,10 @@ unsafe fn q8_0_rows_biased<const R: usize>(
                 }
             }
         }
-        for k in 0..len {
+        for (k, c) in prep.neg_bias[ib0..ib0 + len].iter().enumerate() {
             let ib = ib0 + k;
             let y = _mm256_loadu_si256(a.add(ib * Q8_0_BYTES + 2).cast());
-            let c = prep.neg_bias[ib].assume_init();
+            let c = c.assume_init();
             for (r, acc) in acc.iter_mut().enumerate() {
                 let x = _mm256_loadu_si256(w.add(r * stride + ib * Q8_0_BYTES + 2).cast());
                 let p = _mm256_dpbusd_epi32(c, _mm256_xor_si256(x, bias), y);

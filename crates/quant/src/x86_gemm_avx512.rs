@@ -49,16 +49,53 @@ unsafe fn bcast32(p: *const u8) -> __m512i {
     _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
-/// Decodes the MXFP4 block at byte `off` of the 16 rows `base + r · stride`: `u[k]` (`u[4 + k]`)
-/// holds in lane `r` the biased values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`;
-/// the second result is each row's exponent minus 128, as f32. (Addresses are formed from four
-/// group bases and `g · stride`, so the row pointers stay in registers.)
+/// Decodes block `b` of the row group at `base` (16 rows of `nb` blocks, `stride` bytes
+/// each, in the file's layout or, with `X16`, interleaved: see [`crate::gemm::interleave_x16`]): `u[k]`
+/// (`u[4 + k]`) holds in lane `r` the biased values of elements `4k..4k+4` (`16+4k..16+4k+4`)
+/// of row `r`; the second result is each row's exponent minus 128, as f32.
 #[inline(always)]
-unsafe fn decode16<const VBMI: bool>(
+unsafe fn decode16<const VBMI: bool, const X16: bool>(
     base: *const u8,
     stride: usize,
-    off: usize,
+    nb: usize,
+    b: usize,
 ) -> ([__m512i; 8], __m512) {
+    let (v, e) = if X16 {
+        let nibbles = base.add(b * X16_NIBBLE_BYTES);
+        let v = [0, 1, 2, 3].map(|k| _mm512_loadu_si512(nibbles.add(64 * k).cast()));
+        let exps = base.add(nb * X16_NIBBLE_BYTES + b * G);
+        (v, _mm512_cvtepu8_epi32(_mm_loadu_si128(exps.cast())))
+    } else {
+        transpose16(base, stride, b * MXFP4_BYTES)
+    };
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
+    let mut u = [_mm512_setzero_si512(); 8];
+    for k in 0..4 {
+        let hi = _mm512_srli_epi32::<4>(v[k]);
+        if VBMI {
+            // `vpermb` reads 6 index bits; the table repeats every 16 bytes, so bits 4 and 5
+            // (the other nibble, or the next byte's low bits after the shift) do not matter.
+            u[k] = _mm512_permutexvar_epi8(v[k], table);
+            u[4 + k] = _mm512_permutexvar_epi8(hi, table);
+        } else {
+            let m4 = _mm512_set1_epi8(0x0f);
+            u[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v[k], m4));
+            u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(hi, m4));
+        }
+    }
+    let ef = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
+    (u, ef)
+}
+
+/// Bytes of one interleaved block of a row group: 16 rows × 16 nibble bytes.
+const X16_NIBBLE_BYTES: usize = G * 16;
+
+/// The block at byte `off` of the 16 rows `base + r · stride` in the file's layout, transposed
+/// as dwords: lane `r` of the `k`-th vector holds nibble bytes `4k..4k+4` of row `r`; and each
+/// row's exponent byte in lane `r`. (Addresses are formed from four group bases and
+/// `g · stride`, so the row pointers stay in registers.)
+#[inline(always)]
+unsafe fn transpose16(base: *const u8, stride: usize, off: usize) -> ([__m512i; 4], __m512i) {
     let p = [
         base.add(off),
         base.add(4 * stride + off),
@@ -86,21 +123,6 @@ unsafe fn decode16<const VBMI: bool>(
         _mm512_unpacklo_epi64(t01h, t23h),
         _mm512_unpackhi_epi64(t01h, t23h),
     ];
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
-    let mut u = [_mm512_setzero_si512(); 8];
-    for k in 0..4 {
-        let hi = _mm512_srli_epi32::<4>(v[k]);
-        if VBMI {
-            // `vpermb` reads 6 index bits; the table repeats every 16 bytes, so bits 4 and 5
-            // (the other nibble, or the next byte's low bits after the shift) do not matter.
-            u[k] = _mm512_permutexvar_epi8(v[k], table);
-            u[4 + k] = _mm512_permutexvar_epi8(hi, table);
-        } else {
-            let m4 = _mm512_set1_epi8(0x0f);
-            u[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v[k], m4));
-            u[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(hi, m4));
-        }
-    }
     // The exponent bytes: one dword gather from the 16 block starts (the exponent and the
     // first three nibble bytes), masked to the exponent; lane r is row r.
     let rows = _mm512_mullo_epi32(
@@ -108,9 +130,7 @@ unsafe fn decode16<const VBMI: bool>(
         _mm512_set1_epi32(stride as i32),
     );
     let g = _mm512_i32gather_epi32::<1>(rows, p[0].cast());
-    let e = _mm512_and_si512(g, _mm512_set1_epi32(0xff));
-    let ef = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
-    (u, ef)
+    (v, _mm512_and_si512(g, _mm512_set1_epi32(0xff)))
 }
 
 /// Every row's exact integer dot of one block with the activation block at `ab`, starting from
@@ -180,7 +200,7 @@ unsafe fn prefetch_group(next: *const u8, b: usize) {
 /// once for all of them; the next group is prefetched.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool>(
+unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool, const X16: bool>(
     nb: usize,
     base: *const u8,
     stride: usize,
@@ -195,7 +215,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool>(
     let mut acc = [_mm512_setzero_ps(); TT];
     for b in 0..nb {
         prefetch_group(next, b);
-        let (u, ef) = decode16::<VBMI>(base, stride, b * MXFP4_BYTES);
+        let (u, ef) = decode16::<VBMI, X16>(base, stride, nb, b);
         for (j, acc) in acc.iter_mut().enumerate() {
             let ab = a.add(j * astride + b * Q8_0_BYTES);
             *acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(j * nb + b)), ef, ab, *acc);
@@ -210,7 +230,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool>(
 const GPT_OSS_NB: usize = 2880 / QK;
 
 #[inline(always)]
-unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
+unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool, const X16: bool>(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -221,7 +241,8 @@ unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
-    // Fewer than 16 rows: run on a zero-padded copy.
+    // Fewer than 16 rows: run on a zero-padded copy (interleaved rows come in whole groups).
+    debug_assert!(!X16 || rows.is_multiple_of(G));
     let padded: Vec<u8>;
     let w = if rows < G {
         padded = [&w[..rows * stride], &vec![0u8; (G - rows) * stride]].concat();
@@ -239,11 +260,11 @@ unsafe fn mxfp4_gemm<const VNNI: bool, const VBMI: bool>(
     // rows is the group's base plus an immediate offset (no row pointers to keep in registers,
     // nor to spill and reload every block).
     if n_tokens == 1 && nb == GPT_OSS_NB {
-        mxfp4_gemm_nb::<VNNI, VBMI>(GPT_OSS_NB, w, acts, bias, 1, out)
+        mxfp4_gemm_nb::<VNNI, VBMI, X16>(GPT_OSS_NB, w, acts, bias, 1, out)
     } else if n_tokens <= TILE_TOKENS {
-        mxfp4_gemm_nb::<VNNI, VBMI>(nb, w, acts, bias, n_tokens, out)
+        mxfp4_gemm_nb::<VNNI, VBMI, X16>(nb, w, acts, bias, n_tokens, out)
     } else {
-        mxfp4_gemm_runs::<VNNI, VBMI>(nb, w, acts, bias, n_tokens, out)
+        mxfp4_gemm_runs::<VNNI, VBMI, X16>(nb, w, acts, bias, n_tokens, out)
     }
 }
 
@@ -312,7 +333,7 @@ unsafe fn mxfp4_run_tile<const TT: usize, const VNNI: bool>(
 /// decoded once into L1 and every token of a chunk of up to [`TOK_CHUNK`] runs over it, so the
 /// decoding is not repeated per tile of tokens.
 #[inline(always)]
-unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
+unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool, const X16: bool>(
     nb: usize,
     w: Padded,
     acts: &[u8],
@@ -340,7 +361,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
                 for i in 0..nbc {
                     let b = b0 + i;
                     prefetch_group(next, b);
-                    (dec.u[i], dec.ef[i]) = decode16::<VBMI>(base, stride, b * MXFP4_BYTES);
+                    (dec.u[i], dec.ef[i]) = decode16::<VBMI, X16>(base, stride, nb, b);
                 }
                 for t0 in (0..tn).step_by(TILE_TOKENS) {
                     let t = tc + t0;
@@ -368,7 +389,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool>(
 
 /// [`mxfp4_gemm`] for rows of `nb` blocks.
 #[inline(always)]
-unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool>(
+unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool, const X16: bool>(
     nb: usize,
     w: Padded,
     acts: &[u8],
@@ -389,14 +410,14 @@ unsafe fn mxfp4_gemm_nb<const VNNI: bool, const VBMI: bool>(
             let (at, bt, ot) = (a.add(t0 * astride), bias.add(t0 * nb), out_g.add(t0));
             let args = (nb, base, stride, at, bt, ot, n_tokens, lanes);
             match n_tokens - t0 {
-                1 => tile_call::<1, VNNI, VBMI>(args),
-                2 => tile_call::<2, VNNI, VBMI>(args),
-                3 => tile_call::<3, VNNI, VBMI>(args),
-                4 => tile_call::<4, VNNI, VBMI>(args),
-                5 => tile_call::<5, VNNI, VBMI>(args),
-                6 => tile_call::<6, VNNI, VBMI>(args),
-                7 => tile_call::<7, VNNI, VBMI>(args),
-                _ => tile_call::<8, VNNI, VBMI>(args),
+                1 => tile_call::<1, VNNI, VBMI, X16>(args),
+                2 => tile_call::<2, VNNI, VBMI, X16>(args),
+                3 => tile_call::<3, VNNI, VBMI, X16>(args),
+                4 => tile_call::<4, VNNI, VBMI, X16>(args),
+                5 => tile_call::<5, VNNI, VBMI, X16>(args),
+                6 => tile_call::<6, VNNI, VBMI, X16>(args),
+                7 => tile_call::<7, VNNI, VBMI, X16>(args),
+                _ => tile_call::<8, VNNI, VBMI, X16>(args),
             }
         }
     }
@@ -415,8 +436,10 @@ type TileArgs = (
 );
 
 #[inline(always)]
-unsafe fn tile_call<const TT: usize, const VNNI: bool, const VBMI: bool>(x: TileArgs) {
-    mxfp4_tile::<TT, VNNI, VBMI>(x.0, x.1, x.2, x.3, x.4, x.5, x.6, x.7)
+unsafe fn tile_call<const TT: usize, const VNNI: bool, const VBMI: bool, const X16: bool>(
+    x: TileArgs,
+) {
+    mxfp4_tile::<TT, VNNI, VBMI, X16>(x.0, x.1, x.2, x.3, x.4, x.5, x.6, x.7)
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -714,25 +737,49 @@ unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [
 gemm_entry!(
     "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
     mxfp4_plain,
-    mxfp4_gemm::<false, false>,
+    mxfp4_gemm::<false, false, false>,
     bias
 );
 gemm_entry!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     mxfp4_vnni,
-    mxfp4_gemm::<true, false>,
+    mxfp4_gemm::<true, false, false>,
     bias
 );
 gemm_entry!(
     "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c",
     mxfp4_plain_vbmi,
-    mxfp4_gemm::<false, true>,
+    mxfp4_gemm::<false, true, false>,
     bias
 );
 gemm_entry!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c",
     mxfp4_vnni_vbmi,
-    mxfp4_gemm::<true, true>,
+    mxfp4_gemm::<true, true, false>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+    mxfp4_x16_plain,
+    mxfp4_gemm::<false, false, true>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    mxfp4_x16_vnni,
+    mxfp4_gemm::<true, false, true>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c",
+    mxfp4_x16_plain_vbmi,
+    mxfp4_gemm::<false, true, true>,
+    bias
+);
+gemm_entry!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c",
+    mxfp4_x16_vnni_vbmi,
+    mxfp4_gemm::<true, true, true>,
     bias
 );
 gemm_entry!(
@@ -764,5 +811,19 @@ pub(crate) fn gemm_fn(ty: GgmlType, vnni: bool, vbmi: bool) -> (&'static str, Ge
         (GgmlType::Q8_0, false) => ("q8_0*q8_0 gemm/avx512", q8_0_plain),
         (GgmlType::Q8_0, true) => ("q8_0*q8_0 gemm/avx512vnni", q8_0_vnni),
         _ => ("f32*f32 lanes16/avx512", f32_plain),
+    }
+}
+
+/// The AVX-512 MXFP4 GEMM over rows interleaved in groups of 16
+/// ([`crate::gemm::interleave_x16`]), with VNNI when `vnni` and the VBMI lookup when `vbmi`.
+pub(crate) fn gemm_fn_x16(vnni: bool, vbmi: bool) -> (&'static str, GemmFn) {
+    match (vnni, vbmi) {
+        (false, false) => ("mxfp4*q8_0 blockwise x16/avx512", mxfp4_x16_plain),
+        (true, false) => ("mxfp4*q8_0 blockwise x16/avx512vnni", mxfp4_x16_vnni),
+        (false, true) => ("mxfp4*q8_0 blockwise x16/avx512vbmi", mxfp4_x16_plain_vbmi),
+        (true, true) => (
+            "mxfp4*q8_0 blockwise x16/avx512vnni+vbmi",
+            mxfp4_x16_vnni_vbmi,
+        ),
     }
 }
