@@ -52,6 +52,11 @@ pub struct ModelArgs {
     /// Lock the weights in RAM.
     #[arg(long = "mlock")]
     pub mlock: bool,
+    /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
+    /// experts are copied with their rows interleaved for the CPU's kernel where it has one
+    /// (AVX-512) and the copy fits in the available memory (same results, faster products).
+    #[arg(long = "no-repack")]
+    pub no_repack: bool,
     /// Flash attention (`-fa`): on, off or auto (= on, as llama.cpp resolves it on the CPU).
     /// A bare `-fa` means on. A quantized V cache (`-ctv q8_0`) requires it.
     #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1,
@@ -135,6 +140,7 @@ impl ModelArgs {
             .build_global()
             .context("starting the thread pool")?;
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
+        hmoe_cpu::set_expert_interleaving(!self.no_repack);
         Ok(())
     }
 

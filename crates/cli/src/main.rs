@@ -59,7 +59,7 @@ enum Command {
 }
 
 /// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
-const SHORT_ALIASES: [(&str, &str); 22] = [
+const SHORT_ALIASES: [(&str, &str); 23] = [
     ("-ngl", "--n-gpu-layers"),
     ("-ctk", "--cache-type-k"),
     ("-ctv", "--cache-type-v"),
@@ -82,6 +82,7 @@ const SHORT_ALIASES: [(&str, &str); 22] = [
     ("-nkvo", "--no-kv-offload"),
     ("-sm", "--split-mode"),
     ("-sps", "--slot-prompt-similarity"),
+    ("-nr", "--no-repack"),
 ];
 
 fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {

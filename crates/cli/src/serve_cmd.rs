@@ -74,6 +74,11 @@ pub struct ServeArgs {
     /// Lock the weights in RAM.
     #[arg(long = "mlock")]
     pub mlock: bool,
+    /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
+    /// experts are copied with their rows interleaved for the CPU's kernel where it has one
+    /// (AVX-512) and the copy fits in the available memory (same results, faster products).
+    #[arg(long = "no-repack")]
+    pub no_repack: bool,
     /// Use the Jinja chat template (always on; accepted for llama-server compatibility).
     #[arg(long = "jinja")]
     pub jinja: bool,
@@ -479,6 +484,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build_global()
         .context("starting the thread pool")?;
     hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
+    hmoe_cpu::set_expert_interleaving(!args.no_repack);
     let summary = startup_summary(&config, threads);
     let server = RunningServer::start_with_signals(config.clone())?;
     for line in summary {

@@ -28,7 +28,7 @@ use hmoe_backend::{
     Gating, HostStaging, KOnlyAttnParams, KvLayout, KvRing, RopeParams, Routing, RowCopy,
     SharedBytes, StagedIo, KV_TYPES,
 };
-use hmoe_quant::{DotKernel, GgmlType};
+use hmoe_quant::{DotKernel, GemmKernel, GgmlType};
 
 use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
 use crate::experts::{self, ExpertBatch, ExpertKernels, ExpertScratch};
@@ -168,6 +168,7 @@ fn expert_set(
     t: &ExpertTensors<'_>,
     shared: Option<&[SharedBytes; 3]>,
     ids: Option<&[usize]>,
+    interleave: bool,
 ) -> Result<CpuMoe, BackendError> {
     const OP: &str = "upload_moe";
     let (d, ff) = t.validate()?;
@@ -181,8 +182,30 @@ fn expert_set(
         op: OP,
     })?;
     let srcs = [&t.gate, &t.up, &t.down];
-    let (stored, mats) = match shared {
-        Some(shared) => {
+    let bytes = ids.len() * t.expert_bytes() as usize;
+    let interleaved = interleave
+        .then(|| kernels.interleavable(srcs.map(|m| m.n_out)))
+        .flatten()
+        .filter(|_| room_for_copy(bytes));
+    let (stored, mats, kernels) = match (interleaved, shared) {
+        (Some(gemm), _) => {
+            let copy = |m: &ExpertMatrix<'_>| -> Result<StackedBytes, BackendError> {
+                Ok(StackedBytes {
+                    ty: m.ty,
+                    n_in: m.n_in,
+                    n_out: m.n_out,
+                    bytes: MatrixBytes::Owned(interleaved_copy(gemm, m, ids)?),
+                })
+            };
+            let [g, u, d] = srcs.map(copy);
+            let mats = [g?, u?, d?];
+            (
+                (0..ids.len()).collect(),
+                mats,
+                kernels.over_interleaved(gemm),
+            )
+        }
+        (None, Some(shared)) => {
             for (m, s) in srcs.iter().zip(shared) {
                 ensure(OP, s.bytes().len() == m.data.len(), || {
                     format!(
@@ -198,9 +221,9 @@ fn expert_set(
                 n_out: srcs[i].n_out,
                 bytes: MatrixBytes::Shared(shared[i].clone()),
             });
-            (ids.to_vec(), mats)
+            (ids.to_vec(), mats, kernels)
         }
-        None => {
+        (None, None) => {
             let copy = |m: &ExpertMatrix<'_>| {
                 let bytes = ids.iter().filter_map(|&e| m.expert(e)).flatten().copied();
                 StackedBytes {
@@ -210,7 +233,7 @@ fn expert_set(
                     bytes: MatrixBytes::Owned(bytes.collect()),
                 }
             };
-            ((0..ids.len()).collect(), srcs.map(copy))
+            ((0..ids.len()).collect(), srcs.map(copy), kernels)
         }
     };
     let pick = |b: &[f32], n: usize| -> Vec<f32> {
@@ -228,7 +251,6 @@ fn expert_set(
         pick(t.up_bias, ff),
         pick(t.down_bias, d),
     ];
-    let bytes = ids.len() * t.expert_bytes() as usize;
     Ok(CpuMoe {
         d,
         ff,
@@ -240,19 +262,105 @@ fn expert_set(
     })
 }
 
+/// The chosen experts `ids` of `m`, in that order, with their rows interleaved for `gemm`
+/// (whole groups of 16 rows: an expert's rows never share a group with another's), converted
+/// by the pool's threads.
+fn interleaved_copy(
+    gemm: GemmKernel,
+    m: &ExpertMatrix<'_>,
+    ids: &[usize],
+) -> Result<Vec<u8>, BackendError> {
+    let err = |e: String| BackendError::Shape {
+        op: "upload_moe",
+        what: format!("interleaving the experts' rows: {e}"),
+    };
+    let row = m.ty.row_bytes(m.n_in as u64);
+    let group = 16 * row.ok_or_else(|| err(format!("rows of {}", m.n_in)))? as usize;
+    let expert = group / 16 * m.n_out;
+    let mut out = vec![0u8; ids.len() * expert];
+    // Tasks of 64 groups (about 1.6 MB for gpt-oss), inside one expert each.
+    let task = group * 64;
+    let result = Mutex::new(Ok(()));
+    hmoe_pool::global().for_each_chunk_mut(&mut out, expert, |i, dst| {
+        let src = m.expert(ids[i]).unwrap_or_default();
+        for (j, dst) in dst.chunks_mut(task).enumerate() {
+            let src = src.get(j * task..j * task + dst.len()).unwrap_or_default();
+            if let Err(e) = gemm.interleave_into(m.n_in, src, dst) {
+                *result.lock().unwrap_or_else(PoisonError::into_inner) = Err(err(e.to_string()));
+            }
+        }
+    });
+    result
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)?;
+    Ok(out)
+}
+
+/// Whether a copy of `bytes` leaves the machine room: the kernel's estimate of the memory
+/// available without swapping (`MemAvailable`, which counts the file's cached pages that the
+/// copy replaces) exceeds it by at least 2 GiB and a sixteenth of the RAM. An expert set that
+/// does not fit stays in the file mapping, whose pages the kernel can drop and read again.
+fn room_for_copy(bytes: usize) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/meminfo") else {
+        return false;
+    };
+    let kib = |key: &str| -> Option<u64> {
+        let line = info.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()
+    };
+    match (kib("MemAvailable:"), kib("MemTotal:")) {
+        (Some(avail), Some(total)) => {
+            let reserve = (2u64 << 30) + total * 1024 / 16;
+            avail.saturating_mul(1024) >= reserve.saturating_add(bytes as u64)
+        }
+        _ => false,
+    }
+}
+
+/// Whether devices interleave expert rows by default ([`set_expert_interleaving`]).
+static INTERLEAVE_EXPERTS: AtomicBool = AtomicBool::new(true);
+
+/// Whether [`Cpu`] devices made after this call keep MXFP4 expert rows interleaved in groups
+/// of 16 (a copy, where the CPU has the kernel and memory allows; faster products, the same
+/// bits) or in the file's mapping: the process-wide default, `--no-repack` turns it off.
+pub fn set_expert_interleaving(on: bool) {
+    INTERLEAVE_EXPERTS.store(on, Ordering::Relaxed);
+}
+
 /// The CPU as a device of the contract (see the module docs).
-#[derive(Default)]
 pub struct Cpu {
     /// Activations converted for a product, reused between calls.
     acts: Mutex<QuantizedActs>,
     /// Buffers of the `moe` op, reused between calls.
     experts: Mutex<ExpertScratch>,
+    /// Whether expert sets are interleaved where they can be ([`set_expert_interleaving`]).
+    interleave_experts: bool,
+}
+
+impl Default for Cpu {
+    fn default() -> Cpu {
+        Cpu::new()
+    }
 }
 
 impl Cpu {
-    /// The CPU device.
+    /// The CPU device, interleaving expert rows as [`set_expert_interleaving`] last said.
     pub fn new() -> Cpu {
-        Cpu::default()
+        Cpu::with_expert_interleaving(INTERLEAVE_EXPERTS.load(Ordering::Relaxed))
+    }
+
+    /// The CPU device, interleaving expert rows where it can (`on`) or never.
+    pub fn with_expert_interleaving(on: bool) -> Cpu {
+        Cpu {
+            acts: Mutex::default(),
+            experts: Mutex::default(),
+            interleave_experts: on,
+        }
     }
 
     fn acts(&self) -> MutexGuard<'_, QuantizedActs> {
@@ -458,7 +566,7 @@ impl Backend for Cpu {
         t: &ExpertTensors<'_>,
         ids: Option<&[usize]>,
     ) -> Result<CpuMoe, BackendError> {
-        expert_set(t, None, ids)
+        expert_set(t, None, ids, self.interleave_experts)
     }
     fn upload_moe_shared(
         &self,
@@ -466,7 +574,7 @@ impl Backend for Cpu {
         data: &[SharedBytes; 3],
         ids: Option<&[usize]>,
     ) -> Result<CpuMoe, BackendError> {
-        expert_set(t, Some(data), ids)
+        expert_set(t, Some(data), ids, self.interleave_experts)
     }
     fn moe_bytes(m: &CpuMoe) -> usize {
         m.bytes
@@ -997,6 +1105,91 @@ mod tests {
             assert_eq!(a, b, "{act:?}");
         }
         assert!(cpu.upload_moe(&t, Some(&[3])).is_err());
+    }
+
+    /// MXFP4 experts interleaved for the AVX-512 kernel (copies, shared or not, any subset of
+    /// experts) sum to the same bits as the file's layout, for one token (the decode path) and
+    /// a batch, with both activations.
+    #[test]
+    fn interleaved_mxfp4_experts_sum_like_the_files_layout() {
+        let (d, ff, n_expert) = (64usize, 96usize, 4usize);
+        let mut rnd = Stream(0x1667);
+        let mut mat = |rows: usize, cols: usize| -> Vec<u8> {
+            let vals: Vec<f32> = (0..n_expert * rows * cols)
+                .map(|_| rnd.value(1.0))
+                .collect();
+            let mut q = vec![0u8; GgmlType::MXFP4.row_bytes(cols as u64).unwrap() as usize];
+            q.resize(q.len() * n_expert * rows, 0);
+            hmoe_quant::quantize_row(GgmlType::MXFP4, &vals, &mut q).unwrap();
+            q
+        };
+        let (gate, up, down) = (mat(ff, d), mat(ff, d), mat(d, ff));
+        let bias: Vec<f32> = (0..n_expert * ff).map(|i| (i % 7) as f32 * 0.01).collect();
+        let m = |data, n_in, n_out| ExpertMatrix {
+            ty: GgmlType::MXFP4,
+            n_in,
+            n_out,
+            data,
+        };
+        let t = ExpertTensors {
+            n_expert,
+            gate: m(&gate, d, ff),
+            up: m(&up, d, ff),
+            down: m(&down, ff, d),
+            gate_bias: &bias,
+            up_bias: &bias,
+            down_bias: &bias[..n_expert * d],
+        };
+        let shared = [&gate, &up, &down].map(|v| {
+            let owner = Arc::new(v.clone());
+            SharedBytes::new(owner, 0..v.len()).unwrap()
+        });
+        let (on, off) = (
+            Cpu::with_expert_interleaving(true),
+            Cpu::with_expert_interleaving(false),
+        );
+        let ids = [3usize, 1, 2];
+        let sets = [
+            on.upload_moe_shared(&t, &shared, Some(&ids)).unwrap(),
+            on.upload_moe(&t, Some(&ids)).unwrap(),
+            off.upload_moe_shared(&t, &shared, Some(&ids)).unwrap(),
+        ];
+        let interleaved = hmoe_quant::GemmKernel::interleaved(hmoe_quant::Isa::best()).is_some();
+        let first_gate = sets[0].view(0).unwrap().gate;
+        assert_eq!(first_gate != t.gate.expert(3).unwrap(), interleaved);
+        assert_eq!(Cpu::moe_bytes(&sets[0]), Cpu::moe_bytes(&sets[2]));
+        for n in [1usize, 5] {
+            let x: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.37).sin()).collect();
+            let x = off.upload(&x).unwrap();
+            let sel: Vec<i32> = (0..2 * n as i32).map(|i| (i * 5 + 1) % 3).collect();
+            let sel = off.upload(&sel).unwrap();
+            let wts: Vec<f32> = (0..2 * n).map(|i| 0.3 + (i % 3) as f32 * 0.2).collect();
+            let wts = off.upload(&wts).unwrap();
+            for act in [
+                GatedAct::Silu,
+                GatedAct::ClampedSwiglu {
+                    alpha: 1.702,
+                    limit: 7.0,
+                },
+            ] {
+                let outs: Vec<Vec<f32>> = sets
+                    .iter()
+                    .map(|set| {
+                        let mut y = off.alloc(n * d).unwrap();
+                        off.moe(set, act, &x, &sel, &wts, 2, &mut y).unwrap();
+                        off.download(&y).unwrap()
+                    })
+                    .collect();
+                assert!(outs[2].iter().any(|&v| v != 0.0), "{act:?}");
+                for o in &outs[..2] {
+                    let same = o
+                        .iter()
+                        .zip(&outs[2])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "n={n} {act:?}");
+                }
+            }
+        }
     }
 
     /// A deterministic stream of pseudo-random values (xorshift64*).

@@ -12,11 +12,13 @@
 use std::ops::Range;
 
 use hmoe_backend::{BackendError, ExpertView, GatedAct};
-use hmoe_quant::{DotKernel, GgmlType};
+use hmoe_quant::{DotKernel, GemmKernel, GgmlType};
 
 pub use hmoe_backend::{ExpertMatrix, ExpertTensors};
 
-use crate::ops::{add_bias, matmul, matmul_vec_dot, swiglu, QuantizedActs, RowProduct};
+use crate::ops::{
+    add_bias, matmul, matmul_interleaved, matmul_vec_dot, swiglu, QuantizedActs, RowProduct,
+};
 
 /// What can go wrong at the expert boundary.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -162,6 +164,9 @@ pub struct ExpertKernels {
     gate: DotKernel,
     up: DotKernel,
     down: DotKernel,
+    /// The kernel of the three MXFP4 matrices when their rows are interleaved for it
+    /// ([`GemmKernel::interleave_into`]), `None` for the file's layout.
+    interleaved: Option<GemmKernel>,
 }
 
 impl ExpertKernels {
@@ -173,12 +178,61 @@ impl ExpertKernels {
             gate: k(&t.gate)?,
             up: k(&t.up)?,
             down: k(&t.down)?,
+            interleaved: None,
         })
     }
 
     /// The kernels a model chose at load.
     pub fn new(gate: DotKernel, up: DotKernel, down: DotKernel) -> ExpertKernels {
-        ExpertKernels { gate, up, down }
+        ExpertKernels {
+            gate,
+            up,
+            down,
+            interleaved: None,
+        }
+    }
+
+    /// The kernel that would read these experts' rows interleaved
+    /// ([`GemmKernel::interleave_into`]): where all three matrices are MXFP4 of whole groups of
+    /// 16 rows (`rows` per expert of each) and the CPU has the kernel.
+    pub fn interleavable(&self, rows: [usize; 3]) -> Option<GemmKernel> {
+        let ks = [self.gate, self.up, self.down];
+        let fits = ks.iter().zip(rows).all(|(k, r)| {
+            k.weight_type() == GgmlType::MXFP4 && r.is_multiple_of(16) && k.isa() == ks[0].isa()
+        });
+        fits.then(|| GemmKernel::interleaved(ks[0].isa())).flatten()
+    }
+
+    /// These kernels over rows interleaved for `gemm` (from [`ExpertKernels::interleavable`]).
+    pub fn over_interleaved(self, gemm: GemmKernel) -> ExpertKernels {
+        ExpertKernels {
+            interleaved: Some(gemm),
+            ..self
+        }
+    }
+
+    /// One token's products with rows of `kernel`'s matrix ([`RowProduct`]).
+    fn row_product<'a>(&self, kernel: DotKernel, n_in: usize, act: &'a [u8]) -> RowProduct<'a> {
+        RowProduct::with_interleaved(kernel, self.interleaved, n_in, act)
+    }
+
+    /// [`matmul`] (`vec_dot` false) or [`matmul_vec_dot`] of `kernel`'s matrix `w`, over
+    /// interleaved rows where the experts have them (MXFP4, whose products are the same).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        vec_dot: bool,
+        kernel: DotKernel,
+        w: &[u8],
+        (n_in, n_out): (usize, usize),
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) {
+        match (self.interleaved, vec_dot) {
+            (Some(g), _) => matmul_interleaved(g, kernel, w, n_in, n_out, acts, out),
+            (None, false) => matmul(kernel, w, n_in, n_out, acts, out),
+            (None, true) => matmul_vec_dot(kernel, w, n_in, n_out, acts, out),
+        }
     }
 }
 
@@ -271,8 +325,8 @@ fn mix_experts<'w>(
             routed.gather(acts, slots.iter().map(|&i| i / k_used));
             let mut gate = vec![0f32; m * ff];
             let mut up = vec![0f32; m * ff];
-            matmul(k.gate, w.gate, d, ff, routed, &mut gate);
-            matmul(k.up, w.up, d, ff, routed, &mut up);
+            k.matmul(false, k.gate, w.gate, (d, ff), routed, &mut gate);
+            k.matmul(false, k.up, w.up, (d, ff), routed, &mut up);
             add_bias(&mut gate, w.gate_bias);
             add_bias(&mut up, w.up_bias);
             for (gv, &uv) in gate.iter_mut().zip(&up) {
@@ -280,7 +334,7 @@ fn mix_experts<'w>(
             }
             act_q.quantize(k.down.act_type(), &gate, ff);
             let mut down = vec![0f32; m * d];
-            matmul(k.down, w.down, ff, d, act_q, &mut down);
+            k.matmul(false, k.down, w.down, (ff, d), act_q, &mut down);
             add_bias(&mut down, w.down_bias);
             for (row, &slot) in down.chunks_exact(d).zip(slots.iter()) {
                 per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
@@ -341,8 +395,8 @@ fn mix_one_token<'w>(
     scratch.acts.quantize(k.gate.act_type(), batch.h, d);
     let act_row = scratch.acts.row(0);
     let (gate_p, up_p) = (
-        RowProduct::new(k.gate, d, act_row),
-        RowProduct::new(k.up, d, act_row),
+        k.row_product(k.gate, d, act_row),
+        k.row_product(k.up, d, act_row),
     );
     let (gate_rb, up_rb) = (k.gate.weight_row_bytes(d), k.up.weight_row_bytes(d));
     // The SwiGLU output of slot `s`, quantized: tasks of `rows` rows, whole blocks each; the
@@ -373,7 +427,7 @@ fn mix_one_token<'w>(
     });
     let hidden_row = ff / blk * hid_ty.block_bytes();
     let down_p: Vec<RowProduct<'_>> = (0..views.len())
-        .map(|s| RowProduct::new(k.down, ff, &hidden_q[s * slot_bytes..][..hidden_row]))
+        .map(|s| k.row_product(k.down, ff, &hidden_q[s * slot_bytes..][..hidden_row]))
         .collect();
     let down_rb = k.down.weight_row_bytes(ff);
     let out_rows = down_p[0].rows_per_task();
@@ -494,21 +548,21 @@ pub fn moe_swiglu<'w>(
         routed.gather(acts, slots.iter().map(|&i| i / k_used));
         let mut gate = vec![0f32; m * ff];
         let mut up = vec![0f32; m * ff];
-        matmul_vec_dot(k.gate, w.gate, d, ff, &routed, &mut gate);
+        k.matmul(true, k.gate, w.gate, (d, ff), &routed, &mut gate);
         if k.up.act_type() == k.gate.act_type() {
-            matmul_vec_dot(k.up, w.up, d, ff, &routed, &mut up);
+            k.matmul(true, k.up, w.up, (d, ff), &routed, &mut up);
         } else {
             let rows: Vec<f32> = slots
                 .iter()
                 .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied())
                 .collect();
             act_q.quantize(k.up.act_type(), &rows, d);
-            matmul_vec_dot(k.up, w.up, d, ff, &act_q, &mut up);
+            k.matmul(true, k.up, w.up, (d, ff), &act_q, &mut up);
         }
         swiglu(&mut gate, &up, ff);
         act_q.quantize(k.down.act_type(), &gate, ff);
         let mut down = vec![0f32; m * d];
-        matmul_vec_dot(k.down, w.down, ff, d, &act_q, &mut down);
+        k.matmul(true, k.down, w.down, (ff, d), &act_q, &mut down);
         for (row, &slot) in down.chunks_exact(d).zip(&slots) {
             per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
             found[slot] = true;

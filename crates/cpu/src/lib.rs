@@ -12,5 +12,5 @@ pub mod ops;
 #[cfg(test)]
 mod ref0_kv_tests;
 
-pub use device::{Cpu, CpuBuf, CpuMatrix, CpuMoe, CPU_NAME};
+pub use device::{set_expert_interleaving, Cpu, CpuBuf, CpuMatrix, CpuMoe, CPU_NAME};
 pub use kv_cache::{KvCache, KvType};

@@ -4,7 +4,7 @@
 //! accumulate in f64.
 
 use hmoe_backend::numerics::hsum16;
-use hmoe_quant::{BatchKind, DotKernel, GgmlType};
+use hmoe_quant::{BatchKind, DotKernel, GemmKernel, GgmlType};
 
 /// `out = x / sqrt(mean(x²) + eps) * weight`, one row of `weight.len()` elements at a time.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -93,15 +93,28 @@ pub struct RowProduct<'a> {
     kernel: DotKernel,
     n_in: usize,
     act: &'a [u8],
-    gemm: Option<(hmoe_quant::GemmKernel, hmoe_quant::GemmActs<'a>)>,
+    gemm: Option<(GemmKernel, hmoe_quant::GemmActs<'a>)>,
 }
 
 impl<'a> RowProduct<'a> {
     /// Prepares `act` (one row of `n_in` elements in `kernel`'s activation type).
     pub fn new(kernel: DotKernel, n_in: usize, act: &'a [u8]) -> RowProduct<'a> {
+        Self::with_interleaved(kernel, None, n_in, act)
+    }
+
+    /// [`RowProduct::new`] for weight rows interleaved for `interleaved` (MXFP4 rows in groups
+    /// of 16, [`GemmKernel::interleave_into`]) when it is given.
+    pub fn with_interleaved(
+        kernel: DotKernel,
+        interleaved: Option<GemmKernel>,
+        n_in: usize,
+        act: &'a [u8],
+    ) -> RowProduct<'a> {
         let gemm = (kernel.weight_type() == GgmlType::MXFP4).then(|| {
-            let g = hmoe_quant::GemmKernel::new(GgmlType::MXFP4, kernel.isa())
-                .expect("MXFP4 has GEMM kernels on every ISA");
+            let g = interleaved.unwrap_or_else(|| {
+                GemmKernel::new(GgmlType::MXFP4, kernel.isa())
+                    .expect("MXFP4 has GEMM kernels on every ISA")
+            });
             let p = g
                 .prepare(n_in, act, 1)
                 .expect("activations converted for these weights");
@@ -143,14 +156,41 @@ pub fn matmul(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
-    matmul_as(BatchKind::Dense, kernel, w, n_in, n_out, acts, out)
+    matmul_as(BatchKind::Dense, kernel, None, w, n_in, n_out, acts, out)
+}
+
+/// [`matmul`] of MXFP4 rows interleaved for `gemm` ([`GemmKernel::interleave_into`]), whole
+/// groups of 16 rows per task. Same bits as [`matmul`] of the rows in the file's layout.
+pub fn matmul_interleaved(
+    gemm: GemmKernel,
+    kernel: DotKernel,
+    w: &[u8],
+    n_in: usize,
+    n_out: usize,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    debug_assert!(gemm.is_interleaved() && kernel.weight_type() == GgmlType::MXFP4);
+    matmul_as(
+        BatchKind::Dense,
+        kernel,
+        Some(gemm),
+        w,
+        n_in,
+        n_out,
+        acts,
+        out,
+    )
 }
 
 /// [`matmul`] as part of a `kind` operation: the order in which llama.cpp sums a batch of
-/// K-quant or repacked Q4_K products depends on it ([`DotKernel::dot_tokens`]).
+/// K-quant or repacked Q4_K products depends on it ([`DotKernel::dot_tokens`]); over rows
+/// interleaved for `interleaved` when it is given.
+#[allow(clippy::too_many_arguments)]
 fn matmul_as(
     kind: BatchKind,
     kernel: DotKernel,
+    interleaved: Option<GemmKernel>,
     w: &[u8],
     n_in: usize,
     n_out: usize,
@@ -168,6 +208,10 @@ fn matmul_as(
     let ty = kernel.weight_type();
     // Debug builds check the first output against the plain definitions below.
     let check_first = |got: f32| {
+        // (Interleaved rows are not rows; the quant tests hold their kernel to these bits.)
+        if interleaved.is_some() {
+            return true;
+        }
         let (w0, a0) = (&w[..row_bytes], acts.row(0));
         let want = match ty {
             GgmlType::MXFP4 => dot_mxfp4_blockwise(w0, a0),
@@ -182,7 +226,7 @@ fn matmul_as(
         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
     };
     if n_tokens == 1 {
-        let product = RowProduct::new(kernel, n_in, acts.row(0));
+        let product = RowProduct::with_interleaved(kernel, interleaved, n_in, acts.row(0));
         let rows_per_task = product.rows_per_task();
         hmoe_pool::global().for_each_chunk_mut(out, rows_per_task, |chunk, dst| {
             let r0 = chunk * rows_per_task;
@@ -194,8 +238,10 @@ fn matmul_as(
     // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order), Q8_0 and F32 batches
     // their tiles (Q8_0 in `vec_dot` order, F32 in tinyBLAS's 16-lane order).
     let gemm = matches!(ty, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32).then(|| {
-        hmoe_quant::GemmKernel::new(ty, kernel.isa())
-            .expect("MXFP4, Q8_0 and F32 have GEMM kernels on every ISA")
+        interleaved.unwrap_or_else(|| {
+            GemmKernel::new(ty, kernel.isa())
+                .expect("MXFP4, Q8_0 and F32 have GEMM kernels on every ISA")
+        })
     });
     let prep = gemm.map(|g| {
         g.prepare(n_in, &acts.data, n_tokens)
@@ -255,7 +301,7 @@ pub fn matmul_vec_dot(
     out: &mut [f32],
 ) {
     if kernel.weight_type() != GgmlType::F32 || acts.rows() <= 1 {
-        return matmul_as(BatchKind::Expert, kernel, w, n_in, n_out, acts, out);
+        return matmul_as(BatchKind::Expert, kernel, None, w, n_in, n_out, acts, out);
     }
     hmoe_pool::global().for_each_chunk_mut(out, n_out, |t, dst| {
         kernel.dot_rows(n_in, w, acts.row(t), dst)
