@@ -54,7 +54,8 @@ pub struct ModelArgs {
     pub mlock: bool,
     /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
     /// experts are copied with their rows interleaved for the CPU's kernel where it has one
-    /// (AVX-512) and the copy fits in the available memory (same results, faster products).
+    /// (AVX-512) and the copy fits in the available memory (same results, faster products);
+    /// never with --no-mmap or --mlock, whose buffers would then hold the experts twice.
     #[arg(long = "no-repack")]
     pub no_repack: bool,
     /// Flash attention (`-fa`): on, off or auto (= on, as llama.cpp resolves it on the CPU).
@@ -140,7 +141,9 @@ impl ModelArgs {
             .build_global()
             .context("starting the thread pool")?;
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
-        hmoe_cpu::set_expert_interleaving(!self.no_repack);
+        // A copy beside a heap buffer (--no-mmap) or locked pages (--mlock) would hold the
+        // experts twice; from a mapping, the copied pages are clean and the kernel can drop them.
+        hmoe_cpu::set_expert_interleaving(!(self.no_repack || self.no_mmap || self.mlock));
         Ok(())
     }
 

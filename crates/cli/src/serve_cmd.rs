@@ -76,7 +76,8 @@ pub struct ServeArgs {
     pub mlock: bool,
     /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
     /// experts are copied with their rows interleaved for the CPU's kernel where it has one
-    /// (AVX-512) and the copy fits in the available memory (same results, faster products).
+    /// (AVX-512) and the copy fits in the available memory (same results, faster products);
+    /// never with --no-mmap or --mlock, whose buffers would then hold the experts twice.
     #[arg(long = "no-repack")]
     pub no_repack: bool,
     /// Use the Jinja chat template (always on; accepted for llama-server compatibility).
@@ -484,7 +485,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build_global()
         .context("starting the thread pool")?;
     hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
-    hmoe_cpu::set_expert_interleaving(!args.no_repack);
+    // A copy beside a heap buffer (--no-mmap) or locked pages (--mlock) would hold the
+    // experts twice; from a mapping, the copied pages are clean and the kernel can drop them.
+    hmoe_cpu::set_expert_interleaving(!(args.no_repack || args.no_mmap || args.mlock));
     let summary = startup_summary(&config, threads);
     let server = RunningServer::start_with_signals(config.clone())?;
     for line in summary {
