@@ -634,7 +634,13 @@ pub fn run(mut args: BenchArgs) -> anyhow::Result<()> {
     // does not pay the page faults of first touching each expert.
     args.model.populate = true;
     // Decided before the load, so that the tile probe forks a small process.
-    let kernels = hmoe_quant::kernel_summary();
+    let mut kernels = hmoe_quant::kernel_summary();
+    if hmoe_quant::GemmKernel::interleaved(hmoe_quant::Isa::best()).is_some() {
+        kernels.push_str(match args.model.interleaves_experts() {
+            true => ", MXFP4 experts interleaved in groups of 16 where memory allows",
+            false => ", MXFP4 experts in the file's layout",
+        });
+    }
     let model = args.model.load()?;
     let n_threads = rayon::current_num_threads();
     let info = run_info(&args, model.as_ref(), n_threads);

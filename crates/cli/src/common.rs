@@ -133,6 +133,13 @@ impl ModelArgs {
         Ok(loaded.model)
     }
 
+    /// Whether the CPU device may interleave MXFP4 expert rows for its kernel (without `-nr`):
+    /// never beside a heap buffer (--no-mmap) or locked pages (--mlock), which would then hold
+    /// the experts twice; a mapping's copied pages are clean and the kernel can drop them.
+    pub fn interleaves_experts(&self) -> bool {
+        !(self.no_repack || self.no_mmap || self.mlock)
+    }
+
     /// Starts the global thread pools with `-t` threads (the physical cores by default).
     fn start_pools(&self) -> anyhow::Result<()> {
         let threads = self.threads.unwrap_or_else(physical_cores).max(1);
@@ -141,9 +148,7 @@ impl ModelArgs {
             .build_global()
             .context("starting the thread pool")?;
         hmoe_pool::init_global(threads).context("starting the per-token thread pool")?;
-        // A copy beside a heap buffer (--no-mmap) or locked pages (--mlock) would hold the
-        // experts twice; from a mapping, the copied pages are clean and the kernel can drop them.
-        hmoe_cpu::set_expert_interleaving(!(self.no_repack || self.no_mmap || self.mlock));
+        hmoe_cpu::set_expert_interleaving(self.interleaves_experts());
         Ok(())
     }
 

@@ -12,13 +12,11 @@
 use std::ops::Range;
 
 use hmoe_backend::{BackendError, ExpertView, GatedAct};
-use hmoe_quant::{DotKernel, GemmKernel, GgmlType};
+use hmoe_quant::{BatchKind, DotKernel, GemmKernel, GgmlType};
 
 pub use hmoe_backend::{ExpertMatrix, ExpertTensors};
 
-use crate::ops::{
-    add_bias, matmul, matmul_interleaved, matmul_vec_dot, swiglu, QuantizedActs, RowProduct,
-};
+use crate::ops::{add_bias, matmul, matmul_as, matmul_vec_dot, swiglu, QuantizedActs, RowProduct};
 
 /// What can go wrong at the expert boundary.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -229,7 +227,7 @@ impl ExpertKernels {
         out: &mut [f32],
     ) {
         match (self.interleaved, vec_dot) {
-            (Some(g), _) => matmul_interleaved(g, kernel, w, n_in, n_out, acts, out),
+            (Some(g), _) => matmul_as(BatchKind::Dense, kernel, Some(g), w, n_in, n_out, acts, out),
             (None, false) => matmul(kernel, w, n_in, n_out, acts, out),
             (None, true) => matmul_vec_dot(kernel, w, n_in, n_out, acts, out),
         }

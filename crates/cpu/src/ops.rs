@@ -159,35 +159,12 @@ pub fn matmul(
     matmul_as(BatchKind::Dense, kernel, None, w, n_in, n_out, acts, out)
 }
 
-/// [`matmul`] of MXFP4 rows interleaved for `gemm` ([`GemmKernel::interleave_into`]), whole
-/// groups of 16 rows per task. Same bits as [`matmul`] of the rows in the file's layout.
-pub fn matmul_interleaved(
-    gemm: GemmKernel,
-    kernel: DotKernel,
-    w: &[u8],
-    n_in: usize,
-    n_out: usize,
-    acts: &QuantizedActs,
-    out: &mut [f32],
-) {
-    debug_assert!(gemm.is_interleaved() && kernel.weight_type() == GgmlType::MXFP4);
-    matmul_as(
-        BatchKind::Dense,
-        kernel,
-        Some(gemm),
-        w,
-        n_in,
-        n_out,
-        acts,
-        out,
-    )
-}
-
 /// [`matmul`] as part of a `kind` operation: the order in which llama.cpp sums a batch of
 /// K-quant or repacked Q4_K products depends on it ([`DotKernel::dot_tokens`]); over rows
-/// interleaved for `interleaved` when it is given.
+/// interleaved for `interleaved` (MXFP4, [`GemmKernel::interleave_into`]; whole groups of 16
+/// rows per task) when it is given, with the same bits.
 #[allow(clippy::too_many_arguments)]
-fn matmul_as(
+pub(crate) fn matmul_as(
     kind: BatchKind,
     kernel: DotKernel,
     interleaved: Option<GemmKernel>,
