@@ -11,7 +11,9 @@
 //!   accumulates all 16 rows. Calls of up to 8 tokens use each decoded block at once
 //!   (accumulators in registers); longer ones decode runs of 16 blocks of a row group into L1
 //!   once and take every token over them in tiles of 8, the accumulators of up to 64 tokens
-//!   carried from run to run. Each group prefetches the next one into L2.
+//!   carried from run to run. Each group prefetches the next one into L2. Rows interleaved at
+//!   load (`X16`, `GemmKernel::interleave_into`) hold each block of a group already transposed,
+//!   with the 16 exponents together: four loads and one exponent load per block instead.
 //! * Q8_0: tiles of 4 rows × 8 tokens, in chunks of 64 tokens; two tokens share a zmm (lanes
 //!   0..8 and 8..16 are the 8-lane accumulators of ggml's AVX2 kernel for each).
 //! * F32: tiles of 4 rows × 4 tokens of 16-lane FMA accumulators.
