@@ -189,15 +189,17 @@ fn expert_set(
         .filter(|_| room_for_copy(bytes));
     let (stored, mats, kernels) = match (interleaved, shared) {
         (Some(gemm), _) => {
-            let copy = |m: &ExpertMatrix<'_>| -> Result<StackedBytes, BackendError> {
+            let copy = |i: usize| -> Result<StackedBytes, BackendError> {
+                let m = srcs[i];
+                let shared = shared.map(|s| &s[i]);
                 Ok(StackedBytes {
                     ty: m.ty,
                     n_in: m.n_in,
                     n_out: m.n_out,
-                    bytes: MatrixBytes::Owned(interleaved_copy(gemm, m, ids)?),
+                    bytes: MatrixBytes::Owned(interleaved_copy(gemm, m, ids, shared)?),
                 })
             };
-            let [g, u, d] = srcs.map(copy);
+            let [g, u, d] = [0, 1, 2].map(copy);
             let mats = [g?, u?, d?];
             (
                 (0..ids.len()).collect(),
@@ -264,11 +266,13 @@ fn expert_set(
 
 /// The chosen experts `ids` of `m`, in that order, with their rows interleaved for `gemm`
 /// (whole groups of 16 rows: an expert's rows never share a group with another's), converted
-/// by the pool's threads.
+/// by the pool's threads. Where `m`'s bytes are `shared` (the file's mapping), each expert's
+/// pages are given back once copied, so the copy takes their place in the resident size.
 fn interleaved_copy(
     gemm: GemmKernel,
     m: &ExpertMatrix<'_>,
     ids: &[usize],
+    shared: Option<&SharedBytes>,
 ) -> Result<Vec<u8>, BackendError> {
     let err = |e: String| BackendError::Shape {
         op: "upload_moe",
@@ -289,10 +293,17 @@ fn interleaved_copy(
                 *result.lock().unwrap_or_else(PoisonError::into_inner) = Err(err(e.to_string()));
             }
         }
+        if let Some(s) = shared {
+            s.release_pages(src);
+        }
     });
     result
         .into_inner()
         .unwrap_or_else(PoisonError::into_inner)?;
+    // Every expert copied: also the pages that two experts' bytes share.
+    if let (Some(s), true) = (shared, ids.len() * expert == m.data.len()) {
+        s.release_pages(m.data);
+    }
     Ok(out)
 }
 

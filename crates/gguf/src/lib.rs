@@ -29,7 +29,7 @@ pub use error::{GgufError, Result, TensorProblem};
 pub use hmoe_quant::GgmlType;
 pub use meta::{MetaType, MetaValue, Metadata};
 pub use model::{
-    split_path, split_shard_paths, GgufModel, LoadOptions, SharedData, SharedOwner,
+    split_path, split_shard_paths, GgufModel, LoadOptions, PageReleaser, SharedData, SharedOwner,
     KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT,
 };
 pub use parse::{

@@ -57,6 +57,8 @@ enum Bytes {
 struct Shard {
     bytes: Bytes,
     locked_heap: bool,
+    /// Whether its pages were locked (mapping or buffer): then they are never released.
+    locked: bool,
 }
 
 impl Shard {
@@ -97,6 +99,7 @@ impl Shard {
             Shard {
                 bytes: Bytes::Mapped(map),
                 locked_heap: false,
+                locked: false,
             }
         } else {
             let mut bytes = Vec::new();
@@ -107,6 +110,7 @@ impl Shard {
             Shard {
                 bytes: Bytes::Owned(bytes),
                 locked_heap: false,
+                locked: false,
             }
         };
         if opts.mlock {
@@ -120,6 +124,7 @@ impl Shard {
     }
 
     fn lock(&mut self) -> std::io::Result<()> {
+        self.locked = true;
         match &self.bytes {
             Bytes::Mapped(m) => m.lock(),
             Bytes::Owned(v) => {
@@ -136,6 +141,36 @@ impl Shard {
                 self.locked_heap = true;
                 Ok(())
             }
+        }
+    }
+}
+
+impl Shard {
+    /// Gives back this process's hold on the whole pages of `part`, a slice of this shard's
+    /// unlocked mapping (anything else is left alone): its resident size drops by them, and a
+    /// later read faults the same bytes back in from the page cache or the file.
+    fn release(&self, part: &[u8]) {
+        let Bytes::Mapped(m) = &self.bytes else {
+            return;
+        };
+        let (base, start) = (m.as_ptr() as usize, part.as_ptr() as usize);
+        if self.locked || start < base || start + part.len() > base + m.len() {
+            return;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0);
+        if page == 0 {
+            return;
+        }
+        let from = (start - base).next_multiple_of(page);
+        let to = (start - base + part.len()) / page * page;
+        if to > from {
+            // SAFETY: `from..to` lies inside the mapping, which is read-only and private: no
+            // page of it was ever written, so dropping the process's pages loses nothing, and
+            // every reference into it stays valid (a read faults the file's bytes back in).
+            let _ = unsafe {
+                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from)
+            };
         }
     }
 }
@@ -160,6 +195,9 @@ impl Drop for Shard {
 
 /// Something that holds bytes in place for as long as it lives (a file's mapping or buffer).
 pub type SharedOwner = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Gives back the pages of a slice of a mapped file ([`GgufModel::page_releaser`]).
+pub type PageReleaser = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
 /// A tensor's bytes with their owner: `owner.as_ref()[range]` ([`GgufModel::shared_data_of`]).
 pub type SharedData = (SharedOwner, std::ops::Range<usize>);
@@ -383,6 +421,7 @@ impl GgufModel {
         let shard = Shard {
             bytes: Bytes::Owned(bytes),
             locked_heap: false,
+            locked: false,
         };
         model.add_shard_unchecked(shard, header.tensors);
         Ok(model)
@@ -477,6 +516,17 @@ impl GgufModel {
         let start = usize::try_from(info.offset).ok()?;
         let end = start.checked_add(usize::try_from(info.n_bytes).ok()?)?;
         (end <= shard.data().len()).then(|| (Arc::clone(shard) as SharedOwner, start..end))
+    }
+
+    /// For a device that has copied `info`'s tensor and no longer reads it from the file:
+    /// gives back this process's hold on the whole pages of a slice of its bytes, so that the
+    /// copy does not count twice in the resident size. `None` where there is nothing to give
+    /// back (the file read into a buffer, or locked with mlock).
+    pub fn page_releaser(&self, info: &TensorInfo) -> Option<PageReleaser> {
+        let shard = self.shards.get(info.shard)?;
+        let mapped = matches!(shard.bytes, Bytes::Mapped(_)) && !shard.locked;
+        let shard = Arc::clone(shard);
+        mapped.then(|| Arc::new(move |part: &[u8]| shard.release(part)) as PageReleaser)
     }
 
     /// The files of this model, shard order (empty for [`GgufModel::from_bytes`]).

@@ -398,3 +398,78 @@ fn o200k_vocab_opens_fast() {
     // Well under a second when optimised; generous bound for a loaded 2-core CI machine.
     assert!(elapsed.as_secs_f64() < 3.0, "took {elapsed:?}");
 }
+
+/// Resident bytes of this process's mappings of `path` (`/proc/self/smaps`).
+fn mapped_rss(path: &Path) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let name = path.to_str().unwrap();
+    let mut ours = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        if let Some(rest) = line.strip_prefix("Rss:") {
+            if ours {
+                kib += rest
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap();
+            }
+        } else if line.split_whitespace().next().is_some_and(|range| {
+            range.contains('-') && range.chars().all(|c| c == '-' || c.is_ascii_hexdigit())
+        }) {
+            // A mapping's header: its address range, …, its file.
+            ours = line.ends_with(name);
+        }
+    }
+    kib * 1024
+}
+
+/// A device that copied a tensor gives its pages back: the mapping's resident size drops by
+/// the tensor's whole pages and its bytes read the same afterwards. Nothing to give back
+/// from a file read into memory or locked.
+#[test]
+fn page_releaser_gives_back_a_mapped_tensors_pages() {
+    if !Path::new("/proc/self/smaps").exists() {
+        println!("SKIPPED: no /proc/self/smaps");
+        return;
+    }
+    let path = scratch("release").join("model.gguf");
+    std::fs::copy(fixture("gpt-oss/gptoss-tiny.gguf"), &path).unwrap();
+    let opts = LoadOptions {
+        populate: true,
+        ..LoadOptions::default()
+    };
+    let m = GgufModel::open(&path, opts).unwrap();
+    let info = m
+        .tensors()
+        .iter()
+        .max_by_key(|t| t.n_bytes)
+        .unwrap()
+        .clone();
+    let before_bytes = m.data_of(&info).to_vec();
+    assert!(before_bytes.len() >= 3 * 4096, "{}", before_bytes.len());
+    let before = mapped_rss(&path);
+    let release = m.page_releaser(&info).expect("a mapped file");
+    release(m.data_of(&info));
+    let after = mapped_rss(&path);
+    assert!(before >= after + 8192, "resident {before} -> {after}");
+    assert_eq!(m.data_of(&info), &before_bytes[..]);
+    // Outside the mapping: left alone.
+    release(&before_bytes);
+    assert_eq!(m.data_of(&info), &before_bytes[..]);
+    for opts in [
+        LoadOptions {
+            use_mmap: false,
+            ..LoadOptions::default()
+        },
+        LoadOptions {
+            mlock: true,
+            ..LoadOptions::default()
+        },
+    ] {
+        if let Ok(m) = GgufModel::open(&path, opts) {
+            assert!(m.page_releaser(&info).is_none(), "{opts:?}");
+        }
+    }
+}

@@ -538,6 +538,11 @@ fn upload_experts<B: Backend>(
         let s = g
             .shared_data_of(info)
             .and_then(|(o, r)| SharedBytes::new(o, r))?;
+        // A device that copies the experts (the CPU's interleaved sets) gives the pages back.
+        let s = match g.page_releaser(info) {
+            Some(release) => s.with_page_release(release),
+            None => s,
+        };
         let b = s.bytes();
         (b.as_ptr() == data.as_ptr() && b.len() == data.len()).then_some(s)
     };
