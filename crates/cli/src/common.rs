@@ -37,6 +37,13 @@ pub fn check_threads(n: usize) -> Result<usize, String> {
     Ok(n)
 }
 
+/// Whether the CPU device may interleave MXFP4 expert rows for its kernel (without `-nr`):
+/// never beside a heap buffer (--no-mmap) or locked pages (--mlock), which would then hold the
+/// experts twice; a mapping's copied pages are given back.
+pub fn interleaves_experts(no_repack: bool, no_mmap: bool, mlock: bool) -> bool {
+    !(no_repack || no_mmap || mlock)
+}
+
 /// How to load the model and size its context.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -133,11 +140,9 @@ impl ModelArgs {
         Ok(loaded.model)
     }
 
-    /// Whether the CPU device may interleave MXFP4 expert rows for its kernel (without `-nr`):
-    /// never beside a heap buffer (--no-mmap) or locked pages (--mlock), which would then hold
-    /// the experts twice; a mapping's copied pages are clean and the kernel can drop them.
+    /// Whether the CPU device may interleave MXFP4 expert rows ([`interleaves_experts`]).
     pub fn interleaves_experts(&self) -> bool {
-        !(self.no_repack || self.no_mmap || self.mlock)
+        interleaves_experts(self.no_repack, self.no_mmap, self.mlock)
     }
 
     /// Starts the global thread pools with `-t` threads (the physical cores by default).

@@ -176,12 +176,9 @@ fn to_json(p: &Plan, names: &[String]) -> Value {
     })
 }
 
-/// `MemAvailable` from /proc/meminfo, for the report only (the host is not a constraint).
+/// `MemAvailable`, for the report only (the host is not a constraint).
 fn host_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    hmoe_cpu::host_memory().map(|m| m.available)
 }
 
 #[cfg(test)]

@@ -485,9 +485,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build_global()
         .context("starting the thread pool")?;
     hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
-    // A copy beside a heap buffer (--no-mmap) or locked pages (--mlock) would hold the
-    // experts twice; from a mapping, the copied pages are clean and the kernel can drop them.
-    hmoe_cpu::set_expert_interleaving(!(args.no_repack || args.no_mmap || args.mlock));
+    hmoe_cpu::set_expert_interleaving(crate::common::interleaves_experts(
+        args.no_repack,
+        args.no_mmap,
+        args.mlock,
+    ));
     let summary = startup_summary(&config, threads);
     let server = RunningServer::start_with_signals(config.clone())?;
     for line in summary {

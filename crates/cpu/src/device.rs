@@ -187,6 +187,17 @@ fn expert_set(
         .then(|| kernels.interleavable(srcs.map(|m| m.n_out)))
         .flatten()
         .filter(|_| room_for_copy(bytes));
+    if let Some(shared) = shared {
+        for (m, s) in srcs.iter().zip(shared) {
+            ensure(OP, s.bytes().len() == m.data.len(), || {
+                format!(
+                    "{} shared bytes for {} of experts",
+                    s.bytes().len(),
+                    m.data.len()
+                )
+            })?;
+        }
+    }
     let (stored, mats, kernels) = match (interleaved, shared) {
         (Some(gemm), _) => {
             let copy = |i: usize| -> Result<StackedBytes, BackendError> {
@@ -208,15 +219,6 @@ fn expert_set(
             )
         }
         (None, Some(shared)) => {
-            for (m, s) in srcs.iter().zip(shared) {
-                ensure(OP, s.bytes().len() == m.data.len(), || {
-                    format!(
-                        "{} shared bytes for {} of experts",
-                        s.bytes().len(),
-                        m.data.len()
-                    )
-                })?;
-            }
             let mats = std::array::from_fn(|i| StackedBytes {
                 ty: srcs[i].ty,
                 n_in: srcs[i].n_in,
@@ -282,16 +284,12 @@ fn interleaved_copy(
     let group = 16 * row.ok_or_else(|| err(format!("rows of {}", m.n_in)))? as usize;
     let expert = group / 16 * m.n_out;
     let mut out = vec![0u8; ids.len() * expert];
-    // Tasks of 64 groups (about 1.6 MB for gpt-oss), inside one expert each.
-    let task = group * 64;
     let result = Mutex::new(Ok(()));
+    // One expert per task.
     hmoe_pool::global().for_each_chunk_mut(&mut out, expert, |i, dst| {
         let src = m.expert(ids[i]).unwrap_or_default();
-        for (j, dst) in dst.chunks_mut(task).enumerate() {
-            let src = src.get(j * task..j * task + dst.len()).unwrap_or_default();
-            if let Err(e) = gemm.interleave_into(m.n_in, src, dst) {
-                *result.lock().unwrap_or_else(PoisonError::into_inner) = Err(err(e.to_string()));
-            }
+        if let Err(e) = gemm.interleave_into(m.n_in, src, dst) {
+            *result.lock().unwrap_or_else(PoisonError::into_inner) = Err(err(e.to_string()));
         }
         if let Some(s) = shared {
             s.release_pages(src);
@@ -312,25 +310,33 @@ fn interleaved_copy(
 /// copy replaces) exceeds it by at least 2 GiB and a sixteenth of the RAM. An expert set that
 /// does not fit stays in the file mapping, whose pages the kernel can drop and read again.
 fn room_for_copy(bytes: usize) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/meminfo") else {
-        return false;
-    };
-    let kib = |key: &str| -> Option<u64> {
+    host_memory().is_some_and(|m| {
+        let reserve = (2u64 << 30) + m.total / 16;
+        m.available >= reserve.saturating_add(bytes as u64)
+    })
+}
+
+/// The host's RAM, from `/proc/meminfo` (Linux).
+#[derive(Clone, Copy, Debug)]
+pub struct HostMemory {
+    /// `MemTotal`, bytes.
+    pub total: u64,
+    /// `MemAvailable`: what the kernel estimates can be allocated without swapping, bytes.
+    pub available: u64,
+}
+
+/// The host's RAM, or `None` where `/proc/meminfo` cannot be read.
+pub fn host_memory() -> Option<HostMemory> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let bytes = |key: &str| -> Option<u64> {
         let line = info.lines().find(|l| l.starts_with(key))?;
-        line[key.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
     };
-    match (kib("MemAvailable:"), kib("MemTotal:")) {
-        (Some(avail), Some(total)) => {
-            let reserve = (2u64 << 30) + total * 1024 / 16;
-            avail.saturating_mul(1024) >= reserve.saturating_add(bytes as u64)
-        }
-        _ => false,
-    }
+    Some(HostMemory {
+        total: bytes("MemTotal:")?,
+        available: bytes("MemAvailable:")?,
+    })
 }
 
 /// Whether devices interleave expert rows by default ([`set_expert_interleaving`]).

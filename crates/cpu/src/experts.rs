@@ -216,7 +216,6 @@ impl ExpertKernels {
 
     /// [`matmul`] (`vec_dot` false) or [`matmul_vec_dot`] of `kernel`'s matrix `w`, over
     /// interleaved rows where the experts have them (MXFP4, whose products are the same).
-    #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
         vec_dot: bool,

@@ -12,5 +12,7 @@ pub mod ops;
 #[cfg(test)]
 mod ref0_kv_tests;
 
-pub use device::{set_expert_interleaving, Cpu, CpuBuf, CpuMatrix, CpuMoe, CPU_NAME};
+pub use device::{
+    host_memory, set_expert_interleaving, Cpu, CpuBuf, CpuMatrix, CpuMoe, HostMemory, CPU_NAME,
+};
 pub use kv_cache::{KvCache, KvType};

@@ -354,18 +354,21 @@ impl GemmKernel {
 // ----------------------------------------------------------------------------------------------
 // scalar reference
 
+/// Bytes of one block of an interleaved group: 16 rows × 16 nibble bytes.
+pub(crate) const X16_NIBBLE_BYTES: usize = 16 * 16;
+
 /// One group of 16 MXFP4 rows of `nb` blocks (`src`) in the interleaved layout
 /// ([`GemmKernel::interleave_into`]).
 pub(crate) fn interleave_x16(nb: usize, src: &[u8], dst: &mut [u8]) {
     const G: usize = 16;
     let stride = nb * MXFP4_BYTES;
-    let (nibbles, exps) = dst.split_at_mut(nb * G * 16);
+    let (nibbles, exps) = dst.split_at_mut(nb * X16_NIBBLE_BYTES);
     for r in 0..G {
         let row = &src[r * stride..(r + 1) * stride];
         for (b, blk) in row.chunks_exact(MXFP4_BYTES).enumerate() {
             exps[b * G + r] = blk[0];
             for k in 0..4 {
-                let at = b * G * 16 + 64 * k + 4 * r;
+                let at = b * X16_NIBBLE_BYTES + 64 * k + 4 * r;
                 nibbles[at..at + 4].copy_from_slice(&blk[1 + 4 * k..5 + 4 * k]);
             }
         }

@@ -24,7 +24,7 @@
 use core::arch::x86_64::*;
 use core::ops::Range;
 
-use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12};
+use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12, X16_NIBBLE_BYTES};
 use crate::scalar::{MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_avx2::{f16_at, hsum8};
 use crate::x86_avx512::{dot_u8i8, hi256, hsum16, lo256, load_2x256, neg_where};
@@ -88,9 +88,6 @@ unsafe fn decode16<const VBMI: bool, const X16: bool>(
     let ef = _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
     (u, ef)
 }
-
-/// Bytes of one interleaved block of a row group: 16 rows × 16 nibble bytes.
-const X16_NIBBLE_BYTES: usize = G * 16;
 
 /// The block at byte `off` of the 16 rows `base + r · stride` in the file's layout, transposed
 /// as dwords: lane `r` of the `k`-th vector holds nibble bytes `4k..4k+4` of row `r`; and each
