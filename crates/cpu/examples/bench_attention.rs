@@ -5,7 +5,10 @@
 //!
 //! Prints, per cache type and `-fa` setting, the median and the fastest time of one token's
 //! attention over `DEPTH` cached positions of one full (not sliding) layer, and the K/V bytes
-//! read per second.
+//! read per second. Between repetitions a buffer larger than the CPU's caches is read
+//! (untimed), so the cache is read from memory as in decode, where the layer's weights pass
+//! through the CPU caches between two attentions of a layer; with `HOT=1` in the environment
+//! nothing is read in between (the cache stays in the CPU's caches as far as they hold it).
 
 use std::time::Instant;
 
@@ -15,6 +18,8 @@ use hmoe_cpu::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
 const N_HEAD: usize = 64;
 const N_KV: usize = 8;
 const HD: usize = 64;
+/// Bytes read between repetitions to push the cache out of the CPU's caches.
+const EVICT_BYTES: usize = 256 << 20;
 
 /// Deterministic values in [-1, 1).
 fn noise(seed: u64, n: usize) -> Vec<f32> {
@@ -71,7 +76,11 @@ fn main() {
         let q = noise(3, N_HEAD * HD);
         let mut out = vec![0f32; q.len()];
         let mut times = Vec::with_capacity(reps);
+        let hot = std::env::var_os("HOT").is_some();
+        let evict = vec![1u64; if hot { 0 } else { EVICT_BYTES / 8 }];
         for rep in 0..=reps {
+            // One word per cache line, read like a layer's weights.
+            std::hint::black_box(evict.iter().step_by(8).fold(0u64, |a, &x| a ^ x));
             let t = Instant::now();
             attention(layer, &shape, &q, depth, Some(&sinks), &mut out);
             if rep > 0 {
