@@ -30,7 +30,8 @@ use std::cell::RefCell;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use hmoe_quant::{
-    expf_ggml_slice, expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType, Q8_0Queries,
+    expf_ggml_slice, expf_slice, f16_bytes, lane_scores, lane_values, prefetch, Ahead, Dequantizer,
+    DotKernel, GgmlType, LaneHeads, Q8_0Queries,
 };
 
 use hmoe_backend::numerics::{
@@ -41,7 +42,7 @@ use crate::kv_cache::{Cells, LayerCache};
 use hmoe_backend::numerics::hsum16;
 
 mod lanes;
-use lanes::{chain_scores, LaneSoftmax, ROW_LANES};
+use lanes::{LaneSoftmax, ROW_LANES};
 
 /// Shape of one attention call.
 pub struct AttnShape {
@@ -819,7 +820,7 @@ fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 /// thread and the result still depends neither on the threads nor on the rest of the batch.
 ///
 /// The chunked kernel scores f32/f16 keys by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score, the
-/// query heads sharing a KV head in the lanes of one vector, [`chain_scores`]) instead of
+/// query heads sharing a KV head in the lanes of one vector, [`hmoe_quant::lane_scores`]) instead of
 /// `vec_dot`'s four 16-lane chains.
 ///
 /// Unlike llama.cpp, f32 keys and values are not rounded to f16 first (llama.cpp casts an
@@ -1079,13 +1080,26 @@ impl FlashTask<'_> {
             false => i * kv_per_task + j,
         };
         let v_heads_adjacent = !shape.v_in_k && !chain;
-        // f32/f16 keys are converted per block; block-typed keys are read in place.
-        let k_floats = match &cache.k {
-            Cells::Blocks { .. } => 0,
+        // f32/f16 keys are converted per block; block-typed keys are read in place, and so
+        // are f32/f16 keys and values by the chunked kernel.
+        let k_floats = match (&cache.k, chain) {
+            (Cells::Blocks { .. }, _) | (_, true) => 0,
             _ => kv_per_task * POS_BLOCK * kd,
         };
         let k_block = fit(&mut sc.k_block, k_floats);
-        let v_block = fit(&mut sc.v_block, kv_per_task * POS_BLOCK * vd);
+        // f32/f16 values are read in place by the chunked kernel, block-typed ones (bf16)
+        // converted one KV head's block at a time.
+        let v_in_place = match v_cells {
+            Cells::F32(v) => Some(LaneHeads::F32(v)),
+            Cells::F16(v) => Some(LaneHeads::F16(v)),
+            Cells::Blocks { .. } => None,
+        };
+        let v_floats = match (chain, v_in_place) {
+            (false, _) => kv_per_task * POS_BLOCK * vd,
+            (true, None) => POS_BLOCK * vd,
+            (true, Some(_)) => 0,
+        };
+        let v_block = fit(&mut sc.v_block, v_floats);
         let scores = fit(&mut sc.scores, n_rows * POS_BLOCK);
         let k_off = fit(&mut sc.k_off, kv_per_task * POS_BLOCK);
         let (rows, q_f, q_blocks, qt) = (&sc.rows, &sc.q, &sc.q_blocks, &sc.qt);
@@ -1147,6 +1161,84 @@ impl FlashTask<'_> {
             if b0 != lo && self.chunk != usize::MAX && b0.is_multiple_of(self.chunk) {
                 close_chunk(row_m, row_s, row_acc, dst);
             }
+            if chain {
+                // Each group of rows of a KV head scores the block's keys, steps its softmax
+                // and sums the values, in lanes.
+                let n = b1 - b0;
+                let mut lanes = [[0f32; ROW_LANES]; POS_BLOCK];
+                let (mut k_at, mut v_at) = ([0usize; POS_BLOCK], [0usize; POS_BLOCK]);
+                let k_heads = match &cache.k {
+                    Cells::F32(k) => LaneHeads::F32(k),
+                    Cells::F16(k) => LaneHeads::F16(k),
+                    Cells::Blocks { .. } => unreachable!("chained keys are f32/f16"),
+                };
+                // The next block of the task's heads, one part per head, read while this
+                // block's head computes (cut where it would wrap around the ring).
+                let next = b1..(b1 + POS_BLOCK).min(hi + 1);
+                let next_part = |width: usize, d: usize, j: usize| {
+                    if next.is_empty() {
+                        return 0..0;
+                    }
+                    let (c0, c1) = (next.start % cache.cells, (next.end - 1) % cache.cells);
+                    let c1 = if c1 < c0 { cache.cells - 1 } else { c1 };
+                    let (from, to) = (c0 * width + kvh0 * d, c1 * width + (kvh0 + kv_per_task) * d);
+                    let part = (to - from).div_ceil(kv_per_task);
+                    from + j * part..from + (j + 1) * part
+                };
+                for j in 0..kv_per_task {
+                    let k_ahead = Ahead::of(k_heads, next_part(k_width, kd, j));
+                    let v_ahead = match (v_in_place, shape.v_in_k) {
+                        (Some(v), false) => Ahead::of(v, next_part(v_width, vd, j)),
+                        _ => Ahead::default(),
+                    };
+                    for (i, p) in (b0..b1).enumerate() {
+                        let cell = p % cache.cells;
+                        k_at[i] = cell * k_width + (kvh0 + j) * kd;
+                        v_at[i] = match (v_in_place, shape.v_in_k) {
+                            (_, true) => k_at[i],
+                            (Some(_), false) => cell * v_width + (kvh0 + j) * vd,
+                            (None, false) => {
+                                values_at(cell, j, &mut v_block[i * vd..(i + 1) * vd]);
+                                i * vd
+                            }
+                        };
+                    }
+                    let v_heads = v_in_place.unwrap_or(LaneHeads::F32(v_block));
+                    for g in 0..n_groups {
+                        let jg = j * n_groups + g;
+                        let qt = &qt[jg * kd * ROW_LANES..(jg + 1) * kd * ROW_LANES];
+                        let k_ahead = if g == 0 { k_ahead } else { Ahead::default() };
+                        lane_scores(qt, k_heads, &k_at[..n], kd, &mut lanes[..n], k_ahead);
+                        let r0 = j * per_kv + g * ROW_LANES;
+                        let here = ROW_LANES.min(per_kv - g * ROW_LANES);
+                        for l in 0..ROW_LANES {
+                            match rows.get(r0 + l).filter(|_| l < here) {
+                                Some(span) => lane_sm.set_row(
+                                    l,
+                                    (row_m[r0 + l], row_s[r0 + l]),
+                                    (span.first, span.last),
+                                ),
+                                None => lane_sm.clear_row(l),
+                            }
+                        }
+                        lane_sm.step_block(&lanes[..n], shape.scale, b0);
+                        lane_values(
+                            lane_sm.factors(n),
+                            v_heads,
+                            &v_at[..n],
+                            vd,
+                            &mut row_acc[r0 * vd..],
+                            here,
+                            if g == 0 { v_ahead } else { Ahead::default() },
+                        );
+                        for l in 0..here {
+                            (row_m[r0 + l], row_s[r0 + l]) = lane_sm.row_state(l);
+                        }
+                    }
+                }
+                b0 = b1;
+                continue;
+            }
             // Every position of `lo..=hi` is seen by some row: the tile's queries are
             // consecutive, so their windows overlap or touch.
             for p in b0..b1 {
@@ -1184,44 +1276,6 @@ impl FlashTask<'_> {
                     (0..kv_per_task)
                         .for_each(|j| values_at(cell, j, &mut v_block[v_at(j)..v_at(j) + vd]));
                 }
-            }
-            if chain {
-                // Each group of rows of a KV head scores the block's keys, steps its softmax
-                // and sums the values, in lanes.
-                let n = b1 - b0;
-                let mut lanes = [[0f32; ROW_LANES]; POS_BLOCK];
-                for j in 0..kv_per_task {
-                    for g in 0..n_groups {
-                        let jg = j * n_groups + g;
-                        let qt = &qt[jg * kd * ROW_LANES..(jg + 1) * kd * ROW_LANES];
-                        chain_scores(
-                            qt,
-                            &k_block[slot(j, 0) * kd..slot(j, n) * kd],
-                            kd,
-                            &mut lanes[..n],
-                        );
-                        let r0 = j * per_kv + g * ROW_LANES;
-                        let here = ROW_LANES.min(per_kv - g * ROW_LANES);
-                        for l in 0..ROW_LANES {
-                            match rows.get(r0 + l).filter(|_| l < here) {
-                                Some(span) => lane_sm.set_row(
-                                    l,
-                                    (row_m[r0 + l], row_s[r0 + l]),
-                                    (span.first, span.last),
-                                ),
-                                None => lane_sm.clear_row(l),
-                            }
-                        }
-                        lane_sm.step_block(&lanes[..n], shape.scale, b0);
-                        let values = &v_block[v_slot(j, 0) * vd..v_slot(j, n) * vd];
-                        lane_sm.add_values(&mut row_acc[r0 * vd..], here, values, vd);
-                        for l in 0..here {
-                            (row_m[r0 + l], row_s[r0 + l]) = lane_sm.row_state(l);
-                        }
-                    }
-                }
-                b0 = b1;
-                continue;
             }
             if let (false, Cells::Blocks { data, .. }) = (q8_queries.is_empty(), &cache.k) {
                 for (j, queries) in q8_queries.iter().enumerate() {
@@ -1655,32 +1709,6 @@ pub(crate) mod tests {
                 dot_by_index(&a, &b).to_bits(),
                 "n {n}"
             );
-        }
-    }
-
-    #[test]
-    fn chain_scores_are_dot_chain() {
-        // Rows by lane, keys a full block and a remainder, heads of 64 and 80.
-        for kd in [64, 80] {
-            for n in [POS_BLOCK, 13] {
-                let rows: Vec<Vec<f32>> =
-                    (0..ROW_LANES).map(|l| noise(20 + l as u64, kd)).collect();
-                let keys = noise(9, n * kd);
-                let mut qt = vec![0f32; kd * ROW_LANES];
-                for (l, row) in rows.iter().enumerate() {
-                    for (e, &x) in row.iter().enumerate() {
-                        qt[e * ROW_LANES + l] = x;
-                    }
-                }
-                let mut out = vec![[0f32; ROW_LANES]; n];
-                chain_scores(&qt, &keys, kd, &mut out);
-                for (i, o) in out.iter().enumerate() {
-                    for (l, row) in rows.iter().enumerate() {
-                        let want = hmoe_backend::numerics::dot_chain(row, &keys[i * kd..][..kd]);
-                        assert_eq!(o[l].to_bits(), want.to_bits(), "head {kd} key {i} row {l}");
-                    }
-                }
-            }
         }
     }
 

@@ -2,6 +2,13 @@
 //! ([`softmax_lanes`]): per key in order, each lane that sees the key steps its running maximum
 //! and sum exactly as the row-at-a-time kernel does, and the key's factors for the value
 //! accumulators are kept. Every ISA gives the bits of the scalar code.
+//!
+//! Around it, the products of the same eight rows with a block of f32/f16 key and value heads
+//! read in place from the cache: [`lane_scores`] (one FMA chain per score, in element order)
+//! and [`lane_values`] (per key in order, the accumulators rescaled where a maximum rose, then
+//! one FMA per element).
+
+use half::f16;
 
 use crate::Isa;
 
@@ -86,6 +93,259 @@ fn softmax_lanes_on(
     }
 }
 
+/// Key or value heads of a cache in a float type the lane kernels read in place: head `i` of
+/// a call starts at element `at[i]`.
+#[derive(Clone, Copy, Debug)]
+pub enum LaneHeads<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl LaneHeads<'_> {
+    /// Whether `n` elements from each offset of `at` lie inside the heads.
+    fn holds(&self, at: &[usize], n: usize) -> bool {
+        let len = match self {
+            LaneHeads::F32(h) => h.len(),
+            LaneHeads::F16(h) => h.len(),
+        };
+        at.iter()
+            .all(|&a| a.checked_add(n).is_some_and(|end| end <= len))
+    }
+
+    /// Element `e` of the head at `at`, as f32.
+    #[inline(always)]
+    fn get(&self, at: usize, e: usize) -> f32 {
+        match self {
+            LaneHeads::F32(h) => h[at + e],
+            LaneHeads::F16(h) => h[at + e].to_f32(),
+        }
+    }
+}
+
+/// Memory a lane kernel asks the CPU to load while it computes, spread evenly over its keys
+/// (a few cache lines per key): the next block of the cache arrives while this one is
+/// computed. The kernels read one head of many positions at a time, a pattern the hardware
+/// prefetcher does not follow, and a burst of prefetches stalls the core, so the stream is
+/// paced by the work. A hint only: results never depend on it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ahead<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Ahead<'a> {
+    /// The heads `heads[range]` (out-of-range parts dropped).
+    pub fn of(heads: LaneHeads<'a>, range: std::ops::Range<usize>) -> Ahead<'a> {
+        let bytes = match heads {
+            LaneHeads::F32(h) => {
+                let h = &h[range.start.min(h.len())..range.end.min(h.len())];
+                // SAFETY: f32 has no padding and every byte of it is a valid u8; the length in
+                // bytes covers the same memory; u8 needs no alignment.
+                unsafe { std::slice::from_raw_parts(h.as_ptr().cast::<u8>(), 4 * h.len()) }
+            }
+            LaneHeads::F16(h) => {
+                crate::f16_bytes(&h[range.start.min(h.len())..range.end.min(h.len())])
+            }
+        };
+        Ahead { bytes }
+    }
+
+    /// This memory read in `steps` equal steps of whole cache lines.
+    fn paced(self, steps: usize) -> Paced<'a> {
+        let per = match steps {
+            0 => self.bytes.len(),
+            n => self.bytes.len().div_ceil(n).next_multiple_of(64),
+        };
+        Paced {
+            bytes: self.bytes,
+            per,
+        }
+    }
+}
+
+/// [`Ahead`] in steps of `per` bytes.
+struct Paced<'a> {
+    bytes: &'a [u8],
+    per: usize,
+}
+
+impl Paced<'_> {
+    /// Prefetches line `k` of step `i`, if the step has one.
+    #[inline(always)]
+    fn line(&self, i: usize, k: usize) {
+        let at = i * self.per + 64 * k;
+        if 64 * k < self.per && at < self.bytes.len() {
+            crate::prefetch(&self.bytes[at..at + 1]);
+        }
+    }
+
+    /// Prefetches the lines of step `i`.
+    #[inline(always)]
+    fn step(&self, i: usize) {
+        if self.bytes.is_empty() {
+            return;
+        }
+        let from = (i * self.per).min(self.bytes.len());
+        crate::prefetch(&self.bytes[from..(from + self.per).min(self.bytes.len())]);
+    }
+}
+
+/// Keys [`lane_scores`] scores at once (independent FMA chains).
+const KEYS_AT_ONCE: usize = 8;
+
+/// Longest head the vector lane kernels take (longer heads take the scalar code).
+#[cfg(target_arch = "x86_64")]
+const MAX_LANE_HEAD: usize = 256;
+
+/// `out[i][l]`: the score of key `i` (`kd` elements from `keys` at `at[i]`) for row `l` of
+/// `qt` (`qt[e·SOFTMAX_LANES + l]`: element `e` of row `l`), as one FMA chain in element
+/// order from 0, `s = q[e]·k[e] + s` (`hmoe_backend::numerics::dot_chain`).
+///
+/// `ahead` is read while the keys are (see [`Ahead`]).
+///
+/// # Panics
+/// If `qt` has fewer than `kd` elements per lane, `out` and `at` differ in length, or a key
+/// runs past `keys`.
+pub fn lane_scores(
+    qt: &[f32],
+    keys: LaneHeads,
+    at: &[usize],
+    kd: usize,
+    out: &mut [[f32; SOFTMAX_LANES]],
+    ahead: Ahead,
+) {
+    lane_scores_on(Isa::best(), qt, keys, at, kd, out, ahead)
+}
+
+/// [`lane_scores`] on `isa`, one this CPU has.
+fn lane_scores_on(
+    isa: Isa,
+    qt: &[f32],
+    keys: LaneHeads,
+    at: &[usize],
+    kd: usize,
+    out: &mut [[f32; SOFTMAX_LANES]],
+    ahead: Ahead,
+) {
+    assert!(qt.len() >= kd * SOFTMAX_LANES, "a query element per lane");
+    assert_eq!(out.len(), at.len(), "a score row per key");
+    assert!(keys.holds(at, kd), "keys inside the cache");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers pass only ISAs this CPU has, and both vector ISAs include AVX2, FMA
+        // and F16C; `qt` holds `kd` lanes' elements and every key `kd` elements (checked).
+        Isa::Avx512 if kd <= MAX_LANE_HEAD => unsafe {
+            x86::scores_avx512(qt, keys, at, kd, out, ahead)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if kd <= MAX_LANE_HEAD => unsafe { x86::scores(qt, keys, at, kd, out, ahead) },
+        _ => scalar_scores(qt, keys, at, kd, out, ahead),
+    }
+}
+
+/// [`lane_scores`] element by element.
+fn scalar_scores(
+    qt: &[f32],
+    keys: LaneHeads,
+    at: &[usize],
+    kd: usize,
+    out: &mut [[f32; SOFTMAX_LANES]],
+    ahead: Ahead,
+) {
+    let ahead = ahead.paced(at.len());
+    for (i, (&a, dst)) in at.iter().zip(out).enumerate() {
+        ahead.step(i);
+        let mut acc = [0f32; SOFTMAX_LANES];
+        for (e, q) in qt.chunks_exact(SOFTMAX_LANES).take(kd).enumerate() {
+            let k = keys.get(a, e);
+            for (x, &qv) in acc.iter_mut().zip(q) {
+                *x = qv.mul_add(k, *x);
+            }
+        }
+        *dst = acc;
+    }
+}
+
+/// Adds the values of the keys whose factors are `factors` (key `i`'s value head: `vd`
+/// elements of `values` at `at[i]`) into the accumulators of the first `rows` lanes
+/// (`acc[l·vd..]`): per key in order, `acc *= ms` where some lane's maximum rose, then `acc =
+/// fma(v, vs, acc)` in the lanes that see the key. `ahead` is read while the values are (see
+/// [`Ahead`]).
+///
+/// # Panics
+/// If `rows` exceeds the lanes, `acc` is shorter than `rows` heads, `factors` and `at` differ
+/// in length, or a value runs past `values`.
+pub fn lane_values(
+    factors: &[LaneFactors],
+    values: LaneHeads,
+    at: &[usize],
+    vd: usize,
+    acc: &mut [f32],
+    rows: usize,
+    ahead: Ahead,
+) {
+    lane_values_on(Isa::best(), factors, values, at, vd, acc, rows, ahead)
+}
+
+/// [`lane_values`] on `isa`, one this CPU has.
+#[allow(clippy::too_many_arguments)]
+fn lane_values_on(
+    isa: Isa,
+    factors: &[LaneFactors],
+    values: LaneHeads,
+    at: &[usize],
+    vd: usize,
+    acc: &mut [f32],
+    rows: usize,
+    ahead: Ahead,
+) {
+    assert!(rows <= SOFTMAX_LANES, "a row per lane");
+    assert!(acc.len() >= rows * vd, "an accumulator per row");
+    assert_eq!(factors.len(), at.len(), "factors per key");
+    assert!(values.holds(at, vd), "values inside the cache");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `lane_scores_on`; every value head holds `vd` elements and `acc`
+        // `rows` heads (checked).
+        Isa::Avx512 if vd.is_multiple_of(16) => unsafe {
+            x86::values_avx512(factors, values, at, vd, acc, rows, ahead)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 | Isa::Avx512 if vd.is_multiple_of(8) => unsafe {
+            x86::values(factors, values, at, vd, acc, rows, ahead)
+        },
+        _ => scalar_values(factors, values, at, vd, acc, rows, ahead),
+    }
+}
+
+/// [`lane_values`] element by element.
+fn scalar_values(
+    factors: &[LaneFactors],
+    values: LaneHeads,
+    at: &[usize],
+    vd: usize,
+    acc: &mut [f32],
+    rows: usize,
+    ahead: Ahead,
+) {
+    let ahead = ahead.paced(at.len());
+    for (i, (f, &a)) in factors.iter().zip(at).enumerate() {
+        ahead.step(i);
+        for l in 0..rows {
+            let acc = &mut acc[l * vd..(l + 1) * vd];
+            if f.raise != 0 {
+                acc.iter_mut().for_each(|x| *x *= f.ms[l]);
+            }
+            if f.seen >> l & 1 == 1 {
+                for (e, x) in acc.iter_mut().enumerate() {
+                    *x = values.get(a, e).mul_add(f.vs[l], *x);
+                }
+            }
+        }
+    }
+}
+
 /// The first pass: per key in order, which lanes see it, which maxima it raises, and the
 /// argument of its exponential in `e` (0 for lanes that do not see it).
 fn scalar_maxima(
@@ -140,7 +400,7 @@ fn scalar_factors(
 mod x86 {
     use core::arch::x86_64::*;
 
-    use super::{LaneFactors, SOFTMAX_LANES};
+    use super::{Ahead, LaneFactors, LaneHeads, KEYS_AT_ONCE, MAX_LANE_HEAD, SOFTMAX_LANES};
 
     /// The lanes whose bit is set in `bits`, as a vector mask.
     #[inline(always)]
@@ -182,6 +442,224 @@ mod x86 {
             f.raise = _mm256_movemask_ps(raise) as u8;
         }
         _mm256_storeu_ps(m.as_mut_ptr(), mv);
+    }
+
+    /// Eight elements of the head at `at` from element `e`, as f32.
+    ///
+    /// Safety: AVX2 and F16C present; `at + e + 8` inside the heads.
+    #[inline(always)]
+    unsafe fn load8(heads: LaneHeads, at: usize, e: usize) -> __m256 {
+        match heads {
+            LaneHeads::F32(h) => _mm256_loadu_ps(h.as_ptr().add(at + e)),
+            LaneHeads::F16(h) => _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().add(at + e).cast())),
+        }
+    }
+
+    /// [`super::scalar_scores`] with `N` keys in flight, each an FMA chain of its broadcast
+    /// elements times the rows' query vector (f16 keys converted to f32 first). A short last
+    /// group repeats its first key in the missing slots and drops their scores.
+    ///
+    /// Safety: AVX2, FMA and F16C present; `N ≤ 2·KEYS_AT_ONCE`; `kd ≤ MAX_LANE_HEAD`; `qt`
+    /// holds `kd` vectors and every key `kd` elements.
+    #[inline(always)]
+    unsafe fn scores_n<const N: usize>(
+        qt: &[f32],
+        keys: LaneHeads,
+        at: &[usize],
+        kd: usize,
+        out: &mut [[f32; SOFTMAX_LANES]],
+        ahead: Ahead,
+    ) {
+        let ahead = ahead.paced(at.len().div_ceil(N));
+        // The group's keys as f32 at a fixed stride, so that one pointer and constant offsets
+        // address all of them (no register per key); written before they are read.
+        let mut converted =
+            std::mem::MaybeUninit::<[f32; 2 * KEYS_AT_ONCE * MAX_LANE_HEAD]>::uninit();
+        let converted = converted.as_mut_ptr().cast::<f32>();
+        for (step, (at, dst)) in at.chunks(N).zip(out.chunks_mut(N)).enumerate() {
+            for u in 0..N {
+                let head = at.get(u).copied().unwrap_or(at[0]);
+                let dst = converted.add(u * MAX_LANE_HEAD);
+                match keys {
+                    LaneHeads::F32(h) => {
+                        std::ptr::copy_nonoverlapping(h.as_ptr().add(head), dst, kd)
+                    }
+                    LaneHeads::F16(h) => {
+                        let src = h.as_ptr().add(head);
+                        let mut e = 0;
+                        while e + 8 <= kd {
+                            let x = _mm256_cvtph_ps(_mm_loadu_si128(src.add(e).cast()));
+                            _mm256_storeu_ps(dst.add(e), x);
+                            e += 8;
+                        }
+                        for e in e..kd {
+                            *dst.add(e) = (*src.add(e)).to_f32();
+                        }
+                    }
+                }
+            }
+            let mut acc = [_mm256_setzero_ps(); N];
+            for e in 0..kd {
+                // The step's memory ahead, a line per element (the rest after the loop).
+                ahead.line(step, e);
+                let q = _mm256_loadu_ps(qt.as_ptr().add(e * SOFTMAX_LANES));
+                let k = converted.add(e);
+                for (u, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(q, _mm256_broadcast_ss(&*k.add(u * MAX_LANE_HEAD)), *a);
+                }
+            }
+            for (d, a) in dst.iter_mut().zip(&acc) {
+                _mm256_storeu_ps(d.as_mut_ptr(), *a);
+            }
+            for k in kd..ahead.per.div_ceil(64) {
+                ahead.line(step, k);
+            }
+        }
+    }
+
+    /// [`scores_n`] with [`KEYS_AT_ONCE`] keys in flight (16 registers).
+    ///
+    /// Safety: as [`scores_n`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores(
+        qt: &[f32],
+        keys: LaneHeads,
+        at: &[usize],
+        kd: usize,
+        out: &mut [[f32; SOFTMAX_LANES]],
+        ahead: Ahead,
+    ) {
+        scores_n::<KEYS_AT_ONCE>(qt, keys, at, kd, out, ahead)
+    }
+
+    /// [`scores_n`] with twice [`KEYS_AT_ONCE`] keys in flight (AVX-512's 32 registers): each
+    /// chain then waits less than an FMA's latency.
+    ///
+    /// Safety: as [`scores_n`], and AVX-512 F/VL present.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    pub(super) unsafe fn scores_avx512(
+        qt: &[f32],
+        keys: LaneHeads,
+        at: &[usize],
+        kd: usize,
+        out: &mut [[f32; SOFTMAX_LANES]],
+        ahead: Ahead,
+    ) {
+        scores_n::<{ 2 * KEYS_AT_ONCE }>(qt, keys, at, kd, out, ahead)
+    }
+
+    /// Per key in order: `a *= ms` where some lane's maximum rose, then `a = fma(v, vs, a)` in
+    /// the lanes that see the key, over one slice of every row's accumulator (`a[l]`).
+    #[inline(always)]
+    unsafe fn step_rows<V: Copy>(
+        a: &mut [V; SOFTMAX_LANES],
+        f: &LaneFactors,
+        v: V,
+        mul: impl Fn(V, f32) -> V,
+        fma: impl Fn(V, f32, V) -> V,
+    ) {
+        if f.raise != 0 {
+            for (a, &ms) in a.iter_mut().zip(&f.ms) {
+                *a = mul(*a, ms);
+            }
+        }
+        if f.seen == u8::MAX {
+            for (a, &vs) in a.iter_mut().zip(&f.vs) {
+                *a = fma(v, vs, *a);
+            }
+        } else {
+            for (l, (a, &vs)) in a.iter_mut().zip(&f.vs).enumerate() {
+                if f.seen >> l & 1 == 1 {
+                    *a = fma(v, vs, *a);
+                }
+            }
+        }
+    }
+
+    /// [`super::scalar_values`]: eight elements of every row's accumulator held in registers
+    /// across all the keys.
+    ///
+    /// Safety: AVX2, FMA and F16C present; `vd` a multiple of 8; every value head holds `vd`
+    /// elements and `acc` `rows ≤ SOFTMAX_LANES` heads.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn values(
+        factors: &[LaneFactors],
+        values: LaneHeads,
+        at: &[usize],
+        vd: usize,
+        acc: &mut [f32],
+        rows: usize,
+        ahead: Ahead,
+    ) {
+        let ahead = ahead.paced(at.len());
+        for d0 in (0..vd).step_by(8) {
+            let mut a = [_mm256_setzero_ps(); SOFTMAX_LANES];
+            for (l, a) in a.iter_mut().enumerate().take(rows) {
+                *a = _mm256_loadu_ps(acc.as_ptr().add(l * vd + d0));
+            }
+            for (i, (f, &head)) in factors.iter().zip(at).enumerate() {
+                if d0 == 0 {
+                    ahead.step(i);
+                }
+                let v = load8(values, head, d0);
+                step_rows(
+                    &mut a,
+                    f,
+                    v,
+                    |a, ms| _mm256_mul_ps(a, _mm256_set1_ps(ms)),
+                    |v, vs, a| _mm256_fmadd_ps(v, _mm256_set1_ps(vs), a),
+                );
+            }
+            for (l, a) in a.iter().enumerate().take(rows) {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(l * vd + d0), *a);
+            }
+        }
+    }
+
+    /// [`values`] sixteen elements of each row at a time: one FMA per row and key then
+    /// outlasts the FMA's latency.
+    ///
+    /// Safety: as [`values`], AVX-512 F present and `vd` a multiple of 16.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub(super) unsafe fn values_avx512(
+        factors: &[LaneFactors],
+        values: LaneHeads,
+        at: &[usize],
+        vd: usize,
+        acc: &mut [f32],
+        rows: usize,
+        ahead: Ahead,
+    ) {
+        let ahead = ahead.paced(at.len());
+        for d0 in (0..vd).step_by(16) {
+            let mut a = [_mm512_setzero_ps(); SOFTMAX_LANES];
+            for (l, a) in a.iter_mut().enumerate().take(rows) {
+                *a = _mm512_loadu_ps(acc.as_ptr().add(l * vd + d0));
+            }
+            for (i, (f, &head)) in factors.iter().zip(at).enumerate() {
+                if d0 == 0 {
+                    ahead.step(i);
+                }
+                let v = match values {
+                    LaneHeads::F32(h) => _mm512_loadu_ps(h.as_ptr().add(head + d0)),
+                    LaneHeads::F16(h) => {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr().add(head + d0).cast()))
+                    }
+                };
+                step_rows(
+                    &mut a,
+                    f,
+                    v,
+                    |a, ms| _mm512_mul_ps(a, _mm512_set1_ps(ms)),
+                    |v, vs, a| _mm512_fmadd_ps(v, _mm512_set1_ps(vs), a),
+                );
+            }
+            for (l, a) in a.iter().enumerate().take(rows) {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(l * vd + d0), *a);
+            }
+        }
     }
 
     /// [`super::scalar_factors`].
@@ -254,6 +732,131 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Every ISA this CPU has.
+    fn isas() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|isa| isa.is_available())
+            .collect()
+    }
+
+    /// `v` as f16 (and back, exactly), and the offsets of `n` heads of `d` elements spread
+    /// over it out of order, `gap` elements apart.
+    fn heads(v: &[f32], n: usize, d: usize, gap: usize) -> (Vec<f16>, Vec<usize>) {
+        let h = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let at = (0..n).map(|i| (i * 7 % n) * (d + gap)).collect();
+        (h, at)
+    }
+
+    #[test]
+    fn lane_scores_are_one_fma_chain_per_key_and_row() {
+        // Heads of 64 (gpt-oss), 80, 72 (a tail of 8 only), 20 (a tail shorter than 8) and
+        // 300 (longer than the vector kernels take); whole groups, a short last group, one key.
+        for kd in [64, 80, 72, 20, 300] {
+            for n in [32, 13, 1] {
+                let qt = noise(3, kd * SOFTMAX_LANES);
+                let gap = 5;
+                let cache = noise(4, n * (kd + gap));
+                let (half, at) = heads(&cache, n, kd, gap);
+                let half_f32: Vec<f32> = half.iter().map(|h| h.to_f32()).collect();
+                for isa in isas() {
+                    for (keys, exact) in [
+                        (LaneHeads::F32(&cache), &cache),
+                        (LaneHeads::F16(&half), &half_f32),
+                    ] {
+                        let mut out = vec![[0f32; SOFTMAX_LANES]; n];
+                        let ahead = Ahead::of(keys, 0..kd * 3);
+                        lane_scores_on(isa, &qt, keys, &at, kd, &mut out, ahead);
+                        for (i, o) in out.iter().enumerate() {
+                            for (l, &got) in o.iter().enumerate() {
+                                let k = &exact[at[i]..at[i] + kd];
+                                let want = (0..kd)
+                                    .fold(0f32, |s, e| qt[e * SOFTMAX_LANES + l].mul_add(k[e], s));
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want.to_bits(),
+                                    "{isa:?} kd {kd} n {n} key {i} lane {l}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lane_values_step_each_row_as_the_scalar_code() {
+        // Heads of 64 (every kernel), 88 (AVX2's, not AVX-512's), 20 (the scalar code's); all
+        // rows and fewer; keys that raise maxima, that some lanes do not see, and both.
+        for vd in [64, 88, 20] {
+            for rows in [SOFTMAX_LANES, 5] {
+                let n = 37;
+                let gap = 3;
+                let cache = noise(5, n * (vd + gap));
+                let (half, at) = heads(&cache, n, vd, gap);
+                let factors: Vec<LaneFactors> = (0..n)
+                    .map(|i| {
+                        let w = noise(100 + i as u64, 2 * SOFTMAX_LANES);
+                        LaneFactors {
+                            ms: std::array::from_fn(|l| w[l].abs() / 8.0),
+                            vs: std::array::from_fn(|l| w[SOFTMAX_LANES + l] / 8.0),
+                            seen: [u8::MAX, 0b1011_0110, 0, u8::MAX][i % 4],
+                            raise: [0, 0, 0b0100_0001, 0b1000_0000, 0, 0b0000_0100][i % 6],
+                        }
+                    })
+                    .collect();
+                let acc0 = noise(6, rows * vd);
+                for values in [LaneHeads::F32(&cache), LaneHeads::F16(&half)] {
+                    let mut want = acc0.clone();
+                    scalar_values(&factors, values, &at, vd, &mut want, rows, Ahead::default());
+                    // The scalar code itself: per key, row and element.
+                    let mut naive = acc0.clone();
+                    for (f, &a) in factors.iter().zip(&at) {
+                        for l in 0..rows {
+                            for e in 0..vd {
+                                let x = &mut naive[l * vd + e];
+                                if f.raise != 0 {
+                                    *x *= f.ms[l];
+                                }
+                                if f.seen >> l & 1 == 1 {
+                                    *x = values.get(a, e).mul_add(f.vs[l], *x);
+                                }
+                            }
+                        }
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&want), bits(&naive), "scalar vd {vd}");
+                    for isa in isas() {
+                        let mut got = acc0.clone();
+                        let ahead = Ahead::of(values, 0..vd * 5);
+                        lane_values_on(isa, &factors, values, &at, vd, &mut got, rows, ahead);
+                        assert_eq!(bits(&got), bits(&want), "{isa:?} vd {vd} rows {rows}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lane_kernels_refuse_heads_outside_the_cache() {
+        let cache = vec![0f32; 100];
+        let qt = vec![0f32; 64 * SOFTMAX_LANES];
+        let mut out = vec![[0f32; SOFTMAX_LANES]; 1];
+        let keys = LaneHeads::F32(&cache);
+        let past_end = std::panic::catch_unwind(|| {
+            lane_scores(&qt, keys, &[40], 64, &mut out.clone(), Ahead::default())
+        });
+        assert!(past_end.is_err(), "a key past the cache");
+        lane_scores(&qt, keys, &[36], 64, &mut out, Ahead::of(keys, 90..1000));
+        let mut acc = vec![0f32; 64];
+        let f = [LaneFactors::default()];
+        let past_end = std::panic::catch_unwind(move || {
+            lane_values(&f, keys, &[usize::MAX], 64, &mut acc, 1, Ahead::default())
+        });
+        assert!(past_end.is_err(), "a value head past the cache");
     }
 
     #[test]

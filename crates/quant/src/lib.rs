@@ -109,7 +109,9 @@ pub use attn::{expf_ggml, expf_ggml_slice, f16_head_scores, f16_value_lanes, VAL
 pub use exp::{expf, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
-pub use lanes::{softmax_lanes, LaneFactors, SOFTMAX_LANES};
+pub use lanes::{
+    lane_scores, lane_values, softmax_lanes, Ahead, LaneFactors, LaneHeads, SOFTMAX_LANES,
+};
 pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::GgmlType;
@@ -403,26 +405,37 @@ pub fn dequantize_row_with(
     Ok(())
 }
 
-/// Asks the CPU to start loading `bytes` into its caches: a hint for data that will be read
+/// Asks the CPU to start loading `items` into its caches: a hint for data that will be read
 /// soon from scattered places (a KV cache), with no effect on results.
 #[inline]
-pub fn prefetch(bytes: &[u8]) {
+pub fn prefetch<T>(items: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        let start = bytes.as_ptr() as usize & !63;
-        let end = bytes.as_ptr() as usize + bytes.len();
-        for line in (start..end).step_by(64) {
-            // SAFETY: a prefetch is a hint that never faults or changes memory; `line` is the
-            // first byte of a cache line that holds part of `bytes`.
-            unsafe {
-                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                    line as *const i8,
-                )
-            };
-        }
-    }
+    prefetch_lines::<{ core::arch::x86_64::_MM_HINT_T0 }, T>(items);
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
+    let _ = items;
+}
+
+/// [`prefetch`] into the second-level cache only: for runs larger than the first-level
+/// cache, asked for a block ahead, that would evict what is being read.
+#[inline]
+pub fn prefetch_l2<T>(items: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_lines::<{ core::arch::x86_64::_MM_HINT_T1 }, T>(items);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = items;
+}
+
+/// Prefetches every cache line of `items` with hint `HINT`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const HINT: i32, T>(items: &[T]) {
+    let start = items.as_ptr() as usize & !63;
+    let end = items.as_ptr() as usize + std::mem::size_of_val(items);
+    for line in (start..end).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults or changes memory; `line` is the
+        // first byte of a cache line that holds part of `items`.
+        unsafe { core::arch::x86_64::_mm_prefetch::<HINT>(line as *const i8) };
+    }
 }
 
 /// f16 values as the F16 row bytes the kernels take (little-endian, as GGUF stores them),
