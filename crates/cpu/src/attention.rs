@@ -1185,14 +1185,20 @@ impl FlashTask<'_> {
                     let part = (to - from).div_ceil(kv_per_task);
                     from + j * part..from + (j + 1) * part
                 };
+                // The block's cells, counted on around the ring (no division per position).
+                let mut cells = [0usize; POS_BLOCK];
+                let mut cell = b0 % cache.cells;
+                for c in &mut cells[..n] {
+                    *c = cell;
+                    cell = if cell + 1 == cache.cells { 0 } else { cell + 1 };
+                }
                 for j in 0..kv_per_task {
                     let k_ahead = Ahead::of(k_heads, next_part(k_width, kd, j));
                     let v_ahead = match (v_in_place, shape.v_in_k) {
                         (Some(v), false) => Ahead::of(v, next_part(v_width, vd, j)),
                         _ => Ahead::default(),
                     };
-                    for (i, p) in (b0..b1).enumerate() {
-                        let cell = p % cache.cells;
+                    for (i, &cell) in cells[..n].iter().enumerate() {
                         k_at[i] = cell * k_width + (kvh0 + j) * kd;
                         v_at[i] = match (v_in_place, shape.v_in_k) {
                             (_, true) => k_at[i],

@@ -400,7 +400,9 @@ fn scalar_factors(
 mod x86 {
     use core::arch::x86_64::*;
 
-    use super::{Ahead, LaneFactors, LaneHeads, KEYS_AT_ONCE, MAX_LANE_HEAD, SOFTMAX_LANES};
+    use half::f16;
+
+    use super::{Ahead, LaneFactors, LaneHeads, Paced, KEYS_AT_ONCE, MAX_LANE_HEAD, SOFTMAX_LANES};
 
     /// The lanes whose bit is set in `bits`, as a vector mask.
     #[inline(always)]
@@ -444,58 +446,78 @@ mod x86 {
         _mm256_storeu_ps(m.as_mut_ptr(), mv);
     }
 
-    /// Eight elements of the head at `at` from element `e`, as f32.
-    ///
-    /// Safety: AVX2 and F16C present; `at + e + 8` inside the heads.
-    #[inline(always)]
-    unsafe fn load8(heads: LaneHeads, at: usize, e: usize) -> __m256 {
-        match heads {
-            LaneHeads::F32(h) => _mm256_loadu_ps(h.as_ptr().add(at + e)),
-            LaneHeads::F16(h) => _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().add(at + e).cast())),
+    /// An element type of the heads, loaded as f32.
+    trait Elem: Copy {
+        /// Eight elements from `p`.
+        unsafe fn load8(p: *const Self) -> __m256;
+        /// Sixteen elements from `p` (AVX-512 F).
+        unsafe fn load16(p: *const Self) -> __m512;
+        /// One element at `p`.
+        unsafe fn get(p: *const Self) -> f32;
+    }
+
+    impl Elem for f32 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn get(p: *const f32) -> f32 {
+            *p
+        }
+    }
+
+    impl Elem for f16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        }
+        #[inline(always)]
+        unsafe fn get(p: *const f16) -> f32 {
+            (*p).to_f32()
         }
     }
 
     /// [`super::scalar_scores`] with `N` keys in flight, each an FMA chain of its broadcast
-    /// elements times the rows' query vector (f16 keys converted to f32 first). A short last
-    /// group repeats its first key in the missing slots and drops their scores.
+    /// elements times the rows' query vector (keys first copied as f32 at a fixed stride,
+    /// so that one pointer and constant offsets address all of them). A short last group
+    /// repeats its first key in the missing slots and drops their scores.
     ///
     /// Safety: AVX2, FMA and F16C present; `N ≤ 2·KEYS_AT_ONCE`; `kd ≤ MAX_LANE_HEAD`; `qt`
-    /// holds `kd` vectors and every key `kd` elements.
+    /// holds `kd` vectors and every key `kd` elements of `keys`.
     #[inline(always)]
-    unsafe fn scores_n<const N: usize>(
+    unsafe fn scores_n<const N: usize, E: Elem>(
         qt: &[f32],
-        keys: LaneHeads,
+        keys: &[E],
         at: &[usize],
         kd: usize,
         out: &mut [[f32; SOFTMAX_LANES]],
         ahead: Ahead,
     ) {
         let ahead = ahead.paced(at.len().div_ceil(N));
-        // The group's keys as f32 at a fixed stride, so that one pointer and constant offsets
-        // address all of them (no register per key); written before they are read.
+        // Written before they are read.
         let mut converted =
             std::mem::MaybeUninit::<[f32; 2 * KEYS_AT_ONCE * MAX_LANE_HEAD]>::uninit();
         let converted = converted.as_mut_ptr().cast::<f32>();
         for (step, (at, dst)) in at.chunks(N).zip(out.chunks_mut(N)).enumerate() {
             for u in 0..N {
                 let head = at.get(u).copied().unwrap_or(at[0]);
-                let dst = converted.add(u * MAX_LANE_HEAD);
-                match keys {
-                    LaneHeads::F32(h) => {
-                        std::ptr::copy_nonoverlapping(h.as_ptr().add(head), dst, kd)
-                    }
-                    LaneHeads::F16(h) => {
-                        let src = h.as_ptr().add(head);
-                        let mut e = 0;
-                        while e + 8 <= kd {
-                            let x = _mm256_cvtph_ps(_mm_loadu_si128(src.add(e).cast()));
-                            _mm256_storeu_ps(dst.add(e), x);
-                            e += 8;
-                        }
-                        for e in e..kd {
-                            *dst.add(e) = (*src.add(e)).to_f32();
-                        }
-                    }
+                let (src, dst) = (keys.as_ptr().add(head), converted.add(u * MAX_LANE_HEAD));
+                let mut e = 0;
+                while e + 8 <= kd {
+                    _mm256_storeu_ps(dst.add(e), E::load8(src.add(e)));
+                    e += 8;
+                }
+                for e in e..kd {
+                    *dst.add(e) = E::get(src.add(e));
                 }
             }
             let mut acc = [_mm256_setzero_ps(); N];
@@ -529,7 +551,10 @@ mod x86 {
         out: &mut [[f32; SOFTMAX_LANES]],
         ahead: Ahead,
     ) {
-        scores_n::<KEYS_AT_ONCE>(qt, keys, at, kd, out, ahead)
+        match keys {
+            LaneHeads::F32(h) => scores_n::<KEYS_AT_ONCE, _>(qt, h, at, kd, out, ahead),
+            LaneHeads::F16(h) => scores_n::<KEYS_AT_ONCE, _>(qt, h, at, kd, out, ahead),
+        }
     }
 
     /// [`scores_n`] with twice [`KEYS_AT_ONCE`] keys in flight (AVX-512's 32 registers): each
@@ -545,7 +570,11 @@ mod x86 {
         out: &mut [[f32; SOFTMAX_LANES]],
         ahead: Ahead,
     ) {
-        scores_n::<{ 2 * KEYS_AT_ONCE }>(qt, keys, at, kd, out, ahead)
+        const N: usize = 2 * KEYS_AT_ONCE;
+        match keys {
+            LaneHeads::F32(h) => scores_n::<N, _>(qt, h, at, kd, out, ahead),
+            LaneHeads::F16(h) => scores_n::<N, _>(qt, h, at, kd, out, ahead),
+        }
     }
 
     /// Per key in order: `a *= ms` where some lane's maximum rose, then `a = fma(v, vs, a)` in
@@ -576,11 +605,116 @@ mod x86 {
         }
     }
 
-    /// [`super::scalar_values`]: eight elements of every row's accumulator held in registers
-    /// across all the keys.
+    /// One slice of `W` elements from `d0` of every row's accumulator, held in registers
+    /// (`V`, loaded by `load` and stored by `store`) across all the keys; the first slice
+    /// (`AHEAD`) paces the prefetch, a step per key.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn values_slice<V: Copy, E: Elem, const AHEAD: bool>(
+        factors: &[LaneFactors],
+        values: &[E],
+        at: &[usize],
+        acc: *mut f32,
+        (vd, d0, rows): (usize, usize, usize),
+        ahead: &Paced,
+        (zero, load, store): (V, impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
+        (load_v, mul, fma): (
+            impl Fn(*const E) -> V,
+            impl Fn(V, f32) -> V,
+            impl Fn(V, f32, V) -> V,
+        ),
+    ) {
+        let mut a = [zero; SOFTMAX_LANES];
+        for (l, a) in a.iter_mut().enumerate().take(rows) {
+            *a = load(acc.add(l * vd + d0));
+        }
+        for (i, (f, &head)) in factors.iter().zip(at).enumerate() {
+            if AHEAD {
+                ahead.step(i);
+            }
+            let v = load_v(values.as_ptr().add(head + d0));
+            step_rows(&mut a, f, v, &mul, &fma);
+        }
+        for (l, a) in a.iter().enumerate().take(rows) {
+            store(acc.add(l * vd + d0), *a);
+        }
+    }
+
+    /// [`super::scalar_values`], eight elements of each row at a time.
     ///
     /// Safety: AVX2, FMA and F16C present; `vd` a multiple of 8; every value head holds `vd`
-    /// elements and `acc` `rows ≤ SOFTMAX_LANES` heads.
+    /// elements of `values` and `acc` `rows ≤ SOFTMAX_LANES` heads.
+    #[inline(always)]
+    unsafe fn values_8<E: Elem>(
+        factors: &[LaneFactors],
+        values: &[E],
+        at: &[usize],
+        (vd, rows): (usize, usize),
+        acc: &mut [f32],
+        ahead: Ahead,
+    ) {
+        let ahead = ahead.paced(at.len());
+        let regs = (
+            _mm256_setzero_ps(),
+            |p: *const f32| _mm256_loadu_ps(p),
+            |p: *mut f32, v| _mm256_storeu_ps(p, v),
+        );
+        let ops = (
+            |p: *const E| E::load8(p),
+            |a, ms| _mm256_mul_ps(a, _mm256_set1_ps(ms)),
+            |v, vs, a| _mm256_fmadd_ps(v, _mm256_set1_ps(vs), a),
+        );
+        let acc = acc.as_mut_ptr();
+        for d0 in (0..vd).step_by(8) {
+            let shape = (vd, d0, rows);
+            match d0 {
+                0 => values_slice::<_, _, true>(factors, values, at, acc, shape, &ahead, regs, ops),
+                _ => {
+                    values_slice::<_, _, false>(factors, values, at, acc, shape, &ahead, regs, ops)
+                }
+            }
+        }
+    }
+
+    /// [`values_8`] sixteen elements of each row at a time: one FMA per row and key then
+    /// outlasts the FMA's latency.
+    ///
+    /// Safety: as [`values_8`], AVX-512 F present and `vd` a multiple of 16.
+    #[inline(always)]
+    unsafe fn values_16<E: Elem>(
+        factors: &[LaneFactors],
+        values: &[E],
+        at: &[usize],
+        (vd, rows): (usize, usize),
+        acc: &mut [f32],
+        ahead: Ahead,
+    ) {
+        let ahead = ahead.paced(at.len());
+        let regs = (
+            _mm512_setzero_ps(),
+            |p: *const f32| _mm512_loadu_ps(p),
+            |p: *mut f32, v| _mm512_storeu_ps(p, v),
+        );
+        let ops = (
+            |p: *const E| E::load16(p),
+            |a, ms| _mm512_mul_ps(a, _mm512_set1_ps(ms)),
+            |v, vs, a| _mm512_fmadd_ps(v, _mm512_set1_ps(vs), a),
+        );
+        let acc = acc.as_mut_ptr();
+        for d0 in (0..vd).step_by(16) {
+            let shape = (vd, d0, rows);
+            match d0 {
+                0 => values_slice::<_, _, true>(factors, values, at, acc, shape, &ahead, regs, ops),
+                _ => {
+                    values_slice::<_, _, false>(factors, values, at, acc, shape, &ahead, regs, ops)
+                }
+            }
+        }
+    }
+
+    /// [`values_8`] for either element type.
+    ///
+    /// Safety: as [`values_8`].
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn values(
@@ -592,35 +726,15 @@ mod x86 {
         rows: usize,
         ahead: Ahead,
     ) {
-        let ahead = ahead.paced(at.len());
-        for d0 in (0..vd).step_by(8) {
-            let mut a = [_mm256_setzero_ps(); SOFTMAX_LANES];
-            for (l, a) in a.iter_mut().enumerate().take(rows) {
-                *a = _mm256_loadu_ps(acc.as_ptr().add(l * vd + d0));
-            }
-            for (i, (f, &head)) in factors.iter().zip(at).enumerate() {
-                if d0 == 0 {
-                    ahead.step(i);
-                }
-                let v = load8(values, head, d0);
-                step_rows(
-                    &mut a,
-                    f,
-                    v,
-                    |a, ms| _mm256_mul_ps(a, _mm256_set1_ps(ms)),
-                    |v, vs, a| _mm256_fmadd_ps(v, _mm256_set1_ps(vs), a),
-                );
-            }
-            for (l, a) in a.iter().enumerate().take(rows) {
-                _mm256_storeu_ps(acc.as_mut_ptr().add(l * vd + d0), *a);
-            }
+        match values {
+            LaneHeads::F32(h) => values_8(factors, h, at, (vd, rows), acc, ahead),
+            LaneHeads::F16(h) => values_8(factors, h, at, (vd, rows), acc, ahead),
         }
     }
 
-    /// [`values`] sixteen elements of each row at a time: one FMA per row and key then
-    /// outlasts the FMA's latency.
+    /// [`values_16`] for either element type.
     ///
-    /// Safety: as [`values`], AVX-512 F present and `vd` a multiple of 16.
+    /// Safety: as [`values_16`].
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     pub(super) unsafe fn values_avx512(
@@ -632,33 +746,9 @@ mod x86 {
         rows: usize,
         ahead: Ahead,
     ) {
-        let ahead = ahead.paced(at.len());
-        for d0 in (0..vd).step_by(16) {
-            let mut a = [_mm512_setzero_ps(); SOFTMAX_LANES];
-            for (l, a) in a.iter_mut().enumerate().take(rows) {
-                *a = _mm512_loadu_ps(acc.as_ptr().add(l * vd + d0));
-            }
-            for (i, (f, &head)) in factors.iter().zip(at).enumerate() {
-                if d0 == 0 {
-                    ahead.step(i);
-                }
-                let v = match values {
-                    LaneHeads::F32(h) => _mm512_loadu_ps(h.as_ptr().add(head + d0)),
-                    LaneHeads::F16(h) => {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr().add(head + d0).cast()))
-                    }
-                };
-                step_rows(
-                    &mut a,
-                    f,
-                    v,
-                    |a, ms| _mm512_mul_ps(a, _mm512_set1_ps(ms)),
-                    |v, vs, a| _mm512_fmadd_ps(v, _mm512_set1_ps(vs), a),
-                );
-            }
-            for (l, a) in a.iter().enumerate().take(rows) {
-                _mm512_storeu_ps(acc.as_mut_ptr().add(l * vd + d0), *a);
-            }
+        match values {
+            LaneHeads::F32(h) => values_16(factors, h, at, (vd, rows), acc, ahead),
+            LaneHeads::F16(h) => values_16(factors, h, at, (vd, rows), acc, ahead),
         }
     }
 
