@@ -42,7 +42,7 @@ if [ -z "$LLAMA_BENCH" ]; then
     # The prebuilt baseline needs AVX-512 F/BW/DQ/VL/VNNI/VBMI/BF16; elsewhere it dies of an
     # illegal instruction, so say what to do instead.
     flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
-    for f in avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_vbmi avx512_bf16; do
+    for f in avx512f avx512bw avx512dq avx512vl avx512_vnni avx512vbmi avx512_bf16; do
         case "$flags" in
             *" $f "*) ;;
             *) echo "cpu-bench: this CPU lacks $f, which ../shared/baselines' llama-bench needs;" \
