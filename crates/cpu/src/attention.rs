@@ -1065,21 +1065,16 @@ impl FlashTask<'_> {
         } else {
             (lo, hi)
         };
-        // Positions go in blocks (never across a chunk boundary): the block's key and value
-        // heads are converted to f32 once for all rows and its scores computed together,
-        // then each row runs its online softmax over the block in position order (the order
-        // ggml's kernel uses). Block slot `(j, i)` holds KV head `kvh0 + j` at position
-        // `b0 + i`.
+        // Positions go in blocks (never across a chunk boundary): outside the chunked kernel,
+        // the block's key and value heads are converted to f32 once for all rows and its
+        // scores computed together, then each row runs its online softmax over the block in
+        // position order (the order ggml's kernel uses). Block slot `(j, i)` holds KV head
+        // `kvh0 + j` at position `b0 + i`.
         let slot = |j: usize, i: usize| j * POS_BLOCK + i;
         // Value slots are position-major, so one call converts a position's value heads
-        // (adjacent in the cache) for every KV head of the task; in the chunked kernel over
-        // f32/f16 keys they are KV-head-major as the keys, so a head's values are one run for
-        // its lanes.
-        let v_slot = |j: usize, i: usize| match chain {
-            true => j * POS_BLOCK + i,
-            false => i * kv_per_task + j,
-        };
-        let v_heads_adjacent = !shape.v_in_k && !chain;
+        // (adjacent in the cache) for every KV head of the task.
+        let v_slot = |j: usize, i: usize| i * kv_per_task + j;
+        let v_heads_adjacent = !shape.v_in_k;
         // f32/f16 keys are converted per block; block-typed keys are read in place, and so
         // are f32/f16 keys and values by the chunked kernel.
         let k_floats = match (&cache.k, chain) {

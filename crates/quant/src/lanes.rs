@@ -231,13 +231,14 @@ fn lane_scores_on(
     assert!(keys.holds(at, kd), "keys inside the cache");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: callers pass only ISAs this CPU has, and both vector ISAs include AVX2, FMA
-        // and F16C; `qt` holds `kd` lanes' elements and every key `kd` elements (checked).
+        // SAFETY: callers pass only ISAs this CPU has; AVX-512 here means AVX2, FMA, F16C and
+        // AVX-512 F/BW/VL; `kd` is in bounds, `qt` holds `kd` lanes' elements and every key
+        // `kd` elements (checked).
         Isa::Avx512 if kd <= MAX_LANE_HEAD => unsafe {
             x86::scores_avx512(qt, keys, at, kd, out, ahead)
         },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
+        // SAFETY: as above, AVX2 meaning AVX2, FMA and F16C.
         Isa::Avx2 if kd <= MAX_LANE_HEAD => unsafe { x86::scores(qt, keys, at, kd, out, ahead) },
         _ => scalar_scores(qt, keys, at, kd, out, ahead),
     }
@@ -305,8 +306,8 @@ fn lane_values_on(
     assert!(values.holds(at, vd), "values inside the cache");
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `lane_scores_on`; every value head holds `vd` elements and `acc`
-        // `rows` heads (checked).
+        // SAFETY: the ISA as in `lane_scores_on`; `vd` is whole vectors, every value head holds
+        // `vd` elements and `acc` `rows` heads (checked).
         Isa::Avx512 if vd.is_multiple_of(16) => unsafe {
             x86::values_avx512(factors, values, at, vd, acc, rows, ahead)
         },
