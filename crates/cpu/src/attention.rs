@@ -1168,8 +1168,10 @@ impl FlashTask<'_> {
                     Cells::Blocks { .. } => unreachable!("chained keys are f32/f16"),
                 };
                 // The next block of the task's heads, one part per head, read while this
-                // block's head computes (cut where it would wrap around the ring).
-                let next = b1..(b1 + POS_BLOCK).min(hi + 1);
+                // block's head computes (cut where it would wrap around the ring). After the
+                // task's last block, the next chunk's first: the pool gives each thread a
+                // contiguous run of tasks, so it is usually this thread's next.
+                let next = b1..(b1 + POS_BLOCK).min(pos0 + t_end);
                 let next_part = |width: usize, d: usize, j: usize| {
                     if next.is_empty() {
                         return 0..0;
