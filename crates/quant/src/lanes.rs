@@ -618,8 +618,8 @@ mod x86 {
         acc: *mut f32,
         (vd, d0, rows): (usize, usize, usize),
         ahead: &Paced,
-        (zero, load, store): (V, impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
-        (load_v, mul, fma): (
+        &(zero, ref load, ref store): &(V, impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
+        (load_v, mul, fma): &(
             impl Fn(*const E) -> V,
             impl Fn(V, f32) -> V,
             impl Fn(V, f32, V) -> V,
@@ -634,39 +634,39 @@ mod x86 {
                 ahead.step(i);
             }
             let v = load_v(values.as_ptr().add(head + d0));
-            step_rows(&mut a, f, v, &mul, &fma);
+            step_rows(&mut a, f, v, mul, fma);
         }
         for (l, a) in a.iter().enumerate().take(rows) {
             store(acc.add(l * vd + d0), *a);
         }
     }
 
-    /// [`super::scalar_values`], eight elements of each row at a time.
+    /// [`super::scalar_values`] in slices of `width` elements of each row (the vector `V`
+    /// that `regs` zeroes, loads and stores, and `ops` loads from the heads, scales and
+    /// multiply-adds).
     ///
-    /// Safety: AVX2, FMA and F16C present; `vd` a multiple of 8; every value head holds `vd`
-    /// elements of `values` and `acc` `rows ≤ SOFTMAX_LANES` heads.
+    /// Safety: the ISA of `regs` and `ops` present; `vd` a multiple of `width`; every value
+    /// head holds `vd` elements of `values` and `acc` `rows ≤ SOFTMAX_LANES` heads.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn values_8<E: Elem>(
+    unsafe fn values_in_slices<E: Elem, V: Copy>(
         factors: &[LaneFactors],
         values: &[E],
         at: &[usize],
-        (vd, rows): (usize, usize),
+        (vd, rows, width): (usize, usize, usize),
         acc: &mut [f32],
         ahead: Ahead,
+        regs: (V, impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
+        ops: (
+            impl Fn(*const E) -> V,
+            impl Fn(V, f32) -> V,
+            impl Fn(V, f32, V) -> V,
+        ),
     ) {
         let ahead = ahead.paced(at.len());
-        let regs = (
-            _mm256_setzero_ps(),
-            |p: *const f32| _mm256_loadu_ps(p),
-            |p: *mut f32, v| _mm256_storeu_ps(p, v),
-        );
-        let ops = (
-            |p: *const E| E::load8(p),
-            |a, ms| _mm256_mul_ps(a, _mm256_set1_ps(ms)),
-            |v, vs, a| _mm256_fmadd_ps(v, _mm256_set1_ps(vs), a),
-        );
         let acc = acc.as_mut_ptr();
-        for d0 in (0..vd).step_by(8) {
+        let (regs, ops) = (&regs, &ops);
+        for d0 in (0..vd).step_by(width) {
             let shape = (vd, d0, rows);
             match d0 {
                 0 => values_slice::<_, _, true>(factors, values, at, acc, shape, &ahead, regs, ops),
@@ -677,81 +677,61 @@ mod x86 {
         }
     }
 
-    /// [`values_8`] sixteen elements of each row at a time: one FMA per row and key then
-    /// outlasts the FMA's latency.
-    ///
-    /// Safety: as [`values_8`], AVX-512 F present and `vd` a multiple of 16.
-    #[inline(always)]
-    unsafe fn values_16<E: Elem>(
-        factors: &[LaneFactors],
-        values: &[E],
-        at: &[usize],
-        (vd, rows): (usize, usize),
-        acc: &mut [f32],
-        ahead: Ahead,
-    ) {
-        let ahead = ahead.paced(at.len());
-        let regs = (
-            _mm512_setzero_ps(),
-            |p: *const f32| _mm512_loadu_ps(p),
-            |p: *mut f32, v| _mm512_storeu_ps(p, v),
-        );
-        let ops = (
-            |p: *const E| E::load16(p),
-            |a, ms| _mm512_mul_ps(a, _mm512_set1_ps(ms)),
-            |v, vs, a| _mm512_fmadd_ps(v, _mm512_set1_ps(vs), a),
-        );
-        let acc = acc.as_mut_ptr();
-        for d0 in (0..vd).step_by(16) {
-            let shape = (vd, d0, rows);
-            match d0 {
-                0 => values_slice::<_, _, true>(factors, values, at, acc, shape, &ahead, regs, ops),
-                _ => {
-                    values_slice::<_, _, false>(factors, values, at, acc, shape, &ahead, regs, ops)
+    /// A `#[target_feature]` entry over [`values_in_slices`] for one vector width: its
+    /// vector type's zero, load, store, multiply, FMA and broadcast, and [`Elem`]'s load.
+    macro_rules! values_entry {
+        ($(#[$doc:meta])* $name:ident, $features:literal, $width:literal,
+         $zero:ident, $load:ident, $store:ident, $mul:ident, $fma:ident, $set1:ident,
+         $load_e:ident) => {
+            $(#[$doc])*
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(
+                factors: &[LaneFactors],
+                values: LaneHeads,
+                at: &[usize],
+                vd: usize,
+                acc: &mut [f32],
+                rows: usize,
+                ahead: Ahead,
+            ) {
+                let regs = ($zero(), |p: *const f32| $load(p), |p: *mut f32, v| $store(p, v));
+                let mul = |a, ms| $mul(a, $set1(ms));
+                let fma = |v, vs, a| $fma(v, $set1(vs), a);
+                let shape = (vd, rows, $width);
+                match values {
+                    LaneHeads::F32(h) => {
+                        let ops = (|p| f32::$load_e(p), mul, fma);
+                        values_in_slices(factors, h, at, shape, acc, ahead, regs, ops)
+                    }
+                    LaneHeads::F16(h) => {
+                        let ops = (|p| f16::$load_e(p), mul, fma);
+                        values_in_slices(factors, h, at, shape, acc, ahead, regs, ops)
+                    }
                 }
             }
-        }
+        };
     }
 
-    /// [`values_8`] for either element type.
-    ///
-    /// Safety: as [`values_8`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn values(
-        factors: &[LaneFactors],
-        values: LaneHeads,
-        at: &[usize],
-        vd: usize,
-        acc: &mut [f32],
-        rows: usize,
-        ahead: Ahead,
-    ) {
-        match values {
-            LaneHeads::F32(h) => values_8(factors, h, at, (vd, rows), acc, ahead),
-            LaneHeads::F16(h) => values_8(factors, h, at, (vd, rows), acc, ahead),
-        }
-    }
+    values_entry!(
+        /// [`values_in_slices`] eight elements of each row at a time.
+        ///
+        /// Safety: AVX2, FMA and F16C present; `vd` a multiple of 8; every value head holds
+        /// `vd` elements and `acc` `rows ≤ SOFTMAX_LANES` heads.
+        values, "avx2,fma,f16c", 8,
+        _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_mul_ps, _mm256_fmadd_ps,
+        _mm256_set1_ps, load8
+    );
 
-    /// [`values_16`] for either element type.
-    ///
-    /// Safety: as [`values_16`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    pub(super) unsafe fn values_avx512(
-        factors: &[LaneFactors],
-        values: LaneHeads,
-        at: &[usize],
-        vd: usize,
-        acc: &mut [f32],
-        rows: usize,
-        ahead: Ahead,
-    ) {
-        match values {
-            LaneHeads::F32(h) => values_16(factors, h, at, (vd, rows), acc, ahead),
-            LaneHeads::F16(h) => values_16(factors, h, at, (vd, rows), acc, ahead),
-        }
-    }
+    values_entry!(
+        /// [`values_in_slices`] sixteen elements of each row at a time: one FMA per row and
+        /// key then outlasts the FMA's latency.
+        ///
+        /// Safety: as [`values`], AVX-512 F present and `vd` a multiple of 16.
+        values_avx512, "avx2,fma,f16c,avx512f", 16,
+        _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_mul_ps, _mm512_fmadd_ps,
+        _mm512_set1_ps, load16
+    );
 
     /// [`super::scalar_factors`].
     ///

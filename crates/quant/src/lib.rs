@@ -410,32 +410,21 @@ pub fn dequantize_row_with(
 #[inline]
 pub fn prefetch<T>(items: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    prefetch_lines::<{ core::arch::x86_64::_MM_HINT_T0 }, T>(items);
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = items;
-}
-
-/// [`prefetch`] into the second-level cache only: for runs larger than the first-level
-/// cache, asked for a block ahead, that would evict what is being read.
-#[inline]
-pub fn prefetch_l2<T>(items: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    prefetch_lines::<{ core::arch::x86_64::_MM_HINT_T1 }, T>(items);
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = items;
-}
-
-/// Prefetches every cache line of `items` with hint `HINT`.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_lines<const HINT: i32, T>(items: &[T]) {
-    let start = items.as_ptr() as usize & !63;
-    let end = items.as_ptr() as usize + std::mem::size_of_val(items);
-    for line in (start..end).step_by(64) {
-        // SAFETY: a prefetch is a hint that never faults or changes memory; `line` is the
-        // first byte of a cache line that holds part of `items`.
-        unsafe { core::arch::x86_64::_mm_prefetch::<HINT>(line as *const i8) };
+    {
+        let start = items.as_ptr() as usize & !63;
+        let end = items.as_ptr() as usize + std::mem::size_of_val(items);
+        for line in (start..end).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults or changes memory; `line` is the
+            // first byte of a cache line that holds part of `items`.
+            unsafe {
+                core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                    line as *const i8,
+                )
+            };
+        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = items;
 }
 
 /// f16 values as the F16 row bytes the kernels take (little-endian, as GGUF stores them),
