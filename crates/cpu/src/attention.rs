@@ -1028,7 +1028,12 @@ impl FlashTask<'_> {
             }
         }
         // The chunked kernel scores f32/f16 keys by `dot_chain`, eight rows per vector.
-        let chain = self.chunk != usize::MAX && matches!(cache.k, Cells::F32(_) | Cells::F16(_));
+        let k_in_place = match &cache.k {
+            Cells::F32(k) => Some(LaneHeads::F32(k)),
+            Cells::F16(k) => Some(LaneHeads::F16(k)),
+            Cells::Blocks { .. } => None,
+        };
+        let chain = self.chunk != usize::MAX && k_in_place.is_some();
         let per_kv = n_rows / kv_per_task;
         let n_groups = per_kv.div_ceil(ROW_LANES);
         if chain {
@@ -1156,17 +1161,12 @@ impl FlashTask<'_> {
             if b0 != lo && self.chunk != usize::MAX && b0.is_multiple_of(self.chunk) {
                 close_chunk(row_m, row_s, row_acc, dst);
             }
-            if chain {
+            if let (true, Some(k_heads)) = (chain, k_in_place) {
                 // Each group of rows of a KV head scores the block's keys, steps its softmax
                 // and sums the values, in lanes.
                 let n = b1 - b0;
                 let mut lanes = [[0f32; ROW_LANES]; POS_BLOCK];
                 let (mut k_at, mut v_at) = ([0usize; POS_BLOCK], [0usize; POS_BLOCK]);
-                let k_heads = match &cache.k {
-                    Cells::F32(k) => LaneHeads::F32(k),
-                    Cells::F16(k) => LaneHeads::F16(k),
-                    Cells::Blocks { .. } => unreachable!("chained keys are f32/f16"),
-                };
                 // The next block of the task's heads, one part per head, read while this
                 // block's head computes (cut where it would wrap around the ring). After the
                 // task's last block, the next chunk's first: the pool gives each thread a

@@ -102,12 +102,34 @@ pub enum LaneHeads<'a> {
 }
 
 impl LaneHeads<'_> {
-    /// Whether `n` elements from each offset of `at` lie inside the heads.
-    fn holds(&self, at: &[usize], n: usize) -> bool {
-        let len = match self {
+    /// Elements in the heads.
+    fn len(&self) -> usize {
+        match self {
             LaneHeads::F32(h) => h.len(),
             LaneHeads::F16(h) => h.len(),
-        };
+        }
+    }
+
+    /// Bytes of one element.
+    fn elem_bytes(&self) -> usize {
+        match self {
+            LaneHeads::F32(_) => 4,
+            LaneHeads::F16(_) => 2,
+        }
+    }
+
+    /// Asks the CPU to load elements `range` ([`crate::prefetch`]).
+    #[inline(always)]
+    fn prefetch(&self, range: std::ops::Range<usize>) {
+        match self {
+            LaneHeads::F32(h) => crate::prefetch(&h[range]),
+            LaneHeads::F16(h) => crate::prefetch(&h[range]),
+        }
+    }
+
+    /// Whether `n` elements from each offset of `at` lie inside the heads.
+    fn holds(&self, at: &[usize], n: usize) -> bool {
+        let len = self.len();
         at.iter()
             .all(|&a| a.checked_add(n).is_some_and(|end| end <= len))
     }
@@ -127,65 +149,71 @@ impl LaneHeads<'_> {
 /// computed. The kernels read one head of many positions at a time, a pattern the hardware
 /// prefetcher does not follow, and a burst of prefetches stalls the core, so the stream is
 /// paced by the work. A hint only: results never depend on it.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Ahead<'a> {
-    bytes: &'a [u8],
+    heads: LaneHeads<'a>,
+}
+
+impl Default for Ahead<'_> {
+    fn default() -> Self {
+        Ahead {
+            heads: LaneHeads::F32(&[]),
+        }
+    }
 }
 
 impl<'a> Ahead<'a> {
     /// The heads `heads[range]` (out-of-range parts dropped).
     pub fn of(heads: LaneHeads<'a>, range: std::ops::Range<usize>) -> Ahead<'a> {
-        let bytes = match heads {
-            LaneHeads::F32(h) => {
-                let h = &h[range.start.min(h.len())..range.end.min(h.len())];
-                // SAFETY: f32 has no padding and every byte of it is a valid u8; the length in
-                // bytes covers the same memory; u8 needs no alignment.
-                unsafe { std::slice::from_raw_parts(h.as_ptr().cast::<u8>(), 4 * h.len()) }
-            }
-            LaneHeads::F16(h) => {
-                crate::f16_bytes(&h[range.start.min(h.len())..range.end.min(h.len())])
-            }
+        let clip = |len: usize| range.start.min(len)..range.end.min(len);
+        let heads = match heads {
+            LaneHeads::F32(h) => LaneHeads::F32(&h[clip(h.len())]),
+            LaneHeads::F16(h) => LaneHeads::F16(&h[clip(h.len())]),
         };
-        Ahead { bytes }
+        Ahead { heads }
     }
 
     /// This memory read in `steps` equal steps of whole cache lines.
     fn paced(self, steps: usize) -> Paced<'a> {
+        let (len, line) = (self.heads.len(), 64 / self.heads.elem_bytes());
         let per = match steps {
-            0 => self.bytes.len(),
-            n => self.bytes.len().div_ceil(n).next_multiple_of(64),
+            0 => len,
+            n => len.div_ceil(n).next_multiple_of(line),
         };
         Paced {
-            bytes: self.bytes,
+            heads: self.heads,
             per,
+            line,
         }
     }
 }
 
-/// [`Ahead`] in steps of `per` bytes.
+/// [`Ahead`] in steps of `per` elements, `line` elements to a cache line.
 struct Paced<'a> {
-    bytes: &'a [u8],
+    heads: LaneHeads<'a>,
     per: usize,
+    line: usize,
 }
 
 impl Paced<'_> {
     /// Prefetches line `k` of step `i`, if the step has one.
     #[inline(always)]
     fn line(&self, i: usize, k: usize) {
-        let at = i * self.per + 64 * k;
-        if 64 * k < self.per && at < self.bytes.len() {
-            crate::prefetch(&self.bytes[at..at + 1]);
+        let at = i * self.per + self.line * k;
+        if self.line * k < self.per && at < self.heads.len() {
+            self.heads.prefetch(at..at + 1);
         }
     }
 
     /// Prefetches the lines of step `i`.
     #[inline(always)]
     fn step(&self, i: usize) {
-        if self.bytes.is_empty() {
+        let len = self.heads.len();
+        if len == 0 {
             return;
         }
-        let from = (i * self.per).min(self.bytes.len());
-        crate::prefetch(&self.bytes[from..(from + self.per).min(self.bytes.len())]);
+        let from = (i * self.per).min(len);
+        self.heads.prefetch(from..(from + self.per).min(len));
     }
 }
 
@@ -534,7 +562,7 @@ mod x86 {
             for (d, a) in dst.iter_mut().zip(&acc) {
                 _mm256_storeu_ps(d.as_mut_ptr(), *a);
             }
-            for k in kd..ahead.per.div_ceil(64) {
+            for k in kd..ahead.per.div_ceil(ahead.line) {
                 ahead.line(step, k);
             }
         }
