@@ -142,7 +142,7 @@ pub struct AttnParams {
     /// 16-lane chain (its gpt-oss attention). A batch of several tokens, and bf16 or
     /// block-quantized values, always sum in one chain.
     pub value_chains: usize,
-    /// Flash attention (`-fa on`): over f32/f16/bf16 values, the chunked online softmax of
+    /// Flash attention (`-fa on`/`auto`): over f32/f16/bf16 values, the chunked online softmax of
     /// the CPU engine ([`crate::numerics::FLASH_CHUNK`]) instead of the row kernel.
     /// Block-quantized values always take flash attention (in one chunk, as ggml).
     pub flash: bool,

@@ -8,9 +8,10 @@
 //! of 16 positions, and the value sum as 16-lane FMA chains over positions (for one token with
 //! f32/f16 values, `vec_dot`'s four chains taking 16 positions in turn).
 //!
-//! Caches with block-quantized values, and with an explicit `-fa on`
-//! ([`crate::KvType::chunked_flash`]) every cache (but DeepSeek's latent cache, whose values
-//! live inside the keys), go through [`flash_attention`] instead: an online softmax over the keys with no score matrix.
+//! Caches with block-quantized values, and with flash attention on
+//! ([`crate::KvType::flash_attn`]: `-fa on` or `auto`, the default) every cache (but
+//! DeepSeek's latent cache, whose values live inside the keys), go through
+//! [`flash_attention`] instead: an online softmax over the keys with no score matrix.
 //! Over block-quantized values it is ggml's CPU flash-attention kernel (llama.cpp reads a
 //! quantized V cache only that way). Over f32/f16/bf16 values the keys go in chunks of
 //! [`FLASH_CHUNK`] positions fixed by position, each its own online softmax, folded in
@@ -18,9 +19,9 @@
 //! still depend neither on the thread count nor on the rest of the batch. Its results differ
 //! from the row kernel's in the last bits (another summation order, f32 probabilities), and
 //! from llama.cpp's flash kernel too (which sums f16 values in f16); the goldens hold within
-//! the fixture tolerances (`tests/gpt_oss_fixtures.rs`).
+//! the fixture tolerances (`tests/kv_quant_fixtures.rs`).
 //!
-//! `-fa auto` (the default) and `-fa off` keep the row kernel (one query row at a time, so memory is one score row per
+//! `-fa off` keeps the row kernel (one query row at a time, so memory is one score row per
 //! (query, head) task and never a queries × keys matrix), whose numerics meet the non-flash
 //! goldens exactly. [`attention_ext`] over a latent cache (values inside the keys) takes the
 //! row kernel for f32/f16/bf16 values whatever `-fa` says.

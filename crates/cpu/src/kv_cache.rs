@@ -160,10 +160,10 @@ pub enum KvTypeError {
 /// What the KV cache stores and how attention reads it: the K and V element types and
 /// whether flash attention is on. Flash attention decides which V types are allowed (a
 /// quantized V needs it, as in llama.cpp); attention over block-quantized values runs ggml's
-/// flash kernel (online softmax); over f32/f16/bf16 values an explicit `-fa on` runs the
-/// chunked online softmax (within the fixture tolerances of the goldens), while `-fa auto`
-/// (the default) and `-fa off` keep the row kernel, which meets the non-flash goldens exactly
-/// (see the `attention` module).
+/// flash kernel (online softmax); over f32/f16/bf16 values flash attention (`-fa on` and
+/// `-fa auto`, the default, as llama.cpp resolves auto on the CPU) runs the chunked online
+/// softmax (within the fixture tolerances of the goldens), while `-fa off` keeps the row
+/// kernel, which meets the non-flash goldens exactly (see the `attention` module).
 ///
 /// [`KvType::F32`] and [`KvType::F16`] are the non-flash caches of earlier versions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -171,8 +171,6 @@ pub struct KvType {
     k: CacheType,
     v: CacheType,
     flash_attn: bool,
-    /// `-fa on` given: the chunked flash kernel over f32/f16/bf16 values too.
-    chunked: bool,
 }
 
 impl KvType {
@@ -181,7 +179,6 @@ impl KvType {
         k: CacheType::F32,
         v: CacheType::F32,
         flash_attn: false,
-        chunked: false,
     };
     /// f16 K and V, non-flash attention: queries and probabilities are rounded to f16 before
     /// their dot products, as ggml's CPU backend does.
@@ -189,27 +186,17 @@ impl KvType {
         k: CacheType::F16,
         v: CacheType::F16,
         flash_attn: false,
-        chunked: false,
     };
 
     /// K and V types with flash attention `fa` (auto = on, as llama.cpp resolves it on the
-    /// CPU); a quantized V with `fa` off is refused, as llama.cpp refuses it. Only an explicit
-    /// `on` takes the chunked flash kernel over f32/f16/bf16 values
-    /// ([`KvType::chunked_flash`]): measured end to end it was not yet faster than the row
-    /// kernel, which `auto` keeps, and it changes the last bits.
+    /// CPU); a quantized V with `fa` off is refused, as llama.cpp refuses it.
     pub fn new(k: CacheType, v: CacheType, fa: FlashAttn) -> Result<KvType, KvTypeError> {
         let flash_attn = match fa {
             FlashAttn::On | FlashAttn::Auto => true,
             FlashAttn::Off if v.is_quantized() => return Err(KvTypeError::QuantizedVNeedsFlash(v)),
             FlashAttn::Off => false,
         };
-        let chunked = fa == FlashAttn::On;
-        Ok(KvType {
-            k,
-            v,
-            flash_attn,
-            chunked,
-        })
+        Ok(KvType { k, v, flash_attn })
     }
 
     /// Parses one `-ctk`/`-ctv` value for both K and V; flash attention is off unless the
@@ -220,7 +207,6 @@ impl KvType {
             k: t,
             v: t,
             flash_attn: t.is_quantized(),
-            chunked: false,
         })
     }
 
@@ -234,14 +220,10 @@ impl KvType {
         self.v
     }
 
-    /// Whether attention runs as flash attention.
+    /// Whether attention runs as flash attention: ggml's kernel over block-quantized values,
+    /// the chunked kernel over f32/f16/bf16 values.
     pub fn flash_attn(self) -> bool {
         self.flash_attn
-    }
-
-    /// Whether attention over f32/f16/bf16 values runs the chunked flash kernel (`-fa on`).
-    pub fn chunked_flash(self) -> bool {
-        self.chunked
     }
 }
 
@@ -357,7 +339,7 @@ pub struct LayerCache {
     pub cells: usize,
     /// `Some(w)`: a query at `p` sees keys `p-w+1 ..= p`.
     pub window: Option<usize>,
-    /// `-fa on` ([`KvType::chunked_flash`]): attention takes the flash kernel over
+    /// Flash attention ([`KvType::flash_attn`]): attention takes the flash kernel over
     /// f32/f16/bf16 values too.
     pub flash: bool,
     /// Set by attention when a head does not start on a block boundary of a block type
@@ -378,7 +360,7 @@ impl LayerCache {
             v: Cells::new(ty.v, cells * v_width),
             cells,
             window,
-            flash: ty.chunked_flash(),
+            flash: ty.flash_attn(),
             refused: AtomicBool::new(false),
         }
     }
@@ -603,11 +585,11 @@ mod tests {
         assert!(KvType::new(CacheType::F32, CacheType::F32, FlashAttn::Auto)
             .unwrap()
             .flash_attn());
-        // Only an explicit `on` takes the chunked kernel over float values.
+        // `auto` is `on` over float values too: the chunked kernel, as llama.cpp's CPU auto.
         let f16 = |fa| KvType::new(CacheType::F16, CacheType::F16, fa).unwrap();
-        assert!(f16(FlashAttn::On).chunked_flash());
-        assert!(!f16(FlashAttn::Auto).chunked_flash());
-        assert!(!f16(FlashAttn::Off).chunked_flash());
+        assert_eq!(f16(FlashAttn::Auto), f16(FlashAttn::On));
+        assert!(f16(FlashAttn::On).flash_attn());
+        assert!(!f16(FlashAttn::Off).flash_attn());
     }
 
     #[test]

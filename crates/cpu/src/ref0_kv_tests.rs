@@ -89,7 +89,7 @@ fn check_with(
     let what = format!(
         "K {k} / V {v}, fa {}, head {hd}, {n} positions, window {window:?}, {n_q} queries, \
          sinks {sinks}, ext {ext}",
-        ty.chunked_flash()
+        ty.flash_attn()
     );
     assert!(
         dev.download(&kr.data).unwrap() == cell_bytes(&layer.k),
@@ -132,7 +132,7 @@ fn check_with(
         window,
         scale,
         value_chains: if ext { 4 } else { 1 },
-        flash: ty.chunked_flash(),
+        flash: ty.flash_attn(),
     };
     let sd = sinks.map(|s| dev.upload(s).unwrap());
     let mut out = dev.alloc::<f32>(q.len()).unwrap();

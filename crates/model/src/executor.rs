@@ -38,7 +38,7 @@
 //! F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where the CPU
 //! calls libm's, and F16/BF16 summation orders; on models whose routing is that sensitive
 //! (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice. With
-//! an explicit `-fa on` over f32/f16/bf16 values the CPU engine and REF0 run the chunked
+//! flash attention (`-fa on`, and `auto`, the default) over f32/f16/bf16 values the CPU engine and REF0 run the chunked
 //! flash kernel ([`AttnParams::flash`]), while the CUDA attention kernel still runs the row
 //! kernel's algorithm for those values: the same softmax in another order, so GPU attention
 //! differs there in the last bits as well (compared within 5e-3, never bit for bit).
@@ -1287,7 +1287,7 @@ impl<'s, B: Backend> Step<'s, B> {
         for (m, g) in self.members.iter().zip(&self.groups) {
             let (kv, flash) = (self.st.kvs.get_mut(m.kv))
                 .and_then(|kv| {
-                    let flash = kv.ty.chunked_flash();
+                    let flash = kv.ty.flash_attn();
                     kv.layers.get_mut(layer).map(|l| (l, flash))
                 })
                 .ok_or_else(|| ExecError::Cache("no device cache for this layer".into()))?;

@@ -53,9 +53,7 @@
 //!     activations converted for the widest CPU projection (`T ×` a row of the weights'
 //!     vec-dot type);
 //!   - attention phase: q, k, v and the attention output `T·4·(H·Dq + Hkv·(Dk+Dv) + H·Dv)`,
-//!     plus the larger of the flash-attention rows (per token and head a query copy, its
-//!     converted blocks for a quantized K, an accumulator and 144 bytes of bookkeeping) and
-//!     the output projection with its transposed matmul result `2·T·4·E`;
+//!     plus the output projection with its transposed matmul result `2·T·4·E`;
 //!   - MoE phase: router scores, choices and weights, the output, every slot's expert output
 //!     and the converted input `T·4·(X + 2k + E + kE) + T·act(E)`, plus one expert's work on
 //!     at most all `T` tokens (routed activations, gate, up, converted hidden, down and the
@@ -63,7 +61,13 @@
 //!   - output phase: `R·4·(E + V)`, plus the transposed result `R·4·V` when `R > 1`;
 //!   - a generation run also holds the previous token's logits `4V` during each decode
 //!     step, and the sampler's candidates and sort scratch (`20V` with the logits) between
-//!     steps; the largest of prompt step, decode step and sampling counts.
+//!     steps; the largest of prompt step, decode step and sampling counts;
+//!   - plus, from the first attention on, the buffers flash attention (`-fa on`/`auto`) keeps
+//!     between calls: the states its tasks hand back, `4·(Dv + 2)` bytes per head and query
+//!     row of a micro-batch (in tiles of 16) or, for a decode step over f32/f16/bf16 values,
+//!     per head and chunk of 256 positions read; and one worker thread's scratch for a task
+//!     of up to 16 query rows of every head (each further thread keeps its own; `-fa off`
+//!     and DeepSeek's latent attention over a float cache keep a score row instead).
 //! * **overhead**: the runtime's own allowance per GPU ([`crate::DEFAULT_GPU_OVERHEAD`] unless
 //!   the caller says otherwise); 0 on the CPU.
 //!

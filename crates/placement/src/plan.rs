@@ -213,9 +213,67 @@ fn pages(n: u64) -> u64 {
     n.div_ceil(PAGE) * PAGE
 }
 
-/// Bookkeeping of one flash-attention row besides its vectors: the row struct (four indices,
-/// three `Vec` headers, two floats: 112 bytes) and the allocator headers of its two vectors.
-const FLASH_ROW_BYTES: u64 = 112 + 2 * 16;
+/// The CPU engine's flash-attention kernel: query rows per task tile, positions per block, and
+/// positions per chunk of its split over float values (`hmoe_backend::numerics::FLASH_CHUNK`).
+const FLASH_Q_TILE: u64 = 16;
+const FLASH_POS_BLOCK: u64 = 32;
+const FLASH_CHUNK: u64 = 256;
+
+/// What the CPU engine's flash attention (`-fa on`/`auto`) keeps between calls, in buffers
+/// that grow to the largest call and stay: the states its tasks hand back, `4·(Dv + 2)` bytes
+/// per query row, head and chunk, for a micro-batch of `tokens` and for a decode step that
+/// reads `depth` positions (over f32/f16/bf16 values in chunks of [`FLASH_CHUNK`], else one);
+/// and a worker's scratch for one task (counted once; every further thread keeps its own): per
+/// row of up to [`FLASH_Q_TILE`] queries of every head its span, state and block of scores,
+/// the query converted for K (f32/f16 keys: f32 and transposed; block keys: their activation
+/// row), and per KV head the block's key offsets and converted keys and values where the
+/// kernel does not read them in place. DeepSeek's latent attention over a float cache runs the
+/// row kernel, which keeps only a score row.
+fn flash_kept(s: &ModelShape, f: &PlacementFlags, tokens: u64, depth: u64) -> u64 {
+    use hmoe_quant::GgmlType::{BF16, F16, F32};
+    let float = |ty| matches!(ty, F32 | F16 | BF16);
+    let v_type = if s.mla {
+        f.cache_type_k
+    } else {
+        f.cache_type_v
+    };
+    if s.mla && float(v_type) {
+        return 0;
+    }
+    let (h, hkv, dk, dv) = (s.n_head, s.n_head_kv.max(1), s.head_dim_k, s.head_dim_v);
+    let chunked = float(v_type);
+    let k_in_place = matches!(f.cache_type_k, F32 | F16);
+    let chain = chunked && k_in_place;
+    let tile_rows = if tokens > FLASH_Q_TILE {
+        tokens.div_ceil(FLASH_Q_TILE) * FLASH_Q_TILE
+    } else {
+        tokens
+    };
+    let decode_chunks = if chunked {
+        depth.saturating_sub(1) / FLASH_CHUNK + 1
+    } else {
+        1
+    };
+    let states = 4 * (dv + 2) * h * tile_rows.max(decode_chunks);
+    let q = if k_in_place {
+        4 * dk * if chain { 2 } else { 1 }
+    } else {
+        hmoe_quant::vec_dot_type(f.cache_type_k)
+            .row_bytes(dk)
+            .unwrap_or(0)
+    };
+    let per_row = 32 + 8 + 4 * dv + 4 * FLASH_POS_BLOCK + q;
+    let k_block = if k_in_place && !chain { 4 * dk } else { 0 };
+    let v_block = if chain { 0 } else { 4 * dv };
+    let per_kv = FLASH_POS_BLOCK * (8 + k_block + v_block);
+    let bf16_values = if chain && v_type == BF16 {
+        FLASH_POS_BLOCK * 4 * dv
+    } else {
+        0
+    };
+    let scratch = h * tokens.min(FLASH_Q_TILE) * per_row + hkv * per_kv + bf16_values;
+    states + scratch
+}
 
 /// Bytes of the f32 copy the engine makes at load of a norm, bias or sink (1-D tensors and
 /// `*.bias`); 0 for the matrices, which stay in the file mapping.
@@ -535,7 +593,7 @@ impl<'a> Planner<'a> {
         let f = self.flags;
         let n_dev = self.n_gpus() + 1;
         let ids = self.budget.ids();
-        let (_, _, t, cells_full, cells_swa) = self.sizes(st.n_ctx);
+        let (n_ctx, _, t, cells_full, cells_swa) = self.sizes(st.n_ctx);
         let mut u: Vec<DeviceUsage> = ids
             .iter()
             .map(|&device| {
@@ -678,7 +736,7 @@ impl<'a> Planner<'a> {
         let phase_output = t * 4 * (e + s.n_vocab);
         for (d, a) in act.iter().enumerate() {
             if d == 0 {
-                u[0].compute = self.cpu_compute(a, assign, t);
+                u[0].compute = self.cpu_compute(a, assign, t, n_ctx);
                 continue;
             }
             let mut peak = 0;
@@ -712,7 +770,7 @@ impl<'a> Planner<'a> {
     /// The hmoe engine's CPU compute memory (see the crate docs): the largest set of buffers
     /// live at once in a forward pass of `t`-token micro-batches (fewer when the run's prompt
     /// is shorter), the logits the caller holds, and the sampler's scratch.
-    fn cpu_compute(&self, a: &Activity, assign: &[DeviceId], t: u64) -> u64 {
+    fn cpu_compute(&self, a: &Activity, assign: &[DeviceId], t: u64, n_ctx: u64) -> u64 {
         let s = self.shape;
         let f = self.flags;
         let (e, v) = (s.n_embd, s.n_vocab);
@@ -737,12 +795,6 @@ impl<'a> Planner<'a> {
             TensorKind::SharedExperts,
         ]);
         let act_exp = act_row(&[TensorKind::Experts]);
-        let q_blocks = match f.cache_type_k {
-            hmoe_quant::GgmlType::F32 | hmoe_quant::GgmlType::F16 => 0,
-            ty => hmoe_quant::vec_dot_type(ty)
-                .row_bytes(s.head_dim_k)
-                .unwrap_or(0),
-        };
         let (h, hkv) = (s.n_head, s.n_head_kv);
         let ff = s.n_ff_exp.max(s.n_ff).max(s.n_ff_shexp);
         let k_used = s.n_expert_used;
@@ -755,12 +807,9 @@ impl<'a> Planner<'a> {
             if a.attn {
                 let qkvo = n * 4 * (h * s.head_dim_q + hkv * (s.head_dim_k + s.head_dim_v))
                     + n * 4 * h * s.head_dim_v;
-                // Flash attention: per (token, head) a query copy, its blocks, an
-                // accumulator and the row's bookkeeping; later the projection and the
-                // matmul's transposed result.
-                let rows_fa =
-                    n * h * (4 * s.head_dim_q + q_blocks + 4 * s.head_dim_v + FLASH_ROW_BYTES);
-                phase = phase.max(qkvo + rows_fa.max(n * 4 * 2 * e));
+                // Then the projection and the matmul's transposed result (flash attention
+                // works in buffers it keeps, [`flash_kept`]).
+                phase = phase.max(qkvo + n * 4 * 2 * e);
             }
             if a.router || a.experts {
                 // Router scores, choices and weights, the output, every slot's expert
@@ -782,14 +831,23 @@ impl<'a> Planner<'a> {
         };
         // Logits held by the caller, candidates and sort scratch of the sampler.
         let sampling = 4 * v + 8 * v + 8 * v;
+        // Attention's kept buffers, from the first attention on.
+        let kept = |tokens: u64, depth: u64| {
+            if a.attn {
+                flash_kept(s, f, tokens, depth)
+            } else {
+                0
+            }
+        };
         match self.run {
             Some(r) => {
-                let prompt = forward(t.min(r.prompt.max(1) as u64), 1);
+                let ub = t.min(r.prompt.max(1) as u64);
+                let prompt = forward(ub, 1);
                 let decode = forward(1, 1) + 4 * v;
-                prompt.max(decode).max(sampling)
+                prompt.max(decode).max(sampling) + kept(ub, r.total as u64)
             }
             // Unknown run: full micro-batches, logits for every token (perplexity).
-            None => forward(t, t).max(sampling),
+            None => forward(t, t).max(sampling) + kept(t, n_ctx),
         }
     }
 

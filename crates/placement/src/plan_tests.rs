@@ -238,8 +238,40 @@ fn a_generation_run_computes_last_token_logits_only() {
     assert!(short < long && long < worst / 4, "{short} {long} {worst}");
     // Prompts beyond the micro-batch are computed 512 tokens at a time.
     assert_eq!(run(5000), long);
-    // A one-token prompt: the sampler (logits, candidates, sort scratch) is the peak.
-    assert_eq!(run(1), 20 * 32000);
+    // A one-token prompt: the sampler (logits, candidates, sort scratch) is the peak, with
+    // what flash attention keeps.
+    assert_eq!(run(1), 20 * 32000 + flash_kept(&s, &flags, 1, 65));
+}
+
+/// Flash attention's kept buffers: the states of the largest micro-batch's tiles or of a
+/// decode step's chunks (over float values), and one task's scratch.
+#[test]
+fn flash_attention_keeps_states_per_row_and_chunk() {
+    let (_, s) = model(small_dims());
+    let (h, dv) = (s.n_head, s.head_dim_v);
+    let kv = |k, v| PlacementFlags {
+        cache_type_k: k,
+        cache_type_v: v,
+        ..off()
+    };
+    let f16 = kv(GgmlType::F16, GgmlType::F16);
+    let q8 = kv(GgmlType::Q8_0, GgmlType::Q8_0);
+    let state = 4 * (dv + 2) * h;
+    // The scratch depends on the micro-batch only: a deeper decode adds chunk states.
+    let scratch = flash_kept(&s, &f16, 512, 1) - 512 * state;
+    assert_eq!(flash_kept(&s, &f16, 100, 1), 112 * state + scratch);
+    assert_eq!(flash_kept(&s, &f16, 512, 65536), 512 * state + scratch);
+    assert_eq!(
+        flash_kept(&s, &f16, 512, 256 * 1000),
+        1000 * state + scratch
+    );
+    // Over quantized values one chunk, whatever the depth; the query as Q8_0 blocks.
+    let q8_scratch = flash_kept(&s, &q8, 512, 1) - 512 * state;
+    assert_eq!(
+        flash_kept(&s, &q8, 512, 256 * 1000),
+        512 * state + q8_scratch
+    );
+    assert!(q8_scratch < scratch);
 }
 
 #[test]
