@@ -214,10 +214,10 @@ fn pages(n: u64) -> u64 {
 }
 
 /// The CPU engine's flash-attention kernel: query rows per task tile, positions per block, and
-/// positions per chunk of its split over float values (`hmoe_backend::numerics::FLASH_CHUNK`).
+/// positions per chunk of its split over float values.
 const FLASH_Q_TILE: u64 = 16;
 const FLASH_POS_BLOCK: u64 = 32;
-const FLASH_CHUNK: u64 = 256;
+const FLASH_CHUNK: u64 = hmoe_backend::numerics::FLASH_CHUNK as u64;
 
 /// What the CPU engine's flash attention (`-fa on`/`auto`) keeps between calls, in buffers
 /// that grow to the largest call and stay: the states its tasks hand back, `4·(Dv + 2)` bytes
