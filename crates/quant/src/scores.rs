@@ -126,6 +126,13 @@ impl Q8_0Queries {
             unsafe { vnni::scores(self, keys, key_at, scale, out, stride) };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::has_avx2() && self.blocks <= MAX_BLOCKS {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above); every key row lies
+            // inside `keys`; `out` holds every row written.
+            unsafe { avx2::scores(self, keys, key_at, scale, out, stride) };
+            return;
+        }
         self.scores_scalar(keys, key_at, scale, out, stride);
     }
 
@@ -221,6 +228,114 @@ mod vnni {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use core::arch::x86_64::*;
+
+    use super::{Q8_0Queries, BLOCK_BYTES, MAX_BLOCKS};
+
+    /// Eight keys per pass, one per lane, as [`super::vnni::scores`] does sixteen; each group's
+    /// products are ggml's AVX2 ones, `maddubs(|k|, sign(q, k))` summed in pairs (the same
+    /// 16-bit intermediates as the one-pair kernel, so the same sums). The last pass repeats
+    /// its last key in the unused lanes and stores only the used ones.
+    ///
+    /// Safety: AVX2, FMA and F16C present; every `key_at[i] + row_bytes ≤ keys.len()`; `out`
+    /// holds `(len − 1) · stride + key_at.len()` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores(
+        qs: &Q8_0Queries,
+        keys: &[u8],
+        key_at: &[usize],
+        scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let nb = qs.blocks;
+        let base = keys.as_ptr();
+        let ones = _mm256_set1_epi16(1);
+        let mut dk = [_mm256_setzero_ps(); MAX_BLOCKS];
+        // Per block and group: the keys' bytes, and their absolute values.
+        let mut kb = [_mm256_setzero_si256(); MAX_BLOCKS * 8];
+        let mut ka = [_mm256_setzero_si256(); MAX_BLOCKS * 8];
+        for (c, chunk) in key_at.chunks(8).enumerate() {
+            let n = chunk.len();
+            for b in 0..nb {
+                let block = |i: usize| base.add(chunk[i.min(n - 1)] + b * BLOCK_BYTES);
+                let d: [u16; 8] = core::array::from_fn(|i| block(i).cast::<u16>().read_unaligned());
+                dk[b] = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast()));
+                let groups = transpose8(|i| block(i).add(2));
+                for (g, w) in groups.into_iter().enumerate() {
+                    kb[b * 8 + g] = w;
+                    ka[b * 8 + g] = _mm256_sign_epi8(w, w);
+                }
+            }
+            let mask = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(n as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            for q in 0..qs.len() {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for b in 0..nb {
+                    let at = (q * nb + b) * 8;
+                    let d =
+                        _mm256_mul_ps(dk[b], _mm256_set1_ps(*qs.scale.get_unchecked(q * nb + b)));
+                    for (g, acc) in acc.iter_mut().enumerate() {
+                        let qw = _mm256_set1_epi32(*qs.words.get_unchecked(at + g));
+                        let signed = _mm256_sign_epi8(qw, kb[b * 8 + g]);
+                        let sum =
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(ka[b * 8 + g], signed), ones);
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), *acc);
+                    }
+                }
+                // ggml's `hsum_float_8` over the eight group lanes of each key.
+                let lo =
+                    _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+                let hi =
+                    _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+                let s = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale));
+                _mm256_maskstore_ps(out.as_mut_ptr().add(q * stride + c * 8), mask, s);
+            }
+        }
+    }
+
+    /// The eight 4-byte groups of eight 32-byte rows (`row(i)` for key `i`), transposed:
+    /// output `g` holds group `g` of key `i` in lane `i`.
+    ///
+    /// Safety: AVX2 present; every `row(i)` valid for 32 bytes.
+    #[inline(always)]
+    unsafe fn transpose8(row: impl Fn(usize) -> *const u8) -> [__m256i; 8] {
+        let r: [__m256i; 8] = core::array::from_fn(|i| _mm256_loadu_si256(row(i).cast()));
+        // Pairs of keys interleaved by dword, then by qword: per 128-bit lane, four keys'
+        // group (groups 0..4 in the low lane, 4..8 in the high one).
+        let t: [__m256i; 8] = core::array::from_fn(|k| {
+            let (a, b) = (r[k / 2 * 2], r[k / 2 * 2 + 1]);
+            if k % 2 == 0 {
+                _mm256_unpacklo_epi32(a, b)
+            } else {
+                _mm256_unpackhi_epi32(a, b)
+            }
+        });
+        // u[4h + m]: keys 4h..4h+4 of group m (low lane) and m + 4 (high lane).
+        let u: [__m256i; 8] = core::array::from_fn(|k| {
+            let (h, m) = (k / 4, k % 4);
+            let (a, b) = (t[4 * h + m / 2], t[4 * h + m / 2 + 2]);
+            if m % 2 == 0 {
+                _mm256_unpacklo_epi64(a, b)
+            } else {
+                _mm256_unpackhi_epi64(a, b)
+            }
+        });
+        core::array::from_fn(|g| {
+            let (lo, hi) = (u[g % 4], u[4 + g % 4]);
+            if g < 4 {
+                _mm256_permute2x128_si256::<0x20>(lo, hi)
+            } else {
+                _mm256_permute2x128_si256::<0x31>(lo, hi)
+            }
+        })
+    }
+}
+
 /// The eight 4-byte groups of sixteen 32-byte rows (`row(i)` for key `i`), transposed: output
 /// `g` holds group `g` of key `i` in lane `i`. Keys `i` and `i + 8` share a register, and an
 /// 8×8 transpose runs in both 256-bit halves at once.
@@ -310,6 +425,18 @@ mod tests {
             prepared.scores(&keys, &key_at, 0.125, &mut out, stride);
             let mut scalar = vec![f32::NAN; n_q * stride];
             prepared.scores_scalar(&keys, &key_at, 0.125, &mut scalar, stride);
+            // The AVX2 kernel too where the CPU has it (the dispatch prefers VNNI).
+            let mut eight = vec![f32::NAN; n_q * stride];
+            #[cfg(target_arch = "x86_64")]
+            if crate::cpu::has_avx2() {
+                // SAFETY: AVX2, FMA and F16C present; the keys lie in `keys` (built so) and
+                // `eight` holds every score row.
+                unsafe { avx2::scores(&prepared, &keys, &key_at, 0.125, &mut eight, stride) };
+            } else {
+                eight.copy_from_slice(&scalar);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            eight.copy_from_slice(&scalar);
             for q in 0..n_q {
                 for (i, &at) in key_at.iter().enumerate() {
                     let want = kernel.dot(n, &keys[at..at + row], &queries[q * row..(q + 1) * row])
@@ -317,7 +444,11 @@ mod tests {
                     let got = out[q * stride + i];
                     assert_eq!(got.to_bits(), want.to_bits(), "n {n}, query {q}, key {i}");
                     assert_eq!(scalar[q * stride + i].to_bits(), want.to_bits());
+                    assert_eq!(eight[q * stride + i].to_bits(), want.to_bits());
                 }
+                assert!(eight[q * stride + n_keys..(q + 1) * stride]
+                    .iter()
+                    .all(|v| v.is_nan()));
                 // The gaps between score rows are left alone.
                 assert!(out[q * stride + n_keys..(q + 1) * stride]
                     .iter()
