@@ -305,26 +305,18 @@ mod avx2 {
     #[inline(always)]
     unsafe fn transpose8(row: impl Fn(usize) -> *const u8) -> [__m256i; 8] {
         let r: [__m256i; 8] = core::array::from_fn(|i| _mm256_loadu_si256(row(i).cast()));
-        // Pairs of keys interleaved by dword, then by qword: per 128-bit lane, four keys'
-        // group (groups 0..4 in the low lane, 4..8 in the high one).
-        let t: [__m256i; 8] = core::array::from_fn(|k| {
-            let (a, b) = (r[k / 2 * 2], r[k / 2 * 2 + 1]);
-            if k % 2 == 0 {
-                _mm256_unpacklo_epi32(a, b)
-            } else {
-                _mm256_unpackhi_epi32(a, b)
-            }
-        });
         // u[4h + m]: keys 4h..4h+4 of group m (low lane) and m + 4 (high lane).
-        let u: [__m256i; 8] = core::array::from_fn(|k| {
-            let (h, m) = (k / 4, k % 4);
-            let (a, b) = (t[4 * h + m / 2], t[4 * h + m / 2 + 2]);
-            if m % 2 == 0 {
-                _mm256_unpacklo_epi64(a, b)
-            } else {
-                _mm256_unpackhi_epi64(a, b)
-            }
-        });
+        let u = super::interleave_groups(
+            r,
+            [
+                |a, b| _mm256_unpacklo_epi32(a, b),
+                |a, b| _mm256_unpackhi_epi32(a, b),
+            ],
+            [
+                |a, b| _mm256_unpacklo_epi64(a, b),
+                |a, b| _mm256_unpackhi_epi64(a, b),
+            ],
+        );
         core::array::from_fn(|g| {
             let (lo, hi) = (u[g % 4], u[4 + g % 4]);
             if g < 4 {
@@ -334,6 +326,24 @@ mod avx2 {
             }
         })
     }
+}
+
+/// The first two steps of an 8×8 dword transpose in every 128-bit lane of eight rows `r`,
+/// given a vector type's dword and qword unpacks (`[low halves, high halves]`): pairs of rows
+/// interleaved by dword, then by qword, so that output `4h + m` holds dword `m` of each
+/// 128-bit lane of rows `4h..4h + 4`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn interleave_groups<V: Copy, F: Fn(V, V) -> V>(
+    r: [V; 8],
+    unpack32: [F; 2],
+    unpack64: [impl Fn(V, V) -> V; 2],
+) -> [V; 8] {
+    let t: [V; 8] = core::array::from_fn(|k| unpack32[k % 2](r[k / 2 * 2], r[k / 2 * 2 + 1]));
+    core::array::from_fn(|k| {
+        let (h, m) = (k / 4, k % 4);
+        unpack64[m % 2](t[4 * h + m / 2], t[4 * h + m / 2 + 2])
+    })
 }
 
 /// The eight 4-byte groups of sixteen 32-byte rows (`row(i)` for key `i`), transposed: output
@@ -350,25 +360,18 @@ unsafe fn transpose_groups(row: impl Fn(usize) -> *const u8) -> [core::arch::x86
         let lo = _mm512_castsi256_si512(_mm256_loadu_si256(row(i).cast()));
         _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(row(i + 8).cast()))
     });
-    // Pairs of keys interleaved by dword, then by qword: per 128-bit lane, four keys' group.
-    let t: [__m512i; 8] = core::array::from_fn(|k| {
-        let (a, b) = (r[k / 2 * 2], r[k / 2 * 2 + 1]);
-        if k % 2 == 0 {
-            _mm512_unpacklo_epi32(a, b)
-        } else {
-            _mm512_unpackhi_epi32(a, b)
-        }
-    });
     // u[4h + m]: keys 4h..4h+4 of group m (128-bit lane 0) and m + 4 (lane 1), per half.
-    let u: [__m512i; 8] = core::array::from_fn(|k| {
-        let (h, m) = (k / 4, k % 4);
-        let (a, b) = (t[4 * h + m / 2], t[4 * h + m / 2 + 2]);
-        if m % 2 == 0 {
-            _mm512_unpacklo_epi64(a, b)
-        } else {
-            _mm512_unpackhi_epi64(a, b)
-        }
-    });
+    let u = interleave_groups(
+        r,
+        [
+            |a, b| _mm512_unpacklo_epi32(a, b),
+            |a, b| _mm512_unpackhi_epi32(a, b),
+        ],
+        [
+            |a, b| _mm512_unpacklo_epi64(a, b),
+            |a, b| _mm512_unpackhi_epi64(a, b),
+        ],
+    );
     let first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
     let second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     core::array::from_fn(|g| {
