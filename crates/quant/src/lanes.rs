@@ -196,15 +196,6 @@ struct Paced<'a> {
 }
 
 impl Paced<'_> {
-    /// Prefetches line `k` of step `i`, if the step has one.
-    #[inline(always)]
-    fn line(&self, i: usize, k: usize) {
-        let at = i * self.per + self.line * k;
-        if self.line * k < self.per && at < self.heads.len() {
-            self.heads.prefetch(at..at + 1);
-        }
-    }
-
     /// The address of line `k` of step `i`, or of the step's last line where it has fewer
     /// (a second request for a line is free), or of a constant when there is nothing ahead:
     /// an address to prefetch without a branch.
@@ -583,7 +574,7 @@ mod x86 {
                 _mm256_storeu_ps(d.as_mut_ptr(), *a);
             }
             for k in kd..ahead.per.div_ceil(ahead.line) {
-                ahead.line(step, k);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.line_at(step, k));
             }
         }
     }
