@@ -136,6 +136,34 @@ pub fn dot_chain(q: &[f32], k: &[f32]) -> f32 {
 /// results depend neither on the thread count nor on the rest of the batch.
 pub const FLASH_CHUNK: usize = 256;
 
+/// Positions per block of the chunked flash kernel's softmax: block `b` of a chunk holds its
+/// positions `b·FLASH_BLOCK .. (b + 1)·FLASH_BLOCK` (fixed by position, like the chunks).
+pub const FLASH_BLOCK: usize = 32;
+
+/// One block of the chunked flash kernel's softmax for one row (running maximum `m` and sum
+/// `s`; `scores`: the row's visible keys of the block in position order, scaled): the block's
+/// maximum `M` (the first score above the running one wins, so NaN never does) rescales what
+/// came before by `ms = e^(m − M)` where it rose (else 1), `s = s·ms`, then each key's
+/// probability `p = e^(score − M)` is added to `s` in key order and written to `probs`; libm's
+/// `expf`. The value accumulator is then `acc·ms` plus `v·p` key by key, one FMA each.
+/// Returns `ms`.
+///
+/// One rescale per block instead of one per new maximum: the value sums then run without a
+/// branch per key.
+pub fn softmax_block(m: &mut f32, s: &mut f32, scores: &[f32], probs: &mut [f32]) -> f32 {
+    let big = scores
+        .iter()
+        .fold(*m, |big, &x| if x > big { x } else { big });
+    let ms = if big > *m { (*m - big).exp() } else { 1.0 };
+    *s *= ms;
+    for (p, &x) in probs.iter_mut().zip(scores) {
+        *p = (x - big).exp();
+        *s += *p;
+    }
+    *m = big;
+    ms
+}
+
 /// Folds the online-softmax state of a later chunk (`m2`, `s2`, `acc2`: maximum, sum of
 /// `e^(score − m2)` and value accumulator) into the running state (`m`, `s`, `acc`) of the
 /// chunks before it: with `M = max(m, m2)`, `a = e^(m − M)` and `b = e^(m2 − M)` (libm's

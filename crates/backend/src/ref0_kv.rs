@@ -14,8 +14,9 @@
 //!     type (f16, bf16; f32 as is), or, for one query token over f32/f16 values with
 //!     [`AttnParams::value_chains`] 4, in `vec_dot`'s four chains of 16 lanes;
 //!   - f32/f16/bf16 values with [`AttnParams::flash`], the chunked flash kernel: the
-//!     positions in chunks of [`FLASH_CHUNK`] fixed by position, each chunk an online softmax
-//!     as below from an empty state, the chunks folded in position order by
+//!     positions in chunks of [`FLASH_CHUNK`] fixed by position, each chunk a softmax from an
+//!     empty state in blocks of [`FLASH_BLOCK`] positions ([`softmax_block`]: one rescale
+//!     per block, then `acc = v·p + acc` key by key), the chunks folded in position order by
 //!     [`merge_softmax_chunk`], then the sink and `acc / S` as below; f32/f16 keys scored by
 //!     [`dot_chain`] (one FMA chain), bf16 and block keys by `vec_dot` as below;
 //!   - block-quantized values, ggml's flash kernel: per key in position order an online
@@ -37,7 +38,7 @@ use hmoe_quant::{DotKernel, GgmlType};
 use crate::error::ensure;
 use crate::numerics::{
     dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step,
-    rotate_chunks, sum_chains, FLASH_CHUNK, VEC_DOT_CHAINS,
+    rotate_chunks, softmax_block, sum_chains, FLASH_BLOCK, FLASH_CHUNK, VEC_DOT_CHAINS,
 };
 use crate::{AttnParams, BackendError, KOnlyAttnParams, KvLayout};
 
@@ -317,15 +318,24 @@ pub(crate) fn attention(
                 continue;
             }
             if p.flash {
-                // Chunks of `FLASH_CHUNK` positions fixed by position, each its own online
-                // softmax, folded in position order.
+                // Chunks of `FLASH_CHUNK` positions fixed by position, each its own softmax in
+                // blocks of `FLASH_BLOCK` positions, folded in position order.
                 let mut total = FlashRow::new(hd);
                 for c in first / FLASH_CHUNK..=pos / FLASH_CHUNK {
                     let mut row = FlashRow::new(hd);
-                    for pp in (c * FLASH_CHUNK).max(first)..=((c + 1) * FLASH_CHUNK - 1).min(pos) {
-                        let s = keys.score_chain(&qh, at(pp), hd) * p.scale;
-                        values(vl.ty, vd, at(pp), &mut v_row)?;
-                        row.add(s, &v_row);
+                    let (lo, hi) = (
+                        (c * FLASH_CHUNK).max(first),
+                        ((c + 1) * FLASH_CHUNK).min(pos + 1),
+                    );
+                    for b in lo / FLASH_BLOCK..hi.div_ceil(FLASH_BLOCK) {
+                        let keys_of = (b * FLASH_BLOCK).max(lo)..((b + 1) * FLASH_BLOCK).min(hi);
+                        let scores: Vec<f32> = keys_of
+                            .clone()
+                            .map(|pp| keys.score_chain(&qh, at(pp), hd) * p.scale)
+                            .collect();
+                        let value =
+                            |i: usize, v: &mut [f32]| values(vl.ty, vd, at(keys_of.start + i), v);
+                        row.add_block(&scores, value, &mut v_row)?;
                     }
                     merge_softmax_chunk(
                         &mut total.m,
@@ -498,6 +508,26 @@ impl FlashRow {
         for (a, &x) in self.acc.iter_mut().zip(v) {
             *a = x.mul_add(vs, *a);
         }
+    }
+
+    /// One block of keys of the chunked kernel ([`softmax_block`]): `value(i, v)` writes key
+    /// `i`'s value head into `v`.
+    fn add_block(
+        &mut self,
+        scores: &[f32],
+        mut value: impl FnMut(usize, &mut [f32]) -> Result<(), BackendError>,
+        v: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let mut probs = vec![0f32; scores.len()];
+        let ms = softmax_block(&mut self.m, &mut self.s, scores, &mut probs);
+        self.acc.iter_mut().for_each(|a| *a *= ms);
+        for (i, &p) in probs.iter().enumerate() {
+            value(i, v)?;
+            for (a, &x) in self.acc.iter_mut().zip(v.iter()) {
+                *a = x.mul_add(p, *a);
+            }
+        }
+        Ok(())
     }
 
     /// The sink folded in, then `acc / S` into `out`.

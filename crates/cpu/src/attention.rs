@@ -14,9 +14,11 @@
 //! [`flash_attention`] instead: an online softmax over the keys with no score matrix.
 //! Over block-quantized values it is ggml's CPU flash-attention kernel (llama.cpp reads a
 //! quantized V cache only that way). Over f32/f16/bf16 values the keys go in chunks of
-//! [`FLASH_CHUNK`] positions fixed by position, each its own online softmax, folded in
-//! position order: one decode token then spreads over every thread (split-K), and results
-//! still depend neither on the thread count nor on the rest of the batch. Its results differ
+//! [`FLASH_CHUNK`] positions fixed by position, each its own softmax stepped a block of
+//! [`FLASH_BLOCK`] positions at a time (one rescale per block, so the value sums run without a
+//! branch per key), folded in position order: one decode token then spreads over every thread
+//! (split-K), and results still depend neither on the thread count nor on the rest of the
+//! batch. Its results differ
 //! from the row kernel's in the last bits (another summation order, f32 probabilities), and
 //! from llama.cpp's flash kernel too (which sums f16 values in f16); the goldens hold within
 //! the fixture tolerances (`tests/kv_quant_fixtures.rs`).
@@ -36,7 +38,8 @@ use hmoe_quant::{
 };
 
 use hmoe_backend::numerics::{
-    dot_vec, fwht, merge_softmax_chunk, online_softmax_step, rotate_chunks, FLASH_CHUNK,
+    dot_vec, fwht, merge_softmax_chunk, online_softmax_step, rotate_chunks, softmax_block,
+    FLASH_BLOCK, FLASH_CHUNK,
 };
 
 use crate::kv_cache::{Cells, LayerCache};
@@ -746,8 +749,8 @@ fn round_weight(ty: GgmlType, w: f32) -> f32 {
 const Q_TILE: usize = 16;
 
 /// Positions whose key and value heads flash attention converts together before the rows
-/// consume them.
-const POS_BLOCK: usize = 32;
+/// consume them: the chunked kernel's softmax blocks, so blocks start at multiples of it.
+const POS_BLOCK: usize = FLASH_BLOCK;
 
 /// How many positions ahead flash attention asks for quantized key and value heads (one block
 /// measured best: 22% faster than none at depth 4096 with the cache out of L3, 64 and 128
@@ -816,9 +819,11 @@ fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 /// Over block-quantized values this is ggml's order, one online softmax over all visible
 /// keys. Over f32/f16/bf16 values (`-fa on`) the keys go in chunks of
 /// [`FLASH_CHUNK`] positions fixed by position (chunk `c` holds `c·FLASH_CHUNK ..`): each
-/// chunk is an online softmax from an empty state and the chunks are folded in position
-/// order ([`merge_softmax_chunk`]), so that one decode token can spread its keys over every
-/// thread and the result still depends neither on the threads nor on the rest of the batch.
+/// chunk is a softmax from an empty state stepped a block of [`FLASH_BLOCK`] positions at a
+/// time ([`softmax_block`]: one rescale per block, then the values key by key) and the chunks
+/// are folded in position order ([`merge_softmax_chunk`]), so that one decode token can spread
+/// its keys over every thread and the result still depends neither on the threads nor on the
+/// rest of the batch.
 ///
 /// The chunked kernel scores f32/f16 keys by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score, the
 /// query heads sharing a KV head in the lanes of one vector, [`hmoe_quant::lane_scores`]) instead of
@@ -1154,11 +1159,9 @@ impl FlashTask<'_> {
         let lane_sm = &mut sc.lanes;
         let mut b0 = lo;
         while b0 <= hi {
-            let b1 = (b0 + POS_BLOCK).min(hi + 1);
-            let b1 = match self.chunk {
-                usize::MAX => b1,
-                c => b1.min((b0 / c + 1) * c),
-            };
+            // Blocks start at multiples of `POS_BLOCK` (the chunked kernel's softmax blocks,
+            // fixed by position; chunks are whole blocks).
+            let b1 = ((b0 / POS_BLOCK + 1) * POS_BLOCK).min(hi + 1);
             if b0 != lo && self.chunk != usize::MAX && b0.is_multiple_of(self.chunk) {
                 close_chunk(row_m, row_s, row_acc, dst);
             }
@@ -1227,7 +1230,7 @@ impl FlashTask<'_> {
                         }
                         lane_sm.step_block(&lanes[..n], shape.scale, b0);
                         lane_values(
-                            lane_sm.factors(n),
+                            lane_sm.block(),
                             v_heads,
                             &v_at[..n],
                             vd,
@@ -1327,10 +1330,13 @@ impl FlashTask<'_> {
                 let stride = kv_per_task * vd;
                 let (m, s) = (&mut row_m[r], &mut row_s[r]);
                 let acc = &mut row_acc[r * vd..(r + 1) * vd];
-                match vd {
-                    64 => online_softmax::<64>(m, s, acc, scores, values, stride),
-                    128 => online_softmax::<128>(m, s, acc, scores, values, stride),
-                    _ => online_softmax_any(m, s, acc, scores, values, stride),
+                match (self.chunk == usize::MAX, vd) {
+                    (true, 64) => online_softmax::<64>(m, s, acc, scores, values, stride),
+                    (true, 128) => online_softmax::<128>(m, s, acc, scores, values, stride),
+                    (true, _) => online_softmax_any(m, s, acc, scores, values, stride),
+                    (false, 64) => block_softmax::<64>(m, s, acc, scores, values, stride),
+                    (false, 128) => block_softmax::<128>(m, s, acc, scores, values, stride),
+                    (false, _) => block_softmax_any(m, s, acc, scores, values, stride),
                 }
             }
             b0 = b1;
@@ -1416,6 +1422,64 @@ fn online_softmax_any(
         let (ms, vs) = online_softmax_step(m, s, score);
         scale_f32(acc, ms);
         mad_f32(acc, &v[..vd], vs);
+    }
+}
+
+/// Folds one block of keys of the chunked kernel (`scores`, one value head of `D` elements
+/// each in `values`, `stride` apart) into a row's chunk state (maximum `m`, sum `s`, values
+/// `acc`) as [`softmax_block`] steps it, the accumulator held in registers: `acc·ms`, then
+/// `acc = v·p + acc` key by key.
+fn block_softmax<const D: usize>(
+    m: &mut f32,
+    s: &mut f32,
+    acc_row: &mut [f32],
+    scores: &[f32],
+    values: &[f32],
+    stride: usize,
+) {
+    let n = scores.len().min(POS_BLOCK);
+    // `softmax_block` with the exponentials sixteen lanes at a time (the same bits).
+    let big = scores[..n]
+        .iter()
+        .fold(*m, |big, &x| if x > big { x } else { big });
+    let ms = if big > *m { (*m - big).exp() } else { 1.0 };
+    let mut p = [0f32; POS_BLOCK];
+    for (p, &x) in p.iter_mut().zip(&scores[..n]) {
+        *p = x - big;
+    }
+    expf_slice(&mut p[..n]);
+    *s *= ms;
+    for &p in &p[..n] {
+        *s += p;
+    }
+    *m = big;
+    let mut acc = [0f32; D];
+    for (a, &x) in acc.iter_mut().zip(&acc_row[..D]) {
+        *a = x * ms;
+    }
+    for (v, &p) in values.chunks(stride).zip(&p[..n]) {
+        for (a, &x) in acc.iter_mut().zip(&v[..D]) {
+            *a = x.mul_add(p, *a);
+        }
+    }
+    acc_row[..D].copy_from_slice(&acc);
+}
+
+/// [`block_softmax`] for value heads of any size.
+fn block_softmax_any(
+    m: &mut f32,
+    s: &mut f32,
+    acc: &mut [f32],
+    scores: &[f32],
+    values: &[f32],
+    stride: usize,
+) {
+    let mut p = [0f32; POS_BLOCK];
+    let n = scores.len().min(POS_BLOCK);
+    let ms = softmax_block(m, s, &scores[..n], &mut p[..n]);
+    acc.iter_mut().for_each(|a| *a *= ms);
+    for (v, &p) in values.chunks(stride).zip(&p[..n]) {
+        mad_f32(acc, &v[..acc.len()], p);
     }
 }
 

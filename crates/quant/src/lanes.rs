@@ -1,12 +1,13 @@
-//! The online softmax of flash attention for eight query rows at once, one row per vector lane
-//! ([`softmax_lanes`]): per key in order, each lane that sees the key steps its running maximum
-//! and sum exactly as the row-at-a-time kernel does, and the key's factors for the value
-//! accumulators are kept. Every ISA gives the bits of the scalar code.
+//! The softmax of flash attention for eight query rows at once, one row per vector lane, a
+//! block of keys at a time ([`softmax_lanes`]): each lane steps its running maximum and sum
+//! through the block exactly as the row-at-a-time kernel does (hmoe-backend's
+//! `softmax_block`), and the block's factors are kept. Every ISA gives the bits of the
+//! scalar code.
 //!
 //! Around it, the products of the same eight rows with a block of f32/f16 key and value heads
 //! read in place from the cache: [`lane_scores`] (one FMA chain per score, in element order)
-//! and [`lane_values`] (per key in order, the accumulators rescaled where a maximum rose, then
-//! one FMA per element).
+//! and [`lane_values`] (the accumulators rescaled once for the block, then one FMA per key and
+//! element, in key order).
 
 use half::f16;
 
@@ -15,43 +16,48 @@ use crate::Isa;
 /// Query rows [`softmax_lanes`] steps together, one per lane.
 pub const SOFTMAX_LANES: usize = 8;
 
-/// Keys whose exponentials are computed together.
-const KEYS_PER_PASS: usize = 32;
-
-/// One key's factors for every lane.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LaneFactors {
-    /// Per lane, the factor of the value accumulator before this key: `e^(m_old − m)` where
-    /// the key raises the lane's maximum, else 1.
+/// The factors of one block of keys for every lane: what [`softmax_lanes`] leaves for
+/// [`lane_values`]. Its buffers are reused from block to block.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LaneBlock {
+    /// Per lane, the factor of the value accumulator before the block: `e^(m_old − m)` where
+    /// the block raises the lane's maximum, else 1.
     pub ms: [f32; SOFTMAX_LANES],
-    /// Per lane, the factor of the key's value: 1 where the key raises the maximum, else
-    /// `e^(score − m)`.
-    pub vs: [f32; SOFTMAX_LANES],
-    /// Bit `l`: lane `l` sees the key (lanes that do not keep their state).
-    pub seen: u8,
-    /// Bit `l`: the key raises lane `l`'s maximum.
-    pub raise: u8,
+    /// Per key, each lane's probability `e^(score − m)` (0 where the lane does not see it).
+    pub p: Vec<[f32; SOFTMAX_LANES]>,
+    /// Per key, bit `l`: lane `l` sees the key.
+    pub seen: Vec<u8>,
+    /// Every lane sees every key of the block (the value sums need no mask).
+    pub every: bool,
 }
 
-/// Steps the online softmax of eight rows (running maxima `m`, sums `s`) through the keys of
-/// `raw` in order (`raw[i][l]`: lane `l`'s unscaled score of key `i`), lane `l` seeing the keys
-/// `from[l] ≤ i < to[l]`; `out[i]` gets key `i`'s factors.
+impl LaneBlock {
+    /// Keys in the block.
+    pub fn len(&self) -> usize {
+        self.p.len()
+    }
+
+    /// Whether the block has no keys.
+    pub fn is_empty(&self) -> bool {
+        self.p.is_empty()
+    }
+}
+
+/// Steps the softmax of eight rows (running maxima `m`, sums `s`) through one block of keys
+/// (`raw[i][l]`: lane `l`'s unscaled score of key `i`), lane `l` seeing the keys `from[l] ≤ i <
+/// to[l]`, and leaves the block's factors in `out`.
 ///
-/// Per lane and seen key, as the row kernel's step (`online_softmax_step` of hmoe-backend's
-/// numerics) with the score `raw · scale`: a score above
-/// `m` becomes the maximum with `ms = e^(m_old − score)`, `vs = 1`; otherwise `ms = 1`,
-/// `vs = e^(score − m)`; `s = s·ms + vs` in one rounding; libm's `expf` ([`crate::expf`]).
-/// Lanes that do not see a key get `ms = 1` and keep `m` and `s`.
-///
-/// # Panics
-/// If `out` is shorter than `raw`.
+/// Per lane, as hmoe-backend's `softmax_block` over the lane's visible scores `raw · scale`:
+/// the block's maximum `M` (a score replaces it only where it is greater), `ms = e^(m − M)`
+/// where `M > m` (else 1), `s = s·ms`, then per seen key in order `p = e^(score − M)` and
+/// `s = s + p`; libm's `expf` ([`crate::expf`]). Lanes that see no key keep `m` and `s`.
 pub fn softmax_lanes(
     m: &mut [f32; SOFTMAX_LANES],
     s: &mut [f32; SOFTMAX_LANES],
     raw: &[[f32; SOFTMAX_LANES]],
     scale: f32,
     (from, to): ([i32; SOFTMAX_LANES], [i32; SOFTMAX_LANES]),
-    out: &mut [LaneFactors],
+    out: &mut LaneBlock,
 ) {
     softmax_lanes_on(Isa::best(), m, s, raw, scale, (from, to), out);
 }
@@ -63,34 +69,31 @@ fn softmax_lanes_on(
     s: &mut [f32; SOFTMAX_LANES],
     raw: &[[f32; SOFTMAX_LANES]],
     scale: f32,
-    (from, to): ([i32; SOFTMAX_LANES], [i32; SOFTMAX_LANES]),
-    out: &mut [LaneFactors],
+    lanes: ([i32; SOFTMAX_LANES], [i32; SOFTMAX_LANES]),
+    out: &mut LaneBlock,
 ) {
-    assert!(out.len() >= raw.len(), "one factor per key");
-    let mut e = [[0f32; SOFTMAX_LANES]; KEYS_PER_PASS];
-    for (pass, (raw, out)) in raw
-        .chunks(KEYS_PER_PASS)
-        .zip(out.chunks_mut(KEYS_PER_PASS))
-        .enumerate()
-    {
-        let i0 = (pass * KEYS_PER_PASS) as i32;
-        let lanes = (from.map(|f| f - i0), to.map(|t| t - i0));
-        let e = &mut e[..raw.len()];
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: callers pass only ISAs this CPU has, and both vector ISAs include
-            // AVX2 and FMA; `e` and `out` hold a slot per key of `raw`.
-            Isa::Avx2 | Isa::Avx512 => unsafe { x86::maxima(m, raw, scale, lanes, e, out) },
-            _ => scalar_maxima(m, raw, scale, lanes, e, out),
-        }
-        crate::expf_slice(e.as_flattened_mut());
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Isa::Avx2 | Isa::Avx512 => unsafe { x86::factors(s, e, out) },
-            _ => scalar_factors(s, e, out),
-        }
+    let n = raw.len();
+    out.p.resize(n, [0.0; SOFTMAX_LANES]);
+    out.seen.resize(n, 0);
+    // The block's maxima, the arguments of the exponentials (`e^(m − M)` in `out.ms`, a key's
+    // `score − M` in `out.p`, 0 where unseen) and which lanes see each key.
+    let big = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers pass only ISAs this CPU has, and both vector ISAs include AVX2 and
+        // FMA; `out` holds a slot per key of `raw` (resized above).
+        Isa::Avx2 | Isa::Avx512 => unsafe { x86::maxima(m, raw, scale, lanes, out) },
+        _ => scalar_maxima(m, raw, scale, lanes, out),
+    };
+    out.every = out.seen.iter().all(|&b| b == u8::MAX);
+    crate::expf_slice(&mut out.ms);
+    crate::expf_slice(out.p.as_flattened_mut());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 | Isa::Avx512 => unsafe { x86::sums(s, out) },
+        _ => scalar_sums(s, out),
     }
+    *m = big;
 }
 
 /// Key or value heads of a cache in a float type the lane kernels read in place: head `i` of
@@ -215,6 +218,30 @@ impl Paced<'_> {
         base.wrapping_add(at * bytes).cast()
     }
 
+    /// Line `k` of every step, as [`Paced::line_at`] gives it.
+    fn column(&self, k: usize) -> Column {
+        static NOTHING: u8 = 0;
+        let len = self.heads.len();
+        if len == 0 {
+            let nothing = (&raw const NOTHING) as usize;
+            return Column {
+                first: nothing,
+                step: 0,
+                last: nothing,
+            };
+        }
+        let bytes = self.heads.elem_bytes();
+        let base = match self.heads {
+            LaneHeads::F32(h) => h.as_ptr() as usize,
+            LaneHeads::F16(h) => h.as_ptr() as usize,
+        };
+        Column {
+            first: base + (self.line * k).min(self.per - 1) * bytes,
+            step: self.per * bytes,
+            last: base + (len - 1) * bytes,
+        }
+    }
+
     /// Prefetches the lines of step `i`.
     #[inline(always)]
     fn step(&self, i: usize) {
@@ -224,6 +251,23 @@ impl Paced<'_> {
         }
         let from = (i * self.per).min(len);
         self.heads.prefetch(from..(from + self.per).min(len));
+    }
+}
+
+/// One line of every step of a [`Paced`] (addresses as integers, so that stepping past the
+/// end is arithmetic, not pointer offsets).
+#[derive(Clone, Copy)]
+struct Column {
+    first: usize,
+    step: usize,
+    last: usize,
+}
+
+impl Column {
+    /// The line's address in step `i`, clamped to the memory's last element.
+    #[inline(always)]
+    fn at(&self, i: usize) -> *const i8 {
+        (self.first + i * self.step).min(self.last) as *const i8
     }
 }
 
@@ -305,17 +349,16 @@ fn scalar_scores(
     }
 }
 
-/// Adds the values of the keys whose factors are `factors` (key `i`'s value head: `vd`
-/// elements of `values` at `at[i]`) into the accumulators of the first `rows` lanes
-/// (`acc[l·vd..]`): per key in order, `acc *= ms` where some lane's maximum rose, then `acc =
-/// fma(v, vs, acc)` in the lanes that see the key. `ahead` is read while the values are (see
-/// [`Ahead`]).
+/// Adds the values of one block of keys (factors `block`, key `i`'s value head: `vd` elements
+/// of `values` at `at[i]`) into the accumulators of the first `rows` lanes (`acc[l·vd..]`):
+/// `acc *= ms`, then per key in order `acc = fma(v, p, acc)` in the lanes that see the key.
+/// `ahead` is read while the values are (see [`Ahead`]).
 ///
 /// # Panics
-/// If `rows` exceeds the lanes, `acc` is shorter than `rows` heads, `factors` and `at` differ
+/// If `rows` exceeds the lanes, `acc` is shorter than `rows` heads, the block and `at` differ
 /// in length, or a value runs past `values`.
 pub fn lane_values(
-    factors: &[LaneFactors],
+    block: &LaneBlock,
     values: LaneHeads,
     at: &[usize],
     vd: usize,
@@ -323,14 +366,14 @@ pub fn lane_values(
     rows: usize,
     ahead: Ahead,
 ) {
-    lane_values_on(Isa::best(), factors, values, at, vd, acc, rows, ahead)
+    lane_values_on(Isa::best(), block, values, at, vd, acc, rows, ahead)
 }
 
 /// [`lane_values`] on `isa`, one this CPU has.
 #[allow(clippy::too_many_arguments)]
 fn lane_values_on(
     isa: Isa,
-    factors: &[LaneFactors],
+    block: &LaneBlock,
     values: LaneHeads,
     at: &[usize],
     vd: usize,
@@ -340,27 +383,28 @@ fn lane_values_on(
 ) {
     assert!(rows <= SOFTMAX_LANES, "a row per lane");
     assert!(acc.len() >= rows * vd, "an accumulator per row");
-    assert_eq!(factors.len(), at.len(), "factors per key");
+    assert_eq!(block.len(), at.len(), "factors per key");
+    assert_eq!(block.seen.len(), at.len(), "a mask per key");
     assert!(values.holds(at, vd), "values inside the cache");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the ISA as in `lane_scores_on`; `vd` is whole vectors, every value head holds
         // `vd` elements and `acc` `rows` heads (checked).
         Isa::Avx512 if vd.is_multiple_of(16) => unsafe {
-            x86::values_avx512(factors, values, at, vd, acc, rows, ahead)
+            x86::values_avx512(block, values, at, vd, acc, rows, ahead)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 | Isa::Avx512 if vd.is_multiple_of(8) => unsafe {
-            x86::values(factors, values, at, vd, acc, rows, ahead)
+            x86::values(block, values, at, vd, acc, rows, ahead)
         },
-        _ => scalar_values(factors, values, at, vd, acc, rows, ahead),
+        _ => scalar_values(block, values, at, vd, acc, rows, ahead),
     }
 }
 
 /// [`lane_values`] element by element.
 fn scalar_values(
-    factors: &[LaneFactors],
+    block: &LaneBlock,
     values: LaneHeads,
     at: &[usize],
     vd: usize,
@@ -369,67 +413,74 @@ fn scalar_values(
     ahead: Ahead,
 ) {
     let ahead = ahead.paced(at.len());
-    for (i, (f, &a)) in factors.iter().zip(at).enumerate() {
+    for l in 0..rows {
+        acc[l * vd..(l + 1) * vd]
+            .iter_mut()
+            .for_each(|x| *x *= block.ms[l]);
+    }
+    for (i, ((p, &seen), &a)) in block.p.iter().zip(&block.seen).zip(at).enumerate() {
         ahead.step(i);
-        for l in 0..rows {
-            let acc = &mut acc[l * vd..(l + 1) * vd];
-            if f.raise != 0 {
-                acc.iter_mut().for_each(|x| *x *= f.ms[l]);
-            }
-            if f.seen >> l & 1 == 1 {
-                for (e, x) in acc.iter_mut().enumerate() {
-                    *x = values.get(a, e).mul_add(f.vs[l], *x);
-                }
+        for l in (0..rows).filter(|l| seen >> l & 1 == 1) {
+            for (e, x) in acc[l * vd..(l + 1) * vd].iter_mut().enumerate() {
+                *x = values.get(a, e).mul_add(p[l], *x);
             }
         }
     }
 }
 
-/// The first pass: per key in order, which lanes see it, which maxima it raises, and the
-/// argument of its exponential in `e` (0 for lanes that do not see it).
+/// The first pass: each lane's block maximum `M` (returned), which lanes see each key, and
+/// the arguments of the exponentials: `m − M` in `out.ms` where `M > m` (else 0, so the factor
+/// is 1), `score − M` in `out.p` (0 for lanes that do not see the key).
 fn scalar_maxima(
-    m: &mut [f32; SOFTMAX_LANES],
+    m: &[f32; SOFTMAX_LANES],
     raw: &[[f32; SOFTMAX_LANES]],
     scale: f32,
     (from, to): ([i32; SOFTMAX_LANES], [i32; SOFTMAX_LANES]),
-    e: &mut [[f32; SOFTMAX_LANES]],
-    out: &mut [LaneFactors],
-) {
-    for (i, ((sc, e), f)) in raw.iter().zip(e).zip(out).enumerate() {
-        let i = i as i32;
-        let (mut seen, mut raise) = (0u8, 0u8);
+    out: &mut LaneBlock,
+) -> [f32; SOFTMAX_LANES] {
+    let sees = |l: usize, i: usize| from[l] <= i as i32 && (i as i32) < to[l];
+    let mut big = *m;
+    for (i, sc) in raw.iter().enumerate() {
+        let mut seen = 0u8;
         for l in 0..SOFTMAX_LANES {
             let x = sc[l] * scale;
-            e[l] = 0.0;
-            if from[l] <= i && i < to[l] {
+            if sees(l, i) {
                 seen |= 1 << l;
-                if x > m[l] {
-                    raise |= 1 << l;
-                    e[l] = m[l] - x;
-                    m[l] = x;
-                } else {
-                    e[l] = x - m[l];
+                if x > big[l] {
+                    big[l] = x;
                 }
             }
         }
-        (f.seen, f.raise) = (seen, raise);
+        out.seen[i] = seen;
     }
+    for l in 0..SOFTMAX_LANES {
+        out.ms[l] = if big[l] > m[l] { m[l] - big[l] } else { 0.0 };
+    }
+    for (i, (sc, p)) in raw.iter().zip(&mut out.p).enumerate() {
+        for l in 0..SOFTMAX_LANES {
+            p[l] = if sees(l, i) {
+                sc[l] * scale - big[l]
+            } else {
+                0.0
+            };
+        }
+    }
+    big
 }
 
-/// The second pass: each key's factors from its exponentials, and the lanes' sums.
-fn scalar_factors(
-    s: &mut [f32; SOFTMAX_LANES],
-    e: &[[f32; SOFTMAX_LANES]],
-    out: &mut [LaneFactors],
-) {
-    for (e, f) in e.iter().zip(out) {
-        for l in 0..SOFTMAX_LANES {
-            let raise = f.raise >> l & 1 == 1;
-            let (ms, vs) = if raise { (e[l], 1.0) } else { (1.0, e[l]) };
-            if f.seen >> l & 1 == 1 {
-                s[l] = s[l].mul_add(ms, vs);
+/// The second pass, over the exponentials: unseen lanes' probabilities zeroed, and each lane's
+/// sum `s·ms` plus its probabilities in key order.
+fn scalar_sums(s: &mut [f32; SOFTMAX_LANES], out: &mut LaneBlock) {
+    for (l, s) in s.iter_mut().enumerate() {
+        *s *= out.ms[l];
+    }
+    for (p, &seen) in out.p.iter_mut().zip(&out.seen) {
+        for (l, (p, s)) in p.iter_mut().zip(s.iter_mut()).enumerate() {
+            if seen >> l & 1 == 1 {
+                *s += *p;
+            } else {
+                *p = 0.0;
             }
-            (f.ms[l], f.vs[l]) = (ms, vs);
         }
     }
 }
@@ -441,7 +492,7 @@ mod x86 {
 
     use half::f16;
 
-    use super::{Ahead, LaneFactors, LaneHeads, Paced, KEYS_AT_ONCE, MAX_LANE_HEAD, SOFTMAX_LANES};
+    use super::{Ahead, Column, LaneBlock, LaneHeads, KEYS_AT_ONCE, MAX_LANE_HEAD, SOFTMAX_LANES};
 
     /// The lanes whose bit is set in `bits`, as a vector mask.
     #[inline(always)]
@@ -453,36 +504,68 @@ mod x86 {
 
     /// [`super::scalar_maxima`].
     ///
-    /// Safety: AVX2 and FMA present; `e` and `out` at least as long as `raw`.
+    /// Safety: AVX2 and FMA present; `out.p` and `out.seen` at least as long as `raw`.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn maxima(
-        m: &mut [f32; SOFTMAX_LANES],
+        m: &[f32; SOFTMAX_LANES],
         raw: &[[f32; SOFTMAX_LANES]],
         scale: f32,
         (from, to): ([i32; SOFTMAX_LANES], [i32; SOFTMAX_LANES]),
-        e: &mut [[f32; SOFTMAX_LANES]],
-        out: &mut [LaneFactors],
-    ) {
+        out: &mut LaneBlock,
+    ) -> [f32; SOFTMAX_LANES] {
         let from = _mm256_loadu_si256(from.as_ptr().cast());
         let to = _mm256_loadu_si256(to.as_ptr().cast());
         let scale = _mm256_set1_ps(scale);
-        let mut mv = _mm256_loadu_ps(m.as_ptr());
-        for (i, ((sc, e), f)) in raw.iter().zip(e).zip(out).enumerate() {
+        // from ≤ i < to.
+        let sees = |i: usize| {
             let iv = _mm256_set1_epi32(i as i32);
-            // from ≤ i < to.
-            let seen = _mm256_castsi256_ps(_mm256_andnot_si256(
+            _mm256_castsi256_ps(_mm256_andnot_si256(
                 _mm256_cmpgt_epi32(from, iv),
                 _mm256_cmpgt_epi32(to, iv),
-            ));
+            ))
+        };
+        let mv = _mm256_loadu_ps(m.as_ptr());
+        let mut big = mv;
+        for (i, (sc, seen)) in raw.iter().zip(&mut out.seen).enumerate() {
             let x = _mm256_mul_ps(_mm256_loadu_ps(sc.as_ptr()), scale);
-            let raise = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(x, mv), seen);
-            let arg = _mm256_blendv_ps(_mm256_sub_ps(x, mv), _mm256_sub_ps(mv, x), raise);
-            _mm256_storeu_ps(e.as_mut_ptr(), _mm256_and_ps(arg, seen));
-            mv = _mm256_blendv_ps(mv, x, raise);
-            f.seen = _mm256_movemask_ps(seen) as u8;
-            f.raise = _mm256_movemask_ps(raise) as u8;
+            let mask = sees(i);
+            let raise = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(x, big), mask);
+            big = _mm256_blendv_ps(big, x, raise);
+            *seen = _mm256_movemask_ps(mask) as u8;
         }
-        _mm256_storeu_ps(m.as_mut_ptr(), mv);
+        let rose = _mm256_cmp_ps::<_CMP_GT_OQ>(big, mv);
+        _mm256_storeu_ps(
+            out.ms.as_mut_ptr(),
+            _mm256_and_ps(_mm256_sub_ps(mv, big), rose),
+        );
+        for (i, (sc, p)) in raw.iter().zip(&mut out.p).enumerate() {
+            let x = _mm256_mul_ps(_mm256_loadu_ps(sc.as_ptr()), scale);
+            _mm256_storeu_ps(
+                p.as_mut_ptr(),
+                _mm256_and_ps(_mm256_sub_ps(x, big), sees(i)),
+            );
+        }
+        let mut m = [0f32; SOFTMAX_LANES];
+        _mm256_storeu_ps(m.as_mut_ptr(), big);
+        m
+    }
+
+    /// [`super::scalar_sums`].
+    ///
+    /// Safety: AVX2 present.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn sums(s: &mut [f32; SOFTMAX_LANES], out: &mut LaneBlock) {
+        let mut sv = _mm256_mul_ps(
+            _mm256_loadu_ps(s.as_ptr()),
+            _mm256_loadu_ps(out.ms.as_ptr()),
+        );
+        for (p, &seen) in out.p.iter_mut().zip(&out.seen) {
+            let mask = lanes_of(seen);
+            let pv = _mm256_and_ps(_mm256_loadu_ps(p.as_ptr()), mask);
+            sv = _mm256_blendv_ps(sv, _mm256_add_ps(sv, pv), mask);
+            _mm256_storeu_ps(p.as_mut_ptr(), pv);
+        }
+        _mm256_storeu_ps(s.as_mut_ptr(), sv);
     }
 
     /// An element type of the heads, loaded as f32.
@@ -617,85 +700,80 @@ mod x86 {
         }
     }
 
-    /// Per key in order: `a *= ms` where some lane's maximum rose, then `a = fma(v, vs, a)` in
-    /// the lanes that see the key, over one slice of every row's accumulator (`a[l]`).
-    #[inline(always)]
-    unsafe fn step_rows<V: Copy>(
-        a: &mut [V; SOFTMAX_LANES],
-        f: &LaneFactors,
-        v: V,
-        mul: impl Fn(V, f32) -> V,
-        fma: impl Fn(V, f32, V) -> V,
-    ) {
-        if f.raise != 0 {
-            for (a, &ms) in a.iter_mut().zip(&f.ms) {
-                *a = mul(*a, ms);
-            }
-        }
-        if f.seen == u8::MAX {
-            for (a, &vs) in a.iter_mut().zip(&f.vs) {
-                *a = fma(v, vs, *a);
-            }
-        } else {
-            for (l, (a, &vs)) in a.iter_mut().zip(&f.vs).enumerate() {
-                if f.seen >> l & 1 == 1 {
-                    *a = fma(v, vs, *a);
-                }
-            }
-        }
-    }
-
     /// One slice of `W` elements from `d0` of every row's accumulator, held in registers
-    /// (`V`, loaded by `load` and stored by `store`) across all the keys; the first slice
-    /// (`AHEAD`) paces the prefetch, a step per key.
+    /// (`V`, loaded by `load` and stored by `store`) across the block: rescaled by the block's
+    /// `ms`, then one FMA per key in order in the lanes that see it (with no mask where every
+    /// lane sees every key). Each key asks for its line of `ahead`.
+    ///
+    /// Lanes without a row (`rows ≤ l`) work on `spare` so that every lane's code is the same
+    /// and the accumulators stay in registers; what they compute is dropped.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn values_slice<V: Copy, E: Elem, const AHEAD: bool>(
-        factors: &[LaneFactors],
+    unsafe fn values_slice<V: Copy, E: Elem>(
+        block: &LaneBlock,
         values: &[E],
         at: &[usize],
-        acc: *mut f32,
+        (acc, spare): (*mut f32, *mut f32),
         (vd, d0, rows): (usize, usize, usize),
-        ahead: &Paced,
-        &(zero, ref load, ref store): &(V, impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
+        ahead: Column,
+        (load, store): &(impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
         (load_v, mul, fma): &(
             impl Fn(*const E) -> V,
             impl Fn(V, f32) -> V,
             impl Fn(V, f32, V) -> V,
         ),
     ) {
-        let mut a = [zero; SOFTMAX_LANES];
-        for (l, a) in a.iter_mut().enumerate().take(rows) {
-            *a = load(acc.add(l * vd + d0));
-        }
-        for (i, (f, &head)) in factors.iter().zip(at).enumerate() {
-            if AHEAD {
-                ahead.step(i);
+        let row: [*mut f32; SOFTMAX_LANES] = std::array::from_fn(|l| {
+            if l < rows {
+                acc.add(l * vd + d0)
+            } else {
+                spare
             }
-            let v = load_v(values.as_ptr().add(head + d0));
-            step_rows(&mut a, f, v, mul, fma);
+        });
+        let mut a: [V; SOFTMAX_LANES] = std::array::from_fn(|l| mul(load(row[l]), block.ms[l]));
+        let values = values.as_ptr().add(d0);
+        if block.every {
+            for (i, (p, &head)) in block.p.iter().zip(at).enumerate() {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.at(i));
+                let v = load_v(values.add(head));
+                for (a, &p) in a.iter_mut().zip(p) {
+                    *a = fma(v, p, *a);
+                }
+            }
+        } else {
+            let keys = block.p.iter().zip(&block.seen).zip(at).enumerate();
+            for (i, ((p, &seen), &head)) in keys {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.at(i));
+                let v = load_v(values.add(head));
+                for (l, (a, &p)) in a.iter_mut().zip(p).enumerate() {
+                    if seen >> l & 1 == 1 {
+                        *a = fma(v, p, *a);
+                    }
+                }
+            }
         }
-        for (l, a) in a.iter().enumerate().take(rows) {
-            store(acc.add(l * vd + d0), *a);
+        for (&row, &a) in row.iter().zip(&a) {
+            store(row, a);
         }
     }
 
     /// [`super::scalar_values`] in slices of `width` elements of each row (the vector `V`
-    /// that `regs` zeroes, loads and stores, and `ops` loads from the heads, scales and
-    /// multiply-adds).
+    /// that `regs` loads and stores, and `ops` loads from the heads, scales and
+    /// multiply-adds). Slice `k` asks for line `k` of each key's step of `ahead`, the lines
+    /// beyond the slices after them.
     ///
     /// Safety: the ISA of `regs` and `ops` present; `vd` a multiple of `width`; every value
     /// head holds `vd` elements of `values` and `acc` `rows ≤ SOFTMAX_LANES` heads.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     unsafe fn values_in_slices<E: Elem, V: Copy>(
-        factors: &[LaneFactors],
+        block: &LaneBlock,
         values: &[E],
         at: &[usize],
         (vd, rows, width): (usize, usize, usize),
         acc: &mut [f32],
         ahead: Ahead,
-        regs: (V, impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
+        regs: (impl Fn(*const f32) -> V, impl Fn(*mut f32, V)),
         ops: (
             impl Fn(*const E) -> V,
             impl Fn(V, f32) -> V,
@@ -704,29 +782,32 @@ mod x86 {
     ) {
         let ahead = ahead.paced(at.len());
         let acc = acc.as_mut_ptr();
-        let (regs, ops) = (&regs, &ops);
-        for d0 in (0..vd).step_by(width) {
-            let shape = (vd, d0, rows);
-            match d0 {
-                0 => values_slice::<_, _, true>(factors, values, at, acc, shape, &ahead, regs, ops),
-                _ => {
-                    values_slice::<_, _, false>(factors, values, at, acc, shape, &ahead, regs, ops)
-                }
+        // Where lanes without a row keep their accumulators (one vector).
+        let mut spare = [0f32; 16];
+        let slices = vd / width;
+        for k in 0..slices {
+            let shape = (vd, k * width, rows);
+            let ptrs = (acc, spare.as_mut_ptr());
+            values_slice(block, values, at, ptrs, shape, ahead.column(k), &regs, &ops);
+        }
+        for i in 0..at.len() {
+            for k in slices..ahead.per.div_ceil(ahead.line) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.line_at(i, k));
             }
         }
     }
 
     /// A `#[target_feature]` entry over [`values_in_slices`] for one vector width: its
-    /// vector type's zero, load, store, multiply, FMA and broadcast, and [`Elem`]'s load.
+    /// vector type's load, store, multiply, FMA and broadcast, and [`Elem`]'s load.
     macro_rules! values_entry {
         ($(#[$doc:meta])* $name:ident, $features:literal, $width:literal,
-         $zero:ident, $load:ident, $store:ident, $mul:ident, $fma:ident, $set1:ident,
+         $load:ident, $store:ident, $mul:ident, $fma:ident, $set1:ident,
          $load_e:ident) => {
             $(#[$doc])*
             #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $name(
-                factors: &[LaneFactors],
+                block: &LaneBlock,
                 values: LaneHeads,
                 at: &[usize],
                 vd: usize,
@@ -734,18 +815,18 @@ mod x86 {
                 rows: usize,
                 ahead: Ahead,
             ) {
-                let regs = ($zero(), |p: *const f32| $load(p), |p: *mut f32, v| $store(p, v));
+                let regs = (|p: *const f32| $load(p), |p: *mut f32, v| $store(p, v));
                 let mul = |a, ms| $mul(a, $set1(ms));
                 let fma = |v, vs, a| $fma(v, $set1(vs), a);
                 let shape = (vd, rows, $width);
                 match values {
                     LaneHeads::F32(h) => {
                         let ops = (|p| f32::$load_e(p), mul, fma);
-                        values_in_slices(factors, h, at, shape, acc, ahead, regs, ops)
+                        values_in_slices(block, h, at, shape, acc, ahead, regs, ops)
                     }
                     LaneHeads::F16(h) => {
                         let ops = (|p| f16::$load_e(p), mul, fma);
-                        values_in_slices(factors, h, at, shape, acc, ahead, regs, ops)
+                        values_in_slices(block, h, at, shape, acc, ahead, regs, ops)
                     }
                 }
             }
@@ -758,7 +839,7 @@ mod x86 {
         /// Safety: AVX2, FMA and F16C present; `vd` a multiple of 8; every value head holds
         /// `vd` elements and `acc` `rows ≤ SOFTMAX_LANES` heads.
         values, "avx2,fma,f16c", 8,
-        _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_mul_ps, _mm256_fmadd_ps,
+        _mm256_loadu_ps, _mm256_storeu_ps, _mm256_mul_ps, _mm256_fmadd_ps,
         _mm256_set1_ps, load8
     );
 
@@ -768,32 +849,9 @@ mod x86 {
         ///
         /// Safety: as [`values`], AVX-512 F present and `vd` a multiple of 16.
         values_avx512, "avx2,fma,f16c,avx512f", 16,
-        _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_mul_ps, _mm512_fmadd_ps,
+        _mm512_loadu_ps, _mm512_storeu_ps, _mm512_mul_ps, _mm512_fmadd_ps,
         _mm512_set1_ps, load16
     );
-
-    /// [`super::scalar_factors`].
-    ///
-    /// Safety: AVX2 and FMA present.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn factors(
-        s: &mut [f32; SOFTMAX_LANES],
-        e: &[[f32; SOFTMAX_LANES]],
-        out: &mut [LaneFactors],
-    ) {
-        let one = _mm256_set1_ps(1.0);
-        let mut sv = _mm256_loadu_ps(s.as_ptr());
-        for (e, f) in e.iter().zip(out) {
-            let ev = _mm256_loadu_ps(e.as_ptr());
-            let raise = lanes_of(f.raise);
-            let ms = _mm256_blendv_ps(one, ev, raise);
-            let vs = _mm256_blendv_ps(ev, one, raise);
-            sv = _mm256_blendv_ps(sv, _mm256_fmadd_ps(sv, ms, vs), lanes_of(f.seen));
-            _mm256_storeu_ps(f.ms.as_mut_ptr(), ms);
-            _mm256_storeu_ps(f.vs.as_mut_ptr(), vs);
-        }
-        _mm256_storeu_ps(s.as_mut_ptr(), sv);
-    }
 }
 
 #[cfg(test)]
@@ -813,34 +871,40 @@ mod tests {
             .collect()
     }
 
-    /// The row-at-a-time step, lane by lane: the reference.
+    /// The row-at-a-time block step (hmoe-backend's `softmax_block`), lane by lane: the
+    /// reference.
     fn reference(
         m: &mut [f32; SOFTMAX_LANES],
         s: &mut [f32; SOFTMAX_LANES],
         raw: &[[f32; SOFTMAX_LANES]],
         scale: f32,
         (from, to): ([i32; SOFTMAX_LANES], [i32; SOFTMAX_LANES]),
-    ) -> Vec<LaneFactors> {
-        let mut out = vec![LaneFactors::default(); raw.len()];
-        for (i, (sc, f)) in raw.iter().zip(&mut out).enumerate() {
-            for l in 0..SOFTMAX_LANES {
-                let (i, x) = (i as i32, sc[l] * scale);
-                (f.ms[l], f.vs[l]) = (1.0, 1.0);
-                if !(from[l] <= i && i < to[l]) {
-                    f.vs[l] = crate::expf(0.0);
-                    continue;
-                }
-                f.seen |= 1 << l;
-                if x > m[l] {
-                    f.raise |= 1 << l;
-                    f.ms[l] = crate::expf(m[l] - x);
-                    m[l] = x;
-                } else {
-                    f.vs[l] = crate::expf(x - m[l]);
-                }
-                s[l] = s[l].mul_add(f.ms[l], f.vs[l]);
+    ) -> LaneBlock {
+        let n = raw.len();
+        let mut out = LaneBlock {
+            p: vec![[0.0; SOFTMAX_LANES]; n],
+            seen: vec![0; n],
+            ..LaneBlock::default()
+        };
+        for l in 0..SOFTMAX_LANES {
+            let lo = (from[l].max(0) as usize).min(n);
+            let visible = lo..(to[l].max(0) as usize).clamp(lo, n);
+            let scores: Vec<f32> = raw[visible.clone()].iter().map(|r| r[l] * scale).collect();
+            let big = scores.iter().fold(m[l], |b, &x| if x > b { x } else { b });
+            out.ms[l] = if big > m[l] {
+                crate::expf(m[l] - big)
+            } else {
+                1.0
+            };
+            s[l] *= out.ms[l];
+            for (i, &x) in visible.clone().zip(&scores) {
+                out.p[i][l] = crate::expf(x - big);
+                s[l] += out.p[i][l];
+                out.seen[i] |= 1 << l;
             }
+            m[l] = big;
         }
+        out.every = out.seen.iter().all(|&b| b == u8::MAX);
         out
     }
 
@@ -900,50 +964,56 @@ mod tests {
     #[test]
     fn lane_values_step_each_row_as_the_scalar_code() {
         // Heads of 64 (every kernel), 88 (AVX2's, not AVX-512's), 20 (the scalar code's); all
-        // rows and fewer; keys that raise maxima, that some lanes do not see, and both.
+        // rows and fewer; blocks every lane sees whole, and blocks with keys some lanes do
+        // not see.
         for vd in [64, 88, 20] {
             for rows in [SOFTMAX_LANES, 5] {
-                let n = 37;
-                let gap = 3;
-                let cache = noise(5, n * (vd + gap));
-                let (half, at) = heads(&cache, n, vd, gap);
-                let factors: Vec<LaneFactors> = (0..n)
-                    .map(|i| {
-                        let w = noise(100 + i as u64, 2 * SOFTMAX_LANES);
-                        LaneFactors {
-                            ms: std::array::from_fn(|l| w[l].abs() / 8.0),
-                            vs: std::array::from_fn(|l| w[SOFTMAX_LANES + l] / 8.0),
-                            seen: [u8::MAX, 0b1011_0110, 0, u8::MAX][i % 4],
-                            raise: [0, 0, 0b0100_0001, 0b1000_0000, 0, 0b0000_0100][i % 6],
-                        }
-                    })
-                    .collect();
-                let acc0 = noise(6, rows * vd);
-                for values in [LaneHeads::F32(&cache), LaneHeads::F16(&half)] {
-                    let mut want = acc0.clone();
-                    scalar_values(&factors, values, &at, vd, &mut want, rows, Ahead::default());
-                    // The scalar code itself: per key, row and element.
-                    let mut naive = acc0.clone();
-                    for (f, &a) in factors.iter().zip(&at) {
+                for masked in [false, true] {
+                    let n = 37;
+                    let gap = 3;
+                    let cache = noise(5, n * (vd + gap));
+                    let (half, at) = heads(&cache, n, vd, gap);
+                    let w = noise(99, (n + 1) * SOFTMAX_LANES);
+                    let seen: Vec<u8> = (0..n)
+                        .map(|i| match masked {
+                            true => [u8::MAX, 0b1011_0110, 0, u8::MAX][i % 4],
+                            false => u8::MAX,
+                        })
+                        .collect();
+                    let block = LaneBlock {
+                        ms: std::array::from_fn(|l| [1.0, w[l].abs() / 8.0][l % 2]),
+                        p: (0..n)
+                            .map(|i| std::array::from_fn(|l| w[(i + 1) * SOFTMAX_LANES + l] / 8.0))
+                            .collect(),
+                        every: !masked,
+                        seen,
+                    };
+                    let acc0 = noise(6, rows * vd);
+                    for values in [LaneHeads::F32(&cache), LaneHeads::F16(&half)] {
+                        let mut want = acc0.clone();
+                        scalar_values(&block, values, &at, vd, &mut want, rows, Ahead::default());
+                        // The scalar code itself: per row, element and key.
+                        let mut naive = acc0.clone();
                         for l in 0..rows {
                             for e in 0..vd {
                                 let x = &mut naive[l * vd + e];
-                                if f.raise != 0 {
-                                    *x *= f.ms[l];
-                                }
-                                if f.seen >> l & 1 == 1 {
-                                    *x = values.get(a, e).mul_add(f.vs[l], *x);
+                                *x *= block.ms[l];
+                                for (i, &a) in at.iter().enumerate() {
+                                    if block.seen[i] >> l & 1 == 1 {
+                                        *x = values.get(a, e).mul_add(block.p[i][l], *x);
+                                    }
                                 }
                             }
                         }
-                    }
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&want), bits(&naive), "scalar vd {vd}");
-                    for isa in isas() {
-                        let mut got = acc0.clone();
-                        let ahead = Ahead::of(values, 0..vd * 5);
-                        lane_values_on(isa, &factors, values, &at, vd, &mut got, rows, ahead);
-                        assert_eq!(bits(&got), bits(&want), "{isa:?} vd {vd} rows {rows}");
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&want), bits(&naive), "scalar vd {vd}");
+                        for isa in isas() {
+                            let mut got = acc0.clone();
+                            let ahead = Ahead::of(values, 0..vd * 5);
+                            lane_values_on(isa, &block, values, &at, vd, &mut got, rows, ahead);
+                            let what = format!("{isa:?} vd {vd} rows {rows} masked {masked}");
+                            assert_eq!(bits(&got), bits(&want), "{what}");
+                        }
                     }
                 }
             }
@@ -962,52 +1032,67 @@ mod tests {
         assert!(past_end.is_err(), "a key past the cache");
         lane_scores(&qt, keys, &[36], 64, &mut out, Ahead::of(keys, 90..1000));
         let mut acc = vec![0f32; 64];
-        let f = [LaneFactors::default()];
+        let block = LaneBlock {
+            p: vec![[0.0; SOFTMAX_LANES]],
+            seen: vec![u8::MAX],
+            ..LaneBlock::default()
+        };
         let past_end = std::panic::catch_unwind(move || {
-            lane_values(&f, keys, &[usize::MAX], 64, &mut acc, 1, Ahead::default())
+            lane_values(
+                &block,
+                keys,
+                &[usize::MAX],
+                64,
+                &mut acc,
+                1,
+                Ahead::default(),
+            )
         });
         assert!(past_end.is_err(), "a value head past the cache");
     }
 
     #[test]
     fn softmax_lanes_are_the_row_step_lane_by_lane() {
-        // Keys across several passes, a fresh state (−∞ maxima) and a running one, lanes that
-        // see every key, a window, none, and scores with NaN and infinities.
-        let n = 2 * KEYS_PER_PASS + 7;
-        let mut scores = noise(1, n * SOFTMAX_LANES);
-        scores[5] = f32::NAN;
-        scores[77] = f32::INFINITY;
-        scores[130] = f32::NEG_INFINITY;
-        let raw: Vec<[f32; SOFTMAX_LANES]> = scores
-            .chunks_exact(SOFTMAX_LANES)
-            .map(|c| c.try_into().unwrap())
-            .collect();
-        let from = [0, 0, 3, 40, 0, 70, 0, 10];
-        let to = [n as i32, 33, 50, 41, 0, 71, n as i32, 5];
-        let isas = [Isa::Scalar, Isa::Avx2, Isa::Avx512].map(|isa| (isa, isa.is_available()));
-        for (isa, _) in isas.into_iter().filter(|(_, have)| *have) {
-            for (m0, s0) in [(f32::NEG_INFINITY, 0.0), (1.5, 2.25)] {
-                let (mut m, mut s) = ([m0; SOFTMAX_LANES], [s0; SOFTMAX_LANES]);
-                let (mut want_m, mut want_s) = (m, s);
-                let want = reference(&mut want_m, &mut want_s, &raw, 0.125, (from, to));
-                let mut out = vec![LaneFactors::default(); n];
-                softmax_lanes_on(isa, &mut m, &mut s, &raw, 0.125, (from, to), &mut out);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&m), bits(&want_m), "{isa:?} maxima");
-                assert_eq!(bits(&s), bits(&want_s), "sums");
-                for (i, (got, want)) in out.iter().zip(&want).enumerate() {
-                    assert_eq!((got.seen, got.raise), (want.seen, want.raise), "key {i}");
-                    assert_eq!(bits(&got.ms), bits(&want.ms), "key {i} ms");
-                    // Lanes that do not see the key carry no value factor.
-                    for l in (0..SOFTMAX_LANES).filter(|l| want.seen >> l & 1 == 1) {
-                        assert_eq!(
-                            got.vs[l].to_bits(),
-                            want.vs[l].to_bits(),
-                            "key {i} lane {l}"
-                        );
-                    }
+        // Blocks of one key, a whole block (32) and a long one; a fresh state (−∞ maxima)
+        // and a running one that the block does and does not raise; lanes that see every key,
+        // a window, none; and scores with NaN and infinities.
+        for n in [1, 32, 71] {
+            let mut scores = noise(1, n * SOFTMAX_LANES);
+            for (i, x) in [(5, f32::NAN), (77, f32::INFINITY), (130, f32::NEG_INFINITY)] {
+                if i < scores.len() {
+                    scores[i] = x;
                 }
             }
+            let raw: Vec<[f32; SOFTMAX_LANES]> = scores
+                .chunks_exact(SOFTMAX_LANES)
+                .map(|c| c.try_into().unwrap())
+                .collect();
+            let from = [0, 0, 3, 40, 0, 70, 0, 10];
+            let to = [n as i32, 33, 50, 41, 0, 71, n as i32, 5];
+            for isa in isas() {
+                for (m0, s0) in [(f32::NEG_INFINITY, 0.0), (1.5, 2.25), (9.0, 0.5)] {
+                    let (mut m, mut s) = ([m0; SOFTMAX_LANES], [s0; SOFTMAX_LANES]);
+                    let (mut want_m, mut want_s) = (m, s);
+                    let want = reference(&mut want_m, &mut want_s, &raw, 0.125, (from, to));
+                    let mut got = LaneBlock::default();
+                    softmax_lanes_on(isa, &mut m, &mut s, &raw, 0.125, (from, to), &mut got);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let what = format!("{isa:?} n {n} m {m0}");
+                    assert_eq!(bits(&m), bits(&want_m), "{what}: maxima");
+                    assert_eq!(bits(&s), bits(&want_s), "{what}: sums");
+                    assert_eq!(bits(&got.ms), bits(&want.ms), "{what}: ms");
+                    assert_eq!(got.seen, want.seen, "{what}: seen");
+                    assert_eq!(got.every, want.every, "{what}: every");
+                    let probs = |b: &LaneBlock| bits(b.p.as_flattened());
+                    assert_eq!(probs(&got), probs(&want), "{what}: probabilities");
+                }
+            }
+            // A block every lane sees whole is marked so.
+            let mut got = LaneBlock::default();
+            let all = ([0; SOFTMAX_LANES], [n as i32; SOFTMAX_LANES]);
+            let (mut m, mut s) = ([0.0; SOFTMAX_LANES], [0.0; SOFTMAX_LANES]);
+            softmax_lanes(&mut m, &mut s, &raw, 0.125, all, &mut got);
+            assert!(got.every, "n {n}");
         }
     }
 }

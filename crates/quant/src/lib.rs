@@ -110,7 +110,7 @@ pub use exp::{expf, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
 pub use lanes::{
-    lane_scores, lane_values, softmax_lanes, Ahead, LaneFactors, LaneHeads, SOFTMAX_LANES,
+    lane_scores, lane_values, softmax_lanes, Ahead, LaneBlock, LaneHeads, SOFTMAX_LANES,
 };
 pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};

@@ -1,25 +1,25 @@
 //! The chunked flash kernel over f32/f16 keys ([`super::flash_attention`]) with the query rows
 //! that share a KV head in the lanes of one vector: [`ROW_LANES`] rows scored against a block
-//! of keys together ([`hmoe_quant::lane_scores`]), their online softmax stepped key by key in
+//! of keys together ([`hmoe_quant::lane_scores`]), their softmax stepped a block at a time in
 //! lanes ([`LaneSoftmax::step_block`], the kernel [`softmax_lanes`]), and their value sums
 //! with the accumulators of every row held in registers across the block
 //! ([`hmoe_quant::lane_values`]); keys and values are read in place from the cache.
 //!
 //! Each lane performs exactly the operations of the row-at-a-time arithmetic on the same
-//! operands in the same order ([`dot_chain`] scores, [`online_softmax_step`] factors, one FMA
-//! per value element), so results keep their bits; only which row an instruction serves
+//! operands in the same order ([`dot_chain`] scores, [`softmax_block`] factors, one FMA per
+//! key and value element), so results keep their bits; only which row an instruction serves
 //! changes.
 //!
 //! [`dot_chain`]: hmoe_backend::numerics::dot_chain
-//! [`online_softmax_step`]: hmoe_backend::numerics::online_softmax_step
+//! [`softmax_block`]: hmoe_backend::numerics::softmax_block
 
-use hmoe_quant::{softmax_lanes, LaneFactors, SOFTMAX_LANES};
+use hmoe_quant::{softmax_lanes, LaneBlock, SOFTMAX_LANES};
 
 /// Query rows scored and summed together, one per vector lane.
 pub(super) const ROW_LANES: usize = SOFTMAX_LANES;
 
-/// The online-softmax state of up to [`ROW_LANES`] rows, one per lane, and the factors of the
-/// block of keys last stepped.
+/// The softmax state of up to [`ROW_LANES`] rows, one per lane, and the factors of the block
+/// of keys last stepped.
 pub(super) struct LaneSoftmax {
     m: [f32; ROW_LANES],
     s: [f32; ROW_LANES],
@@ -27,7 +27,7 @@ pub(super) struct LaneSoftmax {
     /// key and are never read back.
     first: [usize; ROW_LANES],
     last: [usize; ROW_LANES],
-    keys: Vec<LaneFactors>,
+    block: LaneBlock,
 }
 
 impl Default for LaneSoftmax {
@@ -37,7 +37,7 @@ impl Default for LaneSoftmax {
             s: [0.0; ROW_LANES],
             first: [0; ROW_LANES],
             last: [usize::MAX; ROW_LANES],
-            keys: Vec::new(),
+            block: LaneBlock::default(),
         }
     }
 }
@@ -59,26 +59,29 @@ impl LaneSoftmax {
         (self.m[l], self.s[l])
     }
 
-    /// Steps every lane's maximum and sum through the keys of positions `p0..p0 +
+    /// Steps every lane's maximum and sum through the block of keys of positions `p0..p0 +
     /// raw.len()` (`raw[i][l]`: lane `l`'s unscaled score of key `i`) as the row kernel's
-    /// online softmax does for each lane that sees the key ([`softmax_lanes`]), and keeps
-    /// each key's factors for [`hmoe_quant::lane_values`] ([`LaneSoftmax::factors`]).
+    /// block step does for the keys each lane sees ([`softmax_lanes`]), and keeps the block's
+    /// factors for [`hmoe_quant::lane_values`] ([`LaneSoftmax::block`]).
     pub(super) fn step_block(&mut self, raw: &[[f32; ROW_LANES]], scale: f32, p0: usize) {
         let n = raw.len();
-        if self.keys.len() < n {
-            self.keys.resize(n, LaneFactors::default());
-        }
         // Each lane's visible keys of the block, `from..to`.
         let from = self.first.map(|f| f.saturating_sub(p0).min(n) as i32);
         let to = self
             .last
             .map(|l| l.saturating_add(1).saturating_sub(p0).min(n) as i32);
-        let keys = &mut self.keys[..n];
-        softmax_lanes(&mut self.m, &mut self.s, raw, scale, (from, to), keys);
+        softmax_lanes(
+            &mut self.m,
+            &mut self.s,
+            raw,
+            scale,
+            (from, to),
+            &mut self.block,
+        );
     }
 
-    /// The factors of the first `n` keys last stepped, for [`hmoe_quant::lane_values`].
-    pub(super) fn factors(&self, n: usize) -> &[LaneFactors] {
-        &self.keys[..n]
+    /// The factors of the block last stepped, for [`hmoe_quant::lane_values`].
+    pub(super) fn block(&self) -> &LaneBlock {
+        &self.block
     }
 }
