@@ -18,10 +18,9 @@
 //! [`FLASH_BLOCK`] positions at a time (one rescale per block, so the value sums run without a
 //! branch per key), folded in position order: one decode token then spreads over every thread
 //! (split-K), and results still depend neither on the thread count nor on the rest of the
-//! batch. Its results differ
-//! from the row kernel's in the last bits (another summation order, f32 probabilities), and
-//! from llama.cpp's flash kernel too (which sums f16 values in f16); the goldens hold within
-//! the fixture tolerances (`tests/kv_quant_fixtures.rs`).
+//! batch. Its results differ from the row kernel's in the last bits (another summation order,
+//! f32 probabilities), and from llama.cpp's flash kernel too (which sums f16 values in f16);
+//! the goldens hold within the fixture tolerances (`tests/kv_quant_fixtures.rs`).
 //!
 //! `-fa off` keeps the row kernel (one query row at a time, so memory is one score row per
 //! (query, head) task and never a queries × keys matrix), whose numerics meet the non-flash
