@@ -145,8 +145,8 @@ pub const FLASH_BLOCK: usize = 32;
 /// maximum `M` (the first score above the running one wins, so NaN never does) rescales what
 /// came before by `ms = e^(m − M)` where it rose (else 1), `s = s·ms`, then each key's
 /// probability `p = e^(score − M)` is added to `s` in key order and written to `probs`; libm's
-/// `expf`. The value accumulator is then `acc·ms` plus `v·p` key by key, one FMA each.
-/// Returns `ms`.
+/// `expf` (the probabilities by [`hmoe_quant::expf_slice`], its bits, several at a time). The
+/// value accumulator is then `acc·ms` plus `v·p` key by key, one FMA each. Returns `ms`.
 ///
 /// One rescale per block instead of one per new maximum: the value sums then run without a
 /// branch per key.
@@ -155,10 +155,13 @@ pub fn softmax_block(m: &mut f32, s: &mut f32, scores: &[f32], probs: &mut [f32]
         .iter()
         .fold(*m, |big, &x| if x > big { x } else { big });
     let ms = if big > *m { (*m - big).exp() } else { 1.0 };
-    *s *= ms;
     for (p, &x) in probs.iter_mut().zip(scores) {
-        *p = (x - big).exp();
-        *s += *p;
+        *p = x - big;
+    }
+    hmoe_quant::expf_slice(&mut probs[..scores.len()]);
+    *s *= ms;
+    for &p in &probs[..scores.len()] {
+        *s += p;
     }
     *m = big;
     ms

@@ -1333,9 +1333,7 @@ impl FlashTask<'_> {
                     (true, 64) => online_softmax::<64>(m, s, acc, scores, values, stride),
                     (true, 128) => online_softmax::<128>(m, s, acc, scores, values, stride),
                     (true, _) => online_softmax_any(m, s, acc, scores, values, stride),
-                    (false, 64) => block_softmax::<64>(m, s, acc, scores, values, stride),
-                    (false, 128) => block_softmax::<128>(m, s, acc, scores, values, stride),
-                    (false, _) => block_softmax_any(m, s, acc, scores, values, stride),
+                    (false, _) => block_softmax(m, s, acc, scores, values, stride),
                 }
             }
             b0 = b1;
@@ -1424,48 +1422,10 @@ fn online_softmax_any(
     }
 }
 
-/// Folds one block of keys of the chunked kernel (`scores`, one value head of `D` elements
-/// each in `values`, `stride` apart) into a row's chunk state (maximum `m`, sum `s`, values
-/// `acc`) as [`softmax_block`] steps it, the accumulator held in registers: `acc·ms`, then
-/// `acc = v·p + acc` key by key.
-fn block_softmax<const D: usize>(
-    m: &mut f32,
-    s: &mut f32,
-    acc_row: &mut [f32],
-    scores: &[f32],
-    values: &[f32],
-    stride: usize,
-) {
-    let n = scores.len().min(POS_BLOCK);
-    // `softmax_block` with the exponentials sixteen lanes at a time (the same bits).
-    let big = scores[..n]
-        .iter()
-        .fold(*m, |big, &x| if x > big { x } else { big });
-    let ms = if big > *m { (*m - big).exp() } else { 1.0 };
-    let mut p = [0f32; POS_BLOCK];
-    for (p, &x) in p.iter_mut().zip(&scores[..n]) {
-        *p = x - big;
-    }
-    expf_slice(&mut p[..n]);
-    *s *= ms;
-    for &p in &p[..n] {
-        *s += p;
-    }
-    *m = big;
-    let mut acc = [0f32; D];
-    for (a, &x) in acc.iter_mut().zip(&acc_row[..D]) {
-        *a = x * ms;
-    }
-    for (v, &p) in values.chunks(stride).zip(&p[..n]) {
-        for (a, &x) in acc.iter_mut().zip(&v[..D]) {
-            *a = x.mul_add(p, *a);
-        }
-    }
-    acc_row[..D].copy_from_slice(&acc);
-}
-
-/// [`block_softmax`] for value heads of any size.
-fn block_softmax_any(
+/// Folds one block of keys of the chunked kernel (`scores`, one value head of `acc.len()`
+/// elements each in `values`, `stride` apart) into a row's chunk state (maximum `m`, sum `s`,
+/// values `acc`) as [`softmax_block`] steps it: `acc·ms`, then `acc = v·p + acc` key by key.
+fn block_softmax(
     m: &mut f32,
     s: &mut f32,
     acc: &mut [f32],

@@ -204,21 +204,11 @@ impl Paced<'_> {
     /// an address to prefetch without a branch.
     #[inline(always)]
     fn line_at(&self, i: usize, k: usize) -> *const i8 {
-        static NOTHING: u8 = 0;
-        let len = self.heads.len();
-        if len == 0 {
-            return (&raw const NOTHING).cast();
-        }
-        let at = (i * self.per + (self.line * k).min(self.per - 1)).min(len - 1);
-        let bytes = self.heads.elem_bytes();
-        let base: *const u8 = match self.heads {
-            LaneHeads::F32(h) => h.as_ptr().cast(),
-            LaneHeads::F16(h) => h.as_ptr().cast(),
-        };
-        base.wrapping_add(at * bytes).cast()
+        self.column(k).at(i)
     }
 
-    /// Line `k` of every step, as [`Paced::line_at`] gives it.
+    /// Line `k` of every step ([`Paced::line_at`] of each step).
+    #[inline(always)]
     fn column(&self, k: usize) -> Column {
         static NOTHING: u8 = 0;
         let len = self.heads.len();
