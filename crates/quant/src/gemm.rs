@@ -30,9 +30,27 @@ use crate::scalar::{
 use crate::{check_isa, row_bytes, vec_dot_type, GgmlType, Isa, QuantError};
 
 /// A GEMM kernel: `n` = elements per row, `w` = `out.len() / n_tokens` weight rows,
-/// `acts` = `n_tokens` activation rows, `bias` = [`GemmActs::bias`], `out` = `[row][token]`.
-pub(crate) type GemmFn =
-    unsafe fn(n: usize, w: &[u8], acts: &[u8], bias: &[i32], n_tokens: usize, out: &mut [f32]);
+/// `acts` = `n_tokens` activation rows, `blocks` = what [`GemmKernel::prepare`] computed per
+/// activation block, `out` = `[row][token]`.
+pub(crate) type GemmFn = unsafe fn(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    blocks: &ActBlocks,
+    n_tokens: usize,
+    out: &mut [f32],
+);
+
+/// Per activation block (`[token][block]`), computed once per matmul so that no kernel
+/// repeats it for every row group: for MXFP4 weights the correction `-12 · Σ a` of the biased
+/// weights, and for Q8_0 activations their f16 scale as f32.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ActBlocks {
+    /// `-12 · Σ_j a_j` (MXFP4 weights only).
+    pub(crate) bias: Vec<i32>,
+    /// The block's scale `d` (Q8_0 activations only).
+    pub(crate) scales: Vec<f32>,
+}
 
 /// The MXFP4 table values plus 12, so they fit the unsigned operand of `vpdpbusd`/`vpmaddubsw`.
 pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
@@ -54,8 +72,7 @@ pub struct GemmActs<'a> {
     n: usize,
     n_tokens: usize,
     data: &'a [u8],
-    /// `-12 · Σ_j a_j` per token and block (`[token][block]`), MXFP4 only.
-    bias: Vec<i32>,
+    blocks: ActBlocks,
 }
 
 impl GemmActs<'_> {
@@ -256,7 +273,8 @@ impl GemmKernel {
 
     /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
     /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
-    /// block once (for MXFP4 one `i32` per token and block).
+    /// block once (for MXFP4 one `i32` per token and block, for Q8_0 activations their scales
+    /// as `f32`).
     pub fn prepare<'a>(
         &self,
         n: usize,
@@ -276,19 +294,25 @@ impl GemmKernel {
                 got: acts.len(),
             });
         }
-        let bias = if self.weight == GgmlType::MXFP4 {
-            acts.chunks_exact(Q8_0_BYTES)
+        let mut blocks = ActBlocks::default();
+        if self.weight == GgmlType::MXFP4 {
+            blocks.bias = acts
+                .chunks_exact(Q8_0_BYTES)
                 .map(|b| -12 * b[2..].iter().map(|&q| q as i8 as i32).sum::<i32>())
-                .collect()
-        } else {
-            Vec::new()
-        };
+                .collect();
+        }
+        if self.act == GgmlType::Q8_0 {
+            blocks.scales = acts
+                .chunks_exact(Q8_0_BYTES)
+                .map(|b| f16_to_f32(rd_u16(b, 0)))
+                .collect();
+        }
         Ok(GemmActs {
             weight: self.weight,
             n,
             n_tokens,
             data: acts,
-            bias,
+            blocks,
         })
     }
 
@@ -344,9 +368,9 @@ impl GemmKernel {
             });
         }
         // SAFETY: the ISA was checked in `resolve`; `weight_rows` holds `rows` whole rows of
-        // `n` elements, `acts.data` `t` activation rows and `acts.bias` their block sums
-        // (checked in `prepare`), `out` `rows * t` results.
-        unsafe { (self.f)(acts.n, weight_rows, acts.data, &acts.bias, t, out) };
+        // `n` elements, `acts.data` `t` activation rows and `acts.blocks` what their blocks
+        // give (computed in `prepare`), `out` `rows * t` results.
+        unsafe { (self.f)(acts.n, weight_rows, acts.data, &acts.blocks, t, out) };
         Ok(())
     }
 }
@@ -421,15 +445,15 @@ fn scalar_fn(weight: GgmlType) -> (&'static str, GemmFn) {
             }
         }
     }
-    fn mxfp4(n: usize, w: &[u8], acts: &[u8], _: &[i32], n_tokens: usize, out: &mut [f32]) {
+    fn mxfp4(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
         run(n, w, acts, n_tokens, out, GgmlType::MXFP4, mxfp4_blockwise);
     }
-    fn q8_0(n: usize, w: &[u8], acts: &[u8], _: &[i32], n_tokens: usize, out: &mut [f32]) {
+    fn q8_0(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
         run(n, w, acts, n_tokens, out, GgmlType::Q8_0, |w, a| {
             crate::scalar::dot_q8_0(n, w, a)
         });
     }
-    fn f32(n: usize, w: &[u8], acts: &[u8], _: &[i32], n_tokens: usize, out: &mut [f32]) {
+    fn f32(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
         run(n, w, acts, n_tokens, out, GgmlType::F32, |w, a| {
             f32_lanes(n, w, a)
         });

@@ -43,8 +43,9 @@ macro_rules! entry_points {
 }
 
 /// Defines a `#[target_feature]` `GemmFn` named `$name` around the `#[inline(always)]` GEMM
-/// `$kernel`, which takes `(n, w, acts, bias, n_tokens, out)`, or, without the `bias` marker,
-/// `(n, w, acts, n_tokens, out)`.
+/// `$kernel`, which takes `(n, w, acts, bias, n_tokens, out)` with the `bias` marker,
+/// `(n, w, acts, scales, n_tokens, out)` with `scales`, `(n, w, acts, bias, scales, n_tokens,
+/// out)` with `bias_scales`, or else `(n, w, acts, n_tokens, out)` (see `gemm::ActBlocks`).
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! gemm_entry {
     ($features:literal, $name:ident, $kernel:expr $(, $bias:ident)?) => {
@@ -55,15 +56,21 @@ macro_rules! gemm_entry {
             n: usize,
             w: &[u8],
             acts: &[u8],
-            bias: &[i32],
+            blocks: &$crate::gemm::ActBlocks,
             n_tokens: usize,
             out: &mut [f32],
         ) {
-            gemm_entry!(@call $kernel, n, w, acts, bias, n_tokens, out $(, $bias)?)
+            gemm_entry!(@call $kernel, n, w, acts, blocks, n_tokens, out $(, $bias)?)
         }
     };
     (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, bias) => {
-        $kernel($n, $w, $a, $b, $t, $o)
+        $kernel($n, $w, $a, &$b.bias, $t, $o)
+    };
+    (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, scales) => {
+        $kernel($n, $w, $a, &$b.scales, $t, $o)
+    };
+    (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, bias_scales) => {
+        $kernel($n, $w, $a, &$b.bias, &$b.scales, $t, $o)
     };
     (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident) => {{
         let _ = $b;

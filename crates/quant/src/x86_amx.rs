@@ -24,7 +24,7 @@ use core::arch::asm;
 use core::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use crate::gemm::GemmFn;
+use crate::gemm::{ActBlocks, GemmFn};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_avx2::f16_at;
 use crate::AmxStatus;
@@ -244,7 +244,7 @@ unsafe fn mxfp4_amx(
     n: usize,
     w: &[u8],
     acts: &[u8],
-    bias: &[i32],
+    blocks: &ActBlocks,
     n_tokens: usize,
     out: &mut [f32],
     fallback: GemmFn,
@@ -252,7 +252,7 @@ unsafe fn mxfp4_amx(
     let rows = out.len() / n_tokens;
     let full = rows / T * T;
     if n_tokens < AMX_MIN_TOKENS || full == 0 {
-        return fallback(n, w, acts, bias, n_tokens, out);
+        return fallback(n, w, acts, blocks, n_tokens, out);
     }
     let nb = n / QK;
     let (stride, astride) = (nb * MXFP4_BYTES, nb * Q8_0_BYTES);
@@ -312,7 +312,7 @@ unsafe fn mxfp4_amx(
             n,
             &w[full * stride..],
             acts,
-            bias,
+            blocks,
             n_tokens,
             &mut out[full * n_tokens..],
         );
@@ -327,12 +327,12 @@ unsafe fn mxfp4_amx_vnni(
     n: usize,
     w: &[u8],
     acts: &[u8],
-    bias: &[i32],
+    blocks: &ActBlocks,
     n_tokens: usize,
     out: &mut [f32],
 ) {
     let (_, fallback) = crate::x86_gemm_avx512::gemm_fn(crate::GgmlType::MXFP4, true, true);
-    mxfp4_amx(n, w, acts, bias, n_tokens, out, fallback)
+    mxfp4_amx(n, w, acts, blocks, n_tokens, out, fallback)
 }
 
 /// The AMX MXFP4 GEMM, where [`amx_status`] is [`AmxStatus::Usable`] (`GemmKernel::new`

@@ -7,8 +7,10 @@
 //!   Calls of up to 4 tokens use each decoded block at once; longer calls decode runs of 16
 //!   blocks of a row group into L1 once and take every token over them, the accumulators of
 //!   up to 64 tokens carried from run to run. The next row group is prefetched.
-//! * Q8_0: tiles of 2 rows × 4 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
-//!   pair), in chunks of 64 tokens.
+//! * Q8_0: tiles of 1 row × 8 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
+//!   pair), in chunks of 64 tokens; a taller tile spills accumulators and is no faster.
+//! * Both take the activation blocks' scales as f32 from `gemm::ActBlocks` (converted once per
+//!   matmul, not once per row group).
 //! * F32: tiles of 2 rows × 2 tokens of 16-lane (two-register) FMA accumulators.
 //!
 //! Safety: every `unsafe fn` here needs AVX2, FMA and F16C, and the slice contract of
@@ -90,10 +92,10 @@ unsafe fn isum8(u: &[__m256i; 8], ab: *const u8, bias: i32) -> __m256i {
     _mm256_add_epi32(s, _mm256_set1_epi32(bias))
 }
 
-/// `fma(isum, 2^(e-128) · d, acc)` for the 8 rows, `d` the activation block's f16 scale at `ab`.
+/// `fma(isum, 2^(e-128) · d, acc)` for the 8 rows, `d` the activation block's scale at `d`.
 #[inline(always)]
-unsafe fn block_fma(isum: __m256i, pow2: __m256, ab: *const u8, acc: __m256) -> __m256 {
-    let scale = _mm256_mul_ps(pow2, _mm256_set1_ps(f16_at(ab)));
+unsafe fn block_fma(isum: __m256i, pow2: __m256, d: *const f32, acc: __m256) -> __m256 {
+    let scale = _mm256_mul_ps(pow2, _mm256_broadcast_ss(&*d));
     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc)
 }
 
@@ -123,7 +125,7 @@ unsafe fn store_lanes(v: __m256, valid: usize, out: *mut f32, step: usize) {
     }
 }
 
-/// `TT` tokens (`a`, `bias` and `out` at the first) over one row group, decoding each block
+/// `TT` tokens (`a`, `bias`, `scales` and `out` at the first) over one row group, decoding each block
 /// once for all of them; the next group (contiguous) is prefetched into L2.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -132,7 +134,7 @@ unsafe fn mxfp4_tile_regs<const TT: usize>(
     rows: &[*const u8; G],
     next: *const u8,
     a: *const u8,
-    bias: *const i32,
+    (bias, scales): (*const i32, *const f32),
     out: *mut f32,
     n_tokens: usize,
     valid: usize,
@@ -146,8 +148,8 @@ unsafe fn mxfp4_tile_regs<const TT: usize>(
         }
         let (u, pow2) = decode8(rows, b * MXFP4_BYTES);
         for (j, acc) in acc.iter_mut().enumerate() {
-            let ab = a.add(j * astride + b * Q8_0_BYTES);
-            *acc = block_fma(isum8(&u, ab, *bias.add(j * nb + b)), pow2, ab, *acc);
+            let (ab, at) = (a.add(j * astride + b * Q8_0_BYTES), j * nb + b);
+            *acc = block_fma(isum8(&u, ab, *bias.add(at)), pow2, scales.add(at), *acc);
         }
     }
     for (j, &acc) in acc.iter().enumerate() {
@@ -166,24 +168,25 @@ unsafe fn mxfp4_gemm_small(
     n: usize,
     w: &[u8],
     acts: &[u8],
-    bias: &[i32],
+    blocks: (&[i32], &[f32]),
     n_tokens: usize,
     out: &mut [f32],
 ) {
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
-    let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
+    let (a, o) = (acts.as_ptr(), out.as_mut_ptr());
+    let bs = (blocks.0.as_ptr(), blocks.1.as_ptr());
     for r0 in (0..rows).step_by(G) {
         let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
         let next = w.as_ptr().wrapping_add((r0 + G) * stride);
         let valid = (rows - r0).min(G);
         let ot = o.add(r0 * n_tokens);
         match n_tokens {
-            1 => mxfp4_tile_regs::<1>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
-            2 => mxfp4_tile_regs::<2>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
-            3 => mxfp4_tile_regs::<3>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
-            _ => mxfp4_tile_regs::<4>(nb, &ptrs, next, a, bias, ot, n_tokens, valid),
+            1 => mxfp4_tile_regs::<1>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
+            2 => mxfp4_tile_regs::<2>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
+            3 => mxfp4_tile_regs::<3>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
+            _ => mxfp4_tile_regs::<4>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
         }
     }
 }
@@ -200,15 +203,15 @@ struct Decoded {
     pow2: [__m256; DEC_BLOCKS],
 }
 
-/// `TT` tokens (`a` and `bias` at block 0 of the decoded run, of the first token) over the
-/// `nbc` decoded blocks of `dec`, carrying their accumulators in `acc`.
+/// `TT` tokens (`a`, `bias` and `scales` at block 0 of the decoded run, of the first token)
+/// over the `nbc` decoded blocks of `dec`, carrying their accumulators in `acc`.
 #[inline(always)]
 unsafe fn mxfp4_tile<const TT: usize>(
     dec: &Decoded,
     nbc: usize,
     a: *const u8,
     astride: usize,
-    bias: *const i32,
+    (bias, scales): (*const i32, *const f32),
     nb: usize,
     acc: &mut [__m256],
 ) {
@@ -217,8 +220,8 @@ unsafe fn mxfp4_tile<const TT: usize>(
     for i in 0..nbc {
         let u = &dec.u[i];
         for (j, r) in r.iter_mut().enumerate() {
-            let ab = a.add(j * astride + i * Q8_0_BYTES);
-            *r = block_fma(isum8(u, ab, *bias.add(j * nb + i)), dec.pow2[i], ab, *r);
+            let (ab, at) = (a.add(j * astride + i * Q8_0_BYTES), j * nb + i);
+            *r = block_fma(isum8(u, ab, *bias.add(at)), dec.pow2[i], scales.add(at), *r);
         }
     }
     acc[..TT].copy_from_slice(&r);
@@ -230,17 +233,19 @@ unsafe fn mxfp4_gemm(
     w: &[u8],
     acts: &[u8],
     bias: &[i32],
+    scales: &[f32],
     n_tokens: usize,
     out: &mut [f32],
 ) {
     if n_tokens <= SMALL_TOKENS {
-        return mxfp4_gemm_small(n, w, acts, bias, n_tokens, out);
+        return mxfp4_gemm_small(n, w, acts, (bias, scales), n_tokens, out);
     }
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
     let astride = nb * Q8_0_BYTES;
-    let (a, bias, o) = (acts.as_ptr(), bias.as_ptr(), out.as_mut_ptr());
+    let (a, o) = (acts.as_ptr(), out.as_mut_ptr());
+    let (bias, scales) = (bias.as_ptr(), scales.as_ptr());
     let mut dec = Decoded {
         u: [[_mm256_setzero_si256(); 8]; DEC_BLOCKS],
         pow2: [_mm256_setzero_ps(); DEC_BLOCKS],
@@ -265,7 +270,8 @@ unsafe fn mxfp4_gemm(
                 }
                 for t0 in (0..tn).step_by(4) {
                     let t = tc + t0;
-                    let (at, bt) = (a.add(t * astride + b0 * Q8_0_BYTES), bias.add(t * nb + b0));
+                    let at = a.add(t * astride + b0 * Q8_0_BYTES);
+                    let bt = (bias.add(t * nb + b0), scales.add(t * nb + b0));
                     let acc = &mut acc[t0..];
                     match tn - t0 {
                         1 => mxfp4_tile::<1>(&dec, nbc, at, astride, bt, nb, acc),
@@ -287,14 +293,21 @@ unsafe fn mxfp4_gemm(
 // Q8_0
 
 /// Q8_0 rows per tile.
-const Q8_R: usize = 2;
+const Q8_R: usize = 1;
 /// Q8_0 tokens per tile.
-const Q8_T: usize = 4;
+const Q8_T: usize = 8;
 /// Q8_0 tokens per chunk (a multiple of `Q8_T`).
 const Q8_TC: usize = 64;
 
 #[inline(always)]
-unsafe fn q8_0_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [f32]) {
+unsafe fn q8_0_gemm(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    scales: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * Q8_0_BYTES;
@@ -306,27 +319,28 @@ unsafe fn q8_0_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut 
             let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
             for t0 in (tc..n_tokens.min(tc + Q8_TC)).step_by(Q8_T) {
                 let ta = row_ptrs::<Q8_T>(acts.as_ptr(), t0, n_tokens, stride);
+                let ts = row_ptrs::<Q8_T>(scales.as_ptr().cast(), t0, n_tokens, 4 * nb);
                 let mut acc = [[_mm256_setzero_ps(); Q8_T]; Q8_R];
                 for b in 0..nb {
                     let off = b * Q8_0_BYTES;
-                    let mut ys = [_mm256_setzero_si256(); Q8_T];
-                    let mut das = [0f32; Q8_T];
-                    for j in 0..Q8_T {
-                        ys[j] = _mm256_loadu_si256(ta[j].add(off + 2).cast());
-                        das[j] = f16_at(ta[j].add(off));
+                    let mut ax = [_mm256_setzero_si256(); Q8_R];
+                    let mut dw = [_mm256_setzero_ps(); Q8_R];
+                    for r in 0..Q8_R {
+                        let x = _mm256_loadu_si256(wr[r].add(off + 2).cast());
+                        ax[r] = _mm256_sign_epi8(x, x);
+                        dw[r] = _mm256_set1_ps(f16_at(wr[r].add(off)));
                     }
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let wb = wr[r].add(off);
-                        let x = _mm256_loadu_si256(wb.add(2).cast());
-                        let ax = _mm256_sign_epi8(x, x);
-                        let dw = _mm256_set1_ps(f16_at(wb));
-                        for j in 0..Q8_T {
+                    for j in 0..Q8_T {
+                        let y = _mm256_loadu_si256(ta[j].add(off + 2).cast());
+                        let da = _mm256_broadcast_ss(&*ts[j].cast::<f32>().add(b));
+                        for r in 0..Q8_R {
                             // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
-                            let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(ys[j], x));
+                            let x = _mm256_loadu_si256(wr[r].add(off + 2).cast());
+                            let p16 = _mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(y, x));
                             let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                            // The f32 product dw · da in every lane, from a broadcast load.
-                            let d = _mm256_mul_ps(dw, _mm256_broadcast_ss(&das[j]));
-                            acc[j] = _mm256_fmadd_ps(d, q, acc[j]);
+                            // The f32 product dw · da in every lane.
+                            let d = _mm256_mul_ps(dw[r], da);
+                            acc[r][j] = _mm256_fmadd_ps(d, q, acc[r][j]);
                         }
                     }
                 }
@@ -416,8 +430,8 @@ unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [
 // ----------------------------------------------------------------------------------------------
 // entry points
 
-gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, bias);
-gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm);
+gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, bias_scales);
+gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm, scales);
 gemm_entry!("avx2,fma,f16c", f32_avx2, f32_gemm);
 
 /// The AVX2 GEMM for `ty` (MXFP4, Q8_0 or F32).
