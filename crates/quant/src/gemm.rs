@@ -20,6 +20,8 @@
 //! adds four products per row. Weights enter the unsigned operand as `value + 12`; the
 //! `12 · Σa` this adds is subtracted per block from the integer sum (precomputed per token in
 //! [`GemmActs`]), which keeps the integer sum exact for every activation byte including -128.
+//! (AVX2's batched path turns the roles round, for want of registers: activation bytes plus 128
+//! unsigned, signed table values, `-128 · Σ w` subtracted per row and block.)
 //! With several tokens, each decoded block of a row group serves a tile of up to 8 tokens
 //! (accumulators in registers); Q8_0 and F32 use register tiles of rows × tokens. The
 //! single-token passes, which are memory-bound, prefetch the next rows into L2.
@@ -50,6 +52,9 @@ pub(crate) struct ActBlocks {
     pub(crate) bias: Vec<i32>,
     /// The block's scale `d` (Q8_0 activations only).
     pub(crate) scales: Vec<f32>,
+    /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
+    /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
+    pub(crate) flipped: Vec<u8>,
 }
 
 /// The MXFP4 table values plus 12, so they fit the unsigned operand of `vpdpbusd`/`vpmaddubsw`.
@@ -299,6 +304,13 @@ impl GemmKernel {
             blocks.bias = acts
                 .chunks_exact(Q8_0_BYTES)
                 .map(|b| -12 * b[2..].iter().map(|&q| q as i8 as i32).sum::<i32>())
+                .collect();
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.weight == GgmlType::MXFP4 && self.isa == Isa::Avx2 {
+            blocks.flipped = acts
+                .chunks_exact(Q8_0_BYTES)
+                .flat_map(|b| b[2..].iter().map(|&q| q ^ 0x80))
                 .collect();
         }
         if self.act == GgmlType::Q8_0 {

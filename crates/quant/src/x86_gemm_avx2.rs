@@ -1,12 +1,15 @@
 //! AVX2 + FMA + F16C GEMM kernels, bit-identical to the scalar references in `gemm.rs`.
 //!
 //! * MXFP4: 8 weight rows in the 8 lanes, the layout of the AVX-512 kernel at half width
-//!   (see `x86_gemm_avx512.rs`); products by `vpmaddubsw` of the biased values (≤ 24) with
-//!   activation bytes, four 16-bit results summed before one `vpmaddwd` (|sum| ≤ 24576, no
-//!   overflow); the scale `2^(e-128)` is built from the exponent bits and multiplied by `d`.
-//!   Calls of up to 4 tokens use each decoded block at once; longer calls decode runs of 16
-//!   blocks of a row group into L1 once and take every token over them, the accumulators of
-//!   up to 64 tokens carried from run to run. The next row group is prefetched.
+//!   (see `x86_gemm_avx512.rs`); the scale `2^(e-128)` is built from the exponent bits and
+//!   multiplied by `d`. Calls of up to 4 tokens use each decoded block at once, with products by
+//!   `vpmaddubsw` of the biased values (≤ 24) with activation bytes, four 16-bit results summed
+//!   before one `vpmaddwd` (|sum| ≤ 24576). Longer calls decode runs of 16 blocks of two row
+//!   groups into L1 once, as signed table values with `-128 · Σ w` per row, and take every token
+//!   over them: each broadcast activation dword (the bytes plus 128, `ActBlocks::flipped`) is
+//!   the unsigned operand of two `vpmaddubsw` whose signed operand is read from L1 (|sum| ≤
+//!   24480), so one broadcast serves 16 rows; the accumulators of up to 64 tokens are carried
+//!   from run to run. The next rows are prefetched. Both give the same exact integer sums.
 //! * Q8_0: tiles of 1 row × 8 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
 //!   pair), in chunks of 64 tokens; a taller tile spills accumulators and is no faster.
 //! * Both take the activation blocks' scales as f32 from `gemm::ActBlocks` (converted once per
@@ -18,8 +21,8 @@
 
 use core::arch::x86_64::*;
 
-use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12};
-use crate::scalar::{MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::gemm::{ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12};
+use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_avx2::{f16_at, hsum8};
 use crate::GgmlType;
 
@@ -32,11 +35,10 @@ unsafe fn bcast32(p: *const u8) -> __m256i {
     _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
-/// Decodes the MXFP4 block at byte `off` of 8 rows: `u[k]` (`u[4 + k]`) holds in lane `r` the
-/// biased values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`; the second result is
-/// each row's `2^(e-128)`.
+/// The nibble bytes of the MXFP4 block at byte `off` of 8 rows, transposed as dwords: lane
+/// `r` of the `k`-th vector holds bytes `4k..4k+4` of row `r`'s block.
 #[inline(always)]
-unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
+unsafe fn transpose8(rows: &[*const u8; G], off: usize) -> [__m256i; 4] {
     let mut z = [_mm256_setzero_si256(); 4];
     for (g, z) in z.iter_mut().enumerate() {
         // 128-bit lane i of z[g] holds row 4i + g.
@@ -49,19 +51,31 @@ unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
     let t01h = _mm256_unpackhi_epi32(z[0], z[1]);
     let t23l = _mm256_unpacklo_epi32(z[2], z[3]);
     let t23h = _mm256_unpackhi_epi32(z[2], z[3]);
-    let v = [
+    [
         _mm256_unpacklo_epi64(t01l, t23l),
         _mm256_unpackhi_epi64(t01l, t23l),
         _mm256_unpacklo_epi64(t01h, t23h),
         _mm256_unpackhi_epi64(t01h, t23h),
-    ];
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
+    ]
+}
+
+/// The table values of the transposed nibbles `v` ([`transpose8`]): `u[k]` (`u[4 + k]`) holds
+/// in lane `r` the values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`.
+#[inline(always)]
+unsafe fn lookup8(v: &[__m256i; 4], table: &[u8; 16]) -> [__m256i; 8] {
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.as_ptr().cast()));
     let m4 = _mm256_set1_epi8(0x0f);
     let mut u = [_mm256_setzero_si256(); 8];
     for k in 0..4 {
         u[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(v[k], m4));
         u[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi32::<4>(v[k]), m4));
     }
+    u
+}
+
+/// Each of the 8 rows' block scale `2^(e-128)` (the exponent byte at `off`).
+#[inline(always)]
+unsafe fn pow2_8(rows: &[*const u8; G], off: usize) -> __m256 {
     let mut e8 = 0u64;
     for (i, r) in rows.iter().enumerate() {
         e8 |= (*r.add(off) as u64) << (8 * i);
@@ -71,8 +85,17 @@ unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
     let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
     let sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
     let is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
-    let pow2 = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, is_sub));
-    (u, pow2)
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, is_sub))
+}
+
+/// Decodes the MXFP4 block at byte `off` of 8 rows: the biased values ([`lookup8`] of the
+/// table plus 12) and each row's `2^(e-128)`.
+#[inline(always)]
+unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
+    (
+        lookup8(&transpose8(rows, off), &KVALUES_MXFP4_PLUS12),
+        pow2_8(rows, off),
+    )
 }
 
 /// Every row's exact integer dot of one block with the activation block at `ab`, plus `bias`.
@@ -191,40 +214,85 @@ unsafe fn mxfp4_gemm_small(
     }
 }
 
-/// Blocks of a row group decoded at a time: their values (8 registers each) and scales stay
-/// in L1 while every token of the call runs over them.
+/// Blocks of a row pair decoded at a time: their values and scales stay in L1 while every
+/// token of the call runs over them.
 const DEC_BLOCKS: usize = 16;
-/// Tokens whose accumulators one pass over a row group keeps (a call's tokens in chunks).
+/// Tokens whose accumulators one pass over a row pair keeps (a call's tokens in chunks).
 const TOK_CHUNK: usize = 64;
 
-/// `DEC_BLOCKS` decoded blocks of one row group ([`decode8`]'s results).
-struct Decoded {
-    u: [[__m256i; 8]; DEC_BLOCKS],
-    pow2: [__m256; DEC_BLOCKS],
+/// One block of 8 rows as the batched path reads it: the signed table values ([`lookup8`]),
+/// `-128 · Σ w` per row (which cancels the `+128` of the flipped activation bytes), and each
+/// row's `2^(e-128)`.
+#[derive(Clone, Copy)]
+struct SignedBlock {
+    s: [__m256i; 8],
+    bias: __m256i,
+    pow2: __m256,
 }
 
-/// `TT` tokens (`a`, `bias` and `scales` at block 0 of the decoded run, of the first token)
-/// over the `nbc` decoded blocks of `dec`, carrying their accumulators in `acc`.
+/// The table values as unsigned bytes, for [`_mm256_shuffle_epi8`].
+const KVALUES_MXFP4_BYTES: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = KVALUES_MXFP4[i] as u8;
+        i += 1;
+    }
+    t
+};
+
+/// Decodes the MXFP4 block at byte `off` of 8 rows for the batched path.
 #[inline(always)]
-unsafe fn mxfp4_tile<const TT: usize>(
-    dec: &Decoded,
-    nbc: usize,
+unsafe fn decode8_signed(rows: &[*const u8; G], off: usize) -> SignedBlock {
+    let s = lookup8(&transpose8(rows, off), &KVALUES_MXFP4_BYTES);
+    // Σ w per lane: the eight vectors added as bytes (|Σ| ≤ 8 · 12), then each lane's four.
+    let mut b = s[0];
+    for s in &s[1..] {
+        b = _mm256_add_epi8(b, *s);
+    }
+    let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
+    let sum = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    SignedBlock {
+        s,
+        bias: _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sum)),
+        pow2: pow2_8(rows, off),
+    }
+}
+
+/// One token's block (`a`: its 32 flipped bytes, `d`: its scale) over two decoded row groups:
+/// `vpmaddubsw` of each broadcast activation dword (≤ 255) with both groups' signed values
+/// (|w| ≤ 12), four 16-bit results summed before one `vpmaddwd` (|sum| ≤ 24480).
+#[inline(always)]
+unsafe fn block2(
+    x: &SignedBlock,
+    y: &SignedBlock,
     a: *const u8,
-    astride: usize,
-    (bias, scales): (*const i32, *const f32),
-    nb: usize,
-    acc: &mut [__m256],
-) {
-    let mut r = [_mm256_setzero_ps(); TT];
-    r.copy_from_slice(&acc[..TT]);
-    for i in 0..nbc {
-        let u = &dec.u[i];
-        for (j, r) in r.iter_mut().enumerate() {
-            let (ab, at) = (a.add(j * astride + i * Q8_0_BYTES), j * nb + i);
-            *r = block_fma(isum8(u, ab, *bias.add(at)), dec.pow2[i], scales.add(at), *r);
+    d: *const f32,
+    acc: (__m256, __m256),
+) -> (__m256, __m256) {
+    let mut lo = [_mm256_setzero_si256(); 2];
+    let mut hi = [_mm256_setzero_si256(); 2];
+    for k in 0..4 {
+        let bl = bcast32(a.add(4 * k));
+        let bh = bcast32(a.add(QK / 2 + 4 * k));
+        for (g, blk) in [x, y].into_iter().enumerate() {
+            lo[g] = _mm256_add_epi16(lo[g], _mm256_maddubs_epi16(bl, blk.s[k]));
+            hi[g] = _mm256_add_epi16(hi[g], _mm256_maddubs_epi16(bh, blk.s[4 + k]));
         }
     }
-    acc[..TT].copy_from_slice(&r);
+    let ones = _mm256_set1_epi16(1);
+    let d = _mm256_broadcast_ss(&*d);
+    let mut out = [acc.0, acc.1];
+    for (g, blk) in [x, y].into_iter().enumerate() {
+        let isum = _mm256_add_epi32(
+            _mm256_madd_epi16(lo[g], ones),
+            _mm256_madd_epi16(hi[g], ones),
+        );
+        let isum = _mm256_add_epi32(isum, blk.bias);
+        let scale = _mm256_mul_ps(blk.pow2, d);
+        out[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, out[g]);
+    }
+    (out[0], out[1])
 }
 
 #[inline(always)]
@@ -232,58 +300,66 @@ unsafe fn mxfp4_gemm(
     n: usize,
     w: &[u8],
     acts: &[u8],
-    bias: &[i32],
-    scales: &[f32],
+    blocks: &ActBlocks,
     n_tokens: usize,
     out: &mut [f32],
 ) {
     if n_tokens <= SMALL_TOKENS {
-        return mxfp4_gemm_small(n, w, acts, (bias, scales), n_tokens, out);
+        let bs = (blocks.bias.as_slice(), blocks.scales.as_slice());
+        return mxfp4_gemm_small(n, w, acts, bs, n_tokens, out);
     }
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
-    let astride = nb * Q8_0_BYTES;
-    let (a, o) = (acts.as_ptr(), out.as_mut_ptr());
-    let (bias, scales) = (bias.as_ptr(), scales.as_ptr());
-    let mut dec = Decoded {
-        u: [[_mm256_setzero_si256(); 8]; DEC_BLOCKS],
-        pow2: [_mm256_setzero_ps(); DEC_BLOCKS],
+    let o = out.as_mut_ptr();
+    let (flipped, scales) = (blocks.flipped.as_ptr(), blocks.scales.as_ptr());
+    let blank = SignedBlock {
+        s: [_mm256_setzero_si256(); 8],
+        bias: _mm256_setzero_si256(),
+        pow2: _mm256_setzero_ps(),
     };
-    let mut acc = [_mm256_setzero_ps(); TOK_CHUNK];
+    let mut dec = [[blank; DEC_BLOCKS]; 2];
+    let mut acc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); TOK_CHUNK];
     for tc in (0..n_tokens).step_by(TOK_CHUNK) {
         let tn = (n_tokens - tc).min(TOK_CHUNK);
-        for r0 in (0..rows).step_by(G) {
-            let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
-            let next = w.as_ptr().wrapping_add((r0 + G) * stride);
-            acc[..tn].fill(_mm256_setzero_ps());
+        for r0 in (0..rows).step_by(2 * G) {
+            let ptrs = [
+                row_ptrs::<G>(w.as_ptr(), r0, rows, stride),
+                row_ptrs::<G>(w.as_ptr(), r0 + G, rows, stride),
+            ];
+            let next = w.as_ptr().wrapping_add((r0 + 2 * G) * stride);
+            acc[..tn].fill((_mm256_setzero_ps(), _mm256_setzero_ps()));
             for b0 in (0..nb).step_by(DEC_BLOCKS) {
                 let nbc = (nb - b0).min(DEC_BLOCKS);
                 for i in 0..nbc {
                     let b = b0 + i;
-                    // The next group (contiguous) into L2 while this one runs.
-                    for l in 0..3 {
-                        let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
+                    // The next row pair (contiguous) into L2 while this one runs.
+                    for l in 0..5 {
+                        let p = next.wrapping_add(b * 2 * G * MXFP4_BYTES + 64 * l);
                         _mm_prefetch::<_MM_HINT_T1>(p.cast());
                     }
-                    (dec.u[i], dec.pow2[i]) = decode8(&ptrs, b * MXFP4_BYTES);
-                }
-                for t0 in (0..tn).step_by(4) {
-                    let t = tc + t0;
-                    let at = a.add(t * astride + b0 * Q8_0_BYTES);
-                    let bt = (bias.add(t * nb + b0), scales.add(t * nb + b0));
-                    let acc = &mut acc[t0..];
-                    match tn - t0 {
-                        1 => mxfp4_tile::<1>(&dec, nbc, at, astride, bt, nb, acc),
-                        2 => mxfp4_tile::<2>(&dec, nbc, at, astride, bt, nb, acc),
-                        3 => mxfp4_tile::<3>(&dec, nbc, at, astride, bt, nb, acc),
-                        _ => mxfp4_tile::<4>(&dec, nbc, at, astride, bt, nb, acc),
+                    for (dec, ptrs) in dec.iter_mut().zip(&ptrs) {
+                        dec[i] = decode8_signed(ptrs, b * MXFP4_BYTES);
                     }
                 }
+                for (t, acc) in acc[..tn].iter_mut().enumerate() {
+                    let at = (tc + t) * nb + b0;
+                    let (a, d) = (flipped.add(at * QK), scales.add(at));
+                    let mut r = *acc;
+                    for (i, (x, y)) in dec[0][..nbc].iter().zip(&dec[1][..nbc]).enumerate() {
+                        r = block2(x, y, a.add(i * QK), d.add(i), r);
+                    }
+                    *acc = r;
+                }
             }
-            let valid = (rows - r0).min(G);
-            for (j, &acc) in acc[..tn].iter().enumerate() {
-                store_lanes(acc, valid, o.add(r0 * n_tokens + tc + j), n_tokens);
+            for (g, r) in [r0, r0 + G].into_iter().enumerate() {
+                if r < rows {
+                    let valid = (rows - r).min(G);
+                    for (j, acc) in acc[..tn].iter().enumerate() {
+                        let v = if g == 0 { acc.0 } else { acc.1 };
+                        store_lanes(v, valid, o.add(r * n_tokens + tc + j), n_tokens);
+                    }
+                }
             }
         }
     }
@@ -430,7 +506,7 @@ unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [
 // ----------------------------------------------------------------------------------------------
 // entry points
 
-gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, bias_scales);
+gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, blocks);
 gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm, scales);
 gemm_entry!("avx2,fma,f16c", f32_avx2, f32_gemm);
 
