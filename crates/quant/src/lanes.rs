@@ -207,6 +207,18 @@ impl Paced<'_> {
         self.column(k).at(i)
     }
 
+    /// The lines of step `i` ([`Paced::line_at`] of each line), as one clamped address.
+    #[inline(always)]
+    fn lines_of(&self, i: usize) -> Column {
+        let first = self.column(0);
+        let start = first.at(i) as usize;
+        Column {
+            first: start,
+            step: 64,
+            last: (start + self.per.saturating_sub(1) * self.heads.elem_bytes()).min(first.last),
+        }
+    }
+
     /// Line `k` of every step ([`Paced::line_at`] of each step).
     #[inline(always)]
     fn column(&self, k: usize) -> Column {
@@ -633,10 +645,11 @@ mod x86 {
                 }
             }
             let mut acc = [_mm256_setzero_ps(); N];
+            let lines = ahead.lines_of(step);
             for e in 0..kd {
                 // The step's memory ahead, a line per element (the rest after the loop),
                 // without a branch that would cost the loop its accumulator registers.
-                _mm_prefetch::<_MM_HINT_T0>(ahead.line_at(step, e));
+                _mm_prefetch::<_MM_HINT_T0>(lines.at(e));
                 let q = _mm256_loadu_ps(qt.as_ptr().add(e * SOFTMAX_LANES));
                 let k = converted.add(e);
                 for (u, a) in acc.iter_mut().enumerate() {
@@ -647,7 +660,7 @@ mod x86 {
                 _mm256_storeu_ps(d.as_mut_ptr(), *a);
             }
             for k in kd..ahead.per.div_ceil(ahead.line) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.line_at(step, k));
+                _mm_prefetch::<_MM_HINT_T0>(lines.at(k));
             }
         }
     }
