@@ -50,7 +50,7 @@ pub(crate) type GemmFn = unsafe fn(
 pub(crate) struct ActBlocks {
     /// `-12 · Σ_j a_j` (MXFP4 weights only).
     pub(crate) bias: Vec<i32>,
-    /// The block's scale `d` (Q8_0 activations only).
+    /// The block's scale `d` (Q8_0 activations, for the AVX2 kernels, which read it).
     pub(crate) scales: Vec<f32>,
     /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
     /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
@@ -278,8 +278,8 @@ impl GemmKernel {
 
     /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
     /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
-    /// block once (for MXFP4 one `i32` per token and block, for Q8_0 activations their scales
-    /// as `f32`).
+    /// block once (for MXFP4 one `i32` per token and block; for the AVX2 kernels also the
+    /// Q8_0 activations' scales as `f32`).
     pub fn prepare<'a>(
         &self,
         n: usize,
@@ -313,7 +313,8 @@ impl GemmKernel {
                 .flat_map(|b| b[2..].iter().map(|&q| q ^ 0x80))
                 .collect();
         }
-        if self.act == GgmlType::Q8_0 {
+        #[cfg(target_arch = "x86_64")]
+        if self.act == GgmlType::Q8_0 && self.isa == Isa::Avx2 {
             blocks.scales = acts
                 .chunks_exact(Q8_0_BYTES)
                 .map(|b| f16_to_f32(rd_u16(b, 0)))

@@ -59,11 +59,11 @@ unsafe fn transpose8(rows: &[*const u8; G], off: usize) -> [__m256i; 4] {
     ]
 }
 
-/// The table values of the transposed nibbles `v` ([`transpose8`]): `u[k]` (`u[4 + k]`) holds
+/// The values in `table` (16 bytes) of the transposed nibbles `v` ([`transpose8`]): `u[k]` (`u[4 + k]`) holds
 /// in lane `r` the values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`.
 #[inline(always)]
-unsafe fn lookup8(v: &[__m256i; 4], table: &[u8; 16]) -> [__m256i; 8] {
-    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.as_ptr().cast()));
+unsafe fn lookup8(v: &[__m256i; 4], table: *const u8) -> [__m256i; 8] {
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.cast()));
     let m4 = _mm256_set1_epi8(0x0f);
     let mut u = [_mm256_setzero_si256(); 8];
     for k in 0..4 {
@@ -93,7 +93,7 @@ unsafe fn pow2_8(rows: &[*const u8; G], off: usize) -> __m256 {
 #[inline(always)]
 unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
     (
-        lookup8(&transpose8(rows, off), &KVALUES_MXFP4_PLUS12),
+        lookup8(&transpose8(rows, off), KVALUES_MXFP4_PLUS12.as_ptr()),
         pow2_8(rows, off),
     )
 }
@@ -230,21 +230,10 @@ struct SignedBlock {
     pow2: __m256,
 }
 
-/// The table values as unsigned bytes, for [`_mm256_shuffle_epi8`].
-const KVALUES_MXFP4_BYTES: [u8; 16] = {
-    let mut t = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = KVALUES_MXFP4[i] as u8;
-        i += 1;
-    }
-    t
-};
-
 /// Decodes the MXFP4 block at byte `off` of 8 rows for the batched path.
 #[inline(always)]
 unsafe fn decode8_signed(rows: &[*const u8; G], off: usize) -> SignedBlock {
-    let s = lookup8(&transpose8(rows, off), &KVALUES_MXFP4_BYTES);
+    let s = lookup8(&transpose8(rows, off), KVALUES_MXFP4.as_ptr().cast());
     // Σ w per lane: the eight vectors added as bytes (|Σ| ≤ 8 · 12), then each lane's four.
     let mut b = s[0];
     for s in &s[1..] {
