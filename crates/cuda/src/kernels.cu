@@ -64,10 +64,14 @@ __device__ __forceinline__ float h2f(u16 h) {
     return f;
 }
 
+// The f16 bits are widened to 32 bits inside the asm: with a 16-bit ("h") output, ptxas 13.0
+// (the driver's JIT of CUDA 13.0 too) stored stale registers for `st.u8` of the value's low
+// byte in some kernels (quantize_q8_1, quantize_block_q4_0's rings: the low bytes of d came out
+// wrong on an H200 while the host emulation was exact).
 __device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
+    u32 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; cvt.u32.u16 %0, t; }" : "=r"(h) : "f"(f));
+    return (u16)h;
 }
 
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }

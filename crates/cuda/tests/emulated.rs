@@ -72,7 +72,7 @@ impl Emulator {
                 "f = host_h2f(h);",
             )
             .replace(
-                r#"asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));"#,
+                r#"asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; cvt.u32.u16 %0, t; }" : "=r"(h) : "f"(f));"#,
                 "h = host_f2h(f);",
             );
         assert!(
