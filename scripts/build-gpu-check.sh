@@ -11,7 +11,8 @@
 # scripts/serve_check.py (the server checks of issue #16), scripts/gpu-bench.sh with
 # scripts/gpu_bench_json.py (hmoe vs llama.cpp, issue #17: run `./gpu-bench.sh --out DIR` there
 # with LLAMA_RUN pointing at llama.cpp's run.sh, see ../shared/baselines/README.md) and
-# the gpt-oss fixtures with their f16-KV goldens (from $HMOE_FIXTURES or ../shared/fixtures).
+# the gpt-oss, qwen3moe and deepseek2 fixtures with their f16-KV goldens (from $HMOE_FIXTURES or
+# ../shared/fixtures).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -46,16 +47,20 @@ cp "$ROOT/scripts/gpu_bench_json.py" "$OUT/gpu_bench_json.py"
 chmod +x "$OUT/gpu-check.sh" "$OUT/gpu_compare.py" "$OUT/serve_check.py" "$OUT/gpu-bench.sh" \
     "$OUT/gpu_bench_json.py" "$OUT/hmoe" "$OUT"/tests/*
 
-# The gpt-oss fixtures (~22 MiB): the GPU tests (HMOE_FIXTURES) and gpu_compare.py read them.
-FIX="${HMOE_FIXTURES:-$ROOT/../shared/fixtures}/gpt-oss"
+# The fixtures (~26 MiB): gpt-oss (the GPU tests read them through HMOE_FIXTURES), and with
+# Qwen3-MoE and DeepSeek-V3 every architecture's fixtures for gpu_compare.py.
+FIXROOT="${HMOE_FIXTURES:-$ROOT/../shared/fixtures}"
 rm -rf "$OUT/fixtures"
-if [ -d "$FIX" ]; then
-    mkdir -p "$OUT/fixtures/gpt-oss"
-    cp "$FIX"/*.gguf "$FIX"/*.golden-f16kv.json "$OUT/fixtures/gpt-oss/"
-    echo "build-gpu-check: fixtures <- $FIX" >&2
-else
-    echo "build-gpu-check: no fixtures at $FIX (the GPU tests and gpu_compare.py need them)" >&2
-fi
+for arch in gpt-oss qwen3moe deepseek2; do
+    FIX="$FIXROOT/$arch"
+    if [ -d "$FIX" ]; then
+        mkdir -p "$OUT/fixtures/$arch"
+        cp "$FIX"/*.gguf "$FIX"/*.golden-f16kv.json "$OUT/fixtures/$arch/"
+        echo "build-gpu-check: fixtures <- $FIX" >&2
+    else
+        echo "build-gpu-check: no fixtures at $FIX (the GPU tests and gpu_compare.py need them)" >&2
+    fi
+done
 # Debug line tables make the folder ~100 MiB; stripped it is ~35 MiB with the fixtures.
 if command -v strip >/dev/null 2>&1; then
     strip "$OUT/hmoe" "$OUT"/tests/*

@@ -63,7 +63,8 @@ for round in $(seq 1 "$ROUNDS"); do
     for kv in ${KV//,/ }; do
         common=(-m "$MODEL" -t "$THREADS" -p "$PP" -n "$TG" -d "$DEPTH" -r 2 -ctk "$kv" -ctv "$kv" -o json)
         echo "cpu-bench: round $round, KV $kv: hmoe" >&2
-        "$HMOE" bench "${common[@]}" -fa "$FA" >"$RUNS/hmoe-$round-$kv.json"
+        # -dev none: on a machine with a GPU, hmoe would otherwise put the model there.
+        "$HMOE" bench "${common[@]}" -dev none -fa "$FA" >"$RUNS/hmoe-$round-$kv.json"
         echo "cpu-bench: round $round, KV $kv: llama.cpp" >&2
         "$LLAMA_BENCH" "${common[@]}" -fa "$FA_LLAMA" >"$RUNS/llama-$round-$kv.json" 2>/dev/null
     done

@@ -10,7 +10,8 @@
 #                                                  ../dist/gpu-check beside it)
 #   HMOE_FIXTURES     fixtures folder (else $DIST/fixtures, which build-gpu-check.sh fills):
 #                     the GPU tests read gpt-oss/ in it
-#   HMOE_GPTOSS_FIXTURES  the gpt-oss fixtures gpu_compare.py runs (else $HMOE_FIXTURES/gpt-oss)
+#   HMOE_GPTOSS_FIXTURES  the gpt-oss fixtures gpu_compare.py runs (else $HMOE_FIXTURES/gpt-oss);
+#                     it also runs the qwen3moe/ and deepseek2/ folders beside them when present
 # Optional:
 #   HMOE_BENCH_MODEL  a GGUF model: `hmoe bench` with --cpu-moe and with every layer on the GPU,
 #                     each with the peak GPU memory of the bench process (nvidia-smi)
@@ -148,14 +149,18 @@ wait_for_model() {
     return "$rc"
 }
 
-# Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every gpt-oss
-# fixture, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1: max |dp| <= 5e-3 on
-# every fixture (see gpu_compare.py's docstring).
+# Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every fixture of
+# gpt-oss, Qwen3-MoE and DeepSeek-V3, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1:
+# max |dp| <= 5e-3 on every fixture (see gpu_compare.py's docstring).
 GPTOSS_FIX="${HMOE_GPTOSS_FIXTURES:-${HMOE_FIXTURES:-$HERE/../../shared/fixtures}/gpt-oss}"
+COMPARE_DIRS=(--fixtures "$GPTOSS_FIX")
+for arch in qwen3moe deepseek2; do
+    [ -d "$GPTOSS_FIX/../$arch" ] && COMPARE_DIRS+=(--fixtures "$GPTOSS_FIX/../$arch")
+done
 COMPARE="$DIST/gpu_compare.py"
 [ -f "$COMPARE" ] || COMPARE="$HERE/gpu_compare.py"
 if [ -x "$HMOE" ] && [ -f "$COMPARE" ] && [ -d "$GPTOSS_FIX" ] && command -v python3 >/dev/null; then
-    step "gpu_compare (GPU vs CPU vs golden)" python3 "$COMPARE" --hmoe "$HMOE" --fixtures "$GPTOSS_FIX" --jobs "${HMOE_COMPARE_JOBS:-6}" --threads "${HMOE_COMPARE_THREADS:-2}"
+    step "gpu_compare (GPU vs CPU vs golden)" python3 "$COMPARE" --hmoe "$HMOE" "${COMPARE_DIRS[@]}" --jobs "${HMOE_COMPARE_JOBS:-6}" --threads "${HMOE_COMPARE_THREADS:-2}"
 else
     echo "gpu-check: cannot run gpu_compare.py (hmoe=$HMOE script=$COMPARE fixtures=$GPTOSS_FIX, python3?)"
     REPORT+=("$(printf '%-28s missing' 'gpu_compare')")

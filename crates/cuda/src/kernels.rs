@@ -294,7 +294,10 @@ mod tests {
     /// host emulation cannot see that, so the source keeps asm outputs 32 bits wide.
     #[test]
     fn no_16_bit_asm_outputs() {
-        assert!(!SOURCE.contains("\"=h\""), "widen 16-bit asm outputs to 32 bits");
+        assert!(
+            !SOURCE.contains("\"=h\""),
+            "widen 16-bit asm outputs to 32 bits"
+        );
     }
 
     #[test]
