@@ -50,12 +50,19 @@ pub(crate) type GemmFn = unsafe fn(
 pub(crate) struct ActBlocks {
     /// `-12 · Σ_j a_j` (MXFP4 weights only).
     pub(crate) bias: Vec<i32>,
-    /// The block's scale `d` (Q8_0 activations, for the AVX2 kernels, which read it).
+    /// The block's scale `d` (MXFP4 weights, for the AVX2 kernel, which reads it).
     pub(crate) scales: Vec<f32>,
+    /// The scales `d` as `[block][token]`, the tokens padded with zeros to whole tiles of
+    /// [`Q8_0_TILE_TOKENS`] (Q8_0 weights, for the AVX2 kernel, which multiplies a tile's
+    /// scales by the weight row's in one vector product).
+    pub(crate) block_scales: Vec<f32>,
     /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
     /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
     pub(crate) flipped: Vec<u8>,
 }
+
+/// Tokens per tile of the AVX2 Q8_0 kernel (the padding of [`ActBlocks::block_scales`]).
+pub(crate) const Q8_0_TILE_TOKENS: usize = 8;
 
 /// The MXFP4 table values plus 12, so they fit the unsigned operand of `vpdpbusd`/`vpmaddubsw`.
 pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
@@ -279,7 +286,7 @@ impl GemmKernel {
     /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
     /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
     /// block once (for MXFP4 one `i32` per token and block; for the AVX2 kernels also the
-    /// Q8_0 activations' scales as `f32`).
+    /// activations' scales as `f32`, see [`ActBlocks`]).
     pub fn prepare<'a>(
         &self,
         n: usize,
@@ -314,11 +321,21 @@ impl GemmKernel {
                 .collect();
         }
         #[cfg(target_arch = "x86_64")]
-        if self.act == GgmlType::Q8_0 && self.isa == Isa::Avx2 {
+        if self.weight == GgmlType::MXFP4 && self.isa == Isa::Avx2 {
             blocks.scales = acts
                 .chunks_exact(Q8_0_BYTES)
                 .map(|b| f16_to_f32(rd_u16(b, 0)))
                 .collect();
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.weight == GgmlType::Q8_0 && self.isa == Isa::Avx2 {
+            let (nb, padded) = (n / QK, n_tokens.next_multiple_of(Q8_0_TILE_TOKENS));
+            blocks.block_scales = vec![0.0; nb * padded];
+            for (t, row) in acts.chunks_exact(row).enumerate() {
+                for (b, block) in row.chunks_exact(Q8_0_BYTES).enumerate() {
+                    blocks.block_scales[b * padded + t] = f16_to_f32(rd_u16(block, 0));
+                }
+            }
         }
         Ok(GemmActs {
             weight: self.weight,

@@ -11,7 +11,10 @@
 //!   24480), so one broadcast serves 16 rows; the accumulators of up to 64 tokens are carried
 //!   from run to run. The next rows are prefetched. Both give the same exact integer sums.
 //! * Q8_0: tiles of 1 row × 8 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
-//!   pair), in chunks of 64 tokens; a taller tile spills accumulators and is no faster.
+//!   pair), in chunks of 64 tokens; a taller tile spills accumulators and is no faster. The
+//!   eight scale products `dw · da` of a block are one vector multiply (the activations'
+//!   scales by block in `ActBlocks::block_scales`), stored and read back per pair by a
+//!   broadcast load, which takes the per-pair multiply off the two FMA pipes.
 //! * Both take the activation blocks' scales as f32 from `gemm::ActBlocks` (converted once per
 //!   matmul, not once per row group).
 //! * F32: tiles of 2 rows × 2 tokens of 16-lane (two-register) FMA accumulators.
@@ -21,7 +24,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::gemm::{ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12};
+use crate::gemm::{ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_avx2::{f16_at, hsum8};
 use crate::GgmlType;
@@ -357,19 +360,32 @@ unsafe fn mxfp4_gemm(
 // ----------------------------------------------------------------------------------------------
 // Q8_0
 
-/// Q8_0 rows per tile.
-const Q8_R: usize = 1;
 /// Q8_0 tokens per tile.
-const Q8_T: usize = 8;
+const Q8_T: usize = Q8_0_TILE_TOKENS;
 /// Q8_0 tokens per chunk (a multiple of `Q8_T`).
 const Q8_TC: usize = 64;
+
+/// `[p]` in every lane, as a load: the broadcast stays a load-port operation where the
+/// compiler would otherwise turn it into shuffles of the register the value was stored from.
+#[inline(always)]
+unsafe fn broadcast_load(p: *const f32) -> __m256 {
+    let r: __m256;
+    // SAFETY: the caller passes the address of an initialised f32; the asm only reads it.
+    core::arch::asm!(
+        "vbroadcastss {r}, dword ptr [{p}]",
+        r = out(ymm_reg) r,
+        p = in(reg) p,
+        options(pure, readonly, nostack, preserves_flags)
+    );
+    r
+}
 
 #[inline(always)]
 unsafe fn q8_0_gemm(
     n: usize,
     w: &[u8],
     acts: &[u8],
-    scales: &[f32],
+    blocks: &ActBlocks,
     n_tokens: usize,
     out: &mut [f32],
 ) {
@@ -378,41 +394,36 @@ unsafe fn q8_0_gemm(
     let stride = nb * Q8_0_BYTES;
     let o = out.as_mut_ptr();
     let ones = _mm256_set1_epi16(1);
-    // Tokens in chunks whose activations stay in L2 while every row tile runs over them.
+    // [block][token], tokens padded to whole tiles (see `ActBlocks::block_scales`).
+    let padded = n_tokens.next_multiple_of(Q8_T);
+    let scales = blocks.block_scales.as_ptr();
+    let mut tile_d = [0f32; Q8_T];
+    // Tokens in chunks whose activations stay in L2 while every row runs over them.
     for tc in (0..n_tokens).step_by(Q8_TC) {
-        for r0 in (0..rows).step_by(Q8_R) {
-            let wr = row_ptrs::<Q8_R>(w.as_ptr(), r0, rows, stride);
+        for r in 0..rows {
+            let wr = w.as_ptr().add(r * stride);
             for t0 in (tc..n_tokens.min(tc + Q8_TC)).step_by(Q8_T) {
                 let ta = row_ptrs::<Q8_T>(acts.as_ptr(), t0, n_tokens, stride);
-                let ts = row_ptrs::<Q8_T>(scales.as_ptr().cast(), t0, n_tokens, 4 * nb);
-                let mut acc = [[_mm256_setzero_ps(); Q8_T]; Q8_R];
+                let mut acc = [_mm256_setzero_ps(); Q8_T];
                 for b in 0..nb {
                     let off = b * Q8_0_BYTES;
-                    let mut ax = [_mm256_setzero_si256(); Q8_R];
-                    let mut dw = [_mm256_setzero_ps(); Q8_R];
-                    for r in 0..Q8_R {
-                        let x = _mm256_loadu_si256(wr[r].add(off + 2).cast());
-                        ax[r] = _mm256_sign_epi8(x, x);
-                        dw[r] = _mm256_set1_ps(f16_at(wr[r].add(off)));
-                    }
-                    for j in 0..Q8_T {
+                    let x = _mm256_loadu_si256(wr.add(off + 2).cast());
+                    let ax = _mm256_sign_epi8(x, x);
+                    // The f32 products dw · da of the tile's tokens, one multiply for all 8,
+                    // each read back into every lane by the pair below.
+                    let dw = _mm256_set1_ps(f16_at(wr.add(off)));
+                    let da = _mm256_loadu_ps(scales.add(b * padded + t0));
+                    _mm256_storeu_ps(tile_d.as_mut_ptr(), _mm256_mul_ps(dw, da));
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
                         let y = _mm256_loadu_si256(ta[j].add(off + 2).cast());
-                        let da = _mm256_broadcast_ss(&*ts[j].cast::<f32>().add(b));
-                        for r in 0..Q8_R {
-                            // ggml's `mul_sum_i8_pairs_float`: maddubs(|x|, sign(y, x)).
-                            let x = _mm256_loadu_si256(wr[r].add(off + 2).cast());
-                            let p16 = _mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(y, x));
-                            let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                            // The f32 product dw · da in every lane.
-                            let d = _mm256_mul_ps(dw[r], da);
-                            acc[r][j] = _mm256_fmadd_ps(d, q, acc[r][j]);
-                        }
+                        let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x));
+                        let q = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                        *acc = _mm256_fmadd_ps(broadcast_load(tile_d.as_ptr().add(j)), q, *acc);
                     }
                 }
-                for (r, acc) in acc.iter().enumerate().take(rows - r0) {
-                    for (j, &acc) in acc.iter().enumerate().take(n_tokens - t0) {
-                        *o.add((r0 + r) * n_tokens + t0 + j) = hsum8(acc);
-                    }
+                for (j, &acc) in acc.iter().enumerate().take(n_tokens - t0) {
+                    *o.add(r * n_tokens + t0 + j) = hsum8(acc);
                 }
             }
         }
@@ -496,7 +507,7 @@ unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [
 // entry points
 
 gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, blocks);
-gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm, scales);
+gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm, blocks);
 gemm_entry!("avx2,fma,f16c", f32_avx2, f32_gemm);
 
 /// The AVX2 GEMM for `ty` (MXFP4, Q8_0 or F32).
