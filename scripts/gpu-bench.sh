@@ -40,8 +40,9 @@
 #   tar -C .baseline -xJf .baseline/llama-cuda-sm90-llama-bench.tar.xz &&
 #   LLAMA_RUN=.baseline/llama-cuda/run.sh dist/gpu-check/gpu-bench.sh --out $OUT
 # then copy the JSON that comes back into bench/results/. Making the two 4-layer models takes
-# about a minute; the 24 invocations of 3 repetitions a few minutes more: if one call's 10
-# minutes do not hold it, split it with GPU_BENCH_CONFIGS / GPU_BENCH_KVS (not yet timed).
+# about a minute; on an H200 the 8 invocations of GPU_BENCH_CONFIGS="cpu-moe all-gpu"
+# GPU_BENCH_KVS=f16 GPU_BENCH_CACHE=0 took 47 s with 3 repetitions, so the whole matrix fits one
+# call; split it with GPU_BENCH_CONFIGS / GPU_BENCH_KVS where it does not.
 set -u -o pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
