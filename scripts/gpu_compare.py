@@ -31,7 +31,11 @@ The runs are independent and go --jobs at a time (default 4), each with --thread
 threads (default: hmoe's own choice), so that a short GPU lease is not spent waiting on one
 process at a time.
 
-usage: gpu_compare.py --hmoe PATH --fixtures DIR [--fixtures DIR ...] [--tol 5e-3] [--strict REGEX] [--sanity 1]
+With --device REF0 the same comparison runs on the reference device instead of a GPU (a dry
+run of this script that CI does: crates/cli/tests/gpu_compare_script.rs); --only picks fixtures.
+
+usage: gpu_compare.py --hmoe PATH --fixtures DIR [--fixtures DIR ...] [--device CUDA|REF0]
+                      [--only REGEX] [--tol 5e-3] [--strict REGEX] [--sanity 1]
                       [--jobs 4] [--threads N]
 Exit status 0 when every GPU run used the GPU and every number is within its bound.
 """
@@ -53,7 +57,10 @@ CONFIGS = [
     ("-ngl all --cpu-moe --moe-cache 1", ["-ngl", "all", "--cpu-moe", "--moe-cache", "1"]),
     ("-ngl all --n-cpu-moe 1", ["-ngl", "all", "--n-cpu-moe", "1", "--moe-cache", "0"]),
 ]
-GPU_MARK = re.compile(r"^hmoe: \S+ on CUDA", re.M)
+
+def gpu_mark(device):
+    """The start-up line of the device executor on `device` (CUDA: any CUDA GPU)."""
+    return re.compile(r"^hmoe: \S+ on %s" % re.escape(device), re.M)
 
 
 def fixtures(folder):
@@ -71,7 +78,7 @@ def fixtures(folder):
     return out
 
 
-def run(hmoe, model, case, extra):
+def run(hmoe, model, case, extra, mark):
     """top_probs of one teacher-forced run, and whether the GPU executor ran."""
     prompt = ",".join(str(t) for t in case["prompt_tokens"])
     teacher = ",".join(str(t) for t in case["greedy_tokens"][: len(case["top_probs"])])
@@ -83,7 +90,7 @@ def run(hmoe, model, case, extra):
     if p.returncode != 0:
         raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), p.returncode, p.stderr[-2000:]))
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    return out["top_probs"], bool(GPU_MARK.search(p.stderr)), p.stderr
+    return out["top_probs"], bool(mark.search(p.stderr)), p.stderr
 
 
 def worst_dp(ref_steps, got_steps):
@@ -112,12 +119,21 @@ def main():
     ap.add_argument("--sanity", type=float, default=1.0)
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="CUDA",
+                    help="CUDA (the default: whichever GPU hmoe picks), or REF0 for a dry run "
+                         "of this script on the reference device, which equals the CPU bit "
+                         "for bit")
+    ap.add_argument("--only", default=".", help="regex of the fixtures to run")
     a = ap.parse_args()
-    found = [f for folder in a.fixtures for f in fixtures(folder)]
+    found = [f for folder in a.fixtures for f in fixtures(folder) if re.search(a.only, f[2])]
     if not found:
         print("gpu_compare: no fixture with a .golden-f16kv.json in %s" % ", ".join(a.fixtures))
         return 1
-    threads = ["-t", str(a.threads)] if a.threads > 0 else []
+    # -fa off everywhere: the CPU's row kernel, which the CUDA attention follows for f16 K/V
+    # whatever -fa says (and REF0 under -fa off).
+    threads = ["-fa", "off"] + (["-t", str(a.threads)] if a.threads > 0 else [])
+    on_device = [] if a.device == "CUDA" else ["-dev", a.device]
+    mark = gpu_mark(a.device)
     goldens = {}
     for model, golden_path, name in found:
         with open(golden_path) as f:
@@ -126,9 +142,11 @@ def main():
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs))
     pending = {}
     for model, _, name in found:
-        for label, extra in [("cpu", ["-dev", "none", "-fa", "off"])] + CONFIGS:
+        runs = [("cpu", ["-dev", "none"])] + [(l, x + on_device) for l, x in CONFIGS]
+        for label, extra in runs:
             pending[(name, label)] = [
-                pool.submit(run, a.hmoe, model, c, extra + threads) for c in goldens[name]
+                pool.submit(run, a.hmoe, model, c, extra + threads, mark)
+                for c in goldens[name]
             ]
 
     def results(name, label):
@@ -159,7 +177,7 @@ def main():
             on_gpu = all(r[1] for r in runs)
             vs_cpu = max(worst_dp(c, r[0]) for c, r in zip(cpu, runs))
             vs_golden = max(worst_dp(c["top_probs"], r[0]) for c, r in zip(cases, runs))
-            engine = "gpu" if on_gpu else "NOT ON GPU"
+            engine = a.device if on_gpu else "NOT ON " + a.device
             if not on_gpu:
                 print("gpu_compare: %s %s did not run on the GPU; stderr:\n%s"
                       % (name, label, runs[0][2][-1500:]))
