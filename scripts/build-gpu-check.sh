@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain: the release
-# `hmoe` binary and the test executables of hmoe-cuda (the CUDA test suite), copied with
-# gpu-check.sh itself into one folder, dist/gpu-check/ by default. Carry that folder to the GPU
-# machine and run `./gpu-check.sh` inside it.
+# `hmoe` binary, the test executables of hmoe-cuda (the CUDA test suite) and of the CPU engine
+# (hmoe-quant, hmoe-cpu, hmoe-model: the host's AVX-512/AMX kernels), copied with gpu-check.sh
+# itself into one folder, dist/gpu-check/ by default, and packed as dist/gpu-check.tar.xz (the
+# folder is over a device call's 64 MiB). Carry the archive to the GPU machine, unpack it and
+# run `./gpu-check.sh` inside (scripts/gpu-session.sh does all of a session's checks).
 #
 # usage: scripts/build-gpu-check.sh [OUT_DIR]
 # The binaries load libcuda/libnvrtc/libcublas at run time (nothing CUDA is linked), so this
@@ -39,6 +41,25 @@ cargo test -p hmoe-cuda --release --no-run --message-format=json 2>/dev/null \
     done
 [ -n "$(ls -A "$OUT/tests")" ] || { echo "build-gpu-check: no test executables found" >&2; exit 1; }
 
+# The CPU engine's tests (kernels, every ISA the host has: AVX-512 and AMX on the GPU machines
+# seen so far; the model fixtures), which gpu-check.sh runs on the GPU machine's CPU. Not the
+# tests of the real models, which are downloaded and do not travel.
+echo "build-gpu-check: cargo test -p hmoe-quant -p hmoe-cpu -p hmoe-model --release --no-run" >&2
+mkdir -p "$OUT/cpu-tests"
+rm -f "$OUT"/cpu-tests/*
+cargo test -p hmoe-quant -p hmoe-cpu -p hmoe-model --release --no-run --message-format=json 2>/dev/null \
+    | grep -o '"executable":"[^"]*"' \
+    | sed 's/^"executable":"//; s/"$//' \
+    | grep -v -e '/examples/' -e 'real_models' -e 'device_dense' \
+    | while read -r exe; do
+        cp "$exe" "$OUT/cpu-tests/$(basename "$exe" | sed 's/-[0-9a-f]\{16\}$//')"
+    done
+
+# libgomp for ../shared/baselines' CPU llama-bench (gpu-session.sh), which the GPU machine may lack.
+mkdir -p "$OUT/lib"
+gomp="$(ldconfig -p 2>/dev/null | awk '/libgomp\.so\.1 .*x86-64/ { print $NF; exit }')"
+[ -n "$gomp" ] && cp -L "$gomp" "$OUT/lib/libgomp.so.1"
+
 cp "$ROOT/scripts/gpu-check.sh" "$OUT/gpu-check.sh"
 cp "$ROOT/scripts/gpu_compare.py" "$OUT/gpu_compare.py"
 cp "$ROOT/scripts/serve_check.py" "$OUT/serve_check.py"
@@ -55,7 +76,7 @@ for arch in gpt-oss qwen3moe deepseek2; do
     FIX="$FIXROOT/$arch"
     if [ -d "$FIX" ]; then
         mkdir -p "$OUT/fixtures/$arch"
-        cp "$FIX"/*.gguf "$FIX"/*.golden-f16kv.json "$OUT/fixtures/$arch/"
+        cp "$FIX"/*.gguf "$FIX"/*.json "$OUT/fixtures/$arch/"
         echo "build-gpu-check: fixtures <- $FIX" >&2
     else
         echo "build-gpu-check: no fixtures at $FIX (the GPU tests and gpu_compare.py need them)" >&2
@@ -63,7 +84,10 @@ for arch in gpt-oss qwen3moe deepseek2; do
 done
 # Debug line tables make the folder ~100 MiB; stripped it is ~35 MiB with the fixtures.
 if command -v strip >/dev/null 2>&1; then
-    strip "$OUT/hmoe" "$OUT"/tests/*
+    strip "$OUT/hmoe" "$OUT"/tests/* "$OUT"/cpu-tests/*
 fi
 du -sh "$OUT" >&2
+# The folder is over the device call's 64 MiB; packed it is about half.
+tar -C "$(dirname "$OUT")" -cf - "$(basename "$OUT")" | xz -T0 -6 > "$OUT.tar.xz"
+du -sh "$OUT.tar.xz" >&2
 echo "build-gpu-check: done: $OUT (run ./gpu-check.sh there on the GPU machine)" >&2

@@ -24,6 +24,8 @@
 #                     GPU memory from nvidia-smi within 5% + 300 MiB of /props' estimate,
 #                     aggregate decode t/s with 1 and 4 streams)
 #   HMOE_SKIP_TESTS   1: skip the CUDA test executables (gpu_compare and bench only)
+#   HMOE_SKIP_CPU_TESTS  1: skip the CPU engine's test executables ($DIST/cpu-tests: the host's
+#                     AVX-512/AMX kernels and the model fixtures)
 #   HMOE_COMPARE_JOBS, HMOE_COMPARE_THREADS  gpu_compare.py's runs at a time (default 6) and
 #                     CPU threads each (default 2)
 #   CUDA_HOME         CUDA install (default /usr/local/cuda): its lib64 goes on LD_LIBRARY_PATH
@@ -180,6 +182,15 @@ if [ "$found_tests" -eq 0 ]; then
     echo "gpu-check: no test executables in $TESTS"
     REPORT+=("$(printf '%-28s missing' 'CUDA tests')")
     FAILED=1
+fi
+
+# The CPU engine's tests on this machine's CPU (AVX-512 and AMX kernels that the development
+# machines may lack), when build-gpu-check.sh packed them.
+if [ "${HMOE_SKIP_CPU_TESTS:-0}" != 1 ] && [ -d "$DIST/cpu-tests" ]; then
+    for t in "$DIST"/cpu-tests/*; do
+        [ -x "$t" ] || continue
+        step "cpu test $(basename "$t")" "$t" --test-threads=8
+    done
 fi
 
 # bench_vram NAME ARGS...: `hmoe bench ARGS` with the peak GPU memory of its process, sampled

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# A GPU session's checks in one device call, on a machine with an NVIDIA GPU and no Rust
+# toolchain: the GPU check, hmoe against llama.cpp on the GPU, and hmoe against llama.cpp on
+# the machine's CPU at 2 threads (the CPU round's figures on whatever CPU the GPU machine has;
+# the H200 machine's Xeon has AMX).
+#
+# Here, before the call (the device tool carries at most 64 MiB):
+#   scripts/build-gpu-check.sh                       # dist/gpu-check.tar.xz
+#   mkdir -p .carry && echo /.carry/ >> .git/info/exclude
+#   cp dist/gpu-check.tar.xz ../shared/baselines/llama-cuda-sm90-llama-bench.tar.xz \
+#      ../shared/baselines/llama-cpu-x86-64-avx512.tar.xz .carry/
+# The call (carry [".carry"]):
+#   mkdir -p dist .baseline && tar -C dist -xJf .carry/gpu-check.tar.xz &&
+#   for f in .carry/llama-*.tar.xz; do tar -C .baseline -xJf "$f"; done && scripts/gpu-session.sh
+#
+# Steps, each logged under $OUT (the device call's folder that comes back; else ./gpu-session):
+#   1. dist/gpu-check/gpu-check.sh with the 4-layer gpt-oss-120b-dims model (made there): the CUDA
+#      and CPU test executables, gpu_compare.py on every architecture's fixtures, `hmoe bench`
+#      with --cpu-moe / all on the GPU / on the CPU, and the server checks.  (~3 min on an H200)
+#   2. gpu-bench.sh: hmoe against llama.cpp's CUDA llama-bench, the JSON into $OUT (GPU_BENCH_*
+#      as there; default here: every placement, f16 and q8_0 K/V, the expert-cache runs).  (~4 min)
+#   3. cpu-bench.sh with -t 2 against llama.cpp's AVX-512 CPU llama-bench, where the CPU has what
+#      that build needs: the default kernels, then HMOE_AMX=1 where the CPU has AMX.  (~2 min)
+# SESSION_STEPS picks steps (default "1 2 3"). The exit status is 1 if any step failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-$PWD/gpu-session}"
+mkdir -p "$OUT_DIR"
+DIST="${HMOE_DIST:-$PWD/dist/gpu-check}"
+HMOE="$DIST/hmoe"
+MODEL="${TMPDIR:-/tmp}/hmoe-g120-4l.gguf"
+FAILED=0
+
+echo "gpu-session: $(date -u), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+
+for s in ${SESSION_STEPS:-1 2 3}; do
+    echo "gpu-session: step $s, $(date -u +%T)"
+    case "$s" in
+        1)
+            HMOE_BENCH_MODEL="" HMOE_BENCH_MAKE=g120-4l "$DIST/gpu-check.sh" > "$OUT_DIR/gpu-check.log" 2>&1 \
+                || FAILED=1
+            sed -n '/=== gpu-check report/,$p' "$OUT_DIR/gpu-check.log"
+            ;;
+        2)
+            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
+                > "$OUT_DIR/make.log" 2>&1
+            HMOE_BIN="$HMOE" HMOE_BENCH_MODEL="$MODEL" LLAMA_RUN="$PWD/.baseline/llama-cuda/run.sh" \
+                "$DIST/gpu-bench.sh" --out "$OUT_DIR" > "$OUT_DIR/gpu-bench.log" 2>&1 || FAILED=1
+            grep -v '^ ' "$OUT_DIR/gpu-bench.log" | tail -n 5
+            ;;
+        3)
+            LLAMA_CPU="$PWD/.baseline/llama-cpu/bin/llama-bench"
+            if [ ! -x "$LLAMA_CPU" ] || ! grep -q -w avx512_vnni /proc/cpuinfo; then
+                echo "gpu-session: no CPU llama-bench, or the CPU lacks AVX-512 VNNI: step 3 skipped"
+                continue
+            fi
+            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
+                > "$OUT_DIR/make.log" 2>&1
+            # The baseline build needs libgomp, which build-gpu-check.sh packs when it has it.
+            export LD_LIBRARY_PATH="$DIST/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            amx=("")
+            grep -q -w amx_int8 /proc/cpuinfo && amx+=(1)
+            for a in "${amx[@]}"; do
+                log="$OUT_DIR/cpu-bench${a:+-amx}.log"
+                HMOE_AMX="$a" HMOE="$HMOE" LLAMA_BENCH="$LLAMA_CPU" timeout 300 scripts/cpu-bench.sh \
+                    -m "$MODEL" -r 2 -t 2 -p 512 -n 64 --kv f16 > "$log" 2>&1 || FAILED=1
+                grep -m1 'cpu kernels' "$log"
+                tail -n 4 "$log"
+            done
+            ;;
+        *) echo "gpu-session: unknown step $s" ;;
+    esac
+done
+echo "gpu-session: done $(date -u +%T), $([ "$FAILED" = 0 ] && echo 'all steps passed' || echo 'some steps FAILED')"
+exit "$FAILED"
