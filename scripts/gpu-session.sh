@@ -21,7 +21,9 @@
 #      as there; default here: every placement, f16 and q8_0 K/V, the expert-cache runs).  (~4 min)
 #   3. cpu-bench.sh with -t 2 against llama.cpp's AVX-512 CPU llama-bench, where the CPU has what
 #      that build needs: the default kernels, then HMOE_AMX=1 where the CPU has AMX.  (~2 min)
-# SESSION_STEPS picks steps (default "1 2 3"). The exit status is 1 if any step failed.
+# SESSION_STEPS picks steps (default "1 2 3"). All three take about 9 minutes, close to a device
+# call's 10: give the call timeout_s 600, or split it (SESSION_STEPS="1" then "2 3"; the model
+# made in the first stays in $TMPDIR while the machine is warm). Exit status 1 if a step failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu-session}"
