@@ -131,7 +131,7 @@ def main():
         return 1
     # -fa off everywhere: the CPU's row kernel, which the CUDA attention follows for f16 K/V
     # whatever -fa says (and REF0 under -fa off).
-    threads = ["-fa", "off"] + (["-t", str(a.threads)] if a.threads > 0 else [])
+    common = ["-fa", "off"] + (["-t", str(a.threads)] if a.threads > 0 else [])
     on_device = [] if a.device == "CUDA" else ["-dev", a.device]
     mark = gpu_mark(a.device)
     goldens = {}
@@ -145,7 +145,7 @@ def main():
         runs = [("cpu", ["-dev", "none"])] + [(l, x + on_device) for l, x in CONFIGS]
         for label, extra in runs:
             pending[(name, label)] = [
-                pool.submit(run, a.hmoe, model, c, extra + threads, mark)
+                pool.submit(run, a.hmoe, model, c, extra + common, mark)
                 for c in goldens[name]
             ]
 

@@ -43,9 +43,10 @@ pub(crate) type GemmFn = unsafe fn(
     out: &mut [f32],
 );
 
-/// Per activation block (`[token][block]`), computed once per matmul so that no kernel
+/// What the kernels need per activation block, computed once per matmul so that no kernel
 /// repeats it for every row group: for MXFP4 weights the correction `-12 · Σ a` of the biased
-/// weights, and for Q8_0 activations their f16 scale as f32.
+/// weights, and for the AVX2 kernels the blocks' f16 scales as f32 (and, for MXFP4, the bytes
+/// plus 128). Each field is empty where its kernel does not read it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct ActBlocks {
     /// `-12 · Σ_j a_j` (MXFP4 weights only).
@@ -319,9 +320,6 @@ impl GemmKernel {
                 .chunks_exact(Q8_0_BYTES)
                 .flat_map(|b| b[2..].iter().map(|&q| q ^ 0x80))
                 .collect();
-        }
-        #[cfg(target_arch = "x86_64")]
-        if self.weight == GgmlType::MXFP4 && self.isa == Isa::Avx2 {
             blocks.scales = acts
                 .chunks_exact(Q8_0_BYTES)
                 .map(|b| f16_to_f32(rd_u16(b, 0)))

@@ -44,8 +44,8 @@ macro_rules! entry_points {
 
 /// Defines a `#[target_feature]` `GemmFn` named `$name` around the `#[inline(always)]` GEMM
 /// `$kernel`, which takes `(n, w, acts, bias, n_tokens, out)` with the `bias` marker,
-/// `(n, w, acts, scales, n_tokens, out)` with `scales`, `(n, w, acts, blocks, n_tokens, out)`
-/// with `blocks`, or else `(n, w, acts, n_tokens, out)` (see `gemm::ActBlocks`).
+/// `(n, w, acts, blocks, n_tokens, out)` with `blocks`, or else `(n, w, acts, n_tokens, out)`
+/// (see `gemm::ActBlocks`).
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! gemm_entry {
     ($features:literal, $name:ident, $kernel:expr $(, $bias:ident)?) => {
@@ -65,9 +65,6 @@ macro_rules! gemm_entry {
     };
     (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, bias) => {
         $kernel($n, $w, $a, &$b.bias, $t, $o)
-    };
-    (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, scales) => {
-        $kernel($n, $w, $a, &$b.scales, $t, $o)
     };
     (@call $kernel:expr, $n:ident, $w:ident, $a:ident, $b:ident, $t:ident, $o:ident, blocks) => {
         $kernel($n, $w, $a, $b, $t, $o)
