@@ -163,7 +163,7 @@ impl GemmKernel {
             // Batched MXFP4 on AMX tiles where they run and are wanted (the same bits as
             // VNNI + VBMI).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => match crate::x86_amx::gemm_fn() {
+            Isa::Avx512 => match crate::x86_amx::gemm_fn(false) {
                 Some(amx) if weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx => {
                     amx
                 }
@@ -191,26 +191,30 @@ impl GemmKernel {
 
     /// The MXFP4 kernel over rows interleaved in groups of 16 ([`GemmKernel::interleave_into`]),
     /// which reads each block of 16 rows with four vector loads instead of transposing it and
-    /// gathering its exponents: on [`Isa::Avx512`] where batched products do not use AMX
-    /// (whose kernel reads the file's layout); `None` elsewhere. Same bits as
-    /// [`GemmKernel::new`]'s MXFP4 kernels.
+    /// gathering its exponents: on [`Isa::Avx512`] (on AMX tiles for batches where
+    /// [`crate::amx_in_use`]); `None` elsewhere. Same bits as [`GemmKernel::new`]'s MXFP4
+    /// kernels.
     pub fn interleaved(isa: Isa) -> Option<GemmKernel> {
-        Self::resolve_interleaved(isa, true, true)
+        Self::resolve_interleaved(isa, true, true, crate::amx_in_use())
     }
 
-    /// [`GemmKernel::interleaved`]; `allow_vnni = false` (`allow_vbmi = false`) forces the
-    /// kernels without VNNI (VBMI).
+    /// [`GemmKernel::interleaved`]; `allow_vnni = false` (`allow_vbmi = false`, `allow_amx =
+    /// false`) forces the kernels without VNNI (VBMI, AMX).
     pub(crate) fn resolve_interleaved(
         isa: Isa,
         allow_vnni: bool,
         allow_vbmi: bool,
+        allow_amx: bool,
     ) -> Option<GemmKernel> {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && check_isa(isa).is_ok() && !crate::amx_in_use() {
-            let (name, f) = crate::x86_gemm_avx512::gemm_fn_x16(
-                allow_vnni && crate::cpu::has_avx512_vnni(),
-                allow_vbmi && crate::cpu::has_avx512_vbmi(),
-            );
+        if isa == Isa::Avx512 && check_isa(isa).is_ok() {
+            let (name, f) = match crate::x86_amx::gemm_fn(true) {
+                Some(amx) if allow_vnni && allow_vbmi && allow_amx => amx,
+                _ => crate::x86_gemm_avx512::gemm_fn_x16(
+                    allow_vnni && crate::cpu::has_avx512_vnni(),
+                    allow_vbmi && crate::cpu::has_avx512_vbmi(),
+                ),
+            };
             return Some(GemmKernel {
                 weight: GgmlType::MXFP4,
                 act: GgmlType::Q8_0,
@@ -220,7 +224,7 @@ impl GemmKernel {
                 interleaved: true,
             });
         }
-        let _ = (isa, allow_vnni, allow_vbmi);
+        let _ = (isa, allow_vnni, allow_vbmi, allow_amx);
         None
     }
 

@@ -223,9 +223,10 @@ pub fn amx_status() -> &'static AmxStatus {
 }
 
 /// Whether batched MXFP4 products use the AMX tiles: where they run ([`amx_status`]) and
-/// `HMOE_AMX=1` asks for them. Off by default: on the one AMX machine measured (a shared
-/// 2-core Sapphire Rapids VM) the tile kernel was no faster than AVX-512 VNNI for gpt-oss
-/// prefill (about 16 tokens per expert, so most tiles are partly padding).
+/// `HMOE_AMX=1` asks for them. Off by default until the tile kernel is measured faster than
+/// AVX-512 VNNI: its first version, which ran every block's tile work and fold in series, was
+/// slower on the one AMX machine measured (a 16-core Xeon, 2 threads: gpt-oss pp512 151
+/// against 247 t/s).
 pub fn amx_in_use() -> bool {
     static IN_USE: OnceLock<bool> = OnceLock::new();
     *IN_USE.get_or_init(|| {

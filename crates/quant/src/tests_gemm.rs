@@ -153,13 +153,19 @@ fn mxfp4_gemm_all_isas_bit_exact_with_blockwise_reference() {
 #[test]
 fn mxfp4_interleaved_gemm_bit_exact_with_blockwise_reference() {
     let Some(best) = GemmKernel::interleaved(Isa::Avx512) else {
-        eprintln!("skipped: no interleaved MXFP4 kernel on this CPU (AVX-512 without AMX)");
+        eprintln!("skipped: no interleaved MXFP4 kernel on this CPU (no AVX-512)");
         return;
     };
-    let ks: Vec<GemmKernel> = [(true, true), (true, false), (false, true), (false, false)]
-        .into_iter()
-        .filter_map(|(vnni, vbmi)| GemmKernel::resolve_interleaved(Isa::Avx512, vnni, vbmi))
-        .collect();
+    let ks: Vec<GemmKernel> = [
+        (true, true, true),
+        (true, true, false),
+        (true, false, false),
+        (false, true, false),
+        (false, false, false),
+    ]
+    .into_iter()
+    .filter_map(|(vnni, vbmi, amx)| GemmKernel::resolve_interleaved(Isa::Avx512, vnni, vbmi, amx))
+    .collect();
     let mut rng = Rng(0x16);
     for n in [32, 64, 96, 2880] {
         let wb = GgmlType::MXFP4.row_bytes(n as u64).unwrap() as usize;
@@ -373,9 +379,10 @@ fn gemm_kernels_are_send_sync_copy() {
     sync::<GemmActs<'static>>();
 }
 
-/// The AMX MXFP4 kernel equals the AVX-512 VNNI + VBMI one bit for bit, over token counts on
-/// both sides of its threshold and of a 16-token tile, row counts that leave a partial group,
-/// and widths of one block to gpt-oss's 2880 (runs only where the tile probe passed).
+/// The AMX MXFP4 kernels (over the file's layout and over interleaved rows) equal the
+/// AVX-512 VNNI + VBMI ones bit for bit, over token counts on both sides of the threshold, of a
+/// 16-token group and of a 64-token pass, row counts that leave a partial group, and widths of
+/// one block to gpt-oss's 2880 (runs only where the tile probe passed).
 #[test]
 fn amx_mxfp4_equals_vnni_bit_for_bit() {
     let status = amx_status();
@@ -385,8 +392,14 @@ fn amx_mxfp4_equals_vnni_bit_for_bit() {
     }
     let amx = GemmKernel::resolve(GgmlType::MXFP4, Isa::Avx512, true, true, true).unwrap();
     let vnni = GemmKernel::resolve(GgmlType::MXFP4, Isa::Avx512, true, true, false).unwrap();
-    assert!(amx.name().contains("amx"), "{}", amx.name());
-    assert!(!vnni.name().contains("amx"), "{}", vnni.name());
+    let amx_x16 = GemmKernel::resolve_interleaved(Isa::Avx512, true, true, true).unwrap();
+    let vnni_x16 = GemmKernel::resolve_interleaved(Isa::Avx512, true, true, false).unwrap();
+    for k in [&amx, &amx_x16] {
+        assert!(k.name().contains("amx"), "{}", k.name());
+    }
+    for k in [&vnni, &vnni_x16] {
+        assert!(!k.name().contains("amx"), "{}", k.name());
+    }
     let mut rng = Rng(21);
     for (rows, n, n_tokens) in [
         (16, 32, 4),
@@ -396,21 +409,37 @@ fn amx_mxfp4_equals_vnni_bit_for_bit() {
         (70, 2880, 33),
         (64, 320, 3),
         (21, 128, 40),
+        (32, 2880, 64),
+        (16, 576, 70),
+        (48, 1024, 130),
     ] {
         let w = mxfp4_rows(rows, n, &mut rng);
         let a = q8_0_rows(n_tokens, n, &mut rng);
-        let run = |k: &GemmKernel| {
+        let run = |k: &GemmKernel, w: &[u8], rows: usize| {
             let acts = k.prepare(n, &a, n_tokens).unwrap();
             let mut out = vec![0f32; rows * n_tokens];
-            k.gemm(&w, &acts, &mut out).unwrap();
+            k.gemm(w, &acts, &mut out).unwrap();
             out
         };
-        let (x, y) = (run(&amx), run(&vnni));
-        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
-            assert!(
-                same(*p, *q),
-                "rows {rows} n {n} tokens {n_tokens}: output {i}: amx {p} vnni {q}"
-            );
+        let whole = rows / 16 * 16;
+        let mut x16 = vec![0u8; whole * w.len() / rows];
+        amx_x16
+            .interleave_into(n, &w[..x16.len()], &mut x16)
+            .unwrap();
+        for (p, q, what) in [
+            (run(&amx, &w, rows), run(&vnni, &w, rows), "rows"),
+            (
+                run(&amx_x16, &x16, whole),
+                run(&vnni_x16, &x16, whole),
+                "interleaved",
+            ),
+        ] {
+            for (i, (p, q)) in p.iter().zip(&q).enumerate() {
+                assert!(
+                    same(*p, *q),
+                    "{what}: rows {rows} n {n} tokens {n_tokens}: output {i}: amx {p} vnni {q}"
+                );
+            }
         }
     }
 }

@@ -3,22 +3,29 @@
 //!
 //! The block-wise order needs one exact integer per (row, token, 32-element block):
 //! `isum = Σ value·a`, which is what one `tdpbssd` over a K of 32 bytes produces for a tile of
-//! 16 rows × 16 tokens (signed × signed bytes, exact in int32 whatever the bytes, -128
+//! 16 tokens × 16 rows (signed × signed bytes, exact in int32 whatever the bytes, -128
 //! included). Each block's tile is stored and folded into float accumulators exactly as the
 //! VNNI kernel folds its sums, `acc = fma(f32(isum), scalef(d_token, e_row − 128), acc)` in
 //! block order, so the results are the same bits; only the integer work moves to the tiles.
 //! (Q8_0's `vec_dot` order needs a separate sum per four elements, which a tile of K = 32 would
 //! only give at eight times the work, so Q8_0 stays on VNNI.)
 //!
-//! Tiles: `tmm0` = A, 16 weight rows × 32 signed values of one block (the table values,
-//! decoded once per group of 16 rows); `tmm1` = B, the block's activation bytes of 16 tokens
-//! in the VNNI layout (row `k` holds bytes `4k..4k+4` of each token); `tmm2` = C, 16 × 16
-//! int32. Tokens are padded to 16 with zero bytes and scales; rows that do not fill a group of
-//! 16, and batches of fewer than [`AMX_MIN_TOKENS`] tokens, go to the VNNI kernel.
+//! The roles follow the VNNI kernel's registers: A is 16 tokens' activation bytes of one
+//! block, loaded straight from the Q8_0 rows with their stride; B is one block of 16 weight
+//! rows as [`decode16`] leaves it (vector `k` holds in lane `r` the table values of elements
+//! `4k..4k+4` of row `r`, which is the VNNI layout B wants), stored once per row group and
+//! block and reused by every token group; C's row `m` is token `m`'s sums over the 16 rows, one
+//! zmm, folded as the VNNI kernel folds its per-token vector. Two tile sets alternate by block
+//! and each block is folded after the next one's tiles are issued, so the tile unit runs
+//! while the vector units fold. Rows may be in the file's layout or interleaved
+//! (`GemmKernel::interleave_into`), as the VNNI kernels read them. A last token group short of
+//! 16 is read from a zero-padded copy; rows that do not fill a group of 16, and batches of
+//! fewer than [`AMX_MIN_TOKENS`] tokens, go to the VNNI kernel of the same layout.
 //!
 //! Linux hands out tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM,
 //! XFEATURE_XTILEDATA)`), and a virtual machine may report AMX and still fault on it, so
-//! [`amx_status`] asks for the permission and runs a tile multiply in a forked child first.
+//! [`amx_status`] asks for the permission and runs the kernel's tile blocks in a forked child
+//! first.
 
 use core::arch::asm;
 use core::arch::x86_64::*;
@@ -27,6 +34,7 @@ use std::sync::OnceLock;
 use crate::gemm::{ActBlocks, GemmFn};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_avx2::f16_at;
+use crate::x86_gemm_avx512::{decode16, nibble_table};
 use crate::AmxStatus;
 
 /// Batches from this many tokens use the tiles (a tile holds 16; below 4 most of it is
@@ -113,30 +121,31 @@ fn probe() -> AmxStatus {
     }
 }
 
-/// One tile product of known bytes, checked against integer arithmetic.
+/// One tile block in each tile set, over known bytes, checked against integer arithmetic.
 ///
 /// # Safety
 /// The tile permission must be granted; the CPU may still fault (run it in a child).
 unsafe fn tile_selftest() -> bool {
     let mut a = [0u8; T * QK];
-    let mut b = [0u8; QK / 4 * 64];
+    let mut b = BTile([0u8; B_TILE_BYTES]);
     for (i, x) in a.iter_mut().enumerate() {
         *x = (i as u32).wrapping_mul(37).wrapping_add(11) as u8;
     }
-    for (i, x) in b.iter_mut().enumerate() {
+    for (i, x) in b.0.iter_mut().enumerate() {
         *x = (i as u32).wrapping_mul(53).wrapping_add(200) as u8;
     }
-    let mut c = [0i32; T * T];
+    let mut c = CTiles([[0i32; T * T]; 2]);
     let cfg = TileConfig::new();
     tile_config_load(&cfg);
-    tile_product(a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+    tile_block::<0>(a.as_ptr(), QK, b.0.as_ptr(), c.0[0].as_mut_ptr());
+    tile_block::<1>(a.as_ptr(), QK, b.0.as_ptr(), c.0[1].as_mut_ptr());
     tile_release();
     (0..T * T).all(|i| {
         let (m, n) = (i / T, i % T);
         let want: i32 = (0..QK)
-            .map(|k| a[m * QK + k] as i8 as i32 * b[k / 4 * 64 + n * 4 + k % 4] as i8 as i32)
+            .map(|k| a[m * QK + k] as i8 as i32 * b.0[k / 4 * 64 + n * 4 + k % 4] as i8 as i32)
             .sum();
-        c[i] == want
+        c.0[0][i] == want && c.0[1][i] == want
     })
 }
 
@@ -151,7 +160,9 @@ struct TileConfig {
 }
 
 impl TileConfig {
-    /// `tmm0`: 16 × 32 bytes (A), `tmm1`: 8 × 64 bytes (B), `tmm2`: 16 × 64 bytes (C).
+    /// Two tile sets `s` = 0, 1: `tmm{s}` = A, 16 × 32 bytes (tokens × one block's
+    /// activation bytes); `tmm{2+s}` = B, 8 × 64 bytes (one block of 16 weight rows, VNNI
+    /// layout); `tmm{4+s}` = C, 16 × 64 bytes (16 × 16 int32, tokens × rows).
     fn new() -> TileConfig {
         let mut c = TileConfig {
             palette: 1,
@@ -160,9 +171,11 @@ impl TileConfig {
             colsb: [0; 16],
             rows: [0; 16],
         };
-        (c.colsb[0], c.rows[0]) = (QK as u16, T as u8);
-        (c.colsb[1], c.rows[1]) = (64, (QK / 4) as u8);
-        (c.colsb[2], c.rows[2]) = (64, T as u8);
+        for s in 0..2 {
+            (c.colsb[s], c.rows[s]) = (QK as u16, T as u8);
+            (c.colsb[2 + s], c.rows[2 + s]) = (64, (QK / 4) as u8);
+            (c.colsb[4 + s], c.rows[4 + s]) = (64, T as u8);
+        }
         c
     }
 }
@@ -182,65 +195,134 @@ unsafe fn tile_release() {
     asm!("tilerelease", options(nostack));
 }
 
-/// `c[m][n] = Σ_k a[m][k] · b[k/4][n][k%4]` for the 16 × 32 signed bytes at `a` (rows 32
-/// bytes apart), the 8 × 64 signed bytes at `b` and the 16 × 16 int32 at `c`.
+/// Bytes of one B tile: 8 rows of 64.
+const B_TILE_BYTES: usize = QK / 4 * 64;
+
+/// One decoded block of 16 weight rows as a B tile: row `k` holds, at bytes `4r..4r+4`,
+/// the table values of elements `4k..4k+4` of weight row `r` (what [`decode16`]'s `u[k]`
+/// holds in lane `r`).
+#[repr(C, align(64))]
+struct BTile([u8; B_TILE_BYTES]);
+
+/// The two C tiles' stores (one per tile set), `[token][row]`.
+#[repr(C, align(64))]
+struct CTiles([[i32; T * T]; 2]);
+
+/// One block's exact integer sums on tile set `S` (0 or 1: A = `tmm{S}`, B = `tmm{2+S}`,
+/// C = `tmm{4+S}`): `c[m][r] = Σ_k a[m][k] · b[k/4][4r + k%4]` for the 16 rows of 32 signed
+/// bytes at `a` (`astride` bytes apart), the B tile at `b` and the 16 × 16 int32 at `c`
+/// (rows 64 bytes apart). Alternating sets lets one block's loads run while the previous
+/// block's product is still reading its tiles.
 #[inline(always)]
-unsafe fn tile_product(a: *const u8, b: *const u8, c: *mut i32) {
-    // SAFETY: `a` holds 16 rows of 32 bytes, `b` 8 rows of 64, both read through the strides
-    // given; the configuration of `TileConfig::new` is loaded.
+unsafe fn tile_block<const S: u8>(a: *const u8, astride: usize, b: *const u8, c: *mut i32) {
+    // SAFETY: `a` holds 16 rows of 32 bytes `astride` apart, `b` 8 rows of 64 and `c` room for
+    // 16 rows of 64 (the caller's contract); the configuration of `TileConfig::new` is loaded,
+    // which gives the three tiles of set `S` these shapes.
     asm!(
-        "tileloadd tmm0, [{a} + {sa}*1]",
-        "tileloadd tmm1, [{b} + {sb}*1]",
+        "tileloadd tmm{ta}, [{a} + {sa}*1]",
+        "tileloadd tmm{tb}, [{b} + {sb}*1]",
+        "tilezero tmm{tc}",
+        "tdpbssd tmm{tc}, tmm{ta}, tmm{tb}",
+        "tilestored [{c} + {sc}*1], tmm{tc}",
+        ta = const S,
+        tb = const S + 2,
+        tc = const S + 4,
         a = in(reg) a,
-        sa = in(reg) QK,
+        sa = in(reg) astride,
         b = in(reg) b,
         sb = in(reg) 64usize,
-        options(nostack, readonly),
-    );
-    // SAFETY: tile registers only (configured above).
-    asm!(
-        "tilezero tmm2",
-        "tdpbssd tmm2, tmm0, tmm1",
-        options(nostack, nomem)
-    );
-    // SAFETY: `c` has room for 16 rows of 64 bytes.
-    asm!(
-        "tilestored [{c} + {sc}*1], tmm2",
         c = in(reg) c,
         sc = in(reg) 64usize,
         options(nostack),
     );
 }
 
-/// Decodes block `b` of the 16 rows at `w` (`stride` bytes apart) into `a` (16 × 32 signed
-/// values in element order) and the rows' exponents minus 128 into `e`.
+/// The MXFP4 table values as signed bytes (the tiles multiply signed by signed, so the
+/// weights need no bias).
+const KVALUES_MXFP4_BYTES: [u8; 16] = {
+    let mut t = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = KVALUES_MXFP4[i] as u8;
+        i += 1;
+    }
+    t
+};
+
+/// Blocks of a row group decoded at a time: their B tiles (8 KB) and exponents stay in L1
+/// while every token group of the pass runs over them.
+const DEC_BLOCKS: usize = 16;
+/// Tokens whose accumulators one pass over a row group carries from run to run.
+const TOK_CHUNK: usize = 64;
+
+/// `acc[m] = fma(f32(c[m][r]), scalef(d[m], ef[r]), acc[m])` for the 16 tokens `m` (lanes: the
+/// rows `r`): the VNNI kernel's `block_fma`, so the same bits.
 #[inline(always)]
-unsafe fn decode_group(w: *const u8, stride: usize, nb: usize, a: &mut [u8], e: &mut [f32]) {
-    let table = _mm_loadu_si128(KVALUES_MXFP4.as_ptr().cast());
-    let low = _mm_set1_epi8(15);
+unsafe fn fold(c: &[i32; T * T], ef: __m512, d: *const f32, acc: &mut [__m512; T]) {
+    for (m, acc) in acc.iter_mut().enumerate() {
+        let scale = _mm512_scalef_ps(_mm512_set1_ps(*d.add(m)), ef);
+        let isum = _mm512_load_si512(c.as_ptr().add(m * T).cast());
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+    }
+}
+
+/// One token group (16 activation rows from `a`, `astride` bytes apart, at the run's first
+/// block's bytes; their scales at `d`, `[block][token]` with `tp` tokens a block) over the
+/// `nbc` decoded blocks, carrying its accumulators in `acc`. Block `i`'s tiles run on set
+/// `i % 2` and are folded after block `i + 1`'s are issued, so the tile unit and the vector
+/// units overlap.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_group(
+    bt: &[BTile; DEC_BLOCKS],
+    ef: &[__m512; DEC_BLOCKS],
+    nbc: usize,
+    (a, astride): (*const u8, usize),
+    (d, tp): (*const f32, usize),
+    c: &mut CTiles,
+    acc: &mut [__m512; T],
+) {
+    let mut r = *acc;
+    for (i, bt) in bt.iter().enumerate().take(nbc) {
+        let (ai, bi) = (a.add(i * Q8_0_BYTES), bt.0.as_ptr());
+        if i % 2 == 0 {
+            tile_block::<0>(ai, astride, bi, c.0[0].as_mut_ptr());
+        } else {
+            tile_block::<1>(ai, astride, bi, c.0[1].as_mut_ptr());
+        }
+        if let Some(j) = i.checked_sub(1) {
+            fold(&c.0[j % 2], ef[j], d.add(j * tp), &mut r);
+        }
+    }
+    let j = nbc - 1;
+    fold(&c.0[j % 2], ef[j], d.add(j * tp), &mut r);
+    *acc = r;
+}
+
+/// Stores the first `valid` tokens' accumulators (lanes: 16 rows) to `out` (`[row][token]`,
+/// rows `n_tokens` apart).
+#[inline(always)]
+unsafe fn store_tokens(acc: &[__m512; T], valid: usize, out: *mut f32, n_tokens: usize) {
+    let mut tmp = [[0f32; T]; T];
+    for (t, a) in tmp.iter_mut().zip(acc) {
+        _mm512_storeu_ps(t.as_mut_ptr(), *a);
+    }
     for r in 0..T {
-        let row = w.add(r * stride);
-        for b in 0..nb {
-            let blk = row.add(b * MXFP4_BYTES);
-            let q = _mm_loadu_si128(blk.add(1).cast());
-            let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low));
-            let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low));
-            let dst = a.as_mut_ptr().add((b * T + r) * QK);
-            _mm_storeu_si128(dst.cast(), lo);
-            _mm_storeu_si128(dst.add(QK / 2).cast(), hi);
-            e[b * T + r] = *blk as f32 - 128.0;
+        for (m, t) in tmp.iter().enumerate().take(valid) {
+            *out.add(r * n_tokens + m) = t[r];
         }
     }
 }
 
-/// The tiles' MXFP4 × Q8_0 GEMM ([`GemmFn`] contract), bit-identical to `fallback` (the
-/// AVX-512 VNNI kernel), which takes small batches and the rows short of a group of 16.
+/// The tiles' MXFP4 × Q8_0 GEMM ([`GemmFn`] contract) over rows in the file's layout or,
+/// with `X16`, interleaved; bit-identical to `fallback` (the AVX-512 VNNI + VBMI kernel of
+/// the same layout), which takes small batches and the rows short of a group of 16.
 ///
 /// # Safety
 /// [`amx_status`] is [`AmxStatus::Usable`] (AVX-512 F/BW/VL/VNNI/VBMI, AVX2, FMA and F16C
 /// included); slices as in [`GemmFn`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn mxfp4_amx(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+unsafe fn mxfp4_amx<const X16: bool>(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -256,53 +338,57 @@ unsafe fn mxfp4_amx(
     }
     let nb = n / QK;
     let (stride, astride) = (nb * MXFP4_BYTES, nb * Q8_0_BYTES);
-    let n_groups = n_tokens.div_ceil(T);
-    // B tiles and token scales of each token group and block (`[group][block]`).
-    let mut bt = vec![0u8; n_groups * nb * QK * T];
-    let mut ds = vec![0f32; n_groups * nb * T];
+    // The activations' block scales as f32, `[block][token]`, padded with zeros to whole
+    // token groups.
+    let tp = n_tokens.next_multiple_of(T);
+    let mut ds = vec![0f32; nb * tp];
     for t in 0..n_tokens {
-        let (g, j) = (t / T, t % T);
         for b in 0..nb {
-            let ab = acts.as_ptr().add(t * astride + b * Q8_0_BYTES);
-            let at = (g * nb + b) * T;
-            ds[at + j] = f16_at(ab);
-            for k in 0..QK / 4 {
-                let src = ab.add(2 + 4 * k).cast::<u32>().read_unaligned();
-                bt.as_mut_ptr()
-                    .add(at * QK + k * 64 + j * 4)
-                    .cast::<u32>()
-                    .write_unaligned(src);
-            }
+            ds[b * tp + t] = f16_at(acts.as_ptr().add(t * astride + b * Q8_0_BYTES));
         }
     }
-    let mut a = vec![0u8; nb * T * QK];
-    let mut e = vec![0f32; nb * T];
-    let mut c = [0i32; T * T];
+    // The last token group, zero-padded to 16 rows: a tile load reads all 16.
+    let last = (n_tokens - 1) / T * T;
+    let mut tail = vec![0u8; T * astride];
+    tail[..(n_tokens - last) * astride]
+        .copy_from_slice(&acts[last * astride..][..(n_tokens - last) * astride]);
+    let table = nibble_table(&KVALUES_MXFP4_BYTES);
+    let mut bt: [BTile; DEC_BLOCKS] = core::array::from_fn(|_| BTile([0; B_TILE_BYTES]));
+    let mut ef = [_mm512_setzero_ps(); DEC_BLOCKS];
+    let mut c = CTiles([[0; T * T]; 2]);
+    let mut acc = [[_mm512_setzero_ps(); T]; TOK_CHUNK / T];
     let cfg = TileConfig::new();
     tile_config_load(&cfg);
-    for r0 in (0..full).step_by(T) {
-        decode_group(w.as_ptr().add(r0 * stride), stride, nb, &mut a, &mut e);
-        for g in 0..n_groups {
-            let mut acc = [_mm512_setzero_ps(); T];
-            for b in 0..nb {
-                let at = (g * nb + b) * T;
-                tile_product(
-                    a.as_ptr().add(b * T * QK),
-                    bt.as_ptr().add(at * QK),
-                    c.as_mut_ptr(),
-                );
-                let d = _mm512_loadu_ps(ds.as_ptr().add(at));
-                for (m, acc) in acc.iter_mut().enumerate() {
-                    let scale = _mm512_scalef_ps(d, _mm512_set1_ps(e[b * T + m]));
-                    let isum = _mm512_loadu_si512(c.as_ptr().add(m * T).cast());
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
+    for tc in (0..n_tokens).step_by(TOK_CHUNK) {
+        let groups = (n_tokens - tc).min(TOK_CHUNK).div_ceil(T);
+        for r0 in (0..full).step_by(T) {
+            let base = w.as_ptr().add(r0 * stride);
+            acc[..groups].fill([_mm512_setzero_ps(); T]);
+            for b0 in (0..nb).step_by(DEC_BLOCKS) {
+                let nbc = (nb - b0).min(DEC_BLOCKS);
+                for (i, (bt, ef)) in bt.iter_mut().zip(&mut ef).take(nbc).enumerate() {
+                    let (u, e) = decode16::<true, X16>(base, stride, nb, b0 + i, table);
+                    for (k, u) in u.iter().enumerate() {
+                        _mm512_store_si512(bt.0.as_mut_ptr().add(64 * k).cast(), *u);
+                    }
+                    *ef = e;
+                }
+                for (g, acc) in acc[..groups].iter_mut().enumerate() {
+                    let t0 = tc + g * T;
+                    let a = if t0 == last {
+                        tail.as_ptr()
+                    } else {
+                        acts.as_ptr().add(t0 * astride)
+                    };
+                    let at = (a.add(b0 * Q8_0_BYTES + 2), astride);
+                    let dt = (ds.as_ptr().add(b0 * tp + t0), tp);
+                    run_group(&bt, &ef, nbc, at, dt, &mut c, acc);
                 }
             }
-            let valid = (n_tokens - g * T).min(T);
-            let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
-            for (m, &acc) in acc.iter().enumerate() {
-                let dst = out.as_mut_ptr().add((r0 + m) * n_tokens + g * T);
-                _mm512_mask_storeu_ps(dst, mask, acc);
+            for (g, acc) in acc[..groups].iter().enumerate() {
+                let t0 = tc + g * T;
+                let o = out.as_mut_ptr().add(r0 * n_tokens + t0);
+                store_tokens(acc, (n_tokens - t0).min(T), o, n_tokens);
             }
         }
     }
@@ -319,11 +405,11 @@ unsafe fn mxfp4_amx(
     }
 }
 
-/// [`mxfp4_amx`] with the AVX-512 VNNI + VBMI kernel as its fallback.
+/// [`mxfp4_amx`] over the file's layout, with the AVX-512 VNNI + VBMI kernel as its fallback.
 ///
 /// # Safety
 /// As [`mxfp4_amx`].
-unsafe fn mxfp4_amx_vnni(
+unsafe fn mxfp4_amx_rows(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -332,14 +418,37 @@ unsafe fn mxfp4_amx_vnni(
     out: &mut [f32],
 ) {
     let (_, fallback) = crate::x86_gemm_avx512::gemm_fn(crate::GgmlType::MXFP4, true, true);
-    mxfp4_amx(n, w, acts, blocks, n_tokens, out, fallback)
+    mxfp4_amx::<false>(n, w, acts, blocks, n_tokens, out, fallback)
 }
 
-/// The AMX MXFP4 GEMM, where [`amx_status`] is [`AmxStatus::Usable`] (`GemmKernel::new`
-/// takes it only when `crate::amx_in_use`).
-pub(crate) fn gemm_fn() -> Option<(&'static str, GemmFn)> {
-    (*amx_status() == AmxStatus::Usable).then_some((
-        "mxfp4*q8_0 blockwise/amx-int8+avx512vnni",
-        mxfp4_amx_vnni as GemmFn,
-    ))
+/// [`mxfp4_amx`] over interleaved rows, with the interleaved AVX-512 VNNI + VBMI kernel as its
+/// fallback.
+///
+/// # Safety
+/// As [`mxfp4_amx`].
+unsafe fn mxfp4_amx_x16(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    blocks: &ActBlocks,
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let (_, fallback) = crate::x86_gemm_avx512::gemm_fn_x16(true, true);
+    mxfp4_amx::<true>(n, w, acts, blocks, n_tokens, out, fallback)
+}
+
+/// The AMX MXFP4 GEMM over the file's layout (`interleaved = false`) or interleaved rows,
+/// where [`amx_status`] is [`AmxStatus::Usable`] (`GemmKernel` takes it only when
+/// `crate::amx_in_use`).
+pub(crate) fn gemm_fn(interleaved: bool) -> Option<(&'static str, GemmFn)> {
+    let f: (&'static str, GemmFn) = if interleaved {
+        (
+            "mxfp4*q8_0 blockwise x16/amx-int8+avx512vnni",
+            mxfp4_amx_x16,
+        )
+    } else {
+        ("mxfp4*q8_0 blockwise/amx-int8+avx512vnni", mxfp4_amx_rows)
+    };
+    (*amx_status() == AmxStatus::Usable).then_some(f)
 }

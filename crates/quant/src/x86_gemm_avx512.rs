@@ -51,16 +51,24 @@ unsafe fn bcast32(p: *const u8) -> __m512i {
     _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
-/// Decodes block `b` of the row group at `base` (16 rows of `nb` blocks, `stride` bytes
-/// each, in the file's layout or, with `X16`, interleaved: see [`crate::gemm::interleave_x16`]): `u[k]`
-/// (`u[4 + k]`) holds in lane `r` the biased values of elements `4k..4k+4` (`16+4k..16+4k+4`)
-/// of row `r`; the second result is each row's exponent minus 128, as f32.
+/// The 16-byte nibble table `t` in every 128-bit lane, for [`decode16`].
 #[inline(always)]
-unsafe fn decode16<const VBMI: bool, const X16: bool>(
+pub(crate) unsafe fn nibble_table(t: &[u8; 16]) -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr().cast()))
+}
+
+/// Decodes block `b` of the row group at `base` (16 rows of `nb` blocks, `stride` bytes
+/// each, in the file's layout or, with `X16`, interleaved: see [`crate::gemm::interleave_x16`])
+/// through `table` ([`nibble_table`]): `u[k]` (`u[4 + k]`) holds in lane `r` the table values
+/// of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`; the second result is each row's
+/// exponent minus 128, as f32.
+#[inline(always)]
+pub(crate) unsafe fn decode16<const VBMI: bool, const X16: bool>(
     base: *const u8,
     stride: usize,
     nb: usize,
     b: usize,
+    table: __m512i,
 ) -> ([__m512i; 8], __m512) {
     let (v, e) = if X16 {
         let nibbles = base.add(b * X16_NIBBLE_BYTES);
@@ -70,7 +78,6 @@ unsafe fn decode16<const VBMI: bool, const X16: bool>(
     } else {
         transpose16(base, stride, b * MXFP4_BYTES)
     };
-    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_MXFP4_PLUS12.as_ptr().cast()));
     let mut u = [_mm512_setzero_si512(); 8];
     for k in 0..4 {
         let hi = _mm512_srli_epi32::<4>(v[k]);
@@ -212,9 +219,10 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool, const 
     let astride = nb * Q8_0_BYTES;
     let next = base.wrapping_add(G * stride);
     let mut acc = [_mm512_setzero_ps(); TT];
+    let table = nibble_table(&KVALUES_MXFP4_PLUS12);
     for b in 0..nb {
         prefetch_group(next, b);
-        let (u, ef) = decode16::<VBMI, X16>(base, stride, nb, b);
+        let (u, ef) = decode16::<VBMI, X16>(base, stride, nb, b, table);
         for (j, acc) in acc.iter_mut().enumerate() {
             let ab = a.add(j * astride + b * Q8_0_BYTES);
             *acc = block_fma(isum16::<VNNI>(&u, ab, *bias.add(j * nb + b)), ef, ab, *acc);
@@ -349,6 +357,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool, const X16: bool>(
         ef: [_mm512_setzero_ps(); DEC_BLOCKS],
     };
     let mut acc = [_mm512_setzero_ps(); TOK_CHUNK];
+    let table = nibble_table(&KVALUES_MXFP4_PLUS12);
     for tc in (0..n_tokens).step_by(TOK_CHUNK) {
         let tn = (n_tokens - tc).min(TOK_CHUNK);
         for r0 in (0..rows).step_by(G) {
@@ -360,7 +369,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool, const X16: bool>(
                 for i in 0..nbc {
                     let b = b0 + i;
                     prefetch_group(next, b);
-                    (dec.u[i], dec.ef[i]) = decode16::<VBMI, X16>(base, stride, nb, b);
+                    (dec.u[i], dec.ef[i]) = decode16::<VBMI, X16>(base, stride, nb, b, table);
                 }
                 for t0 in (0..tn).step_by(TILE_TOKENS) {
                     let t = tc + t0;
