@@ -55,6 +55,10 @@ cargo test -p hmoe-quant -p hmoe-cpu -p hmoe-model --release --no-run --message-
         cp "$exe" "$OUT/cpu-tests/$(basename "$exe" | sed 's/-[0-9a-f]\{16\}$//')"
     done
 
+# The GEMM micro-benchmark (gpu-session.sh step 4: the AMX kernel against AVX-512 VNNI).
+cargo build --release -p hmoe-quant --example bench_gemm
+cp "$TARGET/release/examples/bench_gemm" "$OUT/bench_gemm"
+
 # libgomp for ../shared/baselines' CPU llama-bench (gpu-session.sh), which the GPU machine may lack.
 mkdir -p "$OUT/lib"
 gomp="$(ldconfig -p 2>/dev/null | awk '/libgomp\.so\.1 .*x86-64/ { print $NF; exit }')"

@@ -21,9 +21,14 @@
 #      as there; default here: every placement, f16 and q8_0 K/V, the expert-cache runs).  (~4 min)
 #   3. cpu-bench.sh with -t 2 against llama.cpp's AVX-512 CPU llama-bench, where the CPU has what
 #      that build needs: the default kernels, then HMOE_AMX=1 where the CPU has AMX.  (~2 min)
-# SESSION_STEPS picks steps (default "1 2 3"). All three take about 9 minutes, close to a device
-# call's 10: give the call timeout_s 600, or split it (SESSION_STEPS="1" then "2 3"; the model
-# made in the first stays in $TMPDIR while the machine is warm). Exit status 1 if a step failed.
+#   4. bench_gemm (one thread) with HMOE_AMX=0 and HMOE_AMX=1 where the CPU has AMX: the batched
+#      MXFP4 kernels' GMAC/s side by side.  (~1 min)
+#   5. cpu-bench.sh with -t 2 at depth 4096, f16 and q8_0 K/V, tg32 (the depth criterion of the
+#      CPU round on that CPU; llama.cpp fills 4096 positions at ~70 t/s there).  (~5 min)
+# SESSION_STEPS picks steps (default "1 2 3"). Those three take about 9 minutes, close to a
+# device call's 10: give the call timeout_s 600, or split it (SESSION_STEPS="1" then "2 3"; the
+# model made in the first stays in $TMPDIR while the machine is warm). Exit status 1 if a step
+# failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu-session}"
@@ -70,6 +75,25 @@ for s in ${SESSION_STEPS:-1 2 3}; do
                 grep -m1 'cpu kernels' "$log"
                 tail -n 4 "$log"
             done
+            ;;
+        4)
+            amx=(0)
+            grep -q -w amx_int8 /proc/cpuinfo && amx+=(1)
+            for a in "${amx[@]}"; do
+                log="$OUT_DIR/bench-gemm-amx$a.log"
+                HMOE_AMX="$a" timeout 240 "$DIST/bench_gemm" 10 > "$log" 2>&1 || FAILED=1
+                echo "HMOE_AMX=$a:"
+                grep -E 'T=(1|4|16|32|64) ' "$log"
+            done
+            ;;
+        5)
+            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
+                > "$OUT_DIR/make.log" 2>&1
+            export LD_LIBRARY_PATH="$DIST/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            log="$OUT_DIR/cpu-bench-depth.log"
+            HMOE="$HMOE" LLAMA_BENCH="$PWD/.baseline/llama-cpu/bin/llama-bench" timeout 420 scripts/cpu-bench.sh \
+                -m "$MODEL" -r 1 -t 2 -p 0 -n 32 -d 0,4096 --kv f16,q8_0 > "$log" 2>&1 || FAILED=1
+            tail -n 8 "$log"
             ;;
         *) echo "gpu-session: unknown step $s" ;;
     esac
