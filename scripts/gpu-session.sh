@@ -22,7 +22,8 @@
 #   3. cpu-bench.sh with -t 2 against llama.cpp's AVX-512 CPU llama-bench, where the CPU has what
 #      that build needs: the default kernels, then HMOE_AMX=1 where the CPU has AMX.  (~2 min)
 #   4. bench_gemm (one thread) with HMOE_AMX=0 and HMOE_AMX=1 where the CPU has AMX: the batched
-#      MXFP4 kernels' GMAC/s side by side.  (~1 min)
+#      MXFP4 kernels' GMAC/s side by side; then `hmoe bench --roofline` tg128 on the CPU at 2
+#      threads (the CPU round's decode criterion on a quieter machine than ours).  (~1 min)
 #   5. cpu-bench.sh with -t 2 at depth 4096, f16 and q8_0 K/V, tg32 (the depth criterion of the
 #      CPU round on that CPU; llama.cpp fills 4096 positions at ~70 t/s there).  (~5 min)
 # SESSION_STEPS picks steps (default "1 2 3"). Those three take about 9 minutes, close to a
@@ -85,6 +86,11 @@ for s in ${SESSION_STEPS:-1 2 3}; do
                 echo "HMOE_AMX=$a:"
                 grep -E 'T=(1|4|16|32|64) ' "$log"
             done
+            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
+                > "$OUT_DIR/make.log" 2>&1
+            timeout 120 "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 3 --roofline \
+                > "$OUT_DIR/roofline.log" 2>&1 || FAILED=1
+            grep -E 'roofline: read|tg128' "$OUT_DIR/roofline.log"
             ;;
         5)
             [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
