@@ -93,6 +93,10 @@ for s in ${SESSION_STEPS:-1 2 3}; do
             grep -E 'roofline: read|tg128' "$OUT_DIR/roofline.log"
             ;;
         5)
+            if [ ! -x "$PWD/.baseline/llama-cpu/bin/llama-bench" ] || ! grep -q -w avx512_vnni /proc/cpuinfo; then
+                echo "gpu-session: no CPU llama-bench, or the CPU lacks AVX-512 VNNI: step 5 skipped"
+                continue
+            fi
             [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
                 > "$OUT_DIR/make.log" 2>&1
             export LD_LIBRARY_PATH="$DIST/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
