@@ -53,9 +53,10 @@ pub(crate) struct ActBlocks {
     pub(crate) bias: Vec<i32>,
     /// The block's scale `d` (MXFP4 weights, for the AVX2 kernel, which reads it).
     pub(crate) scales: Vec<f32>,
-    /// The scales `d` as `[block][token]`, the tokens padded with zeros to whole tiles of
-    /// [`Q8_0_TILE_TOKENS`] (Q8_0 weights, for the AVX2 kernel, which multiplies a tile's
-    /// scales by the weight row's in one vector product).
+    /// The scales `d` as `[block][token]`, the tokens padded with zeros to whole tiles: of
+    /// [`Q8_0_TILE_TOKENS`] for Q8_0 weights on AVX2 (whose kernel multiplies a tile's scales
+    /// by the weight row's in one vector product), of [`AMX_TILE_TOKENS`] for the AMX MXFP4
+    /// kernel (which folds a tile's 16 tokens whatever their count).
     pub(crate) block_scales: Vec<f32>,
     /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
     /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
@@ -64,6 +65,8 @@ pub(crate) struct ActBlocks {
 
 /// Tokens per tile of the AVX2 Q8_0 kernel (the padding of [`ActBlocks::block_scales`]).
 pub(crate) const Q8_0_TILE_TOKENS: usize = 8;
+/// Tokens per tile of the AMX MXFP4 kernel (the padding of [`ActBlocks::block_scales`]).
+pub(crate) const AMX_TILE_TOKENS: usize = 16;
 
 /// The MXFP4 table values plus 12, so they fit the unsigned operand of `vpdpbusd`/`vpmaddubsw`.
 pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
@@ -82,6 +85,8 @@ pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
 #[derive(Clone, Debug)]
 pub struct GemmActs<'a> {
     weight: GgmlType,
+    /// The name of the kernel that prepared them: each kernel reads its own [`ActBlocks`].
+    kernel: &'static str,
     n: usize,
     n_tokens: usize,
     data: &'a [u8],
@@ -111,6 +116,8 @@ pub struct GemmKernel {
     f: GemmFn,
     /// Reads MXFP4 rows interleaved by [`GemmKernel::interleave_into`].
     interleaved: bool,
+    /// Runs batches on AMX tiles (reads [`ActBlocks::block_scales`]).
+    amx: bool,
 }
 
 impl std::fmt::Debug for GemmKernel {
@@ -156,6 +163,7 @@ impl GemmKernel {
         if !Self::supports(weight) {
             return Err(unsupported);
         }
+        let mut amx = false;
         let (name, f): (&'static str, GemmFn) = match isa {
             Isa::Scalar => scalar_fn(weight),
             #[cfg(target_arch = "x86_64")]
@@ -164,8 +172,11 @@ impl GemmKernel {
             // VNNI + VBMI).
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => match crate::x86_amx::gemm_fn(false) {
-                Some(amx) if weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx => {
-                    amx
+                Some(tiles)
+                    if weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx =>
+                {
+                    amx = true;
+                    tiles
                 }
                 _ => crate::x86_gemm_avx512::gemm_fn(
                     weight,
@@ -186,6 +197,7 @@ impl GemmKernel {
             name,
             f,
             interleaved: false,
+            amx,
         })
     }
 
@@ -208,13 +220,15 @@ impl GemmKernel {
     ) -> Option<GemmKernel> {
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512 && check_isa(isa).is_ok() {
-            let (name, f) = match crate::x86_amx::gemm_fn(true) {
-                Some(amx) if allow_vnni && allow_vbmi && allow_amx => amx,
-                _ => crate::x86_gemm_avx512::gemm_fn_x16(
+            let tiles =
+                crate::x86_amx::gemm_fn(true).filter(|_| allow_vnni && allow_vbmi && allow_amx);
+            let amx = tiles.is_some();
+            let (name, f) = tiles.unwrap_or_else(|| {
+                crate::x86_gemm_avx512::gemm_fn_x16(
                     allow_vnni && crate::cpu::has_avx512_vnni(),
                     allow_vbmi && crate::cpu::has_avx512_vbmi(),
-                ),
-            };
+                )
+            });
             return Some(GemmKernel {
                 weight: GgmlType::MXFP4,
                 act: GgmlType::Q8_0,
@@ -222,6 +236,7 @@ impl GemmKernel {
                 name,
                 f,
                 interleaved: true,
+                amx,
             });
         }
         let _ = (isa, allow_vnni, allow_vbmi, allow_amx);
@@ -330,8 +345,18 @@ impl GemmKernel {
                 .collect();
         }
         #[cfg(target_arch = "x86_64")]
-        if self.weight == GgmlType::Q8_0 && self.isa == Isa::Avx2 {
-            let (nb, padded) = (n / QK, n_tokens.next_multiple_of(Q8_0_TILE_TOKENS));
+        let tile = match (self.weight, self.isa) {
+            (GgmlType::Q8_0, Isa::Avx2) => Some(Q8_0_TILE_TOKENS),
+            (GgmlType::MXFP4, Isa::Avx512)
+                if self.amx && n_tokens >= crate::x86_amx::AMX_MIN_TOKENS =>
+            {
+                Some(AMX_TILE_TOKENS)
+            }
+            _ => None,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if let Some(tile) = tile {
+            let (nb, padded) = (n / QK, n_tokens.next_multiple_of(tile));
             blocks.block_scales = vec![0.0; nb * padded];
             for (t, row) in acts.chunks_exact(row).enumerate() {
                 for (b, block) in row.chunks_exact(Q8_0_BYTES).enumerate() {
@@ -341,6 +366,7 @@ impl GemmKernel {
         }
         Ok(GemmActs {
             weight: self.weight,
+            kernel: self.name,
             n,
             n_tokens,
             data: acts,
@@ -351,7 +377,8 @@ impl GemmKernel {
     /// `out[r * n_tokens + t] = W[r] · a[t]` for the `out.len() / n_tokens` weight rows in
     /// `weight_rows` (contiguous) and the tokens of `acts`, in the kernel's summation order.
     /// Every ISA gives bit-identical results. Allocates only for MXFP4 with fewer than 16 rows
-    /// (a padded copy of the rows). An interleaved kernel takes whole groups of 16 rows.
+    /// (a padded copy of the rows). An interleaved kernel takes whole groups of 16 rows; `acts`
+    /// must come from this kernel's [`GemmKernel::prepare`] (an error otherwise).
     pub fn gemm(
         &self,
         weight_rows: &[u8],
@@ -362,6 +389,12 @@ impl GemmKernel {
             return Err(QuantError::Unsupported {
                 ty: acts.weight,
                 op: "gemm with activations prepared for another type",
+            });
+        }
+        if acts.kernel != self.name {
+            return Err(QuantError::Unsupported {
+                ty: acts.weight,
+                op: "gemm with activations prepared by another kernel",
             });
         }
         let t = acts.n_tokens;

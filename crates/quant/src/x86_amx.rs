@@ -18,9 +18,12 @@
 //! zmm, folded as the VNNI kernel folds its per-token vector. Two tile sets alternate by block
 //! and each block is folded after the next one's tiles are issued, so the tile unit runs
 //! while the vector units fold. Rows may be in the file's layout or interleaved
-//! (`GemmKernel::interleave_into`), as the VNNI kernels read them. A last token group short of
-//! 16 is read from a zero-padded copy; rows that do not fill a group of 16, and batches of
-//! fewer than [`AMX_MIN_TOKENS`] tokens, go to the VNNI kernel of the same layout.
+//! (`GemmKernel::interleave_into`), as the VNNI kernels read them. Calls of fewer than 16
+//! tokens configure tiles of that many rows; in longer ones a last group short of 16 is the
+//! call's last 16 tokens, so no tile reads past the activations and nothing is copied. The
+//! tokens' scales come as f32 from `GemmKernel::prepare` (`ActBlocks::block_scales`). Rows
+//! that do not fill a group of 16, and batches of fewer than [`AMX_MIN_TOKENS`] tokens, go to
+//! the VNNI kernel of the same layout.
 //!
 //! Linux hands out tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM,
 //! XFEATURE_XTILEDATA)`), and a virtual machine may report AMX and still fault on it, so
@@ -29,11 +32,11 @@
 
 use core::arch::asm;
 use core::arch::x86_64::*;
+use core::ops::Range;
 use std::sync::OnceLock;
 
 use crate::gemm::{ActBlocks, GemmFn};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
-use crate::x86_avx2::f16_at;
 use crate::x86_gemm_avx512::{decode16, nibble_table};
 use crate::AmxStatus;
 
@@ -135,7 +138,7 @@ unsafe fn tile_selftest() -> bool {
         *x = (i as u32).wrapping_mul(53).wrapping_add(200) as u8;
     }
     let mut c = CTiles([[0i32; T * T]; 2]);
-    let cfg = TileConfig::new();
+    let cfg = TileConfig::new(T);
     tile_config_load(&cfg);
     tile_block::<0>(a.as_ptr(), QK, b.0.as_ptr(), c.0[0].as_mut_ptr());
     tile_block::<1>(a.as_ptr(), QK, b.0.as_ptr(), c.0[1].as_mut_ptr());
@@ -160,10 +163,10 @@ struct TileConfig {
 }
 
 impl TileConfig {
-    /// Two tile sets `s` = 0, 1: `tmm{s}` = A, 16 × 32 bytes (tokens × one block's
+    /// Two tile sets `s` = 0, 1: `tmm{s}` = A, `tokens` × 32 bytes (tokens × one block's
     /// activation bytes); `tmm{2+s}` = B, 8 × 64 bytes (one block of 16 weight rows, VNNI
-    /// layout); `tmm{4+s}` = C, 16 × 64 bytes (16 × 16 int32, tokens × rows).
-    fn new() -> TileConfig {
+    /// layout); `tmm{4+s}` = C, `tokens` × 64 bytes (int32, tokens × rows). `tokens` ≤ 16.
+    fn new(tokens: usize) -> TileConfig {
         let mut c = TileConfig {
             palette: 1,
             start_row: 0,
@@ -171,10 +174,11 @@ impl TileConfig {
             colsb: [0; 16],
             rows: [0; 16],
         };
+        let tokens = tokens.min(T) as u8;
         for s in 0..2 {
-            (c.colsb[s], c.rows[s]) = (QK as u16, T as u8);
+            (c.colsb[s], c.rows[s]) = (QK as u16, tokens);
             (c.colsb[2 + s], c.rows[2 + s]) = (64, (QK / 4) as u8);
-            (c.colsb[4 + s], c.rows[4 + s]) = (64, T as u8);
+            (c.colsb[4 + s], c.rows[4 + s]) = (64, tokens);
         }
         c
     }
@@ -209,15 +213,15 @@ struct BTile([u8; B_TILE_BYTES]);
 struct CTiles([[i32; T * T]; 2]);
 
 /// One block's exact integer sums on tile set `S` (0 or 1: A = `tmm{S}`, B = `tmm{2+S}`,
-/// C = `tmm{4+S}`): `c[m][r] = Σ_k a[m][k] · b[k/4][4r + k%4]` for the 16 rows of 32 signed
-/// bytes at `a` (`astride` bytes apart), the B tile at `b` and the 16 × 16 int32 at `c`
-/// (rows 64 bytes apart). Alternating sets lets one block's loads run while the previous
-/// block's product is still reading its tiles.
+/// C = `tmm{4+S}`): `c[m][r] = Σ_k a[m][k] · b[k/4][4r + k%4]` for the (configured, ≤ 16)
+/// rows of 32 signed bytes at `a` (`astride` bytes apart), the B tile at `b` and the int32
+/// rows at `c` (64 bytes apart). Alternating sets lets one block's loads run while the
+/// previous block's product is still reading its tiles.
 #[inline(always)]
 unsafe fn tile_block<const S: u8>(a: *const u8, astride: usize, b: *const u8, c: *mut i32) {
-    // SAFETY: `a` holds 16 rows of 32 bytes `astride` apart, `b` 8 rows of 64 and `c` room for
-    // 16 rows of 64 (the caller's contract); the configuration of `TileConfig::new` is loaded,
-    // which gives the three tiles of set `S` these shapes.
+    // SAFETY: `a` holds the configured rows of 32 bytes `astride` apart, `b` 8 rows of 64 and
+    // `c` room for 16 rows of 64 (the caller's contract); a configuration of `TileConfig::new`
+    // is loaded, which gives the three tiles of set `S` these shapes.
     asm!(
         "tileloadd tmm{ta}, [{a} + {sa}*1]",
         "tileloadd tmm{tb}, [{b} + {sb}*1]",
@@ -256,7 +260,9 @@ const DEC_BLOCKS: usize = 16;
 const TOK_CHUNK: usize = 64;
 
 /// `acc[m] = fma(f32(c[m][r]), scalef(d[m], ef[r]), acc[m])` for the 16 tokens `m` (lanes: the
-/// rows `r`): the VNNI kernel's `block_fma`, so the same bits.
+/// rows `r`): the VNNI kernel's `block_fma`, so the same bits. (Rows of `c` past a short
+/// tile's tokens hold stale sums, always finite; their tokens' `d` is 0 and their
+/// accumulators are never stored.)
 #[inline(always)]
 unsafe fn fold(c: &[i32; T * T], ef: __m512, d: *const f32, acc: &mut [__m512; T]) {
     for (m, acc) in acc.iter_mut().enumerate() {
@@ -266,8 +272,8 @@ unsafe fn fold(c: &[i32; T * T], ef: __m512, d: *const f32, acc: &mut [__m512; T
     }
 }
 
-/// One token group (16 activation rows from `a`, `astride` bytes apart, at the run's first
-/// block's bytes; their scales at `d`, `[block][token]` with `tp` tokens a block) over the
+/// One token group (the tile's activation rows from `a`, `astride` bytes apart, at the run's
+/// first block's bytes; their scales at `d`, `[block][token]` with `tp` tokens a block) over the
 /// `nbc` decoded blocks, carrying its accumulators in `acc`. Block `i`'s tiles run on set
 /// `i % 2` and are folded after block `i + 1`'s are issued, so the tile unit and the vector
 /// units overlap.
@@ -299,17 +305,17 @@ unsafe fn run_group(
     *acc = r;
 }
 
-/// Stores the first `valid` tokens' accumulators (lanes: 16 rows) to `out` (`[row][token]`,
-/// rows `n_tokens` apart).
+/// Stores the accumulators of tokens `m` in `keep` (lanes: 16 rows) to `out` at token `m`
+/// (`[row][token]`, rows `n_tokens` apart).
 #[inline(always)]
-unsafe fn store_tokens(acc: &[__m512; T], valid: usize, out: *mut f32, n_tokens: usize) {
+unsafe fn store_tokens(acc: &[__m512; T], keep: Range<usize>, out: *mut f32, n_tokens: usize) {
     let mut tmp = [[0f32; T]; T];
     for (t, a) in tmp.iter_mut().zip(acc) {
         _mm512_storeu_ps(t.as_mut_ptr(), *a);
     }
-    for r in 0..T {
-        for (m, t) in tmp.iter().enumerate().take(valid) {
-            *out.add(r * n_tokens + m) = t[r];
+    for (m, t) in tmp.iter().enumerate().take(keep.end).skip(keep.start) {
+        for (r, &x) in t.iter().enumerate() {
+            *out.add(r * n_tokens + m) = x;
         }
     }
 }
@@ -338,29 +344,27 @@ unsafe fn mxfp4_amx<const X16: bool>(
     }
     let nb = n / QK;
     let (stride, astride) = (nb * MXFP4_BYTES, nb * Q8_0_BYTES);
-    // The activations' block scales as f32, `[block][token]`, padded with zeros to whole
-    // token groups.
+    // The activations' block scales as f32, `[block][token]`, zero-padded to whole tiles.
     let tp = n_tokens.next_multiple_of(T);
-    let mut ds = vec![0f32; nb * tp];
-    for t in 0..n_tokens {
-        for b in 0..nb {
-            ds[b * tp + t] = f16_at(acts.as_ptr().add(t * astride + b * Q8_0_BYTES));
-        }
-    }
-    // The last token group, zero-padded to 16 rows: a tile load reads all 16.
-    let last = (n_tokens - 1) / T * T;
-    let mut tail = vec![0u8; T * astride];
-    tail[..(n_tokens - last) * astride]
-        .copy_from_slice(&acts[last * astride..][..(n_tokens - last) * astride]);
+    debug_assert_eq!(blocks.block_scales.len(), nb * tp);
+    let ds = blocks.block_scales.as_ptr();
     let table = nibble_table(&KVALUES_MXFP4_BYTES);
     let mut bt: [BTile; DEC_BLOCKS] = core::array::from_fn(|_| BTile([0; B_TILE_BYTES]));
     let mut ef = [_mm512_setzero_ps(); DEC_BLOCKS];
     let mut c = CTiles([[0; T * T]; 2]);
     let mut acc = [[_mm512_setzero_ps(); T]; TOK_CHUNK / T];
-    let cfg = TileConfig::new();
+    // Fewer than 16 tokens: tiles of that many rows. Otherwise a last group short of 16 is
+    // the last 16 tokens, of which it keeps the ones no earlier group had: a tile never reads
+    // past the activations.
+    let cfg = TileConfig::new(n_tokens);
     tile_config_load(&cfg);
     for tc in (0..n_tokens).step_by(TOK_CHUNK) {
         let groups = (n_tokens - tc).min(TOK_CHUNK).div_ceil(T);
+        let group = |g: usize| {
+            let t0 = tc + g * T;
+            let first = t0.min(n_tokens.saturating_sub(T));
+            (first, t0 - first..(n_tokens - first).min(T))
+        };
         for r0 in (0..full).step_by(T) {
             let base = w.as_ptr().add(r0 * stride);
             acc[..groups].fill([_mm512_setzero_ps(); T]);
@@ -374,21 +378,30 @@ unsafe fn mxfp4_amx<const X16: bool>(
                     *ef = e;
                 }
                 for (g, acc) in acc[..groups].iter_mut().enumerate() {
-                    let t0 = tc + g * T;
-                    let a = if t0 == last {
-                        tail.as_ptr()
-                    } else {
-                        acts.as_ptr().add(t0 * astride)
-                    };
-                    let at = (a.add(b0 * Q8_0_BYTES + 2), astride);
-                    let dt = (ds.as_ptr().add(b0 * tp + t0), tp);
-                    run_group(&bt, &ef, nbc, at, dt, &mut c, acc);
+                    let (first, _) = group(g);
+                    let at = (
+                        acts.as_ptr().add(first * astride + b0 * Q8_0_BYTES + 2),
+                        astride,
+                    );
+                    run_group(
+                        &bt,
+                        &ef,
+                        nbc,
+                        at,
+                        (ds.add(b0 * tp + first), tp),
+                        &mut c,
+                        acc,
+                    );
                 }
             }
             for (g, acc) in acc[..groups].iter().enumerate() {
-                let t0 = tc + g * T;
-                let o = out.as_mut_ptr().add(r0 * n_tokens + t0);
-                store_tokens(acc, (n_tokens - t0).min(T), o, n_tokens);
+                let (first, keep) = group(g);
+                store_tokens(
+                    acc,
+                    keep,
+                    out.as_mut_ptr().add(r0 * n_tokens + first),
+                    n_tokens,
+                );
             }
         }
     }
