@@ -38,6 +38,23 @@ DIST="${HMOE_DIST:-$PWD/dist/gpu-check}"
 HMOE="$DIST/hmoe"
 MODEL="${TMPDIR:-/tmp}/hmoe-g120-4l.gguf"
 FAILED=0
+LLAMA_CPU="$PWD/.baseline/llama-cpu/bin/llama-bench"
+
+# The 4-layer gpt-oss-120b-dims model, made once while the machine stays warm.
+make_model() {
+    [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
+        > "$OUT_DIR/make.log" 2>&1
+}
+
+# Whether llama.cpp's CPU baseline runs here (it needs AVX-512 VNNI, and libgomp, which
+# build-gpu-check.sh packs when it has it); says so when not.
+cpu_baseline() {
+    if [ ! -x "$LLAMA_CPU" ] || ! grep -q -w avx512_vnni /proc/cpuinfo; then
+        echo "gpu-session: no CPU llama-bench, or the CPU lacks AVX-512 VNNI: step $1 skipped"
+        return 1
+    fi
+    export LD_LIBRARY_PATH="$DIST/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
 
 echo "gpu-session: $(date -u), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
@@ -51,22 +68,14 @@ for s in ${SESSION_STEPS:-1 2 3}; do
             sed -n '/=== gpu-check report/,$p' "$OUT_DIR/gpu-check.log"
             ;;
         2)
-            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
-                > "$OUT_DIR/make.log" 2>&1
+            make_model
             HMOE_BIN="$HMOE" HMOE_BENCH_MODEL="$MODEL" LLAMA_RUN="$PWD/.baseline/llama-cuda/run.sh" \
                 "$DIST/gpu-bench.sh" --out "$OUT_DIR" > "$OUT_DIR/gpu-bench.log" 2>&1 || FAILED=1
             grep -v '^ ' "$OUT_DIR/gpu-bench.log" | tail -n 5
             ;;
         3)
-            LLAMA_CPU="$PWD/.baseline/llama-cpu/bin/llama-bench"
-            if [ ! -x "$LLAMA_CPU" ] || ! grep -q -w avx512_vnni /proc/cpuinfo; then
-                echo "gpu-session: no CPU llama-bench, or the CPU lacks AVX-512 VNNI: step 3 skipped"
-                continue
-            fi
-            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
-                > "$OUT_DIR/make.log" 2>&1
-            # The baseline build needs libgomp, which build-gpu-check.sh packs when it has it.
-            export LD_LIBRARY_PATH="$DIST/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            cpu_baseline 3 || continue
+            make_model
             amx=("")
             grep -q -w amx_int8 /proc/cpuinfo && amx+=(1)
             for a in "${amx[@]}"; do
@@ -86,22 +95,16 @@ for s in ${SESSION_STEPS:-1 2 3}; do
                 echo "HMOE_AMX=$a:"
                 grep -E 'T=(1|4|16|32|64) ' "$log"
             done
-            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
-                > "$OUT_DIR/make.log" 2>&1
+            make_model
             timeout 120 "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 3 --roofline \
                 > "$OUT_DIR/roofline.log" 2>&1 || FAILED=1
             grep -E 'roofline: read|tg128' "$OUT_DIR/roofline.log"
             ;;
         5)
-            if [ ! -x "$PWD/.baseline/llama-cpu/bin/llama-bench" ] || ! grep -q -w avx512_vnni /proc/cpuinfo; then
-                echo "gpu-session: no CPU llama-bench, or the CPU lacks AVX-512 VNNI: step 5 skipped"
-                continue
-            fi
-            [ -f "$MODEL" ] || "$HMOE" make-test-model --preset gpt-oss-120b-layers --layers 4 -o "$MODEL" \
-                > "$OUT_DIR/make.log" 2>&1
-            export LD_LIBRARY_PATH="$DIST/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            cpu_baseline 5 || continue
+            make_model
             log="$OUT_DIR/cpu-bench-depth.log"
-            HMOE="$HMOE" LLAMA_BENCH="$PWD/.baseline/llama-cpu/bin/llama-bench" timeout 420 scripts/cpu-bench.sh \
+            HMOE="$HMOE" LLAMA_BENCH="$LLAMA_CPU" timeout 420 scripts/cpu-bench.sh \
                 -m "$MODEL" -r 1 -t 2 -p 0 -n 32 -d 0,4096 --kv f16,q8_0 > "$log" 2>&1 || FAILED=1
             tail -n 8 "$log"
             ;;

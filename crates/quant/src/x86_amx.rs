@@ -418,11 +418,12 @@ unsafe fn mxfp4_amx<const X16: bool>(
     }
 }
 
-/// [`mxfp4_amx`] over the file's layout, with the AVX-512 VNNI + VBMI kernel as its fallback.
+/// [`mxfp4_amx`] over the file's layout (`X16 = false`) or interleaved rows, with the AVX-512
+/// VNNI + VBMI kernel of that layout as its fallback.
 ///
 /// # Safety
 /// As [`mxfp4_amx`].
-unsafe fn mxfp4_amx_rows(
+unsafe fn mxfp4_amx_vnni<const X16: bool>(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -430,25 +431,12 @@ unsafe fn mxfp4_amx_rows(
     n_tokens: usize,
     out: &mut [f32],
 ) {
-    let (_, fallback) = crate::x86_gemm_avx512::gemm_fn(crate::GgmlType::MXFP4, true, true);
-    mxfp4_amx::<false>(n, w, acts, blocks, n_tokens, out, fallback)
-}
-
-/// [`mxfp4_amx`] over interleaved rows, with the interleaved AVX-512 VNNI + VBMI kernel as its
-/// fallback.
-///
-/// # Safety
-/// As [`mxfp4_amx`].
-unsafe fn mxfp4_amx_x16(
-    n: usize,
-    w: &[u8],
-    acts: &[u8],
-    blocks: &ActBlocks,
-    n_tokens: usize,
-    out: &mut [f32],
-) {
-    let (_, fallback) = crate::x86_gemm_avx512::gemm_fn_x16(true, true);
-    mxfp4_amx::<true>(n, w, acts, blocks, n_tokens, out, fallback)
+    let (_, fallback) = if X16 {
+        crate::x86_gemm_avx512::gemm_fn_x16(true, true)
+    } else {
+        crate::x86_gemm_avx512::gemm_fn(crate::GgmlType::MXFP4, true, true)
+    };
+    mxfp4_amx::<X16>(n, w, acts, blocks, n_tokens, out, fallback)
 }
 
 /// The AMX MXFP4 GEMM over the file's layout (`interleaved = false`) or interleaved rows,
@@ -458,10 +446,13 @@ pub(crate) fn gemm_fn(interleaved: bool) -> Option<(&'static str, GemmFn)> {
     let f: (&'static str, GemmFn) = if interleaved {
         (
             "mxfp4*q8_0 blockwise x16/amx-int8+avx512vnni",
-            mxfp4_amx_x16,
+            mxfp4_amx_vnni::<true>,
         )
     } else {
-        ("mxfp4*q8_0 blockwise/amx-int8+avx512vnni", mxfp4_amx_rows)
+        (
+            "mxfp4*q8_0 blockwise/amx-int8+avx512vnni",
+            mxfp4_amx_vnni::<false>,
+        )
     };
     (*amx_status() == AmxStatus::Usable).then_some(f)
 }
