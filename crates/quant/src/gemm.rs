@@ -171,19 +171,23 @@ impl GemmKernel {
             // Batched MXFP4 on AMX tiles where they run and are wanted (the same bits as
             // VNNI + VBMI).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => match crate::x86_amx::gemm_fn(false) {
-                Some(tiles)
-                    if weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx =>
+            // (The AMX status, which probes the tiles, is asked only when AMX is wanted.)
+            Isa::Avx512 => {
+                match (weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx)
+                    .then(|| crate::x86_amx::gemm_fn(false))
+                    .flatten()
                 {
-                    amx = true;
-                    tiles
+                    Some(tiles) => {
+                        amx = true;
+                        tiles
+                    }
+                    _ => crate::x86_gemm_avx512::gemm_fn(
+                        weight,
+                        allow_vnni && crate::cpu::has_avx512_vnni(),
+                        allow_vbmi && crate::cpu::has_avx512_vbmi(),
+                    ),
                 }
-                _ => crate::x86_gemm_avx512::gemm_fn(
-                    weight,
-                    allow_vnni && crate::cpu::has_avx512_vnni(),
-                    allow_vbmi && crate::cpu::has_avx512_vbmi(),
-                ),
-            },
+            }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512 => {
                 let _ = (allow_vnni, allow_vbmi, allow_amx);
@@ -220,8 +224,9 @@ impl GemmKernel {
     ) -> Option<GemmKernel> {
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512 && check_isa(isa).is_ok() {
-            let tiles =
-                crate::x86_amx::gemm_fn(true).filter(|_| allow_vnni && allow_vbmi && allow_amx);
+            let tiles = (allow_vnni && allow_vbmi && allow_amx)
+                .then(|| crate::x86_amx::gemm_fn(true))
+                .flatten();
             let amx = tiles.is_some();
             let (name, f) = tiles.unwrap_or_else(|| {
                 crate::x86_gemm_avx512::gemm_fn_x16(

@@ -37,7 +37,7 @@ use std::sync::OnceLock;
 
 use crate::gemm::{ActBlocks, GemmFn};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
-use crate::x86_gemm_avx512::{decode16, nibble_table};
+use crate::x86_gemm_avx512::{decode16, nibble_table, prefetch_group};
 use crate::AmxStatus;
 
 /// Batches from this many tokens use the tiles (a tile holds 16; below 4 most of it is
@@ -107,8 +107,15 @@ fn probe() -> AmxStatus {
         return AmxStatus::ProbeFailed("fork for the tile probe failed".into());
     }
     let mut status = 0;
-    // SAFETY: waits for the child forked above; `status` is a valid out-pointer.
-    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+    let r = loop {
+        // SAFETY: waits for the child forked above; `status` is a valid out-pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        let interrupted =
+            r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR);
+        if !interrupted {
+            break r;
+        }
+    };
     if r != pid {
         return AmxStatus::ProbeFailed("waiting for the tile probe failed".into());
     }
@@ -261,7 +268,7 @@ const TOK_CHUNK: usize = 64;
 
 /// `acc[m] = fma(f32(c[m][r]), scalef(d[m], ef[r]), acc[m])` for the 16 tokens `m` (lanes: the
 /// rows `r`): the VNNI kernel's `block_fma`, so the same bits. (Rows of `c` past a short
-/// tile's tokens hold stale sums, always finite; their tokens' `d` is 0 and their
+/// tile's tokens are never stored to and stay zero, their tokens' `d` is 0, and their
 /// accumulators are never stored.)
 #[inline(always)]
 unsafe fn fold(c: &[i32; T * T], ef: __m512, d: *const f32, acc: &mut [__m512; T]) {
@@ -346,7 +353,10 @@ unsafe fn mxfp4_amx<const X16: bool>(
     let (stride, astride) = (nb * MXFP4_BYTES, nb * Q8_0_BYTES);
     // The activations' block scales as f32, `[block][token]`, zero-padded to whole tiles.
     let tp = n_tokens.next_multiple_of(T);
-    debug_assert_eq!(blocks.block_scales.len(), nb * tp);
+    if blocks.block_scales.len() != nb * tp {
+        // Not prepared for this kernel (`GemmKernel::gemm` refuses that before it gets here).
+        return fallback(n, w, acts, blocks, n_tokens, out);
+    }
     let ds = blocks.block_scales.as_ptr();
     let table = nibble_table(&KVALUES_MXFP4_BYTES);
     let mut bt: [BTile; DEC_BLOCKS] = core::array::from_fn(|_| BTile([0; B_TILE_BYTES]));
@@ -367,10 +377,12 @@ unsafe fn mxfp4_amx<const X16: bool>(
         };
         for r0 in (0..full).step_by(T) {
             let base = w.as_ptr().add(r0 * stride);
+            let next = base.wrapping_add(T * stride);
             acc[..groups].fill([_mm512_setzero_ps(); T]);
             for b0 in (0..nb).step_by(DEC_BLOCKS) {
                 let nbc = (nb - b0).min(DEC_BLOCKS);
                 for (i, (bt, ef)) in bt.iter_mut().zip(&mut ef).take(nbc).enumerate() {
+                    prefetch_group(next, b0 + i);
                     let (u, e) = decode16::<true, X16>(base, stride, nb, b0 + i, table);
                     for (k, u) in u.iter().enumerate() {
                         _mm512_store_si512(bt.0.as_mut_ptr().add(64 * k).cast(), *u);

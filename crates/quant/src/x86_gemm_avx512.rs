@@ -193,9 +193,10 @@ unsafe fn store_lanes(v: __m512, lanes: Lanes, out: *mut f32, step: usize) {
 }
 
 /// Prefetches into L2 the 272 bytes of the next row group (contiguous, at `next`) that match
-/// block `b` of the current one, so the next group streams in while this one computes.
+/// block `b` of the current one, so the next group streams in while this one computes (the
+/// prefetch hint only: addresses past the rows are harmless).
 #[inline(always)]
-unsafe fn prefetch_group(next: *const u8, b: usize) {
+pub(crate) unsafe fn prefetch_group(next: *const u8, b: usize) {
     for l in 0..5 {
         let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
         _mm_prefetch::<_MM_HINT_T1>(p.cast());
