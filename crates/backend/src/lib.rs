@@ -10,6 +10,7 @@
 //! `backend → cuda`.
 //!
 //! Every op is queued in order on the device; downloads wait for what was queued before them.
+#![warn(missing_docs)]
 
 mod error;
 mod experts;

@@ -1,6 +1,7 @@
 //! Chat formatting for hmoe: rendering the model's chat template, and reading the model's output
 //! back as messages (gpt-oss harmony channels and tool calls, `<think>` reasoning, the tool calls
 //! of Qwen3 / Qwen3-Coder / DeepSeek templates).
+#![warn(missing_docs)]
 
 mod builtin;
 mod harmony;

@@ -3,6 +3,7 @@
 //! `-ctk`/`-ctv` type), the cache itself, the row kernels (RMSNorm, matmul over quantized
 //! weights, softmax, SwiGLU), the routed-expert kernels, and [`Cpu`], the `hmoe_backend::Backend` built from them. They
 //! know no architecture; the architectures (crate `hmoe-model`) call them.
+#![warn(missing_docs)]
 
 pub mod attention;
 mod device;

@@ -17,6 +17,7 @@
 //!
 //! Kernels are CUDA C in `kernels.cu`, compiled once per device architecture by NVRTC at
 //! [`CudaDevice::new`] and cached on disk as PTX (see [`cache`]).
+#![warn(missing_docs)]
 
 pub mod backend;
 pub mod cache;

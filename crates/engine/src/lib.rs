@@ -1,4 +1,5 @@
 //! Generation on top of a model: sampling and the prompt/decode loop.
+#![warn(missing_docs)]
 
 mod bench;
 mod generate;

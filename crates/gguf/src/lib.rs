@@ -18,6 +18,7 @@
 //! # let _ = embd;
 //! # Ok::<(), hmoe_gguf::GgufError>(())
 //! ```
+#![warn(missing_docs)]
 
 mod error;
 mod meta;

@@ -8,6 +8,7 @@
 //! as its EOS set. Building it walks the whole vocabulary once (seconds for a 200k vocabulary: build
 //! it once per tokenizer, off the async workers). [`Vocab::compile`] turns a [`Grammar`] into a [`Constraint`], which masks each step's logits ([`Constraint::mask`]) and
 //! follows the chosen tokens ([`Constraint::accept`]).
+#![warn(missing_docs)]
 
 mod gbnf;
 

@@ -6,6 +6,7 @@
 //! whichever device the placement chooses: the CPU ([`hmoe_cpu::Cpu`], what [`load`] gives),
 //! a CUDA GPU, or the reference device `REF0`, with each layer's routed experts on the device
 //! or on the host.
+#![warn(missing_docs)]
 
 pub mod deepseek2;
 mod error;

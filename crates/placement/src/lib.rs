@@ -78,6 +78,7 @@
 //! reads the embedding rows of its tokens and the experts its tokens are routed to), KV pages
 //! as the context fills. Not counted: the parsed metadata and tokenizer, and the program's
 //! own code pages and thread stacks.
+#![warn(missing_docs)]
 
 mod device;
 mod error;

@@ -23,6 +23,7 @@
 //! to `e + 1` and waits for `active == 0`. Both sides use sequentially consistent operations
 //! (store-then-load on one side, increment-then-load on the other), so either the worker sees
 //! the closed epoch and touches nothing, or the caller sees the worker and waits for it.
+#![warn(missing_docs)]
 
 use std::any::Any;
 use std::cell::{Cell, UnsafeCell};

@@ -100,7 +100,9 @@ fn softmax_lanes_on(
 /// a call starts at element `at[i]`.
 #[derive(Clone, Copy, Debug)]
 pub enum LaneHeads<'a> {
+    /// An f32 cache.
     F32(&'a [f32]),
+    /// An f16 cache.
     F16(&'a [f16]),
 }
 

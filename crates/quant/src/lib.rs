@@ -65,6 +65,7 @@
 //!
 //! All functions are thread-safe and allocation-free, except [`GemmKernel::prepare`] (a vector
 //! of block sums for MXFP4) and [`GemmKernel::gemm`] for MXFP4 with fewer than 16 rows.
+#![warn(missing_docs)]
 
 #[macro_use]
 mod kernels;

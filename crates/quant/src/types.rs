@@ -4,21 +4,37 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(non_camel_case_types)]
 pub enum GgmlType {
+    /// 32-bit IEEE float.
     F32,
+    /// 16-bit IEEE half float.
     F16,
+    /// Blocks of 32 4-bit values with one f16 scale.
     Q4_0,
+    /// Blocks of 32 4-bit values with an f16 scale and minimum.
     Q4_1,
+    /// Blocks of 32 5-bit values with one f16 scale.
     Q5_0,
+    /// Blocks of 32 5-bit values with an f16 scale and minimum.
     Q5_1,
+    /// Blocks of 32 8-bit values with one f16 scale.
     Q8_0,
+    /// Blocks of 32 8-bit values with an f16 scale and the scaled sum (activations of 4/5-bit dots).
     Q8_1,
+    /// Super-blocks of 256 2-bit values, 4-bit sub-block scales and minimums.
     Q2_K,
+    /// Super-blocks of 256 3-bit values, 6-bit sub-block scales.
     Q3_K,
+    /// Super-blocks of 256 4-bit values, 6-bit sub-block scales and minimums.
     Q4_K,
+    /// Super-blocks of 256 5-bit values, 6-bit sub-block scales and minimums.
     Q5_K,
+    /// Super-blocks of 256 6-bit values, 8-bit sub-block scales.
     Q6_K,
+    /// Super-blocks of 256 8-bit values with an f32 scale and sub-block sums (activations of K-quant dots).
     Q8_K,
+    /// 16-bit brain float (the top half of an f32).
     BF16,
+    /// Blocks of 32 4-bit E2M1 values with one E8M0 (power of two) scale.
     MXFP4,
 }
 

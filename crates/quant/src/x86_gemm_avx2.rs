@@ -367,7 +367,10 @@ const Q8_TC: usize = 64;
 
 /// `[p]` in every lane, as a load: the broadcast stays a load-port operation where the
 /// compiler would otherwise turn it into shuffles of the register the value was stored from.
-#[inline(always)]
+/// (Its own `avx` feature lets the ymm operand compile whatever the build's target CPU; the
+/// AVX2 kernels that call it inline it.)
+#[inline]
+#[target_feature(enable = "avx")]
 unsafe fn broadcast_load(p: *const f32) -> __m256 {
     let r: __m256;
     // SAFETY: the caller passes the address of an initialised f32; the asm only reads it.

@@ -18,6 +18,7 @@
 //! println!("listening on {}", server.local_addr());
 //! server.wait().unwrap();
 //! ```
+#![warn(missing_docs)]
 
 pub mod anthropic;
 pub mod api;

@@ -1,5 +1,6 @@
 //! Synthetic models: random-weight GGUF files with real architectures and tensor types, for
 //! tests, demos and benchmarks (`hmoe make-test-model`).
+#![warn(missing_docs)]
 
 mod deepseek2;
 mod gpt_oss;

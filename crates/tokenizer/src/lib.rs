@@ -8,6 +8,7 @@
 //! (control tokens only with `parse_special`), BOS/EOS are added per the file's `add_bos_token` /
 //! `add_eos_token` flags, and end-of-generation tokens are recognised the way llama.cpp marks them.
 //! For `gpt-4o` (o200k, gpt-oss) the split follows tiktoken, the reference for that vocabulary.
+#![warn(missing_docs)]
 
 mod bpe;
 mod byte_level;
