@@ -35,7 +35,7 @@ use core::arch::x86_64::*;
 use core::ops::Range;
 use std::sync::OnceLock;
 
-use crate::gemm::{ActBlocks, GemmFn};
+use crate::gemm::{ActBlocks, GemmFn, AMX_TILE_TOKENS};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_gemm_avx512::{decode16, nibble_table, prefetch_group};
 use crate::AmxStatus;
@@ -44,8 +44,9 @@ use crate::AmxStatus;
 /// padding and the VNNI kernel is as fast).
 pub(crate) const AMX_MIN_TOKENS: usize = 4;
 
-/// Rows (weights) and columns (tokens) of one tile product.
-const T: usize = 16;
+/// Weight rows and tokens of one tile product (the tokens are also the padding `prepare` gives
+/// the scales).
+const T: usize = AMX_TILE_TOKENS;
 
 /// AMX-TILE (CPUID.7.0:EDX[24]) and AMX-INT8 (EDX[25]).
 fn cpu_reports_amx() -> bool {
@@ -248,18 +249,6 @@ unsafe fn tile_block<const S: u8>(a: *const u8, astride: usize, b: *const u8, c:
     );
 }
 
-/// The MXFP4 table values as signed bytes (the tiles multiply signed by signed, so the
-/// weights need no bias).
-const KVALUES_MXFP4_BYTES: [u8; 16] = {
-    let mut t = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = KVALUES_MXFP4[i] as u8;
-        i += 1;
-    }
-    t
-};
-
 /// Blocks of a row group decoded at a time: their B tiles (8 KB) and exponents stay in L1
 /// while every token group of the pass runs over them.
 const DEC_BLOCKS: usize = 16;
@@ -358,7 +347,8 @@ unsafe fn mxfp4_amx<const X16: bool>(
         return fallback(n, w, acts, blocks, n_tokens, out);
     }
     let ds = blocks.block_scales.as_ptr();
-    let table = nibble_table(&KVALUES_MXFP4_BYTES);
+    // The signed table values: the tiles multiply signed by signed, so no bias.
+    let table = nibble_table(KVALUES_MXFP4.as_ptr().cast());
     let mut bt: [BTile; DEC_BLOCKS] = core::array::from_fn(|_| BTile([0; B_TILE_BYTES]));
     let mut ef = [_mm512_setzero_ps(); DEC_BLOCKS];
     let mut c = CTiles([[0; T * T]; 2]);

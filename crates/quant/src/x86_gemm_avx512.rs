@@ -51,10 +51,10 @@ unsafe fn bcast32(p: *const u8) -> __m512i {
     _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
-/// The 16-byte nibble table `t` in every 128-bit lane, for [`decode16`].
+/// The 16 table bytes at `t` in every 128-bit lane, for [`decode16`].
 #[inline(always)]
-pub(crate) unsafe fn nibble_table(t: &[u8; 16]) -> __m512i {
-    _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr().cast()))
+pub(crate) unsafe fn nibble_table(t: *const u8) -> __m512i {
+    _mm512_broadcast_i32x4(_mm_loadu_si128(t.cast()))
 }
 
 /// Decodes block `b` of the row group at `base` (16 rows of `nb` blocks, `stride` bytes
@@ -220,7 +220,7 @@ unsafe fn mxfp4_tile<const TT: usize, const VNNI: bool, const VBMI: bool, const 
     let astride = nb * Q8_0_BYTES;
     let next = base.wrapping_add(G * stride);
     let mut acc = [_mm512_setzero_ps(); TT];
-    let table = nibble_table(&KVALUES_MXFP4_PLUS12);
+    let table = nibble_table(KVALUES_MXFP4_PLUS12.as_ptr());
     for b in 0..nb {
         prefetch_group(next, b);
         let (u, ef) = decode16::<VBMI, X16>(base, stride, nb, b, table);
@@ -358,7 +358,7 @@ unsafe fn mxfp4_gemm_runs<const VNNI: bool, const VBMI: bool, const X16: bool>(
         ef: [_mm512_setzero_ps(); DEC_BLOCKS],
     };
     let mut acc = [_mm512_setzero_ps(); TOK_CHUNK];
-    let table = nibble_table(&KVALUES_MXFP4_PLUS12);
+    let table = nibble_table(KVALUES_MXFP4_PLUS12.as_ptr());
     for tc in (0..n_tokens).step_by(TOK_CHUNK) {
         let tn = (n_tokens - tc).min(TOK_CHUNK);
         for r0 in (0..rows).step_by(G) {
