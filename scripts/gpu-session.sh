@@ -20,17 +20,16 @@
 #   2. gpu-bench.sh: hmoe against llama.cpp's CUDA llama-bench, the JSON into $OUT (GPU_BENCH_*
 #      as there; default here: every placement, f16 and q8_0 K/V, the expert-cache runs).  (~4 min)
 #   3. cpu-bench.sh with -t 2 against llama.cpp's AVX-512 CPU llama-bench, where the CPU has what
-#      that build needs: the default kernels, then HMOE_AMX=1 where the CPU has AMX.  (~2 min)
-#   4. bench_gemm (one thread) with HMOE_AMX=0 and HMOE_AMX=1 where the CPU has AMX: the batched
+#      that build needs: the default kernels, then HMOE_AMX=0 where the CPU has AMX.  (~2 min)
+#   4. bench_gemm (one thread) with HMOE_AMX=0, and by default where the CPU has AMX: the batched
 #      MXFP4 kernels' GMAC/s side by side; then `hmoe bench --roofline` tg128 on the CPU at 2
 #      threads (the CPU round's decode criterion on a quieter machine than ours).  (~1 min)
 #   5. cpu-bench.sh with -t 2 at depth 4096, f16 and q8_0 K/V, tg32 (the depth criterion of the
 #      CPU round on that CPU; llama.cpp fills 4096 positions at ~70 t/s there).  (~5 min)
 # SESSION_STEPS picks steps (default "1 2 3"). Those three take about 9 minutes, close to a
 # device call's 10: give the call timeout_s 600, or split it (SESSION_STEPS="1" then "2 3"; the
-# model made in the first stays in $TMPDIR while the machine is warm). While the rewritten AMX
-# kernel is unmeasured, start with SESSION_STEPS="1 4 3" (about 6 minutes: step 1 runs its
-# bit-exact test among the CPU tests), then "5", then "2". Exit status 1 if a step failed.
+# model made in the first stays in $TMPDIR while the machine is warm). Exit status 1 if a step
+# failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu-session}"
@@ -78,9 +77,9 @@ for s in ${SESSION_STEPS:-1 2 3}; do
             cpu_baseline 3 || continue
             make_model
             amx=("")
-            grep -q -w amx_int8 /proc/cpuinfo && amx+=(1)
+            grep -q -w amx_int8 /proc/cpuinfo && amx+=(0)
             for a in "${amx[@]}"; do
-                log="$OUT_DIR/cpu-bench${a:+-amx}.log"
+                log="$OUT_DIR/cpu-bench${a:+-amx0}.log"
                 HMOE_AMX="$a" HMOE="$HMOE" LLAMA_BENCH="$LLAMA_CPU" timeout 300 scripts/cpu-bench.sh \
                     -m "$MODEL" -r 2 -t 2 -p 512 -n 64 --kv f16 > "$log" 2>&1 || FAILED=1
                 grep -m1 'cpu kernels' "$log"
@@ -89,7 +88,7 @@ for s in ${SESSION_STEPS:-1 2 3}; do
             ;;
         4)
             amx=(0)
-            grep -q -w amx_int8 /proc/cpuinfo && amx+=(1)
+            grep -q -w amx_int8 /proc/cpuinfo && amx+=("")
             for a in "${amx[@]}"; do
                 log="$OUT_DIR/bench-gemm-amx$a.log"
                 HMOE_AMX="$a" timeout 240 "$DIST/bench_gemm" 10 > "$log" 2>&1 || FAILED=1
