@@ -98,7 +98,7 @@ fn run_json_teacher_forced_matches_golden() {
 }
 
 /// `-nr` (`--no-repack`) keeps the experts in the file's layout; by default MXFP4 experts are
-/// interleaved for the AVX-512 kernel where the CPU has it. Both give the same distributions,
+/// interleaved for the AVX2/AVX-512 kernels where the CPU has them. Both give the same distributions,
 /// to the bit.
 #[test]
 fn no_repack_gives_the_same_distributions() {

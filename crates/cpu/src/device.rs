@@ -1124,7 +1124,7 @@ mod tests {
         assert!(cpu.upload_moe(&t, Some(&[3])).is_err());
     }
 
-    /// MXFP4 experts interleaved for the AVX-512 kernel (copies, shared or not, any subset of
+    /// MXFP4 experts interleaved for the AVX2/AVX-512 kernels (copies, shared or not, any subset of
     /// experts) sum to the same bits as the file's layout, for one token (the decode path) and
     /// a batch, with both activations.
     #[test]

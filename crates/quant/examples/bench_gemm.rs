@@ -105,9 +105,12 @@ fn main() {
         let cold = time(r, |i| run(&mats[i % n_mats]));
         report(k.name(), hot, cold);
     }
-    // The same matrices interleaved for the kernel that reads them so, where there is one.
-    let interleaved = GemmKernel::interleaved(Isa::Avx512);
-    let xmats: Vec<Vec<u8>> = match interleaved {
+    // The same matrices interleaved (one layout for every ISA) for the kernels that read them so.
+    let interleaved: Vec<GemmKernel> = Isa::available()
+        .into_iter()
+        .filter_map(GemmKernel::interleaved)
+        .collect();
+    let xmats: Vec<Vec<u8>> = match interleaved.first() {
         Some(k) => {
             let mut x = one.clone();
             k.interleave_into(N, &one, &mut x).unwrap();
@@ -115,7 +118,7 @@ fn main() {
         }
         None => Vec::new(),
     };
-    if let Some(k) = interleaved {
+    for k in &interleaved {
         let prep = k.prepare(N, act, 1).unwrap();
         let mut run = |w: &[u8]| k.gemm(w, &prep, &mut out[..ROWS]).unwrap();
         let hot = time(reps, |_| run(&xmats[0]));
@@ -152,7 +155,7 @@ fn main() {
         .into_iter()
         .filter(|&i| i != Isa::Scalar)
         .map(|isa| (GemmKernel::new(GgmlType::MXFP4, isa).unwrap(), &mats))
-        .chain(interleaved.map(|k| (k, &xmats)));
+        .chain(interleaved.iter().map(|&k| (k, &xmats)));
     for (k, mats) in gemms {
         for t in [1, 2, 4, 8, 12, 16, 32, 64] {
             let prep = k.prepare(N, &acts[..ab * t], t).unwrap();

@@ -206,10 +206,10 @@ impl GemmKernel {
     }
 
     /// The MXFP4 kernel over rows interleaved in groups of 16 ([`GemmKernel::interleave_into`]),
-    /// which reads each block of 16 rows with four vector loads instead of transposing it and
-    /// gathering its exponents: on [`Isa::Avx512`] (on AMX tiles for batches where
-    /// [`crate::amx_in_use`]); `None` elsewhere. Same bits as [`GemmKernel::new`]'s MXFP4
-    /// kernels.
+    /// which reads each block of 16 rows with four vector loads (eight on AVX2) instead of
+    /// transposing it and gathering its exponents: on [`Isa::Avx512`] (on AMX tiles for batches
+    /// where [`crate::amx_in_use`]) and [`Isa::Avx2`]; `None` elsewhere. Same bits as
+    /// [`GemmKernel::new`]'s MXFP4 kernels.
     pub fn interleaved(isa: Isa) -> Option<GemmKernel> {
         Self::resolve_interleaved(isa, true, true, crate::amx_in_use())
     }
@@ -242,6 +242,19 @@ impl GemmKernel {
                 f,
                 interleaved: true,
                 amx,
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 && check_isa(isa).is_ok() {
+            let (name, f) = crate::x86_gemm_avx2::gemm_fn_x16();
+            return Some(GemmKernel {
+                weight: GgmlType::MXFP4,
+                act: GgmlType::Q8_0,
+                isa,
+                name,
+                f,
+                interleaved: true,
+                amx: false,
             });
         }
         let _ = (isa, allow_vnni, allow_vbmi, allow_amx);

@@ -147,24 +147,26 @@ fn mxfp4_gemm_all_isas_bit_exact_with_blockwise_reference() {
     );
 }
 
-/// The kernels over interleaved MXFP4 rows (every VNNI/VBMI variant this CPU runs) give the
-/// block-wise reference's bits, for whole matrices and for slices of whole groups (how the
-/// matmuls hand rows to threads); interleaving checks its shapes and the kernel its rows.
+/// The kernels over interleaved MXFP4 rows (AVX2, and every AVX-512 VNNI/VBMI variant this
+/// CPU runs) give the block-wise reference's bits, for whole matrices and for slices of whole
+/// groups (how the matmuls hand rows to threads), at token counts of both AVX2 paths;
+/// interleaving checks its shapes and the kernel its rows.
 #[test]
 fn mxfp4_interleaved_gemm_bit_exact_with_blockwise_reference() {
-    let Some(best) = GemmKernel::interleaved(Isa::Avx512) else {
-        eprintln!("skipped: no interleaved MXFP4 kernel on this CPU (no AVX-512)");
+    let Some(best) = GemmKernel::interleaved(Isa::best()) else {
+        eprintln!("skipped: no interleaved MXFP4 kernel on this CPU (no AVX2)");
         return;
     };
     let ks: Vec<GemmKernel> = [
-        (true, true, true),
-        (true, true, false),
-        (true, false, false),
-        (false, true, false),
-        (false, false, false),
+        (Isa::Avx512, true, true, true),
+        (Isa::Avx512, true, true, false),
+        (Isa::Avx512, true, false, false),
+        (Isa::Avx512, false, true, false),
+        (Isa::Avx512, false, false, false),
+        (Isa::Avx2, false, false, false),
     ]
     .into_iter()
-    .filter_map(|(vnni, vbmi, amx)| GemmKernel::resolve_interleaved(Isa::Avx512, vnni, vbmi, amx))
+    .filter_map(|(isa, vnni, vbmi, amx)| GemmKernel::resolve_interleaved(isa, vnni, vbmi, amx))
     .collect();
     let mut rng = Rng(0x16);
     for n in [32, 64, 96, 2880] {
@@ -174,6 +176,7 @@ fn mxfp4_interleaved_gemm_bit_exact_with_blockwise_reference() {
             (16, 1),
             (64, 1),
             (32, 2),
+            (32, 4),
             (48, 5),
             (16, 9),
             (32, 13),
@@ -209,7 +212,7 @@ fn mxfp4_interleaved_gemm_bit_exact_with_blockwise_reference() {
     assert!(best
         .interleave_into(64, &w[..16 * 34], &mut x[..15 * 34])
         .is_err());
-    let plain = GemmKernel::new(GgmlType::MXFP4, Isa::Avx512).unwrap();
+    let plain = GemmKernel::new(GgmlType::MXFP4, best.isa()).unwrap();
     assert!(plain
         .interleave_into(64, &w[..16 * 34], &mut x[..16 * 34])
         .is_err());

@@ -10,6 +10,9 @@
 //!   the unsigned operand of two `vpmaddubsw` whose signed operand is read from L1 (|sum| ≤
 //!   24480), so one broadcast serves 16 rows; the accumulators of up to 64 tokens are carried
 //!   from run to run. The next rows are prefetched. Both give the same exact integer sums.
+//!   Rows interleaved at load in groups of 16 (`GemmKernel::interleave_into`) are read as two
+//!   8-row halves, each block four loads and an exponent load instead of 8 row loads, 12
+//!   shuffles and 8 scalar byte loads.
 //! * Q8_0: tiles of 1 row × 8 tokens of 8-lane accumulators (ggml's AVX2 `vec_dot` per
 //!   pair), in chunks of 64 tokens; a taller tile spills accumulators and is no faster. The
 //!   eight scale products `dw · da` of a block are one vector multiply (the activations'
@@ -24,7 +27,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::gemm::{ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS};
+use crate::gemm::{ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS, X16_NIBBLE_BYTES};
 use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86_avx2::{f16_at, hsum8};
 use crate::GgmlType;
@@ -38,32 +41,83 @@ unsafe fn bcast32(p: *const u8) -> __m256i {
     _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
-/// The nibble bytes of the MXFP4 block at byte `off` of 8 rows, transposed as dwords: lane
-/// `r` of the `k`-th vector holds bytes `4k..4k+4` of row `r`'s block.
-#[inline(always)]
-unsafe fn transpose8(rows: &[*const u8; G], off: usize) -> [__m256i; 4] {
-    let mut z = [_mm256_setzero_si256(); 4];
-    for (g, z) in z.iter_mut().enumerate() {
-        // 128-bit lane i of z[g] holds row 4i + g.
-        let lo = _mm_loadu_si128(rows[g].add(off + 1).cast());
-        let hi = _mm_loadu_si128(rows[4 + g].add(off + 1).cast());
-        *z = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
-    }
-    // 4×4 dword transpose inside each 128-bit lane: lane 4i + j of v[k] = dword k of row 4i + j.
-    let t01l = _mm256_unpacklo_epi32(z[0], z[1]);
-    let t01h = _mm256_unpackhi_epi32(z[0], z[1]);
-    let t23l = _mm256_unpacklo_epi32(z[2], z[3]);
-    let t23h = _mm256_unpackhi_epi32(z[2], z[3]);
-    [
-        _mm256_unpacklo_epi64(t01l, t23l),
-        _mm256_unpackhi_epi64(t01l, t23l),
-        _mm256_unpacklo_epi64(t01h, t23h),
-        _mm256_unpackhi_epi64(t01h, t23h),
-    ]
+/// One group of 8 MXFP4 rows as the kernels read it, block by block.
+trait Group8 {
+    /// Block `b`'s nibble bytes, transposed as dwords: lane `r` of the `k`-th vector holds
+    /// bytes `4k..4k+4` of row `r`'s block.
+    unsafe fn nibbles(&self, b: usize) -> [__m256i; 4];
+    /// Block `b`'s exponent bytes, row `r`'s in byte `r` (the low 8 bytes).
+    unsafe fn exponents(&self, b: usize) -> __m128i;
 }
 
-/// The values in `table` (16 bytes) of the transposed nibbles `v` ([`transpose8`]): `u[k]` (`u[4 + k]`) holds
-/// in lane `r` the values of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`.
+/// 8 rows in the file's layout (rows past the matrix are its last row again; their results
+/// are dropped).
+struct FileRows([*const u8; G]);
+
+impl Group8 for FileRows {
+    #[inline(always)]
+    unsafe fn nibbles(&self, b: usize) -> [__m256i; 4] {
+        let (rows, off) = (&self.0, b * MXFP4_BYTES);
+        let mut z = [_mm256_setzero_si256(); 4];
+        for (g, z) in z.iter_mut().enumerate() {
+            // 128-bit lane i of z[g] holds row 4i + g.
+            let lo = _mm_loadu_si128(rows[g].add(off + 1).cast());
+            let hi = _mm_loadu_si128(rows[4 + g].add(off + 1).cast());
+            *z = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+        }
+        // 4×4 dword transpose inside each 128-bit lane: lane 4i + j of v[k] = dword k of row
+        // 4i + j.
+        let t01l = _mm256_unpacklo_epi32(z[0], z[1]);
+        let t01h = _mm256_unpackhi_epi32(z[0], z[1]);
+        let t23l = _mm256_unpacklo_epi32(z[2], z[3]);
+        let t23h = _mm256_unpackhi_epi32(z[2], z[3]);
+        [
+            _mm256_unpacklo_epi64(t01l, t23l),
+            _mm256_unpackhi_epi64(t01l, t23l),
+            _mm256_unpacklo_epi64(t01h, t23h),
+            _mm256_unpackhi_epi64(t01h, t23h),
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn exponents(&self, b: usize) -> __m128i {
+        let mut e8 = 0u64;
+        for (i, r) in self.0.iter().enumerate() {
+            e8 |= (*r.add(b * MXFP4_BYTES) as u64) << (8 * i);
+        }
+        _mm_cvtsi64_si128(e8 as i64)
+    }
+}
+
+/// Half `h` (rows `8h..8h + 8`) of a group of 16 rows interleaved by
+/// [`crate::gemm::interleave_x16`] (`base` its first byte, `nb` blocks a row): each block's
+/// nibbles are already transposed (the half's 32 bytes of each 64-byte vector) and its
+/// exponents contiguous, so a block is four loads and one more for the exponents.
+struct X16Half {
+    base: *const u8,
+    nb: usize,
+    h: usize,
+}
+
+impl Group8 for X16Half {
+    #[inline(always)]
+    unsafe fn nibbles(&self, b: usize) -> [__m256i; 4] {
+        let p = self.base.add(b * X16_NIBBLE_BYTES + 32 * self.h);
+        core::array::from_fn(|k| _mm256_loadu_si256(p.add(64 * k).cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn exponents(&self, b: usize) -> __m128i {
+        let p = self
+            .base
+            .add(self.nb * X16_NIBBLE_BYTES + 2 * G * b + G * self.h);
+        _mm_loadl_epi64(p.cast())
+    }
+}
+
+/// The values in `table` (16 bytes) of the transposed nibbles `v` ([`Group8::nibbles`]):
+/// `u[k]` (`u[4 + k]`) holds in lane `r` the values of elements `4k..4k+4` (`16+4k..16+4k+4`)
+/// of row `r`.
 #[inline(always)]
 unsafe fn lookup8(v: &[__m256i; 4], table: *const u8) -> [__m256i; 8] {
     let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.cast()));
@@ -76,14 +130,11 @@ unsafe fn lookup8(v: &[__m256i; 4], table: *const u8) -> [__m256i; 8] {
     u
 }
 
-/// Each of the 8 rows' block scale `2^(e-128)` (the exponent byte at `off`).
+/// Each of the 8 rows' block scale `2^(e-128)` (the exponent bytes `e8`,
+/// [`Group8::exponents`]).
 #[inline(always)]
-unsafe fn pow2_8(rows: &[*const u8; G], off: usize) -> __m256 {
-    let mut e8 = 0u64;
-    for (i, r) in rows.iter().enumerate() {
-        e8 |= (*r.add(off) as u64) << (8 * i);
-    }
-    let e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(e8 as i64));
+unsafe fn pow2_8(e8: __m128i) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(e8);
     // 2^(e-128): exponent field e - 1 for e ≥ 2, the subnormals 2^-128 and 2^-127 below.
     let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
     let sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
@@ -91,13 +142,13 @@ unsafe fn pow2_8(rows: &[*const u8; G], off: usize) -> __m256 {
     _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, is_sub))
 }
 
-/// Decodes the MXFP4 block at byte `off` of 8 rows: the biased values ([`lookup8`] of the
-/// table plus 12) and each row's `2^(e-128)`.
+/// Decodes block `b` of 8 rows: the biased values ([`lookup8`] of the table plus 12) and each
+/// row's `2^(e-128)`.
 #[inline(always)]
-unsafe fn decode8(rows: &[*const u8; G], off: usize) -> ([__m256i; 8], __m256) {
+unsafe fn decode8(rows: &impl Group8, b: usize) -> ([__m256i; 8], __m256) {
     (
-        lookup8(&transpose8(rows, off), KVALUES_MXFP4_PLUS12.as_ptr()),
-        pow2_8(rows, off),
+        lookup8(&rows.nibbles(b), KVALUES_MXFP4_PLUS12.as_ptr()),
+        pow2_8(rows.exponents(b)),
     )
 }
 
@@ -151,13 +202,14 @@ unsafe fn store_lanes(v: __m256, valid: usize, out: *mut f32, step: usize) {
     }
 }
 
-/// `TT` tokens (`a`, `bias`, `scales` and `out` at the first) over one row group, decoding each block
-/// once for all of them; the next group (contiguous) is prefetched into L2.
+/// `TT` tokens (`a`, `bias`, `scales` and `out` at the first) over `H` row groups of 8 (rows
+/// `8h..`, of which the first `valid` are real), decoding each block once for all of them; the
+/// next `H` groups (contiguous) are prefetched into L2.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn mxfp4_tile_regs<const TT: usize>(
+unsafe fn mxfp4_tile_regs<const TT: usize, const H: usize, S: Group8>(
     nb: usize,
-    rows: &[*const u8; G],
+    groups: &[S; H],
     next: *const u8,
     a: *const u8,
     (bias, scales): (*const i32, *const f32),
@@ -166,20 +218,25 @@ unsafe fn mxfp4_tile_regs<const TT: usize>(
     valid: usize,
 ) {
     let astride = nb * Q8_0_BYTES;
-    let mut acc = [_mm256_setzero_ps(); TT];
+    let mut acc = [[_mm256_setzero_ps(); TT]; H];
     for b in 0..nb {
-        for l in 0..3 {
-            let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
+        for l in 0..(H * G * MXFP4_BYTES).div_ceil(64) {
+            let p = next.wrapping_add(b * H * G * MXFP4_BYTES + 64 * l);
             _mm_prefetch::<_MM_HINT_T1>(p.cast());
         }
-        let (u, pow2) = decode8(rows, b * MXFP4_BYTES);
-        for (j, acc) in acc.iter_mut().enumerate() {
-            let (ab, at) = (a.add(j * astride + b * Q8_0_BYTES), j * nb + b);
-            *acc = block_fma(isum8(&u, ab, *bias.add(at)), pow2, scales.add(at), *acc);
+        for (rows, acc) in groups.iter().zip(&mut acc) {
+            let (u, pow2) = decode8(rows, b);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let (ab, at) = (a.add(j * astride + b * Q8_0_BYTES), j * nb + b);
+                *acc = block_fma(isum8(&u, ab, *bias.add(at)), pow2, scales.add(at), *acc);
+            }
         }
     }
-    for (j, &acc) in acc.iter().enumerate() {
-        store_lanes(acc, valid, out.add(j), n_tokens);
+    for (h, acc) in acc.iter().enumerate() {
+        let valid = valid.saturating_sub(h * G).min(G);
+        for (j, &acc) in acc.iter().enumerate() {
+            store_lanes(acc, valid, out.add(h * G * n_tokens + j), n_tokens);
+        }
     }
 }
 
@@ -187,32 +244,33 @@ unsafe fn mxfp4_tile_regs<const TT: usize>(
 /// ([`mxfp4_gemm_small`]); longer ones decode a run of blocks once for all their tokens.
 const SMALL_TOKENS: usize = 4;
 
-/// Up to [`SMALL_TOKENS`] tokens: each block of a row group decoded in registers and used by
-/// every token at once.
+/// Up to [`SMALL_TOKENS`] tokens: each block of `H` row groups (`groups(r0)`, rows
+/// `r0..r0 + 8H`) decoded in registers and used by every token at once.
 #[inline(always)]
-unsafe fn mxfp4_gemm_small(
+unsafe fn mxfp4_gemm_small<const H: usize, S: Group8>(
     n: usize,
     w: &[u8],
     acts: &[u8],
     blocks: (&[i32], &[f32]),
     n_tokens: usize,
     out: &mut [f32],
+    groups: impl Fn(usize) -> [S; H],
 ) {
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
     let (a, o) = (acts.as_ptr(), out.as_mut_ptr());
     let bs = (blocks.0.as_ptr(), blocks.1.as_ptr());
-    for r0 in (0..rows).step_by(G) {
-        let ptrs = row_ptrs::<G>(w.as_ptr(), r0, rows, stride);
-        let next = w.as_ptr().wrapping_add((r0 + G) * stride);
-        let valid = (rows - r0).min(G);
+    for r0 in (0..rows).step_by(H * G) {
+        let g = groups(r0);
+        let next = w.as_ptr().wrapping_add((r0 + H * G) * stride);
+        let valid = (rows - r0).min(H * G);
         let ot = o.add(r0 * n_tokens);
         match n_tokens {
-            1 => mxfp4_tile_regs::<1>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
-            2 => mxfp4_tile_regs::<2>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
-            3 => mxfp4_tile_regs::<3>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
-            _ => mxfp4_tile_regs::<4>(nb, &ptrs, next, a, bs, ot, n_tokens, valid),
+            1 => mxfp4_tile_regs::<1, H, S>(nb, &g, next, a, bs, ot, n_tokens, valid),
+            2 => mxfp4_tile_regs::<2, H, S>(nb, &g, next, a, bs, ot, n_tokens, valid),
+            3 => mxfp4_tile_regs::<3, H, S>(nb, &g, next, a, bs, ot, n_tokens, valid),
+            _ => mxfp4_tile_regs::<4, H, S>(nb, &g, next, a, bs, ot, n_tokens, valid),
         }
     }
 }
@@ -233,21 +291,21 @@ struct SignedBlock {
     pow2: __m256,
 }
 
-/// Decodes the MXFP4 block at byte `off` of 8 rows for the batched path.
+/// Decodes block `b` of 8 rows for the batched path.
 #[inline(always)]
-unsafe fn decode8_signed(rows: &[*const u8; G], off: usize) -> SignedBlock {
-    let s = lookup8(&transpose8(rows, off), KVALUES_MXFP4.as_ptr().cast());
+unsafe fn decode8_signed(rows: &impl Group8, b: usize) -> SignedBlock {
+    let s = lookup8(&rows.nibbles(b), KVALUES_MXFP4.as_ptr().cast());
     // Σ w per lane: the eight vectors added as bytes (|Σ| ≤ 8 · 12), then each lane's four.
-    let mut b = s[0];
+    let mut total = s[0];
     for s in &s[1..] {
-        b = _mm256_add_epi8(b, *s);
+        total = _mm256_add_epi8(total, *s);
     }
-    let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
+    let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), total);
     let sum = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
     SignedBlock {
         s,
         bias: _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sum)),
-        pow2: pow2_8(rows, off),
+        pow2: pow2_8(rows.exponents(b)),
     }
 }
 
@@ -287,8 +345,10 @@ unsafe fn block2(
     (out[0], out[1])
 }
 
+/// MXFP4 × Q8_0 over rows in the file's layout or, with `X16`, interleaved in groups of 16
+/// ([`crate::gemm::interleave_x16`]; the rows are whole groups then).
 #[inline(always)]
-unsafe fn mxfp4_gemm(
+unsafe fn mxfp4_gemm<const X16: bool>(
     n: usize,
     w: &[u8],
     acts: &[u8],
@@ -296,10 +356,46 @@ unsafe fn mxfp4_gemm(
     n_tokens: usize,
     out: &mut [f32],
 ) {
+    let nb = n / QK;
+    let rows = out.len() / n_tokens;
+    let stride = nb * MXFP4_BYTES;
+    debug_assert!(!X16 || rows.is_multiple_of(2 * G));
+    let base = w.as_ptr();
+    let halves = |r0: usize| {
+        [0, 1].map(|h| X16Half {
+            base: base.add(r0 * stride),
+            nb,
+            h,
+        })
+    };
+    let file = |r0: usize| FileRows(row_ptrs::<G>(base, r0, rows, stride));
     if n_tokens <= SMALL_TOKENS {
         let bs = (blocks.bias.as_slice(), blocks.scales.as_slice());
-        return mxfp4_gemm_small(n, w, acts, bs, n_tokens, out);
+        return if X16 {
+            mxfp4_gemm_small(n, w, acts, bs, n_tokens, out, halves)
+        } else {
+            mxfp4_gemm_small(n, w, acts, bs, n_tokens, out, |r0| [file(r0)])
+        };
     }
+    if X16 {
+        mxfp4_gemm_batched(n, w, blocks, n_tokens, out, halves)
+    } else {
+        mxfp4_gemm_batched(n, w, blocks, n_tokens, out, |r0| [file(r0), file(r0 + G)])
+    }
+}
+
+/// Over [`SMALL_TOKENS`] tokens: runs of [`DEC_BLOCKS`] blocks of two row groups (`pair(r0)`,
+/// rows `r0..r0 + 16`) decoded into L1 once and taken by every token of a chunk (the flipped
+/// activation bytes in `blocks`).
+#[inline(always)]
+unsafe fn mxfp4_gemm_batched<S: Group8>(
+    n: usize,
+    w: &[u8],
+    blocks: &ActBlocks,
+    n_tokens: usize,
+    out: &mut [f32],
+    pair: impl Fn(usize) -> [S; 2],
+) {
     let nb = n / QK;
     let rows = out.len() / n_tokens;
     let stride = nb * MXFP4_BYTES;
@@ -315,10 +411,7 @@ unsafe fn mxfp4_gemm(
     for tc in (0..n_tokens).step_by(TOK_CHUNK) {
         let tn = (n_tokens - tc).min(TOK_CHUNK);
         for r0 in (0..rows).step_by(2 * G) {
-            let ptrs = [
-                row_ptrs::<G>(w.as_ptr(), r0, rows, stride),
-                row_ptrs::<G>(w.as_ptr(), r0 + G, rows, stride),
-            ];
+            let groups = pair(r0);
             let next = w.as_ptr().wrapping_add((r0 + 2 * G) * stride);
             acc[..tn].fill((_mm256_setzero_ps(), _mm256_setzero_ps()));
             for b0 in (0..nb).step_by(DEC_BLOCKS) {
@@ -330,8 +423,8 @@ unsafe fn mxfp4_gemm(
                         let p = next.wrapping_add(b * 2 * G * MXFP4_BYTES + 64 * l);
                         _mm_prefetch::<_MM_HINT_T1>(p.cast());
                     }
-                    for (dec, ptrs) in dec.iter_mut().zip(&ptrs) {
-                        dec[i] = decode8_signed(ptrs, b * MXFP4_BYTES);
+                    for (dec, rows) in dec.iter_mut().zip(&groups) {
+                        dec[i] = decode8_signed(rows, b);
                     }
                 }
                 for (t, acc) in acc[..tn].iter_mut().enumerate() {
@@ -509,9 +602,15 @@ unsafe fn f32_gemm(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [
 // ----------------------------------------------------------------------------------------------
 // entry points
 
-gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm, blocks);
+gemm_entry!("avx2,fma,f16c", mxfp4_avx2, mxfp4_gemm::<false>, blocks);
+gemm_entry!("avx2,fma,f16c", mxfp4_x16_avx2, mxfp4_gemm::<true>, blocks);
 gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm, blocks);
 gemm_entry!("avx2,fma,f16c", f32_avx2, f32_gemm);
+
+/// The AVX2 MXFP4 GEMM over rows interleaved in groups of 16 ([`crate::gemm::interleave_x16`]).
+pub(crate) fn gemm_fn_x16() -> (&'static str, GemmFn) {
+    ("mxfp4*q8_0 blockwise x16/avx2", mxfp4_x16_avx2)
+}
 
 /// The AVX2 GEMM for `ty` (MXFP4, Q8_0 or F32).
 pub(crate) fn gemm_fn(ty: GgmlType) -> (&'static str, GemmFn) {
