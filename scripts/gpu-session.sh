@@ -58,6 +58,10 @@ cpu_baseline() {
 
 echo "gpu-session: $(date -u), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+# Threads per core, and the Downfall mitigation, which slows vector gathers (the AVX-512 Q8_0
+# row kernel gathers its scales).
+lscpu 2>/dev/null | grep -E '^(Thread\(s\) per core|Core\(s\) per socket|CPU max MHz)' | tr -s ' '
+echo "gather_data_sampling: $(cat /sys/devices/system/cpu/vulnerabilities/gather_data_sampling 2>&1)"
 
 for s in ${SESSION_STEPS:-1 2 3}; do
     echo "gpu-session: step $s, $(date -u +%T)"
@@ -93,7 +97,7 @@ for s in ${SESSION_STEPS:-1 2 3}; do
                 log="$OUT_DIR/bench-gemm-amx$a.log"
                 HMOE_AMX="$a" timeout 240 "$DIST/bench_gemm" 10 > "$log" 2>&1 || FAILED=1
                 echo "HMOE_AMX=$a:"
-                grep -E 'T=(1|4|16|32|64) ' "$log"
+                grep -E 'T=(1|4|16|32|64) |^q8_0' "$log"
             done
             make_model
             timeout 120 "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 3 --roofline \
