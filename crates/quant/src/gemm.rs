@@ -223,17 +223,24 @@ impl GemmKernel {
         allow_amx: bool,
     ) -> Option<GemmKernel> {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && check_isa(isa).is_ok() {
-            let tiles = (allow_vnni && allow_vbmi && allow_amx)
-                .then(|| crate::x86_amx::gemm_fn(true))
-                .flatten();
-            let amx = tiles.is_some();
-            let (name, f) = tiles.unwrap_or_else(|| {
-                crate::x86_gemm_avx512::gemm_fn_x16(
-                    allow_vnni && crate::cpu::has_avx512_vnni(),
-                    allow_vbmi && crate::cpu::has_avx512_vbmi(),
-                )
-            });
+        if check_isa(isa).is_ok() {
+            let ((name, f), amx) = match isa {
+                Isa::Avx512 => {
+                    let tiles = (allow_vnni && allow_vbmi && allow_amx)
+                        .then(|| crate::x86_amx::gemm_fn(true))
+                        .flatten();
+                    let amx = tiles.is_some();
+                    let kernel = tiles.unwrap_or_else(|| {
+                        crate::x86_gemm_avx512::gemm_fn_x16(
+                            allow_vnni && crate::cpu::has_avx512_vnni(),
+                            allow_vbmi && crate::cpu::has_avx512_vbmi(),
+                        )
+                    });
+                    (kernel, amx)
+                }
+                Isa::Avx2 => (crate::x86_gemm_avx2::gemm_fn_x16(), false),
+                Isa::Scalar => return None,
+            };
             return Some(GemmKernel {
                 weight: GgmlType::MXFP4,
                 act: GgmlType::Q8_0,
@@ -242,19 +249,6 @@ impl GemmKernel {
                 f,
                 interleaved: true,
                 amx,
-            });
-        }
-        #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 && check_isa(isa).is_ok() {
-            let (name, f) = crate::x86_gemm_avx2::gemm_fn_x16();
-            return Some(GemmKernel {
-                weight: GgmlType::MXFP4,
-                act: GgmlType::Q8_0,
-                isa,
-                name,
-                f,
-                interleaved: true,
-                amx: false,
             });
         }
         let _ = (isa, allow_vnni, allow_vbmi, allow_amx);
