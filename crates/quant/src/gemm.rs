@@ -56,7 +56,8 @@ pub(crate) struct ActBlocks {
     /// The scales `d` as `[block][token]`, the tokens padded with zeros to whole tiles: of
     /// [`Q8_0_TILE_TOKENS`] for Q8_0 weights on AVX2 (whose kernel multiplies a tile's scales
     /// by the weight row's in one vector product), of [`AMX_TILE_TOKENS`] for the AMX MXFP4
-    /// kernel (which folds a tile's 16 tokens whatever their count).
+    /// kernel (whose tiles read 16 tokens' scales; only batches of at least 16 use it, so it
+    /// never reads the padding, which only fixes the stride it expects).
     pub(crate) block_scales: Vec<f32>,
     /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
     /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
@@ -163,31 +164,12 @@ impl GemmKernel {
         if !Self::supports(weight) {
             return Err(unsupported);
         }
-        let mut amx = false;
-        let (name, f): (&'static str, GemmFn) = match isa {
-            Isa::Scalar => scalar_fn(weight),
+        let ((name, f), amx) = match isa {
+            Isa::Scalar => (scalar_fn(weight), false),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => crate::x86_gemm_avx2::gemm_fn(weight),
-            // Batched MXFP4 on AMX tiles where they run and are wanted (the same bits as
-            // VNNI + VBMI).
+            Isa::Avx2 => (crate::x86_gemm_avx2::gemm_fn(weight), false),
             #[cfg(target_arch = "x86_64")]
-            // (The AMX status, which probes the tiles, is asked only when AMX is wanted.)
-            Isa::Avx512 => {
-                match (weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx)
-                    .then(|| crate::x86_amx::gemm_fn(false))
-                    .flatten()
-                {
-                    Some(tiles) => {
-                        amx = true;
-                        tiles
-                    }
-                    _ => crate::x86_gemm_avx512::gemm_fn(
-                        weight,
-                        allow_vnni && crate::cpu::has_avx512_vnni(),
-                        allow_vbmi && crate::cpu::has_avx512_vbmi(),
-                    ),
-                }
-            }
+            Isa::Avx512 => avx512_fn(weight, false, allow_vnni, allow_vbmi, allow_amx),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512 => {
                 let _ = (allow_vnni, allow_vbmi, allow_amx);
@@ -225,19 +207,7 @@ impl GemmKernel {
         #[cfg(target_arch = "x86_64")]
         if check_isa(isa).is_ok() {
             let ((name, f), amx) = match isa {
-                Isa::Avx512 => {
-                    let tiles = (allow_vnni && allow_vbmi && allow_amx)
-                        .then(|| crate::x86_amx::gemm_fn(true))
-                        .flatten();
-                    let amx = tiles.is_some();
-                    let kernel = tiles.unwrap_or_else(|| {
-                        crate::x86_gemm_avx512::gemm_fn_x16(
-                            allow_vnni && crate::cpu::has_avx512_vnni(),
-                            allow_vbmi && crate::cpu::has_avx512_vbmi(),
-                        )
-                    });
-                    (kernel, amx)
-                }
+                Isa::Avx512 => avx512_fn(GgmlType::MXFP4, true, allow_vnni, allow_vbmi, allow_amx),
                 Isa::Avx2 => (crate::x86_gemm_avx2::gemm_fn_x16(), false),
                 Isa::Scalar => return None,
             };
@@ -450,6 +420,34 @@ impl GemmKernel {
         unsafe { (self.f)(acts.n, weight_rows, acts.data, &acts.blocks, t, out) };
         Ok(())
     }
+}
+
+/// The AVX-512 GEMM for `weight` (MXFP4 over rows interleaved in groups of 16 with `x16`) and
+/// whether it runs on AMX tiles: batched MXFP4 on the tiles where they run and are allowed
+/// (the same bits as VNNI + VBMI), else the VNNI/VBMI kernels where allowed and present. The
+/// AMX status, which probes the tiles, is asked only when AMX is allowed.
+#[cfg(target_arch = "x86_64")]
+fn avx512_fn(
+    weight: GgmlType,
+    x16: bool,
+    allow_vnni: bool,
+    allow_vbmi: bool,
+    allow_amx: bool,
+) -> ((&'static str, GemmFn), bool) {
+    let tiles = (weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx)
+        .then(|| crate::x86_amx::gemm_fn(x16))
+        .flatten();
+    if let Some(tiles) = tiles {
+        return (tiles, true);
+    }
+    let vnni = allow_vnni && crate::cpu::has_avx512_vnni();
+    let vbmi = allow_vbmi && crate::cpu::has_avx512_vbmi();
+    let kernel = if x16 {
+        crate::x86_gemm_avx512::gemm_fn_x16(vnni, vbmi)
+    } else {
+        crate::x86_gemm_avx512::gemm_fn(weight, vnni, vbmi)
+    };
+    (kernel, false)
 }
 
 // ----------------------------------------------------------------------------------------------
