@@ -76,8 +76,9 @@ pub struct ServeArgs {
     pub mlock: bool,
     /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
     /// experts are copied with their rows interleaved for the CPU's kernel where it has one
-    /// (AVX-512) and the copy fits in the available memory (same results, faster products);
-    /// never with --no-mmap or --mlock, whose buffers would then hold the experts twice.
+    /// (AVX-512 or AVX2) and the copy fits in the available memory (same results, faster
+    /// products); never with --no-mmap or --mlock, whose buffers would then hold the experts
+    /// twice.
     #[arg(long = "no-repack")]
     pub no_repack: bool,
     /// Use the Jinja chat template (always on; accepted for llama-server compatibility).
