@@ -23,9 +23,12 @@
 #      that build needs: the default kernels, then HMOE_AMX=0 where the CPU has AMX.  (~2 min)
 #   4. bench_gemm (one thread) with HMOE_AMX=0, and by default where the CPU has AMX: the batched
 #      MXFP4 kernels' GMAC/s side by side; then `hmoe bench --roofline` tg128 on the CPU at 2
-#      threads (the CPU round's decode criterion on a quieter machine than ours).  (~1 min)
+#      threads, three runs (the CPU round's decode criterion on a quieter machine than ours).
+#      (~2 min)
 #   5. cpu-bench.sh with -t 2 at depth 4096, f16 and q8_0 K/V, tg32 (the depth criterion of the
 #      CPU round on that CPU; llama.cpp fills 4096 positions at ~70 t/s there).  (~5 min)
+#   6. A perf profile of CPU decode (tg128, 2 threads), the top symbols: perf from PATH, else
+#      .baseline/perf as scripts/pack-perf.sh packs it.  (~1 min)
 # SESSION_STEPS picks steps (default "1 2 3"). Those three take about 9 minutes, close to a
 # device call's 10: give the call timeout_s 600, or split it (SESSION_STEPS="1" then "2 3"; the
 # model made in the first stays in $TMPDIR while the machine is warm). Exit status 1 if a step
@@ -37,6 +40,7 @@ mkdir -p "$OUT_DIR"
 DIST="${HMOE_DIST:-$PWD/dist/gpu-check}"
 HMOE="$DIST/hmoe"
 MODEL="${TMPDIR:-/tmp}/hmoe-g120-4l.gguf"
+PERF_DATA="${TMPDIR:-/tmp}/hmoe-decode.perf"
 FAILED=0
 LLAMA_CPU="$PWD/.baseline/llama-cpu/bin/llama-bench"
 
@@ -100,9 +104,13 @@ for s in ${SESSION_STEPS:-1 2 3}; do
                 grep -E 'T=(1|4|16|32|64) |^q8_0' "$log"
             done
             make_model
-            timeout 120 "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 3 --roofline \
-                > "$OUT_DIR/roofline.log" 2>&1 || FAILED=1
-            grep -E 'roofline: read|tg128' "$OUT_DIR/roofline.log"
+            # Three runs: the bound's measured bandwidth itself moves by 20% between runs there.
+            for i in 1 2 3; do
+                log="$OUT_DIR/roofline-$i.log"
+                timeout 120 "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 3 --roofline \
+                    > "$log" 2>&1 || FAILED=1
+                grep -E 'roofline: read|tg128' "$log"
+            done
             ;;
         5)
             cpu_baseline 5 || continue
@@ -111,6 +119,27 @@ for s in ${SESSION_STEPS:-1 2 3}; do
             HMOE="$HMOE" LLAMA_BENCH="$LLAMA_CPU" timeout 420 scripts/cpu-bench.sh \
                 -m "$MODEL" -r 1 -t 2 -p 0 -n 32 -d 0,4096 --kv f16,q8_0 > "$log" 2>&1 || FAILED=1
             tail -n 8 "$log"
+            ;;
+        6)
+            # perf from PATH, else as scripts/pack-perf.sh packs it (unpacked into .baseline).
+            perf_bin="$(command -v perf || true)"
+            if [ -z "$perf_bin" ] && [ -x .baseline/perf/perf ]; then
+                perf_bin="$PWD/.baseline/perf/perf"
+                export LD_LIBRARY_PATH="$PWD/.baseline/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            fi
+            if [ -z "$perf_bin" ]; then
+                echo "gpu-session: no perf (scripts/pack-perf.sh packs one): step 6 skipped"
+                continue
+            fi
+            make_model
+            # Sampling starts PROFILE_DELAY_MS after the start, past the load (~3 s there).
+            timeout 150 "$perf_bin" record -F 4000 -D "${PROFILE_DELAY_MS:-12000}" -o "$PERF_DATA" \
+                "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 8 \
+                > "$OUT_DIR/decode-profile-bench.log" 2>&1 || FAILED=1
+            "$perf_bin" report -i "$PERF_DATA" --no-children --sort symbol 2>/dev/null |
+                grep -v '^#' | grep '%' | head -n 40 > "$OUT_DIR/decode-profile.txt"
+            grep tg128 "$OUT_DIR/decode-profile-bench.log"
+            head -n 12 "$OUT_DIR/decode-profile.txt"
             ;;
         *) echo "gpu-session: unknown step $s" ;;
     esac
