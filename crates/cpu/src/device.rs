@@ -288,6 +288,7 @@ fn interleaved_copy(
     // One expert per task.
     hmoe_pool::global().for_each_chunk_mut(&mut out, expert, |i, dst| {
         let src = m.expert(ids[i]).unwrap_or_default();
+        populate(dst);
         if let Err(e) = gemm.interleave_into(m.n_in, src, dst) {
             *result.lock().unwrap_or_else(PoisonError::into_inner) = Err(err(e.to_string()));
         }
@@ -303,6 +304,32 @@ fn interleaved_copy(
         s.release_pages(m.data);
     }
     Ok(out)
+}
+
+/// Faults in the whole pages of `buf` (fresh zeroed memory about to be written) in one call
+/// (`MADV_POPULATE_WRITE`, Linux 5.14+) instead of one page fault per 4 KiB page as the
+/// writes reach them; elsewhere, or where the kernel refuses, the writes fault them in.
+fn populate(buf: &mut [u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let start = (buf.as_ptr() as usize).next_multiple_of(PAGE);
+        let end = (buf.as_ptr() as usize + buf.len()) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: [start, end) lies inside `buf`, memory this process owns and holds
+            // exclusively here; populating for write only faults its pages in, their contents
+            // unchanged.
+            unsafe {
+                libc::madvise(
+                    start as *mut libc::c_void,
+                    end - start,
+                    libc::MADV_POPULATE_WRITE,
+                );
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
 }
 
 /// Whether a copy of `bytes` leaves the machine room: the kernel's estimate of the memory
@@ -1039,6 +1066,22 @@ impl Backend for Cpu {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// `populate` leaves every byte as it was, whatever the buffer's alignment and size, on
+    /// fresh zeroed memory (the interleaved copy's case) and on written memory, and the
+    /// memory stays writable.
+    #[test]
+    fn populate_keeps_contents() {
+        let mut fresh = vec![0u8; 64 << 20];
+        populate(&mut fresh[100..]);
+        assert!(fresh.iter().all(|&b| b == 0));
+        fresh[(64 << 20) - 1] = 1;
+        let mut written: Vec<u8> = (0..3 * 4096 + 100).map(|i| i as u8).collect();
+        populate(&mut written[1..]);
+        populate(&mut written[5..9]);
+        populate(&mut []);
+        assert!(written.iter().enumerate().all(|(i, &b)| b == i as u8));
+    }
 
     #[test]
     fn shared_weights_are_kept_in_place_and_multiply_like_a_copy() {
