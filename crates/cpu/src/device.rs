@@ -311,21 +311,15 @@ fn interleaved_copy(
 /// writes reach them; elsewhere, or where the kernel refuses, the writes fault them in.
 fn populate(buf: &mut [u8]) {
     #[cfg(target_os = "linux")]
-    {
-        const PAGE: usize = 4096;
-        let start = (buf.as_ptr() as usize).next_multiple_of(PAGE);
-        let end = (buf.as_ptr() as usize + buf.len()) / PAGE * PAGE;
-        if end > start {
-            // SAFETY: [start, end) lies inside `buf`, memory this process owns and holds
-            // exclusively here; populating for write only faults its pages in, their contents
-            // unchanged.
-            unsafe {
-                libc::madvise(
-                    start as *mut libc::c_void,
-                    end - start,
-                    libc::MADV_POPULATE_WRITE,
-                );
-            }
+    if let Some(pages) = hmoe_quant::whole_pages(buf) {
+        // SAFETY: `pages` lies inside `buf`, memory this process owns and holds exclusively
+        // here; populating for write only faults its pages in, their contents unchanged.
+        unsafe {
+            libc::madvise(
+                pages.start as *mut libc::c_void,
+                pages.len(),
+                libc::MADV_POPULATE_WRITE,
+            );
         }
     }
     #[cfg(not(target_os = "linux"))]

@@ -157,19 +157,16 @@ impl Shard {
         if self.locked || start < base || start + part.len() > base + m.len() {
             return;
         }
-        // SAFETY: sysconf has no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0);
-        if page == 0 {
-            return;
-        }
-        let from = (start - base).next_multiple_of(page);
-        let to = (start - base + part.len()) / page * page;
-        if to > from {
-            // SAFETY: `from..to` lies inside the mapping, which is read-only and private: no
+        if let Some(pages) = hmoe_quant::whole_pages(part) {
+            // SAFETY: `pages` lies inside the mapping, which is read-only and private: no
             // page of it was ever written, so dropping the process's pages loses nothing, and
             // every reference into it stays valid (a read faults the file's bytes back in).
             let _ = unsafe {
-                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, to - from)
+                m.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    pages.start - base,
+                    pages.len(),
+                )
             };
         }
     }

@@ -425,6 +425,25 @@ pub fn prefetch<T>(items: &[T]) {
     let _ = items;
 }
 
+/// The addresses of the whole memory pages inside `bytes` (the page size from the OS), for
+/// advice (`madvise`) that takes whole pages; `None` when it holds none or the page size is
+/// unknown.
+pub fn whole_pages(bytes: &[u8]) -> Option<std::ops::Range<usize>> {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        let start = bytes.as_ptr() as usize;
+        let pages = start.checked_next_multiple_of(page)?..(start + bytes.len()) / page * page;
+        (pages.end > pages.start).then_some(pages)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = bytes;
+        None
+    }
+}
+
 /// f16 values as the F16 row bytes the kernels take (little-endian, as GGUF stores them),
 /// without a copy.
 #[cfg(target_endian = "little")]

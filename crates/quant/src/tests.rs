@@ -756,3 +756,27 @@ fn prefetch_is_only_a_hint() {
     }
     assert!(data.iter().enumerate().all(|(i, &v)| v == i as u8));
 }
+
+/// `whole_pages` gives exactly the page-aligned addresses inside the bytes: none for an empty
+/// slice or one inside a single page, and the inner pages of an unaligned slice.
+#[cfg(unix)]
+#[test]
+fn whole_pages_are_the_aligned_pages_inside() {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    let data = vec![0u8; 4 * page];
+    let base = data.as_ptr() as usize;
+    let first = base.next_multiple_of(page);
+    let at = first - base;
+    assert_eq!(
+        whole_pages(&data[at..at + 2 * page]),
+        Some(first..first + 2 * page)
+    );
+    assert_eq!(
+        whole_pages(&data[at + 1..at + 2 * page]),
+        Some(first + page..first + 2 * page)
+    );
+    assert_eq!(whole_pages(&data[at + 1..at + 2 * page - 1]), None);
+    assert_eq!(whole_pages(&data[at..at + page - 1]), None);
+    assert_eq!(whole_pages(&[]), None);
+}
