@@ -121,22 +121,22 @@ for s in ${SESSION_STEPS:-1 2 3}; do
             tail -n 8 "$log"
             ;;
         6)
-            # perf from PATH, else as scripts/pack-perf.sh packs it (unpacked into .baseline).
-            perf_bin="$(command -v perf || true)"
-            if [ -z "$perf_bin" ] && [ -x .baseline/perf/perf ]; then
-                perf_bin="$PWD/.baseline/perf/perf"
-                export LD_LIBRARY_PATH="$PWD/.baseline/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-            fi
-            if [ -z "$perf_bin" ]; then
+            # perf from PATH, else as scripts/pack-perf.sh packs it (unpacked into .baseline;
+            # its libraries only for perf's own commands, not for later steps).
+            if command -v perf > /dev/null; then
+                perf_cmd=(perf)
+            elif [ -x .baseline/perf/perf ]; then
+                perf_cmd=(env "LD_LIBRARY_PATH=$PWD/.baseline/perf/lib" "$PWD/.baseline/perf/perf")
+            else
                 echo "gpu-session: no perf (scripts/pack-perf.sh packs one): step 6 skipped"
                 continue
             fi
             make_model
             # Sampling starts PROFILE_DELAY_MS after the start, past the load (~3 s there).
-            timeout 150 "$perf_bin" record -F 4000 -D "${PROFILE_DELAY_MS:-12000}" -o "$PERF_DATA" \
+            timeout 150 "${perf_cmd[@]}" record -F 4000 -D "${PROFILE_DELAY_MS:-12000}" -o "$PERF_DATA" \
                 "$HMOE" bench -m "$MODEL" -dev none -t 2 -p 0 -n 128 -r 8 \
                 > "$OUT_DIR/decode-profile-bench.log" 2>&1 || FAILED=1
-            "$perf_bin" report -i "$PERF_DATA" --no-children --sort symbol 2>/dev/null |
+            "${perf_cmd[@]}" report -i "$PERF_DATA" --no-children --sort symbol 2>/dev/null |
                 grep -v '^#' | grep '%' | head -n 40 > "$OUT_DIR/decode-profile.txt"
             grep tg128 "$OUT_DIR/decode-profile-bench.log"
             head -n 12 "$OUT_DIR/decode-profile.txt"
