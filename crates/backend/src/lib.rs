@@ -31,7 +31,9 @@ pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
 pub use host::HostStaging;
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
-pub use ref0::{Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_NAME, REF0_TYPES};
+pub use ref0::{
+    Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME, REF0_TYPES,
+};
 pub use routing::{Gating, Routing};
 
 mod sealed {
@@ -249,6 +251,41 @@ pub const KV_TYPES: [GgmlType; 8] = [
     GgmlType::Q5_0,
     GgmlType::Q5_1,
 ];
+
+/// What a kind of device keeps and computes, known without opening one (as ggml's
+/// `supports_op` and `supports_buft` are): the engine asks this when it chooses a device and a
+/// K/V type, instead of knowing each backend's abilities. Each backend crate publishes its own
+/// (`hmoe_cuda::CAPABILITIES`, [`REF0_CAPABILITIES`]); an open device answers the same through
+/// [`Backend::kv_types`], [`Backend::supports_kv`] and [`Backend::k_only_types`].
+#[derive(Clone, Copy, Debug)]
+pub struct Capabilities {
+    /// The weight types its matmuls, row gathers and expert sets take.
+    pub weight_types: &'static [GgmlType],
+    /// The types of K/V rings it stores ([`Backend::kv_types`]).
+    pub kv_types: &'static [GgmlType],
+    /// The types attention reads as keys and as values of a K/V pair
+    /// ([`Backend::supports_kv`]: both of these).
+    pub kv_pair_types: &'static [GgmlType],
+    /// The types of K-only (latent) rings it attends over ([`Backend::k_only_types`]).
+    pub k_only_types: &'static [GgmlType],
+}
+
+impl Capabilities {
+    /// Whether the device keeps a K/V cache of `k` keys and `v` values and attends over it.
+    pub fn keeps_kv(&self, k: GgmlType, v: GgmlType) -> bool {
+        self.kv_pair_types.contains(&k) && self.kv_pair_types.contains(&v)
+    }
+
+    /// Whether the device keeps and attends over a K-only (latent) cache of `k`.
+    pub fn keeps_k_only(&self, k: GgmlType) -> bool {
+        self.k_only_types.contains(&k)
+    }
+
+    /// Whether the device multiplies weights of `ty`.
+    pub fn multiplies(&self, ty: GgmlType) -> bool {
+        self.weight_types.contains(&ty)
+    }
+}
 
 /// How a K/V ring stores its rows: `cells` rows (position `p` in cell `p % cells`) of `width`
 /// values of `ty`, each row in ggml's layout of the type (the block types: whole blocks),

@@ -57,37 +57,21 @@ pub const REF0_NAME: &str = "REF0";
 /// The weight types the reference device multiplies: those of the CUDA kernels (F32, F16,
 /// BF16, Q8_0, MXFP4), with its own code in the CPU engine's orders, and every other type the
 /// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]).
-pub const REF0_TYPES: [GgmlType; 14] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::MXFP4,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+pub const REF0_TYPES: [GgmlType; 14] = hmoe_quant::WEIGHT_TYPES;
 
 /// The weight types of [`REF0_TYPES`] that the reference device multiplies with hmoe-quant's
 /// kernels (the CPU engine's, chosen per matrix): `matmul`, `matmul_heads`, `get_rows` and
 /// expert sets take them.
-pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = hmoe_quant::LOWBIT_TYPES;
+
+/// What the reference device keeps and computes: every weight type of [`REF0_TYPES`] and every
+/// K/V type of the contract, in pairs and K-only rings alike.
+pub const REF0_CAPABILITIES: crate::Capabilities = crate::Capabilities {
+    weight_types: &REF0_TYPES,
+    kv_types: &crate::KV_TYPES,
+    kv_pair_types: &crate::KV_TYPES,
+    k_only_types: &crate::KV_TYPES,
+};
 
 /// The device's memory: bytes held now, the most ever held, and the budget.
 #[derive(Debug)]
@@ -1155,6 +1139,20 @@ mod tests {
         drop(m);
         assert_eq!(dev.bytes_held(), 0);
         assert_eq!(Ref0::new().free_memory().unwrap(), None);
+    }
+
+    #[test]
+    fn capabilities_agree_with_the_open_device() {
+        let dev = Ref0::new();
+        let caps = REF0_CAPABILITIES;
+        assert_eq!(caps.kv_types, dev.kv_types());
+        assert_eq!(caps.k_only_types, dev.k_only_types());
+        for k in crate::KV_TYPES {
+            for v in crate::KV_TYPES {
+                assert_eq!(caps.keeps_kv(k, v), dev.supports_kv(k, v), "{k} {v}");
+            }
+        }
+        assert!(caps.multiplies(GgmlType::Q4_K) && !caps.multiplies(GgmlType::Q8_1));
     }
 
     #[test]

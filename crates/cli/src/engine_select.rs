@@ -191,27 +191,22 @@ fn device_name(device: EngineDevice) -> String {
     }
 }
 
-/// The types of K-only (latent) caches `device` attends over (its
-/// [`Backend::k_only_types`], known without opening it): REF0 every K/V type, CUDA those of
-/// [`hmoe_cuda::K_ONLY_TYPES`].
-pub fn device_k_only_types(device: EngineDevice) -> &'static [hmoe_quant::GgmlType] {
+/// What `device` keeps and computes, as its backend crate reports it without opening it.
+pub fn device_capabilities(device: EngineDevice) -> hmoe_backend::Capabilities {
     match device {
-        EngineDevice::Cuda(_) => &hmoe_cuda::K_ONLY_TYPES,
-        EngineDevice::Ref0 { .. } => &hmoe_backend::KV_TYPES,
+        EngineDevice::Cuda(_) => hmoe_cuda::CAPABILITIES,
+        EngineDevice::Ref0 { .. } => hmoe_backend::REF0_CAPABILITIES,
     }
 }
 
-/// Whether `device` keeps a K/V cache of `k` keys and `v` values (its
-/// [`Backend::supports_kv`], known without opening it): REF0 every type, CUDA those of
-/// [`hmoe_cuda::kv_pair_supported`].
+/// The types of K-only (latent) caches `device` attends over ([`device_capabilities`]).
+pub fn device_k_only_types(device: EngineDevice) -> &'static [hmoe_quant::GgmlType] {
+    device_capabilities(device).k_only_types
+}
+
+/// Whether `device` keeps a K/V cache of `k` keys and `v` values ([`device_capabilities`]).
 pub fn device_keeps_kv(device: EngineDevice, k: CacheType, v: CacheType) -> bool {
-    let (k, v) = (k.ggml_type(), v.ggml_type());
-    match device {
-        EngineDevice::Cuda(_) => hmoe_cuda::kv_pair_supported(k, v),
-        EngineDevice::Ref0 { .. } => {
-            hmoe_backend::KV_TYPES.contains(&k) && hmoe_backend::KV_TYPES.contains(&v)
-        }
-    }
+    device_capabilities(device).keeps_kv(k.ggml_type(), v.ggml_type())
 }
 
 /// `flags` with `-ot` rules that name a device by its name in `names` (the plan's GPU `i` is

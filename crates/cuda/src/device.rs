@@ -42,22 +42,7 @@ const MM_TILED_MIN_TOKENS: usize = 32;
 /// The weight types the kernels dequantise and multiply (`matmul`, `matmul_heads`,
 /// `get_rows`, expert sets): F32, F16, BF16, Q8_0 and MXFP4, and the low-bit types
 /// of GGUF files ([`LOWBIT_TYPES`]).
-pub const SUPPORTED_TYPES: [GgmlType; 14] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::MXFP4,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+pub const SUPPORTED_TYPES: [GgmlType; 14] = hmoe_quant::WEIGHT_TYPES;
 
 pub use lowbit::LOWBIT_TYPES;
 
@@ -198,6 +183,16 @@ pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
 /// ([`hmoe_backend::KV_TYPES`]). `kv_store` stores rings of all of them (the device's
 /// `kv_types`); [`KV_TYPES`] are those of K/V pairs.
 pub const K_ONLY_TYPES: [GgmlType; 8] = hmoe_backend::KV_TYPES;
+
+/// What the CUDA device keeps and computes, known without opening one: the weight types of
+/// [`SUPPORTED_TYPES`], rings of every type of [`K_ONLY_TYPES`], K/V pairs of [`KV_TYPES`]
+/// ([`kv_pair_supported`]).
+pub const CAPABILITIES: hmoe_backend::Capabilities = hmoe_backend::Capabilities {
+    weight_types: &SUPPORTED_TYPES,
+    kv_types: &K_ONLY_TYPES,
+    kv_pair_types: &KV_TYPES,
+    k_only_types: &K_ONLY_TYPES,
+};
 
 /// Whether a ring of `l` is one the kernels store and read: a type of [`K_ONLY_TYPES`] (which
 /// holds [`KV_TYPES`]; the attention kernels also check the pair, [`kv_pair_supported`]),

@@ -30,7 +30,8 @@ mod staging;
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
     expert_types_supported, kv_pair_supported, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
-    MoeWeights, CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES, SUPPORTED_TYPES,
+    MoeWeights, CAPABILITIES, CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES,
+    SUPPORTED_TYPES,
 };
 pub use error::CudaError;
 pub use hmoe_backend::{AttnParams, RopeParams};

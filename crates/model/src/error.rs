@@ -65,3 +65,16 @@ pub enum ModelError {
     #[error(transparent)]
     Quant(#[from] hmoe_quant::QuantError),
 }
+
+impl ModelError {
+    /// Whether the error is a device that ran out of memory (for this request's K/V or
+    /// scratch): a lack of resources that may pass, rather than a fault of the model or input.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(
+            self,
+            ModelError::ExpertDevice(crate::hybrid::ExpertDeviceError::Device(
+                hmoe_backend::BackendError::OutOfMemory { .. }
+            ))
+        )
+    }
+}

@@ -115,7 +115,7 @@ pub use lanes::{
 };
 pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
-pub use types::GgmlType;
+pub use types::{GgmlType, LOWBIT_TYPES, WEIGHT_TYPES};
 
 /// An instruction-set level the kernels are compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -38,6 +38,39 @@ pub enum GgmlType {
     MXFP4,
 }
 
+/// The low-bit weight types of GGUF files that the kernels multiply (against Q8_0, Q8_1 or Q8_K
+/// activations): the legacy Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K to Q6_K.
+pub const LOWBIT_TYPES: [GgmlType; 9] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// Every weight type the dot-product kernels multiply: F32, F16, BF16, Q8_0, MXFP4 and the
+/// [`LOWBIT_TYPES`]. A device that multiplies all of them lists this.
+pub const WEIGHT_TYPES: [GgmlType; 14] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::MXFP4,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
 impl GgmlType {
     /// Every type this crate knows, for iteration in tests and tables.
     pub const ALL: [GgmlType; 16] = [

@@ -45,10 +45,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use hmoe_backend::BackendError;
 use hmoe_chat::ChatDelta;
 use hmoe_engine::{top_probs, Sampler, SamplerParams};
-use hmoe_model::{ExpertDeviceError, KvCache, KvType, LanguageModel, ModelError, SeqBatch};
+use hmoe_model::{KvCache, KvType, LanguageModel, ModelError, SeqBatch};
 use hmoe_tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -167,10 +166,7 @@ impl JobFailure {
 
     /// A failed forward pass: a device out of memory is a 503, anything else a 500.
     pub fn of_model_error(e: &ModelError) -> JobFailure {
-        let oom = matches!(
-            e,
-            ModelError::ExpertDevice(ExpertDeviceError::Device(BackendError::OutOfMemory { .. }))
-        );
+        let oom = e.is_out_of_memory();
         JobFailure {
             message: match oom {
                 true => format!(

@@ -23,17 +23,7 @@ use crate::error::CudaError;
 use crate::kernels::LB_TOKENS;
 
 /// The low-bit weight types the kernels multiply (besides F32, F16, BF16, Q8_0 and MXFP4).
-pub const LOWBIT_TYPES: [GgmlType; 9] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+pub const LOWBIT_TYPES: [GgmlType; 9] = hmoe_quant::LOWBIT_TYPES;
 
 /// The summation orders of the low-bit products (`LB_*` in the source).
 const LB_VEC: i32 = 0;
