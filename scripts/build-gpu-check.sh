@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu-check.sh runs on a GPU machine that has no Rust toolchain: the release
-# `hmoe` binary, the test executables of hmoe-cuda (the CUDA test suite) and of the CPU engine
+# `hmoe` binary, the test executables of hmoe-cuda (the CUDA test suite) and of the CPU device
 # (hmoe-quant, hmoe-cpu, hmoe-model: the host's AVX-512/AMX kernels), copied with gpu-check.sh
 # itself into one folder, dist/gpu-check/ by default, and packed as dist/gpu-check.tar.xz (the
 # folder is over a device call's 64 MiB). Carry the archive to the GPU machine, unpack it and
@@ -10,8 +10,8 @@
 # The binaries load libcuda/libnvrtc/libcublas at run time (nothing CUDA is linked), so this
 # builds on a machine without CUDA. They need a glibc at least as new as this machine's.
 # Also copied: scripts/gpu_compare.py (teacher-forced GPU vs CPU vs golden, python3 stdlib),
-# scripts/serve_check.py (the server checks of issue #16), scripts/gpu-bench.sh with
-# scripts/gpu_bench_json.py (hmoe vs llama.cpp, issue #17: run `./gpu-bench.sh --out DIR` there
+# scripts/serve_check.py (the server checks), scripts/gpu-bench.sh with
+# scripts/gpu_bench_json.py (hmoe vs llama.cpp: run `./gpu-bench.sh --out DIR` there
 # with LLAMA_RUN pointing at llama.cpp's run.sh, see ../shared/baselines/README.md) and
 # the gpt-oss, qwen3moe and deepseek2 fixtures with their f16-KV goldens (from $HMOE_FIXTURES or
 # ../shared/fixtures).
@@ -41,7 +41,7 @@ cargo test -p hmoe-cuda --release --no-run --message-format=json 2>/dev/null \
     done
 [ -n "$(ls -A "$OUT/tests")" ] || { echo "build-gpu-check: no test executables found" >&2; exit 1; }
 
-# The CPU engine's tests (kernels, every ISA the host has: AVX-512 and AMX on the GPU machines
+# The CPU tests (kernels, every ISA the host has: AVX-512 and AMX on the GPU machines
 # seen so far; the model fixtures), which gpu-check.sh runs on the GPU machine's CPU. Not the
 # tests of the real models, which are downloaded and do not travel.
 echo "build-gpu-check: cargo test -p hmoe-quant -p hmoe-cpu -p hmoe-model --release --no-run" >&2

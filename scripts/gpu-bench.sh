@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# hmoe against llama.cpp on the same GPU machine and the same file (issue #17 item 1): for each
+# hmoe against llama.cpp on the same GPU machine and the same file: for each
 # placement (--cpu-moe, the first half of the layers' experts on the CPU, everything on the GPU)
 # and each K/V type (f16, q8_0), `hmoe bench` and llama.cpp's `llama-bench` one after the other
 # (which goes first alternates), each for pp512, pp2048, tg128 and tg128 at depth 4096, with the
 # peak GPU memory of each invocation (nvidia-smi). Then, hmoe only: tg128 with --cpu-moe with and
 # without the device expert cache, on the file and on a twin written with --routing-locality.
-# The result goes to OUT_DIR/<date>-<gpu>.json in the issue's schema, assembled and validated by
+# The result goes to OUT_DIR/<date>-<gpu>.json, assembled and validated by
 # gpu_bench_json.py (python3, standard library).
 #
 # usage: gpu-bench.sh [--dry-run] [--model FILE] [--out OUT_DIR] [--reps N]

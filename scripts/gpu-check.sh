@@ -18,13 +18,13 @@
 #   HMOE_BENCH_MAKE   with no HMOE_BENCH_MODEL: `g120-4l` makes the 4-layer gpt-oss-120b-dims
 #                     model (hmoe make-test-model, ~7 GB in $TMPDIR) and benches it
 #   HMOE_BENCH_ARGS   extra bench flags (default: -p 512 -n 128 -r 3)
-#   HMOE_SERVE_CHECK  0: skip the server checks of issue #16 on the bench model (default 1):
+#   HMOE_SERVE_CHECK  0: skip the server checks on the bench model (default 1):
 #                     `hmoe serve -np 4` with --cpu-moe and with every layer on the GPU
 #                     (serve_check.py: 4 concurrent greedy streams equal solo runs, the server's
 #                     GPU memory from nvidia-smi within 5% + 300 MiB of /props' estimate,
 #                     aggregate decode t/s with 1 and 4 streams)
 #   HMOE_SKIP_TESTS   1: skip the CUDA test executables (gpu_compare and bench only)
-#   HMOE_SKIP_CPU_TESTS  1: skip the CPU engine's test executables ($DIST/cpu-tests: the host's
+#   HMOE_SKIP_CPU_TESTS  1: skip the CPU device's test executables ($DIST/cpu-tests: the host's
 #                     AVX-512/AMX kernels and the model fixtures)
 #   HMOE_COMPARE_JOBS, HMOE_COMPARE_THREADS  gpu_compare.py's runs at a time (default 6) and
 #                     CPU threads each (default 2)
@@ -151,7 +151,7 @@ wait_for_model() {
     return "$rc"
 }
 
-# Teacher-forced top-10 of the GPU executor vs the CPU engine vs the goldens, every fixture of
+# Teacher-forced top-10 of the GPU executor vs the CPU device vs the goldens, every fixture of
 # gpt-oss, Qwen3-MoE and DeepSeek-V3, for -ngl all / -ngl all --cpu-moe / -ngl all --n-cpu-moe 1:
 # max |dp| <= 5e-3 on every fixture (see gpu_compare.py's docstring).
 GPTOSS_FIX="${HMOE_GPTOSS_FIXTURES:-${HMOE_FIXTURES:-$HERE/../../shared/fixtures}/gpt-oss}"
@@ -184,7 +184,7 @@ if [ "$found_tests" -eq 0 ]; then
     FAILED=1
 fi
 
-# The CPU engine's tests on this machine's CPU (AVX-512 and AMX kernels that the development
+# The CPU tests on this machine's CPU (AVX-512 and AMX kernels that the development
 # machines may lack), when build-gpu-check.sh packed them.
 if [ "${HMOE_SKIP_CPU_TESTS:-0}" != 1 ] && [ -d "$DIST/cpu-tests" ]; then
     for t in "$DIST"/cpu-tests/*; do
@@ -252,9 +252,9 @@ if [ -n "${HMOE_BENCH_MODEL:-}" ] && [ -x "$HMOE" ]; then
     [ -f "$SERVE_CHECK" ] || SERVE_CHECK="$HERE/serve_check.py"
     if [ "${HMOE_SERVE_CHECK:-1}" = 1 ] && [ -f "$SERVE_CHECK" ] && command -v python3 >/dev/null; then
         # --moe-cache 0: the estimate of /props has no expert cache in it.
-        step "serve --cpu-moe -np 4 (#16)" python3 "$SERVE_CHECK" --hmoe "$HMOE" \
+        step "serve --cpu-moe -np 4" python3 "$SERVE_CHECK" --hmoe "$HMOE" \
             --model "$HMOE_BENCH_MODEL" --name serve-cpu-moe --flags "-ngl all --cpu-moe --moe-cache 0"
-        step "serve all on GPU -np 4 (#16)" python3 "$SERVE_CHECK" --hmoe "$HMOE" \
+        step "serve all on GPU -np 4" python3 "$SERVE_CHECK" --hmoe "$HMOE" \
             --model "$HMOE_BENCH_MODEL" --name serve-all-gpu --flags "-ngl all"
     fi
 else

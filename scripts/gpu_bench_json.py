@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Assembles and validates the result file of scripts/gpu-bench.sh (issue #17 item 1).
+"""Assembles and validates the result file of scripts/gpu-bench.sh.
 
     gpu_bench_json.py assemble --runs RUNS.tsv [--cache-runs CACHE.tsv] --machine MACHINE.json \
         --date DATE --tests pp512,tg128,... -o OUT.json
@@ -13,12 +13,12 @@ list of llama-bench records with n_prompt, n_gen, n_depth and avg_ts). Each reco
 left out. hmoe's records may carry the device expert cache's hit rate (`moe_cache_hit_rate`),
 kept on the run as `moe_cache_hit_rate`.
 
-CACHE.tsv (hmoe's device expert cache, issue #17 item 3) has one line per invocation: `MODEL:STATE`
+CACHE.tsv (hmoe's device expert cache) has one line per invocation: `MODEL:STATE`
 (MODEL `random` or `locality`, the file written with `--routing-locality`; STATE `off` or `on`),
 vram_mib and the JSON path; its records become `moe_cache_runs` entries `{"model", "moe_cache",
 "test", "t_s", "hit_rate", "vram_mib"}` (hit_rate null with the cache off).
 
-The result: `{"machine": {...}, "date": "YYYY-MM-DD...", "runs": [...]}` as the issue gives it
+The result: `{"machine": {...}, "date": "YYYY-MM-DD...", "runs": [...]}`
 (plus `moe_cache_runs` when there were any).
 `validate` checks that shape: engine in {hmoe, llama.cpp}, config in {cpu-moe, ncmoe-half,
 all-gpu}, kv in {f16, q8_0}, test among `--tests` (default: pp512, pp2048, tg128, tg128@d4096),

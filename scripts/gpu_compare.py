@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Teacher-forced top-10 probabilities of the GPU executor against the CPU engine and the
-goldens (issue #5), for every fixture in the given folders (gpt-oss, Qwen3-MoE, DeepSeek-V3:
+"""Teacher-forced top-10 probabilities of the GPU executor against the CPU device and the
+goldens, for every fixture in the given folders (gpt-oss, Qwen3-MoE, DeepSeek-V3:
 any architecture the device executor runs). Python 3 standard library only.
 
 For each fixture FILE.gguf with a golden FILE.golden-f16kv.json (split models: the first
@@ -20,8 +20,8 @@ against the CPU run and against the golden. An id missing from the other run's t
 as p_ref - (that run's 10th probability), a lower bound of its true |dp|.
 
 Strict and reported fixtures: the GPU kernels convert activations as ggml's CPU backend does
-(Q8_0 blocks for Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and follow the CPU engine's
-summation orders, so hmoe-cuda's reference backend reproduces the CPU engine bit for bit on
+(Q8_0 blocks for Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and follow the CPU device's
+summation orders, so hmoe-cuda's reference backend reproduces the CPU device bit for bit on
 every fixture (crates/cuda/tests/gpu_gpt_oss.rs). Every fixture matching --strict (default:
 all) is held to --tol; others are printed against --sanity (default 1, bounds nothing).
 Known sources of GPU-only differences: cuBLAS sums batches of 16+ tokens with F16/BF16

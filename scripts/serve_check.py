@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The server part of the GPU check (issue #16): starts `hmoe serve` on a model with the given
+"""The server part of the GPU check: starts `hmoe serve` on a model with the given
 placement flags and 4 slots, and checks on it:
 
 - 4 concurrent greedy requests return exactly what each returns alone (batch invariance);
