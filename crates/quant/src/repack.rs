@@ -23,9 +23,10 @@
 //! [`DotKernel::for_matrix`] picks these kernels where llama.cpp would repack; every ISA returns
 //! bit-identical results.
 
-use crate::kernels::{DotFn, DotFns};
-use crate::scalar::{f16_to_f32, rd_f32, rd_u16, QK};
-use crate::{check_isa, vec_dot_type, DotKernel, GgmlType, Isa, QuantError};
+use crate::error::check_isa;
+use crate::kernel_fns::{DotFn, DotFns};
+use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16, QK};
+use crate::{DotKernel, GgmlType, Isa, QuantError};
 
 const Q4_0_BYTES: usize = 18;
 const Q8_0_BYTES: usize = 34;
@@ -42,18 +43,7 @@ impl DotKernel {
         match repacked_fns(weight, isa) {
             Some(fns) if n_rows.is_multiple_of(8) => {
                 check_isa(isa)?;
-                let act = vec_dot_type(weight);
-                Ok(DotKernel {
-                    weight,
-                    act,
-                    isa,
-                    name: fns.name,
-                    block: weight.block_elems(),
-                    w_block_bytes: weight.block_bytes(),
-                    a_block_bytes: act.block_bytes(),
-                    dot: fns.dot,
-                    rows: fns.rows,
-                })
+                Ok(DotKernel::from_fns(weight, isa, fns))
             }
             _ => DotKernel::best(weight),
         }
@@ -61,17 +51,17 @@ impl DotKernel {
 
     /// Whether this is one of the repacked-order kernels of this module.
     pub(crate) fn is_repacked(&self) -> bool {
-        self.name.contains(REPACKED)
+        self.name().contains(REPACKED)
     }
 
     /// The dot of a token in one of a dense matmul's complete groups of four with a repacked
     /// kernel: the GEMM order for Q4_K, [`DotKernel::dot`] for Q4_0.
     pub(crate) fn dot_repacked_grouped(&self, n: usize, weight_row: &[u8], act_row: &[u8]) -> f32 {
-        if self.weight != GgmlType::Q4_K {
+        if self.weight_type() != GgmlType::Q4_K {
             return self.dot(n, weight_row, act_row);
         }
         let (wb, ab) = (self.weight_row_bytes(n), self.act_row_bytes(n));
-        let f = pairwise_fn(self.isa);
+        let f = pairwise_fn(self.isa());
         // SAFETY: the ISA was checked when the kernel was made; the slices hold whole blocks of
         // `n` elements (a too-short slice panics here).
         unsafe { f(n / QK_K * QK_K, &weight_row[..wb], &act_row[..ab]) }
@@ -284,7 +274,7 @@ mod avx2 {
         q4_k_scale_min, q4_k_step, q8_k_bsum, Q4_0_BYTES, Q4_K_BYTES, Q8_0_BYTES, Q8_K_BYTES, QK,
         QK_K,
     };
-    use crate::scalar::{f16_to_f32, rd_f32, rd_u16};
+    use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16};
 
     /// Sum of the eight i32 lanes.
     #[inline(always)]
@@ -429,7 +419,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::BatchKind;
+    use crate::{vec_dot_type, BatchKind};
 
     /// Deterministic bytes.
     fn bytes(n: usize, seed: u64) -> Vec<u8> {

@@ -16,10 +16,10 @@
 
 use core::arch::x86_64::*;
 
-use crate::kernels::{DotFn, DotFns, DotRowsFn};
-use crate::kquants::{Q3_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K};
-use crate::x86_avx2::{f16_at, hsum8};
-use crate::x86_avx2_lowbit::{min_rows, q3_k_scales, q6_k_offset, signed_rows};
+use crate::kernel_fns::{DotFn, DotFns, DotRowsFn};
+use crate::scalar::kquants::{Q3_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K};
+use crate::x86::avx2::dot::{f16_at, hsum8};
+use crate::x86::avx2::lowbit::{min_rows, q3_k_scales, q6_k_offset, signed_rows};
 use crate::GgmlType;
 
 /// `vpermw` indices for scales per 16 elements: int16 lane `i` of a zmm holding 32-byte runs
@@ -235,7 +235,7 @@ pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
         // kernels): use those.
         (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1, false)
         | (GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K, _) => {
-            return crate::x86_avx2_lowbit::dot_fns(ty)
+            return crate::x86::avx2::lowbit::dot_fns(ty)
         }
         _ => return None,
     };
