@@ -78,3 +78,22 @@ pub(crate) fn interleave_x16(nb: usize, src: &[u8], dst: &mut [u8]) {
         }
     }
 }
+
+/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
+/// last one (their results are dropped).
+///
+/// # Safety
+/// `rows > 0` and every row lies inside the allocation of `w`.
+#[inline(always)]
+pub(crate) unsafe fn row_ptrs<const N: usize>(
+    w: *const u8,
+    r0: usize,
+    rows: usize,
+    stride: usize,
+) -> [*const u8; N] {
+    let mut p = [w; N];
+    for (i, p) in p.iter_mut().enumerate() {
+        *p = w.add((r0 + i).min(rows - 1) * stride);
+    }
+    p
+}

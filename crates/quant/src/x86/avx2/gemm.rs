@@ -28,7 +28,7 @@
 use core::arch::x86_64::*;
 
 use crate::gemm_layout::{
-    ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS, X16_NIBBLE_BYTES,
+    row_ptrs, ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS, X16_NIBBLE_BYTES,
 };
 use crate::scalar::shared::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86::avx2::dot::{f16_at, hsum8};
@@ -176,22 +176,6 @@ unsafe fn isum8(u: &[__m256i; 8], ab: *const u8, bias: i32) -> __m256i {
 unsafe fn block_fma(isum: __m256i, pow2: __m256, d: *const f32, acc: __m256) -> __m256 {
     let scale = _mm256_mul_ps(pow2, _mm256_broadcast_ss(&*d));
     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc)
-}
-
-/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
-/// last one (their results are dropped).
-#[inline(always)]
-unsafe fn row_ptrs<const N: usize>(
-    w: *const u8,
-    r0: usize,
-    rows: usize,
-    stride: usize,
-) -> [*const u8; N] {
-    let mut p = [w; N];
-    for (i, p) in p.iter_mut().enumerate() {
-        *p = w.add((r0 + i).min(rows - 1) * stride);
-    }
-    p
 }
 
 /// Stores lanes `0..valid` of `v` to `out`, `step` floats apart.

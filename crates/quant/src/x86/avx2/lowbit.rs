@@ -66,7 +66,7 @@ pub(crate) unsafe fn i8i8_lanes<const VNNI: bool>(x: __m256i, y: __m256i) -> __m
 
 /// Q4_0 / Q5_0 weights times Q8_0: one 8-lane FMA chain per row over the blocks.
 #[inline(always)]
-pub(crate) unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
+unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -100,7 +100,7 @@ pub(crate) unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: boo
 /// Q4_1 / Q5_1 weights times Q8_1: an 8-lane FMA chain of `d_w·d_a·lanes` and a scalar FMA
 /// chain of `m·s`, added at the end.
 #[inline(always)]
-pub(crate) unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
+unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -490,27 +490,53 @@ unsafe fn q6_k_rows<const R: usize>(
     }
 }
 
+/// Q4_0 rows (`q5_0_rows`, `q4_1_rows`, `q5_1_rows` the same for their types); `VNNI` picks
+/// `vpdpbusd` for the integer products (the AVX-512 VL kernels) instead of AVX2's pair.
 #[inline(always)]
-unsafe fn q4_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, false, false>(n, w, s, a, o)
+pub(crate) unsafe fn q4_0_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    signed_rows::<R, VNNI, false>(n, w, s, a, o)
 }
 #[inline(always)]
-unsafe fn q5_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, false, true>(n, w, s, a, o)
+pub(crate) unsafe fn q5_0_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    signed_rows::<R, VNNI, true>(n, w, s, a, o)
 }
 #[inline(always)]
-unsafe fn q4_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, false, false>(n, w, s, a, o)
+pub(crate) unsafe fn q4_1_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    min_rows::<R, VNNI, false>(n, w, s, a, o)
 }
 #[inline(always)]
-unsafe fn q5_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, false, true>(n, w, s, a, o)
+pub(crate) unsafe fn q5_1_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    min_rows::<R, VNNI, true>(n, w, s, a, o)
 }
 
-entry_points!("avx2,fma,f16c", dot_q4_0, rows_q4_0, q4_0_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q4_1, rows_q4_1, q4_1_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q5_0, rows_q5_0, q5_0_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q5_1, rows_q5_1, q5_1_rows, 4);
+entry_points!("avx2,fma,f16c", dot_q4_0, rows_q4_0, q4_0_rows, 4, false);
+entry_points!("avx2,fma,f16c", dot_q4_1, rows_q4_1, q4_1_rows, 4, false);
+entry_points!("avx2,fma,f16c", dot_q5_0, rows_q5_0, q5_0_rows, 4, false);
+entry_points!("avx2,fma,f16c", dot_q5_1, rows_q5_1, q5_1_rows, 4, false);
 entry_points!("avx2,fma,f16c", dot_q2_k, rows_q2_k, q2_k_rows, 1);
 entry_points!("avx2,fma,f16c", dot_q3_k, rows_q3_k, q3_k_rows, 1);
 entry_points!("avx2,fma,f16c", dot_q4_k, rows_q4_k, q4_k_rows, 1);

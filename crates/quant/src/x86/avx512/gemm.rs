@@ -24,7 +24,7 @@
 use core::arch::x86_64::*;
 use core::ops::Range;
 
-use crate::gemm_layout::{GemmFn, KVALUES_MXFP4_PLUS12, X16_NIBBLE_BYTES};
+use crate::gemm_layout::{row_ptrs, GemmFn, KVALUES_MXFP4_PLUS12, X16_NIBBLE_BYTES};
 use crate::scalar::shared::{MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86::avx2::dot::{f16_at, hsum8};
 use crate::x86::avx512::dot::{dot_u8i8, hi256, hsum16, lo256, load_2x256, neg_where};
@@ -157,22 +157,6 @@ unsafe fn isum16<const VNNI: bool>(u: &[__m512i; 8], ab: *const u8, bias: i32) -
 unsafe fn block_fma(isum: __m512i, ef: __m512, ab: *const u8, acc: __m512) -> __m512 {
     let scale = _mm512_scalef_ps(_mm512_set1_ps(f16_at(ab)), ef);
     _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc)
-}
-
-/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
-/// last one (their results are dropped).
-#[inline(always)]
-unsafe fn row_ptrs<const N: usize>(
-    w: *const u8,
-    r0: usize,
-    rows: usize,
-    stride: usize,
-) -> [*const u8; N] {
-    let mut p = [w; N];
-    for (i, p) in p.iter_mut().enumerate() {
-        *p = w.add((r0 + i).min(rows - 1) * stride);
-    }
-    p
 }
 
 /// The lanes `skip..skip + valid` of a row group's results.
