@@ -105,7 +105,7 @@ fn avx512_gemm_fn(
     (kernel, false)
 }
 
-/// Whether batched MXFP4 products run on AMX tiles here ([`GemmKernel`] on [`Isa::Avx512`]
+/// Whether batched MXFP4 products run on AMX tiles here ([`crate::GemmKernel`] on [`Isa::Avx512`]
 /// picks them then): the CPU reports AMX-TILE/AMX-INT8, Linux granted the tile permission and
 /// a probe multiply in a forked child ran and was right. Decided once per process.
 pub fn amx_status() -> &'static AmxStatus {

@@ -230,7 +230,7 @@ impl GemmKernel {
     /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
     /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
     /// block once (for MXFP4 one `i32` per token and block; for the AVX2 kernels also the
-    /// activations' scales as `f32`, see [`ActBlocks`]).
+    /// activations' scales as `f32`, see `ActBlocks`).
     pub fn prepare<'a>(
         &self,
         n: usize,

@@ -5,7 +5,7 @@
 use crate::scalar::shared::{KVALUES_MXFP4, MXFP4_BYTES};
 
 /// A GEMM kernel: `n` = elements per row, `w` = `out.len() / n_tokens` weight rows,
-/// `acts` = `n_tokens` activation rows, `blocks` = what [`GemmKernel::prepare`] computed per
+/// `acts` = `n_tokens` activation rows, `blocks` = what [`crate::GemmKernel::prepare`] computed per
 /// activation block, `out` = `[row][token]`.
 pub(crate) type GemmFn = unsafe fn(
     n: usize,
@@ -62,7 +62,7 @@ pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
 pub(crate) const X16_NIBBLE_BYTES: usize = 16 * 16;
 
 /// One group of 16 MXFP4 rows of `nb` blocks (`src`) in the interleaved layout
-/// ([`GemmKernel::interleave_into`]).
+/// ([`crate::GemmKernel::interleave_into`]).
 pub(crate) fn interleave_x16(nb: usize, src: &[u8], dst: &mut [u8]) {
     const G: usize = 16;
     let stride = nb * MXFP4_BYTES;

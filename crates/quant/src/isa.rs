@@ -72,7 +72,7 @@ impl std::fmt::Display for Isa {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AmxStatus {
     /// Tile permission granted and a tile multiply gave the right result: batched MXFP4
-    /// products use AMX (see [`amx_in_use`]).
+    /// products use AMX (see [`crate::amx_in_use`]).
     Usable,
     /// The CPU does not report AMX-TILE and AMX-INT8 (or AVX-512 VNNI/VBMI, which the
     /// kernel's fallbacks need).

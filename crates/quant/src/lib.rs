@@ -70,6 +70,7 @@
 #[macro_use]
 mod kernel_fns;
 mod attn;
+mod cache_hint;
 mod convert;
 mod dispatch;
 mod dot_kernel;
@@ -80,7 +81,6 @@ mod gemm_layout;
 mod isa;
 mod lanes;
 mod pages;
-mod prefetch;
 mod repack;
 mod scalar;
 mod scores;
@@ -95,6 +95,7 @@ mod tests;
 mod tests_exp;
 
 pub use attn::{expf_ggml, expf_ggml_slice, f16_head_scores, f16_value_lanes, VALUE_LANES};
+pub use cache_hint::prefetch;
 pub use convert::{
     dequantize_row, dequantize_row_with, f16_bytes, quantize_row, quantize_row_with, Dequantizer,
 };
@@ -108,7 +109,6 @@ pub use lanes::{
     lane_scores, lane_values, softmax_lanes, Ahead, LaneBlock, LaneHeads, SOFTMAX_LANES,
 };
 pub use pages::whole_pages;
-pub use prefetch::prefetch;
 pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::{vec_dot_type, GgmlType, LOWBIT_TYPES, WEIGHT_TYPES};

@@ -43,7 +43,7 @@ use crate::AmxStatus;
 /// the scales).
 const T: usize = AMX_TILE_TOKENS;
 
-/// AMX-TILE (CPUID.7.0:EDX[24]) and AMX-INT8 (EDX[25]).
+/// AMX-TILE (CPUID.7.0:EDX\[24\]) and AMX-INT8 (EDX\[25\]).
 fn cpu_reports_amx() -> bool {
     let edx = __cpuid_count(7, 0).edx;
     edx & (1 << 24) != 0 && edx & (1 << 25) != 0
