@@ -74,6 +74,23 @@ macro_rules! gemm_entry {
     }};
 }
 
+/// A [`DotFns`] around a safe single-row dot (a scalar kernel, no ISA requirement): `rows` is
+/// one `dot` per row.
+macro_rules! scalar_kernel {
+    ($name:literal, $dot:path) => {{
+        fn rows(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = $dot(n, &w[r * stride..r * stride + stride], a);
+            }
+        }
+        $crate::kernel_fns::DotFns {
+            name: $name,
+            dot: $dot,
+            rows,
+        }
+    }};
+}
+
 /// Dot of `n` elements: one weight row with one activation row.
 pub(crate) type DotFn = unsafe fn(n: usize, w: &[u8], a: &[u8]) -> f32;
 /// Dot of `out.len()` weight rows, `stride` bytes apart, with one activation row.

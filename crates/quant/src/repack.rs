@@ -75,7 +75,7 @@ fn pairwise_fn(isa: Isa) -> DotFn {
         return avx2::dot_q4_k_pairwise;
     }
     let _ = isa;
-    scalar_dot_q4_k_pairwise
+    dot_q4_k_pairwise
 }
 
 /// Marker in the names of this module's kernels.
@@ -101,16 +101,14 @@ fn repacked_fns(weight: GgmlType, isa: Isa) -> Option<DotFns> {
     }
     let _ = isa;
     match weight {
-        GgmlType::Q4_0 => Some(DotFns {
-            name: "q4_0*q8_0/repacked (scalar)",
-            dot: scalar_dot_q4_0,
-            rows: scalar_rows_q4_0,
-        }),
-        GgmlType::Q4_K => Some(DotFns {
-            name: "q4_K*q8_K/repacked (scalar)",
-            dot: scalar_dot_q4_k,
-            rows: scalar_rows_q4_k,
-        }),
+        GgmlType::Q4_0 => Some(scalar_kernel!(
+            "q4_0*q8_0/repacked (scalar)",
+            dot_q4_0_blockwise
+        )),
+        GgmlType::Q4_K => Some(scalar_kernel!(
+            "q4_K*q8_K/repacked (scalar)",
+            dot_q4_k_blockwise
+        )),
         _ => None,
     }
 }
@@ -229,40 +227,6 @@ pub(crate) fn dot_q4_k_pairwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
         }
     }
     acc - acc_min
-}
-
-/// # Safety
-/// `w` and `a` hold the blocks of `n` elements (no ISA requirement).
-unsafe fn scalar_dot_q4_k_pairwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_q4_k_pairwise(n, w, a)
-}
-
-/// # Safety
-/// `w` and `a` hold the blocks of `n` elements (no ISA requirement).
-unsafe fn scalar_dot_q4_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_q4_0_blockwise(n, w, a)
-}
-
-/// # Safety
-/// `w` holds `out.len()` rows `stride` bytes apart; `a` the blocks of `n` elements.
-unsafe fn scalar_rows_q4_0(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = dot_q4_0_blockwise(n, &w[r * stride..], a);
-    }
-}
-
-/// # Safety
-/// `w` and `a` hold the blocks of `n` elements (no ISA requirement).
-unsafe fn scalar_dot_q4_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_q4_k_blockwise(n, w, a)
-}
-
-/// # Safety
-/// `w` holds `out.len()` rows `stride` bytes apart; `a` the blocks of `n` elements.
-unsafe fn scalar_rows_q4_k(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = dot_q4_k_blockwise(n, &w[r * stride..], a);
-    }
 }
 
 /// AVX2 versions: the integer sums of a block in SIMD, the FMA chains as in the scalar code.

@@ -15,22 +15,6 @@ pub(crate) mod kquants;
 pub(crate) mod legacy;
 pub(crate) mod shared;
 
-/// A scalar [`DotFns`] around a single-row dot: `rows` is one `dot` per row.
-macro_rules! scalar_kernel {
-    ($name:literal, $dot:path) => {{
-        fn rows(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-            for (r, o) in out.iter_mut().enumerate() {
-                *o = $dot(n, &w[r * stride..r * stride + stride], a);
-            }
-        }
-        DotFns {
-            name: $name,
-            dot: $dot,
-            rows,
-        }
-    }};
-}
-
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
     Some(match ty {
         GgmlType::F32 => scalar_kernel!("f32*f32/scalar", basic::dot_f32),
