@@ -42,3 +42,21 @@ pub(crate) fn rand_f16(rng: &mut Rng, lo: u16, hi: u16) -> u16 {
 pub(crate) fn same(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
+
+/// [`crate::DotKernel::dot_rows`] of `nrows` weight rows gives, row by row, the bits of
+/// [`crate::DotKernel::dot`].
+pub(crate) fn assert_rows_equal_dots(
+    k: &crate::DotKernel,
+    n: usize,
+    rows: &[u8],
+    a: &[u8],
+    nrows: usize,
+) {
+    let mut out = vec![f32::NAN; nrows];
+    k.dot_rows(n, rows, a, &mut out);
+    let rb = k.weight_row_bytes(n);
+    for (r, o) in out.iter().enumerate() {
+        let want = k.dot(n, &rows[r * rb..(r + 1) * rb], a);
+        assert!(same(*o, want), "{} n={n} row {r}/{nrows}", k.name());
+    }
+}

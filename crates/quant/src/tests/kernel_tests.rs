@@ -2,7 +2,7 @@
 //! trips and dot products against an f64 reference within the quantisation error.
 
 use crate::scalar::shared::{e8m0_to_f32_half, f16_to_f32, f32_to_f16};
-use crate::tests::{rand_f16, same, Rng};
+use crate::tests::{assert_rows_equal_dots, rand_f16, same, Rng};
 use crate::*;
 
 /// The types with kernels.
@@ -392,13 +392,7 @@ fn dot_rows_equals_dot_per_row() {
                         .flat_map(|_| weight_row(ty, n, &mut rng))
                         .collect();
                     let a = act_row(ty, &act_values(n, &mut rng));
-                    let mut out = vec![f32::NAN; nrows];
-                    k.dot_rows(n, &rows, &a, &mut out);
-                    let rb = k.weight_row_bytes(n);
-                    for (r, o) in out.iter().enumerate() {
-                        let want = k.dot(n, &rows[r * rb..(r + 1) * rb], &a);
-                        assert!(same(*o, want), "{} n={n} row {r}/{nrows}", k.name());
-                    }
+                    assert_rows_equal_dots(&k, n, &rows, &a, nrows);
                 }
             }
         }

@@ -3,7 +3,7 @@
 //! against exact arithmetic.
 
 use crate::scalar::shared::{f16_to_f32, f32_to_f16};
-use crate::tests::{rand_f16, same, Rng};
+use crate::tests::{assert_rows_equal_dots, rand_f16, same, Rng};
 use crate::*;
 use GgmlType::*;
 
@@ -378,13 +378,7 @@ fn lowbit_dot_rows_equals_dot_per_row() {
                         .flat_map(|_| weight_row(ty, n, &mut rng))
                         .collect();
                     let a = raw_act_row(ty, n, &mut rng);
-                    let mut out = vec![f32::NAN; nrows];
-                    k.dot_rows(n, &rows, &a, &mut out);
-                    let rb = k.weight_row_bytes(n);
-                    for (r, o) in out.iter().enumerate() {
-                        let want = k.dot(n, &rows[r * rb..(r + 1) * rb], &a);
-                        assert!(same(*o, want), "{} n={n} row {r}/{nrows}", k.name());
-                    }
+                    assert_rows_equal_dots(&k, n, &rows, &a, nrows);
                 }
             }
         }
