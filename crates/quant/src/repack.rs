@@ -23,9 +23,10 @@
 //! [`DotKernel::for_matrix`] picks these kernels where llama.cpp would repack; every ISA returns
 //! bit-identical results.
 
-use crate::kernels::{DotFn, DotFns};
-use crate::scalar::{f16_to_f32, rd_f32, rd_u16, QK};
-use crate::{check_isa, vec_dot_type, DotKernel, GgmlType, Isa, QuantError};
+use crate::error::check_isa;
+use crate::kernel_fns::{DotFn, DotFns};
+use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16, QK};
+use crate::{DotKernel, GgmlType, Isa, QuantError};
 
 const Q4_0_BYTES: usize = 18;
 const Q8_0_BYTES: usize = 34;
@@ -42,18 +43,7 @@ impl DotKernel {
         match repacked_fns(weight, isa) {
             Some(fns) if n_rows.is_multiple_of(8) => {
                 check_isa(isa)?;
-                let act = vec_dot_type(weight);
-                Ok(DotKernel {
-                    weight,
-                    act,
-                    isa,
-                    name: fns.name,
-                    block: weight.block_elems(),
-                    w_block_bytes: weight.block_bytes(),
-                    a_block_bytes: act.block_bytes(),
-                    dot: fns.dot,
-                    rows: fns.rows,
-                })
+                Ok(DotKernel::from_fns(weight, isa, fns))
             }
             _ => DotKernel::best(weight),
         }
@@ -61,17 +51,17 @@ impl DotKernel {
 
     /// Whether this is one of the repacked-order kernels of this module.
     pub(crate) fn is_repacked(&self) -> bool {
-        self.name.contains(REPACKED)
+        self.name().contains(REPACKED)
     }
 
     /// The dot of a token in one of a dense matmul's complete groups of four with a repacked
     /// kernel: the GEMM order for Q4_K, [`DotKernel::dot`] for Q4_0.
     pub(crate) fn dot_repacked_grouped(&self, n: usize, weight_row: &[u8], act_row: &[u8]) -> f32 {
-        if self.weight != GgmlType::Q4_K {
+        if self.weight_type() != GgmlType::Q4_K {
             return self.dot(n, weight_row, act_row);
         }
         let (wb, ab) = (self.weight_row_bytes(n), self.act_row_bytes(n));
-        let f = pairwise_fn(self.isa);
+        let f = pairwise_fn(self.isa());
         // SAFETY: the ISA was checked when the kernel was made; the slices hold whole blocks of
         // `n` elements (a too-short slice panics here).
         unsafe { f(n / QK_K * QK_K, &weight_row[..wb], &act_row[..ab]) }
@@ -85,7 +75,7 @@ fn pairwise_fn(isa: Isa) -> DotFn {
         return avx2::dot_q4_k_pairwise;
     }
     let _ = isa;
-    scalar_dot_q4_k_pairwise
+    dot_q4_k_pairwise
 }
 
 /// Marker in the names of this module's kernels.
@@ -111,16 +101,14 @@ fn repacked_fns(weight: GgmlType, isa: Isa) -> Option<DotFns> {
     }
     let _ = isa;
     match weight {
-        GgmlType::Q4_0 => Some(DotFns {
-            name: "q4_0*q8_0/repacked (scalar)",
-            dot: scalar_dot_q4_0,
-            rows: scalar_rows_q4_0,
-        }),
-        GgmlType::Q4_K => Some(DotFns {
-            name: "q4_K*q8_K/repacked (scalar)",
-            dot: scalar_dot_q4_k,
-            rows: scalar_rows_q4_k,
-        }),
+        GgmlType::Q4_0 => Some(scalar_kernel!(
+            "q4_0*q8_0/repacked (scalar)",
+            dot_q4_0_blockwise
+        )),
+        GgmlType::Q4_K => Some(scalar_kernel!(
+            "q4_K*q8_K/repacked (scalar)",
+            dot_q4_k_blockwise
+        )),
         _ => None,
     }
 }
@@ -241,40 +229,6 @@ pub(crate) fn dot_q4_k_pairwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
     acc - acc_min
 }
 
-/// # Safety
-/// `w` and `a` hold the blocks of `n` elements (no ISA requirement).
-unsafe fn scalar_dot_q4_k_pairwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_q4_k_pairwise(n, w, a)
-}
-
-/// # Safety
-/// `w` and `a` hold the blocks of `n` elements (no ISA requirement).
-unsafe fn scalar_dot_q4_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_q4_0_blockwise(n, w, a)
-}
-
-/// # Safety
-/// `w` holds `out.len()` rows `stride` bytes apart; `a` the blocks of `n` elements.
-unsafe fn scalar_rows_q4_0(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = dot_q4_0_blockwise(n, &w[r * stride..], a);
-    }
-}
-
-/// # Safety
-/// `w` and `a` hold the blocks of `n` elements (no ISA requirement).
-unsafe fn scalar_dot_q4_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    dot_q4_k_blockwise(n, w, a)
-}
-
-/// # Safety
-/// `w` holds `out.len()` rows `stride` bytes apart; `a` the blocks of `n` elements.
-unsafe fn scalar_rows_q4_k(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = dot_q4_k_blockwise(n, &w[r * stride..], a);
-    }
-}
-
 /// AVX2 versions: the integer sums of a block in SIMD, the FMA chains as in the scalar code.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -284,7 +238,7 @@ mod avx2 {
         q4_k_scale_min, q4_k_step, q8_k_bsum, Q4_0_BYTES, Q4_K_BYTES, Q8_0_BYTES, Q8_K_BYTES, QK,
         QK_K,
     };
-    use crate::scalar::{f16_to_f32, rd_f32, rd_u16};
+    use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16};
 
     /// Sum of the eight i32 lanes.
     #[inline(always)]
@@ -429,7 +383,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::BatchKind;
+    use crate::{vec_dot_type, BatchKind};
 
     /// Deterministic bytes.
     fn bytes(n: usize, seed: u64) -> Vec<u8> {

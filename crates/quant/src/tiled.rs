@@ -16,11 +16,11 @@
 //! where `d_a` is the activation block's Q8_K scale. Fewer tokens go through `vec_dot`
 //! ([`DotKernel::dot`]).
 
-use crate::kquants::{
+use crate::scalar::kquants::{
     k4_scales_mins, q2k_q, q3k_q, q3k_scales, q4k_q, q5k_q, q6k_q, q8k_bsum, Q2_K_BYTES,
     Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K,
 };
-use crate::scalar::{f16_to_f32, rd_f32, rd_u16};
+use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16};
 use crate::{DotKernel, GgmlType, Isa};
 
 /// Tokens from which llama.cpp switches K-quant matmuls to its tiled kernel.
@@ -66,12 +66,12 @@ impl DotKernel {
             }
             return;
         }
-        match SuperBlockFormat::of(self.weight) {
+        match SuperBlockFormat::of(self.weight_type()) {
             Some(format) if n_tokens >= TILED_MIN_TOKENS => {
                 let wb = self.weight_row_bytes(n);
                 tiled_row(
                     format,
-                    self.isa,
+                    self.isa(),
                     &weight_row[..wb],
                     &acts[..n_tokens * ab],
                     out,
@@ -259,8 +259,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{Decoded, SuperBlockFormat};
-    use crate::kquants::{Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS};
-    use crate::scalar::rd_f32;
+    use crate::scalar::kquants::{Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS};
+    use crate::scalar::shared::rd_f32;
 
     /// Sum of the eight i32 lanes.
     #[inline(always)]

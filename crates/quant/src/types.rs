@@ -206,6 +206,21 @@ impl std::fmt::Display for GgmlType {
     }
 }
 
+/// ggml's `vec_dot_type`: the format activations must be in to be dotted with weights of type
+/// `w` (F32→F32, F16→F16, BF16→BF16, Q8_0/MXFP4/Q4_0/Q5_0→Q8_0, Q4_1/Q5_1/Q8_1→Q8_1,
+/// K-quants→Q8_K). Q8_K is not a weight type; ggml's table leaves it at F32.
+pub fn vec_dot_type(w: GgmlType) -> GgmlType {
+    use GgmlType::*;
+    match w {
+        F32 | Q8_K => F32,
+        F16 => F16,
+        BF16 => BF16,
+        Q4_0 | Q5_0 | Q8_0 | MXFP4 => Q8_0,
+        Q4_1 | Q5_1 | Q8_1 => Q8_1,
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K => Q8_K,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

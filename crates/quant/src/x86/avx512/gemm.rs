@@ -1,5 +1,5 @@
 //! AVX-512 F/BW/VL GEMM kernels (VNNI `vpdpbusd` when present), bit-identical to the scalar
-//! references in `gemm.rs`.
+//! references in `scalar/gemm.rs`.
 //!
 //! * MXFP4: 16 weight rows in the 16 lanes. For each block the rows' 16 nibble bytes are
 //!   transposed as dwords (4 × `vinserti32x4` per 4 rows, then `vpunpck{l,h}{dq,qdq}`), so
@@ -24,10 +24,10 @@
 use core::arch::x86_64::*;
 use core::ops::Range;
 
-use crate::gemm::{GemmFn, KVALUES_MXFP4_PLUS12, X16_NIBBLE_BYTES};
-use crate::scalar::{MXFP4_BYTES, Q8_0_BYTES, QK};
-use crate::x86_avx2::{f16_at, hsum8};
-use crate::x86_avx512::{dot_u8i8, hi256, hsum16, lo256, load_2x256, neg_where};
+use crate::gemm_layout::{row_ptrs, GemmFn, KVALUES_MXFP4_PLUS12, X16_NIBBLE_BYTES};
+use crate::scalar::shared::{MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86::avx2::dot::{f16_at, hsum8};
+use crate::x86::avx512::dot::{dot_u8i8, hi256, hsum16, lo256, load_2x256, neg_where};
 use crate::GgmlType;
 
 /// MXFP4 rows per group (one per lane).
@@ -58,10 +58,10 @@ pub(crate) unsafe fn nibble_table(t: *const u8) -> __m512i {
 }
 
 /// Decodes block `b` of the row group at `base` (16 rows of `nb` blocks, `stride` bytes
-/// each, in the file's layout or, with `X16`, interleaved: see [`crate::gemm::interleave_x16`])
-/// through `table` ([`nibble_table`]): `u[k]` (`u[4 + k]`) holds in lane `r` the table values
-/// of elements `4k..4k+4` (`16+4k..16+4k+4`) of row `r`; the second result is each row's
-/// exponent minus 128, as f32.
+/// each, in the file's layout or, with `X16`, interleaved: see
+/// [`crate::gemm_layout::interleave_x16`]) through `table` ([`nibble_table`]): `u[k]`
+/// (`u[4 + k]`) holds in lane `r` the table values of elements `4k..4k+4` (`16+4k..16+4k+4`)
+/// of row `r`; the second result is each row's exponent minus 128, as f32.
 #[inline(always)]
 pub(crate) unsafe fn decode16<const VBMI: bool, const X16: bool>(
     base: *const u8,
@@ -157,22 +157,6 @@ unsafe fn isum16<const VNNI: bool>(u: &[__m512i; 8], ab: *const u8, bias: i32) -
 unsafe fn block_fma(isum: __m512i, ef: __m512, ab: *const u8, acc: __m512) -> __m512 {
     let scale = _mm512_scalef_ps(_mm512_set1_ps(f16_at(ab)), ef);
     _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc)
-}
-
-/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
-/// last one (their results are dropped).
-#[inline(always)]
-unsafe fn row_ptrs<const N: usize>(
-    w: *const u8,
-    r0: usize,
-    rows: usize,
-    stride: usize,
-) -> [*const u8; N] {
-    let mut p = [w; N];
-    for (i, p) in p.iter_mut().enumerate() {
-        *p = w.add((r0 + i).min(rows - 1) * stride);
-    }
-    p
 }
 
 /// The lanes `skip..skip + valid` of a row group's results.
@@ -824,7 +808,7 @@ pub(crate) fn gemm_fn(ty: GgmlType, vnni: bool, vbmi: bool) -> (&'static str, Ge
 }
 
 /// The AVX-512 MXFP4 GEMM over rows interleaved in groups of 16
-/// ([`crate::gemm::interleave_x16`]), with VNNI when `vnni` and the VBMI lookup when `vbmi`.
+/// ([`crate::gemm_layout::interleave_x16`]), with VNNI when `vnni` and the VBMI lookup when `vbmi`.
 pub(crate) fn gemm_fn_x16(vnni: bool, vbmi: bool) -> (&'static str, GemmFn) {
     match (vnni, vbmi) {
         (false, false) => ("mxfp4*q8_0 blockwise x16/avx512", mxfp4_x16_plain),

@@ -1,8 +1,8 @@
 //! GEMM kernel tests: seeded random property tests of every ISA against the scalar reference
 //! (bit-exact, edge values included), the references against their definitions, errors.
 
-use crate::gemm::{f32_lanes, mxfp4_blockwise};
-use crate::scalar::{e8m0_to_f32_half, f16_to_f32, MXFP4_BYTES, Q8_0_BYTES};
+use crate::scalar::gemm::{f32_lanes, mxfp4_blockwise};
+use crate::scalar::shared::{e8m0_to_f32_half, f16_to_f32, MXFP4_BYTES, Q8_0_BYTES};
 use crate::tests::{rand_f16, same, Rng};
 use crate::*;
 

@@ -16,10 +16,12 @@
 
 use core::arch::x86_64::*;
 
-use crate::kernels::{DotFn, DotFns, DotRowsFn};
-use crate::kquants::{Q3_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K};
-use crate::x86_avx2::{f16_at, hsum8};
-use crate::x86_avx2_lowbit::{min_rows, q3_k_scales, q6_k_offset, signed_rows};
+use crate::kernel_fns::{DotFn, DotFns, DotRowsFn};
+use crate::scalar::kquants::{Q3_K_BYTES, Q6_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K};
+use crate::x86::avx2::dot::{f16_at, hsum8};
+use crate::x86::avx2::lowbit::{
+    q3_k_scales, q4_0_rows, q4_1_rows, q5_0_rows, q5_1_rows, q6_k_offset,
+};
 use crate::GgmlType;
 
 /// `vpermw` indices for scales per 16 elements: int16 lane `i` of a zmm holding 32-byte runs
@@ -161,50 +163,37 @@ unsafe fn q6_k_rows<const R: usize>(
     }
 }
 
-#[inline(always)]
-unsafe fn q4_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, true, false>(n, w, s, a, o)
-}
-#[inline(always)]
-unsafe fn q5_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, true, true>(n, w, s, a, o)
-}
-#[inline(always)]
-unsafe fn q4_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, true, false>(n, w, s, a, o)
-}
-#[inline(always)]
-unsafe fn q5_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, true, true>(n, w, s, a, o)
-}
-
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_q4_0_vnni,
     rows_q4_0_vnni,
     q4_0_rows,
-    4
+    4,
+    true
 );
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_q4_1_vnni,
     rows_q4_1_vnni,
     q4_1_rows,
-    4
+    4,
+    true
 );
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_q5_0_vnni,
     rows_q5_0_vnni,
     q5_0_rows,
-    4
+    4,
+    true
 );
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_q5_1_vnni,
     rows_q5_1_vnni,
     q5_1_rows,
-    4
+    4,
+    true
 );
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
@@ -235,7 +224,7 @@ pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
         // kernels): use those.
         (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1, false)
         | (GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K, _) => {
-            return crate::x86_avx2_lowbit::dot_fns(ty)
+            return crate::x86::avx2::lowbit::dot_fns(ty)
         }
         _ => return None,
     };

@@ -1,5 +1,5 @@
 //! AMX-INT8 (Intel's tile matrix unit) for the batched MXFP4 × Q8_0 product in the block-wise
-//! order of `gemm.rs`, bit-identical to the AVX-512 VNNI kernel.
+//! order of `scalar/gemm.rs`, bit-identical to the AVX-512 VNNI kernel.
 //!
 //! The block-wise order needs one exact integer per (row, token, 32-element block):
 //! `isum = Σ value·a`, which is what one `tdpbssd` over a K of 32 bytes produces for a tile of
@@ -34,21 +34,16 @@ use core::arch::x86_64::*;
 use core::ops::Range;
 use std::sync::OnceLock;
 
-use crate::gemm::{ActBlocks, GemmFn, AMX_TILE_TOKENS};
-use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
-use crate::x86_gemm_avx512::{decode16, nibble_table, prefetch_group};
+use crate::gemm_layout::{ActBlocks, GemmFn, AMX_MIN_TOKENS, AMX_TILE_TOKENS};
+use crate::scalar::shared::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86::avx512::gemm::{decode16, nibble_table, prefetch_group};
 use crate::AmxStatus;
-
-/// Batches from this many tokens use the tiles. Each block of 16 rows costs the tiles about
-/// the same time whatever the tokens (a Xeon, one thread: 1.09 ms for 4 tokens, 1.30 ms for
-/// 16 over a 2880² matrix, against VNNI's 0.43 and 1.34 ms), so they pay from a full tile on.
-pub(crate) const AMX_MIN_TOKENS: usize = T;
 
 /// Weight rows and tokens of one tile product (the tokens are also the padding `prepare` gives
 /// the scales).
 const T: usize = AMX_TILE_TOKENS;
 
-/// AMX-TILE (CPUID.7.0:EDX[24]) and AMX-INT8 (EDX[25]).
+/// AMX-TILE (CPUID.7.0:EDX\[24\]) and AMX-INT8 (EDX\[25\]).
 fn cpu_reports_amx() -> bool {
     let edx = __cpuid_count(7, 0).edx;
     edx & (1 << 24) != 0 && edx & (1 << 25) != 0
@@ -61,7 +56,10 @@ pub(crate) fn amx_status() -> &'static AmxStatus {
         if std::env::var("HMOE_AMX").is_ok_and(|v| v == "0") {
             return AmxStatus::Disabled;
         }
-        if !(crate::cpu::has_avx512_vnni() && crate::cpu::has_avx512_vbmi() && cpu_reports_amx()) {
+        if !(crate::x86::features::has_avx512_vnni()
+            && crate::x86::features::has_avx512_vbmi()
+            && cpu_reports_amx())
+        {
             return AmxStatus::NotReported;
         }
         if let Err(errno) = request_tile_permission() {
@@ -431,9 +429,9 @@ unsafe fn mxfp4_amx_vnni<const X16: bool>(
     out: &mut [f32],
 ) {
     let (_, fallback) = if X16 {
-        crate::x86_gemm_avx512::gemm_fn_x16(true, true)
+        crate::x86::avx512::gemm::gemm_fn_x16(true, true)
     } else {
-        crate::x86_gemm_avx512::gemm_fn(crate::GgmlType::MXFP4, true, true)
+        crate::x86::avx512::gemm::gemm_fn(crate::GgmlType::MXFP4, true, true)
     };
     mxfp4_amx::<X16>(n, w, acts, blocks, n_tokens, out, fallback)
 }

@@ -1,12 +1,11 @@
-//! The kernel table: for each ISA, the function pointers behind the public API.
+//! The kernel signatures every ISA implements, and the macros that define the
+//! `#[target_feature]` entry points of the SIMD kernels.
 //!
 //! Every kernel is an `unsafe fn` with the same contract:
 //! * the CPU supports the ISA the kernel was compiled for (the public API checks
 //!   [`crate::Isa::is_available`] before resolving a kernel);
 //! * slices are exactly as long as the element count implies (whole blocks), except
 //!   `DotRowsFn`'s weight slice which holds `out.len()` rows `stride` bytes apart.
-
-use crate::{GgmlType, Isa};
 
 /// Defines a `#[target_feature]` single-row `dot` and multi-row `rows` entry point around an
 /// `R`-row kernel, using `$r` rows per pass and single rows for the rest. `$extra` is an
@@ -45,7 +44,7 @@ macro_rules! entry_points {
 /// Defines a `#[target_feature]` `GemmFn` named `$name` around the `#[inline(always)]` GEMM
 /// `$kernel`, which takes `(n, w, acts, bias, n_tokens, out)` with the `bias` marker,
 /// `(n, w, acts, blocks, n_tokens, out)` with `blocks`, or else `(n, w, acts, n_tokens, out)`
-/// (see `gemm::ActBlocks`).
+/// (see `gemm_layout::ActBlocks`).
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! gemm_entry {
     ($features:literal, $name:ident, $kernel:expr $(, $bias:ident)?) => {
@@ -56,7 +55,7 @@ macro_rules! gemm_entry {
             n: usize,
             w: &[u8],
             acts: &[u8],
-            blocks: &$crate::gemm::ActBlocks,
+            blocks: &$crate::gemm_layout::ActBlocks,
             n_tokens: usize,
             out: &mut [f32],
         ) {
@@ -75,6 +74,23 @@ macro_rules! gemm_entry {
     }};
 }
 
+/// A [`DotFns`] around a safe single-row dot (a scalar kernel, no ISA requirement): `rows` is
+/// one `dot` per row.
+macro_rules! scalar_kernel {
+    ($name:literal, $dot:path) => {{
+        fn rows(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = $dot(n, &w[r * stride..r * stride + stride], a);
+            }
+        }
+        $crate::kernel_fns::DotFns {
+            name: $name,
+            dot: $dot,
+            rows,
+        }
+    }};
+}
+
 /// Dot of `n` elements: one weight row with one activation row.
 pub(crate) type DotFn = unsafe fn(n: usize, w: &[u8], a: &[u8]) -> f32;
 /// Dot of `out.len()` weight rows, `stride` bytes apart, with one activation row.
@@ -90,44 +106,4 @@ pub(crate) struct DotFns {
     pub name: &'static str,
     pub dot: DotFn,
     pub rows: DotRowsFn,
-}
-
-/// The dot kernel for weights of type `ty` on `isa` (AVX-512 uses VNNI when `allow_vnni` and the
-/// CPU has it). `None` when the type has no kernel.
-pub(crate) fn dot_fns(isa: Isa, ty: GgmlType, allow_vnni: bool) -> Option<DotFns> {
-    match isa {
-        Isa::Scalar => crate::scalar::dot_fns(ty),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => crate::x86_avx2::dot_fns(ty),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => crate::x86_avx512::dot_fns(ty, allow_vnni && crate::cpu::has_avx512_vnni()),
-        #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 | Isa::Avx512 => {
-            let _ = allow_vnni;
-            None
-        }
-    }
-}
-
-/// The quantiser for `ty` on `isa`.
-pub(crate) fn quantize_fn(isa: Isa, ty: GgmlType) -> Option<QuantFn> {
-    match isa {
-        Isa::Scalar => crate::scalar::quantize_fn(ty),
-        // Quantisation runs once per activation row; the AVX2 kernels serve AVX-512 too.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => crate::x86_avx2::quantize_fn(ty),
-        #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 | Isa::Avx512 => None,
-    }
-}
-
-/// The dequantiser for `ty` on `isa`.
-pub(crate) fn dequantize_fn(isa: Isa, ty: GgmlType) -> Option<DequantFn> {
-    match isa {
-        Isa::Scalar => crate::scalar::dequantize_fn(ty),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => crate::x86_avx2::dequantize_fn(ty),
-        #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 | Isa::Avx512 => None,
-    }
 }

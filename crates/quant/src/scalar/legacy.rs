@@ -17,7 +17,7 @@
 //! accumulator with the block's scale product; Q4_1/Q5_1 add the `m·s` terms in a scalar
 //! fused-multiply-add chain (GCC contracts ggml's `summs += m*s`), summed last.
 
-use crate::scalar::{
+use crate::scalar::shared::{
     cvt_i32, f16_to_f32, f32_to_f16, hsum8, q8_0_amax, rd_u16, sign_i8, Q8_0_BYTES, QK,
 };
 

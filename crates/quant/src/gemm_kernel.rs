@@ -26,59 +26,12 @@
 //! (accumulators in registers); Q8_0 and F32 use register tiles of rows × tokens. The
 //! single-token passes, which are memory-bound, prefetch the next rows into L2.
 
-use crate::scalar::{
-    f16_to_f32, hsum16, rd_f32, rd_u16, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK,
-};
-use crate::{check_isa, row_bytes, vec_dot_type, GgmlType, Isa, QuantError};
-
-/// A GEMM kernel: `n` = elements per row, `w` = `out.len() / n_tokens` weight rows,
-/// `acts` = `n_tokens` activation rows, `blocks` = what [`GemmKernel::prepare`] computed per
-/// activation block, `out` = `[row][token]`.
-pub(crate) type GemmFn = unsafe fn(
-    n: usize,
-    w: &[u8],
-    acts: &[u8],
-    blocks: &ActBlocks,
-    n_tokens: usize,
-    out: &mut [f32],
-);
-
-/// What the kernels need per activation block, computed once per matmul so that no kernel
-/// repeats it for every row group: for MXFP4 weights the correction `-12 · Σ a` of the biased
-/// weights, and for the AVX2 kernels the blocks' f16 scales as f32 (and, for MXFP4, the bytes
-/// plus 128). Each field is empty where its kernel does not read it.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct ActBlocks {
-    /// `-12 · Σ_j a_j` (MXFP4 weights only).
-    pub(crate) bias: Vec<i32>,
-    /// The block's scale `d` (MXFP4 weights, for the AVX2 kernel, which reads it).
-    pub(crate) scales: Vec<f32>,
-    /// The scales `d` as `[block][token]`, the tokens padded with zeros to whole tiles: of
-    /// [`Q8_0_TILE_TOKENS`] for Q8_0 weights on AVX2 (whose kernel multiplies a tile's scales
-    /// by the weight row's in one vector product), of [`AMX_TILE_TOKENS`] for the AMX MXFP4
-    /// kernel (whose tiles read 16 tokens' scales; only batches of at least 16 use it, so it
-    /// never reads the padding, which only fixes the stride it expects).
-    pub(crate) block_scales: Vec<f32>,
-    /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
-    /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
-    pub(crate) flipped: Vec<u8>,
-}
-
-/// Tokens per tile of the AVX2 Q8_0 kernel (the padding of [`ActBlocks::block_scales`]).
-pub(crate) const Q8_0_TILE_TOKENS: usize = 8;
-/// Tokens per tile of the AMX MXFP4 kernel (the padding of [`ActBlocks::block_scales`]).
-pub(crate) const AMX_TILE_TOKENS: usize = 16;
-
-/// The MXFP4 table values plus 12, so they fit the unsigned operand of `vpdpbusd`/`vpmaddubsw`.
-pub(crate) const KVALUES_MXFP4_PLUS12: [u8; 16] = {
-    let mut t = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = (KVALUES_MXFP4[i] + 12) as u8;
-        i += 1;
-    }
-    t
-};
+use crate::dispatch::gemm_fn;
+use crate::error::{check_isa, row_bytes};
+use crate::gemm_layout::interleave_x16;
+use crate::gemm_layout::{ActBlocks, GemmFn, AMX_MIN_TOKENS, AMX_TILE_TOKENS, Q8_0_TILE_TOKENS};
+use crate::scalar::shared::{f16_to_f32, rd_u16, Q8_0_BYTES, QK};
+use crate::{vec_dot_type, GgmlType, Isa, QuantError};
 
 /// Activation rows prepared for one [`GemmKernel`]: the rows themselves plus, for MXFP4, the
 /// per-block correction `-12 · Σ a` of the biased weights. Prepare once per matmul and share
@@ -164,18 +117,8 @@ impl GemmKernel {
         if !Self::supports(weight) {
             return Err(unsupported);
         }
-        let ((name, f), amx) = match isa {
-            Isa::Scalar => (scalar_fn(weight), false),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => (crate::x86_gemm_avx2::gemm_fn(weight), false),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => avx512_fn(weight, false, allow_vnni, allow_vbmi, allow_amx),
-            #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 => {
-                let _ = (allow_vnni, allow_vbmi, allow_amx);
-                return Err(unsupported);
-            }
-        };
+        let ((name, f), amx) =
+            gemm_fn(isa, weight, false, allow_vnni, allow_vbmi, allow_amx).ok_or(unsupported)?;
         Ok(GemmKernel {
             weight,
             act: vec_dot_type(weight),
@@ -204,25 +147,24 @@ impl GemmKernel {
         allow_vbmi: bool,
         allow_amx: bool,
     ) -> Option<GemmKernel> {
-        #[cfg(target_arch = "x86_64")]
-        if check_isa(isa).is_ok() {
-            let ((name, f), amx) = match isa {
-                Isa::Avx512 => avx512_fn(GgmlType::MXFP4, true, allow_vnni, allow_vbmi, allow_amx),
-                Isa::Avx2 => (crate::x86_gemm_avx2::gemm_fn_x16(), false),
-                Isa::Scalar => return None,
-            };
-            return Some(GemmKernel {
-                weight: GgmlType::MXFP4,
-                act: GgmlType::Q8_0,
-                isa,
-                name,
-                f,
-                interleaved: true,
-                amx,
-            });
-        }
-        let _ = (isa, allow_vnni, allow_vbmi, allow_amx);
-        None
+        check_isa(isa).ok()?;
+        let ((name, f), amx) = gemm_fn(
+            isa,
+            GgmlType::MXFP4,
+            true,
+            allow_vnni,
+            allow_vbmi,
+            allow_amx,
+        )?;
+        Some(GemmKernel {
+            weight: GgmlType::MXFP4,
+            act: GgmlType::Q8_0,
+            isa,
+            name,
+            f,
+            interleaved: true,
+            amx,
+        })
     }
 
     /// Whether the kernel reads interleaved rows ([`GemmKernel::interleave_into`]).
@@ -288,7 +230,7 @@ impl GemmKernel {
     /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
     /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
     /// block once (for MXFP4 one `i32` per token and block; for the AVX2 kernels also the
-    /// activations' scales as `f32`, see [`ActBlocks`]).
+    /// activations' scales as `f32`, see `ActBlocks`).
     pub fn prepare<'a>(
         &self,
         n: usize,
@@ -329,9 +271,7 @@ impl GemmKernel {
         #[cfg(target_arch = "x86_64")]
         let tile = match (self.weight, self.isa) {
             (GgmlType::Q8_0, Isa::Avx2) => Some(Q8_0_TILE_TOKENS),
-            (GgmlType::MXFP4, Isa::Avx512)
-                if self.amx && n_tokens >= crate::x86_amx::AMX_MIN_TOKENS =>
-            {
+            (GgmlType::MXFP4, Isa::Avx512) if self.amx && n_tokens >= AMX_MIN_TOKENS => {
                 Some(AMX_TILE_TOKENS)
             }
             _ => None,
@@ -419,123 +359,5 @@ impl GemmKernel {
         // give (computed in `prepare`), `out` `rows * t` results.
         unsafe { (self.f)(acts.n, weight_rows, acts.data, &acts.blocks, t, out) };
         Ok(())
-    }
-}
-
-/// The AVX-512 GEMM for `weight` (MXFP4 over rows interleaved in groups of 16 with `x16`) and
-/// whether it runs on AMX tiles: batched MXFP4 on the tiles where they run and are allowed
-/// (the same bits as VNNI + VBMI), else the VNNI/VBMI kernels where allowed and present. The
-/// AMX status, which probes the tiles, is asked only when AMX is allowed.
-#[cfg(target_arch = "x86_64")]
-fn avx512_fn(
-    weight: GgmlType,
-    x16: bool,
-    allow_vnni: bool,
-    allow_vbmi: bool,
-    allow_amx: bool,
-) -> ((&'static str, GemmFn), bool) {
-    let tiles = (weight == GgmlType::MXFP4 && allow_vnni && allow_vbmi && allow_amx)
-        .then(|| crate::x86_amx::gemm_fn(x16))
-        .flatten();
-    if let Some(tiles) = tiles {
-        return (tiles, true);
-    }
-    let vnni = allow_vnni && crate::cpu::has_avx512_vnni();
-    let vbmi = allow_vbmi && crate::cpu::has_avx512_vbmi();
-    let kernel = if x16 {
-        crate::x86_gemm_avx512::gemm_fn_x16(vnni, vbmi)
-    } else {
-        crate::x86_gemm_avx512::gemm_fn(weight, vnni, vbmi)
-    };
-    (kernel, false)
-}
-
-// ----------------------------------------------------------------------------------------------
-// scalar reference
-
-/// Bytes of one block of an interleaved group: 16 rows × 16 nibble bytes.
-pub(crate) const X16_NIBBLE_BYTES: usize = 16 * 16;
-
-/// One group of 16 MXFP4 rows of `nb` blocks (`src`) in the interleaved layout
-/// ([`GemmKernel::interleave_into`]).
-pub(crate) fn interleave_x16(nb: usize, src: &[u8], dst: &mut [u8]) {
-    const G: usize = 16;
-    let stride = nb * MXFP4_BYTES;
-    let (nibbles, exps) = dst.split_at_mut(nb * X16_NIBBLE_BYTES);
-    for r in 0..G {
-        let row = &src[r * stride..(r + 1) * stride];
-        for (b, blk) in row.chunks_exact(MXFP4_BYTES).enumerate() {
-            exps[b * G + r] = blk[0];
-            for k in 0..4 {
-                let at = b * X16_NIBBLE_BYTES + 64 * k + 4 * r;
-                nibbles[at..at + 4].copy_from_slice(&blk[1 + 4 * k..5 + 4 * k]);
-            }
-        }
-    }
-}
-
-/// MXFP4 × Q8_0 in the block-wise order (the definition the SIMD kernels reproduce).
-pub(crate) fn mxfp4_blockwise(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = 0f32;
-    for (wb, ab) in w.chunks_exact(MXFP4_BYTES).zip(a.chunks_exact(Q8_0_BYTES)) {
-        let scale = E8M0_HALF[wb[0] as usize] * f16_to_f32(rd_u16(ab, 0));
-        let mut isum = 0i32;
-        for j in 0..QK / 2 {
-            let q = wb[1 + j];
-            isum += KVALUES_MXFP4[(q & 15) as usize] as i32 * ab[2 + j] as i8 as i32;
-            isum += KVALUES_MXFP4[(q >> 4) as usize] as i32 * ab[2 + QK / 2 + j] as i8 as i32;
-        }
-        acc = (isum as f32).mul_add(scale, acc);
-    }
-    acc
-}
-
-/// F32 × F32 in 16 FMA lanes (lane `i % 16`), summed by halving.
-pub(crate) fn f32_lanes(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut lanes = [0f32; 16];
-    for i in 0..n {
-        lanes[i % 16] = rd_f32(w, i).mul_add(rd_f32(a, i), lanes[i % 16]);
-    }
-    hsum16(&lanes)
-}
-
-/// The scalar GEMM for `weight`: one reference dot per output.
-fn scalar_fn(weight: GgmlType) -> (&'static str, GemmFn) {
-    fn run(
-        n: usize,
-        w: &[u8],
-        acts: &[u8],
-        n_tokens: usize,
-        out: &mut [f32],
-        ty: GgmlType,
-        dot: impl Fn(&[u8], &[u8]) -> f32,
-    ) {
-        let wb = ty.block_bytes() * n / ty.block_elems();
-        let act = vec_dot_type(ty);
-        let ab = act.block_bytes() * n / act.block_elems();
-        for (r, o) in out.chunks_exact_mut(n_tokens).enumerate() {
-            let wr = &w[r * wb..(r + 1) * wb];
-            for (t, o) in o.iter_mut().enumerate() {
-                *o = dot(wr, &acts[t * ab..(t + 1) * ab]);
-            }
-        }
-    }
-    fn mxfp4(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
-        run(n, w, acts, n_tokens, out, GgmlType::MXFP4, mxfp4_blockwise);
-    }
-    fn q8_0(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
-        run(n, w, acts, n_tokens, out, GgmlType::Q8_0, |w, a| {
-            crate::scalar::dot_q8_0(n, w, a)
-        });
-    }
-    fn f32(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
-        run(n, w, acts, n_tokens, out, GgmlType::F32, |w, a| {
-            f32_lanes(n, w, a)
-        });
-    }
-    match weight {
-        GgmlType::MXFP4 => ("mxfp4*q8_0 blockwise/scalar", mxfp4),
-        GgmlType::Q8_0 => ("q8_0*q8_0 gemm/scalar", q8_0),
-        _ => ("f32*f32 lanes16/scalar", f32),
     }
 }

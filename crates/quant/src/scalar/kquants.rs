@@ -25,7 +25,7 @@
 //! fused-multiply-add chain, Q6_K subtracts `32·Σ sc·bsum` (two sub-blocks per lane) from the
 //! integer lanes.
 
-use crate::scalar::{f16_to_f32, hsum8, rd_f32, rd_u16};
+use crate::scalar::shared::{f16_to_f32, hsum8, rd_f32, rd_u16};
 
 /// Elements per super-block.
 pub(crate) const QK_K: usize = 256;

@@ -3,7 +3,7 @@
 //! blocks per zmm, lanes 0..8 for the first block and 8..16 for the second, which is exactly the
 //! 8-lane layout of ggml's AVX2 kernels side by side.
 //!
-//! Quantisation and dequantisation use the AVX2 kernels (see `kernels.rs`).
+//! Quantisation and dequantisation use the AVX2 kernels (see `x86/avx512.rs`).
 //!
 //! Safety: every `unsafe fn` here needs AVX-512 F/BW/VL plus AVX2, FMA and F16C (and VNNI for
 //! the `VNNI = true` kernels), and pointers valid for the whole blocks it reads.
@@ -11,9 +11,11 @@
 use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
 
-use crate::kernels::DotFns;
-use crate::scalar::{self, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
-use crate::x86_avx2::{f16_at, hsum8, q8_q8_lanes};
+use crate::kernel_fns::DotFns;
+use crate::scalar::basic;
+use crate::scalar::shared::{E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86::avx2::dot::{bf16_tail, f16_at, f16_tails, f32_tails, hsum8, q8_q8_lanes};
+use crate::x86::avx2::dot::{Bf16E, FloatElem, F16E, F32E};
 use crate::GgmlType;
 
 /// Lanes 0..8 of a zmm.
@@ -41,62 +43,39 @@ pub(crate) unsafe fn load_2x256(p0: *const u8, p1: *const u8) -> __m512i {
     _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(p1.cast()))
 }
 
-/// A float element type of the float dot products.
-trait FloatElem16 {
-    /// Bytes per element.
-    const SIZE: usize;
+/// Sixteen elements of a float type (the AVX2 kernels' [`FloatElem`]) as one zmm.
+trait Load16: FloatElem {
     /// Sixteen elements from `p` as f32.
     unsafe fn load16(p: *const u8) -> __m512;
-    /// One element from `p` as f32.
-    unsafe fn get(p: *const u8) -> f32;
 }
 
-struct F32E;
-struct F16E;
-struct Bf16E;
-
-impl FloatElem16 for F32E {
-    const SIZE: usize = 4;
+impl Load16 for F32E {
     #[inline(always)]
     unsafe fn load16(p: *const u8) -> __m512 {
         _mm512_loadu_ps(p.cast())
     }
-    #[inline(always)]
-    unsafe fn get(p: *const u8) -> f32 {
-        p.cast::<f32>().read_unaligned()
-    }
 }
 
-impl FloatElem16 for F16E {
-    const SIZE: usize = 2;
+impl Load16 for F16E {
     #[inline(always)]
     unsafe fn load16(p: *const u8) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
-    #[inline(always)]
-    unsafe fn get(p: *const u8) -> f32 {
-        f16_at(p)
-    }
 }
 
-impl FloatElem16 for Bf16E {
-    const SIZE: usize = 2;
+impl Load16 for Bf16E {
     #[inline(always)]
     unsafe fn load16(p: *const u8) -> __m512 {
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
             _mm256_loadu_si256(p.cast()),
         )))
     }
-    #[inline(always)]
-    unsafe fn get(p: *const u8) -> f32 {
-        scalar::bf16_to_f32(p.cast::<u16>().read_unaligned())
-    }
 }
 
 /// Four 16-lane FMA accumulators over 64-element steps, reduced as ggml's
 /// `GGML_F32_VEC_REDUCE`. Returns each row's sum of the first `n & !63` elements.
 #[inline(always)]
-unsafe fn fma64_rows<E: FloatElem16, const R: usize>(
+unsafe fn fma64_rows<E: Load16, const R: usize>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -132,14 +111,7 @@ unsafe fn f32_rows<const R: usize>(
     a: *const u8,
     out: *mut f32,
 ) {
-    let sums = fma64_rows::<F32E, R>(n, w, stride, a);
-    for (r, &s) in sums.iter().enumerate() {
-        let mut sum = s;
-        for i in n & !63..n {
-            sum = F32E::get(w.add(r * stride + 4 * i)).mul_add(F32E::get(a.add(4 * i)), sum);
-        }
-        *out.add(r) = sum;
-    }
+    f32_tails(fma64_rows::<F32E, R>(n, w, stride, a), n, w, stride, a, out);
 }
 
 #[inline(always)]
@@ -150,14 +122,7 @@ unsafe fn f16_rows<const R: usize>(
     a: *const u8,
     out: *mut f32,
 ) {
-    let sums = fma64_rows::<F16E, R>(n, w, stride, a);
-    for (r, &s) in sums.iter().enumerate() {
-        let mut sum = s as f64;
-        for i in n & !63..n {
-            sum += (F16E::get(w.add(r * stride + 2 * i)) * F16E::get(a.add(2 * i))) as f64;
-        }
-        *out.add(r) = sum as f32;
-    }
+    f16_tails(fma64_rows::<F16E, R>(n, w, stride, a), n, w, stride, a, out);
 }
 
 /// Two 16-lane multiply-then-add accumulators over 32-element steps (ggml's AVX-512F BF16 dot).
@@ -187,10 +152,7 @@ unsafe fn bf16_rows<const R: usize>(
         let mut sum = 0.0f64;
         sum += hsum16(acc[0]) as f64;
         sum += hsum16(acc[1]) as f64;
-        for i in np..n {
-            sum += (Bf16E::get(w.add(r * stride + 2 * i)) * Bf16E::get(a.add(2 * i))) as f64;
-        }
-        *out.add(r) = sum as f32;
+        *out.add(r) = bf16_tail(sum, np, n, w.add(r * stride), a);
     }
 }
 
@@ -319,7 +281,7 @@ unsafe fn mxfp4_rows<const R: usize, const VNNI: bool>(
         if ib < nb {
             let wb = core::slice::from_raw_parts(w.add(r * stride + ib * MXFP4_BYTES), MXFP4_BYTES);
             let ab = core::slice::from_raw_parts(a.add(ib * Q8_0_BYTES), Q8_0_BYTES);
-            sum = scalar::mxfp4_tail(wb, ab, sum);
+            sum = basic::mxfp4_tail(wb, ab, sum);
         }
         *out.add(r) = sum;
     }
@@ -549,6 +511,6 @@ pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
             dot: dot_mxfp4_vnni,
             rows: rows_mxfp4_vnni,
         },
-        _ => return crate::x86_avx512_lowbit::dot_fns(ty, vnni),
+        _ => return None,
     })
 }

@@ -6,12 +6,13 @@
 //! `#[target_feature]` entry points at the bottom, into which they are inlined.
 //!
 //! Safety: every `unsafe fn` here needs AVX2, FMA and F16C, and pointers valid for the whole
-//! blocks it reads or writes (the contract in `kernels.rs`).
+//! blocks it reads or writes (the contract in `kernel_fns.rs`).
 
 use core::arch::x86_64::*;
 
-use crate::kernels::{DequantFn, DotFns, QuantFn};
-use crate::scalar::{self, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::kernel_fns::{DequantFn, DotFns, QuantFn};
+use crate::scalar::shared::{self, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::scalar::{self, basic};
 use crate::GgmlType;
 
 /// Horizontal sum by halving, ggml's `hsum_float_8`.
@@ -78,7 +79,7 @@ impl FloatElem for Bf16E {
     }
     #[inline(always)]
     unsafe fn get(p: *const u8) -> f32 {
-        scalar::bf16_to_f32(p.cast::<u16>().read_unaligned())
+        shared::bf16_to_f32(p.cast::<u16>().read_unaligned())
     }
 }
 
@@ -123,14 +124,7 @@ unsafe fn f32_rows<const R: usize>(
     a: *const u8,
     out: *mut f32,
 ) {
-    let sums = fma64_rows::<F32E, R>(n, w, stride, a);
-    for (r, &s) in sums.iter().enumerate() {
-        let mut sum = s;
-        for i in n & !63..n {
-            sum = F32E::get(w.add(r * stride + 4 * i)).mul_add(F32E::get(a.add(4 * i)), sum);
-        }
-        *out.add(r) = sum;
-    }
+    f32_tails(fma64_rows::<F32E, R>(n, w, stride, a), n, w, stride, a, out);
 }
 
 #[inline(always)]
@@ -141,7 +135,40 @@ unsafe fn f16_rows<const R: usize>(
     a: *const u8,
     out: *mut f32,
 ) {
-    let sums = fma64_rows::<F16E, R>(n, w, stride, a);
+    f16_tails(fma64_rows::<F16E, R>(n, w, stride, a), n, w, stride, a, out);
+}
+
+/// Finishes `R` F32 rows from the sums of their first `n & !63` elements: the FMA chain goes on
+/// element by element (ggml's `vec_dot_f32` leftovers). Shared by the AVX2 and AVX-512 kernels.
+#[inline(always)]
+pub(crate) unsafe fn f32_tails<const R: usize>(
+    sums: [f32; R],
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    for (r, &s) in sums.iter().enumerate() {
+        let mut sum = s;
+        for i in n & !63..n {
+            sum = F32E::get(w.add(r * stride + 4 * i)).mul_add(F32E::get(a.add(4 * i)), sum);
+        }
+        *out.add(r) = sum;
+    }
+}
+
+/// Finishes `R` F16 rows from the sums of their first `n & !63` elements: the leftover products
+/// are added in f64 (ggml's `vec_dot_f16`). Shared by the AVX2 and AVX-512 kernels.
+#[inline(always)]
+pub(crate) unsafe fn f16_tails<const R: usize>(
+    sums: [f32; R],
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
     for (r, &s) in sums.iter().enumerate() {
         let mut sum = s as f64;
         for i in n & !63..n {
@@ -149,6 +176,22 @@ unsafe fn f16_rows<const R: usize>(
         }
         *out.add(r) = sum as f32;
     }
+}
+
+/// The BF16 row at `w` finished from `sum` (its first `np` elements): the leftover products
+/// added in f64 (ggml's `vec_dot_bf16`). Shared by the AVX2 and AVX-512 kernels.
+#[inline(always)]
+pub(crate) unsafe fn bf16_tail(
+    mut sum: f64,
+    np: usize,
+    n: usize,
+    w: *const u8,
+    a: *const u8,
+) -> f32 {
+    for i in np..n {
+        sum += (Bf16E::get(w.add(2 * i)) * Bf16E::get(a.add(2 * i))) as f64;
+    }
+    sum as f32
 }
 
 /// Two 16-lane multiply-then-add accumulators over 32-element steps (ggml's AVX-512F BF16 dot).
@@ -178,10 +221,7 @@ unsafe fn bf16_rows<const R: usize>(
         let mut sum = 0.0f64;
         sum += hsum8(_mm256_add_ps(acc[0], acc[1])) as f64;
         sum += hsum8(_mm256_add_ps(acc[2], acc[3])) as f64;
-        for i in np..n {
-            sum += (Bf16E::get(w.add(r * stride + 2 * i)) * Bf16E::get(a.add(2 * i))) as f64;
-        }
-        *out.add(r) = sum as f32;
+        *out.add(r) = bf16_tail(sum, np, n, w.add(r * stride), a);
     }
 }
 
@@ -283,7 +323,7 @@ unsafe fn mxfp4_rows<const R: usize>(
         if ib < nb {
             let wb = core::slice::from_raw_parts(w.add(r * stride + ib * MXFP4_BYTES), MXFP4_BYTES);
             let ab = core::slice::from_raw_parts(a.add(ib * Q8_0_BYTES), Q8_0_BYTES);
-            sum = scalar::mxfp4_tail(wb, ab, sum);
+            sum = basic::mxfp4_tail(wb, ab, sum);
         }
         *out.add(r) = sum;
     }
@@ -322,7 +362,7 @@ pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
             dot: dot_mxfp4,
             rows: rows_mxfp4,
         },
-        _ => return crate::x86_avx2_lowbit::dot_fns(ty),
+        _ => return None,
     })
 }
 
@@ -379,7 +419,7 @@ unsafe fn quantize_f16(src: &[f32], dst: &mut [u8]) {
         _mm_storeu_si128(dst.as_mut_ptr().add(2 * i).cast(), h);
     }
     for i in n8..src.len() {
-        dst[2 * i..2 * i + 2].copy_from_slice(&scalar::f32_to_f16(src[i]).to_le_bytes());
+        dst[2 * i..2 * i + 2].copy_from_slice(&shared::f32_to_f16(src[i]).to_le_bytes());
     }
 }
 
@@ -463,10 +503,10 @@ pub(crate) fn quantize_fn(ty: GgmlType) -> Option<QuantFn> {
         GgmlType::F32 => scalar::quantize_fn(GgmlType::F32)?,
         GgmlType::F16 => quantize_f16,
         // ggml converts BF16 activations in scalar code; so do we.
-        GgmlType::BF16 => scalar::quantize_bf16,
+        GgmlType::BF16 => basic::quantize_bf16,
         GgmlType::Q8_0 => quantize_q8_0,
         // The MXFP4 quantiser is a reference for writing test files, not a hot path.
-        GgmlType::MXFP4 => scalar::quantize_mxfp4,
+        GgmlType::MXFP4 => basic::quantize_mxfp4,
         // So are the weight quantisers; ggml's x86 Q8_K quantiser is its scalar reference.
         _ => return scalar::quantize_fn(ty),
     })
@@ -474,7 +514,7 @@ pub(crate) fn quantize_fn(ty: GgmlType) -> Option<QuantFn> {
 
 pub(crate) fn dequantize_fn(ty: GgmlType) -> Option<DequantFn> {
     Some(match ty {
-        GgmlType::F32 => scalar::dequantize_f32,
+        GgmlType::F32 => basic::dequantize_f32,
         GgmlType::F16 => dequantize_f16,
         GgmlType::BF16 => dequantize_bf16,
         GgmlType::Q8_0 => dequantize_q8_0,

@@ -2,8 +2,8 @@
 //! from ggml itself, hand-computed blocks, every ISA against the scalar reference, and accuracy
 //! against exact arithmetic.
 
-use crate::scalar::{f16_to_f32, f32_to_f16};
-use crate::tests::{rand_f16, same, Rng};
+use crate::scalar::shared::{f16_to_f32, f32_to_f16};
+use crate::tests::{assert_rows_equal_dots, rand_f16, same, Rng};
 use crate::*;
 use GgmlType::*;
 
@@ -378,13 +378,7 @@ fn lowbit_dot_rows_equals_dot_per_row() {
                         .flat_map(|_| weight_row(ty, n, &mut rng))
                         .collect();
                     let a = raw_act_row(ty, n, &mut rng);
-                    let mut out = vec![f32::NAN; nrows];
-                    k.dot_rows(n, &rows, &a, &mut out);
-                    let rb = k.weight_row_bytes(n);
-                    for (r, o) in out.iter().enumerate() {
-                        let want = k.dot(n, &rows[r * rb..(r + 1) * rb], &a);
-                        assert!(same(*o, want), "{} n={n} row {r}/{nrows}", k.name());
-                    }
+                    assert_rows_equal_dots(&k, n, &rows, &a, nrows);
                 }
             }
         }
@@ -856,7 +850,7 @@ fn lowbit_kernel_dispatch() {
             assert_eq!(k.weight_row_bytes(n), 4 * ty.block_bytes());
             assert_eq!(k.act_row_bytes(n), at.row_bytes(n as u64).unwrap() as usize);
         }
-        // On AVX-512 the measured-faster kernel is picked (see x86_avx512_lowbit.rs).
+        // On AVX-512 the measured-faster kernel is picked (see x86/avx512/lowbit.rs).
         #[cfg(target_arch = "x86_64")]
         if Isa::Avx512.is_available() {
             let k = DotKernel::new(ty, Isa::Avx512).unwrap();

@@ -1,7 +1,7 @@
-//! AVX2 + FMA + F16C GEMM kernels, bit-identical to the scalar references in `gemm.rs`.
+//! AVX2 + FMA + F16C GEMM kernels, bit-identical to the scalar references in `scalar/gemm.rs`.
 //!
 //! * MXFP4: 8 weight rows in the 8 lanes, the layout of the AVX-512 kernel at half width
-//!   (see `x86_gemm_avx512.rs`); the scale `2^(e-128)` is built from the exponent bits and
+//!   (see `x86/avx512/gemm.rs`); the scale `2^(e-128)` is built from the exponent bits and
 //!   multiplied by `d`. Calls of up to 4 tokens use each decoded block at once, with products by
 //!   `vpmaddubsw` of the biased values (≤ 24) with activation bytes, four 16-bit results summed
 //!   before one `vpmaddwd` (|sum| ≤ 24576). Longer calls decode runs of 16 blocks of two row
@@ -27,9 +27,11 @@
 
 use core::arch::x86_64::*;
 
-use crate::gemm::{ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS, X16_NIBBLE_BYTES};
-use crate::scalar::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
-use crate::x86_avx2::{f16_at, hsum8};
+use crate::gemm_layout::{
+    row_ptrs, ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS, X16_NIBBLE_BYTES,
+};
+use crate::scalar::shared::{KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
+use crate::x86::avx2::dot::{f16_at, hsum8};
 use crate::GgmlType;
 
 /// MXFP4 rows per group (one per lane).
@@ -90,7 +92,7 @@ impl Group8 for FileRows {
 }
 
 /// Half `h` (rows `8h..8h + 8`) of a group of 16 rows interleaved by
-/// [`crate::gemm::interleave_x16`] (`base` its first byte, `nb` blocks a row): each block's
+/// [`crate::gemm_layout::interleave_x16`] (`base` its first byte, `nb` blocks a row): each block's
 /// nibbles are already transposed (the half's 32 bytes of each 64-byte vector) and its
 /// exponents contiguous, so a block is four loads and one more for the exponents.
 struct X16Half {
@@ -174,22 +176,6 @@ unsafe fn isum8(u: &[__m256i; 8], ab: *const u8, bias: i32) -> __m256i {
 unsafe fn block_fma(isum: __m256i, pow2: __m256, d: *const f32, acc: __m256) -> __m256 {
     let scale = _mm256_mul_ps(pow2, _mm256_broadcast_ss(&*d));
     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc)
-}
-
-/// Pointers to rows `r0..r0 + N` of `w` (`stride` bytes each), rows past `rows` clamped to the
-/// last one (their results are dropped).
-#[inline(always)]
-unsafe fn row_ptrs<const N: usize>(
-    w: *const u8,
-    r0: usize,
-    rows: usize,
-    stride: usize,
-) -> [*const u8; N] {
-    let mut p = [w; N];
-    for (i, p) in p.iter_mut().enumerate() {
-        *p = w.add((r0 + i).min(rows - 1) * stride);
-    }
-    p
 }
 
 /// Stores lanes `0..valid` of `v` to `out`, `step` floats apart.
@@ -346,7 +332,7 @@ unsafe fn block2(
 }
 
 /// MXFP4 × Q8_0 over rows in the file's layout or, with `X16`, interleaved in groups of 16
-/// ([`crate::gemm::interleave_x16`]; the rows are whole groups then).
+/// ([`crate::gemm_layout::interleave_x16`]; the rows are whole groups then).
 #[inline(always)]
 unsafe fn mxfp4_gemm<const X16: bool>(
     n: usize,
@@ -607,7 +593,8 @@ gemm_entry!("avx2,fma,f16c", mxfp4_x16_avx2, mxfp4_gemm::<true>, blocks);
 gemm_entry!("avx2,fma,f16c", q8_0_avx2, q8_0_gemm, blocks);
 gemm_entry!("avx2,fma,f16c", f32_avx2, f32_gemm);
 
-/// The AVX2 MXFP4 GEMM over rows interleaved in groups of 16 ([`crate::gemm::interleave_x16`]).
+/// The AVX2 MXFP4 GEMM over rows interleaved in groups of 16
+/// ([`crate::gemm_layout::interleave_x16`]).
 pub(crate) fn gemm_fn_x16() -> (&'static str, GemmFn) {
     ("mxfp4*q8_0 blockwise x16/avx2", mxfp4_x16_avx2)
 }

@@ -1,21 +1,21 @@
 //! AVX2 + FMA + F16C dot products for Q4_0, Q4_1, Q5_0, Q5_1 (× Q8_0 / Q8_1) and the K-quants
-//! (× Q8_K). They follow ggml's AVX2 kernels lane for lane (see `legacy.rs` and `kquants.rs`
-//! for the lane layout), so they equal the scalar references bit for bit; the integer parts may
-//! be regrouped freely because int32 sums are exact.
+//! (× Q8_K). They follow ggml's AVX2 kernels lane for lane (see `scalar/legacy.rs` and
+//! `scalar/kquants.rs` for the lane layout), so they equal the scalar references bit for bit;
+//! the integer parts may be regrouped freely because int32 sums are exact.
 //!
 //! Safety: every `unsafe fn` here needs AVX2, FMA and F16C, and pointers valid for the whole
-//! blocks it reads (the contract in `kernels.rs`).
+//! blocks it reads (the contract in `kernel_fns.rs`).
 
 use core::arch::x86_64::*;
 
-use crate::kernels::DotFns;
-use crate::kquants::{
+use crate::kernel_fns::DotFns;
+use crate::scalar::kquants::{
     Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS,
     QK_K,
 };
-use crate::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_1_BYTES};
-use crate::scalar::{Q8_0_BYTES, QK};
-use crate::x86_avx2::{f16_at, hsum8};
+use crate::scalar::legacy::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_1_BYTES};
+use crate::scalar::shared::{Q8_0_BYTES, QK};
+use crate::x86::avx2::dot::{f16_at, hsum8};
 use crate::GgmlType;
 
 /// The 32 nibbles of the 16 bytes at `p` as bytes: low nibbles in 0..16, high nibbles in 16..32.
@@ -66,7 +66,7 @@ pub(crate) unsafe fn i8i8_lanes<const VNNI: bool>(x: __m256i, y: __m256i) -> __m
 
 /// Q4_0 / Q5_0 weights times Q8_0: one 8-lane FMA chain per row over the blocks.
 #[inline(always)]
-pub(crate) unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
+unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -100,7 +100,7 @@ pub(crate) unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: boo
 /// Q4_1 / Q5_1 weights times Q8_1: an 8-lane FMA chain of `d_w·d_a·lanes` and a scalar FMA
 /// chain of `m·s`, added at the end.
 #[inline(always)]
-pub(crate) unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
+unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -490,27 +490,53 @@ unsafe fn q6_k_rows<const R: usize>(
     }
 }
 
+/// Q4_0 rows (`q5_0_rows`, `q4_1_rows`, `q5_1_rows` the same for their types); `VNNI` picks
+/// `vpdpbusd` for the integer products (the AVX-512 VL kernels) instead of AVX2's pair.
 #[inline(always)]
-unsafe fn q4_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, false, false>(n, w, s, a, o)
+pub(crate) unsafe fn q4_0_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    signed_rows::<R, VNNI, false>(n, w, s, a, o)
 }
 #[inline(always)]
-unsafe fn q5_0_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    signed_rows::<R, false, true>(n, w, s, a, o)
+pub(crate) unsafe fn q5_0_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    signed_rows::<R, VNNI, true>(n, w, s, a, o)
 }
 #[inline(always)]
-unsafe fn q4_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, false, false>(n, w, s, a, o)
+pub(crate) unsafe fn q4_1_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    min_rows::<R, VNNI, false>(n, w, s, a, o)
 }
 #[inline(always)]
-unsafe fn q5_1_rows<const R: usize>(n: usize, w: *const u8, s: usize, a: *const u8, o: *mut f32) {
-    min_rows::<R, false, true>(n, w, s, a, o)
+pub(crate) unsafe fn q5_1_rows<const R: usize, const VNNI: bool>(
+    n: usize,
+    w: *const u8,
+    s: usize,
+    a: *const u8,
+    o: *mut f32,
+) {
+    min_rows::<R, VNNI, true>(n, w, s, a, o)
 }
 
-entry_points!("avx2,fma,f16c", dot_q4_0, rows_q4_0, q4_0_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q4_1, rows_q4_1, q4_1_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q5_0, rows_q5_0, q5_0_rows, 4);
-entry_points!("avx2,fma,f16c", dot_q5_1, rows_q5_1, q5_1_rows, 4);
+entry_points!("avx2,fma,f16c", dot_q4_0, rows_q4_0, q4_0_rows, 4, false);
+entry_points!("avx2,fma,f16c", dot_q4_1, rows_q4_1, q4_1_rows, 4, false);
+entry_points!("avx2,fma,f16c", dot_q5_0, rows_q5_0, q5_0_rows, 4, false);
+entry_points!("avx2,fma,f16c", dot_q5_1, rows_q5_1, q5_1_rows, 4, false);
 entry_points!("avx2,fma,f16c", dot_q2_k, rows_q2_k, q2_k_rows, 1);
 entry_points!("avx2,fma,f16c", dot_q3_k, rows_q3_k, q3_k_rows, 1);
 entry_points!("avx2,fma,f16c", dot_q4_k, rows_q4_k, q4_k_rows, 1);
@@ -519,7 +545,7 @@ entry_points!("avx2,fma,f16c", dot_q6_k, rows_q6_k, q6_k_rows, 1);
 
 /// The AVX2 kernel for one of the low-bit weight types.
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
-    let (name, dot, rows): (_, crate::kernels::DotFn, crate::kernels::DotRowsFn) = match ty {
+    let (name, dot, rows): (_, crate::kernel_fns::DotFn, crate::kernel_fns::DotRowsFn) = match ty {
         GgmlType::Q4_0 => ("q4_0*q8_0/avx2", dot_q4_0, rows_q4_0),
         GgmlType::Q4_1 => ("q4_1*q8_1/avx2", dot_q4_1, rows_q4_1),
         GgmlType::Q5_0 => ("q5_0*q8_0/avx2", dot_q5_0, rows_q5_0),
