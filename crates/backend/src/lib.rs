@@ -15,6 +15,7 @@
 mod error;
 mod experts;
 pub mod host;
+mod kv_type;
 pub mod numerics;
 mod params;
 mod ref0;
@@ -30,6 +31,7 @@ use hmoe_quant::GgmlType;
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
 pub use host::HostStaging;
+pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{
     Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME, REF0_TYPES,

@@ -9,7 +9,7 @@
 //! f32/f16 values, `vec_dot`'s four chains taking 16 positions in turn).
 //!
 //! Caches with block-quantized values, and with flash attention on
-//! ([`crate::KvType::flash_attn`]: `-fa on` or `auto`, the default) every cache (but
+//! ([`hmoe_backend::KvType::flash_attn`]: `-fa on` or `auto`, the default) every cache (but
 //! DeepSeek's latent cache, whose values live inside the keys), go through
 //! [`flash_attention`] instead: an online softmax over the keys with no score matrix.
 //! Over block-quantized values it is ggml's CPU flash-attention kernel (llama.cpp reads a
@@ -32,8 +32,7 @@ use std::cell::RefCell;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use hmoe_quant::{
-    expf_ggml_slice, expf_slice, f16_bytes, lane_scores, lane_values, prefetch, Ahead, Dequantizer,
-    DotKernel, GgmlType, LaneHeads, Q8_0Queries,
+    expf_ggml_slice, expf_slice, f16_bytes, prefetch, Dequantizer, DotKernel, GgmlType,
 };
 
 use hmoe_backend::numerics::{
@@ -41,11 +40,17 @@ use hmoe_backend::numerics::{
     FLASH_BLOCK, FLASH_CHUNK,
 };
 
-use crate::kv_cache::{Cells, LayerCache};
+use crate::kv_storage::{Cells, LayerCache};
 use hmoe_backend::numerics::hsum16;
 
+mod f16_rows;
+mod lane_kernels;
 mod lanes;
+mod q8_0_scores;
+use f16_rows::{f16_head_scores, f16_value_lanes};
+use lane_kernels::{lane_scores, lane_values, Ahead, LaneHeads};
 use lanes::{LaneSoftmax, ROW_LANES};
+use q8_0_scores::Q8_0Queries;
 
 /// Shape of one attention call.
 pub struct AttnShape {
@@ -204,7 +209,7 @@ fn cell_runs(first: usize, last: usize, cells: usize) -> impl Iterator<Item = (u
 impl RowTask<'_> {
     /// Runs task `task` (token `t`, KV heads `kvh0..kvh0 + kv_per_task`), writing their query
     /// heads' outputs to `dst`. `kernels`: f16 keys of one token and f16 values go through the
-    /// `hmoe_quant` attention kernels, a block of positions at a time for all the task's KV
+    /// attention kernels ([`f16_head_scores`], [`f16_value_lanes`]), a block of positions at a time for all the task's KV
     /// heads (the same bits as the element-by-element loops, which `false` runs instead, for
     /// the tests).
     fn run(&self, task: usize, sc: &mut RowScratch, dst: &mut [f32], kernels: bool) {
@@ -249,7 +254,7 @@ impl RowTask<'_> {
                         ask(k, next(&block));
                         for (a, len) in cell_runs(block.start, block.end - 1, cache.cells) {
                             for (j, q) in sc.q_half.chunks_exact(group * hd).enumerate() {
-                                hmoe_quant::f16_head_scores(
+                                f16_head_scores(
                                     hd,
                                     q,
                                     &k[cell(a, j)..],
@@ -342,7 +347,7 @@ impl RowTask<'_> {
                     ask(v, next(&block));
                     for (a, len) in cell_runs(block.start, block.end - 1, cache.cells) {
                         for (j, acc) in acc.chunks_exact_mut(group * LANES * hd).enumerate() {
-                            hmoe_quant::f16_value_lanes(
+                            f16_value_lanes(
                                 hd,
                                 &v[cell(a, j)..],
                                 width,
@@ -825,7 +830,7 @@ fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
 /// rest of the batch.
 ///
 /// The chunked kernel scores f32/f16 keys by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score, the
-/// query heads sharing a KV head in the lanes of one vector, [`hmoe_quant::lane_scores`]) instead of
+/// query heads sharing a KV head in the lanes of one vector, [`lane_scores`]) instead of
 /// `vec_dot`'s four 16-lane chains.
 ///
 /// Unlike llama.cpp, f32 keys and values are not rounded to f16 first (llama.cpp casts an
@@ -1461,7 +1466,7 @@ fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
+    use hmoe_backend::{CacheType, FlashAttn, KvType};
 
     /// Deterministic values in [-1, 1).
     pub(crate) fn noise(seed: u64, n: usize) -> Vec<f32> {
@@ -1549,8 +1554,8 @@ pub(crate) mod tests {
     ) -> (Vec<f32>, Vec<f32>) {
         let (k, v) = kv_rows(n);
         let w = N_KV * HD;
-        let mut cache = KvCache::new(ty, n, ub, w, &[window]).with_head_dims(HD, HD);
-        let layer = &mut cache.layers[0];
+        let mut cache = LayerCache::for_context(ty, n, ub, w, window).with_head_dims(HD, HD);
+        let layer = &mut cache;
         for start in (0..n).step_by(ub) {
             let end = (start + ub).min(n);
             layer.store(
@@ -1649,24 +1654,17 @@ pub(crate) mod tests {
         let n_q = 20;
         let (k, v) = kv_rows(n);
         let w = N_KV * HD;
-        let mut cache = KvCache::new(ty, n, n, w, &[window]).with_head_dims(HD, HD);
-        cache.layers[0].store(0, &k, &v, n);
+        let mut cache = LayerCache::for_context(ty, n, n, w, window).with_head_dims(HD, HD);
+        cache.store(0, &k, &v, n);
         let q = noise(3, n_q * N_HEAD * HD);
         let sinks = [0.5, -1.0, 2.0, 0.0];
         let mut all = vec![0f32; q.len()];
-        attention(
-            &cache.layers[0],
-            &shape(),
-            &q,
-            n - n_q,
-            Some(&sinks),
-            &mut all,
-        );
+        attention(&cache, &shape(), &q, n - n_q, Some(&sinks), &mut all);
         for t in 0..n_q {
             let row = N_HEAD * HD;
             let mut one = vec![0f32; row];
             attention(
-                &cache.layers[0],
+                &cache,
                 &shape(),
                 &q[t * row..(t + 1) * row],
                 n - n_q + t,
@@ -1684,14 +1682,11 @@ pub(crate) mod tests {
     #[test]
     fn quantized_heads_are_rotated_like_llama_cpp() {
         let ty = KvType::new(CacheType::Q8_0, CacheType::Q4_0, FlashAttn::On).unwrap();
-        let cache = KvCache::new(ty, 8, 8, 2 * 128, &[None]).with_head_dims(128, 128);
+        let cache = LayerCache::for_context(ty, 8, 8, 2 * 128, None).with_head_dims(128, 128);
         // K: the largest power of two dividing the head; V: always 64.
-        assert_eq!(
-            (cache.layers[0].k.rotation(), cache.layers[0].v.rotation()),
-            (128, 64)
-        );
-        let plain = KvCache::new(KvType::F16, 8, 8, 128, &[None]).with_head_dims(64, 64);
-        assert_eq!(plain.layers[0].k.rotation(), 0);
+        assert_eq!((cache.k.rotation(), cache.v.rotation()), (128, 64));
+        let plain = LayerCache::for_context(KvType::F16, 8, 8, 128, None).with_head_dims(64, 64);
+        assert_eq!(plain.k.rotation(), 0);
         // The transform is orthonormal and its own inverse.
         let x = noise(5, 64);
         let mut y = x.clone();
@@ -1740,7 +1735,7 @@ pub(crate) mod tests {
     }
 
     /// The row kernel's tasks run one at a time with `kv_per_task` KV heads each, through the
-    /// `hmoe_quant` kernels or (`kernels` false) the element-by-element loops.
+    /// vector kernels or (`kernels` false) the element-by-element loops.
     fn row_kernel_with(
         cache: &LayerCache,
         shape: &AttnShape,
@@ -1788,12 +1783,13 @@ pub(crate) mod tests {
         ] {
             let w = n_kv * hd;
             let ub = 8;
-            let mut cache = KvCache::new(KvType::F16, n, ub, w, &[window]).with_head_dims(hd, hd);
+            let mut cache =
+                LayerCache::for_context(KvType::F16, n, ub, w, window).with_head_dims(hd, hd);
             let (k, v) = (noise(1, n * w), noise(2, n * w));
             let k: Vec<f32> = k.iter().map(|x| 4.0 * x).collect();
             for start in (0..n).step_by(ub) {
                 let end = (start + ub).min(n);
-                cache.layers[0].store(
+                cache.store(
                     start,
                     &k[start * w..end * w],
                     &v[start * w..end * w],
@@ -1810,7 +1806,7 @@ pub(crate) mod tests {
             for sinks in [None, Some(&sinks[..])] {
                 let q = noise(3, n_q * n_head * hd);
                 let mut out = vec![0f32; q.len()];
-                let layer = &cache.layers[0];
+                let layer = &cache;
                 attention(layer, &shape, &q, n - n_q, sinks, &mut out);
                 let want = row_kernel_with(layer, &shape, &q, n - n_q, sinks, 1, false);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -1886,7 +1882,7 @@ pub(crate) mod tests {
     #[test]
     fn heads_that_straddle_blocks_are_refused() {
         let ty = KvType::new(CacheType::Q8_0, CacheType::Q8_0, FlashAttn::On).unwrap();
-        let cache = KvCache::new(ty, 8, 8, 2 * 16, &[None]);
+        let cache = LayerCache::for_context(ty, 8, 8, 2 * 16, None);
         let shape = AttnShape {
             n_head: 2,
             n_head_kv: 2,
@@ -1894,10 +1890,8 @@ pub(crate) mod tests {
             scale: 0.25,
         };
         let mut out = vec![1f32; 32];
-        attention(&cache.layers[0], &shape, &[0.0; 32], 0, None, &mut out);
-        assert!(cache.layers[0]
-            .refused
-            .load(std::sync::atomic::Ordering::Relaxed));
+        attention(&cache, &shape, &[0.0; 32], 0, None, &mut out);
+        assert!(cache.refused.load(std::sync::atomic::Ordering::Relaxed));
         assert!(out.iter().all(|&x| x == 0.0));
     }
 }
@@ -1909,7 +1903,7 @@ pub(crate) mod tests {
 #[cfg(test)]
 mod speed {
     use super::*;
-    use crate::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
+    use hmoe_backend::{CacheType, FlashAttn, KvType};
 
     /// Nanoseconds of CPU time this process's threads have run (Linux's per-thread
     /// `schedstat`; 0 where it is missing).
@@ -1951,11 +1945,11 @@ mod speed {
             ] {
                 let n = depth + n_q;
                 let ty = KvType::new(k, v, fa).unwrap();
-                let mut cache = KvCache::new(ty, n, n_q, w, &[None]).with_head_dims(hd, hd);
+                let mut cache = LayerCache::for_context(ty, n, n_q, w, None).with_head_dims(hd, hd);
                 let rows: Vec<f32> = (0..n * w)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
-                cache.layers[0].store(0, &rows, &rows, n);
+                cache.store(0, &rows, &rows, n);
                 let q: Vec<f32> = (0..n_q * nh * hd)
                     .map(|i| ((i * 31) % 100) as f32 / 50.0 - 1.0)
                     .collect();
@@ -1977,7 +1971,7 @@ mod speed {
                             std::hint::black_box(&evict);
                         }
                         let (t, c) = (std::time::Instant::now(), cpu_ns());
-                        attention(&cache.layers[0], &shape, &q, depth, None, &mut out);
+                        attention(&cache, &shape, &q, depth, None, &mut out);
                         wall = wall.min(t.elapsed().as_secs_f64() * 1e3);
                         cpu += cpu_ns().saturating_sub(c) as f64 / 5e6;
                     }

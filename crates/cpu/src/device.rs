@@ -1,5 +1,5 @@
 //! [`Cpu`]: the device contract ([`Backend`]) on the host, over the CPU engine's own kernels
-//! (this crate's [`crate::ops`], [`crate::attention`] and [`crate::kv_cache`], multithreaded
+//! (this crate's [`crate::ops`], [`crate::attention`] and [`crate::kv_storage`], multithreaded
 //! with the hmoe-pool thread pool), so that the device executor running on it computes what
 //! the CPU engine computes, bit for bit.
 //!
@@ -32,7 +32,7 @@ use hmoe_quant::{DotKernel, GemmKernel, GgmlType};
 
 use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
 use crate::experts::{self, ExpertBatch, ExpertKernels, ExpertScratch};
-use crate::kv_cache::{Cells, LayerCache};
+use crate::kv_storage::{Cells, LayerCache};
 use crate::ops::{self, QuantizedActs};
 
 /// The CPU device's name in device lists and messages.

@@ -8,7 +8,7 @@
 pub mod attention;
 mod device;
 pub mod experts;
-pub mod kv_cache;
+pub mod kv_storage;
 pub mod ops;
 #[cfg(test)]
 mod ref0_kv_tests;
@@ -16,4 +16,3 @@ mod ref0_kv_tests;
 pub use device::{
     host_memory, set_expert_interleaving, Cpu, CpuBuf, CpuMatrix, CpuMoe, HostMemory, CPU_NAME,
 };
-pub use kv_cache::{KvCache, KvType};

@@ -14,7 +14,8 @@ use hmoe_backend::{AttnParams, Backend, KvLayout, KvRing, Ref0};
 
 use crate::attention::tests::noise;
 use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
-use crate::kv_cache::{CacheType, Cells, FlashAttn, KvCache, KvType};
+use crate::kv_storage::{Cells, LayerCache};
+use hmoe_backend::{CacheType, FlashAttn, KvType};
 
 /// The CPU cells as ring bytes (ggml's layout of the type, little-endian).
 fn cell_bytes(c: &Cells) -> Vec<u8> {
@@ -58,8 +59,8 @@ fn check_with(
 ) {
     let w = N_KV * hd;
     let ty = KvType::new(k, v, fa).unwrap();
-    let mut cache = KvCache::new(ty, n, ub, w, &[window]).with_head_dims(hd, hd);
-    let layer = &mut cache.layers[0];
+    let mut cache = LayerCache::for_context(ty, n, ub, w, window).with_head_dims(hd, hd);
+    let layer = &mut cache;
     let dev = Ref0::new();
     let layout = |t: CacheType, cells: &Cells| {
         KvLayout::new(t.ggml_type(), w, layer.cells, cells.rotation()).unwrap()

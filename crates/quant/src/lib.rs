@@ -61,7 +61,8 @@
 //! bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
 //!
 //! [`expf`] and [`expf_slice`] compute `e^x` bit-identically to glibc's `expf` (its FMA build,
-//! what `f32::exp` calls on x86-64 with FMA), the latter vectorised (see `exp.rs`).
+//! what `f32::exp` calls on x86-64 with FMA), the latter vectorised (see `exp.rs`);
+//! [`expf_ggml`] and [`expf_ggml_slice`] compute ggml's vectorised exponential.
 //!
 //! All functions are thread-safe and allocation-free, except [`GemmKernel::prepare`] (a vector
 //! of block sums for MXFP4) and [`GemmKernel::gemm`] for MXFP4 with fewer than 16 rows.
@@ -69,15 +70,12 @@
 
 #[macro_use]
 mod kernels;
-mod attn;
 mod exp;
 mod gemm;
 mod kquants;
-mod lanes;
 mod legacy;
 mod repack;
 mod scalar;
-mod scores;
 mod tiled;
 mod types;
 #[cfg(target_arch = "x86_64")]
@@ -106,14 +104,9 @@ mod tests_lowbit;
 
 use std::sync::OnceLock;
 
-pub use attn::{expf_ggml, expf_ggml_slice, f16_head_scores, f16_value_lanes, VALUE_LANES};
-pub use exp::{expf, expf_slice, expf_slice_with};
+pub use exp::{expf, expf_ggml, expf_ggml_slice, expf_slice, expf_slice_with};
 pub use gemm::{GemmActs, GemmKernel};
 use kernels::{DequantFn, DotFn, DotRowsFn, QuantFn};
-pub use lanes::{
-    lane_scores, lane_values, softmax_lanes, Ahead, LaneBlock, LaneHeads, SOFTMAX_LANES,
-};
-pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::{GgmlType, LOWBIT_TYPES, WEIGHT_TYPES};
 
