@@ -14,7 +14,7 @@
 
 mod error;
 mod experts;
-pub mod host;
+pub mod host_ops;
 mod kv_type;
 pub mod numerics;
 mod params;
@@ -30,7 +30,7 @@ use hmoe_quant::GgmlType;
 
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
-pub use host::HostStaging;
+pub use host_ops::HostStaging;
 pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{

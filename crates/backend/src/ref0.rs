@@ -442,7 +442,7 @@ impl Backend for Ref0 {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        crate::host::rope_neox(x, positions, n_heads, head_dim, p)
+        crate::host_ops::rope_neox(x, positions, n_heads, head_dim, p)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
         &crate::KV_TYPES
@@ -593,7 +593,7 @@ impl Backend for Ref0 {
         dst: &mut RefBuf<f32>,
         c: &RowCopy,
     ) -> Result<(), BackendError> {
-        crate::host::copy_rows(src, dst, c)
+        crate::host_ops::copy_rows(src, dst, c)
     }
     fn rope_norm(
         &self,
@@ -604,7 +604,7 @@ impl Backend for Ref0 {
         first: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        crate::host::rope_norm(x, positions, n_heads, head_dim, first, p)
+        crate::host_ops::rope_norm(x, positions, n_heads, head_dim, first, p)
     }
     fn matmul_heads(
         &self,
@@ -696,7 +696,7 @@ impl Backend for Ref0 {
         weights: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
         let bias = bias.map(|b| &b[..]);
-        crate::host::route(logits, bias, gating, routing, n_expert, selected, weights)
+        crate::host_ops::route(logits, bias, gating, routing, n_expert, selected, weights)
     }
     fn staging(&self, n_d: usize, n_k: usize) -> Result<HostStaging, BackendError> {
         Ok(HostStaging::new(n_d, n_k))
