@@ -68,7 +68,7 @@ pub fn copy_rows(src: &[f32], dst: &mut [f32], c: &RowCopy) -> Result<(), Backen
 }
 
 /// [`crate::Backend::route`] over host slices: each row's gate probabilities, then
-/// [`Routing::select`] (the CPU engine's routing).
+/// [`Routing::select`] (the CPU device's routing).
 pub fn route(
     logits: &[f32],
     bias: Option<&[f32]>,
@@ -108,7 +108,7 @@ fn rope_table(p: &RopeParams, pos: i32, out: &mut Vec<(f32, f32)>) {
     out.extend((0..p.n_dims / 2).map(|i| p.cos_sin(pos, i)));
 }
 
-/// [`crate::Backend::rope_neox`] over host slices, with the CPU engine's FMAs (as ggml's
+/// [`crate::Backend::rope_neox`] over host slices, with the CPU device's FMAs (as ggml's
 /// build contracts them).
 pub fn rope_neox(
     x: &mut [f32],
@@ -139,7 +139,7 @@ pub fn rope_neox(
 }
 
 /// [`crate::Backend::rope_norm`] over host slices (adjacent pairs of dims
-/// `first .. first + p.n_dims` of every head), with the CPU engine's FMAs.
+/// `first .. first + p.n_dims` of every head), with the CPU device's FMAs.
 pub fn rope_norm(
     x: &mut [f32],
     positions: &[i32],

@@ -5,8 +5,8 @@
 //! (`-dev REF0`) so that every placement path runs on a machine without a GPU; it is a testing
 //! device, not a fast path.
 //!
-//! The numerics are the CPU engine's (ggml's CPU backend's), step for step as the CUDA kernels
-//! compute them, so that on the gpt-oss fixtures its logits are the CPU engine's bit for bit:
+//! The numerics are the CPU device's (ggml's CPU backend's), step for step as the CUDA kernels
+//! compute them, so that on the gpt-oss fixtures its logits are the CPU device's bit for bit:
 //!
 //! - Products (`matmul` and the experts): each activation row is converted once to ggml's
 //!   `vec_dot_type` of the weights ([`hmoe_quant::vec_dot_type`]): Q8_0 blocks for Q8_0 and
@@ -16,25 +16,25 @@
 //!   token (and for an expert only one slot routes to, and for every SiLU expert), else in
 //!   tinyBLAS's 16 lanes
 //!   (`F32Order`). F16 and BF16 products sum in f64 here (not the CPU's order). The other
-//!   types the CPU engine loads (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K) are multiplied with
-//!   hmoe-quant's own kernels, the one the CPU engine picks for the matrix
+//!   types the CPU device loads (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K) are multiplied with
+//!   hmoe-quant's own kernels, the one the CPU device picks for the matrix
 //!   ([`hmoe_quant::DotKernel::for_matrix`], repacked Q4_0/Q4_K included), over activations
 //!   quantized by [`hmoe_quant::quantize_row`]: `dot` for one token, `dot_tokens` (the tiled
-//!   K-quant and grouped repacked orders) for a batch, exactly as the CPU engine's `matmul`;
+//!   K-quant and grouped repacked orders) for a batch, exactly as the CPU device's `matmul`;
 //!   the experts (`moe`) take them too, each expert's rows multiplied together in the order
-//!   of the CPU engine's expert matmul (`BatchKind::Expert`: tiled K-quants from 8 rows routed
+//!   of the CPU device's expert matmul (`BatchKind::Expert`: tiled K-quants from 8 rows routed
 //!   to the expert), and an expert set's gate, up and down may be of different types (as in
 //!   Q4_K_M files); `matmul_heads` multiplies each head's rows with the head's inputs of
-//!   every token together, as the CPU engine's MLA does (`dot_tokens` of the `Dense` kind for contiguous
+//!   every token together, as the CPU device's MLA does (`dot_tokens` of the `Dense` kind for contiguous
 //!   inputs, of the `Expert` kind, `vec_dot`'s order, for strided ones).
-//! - The experts (`moe`) run as the CPU engine's host experts do: each expert's routed rows
+//! - The experts (`moe`) run as the CPU device's host experts do: each expert's routed rows
 //!   together, then every token's slot outputs weighted and added in slot order from zero.
 //! - K/V rings of every type of [`crate::KV_TYPES`] are stored and attended over as the CPU
 //!   engine's cache and attention do (see `ref0_kv.rs`): the row kernel with ggml's `expf`
 //!   ([`crate::numerics::expf_ggml`]) over f32/f16/bf16 values, flash attention over
 //!   block-quantized ones; K-only (latent) rings of every type with the row kernel, values
 //!   read from the keys.
-//! - The router's softmax and the gated activation call f32 `exp` (libm), as the CPU engine
+//! - The router's softmax and the gated activation call f32 `exp` (libm), as the CPU device
 //!   does.
 
 mod ref0_memory;
@@ -621,7 +621,7 @@ impl Backend for Ref0 {
             return Ok(());
         }
         if let Some(k) = &w.kernel {
-            // As the CPU engine's MLA: per head, the head's inputs of every token together,
+            // As the CPU device's MLA: per head, the head's inputs of every token together,
             // then its rows in `matmul`'s order (contiguous inputs) or `vec_dot`'s (strided:
             // `matmul_vec_dot`, the expert matmul's order).
             let kind = if x_stride == w.cols {

@@ -1,12 +1,12 @@
 //! The reference device's K/V rings: the store and attention over rings of every K/V type
-//! ([`crate::KV_TYPES`]), with the CPU engine's numerics (hmoe-model's `kv_cache` and
-//! `attention` modules) step for step, so that REF0 gives the CPU engine's bits:
+//! ([`crate::KV_TYPES`]), with the CPU device's numerics (hmoe-cpu's `kv_storage` and
+//! `attention` modules) step for step, so that REF0 gives the CPU device's bits:
 //!
 //! - **Store**: a row is rotated in chunks of the layout's `rot` (the Walsh–Hadamard transform,
 //!   [`numerics::fwht`]) and converted: f32 as is, f16 rounded to nearest even, bf16 and the
 //!   block types by [`hmoe_quant::quantize_row`].
 //! - **Attention** rotates the query like the keys and the output back like the values, then
-//!   takes the CPU engine's path for the value type:
+//!   takes the CPU device's path for the value type:
 //!   - f32/f16/bf16 values, the row kernel: scores over the visible keys (chunks of 16
 //!     positions from the window's start rounded down), a softmax with ggml's `expf` summed per
 //!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
@@ -102,7 +102,7 @@ pub(crate) fn store(
     Ok(())
 }
 
-/// A query head converted for keys of one type, as the CPU engine converts it.
+/// A query head converted for keys of one type, as the CPU device converts it.
 enum Query {
     /// f32 keys: the head itself; f16 keys: the head rounded to f16.
     Floats(Vec<f32>),
@@ -406,7 +406,7 @@ pub(crate) fn attention(
 }
 
 /// Attention over a K-only ring (`layout`, bytes), the values the first `p.v_dim` of each key,
-/// as the CPU engine's latent attention (its row kernel with the values in the keys): the
+/// as the CPU device's latent attention (its row kernel with the values in the keys): the
 /// query rotated like the keys; scores as [`Keys::score`] (f16 keys of a batch in 16 lanes
 /// when a key is whole 16-lane steps long); the softmax of [`attention`]'s row kernel; the
 /// values summed in 16 lanes with the probability rounded to the ring's type, one query

@@ -14,9 +14,10 @@
 //! [`flash::flash_attention`] instead: an online softmax over the keys with no score matrix.
 //! Over block-quantized values it is ggml's CPU flash-attention kernel (llama.cpp reads a
 //! quantized V cache only that way). Over f32/f16/bf16 values the keys go in chunks of
-//! [`FLASH_CHUNK`](hmoe_backend::numerics::FLASH_CHUNK) positions fixed by position, each its own softmax stepped a block of
-//! [`FLASH_BLOCK`](hmoe_backend::numerics::FLASH_BLOCK) positions at a time (one rescale per block, so the value sums run without a
-//! branch per key), folded in position order: one decode token then spreads over every thread
+//! [`FLASH_CHUNK`](hmoe_backend::numerics::FLASH_CHUNK) positions fixed by position, each its
+//! own softmax stepped a block of [`FLASH_BLOCK`](hmoe_backend::numerics::FLASH_BLOCK)
+//! positions at a time (one rescale per block, so the value sums run without a branch per
+//! key), folded in position order: one decode token then spreads over every thread
 //! (split-K), and results still depend neither on the thread count nor on the rest of the
 //! batch. Its results differ from the row kernel's in the last bits (another summation order,
 //! f32 probabilities), and from llama.cpp's flash kernel too (which sums f16 values in f16);

@@ -1,21 +1,20 @@
-//! [`Cpu`]: the device contract ([`Backend`]) on the host, over the CPU engine's own kernels
-//! (this crate's [`crate::ops`], [`crate::attention`] and [`crate::kv_storage`], multithreaded
-//! with the hmoe-pool thread pool), so that the device executor running on it computes what
-//! the CPU engine computes, bit for bit.
+//! [`Cpu`]: the device contract ([`Backend`]) on the host, over this crate's kernels
+//! ([`crate::ops`], [`crate::attention`] and [`crate::kv_storage`], multithreaded
+//! with the hmoe-pool thread pool).
 //!
 //! - Buffers are host vectors; nothing is transferred and nothing is counted
 //!   ([`Backend::transfers`] is `None`), and there is no memory limit to report
 //!   ([`Backend::free_memory`] is `None`).
 //! - Weights stay where they are: [`Backend::upload_matrix_shared`] keeps the handle to the
 //!   file mapping ([`SharedBytes`]), so a model is never copied; [`Backend::upload_matrix`]
-//!   (bytes without an owner) copies. Each matrix multiplies with the kernel the CPU engine
+//!   (bytes without an owner) copies. Each matrix multiplies with the kernel the CPU device
 //!   chooses for it ([`hmoe_quant::DotKernel::for_matrix`]).
-//! - K/V rings are the CPU engine's cache storage ([`Cells`]), stored and attended over by the
-//!   CPU engine's code: `kv_store` is its `set_rows` conversion (rotation included), attention
+//! - K/V rings are the CPU device's cache storage ([`Cells`]), stored and attended over by the
+//!   CPU device's code: `kv_store` is its `set_rows` conversion (rotation included), attention
 //!   its row kernel or flash attention as [`AttnParams`] asks.
 //! - Expert sets stay where they are too ([`Backend::upload_moe_shared`] keeps the handles to
 //!   the stacked matrices in the mapping; [`Backend::upload_moe`] copies the chosen experts),
-//!   and `moe` runs the CPU engine's expert kernels over them ([`crate::experts`]), so that a
+//!   and `moe` runs the CPU device's expert kernels over them ([`crate::experts`]), so that a
 //!   layer's experts are "on the device" with no round trip. The executor's host path
 //!   ([`Backend::staging`] being plain host buffers) computes the same.
 
@@ -361,7 +360,7 @@ impl Backend for Cpu {
             format!("{} values for {n_tokens} rows of {w}", src.len())
         })?;
         let mut cells = ring_cells(ring, "kv_store")?;
-        // The CPU engine's `LayerCache::store`: one row per token, converted as `set_rows`.
+        // The CPU device's `LayerCache::store`: one row per token, converted as `set_rows`.
         for (t, row) in src.chunks_exact(w).take(n_tokens).enumerate() {
             cells.store((pos0 + t) % n_cells * w, row);
         }
@@ -457,7 +456,7 @@ impl Backend for Cpu {
             selected.len() >= n * k && weights.len() >= n * k,
             || "lengths".into(),
         )?;
-        // The CPU engine's gpt-oss routing: top-k, then the softmax over the chosen scores.
+        // The CPU device's gpt-oss routing: top-k, then the softmax over the chosen scores.
         let (mut top, mut w) = (Vec::with_capacity(n_expert), Vec::with_capacity(k));
         for (t, row) in logits.chunks_exact(n_expert).enumerate() {
             hmoe_backend::routing::top_k(row, k, &mut top);
@@ -497,7 +496,7 @@ impl Backend for Cpu {
             op: OP,
             what: e.to_string(),
         };
-        // The CPU engine's expert sum over the whole batch (the executor splits the batch
+        // The CPU device's expert sum over the whole batch (the executor splits the batch
         // where the order of the products depends on it).
         match act {
             GatedAct::Silu => {
@@ -585,7 +584,7 @@ impl Backend for Cpu {
             x.len(),
             y.len(),
         )?;
-        // As the CPU engine's MLA: per head, the head's inputs of every token gathered, then
+        // As the CPU device's MLA: per head, the head's inputs of every token gathered, then
         // `matmul` (whole rows) or `matmul_vec_dot` (a non-contiguous activation).
         let mut acts = self.acts();
         let mut xs = vec![0f32; n * w.cols];
@@ -618,7 +617,7 @@ impl Backend for Cpu {
         Ok(())
     }
     fn k_only_types(&self) -> &'static [GgmlType] {
-        // The CPU engine's latent cache in every `-ctk` type, never rotated (the executor's
+        // The CPU device's latent cache in every `-ctk` type, never rotated (the executor's
         // K-only layouts have rotation 0).
         &KV_TYPES
     }

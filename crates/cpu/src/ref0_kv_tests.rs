@@ -1,12 +1,12 @@
-//! The reference device's K/V rings against the CPU engine's cache and attention, bit for bit,
+//! The reference device's K/V rings against the CPU device's cache and attention, bit for bit,
 //! for every pair of `-ctk`/`-ctv` types: the bytes REF0 stores are the CPU cache's (rotated
-//! as it rotates quantized heads), and attention over them gives the CPU engine's bits (the row
+//! as it rotates quantized heads), and attention over them gives the CPU device's bits (the row
 //! kernel over f32/f16/bf16 values, flash attention over block-quantized ones), for prefill
 //! batches and single tokens, full and sliding-window layers, with and without sinks, and
 //! heads of 32 (not rotated), 64, 80 (a tail after the 64-element steps) and 128 (a K rotation
-//! of 128); both of the CPU engine's attentions: gpt-oss's (`attention`, one value chain) and
+//! of 128); both of the CPU device's attentions: gpt-oss's (`attention`, one value chain) and
 //! that of Llama-style blocks and Qwen3-MoE (`attention_ext`, `vec_dot`'s four value chains for
-//! one token, [`AttnParams::value_chains`] 4). Here, in the CPU engine's crate, because the
+//! one token, [`AttnParams::value_chains`] 4). Here, in the CPU device's crate, because the
 //! contract crate cannot see it.
 
 use half::f16;

@@ -69,7 +69,7 @@ pub struct RefMatrix {
     pub(super) cols: usize,
     pub(super) row_bytes: usize,
     pub(super) data: Vec<u8>,
-    /// The CPU engine's kernel for a matrix of [`QUANT_KERNEL_TYPES`].
+    /// The CPU device's kernel for a matrix of [`QUANT_KERNEL_TYPES`].
     pub(super) kernel: Option<hmoe_quant::DotKernel>,
     pub(super) _charge: Option<Charge>,
 }

@@ -12,12 +12,12 @@ use crate::numerics::hsum16;
 use crate::BackendError;
 
 /// The weight types the reference device multiplies: those of the CUDA kernels (F32, F16,
-/// BF16, Q8_0, MXFP4), with its own code in the CPU engine's orders, and every other type the
-/// CPU engine loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]).
+/// BF16, Q8_0, MXFP4), with its own code in the CPU device's orders, and every other type the
+/// CPU device loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]).
 pub const REF0_TYPES: [GgmlType; 14] = hmoe_quant::WEIGHT_TYPES;
 
 /// The weight types of [`REF0_TYPES`] that the reference device multiplies with hmoe-quant's
-/// kernels (the CPU engine's, chosen per matrix): `matmul`, `matmul_heads`, `get_rows` and
+/// kernels (the CPU device's, chosen per matrix): `matmul`, `matmul_heads`, `get_rows` and
 /// expert sets take them.
 pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = hmoe_quant::LOWBIT_TYPES;
 
@@ -52,8 +52,8 @@ pub(super) fn matrix(
     })
 }
 
-/// `y[i] = W·rows[i]` for a matrix of [`QUANT_KERNEL_TYPES`] with the CPU engine's kernel `k`
-/// for it, as the CPU engine's `matmul` (`kind` [`hmoe_quant::BatchKind::Dense`]) or expert
+/// `y[i] = W·rows[i]` for a matrix of [`QUANT_KERNEL_TYPES`] with the CPU device's kernel `k`
+/// for it, as the CPU device's `matmul` (`kind` [`hmoe_quant::BatchKind::Dense`]) or expert
 /// matmul (`Expert`, the rows routed to one expert) computes it: every row quantized to the
 /// kernel's activation type, then `dot_tokens` over them all (for one row: `dot`; for a batch:
 /// the tiled K-quant and grouped repacked orders where the kind takes them).
@@ -289,7 +289,7 @@ pub(super) fn dot_f32_lanes(w: &[u8], x: &[f32]) -> f32 {
 }
 
 /// One weight row (file encoding `ty`) times an activation row converted by [`acts`] for
-/// `ty`, in the CPU engine's order for Q8_0, MXFP4 and F32 (`order`); F16 and BF16 products
+/// `ty`, in the CPU device's order for Q8_0, MXFP4 and F32 (`order`); F16 and BF16 products
 /// (exact in f32) are summed in f64, which is not the CPU's order.
 pub(super) fn row_dot(ty: GgmlType, row: &[u8], a: &Acts, order: F32Order) -> f32 {
     match (ty, a) {

@@ -12,7 +12,7 @@ use hmoe_quant::{DotKernel, GemmKernel, GgmlType};
 use crate::experts::ExpertKernels;
 use crate::kv_storage::Cells;
 
-/// A buffer of the CPU device: a host vector, or (for a K/V ring) the CPU engine's cache
+/// A buffer of the CPU device: a host vector, or (for a K/V ring) the CPU device's cache
 /// storage of the ring's type.
 pub struct CpuBuf<T> {
     pub(super) data: Vec<T>,
@@ -52,7 +52,7 @@ pub(super) enum MatrixBytes {
     Shared(SharedBytes),
 }
 
-/// A weight matrix in its file encoding, with the CPU engine's kernel for it.
+/// A weight matrix in its file encoding, with the CPU device's kernel for it.
 pub struct CpuMatrix {
     pub(super) ty: GgmlType,
     pub(super) rows: usize,
@@ -99,7 +99,7 @@ impl StackedBytes {
 }
 
 /// An expert set of the CPU device: the stacked gate, up and down matrices (the file's, kept in
-/// place, or a copy of the chosen experts), the chosen experts' biases, and the CPU engine's
+/// place, or a copy of the chosen experts), the chosen experts' biases, and the CPU device's
 /// kernels for the matrices.
 pub struct CpuMoe {
     pub(super) d: usize,
