@@ -1,6 +1,9 @@
 //! Pieces shared by the devices whose buffers live in host memory (REF0 and the CPU device):
 //! the expert-boundary staging buffers, and the ops that are the same plain loops on both
-//! (strided row copies, routing, RoPE). Each checks its shapes as the contract says.
+//! (strided row copies, row lookups, additions, routing, RoPE). Each checks its shapes as the
+//! contract says.
+
+use hmoe_quant::GgmlType;
 
 use crate::{BackendError, Gating, RopeParams, Routing, RowCopy, StagedIo};
 
@@ -161,5 +164,40 @@ pub fn rope_norm(
             }
         }
     }
+    Ok(())
+}
+
+/// [`crate::Backend::get_rows`] over host memory: `out[i]` is row `ids[i]` (of `rows` rows of
+/// `cols` values of `ty`, row `r`'s bytes `row(r)`) dequantized, or zeros for an id out of
+/// range.
+pub fn get_rows<'m>(
+    (ty, rows, cols): (GgmlType, usize, usize),
+    row: impl Fn(usize) -> &'m [u8],
+    ids: &[i32],
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    const OP: &str = "get_rows";
+    crate::error::ensure(out.len() >= ids.len() * cols, OP, || {
+        format!("out {} for {} rows of {cols}", out.len(), ids.len())
+    })?;
+    for (i, &id) in ids.iter().enumerate() {
+        let dst = &mut out[i * cols..(i + 1) * cols];
+        match usize::try_from(id).ok().filter(|&r| r < rows) {
+            Some(r) => {
+                hmoe_quant::dequantize_row(ty, row(r), dst).map_err(|e| BackendError::Shape {
+                    op: OP,
+                    what: e.to_string(),
+                })?
+            }
+            None => dst.fill(0.0),
+        }
+    }
+    Ok(())
+}
+
+/// [`crate::Backend::add_assign`] over host memory: `x[i] += y[i]`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) -> Result<(), BackendError> {
+    crate::error::ensure(y.len() >= x.len(), "add_assign", || "lengths".into())?;
+    x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
     Ok(())
 }

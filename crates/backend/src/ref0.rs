@@ -55,8 +55,7 @@ use crate::{
 use ref0_memory::{Charge, Memory};
 pub use ref0_memory::{RefBuf, RefMatrix, RefMoe};
 use ref0_products::{
-    acts, expert_products, kernel_products, kernel_products_of, matrix, quant_err, row_dot,
-    F32Order,
+    acts, expert_products, kernel_products, kernel_products_of, matrix, row_dot, F32Order,
 };
 pub use ref0_products::{QUANT_KERNEL_TYPES, REF0_TYPES};
 
@@ -354,18 +353,7 @@ impl Backend for Ref0 {
         ids: &RefBuf<i32>,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        shape("get_rows", out.len() >= ids.len() * t.cols, || {
-            format!("out {}", out.len())
-        })?;
-        for (i, &id) in ids.iter().enumerate() {
-            let dst = &mut out[i * t.cols..(i + 1) * t.cols];
-            match usize::try_from(id).ok().filter(|&r| r < t.rows) {
-                Some(r) => hmoe_quant::dequantize_row(t.ty, t.row(r), dst)
-                    .map_err(quant_err("get_rows"))?,
-                None => dst.fill(0.0),
-            }
-        }
-        Ok(())
+        crate::host_ops::get_rows((t.ty, t.rows, t.cols), |r| t.row(r), ids, out)
     }
     fn rms_norm(
         &self,
@@ -420,9 +408,7 @@ impl Backend for Ref0 {
         Ok(())
     }
     fn add_assign(&self, x: &mut RefBuf<f32>, y: &RefBuf<f32>) -> Result<(), BackendError> {
-        shape("add_assign", y.len() >= x.len(), || "lengths".into())?;
-        x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
-        Ok(())
+        crate::host_ops::add_assign(x, y)
     }
     fn add_bias(&self, x: &mut RefBuf<f32>, bias: &RefBuf<f32>) -> Result<(), BackendError> {
         let c = bias.len();

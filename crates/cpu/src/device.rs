@@ -258,18 +258,7 @@ impl Backend for Cpu {
         ids: &CpuBuf<i32>,
         out: &mut CpuBuf<f32>,
     ) -> Result<(), BackendError> {
-        ensure("get_rows", out.len() >= ids.len() * t.cols, || {
-            format!("out {} for {} rows of {}", out.len(), ids.len(), t.cols)
-        })?;
-        for (i, &id) in ids.iter().enumerate() {
-            let dst = &mut out[i * t.cols..(i + 1) * t.cols];
-            match usize::try_from(id).ok().filter(|&r| r < t.rows) {
-                Some(r) => hmoe_quant::dequantize_row(t.ty, t.row(r), dst)
-                    .map_err(quant_err("get_rows"))?,
-                None => dst.fill(0.0),
-            }
-        }
-        Ok(())
+        hmoe_backend::host_ops::get_rows((t.ty, t.rows, t.cols), |r| t.row(r), ids, out)
     }
     fn rms_norm(
         &self,
@@ -306,9 +295,7 @@ impl Backend for Cpu {
         Ok(())
     }
     fn add_assign(&self, x: &mut CpuBuf<f32>, y: &CpuBuf<f32>) -> Result<(), BackendError> {
-        ensure("add_assign", y.len() >= x.len(), || "lengths".into())?;
-        x.iter_mut().zip(y.iter()).for_each(|(a, &b)| *a += b);
-        Ok(())
+        hmoe_backend::host_ops::add_assign(x, y)
     }
     fn add_bias(&self, x: &mut CpuBuf<f32>, bias: &CpuBuf<f32>) -> Result<(), BackendError> {
         let c = bias.len();

@@ -382,17 +382,10 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// Deterministic values in [-1, 1) times `scale`.
+    /// Deterministic values in [-1, 1) times `scale` (attention's test values, scaled).
     fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                ((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
-            })
-            .collect()
+        let values = crate::attention::tests::noise(seed, n);
+        values.into_iter().map(|v| v * scale).collect()
     }
 
     fn halves(v: &[f32]) -> Vec<f16> {

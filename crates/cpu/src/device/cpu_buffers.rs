@@ -355,13 +355,6 @@ pub(super) fn ensure(
     }
 }
 
-pub(super) fn quant_err(op: &'static str) -> impl Fn(hmoe_quant::QuantError) -> BackendError {
-    move |e| BackendError::Shape {
-        op,
-        what: e.to_string(),
-    }
-}
-
 /// The matrix `data` of `rows × cols` values of `ty`, checked, with its kernel.
 pub(super) fn matrix(
     ty: GgmlType,
