@@ -152,8 +152,8 @@ pub struct LayerCache {
 
 impl LayerCache {
     /// Zeroed storage of `cells` positions: `k_width` key and `v_width` value elements per
-    /// cell (`v_width` 0: a K-only ring), not rotated (see [`LayerCache::with_head_dims`]).
-    pub fn new(
+    /// cell, not rotated (see [`LayerCache::with_head_dims`]).
+    fn new(
         ty: KvType,
         cells: usize,
         k_width: usize,
@@ -188,16 +188,14 @@ impl LayerCache {
     }
 
     /// Sets the rotation of block-quantized halves from the head sizes of the keys and values
-    /// (llama.cpp's Walsh–Hadamard rotation, see the module docs; a K-only ring's empty values
-    /// stay unrotated). Call before anything is stored.
+    /// (llama.cpp's Walsh–Hadamard rotation, see the module docs). Call before anything is
+    /// stored.
     pub fn with_head_dims(mut self, k_head: usize, v_head: usize) -> LayerCache {
         if let Cells::Blocks { ty, rot, .. } = &mut self.k {
             *rot = KvLayout::rotation(*ty, k_head, true);
         }
-        if let Cells::Blocks { ty, rot, data } = &mut self.v {
-            if !data.is_empty() {
-                *rot = KvLayout::rotation(*ty, v_head, false);
-            }
+        if let Cells::Blocks { ty, rot, .. } = &mut self.v {
+            *rot = KvLayout::rotation(*ty, v_head, false);
         }
         self
     }
