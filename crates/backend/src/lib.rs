@@ -1,4 +1,4 @@
-//! The device contract of hmoe (DESIGN.md §1, the `backend` layer): the [`Backend`] trait,
+//! The device contract of hmoe (`docs/architecture.md`, the `backend` layer): the [`Backend`] trait,
 //! which a device implements to hold weights and buffers and run the ops of a forward pass
 //! over them, its element and parameter types, and [`Ref0`], a reference device in plain Rust
 //! that behaves like a GPU (its own memory with a byte budget, every transfer counted).
@@ -14,7 +14,8 @@
 
 mod error;
 mod experts;
-pub mod host;
+pub mod host_ops;
+mod kv_type;
 pub mod numerics;
 mod params;
 mod ref0;
@@ -29,7 +30,8 @@ use hmoe_quant::GgmlType;
 
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
-pub use host::HostStaging;
+pub use host_ops::HostStaging;
+pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{
     Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME, REF0_TYPES,
@@ -187,7 +189,7 @@ pub enum GatedAct {
         /// The clamp.
         limit: f32,
     },
-    /// SwiGLU, `h = silu(g)·u`, as the CPU engine's SwiGLU experts compute it (Qwen3-MoE,
+    /// SwiGLU, `h = silu(g)·u`, as the CPU device's SwiGLU experts compute it (Qwen3-MoE,
     /// DeepSeek): [`numerics::swiglu_row`] over each expert row of `ff` values, and every
     /// product of F32 experts in `vec_dot` order (ggml's `mul_mat_id`), however many slots
     /// route to the expert.
@@ -195,7 +197,7 @@ pub enum GatedAct {
 }
 
 impl GatedAct {
-    /// `act(gate, up)` of one element in f32 with libm's `exp`, as the CPU engine computes it
+    /// `act(gate, up)` of one element in f32 with libm's `exp`, as the CPU device computes it
     /// (for [`GatedAct::Silu`]: an element past a row's last whole 16-block; see
     /// [`GatedAct::apply_row`]).
     pub fn apply(self, gate: f32, up: f32) -> f32 {
@@ -209,7 +211,7 @@ impl GatedAct {
         }
     }
 
-    /// `gate[i] = act(gate[i], up[i])` over one expert row, as the CPU engine computes it.
+    /// `gate[i] = act(gate[i], up[i])` over one expert row, as the CPU device computes it.
     pub fn apply_row(self, gate: &mut [f32], up: &[f32]) {
         match self {
             GatedAct::ClampedSwiglu { .. } => {
@@ -238,7 +240,7 @@ pub fn copy_into_range(
     }
 }
 
-/// The element types of K/V rings the contract knows (the CPU engine's `-ctk`/`-ctv` types):
+/// The element types of K/V rings the contract knows (the CPU device's `-ctk`/`-ctv` types):
 /// F32, F16, BF16 and the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. A device says which it
 /// stores and attends over ([`Backend::kv_types`]).
 pub const KV_TYPES: [GgmlType; 8] = [
@@ -336,7 +338,7 @@ impl KvLayout {
     }
 
     /// The rotation chunk of a ring of `ty` whose heads are `head` values long, as llama.cpp
-    /// (and the CPU engine's cache) rotates them: a block-quantized type (not f32, f16 or
+    /// (and the CPU device's cache) rotates them: a block-quantized type (not f32, f16 or
     /// bf16) with heads a multiple of 64 long is rotated, keys (`key`) in chunks of the
     /// largest power of two dividing the head, values in chunks of 64; else 0.
     pub fn rotation(ty: GgmlType, head: usize, key: bool) -> usize {
@@ -555,7 +557,7 @@ pub trait Backend: Send + Sync {
     }
     /// Rows of `n_tokens` tokens (`ring.layout.width` values each) into `ring` from position
     /// `pos0` (position `p` in cell `p % cells`), rotated and converted as the layout says
-    /// (as the CPU engine's cache stores them: f16/bf16 rounded to nearest even, block types
+    /// (as the CPU device's cache stores them: f16/bf16 rounded to nearest even, block types
     /// by hmoe-quant's quantizers).
     fn kv_store(
         &self,
@@ -568,7 +570,7 @@ pub trait Backend: Send + Sync {
     /// sliding window, GQA, and one sink logit per head when `sinks` is given), with the CPU
     /// engine's numerics for the rings' types: the row kernel (softmax, then the value sum)
     /// over f32/f16/bf16 values (one query token's f32/f16 values without sinks summed in
-    /// `vec_dot`'s four chains, as the CPU engine's `attention_ext`; with sinks in one, as its
+    /// `vec_dot`'s four chains, as the CPU device's `attention_ext`; with sinks in one, as its
     /// gpt-oss attention), flash attention (online softmax) over block-quantized values; the
     /// query rotated like the keys and the output rotated back like the values.
     #[allow(clippy::too_many_arguments)]
@@ -642,7 +644,7 @@ pub trait Backend: Send + Sync {
         y: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
     /// `gate[i] = silu(gate[i]) · up[i]` in place, rows of `n` values (the dense SwiGLU
-    /// feed-forward's activation; the CPU engine's `exp` per position in the row).
+    /// feed-forward's activation; the CPU device's `exp` per position in the row).
     fn swiglu(
         &self,
         gate: &mut Self::Buf<f32>,
@@ -657,7 +659,7 @@ pub trait Backend: Send + Sync {
     /// Attention of `n_tokens` queries at positions `pos0..` over a K-only ring of one of
     /// [`Backend::k_only_types`] (causal, every query head against the one key head; values
     /// are the first `p.v_dim` elements of each key, whole blocks of the ring's type): `out`
-    /// holds `p.v_dim` values per query head, with the CPU engine's numerics for the type (its
+    /// holds `p.v_dim` values per query head, with the CPU device's numerics for the type (its
     /// row kernel with values in the keys; the query rotated like the keys and the output
     /// rotated back). A ring of another type is an [`BackendError::UnsupportedType`].
     fn attention_k_only(

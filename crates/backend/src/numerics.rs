@@ -1,8 +1,8 @@
-//! Scalar numerics shared by the CPU engine and the reference device, so that both compute
+//! Scalar numerics shared by the CPU device and the reference device, so that both compute
 //! the same bits.
 
 /// e^x as computed by ggml's vectorised exponential (a polynomial after range reduction,
-/// ≤ 1.5 ulp from the true value); the one the CPU engine's kernels use (hmoe-quant's).
+/// ≤ 1.5 ulp from the true value); the one the CPU device's kernels use (hmoe-quant's).
 pub use hmoe_quant::expf_ggml;
 
 /// ggml's fast Walsh–Hadamard transform of one chunk (what llama.cpp's rotation of
@@ -125,7 +125,7 @@ pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
 }
 /// The score of the chunked flash kernel for f32/f16 keys (the query rounded to f16 for f16
 /// keys, the key converted exactly): one FMA chain in element order from 0, `s = q[e]·k[e] + s`.
-/// The CPU engine computes it for eight query heads at once, one head per lane.
+/// The CPU device computes it for eight query heads at once, one head per lane.
 #[inline]
 pub fn dot_chain(q: &[f32], k: &[f32]) -> f32 {
     q.iter().zip(k).fold(0.0, |s, (&a, &b)| a.mul_add(b, s))

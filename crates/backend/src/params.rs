@@ -1,6 +1,6 @@
 //! Parameters of the RoPE and attention ops.
 
-/// RoPE parameters in the form the kernel (and the CPU engine's `Rope`) uses them.
+/// RoPE parameters in the form the kernel (and the CPU device's `Rope`) uses them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RopeParams {
     /// Rotated dims per head (the first `n_dims` of each head).
@@ -67,7 +67,7 @@ impl RopeParams {
         }
     }
 
-    /// YaRN as llama.cpp hands it to ggml (the CPU engine's `Rope::scaled` with
+    /// YaRN as llama.cpp hands it to ggml (the CPU device's `Rope::scaled` with
     /// `RopeScaling::Yarn`): `attn_factor` is the value after llama.cpp's division by
     /// `1 + 0.1 ln(factor)`; for gpt-oss (factor 32 over 4096, no log multiplier) that is
     /// exactly 1, and the kernel's own `1 + 0.1 ln(32)` gives the magnitude 1.3466.
@@ -137,13 +137,13 @@ pub struct AttnParams {
     /// Accumulator chains of the value sum of one query token over f32/f16 values (the row
     /// kernel), 1 or [`crate::numerics::VEC_DOT_CHAINS`]: with 4, position `p` adds into lane
     /// `p % 16` of chain `(p / 16) % 4` and the chains fold as `(c0 + c2) + (c1 + c3)` before
-    /// the lanes are summed, as ggml's `vec_dot_f32`/`vec_dot_f16` sum (the CPU engine's
+    /// the lanes are summed, as ggml's `vec_dot_f32`/`vec_dot_f16` sum (the CPU device's
     /// attention of Llama-style blocks, Qwen3-MoE's); with 1 every position adds into one
     /// 16-lane chain (its gpt-oss attention). A batch of several tokens, and bf16 or
     /// block-quantized values, always sum in one chain.
     pub value_chains: usize,
     /// Flash attention (`-fa on`/`auto`): over f32/f16/bf16 values, the chunked online softmax of
-    /// the CPU engine ([`crate::numerics::FLASH_CHUNK`]) instead of the row kernel.
+    /// the CPU device ([`crate::numerics::FLASH_CHUNK`]) instead of the row kernel.
     /// Block-quantized values always take flash attention (in one chunk, as ggml).
     pub flash: bool,
 }

@@ -1,12 +1,12 @@
 //! The reference device's K/V rings: the store and attention over rings of every K/V type
-//! ([`crate::KV_TYPES`]), with the CPU engine's numerics (hmoe-model's `kv_cache` and
-//! `attention` modules) step for step, so that REF0 gives the CPU engine's bits:
+//! ([`crate::KV_TYPES`]), with the CPU device's numerics (hmoe-cpu's `kv_storage` and
+//! `attention` modules) step for step, so that REF0 gives the CPU device's bits:
 //!
 //! - **Store**: a row is rotated in chunks of the layout's `rot` (the Walsh–Hadamard transform,
 //!   [`numerics::fwht`]) and converted: f32 as is, f16 rounded to nearest even, bf16 and the
 //!   block types by [`hmoe_quant::quantize_row`].
 //! - **Attention** rotates the query like the keys and the output back like the values, then
-//!   takes the CPU engine's path for the value type:
+//!   takes the CPU device's path for the value type:
 //!   - f32/f16/bf16 values, the row kernel: scores over the visible keys (chunks of 16
 //!     positions from the window's start rounded down), a softmax with ggml's `expf` summed per
 //!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
@@ -102,7 +102,7 @@ pub(crate) fn store(
     Ok(())
 }
 
-/// A query head converted for keys of one type, as the CPU engine converts it.
+/// A query head converted for keys of one type, as the CPU device converts it.
 enum Query {
     /// f32 keys: the head itself; f16 keys: the head rounded to f16.
     Floats(Vec<f32>),
@@ -304,98 +304,25 @@ pub(crate) fn attention(
         for h in 0..nh {
             let kvh = h / (nh / nkv);
             let at = |pp: usize| (pp % p.cells) * kvw + kvh * hd;
-            let qh = keys.query(&q[(t * nh + h) * hd..][..hd])?;
+            let row = RingRow {
+                keys: &keys,
+                q: keys.query(&q[(t * nh + h) * hd..][..hd])?,
+                at: &at,
+                v: (vl.ty, vd),
+                hd,
+                scale: p.scale,
+                first,
+                pos,
+            };
             let sink = sinks.map(|s| s[h]);
             let o = &mut out[(t * nh + h) * hd..][..hd];
             if flash(vl.ty) {
-                let mut row = FlashRow::new(hd);
-                for pp in first..=pos {
-                    let s = keys.score(&qh, at(pp), hd, false) * p.scale;
-                    values(vl.ty, vd, at(pp), &mut v_row)?;
-                    row.add(s, &v_row);
-                }
-                row.finish(sink, o);
-                continue;
-            }
-            if p.flash {
-                // Chunks of `FLASH_CHUNK` positions fixed by position, each its own softmax in
-                // blocks of `FLASH_BLOCK` positions, folded in position order.
-                let mut total = FlashRow::new(hd);
-                for c in first / FLASH_CHUNK..=pos / FLASH_CHUNK {
-                    let mut row = FlashRow::new(hd);
-                    let (lo, hi) = (
-                        (c * FLASH_CHUNK).max(first),
-                        ((c + 1) * FLASH_CHUNK).min(pos + 1),
-                    );
-                    for b in lo / FLASH_BLOCK..hi.div_ceil(FLASH_BLOCK) {
-                        let keys_of = (b * FLASH_BLOCK).max(lo)..((b + 1) * FLASH_BLOCK).min(hi);
-                        let scores: Vec<f32> = keys_of
-                            .clone()
-                            .map(|pp| keys.score_chain(&qh, at(pp), hd) * p.scale)
-                            .collect();
-                        let value =
-                            |i: usize, v: &mut [f32]| values(vl.ty, vd, at(keys_of.start + i), v);
-                        row.add_block(&scores, value, &mut v_row)?;
-                    }
-                    merge_softmax_chunk(
-                        &mut total.m,
-                        &mut total.s,
-                        &mut total.acc,
-                        (row.m, row.s, &row.acc),
-                    );
-                }
-                total.finish(sink, o);
-                continue;
-            }
-            // Positions in chunks of 16 from `first` rounded down to a multiple of 16; those
-            // before `first` weigh 0.
-            let chunk_start = first / LANES * LANES;
-            let scores: Vec<f32> = (chunk_start..=pos)
-                .map(|pp| match pp < first {
-                    true => 0.0,
-                    false => keys.score(&qh, at(pp), hd, !single) * p.scale,
-                })
-                .collect();
-            let m = scores[first - chunk_start..]
-                .iter()
-                .copied()
-                .chain(sink)
-                .fold(f32::NEG_INFINITY, f32::max);
-            let e: Vec<f32> = scores
-                .iter()
-                .enumerate()
-                .map(|(i, &s)| match chunk_start + i < first {
-                    true => 0.0,
-                    false => expf_ggml(s - m),
-                })
-                .collect();
-            let mut sum = 0f64;
-            for chunk in e.chunks(LANES) {
-                let mut lanes = [0f32; LANES];
-                lanes[..chunk.len()].copy_from_slice(chunk);
-                sum += hsum16(&lanes) as f64;
-            }
-            if let Some(s) = sink {
-                sum += (s - m).exp() as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            // Lane `i` of a value dimension takes position `i` of every chunk (of the chunk's
-            // chain, for one token's float values in `vec_dot`'s chains).
-            let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; hd];
-            for (i, &ev) in e.iter().enumerate() {
-                let pp = chunk_start + i;
-                if pp < first {
-                    continue;
-                }
-                let w = round_weight(vl.ty, ev * inv);
-                values(vl.ty, vd, at(pp), &mut v_row)?;
-                let (chain, lane) = ((pp / LANES) % chains, i % LANES);
-                for (a, &x) in acc.iter_mut().zip(&v_row) {
-                    a[chain][lane] = x.mul_add(w, a[chain][lane]);
-                }
-            }
-            for (ov, a) in o.iter_mut().zip(&acc) {
-                *ov = sum_chains(a, chains);
+                row.ggml_flash(&mut v_row)?.finish(sink, o);
+            } else if p.flash {
+                row.chunked_flash(&mut v_row)?.finish(sink, o);
+            } else {
+                let chains = (chains, !single);
+                row.row_kernel(sink, chains, &mut v_row, o)?;
             }
         }
     }
@@ -405,8 +332,133 @@ pub(crate) fn attention(
     Ok(())
 }
 
+/// One (query, head) row of [`attention`] over rings: the converted query, where its KV
+/// head's keys and values lie, and the positions `first..=pos` it sees.
+struct RingRow<'a> {
+    keys: &'a Keys<'a>,
+    q: Query,
+    /// Element offset of the KV head at a position.
+    at: &'a dyn Fn(usize) -> usize,
+    /// The value ring's type and bytes.
+    v: (GgmlType, &'a [u8]),
+    hd: usize,
+    scale: f32,
+    first: usize,
+    pos: usize,
+}
+
+impl RingRow<'_> {
+    /// ggml's flash kernel over block-quantized values: one online softmax over every seen key
+    /// in position order.
+    fn ggml_flash(&self, v_row: &mut [f32]) -> Result<FlashRow, BackendError> {
+        let mut row = FlashRow::new(self.hd);
+        for pp in self.first..=self.pos {
+            let s = self.keys.score(&self.q, (self.at)(pp), self.hd, false) * self.scale;
+            values(self.v.0, self.v.1, (self.at)(pp), v_row)?;
+            row.add(s, v_row);
+        }
+        Ok(row)
+    }
+
+    /// The chunked kernel over f32/f16/bf16 values: chunks of `FLASH_CHUNK` positions fixed by
+    /// position, each its own softmax in blocks of `FLASH_BLOCK` positions, folded in position
+    /// order.
+    fn chunked_flash(&self, v_row: &mut [f32]) -> Result<FlashRow, BackendError> {
+        let (first, pos) = (self.first, self.pos);
+        let mut total = FlashRow::new(self.hd);
+        for c in first / FLASH_CHUNK..=pos / FLASH_CHUNK {
+            let mut row = FlashRow::new(self.hd);
+            let (lo, hi) = (
+                (c * FLASH_CHUNK).max(first),
+                ((c + 1) * FLASH_CHUNK).min(pos + 1),
+            );
+            for b in lo / FLASH_BLOCK..hi.div_ceil(FLASH_BLOCK) {
+                let keys_of = (b * FLASH_BLOCK).max(lo)..((b + 1) * FLASH_BLOCK).min(hi);
+                let scores: Vec<f32> = keys_of
+                    .clone()
+                    .map(|pp| self.keys.score_chain(&self.q, (self.at)(pp), self.hd) * self.scale)
+                    .collect();
+                let value = |i: usize, v: &mut [f32]| {
+                    values(self.v.0, self.v.1, (self.at)(keys_of.start + i), v)
+                };
+                row.add_block(&scores, value, v_row)?;
+            }
+            merge_softmax_chunk(
+                &mut total.m,
+                &mut total.s,
+                &mut total.acc,
+                (row.m, row.s, &row.acc),
+            );
+        }
+        Ok(total)
+    }
+
+    /// The row kernel: scores in chunks of 16 positions from `first` rounded down to a
+    /// multiple of 16 (those before `first` weigh 0), ggml's `expf`, the sum by halving per
+    /// chunk, then the values in 16 lanes over positions (`chains` of them, and 16-lane
+    /// scores of f16 keys when `lanes`), into `o`.
+    fn row_kernel(
+        &self,
+        sink: Option<f32>,
+        (chains, lanes): (usize, bool),
+        v_row: &mut [f32],
+        o: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let (first, pos, hd, vt) = (self.first, self.pos, self.hd, self.v.0);
+        let chunk_start = first / LANES * LANES;
+        let scores: Vec<f32> = (chunk_start..=pos)
+            .map(|pp| match pp < first {
+                true => 0.0,
+                false => self.keys.score(&self.q, (self.at)(pp), hd, lanes) * self.scale,
+            })
+            .collect();
+        let m = scores[first - chunk_start..]
+            .iter()
+            .copied()
+            .chain(sink)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = scores
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| match chunk_start + i < first {
+                true => 0.0,
+                false => expf_ggml(s - m),
+            })
+            .collect();
+        let mut sum = 0f64;
+        for chunk in e.chunks(LANES) {
+            let mut lanes = [0f32; LANES];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            sum += hsum16(&lanes) as f64;
+        }
+        if let Some(s) = sink {
+            sum += (s - m).exp() as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        // Lane `i` of a value dimension takes position `i` of every chunk (of the chunk's
+        // chain, for one token's float values in `vec_dot`'s chains).
+        let mut acc = vec![[[0f32; LANES]; VEC_DOT_CHAINS]; hd];
+        for (i, &ev) in e.iter().enumerate() {
+            let pp = chunk_start + i;
+            if pp < first {
+                continue;
+            }
+            let w = round_weight(vt, ev * inv);
+            values(vt, self.v.1, (self.at)(pp), v_row)?;
+            let (chain, lane) = ((pp / LANES) % chains, i % LANES);
+            for (a, &x) in acc.iter_mut().zip(&*v_row) {
+                a[chain][lane] = x.mul_add(w, a[chain][lane]);
+            }
+        }
+        for (ov, a) in o.iter_mut().zip(&acc) {
+            *ov = sum_chains(a, chains);
+        }
+        Ok(())
+    }
+}
+
 /// Attention over a K-only ring (`layout`, bytes), the values the first `p.v_dim` of each key,
-/// as the CPU engine's latent attention (its row kernel with the values in the keys): the
+/// as the CPU device's latent attention (its row kernel with the values in the keys): the
 /// query rotated like the keys; scores as [`Keys::score`] (f16 keys of a batch in 16 lanes
 /// when a key is whole 16-lane steps long); the softmax of [`attention`]'s row kernel; the
 /// values summed in 16 lanes with the probability rounded to the ring's type, one query

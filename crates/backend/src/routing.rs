@@ -1,6 +1,6 @@
-//! Expert routing as the CPU engine computes it (llama.cpp's `build_moe_ffn`): gate scores from
+//! Expert routing as the CPU device computes it (llama.cpp's `build_moe_ffn`): gate scores from
 //! router logits (softmax or sigmoid), a selection-only score bias, group-limited top-k, and
-//! renormalised, scaled weights. Pure functions, shared by the CPU engine and the reference
+//! renormalised, scaled weights. Pure functions, shared by the CPU device and the reference
 //! device so that both choose the same experts with the same weights, bit for bit.
 
 use crate::numerics::{expf_ggml, hsum16};

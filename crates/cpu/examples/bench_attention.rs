@@ -12,8 +12,9 @@
 
 use std::time::Instant;
 
+use hmoe_backend::{CacheType, FlashAttn, KvType};
 use hmoe_cpu::attention::{attention, AttnShape};
-use hmoe_cpu::kv_cache::{CacheType, FlashAttn, KvCache, KvType};
+use hmoe_cpu::kv_storage::LayerCache;
 
 const N_HEAD: usize = 64;
 const N_KV: usize = 8;
@@ -65,8 +66,8 @@ fn main() {
             continue;
         }
         let kv = KvType::new(ty, ty, fa).expect("a valid cache type");
-        let mut cache = KvCache::new(kv, depth + 1, ub, w, &[None]).with_head_dims(HD, HD);
-        let layer = &mut cache.layers[0];
+        let mut cache = LayerCache::for_context(kv, depth + 1, ub, w, None).with_head_dims(HD, HD);
+        let layer = &mut cache;
         for start in (0..=depth).step_by(ub) {
             let end = (start + ub).min(depth + 1);
             let k = noise(start as u64 * 2 + 1, (end - start) * w);

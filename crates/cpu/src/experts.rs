@@ -1,7 +1,7 @@
-//! The CPU engine's routed-expert kernels, which know no architecture: the batch that crosses
+//! The CPU device's routed-expert kernels, which know no architecture: the batch that crosses
 //! the expert boundary ([`ExpertBatch`]: the normed hidden state with the router's choices and
 //! weights) and the expert sum over one layer's experts in the file mapping
-//! ([`host_experts`]), which the CPU engine, the device executor's host-expert layers and
+//! ([`host_experts`]), which the CPU device, the device executor's host-expert layers and
 //! [`crate::Cpu`]'s `moe` op all run.
 //!
 //! For each token `t` of the batch the host computes
@@ -449,7 +449,7 @@ fn mix_one_token<'w>(
 }
 
 /// The host path: the expert sum over the layer's tensors in the file mapping, no copies, as
-/// the CPU engine computes it for `act`: the elementwise activation of gpt-oss
+/// the CPU device computes it for `act`: the elementwise activation of gpt-oss
 /// ([`GatedAct::ClampedSwiglu`], biases, the whole batch at once except F32 products, which
 /// run per group); SwiGLU ([`GatedAct::Silu`], [`moe_swiglu`]) each group alone.
 pub fn host_experts(
@@ -511,7 +511,7 @@ pub(crate) fn expert_sum<'w>(
     Ok(())
 }
 
-/// Routed SwiGLU experts without biases, the CPU engine's Qwen3-MoE and DeepSeek experts:
+/// Routed SwiGLU experts without biases, the CPU device's Qwen3-MoE and DeepSeek experts:
 /// `y_t = Σ_s w[t][s] · expert_{sel[t][s]}(h_t)` with
 /// `expert_e(h) = Wd_e · (silu(Wg_e·h) ⊙ Wu_e·h)`, `k_used` slots per token, over the experts
 /// `0..n_expert` that `view` finds (a slot naming another gives nothing). Tokens are grouped by

@@ -1,4 +1,4 @@
-//! The CPU engine's row kernels: RMSNorm, bias, softmax, SwiGLU, and matmul over quantized
+//! The CPU device's row kernels: RMSNorm, bias, softmax, SwiGLU, and matmul over quantized
 //! weights. Numerics follow ggml's CPU backend so that results match llama.cpp's: activations
 //! are converted to the weight type's dot format once per row, norms and softmax sums
 //! accumulate in f64.

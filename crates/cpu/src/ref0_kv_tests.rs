@@ -1,12 +1,12 @@
-//! The reference device's K/V rings against the CPU engine's cache and attention, bit for bit,
+//! The reference device's K/V rings against the CPU device's cache and attention, bit for bit,
 //! for every pair of `-ctk`/`-ctv` types: the bytes REF0 stores are the CPU cache's (rotated
-//! as it rotates quantized heads), and attention over them gives the CPU engine's bits (the row
+//! as it rotates quantized heads), and attention over them gives the CPU device's bits (the row
 //! kernel over f32/f16/bf16 values, flash attention over block-quantized ones), for prefill
 //! batches and single tokens, full and sliding-window layers, with and without sinks, and
 //! heads of 32 (not rotated), 64, 80 (a tail after the 64-element steps) and 128 (a K rotation
-//! of 128); both of the CPU engine's attentions: gpt-oss's (`attention`, one value chain) and
+//! of 128); both of the CPU device's attentions: gpt-oss's (`attention`, one value chain) and
 //! that of Llama-style blocks and Qwen3-MoE (`attention_ext`, `vec_dot`'s four value chains for
-//! one token, [`AttnParams::value_chains`] 4). Here, in the CPU engine's crate, because the
+//! one token, [`AttnParams::value_chains`] 4). Here, in the CPU device's crate, because the
 //! contract crate cannot see it.
 
 use half::f16;
@@ -14,7 +14,8 @@ use hmoe_backend::{AttnParams, Backend, KvLayout, KvRing, Ref0};
 
 use crate::attention::tests::noise;
 use crate::attention::{attention, attention_ext, AttnLayout, AttnShape};
-use crate::kv_cache::{CacheType, Cells, FlashAttn, KvCache, KvType};
+use crate::kv_storage::{Cells, LayerCache};
+use hmoe_backend::{CacheType, FlashAttn, KvType};
 
 /// The CPU cells as ring bytes (ggml's layout of the type, little-endian).
 fn cell_bytes(c: &Cells) -> Vec<u8> {
@@ -58,8 +59,8 @@ fn check_with(
 ) {
     let w = N_KV * hd;
     let ty = KvType::new(k, v, fa).unwrap();
-    let mut cache = KvCache::new(ty, n, ub, w, &[window]).with_head_dims(hd, hd);
-    let layer = &mut cache.layers[0];
+    let mut cache = LayerCache::for_context(ty, n, ub, w, window).with_head_dims(hd, hd);
+    let layer = &mut cache;
     let dev = Ref0::new();
     let layout = |t: CacheType, cells: &Cells| {
         KvLayout::new(t.ggml_type(), w, layer.cells, cells.rotation()).unwrap()

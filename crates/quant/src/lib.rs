@@ -61,7 +61,8 @@
 //! bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
 //!
 //! [`expf`] and [`expf_slice`] compute `e^x` bit-identically to glibc's `expf` (its FMA build,
-//! what `f32::exp` calls on x86-64 with FMA), the latter vectorised (see `exp.rs`).
+//! what `f32::exp` calls on x86-64 with FMA), the latter vectorised (see `exp.rs`);
+//! [`expf_ggml`] and [`expf_ggml_slice`] compute ggml's vectorised exponential.
 //!
 //! All functions are thread-safe and allocation-free, except [`GemmKernel::prepare`] (a vector
 //! of block sums for MXFP4) and [`GemmKernel::gemm`] for MXFP4 with fewer than 16 rows.
@@ -69,7 +70,6 @@
 
 #[macro_use]
 mod kernel_fns;
-mod attn;
 mod cache_hint;
 mod convert;
 mod dispatch;
@@ -79,11 +79,9 @@ mod exp;
 mod gemm_kernel;
 mod gemm_layout;
 mod isa;
-mod lanes;
 mod pages;
 mod repack;
 mod scalar;
-mod scores;
 mod tiled;
 mod types;
 #[cfg(target_arch = "x86_64")]
@@ -94,7 +92,6 @@ mod tests;
 #[cfg(test)]
 mod tests_exp;
 
-pub use attn::{expf_ggml, expf_ggml_slice, f16_head_scores, f16_value_lanes, VALUE_LANES};
 pub use cache_hint::prefetch;
 pub use convert::{
     dequantize_row, dequantize_row_with, f16_bytes, quantize_row, quantize_row_with, Dequantizer,
@@ -102,18 +99,9 @@ pub use convert::{
 pub use dispatch::{amx_in_use, amx_status, kernel_summary};
 pub use dot_kernel::DotKernel;
 pub use error::QuantError;
-pub use exp::{expf, expf_slice, expf_slice_with};
+pub use exp::{expf, expf_ggml, expf_ggml_slice, expf_slice, expf_slice_with};
 pub use gemm_kernel::{GemmActs, GemmKernel};
 pub use isa::{AmxStatus, Isa};
-pub use lanes::{
-    lane_scores, lane_values, softmax_lanes, Ahead, LaneBlock, LaneHeads, SOFTMAX_LANES,
-};
 pub use pages::whole_pages;
-pub use scores::Q8_0Queries;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
 pub use types::{vec_dot_type, GgmlType, LOWBIT_TYPES, WEIGHT_TYPES};
-
-// The paths the attention kernels (`attn`, `lanes`, `scores`, `exp`) use.
-use error::check_isa;
-#[cfg(target_arch = "x86_64")]
-use x86::features as cpu;

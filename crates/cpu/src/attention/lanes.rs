@@ -1,9 +1,9 @@
 //! The chunked flash kernel over f32/f16 keys ([`super::flash_attention`]) with the query rows
 //! that share a KV head in the lanes of one vector: [`ROW_LANES`] rows scored against a block
-//! of keys together ([`hmoe_quant::lane_scores`]), their softmax stepped a block at a time in
+//! of keys together ([`super::lane_kernels::lane_scores`]), their softmax stepped a block at a time in
 //! lanes ([`LaneSoftmax::step_block`], the kernel [`softmax_lanes`]), and their value sums
 //! with the accumulators of every row held in registers across the block
-//! ([`hmoe_quant::lane_values`]); keys and values are read in place from the cache.
+//! ([`super::lane_kernels::lane_values`]); keys and values are read in place from the cache.
 //!
 //! Each lane performs exactly the operations of the row-at-a-time arithmetic on the same
 //! operands in the same order ([`dot_chain`] scores, [`softmax_block`] factors, one FMA per
@@ -13,7 +13,7 @@
 //! [`dot_chain`]: hmoe_backend::numerics::dot_chain
 //! [`softmax_block`]: hmoe_backend::numerics::softmax_block
 
-use hmoe_quant::{softmax_lanes, LaneBlock, SOFTMAX_LANES};
+use super::lane_kernels::{softmax_lanes, LaneBlock, SOFTMAX_LANES};
 
 /// Query rows scored and summed together, one per vector lane.
 pub(super) const ROW_LANES: usize = SOFTMAX_LANES;
@@ -62,7 +62,7 @@ impl LaneSoftmax {
     /// Steps every lane's maximum and sum through the block of keys of positions `p0..p0 +
     /// raw.len()` (`raw[i][l]`: lane `l`'s unscaled score of key `i`) as the row kernel's
     /// block step does for the keys each lane sees ([`softmax_lanes`]), and keeps the block's
-    /// factors for [`hmoe_quant::lane_values`] ([`LaneSoftmax::block`]).
+    /// factors for [`super::lane_kernels::lane_values`] ([`LaneSoftmax::block`]).
     pub(super) fn step_block(&mut self, raw: &[[f32; ROW_LANES]], scale: f32, p0: usize) {
         let n = raw.len();
         // Each lane's visible keys of the block, `from..to`.
@@ -80,7 +80,7 @@ impl LaneSoftmax {
         );
     }
 
-    /// The factors of the block last stepped, for [`hmoe_quant::lane_values`].
+    /// The factors of the block last stepped, for [`super::lane_kernels::lane_values`].
     pub(super) fn block(&self) -> &LaneBlock {
         &self.block
     }

@@ -1,6 +1,6 @@
 //! Kernels of attention's row path over f16 keys and values (ggml's non-flash CPU numerics)
 //! for the query heads that share one KV head: their scores against a run of keys, their
-//! probability-weighted sums of a run of values, and ggml's vectorised exponential.
+//! probability-weighted sums of a run of values.
 //!
 //! Each returns the bits of the scalar arithmetic it replaces:
 //! * [`f16_head_scores`]: per (query head, key) the F16 [`DotKernel::dot`] times the scale.
@@ -11,12 +11,10 @@
 //! * [`f16_value_lanes`]: `acc[head][lane][e] = fma(v[e], f16(w), acc[head][lane][e])` over the
 //!   rows in order, lane = position mod 16 (tinyBLAS's lanes over positions), with the
 //!   accumulators of one head, lane range and 16 elements held in registers across many rows.
-//! * [`expf_ggml_slice`]: [`expf_ggml`] of every element, sixteen (AVX-512) or eight (AVX2) at
-//!   a time.
 
 use half::f16;
 
-use crate::{DotKernel, GgmlType};
+use hmoe_quant::{DotKernel, GgmlType};
 
 /// Lanes of [`f16_value_lanes`]' accumulators: row `i` of a call goes to lane
 /// `(lane0 + i) % VALUE_LANES`.
@@ -29,7 +27,7 @@ const MAX_HEAD: usize = 256;
 /// `out[h · out_stride + i] = dot(query h, key i) · scale` for the query heads in `queries`
 /// (`n` elements each) and `n_keys` keys of `n` elements, key `i` starting at element
 /// `i · key_stride` of `keys`: each dot the bits of the F16 [`DotKernel::dot`] on
-/// [`crate::Isa::best`], then one rounding for the scale.
+/// [`hmoe_quant::Isa::best`], then one rounding for the scale.
 ///
 /// # Panics
 /// If `n` is zero, `queries` is not whole heads, a key runs past `keys`, `out_stride < n_keys`
@@ -66,7 +64,7 @@ pub fn f16_head_scores(
         "score buffer too short"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::Isa::best() == crate::Isa::Avx512 && n.is_multiple_of(64) && n <= MAX_HEAD {
+    if hmoe_quant::Isa::best() == hmoe_quant::Isa::Avx512 && n.is_multiple_of(64) && n <= MAX_HEAD {
         // SAFETY: `Isa::Avx512` means AVX-512 F/BW/VL, AVX2, FMA and F16C are present; every
         // key and score written lies inside `keys` and `out` (asserted above), and `n` is a
         // multiple of 64 of at most `MAX_HEAD`.
@@ -77,7 +75,7 @@ pub fn f16_head_scores(
     for (q, out) in queries.chunks_exact(n).zip(out.chunks_mut(out_stride)) {
         for (i, o) in out[..n_keys].iter_mut().enumerate() {
             let key = &keys[i * key_stride..i * key_stride + n];
-            *o = kernel.dot(n, crate::f16_bytes(q), crate::f16_bytes(key)) * scale;
+            *o = kernel.dot(n, hmoe_quant::f16_bytes(q), hmoe_quant::f16_bytes(key)) * scale;
         }
     }
 }
@@ -128,7 +126,7 @@ pub fn f16_value_lanes(
     );
     let lane0 = lane0 % VALUE_LANES;
     #[cfg(target_arch = "x86_64")]
-    if crate::Isa::best() == crate::Isa::Avx512 && n.is_multiple_of(16) && n <= MAX_HEAD {
+    if hmoe_quant::Isa::best() == hmoe_quant::Isa::Avx512 && n.is_multiple_of(16) && n <= MAX_HEAD {
         // SAFETY: `Isa::Avx512` means AVX-512 F/BW/VL, AVX2, FMA and F16C are present; every
         // row, weight and accumulator touched lies inside the slices (asserted above), and `n`
         // is a multiple of 16 of at most `MAX_HEAD`.
@@ -145,54 +143,6 @@ pub fn f16_value_lanes(
             }
         }
     }
-}
-
-/// e^x as ggml's vectorised exponential computes it (a polynomial after range reduction,
-/// ≤ 1.5 ulp from the true value; softmax in ggml's attention uses it).
-#[inline]
-pub fn expf_ggml(x: f32) -> f32 {
-    let r = f32::from_bits(0x4b40_0000); // 1.5 · 2^23: rounds to an integer when added
-    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // x · log2(e) + r
-    let n = z - r;
-    let b = (-n).mul_add(f32::from_bits(0x3f31_7200), x); // x − n·ln2_hi
-    let b = (-n).mul_add(f32::from_bits(0x35bf_be8e), b); // … − n·ln2_lo
-    if n.abs() > 192.0 {
-        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
-    }
-    let u = b * b;
-    let p45 = f32::from_bits(0x3c07_2010).mul_add(b, f32::from_bits(0x3d2b_9f17));
-    let p23 = f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb));
-    let p01 = f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0);
-    let j = p45.mul_add(u, p23).mul_add(u, p01);
-    // `j · 2^n` without intermediate overflow (as `vscalefps`): |n| ≤ 192, so at most one
-    // multiply by 2^127 or 2^-126 comes first.
-    let mut j = j;
-    let mut n = n as i32;
-    if n > 127 {
-        j *= f32::from_bits(0x7f00_0000);
-        n -= 127;
-    } else if n < -126 {
-        j *= f32::from_bits(0x0080_0000);
-        n += 126;
-    }
-    j * f32::from_bits(((n + 127) as u32) << 23)
-}
-
-/// [`expf_ggml`] of every element of `xs`, in place (the same bits on every ISA).
-pub fn expf_ggml_slice(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::Isa::best() == crate::Isa::Avx512 {
-        // SAFETY: `Isa::Avx512` means AVX-512 F and FMA are present.
-        unsafe { x86::expf_ggml_slice(xs) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::Isa::best() == crate::Isa::Avx2 {
-        // SAFETY: `Isa::Avx2` means AVX2 and FMA are present.
-        unsafe { x86_avx2::expf_ggml_slice(xs) };
-        return;
-    }
-    xs.iter_mut().for_each(|x| *x = expf_ggml(*x));
 }
 
 /// The AVX-512 kernels. Helpers are `#[inline(always)]` and only called from the
@@ -426,151 +376,16 @@ mod x86 {
             }
         }
     }
-
-    /// [`super::expf_ggml`] of sixteen lanes: the same operations lane by lane, the special
-    /// cases selected by masks.
-    #[inline(always)]
-    unsafe fn expf_ggml16(x: __m512) -> __m512 {
-        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
-        let r = c(0x4b40_0000);
-        let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
-        let n = _mm512_sub_ps(z, r);
-        let b = _mm512_fnmadd_ps(n, c(0x3f31_7200), x);
-        let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), b);
-        let u = _mm512_mul_ps(b, b);
-        let p45 = _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17));
-        let p23 = _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb));
-        let p01 = _mm512_fmadd_ps(c(0x3f7f_fff6), b, _mm512_set1_ps(1.0));
-        let j = _mm512_fmadd_ps(_mm512_fmadd_ps(p45, u, p23), u, p01);
-        // |n| ≤ 192 here (the others are replaced below): at most one pre-scaling.
-        let ni = _mm512_cvtps_epi32(n);
-        let over = _mm512_cmpgt_epi32_mask(ni, _mm512_set1_epi32(127));
-        let under = _mm512_cmplt_epi32_mask(ni, _mm512_set1_epi32(-126));
-        let pre = _mm512_mask_blend_ps(
-            over,
-            _mm512_mask_blend_ps(under, _mm512_set1_ps(1.0), c(0x0080_0000)),
-            c(0x7f00_0000),
-        );
-        let ni = _mm512_mask_sub_epi32(ni, over, ni, _mm512_set1_epi32(127));
-        let ni = _mm512_mask_add_epi32(ni, under, ni, _mm512_set1_epi32(126));
-        let pow = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
-            ni,
-            _mm512_set1_epi32(127),
-        )));
-        let y = _mm512_mul_ps(_mm512_mul_ps(j, pre), pow);
-        // NaN lanes: the scalar code scales by 2^0 (`NaN as i32` is 0).
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(n, n);
-        let y = _mm512_mask_blend_ps(nan, y, j);
-        let abs = _mm512_castsi512_ps(_mm512_and_si512(
-            _mm512_castps_si512(n),
-            _mm512_set1_epi32(0x7fff_ffff),
-        ));
-        let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(abs, _mm512_set1_ps(192.0));
-        let nonpos = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
-        let limit =
-            _mm512_mask_blend_ps(nonpos, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
-        _mm512_mask_blend_ps(big, y, limit)
-    }
-
-    /// [`super::expf_ggml_slice`].
-    ///
-    /// Safety: AVX-512 F and FMA present.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn expf_ggml_slice(xs: &mut [f32]) {
-        for chunk in xs.chunks_mut(16) {
-            let mask = first_lanes(chunk.len());
-            let p = chunk.as_mut_ptr();
-            let y = expf_ggml16(_mm512_maskz_loadu_ps(mask, p));
-            _mm512_mask_storeu_ps(p, mask, y);
-        }
-    }
-}
-
-/// The AVX2 exponential (8 lanes, the same operations as the AVX-512 one and the scalar code).
-#[cfg(target_arch = "x86_64")]
-mod x86_avx2 {
-    use core::arch::x86_64::*;
-
-    /// [`super::expf_ggml`] of eight lanes: the same operations lane by lane, the special
-    /// cases selected by blends.
-    #[inline(always)]
-    unsafe fn expf_ggml8(x: __m256) -> __m256 {
-        let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
-        let r = c(0x4b40_0000);
-        let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
-        let n = _mm256_sub_ps(z, r);
-        let b = _mm256_fnmadd_ps(n, c(0x3f31_7200), x);
-        let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), b);
-        let u = _mm256_mul_ps(b, b);
-        let p45 = _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17));
-        let p23 = _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb));
-        let p01 = _mm256_fmadd_ps(c(0x3f7f_fff6), b, _mm256_set1_ps(1.0));
-        let j = _mm256_fmadd_ps(_mm256_fmadd_ps(p45, u, p23), u, p01);
-        // |n| ≤ 192 here (the others are replaced below): at most one pre-scaling.
-        let ni = _mm256_cvtps_epi32(n);
-        let over = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));
-        let under = _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni);
-        let pre = _mm256_blendv_ps(
-            _mm256_blendv_ps(
-                _mm256_set1_ps(1.0),
-                c(0x0080_0000),
-                _mm256_castsi256_ps(under),
-            ),
-            c(0x7f00_0000),
-            _mm256_castsi256_ps(over),
-        );
-        let ni = _mm256_sub_epi32(ni, _mm256_and_si256(over, _mm256_set1_epi32(127)));
-        let ni = _mm256_add_epi32(ni, _mm256_and_si256(under, _mm256_set1_epi32(126)));
-        let pow = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-            ni,
-            _mm256_set1_epi32(127),
-        )));
-        let y = _mm256_mul_ps(_mm256_mul_ps(j, pre), pow);
-        // NaN lanes: the scalar code scales by 2^0 (`NaN as i32` is 0).
-        let y = _mm256_blendv_ps(y, j, _mm256_cmp_ps::<_CMP_UNORD_Q>(n, n));
-        let abs = _mm256_and_ps(n, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff)));
-        let big = _mm256_cmp_ps::<_CMP_GT_OQ>(abs, _mm256_set1_ps(192.0));
-        let nonpos = _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps());
-        let limit = _mm256_blendv_ps(_mm256_set1_ps(f32::INFINITY), _mm256_setzero_ps(), nonpos);
-        _mm256_blendv_ps(y, limit, big)
-    }
-
-    /// [`super::expf_ggml_slice`].
-    ///
-    /// Safety: AVX2 and FMA present.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn expf_ggml_slice(xs: &mut [f32]) {
-        let mut chunks = xs.chunks_exact_mut(8);
-        for chunk in &mut chunks {
-            let p = chunk.as_mut_ptr();
-            _mm256_storeu_ps(p, expf_ggml8(_mm256_loadu_ps(p)));
-        }
-        let rest = chunks.into_remainder();
-        if !rest.is_empty() {
-            let mut tmp = [0f32; 8];
-            tmp[..rest.len()].copy_from_slice(rest);
-            let y = expf_ggml8(_mm256_loadu_ps(tmp.as_ptr()));
-            _mm256_storeu_ps(tmp.as_mut_ptr(), y);
-            rest.copy_from_slice(&tmp[..rest.len()]);
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Deterministic values in [-1, 1) times `scale`.
+    /// Deterministic values in [-1, 1) times `scale` (attention's test values, scaled).
     fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                ((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
-            })
-            .collect()
+        let values = crate::attention::tests::noise(seed, n);
+        values.into_iter().map(|v| v * scale).collect()
     }
 
     fn halves(v: &[f32]) -> Vec<f16> {
@@ -597,9 +412,9 @@ mod tests {
                 n, &q, &keys, key_stride, n_keys, 0.125, &mut out, out_stride,
             );
             for h in 0..heads {
-                let qh = crate::f16_bytes(&q[h * n..(h + 1) * n]);
+                let qh = hmoe_quant::f16_bytes(&q[h * n..(h + 1) * n]);
                 for i in 0..n_keys {
-                    let key = crate::f16_bytes(&keys[i * key_stride..i * key_stride + n]);
+                    let key = hmoe_quant::f16_bytes(&keys[i * key_stride..i * key_stride + n]);
                     let want = kernel.dot(n, qh, key) * 0.125;
                     let got = out[h * out_stride + i];
                     assert_eq!(got.to_bits(), want.to_bits(), "n {n} head {h} key {i}");
@@ -664,44 +479,6 @@ mod tests {
             );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "n {n} rows {n_rows} lane0 {lane0}");
-        }
-    }
-
-    #[test]
-    fn expf_ggml_slice_equals_the_scalar_function() {
-        let mut xs: Vec<f32> = noise(1, 4000, 100.0);
-        xs.extend(noise(2, 1000, 200.0));
-        xs.extend([
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            88.72,
-            88.73,
-            -87.33,
-            -87.34,
-            -103.9,
-            -104.0,
-            -133.0,
-            133.0,
-            f32::MAX,
-            f32::MIN,
-            1e-30,
-        ]);
-        let mut got = xs.clone();
-        expf_ggml_slice(&mut got);
-        for (&x, &y) in xs.iter().zip(&got) {
-            let want = expf_ggml(x);
-            assert!(
-                y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan()),
-                "expf_ggml({x:e}) = {want:e}, vector {y:e}"
-            );
-        }
-        // Within 2 ulp of the true exponential where it is a normal float.
-        for x in [-80.0f32, -10.0, -1.0, -0.3, 0.0, 0.5, 3.0, 40.0, 80.0] {
-            let (a, b) = (expf_ggml(x), x.exp());
-            assert!((a.to_bits() as i64 - b.to_bits() as i64).abs() <= 2, "{x}");
         }
     }
 }

@@ -1,6 +1,9 @@
 //! Pieces shared by the devices whose buffers live in host memory (REF0 and the CPU device):
 //! the expert-boundary staging buffers, and the ops that are the same plain loops on both
-//! (strided row copies, routing, RoPE). Each checks its shapes as the contract says.
+//! (strided row copies, row lookups, additions, routing, RoPE). Each checks its shapes as the
+//! contract says.
+
+use hmoe_quant::GgmlType;
 
 use crate::{BackendError, Gating, RopeParams, Routing, RowCopy, StagedIo};
 
@@ -68,7 +71,7 @@ pub fn copy_rows(src: &[f32], dst: &mut [f32], c: &RowCopy) -> Result<(), Backen
 }
 
 /// [`crate::Backend::route`] over host slices: each row's gate probabilities, then
-/// [`Routing::select`] (the CPU engine's routing).
+/// [`Routing::select`] (the CPU device's routing).
 pub fn route(
     logits: &[f32],
     bias: Option<&[f32]>,
@@ -108,7 +111,7 @@ fn rope_table(p: &RopeParams, pos: i32, out: &mut Vec<(f32, f32)>) {
     out.extend((0..p.n_dims / 2).map(|i| p.cos_sin(pos, i)));
 }
 
-/// [`crate::Backend::rope_neox`] over host slices, with the CPU engine's FMAs (as ggml's
+/// [`crate::Backend::rope_neox`] over host slices, with the CPU device's FMAs (as ggml's
 /// build contracts them).
 pub fn rope_neox(
     x: &mut [f32],
@@ -139,7 +142,7 @@ pub fn rope_neox(
 }
 
 /// [`crate::Backend::rope_norm`] over host slices (adjacent pairs of dims
-/// `first .. first + p.n_dims` of every head), with the CPU engine's FMAs.
+/// `first .. first + p.n_dims` of every head), with the CPU device's FMAs.
 pub fn rope_norm(
     x: &mut [f32],
     positions: &[i32],
@@ -161,5 +164,40 @@ pub fn rope_norm(
             }
         }
     }
+    Ok(())
+}
+
+/// [`crate::Backend::get_rows`] over host memory: `out[i]` is row `ids[i]` (of `rows` rows of
+/// `cols` values of `ty`, row `r`'s bytes `row(r)`) dequantized, or zeros for an id out of
+/// range.
+pub fn get_rows<'m>(
+    (ty, rows, cols): (GgmlType, usize, usize),
+    row: impl Fn(usize) -> &'m [u8],
+    ids: &[i32],
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    const OP: &str = "get_rows";
+    crate::error::ensure(out.len() >= ids.len() * cols, OP, || {
+        format!("out {} for {} rows of {cols}", out.len(), ids.len())
+    })?;
+    for (i, &id) in ids.iter().enumerate() {
+        let dst = &mut out[i * cols..(i + 1) * cols];
+        match usize::try_from(id).ok().filter(|&r| r < rows) {
+            Some(r) => {
+                hmoe_quant::dequantize_row(ty, row(r), dst).map_err(|e| BackendError::Shape {
+                    op: OP,
+                    what: e.to_string(),
+                })?
+            }
+            None => dst.fill(0.0),
+        }
+    }
+    Ok(())
+}
+
+/// [`crate::Backend::add_assign`] over host memory: `x[i] += y[i]`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) -> Result<(), BackendError> {
+    crate::error::ensure(y.len() >= x.len(), "add_assign", || "lengths".into())?;
+    x.iter_mut().zip(y).for_each(|(a, &b)| *a += b);
     Ok(())
 }

@@ -9,13 +9,19 @@
 //! The per-group integer sums, the FMA chain over blocks and the final halving sum are those of
 //! ggml's 8-lane `vec_dot_q8_0_q8_0`, so the scores are the same bits.
 
-use crate::{DotKernel, GgmlType};
+use hmoe_quant::{DotKernel, GgmlType};
 
 /// Bytes of one Q8_0 block: an f16 scale and 32 signed bytes.
 const BLOCK_BYTES: usize = 34;
 /// Most blocks per head the vector kernel handles (heads of up to 256 elements).
 #[cfg(target_arch = "x86_64")]
 const MAX_BLOCKS: usize = 8;
+
+/// AVX-512 F/BW/VL with VNNI (`vpdpbusd`): what the `vnni` kernel needs.
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_vnni() -> bool {
+    hmoe_quant::Isa::Avx512.is_available() && is_x86_feature_detected!("avx512vnni")
+}
 
 /// Q8_0 query heads prepared for [`Q8_0Queries::scores`].
 #[derive(Debug, Clone)]
@@ -117,17 +123,14 @@ impl Q8_0Queries {
             "a key runs past the cache"
         );
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::has_avx512_vnni()
-            && self.blocks <= MAX_BLOCKS
-            && i32::try_from(keys.len()).is_ok()
-        {
+        if has_avx512_vnni() && self.blocks <= MAX_BLOCKS && i32::try_from(keys.len()).is_ok() {
             // SAFETY: the CPU has AVX-512 F/BW/VL + VNNI (checked above); every key row lies
             // inside `keys` and its offsets fit in i32; `out` holds every row written.
             unsafe { vnni::scores(self, keys, key_at, scale, out, stride) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::has_avx2() && self.blocks <= MAX_BLOCKS {
+        if hmoe_quant::Isa::Avx2.is_available() && self.blocks <= MAX_BLOCKS {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked above); every key row lies
             // inside `keys`; `out` holds every row written.
             unsafe { avx2::scores(self, keys, key_at, scale, out, stride) };
@@ -383,7 +386,7 @@ unsafe fn transpose_groups(row: impl Fn(usize) -> *const u8) -> [core::arch::x86
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quantize_row;
+    use hmoe_quant::quantize_row;
 
     /// Deterministic values with a wide spread of magnitudes.
     fn noise(seed: u64, n: usize) -> Vec<f32> {
@@ -431,7 +434,7 @@ mod tests {
             // The AVX2 kernel too where the CPU has it (the dispatch prefers VNNI).
             let mut eight = vec![f32::NAN; n_q * stride];
             #[cfg(target_arch = "x86_64")]
-            if crate::cpu::has_avx2() {
+            if hmoe_quant::Isa::Avx2.is_available() {
                 // SAFETY: AVX2, FMA and F16C present; the keys lie in `keys` (built so) and
                 // `eight` holds every score row.
                 unsafe { avx2::scores(&prepared, &keys, &key_at, 0.125, &mut eight, stride) };
