@@ -12,29 +12,20 @@
 //! otherwise. The launch code picks the order as that code does, and the kernels compute it
 //! step for step, so the results are the CPU engine's bits.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use hmoe_quant::{vec_dot_type, GgmlType, TILED_MIN_TOKENS};
 
 use super::{
-    ensure, grid_1d, i32_of, rows_by_tokens, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
-    MoeWeights, MOE_MAX_EXPERTS, ROW_WARPS,
+    grid_1d, i32_of, rows_by_tokens, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct, MoeWeights,
 };
-use crate::error::CudaError;
-use crate::kernels::LB_TOKENS;
-
-/// The low-bit weight types the kernels multiply (besides F32, F16, BF16, Q8_0 and MXFP4).
-pub const LOWBIT_TYPES: [GgmlType; 9] = hmoe_quant::LOWBIT_TYPES;
+use crate::error::{ensure, CudaError};
+use crate::kernels::{LB_TOKENS, ROW_WARPS};
 
 /// The summation orders of the low-bit products (`LB_*` in the source).
 const LB_VEC: i32 = 0;
 const LB_TILED: i32 = 1;
 const LB_BLOCK: i32 = 2;
 const LB_PAIR: i32 = 3;
-
-/// Whether `ty` is one of [`LOWBIT_TYPES`].
-pub(super) fn is_lowbit(ty: GgmlType) -> bool {
-    LOWBIT_TYPES.contains(&ty)
-}
 
 fn is_kquant(ty: GgmlType) -> bool {
     matches!(
@@ -295,34 +286,12 @@ impl CudaDevice {
     ) -> Result<CudaSlice<f32>, CudaError> {
         const OP: &str = "moe";
         let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
-        ensure(ne <= MOE_MAX_EXPERTS, OP, || {
-            format!("{ne} low-bit experts (at most {MOE_MAX_EXPERTS})")
-        })?;
         for m in [&w.gate, &w.up, &w.down] {
             product_kernels(m.ty, OP)?;
         }
         let n = x.len() / d;
         let slots = n * k;
-        let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
-        // SAFETY: moe_group writes all ne + 1 offsets and an order entry for every slot with a
-        // valid expert, the only entries moe_lowbit reads.
-        let mut offsets = unsafe { self.stream.alloc::<i32>(ne + 1) }?;
-        // SAFETY: as above.
-        let mut order = unsafe { self.stream.alloc::<i32>(slots) }?;
-        let mut b = self.builder("moe_group");
-        b.arg(selected)
-            .arg(&slots_i)
-            .arg(&ne_i)
-            .arg(&mut offsets)
-            .arg(&mut order);
-        let one_block = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument types match `moe_group`; ne <= MOE_MAX_EXPERTS (checked above),
-        // the size of its shared counts.
-        unsafe { b.launch(one_block) }?;
+        let (offsets, order) = self.moe_group(selected, slots, ne)?;
 
         let groups = (&offsets, &order);
         let xg = self.quantize_acts(vec_dot_type(w.gate.ty), x, n * d)?;
@@ -398,6 +367,7 @@ impl CudaDevice {
 
 #[cfg(test)]
 mod tests {
+    use super::super::capabilities::{is_lowbit, LOWBIT_TYPES};
     use super::*;
 
     #[test]
