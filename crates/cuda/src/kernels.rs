@@ -149,7 +149,7 @@ pub fn arch_for(compute_capability: (u32, u32)) -> String {
 }
 
 /// The NVRTC options for `arch`: the target, and no implicit multiply-add contraction (the
-/// source writes its FMAs, so rounding follows the CPU engine where it matters).
+/// source writes its FMAs, so rounding follows the CPU device where it matters).
 pub fn compile_options(arch: &str) -> Vec<String> {
     vec![format!("--gpu-architecture={arch}"), "--fmad=false".into()]
 }

@@ -1,7 +1,7 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
 //! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
-//! every order the CPU engine picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
+//! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
 //! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
 //! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
@@ -151,7 +151,7 @@ fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> 
     random_weights(rng, ty, rows, cols)
 }
 
-/// Types whose products the kernels sum in the CPU engine's order (every type but F16/BF16).
+/// Types whose products the kernels sum in the CPU device's order (every type but F16/BF16).
 fn exact(ty: GgmlType) -> bool {
     !matches!(ty, GgmlType::F16 | GgmlType::BF16)
 }
@@ -469,9 +469,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
 
 /// The low-bit weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K): the Q8_1 and Q8_K activation
 /// quantizers, embedding rows, matmuls of one token and of batches under and over the tiled
-/// K-quant threshold, with row counts that do and do not make the CPU engine repack Q4_0/Q4_K,
+/// K-quant threshold, with row counts that do and do not make the CPU device repack Q4_0/Q4_K,
 /// and expert sets of each type and of the Q4_K_M mixes (an expert that 8 slots route to: the
-/// tiled order; fewer: `vec_dot`) must give REF0's bits (the CPU engine's kernels, whose float
+/// tiled order; fewer: `vec_dot`) must give REF0's bits (the CPU device's kernels, whose float
 /// order the kernels replay for every batch size, so no tolerance is needed).
 #[test]
 #[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
@@ -559,7 +559,7 @@ fn matmul_heads_case(
 }
 
 /// Per-head products of the low-bit types (MLA's `attn_k_b`/`attn_v_b` in low-bit files):
-/// heads whose rows make a matrix the CPU engine repacks (Q4_0/Q4_K, 16 rows) and one it does
+/// heads whose rows make a matrix the CPU device repacks (Q4_0/Q4_K, 16 rows) and one it does
 /// not (9 rows), contiguous inputs (each head's batch as a dense matmul: the grouped repacked
 /// Q4_K order for 4 of 6 tokens, tiled K-quants from 8) and strided ones (`vec_dot`'s order,
 /// DeepSeek's `q_nope` inside query rows of 64 more values); REF0's bits.

@@ -22,7 +22,7 @@ impl CudaDevice {
     /// Attention for `n_tokens` queries at positions `pos0..pos0 + n_tokens` (their K/V
     /// already stored) over the K and V rings of `kl` and `vl`, with GQA, the window of `p`
     /// and optional per-head `sinks` (`n_head` logits). `q` and `out`:
-    /// `n_tokens × n_head × head_dim`. The CPU engine's numerics for the rings' types (see
+    /// `n_tokens × n_head × head_dim`. The CPU device's numerics for the rings' types (see
     /// `attn_row` and `attn_flash` in the kernels): f16/f32 values take the row kernel (for
     /// f16 the query and the probabilities rounded to f16), block-quantized values flash
     /// attention; the query is rotated like the keys and the output back like the values.

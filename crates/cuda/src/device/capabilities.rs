@@ -34,7 +34,7 @@ pub fn expert_types_supported(gate: GgmlType, up: GgmlType, down: GgmlType) -> b
 }
 
 /// Whether the attention kernels read keys of `k` with values of `v`: both of [`KV_TYPES`]
-/// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU engine
+/// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU device
 /// chooses its path by the value type; keys of every type in both).
 pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
     KV_TYPES.contains(&v) && KV_TYPES.contains(&k)

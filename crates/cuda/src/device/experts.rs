@@ -32,11 +32,12 @@ impl CudaDevice {
     /// Expert ids out of range contribute nothing. Each slot reads its expert's rows once
     /// (tokens are not grouped by expert: right for decode, wasteful for large batches).
     /// Numerics as [`CudaDevice::matmul`]'s GEMV: activations (`x`, and each slot's SwiGLU
-    /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU engine's
+    /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU device's
     /// order (F32: `vec_dot` order for an expert only one slot routes to, else 16 lanes).
     /// Gate, up and down are of one type, or (sets with low-bit experts, as in Q4_K_M files)
-    /// each of [`LOWBIT_TYPES`] or Q8_0: then every product is in the order of the CPU
-    /// engine's expert matmul for as many slots as route to the expert (`lowbit.rs`).
+    /// each of [`LOWBIT_TYPES`](super::LOWBIT_TYPES) or Q8_0: then every product is in the
+    /// order of the CPU device's expert matmul for as many slots as route to the expert
+    /// (`lowbit.rs`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe(
         &self,

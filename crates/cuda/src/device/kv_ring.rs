@@ -23,8 +23,9 @@ fn kv_store_kernel(ty: GgmlType) -> &'static str {
 
 impl CudaDevice {
     /// Writes `n_tokens` rows of `layout.width` f32 values from `src` into the K/V ring
-    /// `ring` of `layout` (one of [`K_ONLY_TYPES`]): token t goes to cell `(pos0 + t) % cells`,
-    /// converted as the CPU engine's cache converts it (see `kv_store_*` in the kernels).
+    /// `ring` of `layout` (one of [`K_ONLY_TYPES`](super::K_ONLY_TYPES)): token t goes to
+    /// cell `(pos0 + t) % cells`, converted as the CPU device's cache converts it (see
+    /// `kv_store_*` in the kernels).
     pub fn kv_store(
         &self,
         src: &CudaSlice<f32>,

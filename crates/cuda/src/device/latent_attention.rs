@@ -13,7 +13,7 @@ use crate::kernels::{KO_MAX_K, KO_MAX_V, KO_THREADS};
 impl CudaDevice {
     /// Attention over a K-only ring of `ty`, any of [`crate::K_ONLY_TYPES`] (not rotated; see
     /// `hmoe_backend::Backend::attention_k_only`): for a block-quantized ring the query
-    /// quantized to the keys' `vec_dot_type` ([`CudaDevice::quantize_acts`], as the CPU engine
+    /// quantized to the keys' `vec_dot_type` ([`CudaDevice::quantize_acts`], as the CPU device
     /// converts it for the keys' `vec_dot`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_k_only(

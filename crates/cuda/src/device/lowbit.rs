@@ -4,13 +4,13 @@
 //! expert products (`moe_lowbit_*`, Q8_0 experts too when a set mixes them with low-bit ones,
 //! as Q4_K_M files do).
 //!
-//! Each product sums in the order of the CPU engine's kernel for it (hmoe_quant's
+//! Each product sums in the order of the CPU device's kernel for it (hmoe_quant's
 //! `DotKernel::for_matrix` and `dot_tokens`, which the reference device `Ref0` calls): the
 //! repacked Q4_0/Q4_K order for matrices whose row count is a multiple of 8 (Q4_K's GEMM order
 //! for a dense matmul's complete groups of four tokens), llama.cpp's tiled K-quant order from
 //! [`TILED_MIN_TOKENS`] tokens (for experts: slots routed to the expert), ggml's `vec_dot`
 //! otherwise. The launch code picks the order as that code does, and the kernels compute it
-//! step for step, so the results are the CPU engine's bits.
+//! step for step, so the results are the CPU device's bits.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use hmoe_quant::{vec_dot_type, GgmlType, TILED_MIN_TOKENS};
@@ -34,7 +34,7 @@ fn is_kquant(ty: GgmlType) -> bool {
     )
 }
 
-/// Whether the CPU engine multiplies a matrix of `ty` with `rows` rows (per expert for
+/// Whether the CPU device multiplies a matrix of `ty` with `rows` rows (per expert for
 /// experts) with its repacked-order kernels (`DotKernel::for_matrix`: Q4_0 and Q4_K with a
 /// row count that is a multiple of 8).
 fn repacked(ty: GgmlType, rows: usize) -> bool {
@@ -166,7 +166,7 @@ impl CudaDevice {
 
     /// [`CudaDevice::matmul`] for low-bit weights (sizes checked there): the activations in
     /// the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens (the row
-    /// decoded once for them), each product in the CPU engine's order for this matrix and
+    /// decoded once for them), each product in the CPU device's order for this matrix and
     /// batch size.
     pub(super) fn matmul_lowbit(
         &self,
@@ -203,7 +203,7 @@ impl CudaDevice {
     /// [`CudaDevice::matmul_heads`] for low-bit weights (shapes checked by the caller):
     /// every head row's first `w.cols` values gathered (`copy_rows_f32`, when strided) and
     /// quantized to the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens of
-    /// one head, each product in the CPU engine's order for a head's batch
+    /// one head, each product in the CPU device's order for a head's batch
     /// ([`heads_orders`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_heads_lowbit(
@@ -318,7 +318,7 @@ impl CudaDevice {
     }
 
     /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
-    /// by `moe_group` (`groups` = its offsets and order), in the CPU engine's order for an
+    /// by `moe_group` (`groups` = its offsets and order), in the CPU device's order for an
     /// expert matmul of as many rows as route to `e`.
     fn moe_lowbit(
         &self,
@@ -371,7 +371,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn orders_follow_the_cpu_engines_kernel_choice() {
+    fn orders_follow_the_cpu_devices_kernel_choice() {
         // Repacked Q4_K: the GEMM order for whole groups of four, the GEMV order after.
         assert_eq!(dense_orders(GgmlType::Q4_K, 16, 11), (8, LB_PAIR, LB_BLOCK));
         assert_eq!(dense_orders(GgmlType::Q4_K, 16, 1), (0, LB_PAIR, LB_BLOCK));
@@ -388,7 +388,7 @@ mod tests {
     }
 
     #[test]
-    fn head_orders_follow_the_cpu_engines_matmul_and_matmul_vec_dot() {
+    fn head_orders_follow_the_cpu_devices_matmul_and_matmul_vec_dot() {
         let few = TILED_MIN_TOKENS - 1;
         // Contiguous inputs: a dense matmul per head.
         assert_eq!(

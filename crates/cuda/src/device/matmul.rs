@@ -38,10 +38,10 @@ impl CudaDevice {
     /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
     /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
     /// weights, [`CudaDevice::quantize_q8_0`]; f16/bf16 for F16/BF16; f32 for F32; the
-    /// low-bit types' as [`CudaDevice::quantize_acts`] says, products in the CPU engine's
+    /// low-bit types' as [`CudaDevice::quantize_acts`] says, products in the CPU device's
     /// kernel's order for the matrix and batch, see `lowbit.rs`), and the
-    /// GEMV kernel sums Q8_0, MXFP4 and F32 products in the CPU engine's order (F32: one
-    /// token in `vec_dot` order, several in 16 lanes), so those results are the CPU engine's
+    /// GEMV kernel sums Q8_0, MXFP4 and F32 products in the CPU device's order (F32: one
+    /// token in `vec_dot` order, several in 16 lanes), so those results are the CPU device's
     /// bits. Batches of [`CUBLAS_MIN_TOKENS`] or more with F16/BF16 weights use cuBLAS instead
     /// (activations rounded to the weight's 16-bit type, f32 accumulation in cuBLAS's order).
     pub fn matmul(
@@ -245,7 +245,7 @@ impl CudaDevice {
 
     /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head;
     /// F32, F16, BF16, Q8_0, MXFP4 and the low-bit weights ([`crate::LOWBIT_TYPES`], in the
-    /// CPU engine's orders for each head's batch).
+    /// CPU device's orders for each head's batch).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_heads(
         &self,

@@ -59,7 +59,7 @@ impl CudaDevice {
     }
 
     /// RMSNorm of every row of `x` (rows of `weight.len()`): `out = x / sqrt(mean(x²) + eps) ·
-    /// weight`. Squares in f32, summed in f64 as the CPU engine does.
+    /// weight`. Squares in f32, summed in f64 as the CPU device does.
     pub fn rms_norm(
         &self,
         x: &CudaSlice<f32>,

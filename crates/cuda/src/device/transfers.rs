@@ -166,7 +166,7 @@ impl CudaDevice {
     /// Uploads an expert tensor from per-expert parts: expert `i` of the result is `parts[i]`,
     /// `rows` rows of `cols` elements of `ty`, gathered from where it lies (the file mapping)
     /// by the CPU pool into pinned buffers that the copies drain as they fill
-    /// ([`Staging`]). For op offload of the experts a batch routes to.
+    /// (`Staging`). For op offload of the experts a batch routes to.
     pub fn upload_experts_from(
         &self,
         ty: GgmlType,
