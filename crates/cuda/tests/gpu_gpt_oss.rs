@@ -13,8 +13,9 @@
 //! CPU device's orders, so on [`Ref0`] its probabilities are the CPU device's bit for
 //! bit on every gpt-oss fixture (asserted). Before that (f32 activations, f64 sums) routing
 //! flips put the reference backend at max |Δp| 0.44 (tiny), 0.28 (small) and 0.03 (openai).
-//! The 5e-3 criterion of the GPU offload work is asserted on the reference backend for every fixture (at
-//! most one step per case above it, as the fixtures' README allows for routing flips) and on
+//! The 5e-3 criterion of the GPU offload work is asserted on the reference backend for every
+//! fixture (at most one step per case above it, as the fixtures' README allows for routing
+//! flips) and on
 //! the GPU for gptoss-openai-f32experts; on the Q8_0/MXFP4 fixtures the GPU's figures are
 //! reported, not asserted (cuBLAS, `cosf`/`sinf` and `expf` on the GPU can still flip a
 //! routing choice).

@@ -24,8 +24,8 @@ pub(super) fn is_lowbit(ty: GgmlType) -> bool {
 /// `kv_store` also stores the other types of [`K_ONLY_TYPES`].
 pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
-/// Whether [`CudaDevice::moe`](crate::CudaDevice::moe) takes experts with gate, up and down of these types: one type
-/// of [`SUPPORTED_TYPES`], or each of [`LOWBIT_TYPES`] or Q8_0.
+/// Whether [`CudaDevice::moe`](crate::CudaDevice::moe) takes experts with gate, up and down
+/// of these types: one type of [`SUPPORTED_TYPES`], or each of [`LOWBIT_TYPES`] or Q8_0.
 pub fn expert_types_supported(gate: GgmlType, up: GgmlType, down: GgmlType) -> bool {
     let types = [gate, up, down];
     let lowbit_set = |ty: GgmlType| is_lowbit(ty) || ty == GgmlType::Q8_0;
