@@ -387,32 +387,17 @@ __device__ void get_rows_impl(const u8* table, u64 row_bytes, int n_rows, const 
     }
 }
 
-extern "C" __global__ void get_rows_f32(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_F32>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_f16(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_F16>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_bf16(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_BF16>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_q8_0(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_Q8_0>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_mxfp4(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_MXFP4>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
 #define GET_ROWS(SUFFIX, TY)                                                                    \
     extern "C" __global__ void get_rows_##SUFFIX(const u8* table, u64 row_bytes, int n_rows,   \
                                                  const int* ids, float* out, int n_tokens,      \
                                                  int cols) {                                    \
         get_rows_impl<TY>(table, row_bytes, n_rows, ids, out, n_tokens, cols);                  \
     }
+GET_ROWS(f32, TY_F32)
+GET_ROWS(f16, TY_F16)
+GET_ROWS(bf16, TY_BF16)
+GET_ROWS(q8_0, TY_Q8_0)
+GET_ROWS(mxfp4, TY_MXFP4)
 GET_ROWS(q4_0, TY_Q4_0)
 GET_ROWS(q4_1, TY_Q4_1)
 GET_ROWS(q5_0, TY_Q5_0)
@@ -645,26 +630,17 @@ __device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
     }
 }
 
-extern "C" __global__ void matmul_f32(const u8* w, u64 row_bytes, const float* x, float* y,
-                                      int rows, int cols, int n) {
-    matmul_impl<TY_F32>(w, row_bytes, x, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_f16(const u8* w, u64 row_bytes, const float* x, float* y,
-                                      int rows, int cols, int n) {
-    matmul_impl<TY_F16>(w, row_bytes, x, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_bf16(const u8* w, u64 row_bytes, const float* x, float* y,
-                                       int rows, int cols, int n) {
-    matmul_impl<TY_BF16>(w, row_bytes, x, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_q8_0(const u8* w, u64 row_bytes, const u8* xq, float* y,
-                                       int rows, int cols, int n) {
-    matmul_impl<TY_Q8_0>(w, row_bytes, xq, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_mxfp4(const u8* w, u64 row_bytes, const u8* xq, float* y,
-                                        int rows, int cols, int n) {
-    matmul_impl<TY_MXFP4>(w, row_bytes, xq, y, rows, cols, n);
-}
+// The GEMV entry points: X is the activations' type (f32, or Q8_0 blocks for Q8_0/MXFP4).
+#define MATMUL(SUFFIX, TY, X)                                                                   \
+    extern "C" __global__ void matmul_##SUFFIX(const u8* w, u64 row_bytes, const X* x, float* y, \
+                                               int rows, int cols, int n) {                     \
+        matmul_impl<TY>(w, row_bytes, x, y, rows, cols, n);                                     \
+    }
+MATMUL(f32, TY_F32, float)
+MATMUL(f16, TY_F16, float)
+MATMUL(bf16, TY_BF16, float)
+MATMUL(q8_0, TY_Q8_0, u8)
+MATMUL(mxfp4, TY_MXFP4, u8)
 
 // ---------------------------------------------------------------------------------------------
 // Element-wise.
@@ -747,32 +723,19 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
 // quantizers (hmoe_quant's quantize_row); a block-quantized row is first Walsh–Hadamard
 // rotated in chunks of `rot` values (0: not rotated), as llama.cpp rotates quantized heads.
 
-extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_tokens, int width,
-                                        int cells, int pos0) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n_tokens * width) return;
-    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
-    u64 cell = (u64)((pos0 + t) % cells);
-    cache[cell * width + c] = f2h(src[i]);
-}
-
-extern "C" __global__ void kv_store_bf16(const float* src, u16* cache, int n_tokens, int width,
-                                         int cells, int pos0) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n_tokens * width) return;
-    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
-    u64 cell = (u64)((pos0 + t) % cells);
-    cache[cell * width + c] = f2bf(src[i]);
-}
-
-extern "C" __global__ void kv_store_f32(const float* src, float* cache, int n_tokens, int width,
-                                        int cells, int pos0) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n_tokens * width) return;
-    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
-    u64 cell = (u64)((pos0 + t) % cells);
-    cache[cell * width + c] = src[i];
-}
+// A ring of a float type (T), element by element: CONV converts an f32 to T (nothing for f32).
+#define KV_STORE_FLOAT(SUFFIX, T, CONV)                                                         \
+    extern "C" __global__ void kv_store_##SUFFIX(const float* src, T* cache, int n_tokens,     \
+                                                 int width, int cells, int pos0) {              \
+        u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;                                     \
+        if (i >= (u64)n_tokens * width) return;                                                 \
+        int t = (int)(i / (u64)width), c = (int)(i % (u64)width);                               \
+        u64 cell = (u64)((pos0 + t) % cells);                                                   \
+        cache[cell * width + c] = CONV(src[i]);                                                 \
+    }
+KV_STORE_FLOAT(f16, u16, f2h)
+KV_STORE_FLOAT(bf16, u16, f2bf)
+KV_STORE_FLOAT(f32, float, )
 
 // The CPU device's fast Walsh–Hadamard transform of the n values of x in place (n a power of two):
 // scale by 1 / sqrt(n), then butterflies (u + v, u - v) over strides 1, 2, 4, ... n / 2. Its

@@ -251,7 +251,9 @@ mod tests {
             ("matmul_heads_", "HEADS_LOWBIT"),
             ("attn_k_only_", "K_ONLY"),
             ("kv_store_", "KV_STORE_BLOCKS"),
+            ("kv_store_", "KV_STORE_FLOAT"),
             ("get_rows_", "GET_ROWS"),
+            ("matmul_", "MATMUL"),
             ("matmul_", "LOWBIT"),
             ("moe_lowbit_", "LOWBIT"),
         ]

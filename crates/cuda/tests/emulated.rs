@@ -1,5 +1,5 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
-//! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
+//! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in src/device/),
 //! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
 //! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
 //! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router,
