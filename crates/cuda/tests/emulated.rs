@@ -15,18 +15,16 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use hmoe_backend::{
-    AttnParams, Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0,
-};
+use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0};
 use hmoe_quant::GgmlType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
-    ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
-    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
+    random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
+    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -172,6 +170,19 @@ fn compare(got: &[f32], want: &[f32]) -> (usize, f32) {
     (same, max)
 }
 
+/// [`compare`], reported on stderr as `what`.
+fn reported(what: &str, got: &[f32], want: &[f32]) -> (usize, f32) {
+    let (same, max) = compare(got, want);
+    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    (same, max)
+}
+
+/// `got` must be `want` bit for bit (reported on stderr as `what`).
+fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    let (same, _) = reported(what, got, want);
+    assert_eq!(same, got.len(), "{what}");
+}
+
 fn s(v: impl ToString) -> String {
     v.to_string()
 }
@@ -197,13 +208,11 @@ fn matmul_case(
     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
     cpu.matmul(&m, &xd, n, &mut yd).unwrap();
     let want = cpu.download(&yd).unwrap();
-    let (same, max) = compare(&got, &want);
-    eprintln!(
-        "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
-        got.len()
-    );
+    let what = format!("matmul {ty} {rows}x{cols} n={n}");
     if exact(ty) {
-        assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
+        assert_bits(&what, &got, &want);
+    } else {
+        reported(&what, &got, &want);
     }
 }
 
@@ -287,13 +296,11 @@ fn moe_case(
     };
     let rm = cpu.upload_moe(&t, None).unwrap();
     let want = ref_moe(cpu, &rm, act, &x, sel, &wts, k);
-    let (same, max) = compare(&got, &want);
-    eprintln!(
-        "moe {types:?} {act:?}: {same}/{} identical, max |Δ| {max:e}",
-        got.len()
-    );
+    let what = format!("moe {types:?} {act:?}");
     if types.iter().all(|&ty| exact(ty)) {
-        assert_eq!(same, got.len(), "moe {types:?} {act:?}");
+        assert_bits(&what, &got, &want);
+    } else {
+        reported(&what, &got, &want);
     }
 }
 
@@ -409,17 +416,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
                 let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
                 let sinks = noise(&mut rng, n_head, 2.0);
-                let p = AttnParams {
-                    n_head,
-                    n_head_kv: n_kv,
-                    head_dim: hd,
-                    cells,
-                    window,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    value_chains,
-                    // The CUDA kernel is the row kernel (see the executor's numerics docs).
-                    flash: false,
-                };
+                let p = attn_params(n_head, n_kv, hd, cells, window, value_chains);
                 emu.write("q", &q);
                 emu.write("k", &kb);
                 emu.write("v", &vb);
@@ -455,13 +452,11 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                     n_tokens,
                     pos0,
                 );
-                let (same, max) = compare(&got, &want);
                 let what = format!(
                     "attention K {kt} / V {vt} hd {hd} window {window:?} pos0 {pos0} n {n_tokens} \
                      sinks {with_sinks} chains {value_chains}"
                 );
-                eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-                assert_eq!(same, got.len(), "{what}");
+                assert_bits(&what, &got, &want);
             }
         }
     }
@@ -548,9 +543,8 @@ fn matmul_heads_case(
     let xd = cpu.upload(&x).unwrap();
     let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
     cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
-    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
     let what = format!("matmul_heads {ty} {nh}x{out}x{cols} stride {stride} n {n}");
-    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    let (same, max) = reported(&what, &got, &cpu.download(&yd).unwrap());
     if exact(ty) {
         assert_eq!(same, got.len(), "{what}");
     } else {
@@ -650,10 +644,8 @@ fn emulated_lowbit_kernels_on_real_weights_give_the_reference_backends_bits() {
                     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
                     cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut yd)
                         .unwrap();
-                    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
                     let what = format!("{file}: {} ({ty}) {rows} rows n={n}", info.name);
-                    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-                    assert_eq!(same, got.len(), "{what}");
+                    assert_bits(&what, &got, &cpu.download(&yd).unwrap());
                 }
             }
         }
@@ -704,10 +696,8 @@ fn k_only_case(
     let qd = cpu.upload(&q).unwrap();
     cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
         .unwrap();
-    let (same, max) = compare(&got, &cpu.download(&out).unwrap());
     let what = format!("attention_k_only {ty} kd {kd} vd {vd} pos0 {pos0} n {n}");
-    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-    assert_eq!(same, got.len(), "{what}");
+    assert_bits(&what, &got, &cpu.download(&out).unwrap());
 }
 
 /// The K/V store of the types only K-only rings use, and attention over K-only (latent)
@@ -812,12 +802,11 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         let mut xd = cpu.upload(&x).unwrap();
         let pd = cpu.upload(&pos).unwrap();
         cpu.rope_norm(&mut xd, &pd, nh, hd, first, &p).unwrap();
-        let (same, max) = compare(&got, &cpu.download(&xd).unwrap());
-        eprintln!(
-            "rope_norm {p:?}: {same}/{} identical, max |Δ| {max:e}",
-            got.len()
+        assert_bits(
+            &format!("rope_norm {p:?}"),
+            &got,
+            &cpu.download(&xd).unwrap(),
         );
-        assert_eq!(same, got.len(), "rope_norm {p:?}");
     }
 
     // Per-head products, contiguous and strided inputs.
@@ -837,12 +826,7 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         let got: Vec<f32> = emu.read("g");
         let mut gd = cpu.upload(&g).unwrap();
         cpu.swiglu(&mut gd, &cpu.upload(&u).unwrap(), n).unwrap();
-        let (same, max) = compare(&got, &cpu.download(&gd).unwrap());
-        eprintln!(
-            "swiglu n {n}: {same}/{} identical, max |Δ| {max:e}",
-            got.len()
-        );
-        assert_eq!(same, got.len(), "swiglu n {n}");
+        assert_bits(&format!("swiglu n {n}"), &got, &cpu.download(&gd).unwrap());
     }
 
     // K-only attention: f16 keys not whole 16-lane steps (24) and whole (32), Q8_0 keys (the
@@ -914,11 +898,10 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         cpu.route(&ld, b, gating, &routing, ne, &mut sel, &mut w)
             .unwrap();
         assert_eq!(got_sel, cpu.download(&sel).unwrap(), "route {routing:?}");
-        let (same, max) = compare(&got_w, &cpu.download(&w).unwrap());
-        eprintln!(
-            "route {routing:?}: {same}/{} identical, max |Δ| {max:e}",
-            got_w.len()
+        assert_bits(
+            &format!("route {routing:?}"),
+            &got_w,
+            &cpu.download(&w).unwrap(),
         );
-        assert_eq!(same, got_w.len(), "route {routing:?}");
     }
 }

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use half::f16;
-use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
+use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
 use hmoe_cuda::{CudaDevice, DeviceExperts, ExpertAct, MoeWeights};
 use hmoe_quant::{dequantize_row, GgmlType};
 use rand::rngs::StdRng;
@@ -17,9 +17,9 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
-    ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
-    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
+    random_weights, ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS,
+    LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -412,17 +412,7 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                 let v_all = noise(&mut rng, total * kvw, 1.0);
                 let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
                 let sinks = noise(&mut rng, n_head, 2.0);
-                let p = AttnParams {
-                    n_head,
-                    n_head_kv: n_kv,
-                    head_dim: hd,
-                    cells,
-                    window,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    value_chains,
-                    // The CUDA kernel is the row kernel (see the executor's numerics docs).
-                    flash: false,
-                };
+                let p = attn_params(n_head, n_kv, hd, cells, window, value_chains);
                 let (mut kc, mut vc) = (dev.kv_alloc(kl).unwrap(), dev.kv_alloc(vl).unwrap());
                 let (mut kr, mut vr) = (cpu.kv_alloc(kl).unwrap(), cpu.kv_alloc(vl).unwrap());
                 // Store the history one token at a time (as decode does), then the batch.
