@@ -151,6 +151,7 @@ pub struct CudaDevice {
     staging: Mutex<Option<Staging>>,
 }
 
+/// `v` as a kernel's `int` argument, or a shape error of `op` naming `what`.
 fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape {
         op,
@@ -158,6 +159,7 @@ fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
     })
 }
 
+/// `v` as a launch dimension, or a shape error of `op` naming `what`.
 fn u32_of(op: &'static str, what: &str, v: usize) -> Result<u32, CudaError> {
     u32::try_from(v).map_err(|_| CudaError::Shape {
         op,
@@ -195,6 +197,7 @@ fn rows_by_tokens(
     })
 }
 
+/// A launch of a thread per element of `n`, in blocks of 256.
 fn grid_1d(n: usize, op: &'static str) -> Result<LaunchConfig, CudaError> {
     Ok(LaunchConfig {
         grid_dim: (u32_of(op, "elements / 256", n.div_ceil(256))?, 1, 1),

@@ -400,8 +400,12 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         );
     }
 
-    // Attention over random rings of every type pair (quantized pairs on the shapes whose
-    // heads are whole blocks).
+    attention_cases(&emu, &cpu, &mut rng);
+}
+
+/// Attention over random rings of every type pair (quantized pairs on the shapes whose heads
+/// are whole blocks) of [`ATTN_CASES`], with and without sinks, one and four value chains.
+fn attention_cases(emu: &Emulator, cpu: &Ref0, rng: &mut StdRng) {
     let (n_head, n_kv) = (8usize, 2usize);
     for (hd, window, cells, pos0, n_tokens) in ATTN_CASES {
         let kvw = n_kv * hd;
@@ -412,10 +416,10 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             let (kt, vt) = pair;
             // Sinks with one value chain (gpt-oss), four chains without (Qwen3-MoE).
             for (with_sinks, value_chains) in [(false, 1), (true, 1), (false, 4)] {
-                let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
-                let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
-                let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
-                let sinks = noise(&mut rng, n_head, 2.0);
+                let kb = ref_ring(cpu, kl, &noise(rng, cells * kvw, 1.0));
+                let vb = ref_ring(cpu, vl, &noise(rng, cells * kvw, 1.0));
+                let q = noise(rng, n_tokens * n_head * hd, 1.0);
+                let sinks = noise(rng, n_head, 2.0);
                 let p = attn_params(n_head, n_kv, hd, cells, window, value_chains);
                 emu.write("q", &q);
                 emu.write("k", &kb);
@@ -442,16 +446,8 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 );
                 let got: Vec<f32> = emu.read("out");
                 let sinks_opt = with_sinks.then_some(&sinks[..]);
-                let want = ref_attention(
-                    &cpu,
-                    &p,
-                    &q,
-                    (kl, &kb),
-                    (vl, &vb),
-                    sinks_opt,
-                    n_tokens,
-                    pos0,
-                );
+                let want =
+                    ref_attention(cpu, &p, &q, (kl, &kb), (vl, &vb), sinks_opt, n_tokens, pos0);
                 let what = format!(
                     "attention K {kt} / V {vt} hd {hd} window {window:?} pos0 {pos0} n {n_tokens} \
                      sinks {with_sinks} chains {value_chains}"

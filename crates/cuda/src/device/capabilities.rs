@@ -72,3 +72,18 @@ pub(super) fn check_type(ty: GgmlType, op: &'static str) -> Result<(), CudaError
         Err(CudaError::UnsupportedType { ty, op })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_sets_of_one_type_or_low_bit_with_q8_0() {
+        use expert_types_supported as ok;
+        use GgmlType::*;
+        assert!(ok(Q4_K, Q4_K, Q6_K) && ok(Q5_0, Q5_0, Q8_0) && ok(Q2_K, Q3_K, Q3_K));
+        assert!(ok(MXFP4, MXFP4, MXFP4) && ok(F32, F32, F32) && ok(Q6_K, Q6_K, Q6_K));
+        assert!(!ok(Q4_K, Q4_K, MXFP4) && !ok(F16, F16, Q8_0) && !ok(Q8_0, Q8_0, F32));
+        assert!(!ok(Q8_K, Q8_K, Q8_K));
+    }
+}

@@ -424,16 +424,6 @@ mod tests {
     }
 
     #[test]
-    fn expert_sets_of_one_type_or_low_bit_with_q8_0() {
-        use super::super::expert_types_supported as ok;
-        use GgmlType::*;
-        assert!(ok(Q4_K, Q4_K, Q6_K) && ok(Q5_0, Q5_0, Q8_0) && ok(Q2_K, Q3_K, Q3_K));
-        assert!(ok(MXFP4, MXFP4, MXFP4) && ok(F32, F32, F32) && ok(Q6_K, Q6_K, Q6_K));
-        assert!(!ok(Q4_K, Q4_K, MXFP4) && !ok(F16, F16, Q8_0) && !ok(Q8_0, Q8_0, F32));
-        assert!(!ok(Q8_K, Q8_K, Q8_K));
-    }
-
-    #[test]
     fn the_source_names_the_orders_as_here() {
         for (name, v) in [
             ("LB_VEC", LB_VEC),
