@@ -4,7 +4,7 @@
 // cuda_bf16.h, which NVRTC can only find with the toolkit's include path. Half and bfloat16
 // values travel as `unsigned short` bits and are converted with one PTX instruction (f16) or
 // a shift (bf16). Compiled with --fmad=false: every fused multiply-add below is an explicit
-// fmaf, so the rounding follows the CPU engine's order.
+// fmaf, so the rounding follows the CPU device's order.
 //
 // Weight types (ggml ids): F32 0, F16 1, Q8_0 8, BF16 30, MXFP4 39, and the low-bit types
 // (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q2_K 10 .. Q6_K 14; see "Low-bit weights"); K/V rings also
@@ -15,13 +15,13 @@
 //          of byte j, element j >= 16 the high nibble of byte j - 16; x = KV[nib] * 2^(e-128)
 //          with KV the E2M1 table doubled {0,1,2,3,4,6,8,12,-0,-1,-2,-3,-4,-6,-8,-12}.
 //
-// Numerics: the CPU engine's (ggml's CPU backend's), which RefBackend (reference.rs) computes
+// Numerics: the CPU device's (ggml's CPU backend's), which RefBackend (reference.rs) computes
 // on the host in the same steps. Products convert activations to the weight type's
 // `vec_dot_type` as ggml does: Q8_0 blocks for Q8_0 and MXFP4 weights (quantize_q8_0, once
 // per activation row), f16 or bf16 for F16 or BF16 weights, f32 for F32; integer block sums
-// are exact, and the float sums follow the CPU engine's orders for Q8_0, MXFP4 and F32 (see
+// are exact, and the float sums follow the CPU device's orders for Q8_0, MXFP4 and F32 (see
 // the warp_dot_* functions). Attention rounds the query and the probabilities to f16 (as ggml
-// does for f16 K/V) and sums in the CPU engine's orders with ggml's vectorised expf. Where
+// does for f16 K/V) and sums in the CPU device's orders with ggml's vectorised expf. Where
 // the CPU calls libm's expf (sinks, flash attention, router softmax, SwiGLU) the kernels
 // compute glibc's expf bit for bit (expf_libm).
 
@@ -144,7 +144,7 @@ __device__ const u64 EXP2F_TAB[32] = {
     0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
 };
 
-// e^x bit for bit as glibc's expf on x86-64 with FMA (the CPU engine's f32::exp; hmoe_quant's
+// e^x bit for bit as glibc's expf on x86-64 with FMA (the CPU device's f32::exp; hmoe_quant's
 // expf computes the same, see exp.rs there): with xd = x as f64, kds = fma(32/ln2, xd,
 // 0x1.8p52) (k = round(x * 32/ln2) in its low bits), r = fma(32/ln2, xd, -(kds - 0x1.8p52)),
 // s = 2^(k/32) as the table entry plus k << 47, y = fma(fma(C0, r, C1), r * r, fma(C2, r, 1)),
@@ -361,7 +361,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // The sum of v over the 16 lanes of each half-warp by halving: lanes i and i+8, then +4, +2,
-// +1 (_mm512_reduce_add_ps; the CPU engine's hsum16). Every lane of the half gets it (in
+// +1 (_mm512_reduce_add_ps; the CPU device's hsum16). Every lane of the half gets it (in
 // another but commutation-equal order); every lane of the warp must call it.
 __device__ __forceinline__ float half_warp_sum16(float v) {
     for (int o = 8; o > 0; o >>= 1) {
@@ -387,32 +387,17 @@ __device__ void get_rows_impl(const u8* table, u64 row_bytes, int n_rows, const 
     }
 }
 
-extern "C" __global__ void get_rows_f32(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_F32>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_f16(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_F16>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_bf16(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_BF16>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_q8_0(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_Q8_0>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
-extern "C" __global__ void get_rows_mxfp4(const u8* table, u64 row_bytes, int n_rows,
-    const int* ids, float* out, int n_tokens, int cols) {
-    get_rows_impl<TY_MXFP4>(table, row_bytes, n_rows, ids, out, n_tokens, cols);
-}
 #define GET_ROWS(SUFFIX, TY)                                                                    \
     extern "C" __global__ void get_rows_##SUFFIX(const u8* table, u64 row_bytes, int n_rows,   \
                                                  const int* ids, float* out, int n_tokens,      \
                                                  int cols) {                                    \
         get_rows_impl<TY>(table, row_bytes, n_rows, ids, out, n_tokens, cols);                  \
     }
+GET_ROWS(f32, TY_F32)
+GET_ROWS(f16, TY_F16)
+GET_ROWS(bf16, TY_BF16)
+GET_ROWS(q8_0, TY_Q8_0)
+GET_ROWS(mxfp4, TY_MXFP4)
 GET_ROWS(q4_0, TY_Q4_0)
 GET_ROWS(q4_1, TY_Q4_1)
 GET_ROWS(q5_0, TY_Q5_0)
@@ -425,7 +410,7 @@ GET_ROWS(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out = x / sqrt(mean(x^2) + eps) * w. Squares in f32, summed in f64 (as the CPU
-// engine and ggml's CPU backend do). One block per row.
+// device and ggml's CPU backend do). One block per row.
 
 extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, int n_rows,
                                         int n, float eps) {
@@ -488,7 +473,7 @@ extern "C" __global__ void quantize_q8_0(const float* x, u8* out, u64 n_blocks) 
 // Dot products of one weight row with one activation row, computed by a whole warp: every
 // lane returns the same value, and every lane of the warp must call them (they shuffle).
 // The integer work of 32 blocks runs on the 32 lanes at once; then every lane replays the CPU
-// engine's float chain over those blocks in order with the shuffled block results.
+// device's float chain over those blocks in order with the shuffled block results.
 
 // Q8_0 x Q8_0 in ggml's vec_dot order (hmoe_quant's dot_q8_0): eight accumulators; for each
 // block in order d = d_w * d_a, and accumulator k takes fma(d, s_k, acc_k), s_k the integer
@@ -530,7 +515,7 @@ __device__ float warp_dot_q8_0(const u8* w, const u8* a, int nb) {
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-// MXFP4 x Q8_0 in llama.cpp's block-wise order (hmoe_quant's GEMM order, which the CPU engine
+// MXFP4 x Q8_0 in llama.cpp's block-wise order (hmoe_quant's GEMM order, which the CPU device
 // uses for every MXFP4 product): for each block in order acc = fma(isum, 2^(e-128) * d_a,
 // acc), isum the exact integer sum of the table values times the activation's int8.
 // w: nb MXFP4 blocks; a: nb Q8_0 blocks.
@@ -626,7 +611,7 @@ __device__ float warp_dot(const u8* row, const void* act, int n, bool vec_order)
 // ---------------------------------------------------------------------------------------------
 // Matmul: y[t][r] = W[r] . x[t] for weights of type TY. x: for Q8_0 and MXFP4 weights the
 // activations as Q8_0 blocks (quantize_q8_0), else f32. F32 weights sum one token in vec_dot
-// order and several in 16 lanes, as the CPU engine does. One warp per output row, up to
+// order and several in 16 lanes, as the CPU device does. One warp per output row, up to
 // MM_TOKENS tokens per block (grid.y covers the rest).
 // grid = (ceil(rows / ROW_WARPS), ceil(n / MM_TOKENS)), block = ROW_WARPS * 32.
 
@@ -645,26 +630,17 @@ __device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
     }
 }
 
-extern "C" __global__ void matmul_f32(const u8* w, u64 row_bytes, const float* x, float* y,
-                                      int rows, int cols, int n) {
-    matmul_impl<TY_F32>(w, row_bytes, x, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_f16(const u8* w, u64 row_bytes, const float* x, float* y,
-                                      int rows, int cols, int n) {
-    matmul_impl<TY_F16>(w, row_bytes, x, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_bf16(const u8* w, u64 row_bytes, const float* x, float* y,
-                                       int rows, int cols, int n) {
-    matmul_impl<TY_BF16>(w, row_bytes, x, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_q8_0(const u8* w, u64 row_bytes, const u8* xq, float* y,
-                                       int rows, int cols, int n) {
-    matmul_impl<TY_Q8_0>(w, row_bytes, xq, y, rows, cols, n);
-}
-extern "C" __global__ void matmul_mxfp4(const u8* w, u64 row_bytes, const u8* xq, float* y,
-                                        int rows, int cols, int n) {
-    matmul_impl<TY_MXFP4>(w, row_bytes, xq, y, rows, cols, n);
-}
+// The GEMV entry points: X is the activations' type (f32, or Q8_0 blocks for Q8_0/MXFP4).
+#define MATMUL(SUFFIX, TY, X)                                                                   \
+    extern "C" __global__ void matmul_##SUFFIX(const u8* w, u64 row_bytes, const X* x, float* y, \
+                                               int rows, int cols, int n) {                     \
+        matmul_impl<TY>(w, row_bytes, x, y, rows, cols, n);                                     \
+    }
+MATMUL(f32, TY_F32, float)
+MATMUL(f16, TY_F16, float)
+MATMUL(bf16, TY_BF16, float)
+MATMUL(q8_0, TY_Q8_0, u8)
+MATMUL(mxfp4, TY_MXFP4, u8)
 
 // ---------------------------------------------------------------------------------------------
 // Element-wise.
@@ -692,14 +668,14 @@ extern "C" __global__ void f32_to_bf16(const float* x, u16* out, u64 n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// RoPE, NeoX layout (element i pairs with i + n_dims/2), with YaRN, as the CPU engine computes
+// RoPE, NeoX layout (element i pairs with i + n_dims/2), with YaRN, as the CPU device computes
 // it: theta = pos * theta_scale^i by repeated multiplication, interpolation/extrapolation blend
 // by the ramp between the (floored/ceiled) correction dims, magnitude attn_factor (times
 // 1 + 0.1 ln(1/freq_scale) when ext_factor != 0), rotations as fmaf(x0, c, -(x1 s)).
 // x: [n_tokens][n_heads][head_dim], rotated in place; pos: [n_tokens].
 // grid = (n_heads, n_tokens), block = any (threads loop over the n_dims/2 pairs).
 
-// The (cos, sin) of rotated pair i at position p, as the CPU engine's RoPE tables: theta =
+// The (cos, sin) of rotated pair i at position p, as the CPU device's RoPE tables: theta =
 // p * theta_scale^i by repeated multiplication, the YaRN blend by the ramp between the
 // correction dims, magnitude attn_factor (times 1 + 0.1 ln(1/freq_scale) with YaRN).
 __device__ void rope_cos_sin(float p, int i, float theta_scale, float freq_scale,
@@ -741,40 +717,27 @@ extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens,
 
 // ---------------------------------------------------------------------------------------------
 // KV cache. A ring of `cells` rows of `width` values (n_kv_heads * head_dim); token t of the
-// batch goes to cell (pos0 + t) % cells. Rows are stored as the CPU engine's cache stores them
+// batch goes to cell (pos0 + t) % cells. Rows are stored as the CPU device's cache stores them
 // (ggml's set_rows): f32 as is, f16 and bf16 rounded to nearest even, Q8_0 by the
 // activations' quantizer (quantize_block_q8_0), Q4_0, Q4_1, Q5_0 and Q5_1 by ggml's reference
 // quantizers (hmoe_quant's quantize_row); a block-quantized row is first Walsh–Hadamard
 // rotated in chunks of `rot` values (0: not rotated), as llama.cpp rotates quantized heads.
 
-extern "C" __global__ void kv_store_f16(const float* src, u16* cache, int n_tokens, int width,
-                                        int cells, int pos0) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n_tokens * width) return;
-    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
-    u64 cell = (u64)((pos0 + t) % cells);
-    cache[cell * width + c] = f2h(src[i]);
-}
+// A ring of a float type (T), element by element: CONV converts an f32 to T (nothing for f32).
+#define KV_STORE_FLOAT(SUFFIX, T, CONV)                                                         \
+    extern "C" __global__ void kv_store_##SUFFIX(const float* src, T* cache, int n_tokens,     \
+                                                 int width, int cells, int pos0) {              \
+        u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;                                     \
+        if (i >= (u64)n_tokens * width) return;                                                 \
+        int t = (int)(i / (u64)width), c = (int)(i % (u64)width);                               \
+        u64 cell = (u64)((pos0 + t) % cells);                                                   \
+        cache[cell * width + c] = CONV(src[i]);                                                 \
+    }
+KV_STORE_FLOAT(f16, u16, f2h)
+KV_STORE_FLOAT(bf16, u16, f2bf)
+KV_STORE_FLOAT(f32, float, )
 
-extern "C" __global__ void kv_store_bf16(const float* src, u16* cache, int n_tokens, int width,
-                                         int cells, int pos0) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n_tokens * width) return;
-    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
-    u64 cell = (u64)((pos0 + t) % cells);
-    cache[cell * width + c] = f2bf(src[i]);
-}
-
-extern "C" __global__ void kv_store_f32(const float* src, float* cache, int n_tokens, int width,
-                                        int cells, int pos0) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (u64)n_tokens * width) return;
-    int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
-    u64 cell = (u64)((pos0 + t) % cells);
-    cache[cell * width + c] = src[i];
-}
-
-// The CPU engine's fast Walsh–Hadamard transform of the n values of x in place (n a power of two):
+// The CPU device's fast Walsh–Hadamard transform of the n values of x in place (n a power of two):
 // scale by 1 / sqrt(n), then butterflies (u + v, u - v) over strides 1, 2, 4, ... n / 2. Its
 // own inverse.
 __device__ void fwht_serial(float* x, int n) {
@@ -960,12 +923,12 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 // Attention over a K/V ring with GQA, an optional sliding window and optional per-head sink
 // logits (gpt-oss): the sink joins the softmax's denominator and adds no value. q, out:
 // [n_tokens][n_head][head_dim] f32. Token t sits at position pos0 + t and sees keys
-// first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos). Like the CPU engine,
+// first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos). Like the CPU device,
 // the value type chooses the kernel: f32/f16 values attn_row, Q8_0/Q4_0 values attn_flash, each
 // with keys of f32, f16, Q8_0 or Q4_0. Both take the same arguments: the rings' ggml types and
 // their rotation chunks (only block-quantized rings are rotated).
 //
-// attn_row: the CPU engine's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
+// attn_row: the CPU device's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
 // float values), bit for bit: the query rounded to f16 for f16 keys, rotated and converted to
 // Q8_0 blocks for Q8_0/Q4_0 keys; scores in ggml's vec_dot_f16 order for one query token and
 // f16 keys, tinyBLAS's 16 lanes for several, vec_dot_f32's order for f32 keys and ggml's
@@ -1259,7 +1222,7 @@ __device__ float flash_score(const float* q, const u8* qb, const u8* k, int ty, 
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// attn_flash: the CPU engine's flash attention (ggml's CPU kernel; RefBackend's `ref0_kv`),
+// attn_flash: the CPU device's flash attention (ggml's CPU kernel; RefBackend's `ref0_kv`),
 // for Q8_0/Q4_0 values: the query rotated like the keys (k_rot), converted to the keys'
 // vec_dot type (f16-rounded for f16 keys, Q8_0 blocks for Q8_0/Q4_0 keys); then per key in
 // position order, score s = dot · scale: a new maximum (s > m) gives ms = expf(m - s), vs = 1
@@ -1370,7 +1333,7 @@ extern "C" __global__ void attn_flash(const float* q, const u8* kc, const u8* vc
 
 // ---------------------------------------------------------------------------------------------
 // Router: per token, the k largest logits (ties: lower index first), then a softmax over
-// those k only (exps summed in f64, as the CPU engine does). sel: [n][k] expert ids, weights: [n][k]. One warp per token;
+// those k only (exps summed in f64, as the CPU device does). sel: [n][k] expert ids, weights: [n][k]. One warp per token;
 // grid = ceil(n / ROW_WARPS), block = ROW_WARPS * 32. k <= 64.
 
 extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, float* weights,
@@ -1411,7 +1374,7 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
     }
     __syncwarp();
     if (lane == 0) {
-        // As the CPU engine's softmax: exps summed in f64, times the f32 of 1 / sum.
+        // As the CPU device's softmax: exps summed in f64, times the f32 of 1 / sum.
         float* w = weights + (u64)t * k;
         float mx = w[0];
         double sum = 0.0;
@@ -1434,9 +1397,9 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
 // zero rows. The biases are [n_expert][rows]; has_bias = 0 ignores them. Activations as for
 // matmul: for Q8_0 and MXFP4 experts x and h are Q8_0 blocks (quantize_q8_0 of each token's
 // row, and of each slot's h between the two kernels), else f32. F32 experts sum in vec_dot
-// order when only one slot of the call routes to the expert, else in 16 lanes: the CPU engine
+// order when only one slot of the call routes to the expert, else in 16 lanes: the CPU device
 // multiplies each expert's tokens as one batch (SiLU experts, act = ACT_SILU: always vec_dot,
-// as the CPU engine's SwiGLU experts). The activation is gated_act(act, ...).
+// as the CPU device's SwiGLU experts). The activation is gated_act(act, ...).
 
 __device__ __forceinline__ float swiglu_oai(float g, float u) {
     float x = fminf(g, 7.0f);
@@ -1445,7 +1408,7 @@ __device__ __forceinline__ float swiglu_oai(float g, float u) {
 }
 
 // The experts' gated activation of element r of a row of ff: act 0 the clamped SwiGLU above
-// (gpt-oss), act 1 SwiGLU silu(g) * u as the CPU engine's swiglu (expf_ggml in the row's whole
+// (gpt-oss), act 1 SwiGLU silu(g) * u as the CPU device's swiglu (expf_ggml in the row's whole
 // 16-blocks, libm's expf after them; Qwen3-MoE, DeepSeek).
 #define ACT_CLAMPED_SWIGLU 0
 #define ACT_SILU 1
@@ -1778,10 +1741,10 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, float* ou
 
 // ---------------------------------------------------------------------------------------------
 // Low-bit products (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K weights; Q8_0 too, for expert sets that
-// mix it with those): activations quantized as the CPU engine quantizes them (quantize_q8_0,
-// quantize_q8_1, quantize_q8_k), exact integer sums, and the float chains of the CPU engine's
+// mix it with those): activations quantized as the CPU device quantizes them (quantize_q8_0,
+// quantize_q8_1, quantize_q8_k), exact integer sums, and the float chains of the CPU device's
 // kernels (hmoe_quant's legacy.rs, kquants.rs, tiled.rs, repack.rs), chosen per product by a
-// mode the launch code computes as the CPU engine chooses its kernel:
+// mode the launch code computes as the CPU device chooses its kernel:
 //   LB_VEC:   ggml's vec_dot (AVX2 order): eight lanes, lane l taking elements with
 //             (e % 32) / 4 == l of every block (legacy: elements 4l..4l+3 of the 32), each lane
 //             fused into its own accumulator with the block's scale product, summed by halving;
@@ -1881,7 +1844,7 @@ __device__ __forceinline__ int q8k_bsum(const u8* a, int i) {
     return (int)(short)(u16)(a[260 + 2 * i] | (a[261 + 2 * i] << 8));
 }
 
-// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the CPU engine's hsum8.
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the CPU device's hsum8.
 __device__ __forceinline__ float hsum8(const float* a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
@@ -2171,7 +2134,7 @@ __device__ void matmul_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, flo
 }
 
 // out[slot][r] = experts[e][r] . act[slot / act_div] for the slots of expert e grouped by
-// moe_group (offsets, order), LB_TOKENS slots at a time, in the CPU engine's order for an
+// moe_group (offsets, order), LB_TOKENS slots at a time, in the CPU device's order for an
 // expert matmul: LB_BLOCK for repacked experts, LB_TILED for K-quants when at least tiled_min
 // slots route to e, else LB_VEC. Slots with an id out of range are not written (moe_swiglu and
 // moe_down_bias do not read them). grid = (ceil(rows / ROW_WARPS), n_expert),
@@ -2244,7 +2207,7 @@ extern "C" __global__ void moe_lowbit_q8_0(const u8* w, u64 row_bytes, int rows,
 // Per-head products of low-bit weights (MLA's attn_k_b / attn_v_b in low-bit files):
 // y[(t * n_heads + h) * out + r] = W[h * out + r] . xq[t * n_heads + h], xq the head rows
 // gathered to `cols` values and quantized to the weight's vec_dot_type. Head h's tokens are
-// the CPU engine's batch for it: token t < grouped in mode_grouped, the others in mode_rest.
+// the CPU device's batch for it: token t < grouped in mode_grouped, the others in mode_rest.
 // A warp per row and LB_TOKENS tokens of one head.
 // grid = (ceil(out / ROW_WARPS), n_heads * ceil(n / LB_TOKENS)), block = ROW_WARPS * 32.
 template <int TY>
@@ -2367,7 +2330,7 @@ MATMUL_HEADS(q8_0, TY_Q8_0, const u8*)
 MATMUL_HEADS(mxfp4, TY_MXFP4, const u8*)
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU of rows of n values in place, gate = silu(gate) * up, as the CPU engine's swiglu: the
+// SwiGLU of rows of n values in place, gate = silu(gate) * up, as the CPU device's swiglu: the
 // whole 16-blocks of a row with expf_ggml, the rest of the row with libm's expf. One thread per
 // element.
 
@@ -2387,7 +2350,7 @@ extern "C" __global__ void swiglu_f32(float* gate, const float* up, u64 total, i
 // q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at position
 // pos0 + t and sees 0 ..= pos.
 //
-// The CPU engine's numerics (Ref0::attention_k_only), bit for bit: the query as the keys'
+// The CPU device's numerics (Ref0::attention_k_only), bit for bit: the query as the keys'
 // vec_dot takes it (f32 as is; rounded to f16 or bf16; for block keys its Q8_0 blocks, Q8_1
 // for Q4_1/Q5_1, in qq from quantize_acts); scores: f32 keys in vec_dot_f32 order, f16 keys
 // in vec_dot_f16 order (one query token, or a key not whole 16-lane steps long) or tinyBLAS's
@@ -2646,7 +2609,7 @@ K_ONLY(q5_0, TY_Q5_0)
 K_ONLY(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
-// Expert choice (the CPU engine's gate_probs + Routing::select), one thread per token: gate
+// Expert choice (the CPU device's gate_probs + Routing::select), one thread per token: gate
 // probabilities (gating 0: ggml's softmax, whole 16-blocks with expf_ggml summed by halving
 // and added in f64, the rest with libm's expf; 1: sigmoid 1 / (1 + expf(-x))); selection
 // scores p + bias; with groups > 1, a group scores the f64 sum of its two best scores and only

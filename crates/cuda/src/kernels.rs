@@ -149,7 +149,7 @@ pub fn arch_for(compute_capability: (u32, u32)) -> String {
 }
 
 /// The NVRTC options for `arch`: the target, and no implicit multiply-add contraction (the
-/// source writes its FMAs, so rounding follows the CPU engine where it matters).
+/// source writes its FMAs, so rounding follows the CPU device where it matters).
 pub fn compile_options(arch: &str) -> Vec<String> {
     vec![format!("--gpu-architecture={arch}"), "--fmad=false".into()]
 }
@@ -251,7 +251,9 @@ mod tests {
             ("matmul_heads_", "HEADS_LOWBIT"),
             ("attn_k_only_", "K_ONLY"),
             ("kv_store_", "KV_STORE_BLOCKS"),
+            ("kv_store_", "KV_STORE_FLOAT"),
             ("get_rows_", "GET_ROWS"),
+            ("matmul_", "MATMUL"),
             ("matmul_", "LOWBIT"),
             ("moe_lowbit_", "LOWBIT"),
         ]

@@ -2,7 +2,7 @@
 //! contract (`hmoe-backend`: embedding gather, RMSNorm, GEMV/GEMM for F32/F16/BF16/Q8_0/MXFP4
 //! weights with ggml's activation conversion (Q8_0 activations for Q8_0/MXFP4 weights), and
 //! for the low-bit types of GGUF files (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K: Q8_0/Q8_1/Q8_K
-//! activations, the CPU engine's kernel orders, in matmuls, embedding rows and experts), NeoX
+//! activations, the CPU device's kernel orders, in matmuls, embedding rows and experts), NeoX
 //! RoPE with YaRN, attention with sinks, sliding window and GQA over f32/f16/Q8_0/Q4_0 K/V rings
 //! (the row kernel over float values, flash attention over quantized ones), router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4

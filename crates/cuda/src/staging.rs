@@ -8,9 +8,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut, PinnedHostSlice};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, PinnedHostSlice,
+    ValidAsZeroBits,
+};
 
-use crate::device::CudaDevice;
 use crate::error::{ensure, CudaError};
 
 /// Pinned slots in the ring: one being filled, the others in flight.
@@ -27,11 +29,16 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// Allocates the ring's pinned slots on `dev` (`SLOTS × SLOT_BYTES` of page-locked
-    /// memory).
-    pub(crate) fn new(dev: &CudaDevice) -> Result<Staging, CudaError> {
+    /// Allocates the ring's pinned slots in `ctx` (`SLOTS × SLOT_BYTES` of page-locked
+    /// memory), each with an event without timing.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Staging, CudaError> {
         let slots = (0..SLOTS)
-            .map(|_| Ok((dev.alloc_pinned::<u8>(SLOT_BYTES)?, dev.new_event()?)))
+            .map(|_| {
+                let event = ctx.new_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))?;
+                Ok((pinned_zeroed::<u8>(ctx, SLOT_BYTES)?, event))
+            })
             .collect::<Result<_, CudaError>>()?;
         Ok(Staging { slots, next: 0 })
     }
@@ -87,6 +94,22 @@ impl Staging {
         }
         Ok(())
     }
+}
+
+/// A zeroed page-locked host buffer of `len` elements in `ctx`, for asynchronous copies.
+pub(crate) fn pinned_zeroed<T: DeviceRepr + ValidAsZeroBits>(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+) -> Result<PinnedHostSlice<T>, CudaError> {
+    // SAFETY: the memory is filled with zero bits (valid for T) before anyone reads it.
+    let mut buf = unsafe {
+        ctx.alloc_pinned_with_flags::<T>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
+    }?;
+    let bytes = buf.num_bytes();
+    let ptr = buf.as_mut_ptr()?;
+    // SAFETY: `ptr` points to `bytes` bytes of host memory owned by `buf`.
+    unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+    Ok(buf)
 }
 
 /// Fills `out` with the bytes at `start..` of the concatenation of `parts` (each `part_len`

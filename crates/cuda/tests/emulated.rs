@@ -1,7 +1,7 @@
 //! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
-//! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in device.rs),
+//! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in src/device/),
 //! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
-//! every order the CPU engine picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
+//! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
 //! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
 //! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
@@ -15,18 +15,16 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use hmoe_backend::{
-    AttnParams, Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0,
-};
+use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0};
 use hmoe_quant::GgmlType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
-    ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
-    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
+    random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
+    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -151,7 +149,7 @@ fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> 
     random_weights(rng, ty, rows, cols)
 }
 
-/// Types whose products the kernels sum in the CPU engine's order (every type but F16/BF16).
+/// Types whose products the kernels sum in the CPU device's order (every type but F16/BF16).
 fn exact(ty: GgmlType) -> bool {
     !matches!(ty, GgmlType::F16 | GgmlType::BF16)
 }
@@ -170,6 +168,19 @@ fn compare(got: &[f32], want: &[f32]) -> (usize, f32) {
         .map(|(g, w)| (g - w).abs())
         .fold(0f32, f32::max);
     (same, max)
+}
+
+/// [`compare`], reported on stderr as `what`.
+fn reported(what: &str, got: &[f32], want: &[f32]) -> (usize, f32) {
+    let (same, max) = compare(got, want);
+    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    (same, max)
+}
+
+/// `got` must be `want` bit for bit (reported on stderr as `what`).
+fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    let (same, _) = reported(what, got, want);
+    assert_eq!(same, got.len(), "{what}");
 }
 
 fn s(v: impl ToString) -> String {
@@ -197,13 +208,11 @@ fn matmul_case(
     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
     cpu.matmul(&m, &xd, n, &mut yd).unwrap();
     let want = cpu.download(&yd).unwrap();
-    let (same, max) = compare(&got, &want);
-    eprintln!(
-        "matmul {ty} {rows}x{cols} n={n}: {same}/{} identical, max |Δ| {max:e}",
-        got.len()
-    );
+    let what = format!("matmul {ty} {rows}x{cols} n={n}");
     if exact(ty) {
-        assert_eq!(same, got.len(), "matmul {ty} {rows}x{cols} n={n}");
+        assert_bits(&what, &got, &want);
+    } else {
+        reported(&what, &got, &want);
     }
 }
 
@@ -287,13 +296,11 @@ fn moe_case(
     };
     let rm = cpu.upload_moe(&t, None).unwrap();
     let want = ref_moe(cpu, &rm, act, &x, sel, &wts, k);
-    let (same, max) = compare(&got, &want);
-    eprintln!(
-        "moe {types:?} {act:?}: {same}/{} identical, max |Δ| {max:e}",
-        got.len()
-    );
+    let what = format!("moe {types:?} {act:?}");
     if types.iter().all(|&ty| exact(ty)) {
-        assert_eq!(same, got.len(), "moe {types:?} {act:?}");
+        assert_bits(&what, &got, &want);
+    } else {
+        reported(&what, &got, &want);
     }
 }
 
@@ -393,8 +400,12 @@ fn emulated_kernels_give_the_reference_backends_bits() {
         );
     }
 
-    // Attention over random rings of every type pair (quantized pairs on the shapes whose
-    // heads are whole blocks).
+    attention_cases(&emu, &cpu, &mut rng);
+}
+
+/// Attention over random rings of every type pair (quantized pairs on the shapes whose heads
+/// are whole blocks) of [`ATTN_CASES`], with and without sinks, one and four value chains.
+fn attention_cases(emu: &Emulator, cpu: &Ref0, rng: &mut StdRng) {
     let (n_head, n_kv) = (8usize, 2usize);
     for (hd, window, cells, pos0, n_tokens) in ATTN_CASES {
         let kvw = n_kv * hd;
@@ -405,21 +416,11 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             let (kt, vt) = pair;
             // Sinks with one value chain (gpt-oss), four chains without (Qwen3-MoE).
             for (with_sinks, value_chains) in [(false, 1), (true, 1), (false, 4)] {
-                let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
-                let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
-                let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
-                let sinks = noise(&mut rng, n_head, 2.0);
-                let p = AttnParams {
-                    n_head,
-                    n_head_kv: n_kv,
-                    head_dim: hd,
-                    cells,
-                    window,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    value_chains,
-                    // The CUDA kernel is the row kernel (see the executor's numerics docs).
-                    flash: false,
-                };
+                let kb = ref_ring(cpu, kl, &noise(rng, cells * kvw, 1.0));
+                let vb = ref_ring(cpu, vl, &noise(rng, cells * kvw, 1.0));
+                let q = noise(rng, n_tokens * n_head * hd, 1.0);
+                let sinks = noise(rng, n_head, 2.0);
+                let p = attn_params(n_head, n_kv, hd, cells, window, value_chains);
                 emu.write("q", &q);
                 emu.write("k", &kb);
                 emu.write("v", &vb);
@@ -445,23 +446,13 @@ fn emulated_kernels_give_the_reference_backends_bits() {
                 );
                 let got: Vec<f32> = emu.read("out");
                 let sinks_opt = with_sinks.then_some(&sinks[..]);
-                let want = ref_attention(
-                    &cpu,
-                    &p,
-                    &q,
-                    (kl, &kb),
-                    (vl, &vb),
-                    sinks_opt,
-                    n_tokens,
-                    pos0,
-                );
-                let (same, max) = compare(&got, &want);
+                let want =
+                    ref_attention(cpu, &p, &q, (kl, &kb), (vl, &vb), sinks_opt, n_tokens, pos0);
                 let what = format!(
                     "attention K {kt} / V {vt} hd {hd} window {window:?} pos0 {pos0} n {n_tokens} \
                      sinks {with_sinks} chains {value_chains}"
                 );
-                eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-                assert_eq!(same, got.len(), "{what}");
+                assert_bits(&what, &got, &want);
             }
         }
     }
@@ -469,9 +460,9 @@ fn emulated_kernels_give_the_reference_backends_bits() {
 
 /// The low-bit weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K): the Q8_1 and Q8_K activation
 /// quantizers, embedding rows, matmuls of one token and of batches under and over the tiled
-/// K-quant threshold, with row counts that do and do not make the CPU engine repack Q4_0/Q4_K,
+/// K-quant threshold, with row counts that do and do not make the CPU device repack Q4_0/Q4_K,
 /// and expert sets of each type and of the Q4_K_M mixes (an expert that 8 slots route to: the
-/// tiled order; fewer: `vec_dot`) must give REF0's bits (the CPU engine's kernels, whose float
+/// tiled order; fewer: `vec_dot`) must give REF0's bits (the CPU device's kernels, whose float
 /// order the kernels replay for every batch size, so no tolerance is needed).
 #[test]
 #[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
@@ -548,9 +539,8 @@ fn matmul_heads_case(
     let xd = cpu.upload(&x).unwrap();
     let mut yd = cpu.alloc::<f32>(n * nh * out).unwrap();
     cpu.matmul_heads(&m, &xd, n, nh, stride, &mut yd).unwrap();
-    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
     let what = format!("matmul_heads {ty} {nh}x{out}x{cols} stride {stride} n {n}");
-    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
+    let (same, max) = reported(&what, &got, &cpu.download(&yd).unwrap());
     if exact(ty) {
         assert_eq!(same, got.len(), "{what}");
     } else {
@@ -559,7 +549,7 @@ fn matmul_heads_case(
 }
 
 /// Per-head products of the low-bit types (MLA's `attn_k_b`/`attn_v_b` in low-bit files):
-/// heads whose rows make a matrix the CPU engine repacks (Q4_0/Q4_K, 16 rows) and one it does
+/// heads whose rows make a matrix the CPU device repacks (Q4_0/Q4_K, 16 rows) and one it does
 /// not (9 rows), contiguous inputs (each head's batch as a dense matmul: the grouped repacked
 /// Q4_K order for 4 of 6 tokens, tiled K-quants from 8) and strided ones (`vec_dot`'s order,
 /// DeepSeek's `q_nope` inside query rows of 64 more values); REF0's bits.
@@ -650,10 +640,8 @@ fn emulated_lowbit_kernels_on_real_weights_give_the_reference_backends_bits() {
                     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
                     cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut yd)
                         .unwrap();
-                    let (same, max) = compare(&got, &cpu.download(&yd).unwrap());
                     let what = format!("{file}: {} ({ty}) {rows} rows n={n}", info.name);
-                    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-                    assert_eq!(same, got.len(), "{what}");
+                    assert_bits(&what, &got, &cpu.download(&yd).unwrap());
                 }
             }
         }
@@ -704,10 +692,8 @@ fn k_only_case(
     let qd = cpu.upload(&q).unwrap();
     cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
         .unwrap();
-    let (same, max) = compare(&got, &cpu.download(&out).unwrap());
     let what = format!("attention_k_only {ty} kd {kd} vd {vd} pos0 {pos0} n {n}");
-    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-    assert_eq!(same, got.len(), "{what}");
+    assert_bits(&what, &got, &cpu.download(&out).unwrap());
 }
 
 /// The K/V store of the types only K-only rings use, and attention over K-only (latent)
@@ -812,12 +798,11 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         let mut xd = cpu.upload(&x).unwrap();
         let pd = cpu.upload(&pos).unwrap();
         cpu.rope_norm(&mut xd, &pd, nh, hd, first, &p).unwrap();
-        let (same, max) = compare(&got, &cpu.download(&xd).unwrap());
-        eprintln!(
-            "rope_norm {p:?}: {same}/{} identical, max |Δ| {max:e}",
-            got.len()
+        assert_bits(
+            &format!("rope_norm {p:?}"),
+            &got,
+            &cpu.download(&xd).unwrap(),
         );
-        assert_eq!(same, got.len(), "rope_norm {p:?}");
     }
 
     // Per-head products, contiguous and strided inputs.
@@ -837,12 +822,7 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         let got: Vec<f32> = emu.read("g");
         let mut gd = cpu.upload(&g).unwrap();
         cpu.swiglu(&mut gd, &cpu.upload(&u).unwrap(), n).unwrap();
-        let (same, max) = compare(&got, &cpu.download(&gd).unwrap());
-        eprintln!(
-            "swiglu n {n}: {same}/{} identical, max |Δ| {max:e}",
-            got.len()
-        );
-        assert_eq!(same, got.len(), "swiglu n {n}");
+        assert_bits(&format!("swiglu n {n}"), &got, &cpu.download(&gd).unwrap());
     }
 
     // K-only attention: f16 keys not whole 16-lane steps (24) and whole (32), Q8_0 keys (the
@@ -914,11 +894,10 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         cpu.route(&ld, b, gating, &routing, ne, &mut sel, &mut w)
             .unwrap();
         assert_eq!(got_sel, cpu.download(&sel).unwrap(), "route {routing:?}");
-        let (same, max) = compare(&got_w, &cpu.download(&w).unwrap());
-        eprintln!(
-            "route {routing:?}: {same}/{} identical, max |Δ| {max:e}",
-            got_w.len()
+        assert_bits(
+            &format!("route {routing:?}"),
+            &got_w,
+            &cpu.download(&w).unwrap(),
         );
-        assert_eq!(same, got_w.len(), "route {routing:?}");
     }
 }

@@ -1,5 +1,5 @@
 //! The CUDA test suite: every kernel against a plain-Rust reference on random data: the
-//! products, attention and the router against [`Ref0`] (the CPU engine's numerics, which
+//! products, attention and the router against [`Ref0`] (the CPU device's numerics, which
 //! the kernels reproduce: bit for bit where no libm `expf` or cuBLAS is involved), the rest
 //! against formulas here. Each test returns early ("no CUDA device: skipped") on a machine
 //! without a CUDA device, so these pass trivially here and check the kernels on a GPU machine
@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use half::f16;
-use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
+use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
 use hmoe_cuda::{CudaDevice, DeviceExperts, ExpertAct, MoeWeights};
 use hmoe_quant::{dequantize_row, GgmlType};
 use rand::rngs::StdRng;
@@ -17,9 +17,9 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, kv_layouts, lowbit_expert_sets, noise, quantizer_cases, random_weights,
-    ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE,
-    LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
+    random_weights, ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS,
+    LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -156,7 +156,7 @@ fn quantize_q8_0_gives_the_cpus_bytes() {
 }
 
 /// The GEMV kernel (the tiled kernel from 32 tokens for Q8_0/MXFP4) reproduces the reference
-/// backend (the CPU engine's bits) exactly for Q8_0, MXFP4 and F32 weights at every batch size; F16/BF16 sum in another order, and cuBLAS
+/// backend (the CPU device's bits) exactly for Q8_0, MXFP4 and F32 weights at every batch size; F16/BF16 sum in another order, and cuBLAS
 /// (batches of 16+ with F16/BF16 weights) in its own.
 #[test]
 fn matmul_every_type_and_batch_size() {
@@ -199,7 +199,7 @@ fn matmul_every_type_and_batch_size() {
     }
 }
 
-/// The low-bit types' products are the CPU engine's bits at every batch size: the kernels
+/// The low-bit types' products are the CPU device's bits at every batch size: the kernels
 /// replay the order of the CPU kernel for the matrix and batch (`vec_dot`, tiled K-quants from
 /// 8 tokens, repacked Q4_0/Q4_K for row counts that are multiples of 8).
 #[test]
@@ -241,9 +241,9 @@ fn matmul_heads_on<B: Backend>(
 }
 
 /// Per-head products of the low-bit types (DeepSeek's `attn_k_b` over `q_nope` inside query
-/// rows of 64 more values, `attn_v_b` over contiguous rows): REF0's bits (the CPU engine's
+/// rows of 64 more values, `attn_v_b` over contiguous rows): REF0's bits (the CPU device's
 /// orders for each head's batch) for one token and batches under and over the tiled
-/// K-quant threshold, with matrices the CPU engine repacks (Q4_0/Q4_K, 16 × 64 rows) and
+/// K-quant threshold, with matrices the CPU device repacks (Q4_0/Q4_K, 16 × 64 rows) and
 /// one it does not (4 × 13).
 #[test]
 fn matmul_heads_lowbit_types_give_the_cpus_bits() {
@@ -412,17 +412,7 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                 let v_all = noise(&mut rng, total * kvw, 1.0);
                 let q = noise(&mut rng, n_tokens * n_head * hd, 1.0);
                 let sinks = noise(&mut rng, n_head, 2.0);
-                let p = AttnParams {
-                    n_head,
-                    n_head_kv: n_kv,
-                    head_dim: hd,
-                    cells,
-                    window,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    value_chains,
-                    // The CUDA kernel is the row kernel (see the executor's numerics docs).
-                    flash: false,
-                };
+                let p = attn_params(n_head, n_kv, hd, cells, window, value_chains);
                 let (mut kc, mut vc) = (dev.kv_alloc(kl).unwrap(), dev.kv_alloc(vl).unwrap());
                 let (mut kr, mut vr) = (cpu.kv_alloc(kl).unwrap(), cpu.kv_alloc(vl).unwrap());
                 // Store the history one token at a time (as decode does), then the batch.
@@ -508,7 +498,7 @@ fn router_picks_top_k_and_normalises_them() {
         idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
         let top: Vec<i32> = idx[..k].iter().map(|&i| i as i32).collect();
         assert_eq!(&sel[t * k..(t + 1) * k], &top[..], "token {t}");
-        // The CPU engine's softmax: exps summed in f64, times the f32 of 1 / sum.
+        // The CPU device's softmax: exps summed in f64, times the f32 of 1 / sum.
         let m = row[idx[0]];
         let e: Vec<f32> = idx[..k].iter().map(|&i| (row[i] - m).exp()).collect();
         let inv = (1.0 / e.iter().map(|&v| v as f64).sum::<f64>()) as f32;
@@ -524,7 +514,7 @@ fn router_picks_top_k_and_normalises_them() {
 }
 
 /// The MoE block on the device against the reference backend with the same experts. The
-/// products are the CPU engine's bits on both, but the SwiGLU's exponential is glibc's `expf`
+/// products are the CPU device's bits on both, but the SwiGLU's exponential is glibc's `expf`
 /// on the host and the f64 `exp` rounded on the GPU, which differ in the last bit now and then
 /// (glibc's is not always correctly rounded); such a hidden value can then round to another
 /// Q8_0/f16/bf16 value for the down projection. F16/BF16 products also sum in another order.

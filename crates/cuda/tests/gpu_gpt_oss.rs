@@ -1,5 +1,5 @@
-//! The gpt-oss executor ([`DeviceModel`]) against the CPU engine and llama.cpp's goldens (f16
-//! KV) on the gpt-oss fixtures, for the placements of issue #5 (`-ngl all`, `-ngl all
+//! The gpt-oss executor ([`DeviceModel`]) against the CPU device and llama.cpp's goldens (f16
+//! KV) on the gpt-oss fixtures, for the placements of GPU offload (`-ngl all`, `-ngl all
 //! --cpu-moe`, `-ngl all --n-cpu-moe 1`, planned by hmoe-placement's real `plan()`) and op
 //! offload from 4 tokens: teacher-forced top-10 probabilities at every step, one host round
 //! trip per host layer per micro-batch (none with every expert on the GPU), op offload of the
@@ -10,11 +10,12 @@
 //!
 //! Tolerances. The executor converts activations as ggml's CPU backend does (Q8_0 blocks for
 //! Q8_0/MXFP4 weights, the attention query and probabilities rounded to f16) and sums in the
-//! CPU engine's orders, so on [`Ref0`] its probabilities are the CPU engine's bit for
+//! CPU device's orders, so on [`Ref0`] its probabilities are the CPU device's bit for
 //! bit on every gpt-oss fixture (asserted). Before that (f32 activations, f64 sums) routing
 //! flips put the reference backend at max |Δp| 0.44 (tiny), 0.28 (small) and 0.03 (openai).
-//! The 5e-3 criterion of issue #5 is asserted on the reference backend for every fixture (at
-//! most one step per case above it, as the fixtures' README allows for routing flips) and on
+//! The 5e-3 criterion of the GPU offload work is asserted on the reference backend for every
+//! fixture (at most one step per case above it, as the fixtures' README allows for routing
+//! flips) and on
 //! the GPU for gptoss-openai-f32experts; on the Q8_0/MXFP4 fixtures the GPU's figures are
 //! reported, not asserted (cuBLAS, `cosf`/`sinf` and `expf` on the GPU can still flip a
 //! routing choice).
@@ -34,10 +35,10 @@ use hmoe_placement::{
 use hmoe_quant::GgmlType;
 use serde_json::Value;
 
-/// The probability tolerance of issue #5.
+/// The probability tolerance of the GPU offload work (5e-3).
 const P_TOL: f64 = 5e-3;
 
-/// What a fixture run must meet: every top-10 probability within `p` of the CPU engine's and
+/// What a fixture run must meet: every top-10 probability within `p` of the CPU device's and
 /// the golden's, except at up to `flips_per_case` steps of each case.
 #[derive(Clone, Copy)]
 struct Tolerance {
@@ -45,7 +46,7 @@ struct Tolerance {
     flips_per_case: usize,
 }
 
-/// Issue #5's 5e-3 at every step.
+/// The 5e-3 tolerance at every step.
 const STRICT: Tolerance = Tolerance {
     p: P_TOL,
     flips_per_case: 0,
@@ -113,7 +114,7 @@ fn planned(gguf: &GgufModel, rules: Vec<TensorRule>) -> ExpertPlacement {
     ExpertPlacement::from_tensor_devices(shape.n_layer as usize, names.zip(on_gpu)).unwrap()
 }
 
-/// The placements of issue #5, and two with op offload from 4 tokens (so that every golden
+/// The placements of GPU offload, and two with op offload from 4 tokens (so that every golden
 /// prompt, 5 to 40 tokens, runs its host layers on the GPU and decode steps round-trip).
 fn configs() -> Vec<(&'static str, Vec<TensorRule>, Option<usize>)> {
     vec![
@@ -183,7 +184,7 @@ fn teacher_forced(model: &dyn LanguageModel, case: &Value) -> Vec<Vec<f64>> {
     out
 }
 
-/// Runs every configuration of [`configs`] on `file` and checks it against the CPU engine and
+/// Runs every configuration of [`configs`] on `file` and checks it against the CPU device and
 /// the golden within `tol`; returns the worst |Δp| against the CPU per configuration.
 fn check_fixture<B: Backend + 'static>(
     file: &str,
@@ -294,7 +295,7 @@ fn check_fixture<B: Backend + 'static>(
 }
 
 #[test]
-fn gpu_f32experts_within_5e3_of_the_cpu_engine_and_the_golden() {
+fn gpu_f32experts_within_5e3_of_the_cpu_device_and_the_golden() {
     if !has_device() {
         return;
     }
@@ -328,10 +329,10 @@ fn gpu_tiny_small_openai_reported() {
 }
 
 /// All logits of a prompt in micro-batches of 3 (ring wrap-around in the sliding layers,
-/// several micro-batches per call) against the CPU engine, and a cache that goes back
+/// several micro-batches per call) against the CPU device, and a cache that goes back
 /// (truncate) continuing as the CPU's does.
 #[test]
-fn micro_batches_and_truncation_match_the_cpu_engine() {
+fn micro_batches_and_truncation_match_the_cpu_device() {
     if !has_device() {
         return;
     }
@@ -373,7 +374,7 @@ fn micro_batches_and_truncation<B: Backend + 'static>(backend: B) {
     let cpu_all =
         LanguageModel::forward(cpu.as_ref(), &mut cc, &prompt, LogitsWanted::All).unwrap();
     let dp = worst(&got, &cpu_all);
-    assert!(dp <= P_TOL, "ubatch 3 vs the CPU engine: max |Δp| {dp}");
+    assert!(dp <= P_TOL, "ubatch 3 vs the CPU device: max |Δp| {dp}");
     // Back 2 positions (the ring holds window + 3) and on, as the CPU cache does.
     assert!(cc.truncate(38) && gc.truncate(38));
     let next = [5u32, 6, 7];
@@ -399,11 +400,11 @@ fn micro_batches_and_truncation<B: Backend + 'static>(backend: B) {
 
 // The same checks with the executor on the reference backend (plain Rust with the kernels'
 // semantics): they run everywhere and test the executor's logic and the numerics of f32
-// activations against the CPU engine; only the CUDA kernels themselves are left to the tests
+// activations against the CPU device; only the CUDA kernels themselves are left to the tests
 // above (and to tests/gpu.rs, kernel by kernel).
 
 #[test]
-fn reference_backend_f32experts_within_5e3_of_the_cpu_engine_and_the_golden() {
+fn reference_backend_f32experts_within_5e3_of_the_cpu_device_and_the_golden() {
     check_fixture(
         "gptoss-openai-f32experts.gguf",
         "gptoss-openai-f32experts.golden-f16kv.json",
@@ -412,12 +413,12 @@ fn reference_backend_f32experts_within_5e3_of_the_cpu_engine_and_the_golden() {
     );
 }
 
-/// Issue #5's criterion on the Q8_0/MXFP4 fixtures, which needs ggml's activation conversion:
-/// within 5e-3 of the CPU engine and the golden (one step per case may flip). The reference
-/// backend in fact reproduces the CPU engine bit for bit (Δp = 0 everywhere): the CUDA kernels
+/// The 5e-3 criterion on the Q8_0/MXFP4 fixtures, which needs ggml's activation conversion:
+/// within 5e-3 of the CPU device and the golden (one step per case may flip). The reference
+/// backend in fact reproduces the CPU device bit for bit (Δp = 0 everywhere): the CUDA kernels
 /// mirror it, so a change of numerics on either side shows up here first.
 #[test]
-fn reference_backend_tiny_small_openai_within_5e3_of_the_cpu_engine_and_the_golden() {
+fn reference_backend_tiny_small_openai_within_5e3_of_the_cpu_device_and_the_golden() {
     for stem in ["gptoss-tiny", "gptoss-small", "gptoss-openai"] {
         let gguf = format!("{stem}.gguf");
         let golden = format!("{stem}.golden-f16kv.json");
@@ -425,7 +426,7 @@ fn reference_backend_tiny_small_openai_within_5e3_of_the_cpu_engine_and_the_gold
             eprintln!("reference {stem} {name}: max |Δp| vs CPU {worst:.3e}");
             assert_eq!(
                 worst, 0.0,
-                "{stem} {name}: the reference backend no longer reproduces the CPU engine bit \
+                "{stem} {name}: the reference backend no longer reproduces the CPU device bit \
                  for bit (the kernels mirror it: update both with the CPU's numerics)"
             );
         }

@@ -4,37 +4,28 @@
 //! expert products (`moe_lowbit_*`, Q8_0 experts too when a set mixes them with low-bit ones,
 //! as Q4_K_M files do).
 //!
-//! Each product sums in the order of the CPU engine's kernel for it (hmoe_quant's
+//! Each product sums in the order of the CPU device's kernel for it (hmoe_quant's
 //! `DotKernel::for_matrix` and `dot_tokens`, which the reference device `Ref0` calls): the
 //! repacked Q4_0/Q4_K order for matrices whose row count is a multiple of 8 (Q4_K's GEMM order
 //! for a dense matmul's complete groups of four tokens), llama.cpp's tiled K-quant order from
 //! [`TILED_MIN_TOKENS`] tokens (for experts: slots routed to the expert), ggml's `vec_dot`
 //! otherwise. The launch code picks the order as that code does, and the kernels compute it
-//! step for step, so the results are the CPU engine's bits.
+//! step for step, so the results are the CPU device's bits.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use hmoe_quant::{vec_dot_type, GgmlType, TILED_MIN_TOKENS};
 
 use super::{
-    ensure, grid_1d, i32_of, rows_by_tokens, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
-    MoeWeights, MOE_MAX_EXPERTS, ROW_WARPS,
+    grid_1d, i32_of, rows_by_tokens, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct, MoeWeights,
 };
-use crate::error::CudaError;
-use crate::kernels::LB_TOKENS;
-
-/// The low-bit weight types the kernels multiply (besides F32, F16, BF16, Q8_0 and MXFP4).
-pub const LOWBIT_TYPES: [GgmlType; 9] = hmoe_quant::LOWBIT_TYPES;
+use crate::error::{ensure, CudaError};
+use crate::kernels::{LB_TOKENS, ROW_WARPS};
 
 /// The summation orders of the low-bit products (`LB_*` in the source).
 const LB_VEC: i32 = 0;
 const LB_TILED: i32 = 1;
 const LB_BLOCK: i32 = 2;
 const LB_PAIR: i32 = 3;
-
-/// Whether `ty` is one of [`LOWBIT_TYPES`].
-pub(super) fn is_lowbit(ty: GgmlType) -> bool {
-    LOWBIT_TYPES.contains(&ty)
-}
 
 fn is_kquant(ty: GgmlType) -> bool {
     matches!(
@@ -43,7 +34,7 @@ fn is_kquant(ty: GgmlType) -> bool {
     )
 }
 
-/// Whether the CPU engine multiplies a matrix of `ty` with `rows` rows (per expert for
+/// Whether the CPU device multiplies a matrix of `ty` with `rows` rows (per expert for
 /// experts) with its repacked-order kernels (`DotKernel::for_matrix`: Q4_0 and Q4_K with a
 /// row count that is a multiple of 8).
 fn repacked(ty: GgmlType, rows: usize) -> bool {
@@ -175,7 +166,7 @@ impl CudaDevice {
 
     /// [`CudaDevice::matmul`] for low-bit weights (sizes checked there): the activations in
     /// the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens (the row
-    /// decoded once for them), each product in the CPU engine's order for this matrix and
+    /// decoded once for them), each product in the CPU device's order for this matrix and
     /// batch size.
     pub(super) fn matmul_lowbit(
         &self,
@@ -212,7 +203,7 @@ impl CudaDevice {
     /// [`CudaDevice::matmul_heads`] for low-bit weights (shapes checked by the caller):
     /// every head row's first `w.cols` values gathered (`copy_rows_f32`, when strided) and
     /// quantized to the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens of
-    /// one head, each product in the CPU engine's order for a head's batch
+    /// one head, each product in the CPU device's order for a head's batch
     /// ([`heads_orders`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_heads_lowbit(
@@ -295,34 +286,12 @@ impl CudaDevice {
     ) -> Result<CudaSlice<f32>, CudaError> {
         const OP: &str = "moe";
         let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
-        ensure(ne <= MOE_MAX_EXPERTS, OP, || {
-            format!("{ne} low-bit experts (at most {MOE_MAX_EXPERTS})")
-        })?;
         for m in [&w.gate, &w.up, &w.down] {
             product_kernels(m.ty, OP)?;
         }
         let n = x.len() / d;
         let slots = n * k;
-        let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
-        // SAFETY: moe_group writes all ne + 1 offsets and an order entry for every slot with a
-        // valid expert, the only entries moe_lowbit reads.
-        let mut offsets = unsafe { self.stream.alloc::<i32>(ne + 1) }?;
-        // SAFETY: as above.
-        let mut order = unsafe { self.stream.alloc::<i32>(slots) }?;
-        let mut b = self.builder("moe_group");
-        b.arg(selected)
-            .arg(&slots_i)
-            .arg(&ne_i)
-            .arg(&mut offsets)
-            .arg(&mut order);
-        let one_block = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument types match `moe_group`; ne <= MOE_MAX_EXPERTS (checked above),
-        // the size of its shared counts.
-        unsafe { b.launch(one_block) }?;
+        let (offsets, order) = self.moe_group(selected, slots, ne)?;
 
         let groups = (&offsets, &order);
         let xg = self.quantize_acts(vec_dot_type(w.gate.ty), x, n * d)?;
@@ -349,7 +318,7 @@ impl CudaDevice {
     }
 
     /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
-    /// by `moe_group` (`groups` = its offsets and order), in the CPU engine's order for an
+    /// by `moe_group` (`groups` = its offsets and order), in the CPU device's order for an
     /// expert matmul of as many rows as route to `e`.
     fn moe_lowbit(
         &self,
@@ -398,10 +367,11 @@ impl CudaDevice {
 
 #[cfg(test)]
 mod tests {
+    use super::super::capabilities::{is_lowbit, LOWBIT_TYPES};
     use super::*;
 
     #[test]
-    fn orders_follow_the_cpu_engines_kernel_choice() {
+    fn orders_follow_the_cpu_devices_kernel_choice() {
         // Repacked Q4_K: the GEMM order for whole groups of four, the GEMV order after.
         assert_eq!(dense_orders(GgmlType::Q4_K, 16, 11), (8, LB_PAIR, LB_BLOCK));
         assert_eq!(dense_orders(GgmlType::Q4_K, 16, 1), (0, LB_PAIR, LB_BLOCK));
@@ -418,7 +388,7 @@ mod tests {
     }
 
     #[test]
-    fn head_orders_follow_the_cpu_engines_matmul_and_matmul_vec_dot() {
+    fn head_orders_follow_the_cpu_devices_matmul_and_matmul_vec_dot() {
         let few = TILED_MIN_TOKENS - 1;
         // Contiguous inputs: a dense matmul per head.
         assert_eq!(
@@ -451,16 +421,6 @@ mod tests {
         }
         assert!(get_rows_kernel(GgmlType::Q8_0).is_none());
         assert!(product_kernels(GgmlType::MXFP4, "test").is_err());
-    }
-
-    #[test]
-    fn expert_sets_of_one_type_or_low_bit_with_q8_0() {
-        use super::super::expert_types_supported as ok;
-        use GgmlType::*;
-        assert!(ok(Q4_K, Q4_K, Q6_K) && ok(Q5_0, Q5_0, Q8_0) && ok(Q2_K, Q3_K, Q3_K));
-        assert!(ok(MXFP4, MXFP4, MXFP4) && ok(F32, F32, F32) && ok(Q6_K, Q6_K, Q6_K));
-        assert!(!ok(Q4_K, Q4_K, MXFP4) && !ok(F16, F16, Q8_0) && !ok(Q8_0, Q8_0, F32));
-        assert!(!ok(Q8_K, Q8_K, Q8_K));
     }
 
     #[test]

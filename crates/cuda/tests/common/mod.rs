@@ -151,6 +151,30 @@ pub const KV_PAIRS: [(GgmlType, GgmlType); 8] = [
     (GgmlType::F32, GgmlType::Q4_0),
 ];
 
+/// The attention parameters of the kernels' tests for `n_head` query heads over `n_kv` K/V
+/// heads of `hd` values in rings of `cells`, with `window` and `value_chains`: scale
+/// `1/sqrt(hd)`, the row kernel's numerics (the CUDA kernel is the row kernel; see the
+/// executor's numerics docs).
+pub fn attn_params(
+    n_head: usize,
+    n_kv: usize,
+    hd: usize,
+    cells: usize,
+    window: Option<usize>,
+    value_chains: usize,
+) -> AttnParams {
+    AttnParams {
+        n_head,
+        n_head_kv: n_kv,
+        head_dim: hd,
+        cells,
+        window,
+        scale: 1.0 / (hd as f32).sqrt(),
+        value_chains,
+        flash: false,
+    }
+}
+
 /// Attention shapes of the kernels' tests: `(head_dim, window, cells, pos0, n_tokens)`: full
 /// causal; a window in a ring smaller than the sequence (cells wrap); a prefill batch with a
 /// window; one token after 520 (several rounds of chunks); head dims of 16 (no 64-element

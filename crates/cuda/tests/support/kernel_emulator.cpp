@@ -2,7 +2,7 @@
 // blocks of a launch one at a time, shuffles and __syncthreads as barriers (a shuffle that not
 // every lane of the warp reaches deadlocks, which the test's timeout reports). Host libm
 // stands in for the device math (fmaf, rintf, exp, ...), F16C for the two PTX conversions
-// (the test replaces the inline asm with host_h2f/host_f2h). The launches mirror device.rs.
+// (the test replaces the inline asm with host_h2f/host_f2h). The launches mirror src/device/.
 // Usage: kernel_emulator OP DIR ARGS...: reads DIR/<input> files of raw little-endian arrays
 // and writes DIR/<output> files (see main).
 #include <barrier>
@@ -124,7 +124,7 @@ static std::vector<u8> quantize(const float* x, size_t len) {
 static bool lowbit(int ty) { return ty == 2 || ty == 3 || ty == 6 || ty == 7 || (ty >= 10 && ty <= 14); }
 static int act_type(int ty) { return ty == 3 || ty == 7 ? 9 : ty >= 10 && ty <= 14 ? 15 : 8; }
 
-// device.rs's quantize_acts: Q8_0 (8), Q8_1 (9) or Q8_K (15) blocks of the first len values.
+// lowbit.rs's quantize_acts: Q8_0 (8), Q8_1 (9) or Q8_K (15) blocks of the first len values.
 static std::vector<u8> quantize_act(int act, const float* x, size_t len) {
     if (act == 8) return quantize(x, len);
     size_t per = act == 9 ? 32 : 256, bytes = act == 9 ? 36 : 292, blocks = len / per;
@@ -216,7 +216,7 @@ int main(int argc, char** argv) {
         if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n * cols);
         const u8* xqp = xq.data();
         const float* xp = x.data();
-        if ((ty == 8 || ty == 39) && n >= 32) {  // device.rs: MM_TILED_MIN_TOKENS
+        if ((ty == 8 || ty == 39) && n >= 32) {  // matmul.rs: MM_TILED_MIN_TOKENS
             launch({cdiv(rows, 64), cdiv(n, 32), 1}, {256, 1, 1}, [&] {
                 if (ty == 8) matmul_tiled_q8_0(wp, rb, rows, cols / 32, xqp, n, yp);
                 else matmul_tiled_mxfp4(wp, rb, rows, cols / 32, xqp, n, yp);
@@ -269,7 +269,7 @@ int main(int argc, char** argv) {
             hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
             moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), yp);
             launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
-        } else if ((ty == 8 || ty == 39) && slots >= 64) {  // device.rs: MOE_TILED_MIN_SLOTS
+        } else if ((ty == 8 || ty == 39) && slots >= 64) {  // experts.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
@@ -436,7 +436,7 @@ int main(int argc, char** argv) {
         auto kc = rd<u8>(P("k"));
         std::vector<float> out((size_t)n * nh * vd);
         float* o = out.data();
-        // ext.rs: the queries in the keys' vec_dot_type for block rings.
+        // latent_attention.rs: the queries in the keys' vec_dot_type for block rings.
         bool blocks = ty != 0 && ty != 1 && ty != 30;
         std::vector<u8> qq;
         if (blocks) qq = quantize_act(act_type(ty), q.data(), q.size());

@@ -1,0 +1,313 @@
+//! Products of weight matrices and activations: `matmul` (the GEMV kernel, the tiled kernel for
+//! batches of Q8_0/MXFP4 weights, cuBLAS for batches of F16/BF16 weights), the Q8_0 activation
+//! quantizer and per-head products (`matmul_heads`). The low-bit types' products are in
+//! `lowbit`.
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg};
+use hmoe_quant::GgmlType;
+
+use super::capabilities::is_lowbit;
+use super::{grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceMatrix, MAX_GRID_Y};
+use crate::error::{ensure, CudaError};
+use crate::kernels::{MM_TOKENS, ROW_WARPS, TILE_ROWS, TILE_SLOTS};
+
+/// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
+/// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
+/// small test models) always use the GEMV kernel, which sums in the CPU device's order: a
+/// router's logits summed in another order can flip an expert choice.
+pub const CUBLAS_MIN_TOKENS: usize = 16;
+
+/// Tokens from which Q8_0/MXFP4 matmuls use the tiled kernel instead of the GEMV kernel.
+const MM_TILED_MIN_TOKENS: usize = 32;
+
+/// Pushes the activations of a product kernel: `quantized` (Q8_0 blocks, for Q8_0/MXFP4
+/// weights) when there are any, else the f32 values `x`.
+pub(super) fn push_acts<'a>(
+    b: &mut LaunchArgs<'a>,
+    quantized: Option<&'a CudaSlice<u8>>,
+    x: &'a CudaSlice<f32>,
+) {
+    match quantized {
+        Some(q) => b.arg(q),
+        None => b.arg(x),
+    };
+}
+
+impl CudaDevice {
+    /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
+    /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
+    /// weights, [`CudaDevice::quantize_q8_0`]; f16/bf16 for F16/BF16; f32 for F32; the
+    /// low-bit types' as [`CudaDevice::quantize_acts`] says, products in the CPU device's
+    /// kernel's order for the matrix and batch, see `lowbit.rs`), and the
+    /// GEMV kernel sums Q8_0, MXFP4 and F32 products in the CPU device's order (F32: one
+    /// token in `vec_dot` order, several in 16 lanes), so those results are the CPU device's
+    /// bits. Batches of [`CUBLAS_MIN_TOKENS`] or more with F16/BF16 weights use cuBLAS instead
+    /// (activations rounded to the weight's 16-bit type, f32 accumulation in cuBLAS's order).
+    pub fn matmul(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        ensure(x.len() >= n * w.cols && y.len() >= n * w.rows, OP, || {
+            format!(
+                "x {} / y {} for {n} tokens of a {}×{} matrix",
+                x.len(),
+                y.len(),
+                w.rows,
+                w.cols
+            )
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        if is_lowbit(w.ty) {
+            return self.matmul_lowbit(w, x, n, y);
+        }
+        let half = matches!(w.ty, GgmlType::F16 | GgmlType::BF16);
+        if half && n >= CUBLAS_MIN_TOKENS {
+            if let Some(blas) = &self.blas {
+                return self.matmul_cublas(blas, w, x, n, y);
+            }
+        }
+        let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
+        if quantized && n >= MM_TILED_MIN_TOKENS {
+            return self.matmul_tiled(w, x, n, y);
+        }
+        let name = match w.ty {
+            GgmlType::F32 => "matmul_f32",
+            GgmlType::F16 => "matmul_f16",
+            GgmlType::BF16 => "matmul_bf16",
+            GgmlType::Q8_0 => "matmul_q8_0",
+            _ => "matmul_mxfp4",
+        };
+        let row_bytes = w.row_bytes as u64;
+        let (rows, cols, n_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, MM_TOKENS), ROW_WARPS * 32)?;
+        let quantized = self.q8_0_acts(quantized, x, n * w.cols)?;
+        let mut b = self.builder(name);
+        b.arg(&w.data).arg(&row_bytes);
+        push_acts(&mut b, quantized.as_ref(), x);
+        b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
+        // SAFETY: argument types match `matmul_*` (x as Q8_0 blocks for Q8_0/MXFP4 weights,
+        // f32 otherwise); sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The first `len` values of `x` (a multiple of 32) as Q8_0 blocks, exactly as
+    /// `hmoe_quant::quantize_row(Q8_0, …)` (ggml's x86 quantiser) makes them from finite
+    /// values: the activations of Q8_0 and MXFP4 products.
+    pub fn quantize_q8_0(
+        &self,
+        x: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<CudaSlice<u8>, CudaError> {
+        const OP: &str = "quantize_q8_0";
+        ensure(len.is_multiple_of(32) && len <= x.len(), OP, || {
+            format!("{len} values of a buffer of {} in blocks of 32", x.len())
+        })?;
+        let blocks = len / 32;
+        // SAFETY: every byte is written by the kernel below before it is read.
+        let mut out = unsafe { self.stream.alloc::<u8>(blocks * 34) }?;
+        if blocks == 0 {
+            return Ok(out);
+        }
+        let n_blocks = blocks as u64;
+        let mut b = self.builder("quantize_q8_0");
+        b.arg(x).arg(&mut out).arg(&n_blocks);
+        // SAFETY: argument types match `quantize_q8_0`; x holds at least 32 × blocks values
+        // and out 34 × blocks bytes.
+        unsafe { b.launch(grid_1d(blocks, OP)?) }?;
+        Ok(out)
+    }
+
+    /// The first `len` values of `x` as Q8_0 blocks ([`CudaDevice::quantize_q8_0`]) when
+    /// `quantized` (the activations of Q8_0/MXFP4 weights), else none: the kernel reads `x`.
+    pub(super) fn q8_0_acts(
+        &self,
+        quantized: bool,
+        x: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<Option<CudaSlice<u8>>, CudaError> {
+        Ok(match quantized {
+            true => Some(self.quantize_q8_0(x, len)?),
+            false => None,
+        })
+    }
+
+    /// [`CudaDevice::matmul`] for a batch of Q8_0 or MXFP4 weights (checked there): the tiled
+    /// kernel, TILE_ROWS rows × TILE_SLOTS tokens per block, with the GEMV kernel's bits.
+    fn matmul_tiled(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        let name = match w.ty {
+            GgmlType::MXFP4 => "matmul_tiled_mxfp4",
+            _ => "matmul_tiled_q8_0",
+        };
+        let (rows, nb, n_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "blocks per row", w.cols / 32)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let cfg = rows_by_tokens(OP, (w.rows, TILE_ROWS), (n, TILE_SLOTS), 256)?;
+        let xq = self.quantize_q8_0(x, n * w.cols)?;
+        let row_bytes = w.row_bytes as u64;
+        let mut b = self.builder(name);
+        b.arg(&w.data)
+            .arg(&row_bytes)
+            .arg(&rows)
+            .arg(&nb)
+            .arg(&xq)
+            .arg(&n_i)
+            .arg(y);
+        // SAFETY: argument types match `matmul_tiled_*`; x holds n rows of w.cols (so xq n
+        // rows of nb Q8_0 blocks) and y n rows of w.rows (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    fn matmul_cublas(
+        &self,
+        blas: &CudaBlas,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul (cuBLAS)";
+        use blas_sys::cudaDataType_t as Dt;
+        // Row-major W [rows × cols] is column-major [cols × rows]: C = Wᵀ·X in cuBLAS terms,
+        // with X column-major [cols × n] and Y column-major [rows × n].
+        let (m, k, nn) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        // The activations in the weight's 16-bit type (F16 or BF16: `matmul` sends only those).
+        let (name, dt) = if w.ty == GgmlType::F16 {
+            ("f32_to_f16", Dt::CUDA_R_16F)
+        } else {
+            ("f32_to_bf16", Dt::CUDA_R_16BF)
+        };
+        let len = n * w.cols;
+        // SAFETY: every element is written by the conversion kernel before use.
+        let mut converted = unsafe { self.stream.alloc::<u16>(len) }?;
+        let len64 = len as u64;
+        let mut b = self.builder(name);
+        b.arg(x).arg(&mut converted).arg(&len64);
+        // SAFETY: argument types match `f32_to_f16`/`f32_to_bf16`; both hold `len`.
+        unsafe { b.launch(grid_1d(len, OP)?) }?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (wp, _wg) = w.data.device_ptr(&self.stream);
+        let (xp, _xg) = converted.device_ptr(&self.stream);
+        let (yp, _yg) = y.device_ptr_mut(&self.stream);
+        // SAFETY: the pointers are live device buffers of the sizes checked by `matmul`
+        // (W rows × cols of `dt`, X n × cols of `dt`, Y n × rows f32); the guards keep the
+        // stream ordering for the duration of the call; the handle is bound to our stream.
+        unsafe {
+            blas_result::gemm_ex(
+                *blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                nn,
+                k,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                dt,
+                k,
+                xp as *const _,
+                dt,
+                k,
+                (&beta) as *const f32 as *const _,
+                yp as *mut _,
+                Dt::CUDA_R_32F,
+                m,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Per-head products (see `hmoe_backend::Backend::matmul_heads`): `out` rows per head;
+    /// F32, F16, BF16, Q8_0, MXFP4 and the low-bit weights ([`crate::LOWBIT_TYPES`], in the
+    /// CPU device's orders for each head's batch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_heads(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        n_heads: usize,
+        x_stride: usize,
+        out: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul_heads";
+        if is_lowbit(w.ty) {
+            return self.matmul_heads_lowbit(w, x, n, n_heads, x_stride, out, y);
+        }
+        let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
+        ensure(!quantized || x_stride.is_multiple_of(32), OP, || {
+            format!("a stride of {x_stride} is not whole Q8_0 blocks")
+        })?;
+        let n_rows = n * n_heads;
+        if n_rows == 0 || out == 0 {
+            return Ok(());
+        }
+        ensure(n_rows <= MAX_GRID_Y, OP, || {
+            format!("{n_rows} head rows in one call")
+        })?;
+        let name = match w.ty {
+            GgmlType::F32 => "matmul_heads_f32",
+            GgmlType::F16 => "matmul_heads_f16",
+            GgmlType::BF16 => "matmul_heads_bf16",
+            GgmlType::Q8_0 => "matmul_heads_q8_0",
+            _ => "matmul_heads_mxfp4",
+        };
+        let row_bytes = w.row_bytes as u64;
+        let ints = [
+            i32_of(OP, "rows per head", out)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "head rows", n_rows)?,
+            i32_of(OP, "heads", n_heads)?,
+            i32_of(OP, "stride", x_stride)?,
+            i32::from(!(x_stride == w.cols && n > 1)),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(OP, "row blocks", out.div_ceil(ROW_WARPS as usize))?,
+                n_rows as u32,
+                1,
+            ),
+            block_dim: (ROW_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let xq = self.q8_0_acts(quantized, x, n_rows * x_stride)?;
+        let mut b = self.builder(name);
+        b.arg(&w.data).arg(&row_bytes);
+        push_acts(&mut b, xq.as_ref(), x);
+        b.arg(y);
+        for v in &ints {
+            b.arg(v);
+        }
+        // SAFETY: argument types match `matmul_heads_*` (x as Q8_0 blocks for Q8_0/MXFP4
+        // weights, f32 otherwise); the caller checked x and y against the shape.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}

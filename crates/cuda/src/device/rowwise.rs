@@ -1,0 +1,285 @@
+//! Per-row and element-wise ops: embedding rows (`get_rows_*`), RMSNorm, the residual and
+//! bias adds, RoPE (NeoX and normal style), SwiGLU and strided row copies.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use hmoe_backend::{RopeParams, RowCopy};
+use hmoe_quant::GgmlType;
+
+use super::lowbit::get_rows_kernel;
+use super::{grid_1d, i32_of, u32_of, CudaDevice, DeviceMatrix, MAX_GRID_Y};
+use crate::error::{ensure, CudaError};
+
+impl CudaDevice {
+    /// Embedding lookup: `out[t] = table[ids[t]]` dequantised to f32 (`out`: `ids.len() ×
+    /// cols`). Ids outside the table give zero rows.
+    pub fn get_rows(
+        &self,
+        table: &DeviceMatrix,
+        ids: &CudaSlice<i32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "get_rows";
+        let n = ids.len();
+        ensure(out.len() >= n * table.cols, OP, || {
+            format!("out holds {} values, need {n}×{}", out.len(), table.cols)
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let name = match table.ty {
+            GgmlType::F32 => "get_rows_f32",
+            GgmlType::F16 => "get_rows_f16",
+            GgmlType::BF16 => "get_rows_bf16",
+            GgmlType::Q8_0 => "get_rows_q8_0",
+            GgmlType::MXFP4 => "get_rows_mxfp4",
+            ty => get_rows_kernel(ty).ok_or(CudaError::UnsupportedType { ty, op: OP })?,
+        };
+        let row_bytes = table.row_bytes as u64;
+        let n_rows = i32_of(OP, "rows", table.rows)?;
+        let n_tokens = i32_of(OP, "tokens", n)?;
+        let cols = i32_of(OP, "cols", table.cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "tokens", n)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(name);
+        b.arg(&table.data)
+            .arg(&row_bytes)
+            .arg(&n_rows)
+            .arg(ids)
+            .arg(out)
+            .arg(&n_tokens)
+            .arg(&cols);
+        // SAFETY: argument types match `get_rows_*` in kernels.cu; `out` holds n × cols
+        // values (checked), `table.data` rows × row_bytes bytes, ids are bounds-checked in
+        // the kernel.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// RMSNorm of every row of `x` (rows of `weight.len()`): `out = x / sqrt(mean(x²) + eps) ·
+    /// weight`. Squares in f32, summed in f64 as the CPU device does.
+    pub fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rms_norm";
+        let n = weight.len();
+        ensure(
+            n > 0 && x.len().is_multiple_of(n) && out.len() >= x.len(),
+            OP,
+            || format!("x {} / weight {n} / out {}", x.len(), out.len()),
+        )?;
+        let rows = x.len() / n;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (n_rows, n_i) = (i32_of(OP, "rows", rows)?, i32_of(OP, "n", n)?);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "rows", rows)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder("rms_norm_f32");
+        b.arg(x)
+            .arg(weight)
+            .arg(out)
+            .arg(&n_rows)
+            .arg(&n_i)
+            .arg(&eps);
+        // SAFETY: argument types match `rms_norm_f32`; x and out hold rows × n values, weight n.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `x += y` element-wise (the residual add).
+    pub fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), CudaError> {
+        const OP: &str = "add_assign";
+        ensure(y.len() >= x.len(), OP, || {
+            format!("x {} / y {}", x.len(), y.len())
+        })?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.builder("add_inplace_f32");
+        b.arg(&mut *x).arg(y).arg(&n64);
+        // SAFETY: argument types match `add_inplace_f32`; both hold at least n values.
+        unsafe { b.launch(grid_1d(n, OP)?) }?;
+        Ok(())
+    }
+
+    /// Adds `bias` to every row of `x` (rows of `bias.len()`).
+    pub fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), CudaError> {
+        const OP: &str = "add_bias";
+        let cols = bias.len();
+        ensure(cols > 0 && x.len().is_multiple_of(cols), OP, || {
+            format!("x {} is not rows of bias {cols}", x.len())
+        })?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, cols_i) = (n as u64, i32_of(OP, "cols", cols)?);
+        let mut b = self.builder("add_bias_f32");
+        b.arg(&mut *x).arg(bias).arg(&n64).arg(&cols_i);
+        // SAFETY: argument types match `add_bias_f32`; x holds n values, bias cols.
+        unsafe { b.launch(grid_1d(n, OP)?) }?;
+        Ok(())
+    }
+
+    /// NeoX RoPE (with YaRN per `p`) in place on `x`: `positions.len()` tokens of `n_heads`
+    /// heads of `head_dim` values; token t is at `positions[t]`.
+    pub fn rope_neox(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope_neox";
+        let n = positions.len();
+        ensure(x.len() >= n * n_heads * head_dim, OP, || {
+            format!(
+                "x {} for {n} tokens × {n_heads} heads × {head_dim}",
+                x.len()
+            )
+        })?;
+        ensure(
+            p.n_dims <= head_dim && p.n_dims.is_multiple_of(2) && p.n_dims > 0,
+            OP,
+            || format!("n_dims {} with head_dim {head_dim}", p.n_dims),
+        )?;
+        self.rope(
+            ("rope_neox_f32", OP),
+            x,
+            positions,
+            (n_heads, head_dim),
+            None,
+            p,
+        )
+    }
+
+    /// Normal-style RoPE over dims `first .. first + p.n_dims` of every head, in place.
+    pub fn rope_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<i32>,
+        n_heads: usize,
+        head_dim: usize,
+        first: usize,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope_norm";
+        self.rope(
+            ("rope_norm_f32", OP),
+            x,
+            positions,
+            (n_heads, head_dim),
+            Some(first),
+            p,
+        )
+    }
+
+    /// Launches the RoPE kernel `kernel` (of op `op`) in place on `x`: `positions.len()`
+    /// tokens of `n_heads` heads of `head_dim` values, a block per head and token; `first`,
+    /// the first rotated dim, for the kernels that take one (`rope_norm_f32`). Shapes checked
+    /// by the callers.
+    fn rope(
+        &self,
+        (kernel, op): (&'static str, &'static str),
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<i32>,
+        (n_heads, head_dim): (usize, usize),
+        first: Option<usize>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        let n = positions.len();
+        if n == 0 || n_heads == 0 {
+            return Ok(());
+        }
+        ensure(n <= MAX_GRID_Y, op, || format!("{n} tokens in one call"))?;
+        let first = first.map(|f| ("first", f));
+        let ints = [("tokens", n), ("heads", n_heads), ("head_dim", head_dim)]
+            .into_iter()
+            .chain(first)
+            .chain([("n_dims", p.n_dims)])
+            .map(|(what, v)| i32_of(op, what, v))
+            .collect::<Result<Vec<_>, _>>()?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(op, "heads", n_heads)?, n as u32, 1),
+            block_dim: (((p.n_dims / 2).clamp(32, 256)) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(kernel);
+        b.arg(&mut *x).arg(positions);
+        for v in &ints {
+            b.arg(v);
+        }
+        b.arg(&p.theta_scale)
+            .arg(&p.freq_scale)
+            .arg(&p.ext_factor)
+            .arg(&p.attn_factor)
+            .arg(&p.corr_dims[0])
+            .arg(&p.corr_dims[1]);
+        // SAFETY: argument types match `rope_neox_f32` / `rope_norm_f32`; the callers checked
+        // that x holds n × heads × head_dim values and the rotated dims lie inside each head.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `gate = silu(gate) · up` in place, rows of `n`.
+    pub fn swiglu(
+        &self,
+        gate: &mut CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "swiglu";
+        let total = gate.len();
+        if total == 0 {
+            return Ok(());
+        }
+        let (total64, n_i) = (total as u64, i32_of(OP, "row", n)?);
+        let mut b = self.builder("swiglu_f32");
+        b.arg(&mut *gate).arg(up).arg(&total64).arg(&n_i);
+        // SAFETY: argument types match `swiglu_f32`; up holds at least total values.
+        unsafe { b.launch(grid_1d(total, OP)?) }?;
+        Ok(())
+    }
+
+    /// Strided row copy on the device (see [`RowCopy`]).
+    pub fn copy_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        c: &RowCopy,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "copy_rows";
+        let total = c.n_rows * c.width;
+        if total == 0 {
+            return Ok(());
+        }
+        let (n_rows, width) = (i32_of(OP, "rows", c.n_rows)?, i32_of(OP, "width", c.width)?);
+        let s = [c.src_stride, c.src_offset, c.dst_stride, c.dst_offset].map(|v| v as u64);
+        let mut b = self.builder("copy_rows_f32");
+        b.arg(src)
+            .arg(dst)
+            .arg(&n_rows)
+            .arg(&width)
+            .arg(&s[0])
+            .arg(&s[1])
+            .arg(&s[2])
+            .arg(&s[3]);
+        // SAFETY: argument types match `copy_rows_f32`; the caller checked that every row
+        // lies inside both buffers.
+        unsafe { b.launch(grid_1d(total, OP)?) }?;
+        Ok(())
+    }
+}
