@@ -1,26 +1,26 @@
 //! The blocks the architectures' device layers are made of, written once over the contract:
-//! the attention block and the routed-MoE block. Each loads its weights by the usual GGUF
+//! the attention block, the routed-MoE block and the dense SwiGLU FFN. Each loads its weights by the usual GGUF
 //! names of layer `l` (optional tensors used when the file has them) and runs over one
 //! micro-batch through the executor's [`Step`].
 
 use hmoe_backend::{Backend, GatedAct, RopeParams};
 use hmoe_gguf::GgufModel;
 
-use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
-use crate::ops::RopeMode;
-use crate::ModelError;
+use hmoe_backend::ExpertTensors;
 
-use super::{
-    buf_bytes, upload_f32, upload_f32_opt, upload_matrix, AttnShape, DevMat, ExecError,
-    ExpertSplit, Routed, Router, Step,
-};
+use super::device_weights::{buf_bytes, upload_f32, upload_f32_opt, upload_matrix, DevMat};
+use super::routing::{ExpertSplit, Routed, Router};
+use super::step::{AttnShape, Step};
+use crate::archs::rope::RopeMode;
+use crate::error::ModelError;
+use crate::weights::{ExpertShape, ExpertWeights};
 
 /// `x[r] += b` for every row when there is a bias.
 fn add_bias_opt<B: Backend>(
     dev: &B,
     x: &mut B::Buf<f32>,
     b: Option<&B::Buf<f32>>,
-) -> Result<(), ExecError> {
+) -> Result<(), ModelError> {
     if let Some(b) = b {
         dev.add_bias(x, b)?;
     }
@@ -80,7 +80,7 @@ impl<B: Backend> AttnBlock<B> {
         g: &GgufModel,
         l: usize,
         spec: AttnSpec,
-    ) -> Result<AttnBlock<B>, ExecError> {
+    ) -> Result<AttnBlock<B>, ModelError> {
         let n = |s: &str| format!("blk.{l}.{s}");
         let s = &spec.shape;
         let (d, hd) = (spec.n_embd as u64, s.head_dim as u64);
@@ -140,7 +140,7 @@ impl<B: Backend> AttnBlock<B> {
         cx: &mut Step<'_, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let dev = cx.dev();
         let AttnSpec { shape, rope, .. } = self.spec;
         let hd = shape.head_dim;
@@ -194,7 +194,7 @@ pub(crate) struct MoeSpec {
     pub router: Router,
     /// The experts' gated activation.
     pub act: GatedAct,
-    /// Which rows the CPU engine multiplies together by F32 experts.
+    /// Which rows the CPU multiplies together by F32 experts.
     pub split: ExpertSplit,
     /// Epsilon of the block's norm.
     pub rms_eps: f32,
@@ -219,7 +219,7 @@ impl<B: Backend> MoeBlock<B> {
         l: usize,
         norm_name: &str,
         spec: MoeSpec,
-    ) -> Result<MoeBlock<B>, ExecError> {
+    ) -> Result<MoeBlock<B>, ModelError> {
         let n = |s: &str| format!("blk.{l}.{s}");
         let (d, ne) = (spec.n_embd as u64, spec.router.n_expert as u64);
         Ok(MoeBlock {
@@ -246,7 +246,7 @@ impl<B: Backend> MoeBlock<B> {
         cx: &mut Step<'_, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let dev = cx.dev();
         let MoeSpec {
             router,
@@ -282,11 +282,27 @@ impl<B: Backend> MoeBlock<B> {
     }
 }
 
+/// What one layer of an [`AttnMoeLayers`] stack is: its attention block, its MoE block with
+/// the name of the MoE block's norm, and the size of its routed experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttnMoeSpec<'n> {
+    /// The attention block.
+    pub attn: AttnSpec,
+    /// The MoE block.
+    pub moe: MoeSpec,
+    /// The tensor name of the MoE block's norm in the layer (`ffn_norm.weight`).
+    pub moe_norm: &'n str,
+    /// Hidden values of each expert.
+    pub n_ff: usize,
+    /// Whether the experts have biases.
+    pub expert_biases: bool,
+}
+
 /// A stack of layers that are each an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE),
 /// with each layer's routed experts as the file stores them: what their layers share.
 pub(crate) struct AttnMoeLayers<B: Backend> {
     layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
-    experts: Vec<HostExperts>,
+    experts: Vec<ExpertWeights>,
 }
 
 impl<B: Backend> AttnMoeLayers<B> {
@@ -298,26 +314,25 @@ impl<B: Backend> AttnMoeLayers<B> {
         }
     }
 
-    /// Loads layer `l` (the next): its attention block, its MoE block with the norm
-    /// `norm_name`, and its routed experts of `n_ff` hidden values (with their biases when
-    /// `biases`), every tensor checked against the specs' shapes.
-    #[allow(clippy::too_many_arguments)]
+    /// Loads layer `l` (the next) as `spec` says, every tensor checked against its shapes.
     pub(crate) fn push(
         &mut self,
         dev: &B,
         g: &GgufModel,
         l: usize,
-        attn: AttnSpec,
-        (norm_name, moe): (&str, MoeSpec),
-        n_ff: usize,
-        biases: bool,
-    ) -> Result<(), ExecError> {
-        let dims = (moe.n_embd, n_ff, moe.router.n_expert);
-        self.experts
-            .push(HostExperts::load(g, l, dims, moe.act, biases)?);
+        spec: &AttnMoeSpec<'_>,
+    ) -> Result<(), ModelError> {
+        let moe = spec.moe;
+        let shape = ExpertShape {
+            n_embd: moe.n_embd,
+            n_ff: spec.n_ff,
+            n_expert: moe.router.n_expert,
+            biases: spec.expert_biases,
+        };
+        self.experts.push(ExpertWeights::load(g, l, &shape)?);
         self.layers.push((
-            AttnBlock::load(dev, g, l, attn)?,
-            MoeBlock::load(dev, g, l, norm_name, moe)?,
+            AttnBlock::load(dev, g, l, spec.attn)?,
+            MoeBlock::load(dev, g, l, spec.moe_norm, moe)?,
         ));
         Ok(())
     }
@@ -329,19 +344,6 @@ impl<B: Backend> AttnMoeLayers<B> {
         layer: usize,
     ) -> Option<ExpertTensors<'g>> {
         Some(self.experts.get(layer)?.tensors(g))
-    }
-
-    /// Runs the routed experts of layer `layer` on the host ([`HostExperts::run`]).
-    pub(crate) fn run_host_experts(
-        &self,
-        g: &GgufModel,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let e = (self.experts.get(layer))
-            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
-        e.run(layer, g, batch, out)
     }
 
     /// Floats per token of one layer's scratch buffers (every layer has the same shapes).
@@ -364,7 +366,7 @@ impl<B: Backend> AttnMoeLayers<B> {
         cx: &mut Step<'_, B>,
         l: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let (attn, moe) = &self.layers[l];
         attn.forward(cx, l, x)?;
         moe.forward(cx, l, x)
@@ -377,7 +379,7 @@ impl<B: Backend> AttnMoeLayers<B> {
 }
 
 /// A dense SwiGLU feed-forward network, `Wd · (silu(Wg·h) ⊙ Wu·h)` (a dense layer's FFN, a
-/// MoE layer's shared experts), as the CPU engine's `ffn_swiglu` computes it.
+/// MoE layer's shared experts), as the CPU's `ffn_swiglu` computes it.
 pub(crate) struct SwiGluFfn<B: Backend> {
     gate: DevMat<B>,
     up: DevMat<B>,
@@ -392,8 +394,9 @@ impl<B: Backend> SwiGluFfn<B> {
         g: &GgufModel,
         l: usize,
         suffix: &str,
-        (n_embd, n_ff): (usize, usize),
-    ) -> Result<SwiGluFfn<B>, ExecError> {
+        n_embd: usize,
+        n_ff: usize,
+    ) -> Result<SwiGluFfn<B>, ModelError> {
         let (d, ff) = (n_embd as u64, n_ff as u64);
         let m = |s: &str, shape: &[u64]| {
             upload_matrix(dev, g, &format!("blk.{l}.ffn_{s}{suffix}.weight"), shape)
@@ -421,7 +424,7 @@ impl<B: Backend> SwiGluFfn<B> {
         cx: &Step<'_, B>,
         h: &B::Buf<f32>,
         out: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let ff = self.gate.rows;
         let mut up = cx.alloc(ff)?;
         cx.matmul(&self.up, h, &mut up)?;

@@ -1,4 +1,5 @@
-//! Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder), as transformers'
+//! Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder; "Qwen3 Technical Report", 2025),
+//! as transformers'
 //! `Qwen3MoeForCausalLM` with the numerics of llama.cpp's CPU backend:
 //!
 //! ```text
@@ -24,17 +25,18 @@
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::GgufModel;
 
-use crate::executor::blocks::{AttnMoeLayers, AttnSpec, MoeSpec};
-use crate::executor::{
-    position_cache, AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating as RouterGating,
-    ModelDims, Router, Step,
-};
-use crate::hybrid::{ExpertBatch, ExpertTensors};
-use crate::kv_cache::{KvCache, KvType};
-use crate::llama::check_heads;
-use crate::ops::{ArchMeta, Gating, Rope, RopeScaling, Routing};
+use hmoe_backend::routing::{Gating, Routing};
+use hmoe_backend::ExpertTensors;
+use hmoe_cpu::kv_cache::KvType;
+
+use super::hparams::{check_heads, ArchMeta};
+use super::rope::{Rope, RopeScaling};
+use crate::error::ModelError;
+use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeSpec, AttnSpec, MoeSpec};
+use crate::executor::routing::{ExpertSplit, Gating as RouterGating, Router};
+use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
+use crate::sequence::KvCache;
 use crate::weights::n_vocab;
-use crate::ModelError;
 
 const ARCH: &str = "qwen3moe";
 
@@ -151,18 +153,18 @@ pub(crate) struct Qwen3Moe<B: Backend> {
 impl<B: Backend> Qwen3Moe<B> {
     /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
     /// dense weights to `dev` (the routed experts are the executor's).
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Qwen3Moe<B>, ExecError> {
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Qwen3Moe<B>, ModelError> {
         let p = Qwen3MoeParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
         // The contract's attention (`AttnParams::head_dim`), where the CPU's scores of a
         // batch also take tinyBLAS's 16-lane order.
         if !p.head_dim.is_multiple_of(16) || p.head_dim > 256 {
-            return Err(ExecError::Placement(format!(
+            return Err(ModelError::Placement(format!(
                 "attention heads of {} values: the device takes multiples of 16 up to 256",
                 p.head_dim
             )));
         }
         let rope = (Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling).device_params())
-            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+            .ok_or_else(|| ModelError::Placement("RoPE frequency factors".into()))?;
         let attn = AttnSpec {
             n_embd: p.n_embd,
             shape: AttnShape {
@@ -192,18 +194,17 @@ impl<B: Backend> Qwen3Moe<B> {
             for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
                 let name = format!("blk.{l}.{norm}");
                 if gguf.tensor_info(&name).is_none() {
-                    return Err(ModelError::MissingTensor(name).into());
+                    return Err(ModelError::MissingTensor(name));
                 }
             }
-            layers.push(
-                dev,
-                &gguf,
-                l,
+            let spec = AttnMoeSpec {
                 attn,
-                ("ffn_norm.weight", moe),
-                p.n_ff_exp,
-                false,
-            )?;
+                moe,
+                moe_norm: "ffn_norm.weight",
+                n_ff: p.n_ff_exp,
+                expert_biases: false,
+            };
+            layers.push(dev, &gguf, l, &spec)?;
         }
         Ok(Qwen3Moe {
             params: p,
@@ -231,24 +232,16 @@ impl<B: Backend> DeviceLayers<B> for Qwen3Moe<B> {
     }
     /// Positions and the ring geometry (every layer full), no keys or values.
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        position_cache(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
+        KvCache::new(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
         self.layers.kv_widths(layer)
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         self.layers.experts(&self.gguf, layer)
-    }
-    fn run_host_experts(
-        &self,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        self.layers.run_host_experts(&self.gguf, layer, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         self.layers.bytes()

@@ -1,4 +1,5 @@
-//! gpt-oss (OpenAI's open-weight MoE), as in OpenAI's reference `torch/model.py` with the
+//! gpt-oss (OpenAI's open-weight MoE, "gpt-oss-120b & gpt-oss-20b Model Card", 2025), as in
+//! OpenAI's reference `torch/model.py` with the
 //! numerics of llama.cpp's CPU backend:
 //!
 //! ```text
@@ -21,16 +22,16 @@
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
 
-use crate::executor::blocks::{AttnMoeLayers, AttnSpec, MoeSpec};
-use crate::executor::{
-    position_cache, AttnShape, DeviceLayers, ExecError, ExpertSplit, Gating, ModelDims, Router,
-    Step,
-};
-use crate::hybrid::{ExpertBatch, ExpertTensors};
-use crate::kv_cache::{KvCache, KvType};
-use crate::ops::Rope;
+use hmoe_backend::ExpertTensors;
+use hmoe_cpu::kv_cache::KvType;
+
+use super::rope::Rope;
+use crate::error::ModelError;
+use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeSpec, AttnSpec, MoeSpec};
+use crate::executor::routing::{ExpertSplit, Gating, Router};
+use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
+use crate::sequence::KvCache;
 use crate::weights::n_vocab;
-use crate::ModelError;
 
 /// Hyperparameters of a gpt-oss model, read from GGUF metadata (`gpt-oss.*`).
 #[derive(Clone, Debug, PartialEq)]
@@ -166,10 +167,11 @@ impl GptOssParams {
     }
 }
 
-/// gpt-oss's expert activation as the contract's `moe` op takes it.
+/// gpt-oss's expert activation as the contract's `moe` op takes it: the SwiGLU constants are
+/// fixed by the architecture, not stored in GGUF.
 const EXPERT_ACT: GatedAct = GatedAct::ClampedSwiglu {
-    alpha: crate::hybrid::SWIGLU_ALPHA,
-    limit: crate::hybrid::SWIGLU_LIMIT,
+    alpha: 1.702,
+    limit: 7.0,
 };
 
 /// gpt-oss's layers on a device ([`crate::DeviceModel`]): each layer is the attention block
@@ -185,10 +187,10 @@ pub(crate) struct GptOss<B: Backend> {
 impl<B: Backend> GptOss<B> {
     /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
     /// dense weights to `dev` (the routed experts are the executor's).
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<GptOss<B>, ExecError> {
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<GptOss<B>, ModelError> {
         let p = GptOssParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
         let rope = (Rope::new(p.head_dim, p.rope_freq_base, p.yarn).device_params())
-            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+            .ok_or_else(|| ModelError::Placement("RoPE frequency factors".into()))?;
         let mut layers = AttnMoeLayers::with_capacity(p.n_layer);
         for l in 0..p.n_layer {
             let shape = AttnShape {
@@ -217,15 +219,14 @@ impl<B: Backend> GptOss<B> {
                 split: ExpertSplit::PerSequence,
                 rms_eps: p.rms_eps,
             };
-            layers.push(
-                dev,
-                &gguf,
-                l,
+            let spec = AttnMoeSpec {
                 attn,
-                ("post_attention_norm.weight", moe),
-                p.n_ff_exp,
-                true,
-            )?;
+                moe,
+                moe_norm: "post_attention_norm.weight",
+                n_ff: p.n_ff_exp,
+                expert_biases: true,
+            };
+            layers.push(dev, &gguf, l, &spec)?;
         }
         Ok(GptOss {
             params: p,
@@ -256,24 +257,16 @@ impl<B: Backend> DeviceLayers<B> for GptOss<B> {
         let windows: Vec<_> = (0..self.params.n_layer)
             .map(|l| self.params.window(l))
             .collect();
-        position_cache(ty, n_ctx, n_ubatch, &windows)
+        KvCache::new(ty, n_ctx, n_ubatch, &windows)
     }
     fn kv_widths(&self, layer: usize) -> (usize, usize) {
         self.layers.kv_widths(layer)
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         self.layers.forward(cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         self.layers.experts(&self.gguf, layer)
-    }
-    fn run_host_experts(
-        &self,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        self.layers.run_host_experts(&self.gguf, layer, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         self.layers.bytes()
