@@ -1,7 +1,7 @@
-//! The reference device's products against the CPU engine's (`hmoe_cpu::ops::matmul`), bit
+//! The reference device's products against the CPU's (`hmoe_cpu::ops::matmul`), bit
 //! for bit, for the types whose order it follows (Q8_0, MXFP4, F32 one token and batches),
 //! including F32 rows with a tail after the last 64 elements. (Here, above both: the contract
-//! crate cannot see the CPU engine.)
+//! crate cannot see the CPU.)
 
 mod common;
 
@@ -76,8 +76,8 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ve
     q
 }
 
-/// The types REF0 multiplies with hmoe-quant's kernels (Q4_0 … Q6_K): its `matmul` is the CPU
-/// engine's `matmul` with the kernel the CPU engine picks for the matrix (repacked Q4_0/Q4_K
+/// The types REF0 multiplies with hmoe-quant's kernels (Q4_0 … Q6_K): its `matmul` is the CPU's
+/// `matmul` with the kernel the CPU picks for the matrix (repacked Q4_0/Q4_K
 /// for rows in multiples of 8), one token and batches below, at and above the 4-token groups
 /// of the repacked kernels and the 8 tokens from which K-quants are tiled.
 #[test]
@@ -107,9 +107,9 @@ fn ref0_quant_kernel_matmul_is_the_cpu_engines_bit_for_bit() {
     }
 }
 
-/// The CPU engine's routed SwiGLU experts (its host path, `moe_swiglu`) from its public
+/// The CPU's routed SwiGLU experts (its host path, `moe_swiglu`) from its public
 /// pieces: each expert's routed rows together (quantized for the matrix's kernel, the one the
-/// CPU engine picks for it), `matmul_vec_dot` (the expert matmul's order), `swiglu`, then each
+/// CPU picks for it), `matmul_vec_dot` (the expert matmul's order), `swiglu`, then each
 /// token's slot outputs weighted and added in slot order from zero.
 #[allow(clippy::too_many_arguments)]
 fn cpu_moe_swiglu(
@@ -169,7 +169,7 @@ fn cpu_moe_swiglu(
 }
 
 /// REF0's `moe` with SiLU experts of the quantized types of real files (Q4_K gate/up with
-/// Q6_K or Q8_0 down as in Q4_K_M, and the other K-quant and Q4/Q5 types) is the CPU engine's
+/// Q6_K or Q8_0 down as in Q4_K_M, and the other K-quant and Q4/Q5 types) is the CPU's
 /// host expert path bit for bit: 12 tokens put every row on expert 0 (the tiled K-quant order
 /// of an expert matmul of 8 or more rows) and 6 on each of experts 1 and 2; one token alone.
 #[test]
@@ -304,7 +304,7 @@ fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
 }
 
 /// Per-head products (MLA's absorbed key and value up-projections): with a strided input
-/// (`q_nope` inside the query rows) in `vec_dot` order, as the CPU engine's
+/// (`q_nope` inside the query rows) in `vec_dot` order, as the CPU's
 /// `matmul_vec_dot`; with contiguous rows as its `matmul` of each head's batch.
 #[test]
 fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
@@ -346,8 +346,8 @@ fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
     }
 }
 
-/// `silu(g)·u` with whole 16-blocks (ggml's vectorised `exp`) and a tail (libm's), as the CPU
-/// engine's `swiglu`.
+/// `silu(g)·u` with whole 16-blocks (ggml's vectorised `exp`) and a tail (libm's), as the CPU's
+/// `swiglu`.
 #[test]
 fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(14);
@@ -366,7 +366,7 @@ fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
 
 /// Routing (softmax or sigmoid gate, selection bias, expert groups, renormalised and scaled
 /// weights) on the DeepSeek-V3 fixture's router and score bias, and on random logits: the
-/// CPU engine's `gate_probs` + `Routing::select`, row by row.
+/// CPU's `gate_probs` + `Routing::select`, row by row.
 #[test]
 fn ref0_route_is_the_cpu_engines() {
     use hmoe_backend::routing::{gate_probs, Gating, Routing};

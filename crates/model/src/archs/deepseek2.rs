@@ -37,6 +37,7 @@ use hmoe_cpu::kv_cache::KvType;
 use super::hparams::ArchMeta;
 use super::rope::{Rope, RopeScaling};
 use crate::error::ModelError;
+use crate::executor::device_kv::KvWidths;
 use crate::executor::device_weights::{upload_f32, upload_f32_opt, upload_matrix, DevMat};
 use crate::executor::layer_blocks::SwiGluFfn;
 use crate::executor::routing::{ExpertSplit, Gating as RouterGating, Routed, Router};
@@ -529,8 +530,11 @@ impl<B: Backend> DeviceLayers<B> for Deepseek2<B> {
         // Positions and the ring's cells only: the latent cache lives on the device.
         KvCache::new_k_only(ty, n_ctx, n_ubatch, self.params.n_layer)
     }
-    fn kv_widths(&self, _layer: usize) -> (usize, usize) {
-        (self.params.latent_dim(), 0)
+    fn kv_widths(&self, _layer: usize) -> KvWidths {
+        KvWidths {
+            k: self.params.latent_dim(),
+            v: 0,
+        }
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let layer = &self.layers[l];

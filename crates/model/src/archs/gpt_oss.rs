@@ -27,6 +27,7 @@ use hmoe_cpu::kv_cache::KvType;
 
 use super::rope::Rope;
 use crate::error::ModelError;
+use crate::executor::device_kv::KvWidths;
 use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeSpec, AttnSpec, MoeSpec};
 use crate::executor::routing::{ExpertSplit, Gating, Router};
 use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
@@ -259,7 +260,7 @@ impl<B: Backend> DeviceLayers<B> for GptOss<B> {
             .collect();
         KvCache::new(ty, n_ctx, n_ubatch, &windows)
     }
-    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+    fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers.kv_widths(layer)
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {

@@ -24,6 +24,7 @@ use hmoe_gguf::GgufModel;
 use super::hparams::{check_heads, ArchMeta};
 use super::rope::{Rope, RopeMode, RopeScaling};
 use crate::error::ModelError;
+use crate::executor::device_kv::KvWidths;
 use crate::executor::device_weights::{buf_bytes, upload_f32};
 use crate::executor::layer_blocks::{AttnBlock, AttnSpec, SwiGluFfn};
 use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
@@ -247,10 +248,10 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
         KvCache::new(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
     }
-    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+    fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers
             .get(layer)
-            .map_or((0, 0), |l| l.attn.kv_widths())
+            .map_or(KvWidths::default(), |l| l.attn.kv_widths())
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let p = &self.params;

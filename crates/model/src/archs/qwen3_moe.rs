@@ -32,6 +32,7 @@ use hmoe_cpu::kv_cache::KvType;
 use super::hparams::{check_heads, ArchMeta};
 use super::rope::{Rope, RopeScaling};
 use crate::error::ModelError;
+use crate::executor::device_kv::KvWidths;
 use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeSpec, AttnSpec, MoeSpec};
 use crate::executor::routing::{ExpertSplit, Gating as RouterGating, Router};
 use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
@@ -234,7 +235,7 @@ impl<B: Backend> DeviceLayers<B> for Qwen3Moe<B> {
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
         KvCache::new(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
     }
-    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+    fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers.kv_widths(layer)
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {

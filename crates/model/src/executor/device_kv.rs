@@ -9,6 +9,34 @@ use hmoe_cpu::kv_cache::{CacheType, KvType};
 
 use crate::sequence::KvCache;
 
+/// The size of a cache handle: the context and the micro-batch its rings were sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// Positions.
+    pub n_ctx: usize,
+    /// Tokens per micro-batch.
+    pub n_ubatch: usize,
+}
+
+impl Geometry {
+    /// The geometry of `cache`.
+    pub(crate) fn of(cache: &KvCache) -> Geometry {
+        Geometry {
+            n_ctx: cache.n_ctx(),
+            n_ubatch: cache.n_ubatch(),
+        }
+    }
+}
+
+/// Floats per cell of one layer's K and V rings (`v` 0: a K-only cache).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvWidths {
+    /// Floats of K per cell.
+    pub k: usize,
+    /// Floats of V per cell.
+    pub v: usize,
+}
+
 /// What the device cache must do before a forward pass on a cache handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KvAction {
@@ -21,11 +49,11 @@ pub(crate) enum KvAction {
     Mismatch,
 }
 
-/// The decision of [`KvAction`]: `gpu` is the device cache's `((n_ctx, n_ubatch), positions
-/// held)`, `handle` the cache's `(n_ctx, n_ubatch)` and `n_past` its position.
+/// The decision of [`KvAction`]: `gpu` is the device cache's geometry and positions held,
+/// `handle` the cache's geometry and `n_past` its position.
 pub(crate) fn kv_action(
-    gpu: Option<((usize, usize), usize)>,
-    handle: (usize, usize),
+    gpu: Option<(Geometry, usize)>,
+    handle: Geometry,
     n_past: usize,
 ) -> KvAction {
     match gpu {
@@ -43,27 +71,27 @@ pub(crate) struct LayerKv<B: Backend> {
 }
 
 /// The layouts of one layer's K and V rings of `cells` cells for K/V types `ty`: rows of
-/// `k_width` and `v_width` values (no V ring for a width of 0, a K-only cache), heads of
+/// `widths` values (no V ring for a V width of 0, a K-only cache), heads of
 /// `head_dim` rotated as the CPU's cache rotates them ([`KvLayout::rotation`]; a
 /// K-only cache, DeepSeek's latent cache, not at all).
 pub fn device_kv_layouts(
     ty: KvType,
     cells: usize,
-    (k_width, v_width): (usize, usize),
+    widths: KvWidths,
     head_dim: usize,
 ) -> Result<(KvLayout, Option<KvLayout>), BackendError> {
     let layout = |t: CacheType, width: usize, key: bool| {
         let ty = t.ggml_type();
-        let rot = match v_width {
+        let rot = match widths.v {
             0 => 0,
             _ => KvLayout::rotation(ty, head_dim, key),
         };
         KvLayout::new(ty, width, cells, rot)
     };
-    let v = (v_width > 0)
-        .then(|| layout(ty.v(), v_width, false))
+    let v = (widths.v > 0)
+        .then(|| layout(ty.v(), widths.v, false))
         .transpose()?;
-    Ok((layout(ty.k(), k_width, true)?, v))
+    Ok((layout(ty.k(), widths.k, true)?, v))
 }
 
 /// Bytes of K/V rings.
@@ -79,8 +107,8 @@ pub(crate) struct DeviceKv<B: Backend> {
     pub(crate) handle: usize,
     /// Whether that handle is still alive ([`KvCache::watch`]).
     pub(crate) alive: Weak<()>,
-    /// `(n_ctx, n_ubatch)` of the handle it was made for.
-    pub(crate) geometry: (usize, usize),
+    /// The geometry of the handle it was made for.
+    pub(crate) geometry: Geometry,
     /// Positions stored.
     pub(crate) held: usize,
     /// When it was last used (the executor's clock).
@@ -104,7 +132,14 @@ mod tests {
     #[test]
     fn device_cache_actions() {
         use KvAction::*;
-        let g = (4096, 512);
+        let g = Geometry {
+            n_ctx: 4096,
+            n_ubatch: 512,
+        };
+        let small = Geometry {
+            n_ctx: 512,
+            n_ubatch: 512,
+        };
         assert_eq!(kv_action(None, g, 0), Allocate, "first sequence");
         assert_eq!(kv_action(None, g, 5), Mismatch, "nothing on the GPU yet");
         assert_eq!(kv_action(Some((g, 10)), g, 10), Continue, "next step");
@@ -115,11 +150,7 @@ mod tests {
             Mismatch,
             "ahead of the GPU"
         );
-        assert_eq!(
-            kv_action(Some((g, 10)), (512, 512), 0),
-            Allocate,
-            "new size"
-        );
-        assert_eq!(kv_action(Some((g, 10)), (512, 512), 3), Mismatch);
+        assert_eq!(kv_action(Some((g, 10)), small, 0), Allocate, "new size");
+        assert_eq!(kv_action(Some((g, 10)), small, 3), Mismatch);
     }
 }

@@ -9,7 +9,7 @@ use hmoe_cpu::kv_cache::KvType;
 use hmoe_gguf::GgufModel;
 
 use super::device_kv::{
-    device_kv_layouts, handle_of, kv_action, rings_bytes, DeviceKv, KvAction, LayerKv,
+    device_kv_layouts, handle_of, kv_action, rings_bytes, DeviceKv, Geometry, KvAction, LayerKv,
 };
 use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
@@ -157,8 +157,7 @@ impl<B: Backend> DeviceModel<B> {
         let held = (st.kvs.iter().find(|kv| kv.handle == handle_of(cache)))
             .map(|kv| (kv.geometry, kv.held));
         cache.n_past() == 0
-            || kv_action(held, (cache.n_ctx(), cache.n_ubatch()), cache.n_past())
-                == KvAction::Continue
+            || kv_action(held, Geometry::of(cache), cache.n_past()) == KvAction::Continue
     }
 
     fn lock(&self) -> MutexGuard<'_, State<B>> {
@@ -270,8 +269,8 @@ impl<B: Backend> DeviceModel<B> {
             });
         }
         let ty = cache.kv_type();
-        let (k_width, v_width) = self.arch.kv_widths(0);
-        let k_only = v_width == 0 && k_width > 0;
+        let widths = self.arch.kv_widths(0);
+        let k_only = widths.v == 0 && widths.k > 0;
         if k_only && !self.dev.k_only_types().contains(&ty.k().ggml_type()) {
             return Err(ModelError::Cache(format!(
                 "K {}: {} does not keep a K-only (latent) cache of this type",
@@ -343,7 +342,7 @@ impl<B: Backend> DeviceModel<B> {
         keep: &[usize],
     ) -> Result<(), ModelError> {
         let handle = handle_of(cache);
-        let geometry = (cache.n_ctx(), cache.n_ubatch());
+        let geometry = Geometry::of(cache);
         // The caches of dropped handles go first.
         st.kvs.retain(|kv| kv.alive.strong_count() > 0);
         st.clock += 1;
@@ -368,7 +367,7 @@ impl<B: Backend> DeviceModel<B> {
                 }
                 let rings = self.rings_of(cache)?;
                 let kv_bytes = rings_bytes(&rings);
-                let need = kv_bytes + self.scratch_bytes(geometry.1);
+                let need = kv_bytes + self.scratch_bytes(geometry.n_ubatch);
                 // Idle sequences' caches first, then cached experts.
                 while self.dev.free_memory()?.is_some_and(|free| free < need)
                     && (st.evict_idle(keep) || st.moe_cache.evict_one())
@@ -403,18 +402,20 @@ impl<B: Backend> DeviceModel<B> {
                 });
                 Ok(())
             }
-            KvAction::Mismatch => Err(ModelError::Cache(format!(
+            KvAction::Mismatch => {
+                Err(ModelError::Cache(format!(
                 "a cache at position {} (n_ctx {}, n_ubatch {}) is not a sequence on the device \
                  ({}); a new sequence, or one whose device cache was freed, starts at 0",
                 cache.n_past(),
-                geometry.0,
-                geometry.1,
+                geometry.n_ctx,
+                geometry.n_ubatch,
                 match held {
-                    Some(((c, u), h)) =>
+                    Some((Geometry { n_ctx: c, n_ubatch: u }, h)) =>
                         format!("its device cache: n_ctx {c}, n_ubatch {u}, {h} positions"),
                     None => "no device cache for it".into(),
                 }
-            ))),
+            )))
+            }
         }
     }
 

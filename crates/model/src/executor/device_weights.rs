@@ -57,7 +57,8 @@ impl<B: Backend> DevMat<B> {
         dev: &B,
         x: &B::Buf<f32>,
         groups: &[Range<usize>],
-        (n_heads, x_stride): (usize, usize),
+        n_heads: usize,
+        x_stride: usize,
         y: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
         let n = groups.last().map_or(0, |g| g.end);

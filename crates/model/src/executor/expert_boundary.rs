@@ -184,7 +184,6 @@ impl<B: Backend> Step<'_, B> {
         let d = self.arch.dims().n_embd;
         let k = r.router.k;
         let n = self.n_tokens();
-        let per_seq = self.experts.split.get(layer).copied().unwrap_or(false);
         let State {
             io,
             moe_cache,
@@ -203,7 +202,7 @@ impl<B: Backend> Step<'_, B> {
         };
         let host = &self.experts.host;
         let (down, up) = match moe_cache.caches(layer) {
-            true => moe_cache.run(dev, layer, r, &batch, host, per_seq, staged.out)?,
+            true => moe_cache.run(dev, layer, r, &batch, host, staged.out)?,
             false => {
                 host.run(layer, r.act, &batch, staged.out)?;
                 (0, 0)

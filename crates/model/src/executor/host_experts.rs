@@ -9,7 +9,7 @@ use hmoe_cpu::{Cpu, CpuMoe};
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 
-use super::device_weights::upload_experts;
+use super::device_weights::{expert_order_varies, upload_experts};
 use crate::error::ModelError;
 
 /// Staging buffers of the host round trip, for micro-batches of `n` tokens.
@@ -62,6 +62,9 @@ struct HostSet {
     /// Whether a matrix is F32, whose products the CPU sums in another order for a batch
     /// than for one token.
     f32_weights: bool,
+    /// Whether a matrix's products are summed in an order that depends on the rows routed
+    /// to an expert together ([`expert_order_varies`]).
+    order_varies: bool,
 }
 
 /// The routed experts of the host layers ([`crate::ExpertHome::Host`]) on the CPU device,
@@ -95,11 +98,21 @@ impl HostExperts {
                 moe: upload_experts(&self.cpu, g, layer, t)?,
                 n_embd: t.gate.n_in,
                 f32_weights: [t.gate.ty, t.up.ty, t.down.ty].contains(&GgmlType::F32),
+                order_varies: [t.gate.ty, t.up.ty, t.down.ty]
+                    .into_iter()
+                    .any(expert_order_varies),
             }),
             None => None,
         };
         self.sets.push(set);
         Ok(())
+    }
+
+    /// Whether the products of layer `layer`'s host experts are summed in an order that
+    /// depends on the rows routed to an expert together (so that each sequence's rows of an
+    /// expert run apart).
+    pub(crate) fn order_varies(&self, layer: usize) -> bool {
+        matches!(self.sets.get(layer), Some(Some(s)) if s.order_varies)
     }
 
     /// `out = Σ_s w · expert(h)` for every token of `batch` over layer `layer`'s experts with

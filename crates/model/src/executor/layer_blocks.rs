@@ -8,6 +8,7 @@ use hmoe_gguf::GgufModel;
 
 use hmoe_backend::ExpertTensors;
 
+use super::device_kv::KvWidths;
 use super::device_weights::{buf_bytes, upload_f32, upload_f32_opt, upload_matrix, DevMat};
 use super::routing::{ExpertSplit, Routed, Router};
 use super::step::{AttnShape, Step};
@@ -129,9 +130,10 @@ impl<B: Backend> AttnBlock<B> {
     }
 
     /// Floats of K and of V per cell of the block's cache.
-    pub(crate) fn kv_widths(&self) -> (usize, usize) {
+    pub(crate) fn kv_widths(&self) -> KvWidths {
         let s = &self.spec.shape;
-        (s.n_head_kv * s.head_dim, s.n_head_kv * s.head_dim)
+        let w = s.n_head_kv * s.head_dim;
+        KvWidths { k: w, v: w }
     }
 
     /// The block over the micro-batch `x` of layer `layer`, residual add included.
@@ -354,10 +356,10 @@ impl<B: Backend> AttnMoeLayers<B> {
     }
 
     /// K and V row widths of layer `layer` (0, 0 past the last).
-    pub(crate) fn kv_widths(&self, layer: usize) -> (usize, usize) {
+    pub(crate) fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers
             .get(layer)
-            .map_or((0, 0), |(a, _)| a.kv_widths())
+            .map_or(KvWidths::default(), |(a, _)| a.kv_widths())
     }
 
     /// Layer `l` over the micro-batch `x`: attention, then the routed experts.

@@ -32,8 +32,8 @@
 //! every layer's experts on the device nothing crosses the bus between the ids and the logits.
 //!
 //! Numerics: the CPU's. Products convert activations as ggml does (Q8_0 blocks for
-//! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU
-//! engine's order (REF0 multiplies the other types with the CPU's own kernels);
+//! Q8_0/MXFP4 weights, f16/bf16 for F16/BF16) and sum Q8_0, MXFP4 and F32 products in the CPU's
+//! order (REF0 multiplies the other types with the CPU's own kernels);
 //! attention rounds the query and the probabilities to f16 and sums in the
 //! CPU's orders with ggml's `expf` (one token's values in one 16-lane chain as its gpt-oss
 //! attention, or in `vec_dot`'s four as its Qwen3/Llama-style attention: each architecture's
@@ -53,13 +53,13 @@
 //! batch-invariant, as the CPU's: row-wise ops (embedding, norms, biases, RoPE with each
 //! token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over the whole micro-batch,
 //! attention runs per sequence over its cache (`Step::attend`), and the products the CPU
-//! engine sums in another order for a batch than for one token (F32 weights, Q4_0 and K-quant
+//! sums in another order for a batch than for one token (F32 weights, Q4_0 and K-quant
 //! weights, whose order depends on the batch's size: `batch_order_varies`, and the experts
 //! of a layer with F32 or K-quant experts, which the `moe` op sums by how many tokens route to
 //! each: `expert_order_varies`) run
 //! on exactly the rows the executor on the CPU gives them together (`Step::matmul`,
-//! `ExpertSplit`). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU
-//! engine's bit for bit.
+//! `ExpertSplit`). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU's
+//! bit for bit.
 //!
 //! Device caches: the [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions
 //! and the ring geometry of the architecture's cache, no keys or values
@@ -92,7 +92,7 @@
 //!   which it does only while its free memory has room for them ([`PREFETCH_RESERVE_BYTES`]
 //!   more). Smaller batches wait for the routing and upload the chosen experts only.
 
-mod device_kv;
+pub(crate) mod device_kv;
 mod device_model;
 pub(crate) mod device_weights;
 mod expert_boundary;
@@ -104,7 +104,7 @@ pub(crate) mod routing;
 mod state;
 pub(crate) mod step;
 
-pub use device_kv::device_kv_layouts;
+pub use device_kv::{device_kv_layouts, KvWidths};
 pub use device_model::DeviceModel;
 pub use expert_boundary::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
 pub use moe_cache::MoeCacheStats;

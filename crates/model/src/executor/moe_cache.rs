@@ -342,10 +342,7 @@ impl<B: Backend> MoeCache<B> {
     /// module docs): hit pairs run on the device and their weighted contributions come down,
     /// missed pairs run on the host (`host`), and each token's contributions are summed in slot
     /// order from zero; when nothing hits, the host sums the whole batch as the plain round
-    /// trip does. `per_seq`: the layer's experts sum in an order that depends on the rows
-    /// routed together, so each sequence's pairs of an expert run apart. Returns the extra
-    /// bytes brought down and sent up.
-    #[allow(clippy::too_many_arguments)]
+    /// trip does. Returns the extra bytes brought down and sent up.
     pub(crate) fn run(
         &mut self,
         dev: &B,
@@ -353,7 +350,6 @@ impl<B: Backend> MoeCache<B> {
         r: &Routed<'_, B>,
         batch: &HostBatch<'_>,
         host: &HostExperts,
-        per_seq: bool,
         out: &mut [f32],
     ) -> Result<(u64, u64), ModelError> {
         let homes = self.split(layer, batch.sel, r.router.n_expert);
@@ -370,6 +366,8 @@ impl<B: Backend> MoeCache<B> {
         let mut contrib = vec![0f32; homes.len() * d];
         // Device: queued now and brought down after the host has run the misses (so that both
         // sides work at once on a device that queues).
+        // Experts whose order varies with the rows: each sequence's pairs apart.
+        let per_seq = host.order_varies(layer);
         let (hits, up_bytes) = self.device_hits(dev, layer, r, batch, &homes, per_seq, d)?;
         let misses: Vec<usize> = (0..homes.len())
             .filter(|&i| homes[i] == PairHome::Host)

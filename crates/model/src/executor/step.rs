@@ -9,7 +9,7 @@ use hmoe_backend::{AttnParams, Backend, ExpertTensors, KOnlyAttnParams};
 use hmoe_cpu::kv_cache::KvType;
 use hmoe_gguf::GgufModel;
 
-use super::device_kv::LayerKv;
+use super::device_kv::{KvWidths, LayerKv};
 use super::device_weights::DevMat;
 use super::layer_experts::LayerExperts;
 use super::state::State;
@@ -39,7 +39,7 @@ pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
     /// layer), no keys or values.
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache;
     /// Floats of K and of V per cell of layer `layer`'s cache.
-    fn kv_widths(&self, layer: usize) -> (usize, usize);
+    fn kv_widths(&self, layer: usize) -> KvWidths;
     /// Layer `layer` over the micro-batch's hidden state `x` (`n × n_embd`), in place.
     fn layer(
         &self,
@@ -210,7 +210,7 @@ impl<'s, B: Backend> Step<'s, B> {
         x_stride: usize,
         y: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
-        w.mul_heads(self.dev, x, &self.groups, (n_heads, x_stride), y)
+        w.mul_heads(self.dev, x, &self.groups, n_heads, x_stride, y)
     }
 
     /// Stores the batch's keys `k` (`p.k_dim` a token) in layer `layer`'s K-only cache of
