@@ -82,8 +82,8 @@ impl Arch {
         dev: &B,
     ) -> Result<Box<dyn DeviceLayers<B>>, ModelError> {
         Ok(match self.layers {
-            Layers::GptOss => Box::new(gpt_oss::GptOss::load(gguf, dev)?),
-            Layers::Qwen3Moe => Box::new(qwen3_moe::Qwen3Moe::load(gguf, dev)?),
+            Layers::GptOss => Box::new(gpt_oss::load(gguf, dev)?),
+            Layers::Qwen3Moe => Box::new(qwen3_moe::load(gguf, dev)?),
             Layers::Deepseek2 => Box::new(deepseek2::Deepseek2::load(gguf, dev)?),
             Layers::Dense(arch) => Box::new(llama::Dense::load(gguf, arch, dev)?),
         })

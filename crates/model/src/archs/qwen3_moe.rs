@@ -26,17 +26,13 @@ use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::GgufModel;
 
 use hmoe_backend::routing::{Gating, Routing};
-use hmoe_backend::ExpertTensors;
-use hmoe_cpu::kv_cache::KvType;
 
 use super::hparams::{check_heads, ArchMeta};
 use super::rope::{Rope, RopeScaling};
 use crate::error::ModelError;
-use crate::executor::device_kv::KvWidths;
-use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeSpec, AttnSpec, MoeSpec};
+use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeModel, AttnMoeSpec, AttnSpec, MoeSpec};
 use crate::executor::routing::{ExpertSplit, Gating as RouterGating, Router};
-use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
-use crate::sequence::KvCache;
+use crate::executor::step::{AttnShape, ModelDims};
 use crate::weights::n_vocab;
 
 const ARCH: &str = "qwen3moe";
@@ -140,111 +136,73 @@ impl Qwen3MoeParams {
 /// The SiLU experts' activation as the contract's `moe` op takes it.
 const EXPERT_ACT: GatedAct = GatedAct::Silu;
 
-/// Qwen3-MoE's layers on a device ([`crate::DeviceModel`]): each layer is the attention block
-/// (per-head q/k norms, NeoX RoPE, GQA, no biases or sinks, one token's values summed in the
-/// four chains of `vec_dot`) and the routed-MoE block (`ffn_norm`, softmax over every expert,
-/// top-k renormalised, bias-less SiLU experts; a sequence's rows multiplied together by F32
-/// experts as the host experts do).
-pub(crate) struct Qwen3Moe<B: Backend> {
-    params: Qwen3MoeParams,
-    gguf: GgufModel,
-    layers: AttnMoeLayers<B>,
-}
-
-impl<B: Backend> Qwen3Moe<B> {
-    /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
-    /// dense weights to `dev` (the routed experts are the executor's).
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Qwen3Moe<B>, ModelError> {
-        let p = Qwen3MoeParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
-        // The contract's attention (`AttnParams::head_dim`), where the CPU's scores of a
-        // batch also take tinyBLAS's 16-lane order.
-        if !p.head_dim.is_multiple_of(16) || p.head_dim > 256 {
-            return Err(ModelError::Placement(format!(
-                "attention heads of {} values: the device takes multiples of 16 up to 256",
-                p.head_dim
-            )));
-        }
-        let rope = (Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling).device_params())
-            .ok_or_else(|| ModelError::Placement("RoPE frequency factors".into()))?;
-        let attn = AttnSpec {
-            n_embd: p.n_embd,
-            shape: AttnShape {
-                n_head: p.n_head,
-                n_head_kv: p.n_head_kv,
-                head_dim: p.head_dim,
-                window: None,
-                scale: 1.0 / (p.head_dim as f32).sqrt(),
-                value_chains: hmoe_backend::numerics::VEC_DOT_CHAINS,
-            },
-            rope,
-            rms_eps: p.rms_eps,
-        };
-        let moe = MoeSpec {
-            n_embd: p.n_embd,
-            router: Router {
-                n_expert: p.n_expert,
-                k: p.routing.k,
-                gating: RouterGating::Scored(Gating::Softmax, p.routing),
-            },
-            act: EXPERT_ACT,
-            split: ExpertSplit::PerSequence,
-            rms_eps: p.rms_eps,
-        };
-        let mut layers = AttnMoeLayers::with_capacity(p.n_layer);
-        for l in 0..p.n_layer {
-            for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
-                let name = format!("blk.{l}.{norm}");
-                if gguf.tensor_info(&name).is_none() {
-                    return Err(ModelError::MissingTensor(name));
-                }
+/// Qwen3-MoE's layers of `gguf` on `dev` (every tensor checked against the hyperparameters;
+/// the routed experts are the executor's): each layer is the attention block (per-head q/k
+/// norms, NeoX RoPE, GQA, no biases or sinks, one token's values summed in the four chains of
+/// `vec_dot`) and the routed-MoE block (`ffn_norm`, softmax over every expert, top-k
+/// renormalised, bias-less SiLU experts; a sequence's rows multiplied together by F32 experts
+/// as the host experts do).
+pub(crate) fn load<B: Backend>(gguf: GgufModel, dev: &B) -> Result<AttnMoeModel<B>, ModelError> {
+    let p = Qwen3MoeParams::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
+    // The contract's attention (`AttnParams::head_dim`), where the CPU's scores of a
+    // batch also take tinyBLAS's 16-lane order.
+    if !p.head_dim.is_multiple_of(16) || p.head_dim > 256 {
+        return Err(ModelError::Placement(format!(
+            "attention heads of {} values: the device takes multiples of 16 up to 256",
+            p.head_dim
+        )));
+    }
+    let rope = (Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling).device_params())
+        .ok_or_else(|| ModelError::Placement("RoPE frequency factors".into()))?;
+    let attn = AttnSpec {
+        n_embd: p.n_embd,
+        shape: AttnShape {
+            n_head: p.n_head,
+            n_head_kv: p.n_head_kv,
+            head_dim: p.head_dim,
+            window: None,
+            scale: 1.0 / (p.head_dim as f32).sqrt(),
+            value_chains: hmoe_backend::numerics::VEC_DOT_CHAINS,
+        },
+        rope,
+        rms_eps: p.rms_eps,
+    };
+    let moe = MoeSpec {
+        n_embd: p.n_embd,
+        router: Router {
+            n_expert: p.n_expert,
+            k: p.routing.k,
+            gating: RouterGating::Scored(Gating::Softmax, p.routing),
+        },
+        act: EXPERT_ACT,
+        split: ExpertSplit::PerSequence,
+        rms_eps: p.rms_eps,
+    };
+    let mut layers = AttnMoeLayers::with_capacity(p.n_layer);
+    for l in 0..p.n_layer {
+        for norm in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+            let name = format!("blk.{l}.{norm}");
+            if gguf.tensor_info(&name).is_none() {
+                return Err(ModelError::MissingTensor(name));
             }
-            let spec = AttnMoeSpec {
-                attn,
-                moe,
-                moe_norm: "ffn_norm.weight",
-                n_ff: p.n_ff_exp,
-                expert_biases: false,
-            };
-            layers.push(dev, &gguf, l, &spec)?;
         }
-        Ok(Qwen3Moe {
-            params: p,
-            gguf,
-            layers,
-        })
+        let spec = AttnMoeSpec {
+            attn,
+            moe,
+            moe_norm: "ffn_norm.weight",
+            n_ff: p.n_ff_exp,
+            expert_biases: false,
+        };
+        layers.push(dev, &gguf, l, &spec)?;
     }
-}
-
-impl<B: Backend> DeviceLayers<B> for Qwen3Moe<B> {
-    fn dims(&self) -> ModelDims {
-        let p = &self.params;
-        ModelDims {
-            n_layer: p.n_layer,
-            n_embd: p.n_embd,
-            n_vocab: p.n_vocab,
-            n_ctx_train: p.n_ctx_train,
-            rms_eps: p.rms_eps,
-            scratch_per_token: self.layers.scratch_per_token(p.n_embd),
-            kv_head_dim: p.head_dim,
-        }
-    }
-    fn gguf(&self) -> &GgufModel {
-        &self.gguf
-    }
-    /// Positions and the ring geometry (every layer full), no keys or values.
-    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        KvCache::new(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
-    }
-    fn kv_widths(&self, layer: usize) -> KvWidths {
-        self.layers.kv_widths(layer)
-    }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
-        self.layers.forward(cx, l, x)
-    }
-    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
-        self.layers.experts(&self.gguf, layer)
-    }
-    fn weight_bytes(&self) -> u64 {
-        self.layers.bytes()
-    }
+    let dims = ModelDims {
+        n_layer: p.n_layer,
+        n_embd: p.n_embd,
+        n_vocab: p.n_vocab,
+        n_ctx_train: p.n_ctx_train,
+        rms_eps: p.rms_eps,
+        scratch_per_token: layers.scratch_per_token(p.n_embd),
+        kv_head_dim: p.head_dim,
+    };
+    Ok(AttnMoeModel::new(gguf, dims, layers))
 }

@@ -7,13 +7,15 @@ use hmoe_backend::{Backend, GatedAct, RopeParams};
 use hmoe_gguf::GgufModel;
 
 use hmoe_backend::ExpertTensors;
+use hmoe_cpu::kv_cache::KvType;
 
 use super::device_kv::KvWidths;
 use super::device_weights::{buf_bytes, upload_f32, upload_f32_opt, upload_matrix, DevMat};
 use super::routing::{ExpertSplit, Routed, Router};
-use super::step::{AttnShape, Step};
+use super::step::{AttnShape, DeviceLayers, ModelDims, Step};
 use crate::archs::rope::RopeMode;
 use crate::error::ModelError;
+use crate::sequence::KvCache;
 use crate::weights::{ExpertShape, ExpertWeights};
 
 /// `x[r] += b` for every row when there is a bias.
@@ -377,6 +379,49 @@ impl<B: Backend> AttnMoeLayers<B> {
     /// Device bytes of every layer's weights.
     pub(crate) fn bytes(&self) -> u64 {
         self.layers.iter().map(|(a, m)| a.bytes() + m.bytes()).sum()
+    }
+}
+
+/// A model whose every layer is an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE),
+/// as the executor runs it: its file, its sizes and its layers.
+pub(crate) struct AttnMoeModel<B: Backend> {
+    gguf: GgufModel,
+    dims: ModelDims,
+    layers: AttnMoeLayers<B>,
+}
+
+impl<B: Backend> AttnMoeModel<B> {
+    /// The model of `layers` loaded from `gguf`, of sizes `dims`.
+    pub(crate) fn new(gguf: GgufModel, dims: ModelDims, layers: AttnMoeLayers<B>) -> Self {
+        AttnMoeModel { gguf, dims, layers }
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for AttnMoeModel<B> {
+    fn dims(&self) -> ModelDims {
+        self.dims
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.gguf
+    }
+    /// Positions and the ring geometry: a layer with a window keeps `window + n_ubatch` cells.
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        let windows: Vec<_> = (self.layers.layers.iter())
+            .map(|(a, _)| a.spec.shape.window)
+            .collect();
+        KvCache::new(ty, n_ctx, n_ubatch, &windows)
+    }
+    fn kv_widths(&self, layer: usize) -> KvWidths {
+        self.layers.kv_widths(layer)
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
+        self.layers.forward(cx, l, x)
+    }
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        self.layers.experts(&self.gguf, layer)
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.layers.bytes()
     }
 }
 
