@@ -16,7 +16,7 @@
 //! expert(h) = Wd · (min(g,7) · σ(1.702·min(g,7)) · (clamp(u,−7,7) + 1)) + bd,  g = Wg·h + bg,  u = Wu·h + bu
 //! ```
 //!
-//! The layers run over the device contract ([`load`], run by [`crate::DeviceModel`] on the
+//! The layers run over the device contract (`load`, run by [`crate::DeviceModel`] on the
 //! CPU, a GPU or REF0, the experts wherever the placement puts them).
 
 use hmoe_backend::{Backend, GatedAct};

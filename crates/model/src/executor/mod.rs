@@ -22,8 +22,8 @@
 //! are gathered on the device, then every layer runs (`DeviceLayers::layer`); a layer's
 //! routed experts run (`Step::experts`):
 //!
-//! - [`ExpertHome::Device`]: the `moe` op over the layer's experts, uploaded at load;
-//! - [`ExpertHome::Host`]: one round trip. The normed hidden state, the chosen experts and
+//! - [`crate::ExpertHome::Device`]: the `moe` op over the layer's experts, uploaded at load;
+//! - [`crate::ExpertHome::Host`]: one round trip. The normed hidden state, the chosen experts and
 //!   their weights come down into the device's staging buffers (pinned on CUDA), the host runs
 //!   the layer's experts over the file mapping with the CPU device's `moe` op, and the
 //!   weighted sum goes back up.
@@ -47,9 +47,9 @@
 //! kernel's algorithm for those values: the same softmax in another order, so GPU attention
 //! differs there in the last bits as well (compared within 5e-3, never bit for bit).
 //!
-//! Several sequences at once ([`LanguageModel::forward_multi`], continuous batching): each
+//! Several sequences at once ([`crate::LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
-//! tokens, so a CPU-expert layer still makes one round trip per micro-batch. The result is
+//! tokens, so a host-expert layer still makes one round trip per micro-batch. The result is
 //! batch-invariant, as the CPU's: row-wise ops (embedding, norms, biases, RoPE with each
 //! token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over the whole micro-batch,
 //! attention runs per sequence over its cache (`Step::attend`), and the products the CPU
@@ -61,20 +61,20 @@
 //! `ExpertSplit`). On [`hmoe_backend::Ref0`] every sequence's logits are then the CPU's
 //! bit for bit.
 //!
-//! Device caches: the [`KvCache`] that [`LanguageModel::new_cache`] hands out holds positions
+//! Device caches: the [`crate::KvCache`] that [`crate::LanguageModel::new_cache`] hands out holds positions
 //! and the ring geometry of the architecture's cache, no keys or values
 //! (`DeviceLayers::new_cache`); the executor keeps one device cache per handle, told apart
-//! by the handle's [`KvCache::id`], with the handle's cells per layer. A handle at position 0
+//! by the handle's [`crate::KvCache::id`], with the handle's cells per layer. A handle at position 0
 //! starts a new sequence (its device cache is reallocated when its size differs); one that
-//! went back ([`KvCache::truncate`]) continues from there; one ahead of what the device holds
+//! went back ([`crate::KvCache::truncate`]) continues from there; one ahead of what the device holds
 //! is an error. The cache of a dropped handle is freed at the next step
-//! ([`KvCache::watch`]). Beyond that, caches are freed by need: before a new sequence's cache
+//! ([`crate::KvCache::watch`]). Beyond that, caches are freed by need: before a new sequence's cache
 //! is allocated, the least recently used caches of sequences outside the step are freed until
 //! the device has room for it and a micro-batch's scratch buffers
 //! ([`DeviceModel::scratch_bytes`]), and again if the allocation still runs out of memory. A
 //! handle whose cache was freed can only start again from position 0
-//! ([`LanguageModel::cache_held`] tells). An owner of every live handle (the server's slots)
-//! names them with [`LanguageModel::retain_caches`]: the caches of other handles are freed
+//! ([`crate::LanguageModel::cache_held`] tells). An owner of every live handle (the server's slots)
+//! names them with [`crate::LanguageModel::retain_caches`]: the caches of other handles are freed
 //! then, and those of busy sequences are never freed to make room for another.
 //!
 //! Limits of this executor:
