@@ -51,6 +51,50 @@ impl ArchMeta<'_> {
     }
 }
 
+/// The attention sizes of an architecture whose heads are whole: keys, values and RoPE span
+/// every dim of a head (Llama, Qwen2, Qwen3-MoE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WholeHeads {
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (the query heads when the file does not say).
+    pub n_head_kv: usize,
+    /// Dims per head (`n_embd / n_head` when the file does not say).
+    pub head_dim: usize,
+}
+
+impl ArchMeta<'_> {
+    /// Reads [`WholeHeads`]; a value length other than the key length or a partial RoPE is an
+    /// error.
+    pub fn whole_heads(&self) -> Result<WholeHeads, ModelError> {
+        let n_embd = self.usize("embedding_length")?;
+        let n_head = self.usize("attention.head_count")?;
+        let head_dim = self.usize_or("attention.key_length", n_embd / n_head.max(1));
+        if self.usize_or("attention.value_length", head_dim) != head_dim {
+            return Err(self.bad(
+                "attention.value_length",
+                self.usize_or("attention.value_length", 0),
+                "must equal key_length",
+            ));
+        }
+        if self.usize_or("rope.dimension_count", head_dim) != head_dim {
+            return Err(self.bad(
+                "rope.dimension_count",
+                self.usize_or("rope.dimension_count", 0),
+                "partial RoPE is not supported",
+            ));
+        }
+        Ok(WholeHeads {
+            n_embd,
+            n_head,
+            n_head_kv: self.usize_or("attention.head_count_kv", n_head),
+            head_dim,
+        })
+    }
+}
+
 /// Shared sanity checks of the attention hyperparameters.
 pub(crate) fn check_heads(
     m: &ArchMeta,

@@ -21,7 +21,7 @@ use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_cpu::kv_cache::KvType;
 use hmoe_gguf::GgufModel;
 
-use super::hparams::{check_heads, ArchMeta};
+use super::hparams::{check_heads, ArchMeta, WholeHeads};
 use super::rope::{Rope, RopeMode, RopeScaling};
 use crate::error::ModelError;
 use crate::executor::device_kv::KvWidths;
@@ -100,23 +100,12 @@ impl DenseParams {
             meta,
             arch: arch.name(),
         };
-        let n_embd = m.usize("embedding_length")?;
-        let n_head = m.usize("attention.head_count")?;
-        let head_dim = m.usize_or("attention.key_length", n_embd / n_head.max(1));
-        if m.usize_or("attention.value_length", head_dim) != head_dim {
-            return Err(m.bad(
-                "attention.value_length",
-                m.usize_or("attention.value_length", 0),
-                "must equal key_length",
-            ));
-        }
-        if m.usize_or("rope.dimension_count", head_dim) != head_dim {
-            return Err(m.bad(
-                "rope.dimension_count",
-                m.usize_or("rope.dimension_count", 0),
-                "partial RoPE is not supported",
-            ));
-        }
+        let WholeHeads {
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = m.whole_heads()?;
         if m.usize_or("expert_count", 0) > 0 {
             return Err(m.bad(
                 "expert_count",
@@ -134,7 +123,7 @@ impl DenseParams {
             n_layer: m.usize("block_count")?,
             n_embd,
             n_head,
-            n_head_kv: m.usize_or("attention.head_count_kv", n_head),
+            n_head_kv,
             head_dim,
             n_vocab,
             n_ff: m.usize("feed_forward_length")?,

@@ -27,7 +27,7 @@ use hmoe_gguf::GgufModel;
 
 use hmoe_backend::routing::{Gating, Routing};
 
-use super::hparams::{check_heads, ArchMeta};
+use super::hparams::{check_heads, ArchMeta, WholeHeads};
 use super::rope::{Rope, RopeScaling};
 use crate::error::ModelError;
 use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeModel, AttnMoeSpec, AttnSpec, MoeSpec};
@@ -80,23 +80,12 @@ impl Qwen3MoeParams {
             ));
         }
         let m = ArchMeta { meta, arch: ARCH };
-        let n_embd = m.usize("embedding_length")?;
-        let n_head = m.usize("attention.head_count")?;
-        let head_dim = m.usize_or("attention.key_length", n_embd / n_head.max(1));
-        if m.usize_or("attention.value_length", head_dim) != head_dim {
-            return Err(m.bad(
-                "attention.value_length",
-                m.usize_or("attention.value_length", 0),
-                "must equal key_length",
-            ));
-        }
-        if m.usize_or("rope.dimension_count", head_dim) != head_dim {
-            return Err(m.bad(
-                "rope.dimension_count",
-                m.usize_or("rope.dimension_count", 0),
-                "partial RoPE is not supported",
-            ));
-        }
+        let WholeHeads {
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = m.whole_heads()?;
         let n_expert = m.usize("expert_count")?;
         let k = m.usize("expert_used_count")?;
         if n_expert == 0 || k == 0 || k > n_expert {
@@ -111,7 +100,7 @@ impl Qwen3MoeParams {
             n_layer: m.usize("block_count")?,
             n_embd,
             n_head,
-            n_head_kv: m.usize_or("attention.head_count_kv", n_head),
+            n_head_kv,
             head_dim,
             n_vocab,
             n_expert,
