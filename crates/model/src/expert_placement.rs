@@ -1,7 +1,7 @@
 //! Where each layer's routed experts live ([`ExpertPlacement`], read off the placement
 //! plan's tensor devices): on the device that runs the layer's dense part, or in host memory,
 //! where they run over the file mapping on the CPU (the executor's expert boundary, see
-//! `docs/architecture.md`, "The executor").
+//! `docs/architecture.md`, "Expert boundary").
 
 use crate::error::ModelError;
 
