@@ -58,12 +58,19 @@ pub enum ModelError {
         /// Context size of the cache.
         n_ctx: usize,
     },
-    /// The expert boundary of hybrid execution failed (placement, upload or device run).
-    #[error(transparent)]
-    ExpertDevice(#[from] crate::hybrid::ExpertDeviceError),
     /// A kernel rejected its input.
     #[error(transparent)]
     Quant(#[from] hmoe_quant::QuantError),
+    /// The device failed (out of memory, an unsupported op or type, its driver).
+    #[error(transparent)]
+    Device(#[from] hmoe_backend::BackendError),
+    /// A placement of the routed experts that the executor cannot run.
+    #[error("placement: {0}")]
+    Placement(String),
+    /// A cache handle that does not stand for a sequence on the device, or of a type the
+    /// device cannot keep.
+    #[error("device KV cache: {0}")]
+    Cache(String),
 }
 
 impl ModelError {
@@ -72,9 +79,30 @@ impl ModelError {
     pub fn is_out_of_memory(&self) -> bool {
         matches!(
             self,
-            ModelError::ExpertDevice(crate::hybrid::ExpertDeviceError::Device(
-                hmoe_backend::BackendError::OutOfMemory { .. }
-            ))
+            ModelError::Device(hmoe_backend::BackendError::OutOfMemory { .. })
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_errors_say_what_failed() {
+        let e = ModelError::Cache("x".into());
+        assert!(e.to_string().contains("device KV cache: x"), "{e}");
+        let oom = hmoe_backend::BackendError::OutOfMemory {
+            device: "REF0".into(),
+            what: "alloc",
+            requested: 3 << 20,
+            free: 1 << 20,
+            total: 8 << 20,
+        };
+        let e = ModelError::from(oom);
+        assert!(e.is_out_of_memory());
+        assert!(e.to_string().starts_with("REF0: out of memory"), "{e}");
+        assert!(e.to_string().contains("2.0 MiB missing"), "{e}");
+        assert!(!ModelError::Placement("p".into()).is_out_of_memory());
     }
 }

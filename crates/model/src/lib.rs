@@ -1,133 +1,37 @@
 //! Model architectures over GGUF weights: hyperparameters and each architecture's forward
 //! pass, written once over the device contract (`hmoe-backend`).
 //!
-//! Each architecture lives in one file that reads like its math (`gpt_oss.rs`), built from
-//! the executor's shared blocks (attention, routed MoE, SwiGLU FFN); [`executor`] runs it on
-//! whichever device the placement chooses: the CPU ([`hmoe_cpu::Cpu`], what [`load`] gives),
-//! a CUDA GPU, or the reference device `REF0`, with each layer's routed experts on the device
-//! or on the host.
+//! Each architecture lives in one file of [`archs`] that reads like its math
+//! (`archs/gpt_oss.rs`), built from the executor's shared blocks (attention, routed MoE,
+//! SwiGLU FFN); [`executor`] runs it on whichever device the placement chooses: the CPU
+//! ([`hmoe_cpu::Cpu`], what [`load`] gives), a CUDA GPU, or the reference device `REF0`, with
+//! each layer's routed experts on the device or on the host.
 #![warn(missing_docs)]
 
-pub mod deepseek2;
+pub mod archs;
 mod error;
 pub mod executor;
-pub mod gpt_oss;
-pub mod hybrid;
-/// The K/V cache (in `hmoe-cpu`, re-exported here as before).
-pub mod kv_cache {
-    pub use hmoe_cpu::kv_cache::{CacheType, FlashAttn, KvCache, KvType, KvTypeError};
-}
-pub mod llama;
-pub mod ops;
-pub mod qwen3_moe;
+pub mod expert_placement;
+mod language_model;
+mod sequence;
 mod weights;
 
-pub use deepseek2::Deepseek2Params;
+/// The sequence handle and the K/V element types.
+pub mod kv_cache {
+    pub use crate::sequence::KvCache;
+    pub use hmoe_cpu::kv_cache::{CacheType, FlashAttn, KvType, KvTypeError};
+}
+
+pub use archs::deepseek2::Deepseek2Params;
+pub use archs::gpt_oss::GptOssParams;
+pub use archs::llama::{DenseArch, DenseParams};
+pub use archs::qwen3_moe::Qwen3MoeParams;
+pub use archs::{device_arch, Arch, ARCHS};
 pub use error::ModelError;
-pub use executor::{device_arch, DeviceModel, ExecError, ExecStats, MoeCacheStats};
-pub use gpt_oss::GptOssParams;
-pub use hybrid::{ExpertBatch, ExpertDeviceError, ExpertHome, ExpertPlacement, ExpertTensors};
+pub use executor::{DeviceModel, ExecStats, MoeCacheStats};
+pub use expert_placement::{ExpertHome, ExpertPlacement, OP_OFFLOAD_MIN_BATCH};
 pub use kv_cache::{KvCache, KvType};
-pub use llama::{DenseArch, DenseParams};
-pub use qwen3_moe::Qwen3MoeParams;
-
-/// Which logits a forward pass returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitsWanted {
-    /// Only the last token of the batch (generation).
-    Last,
-    /// Every token of the batch (teacher forcing, perplexity).
-    All,
-}
-
-/// One sequence's share of a multi-sequence forward pass ([`LanguageModel::forward_multi`]).
-pub struct SeqBatch<'c, 't> {
-    /// The sequence's cache; `tokens` go to its next positions.
-    pub cache: &'c mut KvCache,
-    /// Tokens to run (a prompt chunk or one decode token).
-    pub tokens: &'t [u32],
-    /// Whether to return the logits of the last token (`n_vocab` floats); when false an
-    /// empty vector is returned for this sequence.
-    pub logits: bool,
-}
-
-/// Memory a model holds on its device now ([`LanguageModel::device_memory`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DeviceMemory {
-    /// The device (`CUDA0`, `REF0`).
-    pub device: String,
-    /// Weights uploaded at load.
-    pub weight_bytes: u64,
-    /// The K/V caches of every sequence it holds.
-    pub kv_bytes: u64,
-    /// What the device reports free (`None`: a device with no limit to report).
-    pub free_bytes: Option<u64>,
-}
-
-/// What the engine needs from any architecture.
-pub trait LanguageModel: Send + Sync {
-    /// Vocabulary size (length of each logits row).
-    fn n_vocab(&self) -> usize;
-    /// Context length the model was trained for.
-    fn n_ctx_train(&self) -> usize;
-    /// A fresh KV cache for `n_ctx` positions and micro-batches of `n_ubatch` tokens.
-    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache;
-    /// Runs `tokens` at the next positions of `cache`; returns `n_vocab` logits per wanted token.
-    fn forward(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Vec<f32>, ModelError>;
-    /// The file(s) the weights live in (metadata for tokenizer and chat template).
-    fn gguf(&self) -> &hmoe_gguf::GgufModel;
-    /// Bytes of K/V a cache of `cache`'s types and geometry holds once its positions are
-    /// filled (by default, what the handle itself holds).
-    fn kv_bytes(&self, cache: &KvCache) -> u64 {
-        cache.bytes() as u64
-    }
-    /// What the device executor counted (micro-batches, round trips at the expert boundary,
-    /// the device's transfers), for a model on a GPU or REF0; `None` on the CPU.
-    fn device_stats(&self) -> Option<ExecStats> {
-        None
-    }
-    /// The memory the model holds on its device, for a model on a GPU or REF0; `None` on the
-    /// CPU.
-    fn device_memory(&self) -> Option<DeviceMemory> {
-        None
-    }
-    /// What the device expert cache (`--moe-cache`) counted and holds, for a model on a
-    /// device with the cache enabled; `None` otherwise.
-    fn moe_cache_stats(&self) -> Option<MoeCacheStats> {
-        None
-    }
-    /// For a model that keeps K/V apart from the cache handles (the device executor): the
-    /// handles that are alive, from an owner that holds every live handle of this model (a
-    /// server's slots). The K/V of `busy` sequences (under way) is never freed to make room
-    /// for another sequence; that of `idle` ones may be (see [`LanguageModel::cache_held`]);
-    /// that of any other handle is freed now. The default is for a model that keeps K/V in
-    /// the handle, which has nothing to do.
-    fn retain_caches(&self, _busy: &[&KvCache], _idle: &[&KvCache]) {}
-    /// Whether the K/V of `cache`'s positions is still there: false when the device executor
-    /// freed an idle sequence's cache to make room, after which the handle can only start
-    /// again from position 0 ([`KvCache::clear`]). Always true by default.
-    fn cache_held(&self, _cache: &KvCache) -> bool {
-        true
-    }
-    /// Runs several sequences in one pass (continuous batching): each sequence's tokens go to
-    /// the next positions of its own cache, and every sequence's result is exactly what
-    /// [`LanguageModel::forward`] would return for it alone (batch invariance). The default
-    /// runs the sequences one after the other; architectures override it to share the weight
-    /// reads of one step between sequences.
-    fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        seqs.iter_mut()
-            .map(|s| {
-                let logits = self.forward(s.cache, s.tokens, LogitsWanted::Last)?;
-                Ok(if s.logits { logits } else { Vec::new() })
-            })
-            .collect()
-    }
-}
+pub use language_model::{DeviceMemory, LanguageModel, LogitsWanted, SeqBatch};
 
 /// Builds the architecture named by the file's `general.architecture` on the CPU: the
 /// executor over [`hmoe_cpu::Cpu`], every layer and its experts there.

@@ -183,9 +183,9 @@ fn assert_same(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
     }
 }
 
-/// DeepSeek's latent (K-only) cache in every `-ctk` type the CPU engine keeps it in, on a
+/// DeepSeek's latent (K-only) cache in every `-ctk` type the CPU keeps it in, on a
 /// synthetic file with latent rows of 64 + 64 values (whole blocks of every type, a multiple
-/// of 64 that neither the CPU engine nor the device rotates).
+/// of 64 that neither the CPU nor the device rotates).
 #[test]
 fn cpu_device_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
     let path = synth("device-cpu-deepseek2-latent");

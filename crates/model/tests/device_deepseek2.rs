@@ -1,5 +1,5 @@
 //! DeepSeek-V3 (`deepseek2`) on the reference device: `DeviceModel<Ref0>` on the fixture gives
-//! the CPU engine's logits bit for bit (every prompt position over several micro-batches, then
+//! the CPU's logits bit for bit (every prompt position over several micro-batches, then
 //! greedy decode steps) with the routed experts on the device, on the host (one round trip
 //! per MoE layer per micro-batch), on the host with op offload, and on the host for the first
 //! MoE layer only; two sequences batched in one `forward_multi` get what each gets alone.
@@ -82,10 +82,7 @@ fn ref0_deepseek2_is_the_cpu_engine_bit_for_bit() {
         let before = dev.stats();
         let got = run(&dev, &prompt());
         for (s, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                bits(g) == bits(w),
-                "{what}: feed {s} differs from the CPU engine"
-            );
+            assert!(bits(g) == bits(w), "{what}: feed {s} differs from the CPU");
         }
         let after = dev.stats();
         // 3 micro-batches of the prompt, then 3 of one token each.

@@ -1,6 +1,6 @@
-//! The dense Llama-family files (`llama.rs`: `llama`, `qwen2`) on a device (issue #15), the
+//! The dense Llama-family files (`archs/llama.rs`: `llama`, `qwen2`) on a device, the
 //! reference device and the CPU as a device (`hmoe_cpu::Cpu`), each test taking the device as
-//! a parameter: `DeviceModel<Ref0>` and `DeviceModel<Cpu>` give the CPU engine's logits bit for bit on the real published
+//! a parameter: `DeviceModel<Ref0>` and `DeviceModel<Cpu>` give the CPU's logits bit for bit on the real published
 //! weights (SmolLM2-135M-Instruct Q4_1 with its Q8_0 tied embedding, normal RoPE and 3-way GQA;
 //! Qwen2.5-Coder-0.5B-Instruct Q4_K_M with Q4_K/Q5_0/Q6_K/Q8_0 weights, q/k/v biases, NeoX
 //! RoPE and 7-way GQA), teacher-forced over llama.cpp's golden prompts and greedy tokens (the
@@ -35,7 +35,7 @@ const QWEN25: (&str, &str) = (
 );
 
 /// Micro-batch of the teacher-forced runs: the longer prompts take several, of 8 tokens (the
-/// size from which the CPU engine tiles K-quant products) and a remainder.
+/// size from which the CPU tiles K-quant products) and a remainder.
 const UBATCH: usize = 8;
 const N_CTX: usize = 128;
 /// Greedy tokens fed per case (each gives the next distribution).
@@ -58,7 +58,7 @@ fn open(file: &str) -> Option<GgufModel> {
     }
 }
 
-/// The CPU engine and the same file on `dev` (no experts: every layer's home is moot).
+/// The CPU and the same file on `dev` (no experts: every layer's home is moot).
 fn models<B: Backend + 'static>(
     file: &str,
     dev: B,
@@ -140,7 +140,7 @@ fn check_bit_for_bit<B: Backend + 'static>((file, golden): (&str, &str), dev: B)
             for (s, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     bits(g) == bits(w),
-                    "{file} case {i} K/V {kv_name}: feed {s} differs from the CPU engine"
+                    "{file} case {i} K/V {kv_name}: feed {s} differs from the CPU"
                 );
             }
             let after = dev.stats();
@@ -185,9 +185,9 @@ fn cpu_qwen25_is_the_cpu_engine_bit_for_bit() {
     check_bit_for_bit(QWEN25, Cpu::new());
 }
 
-/// The golden prompts batched in one `forward_multi` (42 tokens for Qwen2.5: the CPU engine
+/// The golden prompts batched in one `forward_multi` (42 tokens for Qwen2.5: the CPU
 /// would tile K-quant products over such a batch, so they run per sequence), then a decode
-/// step of all three: each sequence's logits are what it gets alone, and the CPU engine's.
+/// step of all three: each sequence's logits are what it gets alone, and the CPU's.
 fn check_batched<B: Backend + 'static>((file, golden): (&str, &str), dev: B) {
     let Some((cpu, dev)) = models(file, dev) else {
         return;
@@ -210,7 +210,7 @@ fn check_batched<B: Backend + 'static>((file, golden): (&str, &str), dev: B) {
         for step in 0..2 {
             assert!(
                 bits(&d[step]) == bits(&w[step]),
-                "{file}: sequence {i} step {step} alone differs from the CPU engine"
+                "{file}: sequence {i} step {step} alone differs from the CPU"
             );
         }
     }
@@ -235,7 +235,7 @@ fn check_batched<B: Backend + 'static>((file, golden): (&str, &str), dev: B) {
         for (i, (t, w)) in together.iter().zip(&want).enumerate() {
             assert!(
                 bits(t) == bits(&w[step]),
-                "{file}: sequence {i} step {step} batched differs from the CPU engine alone"
+                "{file}: sequence {i} step {step} batched differs from the CPU alone"
             );
         }
     }

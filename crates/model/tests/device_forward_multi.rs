@@ -1,7 +1,7 @@
-//! Several sequences at once on the reference device (issue #15 item 5): three sequences of
+//! Several sequences at once on the reference device: three sequences of
 //! different lengths batched on REF0 (`DeviceModel<Ref0>::forward_multi`, each sequence with
 //! its own device K/V cache) get, bit for bit, the logits each gets alone on REF0, alone on
-//! the CPU engine, and batched the same way on the CPU engine's `forward_multi`, with every
+//! the CPU, and batched the same way on the CPU's `forward_multi`, with every
 //! layer's experts on the device (`-ngl all`), every layer's on the host (`--cpu-moe`) and the
 //! first layer's on the host (`--n-cpu-moe 1`), for quantized, F32-dense and F32-expert
 //! weights; the transfer counts show one round trip per host layer per micro-batch, whatever
@@ -145,7 +145,7 @@ fn check(file: &str) {
             ..ExpertPlacement::all(n_layer, ExpertHome::Device)
         };
         let dev = DeviceModel::load(open(file), Ref0::new(), &placement).unwrap();
-        // Alone on REF0: the CPU engine's bits.
+        // Alone on REF0: the CPU's bits.
         for (i, (f, want)) in reference.iter().enumerate() {
             let (_, got) = alone(&dev, &f[0]);
             for (s, (g, w)) in got.iter().zip(want).enumerate() {

@@ -1,6 +1,6 @@
-//! The device expert cache (`--moe-cache`, issue #17 item 3) on the reference device: with
+//! The device expert cache (`--moe-cache`) on the reference device: with
 //! every layer's experts on the host (`--cpu-moe`) and a cache holding about half of each
-//! layer's experts, the logits equal the run without a cache and the CPU engine's bit for bit
+//! layer's experts, the logits equal the run without a cache and the CPU's bit for bit
 //! (a prompt over several micro-batches with every position's logits, then greedy decode
 //! steps; and two sequences batched in one `forward_multi`), on the gpt-oss fixtures and the
 //! deepseek2 fixture; hits + misses are the routed pairs of the host layers; the cache holds
@@ -111,7 +111,7 @@ fn expert_dims(g: &GgufModel, layer: usize) -> (usize, usize, usize, u64) {
     )
 }
 
-/// `file`'s logits with the cache equal those without and the CPU engine's; the counts add
+/// `file`'s logits with the cache equal those without and the CPU's; the counts add
 /// up; the memory stays within the budget. `moe_layers`: the layers with routed experts.
 fn check(file: &str, moe_layers: &[usize]) {
     let g = open(file);
@@ -141,10 +141,7 @@ fn check(file: &str, moe_layers: &[usize]) {
     let got = run(&cached, n_vocab);
     for (i, ((g, p), w)) in got.iter().zip(&got_plain).zip(&want).enumerate() {
         assert!(bits(g) == bits(p), "{file}: feed {i}, cache vs no cache");
-        assert!(
-            bits(g) == bits(w),
-            "{file}: feed {i}, cache vs the CPU engine"
-        );
+        assert!(bits(g) == bits(w), "{file}: feed {i}, cache vs the CPU");
     }
     let s = LanguageModel::moe_cache_stats(&cached).unwrap();
     let tokens = (prompt().len() + N_DECODE) as u64;

@@ -1,4 +1,4 @@
-//! Qwen3-MoE (`qwen3moe`) on the reference device: `DeviceModel<Ref0>` gives the CPU engine's
+//! Qwen3-MoE (`qwen3moe`) on the reference device: `DeviceModel<Ref0>` gives the CPU's
 //! logits bit for bit (every prompt position over several micro-batches, then greedy decode
 //! steps, whose single-token attention sums values in `vec_dot`'s four chains) on the F32
 //! fixture and on `make-test-model`-style files with Q8_0 attention and Q8_0 experts (or Q4_K
@@ -33,7 +33,7 @@ enum Model {
     /// Q8_0 attention, embedding, head and experts, heads of 32.
     Synth,
     /// [`Model::Synth`] 256 wide with 4 experts, Q4_K gate/up and Q6_K down (as in Q4_K_M
-    /// files): an expert gets 8 or more rows of a batch (the CPU engine's tiled K-quant order).
+    /// files): an expert gets 8 or more rows of a batch (the CPU's tiled K-quant order).
     SynthKQuant,
 }
 
@@ -126,10 +126,7 @@ fn kv(k: CacheType, v: CacheType) -> KvType {
 fn assert_same(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (s, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            bits(g) == bits(w),
-            "{what}: feed {s} differs from the CPU engine"
-        );
+        assert!(bits(g) == bits(w), "{what}: feed {s} differs from the CPU");
     }
 }
 
@@ -192,7 +189,7 @@ fn ref0_qwen3moe_is_the_cpu_engine_bit_for_bit() {
     }
 }
 
-/// Every K/V type pair of the CPU engine that the heads allow, on both models, with the
+/// Every K/V type pair of the CPU that the heads allow, on both models, with the
 /// experts on the device and on the host.
 #[test]
 fn ref0_qwen3moe_kv_types_are_the_cpu_engines_bit_for_bit() {

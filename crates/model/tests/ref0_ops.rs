@@ -1,7 +1,7 @@
-//! The reference device's products against the CPU engine's (`hmoe_model::ops::matmul`), bit
+//! The reference device's products against the CPU's (`hmoe_cpu::ops::matmul`), bit
 //! for bit, for the types whose order it follows (Q8_0, MXFP4, F32 one token and batches),
 //! including F32 rows with a tail after the last 64 elements. (Here, above both: the contract
-//! crate cannot see the CPU engine.)
+//! crate cannot see the CPU.)
 
 mod common;
 
@@ -38,10 +38,10 @@ fn ref0_matmul_is_the_cpu_engines_bit_for_bit() {
                 dev.matmul(&m, &xd, n, &mut yd).unwrap();
                 let got = dev.download(&yd).unwrap();
                 let kernel = hmoe_quant::DotKernel::best(ty).unwrap();
-                let mut qa = hmoe_model::ops::QuantizedActs::default();
+                let mut qa = hmoe_cpu::ops::QuantizedActs::default();
                 qa.quantize(kernel.act_type(), &x, cols);
                 let mut want = vec![0f32; n * rows];
-                hmoe_model::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
+                hmoe_cpu::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(
                         g.to_bits(),
@@ -76,8 +76,8 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ve
     q
 }
 
-/// The types REF0 multiplies with hmoe-quant's kernels (Q4_0 … Q6_K): its `matmul` is the CPU
-/// engine's `matmul` with the kernel the CPU engine picks for the matrix (repacked Q4_0/Q4_K
+/// The types REF0 multiplies with hmoe-quant's kernels (Q4_0 … Q6_K): its `matmul` is the CPU's
+/// `matmul` with the kernel the CPU picks for the matrix (repacked Q4_0/Q4_K
 /// for rows in multiples of 8), one token and batches below, at and above the 4-token groups
 /// of the repacked kernels and the 8 tokens from which K-quants are tiled.
 #[test]
@@ -95,10 +95,10 @@ fn ref0_quant_kernel_matmul_is_the_cpu_engines_bit_for_bit() {
                 let xd = dev.upload(&x).unwrap();
                 let mut yd = dev.alloc::<f32>(n * rows).unwrap();
                 dev.matmul(&m, &xd, n, &mut yd).unwrap();
-                let mut qa = hmoe_model::ops::QuantizedActs::default();
+                let mut qa = hmoe_cpu::ops::QuantizedActs::default();
                 qa.quantize(kernel.act_type(), &x, cols);
                 let mut want = vec![0f32; n * rows];
-                hmoe_model::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
+                hmoe_cpu::ops::matmul(kernel, &q, cols, rows, &qa, &mut want);
                 assert!(want.iter().all(|v| v.is_finite()), "{ty}: finite products");
                 let what = format!("{ty} {rows}x{cols} n={n}");
                 assert_bits(&dev.download(&yd).unwrap(), &want, &what);
@@ -107,9 +107,9 @@ fn ref0_quant_kernel_matmul_is_the_cpu_engines_bit_for_bit() {
     }
 }
 
-/// The CPU engine's routed SwiGLU experts (its host path, `moe_swiglu`) from its public
+/// The CPU's routed SwiGLU experts (its host path, `moe_swiglu`) from its public
 /// pieces: each expert's routed rows together (quantized for the matrix's kernel, the one the
-/// CPU engine picks for it), `matmul_vec_dot` (the expert matmul's order), `swiglu`, then each
+/// CPU picks for it), `matmul_vec_dot` (the expert matmul's order), `swiglu`, then each
 /// token's slot outputs weighted and added in slot order from zero.
 #[allow(clippy::too_many_arguments)]
 fn cpu_moe_swiglu(
@@ -120,7 +120,7 @@ fn cpu_moe_swiglu(
     wts: &[f32],
     k: usize,
 ) -> Vec<f32> {
-    use hmoe_model::ops::{matmul_vec_dot, swiglu, QuantizedActs};
+    use hmoe_cpu::ops::{matmul_vec_dot, swiglu, QuantizedActs};
     let n = x.len() / d;
     let product = |(ty, data): (GgmlType, &[u8]), e: usize, rows: usize, cols, acts: &[f32]| {
         let kernel = hmoe_quant::DotKernel::for_matrix(ty, rows).unwrap();
@@ -169,7 +169,7 @@ fn cpu_moe_swiglu(
 }
 
 /// REF0's `moe` with SiLU experts of the quantized types of real files (Q4_K gate/up with
-/// Q6_K or Q8_0 down as in Q4_K_M, and the other K-quant and Q4/Q5 types) is the CPU engine's
+/// Q6_K or Q8_0 down as in Q4_K_M, and the other K-quant and Q4/Q5 types) is the CPU's
 /// host expert path bit for bit: 12 tokens put every row on expert 0 (the tiled K-quant order
 /// of an expert matmul of 8 or more rows) and 6 on each of experts 1 and 2; one token alone.
 #[test]
@@ -257,7 +257,7 @@ fn assert_bits(got: &[f32], want: &[f32], what: &str) {
 /// (`Rope::caches`) with ggml's FMA contraction, on those dims, bit for bit.
 #[test]
 fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
-    use hmoe_model::ops::{Rope, RopeScaling};
+    use hmoe_model::archs::rope::{Rope, RopeScaling};
     let mut rng = StdRng::seed_from_u64(12);
     let dev = Ref0::new();
     let yarn = RopeScaling::Yarn {
@@ -304,11 +304,11 @@ fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
 }
 
 /// Per-head products (MLA's absorbed key and value up-projections): with a strided input
-/// (`q_nope` inside the query rows) in `vec_dot` order, as the CPU engine's
+/// (`q_nope` inside the query rows) in `vec_dot` order, as the CPU's
 /// `matmul_vec_dot`; with contiguous rows as its `matmul` of each head's batch.
 #[test]
 fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
-    use hmoe_model::ops::{matmul, matmul_vec_dot, QuantizedActs};
+    use hmoe_cpu::ops::{matmul, matmul_vec_dot, QuantizedActs};
     let mut rng = StdRng::seed_from_u64(13);
     let dev = Ref0::new();
     for ty in [GgmlType::F32, GgmlType::Q8_0] {
@@ -346,8 +346,8 @@ fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
     }
 }
 
-/// `silu(g)·u` with whole 16-blocks (ggml's vectorised `exp`) and a tail (libm's), as the CPU
-/// engine's `swiglu`.
+/// `silu(g)·u` with whole 16-blocks (ggml's vectorised `exp`) and a tail (libm's), as the CPU's
+/// `swiglu`.
 #[test]
 fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(14);
@@ -359,17 +359,17 @@ fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
         let ud = dev.upload(&u).unwrap();
         dev.swiglu(&mut gd, &ud, n).unwrap();
         let mut want = g.clone();
-        hmoe_model::ops::swiglu(&mut want, &u, n);
+        hmoe_cpu::ops::swiglu(&mut want, &u, n);
         assert_bits(&dev.download(&gd).unwrap(), &want, &format!("n {n}"));
     }
 }
 
 /// Routing (softmax or sigmoid gate, selection bias, expert groups, renormalised and scaled
 /// weights) on the DeepSeek-V3 fixture's router and score bias, and on random logits: the
-/// CPU engine's `gate_probs` + `Routing::select`, row by row.
+/// CPU's `gate_probs` + `Routing::select`, row by row.
 #[test]
 fn ref0_route_is_the_cpu_engines() {
-    use hmoe_model::ops::{gate_probs, Gating, Routing};
+    use hmoe_backend::routing::{gate_probs, Gating, Routing};
     let path = common::fixtures().join("deepseek2/deepseek2-tiny.gguf");
     let g = hmoe_gguf::GgufModel::open(&path, hmoe_gguf::LoadOptions::default()).unwrap();
     let n_vocab = g.tensor_info("token_embd.weight").unwrap().dims[1] as usize;
@@ -474,4 +474,33 @@ fn ref0_copy_rows_copies_strided_rows() {
         ..c
     };
     assert!(dev.copy_rows(&sd, &mut dd, &huge).is_err());
+}
+
+/// ggml's vectorised exponential (shared by the CPU and the reference device) is within two
+/// ulp of `expf`.
+#[test]
+fn expf_ggml_is_within_two_ulp_of_expf() {
+    use hmoe_backend::numerics::{expf_ggml, hsum16};
+    for i in -2000..2000 {
+        let x = i as f32 * 0.0437;
+        let (a, b) = (expf_ggml(x), x.exp());
+        let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+        assert!(ulps <= 2, "x {x}: {a} vs {b}");
+    }
+    assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
+    assert_eq!(expf_ggml(0.0), 1.0);
+    assert_eq!(hsum16(&[1.0; 16]), 16.0);
+}
+
+/// The CPU's RMSNorm row kernel is `x / rms(x) · w`.
+#[test]
+fn rms_norm_matches_definition() {
+    let x = [1.0f32, 2.0, 3.0, 4.0];
+    let w = [1.0f32, 0.5, 2.0, 1.0];
+    let mut out = [0f32; 4];
+    hmoe_cpu::ops::rms_norm(&x, &w, 1e-5, &mut out);
+    let rms = ((1.0 + 4.0 + 9.0 + 16.0) / 4.0 + 1e-5f32).sqrt();
+    for i in 0..4 {
+        assert!((out[i] - x[i] / rms * w[i]).abs() < 1e-6);
+    }
 }

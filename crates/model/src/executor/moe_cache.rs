@@ -1,4 +1,4 @@
-//! The device expert cache (`--moe-cache MiB`, issue #17): for layers whose routed experts
+//! The device expert cache (`--moe-cache MiB`): for layers whose routed experts
 //! live on the host ([`ExpertHome::Host`]), the device keeps the most recently used experts.
 //!
 //! **One LRU per layer.** The budget is split evenly over the cacheable layers and each layer
@@ -13,15 +13,15 @@
 //! normed hidden state, the chosen experts and their weights come down as before; each routed
 //! `(token, slot)` pair whose expert the layer caches is a hit and runs on the device (the
 //! `moe` op over that expert, one weighted contribution `w·expert(h)` per pair, brought down
-//! in one copy), the others are misses and run on the host as one-slot rows (the CPU engine's
-//! code, the same rows per expert and per sequence as without the cache, so the same bits).
-//! A layer of F32 or K-quant experts, whose products the CPU engine sums in an order that
-//! depends on how many rows go to the expert together ([`super::ExpertSplit`]), runs each
-//! sequence's hit pairs of an expert in a `moe` call of their own, as the CPU engine groups
+//! in one copy), the others are misses and run on the host as one-slot rows (the CPU's expert code, the
+//! same rows per expert and per sequence as without the cache, so the same bits).
+//! A layer of F32 or K-quant experts, whose products the CPU sums in an order that
+//! depends on how many rows go to the expert together, runs each
+//! sequence's hit pairs of an expert in a `moe` call of their own, as the CPU groups
 //! them.
 //! The host then sums each token's contributions in slot order from zero, exactly as the CPU
-//! engine sums them, and the sum goes up as before. Results are therefore those of the run
-//! without a cache, bit for bit (on REF0, the CPU engine's).
+//! sums them, and the sum goes up as before. Results are therefore those of the run
+//! without a cache, bit for bit (on REF0, the CPU's).
 //!
 //! **Uploads.** The experts that missed are uploaded after the micro-batch's logits are down
 //! (the most recently missed ones, at most what the layer's share holds, evicting its least
@@ -30,8 +30,7 @@
 //! stream (as op offload's uploads do), and the next micro-batch's kernels wait for it on the
 //! device. The host thread still fills the ring before it returns, so on CUDA the next
 //! micro-batch starts after the missed experts' bytes have been staged (about their size over
-//! the host's copy bandwidth); handing that to a background thread is left to the GPU work of
-//! issue #17. An upload that runs out of
+//! the host's copy bandwidth); handing that to a background thread is left to later GPU work. An upload that runs out of
 //! device memory is skipped (the expert stays a miss); K/V caches take precedence: a new
 //! sequence's cache evicts cached experts when the device is short ([`MoeCache::evict_one`]).
 //! Micro-batches that op offload runs on the device (large prefills) do not use the cache.
@@ -40,8 +39,12 @@ use std::collections::BTreeMap;
 
 use hmoe_backend::{Backend, BackendError};
 
-use super::{DeviceLayers, ExecError, Routed, Step};
-use crate::{ExpertBatch, ExpertHome};
+use hmoe_backend::ExpertTensors;
+
+use super::host_experts::{HostBatch, HostExperts};
+use super::routing::Routed;
+use crate::error::ModelError;
+use crate::expert_placement::ExpertHome;
 
 /// What the expert cache counted and holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -138,7 +141,7 @@ enum PairHome {
     Host,
 }
 
-/// The device expert cache of a [`super::DeviceModel`] (see the module docs).
+/// The device expert cache of the device model (see the module docs).
 pub(crate) struct MoeCache<B: Backend> {
     layers: Vec<Option<LayerLru<B>>>,
     tick: u64,
@@ -156,25 +159,25 @@ impl<B: Backend> Default for MoeCache<B> {
 }
 
 impl<B: Backend> MoeCache<B> {
-    /// A cache of `budget` bytes over the host layers (of `homes`) of `arch`. A budget of 0
-    /// disables it; a budget that holds no expert of any host layer is an error naming what
-    /// one expert needs.
-    pub(crate) fn new(
-        arch: &dyn DeviceLayers<B>,
+    /// A cache of `budget` bytes over the host layers (of `homes`) whose experts are
+    /// `experts(l)`. A budget of 0 disables it; a budget that holds no expert of any host
+    /// layer is an error naming what one expert needs.
+    pub(crate) fn new<'t>(
+        experts: impl Fn(usize) -> Option<ExpertTensors<'t>>,
         homes: &[ExpertHome],
         budget: u64,
-    ) -> Result<MoeCache<B>, ExecError> {
+    ) -> Result<MoeCache<B>, ModelError> {
         if budget == 0 {
             return Ok(MoeCache::default());
         }
         let sizes: Vec<Option<(u64, usize)>> = (homes.iter().enumerate())
             .map(|(l, home)| {
-                let t = arch.layer_experts(l)?;
+                let t = experts(l)?;
                 (*home == ExpertHome::Host).then(|| (t.expert_bytes(), t.n_expert))
             })
             .collect();
         if sizes.iter().all(Option::is_none) {
-            return Err(ExecError::Placement(
+            return Err(ModelError::Placement(
                 "--moe-cache: no layer has its experts on the host, so there is nothing to \
                  cache; use --moe-cache 0"
                     .into(),
@@ -184,7 +187,7 @@ impl<B: Backend> MoeCache<B> {
         if caps.iter().all(|&c| c == 0) {
             let need = sizes.iter().flatten().map(|s| s.0).min().unwrap_or(0);
             let n = sizes.iter().flatten().count() as u64;
-            return Err(ExecError::Placement(format!(
+            return Err(ModelError::Placement(format!(
                 "--moe-cache {:.1} MiB is too small: split over {n} host layers it gives \
                  {:.2} MiB a layer, and one expert takes {:.2} MiB (give at least {:.1} MiB, or \
                  0 to disable the cache)",
@@ -274,11 +277,11 @@ impl<B: Backend> MoeCache<B> {
     /// Uploads the experts that missed in the micro-batch just run (per layer the most
     /// recently missed, at most the layer's capacity), evicting the least recently used;
     /// an upload the device has no memory for is skipped.
-    pub(crate) fn upload_missed(
+    pub(crate) fn upload_missed<'t>(
         &mut self,
         dev: &B,
-        arch: &dyn DeviceLayers<B>,
-    ) -> Result<(), ExecError> {
+        experts: impl Fn(usize) -> Option<ExpertTensors<'t>>,
+    ) -> Result<(), ModelError> {
         for (l, lru) in self.layers.iter_mut().enumerate() {
             let Some(lru) = lru.as_mut() else {
                 continue;
@@ -291,7 +294,7 @@ impl<B: Backend> MoeCache<B> {
             // Most recent first; those beyond the capacity would only evict each other.
             missed.sort_by_key(|&(_, t)| std::cmp::Reverse(t));
             missed.truncate(lru.capacity);
-            let Some(t) = arch.layer_experts(l) else {
+            let Some(t) = experts(l) else {
                 continue;
             };
             // Oldest first, so that the most recent miss is the last evicted.
@@ -327,149 +330,59 @@ impl<B: Backend> MoeCache<B> {
 
 const MIB: f64 = (1u64 << 20) as f64;
 
-impl<B: Backend> Step<'_, B> {
-    /// The round trip of a cached host layer: the inputs come down as in
-    /// [`Step::host_experts`]; hit pairs run on the device and their weighted contributions
-    /// come down, missed pairs run on the host, the host sums each token's contributions in
-    /// slot order from zero, and the sum goes up (when nothing hits, the host sums the whole
-    /// batch as the plain round trip does). `false` when the layer is not cached (the caller
-    /// runs the plain round trip).
-    pub(super) fn cached_host_experts(
+/// The device's share of a cached layer's routed pairs: each pair's weighted contribution
+/// (`w·expert(h)`, `d` floats) in `ys`, row `j` for pair `order[j]`.
+struct DeviceHits<B: Backend> {
+    ys: B::Buf<f32>,
+    order: Vec<usize>,
+}
+
+impl<B: Backend> MoeCache<B> {
+    /// The expert sum of a cached host layer for the round trip's `batch` into `out` (see the
+    /// module docs): hit pairs run on the device and their weighted contributions come down,
+    /// missed pairs run on the host (`host`), and each token's contributions are summed in slot
+    /// order from zero; when nothing hits, the host sums the whole batch as the plain round
+    /// trip does. Returns the extra bytes brought down and sent up.
+    pub(crate) fn run(
         &mut self,
+        dev: &B,
         layer: usize,
         r: &Routed<'_, B>,
-        out: &mut B::Buf<f32>,
-    ) -> Result<bool, ExecError> {
-        let model = self.model;
-        if !self.st.moe_cache.caches(layer) {
-            return Ok(false);
-        }
-        let dev = self.dev();
-        let d = model.arch.dims().n_embd;
-        let k = r.router.k;
-        let n = self.n_tokens();
-        let groups = self.groups.clone();
-        let super::State {
-            io,
-            moe_cache,
-            stats,
-            ..
-        } = &mut *self.st;
-        let io = super::staging_for(io, dev, n, d, k)?;
-        dev.stage_down(io, r.h, r.sel, r.wts)?;
-        let staged = dev.staged(io)?;
-        let homes = moe_cache.split(layer, staged.sel, r.router.n_expert);
+        batch: &HostBatch<'_>,
+        host: &HostExperts,
+        out: &mut [f32],
+    ) -> Result<(u64, u64), ModelError> {
+        let homes = self.split(layer, batch.sel, r.router.n_expert);
         let Some(homes) = homes.filter(|h| h.iter().any(|&p| p != PairHome::Host)) else {
             // Nothing hits (or an id the plain path reports): the plain host sum.
-            let selected: Vec<u32> = staged.sel.iter().map(|&e| e as u32).collect();
-            let batch = ExpertBatch {
-                h: staged.h,
-                selected: &selected,
-                weights: staged.w,
-                n_used: k,
-                groups: &groups,
-            };
-            model.arch.run_host_experts(layer, &batch, staged.out)?;
-            dev.stage_up(io, out)?;
-            stats.host_round_trips += 1;
-            stats.bytes_to_host += 4 * (n * d + 2 * n * k) as u64;
-            stats.bytes_to_device += 4 * (n * d) as u64;
-            return Ok(true);
+            host.run(layer, r.act, batch, out)?;
+            return Ok((0, 0));
         };
-        let hits: Vec<usize> = (0..n * k).filter(|&i| homes[i] != PairHome::Host).collect();
-        let misses: Vec<usize> = (0..n * k).filter(|&i| homes[i] == PairHome::Host).collect();
+        let (k, d) = (
+            batch.k,
+            out.len() / batch.groups.last().map_or(1, |g| g.end.max(1)),
+        );
         // Contributions `w·expert(h)` of every pair, `n·k × d`.
-        let mut contrib = vec![0f32; n * k * d];
-        // Device: hit pairs grouped by cache entry, each entry's pairs in token order, queued
-        // now and brought down after the host has run the misses (so that both sides work at
-        // once on a device that queues).
-        let mut up_bytes = 0u64;
-        let mut device_part = None;
-        if !hits.is_empty() {
-            let Some(lru) = moe_cache.layers.get(layer).and_then(Option::as_ref) else {
-                return Err(ExecError::Cache("expert cache layer vanished".into()));
-            };
-            // F32 or K-quant experts: each sequence's pairs apart (see the module docs).
-            let per_seq = model.split_experts.get(layer).copied().unwrap_or(false);
-            let seq_of = |t: usize| groups.iter().position(|g| g.contains(&t)).unwrap_or(0);
-            let mut by_entry: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
-            for &i in &hits {
-                if let PairHome::Device(c) = homes[i] {
-                    let seq = if per_seq { seq_of(i / k) } else { 0 };
-                    by_entry.entry((c, seq)).or_default().push(i);
-                }
-            }
-            let mut ys = dev.alloc::<f32>(hits.len() * d)?;
-            let mut order = Vec::with_capacity(hits.len());
-            for ((c, _), pairs) in &by_entry {
-                let m = pairs.len();
-                let xs = if m == n && pairs.iter().enumerate().all(|(j, &i)| i / k == j) {
-                    None
-                } else {
-                    let mut xs = dev.alloc::<f32>(m * d)?;
-                    for (j, &i) in pairs.iter().enumerate() {
-                        let t = i / k;
-                        let row = dev.copy_range(r.h, t * d..(t + 1) * d)?;
-                        dev.copy_into(&row, &mut xs, j * d)?;
-                    }
-                    Some(xs)
-                };
-                let sel = dev.upload(&vec![0i32; m])?;
-                let wts: Vec<f32> = pairs.iter().map(|&i| staged.w[i]).collect();
-                let wts = dev.upload(&wts)?;
-                up_bytes += 8 * m as u64;
-                let mut y = dev.alloc::<f32>(m * d)?;
-                let x = xs.as_ref().unwrap_or(r.h);
-                dev.moe(&lru.entries[*c].moe, r.act, x, &sel, &wts, 1, &mut y)?;
-                dev.copy_into(&y, &mut ys, order.len() * d)?;
-                order.extend_from_slice(pairs);
-            }
-            device_part = Some((ys, order));
-        }
-        // Host: the missed pairs as one-slot rows, in token order, each sequence's rows
-        // together as its tokens were.
-        if !misses.is_empty() {
-            let mut h = Vec::with_capacity(misses.len() * d);
-            let mut selected = Vec::with_capacity(misses.len());
-            let mut weights = Vec::with_capacity(misses.len());
-            for &i in &misses {
-                let t = i / k;
-                h.extend_from_slice(&staged.h[t * d..(t + 1) * d]);
-                selected.push(staged.sel[i] as u32);
-                weights.push(staged.w[i]);
-            }
-            let mut pair_groups = Vec::with_capacity(groups.len());
-            let mut start = 0;
-            for g in &groups {
-                let len = misses.iter().filter(|&&i| g.contains(&(i / k))).count();
-                if len > 0 {
-                    pair_groups.push(start..start + len);
-                }
-                start += len;
-            }
-            let batch = ExpertBatch {
-                h: &h,
-                selected: &selected,
-                weights: &weights,
-                n_used: 1,
-                groups: &pair_groups,
-            };
-            let mut ys = vec![0f32; misses.len() * d];
-            model.arch.run_host_experts(layer, &batch, &mut ys)?;
-            for (row, &i) in ys.chunks_exact(d).zip(&misses) {
-                contrib[i * d..(i + 1) * d].copy_from_slice(row);
-            }
-        }
+        let mut contrib = vec![0f32; homes.len() * d];
+        // Device: queued now and brought down after the host has run the misses (so that both
+        // sides work at once on a device that queues).
+        // Experts whose order varies with the rows: each sequence's pairs apart.
+        let per_seq = host.order_varies(layer);
+        let (hits, up_bytes) = self.device_hits(dev, layer, r, batch, &homes, per_seq, d)?;
+        let misses: Vec<usize> = (0..homes.len())
+            .filter(|&i| homes[i] == PairHome::Host)
+            .collect();
+        host_misses(layer, r, batch, host, &misses, d, &mut contrib)?;
         let mut down_bytes = 0u64;
-        if let Some((ys, order)) = device_part {
+        if let Some(DeviceHits { ys, order }) = hits {
             let ys = dev.download(&ys)?;
             down_bytes += 4 * ys.len() as u64;
             for (row, &i) in ys.chunks_exact(d).zip(&order) {
                 contrib[i * d..(i + 1) * d].copy_from_slice(row);
             }
         }
-        // Each token's sum in slot order from zero, as the CPU engine adds them.
-        for (t, o) in staged.out.chunks_exact_mut(d).enumerate() {
+        // Each token's sum in slot order from zero, as the CPU adds them.
+        for (t, o) in out.chunks_exact_mut(d).enumerate() {
             o.fill(0.0);
             for s in 0..k {
                 let c = &contrib[(t * k + s) * d..(t * k + s + 1) * d];
@@ -478,12 +391,119 @@ impl<B: Backend> Step<'_, B> {
                 }
             }
         }
-        dev.stage_up(io, out)?;
-        stats.host_round_trips += 1;
-        stats.bytes_to_host += 4 * (n * d + 2 * n * k) as u64 + down_bytes;
-        stats.bytes_to_device += 4 * (n * d) as u64 + up_bytes;
-        Ok(true)
+        Ok((down_bytes, up_bytes))
     }
+
+    /// Queues the hit pairs of `homes` on the device, grouped by cache entry (and by sequence
+    /// when `per_seq`), each entry's pairs in token order; `None` when nothing hits. Returns
+    /// the bytes sent up for them too.
+    #[allow(clippy::too_many_arguments)]
+    fn device_hits(
+        &self,
+        dev: &B,
+        layer: usize,
+        r: &Routed<'_, B>,
+        batch: &HostBatch<'_>,
+        homes: &[PairHome],
+        per_seq: bool,
+        d: usize,
+    ) -> Result<(Option<DeviceHits<B>>, u64), ModelError> {
+        let (k, groups) = (batch.k, batch.groups);
+        let n = groups.last().map_or(0, |g| g.end);
+        let hits: Vec<usize> = (0..homes.len())
+            .filter(|&i| homes[i] != PairHome::Host)
+            .collect();
+        if hits.is_empty() {
+            return Ok((None, 0));
+        }
+        let Some(lru) = self.layers.get(layer).and_then(Option::as_ref) else {
+            return Err(ModelError::Cache("expert cache layer vanished".into()));
+        };
+        let seq_of = |t: usize| groups.iter().position(|g| g.contains(&t)).unwrap_or(0);
+        let mut by_entry: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
+        for &i in &hits {
+            if let PairHome::Device(c) = homes[i] {
+                let seq = if per_seq { seq_of(i / k) } else { 0 };
+                by_entry.entry((c, seq)).or_default().push(i);
+            }
+        }
+        let mut up_bytes = 0u64;
+        let mut ys = dev.alloc::<f32>(hits.len() * d)?;
+        let mut order = Vec::with_capacity(hits.len());
+        for ((c, _), pairs) in &by_entry {
+            let m = pairs.len();
+            let xs = if m == n && pairs.iter().enumerate().all(|(j, &i)| i / k == j) {
+                None
+            } else {
+                let mut xs = dev.alloc::<f32>(m * d)?;
+                for (j, &i) in pairs.iter().enumerate() {
+                    let t = i / k;
+                    let row = dev.copy_range(r.h, t * d..(t + 1) * d)?;
+                    dev.copy_into(&row, &mut xs, j * d)?;
+                }
+                Some(xs)
+            };
+            let sel = dev.upload(&vec![0i32; m])?;
+            let wts: Vec<f32> = pairs.iter().map(|&i| batch.w[i]).collect();
+            let wts = dev.upload(&wts)?;
+            up_bytes += 8 * m as u64;
+            let mut y = dev.alloc::<f32>(m * d)?;
+            let x = xs.as_ref().unwrap_or(r.h);
+            dev.moe(&lru.entries[*c].moe, r.act, x, &sel, &wts, 1, &mut y)?;
+            dev.copy_into(&y, &mut ys, order.len() * d)?;
+            order.extend_from_slice(pairs);
+        }
+        Ok((Some(DeviceHits { ys, order }), up_bytes))
+    }
+}
+
+/// The missed pairs `misses` of a cached layer on the host, as one-slot rows in token order,
+/// each sequence's rows together as its tokens were; each pair's contribution goes to its row
+/// of `contrib`.
+fn host_misses<B: Backend>(
+    layer: usize,
+    r: &Routed<'_, B>,
+    batch: &HostBatch<'_>,
+    host: &HostExperts,
+    misses: &[usize],
+    d: usize,
+    contrib: &mut [f32],
+) -> Result<(), ModelError> {
+    if misses.is_empty() {
+        return Ok(());
+    }
+    let k = batch.k;
+    let mut h = Vec::with_capacity(misses.len() * d);
+    let mut sel = Vec::with_capacity(misses.len());
+    let mut w = Vec::with_capacity(misses.len());
+    for &i in misses {
+        let t = i / k;
+        h.extend_from_slice(&batch.h[t * d..(t + 1) * d]);
+        sel.push(batch.sel[i]);
+        w.push(batch.w[i]);
+    }
+    let mut pair_groups = Vec::with_capacity(batch.groups.len());
+    let mut start = 0;
+    for g in batch.groups {
+        let len = misses.iter().filter(|&&i| g.contains(&(i / k))).count();
+        if len > 0 {
+            pair_groups.push(start..start + len);
+        }
+        start += len;
+    }
+    let rows = HostBatch {
+        h: &h,
+        sel: &sel,
+        w: &w,
+        k: 1,
+        groups: &pair_groups,
+    };
+    let mut ys = vec![0f32; misses.len() * d];
+    host.run(layer, r.act, &rows, &mut ys)?;
+    for (row, &i) in ys.chunks_exact(d).zip(misses) {
+        contrib[i * d..(i + 1) * d].copy_from_slice(row);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,26 +1,29 @@
 //! The blocks the architectures' device layers are made of, written once over the contract:
-//! the attention block and the routed-MoE block. Each loads its weights by the usual GGUF
+//! the attention block, the routed-MoE block and the dense SwiGLU FFN. Each loads its weights by the usual GGUF
 //! names of layer `l` (optional tensors used when the file has them) and runs over one
 //! micro-batch through the executor's [`Step`].
 
 use hmoe_backend::{Backend, GatedAct, RopeParams};
 use hmoe_gguf::GgufModel;
 
-use crate::hybrid::{ExpertBatch, ExpertTensors, HostExperts};
-use crate::ops::RopeMode;
-use crate::ModelError;
+use hmoe_backend::ExpertTensors;
+use hmoe_cpu::kv_cache::KvType;
 
-use super::{
-    buf_bytes, upload_f32, upload_f32_opt, upload_matrix, AttnShape, DevMat, ExecError,
-    ExpertSplit, Routed, Router, Step,
-};
+use super::device_kv::KvWidths;
+use super::device_weights::{buf_bytes, upload_f32, upload_f32_opt, upload_matrix, DevMat};
+use super::routing::{ExpertSplit, Routed, Router};
+use super::step::{AttnShape, DeviceLayers, ModelDims, Step};
+use crate::archs::rope::RopeMode;
+use crate::error::ModelError;
+use crate::sequence::KvCache;
+use crate::weights::{ExpertShape, ExpertWeights};
 
 /// `x[r] += b` for every row when there is a bias.
 fn add_bias_opt<B: Backend>(
     dev: &B,
     x: &mut B::Buf<f32>,
     b: Option<&B::Buf<f32>>,
-) -> Result<(), ExecError> {
+) -> Result<(), ModelError> {
     if let Some(b) = b {
         dev.add_bias(x, b)?;
     }
@@ -80,7 +83,7 @@ impl<B: Backend> AttnBlock<B> {
         g: &GgufModel,
         l: usize,
         spec: AttnSpec,
-    ) -> Result<AttnBlock<B>, ExecError> {
+    ) -> Result<AttnBlock<B>, ModelError> {
         let n = |s: &str| format!("blk.{l}.{s}");
         let s = &spec.shape;
         let (d, hd) = (spec.n_embd as u64, s.head_dim as u64);
@@ -129,9 +132,10 @@ impl<B: Backend> AttnBlock<B> {
     }
 
     /// Floats of K and of V per cell of the block's cache.
-    pub(crate) fn kv_widths(&self) -> (usize, usize) {
+    pub(crate) fn kv_widths(&self) -> KvWidths {
         let s = &self.spec.shape;
-        (s.n_head_kv * s.head_dim, s.n_head_kv * s.head_dim)
+        let w = s.n_head_kv * s.head_dim;
+        KvWidths { k: w, v: w }
     }
 
     /// The block over the micro-batch `x` of layer `layer`, residual add included.
@@ -140,7 +144,7 @@ impl<B: Backend> AttnBlock<B> {
         cx: &mut Step<'_, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let dev = cx.dev();
         let AttnSpec { shape, rope, .. } = self.spec;
         let hd = shape.head_dim;
@@ -194,7 +198,7 @@ pub(crate) struct MoeSpec {
     pub router: Router,
     /// The experts' gated activation.
     pub act: GatedAct,
-    /// Which rows the CPU engine multiplies together by F32 experts.
+    /// Which rows the CPU multiplies together by F32 experts.
     pub split: ExpertSplit,
     /// Epsilon of the block's norm.
     pub rms_eps: f32,
@@ -219,7 +223,7 @@ impl<B: Backend> MoeBlock<B> {
         l: usize,
         norm_name: &str,
         spec: MoeSpec,
-    ) -> Result<MoeBlock<B>, ExecError> {
+    ) -> Result<MoeBlock<B>, ModelError> {
         let n = |s: &str| format!("blk.{l}.{s}");
         let (d, ne) = (spec.n_embd as u64, spec.router.n_expert as u64);
         Ok(MoeBlock {
@@ -246,7 +250,7 @@ impl<B: Backend> MoeBlock<B> {
         cx: &mut Step<'_, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let dev = cx.dev();
         let MoeSpec {
             router,
@@ -282,11 +286,27 @@ impl<B: Backend> MoeBlock<B> {
     }
 }
 
+/// What one layer of an [`AttnMoeLayers`] stack is: its attention block, its MoE block with
+/// the name of the MoE block's norm, and the size of its routed experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttnMoeSpec<'n> {
+    /// The attention block.
+    pub attn: AttnSpec,
+    /// The MoE block.
+    pub moe: MoeSpec,
+    /// The tensor name of the MoE block's norm in the layer (`ffn_norm.weight`).
+    pub moe_norm: &'n str,
+    /// Hidden values of each expert.
+    pub n_ff: usize,
+    /// Whether the experts have biases.
+    pub expert_biases: bool,
+}
+
 /// A stack of layers that are each an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE),
 /// with each layer's routed experts as the file stores them: what their layers share.
 pub(crate) struct AttnMoeLayers<B: Backend> {
     layers: Vec<(AttnBlock<B>, MoeBlock<B>)>,
-    experts: Vec<HostExperts>,
+    experts: Vec<ExpertWeights>,
 }
 
 impl<B: Backend> AttnMoeLayers<B> {
@@ -298,26 +318,25 @@ impl<B: Backend> AttnMoeLayers<B> {
         }
     }
 
-    /// Loads layer `l` (the next): its attention block, its MoE block with the norm
-    /// `norm_name`, and its routed experts of `n_ff` hidden values (with their biases when
-    /// `biases`), every tensor checked against the specs' shapes.
-    #[allow(clippy::too_many_arguments)]
+    /// Loads layer `l` (the next) as `spec` says, every tensor checked against its shapes.
     pub(crate) fn push(
         &mut self,
         dev: &B,
         g: &GgufModel,
         l: usize,
-        attn: AttnSpec,
-        (norm_name, moe): (&str, MoeSpec),
-        n_ff: usize,
-        biases: bool,
-    ) -> Result<(), ExecError> {
-        let dims = (moe.n_embd, n_ff, moe.router.n_expert);
-        self.experts
-            .push(HostExperts::load(g, l, dims, moe.act, biases)?);
+        spec: &AttnMoeSpec<'_>,
+    ) -> Result<(), ModelError> {
+        let moe = spec.moe;
+        let shape = ExpertShape {
+            n_embd: moe.n_embd,
+            n_ff: spec.n_ff,
+            n_expert: moe.router.n_expert,
+            biases: spec.expert_biases,
+        };
+        self.experts.push(ExpertWeights::load(g, l, &shape)?);
         self.layers.push((
-            AttnBlock::load(dev, g, l, attn)?,
-            MoeBlock::load(dev, g, l, norm_name, moe)?,
+            AttnBlock::load(dev, g, l, spec.attn)?,
+            MoeBlock::load(dev, g, l, spec.moe_norm, moe)?,
         ));
         Ok(())
     }
@@ -331,19 +350,6 @@ impl<B: Backend> AttnMoeLayers<B> {
         Some(self.experts.get(layer)?.tensors(g))
     }
 
-    /// Runs the routed experts of layer `layer` on the host ([`HostExperts::run`]).
-    pub(crate) fn run_host_experts(
-        &self,
-        g: &GgufModel,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let e = (self.experts.get(layer))
-            .ok_or_else(|| ModelError::MissingTensor(format!("blk.{layer}.ffn_gate_exps")))?;
-        e.run(layer, g, batch, out)
-    }
-
     /// Floats per token of one layer's scratch buffers (every layer has the same shapes).
     pub(crate) fn scratch_per_token(&self, n_embd: usize) -> usize {
         self.layers.first().map_or(0, |(a, m)| {
@@ -352,10 +358,10 @@ impl<B: Backend> AttnMoeLayers<B> {
     }
 
     /// K and V row widths of layer `layer` (0, 0 past the last).
-    pub(crate) fn kv_widths(&self, layer: usize) -> (usize, usize) {
+    pub(crate) fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers
             .get(layer)
-            .map_or((0, 0), |(a, _)| a.kv_widths())
+            .map_or(KvWidths::default(), |(a, _)| a.kv_widths())
     }
 
     /// Layer `l` over the micro-batch `x`: attention, then the routed experts.
@@ -364,7 +370,7 @@ impl<B: Backend> AttnMoeLayers<B> {
         cx: &mut Step<'_, B>,
         l: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let (attn, moe) = &self.layers[l];
         attn.forward(cx, l, x)?;
         moe.forward(cx, l, x)
@@ -376,8 +382,51 @@ impl<B: Backend> AttnMoeLayers<B> {
     }
 }
 
+/// A model whose every layer is an [`AttnBlock`] then a [`MoeBlock`] (gpt-oss, Qwen3-MoE),
+/// as the executor runs it: its file, its sizes and its layers.
+pub(crate) struct AttnMoeModel<B: Backend> {
+    gguf: GgufModel,
+    dims: ModelDims,
+    layers: AttnMoeLayers<B>,
+}
+
+impl<B: Backend> AttnMoeModel<B> {
+    /// The model of `layers` loaded from `gguf`, of sizes `dims`.
+    pub(crate) fn new(gguf: GgufModel, dims: ModelDims, layers: AttnMoeLayers<B>) -> Self {
+        AttnMoeModel { gguf, dims, layers }
+    }
+}
+
+impl<B: Backend> DeviceLayers<B> for AttnMoeModel<B> {
+    fn dims(&self) -> ModelDims {
+        self.dims
+    }
+    fn gguf(&self) -> &GgufModel {
+        &self.gguf
+    }
+    /// Positions and the ring geometry: a layer with a window keeps `window + n_ubatch` cells.
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
+        let windows: Vec<_> = (self.layers.layers.iter())
+            .map(|(a, _)| a.spec.shape.window)
+            .collect();
+        KvCache::new(ty, n_ctx, n_ubatch, &windows)
+    }
+    fn kv_widths(&self, layer: usize) -> KvWidths {
+        self.layers.kv_widths(layer)
+    }
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
+        self.layers.forward(cx, l, x)
+    }
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
+        self.layers.experts(&self.gguf, layer)
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.layers.bytes()
+    }
+}
+
 /// A dense SwiGLU feed-forward network, `Wd · (silu(Wg·h) ⊙ Wu·h)` (a dense layer's FFN, a
-/// MoE layer's shared experts), as the CPU engine's `ffn_swiglu` computes it.
+/// MoE layer's shared experts), as the CPU's `ffn_swiglu` computes it.
 pub(crate) struct SwiGluFfn<B: Backend> {
     gate: DevMat<B>,
     up: DevMat<B>,
@@ -392,8 +441,9 @@ impl<B: Backend> SwiGluFfn<B> {
         g: &GgufModel,
         l: usize,
         suffix: &str,
-        (n_embd, n_ff): (usize, usize),
-    ) -> Result<SwiGluFfn<B>, ExecError> {
+        n_embd: usize,
+        n_ff: usize,
+    ) -> Result<SwiGluFfn<B>, ModelError> {
         let (d, ff) = (n_embd as u64, n_ff as u64);
         let m = |s: &str, shape: &[u64]| {
             upload_matrix(dev, g, &format!("blk.{l}.ffn_{s}{suffix}.weight"), shape)
@@ -421,7 +471,7 @@ impl<B: Backend> SwiGluFfn<B> {
         cx: &Step<'_, B>,
         h: &B::Buf<f32>,
         out: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let ff = self.gate.rows;
         let mut up = cx.alloc(ff)?;
         cx.matmul(&self.up, h, &mut up)?;

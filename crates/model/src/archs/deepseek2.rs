@@ -31,16 +31,19 @@
 use hmoe_backend::{Backend, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy};
 use hmoe_gguf::GgufModel;
 
-use crate::executor::blocks::SwiGluFfn;
-use crate::executor::{
-    upload_f32, upload_f32_opt, upload_matrix, DevMat, DeviceLayers, ExecError, ExpertSplit,
-    Gating as RouterGating, ModelDims, Routed, Router, Step,
-};
-use crate::hybrid::HostExperts;
-use crate::kv_cache::{KvCache, KvType};
-use crate::ops::{ArchMeta, Gating, Rope, RopeScaling, Routing};
-use crate::weights::n_vocab;
-use crate::{ExpertBatch, ModelError};
+use hmoe_backend::routing::{Gating, Routing};
+use hmoe_cpu::kv_cache::KvType;
+
+use super::hparams::ArchMeta;
+use super::rope::{Rope, RopeScaling};
+use crate::error::ModelError;
+use crate::executor::device_kv::KvWidths;
+use crate::executor::device_weights::{upload_f32, upload_f32_opt, upload_matrix, DevMat};
+use crate::executor::layer_blocks::SwiGluFfn;
+use crate::executor::routing::{ExpertSplit, Gating as RouterGating, Routed, Router};
+use crate::executor::step::{DeviceLayers, ModelDims, Step};
+use crate::sequence::KvCache;
+use crate::weights::{n_vocab, ExpertShape, ExpertWeights};
 
 const ARCH: &str = "deepseek2";
 
@@ -273,16 +276,16 @@ pub(crate) struct Deepseek2<B: Backend> {
     kq_scale: f32,
     layers: Vec<DevLayer<B>>,
     /// The routed experts of each MoE layer (`None`: a leading dense layer).
-    experts: Vec<Option<HostExperts>>,
+    experts: Vec<Option<ExpertWeights>>,
 }
 
 impl<B: Backend> Deepseek2<B> {
     /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer's
     /// dense weights to `dev` (the routed experts are the executor's).
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Deepseek2<B>, ExecError> {
+    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Deepseek2<B>, ModelError> {
         let p = Deepseek2Params::from_metadata(gguf.metadata(), n_vocab(&gguf)?)?;
         let rope = (Rope::scaled(p.qk_rope_dim, p.rope_freq_base, p.rope_scaling).device_params())
-            .ok_or_else(|| ExecError::Placement("RoPE frequency factors".into()))?;
+            .ok_or_else(|| ModelError::Placement("RoPE frequency factors".into()))?;
         let g = &gguf;
         let u = |v: usize| v as u64;
         let (d, nh, kvl) = (u(p.n_embd), u(p.n_head), u(p.kv_lora_rank));
@@ -311,7 +314,7 @@ impl<B: Backend> Deepseek2<B> {
                 wo: m("attn_output.weight", &[nh * u(p.v_head_dim), d])?,
             };
             let (ffn, routed) = if l < p.n_layer_dense_lead {
-                let ffn = SwiGluFfn::load(dev, g, l, "", (p.n_embd, p.n_ff))?;
+                let ffn = SwiGluFfn::load(dev, g, l, "", p.n_embd, p.n_ff)?;
                 (DevFfn::Dense(ffn), None)
             } else {
                 let ne = u(p.n_expert);
@@ -320,14 +323,16 @@ impl<B: Backend> Deepseek2<B> {
                     router: m("ffn_gate_inp.weight", &[d, ne])?,
                     probs_bias: upload_f32_opt(dev, g, &n("exp_probs_b.bias"), &[ne])?,
                     shared: (p.n_expert_shared > 0)
-                        .then(|| SwiGluFfn::load(dev, g, l, "_shexp", (p.n_embd, shared_ff)))
+                        .then(|| SwiGluFfn::load(dev, g, l, "_shexp", p.n_embd, shared_ff))
                         .transpose()?,
                 };
-                let dims = (p.n_embd, p.n_ff_exp, p.n_expert);
-                (
-                    ffn,
-                    Some(HostExperts::load(g, l, dims, GatedAct::Silu, false)?),
-                )
+                let shape = ExpertShape {
+                    n_embd: p.n_embd,
+                    n_ff: p.n_ff_exp,
+                    n_expert: p.n_expert,
+                    biases: false,
+                };
+                (ffn, Some(ExpertWeights::load(g, l, &shape)?))
             };
             layers.push(DevLayer {
                 attn,
@@ -353,7 +358,7 @@ impl<B: Backend> Deepseek2<B> {
         cx: &mut Step<'_, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
@@ -435,7 +440,7 @@ impl<B: Backend> Deepseek2<B> {
         cx: &mut Step<'_, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ExecError> {
+    ) -> Result<(), ModelError> {
         let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
@@ -523,31 +528,21 @@ impl<B: Backend> DeviceLayers<B> for Deepseek2<B> {
     }
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
         // Positions and the ring's cells only: the latent cache lives on the device.
-        KvCache::new_k_only(ty, n_ctx, n_ubatch, 0, self.params.n_layer)
+        KvCache::new_k_only(ty, n_ctx, n_ubatch, self.params.n_layer)
     }
-    fn kv_widths(&self, _layer: usize) -> (usize, usize) {
-        (self.params.latent_dim(), 0)
+    fn kv_widths(&self, _layer: usize) -> KvWidths {
+        KvWidths {
+            k: self.params.latent_dim(),
+            v: 0,
+        }
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let layer = &self.layers[l];
         self.attention(&layer.attn, cx, l, x)?;
         self.ffn(layer, cx, l, x)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         Some(self.experts.get(layer)?.as_ref()?.tensors(&self.gguf))
-    }
-    fn run_host_experts(
-        &self,
-        layer: usize,
-        batch: &ExpertBatch<'_>,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let Some(Some(e)) = self.experts.get(layer) else {
-            return Err(ModelError::MissingTensor(format!(
-                "blk.{layer}.ffn_gate_exps.weight"
-            )));
-        };
-        e.run(layer, &self.gguf, batch, out)
     }
     fn weight_bytes(&self) -> u64 {
         let buf = |b: &B::Buf<f32>| 4 * B::buf_len(b) as u64;
@@ -701,15 +696,15 @@ mod tests {
         ));
     }
 
-    /// The reference device's K-only attention equals the CPU engine's latent attention
+    /// The reference device's K-only attention equals the CPU device's latent attention
     /// (`attention_ext` with values inside the keys) bit for bit, for f16 keys and every other
     /// K/V type: one token (`vec_dot`'s four value chains over f32/f16) and batches, f16 keys
     /// a multiple of 16 long (tinyBLAS scores) or not (the fixture's 24), across more than
     /// one 16-position chunk.
     #[test]
-    fn ref0_k_only_attention_is_the_cpu_engines_bit_for_bit() {
-        use hmoe_backend::{Backend, KOnlyAttnParams, KvLayout, Ref0};
-        use hmoe_cpu::attention::{attention_ext, AttnLayout};
+    fn ref0_k_only_attention_is_the_cpus_bit_for_bit() {
+        use hmoe_backend::{Backend, KOnlyAttnParams, KvLayout, KvRing, Ref0};
+        use hmoe_cpu::Cpu;
         use hmoe_quant::GgmlType;
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut noise = |n: usize| -> Vec<f32> {
@@ -725,7 +720,23 @@ mod tests {
                 })
                 .collect()
         };
-        let dev = Ref0::new();
+        /// Stores `keys` at `pos0` in `ring` and attends `q` over it on `dev`.
+        fn attend<B: Backend>(
+            dev: &B,
+            ring: &mut KvRing<B>,
+            p: &KOnlyAttnParams,
+            (keys, q): (&[f32], &[f32]),
+            (n, pos0): (usize, usize),
+        ) -> Vec<f32> {
+            let kd_buf = dev.upload(keys).unwrap();
+            dev.kv_store(&kd_buf, ring, n, pos0).unwrap();
+            let qd = dev.upload(q).unwrap();
+            let mut out = dev.alloc::<f32>(n * p.n_head * p.v_dim).unwrap();
+            dev.attention_k_only(p, &qd, ring, n, pos0, &mut out)
+                .unwrap();
+            dev.download(&out).unwrap()
+        }
+        let (dev, cpu) = (Ref0::new(), Cpu::new());
         let cases = [
             ("f16", 24, 16, 4, 64),
             ("f16", 48, 32, 3, 40),
@@ -737,39 +748,22 @@ mod tests {
         ];
         for (ty, kd, vd, nh, cells) in cases {
             let kv_ty = KvType::parse(ty).unwrap();
-            let mut cpu = KvCache::new_k_only(kv_ty, cells, 64, kd, 1);
             let layout = KvLayout::new(kv_ty.k().ggml_type(), kd, cells, 0).unwrap();
             let mut ring = dev.kv_alloc(layout).unwrap();
-            let scale = 0.01;
-            let shape = AttnLayout {
-                n_head: nh,
-                n_head_kv: 1,
-                k_dim: kd,
-                v_dim: vd,
-                v_in_k: true,
-                scale,
-            };
+            let mut cpu_ring = cpu.kv_alloc(layout).unwrap();
             let p = KOnlyAttnParams {
                 n_head: nh,
                 k_dim: kd,
                 v_dim: vd,
                 cells,
-                scale,
+                scale: 0.01,
             };
             let mut pos0 = 0;
             for n in [5, 1, 17, 1, 9] {
                 let keys = noise(n * kd);
                 let q: Vec<f32> = noise(n * nh * kd).iter().map(|v| v * 0.05).collect();
-                cpu.layers[0].store(pos0, &keys, &[], n);
-                let mut want = vec![0f32; n * nh * vd];
-                attention_ext(&cpu.layers[0], &shape, &q, pos0, &mut want);
-                let kd_buf = dev.upload(&keys).unwrap();
-                dev.kv_store(&kd_buf, &mut ring, n, pos0).unwrap();
-                let qd = dev.upload(&q).unwrap();
-                let mut out = dev.alloc::<f32>(n * nh * vd).unwrap();
-                dev.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
-                    .unwrap();
-                let got = dev.download(&out).unwrap();
+                let want = attend(&cpu, &mut cpu_ring, &p, (&keys, &q), (n, pos0));
+                let got = attend(&dev, &mut ring, &p, (&keys, &q), (n, pos0));
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(
                         g.to_bits(),
@@ -821,7 +815,13 @@ mod tests {
         let p = Deepseek2Params::from_metadata(g.metadata(), n_vocab(g).unwrap()).unwrap();
         let (d, ne, k) = (p.n_embd, p.n_expert, p.routing.k);
         let n = h.len() / d;
-        let e = HostExperts::load(g, 1, (d, p.n_ff_exp, ne), GatedAct::Silu, false).unwrap();
+        let shape = ExpertShape {
+            n_embd: d,
+            n_ff: p.n_ff_exp,
+            n_expert: ne,
+            biases: false,
+        };
+        let e = ExpertWeights::load(g, 1, &shape).unwrap();
         let moe = dev.upload_moe(&e.tensors(g), None).unwrap();
         // Token t takes experts 3t .. 3t + k: neighbours share experts.
         let sel: Vec<i32> = (0..n)

@@ -1,11 +1,8 @@
-//! What the architectures share beside the executor's blocks: RoPE parameters with YaRN as
-//! llama.cpp derives them, routing, and the reading of hyperparameters. The row kernels
-//! (RMSNorm, matmul over quantized weights, softmax, SwiGLU) live in `hmoe_cpu::ops` and are
-//! re-exported here. Numerics follow ggml's CPU backend so that results match llama.cpp's.
+//! Rotary position embeddings (RoPE) as llama.cpp derives their parameters: NeoX or normal
+//! layout, linear scaling and YaRN context extension ("YaRN: Efficient Context Window
+//! Extension of Large Language Models", Peng et al. 2023), llama 3's frequency factors.
 
-pub use hmoe_cpu::ops::{
-    add_bias, matmul, matmul_vec_dot, rms_norm, softmax, swiglu, QuantizedActs,
-};
+use crate::error::ModelError;
 
 /// RoPE in NeoX layout (rotating the two halves of each head) with YaRN context extension,
 /// computed the way ggml does (including its floor/ceil of the correction dims).
@@ -185,7 +182,7 @@ impl RopeScaling {
         meta: &hmoe_gguf::Metadata,
         arch: &str,
         n_ctx_train: u32,
-    ) -> Result<RopeScaling, crate::ModelError> {
+    ) -> Result<RopeScaling, ModelError> {
         let key = |k: &str| format!("{arch}.rope.scaling.{k}");
         let factor = meta.get_f32(&key("factor"));
         match meta.get_str(&key("type")) {
@@ -229,7 +226,7 @@ impl RopeScaling {
                     beta_slow: meta.get_f32(&key("yarn_beta_slow")).unwrap_or(1.0),
                 })
             }
-            Some(other) => Err(crate::ModelError::BadParam {
+            Some(other) => Err(ModelError::BadParam {
                 key: key("type"),
                 value: other.to_string(),
                 why: "only none, linear and yarn are supported",
@@ -270,62 +267,6 @@ fn yarn_ramp(low: f32, high: f32, i0: usize) -> f32 {
     1.0 - y.clamp(0.0, 1.0)
 }
 
-/// e^x as computed by ggml's vectorised exponential (shared with the reference device).
-pub use hmoe_backend::numerics::{expf_ggml, hsum16};
-
-/// Expert routing, shared with the reference device.
-pub use hmoe_backend::routing::{gate_probs, sigmoid, softmax_ggml, top_k, Gating, Routing};
-
-/// Reads `ARCH.*` hyperparameters from GGUF metadata.
-pub(crate) struct ArchMeta<'a> {
-    pub meta: &'a hmoe_gguf::Metadata,
-    pub arch: &'a str,
-}
-
-impl ArchMeta<'_> {
-    fn key(&self, k: &str) -> String {
-        format!("{}.{k}", self.arch)
-    }
-
-    /// A required non-negative integer.
-    pub fn usize(&self, k: &str) -> Result<usize, crate::ModelError> {
-        let key = self.key(k);
-        self.meta
-            .get_u64(&key)
-            .map(|v| v as usize)
-            .ok_or(crate::ModelError::MissingKey(key))
-    }
-
-    /// An optional non-negative integer.
-    pub fn usize_or(&self, k: &str, default: usize) -> usize {
-        self.meta
-            .get_u64(&self.key(k))
-            .map_or(default, |v| v as usize)
-    }
-
-    /// A required number.
-    pub fn f32(&self, k: &str) -> Result<f32, crate::ModelError> {
-        let key = self.key(k);
-        self.meta
-            .get_f32(&key)
-            .ok_or(crate::ModelError::MissingKey(key))
-    }
-
-    /// An optional number.
-    pub fn f32_or(&self, k: &str, default: f32) -> f32 {
-        self.meta.get_f32(&self.key(k)).unwrap_or(default)
-    }
-
-    /// A `BadParam` error for key `k`.
-    pub fn bad(&self, k: &str, value: impl ToString, why: &'static str) -> crate::ModelError {
-        crate::ModelError::BadParam {
-            key: self.key(k),
-            value: value.to_string(),
-            why,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,28 +281,46 @@ mod tests {
         assert!(raw_lo.fract() != 0.0 && raw_hi.fract() != 0.0);
     }
 
+    /// The kernel's cos/sin (computed on the host as the kernel does) are the CPU's, bit for
+    /// bit, for gpt-oss's YaRN, for Qwen3's long-context YaRN, for linear scaling, for plain
+    /// RoPE and for llama 3's frequency factors.
     #[test]
-    fn expf_ggml_is_within_two_ulp_of_expf() {
-        for i in -2000..2000 {
-            let x = i as f32 * 0.0437;
-            let (a, b) = (expf_ggml(x), x.exp());
-            let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
-            assert!(ulps <= 2, "x {x}: {a} vs {b}");
+    fn device_rope_params_match_the_cpu() {
+        let yarn_qwen = RopeScaling::Yarn {
+            factor: 4.0,
+            n_ctx_orig: 32_768,
+            attn_factor: 1.0 / (1.0 + 0.1 * 4f32.ln()) * (0.1 * 4f32.ln() + 1.0),
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        };
+        let ropes = [
+            Rope::new(64, 150_000.0, Some((32.0, 4096))),
+            Rope::new(64, 150_000.0, None),
+            Rope::scaled(128, 1e6, yarn_qwen),
+            Rope::scaled(64, 10_000.0, RopeScaling::Linear { factor: 2.0 }),
+            Rope::new(64, 500_000.0, None)
+                .with_freq_factors((0..32).map(|i| 1.0 + i as f32 * 0.75).collect()),
+        ];
+        for rope in &ropes {
+            let rp = rope.device_params().expect("factors the contract holds");
+            let mut cs = Vec::new();
+            for pos in [0usize, 1, 2, 17, 127, 128, 4095, 4096, 70_000, 131_071] {
+                rope.cache(pos, &mut cs);
+                assert_eq!(cs.len(), rp.n_dims / 2);
+                for (pair, &(c, s)) in cs.iter().enumerate() {
+                    let (gc, gs) = rp.cos_sin(pos as i32, pair);
+                    assert_eq!(
+                        (gc.to_bits(), gs.to_bits()),
+                        (c.to_bits(), s.to_bits()),
+                        "{rope:?} pos {pos} pair {pair}: ({gc}, {gs}) vs ({c}, {s})"
+                    );
+                }
+            }
         }
-        assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
-        assert_eq!(expf_ggml(0.0), 1.0);
-        assert_eq!(hsum16(&[1.0; 16]), 16.0);
-    }
-
-    #[test]
-    fn rms_norm_matches_definition() {
-        let x = [1.0f32, 2.0, 3.0, 4.0];
-        let w = [1.0f32, 0.5, 2.0, 1.0];
-        let mut out = [0f32; 4];
-        rms_norm(&x, &w, 1e-5, &mut out);
-        let rms = ((1.0 + 4.0 + 9.0 + 16.0) / 4.0 + 1e-5f32).sqrt();
-        for i in 0..4 {
-            assert!((out[i] - x[i] / rms * w[i]).abs() < 1e-6);
-        }
+        let too_many = Rope::new(512, 10_000.0, None).with_freq_factors(vec![1.0; 256]);
+        assert!(
+            too_many.device_params().is_none(),
+            "more factors than the contract holds"
+        );
     }
 }

@@ -18,16 +18,18 @@
 //! [`crate::DeviceModel`] on the CPU, a GPU or REF0.
 
 use hmoe_backend::{Backend, ExpertTensors};
+use hmoe_cpu::kv_cache::KvType;
 use hmoe_gguf::GgufModel;
 
-use crate::executor::blocks::{AttnBlock, AttnSpec, SwiGluFfn};
-use crate::executor::{
-    buf_bytes, position_cache, upload_f32, AttnShape, DeviceLayers, ExecError, ModelDims, Step,
-};
-use crate::kv_cache::{KvCache, KvType};
-use crate::ops::{ArchMeta, Rope, RopeMode, RopeScaling};
+use super::hparams::{check_heads, ArchMeta, WholeHeads};
+use super::rope::{Rope, RopeMode, RopeScaling};
+use crate::error::ModelError;
+use crate::executor::device_kv::KvWidths;
+use crate::executor::device_weights::{buf_bytes, upload_f32};
+use crate::executor::layer_blocks::{AttnBlock, AttnSpec, SwiGluFfn};
+use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
+use crate::sequence::KvCache;
 use crate::weights::{load_f32, n_vocab};
-use crate::{ExpertBatch, ModelError};
 
 /// Which member of the family a file is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,23 +100,12 @@ impl DenseParams {
             meta,
             arch: arch.name(),
         };
-        let n_embd = m.usize("embedding_length")?;
-        let n_head = m.usize("attention.head_count")?;
-        let head_dim = m.usize_or("attention.key_length", n_embd / n_head.max(1));
-        if m.usize_or("attention.value_length", head_dim) != head_dim {
-            return Err(m.bad(
-                "attention.value_length",
-                m.usize_or("attention.value_length", 0),
-                "must equal key_length",
-            ));
-        }
-        if m.usize_or("rope.dimension_count", head_dim) != head_dim {
-            return Err(m.bad(
-                "rope.dimension_count",
-                m.usize_or("rope.dimension_count", 0),
-                "partial RoPE is not supported",
-            ));
-        }
+        let WholeHeads {
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim,
+        } = m.whole_heads()?;
         if m.usize_or("expert_count", 0) > 0 {
             return Err(m.bad(
                 "expert_count",
@@ -132,7 +123,7 @@ impl DenseParams {
             n_layer: m.usize("block_count")?,
             n_embd,
             n_head,
-            n_head_kv: m.usize_or("attention.head_count_kv", n_head),
+            n_head_kv,
             head_dim,
             n_vocab,
             n_ff: m.usize("feed_forward_length")?,
@@ -145,30 +136,6 @@ impl DenseParams {
         check_heads(&m, p.n_layer, p.n_head, p.n_head_kv, p.head_dim)?;
         Ok(p)
     }
-}
-
-/// Shared sanity checks of the attention hyperparameters.
-pub(crate) fn check_heads(
-    m: &ArchMeta,
-    n_layer: usize,
-    n_head: usize,
-    n_head_kv: usize,
-    head_dim: usize,
-) -> Result<(), ModelError> {
-    if n_layer == 0 || n_layer > 4096 {
-        return Err(m.bad("block_count", n_layer, "must be 1..=4096"));
-    }
-    if n_head == 0 || n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
-        return Err(m.bad(
-            "attention.head_count_kv",
-            n_head_kv,
-            "must divide head_count",
-        ));
-    }
-    if head_dim == 0 || !head_dim.is_multiple_of(2) {
-        return Err(m.bad("attention.key_length", head_dim, "must be even and nonzero"));
-    }
-    Ok(())
 }
 
 /// A dense layer on a device: attention, then the SwiGLU FFN.
@@ -186,17 +153,9 @@ pub(crate) struct Dense<B: Backend> {
 }
 
 impl<B: Backend> Dense<B> {
-    /// Checks every tensor of `gguf` against the hyperparameters and uploads every layer to
-    /// `dev`.
-    pub(crate) fn load(gguf: GgufModel, dev: &B) -> Result<Dense<B>, ExecError> {
-        let arch = match gguf.metadata().architecture() {
-            Some("llama") => DenseArch::Llama,
-            Some("qwen2") => DenseArch::Qwen2,
-            other => {
-                let name = other.unwrap_or("").to_string();
-                return Err(ModelError::UnsupportedArch(name).into());
-            }
-        };
+    /// Checks every tensor of `gguf` (a file of `arch`) against the hyperparameters and
+    /// uploads every layer to `dev`.
+    pub(crate) fn load(gguf: GgufModel, arch: DenseArch, dev: &B) -> Result<Dense<B>, ModelError> {
         let p = DenseParams::from_metadata(gguf.metadata(), arch, n_vocab(&gguf)?)?;
         let g = &gguf;
         let mut rope = Rope::scaled(p.head_dim, p.rope_freq_base, p.rope_scaling);
@@ -205,7 +164,7 @@ impl<B: Backend> Dense<B> {
             rope = rope.with_freq_factors(load_f32(g, "rope_freqs.weight", &[pairs])?);
         }
         let rope = rope.device_params().ok_or_else(|| {
-            ExecError::Placement(format!(
+            ModelError::Placement(format!(
                 "rope_freqs.weight for heads of {}: the device's RoPE takes at most {} pairs",
                 p.head_dim,
                 hmoe_backend::MAX_ROPE_PAIRS
@@ -233,17 +192,16 @@ impl<B: Backend> Dense<B> {
                             key: n(b),
                             value: "present".into(),
                             why: "feed-forward biases are not supported",
-                        }
-                        .into());
+                        });
                     }
                 }
                 Ok(DenseLayer {
                     attn: AttnBlock::load(dev, g, l, spec)?.with_rope_mode(p.arch.rope_mode()),
                     ffn_norm: upload_f32(dev, g, &n("ffn_norm.weight"), &[p.n_embd as u64])?,
-                    ffn: SwiGluFfn::load(dev, g, l, "", (p.n_embd, p.n_ff))?,
+                    ffn: SwiGluFfn::load(dev, g, l, "", p.n_embd, p.n_ff)?,
                 })
             })
-            .collect::<Result<Vec<_>, ExecError>>()?;
+            .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(Dense {
             params: p,
             gguf,
@@ -277,14 +235,14 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
         &self.gguf
     }
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache {
-        position_cache(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
+        KvCache::new(ty, n_ctx, n_ubatch, &vec![None; self.params.n_layer])
     }
-    fn kv_widths(&self, layer: usize) -> (usize, usize) {
+    fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers
             .get(layer)
-            .map_or((0, 0), |l| l.attn.kv_widths())
+            .map_or(KvWidths::default(), |l| l.attn.kv_widths())
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ExecError> {
+    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let p = &self.params;
         let layer = &self.layers[l];
         layer.attn.forward(cx, l, x)?;
@@ -298,16 +256,6 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
     }
     fn layer_experts(&self, _layer: usize) -> Option<ExpertTensors<'_>> {
         None
-    }
-    fn run_host_experts(
-        &self,
-        layer: usize,
-        _batch: &ExpertBatch<'_>,
-        _out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        Err(ModelError::MissingTensor(format!(
-            "blk.{layer}.ffn_gate_exps.weight (a dense model has no experts)"
-        )))
     }
     fn weight_bytes(&self) -> u64 {
         self.layers
@@ -644,13 +592,13 @@ mod tests {
         ));
     }
 
-    /// The device layers on REF0 give the CPU engine's logits bit for bit on the synthetic F32
+    /// The device layers on REF0 give the CPU's logits bit for bit on the synthetic F32
     /// models (normal RoPE with an untied head; NeoX RoPE, q/k/v biases and the tied head),
     /// over micro-batches of 5 and then one token at a time past 16 positions, with f32 and
     /// f16 K/V; two sequences in one `forward_multi` get what each gets alone (F32 products
     /// per sequence). No model file needed, unlike tests/device_dense.rs.
     #[test]
-    fn device_layers_on_ref0_are_the_cpu_engines_bit_for_bit() {
+    fn device_layers_on_ref0_are_the_cpus_bit_for_bit() {
         use crate::{DeviceModel, ExpertHome, ExpertPlacement, SeqBatch};
         use hmoe_backend::Ref0;
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

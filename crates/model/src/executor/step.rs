@@ -1,0 +1,253 @@
+//! The contract between the executor and an architecture: the layers an architecture writes
+//! ([`DeviceLayers`], with the sizes the executor needs, [`ModelDims`]) and the micro-batch in
+//! flight that a layer runs its ops through ([`Step`]: the device, the batch's rows per
+//! sequence, their positions and device caches).
+
+use std::ops::Range;
+
+use hmoe_backend::{AttnParams, Backend, ExpertTensors, KOnlyAttnParams};
+use hmoe_cpu::kv_cache::KvType;
+use hmoe_gguf::GgufModel;
+
+use super::device_kv::{KvWidths, LayerKv};
+use super::device_weights::DevMat;
+use super::layer_experts::LayerExperts;
+use super::state::State;
+use crate::error::ModelError;
+use crate::language_model::LogitsWanted;
+use crate::sequence::KvCache;
+
+/// One sequence's share of a micro-batch.
+pub(crate) struct Member<'t> {
+    /// Its device cache's index in [`State::kvs`].
+    pub(crate) kv: usize,
+    /// The position of its first token.
+    pub(crate) pos0: usize,
+    pub(crate) tokens: &'t [u32],
+    /// The logits it wants (`None`: none).
+    pub(crate) want: Option<LogitsWanted>,
+}
+
+/// One architecture's layers on a device, written in the architecture's file over the
+/// contract's ops and the shared blocks of `layer_blocks`; the executor runs them.
+pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
+    /// The sizes the executor needs.
+    fn dims(&self) -> ModelDims;
+    /// The file(s) the weights live in.
+    fn gguf(&self) -> &GgufModel;
+    /// A cache handle for the device: positions and the ring geometry (cells per
+    /// layer), no keys or values.
+    fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache;
+    /// Floats of K and of V per cell of layer `layer`'s cache.
+    fn kv_widths(&self, layer: usize) -> KvWidths;
+    /// Layer `layer` over the micro-batch's hidden state `x` (`n × n_embd`), in place.
+    fn layer(
+        &self,
+        cx: &mut Step<'_, B>,
+        layer: usize,
+        x: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError>;
+    /// The routed experts of layer `layer` as the file stores them (`None`: a layer without).
+    fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>>;
+    /// Bytes of the layers' weights on the device (the routed experts not included).
+    fn weight_bytes(&self) -> u64;
+}
+
+/// The sizes of a model the executor needs from its architecture.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ModelDims {
+    /// Layers.
+    pub n_layer: usize,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Vocabulary size.
+    pub n_vocab: usize,
+    /// Context length the model was trained for.
+    pub n_ctx_train: usize,
+    /// Epsilon of the output norm.
+    pub rms_eps: f32,
+    /// Floats of one layer's scratch buffers per token of a micro-batch.
+    pub scratch_per_token: usize,
+    /// Values per K/V head in the cache (what quantized caches rotate and must hold whole
+    /// blocks of).
+    pub kv_head_dim: usize,
+}
+
+/// One micro-batch in flight: what a [`DeviceLayers::layer`] runs its ops through (the
+/// device, the batch's rows per sequence, their positions and device caches, the experts).
+pub(crate) struct Step<'s, B: Backend> {
+    pub(crate) dev: &'s B,
+    pub(crate) arch: &'s dyn DeviceLayers<B>,
+    pub(crate) experts: &'s LayerExperts<B>,
+    pub(crate) st: &'s mut State<B>,
+    pub(crate) members: &'s [Member<'s>],
+    pub(crate) groups: Vec<Range<usize>>,
+    pub(crate) pos: B::Buf<i32>,
+    /// Whether host layers run on the device for this batch (op offload).
+    pub(crate) offload: bool,
+    /// The next host layer's experts, uploading while the layers before it run.
+    pub(crate) prefetched: Option<(usize, B::Moe)>,
+}
+
+/// The shape of one attention call, less the cache's cells (the executor's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AttnShape {
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads.
+    pub n_head_kv: usize,
+    /// Dims per head.
+    pub head_dim: usize,
+    /// Sliding window (`None`: causal over everything).
+    pub window: Option<usize>,
+    /// Score scale.
+    pub scale: f32,
+    /// Chains of one token's value sum ([`AttnParams::value_chains`]): 1 as the CPU's gpt-oss
+    /// attention, 4 as its `attention_ext` (Llama-style blocks, Qwen3-MoE).
+    pub value_chains: usize,
+}
+
+impl<'s, B: Backend> Step<'s, B> {
+    /// The device.
+    pub(crate) fn dev(&self) -> &'s B {
+        self.dev
+    }
+
+    /// Tokens in the micro-batch.
+    pub(crate) fn n_tokens(&self) -> usize {
+        self.groups.last().map_or(0, |g| g.end)
+    }
+
+    /// Each token's position.
+    pub(crate) fn positions(&self) -> &B::Buf<i32> {
+        &self.pos
+    }
+
+    /// A zeroed buffer of `width` floats per token.
+    pub(crate) fn alloc(&self, width: usize) -> Result<B::Buf<f32>, ModelError> {
+        Ok(self.dev().alloc::<f32>(self.n_tokens() * width)?)
+    }
+
+    /// `y = W·x` over the micro-batch, per sequence for weights that need it ([`DevMat`]).
+    pub(crate) fn matmul(
+        &self,
+        w: &DevMat<B>,
+        x: &B::Buf<f32>,
+        y: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        w.mul(self.dev, x, &self.groups, y)
+    }
+
+    /// Stores the batch's keys `k` and values `v` in layer `layer`'s cache of each sequence
+    /// and attends each sequence's queries `q` over it (with a sink logit per head when
+    /// `sinks` is given) into `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend(
+        &mut self,
+        layer: usize,
+        shape: &AttnShape,
+        q: &B::Buf<f32>,
+        k: &B::Buf<f32>,
+        v: &B::Buf<f32>,
+        sinks: Option<&B::Buf<f32>>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        let dev = self.dev();
+        let hd = shape.head_dim;
+        let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
+        let single = self.members.len() == 1;
+        for (m, g) in self.members.iter().zip(&self.groups) {
+            let (kv, flash) = (self.st.kvs.get_mut(m.kv))
+                .and_then(|kv| {
+                    let flash = kv.ty.flash_attn();
+                    kv.layers.get_mut(layer).map(|l| (l, flash))
+                })
+                .ok_or_else(|| ModelError::Cache("no device cache for this layer".into()))?;
+            let LayerKv {
+                k: k_ring,
+                v: Some(v_ring),
+            } = kv
+            else {
+                return Err(ModelError::Cache("a K-only cache for K/V attention".into()));
+            };
+            let ap = AttnParams {
+                n_head: shape.n_head,
+                n_head_kv: shape.n_head_kv,
+                head_dim: hd,
+                cells: k_ring.layout.cells,
+                window: shape.window,
+                scale: shape.scale,
+                value_chains: shape.value_chains,
+                flash,
+            };
+            let nt = g.len();
+            if single {
+                dev.kv_store(k, k_ring, nt, m.pos0)?;
+                dev.kv_store(v, v_ring, nt, m.pos0)?;
+                dev.attention(&ap, q, k_ring, v_ring, sinks, nt, m.pos0, out)?;
+                continue;
+            }
+            let ks = dev.copy_range(k, g.start * kvw..g.end * kvw)?;
+            let vs = dev.copy_range(v, g.start * kvw..g.end * kvw)?;
+            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            dev.kv_store(&ks, k_ring, nt, m.pos0)?;
+            dev.kv_store(&vs, v_ring, nt, m.pos0)?;
+            let mut a = dev.alloc::<f32>(nt * qw)?;
+            dev.attention(&ap, &qs, k_ring, v_ring, sinks, nt, m.pos0, &mut a)?;
+            dev.copy_into(&a, out, g.start * qw)?;
+        }
+        Ok(())
+    }
+
+    /// One matrix per head ([`Backend::matmul_heads`]) over the micro-batch: per sequence
+    /// for weights whose products go per sequence ([`DevMat`]) when every head's input is its
+    /// whole row (then the order depends on the rows multiplied together).
+    pub(crate) fn matmul_heads(
+        &self,
+        w: &DevMat<B>,
+        x: &B::Buf<f32>,
+        n_heads: usize,
+        x_stride: usize,
+        y: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        w.mul_heads(self.dev, x, &self.groups, n_heads, x_stride, y)
+    }
+
+    /// Stores the batch's keys `k` (`p.k_dim` a token) in layer `layer`'s K-only cache of
+    /// each sequence and attends each sequence's queries `q` over it
+    /// ([`Backend::attention_k_only`]; `p.cells` is taken from the cache) into `out`.
+    pub(crate) fn attend_k_only(
+        &mut self,
+        layer: usize,
+        p: &KOnlyAttnParams,
+        q: &B::Buf<f32>,
+        k: &B::Buf<f32>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        let dev = self.dev();
+        let (qw, kw, ow) = (p.n_head * p.k_dim, p.k_dim, p.n_head * p.v_dim);
+        let single = self.members.len() == 1;
+        for (m, g) in self.members.iter().zip(&self.groups) {
+            let kv = (self.st.kvs.get_mut(m.kv))
+                .and_then(|kv| kv.layers.get_mut(layer))
+                .ok_or_else(|| ModelError::Cache("no device cache for this layer".into()))?;
+            let ap = KOnlyAttnParams {
+                cells: kv.k.layout.cells,
+                ..*p
+            };
+            let nt = g.len();
+            if single {
+                dev.kv_store(k, &mut kv.k, nt, m.pos0)?;
+                dev.attention_k_only(&ap, q, &kv.k, nt, m.pos0, out)?;
+                continue;
+            }
+            let ks = dev.copy_range(k, g.start * kw..g.end * kw)?;
+            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            dev.kv_store(&ks, &mut kv.k, nt, m.pos0)?;
+            let mut a = dev.alloc::<f32>(nt * ow)?;
+            dev.attention_k_only(&ap, &qs, &kv.k, nt, m.pos0, &mut a)?;
+            dev.copy_into(&a, out, g.start * ow)?;
+        }
+        Ok(())
+    }
+}
