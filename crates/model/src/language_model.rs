@@ -4,7 +4,7 @@
 use crate::error::ModelError;
 use crate::executor::{ExecStats, MoeCacheStats};
 use crate::sequence::KvCache;
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 
 /// Which logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,7 +19,7 @@ mod weights;
 /// The sequence handle and the K/V element types.
 pub mod kv_cache {
     pub use crate::sequence::KvCache;
-    pub use hmoe_cpu::kv_cache::{CacheType, FlashAttn, KvType, KvTypeError};
+    pub use hmoe_backend::{CacheType, FlashAttn, KvType, KvTypeError};
 }
 
 pub use archs::deepseek2::Deepseek2Params;

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Weak};
 
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 
 /// The ring of one layer: how many cells it has and whether it slides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

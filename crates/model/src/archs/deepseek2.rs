@@ -32,7 +32,7 @@ use hmoe_backend::{Backend, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams
 use hmoe_gguf::GgufModel;
 
 use hmoe_backend::routing::{Gating, Routing};
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 
 use super::hparams::ArchMeta;
 use super::rope::{Rope, RopeScaling};

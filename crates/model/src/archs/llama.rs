@@ -18,7 +18,7 @@
 //! [`crate::DeviceModel`] on the CPU, a GPU or REF0.
 
 use hmoe_backend::{Backend, ExpertTensors};
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 use hmoe_gguf::GgufModel;
 
 use super::hparams::{check_heads, ArchMeta, WholeHeads};

@@ -11,7 +11,7 @@ pub mod qwen3_moe;
 pub mod rope;
 
 use hmoe_backend::Backend;
-use hmoe_cpu::kv_cache::CacheType;
+use hmoe_backend::CacheType;
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 

@@ -5,7 +5,7 @@
 use std::sync::Weak;
 
 use hmoe_backend::{Backend, BackendError, KvLayout, KvRing};
-use hmoe_cpu::kv_cache::{CacheType, KvType};
+use hmoe_backend::{CacheType, KvType};
 
 use crate::sequence::KvCache;
 

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hmoe_backend::{Backend, BackendError, KvLayout};
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 use hmoe_gguf::GgufModel;
 
 use super::device_kv::{

@@ -7,7 +7,7 @@ use hmoe_backend::{Backend, GatedAct, RopeParams};
 use hmoe_gguf::GgufModel;
 
 use hmoe_backend::ExpertTensors;
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 
 use super::device_kv::KvWidths;
 use super::device_weights::{buf_bytes, upload_f32, upload_f32_opt, upload_matrix, DevMat};

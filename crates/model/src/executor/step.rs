@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use hmoe_backend::{AttnParams, Backend, ExpertTensors, KOnlyAttnParams};
-use hmoe_cpu::kv_cache::KvType;
+use hmoe_backend::KvType;
 use hmoe_gguf::GgufModel;
 
 use super::device_kv::{KvWidths, LayerKv};
