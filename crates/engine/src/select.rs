@@ -430,27 +430,23 @@ mod tests {
         let names = names();
         let mut tensors: Vec<(&str, DeviceId)> = names.iter().map(|n| (n.as_str(), G)).collect();
         tensors.push((ROPE_FREQS, G));
-        let llama3 = choose_engine(&EngineInputs {
-            devices: &[CUDA0],
-            why_no_gpu: None,
-            arch: Some("llama"),
-            kv: f16,
-            n_layer: 2,
-            tensors: &tensors,
-            op_offload: None,
-        });
-        assert!(why(llama3).contains("RoPE frequency factors"));
-        let on_ref0 = choose_engine(&EngineInputs {
-            devices: &[EngineDevice::Ref0 { budget: 1 << 30 }],
-            why_no_gpu: None,
-            arch: Some("llama"),
-            kv: f16,
-            n_layer: 2,
-            tensors: &tensors,
-            op_offload: None,
-        });
+        let llama3 = |device: EngineDevice| {
+            choose_engine(&EngineInputs {
+                devices: &[device],
+                why_no_gpu: None,
+                arch: Some("llama"),
+                kv: f16,
+                n_layer: 2,
+                tensors: &tensors,
+                op_offload: None,
+            })
+        };
+        assert!(why(llama3(CUDA0)).contains("RoPE frequency factors"));
         assert!(
-            matches!(on_ref0, EngineChoice::Device { .. }),
+            matches!(
+                llama3(EngineDevice::Ref0 { budget: 1 << 30 }),
+                EngineChoice::Device { .. }
+            ),
             "REF0 applies the factors"
         );
     }
