@@ -168,7 +168,7 @@ struct RunInfo {
     n_cpu_moe: u32,
     no_op_offload: bool,
     cpu_info: String,
-    engine: crate::common::EngineUsed,
+    engine: hmoe_engine::EngineUsed,
 }
 
 /// Roofline numbers for generation tests.

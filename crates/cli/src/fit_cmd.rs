@@ -9,8 +9,9 @@ use hmoe_placement::{
 };
 use serde_json::{json, Value};
 
-use crate::engine_select::{plan_error, plan_flags};
-use crate::placement_args::{MoeCacheFlag, PlacementArgs, Probed, Selected};
+use hmoe_engine::{plan_error, plan_flags, MoeCacheFlag, Probed, Selected};
+
+use crate::placement_args::PlacementArgs;
 
 /// Arguments of `hmoe fit`.
 #[derive(clap::Args)]

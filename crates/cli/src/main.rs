@@ -4,7 +4,6 @@ mod bench_cmd;
 mod chat_cmd;
 mod common;
 mod demo_cmd;
-mod engine_select;
 mod fit_cmd;
 mod inspect_cmd;
 mod make_model_cmd;
@@ -162,7 +161,7 @@ fn run(command: Command) -> anyhow::Result<()> {
 /// `--list-devices`: llama.cpp's list on stdout, the CUDA GPUs then the reference device
 /// `REF0` (marked as a testing device); without CUDA a note on stderr (exit 0).
 fn list_devices() -> anyhow::Result<()> {
-    let probed = placement_args::Probed::now();
+    let probed = hmoe_engine::Probed::now();
     print!("{}", device_list(&probed));
     if let Some(why) = &probed.why_none {
         eprintln!("note: CUDA not found or no GPU: {why}");
@@ -172,7 +171,7 @@ fn list_devices() -> anyhow::Result<()> {
 
 /// `Available devices:` then `  CUDA0: NAME (TOTAL MiB, FREE MiB free)` per GPU, then
 /// `REF0` with its default memory (`--gpu-mem` sets it).
-fn device_list(probed: &placement_args::Probed) -> String {
+fn device_list(probed: &hmoe_engine::Probed) -> String {
     let mut out = String::from("Available devices:\n");
     for g in &probed.gpus {
         out.push_str(&format!(
@@ -183,7 +182,7 @@ fn device_list(probed: &placement_args::Probed) -> String {
             g.free_bytes >> 20
         ));
     }
-    let ref0 = placement_args::REF0_DEFAULT_BYTES >> 20;
+    let ref0 = hmoe_engine::REF0_DEFAULT_BYTES >> 20;
     out.push_str(&format!(
         "  {}: reference device, for testing: plain Rust on the CPU, used as a GPU \
          ({ref0} MiB, {ref0} MiB free; --gpu-mem sets it)\n",
@@ -198,7 +197,7 @@ mod tests {
 
     #[test]
     fn device_list_is_llama_cpp_shaped() {
-        let probed = placement_args::Probed {
+        let probed = hmoe_engine::Probed {
             gpus: vec![hmoe_cuda::GpuInfo {
                 index: 0,
                 name: "NVIDIA H200".into(),
@@ -217,7 +216,7 @@ mod tests {
             )
         );
         assert_eq!(
-            device_list(&placement_args::Probed::default()),
+            device_list(&hmoe_engine::Probed::default()),
             format!("Available devices:\n{ref0}")
         );
     }

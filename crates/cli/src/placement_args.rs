@@ -9,9 +9,14 @@
 use anyhow::Context;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, FromArgMatches};
+use std::path::PathBuf;
+
+use hmoe_engine::{EngineConfig, MoeCacheFlag, Probed, Selected};
+use hmoe_gguf::LoadOptions;
+use hmoe_model::KvType;
 use hmoe_placement::{
-    parse_cache_type, parse_override_list, parse_size, DeviceBudget, GpuBudget, GpuLayers,
-    PlacementFlags, TensorRule,
+    parse_cache_type, parse_override_list, parse_size, DeviceBudget, GpuLayers, PlacementFlags,
+    TensorRule,
 };
 
 /// The placement flags as clap parses them (values still strings where llama.cpp accepts words).
@@ -111,15 +116,6 @@ pub struct PlacementFlagArgs {
     pub moe_cache: Option<MoeCacheFlag>,
 }
 
-/// `--moe-cache`: a size, or the placement's spare room.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MoeCacheFlag {
-    /// This many MiB (0: off).
-    Mib(u64),
-    /// What the placement leaves beyond `--fit-target` on the device.
-    Auto,
-}
-
 fn parse_moe_cache(s: &str) -> Result<MoeCacheFlag, String> {
     match s {
         "auto" => Ok(MoeCacheFlag::Auto),
@@ -128,100 +124,6 @@ fn parse_moe_cache(s: &str) -> Result<MoeCacheFlag, String> {
             .map(MoeCacheFlag::Mib)
             .map_err(|_| format!("expected MiB or `auto`, got `{s}`")),
     }
-}
-
-/// Memory of the reference device `REF0` without `--gpu-mem`.
-pub const REF0_DEFAULT_BYTES: u64 = 16 << 30;
-
-/// A device `--device` names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Selected {
-    /// A probed CUDA GPU: its position in [`Probed::gpus`].
-    Cuda(usize),
-    /// The reference device `REF0`.
-    Ref0,
-}
-
-/// The CUDA devices of this machine, or none and why (no driver, no device).
-#[derive(Clone, Debug, Default)]
-pub struct Probed {
-    /// The devices, `CUDA0` first.
-    pub gpus: Vec<hmoe_cuda::GpuInfo>,
-    /// Why there are none, when the probe failed.
-    pub why_none: Option<String>,
-}
-
-impl Probed {
-    /// Probes the driver (an empty list with the reason when CUDA is absent).
-    pub fn now() -> Probed {
-        match hmoe_cuda::probe() {
-            Ok(gpus) => Probed {
-                why_none: gpus.is_empty().then(|| "no CUDA device found".to_string()),
-                gpus,
-            },
-            Err(e) => Probed {
-                gpus: Vec::new(),
-                why_none: Some(e.to_string()),
-            },
-        }
-    }
-
-    fn names(&self) -> String {
-        let cuda = if self.gpus.is_empty() {
-            format!(
-                "no CUDA device ({})",
-                self.why_none.as_deref().unwrap_or("no CUDA device found")
-            )
-        } else {
-            self.gpus
-                .iter()
-                .map(hmoe_cuda::GpuInfo::device_name)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        format!(
-            "{cuda}; {} (reference device, for testing)",
-            hmoe_backend::REF0_NAME
-        )
-    }
-
-    /// The name of a selected device (`CUDA0`, `REF0`).
-    pub fn name_of(&self, d: Selected) -> String {
-        match d {
-            Selected::Cuda(i) => self.gpus[i].device_name(),
-            Selected::Ref0 => hmoe_backend::REF0_NAME.to_string(),
-        }
-    }
-}
-
-/// Parses a `--device` list against the probed GPUs: the named devices in the order given
-/// (`REF0` is always there), empty for `none`.
-pub fn parse_device_list(list: &str, probed: &Probed) -> anyhow::Result<Vec<Selected>> {
-    let list = list.trim();
-    if list.eq_ignore_ascii_case("none") {
-        return Ok(Vec::new());
-    }
-    let mut out = Vec::new();
-    for name in list.split(',').map(str::trim) {
-        let dev = if name.eq_ignore_ascii_case(hmoe_backend::REF0_NAME) {
-            Selected::Ref0
-        } else {
-            probed
-                .gpus
-                .iter()
-                .position(|g| g.device_name().eq_ignore_ascii_case(name))
-                .map(Selected::Cuda)
-                .with_context(|| {
-                    format!(
-                        "--device: unknown device '{name}'; available: {} (or `none`)",
-                        probed.names()
-                    )
-                })?
-        };
-        anyhow::ensure!(!out.contains(&dev), "--device: '{name}' is listed twice");
-        out.push(dev);
-    }
-    Ok(out)
 }
 
 /// The placement flags plus the command-line order of the rule flags.
@@ -293,42 +195,63 @@ impl PlacementArgs {
     }
 
     /// [`PlacementArgs::gpu_budget`] against already probed GPUs. With `--device`, the plan's
-    /// GPU k is the k-th device listed (`REF0` has [`REF0_DEFAULT_BYTES`] without
+    /// GPU k is the k-th device listed (`REF0` has [`hmoe_engine::REF0_DEFAULT_BYTES`] without
     /// `--gpu-mem`); `--device none` means no GPU even with `--gpu-mem`.
     pub fn gpu_budget_with(&self, probed: &Probed) -> anyhow::Result<DeviceBudget> {
         let selected = self.selected_devices(probed)?;
-        let gpus = if selected.as_ref().is_some_and(Vec::is_empty) {
-            Vec::new()
-        } else if !self.args.gpu_mem.is_empty() {
-            self.args
-                .gpu_mem
-                .iter()
-                .map(|s| parse_size(s).map(GpuBudget::new))
-                .collect::<Result<Vec<_>, _>>()
-                .context("--gpu-mem")?
-        } else {
-            let all: Vec<Selected> = (0..probed.gpus.len()).map(Selected::Cuda).collect();
-            selected
-                .unwrap_or(all)
-                .iter()
-                .map(|&d| match d {
-                    Selected::Cuda(i) => GpuBudget::new(probed.gpus[i].free_bytes),
-                    Selected::Ref0 => GpuBudget::new(REF0_DEFAULT_BYTES),
-                })
-                .collect()
+        let gpu_mem = match &selected {
+            Some(s) if s.is_empty() => Vec::new(),
+            _ => self.gpu_mem_bytes()?,
         };
-        Ok(DeviceBudget {
-            gpus,
-            host_free: None,
-        })
+        Ok(hmoe_engine::device_budget(
+            selected.as_deref(),
+            &gpu_mem,
+            probed,
+        ))
+    }
+
+    /// `--gpu-mem` in bytes, one per GPU of the plan.
+    fn gpu_mem_bytes(&self) -> anyhow::Result<Vec<u64>> {
+        (self.args.gpu_mem.iter())
+            .map(|s| parse_size(s))
+            .collect::<Result<Vec<_>, _>>()
+            .context("--gpu-mem")
     }
 
     /// The devices `--device` names (in the order given), or `None` without the flag.
     pub fn selected_devices(&self, probed: &Probed) -> anyhow::Result<Option<Vec<Selected>>> {
-        let Some(list) = &self.args.device else {
-            return Ok(None);
-        };
-        parse_device_list(list, probed).map(Some)
+        Ok(hmoe_engine::selected_devices(
+            self.args.device.as_deref(),
+            probed,
+        )?)
+    }
+
+    /// The engine's configuration for `model`, opened as `load` says, with the K/V cache `kv`
+    /// and these flags (every value parsed and checked as [`PlacementArgs::to_flags`] does).
+    pub fn engine_config(
+        &self,
+        model: PathBuf,
+        load: LoadOptions,
+        kv: KvType,
+    ) -> anyhow::Result<EngineConfig> {
+        let none =
+            (self.args.device.as_deref()).is_some_and(|d| d.trim().eq_ignore_ascii_case("none"));
+        Ok(EngineConfig {
+            model,
+            load,
+            kv,
+            devices: self.args.device.clone(),
+            gpu_mem: if none {
+                Vec::new()
+            } else {
+                self.gpu_mem_bytes()?
+            },
+            flags: self.to_flags()?,
+            op_offload: self.op_offload(),
+            moe_cache: self.args.moe_cache,
+            asks_for_gpu: self.asks_for_gpu(),
+            kv_offload: true,
+        })
     }
 
     fn ordered_rules(

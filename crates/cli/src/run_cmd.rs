@@ -4,7 +4,7 @@ use std::io::Write;
 
 use anyhow::{bail, Context};
 use hmoe_engine::{Generator, Sampler, SamplerParams};
-use hmoe_model::LanguageModel;
+use hmoe_model::{ExecStats, LanguageModel};
 use hmoe_placement::{plan_run, DeviceBudget, DeviceId, ModelShape, RunTokens, TensorDesc};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -164,7 +164,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let engine = args.model.engine.get().cloned().unwrap_or_default();
         obj["engine"] = json!(engine.backend);
         if let Some(s) = model.device_stats() {
-            obj["device_stats"] = crate::engine_select::stats_json(&s);
+            obj["device_stats"] = stats_json(&s);
         }
         if let Some(c) = model.moe_cache_stats() {
             obj["moe_cache"] = json!({
@@ -357,4 +357,28 @@ fn render_memory(m: &Value) -> String {
         m["error_pct_of_peak_growth"].as_f64().unwrap_or(0.0),
         m["error_pct_of_model_growth"].as_f64().unwrap_or(0.0),
     )
+}
+
+/// The device executor's counts as JSON (`hmoe run --json`'s `device_stats`): micro-batches,
+/// round trips at the expert boundary (one per CPU-expert layer per micro-batch), op offload,
+/// and the device's own count of every host ↔ device copy where it keeps one.
+fn stats_json(s: &ExecStats) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "ubatches": s.ubatches,
+        "host_round_trips": s.host_round_trips,
+        "bytes_to_host": s.bytes_to_host,
+        "bytes_to_device": s.bytes_to_device,
+        "offloaded_layers": s.offloaded_layers,
+        "offloaded_experts": s.offloaded_experts,
+        "prefetched_layers": s.prefetched_layers,
+    });
+    if let Some(t) = s.transfers {
+        v["transfers"] = serde_json::json!({
+            "uploads": t.uploads,
+            "upload_bytes": t.upload_bytes,
+            "downloads": t.downloads,
+            "download_bytes": t.download_bytes,
+        });
+    }
+    v
 }

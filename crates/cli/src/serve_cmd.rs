@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use hmoe_chat::ReasoningFormat;
+use hmoe_engine::Probed;
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::KvType;
 use hmoe_placement::Plan;
 use hmoe_server::{
@@ -15,9 +15,8 @@ use hmoe_server::{
     ServerConfig,
 };
 
-use crate::common::{check_threads, load_chosen, physical_cores, plan_engine};
-use crate::engine_select::{EngineChoice, EngineDevice};
-use crate::placement_args::{PlacementArgs, Probed};
+use crate::common::{check_threads, kv_type, physical_cores};
+use crate::placement_args::PlacementArgs;
 
 /// The bounds on what clients can make the server hold, for `hmoe serve --help`.
 pub const LIMITS_HELP: &str = "\
@@ -371,20 +370,7 @@ impl ServeArgs {
                 self.slot_prompt_similarity
             );
         }
-        let types = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1";
-        let cache = |s: &str, which: &str| {
-            CacheType::parse(s)
-                .with_context(|| format!("unsupported {which} cache type '{s}' ({types})"))
-        };
-        let (k, v) = (cache(&a.cache_type_k, "K")?, cache(&a.cache_type_v, "V")?);
-        let fa = FlashAttn::parse(&self.flash_attn).with_context(|| {
-            format!(
-                "unknown value for --flash-attn: '{}' (on, off, auto)",
-                self.flash_attn
-            )
-        })?;
-        let kv_type = KvType::new(k, v, fa)
-            .map_err(|e| anyhow::anyhow!("{e}: use -fa on (or auto), or -ctv f16"))?;
+        let kv_type = kv_type(&a.cache_type_k, &a.cache_type_v, &self.flash_attn)?;
         let mut config = ServerConfig::new(models);
         config.host = self.host.clone();
         config.port = self.port;
@@ -481,16 +467,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(n) if n > 0 => n as usize,
         _ => physical_cores(),
     };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.max(1))
-        .build_global()
-        .context("starting the thread pool")?;
-    hmoe_pool::init_global(threads.max(1)).context("starting the per-token thread pool")?;
-    hmoe_cpu::set_expert_interleaving(crate::common::interleaves_experts(
-        args.no_repack,
-        args.no_mmap,
-        args.mlock,
-    ));
+    let interleave = hmoe_engine::interleaves_experts(args.no_repack, args.no_mmap, args.mlock);
+    hmoe_engine::start_threads(threads, interleave)?;
     let summary = startup_summary(&config, threads);
     let server = RunningServer::start_with_signals(config.clone())?;
     for line in summary {
@@ -534,15 +512,14 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
 }
 
 impl ServeArgs {
-    /// The server's loader: the placement plan and engine choice of `hmoe run`
-    /// ([`plan_engine`], [`load_chosen`]), except that `--no-kv-offload` runs the CPU engine;
-    /// it prints what it chose (see [`load_model`]).
+    /// The server's loader: the engine's one entry point ([`hmoe_engine::load_opened`]) as
+    /// `hmoe run` uses it, except that `--no-kv-offload` runs the executor on the CPU; it
+    /// prints what it chose (see [`load_model`]).
     fn loader(&self, kv: KvType, opts: LoadOptions) -> ModelLoader {
         let placement = self.placement.clone();
-        let no_kv_offload = self.no_kv_offload;
+        let kv_offload = !self.no_kv_offload;
         Arc::new(move |gguf: GgufModel, path: &Path| {
-            load_model(&placement, kv, no_kv_offload, opts, gguf, path)
-                .map_err(|e| format!("{e:#}"))
+            load_model(&placement, kv, kv_offload, opts, gguf, path).map_err(|e| format!("{e:#}"))
         })
     }
 }
@@ -553,43 +530,21 @@ impl ServeArgs {
 fn load_model(
     placement: &PlacementArgs,
     kv: KvType,
-    no_kv_offload: bool,
+    kv_offload: bool,
     opts: LoadOptions,
     gguf: GgufModel,
     path: &Path,
 ) -> anyhow::Result<LoadedModel> {
-    let mut planned = plan_engine(placement, kv, &gguf)?;
-    if no_kv_offload && matches!(planned.choice, EngineChoice::Device { .. }) {
-        planned.choice = EngineChoice::Cpu {
-            why: "--no-kv-offload keeps the K/V cache in RAM, and the device executor keeps it \
-                  on the device"
-                .into(),
-        };
-    }
-    let engine = match &planned.choice {
-        EngineChoice::Device {
-            device: EngineDevice::Cuda(ordinal),
-            ..
-        } => format!("CUDA{ordinal}"),
-        EngineChoice::Device {
-            device: EngineDevice::Ref0 { .. },
-            ..
-        } => hmoe_backend::REF0_NAME.to_string(),
-        EngineChoice::Cpu { .. } => "CPU".to_string(),
-    };
+    let mut config = placement.engine_config(path.to_path_buf(), opts, kv)?;
+    config.kv_offload = kv_offload;
     let model_line = model_line(path, &gguf);
-    let reopen =
-        || GgufModel::open(path, opts).with_context(|| format!("loading {}", path.display()));
-    let loaded = load_chosen(
-        gguf,
-        planned.choice,
-        planned.moe_cache,
-        reopen,
-        placement.asks_for_gpu(),
-    )?;
-    let (plan, names, engine) = match (planned.plan, &loaded.why_cpu) {
-        (Some(p), None) => (Ok(p), planned.names, engine),
-        // An architecture the planner cannot describe still runs on the CPU engine.
+    let loaded = hmoe_engine::load_opened(&config, gguf)?;
+    for note in &loaded.notes {
+        eprintln!("hmoe: {note}");
+    }
+    let (plan, names, engine) = match (loaded.plan, &loaded.used) {
+        (Some(p), Some(used)) => (Ok(p), loaded.names, used.device.clone()),
+        // An architecture the planner cannot describe still runs on the CPU.
         _ => (
             cpu_plan(placement, loaded.model.gguf()),
             Vec::new(),
@@ -667,7 +622,7 @@ fn model_line(path: &Path, gguf: &GgufModel) -> String {
     )
 }
 
-/// The placement estimate of the CPU engine: every layer on the CPU, the server's context and
+/// The placement estimate of the executor on the CPU: every layer on the CPU, the server's context and
 /// slots.
 fn cpu_plan(placement: &PlacementArgs, gguf: &GgufModel) -> anyhow::Result<Plan> {
     let shape = hmoe_placement::ModelShape::from_metadata(gguf.metadata())?;
@@ -692,6 +647,7 @@ fn cpu_plan(placement: &PlacementArgs, gguf: &GgufModel) -> anyhow::Result<Plan>
 mod tests {
     use super::*;
     use clap::Parser;
+    use hmoe_model::kv_cache::CacheType;
 
     #[derive(Parser)]
     struct T {

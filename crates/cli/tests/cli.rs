@@ -292,7 +292,7 @@ fn chat_answers_each_line_from_stdin() {
     );
 }
 
-/// The full gpt-oss-120b layout as a sparse file, planned by `hmoe fit` (issue 4's checks).
+/// The full gpt-oss-120b layout as a sparse file, planned by `hmoe fit` (the layout's checks).
 #[test]
 fn fit_plans_the_sparse_gpt_oss_120b_layout() {
     let model = scratch("g120-sparse.gguf");

@@ -225,7 +225,7 @@ fn stand_ins_chat_at_once_and_serve_explains_itself() {
             "{want:?} missing from the start-up lines:\n{text}"
         );
     }
-    // Without a GPU the CPU engine runs it; with one, `-ngl auto` puts it on the device.
+    // Without a GPU the executor on the CPU runs it; with one, `-ngl auto` puts it on the device.
     assert!(
         text.contains("engine: CPU (") || text.contains("engine: the device executor on CUDA0"),
         "no engine line in the start-up lines:\n{text}"

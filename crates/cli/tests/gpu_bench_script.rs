@@ -1,4 +1,4 @@
-//! `scripts/gpu-bench.sh --dry-run` (issue #17 item 1): the hmoe half of the GPU benchmark on
+//! `scripts/gpu-bench.sh --dry-run`: the hmoe half of the GPU benchmark on
 //! the reference device with a tiny model, assembled and validated by
 //! `scripts/gpu_bench_json.py`; the result has the issue's schema (every placement × K/V type ×
 //! test, the machine, the date) and the expert-cache runs on a random and a locality model;

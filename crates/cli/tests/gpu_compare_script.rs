@@ -1,7 +1,7 @@
 //! `scripts/gpu_compare.py --device REF0`: the GPU check's fixture comparison, run on the
 //! reference device so that CI exercises the script itself (its CPU reference, the start-up
-//! line it looks for, every architecture's fixtures). REF0 equals the CPU engine bit for bit,
-//! so every placement must show 0 against the CPU. On the first H200 run the script compared
+//! line it looks for, every architecture's fixtures). REF0 equals the CPU bit for bit, so
+//! every placement must show 0 against the CPU. On the first H200 run the script compared
 //! against the CPU's default flash kernel, which the GPU does not follow: this catches that
 //! kind of slip before a GPU lease is spent on it. Needs Python 3 (`$HMOE_PYTHON` or
 //! `python3`); without it `SKIPPED:`.

@@ -2,7 +2,7 @@
 //! --moe-cache 64` prints the cache's hits and misses (after the table, and per record in JSON),
 //! and the counts add up to the routed pairs; a cache with nothing to cache is an error; REF0
 //! has no cache unless one is asked for. `hmoe run --json` on REF0 with `--cpu-moe` and a cache
-//! gives the CPU engine's teacher-forced top-10 probabilities on every gpt-oss fixture and
+//! gives the CPU's teacher-forced top-10 probabilities on every gpt-oss fixture and
 //! reports the cache; `hmoe serve --metrics` on REF0 with a cache exposes its counts.
 
 mod common;

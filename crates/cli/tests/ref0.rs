@@ -1,6 +1,6 @@
-//! The reference device `REF0` from the command line (issue #15): `hmoe --list-devices` lists
+//! The reference device `REF0` from the command line: `hmoe --list-devices` lists
 //! it, `-dev REF0` puts on it what would go to a GPU (the same placement plan), and on it the
-//! teacher-forced top-10 probabilities of `hmoe run` are the CPU engine's (`-dev none`) bit
+//! teacher-forced top-10 probabilities of `hmoe run` are the CPU's (`-dev none`) bit
 //! for bit on every gpt-oss fixture, for `-ngl all`, `-ngl all --cpu-moe`, `--n-cpu-moe 1`
 //! and an `-ot` rule for one layer; the transfer counts in `--json` show one round trip per
 //! CPU-expert layer per micro-batch and none with everything on REF0. `--gpu-mem` sets its

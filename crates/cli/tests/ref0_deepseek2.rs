@@ -1,12 +1,12 @@
-//! DeepSeek-V3 (`deepseek2`) on the reference device from the command line (issue #15): the
-//! teacher-forced top-10 probabilities of `hmoe run -dev REF0` are the CPU engine's
+//! DeepSeek-V3 (`deepseek2`) on the reference device from the command line: the
+//! teacher-forced top-10 probabilities of `hmoe run -dev REF0` are the CPU's
 //! (`-dev none`) bit for bit on the deepseek2 fixture with `-ngl all`, `-ngl all --cpu-moe`
 //! and `--n-cpu-moe 1`, and the transfer counts in `--json` show one round trip per
 //! CPU-expert layer per micro-batch and none with everything on REF0. The fixture's first
 //! layer is dense (no experts), so `--cpu-moe` keeps two layers' experts on the CPU and
 //! `--n-cpu-moe 1` none (its first layer has no experts to keep). The same on a file with
 //! Q4_K experts and Q6_K down matrices, and with the latent cache in q8_0, q4_0, f32, bf16
-//! and q5_1 (issue #16).
+//! and q5_1.
 
 mod common;
 
@@ -26,9 +26,9 @@ fn ref0_deepseek2_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
     assert_ref0_is_the_cpu_engine(&f, "deepseek2", &[], &PLACEMENTS);
 }
 
-/// K-quant experts (issue #16): a `make-test-model --arch deepseek2` file with Q4_K routed and
+/// K-quant experts: a `make-test-model --arch deepseek2` file with Q4_K routed and
 /// shared experts and Q6_K down matrices (as in Q4_K_M files), 4 experts of which 2 are used,
-/// over a prompt of 24 tokens (some expert gets 8 rows or more: the CPU engine's tiled
+/// over a prompt of 24 tokens (some expert gets 8 rows or more: the CPU's tiled
 /// K-quant order).
 #[test]
 fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
@@ -67,10 +67,10 @@ fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_fo
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// DeepSeek's latent (K-only) cache on REF0 in every `-ctk` type the CPU engine keeps it in
+/// DeepSeek's latent (K-only) cache on REF0 in every `-ctk` type the CPU device keeps it in
 /// (`-ctv` unused), bit for bit, on a `make-test-model --arch deepseek2 --rope-dim 64` file
 /// (latent rows of 64 + 64 values: whole blocks of every type, and a multiple of 64 that the
-/// CPU engine's latent cache does not rotate).
+/// CPU device's latent cache does not rotate).
 #[test]
 fn ref0_deepseek2_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
     let (dir, model) = make_test_model(

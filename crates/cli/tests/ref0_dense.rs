@@ -1,9 +1,9 @@
 //! The dense Llama-family files (`llama`, `qwen2`) on the reference device from the command
-//! line (issue #15): on the real SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-0.5B-Instruct
+//! line: on the real SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-0.5B-Instruct
 //! Q4_K_M files, the teacher-forced top-10 probabilities of `hmoe run -dev REF0 -ngl all` are
-//! the CPU engine's (`-dev none`) bit for bit over the first golden case with f16, q8_0 and
+//! the CPU's (`-dev none`) bit for bit over the first golden case with f16, q8_0 and
 //! f32 K/V caches; nothing crosses the bus but the ids, positions and logits of each
-//! micro-batch; and `-ngl` short of every layer keeps the CPU engine and says why.
+//! micro-batch; and `-ngl` short of every layer keeps the executor on the CPU and says why.
 //!
 //! The GGUFs are not committed (`scripts/fetch-real-models.sh` puts them in `$HMOE_MODELS`,
 //! default `~/.cache/hmoe-models`); without them each test prints `SKIPPED: <why>` and passes.
@@ -79,7 +79,7 @@ fn check(model: (&str, &str), arch: &str) {
         assert_ref0_is_the_cpu_engine(&f, arch, &kv_flags, &[(&["-ngl", "all"], 0)]);
     }
     // Some layers on the CPU: the executor runs every layer on the device or none, so the
-    // CPU engine runs it, and says why.
+    // executor on the CPU runs it, and says why.
     let partial = (f.n_layer - 1).to_string();
     let (got, err) = run(&f, &["-dev", "REF0", "-ngl", &partial]);
     assert_eq!(got["engine"], "CPU", "-ngl {partial}: {err}");

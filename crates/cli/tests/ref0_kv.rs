@@ -1,10 +1,9 @@
-//! Quantized and f32 K/V caches on the reference device `REF0` from the command line (issues
-//! #15 and #16): with `-dev REF0` the executor keeps each layer's K/V rings on the device in
-//! the `-ctk`/`-ctv` types (no fallback to the CPU engine), and the teacher-forced top-10
-//! probabilities of `hmoe run` are the CPU engine's (`-dev none`) bit for bit on every gpt-oss
-//! fixture for `-ctk q8_0 -ctv q8_0 -fa on`, `-ctk f32 -ctv f32` and `-ctk q4_0 -ctv q4_0`,
-//! with `-ngl all`, `--n-cpu-moe 1` and `--cpu-moe` (one round trip per CPU-expert layer per
-//! micro-batch);
+//! Quantized and f32 K/V caches on the reference device `REF0` from the command line: with
+//! `-dev REF0` the executor keeps each layer's K/V rings on the device in the `-ctk`/`-ctv`
+//! types (no fallback to the CPU), and the teacher-forced top-10 probabilities of `hmoe run`
+//! are the CPU's (`-dev none`) bit for bit on every gpt-oss fixture for `-ctk q8_0 -ctv q8_0
+//! -fa on`, `-ctk f32 -ctv f32` and `-ctk q4_0 -ctv q4_0`, with `-ngl all`, `--n-cpu-moe 1`
+//! and `--cpu-moe` (one round trip per CPU-expert layer per micro-batch);
 //! mixed types (block keys with f16 values, f16 keys with q4_0 values) too. A fixture whose
 //! heads are not whole blocks of the type (gptoss-tiny's 16) is refused by both engines.
 
@@ -27,8 +26,8 @@ fn try_run(model: &str, extra: &[&str]) -> (bool, String) {
     )
 }
 
-/// Runs the matrix of `kvs` on `fixtures`: REF0 equals the CPU engine for both placements,
-/// or, where the CPU engine refuses the type (heads not whole blocks), REF0 refuses it too.
+/// Runs the matrix of `kvs` on `fixtures`: REF0 equals the CPU for both placements, or, where
+/// the CPU refuses the type (heads not whole blocks), REF0 refuses it too.
 fn check(fixtures: &[(&str, &str)], kvs: &[[&str; 6]]) {
     for &(stem, file) in fixtures {
         let f = fixture("gpt-oss", stem, file);

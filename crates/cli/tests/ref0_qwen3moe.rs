@@ -1,5 +1,5 @@
-//! Qwen3-MoE (`qwen3moe`) on the reference device from the command line (issues #15 and #16):
-//! the teacher-forced top-10 probabilities of `hmoe run -dev REF0` are the CPU engine's
+//! Qwen3-MoE (`qwen3moe`) on the reference device from the command line:
+//! the teacher-forced top-10 probabilities of `hmoe run -dev REF0` are the CPU's
 //! (`-dev none`) bit for bit with `-ngl all`, `-ngl all --cpu-moe`, `--n-cpu-moe 1` and an
 //! `-ot` rule for one layer, on the qwen3moe fixture (F32, heads of 16) with f16, f32 and bf16
 //! K/V, and on a `make-test-model --arch qwen3moe` file (Q8_0, heads of 32) with f16 and q8_0
@@ -22,8 +22,8 @@ const PLACEMENTS: [Placement<'static>; 4] = [
     ),
 ];
 
-/// `f` on REF0 with every placement and each of `kvs` (extra K/V flags) against the CPU engine
-/// with the same K/V flags.
+/// `f` on REF0 with every placement and each of `kvs` (extra K/V flags) against the CPU with
+/// the same K/V flags.
 fn check(f: &Fixture, kvs: &[&[&str]]) {
     assert_eq!(f.n_layer, 2);
     for &kv in kvs {
@@ -88,10 +88,10 @@ fn ref0_qwen3moe_stand_in_top10_probabilities_are_the_cpu_engines_bit_for_bit() 
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// K-quant experts (issue #16): Q4_K gate/up with Q6_K down (as in Q4_K_M files), all Q4_K,
-/// and Q4_K gate/up with Q8_0 down (the CPU engine's kernels beside REF0's own products).
+/// K-quant experts: Q4_K gate/up with Q6_K down (as in Q4_K_M files), all Q4_K,
+/// and Q4_K gate/up with Q8_0 down (the CPU's kernels beside REF0's own products).
 /// 4 experts, 2 used, over a prompt of 24 tokens route 8 or more rows to some expert, where
-/// the CPU engine's expert matmul takes the tiled K-quant order; the decode steps route one.
+/// the CPU's expert matmul takes the tiled K-quant order; the decode steps route one.
 #[test]
 fn ref0_qwen3moe_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
     let prompt: Vec<String> = (0..24).map(|i| ((i * 37 + 1) % 300).to_string()).collect();

@@ -104,7 +104,7 @@ fn questions() -> Vec<String> {
 }
 
 /// The seed command line on REF0: what start-up says, `/props`' placement, `/metrics`' device
-/// memory, 8 concurrent greedy chats equal to each alone and to the CPU engine's, and a
+/// memory, 8 concurrent greedy chats equal to each alone and to the CPU's, and a
 /// second turn served from the first's cache.
 #[test]
 fn seed_command_line_serves_on_ref0() {
@@ -148,7 +148,7 @@ fn seed_command_line_serves_on_ref0() {
     assert!(ref0["weight_bytes"].as_u64() > Some(0) && ref0["kv_bytes"].as_u64() > Some(0));
     assert_eq!(props["total_slots"], 4);
 
-    // 8 at once return what each returns alone (and what the CPU engine returns).
+    // 8 at once return what each returns alone (and what the executor on the CPU returns).
     let qs = questions();
     let alone: Vec<String> = qs.iter().map(|q| ask(&s.addr, q)).collect();
     let together: Vec<String> = std::thread::scope(|sc| {
@@ -214,7 +214,7 @@ fn seed_command_line_serves_on_ref0() {
         "{metrics}"
     );
 
-    // The same answers from the CPU engine (REF0 equals it bit for bit).
+    // The same answers from the executor on the CPU (REF0 equals it bit for bit).
     let cpu_args: Vec<&str> = [SEED, KV].concat();
     let cpu_args: Vec<&str> = (cpu_args.iter())
         .map(|&a| if a == "REF0" { "none" } else { a })
@@ -239,9 +239,9 @@ fn complete(addr: &str, prompt: &str) -> String {
         .to_string()
 }
 
-/// Qwen3-MoE on the device executor (issue #16): the qwen3moe fixture with `-dev REF0` and
+/// Qwen3-MoE on the device executor: the qwen3moe fixture with `-dev REF0` and
 /// one layer's experts on the CPU starts on REF0, and 8 concurrent greedy completions equal
-/// each alone and the CPU engine's.
+/// each alone and the CPU's.
 #[test]
 fn qwen3moe_serves_on_ref0() {
     let model = fixtures().join("qwen3moe/qwen3moe-tiny.gguf");
@@ -409,7 +409,7 @@ fn fit_cuts_the_context_to_the_device() {
     assert_eq!(props["default_generation_settings"]["n_ctx"], n_ctx / 2);
 }
 
-/// `-nkvo` keeps the K/V cache in RAM: the CPU engine, which says why.
+/// `-nkvo` keeps the K/V cache in RAM: the executor on the CPU, which says why.
 #[test]
 fn no_kv_offload_runs_on_the_cpu_engine() {
     let args: Vec<&str> = [SEED, KV, &["-nkvo"]].concat();

@@ -184,7 +184,7 @@ pub fn run_test(
         ns: Vec::with_capacity(cfg.repetitions),
     };
     // llama-bench's warm-up is one prompt batch and one generated token; after a load that
-    // left the first timed generation 35% slow (issue 21, `-n 32`: 15.3 ± 3.6 t/s against
+    // left the first timed generation 35% slow (`-n 32`: 15.3 ± 3.6 t/s against
     // 23.4 ± 0.2 for the same test later in the run), so the warm-up here is the test itself.
     for rep in 0..cfg.repetitions + usize::from(cfg.warmup) {
         if !(depth_ready && cache.truncate(test.n_depth)) {

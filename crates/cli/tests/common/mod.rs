@@ -1,6 +1,6 @@
 //! What the REF0 command-line tests (ref0*.rs, moe_cache.rs) share: the fixtures with their
 //! first golden case, `hmoe run --json` teacher-forced with the top-10 probabilities over them,
-//! the placements, the comparison of REF0 with the CPU engine
+//! the placements, the comparison of REF0 with the executor on the CPU
 //! ([`assert_ref0_is_the_cpu_engine`]) and `make-test-model` files.
 #![allow(dead_code)] // each test binary uses part of it
 
@@ -130,11 +130,11 @@ pub fn placements() -> Vec<(Vec<&'static str>, Option<u64>)> {
 pub type Placement<'a> = (&'a [&'a str], u64);
 
 /// The teacher-forced top-10 probabilities of `f` with `-dev REF0` and each placement of
-/// `cases` (and the extra flags `kv`, the same on both sides) are the CPU engine's
+/// `cases` (and the extra flags `kv`, the same on both sides) are the CPU's
 /// (`-dev none`) bit for bit: the run says it is `arch` on REF0, makes one round trip per
 /// CPU-expert layer per micro-batch, offloads nothing (prompts below 32 tokens), and brings
 /// down nothing but each micro-batch's logits and one staged copy per round trip. Returns the
-/// CPU engine's output.
+/// output on the CPU.
 pub fn assert_ref0_is_the_cpu_engine(
     f: &Fixture,
     arch: &str,

@@ -1,17 +1,12 @@
 //! Which engine runs a model: the device executor ([`hmoe_model::DeviceModel`], for the
-//! architectures of [`hmoe_model::executor::DEVICE_ARCHS`]) on a CUDA GPU or on the reference device `REF0` when the placement plan puts every layer's
-//! dense part there, else the CPU engine, with the reason; and loading the model on the
-//! chosen device.
+//! architectures of [`hmoe_model::executor::DEVICE_ARCHS`]) on a CUDA GPU or on the reference
+//! device `REF0` when the placement plan puts every layer's dense part there, else the
+//! executor on the CPU, with the reason.
 
-use anyhow::Context;
-use hmoe_backend::{Backend, Ref0, REF0_NAME};
-use hmoe_gguf::GgufModel;
+use hmoe_backend::REF0_NAME;
 use hmoe_model::kv_cache::CacheType;
-use hmoe_model::{DeviceModel, ExecStats, ExpertPlacement, KvType, LanguageModel};
-use hmoe_placement::{DeviceId, PlacementError, PlacementFlags, TensorRule};
-
-use crate::common::EngineUsed;
-use crate::placement_args::MoeCacheFlag;
+use hmoe_model::{ExpertPlacement, KvType};
+use hmoe_placement::DeviceId;
 
 /// A device the executor can run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,7 +23,7 @@ pub enum EngineDevice {
 /// The engine chosen for a run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineChoice {
-    /// The CPU engine, and why not a device.
+    /// The executor on the CPU, and why not a device.
     Cpu {
         /// Why the device executor is not used.
         why: String,
@@ -83,7 +78,7 @@ fn attn_layer(name: &str) -> Option<usize> {
 /// has a device layer ([`gpu_executor_arch`]) and the file no RoPE frequency factors, the
 /// device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's
 /// dense part on one device (each layer's experts where the plan puts them, a layer's experts
-/// as a unit); else the CPU engine and why.
+/// as a unit); else the executor on the CPU and why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let cpu = |why: String| EngineChoice::Cpu { why };
     if i.devices.is_empty() {
@@ -156,8 +151,10 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
         .is_some_and(|a| hmoe_model::executor::K_ONLY_ARCHS.contains(&a));
     if !k_only && !device_keeps_kv(device, k, v) {
         return cpu(format!(
-            "{} does not keep a -ctk {k} -ctv {v} K/V cache (CUDA: f32, f16, q8_0 and q4_0)",
-            device_name(device)
+            "{} does not keep a -ctk {k} -ctv {v} K/V cache ({}: {})",
+            device_name(device),
+            backend_name(device),
+            type_list(device_capabilities(device).kv_pair_types)
         ));
     }
     let k_only_types = device_k_only_types(device);
@@ -184,10 +181,27 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
 }
 
 /// `device`'s name in messages (`CUDA0`, `REF0`).
-fn device_name(device: EngineDevice) -> String {
+pub fn device_name(device: EngineDevice) -> String {
     match device {
         EngineDevice::Cuda(o) => format!("CUDA{o}"),
         EngineDevice::Ref0 { .. } => REF0_NAME.into(),
+    }
+}
+
+/// The backend of `device` (`CUDA`, `REF0`), as llama-bench's `backends` names it.
+pub fn backend_name(device: EngineDevice) -> &'static str {
+    match device {
+        EngineDevice::Cuda(_) => "CUDA",
+        EngineDevice::Ref0 { .. } => REF0_NAME,
+    }
+}
+
+/// `types` in lower case for a message: `f32, f16, q8_0 and q4_0`.
+fn type_list(types: &[hmoe_quant::GgmlType]) -> String {
+    let names: Vec<String> = types.iter().map(|t| t.to_string().to_lowercase()).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => names.concat(),
     }
 }
 
@@ -207,202 +221,6 @@ pub fn device_k_only_types(device: EngineDevice) -> &'static [hmoe_quant::GgmlTy
 /// Whether `device` keeps a K/V cache of `k` keys and `v` values ([`device_capabilities`]).
 pub fn device_keeps_kv(device: EngineDevice, k: CacheType, v: CacheType) -> bool {
     device_capabilities(device).keeps_kv(k.ggml_type(), v.ggml_type())
-}
-
-/// `flags` with `-ot` rules that name a device by its name in `names` (the plan's GPU `i` is
-/// `names[i]`, `REF0` for the reference device) renamed to the planner's `CUDA<i>`.
-pub fn plan_flags(mut flags: PlacementFlags, names: &[String]) -> PlacementFlags {
-    for rule in &mut flags.rules {
-        if let TensorRule::Override { device, .. } = rule {
-            if let Some(i) = names.iter().position(|n| n == device) {
-                *device = DeviceId::Gpu(i).to_string();
-            }
-        }
-    }
-    flags
-}
-
-/// A planner error with the plan's GPUs called by `names` (`REF0` where the planner says
-/// `CUDA<i>`): for a plan that does not fit, what each device lacks.
-pub fn plan_error(e: PlacementError, names: &[String]) -> anyhow::Error {
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    match e {
-        PlacementError::DoesNotFit(short) => {
-            let parts: Vec<String> = short
-                .iter()
-                .map(|s| {
-                    let name = match s.device {
-                        DeviceId::Gpu(i) => names.get(i).cloned(),
-                        DeviceId::Cpu => None,
-                    };
-                    format!(
-                        "{} is {:.0} MiB short (plan {:.0} MiB + margin {:.0} MiB > {:.0} MiB \
-                         free)",
-                        name.unwrap_or_else(|| s.device.to_string()),
-                        mib(s.missing()),
-                        mib(s.projected),
-                        mib(s.margin),
-                        mib(s.free)
-                    )
-                })
-                .collect();
-            anyhow::anyhow!(
-                "the model does not fit, even with the smallest allowed context and every \
-                 movable expert on the CPU: {} (raise --gpu-mem, lower --fit-target, or put \
-                 fewer layers on the device)",
-                parts.join("; ")
-            )
-        }
-        other => other.into(),
-    }
-}
-
-/// The device expert cache's budget for a run (`--moe-cache`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MoeCacheBudget {
-    /// No cache.
-    Off,
-    /// `--moe-cache MiB` in bytes: a budget too small for one expert is an error.
-    Explicit(u64),
-    /// `--moe-cache auto`, what the placement leaves beyond `--fit`'s margin, in bytes: a
-    /// budget too small for one expert disables the cache with a note.
-    Default(u64),
-}
-
-impl MoeCacheBudget {
-    /// The budget for `--moe-cache` (`flag`): the MiB given; with `auto`, when some layer's
-    /// experts stay on the host, the plan's room beyond `--fit`'s margin (`room`,
-    /// [`hmoe_placement::DeviceUsage::room_beyond_margin`]); else off. Off by default until
-    /// the cache has been measured on a GPU (one `moe` call per cached expert may cost more
-    /// launches than it saves).
-    pub fn choose(
-        flag: Option<MoeCacheFlag>,
-        placement: Option<&ExpertPlacement>,
-        room: u64,
-    ) -> MoeCacheBudget {
-        let host_layers = placement.is_some_and(|p| p.device_layers() < p.layers.len());
-        match flag {
-            None | Some(MoeCacheFlag::Mib(0)) => MoeCacheBudget::Off,
-            Some(MoeCacheFlag::Mib(mib)) => MoeCacheBudget::Explicit(mib.saturating_mul(1 << 20)),
-            Some(MoeCacheFlag::Auto) if host_layers && room > 0 => MoeCacheBudget::Default(room),
-            Some(MoeCacheFlag::Auto) => MoeCacheBudget::Off,
-        }
-    }
-}
-
-/// Loads the model onto `device` with the experts where `placement` says and the expert
-/// cache of `moe_cache`, and says so on stderr.
-pub fn load_device(
-    gguf: GgufModel,
-    device: EngineDevice,
-    placement: &ExpertPlacement,
-    moe_cache: MoeCacheBudget,
-) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
-    match device {
-        EngineDevice::Cuda(ordinal) => {
-            let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
-            let gpu_info = dev.info().name.clone();
-            let name = format!("CUDA{ordinal} ({gpu_info})");
-            loaded(gguf, dev, name, "CUDA", gpu_info, placement, moe_cache)
-        }
-        EngineDevice::Ref0 { budget } => {
-            let name = format!(
-                "{REF0_NAME} (reference device, {:.0} MiB)",
-                budget as f64 / (1u64 << 20) as f64
-            );
-            loaded(
-                gguf,
-                Ref0::with_budget(budget),
-                name,
-                REF0_NAME,
-                "reference device".into(),
-                placement,
-                moe_cache,
-            )
-            .with_context(|| format!("loading the model on {REF0_NAME}"))
-        }
-    }
-}
-
-/// The device executor's counts as JSON (`hmoe run --json`'s `device_stats`): micro-batches,
-/// round trips at the expert boundary (one per CPU-expert layer per micro-batch), op offload,
-/// and the device's own count of every host ↔ device copy where it keeps one.
-pub fn stats_json(s: &ExecStats) -> serde_json::Value {
-    let mut v = serde_json::json!({
-        "ubatches": s.ubatches,
-        "host_round_trips": s.host_round_trips,
-        "bytes_to_host": s.bytes_to_host,
-        "bytes_to_device": s.bytes_to_device,
-        "offloaded_layers": s.offloaded_layers,
-        "offloaded_experts": s.offloaded_experts,
-        "prefetched_layers": s.prefetched_layers,
-    });
-    if let Some(t) = s.transfers {
-        v["transfers"] = serde_json::json!({
-            "uploads": t.uploads,
-            "upload_bytes": t.upload_bytes,
-            "downloads": t.downloads,
-            "download_bytes": t.download_bytes,
-        });
-    }
-    v
-}
-
-/// [`DeviceModel::load`] on `dev` and the report of it.
-fn loaded<B: Backend + 'static>(
-    gguf: GgufModel,
-    dev: B,
-    name: String,
-    backend: &'static str,
-    gpu_info: String,
-    placement: &ExpertPlacement,
-    moe_cache: MoeCacheBudget,
-) -> anyhow::Result<(Box<dyn LanguageModel>, EngineUsed)> {
-    let arch = (gguf.metadata().architecture())
-        .unwrap_or_default()
-        .to_string();
-    let has_experts = gguf.tensors().iter().any(|t| t.name.contains("_exps"));
-    let model = DeviceModel::load(gguf, dev, placement)?;
-    let n_layer = placement.layers.len();
-    let experts = match has_experts {
-        true => format!(
-            "experts of {} on the device, {} on the CPU",
-            placement.device_layers(),
-            n_layer - placement.device_layers()
-        ),
-        false => "no experts".into(),
-    };
-    eprintln!(
-        "hmoe: {} on {name}: dense part of {n_layer} layers on the device, {experts}; {:.1} \
-         MiB of weights on the device",
-        arch,
-        model.weight_bytes() as f64 / (1u64 << 20) as f64
-    );
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let set = match moe_cache {
-        MoeCacheBudget::Off => None,
-        MoeCacheBudget::Explicit(b) => Some(model.set_moe_cache(b)?),
-        MoeCacheBudget::Default(b) => match model.set_moe_cache(b) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                eprintln!("hmoe: no expert cache: {e}");
-                None
-            }
-        },
-    };
-    if let Some(s) = set {
-        eprintln!(
-            "hmoe: expert cache on {name}: {:.1} MiB, up to {} experts of the CPU layers",
-            mib(s.budget_bytes),
-            s.capacity
-        );
-    }
-    let used = EngineUsed {
-        backend,
-        gpu_info,
-        n_gpu_layers: n_layer,
-    };
-    Ok((Box::new(model), used))
 }
 
 #[cfg(test)]
@@ -476,7 +294,7 @@ mod tests {
     fn why(c: EngineChoice) -> String {
         match c {
             EngineChoice::Cpu { why } => why,
-            other => panic!("expected the CPU engine, got {other:?}"),
+            other => panic!("expected the CPU, got {other:?}"),
         }
     }
 
@@ -612,27 +430,23 @@ mod tests {
         let names = names();
         let mut tensors: Vec<(&str, DeviceId)> = names.iter().map(|n| (n.as_str(), G)).collect();
         tensors.push((ROPE_FREQS, G));
-        let llama3 = choose_engine(&EngineInputs {
-            devices: &[CUDA0],
-            why_no_gpu: None,
-            arch: Some("llama"),
-            kv: f16,
-            n_layer: 2,
-            tensors: &tensors,
-            op_offload: None,
-        });
-        assert!(why(llama3).contains("RoPE frequency factors"));
-        let on_ref0 = choose_engine(&EngineInputs {
-            devices: &[EngineDevice::Ref0 { budget: 1 << 30 }],
-            why_no_gpu: None,
-            arch: Some("llama"),
-            kv: f16,
-            n_layer: 2,
-            tensors: &tensors,
-            op_offload: None,
-        });
+        let llama3 = |device: EngineDevice| {
+            choose_engine(&EngineInputs {
+                devices: &[device],
+                why_no_gpu: None,
+                arch: Some("llama"),
+                kv: f16,
+                n_layer: 2,
+                tensors: &tensors,
+                op_offload: None,
+            })
+        };
+        assert!(why(llama3(CUDA0)).contains("RoPE frequency factors"));
         assert!(
-            matches!(on_ref0, EngineChoice::Device { .. }),
+            matches!(
+                llama3(EngineDevice::Ref0 { budget: 1 << 30 }),
+                EngineChoice::Device { .. }
+            ),
             "REF0 applies the factors"
         );
     }
@@ -660,36 +474,20 @@ mod tests {
     }
 
     #[test]
-    fn ref0_in_rules_and_errors() {
-        let names = vec!["REF0".to_string()];
-        let flags = PlacementFlags {
-            rules: vec![
-                TensorRule::Override {
-                    pattern: "a".into(),
-                    device: "REF0".into(),
-                },
-                TensorRule::Override {
-                    pattern: "b".into(),
-                    device: "CPU".into(),
-                },
-            ],
-            ..PlacementFlags::default()
-        };
-        let f = plan_flags(flags, &names);
-        assert!(matches!(&f.rules[0], TensorRule::Override { device, .. } if device == "CUDA0"));
-        assert!(matches!(&f.rules[1], TensorRule::Override { device, .. } if device == "CPU"));
-        let e = plan_error(
-            PlacementError::DoesNotFit(vec![hmoe_placement::Shortfall {
-                device: G,
-                projected: 300 << 20,
-                free: 100 << 20,
-                margin: 1024 << 20,
-            }]),
-            &names,
-        )
-        .to_string();
-        assert!(e.contains("REF0 is 1224 MiB short"), "{e}");
-        assert!(!e.contains("CUDA0"), "{e}");
+    fn type_lists_read_as_text() {
+        use hmoe_quant::GgmlType::{F16, F32, Q4_0};
+        assert_eq!(type_list(&[F32, F16, Q4_0]), "f32, f16 and q4_0");
+        assert_eq!(type_list(&[F16]), "f16");
+        let w = why(choose(
+            &[CUDA0],
+            "gpt-oss",
+            KvType::parse("bf16").unwrap(),
+            [G, G],
+            [G, G],
+        ));
+        // The list is the backend's, whatever it holds.
+        let cuda = type_list(hmoe_cuda::CAPABILITIES.kv_pair_types);
+        assert!(w.ends_with(&format!("(CUDA: {cuda})")), "{w}");
     }
 
     #[test]
@@ -698,31 +496,5 @@ mod tests {
         assert_eq!(attn_layer("blk.12.attn_output.bias"), None);
         assert_eq!(attn_layer("blk.x.attn_output.weight"), None);
         assert_eq!(attn_layer("output.weight"), None);
-    }
-
-    #[test]
-    fn moe_cache_budget_is_off_unless_asked_for() {
-        use crate::placement_args::MoeCacheFlag::{Auto, Mib};
-        use ExpertHome::{Device as D, Host as H};
-        use MoeCacheBudget::*;
-        let host = ExpertPlacement {
-            layers: vec![H, D],
-            op_offload_min_batch: None,
-        };
-        let all = ExpertPlacement {
-            layers: vec![D, D],
-            op_offload_min_batch: None,
-        };
-        let room = 300 << 20;
-        let choose = MoeCacheBudget::choose;
-        assert_eq!(choose(None, Some(&host), room), Off, "off by default");
-        assert_eq!(choose(Some(Auto), Some(&host), room), Default(room));
-        assert_eq!(choose(Some(Auto), Some(&host), 0), Off, "no room");
-        assert_eq!(choose(Some(Auto), Some(&all), room), Off, "no host layer");
-        assert_eq!(choose(Some(Auto), None, room), Off, "the CPU engine");
-        assert_eq!(choose(Some(Mib(0)), Some(&host), room), Off);
-        assert_eq!(choose(Some(Mib(64)), Some(&host), 0), Explicit(64 << 20));
-        // An explicit cache with nothing to cache is the model's error to report.
-        assert_eq!(choose(Some(Mib(8)), Some(&all), 0), Explicit(8 << 20));
     }
 }
