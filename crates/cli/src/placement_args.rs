@@ -99,7 +99,7 @@ pub struct PlacementFlagArgs {
     #[arg(
         long = "op-offload-min-batch",
         value_name = "N",
-        default_value_t = hmoe_model::hybrid::OP_OFFLOAD_MIN_BATCH as u64,
+        default_value_t = hmoe_model::OP_OFFLOAD_MIN_BATCH as u64,
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub op_offload_min_batch: u64,

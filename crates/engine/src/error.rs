@@ -35,10 +35,7 @@ pub enum EngineError {
     /// The CUDA device could not be opened.
     #[error(transparent)]
     Cuda(#[from] hmoe_cuda::CudaError),
-    /// The executor could not load the model or set its expert cache.
-    #[error(transparent)]
-    Exec(#[from] hmoe_model::ExecError),
-    /// The model could not be loaded on the CPU.
+    /// The model could not be loaded, on any device, or its expert cache could not be set.
     #[error(transparent)]
     Model(#[from] hmoe_model::ModelError),
     /// Loading on the reference device failed.
