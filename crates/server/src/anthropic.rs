@@ -14,16 +14,16 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use crate::api::{render_chat, AppState};
-use crate::blocks::{
+use crate::chat_render::{prepare_chat, render_chat};
+use crate::content_blocks::{
     arguments_object, copy_shared_fields, function_tool, run_blocks, Block, BlockApi, BlockEvent,
     BlockKind, Blocks, Sent,
 };
-use crate::chat::prepare_chat;
 use crate::error::ApiError;
 use crate::oai::random_id;
 use crate::params::{parse_body, Fields};
 use crate::scheduler::{Finish, Summary};
+use crate::state::AppState;
 
 /// `POST /v1/messages`.
 pub async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {

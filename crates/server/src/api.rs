@@ -13,26 +13,17 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, StreamExt};
-use hmoe_chat::ReasoningFormat;
 use serde_json::{json, Map, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::chat::{normalize_messages, normalize_tools, prepare_chat};
-use crate::config::ServerConfig;
+use crate::chat_render::{prepare_chat, render_chat};
 use crate::error::ApiError;
 use crate::metrics;
 use crate::oai::Responder;
 use crate::output::OutputKind;
 use crate::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor, GenParams};
-use crate::registry::{Lease, Registry};
-
-/// What every handler shares.
-pub struct AppState {
-    /// The configuration.
-    pub config: Arc<ServerConfig>,
-    /// The models.
-    pub registry: Registry,
-}
+use crate::registry::Lease;
+use crate::state::AppState;
 
 type St = State<Arc<AppState>>;
 type Res = Result<Response, ApiError>;
@@ -93,11 +84,16 @@ async fn models(State(st): St, headers: HeaderMap) -> Response {
     Json(json!({"object": "list", "data": st.registry.list(full)})).into_response()
 }
 
+/// The `model` a load or unload request names.
+fn named_model(req: &Map<String, Value>) -> Result<&str, ApiError> {
+    Fields(req)
+        .str("model")?
+        .ok_or_else(|| ApiError::bad_request("'model' is required"))
+}
+
 async fn load_model(State(st): St, body: Bytes) -> Res {
     let req = parse_body(&body)?;
-    let name = Fields(&req)
-        .str("model")?
-        .ok_or_else(|| ApiError::bad_request("'model' is required"))?;
+    let name = named_model(&req)?;
     if !st.registry.is_router() {
         return Err(ApiError::not_supported(
             "loading models needs router mode (--models-dir)",
@@ -109,69 +105,9 @@ async fn load_model(State(st): St, body: Bytes) -> Res {
 
 async fn unload_model(State(st): St, body: Bytes) -> Res {
     let req = parse_body(&body)?;
-    let name = Fields(&req)
-        .str("model")?
-        .ok_or_else(|| ApiError::bad_request("'model' is required"))?;
+    let name = named_model(&req)?;
     st.registry.unload(name).await?;
     Ok(Json(json!({"success": true})).into_response())
-}
-
-fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
-    match s {
-        "none" => Ok(ReasoningFormat::None),
-        "auto" => Ok(ReasoningFormat::Auto),
-        "deepseek" | "deepseek-legacy" => Ok(ReasoningFormat::Deepseek),
-        other => Err(ApiError::bad_request(format!(
-            "unknown reasoning_format '{other}' (none, auto, deepseek)"
-        ))),
-    }
-}
-
-/// The prompt text of a chat request (template rendered), how to read its reasoning, and the
-/// tools the template was given (`None`: none, or `tool_choice` `"none"`).
-pub(crate) fn render_chat(
-    st: &AppState,
-    lease: &Lease,
-    req: &Map<String, Value>,
-) -> Result<(String, ReasoningFormat, Option<Value>), ApiError> {
-    let f = Fields(req);
-    let chat = lease.host.chat()?;
-    let messages = normalize_messages(req.get("messages"))?;
-    let choice = f.value("tool_choice");
-    match choice {
-        None => {}
-        Some(Value::String(s)) if matches!(s.as_str(), "auto" | "none" | "required") => {}
-        Some(Value::Object(o))
-            if o.get("function")
-                .and_then(|f| f.get("name"))
-                .is_some_and(Value::is_string) => {}
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "'tool_choice' must be \"auto\", \"none\", \"required\" or a function",
-            ))
-        }
-    }
-    let tools = normalize_tools(f.value("tools"), choice)?;
-    let format = match f.str("reasoning_format")? {
-        Some(s) => reasoning_format(s)?,
-        None => st.config.chat.reasoning_format,
-    };
-    let mut extra = st.config.chat.template_kwargs.clone();
-    match f.value("chat_template_kwargs") {
-        None => {}
-        Some(Value::Object(kw)) => extra.extend(kw.clone()),
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "'chat_template_kwargs' must be an object",
-            ))
-        }
-    }
-    if let Some(effort) = f.str("reasoning_effort")? {
-        extra.insert("reasoning_effort".into(), effort.into());
-    }
-    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    let text = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
-    Ok((text, format, tools))
 }
 
 async fn chat(State(st): St, body: Bytes) -> Res {
@@ -192,23 +128,23 @@ async fn completions(State(st): St, body: Bytes) -> Res {
     if f.i64("best_of")?.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only 'best_of': 1 is supported"));
     }
-    let lease = st.registry.acquire(f.str("model")?).await?;
-    let tok = lease.host.tokenizer.clone();
-    let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Completion, &tok, None)?;
-    gen.compile(&lease.host).await?;
-    run(lease, Flavor::Completion, prompt, gen, OutputKind::Text).await
+    complete(&st, &req, Flavor::Completion).await
 }
 
 async fn native_completion(State(st): St, body: Bytes) -> Res {
     let req = parse_body(&body)?;
-    let f = Fields(&req);
+    complete(&st, &req, Flavor::Native).await
+}
+
+/// Runs the text completion of the request's `prompt` (OpenAI's or llama.cpp's route).
+async fn complete(st: &AppState, req: &Map<String, Value>, flavor: Flavor) -> Res {
+    let f = Fields(req);
     let lease = st.registry.acquire(f.str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
     let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let mut gen = gen_params(&f, &st.config.sampling, Flavor::Native, &tok, None)?;
+    let mut gen = gen_params(&f, &st.config.sampling, flavor, &tok, None)?;
     gen.compile(&lease.host).await?;
-    run(lease, Flavor::Native, prompt, gen, OutputKind::Text).await
+    run(lease, flavor, prompt, gen, OutputKind::Text).await
 }
 
 /// Queues the request and answers it whole or as an SSE stream. The lease (and the request)

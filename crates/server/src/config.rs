@@ -98,9 +98,8 @@ impl Default for SamplingDefaults {
 /// Bounds on what clients can make the server hold (connections, time, bytes). The other
 /// input-controlled bounds live where they apply: threads (`hmoe_pool::MAX_THREADS`, via the
 /// CLI), queued requests ([`EngineConfig::max_queue`]), tokens to generate and prompt length
-/// (the slot's context), `n_probs` ([`crate::params::MAX_PROBS`]), stop strings
-/// ([`crate::params::MAX_STOP`]), pieces of `/tokenize`
-/// (streamed).
+/// (the slot's context), `n_probs` and stop strings (`MAX_PROBS` and `MAX_STOP` of the
+/// request parameters), pieces of `/tokenize` (streamed).
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Open connections served normally (`--max-connections`; lowered to fit the process's
@@ -167,8 +166,8 @@ pub struct ServerConfig {
     /// Serve the chat page at `/` (on unless `--no-webui`).
     pub webui: bool,
     /// Turns an opened model file into a model (in router mode, each model): the CLI plans
-    /// the placement and picks the engine as `hmoe run` does. The default runs the CPU engine
-    /// ([`cpu_loader`]).
+    /// the placement and picks the engine as `hmoe run` does. The default runs the executor on the
+    /// CPU ([`cpu_loader`]).
     pub loader: ModelLoader,
 }
 

@@ -11,9 +11,9 @@ use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::api::AppState;
 use crate::config::ServerConfig;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// The health routes (answered even beyond the connection cap).
 pub fn is_health(path: &str) -> bool {

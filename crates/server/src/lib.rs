@@ -22,15 +22,17 @@
 
 pub mod anthropic;
 pub mod api;
-pub mod blocks;
-pub mod chat;
+pub mod chat_format;
+pub mod chat_messages;
+pub mod chat_render;
 pub mod config;
 pub mod conn;
+pub mod content_blocks;
 pub mod error;
 pub mod guard;
-pub mod host;
 pub mod loader;
 pub mod metrics;
+pub mod model_host;
 pub mod oai;
 pub mod output;
 pub mod params;
@@ -40,6 +42,7 @@ pub mod request_log;
 pub mod responses;
 pub mod sampling;
 pub mod scheduler;
+pub mod state;
 pub mod webui;
 
 use std::net::SocketAddr;
@@ -214,7 +217,7 @@ async fn serve(
     stop: oneshot::Receiver<()>,
     signals: bool,
 ) -> Result<(), ServerError> {
-    let state = Arc::new(api::AppState {
+    let state = Arc::new(state::AppState {
         config: Arc::new(config),
         registry,
     });

@@ -1,6 +1,6 @@
 //! How a model file becomes a model to serve: the loader hook ([`ModelLoader`]) the CLI fills
-//! in with its placement plan and engine choice (the device executor on a GPU or `REF0`, else
-//! the CPU engine), and the report of where the model went ([`Placement`]), shown at start-up,
+//! in with its placement plan and engine choice (the executor on a GPU or `REF0`, else on
+//! the CPU device), and the report of where the model went ([`Placement`]), shown at start-up,
 //! in `/props` and in `/metrics`.
 
 use std::path::Path;
@@ -27,7 +27,7 @@ pub struct LoadedModel {
 pub struct Placement {
     /// The engine: the device the executor runs on (`CUDA0`, `REF0`), or `CPU`.
     pub engine: String,
-    /// Why the CPU engine runs the model (`None` on a device).
+    /// Why the model runs on the CPU device (`None` on a GPU or `REF0`).
     pub why_cpu: Option<String>,
     /// Memory per device, as the placement plan estimates it.
     pub devices: Vec<DevicePlacement>,
@@ -79,7 +79,7 @@ impl Placement {
     }
 }
 
-/// The default loader: the CPU engine ([`hmoe_model::load`]), every layer on the CPU.
+/// The default loader: the executor on the CPU ([`hmoe_model::load`]), every layer on the CPU.
 pub fn cpu_loader() -> ModelLoader {
     Arc::new(|gguf: GgufModel, _path: &Path| {
         let weight_bytes = gguf.total_tensor_bytes();

@@ -44,12 +44,18 @@ impl Stats {
     }
 }
 
-fn rate(tokens: u64, us: u64) -> f64 {
-    if us == 0 {
+/// `num / den`, 0 when `den` is 0.
+fn ratio(num: f64, den: u64) -> f64 {
+    if den == 0 {
         0.0
     } else {
-        tokens as f64 * 1e6 / us as f64
+        num / den as f64
     }
+}
+
+/// Tokens per second.
+fn rate(tokens: u64, us: u64) -> f64 {
+    ratio(tokens as f64 * 1e6, us)
 }
 
 /// Writes every model's metrics; `label` is `Some(model id)` in router mode.
@@ -91,12 +97,10 @@ pub fn render(models: &[(Option<String>, &Stats)]) -> String {
             "gauge",
             "Average number of busy slots per forward pass.",
             |s| {
-                let n = s.n_decode.load(Relaxed);
-                if n == 0 {
-                    0.0
-                } else {
-                    s.n_busy_slots.load(Relaxed) as f64 / n as f64
-                }
+                ratio(
+                    s.n_busy_slots.load(Relaxed) as f64,
+                    s.n_decode.load(Relaxed),
+                )
             },
         ),
         (
@@ -139,12 +143,10 @@ pub fn render(models: &[(Option<String>, &Stats)]) -> String {
             "gauge",
             "KV-cache usage. 1 means 100 percent usage.",
             |s| {
-                let cap = s.kv_capacity.load(Relaxed);
-                if cap == 0 {
-                    0.0
-                } else {
-                    s.kv_tokens.load(Relaxed) as f64 / cap as f64
-                }
+                ratio(
+                    s.kv_tokens.load(Relaxed) as f64,
+                    s.kv_capacity.load(Relaxed),
+                )
             },
         ),
         (

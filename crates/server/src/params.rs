@@ -5,13 +5,12 @@ use std::sync::Arc;
 
 use hmoe_engine::SamplerParams;
 use hmoe_grammar::{Constraint, Frame, Grammar, Tool, ToolFormat, Vocab};
-
-use crate::host::ModelHost;
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
 use crate::config::SamplingDefaults;
 use crate::error::ApiError;
+use crate::model_host::ModelHost;
 use crate::output::OutputKind;
 use crate::sampling::LogitAdjust;
 use crate::scheduler::JobSpec;
@@ -188,7 +187,7 @@ pub const MAX_STOP: (usize, usize) = (64, 1024);
 /// Reads the generation settings common to the completion routes. A grammar the request asks
 /// for is checked for shape here and compiled by [`GenParams::compile`]; `tool_format` is how
 /// a forced chat tool call is written (the chat template's format; see
-/// [`crate::chat::ChatSetup::forced_tool_format`]).
+/// [`crate::chat_format::ChatSetup::forced_tool_format`]).
 pub fn gen_params(
     f: &Fields<'_>,
     defaults: &SamplingDefaults,

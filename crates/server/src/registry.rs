@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::config::{ModelSource, ServerConfig};
 use crate::error::{ApiError, ServerError};
-use crate::host::{open_gguf, ModelHost, Prepared};
+use crate::model_host::{open_gguf, ModelHost, Prepared};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -13,16 +13,16 @@ use axum::extract::State;
 use axum::response::Response;
 use serde_json::{json, Map, Value};
 
-use crate::api::AppState;
-use crate::blocks::{
+use crate::chat_render::prepare_chat;
+use crate::content_blocks::{
     copy_shared_fields, function_tool, run_blocks, Block, BlockApi, BlockEvent, BlockKind, Blocks,
     Sent,
 };
-use crate::chat::prepare_chat;
 use crate::error::ApiError;
 use crate::oai::{random_id, unix_now};
 use crate::params::{parse_body, Fields};
 use crate::scheduler::{Finish, Summary};
+use crate::state::AppState;
 
 /// The route.
 pub async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {

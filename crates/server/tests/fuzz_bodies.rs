@@ -14,7 +14,8 @@ use std::time::Instant;
 
 use common::*;
 use hmoe_grammar::Vocab;
-use hmoe_server::chat::{normalize_messages, ChatSetup};
+use hmoe_server::chat_format::ChatSetup;
+use hmoe_server::chat_messages::normalize_messages;
 use hmoe_server::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor};
 use hmoe_server::SamplingDefaults;
 use rand::rngs::StdRng;

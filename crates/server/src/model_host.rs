@@ -8,7 +8,7 @@ use hmoe_gguf::GgufModel;
 use hmoe_model::{LanguageModel, LogitsWanted};
 use hmoe_tokenizer::Tokenizer;
 
-use crate::chat::ChatSetup;
+use crate::chat_format::ChatSetup;
 use crate::config::ServerConfig;
 use crate::error::{ApiError, ServerError};
 use crate::loader::{LoadedModel, Placement};
@@ -37,8 +37,8 @@ pub struct ModelHost {
     pub placement: Placement,
     /// Unix time it was loaded.
     pub created: u64,
-    /// The vocabulary grammars are compiled against, built on first use (see
-    /// [`crate::params::compile_constraint`]).
+    /// The vocabulary grammars are compiled against, built on first use (by the request
+    /// parameters' `compile_constraint`).
     pub(crate) vocab: OnceLock<Result<Arc<hmoe_grammar::Vocab>, hmoe_grammar::GrammarError>>,
 }
 

@@ -1,0 +1,218 @@
+//! A model's chat format: its (or `--chat-template-file`'s) template compiled, how it renders a
+//! conversation, writes tool calls and reasoning, and how its output is to be read.
+
+use std::sync::Arc;
+
+use hmoe_chat::{
+    ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, ToolCallFormat, ToolCallSpec,
+};
+use hmoe_grammar::ToolFormat;
+use hmoe_tokenizer::Tokenizer;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::output::OutputKind;
+
+/// A model's chat format.
+pub struct ChatSetup {
+    template: ChatTemplate,
+    source: String,
+    harmony: Option<HarmonyTokens>,
+    think: bool,
+    tool_calls: Option<ToolCallFormat>,
+    bos: String,
+    eos: String,
+}
+
+impl std::fmt::Debug for ChatSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatSetup")
+            .field("harmony", &self.harmony.is_some())
+            .field("think", &self.think)
+            .field("tool_calls", &self.tool_calls)
+            .finish()
+    }
+}
+
+impl ChatSetup {
+    /// Compiles `source` for a model with vocabulary `tok`.
+    pub fn new(source: String, tok: &Tokenizer) -> Result<ChatSetup, ChatError> {
+        let template = ChatTemplate::new(&source)?;
+        let harmony = if source.contains("<|channel|>") {
+            HarmonyTokens::from_tokenizer(tok).ok()
+        } else {
+            None
+        };
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tok.token_text(i))
+                .unwrap_or_default()
+                .to_string()
+        };
+        Ok(ChatSetup {
+            think: harmony.is_none() && source.contains("<think>"),
+            tool_calls: harmony
+                .is_none()
+                .then(|| ToolCallFormat::detect(&source))
+                .flatten(),
+            template,
+            harmony,
+            bos: text(tok.bos()),
+            eos: text(tok.eos()),
+            source,
+        })
+    }
+
+    /// The template text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the model speaks harmony (gpt-oss).
+    pub fn is_harmony(&self) -> bool {
+        self.harmony.is_some()
+    }
+
+    /// Renders a conversation (already [`normalize_messages`](crate::chat_messages::normalize_messages)d), with the assistant's
+    /// generation prompt when `add_generation_prompt`. Whatever the template rejects or fails
+    /// on is a 400 carrying the template's message.
+    pub fn render(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        mut extra: Map<String, Value>,
+    ) -> Result<String, ApiError> {
+        extra
+            .entry("bos_token")
+            .or_insert_with(|| self.bos.clone().into());
+        extra
+            .entry("eos_token")
+            .or_insert_with(|| self.eos.clone().into());
+        let harmony_fixed;
+        let messages = if self.is_harmony() {
+            harmony_fixed = harmony_history(messages);
+            &harmony_fixed
+        } else {
+            messages
+        };
+        let extra = Value::Object(extra);
+        let mut result = self
+            .template
+            .render(messages, tools, add_generation_prompt, &extra);
+        if matches!(result, Err(ChatError::Template(_))) {
+            // Templates that print every message's `content` as a string fail on assistant
+            // tool-call turns without one: they get an empty string instead.
+            if let Some(filled) = fill_missing_content(messages) {
+                result = self
+                    .template
+                    .render(&filled, tools, add_generation_prompt, &extra);
+            }
+        }
+        result.map_err(|e| match e {
+            ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
+            ChatError::Template(m) => {
+                ApiError::bad_request(format!("the chat template failed: {m}"))
+            }
+        })
+    }
+
+    /// How the template writes tool calls, when it is not harmony and hmoe knows the format.
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        self.tool_calls
+    }
+
+    /// How a forced tool call (`tool_choice` `"required"` or a function) is written: the
+    /// template's format (Qwen3-Coder templates get `<tool_call>` JSON, which hmoe reads back as
+    /// well), else what the vocabulary's markup tokens suggest.
+    pub fn forced_tool_format(&self, tok: &Tokenizer) -> Option<ToolFormat> {
+        match (self.harmony, self.tool_calls) {
+            (Some(_), _) => Some(ToolFormat::Harmony),
+            (None, Some(ToolCallFormat::Hermes | ToolCallFormat::Qwen3Coder)) => {
+                Some(ToolFormat::ToolCallTags)
+            }
+            (None, Some(ToolCallFormat::DeepSeek)) => Some(ToolFormat::DeepSeek),
+            (None, None) => ToolFormat::detect(tok),
+        }
+    }
+
+    /// How to read the output that follows `prompt`; `tools` are the tools the template was
+    /// given: with them, tool calls in the template's format are read from the text (several
+    /// when `parallel`).
+    pub fn output_kind(
+        &self,
+        prompt: &str,
+        format: ReasoningFormat,
+        tools: Option<&Value>,
+        parallel: bool,
+    ) -> OutputKind {
+        let think = (self.harmony.is_none() && self.think)
+            .then(|| (format, prompt.trim_end().ends_with("<think>")));
+        match (self.harmony, self.tool_calls, tools) {
+            (Some(t), _, _) if prompt.ends_with("<|start|>assistant") => {
+                OutputKind::Harmony(t, format)
+            }
+            (Some(_), _, _) => OutputKind::Text,
+            (None, Some(calls), Some(tools)) => OutputKind::ToolCalls {
+                think,
+                spec: Arc::new(ToolCallSpec::new(calls, Some(tools), parallel)),
+            },
+            (None, _, _) => match think {
+                Some((f, open)) => OutputKind::Think(f, open),
+                None => OutputKind::Text,
+            },
+        }
+    }
+
+    /// Tokenizes a rendered prompt (special tokens parsed; BOS added per the model unless the
+    /// template already wrote it).
+    pub fn tokenize(&self, tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, ApiError> {
+        let mut ids = tok
+            .encode(prompt, true, true)
+            .map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}")))?;
+        if let Some(bos) = tok.bos() {
+            if tok.add_bos() && ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
+                ids.remove(0);
+            }
+        }
+        Ok(ids)
+    }
+}
+
+/// The messages with `content: ""` where a message has none; `None` when all have one.
+fn fill_missing_content(messages: &Value) -> Option<Value> {
+    let mut out = messages.clone();
+    let mut changed = false;
+    for m in out
+        .as_array_mut()?
+        .iter_mut()
+        .filter_map(Value::as_object_mut)
+    {
+        if !m.contains_key("content") {
+            m.insert("content".into(), "".into());
+            changed = true;
+        }
+    }
+    changed.then_some(out)
+}
+
+/// gpt-oss templates take an assistant tool-call turn's analysis from `thinking` or `content`,
+/// not both: where a client sends both back, the reasoning is kept (the content of such a turn
+/// is the model's preamble to the call).
+fn harmony_history(messages: &Value) -> Value {
+    let mut out = messages.clone();
+    if let Some(list) = out.as_array_mut() {
+        for m in list.iter_mut().filter_map(Value::as_object_mut) {
+            let both = m.contains_key("tool_calls")
+                && m.get("thinking")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty())
+                && m.get("content")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty());
+            if both {
+                m.remove("content");
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,152 @@
+//! What a request gives the scheduler and what it gets back: the job, its events, its end and
+//! why it failed or was refused.
+
+use hmoe_chat::ChatDelta;
+use hmoe_engine::SamplerParams;
+use hmoe_model::ModelError;
+
+use crate::error::ApiError;
+use crate::output::OutputKind;
+use crate::sampling::LogitAdjust;
+
+/// What a request asks the engine for.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    /// Prompt tokens (non-empty, shorter than a slot's context).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (`None`: until the context is full).
+    pub n_predict: Option<usize>,
+    /// Sampler settings.
+    pub sampling: SamplerParams,
+    /// Penalties and logit bias.
+    pub adjust: LogitAdjust,
+    /// Report the chosen token's log-probability.
+    pub logprobs: bool,
+    /// Report this many most likely alternatives per token.
+    pub n_probs: usize,
+    /// Report probabilities after the sampler chain (`post_sampling_probs`) instead of the
+    /// softmax of the raw logits.
+    pub post_sampling_probs: bool,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep going after end-of-generation tokens.
+    pub ignore_eos: bool,
+    /// How to read the output.
+    pub output: OutputKind,
+    /// Reuse the slot's cached prefix (`cache_prompt`, default on).
+    pub cache_prompt: bool,
+    /// The grammar the generated tokens must follow (compiled, at its start).
+    pub constraint: Option<hmoe_grammar::Constraint>,
+}
+
+/// Log-probabilities of one generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub id: u32,
+    /// Its log-probability (softmax of the raw logits).
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token.
+    Eog,
+    /// A stop string (given).
+    StopWord(String),
+    /// `n_predict` reached or the context is full.
+    Length,
+}
+
+/// The end of a request.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    /// Why it ended.
+    pub finish: Finish,
+    /// Prompt tokens.
+    pub n_prompt: usize,
+    /// Prompt tokens taken from the slot's cache.
+    pub n_cached: usize,
+    /// Tokens generated.
+    pub n_generated: usize,
+    /// Milliseconds from admission to the first token.
+    pub prompt_ms: f64,
+    /// Milliseconds from the first to the last token.
+    pub decode_ms: f64,
+    /// The slot that ran it.
+    pub slot: usize,
+    /// The generated token ids.
+    pub tokens: Vec<u32>,
+}
+
+/// What the worker sends back for a request.
+#[derive(Clone, Debug)]
+pub enum JobEvent {
+    /// New output (possibly only log-probabilities).
+    Output {
+        /// Response pieces.
+        deltas: Vec<ChatDelta>,
+        /// Log-probabilities of the tokens generated since the last event (when asked for).
+        probs: Vec<TokenLogprob>,
+    },
+    /// The request is complete.
+    Done(Summary),
+    /// The request failed; no more events follow.
+    Failed(JobFailure),
+}
+
+/// Why a request failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobFailure {
+    /// What went wrong.
+    pub message: String,
+    /// Whether the server lacked a resource that may free up (the device had no memory for
+    /// the request's K/V cache): 503 rather than 500.
+    pub unavailable: bool,
+}
+
+impl JobFailure {
+    /// A failure that is no lack of resources (500).
+    pub fn internal(message: impl Into<String>) -> JobFailure {
+        JobFailure {
+            message: message.into(),
+            unavailable: false,
+        }
+    }
+
+    /// A failed forward pass: a device out of memory is a 503, anything else a 500.
+    pub fn of_model_error(e: &ModelError) -> JobFailure {
+        let oom = e.is_out_of_memory();
+        JobFailure {
+            message: match oom {
+                true => format!(
+                    "no device memory for this request's KV cache now ({e}); try again later"
+                ),
+                false => format!("inference failed: {e}"),
+            },
+            unavailable: oom,
+        }
+    }
+
+    /// The HTTP error it becomes.
+    pub fn api_error(&self) -> ApiError {
+        match self.unavailable {
+            true => ApiError::unavailable(self.message.clone()),
+            false => ApiError::internal(self.message.clone()),
+        }
+    }
+}
+
+/// Why a request was not queued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The queue is full.
+    #[error("the server is busy: all slots are in use and the queue is full, try again later")]
+    QueueFull,
+    /// The model is being unloaded or the server is stopping.
+    #[error("the model is shutting down")]
+    ShuttingDown,
+}

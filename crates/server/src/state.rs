@@ -1,0 +1,14 @@
+//! What every route handler shares: the configuration and the models.
+
+use std::sync::Arc;
+
+use crate::config::ServerConfig;
+use crate::registry::Registry;
+
+/// What every handler shares.
+pub struct AppState {
+    /// The configuration.
+    pub config: Arc<ServerConfig>,
+    /// The models.
+    pub registry: Registry,
+}
