@@ -1,8 +1,8 @@
 //! The CPU device's routed-expert kernels, which know no architecture: the batch that crosses
 //! the expert boundary ([`ExpertBatch`]: the normed hidden state with the router's choices and
 //! weights) and the expert sum over one layer's experts in the file mapping
-//! ([`host_experts`]), which the CPU device, the device executor's host-expert layers and
-//! [`crate::Cpu`]'s `moe` op all run.
+//! (`expert_sum`), which [`crate::Cpu`]'s `moe` op runs, for the CPU device and for the
+//! executor's host-expert layers alike.
 //!
 //! For each token `t` of the batch the host computes
 //! `out[t] = Σ_s w[t,s] · expert_{sel[t,s]}(h[t])`, the slots `s` summed in order (highest
@@ -46,20 +46,9 @@ pub enum ExpertDeviceError {
         /// What disagrees.
         detail: String,
     },
-    /// A placement that cannot be executed.
-    #[error("placement: {0}")]
-    Placement(String),
     /// A device of the contract failed (out of memory, an unsupported op, its driver).
     #[error(transparent)]
     Device(BackendError),
-    /// The device itself failed (an implementation's driver or runtime error).
-    #[error("device {device}: {message}")]
-    Backend {
-        /// The device's name.
-        device: String,
-        /// What the device reported.
-        message: String,
-    },
 }
 
 impl From<BackendError> for ExpertDeviceError {
@@ -146,14 +135,6 @@ impl ExpertBatch<'_> {
         }
         Ok(n)
     }
-
-    /// The distinct experts the batch routes to, ascending (what op offload copies).
-    pub fn routed_experts(&self) -> Vec<usize> {
-        let mut ids: Vec<usize> = self.selected.iter().map(|&e| e as usize).collect();
-        ids.sort_unstable();
-        ids.dedup();
-        ids
-    }
 }
 
 /// The dot kernels of one layer's three expert matrices (llama.cpp's choice for their type).
@@ -178,16 +159,6 @@ impl ExpertKernels {
             down: k(&t.down)?,
             interleaved: None,
         })
-    }
-
-    /// The kernels a model chose at load.
-    pub fn new(gate: DotKernel, up: DotKernel, down: DotKernel) -> ExpertKernels {
-        ExpertKernels {
-            gate,
-            up,
-            down,
-            interleaved: None,
-        }
     }
 
     /// The kernel that would read these experts' rows interleaved
@@ -448,33 +419,10 @@ fn mix_one_token<'w>(
     Ok(())
 }
 
-/// The host path: the expert sum over the layer's tensors in the file mapping, no copies, as
-/// the CPU device computes it for `act`: the elementwise activation of gpt-oss
-/// ([`GatedAct::ClampedSwiglu`], biases, the whole batch at once except F32 products, which
-/// run per group); SwiGLU ([`GatedAct::Silu`], [`moe_swiglu`]) each group alone.
-pub fn host_experts(
-    layer: usize,
-    k: &ExpertKernels,
-    act: GatedAct,
-    t: &ExpertTensors<'_>,
-    batch: &ExpertBatch<'_>,
-    scratch: &mut ExpertScratch,
-    out: &mut [f32],
-) -> Result<(), ExpertDeviceError> {
-    let (d, ff) = t.validate()?;
-    expert_sum(
-        layer,
-        k,
-        act,
-        (d, ff, t.n_expert),
-        batch,
-        |e| t.view(e),
-        scratch,
-        out,
-    )
-}
-
-/// [`host_experts`] over the experts that `view` finds.
+/// The expert sum over the experts that `view` finds, as the CPU device computes it for `act`:
+/// the elementwise activation of gpt-oss ([`GatedAct::ClampedSwiglu`], biases, the whole batch
+/// at once except F32 products, which run per group); SwiGLU ([`GatedAct::Silu`],
+/// [`moe_swiglu`]) each group alone.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn expert_sum<'w>(
     layer: usize,
@@ -581,6 +529,21 @@ pub fn moe_swiglu<'w>(
 #[allow(clippy::single_range_in_vec_init)] // slices of token ranges, one sequence each
 mod tests {
     use super::*;
+
+    /// The expert sum over the layer's tensors in the file mapping.
+    fn host_experts(
+        layer: usize,
+        k: &ExpertKernels,
+        act: GatedAct,
+        t: &ExpertTensors<'_>,
+        batch: &ExpertBatch<'_>,
+        scratch: &mut ExpertScratch,
+        out: &mut [f32],
+    ) -> Result<(), ExpertDeviceError> {
+        let (d, ff) = t.validate()?;
+        let shape = (d, ff, t.n_expert);
+        expert_sum(layer, k, act, shape, batch, |e| t.view(e), scratch, out)
+    }
 
     /// gpt-oss's activation.
     const OAI: GatedAct = GatedAct::ClampedSwiglu {

@@ -8,7 +8,7 @@
 
 pub mod attention;
 mod device;
-pub mod experts;
+mod experts;
 pub mod kv_storage;
 pub mod ops;
 #[cfg(test)]

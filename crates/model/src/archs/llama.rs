@@ -17,8 +17,8 @@
 //! Each layer is the executor's shared attention block and dense SwiGLU FFN, run by
 //! [`crate::DeviceModel`] on the CPU, a GPU or REF0.
 
-use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_backend::KvType;
+use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_gguf::GgufModel;
 
 use super::hparams::{check_heads, ArchMeta, WholeHeads};

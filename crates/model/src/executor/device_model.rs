@@ -4,8 +4,8 @@
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use hmoe_backend::{Backend, BackendError, KvLayout};
 use hmoe_backend::KvType;
+use hmoe_backend::{Backend, BackendError, KvLayout};
 use hmoe_gguf::GgufModel;
 
 use super::device_kv::{

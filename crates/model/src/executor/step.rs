@@ -5,8 +5,8 @@
 
 use std::ops::Range;
 
-use hmoe_backend::{AttnParams, Backend, ExpertTensors, KOnlyAttnParams};
 use hmoe_backend::KvType;
+use hmoe_backend::{AttnParams, Backend, ExpertTensors, KOnlyAttnParams};
 use hmoe_gguf::GgufModel;
 
 use super::device_kv::{KvWidths, LayerKv};
