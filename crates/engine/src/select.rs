@@ -1,5 +1,5 @@
 //! Which engine runs a model: the device executor ([`hmoe_model::DeviceModel`], for the
-//! architectures of [`hmoe_model::executor::DEVICE_ARCHS`]) on a CUDA GPU or on the reference
+//! architectures of [`hmoe_model::DEVICE_ARCHS`]) on a CUDA GPU or on the reference
 //! device `REF0` when the placement plan puts every layer's dense part there, else the
 //! executor on the CPU, with the reason.
 
@@ -90,7 +90,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     if !gpu_executor_arch(i.arch) {
         return cpu(format!(
             "the GPU executor runs {} only, this model is {}",
-            hmoe_model::executor::DEVICE_ARCHS.join(", "),
+            hmoe_model::DEVICE_ARCHS.join(", "),
             i.arch.unwrap_or("of unknown architecture")
         ));
     }
@@ -148,7 +148,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     // A K-only (latent) cache has no V: its K type is checked below.
     let k_only = i
         .arch
-        .is_some_and(|a| hmoe_model::executor::K_ONLY_ARCHS.contains(&a));
+        .is_some_and(|a| hmoe_model::K_ONLY_ARCHS.contains(&a));
     if !k_only && !device_keeps_kv(device, k, v) {
         return cpu(format!(
             "{} does not keep a -ctk {k} -ctv {v} K/V cache ({}: {})",
@@ -158,7 +158,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
         ));
     }
     let k_only_types = device_k_only_types(device);
-    if !hmoe_model::executor::arch_keeps_kv(i.arch, k, k_only_types) {
+    if !hmoe_model::arch_keeps_kv(i.arch, k, k_only_types) {
         let types: Vec<String> = k_only_types
             .iter()
             .map(|t| t.to_string().to_lowercase())

@@ -2,9 +2,8 @@
 //! back: the logits it wants, one sequence's share of a batched step, the device memory.
 
 use crate::error::ModelError;
-use crate::executor::{ExecStats, MoeCacheStats};
 use crate::sequence::KvCache;
-use hmoe_backend::KvType;
+use hmoe_backend::{KvType, TransferCounts};
 
 /// Which logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,4 +80,60 @@ pub trait LanguageModel: Send + Sync {
     /// the next positions of its own cache, and every sequence's result is exactly what
     /// [`LanguageModel::forward`] would return for it alone (batch invariance).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
+}
+
+/// Transfers at the expert boundary, counted by the executor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecStats {
+    /// Micro-batches run.
+    pub ubatches: u64,
+    /// Round trips to the host experts (one per host layer per micro-batch).
+    pub host_round_trips: u64,
+    /// Bytes brought down for them: hidden state, expert ids and weights.
+    pub bytes_to_host: u64,
+    /// Bytes sent back up: the expert sums.
+    pub bytes_to_device: u64,
+    /// Host layers run on the device by op offload (one per such layer per micro-batch).
+    pub offloaded_layers: u64,
+    /// Experts uploaded for them (each routed expert once per offloaded layer).
+    pub offloaded_experts: u64,
+    /// Bytes of those uploads (weights and biases).
+    pub offload_bytes: u64,
+    /// Offloaded layers whose upload (of every expert) was started while the host layer
+    /// before them ran (see `PREFETCH_ROUTES_PER_EXPERT`).
+    pub prefetched_layers: u64,
+    /// Every host ↔ device copy the device counted (weights at load included), for a device
+    /// that counts them ([`Backend::transfers`]).
+    pub transfers: Option<TransferCounts>,
+}
+
+/// What the expert cache counted and holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoeCacheStats {
+    /// Routed `(token, slot)` pairs of cacheable host layers whose expert was on the device.
+    pub hits: u64,
+    /// Routed pairs of cacheable host layers that ran on the host.
+    pub misses: u64,
+    /// Experts uploaded into the cache.
+    pub uploads: u64,
+    /// Experts evicted from it (least recently used first).
+    pub evictions: u64,
+    /// Device bytes the cached experts occupy now.
+    pub held_bytes: u64,
+    /// The cache's budget in bytes (0: disabled).
+    pub budget_bytes: u64,
+    /// Experts the cache can hold over all its layers.
+    pub capacity: u64,
+}
+
+impl MoeCacheStats {
+    /// `hits / (hits + misses)`, or 0 before any routed pair.
+    pub fn hit_rate(&self) -> f64 {
+        let all = self.hits + self.misses;
+        if all == 0 {
+            0.0
+        } else {
+            self.hits as f64 / all as f64
+        }
+    }
 }

@@ -26,12 +26,15 @@ pub use archs::deepseek2::Deepseek2Params;
 pub use archs::gpt_oss::GptOssParams;
 pub use archs::llama::{DenseArch, DenseParams};
 pub use archs::qwen3_moe::Qwen3MoeParams;
+pub use archs::{arch_keeps_kv, DEVICE_ARCHS, K_ONLY_ARCHS};
 pub use archs::{device_arch, Arch, ARCHS};
 pub use error::ModelError;
-pub use executor::{DeviceModel, ExecStats, MoeCacheStats};
+pub use executor::DeviceModel;
 pub use expert_placement::{ExpertHome, ExpertPlacement, OP_OFFLOAD_MIN_BATCH};
 pub use kv_cache::{KvCache, KvType};
-pub use language_model::{DeviceMemory, LanguageModel, LogitsWanted, SeqBatch};
+pub use language_model::{
+    DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch,
+};
 
 /// Builds the architecture named by the file's `general.architecture` on the CPU: the
 /// executor over [`hmoe_cpu::Cpu`], every layer and its experts there.

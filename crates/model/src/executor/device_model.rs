@@ -13,12 +13,14 @@ use super::device_kv::{
 };
 use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
-use super::moe_cache::{MoeCache, MoeCacheStats};
-use super::state::{ExecStats, State};
+use super::moe_cache::MoeCache;
+use super::state::State;
 use super::step::{DeviceLayers, Member, Step};
 use crate::error::ModelError;
 use crate::expert_placement::{ExpertHome, ExpertPlacement};
-use crate::language_model::{DeviceMemory, LanguageModel, LogitsWanted, SeqBatch};
+use crate::language_model::{
+    DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch,
+};
 use crate::sequence::KvCache;
 
 /// A model with its dense part on a device `B` and each layer's routed experts where an

@@ -107,8 +107,3 @@ pub(crate) mod step;
 pub use device_kv::{device_kv_layouts, KvWidths};
 pub use device_model::DeviceModel;
 pub use expert_boundary::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
-pub use moe_cache::MoeCacheStats;
-pub use state::ExecStats;
-
-/// The table of architectures' queries, at their former home (they are `archs`'s).
-pub use crate::archs::{arch_keeps_kv, device_arch, DEVICE_ARCHS, K_ONLY_ARCHS};

@@ -45,37 +45,7 @@ use super::host_experts::{HostBatch, HostExperts};
 use super::routing::Routed;
 use crate::error::ModelError;
 use crate::expert_placement::ExpertHome;
-
-/// What the expert cache counted and holds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MoeCacheStats {
-    /// Routed `(token, slot)` pairs of cacheable host layers whose expert was on the device.
-    pub hits: u64,
-    /// Routed pairs of cacheable host layers that ran on the host.
-    pub misses: u64,
-    /// Experts uploaded into the cache.
-    pub uploads: u64,
-    /// Experts evicted from it (least recently used first).
-    pub evictions: u64,
-    /// Device bytes the cached experts occupy now.
-    pub held_bytes: u64,
-    /// The cache's budget in bytes (0: disabled).
-    pub budget_bytes: u64,
-    /// Experts the cache can hold over all its layers.
-    pub capacity: u64,
-}
-
-impl MoeCacheStats {
-    /// `hits / (hits + misses)`, or 0 before any routed pair.
-    pub fn hit_rate(&self) -> f64 {
-        let all = self.hits + self.misses;
-        if all == 0 {
-            0.0
-        } else {
-            self.hits as f64 / all as f64
-        }
-    }
-}
+use crate::language_model::MoeCacheStats;
 
 /// The per-layer share of `budget` bytes and how many experts each cacheable layer keeps:
 /// `expert_bytes[l]` is the device size of one expert of layer `l` (`None`: a layer that is

@@ -1,37 +1,13 @@
 //! What changes while the device model runs ([`State`]: the device caches of the
 //! sequences, the staging buffers, the expert cache) and what it counts ([`ExecStats`]).
 
-use hmoe_backend::{Backend, TransferCounts};
+use hmoe_backend::Backend;
 
 use super::device_kv::DeviceKv;
 use super::host_experts::HostIo;
 use super::moe_cache::MoeCache;
 use crate::error::ModelError;
-
-/// Transfers at the expert boundary, counted by the executor.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ExecStats {
-    /// Micro-batches run.
-    pub ubatches: u64,
-    /// Round trips to the host experts (one per host layer per micro-batch).
-    pub host_round_trips: u64,
-    /// Bytes brought down for them: hidden state, expert ids and weights.
-    pub bytes_to_host: u64,
-    /// Bytes sent back up: the expert sums.
-    pub bytes_to_device: u64,
-    /// Host layers run on the device by op offload (one per such layer per micro-batch).
-    pub offloaded_layers: u64,
-    /// Experts uploaded for them (each routed expert once per offloaded layer).
-    pub offloaded_experts: u64,
-    /// Bytes of those uploads (weights and biases).
-    pub offload_bytes: u64,
-    /// Offloaded layers whose upload (of every expert) was started while the host layer
-    /// before them ran (see `PREFETCH_ROUTES_PER_EXPERT`).
-    pub prefetched_layers: u64,
-    /// Every host ↔ device copy the device counted (weights at load included), for a device
-    /// that counts them ([`Backend::transfers`]).
-    pub transfers: Option<TransferCounts>,
-}
+use crate::language_model::ExecStats;
 
 /// What changes while running.
 pub(crate) struct State<B: Backend> {
