@@ -180,7 +180,7 @@ pub struct ServeArgs {
     /// executor runs on one device.
     #[arg(long = "split-mode", value_parser = ["none", "layer", "row"])]
     pub split_mode: Option<String>,
-    /// Keep the KV cache off the GPU (`-nkvo`): the model then runs on the CPU engine (the
+    /// Keep the KV cache off the GPU (`-nkvo`): the model then runs on the CPU device (the
     /// device executor keeps K/V on the device).
     #[arg(long = "no-kv-offload")]
     pub no_kv_offload: bool,

@@ -125,7 +125,10 @@ fn seed_command_line_serves_on_ref0() {
             .starts_with("REF0")
     });
     assert!(ref0_row.is_some(), "no REF0 row in the table:\n{err}");
-    assert!(!err.contains("runs on the CPU engine"), "{err}");
+    assert!(
+        !err.contains("default loader runs the model on the CPU"),
+        "{err}"
+    );
 
     // /props: the model runs on REF0, with every layer's dense part and half the experts.
     let props = json_ok(&s.addr, "GET", "/props", &Value::Null);

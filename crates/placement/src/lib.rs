@@ -84,9 +84,11 @@ mod device;
 mod error;
 mod flags;
 mod plan;
+mod plan_table;
 mod presets;
 mod shape;
 mod tensor;
+mod tensor_rules;
 
 pub use device::{DeviceBudget, DeviceId, GpuBudget, DEFAULT_GPU_OVERHEAD};
 pub use error::{PlacementError, Shortfall};

@@ -5,16 +5,14 @@
 
 use std::collections::HashMap;
 
-use regex::Regex;
-
 use crate::device::{DeviceBudget, DeviceId};
 use crate::error::{PlacementError, Shortfall};
 use crate::flags::{
-    parse_cache_type, GpuLayers, PlacementFlags, RunTokens, TensorRule, FFN_EXPS_REGEX,
-    OP_OFFLOAD_MIN_BATCH,
+    parse_cache_type, GpuLayers, PlacementFlags, RunTokens, TensorRule, OP_OFFLOAD_MIN_BATCH,
 };
 use crate::shape::ModelShape;
 use crate::tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};
+use crate::tensor_rules::{compile_rules, layers_exps_regex};
 
 /// Memory use the plan projects on one device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -213,13 +211,13 @@ fn pages(n: u64) -> u64 {
     n.div_ceil(PAGE) * PAGE
 }
 
-/// The CPU engine's flash-attention kernel: query rows per task tile, positions per block, and
+/// The CPU device's flash-attention kernel: query rows per task tile, positions per block, and
 /// positions per chunk of its split over float values.
 const FLASH_Q_TILE: u64 = 16;
 const FLASH_POS_BLOCK: u64 = 32;
 const FLASH_CHUNK: u64 = hmoe_backend::numerics::FLASH_CHUNK as u64;
 
-/// What the CPU engine's flash attention (`-fa on`/`auto`) keeps between calls, in buffers
+/// What the CPU device's flash attention (`-fa on`/`auto`) keeps between calls, in buffers
 /// that grow to the largest call and stay: the states its tasks hand back, `4·(Dv + 2)` bytes
 /// per query row, head and chunk, for a micro-batch of `tokens` and for a decode step that
 /// reads `depth` positions (over f32/f16/bf16 values in chunks of [`FLASH_CHUNK`], else one);
@@ -283,111 +281,6 @@ fn host_copy_bytes(t: &TensorDesc) -> u64 {
     } else {
         0
     }
-}
-
-fn compile_rules(
-    rules: &[TensorRule],
-    n_gpus: usize,
-) -> Result<Vec<(Regex, DeviceId)>, PlacementError> {
-    let regex = |p: &str| {
-        Regex::new(p).map_err(|e| PlacementError::BadRegex {
-            pattern: p.to_string(),
-            message: e.to_string(),
-        })
-    };
-    let mut out = Vec::new();
-    for r in rules {
-        match r {
-            TensorRule::Override { pattern, device } => {
-                let dev = DeviceId::parse(device, n_gpus).ok_or_else(|| {
-                    PlacementError::UnknownDevice {
-                        device: device.clone(),
-                        valid: DeviceId::valid_names(n_gpus),
-                    }
-                })?;
-                out.push((regex(pattern)?, dev));
-            }
-            TensorRule::CpuMoe => out.push((regex(FFN_EXPS_REGEX)?, DeviceId::Cpu)),
-            TensorRule::NCpuMoe(0) => {}
-            TensorRule::NCpuMoe(n) => {
-                out.push((regex(&layers_exps_regex(0..*n))?, DeviceId::Cpu));
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// `blk\.(…)\.ffn_(up|down|gate|gate_up)_(ch|)exps` for the given layers.
-fn layers_exps_regex(layers: impl Iterator<Item = u32>) -> String {
-    let mut v: Vec<u32> = layers.collect();
-    v.sort_unstable();
-    v.dedup();
-    format!(r"blk\.({}){}", numbers_regex(&v), FFN_EXPS_REGEX)
-}
-
-/// A regex alternation matching exactly the decimal strings of the sorted, distinct numbers
-/// `v` (no leading zeros), compacted by decades: `[2-9]|[12][0-9]|3[0-5]` for 2..=35.
-fn numbers_regex(v: &[u32]) -> String {
-    // (prefix, units) per decade present.
-    let mut decades: Vec<(u32, Vec<u32>)> = Vec::new();
-    for &n in v {
-        match decades.last_mut() {
-            Some((p, units)) if *p == n / 10 => units.push(n % 10),
-            _ => decades.push((n / 10, vec![n % 10])),
-        }
-    }
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < decades.len() {
-        let (p, units) = &decades[i];
-        let full = |d: &(u32, Vec<u32>)| (1..10).contains(&d.0) && d.1.len() == 10;
-        // Consecutive full decades with one-digit prefixes merge: [1-3][0-9].
-        let mut j = i;
-        while full(&decades[i])
-            && j + 1 < decades.len()
-            && full(&decades[j + 1])
-            && decades[j + 1].0 == decades[j].0 + 1
-        {
-            j += 1;
-        }
-        if j > i {
-            parts.push(format!(
-                "{}[0-9]",
-                digit_class(&(*p..=decades[j].0).collect::<Vec<_>>())
-            ));
-        } else {
-            let prefix = if *p == 0 {
-                String::new()
-            } else {
-                p.to_string()
-            };
-            parts.push(format!("{prefix}{}", digit_class(units)));
-        }
-        i = j + 1;
-    }
-    parts.join("|")
-}
-
-/// `5`, `[2-9]`, `[0-35-7]`, `[13]` for sorted distinct digits.
-fn digit_class(d: &[u32]) -> String {
-    if d.len() == 1 {
-        return d[0].to_string();
-    }
-    let mut body = String::new();
-    let mut i = 0;
-    while i < d.len() {
-        let mut j = i;
-        while j + 1 < d.len() && d[j + 1] == d[j] + 1 {
-            j += 1;
-        }
-        body.push_str(&match j - i {
-            0 => d[i].to_string(),
-            1 => format!("{}{}", d[i], d[j]),
-            _ => format!("{}-{}", d[i], d[j]),
-        });
-        i = j + 1;
-    }
-    format!("[{body}]")
 }
 
 #[derive(Default, Clone)]
@@ -1043,85 +936,6 @@ fn compact_ranges(v: &[u32]) -> String {
         i = j + 1;
     }
     parts.join(", ")
-}
-
-fn mib(b: u64) -> String {
-    format!("{}", (b as f64 / (1024.0 * 1024.0)).round() as u64)
-}
-
-impl Plan {
-    /// The plan as a text table, one row per device, sizes in MiB: layers (attention + KV),
-    /// expert layers, weights, KV, compute, overhead, total, free, free after loading, margin.
-    pub fn table(&self) -> String {
-        self.table_named(&[])
-    }
-
-    /// [`Plan::table`] with GPU `i` called `names[i]` where given (a device the caller
-    /// selected by another name, such as the reference device `REF0`), else `CUDA<i>`.
-    pub fn table_named(&self, names: &[String]) -> String {
-        let header = [
-            "device", "layers", "experts", "weights", "kv", "compute", "overhead", "total", "free",
-            "left", "margin",
-        ];
-        let mut rows = vec![header.map(String::from).to_vec()];
-        for d in &self.devices {
-            let opt = |v: Option<u64>| v.map_or("-".to_string(), mib);
-            let left = d.headroom().map_or("-".to_string(), |h| {
-                let m = (h as f64 / (1024.0 * 1024.0)).round() as i64;
-                m.to_string()
-            });
-            rows.push(vec![
-                d.device.name_in(names),
-                d.layers.to_string(),
-                d.expert_layers.to_string(),
-                mib(d.weights),
-                mib(d.kv),
-                mib(d.compute),
-                mib(d.overhead),
-                mib(d.total()),
-                opt(d.free),
-                left,
-                if d.device.is_gpu() {
-                    mib(d.margin)
-                } else {
-                    "-".to_string()
-                },
-            ]);
-        }
-        let widths: Vec<usize> = (0..header.len())
-            .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-            .collect();
-        let mut out = String::new();
-        for r in &rows {
-            let cells: Vec<String> = r
-                .iter()
-                .enumerate()
-                .map(|(c, s)| {
-                    if c == 0 {
-                        format!("{s:<w$}", w = widths[c])
-                    } else {
-                        format!("{s:>w$}", w = widths[c])
-                    }
-                })
-                .collect();
-            out.push_str(cells.join("  ").trim_end());
-            out.push('\n');
-        }
-        out.push_str(&format!(
-            "sizes in MiB; ctx {} (KV cells: {} full{}), ubatch {}, -ngl {} of {}\n",
-            self.n_ctx,
-            self.kv_cells_full,
-            if self.kv_cells_swa > 0 {
-                format!(", {} sliding", self.kv_cells_swa)
-            } else {
-                String::new()
-            },
-            self.n_ubatch,
-            self.n_gpu_layers,
-            self.n_layer + 1
-        ));
-        out
-    }
 }
 
 #[cfg(test)]

@@ -93,7 +93,9 @@ pub fn cpu_loader() -> ModelLoader {
             model: Arc::from(model),
             placement: Placement {
                 engine: "CPU".into(),
-                why_cpu: Some("the server's default loader runs the CPU engine".into()),
+                why_cpu: Some(
+                    "the server's default loader runs the model on the CPU device".into(),
+                ),
                 devices: vec![DevicePlacement {
                     name: "CPU".into(),
                     layers,
