@@ -300,6 +300,19 @@ struct Activity {
 }
 
 impl Activity {
+    /// Records that this device runs the phase a tensor of `kind` belongs to.
+    fn mark(&mut self, kind: TensorKind, s: &ModelShape) {
+        match kind {
+            TensorKind::Attention => self.attn = true,
+            TensorKind::Router => self.router = true,
+            TensorKind::Experts => self.experts = true,
+            TensorKind::SharedExperts => self.ffn_width = self.ffn_width.max(s.n_ff_shexp),
+            TensorKind::DenseFfn => self.ffn_width = self.ffn_width.max(s.n_ff),
+            TensorKind::OutputHead => self.output = true,
+            TensorKind::Embedding | TensorKind::Other => {}
+        }
+    }
+
     fn stage(&mut self, bytes: u64) {
         if bytes > self.staging[0] {
             self.staging = [bytes, self.staging[0]];
@@ -481,13 +494,29 @@ impl<'a> Planner<'a> {
         (n_ctx, n_batch, n_ubatch, n_ctx, swa)
     }
 
+    /// Memory each device needs with the tensors placed as `assign` says: the budget's fixed
+    /// overhead, then weights, KV cache and compute buffers, added step by step.
     fn usage(&self, st: &State, assign: &[DeviceId]) -> Vec<DeviceUsage> {
-        let s = self.shape;
-        let f = self.flags;
-        let n_dev = self.n_gpus() + 1;
-        let ids = self.budget.ids();
         let (n_ctx, _, t, cells_full, cells_swa) = self.sizes(st.n_ctx);
-        let mut u: Vec<DeviceUsage> = ids
+        let mut u = self.empty_usage();
+        let mut act = vec![Activity::default(); self.n_gpus() + 1];
+        self.add_weights(st, assign, t, &mut u, &mut act);
+        self.add_kv(st, t, (cells_full, cells_swa), &mut u, &mut act);
+        for (d, a) in act.iter().enumerate() {
+            u[d].compute = if d == 0 {
+                self.cpu_compute(a, assign, t, n_ctx)
+            } else {
+                self.gpu_compute(a, t, (cells_full, cells_swa))
+            };
+        }
+        u
+    }
+
+    /// One usage row per device, the CPU first: its free memory, the budget's fixed overhead
+    /// and fit margin, nothing placed yet.
+    fn empty_usage(&self) -> Vec<DeviceUsage> {
+        self.budget
+            .ids()
             .iter()
             .map(|&device| {
                 let (free, overhead, margin) = match device {
@@ -495,7 +524,7 @@ impl<'a> Planner<'a> {
                     DeviceId::Gpu(i) => (
                         Some(self.budget.gpus[i].free),
                         self.budget.gpus[i].overhead,
-                        f.fit_target_bytes(i),
+                        self.flags.fit_target_bytes(i),
                     ),
                 };
                 DeviceUsage {
@@ -510,54 +539,39 @@ impl<'a> Planner<'a> {
                     expert_layers: 0,
                 }
             })
-            .collect();
-        let mut act = vec![Activity::default(); n_dev];
-        let offload = f.op_offload && t >= OP_OFFLOAD_MIN_BATCH as u64 && self.n_gpus() > 0;
+            .collect()
+    }
 
-        // Weights, and which phases each device runs.
+    /// Weights per device, and which phases each device runs: every tensor's bytes on its
+    /// device (with the GPU that runs it when a CPU matrix is op-offloaded for `t`-token
+    /// micro-batches), the host's f32 copies, a tied output head, and the device that holds
+    /// most of each layer's experts.
+    fn add_weights(
+        &self,
+        st: &State,
+        assign: &[DeviceId],
+        t: u64,
+        u: &mut [DeviceUsage],
+        act: &mut [Activity],
+    ) {
+        let s = self.shape;
+        let n_dev = self.n_gpus() + 1;
+        let offload =
+            self.flags.op_offload && t >= OP_OFFLOAD_MIN_BATCH as u64 && self.n_gpus() > 0;
         let mut expert_bytes = vec![vec![0u64; n_dev]; s.n_layer as usize];
         for (i, tensor) in self.tensors.iter().enumerate() {
             let d = self.dev_index(assign[i]);
             u[d].weights += tensor.n_bytes;
-            let is_matrix = tensor.dims.len() >= 2;
-            match self.kinds[i] {
-                TensorKind::Attention => act[d].attn = true,
-                TensorKind::Router => act[d].router = true,
-                TensorKind::Experts => {
-                    act[d].experts = true;
-                    if let LayerGroup::Block(il) = self.groups[i] {
-                        if tensor.name.ends_with(".weight") {
-                            expert_bytes[il as usize][d] += tensor.n_bytes;
-                        }
-                    }
+            act[d].mark(self.kinds[i], s);
+            if let (TensorKind::Experts, LayerGroup::Block(il)) = (self.kinds[i], self.groups[i]) {
+                if tensor.name.ends_with(".weight") {
+                    expert_bytes[il as usize][d] += tensor.n_bytes;
                 }
-                TensorKind::SharedExperts => act[d].ffn_width = act[d].ffn_width.max(s.n_ff_shexp),
-                TensorKind::DenseFfn => act[d].ffn_width = act[d].ffn_width.max(s.n_ff),
-                TensorKind::OutputHead => act[d].output = true,
-                TensorKind::Embedding | TensorKind::Other => {}
             }
+            let is_matrix = tensor.dims.len() >= 2;
             let offloadable = !matches!(self.kinds[i], TensorKind::Embedding | TensorKind::Other);
             if offload && assign[i] == DeviceId::Cpu && is_matrix && offloadable {
-                let target = match self.group_device(self.groups[i], st.ngl) {
-                    DeviceId::Gpu(g) => g,
-                    DeviceId::Cpu => 0,
-                };
-                let a = &mut act[target + 1];
-                a.stage(tensor.n_bytes);
-                if let (TensorKind::Experts, LayerGroup::Block(il)) =
-                    (self.kinds[i], self.groups[i])
-                {
-                    *a.expert_staging.entry(il).or_default() += tensor.n_bytes;
-                }
-                match self.kinds[i] {
-                    TensorKind::Experts => a.experts = true,
-                    TensorKind::OutputHead => a.output = true,
-                    TensorKind::Attention => a.attn = true,
-                    TensorKind::Router => a.router = true,
-                    TensorKind::SharedExperts => a.ffn_width = a.ffn_width.max(s.n_ff_shexp),
-                    TensorKind::DenseFfn => a.ffn_width = a.ffn_width.max(s.n_ff),
-                    TensorKind::Embedding | TensorKind::Other => {}
-                }
+                self.stage_offloaded(i, st.ngl, act);
             }
         }
         // The engine keeps an f32 copy of every norm, bias and sink in host memory, made at
@@ -580,8 +594,36 @@ impl<'a> Planner<'a> {
                 u[best].expert_layers += 1;
             }
         }
+    }
 
-        // KV cache and attention, per layer on its device.
+    /// Op offload of the CPU matrix `i`: the GPU its layer would run on stages the weight and
+    /// runs its phase.
+    fn stage_offloaded(&self, i: usize, ngl: u32, act: &mut [Activity]) {
+        let tensor = &self.tensors[i];
+        let target = match self.group_device(self.groups[i], ngl) {
+            DeviceId::Gpu(g) => g,
+            DeviceId::Cpu => 0,
+        };
+        let a = &mut act[target + 1];
+        a.stage(tensor.n_bytes);
+        if let (TensorKind::Experts, LayerGroup::Block(il)) = (self.kinds[i], self.groups[i]) {
+            *a.expert_staging.entry(il).or_default() += tensor.n_bytes;
+        }
+        a.mark(self.kinds[i], self.shape);
+    }
+
+    /// KV cache per device: each layer's cells (full or sliding-window) on the device that
+    /// runs the layer, which also runs its attention and mask.
+    fn add_kv(
+        &self,
+        st: &State,
+        t: u64,
+        (cells_full, cells_swa): (u64, u64),
+        u: &mut [DeviceUsage],
+        act: &mut [Activity],
+    ) {
+        let s = self.shape;
+        let f = self.flags;
         let row = |ty: hmoe_quant::GgmlType, n: u64| ty.row_bytes(n).unwrap_or(0);
         let (row_k, row_v) = (
             row(f.cache_type_k, s.n_embd_k_gqa()),
@@ -613,8 +655,12 @@ impl<'a> Planner<'a> {
                 act[d].mask_full = true;
             }
         }
+    }
 
-        // Compute buffers.
+    /// A GPU's compute buffers for `t`-token micro-batches: the largest phase it runs, its
+    /// attention masks, and its op-offload staging.
+    fn gpu_compute(&self, a: &Activity, t: u64, (cells_full, cells_swa): (u64, u64)) -> u64 {
+        let s = self.shape;
         let e = s.n_embd;
         let phase_attn = t
             * 4
@@ -627,37 +673,30 @@ impl<'a> Planner<'a> {
             t * 4 * (2 * e + 3 * s.n_expert_used * s.n_ff_exp + 2 * s.n_expert_used * e);
         let phase_ffn = |w: u64| t * 4 * (2 * e + 3 * w);
         let phase_output = t * 4 * (e + s.n_vocab);
-        for (d, a) in act.iter().enumerate() {
-            if d == 0 {
-                u[0].compute = self.cpu_compute(a, assign, t, n_ctx);
-                continue;
-            }
-            let mut peak = 0;
-            if a.attn {
-                peak = peak.max(phase_attn);
-            }
-            if a.router {
-                peak = peak.max(phase_router);
-            }
-            if a.experts {
-                peak = peak.max(phase_experts);
-            }
-            if a.ffn_width > 0 {
-                peak = peak.max(phase_ffn(a.ffn_width));
-            }
-            if a.output {
-                peak = peak.max(phase_output);
-            }
-            let mut inputs = 0;
-            if a.mask_full {
-                inputs += t * cells_full * 2;
-            }
-            if a.mask_swa {
-                inputs += t * cells_swa * 2;
-            }
-            u[d].compute = peak + inputs + a.staging_bytes();
+        let mut peak = 0;
+        if a.attn {
+            peak = peak.max(phase_attn);
         }
-        u
+        if a.router {
+            peak = peak.max(phase_router);
+        }
+        if a.experts {
+            peak = peak.max(phase_experts);
+        }
+        if a.ffn_width > 0 {
+            peak = peak.max(phase_ffn(a.ffn_width));
+        }
+        if a.output {
+            peak = peak.max(phase_output);
+        }
+        let mut inputs = 0;
+        if a.mask_full {
+            inputs += t * cells_full * 2;
+        }
+        if a.mask_swa {
+            inputs += t * cells_swa * 2;
+        }
+        peak + inputs + a.staging_bytes()
     }
 
     /// The hmoe engine's CPU compute memory (see the crate docs): the largest set of buffers

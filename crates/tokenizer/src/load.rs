@@ -6,7 +6,7 @@ use hmoe_gguf::{MetaValue, Metadata};
 use crate::bpe::{BpeModel, NO_TOKEN};
 use crate::byte_level::{byte_to_char, decode_token_text, ReverseTable};
 use crate::fxhash::FxHashMap;
-use crate::pretok::{spec_for, PreTokenizer};
+use crate::pretok::{spec_for, PreSpec, PreTokenizer};
 use crate::special::SpecialTokens;
 use crate::{TokenAttr, Tokenizer, TokenizerError, VocabType};
 
@@ -108,17 +108,81 @@ fn attr_from_type(t: i64) -> TokenAttr {
     }
 }
 
+/// Builds the tokenizer the file describes, step by step as llama.cpp's
+/// `llama_vocab::impl::load` does (the order of the steps decides which error a broken file
+/// reports first).
 pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError> {
+    let vocab_type = read_vocab_type(meta)?;
+    let (pre_name, pre_spec) = read_pre_tokenizer(meta, vocab_type)?;
+    let texts = read_token_texts(meta)?;
+    let text_to_id = index_token_texts(&texts)?;
+    let n = texts.len();
+    let mut attrs = read_token_types(meta, n)?;
+    let scores = read_scores(meta, n)?;
+    let mut ids = SpecialIds::from_keys(meta, vocab_type, pre_spec, n);
+    let add = AddFlags::from_keys(meta, vocab_type, pre_spec, &ids)?;
+    ids.find_missing_by_text(&text_to_id, &mut attrs);
+    let eog = end_of_generation(&ids, &text_to_id, &mut attrs);
+    let pieces = token_pieces(&texts, &attrs, vocab_type);
+    let specials = special_matcher(&texts, &attrs)?;
+    let spm_byte_ids = spm_byte_ids(vocab_type, &text_to_id);
+    let (bpe, pre) = match pre_spec {
+        Some(spec) => (
+            Some(bpe_model(meta, &spec, &text_to_id, &pieces, &attrs)?),
+            Some(PreTokenizer::new(&spec)?),
+        ),
+        None => (None, None),
+    };
+    let spm_words_independent = vocab_type == VocabType::Spm
+        && crate::spm::words_are_independent(texts.iter().map(|t| &**t));
+
+    static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    Ok(Tokenizer {
+        uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        vocab_type,
+        pre_name,
+        texts,
+        pieces,
+        attrs,
+        text_to_id,
+        scores,
+        bpe,
+        pre,
+        spm_byte_ids,
+        spm_words_independent,
+        specials,
+        add_space_prefix: add.space_prefix,
+        add_bos: add.bos,
+        add_eos: add.eos,
+        bos: ids.bos,
+        eos: ids.eos,
+        eot: ids.eot,
+        eom: ids.eom,
+        unk: ids.unk,
+        pad: ids.pad,
+        eog,
+    })
+}
+
+/// The tokenizer kind from `tokenizer.ggml.model`: `gpt2` (byte-level BPE) or `llama`
+/// (SentencePiece).
+fn read_vocab_type(meta: &Metadata) -> Result<VocabType, TokenizerError> {
     let model = meta
         .get_str(KEY_MODEL)
         .ok_or_else(|| TokenizerError::MissingKey(KEY_MODEL.into()))?;
-    let vocab_type = match model {
-        "gpt2" => VocabType::Bpe,
-        "llama" => VocabType::Spm,
-        other => return Err(TokenizerError::UnknownModel(other.to_string())),
-    };
+    match model {
+        "gpt2" => Ok(VocabType::Bpe),
+        "llama" => Ok(VocabType::Spm),
+        other => Err(TokenizerError::UnknownModel(other.to_string())),
+    }
+}
 
-    // Pre-tokenizer (BPE only).
+/// The pre-tokenizer's name (`default` when the file names none) and, for BPE, what it
+/// selects.
+fn read_pre_tokenizer(
+    meta: &Metadata,
+    vocab_type: VocabType,
+) -> Result<(String, Option<PreSpec>), TokenizerError> {
     let pre_name = meta.get_str(KEY_PRE).unwrap_or("default").to_string();
     let pre_spec = match vocab_type {
         VocabType::Bpe => {
@@ -134,8 +198,11 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
         }
         VocabType::Spm => None,
     };
+    Ok((pre_name, pre_spec))
+}
 
-    // Tokens.
+/// The vocabulary's token texts; an empty one becomes `[EMPTY_<id>]` (as in llama.cpp).
+fn read_token_texts(meta: &Metadata) -> Result<Vec<Box<str>>, TokenizerError> {
     let tokens = meta
         .get_array(KEY_TOKENS)
         .ok_or_else(|| TokenizerError::MissingKey(KEY_TOKENS.into()))?;
@@ -154,8 +221,13 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
             s.into()
         });
     }
+    Ok(texts)
+}
+
+/// Text → id of every token; two tokens with one text are an error.
+fn index_token_texts(texts: &[Box<str>]) -> Result<FxHashMap<Box<[u8]>, u32>, TokenizerError> {
     let mut text_to_id: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
-    text_to_id.reserve(n);
+    text_to_id.reserve(texts.len());
     for (i, t) in texts.iter().enumerate() {
         if let Some(prev) = text_to_id.insert(t.as_bytes().into(), i as u32) {
             return Err(TokenizerError::Invalid(format!(
@@ -163,8 +235,12 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
             )));
         }
     }
+    Ok(text_to_id)
+}
 
-    // Types and scores.
+/// Each token's attributes from `tokenizer.ggml.token_type`; all normal when the file has
+/// none.
+fn read_token_types(meta: &Metadata, n: usize) -> Result<Vec<TokenAttr>, TokenizerError> {
     let mut attrs = vec![TokenAttr::NORMAL; n];
     if let Some(types) = meta.get_array(KEY_TYPES) {
         if types.len() < n {
@@ -180,119 +256,191 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
             );
         }
     }
-    let mut scores = Vec::new();
-    if let Some(s) = meta.get_array(KEY_SCORES) {
-        if s.len() < n {
-            return Err(bad(
-                KEY_SCORES,
-                format!("{} entries for {n} tokens", s.len()),
+    Ok(attrs)
+}
+
+/// Each token's score from `tokenizer.ggml.scores`; empty when the file has none.
+fn read_scores(meta: &Metadata, n: usize) -> Result<Vec<f32>, TokenizerError> {
+    let Some(s) = meta.get_array(KEY_SCORES) else {
+        return Ok(Vec::new());
+    };
+    if s.len() < n {
+        return Err(bad(
+            KEY_SCORES,
+            format!("{} entries for {n} tokens", s.len()),
+        ));
+    }
+    s[..n]
+        .iter()
+        .map(|v| {
+            v.as_f64()
+                .map(|f| f as f32)
+                .ok_or_else(|| bad(KEY_SCORES, "not a number array"))
+        })
+        .collect()
+}
+
+/// The special token ids: from the file's `*_token_id` keys, else llama.cpp's defaults per
+/// tokenizer kind, else (end-of-turn, end-of-message, fill-in-the-middle) found by text.
+struct SpecialIds {
+    bos: Option<u32>,
+    eos: Option<u32>,
+    unk: Option<u32>,
+    pad: Option<u32>,
+    eot: Option<u32>,
+    eom: Option<u32>,
+    fim_pad: Option<u32>,
+    fim_rep: Option<u32>,
+    fim_sep: Option<u32>,
+}
+
+impl SpecialIds {
+    /// The ids the file names, over llama.cpp's defaults for `vocab_type` (ids outside the
+    /// `n`-token vocabulary dropped).
+    fn from_keys(
+        meta: &Metadata,
+        vocab_type: VocabType,
+        pre_spec: Option<PreSpec>,
+        n: usize,
+    ) -> SpecialIds {
+        let (mut bos, mut eos, mut unk) = match vocab_type {
+            VocabType::Spm => (Some(1), Some(2), Some(0)),
+            VocabType::Bpe => (None, None, None),
+        };
+        if pre_spec.is_some_and(|p| p.no_default_bos) {
+            bos = None;
+        }
+        let in_range = |id: Option<u32>| id.filter(|&i| (i as usize) < n);
+        bos = in_range(bos);
+        eos = in_range(eos);
+        unk = in_range(unk);
+        if let Some(v) = token_id_key(meta, "bos", n) {
+            bos = v;
+        }
+        if let Some(v) = token_id_key(meta, "eos", n) {
+            eos = v;
+        }
+        if let Some(v) = token_id_key(meta, "unknown", n) {
+            unk = v;
+        }
+        SpecialIds {
+            bos,
+            eos,
+            unk,
+            pad: token_id_key(meta, "padding", n).flatten(),
+            eot: token_id_key(meta, "eot", n).flatten(),
+            eom: token_id_key(meta, "eom", n).flatten(),
+            fim_pad: token_id_key(meta, "fim_pad", n).flatten(),
+            fim_rep: token_id_key(meta, "fim_rep", n).flatten(),
+            fim_sep: token_id_key(meta, "fim_sep", n).flatten(),
+        }
+    }
+
+    /// Fills the end-of-turn, end-of-message and fill-in-the-middle ids the file does not name
+    /// from their known texts (lowest id first when several match), and makes the tokens found
+    /// control tokens.
+    fn find_missing_by_text(
+        &mut self,
+        text_to_id: &FxHashMap<Box<[u8]>, u32>,
+        attrs: &mut [TokenAttr],
+    ) {
+        let slots: [(&mut Option<u32>, &[&str]); 5] = [
+            (&mut self.eot, EOT_TEXTS),
+            (&mut self.eom, &["<|eom_id|>"]),
+            (&mut self.fim_pad, FIM_PAD_TEXTS),
+            (&mut self.fim_rep, FIM_REP_TEXTS),
+            (&mut self.fim_sep, FIM_SEP_TEXTS),
+        ];
+        for (id, texts) in slots {
+            if id.is_none() {
+                *id = lowest_id(text_to_id, texts);
+                mark_control(*id, attrs);
+            }
+        }
+    }
+}
+
+/// The lowest id among the tokens with these texts.
+fn lowest_id(text_to_id: &FxHashMap<Box<[u8]>, u32>, list: &[&str]) -> Option<u32> {
+    let mut ids: Vec<u32> = list
+        .iter()
+        .filter_map(|t| text_to_id.get(t.as_bytes()).copied())
+        .collect();
+    ids.sort_unstable();
+    ids.first().copied()
+}
+
+fn mark_control(id: Option<u32>, attrs: &mut [TokenAttr]) {
+    if let Some(i) = id {
+        attrs[i as usize].0 |= TokenAttr::CONTROL.0;
+    }
+}
+
+/// Whether encoding adds BOS / EOS and a leading space: the file's keys over llama.cpp's
+/// defaults per tokenizer kind.
+struct AddFlags {
+    bos: bool,
+    eos: bool,
+    space_prefix: bool,
+}
+
+impl AddFlags {
+    /// The flags; adding a BOS or EOS token the file does not name is an error.
+    fn from_keys(
+        meta: &Metadata,
+        vocab_type: VocabType,
+        pre_spec: Option<PreSpec>,
+        ids: &SpecialIds,
+    ) -> Result<AddFlags, TokenizerError> {
+        let (mut bos, mut eos, mut space_prefix) = match vocab_type {
+            VocabType::Spm => (true, false, true),
+            VocabType::Bpe => (pre_spec.is_some_and(|p| p.default_add_bos), false, false),
+        };
+        if let Some(v) = bool_key(meta, "tokenizer.ggml.add_space_prefix") {
+            space_prefix = v;
+        }
+        if let Some(v) = bool_key(meta, "tokenizer.ggml.add_bos_token") {
+            bos = v;
+        }
+        if let Some(v) = bool_key(meta, "tokenizer.ggml.add_eos_token") {
+            eos = v;
+        }
+        if bos && ids.bos.is_none() {
+            return Err(TokenizerError::Invalid(
+                "tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set"
+                    .into(),
             ));
         }
-        scores = s[..n]
-            .iter()
-            .map(|v| {
-                v.as_f64()
-                    .map(|f| f as f32)
-                    .ok_or_else(|| bad(KEY_SCORES, "not a number array"))
-            })
-            .collect::<Result<_, _>>()?;
-    }
-
-    // Special ids and flags, with llama.cpp's defaults per tokenizer kind.
-    let (mut bos, mut eos, mut unk) = match vocab_type {
-        VocabType::Spm => (Some(1), Some(2), Some(0)),
-        VocabType::Bpe => (None, None, None),
-    };
-    if pre_spec.is_some_and(|p| p.no_default_bos) {
-        bos = None;
-    }
-    let in_range = |id: Option<u32>| id.filter(|&i| (i as usize) < n);
-    bos = in_range(bos);
-    eos = in_range(eos);
-    unk = in_range(unk);
-    if let Some(v) = token_id_key(meta, "bos", n) {
-        bos = v;
-    }
-    if let Some(v) = token_id_key(meta, "eos", n) {
-        eos = v;
-    }
-    if let Some(v) = token_id_key(meta, "unknown", n) {
-        unk = v;
-    }
-    let pad = token_id_key(meta, "padding", n).flatten();
-    let mut eot = token_id_key(meta, "eot", n).flatten();
-    let mut eom = token_id_key(meta, "eom", n).flatten();
-    let mut fim_pad = token_id_key(meta, "fim_pad", n).flatten();
-    let mut fim_rep = token_id_key(meta, "fim_rep", n).flatten();
-    let mut fim_sep = token_id_key(meta, "fim_sep", n).flatten();
-
-    let (mut add_bos, mut add_eos, mut add_space_prefix) = match vocab_type {
-        VocabType::Spm => (true, false, true),
-        VocabType::Bpe => (pre_spec.is_some_and(|p| p.default_add_bos), false, false),
-    };
-    if let Some(v) = bool_key(meta, "tokenizer.ggml.add_space_prefix") {
-        add_space_prefix = v;
-    }
-    if let Some(v) = bool_key(meta, "tokenizer.ggml.add_bos_token") {
-        add_bos = v;
-    }
-    if let Some(v) = bool_key(meta, "tokenizer.ggml.add_eos_token") {
-        add_eos = v;
-    }
-    if add_bos && bos.is_none() {
-        return Err(TokenizerError::Invalid(
-            "tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set"
-                .into(),
-        ));
-    }
-    if add_eos && eos.is_none() {
-        return Err(TokenizerError::Invalid(
-            "tokenizer.ggml.add_eos_token is true, but tokenizer.ggml.eos_token_id is not set"
-                .into(),
-        ));
-    }
-
-    // Special tokens found by their text (lowest id first when several match).
-    let lookup = |list: &[&str]| -> Option<u32> {
-        let mut ids: Vec<u32> = list
-            .iter()
-            .filter_map(|t| text_to_id.get(t.as_bytes()).copied())
-            .collect();
-        ids.sort_unstable();
-        ids.first().copied()
-    };
-    let mark_control = |id: Option<u32>, attrs: &mut [TokenAttr]| {
-        if let Some(i) = id {
-            attrs[i as usize].0 |= TokenAttr::CONTROL.0;
+        if eos && ids.eos.is_none() {
+            return Err(TokenizerError::Invalid(
+                "tokenizer.ggml.add_eos_token is true, but tokenizer.ggml.eos_token_id is not set"
+                    .into(),
+            ));
         }
-    };
-    if eot.is_none() {
-        eot = lookup(EOT_TEXTS);
-        mark_control(eot, &mut attrs);
+        Ok(AddFlags {
+            bos,
+            eos,
+            space_prefix,
+        })
     }
-    if eom.is_none() {
-        eom = lookup(&["<|eom_id|>"]);
-        mark_control(eom, &mut attrs);
-    }
-    if fim_pad.is_none() {
-        fim_pad = lookup(FIM_PAD_TEXTS);
-        mark_control(fim_pad, &mut attrs);
-    }
-    if fim_rep.is_none() {
-        fim_rep = lookup(FIM_REP_TEXTS);
-        mark_control(fim_rep, &mut attrs);
-    }
-    if fim_sep.is_none() {
-        fim_sep = lookup(FIM_SEP_TEXTS);
-        mark_control(fim_sep, &mut attrs);
-    }
+}
 
-    // End-of-generation set.
-    let mut eog: Vec<u32> = [fim_pad, fim_rep, fim_sep].into_iter().flatten().collect();
+/// The end-of-generation set (sorted): the fill-in-the-middle, EOS, EOT and EOM tokens and
+/// every token with a known end-of-generation text, which become control tokens; gpt-oss
+/// markup becomes user-defined. Then llama.cpp's fix-ups for o200k_harmony and gemma4.
+fn end_of_generation(
+    ids: &SpecialIds,
+    text_to_id: &FxHashMap<Box<[u8]>, u32>,
+    attrs: &mut [TokenAttr],
+) -> Vec<u32> {
+    let mut eog: Vec<u32> = [ids.fim_pad, ids.fim_rep, ids.fim_sep]
+        .into_iter()
+        .flatten()
+        .collect();
     for t in EOG_TEXTS {
         if let Some(&id) = text_to_id.get(t.as_bytes()) {
             eog.push(id);
-            mark_control(Some(id), &mut attrs);
+            mark_control(Some(id), attrs);
         }
     }
     for t in HARMONY_MARKUP {
@@ -300,7 +448,7 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
             attrs[id as usize] = TokenAttr::USER_DEFINED;
         }
     }
-    eog.extend([eos, eot, eom].into_iter().flatten());
+    eog.extend([ids.eos, ids.eot, ids.eom].into_iter().flatten());
     eog.sort_unstable();
     eog.dedup();
     // o200k_harmony: with <|return|> and <|call|> ending generation, <|end|> must not.
@@ -328,12 +476,15 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
             attrs[s as usize] = TokenAttr::NORMAL;
         }
     }
+    eog
+}
 
-    // Detokenized bytes of each token.
+/// The detokenized bytes of each token.
+fn token_pieces(texts: &[Box<str>], attrs: &[TokenAttr], vocab_type: VocabType) -> Vec<Box<[u8]>> {
     let rev = ReverseTable::new();
-    let pieces: Vec<Box<[u8]>> = texts
+    texts
         .iter()
-        .zip(&attrs)
+        .zip(attrs)
         .map(|(t, &a)| -> Box<[u8]> {
             if a.contains(TokenAttr(
                 TokenAttr::UNKNOWN.0 | TokenAttr::CONTROL.0 | TokenAttr::USER_DEFINED.0,
@@ -350,10 +501,16 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
                 Box::from(&[][..])
             }
         })
-        .collect();
+        .collect()
+}
 
-    // Special-token matcher.
-    let specials = SpecialTokens::new(
+/// The matcher of control, user-defined and unknown tokens in text; user-defined ones are
+/// always parsed.
+fn special_matcher(
+    texts: &[Box<str>],
+    attrs: &[TokenAttr],
+) -> Result<SpecialTokens, TokenizerError> {
+    SpecialTokens::new(
         attrs
             .iter()
             .enumerate()
@@ -367,9 +524,12 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
                 (i as u32, texts[i].as_bytes().into(), always)
             })
             .collect(),
-    )?;
+    )
+}
 
-    // SentencePiece byte tokens: `<0xXX>`, else the byte itself as a token.
+/// SentencePiece byte tokens: `<0xXX>`, else the byte itself as a token (all [`NO_TOKEN`]
+/// for BPE).
+fn spm_byte_ids(vocab_type: VocabType, text_to_id: &FxHashMap<Box<[u8]>, u32>) -> [u32; 256] {
     let mut spm_byte_ids = [NO_TOKEN; 256];
     if vocab_type == VocabType::Spm {
         for (b, slot) in spm_byte_ids.iter_mut().enumerate() {
@@ -381,111 +541,92 @@ pub(crate) fn from_metadata(meta: &Metadata) -> Result<Tokenizer, TokenizerError
                 .unwrap_or(NO_TOKEN);
         }
     }
+    spm_byte_ids
+}
 
-    // BPE merges.
-    let (bpe, pre) = match pre_spec {
-        Some(spec) => {
-            let merges_list = meta
-                .get_array(KEY_MERGES)
-                .ok_or_else(|| TokenizerError::MissingKey(KEY_MERGES.into()))?;
-            let chars = byte_to_char();
-            let mut byte_ids = [NO_TOKEN; 256];
-            for (b, slot) in byte_ids.iter_mut().enumerate() {
-                let mut buf = [0u8; 4];
-                let s = chars[b].encode_utf8(&mut buf);
-                *slot = text_to_id.get(s.as_bytes()).copied().unwrap_or(NO_TOKEN);
+/// The BPE tables: each byte's token, the merges, and the whole-word lookup when the
+/// pre-tokenizer ignores merges.
+fn bpe_model(
+    meta: &Metadata,
+    spec: &PreSpec,
+    text_to_id: &FxHashMap<Box<[u8]>, u32>,
+    pieces: &[Box<[u8]>],
+    attrs: &[TokenAttr],
+) -> Result<BpeModel, TokenizerError> {
+    let merges_list = meta
+        .get_array(KEY_MERGES)
+        .ok_or_else(|| TokenizerError::MissingKey(KEY_MERGES.into()))?;
+    let chars = byte_to_char();
+    let mut byte_ids = [NO_TOKEN; 256];
+    for (b, slot) in byte_ids.iter_mut().enumerate() {
+        let mut buf = [0u8; 4];
+        let s = chars[b].encode_utf8(&mut buf);
+        *slot = text_to_id.get(s.as_bytes()).copied().unwrap_or(NO_TOKEN);
+    }
+    let merges = read_merges(merges_list, text_to_id)?;
+    let whole_words = spec.ignore_merges.then(|| {
+        let mut m: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
+        for (i, (p, a)) in pieces.iter().zip(attrs).enumerate() {
+            if *a == TokenAttr::NORMAL {
+                m.entry(p.clone()).or_insert(i as u32);
             }
-            let mut merges = FxHashMap::default();
-            merges.reserve(merges_list.len());
-            let mut skipped = 0usize;
-            let mut joined = String::new();
-            for (rank, m) in merges_list.iter().enumerate() {
-                let m = m
-                    .as_str()
-                    .ok_or_else(|| bad(KEY_MERGES, "not an array of strings"))?;
-                // Split at the first space after the first character.
-                let Some(pos) = m
-                    .as_bytes()
-                    .iter()
-                    .skip(1)
-                    .position(|&b| b == b' ')
-                    .map(|p| p + 1)
-                else {
-                    skipped += 1;
-                    continue;
-                };
-                let (left, right) = (&m[..pos], &m[pos + 1..]);
-                joined.clear();
-                joined.push_str(left);
-                joined.push_str(right);
-                match (
-                    text_to_id.get(left.as_bytes()),
-                    text_to_id.get(right.as_bytes()),
-                    text_to_id.get(joined.as_bytes()),
-                ) {
-                    (Some(&l), Some(&r), Some(&j)) => {
-                        merges
-                            .entry((u64::from(l) << 32) | u64::from(r))
-                            .or_insert((rank as u32, j));
-                    }
-                    _ => skipped += 1,
-                }
-            }
-            if skipped > 0 {
-                tracing::debug!(
-                    "{skipped} BPE merges refer to strings outside the vocabulary; ignored"
-                );
-            }
-            let whole_words = spec.ignore_merges.then(|| {
-                let mut m: FxHashMap<Box<[u8]>, u32> = FxHashMap::default();
-                for (i, (p, a)) in pieces.iter().zip(&attrs).enumerate() {
-                    if *a == TokenAttr::NORMAL {
-                        m.entry(p.clone()).or_insert(i as u32);
-                    }
-                }
-                m
-            });
-            (
-                Some(BpeModel {
-                    byte_ids,
-                    merges,
-                    whole_words,
-                }),
-                Some(PreTokenizer::new(&spec)?),
-            )
         }
-        None => (None, None),
-    };
-
-    let spm_words_independent = vocab_type == VocabType::Spm
-        && crate::spm::words_are_independent(texts.iter().map(|t| &**t));
-
-    static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    Ok(Tokenizer {
-        uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        vocab_type,
-        pre_name,
-        texts,
-        pieces,
-        attrs,
-        text_to_id,
-        scores,
-        bpe,
-        pre,
-        spm_byte_ids,
-        spm_words_independent,
-        specials,
-        add_space_prefix,
-        add_bos,
-        add_eos,
-        bos,
-        eos,
-        eot,
-        eom,
-        unk,
-        pad,
-        eog,
+        m
+    });
+    Ok(BpeModel {
+        byte_ids,
+        merges,
+        whole_words,
     })
+}
+
+/// `(left << 32) | right` → `(rank, merged token)` from `tokenizer.ggml.merges` (`"left
+/// right"` strings, rank = position; the first of duplicates wins). Merges of strings outside
+/// the vocabulary are skipped.
+fn read_merges(
+    merges_list: &[MetaValue],
+    text_to_id: &FxHashMap<Box<[u8]>, u32>,
+) -> Result<FxHashMap<u64, (u32, u32)>, TokenizerError> {
+    let mut merges = FxHashMap::default();
+    merges.reserve(merges_list.len());
+    let mut skipped = 0usize;
+    let mut joined = String::new();
+    for (rank, m) in merges_list.iter().enumerate() {
+        let m = m
+            .as_str()
+            .ok_or_else(|| bad(KEY_MERGES, "not an array of strings"))?;
+        // Split at the first space after the first character.
+        let Some(pos) = m
+            .as_bytes()
+            .iter()
+            .skip(1)
+            .position(|&b| b == b' ')
+            .map(|p| p + 1)
+        else {
+            skipped += 1;
+            continue;
+        };
+        let (left, right) = (&m[..pos], &m[pos + 1..]);
+        joined.clear();
+        joined.push_str(left);
+        joined.push_str(right);
+        match (
+            text_to_id.get(left.as_bytes()),
+            text_to_id.get(right.as_bytes()),
+            text_to_id.get(joined.as_bytes()),
+        ) {
+            (Some(&l), Some(&r), Some(&j)) => {
+                merges
+                    .entry((u64::from(l) << 32) | u64::from(r))
+                    .or_insert((rank as u32, j));
+            }
+            _ => skipped += 1,
+        }
+    }
+    if skipped > 0 {
+        tracing::debug!("{skipped} BPE merges refer to strings outside the vocabulary; ignored");
+    }
+    Ok(merges)
 }
 
 /// `<0xAB>` → 0xAB.
