@@ -270,6 +270,9 @@ pub struct Capabilities {
     pub kv_pair_types: &'static [GgmlType],
     /// The types of K-only (latent) rings it attends over ([`Backend::k_only_types`]).
     pub k_only_types: &'static [GgmlType],
+    /// Whether its RoPE applies per-pair frequency factors (`rope_freqs.weight` of Llama 3
+    /// files, [`RopeParams`]'s `freq_factors`).
+    pub rope_freq_factors: bool,
 }
 
 impl Capabilities {

@@ -69,6 +69,7 @@ pub const REF0_CAPABILITIES: crate::Capabilities = crate::Capabilities {
     kv_types: &crate::KV_TYPES,
     kv_pair_types: &crate::KV_TYPES,
     k_only_types: &crate::KV_TYPES,
+    rope_freq_factors: true,
 };
 
 /// The reference device `REF0` (see the module docs).

@@ -438,8 +438,8 @@ impl Backend for CudaDevice {
     }
 }
 
-/// The RoPE kernels take no frequency factors (the CLI runs files with `rope_freqs.weight` on
-/// the CPU).
+/// The RoPE kernels take no frequency factors ([`crate::CAPABILITIES`] says so, and the engine
+/// runs files with `rope_freqs.weight` on the CPU).
 fn no_freq_factors(op: &'static str, p: &RopeParams) -> Result<(), BackendError> {
     match p.freq_factors {
         Some(_) => Err(BackendError::Unsupported {

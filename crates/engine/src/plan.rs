@@ -2,6 +2,7 @@
 //! model's tensors over them, and the device expert cache's budget.
 
 use hmoe_gguf::GgufModel;
+use hmoe_quant::GgmlType;
 use hmoe_model::ExpertPlacement;
 use hmoe_placement::{
     plan, DeviceId, ModelShape, PlacementError, PlacementFlags, Plan, TensorDesc, TensorRule,
@@ -127,6 +128,7 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
     let names: Vec<String> = selected.iter().map(|&d| probed.name_of(d)).collect();
     let arch = gguf.metadata().architecture();
     let mut planned: Vec<(&str, DeviceId)> = Vec::new();
+    let mut gpu_types: Vec<GgmlType> = Vec::new();
     let mut n_layer = 0;
     let mut made = None;
     if !devices.is_empty() && gpu_executor_arch(arch) {
@@ -141,6 +143,11 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
             .map(|t| t.name.as_str())
             .zip(p.tensor_devices.iter().copied())
             .collect();
+        for (t, d) in gguf.tensors().iter().zip(&p.tensor_devices) {
+            if d.is_gpu() && !gpu_types.contains(&t.ty) {
+                gpu_types.push(t.ty);
+            }
+        }
         made = Some(p);
     }
     let mut choice = choose_engine(&EngineInputs {
@@ -150,6 +157,7 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
         kv: config.kv,
         n_layer,
         tensors: &planned,
+        gpu_types: &gpu_types,
         op_offload: config.op_offload,
     });
     if !config.kv_offload && matches!(choice, EngineChoice::Device { .. }) {

@@ -7,6 +7,7 @@ use hmoe_backend::REF0_NAME;
 use hmoe_model::kv_cache::CacheType;
 use hmoe_model::{ExpertPlacement, KvType};
 use hmoe_placement::DeviceId;
+use hmoe_quant::GgmlType;
 
 /// A device the executor can run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,12 +54,14 @@ pub struct EngineInputs<'a> {
     pub n_layer: usize,
     /// The plan's device of every tensor (empty when no plan was made).
     pub tensors: &'a [(&'a str, DeviceId)],
+    /// The weight types of the tensors the plan puts on a GPU.
+    pub gpu_types: &'a [GgmlType],
     /// `--op-offload-min-batch`, or `None` with `--no-op-offload`.
     pub op_offload: Option<usize>,
 }
 
-/// The per-pair RoPE frequency divisors of Llama 3 files, which the CPU and REF0 apply and the
-/// CUDA kernels do not yet.
+/// The per-pair RoPE frequency divisors of Llama 3 files, which a device applies where its
+/// [`Capabilities`](hmoe_backend::Capabilities) say so.
 const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// Whether the architecture has a device executor (the plan is worth making only then).
@@ -75,8 +78,8 @@ fn attn_layer(name: &str) -> Option<usize> {
 }
 
 /// The engine for `i`: the device executor when there is a device, the model's architecture
-/// has a device layer ([`gpu_executor_arch`]) and the file no RoPE frequency factors, the
-/// device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's
+/// has a device layer ([`gpu_executor_arch`]), the device applies what the file's RoPE needs
+/// and multiplies the weight types the plan gives it, the device keeps the K/V cache's types ([`device_keeps_kv`]), and the plan puts every layer's
 /// dense part on one device (each layer's experts where the plan puts them, a layer's experts
 /// as a unit); else the executor on the CPU and why.
 pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
@@ -137,11 +140,21 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
     let Some(&device) = used.first().and_then(|&g| i.devices.get(g)) else {
         return cpu("the plan names a GPU that was not probed".into());
     };
-    let cuda = matches!(device, EngineDevice::Cuda(_));
-    if cuda && i.tensors.iter().any(|&(name, _)| name == ROPE_FREQS) {
+    let caps = device_capabilities(device);
+    if !caps.rope_freq_factors && i.tensors.iter().any(|&(name, _)| name == ROPE_FREQS) {
         return cpu(format!(
-            "the file has RoPE frequency factors ({ROPE_FREQS}, Llama 3), which the CUDA \
-             kernels' RoPE does not apply yet"
+            "the file has RoPE frequency factors ({ROPE_FREQS}, Llama 3), which {}'s RoPE \
+             does not apply",
+            backend_name(device)
+        ));
+    }
+    if let Some(&ty) = i.gpu_types.iter().find(|&&ty| !caps.multiplies(ty)) {
+        return cpu(format!(
+            "{} does not multiply {} weights ({}: {})",
+            device_name(device),
+            ty.to_string().to_lowercase(),
+            backend_name(device),
+            type_list(caps.weight_types)
         ));
     }
     let (k, v) = (i.kv.k(), i.kv.v());
@@ -154,7 +167,7 @@ pub fn choose_engine(i: &EngineInputs<'_>) -> EngineChoice {
             "{} does not keep a -ctk {k} -ctv {v} K/V cache ({}: {})",
             device_name(device),
             backend_name(device),
-            type_list(device_capabilities(device).kv_pair_types)
+            type_list(caps.kv_pair_types)
         ));
     }
     let k_only_types = device_k_only_types(device);
@@ -197,7 +210,7 @@ pub fn backend_name(device: EngineDevice) -> &'static str {
 }
 
 /// `types` in lower case for a message: `f32, f16, q8_0 and q4_0`.
-fn type_list(types: &[hmoe_quant::GgmlType]) -> String {
+fn type_list(types: &[GgmlType]) -> String {
     let names: Vec<String> = types.iter().map(|t| t.to_string().to_lowercase()).collect();
     match names.split_last() {
         Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
@@ -287,6 +300,7 @@ mod tests {
             kv,
             n_layer: 2,
             tensors: &tensors,
+            gpu_types: &[],
             op_offload: Some(32),
         })
     }
@@ -424,6 +438,7 @@ mod tests {
             kv: f16,
             n_layer: 2,
             tensors: &[],
+            gpu_types: &[],
             op_offload: None,
         });
         assert!(why(no_plan).contains("no placement plan"));
@@ -438,6 +453,7 @@ mod tests {
                 kv: f16,
                 n_layer: 2,
                 tensors: &tensors,
+            gpu_types: &[],
                 op_offload: None,
             })
         };
@@ -449,6 +465,29 @@ mod tests {
             ),
             "REF0 applies the factors"
         );
+    }
+
+    #[test]
+    fn weights_the_device_does_not_multiply_stay_on_the_cpu() {
+        let names = names();
+        let tensors: Vec<(&str, DeviceId)> = names.iter().map(|n| (n.as_str(), G)).collect();
+        let choose = |gpu_types: &[GgmlType]| {
+            choose_engine(&EngineInputs {
+                devices: &[CUDA0],
+                why_no_gpu: None,
+                arch: Some("gpt-oss"),
+                kv: KvType::F16,
+                n_layer: 2,
+                tensors: &tensors,
+                gpu_types,
+                op_offload: None,
+            })
+        };
+        let every = hmoe_cuda::CAPABILITIES.weight_types;
+        assert!(matches!(choose(every), EngineChoice::Device { .. }));
+        let other = [GgmlType::Q8_0, GgmlType::Q8_1];
+        assert!(!hmoe_cuda::CAPABILITIES.multiplies(GgmlType::Q8_1));
+        assert!(why(choose(&other)).contains("CUDA0 does not multiply q8_1 weights"));
     }
 
     #[test]
@@ -468,6 +507,7 @@ mod tests {
             kv: KvType::F16,
             n_layer: 2,
             tensors: &tensors,
+            gpu_types: &[],
             op_offload: None,
         });
         assert!(why(c).contains("split between host and device"));

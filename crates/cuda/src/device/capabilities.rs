@@ -54,6 +54,7 @@ pub const CAPABILITIES: hmoe_backend::Capabilities = hmoe_backend::Capabilities 
     kv_types: &K_ONLY_TYPES,
     kv_pair_types: &KV_TYPES,
     k_only_types: &K_ONLY_TYPES,
+    rope_freq_factors: false,
 };
 
 /// Whether a ring of `l` is one the kernels store and read: a type of [`K_ONLY_TYPES`] (which
