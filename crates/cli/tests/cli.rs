@@ -344,7 +344,7 @@ fn fit_plans_the_sparse_gpt_oss_120b_layout() {
 /// plain run says nothing. With a GPU (gpu-check.sh) this test is skipped: the GPU executor
 /// then runs instead.
 #[test]
-fn gpu_flags_without_a_gpu_run_the_cpu_engine_unchanged() {
+fn gpu_flags_without_a_gpu_run_on_the_cpu_unchanged() {
     if hmoe_cuda_present() {
         eprintln!("a CUDA device is present: skipped");
         return;

@@ -134,7 +134,7 @@ fn no_cache_by_default_auto_takes_the_room_and_nothing_to_cache_is_an_error() {
 }
 
 #[test]
-fn run_with_a_cache_gives_the_cpu_engines_probabilities() {
+fn run_with_a_cache_gives_the_cpu_devices_probabilities() {
     for (stem, file) in FIXTURES {
         let f = fixture("gpt-oss", stem, file);
         let (cpu, _) = run(&f, &["-dev", "none"]);

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{assert_ref0_is_the_cpu_engine, fixture, hmoe, placements, run, Placement, FIXTURES};
+use common::{assert_ref0_is_the_cpu_device, fixture, hmoe, placements, run, Placement, FIXTURES};
 use serde_json::Value;
 
 #[test]
@@ -25,7 +25,7 @@ fn list_devices_shows_ref0_as_a_testing_device_last() {
 }
 
 #[test]
-fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     for (stem, file) in FIXTURES {
         let f = fixture("gpt-oss", stem, file);
         let cases: Vec<(Vec<&str>, u64)> = placements()
@@ -33,7 +33,7 @@ fn ref0_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
             .map(|(flags, host)| (flags, host.unwrap_or(f.n_layer)))
             .collect();
         let cases: Vec<Placement<'_>> = cases.iter().map(|(fl, h)| (&fl[..], *h)).collect();
-        let cpu = assert_ref0_is_the_cpu_engine(&f, "gpt-oss", &[], &cases);
+        let cpu = assert_ref0_is_the_cpu_device(&f, "gpt-oss", &[], &cases);
         assert!(cpu.get("device_stats").is_none(), "{stem}: {cpu}");
     }
 }

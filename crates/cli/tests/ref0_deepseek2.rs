@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{assert_ref0_is_the_cpu_engine, fixture, make_test_model, Fixture, Placement};
+use common::{assert_ref0_is_the_cpu_device, fixture, make_test_model, Fixture, Placement};
 
 /// The placements and the layers whose experts each keeps on the CPU.
 const PLACEMENTS: [Placement<'static>; 3] = [
@@ -20,10 +20,10 @@ const PLACEMENTS: [Placement<'static>; 3] = [
 ];
 
 #[test]
-fn ref0_deepseek2_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_deepseek2_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     let f = fixture("deepseek2", "deepseek2-tiny", "deepseek2-tiny.gguf");
     assert_eq!(f.n_layer, 3);
-    assert_ref0_is_the_cpu_engine(&f, "deepseek2", &[], &PLACEMENTS);
+    assert_ref0_is_the_cpu_device(&f, "deepseek2", &[], &PLACEMENTS);
 }
 
 /// K-quant experts: a `make-test-model --arch deepseek2` file with Q4_K routed and
@@ -31,7 +31,7 @@ fn ref0_deepseek2_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
 /// over a prompt of 24 tokens (some expert gets 8 rows or more: the CPU's tiled
 /// K-quant order).
 #[test]
-fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     let (dir, model) = make_test_model(
         "ref0-deepseek2-q4k",
         &[
@@ -63,7 +63,7 @@ fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_fo
         ubatches: 6,
         n_layer: 3,
     };
-    assert_ref0_is_the_cpu_engine(&f, "deepseek2", &[], &PLACEMENTS);
+    assert_ref0_is_the_cpu_device(&f, "deepseek2", &[], &PLACEMENTS);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -72,7 +72,7 @@ fn ref0_deepseek2_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_fo
 /// (latent rows of 64 + 64 values: whole blocks of every type, and a multiple of 64 that the
 /// CPU device's latent cache does not rotate).
 #[test]
-fn ref0_deepseek2_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
+fn ref0_deepseek2_latent_cache_types_are_the_cpu_devices_bit_for_bit() {
     let (dir, model) = make_test_model(
         "ref0-deepseek2-latent",
         &[
@@ -101,7 +101,7 @@ fn ref0_deepseek2_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
         &["-ctk", "bf16"],
         &["-ctk", "q5_1"],
     ] {
-        assert_ref0_is_the_cpu_engine(&f, "deepseek2", kv, &PLACEMENTS);
+        assert_ref0_is_the_cpu_device(&f, "deepseek2", kv, &PLACEMENTS);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,7 +12,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{assert_ref0_is_the_cpu_engine, fixtures, hmoe, ids, join, run, Fixture};
+use common::{assert_ref0_is_the_cpu_device, fixtures, hmoe, ids, join, run, Fixture};
 use serde_json::Value;
 
 /// The file in the model cache and the stem of its goldens in `fixtures/real`.
@@ -76,7 +76,7 @@ fn check(model: (&str, &str), arch: &str) {
     };
     for kv in ["f16", "q8_0", "f32"] {
         let kv_flags = ["-ctk", kv, "-ctv", kv];
-        assert_ref0_is_the_cpu_engine(&f, arch, &kv_flags, &[(&["-ngl", "all"], 0)]);
+        assert_ref0_is_the_cpu_device(&f, arch, &kv_flags, &[(&["-ngl", "all"], 0)]);
     }
     // Some layers on the CPU: the executor runs every layer on the device or none, so the
     // executor on the CPU runs it, and says why.
@@ -90,11 +90,11 @@ fn check(model: (&str, &str), arch: &str) {
 }
 
 #[test]
-fn ref0_smollm2_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_smollm2_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     check(SMOLLM2, "llama");
 }
 
 #[test]
-fn ref0_qwen25_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_qwen25_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     check(QWEN25, "qwen2");
 }

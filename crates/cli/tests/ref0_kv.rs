@@ -75,7 +75,7 @@ fn check(fixtures: &[(&str, &str)], kvs: &[[&str; 6]]) {
 }
 
 #[test]
-fn ref0_q8_0_f32_and_q4_0_kv_top10_are_the_cpu_engines_bit_for_bit() {
+fn ref0_q8_0_f32_and_q4_0_kv_top10_are_the_cpu_devices_bit_for_bit() {
     check(
         &FIXTURES,
         &[
@@ -87,7 +87,7 @@ fn ref0_q8_0_f32_and_q4_0_kv_top10_are_the_cpu_engines_bit_for_bit() {
 }
 
 #[test]
-fn ref0_mixed_kv_types_are_the_cpu_engines_bit_for_bit() {
+fn ref0_mixed_kv_types_are_the_cpu_devices_bit_for_bit() {
     check(
         &FIXTURES[2..3],
         &[

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{assert_ref0_is_the_cpu_engine, fixture, make_test_model, Fixture, Placement};
+use common::{assert_ref0_is_the_cpu_device, fixture, make_test_model, Fixture, Placement};
 
 /// The placements and the layers whose experts each keeps on the CPU.
 const PLACEMENTS: [Placement<'static>; 4] = [
@@ -27,12 +27,12 @@ const PLACEMENTS: [Placement<'static>; 4] = [
 fn check(f: &Fixture, kvs: &[&[&str]]) {
     assert_eq!(f.n_layer, 2);
     for &kv in kvs {
-        assert_ref0_is_the_cpu_engine(f, "qwen3moe", kv, &PLACEMENTS);
+        assert_ref0_is_the_cpu_device(f, "qwen3moe", kv, &PLACEMENTS);
     }
 }
 
 #[test]
-fn ref0_qwen3moe_fixture_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_qwen3moe_fixture_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     let f = fixture("qwen3moe", "qwen3moe-tiny", "qwen3moe-tiny.gguf");
     check(
         &f,
@@ -65,7 +65,7 @@ fn stand_in(tag: &str, shape: &[&str], prompt: &str) -> (std::path::PathBuf, Fix
 }
 
 #[test]
-fn ref0_qwen3moe_stand_in_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_qwen3moe_stand_in_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     let shape = [
         "--embd",
         "128",
@@ -93,7 +93,7 @@ fn ref0_qwen3moe_stand_in_top10_probabilities_are_the_cpu_engines_bit_for_bit() 
 /// 4 experts, 2 used, over a prompt of 24 tokens route 8 or more rows to some expert, where
 /// the CPU's expert matmul takes the tiled K-quant order; the decode steps route one.
 #[test]
-fn ref0_qwen3moe_k_quant_experts_top10_probabilities_are_the_cpu_engines_bit_for_bit() {
+fn ref0_qwen3moe_k_quant_experts_top10_probabilities_are_the_cpu_devices_bit_for_bit() {
     let prompt: Vec<String> = (0..24).map(|i| ((i * 37 + 1) % 300).to_string()).collect();
     let dims = [
         "--embd",

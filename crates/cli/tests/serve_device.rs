@@ -414,7 +414,7 @@ fn fit_cuts_the_context_to_the_device() {
 
 /// `-nkvo` keeps the K/V cache in RAM: the executor on the CPU, which says why.
 #[test]
-fn no_kv_offload_runs_on_the_cpu_engine() {
+fn no_kv_offload_runs_on_the_cpu() {
     let args: Vec<&str> = [SEED, KV, &["-nkvo"]].concat();
     let s = serve(&args);
     let props = json_ok(&s.addr, "GET", "/props", &Value::Null);

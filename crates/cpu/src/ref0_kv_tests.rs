@@ -147,7 +147,7 @@ fn check_with(
 }
 
 #[test]
-fn ref0_kv_rings_and_attention_are_the_cpu_engines_bit_for_bit() {
+fn ref0_kv_rings_and_attention_are_the_cpu_devices_bit_for_bit() {
     for k in CacheType::ALL {
         for v in CacheType::ALL {
             for hd in [32usize, 64, 80, 128] {
@@ -178,7 +178,7 @@ fn ref0_kv_rings_and_attention_are_the_cpu_engines_bit_for_bit() {
 /// Over f32/f16/bf16 values, flash attention's chunks (several of them, a window across a
 /// chunk boundary, prefill and decode) and `-fa off`'s row kernel are REF0's bit for bit.
 #[test]
-fn ref0_chunked_flash_and_row_kernels_are_the_cpu_engines_bit_for_bit() {
+fn ref0_chunked_flash_and_row_kernels_are_the_cpu_devices_bit_for_bit() {
     for t in [CacheType::F32, CacheType::F16, CacheType::BF16] {
         for fa in [FlashAttn::On, FlashAttn::Off] {
             for (window, n_q, sinks) in [(None, 1, true), (None, 40, false), (Some(300), 1, true)] {

@@ -401,7 +401,7 @@ mod tests {
     }
 
     #[test]
-    fn cpu_engine_and_why() {
+    fn the_cpu_and_why() {
         let f16 = KvType::F16;
         let w = why(choose(&[], "gpt-oss", f16, [G, G], [G, G]));
         assert!(w.contains("no GPU (no CUDA driver"), "{w}");

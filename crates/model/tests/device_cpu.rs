@@ -187,7 +187,7 @@ fn assert_same(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
 /// synthetic file with latent rows of 64 + 64 values (whole blocks of every type, a multiple
 /// of 64 that neither the CPU nor the device rotates).
 #[test]
-fn cpu_device_latent_cache_types_are_the_cpu_engines_bit_for_bit() {
+fn cpu_device_latent_cache_types_are_the_cpu_devices_bit_for_bit() {
     let path = synth("device-cpu-deepseek2-latent");
     let cpu = hmoe_model::load(open_path(&path)).unwrap();
     use CacheType::*;

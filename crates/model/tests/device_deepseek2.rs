@@ -52,7 +52,7 @@ fn prompt() -> Vec<u32> {
 }
 
 #[test]
-fn ref0_deepseek2_is_the_cpu_engine_bit_for_bit() {
+fn ref0_deepseek2_is_the_cpu_device_bit_for_bit() {
     let cpu = hmoe_model::load(open()).unwrap();
     let want = run(cpu.as_ref(), &prompt());
     let n_layer = 3; // 1 dense, 2 MoE

@@ -166,22 +166,22 @@ fn check_bit_for_bit<B: Backend + 'static>((file, golden): (&str, &str), dev: B)
 }
 
 #[test]
-fn ref0_smollm2_is_the_cpu_engine_bit_for_bit() {
+fn ref0_smollm2_is_the_cpu_device_bit_for_bit() {
     check_bit_for_bit(SMOLLM2, Ref0::new());
 }
 
 #[test]
-fn ref0_qwen25_is_the_cpu_engine_bit_for_bit() {
+fn ref0_qwen25_is_the_cpu_device_bit_for_bit() {
     check_bit_for_bit(QWEN25, Ref0::new());
 }
 
 #[test]
-fn cpu_smollm2_is_the_cpu_engine_bit_for_bit() {
+fn cpu_smollm2_is_the_cpu_device_bit_for_bit() {
     check_bit_for_bit(SMOLLM2, Cpu::new());
 }
 
 #[test]
-fn cpu_qwen25_is_the_cpu_engine_bit_for_bit() {
+fn cpu_qwen25_is_the_cpu_device_bit_for_bit() {
     check_bit_for_bit(QWEN25, Cpu::new());
 }
 

@@ -131,7 +131,7 @@ fn assert_same(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 }
 
 #[test]
-fn ref0_qwen3moe_is_the_cpu_engine_bit_for_bit() {
+fn ref0_qwen3moe_is_the_cpu_device_bit_for_bit() {
     let (d, h) = (ExpertHome::Device, ExpertHome::Host);
     for m in [Model::Fixture, Model::Synth, Model::SynthKQuant] {
         let ty = kv(CacheType::F16, CacheType::F16);
@@ -192,7 +192,7 @@ fn ref0_qwen3moe_is_the_cpu_engine_bit_for_bit() {
 /// Every K/V type pair of the CPU that the heads allow, on both models, with the
 /// experts on the device and on the host.
 #[test]
-fn ref0_qwen3moe_kv_types_are_the_cpu_engines_bit_for_bit() {
+fn ref0_qwen3moe_kv_types_are_the_cpu_devices_bit_for_bit() {
     use CacheType::*;
     for m in [Model::Fixture, Model::Synth] {
         let pairs: &[(CacheType, CacheType)] = match m {

@@ -22,7 +22,7 @@ fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> 
 }
 
 #[test]
-fn ref0_matmul_is_the_cpu_engines_bit_for_bit() {
+fn ref0_matmul_is_the_cpu_devices_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(11);
     let dev = Ref0::new();
     for ty in [GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::F32] {
@@ -81,7 +81,7 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ve
 /// for rows in multiples of 8), one token and batches below, at and above the 4-token groups
 /// of the repacked kernels and the 8 tokens from which K-quants are tiled.
 #[test]
-fn ref0_quant_kernel_matmul_is_the_cpu_engines_bit_for_bit() {
+fn ref0_quant_kernel_matmul_is_the_cpu_devices_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(16);
     let dev = Ref0::new();
     for ty in hmoe_backend::QUANT_KERNEL_TYPES {
@@ -173,7 +173,7 @@ fn cpu_moe_swiglu(
 /// host expert path bit for bit: 12 tokens put every row on expert 0 (the tiled K-quant order
 /// of an expert matmul of 8 or more rows) and 6 on each of experts 1 and 2; one token alone.
 #[test]
-fn ref0_quant_silu_experts_are_the_cpu_engines_bit_for_bit() {
+fn ref0_quant_silu_experts_are_the_cpu_devices_bit_for_bit() {
     use hmoe_backend::{ExpertMatrix, ExpertTensors, GatedAct};
     use GgmlType::*;
     let mut rng = StdRng::seed_from_u64(21);
@@ -256,7 +256,7 @@ fn assert_bits(got: &[f32], want: &[f32], what: &str) {
 /// and with YaRN: the rotation of adjacent pairs by the CPU's `(cos, sin)` table
 /// (`Rope::caches`) with ggml's FMA contraction, on those dims, bit for bit.
 #[test]
-fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
+fn ref0_rope_norm_is_the_cpu_devices_bit_for_bit() {
     use hmoe_model::archs::rope::{Rope, RopeScaling};
     let mut rng = StdRng::seed_from_u64(12);
     let dev = Ref0::new();
@@ -307,7 +307,7 @@ fn ref0_rope_norm_is_the_cpu_engines_bit_for_bit() {
 /// (`q_nope` inside the query rows) in `vec_dot` order, as the CPU's
 /// `matmul_vec_dot`; with contiguous rows as its `matmul` of each head's batch.
 #[test]
-fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
+fn ref0_matmul_heads_is_the_cpu_devices_bit_for_bit() {
     use hmoe_cpu::ops::{matmul, matmul_vec_dot, QuantizedActs};
     let mut rng = StdRng::seed_from_u64(13);
     let dev = Ref0::new();
@@ -349,7 +349,7 @@ fn ref0_matmul_heads_is_the_cpu_engines_bit_for_bit() {
 /// `silu(g)·u` with whole 16-blocks (ggml's vectorised `exp`) and a tail (libm's), as the CPU's
 /// `swiglu`.
 #[test]
-fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
+fn ref0_swiglu_is_the_cpu_devices_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(14);
     let dev = Ref0::new();
     for n in [32, 40, 7] {
@@ -368,7 +368,7 @@ fn ref0_swiglu_is_the_cpu_engines_bit_for_bit() {
 /// weights) on the DeepSeek-V3 fixture's router and score bias, and on random logits: the
 /// CPU's `gate_probs` + `Routing::select`, row by row.
 #[test]
-fn ref0_route_is_the_cpu_engines() {
+fn ref0_route_is_the_cpu_devices() {
     use hmoe_backend::routing::{gate_probs, Gating, Routing};
     let path = common::fixtures().join("deepseek2/deepseek2-tiny.gguf");
     let g = hmoe_gguf::GgufModel::open(&path, hmoe_gguf::LoadOptions::default()).unwrap();

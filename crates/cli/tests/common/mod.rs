@@ -1,7 +1,7 @@
 //! What the REF0 command-line tests (ref0*.rs, moe_cache.rs) share: the fixtures with their
 //! first golden case, `hmoe run --json` teacher-forced with the top-10 probabilities over them,
 //! the placements, the comparison of REF0 with the executor on the CPU
-//! ([`assert_ref0_is_the_cpu_engine`]) and `make-test-model` files.
+//! ([`assert_ref0_is_the_cpu_device`]) and `make-test-model` files.
 #![allow(dead_code)] // each test binary uses part of it
 
 use std::path::PathBuf;
@@ -135,7 +135,7 @@ pub type Placement<'a> = (&'a [&'a str], u64);
 /// CPU-expert layer per micro-batch, offloads nothing (prompts below 32 tokens), and brings
 /// down nothing but each micro-batch's logits and one staged copy per round trip. Returns the
 /// output on the CPU.
-pub fn assert_ref0_is_the_cpu_engine(
+pub fn assert_ref0_is_the_cpu_device(
     f: &Fixture,
     arch: &str,
     kv: &[&str],
