@@ -4,9 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_placement::{
-    plan, DeviceBudget, DeviceId, DeviceUsage, ModelShape, Plan, TensorDesc, TensorRule,
-};
+use hmoe_placement::{plan, DeviceBudget, DeviceId, DeviceUsage, Plan, TensorDesc, TensorRule};
 use serde_json::{json, Value};
 
 use hmoe_engine::{plan_error, plan_flags, MoeCacheFlag, Probed, Selected};
@@ -30,7 +28,7 @@ pub struct FitArgs {
 pub fn run(args: FitArgs) -> anyhow::Result<()> {
     let model = GgufModel::open(&args.model, LoadOptions::default())
         .with_context(|| format!("opening {}", args.model.display()))?;
-    let shape = ModelShape::from_metadata(model.metadata())?;
+    let shape = hmoe_model::model_shape(&model)?;
     let tensors: Vec<TensorDesc> = model.tensors().iter().map(TensorDesc::from).collect();
     let a = &args.placement.args;
     // Host RAM is reported, not enforced: weights are memory-mapped, so a model larger than

@@ -5,7 +5,7 @@ use std::io::Write;
 use anyhow::{bail, Context};
 use hmoe_engine::{Generator, Sampler, SamplerParams};
 use hmoe_model::{ExecStats, LanguageModel};
-use hmoe_placement::{plan_run, DeviceBudget, DeviceId, ModelShape, RunTokens, TensorDesc};
+use hmoe_placement::{plan_run, DeviceBudget, DeviceId, RunTokens, TensorDesc};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
@@ -285,7 +285,7 @@ fn memory_report(
     run: RunTokens,
 ) -> anyhow::Result<Value> {
     let gguf = model.gguf();
-    let shape = ModelShape::from_metadata(gguf.metadata())?;
+    let shape = hmoe_model::model_shape(gguf)?;
     let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
     let mut flags = args.model.placement.to_flags()?;
     flags.ctx_size = Some(u32::try_from(n_ctx).context("context too large")?);

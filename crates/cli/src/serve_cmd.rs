@@ -625,7 +625,7 @@ fn model_line(path: &Path, gguf: &GgufModel) -> String {
 /// The placement estimate of the executor on the CPU: every layer on the CPU, the server's context and
 /// slots.
 fn cpu_plan(placement: &PlacementArgs, gguf: &GgufModel) -> anyhow::Result<Plan> {
-    let shape = hmoe_placement::ModelShape::from_metadata(gguf.metadata())?;
+    let shape = hmoe_model::model_shape(gguf)?;
     let mut flags = placement.to_flags()?;
     flags.n_gpu_layers = hmoe_placement::GpuLayers::parse("0")?;
     flags.rules.clear();

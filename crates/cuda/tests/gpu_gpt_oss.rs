@@ -29,9 +29,7 @@ use hmoe_model::executor::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
 use hmoe_model::{
     DeviceModel, ExpertHome, ExpertPlacement, GptOssParams, KvType, LanguageModel, LogitsWanted,
 };
-use hmoe_placement::{
-    plan, DeviceBudget, GpuLayers, ModelShape, PlacementFlags, TensorDesc, TensorRule,
-};
+use hmoe_placement::{plan, DeviceBudget, GpuLayers, PlacementFlags, TensorDesc, TensorRule};
 use hmoe_quant::GgmlType;
 use serde_json::Value;
 
@@ -94,7 +92,7 @@ fn open(file: &str) -> GgufModel {
 
 /// The placement `plan()` makes for `-ngl all` plus `rules` on one roomy GPU.
 fn planned(gguf: &GgufModel, rules: Vec<TensorRule>) -> ExpertPlacement {
-    let shape = ModelShape::from_metadata(gguf.metadata()).unwrap();
+    let shape = hmoe_model::model_shape(gguf).unwrap();
     let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
     let flags = PlacementFlags {
         n_gpu_layers: GpuLayers::All,

@@ -5,7 +5,7 @@ use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 use hmoe_model::ExpertPlacement;
 use hmoe_placement::{
-    plan, DeviceId, ModelShape, PlacementError, PlacementFlags, Plan, TensorDesc, TensorRule,
+    plan, DeviceId, PlacementError, PlacementFlags, Plan, TensorDesc, TensorRule,
 };
 
 use crate::config::{EngineConfig, MoeCacheFlag};
@@ -132,7 +132,7 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
     let mut n_layer = 0;
     let mut made = None;
     if !devices.is_empty() && gpu_executor_arch(arch) {
-        let shape = ModelShape::from_metadata(gguf.metadata())?;
+        let shape = hmoe_model::model_shape(gguf)?;
         let tensors: Vec<TensorDesc> = gguf.tensors().iter().map(TensorDesc::from).collect();
         let flags = plan_flags(config.flags.clone(), &names);
         let p = plan(&tensors, &shape, &budget, &flags).map_err(|e| plan_error(e, &names))?;

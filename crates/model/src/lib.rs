@@ -27,7 +27,7 @@ pub use archs::gpt_oss::GptOssParams;
 pub use archs::llama::{DenseArch, DenseParams};
 pub use archs::qwen3_moe::Qwen3MoeParams;
 pub use archs::{arch_keeps_kv, DEVICE_ARCHS, K_ONLY_ARCHS};
-pub use archs::{device_arch, Arch, ARCHS};
+pub use archs::{device_arch, model_shape, Arch, ARCHS};
 pub use error::ModelError;
 pub use executor::DeviceModel;
 pub use expert_placement::{ExpertHome, ExpertPlacement, OP_OFFLOAD_MIN_BATCH};

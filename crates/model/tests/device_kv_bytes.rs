@@ -10,7 +10,7 @@ use hmoe_backend::Ref0;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::kv_cache::{CacheType, FlashAttn};
 use hmoe_model::{DeviceModel, ExpertHome, ExpertPlacement, KvType, LanguageModel, LogitsWanted};
-use hmoe_placement::{plan, DeviceBudget, GpuLayers, ModelShape, PlacementFlags, TensorDesc};
+use hmoe_placement::{plan, DeviceBudget, GpuLayers, PlacementFlags, TensorDesc};
 
 const FILE: &str = "gptoss-small.gguf";
 const N_CTX: usize = 512;
@@ -27,7 +27,7 @@ fn open() -> GgufModel {
 /// The plan's K/V bytes on the GPU for `-ngl all -c 512 -ub 248` and K/V type `ty`.
 fn estimate(ty: CacheType) -> u64 {
     let m = open();
-    let shape = ModelShape::from_metadata(m.metadata()).unwrap();
+    let shape = hmoe_model::model_shape(&m).unwrap();
     let tensors: Vec<TensorDesc> = m.tensors().iter().map(TensorDesc::from).collect();
     let flags = PlacementFlags {
         n_gpu_layers: GpuLayers::All,

@@ -4,8 +4,10 @@
 //!
 //! Everything here is a pure function of (tensor table, hyperparameters, device budgets,
 //! flags): no file I/O, no GPU. [`plan()`] is the entry point and its docs give the placement
-//! rules; [`ModelShape::from_metadata`] and `TensorDesc::from(&TensorInfo)` adapt a GGUF file;
-//! [`gpt_oss_tensor_table`] builds the real gpt-oss tables without weights.
+//! rules; `TensorDesc::from(&TensorInfo)` adapts a GGUF file's tensor table, and the model
+//! crate reads its [`ModelShape`] (`hmoe_model::model_shape`, the hyperparameters as the
+//! forward pass reads them); [`gpt_oss_tensor_table`] builds the real gpt-oss tables without
+//! weights.
 //!
 //! # Memory model
 //!
@@ -98,5 +100,5 @@ pub use flags::{
 };
 pub use plan::{plan, plan_run, DeviceUsage, Plan};
 pub use presets::{gpt_oss_tensor_table, GptOssDims};
-pub use shape::{HparamSource, ModelShape};
+pub use shape::ModelShape;
 pub use tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};

@@ -30,11 +30,12 @@
 
 use hmoe_backend::{Backend, ExpertTensors, GatedAct, KOnlyAttnParams, RopeParams, RowCopy};
 use hmoe_gguf::GgufModel;
+use hmoe_placement::ModelShape;
 
 use hmoe_backend::routing::{Gating, Routing};
 use hmoe_backend::KvType;
 
-use super::hparams::ArchMeta;
+use super::hparams::{ArchMeta, WholeHeads};
 use super::rope::{Rope, RopeScaling};
 use crate::error::ModelError;
 use crate::executor::device_kv::KvWidths;
@@ -204,6 +205,35 @@ impl Deepseek2Params {
     /// Elements per head of the absorbed query and of each cached key: `[latent, rope]`.
     pub fn latent_dim(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_dim
+    }
+
+    /// The placement planner's shape of the model: the K-only latent cache (one "head" of
+    /// [`Deepseek2Params::latent_dim`] per position, values its first `kv_lora_rank`
+    /// elements), query heads of `key_length_mla`, the dense FFN of the leading layers (0
+    /// without any), routed experts and the shared experts' total width.
+    pub fn shape(&self) -> ModelShape {
+        let u = |v: usize| v as u64;
+        let heads = WholeHeads {
+            n_embd: self.n_embd,
+            n_head: self.n_head,
+            n_head_kv: 1,
+            head_dim: self.latent_dim(),
+        };
+        ModelShape {
+            head_dim_v: u(self.kv_lora_rank),
+            head_dim_q: u(self.qk_nope_dim + self.qk_rope_dim),
+            mla: true,
+            n_expert: u(self.n_expert),
+            n_expert_used: u(self.routing.k),
+            n_ff_exp: u(self.n_ff_exp),
+            n_ff: if self.n_layer_dense_lead > 0 {
+                u(self.n_ff)
+            } else {
+                0
+            },
+            n_ff_shexp: u(self.n_expert_shared * self.n_ff_exp),
+            ..heads.shape(ARCH, self.n_layer, self.n_vocab, self.n_ctx_train)
+        }
     }
 
     /// The attention scale `mscale² / √(nope + rope)` of llama.cpp's deepseek2 graph: the YaRN

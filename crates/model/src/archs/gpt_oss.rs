@@ -21,8 +21,9 @@
 
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::{GgufModel, Metadata};
+use hmoe_placement::ModelShape;
 
-use super::hparams::{check_heads, ArchMeta};
+use super::hparams::{check_heads, saturating_u32, ArchMeta, WholeHeads};
 use super::rope::Rope;
 use crate::error::ModelError;
 use crate::executor::layer_blocks::{AttnMoeLayers, AttnMoeModel, AttnMoeSpec, AttnSpec, MoeSpec};
@@ -123,6 +124,28 @@ impl GptOssParams {
     /// The sliding window of layer `l`: even layers slide, odd layers see the whole context.
     pub fn window(&self, layer: usize) -> Option<usize> {
         layer.is_multiple_of(2).then_some(self.sliding_window)
+    }
+
+    /// The placement planner's shape of the model: GQA heads of `head_dim` for keys and
+    /// values, the sliding window on the layers [`GptOssParams::window`] gives it, routed
+    /// experts and no dense FFN.
+    pub fn shape(&self) -> ModelShape {
+        let heads = WholeHeads {
+            n_embd: self.n_embd,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+        };
+        ModelShape {
+            sliding_window: saturating_u32(self.sliding_window),
+            swa_layers: (0..self.n_layer)
+                .map(|l| self.window(l).is_some())
+                .collect(),
+            n_expert: self.n_expert as u64,
+            n_expert_used: self.n_expert_used as u64,
+            n_ff_exp: self.n_ff_exp as u64,
+            ..heads.shape("gpt-oss", self.n_layer, self.n_vocab, self.n_ctx_train)
+        }
     }
 }
 

@@ -1,5 +1,8 @@
-//! Reading an architecture's hyperparameters from GGUF metadata (`ARCH.*` keys) and the
-//! checks the attention hyperparameters of every architecture share.
+//! Reading an architecture's hyperparameters from GGUF metadata (`ARCH.*` keys), the checks
+//! the attention hyperparameters of every architecture share, and the start of the placement
+//! planner's [`ModelShape`] that each architecture's parameters build.
+
+use hmoe_placement::ModelShape;
 
 use crate::error::ModelError;
 
@@ -93,6 +96,47 @@ impl ArchMeta<'_> {
             head_dim,
         })
     }
+}
+
+impl WholeHeads {
+    /// The planner's shape of a model of `n_layer` layers with these heads (keys, values and
+    /// queries of `head_dim`) and its vocabulary and trained context: no sliding window, no
+    /// experts, no FFN sizes. Each architecture's `shape` fills in the rest.
+    pub fn shape(
+        self,
+        arch: &str,
+        n_layer: usize,
+        n_vocab: usize,
+        n_ctx_train: usize,
+    ) -> ModelShape {
+        let n_layer = saturating_u32(n_layer);
+        let u = |v: usize| v as u64;
+        ModelShape {
+            arch: arch.to_string(),
+            n_layer,
+            n_embd: u(self.n_embd),
+            n_head: u(self.n_head),
+            n_head_kv: u(self.n_head_kv),
+            head_dim_k: u(self.head_dim),
+            head_dim_v: u(self.head_dim),
+            head_dim_q: u(self.head_dim),
+            mla: false,
+            n_vocab: u(n_vocab),
+            n_ctx_train: saturating_u32(n_ctx_train),
+            sliding_window: 0,
+            swa_layers: vec![false; n_layer as usize],
+            n_expert: 0,
+            n_expert_used: 0,
+            n_ff_exp: 0,
+            n_ff: 0,
+            n_ff_shexp: 0,
+        }
+    }
+}
+
+/// `v` as the planner's `u32` (layer counts, context and window lengths), `u32::MAX` if larger.
+pub(crate) fn saturating_u32(v: usize) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
 }
 
 /// Shared sanity checks of the attention hyperparameters.

@@ -20,6 +20,7 @@
 use hmoe_backend::KvType;
 use hmoe_backend::{Backend, ExpertTensors};
 use hmoe_gguf::GgufModel;
+use hmoe_placement::ModelShape;
 
 use super::hparams::{check_heads, ArchMeta, WholeHeads};
 use super::rope::{Rope, RopeMode, RopeScaling};
@@ -135,6 +136,26 @@ impl DenseParams {
         };
         check_heads(&m, p.n_layer, p.n_head, p.n_head_kv, p.head_dim)?;
         Ok(p)
+    }
+
+    /// The placement planner's shape of the model: GQA heads of `head_dim` for keys and
+    /// values, a dense FFN in every layer, no experts and no sliding window.
+    pub fn shape(&self) -> ModelShape {
+        let heads = WholeHeads {
+            n_embd: self.n_embd,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+        };
+        ModelShape {
+            n_ff: self.n_ff as u64,
+            ..heads.shape(
+                self.arch.name(),
+                self.n_layer,
+                self.n_vocab,
+                self.n_ctx_train,
+            )
+        }
     }
 }
 

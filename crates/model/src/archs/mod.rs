@@ -1,7 +1,8 @@
 //! The architectures, one file each, written over the executor's shared blocks and the
 //! device contract's ops: [`gpt_oss`], [`qwen3_moe`], [`deepseek2`] and the dense Llama family
 //! ([`llama`]). [`ARCHS`] is the one table of them: a file's `general.architecture` name, how
-//! its layers are built, and whether its cache keeps keys only.
+//! its hyperparameters are read and its layers built, and whether its cache keeps keys only.
+//! [`model_shape`] gives the placement planner the hyperparameters the forward pass reads.
 
 pub mod deepseek2;
 pub mod gpt_oss;
@@ -12,13 +13,15 @@ pub mod rope;
 
 use hmoe_backend::Backend;
 use hmoe_backend::CacheType;
-use hmoe_gguf::GgufModel;
+use hmoe_gguf::{GgufModel, Metadata};
+use hmoe_placement::ModelShape;
 use hmoe_quant::GgmlType;
 
 use crate::error::ModelError;
 use crate::executor::step::DeviceLayers;
 use crate::executor::DeviceModel;
 use crate::expert_placement::{ExpertHome, ExpertPlacement};
+use crate::weights::n_vocab;
 
 /// How an architecture's layers are built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +76,17 @@ impl Arch {
     /// The architecture named `name` (`general.architecture`).
     pub fn named(name: &str) -> Option<&'static Arch> {
         ARCHS.iter().find(|a| a.name == name)
+    }
+
+    /// The placement planner's shape of a file of this architecture with metadata `meta` and
+    /// `n_vocab` embedding rows: its hyperparameters read (and checked) as loading reads them.
+    fn shape(&self, meta: &Metadata, n_vocab: usize) -> Result<ModelShape, ModelError> {
+        Ok(match self.layers {
+            Layers::GptOss => gpt_oss::GptOssParams::from_metadata(meta, n_vocab)?.shape(),
+            Layers::Qwen3Moe => qwen3_moe::Qwen3MoeParams::from_metadata(meta, n_vocab)?.shape(),
+            Layers::Deepseek2 => deepseek2::Deepseek2Params::from_metadata(meta, n_vocab)?.shape(),
+            Layers::Dense(arch) => llama::DenseParams::from_metadata(meta, arch, n_vocab)?.shape(),
+        })
     }
 
     /// Its layers of `gguf`, loaded onto `dev`.
@@ -171,15 +185,31 @@ fn load_layers<B: Backend + 'static>(
     gguf: GgufModel,
     dev: &B,
 ) -> Result<Box<dyn DeviceLayers<B>>, ModelError> {
-    let name = gguf.metadata().architecture();
-    match name.and_then(Arch::named) {
-        Some(arch) => arch.load(gguf, dev),
-        None => Err(ModelError::UnsupportedArch(format!(
+    arch_of(gguf.metadata())?.load(gguf, dev)
+}
+
+/// The architecture of [`ARCHS`] that `meta` names (`general.architecture`).
+fn arch_of(meta: &Metadata) -> Result<&'static Arch, ModelError> {
+    let name = meta.architecture();
+    name.and_then(Arch::named).ok_or_else(|| {
+        ModelError::UnsupportedArch(format!(
             "{} (no device executor for it)",
             name.unwrap_or("<missing general.architecture>")
-        ))),
-    }
+        ))
+    })
 }
+
+/// The placement planner's hyperparameters of `gguf` ([`ModelShape`]), read from its metadata
+/// by the architecture it names, with the defaults and checks of loading it, and the
+/// vocabulary the rows of its embedding (`token_embd.weight`). An architecture outside
+/// [`ARCHS`], a missing required key or a value the forward pass rejects is an error.
+pub fn model_shape(gguf: &GgufModel) -> Result<ModelShape, ModelError> {
+    let meta = gguf.metadata();
+    arch_of(meta)?.shape(meta, n_vocab(gguf)?)
+}
+
+#[cfg(test)]
+mod shape_tests;
 
 #[cfg(test)]
 mod tests {

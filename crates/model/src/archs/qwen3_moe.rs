@@ -24,6 +24,7 @@
 
 use hmoe_backend::{Backend, GatedAct};
 use hmoe_gguf::GgufModel;
+use hmoe_placement::ModelShape;
 
 use hmoe_backend::routing::{Gating, Routing};
 
@@ -119,6 +120,23 @@ impl Qwen3MoeParams {
         };
         check_heads(&m, p.n_layer, p.n_head, p.n_head_kv, p.head_dim)?;
         Ok(p)
+    }
+
+    /// The placement planner's shape of the model: GQA heads of `head_dim` for keys and
+    /// values, routed experts, no shared experts, no dense FFN and no sliding window.
+    pub fn shape(&self) -> ModelShape {
+        let heads = WholeHeads {
+            n_embd: self.n_embd,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+        };
+        ModelShape {
+            n_expert: self.n_expert as u64,
+            n_expert_used: self.routing.k as u64,
+            n_ff_exp: self.n_ff_exp as u64,
+            ..heads.shape(ARCH, self.n_layer, self.n_vocab, self.n_ctx_train)
+        }
     }
 }
 

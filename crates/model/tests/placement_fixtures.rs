@@ -1,23 +1,18 @@
-//! The planner on the real GGUF fixtures: shapes read from metadata, and the gpt-oss preset
-//! table checked against a file written by llama.cpp's tooling.
+//! The placement planner on the real GGUF fixtures: shapes read from metadata by
+//! [`hmoe_model::model_shape`], and the gpt-oss preset table checked against a file written by
+//! llama.cpp's tooling.
 
-use std::path::PathBuf;
-
+mod common;
+use common::fixtures;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_placement::{
     gpt_oss_tensor_table, plan, DeviceBudget, DeviceId, GptOssDims, ModelShape, PlacementFlags,
     TensorDesc, TensorRule,
 };
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures").into())
-}
-
 fn open(rel: &str) -> (ModelShape, Vec<TensorDesc>) {
     let m = GgufModel::open(fixtures().join(rel), LoadOptions::default()).unwrap();
-    let shape = ModelShape::from_metadata(m.metadata()).unwrap();
+    let shape = hmoe_model::model_shape(&m).unwrap();
     (shape, m.tensors().iter().map(TensorDesc::from).collect())
 }
 
