@@ -10,11 +10,12 @@
 //!   whole file is resident as the estimate assumes;
 //! * `--ignore-eos`, so the run processes exactly the tokens it was asked for.
 //!
-//! The measured growth includes fixed costs that are not the model's: about 2 MiB of the
-//! program's own code pages faulted in as the engine runs for the first time, and a few hundred
-//! KiB of parsed metadata and tokenizer. The report separates the code pages (file-backed
-//! pages of the executable and shared libraries); the 9 MB fixture is compared with the growth
-//! less those pages, the generated 58 MB and 130 MB models with the raw peak growth as well.
+//! The measured growth includes fixed costs that are not the model's: 2.3 to 3.3 MiB (by
+//! build) of the program's own code pages faulted in as the engine runs for the first time,
+//! and a few hundred KiB of parsed metadata and tokenizer. The report separates the code pages
+//! (file-backed pages of the executable and shared libraries); every model is compared with
+//! the growth less those pages, and the generated 130 MB model with the raw peak growth as
+//! well (at 58 MB the code pages alone are 4 to 5% of it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -145,7 +146,8 @@ fn cpu_estimate_matches_peak_rss_growth() {
         ]);
         let m = report(&path, 512, 4);
         let _ = std::fs::remove_file(&path);
-        check(&format!("generated gpt-oss ({name})"), &m, true);
+        // The raw peak also holds the program's code pages, which the estimate leaves out.
+        check(&format!("generated gpt-oss ({name})"), &m, name == "130 MB");
     }
     let _ = std::fs::remove_dir(&dir);
 }

@@ -2,11 +2,11 @@
 //! model's tensors over them, and the device expert cache's budget.
 
 use hmoe_gguf::GgufModel;
-use hmoe_quant::GgmlType;
 use hmoe_model::ExpertPlacement;
 use hmoe_placement::{
     plan, DeviceId, PlacementError, PlacementFlags, Plan, TensorDesc, TensorRule,
 };
+use hmoe_quant::GgmlType;
 
 use crate::config::{EngineConfig, MoeCacheFlag};
 use crate::devices::{device_budget, selected_devices, Probed, Selected};

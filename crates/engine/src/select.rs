@@ -453,7 +453,7 @@ mod tests {
                 kv: f16,
                 n_layer: 2,
                 tensors: &tensors,
-            gpu_types: &[],
+                gpu_types: &[],
                 op_offload: None,
             })
         };
