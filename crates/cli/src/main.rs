@@ -6,6 +6,7 @@ mod common;
 mod demo_cmd;
 mod fit_cmd;
 mod inspect_cmd;
+mod llama_flags;
 mod make_model_cmd;
 mod perplexity_cmd;
 mod placement_args;
@@ -20,11 +21,12 @@ use clap::{Parser, Subcommand};
     name = "hmoe",
     version,
     about = "Mixture-of-Experts inference engine",
-    arg_required_else_help = true
+    arg_required_else_help = true,
+    propagate_version = true
 )]
 struct Cli {
     /// Print the GPUs found, with total and free memory, and exit (as llama.cpp's flag).
-    #[arg(long = "list-devices")]
+    #[arg(long = "list-devices", global = true)]
     list_devices: bool,
     #[command(subcommand)]
     command: Option<Command>,
@@ -51,47 +53,34 @@ enum Command {
     /// Measure prompt and generation speed as llama-bench does (its table and JSON fields).
     Bench(bench_cmd::BenchArgs),
     /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
-    #[command(after_help = serve_cmd::LIMITS_HELP)]
+    /// A flag given twice takes its last value, as in llama-server.
+    #[command(after_help = serve_cmd::LIMITS_HELP, args_override_self = true)]
     Serve(Box<serve_cmd::ServeArgs>),
     /// Print the GPUs found, with total and free memory (same as `hmoe --list-devices`).
     ListDevices,
 }
 
-/// llama.cpp's multi-letter single-dash flags, rewritten to their long forms before parsing.
-const SHORT_ALIASES: [(&str, &str); 23] = [
-    ("-ngl", "--n-gpu-layers"),
-    ("-ctk", "--cache-type-k"),
-    ("-ctv", "--cache-type-v"),
-    ("-ub", "--ubatch-size"),
-    ("-cmoe", "--cpu-moe"),
-    ("-ncmoe", "--n-cpu-moe"),
-    ("-ot", "--override-tensor"),
-    ("-np", "--parallel"),
-    ("-fa", "--flash-attn"),
-    ("-dev", "--device"),
-    ("-ts", "--tensor-split"),
-    ("-mg", "--main-gpu"),
-    ("-cb", "--cont-batching"),
-    ("-tb", "--threads-batch"),
-    ("-kvu", "--kv-unified"),
-    ("-hf", "--hf-repo"),
-    ("-fitt", "--fit-target"),
-    ("-fitc", "--fit-ctx"),
-    ("-fit", "--fit"),
-    ("-nkvo", "--no-kv-offload"),
-    ("-sm", "--split-mode"),
-    ("-sps", "--slot-prompt-similarity"),
-    ("-nr", "--no-repack"),
-];
-
-fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
-    args.map(|a| {
-        SHORT_ALIASES
-            .iter()
-            .find(|(short, _)| *short == a)
-            .map_or(a, |(_, long)| long.to_string())
-    })
-    .collect()
+/// The command line for clap: `serve`'s words rewritten from llama-server's flags and the
+/// `LLAMA_ARG_*`/`HMOE_ARG_*` variables ([`llama_flags::rewrite_serve`]), with the notes for
+/// the flags that do not apply; the other commands' multi-letter short flags rewritten
+/// ([`llama_flags::rewrite_short_flags`]).
+fn normalise_args(
+    args: Vec<String>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let command = args.iter().skip(1).position(|a| !a.starts_with('-'));
+    match command.map(|i| i + 1) {
+        Some(i) if args[i] == "serve" => {
+            let serve = llama_flags::rewrite_serve(&args[i + 1..], env)?;
+            let mut out = args[..=i].to_vec();
+            out.extend(serve.args);
+            Ok((out, serve.notes))
+        }
+        _ => Ok((
+            llama_flags::rewrite_short_flags(args.into_iter()),
+            Vec::new(),
+        )),
+    }
 }
 
 /// The log filter: `RUST_LOG` if set, else `warn`; `-v`/`--verbose` make it `debug` and
@@ -120,13 +109,23 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 }
 
 fn main() {
-    let args = normalise_args(std::env::args());
+    let (args, notes) = match normalise_args(std::env::args().collect(), |k| std::env::var(k).ok())
+    {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
     tracing_subscriber::fmt()
         .with_env_filter(log_filter(&args))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse_from(args);
+    let mut cli = Cli::parse_from(args);
+    if let Some(Command::Serve(serve)) = &mut cli.command {
+        serve.llama_notes = notes;
+    }
     let result = match cli.command {
         _ if cli.list_devices => list_devices(),
         Some(command) => run(command),
@@ -230,8 +229,12 @@ mod tests {
         let argv = normalise_args(
             ["hmoe", "fit", "-m", "x.gguf", "-dev", "none"]
                 .iter()
-                .map(|s| s.to_string()),
-        );
+                .map(|s| s.to_string())
+                .collect(),
+            |_| None,
+        )
+        .unwrap()
+        .0;
         let cli = Cli::try_parse_from(argv).unwrap();
         let Some(Command::Fit(fit)) = cli.command else {
             panic!("fit")

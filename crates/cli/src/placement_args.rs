@@ -65,9 +65,9 @@ pub struct PlacementFlagArgs {
     /// Physical batch size (`-ub`); compute buffers are sized for it.
     #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
     pub ubatch_size: u32,
-    /// Parallel sequences (`-np`), at least 1.
-    #[arg(long = "parallel", visible_alias = "np", default_value_t = 1, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(u32).range(1..))]
+    /// Parallel sequences (`-np`), at least 1; -1 (llama.cpp's "auto") is the default.
+    #[arg(long = "parallel", visible_alias = "np", default_value_t = DEFAULT_PARALLEL,
+          allow_negative_numbers = true, value_parser = parse_parallel)]
     pub parallel: u32,
     /// Adjust unset flags so every GPU keeps --fit-target free: on or off.
     #[arg(long = "fit", value_parser = ["on", "off"], default_value = "on")]
@@ -114,6 +114,20 @@ pub struct PlacementFlagArgs {
     /// unset: off (not yet the default: it has not been measured on a GPU).
     #[arg(long = "moe-cache", value_name = "MiB|auto", value_parser = parse_moe_cache)]
     pub moe_cache: Option<MoeCacheFlag>,
+}
+
+/// The sequences served at once when `-np` is not given, or is -1.
+const DEFAULT_PARALLEL: u32 = 1;
+
+/// `-np N`: N ≥ 1, or -1 for the default (llama.cpp's "auto").
+fn parse_parallel(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<i64>() {
+        Ok(-1) => Ok(DEFAULT_PARALLEL),
+        Ok(n) if n >= 1 => u32::try_from(n).map_err(|_| format!("{n} sequences is too many")),
+        _ => Err(format!(
+            "`{s}` is not a number of sequences (1 or more, or -1 for the default)"
+        )),
+    }
 }
 
 fn parse_moe_cache(s: &str) -> Result<MoeCacheFlag, String> {

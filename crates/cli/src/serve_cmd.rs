@@ -80,12 +80,6 @@ pub struct ServeArgs {
     /// twice.
     #[arg(long = "no-repack")]
     pub no_repack: bool,
-    /// Use the Jinja chat template (always on; accepted for llama-server compatibility).
-    #[arg(long = "jinja")]
-    pub jinja: bool,
-    /// Accepted for compatibility; the Jinja template is used anyway.
-    #[arg(long = "no-jinja")]
-    pub no_jinja: bool,
     /// Jinja chat template file replacing the model's.
     #[arg(long = "chat-template-file", value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
@@ -110,9 +104,6 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics on /metrics.
     #[arg(long = "metrics")]
     pub metrics: bool,
-    /// Serve /slots (the default; accepted for compatibility).
-    #[arg(long = "slots")]
-    pub slots: bool,
     /// Do not serve /slots.
     #[arg(long = "no-slots")]
     pub no_slots: bool,
@@ -121,25 +112,6 @@ pub struct ServeArgs {
     #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
           default_value = "auto", allow_negative_numbers = true, overrides_with = "flash_attn")]
     pub flash_attn: String,
-    /// Continuous batching (always on; accepted for compatibility).
-    #[arg(long = "cont-batching")]
-    pub cont_batching: bool,
-    /// Accepted for compatibility (slots have separate caches of `-c / -np` positions each).
-    #[arg(long = "kv-unified")]
-    pub kv_unified: bool,
-    /// Accepted for compatibility.
-    #[arg(long = "no-kv-unified")]
-    pub no_kv_unified: bool,
-    /// Accepted for compatibility (prompt prefixes are reused per slot).
-    #[arg(long = "cache-reuse", value_name = "N")]
-    pub cache_reuse: Option<usize>,
-    /// Accepted for compatibility (computation uses -t threads).
-    #[arg(
-        long = "threads-batch",
-        value_name = "N",
-        allow_negative_numbers = true
-    )]
-    pub threads_batch: Option<i64>,
     /// Seconds a client has to send a request body, the longest a response waits for a
     /// client that reads nothing (then the connection is closed), and the longest a
     /// router-mode request waits for a busy model (llama-server's read/write timeout).
@@ -173,24 +145,10 @@ pub struct ServeArgs {
     /// No log messages.
     #[arg(long = "log-disable")]
     pub log_disable: bool,
-    /// Accepted for compatibility: hmoe runs no warm-up pass.
-    #[arg(long = "no-warmup")]
-    pub no_warmup: bool,
-    /// How a model is split over GPUs (`-sm none|layer|row`); does not apply: the device
-    /// executor runs on one device.
-    #[arg(long = "split-mode", value_parser = ["none", "layer", "row"])]
-    pub split_mode: Option<String>,
     /// Keep the KV cache off the GPU (`-nkvo`): the model then runs on the CPU device (the
     /// device executor keeps K/V on the device).
     #[arg(long = "no-kv-offload")]
     pub no_kv_offload: bool,
-    /// Full-size cache for sliding-window layers (llama.cpp); does not apply: hmoe keeps
-    /// window-sized caches for those layers.
-    #[arg(long = "swa-full")]
-    pub swa_full: bool,
-    /// Context checkpoints per slot (llama.cpp's SWA checkpoints); does not apply.
-    #[arg(long = "ctx-checkpoints", value_name = "N")]
-    pub ctx_checkpoints: Option<u32>,
     /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
     #[arg(long = "hf-repo", value_name = "REPO")]
     pub hf_repo: Option<String>,
@@ -231,6 +189,10 @@ pub struct ServeArgs {
     pub n_predict: i64,
     #[command(flatten)]
     pub placement: PlacementArgs,
+    /// What the llama-server flags that do not apply say at start, one line each (set by
+    /// `main` from [`crate::llama_flags::rewrite_serve`]).
+    #[arg(skip)]
+    pub llama_notes: Vec<String>,
 }
 
 /// `-t`: any negative count means the default (physical cores); positive ones are bounded.
@@ -246,8 +208,9 @@ fn parse_threads_or_default(s: &str) -> Result<i64, String> {
 }
 
 impl ServeArgs {
-    /// The API keys of `--api-key`, `--api-key-file` and (without those) `LLAMA_API_KEY`. An
-    /// empty key, or a key file with none, is an error: it never means "no authentication".
+    /// The API keys of `--api-key` (which `LLAMA_API_KEY` sets, see [`crate::llama_flags`]) and
+    /// `--api-key-file`. An empty key, or a key file with none, is an error: it never means "no
+    /// authentication".
     fn api_keys(&self) -> anyhow::Result<Vec<String>> {
         let mut keys = Vec::new();
         for k in &self.api_key {
@@ -268,17 +231,6 @@ impl ServeArgs {
             );
             if keys.len() == before {
                 bail!("--api-key-file {}: the file holds no key", f.display());
-            }
-        }
-        if keys.is_empty() {
-            // llama-server reads its key from LLAMA_API_KEY too.
-            if let Ok(k) = std::env::var("LLAMA_API_KEY") {
-                for part in k.split(',') {
-                    if part.trim().is_empty() {
-                        bail!("LLAMA_API_KEY holds an empty key; unset it for no authentication");
-                    }
-                    keys.push(part.trim().to_string());
-                }
             }
         }
         Ok(keys)
@@ -308,40 +260,6 @@ impl ServeArgs {
             );
         }
         Ok(())
-    }
-
-    /// Flags accepted for llama-server compatibility that do nothing here, each with why (the
-    /// server says so once at start).
-    pub fn ignored_flags(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut note = |on: bool, flag: &str, why: &str| {
-            if on {
-                out.push(format!(
-                    "{flag} does not apply to hmoe serve ({why}); ignored"
-                ));
-            }
-        };
-        note(
-            self.split_mode.is_some(),
-            "--split-mode",
-            "the device executor runs on one device",
-        );
-        note(
-            self.swa_full,
-            "--swa-full",
-            "sliding-window layers keep window-sized caches",
-        );
-        note(
-            self.ctx_checkpoints.is_some(),
-            "--ctx-checkpoints",
-            "hmoe keeps no context checkpoints",
-        );
-        note(
-            self.threads_batch.is_some(),
-            "--threads-batch",
-            "prompt batches use the -t threads",
-        );
-        out
     }
 
     /// The server configuration these flags describe.
@@ -460,7 +378,7 @@ impl ServeArgs {
 /// Runs `hmoe serve` until SIGINT/SIGTERM (or until the model fails to load).
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
-    for note in args.ignored_flags() {
+    for note in &args.llama_notes {
         eprintln!("note: {note}");
     }
     let threads = match args.threads {
@@ -663,14 +581,13 @@ mod tests {
 
     #[test]
     fn llama_server_command_lines_parse() {
-        // As main.rs rewrites -ngl/-fa/-np/-ub before parsing.
+        // As main.rs rewrites llama.cpp's spellings (-ngl, -fa, -np, -ub) before parsing.
         let a = parse(&[
             "-m",
             "m.gguf",
             "-c",
             "0",
             "--flash-attn",
-            "--jinja",
             "--reasoning-format",
             "none",
             "--n-gpu-layers",

@@ -1,0 +1,344 @@
+//! The table against llama-server's own `--help` (the baselines' build, kept in
+//! `tests/data/llama-server-help.txt`), and every flag through `hmoe serve`'s parser.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use clap::error::ErrorKind;
+use clap::Parser;
+
+use super::{Does, LLAMA_SERVER_FLAGS};
+use crate::serve_cmd::ServeArgs;
+use crate::{normalise_args, Cli, Command};
+
+const HELP: &str = include_str!("../../tests/data/llama-server-help.txt");
+
+/// One entry of the help: its spellings, the value hint after the last one, its variable.
+struct HelpEntry {
+    names: Vec<String>,
+    hint: String,
+    env: Option<String>,
+}
+
+/// The help's entries: a line that starts with `-` opens one (spellings, then the hint, then
+/// two or more spaces before the description); `(env: NAME)` in its lines names its variable.
+fn help_entries() -> Vec<HelpEntry> {
+    let mut out: Vec<HelpEntry> = Vec::new();
+    for line in HELP.lines() {
+        if line.starts_with("-----") {
+            continue;
+        }
+        if line.starts_with('-') {
+            // `-c,    --ctx-size N`: the spellings are separated by a comma and spaces (a hint's
+            // commas have none).
+            let mut joined = String::new();
+            let mut chars = line.chars().peekable();
+            while let Some(c) = chars.next() {
+                joined.push(c);
+                if c == ',' && chars.peek() == Some(&' ') {
+                    while chars.next_if_eq(&' ').is_some() {}
+                    joined.push(' ');
+                }
+            }
+            let head = joined.split("  ").next().unwrap_or_default().trim();
+            let mut names: Vec<String> = head.split(", ").map(String::from).collect();
+            let last = names.pop().unwrap();
+            let (name, hint) = last.split_once(' ').unwrap_or((&last, ""));
+            names.push(name.to_string());
+            out.push(HelpEntry {
+                names,
+                hint: hint.trim().to_string(),
+                env: None,
+            });
+        } else if let Some(i) = line.find("(env: ") {
+            let name = line[i + 6..].trim_end().trim_end_matches(')');
+            out.last_mut().unwrap().env = Some(name.to_string());
+        }
+    }
+    out
+}
+
+/// A value llama-server accepts for a hint (`N`, `TYPE`, `{none,layer}`, `[on|off]`, ...).
+fn sample(hint: &str) -> Vec<String> {
+    let first = |s: &str, seps: &[char]| s.split(seps).next().unwrap_or_default().to_string();
+    let one = match hint {
+        "" => return vec![],
+        "START END" => return vec!["1".into(), "2".into()],
+        "N" | "SEED" | "SECONDS" => "1".to_string(),
+        "PORT" => "8080".into(),
+        "SIMILARITY" | "P" => "0.5".into(),
+        "INDEX" => "0".into(),
+        "FORMAT" => "none".into(),
+        "TYPE" => "f16".into(),
+        h if h.starts_with('{') => first(h.trim_matches(['{', '}']), &[',']),
+        h if optional(h) => first(h.trim_matches(['[', ']']), &['|']),
+        h if h.starts_with("<0") => "0".into(),
+        h if h.contains('=') => "exps=CPU".into(),
+        _ => "x".into(),
+    };
+    vec![one]
+}
+
+/// Whether a hint is of an optional value: `[on|off|auto]`.
+fn optional(hint: &str) -> bool {
+    hint.starts_with('[') && hint.ends_with(']') && hint.contains('|')
+}
+
+/// `hmoe serve -m m.gguf WORDS` with the variables `env`, as main parses it.
+fn serve(words: &[&str], env: &[(&str, &str)]) -> Result<(ServeArgs, Vec<String>), clap::Error> {
+    let argv = ["hmoe", "serve"].iter().chain(words).map(|s| s.to_string());
+    let lookup = |k: &str| {
+        env.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    };
+    let (args, notes) = normalise_args(argv.collect(), lookup).expect("variables");
+    match Cli::try_parse_from(args)?.command {
+        Some(Command::Serve(s)) => Ok((*s, notes)),
+        _ => panic!("not serve"),
+    }
+}
+
+#[test]
+fn the_table_is_llama_servers_help() {
+    let help = help_entries();
+    assert!(help.len() > 240, "{} entries", help.len());
+    let in_help: BTreeSet<&str> = help
+        .iter()
+        .flat_map(|e| &e.names)
+        .map(String::as_str)
+        .collect();
+    let in_table: BTreeSet<&str> = LLAMA_SERVER_FLAGS
+        .iter()
+        .flat_map(|f| f.names)
+        .copied()
+        .collect();
+    assert_eq!(
+        in_help.difference(&in_table).collect::<Vec<_>>(),
+        Vec::<&&str>::new(),
+        "flags of llama-server that the table lacks"
+    );
+    assert_eq!(
+        in_table.difference(&in_help).collect::<Vec<_>>(),
+        Vec::<&&str>::new(),
+        "flags in the table that llama-server does not have"
+    );
+    let mut spellings = 0;
+    for entry in &help {
+        let rows: Vec<_> = (LLAMA_SERVER_FLAGS.iter())
+            .filter(|f| f.names.iter().any(|n| entry.names.iter().any(|e| e == n)))
+            .collect();
+        for row in &rows {
+            assert_eq!(row.env.name(), entry.env.as_deref(), "{:?}", entry.names);
+            spellings += row.names.len();
+        }
+    }
+    assert_eq!(spellings, in_table.len(), "a spelling in two rows");
+}
+
+#[test]
+fn every_llama_server_flag_parses() {
+    let mut counts = BTreeMap::new();
+    for entry in help_entries() {
+        for name in &entry.names {
+            let row = LLAMA_SERVER_FLAGS
+                .iter()
+                .find(|f| f.names.contains(&name.as_str()))
+                .unwrap();
+            let mut forms = vec![sample(&entry.hint)];
+            if optional(&entry.hint) {
+                forms.push(vec![]); // A bare `-fa` means on.
+            }
+            for values in forms {
+                // As in llama-server, a flag given twice takes its last value.
+                let mut words = vec![name.as_str()];
+                words.extend(values.iter().map(String::as_str));
+                words.extend(["-m", "m.gguf", "--port", "0"]);
+                let (args, notes) = match serve(&words, &[]) {
+                    Ok(parsed) => parsed,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
+                        ) =>
+                    {
+                        continue
+                    }
+                    Err(e) => panic!("{words:?}: {e}"),
+                };
+                assert_eq!(
+                    args.port, 0,
+                    "{words:?}: a value was taken from the next flag"
+                );
+                assert_eq!(args.model.as_deref(), Some("m.gguf".as_ref()), "{words:?}");
+                match row.does {
+                    Does::Note(_) => {
+                        assert_eq!(notes.len(), 1, "{words:?}: {notes:?}");
+                        assert!(
+                            notes[0].contains("does not apply to hmoe serve"),
+                            "{notes:?}"
+                        );
+                    }
+                    Does::Hmoe(_) | Does::Always => {
+                        assert!(notes.is_empty(), "{words:?}: {notes:?}")
+                    }
+                }
+            }
+        }
+        let kind = |d: Does| match d {
+            Does::Hmoe(_) => "implemented",
+            Does::Always => "hmoe's fixed behaviour",
+            Does::Note(_) => "noted",
+        };
+        for row in LLAMA_SERVER_FLAGS
+            .iter()
+            .filter(|f| f.names.iter().any(|n| entry.names.iter().any(|e| e == n)))
+        {
+            *counts.entry(kind(row.does)).or_insert(0) += 1;
+        }
+    }
+    eprintln!("llama-server's flags (rows of the table): {counts:?}");
+}
+
+#[test]
+fn the_issues_command_lines_parse() {
+    let (a, notes) = serve(
+        &[
+            "-m", "m.gguf", "-to", "600", "-cram", "0", "-md", "d.gguf", "-ts", "3,1",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(a.timeout, 600);
+    assert_eq!(a.placement.args.ctx_size, None, "-cram is not -c");
+    assert_eq!(a.model.as_deref(), Some("m.gguf".as_ref()), "-md is not -m");
+    assert_eq!(notes.len(), 3, "{notes:?}");
+    assert!(
+        notes[0].starts_with("--cache-ram (-cram) does not apply"),
+        "{notes:?}"
+    );
+    assert!(
+        notes[1].starts_with("--spec-draft-model (-md) does not apply"),
+        "{notes:?}"
+    );
+    let words = [
+        "-m",
+        "m.gguf",
+        "--override-kv",
+        "a=int:1",
+        "--no-context-shift",
+        "--numa",
+        "distribute",
+        "--threads-http",
+        "4",
+        "--log-file",
+        "x.log",
+        "-lv",
+        "4",
+        "--slot-save-path",
+        "/tmp",
+        "--grammar-file",
+        "g.gbnf",
+        "--swa-checkpoints",
+        "3",
+        "--lora",
+        "a.gguf",
+        "--mmproj",
+        "p.gguf",
+        "--control-vector-layer-range",
+        "1",
+        "2",
+        "--jinja",
+        "-fit",
+        "-fa",
+        "-np",
+        "-1",
+        "-rea",
+        "--ctx-size=4096",
+        "--numa=isolate",
+    ];
+    let (a, notes) = serve(&words, &[]).unwrap();
+    assert_eq!(
+        notes.len(),
+        11,
+        "one note per flag that does not apply: {notes:?}"
+    );
+    assert_eq!(
+        (a.placement.args.fit.as_str(), a.flash_attn.as_str()),
+        ("on", "on")
+    );
+    assert_eq!((a.reasoning.as_str(), a.placement.args.parallel), ("on", 1));
+    assert_eq!(a.placement.args.ctx_size, Some(4096));
+    // A real mistake is still clap's error.
+    assert!(serve(&["-m", "m.gguf", "--no-such-flag"], &[]).is_err());
+}
+
+#[test]
+fn environment_variables_set_flags_and_the_command_line_wins() {
+    let env = [
+        ("LLAMA_ARG_CTX_SIZE", "8192"),
+        ("LLAMA_ARG_PORT", "9000"),
+        ("HMOE_ARG_PORT", "9001"),
+        ("LLAMA_ARG_MMAP", "false"),
+        ("LLAMA_ARG_CPU_MOE", "1"),
+        ("LLAMA_ARG_NUMA", "distribute"),
+        ("LLAMA_ARG_MODEL", "env.gguf"),
+        ("LLAMA_API_KEY", "k1,k2"),
+        ("LLAMA_ARG_FLASH_ATTN", "off"),
+        ("LLAMA_ARG_JINJA", "on"),
+        ("HF_TOKEN", "secret"),
+    ];
+    let (a, notes) = serve(&[], &env).unwrap();
+    assert_eq!(a.placement.args.ctx_size, Some(8192));
+    assert_eq!(a.port, 9001, "HMOE_ARG_ wins over LLAMA_ARG_");
+    assert!(a.no_mmap && a.placement.args.cpu_moe);
+    assert_eq!(a.model.as_deref(), Some("env.gguf".as_ref()));
+    assert_eq!(a.api_key, ["k1", "k2"]);
+    assert_eq!(a.flash_attn, "off");
+    assert_eq!(notes, ["--numa (from LLAMA_ARG_NUMA) does not apply to hmoe serve (hmoe does not place threads or memory by NUMA node); ignored"]);
+    // The command line wins, by any spelling of the flag (and `--mmap` is the default).
+    let (a, notes) = serve(
+        &[
+            "-c", "512", "--port", "1", "--mmap", "-m", "cli.gguf", "--numa", "isolate",
+        ],
+        &env,
+    )
+    .unwrap();
+    assert_eq!((a.placement.args.ctx_size, a.port), (Some(512), 1));
+    assert!(!a.no_mmap);
+    assert_eq!(a.model.as_deref(), Some("cli.gguf".as_ref()));
+    assert_eq!(notes, ["--numa does not apply to hmoe serve (hmoe does not place threads or memory by NUMA node); ignored"]);
+    // A switch's variable set false sets nothing; a word that is no truth value is an error.
+    let (a, _) = serve(&["-m", "m"], &[("LLAMA_ARG_CPU_MOE", "0")]).unwrap();
+    assert!(!a.placement.args.cpu_moe);
+    let argv = ["hmoe", "serve"].map(String::from).to_vec();
+    let err =
+        normalise_args(argv, |k| (k == "LLAMA_ARG_MMAP").then(|| "maybe".into())).unwrap_err();
+    assert!(err.contains("LLAMA_ARG_MMAP=maybe"), "{err}");
+}
+
+#[test]
+fn other_commands_read_only_the_short_spellings() {
+    let argv = [
+        "hmoe", "bench", "-m", "x", "-fa", "1", "-ngl", "99", "-ts", "1", "-n", "8",
+    ];
+    let (args, notes) =
+        normalise_args(argv.map(String::from).to_vec(), |_| Some("1".into())).unwrap();
+    assert_eq!(
+        args,
+        [
+            "hmoe",
+            "bench",
+            "-m",
+            "x",
+            "--flash-attn",
+            "1",
+            "--n-gpu-layers",
+            "99",
+            "-ts",
+            "1",
+            "-n",
+            "8"
+        ]
+    );
+    assert!(notes.is_empty());
+}
