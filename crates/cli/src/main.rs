@@ -53,7 +53,12 @@ enum Command {
     /// Measure prompt and generation speed as llama-bench does (its table and JSON fields).
     Bench(bench_cmd::BenchArgs),
     /// Serve models over an OpenAI-compatible HTTP API (llama-server's routes and flags).
-    /// A flag given twice takes its last value, as in llama-server.
+    ///
+    /// Every flag of llama-server (its spellings, short forms and `LLAMA_ARG_*` variables; the
+    /// command line wins) is accepted: one listed below is implemented; one that asks for what
+    /// hmoe always does (`--jinja`, `--cont-batching`) is taken silently; any other prints one
+    /// note at start saying what hmoe does instead. A flag given twice takes its last value
+    /// (repeatable ones such as `--api-key` and `-ot` add up).
     #[command(after_help = serve_cmd::LIMITS_HELP, args_override_self = true)]
     Serve(Box<serve_cmd::ServeArgs>),
     /// Print the GPUs found, with total and free memory (same as `hmoe --list-devices`).

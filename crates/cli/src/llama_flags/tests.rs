@@ -268,6 +268,32 @@ fn the_issues_command_lines_parse() {
     );
     assert_eq!((a.reasoning.as_str(), a.placement.args.parallel), ("on", 1));
     assert_eq!(a.placement.args.ctx_size, Some(4096));
+    // A flag given twice takes its last value; repeatable ones add up.
+    let words = [
+        "-m",
+        "a",
+        "-m",
+        "b",
+        "-c",
+        "1",
+        "-c",
+        "2",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+    ];
+    let (a, _) = serve(
+        &[&words[..], &["-ot", "x=CPU", "-ot", "y=CPU"]].concat(),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(a.model.as_deref(), Some("b".as_ref()));
+    assert_eq!(a.placement.args.ctx_size, Some(2));
+    assert_eq!(
+        (a.api_key.len(), a.placement.args.override_tensor.len()),
+        (2, 2)
+    );
     // A real mistake is still clap's error.
     assert!(serve(&["-m", "m.gguf", "--no-such-flag"], &[]).is_err());
 }
