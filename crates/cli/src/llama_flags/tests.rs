@@ -368,3 +368,40 @@ fn other_commands_read_only_the_short_spellings() {
     );
     assert!(notes.is_empty());
 }
+
+#[test]
+fn guide_command_lines_parse() {
+    // llama-server command lines as llama.cpp's server README, its gpt-oss guide and Unsloth's
+    // DeepSeek and Qwen3 guides give them (model paths shortened).
+    let lines = [
+        "-m models/7B/ggml-model.gguf -c 2048",
+        "-m models/7B/ggml-model.gguf -c 512 --host 0.0.0.0 --port 8080 --n-gpu-layers 99",
+        "-m models/7B/ggml-model.gguf -md models/draft.gguf -ngld 99 --draft-max 16",
+        "-m gpt-oss-20b.gguf --ctx-size 0 --jinja -ub 2048 -b 2048",
+        "-m gpt-oss-20b.gguf --ctx-size 0 --jinja -b 4096 -ub 4096 -ngl 99 -fa -cmoe",
+        "-m gpt-oss-20b.gguf --ctx-size 0 --jinja -b 4096 -ub 4096 -ngl 99 -fa -ncmoe 4",
+        "-m gpt-oss-120b.gguf -c 0 -fa on --jinja --reasoning-format none -ngl 99 --n-cpu-moe 24 \
+         --temp 1.0 --top-p 1.0 --top-k 0 --chat-template-kwargs {\"reasoning_effort\":\"high\"}",
+        "--model DeepSeek-V3.1-UD-Q2_K_XL-00001-of-00006.gguf --alias unsloth/DeepSeek-V3.1 \
+         --threads -1 --n-gpu-layers 99 -ot .ffn_.*_exps.=CPU --prio 3 --temp 0.6 --top-p 0.95 \
+         --min-p 0.01 --ctx-size 16384 --port 8001 --jinja",
+        "--model Qwen3-235B-A22B-UD-Q2_K_XL-00001-of-00002.gguf --threads 32 --ctx-size 16384 \
+         --n-gpu-layers 99 -ot .ffn_.*_exps.=CPU --seed 3407 --prio 3 --temp 0.6 --min-p 0.0 \
+         --top-p 0.95 --top-k 20 --presence-penalty 1.5 --jinja --no-context-shift",
+        "--model Qwen3-Coder-30B-A3B-Instruct-Q4_K_M.gguf --threads -1 --ctx-size 32684 \
+         --n-gpu-layers 99 -ot .ffn_.*_exps.=CPU --temp 0.7 --min-p 0.0 --top-p 0.8 --top-k 20 \
+         --repeat-penalty 1.05 --jinja -np 4 --cache-type-k q8_0 --cache-type-v q8_0 -fa on",
+    ];
+    for line in lines {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let (a, notes) = serve(&words, &[]).unwrap_or_else(|e| panic!("{line}: {e}"));
+        assert!(a.model.is_some(), "{line}");
+        for n in &notes {
+            assert!(n.contains("does not apply to hmoe serve"), "{n}");
+        }
+        if line.contains("-fa -cmoe") {
+            assert_eq!(a.flash_attn, "on", "a bare -fa means on");
+            assert!(a.placement.args.cpu_moe, "-cmoe after a bare -fa");
+        }
+    }
+}
