@@ -200,7 +200,7 @@ pub const LLAMA_SERVER_FLAGS: &[LlamaFlag] = &[
     hmoe(&["--no-mmap"], Switch, IfFalse("LLAMA_ARG_MMAP"), "--no-mmap"),
     note(&["-dio", "--direct-io"], Switch, IfTrue("LLAMA_ARG_DIO"), "hmoe maps the file, or reads it with --no-mmap"),
     always(&["-ndio", "--no-direct-io"], IfFalse("LLAMA_ARG_DIO")),
-    note(&["-lm", "--load-mode"], One, V("LLAMA_ARG_LOAD_MODE"), "hmoe maps the file; --no-mmap reads it, --mlock locks it"),
+    hmoe(&["-lm", "--load-mode"], One, V("LLAMA_ARG_LOAD_MODE"), "--load-mode"),
     note(&["--numa"], One, V("LLAMA_ARG_NUMA"), "hmoe does not place threads or memory by NUMA node"),
     hmoe(&["-dev", "--device"], One, V("LLAMA_ARG_DEVICE"), "--device"),
     hmoe(&["--list-devices"], Switch, NO, "--list-devices"),

@@ -73,6 +73,12 @@ pub struct ServeArgs {
     /// Lock the weights in RAM.
     #[arg(long = "mlock")]
     pub mlock: bool,
+    /// How the file is loaded (`-lm`, llama.cpp's): mmap (the default), none or dio (read into
+    /// memory, as --no-mmap), mlock (read and locked), mmap+mlock (mapped and locked, as
+    /// --mlock).
+    #[arg(long = "load-mode", value_name = "MODE",
+          value_parser = ["none", "mmap", "mlock", "mmap+mlock", "dio"])]
+    pub load_mode: Option<String>,
     /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
     /// experts are copied with their rows interleaved for the CPU's kernel where it has one
     /// (AVX-512 or AVX2) and the copy fits in the available memory (same results, faster
@@ -236,6 +242,16 @@ impl ServeArgs {
         Ok(keys)
     }
 
+    /// How the file is loaded: `--load-mode`, with `--no-mmap` and `--mlock` added to it.
+    pub(crate) fn load_options(&self) -> LoadOptions {
+        let mode = self.load_mode.as_deref().unwrap_or("mmap");
+        LoadOptions {
+            use_mmap: !self.no_mmap && matches!(mode, "mmap" | "mmap+mlock"),
+            mlock: self.mlock || matches!(mode, "mlock" | "mmap+mlock"),
+            populate: false,
+        }
+    }
+
     /// The sampling defaults must be numbers in range (`--temp nan` is an error, not `null`).
     fn check_sampling(&self) -> anyhow::Result<()> {
         let finite = [
@@ -312,11 +328,7 @@ impl ServeArgs {
         config.engine.kv_type = kv_type;
         config.engine.max_queue = self.max_queue;
         config.engine.slot_prompt_similarity = self.slot_prompt_similarity;
-        config.engine.load = LoadOptions {
-            use_mmap: !self.no_mmap,
-            mlock: self.mlock,
-            populate: false,
-        };
+        config.engine.load = self.load_options();
         config.loader = self.loader(kv_type, config.engine.load);
         config.chat.template = match (&self.chat_template_file, &self.chat_template) {
             (Some(f), _) => Some(
@@ -385,7 +397,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(n) if n > 0 => n as usize,
         _ => physical_cores(),
     };
-    let interleave = hmoe_engine::interleaves_experts(args.no_repack, args.no_mmap, args.mlock);
+    let load = args.load_options();
+    let interleave = hmoe_engine::interleaves_experts(args.no_repack, !load.use_mmap, load.mlock);
     hmoe_engine::start_threads(threads, interleave)?;
     let summary = startup_summary(&config, threads);
     let server = RunningServer::start_with_signals(config.clone())?;

@@ -68,6 +68,7 @@ fn sample(hint: &str) -> Vec<String> {
         "SIMILARITY" | "P" => "0.5".into(),
         "INDEX" => "0".into(),
         "FORMAT" => "none".into(),
+        "MODE" => "mmap".into(),
         "TYPE" => "f16".into(),
         h if h.starts_with('{') => first(h.trim_matches(['{', '}']), &[',']),
         h if optional(h) => first(h.trim_matches(['[', ']']), &['|']),
@@ -294,6 +295,17 @@ fn the_issues_command_lines_parse() {
         (a.api_key.len(), a.placement.args.override_tensor.len()),
         (2, 2)
     );
+    // llama.cpp's load modes.
+    let load = |mode: &str| {
+        serve(&["-m", "m", "-lm", mode], &[])
+            .unwrap()
+            .0
+            .load_options()
+    };
+    assert!(load("mmap").use_mmap && !load("mmap").mlock);
+    assert!(!load("none").use_mmap && !load("dio").use_mmap);
+    assert!(!load("mlock").use_mmap && load("mlock").mlock);
+    assert!(load("mmap+mlock").use_mmap && load("mmap+mlock").mlock);
     // A real mistake is still clap's error.
     assert!(serve(&["-m", "m.gguf", "--no-such-flag"], &[]).is_err());
 }
