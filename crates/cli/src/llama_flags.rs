@@ -136,8 +136,7 @@ const ADAPTER: &str = "hmoe loads no LoRA adapters or control vectors: the model
                        file has it";
 const DOWNLOAD: &str = "hmoe does not download models: download the GGUF file(s) and pass -m FILE";
 const MEDIA: &str = "hmoe serves text models: no multimodal projector is loaded";
-const LOG: &str = "hmoe logs plain lines to stderr (-v: debug, --log-disable: none, RUST_LOG: \
-                   a filter)";
+const LOG_LINE: &str = "hmoe's log lines always carry a timestamp and level";
 const NO_CLI: &str = "it applies to llama.cpp's command-line tools, not to the server";
 const TOOLS: &str = "hmoe runs no built-in tools or MCP servers; clients run their tools";
 const UI: &str = "hmoe's chat page has its own settings, kept in the browser";
@@ -234,11 +233,11 @@ pub const LLAMA_SERVER_FLAGS: &[LlamaFlag] = &[
     note(&["--log-colors"], Maybe, V("LLAMA_ARG_LOG_COLORS"), "hmoe colours the log when stderr is a terminal"),
     hmoe(&["-v", "--verbose", "--log-verbose"], Switch, NO, "--verbose"),
     always(&["--offline"], IfTrue("LLAMA_ARG_OFFLINE")),
-    note(&["-lv", "--verbosity", "--log-verbosity"], One, V("LLAMA_ARG_LOG_VERBOSITY"), LOG),
-    note(&["--log-prefix"], Switch, IfTrue("LLAMA_ARG_LOG_PREFIX"), LOG),
-    always(&["--no-log-prefix"], IfFalse("LLAMA_ARG_LOG_PREFIX")),
-    note(&["--log-timestamps"], Switch, IfTrue("LLAMA_ARG_LOG_TIMESTAMPS"), LOG),
-    always(&["--no-log-timestamps"], IfFalse("LLAMA_ARG_LOG_TIMESTAMPS")),
+    hmoe(&["-lv", "--verbosity", "--log-verbosity"], One, V("LLAMA_ARG_LOG_VERBOSITY"), "--log-verbosity"),
+    always(&["--log-prefix"], IfTrue("LLAMA_ARG_LOG_PREFIX")),
+    note(&["--no-log-prefix"], Switch, IfFalse("LLAMA_ARG_LOG_PREFIX"), LOG_LINE),
+    always(&["--log-timestamps"], IfTrue("LLAMA_ARG_LOG_TIMESTAMPS")),
+    note(&["--no-log-timestamps"], Switch, IfFalse("LLAMA_ARG_LOG_TIMESTAMPS"), LOG_LINE),
     note(&["--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"], One, V("LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"), DRAFT),
     note(&["--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"], One, V("LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"), DRAFT),
     // ----- sampling params -----

@@ -88,20 +88,34 @@ fn normalise_args(
     }
 }
 
-/// The log filter: `RUST_LOG` if set, else `warn`; `-v`/`--verbose` make it `debug` and
-/// `--log-disable` turns logging off (llama.cpp's flags, read here because logging starts
-/// before the command line is parsed).
+/// The log filter: `RUST_LOG` if set, else warnings and the request log; `-v`/`--verbose` make
+/// it `debug`, `--log-disable` turns logging off, and `-lv N` (`--log-verbosity`, llama.cpp's
+/// levels) sets it: 0–1 errors, 2 warnings, 3 the default, 4–5 debug. Read here because
+/// logging starts before the command line is parsed.
 fn log_filter(args: &[String]) -> tracing_subscriber::EnvFilter {
     let flag = |names: &[&str]| args.iter().skip(1).any(|a| names.contains(&a.as_str()));
-    if flag(&["--log-disable"]) {
-        tracing_subscriber::EnvFilter::new("off")
-    } else if flag(&["-v", "--verbose"]) {
-        tracing_subscriber::EnvFilter::new("debug")
-    } else {
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-            tracing_subscriber::EnvFilter::new("warn,hmoe_server::request=info")
-        })
+    let mut verbosity = None;
+    for (i, a) in args.iter().enumerate().skip(1) {
+        if a == "--log-verbosity" {
+            verbosity = args.get(i + 1).and_then(|v| v.parse::<i64>().ok());
+        } else if let Some(v) = a.strip_prefix("--log-verbosity=") {
+            verbosity = v.parse().ok();
+        }
     }
+    let default = "warn,hmoe_server::request=info";
+    let filter = match verbosity {
+        _ if flag(&["--log-disable"]) => "off",
+        _ if flag(&["-v", "--verbose"]) => "debug",
+        Some(n) if n >= 4 => "debug",
+        Some(3) => default,
+        Some(2) => "warn",
+        Some(_) => "error",
+        None => {
+            return tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default))
+        }
+    };
+    tracing_subscriber::EnvFilter::new(filter)
 }
 
 /// Whether the error is a write to a closed pipe (`hmoe inspect M | head`): the reader has
@@ -222,6 +236,25 @@ mod tests {
         assert_eq!(
             device_list(&hmoe_engine::Probed::default()),
             format!("Available devices:\n{ref0}")
+        );
+    }
+
+    #[test]
+    fn log_verbosity_sets_the_filter() {
+        let filter = |words: &[&str]| {
+            let args: Vec<String> = std::iter::once("hmoe")
+                .chain(words.iter().copied())
+                .map(String::from)
+                .collect();
+            log_filter(&args).to_string()
+        };
+        assert_eq!(filter(&["serve", "--log-verbosity", "5"]), "debug");
+        assert_eq!(filter(&["serve", "--log-verbosity=1"]), "error");
+        assert_eq!(filter(&["serve", "--log-verbosity", "2"]), "warn");
+        assert_eq!(filter(&["serve", "--log-verbosity", "2", "-v"]), "debug");
+        assert_eq!(
+            filter(&["serve", "--log-verbosity", "5", "--log-disable"]),
+            "off"
         );
     }
 

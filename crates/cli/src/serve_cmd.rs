@@ -151,6 +151,14 @@ pub struct ServeArgs {
     /// No log messages.
     #[arg(long = "log-disable")]
     pub log_disable: bool,
+    /// Log threshold (`-lv`, llama.cpp's levels): 0-1 errors, 2 warnings, 3 warnings and the
+    /// request log (the default), 4-5 debug (read before parsing, see main).
+    #[arg(
+        long = "log-verbosity",
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    pub log_verbosity: Option<i64>,
     /// Keep the KV cache off the GPU (`-nkvo`): the model then runs on the CPU device (the
     /// device executor keeps K/V on the device).
     #[arg(long = "no-kv-offload")]

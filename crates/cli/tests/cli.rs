@@ -699,7 +699,7 @@ fn copied_llama_server_command_lines_run() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("/nonexistent/m.gguf"), "{err}");
     let notes = err.lines().filter(|l| l.starts_with("note: ")).count();
-    assert_eq!(notes, 13, "{err}");
+    assert_eq!(notes, 12, "{err}");
     for noted in [
         "--tensor-split (-ts)",
         "--numa",

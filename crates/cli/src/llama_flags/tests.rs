@@ -258,9 +258,10 @@ fn the_issues_command_lines_parse() {
         "--numa=isolate",
     ];
     let (a, notes) = serve(&words, &[]).unwrap();
+    assert_eq!(a.log_verbosity, Some(4));
     assert_eq!(
         notes.len(),
-        11,
+        10,
         "one note per flag that does not apply: {notes:?}"
     );
     assert_eq!(
