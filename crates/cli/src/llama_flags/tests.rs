@@ -221,42 +221,11 @@ fn the_issues_command_lines_parse() {
         notes[1].starts_with("--spec-draft-model (-md) does not apply"),
         "{notes:?}"
     );
-    let words = [
-        "-m",
-        "m.gguf",
-        "--override-kv",
-        "a=int:1",
-        "--no-context-shift",
-        "--numa",
-        "distribute",
-        "--threads-http",
-        "4",
-        "--log-file",
-        "x.log",
-        "-lv",
-        "4",
-        "--slot-save-path",
-        "/tmp",
-        "--grammar-file",
-        "g.gbnf",
-        "--swa-checkpoints",
-        "3",
-        "--lora",
-        "a.gguf",
-        "--mmproj",
-        "p.gguf",
-        "--control-vector-layer-range",
-        "1",
-        "2",
-        "--jinja",
-        "-fit",
-        "-fa",
-        "-np",
-        "-1",
-        "-rea",
-        "--ctx-size=4096",
-        "--numa=isolate",
-    ];
+    let line = "-m m.gguf --override-kv a=int:1 --no-context-shift --numa distribute \
+                --threads-http 4 --log-file x.log -lv 4 --slot-save-path /tmp --grammar-file g \
+                --swa-checkpoints 3 --lora a.gguf --mmproj p.gguf --control-vector-layer-range 1 2 \
+                --jinja -fit -fa -np -1 -rea --ctx-size=4096 --numa=isolate";
+    let words: Vec<&str> = line.split_whitespace().collect();
     let (a, notes) = serve(&words, &[]).unwrap();
     assert_eq!(a.log_verbosity, Some(4));
     assert_eq!(
