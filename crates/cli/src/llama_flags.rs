@@ -467,8 +467,9 @@ pub fn rewrite_serve(
         .collect();
     let mut out = ServeArgv::default();
     let mut noted: Vec<&'static str> = Vec::new();
-    for (from_env, word, value) in env_words(&on_command_line, &env)? {
-        apply(&mut out, &mut noted, &word, Some(value), Some(from_env));
+    for (var, flag, values) in env_flags(&on_command_line, &env)? {
+        let name = flag.long_name();
+        apply_values(&mut out, &mut noted, flag, name, values, Some(var));
     }
     let mut i = 0;
     while i < words.len() {
@@ -501,13 +502,16 @@ pub fn rewrite_serve(
     Ok(out)
 }
 
-/// The flags the environment sets: `(variable, flag, value)` for each row whose variable is
+/// A flag the environment sets: the variable, the flag, its values.
+type EnvFlag = (String, &'static LlamaFlag, Vec<String>);
+
+/// The flags the environment sets: `(variable, flag, values)` for each row whose variable is
 /// set (`HMOE_…` before `LLAMA_…`), unless a flag of the same variable is on the command line.
 /// Only `LLAMA_*` variables are read (not `HF_TOKEN`, which other tools share).
-fn env_words(
+fn env_flags(
     on_command_line: &[&str],
     env: &impl Fn(&str) -> Option<String>,
-) -> Result<Vec<(String, String, String)>, String> {
+) -> Result<Vec<EnvFlag>, String> {
     let mut out = Vec::new();
     for flag in LLAMA_SERVER_FLAGS {
         let Some(name) = flag.env.name() else {
@@ -530,11 +534,10 @@ fn env_words(
             "0" | "false" | "off" | "disabled" => Some(false),
             _ => None,
         };
-        let word = flag.names[flag.names.len() - 1].to_string();
         match (flag.env, truth) {
-            (Env::Value(_), _) => out.push((var, word, value)),
+            (Env::Value(_), _) => out.push((var, flag, vec![value])),
             (Env::IfTrue(_), Some(true)) | (Env::IfFalse(_), Some(false)) => {
-                out.push((var, word, String::new()))
+                out.push((var, flag, Vec::new()))
             }
             (Env::IfTrue(_) | Env::IfFalse(_), Some(_)) | (Env::No, _) => {}
             (Env::IfTrue(_) | Env::IfFalse(_), None) => {
@@ -545,20 +548,6 @@ fn env_words(
         }
     }
     Ok(out)
-}
-
-/// One flag the environment set (an empty value for a switch).
-fn apply(
-    out: &mut ServeArgv,
-    noted: &mut Vec<&'static str>,
-    word: &str,
-    value: Option<String>,
-    from_env: Option<String>,
-) {
-    if let Some((flag, _)) = lookup(word) {
-        let values = value.filter(|v| !v.is_empty()).into_iter().collect();
-        apply_values(out, noted, flag, word, values, from_env);
-    }
 }
 
 /// Rewrites one flag and its values, or notes it.
