@@ -118,6 +118,82 @@ fn log_filter(args: &[String]) -> tracing_subscriber::EnvFilter {
     tracing_subscriber::EnvFilter::new(filter)
 }
 
+/// Exits with clap's error, except for an unknown flag: clap suggests any flag that looks a
+/// little alike (it told `--numa` to try `--no-mmap`), so hmoe suggests only a near miss
+/// ([`near_miss`]) among the command's flags and, for `serve`, llama-server's.
+fn parse_error(e: clap::Error, args: &[String]) -> ! {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        e.exit()
+    };
+    if e.kind() != ErrorKind::UnknownArgument || !arg.starts_with('-') {
+        e.exit()
+    }
+    let top = <Cli as clap::CommandFactory>::command();
+    let name = args.iter().skip(1).find(|a| !a.starts_with('-'));
+    let command = name.and_then(|n| top.find_subcommand(n)).unwrap_or(&top);
+    let mut known: Vec<String> = Vec::new();
+    for a in command.get_arguments() {
+        known.extend(
+            a.get_long_and_visible_aliases()
+                .into_iter()
+                .flatten()
+                .map(|l| format!("--{l}")),
+        );
+        known.extend(a.get_short().map(|c| format!("-{c}")));
+    }
+    if command.get_name() == "serve" {
+        known.extend(
+            llama_flags::LLAMA_SERVER_FLAGS
+                .iter()
+                .flat_map(|f| f.names)
+                .map(|n| n.to_string()),
+        );
+    }
+    let flag = arg.split_once('=').map_or(arg.as_str(), |(f, _)| f);
+    eprintln!("error: unexpected argument '{arg}' found");
+    if let Some(m) = near_miss(flag, &known) {
+        eprintln!("\n  tip: a similar flag exists: '{m}'");
+    }
+    eprintln!("\nFor more information, try '--help'.");
+    std::process::exit(2)
+}
+
+/// The flag of `known` nearest to `flag` when it is a near miss: at most two edits (a swap of
+/// neighbours is one), and at most one per three letters.
+fn near_miss<'a>(flag: &str, known: &'a [String]) -> Option<&'a str> {
+    let letters = flag.trim_start_matches('-').chars().count();
+    (known.iter())
+        .map(|k| (edit_distance(flag, k), k))
+        .filter(|&(d, _)| d <= 2 && d * 3 <= letters)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, k)| k.as_str())
+}
+
+/// Insertions, deletions, substitutions and swaps of neighbours that turn `a` into `b`.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            d[i][j] = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d[i][j] = d[i][j].min(d[i - 2][j - 2] + 1);
+            }
+        }
+    }
+    d[a.len()][b.len()]
+}
+
 /// Whether the error is a write to a closed pipe (`hmoe inspect M | head`): the reader has
 /// what it wanted, so the command ends quietly.
 fn is_broken_pipe(e: &anyhow::Error) -> bool {
@@ -141,7 +217,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let mut cli = Cli::parse_from(args);
+    let mut cli = Cli::try_parse_from(&args).unwrap_or_else(|e| parse_error(e, &args));
     if let Some(Command::Serve(serve)) = &mut cli.command {
         serve.llama_notes = notes;
     }
@@ -237,6 +313,23 @@ mod tests {
             device_list(&hmoe_engine::Probed::default()),
             format!("Available devices:\n{ref0}")
         );
+    }
+
+    #[test]
+    fn suggestions_are_near_misses_only() {
+        let known: Vec<String> = ["--no-mmap", "--numa", "--ctx-size", "--top-p", "-ts"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(near_miss("--nmua", &known), Some("--numa"));
+        assert_eq!(near_miss("--ctx-sise", &known), Some("--ctx-size"));
+        assert_eq!(near_miss("--nummy", &known), None);
+        assert_eq!(
+            near_miss("-tz", &known),
+            None,
+            "one letter in two is no near miss"
+        );
+        assert_eq!(near_miss("--tensor-split-x", &known), None);
+        assert_eq!(edit_distance("abcd", "abdc"), 1);
     }
 
     #[test]
