@@ -134,6 +134,16 @@ fn the_table_is_llama_servers_help() {
         }
     }
     assert_eq!(spellings, in_table.len(), "a spelling in two rows");
+    // A switch's variable is a truth value; a valued flag's variable is its value.
+    for row in LLAMA_SERVER_FLAGS {
+        let switch = row.takes == super::Takes::Nothing;
+        let value_env = matches!(row.env, super::Env::Value(_));
+        assert!(
+            row.env == super::Env::No || switch != value_env,
+            "{:?}",
+            row.names
+        );
+    }
 }
 
 #[test]
