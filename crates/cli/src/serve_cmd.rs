@@ -58,7 +58,8 @@ pub struct ServeArgs {
     /// or several separated by commas. An empty key is an error.
     #[arg(long = "api-key", value_name = "KEY", value_delimiter = ',')]
     pub api_key: Vec<String>,
-    /// File with one API key per line (blank lines are skipped; a file with no key is an error).
+    /// File with one API key per line (blank lines and `#` comments are skipped, as in
+    /// llama-server; a file with no key is an error).
     #[arg(long = "api-key-file", value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Names the model answers to in the `model` field (comma separated); the first is listed.
@@ -240,7 +241,7 @@ impl ServeArgs {
             keys.extend(
                 text.lines()
                     .map(str::trim)
-                    .filter(|l| !l.is_empty())
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
                     .map(String::from),
             );
             if keys.len() == before {

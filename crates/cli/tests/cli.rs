@@ -523,7 +523,8 @@ fn an_api_key_file_without_keys_is_an_error() {
     let dir = std::env::temp_dir().join(format!("hmoe-keys-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("keys.txt");
-    std::fs::write(&f, "\n   \n\n").unwrap();
+    // Blank lines and `#` comments (as llama-server reads the file) are no keys.
+    std::fs::write(&f, "\n   \n# the keys\n\n").unwrap();
     let fs = f.display().to_string();
     fails_naming(
         &["serve", "-m", &tiny(), "--port", "0", "--api-key-file", &fs],
