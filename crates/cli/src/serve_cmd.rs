@@ -101,8 +101,8 @@ pub struct ServeArgs {
     /// default).
     #[arg(long = "reasoning", value_parser = ["on", "off", "auto"], default_value = "auto")]
     pub reasoning: String,
-    /// Thinking budget in tokens: -1 = unlimited, 0 = no thinking (as --reasoning off); other
-    /// values are not supported (as in llama-server).
+    /// Thinking budget in tokens: -1 = unlimited, 0 = no thinking (as --reasoning off); a
+    /// budget N > 0 is accepted with a note and thinking stays unlimited (hmoe does not cut it).
     #[arg(long = "reasoning-budget", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub reasoning_budget: i64,
     /// Where reasoning goes: none (left in content), auto or deepseek (reasoning_content).
@@ -251,6 +251,20 @@ impl ServeArgs {
         Ok(keys)
     }
 
+    /// The start-up notes: the llama-server flags that do not apply, and a thinking budget
+    /// that hmoe does not enforce.
+    fn notes(&self) -> Vec<String> {
+        let mut notes = self.llama_notes.clone();
+        if self.reasoning_budget > 0 {
+            notes.push(format!(
+                "--reasoning-budget {}: hmoe does not cut thinking at a budget; thinking is \
+                 unlimited (as -1)",
+                self.reasoning_budget
+            ));
+        }
+        notes
+    }
+
     /// How the file is loaded: `--load-mode`, with `--no-mmap` and `--mlock` added to it.
     pub(crate) fn load_options(&self) -> LoadOptions {
         let mode = self.load_mode.as_deref().unwrap_or("mmap");
@@ -360,8 +374,8 @@ impl ServeArgs {
             }
         }
         match (self.reasoning.as_str(), self.reasoning_budget) {
-            (_, b) if b != -1 && b != 0 => bail!(
-                "--reasoning-budget {b}: only -1 (unlimited) and 0 (no thinking) are supported"
+            (_, b) if b < -1 => bail!(
+                "--reasoning-budget {b}: -1 (unlimited), 0 (no thinking) or a number of tokens"
             ),
             ("on", 0) => bail!("--reasoning on contradicts --reasoning-budget 0"),
             ("off", _) | (_, 0) => {
@@ -399,7 +413,7 @@ impl ServeArgs {
 /// Runs `hmoe serve` until SIGINT/SIGTERM (or until the model fails to load).
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.config()?;
-    for note in &args.llama_notes {
+    for note in args.notes() {
         eprintln!("note: {note}");
     }
     let threads = match args.threads {
@@ -680,6 +694,18 @@ mod tests {
                 .is_err()
         );
         assert!(parse(&["-m", "x", "--flash-attn", "sometimes"])
+            .config()
+            .is_err());
+    }
+
+    #[test]
+    fn a_thinking_budget_is_accepted_with_a_note() {
+        let a = parse(&["-m", "x", "--reasoning-budget", "1024"]);
+        assert!(a.config().is_ok());
+        assert_eq!(a.notes().len(), 1);
+        assert!(a.notes()[0].contains("--reasoning-budget 1024"));
+        assert!(parse(&["-m", "x"]).notes().is_empty());
+        assert!(parse(&["-m", "x", "--reasoning-budget", "-2"])
             .config()
             .is_err());
     }

@@ -499,7 +499,7 @@ fn serve_flag_values_out_of_range_are_errors_naming_the_flag() {
         (&["--port", "-1"], "--port"),
         (&["--device", "CUDA7"], "--device"),
         (&["--api-key", ""], "--api-key"),
-        (&["--reasoning-budget", "100"], "--reasoning-budget"),
+        (&["--reasoning-budget", "-5"], "--reasoning-budget"),
         (
             &["--slot-prompt-similarity", "2"],
             "--slot-prompt-similarity",
