@@ -129,7 +129,8 @@ const NO: Env = Env::No;
 const AFFINITY: &str = "hmoe's -t threads are not pinned to CPUs and run at normal priority";
 const ROPE: &str = "hmoe uses the RoPE parameters the model file gives";
 const SAMPLER: &str = "the server's sampling defaults are --temp, --top-k, --top-p, --min-p, \
-                       --repeat-penalty, --repeat-last-n, -s and -n; requests set the rest";
+                       --repeat-penalty, --repeat-last-n, --presence-penalty, \
+                       --frequency-penalty, -s and -n; requests set the rest";
 const GRAMMAR: &str = "hmoe sets no server-wide grammar or schema";
 const DRAFT: &str = "hmoe has no speculative decoding: the model generates every token itself";
 const ADAPTER: &str = "hmoe loads no LoRA adapters or control vectors: the model runs as the \
@@ -255,8 +256,8 @@ pub const LLAMA_SERVER_FLAGS: &[LlamaFlag] = &[
     note(&["--typical", "--typical-p"], One, NO, SAMPLER),
     hmoe(&["--repeat-last-n"], One, NO, "--repeat-last-n"),
     hmoe(&["--repeat-penalty"], One, NO, "--repeat-penalty"),
-    note(&["--presence-penalty"], One, NO, SAMPLER),
-    note(&["--frequency-penalty"], One, NO, SAMPLER),
+    hmoe(&["--presence-penalty"], One, NO, "--presence-penalty"),
+    hmoe(&["--frequency-penalty"], One, NO, "--frequency-penalty"),
     note(&["--dry-multiplier"], One, NO, SAMPLER),
     note(&["--dry-base"], One, NO, SAMPLER),
     note(&["--dry-allowed-length"], One, NO, SAMPLER),

@@ -196,6 +196,20 @@ pub struct ServeArgs {
     /// Tokens the repetition penalty looks back over.
     #[arg(long = "repeat-last-n", default_value_t = 64)]
     pub repeat_last_n: usize,
+    /// Default presence penalty, subtracted once from each token already generated (0 = off).
+    #[arg(
+        long = "presence-penalty",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub presence_penalty: f32,
+    /// Default frequency penalty, subtracted per occurrence of a generated token (0 = off).
+    #[arg(
+        long = "frequency-penalty",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub frequency_penalty: f32,
     /// Default seed (-1 = a random seed per request).
     #[arg(short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
     pub seed: i64,
@@ -281,6 +295,8 @@ impl ServeArgs {
             ("--temp", self.temp as f64),
             ("--top-k", self.top_k),
             ("--repeat-penalty", self.repeat_penalty as f64),
+            ("--presence-penalty", self.presence_penalty as f64),
+            ("--frequency-penalty", self.frequency_penalty as f64),
         ];
         for (flag, v) in finite {
             if !v.is_finite() {
@@ -399,6 +415,8 @@ impl ServeArgs {
         s.params.min_p = self.min_p;
         s.params.repeat_penalty = self.repeat_penalty;
         s.params.repeat_last_n = self.repeat_last_n;
+        s.presence_penalty = self.presence_penalty;
+        s.frequency_penalty = self.frequency_penalty;
         s.random_seed = self.seed < 0;
         s.params.seed = self.seed.max(0) as u64;
         s.n_predict = (self.n_predict >= 0).then_some(self.n_predict as usize);
@@ -668,6 +686,19 @@ mod tests {
             (0, 1.0)
         );
         assert!(c.sampling.random_seed && c.metrics);
+        let p = parse(&[
+            "-m",
+            "x",
+            "--presence-penalty",
+            "1.5",
+            "--frequency-penalty",
+            "-0.5",
+        ]);
+        let p = p.config().unwrap().sampling;
+        assert_eq!((p.presence_penalty, p.frequency_penalty), (1.5, -0.5));
+        assert!(parse(&["-m", "x", "--presence-penalty", "nan"])
+            .config()
+            .is_err());
         assert_eq!(a.threads, Some(-1));
         assert_eq!(parse(&["-m", "x", "--flash-attn", "off"]).flash_attn, "off");
         assert_eq!(parse(&["-m", "x"]).flash_attn, "auto");

@@ -83,6 +83,10 @@ pub struct SamplingDefaults {
     pub random_seed: bool,
     /// Tokens to generate when a request does not say (`-n`); `None` = until the context ends.
     pub n_predict: Option<usize>,
+    /// `presence_penalty` when a request does not say (`--presence-penalty`; 0 = off).
+    pub presence_penalty: f32,
+    /// `frequency_penalty` when a request does not say (`--frequency-penalty`; 0 = off).
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingDefaults {
@@ -91,6 +95,8 @@ impl Default for SamplingDefaults {
             params: SamplerParams::default(),
             random_seed: true,
             n_predict: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }

@@ -293,8 +293,8 @@ pub fn gen_params(
         }
     }
     let adjust = LogitAdjust {
-        presence: f.f32("presence_penalty")?.unwrap_or(0.0),
-        frequency: f.f32("frequency_penalty")?.unwrap_or(0.0),
+        presence: (f.f32("presence_penalty")?).unwrap_or(defaults.presence_penalty),
+        frequency: (f.f32("frequency_penalty")?).unwrap_or(defaults.frequency_penalty),
         bias: logit_bias(f.value("logit_bias"), tok)?,
     };
     let grammar = constraint(f, flavor, tok, tool_format)?;
