@@ -32,7 +32,8 @@ pub struct PreparedChat {
 
 /// How a route's request becomes a chat request (OpenAI chat fields): the chat route's own
 /// body as it is, another API's converted.
-pub type ToChat = for<'a> fn(&'a Map<String, Value>) -> Result<Cow<'a, Map<String, Value>>, ApiError>;
+pub type ToChat =
+    for<'a> fn(&'a Map<String, Value>) -> Result<Cow<'a, Map<String, Value>>, ApiError>;
 
 /// Takes the model named by the body's `model`, turns the body into a chat request with
 /// `to_chat`, renders it and reads its generation settings. Everything that takes time in

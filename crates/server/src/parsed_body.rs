@@ -103,11 +103,7 @@ impl ParseBudget {
         } else {
             parse_body(&bytes)?
         };
-        Ok(ParsedBody(Arc::new(Tree {
-            map,
-            permit,
-            large,
-        })))
+        Ok(ParsedBody(Arc::new(Tree { map, permit, large })))
     }
 }
 
@@ -178,7 +174,11 @@ mod tests {
         // A body larger than the whole budget takes all of it, not more.
         assert!(budget.parse(body(5 << 20)).await.is_ok());
         // Malformed bodies are 400 and give their share back.
-        let e = budget.parse(Bytes::from(vec![b'['; 2 << 20])).await.err().unwrap();
+        let e = budget
+            .parse(Bytes::from(vec![b'['; 2 << 20]))
+            .await
+            .err()
+            .unwrap();
         assert_eq!(e.status.as_u16(), 400);
         assert!(budget.parse(body(2 << 20)).await.is_ok());
     }

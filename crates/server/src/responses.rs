@@ -609,10 +609,16 @@ mod tests {
             );
         }
         // An empty input names 'input', the field the client sent, never 'messages'.
-        for b in [json!({"input": []}), json!({"input": [], "instructions": "x"})] {
+        for b in [
+            json!({"input": []}),
+            json!({"input": [], "instructions": "x"}),
+        ] {
             let e = chat_request(b.as_object().unwrap()).unwrap_err();
             let text = e.message;
-            assert!(text.contains("'input'") && !text.contains("messages"), "{text}");
+            assert!(
+                text.contains("'input'") && !text.contains("messages"),
+                "{text}"
+            );
         }
     }
 }

@@ -425,5 +425,8 @@ fn small_defects_answer_as_llama_server() {
     let r = post(a, "/v1/responses", &json!({"input": []}));
     assert_eq!(r.status, 400, "{}", r.body);
     let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
-    assert!(msg.contains("'input'") && !msg.contains("messages"), "{msg}");
+    assert!(
+        msg.contains("'input'") && !msg.contains("messages"),
+        "{msg}"
+    );
 }

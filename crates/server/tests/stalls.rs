@@ -99,7 +99,10 @@ fn large_bodies_do_not_stall_health() {
         }
     }
     eprintln!("/health: slowest of {polls} answers {worst:?}");
-    assert!(polls >= 3, "the large requests ended too soon to measure ({polls} polls)");
+    assert!(
+        polls >= 3,
+        "the large requests ended too soon to measure ({polls} polls)"
+    );
     assert!(
         worst < Duration::from_millis(100),
         "/health took {worst:?} while large bodies were parsed"
