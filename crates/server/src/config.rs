@@ -116,10 +116,10 @@ pub struct Limits {
     pub timeout: Duration,
     /// Largest request body in bytes; larger ones get 413.
     pub max_body: usize,
-    /// Bytes of large request bodies (over [`crate::parsed_body::SMALL_BODY`]) parsed and held
-    /// as JSON at once (`--parse-budget`): a parsed body takes up to about 40 times its size,
-    /// so this bounds that memory. A body beyond it waits, at most [`Limits::timeout`], then
-    /// gets 503. A body larger than the budget takes all of it.
+    /// Bytes of request bodies over [`crate::parsed_body::SMALL_BODY`] parsed and held as JSON
+    /// at once, and as much again for smaller ones (`--parse-budget`): a parsed body takes up
+    /// to about 40 times its size, so this bounds that memory. A body beyond it waits, at most
+    /// [`Limits::timeout`], then gets 503. A body larger than the budget takes all of it.
     pub parse_budget: usize,
 }
 

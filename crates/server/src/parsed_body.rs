@@ -6,13 +6,12 @@
 //! answer every connection (`/health` among them), and so is the work that reads a large body
 //! (tokenizing a prompt, rendering a chat template).
 //!
-//! Bodies over [`SMALL_BODY`] also share a budget ([`crate::config::Limits::parse_budget`],
-//! `--parse-budget`): a large body takes its size from the budget before it is parsed and gives
-//! it back when its tree is dropped, so that the trees held at once stay within about
-//! 40 × the budget. A body that finds the budget taken waits for it, at most `--timeout`, then
-//! gets 503 naming the limit. Smaller bodies are not counted (they cost at most a few MiB each,
-//! and [`crate::config::Limits::max_connections`] bounds how many there are), so a large upload
-//! never holds up an ordinary request.
+//! Bodies also share a budget ([`crate::config::Limits::parse_budget`], `--parse-budget`): a
+//! body takes its size from the budget before it is parsed and gives it back when its tree is
+//! dropped, so that the trees held at once stay within about 40 × the budget. Bodies over
+//! [`SMALL_BODY`] and smaller ones have a budget each (of that size), so that large uploads
+//! never hold up ordinary requests. A body that finds its budget taken waits for it, at most
+//! `--timeout`, then gets 503 naming the limit; a body larger than the budget takes all of it.
 
 use std::ops::Deref;
 use std::sync::Arc;
@@ -25,7 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::error::ApiError;
 use crate::params::parse_body;
 
-/// Bodies up to this size are parsed without taking from the parse budget.
+/// Bodies up to this size take from a budget of their own (see the module's text).
 pub const SMALL_BODY: usize = 1 << 20;
 
 /// Bodies up to this size are parsed on the async worker that received them (a millisecond or
@@ -47,46 +46,52 @@ where
         .map_err(|e| ApiError::internal(format!("a request's work stopped: {e}")))?
 }
 
-/// The bytes of large request bodies that may be parsed and held as JSON trees at once.
+/// The bytes of request bodies that may be parsed and held as JSON trees at once: as much
+/// for bodies over [`SMALL_BODY`] as for smaller ones.
 pub struct ParseBudget {
-    units: Arc<Semaphore>,
+    large: Arc<Semaphore>,
+    small: Arc<Semaphore>,
     total: u32,
     wait: Duration,
 }
 
 impl ParseBudget {
-    /// A budget of `bytes` (at least one unit); a body waits at most `wait` for its share.
+    /// A budget of `bytes` (at least one unit) each for large and small bodies; a body waits at
+    /// most `wait` for its share.
     pub fn new(bytes: usize, wait: Duration) -> ParseBudget {
         let total = (bytes / UNIT).clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize)) as u32;
         ParseBudget {
-            units: Arc::new(Semaphore::new(total as usize)),
+            large: Arc::new(Semaphore::new(total as usize)),
+            small: Arc::new(Semaphore::new(total as usize)),
             total,
             wait,
         }
     }
 
-    /// The budget in bytes.
+    /// The budget in bytes (for large bodies; as much again for small ones).
     pub fn bytes(&self) -> usize {
         self.total as usize * UNIT
     }
 
     /// The share of a body of `len` bytes: its size in units, the whole budget at most.
     fn share(&self, len: usize) -> u32 {
-        (len.div_ceil(UNIT)).min(self.total as usize) as u32
+        len.div_ceil(UNIT).clamp(1, self.total as usize) as u32
     }
 
-    /// Waits for a body's share of the budget (none for a small body).
-    async fn take(&self, len: usize) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
-        if len <= SMALL_BODY {
-            return Ok(None);
-        }
-        let wanted = self.units.clone().acquire_many_owned(self.share(len));
+    /// Waits for a body's share of its budget.
+    async fn take(&self, len: usize) -> Result<OwnedSemaphorePermit, ApiError> {
+        let (pool, which) = match len > SMALL_BODY {
+            true => (&self.large, "over"),
+            false => (&self.small, "up to"),
+        };
+        let wanted = pool.clone().acquire_many_owned(self.share(len));
         match tokio::time::timeout(self.wait, wanted).await {
-            Ok(Ok(p)) => Ok(Some(p)),
+            Ok(Ok(p)) => Ok(p),
             // The semaphore is never closed.
             Ok(Err(_)) | Err(_) => Err(ApiError::unavailable(format!(
-                "large request bodies being parsed fill the parse budget of {} MiB \
+                "request bodies {which} {} MiB being parsed fill their parse budget of {} MiB \
                  (--parse-budget) and stayed so for {} s (--timeout); try again later",
+                SMALL_BODY >> 20,
                 self.bytes() >> 20,
                 self.wait.as_secs()
             ))),
@@ -103,7 +108,11 @@ impl ParseBudget {
         } else {
             parse_body(&bytes)?
         };
-        Ok(ParsedBody(Arc::new(Tree { map, permit, large })))
+        Ok(ParsedBody(Arc::new(Tree {
+            map,
+            permit: Some(permit),
+            large,
+        })))
     }
 }
 
@@ -157,9 +166,17 @@ mod tests {
         let budget = ParseBudget::new(3 << 20, Duration::from_millis(200));
         let a = budget.parse(body(2 << 20)).await.unwrap();
         assert_eq!(a["x"].as_str().unwrap().len(), (2 << 20) - 8);
-        // Small bodies are never held up.
+        // Small bodies are never held up by large ones, but have a budget of their own.
         let small = budget.parse(body(1000)).await.unwrap();
         assert!(small.contains_key("x"));
+        drop(small);
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(budget.parse(body(SMALL_BODY)).await.unwrap());
+        }
+        let e = budget.parse(body(SMALL_BODY)).await.err().unwrap();
+        assert!(e.message.contains("up to 1 MiB"), "{}", e.message);
+        drop(held);
         // A second large body does not fit beside the first: it waits, then gets 503.
         let e = budget.parse(body(2 << 20)).await.err().unwrap();
         assert_eq!(e.status.as_u16(), 503);
