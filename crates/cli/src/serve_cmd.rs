@@ -28,8 +28,9 @@ Limits (every resource a client controls is bounded):
   request body       64 MiB (413), sent within --timeout seconds (600; else 408)
   parsing bodies     bodies over 1 MiB share --parse-budget MiB (64) while parsed and held
                      (~40x their size in memory), smaller ones as much again; beyond it a
-                     body waits, at most --timeout, then 503. Parsing, tokenizing and template rendering run off the
-                     connection threads, so /health answers whatever the bodies
+                     body waits, at most --timeout, then 503. Parsing, tokenizing and
+                     template rendering run off the connection threads, so /health
+                     answers whatever the bodies
   stopping           SIGINT/SIGTERM: generations stop at once, open responses get 1 s, the
                      process exits within about 2 s whatever the load
   response           a client that reads nothing for --timeout seconds is dropped (its
