@@ -146,7 +146,10 @@ async fn complete(st: &AppState, req: ParsedBody, flavor: Flavor) -> Res {
     let tok = lease.host.tokenizer.clone();
     let config = st.config.clone();
     let (prompt, mut gen) = blocking(move || {
-        let prompt = prompt_tokens(req.get("prompt"), &tok)?;
+        let prompt = match req.ids("prompt") {
+            Some(ids) => ids.to_vec(),
+            None => prompt_tokens(req.get("prompt"), &tok)?,
+        };
         let gen = gen_params(&Fields(&req), &config.sampling, flavor, &tok, None)?;
         Ok((prompt, gen))
     })
@@ -223,7 +226,17 @@ async fn detokenize(State(st): St, body: Bytes) -> Res {
     let tok = lease.host.tokenizer.clone();
     let content = blocking(move || {
         let ids: Vec<u32> = match Fields(&req).value("tokens") {
-            None => Vec::new(),
+            None => match req.ids("tokens") {
+                Some(ids) => match ids.iter().find(|&&i| i as usize >= tok.n_vocab()) {
+                    Some(i) => {
+                        return Err(ApiError::bad_request(format!(
+                            "'tokens' holds {i}, which is not a token id of this model"
+                        )))
+                    }
+                    None => ids.to_vec(),
+                },
+                None => Vec::new(),
+            },
             Some(Value::Array(a)) => a
                 .iter()
                 .map(|v| {

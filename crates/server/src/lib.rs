@@ -30,6 +30,7 @@ pub mod conn;
 pub mod content_blocks;
 pub mod error;
 pub mod guard;
+pub mod id_arrays;
 pub mod loader;
 pub mod metrics;
 pub mod model_host;

@@ -15,19 +15,6 @@ use crate::output::OutputKind;
 use crate::sampling::LogitAdjust;
 use crate::scheduler::JobSpec;
 
-/// Parses a request body as a JSON object.
-pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(bytes) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::bad_request(
-            "the request body must be a JSON object",
-        )),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "Invalid JSON in the request body: {e}"
-        ))),
-    }
-}
-
 /// Typed access to the fields of a request object.
 pub struct Fields<'a>(pub &'a Map<String, Value>);
 

@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::ApiError;
-use crate::params::parse_body;
+use crate::id_arrays::CompactBody;
 
 /// Bodies up to this size take from a budget of their own (see the module's text).
 pub const SMALL_BODY: usize = 1 << 20;
@@ -103,26 +103,50 @@ impl ParseBudget {
     pub async fn parse(&self, bytes: Bytes) -> Result<ParsedBody, ApiError> {
         let permit = self.take(bytes.len()).await?;
         let large = bytes.len() > SMALL_BODY;
-        let map = if bytes.len() > INLINE_PARSE {
+        let body = if bytes.len() > INLINE_PARSE {
             blocking(move || parse_body(&bytes)).await?
         } else {
             parse_body(&bytes)?
         };
         Ok(ParsedBody(Arc::new(Tree {
-            map,
+            body,
             permit: Some(permit),
             large,
         })))
     }
 }
 
+/// Parses a request body as a JSON object, its arrays of token ids compact (on the calling
+/// thread, with no budget: [`ParseBudget::parse`] is what the routes call).
+pub fn parse_body(bytes: &[u8]) -> Result<CompactBody, ApiError> {
+    serde_json::from_slice::<CompactBody>(bytes).map_err(|e| {
+        let object = bytes.trim_ascii_start().first() == Some(&b'{');
+        if e.classify() == serde_json::error::Category::Data && !object {
+            ApiError::bad_request("the request body must be a JSON object")
+        } else {
+            ApiError::bad_request(format!("Invalid JSON in the request body: {e}"))
+        }
+    })
+}
+
 /// A parsed request body: a JSON object, cheap to clone (for work on a blocking thread),
-/// holding its share of the parse budget while any clone lives.
+/// holding its share of the parse budget while any clone lives. Arrays of token ids in
+/// `prompt` and `tokens` are kept apart, 4 bytes an id ([`ParsedBody::ids`]); the object
+/// holds every other field.
 #[derive(Clone)]
 pub struct ParsedBody(Arc<Tree>);
 
+impl ParsedBody {
+    /// The array of token ids `key` holds, if it holds one (then the object has no `key`).
+    pub fn ids(&self, key: &str) -> Option<&[u32]> {
+        (self.0.body.ids.iter())
+            .find(|(k, _)| k == key)
+            .map(|(_, ids)| ids.as_slice())
+    }
+}
+
 struct Tree {
-    map: Map<String, Value>,
+    body: CompactBody,
     permit: Option<OwnedSemaphorePermit>,
     large: bool,
 }
@@ -131,7 +155,7 @@ impl Deref for ParsedBody {
     type Target = Map<String, Value>;
 
     fn deref(&self) -> &Map<String, Value> {
-        &self.0.map
+        &self.0.body.map
     }
 }
 
@@ -142,10 +166,10 @@ impl Drop for Tree {
         if !self.large {
             return;
         }
-        let map = std::mem::take(&mut self.map);
+        let body = std::mem::take(&mut self.body);
         let permit = self.permit.take();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn_blocking(move || drop((map, permit)));
+            rt.spawn_blocking(move || drop((body, permit)));
         }
     }
 }

@@ -160,3 +160,38 @@ fn stop_is_quick_under_load() {
         b.join().unwrap();
     }
 }
+
+/// Arrays of token ids are read compactly and mean what they meant: a prompt of ids generates
+/// what its text does, ids outside the vocabulary are refused by `/detokenize`, and mixed or
+/// nested prompts are read as before.
+#[test]
+fn token_arrays_keep_their_meaning() {
+    let server = start(tiny_config());
+    let a = server.local_addr();
+    let ids = post(
+        a,
+        "/tokenize",
+        &json!({"content": "once upon a time", "add_special": true}),
+    )
+    .json()["tokens"]
+        .clone();
+    let greedy = |prompt: serde_json::Value| {
+        let r = post(
+            a,
+            "/completion",
+            &json!({"prompt": prompt, "n_predict": 6, "temperature": 0.0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["content"].as_str().unwrap().to_string()
+    };
+    let text = greedy(json!("once upon a time"));
+    assert_eq!(greedy(ids.clone()), text);
+    assert_eq!(greedy(json!([ids.clone()])), text);
+    let r = post(a, "/detokenize", &json!({"tokens": ids}));
+    assert_eq!(r.json()["content"], "once upon a time", "{}", r.body);
+    let r = post(a, "/detokenize", &json!({"tokens": [1, 99999999]}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("99999999"), "{}", r.body);
+    let r = post(a, "/completion", &json!({"prompt": [1, -2]}));
+    assert_eq!(r.status, 400, "{}", r.body);
+}
