@@ -26,6 +26,13 @@ Limits (every resource a client controls is bounded):
                      reserve that answers only /health, then the oldest reserve one is closed
   request headers    --header-timeout seconds (10), also the keep-alive idle time
   request body       64 MiB (413), sent within --timeout seconds (600; else 408)
+  parsing bodies     bodies over 1 MiB share --parse-budget MiB (64) while parsed and held
+                     (~40x their size in memory), smaller ones as much again; beyond it a
+                     body waits, at most --timeout, then 503. Parsing, tokenizing and
+                     template rendering run off the connection threads, so /health
+                     answers whatever the bodies
+  stopping           SIGINT/SIGTERM: generations stop at once, open responses get 1 s, the
+                     process exits within about 2 s whatever the load
   response           a client that reads nothing for --timeout seconds is dropped (its
                      generation cancelled)
   queued requests    --max-queue per model (256; then 503); router mode waits at most
@@ -135,6 +142,12 @@ pub struct ServeArgs {
     #[arg(long = "max-connections", value_name = "N", default_value_t = 512,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
+    /// MiB of request bodies over 1 MiB parsed and held as JSON at once, and as much again
+    /// for smaller ones: a parsed body takes up to about 40 times its size. A body beyond it
+    /// waits (at most --timeout, then 503); one larger than the budget takes all of it.
+    #[arg(long = "parse-budget", value_name = "MiB", default_value_t = 64,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 22))]
+    pub parse_budget: u64,
     /// Origins browsers may call from, comma separated (`*` = any, the default).
     #[arg(
         long = "cors-origins",
@@ -359,6 +372,7 @@ impl ServeArgs {
             max_connections: self.max_connections as usize,
             header_timeout: Duration::from_secs(self.header_timeout),
             timeout: Duration::from_secs(self.timeout),
+            parse_budget: (self.parse_budget as usize) << 20,
             ..Limits::default()
         };
         config.engine.n_parallel = a.parallel as usize;

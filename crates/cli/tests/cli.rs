@@ -627,6 +627,8 @@ fn llama_server_flags_are_accepted() {
         "64",
         "--header-timeout",
         "5",
+        "--parse-budget",
+        "128",
     ];
     let out = hmoe_within(&args, Duration::from_secs(20));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -702,6 +704,8 @@ fn help_documents_the_bounds() {
         "--max-queue",
         "at most 512",
         "64 MiB",
+        "--parse-budget",
+        "SIGTERM",
     ] {
         assert!(help.contains(needle), "`hmoe serve --help` lacks {needle}");
     }

@@ -96,3 +96,43 @@ fn bad_command_lines_fail_clearly() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/model.gguf"));
     let _ = std::io::stdout().flush();
 }
+
+/// SIGTERM ends `hmoe serve` within 2 s while generations stream and large bodies are being
+/// parsed (before, it waited for every open response and for blocking work: 6 s and more).
+#[test]
+fn sigterm_exits_within_two_seconds_under_load() {
+    use std::io::Read;
+    use std::net::TcpStream;
+    let model = fixtures().join("gpt-oss/gptoss-tiny.gguf");
+    let mut s = serve(&["-m", model.to_str().unwrap(), "-c", "8192", "-np", "2"]);
+    let send = |path: &str, body: &[u8]| {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        c.write_all(head.as_bytes()).unwrap();
+        c.write_all(body).unwrap();
+        c
+    };
+    let long = br#"{"prompt": "once upon a time", "n_predict": 100000, "ignore_eos": true, "stream": true}"#;
+    let mut streams: Vec<TcpStream> = (0..2).map(|_| send("/completion", long)).collect();
+    for c in &mut streams {
+        let mut buf = [0u8; 256];
+        assert!(c.read(&mut buf).unwrap() > 0, "the stream started");
+    }
+    let mut big = b"{\"prompt\":[1".to_vec();
+    while big.len() < 16 << 20 {
+        big.extend_from_slice(b",1");
+    }
+    big.extend_from_slice(b"]}");
+    let parsing: Vec<TcpStream> = (0..2).map(|_| send("/completion", &big)).collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (took, status) = s.terminate();
+    assert!(status.success(), "{status}: {}", s.stderr());
+    assert!(
+        took < std::time::Duration::from_secs(2),
+        "SIGTERM took {took:?} to end the server"
+    );
+    drop((streams, parsing));
+}

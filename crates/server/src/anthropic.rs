@@ -6,6 +6,7 @@
 //! and `tool_use` blocks, streamed as the named events (`message_start`, `content_block_*`,
 //! `message_delta`, `message_stop`) the `anthropic` package's `messages.stream` reads.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -14,22 +15,22 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use crate::chat_render::{prepare_chat, render_chat};
+use crate::chat_render::{chat_prompt, prepare_chat, ToChat};
 use crate::content_blocks::{
     arguments_object, copy_shared_fields, function_tool, run_blocks, Block, BlockApi, BlockEvent,
     BlockKind, Blocks, Sent,
 };
 use crate::error::ApiError;
 use crate::oai::random_id;
-use crate::params::{parse_body, Fields};
+use crate::params::Fields;
 use crate::scheduler::{Finish, Summary};
 use crate::state::AppState;
 
 /// `POST /v1/messages`.
 pub async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let req = parse_body(&body)?;
-    let chat = chat_request(&req, true)?;
-    let p = prepare_chat(&st, Fields(&req).str("model")?, &chat).await?;
+    let req = st.bodies.parse(body).await?;
+    let p = prepare_chat(&st, &req, |r| chat_request(r, true).map(Cow::Owned)).await?;
+    drop(req);
     let api = MessagesApi {
         id: random_id("msg_"),
         model: p.lease.host.id.clone(),
@@ -43,16 +44,10 @@ pub async fn count_tokens(
     State(st): State<Arc<AppState>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let req = parse_body(&body)?;
-    let chat = chat_request(&req, false)?;
-    let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
-    let (text, _, _) = render_chat(&st, &lease, &chat)?;
-    let n = lease
-        .host
-        .chat()?
-        .tokenize(&lease.host.tokenizer, &text)?
-        .len();
-    Ok(Json(json!({"input_tokens": n})).into_response())
+    let req = st.bodies.parse(body).await?;
+    let to_chat: ToChat = |r| chat_request(r, false).map(Cow::Owned);
+    let (_, n) = chat_prompt(&st, &req, to_chat, true).await?;
+    Ok(Json(json!({"input_tokens": n.unwrap_or(0)})).into_response())
 }
 
 /// Text of an Anthropic content value (a string or `text` blocks).

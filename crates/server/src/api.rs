@@ -1,5 +1,6 @@
 //! HTTP routes (llama-server's paths) and the API-key / CORS middleware.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,12 +17,13 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Map, Value};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use crate::chat_render::{prepare_chat, render_chat};
+use crate::chat_render::{chat_prompt, prepare_chat};
 use crate::error::ApiError;
 use crate::metrics;
 use crate::oai::Responder;
 use crate::output::OutputKind;
-use crate::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor, GenParams};
+use crate::params::{gen_params, prompt_tokens, Fields, Flavor, GenParams};
+use crate::parsed_body::{blocking, ParsedBody};
 use crate::registry::Lease;
 use crate::state::AppState;
 
@@ -92,7 +94,7 @@ fn named_model(req: &Map<String, Value>) -> Result<&str, ApiError> {
 }
 
 async fn load_model(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
+    let req = st.bodies.parse(body).await?;
     let name = named_model(&req)?;
     if !st.registry.is_router() {
         return Err(ApiError::not_supported(
@@ -104,20 +106,21 @@ async fn load_model(State(st): St, body: Bytes) -> Res {
 }
 
 async fn unload_model(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
+    let req = st.bodies.parse(body).await?;
     let name = named_model(&req)?;
     st.registry.unload(name).await?;
     Ok(Json(json!({"success": true})).into_response())
 }
 
 async fn chat(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
-    let p = prepare_chat(&st, Fields(&req).str("model")?, &req).await?;
+    let req = st.bodies.parse(body).await?;
+    let p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
+    drop(req);
     run(p.lease, Flavor::Chat, p.prompt, p.gen, p.output).await
 }
 
 async fn completions(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
+    let req = st.bodies.parse(body).await?;
     let f = Fields(&req);
     if f.bool("echo")? == Some(true) {
         return Err(ApiError::bad_request("'echo' is not supported"));
@@ -128,21 +131,29 @@ async fn completions(State(st): St, body: Bytes) -> Res {
     if f.i64("best_of")?.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only 'best_of': 1 is supported"));
     }
-    complete(&st, &req, Flavor::Completion).await
+    complete(&st, req, Flavor::Completion).await
 }
 
 async fn native_completion(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
-    complete(&st, &req, Flavor::Native).await
+    let req = st.bodies.parse(body).await?;
+    complete(&st, req, Flavor::Native).await
 }
 
-/// Runs the text completion of the request's `prompt` (OpenAI's or llama.cpp's route).
-async fn complete(st: &AppState, req: &Map<String, Value>, flavor: Flavor) -> Res {
-    let f = Fields(req);
-    let lease = st.registry.acquire(f.str("model")?).await?;
+/// Runs the text completion of the request's `prompt` (OpenAI's or llama.cpp's route); the
+/// prompt is tokenized on a blocking thread, and the body is dropped before generation.
+async fn complete(st: &AppState, req: ParsedBody, flavor: Flavor) -> Res {
+    let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
-    let prompt = prompt_tokens(req.get("prompt"), &tok)?;
-    let mut gen = gen_params(&f, &st.config.sampling, flavor, &tok, None)?;
+    let config = st.config.clone();
+    let (prompt, mut gen) = blocking(move || {
+        let prompt = match req.ids("prompt") {
+            Some(ids) => ids.to_vec(),
+            None => prompt_tokens(req.get("prompt"), &tok)?,
+        };
+        let gen = gen_params(&Fields(&req), &config.sampling, flavor, &tok, None)?;
+        Ok((prompt, gen))
+    })
+    .await?;
     gen.compile(&lease.host).await?;
     run(lease, flavor, prompt, gen, OutputKind::Text).await
 }
@@ -186,19 +197,22 @@ async fn run(
 }
 
 async fn tokenize(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
-    let f = Fields(&req);
-    let lease = st.registry.acquire(f.str("model")?).await?;
-    let tok = &lease.host.tokenizer;
-    let content = f
-        .str("content")?
-        .ok_or_else(|| ApiError::bad_request("'content' (a string) is required"))?;
-    let add_special = f.bool("add_special")?.unwrap_or(false);
-    let parse_special = f.bool("parse_special")?.unwrap_or(true);
-    let ids = tok
-        .encode(content, add_special, parse_special)
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let with_pieces = f.bool("with_pieces")?.unwrap_or(false);
+    let req = st.bodies.parse(body).await?;
+    let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
+    let tok = lease.host.tokenizer.clone();
+    let (ids, with_pieces) = blocking(move || {
+        let f = Fields(&req);
+        let content = f
+            .str("content")?
+            .ok_or_else(|| ApiError::bad_request("'content' (a string) is required"))?;
+        let add_special = f.bool("add_special")?.unwrap_or(false);
+        let parse_special = f.bool("parse_special")?.unwrap_or(true);
+        let ids = tok
+            .encode(content, add_special, parse_special)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok((ids, f.bool("with_pieces")?.unwrap_or(false)))
+    })
+    .await?;
     Ok(crate::pieces::tokens_response(
         lease.host.tokenizer.clone(),
         ids,
@@ -207,38 +221,50 @@ async fn tokenize(State(st): St, body: Bytes) -> Res {
 }
 
 async fn detokenize(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
-    let f = Fields(&req);
-    let lease = st.registry.acquire(f.str("model")?).await?;
-    let tok = &lease.host.tokenizer;
-    let ids: Vec<u32> = match f.value("tokens") {
-        None => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .filter(|&i| (i as usize) < tok.n_vocab())
-                    .map(|i| i as u32)
-                    .ok_or_else(|| {
-                        ApiError::bad_request(format!(
-                            "'tokens' holds {v}, which is not a token id of this model"
-                        ))
-                    })
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "'tokens' must be an array of token ids",
-            ))
-        }
-    };
-    Ok(Json(json!({"content": tok.decode_lossy(&ids)})).into_response())
+    let req = st.bodies.parse(body).await?;
+    let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
+    let tok = lease.host.tokenizer.clone();
+    let content = blocking(move || {
+        let ids: Vec<u32> = match Fields(&req).value("tokens") {
+            None => match req.ids("tokens") {
+                Some(ids) => match ids.iter().find(|&&i| i as usize >= tok.n_vocab()) {
+                    Some(i) => {
+                        return Err(ApiError::bad_request(format!(
+                            "'tokens' holds {i}, which is not a token id of this model"
+                        )))
+                    }
+                    None => ids.to_vec(),
+                },
+                None => Vec::new(),
+            },
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .filter(|&i| (i as usize) < tok.n_vocab())
+                        .map(|i| i as u32)
+                        .ok_or_else(|| {
+                            ApiError::bad_request(format!(
+                                "'tokens' holds {v}, which is not a token id of this model"
+                            ))
+                        })
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "'tokens' must be an array of token ids",
+                ))
+            }
+        };
+        Ok(tok.decode_lossy(&ids))
+    })
+    .await?;
+    Ok(Json(json!({ "content": content })).into_response())
 }
 
 async fn apply_template(State(st): St, body: Bytes) -> Res {
-    let req = parse_body(&body)?;
-    let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
-    let (text, _, _) = render_chat(&st, &lease, &req)?;
+    let req = st.bodies.parse(body).await?;
+    let (text, _) = chat_prompt(&st, &req, |r| Ok(Cow::Borrowed(r)), false).await?;
     Ok(Json(json!({ "prompt": text })).into_response())
 }
 

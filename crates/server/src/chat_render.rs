@@ -2,13 +2,18 @@
 //! template, its reasoning format and template variables read, and the prompt tokenized with
 //! the generation settings ready to run.
 
+use std::borrow::Cow;
+
 use hmoe_chat::ReasoningFormat;
 use serde_json::{Map, Value};
 
 use crate::chat_messages::{normalize_messages, normalize_tools};
+use crate::config::ServerConfig;
 use crate::error::ApiError;
+use crate::model_host::ModelHost;
 use crate::output::OutputKind;
 use crate::params::{gen_params, Fields, Flavor, GenParams};
+use crate::parsed_body::{blocking, ParsedBody};
 use crate::registry::Lease;
 use crate::state::AppState;
 
@@ -25,35 +30,72 @@ pub struct PreparedChat {
     pub output: OutputKind,
 }
 
-/// Takes the model named by `model`, renders the chat request `req` (OpenAI chat fields) and
-/// reads its generation settings.
+/// How a route's request becomes a chat request (OpenAI chat fields): the chat route's own
+/// body as it is, another API's converted.
+pub type ToChat =
+    for<'a> fn(&'a Map<String, Value>) -> Result<Cow<'a, Map<String, Value>>, ApiError>;
+
+/// Takes the model named by the body's `model`, turns the body into a chat request with
+/// `to_chat`, renders it and reads its generation settings. Everything that takes time in
+/// proportion to the body (conversion, template, tokenizer) runs on a blocking thread.
 pub async fn prepare_chat(
     st: &AppState,
-    model: Option<&str>,
-    req: &Map<String, Value>,
+    req: &ParsedBody,
+    to_chat: ToChat,
 ) -> Result<PreparedChat, ApiError> {
-    let lease = st.registry.acquire(model).await?;
-    let (text, format, tools) = render_chat(st, &lease, req)?;
+    let lease = st.registry.acquire(Fields(req).str("model")?).await?;
     let host = lease.host.clone();
-    let chat = host.chat()?;
-    // As llama-server: several calls may follow one another unless the request says not.
-    let parallel = Fields(req).bool("parallel_tool_calls")?.unwrap_or(true);
-    let prompt = chat.tokenize(&host.tokenizer, &text)?;
-    let mut gen = gen_params(
-        &Fields(req),
-        &st.config.sampling,
-        Flavor::Chat,
-        &host.tokenizer,
-        chat.forced_tool_format(&host.tokenizer),
-    )?;
-    gen.compile(&host).await?;
-    let output = chat.output_kind(&text, format, tools.as_ref(), parallel);
+    let config = st.config.clone();
+    let body = req.clone();
+    let (prompt, mut gen, output) = blocking(move || {
+        let req = to_chat(&body)?;
+        let (text, format, tools) = render_chat(&config, &host, &req)?;
+        let chat = host.chat()?;
+        // As llama-server: several calls may follow one another unless the request says not.
+        let parallel = Fields(&req).bool("parallel_tool_calls")?.unwrap_or(true);
+        let prompt = chat.tokenize(&host.tokenizer, &text)?;
+        let gen = gen_params(
+            &Fields(&req),
+            &config.sampling,
+            Flavor::Chat,
+            &host.tokenizer,
+            chat.forced_tool_format(&host.tokenizer),
+        )?;
+        let output = chat.output_kind(&text, format, tools.as_ref(), parallel);
+        Ok((prompt, gen, output))
+    })
+    .await?;
+    gen.compile(&lease.host).await?;
     Ok(PreparedChat {
         lease,
         prompt,
         gen,
         output,
     })
+}
+
+/// The prompt `req` renders to (`to_chat` as in [`prepare_chat`]) and, with `count`, its
+/// length in tokens, made on a blocking thread.
+pub async fn chat_prompt(
+    st: &AppState,
+    req: &ParsedBody,
+    to_chat: ToChat,
+    count: bool,
+) -> Result<(String, Option<usize>), ApiError> {
+    let lease = st.registry.acquire(Fields(req).str("model")?).await?;
+    let host = lease.host.clone();
+    let config = st.config.clone();
+    let body = req.clone();
+    blocking(move || {
+        let req = to_chat(&body)?;
+        let (text, _, _) = render_chat(&config, &host, &req)?;
+        let n = match count {
+            true => Some(host.chat()?.tokenize(&host.tokenizer, &text)?.len()),
+            false => None,
+        };
+        Ok((text, n))
+    })
+    .await
 }
 
 fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
@@ -69,13 +111,13 @@ fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
 
 /// The prompt text of a chat request (template rendered), how to read its reasoning, and the
 /// tools the template was given (`None`: none, or `tool_choice` `"none"`).
-pub(crate) fn render_chat(
-    st: &AppState,
-    lease: &Lease,
+fn render_chat(
+    config: &ServerConfig,
+    host: &ModelHost,
     req: &Map<String, Value>,
 ) -> Result<(String, ReasoningFormat, Option<Value>), ApiError> {
     let f = Fields(req);
-    let chat = lease.host.chat()?;
+    let chat = host.chat()?;
     let messages = normalize_messages(req.get("messages"))?;
     let choice = f.value("tool_choice");
     match choice {
@@ -94,9 +136,9 @@ pub(crate) fn render_chat(
     let tools = normalize_tools(f.value("tools"), choice)?;
     let format = match f.str("reasoning_format")? {
         Some(s) => reasoning_format(s)?,
-        None => st.config.chat.reasoning_format,
+        None => config.chat.reasoning_format,
     };
-    let mut extra = st.config.chat.template_kwargs.clone();
+    let mut extra = config.chat.template_kwargs.clone();
     match f.value("chat_template_kwargs") {
         None => {}
         Some(Value::Object(kw)) => extra.extend(kw.clone()),

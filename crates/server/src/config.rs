@@ -104,7 +104,7 @@ impl Default for SamplingDefaults {
 /// Bounds on what clients can make the server hold (connections, time, bytes). The other
 /// input-controlled bounds live where they apply: threads (`hmoe_pool::MAX_THREADS`, via the
 /// CLI), queued requests ([`EngineConfig::max_queue`]), tokens to generate and prompt length
-/// (the slot's context), `n_probs` and stop strings (`MAX_PROBS` and `MAX_STOP` of the
+/// (the slot's context), parsed bodies ([`Limits::parse_budget`]), `n_probs` and stop strings (`MAX_PROBS` and `MAX_STOP` of the
 /// request parameters), pieces of `/tokenize` (streamed).
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -122,6 +122,11 @@ pub struct Limits {
     pub timeout: Duration,
     /// Largest request body in bytes; larger ones get 413.
     pub max_body: usize,
+    /// Bytes of request bodies over [`crate::parsed_body::SMALL_BODY`] parsed and held as JSON
+    /// at once, and as much again for smaller ones (`--parse-budget`): a parsed body takes up
+    /// to about 40 times its size, so this bounds that memory. A body beyond it waits, at most
+    /// [`Limits::timeout`], then gets 503. A body larger than the budget takes all of it.
+    pub parse_budget: usize,
 }
 
 impl Default for Limits {
@@ -131,6 +136,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(10),
             timeout: Duration::from_secs(600),
             max_body: 64 << 20,
+            parse_budget: 64 << 20,
         }
     }
 }

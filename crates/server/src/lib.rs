@@ -30,12 +30,14 @@ pub mod conn;
 pub mod content_blocks;
 pub mod error;
 pub mod guard;
+pub mod id_arrays;
 pub mod loader;
 pub mod metrics;
 pub mod model_host;
 pub mod oai;
 pub mod output;
 pub mod params;
+pub mod parsed_body;
 pub mod pieces;
 pub mod registry;
 pub mod request_log;
@@ -57,8 +59,15 @@ pub use error::{ApiError, ServerError};
 pub use loader::{cpu_loader, DevicePlacement, LoadedModel, ModelLoader, Placement};
 pub use sampling::{PickerFactory, TokenPicker};
 
-/// How long a stopping server waits for open responses to end.
-const DRAIN: Duration = Duration::from_secs(5);
+/// How long a stopping server waits for open responses to end (generations are stopped at
+/// once, so what remains is mostly bytes in flight).
+const DRAIN: Duration = Duration::from_secs(1);
+
+/// How long a stopping server then waits for work on blocking threads (a body being parsed, a
+/// prompt tokenized, a model loading) and for the models' workers to end, before it returns
+/// and leaves them to finish on their own: a stop (SIGTERM) takes at most about
+/// `DRAIN + 2 × LINGER`, whatever the load.
+const LINGER: Duration = Duration::from_millis(300);
 
 /// A server running on its own thread (with its own async runtime).
 pub struct RunningServer {
@@ -93,7 +102,7 @@ impl RunningServer {
                     .thread_name("hmoe-http")
                     .enable_all()
                     .build()?;
-                rt.block_on(async move {
+                let served = rt.block_on(async move {
                     let registry = match registry::Registry::new(Arc::new(config.clone())) {
                         Ok(r) => r,
                         Err(e) => {
@@ -115,7 +124,9 @@ impl RunningServer {
                     let local = listener.local_addr()?;
                     let _ = addr_tx.send(Ok(local));
                     serve(listener, config, registry, stop_rx, signals).await
-                })
+                });
+                rt.shutdown_timeout(LINGER);
+                served
             })?;
         let addr = addr_rx.recv().map_err(|_| {
             ServerError::Config("the server thread stopped before listening".into())
@@ -175,9 +186,9 @@ fn validate(config: &ServerConfig) -> Result<(), ServerError> {
         return Err(ServerError::Config("--parallel must be at least 1".into()));
     }
     let l = &config.limits;
-    if l.max_connections == 0 || l.max_body == 0 {
+    if l.max_connections == 0 || l.max_body == 0 || l.parse_budget == 0 {
         return Err(ServerError::Config(
-            "--max-connections and the body limit must be at least 1".into(),
+            "--max-connections, --parse-budget and the body limit must be at least 1".into(),
         ));
     }
     if l.header_timeout.is_zero() || l.timeout.is_zero() {
@@ -218,6 +229,7 @@ async fn serve(
     signals: bool,
 ) -> Result<(), ServerError> {
     let state = Arc::new(state::AppState {
+        bodies: parsed_body::ParseBudget::new(config.limits.parse_budget, config.limits.timeout),
         config: Arc::new(config),
         registry,
     });
@@ -266,9 +278,25 @@ async fn serve(
         _ = drained => tracing::warn!("some responses were still open when the server stopped"),
     }
     state.registry.shutdown();
+    release(state);
     let err = failure.lock().unwrap_or_else(|p| p.into_inner()).take();
     match err {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+/// Drops the server's state (each model's worker thread is joined, which waits for the step it
+/// is in) on a thread of its own, waiting at most [`LINGER`] for it.
+fn release(state: Arc<state::AppState>) {
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("hmoe-release".into())
+        .spawn(move || {
+            drop(state);
+            let _ = done_tx.send(());
+        });
+    if spawned.is_ok() {
+        let _ = done_rx.recv_timeout(LINGER);
     }
 }

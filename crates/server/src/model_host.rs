@@ -61,10 +61,22 @@ impl ModelHost {
 /// Opens a model file (its header and tensor table, checked against the file's size): what
 /// [`crate::RunningServer::start`] does before listening, so that a wrong `-m` fails at once.
 pub fn open_gguf(path: &Path, config: &ServerConfig) -> Result<GgufModel, ServerError> {
-    GgufModel::open(path, config.engine.load).map_err(|e| ServerError::Load {
+    let fail = |message: String| ServerError::Load {
         path: path.display().to_string(),
-        message: e.to_string(),
-    })
+        message,
+    };
+    // Opening a FIFO blocks until a writer comes, and a device is no model: only regular files
+    // (or links to them) are opened.
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            return Err(fail(
+                "not a regular file (a model must be a file, not a FIFO, socket or device)".into(),
+            ))
+        }
+        Err(e) => return Err(fail(e.to_string())),
+        Ok(_) => {}
+    }
+    GgufModel::open(path, config.engine.load).map_err(|e| fail(e.to_string()))
 }
 
 /// A model whose file, tokenizer, chat template and cache types have been checked, before its

@@ -379,7 +379,7 @@ impl Responder {
             "tokens_cached": s.n_cached,
             "stop_type": stop_type,
             "stopping_word": word,
-            "truncated": false,
+            "truncated": s.truncated,
             "timings": Self::timings(s),
         })
     }

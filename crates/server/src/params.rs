@@ -15,19 +15,6 @@ use crate::output::OutputKind;
 use crate::sampling::LogitAdjust;
 use crate::scheduler::JobSpec;
 
-/// Parses a request body as a JSON object.
-pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(bytes) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::bad_request(
-            "the request body must be a JSON object",
-        )),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "Invalid JSON in the request body: {e}"
-        ))),
-    }
-}
-
 /// Typed access to the fields of a request object.
 pub struct Fields<'a>(pub &'a Map<String, Value>);
 
@@ -201,10 +188,8 @@ pub fn gen_params(
         sampling.temperature = t;
     }
     if let Some(p) = f.f32("top_p")? {
-        if !(0.0..=1.0).contains(&p) {
-            return Err(ApiError::bad_request("'top_p' must be between 0 and 1"));
-        }
-        sampling.top_p = p;
+        // llama-server clamps: 1 or more keeps every token, 0 or less the likeliest one.
+        sampling.top_p = p.clamp(0.0, 1.0);
     }
     if let Some(k) = f.i64("top_k")? {
         sampling.top_k = k.max(0) as usize;
@@ -458,16 +443,22 @@ fn logit_bias(v: Option<&Value>, tok: &Tokenizer) -> Result<Vec<(u32, f32)>, Api
             _ => Err(bad()),
         }
     };
+    // A token id outside the vocabulary is ignored, as llama-server does.
+    let id = |i: i128| -> Vec<u32> {
+        match usize::try_from(i) {
+            Ok(i) if i < tok.n_vocab() => vec![i as u32],
+            _ => Vec::new(),
+        }
+    };
     let ids_of = |k: &Value| -> Result<Vec<u32>, ApiError> {
         match k {
-            Value::Number(n) => n
-                .as_u64()
-                .filter(|&i| (i as usize) < tok.n_vocab())
-                .map(|i| vec![i as u32])
-                .ok_or_else(bad),
-            Value::String(s) => match s.parse::<u32>() {
-                Ok(i) if (i as usize) < tok.n_vocab() => Ok(vec![i]),
-                Ok(_) => Err(bad()),
+            Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+                (Some(i), _) => Ok(id(i.into())),
+                (_, Some(u)) => Ok(id(u.into())),
+                _ => Err(bad()),
+            },
+            Value::String(s) => match s.parse::<i128>() {
+                Ok(i) => Ok(id(i)),
                 Err(_) => tok.encode(s, false, false).map_err(|_| bad()),
             },
             _ => Err(bad()),

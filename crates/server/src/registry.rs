@@ -59,7 +59,8 @@ fn is_gguf(path: &Path) -> bool {
 }
 
 /// The models of a directory: `*.gguf` files (a split set counts once, by its first shard) and
-/// sub-directories holding one model (named after the sub-directory).
+/// sub-directories holding one model (named after the sub-directory). Only regular files (or
+/// links to them) count: a FIFO or a device named `*.gguf` would block whoever opens it.
 pub fn scan_models_dir(dir: &Path) -> std::io::Result<BTreeMap<String, PathBuf>> {
     let mut out = BTreeMap::new();
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?
@@ -81,7 +82,7 @@ pub fn scan_models_dir(dir: &Path) -> std::io::Result<BTreeMap<String, PathBuf>>
                 out.entry(name.to_string_lossy().into_owned())
                     .or_insert_with(|| (*only).clone());
             }
-        } else if is_gguf(&path) && first_shard_or_whole(&path) {
+        } else if path.is_file() && is_gguf(&path) && first_shard_or_whole(&path) {
             out.entry(model_name(&path)).or_insert(path);
         }
     }
@@ -496,10 +497,14 @@ impl Registry {
                     "model '{name}' has requests in flight"
                 )));
             }
+            let Some(host) = e.host.take() else {
+                return Err(ApiError::bad_request(match e.status {
+                    Status::Loading => format!("model '{name}' is still loading"),
+                    _ => format!("model '{name}' is not loaded"),
+                }));
+            };
             e.status = Status::Unloaded;
-            e.host
-                .take()
-                .ok_or_else(|| ApiError::bad_request(format!("model '{name}' is not loaded")))?
+            host
         };
         let _ = tokio::task::spawn_blocking(move || drop(host)).await;
         d.released.notify_waiters();

@@ -6,6 +6,7 @@
 //! the `response.*` events the `openai` package's `responses.stream` reads. Nothing is stored:
 //! `previous_response_id` is refused.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -20,16 +21,16 @@ use crate::content_blocks::{
 };
 use crate::error::ApiError;
 use crate::oai::{random_id, unix_now};
-use crate::params::{parse_body, Fields};
+use crate::params::Fields;
 use crate::scheduler::{Finish, Summary};
 use crate::state::AppState;
 
 /// The route.
 pub async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let req = parse_body(&body)?;
-    let chat = chat_request(&req)?;
-    let p = prepare_chat(&st, Fields(&req).str("model")?, &chat).await?;
+    let req = st.bodies.parse(body).await?;
+    let p = prepare_chat(&st, &req, |r| chat_request(r).map(Cow::Owned)).await?;
     let api = ResponsesApi::new(&p.lease.host.id, &req);
+    drop(req);
     run_blocks(p.lease, p.prompt, p.gen, p.output, "call_", api).await
 }
 
@@ -195,6 +196,11 @@ fn chat_request(req: &Map<String, Value>) -> Result<Map<String, Value>, ApiError
     }
     match f.value("input") {
         Some(Value::String(s)) => conv.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(ApiError::bad_request(
+                "'input' must not be empty: give a string or at least one input item",
+            ))
+        }
         Some(Value::Array(items)) => {
             for (i, item) in items.iter().enumerate() {
                 conv.item(i, item)?;
@@ -600,6 +606,18 @@ mod tests {
                     .as_u16(),
                 400,
                 "{b}"
+            );
+        }
+        // An empty input names 'input', the field the client sent, never 'messages'.
+        for b in [
+            json!({"input": []}),
+            json!({"input": [], "instructions": "x"}),
+        ] {
+            let e = chat_request(b.as_object().unwrap()).unwrap_err();
+            let text = e.message;
+            assert!(
+                text.contains("'input'") && !text.contains("messages"),
+                "{text}"
             );
         }
     }

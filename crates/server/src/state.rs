@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::config::ServerConfig;
+use crate::parsed_body::ParseBudget;
 use crate::registry::Registry;
 
 /// What every handler shares.
@@ -11,4 +12,6 @@ pub struct AppState {
     pub config: Arc<ServerConfig>,
     /// The models.
     pub registry: Registry,
+    /// Large request bodies parsed at once.
+    pub bodies: ParseBudget,
 }

@@ -16,7 +16,8 @@ use common::*;
 use hmoe_grammar::Vocab;
 use hmoe_server::chat_format::ChatSetup;
 use hmoe_server::chat_messages::normalize_messages;
-use hmoe_server::params::{gen_params, parse_body, prompt_tokens, Fields, Flavor};
+use hmoe_server::params::{gen_params, prompt_tokens, Fields, Flavor};
+use hmoe_server::parsed_body::parse_body;
 use hmoe_server::SamplingDefaults;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -245,7 +246,8 @@ fn handle(
     defaults: &SamplingDefaults,
     reached: &mut Reached,
 ) {
-    let Ok(req) = parse_body(bytes) else { return };
+    let Ok(body) = parse_body(bytes) else { return };
+    let req = body.map;
     reached.parsed += 1;
     let f = Fields(&req);
     for flavor in [Flavor::Chat, Flavor::Completion, Flavor::Native] {

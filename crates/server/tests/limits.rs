@@ -375,3 +375,58 @@ fn a_client_that_stops_reading_is_dropped_after_the_timeout() {
     // The server goes on serving.
     assert_eq!(get(a, "/health").status, 200);
 }
+
+/// As llama-server: a generation the full context stops is `"truncated": true` (one that
+/// reaches `n_predict` is not); a `logit_bias` id outside the vocabulary is ignored and a
+/// `top_p` beyond [0, 1] clamped, not refused; an empty Responses `input` is named as such.
+#[test]
+fn small_defects_answer_as_llama_server() {
+    let mut c = tiny_config();
+    c.engine.n_ctx = 1024;
+    c.engine.n_parallel = 4;
+    let server = start(c);
+    let a = server.local_addr();
+    let full = post(
+        a,
+        "/completion",
+        &json!({"prompt": "hello", "n_predict": 5000, "ignore_eos": true}),
+    );
+    assert_eq!(full.status, 200, "{}", full.body);
+    let j = full.json();
+    assert_eq!(j["truncated"], true, "{j}");
+    assert_eq!(j["stop_type"], "limit");
+    let short = post(
+        a,
+        "/completion",
+        &json!({"prompt": "hello", "n_predict": 3, "ignore_eos": true}),
+    );
+    assert_eq!(short.json()["truncated"], false, "{}", short.body);
+    for extra in [
+        json!({"logit_bias": {"999999999": 5}}),
+        json!({"logit_bias": {"-3": 5, "7": -1}}),
+        json!({"logit_bias": [[999999999, 5], [-1, false]]}),
+        json!({"top_p": 1.5}),
+        json!({"top_p": -0.5}),
+    ] {
+        let mut body = json!({"prompt": "hello", "n_predict": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = post(a, "/completion", &body);
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+    }
+    // Still refused: a bias that is not a number.
+    let r = post(
+        a,
+        "/completion",
+        &json!({"prompt": "hello", "logit_bias": {"5": "x"}}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = post(a, "/v1/responses", &json!({"input": []}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(
+        msg.contains("'input'") && !msg.contains("messages"),
+        "{msg}"
+    );
+}

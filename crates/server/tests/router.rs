@@ -314,3 +314,48 @@ fn without_the_key_the_model_list_shows_names_and_status_only() {
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A FIFO named `*.gguf` is no model: it is not listed, a request for it is a quick 400 (no
+/// thread blocks opening it, nothing shows "loading"), and opening it as a model file fails at
+/// once. A link to a model file is a model.
+#[test]
+fn a_fifo_in_the_models_dir_is_no_model() {
+    let (dir, s) = two_model_router("router-fifo", 5);
+    let fifo = dir.join("pipe.gguf");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|m| m.success()) {
+        eprintln!("SKIPPED: mkfifo is not available");
+        return;
+    }
+    std::os::unix::fs::symlink(dir.join("alpha.gguf"), dir.join("linked.gguf")).unwrap();
+    let a = s.local_addr();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let r = post(
+            a,
+            "/completion",
+            &json!({"model": "pipe", "prompt": "x", "n_predict": 2}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains("not found"), "{}", r.body);
+        assert!(t.elapsed() < std::time::Duration::from_secs(2));
+    }
+    let r = post(a, "/models/unload", &json!({"model": "pipe"}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("not found"), "{}", r.body);
+    let models = get(a, "/v1/models").json();
+    let ids: Vec<&str> = (models["data"].as_array().unwrap().iter())
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["alpha", "beta", "linked"], "{models}");
+    let ok = json!({"model": "linked", "prompt": "x", "n_predict": 2});
+    assert_eq!(post(a, "/completion", &ok).status, 200);
+    // Opened directly (as -m would), the FIFO is refused without blocking.
+    let config = ServerConfig::new(ModelSource::File(fifo.clone()));
+    let Err(err) = hmoe_server::model_host::open_gguf(&fifo, &config) else {
+        panic!("a FIFO opened as a model file");
+    };
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -47,6 +47,20 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Sends SIGTERM and waits for the process to end: how long it took, and how it ended.
+    #[allow(dead_code)] // not every test stops it so
+    pub fn terminate(&mut self) -> (Duration, std::process::ExitStatus) {
+        let t = Instant::now();
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM failed");
+        let status = self.child.wait().expect("the server process ends");
+        (t.elapsed(), status)
+    }
+}
+
 /// Starts `hmoe serve ARGS --host 127.0.0.1 --port 0` and returns once `/health` answers 200
 /// (the model is loaded).
 pub fn serve(args: &[&str]) -> Server {

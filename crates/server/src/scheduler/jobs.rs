@@ -80,6 +80,9 @@ pub struct Summary {
     pub slot: usize,
     /// The generated token ids.
     pub tokens: Vec<u32>,
+    /// Generation stopped because the slot's context was full (before `n_predict`): the
+    /// native route's `truncated`, as llama-server reports it.
+    pub truncated: bool,
 }
 
 /// What the worker sends back for a request.

@@ -597,8 +597,12 @@ impl Worker {
         deltas: Vec<ChatDelta>,
         probs: Vec<TokenLogprob>,
     ) {
+        let n_ctx = self.n_ctx_slot;
         let s = &mut self.slots[slot];
         let Some(a) = &s.active else { return };
+        let truncated = finish == Finish::Length
+            && s.cache.n_past() + 1 > n_ctx
+            && a.job.spec.n_predict.is_none_or(|n| a.generated.len() < n);
         let now = Instant::now();
         let first = a.first_token.unwrap_or(now);
         let prompt_ms = first.duration_since(a.started).as_secs_f64() * 1e3;
@@ -612,6 +616,7 @@ impl Worker {
             decode_ms,
             slot,
             tokens: a.generated.clone(),
+            truncated,
         };
         if !deltas.is_empty() || !probs.is_empty() {
             let _ = a.job.events.send(JobEvent::Output { deltas, probs });
