@@ -6,8 +6,14 @@ mod common;
 use std::sync::Arc;
 
 use common::{tiny_model, tokenizer};
-use hmoe_server::params::{gen_params, parse_body, Fields, Flavor};
+use hmoe_server::params::{gen_params, Fields, Flavor};
 use hmoe_server::SamplingDefaults;
+use serde_json::{Map, Value};
+
+/// A request body as the routes hand it to `gen_params`.
+fn parse_body(body: &[u8]) -> serde_json::Result<Map<String, Value>> {
+    serde_json::from_slice(body)
+}
 
 #[test]
 fn penalties_default_to_the_servers_and_requests_override_them() {
