@@ -351,7 +351,7 @@ impl Parser {
                 }
                 '|' | ')' => break,
                 '\r' | '\n' if !nested => break,
-                _ => return Err(self.error(&format!("unexpected '{c}'"))),
+                _ => return Err(self.error(&format!("unexpected '{}'", c.escape_debug()))),
             };
             if !matches!(c, '*' | '+' | '?' | '{') {
                 wraps = 0;
@@ -417,7 +417,9 @@ impl Parser {
             'x' => hex(self, 2)?,
             'u' => hex(self, 4)?,
             'U' => hex(self, 8)?,
-            other => return Err(self.error(&format!("unknown escape '\\{other}'"))),
+            other => {
+                return Err(self.error(&format!("unknown escape '\\{}'", other.escape_debug())))
+            }
         })
     }
 }
