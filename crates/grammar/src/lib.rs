@@ -255,6 +255,7 @@ impl Vocab {
         if tools.is_empty() {
             return Err(GrammarError::Invalid("no tool to call".into()));
         }
+        limits::check(tools.len(), limits::MAX_TOOLS, "tools")?;
         let mut out = String::from("start: ");
         let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
         out.push_str(&alts.join(" | "));

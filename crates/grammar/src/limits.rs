@@ -20,6 +20,10 @@ pub const MAX_RULES: usize = 32_768;
 /// grammar: 20,000 distinct ones compile in about half a second.
 pub const MAX_TERMINALS: usize = 20_000;
 
+/// Most tools a forced tool call may choose among (each is a JSON grammar of its own; a
+/// thousand take about half a second).
+pub const MAX_TOOLS: usize = 512;
+
 /// Deepest nesting of parenthesized groups in a GBNF grammar (llguidance's own Lark limit).
 pub const MAX_NESTING: usize = 30;
 

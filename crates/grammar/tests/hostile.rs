@@ -7,8 +7,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_grammar::limits::{MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_RULES, MAX_TERMINALS};
-use hmoe_grammar::{gbnf_to_lark, Frame, Grammar, GrammarError, Vocab};
+use hmoe_grammar::limits::{MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_RULES, MAX_TERMINALS, MAX_TOOLS};
+use hmoe_grammar::{gbnf_to_lark, Frame, Grammar, GrammarError, Tool, ToolFormat, Vocab};
 use hmoe_tokenizer::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -277,4 +277,22 @@ fn random_grammars_and_schemas_never_panic_or_hang() {
     }
     eprintln!("{cases} random grammars and schemas: {ok} accepted, {refused} refused");
     assert!(ok > 0 && refused > 0, "{ok} accepted, {refused} refused");
+}
+
+#[test]
+fn tool_lists_beyond_the_limit_are_refused_naming_it() {
+    let tools = |n: usize| Grammar::ToolCall {
+        format: ToolFormat::ToolCallTags,
+        tools: (0..n)
+            .map(|i| Tool {
+                name: format!("f{i}"),
+                parameters: None,
+            })
+            .collect(),
+    };
+    compile(&tools(8)).unwrap();
+    let t0 = Instant::now();
+    let e = compile(&tools(20_000)).unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(e.to_string().contains(&format!("{MAX_TOOLS} tools")), "{e}");
 }
