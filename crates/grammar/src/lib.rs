@@ -19,6 +19,7 @@ mod gbnf;
 pub mod limits;
 
 use std::sync::{mpsc, Arc, Weak};
+use std::time::Instant;
 
 use hmoe_tokenizer::{TokenAttr, Tokenizer, VocabType};
 use llguidance::api::TopLevelGrammar;
@@ -40,7 +41,8 @@ pub enum GrammarError {
     /// The grammar is over one of the [`limits`] (the message names it).
     #[error("{0}")]
     Limit(String),
-    /// The grammar could not be compiled for want of a resource (a thread).
+    /// The grammar could not be compiled for want of a resource (a thread, or a free place
+    /// among [`limits::max_compiles`]).
     #[error("cannot compile the grammar now: {0}")]
     Unavailable(String),
     /// The constraint failed while generating (llguidance's message).
@@ -322,14 +324,17 @@ impl Vocab {
         let lark = self.lark(grammar, frame)?;
         let factory = self.factory.clone();
         let (tx, rx) = mpsc::sync_channel(1);
+        let deadline = Instant::now() + limits::COMPILE_TIMEOUT;
+        let slot = limits::CompileSlot::take(deadline)?;
         std::thread::Builder::new()
             .name("hmoe-grammar".into())
             .stack_size(limits::COMPILE_STACK)
             .spawn(move || {
+                let _slot = slot;
                 let _ = tx.send(compile_lark(&factory, lark));
             })
             .map_err(|e| GrammarError::Unavailable(format!("no compiler thread: {e}")))?;
-        match rx.recv_timeout(limits::COMPILE_TIMEOUT) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(compiled) => compiled,
             Err(mpsc::RecvTimeoutError::Timeout) => Err(GrammarError::Limit(format!(
                 "the grammar took longer than {} s to compile (the limit)",

@@ -4,7 +4,8 @@
 //! search of those before it (n terminals cost n² steps), so without these a request of a few
 //! megabytes could overflow a stack or hold a core for minutes.
 
-use std::time::Duration;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::GrammarError;
 
@@ -27,13 +28,59 @@ pub const MAX_TOOLS: usize = 512;
 /// Deepest nesting of parenthesized groups in a GBNF grammar (llguidance's own Lark limit).
 pub const MAX_NESTING: usize = 30;
 
-/// Longest a compilation may take before the caller gets [`GrammarError::Limit`]; the size
-/// limits keep real compilations far below it.
+/// Longest a caller waits for a compilation (a place among [`max_compiles`], then the work)
+/// before it gets [`GrammarError::Limit`]; the size limits keep real compilations far below
+/// it.
 pub const COMPILE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Stack reserved (not committed: pages are touched only as deep as the recursion goes) for
 /// the thread that compiles a grammar.
 pub const COMPILE_STACK: usize = 256 << 20;
+
+/// Most compilations running at once in the process: the CPU count, at least 4. A
+/// compilation whose caller stopped waiting (the deadline passed, the client left) holds its
+/// place until it ends, so abandoned compilations cannot take more cores than this.
+pub fn max_compiles() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get().max(4))
+}
+
+/// Compilations running now.
+static COMPILING: Mutex<usize> = Mutex::new(0);
+/// Signalled when one ends.
+static COMPILE_ENDED: Condvar = Condvar::new();
+
+/// A place among [`max_compiles`], given back when dropped.
+pub(crate) struct CompileSlot(());
+
+impl CompileSlot {
+    /// Takes a place, waiting until `deadline` for one to free up.
+    pub(crate) fn take(deadline: Instant) -> Result<CompileSlot, GrammarError> {
+        let limit = max_compiles();
+        let mut n = COMPILING.lock().unwrap_or_else(|p| p.into_inner());
+        while *n >= limit {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(GrammarError::Unavailable(format!(
+                    "{limit} grammars are compiling (the limit); try again"
+                )));
+            }
+            n = COMPILE_ENDED
+                .wait_timeout(n, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *n += 1;
+        Ok(CompileSlot(()))
+    }
+}
+
+impl Drop for CompileSlot {
+    fn drop(&mut self) {
+        let mut n = COMPILING.lock().unwrap_or_else(|p| p.into_inner());
+        *n -= 1;
+        COMPILE_ENDED.notify_one();
+    }
+}
 
 /// Longest message of llguidance's passed on, in bytes.
 const MAX_MESSAGE: usize = 300;
@@ -149,6 +196,19 @@ mod tests {
         let src = "%llguidance {}\nstart: a | \"x:y\" b // \"no\"\n?a.2: /[a\\/\"]+/ # \"no\"\n\
                    B: \"q\\\"\" \n  x : \"::\"\ny::= z\n";
         assert_eq!(lark_counts(src), (4, 4));
+    }
+
+    #[test]
+    fn compile_places_are_bounded_and_given_back() {
+        let soon = || Instant::now() + Duration::from_millis(50);
+        let held: Vec<CompileSlot> = (0..max_compiles())
+            .map(|_| CompileSlot::take(soon()).unwrap())
+            .collect();
+        let e = CompileSlot::take(soon()).err().unwrap();
+        assert!(matches!(e, GrammarError::Unavailable(_)), "{e}");
+        assert!(e.to_string().contains("the limit"), "{e}");
+        drop(held);
+        CompileSlot::take(soon()).unwrap();
     }
 
     #[test]

@@ -296,3 +296,49 @@ fn tool_lists_beyond_the_limit_are_refused_naming_it() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert!(e.to_string().contains(&format!("{MAX_TOOLS} tools")), "{e}");
 }
+
+/// Costly shapes within the limits: many rule references, nested repetitions, a regex of a
+/// million characters, 20,000 optional terminals in a row, 20,000 wide character classes.
+#[test]
+fn costly_shapes_within_the_limits_end_well_before_the_deadline() {
+    let refs: String = (0..50_000).map(|i| format!("r{} ", i % 20_000)).collect();
+    let mut many = format!("root ::= {refs}\n");
+    for i in 0..20_000 {
+        many += &format!("r{i} ::= \"x\" | r{}\n", (i * 7 + 1) % 20_000);
+    }
+    let class = |i: u32| char::from_u32(0x100 + i).unwrap();
+    let classes: Vec<String> = (0..20_000)
+        .map(|i| format!("[{}-{}]", class(i), class(i + 5000)))
+        .collect();
+    let optional: Vec<String> = (0..20_000).map(|i| format!("\"w{i}\"?")).collect();
+    for (what, g) in [
+        ("references", Grammar::Gbnf(many)),
+        (
+            "repetitions",
+            Grammar::Gbnf("root ::= (((\"a\"{1000}){1000}){1000})".into()),
+        ),
+        (
+            "pattern",
+            Grammar::JsonSchema(json!({"type": "string", "pattern": "^(a{1000}){1000}$"})),
+        ),
+        (
+            "classes",
+            Grammar::Gbnf(format!("root ::= {}", classes.join(" | "))),
+        ),
+        (
+            "optional",
+            Grammar::Gbnf(format!("root ::= {}", optional.join(" "))),
+        ),
+    ] {
+        let t0 = Instant::now();
+        if let Err(e) = compile(&g) {
+            assert_short(&e);
+            assert!(!matches!(e, GrammarError::Limit(_)), "{what}: {e}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(8),
+            "{what}: {:?}",
+            t0.elapsed()
+        );
+    }
+}
