@@ -657,6 +657,8 @@ fn help_documents_the_bounds() {
         "--max-queue",
         "at most 512",
         "64 MiB",
+        "32768 rules",
+        "20000 terminals",
     ] {
         assert!(help.contains(needle), "`hmoe serve --help` lacks {needle}");
     }
