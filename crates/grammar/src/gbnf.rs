@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::limits::{MAX_NESTING, MAX_RULES, MAX_TERMINALS};
+use crate::limits::{MAX_ALTERNATIVES, MAX_NESTING, MAX_RULES, MAX_TERMINALS};
 
 /// A GBNF syntax error, with the line and column (1-based) where it was found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -29,8 +29,8 @@ pub struct GbnfError {
 }
 
 /// Translates a GBNF grammar to an llguidance Lark grammar whose start rule is GBNF's `root`.
-/// A grammar with more than [`MAX_RULES`] rules or [`MAX_TERMINALS`] terminals, or groups
-/// nested deeper than [`MAX_NESTING`], is an error (the translation recurses only into
+/// A grammar with more than [`MAX_RULES`] rules, [`MAX_TERMINALS`] terminals or
+/// [`MAX_ALTERNATIVES`] alternatives, or groups nested deeper than [`MAX_NESTING`], is an error (the translation recurses only into
 /// groups).
 pub fn gbnf_to_lark(src: &str) -> Result<String, GbnfError> {
     let mut p = Parser {
@@ -38,6 +38,7 @@ pub fn gbnf_to_lark(src: &str) -> Result<String, GbnfError> {
         pos: 0,
         depth: 0,
         terminals: 0,
+        alternatives: 0,
     };
     let mut definitions = 0;
     let mut rules: BTreeMap<String, String> = BTreeMap::new();
@@ -101,6 +102,8 @@ struct Parser {
     depth: usize,
     /// Terminals (literals, classes, `.`, token references) read so far.
     terminals: usize,
+    /// `|` read so far.
+    alternatives: usize,
 }
 
 impl Parser {
@@ -193,6 +196,12 @@ impl Parser {
     ) -> Result<String, GbnfError> {
         let mut alts = vec![self.sequence(nested, used)?];
         while self.eat('|') {
+            self.alternatives += 1;
+            if self.alternatives > MAX_ALTERNATIVES {
+                return Err(self.error(&format!(
+                    "more than {MAX_ALTERNATIVES} alternatives (the limit)"
+                )));
+            }
             self.space(true);
             alts.push(self.sequence(nested, used)?);
         }

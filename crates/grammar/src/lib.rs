@@ -241,9 +241,10 @@ impl Vocab {
         let body = match grammar {
             Grammar::Gbnf(src) => return framed(gbnf_to_lark(src)?, frame),
             Grammar::Lark(src) => {
-                let (rules, terminals) = limits::lark_counts(src);
-                limits::check(rules, limits::MAX_RULES, "rules")?;
-                limits::check(terminals, limits::MAX_TERMINALS, "terminals")?;
+                let n = limits::lark_counts(src);
+                limits::check(n.rules, limits::MAX_RULES, "rules")?;
+                limits::check(n.terminals, limits::MAX_TERMINALS, "terminals")?;
+                limits::check(n.alternatives, limits::MAX_ALTERNATIVES, "alternatives")?;
                 return framed(src.clone(), frame);
             }
             Grammar::JsonSchema(schema) => format!("start: {}\n", json_rule(schema.clone())?),
@@ -358,10 +359,13 @@ fn compile_lark(factory: &ParserFactory, lark: String) -> Result<Constraint, Gra
         return Err(invalid(&e));
     }
     let first = matcher.deep_clone().compute_mask_or_eos().map_err(|e| {
-        GrammarError::Invalid(format!(
-            "the grammar allows no output at its start ({}); does a rule or `$ref` refer only to itself?",
-            limits::short_message(&e.to_string())
-        ))
+        let message = limits::short_message(&e.to_string());
+        GrammarError::Invalid(match message.starts_with("NoExtension") {
+            true => {
+                "the grammar allows no output (does a rule or `$ref` refer only to itself?)".into()
+            }
+            false => format!("the grammar fails at its start: {message}"),
+        })
     })?;
     if first.num_set() == 0 {
         return Err(GrammarError::Invalid("the grammar allows no token".into()));

@@ -21,6 +21,10 @@ pub const MAX_RULES: usize = 32_768;
 /// grammar: 20,000 distinct ones compile in about half a second.
 pub const MAX_TERMINALS: usize = 20_000;
 
+/// Most alternatives (`|`) in a GBNF or Lark grammar: llguidance's time grows with the square
+/// of one rule's alternatives (20,000 take about half a second, 200,000 minutes).
+pub const MAX_ALTERNATIVES: usize = 20_000;
+
 /// Most tools a forced tool call may choose among (each is a JSON grammar of its own; a
 /// thousand take about half a second).
 pub const MAX_TOOLS: usize = 512;
@@ -95,13 +99,25 @@ pub(crate) fn check(n: usize, limit: usize, what: &str) -> Result<(), GrammarErr
     }
 }
 
-/// Rules and terminals of Lark text, counted the way llguidance's lexer reads it: `"…"`
-/// strings and `/…/` regexes are terminals, `#` and `//` start comments, and a line that
-/// starts with a name (optionally `?` or `!` before it, a `.priority` after it) and `:` defines
-/// a rule. Counts every string of an inline `%json {…}` too, so it errs on the high side.
-pub(crate) fn lark_counts(src: &str) -> (usize, usize) {
+/// What [`lark_counts`] counts.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct LarkCounts {
+    /// Rule (and terminal) definitions.
+    pub rules: usize,
+    /// String literals and regexes.
+    pub terminals: usize,
+    /// `|` outside strings, regexes and comments.
+    pub alternatives: usize,
+}
+
+/// Rules, terminals and alternatives of Lark text, counted the way llguidance's lexer reads
+/// it: `"…"` strings and `/…/` regexes are terminals, `#` and `//` start comments, and a line
+/// that starts with a name (optionally `?` or `!` before it, a `.priority` after it) and `:`
+/// defines a rule. Counts every string of an inline `%json {…}` too, so it errs on the high
+/// side.
+pub(crate) fn lark_counts(src: &str) -> LarkCounts {
     let b = src.as_bytes();
-    let (mut rules, mut terminals) = (0, 0);
+    let mut n = LarkCounts::default();
     let mut i = 0;
     let mut line_start = true;
     while i < b.len() {
@@ -121,7 +137,7 @@ pub(crate) fn lark_counts(src: &str) -> (usize, usize) {
                     j += 1;
                 }
                 if b.get(j) == Some(&b':') && b.get(j + 1) != Some(&b':') {
-                    rules += 1;
+                    n.rules += 1;
                 }
             }
         }
@@ -133,13 +149,17 @@ pub(crate) fn lark_counts(src: &str) -> (usize, usize) {
             b'#' => i = skip_line(b, i),
             b'/' if b.get(i + 1) == Some(&b'/') => i = skip_line(b, i),
             b'"' | b'/' => {
-                terminals += 1;
+                n.terminals += 1;
                 i = skip_quoted(b, i);
+            }
+            b'|' => {
+                n.alternatives += 1;
+                i += 1;
             }
             _ => i += 1,
         }
     }
-    (rules, terminals)
+    n
 }
 
 /// The index of the line break ending the line at `i` (or the end).
@@ -193,9 +213,15 @@ mod tests {
 
     #[test]
     fn lark_counts_rules_and_terminals_not_comments() {
-        let src = "%llguidance {}\nstart: a | \"x:y\" b // \"no\"\n?a.2: /[a\\/\"]+/ # \"no\"\n\
-                   B: \"q\\\"\" \n  x : \"::\"\ny::= z\n";
-        assert_eq!(lark_counts(src), (4, 4));
+        let src =
+            "%llguidance {}\nstart: a | \"x:y|\" b // \"no\" |\n?a.2: /[a\\/\"|]+/ # \"no\"\n\
+                   B: \"q\\\"\" \n  x : \"::\" | x\ny::= z\n";
+        let counts = LarkCounts {
+            rules: 4,
+            terminals: 4,
+            alternatives: 2,
+        };
+        assert_eq!(lark_counts(src), counts);
     }
 
     #[test]

@@ -7,7 +7,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hmoe_gguf::{GgufModel, LoadOptions};
-use hmoe_grammar::limits::{MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_RULES, MAX_TERMINALS, MAX_TOOLS};
+use hmoe_grammar::limits::{
+    MAX_ALTERNATIVES, MAX_GRAMMAR_BYTES, MAX_NESTING, MAX_RULES, MAX_TERMINALS, MAX_TOOLS,
+};
 use hmoe_grammar::{gbnf_to_lark, Frame, Grammar, GrammarError, Tool, ToolFormat, Vocab};
 use hmoe_tokenizer::Tokenizer;
 use rand::rngs::StdRng;
@@ -138,6 +140,32 @@ fn big_grammars_are_refused_within_a_second() {
     );
     let e = compile(&Grammar::Lark(lark)).unwrap_err();
     assert!(e.to_string().contains("terminals"), "{e}");
+}
+
+#[test]
+fn alternatives_beyond_the_limit_are_refused_naming_it() {
+    let same = |n: usize| format!("root ::= a{}\na ::= \"x\"\n", " | a".repeat(n));
+    for n in [MAX_ALTERNATIVES + 1, 200_000] {
+        let t0 = Instant::now();
+        let e = compile(&Grammar::Gbnf(same(n))).unwrap_err();
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "{n}: {:?}",
+            t0.elapsed()
+        );
+        assert!(
+            e.to_string()
+                .contains(&format!("{MAX_ALTERNATIVES} alternatives")),
+            "{e}"
+        );
+        let lark = same(n).replace(" ::= ", ": ").replace("root", "start");
+        let e = compile(&Grammar::Lark(lark)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("{MAX_ALTERNATIVES} alternatives")),
+            "{e}"
+        );
+    }
 }
 
 #[test]
@@ -311,6 +339,17 @@ fn costly_shapes_within_the_limits_end_well_before_the_deadline() {
         .map(|i| format!("[{}-{}]", class(i), class(i + 5000)))
         .collect();
     let optional: Vec<String> = (0..20_000).map(|i| format!("\"w{i}\"?")).collect();
+    let same = format!(
+        "root ::= a{}\na ::= \"x\"\n",
+        " | a".repeat(MAX_ALTERNATIVES)
+    );
+    let mut distinct = String::from("root ::= r0");
+    for i in 1..MAX_ALTERNATIVES {
+        distinct += &format!(" | r{i}");
+    }
+    for i in 0..MAX_ALTERNATIVES {
+        distinct += &format!("\nr{i} ::= \"x\"");
+    }
     for (what, g) in [
         ("references", Grammar::Gbnf(many)),
         (
@@ -329,6 +368,8 @@ fn costly_shapes_within_the_limits_end_well_before_the_deadline() {
             "optional",
             Grammar::Gbnf(format!("root ::= {}", optional.join(" "))),
         ),
+        ("same alternatives", Grammar::Gbnf(same)),
+        ("rule alternatives", Grammar::Gbnf(distinct)),
     ] {
         let t0 = Instant::now();
         if let Err(e) = compile(&g) {
