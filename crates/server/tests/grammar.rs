@@ -292,7 +292,7 @@ fn hostile_grammars_are_answered_and_the_server_lives() {
     assert_short_400(&r, "5000 parentheses");
     assert!(r.body.contains("30 levels"), "{}", r.body);
 
-    for n in [100_000, 500_000] {
+    for n in [30_000, 100_000, 500_000] {
         let alts: Vec<String> = (0..n).map(|i| format!("\"w{i}\"")).collect();
         let grammar = format!("root ::= {}", alts.join(" | "));
         let t0 = std::time::Instant::now();
