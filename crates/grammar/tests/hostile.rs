@@ -383,3 +383,22 @@ fn costly_shapes_within_the_limits_end_well_before_the_deadline() {
         );
     }
 }
+
+/// The longest `$ref` chain that fits the byte limit (three-character names) compiles.
+#[test]
+fn the_longest_ref_chain_within_the_byte_limit_compiles() {
+    let name = |i: usize| {
+        const A: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+        let (a, b, c) = (i % 62, (i / 62) % 62, i / 3844);
+        format!("{}{}{}", A[a] as char, A[b] as char, A[c] as char)
+    };
+    let n = 36_000;
+    let mut defs = Map::new();
+    for i in 0..n {
+        defs.insert(name(i), json!({"$ref": format!("#/$defs/{}", name(i + 1))}));
+    }
+    defs.insert(name(n), json!({"type": "string"}));
+    let g = Grammar::JsonSchema(json!({"$defs": defs, "$ref": format!("#/$defs/{}", name(0))}));
+    assert!(g.size() <= MAX_GRAMMAR_BYTES, "{}", g.size());
+    compile(&g).unwrap();
+}
