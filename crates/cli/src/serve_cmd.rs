@@ -40,6 +40,10 @@ Limits (every resource a client controls is bounded):
   prompt + output    the slot's context (-c / -np); n_predict stops there
   n_probs            at most 100
   stop strings       at most 64, each at most 1024 bytes
+  grammars, schemas  1 MiB, 32768 rules, 20000 terminals, 20000 alternatives, groups
+                     nested 30 deep (GBNF), 512 forced-call tools; compiled within 10 s on
+                     a 256 MiB stack, as many at once as CPUs (at least 4); beyond any: 400
+                     naming it
   /tokenize pieces   streamed, a few bytes per token";
 
 /// Arguments of `hmoe serve` (llama-server's spelling).

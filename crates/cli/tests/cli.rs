@@ -706,6 +706,8 @@ fn help_documents_the_bounds() {
         "64 MiB",
         "--parse-budget",
         "SIGTERM",
+        "32768 rules",
+        "20000 terminals",
     ] {
         assert!(help.contains(needle), "`hmoe serve --help` lacks {needle}");
     }
