@@ -16,7 +16,7 @@ use hmoe_server::{
 };
 
 use crate::common::{check_threads, kv_type, physical_cores};
-use crate::placement_args::PlacementArgs;
+use crate::placement_args::{PlacementArgs, SERVE_DEFAULT_PARALLEL};
 
 /// The bounds on what clients can make the server hold, for `hmoe serve --help`.
 pub const LIMITS_HELP: &str = "\
@@ -278,10 +278,23 @@ impl ServeArgs {
         Ok(keys)
     }
 
-    /// The start-up notes: the llama-server flags that do not apply, and a thinking budget
-    /// that hmoe does not enforce.
+    /// The slots: `-np`, or llama-server's default of 4.
+    fn n_parallel(&self) -> u32 {
+        self.placement.parallel(SERVE_DEFAULT_PARALLEL)
+    }
+
+    /// The start-up notes: the llama-server flags that do not apply, a thinking budget that
+    /// hmoe does not enforce, and what `--reasoning-format none` does to gpt-oss's tool calls.
     fn notes(&self) -> Vec<String> {
         let mut notes = self.llama_notes.clone();
+        if self.reasoning_format == "none" {
+            notes.push(
+                "--reasoning-format none: the reasoning stays in `content`, and a gpt-oss \
+                 model's tool calls stay raw harmony text there (no `tool_calls`); leave it \
+                 out (auto) for parsed tool calls"
+                    .into(),
+            );
+        }
         if self.reasoning_budget > 0 {
             notes.push(format!(
                 "--reasoning-budget {}: hmoe does not cut thinking at a budget; thinking is \
@@ -375,7 +388,7 @@ impl ServeArgs {
             parse_budget: (self.parse_budget as usize) << 20,
             ..Limits::default()
         };
-        config.engine.n_parallel = a.parallel as usize;
+        config.engine.n_parallel = self.n_parallel() as usize;
         config.engine.n_ctx = a.ctx_size.unwrap_or(0) as usize;
         config.engine.n_ubatch = a.ubatch_size.min(a.batch_size).max(1) as usize;
         config.engine.kv_type = kv_type;
@@ -465,8 +478,63 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("hmoe serve: chat page {url}/ (API {url}/v1)");
     }
     eprintln!("hmoe serve: listening on {url}");
+    match &config.models {
+        ModelSource::File(_) => {
+            let addr = server.local_addr();
+            // The model loads in the background after the socket listens: say when it serves.
+            std::thread::Builder::new()
+                .name("hmoe-ready".into())
+                .spawn(move || {
+                    if wait_until_healthy(addr) {
+                        eprintln!("hmoe serve: ready: the model is loaded, serving on {url}");
+                    }
+                })?;
+        }
+        ModelSource::Dir(_) => {
+            eprintln!(
+                "hmoe serve: ready: serving on {url} (each model loads on its first request)"
+            );
+        }
+    }
     server.wait()?;
     Ok(())
+}
+
+/// Polls the server's `/health` (public, no key) until it answers 200 (true), or the server
+/// answers that the model failed, or stops answering (false).
+fn wait_until_healthy(addr: std::net::SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    let mut addr = addr;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let mut refused = 0;
+    loop {
+        let status = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).and_then(
+            |mut s| {
+                s.set_read_timeout(Some(Duration::from_secs(30)))?;
+                s.write_all(b"GET /health HTTP/1.1\r\nHost: hmoe\r\nConnection: close\r\n\r\n")?;
+                let mut head = [0u8; 12];
+                s.read_exact(&mut head)?;
+                Ok(head)
+            },
+        );
+        match status {
+            Ok(head) if head.ends_with(b" 200") => return true,
+            Ok(head) if head.ends_with(b" 503") => refused = 0,
+            Ok(_) => return false,
+            Err(_) => {
+                refused += 1;
+                if refused > 20 {
+                    return false;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// What the server will run, in a few plain lines: router mode's models, the KV cache type and
@@ -494,6 +562,13 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
         if e.kv_type.flash_attn() { "on" } else { "off" }
     ));
     out.push(format!("threads: {threads}"));
+    if !config.api_keys.is_empty() {
+        out.push(format!(
+            "API key required ({} key(s)): clients send `Authorization: Bearer KEY` or \
+             `X-Api-Key: KEY`; /health and /v1/models stay open",
+            config.api_keys.len()
+        ));
+    }
     out
 }
 
@@ -502,10 +577,13 @@ impl ServeArgs {
     /// `hmoe run` uses it, except that `--no-kv-offload` runs the executor on the CPU; it
     /// prints what it chose (see [`load_model`]).
     fn loader(&self, kv: KvType, opts: LoadOptions) -> ModelLoader {
-        let placement = self.placement.clone();
+        let mut placement = self.placement.clone();
+        let np_default = placement.args.parallel == 0;
+        placement.args.parallel = self.n_parallel();
         let kv_offload = !self.no_kv_offload;
         Arc::new(move |gguf: GgufModel, path: &Path| {
-            load_model(&placement, kv, kv_offload, opts, gguf, path).map_err(|e| format!("{e:#}"))
+            load_model(&placement, np_default, kv, kv_offload, opts, gguf, path)
+                .map_err(|e| format!("{e:#}"))
         })
     }
 }
@@ -515,6 +593,7 @@ impl ServeArgs {
 /// context and why, and the slots.
 fn load_model(
     placement: &PlacementArgs,
+    np_default: bool,
     kv: KvType,
     kv_offload: bool,
     opts: LoadOptions,
@@ -523,8 +602,14 @@ fn load_model(
 ) -> anyhow::Result<LoadedModel> {
     let mut config = placement.engine_config(path.to_path_buf(), opts, kv)?;
     config.kv_offload = kv_offload;
+    // The engine line below says why the CPU runs; the engine's own warning would repeat it.
+    config.asks_for_gpu = false;
     let model_line = model_line(path, &gguf);
-    let loaded = hmoe_engine::load_opened(&config, gguf)?;
+    let progress =
+        crate::common::LoadProgress::start(path.display().to_string(), gguf.total_tensor_bytes());
+    let loaded = hmoe_engine::load_opened(&config, gguf);
+    drop(progress);
+    let loaded = loaded?;
     for note in &loaded.notes {
         eprintln!("hmoe: {note}");
     }
@@ -548,6 +633,10 @@ fn load_model(
                     (plan.n_ctx as usize).min(n_ctx_train),
                     format!("--fit: {note} to fit the device"),
                 ),
+                _ if placement.args.ctx_size.is_none() => (
+                    n_ctx_train,
+                    "the model's trained context, -c not given".into(),
+                ),
                 _ => (n_ctx_train, "-c 0: the model's trained context".into()),
             }
         }
@@ -563,6 +652,7 @@ fn load_model(
         })
         .collect();
     let n_slots = placement.args.parallel.max(1) as usize;
+    let per_slot = slot_positions(n_ctx, n_slots, n_ctx_train);
     let mut lines = vec![model_line];
     lines.push(match &loaded.why_cpu {
         None => format!("engine: the device executor on {engine}"),
@@ -575,10 +665,22 @@ fn load_model(
         }
         Err(e) => lines.push(format!("memory per device: no estimate ({e:#})")),
     }
-    lines.push(format!(
-        "context {n_ctx} ({n_ctx_why}), {n_slots} slot(s) of {} positions",
-        n_ctx / n_slots
-    ));
+    let mut slots_line =
+        format!("context {n_ctx} ({n_ctx_why}), {n_slots} slot(s) of {per_slot} positions");
+    if per_slot * n_slots != n_ctx {
+        slots_line.push_str(&format!(
+            " ({} in all: as in llama-server, a slot's share is padded to a multiple of 256 \
+             and at most the trained context, {n_ctx_train})",
+            per_slot * n_slots
+        ));
+    }
+    if np_default {
+        slots_line.push_str(
+            "; -np not given: 4 slots as llama-server serves (its slots share one cache of \
+             the whole context, hmoe's each hold their share)",
+        );
+    }
+    lines.push(slots_line);
     for line in lines {
         eprintln!("hmoe serve: {line}");
     }
@@ -588,10 +690,25 @@ fn load_model(
             engine,
             why_cpu: loaded.why_cpu,
             devices,
-            n_ctx: Some(n_ctx),
+            // The server gives each slot n_ctx / n_slots positions.
+            n_ctx: Some(per_slot * n_slots),
             n_ctx_why: Some(n_ctx_why),
         },
     })
+}
+
+/// Positions per slot as llama-server gives them with its `-np N` (no unified cache): the
+/// context padded to a multiple of 256, its share per slot padded again, and the server caps a
+/// slot at the model's trained context (llama.cpp d32676d77, `llama_context` and
+/// `load_model`: `-c 512 -np 4` gives 256 each, `-c 700 -np 2` 512, `-c 300 -np 1` 512).
+fn slot_positions(n_ctx: usize, n_slots: usize, n_ctx_train: usize) -> usize {
+    let pad = |n: usize| n.div_ceil(256) * 256;
+    let per = pad(pad(n_ctx) / n_slots.max(1));
+    if n_ctx_train > 0 {
+        per.min(n_ctx_train)
+    } else {
+        per
+    }
 }
 
 /// `model: PATH "NAME", architecture ARCH, N MiB`.
