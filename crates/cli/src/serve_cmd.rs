@@ -279,7 +279,7 @@ impl ServeArgs {
     }
 
     /// The slots: `-np`, or llama-server's default of 4.
-    fn n_parallel(&self) -> u32 {
+    pub(crate) fn n_parallel(&self) -> u32 {
         self.placement.parallel(SERVE_DEFAULT_PARALLEL)
     }
 
