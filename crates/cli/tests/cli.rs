@@ -299,9 +299,10 @@ fn demo_next_line_is_a_command_that_works() {
             && err.contains("scripts/fetch-real-models.sh"),
         "{err}"
     );
+    // (stderr alone here: the reply and its newline went to stdout, after the "> " prompt.)
     let speed = err
         .lines()
-        .find(|l| l.starts_with('[') && l.contains(" t/s; prompt "))
+        .find_map(|l| l.find("[").filter(|_| l.contains(" t/s; prompt ")).map(|i| &l[i..]))
         .unwrap_or_else(|| panic!("no speed line: {err}"));
     let n: usize = speed[1..].split(' ').next().unwrap().parse().unwrap();
     assert!((1..=64).contains(&n), "{speed}");
@@ -344,7 +345,7 @@ fn run_prints_its_stats_after_the_texts_newline() {
         .status()
         .unwrap();
     assert!(o.success());
-    let text = std::fs::read_to_string(&both).unwrap();
+    let text = String::from_utf8_lossy(&std::fs::read(&both).unwrap()).to_string();
     let memory = text
         .find("memory: baseline")
         .unwrap_or_else(|| panic!("{text}"));
