@@ -457,7 +457,12 @@ impl ServeArgs {
 
 /// Runs `hmoe serve` until SIGINT/SIGTERM (or until the model fails to load).
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = args.config()?;
+    let mut config = args.config()?;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let ready_tx = std::sync::Mutex::new(ready_tx);
+    config.on_ready = Some(Arc::new(move || {
+        let _ = ready_tx.lock().map(|tx| tx.send(()));
+    }));
     for note in args.notes() {
         eprintln!("note: {note}");
     }
@@ -480,12 +485,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     eprintln!("hmoe serve: listening on {url}");
     match &config.models {
         ModelSource::File(_) => {
-            let addr = server.local_addr();
             // The model loads in the background after the socket listens: say when it serves.
             std::thread::Builder::new()
                 .name("hmoe-ready".into())
                 .spawn(move || {
-                    if wait_until_healthy(addr) {
+                    if ready_rx.recv().is_ok() {
                         eprintln!("hmoe serve: ready: the model is loaded, serving on {url}");
                     }
                 })?;
@@ -498,43 +502,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     server.wait()?;
     Ok(())
-}
-
-/// Polls the server's `/health` (public, no key) until it answers 200 (true), or the server
-/// answers that the model failed, or stops answering (false).
-fn wait_until_healthy(addr: std::net::SocketAddr) -> bool {
-    use std::io::{Read, Write};
-    let mut addr = addr;
-    if addr.ip().is_unspecified() {
-        addr.set_ip(match addr {
-            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-        });
-    }
-    let mut refused = 0;
-    loop {
-        let status = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).and_then(
-            |mut s| {
-                s.set_read_timeout(Some(Duration::from_secs(30)))?;
-                s.write_all(b"GET /health HTTP/1.1\r\nHost: hmoe\r\nConnection: close\r\n\r\n")?;
-                let mut head = [0u8; 12];
-                s.read_exact(&mut head)?;
-                Ok(head)
-            },
-        );
-        match status {
-            Ok(head) if head.ends_with(b" 200") => return true,
-            Ok(head) if head.ends_with(b" 503") => refused = 0,
-            Ok(_) => return false,
-            Err(_) => {
-                refused += 1;
-                if refused > 20 {
-                    return false;
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// What the server will run, in a few plain lines: router mode's models, the KV cache type and

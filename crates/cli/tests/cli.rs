@@ -302,7 +302,11 @@ fn demo_next_line_is_a_command_that_works() {
     // (stderr alone here: the reply and its newline went to stdout, after the "> " prompt.)
     let speed = err
         .lines()
-        .find_map(|l| l.find("[").filter(|_| l.contains(" t/s; prompt ")).map(|i| &l[i..]))
+        .find_map(|l| {
+            l.find("[")
+                .filter(|_| l.contains(" t/s; prompt "))
+                .map(|i| &l[i..])
+        })
         .unwrap_or_else(|| panic!("no speed line: {err}"));
     let n: usize = speed[1..].split(' ').next().unwrap().parse().unwrap();
     assert!((1..=64).contains(&n), "{speed}");
