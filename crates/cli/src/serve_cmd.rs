@@ -619,7 +619,12 @@ fn load_model(
         })
         .collect();
     let n_slots = placement.args.parallel.max(1) as usize;
-    let per_slot = slot_positions(n_ctx, n_slots, n_ctx_train);
+    // A context --fit chose is what the device holds: split, never padded beyond it.
+    let per_slot = if n_ctx_why.starts_with("--fit") {
+        n_ctx / n_slots
+    } else {
+        slot_positions(n_ctx, n_slots, n_ctx_train)
+    };
     let mut lines = vec![model_line];
     lines.push(match &loaded.why_cpu {
         None => format!("engine: the device executor on {engine}"),
@@ -827,6 +832,41 @@ mod tests {
             .is_err());
     }
 
+    /// Positions per slot as llama-server (d32676d77, the CPU baseline build) reported them
+    /// (`n_ctx_slot` of its `load_model` line) on qwen3moe-tiny (trained context 4096).
+    #[test]
+    fn slots_split_the_context_as_llama_server_does() {
+        for (c, np, want) in [
+            (512, 4, 256),
+            (300, 4, 256),
+            (512, 1, 512),
+            (700, 1, 768),
+            (700, 2, 512),
+            (4096, 4, 1024),
+            (100_000, 2, 4096),
+        ] {
+            assert_eq!(slot_positions(c, np, 4096), want, "-c {c} -np {np}");
+        }
+        assert_eq!(slot_positions(131072, 4, 131072), 32768);
+        assert_eq!(parse(&["-m", "x"]).config().unwrap().engine.n_parallel, 4);
+        assert_eq!(
+            parse(&["-m", "x", "--parallel", "1"])
+                .config()
+                .unwrap()
+                .engine
+                .n_parallel,
+            1
+        );
+        assert_eq!(
+            parse(&["-m", "x", "--parallel", "-1"])
+                .config()
+                .unwrap()
+                .engine
+                .n_parallel,
+            4
+        );
+    }
+
     #[test]
     fn a_thinking_budget_is_accepted_with_a_note() {
         let a = parse(&["-m", "x", "--reasoning-budget", "1024"]);
@@ -834,6 +874,11 @@ mod tests {
         assert_eq!(a.notes().len(), 1);
         assert!(a.notes()[0].contains("--reasoning-budget 1024"));
         assert!(parse(&["-m", "x"]).notes().is_empty());
+        let none = parse(&["-m", "x", "--reasoning-format", "none"]).notes();
+        assert!(
+            none.len() == 1 && none[0].contains("tool calls stay raw harmony text"),
+            "{none:?}"
+        );
         assert!(parse(&["-m", "x", "--reasoning-budget", "-2"])
             .config()
             .is_err());
