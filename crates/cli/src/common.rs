@@ -170,7 +170,8 @@ pub fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
 /// second: the bytes the process has brought into memory since the load began (the file's
 /// pages read or copied: `VmRSS` growth) against the model's size, and the seconds so far. It
 /// shows only when stderr is a terminal, only after half a second (a fast load prints nothing),
-/// and is erased when the load ends (dropped).
+/// and is erased when the load ends (dropped). `HMOE_PROGRESS_MS=N` (for the tests) updates it
+/// every N ms from the start.
 pub struct LoadProgress {
     stop: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -189,14 +190,21 @@ impl LoadProgress {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let start = std::time::Instant::now();
         let base = resident_bytes().unwrap_or(0);
+        let (tick, after) = match std::env::var("HMOE_PROGRESS_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            Some(ms) => (ms, 0),
+            None => (250, 500),
+        };
         let thread = std::thread::Builder::new()
             .name("hmoe-progress".into())
             .spawn(move || {
                 let mut shown = false;
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                    rx.recv_timeout(std::time::Duration::from_millis(250))
+                    rx.recv_timeout(std::time::Duration::from_millis(tick))
                 {
-                    if start.elapsed().as_millis() < 500 {
+                    if start.elapsed().as_millis() < after {
                         continue;
                     }
                     let done = resident_bytes().unwrap_or(base).saturating_sub(base);

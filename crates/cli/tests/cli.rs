@@ -358,6 +358,57 @@ fn run_prints_its_stats_after_the_texts_newline() {
     assert!(text[..first].ends_with('\n'), "{text}");
 }
 
+/// On a terminal, loading shows one line updated in place (and erased before the text); with
+/// stderr not a terminal, nothing.
+#[test]
+fn loading_shows_progress_on_a_terminal_only() {
+    let Ok(probe) = Command::new("script").arg("--version").output() else {
+        eprintln!("SKIPPED: no `script` (util-linux) for a terminal");
+        return;
+    };
+    assert!(probe.status.success());
+    let bin = env!("CARGO_BIN_EXE_hmoe");
+    let run = format!(
+        "{bin} run -m {} --no-mmap -p Hello -n 2 -t 2 --temp 0",
+        tiny()
+    );
+    let log = scratch("progress-typescript");
+    let o = Command::new("script")
+        .args(["-qfec", &run])
+        .arg(&log)
+        .env("HMOE_PROGRESS_MS", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tty = String::from_utf8_lossy(&std::fs::read(&log).unwrap()).to_string();
+    let shown = tty
+        .find("\r\x1b[2Kloading ")
+        .unwrap_or_else(|| panic!("{tty:?}"));
+    assert!(tty[shown..].contains("% of "), "{tty:?}");
+    // The last update is erased before the text and the stats.
+    let speed = tty.find("prompt: ").unwrap();
+    let last = tty[..speed].rfind("\r\x1b[2K").unwrap();
+    assert!(!tty[last..speed].contains("loading "), "{tty:?}");
+    let piped = Command::new(bin)
+        .args([
+            "run",
+            "-m",
+            &tiny(),
+            "--no-mmap",
+            "-p",
+            "Hello",
+            "-n",
+            "2",
+            "-t",
+            "2",
+        ])
+        .env("HMOE_PROGRESS_MS", "1")
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&piped.stderr).contains("loading "));
+}
+
 /// `hmoe inspect` takes `-m FILE` as every other command does, and the positional form still.
 #[test]
 fn inspect_takes_dash_m() {
