@@ -532,7 +532,7 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
     if !config.api_keys.is_empty() {
         out.push(format!(
             "API key required ({} key(s)): clients send `Authorization: Bearer KEY` or \
-             `X-Api-Key: KEY`; /health and /v1/models stay open",
+             `X-Api-Key: KEY`; /health, /v1/models and the chat page stay open",
             config.api_keys.len()
         ));
     }
