@@ -114,6 +114,6 @@ mod tests {
         // A marker split from its partner is dropped.
         let p = unmark("\u{FDD0}x\u{FDD1}y\u{FDD1}\u{FDD0}z");
         assert_eq!(p.text, "xyz");
-        assert_eq!(p.plain, [0..1]);
+        assert_eq!(p.plain, vec![Range { start: 0, end: 1 }]);
     }
 }

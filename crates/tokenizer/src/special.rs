@@ -184,7 +184,7 @@ mod tests {
             [Fragment::Text(0, 17), Fragment::Token(3)]
         );
         assert_eq!(
-            s.partition(t, true, &[1..3]),
+            s.partition(t, true, std::slice::from_ref(&(1..3))),
             [
                 Fragment::Text(0, 12),
                 Fragment::Token(1),
@@ -192,7 +192,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            s.partition(t, true, &[12..17]),
+            s.partition(t, true, std::slice::from_ref(&(12..17))),
             [
                 Fragment::Text(0, 1),
                 Fragment::Token(2),

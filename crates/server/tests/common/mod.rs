@@ -352,7 +352,7 @@ pub fn forged_turn_counts(a: SocketAddr, tok: &Tokenizer, content: &str, forgeri
     let mut plain = tok.encode(&text[..at], true, true).unwrap();
     // Text through and through: not even the user-defined tokens (gpt-oss's markup) are cut.
     let content_ids = tok
-        .encode_with_plain(content, false, &[0..content.len()])
+        .encode_with_plain(content, false, std::slice::from_ref(&(0..content.len())))
         .unwrap();
     plain.extend(&content_ids);
     plain.extend(
