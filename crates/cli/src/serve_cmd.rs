@@ -152,12 +152,13 @@ pub struct ServeArgs {
     #[arg(long = "parse-budget", value_name = "MiB", default_value_t = 64,
           value_parser = clap::value_parser!(u64).range(1..=1 << 22))]
     pub parse_budget: u64,
-    /// Origins browsers may call from, comma separated (`*` = any, the default).
+    /// Origins other than the server's own that browsers may call from, comma separated:
+    /// `http://host:port` (with credentials), `localhost` (any loopback origin) or `*` (any,
+    /// without credentials). Default: none, only the chat page the server serves.
     #[arg(
         long = "cors-origins",
         value_name = "ORIGIN,...",
-        value_delimiter = ',',
-        default_value = "*"
+        value_delimiter = ','
     )]
     pub cors_origins: Vec<String>,
     /// Do not serve the chat page at `/`.

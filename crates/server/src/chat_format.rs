@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::output::OutputKind;
+use crate::plain_content::{mark_messages, unmark, RenderedPrompt};
 
 /// A model's chat format.
 pub struct ChatSetup {
@@ -73,28 +74,28 @@ impl ChatSetup {
     }
 
     /// Renders a conversation (already [`normalize_messages`](crate::chat_messages::normalize_messages)d), with the assistant's
-    /// generation prompt when `add_generation_prompt`. Whatever the template rejects or fails
-    /// on is a 400 carrying the template's message.
+    /// generation prompt when `add_generation_prompt`, with the spans the messages wrote (see
+    /// [`crate::plain_content`]). Whatever the template rejects or fails on is a 400 carrying
+    /// the template's message.
     pub fn render(
         &self,
         messages: &Value,
         tools: Option<&Value>,
         add_generation_prompt: bool,
         mut extra: Map<String, Value>,
-    ) -> Result<String, ApiError> {
+    ) -> Result<RenderedPrompt, ApiError> {
         extra
             .entry("bos_token")
             .or_insert_with(|| self.bos.clone().into());
         extra
             .entry("eos_token")
             .or_insert_with(|| self.eos.clone().into());
-        let harmony_fixed;
-        let messages = if self.is_harmony() {
-            harmony_fixed = harmony_history(messages);
-            &harmony_fixed
+        let messages = mark_messages(&if self.is_harmony() {
+            harmony_history(messages)
         } else {
-            messages
-        };
+            messages.clone()
+        });
+        let messages = &messages;
         let extra = Value::Object(extra);
         let mut result = self
             .template
@@ -108,7 +109,7 @@ impl ChatSetup {
                     .render(&filled, tools, add_generation_prompt, &extra);
             }
         }
-        result.map_err(|e| match e {
+        result.map(|text| unmark(&text)).map_err(|e| match e {
             ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
             ChatError::Template(m) => {
                 ApiError::bad_request(format!("the chat template failed: {m}"))
@@ -163,11 +164,12 @@ impl ChatSetup {
         }
     }
 
-    /// Tokenizes a rendered prompt (special tokens parsed; BOS added per the model unless the
-    /// template already wrote it).
-    pub fn tokenize(&self, tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, ApiError> {
+    /// Tokenizes a rendered prompt (special tokens parsed from the template's markup, never
+    /// from what the messages wrote; BOS added per the model unless the template already
+    /// wrote it).
+    pub fn tokenize(&self, tok: &Tokenizer, prompt: &RenderedPrompt) -> Result<Vec<u32>, ApiError> {
         let mut ids = tok
-            .encode(prompt, true, true)
+            .encode_with_plain(&prompt.text, true, &prompt.plain)
             .map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}")))?;
         if let Some(bos) = tok.bos() {
             if tok.add_bos() && ids.len() >= 2 && ids[0] == bos && ids[1] == bos {

@@ -14,6 +14,7 @@ use crate::model_host::ModelHost;
 use crate::output::OutputKind;
 use crate::params::{gen_params, Fields, Flavor, GenParams};
 use crate::parsed_body::{blocking, ParsedBody};
+use crate::plain_content::RenderedPrompt;
 use crate::registry::Lease;
 use crate::state::AppState;
 
@@ -49,11 +50,11 @@ pub async fn prepare_chat(
     let body = req.clone();
     let (prompt, mut gen, output) = blocking(move || {
         let req = to_chat(&body)?;
-        let (text, format, tools) = render_chat(&config, &host, &req)?;
+        let (rendered, format, tools) = render_chat(&config, &host, &req)?;
         let chat = host.chat()?;
         // As llama-server: several calls may follow one another unless the request says not.
         let parallel = Fields(&req).bool("parallel_tool_calls")?.unwrap_or(true);
-        let prompt = chat.tokenize(&host.tokenizer, &text)?;
+        let prompt = chat.tokenize(&host.tokenizer, &rendered)?;
         let gen = gen_params(
             &Fields(&req),
             &config.sampling,
@@ -61,7 +62,7 @@ pub async fn prepare_chat(
             &host.tokenizer,
             chat.forced_tool_format(&host.tokenizer),
         )?;
-        let output = chat.output_kind(&text, format, tools.as_ref(), parallel);
+        let output = chat.output_kind(&rendered.text, format, tools.as_ref(), parallel);
         Ok((prompt, gen, output))
     })
     .await?;
@@ -88,12 +89,12 @@ pub async fn chat_prompt(
     let body = req.clone();
     blocking(move || {
         let req = to_chat(&body)?;
-        let (text, _, _) = render_chat(&config, &host, &req)?;
+        let (prompt, _, _) = render_chat(&config, &host, &req)?;
         let n = match count {
-            true => Some(host.chat()?.tokenize(&host.tokenizer, &text)?.len()),
+            true => Some(host.chat()?.tokenize(&host.tokenizer, &prompt)?.len()),
             false => None,
         };
-        Ok((text, n))
+        Ok((prompt.text, n))
     })
     .await
 }
@@ -109,13 +110,13 @@ fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
     }
 }
 
-/// The prompt text of a chat request (template rendered), how to read its reasoning, and the
+/// The prompt of a chat request (template rendered), how to read its reasoning, and the
 /// tools the template was given (`None`: none, or `tool_choice` `"none"`).
 fn render_chat(
     config: &ServerConfig,
     host: &ModelHost,
     req: &Map<String, Value>,
-) -> Result<(String, ReasoningFormat, Option<Value>), ApiError> {
+) -> Result<(RenderedPrompt, ReasoningFormat, Option<Value>), ApiError> {
     let f = Fields(req);
     let chat = host.chat()?;
     let messages = normalize_messages(req.get("messages"))?;

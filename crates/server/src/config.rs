@@ -155,8 +155,9 @@ pub struct ServerConfig {
     /// Accepted API keys (`--api-key`); empty = no authentication. An empty key is a
     /// configuration error ([`crate::RunningServer::start`] refuses it), never "no auth".
     pub api_keys: Vec<String>,
-    /// Origins browsers may call from (`--cors-origins`); `*` (the default) allows any,
-    /// answering with the request's `Origin` as llama-server does.
+    /// Origins other than the server's own that browsers may call from (`--cors-origins`):
+    /// exact origins (reflected, with credentials), `localhost` (any loopback origin, likewise)
+    /// or `*` (any, without credentials). Empty (the default): the server's own origin only.
     pub cors_origins: Vec<String>,
     /// Connection, time and size bounds.
     pub limits: Limits,
@@ -195,7 +196,7 @@ impl ServerConfig {
             models,
             alias: Vec::new(),
             api_keys: Vec::new(),
-            cors_origins: vec!["*".into()],
+            cors_origins: Vec::new(),
             limits: Limits::default(),
             engine: EngineConfig::default(),
             chat: ChatConfig::default(),

@@ -23,6 +23,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::http::{HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use hyper::body::Incoming;
@@ -133,17 +134,24 @@ pub async fn serve(
         } else {
             limits.header_timeout
         };
+        let keep_alive = keep_alive_header(header_timeout);
         let mut down = down.clone();
         let write_timeout = limits.timeout;
         let handle = conns.spawn(async move {
             let _open = guard;
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
                 let mut app = app.clone();
+                let keep_alive = keep_alive.clone();
                 async move {
                     if overflow && !is_health(req.uri().path()) {
                         return Ok::<Response, Infallible>(too_many(cap));
                     }
-                    app.call(req.map(Body::new)).await
+                    let closing = asks_to_close(&req);
+                    let mut r = app.call(req.map(Body::new)).await?;
+                    if !overflow && !closing {
+                        r.headers_mut().insert(KEEP_ALIVE, keep_alive);
+                    }
+                    Ok(r)
                 }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
@@ -173,6 +181,30 @@ pub async fn serve(
     drop(listener);
     while conns.join_next().await.is_some() {}
     Ok(())
+}
+
+/// The `Keep-Alive` header's name.
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+
+/// `Keep-Alive: timeout=N`: how long, in whole seconds (rounded down, so a client never
+/// counts on more), an idle connection is kept before the header timeout closes it.
+fn keep_alive_header(idle: Duration) -> HeaderValue {
+    HeaderValue::from_str(&format!("timeout={}", idle.as_secs()))
+        .unwrap_or(HeaderValue::from_static("timeout=0"))
+}
+
+/// Whether a request closes its connection after the response (`Connection: close`, or
+/// HTTP/1.0 without `Connection: keep-alive`), so no `Keep-Alive` header applies.
+fn asks_to_close<B>(req: &hyper::Request<B>) -> bool {
+    let has = |token: &str| {
+        req.headers()
+            .get_all(hyper::header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    };
+    has("close") || (req.version() == hyper::Version::HTTP_10 && !has("keep-alive"))
 }
 
 /// A stream whose writes fail once the peer has taken no bytes for `timeout`: the clock

@@ -76,6 +76,15 @@ impl ApiError {
         )
     }
 
+    /// 415: a body type the route refuses.
+    pub fn unsupported_media_type(message: impl Into<String>) -> ApiError {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            message,
+        )
+    }
+
     /// 500: the server failed.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

@@ -65,38 +65,131 @@ pub fn authorized(config: &ServerConfig, headers: &HeaderMap) -> bool {
         || presented_key(headers).is_some_and(|k| matches_any(&config.api_keys, k, same_bytes))
 }
 
-/// The `Access-Control-Allow-Origin` for a request from `origin` (none when not allowed).
-fn allowed_origin(config: &ServerConfig, origin: Option<&HeaderValue>) -> Option<HeaderValue> {
-    let any = config.cors_origins.iter().any(|o| o == "*");
-    match origin {
-        // llama-server echoes the caller's origin.
-        Some(o)
-            if any
-                || config
-                    .cors_origins
-                    .iter()
-                    .any(|a| a.as_bytes() == o.as_bytes()) =>
-        {
-            Some(o.clone())
-        }
-        Some(_) => None,
-        None => any.then(|| HeaderValue::from_static("*")),
+/// How the server answers a browser's `Origin` (see docs/server.md, "CORS").
+#[derive(Debug, PartialEq, Eq)]
+enum Cors {
+    /// No `Origin`, or the server's own (the chat page): no CORS headers needed.
+    SameOrNone,
+    /// `--cors-origins *`: any origin, `Access-Control-Allow-Origin: *` without credentials.
+    Any,
+    /// An origin `--cors-origins` names (or a loopback one under `localhost`): reflected, with
+    /// credentials.
+    Listed(HeaderValue),
+    /// Any other origin: no CORS headers, and no "simple" state-changing requests.
+    Foreign,
+}
+
+/// Whether `origin` is `http(s)://` followed by `host` (the request's `Host`).
+fn is_same_origin(origin: &[u8], host: Option<&HeaderValue>) -> bool {
+    let Some(host) = host else { return false };
+    [&b"http://"[..], b"https://"].iter().any(|scheme| {
+        origin.len() == scheme.len() + host.len()
+            && origin.starts_with(scheme)
+            && origin[scheme.len()..].eq_ignore_ascii_case(host.as_bytes())
+    })
+}
+
+/// Whether `origin` is a loopback one (`http(s)://localhost`, `127.x.x.x` or `[::1]`, any port).
+fn is_loopback_origin(origin: &str) -> bool {
+    let Some(rest) = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let host = match rest.strip_prefix("[::1]") {
+        Some(tail) => return tail.is_empty() || tail.starts_with(':'),
+        None => rest.split(':').next().unwrap_or(""),
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The CORS standing of a request from `origin` to `host`.
+fn cors_for(
+    config: &ServerConfig,
+    origin: Option<&HeaderValue>,
+    host: Option<&HeaderValue>,
+) -> Cors {
+    let Some(o) = origin else {
+        return Cors::SameOrNone;
+    };
+    if is_same_origin(o.as_bytes(), host) {
+        return Cors::SameOrNone;
+    }
+    let listed = config.cors_origins.iter().any(|a| {
+        a.as_bytes() == o.as_bytes()
+            || (a == "localhost" && o.to_str().is_ok_and(is_loopback_origin))
+    });
+    if listed {
+        Cors::Listed(o.clone())
+    } else if config.cors_origins.iter().any(|a| a == "*") {
+        Cors::Any
+    } else {
+        Cors::Foreign
     }
 }
 
-/// The middleware: preflight, CORS headers, API key, body.
+/// Whether a `Content-Type` names JSON (`application/json` or `…/…+json`, any parameters).
+fn is_json_type(content_type: Option<&HeaderValue>) -> bool {
+    let Some(t) = content_type.and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let t = t
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    t == "application/json" || (t.starts_with("application/") && t.ends_with("+json"))
+}
+
+/// The refusal of a state-changing request a web page of a foreign origin could send without
+/// a preflight: any content type but JSON (a form's `text/plain`, `x-www-form-urlencoded`,
+/// `multipart/form-data`, or none).
+fn simple_request_refusal(req: &Request) -> Option<ApiError> {
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return None;
+    }
+    let ct = req.headers().get(header::CONTENT_TYPE);
+    if is_json_type(ct) {
+        return None;
+    }
+    let shown = ct.and_then(|v| v.to_str().ok()).unwrap_or("none");
+    Some(ApiError::unsupported_media_type(format!(
+        "a {} request from another origin must send Content-Type: application/json (it sent \
+         {shown}); a web page can send other types without the browser asking the server first, \
+         so they are refused; allow the origin with --cors-origins",
+        req.method()
+    )))
+}
+
+/// The middleware: preflight, CORS headers, simple cross-origin requests, API key, body.
 pub async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let config = &st.config;
-    let origin = allowed_origin(config, req.headers().get(header::ORIGIN));
+    let h = req.headers();
+    let standing = cors_for(config, h.get(header::ORIGIN), h.get(header::HOST));
     let cors = |mut r: Response| {
-        if let Some(o) = &origin {
-            let h = r.headers_mut();
-            h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o.clone());
-            h.insert(
-                header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
-                HeaderValue::from_static("true"),
-            );
+        let h = r.headers_mut();
+        match &standing {
+            Cors::Any => {
+                h.insert(
+                    header::ACCESS_CONTROL_ALLOW_ORIGIN,
+                    HeaderValue::from_static("*"),
+                );
+            }
+            Cors::Listed(o) => {
+                h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o.clone());
+                h.insert(
+                    header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+                    HeaderValue::from_static("true"),
+                );
+            }
+            Cors::SameOrNone | Cors::Foreign => {}
         }
+        h.append(header::VARY, HeaderValue::from_static("Origin"));
         r
     };
     if req.method() == Method::OPTIONS {
@@ -116,6 +209,11 @@ pub async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) ->
             HeaderValue::from_static("86400"),
         );
         return cors(r);
+    }
+    if standing == Cors::Foreign {
+        if let Some(e) = simple_request_refusal(&req) {
+            return cors(e.into_response());
+        }
     }
     if !is_public(req.uri().path()) && !authorized(config, req.headers()) {
         return cors(ApiError::unauthorized().into_response());
@@ -243,15 +341,47 @@ mod tests {
     fn cors_origins() {
         let mut c = ServerConfig::new(crate::ModelSource::File("x".into()));
         let o = HeaderValue::from_static("http://app.example");
-        assert_eq!(allowed_origin(&c, Some(&o)), Some(o.clone()));
-        assert_eq!(
-            allowed_origin(&c, None),
-            Some(HeaderValue::from_static("*"))
-        );
+        let host = HeaderValue::from_static("127.0.0.1:8080");
+        let own = HeaderValue::from_static("http://127.0.0.1:8080");
+        // The default: only the server's own origin (and clients sending none).
+        assert_eq!(cors_for(&c, Some(&o), Some(&host)), Cors::Foreign);
+        assert_eq!(cors_for(&c, Some(&own), Some(&host)), Cors::SameOrNone);
+        assert_eq!(cors_for(&c, None, Some(&host)), Cors::SameOrNone);
+        let null = HeaderValue::from_static("null");
+        assert_eq!(cors_for(&c, Some(&null), Some(&host)), Cors::Foreign);
+        c.cors_origins = vec!["*".into()];
+        assert_eq!(cors_for(&c, Some(&o), Some(&host)), Cors::Any);
         c.cors_origins = vec!["http://other.example".into()];
-        assert_eq!(allowed_origin(&c, Some(&o)), None);
-        assert_eq!(allowed_origin(&c, None), None);
+        assert_eq!(cors_for(&c, Some(&o), None), Cors::Foreign);
         c.cors_origins.push("http://app.example".into());
-        assert_eq!(allowed_origin(&c, Some(&o)), Some(o));
+        assert_eq!(cors_for(&c, Some(&o), None), Cors::Listed(o.clone()));
+        c.cors_origins = vec!["localhost".into()];
+        assert_eq!(cors_for(&c, Some(&o), None), Cors::Foreign);
+        for (origin, ok) in [
+            ("http://localhost:3000", true),
+            ("https://127.0.0.2", true),
+            ("http://[::1]:5173", true),
+            ("http://localhost.evil.example", false),
+            ("http://[::1].evil.example", false),
+            ("http://128.0.0.1", false),
+        ] {
+            assert_eq!(is_loopback_origin(origin), ok, "{origin}");
+        }
+    }
+
+    #[test]
+    fn json_content_types() {
+        for (t, ok) in [
+            ("application/json", true),
+            ("Application/JSON; charset=utf-8", true),
+            ("application/vnd.api+json", true),
+            ("text/plain", false),
+            ("text/plain; a=application/json", false),
+            ("application/x-www-form-urlencoded", false),
+            ("multipart/form-data; boundary=x", false),
+        ] {
+            assert_eq!(is_json_type(Some(&HeaderValue::from_static(t))), ok, "{t}");
+        }
+        assert!(!is_json_type(None));
     }
 }

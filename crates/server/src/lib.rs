@@ -39,6 +39,7 @@ pub mod output;
 pub mod params;
 pub mod parsed_body;
 pub mod pieces;
+pub mod plain_content;
 pub mod registry;
 pub mod request_log;
 pub mod responses;

@@ -211,9 +211,10 @@ fn empty_api_keys_are_refused_and_every_key_works() {
 }
 
 #[test]
-fn cors_preflight_answers_as_llama_server() {
+fn cors_preflight_answers_listed_origins_only() {
     let mut c = tiny_config();
     c.api_keys = vec!["k".into()];
+    c.cors_origins = vec!["http://ui.example".into()];
     let s = start(c);
     let a = s.local_addr();
     let origin = ("Origin", "http://ui.example");
@@ -240,24 +241,140 @@ fn cors_preflight_answers_as_llama_server() {
         denied.header("access-control-allow-origin"),
         Some("http://ui.example")
     );
-    drop(s);
-    let mut c = tiny_config();
-    c.cors_origins = vec!["http://ok.example".into()];
-    let s = start(c);
-    let r = request(s.local_addr(), "GET", "/health", &[origin], b"");
+    // Another origin gets no CORS headers, the preflight included.
+    let evil = ("Origin", "http://evil.example");
+    let r = request(a, "OPTIONS", "/completion", &[evil], b"");
+    assert_eq!(r.header("access-control-allow-origin"), None);
+    let r = request(a, "GET", "/health", &[evil], b"");
     assert_eq!(r.status, 200);
     assert_eq!(r.header("access-control-allow-origin"), None);
-    let r = request(
-        s.local_addr(),
-        "GET",
-        "/health",
-        &[("Origin", "http://ok.example")],
-        b"",
-    );
+    drop(s);
+
+    // The default: no origin but the server's own is answered.
+    let s = start(tiny_config());
+    let a = s.local_addr();
+    for o in ["http://evil.example", "null", "http://localhost:3000"] {
+        let r = request(a, "OPTIONS", "/completion", &[("Origin", o)], b"");
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("access-control-allow-origin"), None, "{o}");
+        assert_eq!(r.header("access-control-allow-credentials"), None, "{o}");
+    }
+    drop(s);
+
+    // `*`: any origin, without credentials; `localhost`: loopback origins, reflected.
+    let mut c = tiny_config();
+    c.cors_origins = vec!["*".into()];
+    let s = start(c);
+    let r = request(s.local_addr(), "GET", "/health", &[evil], b"");
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"));
+    assert_eq!(r.header("access-control-allow-credentials"), None);
+    drop(s);
+    let mut c = tiny_config();
+    c.cors_origins = vec!["localhost".into()];
+    let s = start(c);
+    let dev = ("Origin", "http://localhost:5173");
+    let r = request(s.local_addr(), "GET", "/health", &[dev], b"");
     assert_eq!(
         r.header("access-control-allow-origin"),
-        Some("http://ok.example")
+        Some("http://localhost:5173")
     );
+    let r = request(s.local_addr(), "GET", "/health", &[evil], b"");
+    assert_eq!(r.header("access-control-allow-origin"), None);
+}
+
+/// A `POST` of `body` to `path` with exactly these optional `Origin` and `Content-Type`
+/// headers (`request` marks a non-empty body as JSON); the whole raw response.
+fn raw_post(
+    a: SocketAddr,
+    path: &str,
+    origin: Option<&str>,
+    ct: Option<&str>,
+    body: &str,
+) -> String {
+    let line =
+        |name: &str, v: Option<&str>| v.map_or(String::new(), |v| format!("{name}: {v}\r\n"));
+    let raw = format!(
+        "POST {path} HTTP/1.1\r\nHost: {a}\r\n{}{}Content-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        line("Origin", origin),
+        line("Content-Type", ct),
+        body.len()
+    );
+    let mut conn = stalled(a, raw.as_bytes());
+    closed_within(&mut conn, Duration::from_secs(30)).expect("answered")
+}
+
+/// What a web page of another origin can send without a preflight: a form or a `fetch` with
+/// a "simple" content type. None of it may reach a state-changing route.
+#[test]
+fn simple_cross_origin_requests_are_refused_with_415() {
+    let s = start(tiny_config());
+    let a = s.local_addr();
+    let body = json!({"prompt": "Hi", "n_predict": 1}).to_string();
+    let evil = "http://evil.example";
+    for ct in [
+        Some("text/plain"),
+        Some("text/plain;charset=UTF-8"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        for path in ["/completion", "/v1/chat/completions", "/models/unload"] {
+            let got = raw_post(a, path, Some(evil), ct, &body);
+            assert!(got.starts_with("HTTP/1.1 415"), "{path} {ct:?}: {got}");
+            let e = body_json(&got);
+            let msg = e["error"]["message"].as_str().unwrap();
+            assert!(
+                msg.contains("application/json") && msg.contains("--cors-origins"),
+                "{msg}"
+            );
+            assert!(!got
+                .to_ascii_lowercase()
+                .contains("access-control-allow-origin"));
+        }
+    }
+    // The same bodies without an Origin (curl -d sends form-urlencoded), from the server's
+    // own origin (the chat page), or as JSON run as before.
+    let own = format!("http://{a}");
+    for (ct, origin) in [
+        ("application/x-www-form-urlencoded", None),
+        ("text/plain", Some(own.as_str())),
+        ("application/json", Some(evil)),
+    ] {
+        let got = raw_post(a, "/completion", origin, Some(ct), &body);
+        assert!(got.starts_with("HTTP/1.1 200"), "{ct} {origin:?}: {got}");
+    }
+    // Reading routes stay open to simple requests (the browser hides the answer).
+    let r = request(a, "GET", "/health", &[("Origin", evil)], b"");
+    assert_eq!(r.status, 200);
+}
+
+/// Responses on a kept-alive connection say how long it stays open idle, and it does.
+#[test]
+fn keep_alive_header_matches_the_idle_close() {
+    let mut c = tiny_config();
+    c.limits.header_timeout = Duration::from_secs(2);
+    let s = start(c);
+    let mut conn = stalled(s.local_addr(), b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 4096];
+    let n = conn.read(&mut buf).unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("\r\nkeep-alive: timeout=2\r\n"), "{head}");
+    let idle = Instant::now();
+    assert!(
+        closed_within(&mut conn, Duration::from_secs(6)).is_some(),
+        "the idle connection stayed open"
+    );
+    let waited = idle.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(4),
+        "closed after {waited:?}, announced 2 s"
+    );
+    // A request that closes its connection gets no Keep-Alive header.
+    let r = get(s.local_addr(), "/health");
+    assert_eq!(r.header("keep-alive"), None);
 }
 
 #[test]

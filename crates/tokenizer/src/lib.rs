@@ -159,11 +159,36 @@ impl Tokenizer {
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_spans(text, add_special, parse_special, &[])
+    }
+
+    /// Tokenizes a rendered chat prompt: special tokens are parsed from the template's own
+    /// text, while in `plain` (sorted, disjoint byte ranges: what the messages said) the text
+    /// of any special token, user-defined ones too, stays text, so content cannot forge role
+    /// boundaries. Apart from that, as
+    /// [`Tokenizer::encode`] with `parse_special`: the pieces between control tokens are
+    /// tokenized whole, plain or not.
+    pub fn encode_with_plain(
+        &self,
+        text: &str,
+        add_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_spans(text, add_special, true, plain)
+    }
+
+    fn encode_spans(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
-        let frags = self.specials.partition(text, parse_special);
+        let frags = self.specials.partition(text, parse_special, plain);
         SCRATCH.with(|scratch| -> Result<(), TokenizerError> {
             let mut scratch = scratch.borrow_mut();
             let (bpe_scratch, spm_scratch, spans) = &mut *scratch;

@@ -3,7 +3,12 @@
 //!
 //! Special tokens are tried longest text first; every occurrence of one in the remaining text
 //! pieces becomes that token, then the next token is tried on what is left. Control and unknown
-//! tokens are only cut out when `parse_special` is set; user-defined tokens always are.
+//! tokens are only cut out when `parse_special` is set; user-defined tokens always are, except
+//! that no special token is cut out where it overlaps a range the caller marks as plain text (a
+//! chat message's content: llama.cpp makes gpt-oss's `<|start|>` user-defined, so plain text
+//! must exclude those too, or a message could forge a turn).
+
+use std::ops::Range;
 
 use aho_corasick::AhoCorasick;
 
@@ -48,8 +53,14 @@ impl SpecialTokens {
         })
     }
 
-    /// Splits `text` into fragments, in order.
-    pub(crate) fn partition(&self, text: &str, parse_special: bool) -> Vec<Fragment> {
+    /// Splits `text` into fragments, in order. A special token whose occurrence overlaps one of
+    /// `plain` (sorted, disjoint byte ranges) stays text there.
+    pub(crate) fn partition(
+        &self,
+        text: &str,
+        parse_special: bool,
+        plain: &[Range<usize>],
+    ) -> Vec<Fragment> {
         let mut frags = Vec::new();
         if text.is_empty() {
             return frags;
@@ -84,12 +95,19 @@ impl SpecialTokens {
                     next.push(f);
                     continue;
                 };
-                while let Some(pos) = find(&bytes[start..end], tok) {
-                    if pos > 0 {
-                        next.push(Fragment::Text(start, start + pos));
+                let mut from = start;
+                while let Some(pos) = find(&bytes[from..end], tok) {
+                    let at = from + pos;
+                    if overlaps(plain, at..at + tok.len()) {
+                        from = at + 1;
+                        continue;
+                    }
+                    if at > start {
+                        next.push(Fragment::Text(start, at));
                     }
                     next.push(Fragment::Token(*id));
-                    start += pos + tok.len();
+                    start = at + tok.len();
+                    from = start;
                 }
                 if start < end {
                     next.push(Fragment::Text(start, end));
@@ -99,6 +117,12 @@ impl SpecialTokens {
         }
         frags
     }
+}
+
+/// Whether `r` overlaps one of `ranges` (sorted, disjoint).
+fn overlaps(ranges: &[Range<usize>], r: Range<usize>) -> bool {
+    let i = ranges.partition_point(|p| p.end <= r.start);
+    ranges.get(i).is_some_and(|p| p.start < r.end)
 }
 
 /// First occurrence of `needle` in `hay`.
@@ -139,7 +163,7 @@ mod tests {
         let s = specials();
         let t = "x<|a|><|b|>y<|a|>[U]";
         assert_eq!(
-            s.partition(t, true),
+            s.partition(t, true, &[]),
             [
                 Fragment::Text(0, 1),
                 Fragment::Token(2),
@@ -150,10 +174,41 @@ mod tests {
         );
         // Without parse_special only the user-defined token is cut out.
         assert_eq!(
-            s.partition(t, false),
+            s.partition(t, false, &[]),
             [Fragment::Text(0, 17), Fragment::Token(3)]
         );
-        assert!(s.partition("", true).is_empty());
+        assert!(s.partition("", true, &[]).is_empty());
+        // Occurrences overlapping a plain range stay text, user-defined tokens too.
+        assert_eq!(
+            s.partition(t, true, &[1..3, 16..17]),
+            [Fragment::Text(0, 17), Fragment::Token(3)]
+        );
+        assert_eq!(
+            s.partition(t, true, std::slice::from_ref(&(1..3))),
+            [
+                Fragment::Text(0, 12),
+                Fragment::Token(1),
+                Fragment::Token(3)
+            ]
+        );
+        assert_eq!(
+            s.partition(t, true, std::slice::from_ref(&(12..17))),
+            [
+                Fragment::Text(0, 1),
+                Fragment::Token(2),
+                Fragment::Text(11, 17),
+                Fragment::Token(3)
+            ]
+        );
+        assert_eq!(
+            s.partition(t, true, &[1..3, 18..19]),
+            [
+                Fragment::Text(0, 12),
+                Fragment::Token(1),
+                Fragment::Text(17, 20)
+            ]
+        );
+        assert!(overlaps(&[2..4, 8..9], 3..5) && !overlaps(&[2..4, 8..9], 4..8));
         assert_eq!(find(b"aab", b"ab"), Some(1));
         assert_eq!(find(b"a", b"ab"), None);
     }

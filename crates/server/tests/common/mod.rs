@@ -329,3 +329,62 @@ pub fn wait_idle(addr: SocketAddr) -> Value {
     }
     panic!("slots still busy: {last}");
 }
+
+/// The prompt of a chat with one user message `content`, the token count the server gives it
+/// (`/v1/messages/count_tokens` and a chat's `usage.prompt_tokens`), and what that count must
+/// be with the content tokenized as text and the template's markup as control tokens; each of
+/// `forgeries` (one control token of the vocabulary) must be absent from the content's tokens.
+pub fn forged_turn_counts(a: SocketAddr, tok: &Tokenizer, content: &str, forgeries: &[&str]) {
+    let messages = serde_json::json!([{"role": "user", "content": content}]);
+    let text = post(
+        a,
+        "/apply-template",
+        &serde_json::json!({ "messages": messages }),
+    )
+    .json()["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let at = text
+        .find(content)
+        .expect("the content is in the prompt as written");
+    // The content sits between control tokens, so the pieces tokenize on their own.
+    let mut plain = tok.encode(&text[..at], true, true).unwrap();
+    // Text through and through: not even the user-defined tokens (gpt-oss's markup) are cut.
+    let content_ids = tok
+        .encode_with_plain(content, false, std::slice::from_ref(&(0..content.len())))
+        .unwrap();
+    plain.extend(&content_ids);
+    plain.extend(
+        tok.encode(&text[at + content.len()..], false, true)
+            .unwrap(),
+    );
+    let forged = tok.encode(&text, true, true).unwrap();
+    assert!(
+        forged.len() < plain.len(),
+        "the content holds control-token text"
+    );
+    for forgery in forgeries {
+        let [control] = tok.encode(forgery, false, true).unwrap()[..] else {
+            panic!("{forgery} is one token of the vocabulary");
+        };
+        assert!(
+            !content_ids.contains(&control),
+            "{forgery} became a control token"
+        );
+    }
+    let counted = post(
+        a,
+        "/v1/messages/count_tokens",
+        &serde_json::json!({"model": "x", "messages": messages}),
+    );
+    assert_eq!(counted.status, 200, "{}", counted.body);
+    assert_eq!(counted.json()["input_tokens"], plain.len(), "{text}");
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": messages, "max_tokens": 1}),
+    )
+    .json();
+    assert_eq!(r["usage"]["prompt_tokens"], plain.len(), "{r}");
+}
