@@ -6,11 +6,13 @@
 mod bench;
 mod config;
 mod devices;
+mod dry;
 mod error;
 mod generate;
 mod load;
 mod plan;
 mod sampler;
+mod sampler_stages;
 mod select;
 
 pub use bench::{
@@ -25,7 +27,9 @@ pub use error::{error_chain, EngineError};
 pub use generate::{top_probs, Generation, Generator, StepObserver, Timings};
 pub use load::{interleaves_experts, load, load_opened, start_threads, EngineUsed, LoadedEngine};
 pub use plan::{plan_engine, plan_error, plan_flags, MoeCacheBudget, PlannedEngine};
+pub use dry::DryParams;
 pub use sampler::{Sampler, SamplerParams};
+pub use sampler_stages::{Mirostat, SamplerStage};
 pub use select::{
     backend_name, choose_engine, device_capabilities, device_k_only_types, device_keeps_kv,
     device_name, gpu_executor_arch, EngineChoice, EngineDevice, EngineInputs,
