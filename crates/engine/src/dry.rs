@@ -95,7 +95,9 @@ impl DryParams {
         if !self.enabled() {
             return;
         }
-        let n = self.penalty_last_n.map_or(history.len(), |l| l.min(history.len()));
+        let n = self
+            .penalty_last_n
+            .map_or(history.len(), |l| l.min(history.len()));
         let allowed = self.allowed_length;
         if n <= allowed {
             return;
@@ -224,9 +226,15 @@ mod tests {
         // 0 1 2 3 | 0 1 2: emitting 3 repeats "0 1 2 3" (the repeat so far is 3 tokens);
         // allowed 2 -> 1 × 2^(3-2) = 2. No other token continues a repeat.
         let p = dry(2, Vec::new());
-        assert_eq!(penalties(&p, &[0, 1, 2, 3, 0, 1, 2], 5), vec![0.0, 0.0, 0.0, 2.0, 0.0]);
+        assert_eq!(
+            penalties(&p, &[0, 1, 2, 3, 0, 1, 2], 5),
+            vec![0.0, 0.0, 0.0, 2.0, 0.0]
+        );
         // Allowed 3: 2^0 = 1; allowed 4: nothing.
-        assert_eq!(penalties(&dry(3, Vec::new()), &[0, 1, 2, 3, 0, 1, 2], 5)[3], 1.0);
+        assert_eq!(
+            penalties(&dry(3, Vec::new()), &[0, 1, 2, 3, 0, 1, 2], 5)[3],
+            1.0
+        );
         assert!(penalties(&dry(4, Vec::new()), &[0, 1, 2, 3, 0, 1, 2], 5)
             .iter()
             .all(|&x| x == 0.0));

@@ -23,11 +23,11 @@ pub use config::{EngineConfig, MoeCacheFlag};
 pub use devices::{
     device_budget, parse_device_list, selected_devices, Probed, Selected, REF0_DEFAULT_BYTES,
 };
+pub use dry::DryParams;
 pub use error::{error_chain, EngineError};
 pub use generate::{top_probs, Generation, Generator, StepObserver, Timings};
 pub use load::{interleaves_experts, load, load_opened, start_threads, EngineUsed, LoadedEngine};
 pub use plan::{plan_engine, plan_error, plan_flags, MoeCacheBudget, PlannedEngine};
-pub use dry::DryParams;
 pub use sampler::{Sampler, SamplerParams};
 pub use sampler_stages::{Mirostat, SamplerStage};
 pub use select::{

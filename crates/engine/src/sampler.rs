@@ -94,7 +94,10 @@ impl Sampler {
     /// A sampler seeded from `params.seed`.
     pub fn new(params: SamplerParams) -> Sampler {
         let keep = match params.dry.enabled() {
-            true => params.dry.penalty_last_n.map(|n| n.max(params.repeat_last_n)),
+            true => params
+                .dry
+                .penalty_last_n
+                .map(|n| n.max(params.repeat_last_n)),
             false => Some(params.repeat_last_n),
         };
         Sampler {
@@ -235,11 +238,9 @@ impl Sampler {
                     let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
                     c.v.truncate(keep);
                 }
-                SamplerStage::Xtc => {
-                    xtc(&mut c, p.xtc_probability, p.xtc_threshold, temp, || {
-                        xtc_rng.random::<f32>()
-                    })
-                }
+                SamplerStage::Xtc => xtc(&mut c, p.xtc_probability, p.xtc_threshold, temp, || {
+                    xtc_rng.random::<f32>()
+                }),
                 SamplerStage::Temperature if p.temperature <= 0.0 => {
                     c.v = vec![c.v[argmax_index(&c.v)]];
                     c.sorted = true;
@@ -430,7 +431,10 @@ mod tests {
         });
         let d = s.distribution(&logits);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
-        assert!((d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6, "{d:?}");
+        assert!(
+            (d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6,
+            "{d:?}"
+        );
     }
 
     #[test]

@@ -163,10 +163,7 @@ pub(crate) fn xtc(
     }
     c.sort();
     let probs = softmax(&c.v, temp);
-    let above = probs
-        .iter()
-        .take_while(|&&q| q >= threshold as f64)
-        .count();
+    let above = probs.iter().take_while(|&&q| q >= threshold as f64).count();
     if above > 1 {
         c.v.drain(..above - 1);
     }
@@ -231,7 +228,11 @@ mod tests {
 
     fn cands(probs: &[f32]) -> Cands {
         Cands {
-            v: probs.iter().enumerate().map(|(i, p)| (i as u32, p.ln())).collect(),
+            v: probs
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (i as u32, p.ln()))
+                .collect(),
             sorted: false,
         }
     }
@@ -244,10 +245,16 @@ mod tests {
     fn names_and_letters_round_trip() {
         for (i, s) in SamplerStage::DEFAULT_ORDER.into_iter().enumerate() {
             assert_eq!(SamplerStage::from_name(s.name()), Some(s));
-            assert_eq!(SamplerStage::from_char("edskypmxt".as_bytes()[i] as char), Some(s));
+            assert_eq!(
+                SamplerStage::from_char("edskypmxt".as_bytes()[i] as char),
+                Some(s)
+            );
         }
         assert_eq!(SamplerStage::from_name("nucleus"), Some(SamplerStage::TopP));
-        assert_eq!(SamplerStage::from_name("temp"), Some(SamplerStage::Temperature));
+        assert_eq!(
+            SamplerStage::from_name("temp"),
+            Some(SamplerStage::Temperature)
+        );
         assert_eq!(SamplerStage::from_name("infill"), None);
         assert_eq!(SamplerStage::from_char('i'), None);
     }
@@ -290,7 +297,13 @@ mod tests {
     fn top_n_sigma_cuts_below_the_band() {
         // logits 4, 2, 0, -2: mean 1, std sqrt(5) = 2.236; n = 1 keeps logits >= 1.764.
         let mut c = Cands {
-            v: vec![(0, 4.0), (1, 2.0), (2, 0.0), (3, -2.0), (4, f32::NEG_INFINITY)],
+            v: vec![
+                (0, 4.0),
+                (1, 2.0),
+                (2, 0.0),
+                (3, -2.0),
+                (4, f32::NEG_INFINITY),
+            ],
             sorted: false,
         };
         top_n_sigma(&mut c, 1.0);
