@@ -80,12 +80,12 @@ impl SamplerStage {
 pub enum Mirostat {
     /// The chain of [`SamplerStage`]s.
     #[default]
-    Off,
+    Off = 0,
     /// Mirostat 1.0: a top-k whose k follows the estimated Zipf exponent and the target
     /// surprise.
-    V1,
+    V1 = 1,
     /// Mirostat 2.0: keeps tokens whose surprise is at most the running target.
-    V2,
+    V2 = 2,
 }
 
 /// Candidates with their logits; `sorted` when most likely first (ties: lower id first).

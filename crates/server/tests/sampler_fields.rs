@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{post, scripted, start, tiny_config, tiny_model, tokenizer};
+use common::{get, post, scripted, start, tiny_config, tiny_model, tokenizer};
 use hmoe_engine::{Mirostat, SamplerStage};
 use hmoe_server::params::{gen_params, Fields, Flavor, GenParams};
 use hmoe_server::SamplingDefaults;
@@ -166,6 +166,16 @@ fn each_sampler_changes_the_output_end_to_end() {
     let mut dry = rep.clone();
     dry["dry_multiplier"] = 50.0.into();
     assert_ne!(run(dry), run(rep), "DRY changed nothing");
+    // /props reports the chain's defaults as llama-server names them.
+    let props = get(a, "/props").json();
+    let p = &props["default_generation_settings"]["params"];
+    assert_eq!(p["samplers"][0], "penalties", "{p}");
+    assert_eq!(p["samplers"][8], "temperature", "{p}");
+    assert_eq!(
+        (p["mirostat"].clone(), p["typical_p"].clone()),
+        (json!(0), json!(1.0))
+    );
+    assert_eq!(p["dry_penalty_last_n"], -1, "{p}");
     // Pinned slots: one that exists runs there, one that does not is a 400.
     let r = post(
         a,
