@@ -332,6 +332,17 @@ mod tests {
         }
     }
 
+    /// `s`'s distribution on `logits` is `want` (ids in order, probabilities to 1e-6).
+    fn assert_distribution(s: &Sampler, logits: &[f32], want: &[(u32, f64)]) {
+        let d = s.distribution(logits);
+        let ids = |v: &[(u32, f64)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(ids(&d), ids(want), "{d:?}");
+        assert!(
+            d.iter().zip(want).all(|(a, b)| (a.1 - b.1).abs() < 1e-6),
+            "{d:?}"
+        );
+    }
+
     #[test]
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(params(0.0));
@@ -347,12 +358,7 @@ mod tests {
             top_k: 2,
             ..params(1.0)
         });
-        let d = s.distribution(&logits);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
-        assert!(
-            (d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6,
-            "{d:?}"
-        );
+        assert_distribution(&s, &logits, &[(0, 0.625), (1, 0.375)]);
     }
 
     #[test]
@@ -429,12 +435,7 @@ mod tests {
             typical_p: 0.5,
             ..params(1.0)
         });
-        let d = s.distribution(&logits);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
-        assert!(
-            (d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6,
-            "{d:?}"
-        );
+        assert_distribution(&s, &logits, &[(0, 0.625), (1, 0.375)]);
     }
 
     #[test]
