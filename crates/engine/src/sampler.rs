@@ -44,6 +44,8 @@ pub struct SamplerParams {
     pub mirostat_tau: f32,
     /// Mirostat's learning rate (`mirostat_eta`).
     pub mirostat_eta: f32,
+    /// Fewest tokens top-p, min-p, locally typical sampling and XTC leave (`min_keep`).
+    pub min_keep: usize,
     /// The chain's stages in order (`samplers`); a stage left out does not run.
     pub order: Vec<SamplerStage>,
     /// Random seed.
@@ -67,6 +69,7 @@ impl Default for SamplerParams {
             mirostat: Mirostat::Off,
             mirostat_tau: 5.0,
             mirostat_eta: 0.1,
+            min_keep: 0,
             order: SamplerStage::DEFAULT_ORDER.to_vec(),
             seed: 0xFFFF_FFFF,
         }
@@ -215,17 +218,16 @@ impl Sampler {
                         c.v.truncate(p.top_k);
                     }
                 }
-                SamplerStage::TypicalP => typical(&mut c, p.typical_p, temp),
+                SamplerStage::TypicalP => typical(&mut c, p.typical_p, p.min_keep, temp),
                 SamplerStage::TopP if greedy_fast || p.top_p >= 1.0 => {}
                 SamplerStage::TopP => {
                     c.sort();
                     let probs = softmax(&c.v, temp);
                     let mut cum = 0.0;
-                    let keep = probs
-                        .iter()
-                        .position(|&q| {
+                    let keep = (probs.iter().enumerate())
+                        .position(|(i, &q)| {
                             cum += q;
-                            cum >= p.top_p as f64
+                            cum >= p.top_p as f64 && i + 1 >= p.min_keep
                         })
                         .map_or(c.v.len(), |i| i + 1);
                     c.v.truncate(keep);
@@ -235,12 +237,16 @@ impl Sampler {
                     c.sort();
                     let probs = softmax(&c.v, temp);
                     let floor = probs[0] * p.min_p as f64;
-                    let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
+                    let keep = probs.iter().take_while(|&&q| q >= floor).count();
+                    let keep = keep.max(p.min_keep).max(1);
                     c.v.truncate(keep);
                 }
-                SamplerStage::Xtc => xtc(&mut c, p.xtc_probability, p.xtc_threshold, temp, || {
-                    xtc_rng.random::<f32>()
-                }),
+                SamplerStage::Xtc => {
+                    let (prob, threshold) = (p.xtc_probability, p.xtc_threshold);
+                    xtc(&mut c, prob, threshold, p.min_keep, temp, || {
+                        xtc_rng.random()
+                    })
+                }
                 SamplerStage::Temperature if p.temperature <= 0.0 => {
                     c.v = vec![c.v[argmax_index(&c.v)]];
                     c.sorted = true;
@@ -403,6 +409,16 @@ mod tests {
             ..params(1.0)
         });
         assert!((0..500).all(|_| s.sample(&logits) != 2));
+        // min_keep holds a floor under both cuts.
+        for (top_p, min_p) in [(0.1, 0.0), (1.0, 0.9)] {
+            let s = Sampler::new(SamplerParams {
+                top_p,
+                min_p,
+                min_keep: 2,
+                ..params(1.0)
+            });
+            assert_eq!(s.distribution(&logits).len(), 2);
+        }
     }
 
     #[test]

@@ -118,8 +118,8 @@ pub(crate) fn softmax(cand: &[(u32, f32)], temperature: f32) -> Vec<f64> {
 }
 
 /// Locally typical sampling: the tokens whose surprise is closest to the distribution's
-/// entropy, fewest first, until their probability passes `p`.
-pub(crate) fn typical(c: &mut Cands, p: f32, temp: f32) {
+/// entropy, fewest first, until their probability passes `p` (and at least `min_keep`).
+pub(crate) fn typical(c: &mut Cands, p: f32, min_keep: usize, temp: f32) {
     if p >= 1.0 {
         return;
     }
@@ -134,11 +134,10 @@ pub(crate) fn typical(c: &mut Cands, p: f32, temp: f32) {
     let mut order: Vec<usize> = (0..c.v.len()).collect();
     order.sort_by(|&a, &b| score(probs[a]).total_cmp(&score(probs[b])));
     let mut cum = 0.0;
-    let keep = order
-        .iter()
-        .position(|&i| {
+    let keep = (order.iter().enumerate())
+        .position(|(n, &i)| {
             cum += probs[i];
-            cum > p as f64
+            cum > p as f64 && n + 1 >= min_keep
         })
         .map_or(order.len(), |i| i + 1);
     c.v = order[..keep].iter().map(|&i| c.v[i]).collect();
@@ -146,12 +145,13 @@ pub(crate) fn typical(c: &mut Cands, p: f32, temp: f32) {
 }
 
 /// XTC: with chance `chance` ≤ `probability`, removes every token at or above `threshold`
-/// but the least likely of them. `chance` is drawn only when the stage can act (llama.cpp's
+/// but the least likely of them, when at least `min_keep` tokens remain. `chance` is drawn only when the stage can act (llama.cpp's
 /// order of draws).
 pub(crate) fn xtc(
     c: &mut Cands,
     probability: f32,
     threshold: f32,
+    min_keep: usize,
     temp: f32,
     chance: impl FnOnce() -> f32,
 ) {
@@ -164,7 +164,7 @@ pub(crate) fn xtc(
     c.sort();
     let probs = softmax(&c.v, temp);
     let above = probs.iter().take_while(|&&q| q >= threshold as f64).count();
-    if above > 1 {
+    if above > 1 && c.v.len() - (above - 1) >= min_keep {
         c.v.drain(..above - 1);
     }
 }
@@ -264,33 +264,40 @@ mod tests {
         // p = 0.5, 0.3, 0.2: entropy 1.0297 nats; |surprise - entropy| = 0.337, 0.174, 0.580,
         // so the order is 1, 0, 2 and the mass passes 0.5 after two tokens, 0.2 after one.
         let mut c = cands(&[0.5, 0.3, 0.2]);
-        typical(&mut c, 0.5, 1.0);
+        typical(&mut c, 0.5, 0, 1.0);
         assert_eq!(ids(&c), vec![1, 0]);
         let mut c = cands(&[0.5, 0.3, 0.2]);
-        typical(&mut c, 0.2, 1.0);
+        typical(&mut c, 0.2, 0, 1.0);
         assert_eq!(ids(&c), vec![1]);
         let mut c = cands(&[0.5, 0.3, 0.2]);
-        typical(&mut c, 1.0, 1.0);
+        typical(&mut c, 0.2, 3, 1.0);
+        assert_eq!(ids(&c), vec![1, 0, 2]);
+        let mut c = cands(&[0.5, 0.3, 0.2]);
+        typical(&mut c, 1.0, 0, 1.0);
         assert_eq!(ids(&c), vec![0, 1, 2]);
     }
 
     #[test]
     fn xtc_removes_all_top_choices_but_the_last() {
         let mut c = cands(&[0.5, 0.3, 0.15, 0.05]);
-        xtc(&mut c, 1.0, 0.1, 1.0, || 0.5);
+        xtc(&mut c, 1.0, 0.1, 0, 1.0, || 0.5);
         assert_eq!(ids(&c), vec![2, 3]);
+        // Removing would leave fewer than min_keep: no effect.
+        let mut c = cands(&[0.5, 0.3, 0.15, 0.05]);
+        xtc(&mut c, 1.0, 0.1, 3, 1.0, || 0.5);
+        assert_eq!(c.v.len(), 4);
         // One token above the threshold: nothing to exclude.
         let mut c = cands(&[0.5, 0.3, 0.15, 0.05]);
-        xtc(&mut c, 1.0, 0.4, 1.0, || 0.5);
+        xtc(&mut c, 1.0, 0.4, 0, 1.0, || 0.5);
         assert_eq!(ids(&c), vec![0, 1, 2, 3]);
         // The chance is above the probability: no effect.
         let mut c = cands(&[0.5, 0.3, 0.15, 0.05]);
-        xtc(&mut c, 0.25, 0.1, 1.0, || 0.5);
+        xtc(&mut c, 0.25, 0.1, 0, 1.0, || 0.5);
         assert_eq!(c.v.len(), 4);
         // Off: the chance is not drawn.
         let mut c = cands(&[0.5, 0.3]);
-        xtc(&mut c, 0.0, 0.1, 1.0, || unreachable!());
-        xtc(&mut c, 1.0, 0.6, 1.0, || unreachable!());
+        xtc(&mut c, 0.0, 0.1, 0, 1.0, || unreachable!());
+        xtc(&mut c, 1.0, 0.6, 0, 1.0, || unreachable!());
     }
 
     #[test]

@@ -279,6 +279,7 @@ const SHARED_FIELDS: &[&str] = &[
     "mirostat_tau",
     "mirostat_eta",
     "samplers",
+    "min_keep",
     "t_max_predict_ms",
     "n_keep",
     "id_slot",

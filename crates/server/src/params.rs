@@ -330,8 +330,8 @@ pub fn gen_params(
     })
 }
 
-/// The sampler fields beyond the basic cuts: `typical_p`, `top_n_sigma`, XTC, DRY, mirostat
-/// and the chain's order (`samplers`), as llama-server reads them.
+/// The sampler fields beyond the basic cuts: `typical_p`, `top_n_sigma`, XTC, DRY, mirostat,
+/// `min_keep` and the chain's order (`samplers`), as llama-server reads them.
 fn sampler_fields(
     f: &Fields<'_>,
     defaults: &SamplingDefaults,
@@ -395,6 +395,9 @@ fn sampler_fields(
     }
     if let Some(e) = f.f32("mirostat_eta")? {
         s.mirostat_eta = e;
+    }
+    if let Some(n) = f.i64("min_keep")? {
+        s.min_keep = n.max(0) as usize;
     }
     if let Some(v) = f.value("samplers") {
         s.order = sampler_order(v)?;

@@ -34,6 +34,7 @@ fn sampler_fields_reach_the_sampler() {
         "dry_penalty_last_n": 64, "dry_sequence_breakers": ["\n"],
         "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2,
         "samplers": ["top_k", "temperature"], "t_max_predict_ms": 500, "id_slot": 1,
+        "min_keep": 3,
         "n_keep": -1,
     }))
     .unwrap();
@@ -54,6 +55,7 @@ fn sampler_fields_reach_the_sampler() {
         (Mirostat::V2, 4.0, 0.2)
     );
     assert_eq!(s.order, vec![SamplerStage::TopK, SamplerStage::Temperature]);
+    assert_eq!(s.min_keep, 3);
     assert_eq!(g.t_max_predict, Some(std::time::Duration::from_millis(500)));
     assert_eq!(g.id_slot, Some(1));
     // The letter form, and llama-server's defaults when left out.
