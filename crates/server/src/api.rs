@@ -191,7 +191,10 @@ async fn run(
             break;
         }
     }
-    let body = resp.response(gen.logprobs)?;
+    let mut body = resp.response(gen.logprobs)?;
+    if !gen.response_fields.is_empty() {
+        body = crate::oai::select_fields(&body, &gen.response_fields);
+    }
     drop(lease);
     Ok(Json(body).into_response())
 }

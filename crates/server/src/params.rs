@@ -135,6 +135,9 @@ pub struct GenParams {
     pub t_max_predict: Option<std::time::Duration>,
     /// The slot to run in (`id_slot`; `None`: any).
     pub id_slot: Option<usize>,
+    /// The fields of a whole `/completion` answer to send, by path (`response_fields`;
+    /// empty: all).
+    pub response_fields: Vec<String>,
 }
 
 impl GenParams {
@@ -318,6 +321,7 @@ pub fn gen_params(
             Some(ms) if ms > 0 => Some(std::time::Duration::from_millis(ms as u64)),
             _ => None,
         },
+        response_fields: response_fields(f, flavor)?,
         id_slot: match f.i64("id_slot")? {
             None | Some(-1) => None,
             Some(i) if i >= 0 => Some(i as usize),
@@ -481,16 +485,28 @@ fn unsupported_fields(f: &Fields<'_>) -> Result<(), ApiError> {
         Some(Value::Array(a)) if a.is_empty() => {}
         Some(_) => return Err(no("'lora' (LoRA adapters); send [] or leave it out")),
     }
-    match f.value("response_fields") {
-        None => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => {
-            return Err(no(
-                "'response_fields' (filtered responses); send [] or leave it out",
-            ))
-        }
-    }
     Ok(())
+}
+
+/// `response_fields`: paths (`a/b`) of the fields a whole `/completion` answer keeps, as
+/// llama-server reads them. The OpenAI routes and streams have fixed shapes: a non-empty list
+/// there is a 400.
+fn response_fields(f: &Fields<'_>, flavor: Flavor) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::bad_request("'response_fields' must be an array of strings");
+    let fields: Vec<String> = match f.value("response_fields") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => (a.iter())
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad()),
+    };
+    if !fields.is_empty() && (flavor != Flavor::Native || f.bool("stream")? == Some(true)) {
+        return Err(ApiError::bad_request(
+            "hmoe applies 'response_fields' to whole /completion answers only (not to streams \
+             or the OpenAI routes)",
+        ));
+    }
+    Ok(fields)
 }
 
 /// The grammar a request asks for: `grammar` (GBNF; Lark after `%llguidance`) and

@@ -1,7 +1,7 @@
 //! llama-server's sampler and slot fields: each is read (typical_p, top_n_sigma, XTC, DRY,
-//! mirostat, samplers, t_max_predict_ms, id_slot, n_keep) or refused with a 400 that says
-//! hmoe lacks it (n_indent, lora, response_fields beyond their neutral values); none is
-//! silently dropped.
+//! mirostat, samplers, t_max_predict_ms, id_slot, n_keep, response_fields) or refused with a
+//! 400 that says hmoe lacks it (n_indent, lora beyond their neutral values); none is silently
+//! dropped.
 
 mod common;
 
@@ -96,8 +96,12 @@ fn what_hmoe_lacks_is_a_400_that_says_so() {
             "does not support 'lora'",
         ),
         (
-            json!({"response_fields": ["content"]}),
-            "does not support 'response_fields'",
+            json!({"response_fields": ["content"], "stream": true}),
+            "whole /completion answers",
+        ),
+        (
+            json!({"response_fields": "content"}),
+            "must be an array of strings",
         ),
         (json!({"id_slot": -2}), "'id_slot'"),
         (json!({"n_keep": -5}), "'n_keep'"),
@@ -178,6 +182,23 @@ fn each_sampler_changes_the_output_end_to_end() {
         (json!(0), json!(1.0))
     );
     assert_eq!(p["dry_penalty_last_n"], -1, "{p}");
+    // response_fields keeps the fields named, nested ones by path.
+    let r = post(
+        a,
+        "/completion",
+        &json!({"prompt": "hi", "n_predict": 2,
+                "response_fields": ["content", "timings/predicted_n", "nothing/here"]}),
+    );
+    let j = r.json();
+    let keys: Vec<&String> = j.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["content", "timings/predicted_n"], "{j}");
+    assert_eq!(j["timings/predicted_n"], 2, "{j}");
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 2, "response_fields": ["content"]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
     // Pinned slots: one that exists runs there, one that does not is a 400.
     let r = post(
         a,
