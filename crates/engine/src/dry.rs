@@ -3,6 +3,8 @@
 //! `multiplier × base^(length − allowed_length)` of its logit. Sequence breakers (newlines,
 //! punctuation) end the stretch a repeat may reach back over.
 
+use std::collections::HashMap;
+
 /// DRY's settings (llama-server's defaults: off, base 1.75, allowed length 2, the whole
 /// context, breakers `\n`, `:`, `"`, `*`).
 #[derive(Clone, Debug, PartialEq)]
@@ -104,24 +106,28 @@ impl DryParams {
         }
         // Most recent first.
         let rev: Vec<u32> = history[history.len() - n..].iter().rev().copied().collect();
-        let limit = self.repeat_limit(&rev);
+        let mut heads: HashMap<u32, Vec<&[u32]>> = HashMap::new();
+        for (head, tail) in &self.breakers {
+            heads.entry(*head).or_default().push(tail);
+        }
+        let limit = repeat_limit(&rev, &heads);
         if limit < allowed {
             return;
         }
         // z[k]: how many of the latest tokens also end k tokens earlier.
         let z = z_array(&rev);
-        let mut longest: Vec<(u32, usize)> = Vec::new();
+        let mut longest: HashMap<u32, usize> = HashMap::new();
         for (k, &len) in z.iter().enumerate().skip(1) {
             let len = len.min(limit);
             if len < allowed {
                 continue;
             }
             // The token that followed that earlier occurrence would extend the repeat.
-            let next = rev[k - 1];
-            match longest.iter_mut().find(|e| e.0 == next) {
-                Some(e) => e.1 = e.1.max(len),
-                None => longest.push((next, len)),
-            }
+            let e = longest.entry(rev[k - 1]).or_default();
+            *e = (*e).max(len);
+        }
+        if longest.is_empty() {
+            return;
         }
         let max_exp = if self.base > 1.000001 {
             (F32_MAX_LN / self.base.ln()) as usize
@@ -129,10 +135,13 @@ impl DryParams {
             0
         };
         for c in cand.iter_mut() {
-            let Some(&(_, len)) = longest.iter().find(|e| e.0 == c.0) else {
+            let Some(&len) = longest.get(&c.0) else {
                 continue;
             };
-            if self.breakers.iter().any(|b| b.0 == c.0 && b.1.is_empty()) {
+            let breaker = heads
+                .get(&c.0)
+                .is_some_and(|t| t.iter().any(|t| t.is_empty()));
+            if breaker {
                 continue;
             }
             let mut exp = len - allowed;
@@ -142,27 +151,29 @@ impl DryParams {
             c.1 -= self.multiplier * self.base.powi(exp as i32);
         }
     }
+}
 
-    /// How far back a repeat may reach: up to the most recent sequence breaker (the longest
-    /// one ending there), else the whole window.
-    fn repeat_limit(&self, rev: &[u32]) -> usize {
-        for (i, &t) in rev.iter().enumerate() {
-            let mut best: Option<usize> = None;
-            for (_, tail) in self.breakers.iter().filter(|b| b.0 == t) {
-                let len = tail.len();
-                let matches = len <= i
-                    && best.is_none_or(|b| len > b)
-                    && (0..len).all(|o| tail[o] == rev[i - o - 1]);
-                if matches {
-                    best = Some(len);
-                }
-            }
-            if let Some(len) = best {
-                return i - len;
+/// How far back a repeat may reach in `rev` (most recent first): up to the most recent
+/// sequence breaker (the longest one ending there; `heads` maps a head token to its tails),
+/// else the whole window.
+fn repeat_limit(rev: &[u32], heads: &HashMap<u32, Vec<&[u32]>>) -> usize {
+    for (i, t) in rev.iter().enumerate() {
+        let Some(tails) = heads.get(t) else { continue };
+        let mut best: Option<usize> = None;
+        for tail in tails {
+            let len = tail.len();
+            let matches = len <= i
+                && best.is_none_or(|b| len > b)
+                && (0..len).all(|o| tail[o] == rev[i - o - 1]);
+            if matches {
+                best = Some(len);
             }
         }
-        rev.len()
+        if let Some(len) = best {
+            return i - len;
+        }
     }
+    rev.len()
 }
 
 fn contains(word: &[u8], s: &[u8]) -> bool {
@@ -170,7 +181,9 @@ fn contains(word: &[u8], s: &[u8]) -> bool {
 }
 
 fn push_unique(out: &mut Vec<(u32, Vec<u32>)>, id: u32, tail: Vec<u32>) {
-    if !out.iter().any(|(h, t)| *h == id && *t == tail) {
+    // Ids come in order: the entries of `id` are the last ones.
+    let mut same = out.iter().rev().take_while(|(h, _)| *h == id);
+    if !same.any(|(_, t)| *t == tail) {
         out.push((id, tail));
     }
 }
