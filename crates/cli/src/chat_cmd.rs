@@ -38,9 +38,10 @@ pub struct ChatArgs {
     /// gpt-oss reasoning effort (low, medium, high).
     #[arg(long = "reasoning-effort")]
     pub reasoning_effort: Option<String>,
-    /// Most tokens per reply.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 1024)]
-    pub n_predict: usize,
+    /// Most tokens per reply (default 1024; 64 for a random-weight stand-in from
+    /// `make-test-model`, whose replies are noise that would otherwise run on).
+    #[arg(short = 'n', long = "n-predict")]
+    pub n_predict: Option<usize>,
     /// Temperature (0 = greedy).
     #[arg(long = "temp", default_value_t = 0.8)]
     pub temp: f32,
@@ -104,6 +105,31 @@ fn command(line: &str) -> Option<Command<'_>> {
     })
 }
 
+/// Tokens per reply when `-n` is not given.
+const DEFAULT_N_PREDICT: usize = 1024;
+
+/// Tokens per reply of a random-weight stand-in when `-n` is not given.
+const STAND_IN_N_PREDICT: usize = 64;
+
+/// Text as the terminal may show it: control characters other than newline and tab (ESC, BEL,
+/// backspace, carriage return, C1 codes: what a model's raw bytes can hold) become U+FFFD, so
+/// a reply cannot move the cursor, recolour or clear the terminal.
+fn printable(t: &str) -> std::borrow::Cow<'_, str> {
+    if !t.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        return t.into();
+    }
+    t.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' && c != '\t' {
+                '\u{FFFD}'
+            } else {
+                c
+            }
+        })
+        .collect::<String>()
+        .into()
+}
+
 /// Runs `hmoe chat`.
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let kv = args.model.kv_type()?;
@@ -119,6 +145,26 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let mut extra = special_token_vars(&tok);
     if let (Some(effort), Value::Object(m)) = (&args.reasoning_effort, &mut extra) {
         m.insert("reasoning_effort".into(), effort.clone().into());
+    }
+    let stand_in = meta
+        .get_str("general.name")
+        .is_some_and(|n| n.starts_with("hmoe synthetic"));
+    let n_predict = args.n_predict.unwrap_or(if stand_in {
+        STAND_IN_N_PREDICT
+    } else {
+        DEFAULT_N_PREDICT
+    });
+    if stand_in {
+        eprintln!(
+            "hmoe chat: this is a random-weight stand-in (make-test-model): its replies are noise{}; \
+             scripts/fetch-real-models.sh fetches small real models (SmolLM2-135M, \
+             Qwen2.5-Coder-0.5B) that answer",
+            if args.n_predict.is_none() {
+                format!(", cut at {STAND_IN_N_PREDICT} tokens (-n to change)")
+            } else {
+                String::new()
+            }
+        );
     }
     let n_ctx = args.model.n_ctx(model.as_ref());
     let mut generator = Generator::new(model.as_ref(), kv, n_ctx, args.model.n_ubatch());
@@ -179,12 +225,12 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         messages.push(json!({"role": "user", "content": line}));
         let prompt = template.render(&Value::Array(messages.clone()), None, true, &extra)?;
         let ids = tok.encode(&prompt, false, true)?;
-        if ids.len() + args.n_predict > n_ctx {
+        if ids.len() + n_predict > n_ctx {
             messages.pop();
             eprintln!(
                 "the conversation ({} tokens) and a reply of -n {} no longer fit the context ({n_ctx}); /clear, or restart with a larger -c",
                 ids.len(),
-                args.n_predict
+                n_predict
             );
             continue;
         }
@@ -200,21 +246,23 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             for d in deltas {
                 match d {
                     ChatDelta::Content(t) => {
-                        print!("{t}");
+                        print!("{}", printable(&t));
                         answer.push_str(&t);
                     }
-                    ChatDelta::Reasoning(t) => eprint!("{t}"),
-                    ChatDelta::ToolCallStart { name, .. } => eprint!("[tool call {name}] "),
-                    ChatDelta::ToolCallArgs { delta, .. } => eprint!("{delta}"),
+                    ChatDelta::Reasoning(t) => eprint!("{}", printable(&t)),
+                    ChatDelta::ToolCallStart { name, .. } => {
+                        eprint!("[tool call {}] ", printable(&name))
+                    }
+                    ChatDelta::ToolCallArgs { delta, .. } => eprint!("{}", printable(&delta)),
                 }
             }
             let _ = std::io::stdout().flush();
         };
         let is_stop = |id: u32| tok.is_eog(id) || harmony.as_ref().is_some_and(|h| h.is_stop(id));
         interrupted.store(false, Ordering::SeqCst);
-        generator.generate(
+        let out = generator.generate(
             &ids,
-            args.n_predict,
+            n_predict,
             &mut sampler,
             None,
             0,
@@ -229,6 +277,14 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         if interrupted.load(Ordering::SeqCst) {
             eprintln!("[stopped]");
         }
+        let t = &out.timings;
+        eprintln!(
+            "[{} tokens, {:.1} t/s; prompt {} tokens, {:.1} t/s]",
+            out.generated.len(),
+            t.decode_tps(),
+            out.prompt_tokens.len(),
+            t.prompt_tps()
+        );
         messages.push(json!({"role": "assistant", "content": answer}));
     }
     Ok(())
@@ -237,6 +293,15 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_bytes_are_not_printed() {
+        assert_eq!(printable("a\tb\nc"), "a\tb\nc");
+        assert_eq!(
+            printable("x\x1b[2Jy\x07\r\u{9b}z"),
+            "x\u{FFFD}[2Jy\u{FFFD}\u{FFFD}\u{FFFD}z"
+        );
+    }
 
     #[test]
     fn commands() {

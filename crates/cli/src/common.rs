@@ -97,7 +97,11 @@ impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<Box<dyn LanguageModel>> {
         let threads = self.threads.unwrap_or_else(physical_cores);
         hmoe_engine::start_threads(threads, self.interleaves_experts())?;
-        let loaded = hmoe_engine::load(&self.engine_config()?)?;
+        let total = std::fs::metadata(&self.model).map_or(0, |m| m.len());
+        let progress = LoadProgress::start(self.model.display().to_string(), total);
+        let loaded = hmoe_engine::load(&self.engine_config()?);
+        drop(progress);
+        let loaded = loaded?;
         for note in &loaded.notes {
             eprintln!("hmoe: {note}");
         }
@@ -162,6 +166,93 @@ pub fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
         .collect()
 }
 
+/// A line on a terminal that says how a model load is going, updated in place every quarter
+/// second: the bytes the process has brought into memory since the load began (the file's
+/// pages read or copied: `VmRSS` growth) against the model's size, and the seconds so far. It
+/// shows only when stderr is a terminal, only after half a second (a fast load prints nothing),
+/// and is erased when the load ends (dropped). `HMOE_PROGRESS_MS=N` (for the tests) updates it
+/// every N ms from the start.
+pub struct LoadProgress {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LoadProgress {
+    /// Starts the line for loading `what` (`total` bytes), when stderr is a terminal.
+    pub fn start(what: String, total: u64) -> LoadProgress {
+        use std::io::IsTerminal;
+        if !std::io::stderr().is_terminal() || total == 0 {
+            return LoadProgress {
+                stop: None,
+                thread: None,
+            };
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let start = std::time::Instant::now();
+        let base = resident_bytes().unwrap_or(0);
+        let (tick, after) = match std::env::var("HMOE_PROGRESS_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            Some(ms) => (ms, 0),
+            None => (250, 500),
+        };
+        let thread = std::thread::Builder::new()
+            .name("hmoe-progress".into())
+            .spawn(move || {
+                let mut shown = false;
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    rx.recv_timeout(std::time::Duration::from_millis(tick))
+                {
+                    if start.elapsed().as_millis() < after {
+                        continue;
+                    }
+                    let done = resident_bytes().unwrap_or(base).saturating_sub(base);
+                    eprint!(
+                        "\r\x1b[2K{}",
+                        progress_line(&what, done, total, start.elapsed())
+                    );
+                    shown = true;
+                }
+                if shown {
+                    eprint!("\r\x1b[2K");
+                }
+            })
+            .ok();
+        LoadProgress {
+            stop: thread.as_ref().map(|_| tx),
+            thread,
+        }
+    }
+}
+
+impl Drop for LoadProgress {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// `loading FILE: 42% of 12345 MiB in memory, 7 s`.
+pub fn progress_line(what: &str, done: u64, total: u64, elapsed: std::time::Duration) -> String {
+    let pct = (done as f64 * 100.0 / total.max(1) as f64).min(100.0);
+    format!(
+        "loading {what}: {pct:.0}% of {} MiB in memory, {} s",
+        total >> 20,
+        elapsed.as_secs()
+    )
+}
+
+/// The process's resident memory in bytes (`VmRSS` of /proc/self/status).
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb << 10)
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -178,6 +269,23 @@ mod tests {
     fn kv(args: &[&str]) -> anyhow::Result<hmoe_model::KvType> {
         let argv = ["hmoe", "-m", "x.gguf"].iter().chain(args).copied();
         Cli::try_parse_from(argv).unwrap().model.kv_type()
+    }
+
+    #[test]
+    fn load_progress_line() {
+        let l = super::progress_line(
+            "m.gguf",
+            3 << 29,
+            6 << 30,
+            std::time::Duration::from_secs(7),
+        );
+        assert_eq!(l, "loading m.gguf: 25% of 6144 MiB in memory, 7 s");
+        // Memory beyond the file's size (buffers, copies) never shows more than 100%.
+        let l = super::progress_line("m", 9 << 30, 6 << 30, std::time::Duration::ZERO);
+        assert!(l.contains(" 100% of"), "{l}");
+        // Not a terminal (as under cargo test): nothing starts.
+        let p = super::LoadProgress::start("m".into(), 1 << 30);
+        assert!(p.thread.is_none());
     }
 
     #[test]

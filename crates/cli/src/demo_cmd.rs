@@ -68,11 +68,43 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         t.prompt_tps(),
         t.decode_tps()
     );
+    let hmoe = hmoe_command();
     println!(
-        "next: `hmoe chat -m {0}` talks to it in the terminal, `hmoe serve -m {0}` serves it with \
-         a chat page at http://127.0.0.1:8080/ (it carries gpt-oss's chat template; its answers \
-         are noise). For real answers, serve a real GGUF (see README.md, \"With a real model\").",
+        "next: `{hmoe} chat -m {0}` talks to it in the terminal, `{hmoe} serve -m {0}` serves it \
+         with a chat page at http://127.0.0.1:8080/ (it carries gpt-oss's chat template; its \
+         answers are noise). For real answers, serve a real GGUF (see README.md, \"With a real \
+         model\"); scripts/fetch-real-models.sh fetches two small real ones.",
         path.display()
     );
+    if hmoe != "hmoe" {
+        println!(
+            "(`hmoe` is not on PATH: `cargo install --path crates/cli` puts it in ~/.cargo/bin)"
+        );
+    }
     Ok(())
+}
+
+/// How to call this binary in a printed command: `hmoe` when that name on `PATH` is this very
+/// file, else the path of the running binary (after `cargo run`, `hmoe` is usually not on
+/// `PATH`, and a printed `hmoe ...` would not run).
+pub(crate) fn hmoe_command() -> String {
+    let Ok(me) = std::env::current_exe().and_then(std::fs::canonicalize) else {
+        return "hmoe".into();
+    };
+    let on_path = std::env::var_os("PATH").is_some_and(|paths| {
+        std::env::split_paths(&paths)
+            .any(|dir| std::fs::canonicalize(dir.join("hmoe")).is_ok_and(|p| p == me))
+    });
+    if on_path {
+        return "hmoe".into();
+    }
+    let shown = me.display().to_string();
+    if shown
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-+".contains(c))
+    {
+        shown
+    } else {
+        format!("'{}'", shown.replace('\'', r"'\''"))
+    }
 }

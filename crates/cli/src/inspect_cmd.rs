@@ -10,8 +10,17 @@ use hmoe_gguf::{GgufModel, LoadOptions, MetaValue};
 /// Arguments of `hmoe inspect`.
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
-    /// Model file (any shard of a split model).
-    pub model: std::path::PathBuf,
+    /// Model file (any shard of a split model), as `-m FILE` (like every other command) or
+    /// as the one positional argument.
+    #[arg(short = 'm', long = "model", value_name = "FILE")]
+    pub model_flag: Option<std::path::PathBuf>,
+    /// Model file, positional (`hmoe inspect FILE`).
+    #[arg(
+        value_name = "FILE",
+        conflicts_with = "model_flag",
+        required_unless_present = "model_flag"
+    )]
+    pub model: Option<std::path::PathBuf>,
     /// Print only the metadata.
     #[arg(long)]
     pub no_tensors: bool,
@@ -21,8 +30,11 @@ pub struct InspectArgs {
 /// reader that stops early (`hmoe inspect M | head`) ends the command quietly (see `main`).
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let g = GgufModel::open(&args.model, LoadOptions::default())
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let Some(model) = args.model_flag.as_ref().or(args.model.as_ref()) else {
+        anyhow::bail!("inspect: give the model file (-m FILE)");
+    };
+    let g = GgufModel::open(model, LoadOptions::default())
+        .with_context(|| format!("loading {}", model.display()))?;
     writeln!(
         out,
         "GGUF v{} — {} shard(s), {} tensors, {} metadata keys",

@@ -232,9 +232,27 @@ fn main() {
             return;
         }
         // The cause chain on one line; no backtrace even when RUST_BACKTRACE is set.
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_text(&e));
         std::process::exit(1);
     }
+}
+
+/// The cause chain on one line, as `{:#}` writes it, except that a cause whose text its
+/// parent's message already ends with (an error that prints its source, e.g. "cannot open F:
+/// No such file or directory (os error 2)") is not written again.
+fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.is_empty() {
+            if out.ends_with(&text) {
+                continue;
+            }
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 fn run(command: Command) -> anyhow::Result<()> {
@@ -314,6 +332,32 @@ mod tests {
             device_list(&hmoe_engine::Probed::default()),
             format!("Available devices:\n{ref0}")
         );
+    }
+
+    #[test]
+    fn an_os_error_is_written_once() {
+        #[derive(Debug)]
+        struct Open(std::io::Error);
+        impl std::fmt::Display for Open {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "cannot open m.gguf: {}", self.0)
+            }
+        }
+        impl std::error::Error for Open {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let io = std::io::Error::from_raw_os_error(2);
+        let e = anyhow::Error::new(Open(io)).context("loading m.gguf");
+        let text = super::error_text(&e);
+        assert_eq!(text.matches("os error 2").count(), 1, "{text}");
+        assert!(
+            text.starts_with("loading m.gguf: cannot open m.gguf: "),
+            "{text}"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(super::error_text(&plain), "outer: inner");
     }
 
     #[test]

@@ -65,8 +65,9 @@ pub struct PlacementFlagArgs {
     /// Physical batch size (`-ub`); compute buffers are sized for it.
     #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
     pub ubatch_size: u32,
-    /// Parallel sequences (`-np`), at least 1; -1 (llama.cpp's "auto") is the default.
-    #[arg(long = "parallel", visible_alias = "np", default_value_t = DEFAULT_PARALLEL,
+    /// Parallel sequences (`-np`), at least 1; -1 (llama.cpp's "auto") is the default: 4 for
+    /// `serve` (as llama-server), 1 elsewhere. 0 here means auto.
+    #[arg(long = "parallel", visible_alias = "np", default_value = "-1",
           allow_negative_numbers = true, value_parser = parse_parallel)]
     pub parallel: u32,
     /// Adjust unset flags so every GPU keeps --fit-target free: on or off.
@@ -116,13 +117,18 @@ pub struct PlacementFlagArgs {
     pub moe_cache: Option<MoeCacheFlag>,
 }
 
-/// The sequences served at once when `-np` is not given, or is -1.
+/// The sequences run at once when `-np` is not given, or is -1, except by `serve` (which
+/// serves [`SERVE_DEFAULT_PARALLEL`]).
 const DEFAULT_PARALLEL: u32 = 1;
 
-/// `-np N`: N ≥ 1, or -1 for the default (llama.cpp's "auto").
+/// The slots `hmoe serve` runs when `-np` is not given, or is -1: llama-server's "auto".
+pub const SERVE_DEFAULT_PARALLEL: u32 = 4;
+
+/// `-np N`: N ≥ 1, or -1 for the default (llama.cpp's "auto"), kept as 0 ([`PlacementArgs::
+/// parallel`] resolves it per command).
 fn parse_parallel(s: &str) -> Result<u32, String> {
     match s.trim().parse::<i64>() {
-        Ok(-1) => Ok(DEFAULT_PARALLEL),
+        Ok(-1) => Ok(0),
         Ok(n) if n >= 1 => u32::try_from(n).map_err(|_| format!("{n} sequences is too many")),
         _ => Err(format!(
             "`{s}` is not a number of sequences (1 or more, or -1 for the default)"
@@ -171,12 +177,20 @@ impl PlacementArgs {
             cache_type_v: parse_cache_type(&a.cache_type_v)?,
             batch_size: a.batch_size,
             ubatch_size: a.ubatch_size,
-            n_parallel: a.parallel,
+            n_parallel: self.parallel(DEFAULT_PARALLEL),
             fit: a.fit == "on",
             fit_target_mib,
             fit_ctx: a.fit_ctx,
             op_offload: !a.no_op_offload,
         })
+    }
+
+    /// `-np`, or `auto` when it was not given (or was -1).
+    pub fn parallel(&self, auto: u32) -> u32 {
+        match self.args.parallel {
+            0 => auto,
+            n => n,
+        }
     }
 
     /// Whether the flags ask for GPU offload explicitly (`-ngl` other than auto or 0,

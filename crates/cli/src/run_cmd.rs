@@ -176,10 +176,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         println!("{obj}");
     } else {
+        // The text and its final newline first, so that the reports start on a line of their
+        // own when stdout and stderr share a terminal.
+        println!("{}", String::from_utf8_lossy(&pending));
+        std::io::stdout().flush()?;
         if let Some(m) = &memory {
             eprint!("{}", render_memory(m));
         }
-        println!("{}", String::from_utf8_lossy(&pending));
         eprintln!(
             "prompt: {} tokens in {:.1} ms, {:.2} t/s | generation: {} tokens in {:.1} ms, {:.2} t/s",
             t.prompt_tokens, t.prompt_ms, t.prompt_tps(), t.decode_tokens, t.decode_ms, t.decode_tps()

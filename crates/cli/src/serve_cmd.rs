@@ -16,7 +16,7 @@ use hmoe_server::{
 };
 
 use crate::common::{check_threads, kv_type, physical_cores};
-use crate::placement_args::PlacementArgs;
+use crate::placement_args::{PlacementArgs, SERVE_DEFAULT_PARALLEL};
 
 /// The bounds on what clients can make the server hold, for `hmoe serve --help`.
 pub const LIMITS_HELP: &str = "\
@@ -40,6 +40,10 @@ Limits (every resource a client controls is bounded):
   prompt + output    the slot's context (-c / -np); n_predict stops there
   n_probs            at most 100
   stop strings       at most 64, each at most 1024 bytes
+  grammars, schemas  1 MiB, 32768 rules, 20000 terminals, 20000 alternatives, groups
+                     nested 30 deep (GBNF), 512 forced-call tools; compiled within 10 s on
+                     a 256 MiB stack, as many at once as CPUs (at least 4); beyond any: 400
+                     naming it
   /tokenize pieces   streamed, a few bytes per token";
 
 /// Arguments of `hmoe serve` (llama-server's spelling).
@@ -280,10 +284,23 @@ impl ServeArgs {
         Ok(keys)
     }
 
-    /// The start-up notes: the llama-server flags that do not apply, and a thinking budget
-    /// that hmoe does not enforce.
+    /// The slots: `-np`, or llama-server's default of 4.
+    pub(crate) fn n_parallel(&self) -> u32 {
+        self.placement.parallel(SERVE_DEFAULT_PARALLEL)
+    }
+
+    /// The start-up notes: the llama-server flags that do not apply, a thinking budget that
+    /// hmoe does not enforce, and what `--reasoning-format none` does to gpt-oss's tool calls.
     fn notes(&self) -> Vec<String> {
         let mut notes = self.llama_notes.clone();
+        if self.reasoning_format == "none" {
+            notes.push(
+                "--reasoning-format none: the reasoning stays in `content`, and a gpt-oss \
+                 model's tool calls stay raw harmony text there (no `tool_calls`); leave it \
+                 out (auto) for parsed tool calls"
+                    .into(),
+            );
+        }
         if self.reasoning_budget > 0 {
             notes.push(format!(
                 "--reasoning-budget {}: hmoe does not cut thinking at a budget; thinking is \
@@ -377,7 +394,7 @@ impl ServeArgs {
             parse_budget: (self.parse_budget as usize) << 20,
             ..Limits::default()
         };
-        config.engine.n_parallel = a.parallel as usize;
+        config.engine.n_parallel = self.n_parallel() as usize;
         config.engine.n_ctx = a.ctx_size.unwrap_or(0) as usize;
         config.engine.n_ubatch = a.ubatch_size.min(a.batch_size).max(1) as usize;
         config.engine.kv_type = kv_type;
@@ -447,7 +464,12 @@ impl ServeArgs {
 
 /// Runs `hmoe serve` until SIGINT/SIGTERM (or until the model fails to load).
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = args.config()?;
+    let mut config = args.config()?;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let ready_tx = std::sync::Mutex::new(ready_tx);
+    config.on_ready = Some(Arc::new(move || {
+        let _ = ready_tx.lock().map(|tx| tx.send(()));
+    }));
     for note in args.notes() {
         eprintln!("note: {note}");
     }
@@ -468,6 +490,23 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("hmoe serve: chat page {url}/ (API {url}/v1)");
     }
     eprintln!("hmoe serve: listening on {url}");
+    match &config.models {
+        ModelSource::File(_) => {
+            // The model loads in the background after the socket listens: say when it serves.
+            std::thread::Builder::new()
+                .name("hmoe-ready".into())
+                .spawn(move || {
+                    if ready_rx.recv().is_ok() {
+                        eprintln!("hmoe serve: ready: the model is loaded, serving on {url}");
+                    }
+                })?;
+        }
+        ModelSource::Dir(_) => {
+            eprintln!(
+                "hmoe serve: ready: serving on {url} (each model loads on its first request)"
+            );
+        }
+    }
     server.wait()?;
     Ok(())
 }
@@ -497,6 +536,13 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
         if e.kv_type.flash_attn() { "on" } else { "off" }
     ));
     out.push(format!("threads: {threads}"));
+    if !config.api_keys.is_empty() {
+        out.push(format!(
+            "API key required ({} key(s)): clients send `Authorization: Bearer KEY` or \
+             `X-Api-Key: KEY`; /health, /v1/models and the chat page stay open",
+            config.api_keys.len()
+        ));
+    }
     out
 }
 
@@ -505,10 +551,13 @@ impl ServeArgs {
     /// `hmoe run` uses it, except that `--no-kv-offload` runs the executor on the CPU; it
     /// prints what it chose (see [`load_model`]).
     fn loader(&self, kv: KvType, opts: LoadOptions) -> ModelLoader {
-        let placement = self.placement.clone();
+        let mut placement = self.placement.clone();
+        let np_default = placement.args.parallel == 0;
+        placement.args.parallel = self.n_parallel();
         let kv_offload = !self.no_kv_offload;
         Arc::new(move |gguf: GgufModel, path: &Path| {
-            load_model(&placement, kv, kv_offload, opts, gguf, path).map_err(|e| format!("{e:#}"))
+            load_model(&placement, np_default, kv, kv_offload, opts, gguf, path)
+                .map_err(|e| format!("{e:#}"))
         })
     }
 }
@@ -518,6 +567,7 @@ impl ServeArgs {
 /// context and why, and the slots.
 fn load_model(
     placement: &PlacementArgs,
+    np_default: bool,
     kv: KvType,
     kv_offload: bool,
     opts: LoadOptions,
@@ -526,8 +576,14 @@ fn load_model(
 ) -> anyhow::Result<LoadedModel> {
     let mut config = placement.engine_config(path.to_path_buf(), opts, kv)?;
     config.kv_offload = kv_offload;
+    // The engine line below says why the CPU runs; the engine's own warning would repeat it.
+    config.asks_for_gpu = false;
     let model_line = model_line(path, &gguf);
-    let loaded = hmoe_engine::load_opened(&config, gguf)?;
+    let progress =
+        crate::common::LoadProgress::start(path.display().to_string(), gguf.total_tensor_bytes());
+    let loaded = hmoe_engine::load_opened(&config, gguf);
+    drop(progress);
+    let loaded = loaded?;
     for note in &loaded.notes {
         eprintln!("hmoe: {note}");
     }
@@ -551,6 +607,10 @@ fn load_model(
                     (plan.n_ctx as usize).min(n_ctx_train),
                     format!("--fit: {note} to fit the device"),
                 ),
+                _ if placement.args.ctx_size.is_none() => (
+                    n_ctx_train,
+                    "the model's trained context, -c not given".into(),
+                ),
                 _ => (n_ctx_train, "-c 0: the model's trained context".into()),
             }
         }
@@ -566,6 +626,12 @@ fn load_model(
         })
         .collect();
     let n_slots = placement.args.parallel.max(1) as usize;
+    // A context --fit chose is what the device holds: split, never padded beyond it.
+    let per_slot = if n_ctx_why.starts_with("--fit") {
+        n_ctx / n_slots
+    } else {
+        slot_positions(n_ctx, n_slots, n_ctx_train)
+    };
     let mut lines = vec![model_line];
     lines.push(match &loaded.why_cpu {
         None => format!("engine: the device executor on {engine}"),
@@ -578,10 +644,22 @@ fn load_model(
         }
         Err(e) => lines.push(format!("memory per device: no estimate ({e:#})")),
     }
-    lines.push(format!(
-        "context {n_ctx} ({n_ctx_why}), {n_slots} slot(s) of {} positions",
-        n_ctx / n_slots
-    ));
+    let mut slots_line =
+        format!("context {n_ctx} ({n_ctx_why}), {n_slots} slot(s) of {per_slot} positions");
+    if per_slot * n_slots != n_ctx {
+        slots_line.push_str(&format!(
+            " ({} in all: as in llama-server, a slot's share is padded to a multiple of 256 \
+             and at most the trained context, {n_ctx_train})",
+            per_slot * n_slots
+        ));
+    }
+    if np_default {
+        slots_line.push_str(
+            "; -np not given: 4 slots as llama-server serves (its slots share one cache of \
+             the whole context, hmoe's each hold their share)",
+        );
+    }
+    lines.push(slots_line);
     for line in lines {
         eprintln!("hmoe serve: {line}");
     }
@@ -591,10 +669,25 @@ fn load_model(
             engine,
             why_cpu: loaded.why_cpu,
             devices,
-            n_ctx: Some(n_ctx),
+            // The server gives each slot n_ctx / n_slots positions.
+            n_ctx: Some(per_slot * n_slots),
             n_ctx_why: Some(n_ctx_why),
         },
     })
+}
+
+/// Positions per slot as llama-server gives them with its `-np N` (no unified cache): the
+/// context padded to a multiple of 256, its share per slot padded again, and the server caps a
+/// slot at the model's trained context (llama.cpp d32676d77, `llama_context` and
+/// `load_model`: `-c 512 -np 4` gives 256 each, `-c 700 -np 2` 512, `-c 300 -np 1` 512).
+fn slot_positions(n_ctx: usize, n_slots: usize, n_ctx_train: usize) -> usize {
+    let pad = |n: usize| n.div_ceil(256) * 256;
+    let per = pad(pad(n_ctx) / n_slots.max(1));
+    if n_ctx_train > 0 {
+        per.min(n_ctx_train)
+    } else {
+        per
+    }
 }
 
 /// `model: PATH "NAME", architecture ARCH, N MiB`.
@@ -746,6 +839,41 @@ mod tests {
             .is_err());
     }
 
+    /// Positions per slot as llama-server (d32676d77, the CPU baseline build) reported them
+    /// (`n_ctx_slot` of its `load_model` line) on qwen3moe-tiny (trained context 4096).
+    #[test]
+    fn slots_split_the_context_as_llama_server_does() {
+        for (c, np, want) in [
+            (512, 4, 256),
+            (300, 4, 256),
+            (512, 1, 512),
+            (700, 1, 768),
+            (700, 2, 512),
+            (4096, 4, 1024),
+            (100_000, 2, 4096),
+        ] {
+            assert_eq!(slot_positions(c, np, 4096), want, "-c {c} -np {np}");
+        }
+        assert_eq!(slot_positions(131072, 4, 131072), 32768);
+        assert_eq!(parse(&["-m", "x"]).config().unwrap().engine.n_parallel, 4);
+        assert_eq!(
+            parse(&["-m", "x", "--parallel", "1"])
+                .config()
+                .unwrap()
+                .engine
+                .n_parallel,
+            1
+        );
+        assert_eq!(
+            parse(&["-m", "x", "--parallel", "-1"])
+                .config()
+                .unwrap()
+                .engine
+                .n_parallel,
+            4
+        );
+    }
+
     #[test]
     fn a_thinking_budget_is_accepted_with_a_note() {
         let a = parse(&["-m", "x", "--reasoning-budget", "1024"]);
@@ -753,6 +881,11 @@ mod tests {
         assert_eq!(a.notes().len(), 1);
         assert!(a.notes()[0].contains("--reasoning-budget 1024"));
         assert!(parse(&["-m", "x"]).notes().is_empty());
+        let none = parse(&["-m", "x", "--reasoning-format", "none"]).notes();
+        assert!(
+            none.len() == 1 && none[0].contains("tool calls stay raw harmony text"),
+            "{none:?}"
+        );
         assert!(parse(&["-m", "x", "--reasoning-budget", "-2"])
             .config()
             .is_err());

@@ -244,6 +244,182 @@ fn demo_generates() {
     assert!(out.contains("generated ids"), "{out}");
 }
 
+/// The first command the demo's "next:" line prints (between backticks).
+fn next_command(out: &str) -> Vec<String> {
+    let next = out
+        .lines()
+        .find(|l| l.starts_with("next: "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let cmd = next.split('`').nth(1).unwrap();
+    cmd.split(' ').map(String::from).collect()
+}
+
+/// The demo's "next:" line names a command that runs: the binary's own path when `hmoe` is
+/// not on PATH (as after `cargo run`), `hmoe` when it is.
+#[test]
+fn demo_next_line_is_a_command_that_works() {
+    let model = scratch("demo-next.gguf");
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_hmoe"));
+    let o = Command::new(&bin)
+        .args(["demo", "-n", "2", "-o", model.to_str().unwrap()])
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let cmd = next_command(&out);
+    assert_eq!(
+        std::fs::canonicalize(&cmd[0]).unwrap(),
+        std::fs::canonicalize(&bin).unwrap(),
+        "{out}"
+    );
+    assert!(out.contains("cargo install --path crates/cli"), "{out}");
+    assert_eq!(cmd[1..], ["chat", "-m", model.to_str().unwrap()], "{out}");
+    // It runs: the chat answers one line from stdin and leaves at its end. The model is a
+    // random-weight stand-in: without -n its reply stops at 64 tokens, a note says so and
+    // where real small models come from, and the speed follows the reply.
+    let mut child = Command::new(&cmd[0])
+        .args(&cmd[1..])
+        .args(["-t", "2"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(b"hi\n").unwrap();
+    }
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("random-weight stand-in")
+            && err.contains("cut at 64 tokens")
+            && err.contains("scripts/fetch-real-models.sh"),
+        "{err}"
+    );
+    // (stderr alone here: the reply and its newline went to stdout, after the "> " prompt.)
+    let speed = err
+        .lines()
+        .find_map(|l| {
+            l.find("[")
+                .filter(|_| l.contains(" t/s; prompt "))
+                .map(|i| &l[i..])
+        })
+        .unwrap_or_else(|| panic!("no speed line: {err}"));
+    let n: usize = speed[1..].split(' ').next().unwrap().parse().unwrap();
+    assert!((1..=64).contains(&n), "{speed}");
+    // With `hmoe` on PATH (a link to this binary), the line says `hmoe`.
+    let dir = scratch("demo-path");
+    std::fs::create_dir_all(&dir).unwrap();
+    let _ = std::fs::remove_file(dir.join("hmoe"));
+    std::os::unix::fs::symlink(&bin, dir.join("hmoe")).unwrap();
+    let o = Command::new(&bin)
+        .args(["demo", "-n", "2", "-o", model.to_str().unwrap()])
+        .env("PATH", format!("{}:/usr/bin:/bin", dir.display()))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(next_command(&out)[0], "hmoe", "{out}");
+    assert!(!out.contains("is not on PATH"), "{out}");
+}
+
+/// `hmoe run`'s text ends with its newline before the reports (memory, speed) on stderr, so
+/// on a terminal, where both streams meet, the reports start on a line of their own.
+#[test]
+fn run_prints_its_stats_after_the_texts_newline() {
+    let both = scratch("run-both.txt");
+    let file = std::fs::File::create(&both).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_hmoe"))
+        .args([
+            "run",
+            "-m",
+            &tiny(),
+            "-p",
+            "Hello",
+            "-n",
+            "6",
+            "--temp",
+            "0",
+        ])
+        .args(["-t", "2", "--memory-report"])
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .status()
+        .unwrap();
+    assert!(o.success());
+    let text = String::from_utf8_lossy(&std::fs::read(&both).unwrap()).to_string();
+    let memory = text
+        .find("memory: baseline")
+        .unwrap_or_else(|| panic!("{text}"));
+    let speed = text.find("prompt: ").unwrap_or_else(|| panic!("{text}"));
+    let first = memory.min(speed);
+    assert!(text[..first].ends_with('\n'), "{text}");
+}
+
+/// On a terminal, loading shows one line updated in place (and erased before the text); with
+/// stderr not a terminal, nothing.
+#[test]
+fn loading_shows_progress_on_a_terminal_only() {
+    let Ok(probe) = Command::new("script").arg("--version").output() else {
+        eprintln!("SKIPPED: no `script` (util-linux) for a terminal");
+        return;
+    };
+    assert!(probe.status.success());
+    let bin = env!("CARGO_BIN_EXE_hmoe");
+    let run = format!(
+        "{bin} run -m {} --no-mmap -p Hello -n 2 -t 2 --temp 0",
+        tiny()
+    );
+    let log = scratch("progress-typescript");
+    let o = Command::new("script")
+        .args(["-qfec", &run])
+        .arg(&log)
+        .env("HMOE_PROGRESS_MS", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tty = String::from_utf8_lossy(&std::fs::read(&log).unwrap()).to_string();
+    let shown = tty
+        .find("\r\x1b[2Kloading ")
+        .unwrap_or_else(|| panic!("{tty:?}"));
+    assert!(tty[shown..].contains("% of "), "{tty:?}");
+    // The last update is erased before the text and the stats.
+    let speed = tty.find("prompt: ").unwrap();
+    let last = tty[..speed].rfind("\r\x1b[2K").unwrap();
+    assert!(!tty[last..speed].contains("loading "), "{tty:?}");
+    let piped = Command::new(bin)
+        .args([
+            "run",
+            "-m",
+            &tiny(),
+            "--no-mmap",
+            "-p",
+            "Hello",
+            "-n",
+            "2",
+            "-t",
+            "2",
+        ])
+        .env("HMOE_PROGRESS_MS", "1")
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&piped.stderr).contains("loading "));
+}
+
+/// `hmoe inspect` takes `-m FILE` as every other command does, and the positional form still.
+#[test]
+fn inspect_takes_dash_m() {
+    let m = tiny();
+    let a = ok_stdout(&["inspect", "-m", &m, "--no-tensors"]);
+    let b = ok_stdout(&["inspect", &m, "--no-tensors"]);
+    assert!(a.contains("metadata keys"), "{a}");
+    assert_eq!(a, b);
+    assert_eq!(hmoe(&["inspect"]).status.code(), Some(2));
+}
+
 /// `hmoe chat` renders the model's template each turn and answers every line of stdin.
 #[test]
 fn chat_answers_each_line_from_stdin() {
@@ -706,6 +882,8 @@ fn help_documents_the_bounds() {
         "64 MiB",
         "--parse-budget",
         "SIGTERM",
+        "32768 rules",
+        "20000 terminals",
     ] {
         assert!(help.contains(needle), "`hmoe serve --help` lacks {needle}");
     }

@@ -204,18 +204,30 @@ fn stand_ins_chat_at_once_and_serve_explains_itself() {
     drop(router);
 
     let model = dir.join("qwen3moe.gguf");
-    let single = Serve::start(&["-m", model.to_str().unwrap(), "-c", "512", "-np", "2"]);
-    // The model's own lines come when it has loaded, before or after "listening".
+    // llama-server's split: -c 512 -np 4 gives each slot 256 positions (its share padded to 256).
+    let single = Serve::start(&["-m", model.to_str().unwrap(), "-c", "512", "-np", "4"]);
+    // The model's own lines come when it has loaded, before or after "listening"; "ready"
+    // comes once it serves.
     let mut lines = single.startup.clone();
     if !lines.iter().any(|l| l.contains("slot(s) of")) {
         lines.extend(until(&single.stderr, "slot(s) of"));
     }
+    lines.extend(until(&single.stderr, "hmoe serve: ready"));
     let text = plain(&lines.join("\n"));
+    let ready = format!(
+        "hmoe serve: ready: the model is loaded, serving on http://{}",
+        single.addr
+    );
+    assert_eq!(
+        text.lines().last(),
+        Some(ready.as_str()),
+        "the ready line names the URL:\n{text}"
+    );
     for want in [
         "hmoe serve: model: ",
         "architecture qwen3moe",
         "memory per device (MiB):",
-        "context 512 (-c 512), 2 slot(s) of 256 positions",
+        "context 512 (-c 512), 4 slot(s) of 256 positions (1024 in all: as in llama-server",
         "KV cache K f16 / V f16, flash attention on",
         "threads: 2",
         &format!("chat page http://{}/", single.addr),
@@ -247,6 +259,34 @@ fn stand_ins_chat_at_once_and_serve_explains_itself() {
         "{line} (want {want})"
     );
     drop(single);
+
+    // The defaults, an API key, a GPU asked for: the banner says the context chosen (not
+    // "-c 0"), 4 slots as llama-server, that a key is required (never the key), and why
+    // there is no GPU once.
+    let keyed = Serve::start(&[
+        "-m",
+        model.to_str().unwrap(),
+        "--api-key",
+        "sekrit-key-123",
+        "-ngl",
+        "99",
+        "--reasoning-format",
+        "none",
+    ]);
+    let mut lines = keyed.startup.clone();
+    lines.extend(until(&keyed.stderr, "hmoe serve: ready"));
+    let text = plain(&lines.join("\n"));
+    for want in [
+        "the model's trained context, -c not given), 4 slot(s) of ",
+        "-np not given: 4 slots as llama-server serves",
+        "API key required (1 key(s))",
+        "--reasoning-format none: ",
+    ] {
+        assert!(text.contains(want), "{want:?} missing:\n{text}");
+    }
+    assert!(!text.contains("-c 0") && !text.contains("sekrit"), "{text}");
+    assert!(text.matches("no GPU").count() <= 1, "{text}");
+    drop(keyed);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -14,6 +14,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use crate::limits::{MAX_ALTERNATIVES, MAX_NESTING, MAX_RULES, MAX_TERMINALS};
+
 /// A GBNF syntax error, with the line and column (1-based) where it was found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("GBNF parse error at line {line}, column {column}: {message}")]
@@ -27,16 +29,27 @@ pub struct GbnfError {
 }
 
 /// Translates a GBNF grammar to an llguidance Lark grammar whose start rule is GBNF's `root`.
+/// A grammar with more than [`MAX_RULES`] rules, [`MAX_TERMINALS`] terminals or
+/// [`MAX_ALTERNATIVES`] alternatives, or groups nested deeper than [`MAX_NESTING`], is an error (the translation recurses only into
+/// groups).
 pub fn gbnf_to_lark(src: &str) -> Result<String, GbnfError> {
     let mut p = Parser {
         chars: src.chars().collect(),
         pos: 0,
+        depth: 0,
+        terminals: 0,
+        alternatives: 0,
     };
+    let mut definitions = 0;
     let mut rules: BTreeMap<String, String> = BTreeMap::new();
     let mut used: Vec<(String, usize)> = Vec::new();
     p.space(true);
     while !p.at_end() {
         let name = p.name().ok_or_else(|| p.error("expecting a rule name"))?;
+        definitions += 1;
+        if definitions > MAX_RULES {
+            return Err(p.error(&format!("more than {MAX_RULES} rules (the limit)")));
+        }
         p.space(false);
         if !p.eat_str("::=") {
             return Err(p.error("expecting ::="));
@@ -85,6 +98,12 @@ fn lark_name(name: &str) -> String {
 struct Parser {
     chars: Vec<char>,
     pos: usize,
+    /// Groups open at `pos`.
+    depth: usize,
+    /// Terminals (literals, classes, `.`, token references) read so far.
+    terminals: usize,
+    /// `|` read so far.
+    alternatives: usize,
 }
 
 impl Parser {
@@ -177,6 +196,12 @@ impl Parser {
     ) -> Result<String, GbnfError> {
         let mut alts = vec![self.sequence(nested, used)?];
         while self.eat('|') {
+            self.alternatives += 1;
+            if self.alternatives > MAX_ALTERNATIVES {
+                return Err(self.error(&format!(
+                    "more than {MAX_ALTERNATIVES} alternatives (the limit)"
+                )));
+            }
             self.space(true);
             alts.push(self.sequence(nested, used)?);
         }
@@ -189,9 +214,19 @@ impl Parser {
         used: &mut Vec<(String, usize)>,
     ) -> Result<String, GbnfError> {
         let mut items: Vec<String> = Vec::new();
+        // Repetitions applied to the last item, each a group around it in the Lark text.
+        let mut wraps = 0;
         loop {
             let at = self.pos;
             let Some(c) = self.peek() else { break };
+            if matches!(c, '"' | '[' | '.' | '<') {
+                self.terminals += 1;
+                if self.terminals > MAX_TERMINALS {
+                    return Err(self.error(&format!(
+                        "more than {MAX_TERMINALS} terminals (literals, character classes, '.', token references; the limit)"
+                    )));
+                }
+            }
             let item = match c {
                 '"' => {
                     self.pos += 1;
@@ -251,9 +286,16 @@ impl Parser {
                     "/(?s:.)/".to_string()
                 }
                 '(' => {
+                    if self.depth >= MAX_NESTING {
+                        return Err(self.error(&format!(
+                            "groups nested deeper than {MAX_NESTING} levels (the limit)"
+                        )));
+                    }
                     self.pos += 1;
                     self.space(true);
+                    self.depth += 1;
                     let inner = self.alternates(true, used)?;
+                    self.depth -= 1;
                     self.space(true);
                     if !self.eat(')') {
                         return Err(self.error("expecting ')'"));
@@ -276,6 +318,7 @@ impl Parser {
                     let Some(last) = items.pop() else {
                         return Err(self.error(&format!("'{c}' with nothing before it")));
                     };
+                    wraps = self.wrap(wraps)?;
                     self.pos += 1;
                     format!("({last}){c}")
                 }
@@ -283,6 +326,7 @@ impl Parser {
                     let Some(last) = items.pop() else {
                         return Err(self.error("'{' with nothing before it"));
                     };
+                    wraps = self.wrap(wraps)?;
                     self.pos += 1;
                     self.space(false);
                     let lo = self.number();
@@ -316,8 +360,11 @@ impl Parser {
                 }
                 '|' | ')' => break,
                 '\r' | '\n' if !nested => break,
-                _ => return Err(self.error(&format!("unexpected '{c}'"))),
+                _ => return Err(self.error(&format!("unexpected '{}'", c.escape_debug()))),
             };
+            if !matches!(c, '*' | '+' | '?' | '{') {
+                wraps = 0;
+            }
             items.push(item);
             self.space(nested);
         }
@@ -325,6 +372,16 @@ impl Parser {
             true => "\"\"".to_string(),
             false => items.join(" "),
         })
+    }
+
+    /// One more repetition around an item already under `wraps`, within [`MAX_NESTING`].
+    fn wrap(&self, wraps: usize) -> Result<usize, GbnfError> {
+        match self.depth + wraps + 1 > MAX_NESTING {
+            true => Err(self.error(&format!(
+                "groups and repetitions nested deeper than {MAX_NESTING} levels (the limit)"
+            ))),
+            false => Ok(wraps + 1),
+        }
     }
 
     fn number(&mut self) -> Option<u64> {
@@ -369,7 +426,9 @@ impl Parser {
             'x' => hex(self, 2)?,
             'u' => hex(self, 4)?,
             'U' => hex(self, 8)?,
-            other => return Err(self.error(&format!("unknown escape '\\{other}'"))),
+            other => {
+                return Err(self.error(&format!("unknown escape '\\{}'", other.escape_debug())))
+            }
         })
     }
 }

@@ -8,11 +8,18 @@
 //! as its EOS set. Building it walks the whole vocabulary once (seconds for a 200k vocabulary: build
 //! it once per tokenizer, off the async workers). [`Vocab::compile`] turns a [`Grammar`] into a [`Constraint`], which masks each step's logits ([`Constraint::mask`]) and
 //! follows the chosen tokens ([`Constraint::accept`]).
+//!
+//! Compilation is bounded ([`limits`]): a grammar's size, rules, terminals and nesting are
+//! checked before llguidance sees it, it compiles on a thread of its own with a large stack,
+//! and its caller waits at most [`limits::COMPILE_TIMEOUT`]. llguidance's messages reach the
+//! caller as one short line.
 #![warn(missing_docs)]
 
 mod gbnf;
+pub mod limits;
 
-use std::sync::{Arc, Weak};
+use std::sync::{mpsc, Arc, Weak};
+use std::time::Instant;
 
 use hmoe_tokenizer::{TokenAttr, Tokenizer, VocabType};
 use llguidance::api::TopLevelGrammar;
@@ -28,9 +35,16 @@ pub enum GrammarError {
     /// A GBNF grammar that does not parse.
     #[error(transparent)]
     Gbnf(#[from] GbnfError),
-    /// llguidance refused the grammar or schema (its message).
+    /// llguidance refused the grammar or schema (its message, one short line).
     #[error("invalid grammar: {0}")]
     Invalid(String),
+    /// The grammar is over one of the [`limits`] (the message names it).
+    #[error("{0}")]
+    Limit(String),
+    /// The grammar could not be compiled for want of a resource (a thread, or a free place
+    /// among [`limits::max_compiles`]).
+    #[error("cannot compile the grammar now: {0}")]
+    Unavailable(String),
     /// The constraint failed while generating (llguidance's message).
     #[error("constrained sampling failed: {0}")]
     Runtime(String),
@@ -54,6 +68,22 @@ pub enum Grammar {
         /// The functions that may be called.
         tools: Vec<Tool>,
     },
+}
+
+impl Grammar {
+    /// Its size as [`limits::MAX_GRAMMAR_BYTES`] counts it: the text, the schema as compact
+    /// JSON, or the tools' names and parameter schemas.
+    pub fn size(&self) -> usize {
+        match self {
+            Grammar::Gbnf(src) | Grammar::Lark(src) => src.len(),
+            Grammar::JsonSchema(schema) => schema.to_string().len(),
+            Grammar::JsonObject => 0,
+            Grammar::ToolCall { tools, .. } => tools
+                .iter()
+                .map(|t| t.name.len() + t.parameters.as_ref().map_or(0, |p| p.to_string().len()))
+                .sum(),
+        }
+    }
 }
 
 /// A function the model may call.
@@ -130,7 +160,7 @@ pub enum Frame {
 
 /// llguidance's view of a tokenizer (see the crate docs).
 pub struct Vocab {
-    factory: ParserFactory,
+    factory: Arc<ParserFactory>,
 }
 
 impl std::fmt::Debug for Vocab {
@@ -194,17 +224,29 @@ impl Vocab {
             // SentencePiece encodings of a piece of text add a leading space.
             canonical: tok.vocab_type() == VocabType::Bpe,
         });
-        let mut factory =
-            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| GrammarError::Invalid(limits::short_message(&e.to_string())))?;
         factory.quiet();
-        Ok(Vocab { factory })
+        // No parser state or grammar text in messages: they go to clients.
+        factory.limits_mut().verbose_errors = false;
+        Ok(Vocab {
+            factory: Arc::new(factory),
+        })
     }
 
-    /// The Lark text llguidance compiles for `grammar` in `frame`.
+    /// The Lark text llguidance compiles for `grammar` in `frame`, once `grammar` is found
+    /// within the [`limits`].
     pub fn lark(&self, grammar: &Grammar, frame: Frame) -> Result<String, GrammarError> {
+        limits::check(grammar.size(), limits::MAX_GRAMMAR_BYTES, "bytes")?;
         let body = match grammar {
             Grammar::Gbnf(src) => return framed(gbnf_to_lark(src)?, frame),
-            Grammar::Lark(src) => return framed(src.clone(), frame),
+            Grammar::Lark(src) => {
+                let n = limits::lark_counts(src);
+                limits::check(n.rules, limits::MAX_RULES, "rules")?;
+                limits::check(n.terminals, limits::MAX_TERMINALS, "terminals")?;
+                limits::check(n.alternatives, limits::MAX_ALTERNATIVES, "alternatives")?;
+                return framed(src.clone(), frame);
+            }
             Grammar::JsonSchema(schema) => format!("start: {}\n", json_rule(schema.clone())?),
             Grammar::JsonObject => format!("start: {}\n", json_rule(json!({"type": "object"}))?),
             Grammar::ToolCall { format, tools } => return self.tool_call_lark(*format, tools),
@@ -216,6 +258,7 @@ impl Vocab {
         if tools.is_empty() {
             return Err(GrammarError::Invalid("no tool to call".into()));
         }
+        limits::check(tools.len(), limits::MAX_TOOLS, "tools")?;
         let mut out = String::from("start: ");
         let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
         out.push_str(&alts.join(" | "));
@@ -273,19 +316,61 @@ impl Vocab {
         Ok(out)
     }
 
-    /// Compiles `grammar` (framed as `frame`) into a constraint at the start of generation.
+    /// Compiles `grammar` (framed as `frame`) into a constraint at the start of generation,
+    /// and computes its first mask, so that a grammar that allows nothing (a `$ref` cycle) is
+    /// refused here. The work runs on a thread with a [`limits::COMPILE_STACK`] stack; after
+    /// [`limits::COMPILE_TIMEOUT`] this returns [`GrammarError::Limit`] and the thread, bounded
+    /// by the size limits, finishes alone.
     pub fn compile(&self, grammar: &Grammar, frame: Frame) -> Result<Constraint, GrammarError> {
         let lark = self.lark(grammar, frame)?;
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_lark(lark))
-            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(GrammarError::Invalid(e));
+        let factory = self.factory.clone();
+        let (tx, rx) = mpsc::sync_channel(1);
+        let deadline = Instant::now() + limits::COMPILE_TIMEOUT;
+        let slot = limits::CompileSlot::take(deadline)?;
+        std::thread::Builder::new()
+            .name("hmoe-grammar".into())
+            .stack_size(limits::COMPILE_STACK)
+            .spawn(move || {
+                let _slot = slot;
+                let _ = tx.send(compile_lark(&factory, lark));
+            })
+            .map_err(|e| GrammarError::Unavailable(format!("no compiler thread: {e}")))?;
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(compiled) => compiled,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(GrammarError::Limit(format!(
+                "the grammar took longer than {} s to compile (the limit)",
+                limits::COMPILE_TIMEOUT.as_secs()
+            ))),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(GrammarError::Invalid("the grammar compiler failed".into()))
+            }
         }
-        Ok(Constraint { matcher })
     }
+}
+
+/// Compiles Lark text into a constraint and computes its first mask (see [`Vocab::compile`]).
+fn compile_lark(factory: &ParserFactory, lark: String) -> Result<Constraint, GrammarError> {
+    let invalid = |e: &str| GrammarError::Invalid(limits::short_message(e));
+    let parser = factory
+        .create_parser(TopLevelGrammar::from_lark(lark))
+        .map_err(|e| invalid(&e.to_string()))?;
+    let matcher = Matcher::new(Ok(parser));
+    if let Some(e) = matcher.get_error() {
+        return Err(invalid(&e));
+    }
+    let first = matcher.deep_clone().compute_mask_or_eos().map_err(|e| {
+        let message = limits::short_message(&e.to_string());
+        GrammarError::Invalid(match message.starts_with("NoExtension") {
+            true => {
+                "the grammar allows no output (does a rule or `$ref` refer only to itself?)".into()
+            }
+            false => format!("the grammar fails at its start: {message}"),
+        })
+    })?;
+    if first.num_set() == 0 {
+        return Err(GrammarError::Invalid("the grammar allows no token".into()));
+    }
+    Ok(Constraint { matcher })
 }
 
 /// `%json` with compact separators (no free whitespace, which a weak model could emit without
@@ -392,7 +477,7 @@ impl Constraint {
         let allowed = self
             .matcher
             .compute_mask_or_eos()
-            .map_err(|e| GrammarError::Runtime(e.to_string()))?;
+            .map_err(|e| GrammarError::Runtime(limits::short_message(&e.to_string())))?;
         if allowed.num_set() == 0 {
             return Err(GrammarError::Runtime("the grammar allows no token".into()));
         }
@@ -409,7 +494,7 @@ impl Constraint {
     pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
         self.matcher
             .consume_token(token)
-            .map_err(|e| GrammarError::Runtime(e.to_string()))
+            .map_err(|e| GrammarError::Runtime(limits::short_message(&e.to_string())))
     }
 
     /// Whether the grammar is complete and allows nothing more.

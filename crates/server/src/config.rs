@@ -186,6 +186,9 @@ pub struct ServerConfig {
     /// the placement and picks the engine as `hmoe run` does. The default runs the executor on the
     /// CPU ([`cpu_loader`]).
     pub loader: ModelLoader,
+    /// Called once when the single model serves (loaded, its slots started): the CLI prints
+    /// its "ready" line. Not called in router mode, where models load on request.
+    pub on_ready: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl ServerConfig {
@@ -208,6 +211,7 @@ impl ServerConfig {
             picker: None,
             webui: true,
             loader: cpu_loader(),
+            on_ready: None,
         }
     }
 }
@@ -229,6 +233,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("models_max", &self.models_max)
             .field("picker", &self.picker.is_some())
             .field("webui", &self.webui)
+            .field("on_ready", &self.on_ready.is_some())
             .finish()
     }
 }

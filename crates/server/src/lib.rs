@@ -91,6 +91,9 @@ impl RunningServer {
     }
 
     fn spawn(config: ServerConfig, signals: bool) -> Result<RunningServer, ServerError> {
+        /// The blocking pool's threads at most (tokio's default is 512); requests beyond
+        /// them wait for one, within the parse budget's and `--timeout`'s bounds.
+        const BLOCKING_THREADS: usize = 64;
         validate(&config)?;
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
@@ -99,6 +102,10 @@ impl RunningServer {
             .spawn(move || {
                 let rt = tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)
+                    // Parsing, tokenizing, rendering and model loads run on the blocking
+                    // pool: at most BLOCKING_THREADS of them, each gone after 2 s idle.
+                    .max_blocking_threads(BLOCKING_THREADS)
+                    .thread_keep_alive(std::time::Duration::from_secs(2))
                     .thread_name("hmoe-http")
                     .enable_all()
                     .build()?;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use hmoe_engine::{DryParams, Mirostat, SamplerParams, SamplerStage};
-use hmoe_grammar::{Constraint, Frame, Grammar, Tool, ToolFormat, Vocab};
+use hmoe_grammar::{Constraint, Frame, Grammar, GrammarError, Tool, ToolFormat, Vocab};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -575,7 +575,10 @@ fn constraint(
 
 /// Compiles `grammar` in `frame` for `host`'s vocabulary, on a blocking thread: the first
 /// request builds the vocabulary (seconds for a 200k vocabulary), which no async worker waits
-/// on, and later ones reuse it. An invalid grammar or schema is a 400 with the parser's message.
+/// on, and later ones reuse it. An invalid grammar or schema, or one over hmoe-grammar's
+/// limits (size, rules, terminals, nesting, compile time), is a 400 with a one-line message;
+/// no thread for the compiler is a 503. A client that leaves does not stop a compilation:
+/// the limits keep it to about a second.
 pub async fn compile_constraint(
     host: &Arc<ModelHost>,
     grammar: Grammar,
@@ -591,7 +594,10 @@ pub async fn compile_constraint(
     })
     .await
     .map_err(|e| ApiError::internal(format!("compiling the grammar: {e}")))?;
-    built.map_err(|e| ApiError::bad_request(e.to_string()))
+    built.map_err(|e| match e {
+        GrammarError::Unavailable(_) => ApiError::unavailable(e.to_string()),
+        _ => ApiError::bad_request(e.to_string()),
+    })
 }
 
 /// The tool-call grammar of `tool_choice` `"required"` (any of `tools`) or a named function.

@@ -262,6 +262,9 @@ impl Registry {
         match loaded {
             Ok(host) => {
                 *lock(&s.state) = SingleState::Ready(Arc::new(host));
+                if let Some(ready) = &self.config.on_ready {
+                    ready();
+                }
                 Ok(())
             }
             Err(e) => {

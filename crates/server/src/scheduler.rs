@@ -44,7 +44,9 @@ mod prefix_reuse;
 mod shared;
 mod worker;
 
-pub use jobs::{Finish, JobEvent, JobFailure, JobSpec, SubmitError, Summary, TokenLogprob};
+pub use jobs::{
+    FailureKind, Finish, JobEvent, JobFailure, JobSpec, SubmitError, Summary, TokenLogprob,
+};
 pub use prefix_reuse::{measure_reuse, Reuse};
 pub use shared::{SlotConfig, SlotView};
 

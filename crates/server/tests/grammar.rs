@@ -182,3 +182,166 @@ fn the_openai_package_gets_valid_structured_output() {
         "gptoss-tiny",
     ]));
 }
+
+/// `{"$defs": {d0: {$ref: d1}, …, dn: {type: string}}, "$ref": "#/$defs/d0"}`.
+fn ref_chain(n: usize) -> Value {
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(
+            format!("d{i}"),
+            json!({"$ref": format!("#/$defs/d{}", i + 1)}),
+        );
+    }
+    defs.insert(format!("d{n}"), json!({"type": "string"}));
+    json!({"$defs": defs, "$ref": "#/$defs/d0"})
+}
+
+/// A 400 whose message is one short line: no parser state, backtrace or source path.
+fn assert_short_400(r: &Resp, what: &str) {
+    assert_eq!(
+        r.status,
+        400,
+        "{what}: {}",
+        &r.body[..r.body.len().min(2000)]
+    );
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{what}: {}", r.body))
+        .to_string();
+    assert!(
+        message.len() < 400 && !message.contains('\n'),
+        "{what}: {message}"
+    );
+    assert!(
+        !r.body.contains(".rs:") && !r.body.contains("backtrace") && r.body.len() < 1000,
+        "{what}: {}",
+        r.body
+    );
+}
+
+/// Issue rows: deep `$ref` and rule chains, deep nesting, huge alternations and grammars that
+/// allow nothing are answered (200 or a short 400 naming the limit), never a crash, and
+/// quickly; the server answers `/health` after each.
+#[test]
+fn hostile_grammars_are_answered_and_the_server_lives() {
+    let s = start(tiny_config());
+    let a = s.local_addr();
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        post(a, "/v1/chat/completions", &body)
+    };
+    for n in [1000, 30_000] {
+        let chain = ref_chain(n);
+        let format = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": chain}});
+        for r in [
+            post(
+                a,
+                "/completion",
+                &json!({"prompt": "x", "n_predict": 4, "json_schema": chain}),
+            ),
+            chat(json!({"response_format": format})),
+            chat(
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": chain}}],
+                        "tool_choice": "required"}),
+            ),
+            post(
+                a,
+                "/v1/responses",
+                &json!({"input": "x", "max_output_tokens": 4,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": chain}}}),
+            ),
+            post(
+                a,
+                "/v1/messages",
+                &json!({"messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4, "tools": [{"name": "f", "input_schema": chain}],
+                "tool_choice": {"type": "any"}}),
+            ),
+        ] {
+            assert_eq!(r.status, 200, "{n}: {}", &r.body[..r.body.len().min(2000)]);
+        }
+        let mut rules = String::from("root ::= r0\n");
+        for i in 0..n {
+            rules += &format!("r{i} ::= r{}\n", i + 1);
+        }
+        rules += &format!("r{n} ::= \"x\"\n");
+        let r = post(
+            a,
+            "/completion",
+            &json!({"prompt": "x", "n_predict": 4, "grammar": rules}),
+        );
+        assert_eq!(r.status, 200, "{n}: {}", r.body);
+        let lark = format!(
+            "%llguidance {{}}\n{}",
+            rules.replace(" ::= ", ": ").replace("root", "start")
+        );
+        let r = post(
+            a,
+            "/completion",
+            &json!({"prompt": "x", "n_predict": 4, "grammar": lark}),
+        );
+        assert_eq!(r.status, 200, "{n}: {}", r.body);
+        assert_eq!(get(a, "/health").status, 200);
+    }
+
+    let parens = format!("root ::= {}\"a\"{}", "(".repeat(5000), ")".repeat(5000));
+    let r = post(a, "/completion", &json!({"prompt": "x", "grammar": parens}));
+    assert_short_400(&r, "5000 parentheses");
+    assert!(r.body.contains("30 levels"), "{}", r.body);
+
+    for n in [30_000, 100_000, 500_000] {
+        let alts: Vec<String> = (0..n).map(|i| format!("\"w{i}\"")).collect();
+        let grammar = format!("root ::= {}", alts.join(" | "));
+        let t0 = std::time::Instant::now();
+        let r = post(
+            a,
+            "/completion",
+            &json!({"prompt": "x", "grammar": grammar}),
+        );
+        assert!(t0.elapsed().as_secs() < 5, "{n}: {:?}", t0.elapsed());
+        assert_short_400(&r, &format!("{n} alternatives"));
+        assert!(r.body.contains("limit"), "{}", r.body);
+    }
+
+    for (what, body) in [
+        (
+            "$ref #",
+            json!({"prompt": "x", "json_schema": {"$ref": "#"}}),
+        ),
+        (
+            "$defs cycle",
+            json!({"prompt": "x", "json_schema":
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}),
+        ),
+        (
+            "rule only naming itself",
+            json!({"prompt": "x", "grammar": "root ::= root \"a\""}),
+        ),
+    ] {
+        let r = post(a, "/completion", &body);
+        assert_short_400(&r, what);
+    }
+    for (what, body) in [
+        (
+            "5000-way anyOf",
+            json!({"prompt": "x", "n_predict": 2, "json_schema":
+            {"anyOf": (0..5000).map(|i| json!({"type": "object", "properties": {format!("p{i}"): {"type": "integer"}}, "required": [format!("p{i}")]})).collect::<Vec<_>>()}}),
+        ),
+        (
+            "a{1000000}",
+            json!({"prompt": "x", "n_predict": 2, "grammar": "root ::= \"a\"{1000000}"}),
+        ),
+    ] {
+        let r = post(a, "/completion", &body);
+        match r.status {
+            200 => {}
+            _ => assert_short_400(&r, what),
+        }
+    }
+    let t0 = std::time::Instant::now();
+    assert_eq!(get(a, "/health").status, 200);
+    assert!(t0.elapsed().as_millis() < 500, "{:?}", t0.elapsed());
+}

@@ -183,6 +183,11 @@ fn soak_slots_streams_disconnects_and_stalled_connections() {
 
     let (done, cut) = load(a, &solo, Duration::from_secs(secs));
     let slots = wait_idle(a);
+    // The blocking pool's threads (parsing, tokenizing) end after 2 s idle: wait for them.
+    let settle = Instant::now();
+    while status_field("Threads:") > threads0 && settle.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let (rss1, threads1) = (status_field("VmRSS:"), status_field("Threads:"));
     probing.store(false, Relaxed);
     prober.join().unwrap();

@@ -247,7 +247,8 @@ fn the_issues_command_lines_parse() {
         (a.placement.args.fit.as_str(), a.flash_attn.as_str()),
         ("on", "on")
     );
-    assert_eq!((a.reasoning.as_str(), a.placement.args.parallel), ("on", 1));
+    // -np -1 is llama-server's "auto": 4 slots.
+    assert_eq!((a.reasoning.as_str(), a.n_parallel()), ("on", 4));
     assert_eq!(a.placement.args.ctx_size, Some(4096));
     // A flag given twice takes its last value; repeatable ones add up.
     let words = [

@@ -112,9 +112,20 @@ pub enum JobEvent {
 pub struct JobFailure {
     /// What went wrong.
     pub message: String,
-    /// Whether the server lacked a resource that may free up (the device had no memory for
-    /// the request's K/V cache): 503 rather than 500.
-    pub unavailable: bool,
+    /// Whose fault it was, hence the HTTP status.
+    pub kind: FailureKind,
+}
+
+/// Whose fault a failed request was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The server's (500).
+    Internal,
+    /// The server lacked a resource that may free up (the device had no memory for the
+    /// request's K/V cache): 503.
+    Unavailable,
+    /// The request's: its grammar failed the grammar engine's limits while generating (400).
+    Request,
 }
 
 impl JobFailure {
@@ -122,7 +133,16 @@ impl JobFailure {
     pub fn internal(message: impl Into<String>) -> JobFailure {
         JobFailure {
             message: message.into(),
-            unavailable: false,
+            kind: FailureKind::Internal,
+        }
+    }
+
+    /// The request's grammar failed while generating (400): llguidance's per-step limits
+    /// (e.g. a row of more than 2000 parser items), reached only once output has begun.
+    pub fn grammar(e: &hmoe_grammar::GrammarError) -> JobFailure {
+        JobFailure {
+            message: e.to_string(),
+            kind: FailureKind::Request,
         }
     }
 
@@ -136,15 +156,19 @@ impl JobFailure {
                 ),
                 false => format!("inference failed: {e}"),
             },
-            unavailable: oom,
+            kind: match oom {
+                true => FailureKind::Unavailable,
+                false => FailureKind::Internal,
+            },
         }
     }
 
     /// The HTTP error it becomes.
     pub fn api_error(&self) -> ApiError {
-        match self.unavailable {
-            true => ApiError::unavailable(self.message.clone()),
-            false => ApiError::internal(self.message.clone()),
+        match self.kind {
+            FailureKind::Unavailable => ApiError::unavailable(self.message.clone()),
+            FailureKind::Internal => ApiError::internal(self.message.clone()),
+            FailureKind::Request => ApiError::bad_request(self.message.clone()),
         }
     }
 }

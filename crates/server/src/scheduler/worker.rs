@@ -506,7 +506,7 @@ impl Worker {
         }
         if let Some(c) = &mut a.constraint {
             if let Err(e) = c.mask(&mut logits) {
-                let _ = (a.job.events).send(JobEvent::Failed(JobFailure::internal(e.to_string())));
+                let _ = (a.job.events).send(JobEvent::Failed(JobFailure::grammar(&e)));
                 self.release(slot);
                 return;
             }
@@ -524,7 +524,7 @@ impl Worker {
         let mut grammar_done = false;
         if let Some(c) = &mut a.constraint {
             if let Err(e) = c.accept(token) {
-                let _ = (a.job.events).send(JobEvent::Failed(JobFailure::internal(e.to_string())));
+                let _ = (a.job.events).send(JobEvent::Failed(JobFailure::grammar(&e)));
                 self.release(slot);
                 return;
             }
