@@ -128,9 +128,8 @@ use Takes::{MaybeValue as Maybe, Nothing as Switch, TwoValues as Two, Value as O
 const NO: Env = Env::No;
 const AFFINITY: &str = "hmoe's -t threads are not pinned to CPUs and run at normal priority";
 const ROPE: &str = "hmoe uses the RoPE parameters the model file gives";
-const SAMPLER: &str = "the server's sampling defaults are --temp, --top-k, --top-p, --min-p, \
-                       --repeat-penalty, --repeat-last-n, --presence-penalty, \
-                       --frequency-penalty, -s and -n; requests set the rest";
+const SAMPLER: &str = "hmoe has no adaptive-p or dynamic-temperature sampler; the server's \
+                       other llama-server sampling flags are its defaults";
 const GRAMMAR: &str = "hmoe sets no server-wide grammar or schema";
 const DRAFT: &str = "hmoe has no speculative decoding: the model generates every token itself";
 const ADAPTER: &str = "hmoe loads no LoRA adapters or control vectors: the model runs as the \
@@ -242,34 +241,34 @@ pub const LLAMA_SERVER_FLAGS: &[LlamaFlag] = &[
     note(&["--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"], One, V("LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"), DRAFT),
     note(&["--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"], One, V("LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"), DRAFT),
     // ----- sampling params -----
-    note(&["--samplers"], One, NO, SAMPLER),
+    hmoe(&["--samplers"], One, NO, "--samplers"),
     hmoe(&["-s", "--seed"], One, NO, "--seed"),
-    note(&["--sampler-seq", "--sampling-seq"], One, NO, SAMPLER),
+    hmoe(&["--sampler-seq", "--sampling-seq"], One, NO, "--sampling-seq"),
     note(&["--ignore-eos"], Switch, NO, "requests set ignore_eos"),
     hmoe(&["--temp", "--temperature"], One, NO, "--temp"),
     hmoe(&["--top-k"], One, V("LLAMA_ARG_TOP_K"), "--top-k"),
     hmoe(&["--top-p"], One, NO, "--top-p"),
     hmoe(&["--min-p"], One, NO, "--min-p"),
-    note(&["--top-nsigma", "--top-n-sigma"], One, NO, SAMPLER),
-    note(&["--xtc-probability"], One, NO, SAMPLER),
-    note(&["--xtc-threshold"], One, NO, SAMPLER),
-    note(&["--typical", "--typical-p"], One, NO, SAMPLER),
+    hmoe(&["--top-nsigma", "--top-n-sigma"], One, NO, "--top-n-sigma"),
+    hmoe(&["--xtc-probability"], One, NO, "--xtc-probability"),
+    hmoe(&["--xtc-threshold"], One, NO, "--xtc-threshold"),
+    hmoe(&["--typical", "--typical-p"], One, NO, "--typical"),
     hmoe(&["--repeat-last-n"], One, NO, "--repeat-last-n"),
     hmoe(&["--repeat-penalty"], One, NO, "--repeat-penalty"),
     hmoe(&["--presence-penalty"], One, NO, "--presence-penalty"),
     hmoe(&["--frequency-penalty"], One, NO, "--frequency-penalty"),
-    note(&["--dry-multiplier"], One, NO, SAMPLER),
-    note(&["--dry-base"], One, NO, SAMPLER),
-    note(&["--dry-allowed-length"], One, NO, SAMPLER),
-    note(&["--dry-penalty-last-n"], One, NO, SAMPLER),
-    note(&["--dry-sequence-breaker"], One, NO, SAMPLER),
+    hmoe(&["--dry-multiplier"], One, NO, "--dry-multiplier"),
+    hmoe(&["--dry-base"], One, NO, "--dry-base"),
+    hmoe(&["--dry-allowed-length"], One, NO, "--dry-allowed-length"),
+    hmoe(&["--dry-penalty-last-n"], One, NO, "--dry-penalty-last-n"),
+    hmoe(&["--dry-sequence-breaker"], One, NO, "--dry-sequence-breaker"),
     note(&["--adaptive-target"], One, NO, SAMPLER),
     note(&["--adaptive-decay"], One, NO, SAMPLER),
     note(&["--dynatemp-range"], One, NO, SAMPLER),
     note(&["--dynatemp-exp"], One, NO, SAMPLER),
-    note(&["--mirostat"], One, NO, SAMPLER),
-    note(&["--mirostat-lr"], One, NO, SAMPLER),
-    note(&["--mirostat-ent"], One, NO, SAMPLER),
+    hmoe(&["--mirostat"], One, NO, "--mirostat"),
+    hmoe(&["--mirostat-lr"], One, NO, "--mirostat-lr"),
+    hmoe(&["--mirostat-ent"], One, NO, "--mirostat-ent"),
     note(&["-l", "--logit-bias"], One, NO, "requests set logit_bias"),
     note(&["--grammar"], One, NO, GRAMMAR),
     note(&["--grammar-file"], One, NO, GRAMMAR),

@@ -12,6 +12,7 @@ mod perplexity_cmd;
 mod placement_args;
 mod run_cmd;
 mod serve_cmd;
+mod serve_sampler_flags;
 mod tokenize_cmd;
 
 use clap::{Parser, Subcommand};

@@ -100,6 +100,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         repeat_penalty: args.repeat_penalty,
         repeat_last_n: args.repeat_last_n,
         seed: args.seed,
+        ..SamplerParams::default()
     });
     let n_ubatch = args.model.n_ubatch();
     let mut generator = Generator::new(model.as_ref(), kv, n_ctx, n_ubatch);

@@ -235,6 +235,8 @@ pub struct ServeArgs {
     #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true)]
     pub n_predict: i64,
     #[command(flatten)]
+    pub samplers: crate::serve_sampler_flags::SamplerFlags,
+    #[command(flatten)]
     pub placement: PlacementArgs,
     /// What the llama-server flags that do not apply say at start, one line each (set by
     /// `main` from [`crate::llama_flags::rewrite_serve`]).
@@ -449,6 +451,7 @@ impl ServeArgs {
         s.params.repeat_last_n = self.repeat_last_n;
         s.presence_penalty = self.presence_penalty;
         s.frequency_penalty = self.frequency_penalty;
+        self.samplers.apply(s)?;
         s.random_seed = self.seed < 0;
         s.params.seed = self.seed.max(0) as u64;
         s.n_predict = (self.n_predict >= 0).then_some(self.n_predict as usize);

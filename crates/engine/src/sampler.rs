@@ -1,10 +1,18 @@
-//! Token sampling with llama.cpp's chain: repetition penalty → top-k → top-p → min-p →
-//! temperature → draw. A temperature of 0 (or below) is greedy argmax.
+//! Token sampling with llama.cpp's chain, in llama-server's default order: repetition
+//! penalty → DRY → top-n-sigma → top-k → locally typical → top-p → min-p → XTC →
+//! temperature → draw ([`SamplerParams::order`] reorders it), or temperature → mirostat. A
+//! temperature of 0 (or below) keeps only the most likely token left at that point.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// Sampling settings (llama.cpp's defaults).
+use crate::dry::DryParams;
+use crate::sampler_stages::{
+    mirostat_v1_k, mirostat_v2_keep, softmax, top_n_sigma, typical, xtc, Cands, Mirostat,
+    SamplerStage,
+};
+
+/// Sampling settings (llama-server's defaults).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplerParams {
     /// Temperature; ≤ 0 means greedy.
@@ -19,6 +27,27 @@ pub struct SamplerParams {
     pub repeat_penalty: f32,
     /// How many recent tokens the penalty looks at.
     pub repeat_last_n: usize,
+    /// Locally typical sampling's mass (`typical_p`; 1 = off).
+    pub typical_p: f32,
+    /// Keep logits within this many standard deviations of the top one (`top_n_sigma`;
+    /// ≤ 0 = off).
+    pub top_n_sigma: f32,
+    /// XTC's chance of acting at a step (`xtc_probability`; 0 = off).
+    pub xtc_probability: f32,
+    /// XTC's probability threshold (`xtc_threshold`; above 0.5 = off).
+    pub xtc_threshold: f32,
+    /// The DRY penalty.
+    pub dry: DryParams,
+    /// Mirostat in place of the chain.
+    pub mirostat: Mirostat,
+    /// Mirostat's target surprise in bits (`mirostat_tau`).
+    pub mirostat_tau: f32,
+    /// Mirostat's learning rate (`mirostat_eta`).
+    pub mirostat_eta: f32,
+    /// Fewest tokens top-p, min-p, locally typical sampling and XTC leave (`min_keep`).
+    pub min_keep: usize,
+    /// The chain's stages in order (`samplers`); a stage left out does not run.
+    pub order: Vec<SamplerStage>,
     /// Random seed.
     pub seed: u64,
 }
@@ -32,147 +61,272 @@ impl Default for SamplerParams {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            typical_p: 1.0,
+            top_n_sigma: -1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            dry: DryParams::default(),
+            mirostat: Mirostat::Off,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
+            min_keep: 0,
+            order: SamplerStage::DEFAULT_ORDER.to_vec(),
             seed: 0xFFFF_FFFF,
         }
     }
 }
 
-/// A stateful sampler: remembers recent tokens for the penalty and owns its RNG.
+/// Tokens mirostat 1.0 estimates the Zipf exponent from (llama.cpp's `m`).
+const MIROSTAT_M: usize = 100;
+
+/// A stateful sampler: remembers the context for the penalties, owns its RNGs (the draw's and
+/// XTC's, as llama.cpp's samplers each have one) and mirostat's running target.
 pub struct Sampler {
     params: SamplerParams,
     rng: StdRng,
+    xtc_rng: StdRng,
+    /// The context tokens the penalties look at, oldest first.
     recent: Vec<u32>,
+    /// How many of `recent` to keep (`None`: all, for DRY over the whole context).
+    keep: Option<usize>,
+    /// Mirostat's target surprise, in bits.
+    mu: f32,
 }
 
 impl Sampler {
     /// A sampler seeded from `params.seed`.
     pub fn new(params: SamplerParams) -> Sampler {
+        let keep = match params.dry.enabled() {
+            true => params
+                .dry
+                .penalty_last_n
+                .map(|n| n.max(params.repeat_last_n)),
+            false => Some(params.repeat_last_n),
+        };
         Sampler {
             rng: StdRng::seed_from_u64(params.seed),
+            xtc_rng: StdRng::seed_from_u64(params.seed),
+            mu: 2.0 * params.mirostat_tau,
             params,
             recent: Vec::new(),
+            keep,
         }
     }
 
-    /// Records a token of the context (prompt or generated) for the repetition penalty.
+    /// Records a token of the context (prompt or generated) for the penalties.
     pub fn accept(&mut self, token: u32) {
         self.recent.push(token);
-        let keep = self.params.repeat_last_n;
-        if self.recent.len() > keep {
-            self.recent.drain(..self.recent.len() - keep);
+        if let Some(keep) = self.keep {
+            // Trimmed in bulk, so that a long context costs amortised constant time.
+            if self.recent.len() > 2 * keep.max(32) {
+                self.recent.drain(..self.recent.len() - keep);
+            }
         }
     }
 
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let (cand, probs) = match self.chain(logits) {
+        let mut xtc_rng = self.xtc_rng.clone();
+        let chain = self.chain(logits, &mut xtc_rng);
+        self.xtc_rng = xtc_rng;
+        let (cand, probs) = match chain {
             Chain::Greedy(t) => return t,
             Chain::Draw(cand, probs) => (cand, probs),
         };
         let r: f64 = self.rng.random();
         let mut cum = 0.0;
+        let mut pick = cand.len() - 1;
         for (i, q) in probs.iter().enumerate() {
             cum += q;
             if r < cum {
-                return cand[i].0;
+                pick = i;
+                break;
             }
         }
-        cand[cand.len() - 1].0
+        if self.params.mirostat != Mirostat::Off {
+            let surprise = -probs[pick].log2() as f32;
+            self.mu -= self.params.mirostat_eta * (surprise - self.params.mirostat_tau);
+        }
+        cand[pick].0
     }
 
     /// The tokens the next [`Sampler::sample`] chooses among, with their probabilities, most
-    /// likely first (llama.cpp's post-sampling probabilities): what is left after the penalty,
-    /// top-k, top-p and min-p, at the temperature. Greedy sampling leaves the most likely
-    /// token alone, with probability 1.
+    /// likely first (llama.cpp's post-sampling probabilities): what is left after the chain,
+    /// at the temperature. Greedy sampling leaves the most likely token alone, with
+    /// probability 1. XTC's random choice is the one the next `sample` makes.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        match self.chain(logits) {
+        match self.chain(logits, &mut self.xtc_rng.clone()) {
             Chain::Greedy(t) => vec![(t, 1.0)],
-            Chain::Draw(cand, probs) => cand.into_iter().map(|c| c.0).zip(probs).collect(),
+            Chain::Draw(cand, probs) => {
+                let mut d: Vec<(u32, f64)> = cand.into_iter().map(|c| c.0).zip(probs).collect();
+                d.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                d
+            }
         }
     }
 
+    /// The context window of `n` tokens (`None`: all that is kept).
+    fn window(&self, n: Option<usize>) -> &[u32] {
+        let n = n.map_or(self.recent.len(), |n| n.min(self.recent.len()));
+        &self.recent[self.recent.len() - n..]
+    }
+
     /// Runs the chain up to the draw.
-    fn chain(&self, logits: &[f32]) -> Chain {
+    fn chain(&self, logits: &[f32], xtc_rng: &mut StdRng) -> Chain {
         let p = &self.params;
-        let mut cand: Vec<(u32, f32)> = logits
+        let mut c = Cands {
+            v: logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, l))
+                .collect(),
+            sorted: false,
+        };
+        if p.mirostat != Mirostat::Off {
+            return self.mirostat(c, logits.len());
+        }
+        // Greedy without sorting the vocabulary when no stage before the temperature can
+        // drop the most likely token.
+        let before_temp = p
+            .order
             .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
-        if p.repeat_penalty != 1.0 {
-            for (id, l) in cand.iter_mut() {
-                if self.recent.contains(id) {
-                    *l = if *l > 0.0 {
-                        *l / p.repeat_penalty
-                    } else {
-                        *l * p.repeat_penalty
-                    };
+            .take_while(|&&s| s != SamplerStage::Temperature);
+        let greedy_fast = p.temperature <= 0.0
+            && p.order.contains(&SamplerStage::Temperature)
+            && !before_temp.clone().any(|s| match s {
+                SamplerStage::TypicalP => p.typical_p < 1.0,
+                SamplerStage::Xtc => p.xtc_probability > 0.0,
+                _ => false,
+            });
+        let mut temp = 1.0f32;
+        let mut greedy = false;
+        for &stage in &p.order {
+            if greedy_fast && stage == SamplerStage::Temperature {
+                return Chain::Greedy(argmax(&c.v));
+            }
+            match stage {
+                SamplerStage::Penalties => self.repetition_penalty(&mut c),
+                SamplerStage::Dry => {
+                    p.dry.apply(self.window(p.dry.penalty_last_n), &mut c.v);
+                    c.sorted = false;
                 }
+                SamplerStage::TopNSigma => top_n_sigma(&mut c, p.top_n_sigma),
+                SamplerStage::TopK if greedy_fast => {}
+                SamplerStage::TopK => {
+                    c.sort();
+                    if p.top_k > 0 {
+                        c.v.truncate(p.top_k);
+                    }
+                }
+                SamplerStage::TypicalP => typical(&mut c, p.typical_p, p.min_keep, temp),
+                SamplerStage::TopP if greedy_fast || p.top_p >= 1.0 => {}
+                SamplerStage::TopP => {
+                    c.sort();
+                    let probs = softmax(&c.v, temp);
+                    let mut cum = 0.0;
+                    let keep = (probs.iter().enumerate())
+                        .position(|(i, &q)| {
+                            cum += q;
+                            cum >= p.top_p as f64 && i + 1 >= p.min_keep
+                        })
+                        .map_or(c.v.len(), |i| i + 1);
+                    c.v.truncate(keep);
+                }
+                SamplerStage::MinP if greedy_fast || p.min_p <= 0.0 => {}
+                SamplerStage::MinP => {
+                    c.sort();
+                    let probs = softmax(&c.v, temp);
+                    let floor = probs[0] * p.min_p as f64;
+                    let keep = probs.iter().take_while(|&&q| q >= floor).count();
+                    let keep = keep.max(p.min_keep).max(1);
+                    c.v.truncate(keep);
+                }
+                SamplerStage::Xtc => {
+                    let (prob, threshold) = (p.xtc_probability, p.xtc_threshold);
+                    xtc(&mut c, prob, threshold, p.min_keep, temp, || {
+                        xtc_rng.random()
+                    })
+                }
+                SamplerStage::Temperature if p.temperature <= 0.0 => {
+                    c.v = vec![c.v[argmax_index(&c.v)]];
+                    c.sorted = true;
+                    greedy = true;
+                }
+                SamplerStage::Temperature => temp = p.temperature,
             }
         }
+        // Later stages keep the one token a temperature of 0 leaves.
+        if greedy {
+            return Chain::Greedy(c.v[0].0);
+        }
+        let probs = softmax(&c.v, temp);
+        Chain::Draw(c.v, probs)
+    }
+
+    /// The repetition penalty over the last `repeat_last_n` context tokens.
+    fn repetition_penalty(&self, c: &mut Cands) {
+        let p = &self.params;
+        if p.repeat_penalty == 1.0 {
+            return;
+        }
+        let recent = self.window(Some(p.repeat_last_n));
+        for (id, l) in c.v.iter_mut() {
+            if recent.contains(id) {
+                *l = if *l > 0.0 {
+                    *l / p.repeat_penalty
+                } else {
+                    *l * p.repeat_penalty
+                };
+            }
+        }
+        c.sorted = false;
+    }
+
+    /// Temperature, then mirostat's truncation at the current target.
+    fn mirostat(&self, mut c: Cands, n_vocab: usize) -> Chain {
+        let p = &self.params;
         if p.temperature <= 0.0 {
-            return Chain::Greedy(argmax(&cand));
+            return Chain::Greedy(argmax(&c.v));
         }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let probs = softmax(&cand, 1.0);
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&q| {
-                    cum += q;
-                    cum >= p.top_p as f64
-                })
-                .map_or(cand.len(), |i| i + 1);
-            cand.truncate(keep);
-        }
-        if p.min_p > 0.0 {
-            let probs = softmax(&cand, 1.0);
-            let floor = probs[0] * p.min_p as f64;
-            let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
-            cand.truncate(keep);
-        }
-        let probs = softmax(&cand, p.temperature);
-        Chain::Draw(cand, probs)
+        c.sort();
+        let probs = softmax(&c.v, p.temperature);
+        let keep = match p.mirostat {
+            Mirostat::V1 => mirostat_v1_k(&probs, self.mu, n_vocab, MIROSTAT_M),
+            _ => mirostat_v2_keep(&probs, self.mu),
+        };
+        c.v.truncate(keep);
+        let probs = softmax(&c.v, p.temperature);
+        Chain::Draw(c.v, probs)
     }
 }
 
 /// Where the chain leaves a draw.
 enum Chain {
-    /// Temperature ≤ 0: this token, no draw.
+    /// A temperature of 0 left this token: no draw.
     Greedy(u32),
-    /// Candidates (most likely first) and their probabilities.
+    /// Candidates and their probabilities.
     Draw(Vec<(u32, f32)>, Vec<f64>),
 }
 
-fn argmax(cand: &[(u32, f32)]) -> u32 {
-    let mut best = cand[0];
-    for &c in cand {
-        if c.1 > best.1 {
-            best = c;
+/// The first of the largest logits.
+fn argmax_index(cand: &[(u32, f32)]) -> usize {
+    let mut best = 0;
+    for (i, c) in cand.iter().enumerate() {
+        if c.1 > cand[best].1 {
+            best = i;
         }
     }
-    best.0
+    best
 }
 
-/// Softmax of the candidates' logits at `temperature`, in f64.
-fn softmax(cand: &[(u32, f32)], temperature: f32) -> Vec<f64> {
-    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max) as f64;
-    let t = temperature as f64;
-    let e: Vec<f64> = cand
-        .iter()
-        .map(|c| ((c.1 as f64 - max) / t).exp())
-        .collect();
-    let sum: f64 = e.iter().sum();
-    e.into_iter().map(|v| v / sum).collect()
+fn argmax(cand: &[(u32, f32)]) -> u32 {
+    cand[argmax_index(cand)].0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DryParams;
 
     fn params(temperature: f32) -> SamplerParams {
         SamplerParams {
@@ -182,6 +336,17 @@ mod tests {
             min_p: 0.0,
             ..SamplerParams::default()
         }
+    }
+
+    /// `s`'s distribution on `logits` is `want` (ids in order, probabilities to 1e-6).
+    fn assert_distribution(s: &Sampler, logits: &[f32], want: &[(u32, f64)]) {
+        let d = s.distribution(logits);
+        let ids = |v: &[(u32, f64)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(ids(&d), ids(want), "{d:?}");
+        assert!(
+            d.iter().zip(want).all(|(a, b)| (a.1 - b.1).abs() < 1e-6),
+            "{d:?}"
+        );
     }
 
     #[test]
@@ -199,12 +364,7 @@ mod tests {
             top_k: 2,
             ..params(1.0)
         });
-        let d = s.distribution(&logits);
-        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
-        assert!(
-            (d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6,
-            "{d:?}"
-        );
+        assert_distribution(&s, &logits, &[(0, 0.625), (1, 0.375)]);
     }
 
     #[test]
@@ -249,6 +409,16 @@ mod tests {
             ..params(1.0)
         });
         assert!((0..500).all(|_| s.sample(&logits) != 2));
+        // min_keep holds a floor under both cuts.
+        for (top_p, min_p) in [(0.1, 0.0), (1.0, 0.9)] {
+            let s = Sampler::new(SamplerParams {
+                top_p,
+                min_p,
+                min_keep: 2,
+                ..params(1.0)
+            });
+            assert_eq!(s.distribution(&logits).len(), 2);
+        }
     }
 
     #[test]
@@ -265,5 +435,115 @@ mod tests {
         });
         s.accept(1);
         assert_eq!(s.sample(&[-1.0, -0.8]), 0);
+    }
+
+    #[test]
+    fn typical_p_runs_before_the_temperature() {
+        // p = 0.5, 0.3, 0.2; typical_p 0.2 keeps token 1 only (see sampler_stages), which a
+        // temperature of 0 then takes although token 0 is the most likely.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let mut s = Sampler::new(SamplerParams {
+            typical_p: 0.2,
+            ..params(0.0)
+        });
+        assert_eq!(s.sample(&logits), 1);
+        let s = Sampler::new(SamplerParams {
+            typical_p: 0.5,
+            ..params(1.0)
+        });
+        assert_distribution(&s, &logits, &[(0, 0.625), (1, 0.375)]);
+    }
+
+    #[test]
+    fn xtc_at_probability_one_excludes_the_top_choices() {
+        // p = 0.5, 0.3, 0.15, 0.05, threshold 0.1: tokens 0 and 1 go, 2 and 3 stay (3:1).
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.15f32.ln(), 0.05f32.ln()];
+        let mut s = Sampler::new(SamplerParams {
+            xtc_probability: 1.0,
+            xtc_threshold: 0.1,
+            ..params(1.0)
+        });
+        let d = s.distribution(&logits);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 3]);
+        assert!((d[0].1 - 0.75).abs() < 1e-6, "{d:?}");
+        assert!((0..200).all(|_| s.sample(&logits) >= 2));
+    }
+
+    #[test]
+    fn the_order_decides_what_the_temperature_sees() {
+        // p = 0.5, 0.3, 0.2; at temperature 4 they flatten to 0.376, 0.333, 0.291.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let early = Sampler::new(SamplerParams {
+            min_p: 0.7,
+            ..params(4.0)
+        });
+        // min-p 0.7 before the temperature: 0.3 < 0.35 -> token 0 alone.
+        assert_eq!(early.distribution(&logits).len(), 1);
+        let late = Sampler::new(SamplerParams {
+            min_p: 0.7,
+            order: vec![SamplerStage::Temperature, SamplerStage::MinP],
+            ..params(4.0)
+        });
+        // After it: 0.333 and 0.291 are above 0.7 × 0.376 = 0.263 -> all three.
+        assert_eq!(late.distribution(&logits).len(), 3);
+        // A chain without the temperature samples at temperature 1.
+        let none = Sampler::new(SamplerParams {
+            order: vec![SamplerStage::TopK],
+            ..params(0.0)
+        });
+        assert_eq!(none.distribution(&logits).len(), 3);
+    }
+
+    #[test]
+    fn mirostat_v2_truncates_at_its_target_and_learns() {
+        // Surprises 1, 2, 3, 3 bits; tau 1.01 -> mu 2.02 keeps tokens 0 and 1 (2/3, 1/3).
+        let logits = [0.5f32.ln(), 0.25f32.ln(), 0.125f32.ln(), 0.125f32.ln()];
+        let mut s = Sampler::new(SamplerParams {
+            mirostat: Mirostat::V2,
+            mirostat_tau: 1.01,
+            mirostat_eta: 10.0,
+            top_k: 1,
+            ..params(1.0)
+        });
+        let d = s.distribution(&logits);
+        assert_eq!(d.len(), 2, "{d:?}");
+        assert!((d[0].1 - 2.0 / 3.0).abs() < 1e-6);
+        // Token 0 (surprise 0.585 < tau): mu rises by 10 × 0.425 and keeps all four; token 1
+        // (1.585 > tau): mu falls below 0 and keeps one. top_k is not used under mirostat.
+        let t = s.sample(&logits);
+        let after = s.distribution(&logits).len();
+        assert_eq!(after, if t == 0 { 4 } else { 1 }, "token {t}");
+    }
+
+    #[test]
+    fn mirostat_v1_takes_k_from_the_zipf_estimate() {
+        // Zipf exponent 2 over 8 tokens, tau 1 (mu 2): k = 2 (see sampler_stages).
+        let logits: Vec<f32> = (1..=8).map(|i| -2.0 * (i as f32).ln()).collect();
+        let s = Sampler::new(SamplerParams {
+            mirostat: Mirostat::V1,
+            mirostat_tau: 1.0,
+            ..params(1.0)
+        });
+        let d = s.distribution(&logits);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
+        assert!((d[0].1 - 0.8).abs() < 1e-6, "{d:?}");
+    }
+
+    #[test]
+    fn dry_penalises_the_token_that_extends_a_repeat() {
+        let mut s = Sampler::new(SamplerParams {
+            dry: DryParams {
+                multiplier: 1.0,
+                base: 2.0,
+                ..DryParams::default()
+            },
+            ..params(0.0)
+        });
+        for t in [0, 1, 2, 3, 0, 1, 2] {
+            s.accept(t);
+        }
+        // Token 3 would repeat "0 1 2 3": 1 × 2^(3-2) = 2 off its logit.
+        assert_eq!(s.sample(&[0.0, 0.0, 0.0, 1.5, 0.0]), 0);
+        assert_eq!(s.sample(&[0.0, 0.0, 0.0, 2.5, 0.0]), 3);
     }
 }

@@ -191,7 +191,10 @@ async fn run(
             break;
         }
     }
-    let body = resp.response(gen.logprobs)?;
+    let mut body = resp.response(gen.logprobs)?;
+    if !gen.response_fields.is_empty() {
+        body = crate::oai::select_fields(&body, &gen.response_fields);
+    }
     drop(lease);
     Ok(Json(body).into_response())
 }
@@ -294,6 +297,16 @@ async fn props(State(st): St, Query(q): Query<HashMap<String, String>>) -> Res {
                 "temperature": s.params.temperature, "top_k": s.params.top_k, "top_p": s.params.top_p,
                 "min_p": s.params.min_p, "repeat_penalty": s.params.repeat_penalty,
                 "repeat_last_n": s.params.repeat_last_n,
+                "typical_p": s.params.typical_p, "top_n_sigma": s.params.top_n_sigma,
+                "xtc_probability": s.params.xtc_probability,
+                "xtc_threshold": s.params.xtc_threshold,
+                "mirostat": s.params.mirostat as u8,
+                "mirostat_tau": s.params.mirostat_tau, "mirostat_eta": s.params.mirostat_eta,
+                "dry_multiplier": s.params.dry.multiplier, "dry_base": s.params.dry.base,
+                "dry_allowed_length": s.params.dry.allowed_length,
+                "dry_penalty_last_n": s.params.dry.penalty_last_n.map_or(-1i64, |n| n as i64),
+                "dry_sequence_breakers": s.dry_sequence_breakers,
+                "samplers": s.params.order.iter().map(|st| st.name()).collect::<Vec<_>>(),
                 "seed": if s.random_seed { -1i64 } else { s.params.seed as i64 },
                 "n_predict": s.n_predict.map_or(-1i64, |n| n as i64),
             },

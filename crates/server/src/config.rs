@@ -87,6 +87,8 @@ pub struct SamplingDefaults {
     pub presence_penalty: f32,
     /// `frequency_penalty` when a request does not say (`--frequency-penalty`; 0 = off).
     pub frequency_penalty: f32,
+    /// DRY's sequence breakers when a request does not say (`--dry-sequence-breaker`).
+    pub dry_sequence_breakers: Vec<String>,
 }
 
 impl Default for SamplingDefaults {
@@ -97,6 +99,9 @@ impl Default for SamplingDefaults {
             n_predict: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            dry_sequence_breakers: hmoe_engine::DryParams::DEFAULT_BREAKERS
+                .map(String::from)
+                .to_vec(),
         }
     }
 }

@@ -233,6 +233,13 @@ impl ModelHost {
         if spec.prompt.len() >= n_ctx {
             return Err(ApiError::exceeds_context(spec.prompt.len(), n_ctx));
         }
+        let n_slots = self.scheduler.config().n_slots.max(1);
+        if let Some(id) = spec.id_slot.filter(|&id| id >= n_slots) {
+            return Err(ApiError::bad_request(format!(
+                "'id_slot' {id} names no slot: the server has {n_slots} (0 to {})",
+                n_slots - 1
+            )));
+        }
         match self.scheduler.submit(spec) {
             Ok((_, rx)) => Ok(rx),
             Err(e @ SubmitError::QueueFull) | Err(e @ SubmitError::ShuttingDown) => {

@@ -459,6 +459,19 @@ impl Responder {
     }
 }
 
+/// llama-server's `response_fields`: the fields of `body` that `paths` name, each under its
+/// path (`a/b` names `body["a"]["b"]`); a path that names nothing is left out.
+pub fn select_fields(body: &Value, paths: &[String]) -> Value {
+    let mut out = serde_json::Map::new();
+    for path in paths {
+        let found = (path.split('/')).try_fold(body, |v, key| v.get(key));
+        if let Some(v) = found {
+            out.insert(path.clone(), v.clone());
+        }
+    }
+    Value::Object(out)
+}
+
 fn merge_text(out: &mut Vec<Value>, key: &str, text: &str) {
     if let Some(Value::Object(last)) = out.last_mut() {
         if last.len() == 1 {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use hmoe_engine::SamplerParams;
+use hmoe_engine::{DryParams, Mirostat, SamplerParams, SamplerStage};
 use hmoe_grammar::{Constraint, Frame, Grammar, GrammarError, Tool, ToolFormat, Vocab};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
@@ -131,6 +131,13 @@ pub struct GenParams {
     pub grammar: Option<(Grammar, Frame)>,
     /// The compiled grammar.
     pub constraint: Option<Constraint>,
+    /// Stop at a newline once generation has run this long (`t_max_predict_ms`).
+    pub t_max_predict: Option<std::time::Duration>,
+    /// The slot to run in (`id_slot`; `None`: any).
+    pub id_slot: Option<usize>,
+    /// The fields of a whole `/completion` answer to send, by path (`response_fields`;
+    /// empty: all).
+    pub response_fields: Vec<String>,
 }
 
 impl GenParams {
@@ -160,6 +167,8 @@ impl GenParams {
             output,
             cache_prompt: self.cache_prompt,
             constraint: self.constraint.take(),
+            t_max_predict: self.t_max_predict,
+            id_slot: self.id_slot,
         }
     }
 }
@@ -203,6 +212,8 @@ pub fn gen_params(
     if let Some(n) = f.i64("repeat_last_n")? {
         sampling.repeat_last_n = n.max(0) as usize;
     }
+    sampler_fields(f, defaults, tok, &mut sampling)?;
+    unsupported_fields(f)?;
     sampling.seed = match f.i64("seed")? {
         Some(s) if s >= 0 => s as u64,
         _ if !defaults.random_seed => d.seed,
@@ -306,7 +317,196 @@ pub fn gen_params(
         cache_prompt: f.bool("cache_prompt")?.unwrap_or(true),
         grammar,
         constraint: None,
+        t_max_predict: match f.i64("t_max_predict_ms")? {
+            Some(ms) if ms > 0 => Some(std::time::Duration::from_millis(ms as u64)),
+            _ => None,
+        },
+        response_fields: response_fields(f, flavor)?,
+        id_slot: match f.i64("id_slot")? {
+            None | Some(-1) => None,
+            Some(i) if i >= 0 => Some(i as usize),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "'id_slot' must be -1 (any) or a slot id",
+                ))
+            }
+        },
     })
+}
+
+/// The sampler fields beyond the basic cuts: `typical_p`, `top_n_sigma`, XTC, DRY, mirostat,
+/// `min_keep` and the chain's order (`samplers`), as llama-server reads them.
+fn sampler_fields(
+    f: &Fields<'_>,
+    defaults: &SamplingDefaults,
+    tok: &Tokenizer,
+    s: &mut SamplerParams,
+) -> Result<(), ApiError> {
+    let bad = |m: &str| ApiError::bad_request(m.to_string());
+    if let Some(p) = f.f32("typical_p")? {
+        s.typical_p = p;
+    }
+    if let Some(n) = f.f32("top_n_sigma")? {
+        s.top_n_sigma = n;
+    }
+    if let Some(p) = f.f32("xtc_probability")? {
+        s.xtc_probability = p;
+    }
+    if let Some(t) = f.f32("xtc_threshold")? {
+        s.xtc_threshold = t;
+    }
+    if let Some(m) = f.f32("dry_multiplier")? {
+        s.dry.multiplier = m;
+    }
+    if let Some(b) = f.f32("dry_base")? {
+        s.dry.base = b;
+    }
+    if let Some(n) = f.i64("dry_allowed_length")? {
+        s.dry.allowed_length = n.max(0) as usize;
+    }
+    if let Some(n) = f.i64("dry_penalty_last_n")? {
+        s.dry.penalty_last_n = dry_last_n(n)?;
+    }
+    let breakers = match f.value("dry_sequence_breakers") {
+        None => None,
+        Some(Value::Array(a)) if !a.is_empty() => Some(
+            a.iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<String>>>()
+                .ok_or_else(|| bad("'dry_sequence_breakers' must be an array of strings"))?,
+        ),
+        Some(_) => {
+            return Err(bad(
+                "'dry_sequence_breakers' must be a non-empty array of strings",
+            ))
+        }
+    };
+    if s.dry.enabled() {
+        let strings = breakers
+            .as_deref()
+            .unwrap_or(&defaults.dry_sequence_breakers);
+        s.dry.breakers = dry_breakers(strings, tok);
+    }
+    match f.i64("mirostat")? {
+        None => {}
+        Some(0) => s.mirostat = Mirostat::Off,
+        Some(1) => s.mirostat = Mirostat::V1,
+        Some(2) => s.mirostat = Mirostat::V2,
+        Some(_) => return Err(bad("'mirostat' must be 0 (off), 1 or 2")),
+    }
+    if let Some(t) = f.f32("mirostat_tau")? {
+        s.mirostat_tau = t;
+    }
+    if let Some(e) = f.f32("mirostat_eta")? {
+        s.mirostat_eta = e;
+    }
+    if let Some(n) = f.i64("min_keep")? {
+        s.min_keep = n.max(0) as usize;
+    }
+    if let Some(v) = f.value("samplers") {
+        s.order = sampler_order(v)?;
+    }
+    Ok(())
+}
+
+/// `dry_penalty_last_n`: -1 is the whole context, 0 turns DRY off.
+pub fn dry_last_n(n: i64) -> Result<Option<usize>, ApiError> {
+    match n {
+        -1 => Ok(None),
+        n if n >= 0 => Ok(Some(n as usize)),
+        _ => Err(ApiError::bad_request(
+            "'dry_penalty_last_n' must be -1 (the whole context) or more",
+        )),
+    }
+}
+
+/// DRY's sequence breakers for `tok`'s vocabulary (see [`DryParams::breakers_of`]).
+pub fn dry_breakers(strings: &[String], tok: &Tokenizer) -> Vec<(u32, Vec<u32>)> {
+    DryParams::breakers_of(
+        strings,
+        tok.n_vocab(),
+        |id| tok.decode(&[id]),
+        |tail| {
+            tok.encode(&String::from_utf8_lossy(tail), false, false)
+                .unwrap_or_default()
+        },
+    )
+}
+
+/// `samplers`: llama-server's stage names in order (an array), or their letters in a string
+/// (`"edskypmxt"`). A stage hmoe lacks is a 400.
+pub fn sampler_order(v: &Value) -> Result<Vec<SamplerStage>, ApiError> {
+    let names = SamplerStage::DEFAULT_ORDER
+        .map(SamplerStage::name)
+        .join(", ");
+    let unknown = |what: String| {
+        ApiError::bad_request(format!(
+            "'samplers': hmoe has no sampler {what} (it has {names})"
+        ))
+    };
+    match v {
+        Value::Array(a) => a
+            .iter()
+            .map(|n| match n.as_str() {
+                Some(name) => {
+                    SamplerStage::from_name(name).ok_or_else(|| unknown(format!("'{name}'")))
+                }
+                None => Err(ApiError::bad_request(
+                    "'samplers' must be an array of sampler names or a string of their letters",
+                )),
+            })
+            .collect(),
+        Value::String(chars) => chars
+            .chars()
+            .map(|c| SamplerStage::from_char(c).ok_or_else(|| unknown(format!("letter '{c}'"))))
+            .collect(),
+        _ => Err(ApiError::bad_request(
+            "'samplers' must be an array of sampler names or a string of their letters",
+        )),
+    }
+}
+
+/// llama-server fields hmoe does not implement: a neutral value is accepted, anything else
+/// is a 400 that says so. `n_keep` says what to keep when a full context shifts; hmoe never
+/// shifts a context (a full one ends the generation, as llama-server's default
+/// `--no-context-shift` does), so no value changes anything.
+fn unsupported_fields(f: &Fields<'_>) -> Result<(), ApiError> {
+    let no = |what: &str| ApiError::bad_request(format!("hmoe does not support {what}"));
+    if let Some(n) = f.i64("n_keep")? {
+        if n < -1 {
+            return Err(ApiError::bad_request("'n_keep' must be -1 (all) or more"));
+        }
+    }
+    if f.i64("n_indent")?.is_some_and(|n| n > 0) {
+        return Err(no("'n_indent' (a minimum indentation of generated lines)"));
+    }
+    match f.value("lora") {
+        None => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => return Err(no("'lora' (LoRA adapters); send [] or leave it out")),
+    }
+    Ok(())
+}
+
+/// `response_fields`: paths (`a/b`) of the fields a whole `/completion` answer keeps, as
+/// llama-server reads them. The OpenAI routes and streams have fixed shapes: a non-empty list
+/// there is a 400.
+fn response_fields(f: &Fields<'_>, flavor: Flavor) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::bad_request("'response_fields' must be an array of strings");
+    let fields: Vec<String> = match f.value("response_fields") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => (a.iter())
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad()),
+    };
+    if !fields.is_empty() && (flavor != Flavor::Native || f.bool("stream")? == Some(true)) {
+        return Err(ApiError::bad_request(
+            "hmoe applies 'response_fields' to whole /completion answers only (not to streams \
+             or the OpenAI routes)",
+        ));
+    }
+    Ok(fields)
 }
 
 /// The grammar a request asks for: `grammar` (GBNF; Lark after `%llguidance`) and

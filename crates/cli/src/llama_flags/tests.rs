@@ -398,3 +398,57 @@ fn guide_command_lines_parse() {
         }
     }
 }
+
+/// llama-server's sampler flags set `hmoe serve`'s defaults under each of llama.cpp's
+/// spellings, with no note.
+#[test]
+fn sampler_flags_set_the_servers_defaults() {
+    let words = [
+        "-m",
+        "x.gguf",
+        "--typical-p",
+        "0.9",
+        "--top-nsigma",
+        "1.5",
+        "--xtc-probability",
+        "0.5",
+        "--xtc-threshold",
+        "0.2",
+        "--dry-multiplier",
+        "0.8",
+        "--dry-base",
+        "2",
+        "--dry-allowed-length",
+        "3",
+        "--dry-penalty-last-n",
+        "64",
+        "--dry-sequence-breaker",
+        "\n",
+        "--mirostat",
+        "2",
+        "--mirostat-lr",
+        "0.2",
+        "--mirostat-ent",
+        "4",
+        "--sampler-seq",
+        "kt",
+    ];
+    let (a, notes) = serve(&words, &[]).unwrap();
+    assert!(notes.is_empty(), "{notes:?}");
+    let mut d = hmoe_server::SamplingDefaults::default();
+    a.samplers.apply(&mut d).unwrap();
+    let p = &d.params;
+    assert_eq!((p.typical_p, p.top_n_sigma), (0.9, 1.5));
+    assert_eq!((p.xtc_probability, p.xtc_threshold), (0.5, 0.2));
+    assert_eq!(
+        (p.dry.multiplier, p.dry.base, p.dry.allowed_length),
+        (0.8, 2.0, 3)
+    );
+    assert_eq!(p.dry.penalty_last_n, Some(64));
+    assert_eq!(
+        (p.mirostat, p.mirostat_eta, p.mirostat_tau),
+        (hmoe_engine::Mirostat::V2, 0.2, 4.0)
+    );
+    assert_eq!(p.order.len(), 2);
+    assert_eq!(d.dry_sequence_breakers, vec!["\n".to_string()]);
+}

@@ -37,6 +37,12 @@ pub struct JobSpec {
     pub cache_prompt: bool,
     /// The grammar the generated tokens must follow (compiled, at its start).
     pub constraint: Option<hmoe_grammar::Constraint>,
+    /// End at a token holding a newline once generation (from the first token's logits) has
+    /// run this long (`t_max_predict_ms`, llama-server's rule).
+    pub t_max_predict: Option<std::time::Duration>,
+    /// Run in this slot only, waiting for it (`id_slot`); checked against the slot count
+    /// before submitting.
+    pub id_slot: Option<usize>,
 }
 
 /// Log-probabilities of one generated token.

@@ -171,7 +171,13 @@ impl Worker {
     /// Moves queued jobs into free slots.
     fn admit(&mut self, q: &mut Queue) {
         while self.slots.iter().any(|s| s.active.is_none()) {
-            let Some(job) = q.jobs.pop_front() else { break };
+            // The first job that can start: a job pinned to a busy slot (`id_slot`) waits
+            // without holding back the others.
+            let idle = |id: usize| self.slots.get(id).is_some_and(|s| s.active.is_none());
+            let Some(i) = (q.jobs.iter()).position(|j| j.spec.id_slot.is_none_or(idle)) else {
+                break;
+            };
+            let Some(job) = q.jobs.remove(i) else { break };
             if job.events.is_closed() {
                 Stats::add(&self.shared.stats.requests_cancelled, 1);
                 continue;
@@ -201,9 +207,13 @@ impl Worker {
             .store(busy as u64, Relaxed);
     }
 
-    /// The idle slot sharing the longest reusable prefix with the prompt when that is more
+    /// The slot the job pins (`id_slot`, idle when admitted), else the idle slot sharing the
+    /// longest reusable prefix with the prompt when that is more
     /// than `similarity` of it, else the least recently used idle slot.
     fn pick_slot(&self, spec: &JobSpec) -> usize {
+        if let Some(id) = spec.id_slot {
+            return id;
+        }
         let idle = self.slots.iter().filter(|s| s.active.is_none());
         let best = idle
             .clone()
@@ -556,11 +566,21 @@ impl Worker {
         } else {
             a.output.push(&tok, token)
         };
+        // llama-server's `t_max_predict_ms`: a token holding a newline ends generation once
+        // it has run that long since the prompt was processed.
+        let out_of_time = spec.t_max_predict.is_some_and(|limit| {
+            a.first_token
+                .is_some_and(|t0| now.duration_since(t0) > limit)
+                && tok.decode(&[token]).contains(&b'\n')
+        });
         let finish = if eog || grammar_done || a.output.ended() {
             Some(Finish::Eog)
         } else if let Some(w) = a.output.stop_hit() {
             Some(Finish::StopWord(w.to_string()))
-        } else if spec.n_predict.is_some_and(|n| a.generated.len() >= n) || n_past + 1 > n_ctx {
+        } else if spec.n_predict.is_some_and(|n| a.generated.len() >= n)
+            || n_past + 1 > n_ctx
+            || out_of_time
+        {
             Some(Finish::Length)
         } else {
             None
