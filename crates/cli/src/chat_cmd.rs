@@ -130,6 +130,67 @@ fn printable(t: &str) -> std::borrow::Cow<'_, str> {
         .into()
 }
 
+/// The reply length: `-n`, else [`DEFAULT_N_PREDICT`], or [`STAND_IN_N_PREDICT`] for a
+/// random-weight stand-in, whose replies are noise (with a note saying so).
+fn reply_length(args: &ChatArgs, meta: &hmoe_gguf::Metadata) -> usize {
+    let stand_in = meta
+        .get_str("general.name")
+        .is_some_and(|n| n.starts_with("hmoe synthetic"));
+    if stand_in {
+        eprintln!(
+            "hmoe chat: this is a random-weight stand-in (make-test-model): its replies are noise{}; \
+             scripts/fetch-real-models.sh fetches small real models (SmolLM2-135M, \
+             Qwen2.5-Coder-0.5B) that answer",
+            if args.n_predict.is_none() {
+                format!(", cut at {STAND_IN_N_PREDICT} tokens (-n to change)")
+            } else {
+                String::new()
+            }
+        );
+    }
+    args.n_predict.unwrap_or(if stand_in {
+        STAND_IN_N_PREDICT
+    } else {
+        DEFAULT_N_PREDICT
+    })
+}
+
+/// Carries out a `/` command typed at the prompt.
+fn run_command(c: Command<'_>, messages: &mut Vec<Value>, system: &[Value]) -> anyhow::Result<()> {
+    match c {
+        Command::Clear => {
+            *messages = system.to_vec();
+            eprintln!("(conversation cleared)");
+        }
+        Command::Save(file) => {
+            let text = serde_json::to_string_pretty(&messages)?;
+            match std::fs::write(file, text + "\n") {
+                Ok(()) => eprintln!("(saved {} messages to {file})", messages.len()),
+                Err(e) => eprintln!("could not write {file}: {e}"),
+            }
+        }
+        Command::Unknown(c) => eprintln!("unknown command {c} (/clear, /save FILE)"),
+    }
+    Ok(())
+}
+
+/// Prints a reply's pieces as they come: the answer on stdout (and kept in `answer`),
+/// reasoning and tool calls on stderr, control bytes replaced.
+fn show(deltas: Vec<ChatDelta>, answer: &mut String) {
+    for d in deltas {
+        match d {
+            ChatDelta::Content(t) => {
+                print!("{}", printable(&t));
+                answer.push_str(&t);
+            }
+            ChatDelta::Reasoning(t) => eprint!("{}", printable(&t)),
+            ChatDelta::ToolCallStart { name, .. } => eprint!("[tool call {}] ", printable(&name)),
+            ChatDelta::ToolCallArgs { delta, .. } => eprint!("{}", printable(&delta)),
+        }
+    }
+    let _ = std::io::stdout().flush();
+}
+
 /// Runs `hmoe chat`.
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let kv = args.model.kv_type()?;
@@ -146,26 +207,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     if let (Some(effort), Value::Object(m)) = (&args.reasoning_effort, &mut extra) {
         m.insert("reasoning_effort".into(), effort.clone().into());
     }
-    let stand_in = meta
-        .get_str("general.name")
-        .is_some_and(|n| n.starts_with("hmoe synthetic"));
-    let n_predict = args.n_predict.unwrap_or(if stand_in {
-        STAND_IN_N_PREDICT
-    } else {
-        DEFAULT_N_PREDICT
-    });
-    if stand_in {
-        eprintln!(
-            "hmoe chat: this is a random-weight stand-in (make-test-model): its replies are noise{}; \
-             scripts/fetch-real-models.sh fetches small real models (SmolLM2-135M, \
-             Qwen2.5-Coder-0.5B) that answer",
-            if args.n_predict.is_none() {
-                format!(", cut at {STAND_IN_N_PREDICT} tokens (-n to change)")
-            } else {
-                String::new()
-            }
-        );
-    }
+    let n_predict = reply_length(&args, meta);
     let n_ctx = args.model.n_ctx(model.as_ref());
     let mut generator = Generator::new(model.as_ref(), kv, n_ctx, args.model.n_ubatch());
     let mut sampler = Sampler::new(SamplerParams {
@@ -202,25 +244,9 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         if line.trim().is_empty() {
             continue;
         }
-        match command(&line) {
-            Some(Command::Clear) => {
-                messages = system.clone();
-                eprintln!("(conversation cleared)");
-                continue;
-            }
-            Some(Command::Save(file)) => {
-                let text = serde_json::to_string_pretty(&messages)?;
-                match std::fs::write(file, text + "\n") {
-                    Ok(()) => eprintln!("(saved {} messages to {file})", messages.len()),
-                    Err(e) => eprintln!("could not write {file}: {e}"),
-                }
-                continue;
-            }
-            Some(Command::Unknown(c)) => {
-                eprintln!("unknown command {c} (/clear, /save FILE)");
-                continue;
-            }
-            None => {}
+        if let Some(c) = command(&line) {
+            run_command(c, &mut messages, &system)?;
+            continue;
         }
         messages.push(json!({"role": "user", "content": line}));
         let prompt = template.render(&Value::Array(messages.clone()), None, true, &extra)?;
@@ -242,22 +268,6 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             ),
         };
         let mut answer = String::new();
-        let show = |deltas: Vec<ChatDelta>, answer: &mut String| {
-            for d in deltas {
-                match d {
-                    ChatDelta::Content(t) => {
-                        print!("{}", printable(&t));
-                        answer.push_str(&t);
-                    }
-                    ChatDelta::Reasoning(t) => eprint!("{}", printable(&t)),
-                    ChatDelta::ToolCallStart { name, .. } => {
-                        eprint!("[tool call {}] ", printable(&name))
-                    }
-                    ChatDelta::ToolCallArgs { delta, .. } => eprint!("{}", printable(&delta)),
-                }
-            }
-            let _ = std::io::stdout().flush();
-        };
         let is_stop = |id: u32| tok.is_eog(id) || harmony.as_ref().is_some_and(|h| h.is_stop(id));
         interrupted.store(false, Ordering::SeqCst);
         let out = generator.generate(

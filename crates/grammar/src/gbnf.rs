@@ -228,59 +228,8 @@ impl Parser {
                 }
             }
             let item = match c {
-                '"' => {
-                    self.pos += 1;
-                    let mut text = String::new();
-                    loop {
-                        match self.peek() {
-                            None => return Err(self.error("unexpected end of input in a literal")),
-                            Some('"') => {
-                                self.pos += 1;
-                                break;
-                            }
-                            Some(_) => text.push(self.char_in_literal()?),
-                        }
-                    }
-                    json_string(&text)
-                }
-                '[' => {
-                    self.pos += 1;
-                    let mut class = String::from("[");
-                    if self.eat('^') {
-                        class.push('^');
-                    }
-                    let mut empty = true;
-                    loop {
-                        match self.peek() {
-                            None => {
-                                return Err(
-                                    self.error("unexpected end of input in a character class")
-                                )
-                            }
-                            Some(']') if !empty => {
-                                self.pos += 1;
-                                break;
-                            }
-                            Some(_) => {
-                                let lo = self.char_in_literal()?;
-                                let _ = write!(class, "\\x{{{:x}}}", lo as u32);
-                                if self.peek() == Some('-')
-                                    && self.chars.get(self.pos + 1).is_some_and(|&c| c != ']')
-                                {
-                                    self.pos += 1;
-                                    let hi = self.char_in_literal()?;
-                                    if hi < lo {
-                                        return Err(self.error("character range out of order"));
-                                    }
-                                    let _ = write!(class, "-\\x{{{:x}}}", hi as u32);
-                                }
-                                empty = false;
-                            }
-                        }
-                    }
-                    class.push(']');
-                    format!("/{class}/")
-                }
+                '"' => self.literal()?,
+                '[' => self.char_class()?,
                 '.' => {
                     self.pos += 1;
                     "/(?s:.)/".to_string()
@@ -327,30 +276,7 @@ impl Parser {
                         return Err(self.error("'{' with nothing before it"));
                     };
                     wraps = self.wrap(wraps)?;
-                    self.pos += 1;
-                    self.space(false);
-                    let lo = self.number();
-                    self.space(false);
-                    let range = if self.eat(',') {
-                        self.space(false);
-                        let hi = self.number();
-                        self.space(false);
-                        match hi {
-                            Some(hi) if hi < lo.unwrap_or(0) => {
-                                return Err(self.error("repetition range out of order"))
-                            }
-                            Some(hi) => format!("{},{hi}", lo.unwrap_or(0)),
-                            None => format!("{},", lo.unwrap_or(0)),
-                        }
-                    } else {
-                        match lo {
-                            Some(n) => n.to_string(),
-                            None => return Err(self.error("expecting a number")),
-                        }
-                    };
-                    if !self.eat('}') {
-                        return Err(self.error("expecting '}'"));
-                    }
+                    let range = self.repeat_range()?;
                     format!("({last}){{{range}}}")
                 }
                 c if c.is_ascii_alphanumeric() || c == '-' => {
@@ -372,6 +298,88 @@ impl Parser {
             true => "\"\"".to_string(),
             false => items.join(" "),
         })
+    }
+
+    /// A literal `"..."` (at its `"`) as a JSON string.
+    fn literal(&mut self) -> Result<String, GbnfError> {
+        self.pos += 1;
+        let mut text = String::new();
+        loop {
+            match self.peek() {
+                None => return Err(self.error("unexpected end of input in a literal")),
+                Some('"') => {
+                    self.pos += 1;
+                    break;
+                }
+                Some(_) => text.push(self.char_in_literal()?),
+            }
+        }
+        Ok(json_string(&text))
+    }
+
+    /// A character class `[...]` (at its `[`) as a Lark regex.
+    fn char_class(&mut self) -> Result<String, GbnfError> {
+        self.pos += 1;
+        let mut class = String::from("[");
+        if self.eat('^') {
+            class.push('^');
+        }
+        let mut empty = true;
+        loop {
+            match self.peek() {
+                None => return Err(self.error("unexpected end of input in a character class")),
+                Some(']') if !empty => {
+                    self.pos += 1;
+                    break;
+                }
+                Some(_) => {
+                    let lo = self.char_in_literal()?;
+                    let _ = write!(class, "\\x{{{:x}}}", lo as u32);
+                    if self.peek() == Some('-')
+                        && self.chars.get(self.pos + 1).is_some_and(|&c| c != ']')
+                    {
+                        self.pos += 1;
+                        let hi = self.char_in_literal()?;
+                        if hi < lo {
+                            return Err(self.error("character range out of order"));
+                        }
+                        let _ = write!(class, "-\\x{{{:x}}}", hi as u32);
+                    }
+                    empty = false;
+                }
+            }
+        }
+        class.push(']');
+        Ok(format!("/{class}/"))
+    }
+
+    /// A repetition range `{m}`, `{m,}` or `{m,n}` (at its `{`), as Lark writes it.
+    fn repeat_range(&mut self) -> Result<String, GbnfError> {
+        self.pos += 1;
+        self.space(false);
+        let lo = self.number();
+        self.space(false);
+        let range = if self.eat(',') {
+            self.space(false);
+            let hi = self.number();
+            self.space(false);
+            match hi {
+                Some(hi) if hi < lo.unwrap_or(0) => {
+                    return Err(self.error("repetition range out of order"))
+                }
+                Some(hi) => format!("{},{hi}", lo.unwrap_or(0)),
+                None => format!("{},", lo.unwrap_or(0)),
+            }
+        } else {
+            match lo {
+                Some(n) => n.to_string(),
+                None => return Err(self.error("expecting a number")),
+            }
+        };
+        if !self.eat('}') {
+            return Err(self.error("expecting '}'"));
+        }
+        Ok(range)
     }
 
     /// One more repetition around an item already under `wraps`, within [`MAX_NESTING`].
