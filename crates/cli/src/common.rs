@@ -170,8 +170,8 @@ pub fn parse_ids(s: &str) -> anyhow::Result<Vec<u32>> {
 /// second: the bytes the process has brought into memory since the load began (the file's
 /// pages read or copied: `VmRSS` growth) against the model's size, and the seconds so far. It
 /// shows only when stderr is a terminal, only after half a second (a fast load prints nothing),
-/// and is erased when the load ends (dropped). `HMOE_PROGRESS_MS=N` (for the tests) updates it
-/// every N ms from the start.
+/// and is erased when the load ends (dropped). `HMOE_PROGRESS_MS=N` (for the tests) writes it
+/// at once and updates it every N ms.
 pub struct LoadProgress {
     stop: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -197,10 +197,18 @@ impl LoadProgress {
             Some(ms) => (ms, 0),
             None => (250, 500),
         };
+        // With no delay (the tests), the first line is written before the load can end.
+        let shown_at_start = after == 0;
+        if shown_at_start {
+            eprint!(
+                "\r\x1b[2K{}",
+                progress_line(&what, 0, total, start.elapsed())
+            );
+        }
         let thread = std::thread::Builder::new()
             .name("hmoe-progress".into())
             .spawn(move || {
-                let mut shown = false;
+                let mut shown = shown_at_start;
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                     rx.recv_timeout(std::time::Duration::from_millis(tick))
                 {

@@ -50,45 +50,65 @@ Limits (every resource a client controls is bounded):
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
     /// Model file (for a split model, any shard). Leave out with --models-dir.
-    #[arg(short = 'm', long = "model")]
+    #[arg(help_heading = "Server", short = 'm', long = "model")]
     pub model: Option<PathBuf>,
     /// Router mode: serve every GGUF in this directory, loading each on first use.
-    #[arg(long = "models-dir", value_name = "DIR")]
+    #[arg(help_heading = "Server", long = "models-dir", value_name = "DIR")]
     pub models_dir: Option<PathBuf>,
     /// Router mode: most models loaded at once (0 = no limit); the least recently used idle
     /// one is unloaded to make room.
-    #[arg(long = "models-max", value_name = "N", default_value_t = 4)]
+    #[arg(
+        help_heading = "Server",
+        long = "models-max",
+        value_name = "N",
+        default_value_t = 4
+    )]
     pub models_max: usize,
     /// Address to listen on.
-    #[arg(long = "host", default_value = "127.0.0.1")]
+    #[arg(help_heading = "Server", long = "host", default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on (0 = any free port, printed at start).
-    #[arg(long = "port", default_value_t = 8080, allow_negative_numbers = true)]
+    #[arg(
+        help_heading = "Server",
+        long = "port",
+        default_value_t = 8080,
+        allow_negative_numbers = true
+    )]
     pub port: u16,
     /// API key clients must send (`Authorization: Bearer KEY` or `X-Api-Key: KEY`); repeatable,
     /// or several separated by commas. An empty key is an error.
-    #[arg(long = "api-key", value_name = "KEY", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Server",
+        long = "api-key",
+        value_name = "KEY",
+        value_delimiter = ','
+    )]
     pub api_key: Vec<String>,
     /// File with one API key per line (blank lines and `#` comments are skipped, as in
     /// llama-server; a file with no key is an error).
-    #[arg(long = "api-key-file", value_name = "FILE")]
+    #[arg(help_heading = "Server", long = "api-key-file", value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Names the model answers to in the `model` field (comma separated); the first is listed.
-    #[arg(short = 'a', long = "alias", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Server",
+        short = 'a',
+        long = "alias",
+        value_delimiter = ','
+    )]
     pub alias: Vec<String>,
     /// Threads for computation (default, or any negative value: physical cores; at most 512).
-    #[arg(short = 't', long = "threads", allow_negative_numbers = true, value_parser = parse_threads_or_default)]
+    #[arg(help_heading = "Loading", short = 't', long = "threads", allow_negative_numbers = true, value_parser = parse_threads_or_default)]
     pub threads: Option<i64>,
     /// Read the file into memory instead of mapping it.
-    #[arg(long = "no-mmap")]
+    #[arg(help_heading = "Loading", long = "no-mmap")]
     pub no_mmap: bool,
     /// Lock the weights in RAM.
-    #[arg(long = "mlock")]
+    #[arg(help_heading = "Loading", long = "mlock")]
     pub mlock: bool,
     /// How the file is loaded (`-lm`, llama.cpp's): mmap (the default), none or dio (read into
     /// memory, as --no-mmap), mlock (read and locked), mmap+mlock (mapped and locked, as
     /// --mlock).
-    #[arg(long = "load-mode", value_name = "MODE",
+    #[arg(help_heading = "Loading", long = "load-mode", value_name = "MODE",
           value_parser = ["none", "mmap", "mlock", "mmap+mlock", "dio"])]
     pub load_mode: Option<String>,
     /// Keep expert weights as the file has them (`-nr`, llama.cpp's flag): by default MXFP4
@@ -96,83 +116,97 @@ pub struct ServeArgs {
     /// (AVX-512 or AVX2) and the copy fits in the available memory (same results, faster
     /// products); never with --no-mmap or --mlock, whose buffers would then hold the experts
     /// twice.
-    #[arg(long = "no-repack")]
+    #[arg(help_heading = "Loading", long = "no-repack")]
     pub no_repack: bool,
     /// Jinja chat template file replacing the model's.
-    #[arg(long = "chat-template-file", value_name = "FILE")]
+    #[arg(
+        help_heading = "Chat templates and reasoning",
+        long = "chat-template-file",
+        value_name = "FILE"
+    )]
     pub chat_template_file: Option<PathBuf>,
     /// Chat template replacing the model's: a built-in name (chatml, qwen3, llama3, gpt-oss,
     /// deepseek3, deepseek2, phi3, zephyr, gemma, mistral-v7) or Jinja text.
-    #[arg(long = "chat-template", value_name = "NAME|JINJA")]
+    #[arg(
+        help_heading = "Chat templates and reasoning",
+        long = "chat-template",
+        value_name = "NAME|JINJA"
+    )]
     pub chat_template: Option<String>,
     /// Extra template variables as a JSON object, e.g. '{"reasoning_effort": "high"}'.
-    #[arg(long = "chat-template-kwargs", value_name = "JSON")]
+    #[arg(
+        help_heading = "Chat templates and reasoning",
+        long = "chat-template-kwargs",
+        value_name = "JSON"
+    )]
     pub chat_template_kwargs: Option<String>,
     /// Thinking: on, off (the template is told `enable_thinking: false`) or auto (the model's
     /// default).
-    #[arg(long = "reasoning", value_parser = ["on", "off", "auto"], default_value = "auto")]
+    #[arg(help_heading = "Chat templates and reasoning", long = "reasoning", value_parser = ["on", "off", "auto"], default_value = "auto")]
     pub reasoning: String,
     /// Thinking budget in tokens: -1 = unlimited, 0 = no thinking (as --reasoning off); a
     /// budget N > 0 is accepted with a note and thinking stays unlimited (hmoe does not cut it).
-    #[arg(long = "reasoning-budget", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    #[arg(help_heading = "Chat templates and reasoning", long = "reasoning-budget", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub reasoning_budget: i64,
     /// Where reasoning goes: none (left in content), auto or deepseek (reasoning_content).
-    #[arg(long = "reasoning-format", value_parser = ["none", "auto", "deepseek", "deepseek-legacy"], default_value = "auto")]
+    #[arg(help_heading = "Chat templates and reasoning", long = "reasoning-format", value_parser = ["none", "auto", "deepseek", "deepseek-legacy"], default_value = "auto")]
     pub reasoning_format: String,
     /// Serve Prometheus metrics on /metrics.
-    #[arg(long = "metrics")]
+    #[arg(help_heading = "Server", long = "metrics")]
     pub metrics: bool,
     /// Do not serve /slots.
-    #[arg(long = "no-slots")]
+    #[arg(help_heading = "Server", long = "no-slots")]
     pub no_slots: bool,
     /// Flash attention (`-fa` = on, `-fa on|off|auto`); auto is on, as llama.cpp resolves it on
     /// the CPU. A quantized V cache needs it.
-    #[arg(long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
+    #[arg(help_heading = "Loading", long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
           default_value = "auto", allow_negative_numbers = true, overrides_with = "flash_attn")]
     pub flash_attn: String,
     /// Seconds a client has to send a request body, the longest a response waits for a
     /// client that reads nothing (then the connection is closed), and the longest a
     /// router-mode request waits for a busy model (llama-server's read/write timeout).
-    #[arg(long = "timeout", value_name = "SECONDS", default_value_t = 600,
+    #[arg(help_heading = "Limits", long = "timeout", value_name = "SECONDS", default_value_t = 600,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
     /// Seconds a client has to send a request's headers; also how long a kept-alive
     /// connection may sit idle.
-    #[arg(long = "header-timeout", value_name = "SECONDS", default_value_t = 10,
+    #[arg(help_heading = "Limits", long = "header-timeout", value_name = "SECONDS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub header_timeout: u64,
     /// Open connections served at once (lowered to fit the open-file limit). Beyond it a few
     /// more are accepted that answer only /health (others get 503); the rest are closed.
-    #[arg(long = "max-connections", value_name = "N", default_value_t = 512,
+    #[arg(help_heading = "Limits", long = "max-connections", value_name = "N", default_value_t = 512,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
     /// MiB of request bodies over 1 MiB parsed and held as JSON at once, and as much again
     /// for smaller ones: a parsed body takes up to about 40 times its size. A body beyond it
     /// waits (at most --timeout, then 503); one larger than the budget takes all of it.
-    #[arg(long = "parse-budget", value_name = "MiB", default_value_t = 64,
+    #[arg(help_heading = "Limits", long = "parse-budget", value_name = "MiB", default_value_t = 64,
           value_parser = clap::value_parser!(u64).range(1..=1 << 22))]
     pub parse_budget: u64,
     /// Origins other than the server's own that browsers may call from, comma separated:
     /// `http://host:port` (with credentials), `localhost` (any loopback origin) or `*` (any,
     /// without credentials). Default: none, only the chat page the server serves.
     #[arg(
+        help_heading = "Server",
         long = "cors-origins",
         value_name = "ORIGIN,...",
         value_delimiter = ','
     )]
     pub cors_origins: Vec<String>,
     /// Do not serve the chat page at `/`.
-    #[arg(long = "no-webui")]
+    #[arg(help_heading = "Server", long = "no-webui")]
     pub no_webui: bool,
     /// Log debug messages (as RUST_LOG=debug; read before parsing, see main).
-    #[arg(short = 'v', long = "verbose")]
+    #[arg(help_heading = "Logging", short = 'v', long = "verbose")]
     pub verbose: bool,
     /// No log messages.
-    #[arg(long = "log-disable")]
+    #[arg(help_heading = "Logging", long = "log-disable")]
     pub log_disable: bool,
     /// Log threshold (`-lv`, llama.cpp's levels): 0-1 errors, 2 warnings, 3 warnings and the
     /// request log (the default), 4-5 debug (read before parsing, see main).
     #[arg(
+        help_heading = "Logging",
         long = "log-verbosity",
         value_name = "N",
         allow_negative_numbers = true
@@ -180,42 +214,73 @@ pub struct ServeArgs {
     pub log_verbosity: Option<i64>,
     /// Keep the KV cache off the GPU (`-nkvo`): the model then runs on the CPU device (the
     /// device executor keeps K/V on the device).
-    #[arg(long = "no-kv-offload")]
+    #[arg(help_heading = "Loading", long = "no-kv-offload")]
     pub no_kv_offload: bool,
     /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
-    #[arg(long = "hf-repo", value_name = "REPO")]
+    #[arg(help_heading = "Server", long = "hf-repo", value_name = "REPO")]
     pub hf_repo: Option<String>,
     /// A request goes to the slot whose cached prompt shares the longest prefix with it when
     /// that is more than this fraction of the prompt (0: the least recently used slot).
     #[arg(
+        help_heading = "Limits",
         long = "slot-prompt-similarity",
         value_name = "F",
         default_value_t = 0.1
     )]
     pub slot_prompt_similarity: f32,
     /// Requests that may wait for a free slot; beyond that the server answers 503.
-    #[arg(long = "max-queue", value_name = "N", default_value_t = 256)]
+    #[arg(
+        help_heading = "Limits",
+        long = "max-queue",
+        value_name = "N",
+        default_value_t = 256
+    )]
     pub max_queue: usize,
     /// Default temperature (0 = greedy).
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(
+        help_heading = "Sampling defaults",
+        long = "temp",
+        default_value_t = 0.8
+    )]
     pub temp: f32,
     /// Default top-k (0 = off).
-    #[arg(long = "top-k", default_value_t = 40.0)]
+    #[arg(
+        help_heading = "Sampling defaults",
+        long = "top-k",
+        default_value_t = 40.0
+    )]
     pub top_k: f64,
     /// Default top-p (1 = off).
-    #[arg(long = "top-p", default_value_t = 0.95)]
+    #[arg(
+        help_heading = "Sampling defaults",
+        long = "top-p",
+        default_value_t = 0.95
+    )]
     pub top_p: f32,
     /// Default min-p (0 = off).
-    #[arg(long = "min-p", default_value_t = 0.05)]
+    #[arg(
+        help_heading = "Sampling defaults",
+        long = "min-p",
+        default_value_t = 0.05
+    )]
     pub min_p: f32,
     /// Default repetition penalty (1 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    #[arg(
+        help_heading = "Sampling defaults",
+        long = "repeat-penalty",
+        default_value_t = 1.0
+    )]
     pub repeat_penalty: f32,
     /// Tokens the repetition penalty looks back over.
-    #[arg(long = "repeat-last-n", default_value_t = 64)]
+    #[arg(
+        help_heading = "Sampling defaults",
+        long = "repeat-last-n",
+        default_value_t = 64
+    )]
     pub repeat_last_n: usize,
     /// Default presence penalty, subtracted once from each token already generated (0 = off).
     #[arg(
+        help_heading = "Sampling defaults",
         long = "presence-penalty",
         default_value_t = 0.0,
         allow_negative_numbers = true
@@ -223,20 +288,21 @@ pub struct ServeArgs {
     pub presence_penalty: f32,
     /// Default frequency penalty, subtracted per occurrence of a generated token (0 = off).
     #[arg(
+        help_heading = "Sampling defaults",
         long = "frequency-penalty",
         default_value_t = 0.0,
         allow_negative_numbers = true
     )]
     pub frequency_penalty: f32,
     /// Default seed (-1 = a random seed per request).
-    #[arg(short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
+    #[arg(help_heading = "Sampling defaults", short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
     pub seed: i64,
     /// Default number of tokens to generate (-1 = until the context is full).
-    #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true)]
+    #[arg(help_heading = "Sampling defaults", short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true)]
     pub n_predict: i64,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Sampling defaults")]
     pub samplers: crate::serve_sampler_flags::SamplerFlags,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Model placement and cache")]
     pub placement: PlacementArgs,
     /// What the llama-server flags that do not apply say at start, one line each (set by
     /// `main` from [`crate::llama_flags::rewrite_serve`]).
