@@ -318,11 +318,17 @@ impl Vocab {
 
     /// Compiles `grammar` (framed as `frame`) into a constraint at the start of generation,
     /// and computes its first mask, so that a grammar that allows nothing (a `$ref` cycle) is
-    /// refused here. The work runs on a thread with a [`limits::COMPILE_STACK`] stack; after
+    /// refused here. In a frame the grammar's text starts after the frame's markup, so the
+    /// grammar alone is compiled and checked first: the framed grammar's first mask is the
+    /// markup's. The work runs on a thread with a [`limits::COMPILE_STACK`] stack; after
     /// [`limits::COMPILE_TIMEOUT`] this returns [`GrammarError::Limit`] and the thread, bounded
     /// by the size limits, finishes alone.
     pub fn compile(&self, grammar: &Grammar, frame: Frame) -> Result<Constraint, GrammarError> {
         let lark = self.lark(grammar, frame)?;
+        let unframed = match frame {
+            Frame::Raw => None,
+            Frame::HarmonyFinal => Some(self.lark(grammar, Frame::Raw)?),
+        };
         let factory = self.factory.clone();
         let (tx, rx) = mpsc::sync_channel(1);
         let deadline = Instant::now() + limits::COMPILE_TIMEOUT;
@@ -332,7 +338,8 @@ impl Vocab {
             .stack_size(limits::COMPILE_STACK)
             .spawn(move || {
                 let _slot = slot;
-                let _ = tx.send(compile_lark(&factory, lark));
+                let checked = unframed.map_or(Ok(()), |g| compile_lark(&factory, g).map(drop));
+                let _ = tx.send(checked.and_then(|()| compile_lark(&factory, lark)));
             })
             .map_err(|e| GrammarError::Unavailable(format!("no compiler thread: {e}")))?;
         match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {

@@ -197,6 +197,18 @@ fn harmony_tool_calls_and_final_messages_have_the_parser_s_shape() {
 }
 
 #[test]
+fn a_framed_grammar_that_allows_nothing_is_refused_at_compile() {
+    let (_, vocab) = o200k_vocab();
+    let e = vocab
+        .compile(
+            &Grammar::JsonSchema(json!({"$ref": "#"})),
+            Frame::HarmonyFinal,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("allows no output"), "{e}");
+}
+
+#[test]
 fn gbnf_grammars_constrain_and_bad_ones_are_refused_with_the_parser_s_message() {
     let tok = tokenizer("tokenizer/vocab-1k.gguf");
     let vocab = Vocab::new(&tok).unwrap();
