@@ -8,6 +8,7 @@ mod fit_cmd;
 mod inspect_cmd;
 mod llama_flags;
 mod make_model_cmd;
+mod models_preset;
 mod perplexity_cmd;
 mod placement_args;
 mod run_cmd;
@@ -221,6 +222,8 @@ fn main() {
     let mut cli = Cli::try_parse_from(&args).unwrap_or_else(|e| parse_error(e, &args));
     if let Some(Command::Serve(serve)) = &mut cli.command {
         serve.llama_notes = notes;
+        let command = args.iter().skip(1).position(|a| !a.starts_with('-'));
+        serve.argv = command.map_or_else(Vec::new, |i| args[i + 2..].to_vec());
     }
     let result = match cli.command {
         _ if cli.list_devices => list_devices(),

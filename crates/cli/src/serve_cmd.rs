@@ -64,6 +64,16 @@ pub struct ServeArgs {
         default_value_t = 4
     )]
     pub models_max: usize,
+    /// Router mode: per-model settings, llama-server's INI format: a `[NAME]` section per
+    /// model (of --models-dir, or with a `model = FILE` key), `[*]` for every model, keys
+    /// are flag names without dashes (`n-cpu-moe = 12`, `c = 8192`, `alias = a,b`). The
+    /// command line's flags win over a preset's, as in llama-server.
+    #[arg(help_heading = "Server", long = "models-preset", value_name = "FILE")]
+    pub models_preset: Option<PathBuf>,
+    /// Router mode: a request for a model that is not loaded is a 400 instead of loading it
+    /// (load models with `POST /models/load`).
+    #[arg(help_heading = "Server", long = "no-models-autoload")]
+    pub no_models_autoload: bool,
     /// Address to listen on.
     #[arg(help_heading = "Server", long = "host", default_value = "127.0.0.1")]
     pub host: String,
@@ -308,6 +318,10 @@ pub struct ServeArgs {
     /// `main` from [`crate::llama_flags::rewrite_serve`]).
     #[arg(skip)]
     pub llama_notes: Vec<String>,
+    /// The words of the command line after `serve`, as clap read them (set by `main`): each
+    /// model of a preset is configured from its section's flags followed by these.
+    #[arg(skip)]
+    pub argv: Vec<String>,
 }
 
 /// `-t`: any negative count means the default (physical cores); positive ones are bounded.
@@ -524,7 +538,14 @@ impl ServeArgs {
         config.metrics = self.metrics;
         config.slots_endpoint = !self.no_slots;
         config.models_max = self.models_max;
+        config.models_autoload = !self.no_models_autoload;
         config.webui = !self.no_webui;
+        if let Some(file) = &self.models_preset {
+            if self.models_dir.is_none() {
+                bail!("--models-preset needs router mode (--models-dir DIR)");
+            }
+            crate::models_preset::apply(file, &self.argv, &mut config)?;
+        }
         Ok(config)
     }
 }
@@ -595,6 +616,18 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
              as -m would be)",
             dir.display()
         ));
+        if !config.models_autoload {
+            out.push("--no-models-autoload: a model serves once POST /models/load loads it".into());
+        }
+        let presets = config.preset_default.iter().map(|p| ("*", p));
+        for (name, p) in presets.chain(config.presets.iter().map(|(n, p)| (n.as_str(), p))) {
+            let file = p.path.as_ref().map(|f| format!(" ({})", f.display()));
+            out.push(format!(
+                "preset [{name}]{}: {}",
+                file.unwrap_or_default(),
+                p.args.join(" ")
+            ));
+        }
     }
     out.push(format!(
         "KV cache K {} / V {}, flash attention {}",

@@ -96,12 +96,7 @@ fn named_model(req: &Map<String, Value>) -> Result<&str, ApiError> {
 async fn load_model(State(st): St, body: Bytes) -> Res {
     let req = st.bodies.parse(body).await?;
     let name = named_model(&req)?;
-    if !st.registry.is_router() {
-        return Err(ApiError::not_supported(
-            "loading models needs router mode (--models-dir)",
-        ));
-    }
-    drop(st.registry.acquire(Some(name)).await?);
+    st.registry.load(name).await?;
     Ok(Json(json!({"success": true})).into_response())
 }
 

@@ -178,6 +178,15 @@ pub struct ServerConfig {
     pub slots_endpoint: bool,
     /// Router mode: models loaded at once (`--models-max`, 0 = no limit).
     pub models_max: usize,
+    /// Router mode: a request for a model that is not loaded loads it (on unless
+    /// `--no-models-autoload`, which makes it a 400 until `POST /models/load`).
+    pub models_autoload: bool,
+    /// Router mode: each model's own settings (`--models-preset`, one INI section per model),
+    /// by model name.
+    pub presets: std::collections::BTreeMap<String, ModelPreset>,
+    /// Router mode: the settings of a model without a section of its own (the preset file's
+    /// `[*]` section over the command line); `None`: the command line's.
+    pub preset_default: Option<ModelPreset>,
     /// Replaces the sampler of every request (an extension point; the tests use it to replay
     /// fixed token sequences). `None` = the engine's sampler.
     pub picker: Option<PickerFactory>,
@@ -209,6 +218,9 @@ impl ServerConfig {
             metrics: false,
             slots_endpoint: true,
             models_max: 4,
+            models_autoload: true,
+            presets: std::collections::BTreeMap::new(),
+            preset_default: None,
             picker: None,
             webui: true,
             loader: cpu_loader(),
@@ -232,10 +244,43 @@ impl std::fmt::Debug for ServerConfig {
             .field("sampling", &self.sampling)
             .field("metrics", &self.metrics)
             .field("models_max", &self.models_max)
+            .field("models_autoload", &self.models_autoload)
+            .field("presets", &self.presets.keys().collect::<Vec<_>>())
             .field("picker", &self.picker.is_some())
             .field("webui", &self.webui)
             .field("on_ready", &self.on_ready.is_some())
             .finish()
+    }
+}
+
+/// One model's settings in router mode: a `--models-preset` section, turned by the CLI into
+/// what the model loads with. Only what a model is loaded with can differ per model (its
+/// placement, context, slots, K/V types, load mode, chat template); the rest is the server's.
+#[derive(Clone)]
+pub struct ModelPreset {
+    /// The model file (the section's `model` key) when the model is not one of
+    /// `--models-dir`'s; `None`: the directory's file of the section's name.
+    pub path: Option<PathBuf>,
+    /// Other names the model answers to (the section's `alias`).
+    pub aliases: Vec<String>,
+    /// The flags the preset gives the model (hmoe's spelling), for `/models`' `status.args`.
+    pub args: Vec<String>,
+    /// Its engine settings.
+    pub engine: EngineConfig,
+    /// Its chat settings (a preset's chat template).
+    pub chat: ChatConfig,
+    /// Its loader (its placement flags).
+    pub loader: ModelLoader,
+}
+
+impl std::fmt::Debug for ModelPreset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelPreset")
+            .field("path", &self.path)
+            .field("aliases", &self.aliases)
+            .field("args", &self.args)
+            .field("engine", &self.engine)
+            .finish_non_exhaustive()
     }
 }
 

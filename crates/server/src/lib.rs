@@ -55,7 +55,9 @@ use std::time::Duration;
 
 use tokio::sync::{oneshot, watch};
 
-pub use config::{ChatConfig, EngineConfig, Limits, ModelSource, SamplingDefaults, ServerConfig};
+pub use config::{
+    ChatConfig, EngineConfig, Limits, ModelPreset, ModelSource, SamplingDefaults, ServerConfig,
+};
 pub use error::{ApiError, ServerError};
 pub use loader::{cpu_loader, DevicePlacement, LoadedModel, ModelLoader, Placement};
 pub use sampling::{PickerFactory, TokenPicker};

@@ -12,7 +12,7 @@ use hmoe_gguf::GgufModel;
 
 use serde_json::{json, Value};
 
-use crate::config::{ModelSource, ServerConfig};
+use crate::config::{ModelPreset, ModelSource, ServerConfig};
 use crate::error::{ApiError, ServerError};
 use crate::model_host::{open_gguf, ModelHost, Prepared};
 
@@ -126,10 +126,121 @@ struct Entry {
     last_used: u64,
     in_flight: usize,
     status: Status,
+    /// What it loads with: the server's configuration with its preset's settings.
+    config: Arc<ServerConfig>,
+    /// Its preset's aliases and flags.
+    aliases: Vec<String>,
+    args: Vec<String>,
+    /// `models_dir` or `preset` (a model of the preset file only), as llama-server says.
+    source: &'static str,
+}
+
+impl Entry {
+    fn new(path: PathBuf, config: Arc<ServerConfig>, preset: Option<&ModelPreset>) -> Entry {
+        Entry {
+            source: match preset.and_then(|p| p.path.as_ref()) {
+                Some(_) => "preset",
+                None => "models_dir",
+            },
+            path,
+            host: None,
+            last_used: 0,
+            in_flight: 0,
+            status: Status::Unloaded,
+            config,
+            aliases: preset.map(|p| p.aliases.clone()).unwrap_or_default(),
+            args: preset.map(|p| p.args.clone()).unwrap_or_default(),
+        }
+    }
 }
 
 struct DirState {
     entries: BTreeMap<String, Entry>,
+    /// Alias → model name.
+    aliases: BTreeMap<String, String>,
+}
+
+impl DirState {
+    /// The model `name` names: a model's name or one of its aliases.
+    fn resolve(&self, name: &str) -> Option<String> {
+        if self.entries.contains_key(name) {
+            return Some(name.to_string());
+        }
+        self.aliases.get(name).cloned()
+    }
+}
+
+/// The configuration a model loads with: the server's, with `preset`'s engine, chat and
+/// loader.
+fn model_config(base: &Arc<ServerConfig>, preset: Option<&ModelPreset>) -> Arc<ServerConfig> {
+    match preset {
+        None => base.clone(),
+        Some(p) => {
+            let mut c = (**base).clone();
+            c.engine = p.engine.clone();
+            c.chat = p.chat.clone();
+            c.loader = p.loader.clone();
+            Arc::new(c)
+        }
+    }
+}
+
+/// Router mode's models: the directory's, each with its preset (or the default one), and the
+/// preset file's models with a `model` path of their own. A preset that names no model, a
+/// missing file, or a name or alias given twice is an error.
+fn dir_state(dir: &Path, config: &Arc<ServerConfig>) -> Result<DirState, ServerError> {
+    let found = scan_models_dir(dir)
+        .map_err(|e| ServerError::Config(format!("--models-dir {}: {e}", dir.display())))?;
+    if found.is_empty() && config.presets.is_empty() {
+        tracing::warn!("no GGUF models in {}", dir.display());
+    }
+    let default = model_config(config, config.preset_default.as_ref());
+    let mut entries = BTreeMap::new();
+    for (name, path) in found {
+        let entry = match config.presets.get(&name) {
+            Some(p) if p.path.is_none() => Entry::new(path, model_config(config, Some(p)), Some(p)),
+            _ => Entry::new(path, default.clone(), config.preset_default.as_ref()),
+        };
+        entries.insert(name, entry);
+    }
+    for (name, p) in &config.presets {
+        let bad = |why: String| ServerError::Config(format!("--models-preset [{name}]: {why}"));
+        match &p.path {
+            Some(path) => {
+                if !path.is_file() {
+                    return Err(bad(format!(
+                        "model file {} is not a regular file (or does not exist)",
+                        path.display()
+                    )));
+                }
+                let e = Entry::new(path.clone(), model_config(config, Some(p)), Some(p));
+                entries.insert(name.clone(), e);
+            }
+            None if !entries.contains_key(name) => {
+                return Err(bad(format!(
+                    "no model of that name in {} and no `model` key giving its file",
+                    dir.display()
+                )))
+            }
+            None => {}
+        }
+    }
+    let mut aliases = BTreeMap::new();
+    for (name, e) in &entries {
+        for a in &e.aliases {
+            if entries.contains_key(a) {
+                return Err(ServerError::Config(format!(
+                    "alias '{a}' of model '{name}' is the name of another model"
+                )));
+            }
+            if let Some(other) = aliases.insert(a.clone(), name.clone()) {
+                return Err(ServerError::Config(format!(
+                    "alias '{a}' is given to both '{other}' and '{name}'"
+                )));
+            }
+        }
+    }
+    Ok(DirState { entries, aliases })
 }
 
 struct Dir {
@@ -213,31 +324,11 @@ impl Registry {
                 })
             }
             ModelSource::Dir(dir) => {
-                let found = scan_models_dir(dir).map_err(|e| {
-                    ServerError::Config(format!("--models-dir {}: {e}", dir.display()))
-                })?;
-                if found.is_empty() {
-                    tracing::warn!("no GGUF models in {}", dir.display());
-                }
-                let entries = found
-                    .into_iter()
-                    .map(|(name, path)| {
-                        (
-                            name,
-                            Entry {
-                                path,
-                                host: None,
-                                last_used: 0,
-                                in_flight: 0,
-                                status: Status::Unloaded,
-                            },
-                        )
-                    })
-                    .collect();
+                let state = dir_state(dir, &config)?;
                 Mode::Dir(Arc::new(Dir {
                     dir: dir.clone(),
                     max: config.models_max,
-                    state: Mutex::new(DirState { entries }),
+                    state: Mutex::new(state),
                     load_lock: tokio::sync::Mutex::new(()),
                     tick: AtomicU64::new(0),
                     released: tokio::sync::Notify::new(),
@@ -310,28 +401,63 @@ impl Registry {
                         "'model' is required in router mode (see /v1/models)",
                     ));
                 };
-                self.acquire_dir(d, name).await
+                self.acquire_dir(d, name, self.config.models_autoload).await
             }
         }
+    }
+
+    /// Router mode: loads `name` (`POST /models/load`, whatever `--no-models-autoload` says),
+    /// unloading the least recently used idle model beyond `--models-max`. A model already
+    /// loaded is a 400, as in llama-server.
+    pub async fn load(&self, name: &str) -> Result<(), ApiError> {
+        let Mode::Dir(d) = &self.mode else {
+            return Err(ApiError::not_supported(
+                "loading models needs router mode (--models-dir)",
+            ));
+        };
+        {
+            let st = lock(&d.state);
+            let canonical = st.resolve(name);
+            if let Some(e) = canonical.as_ref().and_then(|n| st.entries.get(n)) {
+                if e.host.is_some() {
+                    return Err(ApiError::bad_request(format!(
+                        "model '{name}' is already loaded"
+                    )));
+                }
+            }
+        }
+        drop(self.acquire_dir(d, name, true).await?);
+        Ok(())
     }
 
     /// Router mode: a lease on `name`, loading it when needed. When `--models-max` models are
     /// loaded and every one has requests in flight, the request waits (at most `--timeout`, with
     /// at most `--max-queue` others) until one is released.
-    async fn acquire_dir(&self, d: &Arc<Dir>, name: &str) -> Result<Lease, ApiError> {
+    async fn acquire_dir(
+        &self,
+        d: &Arc<Dir>,
+        name: &str,
+        autoload: bool,
+    ) -> Result<Lease, ApiError> {
         let limits = &self.config.limits;
         let deadline = Instant::now() + limits.timeout;
         let mut ticket: Option<WaitTicket> = None;
         loop {
-            if let Some(lease) = Self::try_lease(d, name)? {
+            if let Some(lease) = self.try_lease(d, name)? {
                 return Ok(lease);
             }
             // Made before looking, so that a release in between still wakes this request.
             let released = d.released.notified();
             {
+                // A model being loaded holds the lock: a request for it waits here.
                 let _loading = d.load_lock.lock().await;
-                if let Some(lease) = Self::try_lease(d, name)? {
+                if let Some(lease) = self.try_lease(d, name)? {
                     return Ok(lease);
+                }
+                if !autoload {
+                    return Err(ApiError::bad_request(format!(
+                        "model '{name}' is not loaded (--no-models-autoload: load it with POST /models/load)"
+                    )));
                 }
                 if self.load_into(d, name).await? {
                     continue;
@@ -380,28 +506,33 @@ impl Registry {
     /// loaded model is busy. The model is prepared (file, tokenizer, template checked) before
     /// anything is unloaded for it, so a model that fails to load evicts nothing.
     async fn load_into(&self, d: &Arc<Dir>, name: &str) -> Result<bool, ApiError> {
-        let path = {
+        let (name, path, config) = {
             let mut st = lock(&d.state);
             if Self::victim(d, &st).is_err() {
                 return Ok(false);
             }
-            let e = st
-                .entries
-                .get_mut(name)
+            let canonical = st.resolve(name);
+            let e = (canonical.as_ref())
+                .and_then(|n| st.entries.get_mut(n))
                 .ok_or_else(|| ApiError::bad_request(format!("model '{name}' not found")))?;
             e.status = Status::Loading;
-            e.path.clone()
+            (
+                canonical.unwrap_or_default(),
+                e.path.clone(),
+                e.config.clone(),
+            )
         };
+        let name = name.as_str();
         let fail = |message: String| {
             if let Some(e) = lock(&d.state).entries.get_mut(name) {
                 e.status = Status::Failed(message.clone());
             }
             ApiError::internal(format!("failed to load model '{name}': {message}"))
         };
-        let config = self.config.clone();
+        let model_config = config.clone();
         let prepared = tokio::task::spawn_blocking(move || {
-            let gguf = open_gguf(&path, &config)?;
-            Prepared::new(gguf, &path, &config)
+            let gguf = open_gguf(&path, &model_config)?;
+            Prepared::new(gguf, &path, &model_config)
         })
         .await;
         let prepared = match prepared {
@@ -433,7 +564,6 @@ impl Registry {
             // Joining the model's worker thread blocks.
             let _ = tokio::task::spawn_blocking(move || drop(h)).await;
         }
-        let config = self.config.clone();
         let id = name.to_string();
         let started = tokio::task::spawn_blocking(move || prepared.start(id, &config)).await;
         let host = match started {
@@ -452,23 +582,23 @@ impl Registry {
     }
 
     /// A lease on `name` if it is loaded; `Err` if there is no such model.
-    fn try_lease(d: &Arc<Dir>, name: &str) -> Result<Option<Lease>, ApiError> {
+    fn try_lease(&self, d: &Arc<Dir>, name: &str) -> Result<Option<Lease>, ApiError> {
         let mut st = lock(&d.state);
-        if !st.entries.contains_key(name) {
+        if st.resolve(name).is_none() {
             // A model may have been added since the last scan.
             if let Ok(found) = scan_models_dir(&d.dir) {
+                let config = model_config(&self.config, self.config.preset_default.as_ref());
+                let preset = self.config.preset_default.as_ref();
                 for (n, path) in found {
-                    st.entries.entry(n).or_insert(Entry {
-                        path,
-                        host: None,
-                        last_used: 0,
-                        in_flight: 0,
-                        status: Status::Unloaded,
-                    });
+                    if !st.aliases.contains_key(&n) {
+                        (st.entries.entry(n))
+                            .or_insert_with(|| Entry::new(path, config.clone(), preset));
+                    }
                 }
             }
         }
-        let Some(e) = st.entries.get_mut(name) else {
+        let canonical = st.resolve(name);
+        let Some(e) = canonical.as_ref().and_then(|n| st.entries.get_mut(n)) else {
             return Err(ApiError::bad_request(format!(
                 "model '{name}' not found (see /v1/models)"
             )));
@@ -478,7 +608,7 @@ impl Registry {
         e.last_used = d.tick.fetch_add(1, Relaxed) + 1;
         Ok(Some(Lease {
             host: host.clone(),
-            dir: Some((d.clone(), name.to_string())),
+            dir: Some((d.clone(), canonical.unwrap_or_default())),
         }))
     }
 
@@ -491,9 +621,9 @@ impl Registry {
         };
         let host = {
             let mut st = lock(&d.state);
-            let e = st
-                .entries
-                .get_mut(name)
+            let canonical = st.resolve(name);
+            let e = (canonical.as_ref())
+                .and_then(|n| st.entries.get_mut(n))
                 .ok_or_else(|| ApiError::bad_request(format!("model '{name}' not found")))?;
             if e.in_flight > 0 {
                 return Err(ApiError::bad_request(format!(
@@ -547,36 +677,33 @@ impl Registry {
                     json!({"id": s.id, "object": "model", "created": created, "owned_by": "hmoe", "meta": meta}),
                 ]
             }
-            Mode::Dir(d) => lock(&d.state)
-                .entries
-                .iter()
-                .map(|(name, e)| {
-                    if !full {
-                        let value = match &e.status {
-                            Status::Loading => "loading",
-                            Status::Loaded => "loaded",
-                            Status::Unloaded | Status::Failed(_) => "unloaded",
-                        };
-                        return json!({"id": name, "object": "model", "owned_by": "hmoe",
-                                      "status": {"value": value}});
-                    }
-                    let status = match &e.status {
-                        Status::Unloaded => json!({"value": "unloaded"}),
-                        Status::Loading => json!({"value": "loading"}),
-                        Status::Loaded => json!({"value": "loaded"}),
-                        Status::Failed(m) => {
-                            json!({"value": "unloaded", "failed": true, "message": m})
-                        }
-                    };
-                    let (created, meta) = e
-                        .host
-                        .as_ref()
-                        .map_or((0, Value::Null), |h| (h.created, h.meta()));
-                    json!({"id": name, "object": "model", "created": created, "owned_by": "hmoe",
-                           "path": e.path.display().to_string(), "status": status, "meta": meta})
-                })
+            Mode::Dir(d) => (lock(&d.state).entries.iter())
+                .map(|(name, e)| Self::list_entry(name, e, full))
                 .collect(),
         }
+    }
+
+    /// One model of router mode's `/v1/models`, with llama-server's fields (`aliases`,
+    /// `tags`, `status` with `value` and `args`, `source`). Without the key: names and status.
+    fn list_entry(name: &str, e: &Entry, full: bool) -> Value {
+        let value = match &e.status {
+            Status::Loading => "loading",
+            Status::Loaded => "loaded",
+            Status::Unloaded | Status::Failed(_) => "unloaded",
+        };
+        if !full {
+            return json!({"id": name, "aliases": e.aliases, "object": "model",
+                          "owned_by": "hmoe", "status": {"value": value}});
+        }
+        let mut status = json!({"value": value, "args": e.args});
+        if let Status::Failed(m) = &e.status {
+            status["failed"] = true.into();
+            status["message"] = m.clone().into();
+        }
+        let (created, meta) = (e.host.as_ref()).map_or((0, Value::Null), |h| (h.created, h.meta()));
+        json!({"id": name, "aliases": e.aliases, "tags": [], "object": "model",
+               "created": created, "owned_by": "hmoe", "path": e.path.display().to_string(),
+               "source": e.source, "status": status, "meta": meta})
     }
 
     /// `/props` in router mode (without `?model=`): the router's settings.
@@ -594,6 +721,9 @@ impl Registry {
         let l = &self.config.limits;
         json!({
             "role": "router",
+            "max_instances": d.max,
+            "models_autoload": self.config.models_autoload,
+            "model_path": "none",
             "total_models": st.entries.len(),
             "loaded_models": loaded,
             "models_max": d.max,

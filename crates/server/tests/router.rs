@@ -308,7 +308,11 @@ fn without_the_key_the_model_list_shows_names_and_status_only() {
     for m in public["data"].as_array().unwrap() {
         let mut keys: Vec<&str> = m.as_object().unwrap().keys().map(String::as_str).collect();
         keys.sort();
-        assert_eq!(keys, ["id", "object", "owned_by", "status"], "{m}");
+        assert_eq!(
+            keys,
+            ["aliases", "id", "object", "owned_by", "status"],
+            "{m}"
+        );
     }
     assert_eq!(status_of(&public, "alpha"), "unloaded");
     drop(s);
