@@ -397,6 +397,24 @@ pub fn apply(file: &Path, argv: &[String], config: &mut ServerConfig) -> anyhow:
     Ok(())
 }
 
+/// Router mode's start-up lines: autoload off, and each preset's flags.
+pub fn summary(config: &ServerConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if !config.models_autoload {
+        out.push("--no-models-autoload: a model serves once POST /models/load loads it".into());
+    }
+    let presets = config.preset_default.iter().map(|p| ("*", p));
+    for (name, p) in presets.chain(config.presets.iter().map(|(n, p)| (n.as_str(), p))) {
+        let file = p.path.as_ref().map(|f| format!(" ({})", f.display()));
+        out.push(format!(
+            "preset [{name}]{}: {}",
+            file.unwrap_or_default(),
+            p.args.join(" ")
+        ));
+    }
+    out
+}
+
 /// The file's text, if it is a regular file of at most [`MAX_FILE_BYTES`] in UTF-8.
 fn read_limited(file: &Path) -> anyhow::Result<String> {
     let ctx = || format!("--models-preset {}", file.display());

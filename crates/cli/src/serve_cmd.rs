@@ -64,10 +64,8 @@ pub struct ServeArgs {
         default_value_t = 4
     )]
     pub models_max: usize,
-    /// Router mode: per-model settings, llama-server's INI format: a `[NAME]` section per
-    /// model (of --models-dir, or with a `model = FILE` key), `[*]` for every model, keys
-    /// are flag names without dashes (`n-cpu-moe = 12`, `c = 8192`, `alias = a,b`). The
-    /// command line's flags win over a preset's, as in llama-server.
+    /// Router mode: per-model flags in llama-server's INI format (`[NAME]` sections, `[*]`
+    /// for all, `n-cpu-moe = 12`); the command line's flags win, as in llama-server.
     #[arg(help_heading = "Server", long = "models-preset", value_name = "FILE")]
     pub models_preset: Option<PathBuf>,
     /// Router mode: a request for a model that is not loaded is a 400 instead of loading it
@@ -616,18 +614,7 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
              as -m would be)",
             dir.display()
         ));
-        if !config.models_autoload {
-            out.push("--no-models-autoload: a model serves once POST /models/load loads it".into());
-        }
-        let presets = config.preset_default.iter().map(|p| ("*", p));
-        for (name, p) in presets.chain(config.presets.iter().map(|(n, p)| (n.as_str(), p))) {
-            let file = p.path.as_ref().map(|f| format!(" ({})", f.display()));
-            out.push(format!(
-                "preset [{name}]{}: {}",
-                file.unwrap_or_default(),
-                p.args.join(" ")
-            ));
-        }
+        out.extend(crate::models_preset::summary(config));
     }
     out.push(format!(
         "KV cache K {} / V {}, flash attention {}",
