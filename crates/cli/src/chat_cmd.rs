@@ -263,7 +263,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         let mut splitter = match &harmony {
             Some(h) => Splitter::Harmony(Box::new(HarmonyStream::new(*h, args.reasoning_format))),
             None => Splitter::Think(
-                ThinkSplitter::new(args.reasoning_format, false),
+                ThinkSplitter::new(args.reasoning_format, hmoe_chat::open_think(&prompt)),
                 StreamDecoder::new(),
             ),
         };
