@@ -151,7 +151,8 @@ impl ChatSetup {
     /// How to read the output that follows `prompt`; `tools` are the tools the template was
     /// given: with them, tool calls in the template's format are read from the text (several
     /// when `parallel`). With `thinking` off, as llama-server, `<think>` in the output is text
-    /// unless the prompt left `<think>` open (DeepSeek R1 templates that always open it).
+    /// unless the prompt left `<think>` open (DeepSeek R1 templates that always open it) and
+    /// `open_is_reasoning` (false when a grammar makes the output the answer from its start).
     pub fn output_kind(
         &self,
         prompt: &str,
@@ -159,8 +160,9 @@ impl ChatSetup {
         tools: Option<&Value>,
         parallel: bool,
         thinking: bool,
+        open_is_reasoning: bool,
     ) -> OutputKind {
-        let open = open_think(prompt);
+        let open = open_think(prompt).filter(|_| open_is_reasoning);
         let think = (self.harmony.is_none() && self.think && (thinking || open.is_some()))
             .then(|| (format, open.map(str::to_string)));
         match (self.harmony, self.tool_calls, tools) {

@@ -5,6 +5,7 @@
 use std::borrow::Cow;
 
 use hmoe_chat::ReasoningFormat;
+use hmoe_grammar::Grammar;
 use serde_json::{Map, Value};
 
 use crate::chat_messages::{normalize_messages, normalize_tools};
@@ -67,7 +68,22 @@ pub async fn prepare_chat(
             &host.tokenizer,
             chat.forced_tool_format(&host.tokenizer),
         )?;
-        let output = chat.output_kind(&rendered.text, format, tools.as_ref(), parallel, thinking);
+        // A grammar hmoe wrote (a forced call, a response format) is the answer from the
+        // first token: there is no reasoning to read, even after an open `<think>`.
+        let answer_only = gen.grammar.as_ref().is_some_and(|(g, _)| {
+            matches!(
+                g,
+                Grammar::ToolCall { .. } | Grammar::JsonSchema(_) | Grammar::JsonObject
+            )
+        });
+        let output = chat.output_kind(
+            &rendered.text,
+            format,
+            tools.as_ref(),
+            parallel,
+            thinking && !answer_only,
+            !answer_only,
+        );
         Ok((prompt, gen, output))
     })
     .await?;
