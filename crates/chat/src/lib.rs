@@ -15,7 +15,7 @@ pub use harmony::{
     HarmonyEvent, HarmonyHeader, HarmonyMessage, HarmonyParser, HarmonyStop, HarmonyTokens,
 };
 pub use model::{load_chat_template, special_token_vars, KEY_CHAT_TEMPLATE};
-pub use reasoning::{ChatDelta, HarmonyStream, ReasoningFormat, ThinkSplitter};
+pub use reasoning::{open_think, ChatDelta, HarmonyStream, ReasoningFormat, ThinkSplitter};
 pub use template::{render_template, ChatTemplate, Clock};
 pub use toolcall::{ToolCallFormat, ToolCallParser, ToolCallSpec, MAX_HELD};
 

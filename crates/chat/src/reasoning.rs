@@ -9,7 +9,8 @@ use hmoe_tokenizer::{StreamDecoder, Tokenizer};
 use crate::harmony::{HarmonyEvent, HarmonyParser, HarmonyStop, HarmonyTokens};
 use crate::ChatError;
 
-/// Where reasoning text goes (llama.cpp's `--reasoning-format`).
+/// Where reasoning text goes (llama.cpp's `--reasoning-format`). `deepseek-legacy` reads as
+/// [`ReasoningFormat::Deepseek`]: llama-server (d32676d77) answers the same for both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReasoningFormat {
     /// No parsing: the raw text (with `<think>` tags or harmony markup) is the content.
@@ -28,9 +29,9 @@ impl std::str::FromStr for ReasoningFormat {
         match s {
             "none" => Ok(ReasoningFormat::None),
             "auto" => Ok(ReasoningFormat::Auto),
-            "deepseek" => Ok(ReasoningFormat::Deepseek),
+            "deepseek" | "deepseek-legacy" => Ok(ReasoningFormat::Deepseek),
             other => Err(ChatError::Input(format!(
-                "unknown reasoning format `{other}` (none, auto, deepseek)"
+                "unknown reasoning format '{other}' (none, auto, deepseek, deepseek-legacy)"
             ))),
         }
     }
@@ -65,14 +66,24 @@ const CLOSE: &str = "</think>";
 /// Streaming `<think>…</think>` splitter.
 ///
 /// Reasoning is recognised when the output starts with `<think>` (leading whitespace allowed) or
-/// when the prompt already opened it (`starts_in_reasoning`, e.g. DeepSeek R1 templates that end
-/// with `<think>\n`). Text after `</think>` is content, with its leading whitespace removed. Tags
+/// when the prompt already opened it (`opened`, e.g. DeepSeek R1 templates that end with
+/// `<think>\n`). Text after `</think>` is content, with its leading whitespace removed. Tags
 /// split across chunks are held back until they are complete.
+///
+/// As llama-server does, a prompt that opened `<think>` counts as the start of the output: the
+/// whitespace after its `<think>` begins the reasoning, and with [`ReasoningFormat::None`] the
+/// content begins with the prompt's `<think>` and that whitespace.
 #[derive(Debug, Clone)]
 pub struct ThinkSplitter {
     format: ReasoningFormat,
     state: ThinkState,
     held: String,
+}
+
+/// The tail of `prompt` from the `<think>` it ends in (only whitespace after it), if it does.
+pub fn open_think(prompt: &str) -> Option<&str> {
+    let at = prompt.trim_end().strip_suffix(OPEN).map(str::len)?;
+    Some(&prompt[at..])
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,17 +99,22 @@ enum ThinkState {
 }
 
 impl ThinkSplitter {
-    /// A splitter; `starts_in_reasoning` when the prompt ends inside an open `<think>`.
-    pub fn new(format: ReasoningFormat, starts_in_reasoning: bool) -> ThinkSplitter {
-        let state = if starts_in_reasoning {
-            ThinkState::Thinking
-        } else {
-            ThinkState::Start
+    /// A splitter; `opened` is the prompt's tail from the `<think>` it ends in (see
+    /// [`open_think`]), `None` when the prompt did not open reasoning.
+    pub fn new(format: ReasoningFormat, opened: Option<&str>) -> ThinkSplitter {
+        let (state, held) = match opened {
+            None => (ThinkState::Start, String::new()),
+            // The prompt's text is shown again as the raw output's start.
+            Some(open) if format == ReasoningFormat::None => (ThinkState::Content, open.into()),
+            Some(open) => (
+                ThinkState::Thinking,
+                open.strip_prefix(OPEN).unwrap_or(open).to_string(),
+            ),
         };
         ThinkSplitter {
             format,
             state,
-            held: String::new(),
+            held,
         }
     }
 
@@ -106,9 +122,8 @@ impl ThinkSplitter {
     pub fn push(&mut self, text: &str) -> Vec<ChatDelta> {
         let mut out = Vec::new();
         if self.format == ReasoningFormat::None {
-            if !text.is_empty() {
-                out.push(ChatDelta::Content(text.to_string()));
-            }
+            let held = std::mem::take(&mut self.held);
+            push_delta(&mut out, ChatDelta::Content(held + text));
             return out;
         }
         self.held.push_str(text);
@@ -399,7 +414,7 @@ mod tests {
 
     #[test]
     fn think_tags_split_across_chunks() {
-        let mut s = ThinkSplitter::new(ReasoningFormat::Auto, false);
+        let mut s = ThinkSplitter::new(ReasoningFormat::Auto, None);
         let (r, c) = run(
             &mut s,
             &[
@@ -415,25 +430,36 @@ mod tests {
             ("Let me see.", "The answer is 4.")
         );
         // No tag: all content.
-        let mut s = ThinkSplitter::new(ReasoningFormat::Deepseek, false);
+        let mut s = ThinkSplitter::new(ReasoningFormat::Deepseek, None);
         assert_eq!(
             run(&mut s, &["<thi", "nk?> no"]),
             (String::new(), "<think?> no".to_string())
         );
-        // Prompt opened the reasoning.
-        let mut s = ThinkSplitter::new(ReasoningFormat::Auto, true);
+        // Prompt opened the reasoning: its whitespace after `<think>` starts it (as llama-server).
+        let mut s = ThinkSplitter::new(ReasoningFormat::Auto, Some("<think>\n"));
         assert_eq!(
             run(&mut s, &["hmm</think>ok"]),
-            ("hmm".to_string(), "ok".to_string())
+            ("\nhmm".to_string(), "ok".to_string())
         );
+        // ... and with format none the raw content starts with the prompt's `<think>\n`.
+        let mut s = ThinkSplitter::new(ReasoningFormat::None, Some("<think>\n"));
+        assert_eq!(
+            run(&mut s, &["abc</think>", "xyz"]),
+            (String::new(), "<think>\nabc</think>xyz".to_string())
+        );
+        let mut s = ThinkSplitter::new(ReasoningFormat::None, Some("<think>"));
+        assert_eq!(run(&mut s, &[]), (String::new(), "<think>".to_string()));
+        assert_eq!(open_think("<｜Assistant｜><think>\n"), Some("<think>\n"));
+        assert_eq!(open_think("x<think>"), Some("<think>"));
+        assert_eq!(open_think("<think>\n</think>"), None);
         // Unclosed reasoning stays reasoning.
-        let mut s = ThinkSplitter::new(ReasoningFormat::Auto, false);
+        let mut s = ThinkSplitter::new(ReasoningFormat::Auto, None);
         assert_eq!(
             run(&mut s, &["<think>abc</thi"]),
             ("abc</thi".to_string(), String::new())
         );
         // Format none: raw text.
-        let mut s = ThinkSplitter::new(ReasoningFormat::None, false);
+        let mut s = ThinkSplitter::new(ReasoningFormat::None, None);
         assert_eq!(
             run(&mut s, &["<think>a</think>b"]),
             (String::new(), "<think>a</think>b".to_string())
@@ -451,5 +477,9 @@ mod tests {
             ReasoningFormat::None
         );
         assert!("x".parse::<ReasoningFormat>().is_err());
+        assert_eq!(
+            "deepseek-legacy".parse::<ReasoningFormat>().unwrap(),
+            ReasoningFormat::Deepseek
+        );
     }
 }

@@ -91,7 +91,7 @@ fn r1_prompt_opens_thinking() {
     )
     .unwrap();
     let open = out.trim_end().ends_with("<think>");
-    let mut s = ThinkSplitter::new(ReasoningFormat::Auto, open);
+    let mut s = ThinkSplitter::new(ReasoningFormat::Auto, open.then_some("<think>"));
     let mut d = s.push(if open {
         "Greet back.</think>\n\nHello!"
     } else {

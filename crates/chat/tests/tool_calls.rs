@@ -45,7 +45,7 @@ struct Read {
 
 /// Runs text through `<think>` splitting and the tool-call reader, in `chunks`.
 fn read(spec: &Arc<ToolCallSpec>, think_open: bool, chunks: &[&str]) -> Read {
-    let mut think = ThinkSplitter::new(ReasoningFormat::Auto, think_open);
+    let mut think = ThinkSplitter::new(ReasoningFormat::Auto, think_open.then_some("<think>"));
     let mut parser = ToolCallParser::new(spec.clone());
     let mut routed = Vec::new();
     for c in chunks {

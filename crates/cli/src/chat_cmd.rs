@@ -204,8 +204,13 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     )?)?;
     let harmony = HarmonyTokens::from_tokenizer(&tok).ok();
     let mut extra = special_token_vars(&tok);
-    if let (Some(effort), Value::Object(m)) = (&args.reasoning_effort, &mut extra) {
-        m.insert("reasoning_effort".into(), effort.clone().into());
+    if let Value::Object(m) = &mut extra {
+        // Thinking on, as llama.cpp tells every template (DeepSeek R1 / V3.1 templates close
+        // `<think>` when it is not set).
+        m.insert("enable_thinking".into(), true.into());
+        if let Some(effort) = &args.reasoning_effort {
+            m.insert("reasoning_effort".into(), effort.clone().into());
+        }
     }
     let n_predict = reply_length(&args, meta);
     let n_ctx = args.model.n_ctx(model.as_ref());
@@ -263,7 +268,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         let mut splitter = match &harmony {
             Some(h) => Splitter::Harmony(Box::new(HarmonyStream::new(*h, args.reasoning_format))),
             None => Splitter::Think(
-                ThinkSplitter::new(args.reasoning_format, false),
+                ThinkSplitter::new(args.reasoning_format, hmoe_chat::open_think(&prompt)),
                 StreamDecoder::new(),
             ),
         };

@@ -156,7 +156,8 @@ pub struct ServeArgs {
     /// budget N > 0 is accepted with a note and thinking stays unlimited (hmoe does not cut it).
     #[arg(help_heading = "Chat templates and reasoning", long = "reasoning-budget", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub reasoning_budget: i64,
-    /// Where reasoning goes: none (left in content), auto or deepseek (reasoning_content).
+    /// Where reasoning goes: none (left in content); auto, deepseek or deepseek-legacy
+    /// (reasoning_content). Requests may say `reasoning_format`.
     #[arg(help_heading = "Chat templates and reasoning", long = "reasoning-format", value_parser = ["none", "auto", "deepseek", "deepseek-legacy"], default_value = "auto")]
     pub reasoning_format: String,
     /// Serve Prometheus metrics on /metrics.
@@ -506,17 +507,13 @@ impl ServeArgs {
                 "--reasoning-budget {b}: -1 (unlimited), 0 (no thinking) or a number of tokens"
             ),
             ("on", 0) => bail!("--reasoning on contradicts --reasoning-budget 0"),
+            // An `enable_thinking` of --chat-template-kwargs wins, as in llama-server.
             ("off", _) | (_, 0) => {
                 config
                     .chat
                     .template_kwargs
-                    .insert("enable_thinking".into(), false.into());
-            }
-            ("on", _) => {
-                config
-                    .chat
-                    .template_kwargs
-                    .insert("enable_thinking".into(), true.into());
+                    .entry("enable_thinking")
+                    .or_insert(false.into());
             }
             _ => {}
         }

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use hmoe_chat::{
-    ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, ToolCallFormat, ToolCallSpec,
+    open_think, ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, ToolCallFormat,
+    ToolCallSpec,
 };
 use hmoe_grammar::ToolFormat;
 use hmoe_tokenizer::Tokenizer;
@@ -23,6 +24,9 @@ pub struct ChatSetup {
     tool_calls: Option<ToolCallFormat>,
     bos: String,
     eos: String,
+    /// Whether tokenizing adds BOS / EOS: the rendered prompt's own are then taken off.
+    add_bos: bool,
+    add_eos: bool,
 }
 
 impl std::fmt::Debug for ChatSetup {
@@ -59,6 +63,8 @@ impl ChatSetup {
             harmony,
             bos: text(tok.bos()),
             eos: text(tok.eos()),
+            add_bos: tok.add_bos(),
+            add_eos: tok.add_eos(),
             source,
         })
     }
@@ -75,8 +81,10 @@ impl ChatSetup {
 
     /// Renders a conversation (already [`normalize_messages`](crate::chat_messages::normalize_messages)d), with the assistant's
     /// generation prompt when `add_generation_prompt`, with the spans the messages wrote (see
-    /// [`crate::plain_content`]). Whatever the template rejects or fails on is a 400 carrying
-    /// the template's message.
+    /// [`crate::plain_content`]). As llama-server does, a BOS (EOS) the template wrote at the
+    /// start (end) is taken off when tokenizing adds one, so that the prompt has one and
+    /// `/apply-template` shows none. Whatever the template rejects or fails on is a 400
+    /// carrying the template's message.
     pub fn render(
         &self,
         messages: &Value,
@@ -109,12 +117,16 @@ impl ChatSetup {
                     .render(&filled, tools, add_generation_prompt, &extra);
             }
         }
-        result.map(|text| unmark(&text)).map_err(|e| match e {
-            ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
-            ChatError::Template(m) => {
-                ApiError::bad_request(format!("the chat template failed: {m}"))
-            }
-        })
+        let bos = self.add_bos.then_some(self.bos.as_str());
+        let eos = self.add_eos.then_some(self.eos.as_str());
+        result
+            .map(|text| strip_special_ends(unmark(&text), bos, eos))
+            .map_err(|e| match e {
+                ChatError::Raised(m) | ChatError::Input(m) => ApiError::bad_request(m),
+                ChatError::Template(m) => {
+                    ApiError::bad_request(format!("the chat template failed: {m}"))
+                }
+            })
     }
 
     /// How the template writes tool calls, when it is not harmony and hmoe knows the format.
@@ -138,16 +150,21 @@ impl ChatSetup {
 
     /// How to read the output that follows `prompt`; `tools` are the tools the template was
     /// given: with them, tool calls in the template's format are read from the text (several
-    /// when `parallel`).
+    /// when `parallel`). With `thinking` off, as llama-server, `<think>` in the output is text
+    /// unless the prompt left `<think>` open (DeepSeek R1 templates that always open it) and
+    /// `open_is_reasoning` (false when a grammar makes the output the answer from its start).
     pub fn output_kind(
         &self,
         prompt: &str,
         format: ReasoningFormat,
         tools: Option<&Value>,
         parallel: bool,
+        thinking: bool,
+        open_is_reasoning: bool,
     ) -> OutputKind {
-        let think = (self.harmony.is_none() && self.think)
-            .then(|| (format, prompt.trim_end().ends_with("<think>")));
+        let open = open_think(prompt).filter(|_| open_is_reasoning);
+        let think = (self.harmony.is_none() && self.think && (thinking || open.is_some()))
+            .then(|| (format, open.map(str::to_string)));
         match (self.harmony, self.tool_calls, tools) {
             (Some(t), _, _) if prompt.ends_with("<|start|>assistant") => {
                 OutputKind::Harmony(t, format)
@@ -165,8 +182,8 @@ impl ChatSetup {
     }
 
     /// Tokenizes a rendered prompt (special tokens parsed from the template's markup, never
-    /// from what the messages wrote; BOS added per the model unless the template already
-    /// wrote it).
+    /// from what the messages wrote; BOS added per the model unless the prompt already starts
+    /// with it).
     pub fn tokenize(&self, tok: &Tokenizer, prompt: &RenderedPrompt) -> Result<Vec<u32>, ApiError> {
         let mut ids = tok
             .encode_with_plain(&prompt.text, true, &prompt.plain)
@@ -178,6 +195,31 @@ impl ChatSetup {
         }
         Ok(ids)
     }
+}
+
+/// `prompt` without `bos` at its start and `eos` at its end where the template's markup (not a
+/// message) wrote them.
+fn strip_special_ends(
+    mut prompt: RenderedPrompt,
+    bos: Option<&str>,
+    eos: Option<&str>,
+) -> RenderedPrompt {
+    if let Some(bos) = bos.filter(|b| !b.is_empty() && prompt.text.starts_with(b)) {
+        let n = bos.len();
+        if prompt.plain.first().is_none_or(|r| r.start >= n) {
+            prompt.text.drain(..n);
+            for r in &mut prompt.plain {
+                *r = r.start - n..r.end - n;
+            }
+        }
+    }
+    if let Some(eos) = eos.filter(|e| !e.is_empty() && prompt.text.ends_with(e)) {
+        let keep = prompt.text.len() - eos.len();
+        if prompt.plain.last().is_none_or(|r| r.end <= keep) {
+            prompt.text.truncate(keep);
+        }
+    }
+    prompt
 }
 
 /// The messages with `content: ""` where a message has none; `None` when all have one.

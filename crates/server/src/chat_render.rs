@@ -5,6 +5,7 @@
 use std::borrow::Cow;
 
 use hmoe_chat::ReasoningFormat;
+use hmoe_grammar::Grammar;
 use serde_json::{Map, Value};
 
 use crate::chat_messages::{normalize_messages, normalize_tools};
@@ -50,7 +51,12 @@ pub async fn prepare_chat(
     let body = req.clone();
     let (prompt, mut gen, output) = blocking(move || {
         let req = to_chat(&body)?;
-        let (rendered, format, tools) = render_chat(&config, &host, &req)?;
+        let Rendered {
+            prompt: rendered,
+            format,
+            tools,
+            thinking,
+        } = render_chat(&config, &host, &req)?;
         let chat = host.chat()?;
         // As llama-server: several calls may follow one another unless the request says not.
         let parallel = Fields(&req).bool("parallel_tool_calls")?.unwrap_or(true);
@@ -62,7 +68,22 @@ pub async fn prepare_chat(
             &host.tokenizer,
             chat.forced_tool_format(&host.tokenizer),
         )?;
-        let output = chat.output_kind(&rendered.text, format, tools.as_ref(), parallel);
+        // A grammar hmoe wrote (a forced call, a response format) is the answer from the
+        // first token: there is no reasoning to read, even after an open `<think>`.
+        let answer_only = gen.grammar.as_ref().is_some_and(|(g, _)| {
+            matches!(
+                g,
+                Grammar::ToolCall { .. } | Grammar::JsonSchema(_) | Grammar::JsonObject
+            )
+        });
+        let output = chat.output_kind(
+            &rendered.text,
+            format,
+            tools.as_ref(),
+            parallel,
+            thinking && !answer_only,
+            !answer_only,
+        );
         Ok((prompt, gen, output))
     })
     .await?;
@@ -89,7 +110,7 @@ pub async fn chat_prompt(
     let body = req.clone();
     blocking(move || {
         let req = to_chat(&body)?;
-        let (prompt, _, _) = render_chat(&config, &host, &req)?;
+        let prompt = render_chat(&config, &host, &req)?.prompt;
         let n = match count {
             true => Some(host.chat()?.tokenize(&host.tokenizer, &prompt)?.len()),
             false => None,
@@ -99,24 +120,59 @@ pub async fn chat_prompt(
     .await
 }
 
-fn reasoning_format(s: &str) -> Result<ReasoningFormat, ApiError> {
-    match s {
-        "none" => Ok(ReasoningFormat::None),
-        "auto" => Ok(ReasoningFormat::Auto),
-        "deepseek" | "deepseek-legacy" => Ok(ReasoningFormat::Deepseek),
-        other => Err(ApiError::bad_request(format!(
-            "unknown reasoning_format '{other}' (none, auto, deepseek)"
-        ))),
-    }
+/// A chat request rendered.
+struct Rendered {
+    /// The prompt.
+    prompt: RenderedPrompt,
+    /// Where its reasoning goes.
+    format: ReasoningFormat,
+    /// The tools the template was given (`None`: none, or `tool_choice` `"none"`).
+    tools: Option<Value>,
+    /// Whether thinking is on (`enable_thinking` as the template saw it).
+    thinking: bool,
 }
 
-/// The prompt of a chat request (template rendered), how to read its reasoning, and the
-/// tools the template was given (`None`: none, or `tool_choice` `"none"`).
+/// The template variables of a request: `--chat-template-kwargs` overridden by the request's
+/// `chat_template_kwargs`, its `reasoning_effort`, and `enable_thinking` always set to a
+/// boolean as llama-server sets it (true unless `--reasoning off`, `--reasoning-budget 0` or a
+/// kwarg says `false`; a kwarg that is a string is a 400, one of another type is ignored).
+fn template_vars(
+    config: &ServerConfig,
+    f: &Fields<'_>,
+) -> Result<(Map<String, Value>, bool), ApiError> {
+    let mut extra = config.chat.template_kwargs.clone();
+    match f.value("chat_template_kwargs") {
+        None => {}
+        Some(Value::Object(kw)) => extra.extend(kw.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "'chat_template_kwargs' must be an object",
+            ))
+        }
+    }
+    let server_default = config.chat.template_kwargs.get("enable_thinking");
+    let thinking = match extra.get("enable_thinking") {
+        Some(Value::Bool(b)) => *b,
+        Some(Value::String(_)) => {
+            return Err(ApiError::bad_request(
+                "invalid type for \"enable_thinking\" (expected boolean, got string)",
+            ))
+        }
+        _ => server_default.and_then(Value::as_bool).unwrap_or(true),
+    };
+    extra.insert("enable_thinking".into(), thinking.into());
+    if let Some(effort) = f.str("reasoning_effort")? {
+        extra.insert("reasoning_effort".into(), effort.into());
+    }
+    Ok((extra, thinking))
+}
+
+/// Renders a chat request with the model's template.
 fn render_chat(
     config: &ServerConfig,
     host: &ModelHost,
     req: &Map<String, Value>,
-) -> Result<(RenderedPrompt, ReasoningFormat, Option<Value>), ApiError> {
+) -> Result<Rendered, ApiError> {
     let f = Fields(req);
     let chat = host.chat()?;
     let messages = normalize_messages(req.get("messages"))?;
@@ -136,23 +192,18 @@ fn render_chat(
     }
     let tools = normalize_tools(f.value("tools"), choice)?;
     let format = match f.str("reasoning_format")? {
-        Some(s) => reasoning_format(s)?,
+        Some(s) => s
+            .parse()
+            .map_err(|e: hmoe_chat::ChatError| ApiError::bad_request(e.to_string()))?,
         None => config.chat.reasoning_format,
     };
-    let mut extra = config.chat.template_kwargs.clone();
-    match f.value("chat_template_kwargs") {
-        None => {}
-        Some(Value::Object(kw)) => extra.extend(kw.clone()),
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "'chat_template_kwargs' must be an object",
-            ))
-        }
-    }
-    if let Some(effort) = f.str("reasoning_effort")? {
-        extra.insert("reasoning_effort".into(), effort.into());
-    }
+    let (extra, thinking) = template_vars(config, &f)?;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    let text = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
-    Ok((text, format, tools))
+    let prompt = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
+    Ok(Rendered {
+        prompt,
+        format,
+        tools,
+        thinking,
+    })
 }

@@ -15,14 +15,15 @@ use hmoe_tokenizer::{StreamDecoder, Tokenizer};
 pub enum OutputKind {
     /// Plain text (completions, chat templates without reasoning).
     Text,
-    /// `<think>…</think>` reasoning; `bool` = the prompt already opened `<think>`.
-    Think(ReasoningFormat, bool),
+    /// `<think>…</think>` reasoning; `Some` = the prompt's tail from the `<think>` it opened
+    /// (see [`hmoe_chat::open_think`]).
+    Think(ReasoningFormat, Option<String>),
     /// Text whose content holds tool calls in `spec`'s format (after `<think>` splitting as
     /// [`OutputKind::Think`] when `think` is set).
     ToolCalls {
-        /// The reasoning format and whether the prompt opened `<think>`, for templates with
-        /// reasoning.
-        think: Option<(ReasoningFormat, bool)>,
+        /// The reasoning format and the `<think>` the prompt opened, as in
+        /// [`OutputKind::Think`], for templates with reasoning.
+        think: Option<(ReasoningFormat, Option<String>)>,
         /// The format and the request's tools.
         spec: Arc<ToolCallSpec>,
     },
@@ -118,9 +119,13 @@ impl OutputState {
     pub fn new(kind: OutputKind, stops: Vec<String>) -> OutputState {
         let (think, calls, harmony) = match &kind {
             OutputKind::Text => (None, None, None),
-            OutputKind::Think(f, open) => (Some(ThinkSplitter::new(*f, *open)), None, None),
+            OutputKind::Think(f, open) => {
+                (Some(ThinkSplitter::new(*f, open.as_deref())), None, None)
+            }
             OutputKind::ToolCalls { think, spec } => (
-                think.map(|(f, open)| ThinkSplitter::new(f, open)),
+                think
+                    .as_ref()
+                    .map(|(f, open)| ThinkSplitter::new(*f, open.as_deref())),
                 Some(ToolCallParser::new(spec.clone())),
                 None,
             ),
