@@ -132,6 +132,8 @@ impl ChatSetup {
                 Some(ToolFormat::ToolCallTags)
             }
             (None, Some(ToolCallFormat::DeepSeek)) => Some(ToolFormat::DeepSeek),
+            (None, Some(ToolCallFormat::Llama3)) => Some(ToolFormat::Llama3),
+            (None, Some(ToolCallFormat::Mistral)) => Some(ToolFormat::Mistral),
             (None, None) => ToolFormat::detect(tok),
         }
     }
