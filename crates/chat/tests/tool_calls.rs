@@ -108,8 +108,7 @@ fn read_every_way(spec: &Arc<ToolCallSpec>, think_open: bool, text: &str) -> Rea
 /// What the model is taught to write for an assistant turn with `content` and the calls:
 /// the turn rendered after the conversation, past the generation prompt, without the
 /// end-of-turn markup; and whether the generation prompt opened `<think>`.
-fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
-    let src = template(name);
+fn taught(src: &str, name: &str, content: &str, end: &str) -> (String, bool) {
     let user = json!([{"role": "user", "content": "Weather in Paris?"}]);
     let tool_calls: Vec<Value> = calls()
         .into_iter()
@@ -123,8 +122,8 @@ fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
         .push(json!({"role": "assistant", "content": content, "tool_calls": tool_calls}));
     let extra =
         json!({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"});
-    let prompt = render_template(&src, &user, Some(&tools()), true, &extra).unwrap();
-    let full = render_template(&src, &with_turn, Some(&tools()), false, &extra).unwrap();
+    let prompt = render_template(src, &user, Some(&tools()), true, &extra).unwrap();
+    let full = render_template(src, &with_turn, Some(&tools()), false, &extra).unwrap();
     // Templates that drop the generation prompt's `<think>` from history (DeepSeek R1) are cut
     // after the last assistant marker instead.
     let (turn, think_open) = match full.strip_prefix(prompt.as_str()) {
@@ -145,16 +144,21 @@ fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
 }
 
 fn check_template(name: &str, format: ToolCallFormat, end: &str) {
-    let src = template(name);
-    assert_eq!(ToolCallFormat::detect(&src), Some(format), "{name}");
+    check_source(&template(name), name, format, end);
+}
+
+/// [`check_template`] on template text `src`.
+fn check_source(src: &str, name: &str, format: ToolCallFormat, end: &str) {
+    assert_eq!(ToolCallFormat::detect(src), Some(format), "{name}");
     let spec = Arc::new(ToolCallSpec::new(format, Some(&tools()), true));
     for content in ["Let me check.", ""] {
-        let (text, think_open) = taught(name, content, end);
+        let (text, think_open) = taught(src, name, content, end);
         let got = read_every_way(&spec, think_open, &text);
         assert_eq!(got.calls, calls(), "{name}: {text:?}");
-        // DeepSeek R1 templates drop the content of a tool-call turn.
+        // DeepSeek R1 and hmoe's Llama 3 templates drop the content of a tool-call turn;
+        // Mistral's puts a space before it.
         let shown = if text.contains(content) { content } else { "" };
-        assert_eq!(got.content, shown, "{name}: {text:?}");
+        assert_eq!(got.content.trim_start(), shown, "{name}: {text:?}");
     }
 }
 
@@ -464,6 +468,19 @@ fn random_markup_reads_the_same_whole_and_in_pieces() {
     // The fragments do form calls now and then.
     eprintln!("{calls_seen} calls read");
     assert!(calls_seen > 2000, "{calls_seen}");
+}
+
+/// hmoe's own `llama3` and `mistral-v7` templates (`--chat-template`): the calls they render are
+/// read back. (Llama 3's drops the content of a tool-call turn.)
+#[test]
+fn builtin_llama3_and_mistral_calls_round_trip() {
+    for (name, format, end) in [
+        ("llama3", ToolCallFormat::Llama3, "<|eot_id|>"),
+        ("mistral-v7", ToolCallFormat::Mistral, "<｜end▁of▁sentence｜>"),
+    ] {
+        let src = hmoe_chat::builtin_template(name).unwrap();
+        check_source(&src, name, format, end);
+    }
 }
 
 #[test]
