@@ -476,7 +476,11 @@ fn random_markup_reads_the_same_whole_and_in_pieces() {
 fn builtin_llama3_and_mistral_calls_round_trip() {
     for (name, format, end) in [
         ("llama3", ToolCallFormat::Llama3, "<|eot_id|>"),
-        ("mistral-v7", ToolCallFormat::Mistral, "<｜end▁of▁sentence｜>"),
+        (
+            "mistral-v7",
+            ToolCallFormat::Mistral,
+            "<｜end▁of▁sentence｜>",
+        ),
     ] {
         let src = hmoe_chat::builtin_template(name).unwrap();
         check_source(&src, name, format, end);

@@ -229,12 +229,13 @@ fn check_anthropic_and_responses(a: std::net::SocketAddr, content: &str) {
         {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
         {"name": "get_time", "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}}}
     ]);
-    let r = post(
-        a,
-        "/v1/messages",
-        &json!({"max_tokens": 200, "seed": 1, "tools": anthropic_tools,
-                "messages": [{"role": "user", "content": "Weather?"}]}),
-    );
+    let messages = json!({"max_tokens": 200, "seed": 1, "tools": anthropic_tools,
+                          "messages": [{"role": "user", "content": "Weather?"}]});
+    let responses = json!({"input": "Weather?", "seed": 1, "max_output_tokens": 200,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+                  {"type": "function", "name": "get_time", "parameters": {"type": "object"}}]});
+    check_streamed_anthropic_and_responses(a, &messages, &responses);
+    let r = post(a, "/v1/messages", &messages);
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     assert_eq!(v["stop_reason"], "tool_use", "{v}");
@@ -255,13 +256,7 @@ fn check_anthropic_and_responses(a: std::net::SocketAddr, content: &str) {
         .collect();
     assert_eq!(texts, content, "{v}");
 
-    let r = post(
-        a,
-        "/v1/responses",
-        &json!({"input": "Weather?", "seed": 1, "max_output_tokens": 200,
-                "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
-                          {"type": "function", "name": "get_time", "parameters": {"type": "object"}}]}),
-    );
+    let r = post(a, "/v1/responses", &responses);
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     let items: Vec<(String, Value)> = v["output"]
@@ -277,6 +272,69 @@ fn check_anthropic_and_responses(a: std::net::SocketAddr, content: &str) {
         })
         .collect();
     assert_eq!(items, both_calls(), "{v}");
+}
+
+/// Streamed, the same calls are `tool_use` blocks whose `input_json_delta`s add up to the
+/// arguments, and `function_call` items whose argument deltas do.
+fn check_streamed_anthropic_and_responses(
+    a: std::net::SocketAddr,
+    messages: &Value,
+    responses: &Value,
+) {
+    let stream = |path: &str, body: &Value| -> Vec<Value> {
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let mut sse = Sse::open(a, path, &body);
+        sse.all()
+            .iter()
+            .filter_map(|d| serde_json::from_str(d).ok())
+            .collect()
+    };
+    let parsed = |calls: Vec<(String, String)>| -> Vec<(String, Value)> {
+        calls
+            .into_iter()
+            .map(|(n, args)| (n, serde_json::from_str(&args).unwrap_or(Value::Null)))
+            .collect()
+    };
+    let mut uses: Vec<(String, String)> = Vec::new();
+    let mut at: Vec<Option<usize>> = Vec::new();
+    for e in stream("/v1/messages", messages) {
+        let n = e["index"].as_u64().unwrap_or(0) as usize;
+        at.resize(at.len().max(n + 1), None);
+        match e["type"].as_str() {
+            Some("content_block_start") if e["content_block"]["type"] == "tool_use" => {
+                at[n] = Some(uses.len());
+                let name = e["content_block"]["name"].as_str().unwrap().to_string();
+                uses.push((name, String::new()));
+            }
+            Some("content_block_delta") if e["delta"]["type"] == "input_json_delta" => {
+                let i = at[n].expect("a delta of a started tool_use block");
+                uses[i]
+                    .1
+                    .push_str(e["delta"]["partial_json"].as_str().unwrap());
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(parsed(uses), both_calls(), "streamed /v1/messages");
+
+    let (mut items, mut deltas) = (Vec::new(), std::collections::BTreeMap::new());
+    for e in stream("/v1/responses", responses) {
+        let n = e["output_index"].as_u64().unwrap_or(0);
+        match e["type"].as_str() {
+            Some("response.function_call_arguments.delta") => deltas
+                .entry(n)
+                .or_insert_with(String::new)
+                .push_str(e["delta"].as_str().unwrap()),
+            Some("response.output_item.done") if e["item"]["type"] == "function_call" => {
+                let args = e["item"]["arguments"].as_str().unwrap().to_string();
+                assert_eq!(deltas.get(&n), Some(&args), "{e}");
+                items.push((e["item"]["name"].as_str().unwrap().to_string(), args));
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(parsed(items), both_calls(), "streamed /v1/responses");
 }
 
 /// Forced calls (`tool_choice` `"required"` or named) at temperature 1 on random weights: the
