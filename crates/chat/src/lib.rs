@@ -5,6 +5,7 @@
 
 mod builtin;
 mod harmony;
+mod jsoncall;
 mod model;
 mod reasoning;
 mod template;

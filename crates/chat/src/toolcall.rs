@@ -11,6 +11,9 @@
 //!   `<｜tool▁calls▁begin｜>` … `<｜tool▁calls▁end｜>` of calls
 //!   `<｜tool▁call▁begin｜>HEAD<｜tool▁sep｜>BODY<｜tool▁call▁end｜>`: V3.1 writes `NAME` and the
 //!   JSON arguments, R1 writes `function` and ``NAME\n```json\nARGS\n``` ``.
+//! * [`ToolCallFormat::Llama3`] (template has `<|start_header_id|>ipython<|end_header_id|>`) and
+//!   [`ToolCallFormat::Mistral`] (template has `[TOOL_CALLS]`): calls without an end tag, read
+//!   until their JSON ends (see the `jsoncall` module).
 //!
 //! Inside `<tool_call>` both the JSON and the XML body are read whatever the template, since
 //! a forced tool call's grammar writes the JSON one. Text before a call is content; a call that
@@ -20,6 +23,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
+use crate::jsoncall::{self, args_object, Extent, Scan, MISTRAL_CALLS, PYTHON_TAG};
 use crate::reasoning::{partial_suffix, push_delta, ChatDelta};
 
 /// Most bytes of one tool call (or DeepSeek block) held back while waiting for its end; past
@@ -37,8 +41,14 @@ pub enum ToolCallFormat {
     /// `<tool_call><function=NAME><parameter=P>…</parameter></function></tool_call>`
     /// (Qwen3-Coder).
     Qwen3Coder,
-    /// DeepSeek V3.1 / R1 `<｜tool▁calls▁begin｜>` blocks.
+    /// DeepSeek V3 / V3.1 / R1 `<｜tool▁calls▁begin｜>` blocks.
     DeepSeek,
+    /// Llama 3.x: `{"name": NAME, "parameters": {...}}` at the start of the answer, or
+    /// `<|python_tag|>` then such an object or a builtin `NAME.call(KEY=VALUE, ...)`.
+    Llama3,
+    /// Mistral: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments", "id"}`, or
+    /// `[TOOL_CALLS]NAME[ARGS]{...}`.
+    Mistral,
 }
 
 const TOOL_CALL: &str = "<tool_call>";
@@ -59,17 +69,23 @@ impl ToolCallFormat {
             Some(ToolCallFormat::Hermes)
         } else if has(DS_CALLS) {
             Some(ToolCallFormat::DeepSeek)
+        } else if has("<|start_header_id|>ipython<|end_header_id|>") {
+            Some(ToolCallFormat::Llama3)
+        } else if has(MISTRAL_CALLS) {
+            Some(ToolCallFormat::Mistral)
         } else {
             None
         }
     }
 
-    /// A short name (`hermes`, `qwen3-coder`, `deepseek`).
+    /// A short name (`hermes`, `qwen3-coder`, `deepseek`, `llama3`, `mistral`).
     pub fn name(self) -> &'static str {
         match self {
             ToolCallFormat::Hermes => "hermes",
             ToolCallFormat::Qwen3Coder => "qwen3-coder",
             ToolCallFormat::DeepSeek => "deepseek",
+            ToolCallFormat::Llama3 => "llama3",
+            ToolCallFormat::Mistral => "mistral",
         }
     }
 
@@ -78,6 +94,12 @@ impl ToolCallFormat {
         match self {
             ToolCallFormat::Hermes | ToolCallFormat::Qwen3Coder => &[TOOL_CALL, TOOL_CALL_END],
             ToolCallFormat::DeepSeek => &[DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP],
+            ToolCallFormat::Llama3 => &[PYTHON_TAG],
+            ToolCallFormat::Mistral => &[
+                MISTRAL_CALLS,
+                jsoncall::MISTRAL_ARGS,
+                jsoncall::MISTRAL_CALL_ID,
+            ],
         }
     }
 
@@ -85,8 +107,15 @@ impl ToolCallFormat {
     fn opener(self) -> &'static str {
         match self {
             ToolCallFormat::DeepSeek => DS_CALLS,
-            _ => TOOL_CALL,
+            ToolCallFormat::Llama3 => PYTHON_TAG,
+            ToolCallFormat::Mistral => MISTRAL_CALLS,
+            ToolCallFormat::Hermes | ToolCallFormat::Qwen3Coder => TOOL_CALL,
         }
+    }
+
+    /// Whether a call ends where its JSON ends (no end tag).
+    fn self_delimited(self) -> bool {
+        matches!(self, ToolCallFormat::Llama3 | ToolCallFormat::Mistral)
     }
 
     /// What opens and closes one call.
@@ -176,6 +205,10 @@ enum State {
     Block,
     /// Inside one call, waiting for its end tag.
     Call,
+    /// Llama 3.x at the start of the answer or after a call: a `{` here opens a call.
+    Start,
+    /// Inside a self-delimited call, waiting for its JSON to end.
+    Json,
     /// The one call of a non-parallel request was read: the rest is ignored.
     Done,
 }
@@ -196,19 +229,26 @@ pub struct ToolCallParser {
     /// Calls reported in the current DeepSeek block.
     block_calls: usize,
     n_calls: usize,
+    /// In [`State::Json`]: how far the call's text was scanned.
+    extent: Extent,
 }
 
 impl ToolCallParser {
     /// A reader for `spec`.
     pub fn new(spec: std::sync::Arc<ToolCallSpec>) -> ToolCallParser {
+        let state = match spec.format {
+            ToolCallFormat::Llama3 => State::Start,
+            _ => State::Text,
+        };
         ToolCallParser {
             spec,
-            state: State::Text,
+            state,
             held: String::new(),
             scanned: 0,
             raw: String::new(),
             block_calls: 0,
             n_calls: 0,
+            extent: Extent::default(),
         }
     }
 
@@ -244,7 +284,28 @@ impl ToolCallParser {
                     if self.held.is_empty() {
                         break;
                     }
-                    self.state = State::Text;
+                    self.state = match format {
+                        ToolCallFormat::Llama3 => State::Start,
+                        _ => State::Text,
+                    };
+                }
+                State::Start => {
+                    let rest = self.held.trim_start();
+                    let ws = self.held.len() - rest.len();
+                    if rest.starts_with('{') {
+                        self.raw = self.held.drain(..ws).collect();
+                        self.extent = Extent::default();
+                        self.state = State::Json;
+                    } else if rest.is_empty() && ws <= MAX_WS {
+                        break;
+                    } else {
+                        self.state = State::Text;
+                    }
+                }
+                State::Json => {
+                    if !self.json_step(&mut out) {
+                        break;
+                    }
                 }
                 State::Text => {
                     let opener = format.opener();
@@ -255,8 +316,11 @@ impl ToolCallParser {
                         self.held.drain(..pos + opener.len());
                         self.scanned = 0;
                         self.block_calls = 0;
+                        self.extent = Extent::default();
                         self.state = if format == ToolCallFormat::DeepSeek {
                             State::Block
+                        } else if format.self_delimited() {
+                            State::Json
                         } else {
                             State::Call
                         };
@@ -332,7 +396,8 @@ impl ToolCallParser {
         let mut out = Vec::new();
         match self.state {
             State::Done | State::AfterCall => {}
-            State::Text => {
+            State::Json => self.give_back(&mut out),
+            State::Text | State::Start => {
                 let held = std::mem::take(&mut self.held);
                 push_delta(&mut out, ChatDelta::Content(held));
             }
@@ -363,21 +428,64 @@ impl ToolCallParser {
     /// Gives the held markup back as content and reads on as text.
     fn give_back(&mut self, out: &mut Vec<ChatDelta>) {
         let mut text = std::mem::take(&mut self.raw);
-        if self.state == State::Call {
+        if matches!(self.state, State::Call | State::Json) {
             text.push_str(&std::mem::take(&mut self.held));
         }
         push_delta(out, ChatDelta::Content(text));
         self.state = State::Text;
     }
 
+    /// One step in [`State::Json`]; `false` when more text is needed.
+    fn json_step(&mut self, out: &mut Vec<ChatDelta>) -> bool {
+        let format = self.spec.format;
+        let mistral = format == ToolCallFormat::Mistral;
+        match self.extent.scan(&self.held, mistral) {
+            Scan::End(end) => {
+                let body: String = self.held.drain(..end).collect();
+                self.raw.push_str(&body);
+                let calls = jsoncall::parse(mistral, &body)
+                    .filter(|calls| calls.iter().all(|(name, _)| valid_name(name)));
+                match calls {
+                    Some(calls) => {
+                        for (name, args) in calls {
+                            if self.state == State::Done {
+                                break;
+                            }
+                            self.report(name, Value::Object(args).to_string(), out);
+                        }
+                    }
+                    None => self.reject(out),
+                }
+            }
+            Scan::NotACall => {
+                // What follows the offending character is read again as text.
+                let bad: String = self.held.drain(..self.extent.pos()).collect();
+                self.raw.push_str(&bad);
+                self.reject(out);
+            }
+            Scan::More => {
+                let implausible =
+                    format == ToolCallFormat::Llama3 && !jsoncall::plausible_llama_head(&self.held);
+                if !implausible && self.raw.len() + self.held.len() <= MAX_HELD {
+                    return false;
+                }
+                self.give_back(out);
+            }
+        }
+        true
+    }
+
     fn close_call(&mut self, body: &str, out: &mut Vec<ChatDelta>) {
         match parse_call(&self.spec, body) {
             Some((name, args)) => self.report(name, args, out),
-            None => {
-                push_delta(out, ChatDelta::Content(std::mem::take(&mut self.raw)));
-                self.state = State::Text;
-            }
+            None => self.reject(out),
         }
+    }
+
+    /// The markup consumed since the last call is content after all; reads on as text.
+    fn reject(&mut self, out: &mut Vec<ChatDelta>) {
+        push_delta(out, ChatDelta::Content(std::mem::take(&mut self.raw)));
+        self.state = State::Text;
     }
 
     fn report(&mut self, name: String, args: String, out: &mut Vec<ChatDelta>) {
@@ -402,6 +510,7 @@ impl ToolCallParser {
 fn parse_call(spec: &ToolCallSpec, body: &str) -> Option<(String, String)> {
     let (name, args) = match spec.format {
         ToolCallFormat::DeepSeek => parse_deepseek(body)?,
+        ToolCallFormat::Llama3 | ToolCallFormat::Mistral => return None,
         ToolCallFormat::Hermes | ToolCallFormat::Qwen3Coder => {
             let b = body.trim();
             if b.starts_with('{') {
@@ -411,20 +520,12 @@ fn parse_call(spec: &ToolCallSpec, body: &str) -> Option<(String, String)> {
             }
         }
     };
-    let valid = !name.is_empty() && !name.contains(|c: char| c.is_whitespace() || c == '<');
-    valid.then(|| (name, Value::Object(args).to_string()))
+    valid_name(&name).then(|| (name, Value::Object(args).to_string()))
 }
 
-/// A JSON object of arguments: an object, or a string holding one.
-fn args_object(v: &Value) -> Option<Map<String, Value>> {
-    match v {
-        Value::Object(o) => Some(o.clone()),
-        Value::String(s) => match serde_json::from_str::<Value>(s).ok()? {
-            Value::Object(o) => Some(o),
-            _ => None,
-        },
-        _ => None,
-    }
+/// Whether `name` can be a function's name (not empty, no whitespace or markup).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && !name.contains(|c: char| c.is_whitespace() || c == '<' || c == '[')
 }
 
 /// `{"name": NAME, "arguments": {...}}` (`parameters` accepted for `arguments`).

@@ -108,8 +108,7 @@ fn read_every_way(spec: &Arc<ToolCallSpec>, think_open: bool, text: &str) -> Rea
 /// What the model is taught to write for an assistant turn with `content` and the calls:
 /// the turn rendered after the conversation, past the generation prompt, without the
 /// end-of-turn markup; and whether the generation prompt opened `<think>`.
-fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
-    let src = template(name);
+fn taught(src: &str, name: &str, content: &str, end: &str) -> (String, bool) {
     let user = json!([{"role": "user", "content": "Weather in Paris?"}]);
     let tool_calls: Vec<Value> = calls()
         .into_iter()
@@ -123,8 +122,8 @@ fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
         .push(json!({"role": "assistant", "content": content, "tool_calls": tool_calls}));
     let extra =
         json!({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"});
-    let prompt = render_template(&src, &user, Some(&tools()), true, &extra).unwrap();
-    let full = render_template(&src, &with_turn, Some(&tools()), false, &extra).unwrap();
+    let prompt = render_template(src, &user, Some(&tools()), true, &extra).unwrap();
+    let full = render_template(src, &with_turn, Some(&tools()), false, &extra).unwrap();
     // Templates that drop the generation prompt's `<think>` from history (DeepSeek R1) are cut
     // after the last assistant marker instead.
     let (turn, think_open) = match full.strip_prefix(prompt.as_str()) {
@@ -145,16 +144,21 @@ fn taught(name: &str, content: &str, end: &str) -> (String, bool) {
 }
 
 fn check_template(name: &str, format: ToolCallFormat, end: &str) {
-    let src = template(name);
-    assert_eq!(ToolCallFormat::detect(&src), Some(format), "{name}");
+    check_source(&template(name), name, format, end);
+}
+
+/// [`check_template`] on template text `src`.
+fn check_source(src: &str, name: &str, format: ToolCallFormat, end: &str) {
+    assert_eq!(ToolCallFormat::detect(src), Some(format), "{name}");
     let spec = Arc::new(ToolCallSpec::new(format, Some(&tools()), true));
     for content in ["Let me check.", ""] {
-        let (text, think_open) = taught(name, content, end);
+        let (text, think_open) = taught(src, name, content, end);
         let got = read_every_way(&spec, think_open, &text);
         assert_eq!(got.calls, calls(), "{name}: {text:?}");
-        // DeepSeek R1 templates drop the content of a tool-call turn.
+        // DeepSeek R1 and hmoe's Llama 3 templates drop the content of a tool-call turn;
+        // Mistral's puts a space before it.
         let shown = if text.contains(content) { content } else { "" };
-        assert_eq!(got.content, shown, "{name}: {text:?}");
+        assert_eq!(got.content.trim_start(), shown, "{name}: {text:?}");
     }
 }
 
@@ -398,6 +402,20 @@ fn random_markup_reads_the_same_whole_and_in_pieces() {
         "<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>",
         "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<|python_tag|>",
+        "<|python",
+        "f.call(a=1)",
+        "{\"name\": \"f\", \"parameters\": {\"a\": \")\"}}",
+        "[TOOL_CALLS]",
+        "[TOOL_",
+        "[ARGS]",
+        "[CALL_ID]",
+        "[{\"name\": \"g\", \"arguments\": {}}]",
+        "[",
+        "]",
+        "}",
+        ",",
+        "\"",
     ];
     // xorshift64*: deterministic and dependency-free.
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -411,6 +429,8 @@ fn random_markup_reads_the_same_whole_and_in_pieces() {
         ToolCallFormat::Hermes,
         ToolCallFormat::Qwen3Coder,
         ToolCallFormat::DeepSeek,
+        ToolCallFormat::Llama3,
+        ToolCallFormat::Mistral,
     ]
     .into_iter()
     .flat_map(|f| [true, false].map(|p| Arc::new(ToolCallSpec::new(f, Some(&tools()), p))))
@@ -448,4 +468,185 @@ fn random_markup_reads_the_same_whole_and_in_pieces() {
     // The fragments do form calls now and then.
     eprintln!("{calls_seen} calls read");
     assert!(calls_seen > 2000, "{calls_seen}");
+}
+
+/// hmoe's own `llama3` and `mistral-v7` templates (`--chat-template`): the calls they render are
+/// read back. (Llama 3's drops the content of a tool-call turn.)
+#[test]
+fn builtin_llama3_and_mistral_calls_round_trip() {
+    for (name, format, end) in [
+        ("llama3", ToolCallFormat::Llama3, "<|eot_id|>"),
+        (
+            "mistral-v7",
+            ToolCallFormat::Mistral,
+            "<｜end▁of▁sentence｜>",
+        ),
+    ] {
+        let src = hmoe_chat::builtin_template(name).unwrap();
+        check_source(&src, name, format, end);
+    }
+}
+
+#[test]
+fn formats_are_told_from_the_template_text() {
+    let llama = "{{ bos_token }}<|start_header_id|>ipython<|end_header_id|>\n\n<|python_tag|>";
+    assert_eq!(ToolCallFormat::detect(llama), Some(ToolCallFormat::Llama3));
+    let mistral = "[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]";
+    assert_eq!(
+        ToolCallFormat::detect(mistral),
+        Some(ToolCallFormat::Mistral)
+    );
+    // A Llama 3 template without tool calls (no ipython role) reads none.
+    assert_eq!(ToolCallFormat::detect("<|start_header_id|>user"), None);
+}
+
+#[test]
+fn llama3_json_and_builtin_calls() {
+    let spec = Arc::new(ToolCallSpec::new(
+        ToolCallFormat::Llama3,
+        Some(&tools()),
+        true,
+    ));
+    // A call at the start of the answer (and one right after it).
+    let text = "\n{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\", \"days\": 3, \"opts\": {\"metric\": true}, \"note\": \"}\"}}\n {\"type\": \"function\", \"name\": \"get_time\", \"parameters\": {\"zone\": \"Europe/Paris\"}}";
+    let r = read_every_way(&spec, false, text);
+    let mut want = calls();
+    want[0].1["note"] = json!("}");
+    assert_eq!(r.calls, want);
+    assert_eq!(r.content, "");
+    // After reasoning; content then `<|python_tag|>` with JSON or a builtin call.
+    let text = "<think>hm</think>Searching.<|python_tag|>brave_search.call(query=\"a, (b)\", n=2)";
+    let r = read_every_way(&spec, false, text);
+    assert_eq!(r.reasoning, "hm");
+    assert_eq!(r.content, "Searching.");
+    assert_eq!(
+        r.calls,
+        vec![("brave_search".into(), json!({"query": "a, (b)", "n": 2}))]
+    );
+    let text = "<|python_tag|>{\"name\": \"get_time\", \"parameters\": {}}";
+    let r = read_every_way(&spec, false, text);
+    assert_eq!(r.calls, vec![("get_time".into(), json!({}))]);
+    // Without parallel calls only the first is read.
+    let one = Arc::new(ToolCallSpec::new(ToolCallFormat::Llama3, None, false));
+    let mut p = ToolCallParser::new(one);
+    let d = p.push("{\"name\": \"f\", \"parameters\": {}} {\"name\": \"g\", \"parameters\": {}}");
+    assert_eq!(d.len(), 2, "{d:?}");
+    assert!(p.done());
+}
+
+#[test]
+fn llama3_json_answers_stay_content() {
+    let spec = Arc::new(ToolCallSpec::new(ToolCallFormat::Llama3, None, true));
+    for text in [
+        // JSON that is not a call.
+        "{\"answer\": 42}",
+        "{\"name\": \"Bob\", \"age\": 3}",
+        "  {\"type\": \"person\", \"name\": \"f\", \"parameters\": {}}",
+        // A brace later in the text: calls only open the answer.
+        "Use {\"name\": \"f\", \"parameters\": {}}",
+        // Malformed or cut short.
+        "{\"name\": \"f\", \"parameters\": {oops}}",
+        "{\"name\": \"f\", \"parameters\": {\"a\": [1",
+        "<|python_tag|>f.call(x=)",
+        "<|python_tag|>this is not a call, sorry",
+        "<|python_ta",
+    ] {
+        let r = read_every_way(&spec, false, text);
+        assert!(r.calls.is_empty(), "{text:?}: {r:?}");
+        assert_eq!(r.content, text, "{text:?}");
+    }
+    // An answer that is not a call streams as it comes, not when its JSON ends.
+    let mut p = ToolCallParser::new(spec);
+    assert_eq!(
+        p.push("{\"answer\": "),
+        vec![ChatDelta::Content("{\"answer\": ".into())]
+    );
+}
+
+#[test]
+fn mistral_array_and_args_calls() {
+    let spec = Arc::new(ToolCallSpec::new(
+        ToolCallFormat::Mistral,
+        Some(&tools()),
+        true,
+    ));
+    let want = calls();
+    let array = format!(
+        "Let me check. [TOOL_CALLS] [{{\"name\": \"get_weather\", \"arguments\": {}, \"id\": \"abcDEF123\"}}, {{\"name\": \"get_time\", \"arguments\": \"{{\\\"zone\\\": \\\"Europe/Paris\\\"}}\", \"id\": \"x2\"}}]",
+        want[0].1
+    );
+    let r = read_every_way(&spec, false, &array);
+    assert_eq!(r.content, "Let me check.");
+    assert_eq!(r.calls, want);
+    let tagged = format!(
+        "[TOOL_CALLS]get_weather[ARGS]{}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{{\"zone\": \"Europe/Paris\"}}",
+        want[0].1
+    );
+    let r = read_every_way(&spec, false, &tagged);
+    assert_eq!((r.content.as_str(), r.calls), ("", want.clone()));
+    // Without parallel calls only the first of the array is read.
+    let one = Arc::new(ToolCallSpec::new(ToolCallFormat::Mistral, None, false));
+    let r = read(&one, false, &[&array]);
+    assert_eq!(r.calls, want[..1].to_vec());
+}
+
+#[test]
+fn malformed_mistral_calls_come_back_as_content() {
+    let spec = Arc::new(ToolCallSpec::new(ToolCallFormat::Mistral, None, true));
+    for text in [
+        "[TOOL_CALLS] sorry, no.",
+        "[TOOL_CALLS][{\"name\": \"f\", oops}]",
+        "[TOOL_CALLS][]",
+        "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": [1]}]",
+        "[TOOL_CALLS][{\"name\": \"f\"",
+        "[TOOL_CALLS]f[ARGS]{\"a\": ",
+        "[TOOL_CALLS]f[ARGS]not json}",
+        "[TOOL_CA",
+    ] {
+        let r = read_every_way(&spec, false, text);
+        assert!(r.calls.is_empty(), "{text:?}: {r:?}");
+        assert_eq!(r.content, text, "{text:?}");
+    }
+    // A good call after a bad one is still read.
+    let r = read_every_way(
+        &spec,
+        false,
+        "[TOOL_CALLS]oops![TOOL_CALLS][{\"name\": \"g\", \"arguments\": {}}]",
+    );
+    assert_eq!(r.content, "[TOOL_CALLS]oops!");
+    assert_eq!(r.calls, vec![("g".to_string(), json!({}))]);
+}
+
+#[test]
+fn self_delimited_calls_are_bounded() {
+    for (format, open) in [
+        (
+            ToolCallFormat::Llama3,
+            "{\"name\": \"f\", \"parameters\": {\"a\": \"",
+        ),
+        (
+            ToolCallFormat::Mistral,
+            "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": \"",
+        ),
+    ] {
+        let mut p = ToolCallParser::new(Arc::new(ToolCallSpec::new(format, None, true)));
+        assert!(p.push(open).is_empty(), "{format:?}");
+        let chunk = "x".repeat(1000);
+        let mut shown = 0;
+        let mut pushed = 0;
+        while shown == 0 {
+            pushed += chunk.len();
+            assert!(
+                pushed <= MAX_HELD + chunk.len(),
+                "{format:?}: held past the bound"
+            );
+            for d in p.push(&chunk) {
+                match d {
+                    ChatDelta::Content(t) => shown += t.len(),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(shown, open.len() + pushed, "{format:?}");
+    }
 }

@@ -106,6 +106,10 @@ pub enum ToolFormat {
     /// DeepSeek V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`
     /// `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`.
     DeepSeek,
+    /// Llama 3.x: `{"name": NAME, "parameters": {...}}`.
+    Llama3,
+    /// Mistral: `[TOOL_CALLS][{"name": NAME, "arguments": {...}}]`.
+    Mistral,
 }
 
 impl ToolFormat {
@@ -302,6 +306,26 @@ impl Vocab {
                         lark_string("\n"),
                         mark("</tool_call>"),
                     ));
+                }
+                ToolFormat::Llama3 | ToolFormat::Mistral => {
+                    let key = match format {
+                        ToolFormat::Llama3 => "parameters",
+                        _ => "arguments",
+                    };
+                    let call = json!({
+                        "type": "object",
+                        "properties": {"name": {"const": tool.name}, key: params},
+                        "required": ["name", key],
+                        "additionalProperties": false,
+                    });
+                    let rule = if format == ToolFormat::Mistral {
+                        let calls = json!({"type": "array", "items": call,
+                                           "minItems": 1, "maxItems": 1});
+                        format!("{} {}", mark("[TOOL_CALLS]"), json_rule(calls)?)
+                    } else {
+                        json_rule(call)?
+                    };
+                    out.push_str(&format!("call_{i}: {rule}\n"));
                 }
                 ToolFormat::DeepSeek => {
                     let [calls, call, sep, call_end, calls_end] = DEEPSEEK_MARKUP.map(mark);

@@ -98,11 +98,15 @@ impl ChatSetup {
         extra
             .entry("eos_token")
             .or_insert_with(|| self.eos.clone().into());
-        let messages = mark_messages(&if self.is_harmony() {
+        let mut messages = if self.is_harmony() {
             harmony_history(messages)
         } else {
             messages.clone()
-        });
+        };
+        if self.tool_calls == Some(ToolCallFormat::Mistral) {
+            mistral_ids(&mut messages);
+        }
+        let messages = mark_messages(&messages);
         let messages = &messages;
         let extra = Value::Object(extra);
         let mut result = self
@@ -144,6 +148,8 @@ impl ChatSetup {
                 Some(ToolFormat::ToolCallTags)
             }
             (None, Some(ToolCallFormat::DeepSeek)) => Some(ToolFormat::DeepSeek),
+            (None, Some(ToolCallFormat::Llama3)) => Some(ToolFormat::Llama3),
+            (None, Some(ToolCallFormat::Mistral)) => Some(ToolFormat::Mistral),
             (None, None) => ToolFormat::detect(tok),
         }
     }
@@ -239,6 +245,47 @@ fn fill_missing_content(messages: &Value) -> Option<Value> {
     changed.then_some(out)
 }
 
+/// Mistral templates accept only 9-character alphanumeric tool-call ids (and raise on others):
+/// every other id in the history (assistant `tool_calls[].id`, tool messages' `tool_call_id`)
+/// is replaced by one derived from it, the same id by the same one.
+fn mistral_ids(messages: &mut Value) {
+    const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    let nine = |id: &mut Value| {
+        let Some(text) = id.as_str() else { return };
+        if text.len() == 9 && text.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return;
+        }
+        // FNV-1a: 64 bits hold 9 base-62 digits.
+        let mut h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let short: String = (0..9)
+            .map(|_| {
+                let d = DIGITS[(h % 62) as usize] as char;
+                h /= 62;
+                d
+            })
+            .collect();
+        *id = Value::String(short);
+    };
+    for m in messages
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_object_mut)
+    {
+        if let Some(id) = m.get_mut("tool_call_id") {
+            nine(id);
+        }
+        let calls = m.get_mut("tool_calls").and_then(Value::as_array_mut);
+        for call in calls.into_iter().flatten() {
+            if let Some(id) = call.get_mut("id") {
+                nine(id);
+            }
+        }
+    }
+}
+
 /// gpt-oss templates take an assistant tool-call turn's analysis from `thinking` or `content`,
 /// not both: where a client sends both back, the reasoning is kept (the content of such a turn
 /// is the model's preamble to the call).
@@ -259,4 +306,28 @@ fn harmony_history(messages: &Value) -> Value {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn mistral_ids_are_nine_alphanumerics_and_stay_paired() {
+        let mut m = json!([
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_Xy12", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "abcDEF123", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_Xy12", "content": "1"},
+            {"role": "tool", "tool_call_id": "abcDEF123", "content": "2"}
+        ]);
+        mistral_ids(&mut m);
+        let first = m[0]["tool_calls"][0]["id"].as_str().unwrap();
+        assert_eq!(first.len(), 9);
+        assert!(first.bytes().all(|b| b.is_ascii_alphanumeric()), "{first}");
+        assert_eq!(m[1]["tool_call_id"], first);
+        assert_eq!(m[0]["tool_calls"][1]["id"], "abcDEF123");
+        assert_eq!(m[2]["tool_call_id"], "abcDEF123");
+    }
 }
