@@ -176,6 +176,9 @@ pub struct ServerConfig {
     pub metrics: bool,
     /// Serve `/slots` (on unless `--no-slots`).
     pub slots_endpoint: bool,
+    /// The directory of slot files (`--slot-save-path`): `POST /slots/{id}?action=save|
+    /// restore` read and write files there; `None` (the default) answers those routes 501.
+    pub slot_save_path: Option<std::path::PathBuf>,
     /// Router mode: models loaded at once (`--models-max`, 0 = no limit).
     pub models_max: usize,
     /// Replaces the sampler of every request (an extension point; the tests use it to replay
@@ -208,6 +211,7 @@ impl ServerConfig {
             sampling: SamplingDefaults::default(),
             metrics: false,
             slots_endpoint: true,
+            slot_save_path: None,
             models_max: 4,
             picker: None,
             webui: true,
@@ -231,6 +235,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("chat", &self.chat)
             .field("sampling", &self.sampling)
             .field("metrics", &self.metrics)
+            .field("slot_save_path", &self.slot_save_path)
             .field("models_max", &self.models_max)
             .field("picker", &self.picker.is_some())
             .field("webui", &self.webui)
