@@ -138,7 +138,6 @@ impl Worker {
                 for c in commands {
                     self.run_command(c);
                 }
-                self.publish();
                 continue;
             }
             // Show admitted requests before any of their output can reach a client.

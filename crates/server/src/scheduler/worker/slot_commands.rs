@@ -16,15 +16,22 @@ impl Worker {
             Some(s) if s.active.is_some() => Err(SlotActionError::Busy(req.slot)),
             Some(_) => Ok(req.slot),
         };
+        // `/slots` shows the slot's new state before the action is answered.
         match req.command {
             SlotCommand::Save(tx) => {
-                let _ = tx.send(idle.and_then(|i| self.save(i)));
+                let saved = idle.and_then(|i| self.save(i));
+                self.publish();
+                let _ = tx.send(saved);
             }
             SlotCommand::Restore(state, tx) => {
-                let _ = tx.send(idle.and_then(|i| self.restore(i, *state)));
+                let restored = idle.and_then(|i| self.restore(i, *state));
+                self.publish();
+                let _ = tx.send(restored);
             }
             SlotCommand::Erase(tx) => {
-                let _ = tx.send(idle.map(|i| self.erase(i)));
+                let erased = idle.map(|i| self.erase(i));
+                self.publish();
+                let _ = tx.send(erased);
             }
         }
     }
