@@ -72,7 +72,7 @@ fn a_restored_sequence_continues_bit_for_bit_on_cpu_and_ref0() {
     // 70 positions: past the sliding layers' rings (window 8 + micro-batch 8) of gptoss-small;
     // heads of 64: q8_0 rings are rotated.
     let (prefix, rest) = (tokens(70, 3), tokens(5, 11));
-    for ty in [KvType::F16, KvType::parse("q8_0").unwrap()] {
+    for ty in [KvType::F16, KvType::F32, KvType::parse("q8_0").unwrap()] {
         let snap = saved(cpu.as_ref(), ty, &prefix);
         let want_cpu = continued(cpu.as_ref(), ty, &prefix, &rest);
         let want_ref0 = continued(ref0.as_ref(), ty, &prefix, &rest);

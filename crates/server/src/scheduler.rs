@@ -50,11 +50,11 @@ mod slot_actions;
 mod worker;
 
 pub use jobs::{
-    FailureKind, Finish, JobEvent, JobFailure, JobSpec, SubmitError, Summary, TokenLogprob,
+    FailureKind, Finish, JobEvent, JobFailure, JobSpec, SlotActionError, SubmitError, Summary,
+    TokenLogprob,
 };
 pub use prefix_reuse::{measure_reuse, Reuse};
 pub use shared::{SlotConfig, SlotView};
-pub use slot_actions::SlotActionError;
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;

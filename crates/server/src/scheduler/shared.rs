@@ -8,8 +8,7 @@ use hmoe_model::KvType;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Stats;
-use crate::scheduler::jobs::{JobEvent, JobSpec};
-use crate::scheduler::slot_actions::SlotRequest;
+use crate::scheduler::jobs::{JobEvent, JobSpec, SlotRequest};
 
 /// A slot as shown by `/slots`.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -3,7 +3,7 @@
 use hmoe_model::ModelError;
 
 use super::Worker;
-use crate::scheduler::slot_actions::{SlotActionError, SlotCommand, SlotRequest};
+use crate::scheduler::jobs::{SlotActionError, SlotCommand, SlotRequest};
 use crate::slot_file::SlotState;
 
 impl Worker {
