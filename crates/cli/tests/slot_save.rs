@@ -254,5 +254,17 @@ fn hostile_slot_actions_are_clear_4xx_and_the_slot_stays_usable() {
         error_message(&r),
         "This server does not support slots action. Start it with `--slot-save-path`"
     );
+    // A directory that is not there: the server does not start.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hmoe"))
+        .args(["serve", "-m", &gpt, "--port", "0", "--slot-save-path"])
+        .arg(dir.join("missing"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--slot-save-path") && err.contains("not a directory"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
