@@ -153,8 +153,8 @@ fn put_layout(out: &mut Vec<u8>, l: &KvLayout) {
     }
 }
 
-/// Writes `state` to `path` (through a temporary file beside it, renamed when complete);
-/// returns the bytes written.
+/// Writes `state` to `path` (through a hidden temporary file beside it, renamed when
+/// complete); returns the bytes written.
 pub fn write(path: &Path, id: Identity, state: &SlotState) -> Result<u64, SlotFileError> {
     let mut head = Vec::new();
     head.extend(MAGIC);
@@ -172,9 +172,13 @@ pub fn write(path: &Path, id: Identity, state: &SlotState) -> Result<u64, SlotFi
         }
     }
     head.extend(state.tokens.iter().flat_map(|t| t.to_le_bytes()));
+    // A name of its own per save, so that two saves to one name never share a partial file.
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let tmp = path.with_file_name(format!(
-        ".{}.partial",
-        path.file_name().unwrap_or_default().to_string_lossy()
+        ".{}.{}-{}.partial",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id(),
+        SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let written = (|| {
         let mut out = BufWriter::new(File::create(&tmp)?);
