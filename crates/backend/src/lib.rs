@@ -224,6 +224,32 @@ impl GatedAct {
     }
 }
 
+/// The bytes of `n` rows of a ring of `layout` from cell `cell0` on, or the shape error when
+/// the ring does not hold them.
+pub fn kv_rows_range(
+    layout: &KvLayout,
+    cell0: usize,
+    n: usize,
+) -> Result<Range<usize>, BackendError> {
+    let rb = layout.row_bytes();
+    match cell0.checked_add(n).filter(|&end| end <= layout.cells) {
+        Some(end) => Ok(cell0 * rb..end * rb),
+        None => Err(BackendError::Shape {
+            op: "K/V rows",
+            what: format!("{n} rows at cell {cell0} of a ring of {}", layout.cells),
+        }),
+    }
+}
+
+/// How many rows of `layout` `len` bytes are, or the shape error when they are not whole rows.
+pub fn kv_row_count(layout: &KvLayout, len: usize) -> Result<usize, BackendError> {
+    let rb = layout.row_bytes();
+    error::ensure(rb > 0 && len.is_multiple_of(rb), "K/V rows", || {
+        format!("{len} bytes are not whole rows of {rb} bytes")
+    })?;
+    Ok(len / rb)
+}
+
 /// The elements `dst[at..at + src_len]` that [`Backend::copy_into`] writes, or the shape
 /// error for a destination of `dst_len` elements that does not hold them.
 pub fn copy_into_range(
@@ -568,6 +594,20 @@ pub trait Backend: Send + Sync {
         ring: &mut KvRing<Self>,
         n_tokens: usize,
         pos0: usize,
+    ) -> Result<(), BackendError>;
+    /// The bytes of rows `cells` of `ring` as [`KvLayout`] lays them out (the rows alone,
+    /// [`kv_rows_range`] of the ring): what a saved sequence keeps of its K/V
+    /// (llama-server's slot files), readable by any device of the contract.
+    fn kv_read(&self, ring: &KvRing<Self>, cells: Range<usize>) -> Result<Vec<u8>, BackendError>;
+    /// Writes whole rows (bytes of [`KvLayout::row_bytes`] each, as [`Backend::kv_read`]
+    /// gives them) into `ring` from cell `cell0` on, in place: a saved sequence's K/V
+    /// restored. Rows that are not whole or do not fit the ring are a shape error
+    /// ([`kv_row_count`], [`kv_rows_range`]).
+    fn kv_write(
+        &self,
+        ring: &mut KvRing<Self>,
+        cell0: usize,
+        rows: &[u8],
     ) -> Result<(), BackendError>;
     /// Attention of `n_tokens` queries at positions `pos0..` over the K and V rings (causal,
     /// sliding window, GQA, and one sink logit per head when `sinks` is given), with the CPU

@@ -443,6 +443,20 @@ impl Backend for Ref0 {
     ) -> Result<(), BackendError> {
         crate::ref0_kv::store(&ring.layout, src, &mut ring.data, n_tokens, pos0)
     }
+    fn kv_read(&self, ring: &KvRing<Ref0>, cells: Range<usize>) -> Result<Vec<u8>, BackendError> {
+        Ok(ring.data[crate::kv_rows_range(&ring.layout, cells.start, cells.len())?].to_vec())
+    }
+    fn kv_write(
+        &self,
+        ring: &mut KvRing<Ref0>,
+        cell0: usize,
+        rows: &[u8],
+    ) -> Result<(), BackendError> {
+        let n = crate::kv_row_count(&ring.layout, rows.len())?;
+        let bytes = crate::kv_rows_range(&ring.layout, cell0, n)?;
+        ring.data[bytes].copy_from_slice(rows);
+        Ok(())
+    }
     fn attention(
         &self,
         p: &AttnParams,

@@ -389,7 +389,7 @@ pub const LLAMA_SERVER_FLAGS: &[LlamaFlag] = &[
     note(&["--props"], Switch, IfTrue("LLAMA_ARG_ENDPOINT_PROPS"), "POST /props changes nothing in hmoe"),
     always(&["--slots"], IfTrue("LLAMA_ARG_ENDPOINT_SLOTS")),
     hmoe(&["--no-slots"], Switch, IfFalse("LLAMA_ARG_ENDPOINT_SLOTS"), "--no-slots"),
-    note(&["--slot-save-path"], One, NO, "hmoe does not save slots to files"),
+    hmoe(&["--slot-save-path"], One, NO, "--slot-save-path"),
     note(&["--media-path"], One, NO, MEDIA),
     hmoe(&["--models-dir"], One, V("LLAMA_ARG_MODELS_DIR"), "--models-dir"),
     hmoe(&["--models-preset"], One, V("LLAMA_ARG_MODELS_PRESET"), "--models-preset"),

@@ -166,6 +166,11 @@ pub struct ServeArgs {
     /// Do not serve /slots.
     #[arg(help_heading = "Server", long = "no-slots")]
     pub no_slots: bool,
+    /// Directory of slot files: POST /slots/{id}?action=save|restore writes and reads a
+    /// slot's tokens and K/V cache there (an existing directory; without it those routes
+    /// answer 501).
+    #[arg(help_heading = "Server", long = "slot-save-path", value_name = "PATH")]
+    pub slot_save_path: Option<PathBuf>,
     /// Flash attention (`-fa` = on, `-fa on|off|auto`); auto is on, as llama.cpp resolves it on
     /// the CPU. A quantized V cache needs it.
     #[arg(help_heading = "Loading", long = "flash-attn", value_name = "on|off|auto", num_args = 0..=1, default_missing_value = "on",
@@ -532,6 +537,7 @@ impl ServeArgs {
         s.n_predict = (self.n_predict >= 0).then_some(self.n_predict as usize);
         config.metrics = self.metrics;
         config.slots_endpoint = !self.no_slots;
+        config.slot_save_path = self.slot_save_path.clone();
         config.models_max = self.models_max;
         config.models_autoload = !self.no_models_autoload;
         config.webui = !self.no_webui;

@@ -353,6 +353,21 @@ impl Backend for Cpu {
         }
         Ok(())
     }
+    fn kv_read(&self, ring: &KvRing<Cpu>, cells: Range<usize>) -> Result<Vec<u8>, BackendError> {
+        let bytes = hmoe_backend::kv_rows_range(&ring.layout, cells.start, cells.len())?;
+        Ok(ring_cells(ring, "kv_read")?.read_bytes(bytes))
+    }
+    fn kv_write(
+        &self,
+        ring: &mut KvRing<Cpu>,
+        cell0: usize,
+        rows: &[u8],
+    ) -> Result<(), BackendError> {
+        let n = hmoe_backend::kv_row_count(&ring.layout, rows.len())?;
+        let bytes = hmoe_backend::kv_rows_range(&ring.layout, cell0, n)?;
+        ring_cells(ring, "kv_write")?.write_bytes(bytes.start, rows);
+        Ok(())
+    }
     fn attention(
         &self,
         p: &AttnParams,

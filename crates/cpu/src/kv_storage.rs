@@ -87,6 +87,36 @@ impl Cells {
         }
     }
 
+    /// The bytes `range` of [`Cells::to_bytes`] (a range of whole elements), copied alone.
+    pub fn read_bytes(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        match self {
+            Cells::F32(v) => (v[range.start / 4..range.end / 4].iter())
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            Cells::F16(v) => (v[range.start / 2..range.end / 2].iter())
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            Cells::Blocks { data, .. } => data[range].to_vec(),
+        }
+    }
+
+    /// Overwrites the bytes of [`Cells::to_bytes`] from `at` on (whole elements) with `src`.
+    pub fn write_bytes(&mut self, at: usize, src: &[u8]) {
+        match self {
+            Cells::F32(v) => {
+                for (d, b) in v[at / 4..].iter_mut().zip(src.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Cells::F16(v) => {
+                for (d, b) in v[at / 2..].iter_mut().zip(src.chunks_exact(2)) {
+                    *d = f16::from_le_bytes([b[0], b[1]]);
+                }
+            }
+            Cells::Blocks { data, .. } => data[at..at + src.len()].copy_from_slice(src),
+        }
+    }
+
     /// Elements per block (1 for the float types).
     pub fn block_elems(&self) -> usize {
         match self {

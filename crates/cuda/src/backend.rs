@@ -227,6 +227,29 @@ impl Backend for CudaDevice {
     fn k_only_types(&self) -> &'static [GgmlType] {
         &crate::K_ONLY_TYPES
     }
+    fn kv_read(
+        &self,
+        ring: &KvRing<CudaDevice>,
+        cells: Range<usize>,
+    ) -> Result<Vec<u8>, BackendError> {
+        let bytes = hmoe_backend::kv_rows_range(&ring.layout, cells.start, cells.len())?;
+        Ok(CudaDevice::download_range(self, &ring.data, bytes)?)
+    }
+    fn kv_write(
+        &self,
+        ring: &mut KvRing<CudaDevice>,
+        cell0: usize,
+        rows: &[u8],
+    ) -> Result<(), BackendError> {
+        let n = hmoe_backend::kv_row_count(&ring.layout, rows.len())?;
+        let bytes = hmoe_backend::kv_rows_range(&ring.layout, cell0, n)?;
+        Ok(CudaDevice::upload_at(
+            self,
+            rows,
+            &mut ring.data,
+            bytes.start,
+        )?)
+    }
     fn kv_store(
         &self,
         src: &CudaSlice<f32>,

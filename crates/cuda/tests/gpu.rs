@@ -814,3 +814,33 @@ fn bad_shapes_are_errors_not_panics() {
         "k > n_expert"
     );
 }
+
+/// A saved sequence's K/V rows ([`Backend::kv_read`], [`Backend::kv_write`]): read alone,
+/// the bytes REF0 stores for the same rows; written into a fresh ring, the ring they came
+/// from; rows outside the ring are a shape error.
+#[test]
+fn kv_rows_are_read_and_written_alone() {
+    let Some(dev) = device() else { return };
+    let r = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(7);
+    for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::F32] {
+        let layout = hmoe_backend::KvLayout::new(ty, 64, 10, 0).unwrap();
+        let src = noise(&mut rng, 6 * 64, 2.0);
+        let mut g = Backend::kv_alloc(dev, layout).unwrap();
+        let mut c = r.kv_alloc(layout).unwrap();
+        Backend::kv_store(dev, &dev.upload(&src).unwrap(), &mut g, 6, 2).unwrap();
+        r.kv_store(&r.upload(&src).unwrap(), &mut c, 6, 2).unwrap();
+        let rows = Backend::kv_read(dev, &g, 2..8).unwrap();
+        assert_eq!(rows, r.kv_read(&c, 2..8).unwrap(), "{ty:?}");
+        let mut fresh = Backend::kv_alloc(dev, layout).unwrap();
+        Backend::kv_write(dev, &mut fresh, 2, &rows).unwrap();
+        assert_eq!(
+            dev.download(&fresh.data).unwrap(),
+            dev.download(&g.data).unwrap(),
+            "{ty:?}"
+        );
+        assert!(Backend::kv_read(dev, &g, 8..11).is_err());
+        assert!(Backend::kv_write(dev, &mut fresh, 9, &rows).is_err());
+        assert!(Backend::kv_write(dev, &mut fresh, 0, &rows[1..]).is_err());
+    }
+}

@@ -2,6 +2,7 @@
 //! back: the logits it wants, one sequence's share of a batched step, the device memory.
 
 use crate::error::ModelError;
+use crate::kv_snapshot::KvSnapshot;
 use crate::sequence::KvCache;
 use hmoe_backend::{KvType, TransferCounts};
 
@@ -76,6 +77,14 @@ pub trait LanguageModel: Send + Sync {
     /// idle sequence's cache to make room, after which the handle can only start again from
     /// position 0 ([`KvCache::clear`]).
     fn cache_held(&self, cache: &KvCache) -> bool;
+    /// The K/V of `cache`'s positions, read from the device (a slot saved to a file).
+    fn export_kv(&self, cache: &KvCache) -> Result<KvSnapshot, ModelError>;
+    /// Puts `snap` into `cache`: the handle then stands at `snap.n_past` with those keys and
+    /// values, as if it had computed them. A snapshot whose layers or ring layouts are not
+    /// those of a cache of `cache`'s types and geometry on this model is refused
+    /// ([`ModelError::Cache`]) before anything changes; a failure after that leaves the
+    /// handle empty (position 0).
+    fn import_kv(&self, cache: &mut KvCache, snap: &KvSnapshot) -> Result<(), ModelError>;
     /// Runs several sequences in one pass (continuous batching): each sequence's tokens go to
     /// the next positions of its own cache, and every sequence's result is exactly what
     /// [`LanguageModel::forward`] would return for it alone (batch invariance).

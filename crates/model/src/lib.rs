@@ -12,6 +12,7 @@ pub mod archs;
 mod error;
 pub mod executor;
 pub mod expert_placement;
+mod kv_snapshot;
 mod language_model;
 mod sequence;
 mod weights;
@@ -31,7 +32,9 @@ pub use archs::{device_arch, model_shape, Arch, ARCHS};
 pub use error::ModelError;
 pub use executor::DeviceModel;
 pub use expert_placement::{ExpertHome, ExpertPlacement, OP_OFFLOAD_MIN_BATCH};
+pub use hmoe_backend::KvLayout;
 pub use kv_cache::{KvCache, KvType};
+pub use kv_snapshot::{KvSnapshot, LayerRows, RingRows};
 pub use language_model::{
     DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch,
 };

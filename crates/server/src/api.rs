@@ -60,6 +60,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/apply-template", post(apply_template))
         .route("/props", get(props))
         .route("/slots", get(slots))
+        .route("/slots/{id_slot}", post(crate::slot_actions::slot_action))
         .route("/metrics", get(metrics_route))
         .fallback(not_found)
         // The guard reads bodies within the limit; the extractors must not apply axum's 2 MB.

@@ -176,6 +176,9 @@ pub struct ServerConfig {
     pub metrics: bool,
     /// Serve `/slots` (on unless `--no-slots`).
     pub slots_endpoint: bool,
+    /// The directory of slot files (`--slot-save-path`): `POST /slots/{id}?action=save|
+    /// restore` read and write files there; `None` (the default) answers those routes 501.
+    pub slot_save_path: Option<std::path::PathBuf>,
     /// Router mode: models loaded at once (`--models-max`, 0 = no limit).
     pub models_max: usize,
     /// Router mode: a request for a model that is not loaded loads it (on unless
@@ -217,6 +220,7 @@ impl ServerConfig {
             sampling: SamplingDefaults::default(),
             metrics: false,
             slots_endpoint: true,
+            slot_save_path: None,
             models_max: 4,
             models_autoload: true,
             presets: std::collections::BTreeMap::new(),
@@ -243,6 +247,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("chat", &self.chat)
             .field("sampling", &self.sampling)
             .field("metrics", &self.metrics)
+            .field("slot_save_path", &self.slot_save_path)
             .field("models_max", &self.models_max)
             .field("models_autoload", &self.models_autoload)
             .field("presets", &self.presets.keys().collect::<Vec<_>>())

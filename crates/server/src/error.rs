@@ -95,6 +95,12 @@ impl ApiError {
         ApiError::new(StatusCode::NOT_IMPLEMENTED, "not_supported_error", message)
     }
 
+    /// 409: the request conflicts with what a resource is doing now (a slot action on a
+    /// slot that runs a request).
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, "invalid_request_error", message)
+    }
+
     /// 503: busy (queue full, model loading, model limit reached).
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError::new(

@@ -1,7 +1,8 @@
 //! `hmoe serve`: an OpenAI-compatible HTTP server with llama-server's routes and flags.
 //!
 //! * Routes: `/health`, `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
-//!   `/completion`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`, `/slots`,
+//!   `/completion`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`, `/slots`
+//!   (and `POST /slots/{id}` with `--slot-save-path`, [`slot_actions`]),
 //!   `/metrics`, and in router mode `/models/load` and `/models/unload` (see [`api`]).
 //! * Each model runs `n_parallel` slots on one worker thread with continuous batching
 //!   ([`scheduler`]); requests beyond the slots wait in a bounded queue, then get 503.
@@ -45,6 +46,8 @@ pub mod request_log;
 pub mod responses;
 pub mod sampling;
 pub mod scheduler;
+pub mod slot_actions;
+pub mod slot_file;
 pub mod state;
 pub mod webui;
 
@@ -205,6 +208,12 @@ fn validate(config: &ServerConfig) -> Result<(), ServerError> {
         return Err(ServerError::Config(
             "--timeout and --header-timeout must be at least 1 second".into(),
         ));
+    }
+    if let Some(dir) = config.slot_save_path.as_ref().filter(|d| !d.is_dir()) {
+        return Err(ServerError::Config(format!(
+            "--slot-save-path {}: not a directory",
+            dir.display()
+        )));
     }
     Ok(())
 }

@@ -29,6 +29,10 @@
 //! that would have to go back further than that is recomputed from position 0
 //! ([`hmoe_model::KvCache::truncate`] refuses).
 //!
+//! Slot actions (save, restore, erase a slot's cache: `--slot-save-path`) wait in the same
+//! queue and run on the worker between two passes, on idle slots only; a restored slot's
+//! tokens then serve the next request's prefix as if it had computed them.
+//!
 //! A request whose receiver is gone (the client disconnected) is dropped before the next pass
 //! and its slot freed.
 //!
@@ -42,10 +46,12 @@
 mod jobs;
 mod prefix_reuse;
 mod shared;
+mod slot_actions;
 mod worker;
 
 pub use jobs::{
-    FailureKind, Finish, JobEvent, JobFailure, JobSpec, SubmitError, Summary, TokenLogprob,
+    FailureKind, Finish, JobEvent, JobFailure, JobSpec, SlotActionError, SubmitError, Summary,
+    TokenLogprob,
 };
 pub use prefix_reuse::{measure_reuse, Reuse};
 pub use shared::{SlotConfig, SlotView};
@@ -94,6 +100,7 @@ impl Scheduler {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
+                commands: VecDeque::new(),
                 free_slots: n_slots,
                 next_id: 0,
                 shutdown: false,

@@ -238,9 +238,10 @@ fn the_issues_command_lines_parse() {
     let words: Vec<&str> = line.split_whitespace().collect();
     let (a, notes) = serve(&words, &[]).unwrap();
     assert_eq!(a.log_verbosity, Some(4));
+    assert_eq!(a.slot_save_path.as_deref(), Some("/tmp".as_ref()));
     assert_eq!(
         notes.len(),
-        10,
+        9,
         "one note per flag that does not apply: {notes:?}"
     );
     assert_eq!(

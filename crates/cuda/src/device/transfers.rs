@@ -38,6 +38,48 @@ impl CudaDevice {
         Ok(self.stream.memcpy_htod(src, dst)?)
     }
 
+    /// The bytes `range` of `src` (waits for the queued ops that write it): a K/V ring's rows
+    /// read alone.
+    pub fn download_range(
+        &self,
+        src: &CudaSlice<u8>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<u8>, CudaError> {
+        ensure(
+            range.start <= range.end && range.end <= src.len(),
+            "download_range",
+            || format!("range {range:?} of a buffer of {}", src.len()),
+        )?;
+        let mut out = vec![0u8; range.len()];
+        if !out.is_empty() {
+            self.stream.memcpy_dtoh(&src.slice(range), &mut out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    /// Copies `src` into `dst` from byte `at` on, and waits for the copy: a K/V ring's rows
+    /// written alone.
+    pub fn upload_at(
+        &self,
+        src: &[u8],
+        dst: &mut CudaSlice<u8>,
+        at: usize,
+    ) -> Result<(), CudaError> {
+        let end = at.checked_add(src.len()).filter(|&e| e <= dst.len());
+        let Some(end) = end else {
+            return Err(CudaError::Shape {
+                op: "upload_at",
+                what: format!("{} bytes at {at} into a buffer of {}", src.len(), dst.len()),
+            });
+        };
+        if !src.is_empty() {
+            self.stream.memcpy_htod(src, &mut dst.slice_mut(at..end))?;
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
     /// A new device buffer holding a copy of `src[range]` (queued on the stream).
     pub fn copy_range<T: DeviceRepr>(
         &self,

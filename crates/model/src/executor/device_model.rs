@@ -18,10 +18,13 @@ use super::state::State;
 use super::step::{DeviceLayers, Member, Step};
 use crate::error::ModelError;
 use crate::expert_placement::{ExpertHome, ExpertPlacement};
+use crate::kv_snapshot::KvSnapshot;
 use crate::language_model::{
     DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch,
 };
 use crate::sequence::KvCache;
+
+mod snapshot;
 
 /// A model with its dense part on a device `B` and each layer's routed experts where an
 /// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits).
@@ -585,6 +588,12 @@ impl<B: Backend> LanguageModel for DeviceModel<B> {
     }
     fn cache_held(&self, cache: &KvCache) -> bool {
         DeviceModel::<B>::cache_held(self, cache)
+    }
+    fn export_kv(&self, cache: &KvCache) -> Result<KvSnapshot, ModelError> {
+        DeviceModel::<B>::export_kv(self, cache)
+    }
+    fn import_kv(&self, cache: &mut KvCache, snap: &KvSnapshot) -> Result<(), ModelError> {
+        DeviceModel::<B>::import_kv(self, cache, snap)
     }
     /// Every sequence's tokens in one micro-batch, each over its own device cache (see
     /// [`DeviceModel::forward_multi`]).

@@ -1,5 +1,5 @@
 //! What a request gives the scheduler and what it gets back: the job, its events, its end and
-//! why it failed or was refused.
+//! why it failed or was refused; and the slot actions (`POST /slots/{id}`) and their errors.
 
 use hmoe_chat::ChatDelta;
 use hmoe_engine::SamplerParams;
@@ -8,6 +8,8 @@ use hmoe_model::ModelError;
 use crate::error::ApiError;
 use crate::output::OutputKind;
 use crate::sampling::LogitAdjust;
+use crate::slot_file::SlotState;
+use tokio::sync::oneshot;
 
 /// What a request asks the engine for.
 #[derive(Clone, Debug)]
@@ -182,4 +184,65 @@ pub enum SubmitError {
     /// The model is being unloaded or the server is stopping.
     #[error("the model is shutting down")]
     ShuttingDown,
+}
+
+/// What the worker does with a slot.
+pub(super) enum SlotCommand {
+    /// Its tokens and K/V.
+    Save(oneshot::Sender<Result<SlotState, SlotActionError>>),
+    /// Replace its cache with a saved one; answers the tokens restored.
+    Restore(
+        Box<SlotState>,
+        oneshot::Sender<Result<usize, SlotActionError>>,
+    ),
+    /// Empty its cache; answers the tokens it held.
+    Erase(oneshot::Sender<Result<usize, SlotActionError>>),
+}
+
+/// A command for slot `slot`.
+pub(super) struct SlotRequest {
+    pub(super) slot: usize,
+    pub(super) command: SlotCommand,
+}
+
+/// Why a slot action failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SlotActionError {
+    /// No slot of that id.
+    #[error("Invalid slot ID: the server has {n_slots} slots (0 to {})", n_slots.saturating_sub(1))]
+    NoSuchSlot {
+        /// How many slots there are.
+        n_slots: usize,
+    },
+    /// The slot runs a request.
+    #[error("slot {0} is processing a request; try again once it is idle")]
+    Busy(usize),
+    /// The saved K/V does not fit this slot's cache (another context, micro-batch or K/V type).
+    #[error("the saved K/V does not fit this slot: {0}")]
+    Mismatch(String),
+    /// The device has no memory for the K/V now.
+    #[error("no device memory for the slot's K/V now ({0}); try again later")]
+    OutOfMemory(String),
+    /// The device failed.
+    #[error("the slot action failed: {0}")]
+    Device(String),
+    /// The model is being unloaded or the server is stopping.
+    #[error("the model is shutting down")]
+    ShuttingDown,
+}
+
+impl SlotActionError {
+    /// The HTTP error it becomes.
+    pub fn api_error(&self) -> ApiError {
+        match self {
+            SlotActionError::NoSuchSlot { .. } | SlotActionError::Mismatch(_) => {
+                ApiError::bad_request(self.to_string())
+            }
+            SlotActionError::Busy(_) => ApiError::conflict(self.to_string()),
+            SlotActionError::OutOfMemory(_) | SlotActionError::ShuttingDown => {
+                ApiError::unavailable(self.to_string())
+            }
+            SlotActionError::Device(_) => ApiError::internal(self.to_string()),
+        }
+    }
 }

@@ -8,7 +8,7 @@ use hmoe_model::KvType;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Stats;
-use crate::scheduler::jobs::{JobEvent, JobSpec};
+use crate::scheduler::jobs::{JobEvent, JobSpec, SlotRequest};
 
 /// A slot as shown by `/slots`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -56,6 +56,8 @@ pub(super) struct Job {
 
 pub(super) struct Queue {
     pub(super) jobs: VecDeque<Job>,
+    /// Slot actions waiting for the worker (run before the next admission).
+    pub(super) commands: VecDeque<SlotRequest>,
     pub(super) free_slots: usize,
     pub(super) next_id: u64,
     pub(super) shutdown: bool,

@@ -17,6 +17,9 @@ use crate::sampling::{log_softmax_at, log_sum_exp, PickerFactory, TokenPicker};
 use crate::scheduler::jobs::{Finish, JobEvent, JobFailure, JobSpec, Summary, TokenLogprob};
 use crate::scheduler::prefix_reuse::{common_prefix, measure_reuse, Reuse};
 use crate::scheduler::shared::{lock, Job, Queue, Shared, SlotConfig, SlotView};
+
+mod slot_commands;
+
 struct Slot {
     id: usize,
     cache: KvCache,
@@ -111,7 +114,7 @@ impl Worker {
         // Frees what the probes left on a device.
         self.retain_caches();
         loop {
-            {
+            let commands = {
                 let shared = self.shared.clone();
                 let mut q = lock(&shared.queue);
                 loop {
@@ -120,12 +123,22 @@ impl Worker {
                         self.fail_all("the model was unloaded or the server is stopping");
                         return;
                     }
+                    // Slot actions first, outside the queue's lock (they copy K/V).
+                    if !q.commands.is_empty() {
+                        break std::mem::take(&mut q.commands);
+                    }
                     self.admit(&mut q);
                     if self.slots.iter().any(|s| s.active.is_some()) {
-                        break;
+                        break Default::default();
                     }
                     q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
+            };
+            if !commands.is_empty() {
+                for c in commands {
+                    self.run_command(c);
+                }
+                continue;
             }
             // Show admitted requests before any of their output can reach a client.
             self.publish();
@@ -155,6 +168,8 @@ impl Worker {
         for job in q.jobs.drain(..) {
             let _ = job.events.send(JobEvent::Failed(JobFailure::internal(why)));
         }
+        // Dropping their answer channels tells slot actions the model is going.
+        q.commands.clear();
         drop(q);
         for i in 0..self.slots.len() {
             if let Some(a) = self.slots[i].active.take() {
