@@ -22,7 +22,8 @@ const UBATCH: usize = 16;
 const N_CTX: usize = 64;
 const N_LAYER: usize = 2;
 
-/// Q8_0 experts (8 of them), or Q4_K gate/up with Q6_K down (4 of them, 256 wide).
+/// Q8_0 experts (8 of them), or Q4_K gate/up with Q6_K down (4 of them, 256 wide); 3 a
+/// token (three slot outputs: their sum's order shows).
 fn spec(kquant: bool) -> Qwen3MoeSpec {
     let base = Qwen3MoeSpec {
         n_layer: N_LAYER,
@@ -31,7 +32,7 @@ fn spec(kquant: bool) -> Qwen3MoeSpec {
         n_head_kv: 2,
         head_dim: 32,
         n_expert: 8,
-        n_expert_used: 2,
+        n_expert_used: 3,
         n_ff_exp: 64,
         n_vocab: 300,
         expert_type: GgmlType::Q8_0,

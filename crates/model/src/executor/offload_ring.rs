@@ -28,7 +28,7 @@
 
 use std::ops::Range;
 
-use hmoe_backend::{Backend, RowCopy};
+use hmoe_backend::{Backend, GatedAct, RowCopy};
 use hmoe_placement::{ring_max_slice, ring_slice_for};
 
 use super::expert_boundary::{compact_ids, experts_of};
@@ -52,10 +52,12 @@ struct PairRows<B: Backend> {
 }
 
 impl<B: Backend> PairRows<B> {
-    /// The pairs of the tokens `tokens` of the routed batch `r` (`k` slots, width `d`).
+    /// The pairs of the tokens `tokens` of a batch of normed hidden states `h` (width `d`)
+    /// routed with weights `w` (`k` slots a token).
     fn new(
         dev: &B,
-        r: &Routed<'_, B>,
+        h: &B::Buf<f32>,
+        w: &B::Buf<f32>,
         tokens: Range<usize>,
         d: usize,
         k: usize,
@@ -71,9 +73,9 @@ impl<B: Backend> PairRows<B> {
                 dst_stride: k * d,
                 dst_offset: j * d,
             };
-            dev.copy_rows(r.h, &mut x, &c)?;
+            dev.copy_rows(h, &mut x, &c)?;
         }
-        let wts = dev.copy_range(r.wts, tokens.start * k..tokens.end * k)?;
+        let wts = dev.copy_range(w, tokens.start * k..tokens.end * k)?;
         let out = dev.alloc::<f32>(len * k * d)?;
         Ok(PairRows {
             tokens,
@@ -89,7 +91,7 @@ impl<B: Backend> PairRows<B> {
     fn run_slice(
         &mut self,
         dev: &B,
-        r: &Routed<'_, B>,
+        act: GatedAct,
         w: &B::Moe,
         pos: &[i32],
         slice: Range<usize>,
@@ -110,7 +112,7 @@ impl<B: Backend> PairRows<B> {
         }
         let sel = dev.upload(&sel)?;
         let mut y = dev.alloc::<f32>(B::buf_len(&self.out))?;
-        dev.moe(w, r.act, &self.x, &sel, &self.wts, 1, &mut y)?;
+        dev.moe(w, act, &self.x, &sel, &self.wts, 1, &mut y)?;
         dev.add_assign(&mut self.out, &y)?;
         Ok(())
     }
@@ -282,13 +284,13 @@ impl<B: Backend> Step<'_, B> {
         let (d, k) = (self.arch.dims().n_embd, r.router.k);
         let whole = [0..self.n_tokens()];
         let mut rows = (parts.unwrap_or(&whole).iter())
-            .map(|g| PairRows::new(dev, r, g.clone(), d, k))
+            .map(|g| PairRows::new(dev, r.h, r.wts, g.clone(), d, k))
             .collect::<Result<Vec<_>, _>>()?;
         let mut cur = first;
         let mut lo = 0;
         for (j, ids) in slices.iter().enumerate() {
             for p in &mut rows {
-                p.run_slice(dev, r, &cur, pos, lo..lo + ids.len(), k)?;
+                p.run_slice(dev, r.act, &cur, pos, lo..lo + ids.len(), k)?;
             }
             lo += ids.len();
             let Some(next_ids) = slices.get(j + 1) else {
@@ -321,5 +323,99 @@ impl<B: Backend> Step<'_, B> {
         self.prefetched = Some((nl, ids.len(), w));
         self.st.stats.prefetched_layers += 1;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hmoe_backend::{ExpertMatrix, ExpertTensors, Ref0};
+    use hmoe_quant::GgmlType;
+
+    /// A value in [-1, 1) from a seed (a plain LCG: no dependency).
+    fn noise(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// The ring's slices, summed per pair and then in slot order, give the whole `moe`'s bits
+    /// for every slice size, activation and weight type whose order varies with the rows
+    /// (F32: `vec_dot` order for an expert one row routes to, 16 lanes for more), with sums
+    /// of four slot outputs of very different sizes, where any other order shows.
+    #[test]
+    fn slices_give_the_whole_moes_bits() {
+        let (n, d, ff, n_expert, k) = (9usize, 32usize, 48usize, 7usize, 4usize);
+        let mut seed = 5;
+        let mut floats = |len: usize, scale: f32| -> Vec<f32> {
+            (0..len).map(|_| noise(&mut seed) * scale).collect()
+        };
+        let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let gate = bytes(&floats(n_expert * ff * d, 0.5));
+        let up = bytes(&floats(n_expert * ff * d, 0.5));
+        let down = bytes(&floats(n_expert * d * ff, 0.5));
+        let (gb, ub, db) = (
+            floats(n_expert * ff, 0.1),
+            floats(n_expert * ff, 0.1),
+            floats(n_expert * d, 0.1),
+        );
+        let t = ExpertTensors {
+            n_expert,
+            gate: m(&gate, d, ff),
+            up: m(&up, d, ff),
+            down: m(&down, ff, d),
+            gate_bias: &gb,
+            up_bias: &ub,
+            down_bias: &db,
+        };
+        let h = floats(n * d, 3.0);
+        // Distinct experts per token (one expert gets a single row), weights of very
+        // different sizes.
+        let sel: Vec<i32> = (0..n)
+            .flat_map(|t| (0..k).map(move |j| ((t * 3 + j * (1 + t % 2)) % n_expert) as i32))
+            .collect();
+        let wts: Vec<f32> = (0..n * k).map(|i| [1.0, 1e-3, 7.5, 0.03][i % k]).collect();
+        let dev = Ref0::new();
+        let (hb, sb, wb) = (
+            dev.upload(&h).unwrap(),
+            dev.upload(&sel).unwrap(),
+            dev.upload(&wts).unwrap(),
+        );
+        let all = dev.upload_moe(&t, None).unwrap();
+        for act in [
+            GatedAct::Silu,
+            GatedAct::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0,
+            },
+        ] {
+            let mut want = dev.alloc::<f32>(n * d).unwrap();
+            dev.moe(&all, act, &hb, &sb, &wb, k, &mut want).unwrap();
+            let want: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+            for slice in 1..=n_expert {
+                let mut rows = PairRows::new(&dev, &hb, &wb, 0..n, d, k).unwrap();
+                for lo in (0..n_expert).step_by(slice) {
+                    let ids: Vec<usize> = (lo..(lo + slice).min(n_expert)).collect();
+                    let w = dev.upload_moe(&t, Some(&ids)).unwrap();
+                    rows.run_slice(&dev, act, &w, &sel, lo..lo + ids.len(), k)
+                        .unwrap();
+                }
+                let mut got = dev.alloc::<f32>(n * d).unwrap();
+                rows.sum_into(&dev, d, k, &mut got).unwrap();
+                let got: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                assert!(got == want, "{act:?}, {slice} experts a slice");
+            }
+        }
+    }
+
+    /// F32 expert matrices of `n_out` rows of `n_in`.
+    fn m(data: &[u8], n_in: usize, n_out: usize) -> ExpertMatrix<'_> {
+        ExpertMatrix {
+            ty: GgmlType::F32,
+            n_in,
+            n_out,
+            data,
+        }
     }
 }
