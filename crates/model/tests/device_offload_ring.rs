@@ -5,6 +5,8 @@
 //! and two batched); the slices uploaded are those planned; the ring never holds more than its
 //! size; and a REF0 budget that the whole layer at once would overrun holds the ring.
 
+mod common;
+
 use std::path::PathBuf;
 
 use hmoe_backend::{Backend, BackendError, Ref0};
@@ -232,4 +234,32 @@ fn a_budget_that_the_whole_layer_overruns_holds_the_ring() {
         ),
     }
     assert!(over.device().free_memory().unwrap().is_some());
+}
+
+/// The gpt-oss fixtures (MXFP4 experts, and F32 experts whose products' order depends on the
+/// rows an expert gets; clamped SwiGLU, biases, 4 slots a token) through the smallest ring,
+/// one expert a slice: the CPU's bits.
+#[test]
+fn gpt_oss_fixtures_through_the_smallest_ring_are_the_cpus() {
+    for file in ["gptoss-small.gguf", "gptoss-openai-f32experts.gguf"] {
+        let path = common::fixtures().join("gpt-oss").join(file);
+        let open = || GgufModel::open(&path, LoadOptions::default()).unwrap();
+        let want = bits(&run(hmoe_model::load(open()).unwrap().as_ref(), 0).unwrap());
+        let n_layer = hmoe_model::model_shape(&open()).unwrap().n_layer as usize;
+        let placement = ExpertPlacement {
+            layers: vec![ExpertHome::Host; n_layer],
+            op_offload_min_batch: Some(4),
+        };
+        let dev = DeviceModel::load(open(), Ref0::new(), &placement).unwrap();
+        dev.set_op_offload_ring(Some(0));
+        let got = bits(&run(&dev, 0).unwrap());
+        assert!(got == want, "{file}: not the CPU's bits");
+        let s = dev.stats();
+        assert_eq!(s.offloaded_layers, 3 * n_layer as u64, "{file}");
+        assert_eq!(
+            s.offload_slices, s.offloaded_experts,
+            "{file}: one expert a slice"
+        );
+        assert!(s.offload_slices > s.offloaded_layers, "{file}: {s:?}");
+    }
 }
