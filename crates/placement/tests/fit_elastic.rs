@@ -156,7 +156,10 @@ fn the_expert_cache_shrinks_after_the_ring_and_before_the_context() {
     assert_eq!(p.ring_slice_experts, 1);
     assert_eq!(gpu0(&p).ring, ring_bytes(1, 128, eb));
     let cache = gpu0(&p).moe_cache;
-    assert!(cache > 0 && cache < 5 * GIB && cache % MIB == 0, "{cache}");
+    assert!(
+        cache > 0 && cache < 5 * GIB && cache.is_multiple_of(MIB),
+        "{cache}"
+    );
     assert!(gpu0(&p).room_beyond_margin() < MIB);
     assert!(p
         .notes

@@ -282,7 +282,7 @@ impl<B: Backend> Step<'_, B> {
     ) -> Result<Vec<PairRows<B>>, ModelError> {
         let dev = self.dev();
         let (d, k) = (self.arch.dims().n_embd, r.router.k);
-        let whole = [0..self.n_tokens()];
+        let whole = std::iter::once(0..self.n_tokens()).collect::<Vec<_>>();
         let mut rows = (parts.unwrap_or(&whole).iter())
             .map(|g| PairRows::new(dev, r.h, r.wts, g.clone(), d, k))
             .collect::<Result<Vec<_>, _>>()?;
