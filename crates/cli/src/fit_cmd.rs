@@ -69,12 +69,17 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", render(&plan, &names));
-        if moe_cache > 0 {
-            let gpu = names.first().map_or("GPU0", String::as_str);
-            println!(
+        let gpu = names.first().map_or("GPU0", String::as_str);
+        match a.moe_cache {
+            _ if moe_cache == 0 => {}
+            Some(MoeCacheFlag::Mib(_)) => println!(
+                "expert cache (--moe-cache): {} MiB on {gpu}, in its compute column",
+                moe_cache >> 20
+            ),
+            _ => println!(
                 "expert cache (--moe-cache): up to {} MiB more on {gpu}, out of what the plan leaves beyond --fit-target",
                 moe_cache >> 20
-            );
+            ),
         }
         let cpu = plan.device(DeviceId::Cpu).map_or(0, DeviceUsage::total);
         if let Some(avail) = host_available().filter(|&a| a < cpu) {
@@ -88,15 +93,16 @@ pub fn run(args: FitArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The most the device expert cache takes on the first GPU under `--moe-cache`: the MiB given,
-/// or with `auto` the plan's room beyond `--fit-target`; 0 when off or when every layer's
-/// experts are on the GPU already (nothing to cache).
+/// The most the device expert cache takes on the first GPU under `--moe-cache`: the MiB given
+/// as the plan counts them (`--fit` may shrink them), or with `auto` the plan's room beyond
+/// `--fit-target`; 0 when off or when every layer's experts are on the GPU already (nothing
+/// to cache).
 fn moe_cache_bytes(plan: &Plan, flag: Option<MoeCacheFlag>) -> u64 {
     let host_experts = plan
         .device(DeviceId::Cpu)
         .is_some_and(|cpu| cpu.expert_layers > 0);
     match flag {
-        Some(MoeCacheFlag::Mib(m)) if host_experts => m << 20,
+        Some(MoeCacheFlag::Mib(_)) if host_experts => plan.flags.moe_cache,
         Some(MoeCacheFlag::Auto) if host_experts => plan
             .device(DeviceId::Gpu(0))
             .map_or(0, DeviceUsage::room_beyond_margin),
@@ -135,6 +141,15 @@ fn budget_sources(
 /// what fit did.
 fn render(p: &Plan, names: &[String]) -> String {
     let mut out = format!("{}\n\n{}", p.command_line(), p.table_named(names));
+    for d in p.devices.iter().filter(|d| d.ring > 0) {
+        out.push_str(&format!(
+            "op-offload ring on {}: {} slices of {} experts, {} MiB (in its compute column)\n",
+            d.device.name_in(names),
+            hmoe_placement::RING_SLOTS,
+            p.ring_slice_experts,
+            d.ring >> 20
+        ));
+    }
     for n in &p.notes {
         out.push_str(&format!("fit: {n}\n"));
     }
@@ -156,6 +171,8 @@ fn device_json(d: &DeviceUsage, names: &[String]) -> Value {
         "margin": d.margin,
         "layers": d.layers,
         "expert_layers": d.expert_layers,
+        "ring": d.ring,
+        "moe_cache": d.moe_cache,
     })
 }
 
@@ -169,6 +186,7 @@ fn to_json(p: &Plan, names: &[String]) -> Value {
         "kv_cells_full": p.kv_cells_full,
         "kv_cells_swa": p.kv_cells_swa,
         "fit_cpu_expert_layers": p.fit_cpu_expert_layers,
+        "ring_slice_experts": p.ring_slice_experts,
         "fits": p.fits(),
         "notes": p.notes,
         "devices": p.devices.iter().map(|d| device_json(d, names)).collect::<Vec<_>>(),

@@ -182,6 +182,10 @@ impl PlacementArgs {
             fit_target_mib,
             fit_ctx: a.fit_ctx,
             op_offload: !a.no_op_offload,
+            moe_cache: match a.moe_cache {
+                Some(MoeCacheFlag::Mib(m)) => m.saturating_mul(1 << 20),
+                _ => 0,
+            },
         })
     }
 

@@ -375,6 +375,8 @@ fn stats_json(s: &ExecStats) -> serde_json::Value {
         "offloaded_layers": s.offloaded_layers,
         "offloaded_experts": s.offloaded_experts,
         "prefetched_layers": s.prefetched_layers,
+        "offload_slices": s.offload_slices,
+        "ring_peak_bytes": s.ring_peak_bytes,
     });
     if let Some(t) = s.transfers {
         v["transfers"] = serde_json::json!({

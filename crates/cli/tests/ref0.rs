@@ -60,6 +60,10 @@ fn ref0_op_offload_gives_the_same_bits() {
     let s = &got["device_stats"];
     assert_eq!(s["offloaded_layers"], f.n_layer, "{s}");
     assert_eq!(s["host_round_trips"], f.n_layer * (f.ubatches - 1), "{s}");
+    // Through the op-offload ring the plan sized: more than one slice a layer.
+    let n = |k: &str| s[k].as_u64().unwrap();
+    assert!(n("offload_slices") > n("offloaded_layers"), "{s}");
+    assert!(n("ring_peak_bytes") > 0, "{s}");
 }
 
 #[test]

@@ -88,7 +88,7 @@ pub fn load_opened(config: &EngineConfig, gguf: GgufModel) -> Result<LoadedEngin
     let planned = plan_engine(config, &gguf)?;
     let (model, used, why_cpu, notes) = match planned.choice {
         EngineChoice::Device { device, placement } => {
-            match load_device(gguf, device, &placement, planned.moe_cache) {
+            match load_device(gguf, device, &placement, planned.moe_cache, planned.ring) {
                 Ok((model, used, notes)) => (model, Some(used), None, notes),
                 // The reference device is for testing: a failure there is the answer.
                 Err(e) if matches!(device, EngineDevice::Ref0 { .. }) => return Err(e),
@@ -131,14 +131,20 @@ fn open(config: &EngineConfig) -> Result<GgufModel, EngineError> {
 /// A model on a device, the report of it and what the load did.
 type OnDevice = (Box<dyn LanguageModel>, EngineUsed, Vec<String>);
 
-/// Loads the model onto `device` with the experts where `placement` says and the expert
-/// cache of `moe_cache`.
+/// Loads the model onto `device` with the experts where `placement` says, the expert
+/// cache of `moe_cache` and the op-offload ring of `ring` bytes.
 fn load_device(
     gguf: GgufModel,
     device: EngineDevice,
     placement: &ExpertPlacement,
     moe_cache: MoeCacheBudget,
+    ring: Option<u64>,
 ) -> Result<OnDevice, EngineError> {
+    let dev_cfg = Loading {
+        placement,
+        moe_cache,
+        ring,
+    };
     match device {
         EngineDevice::Cuda(ordinal) => {
             let dev = hmoe_cuda::CudaDevice::new(ordinal)?;
@@ -149,7 +155,7 @@ fn load_device(
                 backend: "CUDA",
                 gpu_info,
             };
-            loaded(gguf, dev, on, placement, moe_cache)
+            loaded(gguf, dev, on, &dev_cfg)
         }
         EngineDevice::Ref0 { budget } => {
             let on = OnBackend {
@@ -161,7 +167,7 @@ fn load_device(
                 backend: REF0_NAME,
                 gpu_info: "reference device".into(),
             };
-            loaded(gguf, Ref0::with_budget(budget), on, placement, moe_cache)
+            loaded(gguf, Ref0::with_budget(budget), on, &dev_cfg)
                 .map_err(|e| EngineError::Ref0(Box::new(e)))
         }
     }
@@ -179,19 +185,30 @@ struct OnBackend {
     gpu_info: String,
 }
 
+/// What a device executor is loaded with.
+struct Loading<'a> {
+    /// Where the experts go.
+    placement: &'a ExpertPlacement,
+    /// The device expert cache.
+    moe_cache: MoeCacheBudget,
+    /// Bytes of the op-offload ring (`None`: the executor's largest).
+    ring: Option<u64>,
+}
+
 /// [`DeviceModel::load`] on `dev` and the report of it.
 fn loaded<B: Backend + 'static>(
     gguf: GgufModel,
     dev: B,
     on: OnBackend,
-    placement: &ExpertPlacement,
-    moe_cache: MoeCacheBudget,
+    cfg: &Loading<'_>,
 ) -> Result<OnDevice, EngineError> {
+    let (placement, moe_cache) = (cfg.placement, cfg.moe_cache);
     let arch = (gguf.metadata().architecture())
         .unwrap_or_default()
         .to_string();
     let has_experts = gguf.tensors().iter().any(|t| t.name.contains("_exps"));
     let model = DeviceModel::load(gguf, dev, placement)?;
+    model.set_op_offload_ring(cfg.ring);
     let n_layer = placement.layers.len();
     let experts = match has_experts {
         true => format!(

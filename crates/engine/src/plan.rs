@@ -106,6 +106,9 @@ pub struct PlannedEngine {
     pub names: Vec<String>,
     /// The device expert cache's budget (`--moe-cache`, or the plan's room).
     pub moe_cache: MoeCacheBudget,
+    /// Bytes of the op-offload ring the plan chose for the device (`None`: no plan, or no
+    /// layer's experts offloaded in it; the executor's largest ring then).
+    pub ring: Option<u64>,
 }
 
 /// Probes the GPUs and, for an architecture with a GPU executor, plans the placement of
@@ -171,15 +174,26 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
         EngineChoice::Device { placement, .. } => Some(placement),
         EngineChoice::Cpu { .. } => None,
     };
-    let room = (made.as_ref())
-        .and_then(|p| p.device(DeviceId::Gpu(0)))
-        .map_or(0, |u| u.room_beyond_margin());
-    let moe_cache = MoeCacheBudget::choose(config.moe_cache, expert_placement, room);
+    let gpu0 = made.as_ref().and_then(|p| p.device(DeviceId::Gpu(0)));
+    let room = gpu0.map_or(0, |u| u.room_beyond_margin());
+    let ring = gpu0.map(|u| u.ring).filter(|&r| r > 0);
+    // `--moe-cache MiB` as the plan counted it (for CPU layers), which `--fit` may have
+    // shrunk.
+    let moe_cache_flag = match (config.moe_cache, made.as_ref()) {
+        (Some(MoeCacheFlag::Mib(_)), Some(p))
+            if p.device(DeviceId::Cpu).is_some_and(|c| c.expert_layers > 0) =>
+        {
+            Some(MoeCacheFlag::Mib(p.flags.moe_cache >> 20))
+        }
+        (flag, _) => flag,
+    };
+    let moe_cache = MoeCacheBudget::choose(moe_cache_flag, expert_placement, room);
     Ok(PlannedEngine {
         choice,
         plan: made,
         names,
         moe_cache,
+        ring,
     })
 }
 

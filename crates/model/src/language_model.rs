@@ -109,8 +109,13 @@ pub struct ExecStats {
     /// Bytes of those uploads (weights and biases).
     pub offload_bytes: u64,
     /// Offloaded layers whose upload (of every expert) was started while the host layer
-    /// before them ran (see `PREFETCH_ROUTES_PER_EXPERT`).
+    /// before them ran, by the first slice of the op-offload ring (see
+    /// `PREFETCH_ROUTES_PER_EXPERT`).
     pub prefetched_layers: u64,
+    /// Slices of experts uploaded through the op-offload ring (one upload each).
+    pub offload_slices: u64,
+    /// The most bytes of ring slices the device held at once (at most the ring's size).
+    pub ring_peak_bytes: u64,
     /// Every host ↔ device copy the device counted (weights at load included), for a device
     /// that counts them ([`Backend::transfers`]).
     pub transfers: Option<TransferCounts>,

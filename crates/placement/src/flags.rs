@@ -171,6 +171,10 @@ pub struct PlacementFlags {
     /// [`OP_OFFLOAD_MIN_BATCH`] tokens, matmuls whose weights live on the CPU run on a GPU, which
     /// then needs a staging buffer for those weights.
     pub op_offload: bool,
+    /// `--moe-cache MiB` in bytes (0: not asked for, or `auto`): the device expert cache the
+    /// user asked for on the first GPU. The plan counts it when some layer's experts stay on
+    /// the CPU, and `--fit` may shrink it (it is elastic, like the op-offload ring).
+    pub moe_cache: u64,
 }
 
 /// The tokens one generation run processes: the prompt in micro-batches of at most `-ub`
@@ -205,6 +209,7 @@ impl Default for PlacementFlags {
             fit_target_mib: vec![1024],
             fit_ctx: 4096,
             op_offload: true,
+            moe_cache: 0,
         }
     }
 }

@@ -44,10 +44,15 @@
 //!   - inputs: one f16 `T × n_kv` attention mask per cache kind (full, sliding) used there;
 //!   - op offload staging: when op offload is on and `T ≥ 32`, matmuls whose weights are on
 //!     the CPU run on the GPU of their layer (else CUDA0) for that ubatch, and the GPU runs
-//!     the expert phase; it holds the larger of the two largest such weights (one in use, one
-//!     being copied, as ggml's scheduler does) and one layer's offloaded experts (hmoe's GPU
-//!     executor uploads a layer's gate, up and down together and keeps them until the layer's
-//!     MoE has run; it prefetches a second layer only into memory left free beyond that).
+//!     the expert phase; it holds the two largest such weights other than routed experts (one
+//!     in use, one being copied, as ggml's scheduler does), and the op-offload ring the
+//!     routed experts of CPU layers stream through (hmoe's GPU executor): [`RING_SLOTS`]
+//!     slices of `s` experts of the largest offloaded layer, never more than a layer
+//!     ([`ring_bytes`]; `s` at most [`ring_max_slice`], and `--fit` shrinks it down to 1,
+//!     [`DeviceUsage::ring`]); the expert phase then holds one more `T·4·kE` (every routed
+//!     pair's input, output and one slice's output);
+//!   - the expert cache of `--moe-cache MiB` on the first GPU when some layer's experts are on
+//!     the CPU ([`DeviceUsage::moe_cache`]; `--fit` may shrink it).
 //! * **compute** on the CPU: the buffers the hmoe engine's forward pass allocates (they are
 //!   freed between phases, so the largest phase counts), for `T` tokens (`n_ubatch`, or the
 //!   run's prompt when shorter) and `R` logits rows (1 for a generation run, else `T`):
@@ -74,6 +79,8 @@
 //!   the caller says otherwise); 0 on the CPU.
 //!
 //! A GPU fits when `free − total ≥ margin` (`--fit-target`). The host is never a constraint.
+//! `--fit` shrinks what is elastic (the ring, then the cache) before anything else; see
+//! [`plan()`].
 //!
 //! Without [`RunTokens`] these are allocation sizes. A process's resident memory reaches
 //! them only once every page was touched: memory-mapped weights as they are read (a run
@@ -88,6 +95,7 @@ mod flags;
 mod plan;
 mod plan_table;
 mod presets;
+mod ring;
 mod shape;
 mod tensor;
 mod tensor_rules;
@@ -100,5 +108,6 @@ pub use flags::{
 };
 pub use plan::{plan, plan_run, DeviceUsage, Plan};
 pub use presets::{gpt_oss_tensor_table, GptOssDims};
+pub use ring::{ring_bytes, ring_max_slice, ring_slice_for, RING_MAX_SLICE_EXPERTS, RING_SLOTS};
 pub use shape::ModelShape;
 pub use tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};

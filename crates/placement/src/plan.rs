@@ -6,13 +6,14 @@
 use std::collections::HashMap;
 
 use crate::device::{DeviceBudget, DeviceId};
-use crate::error::{PlacementError, Shortfall};
+use crate::error::PlacementError;
 use crate::flags::{
     parse_cache_type, GpuLayers, PlacementFlags, RunTokens, TensorRule, OP_OFFLOAD_MIN_BATCH,
 };
+use crate::ring::ring_bytes;
 use crate::shape::ModelShape;
 use crate::tensor::{layer_group, tensor_kind, LayerGroup, TensorDesc, TensorKind};
-use crate::tensor_rules::{compile_rules, layers_exps_regex};
+use crate::tensor_rules::compile_rules;
 
 /// Memory use the plan projects on one device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +37,12 @@ pub struct DeviceUsage {
     /// MoE layers whose routed experts live here (a layer split by `-ot` counts on the device
     /// holding most of its expert bytes).
     pub expert_layers: u32,
+    /// Bytes of the op-offload ring, part of `compute`: the device buffers the routed experts
+    /// of CPU layers stream through for large micro-batches ([`ring_bytes`]); 0 without op
+    /// offload.
+    pub ring: u64,
+    /// Bytes of the device expert cache (`--moe-cache MiB`), part of `compute`.
+    pub moe_cache: u64,
 }
 
 impl DeviceUsage {
@@ -88,6 +95,9 @@ pub struct Plan {
     pub fit_cpu_expert_layers: Vec<u32>,
     /// What `--fit` did, one line per step.
     pub notes: Vec<String>,
+    /// Experts per slice of the op-offload ring (0 when no GPU runs offloaded experts): the
+    /// ring holds [`crate::RING_SLOTS`] slices ([`DeviceUsage::ring`] bytes).
+    pub ring_slice_experts: u64,
     /// The flags that reproduce this plan: the user's rules first, then fit's, with `-c` and
     /// `-ngl` resolved.
     pub flags: PlacementFlags,
@@ -132,6 +142,9 @@ impl Plan {
         if !f.op_offload {
             parts.push("--no-op-offload".to_string());
         }
+        if f.moe_cache > 0 {
+            parts.push(format!("--moe-cache {}", f.moe_cache >> 20));
+        }
         parts.join(" ")
     }
 }
@@ -142,9 +155,12 @@ impl Plan {
 /// counting as one and the token embedding staying on the CPU; layers are split over several
 /// GPUs in proportion to their free memory. Rules (`-ot`, `--cpu-moe`, `--n-cpu-moe`) are tried
 /// in command-line order and the first match decides. With `--fit on`, when a GPU would keep
-/// less than its margin, the context is reduced first (never below `--fit-ctx`, never when `-c`
-/// was given), then the experts of the last layers are moved to the CPU one layer at a time,
-/// then (only for `-ngl auto`) whole layers from the front; user rules stay in force throughout.
+/// less than its margin, what is elastic shrinks first: the op-offload ring (down to one expert
+/// per slice), then the expert cache of `--moe-cache MiB` (down to nothing); then the context
+/// is reduced (never below `--fit-ctx`, never when `-c` was given), then the experts of the
+/// last layers are moved to the CPU one layer at a time, then (only for `-ngl auto`) whole
+/// layers from the front; user rules stay in force throughout, and after each step the ring
+/// and the cache grow back into what the step left free.
 /// If nothing fits, [`PlacementError::DoesNotFit`] says what is missing where. With `--fit off`
 /// the plan is returned as asked, fitting or not (see [`Plan::fits`]).
 pub fn plan(
@@ -180,6 +196,10 @@ struct State {
     ngl: u32,
     /// Per layer: experts moved to the CPU by fit.
     fit_cpu: Vec<bool>,
+    /// Experts per slice of the op-offload ring.
+    slice: u64,
+    /// Bytes of the expert cache (`--moe-cache MiB`).
+    moe_cache: u64,
 }
 
 struct Planner<'a> {
@@ -292,10 +312,10 @@ struct Activity {
     output: bool,
     mask_full: bool,
     mask_swa: bool,
-    /// The two largest CPU weights offloaded to this device.
+    /// The two largest CPU weights offloaded to this device, routed experts aside.
     staging: [u64; 2],
-    /// Offloaded expert bytes per layer (hmoe's GPU executor uploads a layer's experts
-    /// together and keeps them until its MoE has run).
+    /// Offloaded expert bytes per layer: the routed experts of CPU layers this device runs
+    /// for large micro-batches, which stream through its op-offload ring.
     expert_staging: HashMap<u32, u64>,
 }
 
@@ -321,11 +341,14 @@ impl Activity {
         }
     }
 
-    /// Device memory op offload needs: the larger of two weights at once (one in use, one
-    /// being copied, as ggml's scheduler does) and one layer's experts (hmoe's executor).
-    fn staging_bytes(&self) -> u64 {
+    /// Bytes of the op-offload ring of `slice` experts per slice over layers of `n_expert`
+    /// experts: sized for the largest offloaded layer's experts; 0 when none is offloaded.
+    fn ring_bytes(&self, slice: u64, n_expert: u64) -> u64 {
         let layer = self.expert_staging.values().copied().max().unwrap_or(0);
-        (self.staging[0] + self.staging[1]).max(layer)
+        match n_expert {
+            0 => 0,
+            n => ring_bytes(slice, n, layer.div_ceil(n)),
+        }
     }
 }
 
@@ -506,8 +529,14 @@ impl<'a> Planner<'a> {
             u[d].compute = if d == 0 {
                 self.cpu_compute(a, assign, t, n_ctx)
             } else {
-                self.gpu_compute(a, t, (cells_full, cells_swa))
+                u[d].ring = a.ring_bytes(st.slice, self.shape.n_expert);
+                self.gpu_compute(a, t, (cells_full, cells_swa)) + u[d].ring
             };
+        }
+        // The expert cache lives on the first GPU and caches the CPU layers' experts.
+        if u[0].expert_layers > 0 && u.len() > 1 {
+            u[1].moe_cache = st.moe_cache;
+            u[1].compute += st.moe_cache;
         }
         u
     }
@@ -537,6 +566,8 @@ impl<'a> Planner<'a> {
                     margin,
                     layers: 0,
                     expert_layers: 0,
+                    ring: 0,
+                    moe_cache: 0,
                 }
             })
             .collect()
@@ -605,9 +636,11 @@ impl<'a> Planner<'a> {
             DeviceId::Cpu => 0,
         };
         let a = &mut act[target + 1];
-        a.stage(tensor.n_bytes);
-        if let (TensorKind::Experts, LayerGroup::Block(il)) = (self.kinds[i], self.groups[i]) {
-            *a.expert_staging.entry(il).or_default() += tensor.n_bytes;
+        match (self.kinds[i], self.groups[i]) {
+            (TensorKind::Experts, LayerGroup::Block(il)) => {
+                *a.expert_staging.entry(il).or_default() += tensor.n_bytes;
+            }
+            _ => a.stage(tensor.n_bytes),
         }
         a.mark(self.kinds[i], self.shape);
     }
@@ -658,7 +691,8 @@ impl<'a> Planner<'a> {
     }
 
     /// A GPU's compute buffers for `t`-token micro-batches: the largest phase it runs, its
-    /// attention masks, and its op-offload staging.
+    /// attention masks, and the op-offload staging of CPU matrices other than the routed
+    /// experts (those stream through the ring, counted apart).
     fn gpu_compute(&self, a: &Activity, t: u64, (cells_full, cells_swa): (u64, u64)) -> u64 {
         let s = self.shape;
         let e = s.n_embd;
@@ -669,8 +703,11 @@ impl<'a> Planner<'a> {
                 + s.n_head_kv * (s.head_dim_k + s.head_dim_v)
                 + s.n_head * s.head_dim_v);
         let phase_router = t * 4 * (2 * e + 2 * s.n_expert + 2 * s.n_expert_used);
+        // Offloaded experts run slice by slice on every routed (token, slot) pair apart: the
+        // pairs' inputs, one slice's weighted outputs and every pair's, one more `k·E`.
+        let pair_rows = if a.expert_staging.is_empty() { 2 } else { 3 };
         let phase_experts =
-            t * 4 * (2 * e + 3 * s.n_expert_used * s.n_ff_exp + 2 * s.n_expert_used * e);
+            t * 4 * (2 * e + 3 * s.n_expert_used * s.n_ff_exp + pair_rows * s.n_expert_used * e);
         let phase_ffn = |w: u64| t * 4 * (2 * e + 3 * w);
         let phase_output = t * 4 * (e + s.n_vocab);
         let mut peak = 0;
@@ -696,7 +733,7 @@ impl<'a> Planner<'a> {
         if a.mask_swa {
             inputs += t * cells_swa * 2;
         }
-        peak + inputs + a.staging_bytes()
+        peak + inputs + a.staging[0] + a.staging[1]
     }
 
     /// The hmoe engine's CPU compute memory (see the crate docs): the largest set of buffers
@@ -792,190 +829,10 @@ impl<'a> Planner<'a> {
     fn fits(&self, st: &State) -> bool {
         self.evaluate(st).1.iter().all(DeviceUsage::fits)
     }
-
-    fn search(&self) -> Result<Plan, PlacementError> {
-        let f = self.flags;
-        let n_layer = self.shape.n_layer;
-        let ctx_train = self.shape.n_ctx_train;
-        let ctx0 = match f.ctx_size {
-            None | Some(0) => ctx_train,
-            Some(n) => n,
-        };
-        let ngl0 = match f.n_gpu_layers {
-            GpuLayers::Auto | GpuLayers::All => n_layer + 1,
-            GpuLayers::Count(n) => n.min(n_layer + 1),
-        };
-        let mut st = State {
-            n_ctx: ctx0,
-            ngl: ngl0,
-            fit_cpu: vec![false; n_layer as usize],
-        };
-        let mut notes = Vec::new();
-        if !f.fit || self.n_gpus() == 0 || self.fits(&st) {
-            return Ok(self.finish(st, notes));
-        }
-
-        // 1. Context, down to --fit-ctx, unless the user gave -c.
-        let min_ctx = pad256(f.fit_ctx as u64) as u32;
-        if f.ctx_size.is_none() && pad256(ctx0 as u64) > min_ctx as u64 {
-            let at = |n_ctx: u32| State {
-                n_ctx,
-                ..st.clone()
-            };
-            if self.fits(&at(min_ctx)) {
-                // Largest multiple of 256 in [min_ctx, ctx0] that fits (use grows with ctx).
-                let (mut lo, mut hi) = (min_ctx / 256, (pad256(ctx0 as u64) / 256) as u32);
-                while hi - lo > 1 {
-                    let mid = lo + (hi - lo) / 2;
-                    if self.fits(&at(mid * 256)) {
-                        lo = mid;
-                    } else {
-                        hi = mid;
-                    }
-                }
-                let n = (lo * 256).min(ctx0);
-                notes.push(format!("context reduced from {ctx0} to {n}"));
-                st.n_ctx = n;
-                return Ok(self.finish(st, notes));
-            }
-            notes.push(format!(
-                "context reduced from {ctx0} to {min_ctx} (--fit-ctx)"
-            ));
-            st.n_ctx = min_ctx;
-        }
-
-        // 2. Experts of the last layers to the CPU, one layer per over-budget GPU per step.
-        let mut moved = Vec::new();
-        loop {
-            let (assign, usage) = self.evaluate(&st);
-            let over: Vec<DeviceId> = usage
-                .iter()
-                .filter(|u| !u.fits())
-                .map(|u| u.device)
-                .collect();
-            if over.is_empty() {
-                break;
-            }
-            let mut progress = false;
-            for dev in over {
-                if let Some(il) = self.last_movable_layer(&st, &assign, dev) {
-                    st.fit_cpu[il as usize] = true;
-                    moved.push(il);
-                    progress = true;
-                }
-            }
-            if !progress {
-                break;
-            }
-        }
-        if !moved.is_empty() {
-            moved.sort_unstable();
-            notes.push(format!(
-                "experts of {} layer(s) moved to the CPU: {}",
-                moved.len(),
-                compact_ranges(&moved)
-            ));
-        }
-        if self.fits(&st) {
-            return Ok(self.finish(st, notes));
-        }
-
-        // 3. Whole layers to the CPU, front first, when -ngl was left to us.
-        if f.n_gpu_layers == GpuLayers::Auto {
-            let before = st.ngl;
-            while st.ngl > 0 && !self.fits(&st) {
-                st.ngl -= 1;
-            }
-            if self.fits(&st) {
-                notes.push(format!("-ngl reduced from {before} to {}", st.ngl));
-                return Ok(self.finish(st, notes));
-            }
-            st.ngl = before;
-        }
-
-        let (_, usage) = self.evaluate(&st);
-        Err(PlacementError::DoesNotFit(
-            usage
-                .iter()
-                .filter(|u| !u.fits())
-                .map(|u| Shortfall {
-                    device: u.device,
-                    projected: u.total(),
-                    free: u.free.unwrap_or(0),
-                    margin: u.margin,
-                })
-                .collect(),
-        ))
-    }
-
-    /// The highest layer whose experts sit on `dev`, are not pinned there by a user rule, and
-    /// were not moved yet.
-    fn last_movable_layer(&self, st: &State, assign: &[DeviceId], dev: DeviceId) -> Option<u32> {
-        (0..self.tensors.len())
-            .filter(|&i| {
-                self.kinds[i] == TensorKind::Experts && self.pinned[i].is_none() && assign[i] == dev
-            })
-            .filter_map(|i| match self.groups[i] {
-                LayerGroup::Block(il) if !st.fit_cpu[il as usize] => Some(il),
-                _ => None,
-            })
-            .max()
-    }
-
-    fn finish(&self, st: State, notes: Vec<String>) -> Plan {
-        let (assign, devices) = self.evaluate(&st);
-        let (n_ctx, n_batch, n_ubatch, full, swa) = self.sizes(st.n_ctx);
-        let fit_layers: Vec<u32> = (0..self.shape.n_layer)
-            .filter(|&il| st.fit_cpu[il as usize])
-            .collect();
-        let mut flags = self.flags.clone();
-        flags.ctx_size = Some(n_ctx as u32);
-        flags.n_gpu_layers = if st.ngl > self.shape.n_layer {
-            GpuLayers::All
-        } else {
-            GpuLayers::Count(st.ngl)
-        };
-        if !fit_layers.is_empty() {
-            flags.rules.push(TensorRule::Override {
-                pattern: layers_exps_regex(fit_layers.iter().copied()),
-                device: "CPU".to_string(),
-            });
-        }
-        Plan {
-            n_ctx: n_ctx as u32,
-            n_batch: n_batch as u32,
-            n_ubatch: n_ubatch as u32,
-            n_layer: self.shape.n_layer,
-            n_gpu_layers: st.ngl,
-            kv_cells_full: full as u32,
-            kv_cells_swa: swa as u32,
-            tensor_devices: assign,
-            devices,
-            fit_cpu_expert_layers: fit_layers,
-            notes,
-            flags,
-        }
-    }
 }
 
-/// `3-5, 7, 9-10` for a sorted list.
-fn compact_ranges(v: &[u32]) -> String {
-    let mut parts = Vec::new();
-    let mut i = 0;
-    while i < v.len() {
-        let mut j = i;
-        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
-            j += 1;
-        }
-        parts.push(if i == j {
-            v[i].to_string()
-        } else {
-            format!("{}-{}", v[i], v[j])
-        });
-        i = j + 1;
-    }
-    parts.join(", ")
-}
+#[path = "plan_fit.rs"]
+mod fit;
 
 #[cfg(test)]
 #[path = "plan_tests.rs"]

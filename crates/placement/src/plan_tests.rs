@@ -770,11 +770,29 @@ fn fit_moves_experts_of_the_last_layers_first() {
     assert_eq!(dev(&p, &t, "blk.6.ffn_up_exps.bias"), CPU);
     assert_eq!(dev(&p, &t, "blk.7.ffn_gate_inp.weight"), G0);
     assert!(p.notes.iter().any(|n| n.contains("6-7")), "{:?}", p.notes);
-    // One byte less: a third layer goes.
+    // One byte less: the op-offload ring gives an expert a slice, no third layer goes.
     let p = plan(
         &t,
         &s,
         &gpus(&[need2 + 64 * MIB - 1]),
+        &fit_flags(Some(4096), 64),
+    )
+    .unwrap();
+    assert_eq!(p.fit_cpu_expert_layers, vec![6, 7]);
+    assert_eq!(p.ring_slice_experts, 15);
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.contains("ring shrunk from 16 to 15")),
+        "{:?}",
+        p.notes
+    );
+    // More than the ring can give (down to one expert a slice): a third layer goes.
+    let ring = gpu0(&p).ring / 15 * 16;
+    let p = plan(
+        &t,
+        &s,
+        &gpus(&[need2 + 64 * MIB - (ring - ring / 16) - 1]),
         &fit_flags(Some(4096), 64),
     )
     .unwrap();
@@ -860,6 +878,13 @@ fn fit_reduces_layers_only_when_ngl_is_auto() {
         ..fit_flags(Some(4096), 64)
     };
     let all = total_with_cpu_experts(&t, &s, &[GIB], 4096, &[], &[TensorRule::CpuMoe])[0];
+    // 3 MiB short once the op-offload ring is down to one expert a slice.
+    let fit_off = PlacementFlags {
+        fit: false,
+        ..f.clone()
+    };
+    let ring = gpu0(&plan(&t, &s, &gpus(&[all]), &fit_off).unwrap()).ring;
+    let all = all - (ring - ring / 16);
     let p = plan(&t, &s, &gpus(&[all + 64 * MIB - 3 * MIB]), &f).unwrap();
     assert!(p.n_gpu_layers < 9);
     assert!(gpu0(&p).fits());
@@ -908,12 +933,13 @@ fn fit_works_per_gpu() {
         ..fit_flags(Some(4096), 0)
     };
     let p = plan(&t, &s, &gpus(&[free, free]), &f).unwrap();
-    // With op offload the first layer moved to the CPU frees nothing: prefill stages one
-    // layer's experts on CUDA0 again. The second one frees a layer's worth.
-    assert_eq!(
-        p.fit_cpu_expert_layers,
-        vec![3, 4],
-        "the last layers on CUDA0"
+    // With op offload the first layer moved to the CPU brings the op-offload ring to CUDA0,
+    // which shrinks (to grow back into what the move left): one layer is enough.
+    assert_eq!(p.fit_cpu_expert_layers, vec![4], "the last layer on CUDA0");
+    assert!(
+        (1..16).contains(&p.ring_slice_experts),
+        "{}",
+        p.ring_slice_experts
     );
     assert_eq!(p.device(DeviceId::Gpu(1)).unwrap().expert_layers, 3);
 }
@@ -1025,6 +1051,8 @@ fn the_expert_cache_gets_the_room_beyond_the_margin() {
         margin: GIB,
         layers: 4,
         expert_layers: 0,
+        ring: 0,
+        moe_cache: 0,
     };
     // 8 GiB − 4.75 GiB used − 1 GiB margin.
     assert_eq!(u.room_beyond_margin(), 8 * GIB - 4 * GIB - 768 * MIB - GIB);

@@ -129,6 +129,20 @@ impl<B: Backend> DeviceModel<B> {
         Ok(st.moe_cache.stats())
     }
 
+    /// Sets the op-offload ring to `bytes` (`None`: the largest ring,
+    /// [`hmoe_placement::ring_max_slice`] experts per slice): the device memory that the
+    /// experts of host layers stream through for micro-batches that op offload runs on the
+    /// device, in [`hmoe_placement::RING_SLOTS`] slices of as many experts as fit
+    /// ([`hmoe_placement::ring_slice_for`], at least one). The results do not depend on it.
+    pub fn set_op_offload_ring(&self, bytes: Option<u64>) {
+        self.lock().ring = bytes;
+    }
+
+    /// The op-offload ring's size set by [`DeviceModel::set_op_offload_ring`].
+    pub fn op_offload_ring(&self) -> Option<u64> {
+        self.lock().ring
+    }
+
     /// What the device expert cache counted and holds (a budget of 0: disabled).
     pub fn moe_cache_stats(&self) -> MoeCacheStats {
         self.lock().moe_cache.stats()

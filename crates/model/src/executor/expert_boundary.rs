@@ -1,8 +1,7 @@
 //! The expert boundary: where a layer's routed experts run for a micro-batch. The `moe` op
-//! over the device's experts; op offload of a host layer (its experts uploaded for a large
-//! batch, every one of them and the next layer's ahead when the batch routes to nearly all);
-//! or one round trip to the host, where the experts run on the CPU (through the device
-//! expert cache when it is on).
+//! over the device's experts; op offload of a host layer (its experts streamed through the
+//! device's op-offload ring for a large batch, `offload_ring.rs`); or one round trip to the
+//! host, where the experts run on the CPU (through the device expert cache when it is on).
 
 use std::ops::Range;
 
@@ -16,13 +15,10 @@ use crate::error::ModelError;
 
 /// Expert choices per expert (`n_tokens × n_expert_used / n_expert`) from which an offloaded
 /// micro-batch uploads every expert of each host layer instead of the routed ones: with 4,
-/// about e^-4 ≈ 2% of the experts go unused, and since no routing is awaited, the next host
-/// layer's upload starts before this layer's compute and overlaps it.
+/// about e^-4 ≈ 2% of the experts go unused, and since no routing is awaited, the first slice
+/// of the next host layer's upload starts before this layer's last slice has run and
+/// overlaps it.
 pub const PREFETCH_ROUTES_PER_EXPERT: usize = 4;
-
-/// Device memory left free beside a prefetched layer's experts (the running layer's scratch
-/// buffers come out of it); with less room the next layer is uploaded when it is reached.
-pub const PREFETCH_RESERVE_BYTES: u64 = 512 << 20;
 
 impl<B: Backend> Step<'_, B> {
     /// The rows the `moe` op of layer `layer` runs on together: the whole batch, or, for
@@ -54,33 +50,16 @@ impl<B: Backend> Step<'_, B> {
             return self.device_moe(experts, r, parts.as_deref(), out);
         }
         let n = self.n_tokens();
-        let upload_all =
-            self.offload && n * r.router.k >= PREFETCH_ROUTES_PER_EXPERT * r.router.n_expert;
-        if upload_all {
-            let w = match self.prefetched.take() {
-                Some((pl, w)) if pl == layer => w,
-                _ => self.upload_offloaded(layer, None)?,
-            };
-            self.device_moe(&w, r, parts.as_deref(), out)?;
-            // Queued behind this layer's work: the next host layer's upload, which the CPU
-            // pool gathers while the device computes.
-            let device = &self.experts.device;
-            let next = (layer + 1..device.len()).find(|&j| device[j].is_none());
-            if let Some(nl) = next.filter(|&nl| self.room_for_experts(nl)) {
-                self.prefetched = Some((nl, self.upload_offloaded(nl, None)?));
-                self.st.stats.prefetched_layers += 1;
-            }
-            return Ok(());
-        }
         if self.offload {
-            return self.offloaded_experts(layer, r, parts.as_deref(), out);
+            let upload_all = n * r.router.k >= PREFETCH_ROUTES_PER_EXPERT * r.router.n_expert;
+            return self.offloaded(layer, r, parts.as_deref(), upload_all, out);
         }
         self.host_experts(layer, r, out)
     }
 
     /// The `moe` op of a layer over the whole micro-batch, or, with `parts`, over each part
     /// alone with its own routing.
-    fn device_moe(
+    pub(super) fn device_moe(
         &self,
         w: &B::Moe,
         r: &Routed<'_, B>,
@@ -101,70 +80,6 @@ impl<B: Backend> Step<'_, B> {
             r.router.route(dev, &ss, r.bias, &mut sel, &mut wts)?;
             let mut o = dev.alloc::<f32>(g.len() * d)?;
             dev.moe(w, r.act, &hs, &sel, &wts, k, &mut o)?;
-            dev.copy_into(&o, out, g.start * d)?;
-        }
-        Ok(())
-    }
-
-    /// Whether the device has room for every expert of host layer `layer` beside what it holds
-    /// now and [`PREFETCH_RESERVE_BYTES`] (always, on a backend without a limit; never, if the
-    /// free memory cannot be read).
-    fn room_for_experts(&self, layer: usize) -> bool {
-        let Ok(t) = experts_of(self.arch, layer) else {
-            return false;
-        };
-        let need = t.n_expert as u64 * t.expert_bytes() + PREFETCH_RESERVE_BYTES;
-        match self.dev().free_memory() {
-            Ok(free) => free.is_none_or(|free| free >= need),
-            Err(_) => false,
-        }
-    }
-
-    /// The experts `ids` (every one when `None`) of host layer `layer` on the device, uploaded
-    /// from the file mapping for op offload and counted in the stats.
-    fn upload_offloaded(
-        &mut self,
-        layer: usize,
-        ids: Option<&[usize]>,
-    ) -> Result<B::Moe, ModelError> {
-        let t = experts_of(self.arch, layer)?;
-        let w = self.dev().upload_moe(&t, ids)?;
-        let n = ids.map_or(t.n_expert, <[usize]>::len) as u64;
-        let stats = &mut self.st.stats;
-        stats.offloaded_layers += 1;
-        stats.offloaded_experts += n;
-        stats.offload_bytes += n * t.expert_bytes();
-        Ok(w)
-    }
-
-    /// Op offload of a host layer for a large micro-batch: the chosen experts come down (one
-    /// small copy), the experts they name are uploaded from the file mapping (each once, in
-    /// ascending id order) with the ids renumbered to match, and the layer runs on the device
-    /// (on each of `parts` alone when given, each with its share of the renumbered ids).
-    fn offloaded_experts(
-        &mut self,
-        layer: usize,
-        r: &Routed<'_, B>,
-        parts: Option<&[Range<usize>]>,
-        out: &mut B::Buf<f32>,
-    ) -> Result<(), ModelError> {
-        let dev = self.dev();
-        let d = self.arch.dims().n_embd;
-        let k = r.router.k;
-        let chosen = dev.download(r.sel)?;
-        let (ids, remapped) = compact_ids(&chosen, r.router.n_expert);
-        let w = self.upload_offloaded(layer, Some(&ids))?;
-        let Some(parts) = parts else {
-            let sel = dev.upload(&remapped)?;
-            dev.moe(&w, r.act, r.h, &sel, r.wts, k, out)?;
-            return Ok(());
-        };
-        for g in parts {
-            let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
-            let wts = dev.copy_range(r.wts, g.start * k..g.end * k)?;
-            let sel = dev.upload(&remapped[g.start * k..g.end * k])?;
-            let mut o = dev.alloc::<f32>(g.len() * d)?;
-            dev.moe(&w, r.act, &hs, &sel, &wts, k, &mut o)?;
             dev.copy_into(&o, out, g.start * d)?;
         }
         Ok(())
@@ -217,7 +132,7 @@ impl<B: Backend> Step<'_, B> {
 }
 
 /// The routed experts of layer `layer`, or a placement error for a layer without.
-fn experts_of<B: Backend>(
+pub(super) fn experts_of<B: Backend>(
     arch: &dyn DeviceLayers<B>,
     layer: usize,
 ) -> Result<ExpertTensors<'_>, ModelError> {

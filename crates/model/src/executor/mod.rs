@@ -9,7 +9,8 @@
 //! [`DeviceModel::load`] from the table of architectures in `archs`), the
 //! per-sequence device K/V caches (`device_kv.rs`), the weights on the device
 //! (`device_weights.rs`), the contract with the architectures and the micro-batch in flight
-//! (`step.rs`), the expert boundary with op offload (`expert_boundary.rs`), the host's experts
+//! (`step.rs`), the expert boundary (`expert_boundary.rs`), op offload through the ring
+//! (`offload_ring.rs`), the host's experts
 //! and the round trip's staging (`host_experts.rs`), the device expert cache
 //! (`moe_cache.rs`). Each architecture writes its layer in its own file of `archs`
 //! over the contract's ops and the shared blocks of `layer_blocks.rs` (the attention block,
@@ -85,12 +86,13 @@
 //! - **Op offload overlaps large batches only**: a micro-batch of at least the placement's
 //!   `op_offload_min_batch` tokens runs a host layer on the device with the experts it routes
 //!   to uploaded from the file mapping for that batch (on CUDA through pinned buffers that the
-//!   CPU pool fills while the copy engine drains them, on the device's copy stream). When the
-//!   batch routes to nearly every expert ([`PREFETCH_ROUTES_PER_EXPERT`]) every expert is
-//!   uploaded, and the next host layer's upload starts as soon as this layer's MoE is queued,
-//!   so that it overlaps this layer's compute; the device then holds two layers' experts,
-//!   which it does only while its free memory has room for them ([`PREFETCH_RESERVE_BYTES`]
-//!   more). Smaller batches wait for the routing and upload the chosen experts only.
+//!   CPU pool fills while the copy engine drains them, on the device's copy stream), slice by
+//!   slice through a ring of two device buffers whose size the placement plans
+//!   ([`DeviceModel::set_op_offload_ring`], `offload_ring.rs`): one slice's products run while
+//!   the next slice goes up, with the same bits as the whole layer at once. When the batch
+//!   routes to nearly every expert ([`PREFETCH_ROUTES_PER_EXPERT`]) every expert is uploaded,
+//!   and the next host layer's first slice goes up as soon as this layer's last slice is
+//!   queued. Smaller batches wait for the routing and upload the chosen experts only.
 
 pub(crate) mod device_kv;
 mod device_model;
@@ -100,10 +102,11 @@ mod host_experts;
 pub(crate) mod layer_blocks;
 mod layer_experts;
 mod moe_cache;
+mod offload_ring;
 pub(crate) mod routing;
 mod state;
 pub(crate) mod step;
 
 pub use device_kv::{device_kv_layouts, KvWidths};
 pub use device_model::DeviceModel;
-pub use expert_boundary::{PREFETCH_RESERVE_BYTES, PREFETCH_ROUTES_PER_EXPERT};
+pub use expert_boundary::PREFETCH_ROUTES_PER_EXPERT;

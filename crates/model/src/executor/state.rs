@@ -22,6 +22,8 @@ pub(crate) struct State<B: Backend> {
     pub(crate) stats: ExecStats,
     /// The device expert cache of the host layers (`--moe-cache`; empty: disabled).
     pub(crate) moe_cache: MoeCache<B>,
+    /// Bytes of the op-offload ring (`None`: the largest ring, see `offload_ring.rs`).
+    pub(crate) ring: Option<u64>,
 }
 
 impl<B: Backend> Default for State<B> {
@@ -33,6 +35,7 @@ impl<B: Backend> Default for State<B> {
             io: None,
             stats: ExecStats::default(),
             moe_cache: MoeCache::default(),
+            ring: None,
         }
     }
 }

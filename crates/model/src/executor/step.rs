@@ -85,8 +85,9 @@ pub(crate) struct Step<'s, B: Backend> {
     pub(crate) pos: B::Buf<i32>,
     /// Whether host layers run on the device for this batch (op offload).
     pub(crate) offload: bool,
-    /// The next host layer's experts, uploading while the layers before it run.
-    pub(crate) prefetched: Option<(usize, B::Moe)>,
+    /// The first slice of the next host layer's experts (the layer, its experts), uploading
+    /// while the layers before it run (op offload's ring, `offload_ring.rs`).
+    pub(crate) prefetched: Option<(usize, usize, B::Moe)>,
 }
 
 /// The shape of one attention call, less the cache's cells (the executor's).
