@@ -14,7 +14,7 @@
 # scripts/gpu_bench_json.py (hmoe vs llama.cpp: run `./gpu-bench.sh --out DIR` there
 # with LLAMA_RUN pointing at llama.cpp's run.sh, see ../shared/baselines/README.md) and
 # the gpt-oss, qwen3moe and deepseek2 fixtures with their f16-KV goldens (from $HMOE_FIXTURES or
-# ../shared/fixtures).
+# the repository's fixtures/*.tar.xz).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -74,7 +74,16 @@ chmod +x "$OUT/gpu-check.sh" "$OUT/gpu_compare.py" "$OUT/serve_check.py" "$OUT/g
 
 # The fixtures (~26 MiB): gpt-oss (the GPU tests read them through HMOE_FIXTURES), and with
 # Qwen3-MoE and DeepSeek-V3 every architecture's fixtures for gpu_compare.py.
-FIXROOT="${HMOE_FIXTURES:-$ROOT/../shared/fixtures}"
+# $HMOE_FIXTURES, else the repository's packed copy (fixtures/*.tar.xz) unpacked here.
+if [ -n "${HMOE_FIXTURES:-}" ]; then
+    FIXROOT="$HMOE_FIXTURES"
+else
+    FIXROOT="$(dirname "$OUT")/fixtures-unpacked"
+    rm -rf "$FIXROOT" && mkdir -p "$FIXROOT"
+    for arch in gpt-oss qwen3moe deepseek2; do
+        tar -C "$FIXROOT" -xJf "$ROOT/fixtures/$arch.tar.xz"
+    done
+fi
 rm -rf "$OUT/fixtures"
 for arch in gpt-oss qwen3moe deepseek2; do
     FIX="$FIXROOT/$arch"

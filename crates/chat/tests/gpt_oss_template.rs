@@ -1,22 +1,12 @@
 //! The gpt-oss chat template renders each fixture conversation exactly as transformers does.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use hmoe_chat::{ChatError, ChatTemplate};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    std::env::var("HMOE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        })
-}
+use hmoe_testdata::fixtures;
 
 /// The template with `strftime_now` frozen at 2025-06-28 (as the fixtures were rendered).
 fn gpt_oss() -> ChatTemplate {

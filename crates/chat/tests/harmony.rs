@@ -12,16 +12,7 @@ use hmoe_chat::{
 use hmoe_tokenizer::Tokenizer;
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    std::env::var("HMOE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        })
-}
+use hmoe_testdata::fixtures;
 
 fn o200k() -> &'static Tokenizer {
     static T: OnceLock<Tokenizer> = OnceLock::new();

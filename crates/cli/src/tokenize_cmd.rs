@@ -148,17 +148,7 @@ fn process_escapes(input: &[u8]) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    fn fixture(rel: &str) -> PathBuf {
-        let root = std::env::var("HMOE_FIXTURES")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| {
-                PathBuf::from(concat!(
-                    env!("CARGO_MANIFEST_DIR"),
-                    "/../../../shared/fixtures"
-                ))
-            });
-        root.join(rel)
-    }
+    use hmoe_testdata::fixture;
 
     #[test]
     fn prints_like_llama_tokenize() {

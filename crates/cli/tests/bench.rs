@@ -1,21 +1,12 @@
 //! `hmoe bench` end to end on the tiny gpt-oss fixture: the llama-bench table, its JSON / JSONL /
 //! CSV records, depth, the roofline report and clean errors for bad arguments.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
 fn tiny_model() -> String {
-    let dir = std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    );
+    let dir = hmoe_testdata::fixtures();
     dir.join("gpt-oss/gptoss-tiny.gguf").display().to_string()
 }
 

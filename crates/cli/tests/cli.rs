@@ -7,17 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+use hmoe_testdata::fixtures;
 
 fn hmoe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hmoe"))

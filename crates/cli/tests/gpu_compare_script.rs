@@ -17,10 +17,7 @@ fn root() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES")
-        .map_or_else(|| root().join("../shared/fixtures"), PathBuf::from)
-}
+use hmoe_testdata::fixtures;
 
 #[test]
 fn ref0_dry_run_equals_the_cpu_on_every_architecture() {

@@ -22,17 +22,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+use hmoe_testdata::fixtures;
 
 fn hmoe(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_hmoe"))

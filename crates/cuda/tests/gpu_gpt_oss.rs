@@ -60,17 +60,7 @@ const REPORT: Tolerance = Tolerance {
     flips_per_case: 0,
 };
 
-fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+use hmoe_testdata::fixtures;
 
 fn cuda() -> CudaDevice {
     CudaDevice::new(0).unwrap_or_else(|e| panic!("a GPU is present but: {e}"))

@@ -10,12 +10,7 @@ use hmoe_tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-fn fixtures() -> std::path::PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures").into(),
-        Into::into,
-    )
-}
+use hmoe_testdata::fixtures;
 
 fn tokenizer(rel: &str) -> Arc<Tokenizer> {
     let g = GgufModel::open(fixtures().join(rel), LoadOptions::default()).expect("fixture");

@@ -20,10 +20,7 @@ fn vocab() -> Arc<Vocab> {
     static BUILT: OnceLock<Arc<Vocab>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let dir = std::env::var_os("HMOE_FIXTURES").map_or_else(
-                || concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fixtures").into(),
-                std::path::PathBuf::from,
-            );
+            let dir = hmoe_testdata::fixtures();
             let g = GgufModel::open(dir.join("tokenizer/vocab-1k.gguf"), LoadOptions::default())
                 .expect("fixture");
             let tok = Arc::new(Tokenizer::from_metadata(g.metadata()).expect("tokenizer"));

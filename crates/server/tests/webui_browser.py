@@ -7,6 +7,8 @@ fixed answers (chosen by the request's seed) one token every few milliseconds:
   seed 12 with a long text (to stop), seed 13 with a short line.
 * --router URL --key KEY: router mode over two copies of the fixture (alpha, beta) with
   --models-max 1 and an API key.
+* --loading URL --release FILE: one model whose load waits until FILE exists, so that a message
+  is sent while the model loads.
 
 Each check prints `ok: ...`; the first failure raises and the script exits non-zero.
 """
@@ -156,11 +158,15 @@ def single_model(page, args):
     check(page.count(".msg.assistant details.reasoning") == 1
           and page.last(".msg.assistant details.reasoning .thoughts") == "The user greets me. I will answer with code.",
           "reasoning is shown apart, in a collapsible block")
+    check(page.count(".msg.assistant details.reasoning .thoughts strong") == 1,
+          "Markdown inside the reasoning block")
     check(page.d.execute_script("return document.querySelector('.msg.assistant details.reasoning').open") is False,
           "the reasoning block is collapsed once the answer is there")
     check(page.count(".msg.assistant .body pre code.language-python") == 1
           and page.last(".msg.assistant .body pre code") == 'print("hello")', "a Markdown code block")
     check(page.count(".msg.assistant .body strong") == 1, "Markdown bold text")
+    check(page.last(".msg.assistant .body pre code .tok-string") == '"hello"',
+          "the code block is highlighted (a string)")
     check("<b>" in page.answer_text() and page.count(".msg.assistant .body b") == 0,
           "HTML in answers is shown as text")
     meta = page.last(".msg.assistant .timings")
@@ -276,26 +282,47 @@ def router_mode(page, args):
     check(states == {"alpha": "loaded", "beta": "unloaded"}, f"the server agrees ({states})")
 
 
+def loading_mode(page, args):
+    page.d.get(args.loading)
+    page.settings(seed=13)
+    page.send("Are you there?")
+    page.wait(lambda: "as soon as the model is ready" in (page.last(".msg.assistant .waiting") or ""),
+              "the note that the message waits for the model")
+    check(page.count(".msg.assistant .error") == 0, "a message sent during the load is no error")
+    with open(args.release, "w"):
+        pass
+    page.wait(lambda: page.answer_text() == "Answer from the router." and not page.streaming(),
+              "the waiting message answered once the model is ready")
+    check(page.count(".msg.assistant .waiting") == 0 and page.count(".msg.assistant .error") == 0,
+          "the message waited for the load and was answered")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--single", required=True)
     p.add_argument("--router", required=True)
     p.add_argument("--key", required=True)
+    p.add_argument("--loading", required=True)
+    p.add_argument("--release", required=True)
     p.add_argument("--chromium", required=True)
     p.add_argument("--chromedriver", required=True)
     p.add_argument("--profile", required=True)
     p.add_argument("--shot", required=True)
     args = p.parse_args()
-    for k in ("single", "router"):
+    for k in ("single", "router", "loading"):
         setattr(args, k, getattr(args, k).rstrip("/") + "/")
     d = driver_for(args)
     try:
         page = Page(d)
         single_model(page, args)
         router_mode(page, args)
-        # 401s are expected (the page learns that it needs the key from one).
+        loading_mode(page, args)
+        # 401s are expected (the page learns that it needs the key from one), and so are the
+        # loading server's 503s (the page learns that the model is still loading from them).
+        loading = args.loading.rstrip("/")
         errors = [e for e in d.get_log("browser")
-                  if e.get("level") == "SEVERE" and "401" not in e.get("message", "")]
+                  if e.get("level") == "SEVERE" and "401" not in e.get("message", "")
+                  and not (e.get("message", "").startswith(loading) and "503" in e.get("message", ""))]
         check(not errors, f"no errors in the browser console ({errors})")
     finally:
         d.quit()

@@ -1,6 +1,7 @@
 //! The chat page driven in headless Chromium by tests/webui_browser.py (selenium): streaming,
-//! reasoning, Markdown, timings, stop, regenerate, edit, reload, a phone-sized window, and router
-//! mode with `--models-max 1` and an API key (the key dialog, picking, loading and unloading).
+//! reasoning, Markdown (answers and reasoning, highlighted code), timings, stop, regenerate, edit,
+//! reload, a phone-sized window, router mode with `--models-max 1` and an API key (the key
+//! dialog, picking, loading and unloading), and a message sent while a single model loads.
 //!
 //! Needs Chromium, chromedriver and a Python with `selenium` (`HMOE_PYTHON`, else `python3`;
 //! `HMOE_CHROMIUM`, `HMOE_CHROMEDRIVER`, else /usr/bin/chromium and /usr/bin/chromedriver).
@@ -12,11 +13,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use hmoe_engine::{Sampler, SamplerParams};
-use hmoe_server::{ModelSource, PickerFactory, ServerConfig, TokenPicker};
+use hmoe_server::{ModelSource, PickerFactory, RunningServer, ServerConfig, TokenPicker};
 use hmoe_tokenizer::Tokenizer;
 
 const KEY: &str = "sk-webui";
@@ -45,7 +46,7 @@ fn slow_picker(tok: &Tokenizer) -> PickerFactory {
     let scripts: Vec<(u64, String)> = vec![
         (
             11,
-            "<|channel|>analysis<|message|>The user greets me. I will answer with code.<|end|>\
+            "<|channel|>analysis<|message|>The user greets me. I will answer with **code**.<|end|>\
              <|start|>assistant<|channel|>final<|message|>**Hello!** Here is how, in <b>Python</b>:\n\n\
              ```python\nprint(\"hello\")\n```\n<|return|>"
                 .into(),
@@ -131,6 +132,21 @@ fn page_works_in_headless_chromium() {
     routed.picker = Some(slow_picker(&tok));
     let many = start(routed);
 
+    // A single model whose load waits for the script's signal (a file), as a big model would.
+    let release = dir.join("release-load");
+    let mut slow = tiny_config();
+    slow.engine.n_parallel = 1;
+    slow.picker = Some(slow_picker(&tok));
+    let (inner, gate) = (slow.loader.clone(), release.clone());
+    slow.loader = Arc::new(move |gguf, path| {
+        let since = Instant::now();
+        while !gate.exists() && since.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        inner(gguf, path)
+    });
+    let loading = RunningServer::start(slow).expect("server starts");
+
     let profile = dir.join("chromium-profile");
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("webui.png");
     let out = Command::new(&py)
@@ -141,6 +157,9 @@ fn page_works_in_headless_chromium() {
         .args(["--single", &format!("http://{}/", one.local_addr())])
         .args(["--router", &format!("http://{}/", many.local_addr())])
         .args(["--key", KEY])
+        .args(["--loading", &format!("http://{}/", loading.local_addr())])
+        .arg("--release")
+        .arg(&release)
         .arg("--chromium")
         .arg(&chromium)
         .arg("--chromedriver")

@@ -106,6 +106,31 @@ function startsBlock(lines, i) {
     NUMBERED.test(l) || (l.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1]));
 }
 
+// ---------- code highlighting: comments, strings, numbers and keywords of the common
+// languages, one pass of one regular expression; everything is escaped ----------
+
+const KEYWORDS = new Set(("as async await break case catch class const continue def default del do elif else " +
+  "enum except export extends false fi final finally fn for from func function go if impl import in interface " +
+  "is lambda let loop match mod module mut new nil none null package pass pub raise return self static " +
+  "struct super switch then this throw true try type typeof use var void where while with yield " +
+  "True False None").split(" "));
+const HASH_COMMENTS = /^(py|python|sh|bash|shell|zsh|console|ruby|rb|perl|r|yaml|yml|toml|ini|conf|dockerfile|make|makefile|cmake|elixir|nim|julia)$/i;
+
+function highlight(code, lang) {
+  const comment = HASH_COMMENTS.test(lang || "") ? "#[^\\n]*" : "\\/\\/[^\\n]*|\\/\\*[\\s\\S]*?(?:\\*\\/|$)";
+  const token = new RegExp("(" + comment + ")|(\"(?:\\\\.|[^\"\\\\\\n])*\"?|'(?:\\\\.|[^'\\\\\\n])*'?|`[^`]*`?)" +
+    "|(\\b\\d[\\w.]*)|([A-Za-z_][\\w]*)", "g");
+  let out = "";
+  let at = 0;
+  for (const m of code.matchAll(token)) {
+    out += escapeHtml(code.slice(at, m.index));
+    const kind = m[1] ? "tok-comment" : m[2] ? "tok-string" : m[3] ? "tok-number" : KEYWORDS.has(m[4]) ? "tok-keyword" : null;
+    out += kind ? '<span class="' + kind + '">' + escapeHtml(m[0]) + "</span>" : escapeHtml(m[0]);
+    at = m.index + m[0].length;
+  }
+  return out + escapeHtml(code.slice(at));
+}
+
 function renderMarkdown(src) {
   const lines = src.replace(/\r\n?/g, "\n").split("\n");
   const out = [];
@@ -123,7 +148,7 @@ function renderMarkdown(src) {
       }
       i++; // the closing fence (absent while an answer still streams)
       const lang = m[2] ? ' class="language-' + escapeHtml(m[2]) + '"' : "";
-      out.push('<pre><button class="copy" type="button">copy</button><code' + lang + ">" + escapeHtml(code.join("\n")) + "</code></pre>");
+      out.push('<pre><button class="copy" type="button">copy</button><code' + lang + ">" + highlight(code.join("\n"), m[2]) + "</code></pre>");
     } else if ((m = line.match(HEADING))) {
       const n = m[1].length;
       out.push("<h" + n + ">" + inline(m[2]) + "</h" + n + ">");
@@ -291,7 +316,7 @@ function messageNode(m, index, last) {
     s.textContent = streamingThoughts ? "Reasoning\u2026" : "Reasoning";
     const body = document.createElement("div");
     body.className = "thoughts";
-    body.textContent = m.reasoning;
+    body.innerHTML = renderMarkdown(m.reasoning);
     d.append(s, body);
     div.append(d);
   }
@@ -304,6 +329,12 @@ function messageNode(m, index, last) {
     if (state.busy && state.busy.msg === m) body.classList.add("cursor");
   }
   div.append(body);
+  if (m.waiting) {
+    const w = document.createElement("div");
+    w.className = "waiting";
+    w.textContent = m.waiting;
+    div.append(w);
+  }
   if (m.error) {
     const e = document.createElement("div");
     e.className = "error";
@@ -408,7 +439,7 @@ async function send(text) {
   renderChat();
   if (state.router) setModelStatus(state.model, "loading");
   try {
-    const r = await api("/v1/chat/completions", requestBody(c), controller.signal);
+    const r = await postWhenLoaded(c, msg, controller.signal);
     if (!r.ok) {
       msg.error = await errorText(r);
     } else {
@@ -422,6 +453,32 @@ async function send(text) {
   saveChats();
   renderChat();
   if (state.router) refreshModels();
+}
+
+// A single-model server answers 503 while its model loads (a router waits by itself): the
+// message waits too, with a note, and goes once /health says the model is ready.
+async function postWhenLoaded(c, msg, signal) {
+  for (let tries = 0; ; tries++) {
+    const r = await api("/v1/chat/completions", requestBody(c), signal);
+    if (r.status !== 503 || tries >= 2) return r;
+    msg.waiting = (await errorText(r)) + "\u2026 the message goes as soon as the model is ready.";
+    renderChat();
+    const ready = await untilHealthy(signal);
+    msg.waiting = null;
+    if (!ready) return r;
+    renderChat();
+  }
+}
+
+// Polls /health until it answers 200 (true) or something other than 503 (false).
+async function untilHealthy(signal) {
+  for (;;) {
+    await new Promise((done) => setTimeout(done, 400));
+    if (signal.aborted) throw new DOMException("stopped", "AbortError");
+    const h = await fetch("/health", { signal });
+    if (h.ok) return true;
+    if (h.status !== 503) return false;
+  }
 }
 
 async function readStream(r, msg) {

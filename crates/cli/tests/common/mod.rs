@@ -9,18 +9,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-/// The fixtures folder (`HMOE_FIXTURES`, or `shared/fixtures` beside the repository).
-pub fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+pub use hmoe_testdata::fixtures;
 
 /// The `hmoe` binary's output for `args`.
 pub fn hmoe(args: &[&str]) -> Output {

@@ -3,23 +3,9 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// The fixtures folder: `$HMOE_FIXTURES`, else `../shared/fixtures` beside the repository.
-pub fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
 
 /// The server process (killed when dropped), its address and what it wrote to stderr so far.
 pub struct Server {

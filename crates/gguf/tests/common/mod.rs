@@ -5,21 +5,7 @@ use std::path::PathBuf;
 
 use hmoe_gguf::{GgufModel, TensorInfo};
 
-/// The shared fixtures folder: `$HMOE_FIXTURES`, or `shared/fixtures` beside the repository.
-pub fn fixtures() -> PathBuf {
-    match std::env::var("HMOE_FIXTURES") {
-        Ok(dir) => PathBuf::from(dir),
-        Err(_) => PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures"
-        )),
-    }
-}
-
-/// A fixture file path.
-pub fn fixture(rel: &str) -> PathBuf {
-    fixtures().join(rel)
-}
+pub use hmoe_testdata::{fixture, fixtures};
 
 /// A fresh, empty scratch folder for one test.
 pub fn scratch(name: &str) -> PathBuf {

@@ -830,11 +830,7 @@ mod tests {
     }
 
     fn tiny() -> GgufModel {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/fixtures/deepseek2/deepseek2-tiny.gguf");
-        let path = std::env::var_os("HMOE_FIXTURES").map_or(path, |f| {
-            std::path::PathBuf::from(f).join("deepseek2/deepseek2-tiny.gguf")
-        });
+        let path = hmoe_testdata::fixture("deepseek2/deepseek2-tiny.gguf");
         GgufModel::open(&path, Default::default()).unwrap()
     }
 

@@ -8,17 +8,7 @@ use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 use serde_json::Value;
 
-pub fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+pub use hmoe_testdata::fixtures;
 
 pub fn load_json(dir: &str, name: &str) -> Value {
     let path = fixtures().join(dir).join(name);

@@ -18,18 +18,7 @@ use hmoe_server::{ModelSource, PickerFactory, RunningServer, ServerConfig, Token
 use hmoe_tokenizer::Tokenizer;
 use serde_json::Value;
 
-/// The shared fixtures folder.
-pub fn fixtures() -> PathBuf {
-    std::env::var_os("HMOE_FIXTURES").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            ))
-        },
-        PathBuf::from,
-    )
-}
+pub use hmoe_testdata::fixtures;
 
 /// The tiny gpt-oss fixture (1k vocabulary with harmony specials, gpt-oss chat template).
 pub fn tiny_model() -> PathBuf {

@@ -4,16 +4,7 @@ use std::path::PathBuf;
 
 use hmoe_tokenizer::Tokenizer;
 
-/// The shared fixtures folder.
-pub fn fixtures() -> PathBuf {
-    match std::env::var("HMOE_FIXTURES") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/fixtures"
-        )),
-    }
-}
+pub use hmoe_testdata::fixtures;
 
 /// Loads the tokenizer of a GGUF file under the fixtures folder.
 pub fn load(rel: &str) -> Tokenizer {
