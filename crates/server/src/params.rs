@@ -283,11 +283,8 @@ pub fn gen_params(
             "at most {MAX_PROBS} alternatives per token may be asked for"
         )));
     }
-    if let Some(n) = f.i64("n")? {
-        if n != 1 {
-            return Err(ApiError::bad_request("only 'n': 1 is supported"));
-        }
-    }
+    // `n` (choices): read by the routes that run several (crate::multi::choices).
+    crate::multi::choices(f)?;
     let adjust = LogitAdjust {
         presence: (f.f32("presence_penalty")?).unwrap_or(defaults.presence_penalty),
         frequency: (f.f32("frequency_penalty")?).unwrap_or(defaults.frequency_penalty),
