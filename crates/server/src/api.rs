@@ -22,7 +22,9 @@ use crate::error::ApiError;
 use crate::metrics;
 use crate::oai::Responder;
 use crate::output::OutputKind;
-use crate::params::{gen_params, Fields, Flavor, GenParams};
+use crate::params::{
+    choices, gen_params, too_many_completions, Fields, Flavor, GenParams, MAX_COMPLETIONS,
+};
 use crate::parsed_body::{blocking, ParsedBody};
 use crate::registry::Lease;
 use crate::state::AppState;
@@ -114,7 +116,7 @@ async fn unload_model(State(st): St, body: Bytes) -> Res {
 
 async fn chat(State(st): St, body: Bytes) -> Res {
     let req = st.bodies.parse(body).await?;
-    let n = crate::multi::choices(&Fields(&req))?;
+    let n = choices(&Fields(&req))?;
     let p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
     drop(req);
     if n > 1 {
@@ -155,15 +157,11 @@ async fn complete(st: &AppState, req: ParsedBody, flavor: Flavor) -> Res {
         let n = if flavor == Flavor::Native {
             1
         } else {
-            crate::multi::choices(&f)?
+            choices(&f)?
         };
         let prompts = crate::multi::prompts(&req, &tok)?;
-        if prompts.len() * n > crate::multi::MAX_COMPLETIONS {
-            return Err(ApiError::bad_request(format!(
-                "{} completions asked for in one request; at most {}",
-                prompts.len() * n,
-                crate::multi::MAX_COMPLETIONS
-            )));
+        if prompts.len() * n > MAX_COMPLETIONS {
+            return Err(too_many_completions(prompts.len() * n));
         }
         let prompts: Vec<Vec<u32>> = (prompts.iter())
             .flat_map(|p| std::iter::repeat_n(p.clone(), n))

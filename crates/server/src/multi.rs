@@ -12,12 +12,11 @@ use serde_json::{json, Value};
 use crate::error::ApiError;
 use crate::oai::{select_fields, Responder};
 use crate::output::OutputKind;
-use crate::params::{prompt_tokens, Fields, Flavor, GenParams};
+use crate::params::{
+    prompt_tokens, too_many_completions as too_many, Fields, Flavor, GenParams, MAX_COMPLETIONS,
+};
 use crate::parsed_body::ParsedBody;
 use crate::registry::Lease;
-
-/// Most completions one request may ask for (prompts times `n`).
-pub const MAX_COMPLETIONS: usize = 16;
 
 /// The prompts of a completion request's `prompt`, tokenized. One prompt: a string, an array
 /// of token ids, an array mixing ids and strings (one sequence), or an object with
@@ -62,22 +61,6 @@ fn one_prompt(v: Option<&Value>, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> 
             "a prompt object needs 'prompt_string' (a string)",
         )),
     }
-}
-
-/// `n`: how many choices the request asks for (1 to [`MAX_COMPLETIONS`]).
-pub fn choices(f: &Fields<'_>) -> Result<usize, ApiError> {
-    match f.i64("n")? {
-        None => Ok(1),
-        Some(n) if n < 1 => Err(ApiError::bad_request("'n' must be 1 or more")),
-        Some(n) if n as u64 > MAX_COMPLETIONS as u64 => Err(too_many(n as usize)),
-        Some(n) => Ok(n as usize),
-    }
-}
-
-fn too_many(n: usize) -> ApiError {
-    ApiError::bad_request(format!(
-        "{n} completions asked for in one request; at most {MAX_COMPLETIONS}"
-    ))
 }
 
 /// Runs one job per prompt and answers them together (see the module's note). Streams and
