@@ -11,7 +11,7 @@
 # SUITE_EXTRA_ARGS: flags added to every server start. PORT: the port (default 18080).
 set -euo pipefail
 if [ $# -lt 4 ]; then
-    sed -n '2,12p' "$0"
+    sed -n '2,10p' "$0"
     exit 2
 fi
 suite=$(cd "$1" && pwd)
