@@ -47,6 +47,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/models/unload", post(unload_model))
         .route("/chat/completions", post(chat))
         .route("/v1/chat/completions", post(chat))
+        .route("/chat/completions/input_tokens", post(chat_input_tokens))
+        .route("/v1/chat/completions/input_tokens", post(chat_input_tokens))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(crate::responses::create))
         .route("/responses", post(crate::responses::create))
@@ -124,6 +126,14 @@ async fn chat(State(st): St, body: Bytes) -> Res {
         return crate::multi::run_many(p.lease, Flavor::Chat, prompts, p.gen, p.output).await;
     }
     run(p.lease, Flavor::Chat, p.prompt, p.gen, p.output).await
+}
+
+/// llama-server's `/chat/completions/input_tokens`: how many tokens the chat request's prompt
+/// (messages, tools, template) is, without generating.
+async fn chat_input_tokens(State(st): St, body: Bytes) -> Res {
+    let req = st.bodies.parse(body).await?;
+    let p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
+    Ok(Json(json!({ "input_tokens": p.prompt.len() })).into_response())
 }
 
 async fn completions(State(st): St, body: Bytes) -> Res {

@@ -1,6 +1,7 @@
 //! Several completions in one request (llama-server's forms): arrays of prompts on
 //! `/completion` and `/v1/completions`, prompt objects (`prompt_string`), `n` choices on the
-//! chat and completion routes, and the 400s for what hmoe answers one at a time.
+//! chat and completion routes, and the 400s for what hmoe answers one at a time; and
+//! `/chat/completions/input_tokens`, the prompt's size without a completion.
 
 mod common;
 
@@ -164,4 +165,37 @@ fn n_choices_and_the_limits() {
         post(a, "/completion", &greedy(json!({"prompt": "x"}))).status,
         200
     );
+}
+
+#[test]
+fn chat_input_tokens_is_the_rendered_prompts_size() {
+    let s = start(tiny_config());
+    let a = s.local_addr();
+    let messages = json!([{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]);
+    let r = post(
+        a,
+        "/chat/completions/input_tokens",
+        &json!({"messages": messages}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let n = r.json()["input_tokens"].as_u64().unwrap();
+    // The same prompt a chat completion evaluates.
+    let done = post(
+        a,
+        "/v1/chat/completions",
+        &greedy(json!({"messages": messages, "max_tokens": 1})),
+    );
+    assert_eq!(done.json()["usage"]["prompt_tokens"].as_u64(), Some(n));
+    let v1 = post(
+        a,
+        "/v1/chat/completions/input_tokens",
+        &json!({"messages": messages}),
+    );
+    assert_eq!(v1.json()["input_tokens"].as_u64(), Some(n));
+    let bad = post(
+        a,
+        "/chat/completions/input_tokens",
+        &json!({"messages": "hi"}),
+    );
+    assert_eq!(bad.status, 400, "{}", bad.body);
 }
