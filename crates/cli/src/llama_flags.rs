@@ -434,8 +434,13 @@ fn lookup(word: &str) -> Option<(&'static LlamaFlag, Option<&str>)> {
         Some((n, v)) if n.starts_with("--") => (n, Some(v)),
         _ => (word, None),
     };
+    // As llama.cpp: a long flag's underscores are dashes (`--backend_sampling`).
+    let name = match name.strip_prefix("--") {
+        Some(rest) => format!("--{}", rest.replace('_', "-")),
+        None => name.to_string(),
+    };
     (LLAMA_SERVER_FLAGS.iter())
-        .find(|f| f.names.contains(&name))
+        .find(|f| f.names.contains(&name.as_str()))
         .map(|f| (f, value))
 }
 

@@ -22,7 +22,9 @@ use crate::error::ApiError;
 use crate::metrics;
 use crate::oai::Responder;
 use crate::output::OutputKind;
-use crate::params::{gen_params, prompt_tokens, Fields, Flavor, GenParams};
+use crate::params::{
+    choices, gen_params, too_many_completions, Fields, Flavor, GenParams, MAX_COMPLETIONS,
+};
 use crate::parsed_body::{blocking, ParsedBody};
 use crate::registry::Lease;
 use crate::state::AppState;
@@ -45,6 +47,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/models/unload", post(unload_model))
         .route("/chat/completions", post(chat))
         .route("/v1/chat/completions", post(chat))
+        .route("/chat/completions/input_tokens", post(chat_input_tokens))
+        .route("/v1/chat/completions/input_tokens", post(chat_input_tokens))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(crate::responses::create))
         .route("/responses", post(crate::responses::create))
@@ -110,9 +114,22 @@ async fn unload_model(State(st): St, body: Bytes) -> Res {
 
 async fn chat(State(st): St, body: Bytes) -> Res {
     let req = st.bodies.parse(body).await?;
+    let n = choices(&Fields(&req))?;
     let p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
     drop(req);
+    if n > 1 {
+        let prompts = vec![p.prompt; n];
+        return crate::multi::run_many(p.lease, Flavor::Chat, prompts, p.gen, p.output).await;
+    }
     run(p.lease, Flavor::Chat, p.prompt, p.gen, p.output).await
+}
+
+/// llama-server's `/chat/completions/input_tokens`: how many tokens the chat request's prompt
+/// (messages, tools, template) is, without generating.
+async fn chat_input_tokens(State(st): St, body: Bytes) -> Res {
+    let req = st.bodies.parse(body).await?;
+    let p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
+    Ok(Json(json!({ "input_tokens": p.prompt.len() })).into_response())
 }
 
 async fn completions(State(st): St, body: Bytes) -> Res {
@@ -141,16 +158,29 @@ async fn complete(st: &AppState, req: ParsedBody, flavor: Flavor) -> Res {
     let lease = st.registry.acquire(Fields(&req).str("model")?).await?;
     let tok = lease.host.tokenizer.clone();
     let config = st.config.clone();
-    let (prompt, mut gen) = blocking(move || {
-        let prompt = match req.ids("prompt") {
-            Some(ids) => ids.to_vec(),
-            None => prompt_tokens(req.get("prompt"), &tok)?,
+    let (mut prompts, mut gen) = blocking(move || {
+        let f = Fields(&req);
+        let n = if flavor == Flavor::Native {
+            1
+        } else {
+            choices(&f)?
         };
-        let gen = gen_params(&Fields(&req), &config.sampling, flavor, &tok, None)?;
-        Ok((prompt, gen))
+        let prompts = crate::multi::prompts(&req, &tok)?;
+        if prompts.len() * n > MAX_COMPLETIONS {
+            return Err(too_many_completions(prompts.len() * n));
+        }
+        let prompts: Vec<Vec<u32>> = (prompts.iter())
+            .flat_map(|p| std::iter::repeat_n(p.clone(), n))
+            .collect();
+        let gen = gen_params(&f, &config.sampling, flavor, &tok, None)?;
+        Ok((prompts, gen))
     })
     .await?;
     gen.compile(&lease.host).await?;
+    if prompts.len() > 1 {
+        return crate::multi::run_many(lease, flavor, prompts, gen, OutputKind::Text).await;
+    }
+    let prompt = prompts.pop().unwrap_or_default();
     run(lease, flavor, prompt, gen, OutputKind::Text).await
 }
 

@@ -155,7 +155,10 @@ pub async fn serve(
                 }
             });
             let mut builder = hyper::server::conn::http1::Builder::new();
+            // Header names go out Title-Case ("Access-Control-Allow-Origin"), as llama-server
+            // writes them: names are case-insensitive, but some clients compare them exactly.
             builder
+                .title_case_headers(true)
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .keep_alive(!overflow);

@@ -35,6 +35,7 @@ pub mod id_arrays;
 pub mod loader;
 pub mod metrics;
 pub mod model_host;
+pub mod multi;
 pub mod oai;
 pub mod output;
 pub mod params;

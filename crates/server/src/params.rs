@@ -173,6 +173,26 @@ impl GenParams {
     }
 }
 
+/// Most completions one request may ask for (prompts times `n`).
+pub const MAX_COMPLETIONS: usize = 16;
+
+/// `n`: how many choices the request asks for (1 to [`MAX_COMPLETIONS`]).
+pub fn choices(f: &Fields<'_>) -> Result<usize, ApiError> {
+    match f.i64("n")? {
+        None => Ok(1),
+        Some(n) if n < 1 => Err(ApiError::bad_request("'n' must be 1 or more")),
+        Some(n) if n as u64 > MAX_COMPLETIONS as u64 => Err(too_many_completions(n as usize)),
+        Some(n) => Ok(n as usize),
+    }
+}
+
+/// The 400 for a request asking for `n` completions, more than [`MAX_COMPLETIONS`].
+pub fn too_many_completions(n: usize) -> ApiError {
+    ApiError::bad_request(format!(
+        "{n} completions asked for in one request; at most {MAX_COMPLETIONS}"
+    ))
+}
+
 /// Most alternatives per token a request may ask for.
 pub const MAX_PROBS: usize = 100;
 
@@ -283,11 +303,8 @@ pub fn gen_params(
             "at most {MAX_PROBS} alternatives per token may be asked for"
         )));
     }
-    if let Some(n) = f.i64("n")? {
-        if n != 1 {
-            return Err(ApiError::bad_request("only 'n': 1 is supported"));
-        }
-    }
+    // `n` (choices): checked here, run by the routes (crate::multi).
+    choices(f)?;
     let adjust = LogitAdjust {
         presence: (f.f32("presence_penalty")?).unwrap_or(defaults.presence_penalty),
         frequency: (f.f32("frequency_penalty")?).unwrap_or(defaults.frequency_penalty),

@@ -127,7 +127,7 @@ fn health_models_props_and_errors() {
             json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
         ),
         ("/v1/completions", json!({"prompt": 5})),
-        ("/v1/completions", json!({"prompt": "x", "n": 2})),
+        ("/v1/completions", json!({"prompt": "x", "n": 17})),
         ("/v1/completions", json!({"prompt": [1, 2, 99999]})),
         ("/tokenize", json!({})),
     ] {

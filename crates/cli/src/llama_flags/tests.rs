@@ -453,3 +453,29 @@ fn sampler_flags_set_the_servers_defaults() {
     assert_eq!(p.order.len(), 2);
     assert_eq!(d.dry_sequence_breakers, vec!["\n".to_string()]);
 }
+
+#[test]
+fn long_flags_take_underscores_for_dashes() {
+    // llama.cpp reads `_` in a long flag as `-` (its server tests pass `--backend_sampling`).
+    let (a, notes) = serve(
+        &[
+            "-m",
+            "m",
+            "--ctx_size",
+            "512",
+            "--backend_sampling",
+            "--n_gpu_layers=3",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(a.placement.args.ctx_size, Some(512));
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].starts_with("--backend-sampling (--backend_sampling) does not apply"),
+        "{notes:?}"
+    );
+    // Short flags and values keep theirs.
+    let (a, _) = serve(&["-m", "my_model.gguf", "-c", "256"], &[]).unwrap();
+    assert_eq!(a.model.as_deref(), Some("my_model.gguf".as_ref()));
+}
