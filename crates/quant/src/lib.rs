@@ -104,4 +104,4 @@ pub use gemm_kernel::{GemmActs, GemmKernel};
 pub use isa::{AmxStatus, Isa};
 pub use pages::whole_pages;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
-pub use types::{vec_dot_type, GgmlType, LOWBIT_TYPES, WEIGHT_TYPES};
+pub use types::{vec_dot_type, GgmlType, IQ_TYPES, LOWBIT_TYPES, WEIGHT_TYPES};
