@@ -3,7 +3,10 @@
 //! weights times the dequantised activations up to f32 accumulation error (which catches a wrong
 //! scale, sign, grid index or constant in the product).
 
-use hmoe_quant::{dequantize_row, quantize_row, vec_dot_type, DotKernel, GgmlType, Isa, IQ_TYPES};
+use hmoe_quant::{
+    dequantize_row, quantize_row, set_iq_block_scale, vec_dot_type, DotKernel, GgmlType, Isa,
+    IQ_TYPES,
+};
 
 /// A small deterministic generator (xorshift64*).
 struct Rng(u64);
@@ -32,14 +35,7 @@ fn weights(ty: GgmlType, n: usize, rows: usize, rng: &mut Rng) -> Vec<u8> {
     for b in raw.chunks_exact_mut(bb) {
         let exp = 1 + rng.next() % 17;
         let d = (rng.next() as u16 & 0x83ff) | (exp as u16) << 10;
-        if ty == GgmlType::IQ1_M {
-            for k in 0..4 {
-                let o = 48 + 2 * k + 1;
-                b[o] = (b[o] & 0x0f) | (((d >> (4 * k)) & 0x0f) as u8) << 4;
-            }
-        } else {
-            b[..2].copy_from_slice(&d.to_le_bytes());
-        }
+        assert!(set_iq_block_scale(ty, b, d));
     }
     raw
 }

@@ -3,7 +3,7 @@
 //! dequantise to the same bits. Needs `$HMOE_PYTHON` (else `python3`) with `gguf` and `numpy`;
 //! prints `SKIPPED:` without them.
 
-use hmoe_quant::{dequantize_row, GgmlType, IQ_TYPES};
+use hmoe_quant::{dequantize_row, set_iq_block_scale, GgmlType, IQ_TYPES};
 use std::process::Command;
 
 /// Dequantises the raw blocks in argv[2] (type name argv[1]) with gguf and writes f32 to argv[3].
@@ -32,19 +32,6 @@ const SCALES: [u16; 12] = [
     0x3c00, 0x7bff, 0xfbff, 0x0001, 0x8001, 0x03ff, 0x0400, 0x0000, 0x8000, 0x1234, 0x7c00, 0x7e00,
 ];
 
-/// Writes f16 `d` into an IQ block: at byte 0, or for IQ1_M into the top nibbles of its four
-/// scale words.
-fn set_scale(ty: GgmlType, b: &mut [u8], d: u16) {
-    if ty == GgmlType::IQ1_M {
-        for k in 0..4 {
-            let o = 48 + 2 * k + 1;
-            b[o] = (b[o] & 0x0f) | (((d >> (4 * k)) & 0x0f) as u8) << 4;
-        }
-    } else {
-        b[..2].copy_from_slice(&d.to_le_bytes());
-    }
-}
-
 /// `blocks` random blocks of `ty`: random codes, every block's scale from [`SCALES`] in turn
 /// except every third, which keeps a random (finite) f16.
 fn random_blocks(ty: GgmlType, blocks: usize, rng: &mut Rng) -> Vec<u8> {
@@ -56,7 +43,7 @@ fn random_blocks(ty: GgmlType, blocks: usize, rng: &mut Rng) -> Vec<u8> {
         } else {
             SCALES[i % SCALES.len()]
         };
-        set_scale(ty, b, d);
+        assert!(set_iq_block_scale(ty, b, d));
     }
     raw
 }

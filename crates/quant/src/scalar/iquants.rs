@@ -446,6 +446,24 @@ iq_super_fns! {
     IQ4_XS, dequantize_iq4_xs, dot_iq4_xs;
 }
 
+/// Writes the f16 scale `d` (its bits) of one block of IQ type `ty`: at byte 0, or for IQ1_M
+/// into the top nibbles of its four scale words. `false` (nothing written) for other types or a
+/// block of the wrong size.
+pub fn set_iq_block_scale(ty: GgmlType, block: &mut [u8], d: u16) -> bool {
+    if !crate::IQ_TYPES.contains(&ty) || block.len() != ty.block_bytes() {
+        return false;
+    }
+    if ty == GgmlType::IQ1_M {
+        for k in 0..4 {
+            let o = 48 + 2 * k + 1;
+            block[o] = (block[o] & 0x0f) | (((d >> (4 * k)) & 0x0f) as u8) << 4;
+        }
+    } else {
+        block[..2].copy_from_slice(&d.to_le_bytes());
+    }
+    true
+}
+
 /// The scalar dot kernel of an IQ type (`None` for other types); every ISA uses it.
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<crate::kernel_fns::DotFns> {
     Some(match ty {
