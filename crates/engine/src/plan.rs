@@ -167,6 +167,19 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
                 .into(),
         };
     }
+    let mut moe_cache_flag = config.moe_cache;
+    if let EngineChoice::Device { device, placement } = &mut choice {
+        // Host experts of a type the device does not multiply (the IQ types on CUDA) are never
+        // copied to it: no op offload, no expert cache.
+        let caps = crate::select::device_capabilities(*device);
+        let foreign = gguf.tensors().iter().zip(&planned).any(|(t, &(name, d))| {
+            !d.is_gpu() && name.contains("_exps.") && !caps.multiplies(t.ty)
+        });
+        if foreign {
+            placement.op_offload_min_batch = None;
+            moe_cache_flag = None;
+        }
+    }
     let expert_placement = match &choice {
         EngineChoice::Device { placement, .. } => Some(placement),
         EngineChoice::Cpu { .. } => None,
@@ -174,7 +187,7 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
     let room = (made.as_ref())
         .and_then(|p| p.device(DeviceId::Gpu(0)))
         .map_or(0, |u| u.room_beyond_margin());
-    let moe_cache = MoeCacheBudget::choose(config.moe_cache, expert_placement, room);
+    let moe_cache = MoeCacheBudget::choose(moe_cache_flag, expert_placement, room);
     Ok(PlannedEngine {
         choice,
         plan: made,
