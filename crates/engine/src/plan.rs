@@ -170,6 +170,19 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
                 .into(),
         };
     }
+    let mut moe_cache_flag = config.moe_cache;
+    if let EngineChoice::Device { device, placement } = &mut choice {
+        // Host experts of a type the device does not multiply (the IQ types on CUDA) are never
+        // copied to it: no op offload, no expert cache.
+        let caps = crate::select::device_capabilities(*device);
+        let foreign = gguf.tensors().iter().zip(&planned).any(|(t, &(name, d))| {
+            !d.is_gpu() && name.contains("_exps.") && !caps.multiplies(t.ty)
+        });
+        if foreign {
+            placement.op_offload_min_batch = None;
+            moe_cache_flag = None;
+        }
+    }
     let expert_placement = match &choice {
         EngineChoice::Device { placement, .. } => Some(placement),
         EngineChoice::Cpu { .. } => None,
@@ -179,7 +192,7 @@ pub fn plan_engine(config: &EngineConfig, gguf: &GgufModel) -> Result<PlannedEng
     let ring = gpu0.map(|u| u.ring).filter(|&r| r > 0);
     // `--moe-cache MiB` as the plan counted it (for CPU layers), which `--fit` may have
     // shrunk.
-    let moe_cache_flag = match (config.moe_cache, made.as_ref()) {
+    let moe_cache_flag = match (moe_cache_flag, made.as_ref()) {
         (Some(MoeCacheFlag::Mib(_)), Some(p))
             if p.device(DeviceId::Cpu).is_some_and(|c| c.expert_layers > 0) =>
         {

@@ -65,6 +65,7 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ve
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
         GgmlType::Q6_K => &[208],
+        other if hmoe_quant::IQ_TYPES.contains(&other) => &[],
         other => panic!("no block layout for {other}"),
     };
     for block in q.chunks_exact_mut(ty.block_bytes()) {
@@ -72,6 +73,8 @@ fn random_blocks(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Ve
             let v = half::f16::from_f32(rng.random_range(0.001f32..0.05));
             block[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
         }
+        let v = half::f16::from_f32(rng.random_range(0.001f32..0.05));
+        hmoe_quant::set_iq_block_scale(ty, block, v.to_bits());
     }
     q
 }

@@ -1,9 +1,11 @@
 //! Block quantisation formats used by GGUF files: the type table, conversions to and from f32,
 //! and the dot-product kernels the model's matmuls are built from.
 //!
-//! Supported weight types: F32, F16, BF16, Q8_0, MXFP4, the legacy Q4_0, Q4_1, Q5_0, Q5_1 and
-//! the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; activation formats Q8_0, Q8_1 (for Q4_1/Q5_1)
-//! and Q8_K (for K-quants). Every operation has a scalar reference and x86-64 AVX2 (+FMA,
+//! Supported weight types: F32, F16, BF16, Q8_0, MXFP4, the legacy Q4_0, Q4_1, Q5_0, Q5_1,
+//! the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the IQ types ([`IQ_TYPES`]: IQ1_S, IQ1_M,
+//! IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS); activation formats Q8_0 (also for
+//! IQ4_NL), Q8_1 (for Q4_1/Q5_1) and Q8_K (for K-quants and the other IQ types). Every
+//! operation but the IQ types' (scalar on every ISA) has a scalar reference and x86-64 AVX2 (+FMA,
 //! F16C) and AVX-512 (F/BW/VL, VNNI when present) paths chosen at run time.
 //!
 //! | type | dequantize | quantize | dot (activations) |
@@ -14,6 +16,7 @@
 //! | Q4_0, Q5_0 | yes | ggml's reference quantisers | Q8_0 |
 //! | Q4_1, Q5_1 | yes | ggml's reference quantisers | Q8_1 |
 //! | Q2_K ... Q6_K | yes | no | Q8_K |
+//! | IQ1_S ... IQ4_XS | yes (bit-exact with gguf-py) | no | Q8_K (IQ4_NL: Q8_0), scalar only |
 //! | Q8_1 | yes (`d·q`) | ggml's x86 activation quantiser | — |
 //! | Q8_K | yes (`d·q`) | ggml's activation quantiser | — |
 //!
@@ -35,6 +38,13 @@
 //!   halve the vector repeatedly, as `_mm512_reduce_add_ps` and ggml's `hsum_float_8` do. Scalar
 //!   `a*b + c` in ggml's C that GCC contracts to FMA (`summs += m*s`) is an FMA here too;
 //!   dequantisation rounds each product, as ggml's base library (built without FMA) does.
+//!
+//! The IQ types' products follow ggml's AVX2 kernels the same way (see `scalar/iquants.rs`):
+//! integer lanes per super-block, one FMA per lane and super-block, halving sums, then the
+//! type's constant; IQ1_S/IQ1_M add their ±1/8 shift terms last. They were checked against the
+//! exactly summed dequantised values and end to end against llama.cpp (top-10 probabilities of
+//! stand-in models within 3.7e-7, docs/performance.md), not against dot products recorded from
+//! ggml; llama.cpp may also take other orders for them (repacked or llamafile IQ4_NL).
 //!
 //! Because the scalar reference emulates those lanes, **all ISAs return bit-identical results**
 //! for every supported type (the tests check equality, not a tolerance), and for Q4_0 through
@@ -103,5 +113,6 @@ pub use exp::{expf, expf_ggml, expf_ggml_slice, expf_slice, expf_slice_with};
 pub use gemm_kernel::{GemmActs, GemmKernel};
 pub use isa::{AmxStatus, Isa};
 pub use pages::whole_pages;
+pub use scalar::iquants::set_iq_block_scale;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
-pub use types::{vec_dot_type, GgmlType, LOWBIT_TYPES, WEIGHT_TYPES};
+pub use types::{vec_dot_type, GgmlType, IQ_TYPES, LOWBIT_TYPES, WEIGHT_TYPES};

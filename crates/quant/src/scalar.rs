@@ -3,7 +3,7 @@
 //! kernels (see the crate docs), and `mul_add` stands for a fused multiply-add.
 //!
 //! `basic` holds the base types (F32, F16, BF16, Q8_0, MXFP4), `legacy` Q4_0 … Q5_1 and Q8_1,
-//! `kquants` Q2_K … Q6_K and Q8_K, `gemm` the batched products, `shared` the block layouts and
+//! `kquants` Q2_K … Q6_K and Q8_K, `iquants` the IQ types (whose tables `iq_grids` holds), `gemm` the batched products, `shared` the block layouts and
 //! lane emulations every ISA uses. This file is their table for [`crate::Isa::Scalar`].
 
 use crate::kernel_fns::{DequantFn, DotFns, QuantFn};
@@ -11,6 +11,8 @@ use crate::GgmlType;
 
 pub(crate) mod basic;
 pub(crate) mod gemm;
+mod iq_grids;
+pub(crate) mod iquants;
 pub(crate) mod kquants;
 pub(crate) mod legacy;
 pub(crate) mod shared;
@@ -32,6 +34,7 @@ pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
         GgmlType::Q5_K => scalar_kernel!("q5_k*q8_k/scalar", kquants::dot_q5_k),
         GgmlType::Q6_K => scalar_kernel!("q6_k*q8_k/scalar", kquants::dot_q6_k),
         GgmlType::Q8_1 | GgmlType::Q8_K => return None,
+        _ => return iquants::dot_fns(ty),
     })
 }
 
@@ -48,9 +51,7 @@ pub(crate) fn quantize_fn(ty: GgmlType) -> Option<QuantFn> {
         GgmlType::Q5_1 => legacy::quantize_q5_1,
         GgmlType::Q8_1 => legacy::quantize_q8_1,
         GgmlType::Q8_K => kquants::quantize_q8_k,
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-            return None
-        }
+        _ => return None,
     })
 }
 
@@ -72,5 +73,6 @@ pub(crate) fn dequantize_fn(ty: GgmlType) -> Option<DequantFn> {
         GgmlType::Q5_K => kquants::dequantize_q5_k,
         GgmlType::Q6_K => kquants::dequantize_q6_k,
         GgmlType::Q8_K => kquants::dequantize_q8_k,
+        _ => return iquants::dequantize_fn(ty),
     })
 }

@@ -52,7 +52,7 @@ pub struct Deepseek2Spec {
     pub routed_scale: f32,
     /// Vocabulary size (≥ 264).
     pub n_vocab: usize,
-    /// Storage type of the routed and shared expert matrices (Q8_0, Q4_0, Q4_K, Q6_K or F32).
+    /// Storage type of the routed and shared expert matrices (Q8_0, Q4_0, Q4_K, Q6_K, F32 or an IQ type).
     pub expert_type: GgmlType,
     /// Storage type of the routed and shared experts' down matrices when not `expert_type`
     /// (a Q4_K_M file's Q6_K down experts).

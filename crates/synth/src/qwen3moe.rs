@@ -30,7 +30,7 @@ pub struct Qwen3MoeSpec {
     pub n_ff_exp: usize,
     /// Vocabulary size (≥ 264).
     pub n_vocab: usize,
-    /// Storage type of the expert matrices (Q8_0, Q4_0, Q4_K, Q6_K or F32).
+    /// Storage type of the expert matrices (Q8_0, Q4_0, Q4_K, Q6_K, F32 or an IQ type).
     pub expert_type: GgmlType,
     /// Storage type of the experts' down matrices when not `expert_type` (a Q4_K_M file's
     /// Q6_K down experts).

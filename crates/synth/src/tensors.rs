@@ -48,12 +48,30 @@ impl Plan {
     }
 }
 
-/// The weight types the synthetic writers can generate for matrices.
+/// The weight types the synthetic writers can generate for matrices: F32, Q8_0, Q4_0, Q4_K,
+/// Q6_K and the IQ types (random codes).
 pub fn supported_weight_type(ty: GgmlType) -> bool {
     matches!(
         ty,
         GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::Q6_K
-    )
+    ) || hmoe_quant::IQ_TYPES.contains(&ty)
+}
+
+/// The standard deviation of IQ type `ty`'s values for random codes and scale 1, measured by
+/// dequantising 64 random blocks.
+fn iq_unit_std(ty: GgmlType) -> f32 {
+    let mut rng = StdRng::seed_from_u64(ty.id() as u64);
+    let mut raw = vec![0u8; 64 * ty.block_bytes()];
+    rng.fill(&mut raw[..]);
+    for block in raw.chunks_exact_mut(ty.block_bytes()) {
+        hmoe_quant::set_iq_block_scale(ty, block, f16::ONE.to_bits());
+    }
+    let mut v = vec![0f32; 64 * ty.block_elems()];
+    hmoe_quant::dequantize_row(ty, &raw, &mut v).expect("IQ types dequantise");
+    let n = v.len() as f64;
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+    var.sqrt() as f32
 }
 
 /// Checks that the synthetic writers generate every type of `types` (expert matrices) and that
@@ -65,7 +83,7 @@ pub(crate) fn check_expert_types(
     for &ty in types {
         if !supported_weight_type(ty) {
             return Err(format!(
-                "expert type {ty} is not generated (use q8_0, q4_0, q4_k, q6_k or f32)"
+                "expert type {ty} is not generated (use q8_0, q4_0, q4_k, q6_k, f32 or an iq type)"
             ));
         }
         let block = ty.block_elems();
@@ -158,6 +176,14 @@ pub(crate) fn random_tensor(p: &Plan, seed: u64) -> Vec<u8> {
                 block[208..].copy_from_slice(&d);
             }
         }
+        ty if hmoe_quant::IQ_TYPES.contains(&ty) => {
+            // Random codes (every bit pattern is a valid IQ block), one scale per block.
+            let d = f16::from_f32(p.std / iq_unit_std(ty)).to_bits();
+            rng.fill(&mut out[..]);
+            for block in out.chunks_exact_mut(ty.block_bytes()) {
+                hmoe_quant::set_iq_block_scale(ty, block, d);
+            }
+        }
         other => unreachable!("the synthetic writers generate no {other} tensors"),
     }
     out
@@ -175,7 +201,10 @@ mod tests {
             GgmlType::Q4_0,
             GgmlType::Q4_K,
             GgmlType::Q6_K,
-        ] {
+        ]
+        .into_iter()
+        .chain(hmoe_quant::IQ_TYPES)
+        {
             let p = Plan::matrix("w".into(), ty, vec![256, 64], 1.0);
             assert_eq!(p.ty, ty);
             let bytes = random_tensor(&p, 7);

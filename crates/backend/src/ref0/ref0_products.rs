@@ -14,12 +14,28 @@ use crate::BackendError;
 /// The weight types the reference device multiplies: those of the CUDA kernels (F32, F16,
 /// BF16, Q8_0, MXFP4), with its own code in the CPU device's orders, and every other type the
 /// CPU device loads, with hmoe-quant's kernels ([`QUANT_KERNEL_TYPES`]).
-pub const REF0_TYPES: [GgmlType; 14] = hmoe_quant::WEIGHT_TYPES;
+pub const REF0_TYPES: [GgmlType; 23] = concat(hmoe_quant::WEIGHT_TYPES, hmoe_quant::IQ_TYPES);
 
 /// The weight types of [`REF0_TYPES`] that the reference device multiplies with hmoe-quant's
 /// kernels (the CPU device's, chosen per matrix): `matmul`, `matmul_heads`, `get_rows` and
-/// expert sets take them.
-pub const QUANT_KERNEL_TYPES: [GgmlType; 9] = hmoe_quant::LOWBIT_TYPES;
+/// expert sets take them. The low-bit types and the IQ types.
+pub const QUANT_KERNEL_TYPES: [GgmlType; 18] =
+    concat(hmoe_quant::LOWBIT_TYPES, hmoe_quant::IQ_TYPES);
+
+/// `a` then `b` (`C` must be `A + B`).
+const fn concat<const A: usize, const B: usize, const C: usize>(
+    a: [GgmlType; A],
+    b: [GgmlType; B],
+) -> [GgmlType; C] {
+    assert!(A + B == C);
+    let mut out = [GgmlType::F32; C];
+    let mut i = 0;
+    while i < C {
+        out[i] = if i < A { a[i] } else { b[i - A] };
+        i += 1;
+    }
+    out
+}
 
 /// Checks `data` as `rows` rows of `cols` elements of `ty` and keeps it.
 pub(super) fn matrix(

@@ -219,6 +219,7 @@ fn quant_weights(s: &mut Stream, ty: GgmlType, rows: usize, cols: usize) -> Vec<
         GgmlType::Q3_K => &[108],
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
+        ty if hmoe_quant::IQ_TYPES.contains(&ty) => &[],
         _ => {
             for row in q.chunks_exact_mut(rb) {
                 let vals: Vec<f32> = (0..cols).map(|_| s.value(1.0)).collect();
@@ -233,6 +234,8 @@ fn quant_weights(s: &mut Stream, ty: GgmlType, rows: usize, cols: usize) -> Vec<
             let v = half::f16::from_f32(0.001 + s.value(1.0).abs() * 0.009);
             block[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
         }
+        let v = half::f16::from_f32(0.001 + s.value(1.0).abs() * 0.009);
+        hmoe_quant::set_iq_block_scale(ty, block, v.to_bits());
     }
     q
 }

@@ -60,7 +60,7 @@ pub(crate) fn q8k_bsum(b: &[u8], i: usize) -> i16 {
 
 /// Quant `e` of a Q8_K super-block.
 #[inline(always)]
-fn q8k_q(b: &[u8], e: usize) -> i32 {
+pub(crate) fn q8k_q(b: &[u8], e: usize) -> i32 {
     (b[Q8_K_QS + e] as i8) as i32
 }
 
@@ -270,7 +270,7 @@ fn lanes(yb: &[u8], prod: impl Fn(usize) -> i32) -> [i32; 8] {
 
 /// `fma(d, lanes, acc)` for each lane.
 #[inline(always)]
-fn fma_lanes(acc: &mut [f32; 8], d: f32, s: &[i32; 8]) {
+pub(crate) fn fma_lanes(acc: &mut [f32; 8], d: f32, s: &[i32; 8]) {
     for (acc, &s) in acc.iter_mut().zip(s) {
         *acc = d.mul_add(s as f32, *acc);
     }
@@ -278,7 +278,7 @@ fn fma_lanes(acc: &mut [f32; 8], d: f32, s: &[i32; 8]) {
 
 /// The super-block pairs of a K-quant row and its Q8_K activations.
 #[inline(always)]
-fn superblocks<'a>(
+pub(crate) fn superblocks<'a>(
     n: usize,
     w: &'a [u8],
     a: &'a [u8],

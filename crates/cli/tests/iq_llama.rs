@@ -1,0 +1,48 @@
+//! `scripts/iq_llama_compare.py --types iq2_xxs`: a Qwen3-MoE stand-in with IQ2_XXS experts
+//! made by `hmoe make-test-model`, greedy on the CPU, against llama.cpp's CPU llama-server
+//! (teacher-forced on hmoe's tokens: every token equal, the first step's top-10 probabilities
+//! within 1e-4). Needs llama-server (`$HMOE_LLAMA_SERVER`, else the unpacked baseline
+//! `../llama-cpu-unpacked/llama-cpu/bin/llama-server` beside the checkout) and Python 3
+//! (`$HMOE_PYTHON` or `python3`); without them `SKIPPED:`.
+
+#[allow(dead_code)]
+#[path = "../../server/tests/common/python.rs"]
+mod python;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+#[test]
+fn iq2_xxs_experts_generate_llama_cpps_tokens() {
+    let server = std::env::var_os("HMOE_LLAMA_SERVER").map_or_else(
+        || root().join("../llama-cpu-unpacked/llama-cpu/bin/llama-server"),
+        PathBuf::from,
+    );
+    if !server.is_file() {
+        eprintln!(
+            "SKIPPED: no llama-server at {} (set HMOE_LLAMA_SERVER)",
+            server.display()
+        );
+        return;
+    }
+    let Some(py) = python::python_with(&["json", "urllib.request"]) else {
+        return;
+    };
+    let out = Command::new(&py)
+        .arg(root().join("scripts/iq_llama_compare.py"))
+        .args(["--hmoe", env!("CARGO_BIN_EXE_hmoe")])
+        .arg("--llama-server")
+        .arg(&server)
+        .args(["--types", "iq2_xxs", "--port", "18391", "-n", "8"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("iq2_xxs: "), "{stdout}");
+}

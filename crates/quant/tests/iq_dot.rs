@@ -1,0 +1,114 @@
+//! The IQ types' dot products: every ISA gives the scalar reference's bits, the multi-row entry
+//! point equals the single-row one, and the result equals the exact sum of the dequantised
+//! weights times the dequantised activations up to f32 accumulation error (which catches a wrong
+//! scale, sign, grid index or constant in the product).
+
+use hmoe_quant::{
+    dequantize_row, quantize_row, set_iq_block_scale, vec_dot_type, DotKernel, GgmlType, Isa,
+    IQ_TYPES,
+};
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// `rows` random weight rows of `n` elements: random codes, finite f16 scales from 2^-14 to 2^3
+/// of either sign (IQ1_M keeps its scale in the top nibbles of its scale words).
+fn weights(ty: GgmlType, n: usize, rows: usize, rng: &mut Rng) -> Vec<u8> {
+    let bb = ty.block_bytes();
+    let mut raw: Vec<u8> = (0..rows * n / ty.block_elems() * bb)
+        .map(|_| rng.next() as u8)
+        .collect();
+    for b in raw.chunks_exact_mut(bb) {
+        let exp = 1 + rng.next() % 17;
+        let d = (rng.next() as u16 & 0x83ff) | (exp as u16) << 10;
+        assert!(set_iq_block_scale(ty, b, d));
+    }
+    raw
+}
+
+fn isas() -> Vec<Isa> {
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|i| i.is_available())
+        .collect()
+}
+
+#[test]
+fn iq_dots_equal_the_dequantised_sum_on_every_isa() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for ty in IQ_TYPES {
+        let act = vec_dot_type(ty);
+        for n in [ty.block_elems(), 512, 2048, 32 * 7] {
+            if n % ty.block_elems() != 0 {
+                continue;
+            }
+            let rows = 5;
+            let w = weights(ty, n, rows, &mut rng);
+            // Activations spanning several binades within a block, as real ones do.
+            let x: Vec<f32> = (0..n)
+                .map(|i| rng.unit() * if i % 7 == 0 { 30.0 } else { 1.0 })
+                .collect();
+            let mut a = vec![0u8; act.row_bytes(n as u64).unwrap() as usize];
+            quantize_row(act, &x, &mut a).unwrap();
+            let mut av = vec![0.0f32; n];
+            dequantize_row(act, &a, &mut av).unwrap();
+            let rb = ty.row_bytes(n as u64).unwrap() as usize;
+            let reference = DotKernel::new(ty, Isa::Scalar).unwrap();
+            for r in 0..rows {
+                let row = &w[r * rb..(r + 1) * rb];
+                let mut wv = vec![0.0f32; n];
+                dequantize_row(ty, row, &mut wv).unwrap();
+                let exact: f64 = wv.iter().zip(&av).map(|(&p, &q)| p as f64 * q as f64).sum();
+                let scale: f64 = wv
+                    .iter()
+                    .zip(&av)
+                    .map(|(&p, &q)| (p as f64 * q as f64).abs())
+                    .sum();
+                let got = reference.dot(n, row, &a);
+                let err = (got as f64 - exact).abs();
+                assert!(
+                    err <= 2e-6 * scale + 1e-30,
+                    "{ty} n={n} row {r}: dot {got:e}, exact {exact:e}, err {err:e}, scale {scale:e}"
+                );
+            }
+            let mut want = vec![0.0f32; rows];
+            for (r, o) in want.iter_mut().enumerate() {
+                *o = reference.dot(n, &w[r * rb..(r + 1) * rb], &a);
+            }
+            for isa in isas() {
+                let k = DotKernel::new(ty, isa).unwrap();
+                assert_eq!(k.act_type(), act);
+                let mut out = vec![0.0f32; rows];
+                k.dot_rows(n, &w, &a, &mut out);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&want), "{ty} n={n} on {isa:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn iq_types_multiply_against_ggml_activation_types() {
+    for ty in IQ_TYPES {
+        let want = if ty == GgmlType::IQ4_NL {
+            GgmlType::Q8_0
+        } else {
+            GgmlType::Q8_K
+        };
+        assert_eq!(vec_dot_type(ty), want, "{ty}");
+    }
+}
