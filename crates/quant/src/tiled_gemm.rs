@@ -16,11 +16,11 @@
 //! (one vector lane per token after the horizontal sums) and folds them with the same
 //! per-lane float operations as the scalar code: bit-identical on every ISA.
 
-use crate::scalar::kquants::QK_K;
 use crate::tiled::{SuperBlockFormat, TILED_MIN_TOKENS};
 use crate::{BatchKind, DotKernel, GgmlType};
 
 /// How a super-block's integer sums enter the float accumulators.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fold {
     /// llama.cpp's tiled order: one chain, `fma(f32(s1)·d_w − dmin_w·f32(s2), d_a, acc)`.
@@ -68,7 +68,7 @@ impl DotKernel {
                 );
                 // SAFETY: the kernel's ISA was checked when it was made (AVX2 is part of both,
                 // VNNI was asked); `w` holds the rows, `a` the tokens.
-                unsafe { f(format, fold, n / QK_K, w, a, out) };
+                unsafe { f(format, fold, n / crate::scalar::kquants::QK_K, w, a, out) };
                 return;
             }
         }
