@@ -224,7 +224,12 @@ pub(crate) fn matmul_as(
         g.prepare(n_in, &acts.data, n_tokens)
             .expect("activations converted for these weights")
     });
-    let rows_per_task = if gemm.is_some() {
+    // K-quant batches decode each weight super-block once for the tokens, like the GEMMs.
+    let kquant = matches!(
+        ty,
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
+    );
+    let rows_per_task = if gemm.is_some() || kquant {
         GEMM_ROWS
     } else {
         ROWS_PER_TASK
@@ -243,12 +248,10 @@ pub(crate) fn matmul_as(
                 g.gemm(w_rows, p, dst).expect("whole rows");
                 return;
             }
-            for (i, dst_row) in dst.chunks_exact_mut(n_tokens).enumerate() {
-                let wrow = &w[(r0 + i) * row_bytes..(r0 + i + 1) * row_bytes];
-                // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
-                // repacked Q4_K); `vec_dot` for the other types.
-                kernel.dot_tokens(kind, n_in, wrow, &acts.data, dst_row);
-            }
+            // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
+            // repacked Q4_K); `vec_dot` for the other types.
+            let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
+            kernel.dot_tokens_rows(kind, n_in, w_rows, &acts.data, n_tokens, dst);
         },
     );
     debug_assert!(

@@ -93,6 +93,7 @@ mod pages;
 mod repack;
 mod scalar;
 mod tiled;
+mod tiled_gemm;
 mod types;
 #[cfg(target_arch = "x86_64")]
 mod x86;

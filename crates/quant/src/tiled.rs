@@ -97,7 +97,7 @@ pub(crate) enum SuperBlockFormat {
 }
 
 impl SuperBlockFormat {
-    fn of(ty: GgmlType) -> Option<SuperBlockFormat> {
+    pub(crate) fn of(ty: GgmlType) -> Option<SuperBlockFormat> {
         match ty {
             GgmlType::Q2_K => Some(SuperBlockFormat::Q2K),
             GgmlType::Q3_K => Some(SuperBlockFormat::Q3K),
@@ -108,7 +108,7 @@ impl SuperBlockFormat {
         }
     }
 
-    fn bytes(self) -> usize {
+    pub(crate) fn bytes(self) -> usize {
         match self {
             SuperBlockFormat::Q2K => Q2_K_BYTES,
             SuperBlockFormat::Q3K => Q3_K_BYTES,
@@ -139,7 +139,24 @@ pub(crate) struct Decoded {
 }
 
 impl Decoded {
+    /// The super-block `b` of `format` decoded.
     pub(crate) fn new(format: SuperBlockFormat, b: &[u8]) -> Decoded {
+        let mut out = Decoded::scales(format, b);
+        let code: fn(&[u8], usize) -> u8 = match format {
+            SuperBlockFormat::Q2K => q2k_q,
+            SuperBlockFormat::Q3K => |b, e| (q3k_q(b, e) + 4) as u8,
+            SuperBlockFormat::Q4K => q4k_q,
+            SuperBlockFormat::Q5K => q5k_q,
+            SuperBlockFormat::Q6K => q6k_q,
+        };
+        for (e, q) in out.codes.iter_mut().enumerate() {
+            *q = code(b, e);
+        }
+        out
+    }
+
+    /// Everything of the super-block `b` of `format` but its codes (left zero).
+    pub(crate) fn scales(format: SuperBlockFormat, b: &[u8]) -> Decoded {
         let mut out = Decoded {
             codes: [0; QK_K],
             bias: 0,
@@ -151,9 +168,6 @@ impl Decoded {
         };
         match format {
             SuperBlockFormat::Q2K => {
-                for (e, q) in out.codes.iter_mut().enumerate() {
-                    *q = q2k_q(b, e);
-                }
                 for ((s, m), &b) in out.sc.iter_mut().zip(&mut out.m).zip(&b[..16]) {
                     (*s, *m) = ((b & 0x0f) as i16, (b >> 4) as i16);
                 }
@@ -162,9 +176,6 @@ impl Decoded {
                 out.has_min = true;
             }
             SuperBlockFormat::Q3K => {
-                for (e, q) in out.codes.iter_mut().enumerate() {
-                    *q = (q3k_q(b, e) + 4) as u8;
-                }
                 out.bias = 4;
                 for (s, &v) in out.sc.iter_mut().zip(&q3k_scales(b)) {
                     *s = v as i16;
@@ -172,14 +183,6 @@ impl Decoded {
                 out.d = f16_to_f32(rd_u16(b, 54));
             }
             SuperBlockFormat::Q4K | SuperBlockFormat::Q5K => {
-                let value = if format == SuperBlockFormat::Q4K {
-                    q4k_q
-                } else {
-                    q5k_q
-                };
-                for (e, q) in out.codes.iter_mut().enumerate() {
-                    *q = value(b, e);
-                }
                 let (sc, mn) = k4_scales_mins(b);
                 for g in 0..16 {
                     out.sc[g] = sc[g / 2] as i16;
@@ -190,9 +193,6 @@ impl Decoded {
                 out.has_min = true;
             }
             SuperBlockFormat::Q6K => {
-                for (e, q) in out.codes.iter_mut().enumerate() {
-                    *q = q6k_q(b, e);
-                }
                 out.bias = 32;
                 for (s, &b) in out.sc.iter_mut().zip(&b[192..208]) {
                     *s = b as i8 as i16;
@@ -324,7 +324,7 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn bytes(n: usize, seed: u64) -> Vec<u8> {
@@ -340,7 +340,7 @@ mod tests {
     }
 
     /// Random K-quant rows with small finite scales.
-    fn weights(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
+    pub(crate) fn weights(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
         let format = SuperBlockFormat::of(ty).unwrap();
         let mut w = bytes(ty.row_bytes(n as u64).unwrap() as usize, seed);
         let half = |x: f32| half::f16::from_f32(x).to_bits();
@@ -360,7 +360,7 @@ mod tests {
         w
     }
 
-    fn acts(n: usize, tokens: usize, seed: u64) -> Vec<u8> {
+    pub(crate) fn acts(n: usize, tokens: usize, seed: u64) -> Vec<u8> {
         let mut out = Vec::new();
         for t in 0..tokens {
             let x: Vec<f32> = bytes(n, seed + t as u64)
@@ -374,7 +374,7 @@ mod tests {
         out
     }
 
-    const TYPES: [GgmlType; 5] = [
+    pub(crate) const TYPES: [GgmlType; 5] = [
         GgmlType::Q2_K,
         GgmlType::Q3_K,
         GgmlType::Q4_K,
