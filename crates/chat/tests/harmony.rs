@@ -1,7 +1,6 @@
 //! The harmony parser, fed the o200k token stream of each rendered gpt-oss conversation one token
 //! at a time, recovers the messages, channels and tool calls; and generation-side streaming.
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, UNIX_EPOCH};
 

@@ -12,7 +12,8 @@ mod server;
 use std::io::Write;
 use std::process::Command;
 
-use server::{fixtures, http, serve};
+use hmoe_testdata::fixtures;
+use server::{http, serve};
 
 #[test]
 fn seed_command_line_serves_the_openai_client() {
@@ -77,6 +78,43 @@ fn seed_command_line_serves_the_openai_client() {
                 ])
                 .args(["--reasoning-format", "none"]),
         );
+    }
+}
+
+/// The command lines of llama.cpp's gpt-oss guide (ggml-org/llama.cpp discussion 15396), with
+/// the fixture in place of `-hf ggml-org/gpt-oss-120b-GGUF`: each serves, with what it asked for.
+#[test]
+fn gpt_oss_guide_command_lines_serve() {
+    let model = fixtures().join("gpt-oss/gptoss-tiny.gguf");
+    let model = model.to_str().unwrap();
+    let guide = "--ctx-size 0 --jinja -ub 2048 -b 2048 -ngl 99 -fa";
+    let reply = "--ctx-size 0 --jinja -b 4096 -ub 4096 -ngl 99 -fa";
+    for line in [
+        guide.to_string(),
+        format!("{guide} --n-cpu-moe 2"),
+        format!("{reply} -cmoe"),
+        format!("{reply} -ncmoe 4"),
+    ] {
+        let mut args = vec!["-m", model];
+        args.extend(line.split_whitespace());
+        let s = serve(&args);
+        let (status, body) = http(&s.addr, "GET", "/props", "", "");
+        assert_eq!(status, 200, "{line}: {body}");
+        let props: serde_json::Value = serde_json::from_str(&body).unwrap();
+        // --ctx-size 0: the trained context (131072) over llama-server's 4 slots.
+        assert_eq!(props["total_slots"], 4, "{line}");
+        assert_eq!(
+            props["default_generation_settings"]["n_ctx"], 32768,
+            "{line}"
+        );
+        let (status, body) = http(
+            &s.addr,
+            "POST",
+            "/v1/chat/completions",
+            "",
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#,
+        );
+        assert_eq!(status, 200, "{line}: {body}");
     }
 }
 

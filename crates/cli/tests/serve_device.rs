@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use server::{fixtures, Server};
+use hmoe_testdata::fixtures;
+use server::Server;
 
 /// The K/V cache flags of the seed command line: q8_0 on the device, as the issue asks.
 const KV: &[&str] = &["-ctk", "q8_0", "-ctv", "q8_0"];

@@ -6,7 +6,8 @@
 #[path = "common/serve.rs"]
 mod server;
 
-use server::{fixtures, http, serve};
+use hmoe_testdata::fixtures;
+use server::{http, serve};
 
 const ON: &str = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
 

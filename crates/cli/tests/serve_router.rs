@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use server::{fixtures, http, serve};
+use hmoe_testdata::fixtures;
+use server::{http, serve};
 
 /// A fresh directory with alpha.gguf and beta.gguf (the tiny fixture).
 fn models_dir(name: &str) -> PathBuf {

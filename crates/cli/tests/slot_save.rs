@@ -14,8 +14,9 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use hmoe_testdata::fixtures;
 use serde_json::{json, Value};
-use server::{fixtures, http, serve, Server};
+use server::{http, serve, Server};
 
 const PROMPT: &str = "The committee met on a grey morning to read the long report about the \
     river, the old mill, the bridge that the winter floods had damaged twice, and the plan to \

@@ -20,8 +20,6 @@
 //! reported, not asserted (cuBLAS, `cosf`/`sinf` and `expf` on the GPU can still flip a
 //! routing choice).
 
-use std::path::PathBuf;
-
 use hmoe_backend::{Backend, Ref0};
 use hmoe_cuda::CudaDevice;
 use hmoe_gguf::{GgufModel, LoadOptions};

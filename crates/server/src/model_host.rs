@@ -110,16 +110,40 @@ impl Prepared {
                 .map_err(|e| err(format!("tokenizer: {e}")))?,
         );
         let (chat, chat_error) = match &config.chat.template {
-            Some(src) => (Some(ChatSetup::new(src.clone(), &tokenizer).map_err(|e| err(format!("--chat-template-file: {e}")))?), None),
+            Some(src) => (
+                Some(
+                    ChatSetup::new(src.clone(), &tokenizer)
+                        .map_err(|e| err(format!("--chat-template-file: {e}")))?,
+                ),
+                None,
+            ),
             None => match model.gguf().metadata().get_str("tokenizer.chat_template") {
                 Some(src) => match ChatSetup::new(src.to_string(), &tokenizer) {
                     Ok(c) => (Some(c), None),
                     Err(e) => {
-                        tracing::warn!("{}: the model's chat template does not compile: {e}", path.display());
-                        (None, Some(format!("the model's chat template does not compile: {e}")))
+                        tracing::warn!(
+                            "{}: the model's chat template does not compile: {e}",
+                            path.display()
+                        );
+                        (
+                            None,
+                            Some(format!("the model's chat template does not compile: {e}")),
+                        )
                     }
                 },
-                None => (None, Some("the model has no chat template; start the server with --chat-template-file".into())),
+                // As llama-server: a model without a template is served with ChatML.
+                None => {
+                    tracing::info!("{}: the model has no chat template; using chatml (--chat-template-file to choose another)", path.display());
+                    let chatml = hmoe_chat::builtin_template("chatml")
+                        .ok_or_else(|| err("no built-in chatml".into()))?;
+                    (
+                        Some(
+                            ChatSetup::new(chatml, &tokenizer)
+                                .map_err(|e| err(format!("chatml: {e}")))?,
+                        ),
+                        None,
+                    )
+                }
             },
         };
         let e = &config.engine;

@@ -586,6 +586,25 @@ fn think_tags_split_for_qwen3_templates() {
     assert_eq!(r["choices"][0]["message"]["content"], script);
 }
 
+/// As llama-server: a model without a chat template (the qwen3moe fixture) is served with
+/// ChatML rather than refusing chat requests.
+#[test]
+fn a_model_without_a_template_chats_in_chatml() {
+    let mut c = tiny_config();
+    c.models = hmoe_server::ModelSource::File(fixtures().join("qwen3moe/qwen3moe-tiny.gguf"));
+    let s = start(c);
+    let a = s.local_addr();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let r = post(a, "/apply-template", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["prompt"],
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let r = post(a, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 #[test]
 fn unsuitable_cache_types_fail_at_load() {
     use hmoe_model::kv_cache::{CacheType, FlashAttn};

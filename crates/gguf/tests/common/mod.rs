@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use hmoe_gguf::{GgufModel, TensorInfo};
 
+#[allow(unused_imports)] // each test binary uses one or both
 pub use hmoe_testdata::{fixture, fixtures};
 
 /// A fresh, empty scratch folder for one test.

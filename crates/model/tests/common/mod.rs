@@ -2,8 +2,6 @@
 //! teacher-forced comparison with llama.cpp's goldens and the reference implementations.
 #![allow(dead_code)] // each test binary uses part of it
 
-use std::path::PathBuf;
-
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{KvType, LanguageModel, LogitsWanted};
 use serde_json::Value;

@@ -1,7 +1,5 @@
 //! Shared helpers for the fixture tests.
 
-use std::path::PathBuf;
-
 use hmoe_tokenizer::Tokenizer;
 
 pub use hmoe_testdata::fixtures;
