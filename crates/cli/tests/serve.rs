@@ -81,32 +81,41 @@ fn seed_command_line_serves_the_openai_client() {
     }
 }
 
-/// The command lines of llama.cpp's gpt-oss guide (ggml-org/llama.cpp discussion 15396), with
-/// the fixture in place of `-hf ggml-org/gpt-oss-120b-GGUF`: each serves, with what it asked for.
+/// Command lines as llama.cpp's documents give them, with the fixture in place of the model
+/// (`-hf ggml-org/gpt-oss-120b-GGUF` or a path): the gpt-oss guide (ggml-org/llama.cpp
+/// discussion 15396) and the server's README at d32676d77. Each serves what it asked for.
 #[test]
-fn gpt_oss_guide_command_lines_serve() {
+fn documented_command_lines_serve() {
     let model = fixtures().join("gpt-oss/gptoss-tiny.gguf");
     let model = model.to_str().unwrap();
     let guide = "--ctx-size 0 --jinja -ub 2048 -b 2048 -ngl 99 -fa";
     let reply = "--ctx-size 0 --jinja -b 4096 -ub 4096 -ngl 99 -fa";
-    for line in [
-        guide.to_string(),
-        format!("{guide} --n-cpu-moe 2"),
-        format!("{reply} -cmoe"),
-        format!("{reply} -ncmoe 4"),
-    ] {
+    let ui = r#"{"pasteLongTextToFileLen": 0, "renderUserContentAsMarkdown": true}"#;
+    // (flags, context per slot where the line sets it): --ctx-size 0 is the trained context (131072) over
+    // llama-server's 4 slots.
+    let words = |s: &str| -> Vec<String> { s.split(' ').map(String::from).collect() };
+    let lines: Vec<(Vec<String>, Option<u64>)> = vec![
+        (words(guide), Some(32768)),
+        (words(&format!("{guide} --n-cpu-moe 2")), Some(32768)),
+        (words(&format!("{reply} -cmoe")), Some(32768)),
+        (words(&format!("{reply} -ncmoe 4")), Some(32768)),
+        (words("-c 2048"), Some(512)),
+        (vec!["--ui-config".into(), ui.into()], None),
+    ];
+    for (line, n_ctx) in lines {
         let mut args = vec!["-m", model];
-        args.extend(line.split_whitespace());
+        args.extend(line.iter().map(String::as_str));
         let s = serve(&args);
         let (status, body) = http(&s.addr, "GET", "/props", "", "");
-        assert_eq!(status, 200, "{line}: {body}");
+        assert_eq!(status, 200, "{line:?}: {body}");
         let props: serde_json::Value = serde_json::from_str(&body).unwrap();
-        // --ctx-size 0: the trained context (131072) over llama-server's 4 slots.
-        assert_eq!(props["total_slots"], 4, "{line}");
-        assert_eq!(
-            props["default_generation_settings"]["n_ctx"], 32768,
-            "{line}"
-        );
+        assert_eq!(props["total_slots"], 4, "{line:?}");
+        if let Some(n_ctx) = n_ctx {
+            assert_eq!(
+                props["default_generation_settings"]["n_ctx"], n_ctx,
+                "{line:?}"
+            );
+        }
         let (status, body) = http(
             &s.addr,
             "POST",
@@ -114,7 +123,7 @@ fn gpt_oss_guide_command_lines_serve() {
             "",
             r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#,
         );
-        assert_eq!(status, 200, "{line}: {body}");
+        assert_eq!(status, 200, "{line:?}: {body}");
     }
 }
 
