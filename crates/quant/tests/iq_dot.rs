@@ -8,22 +8,8 @@ use hmoe_quant::{
     IQ_TYPES,
 };
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+mod common;
+use common::Rng;
 
 /// `rows` random weight rows of `n` elements: random codes, finite f16 scales from 2^-14 to 2^3
 /// of either sign (IQ1_M keeps its scale in the top nibbles of its scale words).

@@ -15,17 +15,8 @@ raw = np.fromfile(sys.argv[2], dtype=np.uint8)
 quants.dequantize(raw, ty).astype(np.float32).tofile(sys.argv[3])
 "#;
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
+mod common;
+use common::Rng;
 
 /// f16 scales worth testing: extremes, subnormals, zeros, negatives, and a NaN and infinity.
 const SCALES: [u16; 12] = [
