@@ -225,11 +225,7 @@ pub(crate) fn matmul_as(
             .expect("activations converted for these weights")
     });
     // K-quant batches decode each weight super-block once for the tokens, like the GEMMs.
-    let kquant = matches!(
-        ty,
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
-    );
-    let rows_per_task = if gemm.is_some() || kquant {
+    let rows_per_task = if gemm.is_some() || ty.is_k_quant() {
         GEMM_ROWS
     } else {
         ROWS_PER_TASK

@@ -207,6 +207,15 @@ impl GgmlType {
             .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 
+    /// Whether this is one of ggml's K-quants (Q2_K … Q6_K: 256-element super-blocks of
+    /// sub-blocks with their own scales, multiplied with Q8_K activations).
+    pub fn is_k_quant(self) -> bool {
+        matches!(
+            self,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
+        )
+    }
+
     /// Elements per block (1 for plain float types).
     pub fn block_elems(self) -> usize {
         match self {

@@ -27,13 +27,6 @@ const LB_TILED: i32 = 1;
 const LB_BLOCK: i32 = 2;
 const LB_PAIR: i32 = 3;
 
-fn is_kquant(ty: GgmlType) -> bool {
-    matches!(
-        ty,
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K
-    )
-}
-
 /// Whether the CPU device multiplies a matrix of `ty` with `rows` rows (per expert for
 /// experts) with its repacked-order kernels (`DotKernel::for_matrix`: Q4_0 and Q4_K with a
 /// row count that is a multiple of 8).
@@ -51,7 +44,7 @@ fn dense_orders(ty: GgmlType, rows: usize, n: usize) -> (usize, i32, i32) {
         } else {
             (0, LB_BLOCK, LB_BLOCK)
         }
-    } else if is_kquant(ty) && n >= TILED_MIN_TOKENS {
+    } else if ty.is_k_quant() && n >= TILED_MIN_TOKENS {
         (0, LB_TILED, LB_TILED)
     } else {
         (0, LB_VEC, LB_VEC)
@@ -67,7 +60,7 @@ fn heads_orders(ty: GgmlType, rows: usize, n: usize, dense: bool) -> (usize, i32
         dense_orders(ty, rows, n)
     } else if repacked(ty, rows) {
         (0, LB_BLOCK, LB_BLOCK)
-    } else if is_kquant(ty) && n >= TILED_MIN_TOKENS {
+    } else if ty.is_k_quant() && n >= TILED_MIN_TOKENS {
         (0, LB_TILED, LB_TILED)
     } else {
         (0, LB_VEC, LB_VEC)
