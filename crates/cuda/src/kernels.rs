@@ -6,8 +6,23 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use crate::cache;
 use crate::error::CudaError;
 
-/// The kernels' CUDA C source (header-free; see the comment at its top).
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The kernels' CUDA C source (header-free; see the comment at the top of `kernels/common.cu`):
+/// the files of `kernels/` in dependency order, one translation unit for NVRTC and the host
+/// emulator.
+pub const SOURCE: &str = concat!(
+    include_str!("kernels/common.cu"),
+    include_str!("kernels/lowbit_blocks.cu"),
+    include_str!("kernels/rows.cu"),
+    include_str!("kernels/gemv.cu"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/attention.cu"),
+    include_str!("kernels/moe.cu"),
+    include_str!("kernels/tiled.cu"),
+    include_str!("kernels/lowbit_products.cu"),
+    include_str!("kernels/rows_heads.cu"),
+    include_str!("kernels/latent_attention.cu"),
+    include_str!("kernels/routing.cu"),
+);
 
 /// Every `extern "C"` entry point in [`SOURCE`] that the Rust side launches.
 pub const KERNELS: &[&str] = &[
@@ -267,7 +282,7 @@ mod tests {
     #[test]
     fn every_launched_kernel_is_in_the_source() {
         for name in KERNELS {
-            assert!(defined(name), "{name} is not defined in kernels.cu");
+            assert!(defined(name), "{name} is not defined in kernels/*.cu");
         }
         // And every directly defined entry point is launched from Rust.
         for line in SOURCE.lines() {
@@ -292,7 +307,7 @@ mod tests {
     }
 
     /// A 16-bit inline-asm output ("=h") made ptxas 13.0 store stale registers for the low
-    /// byte of f2h's result on an H200 (wrong Q8_1/Q4_0 scales; see f2h in kernels.cu); the
+    /// byte of f2h's result on an H200 (wrong Q8_1/Q4_0 scales; see f2h in kernels/common.cu); the
     /// host emulation cannot see that, so the source keeps asm outputs 32 bits wide.
     #[test]
     fn no_16_bit_asm_outputs() {
@@ -322,7 +337,7 @@ mod tests {
         ] {
             assert!(
                 SOURCE.contains(&format!("#define {name} {value}\n")),
-                "{name} should be {value} in kernels.cu"
+                "{name} should be {value} in kernels/*.cu"
             );
         }
     }

@@ -15,7 +15,7 @@
 //! time (never linked), and before any CUDA call the crate checks that it can be loaded, so
 //! the answer there is [`CudaError::NoDriver`], never a panic.
 //!
-//! Kernels are CUDA C in `kernels.cu`, compiled once per device architecture by NVRTC at
+//! Kernels are CUDA C in `kernels/*.cu` (one source, [`kernels::SOURCE`]), compiled once per device architecture by NVRTC at
 //! [`CudaDevice::new`] and cached on disk as PTX (see [`cache`]).
 #![warn(missing_docs)]
 

@@ -1,4 +1,4 @@
-//! The CUDA kernels without a GPU: `kernels.cu` compiled for the host with clang++ and run by a
+//! The CUDA kernels without a GPU: the kernel source (`src/kernels/*.cu`) compiled for the host with clang++ and run by a
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in src/device/),
 //! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
 //! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
@@ -75,7 +75,7 @@ impl Emulator {
             );
         assert!(
             !host.contains("asm("),
-            "kernels.cu has inline PTX the emulator does not know"
+            "the kernels have inline PTX the emulator does not know"
         );
         std::fs::write(dir.join("k_host.cu"), host).unwrap();
         let harness = dir.join("kernel_emulator.cpp");

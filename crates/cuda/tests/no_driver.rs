@@ -74,7 +74,7 @@ fn yarn_parameters_for_gpt_oss() {
     assert_eq!(plain.cos_sin(1, 0), (1f32.cos(), 1f32.sin()));
 }
 
-/// Compiles kernels.cu for sm_80 with clang's CUDA front end when clang is installed
+/// Compiles the kernels (kernels/*.cu) for sm_80 with clang's CUDA front end when clang is installed
 /// (syntax, types, inline PTX constraints); skipped otherwise. NVRTC is the real compiler.
 #[test]
 fn kernel_source_compiles_with_clang_when_available() {

@@ -51,7 +51,7 @@ impl CudaDevice {
             .arg(out)
             .arg(&n_tokens)
             .arg(&cols);
-        // SAFETY: argument types match `get_rows_*` in kernels.cu; `out` holds n × cols
+        // SAFETY: argument types match `get_rows_*` in kernels/rows.cu; `out` holds n × cols
         // values (checked), `table.data` rows × row_bytes bytes, ids are bounds-checked in
         // the kernel.
         unsafe { b.launch(cfg) }?;

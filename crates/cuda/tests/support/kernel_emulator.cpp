@@ -1,4 +1,4 @@
-// Host emulation of kernels.cu for tests/emulated.rs: one std::thread per CUDA thread, the
+// Host emulation of the kernels (src/kernels/*.cu) for tests/emulated.rs: one std::thread per CUDA thread, the
 // blocks of a launch one at a time, shuffles and __syncthreads as barriers (a shuffle that not
 // every lane of the warp reaches deadlocks, which the test's timeout reports). Host libm
 // stands in for the device math (fmaf, rintf, exp, ...), F16C for the two PTX conversions

@@ -1,0 +1,173 @@
+// ---------------------------------------------------------------------------------------------
+// Router: per token, the k largest logits (ties: lower index first), then a softmax over
+// those k only (exps summed in f64, as the CPU device does). sel: [n][k] expert ids, weights: [n][k]. One warp per token;
+// grid = ceil(n / ROW_WARPS), block = ROW_WARPS * 32. k <= 64.
+
+extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, float* weights,
+                                               int n, int n_expert, int k) {
+    int t = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    if (t >= n) return;
+    int lane = threadIdx.x % WARP;
+    const float* row = logits + (u64)t * n_expert;
+    float pv = f_inf();
+    int pi = -1;
+    for (int i = 0; i < k; i++) {
+        float bv = -f_inf();
+        int bi = 0x7fffffff;
+        for (int e = lane; e < n_expert; e += WARP) {
+            float v = row[e];
+            bool after_prev = v < pv || (v == pv && e > pi);
+            bool better = v > bv || (v == bv && e < bi);
+            if (after_prev && better) {
+                bv = v;
+                bi = e;
+            }
+        }
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (bi == 0x7fffffff) bi = 0;  // only NaNs were left
+        if (lane == 0) {
+            sel[(u64)t * k + i] = bi;
+            weights[(u64)t * k + i] = bv;
+        }
+        pv = bv;
+        pi = bi;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        // As the CPU device's softmax: exps summed in f64, times the f32 of 1 / sum.
+        float* w = weights + (u64)t * k;
+        float mx = w[0];
+        double sum = 0.0;
+        for (int i = 0; i < k; i++) {
+            w[i] = expf_libm(w[i] - mx);
+            sum += (double)w[i];
+        }
+        float inv = (float)(1.0 / sum);
+        for (int i = 0; i < k; i++) w[i] *= inv;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE experts (gpt-oss): for every (token, slot) pair s = t * k + j with expert e = sel[s]:
+//   g = gate_e . x_t + bg_e,  u = up_e . x_t + bu_e,
+//   h_s = min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)
+//   y_s = down_e . h_s + bd_e
+//   out_t = sum_j w[t][j] * y_{t*k+j}   (in slot order)
+// Expert tensors are [n_expert][rows][cols] with contiguous rows. Out-of-range expert ids give
+// zero rows. The biases are [n_expert][rows]; has_bias = 0 ignores them. Activations as for
+// matmul: for Q8_0 and MXFP4 experts x and h are Q8_0 blocks (quantize_q8_0 of each token's
+// row, and of each slot's h between the two kernels), else f32. F32 experts sum in vec_dot
+// order when only one slot of the call routes to the expert, else in 16 lanes: the CPU device
+// multiplies each expert's tokens as one batch (SiLU experts, act = ACT_SILU: always vec_dot,
+// as the CPU device's SwiGLU experts). The activation is gated_act(act, ...).
+
+__device__ __forceinline__ float swiglu_oai(float g, float u) {
+    float x = fminf(g, 7.0f);
+    float y = fminf(fmaxf(u, -7.0f), 7.0f);
+    return x / (1.0f + expf_libm(-1.702f * x)) * (y + 1.0f);
+}
+
+// The experts' gated activation of element r of a row of ff: act 0 the clamped SwiGLU above
+// (gpt-oss), act 1 SwiGLU silu(g) * u as the CPU device's swiglu (expf_ggml in the row's whole
+// 16-blocks, libm's expf after them; Qwen3-MoE, DeepSeek).
+#define ACT_CLAMPED_SWIGLU 0
+#define ACT_SILU 1
+__device__ __forceinline__ float gated_act(int act, float g, float u, int r, int ff) {
+    if (act == ACT_SILU) {
+        float e = r < ff / 16 * 16 ? expf_ggml(0.0f - g) : expf_libm(-g);
+        return g / (1.0f + e) * u;
+    }
+    return swiglu_oai(g, u);
+}
+
+// Whether F32 products for expert e sum in vec_dot order: e is routed to by one slot only.
+// Every lane of the warp gets it; every lane must call it.
+template <int TY>
+__device__ bool moe_vec_order(const int* sel, int n_slots, int e) {
+    if (TY != TY_F32) return true;
+    int c = 0;
+    for (int j = threadIdx.x % WARP; j < n_slots; j += WARP) c += sel[j] == e ? 1 : 0;
+    for (int o = WARP / 2; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    return c == 1;
+}
+
+// grid = (ceil(ff / ROW_WARPS), n_slots), block = ROW_WARPS * 32. h: [n_slots][ff].
+template <int TY>
+__device__ void moe_gate_up_impl(const u8* gate, const u8* up, const float* bg, const float* bu,
+                                 int has_bias, const void* x, const int* sel, float* h,
+                                 int n_slots, int k, int n_expert, int d, int ff, u64 row_bytes,
+                                 int act) {
+    int slot = blockIdx.y;
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    if (slot >= n_slots || r >= ff) return;
+    int e = sel[slot];
+    if (e < 0 || e >= n_expert) {
+        if (threadIdx.x % WARP == 0) h[(u64)slot * ff + r] = 0.f;
+        return;
+    }
+    u64 off = ((u64)e * ff + r) * row_bytes;
+    const void* xt = act_row<TY>(x, (u64)(slot / k), d);
+    bool vec = act == ACT_SILU || moe_vec_order<TY>(sel, n_slots, e);
+    float g = warp_dot<TY>(gate + off, xt, d, vec);
+    float u = warp_dot<TY>(up + off, xt, d, vec);
+    if (threadIdx.x % WARP == 0) {
+        if (has_bias) {
+            g += bg[(u64)e * ff + r];
+            u += bu[(u64)e * ff + r];
+        }
+        h[(u64)slot * ff + r] = gated_act(act, g, u, r, ff);
+    }
+}
+
+// grid = (ceil(d / ROW_WARPS), n_slots), block = ROW_WARPS * 32. y: [n_slots][d].
+template <int TY>
+__device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, const void* h,
+                              const int* sel, float* y, int n_slots, int n_expert, int d, int ff,
+                              u64 row_bytes, int act) {
+    int slot = blockIdx.y;
+    int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
+    if (slot >= n_slots || r >= d) return;
+    int e = sel[slot];
+    if (e < 0 || e >= n_expert) {
+        if (threadIdx.x % WARP == 0) y[(u64)slot * d + r] = 0.f;
+        return;
+    }
+    u64 off = ((u64)e * d + r) * row_bytes;
+    bool vec = act == ACT_SILU || moe_vec_order<TY>(sel, n_slots, e);
+    float s = warp_dot<TY>(down + off, act_row<TY>(h, (u64)slot, ff), ff, vec);
+    if (threadIdx.x % WARP == 0) {
+        if (has_bias) s += bd[(u64)e * d + r];
+        y[(u64)slot * d + r] = s;
+    }
+}
+
+// ACT: the activation pointer type (const u8* for Q8_0 blocks, const float* for f32).
+#define MOE_WRAPPERS(SUFFIX, TY, ACT)                                                           \
+    extern "C" __global__ void moe_gate_up_##SUFFIX(                                           \
+        const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias, ACT x,    \
+        const int* sel, float* h, int n_slots, int k, int n_expert, int d, int ff,              \
+        u64 row_bytes, int act) {                                                               \
+        moe_gate_up_impl<TY>(gate, up, bg, bu, has_bias, x, sel, h, n_slots, k, n_expert, d,    \
+                             ff, row_bytes, act);                                               \
+    }                                                                                           \
+    extern "C" __global__ void moe_down_##SUFFIX(const u8* down, const float* bd, int has_bias, \
+                                                 ACT h, const int* sel, float* y, int n_slots,  \
+                                                 int n_expert, int d, int ff, u64 row_bytes,    \
+                                                 int act) {                                     \
+        moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes,   \
+                          act);                                                                 \
+    }
+
+MOE_WRAPPERS(mxfp4, TY_MXFP4, const u8*)
+MOE_WRAPPERS(q8_0, TY_Q8_0, const u8*)
+MOE_WRAPPERS(f16, TY_F16, const float*)
+MOE_WRAPPERS(bf16, TY_BF16, const float*)
+MOE_WRAPPERS(f32, TY_F32, const float*)
+
