@@ -29,6 +29,14 @@
 #   GPU_BENCH_CACHE    0: skip the expert-cache runs (default 1)
 #   GPU_BENCH_CACHE_MIB  the cache runs' --moe-cache (default 1700: a quarter of the experts of
 #                   the 4-layer 120b-dims model; empty: hmoe's default, the placement's room)
+#   GPU_BENCH_PP       prompt sizes (default "512,2048"); GPU_BENCH_TG the generation size
+#                      (default 128); GPU_BENCH_DEPTHS the depths of the generation test
+#                      (default "4096"; a list such as "4096,16384"; empty: none)
+#   GPU_BENCH_MAKE     make-test-model's flags for the model made when none is given (default
+#                      "--preset gpt-oss-120b-layers --layers 4"; the seed proxy is "--preset
+#                      gpt-oss-120b --experts 16": 36 layers, GPT-OSS-120B's work per token)
+#   GPU_BENCH_TAG      a name for the made model and the result (<date>-<gpu>-<tag>.json), so
+#                      that runs on several models in one session keep their own files
 # The placement matrix runs hmoe with --moe-cache 0, so that --cpu-moe means what it means to
 # llama.cpp (on a large GPU the default cache would end up holding every expert).
 # Exit status: 0 when every invocation ran and the result is valid.
@@ -83,10 +91,17 @@ if [ "$DRY" = 1 ]; then
     MAKE_ARGS=(--preset tiny)
     CACHE_MIB=4
 else
-    PP="512,2048"; TG="128"; DEPTH="4096"; REPS="${REPS:-3}"
-    TESTS="pp512,pp2048,tg128,tg128@d4096"
+    PP="${GPU_BENCH_PP-512,2048}"; TG="${GPU_BENCH_TG:-128}"; DEPTH="${GPU_BENCH_DEPTHS-4096}"
+    REPS="${REPS:-3}"
+    TESTS="$(
+        IFS=,
+        for p in $PP; do printf 'pp%s,' "$p"; done
+        printf 'tg%s,' "$TG"
+        for d in $DEPTH; do printf 'tg%s@d%s,' "$TG" "$d"; done
+    )"
+    TESTS="${TESTS%,}"
     DEV=()
-    MAKE_ARGS=(--preset gpt-oss-120b-layers --layers 4)
+    read -r -a MAKE_ARGS <<< "${GPU_BENCH_MAKE:---preset gpt-oss-120b-layers --layers 4}"
     # About a quarter of each layer's experts of the 4-layer 120b-dims model (32 of 128,
     # ~13 MiB each), as a small GPU would hold; empty: the default (the placement's room,
     # which on a large GPU holds every expert).
@@ -102,8 +117,10 @@ make_model() { # make_model OUT [extra make-test-model flags]
         && mv "$out.part" "$out"
 }
 TMP="${TMPDIR:-/tmp}"
+TAG="${GPU_BENCH_TAG:-}"
+STEM="$TMP/hmoe-${TAG:-g120-4l}"
 LOCAL="$WORK/locality.gguf"
-[ "$DRY" = 0 ] && LOCAL="$TMP/hmoe-g120-4l-locality.gguf"
+[ "$DRY" = 0 ] && LOCAL="$STEM-locality.gguf"
 # Both files are made before anything is measured (the two at once), so that no measurement
 # shares the CPU with a model being written.
 LOCAL_PID=""
@@ -112,7 +129,7 @@ if [ "${GPU_BENCH_CACHE:-1}" = 1 ]; then
     LOCAL_PID=$!
 fi
 if [ -z "$MODEL" ]; then
-    if [ "$DRY" = 1 ]; then MODEL="$WORK/tiny.gguf"; else MODEL="$TMP/hmoe-g120-4l.gguf"; fi
+    if [ "$DRY" = 1 ]; then MODEL="$WORK/tiny.gguf"; else MODEL="$STEM.gguf"; fi
     make_model "$MODEL" || { echo "gpu-bench: could not make the model" >&2; exit 1; }
 fi
 LOCAL_OK=1
@@ -188,6 +205,7 @@ for config in ${GPU_BENCH_CONFIGS:-cpu-moe ncmoe-half all-gpu}; do
             measure hmoe "$config" "$kv" "hmoe-$config-$kv-pp" "$HMOE" bench -m "$MODEL" \
                 "${DEV[@]}" -ngl all "${H_FLAGS[@]}" -fa on -ctk "$kv" -ctv "$kv" \
                 -p "$PP" -n "$TG" -r "$REPS" -o json
+            [ -n "$DEPTH" ] || return 0
             measure hmoe "$config" "$kv" "hmoe-$config-$kv-depth" "$HMOE" bench -m "$MODEL" \
                 "${DEV[@]}" -ngl all "${H_FLAGS[@]}" -fa on -ctk "$kv" -ctv "$kv" \
                 -p 0 -n "$TG" -d "$DEPTH" -r "$REPS" -o json
@@ -197,6 +215,7 @@ for config in ${GPU_BENCH_CONFIGS:-cpu-moe ncmoe-half all-gpu}; do
             measure llama.cpp "$config" "$kv" "llama-$config-$kv-pp" "$LLAMA" llama-bench \
                 -m "$MODEL" -ngl 99 "${L_FLAGS[@]}" -fa 1 -ctk "$kv" -ctv "$kv" \
                 -p "$PP" -n "$TG" -r "$REPS" -o json
+            [ -n "$DEPTH" ] || return 0
             measure llama.cpp "$config" "$kv" "llama-$config-$kv-depth" "$LLAMA" llama-bench \
                 -m "$MODEL" -ngl 99 "${L_FLAGS[@]}" -fa 1 -ctk "$kv" -ctv "$kv" \
                 -p 0 -n "$TG" -d "$DEPTH" -r "$REPS" -o json
@@ -249,7 +268,7 @@ json.dump({"gpu": gpu, "gpu_memory_driver": smi, "cpu": cpu, "cores": int(cores)
 EOF
 SAFE_GPU="$(printf '%s' "$GPU" | tr -c 'A-Za-z0-9._-' '-' | sed 's/-\+/-/g; s/^-//; s/-$//')"
 mkdir -p "$OUT_DIR"
-RESULT="$OUT_DIR/$DATE-$SAFE_GPU.json"
+RESULT="$OUT_DIR/$DATE-$SAFE_GPU${TAG:+-$TAG}.json"
 "$PY" "$JSONPY" assemble --runs "$WORK/runs.tsv" --cache-runs "$WORK/cache.tsv" \
     --machine "$WORK/machine.json" --date "$DATE" --tests "$TESTS" -o "$RESULT" || FAILED=1
 echo "gpu-bench: wrote $RESULT" >&2

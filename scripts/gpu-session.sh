@@ -13,26 +13,34 @@
 #   mkdir -p dist .baseline && tar -C dist -xJf .carry/gpu-check.tar.xz &&
 #   for f in .carry/llama-*.tar.xz; do tar -C .baseline -xJf "$f"; done && scripts/gpu-session.sh
 #
-# Steps, each logged under $OUT (the device call's folder that comes back; else ./gpu-session):
-#   1. dist/gpu-check/gpu-check.sh with the 4-layer gpt-oss-120b-dims model (made there): the CUDA
-#      and CPU test executables, gpu_compare.py on every architecture's fixtures, `hmoe bench`
-#      with --cpu-moe / all on the GPU / on the CPU, and the server checks.  (~3 min on an H200)
-#   2. gpu-bench.sh: hmoe against llama.cpp's CUDA llama-bench, the JSON into $OUT (GPU_BENCH_*
-#      as there; default here: every placement, f16 and q8_0 K/V, the expert-cache runs).  (~4 min)
+# Steps, each logged under $OUT (the device call's folder that comes back; else ./gpu-session).
+# The default, SESSION_STEPS="check bench4 seed" (about 7 minutes on an H200 by estimate, the
+# start not counted; each step is bounded by a timeout), is the GPU round's measurement:
+#   check   correctness first: dist/gpu-check/gpu-check.sh with the CUDA test executables and
+#           gpu_compare.py on every architecture's fixtures (no CPU tests, no bench, no server
+#           checks there).  (~1.5 min)
+#   bench4  gpu-bench.sh on the 4-layer gpt-oss-120b-dims model: --cpu-moe and all on the GPU,
+#           f16 and q8_0 K/V, pp512, pp2048, tg128 and tg128 at depths 4096 and 16384, two
+#           repetitions, hmoe and llama.cpp's CUDA llama-bench alternating; the JSON into $OUT
+#           as <date>-<gpu>-g120-4l.json.  (~3 min)
+#   seed    the seed proxy (make-test-model --preset gpt-oss-120b --experts 16: 36 layers, the
+#           201k vocabulary, 9.9 GB, GPT-OSS-120B's work per token): all on the GPU, f16, pp512
+#           and tg128 at depths 0, 4096 and 16384; then --cpu-moe at depth 0 (llama.cpp's
+#           --cpu-moe prefill of 16k positions over 36 layers takes minutes: out of a lease's
+#           reach); JSON as <date>-<gpu>-seed-proxy.json and -seed-proxy-cpu-moe.json.  (~2.5 min)
+# The CPU rounds' steps stay available by number:
+#   1. gpu-check.sh whole (CUDA and CPU test executables, gpu_compare.py, `hmoe bench` with
+#      --cpu-moe / all on the GPU / on the CPU, and the server checks), with the 4-layer model.
+#   2. gpu-bench.sh's default matrix on the 4-layer model.
 #   3. cpu-bench.sh with -t 2 against llama.cpp's AVX-512 CPU llama-bench, where the CPU has what
-#      that build needs: the default kernels, then HMOE_AMX=0 where the CPU has AMX.  (~2 min)
-#   4. bench_gemm (one thread) with HMOE_AMX=0, and by default where the CPU has AMX: the batched
-#      MXFP4 kernels' GMAC/s side by side; then `hmoe bench --roofline` tg128 on the CPU at 2
-#      threads, three runs (the CPU round's decode criterion on a quieter machine than ours).
-#      (~2 min)
-#   5. cpu-bench.sh with -t 2 at depth 4096, f16 and q8_0 K/V, tg32 (the depth criterion of the
-#      CPU round on that CPU; llama.cpp fills 4096 positions at ~70 t/s there).  (~5 min)
+#      that build needs: the default kernels, then HMOE_AMX=0 where the CPU has AMX.
+#   4. bench_gemm (one thread) with HMOE_AMX=0, and by default where the CPU has AMX; then
+#      `hmoe bench --roofline` tg128 on the CPU at 2 threads, three runs.
+#   5. cpu-bench.sh with -t 2 at depth 4096, f16 and q8_0 K/V, tg32.
 #   6. A perf profile of CPU decode (tg128, 2 threads), the top symbols: perf from PATH, else
-#      .baseline/perf as scripts/pack-perf.sh packs it.  (~1 min)
-# SESSION_STEPS picks steps (default "1 2 3"). Those three take about 9 minutes, close to a
-# device call's 10: give the call timeout_s 600, or split it (SESSION_STEPS="1" then "2 3"; the
-# model made in the first stays in $TMPDIR while the machine is warm). Exit status 1 if a step
-# failed.
+#      .baseline/perf as scripts/pack-perf.sh packs it.
+# Give the call timeout_s 600 and leave the rest of the lease for one rerun of a failed step
+# (the models made stay in $TMPDIR while the machine is warm). Exit status 1 if a step failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu-session}"
@@ -67,9 +75,38 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 lscpu 2>/dev/null | grep -E '^(Thread\(s\) per core|Core\(s\) per socket|CPU max MHz)' | tr -s ' '
 echo "gather_data_sampling: $(cat /sys/devices/system/cpu/vulnerabilities/gather_data_sampling 2>&1)"
 
-for s in ${SESSION_STEPS:-1 2 3}; do
+# gpu_bench TAG TIMEOUT [VAR=VALUE ...]: gpu-bench.sh with the given settings, bounded.
+gpu_bench() {
+    local tag="$1" limit="$2"; shift 2
+    env "$@" GPU_BENCH_TAG="$tag" HMOE_BIN="$HMOE" LLAMA_RUN="$PWD/.baseline/llama-cuda/run.sh" \
+        timeout -k 10 "$limit" "$DIST/gpu-bench.sh" --out "$OUT_DIR" --reps 2 \
+        > "$OUT_DIR/gpu-bench-$tag.log" 2>&1 || FAILED=1
+    grep -v '^ ' "$OUT_DIR/gpu-bench-$tag.log" | tail -n 3
+    "${HMOE_PYTHON:-python3}" "$DIST/gpu_bench_json.py" table "$OUT_DIR"/*-"$tag".json 2>/dev/null || true
+}
+
+for s in ${SESSION_STEPS:-check bench4 seed}; do
     echo "gpu-session: step $s, $(date -u +%T)"
     case "$s" in
+        check)
+            HMOE_SKIP_CPU_TESTS=1 HMOE_SERVE_CHECK=0 HMOE_BENCH_MODEL="" HMOE_BENCH_MAKE="" \
+                timeout -k 10 200 "$DIST/gpu-check.sh" > "$OUT_DIR/gpu-check.log" 2>&1 || FAILED=1
+            sed -n '/=== gpu-check report/,$p' "$OUT_DIR/gpu-check.log"
+            ;;
+        bench4)
+            gpu_bench g120-4l 240 GPU_BENCH_CONFIGS="cpu-moe all-gpu" GPU_BENCH_KVS="f16 q8_0" \
+                GPU_BENCH_PP=512,2048 GPU_BENCH_DEPTHS=4096,16384 GPU_BENCH_CACHE=0
+            ;;
+        seed)
+            seed=(GPU_BENCH_MAKE="--preset gpt-oss-120b --experts 16" GPU_BENCH_KVS=f16
+                GPU_BENCH_PP=512 GPU_BENCH_CACHE=0)
+            # gpu-bench.sh makes the file as $TMPDIR/hmoe-<tag>.gguf (about a minute).
+            gpu_bench seed-proxy 210 "${seed[@]}" GPU_BENCH_CONFIGS=all-gpu \
+                GPU_BENCH_DEPTHS=4096,16384
+            # The same file with the experts on the CPU (the tag differs, the file does not).
+            gpu_bench seed-proxy-cpu-moe 150 "${seed[@]}" GPU_BENCH_CONFIGS=cpu-moe \
+                GPU_BENCH_DEPTHS="" HMOE_BENCH_MODEL="${TMPDIR:-/tmp}/hmoe-seed-proxy.gguf"
+            ;;
         1)
             HMOE_BENCH_MODEL="" HMOE_BENCH_MAKE=g120-4l "$DIST/gpu-check.sh" > "$OUT_DIR/gpu-check.log" 2>&1 \
                 || FAILED=1

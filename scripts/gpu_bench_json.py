@@ -4,6 +4,10 @@
     gpu_bench_json.py assemble --runs RUNS.tsv [--cache-runs CACHE.tsv] --machine MACHINE.json \
         --date DATE --tests pp512,tg128,... -o OUT.json
     gpu_bench_json.py validate OUT.json [--tests pp512,...]
+    gpu_bench_json.py table OUT.json...
+
+`table` prints each file's runs as a Markdown table, hmoe beside llama.cpp: per (config, kv,
+test) both t/s, their ratio and both peak VRAM figures (what a closing note quotes).
 
 RUNS.tsv has one line per bench invocation: engine, config, kv, vram_mib (or "null"), and the
 path of that invocation's JSON output (`hmoe bench -o json` or `llama-bench -o json`; both are a
@@ -176,6 +180,26 @@ def validate(doc, tests):
     return errs
 
 
+def table(doc, name):
+    """The runs of `doc` as Markdown lines: hmoe against llama.cpp per (config, kv, test)."""
+    by = {}
+    for r in doc["runs"]:
+        by.setdefault((r["config"], r["kv"], r["test"]), {})[r["engine"]] = r
+    model = doc.get("machine", {}).get("model", "?")
+    gpu = doc.get("machine", {}).get("gpu", "?")
+    lines = [f"{name}: {model} on {gpu}", "",
+             "| config | kv | test | hmoe t/s | llama.cpp t/s | ratio | hmoe MiB | llama.cpp MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (config, kv, test), e in sorted(by.items()):
+        h, l = e.get("hmoe"), e.get("llama.cpp")
+        ratio = f"{h['t_s'] / l['t_s']:.2f}x" if h and l else "-"
+        cell = lambda r, k, f: (f.format(r[k]) if r and r[k] is not None else "-")
+        lines.append(f"| {config} | {kv} | {test} | {cell(h, 't_s', '{:.1f}')} | "
+                     f"{cell(l, 't_s', '{:.1f}')} | {ratio} | {cell(h, 'vram_mib', '{}')} | "
+                     f"{cell(l, 'vram_mib', '{}')} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -189,7 +213,14 @@ def main():
     v = sub.add_parser("validate")
     v.add_argument("file")
     v.add_argument("--tests", default=",".join(DEFAULT_TESTS))
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
     args = ap.parse_args()
+    if args.cmd == "table":
+        for path in args.files:
+            with open(path, encoding="utf-8") as f:
+                print("\n".join(table(json.load(f), path)) + "\n")
+        return
     tests = tuple(t for t in args.tests.split(",") if t)
     if args.cmd == "assemble":
         doc = assemble(args.runs, args.machine, args.date)
