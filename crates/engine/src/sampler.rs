@@ -174,15 +174,12 @@ impl Sampler {
     /// Runs the chain up to the draw.
     fn chain(&self, logits: &[f32], xtc_rng: &mut StdRng) -> Chain {
         let p = &self.params;
-        let mut c = Cands {
-            v: logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i as u32, l))
-                .collect(),
-            sorted: false,
-        };
+        let all = || logits.iter().enumerate().map(|(i, &l)| (i as u32, l));
         if p.mirostat != Mirostat::Off {
+            let c = Cands {
+                v: all().collect(),
+                sorted: false,
+            };
             return self.mirostat(c, logits.len());
         }
         // Greedy without sorting the vocabulary when no stage before the temperature can
@@ -198,6 +195,15 @@ impl Sampler {
                 SamplerStage::Xtc => p.xtc_probability > 0.0,
                 _ => false,
             });
+        // When nothing before top-k changes a logit (the default chain), top-k selects
+        // straight from the logits: the vocabulary is never copied or sorted.
+        let mut c = match p.top_k > 0 && !greedy_fast && self.untouched_before_top_k() {
+            true => Cands::top_of(all(), p.top_k),
+            false => Cands {
+                v: all().collect(),
+                sorted: false,
+            },
+        };
         let mut temp = 1.0f32;
         let mut greedy = false;
         for &stage in &p.order {
@@ -212,12 +218,8 @@ impl Sampler {
                 }
                 SamplerStage::TopNSigma => top_n_sigma(&mut c, p.top_n_sigma),
                 SamplerStage::TopK if greedy_fast => {}
-                SamplerStage::TopK => {
-                    c.sort();
-                    if p.top_k > 0 {
-                        c.v.truncate(p.top_k);
-                    }
-                }
+                SamplerStage::TopK if p.top_k > 0 => c.keep_top(p.top_k),
+                SamplerStage::TopK => c.sort(),
                 SamplerStage::TypicalP => typical(&mut c, p.typical_p, p.min_keep, temp),
                 SamplerStage::TopP if greedy_fast || p.top_p >= 1.0 => {}
                 SamplerStage::TopP => {
@@ -261,6 +263,21 @@ impl Sampler {
         }
         let probs = softmax(&c.v, temp);
         Chain::Draw(c.v, probs)
+    }
+
+    /// Whether the chain has a top-k stage and no stage before it changes or drops a logit
+    /// (the repetition penalty at 1, DRY off, top-n-sigma off).
+    fn untouched_before_top_k(&self) -> bool {
+        let p = &self.params;
+        let Some(at) = p.order.iter().position(|&s| s == SamplerStage::TopK) else {
+            return false;
+        };
+        p.order[..at].iter().all(|s| match s {
+            SamplerStage::Penalties => p.repeat_penalty == 1.0,
+            SamplerStage::Dry => !p.dry.enabled(),
+            SamplerStage::TopNSigma => p.top_n_sigma <= 0.0,
+            _ => false,
+        })
     }
 
     /// The repetition penalty over the last `repeat_last_n` context tokens.
@@ -545,5 +562,95 @@ mod tests {
         // Token 3 would repeat "0 1 2 3": 1 × 2^(3-2) = 2 off its logit.
         assert_eq!(s.sample(&[0.0, 0.0, 0.0, 1.5, 0.0]), 0);
         assert_eq!(s.sample(&[0.0, 0.0, 0.0, 2.5, 0.0]), 3);
+    }
+
+    #[test]
+    fn top_k_straight_from_the_logits_equals_the_full_chain() {
+        // A no-op typical-p stage before top-k turns the shortcut off: both must agree.
+        let fast = SamplerParams::default();
+        let mut full = SamplerParams::default();
+        full.order.retain(|&s| s != SamplerStage::TypicalP);
+        full.order.insert(0, SamplerStage::TypicalP);
+        let mut x = 0x1234_5678_9ABC_DEF1u64;
+        for n in [1, 5, 40, 41, 1000, 20_000] {
+            let logits: Vec<f32> = (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % 23) as f32 / 3.0
+                })
+                .collect();
+            let (a, b) = (Sampler::new(fast.clone()), Sampler::new(full.clone()));
+            assert!(a.untouched_before_top_k() && !b.untouched_before_top_k());
+            let (da, db) = (a.distribution(&logits), b.distribution(&logits));
+            assert_eq!(da, db, "{n} logits");
+            let (mut a, mut b) = (a, b);
+            for _ in 0..8 {
+                assert_eq!(a.sample(&logits), b.sample(&logits));
+            }
+        }
+    }
+
+    /// The default chain's cost per token at gpt-oss's 201,088-token vocabulary (issue target:
+    /// at most 0.3 ms). Run by hand, optimised:
+    /// `cargo test --release -p hmoe-engine sampler_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn sampler_speed_at_201k_vocabulary() {
+        let n_vocab = 201_088;
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32
+        };
+        // A peaked distribution like a model's: most logits low, a few high.
+        let steps: Vec<Vec<f32>> = (0..64)
+            .map(|_| (0..n_vocab).map(|_| next().powi(8) * 30.0 - 5.0).collect())
+            .collect();
+        let mut s = Sampler::new(SamplerParams::default());
+        for t in 0..100 {
+            s.accept(t);
+        }
+        let mut times = Vec::new();
+        for logits in steps.iter().cycle().take(256) {
+            let t0 = std::time::Instant::now();
+            let tok = s.sample(logits);
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            s.accept(tok);
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        // What the top-k stage cost before it selected: a sort of the whole vocabulary.
+        let mut sorts: Vec<f64> = steps
+            .iter()
+            .map(|logits| {
+                let t0 = std::time::Instant::now();
+                let mut c = Cands {
+                    v: logits
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &l)| (i as u32, l))
+                        .collect(),
+                    sorted: false,
+                };
+                c.sort();
+                c.v.truncate(40);
+                std::hint::black_box(&c.v);
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        sorts.sort_by(f64::total_cmp);
+        println!(
+            "default sampler, {n_vocab} logits: median {median:.3} ms, p90 {:.3} ms \
+             (a full sort of the vocabulary alone: median {:.3} ms)",
+            times[times.len() * 9 / 10],
+            sorts[sorts.len() / 2]
+        );
+        if !cfg!(debug_assertions) {
+            assert!(median <= 0.3, "{median:.3} ms per token");
+        }
     }
 }

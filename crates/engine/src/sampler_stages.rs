@@ -2,6 +2,8 @@
 //! and mirostat's truncations, and the stage names llama-server reads from `samplers`. Each
 //! works on a candidate list the way llama.cpp's sampler of the same name does.
 
+use std::cmp::Ordering;
+
 /// One stage of the chain, in llama-server's vocabulary (`samplers`, `--samplers`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SamplerStage {
@@ -94,13 +96,55 @@ pub(crate) struct Cands {
     pub sorted: bool,
 }
 
+/// The order candidates are ranked in: most likely first, ties by id (a total order over
+/// distinct ids, NaNs included, so every selection by it has one answer).
+fn rank(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
 impl Cands {
     /// Sorts most likely first, ties by id.
     pub fn sort(&mut self) {
         if !self.sorted {
-            self.v
-                .sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            self.v.sort_by(rank);
             self.sorted = true;
+        }
+    }
+
+    /// Keeps the first `k` candidates in rank order, sorted: what [`Cands::sort`] and then
+    /// `truncate(k)` leave, without sorting the whole vocabulary (see [`Cands::top_of`]).
+    pub fn keep_top(&mut self, k: usize) {
+        if self.sorted || k == 0 || k >= self.v.len() {
+            self.sort();
+            self.v.truncate(k);
+            return;
+        }
+        *self = Cands::top_of(self.v.iter().copied(), k);
+    }
+
+    /// The first `k` (≥ 1) of `cands` in rank order, sorted. One pass keeps a buffer of at
+    /// most `2k` candidates that rank before the `k`-th best seen so far, cut back to `k` (a
+    /// linear-time selection) whenever it fills: O(n) for any input order.
+    pub fn top_of(cands: impl Iterator<Item = (u32, f32)>, k: usize) -> Cands {
+        let k = k.max(1);
+        let mut buf: Vec<(u32, f32)> = Vec::with_capacity(2 * k);
+        let mut kth: Option<(u32, f32)> = None;
+        for c in cands {
+            if kth.is_some_and(|w| rank(&c, &w) != Ordering::Less) {
+                continue;
+            }
+            buf.push(c);
+            if buf.len() == 2 * k {
+                buf.select_nth_unstable_by(k - 1, rank);
+                buf.truncate(k);
+                kth = Some(buf[k - 1]);
+            }
+        }
+        buf.sort_by(rank);
+        buf.truncate(k);
+        Cands {
+            v: buf,
+            sorted: true,
         }
     }
 }
@@ -225,6 +269,61 @@ pub(crate) fn mirostat_v2_keep(probs: &[f64], mu: f32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Logits with ties, infinities, signed zeros and NaNs: every ranking corner.
+    fn awkward_logits(n: usize, seed: u64) -> Vec<(u32, f32)> {
+        let mut x = seed | 1;
+        (0..n as u32)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let l = match x % 16 {
+                    0 => f32::NEG_INFINITY,
+                    1 => f32::NAN,
+                    2 => -0.0,
+                    3 => 0.0,
+                    4 => f32::INFINITY,
+                    5..=8 => (x % 5) as f32,
+                    _ => ((x >> 20) % 2000) as f32 / 37.0 - 20.0,
+                };
+                (i, l)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keep_top_is_sort_then_truncate() {
+        for (n, seed) in [(1, 1), (7, 2), (100, 3), (1000, 4), (5000, 5)] {
+            let v = awkward_logits(n, seed);
+            for order in [0, 1, 2] {
+                let mut v = v.clone();
+                match order {
+                    1 => v.reverse(),
+                    2 => v.sort_by(|a, b| a.1.total_cmp(&b.1)), // worst first: every one inserts
+                    _ => {}
+                }
+                for k in [1, 2, 3, 40, n.saturating_sub(1), n, n + 3] {
+                    let mut want = Cands {
+                        v: v.clone(),
+                        sorted: false,
+                    };
+                    want.sort();
+                    want.v.truncate(k);
+                    let mut got = Cands {
+                        v: v.clone(),
+                        sorted: false,
+                    };
+                    got.keep_top(k);
+                    assert!(got.sorted);
+                    let bits = |c: &Cands| -> Vec<(u32, u32)> {
+                        c.v.iter().map(|&(i, l)| (i, l.to_bits())).collect()
+                    };
+                    assert_eq!(bits(&got), bits(&want), "n {n} k {k} order {order}");
+                }
+            }
+        }
+    }
 
     fn cands(probs: &[f32]) -> Cands {
         Cands {
