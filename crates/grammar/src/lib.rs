@@ -18,12 +18,13 @@
 mod gbnf;
 pub mod limits;
 
-use std::sync::{mpsc, Arc, Weak};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use hmoe_tokenizer::{TokenAttr, Tokenizer, VocabType};
 use llguidance::api::TopLevelGrammar;
-use llguidance::{Matcher, ParserFactory};
+use llguidance::{CancellationHandle, Matcher, ParserFactory};
 use serde_json::{json, Value};
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
@@ -48,6 +49,72 @@ pub enum GrammarError {
     /// The constraint failed while generating (llguidance's message).
     #[error("constrained sampling failed: {0}")]
     Runtime(String),
+    /// The compilation was stopped through its [`CompileCancel`] (its caller went away).
+    #[error("the grammar's compilation was cancelled")]
+    Cancelled,
+}
+
+/// Stops a compilation that is no longer wanted: [`CompileCancel::cancel`] (for instance when
+/// the request that asked for it goes away) makes [`Vocab::compile_until`] return
+/// [`GrammarError::Cancelled`], and the compiling thread stops at llguidance's next check
+/// (its parser start and first mask check often; building the grammar from the text, bounded
+/// by the [`limits`], is checked before and after), which gives its place among
+/// [`limits::max_compiles`] back.
+#[derive(Clone, Debug, Default)]
+pub struct CompileCancel(Arc<AtomicBool>);
+
+impl CompileCancel {
+    /// A flag not yet set.
+    pub fn new() -> CompileCancel {
+        CompileCancel::default()
+    }
+
+    /// Asks the compilation to stop.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`CompileCancel::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// What the compiling thread shares with its caller: the caller's flag and llguidance's
+/// cancellation handles of the work under way, which the caller cancels when its flag is set
+/// or its deadline passes.
+#[derive(Default)]
+struct Stop {
+    asked: CompileCancel,
+    handles: Mutex<Vec<CancellationHandle>>,
+}
+
+impl Stop {
+    /// `Err(Cancelled)` once the caller asked to stop.
+    fn check(&self) -> Result<(), GrammarError> {
+        match self.asked.is_cancelled() {
+            true => Err(GrammarError::Cancelled),
+            false => Ok(()),
+        }
+    }
+
+    /// Lets the caller cancel `handle`'s work (at once when it already asked to stop).
+    fn watch(&self, handle: Option<CancellationHandle>) {
+        if let Some(h) = handle {
+            let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+            if self.asked.is_cancelled() {
+                h.cancel();
+            }
+            handles.push(h);
+        }
+    }
+
+    /// Sets the flag and cancels the watched work.
+    fn stop(&self) {
+        self.asked.cancel();
+        let handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        handles.iter().for_each(CancellationHandle::cancel);
+    }
 }
 
 /// What to enforce.
@@ -340,14 +407,26 @@ impl Vocab {
         Ok(out)
     }
 
+    /// Compiles `grammar` (framed as `frame`) into a constraint at the start of generation:
+    /// [`Vocab::compile_until`] with a flag nobody sets.
+    pub fn compile(&self, grammar: &Grammar, frame: Frame) -> Result<Constraint, GrammarError> {
+        self.compile_until(grammar, frame, &CompileCancel::new())
+    }
+
     /// Compiles `grammar` (framed as `frame`) into a constraint at the start of generation,
     /// and computes its first mask, so that a grammar that allows nothing (a `$ref` cycle) is
     /// refused here. In a frame the grammar's text starts after the frame's markup, so the
     /// grammar alone is compiled and checked first: the framed grammar's first mask is the
-    /// markup's. The work runs on a thread with a [`limits::COMPILE_STACK`] stack; after
-    /// [`limits::COMPILE_TIMEOUT`] this returns [`GrammarError::Limit`] and the thread, bounded
-    /// by the size limits, finishes alone.
-    pub fn compile(&self, grammar: &Grammar, frame: Frame) -> Result<Constraint, GrammarError> {
+    /// markup's. The work runs on a thread with a [`limits::COMPILE_STACK`] stack. When
+    /// `cancel` is set this returns [`GrammarError::Cancelled`], and after
+    /// [`limits::COMPILE_TIMEOUT`] [`GrammarError::Limit`]; either way the thread is asked to
+    /// stop (see [`CompileCancel`]).
+    pub fn compile_until(
+        &self,
+        grammar: &Grammar,
+        frame: Frame,
+        cancel: &CompileCancel,
+    ) -> Result<Constraint, GrammarError> {
         let lark = self.lark(grammar, frame)?;
         let unframed = match frame {
             Frame::Raw => None,
@@ -357,39 +436,74 @@ impl Vocab {
         let (tx, rx) = mpsc::sync_channel(1);
         let deadline = Instant::now() + limits::COMPILE_TIMEOUT;
         let slot = limits::CompileSlot::take(deadline)?;
+        let stop = Arc::new(Stop {
+            asked: CompileCancel::new(),
+            handles: Mutex::default(),
+        });
+        let work = stop.clone();
         std::thread::Builder::new()
             .name("hmoe-grammar".into())
             .stack_size(limits::COMPILE_STACK)
             .spawn(move || {
                 let _slot = slot;
-                let checked = unframed.map_or(Ok(()), |g| compile_lark(&factory, g).map(drop));
-                let _ = tx.send(checked.and_then(|()| compile_lark(&factory, lark)));
+                let checked =
+                    unframed.map_or(Ok(()), |g| compile_lark(&factory, g, &work).map(drop));
+                let _ = tx.send(checked.and_then(|()| compile_lark(&factory, lark, &work)));
             })
             .map_err(|e| GrammarError::Unavailable(format!("no compiler thread: {e}")))?;
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(compiled) => compiled,
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(GrammarError::Limit(format!(
-                "the grammar took longer than {} s to compile (the limit)",
-                limits::COMPILE_TIMEOUT.as_secs()
-            ))),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Err(GrammarError::Invalid("the grammar compiler failed".into()))
+        // Wait in short steps, so that the caller's flag is seen while the work runs.
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if cancel.is_cancelled() {
+                stop.stop();
+                return Err(GrammarError::Cancelled);
+            }
+            if left.is_zero() {
+                stop.stop();
+                return Err(GrammarError::Limit(format!(
+                    "the grammar took longer than {} s to compile (the limit)",
+                    limits::COMPILE_TIMEOUT.as_secs()
+                )));
+            }
+            match rx.recv_timeout(left.min(CANCEL_POLL)) {
+                Ok(compiled) => return compiled,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(GrammarError::Invalid("the grammar compiler failed".into()))
+                }
             }
         }
     }
 }
 
-/// Compiles Lark text into a constraint and computes its first mask (see [`Vocab::compile`]).
-fn compile_lark(factory: &ParserFactory, lark: String) -> Result<Constraint, GrammarError> {
+/// How often a caller waiting for a compilation looks at its [`CompileCancel`].
+const CANCEL_POLL: Duration = Duration::from_millis(20);
+
+/// Compiles Lark text into a constraint and computes its first mask (see
+/// [`Vocab::compile_until`]), stopping where `stop` asks: llguidance's parser start and first
+/// mask run under cancellation handles `stop` watches.
+fn compile_lark(
+    factory: &ParserFactory,
+    lark: String,
+    stop: &Stop,
+) -> Result<Constraint, GrammarError> {
     let invalid = |e: &str| GrammarError::Invalid(limits::short_message(e));
-    let parser = factory
+    stop.check()?;
+    let mut parser = factory
         .create_parser(TopLevelGrammar::from_lark(lark))
         .map_err(|e| invalid(&e.to_string()))?;
+    stop.check()?;
+    stop.watch(Some(parser.enable_cancellation()));
     let matcher = Matcher::new(Ok(parser));
+    stop.check()?;
     if let Some(e) = matcher.get_error() {
         return Err(invalid(&e));
     }
-    let first = matcher.deep_clone().compute_mask_or_eos().map_err(|e| {
+    let mut probe = matcher.deep_clone();
+    stop.watch(probe.cancellation_handle());
+    let first = probe.compute_mask_or_eos();
+    stop.check()?;
+    let first = first.map_err(|e| {
         let message = limits::short_message(&e.to_string());
         GrammarError::Invalid(match message.starts_with("NoExtension") {
             true => {

@@ -50,6 +50,12 @@ pub fn max_compiles() -> usize {
 
 /// Compilations running now.
 static COMPILING: Mutex<usize> = Mutex::new(0);
+
+/// How many compilations hold a place among [`max_compiles`] now (a cancelled or timed-out one
+/// until its thread has stopped).
+pub fn compiles_running() -> usize {
+    *COMPILING.lock().unwrap_or_else(|p| p.into_inner())
+}
 /// Signalled when one ends.
 static COMPILE_ENDED: Condvar = Condvar::new();
 

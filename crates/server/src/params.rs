@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use hmoe_engine::{DryParams, Mirostat, SamplerParams, SamplerStage};
-use hmoe_grammar::{Constraint, Frame, Grammar, GrammarError, Tool, ToolFormat, Vocab};
+use hmoe_grammar::{
+    CompileCancel, Constraint, Frame, Grammar, GrammarError, Tool, ToolFormat, Vocab,
+};
 use hmoe_tokenizer::Tokenizer;
 use serde_json::{Map, Value};
 
@@ -594,27 +596,48 @@ fn constraint(
 /// request builds the vocabulary (seconds for a 200k vocabulary), which no async worker waits
 /// on, and later ones reuse it. An invalid grammar or schema, or one over hmoe-grammar's
 /// limits (size, rules, terminals, nesting, compile time), is a 400 with a one-line message;
-/// no thread for the compiler is a 503. A client that leaves does not stop a compilation:
-/// the limits keep it to about a second.
+/// no thread for the compiler is a 503. A client that leaves drops this future, which stops
+/// the compilation (its [`CompileCancel`]) and frees its place among the compilations.
 pub async fn compile_constraint(
     host: &Arc<ModelHost>,
     grammar: Grammar,
     frame: Frame,
 ) -> Result<Constraint, ApiError> {
     let host = host.clone();
+    let cancel = CompileCancel::new();
+    let on_drop = CancelOnDrop(Some(cancel.clone()));
     let built = tokio::task::spawn_blocking(move || {
         let vocab = host
             .vocab
             .get_or_init(|| Vocab::new(&host.tokenizer).map(Arc::new))
             .clone()?;
-        vocab.compile(&grammar, frame)
+        vocab.compile_until(&grammar, frame, &cancel)
     })
-    .await
-    .map_err(|e| ApiError::internal(format!("compiling the grammar: {e}")))?;
+    .await;
+    on_drop.disarm();
+    let built = built.map_err(|e| ApiError::internal(format!("compiling the grammar: {e}")))?;
     built.map_err(|e| match e {
         GrammarError::Unavailable(_) => ApiError::unavailable(e.to_string()),
         _ => ApiError::bad_request(e.to_string()),
     })
+}
+
+/// Cancels a compilation when the request waiting for it is dropped (the client left), unless
+/// disarmed first.
+struct CancelOnDrop(Option<CompileCancel>);
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.cancel();
+        }
+    }
 }
 
 /// The tool-call grammar of `tool_choice` `"required"` (any of `tools`) or a named function.
