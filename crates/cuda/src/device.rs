@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use hmoe_quant::GgmlType;
@@ -17,6 +18,7 @@ use hmoe_quant::GgmlType;
 use crate::error::{ensure, guarded, CudaError};
 use crate::kernels::{self, PtxOrigin};
 use crate::probe::{info_of, GpuInfo};
+use crate::profile::{self, Profile};
 use crate::staging::Staging;
 
 mod attention;
@@ -149,6 +151,8 @@ pub struct CudaDevice {
     dummy: CudaSlice<f32>,
     /// Pinned buffers for uploads from the file mapping, allocated at the first such upload.
     staging: Mutex<Option<Staging>>,
+    /// Kernel times, when `HMOE_CUDA_PROFILE` asks for them.
+    profile: Option<Profile>,
 }
 
 /// `v` as a kernel's `int` argument, or a shape error of `op` naming `what`.
@@ -245,6 +249,7 @@ impl CudaDevice {
                 ptx_origin,
                 dummy,
                 staging: Mutex::new(None),
+                profile: profile::requested().then(Profile::default),
             })
         })
     }
@@ -285,7 +290,70 @@ impl CudaDevice {
         &self.funcs[name]
     }
 
-    fn builder(&self, name: &'static str) -> LaunchArgs<'_> {
-        self.stream.launch_builder(self.func(name))
+    /// A launch of kernel `name` on the op stream (timed when the profile is on).
+    fn builder(&self, name: &'static str) -> Launch<'_> {
+        let mut args = self.stream.launch_builder(self.func(name));
+        if self.profile.is_some() {
+            args.record_kernel_launch(CUevent_flags::CU_EVENT_DEFAULT);
+        }
+        Launch {
+            args,
+            name,
+            profile: self.profile.as_ref(),
+        }
+    }
+
+    /// The `HMOE_CUDA_PROFILE` table so far (`None` when the profile is off); waits for the
+    /// queued work.
+    pub fn profile_report(&self) -> Option<String> {
+        let p = self.profile.as_ref()?;
+        let _ = self.stream.synchronize();
+        let _ = p.settle();
+        Some(p.report())
+    }
+}
+
+/// A kernel launch being built: cudarc's builder (arguments are pushed through it) and, when
+/// the profile is on, where the launch's timing events go.
+struct Launch<'a> {
+    args: LaunchArgs<'a>,
+    name: &'static str,
+    profile: Option<&'a Profile>,
+}
+
+impl<'a> std::ops::Deref for Launch<'a> {
+    type Target = LaunchArgs<'a>;
+    fn deref(&self) -> &LaunchArgs<'a> {
+        &self.args
+    }
+}
+
+impl std::ops::DerefMut for Launch<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.args
+    }
+}
+
+impl Launch<'_> {
+    /// Queues the kernel with `cfg` (and hands its events to the profile).
+    ///
+    /// # Safety
+    /// As [`LaunchArgs::launch`]: the pushed arguments match the kernel's parameters and
+    /// every buffer they name is large enough for the launch.
+    unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), cudarc::driver::DriverError> {
+        // SAFETY: the caller's contract above is LaunchArgs::launch's.
+        let events = unsafe { self.args.launch(cfg) }?;
+        if let (Some(p), Some((start, end))) = (self.profile, events) {
+            p.launched(self.name, start, end);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if let Some(report) = self.profile_report() {
+            eprint!("{report}");
+        }
     }
 }

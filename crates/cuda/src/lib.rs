@@ -25,6 +25,7 @@ mod device;
 mod error;
 pub mod kernels;
 mod probe;
+mod profile;
 mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
