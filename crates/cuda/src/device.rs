@@ -20,6 +20,7 @@ use crate::probe::{info_of, GpuInfo};
 use crate::staging::Staging;
 
 mod attention;
+mod attention_chunked;
 mod capabilities;
 mod experts;
 mod kv_ring;
@@ -34,6 +35,7 @@ pub use capabilities::{
     expert_types_supported, kv_pair_supported, CAPABILITIES, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES,
     SUPPORTED_TYPES,
 };
+pub use attention_chunked::ChunkedShape;
 pub use matmul::CUBLAS_MIN_TOKENS;
 
 /// Largest grid y dimension CUDA allows (tokens or expert slots per launch).

@@ -29,7 +29,7 @@ mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
-    expert_types_supported, kv_pair_supported, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
+    expert_types_supported, kv_pair_supported, ChunkedShape, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
     MoeWeights, CAPABILITIES, CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES,
     SUPPORTED_TYPES,
 };
