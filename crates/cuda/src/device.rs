@@ -31,11 +31,11 @@ mod routing;
 mod rowwise;
 mod transfers;
 
+pub use attention_chunked::ChunkedShape;
 pub use capabilities::{
     expert_types_supported, kv_pair_supported, CAPABILITIES, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES,
     SUPPORTED_TYPES,
 };
-pub use attention_chunked::ChunkedShape;
 pub use matmul::CUBLAS_MIN_TOKENS;
 
 /// Largest grid y dimension CUDA allows (tokens or expert slots per launch).

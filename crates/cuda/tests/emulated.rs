@@ -459,14 +459,16 @@ fn attention_cases(emu: &Emulator, cpu: &Ref0, rng: &mut StdRng) {
     }
 }
 
-/// Shapes of the chunked flash attention tests `(n_head, n_kv, head_dim, window, cells, pos0,
-/// n_tokens)`: one token at the first position, inside the first block, at the last position
+/// A chunked attention test's `(n_head, n_kv, head_dim, window, cells, pos0, n_tokens)`.
+type ChunkedCase = (usize, usize, usize, Option<usize>, usize, usize, usize);
+
+/// Shapes of the chunked flash attention tests: one token at the first position, inside the first block, at the last position
 /// of chunk 0 and the first of chunk 1, after three chunks at a position that is no multiple
 /// of 32; GQA 1:1; a window over a chunk boundary in a ring that wraps; heads of 256 (two
 /// blocks per KV head's group); prefill batches over a chunk boundary (token tiles of 2), with
 /// a window in a wrapping ring (the window's start inside a block), and 20 tokens of heads of
 /// 16 from position 20 (one tile).
-const CHUNKED_CASES: [(usize, usize, usize, Option<usize>, usize, usize, usize); 11] = [
+const CHUNKED_CASES: [ChunkedCase; 11] = [
     (8, 1, 64, None, 600, 0, 1),
     (8, 1, 64, None, 600, 17, 1),
     (8, 1, 64, None, 600, 255, 1),
@@ -497,7 +499,8 @@ fn emulated_chunked_flash_attention_gives_the_reference_backends_bits() {
         let kvw = n_kv * hd;
         for pair in KV_PAIRS
             .into_iter()
-            .filter(|&(_, v)| matches!(v, GgmlType::F32 | GgmlType::F16)) {
+            .filter(|&(_, v)| matches!(v, GgmlType::F32 | GgmlType::F16))
+        {
             let Some((kl, vl)) = kv_layouts(pair, hd, n_kv, cells) else {
                 continue;
             };

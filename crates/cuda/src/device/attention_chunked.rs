@@ -100,14 +100,21 @@ impl CudaDevice {
         &self,
         p: &AttnParams,
         a: &AttnArgs,
-        (q, k_ring, v_ring, sinks): (&CudaSlice<f32>, &CudaSlice<u8>, &CudaSlice<u8>, &CudaSlice<f32>),
+        (q, k_ring, v_ring, sinks): (
+            &CudaSlice<f32>,
+            &CudaSlice<u8>,
+            &CudaSlice<u8>,
+            &CudaSlice<f32>,
+        ),
         n_tokens: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attention";
         let shape = ChunkedShape::new(p, n_tokens);
         let (gx, gy, gz) = shape.grid(p, n_tokens);
-        ensure(gz <= MAX_GRID_Y, OP, || format!("{n_tokens} tokens in one call"))?;
+        ensure(gz <= MAX_GRID_Y, OP, || {
+            format!("{n_tokens} tokens in one call")
+        })?;
         let scratch = self.chunk_scratch(shape.scratch_len(p, n_tokens))?;
         let part = scratch.as_ref().unwrap_or(&self.dummy);
         let (hpc, tpc, split) = (
@@ -221,12 +228,21 @@ mod tests {
 
     #[test]
     fn rows_stay_within_the_kernels_limits() {
-        for (nh, nkv, hd) in [(64, 1, 256), (32, 32, 128), (128, 8, 16), (12, 4, 80), (8, 8, 16)] {
+        for (nh, nkv, hd) in [
+            (64, 1, 256),
+            (32, 32, 128),
+            (128, 8, 16),
+            (12, 4, 80),
+            (8, 8, 16),
+        ] {
             let p = params(nh, nkv, hd, 1000, None);
             for n in [1, 3, 100] {
                 let s = ChunkedShape::new(&p, n);
                 let rows = s.heads_per_cta * s.tokens_per_cta;
-                assert!(rows <= CH_MAX_ROWS && rows * hd <= CH_MAX_ROWDIMS, "{p:?} {s:?}");
+                assert!(
+                    rows <= CH_MAX_ROWS && rows * hd <= CH_MAX_ROWDIMS,
+                    "{p:?} {s:?}"
+                );
                 assert!((nh / nkv).is_multiple_of(s.heads_per_cta));
                 assert!(s.tokens_per_cta <= n);
             }
