@@ -466,9 +466,9 @@ type ChunkedCase = (usize, usize, usize, Option<usize>, usize, usize, usize);
 /// of chunk 0 and the first of chunk 1, after three chunks at a position that is no multiple
 /// of 32; GQA 1:1; a window over a chunk boundary in a ring that wraps; heads of 256 (two
 /// blocks per KV head's group); prefill batches over a chunk boundary (token tiles of 2), with
-/// a window in a wrapping ring (the window's start inside a block), and 20 tokens of heads of
-/// 16 from position 20 (one tile).
-const CHUNKED_CASES: [ChunkedCase; 11] = [
+/// a window in a wrapping ring (the window's start inside a block), 20 tokens of heads of 16
+/// from position 20 (one tile), and heads of 80 (no multiple of 32: float keys only).
+const CHUNKED_CASES: [ChunkedCase; 12] = [
     (8, 1, 64, None, 600, 0, 1),
     (8, 1, 64, None, 600, 17, 1),
     (8, 1, 64, None, 600, 255, 1),
@@ -480,6 +480,7 @@ const CHUNKED_CASES: [ChunkedCase; 11] = [
     (8, 2, 64, None, 600, 250, 5),
     (8, 1, 32, Some(40), 80, 270, 7),
     (8, 8, 16, None, 64, 20, 20),
+    (4, 1, 80, None, 300, 40, 3),
 ];
 
 /// The chunked flash attention kernels (`attn_chunked`, `attn_chunked_fold`: `-fa on` over
