@@ -45,7 +45,8 @@ pub struct ChunkedShape {
 }
 
 impl ChunkedShape {
-    /// The shape for `n_tokens` queries with `p` (`n_tokens > 0`; `p` checked by the caller).
+    /// The shape for `n_tokens` queries with `p` (a shape [`CudaDevice::attention`] takes:
+    /// `n_head` a multiple of `n_head_kv > 0`, `head_dim` at most 256).
     pub fn new(p: &AttnParams, n_tokens: usize) -> ChunkedShape {
         let group = p.n_head / p.n_head_kv;
         let fits = |heads: usize| heads <= CH_MAX_ROWS && heads * p.head_dim <= CH_MAX_ROWDIMS;
@@ -55,10 +56,10 @@ impl ChunkedShape {
             .unwrap_or(1);
         let tokens_per_cta = (CH_MAX_ROWS / heads_per_cta)
             .min(CH_MAX_ROWDIMS / (heads_per_cta * p.head_dim))
-            .clamp(1, n_tokens);
+            .clamp(1, n_tokens.max(1));
         let span = p
             .window
-            .map_or(p.cells, |w| (w + n_tokens - 1).min(p.cells));
+            .map_or(p.cells, |w| (w + n_tokens.saturating_sub(1)).min(p.cells));
         let slots = span.div_ceil(FLASH_CHUNK) + 1;
         let mut shape = ChunkedShape {
             heads_per_cta,
