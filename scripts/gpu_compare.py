@@ -9,9 +9,10 @@ and the golden greedy tokens), it runs
 
     hmoe run -m FILE --prompt-tokens P --teacher-tokens G --top-k-probs 10 --json -c 512
 
-once on the CPU (-dev none -fa off: the row kernel, whose numerics the CUDA attention follows
-for f16 K/V whatever -fa says; the CPU's default chunked flash kernel differs in the last bits,
-which on these MXFP4 files can flip an expert choice, see ../shared/fixtures/README.md) and once
+once on the CPU (-dev none -fa off: the row kernel, which the CUDA attention also runs for f16
+K/V under -fa off; under -fa on both run the chunked flash kernel, whose bits differ from the row
+kernel's, which on these MXFP4 files can flip an expert choice, see ../shared/fixtures/README.md)
+and once
 per GPU configuration (-ngl all; -ngl all --cpu-moe;
 -ngl all --cpu-moe --moe-cache 1; -ngl all --n-cpu-moe 1), checks from stderr that the GPU
 executor ran (its start-up line "hmoe: ARCH on CUDA…"), and prints per
@@ -129,8 +130,8 @@ def main():
     if not found:
         print("gpu_compare: no fixture with a .golden-f16kv.json in %s" % ", ".join(a.fixtures))
         return 1
-    # -fa off everywhere: the CPU's row kernel, which the CUDA attention follows for f16 K/V
-    # whatever -fa says (and REF0 under -fa off).
+    # -fa off everywhere: the CPU's row kernel, which the CUDA attention runs for f16 K/V
+    # under -fa off (and REF0 under -fa off).
     common = ["-fa", "off"] + (["-t", str(a.threads)] if a.threads > 0 else [])
     on_device = [] if a.device == "CUDA" else ["-dev", a.device]
     mark = gpu_mark(a.device)

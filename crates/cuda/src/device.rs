@@ -22,6 +22,7 @@ use crate::profile::{self, Profile};
 use crate::staging::Staging;
 
 mod attention;
+mod attention_chunked;
 mod capabilities;
 mod experts;
 mod kv_ring;
@@ -32,6 +33,7 @@ mod routing;
 mod rowwise;
 mod transfers;
 
+pub use attention_chunked::ChunkedShape;
 pub use capabilities::{
     expert_types_supported, kv_pair_supported, CAPABILITIES, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES,
     SUPPORTED_TYPES,

@@ -22,6 +22,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/rows_heads.cu"),
     include_str!("kernels/latent_attention.cu"),
     include_str!("kernels/routing.cu"),
+    include_str!("kernels/attention_chunked.cu"),
 );
 
 /// Every `extern "C"` entry point in [`SOURCE`] that the Rust side launches.
@@ -53,6 +54,8 @@ pub const KERNELS: &[&str] = &[
     "kv_store_q5_1",
     "attn_row",
     "attn_flash",
+    "attn_chunked",
+    "attn_chunked_fold",
     "router_topk_softmax",
     "moe_gate_up_mxfp4",
     "moe_down_mxfp4",
@@ -146,6 +149,13 @@ pub(crate) const MOE_MAX_EXPERTS: usize = 1024;
 pub(crate) const ATT_WARPS: u32 = 8;
 /// Largest head dimension the attention kernel handles (`ATT_MAX_PER_LANE` × 32).
 pub(crate) const ATT_MAX_HEAD_DIM: usize = 256;
+
+/// Threads per block of the chunked flash attention kernel (`CH_THREADS` in the source).
+pub(crate) const CH_THREADS: u32 = 256;
+/// Most (head, token) rows one block of the chunked kernel serves (`CH_MAX_ROWS`).
+pub(crate) const CH_MAX_ROWS: usize = 64;
+/// Most values of those rows' heads together (`CH_MAX_ROWDIMS`).
+pub(crate) const CH_MAX_ROWDIMS: usize = 1024;
 
 /// Threads per block of the K-only attention kernel (`KO_THREADS` in the source).
 pub(crate) const KO_THREADS: u32 = 256;
@@ -329,6 +339,12 @@ mod tests {
             ("ATT_WARPS", ATT_WARPS as usize),
             ("ATT_MAX_PER_LANE", ATT_MAX_HEAD_DIM / 32),
             ("KV_MAX_CHUNK", ATT_MAX_HEAD_DIM),
+            ("CH_THREADS", CH_THREADS as usize),
+            ("CH_MAX_ROWS", CH_MAX_ROWS),
+            ("CH_MAX_ROWDIMS", CH_MAX_ROWDIMS),
+            ("CH_CHUNK", hmoe_backend::numerics::FLASH_CHUNK),
+            ("CH_BLOCK", hmoe_backend::numerics::FLASH_BLOCK),
+            ("CH_MAX_HD", ATT_MAX_HEAD_DIM),
             ("KO_THREADS", KO_THREADS as usize),
             ("KO_MAX_K", KO_MAX_K),
             ("KO_DIMS_PER_THREAD", KO_MAX_V / KO_THREADS as usize),

@@ -4,7 +4,8 @@
 //! for the low-bit types of GGUF files (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K: Q8_0/Q8_1/Q8_K
 //! activations, the CPU device's kernel orders, in matmuls, embedding rows and experts), NeoX
 //! RoPE with YaRN, attention with sinks, sliding window and GQA over f32/f16/Q8_0/Q4_0 K/V rings
-//! (the row kernel over float values, flash attention over quantized ones), router
+//! (over float values the CPU's chunked flash kernel with `-fa on`, split over the positions
+//! for decode, and its row kernel with `-fa off`; flash attention over quantized ones), router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4
 //! products run tiled kernels with shared-memory tiles and `__dp4a`, with the same bits),
 //! device buffers and transfers (uploads from the file mapping through pinned buffers).
@@ -30,9 +31,9 @@ mod staging;
 
 pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
-    expert_types_supported, kv_pair_supported, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
-    MoeWeights, CAPABILITIES, CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES, LOWBIT_TYPES,
-    SUPPORTED_TYPES,
+    expert_types_supported, kv_pair_supported, ChunkedShape, CudaDevice, DeviceExperts,
+    DeviceMatrix, ExpertAct, MoeWeights, CAPABILITIES, CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES,
+    LOWBIT_TYPES, SUPPORTED_TYPES,
 };
 pub use error::CudaError;
 pub use hmoe_backend::{AttnParams, RopeParams};

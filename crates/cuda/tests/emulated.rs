@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0};
+use hmoe_cuda::ChunkedShape;
 use hmoe_quant::GgmlType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -451,6 +452,100 @@ fn attention_cases(emu: &Emulator, cpu: &Ref0, rng: &mut StdRng) {
                 let what = format!(
                     "attention K {kt} / V {vt} hd {hd} window {window:?} pos0 {pos0} n {n_tokens} \
                      sinks {with_sinks} chains {value_chains}"
+                );
+                assert_bits(&what, &got, &want);
+            }
+        }
+    }
+}
+
+/// A chunked attention test's `(n_head, n_kv, head_dim, window, cells, pos0, n_tokens)`.
+type ChunkedCase = (usize, usize, usize, Option<usize>, usize, usize, usize);
+
+/// Shapes of the chunked flash attention tests: one token at the first position, inside the first block, at the last position
+/// of chunk 0 and the first of chunk 1, after three chunks at a position that is no multiple
+/// of 32; GQA 1:1; a window over a chunk boundary in a ring that wraps; heads of 256 (two
+/// blocks per KV head's group); prefill batches over a chunk boundary (token tiles of 2), with
+/// a window in a wrapping ring (the window's start inside a block), 20 tokens of heads of 16
+/// from position 20 (one tile), and heads of 80 (no multiple of 32: float keys only).
+const CHUNKED_CASES: [ChunkedCase; 12] = [
+    (8, 1, 64, None, 600, 0, 1),
+    (8, 1, 64, None, 600, 17, 1),
+    (8, 1, 64, None, 600, 255, 1),
+    (8, 1, 64, None, 600, 256, 1),
+    (8, 1, 64, None, 600, 533, 1),
+    (2, 2, 64, None, 600, 300, 1),
+    (8, 1, 64, Some(100), 160, 780, 1),
+    (8, 1, 256, None, 400, 300, 1),
+    (8, 2, 64, None, 600, 250, 5),
+    (8, 1, 32, Some(40), 80, 270, 7),
+    (8, 8, 16, None, 64, 20, 20),
+    (4, 1, 80, None, 300, 40, 3),
+];
+
+/// The chunked flash attention kernels (`attn_chunked`, `attn_chunked_fold`: `-fa on` over
+/// f32/f16 values) give REF0's bits with `AttnParams::flash` for every K/V pair with float
+/// values (f16/f16, f32/f32, rotated Q8_0 keys with f16 values, Q4_0 keys with f32 values) in
+/// every shape of [`CHUNKED_CASES`], with and without sinks, folded in the block and split
+/// over the chunks (the launch shape of `ChunkedShape`, then with `split` flipped).
+#[test]
+#[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_chunked_flash_attention_gives_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("chunked") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(43);
+    for (i, &(n_head, n_kv, hd, window, cells, pos0, n)) in CHUNKED_CASES.iter().enumerate() {
+        let kvw = n_kv * hd;
+        for pair in KV_PAIRS
+            .into_iter()
+            .filter(|&(_, v)| matches!(v, GgmlType::F32 | GgmlType::F16))
+        {
+            let Some((kl, vl)) = kv_layouts(pair, hd, n_kv, cells) else {
+                continue;
+            };
+            let (kt, vt) = pair;
+            let with_sinks = i % 2 == 1;
+            let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
+            let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
+            let q = noise(&mut rng, n * n_head * hd, 2.0);
+            let sinks = noise(&mut rng, n_head, 3.0);
+            let mut p = attn_params(n_head, n_kv, hd, cells, window, 1);
+            p.flash = true;
+            let sinks_opt = with_sinks.then_some(&sinks[..]);
+            let want = ref_attention(&cpu, &p, &q, (kl, &kb), (vl, &vb), sinks_opt, n, pos0);
+            emu.write("q", &q);
+            emu.write("k", &kb);
+            emu.write("v", &vb);
+            emu.write("sinks", &sinks);
+            let shape = ChunkedShape::new(&p, n);
+            for split in [shape.split, !shape.split] {
+                emu.run(
+                    "attn_chunked",
+                    &[
+                        s(n),
+                        s(n_head),
+                        s(n_kv),
+                        s(hd),
+                        s(cells),
+                        s(pos0),
+                        s(window.unwrap_or(0)),
+                        s(i32::from(with_sinks)),
+                        s(p.scale.to_bits()),
+                        s(kt.id()),
+                        s(vt.id()),
+                        s(kl.rot),
+                        s(shape.heads_per_cta),
+                        s(shape.tokens_per_cta),
+                        s(shape.slots),
+                        s(i32::from(split)),
+                    ],
+                );
+                let got: Vec<f32> = emu.read("out");
+                let what = format!(
+                    "chunked attention K {kt} / V {vt} heads {n_head}/{n_kv} hd {hd} window \
+                     {window:?} pos0 {pos0} n {n} sinks {with_sinks} split {split} {shape:?}"
                 );
                 assert_bits(&what, &got, &want);
             }

@@ -9,8 +9,8 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use half::f16;
-use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
-use hmoe_cuda::{CudaDevice, DeviceExperts, ExpertAct, MoeWeights};
+use hmoe_backend::{AttnParams, Backend, ExpertMatrix, ExpertTensors, Ref0, RopeParams};
+use hmoe_cuda::{CudaDevice, CudaSlice, DeviceExperts, ExpertAct, MoeWeights};
 use hmoe_quant::{dequantize_row, GgmlType};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -18,8 +18,8 @@ use rand::SeedableRng;
 mod common;
 use common::{
     act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
-    random_weights, ref_attention, ref_moe, ATTN_CASES, KERNEL_ACT, KV_PAIRS, LOWBIT_MATMULS,
-    LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
+    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -470,6 +470,69 @@ fn attention_with_sinks_window_gqa_and_a_ring_cache() {
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(g.to_bits(), w.to_bits(), "{what} [{i}]: {g} vs {w}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Chunked flash attention (`-fa on` over f32/f16 values: `attn_chunked`, split over the
+/// chunks for decode) against REF0 with `AttnParams::flash`, bit for bit as in the host
+/// emulation (tests/emulated.rs): gpt-oss's shapes (64 heads over 8 KV heads of 64, sinks),
+/// decode deep in a full layer and in a sliding layer, and a prefill batch; then the time of
+/// one decode call at the full layer's depth, chunked against the row kernel (`-fa off`).
+#[test]
+fn chunked_flash_attention_gives_the_cpus_bits() {
+    let Some(dev) = device() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(43);
+    let (n_head, n_kv, hd) = (64, 8, 64);
+    // (window, cells, pos0, n_tokens)
+    let cases = [
+        (None, 4352, 4100, 1),
+        (Some(128), 4352, 4100, 1),
+        (None, 4352, 300, 200),
+        (Some(128), 4352, 300, 200),
+    ];
+    for (window, cells, pos0, n) in cases {
+        let kvw = n_kv * hd;
+        for pair in [
+            (GgmlType::F16, GgmlType::F16),
+            (GgmlType::F32, GgmlType::F32),
+        ] {
+            let (kl, vl) = kv_layouts(pair, hd, n_kv, cells).unwrap();
+            let kb = ref_ring(&cpu, kl, &noise(&mut rng, cells * kvw, 1.0));
+            let vb = ref_ring(&cpu, vl, &noise(&mut rng, cells * kvw, 1.0));
+            let q = noise(&mut rng, n * n_head * hd, 2.0);
+            let sinks = noise(&mut rng, n_head, 3.0);
+            let mut p = attn_params(n_head, n_kv, hd, cells, window, 1);
+            p.flash = true;
+            let want = ref_attention(&cpu, &p, &q, (kl, &kb), (vl, &vb), Some(&sinks), n, pos0);
+            let (kd, vd) = (dev.upload(&kb).unwrap(), dev.upload(&vb).unwrap());
+            let (qd, sd) = (dev.upload(&q).unwrap(), dev.upload(&sinks).unwrap());
+            let mut out = dev.alloc_zeros::<f32>(q.len()).unwrap();
+            let call = |p: &AttnParams, out: &mut CudaSlice<f32>| {
+                dev.attention(p, &qd, (&kd, &kl), (&vd, &vl), Some(&sd), n, pos0, out)
+                    .unwrap()
+            };
+            call(&p, &mut out);
+            let got = dev.download(&out).unwrap();
+            let what = format!("chunked attention {pair:?} window {window:?} pos0 {pos0} n {n}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{what} [{i}]: {g} vs {w}");
+            }
+            if n == 1 && window.is_none() {
+                let row = AttnParams { flash: false, ..p };
+                for (name, p) in [("attn_chunked", &p), ("attn_row", &row)] {
+                    call(p, &mut out);
+                    dev.synchronize().unwrap();
+                    let t = Instant::now();
+                    for _ in 0..50 {
+                        call(p, &mut out);
+                    }
+                    dev.synchronize().unwrap();
+                    let us = t.elapsed().as_secs_f64() * 1e6 / 50.0;
+                    eprintln!("{what}: {name} {us:.1} µs per call (with launch overhead)");
                 }
             }
         }

@@ -1,10 +1,13 @@
 //! Attention over K/V ring pairs, with GQA, sinks and sliding windows: the row kernel
-//! (`attn_row`, float values) and flash attention (`attn_flash`, block-quantized values).
+//! (`attn_row`, float values with `-fa off`), the chunked flash kernel (`attn_chunked`, float
+//! values with `-fa on`; see `attention_chunked`) and flash attention (`attn_flash`,
+//! block-quantized values).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_backend::{AttnParams, KvLayout};
 use hmoe_quant::GgmlType;
 
+use super::attention_chunked::takes_chunked;
 use super::capabilities::{kv_pair_supported, kv_type_ok};
 use super::{i32_of, u32_of, CudaDevice, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
@@ -12,6 +15,25 @@ use crate::kernels::{ATT_MAX_HEAD_DIM, ATT_WARPS};
 
 /// Threads of one warp (the flash attention kernel's block).
 const WARP_THREADS: u32 = 32;
+
+/// The scalar arguments every attention kernel takes, as the kernels' `int`s.
+pub(super) struct AttnArgs {
+    pub(super) has_sinks: i32,
+    pub(super) n_tokens: i32,
+    pub(super) n_head: i32,
+    pub(super) n_kv: i32,
+    pub(super) head_dim: i32,
+    pub(super) cells: i32,
+    /// The batch's first position.
+    pub(super) pos0: i32,
+    /// The sliding window (0: none).
+    pub(super) window: i32,
+    /// The rings' ggml type ids.
+    pub(super) k_ty: i32,
+    pub(super) v_ty: i32,
+    /// The keys' rotation chunk (0: not rotated).
+    pub(super) k_rot: i32,
+}
 
 /// ggml's id of a type, as the kernels name them (`TY_*`).
 fn ggml_id(ty: GgmlType) -> i32 {
@@ -23,9 +45,10 @@ impl CudaDevice {
     /// already stored) over the K and V rings of `kl` and `vl`, with GQA, the window of `p`
     /// and optional per-head `sinks` (`n_head` logits). `q` and `out`:
     /// `n_tokens × n_head × head_dim`. The CPU device's numerics for the rings' types (see
-    /// `attn_row` and `attn_flash` in the kernels): f16/f32 values take the row kernel (for
-    /// f16 the query and the probabilities rounded to f16), block-quantized values flash
-    /// attention; the query is rotated like the keys and the output back like the values.
+    /// `attn_row`, `attn_chunked` and `attn_flash` in the kernels): f16/f32 values take the
+    /// chunked flash kernel with `p.flash` (`-fa on`), else the row kernel (for f16 the query
+    /// and the probabilities rounded to f16); block-quantized values take flash attention; the
+    /// query is rotated like the keys and the output back like the values.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -98,22 +121,25 @@ impl CudaDevice {
         ensure(n_tokens <= MAX_GRID_Y, OP, || {
             format!("{n_tokens} tokens in one call")
         })?;
-        let has_sinks = i32::from(sinks.is_some());
-        let sinks = sinks.unwrap_or(&self.dummy);
-        let window = i32_of(OP, "window", p.window.unwrap_or(0))?;
-        let (n_i, nh, nkv, hd, cells) = (
-            i32_of(OP, "tokens", n_tokens)?,
-            i32_of(OP, "heads", p.n_head)?,
-            i32_of(OP, "kv heads", p.n_head_kv)?,
-            i32_of(OP, "head_dim", p.head_dim)?,
-            i32_of(OP, "cells", p.cells)?,
-        );
-        let pos0_i = i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_i;
-        let (k_ty, v_ty) = (ggml_id(kl.ty), ggml_id(vl.ty));
-        let (k_rot, v_rot) = (
-            i32_of(OP, "rotation", kl.rot)?,
-            i32_of(OP, "rotation", vl.rot)?,
-        );
+        let sinks_or = sinks.unwrap_or(&self.dummy);
+        let a = AttnArgs {
+            has_sinks: i32::from(sinks.is_some()),
+            n_tokens: i32_of(OP, "tokens", n_tokens)?,
+            n_head: i32_of(OP, "heads", p.n_head)?,
+            n_kv: i32_of(OP, "kv heads", p.n_head_kv)?,
+            head_dim: i32_of(OP, "head_dim", p.head_dim)?,
+            cells: i32_of(OP, "cells", p.cells)?,
+            pos0: i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_tokens as i32,
+            window: i32_of(OP, "window", p.window.unwrap_or(0))?,
+            k_ty: ggml_id(kl.ty),
+            v_ty: ggml_id(vl.ty),
+            k_rot: i32_of(OP, "rotation", kl.rot)?,
+        };
+        let rings = (q, k_ring, v_ring, sinks_or);
+        if takes_chunked(p, vl.ty) {
+            return self.attention_chunked(p, &a, rings, n_tokens, out);
+        }
+        let v_rot = i32_of(OP, "rotation", vl.rot)?;
         let value_chains = i32_of(OP, "value chains", p.value_chains)?;
         let flash = !matches!(vl.ty, GgmlType::F16 | GgmlType::F32);
         let (kernel, block) = if flash {
@@ -130,20 +156,20 @@ impl CudaDevice {
         b.arg(q)
             .arg(k_ring)
             .arg(v_ring)
-            .arg(sinks)
-            .arg(&has_sinks)
+            .arg(sinks_or)
+            .arg(&a.has_sinks)
             .arg(out)
-            .arg(&n_i)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&cells)
-            .arg(&pos0_i)
-            .arg(&window)
+            .arg(&a.n_tokens)
+            .arg(&a.n_head)
+            .arg(&a.n_kv)
+            .arg(&a.head_dim)
+            .arg(&a.cells)
+            .arg(&a.pos0)
+            .arg(&a.window)
             .arg(&p.scale)
-            .arg(&k_ty)
-            .arg(&v_ty)
-            .arg(&k_rot)
+            .arg(&a.k_ty)
+            .arg(&a.v_ty)
+            .arg(&a.k_rot)
             .arg(&v_rot);
         // The row kernel's last argument (flash attention sums values in its own order).
         if !flash {

@@ -207,9 +207,10 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 // logits (gpt-oss): the sink joins the softmax's denominator and adds no value. q, out:
 // [n_tokens][n_head][head_dim] f32. Token t sits at position pos0 + t and sees keys
 // first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos). Like the CPU device,
-// the value type chooses the kernel: f32/f16 values attn_row, Q8_0/Q4_0 values attn_flash, each
-// with keys of f32, f16, Q8_0 or Q4_0. Both take the same arguments: the rings' ggml types and
-// their rotation chunks (only block-quantized rings are rotated).
+// the value type chooses the kernel: f32/f16 values attn_row (with -fa off; -fa on takes
+// attn_chunked, attention_chunked.cu), Q8_0/Q4_0 values attn_flash, each with keys of f32, f16,
+// Q8_0 or Q4_0. Both take the same arguments: the rings' ggml types and their rotation chunks
+// (only block-quantized rings are rotated).
 //
 // attn_row: the CPU device's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
 // float values), bit for bit: the query rounded to f16 for f16 keys, rotated and converted to

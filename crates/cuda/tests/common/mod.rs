@@ -153,8 +153,8 @@ pub const KV_PAIRS: [(GgmlType, GgmlType); 8] = [
 
 /// The attention parameters of the kernels' tests for `n_head` query heads over `n_kv` K/V
 /// heads of `hd` values in rings of `cells`, with `window` and `value_chains`: scale
-/// `1/sqrt(hd)`, the row kernel's numerics (the CUDA kernel is the row kernel; see the
-/// executor's numerics docs).
+/// `1/sqrt(hd)`, `flash` off: the row kernel over float values (`attn_row`; a test sets
+/// `flash` for the chunked kernel).
 pub fn attn_params(
     n_head: usize,
     n_kv: usize,
@@ -210,7 +210,6 @@ pub fn kv_layouts(
 
 /// The bytes of a ring of `layout` whose every cell the reference device stored from `rows`
 /// (`cells × width` values).
-#[allow(dead_code)] // emulated.rs's, not gpu.rs's
 pub fn ref_ring(cpu: &Ref0, layout: KvLayout, rows: &[f32]) -> Vec<u8> {
     let mut ring = cpu.kv_alloc(layout).unwrap();
     let src = cpu.upload(rows).unwrap();

@@ -358,6 +358,31 @@ int main(int argc, char** argv) {
                 attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
         });
         wr(P("out"), out);
+    } else if (op == "attn_chunked") {
+        // attention_chunked.rs: the launch shape (ChunkedShape) comes from the test.
+        int n_tokens = atoi(argv[3]), n_head = atoi(argv[4]), n_kv = atoi(argv[5]), hd = atoi(argv[6]),
+            cells = atoi(argv[7]), pos0 = atoi(argv[8]), window = atoi(argv[9]), has_sinks = atoi(argv[10]);
+        float scale = __uint_as_float((unsigned)strtoul(argv[11], nullptr, 10));
+        int k_ty = atoi(argv[12]), v_ty = atoi(argv[13]), k_rot = atoi(argv[14]);
+        int hpc = atoi(argv[15]), tpc = atoi(argv[16]), slots = atoi(argv[17]), split = atoi(argv[18]);
+        auto q = rd<float>(P("q"));
+        auto kc = rd<u8>(P("k")), vc = rd<u8>(P("v"));
+        auto sinks = rd<float>(P("sinks"));
+        std::vector<float> out(q.size());
+        // Scratch poisoned with NaN: a record the fold reads but no block wrote shows.
+        std::vector<float> part(split ? (size_t)slots * n_tokens * n_head * (hd + 2) : 1, NAN);
+        float *o = out.data(), *pt = part.data();
+        unsigned gz = cdiv(n_tokens, tpc);
+        launch({(unsigned)(n_head / hpc), split ? (unsigned)slots : 1u, gz}, {CH_THREADS, 1, 1}, [&] {
+            attn_chunked(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, pt, n_tokens, n_head, n_kv, hd,
+                         cells, pos0, window, scale, k_ty, v_ty, k_rot, hpc, tpc, split);
+        });
+        if (split) {
+            launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {cdiv(hd, 32) * 32, 1, 1}, [&] {
+                attn_chunked_fold(pt, sinks.data(), has_sinks, o, n_tokens, n_head, hd, pos0, window);
+            });
+        }
+        wr(P("out"), out);
     } else if (op == "rope_norm") {
         int n = atoi(argv[3]), nh = atoi(argv[4]), hd = atoi(argv[5]), first = atoi(argv[6]), nd = atoi(argv[7]);
         auto x = rd<float>(P("x"));

@@ -44,9 +44,8 @@
 //! calls libm's, and F16/BF16 summation orders; on models whose routing is that sensitive
 //! (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice. With
 //! flash attention (`-fa on`, and `auto`, the default) over f32/f16/bf16 values the CPU and REF0 run the chunked
-//! flash kernel ([`hmoe_backend::AttnParams::flash`]), while the CUDA attention kernel still runs the row
-//! kernel's algorithm for those values: the same softmax in another order, so GPU attention
-//! differs there in the last bits as well (compared within 5e-3, never bit for bit).
+//! flash kernel ([`hmoe_backend::AttnParams::flash`]), and so does the CUDA device over f32/f16
+//! values (`attn_chunked`: the CPU's bits in the host emulation, not yet checked on a GPU).
 //!
 //! Several sequences at once ([`crate::LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
