@@ -191,22 +191,66 @@ fn s(v: impl ToString) -> String {
     v.to_string()
 }
 
+/// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
+/// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of
+/// extreme scales ([`extreme_scales`]); `Older` with the kernels the launch code picks below
+/// sm_80.
+#[derive(Clone, Copy, PartialEq)]
+enum Arch {
+    Older,
+    Sm80,
+}
+
+/// Sets a quarter of the Q8_0/MXFP4 blocks of `q` to extreme scales: zero, subnormal and
+/// (with `big`) the largest (f16 65504; E8M0 2^126, 2^127), whose products overflow.
+fn extreme_scales(rng: &mut StdRng, ty: GgmlType, q: &mut [u8], big: bool) {
+    use rand::Rng;
+    for block in q.chunks_exact_mut(ty.block_bytes()) {
+        if rng.random_range(0..4) != 0 {
+            continue;
+        }
+        if ty == GgmlType::MXFP4 {
+            let e: &[u8] = if big { &[0, 1, 2, 127, 254, 255] } else { &[0, 1, 2, 127] };
+            block[0] = e[rng.random_range(0..e.len())];
+        } else {
+            let d: &[u16] = if big { &[0, 1, 0x3ff, 0x400, 0x7bff] } else { &[0, 1, 0x3ff, 0x400] };
+            block[..2].copy_from_slice(&d[rng.random_range(0..d.len())].to_le_bytes());
+        }
+    }
+}
+
+/// Weights for a product on `arch`: [`random_weights`], with [`extreme_scales`] (`big` ones
+/// too when `big`) on `Sm80`.
+fn arch_weights(rng: &mut StdRng, arch: Arch, ty: GgmlType, (rows, cols): (usize, usize), big: bool) -> Vec<u8> {
+    let mut q = weights(rng, ty, rows, cols);
+    if arch == Arch::Sm80 {
+        extreme_scales(rng, ty, &mut q, big);
+    }
+    q
+}
+
 /// Runs the emulated matmul of a `rows × cols` matrix of `ty` on `n` random tokens against
-/// REF0's: the same bits for the types of [`exact`], else only reported.
+/// REF0's: the same bits for the types of [`exact`], else only reported. On `Sm80` the
+/// tokens' magnitudes also vary over 1e-30 … 1e4.
 fn matmul_case(
     emu: &Emulator,
     cpu: &Ref0,
     rng: &mut StdRng,
-    ty: GgmlType,
+    (ty, arch): (GgmlType, Arch),
     (rows, cols): (usize, usize),
     n: usize,
 ) {
-    let q = weights(rng, ty, rows, cols);
+    let q = arch_weights(rng, arch, ty, (rows, cols), true);
     let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
-    let x = noise(rng, n * cols, 1.0);
+    let mut x = noise(rng, n * cols, 1.0);
+    if arch == Arch::Sm80 {
+        let scales = [1.0, 1e-30, 1e4, 1e-3];
+        x.iter_mut().enumerate().for_each(|(i, v)| *v *= scales[i / cols % 4]);
+    }
     emu.write("w", &q);
     emu.write("x", &x);
-    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n)]);
+    let tc = u8::from(arch == Arch::Sm80);
+    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n), s(tc)]);
     let got: Vec<f32> = emu.read("y");
     let xd = cpu.upload(&x).unwrap();
     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
@@ -237,16 +281,16 @@ fn moe_case(
     emu: &Emulator,
     cpu: &Ref0,
     rng: &mut StdRng,
-    types: [GgmlType; 3],
+    (types, arch): ([GgmlType; 3], Arch),
     MoeShape { ne, d, ff, n, k }: MoeShape,
     sel: &[i32],
     (act, with_bias): (GatedAct, bool),
 ) {
     let [gt, ut, dt] = types;
     let (gq, uq, dq) = (
-        weights(rng, gt, ne * ff, d),
-        weights(rng, ut, ne * ff, d),
-        weights(rng, dt, ne * d, ff),
+        arch_weights(rng, arch, gt, (ne * ff, d), false),
+        arch_weights(rng, arch, ut, (ne * ff, d), false),
+        arch_weights(rng, arch, dt, (ne * d, ff), false),
     );
     let (bg, bu, bd) = (
         noise(rng, ne * ff, 0.5),
@@ -280,6 +324,7 @@ fn moe_case(
         usize::from(with_bias),
         ut.id() as usize,
         dt.id() as usize,
+        usize::from(arch == Arch::Sm80),
     ];
     emu.run("moe", &args.map(s));
     let got: Vec<f32> = emu.read("out");
@@ -328,7 +373,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     for (rows, cols) in [(13, 160), (6, 2880), (5, 64)] {
         for ty in TYPES {
             for n in [1usize, 3, 9, 20, 40] {
-                matmul_case(&emu, &cpu, &mut rng, ty, (rows, cols), n);
+                matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Older), (rows, cols), n);
             }
         }
     }
@@ -368,7 +413,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             n,
             k: 2,
         };
-        moe_case(&emu, &cpu, &mut rng, [ty; 3], shape, &sel, act);
+        moe_case(&emu, &cpu, &mut rng, ([ty; 3], Arch::Older), shape, &sel, act);
     }
 
     // The K/V store of every ring type (rotated as the executor rotates quantized heads of
@@ -405,6 +450,40 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     }
 
     attention_cases(&emu, &cpu, &mut rng);
+}
+
+/// The int8 tensor-core products (kernels/mma.cu, an sm_80+ device's) alone, for batches of
+/// 1 … 600 tokens: dense Q8_0 and MXFP4 matmuls (a partial row tile, a partial chunk of
+/// blocks, tokens of very different magnitudes), and MoE blocks whose experts get 0, 1, 7, 8,
+/// 9, 33, … routed slots (out-of-range ids too), all with weights of extreme scales; REF0's bits.
+#[test]
+#[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_tensor_core_products_give_the_reference_backends_bits() {
+    use rand::seq::SliceRandom;
+    let Some(emu) = Emulator::build("mma") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(45);
+    let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
+    for (i, n) in [1usize, 7, 16, 33, 130, 600].into_iter().enumerate() {
+        for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
+            matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), (70, 160), n);
+            // Expert e gets the e-th count (while slots last), the rest go to expert 7 or
+            // nowhere (-1).
+            let (ne, k) = (8, 2);
+            let mut sel: Vec<i32> = [0usize, 1, 7, 8, 9, 33, 130]
+                .iter()
+                .enumerate()
+                .flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c))
+                .chain((0..).map(|j| [7, -1][j % 2]))
+                .take(n * k)
+                .collect();
+            sel.shuffle(&mut rng);
+            let shape = MoeShape { ne, d: 64, ff: 96, n, k };
+            moe_case(&emu, &cpu, &mut rng, ([ty; 3], Arch::Sm80), shape, &sel, acts[i % 2]);
+        }
+    }
 }
 
 /// Attention over random rings of every type pair (quantized pairs on the shapes whose heads
@@ -503,7 +582,7 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
     for shape in LOWBIT_MATMULS {
         for ty in LOWBIT_TYPES {
             for n in LOWBIT_TOKENS {
-                matmul_case(&emu, &cpu, &mut rng, ty, shape, n);
+                matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Older), shape, n);
             }
         }
     }
@@ -517,7 +596,7 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
         } else {
             (GatedAct::Silu, false)
         };
-        moe_case(&emu, &cpu, &mut rng, types, shape, &LOWBIT_SEL, act);
+        moe_case(&emu, &cpu, &mut rng, (types, Arch::Older), shape, &LOWBIT_SEL, act);
     }
 }
 

@@ -94,7 +94,7 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
     int r0 = blockIdx.x * ROWS;
     int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     int g = lane / 4, t = lane % 4;
-    int wr = 16 * (warp % WARPS_M), ws0 = SPW * (warp / WARPS_M);
+    int wr = 16 * (warp % WARPS_M), wslot = SPW * (warp / WARPS_M);
     const int zero[4] = {0, 0, 0, 0};
     // MXFP4: acc[j][q] is output q of group j (as the MMA's d[q]); Q8_0: acc[8 * j + i][q] the
     // accumulator 2t + (q & 1) of row g + 8 * (q >> 1) for slot i of group j.
@@ -133,7 +133,7 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
                 }
             }
             __syncthreads();
-            if (ws0 >= nt) continue;  // no live slot for this warp (warp-uniform)
+            if (wslot >= nt) continue;  // no live slot for this warp (warp-uniform)
             for (int b = 0; b < kbn; b++) {
                 // Lane l gives row l % 16 and bytes 16 * (l / 16) of the block: matrices 0 .. 3
                 // are a[0] .. a[3] of the weight rows wr .. wr + 15.
@@ -142,7 +142,7 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
                 float wg = wsc[wr + g][b], wg8 = wsc[wr + g + 8][b];
                 #pragma unroll
                 for (int j = 0; j < NG; j++) {
-                    int s0 = ws0 + 8 * j;
+                    int s0 = wslot + 8 * j;
                     if (s0 >= nt) continue;  // warp-uniform
                     if (TY == TY_MXFP4) {
                         int bf[2] = {xs[s0 + g][8 * b + t], xs[s0 + g][8 * b + 4 + t]};
@@ -177,10 +177,10 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
                 }
             }
         }
-        if (ws0 >= nt) continue;
+        if (wslot >= nt) continue;
         #pragma unroll
         for (int j = 0; j < NG; j++) {
-            int s0 = ws0 + 8 * j;
+            int s0 = wslot + 8 * j;
             if (s0 >= nt) continue;
             if (TY == TY_MXFP4) {
                 #pragma unroll
