@@ -22,9 +22,9 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
-    random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
-    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, extreme_scales, kv_layouts, lowbit_expert_sets, noise,
+    quantizer_cases, random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
+    KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -201,27 +201,15 @@ enum Arch {
     Sm80,
 }
 
-/// Sets a quarter of the Q8_0/MXFP4 blocks of `q` to extreme scales: zero, subnormal and
-/// (with `big`) the largest (f16 65504; E8M0 2^126, 2^127), whose products overflow.
-fn extreme_scales(rng: &mut StdRng, ty: GgmlType, q: &mut [u8], big: bool) {
-    use rand::Rng;
-    for block in q.chunks_exact_mut(ty.block_bytes()) {
-        if rng.random_range(0..4) != 0 {
-            continue;
-        }
-        if ty == GgmlType::MXFP4 {
-            let e: &[u8] = if big { &[0, 1, 2, 127, 254, 255] } else { &[0, 1, 2, 127] };
-            block[0] = e[rng.random_range(0..e.len())];
-        } else {
-            let d: &[u16] = if big { &[0, 1, 0x3ff, 0x400, 0x7bff] } else { &[0, 1, 0x3ff, 0x400] };
-            block[..2].copy_from_slice(&d[rng.random_range(0..d.len())].to_le_bytes());
-        }
-    }
-}
-
 /// Weights for a product on `arch`: [`random_weights`], with [`extreme_scales`] (`big` ones
 /// too when `big`) on `Sm80`.
-fn arch_weights(rng: &mut StdRng, arch: Arch, ty: GgmlType, (rows, cols): (usize, usize), big: bool) -> Vec<u8> {
+fn arch_weights(
+    rng: &mut StdRng,
+    arch: Arch,
+    ty: GgmlType,
+    (rows, cols): (usize, usize),
+    big: bool,
+) -> Vec<u8> {
     let mut q = weights(rng, ty, rows, cols);
     if arch == Arch::Sm80 {
         extreme_scales(rng, ty, &mut q, big);
@@ -231,7 +219,7 @@ fn arch_weights(rng: &mut StdRng, arch: Arch, ty: GgmlType, (rows, cols): (usize
 
 /// Runs the emulated matmul of a `rows × cols` matrix of `ty` on `n` random tokens against
 /// REF0's: the same bits for the types of [`exact`], else only reported. On `Sm80` the
-/// tokens' magnitudes also vary over 1e-30 … 1e4.
+/// tokens' magnitudes also vary over 1e-30 … 1e4. Returns the emulator's outputs.
 fn matmul_case(
     emu: &Emulator,
     cpu: &Ref0,
@@ -239,13 +227,15 @@ fn matmul_case(
     (ty, arch): (GgmlType, Arch),
     (rows, cols): (usize, usize),
     n: usize,
-) {
+) -> Vec<f32> {
     let q = arch_weights(rng, arch, ty, (rows, cols), true);
     let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
     let mut x = noise(rng, n * cols, 1.0);
     if arch == Arch::Sm80 {
         let scales = [1.0, 1e-30, 1e4, 1e-3];
-        x.iter_mut().enumerate().for_each(|(i, v)| *v *= scales[i / cols % 4]);
+        x.iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v *= scales[i / cols % 4]);
     }
     emu.write("w", &q);
     emu.write("x", &x);
@@ -262,6 +252,7 @@ fn matmul_case(
     } else {
         reported(&what, &got, &want);
     }
+    got
 }
 
 /// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.
@@ -413,7 +404,15 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             n,
             k: 2,
         };
-        moe_case(&emu, &cpu, &mut rng, ([ty; 3], Arch::Older), shape, &sel, act);
+        moe_case(
+            &emu,
+            &cpu,
+            &mut rng,
+            ([ty; 3], Arch::Older),
+            shape,
+            &sel,
+            act,
+        );
     }
 
     // The K/V store of every ring type (rotated as the executor rotates quantized heads of
@@ -466,9 +465,12 @@ fn emulated_tensor_core_products_give_the_reference_backends_bits() {
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(45);
     let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
+    let (mut overflowed, mut subnormal) = (0, 0);
     for (i, n) in [1usize, 7, 16, 33, 130, 600].into_iter().enumerate() {
         for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
-            matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), (70, 160), n);
+            let y = matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), (70, 160), n);
+            overflowed += y.iter().filter(|v| !v.is_finite()).count();
+            subnormal += y.iter().filter(|v| v.is_subnormal()).count();
             // Expert e gets the e-th count (while slots last), the rest go to expert 7 or
             // nowhere (-1).
             let (ne, k) = (8, 2);
@@ -480,10 +482,29 @@ fn emulated_tensor_core_products_give_the_reference_backends_bits() {
                 .take(n * k)
                 .collect();
             sel.shuffle(&mut rng);
-            let shape = MoeShape { ne, d: 64, ff: 96, n, k };
-            moe_case(&emu, &cpu, &mut rng, ([ty; 3], Arch::Sm80), shape, &sel, acts[i % 2]);
+            let shape = MoeShape {
+                ne,
+                d: 64,
+                ff: 96,
+                n,
+                k,
+            };
+            moe_case(
+                &emu,
+                &cpu,
+                &mut rng,
+                ([ty; 3], Arch::Sm80),
+                shape,
+                &sel,
+                acts[i % 2],
+            );
         }
     }
+    eprintln!("dense outputs: {overflowed} overflowed, {subnormal} subnormal");
+    assert!(
+        overflowed > 0 && subnormal > 0,
+        "the extreme scales were not reached"
+    );
 }
 
 /// Attention over random rings of every type pair (quantized pairs on the shapes whose heads
@@ -596,7 +617,15 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
         } else {
             (GatedAct::Silu, false)
         };
-        moe_case(&emu, &cpu, &mut rng, (types, Arch::Older), shape, &LOWBIT_SEL, act);
+        moe_case(
+            &emu,
+            &cpu,
+            &mut rng,
+            (types, Arch::Older),
+            shape,
+            &LOWBIT_SEL,
+            act,
+        );
     }
 }
 

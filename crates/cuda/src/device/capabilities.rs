@@ -90,7 +90,11 @@ pub(super) struct TiledKernel {
 /// `moe_mm_*`, else the dense `matmul_tiled_*`) for a device of `compute_capability`: the int8
 /// tensor-core kernels (`*_mma_*`, `mma.sync` m16n8k32) from sm_80, the `__dp4a` kernels
 /// before. Both give the same bits.
-pub(super) fn tiled_kernel(ty: GgmlType, experts: bool, compute_capability: (u32, u32)) -> TiledKernel {
+pub(super) fn tiled_kernel(
+    ty: GgmlType,
+    experts: bool,
+    compute_capability: (u32, u32),
+) -> TiledKernel {
     let mxfp4 = ty == GgmlType::MXFP4;
     if compute_capability.0 >= 8 {
         let name = match (experts, mxfp4) {
@@ -139,14 +143,23 @@ mod tests {
         use GgmlType::*;
         for cc in [(7, 0), (7, 5)] {
             let k = tiled_kernel(MXFP4, true, cc);
-            assert_eq!((k.name, k.rows_per_block, k.threads), ("moe_mm_mxfp4", TILE_ROWS, 256));
+            assert_eq!(
+                (k.name, k.rows_per_block, k.threads),
+                ("moe_mm_mxfp4", TILE_ROWS, 256)
+            );
             assert_eq!(tiled_kernel(Q8_0, false, cc).name, "matmul_tiled_q8_0");
         }
         for cc in [(8, 0), (8, 6), (9, 0), (12, 0)] {
             let k = tiled_kernel(MXFP4, true, cc);
-            assert_eq!((k.name, k.rows_per_block), ("moe_mm_mma_mxfp4", MMA_ROWS_MXFP4));
+            assert_eq!(
+                (k.name, k.rows_per_block),
+                ("moe_mm_mma_mxfp4", MMA_ROWS_MXFP4)
+            );
             let k = tiled_kernel(Q8_0, false, cc);
-            assert_eq!((k.name, k.rows_per_block), ("matmul_mma_q8_0", MMA_ROWS_Q8_0));
+            assert_eq!(
+                (k.name, k.rows_per_block),
+                ("matmul_mma_q8_0", MMA_ROWS_Q8_0)
+            );
             assert_eq!(tiled_kernel(Q8_0, true, cc).name, "moe_mm_mma_q8_0");
             assert_eq!(tiled_kernel(MXFP4, false, cc).name, "matmul_mma_mxfp4");
         }

@@ -383,7 +383,11 @@ impl CudaDevice {
         let row_bytes = experts.row_bytes as u64;
         let cfg = LaunchConfig {
             grid_dim: (
-                u32_of(OP, "row tiles", experts.rows.div_ceil(kernel.rows_per_block as usize))?,
+                u32_of(
+                    OP,
+                    "row tiles",
+                    experts.rows.div_ceil(kernel.rows_per_block as usize),
+                )?,
                 u32_of(OP, "experts", experts.n_expert)?,
                 1,
             ),

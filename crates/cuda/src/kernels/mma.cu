@@ -104,10 +104,11 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
         __syncthreads();  // the previous tile's stores have read slot_of
         if (tid < TILE_SLOTS) slot_of[tid] = tid >= nt ? -1 : order ? order[t0 + tid] : t0 + tid;
         float acc[NACC][4];
-        #pragma unroll
-        for (int j = 0; j < NACC; j++)
-            #pragma unroll
+#pragma unroll
+        for (int j = 0; j < NACC; j++) {
+#pragma unroll
             for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
+        }
         for (int kb0 = 0; kb0 < nb; kb0 += MMA_KB) {
             int kbn = nb - kb0 < MMA_KB ? nb - kb0 : MMA_KB;
             __syncthreads();  // slot_of is set; the previous chunk has been used
@@ -140,7 +141,7 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
                 int a[4];
                 ldmatrix_x4(a, &ws[wr + lane % 16][8 * b + 4 * (lane / 16)]);
                 float wg = wsc[wr + g][b], wg8 = wsc[wr + g + 8][b];
-                #pragma unroll
+#pragma unroll
                 for (int j = 0; j < NG; j++) {
                     int s0 = wslot + 8 * j;
                     if (s0 >= nt) continue;  // warp-uniform
@@ -154,7 +155,7 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
                         acc[j][2] = fmaf(small_int_to_float(c[2]), wg8 * x0, acc[j][2]);
                         acc[j][3] = fmaf(small_int_to_float(c[3]), wg8 * x1, acc[j][3]);
                     } else {
-                        #pragma unroll
+#pragma unroll
                         for (int i = 0; i < 8; i++) {
                             int s = s0 + i;
                             if (s >= nt) continue;  // warp-uniform
@@ -178,25 +179,25 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
             }
         }
         if (wslot >= nt) continue;
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < NG; j++) {
             int s0 = wslot + 8 * j;
             if (s0 >= nt) continue;
             if (TY == TY_MXFP4) {
-                #pragma unroll
+#pragma unroll
                 for (int q = 0; q < 4; q++) {
                     int s = s0 + 2 * t + (q & 1), r = r0 + wr + g + 8 * (q >> 1);
                     if (s < nt && r < rows) out[(u64)slot_of[s] * (u64)rows + (u64)r] = acc[j][q];
                 }
             } else {
-                #pragma unroll
+#pragma unroll
                 for (int i = 0; i < 8; i++) {
                     int s = s0 + i;
                     if (s >= nt) continue;
                     // Lane t holds accumulators 2t, 2t + 1; the quad adds them in the CPU's
                     // order, the lower-numbered accumulator always on the left.
                     float v[2];
-                    #pragma unroll
+#pragma unroll
                     for (int h = 0; h < 2; h++) {
                         float m0 = acc[8 * j + i][2 * h], m1 = acc[8 * j + i][2 * h + 1];
                         float o0 = __shfl_xor_sync(0xffffffffu, m0, 2);

@@ -76,6 +76,31 @@ pub fn random_weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) 
     q
 }
 
+/// Sets a quarter of the Q8_0/MXFP4 blocks of `q` to extreme scales: zero, subnormal and
+/// (with `big`) the largest (f16 65504; E8M0 2^126, 2^127), whose products overflow.
+pub fn extreme_scales(rng: &mut StdRng, ty: GgmlType, q: &mut [u8], big: bool) {
+    for block in q.chunks_exact_mut(ty.block_bytes()) {
+        if rng.random_range(0..4) != 0 {
+            continue;
+        }
+        if ty == GgmlType::MXFP4 {
+            let e: &[u8] = if big {
+                &[0, 1, 2, 127, 254, 255]
+            } else {
+                &[0, 1, 2, 127]
+            };
+            block[0] = e[rng.random_range(0..e.len())];
+        } else {
+            let d: &[u16] = if big {
+                &[0, 1, 0x3ff, 0x400, 0x7bff]
+            } else {
+                &[0, 1, 0x3ff, 0x400]
+            };
+            block[..2].copy_from_slice(&d[rng.random_range(0..d.len())].to_le_bytes());
+        }
+    }
+}
+
 /// Activations for the quantizer of `act` (Q8_0, Q8_1 or Q8_K): [`quantizer_cases`]' values
 /// padded with noise to whole blocks of `act`, then a zero block; with the CPU's bytes.
 pub fn act_quantizer_cases(rng: &mut StdRng, act: GgmlType) -> (Vec<f32>, Vec<u8>) {
