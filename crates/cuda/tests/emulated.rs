@@ -212,7 +212,7 @@ fn arch_weights(
 ) -> Vec<u8> {
     let mut q = weights(rng, ty, rows, cols);
     if arch == Arch::Sm80 {
-        extreme_scales(rng, ty, &mut q, big);
+        extreme_scales(rng, ty, &mut q, cols, big);
     }
     q
 }
@@ -470,7 +470,11 @@ fn emulated_tensor_core_products_give_the_reference_backends_bits() {
         for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
             let y = matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), (70, 160), n);
             overflowed += y.iter().filter(|v| !v.is_finite()).count();
-            subnormal += y.iter().filter(|v| v.is_subnormal()).count();
+            // Products of E8M0 scales 2^-129 … 2^-127 with small tokens (f16 scales cannot
+            // get there).
+            if ty == GgmlType::MXFP4 {
+                subnormal += y.iter().filter(|v| v.is_subnormal()).count();
+            }
             // Expert e gets the e-th count (while slots last), the rest go to expert 7 or
             // nowhere (-1).
             let (ne, k) = (8, 2);

@@ -211,7 +211,7 @@ fn tiled_products_of_extreme_scales_give_the_cpus_bits() {
     let (rows, cols) = (70, 160);
     for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
         let mut q = random_weights(&mut rng, ty, rows, cols);
-        extreme_scales(&mut rng, ty, &mut q, true);
+        extreme_scales(&mut rng, ty, &mut q, cols, true);
         for n in [33usize, 130, 600] {
             let mut x = noise(&mut rng, n * cols, 1.0);
             let magnitudes = [1.0, 1e-30, 1e4, 1e-3];

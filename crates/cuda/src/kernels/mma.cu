@@ -56,13 +56,15 @@ __device__ __forceinline__ void mma_s8_16832(int d[4], const int a[4], const int
 // Four 8×8 matrices of 16-bit elements (8 rows of 16 bytes each) from shared memory for one
 // warp (ldmatrix.sync.aligned.m8n8.x4.shared.b16): lanes 8i .. 8i + 7 give the addresses of
 // the rows of matrix i (16-byte aligned); lane l gets r[i] = the 32-bit word l % 4 of row l / 4
-// of matrix i.
+// of matrix i. The "memory" clobber: the compiler must not move the stores of the tile across
+// it (it only sees an address go in).
 __device__ __forceinline__ void ldmatrix_x4(int r[4], const void* row) {
     asm volatile(
         "{ .reg .u64 a; .reg .u32 s; cvta.to.shared.u64 a, %4; cvt.u32.u64 s, a; "
         "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [s]; }"
         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-        : "l"(row));
+        : "l"(row)
+        : "memory");
 }
 
 // END PTX WRAPPERS
