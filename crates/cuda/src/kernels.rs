@@ -23,6 +23,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/latent_attention.cu"),
     include_str!("kernels/routing.cu"),
     include_str!("kernels/attention_chunked.cu"),
+    include_str!("kernels/mma.cu"),
 );
 
 /// Every `extern "C"` entry point in [`SOURCE`] that the Rust side launches.
@@ -131,6 +132,10 @@ pub const KERNELS: &[&str] = &[
     "matmul_heads_q4_k",
     "matmul_heads_q5_k",
     "matmul_heads_q6_k",
+    "matmul_mma_q8_0",
+    "matmul_mma_mxfp4",
+    "moe_mm_mma_q8_0",
+    "moe_mm_mma_mxfp4",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -141,6 +146,12 @@ pub(crate) const MM_TOKENS: u32 = 8;
 pub(crate) const TILE_ROWS: u32 = 64;
 /// Tokens (or expert slots) per tile of the tiled products (`TILE_SLOTS` in the source).
 pub(crate) const TILE_SLOTS: u32 = 32;
+/// Warps per block of the int8 tensor-core products (`MMA_WARPS` in the source).
+pub(crate) const MMA_WARPS: u32 = 8;
+/// Weight rows per block of the tensor-core MXFP4 products (`MMA_ROWS_MXFP4` in the source).
+pub(crate) const MMA_ROWS_MXFP4: u32 = 128;
+/// Weight rows per block of the tensor-core Q8_0 products (`MMA_ROWS_Q8_0` in the source).
+pub(crate) const MMA_ROWS_Q8_0: u32 = 64;
 /// Tokens (or expert slots) per warp of the low-bit products (`LB_TOKENS` in the source).
 pub(crate) const LB_TOKENS: u32 = 8;
 /// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).
@@ -271,6 +282,8 @@ mod tests {
             ("moe_gate_up_", "MOE_WRAPPERS"),
             ("moe_down_", "MOE_WRAPPERS"),
             ("matmul_tiled_", "MATMUL_TILED"),
+            ("matmul_mma_", "MATMUL_MMA"),
+            ("moe_mm_mma_", "MOE_MM_MMA"),
             ("moe_mm_", "MOE_MM"),
             ("matmul_heads_", "MATMUL_HEADS"),
             ("matmul_heads_", "HEADS_LOWBIT"),
@@ -334,6 +347,9 @@ mod tests {
             ("MM_TOKENS", MM_TOKENS as usize),
             ("TILE_ROWS", TILE_ROWS as usize),
             ("TILE_SLOTS", TILE_SLOTS as usize),
+            ("MMA_WARPS", MMA_WARPS as usize),
+            ("MMA_ROWS_MXFP4", MMA_ROWS_MXFP4 as usize),
+            ("MMA_ROWS_Q8_0", MMA_ROWS_Q8_0 as usize),
             ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
             ("LB_TOKENS", LB_TOKENS as usize),
             ("ATT_WARPS", ATT_WARPS as usize),

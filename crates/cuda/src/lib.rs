@@ -7,7 +7,8 @@
 //! (over float values the CPU's chunked flash kernel with `-fa on`, split over the positions
 //! for decode, and its row kernel with `-fa off`; flash attention over quantized ones), router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4
-//! products run tiled kernels with shared-memory tiles and `__dp4a`, with the same bits),
+//! products run tiled kernels with shared-memory tiles, on int8 tensor cores (`mma.sync`) from
+//! sm_80 and with `__dp4a` before, all with the same bits),
 //! device buffers and transfers (uploads from the file mapping through pinned buffers).
 //! [`CudaDevice`] implements [`hmoe_backend::Backend`]; this crate knows no architecture (the
 //! executor that runs a model over it is `hmoe_model::executor`).

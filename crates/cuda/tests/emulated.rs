@@ -23,9 +23,9 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
-    random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
-    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, extreme_scales, kv_layouts, lowbit_expert_sets, noise,
+    quantizer_cases, random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
+    KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// A value written to or read from the emulator's files (raw little-endian arrays).
@@ -63,9 +63,13 @@ impl Emulator {
         let clang = std::env::var("HMOE_CLANGXX").unwrap_or_else(|_| "clang++".into());
         let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}-{test}", std::process::id()));
         std::fs::create_dir_all(dir.join("io")).unwrap();
-        // The two PTX conversions become F16C calls on the host.
+        // The tensor-core wrappers of kernels/mma.cu are cut out (the harness defines them for
+        // the host); the two PTX conversions become F16C calls.
         let source = hmoe_cuda::kernels::SOURCE;
-        let host = source
+        let (begin, end) = ("// BEGIN PTX WRAPPERS", "// END PTX WRAPPERS");
+        let cut = source.find(begin).expect(begin)..source.find(end).expect(end) + end.len();
+        let host = [&source[..cut.start], &source[cut.end..]]
+            .concat()
             .replace(
                 r#"asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));"#,
                 "f = host_h2f(h);",
@@ -75,7 +79,7 @@ impl Emulator {
                 "h = host_f2h(f);",
             );
         assert!(
-            !host.contains("asm("),
+            !host.contains("asm(") && !host.contains("asm volatile"),
             "the kernels have inline PTX the emulator does not know"
         );
         std::fs::write(dir.join("k_host.cu"), host).unwrap();
@@ -188,22 +192,56 @@ fn s(v: impl ToString) -> String {
     v.to_string()
 }
 
+/// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
+/// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of
+/// extreme scales ([`extreme_scales`]); `Older` with the kernels the launch code picks below
+/// sm_80.
+#[derive(Clone, Copy, PartialEq)]
+enum Arch {
+    Older,
+    Sm80,
+}
+
+/// Weights for a product on `arch`: [`random_weights`], with [`extreme_scales`] (`big` ones
+/// too when `big`) on `Sm80`.
+fn arch_weights(
+    rng: &mut StdRng,
+    arch: Arch,
+    ty: GgmlType,
+    (rows, cols): (usize, usize),
+    big: bool,
+) -> Vec<u8> {
+    let mut q = weights(rng, ty, rows, cols);
+    if arch == Arch::Sm80 {
+        extreme_scales(rng, ty, &mut q, cols, big);
+    }
+    q
+}
+
 /// Runs the emulated matmul of a `rows × cols` matrix of `ty` on `n` random tokens against
-/// REF0's: the same bits for the types of [`exact`], else only reported.
+/// REF0's: the same bits for the types of [`exact`], else only reported. On `Sm80` the
+/// tokens' magnitudes also vary over 1e-30 … 1e4. Returns the emulator's outputs.
 fn matmul_case(
     emu: &Emulator,
     cpu: &Ref0,
     rng: &mut StdRng,
-    ty: GgmlType,
+    (ty, arch): (GgmlType, Arch),
     (rows, cols): (usize, usize),
     n: usize,
-) {
-    let q = weights(rng, ty, rows, cols);
+) -> Vec<f32> {
+    let q = arch_weights(rng, arch, ty, (rows, cols), true);
     let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
-    let x = noise(rng, n * cols, 1.0);
+    let mut x = noise(rng, n * cols, 1.0);
+    if arch == Arch::Sm80 {
+        let scales = [1.0, 1e-30, 1e4, 1e-3];
+        x.iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v *= scales[i / cols % 4]);
+    }
     emu.write("w", &q);
     emu.write("x", &x);
-    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n)]);
+    let tc = u8::from(arch == Arch::Sm80);
+    emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n), s(tc)]);
     let got: Vec<f32> = emu.read("y");
     let xd = cpu.upload(&x).unwrap();
     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
@@ -215,6 +253,7 @@ fn matmul_case(
     } else {
         reported(&what, &got, &want);
     }
+    got
 }
 
 /// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.
@@ -234,16 +273,16 @@ fn moe_case(
     emu: &Emulator,
     cpu: &Ref0,
     rng: &mut StdRng,
-    types: [GgmlType; 3],
+    (types, arch): ([GgmlType; 3], Arch),
     MoeShape { ne, d, ff, n, k }: MoeShape,
     sel: &[i32],
     (act, with_bias): (GatedAct, bool),
 ) {
     let [gt, ut, dt] = types;
     let (gq, uq, dq) = (
-        weights(rng, gt, ne * ff, d),
-        weights(rng, ut, ne * ff, d),
-        weights(rng, dt, ne * d, ff),
+        arch_weights(rng, arch, gt, (ne * ff, d), false),
+        arch_weights(rng, arch, ut, (ne * ff, d), false),
+        arch_weights(rng, arch, dt, (ne * d, ff), false),
     );
     let (bg, bu, bd) = (
         noise(rng, ne * ff, 0.5),
@@ -277,6 +316,7 @@ fn moe_case(
         usize::from(with_bias),
         ut.id() as usize,
         dt.id() as usize,
+        usize::from(arch == Arch::Sm80),
     ];
     emu.run("moe", &args.map(s));
     let got: Vec<f32> = emu.read("out");
@@ -325,7 +365,7 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     for (rows, cols) in [(13, 160), (6, 2880), (5, 64)] {
         for ty in TYPES {
             for n in [1usize, 3, 9, 20, 40] {
-                matmul_case(&emu, &cpu, &mut rng, ty, (rows, cols), n);
+                matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Older), (rows, cols), n);
             }
         }
     }
@@ -365,7 +405,15 @@ fn emulated_kernels_give_the_reference_backends_bits() {
             n,
             k: 2,
         };
-        moe_case(&emu, &cpu, &mut rng, [ty; 3], shape, &sel, act);
+        moe_case(
+            &emu,
+            &cpu,
+            &mut rng,
+            ([ty; 3], Arch::Older),
+            shape,
+            &sel,
+            act,
+        );
     }
 
     // The K/V store of every ring type (rotated as the executor rotates quantized heads of
@@ -402,6 +450,66 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     }
 
     attention_cases(&emu, &cpu, &mut rng);
+}
+
+/// The int8 tensor-core products (kernels/mma.cu, an sm_80+ device's) alone, for batches of
+/// 1 … 600 tokens: dense Q8_0 and MXFP4 matmuls (a partial row tile, a partial chunk of
+/// blocks, tokens of very different magnitudes), and MoE blocks whose experts get 0, 1, 7, 8,
+/// 9, 33, … routed slots (out-of-range ids too), all with weights of extreme scales; REF0's bits.
+#[test]
+#[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_tensor_core_products_give_the_reference_backends_bits() {
+    use rand::seq::SliceRandom;
+    let Some(emu) = Emulator::build("mma") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(45);
+    let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
+    let (mut overflowed, mut subnormal) = (0, 0);
+    for (i, n) in [1usize, 7, 16, 33, 130, 600].into_iter().enumerate() {
+        for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
+            let y = matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), (70, 160), n);
+            overflowed += y.iter().filter(|v| !v.is_finite()).count();
+            // Products of E8M0 scales 2^-129 … 2^-127 with small tokens (f16 scales cannot
+            // get there).
+            if ty == GgmlType::MXFP4 {
+                subnormal += y.iter().filter(|v| v.is_subnormal()).count();
+            }
+            // Expert e gets the e-th count (while slots last), the rest go to expert 7 or
+            // nowhere (-1).
+            let (ne, k) = (8, 2);
+            let mut sel: Vec<i32> = [0usize, 1, 7, 8, 9, 33, 130]
+                .iter()
+                .enumerate()
+                .flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c))
+                .chain((0..).map(|j| [7, -1][j % 2]))
+                .take(n * k)
+                .collect();
+            sel.shuffle(&mut rng);
+            let shape = MoeShape {
+                ne,
+                d: 64,
+                ff: 96,
+                n,
+                k,
+            };
+            moe_case(
+                &emu,
+                &cpu,
+                &mut rng,
+                ([ty; 3], Arch::Sm80),
+                shape,
+                &sel,
+                acts[i % 2],
+            );
+        }
+    }
+    eprintln!("dense outputs: {overflowed} overflowed, {subnormal} subnormal");
+    assert!(
+        overflowed > 0 && subnormal > 0,
+        "the extreme scales were not reached"
+    );
 }
 
 /// Attention over random rings of every type pair (quantized pairs on the shapes whose heads
@@ -594,7 +702,7 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
     for shape in LOWBIT_MATMULS {
         for ty in LOWBIT_TYPES {
             for n in LOWBIT_TOKENS {
-                matmul_case(&emu, &cpu, &mut rng, ty, shape, n);
+                matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Older), shape, n);
             }
         }
     }
@@ -608,7 +716,15 @@ fn emulated_lowbit_kernels_give_the_reference_backends_bits() {
         } else {
             (GatedAct::Silu, false)
         };
-        moe_case(&emu, &cpu, &mut rng, types, shape, &LOWBIT_SEL, act);
+        moe_case(
+            &emu,
+            &cpu,
+            &mut rng,
+            (types, Arch::Older),
+            shape,
+            &LOWBIT_SEL,
+            act,
+        );
     }
 }
 

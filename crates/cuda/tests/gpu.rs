@@ -17,9 +17,9 @@ use rand::SeedableRng;
 
 mod common;
 use common::{
-    act_quantizer_cases, attn_params, kv_layouts, lowbit_expert_sets, noise, quantizer_cases,
-    random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
-    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    act_quantizer_cases, attn_params, extreme_scales, kv_layouts, lowbit_expert_sets, noise,
+    quantizer_cases, random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
+    KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
 /// The device shared by the tests (opened once: NVRTC compiles the kernels on first use).
@@ -194,6 +194,36 @@ fn matmul_every_type_and_batch_size() {
                     }
                 }
                 assert_close(&what, &got, &want, &scale, 1e-4);
+            }
+        }
+    }
+}
+
+/// Q8_0/MXFP4 batches (the tiled kernels: int8 tensor cores from sm_80, `__dp4a` before) with
+/// weights of extreme scales ([`extreme_scales`]) and tokens of magnitudes 1e-30 … 1e4 give
+/// REF0's bits (NaN where REF0 has NaN: the GPU's NaN bits are its own).
+#[test]
+fn tiled_products_of_extreme_scales_give_the_cpus_bits() {
+    let Some(dev) = device() else { return };
+    eprintln!("compute capability {:?}", dev.info().compute_capability);
+    let mut rng = StdRng::seed_from_u64(45);
+    let cpu = Ref0::new();
+    let (rows, cols) = (70, 160);
+    for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
+        let mut q = random_weights(&mut rng, ty, rows, cols);
+        extreme_scales(&mut rng, ty, &mut q, cols, true);
+        for n in [33usize, 130, 600] {
+            let mut x = noise(&mut rng, n * cols, 1.0);
+            let magnitudes = [1.0, 1e-30, 1e4, 1e-3];
+            x.iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v *= magnitudes[i / cols % 4]);
+            let shape = (ty, rows, cols);
+            let got = matmul_on(dev, shape, &q, &x, n);
+            let want = matmul_on(&cpu, shape, &q, &x, n);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.to_bits() == w.to_bits() || g.is_nan() && w.is_nan();
+                assert!(same, "matmul {ty} {rows}x{cols} n={n} [{i}]: {g} vs {w}");
             }
         }
     }

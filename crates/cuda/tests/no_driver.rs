@@ -74,8 +74,10 @@ fn yarn_parameters_for_gpt_oss() {
     assert_eq!(plain.cos_sin(1, 0), (1f32.cos(), 1f32.sin()));
 }
 
-/// Compiles the kernels (kernels/*.cu) for sm_80 with clang's CUDA front end when clang is installed
-/// (syntax, types, inline PTX constraints); skipped otherwise. NVRTC is the real compiler.
+/// Compiles the kernels (kernels/*.cu) for sm_80 and sm_70 with clang's CUDA front end when
+/// clang is installed (syntax, types, inline PTX constraints); skipped otherwise. NVRTC is the
+/// real compiler. The int8 tensor-core instructions (kernels/mma.cu) are in sm_80's PTX only:
+/// sm_70's has the entry points, empty.
 #[test]
 fn kernel_source_compiles_with_clang_when_available() {
     let clang = std::env::var("HMOE_CLANG").unwrap_or_else(|_| "clang".into());
@@ -89,37 +91,33 @@ fn kernel_source_compiles_with_clang_when_available() {
     let src = dir.join("k.cu");
     let prelude = include_str!("support/clang_prelude.h");
     std::fs::write(&src, format!("{prelude}\n{}", hmoe_cuda::kernels::SOURCE)).unwrap();
-    let out = std::process::Command::new(&clang)
-        .args([
-            "-x",
-            "cuda",
-            "--cuda-device-only",
-            "--cuda-gpu-arch=sm_80",
-            "-nocudainc",
-            "-nocudalib",
-            "-Wall",
-            "-Werror",
-            "-O1",
-            "-S",
-        ])
-        .arg(&src)
-        .arg("-o")
-        .arg(dir.join("k.ptx"))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if stderr.contains("cannot find CUDA installation") || stderr.contains("unknown target") {
-        eprintln!("clang without CUDA support: skipped ({stderr})");
-        let _ = std::fs::remove_dir_all(&dir);
-        return;
-    }
-    assert!(out.status.success(), "clang failed:\n{stderr}");
-    let ptx = std::fs::read_to_string(dir.join("k.ptx")).unwrap();
-    for name in hmoe_cuda::kernels::KERNELS {
-        assert!(
-            ptx.contains(&format!(".entry {name}(")),
-            "{name} missing from the PTX"
-        );
+    for arch in ["sm_80", "sm_70"] {
+        let ptx_path = dir.join(format!("k_{arch}.ptx"));
+        let out = std::process::Command::new(&clang)
+            .args(["-x", "cuda", "--cuda-device-only"])
+            .arg(format!("--cuda-gpu-arch={arch}"))
+            .args(["-nocudainc", "-nocudalib", "-Wall", "-Werror", "-O1", "-S"])
+            .arg(&src)
+            .arg("-o")
+            .arg(&ptx_path)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("cannot find CUDA installation") || stderr.contains("unknown target") {
+            eprintln!("clang without CUDA support: skipped ({stderr})");
+            let _ = std::fs::remove_dir_all(&dir);
+            return;
+        }
+        assert!(out.status.success(), "clang ({arch}) failed:\n{stderr}");
+        let ptx = std::fs::read_to_string(&ptx_path).unwrap();
+        for name in hmoe_cuda::kernels::KERNELS {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "{name} missing from the {arch} PTX"
+            );
+        }
+        let tensor_cores = ptx.contains("mma.sync.aligned.m16n8k32") && ptx.contains("ldmatrix");
+        assert_eq!(tensor_cores, arch == "sm_80", "tensor-core PTX for {arch}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

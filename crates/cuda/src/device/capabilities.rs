@@ -5,7 +5,7 @@ use hmoe_backend::KvLayout;
 use hmoe_quant::GgmlType;
 
 use crate::error::CudaError;
-use crate::kernels::ATT_MAX_HEAD_DIM;
+use crate::kernels::{ATT_MAX_HEAD_DIM, MMA_ROWS_MXFP4, MMA_ROWS_Q8_0, MMA_WARPS, TILE_ROWS};
 
 /// The weight types the kernels dequantise and multiply (`matmul`, `matmul_heads`,
 /// `get_rows`, expert sets): F32, F16, BF16, Q8_0 and MXFP4, and the low-bit types
@@ -74,6 +74,56 @@ pub(super) fn check_type(ty: GgmlType, op: &'static str) -> Result<(), CudaError
     }
 }
 
+/// A tiled Q8_0/MXFP4 product's kernel: its entry point, the weight rows one block covers and
+/// the threads of a block (each block takes up to `TILE_SLOTS` tokens or expert slots).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TiledKernel {
+    /// The entry point.
+    pub name: &'static str,
+    /// Weight rows per block.
+    pub rows_per_block: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+/// The tiled product of `ty` (Q8_0 or MXFP4 weights; `experts`: the grouped MoE product
+/// `moe_mm_*`, else the dense `matmul_tiled_*`) for a device of `compute_capability`: the int8
+/// tensor-core kernels (`*_mma_*`, `mma.sync` m16n8k32) from sm_80, the `__dp4a` kernels
+/// before. Both give the same bits.
+pub(super) fn tiled_kernel(
+    ty: GgmlType,
+    experts: bool,
+    compute_capability: (u32, u32),
+) -> TiledKernel {
+    let mxfp4 = ty == GgmlType::MXFP4;
+    if compute_capability.0 >= 8 {
+        let name = match (experts, mxfp4) {
+            (true, true) => "moe_mm_mma_mxfp4",
+            (true, false) => "moe_mm_mma_q8_0",
+            (false, true) => "matmul_mma_mxfp4",
+            (false, false) => "matmul_mma_q8_0",
+        };
+        let rows_per_block = if mxfp4 { MMA_ROWS_MXFP4 } else { MMA_ROWS_Q8_0 };
+        TiledKernel {
+            name,
+            rows_per_block,
+            threads: 32 * MMA_WARPS,
+        }
+    } else {
+        let name = match (experts, mxfp4) {
+            (true, true) => "moe_mm_mxfp4",
+            (true, false) => "moe_mm_q8_0",
+            (false, true) => "matmul_tiled_mxfp4",
+            (false, false) => "matmul_tiled_q8_0",
+        };
+        TiledKernel {
+            name,
+            rows_per_block: TILE_ROWS,
+            threads: 256,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +136,40 @@ mod tests {
         assert!(ok(MXFP4, MXFP4, MXFP4) && ok(F32, F32, F32) && ok(Q6_K, Q6_K, Q6_K));
         assert!(!ok(Q4_K, Q4_K, MXFP4) && !ok(F16, F16, Q8_0) && !ok(Q8_0, Q8_0, F32));
         assert!(!ok(Q8_K, Q8_K, Q8_K));
+    }
+
+    #[test]
+    fn tensor_core_products_from_sm_80() {
+        use GgmlType::*;
+        for cc in [(7, 0), (7, 5)] {
+            let k = tiled_kernel(MXFP4, true, cc);
+            assert_eq!(
+                (k.name, k.rows_per_block, k.threads),
+                ("moe_mm_mxfp4", TILE_ROWS, 256)
+            );
+            assert_eq!(tiled_kernel(Q8_0, false, cc).name, "matmul_tiled_q8_0");
+        }
+        for cc in [(8, 0), (8, 6), (9, 0), (12, 0)] {
+            let k = tiled_kernel(MXFP4, true, cc);
+            assert_eq!(
+                (k.name, k.rows_per_block),
+                ("moe_mm_mma_mxfp4", MMA_ROWS_MXFP4)
+            );
+            let k = tiled_kernel(Q8_0, false, cc);
+            assert_eq!(
+                (k.name, k.rows_per_block),
+                ("matmul_mma_q8_0", MMA_ROWS_Q8_0)
+            );
+            assert_eq!(tiled_kernel(Q8_0, true, cc).name, "moe_mm_mma_q8_0");
+            assert_eq!(tiled_kernel(MXFP4, false, cc).name, "matmul_mma_mxfp4");
+        }
+        for ty in [Q8_0, MXFP4] {
+            for experts in [false, true] {
+                let name = tiled_kernel(ty, experts, (9, 0)).name;
+                assert!(crate::kernels::KERNELS.contains(&name), "{name}");
+                let name = tiled_kernel(ty, experts, (7, 5)).name;
+                assert!(crate::kernels::KERNELS.contains(&name), "{name}");
+            }
+        }
     }
 }

@@ -2,19 +2,20 @@
 //! gated activation, down products, the biases and the weighted sum of each token's slots.
 //! Small batches run a warp per slot and row (`moe_gate_up_*`, `moe_down_*`); large batches
 //! of Q8_0/MXFP4 experts group the slots by expert (`moe_group`) for the tiled products
-//! (`moe_mm_*`); sets with low-bit experts take `lowbit`'s products.
+//! (`moe_mm_*`, on int8 tensor cores from sm_80: `moe_mm_mma_*`); sets with low-bit experts
+//! take `lowbit`'s products.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_quant::GgmlType;
 
-use super::capabilities::is_lowbit;
+use super::capabilities::{is_lowbit, tiled_kernel};
 use super::matmul::push_acts;
 use super::{
     grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceExperts, ExpertAct, MoeWeights,
     MAX_GRID_Y,
 };
 use crate::error::{ensure, CudaError};
-use crate::kernels::{MOE_MAX_EXPERTS, ROW_WARPS, TILE_ROWS};
+use crate::kernels::{MOE_MAX_EXPERTS, ROW_WARPS};
 
 /// Expert slots (tokens × experts per token) from which Q8_0/MXFP4 experts use the tiled
 /// kernels (a weight row read once per tile of an expert's slots) instead of a warp per slot
@@ -371,25 +372,29 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe_mm";
-        let name = match experts.ty {
-            GgmlType::MXFP4 => "moe_mm_mxfp4",
-            GgmlType::Q8_0 => "moe_mm_q8_0",
-            ty => return Err(CudaError::UnsupportedType { ty, op: OP }),
-        };
+        if !matches!(experts.ty, GgmlType::MXFP4 | GgmlType::Q8_0) {
+            let ty = experts.ty;
+            return Err(CudaError::UnsupportedType { ty, op: OP });
+        }
+        let kernel = tiled_kernel(experts.ty, true, self.info.compute_capability);
         let rows_i = i32_of(OP, "rows", experts.rows)?;
         let nb_i = i32_of(OP, "blocks per row", experts.cols / 32)?;
         let act_div_i = i32_of(OP, "act_div", act_div)?;
         let row_bytes = experts.row_bytes as u64;
         let cfg = LaunchConfig {
             grid_dim: (
-                u32_of(OP, "row tiles", experts.rows.div_ceil(TILE_ROWS as usize))?,
+                u32_of(
+                    OP,
+                    "row tiles",
+                    experts.rows.div_ceil(kernel.rows_per_block as usize),
+                )?,
                 u32_of(OP, "experts", experts.n_expert)?,
                 1,
             ),
-            block_dim: (256, 1, 1),
+            block_dim: (kernel.threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.builder(name);
+        let mut b = self.builder(kernel.name);
         b.arg(&experts.data)
             .arg(&row_bytes)
             .arg(&rows_i)
@@ -399,7 +404,7 @@ impl CudaDevice {
             .arg(offsets)
             .arg(order)
             .arg(out);
-        // SAFETY: argument types match `moe_mm_*`; experts holds n_expert × rows rows of
+        // SAFETY: argument types match `moe_mm_*` and `moe_mm_mma_*`; experts holds n_expert × rows rows of
         // row_bytes, act the Q8_0 rows its slots name and out a row of `rows` per slot (sizes
         // from CudaDevice::moe's checks).
         unsafe { b.launch(cfg) }?;

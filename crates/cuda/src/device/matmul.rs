@@ -7,10 +7,10 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg};
 use hmoe_quant::GgmlType;
 
-use super::capabilities::is_lowbit;
+use super::capabilities::{is_lowbit, tiled_kernel};
 use super::{grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceMatrix, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
-use crate::kernels::{MM_TOKENS, ROW_WARPS, TILE_ROWS, TILE_SLOTS};
+use crate::kernels::{MM_TOKENS, ROW_WARPS, TILE_SLOTS};
 
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
@@ -144,7 +144,8 @@ impl CudaDevice {
     }
 
     /// [`CudaDevice::matmul`] for a batch of Q8_0 or MXFP4 weights (checked there): the tiled
-    /// kernel, TILE_ROWS rows × TILE_SLOTS tokens per block, with the GEMV kernel's bits.
+    /// kernel ([`tiled_kernel`]: int8 tensor cores from sm_80, else `__dp4a`), up to
+    /// TILE_SLOTS tokens per block, with the GEMV kernel's bits.
     fn matmul_tiled(
         &self,
         w: &DeviceMatrix,
@@ -153,19 +154,21 @@ impl CudaDevice {
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul";
-        let name = match w.ty {
-            GgmlType::MXFP4 => "matmul_tiled_mxfp4",
-            _ => "matmul_tiled_q8_0",
-        };
+        let kernel = tiled_kernel(w.ty, false, self.info.compute_capability);
         let (rows, nb, n_i) = (
             i32_of(OP, "rows", w.rows)?,
             i32_of(OP, "blocks per row", w.cols / 32)?,
             i32_of(OP, "tokens", n)?,
         );
-        let cfg = rows_by_tokens(OP, (w.rows, TILE_ROWS), (n, TILE_SLOTS), 256)?;
+        let cfg = rows_by_tokens(
+            OP,
+            (w.rows, kernel.rows_per_block),
+            (n, TILE_SLOTS),
+            kernel.threads,
+        )?;
         let xq = self.quantize_q8_0(x, n * w.cols)?;
         let row_bytes = w.row_bytes as u64;
-        let mut b = self.builder(name);
+        let mut b = self.builder(kernel.name);
         b.arg(&w.data)
             .arg(&row_bytes)
             .arg(&rows)
@@ -173,7 +176,7 @@ impl CudaDevice {
             .arg(&xq)
             .arg(&n_i)
             .arg(y);
-        // SAFETY: argument types match `matmul_tiled_*`; x holds n rows of w.cols (so xq n
+        // SAFETY: argument types match `matmul_tiled_*` and `matmul_mma_*`; x holds n rows of w.cols (so xq n
         // rows of nb Q8_0 blocks) and y n rows of w.rows (checked by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())

@@ -67,6 +67,15 @@ __device__ __forceinline__ void stage_weight_block(const u8* wrow, int kb, int* 
     }
 }
 
+// Stages the Q8_0 activation block at ab as 8 ints of int8 values 0..31 and its scale.
+__device__ __forceinline__ void stage_act_block(const u8* ab, int* dst, float* scale) {
+    *scale = q8_scale(ab);
+    for (int j = 0; j < 8; j++) {
+        const u8* q = ab + 2 + 4 * j;
+        dst[j] = pack_i8x4(q[0], q[1], q[2], q[3]);
+    }
+}
+
 // out[slot][r] = w[r] . act[slot / act_div] for the slots order[beg .. end] (or beg .. end
 // themselves when order is null) and the TILE_ROWS rows from blockIdx.x * TILE_ROWS; w: rows
 // of nb blocks of TY, act: rows of nb Q8_0 blocks. block = 256: thread t owns row
@@ -113,11 +122,7 @@ __device__ void tiled_impl(const u8* w, u64 row_bytes, int rows, int nb, const u
                 int* dst = &xs[s][8 * b];
                 if (slot >= 0 && b < kbn) {
                     const u8* ab = act + ((u64)(slot / act_div) * (u64)nb + (u64)(kb0 + b)) * 34u;
-                    xsc[s][b] = q8_scale(ab);
-                    for (int j = 0; j < 8; j++) {
-                        const u8* q = ab + 2 + 4 * j;
-                        dst[j] = pack_i8x4(q[0], q[1], q[2], q[3]);
-                    }
+                    stage_act_block(ab, dst, &xsc[s][b]);
                 } else {
                     xsc[s][b] = 0.f;
                     for (int j = 0; j < 8; j++) dst[j] = 0;

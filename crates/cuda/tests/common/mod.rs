@@ -76,6 +76,34 @@ pub fn random_weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) 
     q
 }
 
+/// Gives Q8_0/MXFP4 weights (rows of `cols`) extreme scales: zero, subnormal and, with `big`,
+/// the largest (f16 65504; E8M0 2^126, 2^127: their products overflow), else E8M0 2^-1 and
+/// f16 2^-14: one such scale in every block of a quarter of the rows, and in a quarter of the
+/// blocks of another quarter.
+pub fn extreme_scales(rng: &mut StdRng, ty: GgmlType, q: &mut [u8], cols: usize, big: bool) {
+    let (e, d): (&[u8], &[u16]) = if big {
+        (&[0, 1, 2, 254, 255], &[0, 1, 0x3ff, 0x400, 0x7bff])
+    } else {
+        (&[0, 1, 2, 127], &[0, 1, 0x3ff, 0x400])
+    };
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    for row in q.chunks_exact_mut(rb) {
+        let (whole, pick) = (rng.random_range(0..4), rng.random_range(0..e.len()));
+        for block in row.chunks_exact_mut(ty.block_bytes()) {
+            let i = match whole {
+                0 => pick,
+                1 if rng.random_range(0..4) == 0 => rng.random_range(0..e.len()),
+                _ => continue,
+            };
+            if ty == GgmlType::MXFP4 {
+                block[0] = e[i];
+            } else {
+                block[..2].copy_from_slice(&d[i].to_le_bytes());
+            }
+        }
+    }
+}
+
 /// Activations for the quantizer of `act` (Q8_0, Q8_1 or Q8_K): [`quantizer_cases`]' values
 /// padded with noise to whole blocks of `act`, then a zero block; with the CPU's bytes.
 pub fn act_quantizer_cases(rng: &mut StdRng, act: GgmlType) -> (Vec<f32>, Vec<u8>) {

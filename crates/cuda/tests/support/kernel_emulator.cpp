@@ -2,7 +2,8 @@
 // blocks of a launch one at a time, shuffles and __syncthreads as barriers (a shuffle that not
 // every lane of the warp reaches deadlocks, which the test's timeout reports). Host libm
 // stands in for the device math (fmaf, rintf, exp, ...), F16C for the two PTX conversions
-// (the test replaces the inline asm with host_h2f/host_f2h). The launches mirror src/device/.
+// (the test replaces the inline asm with host_h2f/host_f2h), and host versions of the
+// tensor-core wrappers of kernels/mma.cu below. The launches mirror src/device/.
 // Usage: kernel_emulator OP DIR ARGS...: reads DIR/<input> files of raw little-endian arrays
 // and writes DIR/<output> files (see main).
 #include <barrier>
@@ -25,10 +26,16 @@ uint3 blockDim, gridDim;
 #define __forceinline__ inline
 #define __shared__ static
 
+// What the lanes of one warp hand each other in a warp-wide instruction (mma, ldmatrix).
+struct WarpExchange {
+    int a[32][4], b[32][2], c[32][4];
+    const void* addr[32];
+};
 struct Ctx {
     std::unique_ptr<std::barrier<>> block;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     uint64_t slots[1024];
+    WarpExchange xchg[32];
 };
 static Ctx* g_ctx;
 void __syncthreads() { g_ctx->block->arrive_and_wait(); }
@@ -62,6 +69,51 @@ int __dp4a(int a, int b, int c) {
 }
 float host_h2f(unsigned short h) { return _cvtsh_ss(h); }
 unsigned short host_f2h(float f) { return _cvtss_sh(f, 0); }
+
+// The PTX wrappers of kernels/mma.cu (tests/emulated.rs cuts their device definitions out),
+// per the PTX ISA's fragment layouts. mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32: every
+// lane hands in its registers; A (16x32), B (32x8) and C (16x8) are assembled from all 32
+// lanes (lane L: groupID = L >> 2, threadID_in_group = L % 4; element i of a fragment is byte
+// i % 4 of register i / 4), and each lane takes its four elements of D = A B + C, exactly.
+void mma_s8_16832(int d[4], const int a[4], const int b[2], const int c[4]) {
+    unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    WarpExchange& x = g_ctx->xchg[w];
+    memcpy(x.a[lane], a, 16);
+    memcpy(x.b[lane], b, 8);
+    memcpy(x.c[lane], c, 16);
+    g_ctx->warps[w]->arrive_and_wait();
+    int A[16][32], B[32][8], C[16][8];
+    auto byte = [](int reg, int i) { return (int)(signed char)(reg >> (8 * (i % 4))); };
+    for (int l = 0; l < 32; l++) {
+        int gid = l >> 2, tig = l % 4;
+        for (int i = 0; i < 16; i++) {
+            int row = i < 4 || (i >= 8 && i < 12) ? gid : gid + 8;
+            int col = tig * 4 + (i & 3) + (i >= 8 ? 16 : 0);
+            A[row][col] = byte(x.a[l][i / 4], i);
+        }
+        for (int i = 0; i < 8; i++) B[tig * 4 + (i & 3) + (i >= 4 ? 16 : 0)][gid] = byte(x.b[l][i / 4], i);
+        for (int i = 0; i < 4; i++) C[gid + (i >= 2 ? 8 : 0)][tig * 2 + (i & 1)] = x.c[l][i];
+    }
+    g_ctx->warps[w]->arrive_and_wait();
+    int gid = lane >> 2, tig = lane % 4;
+    for (int i = 0; i < 4; i++) {
+        int row = gid + (i >= 2 ? 8 : 0), col = tig * 2 + (i & 1);
+        int64_t sum = C[row][col];
+        for (int k = 0; k < 32; k++) sum += A[row][k] * B[k][col];
+        d[i] = (int)sum;  // the kernels' sums stay far inside int32
+    }
+}
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i .. 8i + 7 give the row addresses of
+// matrix i; lane l takes the 32-bit word l % 4 of row l / 4 of each matrix.
+void ldmatrix_x4(int r[4], const void* row) {
+    unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    WarpExchange& x = g_ctx->xchg[w];
+    if ((uintptr_t)row % 16 != 0) { fprintf(stderr, "ldmatrix: unaligned row\n"); abort(); }
+    x.addr[lane] = row;
+    g_ctx->warps[w]->arrive_and_wait();
+    for (int i = 0; i < 4; i++) memcpy(&r[i], (const char*)x.addr[8 * i + lane / 4] + 4 * (lane % 4), 4);
+    g_ctx->warps[w]->arrive_and_wait();
+}
 
 #include "k_host.cu"
 
@@ -181,6 +233,9 @@ int main(int argc, char** argv) {
         wr(P("out"), out);
     } else if (op == "matmul") {
         int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]), n = atoi(argv[6]);
+        // Optional: 1 = a device of sm_80+, whose Q8_0/MXFP4 batches take the tensor-core
+        // kernel (here for every n, to test it alone).
+        bool mma = argc > 7 && atoi(argv[7]) == 1;
         auto w = rd<u8>(P("w"));
         auto x = rd<float>(P("x"));
         std::vector<float> y((size_t)n * rows);
@@ -216,6 +271,15 @@ int main(int argc, char** argv) {
         if (ty == 8 || ty == 39) xq = quantize(x.data(), (size_t)n * cols);
         const u8* xqp = xq.data();
         const float* xp = x.data();
+        if ((ty == 8 || ty == 39) && mma) {  // capabilities.rs: tiled_kernel
+            unsigned rpb = ty == 8 ? MMA_ROWS_Q8_0 : MMA_ROWS_MXFP4;
+            launch({cdiv(rows, rpb), cdiv(n, TILE_SLOTS), 1}, {32 * MMA_WARPS, 1, 1}, [&] {
+                if (ty == 8) matmul_mma_q8_0(wp, rb, rows, cols / 32, xqp, n, yp);
+                else matmul_mma_mxfp4(wp, rb, rows, cols / 32, xqp, n, yp);
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         if ((ty == 8 || ty == 39) && n >= 32) {  // matmul.rs: MM_TILED_MIN_TOKENS
             launch({cdiv(rows, 64), cdiv(n, 32), 1}, {256, 1, 1}, [&] {
                 if (ty == 8) matmul_tiled_q8_0(wp, rb, rows, cols / 32, xqp, n, yp);
@@ -241,6 +305,9 @@ int main(int argc, char** argv) {
         // the types of up and down (default: ty).
         int act = argc > 9 ? atoi(argv[9]) : 0, hb = argc > 10 ? atoi(argv[10]) : 1;
         int up_ty = argc > 11 ? atoi(argv[11]) : ty, down_ty = argc > 12 ? atoi(argv[12]) : ty;
+        // Optional: 1 = a device of sm_80+ (the tensor-core expert products, here for every
+        // number of slots).
+        bool mma = argc > 13 && atoi(argv[13]) == 1;
         auto gate = rd<u8>(P("gate")), up = rd<u8>(P("up")), down = rd<u8>(P("down"));
         auto bg = rd<float>(P("bg")), bu = rd<float>(P("bu")), bd = rd<float>(P("bd"));
         auto x = rd<float>(P("x"));
@@ -269,10 +336,18 @@ int main(int argc, char** argv) {
             hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
             moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), yp);
             launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
-        } else if ((ty == 8 || ty == 39) && slots >= 64) {  // experts.rs: MOE_TILED_MIN_SLOTS
+        } else if ((ty == 8 || ty == 39) && (slots >= 64 || mma)) {  // experts.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
+                if (mma) {
+                    unsigned rpb = ty == 8 ? MMA_ROWS_Q8_0 : MMA_ROWS_MXFP4;
+                    launch({cdiv(rows, rpb), (unsigned)ne, 1}, {32 * MMA_WARPS, 1, 1}, [&] {
+                        if (ty == 8) moe_mm_mma_q8_0(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
+                        else moe_mm_mma_mxfp4(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
+                    });
+                    return;
+                }
                 launch({cdiv(rows, 64), (unsigned)ne, 1}, {256, 1, 1}, [&] {
                     if (ty == 8) moe_mm_q8_0(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
                     else moe_mm_mxfp4(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
