@@ -217,12 +217,22 @@ async fn run(
             break;
         }
     }
-    let mut body = resp.response(gen.logprobs)?;
-    if !gen.response_fields.is_empty() {
-        body = crate::oai::select_fields(&body, &gen.response_fields);
-    }
+    let (logprobs, fields) = (gen.logprobs, std::mem::take(&mut gen.response_fields));
+    let finish = move || -> Result<Vec<u8>, ApiError> {
+        let mut body = resp.response(logprobs)?;
+        if !fields.is_empty() {
+            body = crate::oai::select_fields(&body, &fields);
+        }
+        serde_json::to_vec(&body).map_err(|e| ApiError::internal(format!("the answer: {e}")))
+    };
+    // With probabilities the answer grows with tokens × n_probs (megabytes): built and
+    // written on the blocking pool, so that no async worker stalls on it.
+    let bytes = match logprobs || gen.n_probs > 0 {
+        true => blocking(finish).await?,
+        false => finish()?,
+    };
     drop(lease);
-    Ok(Json(body).into_response())
+    Ok(([(header::CONTENT_TYPE, "application/json")], bytes).into_response())
 }
 
 async fn tokenize(State(st): St, body: Bytes) -> Res {
