@@ -7,7 +7,6 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_backend::{AttnParams, KvLayout};
 use hmoe_quant::GgmlType;
 
-use super::attention_chunked::takes_chunked;
 use super::capabilities::{kv_pair_supported, kv_type_ok};
 use super::{i32_of, u32_of, CudaDevice, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
@@ -33,6 +32,12 @@ pub(super) struct AttnArgs {
     pub(super) v_ty: i32,
     /// The keys' rotation chunk (0: not rotated).
     pub(super) k_rot: i32,
+}
+
+/// Whether attention with `p` over values of `v` takes the chunked flash kernel: `-fa on`
+/// (`p.flash`) over f32/f16 values, where the CPU device takes its chunked path.
+fn takes_chunked(p: &AttnParams, v: GgmlType) -> bool {
+    p.flash && matches!(v, GgmlType::F32 | GgmlType::F16)
 }
 
 /// ggml's id of a type, as the kernels name them (`TY_*`).
@@ -179,5 +184,28 @@ impl CudaDevice {
         // modulo `cells`; the types are those the kernels read (`kv_type_ok`).
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunked_only_with_flash_over_float_values() {
+        let mut p = AttnParams {
+            n_head: 8,
+            n_head_kv: 2,
+            head_dim: 64,
+            cells: 64,
+            window: None,
+            scale: 0.125,
+            value_chains: 1,
+            flash: true,
+        };
+        assert!(takes_chunked(&p, GgmlType::F16) && takes_chunked(&p, GgmlType::F32));
+        assert!(!takes_chunked(&p, GgmlType::Q8_0));
+        p.flash = false;
+        assert!(!takes_chunked(&p, GgmlType::F16));
     }
 }

@@ -7,7 +7,6 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_backend::numerics::FLASH_CHUNK;
 use hmoe_backend::AttnParams;
-use hmoe_quant::GgmlType;
 
 use super::attention::AttnArgs;
 use super::{u32_of, CudaDevice, MAX_GRID_Y};
@@ -21,12 +20,6 @@ const SPLIT_BELOW_BLOCKS: usize = 256;
 /// The most scratch a split launch takes (bytes of chunk states); larger batches fold their
 /// chunks in the block instead.
 const MAX_SCRATCH_BYTES: usize = 64 << 20;
-
-/// Whether attention with `p` over values of `v` takes the chunked flash kernel: `-fa on`
-/// (`p.flash`) over f32/f16 values, where the CPU device takes its chunked path.
-pub(super) fn takes_chunked(p: &AttnParams, v: GgmlType) -> bool {
-    p.flash && matches!(v, GgmlType::F32 | GgmlType::F16)
-}
 
 /// The launch shape of `attn_chunked` for a call: which rows each block serves, how many
 /// chunk slots the grid has and whether the chunks are split over blocks. The results do not
@@ -248,14 +241,5 @@ mod tests {
                 assert!(s.tokens_per_cta <= n);
             }
         }
-    }
-
-    #[test]
-    fn chunked_only_with_flash_over_float_values() {
-        let mut p = params(8, 2, 64, 64, None);
-        assert!(takes_chunked(&p, GgmlType::F16) && takes_chunked(&p, GgmlType::F32));
-        assert!(!takes_chunked(&p, GgmlType::Q8_0));
-        p.flash = false;
-        assert!(!takes_chunked(&p, GgmlType::F16));
     }
 }
