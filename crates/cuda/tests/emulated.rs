@@ -13,7 +13,6 @@
 //! with C++20 `<barrier>` and F16C is not available. A real GPU runs tests/gpu.rs.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use hmoe_backend::{Backend, ExpertMatrix, ExpertTensors, GatedAct, KvLayout, KvRing, Ref0};
 use hmoe_cuda::ChunkedShape;
@@ -24,173 +23,13 @@ use rand::SeedableRng;
 mod common;
 use common::{
     act_quantizer_cases, attn_params, extreme_scales, kv_layouts, lowbit_expert_sets, noise,
-    quantizer_cases, random_weights, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT,
-    KV_PAIRS, LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
+    quantizer_cases, ref_attention, ref_moe, ref_ring, ATTN_CASES, KERNEL_ACT, KV_PAIRS,
+    LOWBIT_MATMULS, LOWBIT_MOE, LOWBIT_SEL, LOWBIT_TOKENS, LOWBIT_TYPES, TYPES,
 };
 
-/// A value written to or read from the emulator's files (raw little-endian arrays).
-trait Raw: Copy {
-    const SIZE: usize;
-    fn put(self, out: &mut Vec<u8>);
-    fn get(b: &[u8]) -> Self;
-}
-
-macro_rules! raw {
-    ($($t:ty),*) => {$(
-        impl Raw for $t {
-            const SIZE: usize = std::mem::size_of::<$t>();
-            fn put(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
-            }
-            fn get(b: &[u8]) -> Self {
-                <$t>::from_le_bytes(b.try_into().unwrap())
-            }
-        }
-    )*};
-}
-raw!(f32, i32, u16, u8);
-
-/// The compiled emulator and its I/O directory.
-struct Emulator {
-    dir: PathBuf,
-    exe: PathBuf,
-}
-
-impl Emulator {
-    /// Builds the emulator in a temporary directory of its own (`test`: the test's name);
-    /// `None` (skip) without a suitable clang++.
-    fn build(test: &str) -> Option<Emulator> {
-        let clang = std::env::var("HMOE_CLANGXX").unwrap_or_else(|_| "clang++".into());
-        let dir = std::env::temp_dir().join(format!("hmoe-cuda-emu-{}-{test}", std::process::id()));
-        std::fs::create_dir_all(dir.join("io")).unwrap();
-        // The tensor-core wrappers of kernels/mma.cu are cut out (the harness defines them for
-        // the host); the two PTX conversions become F16C calls.
-        let source = hmoe_cuda::kernels::SOURCE;
-        let (begin, end) = ("// BEGIN PTX WRAPPERS", "// END PTX WRAPPERS");
-        let cut = source.find(begin).expect(begin)..source.find(end).expect(end) + end.len();
-        let host = [&source[..cut.start], &source[cut.end..]]
-            .concat()
-            .replace(
-                r#"asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));"#,
-                "f = host_h2f(h);",
-            )
-            .replace(
-                r#"asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; cvt.u32.u16 %0, t; }" : "=r"(h) : "f"(f));"#,
-                "h = host_f2h(f);",
-            );
-        assert!(
-            !host.contains("asm(") && !host.contains("asm volatile"),
-            "the kernels have inline PTX the emulator does not know"
-        );
-        std::fs::write(dir.join("k_host.cu"), host).unwrap();
-        let harness = dir.join("kernel_emulator.cpp");
-        std::fs::write(&harness, include_str!("support/kernel_emulator.cpp")).unwrap();
-        let exe = dir.join("kernel_emulator");
-        let out = Command::new(&clang)
-            .args([
-                "-std=c++20",
-                "-O2",
-                "-ffp-contract=off",
-                "-mf16c",
-                "-pthread",
-                "-w",
-            ])
-            .arg(&harness)
-            .arg("-o")
-            .arg(&exe)
-            .output();
-        match out {
-            Ok(o) if o.status.success() => Some(Emulator { dir, exe }),
-            Ok(o) => {
-                eprintln!(
-                    "{clang} cannot build the emulator: skipped\n{}",
-                    String::from_utf8_lossy(&o.stderr)
-                );
-                None
-            }
-            Err(e) => {
-                eprintln!("{clang}: {e}: skipped");
-                None
-            }
-        }
-    }
-
-    fn io(&self) -> PathBuf {
-        self.dir.join("io")
-    }
-
-    fn write<T: Raw>(&self, name: &str, v: &[T]) {
-        let mut b = Vec::with_capacity(v.len() * T::SIZE);
-        v.iter().for_each(|&x| x.put(&mut b));
-        std::fs::write(self.io().join(name), b).unwrap();
-    }
-
-    fn read<T: Raw>(&self, name: &str) -> Vec<T> {
-        let b = std::fs::read(self.io().join(name)).unwrap();
-        b.chunks_exact(T::SIZE).map(T::get).collect()
-    }
-
-    /// Runs `op` with `args`; a deadlock (a shuffle not every lane reaches) times out.
-    fn run(&self, op: &str, args: &[String]) {
-        let status = Command::new("timeout")
-            .arg("900")
-            .arg(&self.exe)
-            .arg(op)
-            .arg(self.io())
-            .args(args)
-            .status()
-            .unwrap();
-        assert!(status.success(), "emulated {op} {args:?}: {status}");
-    }
-}
-
-impl Drop for Emulator {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    random_weights(rng, ty, rows, cols)
-}
-
-/// Types whose products the kernels sum in the CPU device's order (every type but F16/BF16).
-fn exact(ty: GgmlType) -> bool {
-    !matches!(ty, GgmlType::F16 | GgmlType::BF16)
-}
-
-/// `(bit-identical values, max |difference|)`.
-fn compare(got: &[f32], want: &[f32]) -> (usize, f32) {
-    assert_eq!(got.len(), want.len());
-    let same = got
-        .iter()
-        .zip(want)
-        .filter(|(g, w)| g.to_bits() == w.to_bits())
-        .count();
-    let max = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(0f32, f32::max);
-    (same, max)
-}
-
-/// [`compare`], reported on stderr as `what`.
-fn reported(what: &str, got: &[f32], want: &[f32]) -> (usize, f32) {
-    let (same, max) = compare(got, want);
-    eprintln!("{what}: {same}/{} identical, max |Δ| {max:e}", got.len());
-    (same, max)
-}
-
-/// `got` must be `want` bit for bit (reported on stderr as `what`).
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    let (same, _) = reported(what, got, want);
-    assert_eq!(same, got.len(), "{what}");
-}
-
-fn s(v: impl ToString) -> String {
-    v.to_string()
-}
+#[path = "support/emulator.rs"]
+mod emulator;
+use emulator::{assert_bits, compare, exact, reported, s, weights, Emulator};
 
 /// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
 /// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of
