@@ -104,6 +104,7 @@ mod layer_experts;
 mod moe_cache;
 mod offload_ring;
 pub(crate) mod routing;
+mod scratch_arena;
 mod state;
 pub(crate) mod step;
 
