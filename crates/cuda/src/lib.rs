@@ -23,6 +23,7 @@ pub mod backend;
 pub mod cache;
 mod device;
 mod error;
+mod host_slots;
 pub mod kernels;
 mod probe;
 mod staging;
