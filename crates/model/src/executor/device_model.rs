@@ -163,6 +163,12 @@ impl<B: Backend> DeviceModel<B> {
         })
     }
 
+    /// Bytes of device memory the scratch buffers of the last step take between steps (kept
+    /// for the next step; freed before a new sequence's cache is allocated).
+    pub fn scratch_held_bytes(&self) -> u64 {
+        self.scratch.bytes()
+    }
+
     /// Keeps the device caches of `busy` and `idle` handles only (see
     /// [`LanguageModel::retain_caches`]); those of `busy` are not freed to make room.
     pub fn retain_caches(&self, busy: &[&KvCache], idle: &[&KvCache]) {

@@ -110,6 +110,17 @@ impl<B: Backend> ScratchArena<B> {
         lock(&self.i32s).retain(|(_, used)| *used == step);
     }
 
+    /// Bytes of the buffers it holds free (between steps: the last step's).
+    pub(crate) fn bytes(&self) -> u64 {
+        fn sum<B: Backend, T: ArenaElem>(list: &FreeList<B, T>) -> u64 {
+            let free = lock(list);
+            free.iter()
+                .map(|(b, _)| (B::buf_len(b) * T::BYTES) as u64)
+                .sum()
+        }
+        sum::<B, f32>(&self.f32s) + sum::<B, i32>(&self.i32s)
+    }
+
     /// Frees every free buffer (before a large allocation needs the room).
     pub(crate) fn clear(&self) {
         lock(&self.f32s).clear();
@@ -193,6 +204,7 @@ mod tests {
             "a step of the same shapes allocates nothing"
         );
         assert_eq!(dev.bytes_held(), 2 * 8 * 4 + 4 * 4);
+        assert_eq!(arena.bytes(), dev.bytes_held());
         arena.end_step();
         {
             let _d = arena.take::<f32>(&dev, 3).unwrap();
