@@ -569,7 +569,7 @@ impl<B: Backend> DeviceModel<B> {
                     dev.copy_rows(x, &mut rows, &copy)?;
                 }
                 gathered = rows;
-                &*gathered
+                &gathered
             }
         };
         let mut normed = arena.take::<f32>(dev, n_rows * d)?;

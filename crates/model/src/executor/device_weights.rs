@@ -54,6 +54,7 @@ impl<B: Backend> DevMat<B> {
     /// One matrix per head ([`Backend::matmul_heads`]) over `groups`: per sequence for
     /// weights whose products go per sequence when every head's input is its whole row
     /// (then the order depends on the rows multiplied together).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn mul_heads(
         &self,
         dev: &B,
