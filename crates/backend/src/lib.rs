@@ -48,17 +48,30 @@ mod sealed {
 
 /// An element type of device buffers: f32 activations, i32 ids and positions, u16 f16 bits,
 /// u8 bytes (K/V rings). Sealed: these four are the types every device supports; generic
-/// code reaches the device's method for each through [`Backend::upload`], [`Backend::alloc`]
-/// and [`Backend::download`].
+/// code reaches the device's method for each through [`Backend::upload`], [`Backend::alloc`],
+/// [`Backend::alloc_scratch`], [`Backend::upload_into`] and [`Backend::download`].
 pub trait Elem:
     Copy + Default + PartialEq + Send + Sync + std::fmt::Debug + 'static + sealed::Sealed
 {
     /// Bytes per element.
     const BYTES: usize;
+    /// What [`Ref0`] fills a [`Backend::alloc_scratch`] buffer with, so that an op that
+    /// reads scratch it did not write first shows in its results: a quiet NaN for f32 (and
+    /// its bits for u16, an f16 NaN), an expert id and a position no buffer holds for i32,
+    /// 0xFF for bytes.
+    const POISON: Self;
     /// `b`'s upload for this type.
     fn upload_to<B: Backend + ?Sized>(b: &B, src: &[Self]) -> Result<B::Buf<Self>, BackendError>;
     /// `b`'s zeroed allocation for this type.
     fn alloc_on<B: Backend + ?Sized>(b: &B, len: usize) -> Result<B::Buf<Self>, BackendError>;
+    /// `b`'s scratch allocation for this type (contents unspecified).
+    fn scratch_on<B: Backend + ?Sized>(b: &B, len: usize) -> Result<B::Buf<Self>, BackendError>;
+    /// `b`'s copy of `src` into an existing buffer for this type.
+    fn upload_into_on<B: Backend + ?Sized>(
+        b: &B,
+        dst: &mut B::Buf<Self>,
+        src: &[Self],
+    ) -> Result<(), BackendError>;
     /// `b`'s download for this type.
     fn download_from<B: Backend + ?Sized>(
         b: &B,
@@ -67,9 +80,10 @@ pub trait Elem:
 }
 
 macro_rules! elem {
-    ($t:ty, $up:ident, $alloc:ident, $down:ident) => {
+    ($t:ty, $poison:expr, $up:ident, $alloc:ident, $scratch:ident, $into:ident, $down:ident) => {
         impl Elem for $t {
             const BYTES: usize = std::mem::size_of::<$t>();
+            const POISON: $t = $poison;
             fn upload_to<B: Backend + ?Sized>(
                 b: &B,
                 src: &[$t],
@@ -82,6 +96,19 @@ macro_rules! elem {
             ) -> Result<B::Buf<$t>, BackendError> {
                 b.$alloc(len)
             }
+            fn scratch_on<B: Backend + ?Sized>(
+                b: &B,
+                len: usize,
+            ) -> Result<B::Buf<$t>, BackendError> {
+                b.$scratch(len)
+            }
+            fn upload_into_on<B: Backend + ?Sized>(
+                b: &B,
+                dst: &mut B::Buf<$t>,
+                src: &[$t],
+            ) -> Result<(), BackendError> {
+                b.$into(dst, src)
+            }
             fn download_from<B: Backend + ?Sized>(
                 b: &B,
                 src: &B::Buf<$t>,
@@ -91,10 +118,50 @@ macro_rules! elem {
         }
     };
 }
-elem!(f32, upload_f32, alloc_f32, download_f32);
-elem!(i32, upload_i32, alloc_i32, download_i32);
-elem!(u16, upload_u16, alloc_u16, download_u16);
-elem!(u8, upload_u8, alloc_u8, download_u8);
+elem!(
+    f32,
+    f32::NAN,
+    upload_f32,
+    alloc_f32,
+    alloc_scratch_f32,
+    upload_into_f32,
+    download_f32
+);
+elem!(
+    i32,
+    i32::MIN,
+    upload_i32,
+    alloc_i32,
+    alloc_scratch_i32,
+    upload_into_i32,
+    download_i32
+);
+elem!(
+    u16,
+    0x7E00,
+    upload_u16,
+    alloc_u16,
+    alloc_scratch_u16,
+    upload_into_u16,
+    download_u16
+);
+elem!(
+    u8,
+    0xFF,
+    upload_u8,
+    alloc_u8,
+    alloc_scratch_u8,
+    upload_into_u8,
+    download_u8
+);
+
+/// The shape error of [`Backend::upload_into`] when `src_len` elements do not fill a buffer
+/// of `dst_len`.
+pub fn check_upload_into(src_len: usize, dst_len: usize) -> Result<(), BackendError> {
+    error::ensure(src_len == dst_len, "upload_into", || {
+        format!("{src_len} values into a buffer of {dst_len}")
+    })
+}
 
 /// The host side of one round trip at the expert boundary: the inputs brought down and the
 /// output to send up.
@@ -404,8 +471,9 @@ pub struct KvRing<B: Backend + ?Sized> {
 /// Shapes are row-major: `n` tokens of `width` values are `n × width` consecutive elements.
 ///
 /// Buffers are typed by [`Elem`]; a device implements the per-type `upload_*`, `alloc_*` and
-/// `download_*` methods, and generic code calls [`Backend::upload`], [`Backend::alloc`] and
-/// [`Backend::download`].
+/// `download_*` methods (and may implement `alloc_scratch_*` and `upload_into_*`, whose
+/// defaults allocate), and generic code calls [`Backend::upload`], [`Backend::alloc`],
+/// [`Backend::alloc_scratch`], [`Backend::upload_into`] and [`Backend::download`].
 pub trait Backend: Send + Sync {
     /// A buffer of `T` on the device.
     type Buf<T: Elem>: Send + Sync;
@@ -437,6 +505,21 @@ pub trait Backend: Send + Sync {
     fn alloc<T: Elem>(&self, len: usize) -> Result<Self::Buf<T>, BackendError> {
         T::alloc_on(self, len)
     }
+    /// A buffer of `len` elements whose contents are unspecified: scratch that the ops
+    /// writing it overwrite whole before anything reads it (every op's output is written
+    /// whole, see each op), so a device need not clear it (CUDA: no memset). [`Ref0`] fills
+    /// it with [`Elem::POISON`], so that a reader relying on zeros fails its tests; a device
+    /// without a cheaper way gives a zeroed buffer ([`Backend::alloc`], the default).
+    fn alloc_scratch<T: Elem>(&self, len: usize) -> Result<Self::Buf<T>, BackendError> {
+        T::scratch_on(self, len)
+    }
+    /// Copies `src` into `dst`, which holds exactly `src.len()` elements (else the shape
+    /// error of [`check_upload_into`]): [`Backend::upload`] into a buffer the caller keeps,
+    /// counted as an upload, allocating nothing on a device that implements it (by default
+    /// `dst` is replaced by a new upload).
+    fn upload_into<T: Elem>(&self, dst: &mut Self::Buf<T>, src: &[T]) -> Result<(), BackendError> {
+        T::upload_into_on(self, dst, src)
+    }
     /// The contents of `src`.
     fn download<T: Elem>(&self, src: &Self::Buf<T>) -> Result<Vec<T>, BackendError> {
         T::download_from(self, src)
@@ -457,6 +540,46 @@ pub trait Backend: Send + Sync {
     fn alloc_u16(&self, len: usize) -> Result<Self::Buf<u16>, BackendError>;
     /// [`Backend::alloc`] of u8.
     fn alloc_u8(&self, len: usize) -> Result<Self::Buf<u8>, BackendError>;
+    /// [`Backend::alloc_scratch`] of f32 (by default zeroed).
+    fn alloc_scratch_f32(&self, len: usize) -> Result<Self::Buf<f32>, BackendError> {
+        self.alloc_f32(len)
+    }
+    /// [`Backend::alloc_scratch`] of i32 (by default zeroed).
+    fn alloc_scratch_i32(&self, len: usize) -> Result<Self::Buf<i32>, BackendError> {
+        self.alloc_i32(len)
+    }
+    /// [`Backend::alloc_scratch`] of u16 (by default zeroed).
+    fn alloc_scratch_u16(&self, len: usize) -> Result<Self::Buf<u16>, BackendError> {
+        self.alloc_u16(len)
+    }
+    /// [`Backend::alloc_scratch`] of u8 (by default zeroed).
+    fn alloc_scratch_u8(&self, len: usize) -> Result<Self::Buf<u8>, BackendError> {
+        self.alloc_u8(len)
+    }
+    /// [`Backend::upload_into`] of f32 (by default a new upload replaces `dst`).
+    fn upload_into_f32(&self, dst: &mut Self::Buf<f32>, src: &[f32]) -> Result<(), BackendError> {
+        check_upload_into(src.len(), Self::buf_len(dst))?;
+        *dst = self.upload_f32(src)?;
+        Ok(())
+    }
+    /// [`Backend::upload_into`] of i32 (by default a new upload replaces `dst`).
+    fn upload_into_i32(&self, dst: &mut Self::Buf<i32>, src: &[i32]) -> Result<(), BackendError> {
+        check_upload_into(src.len(), Self::buf_len(dst))?;
+        *dst = self.upload_i32(src)?;
+        Ok(())
+    }
+    /// [`Backend::upload_into`] of u16 (by default a new upload replaces `dst`).
+    fn upload_into_u16(&self, dst: &mut Self::Buf<u16>, src: &[u16]) -> Result<(), BackendError> {
+        check_upload_into(src.len(), Self::buf_len(dst))?;
+        *dst = self.upload_u16(src)?;
+        Ok(())
+    }
+    /// [`Backend::upload_into`] of u8 (by default a new upload replaces `dst`).
+    fn upload_into_u8(&self, dst: &mut Self::Buf<u8>, src: &[u8]) -> Result<(), BackendError> {
+        check_upload_into(src.len(), Self::buf_len(dst))?;
+        *dst = self.upload_u8(src)?;
+        Ok(())
+    }
     /// [`Backend::download`] of f32.
     fn download_f32(&self, src: &Self::Buf<f32>) -> Result<Vec<f32>, BackendError>;
     /// [`Backend::download`] of i32.

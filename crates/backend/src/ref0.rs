@@ -1,7 +1,9 @@
 //! [`Ref0`]: the reference device, the ops of [`Backend`] in plain Rust on the host with the
 //! semantics of hmoe's GPU kernels, behaving like a GPU: it owns copies of everything it is
 //! given (weights in their file encoding, buffers), within a byte budget (`--gpu-mem`), and
-//! counts every host ↔ device transfer. It is selectable from the command line as `REF0`
+//! counts every host ↔ device transfer and every allocation of its memory. Scratch buffers
+//! ([`Backend::alloc_scratch`]) come filled with [`Elem::POISON`] (NaN for f32), so that an
+//! op or an executor relying on zeros in them fails its tests. It is selectable from the command line as `REF0`
 //! (`-dev REF0`) so that every placement path runs on a machine without a GPU; it is a testing
 //! device, not a fast path.
 //!
@@ -41,6 +43,7 @@ mod ref0_memory;
 mod ref0_products;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use hmoe_quant::GgmlType;
@@ -77,6 +80,7 @@ pub struct Ref0 {
     mem: Arc<Memory>,
     counts: Mutex<TransferCounts>,
     trips: Mutex<u64>,
+    allocations: AtomicU64,
 }
 
 impl Default for Ref0 {
@@ -105,6 +109,7 @@ impl Ref0 {
             }),
             counts: Mutex::new(TransferCounts::default()),
             trips: Mutex::new(0),
+            allocations: AtomicU64::new(0),
         }
     }
 
@@ -128,7 +133,14 @@ impl Ref0 {
         *self.trips.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes `bytes` of device memory for `what`, or [`BackendError::OutOfMemory`].
+    /// Allocations of device memory so far: every buffer (uploaded, zeroed, scratch, or a
+    /// copy), K/V ring, matrix and expert set, each counted once when it is made.
+    pub fn allocations(&self) -> u64 {
+        self.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Takes `bytes` of device memory for `what` (one allocation), or
+    /// [`BackendError::OutOfMemory`].
     fn charge(&self, what: &'static str, bytes: u64) -> Result<Charge, BackendError> {
         let mut h = self.mem.lock();
         if let Some(total) = self.mem.budget {
@@ -145,6 +157,7 @@ impl Ref0 {
         }
         h.0 += bytes;
         h.1 = h.1.max(h.0);
+        self.allocations.fetch_add(1, Ordering::Relaxed);
         Ok(Charge {
             mem: Arc::clone(&self.mem),
             bytes,
@@ -184,6 +197,17 @@ impl Ref0 {
 
     fn alloc_any<T: Elem>(&self, len: usize) -> Result<RefBuf<T>, BackendError> {
         self.buf("alloc", vec![T::default(); len])
+    }
+
+    fn scratch_any<T: Elem>(&self, len: usize) -> Result<RefBuf<T>, BackendError> {
+        self.buf("alloc_scratch", vec![T::POISON; len])
+    }
+
+    fn upload_into_any<T: Elem>(&self, dst: &mut RefBuf<T>, src: &[T]) -> Result<(), BackendError> {
+        crate::check_upload_into(src.len(), dst.data.len())?;
+        dst.data.copy_from_slice(src);
+        self.count_up(std::mem::size_of_val(src));
+        Ok(())
     }
 
     fn download_any<T: Elem>(&self, src: &RefBuf<T>) -> Result<Vec<T>, BackendError> {
@@ -234,6 +258,30 @@ impl Backend for Ref0 {
     }
     fn alloc_u8(&self, len: usize) -> Result<RefBuf<u8>, BackendError> {
         self.alloc_any(len)
+    }
+    fn alloc_scratch_f32(&self, len: usize) -> Result<RefBuf<f32>, BackendError> {
+        self.scratch_any(len)
+    }
+    fn alloc_scratch_i32(&self, len: usize) -> Result<RefBuf<i32>, BackendError> {
+        self.scratch_any(len)
+    }
+    fn alloc_scratch_u16(&self, len: usize) -> Result<RefBuf<u16>, BackendError> {
+        self.scratch_any(len)
+    }
+    fn alloc_scratch_u8(&self, len: usize) -> Result<RefBuf<u8>, BackendError> {
+        self.scratch_any(len)
+    }
+    fn upload_into_f32(&self, dst: &mut RefBuf<f32>, src: &[f32]) -> Result<(), BackendError> {
+        self.upload_into_any(dst, src)
+    }
+    fn upload_into_i32(&self, dst: &mut RefBuf<i32>, src: &[i32]) -> Result<(), BackendError> {
+        self.upload_into_any(dst, src)
+    }
+    fn upload_into_u16(&self, dst: &mut RefBuf<u16>, src: &[u16]) -> Result<(), BackendError> {
+        self.upload_into_any(dst, src)
+    }
+    fn upload_into_u8(&self, dst: &mut RefBuf<u8>, src: &[u8]) -> Result<(), BackendError> {
+        self.upload_into_any(dst, src)
     }
     fn download_f32(&self, src: &RefBuf<f32>) -> Result<Vec<f32>, BackendError> {
         self.download_any(src)

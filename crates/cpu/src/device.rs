@@ -160,6 +160,18 @@ impl Backend for Cpu {
     fn alloc_u8(&self, len: usize) -> Result<CpuBuf<u8>, BackendError> {
         Ok(CpuBuf::host(vec![0; len]))
     }
+    // Scratch (`alloc_scratch_*`) is the zeroed default: `vec![0; n]` is calloc'd pages
+    // that cost nothing until written.
+    fn upload_into_f32(&self, dst: &mut CpuBuf<f32>, src: &[f32]) -> Result<(), BackendError> {
+        hmoe_backend::check_upload_into(src.len(), dst.data.len())?;
+        dst.data.copy_from_slice(src);
+        Ok(())
+    }
+    fn upload_into_i32(&self, dst: &mut CpuBuf<i32>, src: &[i32]) -> Result<(), BackendError> {
+        hmoe_backend::check_upload_into(src.len(), dst.data.len())?;
+        dst.data.copy_from_slice(src);
+        Ok(())
+    }
     fn download_f32(&self, src: &CpuBuf<f32>) -> Result<Vec<f32>, BackendError> {
         Ok(src.data.clone())
     }

@@ -65,17 +65,45 @@ impl Backend for CudaDevice {
     fn alloc_u8(&self, len: usize) -> Result<CudaSlice<u8>, BackendError> {
         Ok(self.alloc_zeros(len)?)
     }
+    fn alloc_scratch_f32(&self, len: usize) -> Result<CudaSlice<f32>, BackendError> {
+        Ok(CudaDevice::alloc_scratch(self, len)?)
+    }
+    fn alloc_scratch_i32(&self, len: usize) -> Result<CudaSlice<i32>, BackendError> {
+        Ok(CudaDevice::alloc_scratch(self, len)?)
+    }
+    fn alloc_scratch_u16(&self, len: usize) -> Result<CudaSlice<u16>, BackendError> {
+        Ok(CudaDevice::alloc_scratch(self, len)?)
+    }
+    fn alloc_scratch_u8(&self, len: usize) -> Result<CudaSlice<u8>, BackendError> {
+        Ok(CudaDevice::alloc_scratch(self, len)?)
+    }
+    fn upload_into_f32(&self, dst: &mut CudaSlice<f32>, src: &[f32]) -> Result<(), BackendError> {
+        hmoe_backend::check_upload_into(src.len(), dst.len())?;
+        Ok(self.upload_into_pinned(src, dst)?)
+    }
+    fn upload_into_i32(&self, dst: &mut CudaSlice<i32>, src: &[i32]) -> Result<(), BackendError> {
+        hmoe_backend::check_upload_into(src.len(), dst.len())?;
+        Ok(self.upload_into_pinned(src, dst)?)
+    }
+    fn upload_into_u16(&self, dst: &mut CudaSlice<u16>, src: &[u16]) -> Result<(), BackendError> {
+        hmoe_backend::check_upload_into(src.len(), dst.len())?;
+        Ok(self.upload_into_pinned(src, dst)?)
+    }
+    fn upload_into_u8(&self, dst: &mut CudaSlice<u8>, src: &[u8]) -> Result<(), BackendError> {
+        hmoe_backend::check_upload_into(src.len(), dst.len())?;
+        Ok(self.upload_into_pinned(src, dst)?)
+    }
     fn download_f32(&self, src: &CudaSlice<f32>) -> Result<Vec<f32>, BackendError> {
-        Ok(CudaDevice::download(self, src)?)
+        Ok(self.download_pinned(src)?)
     }
     fn download_i32(&self, src: &CudaSlice<i32>) -> Result<Vec<i32>, BackendError> {
-        Ok(CudaDevice::download(self, src)?)
+        Ok(self.download_pinned(src)?)
     }
     fn download_u16(&self, src: &CudaSlice<u16>) -> Result<Vec<u16>, BackendError> {
-        Ok(CudaDevice::download(self, src)?)
+        Ok(self.download_pinned(src)?)
     }
     fn download_u8(&self, src: &CudaSlice<u8>) -> Result<Vec<u8>, BackendError> {
-        Ok(CudaDevice::download(self, src)?)
+        Ok(self.download_pinned(src)?)
     }
     fn buf_len<T: Elem>(b: &CudaSlice<T>) -> usize {
         b.len()
@@ -156,13 +184,18 @@ impl Backend for CudaDevice {
             });
         }
         let has = t.has_biases();
+        // The biases first: the experts' `CopyUpload`s, recorded after their own copies on
+        // the same copy stream, then cover the biases' copies too (`MoeWeights`' docs).
+        let gate_bias = has.then(|| biases(t.gate_bias, ff)).transpose()?;
+        let up_bias = has.then(|| biases(t.up_bias, ff)).transpose()?;
+        let down_bias = has.then(|| biases(t.down_bias, d)).transpose()?;
         Ok(MoeWeights {
             gate: parts(&t.gate, ff, d)?,
             up: parts(&t.up, ff, d)?,
             down: parts(&t.down, d, ff)?,
-            gate_bias: has.then(|| biases(t.gate_bias, ff)).transpose()?,
-            up_bias: has.then(|| biases(t.up_bias, ff)).transpose()?,
-            down_bias: has.then(|| biases(t.down_bias, d)).transpose()?,
+            gate_bias,
+            up_bias,
+            down_bias,
         })
     }
     fn moe_bytes(m: &MoeWeights) -> usize {

@@ -16,10 +16,11 @@ use cudarc::nvrtc::Ptx;
 use hmoe_quant::GgmlType;
 
 use crate::error::{ensure, guarded, CudaError};
+use crate::host_slots::HostSlots;
 use crate::kernels::{self, PtxOrigin};
 use crate::probe::{info_of, GpuInfo};
 use crate::profile::{self, Profile};
-use crate::staging::Staging;
+use crate::staging::{CopyUpload, Staging};
 
 mod attention;
 mod attention_chunked;
@@ -80,6 +81,10 @@ pub struct DeviceExperts {
     rows: usize,
     cols: usize,
     row_bytes: usize,
+    /// For experts uploaded on the copy stream: its order with the compute stream. Declared
+    /// before `data`, so that it is dropped first (the copy stream waits for the compute
+    /// stream before `data` is freed there).
+    upload: Option<CopyUpload>,
     data: CudaSlice<u8>,
 }
 
@@ -108,6 +113,11 @@ impl DeviceExperts {
     pub fn data(&self) -> &CudaSlice<u8> {
         &self.data
     }
+    /// Makes the compute stream wait for the copies of experts uploaded on the copy stream
+    /// (nothing for others): before a kernel reads them.
+    fn wait_uploaded(&self) -> Result<(), CudaError> {
+        self.upload.as_ref().map_or(Ok(()), CopyUpload::wait_on)
+    }
 }
 
 /// The gated activation the MoE kernels compute (`ACT_*` in the source).
@@ -121,6 +131,11 @@ pub enum ExpertAct {
 
 /// One layer's MoE experts (gpt-oss): gate and up `[E, ff, d]`, down `[E, d, ff]`, and the
 /// optional biases `[E, ff]`, `[E, ff]`, `[E, d]` (gate and up biases come together).
+///
+/// Uploaded by the contract's `upload_moe`, everything lives on the copy stream: the biases
+/// are uploaded first, then gate, up and down, each of which records its [`CopyUpload`]
+/// after its copies (so each one's covers the biases too), and the fields drop in order, the
+/// matrices (whose drops make the copy stream wait for the compute stream) before the biases.
 pub struct MoeWeights {
     /// `ffn_gate_exps`.
     pub gate: DeviceExperts,
@@ -138,9 +153,28 @@ pub struct MoeWeights {
 
 /// A CUDA device with a stream, the compiled kernels and (when libcublas loads) a cuBLAS
 /// handle. Every op is queued on the one stream; [`CudaDevice::synchronize`] waits for them,
-/// and the downloads wait by themselves. Op offload's uploads go on a second stream, so that
-/// they overlap the work queued before them; cudarc's events order every buffer's use
-/// across the two streams.
+/// and the downloads wait by themselves. Expert uploads (`upload_moe`: op offload, the
+/// device expert cache, experts at load) go on a second stream, the copy stream, so that they
+/// overlap the work queued before them.
+///
+/// **Stream order.** cudarc's per-buffer event tracking is off (it is switched off before
+/// anything is allocated): with two streams it would create two events per buffer and wait
+/// on and record them at every launch, about 1,500 driver calls per decoded token. The
+/// streams are ordered by hand instead, and these invariants keep that sound:
+///
+/// 1. Every buffer but the experts of `upload_moe` is allocated, used and freed on the
+///    compute stream, so the stream's order is their order: a buffer freed (`cuMemFreeAsync`)
+///    or handed to another op (the executor's scratch arena) is only reused by work queued
+///    after everything that used it.
+/// 2. The experts of `upload_moe` are allocated, written and freed on the copy stream.
+///    Their [`CopyUpload`] makes the compute stream wait for their copies before the `moe`
+///    op reads them, and the copy stream wait for the compute stream before they are freed
+///    (`staging.rs`).
+/// 3. Pinned host buffers carry their own events: the round trip's (`PinnedIo`, cudarc
+///    records and waits on a pinned slice's event whatever the tracking), the upload ring's
+///    slots (`Staging`, one event per slot) and the step's small copies (`HostSlots`, one
+///    event per slot): the host waits for a buffer's event before it writes or reads it.
+/// 4. cuBLAS is bound to the compute stream.
 pub struct CudaDevice {
     info: GpuInfo,
     ctx: Arc<CudaContext>,
@@ -155,6 +189,8 @@ pub struct CudaDevice {
     staging: Mutex<Option<Staging>>,
     /// Kernel times, when `HMOE_CUDA_PROFILE` asks for them.
     profile: Option<Profile>,
+    /// Pinned buffers for a step's small copies: ids and positions up, logits down.
+    host_slots: Mutex<HostSlots>,
 }
 
 /// `v` as a kernel's `int` argument, or a shape error of `op` naming `what`.
@@ -226,6 +262,11 @@ impl CudaDevice {
         }
         guarded(|| {
             let ctx = CudaContext::new(ordinal)?;
+            // SAFETY: nothing has been allocated in the context yet, so no buffer tracks
+            // events; every buffer from now on is ordered by hand as the invariants of
+            // `CudaDevice`'s docs say (one stream for all but the copy stream's experts,
+            // whose `CopyUpload` orders them).
+            unsafe { ctx.disable_event_tracking() };
             let info = info_of(&ctx)?;
             let (ptx, ptx_origin) = kernels::ptx_for(info.compute_capability)?;
             let module = ctx.load_module(Ptx::from_src(ptx))?;
@@ -252,6 +293,7 @@ impl CudaDevice {
                 dummy,
                 staging: Mutex::new(None),
                 profile: profile::requested().then(Profile::default),
+                host_slots: Mutex::new(HostSlots::default()),
             })
         })
     }

@@ -25,6 +25,7 @@ pub mod backend;
 pub mod cache;
 mod device;
 mod error;
+mod host_slots;
 pub mod kernels;
 mod probe;
 mod profile;

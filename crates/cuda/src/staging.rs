@@ -5,7 +5,12 @@
 //! cost. Here the CPU pool gathers the source into one pinned slot while the copy engine
 //! drains the slot before it, so the upload runs at the slower of the pool's copy speed and
 //! the bus instead of one thread's.
+//!
+//! A buffer uploaded this way lives on the copy stream (allocated, written and freed there)
+//! and is read by kernels on the compute stream; [`CopyUpload`] orders the two streams for
+//! it (cudarc's per-buffer event tracking is off, see [`crate::CudaDevice`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -45,8 +50,8 @@ impl Staging {
 
     /// Queues on `stream` the upload of `parts` (each `part_len` bytes, concatenated) into
     /// the start of `dst`. Returns once every byte has been gathered into a slot; the last
-    /// copies may still be running (dst's write event, recorded after them, orders them before
-    /// its later uses on any stream).
+    /// copies may still be running (the caller records a [`CopyUpload`] after them, which
+    /// orders them before the buffer's uses on the compute stream).
     pub(crate) fn upload(
         &mut self,
         stream: &Arc<CudaStream>,
@@ -93,6 +98,66 @@ impl Staging {
             done += len;
         }
         Ok(())
+    }
+}
+
+/// The stream order of a buffer allocated, written and (when dropped) freed on the copy
+/// stream and read by kernels on the compute stream. Two invariants, kept by hand since
+/// cudarc's per-buffer events are off:
+///
+/// 1. Written before read: `ready` is recorded on the copy stream after the buffer's last
+///    copy; the compute stream waits for it ([`CopyUpload::wait_on`]) before it queues a
+///    kernel that reads the buffer (the `moe` op over offloaded or cached experts).
+/// 2. Read before freed: when this is dropped, the copy stream waits for everything queued
+///    on the compute stream so far (the kernels that read the buffer are queued before the
+///    host drops it), and only then is the buffer freed on the copy stream. Its owner keeps
+///    this ahead of the buffer (fields drop in declaration order), and any other buffer of
+///    the copy stream that it owns is dropped after it.
+pub(crate) struct CopyUpload {
+    ready: CudaEvent,
+    /// Whether the compute stream already waits for `ready`: everything queued on it later
+    /// comes after that wait, so one wait is enough.
+    waited: AtomicBool,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+}
+
+impl CopyUpload {
+    /// Records, on `copy`, that everything queued there so far (the buffer's copies) must be
+    /// done before `compute` reads the buffer.
+    pub(crate) fn record(
+        copy: &Arc<CudaStream>,
+        compute: &Arc<CudaStream>,
+    ) -> Result<CopyUpload, CudaError> {
+        Ok(CopyUpload {
+            ready: copy.record_event(None)?,
+            waited: AtomicBool::new(false),
+            compute: Arc::clone(compute),
+            copy: Arc::clone(copy),
+        })
+    }
+
+    /// Makes the compute stream wait for the buffer's copies (invariant 1): call it before
+    /// queuing a kernel that reads the buffer. Only the first call queues the wait (one
+    /// driver call); the compute stream's later work is behind it anyway.
+    pub(crate) fn wait_on(&self) -> Result<(), CudaError> {
+        if !self.waited.load(Ordering::Acquire) {
+            self.compute.wait(&self.ready)?;
+            self.waited.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CopyUpload {
+    fn drop(&mut self) {
+        // Invariant 2: the copy stream, which frees the buffer next, waits for the compute
+        // stream's work queued so far. Errors are kept in the context, as cudarc's drops do.
+        let ctx = self.copy.context();
+        match self.compute.record_event(None) {
+            Ok(done) => ctx.record_err(self.copy.wait(&done)),
+            Err(e) => ctx.record_err::<()>(Err(e)),
+        }
     }
 }
 

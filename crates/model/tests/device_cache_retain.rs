@@ -31,7 +31,9 @@ fn busy_caches_stay_idle_ones_make_room() {
     let weights = probe.device().bytes_held();
     let mut c = probe.new_cache(KvType::F16, N_CTX, UBATCH);
     probe.forward(&mut c, &[1], LogitsWanted::Last).unwrap();
-    let kv = probe.device().bytes_held() - weights;
+    // Beside them the device holds the step's scratch buffers, kept for the next step.
+    let kv = probe.device().bytes_held() - weights - probe.scratch_held_bytes();
+    assert_eq!(kv, probe.kv_bytes(&c));
     // Room for two caches, a micro-batch's scratch, and half a cache more.
     let budget = weights + 2 * kv + probe.scratch_bytes(UBATCH) + kv / 2;
     let dev = DeviceModel::load(open(), Ref0::with_budget(budget), &placement).unwrap();

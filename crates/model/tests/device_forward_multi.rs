@@ -227,7 +227,8 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
     let weights = probe.device().bytes_held();
     let mut c = probe.new_cache(KvType::F16, N_CTX, UBATCH);
     probe.forward(&mut c, &[1], LogitsWanted::Last).unwrap();
-    let kv = probe.device().bytes_held() - weights;
+    // Beside them the device holds the step's scratch buffers, kept for the next step.
+    let kv = probe.device().bytes_held() - weights - probe.scratch_held_bytes();
     // Room for two caches, a micro-batch's scratch, and half a cache more.
     let budget = weights + 2 * kv + probe.scratch_bytes(UBATCH) + kv / 2;
     let dev = DeviceModel::load(open(file), Ref0::with_budget(budget), &placement).unwrap();
@@ -246,13 +247,19 @@ fn device_caches_follow_their_handles_and_are_freed_by_need() {
             );
         }
     }
-    assert_eq!(dev.device().bytes_held(), weights + 2 * kv);
+    assert_eq!(
+        dev.device().bytes_held(),
+        weights + 2 * kv + dev.scratch_held_bytes()
+    );
     // Sequence 2 needs room: sequence 0's cache (used least recently) is freed.
     let got = dev
         .forward(&mut caches[2], &reference[2].0[0], LogitsWanted::Last)
         .unwrap();
     assert!(bits(&got) == bits(&reference[2].1[0]));
-    assert_eq!(dev.device().bytes_held(), weights + 2 * kv);
+    assert_eq!(
+        dev.device().bytes_held(),
+        weights + 2 * kv + dev.scratch_held_bytes()
+    );
     let got = dev
         .forward(&mut caches[1], &[5], LogitsWanted::Last)
         .unwrap();

@@ -51,6 +51,10 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe";
+        // Experts uploaded on the copy stream: their copies before these kernels.
+        for m in [&w.gate, &w.up, &w.down] {
+            m.wait_uploaded()?;
+        }
         let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
         ensure(
             w.up.cols == d

@@ -88,8 +88,10 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        let probs = self.alloc_zeros::<f32>(n * n_expert)?;
-        let scores = self.alloc_zeros::<f32>(n * n_expert)?;
+        // Scratch (no memset): `route_f32` writes every row's probabilities and scores
+        // before it reads them.
+        let probs = self.alloc_scratch::<f32>(n * n_expert)?;
+        let scores = self.alloc_scratch::<f32>(n * n_expert)?;
         let has_bias = i32::from(bias.is_some());
         let bias = bias.unwrap_or(&self.dummy);
         let gating_i: i32 = match gating {

@@ -5,12 +5,14 @@
 use std::sync::PoisonError;
 
 use cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+use hmoe_backend::Elem;
 use hmoe_quant::GgmlType;
 
 use super::capabilities::check_type;
 use super::{row_bytes, CudaDevice, DeviceExperts, DeviceMatrix};
 use crate::error::{ensure, CudaError};
-use crate::staging::{self, Staging};
+use crate::host_slots::MAX_SLOT_BYTES;
+use crate::staging::{self, CopyUpload, Staging};
 
 impl CudaDevice {
     /// A new device buffer holding a copy of `src`.
@@ -20,7 +22,9 @@ impl CudaDevice {
 
     /// [`CudaDevice::upload`] on the copy stream, for op offload: a copy from pageable memory
     /// waits for its stream's earlier work, which on the compute stream would hold the host
-    /// until the layers queued before had run.
+    /// until the layers queued before had run. The buffer lives on the copy stream: its
+    /// owner orders it with the compute stream (`MoeWeights`' biases: through the
+    /// `CopyUpload` of the experts uploaded after them).
     pub fn upload_for_offload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.copy_stream.clone_htod(src)?)
     }
@@ -36,6 +40,43 @@ impl CudaDevice {
             format!("{} elements into a buffer of {}", src.len(), dst.len())
         })?;
         Ok(self.stream.memcpy_htod(src, dst)?)
+    }
+
+    /// [`CudaDevice::upload_into`] of exactly `dst.len()` values, through the device's
+    /// persistent pinned buffers when it is small (`host_slots.rs`: a step's token ids and
+    /// positions), so that it allocates nothing and is one asynchronous copy.
+    pub fn upload_into_pinned<T: DeviceRepr + Elem>(
+        &self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        ensure(dst.len() == src.len(), "upload_into", || {
+            format!("{} elements into a buffer of {}", src.len(), dst.len())
+        })?;
+        if std::mem::size_of_val(src) > MAX_SLOT_BYTES || src.is_empty() {
+            return self.upload_into(src, dst);
+        }
+        let mut slots = self
+            .host_slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        slots.upload(&self.ctx, &self.stream, src, dst)
+    }
+
+    /// [`CudaDevice::download`] through the device's persistent pinned buffers when `src`
+    /// is small (`host_slots.rs`: a decode step's logits).
+    pub fn download_pinned<T: DeviceRepr + Elem>(
+        &self,
+        src: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        if src.num_bytes() > MAX_SLOT_BYTES {
+            return self.download(src);
+        }
+        let mut slots = self
+            .host_slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        slots.download(&self.ctx, &self.stream, src)
     }
 
     /// The bytes `range` of `src` (waits for the queued ops that write it): a K/V ring's rows
@@ -100,6 +141,16 @@ impl CudaDevice {
         len: usize,
     ) -> Result<CudaSlice<T>, CudaError> {
         Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    /// A new device buffer of `len` elements whose contents are unspecified (no memset): the
+    /// contract's scratch ([`hmoe_backend::Backend::alloc_scratch`]), which the ops writing it
+    /// overwrite whole before anything reads it.
+    pub fn alloc_scratch<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
+        // SAFETY: the memory is left uninitialised; `T` is one of the contract's element
+        // types (f32, i32, u16, u8), for which any bits are a value, and the contract's
+        // callers write the buffer before they read it.
+        Ok(unsafe { self.stream.alloc::<T>(len) }?)
     }
 
     /// The contents of `src` (waits for the queued ops that write it).
@@ -201,6 +252,7 @@ impl CudaDevice {
             rows,
             cols,
             row_bytes: rb,
+            upload: None,
             data: self.upload(data)?,
         })
     }
@@ -231,7 +283,7 @@ impl CudaDevice {
             },
         )?;
         // SAFETY: every byte is written by the staged copies below before any kernel reads it
-        // (kernels on the compute stream wait for the buffer's write event).
+        // (kernels on the compute stream wait for the `CopyUpload` recorded after them).
         let mut data = unsafe { self.copy_stream.alloc::<u8>(parts.len() * eb) }?;
         let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         let ring = match staging.take() {
@@ -247,6 +299,7 @@ impl CudaDevice {
             rows,
             cols,
             row_bytes: rb,
+            upload: Some(CopyUpload::record(&self.copy_stream, &self.stream)?),
             data,
         })
     }

@@ -491,15 +491,15 @@ impl<B: Backend> Deepseek2<B> {
                 };
                 let mut scores = cx.alloc(p.n_expert)?;
                 cx.matmul(router, &h, &mut scores)?;
-                let mut sel = dev.alloc::<i32>(n * r.k)?;
-                let mut wts = dev.alloc::<f32>(n * r.k)?;
+                let mut sel = cx.scratch::<i32>(n * r.k)?;
+                let mut wts = cx.scratch::<f32>(n * r.k)?;
                 r.route(dev, &scores, probs_bias.as_ref(), &mut sel, &mut wts)?;
                 let routed = Routed {
-                    h: &h,
-                    scores: &scores,
+                    h: &*h,
+                    scores: &*scores,
                     bias: probs_bias.as_ref(),
-                    sel: &sel,
-                    wts: &wts,
+                    sel: &*sel,
+                    wts: &*wts,
                     router: r,
                     act: GatedAct::Silu,
                     split: ExpertSplit::PerSequence,

@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hmoe_backend::KvType;
-use hmoe_backend::{Backend, BackendError, KvLayout};
+use hmoe_backend::{Backend, BackendError, KvLayout, RowCopy};
 use hmoe_gguf::GgufModel;
 
 use super::device_kv::{
@@ -14,6 +14,7 @@ use super::device_kv::{
 use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
 use super::moe_cache::MoeCache;
+use super::scratch_arena::{Scratch, ScratchArena};
 use super::state::State;
 use super::step::{DeviceLayers, Member, Step};
 use crate::error::ModelError;
@@ -39,6 +40,8 @@ pub struct DeviceModel<B: Backend> {
     op_offload_min_batch: Option<usize>,
     weight_bytes: u64,
     state: Mutex<State<B>>,
+    /// The steps' temporaries, reused from step to step (`scratch_arena.rs`).
+    scratch: ScratchArena<B>,
 }
 
 impl<B: Backend> DeviceModel<B> {
@@ -84,6 +87,7 @@ impl<B: Backend> DeviceModel<B> {
             op_offload_min_batch: placement.op_offload_min_batch,
             weight_bytes,
             state: Mutex::new(State::default()),
+            scratch: ScratchArena::default(),
         })
     }
 
@@ -157,6 +161,12 @@ impl<B: Backend> DeviceModel<B> {
             kv_bytes,
             free_bytes: self.dev.free_memory()?,
         })
+    }
+
+    /// Bytes of device memory the scratch buffers of the last step take between steps (kept
+    /// for the next step; freed before a new sequence's cache is allocated).
+    pub fn scratch_held_bytes(&self) -> u64 {
+        self.scratch.bytes()
     }
 
     /// Keeps the device caches of `busy` and `idle` handles only (see
@@ -386,6 +396,8 @@ impl<B: Backend> DeviceModel<B> {
                 }
                 let rings = self.rings_of(cache)?;
                 let kv_bytes = rings_bytes(&rings);
+                // The free scratch buffers go first: `need` counts a micro-batch's own.
+                self.scratch.clear();
                 let need = kv_bytes + self.scratch_bytes(geometry.n_ubatch);
                 // Idle sequences' caches first, then cached experts.
                 while self.dev.free_memory()?.is_some_and(|free| free < need)
@@ -441,7 +453,19 @@ impl<B: Backend> DeviceModel<B> {
     /// One micro-batch of the `members`' tokens (each at its positions, over its device
     /// cache): every layer, then the logits each member wants (empty for `None`).
     fn step(&self, st: &mut State<B>, members: &[Member<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let dev = &self.dev;
+        let logits = self.step_layers(st, members);
+        // Whether it ran or failed, the buffers it did not take are freed.
+        self.scratch.end_step();
+        logits
+    }
+
+    /// [`DeviceModel::step`] before its scratch buffers are sorted out.
+    fn step_layers(
+        &self,
+        st: &mut State<B>,
+        members: &[Member<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (dev, arena) = (&self.dev, &self.scratch);
         let dims = self.arch.dims();
         let mut groups = Vec::with_capacity(members.len());
         let mut n = 0;
@@ -460,10 +484,15 @@ impl<B: Backend> DeviceModel<B> {
                 positions.push(i32_of(m.pos0 + t)?);
             }
         }
-        let ids = dev.upload(&ids)?;
-        let pos = dev.upload(&positions)?;
-        let mut x = dev.alloc::<f32>(n * dims.n_embd)?;
-        dev.get_rows(&self.tok_embd.m, &ids, &mut x)?;
+        // The ids and positions go into buffers of the arena (no allocation once it holds
+        // buffers of this length).
+        let mut ids_buf = arena.take::<i32>(dev, n)?;
+        dev.upload_into::<i32>(&mut ids_buf, &ids)?;
+        let mut pos = arena.take::<i32>(dev, n)?;
+        dev.upload_into::<i32>(&mut pos, &positions)?;
+        let mut x = arena.take::<f32>(dev, n * dims.n_embd)?;
+        dev.get_rows(&self.tok_embd.m, &ids_buf, &mut x)?;
+        drop(ids_buf);
         let offload = self.op_offload_min_batch.is_some_and(|m| n >= m);
         let mut cx = Step {
             dev,
@@ -473,6 +502,7 @@ impl<B: Backend> DeviceModel<B> {
             members,
             groups,
             pos,
+            arena,
             offload,
             prefetched: None,
         };
@@ -481,7 +511,7 @@ impl<B: Backend> DeviceModel<B> {
         }
         let Step { st, groups, .. } = cx;
         st.stats.ubatches += 1;
-        let logits = self.logits(members, &groups, x)?;
+        let logits = self.logits(members, &groups, &x)?;
         // After the token's logits: the experts that missed go up for the next micro-batch.
         let arch = self.arch.as_ref();
         st.moe_cache
@@ -496,9 +526,9 @@ impl<B: Backend> DeviceModel<B> {
         &self,
         members: &[Member<'_>],
         groups: &[Range<usize>],
-        x: B::Buf<f32>,
+        x: &B::Buf<f32>,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let dev = &self.dev;
+        let (dev, arena) = (&self.dev, &self.scratch);
         let p = self.arch.dims();
         let d = p.n_embd;
         // Rows of `x` wanted, per member.
@@ -521,23 +551,33 @@ impl<B: Backend> DeviceModel<B> {
             dev.synchronize()?;
             return Ok(vec![Vec::new(); members.len()]);
         }
-        let rows = match wanted.as_slice() {
-            [Some(r)] if r.len() * d == B::buf_len(&x) => x,
-            [Some(r)] => dev.copy_range(&x, r.start * d..r.end * d)?,
+        // Every row of `x`, or the wanted ones gathered into a buffer of the arena.
+        let gathered: Scratch<'_, B, f32>;
+        let rows: &B::Buf<f32> = match wanted.as_slice() {
+            [Some(r)] if r.len() * d == B::buf_len(x) => x,
             _ => {
-                let mut rows = dev.alloc::<f32>(n_rows * d)?;
+                let mut rows = arena.take::<f32>(dev, n_rows * d)?;
                 for (r, og) in wanted.iter().flatten().zip(&out_groups) {
-                    let part = dev.copy_range(&x, r.start * d..r.end * d)?;
-                    dev.copy_into(&part, &mut rows, og.start * d)?;
+                    let copy = RowCopy {
+                        n_rows: r.len(),
+                        width: d,
+                        src_stride: d,
+                        src_offset: r.start * d,
+                        dst_stride: d,
+                        dst_offset: og.start * d,
+                    };
+                    dev.copy_rows(x, &mut rows, &copy)?;
                 }
-                rows
+                gathered = rows;
+                &gathered
             }
         };
-        let mut normed = dev.alloc::<f32>(n_rows * d)?;
-        dev.rms_norm(&rows, &self.output_norm, p.rms_eps, &mut normed)?;
-        let mut logits = dev.alloc::<f32>(n_rows * p.n_vocab)?;
-        self.output.mul(dev, &normed, &out_groups, &mut logits)?;
-        let all = dev.download(&logits)?;
+        let mut normed = arena.take::<f32>(dev, n_rows * d)?;
+        dev.rms_norm(rows, &self.output_norm, p.rms_eps, &mut normed)?;
+        let mut logits = arena.take::<f32>(dev, n_rows * p.n_vocab)?;
+        self.output
+            .mul(dev, arena, &normed, &out_groups, &mut logits)?;
+        let all = dev.download::<f32>(&logits)?;
         // One member's logits (a decode step): the download itself, not a copy of it.
         if let [_] = out_groups.as_slice() {
             let mut all = Some(all);

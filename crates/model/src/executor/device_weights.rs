@@ -8,6 +8,7 @@ use hmoe_backend::{Backend, BackendError, ExpertTensors, SharedBytes};
 use hmoe_gguf::GgufModel;
 use hmoe_quant::GgmlType;
 
+use super::scratch_arena::{span, ScratchArena};
 use crate::error::ModelError;
 use crate::weights::{expect_tensor, load_f32};
 
@@ -32,6 +33,7 @@ impl<B: Backend> DevMat<B> {
     pub(crate) fn mul(
         &self,
         dev: &B,
+        arena: &ScratchArena<B>,
         x: &B::Buf<f32>,
         groups: &[Range<usize>],
         y: &mut B::Buf<f32>,
@@ -41,10 +43,10 @@ impl<B: Backend> DevMat<B> {
             return Ok(dev.matmul(&self.m, x, n, y)?);
         }
         for g in groups {
-            let xs = dev.copy_range(x, g.start * self.cols..g.end * self.cols)?;
-            let mut ys = dev.alloc::<f32>(g.len() * self.rows)?;
+            let xs = arena.slice(dev, x, g.start * self.cols..g.end * self.cols)?;
+            let mut ys = arena.take::<f32>(dev, g.len() * self.rows)?;
             dev.matmul(&self.m, &xs, g.len(), &mut ys)?;
-            dev.copy_into(&ys, y, g.start * self.rows)?;
+            dev.copy_rows(&ys, y, &span(0, g.len() * self.rows, g.start * self.rows))?;
         }
         Ok(())
     }
@@ -52,9 +54,11 @@ impl<B: Backend> DevMat<B> {
     /// One matrix per head ([`Backend::matmul_heads`]) over `groups`: per sequence for
     /// weights whose products go per sequence when every head's input is its whole row
     /// (then the order depends on the rows multiplied together).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn mul_heads(
         &self,
         dev: &B,
+        arena: &ScratchArena<B>,
         x: &B::Buf<f32>,
         groups: &[Range<usize>],
         n_heads: usize,
@@ -67,10 +71,11 @@ impl<B: Backend> DevMat<B> {
             return Ok(dev.matmul_heads(&self.m, x, n, n_heads, x_stride, y)?);
         }
         for g in groups {
-            let xs = dev.copy_range(x, g.start * n_heads * x_stride..g.end * n_heads * x_stride)?;
-            let mut ys = dev.alloc::<f32>(g.len() * self.rows)?;
+            let rows = g.start * n_heads * x_stride..g.end * n_heads * x_stride;
+            let xs = arena.slice(dev, x, rows)?;
+            let mut ys = arena.take::<f32>(dev, g.len() * self.rows)?;
             dev.matmul_heads(&self.m, &xs, g.len(), n_heads, x_stride, &mut ys)?;
-            dev.copy_into(&ys, y, g.start * self.rows)?;
+            dev.copy_rows(&ys, y, &span(0, g.len() * self.rows, g.start * self.rows))?;
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use hmoe_backend::{Backend, ExpertTensors};
 
 use super::host_experts::{staging_for, HostBatch};
 use super::routing::{ExpertSplit, Routed};
+use super::scratch_arena::span;
 use super::state::State;
 use super::step::{DeviceLayers, Step};
 use crate::error::ModelError;
@@ -66,21 +67,21 @@ impl<B: Backend> Step<'_, B> {
         parts: Option<&[Range<usize>]>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
-        let dev = self.dev();
+        let (dev, arena) = (self.dev(), self.arena);
         let d = self.arch.dims().n_embd;
         let (ne, k) = (r.router.n_expert, r.router.k);
         let Some(parts) = parts else {
             return Ok(dev.moe(w, r.act, r.h, r.sel, r.wts, k, out)?);
         };
         for g in parts {
-            let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
-            let ss = dev.copy_range(r.scores, g.start * ne..g.end * ne)?;
-            let mut sel = dev.alloc::<i32>(g.len() * k)?;
-            let mut wts = dev.alloc::<f32>(g.len() * k)?;
+            let hs = arena.slice(dev, r.h, g.start * d..g.end * d)?;
+            let ss = arena.slice(dev, r.scores, g.start * ne..g.end * ne)?;
+            let mut sel = arena.take::<i32>(dev, g.len() * k)?;
+            let mut wts = arena.take::<f32>(dev, g.len() * k)?;
             r.router.route(dev, &ss, r.bias, &mut sel, &mut wts)?;
-            let mut o = dev.alloc::<f32>(g.len() * d)?;
+            let mut o = arena.take::<f32>(dev, g.len() * d)?;
             dev.moe(w, r.act, &hs, &sel, &wts, k, &mut o)?;
-            dev.copy_into(&o, out, g.start * d)?;
+            dev.copy_rows(&o, out, &span(0, g.len() * d, g.start * d))?;
         }
         Ok(())
     }

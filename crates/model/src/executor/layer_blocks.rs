@@ -161,11 +161,13 @@ impl<B: Backend> AttnBlock<B> {
         let mut v = cx.alloc(kvw)?;
         cx.matmul(&self.wv, &h, &mut v)?;
         add_bias_opt(dev, &mut v, self.bv.as_ref())?;
-        // Per-head RMSNorm: rows of the weight's length (one head).
-        for (t, norm) in [(&mut q, &self.q_norm), (&mut k, &self.k_norm)] {
+        // Per-head RMSNorm: rows of the weight's length (one head), into a new buffer that
+        // then stands for the raw one.
+        for (t, norm, width) in [(&mut q, &self.q_norm, qw), (&mut k, &self.k_norm, kvw)] {
             if let Some(norm) = norm {
-                let raw = dev.copy_range(t, 0..B::buf_len(t))?;
-                dev.rms_norm(&raw, norm, self.spec.rms_eps, t)?;
+                let mut normed = cx.alloc(width)?;
+                dev.rms_norm(&**t, norm, self.spec.rms_eps, &mut normed)?;
+                *t = normed;
             }
         }
         for (t, heads) in [(&mut q, shape.n_head), (&mut k, shape.n_head_kv)] {
@@ -266,15 +268,15 @@ impl<B: Backend> MoeBlock<B> {
         let mut scores = cx.alloc(router.n_expert)?;
         cx.matmul(&self.router, &h, &mut scores)?;
         add_bias_opt(dev, &mut scores, self.router_b.as_ref())?;
-        let mut sel = dev.alloc::<i32>(n * router.k)?;
-        let mut wts = dev.alloc::<f32>(n * router.k)?;
+        let mut sel = cx.scratch::<i32>(n * router.k)?;
+        let mut wts = cx.scratch::<f32>(n * router.k)?;
         router.route(dev, &scores, None, &mut sel, &mut wts)?;
         let routed = Routed {
-            h: &h,
-            scores: &scores,
+            h: &*h,
+            scores: &*scores,
             bias: None,
-            sel: &sel,
-            wts: &wts,
+            sel: &*sel,
+            wts: &*wts,
             router,
             act,
             split,

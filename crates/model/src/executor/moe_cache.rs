@@ -43,6 +43,7 @@ use hmoe_backend::ExpertTensors;
 
 use super::host_experts::{HostBatch, HostExperts};
 use super::routing::Routed;
+use super::scratch_arena::span;
 use crate::error::ModelError;
 use crate::expert_placement::ExpertHome;
 use crate::language_model::MoeCacheStats;
@@ -398,18 +399,17 @@ impl<B: Backend> MoeCache<B> {
             }
         }
         let mut up_bytes = 0u64;
-        let mut ys = dev.alloc::<f32>(hits.len() * d)?;
+        // Scratch: every hit's row is written below.
+        let mut ys = dev.alloc_scratch::<f32>(hits.len() * d)?;
         let mut order = Vec::with_capacity(hits.len());
         for ((c, _), pairs) in &by_entry {
             let m = pairs.len();
             let xs = if m == n && pairs.iter().enumerate().all(|(j, &i)| i / k == j) {
                 None
             } else {
-                let mut xs = dev.alloc::<f32>(m * d)?;
+                let mut xs = dev.alloc_scratch::<f32>(m * d)?;
                 for (j, &i) in pairs.iter().enumerate() {
-                    let t = i / k;
-                    let row = dev.copy_range(r.h, t * d..(t + 1) * d)?;
-                    dev.copy_into(&row, &mut xs, j * d)?;
+                    dev.copy_rows(r.h, &mut xs, &span((i / k) * d, d, j * d))?;
                 }
                 Some(xs)
             };
@@ -417,7 +417,7 @@ impl<B: Backend> MoeCache<B> {
             let wts: Vec<f32> = pairs.iter().map(|&i| batch.w[i]).collect();
             let wts = dev.upload(&wts)?;
             up_bytes += 8 * m as u64;
-            let mut y = dev.alloc::<f32>(m * d)?;
+            let mut y = dev.alloc_scratch::<f32>(m * d)?;
             let x = xs.as_ref().unwrap_or(r.h);
             dev.moe(&lru.entries[*c].moe, r.act, x, &sel, &wts, 1, &mut y)?;
             dev.copy_into(&y, &mut ys, order.len() * d)?;

@@ -63,7 +63,8 @@ impl<B: Backend> PairRows<B> {
         k: usize,
     ) -> Result<PairRows<B>, ModelError> {
         let len = tokens.len();
-        let mut x = dev.alloc::<f32>(len * k * d)?;
+        // Scratch: the `k` copies write every row. `out` is summed into, so it is zeroed.
+        let mut x = dev.alloc_scratch::<f32>(len * k * d)?;
         for j in 0..k {
             let c = RowCopy {
                 n_rows: len,
@@ -111,7 +112,7 @@ impl<B: Backend> PairRows<B> {
             return Ok(());
         }
         let sel = dev.upload(&sel)?;
-        let mut y = dev.alloc::<f32>(B::buf_len(&self.out))?;
+        let mut y = dev.alloc_scratch::<f32>(B::buf_len(&self.out))?;
         dev.moe(w, act, &self.x, &sel, &self.wts, 1, &mut y)?;
         dev.add_assign(&mut self.out, &y)?;
         Ok(())
@@ -134,8 +135,9 @@ impl<B: Backend> PairRows<B> {
         } = self;
         drop((x, wts));
         let len = tokens.len();
+        // `acc` sums from zero; `slot` is written whole by each copy.
         let mut acc = dev.alloc::<f32>(len * d)?;
-        let mut slot = dev.alloc::<f32>(len * d)?;
+        let mut slot = dev.alloc_scratch::<f32>(len * d)?;
         for j in 0..k {
             let c = RowCopy {
                 n_rows: len,
@@ -261,7 +263,7 @@ impl<B: Backend> Step<'_, B> {
             let hs = dev.copy_range(r.h, g.start * d..g.end * d)?;
             let wts = dev.copy_range(r.wts, g.start * k..g.end * k)?;
             let sel = dev.upload(&pos[g.start * k..g.end * k])?;
-            let mut o = dev.alloc::<f32>(g.len() * d)?;
+            let mut o = dev.alloc_scratch::<f32>(g.len() * d)?;
             dev.moe(w, r.act, &hs, &sel, &wts, k, &mut o)?;
             dev.copy_into(&o, out, g.start * d)?;
         }

@@ -12,6 +12,7 @@ use hmoe_gguf::GgufModel;
 use super::device_kv::{KvWidths, LayerKv};
 use super::device_weights::DevMat;
 use super::layer_experts::LayerExperts;
+use super::scratch_arena::{span, ArenaElem, Scratch, ScratchArena};
 use super::state::State;
 use crate::error::ModelError;
 use crate::language_model::LogitsWanted;
@@ -82,7 +83,9 @@ pub(crate) struct Step<'s, B: Backend> {
     pub(crate) st: &'s mut State<B>,
     pub(crate) members: &'s [Member<'s>],
     pub(crate) groups: Vec<Range<usize>>,
-    pub(crate) pos: B::Buf<i32>,
+    pub(crate) pos: Scratch<'s, B, i32>,
+    /// Where the step's temporaries come from (`scratch_arena.rs`).
+    pub(crate) arena: &'s ScratchArena<B>,
     /// Whether host layers run on the device for this batch (op offload).
     pub(crate) offload: bool,
     /// The first slice of the next host layer's experts (the layer, its experts), uploading
@@ -124,9 +127,18 @@ impl<'s, B: Backend> Step<'s, B> {
         &self.pos
     }
 
-    /// A zeroed buffer of `width` floats per token.
-    pub(crate) fn alloc(&self, width: usize) -> Result<B::Buf<f32>, ModelError> {
-        Ok(self.dev().alloc::<f32>(self.n_tokens() * width)?)
+    /// A scratch buffer of `width` floats per token, from the step's arena: its contents are
+    /// unspecified, the op that writes it overwrites it whole.
+    pub(crate) fn alloc(&self, width: usize) -> Result<Scratch<'s, B, f32>, ModelError> {
+        self.scratch(self.n_tokens() * width)
+    }
+
+    /// A scratch buffer of `len` elements from the step's arena (contents unspecified).
+    pub(crate) fn scratch<T: ArenaElem>(
+        &self,
+        len: usize,
+    ) -> Result<Scratch<'s, B, T>, ModelError> {
+        Ok(self.arena.take::<T>(self.dev, len)?)
     }
 
     /// `y = W·x` over the micro-batch, per sequence for weights that need it ([`DevMat`]).
@@ -136,7 +148,7 @@ impl<'s, B: Backend> Step<'s, B> {
         x: &B::Buf<f32>,
         y: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
-        w.mul(self.dev, x, &self.groups, y)
+        w.mul(self.dev, self.arena, x, &self.groups, y)
     }
 
     /// Stores the batch's keys `k` and values `v` in layer `layer`'s cache of each sequence
@@ -153,7 +165,7 @@ impl<'s, B: Backend> Step<'s, B> {
         sinks: Option<&B::Buf<f32>>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
-        let dev = self.dev();
+        let (dev, arena) = (self.dev(), self.arena);
         let hd = shape.head_dim;
         let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
         let single = self.members.len() == 1;
@@ -188,14 +200,14 @@ impl<'s, B: Backend> Step<'s, B> {
                 dev.attention(&ap, q, k_ring, v_ring, sinks, nt, m.pos0, out)?;
                 continue;
             }
-            let ks = dev.copy_range(k, g.start * kvw..g.end * kvw)?;
-            let vs = dev.copy_range(v, g.start * kvw..g.end * kvw)?;
-            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            let ks = arena.slice(dev, k, g.start * kvw..g.end * kvw)?;
+            let vs = arena.slice(dev, v, g.start * kvw..g.end * kvw)?;
+            let qs = arena.slice(dev, q, g.start * qw..g.end * qw)?;
             dev.kv_store(&ks, k_ring, nt, m.pos0)?;
             dev.kv_store(&vs, v_ring, nt, m.pos0)?;
-            let mut a = dev.alloc::<f32>(nt * qw)?;
+            let mut a = arena.take::<f32>(dev, nt * qw)?;
             dev.attention(&ap, &qs, k_ring, v_ring, sinks, nt, m.pos0, &mut a)?;
-            dev.copy_into(&a, out, g.start * qw)?;
+            dev.copy_rows(&a, out, &span(0, nt * qw, g.start * qw))?;
         }
         Ok(())
     }
@@ -211,7 +223,7 @@ impl<'s, B: Backend> Step<'s, B> {
         x_stride: usize,
         y: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
-        w.mul_heads(self.dev, x, &self.groups, n_heads, x_stride, y)
+        w.mul_heads(self.dev, self.arena, x, &self.groups, n_heads, x_stride, y)
     }
 
     /// Stores the batch's keys `k` (`p.k_dim` a token) in layer `layer`'s K-only cache of
@@ -225,7 +237,7 @@ impl<'s, B: Backend> Step<'s, B> {
         k: &B::Buf<f32>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
-        let dev = self.dev();
+        let (dev, arena) = (self.dev(), self.arena);
         let (qw, kw, ow) = (p.n_head * p.k_dim, p.k_dim, p.n_head * p.v_dim);
         let single = self.members.len() == 1;
         for (m, g) in self.members.iter().zip(&self.groups) {
@@ -242,12 +254,12 @@ impl<'s, B: Backend> Step<'s, B> {
                 dev.attention_k_only(&ap, q, &kv.k, nt, m.pos0, out)?;
                 continue;
             }
-            let ks = dev.copy_range(k, g.start * kw..g.end * kw)?;
-            let qs = dev.copy_range(q, g.start * qw..g.end * qw)?;
+            let ks = arena.slice(dev, k, g.start * kw..g.end * kw)?;
+            let qs = arena.slice(dev, q, g.start * qw..g.end * qw)?;
             dev.kv_store(&ks, &mut kv.k, nt, m.pos0)?;
-            let mut a = dev.alloc::<f32>(nt * ow)?;
+            let mut a = arena.take::<f32>(dev, nt * ow)?;
             dev.attention_k_only(&ap, &qs, &kv.k, nt, m.pos0, &mut a)?;
-            dev.copy_into(&a, out, g.start * ow)?;
+            dev.copy_rows(&a, out, &span(0, nt * ow, g.start * ow))?;
         }
         Ok(())
     }
