@@ -1,5 +1,6 @@
-//! Products of weight matrices and activations: `matmul` (the GEMV kernel, the tiled kernel for
-//! batches of Q8_0/MXFP4 weights, cuBLAS for batches of F16/BF16 weights), the Q8_0 activation
+//! Products of weight matrices and activations: `matmul` (the GEMV kernels, dp4a ones for
+//! Q8_0/MXFP4 weights; the tiled kernel for batches of Q8_0/MXFP4 weights, cuBLAS for batches
+//! of F16/BF16 weights), the Q8_0 activation
 //! quantizer and per-head products (`matmul_heads`). The low-bit types' products are in
 //! `lowbit`.
 
@@ -10,7 +11,9 @@ use hmoe_quant::GgmlType;
 use super::capabilities::is_lowbit;
 use super::{grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceMatrix, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
-use crate::kernels::{MM_TOKENS, ROW_WARPS, TILE_ROWS, TILE_SLOTS};
+use crate::kernels::{
+    DP4A_MXFP4_ROWS, DP4A_Q8_0_ROWS, DP4A_TOKENS, MM_TOKENS, ROW_WARPS, TILE_ROWS, TILE_SLOTS,
+};
 
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
@@ -73,16 +76,16 @@ impl CudaDevice {
                 return self.matmul_cublas(blas, w, x, n, y);
             }
         }
-        let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
-        if quantized && n >= MM_TILED_MIN_TOKENS {
-            return self.matmul_tiled(w, x, n, y);
+        if matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4) {
+            return match n >= MM_TILED_MIN_TOKENS {
+                true => self.matmul_tiled(w, x, n, y),
+                false => self.matmul_dp4a(w, x, n, y),
+            };
         }
         let name = match w.ty {
             GgmlType::F32 => "matmul_f32",
             GgmlType::F16 => "matmul_f16",
-            GgmlType::BF16 => "matmul_bf16",
-            GgmlType::Q8_0 => "matmul_q8_0",
-            _ => "matmul_mxfp4",
+            _ => "matmul_bf16",
         };
         let row_bytes = w.row_bytes as u64;
         let (rows, cols, n_i) = (
@@ -91,13 +94,49 @@ impl CudaDevice {
             i32_of(OP, "tokens", n)?,
         );
         let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, MM_TOKENS), ROW_WARPS * 32)?;
-        let quantized = self.q8_0_acts(quantized, x, n * w.cols)?;
         let mut b = self.builder(name);
-        b.arg(&w.data).arg(&row_bytes);
-        push_acts(&mut b, quantized.as_ref(), x);
+        b.arg(&w.data).arg(&row_bytes).arg(x);
         b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
-        // SAFETY: argument types match `matmul_*` (x as Q8_0 blocks for Q8_0/MXFP4 weights,
-        // f32 otherwise); sizes checked above.
+        // SAFETY: argument types match `matmul_f32`/`matmul_f16`/`matmul_bf16` (f32
+        // activations); sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// [`CudaDevice::matmul`] for fewer than `MM_TILED_MIN_TOKENS` tokens of Q8_0 or MXFP4
+    /// weights (checked there): the dp4a GEMV kernels (`kernels/gemv_dp4a.cu`), in the CPU
+    /// device's order, DP4A_TOKENS tokens per block. The Q8_0 kernel loads quant words with
+    /// 16-bit loads: rows of whole 34-byte blocks from an aligned allocation keep them even.
+    fn matmul_dp4a(
+        &self,
+        w: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        let (name, rows_per_warp) = match w.ty {
+            GgmlType::MXFP4 => ("matmul_dp4a_mxfp4", DP4A_MXFP4_ROWS),
+            _ => ("matmul_dp4a_q8_0", DP4A_Q8_0_ROWS),
+        };
+        let row_bytes = w.row_bytes as u64;
+        let (rows, cols, n_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let cfg = rows_by_tokens(
+            OP,
+            (w.rows, ROW_WARPS * rows_per_warp),
+            (n, DP4A_TOKENS),
+            ROW_WARPS * 32,
+        )?;
+        let xq = self.quantize_q8_0(x, n * w.cols)?;
+        let mut b = self.builder(name);
+        b.arg(&w.data).arg(&row_bytes).arg(&xq);
+        b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
+        // SAFETY: argument types match `matmul_dp4a_*`; x holds n rows of w.cols (so xq n rows
+        // of Q8_0 blocks) and y n rows of w.rows (checked by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
