@@ -269,8 +269,9 @@ fn extreme_tokens(rng: &mut StdRng, n: usize, cols: usize) -> Vec<f32> {
 /// The dp4a GEMV kernels of Q8_0 and MXFP4 weights (`kernels/gemv_dp4a.cu`, every batch under
 /// the tiled kernel's 32 tokens) on weights and activations of extreme scales: every row count
 /// from 1 to 17 and 31..33 (partial warps and blocks of 4 or 8 rows per warp), rows of 1, 2,
-/// 3, 5 and 90 blocks (gpt-oss's 2880 columns; an odd count puts MXFP4 rows at odd byte
-/// offsets), 1..8 tokens and batches over several blocks of 8; REF0's bits.
+/// 3, 5, 8, 9 and 90 blocks (whole chunks of 8 blocks and tails; gpt-oss's 2880 columns; an
+/// odd count puts MXFP4 rows at odd byte offsets), 1..8 tokens and batches over several
+/// blocks of 8; REF0's bits.
 #[test]
 #[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_dp4a_gemv_gives_the_reference_backends_bits() {
@@ -283,7 +284,7 @@ fn emulated_dp4a_gemv_gives_the_reference_backends_bits() {
     for rows in (1..=17).chain(31..=33) {
         shapes.extend([1, 3, 8].map(|n| (rows, 64, n)));
     }
-    for cols in [32, 64, 96, 160, 2880] {
+    for cols in [32, 64, 96, 160, 256, 288, 2880] {
         shapes.extend((1..=8).map(|n| (5, cols, n)));
     }
     shapes.extend([9, 17, 31].map(|n| (6, 96, n)));

@@ -199,6 +199,46 @@ fn matmul_every_type_and_batch_size() {
     }
 }
 
+/// `matmul_shared` (one quantized activation for Q, K and V) gives REF0's `matmul` bits for
+/// each matrix: Q8_0 and MXFP4 of one width (quantized once; the dp4a GEMV kernels, the tiled
+/// kernel for 40 tokens), and a set with an F32 matrix (each `matmul` on its own).
+#[test]
+fn matmul_shared_gives_each_matmuls_bits() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    let cpu = Ref0::new();
+    let cols = 2880;
+    let sets = [
+        [(GgmlType::Q8_0, 64), (GgmlType::MXFP4, 8), (GgmlType::Q8_0, 8)],
+        [(GgmlType::Q8_0, 64), (GgmlType::F32, 8), (GgmlType::MXFP4, 8)],
+    ];
+    for set in sets {
+        let qs = set.map(|(ty, rows)| weights(&mut rng, ty, rows, cols).0);
+        let ws: Vec<_> = set
+            .iter()
+            .zip(&qs)
+            .map(|(&(ty, rows), q)| dev.upload_matrix(ty, rows, cols, q).unwrap())
+            .collect();
+        for n in [1usize, 5, 40] {
+            let x = noise(&mut rng, n * cols, 1.0);
+            let xd = dev.upload(&x).unwrap();
+            let mut ys: Vec<_> = set
+                .iter()
+                .map(|&(_, rows)| dev.alloc::<f32>(n * rows).unwrap())
+                .collect();
+            let mut outs: Vec<_> = ys.iter_mut().collect();
+            let refs: Vec<_> = ws.iter().collect();
+            dev.matmul_shared(&refs, &xd, n, &mut outs).unwrap();
+            for ((&(ty, rows), q), y) in set.iter().zip(&qs).zip(&ys) {
+                let want = matmul_on(&cpu, (ty, rows, cols), q, &x, n);
+                let got = dev.download(y).unwrap();
+                let what = format!("matmul_shared {ty} {rows}x{cols} n={n}");
+                assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{what}");
+            }
+        }
+    }
+}
+
 /// The low-bit types' products are the CPU device's bits at every batch size: the kernels
 /// replay the order of the CPU kernel for the matrix and batch (`vec_dot`, tiled K-quants from
 /// 8 tokens, repacked Q4_0/Q4_K for row counts that are multiples of 8).

@@ -37,6 +37,31 @@ pub(super) fn push_acts<'a>(
     };
 }
 
+/// Whether `w`'s products take Q8_0 activations through the dp4a/tiled kernels (Q8_0 and
+/// MXFP4 weights).
+fn takes_q8_0(w: &DeviceMatrix) -> bool {
+    matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4)
+}
+
+/// `x` and `y` hold `n` tokens of `w`'s inputs and outputs.
+fn check_shape(
+    op: &'static str,
+    w: &DeviceMatrix,
+    x: &CudaSlice<f32>,
+    n: usize,
+    y: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    ensure(x.len() >= n * w.cols && y.len() >= n * w.rows, op, || {
+        format!(
+            "x {} / y {} for {n} tokens of a {}×{} matrix",
+            x.len(),
+            y.len(),
+            w.rows,
+            w.cols
+        )
+    })
+}
+
 impl CudaDevice {
     /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
     /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
@@ -55,15 +80,7 @@ impl CudaDevice {
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul";
-        ensure(x.len() >= n * w.cols && y.len() >= n * w.rows, OP, || {
-            format!(
-                "x {} / y {} for {n} tokens of a {}×{} matrix",
-                x.len(),
-                y.len(),
-                w.rows,
-                w.cols
-            )
-        })?;
+        check_shape(OP, w, x, n, y)?;
         if n == 0 {
             return Ok(());
         }
@@ -76,11 +93,9 @@ impl CudaDevice {
                 return self.matmul_cublas(blas, w, x, n, y);
             }
         }
-        if matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4) {
-            return match n >= MM_TILED_MIN_TOKENS {
-                true => self.matmul_tiled(w, x, n, y),
-                false => self.matmul_dp4a(w, x, n, y),
-            };
+        if takes_q8_0(w) {
+            let xq = self.quantize_q8_0(x, n * w.cols)?;
+            return self.matmul_q8_0_acts(w, &xq, n, y);
         }
         let name = match w.ty {
             GgmlType::F32 => "matmul_f32",
@@ -103,6 +118,53 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `ys[i] = ws[i] · x` for `n` tokens: [`CudaDevice::matmul`] of each matrix, with its
+    /// bits. When every matrix is Q8_0 or MXFP4 of one width (Q, K and V), `x` is quantized
+    /// once for all of them (the quantizer is deterministic, so the products are the same).
+    pub fn matmul_shared(
+        &self,
+        ws: &[&DeviceMatrix],
+        x: &CudaSlice<f32>,
+        n: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul_shared";
+        ensure(ws.len() == ys.len(), OP, || {
+            format!("{} matrices for {} outputs", ws.len(), ys.len())
+        })?;
+        let cols = ws.first().map_or(0, |w| w.cols);
+        if n == 0 || !ws.iter().all(|w| takes_q8_0(w) && w.cols == cols) {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                self.matmul(w, x, n, y)?;
+            }
+            return Ok(());
+        }
+        for (w, y) in ws.iter().zip(ys.iter()) {
+            check_shape(OP, w, x, n, y)?;
+        }
+        let xq = self.quantize_q8_0(x, n * cols)?;
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul_q8_0_acts(w, &xq, n, y)?;
+        }
+        Ok(())
+    }
+
+    /// [`CudaDevice::matmul`] of Q8_0 or MXFP4 weights on `n` (> 0) tokens of activations
+    /// already quantized (`xq`, [`CudaDevice::quantize_q8_0`]): the dp4a GEMV kernels, or the
+    /// tiled kernel from `MM_TILED_MIN_TOKENS` tokens.
+    fn matmul_q8_0_acts(
+        &self,
+        w: &DeviceMatrix,
+        xq: &CudaSlice<u8>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        match n >= MM_TILED_MIN_TOKENS {
+            true => self.matmul_tiled(w, xq, n, y),
+            false => self.matmul_dp4a(w, xq, n, y),
+        }
+    }
+
     /// [`CudaDevice::matmul`] for fewer than `MM_TILED_MIN_TOKENS` tokens of Q8_0 or MXFP4
     /// weights (checked there): the dp4a GEMV kernels (`kernels/gemv_dp4a.cu`), in the CPU
     /// device's order, DP4A_TOKENS tokens per block. The Q8_0 kernel loads quant words with
@@ -110,7 +172,7 @@ impl CudaDevice {
     fn matmul_dp4a(
         &self,
         w: &DeviceMatrix,
-        x: &CudaSlice<f32>,
+        xq: &CudaSlice<u8>,
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
@@ -131,12 +193,11 @@ impl CudaDevice {
             (n, DP4A_TOKENS),
             ROW_WARPS * 32,
         )?;
-        let xq = self.quantize_q8_0(x, n * w.cols)?;
         let mut b = self.builder(name);
-        b.arg(&w.data).arg(&row_bytes).arg(&xq);
+        b.arg(&w.data).arg(&row_bytes).arg(xq);
         b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
-        // SAFETY: argument types match `matmul_dp4a_*`; x holds n rows of w.cols (so xq n rows
-        // of Q8_0 blocks) and y n rows of w.rows (checked by the caller).
+        // SAFETY: argument types match `matmul_dp4a_*`; xq holds n rows of w.cols / 32 Q8_0
+        // blocks and y n rows of w.rows (checked by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -187,7 +248,7 @@ impl CudaDevice {
     fn matmul_tiled(
         &self,
         w: &DeviceMatrix,
-        x: &CudaSlice<f32>,
+        xq: &CudaSlice<u8>,
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
@@ -202,18 +263,17 @@ impl CudaDevice {
             i32_of(OP, "tokens", n)?,
         );
         let cfg = rows_by_tokens(OP, (w.rows, TILE_ROWS), (n, TILE_SLOTS), 256)?;
-        let xq = self.quantize_q8_0(x, n * w.cols)?;
         let row_bytes = w.row_bytes as u64;
         let mut b = self.builder(name);
         b.arg(&w.data)
             .arg(&row_bytes)
             .arg(&rows)
             .arg(&nb)
-            .arg(&xq)
+            .arg(xq)
             .arg(&n_i)
             .arg(y);
-        // SAFETY: argument types match `matmul_tiled_*`; x holds n rows of w.cols (so xq n
-        // rows of nb Q8_0 blocks) and y n rows of w.rows (checked by the caller).
+        // SAFETY: argument types match `matmul_tiled_*`; xq holds n rows of nb Q8_0 blocks
+        // and y n rows of w.rows (checked by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -20,14 +20,19 @@
 // Integer sums become floats by the exact magic add (int_to_float_exact): |s_k| <= 4 * 128 *
 // 127 and |isum| <= 32 * 12 * 127, both far under 2^22.
 //
+// A row's float chains are sequential, so a lane loads the weights of DP4A_CHUNK blocks at
+// once before their products (memory latency overlapped within the chain, not across rows).
+//
 // One entry point per weight type takes 1..DP4A_TOKENS tokens per block (grid.y covers the
 // rest); each token count has its own instantiation, so a lane keeps one accumulator per token.
 // grid = (ceil(rows / rows per block), ceil(n / DP4A_TOKENS)), block = ROW_WARPS * 32.
 
-// Rows per warp of the Q8_0 and MXFP4 kernels, and tokens per block of both.
+// Rows per warp of the Q8_0 and MXFP4 kernels, tokens per block of both, and blocks of a row
+// whose weights a lane loads at once (the rest of a row one block at a time).
 #define DP4A_Q8_0_ROWS 4
 #define DP4A_MXFP4_ROWS 8
 #define DP4A_TOKENS 8
+#define DP4A_CHUNK 8
 
 // s as a float, exactly as (float)s for |s| < 2^22: 1.5 * 2^23 + s is exact in the mantissa.
 __device__ __forceinline__ float int_to_float_exact(int s) {
@@ -75,6 +80,31 @@ __device__ __forceinline__ mxfp4_i8x4_pair mxfp4_lut_i8x4(u32 q) {
     return r;
 }
 
+// Blocks b0 .. b0 + U - 1 of a Q8_0 row (wr) times NT tokens (xr, xs bytes apart) into lane
+// k's accumulators: the U blocks' weight words and scales are loaded first, all in flight at
+// once, then the products follow in block order.
+template <int NT, int U>
+__device__ __forceinline__ void dp4a_q8_0_blocks(const u8* wr, const u8* xr, u64 xs, int k,
+                                                 int b0, float* acc) {
+    float dw[U];
+    int qw[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const u8* wb = wr + (u64)(b0 + u) * 34u;
+        dw[u] = q8_scale_even(wb);
+        qw[u] = load_i8x4_even(wb + 2 + 4 * k);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const u8* ab = xr + (u64)t * xs + (u64)(b0 + u) * 34u;
+            int s = __dp4a(qw[u], load_i8x4_even(ab + 2 + 4 * k), 0);
+            acc[t] = fmaf(dw[u] * q8_scale_even(ab), int_to_float_exact(s), acc[t]);
+        }
+    }
+}
+
 // NT tokens from t0 of a Q8_0 product (see the top): lane k of each 8-lane group owns
 // accumulator k of one row and token. Lanes past the last row compute row 0 and store nothing.
 template <int NT>
@@ -88,23 +118,11 @@ __device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float*
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    // The next block's weights are loaded before this block's products (two blocks in flight).
-    float dw = nb > 0 ? q8_scale_even(wr) : 0.f;
-    int qw = nb > 0 ? load_i8x4_even(wr + 2 + 4 * k) : 0;
-    for (int b = 0; b < nb; b++) {
-        const u8* wn = wr + (u64)(b + 1 < nb ? b + 1 : b) * 34u;
-        float dw_next = q8_scale_even(wn);
-        int qw_next = load_i8x4_even(wn + 2 + 4 * k);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            const u8* ab = xr + (u64)t * xs + (u64)b * 34u;
-            float d = dw * q8_scale_even(ab);
-            acc[t] = fmaf(d, int_to_float_exact(__dp4a(qw, load_i8x4_even(ab + 2 + 4 * k), 0)),
-                          acc[t]);
-        }
-        dw = dw_next;
-        qw = qw_next;
+    int b = 0;
+    for (; b + DP4A_CHUNK <= nb; b += DP4A_CHUNK) {
+        dp4a_q8_0_blocks<NT, DP4A_CHUNK>(wr, xr, xs, k, b, acc);
     }
+    for (; b < nb; b++) dp4a_q8_0_blocks<NT, 1>(wr, xr, xs, k, b, acc);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         float v = acc[t];
@@ -112,6 +130,35 @@ __device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float*
         v += __shfl_xor_sync(0xffffffffu, v, 2);  // (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
         v += __shfl_xor_sync(0xffffffffu, v, 1);
         if (k == 0 && r < rows) y[(u64)(t0 + t) * rows + r] = v;
+    }
+}
+
+// Blocks b0 .. b0 + U - 1 of an MXFP4 row (wr) times NT tokens into the row's chains, lane l
+// taking nibble bytes 4l..4l+3: the U blocks' exponents and weight words are loaded first,
+// then the products follow in block order. Every lane of the warp must call it (it shuffles).
+template <int NT, int U>
+__device__ __forceinline__ void dp4a_mxfp4_blocks(const u8* wr, const u8* xr, u64 xs, int l,
+                                                  int b0, float* acc) {
+    u32 we[U], wq[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const u8* wb = wr + (u64)(b0 + u) * 17u;
+        we[u] = wb[0];
+        wq[u] = (u32)load_i8x4_bytes(wb + 1 + 4 * l);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        float scale_w = e8m0_half(we[u]);
+        mxfp4_i8x4_pair v = mxfp4_lut_i8x4(wq[u]);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const u8* ab = xr + (u64)t * xs + (u64)(b0 + u) * 34u;
+            int isum = __dp4a(v.lo, load_i8x4_even(ab + 2 + 4 * l), 0);
+            isum = __dp4a(v.hi, load_i8x4_even(ab + 18 + 4 * l), isum);
+            isum += __shfl_xor_sync(0xffffffffu, isum, 1);
+            isum += __shfl_xor_sync(0xffffffffu, isum, 2);
+            acc[t] = fmaf(int_to_float_exact(isum), scale_w * q8_scale_even(ab), acc[t]);
+        }
     }
 }
 
@@ -128,27 +175,11 @@ __device__ void dp4a_mxfp4_tokens(const u8* w, u64 row_bytes, const u8* x, float
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    // The next block's weights are loaded before this block's products (two blocks in flight).
-    u32 we_byte = nb > 0 ? wr[0] : 0u;
-    u32 wq = nb > 0 ? (u32)load_i8x4_bytes(wr + 1 + 4 * l) : 0u;
-    for (int b = 0; b < nb; b++) {
-        const u8* wn = wr + (u64)(b + 1 < nb ? b + 1 : b) * 17u;
-        u32 we_next = wn[0];
-        u32 wq_next = (u32)load_i8x4_bytes(wn + 1 + 4 * l);
-        float we = e8m0_half(we_byte);
-        mxfp4_i8x4_pair v = mxfp4_lut_i8x4(wq);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            const u8* ab = xr + (u64)t * xs + (u64)b * 34u;
-            int isum = __dp4a(v.lo, load_i8x4_even(ab + 2 + 4 * l), 0);
-            isum = __dp4a(v.hi, load_i8x4_even(ab + 18 + 4 * l), isum);
-            isum += __shfl_xor_sync(0xffffffffu, isum, 1);
-            isum += __shfl_xor_sync(0xffffffffu, isum, 2);
-            acc[t] = fmaf(int_to_float_exact(isum), we * q8_scale_even(ab), acc[t]);
-        }
-        we_byte = we_next;
-        wq = wq_next;
+    int b = 0;
+    for (; b + DP4A_CHUNK <= nb; b += DP4A_CHUNK) {
+        dp4a_mxfp4_blocks<NT, DP4A_CHUNK>(wr, xr, xs, l, b, acc);
     }
+    for (; b < nb; b++) dp4a_mxfp4_blocks<NT, 1>(wr, xr, xs, l, b, acc);
     if (l != 0 || r >= rows) return;
 #pragma unroll
     for (int t = 0; t < NT; t++) y[(u64)(t0 + t) * rows + r] = acc[t];
