@@ -209,8 +209,16 @@ fn matmul_shared_gives_each_matmuls_bits() {
     let cpu = Ref0::new();
     let cols = 2880;
     let sets = [
-        [(GgmlType::Q8_0, 64), (GgmlType::MXFP4, 8), (GgmlType::Q8_0, 8)],
-        [(GgmlType::Q8_0, 64), (GgmlType::F32, 8), (GgmlType::MXFP4, 8)],
+        [
+            (GgmlType::Q8_0, 64),
+            (GgmlType::MXFP4, 8),
+            (GgmlType::Q8_0, 8),
+        ],
+        [
+            (GgmlType::Q8_0, 64),
+            (GgmlType::F32, 8),
+            (GgmlType::MXFP4, 8),
+        ],
     ];
     for set in sets {
         let qs = set.map(|(ty, rows)| weights(&mut rng, ty, rows, cols).0);
@@ -233,7 +241,12 @@ fn matmul_shared_gives_each_matmuls_bits() {
                 let want = matmul_on(&cpu, (ty, rows, cols), q, &x, n);
                 let got = dev.download(y).unwrap();
                 let what = format!("matmul_shared {ty} {rows}x{cols} n={n}");
-                assert!(got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits()), "{what}");
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{what}"
+                );
             }
         }
     }
