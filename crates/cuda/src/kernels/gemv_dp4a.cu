@@ -7,6 +7,8 @@
 // accumulator k: per block it loads weight quants 4k..4k+3 as one word, s_k = one dp4a with
 // the activation's word, d = d_w * d_a, acc_k = fma(d, s_k, acc_k); then the xor fold over
 // lanes 4, 2, 1 adds ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), hsum8's order.
+// (ggml forms |w| * sign(a, w), which differs from dp4a's w * a only for an activation of
+// -128, which the quantizer gives only for NaN; see warp_dot_q8_0.)
 // Q8_0 blocks are 34 bytes, so every quant word starts at an even address (rows of whole
 // blocks from an aligned allocation): two 16-bit loads make it.
 //
@@ -21,7 +23,7 @@
 // 127 and |isum| <= 32 * 12 * 127, both far under 2^22.
 //
 // A row's float chains are sequential, so a lane loads the weights of DP4A_CHUNK blocks at
-// once before their products (memory latency overlapped within the chain, not across rows).
+// once before their products: the chunk's loads are in flight together.
 //
 // One entry point per weight type takes 1..DP4A_TOKENS tokens per block (grid.y covers the
 // rest); each token count has its own instantiation, so a lane keeps one accumulator per token.
