@@ -673,6 +673,24 @@ pub trait Backend: Send + Sync {
         n: usize,
         y: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
+    /// `ys[i] = ws[i]·x` for `n` tokens: [`Backend::matmul`] of each matrix with the same
+    /// activations (Q, K and V from one normed row), with its bits; a device may convert the
+    /// activations once for all of them.
+    fn matmul_shared(
+        &self,
+        ws: &[&Self::Matrix],
+        x: &Self::Buf<f32>,
+        n: usize,
+        ys: &mut [&mut Self::Buf<f32>],
+    ) -> Result<(), BackendError> {
+        error::ensure(ws.len() == ys.len(), "matmul_shared", || {
+            format!("{} matrices for {} outputs", ws.len(), ys.len())
+        })?;
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul(w, x, n, y)?;
+        }
+        Ok(())
+    }
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>) -> Result<(), BackendError>;
     /// `x[r] += bias` for every row `r`.

@@ -231,6 +231,15 @@ impl Backend for CudaDevice {
     ) -> Result<(), BackendError> {
         Ok(CudaDevice::matmul(self, w, x, n, y)?)
     }
+    fn matmul_shared(
+        &self,
+        ws: &[&DeviceMatrix],
+        x: &CudaSlice<f32>,
+        n: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), BackendError> {
+        Ok(CudaDevice::matmul_shared(self, ws, x, n, ys)?)
+    }
     fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), BackendError> {
         Ok(CudaDevice::add_assign(self, x, y)?)
     }

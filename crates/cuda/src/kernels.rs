@@ -14,6 +14,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/lowbit_blocks.cu"),
     include_str!("kernels/rows.cu"),
     include_str!("kernels/gemv.cu"),
+    include_str!("kernels/gemv_dp4a.cu"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/attention.cu"),
     include_str!("kernels/moe.cu"),
@@ -38,8 +39,8 @@ pub const KERNELS: &[&str] = &[
     "matmul_f32",
     "matmul_f16",
     "matmul_bf16",
-    "matmul_q8_0",
-    "matmul_mxfp4",
+    "matmul_dp4a_q8_0",
+    "matmul_dp4a_mxfp4",
     "add_inplace_f32",
     "add_bias_f32",
     "f32_to_f16",
@@ -142,6 +143,12 @@ pub const KERNELS: &[&str] = &[
 pub(crate) const ROW_WARPS: u32 = 4;
 /// Tokens per block of the matmul kernel (`MM_TOKENS` in the source).
 pub(crate) const MM_TOKENS: u32 = 8;
+/// Weight rows per warp of the Q8_0 GEMV kernel (`DP4A_Q8_0_ROWS` in the source).
+pub(crate) const DP4A_Q8_0_ROWS: u32 = 4;
+/// Weight rows per warp of the MXFP4 GEMV kernel (`DP4A_MXFP4_ROWS` in the source).
+pub(crate) const DP4A_MXFP4_ROWS: u32 = 8;
+/// Tokens per block of the Q8_0/MXFP4 GEMV kernels (`DP4A_TOKENS` in the source).
+pub(crate) const DP4A_TOKENS: u32 = 8;
 /// Weight rows per block of the tiled Q8_0/MXFP4 products (`TILE_ROWS` in the source).
 pub(crate) const TILE_ROWS: u32 = 64;
 /// Tokens (or expert slots) per tile of the tiled products (`TILE_SLOTS` in the source).
@@ -345,6 +352,9 @@ mod tests {
         for (name, value) in [
             ("ROW_WARPS", ROW_WARPS as usize),
             ("MM_TOKENS", MM_TOKENS as usize),
+            ("DP4A_Q8_0_ROWS", DP4A_Q8_0_ROWS as usize),
+            ("DP4A_MXFP4_ROWS", DP4A_MXFP4_ROWS as usize),
+            ("DP4A_TOKENS", DP4A_TOKENS as usize),
             ("TILE_ROWS", TILE_ROWS as usize),
             ("TILE_SLOTS", TILE_SLOTS as usize),
             ("MMA_WARPS", MMA_WARPS as usize),

@@ -69,7 +69,6 @@ fn matmul_case(
     n: usize,
 ) -> Vec<f32> {
     let q = arch_weights(rng, arch, ty, (rows, cols), true);
-    let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
     let mut x = noise(rng, n * cols, 1.0);
     if arch == Arch::Sm80 {
         let scales = [1.0, 1e-30, 1e4, 1e-3];
@@ -77,12 +76,27 @@ fn matmul_case(
             .enumerate()
             .for_each(|(i, v)| *v *= scales[i / cols % 4]);
     }
-    emu.write("w", &q);
-    emu.write("x", &x);
+    matmul_check(emu, cpu, (ty, arch), (rows, cols, n), &q, &x)
+}
+
+/// Runs the emulated matmul of the `rows × cols` matrix `q` of `ty` on the `n` tokens `x`, on
+/// a device of `arch`, against REF0's: the same bits for the types of [`exact`], else only
+/// reported. Returns the emulator's outputs.
+fn matmul_check(
+    emu: &Emulator,
+    cpu: &Ref0,
+    (ty, arch): (GgmlType, Arch),
+    (rows, cols, n): (usize, usize, usize),
+    q: &[u8],
+    x: &[f32],
+) -> Vec<f32> {
+    let m = cpu.upload_matrix(ty, rows, cols, q).unwrap();
+    emu.write("w", q);
+    emu.write("x", x);
     let tc = u8::from(arch == Arch::Sm80);
     emu.run("matmul", &[s(ty.id()), s(rows), s(cols), s(n), s(tc)]);
     let got: Vec<f32> = emu.read("y");
-    let xd = cpu.upload(&x).unwrap();
+    let xd = cpu.upload(x).unwrap();
     let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
     cpu.matmul(&m, &xd, n, &mut yd).unwrap();
     let want = cpu.download(&yd).unwrap();
@@ -93,6 +107,75 @@ fn matmul_case(
         reported(&what, &got, &want);
     }
     got
+}
+
+/// Q8_0 or MXFP4 weights with random quants (Q8_0 -128 included) and block scales drawn from
+/// extremes and ordinary values: Q8_0's f16 d ±65504, the smallest subnormal and normal, 1,
+/// 0 and 1e-3..1e-2; MXFP4's exponent bytes 0..3 (subnormal f32 scales) up to 2^72.
+fn extreme_weights(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    use rand::{Rng, RngCore};
+    let mut q = vec![0u8; ty.row_bytes(cols as u64).unwrap() as usize * rows];
+    rng.fill_bytes(&mut q);
+    for block in q.chunks_exact_mut(ty.block_bytes()) {
+        if ty == GgmlType::MXFP4 {
+            const E: [u8; 10] = [0, 1, 2, 3, 100, 127, 128, 129, 150, 200];
+            block[0] = E[rng.random_range(0..E.len())];
+        } else {
+            const D: [u16; 7] = [0x7bff, 0xfbff, 0x0001, 0x8001, 0x0400, 0x3c00, 0x0000];
+            // Ordinary scales for two draws in nine.
+            let d = match D.get(rng.random_range(0..D.len() + 2)) {
+                Some(&bits) => bits,
+                None => half::f16::from_f32(rng.random_range(1e-3f32..1e-2)).to_bits(),
+            };
+            block[..2].copy_from_slice(&d.to_le_bytes());
+        }
+    }
+    q
+}
+
+/// `n` tokens of `cols` activations, each at a magnitude from 1e-20 (its Q8_0 scales round to
+/// zero) to 1e6 (scales near the f16 maximum).
+fn extreme_tokens(rng: &mut StdRng, n: usize, cols: usize) -> Vec<f32> {
+    use rand::Rng;
+    const MAG: [f32; 6] = [1e-20, 1e-3, 1.0, 30.0, 1e3, 1e6];
+    (0..n)
+        .flat_map(|_| {
+            let m = MAG[rng.random_range(0..MAG.len())];
+            noise(rng, cols, m)
+        })
+        .collect()
+}
+
+/// The dp4a GEMV kernels of Q8_0 and MXFP4 weights (`kernels/gemv_dp4a.cu`, every batch under
+/// the tiled kernel's 32 tokens) on weights and activations of extreme scales: every row count
+/// from 1 to 17 and 31..33 (partial warps and blocks of 4 or 8 rows per warp), rows of 1, 2,
+/// 3, 5, 8, 9 and 90 blocks (whole chunks of 8 blocks and tails; gpt-oss's 2880 columns; an
+/// odd count puts MXFP4 rows at odd byte offsets), 1..8 tokens and batches over several
+/// blocks of 8; REF0's bits.
+#[test]
+#[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_dp4a_gemv_gives_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("dp4a") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(43);
+    let mut shapes = Vec::new();
+    for rows in (1..=17).chain(31..=33) {
+        shapes.extend([1, 3, 8].map(|n| (rows, 64, n)));
+    }
+    for cols in [32, 64, 96, 160, 256, 288, 2880] {
+        shapes.extend((1..=8).map(|n| (5, cols, n)));
+    }
+    shapes.extend([9, 17, 31].map(|n| (6, 96, n)));
+    shapes.push((33, 2880, 2));
+    for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
+        for &(rows, cols, n) in &shapes {
+            let q = extreme_weights(&mut rng, ty, rows, cols);
+            let x = extreme_tokens(&mut rng, n, cols);
+            matmul_check(&emu, &cpu, (ty, Arch::Older), (rows, cols, n), &q, &x);
+        }
+    }
 }
 
 /// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.

@@ -229,6 +229,103 @@ fn tiled_products_of_extreme_scales_give_the_cpus_bits() {
     }
 }
 
+/// `matmul_shared` (one quantized activation for Q, K and V) gives REF0's `matmul` bits for
+/// each matrix: Q8_0 and MXFP4 of one width (quantized once; the dp4a GEMV kernels, the tiled
+/// kernel for 40 tokens), and a set with an F32 matrix (each `matmul` on its own).
+#[test]
+fn matmul_shared_gives_each_matmuls_bits() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    let cpu = Ref0::new();
+    let cols = 2880;
+    let sets = [
+        [
+            (GgmlType::Q8_0, 64),
+            (GgmlType::MXFP4, 8),
+            (GgmlType::Q8_0, 8),
+        ],
+        [
+            (GgmlType::Q8_0, 64),
+            (GgmlType::F32, 8),
+            (GgmlType::MXFP4, 8),
+        ],
+    ];
+    for set in sets {
+        let qs = set.map(|(ty, rows)| weights(&mut rng, ty, rows, cols).0);
+        let ws: Vec<_> = set
+            .iter()
+            .zip(&qs)
+            .map(|(&(ty, rows), q)| dev.upload_matrix(ty, rows, cols, q).unwrap())
+            .collect();
+        for n in [1usize, 5, 40] {
+            let x = noise(&mut rng, n * cols, 1.0);
+            let xd = dev.upload(&x).unwrap();
+            let mut ys: Vec<_> = set
+                .iter()
+                .map(|&(_, rows)| dev.alloc::<f32>(n * rows).unwrap())
+                .collect();
+            let mut outs: Vec<_> = ys.iter_mut().collect();
+            let refs: Vec<_> = ws.iter().collect();
+            dev.matmul_shared(&refs, &xd, n, &mut outs).unwrap();
+            for ((&(ty, rows), q), y) in set.iter().zip(&qs).zip(&ys) {
+                let want = matmul_on(&cpu, (ty, rows, cols), q, &x, n);
+                let got = dev.download(y).unwrap();
+                let what = format!("matmul_shared {ty} {rows}x{cols} n={n}");
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+/// The dp4a GEMV kernels on gpt-oss's decode shapes (q, k/v and o projections of Q8_0, an
+/// MXFP4 matrix of 2880²) for 1 and 4 tokens: REF0's bits, then the time of 100 products
+/// (activation quantization included) reported as weight bytes per second.
+#[test]
+fn dp4a_gemv_on_gpt_oss_shapes() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(43);
+    let cpu = Ref0::new();
+    for (ty, rows, cols) in [
+        (GgmlType::Q8_0, 4096, 2880),
+        (GgmlType::Q8_0, 512, 2880),
+        (GgmlType::Q8_0, 2880, 4096),
+        (GgmlType::MXFP4, 2880, 2880),
+    ] {
+        let (q, _) = weights(&mut rng, ty, rows, cols);
+        let w = dev.upload_matrix(ty, rows, cols, &q).unwrap();
+        for n in [1usize, 4] {
+            let x = noise(&mut rng, n * cols, 1.0);
+            let xd = dev.upload(&x).unwrap();
+            let mut y = dev.alloc_zeros::<f32>(n * rows).unwrap();
+            dev.matmul(&w, &xd, n, &mut y).unwrap();
+            let got = dev.download(&y).unwrap();
+            let want = matmul_on(&cpu, (ty, rows, cols), &q, &x, n);
+            let what = format!("{ty} {rows}x{cols} n={n}");
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "{what}"
+            );
+            let reps = 100;
+            dev.synchronize().unwrap();
+            let t = Instant::now();
+            for _ in 0..reps {
+                dev.matmul(&w, &xd, n, &mut y).unwrap();
+            }
+            dev.synchronize().unwrap();
+            let us = t.elapsed().as_secs_f64() / reps as f64 * 1e6;
+            let gbs = q.len() as f64 / (us * 1e3);
+            eprintln!("dp4a GEMV {what}: {us:.1} µs per product, {gbs:.0} GB/s of weights");
+        }
+    }
+}
+
 /// The low-bit types' products are the CPU device's bits at every batch size: the kernels
 /// replay the order of the CPU kernel for the matrix and batch (`vec_dot`, tiled K-quants from
 /// 8 tokens, repacked Q4_0/Q4_K for row counts that are multiples of 8).

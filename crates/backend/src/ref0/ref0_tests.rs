@@ -138,3 +138,33 @@ fn bad_shapes_and_types_are_errors() {
     let x = dev.upload(&[1.0f32; 4]).unwrap();
     assert!(dev.copy_range(&x, 2..6).is_err());
 }
+
+#[test]
+fn matmul_shared_is_matmul_of_each_matrix() {
+    let dev = Ref0::new();
+    let (cols, n) = (64, 3);
+    let wave = |len: usize, f: f32| (0..len).map(|i| (i as f32 * f).sin()).collect::<Vec<_>>();
+    let x = wave(n * cols, 0.37);
+    let mut q = vec![0u8; 5 * 2 * 34];
+    hmoe_quant::quantize_row(GgmlType::Q8_0, &wave(5 * cols, 0.91), &mut q).unwrap();
+    let ws = [
+        dev.upload_matrix(GgmlType::Q8_0, 5, cols, &q).unwrap(),
+        dev.upload_matrix(GgmlType::F32, 2, cols, &f32_bytes(&wave(2 * cols, 1.3)))
+            .unwrap(),
+    ];
+    let xd = dev.upload(&x).unwrap();
+    let (mut a, mut b) = (dev.alloc::<f32>(n * 5).unwrap(), dev.alloc(n * 2).unwrap());
+    dev.matmul_shared(&[&ws[0], &ws[1]], &xd, n, &mut [&mut a, &mut b])
+        .unwrap();
+    for (w, got) in ws.iter().zip([&a, &b]) {
+        let mut want = dev.alloc::<f32>(got.len()).unwrap();
+        dev.matmul(w, &xd, n, &mut want).unwrap();
+        assert_eq!(dev.download(got).unwrap(), dev.download(&want).unwrap());
+    }
+    let e = dev.matmul_shared(&[&ws[0]], &xd, n, &mut [&mut a, &mut b]);
+    assert!(matches!(e, Err(BackendError::Shape { .. })), "{e:?}");
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+}

@@ -114,7 +114,7 @@ fn product_kernels(
         GgmlType::Q4_K => ("matmul_q4_k", "moe_lowbit_q4_k"),
         GgmlType::Q5_K => ("matmul_q5_k", "moe_lowbit_q5_k"),
         GgmlType::Q6_K => ("matmul_q6_k", "moe_lowbit_q6_k"),
-        GgmlType::Q8_0 => ("matmul_q8_0", "moe_lowbit_q8_0"),
+        GgmlType::Q8_0 => ("matmul_dp4a_q8_0", "moe_lowbit_q8_0"),
         ty => return Err(CudaError::UnsupportedType { ty, op }),
     })
 }

@@ -1,5 +1,6 @@
-//! Products of weight matrices and activations: `matmul` (the GEMV kernel, the tiled kernel for
-//! batches of Q8_0/MXFP4 weights, cuBLAS for batches of F16/BF16 weights), the Q8_0 activation
+//! Products of weight matrices and activations: `matmul` (the GEMV kernels, dp4a ones for
+//! Q8_0/MXFP4 weights; the tiled kernel for batches of Q8_0/MXFP4 weights, cuBLAS for batches
+//! of F16/BF16 weights), the Q8_0 activation
 //! quantizer and per-head products (`matmul_heads`). The low-bit types' products are in
 //! `lowbit`.
 
@@ -10,7 +11,9 @@ use hmoe_quant::GgmlType;
 use super::capabilities::{is_lowbit, tiled_kernel};
 use super::{grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceMatrix, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
-use crate::kernels::{MM_TOKENS, ROW_WARPS, TILE_SLOTS};
+use crate::kernels::{
+    DP4A_MXFP4_ROWS, DP4A_Q8_0_ROWS, DP4A_TOKENS, MM_TOKENS, ROW_WARPS, TILE_SLOTS,
+};
 
 /// Batches of at least this many tokens multiply F16/BF16 weights with cuBLAS (when libcublas
 /// is present); smaller ones (decode) use the GEMV kernel. F32 weights (gpt-oss's router, the
@@ -34,6 +37,31 @@ pub(super) fn push_acts<'a>(
     };
 }
 
+/// Whether `w`'s products take Q8_0 activations through the dp4a/tiled kernels (Q8_0 and
+/// MXFP4 weights).
+fn takes_q8_0(w: &DeviceMatrix) -> bool {
+    matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4)
+}
+
+/// `x` and `y` hold `n` tokens of `w`'s inputs and outputs.
+fn check_shape(
+    op: &'static str,
+    w: &DeviceMatrix,
+    x: &CudaSlice<f32>,
+    n: usize,
+    y: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    ensure(x.len() >= n * w.cols && y.len() >= n * w.rows, op, || {
+        format!(
+            "x {} / y {} for {n} tokens of a {}×{} matrix",
+            x.len(),
+            y.len(),
+            w.rows,
+            w.cols
+        )
+    })
+}
+
 impl CudaDevice {
     /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
     /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
@@ -52,15 +80,7 @@ impl CudaDevice {
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul";
-        ensure(x.len() >= n * w.cols && y.len() >= n * w.rows, OP, || {
-            format!(
-                "x {} / y {} for {n} tokens of a {}×{} matrix",
-                x.len(),
-                y.len(),
-                w.rows,
-                w.cols
-            )
-        })?;
+        check_shape(OP, w, x, n, y)?;
         if n == 0 {
             return Ok(());
         }
@@ -73,16 +93,14 @@ impl CudaDevice {
                 return self.matmul_cublas(blas, w, x, n, y);
             }
         }
-        let quantized = matches!(w.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
-        if quantized && n >= MM_TILED_MIN_TOKENS {
-            return self.matmul_tiled(w, x, n, y);
+        if takes_q8_0(w) {
+            let xq = self.quantize_q8_0(x, n * w.cols)?;
+            return self.matmul_q8_0_acts(w, &xq, n, y);
         }
         let name = match w.ty {
             GgmlType::F32 => "matmul_f32",
             GgmlType::F16 => "matmul_f16",
-            GgmlType::BF16 => "matmul_bf16",
-            GgmlType::Q8_0 => "matmul_q8_0",
-            _ => "matmul_mxfp4",
+            _ => "matmul_bf16",
         };
         let row_bytes = w.row_bytes as u64;
         let (rows, cols, n_i) = (
@@ -91,13 +109,95 @@ impl CudaDevice {
             i32_of(OP, "tokens", n)?,
         );
         let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, MM_TOKENS), ROW_WARPS * 32)?;
-        let quantized = self.q8_0_acts(quantized, x, n * w.cols)?;
         let mut b = self.builder(name);
-        b.arg(&w.data).arg(&row_bytes);
-        push_acts(&mut b, quantized.as_ref(), x);
+        b.arg(&w.data).arg(&row_bytes).arg(x);
         b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
-        // SAFETY: argument types match `matmul_*` (x as Q8_0 blocks for Q8_0/MXFP4 weights,
-        // f32 otherwise); sizes checked above.
+        // SAFETY: argument types match `matmul_f32`/`matmul_f16`/`matmul_bf16` (f32
+        // activations); sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `ys[i] = ws[i] · x` for `n` tokens: [`CudaDevice::matmul`] of each matrix, with its
+    /// bits. When every matrix is Q8_0 or MXFP4 of one width (Q, K and V), `x` is quantized
+    /// once for all of them (the quantizer is deterministic, so the products are the same).
+    pub fn matmul_shared(
+        &self,
+        ws: &[&DeviceMatrix],
+        x: &CudaSlice<f32>,
+        n: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul_shared";
+        ensure(ws.len() == ys.len(), OP, || {
+            format!("{} matrices for {} outputs", ws.len(), ys.len())
+        })?;
+        let cols = ws.first().map_or(0, |w| w.cols);
+        if n == 0 || !ws.iter().all(|w| takes_q8_0(w) && w.cols == cols) {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                self.matmul(w, x, n, y)?;
+            }
+            return Ok(());
+        }
+        for (w, y) in ws.iter().zip(ys.iter()) {
+            check_shape(OP, w, x, n, y)?;
+        }
+        let xq = self.quantize_q8_0(x, n * cols)?;
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            self.matmul_q8_0_acts(w, &xq, n, y)?;
+        }
+        Ok(())
+    }
+
+    /// [`CudaDevice::matmul`] of Q8_0 or MXFP4 weights on `n` (> 0) tokens of activations
+    /// already quantized (`xq`, [`CudaDevice::quantize_q8_0`]): the dp4a GEMV kernels, or the
+    /// tiled kernel from `MM_TILED_MIN_TOKENS` tokens.
+    fn matmul_q8_0_acts(
+        &self,
+        w: &DeviceMatrix,
+        xq: &CudaSlice<u8>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        match n >= MM_TILED_MIN_TOKENS {
+            true => self.matmul_tiled(w, xq, n, y),
+            false => self.matmul_dp4a(w, xq, n, y),
+        }
+    }
+
+    /// [`CudaDevice::matmul`] for fewer than `MM_TILED_MIN_TOKENS` tokens of Q8_0 or MXFP4
+    /// weights (checked there): the dp4a GEMV kernels (`kernels/gemv_dp4a.cu`), in the CPU
+    /// device's order, DP4A_TOKENS tokens per block. The Q8_0 kernel loads quant words with
+    /// 16-bit loads: rows of whole 34-byte blocks from an aligned allocation keep them even.
+    fn matmul_dp4a(
+        &self,
+        w: &DeviceMatrix,
+        xq: &CudaSlice<u8>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        let (name, rows_per_warp) = match w.ty {
+            GgmlType::MXFP4 => ("matmul_dp4a_mxfp4", DP4A_MXFP4_ROWS),
+            _ => ("matmul_dp4a_q8_0", DP4A_Q8_0_ROWS),
+        };
+        let row_bytes = w.row_bytes as u64;
+        let (rows, cols, n_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+        );
+        let cfg = rows_by_tokens(
+            OP,
+            (w.rows, ROW_WARPS * rows_per_warp),
+            (n, DP4A_TOKENS),
+            ROW_WARPS * 32,
+        )?;
+        let mut b = self.builder(name);
+        b.arg(&w.data).arg(&row_bytes).arg(xq);
+        b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
+        // SAFETY: argument types match `matmul_dp4a_*`; xq holds n rows of w.cols / 32 Q8_0
+        // blocks and y n rows of w.rows (checked by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -149,7 +249,7 @@ impl CudaDevice {
     fn matmul_tiled(
         &self,
         w: &DeviceMatrix,
-        x: &CudaSlice<f32>,
+        xq: &CudaSlice<u8>,
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
@@ -166,18 +266,17 @@ impl CudaDevice {
             (n, TILE_SLOTS),
             kernel.threads,
         )?;
-        let xq = self.quantize_q8_0(x, n * w.cols)?;
         let row_bytes = w.row_bytes as u64;
         let mut b = self.builder(kernel.name);
         b.arg(&w.data)
             .arg(&row_bytes)
             .arg(&rows)
             .arg(&nb)
-            .arg(&xq)
+            .arg(xq)
             .arg(&n_i)
             .arg(y);
-        // SAFETY: argument types match `matmul_tiled_*` and `matmul_mma_*`; x holds n rows of w.cols (so xq n
-        // rows of nb Q8_0 blocks) and y n rows of w.rows (checked by the caller).
+        // SAFETY: argument types match `matmul_tiled_*` and `matmul_mma_*`; xq holds n rows of
+        // nb Q8_0 blocks and y n rows of w.rows (checked by the caller).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -159,7 +159,9 @@ __device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
     }
 }
 
-// The GEMV entry points: X is the activations' type (f32, or Q8_0 blocks for Q8_0/MXFP4).
+// The GEMV entry points of F32/F16/BF16 weights (X: f32 activations). Q8_0 and MXFP4 weights
+// have their own GEMV kernels (gemv_dp4a.cu); matmul_impl's Q8_0/MXFP4 paths serve the
+// per-head products.
 #define MATMUL(SUFFIX, TY, X)                                                                   \
     extern "C" __global__ void matmul_##SUFFIX(const u8* w, u64 row_bytes, const X* x, float* y, \
                                                int rows, int cols, int n) {                     \
@@ -168,6 +170,4 @@ __device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
 MATMUL(f32, TY_F32, float)
 MATMUL(f16, TY_F16, float)
 MATMUL(bf16, TY_BF16, float)
-MATMUL(q8_0, TY_Q8_0, u8)
-MATMUL(mxfp4, TY_MXFP4, u8)
 

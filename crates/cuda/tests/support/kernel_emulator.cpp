@@ -63,6 +63,12 @@ unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
 double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte n of the result: byte s<4n+2:4n> of y:x
+    uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
+}
 int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
@@ -288,13 +294,20 @@ int main(int argc, char** argv) {
             wr(P("y"), y);
             return 0;
         }
+        if (ty == 8 || ty == 39) {  // matmul.rs: matmul_dp4a
+            unsigned per_block = ROW_WARPS * (ty == 8 ? DP4A_Q8_0_ROWS : DP4A_MXFP4_ROWS);
+            launch({cdiv(rows, per_block), cdiv(n, DP4A_TOKENS), 1}, blk, [&] {
+                if (ty == 8) matmul_dp4a_q8_0(wp, rb, xqp, yp, rows, cols, n);
+                else matmul_dp4a_mxfp4(wp, rb, xqp, yp, rows, cols, n);
+            });
+            wr(P("y"), y);
+            return 0;
+        }
         launch(grid, blk, [&] {
             switch (ty) {
             case 0: matmul_f32(wp, rb, xp, yp, rows, cols, n); break;
             case 1: matmul_f16(wp, rb, xp, yp, rows, cols, n); break;
             case 30: matmul_bf16(wp, rb, xp, yp, rows, cols, n); break;
-            case 8: matmul_q8_0(wp, rb, xqp, yp, rows, cols, n); break;
-            case 39: matmul_mxfp4(wp, rb, xqp, yp, rows, cols, n); break;
             }
         });
         wr(P("y"), y);

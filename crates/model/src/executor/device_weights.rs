@@ -51,6 +51,28 @@ impl<B: Backend> DevMat<B> {
         Ok(())
     }
 
+    /// `ys[i] = ws[i]·x` for the rows of `groups`, matrices that multiply the same input:
+    /// one [`Backend::matmul_shared`] (the activations converted once) unless some matrix
+    /// goes per sequence in a batch of several, then [`DevMat::mul`] each.
+    pub(crate) fn mul_shared(
+        ws: &[&DevMat<B>],
+        dev: &B,
+        arena: &ScratchArena<B>,
+        x: &B::Buf<f32>,
+        groups: &[Range<usize>],
+        ys: &mut [&mut B::Buf<f32>],
+    ) -> Result<(), ModelError> {
+        if groups.len() > 1 && ws.iter().any(|w| w.per_seq) {
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                w.mul(dev, arena, x, groups, y)?;
+            }
+            return Ok(());
+        }
+        let n = groups.last().map_or(0, |g| g.end);
+        let ms: Vec<&B::Matrix> = ws.iter().map(|w| &w.m).collect();
+        Ok(dev.matmul_shared(&ms, x, n, ys)?)
+    }
+
     /// One matrix per head ([`Backend::matmul_heads`]) over `groups`: per sequence for
     /// weights whose products go per sequence when every head's input is its whole row
     /// (then the order depends on the rows multiplied together).

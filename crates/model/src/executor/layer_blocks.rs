@@ -152,14 +152,11 @@ impl<B: Backend> AttnBlock<B> {
         let d = x_width::<B>(x, cx);
         let mut h = cx.alloc(d)?;
         dev.rms_norm(x, &self.norm, self.spec.rms_eps, &mut h)?;
-        let mut q = cx.alloc(qw)?;
-        cx.matmul(&self.wq, &h, &mut q)?;
+        let (mut q, mut k, mut v) = (cx.alloc(qw)?, cx.alloc(kvw)?, cx.alloc(kvw)?);
+        let qkv = [&self.wq, &self.wk, &self.wv];
+        cx.matmul_shared(&qkv, &h, &mut [&mut q, &mut k, &mut v])?;
         add_bias_opt(dev, &mut q, self.bq.as_ref())?;
-        let mut k = cx.alloc(kvw)?;
-        cx.matmul(&self.wk, &h, &mut k)?;
         add_bias_opt(dev, &mut k, self.bk.as_ref())?;
-        let mut v = cx.alloc(kvw)?;
-        cx.matmul(&self.wv, &h, &mut v)?;
         add_bias_opt(dev, &mut v, self.bv.as_ref())?;
         // Per-head RMSNorm: rows of the weight's length (one head), into a new buffer that
         // then stands for the raw one.
@@ -475,10 +472,8 @@ impl<B: Backend> SwiGluFfn<B> {
         out: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
         let ff = self.gate.rows;
-        let mut up = cx.alloc(ff)?;
-        cx.matmul(&self.up, h, &mut up)?;
-        let mut gate = cx.alloc(ff)?;
-        cx.matmul(&self.gate, h, &mut gate)?;
+        let (mut up, mut gate) = (cx.alloc(ff)?, cx.alloc(ff)?);
+        cx.matmul_shared(&[&self.up, &self.gate], h, &mut [&mut up, &mut gate])?;
         cx.dev().swiglu(&mut gate, &up, ff)?;
         cx.matmul(&self.down, &gate, out)
     }
