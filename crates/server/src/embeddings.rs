@@ -350,17 +350,19 @@ mod tests {
 
     #[test]
     fn normalize_is_common_embd_normalize() {
+        // llama.cpp: the norm in double, its inverse rounded to float, each value times it.
+        let scaled = |v: &[f32], sum: f64| -> Vec<f32> {
+            let inv = (1.0 / sum) as f32;
+            v.iter().map(|x| x * inv).collect()
+        };
         let v = [3.0f32, -4.0, 0.0];
         assert_eq!(normalize(&v, -1), v);
-        assert_eq!(normalize(&v, 2), [0.6, -0.8, 0.0]);
-        assert_eq!(normalize(&v, 1), [3.0 / 7.0, -4.0 / 7.0, 0.0]);
-        // Max-abs: the largest becomes ±32760.
-        assert_eq!(normalize(&v, 0), [24570.0, -32760.0, 0.0]);
+        assert_eq!(normalize(&v, 2), scaled(&v, 5.0));
+        assert_eq!(normalize(&v, 1), scaled(&v, 7.0));
+        assert_eq!(normalize(&v, 0), scaled(&v, 4.0 / 32760.0));
+        assert_eq!(normalize(&v, 0)[1], -32760.0, "the largest becomes ±32760");
         let p3 = (27.0f64 + 64.0).powf(1.0 / 3.0);
-        assert_eq!(
-            normalize(&v, 3),
-            [(3.0 / p3) as f32, (-4.0 / p3) as f32, 0.0]
-        );
+        assert_eq!(normalize(&v, 3), scaled(&v, p3));
         assert_eq!(normalize(&[0.0, 0.0], 2), [0.0, 0.0]);
     }
 

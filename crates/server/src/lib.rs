@@ -4,7 +4,8 @@
 //!   `/completion`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`, `/slots`
 //!   (and `POST /slots/{id}` with `--slot-save-path`, [`slot_actions`]),
 //!   `/metrics`, with `--embedding` `/embedding(s)` and `/v1/embeddings` ([`embeddings`]),
-//!   with `--reranking` `/rerank` ([`rerank`]), and in router mode `/models/load` and `/models/unload` (see [`api`]).
+//!   with `--reranking` `/rerank` ([`rerank`]), and in router mode `/models/load`,
+//!   `/models/unload` and `DELETE /models/{name}` (see [`api`]).
 //! * Each model runs `n_parallel` slots on one worker thread with continuous batching
 //!   ([`scheduler`]); requests beyond the slots wait in a bounded queue, then get 503.
 //! * gpt-oss output is split by harmony channel into `content`, `reasoning_content` and
