@@ -393,3 +393,123 @@ fn official_openai_client_embeddings() {
             .args(["--n-vocab", &model.n_vocab().to_string()]),
     );
 }
+
+/// The tiny fixture with `meta` added, written to a scratch file.
+fn fixture_with(name: &str, meta: &[(&str, hmoe_gguf::MetaValue)]) -> std::path::PathBuf {
+    let g = hmoe_gguf::GgufModel::open(tiny_model(), Default::default()).unwrap();
+    let mut w = hmoe_gguf::GgufWriter::from_model(&g).unwrap();
+    for (k, v) in meta {
+        w.add_meta(*k, v.clone());
+    }
+    let path = scratch(name).join("model.gguf");
+    w.write(&path).unwrap();
+    path
+}
+
+/// The first value of the first token's hidden state of `tokens`, on `path`'s model.
+fn first_value(path: &std::path::Path, tokens: &[u32]) -> f32 {
+    let g = hmoe_gguf::GgufModel::open(path, Default::default()).unwrap();
+    let model = hmoe_model::load(g).unwrap();
+    let e = tiny_config().engine;
+    let mut cache = model.new_cache(e.kv_type, tokens.len(), e.n_ubatch);
+    (model.forward(&mut cache, tokens, LogitsWanted::Hidden)).unwrap()[0]
+}
+
+/// A rerank server on the model at `path`.
+fn rerank_server(path: &std::path::Path) -> hmoe_server::RunningServer {
+    let mut c = tiny_config();
+    c.models = hmoe_server::ModelSource::File(path.to_path_buf());
+    c.embeddings = true;
+    c.pooling = Some(Pooling::Rank);
+    start(c)
+}
+
+#[test]
+fn rerank_pairs_follow_the_rerank_template_or_the_special_tokens() {
+    use hmoe_gguf::MetaValue;
+    let (query, docs) = ("pandas", ["bamboo", "the sea", "a bear"]);
+    let tok = tokenizer(&tiny_model());
+    let enc = |s: &str, special: bool| tok.encode(s, false, special).unwrap();
+
+    // The model's rerank template: the document first, so each pair starts differently.
+    let template = "{document} answers <|start|>{query}";
+    let path = fixture_with(
+        "rerank-template",
+        &[(
+            "tokenizer.chat_template.rerank",
+            MetaValue::String(template.into()),
+        )],
+    );
+    let s = rerank_server(&path);
+    let r = post(
+        s.local_addr(),
+        "/rerank",
+        &json!({"query": query, "documents": docs}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let body = r.json();
+    let mut want = Vec::new();
+    let mut n_tokens = 0;
+    for (i, d) in docs.iter().enumerate() {
+        let text = template.replace("{query}", query).replace("{document}", d);
+        let ids = enc(&text, true);
+        assert!(
+            ids.contains(&tok.token_id("<|start|>").unwrap()),
+            "specials parsed"
+        );
+        n_tokens += ids.len();
+        want.push((i, first_value(&path, &ids)));
+    }
+    want.sort_by(|x, y| y.1.total_cmp(&x.1));
+    assert!(
+        want[0].1 != want[2].1,
+        "the documents score differently here"
+    );
+    let got: Vec<(u64, u32)> = (body["results"].as_array().unwrap().iter())
+        .map(|r| {
+            let score = r["relevance_score"].as_f64().unwrap() as f32;
+            (r["index"].as_u64().unwrap(), score.to_bits())
+        })
+        .collect();
+    let want: Vec<(u64, u32)> = want.iter().map(|(i, s)| (*i as u64, s.to_bits())).collect();
+    assert_eq!(got, want, "best first, each the pair's first value");
+    assert_eq!(body["usage"]["prompt_tokens"], n_tokens);
+    drop(s);
+
+    // No template: BOS, query, EOS, separator, document, EOS when the vocabulary adds them.
+    let (bos, eos, sep) = (enc("x", false)[0], enc("y", false)[0], enc("z", false)[0]);
+    let path = fixture_with(
+        "rerank-specials",
+        &[
+            ("tokenizer.ggml.bos_token_id", MetaValue::U32(bos)),
+            ("tokenizer.ggml.eos_token_id", MetaValue::U32(eos)),
+            ("tokenizer.ggml.seperator_token_id", MetaValue::U32(sep)),
+            ("tokenizer.ggml.add_bos_token", MetaValue::Bool(true)),
+            ("tokenizer.ggml.add_eos_token", MetaValue::Bool(true)),
+            ("tokenizer.ggml.add_sep_token", MetaValue::Bool(true)),
+        ],
+    );
+    let s = rerank_server(&path);
+    let r = post(
+        s.local_addr(),
+        "/rerank",
+        &json!({"query": query, "documents": [docs[0]]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let body = r.json();
+    let pair = [
+        vec![bos],
+        enc(query, false),
+        vec![eos, sep],
+        enc(docs[0], false),
+        vec![eos],
+    ]
+    .concat();
+    assert_eq!(body["usage"]["prompt_tokens"], pair.len());
+    let score = body["results"][0]["relevance_score"].as_f64().unwrap() as f32;
+    assert_eq!(
+        score.to_bits(),
+        first_value(&path, &pair).to_bits(),
+        "BOS first"
+    );
+}
