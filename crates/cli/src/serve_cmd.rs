@@ -10,6 +10,7 @@ use hmoe_engine::Probed;
 use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::KvType;
 use hmoe_placement::Plan;
+use hmoe_server::embeddings::Pooling;
 use hmoe_server::{
     DevicePlacement, Limits, LoadedModel, ModelLoader, ModelSource, Placement, RunningServer,
     ServerConfig,
@@ -96,7 +97,8 @@ pub struct ServeArgs {
     /// llama-server; a file with no key is an error).
     #[arg(help_heading = "Server", long = "api-key-file", value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Names the model answers to in the `model` field (comma separated); the first is listed.
+    /// The model's names (comma separated), listed in /v1/models as its `aliases`; the
+    /// alphabetically first is its id, as in llama-server.
     #[arg(
         help_heading = "Server",
         short = 'a',
@@ -104,6 +106,9 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub alias: Vec<String>,
+    /// The model's tags (comma separated), listed in /v1/models.
+    #[arg(help_heading = "Server", long = "tags", value_delimiter = ',')]
+    pub tags: Vec<String>,
     /// Threads for computation (default, or any negative value: physical cores; at most 512).
     #[arg(help_heading = "Loading", short = 't', long = "threads", allow_negative_numbers = true, value_parser = parse_threads_or_default)]
     pub threads: Option<i64>,
@@ -163,6 +168,26 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics on /metrics.
     #[arg(help_heading = "Server", long = "metrics")]
     pub metrics: bool,
+    /// Serve embeddings: /embedding, /embeddings and /v1/embeddings (each token's final
+    /// hidden state after the output norm, pooled as --pooling says).
+    #[arg(help_heading = "Server", long = "embeddings")]
+    pub embeddings: bool,
+    /// How embeddings pool a prompt's token vectors: none (every token's; the native routes
+    /// only), mean, cls (the first token's), last, rank (as --reranking). Default: the model's
+    /// `pooling_type`, else none.
+    #[arg(help_heading = "Server", long = "pooling", value_name = "TYPE",
+          value_parser = ["none", "mean", "cls", "last", "rank"])]
+    pub pooling: Option<String>,
+    /// Serve /rerank, /reranking, /v1/rerank and /v1/reranking (as --embeddings --pooling
+    /// rank; a model without a classification head scores with the first value of the first
+    /// token's hidden state, as llama-server does).
+    #[arg(help_heading = "Server", long = "reranking")]
+    pub reranking: bool,
+    /// Unload the model after N seconds without a request and load it again for the next one
+    /// (-1: never). /props says is_sleeping meanwhile. Single-model mode (-m) only.
+    #[arg(help_heading = "Server", long = "sleep-idle-seconds", value_name = "N",
+          default_value_t = -1, allow_negative_numbers = true)]
+    pub sleep_idle_seconds: i64,
     /// Do not serve /slots.
     #[arg(help_heading = "Server", long = "no-slots")]
     pub no_slots: bool,
@@ -470,6 +495,11 @@ impl ServeArgs {
             .filter(|s| !s.is_empty())
             .cloned()
             .collect();
+        config.tags = (self.tags.iter())
+            .map(|t| t.trim())
+            .filter(|t| !t.is_empty())
+            .map(String::from)
+            .collect();
         config.api_keys = self.api_keys()?;
         config.cors_origins = self.cors_origins.clone();
         config.limits = Limits {
@@ -536,6 +566,23 @@ impl ServeArgs {
         s.params.seed = self.seed.max(0) as u64;
         s.n_predict = (self.n_predict >= 0).then_some(self.n_predict as usize);
         config.metrics = self.metrics;
+        config.pooling = self.pooling.as_deref().and_then(Pooling::named);
+        if self.reranking {
+            if config.pooling.is_some_and(|p| p != Pooling::Rank) {
+                bail!("--reranking pools with rank: leave out --pooling, or give --pooling rank");
+            }
+            config.pooling = Some(Pooling::Rank);
+        }
+        config.embeddings = self.embeddings || self.reranking;
+        config.sleep_idle = match self.sleep_idle_seconds {
+            -1 => None,
+            n if n < 1 => bail!("--sleep-idle-seconds {n}: -1 (never) or a number of seconds"),
+            _ if self.models_dir.is_some() => bail!(
+                "--sleep-idle-seconds applies to a single model (-m); router mode unloads the \
+                 least recently used model beyond --models-max"
+            ),
+            n => Some(Duration::from_secs(n as u64)),
+        };
         config.slots_endpoint = !self.no_slots;
         config.slot_save_path = self.slot_save_path.clone();
         config.models_max = self.models_max;

@@ -13,6 +13,9 @@ pub enum LogitsWanted {
     Last,
     /// Every token of the batch (teacher forcing, perplexity).
     All,
+    /// No logits: every token's final hidden state after the output norm (the head's input),
+    /// `n_embd` floats each (embeddings, which the server pools).
+    Hidden,
 }
 
 /// One sequence's share of a multi-sequence forward pass ([`LanguageModel::forward_multi`]).
@@ -43,11 +46,14 @@ pub struct DeviceMemory {
 pub trait LanguageModel: Send + Sync {
     /// Vocabulary size (length of each logits row).
     fn n_vocab(&self) -> usize;
+    /// Width of the hidden state (length of each [`LogitsWanted::Hidden`] row).
+    fn n_embd(&self) -> usize;
     /// Context length the model was trained for.
     fn n_ctx_train(&self) -> usize;
     /// A fresh KV cache for `n_ctx` positions and micro-batches of `n_ubatch` tokens.
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache;
-    /// Runs `tokens` at the next positions of `cache`; returns `n_vocab` logits per wanted token.
+    /// Runs `tokens` at the next positions of `cache`; returns `n_vocab` logits per wanted token
+    /// (`n_embd` hidden floats per token for [`LogitsWanted::Hidden`]).
     fn forward(
         &self,
         cache: &mut KvCache,

@@ -315,3 +315,37 @@ fn ref0_qwen3moe_refuses_heads_it_cannot_attend() {
     assert!(e.to_string().contains("heads of 8 values"), "{e}");
     let _ = std::fs::remove_file(&path);
 }
+
+/// [`LogitsWanted::Hidden`]: every token's hidden state after the output norm, `n_embd`
+/// floats each, over three micro-batches: the same bits on REF0 (experts on the device and on
+/// the host) as on the CPU.
+#[test]
+fn ref0_qwen3moe_hidden_states_are_the_cpu_devices_bit_for_bit() {
+    let (d, h) = (ExpertHome::Device, ExpertHome::Host);
+    let ty = kv(CacheType::F32, CacheType::F32);
+    for m in [Model::Fixture, Model::Synth] {
+        let cpu = hmoe_model::load(open(m)).unwrap();
+        let n_embd = cpu.n_embd();
+        let prompt: Vec<u32> = (0..20)
+            .map(|i| ((i * 31 + 3) % cpu.n_vocab()) as u32)
+            .collect();
+        let hidden = |model: &dyn LanguageModel, ubatch: usize| {
+            let mut cache = model.new_cache(ty, N_CTX, ubatch);
+            (model.forward(&mut cache, &prompt, LogitsWanted::Hidden)).unwrap()
+        };
+        let want = hidden(cpu.as_ref(), UBATCH);
+        assert_eq!(want.len(), prompt.len() * n_embd, "{m:?}");
+        assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
+        for layers in [vec![d, d], vec![h, h]] {
+            let placement = ExpertPlacement {
+                layers: layers.clone(),
+                op_offload_min_batch: None,
+            };
+            let dev = DeviceModel::load(open(m), Ref0::new(), &placement).unwrap();
+            assert!(
+                bits(&hidden(&dev, UBATCH)) == bits(&want),
+                "{m:?} {layers:?}: REF0's hidden states differ from the CPU's"
+            );
+        }
+    }
+}

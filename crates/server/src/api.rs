@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, HeaderMap};
 use axum::middleware;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -45,6 +45,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/models/load", post(load_model))
         .route("/models/unload", post(unload_model))
+        .route("/models/{name}", axum::routing::delete(delete_model))
         .route("/chat/completions", post(chat))
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions/input_tokens", post(chat_input_tokens))
@@ -59,6 +60,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/completion", post(native_completion))
         .route("/completions", post(native_completion))
+        .route("/embedding", post(crate::embeddings::native))
+        .route("/embeddings", post(crate::embeddings::native))
+        .route("/v1/embeddings", post(crate::embeddings::openai))
+        .route("/rerank", post(crate::rerank::rerank))
+        .route("/reranking", post(crate::rerank::rerank))
+        .route("/v1/rerank", post(crate::rerank::rerank))
+        .route("/v1/reranking", post(crate::rerank::rerank))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/apply-template", post(apply_template))
@@ -109,6 +117,12 @@ async fn unload_model(State(st): St, body: Bytes) -> Res {
     let req = st.bodies.parse(body).await?;
     let name = named_model(&req)?;
     st.registry.unload(name).await?;
+    Ok(Json(json!({"success": true})).into_response())
+}
+
+/// `DELETE /models/{name}`: `POST /models/unload` by path.
+async fn delete_model(State(st): St, Path(name): Path<String>) -> Res {
+    st.registry.unload(&name).await?;
     Ok(Json(json!({"success": true})).into_response())
 }
 
@@ -313,11 +327,33 @@ async fn props(State(st): St, Query(q): Query<HashMap<String, String>>) -> Res {
         p["build_info"] = build_info().into();
         return Ok(Json(p).into_response());
     }
-    let lease = st
-        .registry
-        .acquire(q.get("model").map(String::as_str))
-        .await?;
-    let h = &lease.host;
+    if st.registry.is_sleeping() {
+        // What is known without the model: reading /props does not wake it.
+        let id = (st.registry.list(false).first()).map_or(Value::Null, |m| m["id"].clone());
+        return Ok(Json(json!({
+            "model_alias": id,
+            "total_slots": st.config.engine.n_parallel,
+            "build_info": build_info(),
+            "modalities": {"vision": false, "audio": false},
+            "is_sleeping": true,
+        }))
+        .into_response());
+    }
+    // The single model is read without a lease: reading /props is no activity that keeps
+    // it from sleeping (--sleep-idle-seconds).
+    let single = (!st.registry.is_router())
+        .then(|| st.registry.loaded().pop())
+        .flatten();
+    let h = match single {
+        Some(h) => h,
+        None => (st
+            .registry
+            .acquire(q.get("model").map(String::as_str))
+            .await?)
+            .host
+            .clone(),
+    };
+    let h = &h;
     let s = &st.config.sampling;
     let tok = &h.tokenizer;
     let text = |id: Option<u32>| {
@@ -361,8 +397,9 @@ async fn props(State(st): St, Query(q): Query<HashMap<String, String>>) -> Res {
     .into_response())
 }
 
-fn build_info() -> String {
-    format!("hmoe {}", env!("CARGO_PKG_VERSION"))
+/// `b<commits>-<short hash>` of the build, as llama-server's `build_info` (see build.rs).
+fn build_info() -> &'static str {
+    env!("HMOE_BUILD_INFO")
 }
 
 async fn slots(State(st): St, Query(q): Query<HashMap<String, String>>) -> Res {

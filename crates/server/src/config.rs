@@ -155,8 +155,11 @@ pub struct ServerConfig {
     pub port: u16,
     /// Model(s) to serve.
     pub models: ModelSource,
-    /// Names the single model also answers to (`--alias`); the first is its listed id.
+    /// Names of the single model (`--alias`): `/v1/models` lists them as its `aliases`, and
+    /// the alphabetically first is its id (llama-server keeps them in a sorted set).
     pub alias: Vec<String>,
+    /// Tags of the single model (`--tags`), listed in `/v1/models`.
+    pub tags: Vec<String>,
     /// Accepted API keys (`--api-key`); empty = no authentication. An empty key is a
     /// configuration error ([`crate::RunningServer::start`] refuses it), never "no auth".
     pub api_keys: Vec<String>,
@@ -174,11 +177,21 @@ pub struct ServerConfig {
     pub sampling: SamplingDefaults,
     /// Serve `/metrics` (`--metrics`).
     pub metrics: bool,
+    /// Serve the embedding routes (`--embedding`; `--reranking` too, with rank pooling); see
+    /// [`crate::embeddings`].
+    pub embeddings: bool,
+    /// How embeddings pool token vectors (`--pooling`); `None`: each model's metadata, else
+    /// none. [`crate::embeddings::Pooling::Rank`] (with `embeddings`) serves the rerank routes.
+    pub pooling: Option<crate::embeddings::Pooling>,
     /// Serve `/slots` (on unless `--no-slots`).
     pub slots_endpoint: bool,
     /// The directory of slot files (`--slot-save-path`): `POST /slots/{id}?action=save|
     /// restore` read and write files there; `None` (the default) answers those routes 501.
     pub slot_save_path: Option<std::path::PathBuf>,
+    /// Single-model mode: unload the model after this long with no request, and load it
+    /// again for the next one (`--sleep-idle-seconds`; `None`: never). `/props` says
+    /// `is_sleeping` meanwhile.
+    pub sleep_idle: Option<Duration>,
     /// Router mode: models loaded at once (`--models-max`, 0 = no limit).
     pub models_max: usize,
     /// Router mode: a request for a model that is not loaded loads it (on unless
@@ -212,6 +225,7 @@ impl ServerConfig {
             port: 8080,
             models,
             alias: Vec::new(),
+            tags: Vec::new(),
             api_keys: Vec::new(),
             cors_origins: Vec::new(),
             limits: Limits::default(),
@@ -219,8 +233,11 @@ impl ServerConfig {
             chat: ChatConfig::default(),
             sampling: SamplingDefaults::default(),
             metrics: false,
+            embeddings: false,
+            pooling: None,
             slots_endpoint: true,
             slot_save_path: None,
+            sleep_idle: None,
             models_max: 4,
             models_autoload: true,
             presets: std::collections::BTreeMap::new(),
@@ -240,6 +257,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("port", &self.port)
             .field("models", &self.models)
             .field("alias", &self.alias)
+            .field("tags", &self.tags)
             .field("api_keys", &self.api_keys.len())
             .field("cors_origins", &self.cors_origins)
             .field("limits", &self.limits)
@@ -247,7 +265,10 @@ impl std::fmt::Debug for ServerConfig {
             .field("chat", &self.chat)
             .field("sampling", &self.sampling)
             .field("metrics", &self.metrics)
+            .field("embeddings", &self.embeddings)
+            .field("pooling", &self.pooling)
             .field("slot_save_path", &self.slot_save_path)
+            .field("sleep_idle", &self.sleep_idle)
             .field("models_max", &self.models_max)
             .field("models_autoload", &self.models_autoload)
             .field("presets", &self.presets.keys().collect::<Vec<_>>())

@@ -3,11 +3,15 @@
 //! * Routes: `/health`, `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
 //!   `/completion`, `/tokenize`, `/detokenize`, `/apply-template`, `/props`, `/slots`
 //!   (and `POST /slots/{id}` with `--slot-save-path`, [`slot_actions`]),
-//!   `/metrics`, and in router mode `/models/load` and `/models/unload` (see [`api`]).
+//!   `/metrics`, with `--embedding` `/embedding(s)` and `/v1/embeddings` ([`embeddings`]),
+//!   with `--reranking` `/rerank` ([`rerank`]), and in router mode `/models/load`,
+//!   `/models/unload` and `DELETE /models/{name}` (see [`api`]).
 //! * Each model runs `n_parallel` slots on one worker thread with continuous batching
 //!   ([`scheduler`]); requests beyond the slots wait in a bounded queue, then get 503.
 //! * gpt-oss output is split by harmony channel into `content`, `reasoning_content` and
 //!   `tool_calls` ([`output`]), per `--reasoning-format`.
+//! * With `--sleep-idle-seconds`, the single model is unloaded after that long without a
+//!   request and loaded again by the next one ([`registry::Registry::sleep_if_idle`]).
 //! * Router mode serves every GGUF of a directory, loading on demand and unloading the least
 //!   recently used idle model beyond `--models-max` ([`registry`]).
 //!
@@ -29,6 +33,7 @@ pub mod chat_render;
 pub mod config;
 pub mod conn;
 pub mod content_blocks;
+pub mod embeddings;
 pub mod error;
 pub mod guard;
 pub mod id_arrays;
@@ -44,6 +49,7 @@ pub mod pieces;
 pub mod plain_content;
 pub mod registry;
 pub mod request_log;
+pub mod rerank;
 pub mod responses;
 pub mod sampling;
 pub mod scheduler;
@@ -75,6 +81,9 @@ const DRAIN: Duration = Duration::from_secs(1);
 /// and leaves them to finish on their own: a stop (SIGTERM) takes at most about
 /// `DRAIN + 2 × LINGER`, whatever the load.
 const LINGER: Duration = Duration::from_millis(300);
+
+/// How often `--sleep-idle-seconds` looks whether the model has been idle long enough.
+const SLEEP_POLL: Duration = Duration::from_millis(100);
 
 /// A server running on its own thread (with its own async runtime).
 pub struct RunningServer {
@@ -263,6 +272,17 @@ async fn serve(
             if let Err(e) = st.registry.load_single() {
                 *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 let _ = load_fail_tx.send(());
+            }
+        });
+    }
+    if let Some(idle) = state.config.sleep_idle {
+        // A weak handle: the task keeps nothing alive once the server stops.
+        let weak = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SLEEP_POLL).await;
+                let Some(st) = weak.upgrade() else { break };
+                st.registry.sleep_if_idle(idle).await;
             }
         });
     }

@@ -22,14 +22,28 @@ use crate::registry::Lease;
 /// of token ids, an array mixing ids and strings (one sequence), or an object with
 /// `prompt_string`. Several: an array of those (strings, id arrays, objects).
 pub fn prompts(req: &ParsedBody, tok: &Tokenizer) -> Result<Vec<Vec<u32>>, ApiError> {
-    if let Some(ids) = req.ids("prompt") {
+    prompts_in(req, "prompt", tok, |n| {
+        (n > MAX_COMPLETIONS).then(|| too_many(n))
+    })
+}
+
+/// The prompts of the request's `key` (`prompt`, or the embedding routes' `input`), read as
+/// [`prompts`] reads them; `limit` gives the error for an array of that many prompts (`None`:
+/// not too many), checked before any is tokenized.
+pub fn prompts_in(
+    req: &ParsedBody,
+    key: &str,
+    tok: &Tokenizer,
+    limit: impl Fn(usize) -> Option<ApiError>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    if let Some(ids) = req.ids(key) {
         return Ok(vec![ids.to_vec()]);
     }
-    let prompt = req.get("prompt");
+    let prompt = req.get(key);
     match prompt {
         Some(Value::Array(a)) if !one_sequence(a) => {
-            if a.len() > MAX_COMPLETIONS {
-                return Err(too_many(a.len()));
+            if let Some(e) = limit(a.len()) {
+                return Err(e);
             }
             a.iter().map(|p| one_prompt(Some(p), tok)).collect()
         }

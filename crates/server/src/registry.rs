@@ -102,6 +102,8 @@ enum SingleState {
     Loading,
     Ready(Arc<ModelHost>),
     Failed(String),
+    /// Unloaded after `--sleep-idle-seconds` without a request; the next one loads it again.
+    Sleeping,
 }
 
 struct Single {
@@ -110,6 +112,10 @@ struct Single {
     /// The file, opened (and its tables checked) before the server listens.
     opened: Mutex<Option<Box<GgufModel>>>,
     state: Mutex<SingleState>,
+    /// When a request last took or released the model (for `--sleep-idle-seconds`).
+    last_active: Arc<Mutex<Instant>>,
+    /// Held by the request that wakes a sleeping model; the others wait for it.
+    wake: tokio::sync::Mutex<()>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -290,10 +296,15 @@ pub struct Lease {
     /// The model.
     pub host: Arc<ModelHost>,
     dir: Option<(Arc<Dir>, String)>,
+    /// Single-model mode: when a request last held the model, set on release.
+    active: Option<Arc<Mutex<Instant>>>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if let Some(a) = &self.active {
+            *lock(a) = Instant::now();
+        }
         if let Some((dir, name)) = &self.dir {
             if let Some(e) = lock(&dir.state).entries.get_mut(name) {
                 e.in_flight = e.in_flight.saturating_sub(1);
@@ -310,9 +321,8 @@ impl Registry {
     pub fn new(config: Arc<ServerConfig>) -> Result<Registry, ServerError> {
         let mode = match &config.models {
             ModelSource::File(path) => {
-                let id = config
-                    .alias
-                    .first()
+                // llama-server keeps the aliases in a sorted set: the first of it is the id.
+                let id = (config.alias.iter().min())
                     .cloned()
                     .unwrap_or_else(|| model_name(path));
                 let opened = open_gguf(path, &config)?;
@@ -321,6 +331,8 @@ impl Registry {
                     path: path.clone(),
                     opened: Mutex::new(Some(Box::new(opened))),
                     state: Mutex::new(SingleState::Loading),
+                    last_active: Arc::new(Mutex::new(Instant::now())),
+                    wake: tokio::sync::Mutex::new(()),
                 })
             }
             ModelSource::Dir(dir) => {
@@ -369,7 +381,7 @@ impl Registry {
     pub fn health(&self) -> Result<(), ApiError> {
         match &self.mode {
             Mode::Single(s) => match &*lock(&s.state) {
-                SingleState::Ready(_) => Ok(()),
+                SingleState::Ready(_) | SingleState::Sleeping => Ok(()),
                 SingleState::Loading => Err(ApiError::unavailable("Loading model")),
                 SingleState::Failed(e) => {
                     Err(ApiError::internal(format!("the model failed to load: {e}")))
@@ -385,15 +397,23 @@ impl Registry {
         match &self.mode {
             // One model answers whatever `model` a client sends (llama-server does the same);
             // responses carry the served name.
-            Mode::Single(s) => match &*lock(&s.state) {
-                SingleState::Ready(h) => Ok(Lease {
-                    host: h.clone(),
-                    dir: None,
-                }),
-                SingleState::Loading => Err(ApiError::unavailable("Loading model")),
-                SingleState::Failed(e) => {
-                    Err(ApiError::internal(format!("the model failed to load: {e}")))
+            Mode::Single(s) => loop {
+                match &*lock(&s.state) {
+                    SingleState::Ready(h) => {
+                        *lock(&s.last_active) = Instant::now();
+                        return Ok(Lease {
+                            host: h.clone(),
+                            dir: None,
+                            active: Some(s.last_active.clone()),
+                        });
+                    }
+                    SingleState::Loading => return Err(ApiError::unavailable("Loading model")),
+                    SingleState::Failed(e) => {
+                        return Err(ApiError::internal(format!("the model failed to load: {e}")))
+                    }
+                    SingleState::Sleeping => {}
                 }
+                self.wake(s).await?;
             },
             Mode::Dir(d) => {
                 let Some(name) = name else {
@@ -403,6 +423,58 @@ impl Registry {
                 };
                 self.acquire_dir(d, name, self.config.models_autoload).await
             }
+        }
+    }
+
+    /// Loads a sleeping single model again (one request does; the others wait for it and
+    /// then find it ready). A failure leaves it sleeping, for the next request to try.
+    async fn wake(&self, s: &Single) -> Result<(), ApiError> {
+        let _waking = s.wake.lock().await;
+        if !matches!(*lock(&s.state), SingleState::Sleeping) {
+            return Ok(());
+        }
+        tracing::info!("{}: waking up: loading the model again", s.id);
+        let (id, path, config) = (s.id.clone(), s.path.clone(), self.config.clone());
+        let loaded = tokio::task::spawn_blocking(move || ModelHost::load(id, &path, &config))
+            .await
+            .map_err(|e| ApiError::internal(format!("loading the model stopped: {e}")))?;
+        let host = loaded.map_err(|e| ApiError::internal(format!("waking the model: {e}")))?;
+        *lock(&s.last_active) = Instant::now();
+        *lock(&s.state) = SingleState::Ready(Arc::new(host));
+        Ok(())
+    }
+
+    /// Single-model mode with `--sleep-idle-seconds`: unloads the model if no request has held
+    /// it for `idle` and none holds it now. Called periodically.
+    pub async fn sleep_if_idle(&self, idle: Duration) {
+        let Mode::Single(s) = &self.mode else {
+            return;
+        };
+        let host = {
+            let mut state = lock(&s.state);
+            let SingleState::Ready(h) = &*state else {
+                return;
+            };
+            // Held (by a request, or a moment by /metrics or /props): not idle.
+            if Arc::strong_count(h) > 1 || lock(&s.last_active).elapsed() < idle {
+                return;
+            }
+            std::mem::replace(&mut *state, SingleState::Sleeping)
+        };
+        tracing::info!(
+            "{}: sleeping after {} s without a request: model unloaded",
+            s.id,
+            idle.as_secs()
+        );
+        // Joining the model's worker thread blocks.
+        let _ = tokio::task::spawn_blocking(move || drop(host)).await;
+    }
+
+    /// Whether the single model sleeps (`--sleep-idle-seconds`).
+    pub fn is_sleeping(&self) -> bool {
+        match &self.mode {
+            Mode::Single(s) => matches!(*lock(&s.state), SingleState::Sleeping),
+            Mode::Dir(_) => false,
         }
     }
 
@@ -609,6 +681,7 @@ impl Registry {
         Ok(Some(Lease {
             host: host.clone(),
             dir: Some((d.clone(), canonical.unwrap_or_default())),
+            active: None,
         }))
     }
 
@@ -673,9 +746,13 @@ impl Registry {
                     SingleState::Ready(h) => (h.created, h.meta()),
                     _ => (0, Value::Null),
                 };
-                vec![
-                    json!({"id": s.id, "object": "model", "created": created, "owned_by": "hmoe", "meta": meta}),
-                ]
+                let sorted = |v: &[String]| -> Vec<String> {
+                    let set: std::collections::BTreeSet<&String> = v.iter().collect();
+                    set.into_iter().cloned().collect()
+                };
+                vec![json!({"id": s.id, "aliases": sorted(&self.config.alias),
+                            "tags": sorted(&self.config.tags), "object": "model",
+                            "created": created, "owned_by": "hmoe", "meta": meta})]
             }
             Mode::Dir(d) => (lock(&d.state).entries.iter())
                 .map(|(name, e)| Self::list_entry(name, e, full))

@@ -407,7 +407,9 @@ mod tests {
     }
 
     /// Straightforward f64 forward pass of the module docs' math, all positions at once.
-    fn reference(arch: DenseArch, tensors: &Tensors, tokens: &[u32]) -> Vec<f64> {
+    /// The documented math in f64: every token's logits, and its hidden state after the
+    /// output norm (what [`LogitsWanted::Hidden`] returns).
+    fn reference(arch: DenseArch, tensors: &Tensors, tokens: &[u32]) -> (Vec<f64>, Vec<f64>) {
         let get = |name: &str| -> Vec<f64> {
             let t = tensors.iter().find(|t| t.0 == name);
             t.map_or(Vec::new(), |t| t.2.iter().map(|&x| x as f64).collect())
@@ -506,9 +508,11 @@ mod tests {
             DenseArch::Llama => get("output.weight"),
             DenseArch::Qwen2 => embd,
         };
-        xs.iter()
-            .flat_map(|x| mv(&out_w, &norm(x, &get("output_norm.weight"))))
-            .collect()
+        let normed: Vec<Vec<f64>> = (xs.iter())
+            .map(|x| norm(x, &get("output_norm.weight")))
+            .collect();
+        let logits = normed.iter().flat_map(|h| mv(&out_w, h)).collect();
+        (logits, normed.concat())
     }
 
     const TOKENS: [u32; 12] = [3, 17, 0, 39, 17, 8, 22, 5, 5, 31, 12, 1];
@@ -529,7 +533,7 @@ mod tests {
             .forward(&mut cache, &TOKENS, LogitsWanted::All)
             .unwrap();
         // Against the f64 reference of the documented math.
-        let want = reference(arch, &tensors, &TOKENS);
+        let (want, want_hidden) = reference(arch, &tensors, &TOKENS);
         let worst = batch
             .iter()
             .zip(&want)
@@ -540,6 +544,14 @@ mod tests {
             worst < 1e-4 * scale.max(1.0),
             "{arch:?}: max |Δ| {worst} vs f64 reference (max |logit| {scale})"
         );
+        // The hidden states after the output norm, in micro-batches of 5 (the head not run).
+        let mut cache = model.new_cache(KvType::F32, 64, 5);
+        let hidden = (model.forward(&mut cache, &TOKENS, LogitsWanted::Hidden)).unwrap();
+        assert_eq!(hidden.len(), TOKENS.len() * model.n_embd());
+        let worst = (hidden.iter().zip(&want_hidden))
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-4, "{arch:?}: hidden max |Δ| {worst}");
         // Token by token, and in micro-batches of 5, gives the same logits as one batch.
         let mut cache = model.new_cache(KvType::F32, 64, 64);
         let mut single = Vec::new();

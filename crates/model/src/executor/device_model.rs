@@ -194,8 +194,9 @@ impl<B: Backend> DeviceModel<B> {
     }
 
     /// Runs `tokens` at the next positions of `cache` (a handle from
-    /// [`LanguageModel::new_cache`]) and returns `n_vocab` logits per wanted token (the
-    /// batch split into the cache's micro-batches).
+    /// [`LanguageModel::new_cache`]) and returns `n_vocab` logits per wanted token, or
+    /// `n_embd` hidden floats per token for [`LogitsWanted::Hidden`] (the batch split into
+    /// the cache's micro-batches).
     pub fn forward(
         &self,
         cache: &mut KvCache,
@@ -212,7 +213,7 @@ impl<B: Backend> DeviceModel<B> {
         let n_chunks = tokens.len().div_ceil(n_ubatch);
         for (i, chunk) in tokens.chunks(n_ubatch).enumerate() {
             let want = match wanted {
-                LogitsWanted::All => Some(LogitsWanted::All),
+                LogitsWanted::All | LogitsWanted::Hidden => Some(wanted),
                 LogitsWanted::Last if i + 1 == n_chunks => Some(LogitsWanted::Last),
                 LogitsWanted::Last => None,
             };
@@ -521,7 +522,9 @@ impl<B: Backend> DeviceModel<B> {
 
     /// The output norm and head over the rows the members want of the final hidden state `x`
     /// (every row of a member that wants [`LogitsWanted::All`], the last of one that wants
-    /// [`LogitsWanted::Last`]), brought down in one copy and split per member.
+    /// [`LogitsWanted::Last`]), brought down in one copy and split per member. A step whose
+    /// members want [`LogitsWanted::Hidden`] brings down the normed rows instead (the head
+    /// not run).
     fn logits(
         &self,
         members: &[Member<'_>],
@@ -537,10 +540,12 @@ impl<B: Backend> DeviceModel<B> {
             .zip(groups)
             .map(|(m, g)| match m.want {
                 None => None,
-                Some(LogitsWanted::All) => Some(g.clone()),
+                Some(LogitsWanted::All | LogitsWanted::Hidden) => Some(g.clone()),
                 Some(LogitsWanted::Last) => Some(g.end - 1..g.end),
             })
             .collect();
+        // Only `forward` asks for hidden states, for the one member of its steps.
+        let hidden = members.iter().any(|m| m.want == Some(LogitsWanted::Hidden));
         let mut out_groups = Vec::new();
         let mut n_rows = 0;
         for r in wanted.iter().flatten() {
@@ -574,10 +579,16 @@ impl<B: Backend> DeviceModel<B> {
         };
         let mut normed = arena.take::<f32>(dev, n_rows * d)?;
         dev.rms_norm(rows, &self.output_norm, p.rms_eps, &mut normed)?;
-        let mut logits = arena.take::<f32>(dev, n_rows * p.n_vocab)?;
-        self.output
-            .mul(dev, arena, &normed, &out_groups, &mut logits)?;
-        let all = dev.download::<f32>(&logits)?;
+        // Floats per row brought down.
+        let width = if hidden { d } else { p.n_vocab };
+        let all = if hidden {
+            dev.download::<f32>(&normed)?
+        } else {
+            let mut logits = arena.take::<f32>(dev, n_rows * p.n_vocab)?;
+            self.output
+                .mul(dev, arena, &normed, &out_groups, &mut logits)?;
+            dev.download::<f32>(&logits)?
+        };
         // One member's logits (a decode step): the download itself, not a copy of it.
         if let [_] = out_groups.as_slice() {
             let mut all = Some(all);
@@ -592,7 +603,7 @@ impl<B: Backend> DeviceModel<B> {
         Ok(wanted
             .iter()
             .map(|w| match w.as_ref().and_then(|_| og.next()) {
-                Some(g) => all[g.start * p.n_vocab..g.end * p.n_vocab].to_vec(),
+                Some(g) => all[g.start * width..g.end * width].to_vec(),
                 None => Vec::new(),
             })
             .collect())
@@ -602,6 +613,9 @@ impl<B: Backend> DeviceModel<B> {
 impl<B: Backend> LanguageModel for DeviceModel<B> {
     fn n_vocab(&self) -> usize {
         self.arch.dims().n_vocab
+    }
+    fn n_embd(&self) -> usize {
+        self.arch.dims().n_embd
     }
     fn n_ctx_train(&self) -> usize {
         self.arch.dims().n_ctx_train
