@@ -419,7 +419,9 @@ fn mix_one_token(
         .map(|s| k.row_product(k.down, ff, &hidden_q[s * slot_bytes..][..hidden_row]))
         .collect();
     let down_rb = k.down.weight_row_bytes(ff);
-    let out_rows = down_p[0].rows_per_task();
+    // Tasks of at least 64 rows: each reads a run of every slot's down matrix, long enough
+    // for the hardware prefetchers (the rows are independent, so the bits do not change).
+    let out_rows = down_p[0].rows_per_task().max(64);
     // Weighted sum in slot order (highest router score first), as llama.cpp adds them.
     pool.for_each_chunk_mut(out, out_rows, |i, dst| {
         let (r0, m) = (i * out_rows, dst.len());
@@ -512,12 +514,15 @@ pub fn moe_swiglu<'w>(
         let views: Vec<Option<ExpertView<'w>>> = selected[..k_used]
             .iter()
             .map(|&e| {
-                (e < n_expert).then(|| view(e)).flatten().map(|v| ExpertView {
-                    gate_bias: &[],
-                    up_bias: &[],
-                    down_bias: &[],
-                    ..v
-                })
+                (e < n_expert)
+                    .then(|| view(e))
+                    .flatten()
+                    .map(|v| ExpertView {
+                        gate_bias: &[],
+                        up_bias: &[],
+                        down_bias: &[],
+                        ..v
+                    })
             })
             .collect();
         let one = OneToken {
@@ -526,7 +531,14 @@ pub fn moe_swiglu<'w>(
             weights: &weights[..k_used],
         };
         let mut out = vec![0f32; d];
-        mix_one_token(k, GatedAct::Silu, (d, ff, rows), &one, &mut Vec::new(), &mut out);
+        mix_one_token(
+            k,
+            GatedAct::Silu,
+            (d, ff, rows),
+            &one,
+            &mut Vec::new(),
+            &mut out,
+        );
         return out;
     }
     moe_swiglu_grouped(

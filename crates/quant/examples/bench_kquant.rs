@@ -98,7 +98,9 @@ fn main() {
     for (ty, n, rows) in [(GgmlType::Q4_K, 2048, 768), (GgmlType::Q6_K, 768, 2048)] {
         let k = DotKernel::for_matrix(ty, rows).unwrap();
         let w = weights(ty, n, rows, &mut next);
-        let x: Vec<f32> = (0..n).map(|_| next() as f32 / u32::MAX as f32 - 0.5).collect();
+        let x: Vec<f32> = (0..n)
+            .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+            .collect();
         let mut act = vec![0u8; k.act_row_bytes(n)];
         quantize_row(GgmlType::Q8_K, &x, &mut act).unwrap();
         let mut out = vec![0f32; rows];

@@ -38,9 +38,8 @@ unsafe fn hsum_8x8(v: &[__m256i; R]) -> __m256i {
 /// Lane `i` is the wrapping sum of the four lanes of `v[i]`.
 #[inline(always)]
 unsafe fn hsum_8x4(v: &[__m128i; R]) -> __m256i {
-    let half = |v: &[__m128i]| {
-        _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]))
-    };
+    let half =
+        |v: &[__m128i]| _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
     _mm256_set_m128i(half(&v[4..]), half(&v[..4]))
 }
 
@@ -151,7 +150,10 @@ unsafe fn q4_k_rows8<I: Isum>(n: usize, w: *const u8, stride: usize, a: *const u
         }
         let d_a = _mm256_set1_ps(ab.cast::<f32>().read_unaligned());
         let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(d_w.as_ptr().cast())), d_a);
-        let dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(dmin_w.as_ptr().cast())), d_a);
+        let dmin = _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(dmin_w.as_ptr().cast())),
+            d_a,
+        );
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x8(&isum)), d, acc);
         acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_8x4(&imin)), dmin, acc_min);
     }

@@ -319,7 +319,11 @@ pub(crate) unsafe fn k4_min_prod(scales_mins: __m256i, ab: *const u8) -> __m128i
 
 /// Q4_K (`Q5 = false`) and Q5_K: the integer lanes of one super-block.
 #[inline(always)]
-pub(crate) unsafe fn k4_sumi<const Q5: bool>(wb: *const u8, ab: *const u8, scales_mins: __m256i) -> __m256i {
+pub(crate) unsafe fn k4_sumi<const Q5: bool>(
+    wb: *const u8,
+    ab: *const u8,
+    scales_mins: __m256i,
+) -> __m256i {
     let qs = if Q5 { 48 } else { 16 };
     let sc = _mm256_castsi256_si128(scales_mins);
     let scales = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(sc), sc);
