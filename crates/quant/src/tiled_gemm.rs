@@ -12,9 +12,10 @@
 //!   `acc = fma(f32(s1), d_w·d_a, acc)`, `acc_min = fma(f32(s2), dmin_w·d_a, acc_min)`,
 //!   result `acc − acc_min`.
 //!
-//! The integer sums are exact in any order, so the SIMD kernel forms them for a tile of tokens
-//! (one vector lane per token after the horizontal sums) and folds them with the same
-//! per-lane float operations as the scalar code: bit-identical on every ISA.
+//! The integer sums are exact in any order, so the SIMD kernels form them for a tile of tokens
+//! (one vector lane per token: after horizontal sums with AVX2, directly with AVX-512 VNNI,
+//! `tiled_gemm/lanes.rs`) and fold them with the same per-lane float operations as the scalar
+//! code: bit-identical on every ISA.
 
 use crate::tiled::{SuperBlockFormat, TILED_MIN_TOKENS};
 use crate::{BatchKind, DotKernel, GgmlType};
@@ -57,7 +58,7 @@ impl DotKernel {
         if let Some((format, fold)) = self.super_block_order(kind, n_tokens) {
             let vnni = crate::x86::features::has_avx512_vnni();
             let f = match self.isa() {
-                crate::Isa::Avx512 if vnni => Some(avx2::gemm_avx512 as avx2::Gemm),
+                crate::Isa::Avx512 if vnni => Some(lanes::gemm_vnni as avx2::Gemm),
                 crate::Isa::Avx2 | crate::Isa::Avx512 => Some(avx2::gemm_avx2 as avx2::Gemm),
                 crate::Isa::Scalar => None,
             };
@@ -95,6 +96,9 @@ impl DotKernel {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod lanes;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
@@ -128,7 +132,7 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2 and F16C; `b` holds one super-block of `format`.
     #[inline(always)]
-    unsafe fn decode(format: SuperBlockFormat, b: &[u8], dec: &mut Decoded) {
+    pub(super) unsafe fn decode(format: SuperBlockFormat, b: &[u8], dec: &mut Decoded) {
         let ld = |o: usize| _mm256_loadu_si256(b.as_ptr().add(o) as *const __m256i);
         let low = _mm256_set1_epi8(0x0f);
         // The f16 at byte `o` of the block, converted by F16C (exact, as `f16_to_f32`).
@@ -221,29 +225,12 @@ mod avx2 {
         acts: &[u8],
         out: &mut [f32],
     ) {
-        gemm::<false>(format, fold, n_sb, w, acts, out)
+        gemm(format, fold, n_sb, w, acts, out)
     }
 
-    /// [`Gemm`] with 512-bit vectors and VNNI's `vpdpwssd`.
-    ///
-    /// # Safety
-    /// The CPU has AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI; `w` holds the rows, `acts` the tokens'
-    /// Q8_K rows.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn gemm_avx512(
-        format: SuperBlockFormat,
-        fold: Fold,
-        n_sb: usize,
-        w: &[u8],
-        acts: &[u8],
-        out: &mut [f32],
-    ) {
-        gemm::<true>(format, fold, n_sb, w, acts, out)
-    }
-
-    /// [`Gemm`]'s body, the integer sums with 512-bit vectors if `WIDE`.
+    /// [`Gemm`]'s body.
     #[inline(always)]
-    unsafe fn gemm<const WIDE: bool>(
+    unsafe fn gemm(
         format: SuperBlockFormat,
         fold: Fold,
         n_sb: usize,
@@ -289,11 +276,7 @@ mod avx2 {
                 for t0 in (0..n_tokens).step_by(TILE) {
                     let a: [*const u8; TILE] =
                         std::array::from_fn(|i| a0.add((t0 + i).min(n_tokens - 1) * a_row));
-                    let (s1, s2) = if WIDE {
-                        finish(&dec, &a, group_sums_512(&dec, &a))
-                    } else {
-                        finish(&dec, &a, group_sums(&dec, &a))
-                    };
+                    let (s1, s2) = finish(&dec, &a, group_sums(&dec, &a));
                     let da = _mm256_loadu_ps(d_a.as_ptr().add(b * padded + t0));
                     let acc_p = acc.as_mut_ptr().add(r * padded + t0);
                     let min_p = acc_min.as_mut_ptr().add(r * padded + t0);
@@ -350,27 +333,6 @@ mod avx2 {
             }
         }
         s
-    }
-
-    /// [`group_sums`] with 512-bit vectors and `vpdpwssd`, folded to 256 bits.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F/BW/VL and VNNI; the blocks are in bounds.
-    #[inline(always)]
-    unsafe fn group_sums_512(dec: &Decoded, a: &[*const u8; TILE]) -> [__m256i; TILE] {
-        let mut s = [_mm512_setzero_si512(); TILE];
-        for c in 0..4 {
-            let q = _mm512_loadu_si512(dec.codes.as_ptr().add(64 * c) as *const __m512i);
-            let pair = |g: usize| {
-                _mm256_set_m128i(_mm_set1_epi16(dec.sc[g + 1]), _mm_set1_epi16(dec.sc[g]))
-            };
-            let sc = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(pair(4 * c)), pair(4 * c + 2));
-            for (s, a) in s.iter_mut().zip(a) {
-                let y = _mm512_loadu_si512(a.add(Q8_K_QS + 64 * c) as *const __m512i);
-                *s = _mm512_dpwssd_epi32(*s, _mm512_maddubs_epi16(q, y), sc);
-            }
-        }
-        s.map(|v| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v)))
     }
 
     /// `(s1, s2)` of the super-block `dec` with the tile's tokens (lane `i` for token `i`),
