@@ -254,7 +254,22 @@ fn mix_experts<'w>(
     let n = check_batch_io(batch, (d, n_expert), out)?;
     if n == 1 && k.gate.act_type() == k.up.act_type() {
         if let Some(rows) = one_token_rows(k, ff) {
-            return mix_one_token(layer, k, act, (d, ff, rows), batch, view, scratch, out);
+            let views = batch
+                .selected
+                .iter()
+                .map(|&e| {
+                    let e = e as usize;
+                    let v = view(e).ok_or(ExpertDeviceError::MissingExpert { layer, expert: e });
+                    v.map(Some)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let one = OneToken {
+                h: batch.h,
+                views: &views,
+                weights: batch.weights,
+            };
+            mix_one_token(k, act, (d, ff, rows), &one, &mut scratch.hidden_q, out);
+            return Ok(());
         }
     }
     let k_used = batch.n_used;
@@ -334,62 +349,68 @@ fn one_token_rows(k: &ExpertKernels, ff: usize) -> Option<usize> {
     (rows <= ONE_TOKEN_MAX_ROWS && ff.is_multiple_of(blk)).then_some(rows)
 }
 
-/// [`mix_experts`] for a single token (decode), in two pool jobs instead of three matmuls per
-/// expert: the first computes, for every slot, blocks of `rows` rows of gate and up together,
-/// adds the biases, applies the SwiGLU and quantizes the result for the down projection; the
-/// second computes blocks of output rows over every slot's down projection, adds its bias and
-/// sums the slots in order with their router weights. Each product is the one [`matmul`]
-/// computes for a single token, and the sums run in the same order, so the bits are the same.
-#[allow(clippy::too_many_arguments)]
-fn mix_one_token<'w>(
-    layer: usize,
+/// One token's routed experts for [`mix_one_token`].
+struct OneToken<'a, 'w> {
+    /// The normed hidden state, `d` floats.
+    h: &'a [f32],
+    /// The expert of each slot, `None` where a slot gives nothing.
+    views: &'a [Option<ExpertView<'w>>],
+    /// The slots' router weights.
+    weights: &'a [f32],
+}
+
+/// The expert sum of a single token (decode) in two pool jobs instead of three matmuls per
+/// expert: the first computes, for every slot, blocks of `rows` rows of gate and up together
+/// (the activation quantized once for both), adds the biases where the experts have them,
+/// applies `act` ([`GatedAct::apply_row`]) and quantizes the result for the down projection;
+/// the second computes blocks of output rows over every slot's down projection, adds its bias
+/// and sums the slots in order with their router weights. Each product is the one [`matmul`]
+/// computes for a single token, and the sums run in the same order, so the bits are those of
+/// the batch paths ([`mix_experts`], [`moe_swiglu_grouped`]). `rows` is a multiple of 16 (the
+/// SwiGLU's vector blocks) and of the down projection's activation block.
+fn mix_one_token(
     k: &ExpertKernels,
     act: GatedAct,
     (d, ff, rows): (usize, usize, usize),
-    batch: &ExpertBatch<'_>,
-    view: impl Fn(usize) -> Option<ExpertView<'w>>,
-    scratch: &mut ExpertScratch,
+    one: &OneToken<'_, '_>,
+    hidden_q: &mut Vec<u8>,
     out: &mut [f32],
-) -> Result<(), ExpertDeviceError> {
-    let views = batch
-        .selected
-        .iter()
-        .map(|&e| {
-            let e = e as usize;
-            view(e).ok_or(ExpertDeviceError::MissingExpert { layer, expert: e })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+) {
+    let views = one.views;
     let pool = hmoe_pool::global();
-    scratch.acts.quantize(k.gate.act_type(), batch.h, d);
-    let act_row = scratch.acts.row(0);
+    let mut acts = QuantizedActs::default();
+    acts.quantize(k.gate.act_type(), one.h, d);
+    let act_row = acts.row(0);
     let (gate_p, up_p) = (
         k.row_product(k.gate, d, act_row),
         k.row_product(k.up, d, act_row),
     );
     let (gate_rb, up_rb) = (k.gate.weight_row_bytes(d), k.up.weight_row_bytes(d));
-    // The SwiGLU output of slot `s`, quantized: tasks of `rows` rows, whole blocks each; the
-    // last task of a slot may hold fewer rows, and the slot's row is padded to whole tasks.
+    // The activation of slot `s`, quantized: tasks of `rows` rows, whole blocks each; the last
+    // task of a slot may hold fewer rows, and the slot's row is padded to whole tasks.
     let hid_ty = k.down.act_type();
     let blk = hid_ty.block_elems();
     let task_bytes = rows / blk * hid_ty.block_bytes();
     let tasks_per_slot = ff.div_ceil(rows);
     let slot_bytes = tasks_per_slot * task_bytes;
-    let hidden_q = &mut scratch.hidden_q;
     hidden_q.clear();
     hidden_q.resize(views.len() * slot_bytes, 0);
     pool.for_each_chunk_mut(hidden_q, task_bytes, |i, dst| {
         let (s, r0) = (i / tasks_per_slot, i % tasks_per_slot * rows);
+        let Some(w) = &views[s] else {
+            return;
+        };
         let m = rows.min(ff - r0);
-        let w = &views[s];
         let mut gate = [0f32; ONE_TOKEN_MAX_ROWS];
         let mut up = [0f32; ONE_TOKEN_MAX_ROWS];
         let (gate, up) = (&mut gate[..m], &mut up[..m]);
         gate_p.rows(&w.gate[r0 * gate_rb..(r0 + m) * gate_rb], gate);
         up_p.rows(&w.up[r0 * up_rb..(r0 + m) * up_rb], up);
-        let (gb, ub) = (&w.gate_bias[r0..r0 + m], &w.up_bias[r0..r0 + m]);
-        for (((g, &u), &bg), &bu) in gate.iter_mut().zip(up.iter()).zip(gb).zip(ub) {
-            *g = act.apply(*g + bg, u + bu);
+        if !w.gate_bias.is_empty() {
+            add_bias(gate, &w.gate_bias[r0..r0 + m]);
+            add_bias(up, &w.up_bias[r0..r0 + m]);
         }
+        act.apply_row(gate, up);
         let dst = &mut dst[..m / blk * hid_ty.block_bytes()];
         hmoe_quant::quantize_row(hid_ty, gate, dst).expect("whole blocks");
     });
@@ -398,25 +419,32 @@ fn mix_one_token<'w>(
         .map(|s| k.row_product(k.down, ff, &hidden_q[s * slot_bytes..][..hidden_row]))
         .collect();
     let down_rb = k.down.weight_row_bytes(ff);
-    let out_rows = down_p[0].rows_per_task();
+    // Tasks of at least 64 rows: each reads a run of every slot's down matrix, long enough
+    // for the hardware prefetchers (the rows are independent, so the bits do not change).
+    let out_rows = down_p[0].rows_per_task().max(64);
     // Weighted sum in slot order (highest router score first), as llama.cpp adds them.
     pool.for_each_chunk_mut(out, out_rows, |i, dst| {
         let (r0, m) = (i * out_rows, dst.len());
         dst.fill(0.0);
         let mut down = [0f32; ONE_TOKEN_MAX_ROWS];
         let down = &mut down[..m];
-        for ((w, p), &wt) in views.iter().zip(&down_p).zip(batch.weights) {
+        for ((w, p), &wt) in views.iter().zip(&down_p).zip(one.weights) {
+            let Some(w) = w else {
+                continue;
+            };
             p.rows(&w.down[r0 * down_rb..(r0 + m) * down_rb], down);
-            for ((o, &v), &b) in dst
-                .iter_mut()
-                .zip(down.iter())
-                .zip(&w.down_bias[r0..r0 + m])
-            {
-                *o += (v + b) * wt;
+            if w.down_bias.is_empty() {
+                for (o, &v) in dst.iter_mut().zip(down.iter()) {
+                    *o += v * wt;
+                }
+            } else {
+                let bias = &w.down_bias[r0..r0 + m];
+                for ((o, &v), &b) in dst.iter_mut().zip(down.iter()).zip(bias) {
+                    *o += (v + b) * wt;
+                }
             }
         }
     });
-    Ok(())
 }
 
 /// The expert sum over the experts that `view` finds, as the CPU device computes it for `act`:
@@ -465,8 +493,69 @@ pub(crate) fn expert_sum<'w>(
 /// `0..n_expert` that `view` finds (a slot naming another gives nothing). Tokens are grouped by
 /// expert so each expert's weights are read once per batch; products in `vec_dot` order
 /// (ggml's `mul_mat_id`); the weighted outputs are added in slot order, as llama.cpp does.
+///
+/// A single token runs the fused path of [`mix_one_token`] (gate and up of every slot in one
+/// pool job, the down projections and the weighted sum in a second), with the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_swiglu<'w>(
+    k: &ExpertKernels,
+    (d, ff, n_expert): (usize, usize, usize),
+    view: impl Fn(usize) -> Option<ExpertView<'w>>,
+    h: &[f32],
+    selected: &[usize],
+    weights: &[f32],
+    k_used: usize,
+    acts: &mut QuantizedActs,
+) -> Vec<f32> {
+    let one_token = h.len() == d && k.gate.act_type() == k.up.act_type();
+    if let Some(rows) = one_token.then(|| one_token_rows(k, ff)).flatten() {
+        // Experts outside `0..n_expert` or not on the device give nothing; SiLU experts have
+        // no biases.
+        let views: Vec<Option<ExpertView<'w>>> = selected[..k_used]
+            .iter()
+            .map(|&e| {
+                (e < n_expert)
+                    .then(|| view(e))
+                    .flatten()
+                    .map(|v| ExpertView {
+                        gate_bias: &[],
+                        up_bias: &[],
+                        down_bias: &[],
+                        ..v
+                    })
+            })
+            .collect();
+        let one = OneToken {
+            h,
+            views: &views,
+            weights: &weights[..k_used],
+        };
+        let mut out = vec![0f32; d];
+        mix_one_token(
+            k,
+            GatedAct::Silu,
+            (d, ff, rows),
+            &one,
+            &mut Vec::new(),
+            &mut out,
+        );
+        return out;
+    }
+    moe_swiglu_grouped(
+        k,
+        (d, ff, n_expert),
+        view,
+        h,
+        selected,
+        weights,
+        k_used,
+        acts,
+    )
+}
+
+/// [`moe_swiglu`]'s general path: tokens grouped by expert, three matmuls per expert.
+#[allow(clippy::too_many_arguments)]
+fn moe_swiglu_grouped<'w>(
     k: &ExpertKernels,
     (d, ff, n_expert): (usize, usize, usize),
     view: impl Fn(usize) -> Option<ExpertView<'w>>,
@@ -584,9 +673,10 @@ mod tests {
         }
     }
 
-    /// Random experts of `ty` (MXFP4 or Q8_0): `n_expert` experts of `d → ff → d`.
-    fn random_layer(ty: GgmlType, d: usize, ff: usize, n_expert: usize) -> Vec<Vec<u8>> {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ ty.id() as u64;
+    /// Random experts, gate, up and down of types `tys` (MXFP4 or types `quantize_row`
+    /// makes): `n_expert` experts of `d → ff → d`.
+    fn random_layer(tys: [GgmlType; 3], d: usize, ff: usize, n_expert: usize) -> Vec<Vec<u8>> {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ tys[0].id() as u64;
         let mut next = move || {
             seed = seed
                 .wrapping_mul(6364136223846793005)
@@ -595,7 +685,8 @@ mod tests {
         };
         [(d, ff), (d, ff), (ff, d)]
             .iter()
-            .map(|&(n_in, n_out)| {
+            .zip(tys)
+            .map(|(&(n_in, n_out), ty)| {
                 let rows = n_expert * n_out;
                 let row = ty.row_bytes(n_in as u64).unwrap() as usize;
                 let mut data = vec![0u8; rows * row];
@@ -604,6 +695,21 @@ mod tests {
                         for b in r.chunks_exact_mut(17) {
                             b[0] = 120 + (next() % 12) as u8;
                             b[1..].iter_mut().for_each(|q| *q = next() as u8);
+                        }
+                    } else if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) {
+                        // Random quants and scales, the f16 super-block scales small and
+                        // finite (Q6_K's `d` at byte 208, Q4_K's and Q5_K's `d` and `dmin`
+                        // first).
+                        let at: &[usize] = match ty {
+                            GgmlType::Q6_K => &[208],
+                            _ => &[0, 2],
+                        };
+                        for b in r.chunks_exact_mut(ty.block_bytes()) {
+                            b.iter_mut().for_each(|q| *q = next() as u8);
+                            for &o in at {
+                                let v = 0.001 + (next() % 100) as f32 * 1e-5;
+                                b[o..o + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                            }
                         }
                     } else {
                         let vals: Vec<f32> = (0..n_in)
@@ -623,7 +729,7 @@ mod tests {
     fn single_token_path_matches_batch_path() {
         let (d, ff, n_expert) = (160usize, 96usize, 4usize);
         for ty in [GgmlType::MXFP4, GgmlType::Q8_0] {
-            let mats = random_layer(ty, d, ff, n_expert);
+            let mats = random_layer([ty; 3], d, ff, n_expert);
             let m = |i: usize, n_in, n_out| ExpertMatrix {
                 ty,
                 n_in,
@@ -687,6 +793,48 @@ mod tests {
             assert!(got.iter().all(|v| v.is_finite() && *v != 0.0), "{ty}");
             for (i, (a, b)) in got.iter().zip(&want[..d]).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{ty} output {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// SiLU experts of one token (decode) take the fused path, whose bits are those of the
+    /// grouped path (three matmuls per expert): K-quants with Q8_K activations shared by gate
+    /// and up (repacked-order Q4_K gate/up, Q6_K down as in Q4_K_M files), Q5_K, and Q8_0; a
+    /// slot naming an expert outside the layer gives nothing on both paths.
+    #[test]
+    fn fused_silu_token_matches_grouped_path() {
+        use GgmlType::*;
+        let (d, ff, n_expert) = (512usize, 768usize, 4usize);
+        for tys in [[Q4_K, Q4_K, Q6_K], [Q5_K, Q5_K, Q5_K], [Q8_0, Q8_0, Q8_0]] {
+            let mats = random_layer(tys, d, ff, n_expert);
+            let m = |i: usize, n_in, n_out| ExpertMatrix {
+                ty: tys[i],
+                n_in,
+                n_out,
+                data: &mats[i],
+            };
+            let t = ExpertTensors {
+                n_expert,
+                gate: m(0, d, ff),
+                up: m(1, d, ff),
+                down: m(2, ff, d),
+                gate_bias: &[],
+                up_bias: &[],
+                down_bias: &[],
+            };
+            let k = ExpertKernels::for_tensors(&t).unwrap();
+            assert!(one_token_rows(&k, ff).is_some(), "{tys:?} fuses");
+            let h: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+            // Four slots, one outside the layer, so that the order of the sum shows in the bits.
+            let (selected, weights) = ([2usize, 0, 9, 3], [0.4f32, 0.3, 0.2, 0.1]);
+            let shape = (d, ff, n_expert);
+            let mut acts = QuantizedActs::default();
+            let view = |e| t.view(e);
+            let got = moe_swiglu(&k, shape, view, &h, &selected, &weights, 4, &mut acts);
+            let want = moe_swiglu_grouped(&k, shape, view, &h, &selected, &weights, 4, &mut acts);
+            assert!(got.iter().all(|v| v.is_finite() && *v != 0.0), "{tys:?}");
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{tys:?} output {i}: {a} vs {b}");
             }
         }
     }

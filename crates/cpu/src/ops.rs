@@ -224,11 +224,12 @@ pub(crate) fn matmul_as(
         g.prepare(n_in, &acts.data, n_tokens)
             .expect("activations converted for these weights")
     });
-    // K-quant batches decode each weight super-block once for the tokens, like the GEMMs.
-    let rows_per_task = if gemm.is_some() || ty.is_k_quant() {
-        GEMM_ROWS
-    } else {
-        ROWS_PER_TASK
+    // K-quant batches decode each weight super-block once for the tokens, like the GEMMs,
+    // and rearrange the tokens' activations once per task (AVX-512 VNNI): twice the rows.
+    let rows_per_task = match (gemm.is_some(), ty.is_k_quant()) {
+        (_, true) => 2 * GEMM_ROWS,
+        (true, false) => GEMM_ROWS,
+        (false, false) => ROWS_PER_TASK,
     };
     // Batch: each task owns a block of weight rows and runs every token through it, so the
     // weights are read once; the result is produced transposed and then laid out per token.

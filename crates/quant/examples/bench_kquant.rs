@@ -4,7 +4,8 @@
 //!
 //! Prints, per matrix, the median time of `dot_tokens_rows` over all rows (each super-block
 //! decoded once for every token) and of `dot_tokens` row by row (the same bits), and the
-//! multiply-accumulates per second of the former.
+//! multiply-accumulates per second of the former; then decode's single-token `dot_rows` over
+//! the same matrix from cache, in GB/s of weights.
 
 use std::time::Instant;
 
@@ -91,6 +92,24 @@ fn main() {
             per_row * 1e3,
             per_row / batched,
             (rows * n * tokens) as f64 / batched / 1e9
+        );
+    }
+    println!("single token (decode), dot_rows over the whole matrix from cache");
+    for (ty, n, rows) in [(GgmlType::Q4_K, 2048, 768), (GgmlType::Q6_K, 768, 2048)] {
+        let k = DotKernel::for_matrix(ty, rows).unwrap();
+        let w = weights(ty, n, rows, &mut next);
+        let x: Vec<f32> = (0..n)
+            .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+            .collect();
+        let mut act = vec![0u8; k.act_row_bytes(n)];
+        quantize_row(GgmlType::Q8_K, &x, &mut act).unwrap();
+        let mut out = vec![0f32; rows];
+        let t = time(reps * 10, || k.dot_rows(n, &w, &act, &mut out));
+        println!(
+            "{:<28} {:>12.3} ms {:>8.1} GB/s",
+            format!("{} {rows}x{n}", k.name()),
+            t * 1e3,
+            w.len() as f64 / t / 1e9
         );
     }
 }

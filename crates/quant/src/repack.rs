@@ -91,10 +91,17 @@ fn repacked_fns(weight: GgmlType, isa: Isa) -> Option<DotFns> {
                 dot: avx2::dot_q4_0,
                 rows: avx2::rows_q4_0,
             }),
+            GgmlType::Q4_K if isa == Isa::Avx512 && crate::x86::features::has_avx512_vnni() => {
+                Some(DotFns {
+                    name: "q4_K*q8_K/repacked (avx512vnni)",
+                    dot: avx2::dot_q4_k,
+                    rows: q4k_rows::rows_q4_k_vnni,
+                })
+            }
             GgmlType::Q4_K => Some(DotFns {
                 name: "q4_K*q8_K/repacked (avx2)",
                 dot: avx2::dot_q4_k,
-                rows: avx2::rows_q4_k,
+                rows: q4k_rows::rows_q4_k_avx2,
             }),
             _ => None,
         };
@@ -229,6 +236,9 @@ pub(crate) fn dot_q4_k_pairwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
     acc - acc_min
 }
 
+#[cfg(target_arch = "x86_64")]
+mod q4k_rows;
+
 /// AVX2 versions: the integer sums of a block in SIMD, the FMA chains as in the scalar code.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -300,7 +310,7 @@ mod avx2 {
 
     /// Q4_K × Q8_K over the super-blocks of one row.
     #[inline(always)]
-    unsafe fn q4_k_row(n: usize, w: *const u8, a: *const u8) -> f32 {
+    pub(super) unsafe fn q4_k_row(n: usize, w: *const u8, a: *const u8) -> f32 {
         let (mut acc, mut acc_min) = (0f32, 0f32);
         for b in 0..n / QK_K {
             // SAFETY (caller): both super-blocks are in bounds.
@@ -367,16 +377,6 @@ mod avx2 {
     pub(super) unsafe fn dot_q4_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         debug_assert!(w.len() >= n / QK_K * Q4_K_BYTES && a.len() >= n / QK_K * Q8_K_BYTES);
         q4_k_row(n, w.as_ptr(), a.as_ptr())
-    }
-
-    /// # Safety
-    /// The CPU has AVX2/FMA/F16C; `w` holds `out.len()` rows `stride` bytes apart, `a` the
-    /// blocks of `n` elements.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows_q4_k(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-        for (r, o) in out.iter_mut().enumerate() {
-            *o = q4_k_row(n, w.as_ptr().add(r * stride), a.as_ptr());
-        }
     }
 }
 
@@ -461,7 +461,8 @@ mod tests {
     fn every_isa_matches_the_scalar_order() {
         for ty in [GgmlType::Q4_0, GgmlType::Q4_K] {
             for n in [256, 768, 4864] {
-                let rows = 8;
+                // Two groups of eight rows and five single ones.
+                let rows = 21;
                 let w = weights(ty, n, rows, n as u64);
                 let a = acts(ty, n, 3 + n as u64);
                 let stride = ty.row_bytes(n as u64).unwrap() as usize;

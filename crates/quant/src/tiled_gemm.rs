@@ -12,9 +12,10 @@
 //!   `acc = fma(f32(s1), d_w·d_a, acc)`, `acc_min = fma(f32(s2), dmin_w·d_a, acc_min)`,
 //!   result `acc − acc_min`.
 //!
-//! The integer sums are exact in any order, so the SIMD kernel forms them for a tile of tokens
-//! (one vector lane per token after the horizontal sums) and folds them with the same
-//! per-lane float operations as the scalar code: bit-identical on every ISA.
+//! The integer sums are exact in any order, so the SIMD kernels form them for a tile of tokens
+//! (one vector lane per token: after horizontal sums with AVX2, directly with AVX-512 VNNI,
+//! `tiled_gemm/lanes.rs`) and fold them with the same per-lane float operations as the scalar
+//! code: bit-identical on every ISA.
 
 use crate::tiled::{SuperBlockFormat, TILED_MIN_TOKENS};
 use crate::{BatchKind, DotKernel, GgmlType};
@@ -57,7 +58,7 @@ impl DotKernel {
         if let Some((format, fold)) = self.super_block_order(kind, n_tokens) {
             let vnni = crate::x86::features::has_avx512_vnni();
             let f = match self.isa() {
-                crate::Isa::Avx512 if vnni => Some(avx2::gemm_avx512 as avx2::Gemm),
+                crate::Isa::Avx512 if vnni => Some(lanes::gemm_vnni as avx2::Gemm),
                 crate::Isa::Avx2 | crate::Isa::Avx512 => Some(avx2::gemm_avx2 as avx2::Gemm),
                 crate::Isa::Scalar => None,
             };
@@ -95,12 +96,16 @@ impl DotKernel {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod lanes;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::Fold;
     use crate::scalar::kquants::{Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS};
     use crate::tiled::{Decoded, SuperBlockFormat};
+    use crate::x86::avx2::lowbit::k4_scales_mins;
 
     /// Tokens per tile: one accumulator register each.
     const TILE: usize = 8;
@@ -120,18 +125,55 @@ mod avx2 {
         )
     }
 
-    /// The super-block at `b` decoded, the codes of Q4_K and Q6_K with vector instructions.
+    /// Decodes the super-block at `b` into `dec`, Q4_K and Q6_K (codes, scales and float
+    /// scales) with vector instructions and every field written, the other formats through
+    /// [`Decoded::new`].
     ///
     /// # Safety
-    /// The CPU has AVX2; `b` holds one super-block of `format`.
+    /// The CPU has AVX2 and F16C; `b` holds one super-block of `format`.
     #[inline(always)]
-    unsafe fn decode(format: SuperBlockFormat, b: &[u8]) -> Decoded {
+    pub(super) unsafe fn decode(format: SuperBlockFormat, b: &[u8], dec: &mut Decoded) {
         let ld = |o: usize| _mm256_loadu_si256(b.as_ptr().add(o) as *const __m256i);
         let low = _mm256_set1_epi8(0x0f);
-        let mut dec = match format {
-            SuperBlockFormat::Q4K | SuperBlockFormat::Q6K => Decoded::scales(format, b),
-            _ => return Decoded::new(format, b),
+        // The f16 at byte `o` of the block, converted by F16C (exact, as `f16_to_f32`).
+        let f16_at = |o: usize| {
+            let h = u16::from_le_bytes([b[o], b[o + 1]]);
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
         };
+        match format {
+            SuperBlockFormat::Q4K => {
+                // Scales 0..8 then mins 0..8 as i16 (`k4_scales_mins`), each repeated for the
+                // two 16-element groups of its sub-block.
+                let sm = k4_scales_mins(b.as_ptr());
+                let (sc, m) = (
+                    _mm256_castsi256_si128(sm),
+                    _mm256_extracti128_si256::<1>(sm),
+                );
+                let sc_p = dec.sc.as_mut_ptr() as *mut __m128i;
+                let m_p = dec.m.as_mut_ptr() as *mut __m128i;
+                _mm_storeu_si128(sc_p, _mm_unpacklo_epi16(sc, sc));
+                _mm_storeu_si128(sc_p.add(1), _mm_unpackhi_epi16(sc, sc));
+                _mm_storeu_si128(m_p, _mm_unpacklo_epi16(m, m));
+                _mm_storeu_si128(m_p.add(1), _mm_unpackhi_epi16(m, m));
+                dec.bias = 0;
+                dec.d = f16_at(0);
+                dec.dmin = f16_at(2);
+                dec.has_min = true;
+            }
+            SuperBlockFormat::Q6K => {
+                let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.as_ptr().add(192).cast()));
+                _mm256_storeu_si256(dec.sc.as_mut_ptr() as *mut __m256i, sc);
+                dec.m = [0; 16];
+                dec.bias = 32;
+                dec.d = f16_at(208);
+                dec.dmin = 0.0;
+                dec.has_min = false;
+            }
+            _ => {
+                *dec = Decoded::new(format, b);
+                return;
+            }
+        }
         let codes = dec.codes.as_mut_ptr() as *mut __m256i;
         if format == SuperBlockFormat::Q4K {
             // Elements 64j..64j+32 are the low nibbles of qs[32j..], the next 32 the high ones.
@@ -163,7 +205,6 @@ mod avx2 {
                 }
             }
         }
-        dec
     }
 
     /// The signature of the entry points: `out[r * n_tokens + t]` for the `out.len() /
@@ -174,8 +215,8 @@ mod avx2 {
     /// [`Gemm`] with 256-bit vectors.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `w` holds the rows, `acts` the tokens' Q8_K rows.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU has AVX2, FMA and F16C; `w` holds the rows, `acts` the tokens' Q8_K rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemm_avx2(
         format: SuperBlockFormat,
         fold: Fold,
@@ -184,29 +225,12 @@ mod avx2 {
         acts: &[u8],
         out: &mut [f32],
     ) {
-        gemm::<false>(format, fold, n_sb, w, acts, out)
+        gemm(format, fold, n_sb, w, acts, out)
     }
 
-    /// [`Gemm`] with 512-bit vectors and VNNI's `vpdpwssd`.
-    ///
-    /// # Safety
-    /// The CPU has AVX2, FMA, AVX-512 F/BW/VL and VNNI; `w` holds the rows, `acts` the tokens'
-    /// Q8_K rows.
-    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn gemm_avx512(
-        format: SuperBlockFormat,
-        fold: Fold,
-        n_sb: usize,
-        w: &[u8],
-        acts: &[u8],
-        out: &mut [f32],
-    ) {
-        gemm::<true>(format, fold, n_sb, w, acts, out)
-    }
-
-    /// [`Gemm`]'s body, the integer sums with 512-bit vectors if `WIDE`.
+    /// [`Gemm`]'s body.
     #[inline(always)]
-    unsafe fn gemm<const WIDE: bool>(
+    unsafe fn gemm(
         format: SuperBlockFormat,
         fold: Fold,
         n_sb: usize,
@@ -229,6 +253,11 @@ mod avx2 {
         let rows = out.len() / n_tokens;
         let mut acc = vec![0f32; rows * padded];
         let mut acc_min = vec![0f32; rows * padded];
+        if rows == 0 {
+            return;
+        }
+        // Overwritten by `decode` for each super-block.
+        let mut dec = Decoded::new(format, &w[..format.bytes()]);
         for b in 0..n_sb {
             let a0 = acts.as_ptr().add(b * Q8_K_BYTES);
             for r in 0..rows {
@@ -239,18 +268,15 @@ mod avx2 {
                     let at = ahead % rows * w_row + ahead / rows * format.bytes();
                     crate::prefetch(&w[at..at + format.bytes()]);
                 }
-                let dec = decode(
+                decode(
                     format,
                     &w[r * w_row + b * format.bytes()..][..format.bytes()],
+                    &mut dec,
                 );
                 for t0 in (0..n_tokens).step_by(TILE) {
                     let a: [*const u8; TILE] =
                         std::array::from_fn(|i| a0.add((t0 + i).min(n_tokens - 1) * a_row));
-                    let (s1, s2) = if WIDE {
-                        finish(&dec, &a, group_sums_512(&dec, &a))
-                    } else {
-                        finish(&dec, &a, group_sums(&dec, &a))
-                    };
+                    let (s1, s2) = finish(&dec, &a, group_sums(&dec, &a));
                     let da = _mm256_loadu_ps(d_a.as_ptr().add(b * padded + t0));
                     let acc_p = acc.as_mut_ptr().add(r * padded + t0);
                     let min_p = acc_min.as_mut_ptr().add(r * padded + t0);
@@ -307,27 +333,6 @@ mod avx2 {
             }
         }
         s
-    }
-
-    /// [`group_sums`] with 512-bit vectors and `vpdpwssd`, folded to 256 bits.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F/BW/VL and VNNI; the blocks are in bounds.
-    #[inline(always)]
-    unsafe fn group_sums_512(dec: &Decoded, a: &[*const u8; TILE]) -> [__m256i; TILE] {
-        let mut s = [_mm512_setzero_si512(); TILE];
-        for c in 0..4 {
-            let q = _mm512_loadu_si512(dec.codes.as_ptr().add(64 * c) as *const __m512i);
-            let pair = |g: usize| {
-                _mm256_set_m128i(_mm_set1_epi16(dec.sc[g + 1]), _mm_set1_epi16(dec.sc[g]))
-            };
-            let sc = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(pair(4 * c)), pair(4 * c + 2));
-            for (s, a) in s.iter_mut().zip(a) {
-                let y = _mm512_loadu_si512(a.add(Q8_K_QS + 64 * c) as *const __m512i);
-                *s = _mm512_dpwssd_epi32(*s, _mm512_maddubs_epi16(q, y), sc);
-            }
-        }
-        s.map(|v| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v)))
     }
 
     /// `(s1, s2)` of the super-block `dec` with the tile's tokens (lane `i` for token `i`),

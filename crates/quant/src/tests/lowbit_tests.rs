@@ -857,7 +857,7 @@ fn lowbit_kernel_dispatch() {
             assert_eq!(k.isa(), Isa::Avx512);
             let vnni = is_x86_feature_detected!("avx512vnni");
             let want = match ty {
-                Q4_0 | Q4_1 | Q5_0 | Q5_1 if vnni => "/avx512vnni",
+                Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q6_K if vnni => "/avx512vnni",
                 Q3_K | Q6_K => "/avx512",
                 _ => "/avx2",
             };

@@ -285,7 +285,7 @@ unsafe fn q3_k_rows<const R: usize>(
 /// The 8 scales and 8 mins of a Q4_K/Q5_K super-block as 16 int16 (scales first), unpacked as
 /// ggml's AVX2 kernels do (the same values as `get_scale_min_k4`).
 #[inline(always)]
-unsafe fn k4_scales_mins(wb: *const u8) -> __m256i {
+pub(crate) unsafe fn k4_scales_mins(wb: *const u8) -> __m256i {
     let p = wb.add(4).cast::<u32>();
     let (u0, u1, u2) = (
         p.read_unaligned(),
@@ -308,7 +308,7 @@ unsafe fn k4_scales_mins(wb: *const u8) -> __m256i {
 /// The four int32 min products `m[2k]·(b[4k]+b[4k+1]) + m[2k+1]·(b[4k+2]+b[4k+3])` of a
 /// Q4_K/Q5_K super-block (`_mm_hadd_epi16` pair sums, then `_mm_madd_epi16`).
 #[inline(always)]
-unsafe fn k4_min_prod(scales_mins: __m256i, ab: *const u8) -> __m128i {
+pub(crate) unsafe fn k4_min_prod(scales_mins: __m256i, ab: *const u8) -> __m128i {
     let bsums = _mm256_loadu_si256(ab.add(Q8_K_BSUMS).cast());
     let pairs = _mm_hadd_epi16(
         _mm256_castsi256_si128(bsums),
@@ -319,7 +319,11 @@ unsafe fn k4_min_prod(scales_mins: __m256i, ab: *const u8) -> __m128i {
 
 /// Q4_K (`Q5 = false`) and Q5_K: the integer lanes of one super-block.
 #[inline(always)]
-unsafe fn k4_sumi<const Q5: bool>(wb: *const u8, ab: *const u8, scales_mins: __m256i) -> __m256i {
+pub(crate) unsafe fn k4_sumi<const Q5: bool>(
+    wb: *const u8,
+    ab: *const u8,
+    scales_mins: __m256i,
+) -> __m256i {
     let qs = if Q5 { 48 } else { 16 };
     let sc = _mm256_castsi256_si128(scales_mins);
     let scales = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(sc), sc);

@@ -7,7 +7,8 @@
 //! * Q3_K and Q6_K: two 32-byte runs per zmm for the integer products (`vpmaddubsw` +
 //!   `vpmaddwd` with per-run scales picked by `vpermw`); the int32 halves are added into ggml's
 //!   8 lanes, which is exact, then the float steps are those of the AVX2 kernels (~10-20 %
-//!   faster). Q2_K, Q4_K and Q5_K were no faster this way and use the AVX2 kernels.
+//!   faster). Q2_K, Q4_K and Q5_K were no faster this way and use the AVX2 kernels. With
+//!   VNNI, Q6_K adds the scaled pair products with `vpdpwssd` (the same int32 lanes).
 //!
 //! All are bit-identical to the scalar references (and so to ggml's AVX2 kernels).
 //!
@@ -119,8 +120,10 @@ unsafe fn q3_k_rows<const R: usize>(
     }
 }
 
+/// Q6_K rows; `VNNI` adds each scaled pair product with `vpdpwssd` instead of `vpmaddwd` +
+/// `vpaddd` (the same int32 lanes).
 #[inline(always)]
-unsafe fn q6_k_rows<const R: usize>(
+unsafe fn q6_k_rows<const R: usize, const VNNI: bool>(
     n: usize,
     w: *const u8,
     stride: usize,
@@ -151,7 +154,11 @@ unsafe fn q6_k_rows<const R: usize>(
                     let x = _mm512_or_si512(low, _mm512_slli_epi16::<4>(high));
                     let p = _mm512_maddubs_epi16(x, q8k_pair(ab, 2 * h + g));
                     let sc = _mm512_permutexvar_epi16(idx[g], scales);
-                    sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(sc, p));
+                    sumi = if VNNI {
+                        _mm512_dpwssd_epi32(sumi, sc, p)
+                    } else {
+                        _mm512_add_epi32(sumi, _mm512_madd_epi16(sc, p))
+                    };
                 }
             }
             let sumi = _mm256_sub_epi32(fold(sumi), q6_k_offset(wb, ab));
@@ -207,7 +214,16 @@ entry_points!(
     dot_q6_k,
     rows_q6_k,
     q6_k_rows,
-    1
+    1,
+    false
+);
+entry_points!(
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    dot_q6_k_vnni,
+    rows_q6_k_vnni,
+    q6_k_rows,
+    1,
+    true
 );
 
 /// The AVX-512 kernel for one of the low-bit weight types; the VNNI variants when `vnni` (the
@@ -219,7 +235,8 @@ pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
         (GgmlType::Q5_0, true) => ("q5_0*q8_0/avx512vnni", dot_q5_0_vnni, rows_q5_0_vnni),
         (GgmlType::Q5_1, true) => ("q5_1*q8_1/avx512vnni", dot_q5_1_vnni, rows_q5_1_vnni),
         (GgmlType::Q3_K, _) => ("q3_k*q8_k/avx512", dot_q3_k, rows_q3_k),
-        (GgmlType::Q6_K, _) => ("q6_k*q8_k/avx512", dot_q6_k, rows_q6_k),
+        (GgmlType::Q6_K, false) => ("q6_k*q8_k/avx512", dot_q6_k, rows_q6_k),
+        (GgmlType::Q6_K, true) => ("q6_k*q8_k/avx512vnni", dot_q6_k_vnni, rows_q6_k_vnni),
         // Measured no faster with zmm registers than AVX2 (or, without VNNI, than the AVX2
         // kernels): use those.
         (GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1, false)
