@@ -1,0 +1,405 @@
+//! AVX2 + FMA + F16C dot products of the IQ types (× Q8_K; IQ4_NL × Q8_0). They compute the
+//! scalar references' integers (`scalar/iquants.rs`) 32 elements at a time: the grid rows of a
+//! 32-element block are gathered from the tables into one register of magnitudes, the signs are
+//! applied to the activation bytes (wrapping, as `_mm256_sign_epi8` does, so -128 stays -128),
+//! `vpmaddubsw` pairs the products and `vpmaddwd` multiplies each pair sum by its 16 elements'
+//! integer scale, which leaves element `e` in int32 lane `(e % 32) / 4`, the scalar lane. The
+//! float steps (one fused multiply-add per super-block with `d_w·d_a`, the halving sum, the
+//! type's constant, the IQ1 delta terms) are the scalar kernels' in the same order, so the
+//! results are bit-identical. No 16-bit sum saturates: magnitudes are at most 127 and
+//! activations at most 128 in absolute value, so a pair sum is at most 32512.
+//!
+//! Safety: every `unsafe fn` here needs AVX2, FMA and F16C, and pointers valid for the whole
+//! blocks it reads (the contract in `kernel_fns.rs`).
+
+use core::arch::x86_64::*;
+
+use crate::kernel_fns::DotFns;
+use crate::scalar::iq_grids::{
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
+    KVALUES_IQ4NL,
+};
+use crate::scalar::iquants::{iq1_m_d, iq4_nl_last_block, IQ4_NL_BYTES};
+use crate::scalar::kquants::{Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS, QK_K};
+use crate::scalar::shared::{Q8_0_BYTES, QK};
+use crate::x86::avx2::dot::{f16_at, hsum8};
+use crate::x86::avx2::lowbit::{bits_mask, nibbles32};
+use crate::GgmlType;
+
+/// The IQ1 grid shift (ggml's `IQ1S_DELTA`, `IQ1M_DELTA`).
+const IQ1_DELTA: f32 = 0.125;
+
+/// Byte at offset `o`.
+#[inline(always)]
+unsafe fn byte(b: *const u8, o: usize) -> usize {
+    *b.add(o) as usize
+}
+
+/// Little-endian u16 at offset `o`.
+#[inline(always)]
+unsafe fn u16_at(b: *const u8, o: usize) -> usize {
+    b.add(o).cast::<u16>().read_unaligned() as usize
+}
+
+/// Little-endian u32 at offset `o`.
+#[inline(always)]
+unsafe fn u32_at(b: *const u8, o: usize) -> u32 {
+    b.add(o).cast::<u32>().read_unaligned()
+}
+
+/// `y` negated (wrapping) in the bytes where `neg` is 0xff.
+#[inline(always)]
+unsafe fn negate(y: __m256i, neg: __m256i) -> __m256i {
+    _mm256_sub_epi8(_mm256_xor_si256(y, neg), neg)
+}
+
+/// Unsigned magnitudes `m` times signed activations `ys`, each pair sum times the int16 scale
+/// in the same position of `ls`: element `e` of the 32 lands in int32 lane `e / 4`.
+#[inline(always)]
+unsafe fn scaled(m: __m256i, ys: __m256i, ls: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(m, ys), ls)
+}
+
+/// Signed values `q` times activations `y` as the scalar `signed_product`, scaled as in
+/// [`scaled`].
+#[inline(always)]
+unsafe fn scaled_signed(q: __m256i, y: __m256i, ls: __m256i) -> __m256i {
+    scaled(_mm256_abs_epi8(q), _mm256_sign_epi8(y, q), ls)
+}
+
+/// The int16 scales of a 32-element block: `lo` for its first 16 elements, `hi` for the rest.
+#[inline(always)]
+unsafe fn ls_pair(lo: usize, hi: usize) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+}
+
+/// The two nibble scales `2s+1` of a byte.
+#[inline(always)]
+unsafe fn nibble_scales(s: usize) -> __m256i {
+    ls_pair(2 * (s & 15) + 1, 2 * (s >> 4) + 1)
+}
+
+/// The sign mask of four 7-bit sign codes (IQ2_XXS, IQ2_XS, IQ3_XXS), code `l` for the 8
+/// elements from `8l`.
+#[inline(always)]
+unsafe fn ksigns(c: [usize; 4]) -> __m256i {
+    let k = |l: usize| KSIGNS_IQ2XS[c[l] & 127] as u32;
+    bits_mask(k(0) | k(1) << 8 | k(2) << 16 | k(3) << 24)
+}
+
+/// An IQ super-block type without the IQ1 delta.
+trait IqSuper {
+    /// Bytes of a super-block.
+    const BYTES: usize;
+    /// The constant ggml multiplies the dot product by at the end.
+    const C: f32;
+    /// `Σ ls·q·y` of 32-element block `ib` of super-block `b` in the 8 int32 lanes.
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i;
+}
+
+struct Iq2Xxs;
+struct Iq2Xs;
+struct Iq2S;
+struct Iq3Xxs;
+struct Iq3S;
+struct Iq4Xs;
+
+impl IqSuper for Iq2Xxs {
+    const BYTES: usize = 66;
+    const C: f32 = 0.125;
+    #[inline(always)]
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i {
+        let o = 2 + 8 * ib;
+        let aux = u32_at(b, o + 4) as usize;
+        let g = |l: usize| IQ2XXS_GRID[byte(b, o + l)] as i64;
+        let m = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+        let neg = ksigns([aux, aux >> 7, aux >> 14, aux >> 21]);
+        scaled(m, negate(y, neg), _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1))
+    }
+}
+
+impl IqSuper for Iq2Xs {
+    const BYTES: usize = 74;
+    const C: f32 = 0.125;
+    #[inline(always)]
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i {
+        let v = |l: usize| u16_at(b, 2 + 2 * (4 * ib + l));
+        let (v0, v1, v2, v3) = (v(0), v(1), v(2), v(3));
+        let g = |v: usize| IQ2XS_GRID[v & 511] as i64;
+        let m = _mm256_set_epi64x(g(v3), g(v2), g(v1), g(v0));
+        let neg = ksigns([v0 >> 9, v1 >> 9, v2 >> 9, v3 >> 9]);
+        scaled(m, negate(y, neg), nibble_scales(byte(b, 66 + ib)))
+    }
+}
+
+impl IqSuper for Iq2S {
+    const BYTES: usize = 82;
+    const C: f32 = 0.125;
+    #[inline(always)]
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i {
+        let qh = byte(b, 66 + ib);
+        let g = |l: usize| {
+            IQ2S_GRID[(byte(b, 2 + 4 * ib + l) | ((qh << (8 - 2 * l)) & 0x300)) & 1023] as i64
+        };
+        let m = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+        let neg = bits_mask(u32_at(b, 34 + 4 * ib));
+        scaled(m, negate(y, neg), nibble_scales(byte(b, 74 + ib)))
+    }
+}
+
+impl IqSuper for Iq3Xxs {
+    const BYTES: usize = 98;
+    const C: f32 = 0.25;
+    #[inline(always)]
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i {
+        let aux = u32_at(b, 66 + 4 * ib) as usize;
+        let g = |k: usize| IQ3XXS_GRID[byte(b, 2 + 8 * ib + k)] as i32;
+        let m = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+        let neg = ksigns([aux, aux >> 7, aux >> 14, aux >> 21]);
+        scaled(m, negate(y, neg), _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1))
+    }
+}
+
+impl IqSuper for Iq3S {
+    const BYTES: usize = 110;
+    const C: f32 = 1.0;
+    #[inline(always)]
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i {
+        let raw = (byte(b, 106 + ib / 2) >> (4 * (ib % 2))) & 15;
+        let qh = byte(b, 66 + ib);
+        let g = |k: usize| IQ3S_GRID[(byte(b, 2 + 8 * ib + k) | ((qh >> k) & 1) << 8) & 511] as i32;
+        let m = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+        let neg = bits_mask(u32_at(b, 74 + 4 * ib));
+        scaled(m, negate(y, neg), _mm256_set1_epi16(1 + 2 * raw as i16))
+    }
+}
+
+/// The 32 non-linear IQ4 values of the 16 nibble bytes at `p` (low nibbles first).
+#[inline(always)]
+unsafe fn iq4_values(p: *const u8) -> __m256i {
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+    _mm256_shuffle_epi8(table, nibbles32(p))
+}
+
+impl IqSuper for Iq4Xs {
+    const BYTES: usize = 136;
+    const C: f32 = 1.0;
+    #[inline(always)]
+    unsafe fn lanes(b: *const u8, ib: usize, y: __m256i) -> __m256i {
+        let lo = (byte(b, 4 + ib / 2) >> (4 * (ib % 2))) & 15;
+        let hi = (u16_at(b, 2) >> (2 * ib)) & 3;
+        let ls = (lo | hi << 4) as i16 - 32;
+        scaled_signed(iq4_values(b.add(8 + 16 * ib)), y, _mm256_set1_epi16(ls))
+    }
+}
+
+/// The 32 activations of block `ib` of the Q8_K super-block at `ab`.
+#[inline(always)]
+unsafe fn q8k_y(ab: *const u8, ib: usize) -> __m256i {
+    _mm256_loadu_si256(ab.add(Q8_K_QS + 32 * ib).cast())
+}
+
+/// The Q8_K super-block `i` of the activations and its scale.
+#[inline(always)]
+unsafe fn q8k_block(a: *const u8, i: usize) -> (*const u8, f32) {
+    let ab = a.add(i * Q8_K_BYTES);
+    (ab, ab.cast::<f32>().read_unaligned())
+}
+
+/// `R` rows of super-block type `T` (`stride` bytes apart) times the Q8_K row `a`.
+#[inline(always)]
+unsafe fn super_rows<T: IqSuper, const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    for r in 0..R {
+        let w = w.add(r * stride);
+        let mut acc = _mm256_setzero_ps();
+        for i in 0..n / QK_K {
+            let b = w.add(i * T::BYTES);
+            let (ab, da) = q8k_block(a, i);
+            let d = f16_at(b) * da;
+            let mut s = _mm256_setzero_si256();
+            for ib in 0..8 {
+                s = _mm256_add_epi32(s, T::lanes(b, ib, q8k_y(ab, ib)));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
+        }
+        *out.add(r) = T::C * hsum8(acc);
+    }
+}
+
+/// The signed IQ1 grid rows (bytes -1, 0, 1) of four 11-bit indices.
+#[inline(always)]
+unsafe fn iq1_grid(idx: [usize; 4]) -> __m256i {
+    let g = |l: usize| IQ1S_GRID[idx[l] & 2047] as i64;
+    _mm256_set_epi64x(g(3), g(2), g(1), g(0))
+}
+
+/// IQ1_S rows: the grid part in 8 lanes, the delta from the Q8_K block sums in a scalar
+/// fused-multiply-add chain.
+#[inline(always)]
+unsafe fn iq1_s_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    for r in 0..R {
+        let w = w.add(r * stride);
+        let mut acc = _mm256_setzero_ps();
+        let mut acc1 = 0.0f32;
+        for i in 0..n / QK_K {
+            let b = w.add(i * 50);
+            let (ab, da) = q8k_block(a, i);
+            let d = f16_at(b) * da;
+            let mut s = _mm256_setzero_si256();
+            let mut sumi1 = 0i32;
+            for ib in 0..8 {
+                let qh = u16_at(b, 34 + 2 * ib);
+                let ls = 2 * ((qh >> 12) & 7) + 1;
+                let idx = |l: usize| byte(b, 2 + 4 * ib + l) | ((qh >> (3 * l)) & 7) << 8;
+                let q = iq1_grid([idx(0), idx(1), idx(2), idx(3)]);
+                s = _mm256_add_epi32(
+                    s,
+                    scaled_signed(q, q8k_y(ab, ib), _mm256_set1_epi16(ls as i16)),
+                );
+                let bsum = |k: usize| ab.add(Q8_K_BSUMS + 2 * k).cast::<i16>().read_unaligned();
+                let bs = bsum(2 * ib) as i32 + bsum(2 * ib + 1) as i32;
+                let sign = if qh & 0x8000 != 0 { -1 } else { 1 };
+                sumi1 += bs * sign * ls as i32;
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
+            acc1 = d.mul_add(sumi1 as f32, acc1);
+        }
+        *out.add(r) = hsum8(acc) + IQ1_DELTA * acc1;
+    }
+}
+
+/// IQ1_M rows: the grid part and the `Σ ls·(±y)` delta part in two 8-lane accumulators.
+#[inline(always)]
+unsafe fn iq1_m_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    const BYTES: usize = 56;
+    let ones = _mm256_set1_epi8(1);
+    for r in 0..R {
+        let w = w.add(r * stride);
+        let (mut acc, mut acc2) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for i in 0..n / QK_K {
+            let b = w.add(i * BYTES);
+            let (ab, da) = q8k_block(a, i);
+            let d = iq1_m_d(core::slice::from_raw_parts(b, BYTES)) * da;
+            let (mut s, mut s2) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for ib in 0..8 {
+                let sc = u16_at(b, 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
+                let ls = ls_pair(2 * (sc & 7) + 1, 2 * ((sc >> 3) & 7) + 1);
+                let nib = |l: usize| (byte(b, 32 + 2 * ib + l / 2) >> (4 * (l % 2))) & 15;
+                let nibs = [nib(0), nib(1), nib(2), nib(3)];
+                let idx = |l: usize| byte(b, 4 * ib + l) | (nibs[l] & 7) << 8;
+                let q = iq1_grid([idx(0), idx(1), idx(2), idx(3)]);
+                let y = q8k_y(ab, ib);
+                s = _mm256_add_epi32(s, scaled_signed(q, y, ls));
+                let dn = |l: usize| -((nibs[l] >> 3) as i64);
+                let neg = _mm256_set_epi64x(dn(3), dn(2), dn(1), dn(0));
+                s2 = _mm256_add_epi32(s2, scaled(ones, negate(y, neg), ls));
+            }
+            let dv = _mm256_set1_ps(d);
+            acc = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(s), acc);
+            acc2 = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(s2), acc2);
+        }
+        *out.add(r) = hsum8(acc) + IQ1_DELTA * hsum8(acc2);
+    }
+}
+
+/// IQ4_NL × Q8_0 rows: block pairs into two 8-lane accumulators (even, odd), added and summed
+/// by halving, an odd last block by the scalar tail.
+#[inline(always)]
+unsafe fn iq4_nl_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let nb = n / QK;
+    let ones = _mm256_set1_epi16(1);
+    for r in 0..R {
+        let w = w.add(r * stride);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for ib in 0..nb / 2 * 2 {
+            let (xb, yb) = (w.add(ib * IQ4_NL_BYTES), a.add(ib * Q8_0_BYTES));
+            let d = f16_at(yb) * f16_at(xb);
+            let y = _mm256_loadu_si256(yb.add(2).cast());
+            let s = scaled_signed(iq4_values(xb.add(2)), y, ones);
+            acc[ib % 2] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[ib % 2]);
+        }
+        let mut sumf = hsum8(_mm256_add_ps(acc[0], acc[1]));
+        if nb % 2 == 1 {
+            let o = nb - 1;
+            let xb = core::slice::from_raw_parts(w.add(o * IQ4_NL_BYTES), IQ4_NL_BYTES);
+            let yb = core::slice::from_raw_parts(a.add(o * Q8_0_BYTES), Q8_0_BYTES);
+            sumf = iq4_nl_last_block(xb, yb, sumf);
+        }
+        *out.add(r) = sumf;
+    }
+}
+
+/// `super_rows` of one type as a plain generic function, for `entry_points!`.
+macro_rules! super_kernel {
+    ($name:ident, $ty:ty) => {
+        #[inline(always)]
+        unsafe fn $name<const R: usize>(
+            n: usize,
+            w: *const u8,
+            stride: usize,
+            a: *const u8,
+            out: *mut f32,
+        ) {
+            super_rows::<$ty, R>(n, w, stride, a, out)
+        }
+    };
+}
+
+super_kernel!(iq2_xxs_rows, Iq2Xxs);
+super_kernel!(iq2_xs_rows, Iq2Xs);
+super_kernel!(iq2_s_rows, Iq2S);
+super_kernel!(iq3_xxs_rows, Iq3Xxs);
+super_kernel!(iq3_s_rows, Iq3S);
+super_kernel!(iq4_xs_rows, Iq4Xs);
+
+entry_points!("avx2,fma,f16c", dot_iq1_s, rows_iq1_s, iq1_s_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq1_m, rows_iq1_m, iq1_m_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq2_xxs, rows_iq2_xxs, iq2_xxs_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq2_xs, rows_iq2_xs, iq2_xs_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq2_s, rows_iq2_s, iq2_s_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq3_xxs, rows_iq3_xxs, iq3_xxs_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq3_s, rows_iq3_s, iq3_s_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq4_nl, rows_iq4_nl, iq4_nl_rows, 1);
+entry_points!("avx2,fma,f16c", dot_iq4_xs, rows_iq4_xs, iq4_xs_rows, 1);
+
+/// The AVX2 kernel of an IQ type (`None` for other types); AVX-512 machines use it too.
+pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
+    let (name, dot, rows): (_, crate::kernel_fns::DotFn, crate::kernel_fns::DotRowsFn) = match ty
+    {
+        GgmlType::IQ1_S => ("iq1_s*q8_k/avx2", dot_iq1_s, rows_iq1_s),
+        GgmlType::IQ1_M => ("iq1_m*q8_k/avx2", dot_iq1_m, rows_iq1_m),
+        GgmlType::IQ2_XXS => ("iq2_xxs*q8_k/avx2", dot_iq2_xxs, rows_iq2_xxs),
+        GgmlType::IQ2_XS => ("iq2_xs*q8_k/avx2", dot_iq2_xs, rows_iq2_xs),
+        GgmlType::IQ2_S => ("iq2_s*q8_k/avx2", dot_iq2_s, rows_iq2_s),
+        GgmlType::IQ3_XXS => ("iq3_xxs*q8_k/avx2", dot_iq3_xxs, rows_iq3_xxs),
+        GgmlType::IQ3_S => ("iq3_s*q8_k/avx2", dot_iq3_s, rows_iq3_s),
+        GgmlType::IQ4_NL => ("iq4_nl*q8_0/avx2", dot_iq4_nl, rows_iq4_nl),
+        GgmlType::IQ4_XS => ("iq4_xs*q8_k/avx2", dot_iq4_xs, rows_iq4_xs),
+        _ => return None,
+    };
+    Some(DotFns { name, dot, rows })
+}
