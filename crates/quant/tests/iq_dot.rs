@@ -4,8 +4,8 @@
 //! scale, sign, grid index or constant in the product).
 
 use hmoe_quant::{
-    dequantize_row, quantize_row, set_iq_block_scale, vec_dot_type, DotKernel, GgmlType, Isa,
-    IQ_TYPES,
+    dequantize_row, quantize_row, set_iq_block_scale, vec_dot_type, BatchKind, DotKernel, GgmlType,
+    Isa, IQ_TYPES,
 };
 
 mod common;
@@ -105,7 +105,10 @@ fn raw_acts(act: GgmlType, n: usize, fill: Option<i8>, d: f32, rng: &mut Rng) ->
         }
         if act == GgmlType::Q8_K {
             for k in 0..16 {
-                let sum: i16 = b[4 + 16 * k..20 + 16 * k].iter().map(|&q| q as i8 as i16).sum();
+                let sum: i16 = b[4 + 16 * k..20 + 16 * k]
+                    .iter()
+                    .map(|&q| q as i8 as i16)
+                    .sum();
                 b[260 + 2 * k..262 + 2 * k].copy_from_slice(&sum.to_le_bytes());
             }
         }
@@ -156,11 +159,53 @@ fn iq_simd_dots_equal_scalar_on_extreme_blocks() {
 }
 
 #[test]
+fn iq_batches_equal_the_scalar_dot_per_token() {
+    let mut rng = Rng(0x5eed_0f_1a_2b3c);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for ty in IQ_TYPES {
+        let act = vec_dot_type(ty);
+        let reference = DotKernel::new(ty, Isa::Scalar).unwrap();
+        for (n, n_tokens) in [(ty.block_elems(), 1), (512, 3), (768, 9), (32 * 5, 4)] {
+            if n % ty.block_elems() != 0 {
+                continue;
+            }
+            let rows = 5;
+            let w = weights(ty, n, rows, &mut rng);
+            let ab = act.row_bytes(n as u64).unwrap() as usize;
+            let mut acts = Vec::new();
+            for t in 0..n_tokens {
+                let fill = [None, Some(-128), None][t % 3];
+                acts.extend(raw_acts(act, n, fill, 0.5 + t as f32, &mut rng));
+            }
+            let rb = ty.row_bytes(n as u64).unwrap() as usize;
+            let mut want = vec![0.0f32; rows * n_tokens];
+            for (i, o) in want.iter_mut().enumerate() {
+                let (r, t) = (i / n_tokens, i % n_tokens);
+                *o = reference.dot(n, &w[r * rb..(r + 1) * rb], &acts[t * ab..(t + 1) * ab]);
+            }
+            for isa in isas() {
+                let k = DotKernel::new(ty, isa).unwrap();
+                for kind in [BatchKind::Dense, BatchKind::Expert] {
+                    let mut out = vec![0.0f32; rows * n_tokens];
+                    k.dot_tokens_rows(kind, n, &w, &acts, n_tokens, &mut out);
+                    let at = format!("{ty} n={n} {n_tokens} tokens {kind:?} on {isa:?}");
+                    assert_eq!(bits(&out), bits(&want), "{at}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn iq_dots_run_simd_kernels_where_the_cpu_has_them() {
     for ty in IQ_TYPES {
         for isa in isas() {
             let name = DotKernel::new(ty, isa).unwrap().name();
-            let want = if isa == Isa::Scalar { "/scalar" } else { "/avx2" };
+            let want = if isa == Isa::Scalar {
+                "/scalar"
+            } else {
+                "/avx2"
+            };
             assert!(name.ends_with(want), "{ty} on {isa:?}: {name}");
         }
     }
