@@ -473,20 +473,31 @@ unsafe fn iq4_nl_result(acc: [__m256; 2], n: usize, w: *const u8, a: *const u8) 
     iq4_nl_last_block(xb, yb, sumf)
 }
 
-/// [`super_tokens`] for IQ4_NL × Q8_0.
+/// [`super_tokens`] for IQ4_NL × Q8_0: the paired blocks in runs of [`IQ4_NL_RUN`], decoded
+/// once, then each token's two accumulators kept in registers over the run.
 #[inline(always)]
 unsafe fn iq4_nl_tokens(n: usize, w: *const u8, a: *const u8, n_tokens: usize, out: &mut [f32]) {
     let nb = n / QK;
+    let paired = nb / 2 * 2;
     let (w_row, a_row) = (nb * IQ4_NL_BYTES, nb * Q8_0_BYTES);
     let mut accs = vec![[_mm256_setzero_ps(); 2]; n_tokens];
     for (r, dst) in out.chunks_exact_mut(n_tokens).enumerate() {
         let w = w.add(r * w_row);
         accs.fill([_mm256_setzero_ps(); 2]);
-        for ib in 0..nb / 2 * 2 {
-            let xb = w.add(ib * IQ4_NL_BYTES);
-            let q = iq4_values(xb.add(2));
+        for b0 in (0..paired).step_by(IQ4_NL_RUN) {
+            let run = IQ4_NL_RUN.min(paired - b0);
+            let q: [__m256i; IQ4_NL_RUN] = core::array::from_fn(|j| {
+                let ib = b0 + j.min(run - 1);
+                iq4_values(w.add(ib * IQ4_NL_BYTES + 2))
+            });
             for (t, acc) in accs.iter_mut().enumerate() {
-                iq4_nl_add(&mut acc[ib % 2], xb, q, a.add(t * a_row + ib * Q8_0_BYTES));
+                let mut regs = *acc;
+                for (j, &q) in q.iter().enumerate().take(run) {
+                    let ib = b0 + j;
+                    let yb = a.add(t * a_row + ib * Q8_0_BYTES);
+                    iq4_nl_add(&mut regs[ib % 2], w.add(ib * IQ4_NL_BYTES), q, yb);
+                }
+                *acc = regs;
             }
         }
         for (t, (o, acc)) in dst.iter_mut().zip(&accs).enumerate() {
@@ -494,6 +505,9 @@ unsafe fn iq4_nl_tokens(n: usize, w: *const u8, a: *const u8, n_tokens: usize, o
         }
     }
 }
+
+/// IQ4_NL blocks decoded at a time in a batch (even, so a run starts on an even block).
+const IQ4_NL_RUN: usize = 8;
 
 /// `super_rows` of one type as a plain generic function, for `entry_points!`.
 macro_rules! super_kernel {
