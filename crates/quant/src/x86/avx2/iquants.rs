@@ -197,14 +197,25 @@ impl IqSuper for Iq2S {
     }
 }
 
+/// The 8 grid index bytes of 32-element block `ib` of an IQ3 super-block as int32 lanes.
+#[inline(always)]
+unsafe fn iq3_indices(b: *const u8, ib: usize) -> __m256i {
+    _mm256_cvtepu8_epi32(_mm_loadl_epi64(b.add(2 + 8 * ib).cast()))
+}
+
+/// The rows `idx` (int32 lanes, each below `grid.len()`) of a grid of 4-byte rows.
+#[inline(always)]
+unsafe fn grid_gather<const N: usize>(grid: &[u32; N], idx: __m256i) -> __m256i {
+    _mm256_i32gather_epi32::<4>(grid.as_ptr().cast(), idx)
+}
+
 impl IqSuper for Iq3Xxs {
     const BYTES: usize = 98;
     const C: f32 = 0.25;
     #[inline(always)]
     unsafe fn part(b: *const u8, ib: usize) -> Part {
         let aux = u32_at(b, 66 + 4 * ib) as usize;
-        let g = |k: usize| IQ3XXS_GRID[byte(b, 2 + 8 * ib + k)] as i32;
-        let m = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+        let m = grid_gather(&IQ3XXS_GRID, iq3_indices(b, ib));
         let sgn = ksigns([aux, aux >> 7, aux >> 14, aux >> 21]);
         Part::plain(m, sgn, _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1))
     }
@@ -217,8 +228,16 @@ impl IqSuper for Iq3S {
     unsafe fn part(b: *const u8, ib: usize) -> Part {
         let raw = (byte(b, 106 + ib / 2) >> (4 * (ib % 2))) & 15;
         let qh = byte(b, 66 + ib);
-        let g = |k: usize| IQ3S_GRID[(byte(b, 2 + 8 * ib + k) | ((qh >> k) & 1) << 8) & 511] as i32;
-        let m = _mm256_set_epi32(g(7), g(6), g(5), g(4), g(3), g(2), g(1), g(0));
+        // Bit k of qh is the 9th bit of index k: (qh << (8 - k)) & 0x100.
+        let high = _mm256_sllv_epi32(
+            _mm256_set1_epi32(qh as i32),
+            _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1),
+        );
+        let idx = _mm256_or_si256(
+            iq3_indices(b, ib),
+            _mm256_and_si256(high, _mm256_set1_epi32(0x100)),
+        );
+        let m = grid_gather(&IQ3S_GRID, idx);
         let sgn = signs_of(bits_mask(u32_at(b, 74 + 4 * ib)));
         Part::plain(m, sgn, _mm256_set1_epi16(1 + 2 * raw as i16))
     }
