@@ -160,7 +160,7 @@ fn iq_simd_dots_equal_scalar_on_extreme_blocks() {
 
 #[test]
 fn iq_batches_equal_the_scalar_dot_per_token() {
-    let mut rng = Rng(0x5eed_0f_1a_2b3c);
+    let mut rng = Rng(0x5eed_0f1a_2b3c);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for ty in IQ_TYPES {
         let act = vec_dot_type(ty);

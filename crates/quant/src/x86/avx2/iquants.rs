@@ -483,7 +483,7 @@ unsafe fn iq4_nl_add(acc: &mut __m256, xb: *const u8, q: __m256i, yb: *const u8)
 unsafe fn iq4_nl_result(acc: [__m256; 2], n: usize, w: *const u8, a: *const u8) -> f32 {
     let nb = n / QK;
     let sumf = hsum8(_mm256_add_ps(acc[0], acc[1]));
-    if nb % 2 == 0 {
+    if nb.is_multiple_of(2) {
         return sumf;
     }
     let o = nb - 1;
