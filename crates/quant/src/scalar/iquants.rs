@@ -473,7 +473,8 @@ pub fn set_iq_block_scale(ty: GgmlType, block: &mut [u8], d: u16) -> bool {
     true
 }
 
-/// The scalar dot kernel of an IQ type (`None` for other types); every ISA uses it.
+/// The scalar dot kernel of an IQ type (`None` for other types): the reference whose bits the
+/// AVX2 kernels (`x86/avx2/iquants.rs`, also used on AVX-512) reproduce.
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<crate::kernel_fns::DotFns> {
     Some(match ty {
         GgmlType::IQ1_S => scalar_kernel!("iq1_s*q8_k/scalar", dot_iq1_s),
