@@ -73,12 +73,29 @@ unsafe fn nibble_scales(s: usize) -> __m256i {
     ls_pair(2 * (s & 15) + 1, 2 * (s >> 4) + 1)
 }
 
+/// The sign vectors of the 128 7-bit sign codes: byte `j` is -1 where bit `j` of the code's
+/// sign byte (`KSIGNS_IQ2XS`) is set, else 1 (ggml's `keven_signs_q2xs`).
+static SIGN_VECTORS: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut c = 0;
+    while c < 128 {
+        let mut j = 0;
+        while j < 8 {
+            let byte = if KSIGNS_IQ2XS[c] >> j & 1 == 1 { 0xff } else { 0x01 };
+            t[c] |= (byte as u64) << (8 * j);
+            j += 1;
+        }
+        c += 1;
+    }
+    t
+};
+
 /// The sign vector of four 7-bit sign codes (IQ2_XXS, IQ2_XS, IQ3_XXS), code `l` for the 8
 /// elements from `8l`.
 #[inline(always)]
 unsafe fn ksigns(c: [usize; 4]) -> __m256i {
-    let k = |l: usize| KSIGNS_IQ2XS[c[l] & 127] as u32;
-    signs_of(bits_mask(k(0) | k(1) << 8 | k(2) << 16 | k(3) << 24))
+    let k = |l: usize| SIGN_VECTORS[c[l] & 127] as i64;
+    _mm256_set_epi64x(k(3), k(2), k(1), k(0))
 }
 
 /// One decoded 32-element block: element `e` is `m[e]` with the sign of `sgn[e]` (the scalar
