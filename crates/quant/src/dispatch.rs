@@ -10,10 +10,6 @@ use crate::{scalar, AmxStatus, GgmlType, Isa};
 /// The dot kernel for weights of type `ty` on `isa` (AVX-512 uses VNNI when `allow_vnni` and the
 /// CPU has it). `None` when the type has no kernel.
 pub(crate) fn dot_fns(isa: Isa, ty: GgmlType, allow_vnni: bool) -> Option<DotFns> {
-    // The IQ types have scalar kernels only; they define the bits on every ISA.
-    if let Some(fns) = scalar::iquants::dot_fns(ty) {
-        return Some(fns);
-    }
     match isa {
         Isa::Scalar => scalar::dot_fns(ty),
         #[cfg(target_arch = "x86_64")]

@@ -16,7 +16,7 @@
 //! | Q4_0, Q5_0 | yes | ggml's reference quantisers | Q8_0 |
 //! | Q4_1, Q5_1 | yes | ggml's reference quantisers | Q8_1 |
 //! | Q2_K ... Q6_K | yes | no | Q8_K |
-//! | IQ1_S ... IQ4_XS | yes (bit-exact with gguf-py) | no | Q8_K (IQ4_NL: Q8_0), scalar only |
+//! | IQ1_S ... IQ4_XS | yes (bit-exact with gguf-py) | no | Q8_K (IQ4_NL: Q8_0); scalar, AVX2 (also on AVX-512) |
 //! | Q8_1 | yes (`d·q`) | ggml's x86 activation quantiser | — |
 //! | Q8_K | yes (`d·q`) | ggml's activation quantiser | — |
 //!

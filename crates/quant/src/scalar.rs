@@ -11,7 +11,7 @@ use crate::GgmlType;
 
 pub(crate) mod basic;
 pub(crate) mod gemm;
-mod iq_grids;
+pub(crate) mod iq_grids;
 pub(crate) mod iquants;
 pub(crate) mod kquants;
 pub(crate) mod legacy;

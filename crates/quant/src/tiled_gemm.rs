@@ -1,4 +1,4 @@
-//! Many K-quant weight rows against many tokens at once ([`DotKernel::dot_tokens_rows`]): the
+//! Many K-quant (and IQ) weight rows against many tokens at once ([`DotKernel::dot_tokens_rows`]): the
 //! same bits as [`DotKernel::dot_tokens`] row by row, but each weight super-block is decoded
 //! once for all the tokens instead of once per token.
 //!
@@ -11,6 +11,9 @@
 //! * the repacked Q4_K order of an expert matmul (`repack.rs`, every token count):
 //!   `acc = fma(f32(s1), d_w·d_a, acc)`, `acc_min = fma(f32(s2), dmin_w·d_a, acc_min)`,
 //!   result `acc − acc_min`.
+//!
+//! The IQ types keep their single-token order (`vec_dot` per token); on AVX2 and AVX-512 their
+//! batches decode each weight block once for all the tokens (`x86/avx2/iquants.rs`).
 //!
 //! The integer sums are exact in any order, so the SIMD kernels form them for a tile of tokens
 //! (one vector lane per token: after horizontal sums with AVX2, directly with AVX-512 VNNI,
@@ -70,6 +73,21 @@ impl DotKernel {
                 // SAFETY: the kernel's ISA was checked when it was made (AVX2 is part of both,
                 // VNNI was asked); `w` holds the rows, `a` the tokens.
                 unsafe { f(format, fold, n / crate::scalar::kquants::QK_K, w, a, out) };
+                return;
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa() != crate::Isa::Scalar && crate::IQ_TYPES.contains(&self.weight_type()) {
+            let (w, a) = (
+                &weight_rows[..rows * wb],
+                &acts[..n_tokens * self.act_row_bytes(n)],
+            );
+            // SAFETY: the kernel's ISA (AVX2, or AVX-512 which includes it) was checked when it
+            // was made; `w` holds the rows, `a` the tokens, of whole blocks.
+            let done = unsafe {
+                crate::x86::avx2::iquants::tokens_rows(self.weight_type(), n, w, a, n_tokens, out)
+            };
+            if done {
                 return;
             }
         }

@@ -4,8 +4,8 @@
 //! scale, sign, grid index or constant in the product).
 
 use hmoe_quant::{
-    dequantize_row, quantize_row, set_iq_block_scale, vec_dot_type, DotKernel, GgmlType, Isa,
-    IQ_TYPES,
+    dequantize_row, quantize_row, set_iq_block_scale, vec_dot_type, BatchKind, DotKernel, GgmlType,
+    Isa, IQ_TYPES,
 };
 
 mod common;
@@ -83,6 +83,130 @@ fn iq_dots_equal_the_dequantised_sum_on_every_isa() {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&out), bits(&want), "{ty} n={n} on {isa:?}");
             }
+        }
+    }
+}
+
+/// An activation row of `act` (Q8_K or Q8_0) of `n` elements from raw random bytes: every code
+/// from -128 to 127 (or all -128, or all 127 when `fill` says so), block sums that match the
+/// codes, and the scale `d` (f32 for Q8_K, f16 bits of `d` for Q8_0).
+fn raw_acts(act: GgmlType, n: usize, fill: Option<i8>, d: f32, rng: &mut Rng) -> Vec<u8> {
+    let mut a = vec![0u8; act.row_bytes(n as u64).unwrap() as usize];
+    for b in a.chunks_exact_mut(act.block_bytes()) {
+        let (qs, len) = if act == GgmlType::Q8_K {
+            b[..4].copy_from_slice(&d.to_le_bytes());
+            (4, 256)
+        } else {
+            b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            (2, 32)
+        };
+        for q in &mut b[qs..qs + len] {
+            *q = fill.unwrap_or(rng.next() as i8) as u8;
+        }
+        if act == GgmlType::Q8_K {
+            for k in 0..16 {
+                let sum: i16 = b[4 + 16 * k..20 + 16 * k]
+                    .iter()
+                    .map(|&q| q as i8 as i16)
+                    .sum();
+                b[260 + 2 * k..262 + 2 * k].copy_from_slice(&sum.to_le_bytes());
+            }
+        }
+    }
+    a
+}
+
+#[test]
+fn iq_simd_dots_equal_scalar_on_extreme_blocks() {
+    let mut rng = Rng(0x0bad_cafe_f00d_1234);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for ty in IQ_TYPES {
+        let act = vec_dot_type(ty);
+        let reference = DotKernel::new(ty, Isa::Scalar).unwrap();
+        // Weight scales: the largest finite f16 of both signs, the smallest subnormal, one.
+        let scales: [u16; 5] = [0x7bff, 0xfbff, 0x0001, 0x3c00, 0x8400];
+        let fills = [None, Some(-128), Some(127), Some(0)];
+        for (case, (&wd, fill)) in scales.iter().zip(fills.iter().cycle()).enumerate() {
+            for n in [ty.block_elems(), 3 * 256, 32 * 5] {
+                if n % ty.block_elems() != 0 {
+                    continue;
+                }
+                let rows = 3;
+                let mut w = weights(ty, n, rows, &mut rng);
+                for b in w.chunks_exact_mut(ty.block_bytes()) {
+                    assert!(set_iq_block_scale(ty, b, wd));
+                }
+                let ad = [1e-30, 3.0e4, -1.0, 7.5e-3, 1.0][case];
+                let a = raw_acts(act, n, *fill, ad, &mut rng);
+                let rb = ty.row_bytes(n as u64).unwrap() as usize;
+                let want: Vec<f32> = (0..rows)
+                    .map(|r| reference.dot(n, &w[r * rb..(r + 1) * rb], &a))
+                    .collect();
+                for isa in isas() {
+                    let k = DotKernel::new(ty, isa).unwrap();
+                    let mut out = vec![0.0f32; rows];
+                    k.dot_rows(n, &w, &a, &mut out);
+                    let single: Vec<f32> = (0..rows)
+                        .map(|r| k.dot(n, &w[r * rb..(r + 1) * rb], &a))
+                        .collect();
+                    let at = format!("{ty} n={n} case {case} on {isa:?} ({})", k.name());
+                    assert_eq!(bits(&out), bits(&want), "{at}");
+                    assert_eq!(bits(&single), bits(&want), "{at}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn iq_batches_equal_the_scalar_dot_per_token() {
+    let mut rng = Rng(0x5eed_0f1a_2b3c);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for ty in IQ_TYPES {
+        let act = vec_dot_type(ty);
+        let reference = DotKernel::new(ty, Isa::Scalar).unwrap();
+        for (n, n_tokens) in [(ty.block_elems(), 1), (512, 3), (768, 9), (32 * 5, 4)] {
+            if n % ty.block_elems() != 0 {
+                continue;
+            }
+            let rows = 5;
+            let w = weights(ty, n, rows, &mut rng);
+            let ab = act.row_bytes(n as u64).unwrap() as usize;
+            let mut acts = Vec::new();
+            for t in 0..n_tokens {
+                let fill = [None, Some(-128), None][t % 3];
+                acts.extend(raw_acts(act, n, fill, 0.5 + t as f32, &mut rng));
+            }
+            let rb = ty.row_bytes(n as u64).unwrap() as usize;
+            let mut want = vec![0.0f32; rows * n_tokens];
+            for (i, o) in want.iter_mut().enumerate() {
+                let (r, t) = (i / n_tokens, i % n_tokens);
+                *o = reference.dot(n, &w[r * rb..(r + 1) * rb], &acts[t * ab..(t + 1) * ab]);
+            }
+            for isa in isas() {
+                let k = DotKernel::new(ty, isa).unwrap();
+                for kind in [BatchKind::Dense, BatchKind::Expert] {
+                    let mut out = vec![0.0f32; rows * n_tokens];
+                    k.dot_tokens_rows(kind, n, &w, &acts, n_tokens, &mut out);
+                    let at = format!("{ty} n={n} {n_tokens} tokens {kind:?} on {isa:?}");
+                    assert_eq!(bits(&out), bits(&want), "{at}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn iq_dots_run_simd_kernels_where_the_cpu_has_them() {
+    for ty in IQ_TYPES {
+        for isa in isas() {
+            let name = DotKernel::new(ty, isa).unwrap().name();
+            let want = if isa == Isa::Scalar {
+                "/scalar"
+            } else {
+                "/avx2"
+            };
+            assert!(name.ends_with(want), "{ty} on {isa:?}: {name}");
         }
     }
 }

@@ -43,7 +43,7 @@ use crate::GgmlType;
 /// The delta of IQ1_S and IQ1_M grid values (ggml's `IQ1S_DELTA`, `IQ1M_DELTA`).
 const IQ1_DELTA: f32 = 0.125;
 /// Bytes of an IQ4_NL block.
-const IQ4_NL_BYTES: usize = 18;
+pub(crate) const IQ4_NL_BYTES: usize = 18;
 
 /// One decoded super-block: the signed grid value of each element, the integer scale of each
 /// 16 elements as the dot products multiply it, and (IQ1 only) whether each element's delta is
@@ -184,7 +184,7 @@ fn decode_iq1_s(b: &[u8], d: &mut Decoded) {
 }
 
 /// The f16 scale of an IQ1_M super-block, spread over the top nibbles of its four scale words.
-fn iq1_m_d(b: &[u8]) -> f32 {
+pub(crate) fn iq1_m_d(b: &[u8]) -> f32 {
     let sc = |k: usize| u16_at(b, 48 + 2 * k);
     let bits = (sc(0) >> 12) | ((sc(1) >> 8) & 0x00f0) | ((sc(2) >> 4) & 0x0f00) | (sc(3) & 0xf000);
     f16_to_f32(bits)
@@ -408,17 +408,26 @@ fn dot_iq4_nl(n: usize, w: &[u8], a: &[u8]) -> f32 {
     for (k, s) in sum.iter_mut().enumerate() {
         *s = acc[0][k] + acc[1][k];
     }
-    let mut sumf = hsum8(&sum);
+    let sumf = hsum8(&sum);
     if nb % 2 == 1 {
-        let (d, yb) = block(nb - 1, &mut v);
-        let s: i32 = v
-            .iter()
-            .enumerate()
-            .map(|(e, &q)| q as i32 * (yb[2 + e] as i8) as i32)
-            .sum();
-        sumf = d.mul_add(s as f32, sumf);
+        let o = nb - 1;
+        return iq4_nl_last_block(&w[o * IQ4_NL_BYTES..], &a[o * Q8_0_BYTES..], sumf);
     }
     sumf
+}
+
+/// `sumf` plus the odd last block of an IQ4_NL row (`xb`) times its Q8_0 block (`yb`): the
+/// plain integer dot product, added with one fused multiply-add (ggml's scalar tail).
+pub(crate) fn iq4_nl_last_block(xb: &[u8], yb: &[u8], sumf: f32) -> f32 {
+    let mut v = [0i8; QK];
+    iq4_values(&xb[2..18], &mut v);
+    let d = f16_to_f32(rd_u16(yb, 0)) * f16_to_f32(rd_u16(xb, 0));
+    let s: i32 = v
+        .iter()
+        .enumerate()
+        .map(|(e, &q)| q as i32 * (yb[2 + e] as i8) as i32)
+        .sum();
+    d.mul_add(s as f32, sumf)
 }
 
 macro_rules! iq_super_fns {
@@ -464,7 +473,8 @@ pub fn set_iq_block_scale(ty: GgmlType, block: &mut [u8], d: u16) -> bool {
     true
 }
 
-/// The scalar dot kernel of an IQ type (`None` for other types); every ISA uses it.
+/// The scalar dot kernel of an IQ type (`None` for other types): the reference whose bits the
+/// AVX2 kernels (`x86/avx2/iquants.rs`, also used on AVX-512) reproduce.
 pub(crate) fn dot_fns(ty: GgmlType) -> Option<crate::kernel_fns::DotFns> {
     Some(match ty {
         GgmlType::IQ1_S => scalar_kernel!("iq1_s*q8_k/scalar", dot_iq1_s),

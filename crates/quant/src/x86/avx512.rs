@@ -1,5 +1,5 @@
 //! AVX-512 F/BW/VL kernels (VNNI where the CPU has it): the base types' dot products (`dot`),
-//! the low-bit formats where zmm registers pay (`lowbit`, else the AVX2 kernels) and the batched
+//! the low-bit formats where zmm registers pay (`lowbit`, else the AVX2 kernels; the IQ types use the AVX2 ones) and the batched
 //! products (`gemm`). This file is their table for [`crate::Isa::Avx512`]; quantisation and
 //! dequantisation use the AVX2 kernels.
 
@@ -13,5 +13,7 @@ pub(crate) mod lowbit;
 /// The AVX-512 dot kernel for weights of type `ty`; the VNNI variants when `vnni` (the caller
 /// checked the CPU). `None` for a type without one.
 pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
-    dot::dot_fns(ty, vnni).or_else(|| lowbit::dot_fns(ty, vnni))
+    dot::dot_fns(ty, vnni)
+        .or_else(|| lowbit::dot_fns(ty, vnni))
+        .or_else(|| crate::x86::avx2::iquants::dot_fns(ty))
 }

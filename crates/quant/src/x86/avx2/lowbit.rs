@@ -20,7 +20,7 @@ use crate::GgmlType;
 
 /// The 32 nibbles of the 16 bytes at `p` as bytes: low nibbles in 0..16, high nibbles in 16..32.
 #[inline(always)]
-unsafe fn nibbles32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles32(p: *const u8) -> __m256i {
     let q = _mm_loadu_si128(p.cast());
     let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(q), _mm_srli_epi16::<4>(q));
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
@@ -29,7 +29,13 @@ unsafe fn nibbles32(p: *const u8) -> __m256i {
 /// 0xff in byte `i` where bit `i` of the little-endian u32 at `p` is set, else 0.
 #[inline(always)]
 unsafe fn bits32(p: *const u8) -> __m256i {
-    let v = _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
+    bits_mask(p.cast::<u32>().read_unaligned())
+}
+
+/// 0xff in byte `i` where bit `i` of `bits` is set, else 0.
+#[inline(always)]
+pub(crate) unsafe fn bits_mask(bits: u32) -> __m256i {
+    let v = _mm256_set1_epi32(bits as i32);
     // Byte i takes byte i/8 of the word (both 128-bit lanes hold the whole word).
     let spread = _mm256_shuffle_epi8(
         v,
