@@ -5,48 +5,45 @@
 
 use hmoe_quant::GgmlType;
 
-use crate::{BackendError, Gating, RopeParams, Routing, RowCopy, StagedIo};
+use crate::{BackendError, Gating, PackedDown, RopeParams, Routing, RowCopy, StagedIo};
 
-/// Host buffers of one expert-boundary round trip: the normed hidden state, the chosen
-/// experts and their weights brought down, and the expert sum to send up.
+/// Host buffers of one expert-boundary round trip: the packed inputs brought down
+/// ([`PackedDown`]: the normed hidden state, the weights and the chosen experts in one
+/// buffer), the ids read back out of it, and the expert sum to send up.
 pub struct HostStaging {
-    h: Vec<f32>,
+    layout: PackedDown,
+    down: Vec<f32>,
     sel: Vec<i32>,
-    w: Vec<f32>,
     out: Vec<f32>,
 }
 
 impl HostStaging {
     /// Buffers for `n_d` hidden values and `n_k` expert slots.
     pub fn new(n_d: usize, n_k: usize) -> HostStaging {
+        let layout = PackedDown { n_d, n_k };
         HostStaging {
-            h: vec![0.0; n_d],
+            layout,
+            down: vec![0.0; layout.words()],
             sel: vec![0; n_k],
-            w: vec![0.0; n_k],
             out: vec![0.0; n_d],
         }
     }
 
-    /// Copies the inputs in ([`crate::Backend::stage_down`]); they must have the lengths the
-    /// buffers were made for.
-    pub fn fill(&mut self, h: &[f32], sel: &[i32], w: &[f32]) -> Result<(), BackendError> {
-        crate::error::ensure(
-            self.h.len() == h.len() && self.sel.len() == sel.len() && self.w.len() == w.len(),
-            "stage_down",
-            || "lengths".into(),
-        )?;
-        self.h.copy_from_slice(h);
-        self.sel.copy_from_slice(sel);
-        self.w.copy_from_slice(w);
-        Ok(())
+    /// Packs the inputs in ([`crate::Backend::stage_down`]); they must have the lengths the
+    /// buffers were made for. Returns the bytes of the packed buffer (the one copy down).
+    pub fn fill(&mut self, h: &[f32], sel: &[i32], w: &[f32]) -> Result<usize, BackendError> {
+        self.layout.pack(&mut self.down, h, sel, w)?;
+        Ok(4 * self.down.len())
     }
 
     /// The staged inputs and the output buffer ([`crate::Backend::staged`]).
     pub fn io(&mut self) -> StagedIo<'_> {
+        let l = self.layout;
+        l.unpack_sel(&self.down, &mut self.sel);
         StagedIo {
-            h: &self.h,
+            h: &self.down[l.h()],
             sel: &self.sel,
-            w: &self.w,
+            w: &self.down[l.w()],
             out: &mut self.out,
         }
     }

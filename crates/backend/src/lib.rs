@@ -17,6 +17,7 @@ mod experts;
 pub mod host_ops;
 mod kv_type;
 pub mod numerics;
+pub mod packed_staging;
 mod params;
 mod ref0;
 mod ref0_kv;
@@ -32,6 +33,7 @@ pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
 pub use host_ops::HostStaging;
 pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
+pub use packed_staging::PackedDown;
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{
     Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME, REF0_TYPES,
@@ -871,7 +873,8 @@ pub trait Backend: Send + Sync {
     ) -> Result<(), BackendError>;
     /// Host buffers for a round trip of `n_d` hidden values and `n_k` expert slots.
     fn staging(&self, n_d: usize, n_k: usize) -> Result<Self::Staging, BackendError>;
-    /// Queues the copies of `h`, `sel` and `w` down into `st` (one transfer).
+    /// Queues `h`, `sel` and `w` down into `st` as one transfer: packed side by side on the
+    /// device as [`PackedDown`] lays them out, then one copy of the packed buffer.
     fn stage_down(
         &self,
         st: &mut Self::Staging,
@@ -879,7 +882,7 @@ pub trait Backend: Send + Sync {
         sel: &Self::Buf<i32>,
         w: &Self::Buf<f32>,
     ) -> Result<(), BackendError>;
-    /// The staged inputs (waiting for their copies) and the output buffer.
+    /// The staged inputs (waiting for the one copy down) and the output buffer.
     fn staged<'s>(&self, st: &'s mut Self::Staging) -> Result<StagedIo<'s>, BackendError>;
     /// Queues the copy of the staged output up into `out`.
     fn stage_up(&self, st: &Self::Staging, out: &mut Self::Buf<f32>) -> Result<(), BackendError>;

@@ -757,8 +757,8 @@ impl Backend for Ref0 {
         sel: &RefBuf<i32>,
         w: &RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        st.fill(h, sel, w)?;
-        self.count_down(4 * (h.len() + sel.len() + w.len()));
+        let bytes = st.fill(h, sel, w)?;
+        self.count_down(bytes);
         *self.trips.lock().unwrap_or_else(PoisonError::into_inner) += 1;
         Ok(())
     }

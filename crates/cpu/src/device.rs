@@ -695,7 +695,7 @@ impl Backend for Cpu {
         sel: &CpuBuf<i32>,
         w: &CpuBuf<f32>,
     ) -> Result<(), BackendError> {
-        st.fill(h, sel, w)
+        st.fill(h, sel, w).map(drop)
     }
     fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
         Ok(st.io())

@@ -7,7 +7,7 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use hmoe_backend::{
     shapes, Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, Gating,
-    KOnlyAttnParams, KvRing, Routing, RowCopy, StagedIo,
+    KOnlyAttnParams, KvRing, PackedDown, Routing, RowCopy, StagedIo,
 };
 use hmoe_quant::GgmlType;
 
@@ -21,11 +21,14 @@ const KERNEL_CLAMPED: GatedAct = GatedAct::ClampedSwiglu {
     limit: 7.0,
 };
 
-/// Pinned buffers of the CUDA round trip.
+/// Buffers of the CUDA round trip: the inputs packed side by side on the device
+/// ([`PackedDown`]) and the pinned buffer the one copy brings them down into, the ids read
+/// back out of it, and the pinned expert sum to send up.
 pub struct PinnedIo {
-    h: PinnedHostSlice<f32>,
-    sel: PinnedHostSlice<i32>,
-    w: PinnedHostSlice<f32>,
+    layout: PackedDown,
+    packed: CudaSlice<f32>,
+    down: PinnedHostSlice<f32>,
+    sel: Vec<i32>,
     out: PinnedHostSlice<f32>,
 }
 
@@ -471,10 +474,12 @@ impl Backend for CudaDevice {
         )?)
     }
     fn staging(&self, n_d: usize, n_k: usize) -> Result<PinnedIo, BackendError> {
+        let layout = PackedDown { n_d, n_k };
         Ok(PinnedIo {
-            h: self.alloc_pinned(n_d)?,
-            sel: self.alloc_pinned(n_k)?,
-            w: self.alloc_pinned(n_k)?,
+            layout,
+            packed: self.alloc_zeros::<f32>(layout.words())?,
+            down: self.alloc_pinned(layout.words())?,
+            sel: vec![0; n_k],
             out: self.alloc_pinned(n_d)?,
         })
     }
@@ -485,16 +490,34 @@ impl Backend for CudaDevice {
         sel: &CudaSlice<i32>,
         w: &CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        self.download_async(h, &mut st.h)?;
-        self.download_async(sel, &mut st.sel)?;
-        Ok(self.download_async(w, &mut st.w)?)
+        let l = st.layout;
+        l.check(h.len(), sel.len(), w.len())?;
+        let s = self.stream();
+        // Packed on the device (copies within device memory), then one copy down.
+        s.memcpy_dtod(h, &mut st.packed.slice_mut(l.h()))
+            .map_err(CudaError::from)?;
+        s.memcpy_dtod(w, &mut st.packed.slice_mut(l.w()))
+            .map_err(CudaError::from)?;
+        // SAFETY: i32 and f32 have the same size and alignment and every bit pattern is a
+        // valid f32; the view covers exactly `sel`'s `n_k` elements, and the bits are only
+        // moved (a device copy), never computed with.
+        let ids = unsafe { sel.transmute::<f32>(l.n_k) }.ok_or_else(|| BackendError::Shape {
+            op: "stage_down",
+            what: format!("ids of {} as {} words", sel.len(), l.n_k),
+        })?;
+        s.memcpy_dtod(&ids, &mut st.packed.slice_mut(l.sel()))
+            .map_err(CudaError::from)?;
+        Ok(self.download_async(&st.packed, &mut st.down)?)
     }
     fn staged<'s>(&self, st: &'s mut PinnedIo) -> Result<StagedIo<'s>, BackendError> {
-        // `as_slice` waits for the copies into each buffer.
+        let l = st.layout;
+        // `as_slice` waits for the one copy down; `as_mut_slice` for the last copy up.
+        let down = st.down.as_slice().map_err(CudaError::from)?;
+        l.unpack_sel(down, &mut st.sel);
         Ok(StagedIo {
-            h: st.h.as_slice().map_err(CudaError::from)?,
-            sel: st.sel.as_slice().map_err(CudaError::from)?,
-            w: st.w.as_slice().map_err(CudaError::from)?,
+            h: &down[l.h()],
+            sel: &st.sel,
+            w: &down[l.w()],
             out: st.out.as_mut_slice().map_err(CudaError::from)?,
         })
     }

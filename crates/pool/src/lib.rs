@@ -108,6 +108,10 @@ struct Shared {
     shutdown: AtomicBool,
     /// How long an idle worker polls before it parks.
     spin: Duration,
+    /// The longest boosted poll time asked for, in microseconds ([`SpinBoost`]).
+    boost_us: AtomicU64,
+    /// Live [`SpinBoost`]s: while any, idle workers poll for `boost_us` if longer.
+    boosts: AtomicUsize,
 }
 
 // SAFETY: every field is `Sync` except `job`, whose raw closure pointer is written only by the
@@ -166,7 +170,7 @@ impl Shared {
                 return None;
             }
             polls = polls.wrapping_add(1);
-            if polls.is_multiple_of(64) && start.elapsed() >= self.spin {
+            if polls.is_multiple_of(64) && start.elapsed() >= self.poll_time() {
                 break;
             }
             std::hint::spin_loop();
@@ -246,6 +250,8 @@ pub struct ThreadPool {
     workers: Vec<JoinHandle<()>>,
     /// One job at a time; other submitting threads wait here.
     submit: Mutex<()>,
+    /// Whether [`ThreadPool::boost_spin`] may lengthen the poll (not when it was set by hand).
+    boostable: bool,
 }
 
 impl std::fmt::Debug for ThreadPool {
@@ -287,11 +293,14 @@ impl ThreadPool {
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
             spin,
+            boost_us: AtomicU64::new(0),
+            boosts: AtomicUsize::new(0),
         });
         let mut pool = ThreadPool {
             shared,
             workers: Vec::new(),
             submit: Mutex::new(()),
+            boostable: true,
         };
         for i in 1..n_threads.max(1) {
             let shared = Arc::clone(&pool.shared);
@@ -438,7 +447,7 @@ pub fn init_global(n_threads: usize) -> Result<&'static ThreadPool, PoolError> {
     let mut spawn_error = None;
     let pool = GLOBAL.get_or_init(|| {
         created = true;
-        ThreadPool::with_spin(n, spin_from_env()).unwrap_or_else(|e| {
+        with_env_spin(n).unwrap_or_else(|e| {
             spawn_error = Some(e);
             ThreadPool::new(1).expect("a one-thread pool starts no thread")
         })
@@ -456,18 +465,22 @@ pub fn init_global(n_threads: usize) -> Result<&'static ThreadPool, PoolError> {
 /// [`init_global`] came first (a single-thread pool if no worker could be started).
 pub fn global() -> &'static ThreadPool {
     GLOBAL.get_or_init(|| {
-        ThreadPool::with_spin(physical_cores(), spin_from_env())
+        with_env_spin(physical_cores())
             .unwrap_or_else(|_| ThreadPool::new(1).expect("a one-thread pool starts no thread"))
     })
 }
 
-/// The global pool's idle polling time: `HMOE_POOL_SPIN_US` microseconds if set (a tuning
-/// knob: longer polling can pay on a machine with idle cores), else [`DEFAULT_SPIN`].
-fn spin_from_env() -> Duration {
-    std::env::var("HMOE_POOL_SPIN_US")
+/// The global pool: idle workers poll for `HMOE_POOL_SPIN_US` microseconds if set (a tuning
+/// knob: longer polling can pay on a machine with idle cores; it also overrides every
+/// [`ThreadPool::boost_spin`]), else for [`DEFAULT_SPIN`].
+fn with_env_spin(n_threads: usize) -> Result<ThreadPool, PoolError> {
+    let set = std::env::var("HMOE_POOL_SPIN_US")
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .map_or(DEFAULT_SPIN, Duration::from_micros)
+        .map(Duration::from_micros);
+    let mut pool = ThreadPool::with_spin(n_threads, set.unwrap_or(DEFAULT_SPIN))?;
+    pool.boostable = set.is_none();
+    Ok(pool)
 }
 
 /// Threads of the global pool (creating it if needed).
@@ -503,6 +516,9 @@ pub fn physical_cores() -> usize {
         cores.len().min(logical)
     }
 }
+
+mod spin_boost;
+pub use spin_boost::SpinBoost;
 
 #[cfg(test)]
 mod tests;

@@ -248,3 +248,62 @@ fn thread_count_is_bounded() {
         MAX_THREADS.min(4)
     );
 }
+
+/// Waits up to 10 s for `n` parked workers.
+fn wait_for_sleepers(pool: &ThreadPool, n: usize) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.shared.sleepers.load(Ordering::SeqCst) != n {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+#[test]
+fn boosted_workers_poll_instead_of_parking() {
+    let pool = ThreadPool::with_spin(3, Duration::from_micros(100)).unwrap();
+    assert!(wait_for_sleepers(&pool, 2), "workers park when idle");
+    let boost = pool.boost_spin(Duration::from_secs(30));
+    // The job wakes them; from then on they poll.
+    pool.run(8, &|_| {});
+    assert!(wait_for_sleepers(&pool, 0), "the job woke the workers");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        pool.shared.sleepers.load(Ordering::SeqCst),
+        0,
+        "no worker parked while boosted"
+    );
+    drop(boost);
+    // Polling workers see the boost end and park.
+    assert!(
+        wait_for_sleepers(&pool, 2),
+        "workers park once the boost ends"
+    );
+}
+
+#[test]
+fn boosts_nest_and_a_hand_set_poll_time_wins() {
+    let mut pool = ThreadPool::with_spin(2, Duration::from_micros(50)).unwrap();
+    assert_eq!(pool.poll_time(), Duration::from_micros(50));
+    let a = pool.boost_spin(Duration::from_micros(2000));
+    let b = pool.boost_spin(Duration::from_micros(500));
+    assert_eq!(pool.poll_time(), Duration::from_micros(2000));
+    drop(a);
+    assert_eq!(
+        pool.poll_time(),
+        Duration::from_micros(2000),
+        "b still lives"
+    );
+    drop(b);
+    assert_eq!(pool.poll_time(), Duration::from_micros(50));
+    // The longest time asked for so far, never shorter than the pool's own.
+    let short = pool.boost_spin(Duration::from_micros(10));
+    assert_eq!(pool.poll_time(), Duration::from_micros(2000));
+    drop(short);
+    pool.boostable = false;
+    let c = pool.boost_spin(Duration::from_secs(1));
+    assert_eq!(pool.poll_time(), Duration::from_micros(50));
+    drop(c);
+}

@@ -504,11 +504,19 @@ impl<B: Backend> Deepseek2<B> {
                     act: GatedAct::Silu,
                     split: ExpertSplit::PerSequence,
                 };
-                cx.experts(layer, &routed, &mut out)?;
-                if let Some(f) = shared {
-                    let mut s = cx.alloc(p.n_embd)?;
-                    f.forward(cx, &h, &mut s)?;
-                    dev.add_assign(&mut out, &s)?;
+                // The shared experts run on the device beside the routed ones (on a host
+                // layer, while the CPU runs those); added after them, as the CPU does.
+                let mut s = None;
+                cx.experts_beside(layer, &routed, &mut out, &mut |cx| {
+                    if let Some(f) = shared {
+                        let mut b = cx.alloc(p.n_embd)?;
+                        f.forward(cx, &h, &mut b)?;
+                        s = Some(b);
+                    }
+                    Ok(())
+                })?;
+                if let Some(s) = &s {
+                    dev.add_assign(&mut out, s)?;
                 }
             }
         }

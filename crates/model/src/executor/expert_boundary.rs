@@ -46,16 +46,32 @@ impl<B: Backend> Step<'_, B> {
         r: &Routed<'_, B>,
         out: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
+        self.experts_beside(layer, r, out, &mut |_| Ok(()))
+    }
+
+    /// [`Step::experts`], with `beside` (device work that neither reads `out` nor writes
+    /// what the experts read: a layer's shared experts) queued where it overlaps them: on a
+    /// host layer, after the copy down and before the host waits for it, so that the device
+    /// runs it while the CPU runs the routed experts; elsewhere after the experts.
+    pub(crate) fn experts_beside(
+        &mut self,
+        layer: usize,
+        r: &Routed<'_, B>,
+        out: &mut B::Buf<f32>,
+        beside: &mut dyn FnMut(&mut Self) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         let parts = self.moe_parts(layer, r.split);
         if let Some(Some(experts)) = self.experts.device.get(layer) {
-            return self.device_moe(experts, r, parts.as_deref(), out);
+            self.device_moe(experts, r, parts.as_deref(), out)?;
+            return beside(self);
         }
         let n = self.n_tokens();
         if self.offload {
             let upload_all = n * r.router.k >= PREFETCH_ROUTES_PER_EXPERT * r.router.n_expert;
-            return self.offloaded(layer, r, parts.as_deref(), upload_all, out);
+            self.offloaded(layer, r, parts.as_deref(), upload_all, out)?;
+            return beside(self);
         }
-        self.host_experts(layer, r, out)
+        self.host_experts(layer, r, out, beside)
     }
 
     /// The `moe` op of a layer over the whole micro-batch, or, with `parts`, over each part
@@ -89,17 +105,26 @@ impl<B: Backend> Step<'_, B> {
     /// The round trip of a host layer: the normed hidden state and the routing of every
     /// token of the micro-batch down through the staging buffers in one copy, the layer's
     /// experts on the CPU (each sequence's rows as the CPU multiplies them; hits of the device
-    /// expert cache on the device), the sum up into `out`.
+    /// expert cache on the device), the sum up into `out`; `beside` is queued on the device
+    /// behind the copy down, so that it runs while the CPU runs the experts.
     fn host_experts(
         &mut self,
         layer: usize,
         r: &Routed<'_, B>,
         out: &mut B::Buf<f32>,
+        beside: &mut dyn FnMut(&mut Self) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
         let dev = self.dev;
         let d = self.arch.dims().n_embd;
         let k = r.router.k;
         let n = self.n_tokens();
+        dev.stage_down(
+            staging_for(&mut self.st.io, dev, n, d, k)?,
+            r.h,
+            r.sel,
+            r.wts,
+        )?;
+        beside(self)?;
         let State {
             io,
             moe_cache,
@@ -107,7 +132,6 @@ impl<B: Backend> Step<'_, B> {
             ..
         } = &mut *self.st;
         let io = staging_for(io, dev, n, d, k)?;
-        dev.stage_down(io, r.h, r.sel, r.wts)?;
         let staged = dev.staged(io)?;
         let batch = HostBatch {
             h: staged.h,

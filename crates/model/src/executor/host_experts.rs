@@ -3,10 +3,12 @@
 //! mapping on the CPU device's `moe` op ([`HostExperts`]).
 
 use std::ops::Range;
+use std::time::Duration;
 
 use hmoe_backend::{Backend, ExpertTensors, GatedAct};
 use hmoe_cpu::{Cpu, CpuMoe};
 use hmoe_gguf::GgufModel;
+use hmoe_pool::SpinBoost;
 use hmoe_quant::GgmlType;
 
 use super::device_weights::{expert_order_varies, upload_experts};
@@ -67,6 +69,12 @@ struct HostSet {
     order_varies: bool,
 }
 
+/// How long the CPU's idle pool workers poll before they park while a model has host layers:
+/// longer than a layer's device phase in hybrid decode (attention and router, a few hundred
+/// microseconds at most), so that the workers are still polling when the layer's experts
+/// arrive and no layer begins with a futex wake (`HMOE_POOL_SPIN_US` overrides it).
+pub(crate) const HYBRID_SPIN: Duration = Duration::from_millis(2);
+
 /// The routed experts of the host layers ([`crate::ExpertHome::Host`]) on the CPU device,
 /// kept where the file mapping has them (no copy, rows in the file's layout), run with the
 /// device's `moe` op: `out[t] = Σ_s w[t,s] · expert_{sel[t,s]}(h[t])`, slots summed in
@@ -74,6 +82,8 @@ struct HostSet {
 pub(crate) struct HostExperts {
     cpu: Cpu,
     sets: Vec<Option<HostSet>>,
+    /// The global pool's [`HYBRID_SPIN`] while there is a host layer.
+    spin: Option<SpinBoost<'static>>,
 }
 
 impl HostExperts {
@@ -83,6 +93,7 @@ impl HostExperts {
             // The file's layout: interleaving would copy the experts.
             cpu: Cpu::with_expert_interleaving(false),
             sets: Vec::new(),
+            spin: None,
         }
     }
 
@@ -104,6 +115,9 @@ impl HostExperts {
             }),
             None => None,
         };
+        if set.is_some() && self.spin.is_none() {
+            self.spin = Some(hmoe_pool::global().boost_spin(HYBRID_SPIN));
+        }
         self.sets.push(set);
         Ok(())
     }
