@@ -33,6 +33,30 @@ enum Fold {
     Repacked,
 }
 
+impl Fold {
+    /// Writes the rows' results into `out` (`n_tokens` per row) from the accumulators
+    /// `(acc, acc_min)`, `padded` per row: `acc` for the tiled order, `acc − acc_min` for
+    /// the repacked one.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn write(
+        self,
+        out: &mut [f32],
+        n_tokens: usize,
+        (acc, acc_min): (&[f32], &[f32]),
+        padded: usize,
+    ) {
+        for (r, dst) in out.chunks_exact_mut(n_tokens).enumerate() {
+            for (t, o) in dst.iter_mut().enumerate() {
+                let (x, m) = (acc[r * padded + t], acc_min[r * padded + t]);
+                *o = match self {
+                    Fold::Tiled => x,
+                    Fold::Repacked => x - m,
+                };
+            }
+        }
+    }
+}
+
 impl DotKernel {
     /// [`DotKernel::dot_tokens`] for each of the `out.len() / n_tokens` weight rows in
     /// `weight_rows` (whole rows back to back) with the `n_tokens` activation rows in `acts`:
@@ -123,25 +147,10 @@ mod avx2 {
     use super::Fold;
     use crate::scalar::kquants::{Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS};
     use crate::tiled::{Decoded, SuperBlockFormat};
-    use crate::x86::avx2::lowbit::k4_scales_mins;
+    use crate::x86::avx2::lowbit::{hsum_8x8, k4_scales_mins};
 
     /// Tokens per tile: one accumulator register each.
     const TILE: usize = 8;
-
-    /// Lane `i` of the result is the sum of the eight lanes of `v[i]` (exact integers).
-    #[inline(always)]
-    unsafe fn hsum_8x8(v: &[__m256i; TILE]) -> __m256i {
-        let a = _mm256_hadd_epi32(v[0], v[1]);
-        let b = _mm256_hadd_epi32(v[2], v[3]);
-        let c = _mm256_hadd_epi32(v[4], v[5]);
-        let d = _mm256_hadd_epi32(v[6], v[7]);
-        let ab = _mm256_hadd_epi32(a, b);
-        let cd = _mm256_hadd_epi32(c, d);
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256::<0x20>(ab, cd),
-            _mm256_permute2x128_si256::<0x31>(ab, cd),
-        )
-    }
 
     /// Decodes the super-block at `b` into `dec`, Q4_K and Q6_K (codes, scales and float
     /// scales) with vector instructions and every field written, the other formats through
@@ -318,15 +327,7 @@ mod avx2 {
                 }
             }
         }
-        for (r, dst) in out.chunks_exact_mut(n_tokens).enumerate() {
-            for (t, o) in dst.iter_mut().enumerate() {
-                let (x, m) = (acc[r * padded + t], acc_min[r * padded + t]);
-                *o = match fold {
-                    Fold::Tiled => x,
-                    Fold::Repacked => x - m,
-                };
-            }
-        }
+        fold.write(out, n_tokens, (&acc, &acc_min), padded);
     }
 
     /// The super-block `dec` against the Q8_K blocks `a` of a tile of tokens (repeat the last

@@ -15,25 +15,10 @@ use core::arch::x86_64::*;
 
 use super::avx2::q4_k_row;
 use crate::scalar::kquants::{Q4_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K};
-use crate::x86::avx2::lowbit::{k4_min_prod, k4_scales_mins, k4_sumi};
+use crate::x86::avx2::lowbit::{hsum_8x8, k4_min_prod, k4_scales_mins, k4_sumi};
 
 /// Rows per pass: one float lane each.
 const R: usize = 8;
-
-/// Lane `i` is the wrapping sum of the eight lanes of `v[i]` (exact for our integers).
-#[inline(always)]
-unsafe fn hsum_8x8(v: &[__m256i; R]) -> __m256i {
-    let a = _mm256_hadd_epi32(v[0], v[1]);
-    let b = _mm256_hadd_epi32(v[2], v[3]);
-    let c = _mm256_hadd_epi32(v[4], v[5]);
-    let d = _mm256_hadd_epi32(v[6], v[7]);
-    let ab = _mm256_hadd_epi32(a, b);
-    let cd = _mm256_hadd_epi32(c, d);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256::<0x20>(ab, cd),
-        _mm256_permute2x128_si256::<0x31>(ab, cd),
-    )
-}
 
 /// Lane `i` is the wrapping sum of the four lanes of `v[i]`.
 #[inline(always)]

@@ -203,13 +203,5 @@ pub(super) unsafe fn gemm_vnni(
             }
         }
     }
-    for (r, dst) in out.chunks_exact_mut(n_tokens).enumerate() {
-        for (t, o) in dst.iter_mut().enumerate() {
-            let (x, m) = (acc[r * padded + t], acc_min[r * padded + t]);
-            *o = match fold {
-                Fold::Tiled => x,
-                Fold::Repacked => x - m,
-            };
-        }
-    }
+    fold.write(out, n_tokens, (&acc, &acc_min), padded);
 }

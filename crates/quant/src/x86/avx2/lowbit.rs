@@ -569,3 +569,19 @@ pub(crate) fn dot_fns(ty: GgmlType) -> Option<DotFns> {
     };
     Some(DotFns { name, dot, rows })
 }
+
+/// Lane `i` of the result is the wrapping sum of the eight lanes of `v[i]` (exact for the
+/// integer sums it adds).
+#[inline(always)]
+pub(crate) unsafe fn hsum_8x8(v: &[__m256i; 8]) -> __m256i {
+    let a = _mm256_hadd_epi32(v[0], v[1]);
+    let b = _mm256_hadd_epi32(v[2], v[3]);
+    let c = _mm256_hadd_epi32(v[4], v[5]);
+    let d = _mm256_hadd_epi32(v[6], v[7]);
+    let ab = _mm256_hadd_epi32(a, b);
+    let cd = _mm256_hadd_epi32(c, d);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(ab, cd),
+        _mm256_permute2x128_si256::<0x31>(ab, cd),
+    )
+}
