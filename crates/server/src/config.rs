@@ -181,8 +181,8 @@ pub struct ServerConfig {
     /// [`crate::embeddings`].
     pub embeddings: bool,
     /// How embeddings pool token vectors (`--pooling`); `None`: each model's metadata, else
-    /// none. [`crate::embeddings::Pooling::Rank`] (with `embeddings`) serves the rerank routes.
-    pub pooling: Option<crate::embeddings::Pooling>,
+    /// none. [`crate::pooling::Pooling::Rank`] (with `embeddings`) serves the rerank routes.
+    pub pooling: Option<crate::pooling::Pooling>,
     /// Serve `/slots` (on unless `--no-slots`).
     pub slots_endpoint: bool,
     /// The directory of slot files (`--slot-save-path`): `POST /slots/{id}?action=save|

@@ -47,6 +47,7 @@ pub mod params;
 pub mod parsed_body;
 pub mod pieces;
 pub mod plain_content;
+pub mod pooling;
 pub mod registry;
 pub mod request_log;
 pub mod rerank;
