@@ -129,8 +129,11 @@ impl Cands {
         let k = k.max(1);
         let mut buf: Vec<(u32, f32)> = Vec::with_capacity(2 * k);
         let mut kth: Option<(u32, f32)> = None;
+        // The k-th best logit as a plain float: a logit below it (a float comparison, false
+        // for NaNs) ranks after the k-th best, so most of the vocabulary costs one compare.
+        let mut below = f32::NEG_INFINITY;
         for c in cands {
-            if kth.is_some_and(|w| rank(&c, &w) != Ordering::Less) {
+            if c.1 < below || kth.is_some_and(|w| rank(&c, &w) != Ordering::Less) {
                 continue;
             }
             buf.push(c);
@@ -138,6 +141,7 @@ impl Cands {
                 buf.select_nth_unstable_by(k - 1, rank);
                 buf.truncate(k);
                 kth = Some(buf[k - 1]);
+                below = buf[k - 1].1;
             }
         }
         buf.sort_by(rank);
