@@ -27,7 +27,8 @@ fn ok_stdout(args: &[&str]) -> String {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hmoe-cli-test-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
@@ -686,7 +687,8 @@ fn serve_flag_values_out_of_range_are_errors_naming_the_flag() {
 
 #[test]
 fn an_api_key_file_without_keys_is_an_error() {
-    let dir = std::env::temp_dir().join(format!("hmoe-keys-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-keys-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("keys.txt");
     // Blank lines and `#` comments (as llama-server reads the file) are no keys.
@@ -701,7 +703,8 @@ fn an_api_key_file_without_keys_is_an_error() {
 
 #[test]
 fn bad_model_paths_fail_once_before_listening() {
-    let dir = std::env::temp_dir().join(format!("hmoe-badm-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-badm-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let text = dir.join("readme.txt");
     std::fs::write(&text, "hello\n").unwrap();

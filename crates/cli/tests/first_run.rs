@@ -15,7 +15,8 @@ use serde_json::{json, Value};
 const HMOE: &str = env!("CARGO_BIN_EXE_hmoe");
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hmoe-first-run-{}-{name}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-first-run-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir

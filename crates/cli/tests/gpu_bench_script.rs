@@ -23,7 +23,8 @@ fn dry_run_writes_a_valid_result() {
     let Some(py) = python::python_with(&["json"]) else {
         return;
     };
-    let out_dir = std::env::temp_dir().join(format!("hmoe-gpu-bench-{}", std::process::id()));
+    let out_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-gpu-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out_dir);
     let out = Command::new("bash")
         .arg(root().join("scripts/gpu-bench.sh"))
@@ -31,7 +32,7 @@ fn dry_run_writes_a_valid_result() {
         .arg(&out_dir)
         .env("HMOE_BIN", env!("CARGO_BIN_EXE_hmoe"))
         .env("HMOE_PYTHON", &py)
-        .env("TMPDIR", std::env::temp_dir())
+        .env("TMPDIR", std::path::Path::new(env!("CARGO_TARGET_TMPDIR")))
         .output()
         .expect("bash runs");
     let err = String::from_utf8_lossy(&out.stderr);

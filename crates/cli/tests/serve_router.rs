@@ -23,7 +23,8 @@ use server::{http, serve};
 
 /// A fresh directory with alpha.gguf and beta.gguf (the tiny fixture).
 fn models_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hmoe-router-{}-{name}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-router-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("models")).unwrap();
     let tiny = fixtures().join("gpt-oss/gptoss-tiny.gguf");

@@ -86,7 +86,8 @@ fn kernel_source_compiles_with_clang_when_available() {
         eprintln!("clang not found: skipped");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("hmoe-cuda-clang-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-cuda-clang-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("k.cu");
     let prelude = include_str!("support/clang_prelude.h");

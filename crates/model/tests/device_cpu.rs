@@ -76,7 +76,9 @@ fn synth(stem: &'static str) -> PathBuf {
     if let Some((_, p)) = paths.iter().find(|(s, _)| *s == stem) {
         return p.clone();
     }
-    let path = std::env::temp_dir().join(format!("hmoe-{stem}-{}.gguf", std::process::id()));
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("hmoe-{stem}.gguf"));
+    // Written under a name of this process, then renamed: one file per stem however many runs.
+    let part = path.with_extension(format!("{}.part", std::process::id()));
     match stem {
         // Q4_K gate/up and Q6_K down experts (as in Q4_K_M files), 4 experts of which 2 are
         // used: some expert gets 8 rows of a 16-token micro-batch (the tiled K-quant order).
@@ -116,8 +118,9 @@ fn synth(stem: &'static str) -> PathBuf {
         other => panic!("no synthetic model {other}"),
     }
     .unwrap()
-    .write(&path)
+    .write(&part)
     .unwrap();
+    std::fs::rename(&part, &path).unwrap();
     paths.push((stem, path.clone()));
     path
 }

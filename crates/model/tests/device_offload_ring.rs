@@ -58,11 +58,15 @@ fn open(kquant: bool) -> GgufModel {
     static PATHS: [std::sync::OnceLock<PathBuf>; 2] =
         [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
     let path = PATHS[kquant as usize].get_or_init(|| {
-        let p = std::env::temp_dir().join(format!(
-            "hmoe-offload-ring-{kquant}-{}.gguf",
-            std::process::id()
-        ));
-        qwen3moe_writer(&spec(kquant)).unwrap().write(&p).unwrap();
+        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("hmoe-offload-ring-{kquant}.gguf"));
+        // Written under a name of this process, then renamed: one file however many runs.
+        let part = p.with_extension(format!("{}.part", std::process::id()));
+        qwen3moe_writer(&spec(kquant))
+            .unwrap()
+            .write(&part)
+            .unwrap();
+        std::fs::rename(&part, &p).unwrap();
         p
     });
     GgufModel::open(path, LoadOptions::default()).unwrap()

@@ -57,8 +57,11 @@ fn synth_spec() -> Qwen3MoeSpec {
 
 /// Writes `spec` to a temporary file named after `stem` and returns its path.
 fn write(spec: &Qwen3MoeSpec, stem: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("hmoe-{stem}-{}.gguf", std::process::id()));
-    qwen3moe_writer(spec).unwrap().write(&path).unwrap();
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("hmoe-{stem}.gguf"));
+    // Written under a name of this process, then renamed: one file per stem however many runs.
+    let part = path.with_extension(format!("{}.part", std::process::id()));
+    qwen3moe_writer(spec).unwrap().write(&part).unwrap();
+    std::fs::rename(&part, &path).unwrap();
     path
 }
 

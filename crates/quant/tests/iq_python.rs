@@ -55,7 +55,8 @@ fn iq_dequantisation_matches_gguf_python_bit_for_bit() {
         println!("SKIPPED: no Python with the gguf package (set HMOE_PYTHON)");
         return;
     };
-    let dir = std::env::temp_dir().join(format!("hmoe-iq-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-iq-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for ty in IQ_TYPES {

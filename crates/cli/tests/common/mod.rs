@@ -160,7 +160,8 @@ pub fn assert_ref0_is_the_cpu_device(
 /// A `make-test-model` file written by `args` (without `-o`) into a fresh temporary folder
 /// named after `tag`: the folder (remove it when done) and the file's path.
 pub fn make_test_model(tag: &str, args: &[&str]) -> (PathBuf, String) {
-    let dir = std::env::temp_dir().join(format!("hmoe-{tag}-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.gguf").to_str().unwrap().to_string();
     let out = hmoe(&[&["make-test-model"][..], args, &["-o", &path]].concat());

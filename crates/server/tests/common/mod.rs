@@ -33,7 +33,8 @@ pub fn tokenizer(path: &std::path::Path) -> Tokenizer {
 
 /// A fresh scratch directory.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hmoe-server-test-{}-{name}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hmoe-server-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
