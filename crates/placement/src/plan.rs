@@ -837,3 +837,7 @@ mod fit;
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "plan_fit_tests.rs"]
+mod fit_tests;
