@@ -2,7 +2,8 @@
 """Greedy generation of small Qwen3-MoE stand-ins with IQ experts: hmoe on the CPU against
 llama.cpp's llama-server (CPU build), token for token and top-10 probabilities.
 
-For each IQ type: `hmoe make-test-model --arch qwen3moe --embd 256 --ff 256 --expert-type T`,
+For each architecture (`--archs`, default qwen3moe) and IQ type: `hmoe make-test-model --arch A
+--embd 256 --ff 256 --expert-type T`,
 then for each prompt `hmoe run --json --top-k-probs 10` (greedy, f32 K/V, no flash attention)
 and, teacher-forced on hmoe's tokens, llama-server's /completion for one token after the prompt
 and each prefix of hmoe's output (temperature 0, n_probs 10, same settings): its token must be
@@ -122,24 +123,27 @@ def main():
     ap.add_argument("--hmoe", required=True)
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--seed", default="1", help="make-test-model's --seed")
+    ap.add_argument("--archs", default="qwen3moe", help="qwen3moe, deepseek2, gpt-oss (comma-separated)")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("--tol", type=float, default=1e-4)
     a = ap.parse_args()
     summary, ok = {}, True
     with tempfile.TemporaryDirectory() as d:
-        for ty in a.types.split(","):
-            model = os.path.join(d, f"qwen3moe-{ty}.gguf")
-            subprocess.run([a.hmoe, "make-test-model", "--arch", "qwen3moe", "--embd", "256", "--ff", "256",
-                            "--expert-type", ty, "-o", model], check=True, capture_output=True)
+        for arch, ty in [(arch, ty) for arch in a.archs.split(",") for ty in a.types.split(",")]:
+            model = os.path.join(d, f"{arch}-{ty}.gguf")
+            subprocess.run([a.hmoe, "make-test-model", "--arch", arch, "--embd", "256", "--ff", "256",
+                            "--expert-type", ty, "--seed", a.seed, "-o", model], check=True, capture_output=True)
             runs = hmoe_runs(a.hmoe, model, a.n)
             steps = llama_steps(a.llama_server, model, a.port, runs)
             same, total, skipped, ties, worst, later, bad = compare(runs, steps)
             good = not bad and total > 0 and worst <= a.tol
             ok &= good
-            summary[ty] = {"tokens": total, "identical": same, "skipped": skipped, "near_ties": ties,
+            name = f"{arch} {ty}"
+            summary[name] = {"tokens": total, "identical": same, "skipped": skipped, "near_ties": ties,
                            "max_prob_diff_first": worst, "max_prob_diff_later": later, "mismatches": bad}
-            print(f"{ty}: {same}/{total} greedy tokens identical ({ties} near ties, {skipped} skipped), max |dp| "
+            print(f"{name}: {same}/{total} greedy tokens identical ({ties} near ties, {skipped} skipped), max |dp| "
                   f"{worst:.2e} after the prompt, {later:.2e} later"
                   + ("" if good else "  FAIL"), flush=True)
     print(json.dumps(summary))

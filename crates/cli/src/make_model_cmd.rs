@@ -56,8 +56,9 @@ pub struct MakeModelArgs {
     /// Storage type of the expert matrices (qwen3moe, deepseek2): q8_0, q4_0, q4_k, q6_k, f32
     /// or an IQ type (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq4_nl, iq4_xs;
     /// random codes).
-    #[arg(long, default_value = "q8_0")]
-    pub expert_type: String,
+    /// Default q8_0. gpt-oss's experts are MXFP4 as in the published files.
+    #[arg(long)]
+    pub expert_type: Option<String>,
     /// Storage type of the experts' down matrices (qwen3moe, deepseek2), when not
     /// --expert-type (q4_k with q6_k down is how Q4_K_M files store most experts).
     #[arg(long)]
@@ -140,7 +141,7 @@ impl MakeModelArgs {
         let type_named = |name: &str| {
             GgmlType::from_name(name).with_context(|| format!("unknown tensor type '{name}'"))
         };
-        let expert_type = || type_named(&self.expert_type);
+        let expert_type = || type_named(self.expert_type.as_deref().unwrap_or("q8_0"));
         let down_expert_type = || self.down_expert_type.as_deref().map(type_named).transpose();
         let unused = |flags: &[(&str, bool)]| -> anyhow::Result<()> {
             match flags.iter().find(|f| f.1) {
@@ -150,6 +151,12 @@ impl MakeModelArgs {
         };
         let w = match self.arch.as_str() {
             "gpt-oss" => {
+                unused(&[
+                    ("expert-type", self.expert_type.is_some()),
+                    ("down-expert-type", self.down_expert_type.is_some()),
+                    ("dense-layers", self.dense_layers.is_some()),
+                    ("rope-dim", self.rope_dim.is_some()),
+                ])?;
                 let spec = self.spec()?;
                 if self.sparse {
                     gpt_oss_layout_writer(&spec)

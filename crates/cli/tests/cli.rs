@@ -121,6 +121,26 @@ fn no_repack_gives_the_same_distributions() {
     assert_eq!(run(&["--no-repack"]), (tokens, probs));
 }
 
+/// Flags an architecture's writer would ignore are refused: gpt-oss's experts are MXFP4, so an
+/// IQ type asked for there must not quietly give an MXFP4 file.
+#[test]
+fn make_test_model_refuses_flags_its_arch_ignores() {
+    let out = hmoe(&[
+        "make-test-model",
+        "--expert-type",
+        "iq2_xxs",
+        "-o",
+        scratch("ignored.gguf").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--expert-type does not apply to --arch gpt-oss"),
+        "{err}"
+    );
+    assert!(!scratch("ignored.gguf").exists());
+}
+
 /// A generated model, written whole and split, runs the same through `hmoe run`.
 #[test]
 fn make_test_model_split_and_run_greedy() {

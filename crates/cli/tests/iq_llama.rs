@@ -1,4 +1,5 @@
-//! `scripts/iq_llama_compare.py --types iq2_xxs`: a Qwen3-MoE stand-in with IQ2_XXS experts
+//! `scripts/iq_llama_compare.py --types iq2_xxs --archs qwen3moe,deepseek2`: Qwen3-MoE and
+//! DeepSeek2 stand-ins with IQ2_XXS experts
 //! made by `hmoe make-test-model`, greedy on the CPU, against llama.cpp's CPU llama-server
 //! (teacher-forced on hmoe's tokens: every token equal, the first step's top-10 probabilities
 //! within 1e-4). Needs llama-server (`$HMOE_LLAMA_SERVER`, else the unpacked baseline
@@ -37,12 +38,14 @@ fn iq2_xxs_experts_generate_llama_cpps_tokens() {
         .args(["--hmoe", env!("CARGO_BIN_EXE_hmoe")])
         .arg("--llama-server")
         .arg(&server)
-        .args(["--types", "iq2_xxs", "--port", "18391", "-n", "8"])
+        .args(["--types", "iq2_xxs", "--archs", "qwen3moe,deepseek2"])
+        .args(["--port", "18391", "-n", "8"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}");
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("iq2_xxs: "), "{stdout}");
+    assert!(stdout.contains("qwen3moe iq2_xxs: "), "{stdout}");
+    assert!(stdout.contains("deepseek2 iq2_xxs: "), "{stdout}");
 }
