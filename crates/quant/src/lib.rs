@@ -44,7 +44,10 @@
 //! type's constant; IQ1_S/IQ1_M add their ±1/8 shift terms last. They were checked against the
 //! exactly summed dequantised values and end to end against llama.cpp (top-10 probabilities of
 //! stand-in models within 3.7e-7, docs/performance.md), not against dot products recorded from
-//! ggml; llama.cpp may also take other orders for them (repacked or llamafile IQ4_NL).
+//! ggml. IQ4_NL matrices of a multiple of 8 rows take the order of llama.cpp's repacked
+//! `iq4_nl_8x8` kernels instead ([`DotKernel::for_matrix`], `repack.rs`); llama.cpp built
+//! without repacking (`--no-repack`) sums dense IQ4_NL products in tinyBLAS's order, which is
+//! neither.
 //!
 //! Because the scalar reference emulates those lanes, **all ISAs return bit-identical results**
 //! for every supported type (the tests check equality, not a tolerance), and for Q4_0 through
@@ -61,9 +64,9 @@
 //!
 //! Note for matching llama.cpp end to end: llama.cpp routes some dense F32/F16/BF16/Q8_0/Q4_0/
 //! Q5_0 matmuls through its llamafile sgemm, and with `GGML_CPU_REPACK` (default on) Q4_0, Q4_K,
-//! MXFP4 (AVX2) and Q2_K (AVX-512) weights through repacked 8-row layouts when the row count
-//! is a multiple of 8; those use other accumulation orders than the `vec_dot` kernels mirrored
-//! here.
+//! IQ4_NL, MXFP4 (AVX2) and Q2_K (AVX-512) weights through repacked 8-row layouts when the row
+//! count is a multiple of 8; those use other accumulation orders than the `vec_dot` kernels
+//! mirrored here (Q4_0, IQ4_NL, Q4_K and MXFP4 in their repacked orders are mirrored too).
 //!
 //! For batches (and for MXFP4 in llama.cpp's repacked order) [`GemmKernel`] multiplies many
 //! rows by many tokens in tiles: MXFP4 × Q8_0 in the block-wise order of llama.cpp's repacked

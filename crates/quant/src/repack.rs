@@ -1,13 +1,16 @@
-//! Q4_0 and Q4_K products in the order of llama.cpp's *repacked* x86 kernels.
+//! Q4_0, IQ4_NL and Q4_K products in the order of llama.cpp's *repacked* x86 kernels.
 //!
-//! On an AVX2 machine llama.cpp stores Q4_0 and Q4_K weight matrices whose row count is a
-//! multiple of 8 in an 8-row interleaved layout (`q4_0_8x8`, `q4_K_8x8`) and multiplies them
-//! with its own GEMV/GEMM kernels instead of `vec_dot`. Those accumulate differently from
-//! `vec_dot` (which [`DotKernel::new`] mirrors): the integer part of each block is exact, then
-//! one scalar FMA chain per output runs over the blocks in order:
+//! On an AVX2 machine llama.cpp stores Q4_0, IQ4_NL and Q4_K weight matrices whose row count
+//! is a multiple of 8 in an 8-row interleaved layout (`q4_0_8x8`, `iq4_nl_8x8`, `q4_K_8x8`) and
+//! multiplies them with its own GEMV/GEMM kernels instead of `vec_dot`. Those accumulate
+//! differently from `vec_dot` (which [`DotKernel::new`] mirrors): the integer part of each
+//! block is exact, then one scalar FMA chain per output runs over the blocks in order:
 //!
 //! * **Q4_0 × Q8_0**: `acc = fma(isum_b as f32, d_w · d_a, acc)` per 32-element block, where
 //!   `isum_b = Σ (q − 8)·a` and the scale product is rounded to f32 first;
+//! * **IQ4_NL × Q8_0**: the same with `isum_b = Σ kvalues[q]·a` (ggml runs both through one
+//!   kernel template with a 16-entry value table); `vec_dot` instead keeps two 8-lane
+//!   accumulators for even and odd blocks;
 //! * **Q4_K × Q8_K**: per 256-element super-block, `isum = Σ_j sc_j · Σ q·a` over the eight
 //!   sub-blocks and `imin = Σ_j m_j · (bsum_{2j} + bsum_{2j+1})`, then
 //!   `acc = fma(isum as f32, d_w · d_a, acc)` and `acc_min = fma(imin as f32, dmin_w · d_a,
@@ -25,6 +28,8 @@
 
 use crate::error::check_isa;
 use crate::kernel_fns::{DotFn, DotFns};
+use crate::scalar::iq_grids::KVALUES_IQ4NL;
+use crate::scalar::iquants::IQ4_NL_BYTES;
 use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16, QK};
 use crate::{DotKernel, GgmlType, Isa, QuantError};
 
@@ -36,7 +41,7 @@ const Q8_K_BYTES: usize = 292;
 
 impl DotKernel {
     /// The kernel llama.cpp's CPU backend uses for a weight matrix of type `weight` with
-    /// `n_rows` output rows (per expert for stacked experts): the repacked-order Q4_0/Q4_K
+    /// `n_rows` output rows (per expert for stacked experts): the repacked-order Q4_0/IQ4_NL/Q4_K
     /// kernels of this module when `n_rows` is a multiple of 8, else [`DotKernel::best`].
     pub fn for_matrix(weight: GgmlType, n_rows: usize) -> Result<DotKernel, QuantError> {
         let isa = Isa::best();
@@ -91,6 +96,11 @@ fn repacked_fns(weight: GgmlType, isa: Isa) -> Option<DotFns> {
                 dot: avx2::dot_q4_0,
                 rows: avx2::rows_q4_0,
             }),
+            GgmlType::IQ4_NL => Some(DotFns {
+                name: "iq4_nl*q8_0/repacked (avx2)",
+                dot: avx2::dot_iq4_nl,
+                rows: avx2::rows_iq4_nl,
+            }),
             GgmlType::Q4_K if isa == Isa::Avx512 && crate::x86::features::has_avx512_vnni() => {
                 Some(DotFns {
                     name: "q4_K*q8_K/repacked (avx512vnni)",
@@ -111,6 +121,10 @@ fn repacked_fns(weight: GgmlType, isa: Isa) -> Option<DotFns> {
         GgmlType::Q4_0 => Some(scalar_kernel!(
             "q4_0*q8_0/repacked (scalar)",
             dot_q4_0_blockwise
+        )),
+        GgmlType::IQ4_NL => Some(scalar_kernel!(
+            "iq4_nl*q8_0/repacked (scalar)",
+            dot_iq4_nl_blockwise
         )),
         GgmlType::Q4_K => Some(scalar_kernel!(
             "q4_K*q8_K/repacked (scalar)",
@@ -133,6 +147,27 @@ pub(crate) fn dot_q4_0_blockwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
             let q = wb[2 + j];
             isum += ((q & 0x0f) as i32 - 8) * ab[2 + j] as i8 as i32;
             isum += ((q >> 4) as i32 - 8) * ab[2 + QK / 2 + j] as i8 as i32;
+        }
+        let scale = f16_to_f32(rd_u16(wb, 0)) * f16_to_f32(rd_u16(ab, 0));
+        acc = (isum as f32).mul_add(scale, acc);
+    }
+    acc
+}
+
+/// IQ4_NL × Q8_0 in block order (scalar reference): each block's exact integer dot of the
+/// table values with the activation bytes, then one FMA with `d_w · d_a`.
+pub(crate) fn dot_iq4_nl_blockwise(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (wb, ab) in w
+        .chunks_exact(IQ4_NL_BYTES)
+        .zip(a.chunks_exact(Q8_0_BYTES))
+        .take(n / QK)
+    {
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            let q = wb[2 + j];
+            isum += KVALUES_IQ4NL[(q & 0x0f) as usize] as i32 * ab[2 + j] as i8 as i32;
+            isum += KVALUES_IQ4NL[(q >> 4) as usize] as i32 * ab[2 + QK / 2 + j] as i8 as i32;
         }
         let scale = f16_to_f32(rd_u16(wb, 0)) * f16_to_f32(rd_u16(ab, 0));
         acc = (isum as f32).mul_add(scale, acc);
@@ -245,8 +280,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        q4_k_scale_min, q4_k_step, q8_k_bsum, Q4_0_BYTES, Q4_K_BYTES, Q8_0_BYTES, Q8_K_BYTES, QK,
-        QK_K,
+        q4_k_scale_min, q4_k_step, q8_k_bsum, IQ4_NL_BYTES, KVALUES_IQ4NL, Q4_0_BYTES, Q4_K_BYTES,
+        Q8_0_BYTES, Q8_K_BYTES, QK, QK_K,
     };
     use crate::scalar::shared::{f16_to_f32, rd_f32, rd_u16};
 
@@ -276,6 +311,32 @@ mod avx2 {
             let qa = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
             let sa = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), y), ones);
             let isum = hsum_i32(qa) - 8 * hsum_i32(sa);
+            let scale = f16_to_f32(u16::from_le_bytes([*wb, *wb.add(1)]))
+                * f16_to_f32(u16::from_le_bytes([*ab, *ab.add(1)]));
+            acc = (isum as f32).mul_add(scale, acc);
+        }
+        acc
+    }
+
+    /// IQ4_NL × Q8_0 over the blocks of one row: table values by byte shuffle, products
+    /// widened to i16 (exact for every byte), one FMA per block.
+    #[inline(always)]
+    unsafe fn iq4_nl_row(n: usize, w: *const u8, a: *const u8) -> f32 {
+        let low = _mm_set1_epi8(0x0f);
+        let table = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i);
+        let mut acc = 0f32;
+        for b in 0..n / QK {
+            let wb = w.add(b * IQ4_NL_BYTES);
+            let ab = a.add(b * Q8_0_BYTES);
+            // SAFETY (caller): both blocks are in bounds.
+            let raw = _mm_loadu_si128(wb.add(2) as *const __m128i);
+            let q_lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, low));
+            let q_hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), low));
+            let y_lo = _mm_loadu_si128(ab.add(2) as *const __m128i);
+            let y_hi = _mm_loadu_si128(ab.add(2 + QK / 2) as *const __m128i);
+            let p_lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_lo), _mm256_cvtepi8_epi16(y_lo));
+            let p_hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q_hi), _mm256_cvtepi8_epi16(y_hi));
+            let isum = hsum_i32(_mm256_add_epi32(p_lo, p_hi));
             let scale = f16_to_f32(u16::from_le_bytes([*wb, *wb.add(1)]))
                 * f16_to_f32(u16::from_le_bytes([*ab, *ab.add(1)]));
             acc = (isum as f32).mul_add(scale, acc);
@@ -374,6 +435,30 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2/FMA/F16C; `w` and `a` hold the blocks of `n` elements.
     #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_iq4_nl(n: usize, w: &[u8], a: &[u8]) -> f32 {
+        debug_assert!(w.len() >= n / QK * IQ4_NL_BYTES && a.len() >= n / QK * Q8_0_BYTES);
+        iq4_nl_row(n, w.as_ptr(), a.as_ptr())
+    }
+
+    /// # Safety
+    /// The CPU has AVX2/FMA/F16C; `w` holds `out.len()` rows `stride` bytes apart, `a` the
+    /// blocks of `n` elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows_iq4_nl(
+        n: usize,
+        w: &[u8],
+        stride: usize,
+        a: &[u8],
+        out: &mut [f32],
+    ) {
+        for (r, o) in out.iter_mut().enumerate() {
+            *o = iq4_nl_row(n, w.as_ptr().add(r * stride), a.as_ptr());
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2/FMA/F16C; `w` and `a` hold the blocks of `n` elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q4_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
         debug_assert!(w.len() >= n / QK_K * Q4_K_BYTES && a.len() >= n / QK_K * Q8_K_BYTES);
         q4_k_row(n, w.as_ptr(), a.as_ptr())
@@ -412,7 +497,7 @@ mod tests {
     fn weights(ty: GgmlType, n: usize, rows: usize, seed: u64) -> Vec<u8> {
         let mut w = bytes(ty.row_bytes(n as u64).unwrap() as usize * rows, seed);
         let (block, scales): (usize, &[usize]) = match ty {
-            GgmlType::Q4_0 => (Q4_0_BYTES, &[0]),
+            GgmlType::Q4_0 | GgmlType::IQ4_NL => (Q4_0_BYTES, &[0]),
             _ => (Q4_K_BYTES, &[0, 2]),
         };
         for (i, b) in w.chunks_exact_mut(block).enumerate() {
@@ -431,9 +516,20 @@ mod tests {
         a
     }
 
+    /// The block-order scalar reference of `ty`.
+    fn blockwise(ty: GgmlType) -> fn(usize, &[u8], &[u8]) -> f32 {
+        match ty {
+            GgmlType::Q4_0 => dot_q4_0_blockwise,
+            GgmlType::IQ4_NL => dot_iq4_nl_blockwise,
+            _ => dot_q4_k_blockwise,
+        }
+    }
+
+    const TYPES: [GgmlType; 3] = [GgmlType::Q4_0, GgmlType::IQ4_NL, GgmlType::Q4_K];
+
     #[test]
     fn blockwise_matches_dequantized_sum() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_K] {
+        for ty in TYPES {
             let n = 512;
             let w = weights(ty, n, 1, 7);
             let a = acts(ty, n, 9);
@@ -446,10 +542,7 @@ mod tests {
                 .zip(&af)
                 .map(|(x, y)| (*x as f64 * *y as f64).abs())
                 .sum();
-            let got = match ty {
-                GgmlType::Q4_0 => dot_q4_0_blockwise(n, &w, &a),
-                _ => dot_q4_k_blockwise(n, &w, &a),
-            };
+            let got = blockwise(ty)(n, &w, &a);
             assert!(
                 ((got as f64) - exact).abs() <= 1e-5 * mag,
                 "{ty:?}: {got} vs {exact}"
@@ -459,7 +552,7 @@ mod tests {
 
     #[test]
     fn every_isa_matches_the_scalar_order() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_K] {
+        for ty in TYPES {
             for n in [256, 768, 4864] {
                 // Two groups of eight rows and five single ones.
                 let rows = 21;
@@ -468,10 +561,7 @@ mod tests {
                 let stride = ty.row_bytes(n as u64).unwrap() as usize;
                 let want: Vec<f32> = w
                     .chunks_exact(stride)
-                    .map(|r| match ty {
-                        GgmlType::Q4_0 => dot_q4_0_blockwise(n, r, &a),
-                        _ => dot_q4_k_blockwise(n, r, &a),
-                    })
+                    .map(|r| blockwise(ty)(n, r, &a))
                     .collect();
                 for isa in Isa::available() {
                     let fns = repacked_fns(ty, isa).unwrap();
@@ -537,6 +627,44 @@ mod tests {
         let mut out0 = [0f32; 4];
         k0.dot_tokens(BatchKind::Dense, 64, &wq, &a0, &mut out0);
         assert_eq!(out0[0], k0.dot(64, &wq, &a0[..k0.act_row_bytes(64)]));
+    }
+
+    /// A dense IQ4_NL matrix (the shared experts of DeepSeek stand-ins) multiplies in
+    /// llama.cpp's repacked block order for one token and for batches, not in `vec_dot`'s
+    /// even/odd order, whose bits differ.
+    #[test]
+    fn iq4_nl_matrices_take_the_block_order() {
+        let (n, rows) = (256, 16);
+        let ty = GgmlType::IQ4_NL;
+        let w = weights(ty, n, rows, 5);
+        let stride = ty.row_bytes(n as u64).unwrap() as usize;
+        let k = DotKernel::for_matrix(ty, rows).unwrap();
+        assert!(k.is_repacked(), "{}", k.name());
+        let n_tokens = 7;
+        let acts: Vec<u8> = (0..n_tokens as u64).flat_map(|t| acts(ty, n, 40 + t)).collect();
+        let ab = k.act_row_bytes(n);
+        let mut differs = 0;
+        for kind in [BatchKind::Dense, BatchKind::Expert] {
+            let mut out = vec![0f32; rows * n_tokens];
+            k.dot_tokens_rows(kind, n, &w, &acts, n_tokens, &mut out);
+            for (r, row) in w.chunks_exact(stride).enumerate() {
+                let mut one = [0f32; 1];
+                k.dot_rows(n, row, &acts[..ab], &mut one);
+                assert_eq!(one[0].to_bits(), dot_iq4_nl_blockwise(n, row, &acts[..ab]).to_bits());
+                for t in 0..n_tokens {
+                    let a = &acts[t * ab..(t + 1) * ab];
+                    let want = dot_iq4_nl_blockwise(n, row, a);
+                    assert_eq!(out[r * n_tokens + t].to_bits(), want.to_bits(), "{kind:?} {r} {t}");
+                    let vec_dot = DotKernel::best(ty).unwrap().dot(n, row, a);
+                    assert!((vec_dot - want).abs() <= 1e-5 * want.abs().max(1.0));
+                    differs += usize::from(vec_dot.to_bits() != want.to_bits());
+                }
+            }
+        }
+        // The orders differ in the last bits for some of these products.
+        assert!(differs > 0);
+        // Row counts llama.cpp does not repack keep `vec_dot`.
+        assert!(!DotKernel::for_matrix(ty, 12).unwrap().is_repacked());
     }
 
     #[test]

@@ -101,7 +101,10 @@ impl DotKernel {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        if self.isa() != crate::Isa::Scalar && crate::IQ_TYPES.contains(&self.weight_type()) {
+        if self.isa() != crate::Isa::Scalar
+            && !self.is_repacked()
+            && crate::IQ_TYPES.contains(&self.weight_type())
+        {
             let (w, a) = (
                 &weight_rows[..rows * wb],
                 &acts[..n_tokens * self.act_row_bytes(n)],

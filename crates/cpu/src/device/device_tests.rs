@@ -301,3 +301,62 @@ fn rings_store_as_the_cpu_cache_and_download_its_bytes() {
     };
     assert!(cpu.kv_store(&src, &mut not_a_ring, 2, 0).is_err());
 }
+
+/// A dense IQ4_NL matrix of a multiple of 8 rows (DeepSeek's shared experts) multiplies as
+/// llama.cpp's repacked `iq4_nl_8x8` kernels do, for one token and for batches: per output,
+/// each 32-element block's exact integer dot, then `acc = fma(isum, d_w · d_a, acc)` over the
+/// blocks in order. The integers are recovered from the dequantized values (`d · q` is exact
+/// in f32 for an f16 `d` and |q| ≤ 127), so the reference shares no code with the kernels.
+#[test]
+fn dense_iq4_nl_sums_in_llama_cpps_repacked_block_order() {
+    let mut s = Stream(0x51_7cc1_b727_220a);
+    let (rows, cols) = (16, 256);
+    let ty = GgmlType::IQ4_NL;
+    let q = quant_weights(&mut s, ty, rows, cols);
+    let rb = ty.row_bytes(cols as u64).unwrap() as usize;
+    let cpu = Cpu::new();
+    let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+    // Integer values and f16 scale of each 32-element block of a row of `ty`.
+    let blocks = |ty: GgmlType, row: &[u8]| -> Vec<(f32, Vec<i32>)> {
+        let mut deq = vec![0f32; cols];
+        hmoe_quant::dequantize_row(ty, row, &mut deq).unwrap();
+        let bb = ty.block_bytes();
+        row.chunks_exact(bb)
+            .zip(deq.chunks_exact(32))
+            .map(|(b, v)| {
+                let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                let ints = v.iter().map(|&x| (x / d) as i32).collect::<Vec<_>>();
+                assert!(ints.iter().zip(v).all(|(&i, &x)| i as f32 * d == x));
+                (d, ints)
+            })
+            .collect()
+    };
+    let mut differs_from_vec_dot = 0;
+    for n in [1, 3, 4, 6] {
+        let x: Vec<f32> = (0..n * cols).map(|_| s.value(2.0)).collect();
+        let mut y = cpu.alloc::<f32>(n * rows).unwrap();
+        cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut y)
+            .unwrap();
+        let got = cpu.download(&y).unwrap();
+        let vec_dot = hmoe_quant::DotKernel::best(ty).unwrap();
+        for t in 0..n {
+            let a_ty = hmoe_quant::vec_dot_type(ty);
+            let mut a = vec![0u8; a_ty.row_bytes(cols as u64).unwrap() as usize];
+            hmoe_quant::quantize_row(a_ty, &x[t * cols..(t + 1) * cols], &mut a).unwrap();
+            let ab = blocks(a_ty, &a);
+            for r in 0..rows {
+                let w = &q[r * rb..(r + 1) * rb];
+                let mut acc = 0f32;
+                for ((dw, qw), (da, qa)) in blocks(ty, w).iter().zip(&ab) {
+                    let isum: i32 = qw.iter().zip(qa).map(|(a, b)| a * b).sum();
+                    acc = (isum as f32).mul_add(dw * da, acc);
+                }
+                let g = got[t * rows + r];
+                assert_eq!(g.to_bits(), acc.to_bits(), "{n} tokens: token {t} row {r}");
+                differs_from_vec_dot += usize::from(vec_dot.dot(cols, w, &a) != acc);
+            }
+        }
+    }
+    // `vec_dot`'s order (even and odd blocks apart) gives other bits for some of them.
+    assert!(differs_from_vec_dot > 0);
+}
