@@ -1,6 +1,7 @@
-//! `scripts/iq_llama_compare.py --types iq2_xxs --archs qwen3moe,deepseek2`: Qwen3-MoE and
-//! DeepSeek2 stand-ins with IQ2_XXS experts
-//! made by `hmoe make-test-model`, greedy on the CPU, against llama.cpp's CPU llama-server
+//! `scripts/iq_llama_compare.py --types iq2_xxs,iq4_nl --archs qwen3moe,deepseek2`: Qwen3-MoE
+//! and DeepSeek2 stand-ins with IQ2_XXS and IQ4_NL experts (DeepSeek2's shared experts are dense
+//! IQ4_NL matrices, which llama.cpp multiplies with its repacked kernels) made by
+//! `hmoe make-test-model`, greedy on the CPU, against llama.cpp's CPU llama-server
 //! (teacher-forced on hmoe's tokens: every token equal, the first step's top-10 probabilities
 //! within 1e-4). Needs llama-server (`$HMOE_LLAMA_SERVER`, else the unpacked baseline
 //! `../llama-cpu-unpacked/llama-cpu/bin/llama-server` beside the checkout) and Python 3
@@ -18,7 +19,7 @@ fn root() -> PathBuf {
 }
 
 #[test]
-fn iq2_xxs_experts_generate_llama_cpps_tokens() {
+fn iq2_xxs_and_iq4_nl_experts_generate_llama_cpps_tokens() {
     let server = std::env::var_os("HMOE_LLAMA_SERVER").map_or_else(
         || root().join("../llama-cpu-unpacked/llama-cpu/bin/llama-server"),
         PathBuf::from,
@@ -38,7 +39,7 @@ fn iq2_xxs_experts_generate_llama_cpps_tokens() {
         .args(["--hmoe", env!("CARGO_BIN_EXE_hmoe")])
         .arg("--llama-server")
         .arg(&server)
-        .args(["--types", "iq2_xxs", "--archs", "qwen3moe,deepseek2"])
+        .args(["--types", "iq2_xxs,iq4_nl", "--archs", "qwen3moe,deepseek2"])
         .args(["--port", "18391", "-n", "8"])
         .output()
         .unwrap();
@@ -48,4 +49,6 @@ fn iq2_xxs_experts_generate_llama_cpps_tokens() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("qwen3moe iq2_xxs: "), "{stdout}");
     assert!(stdout.contains("deepseek2 iq2_xxs: "), "{stdout}");
+    assert!(stdout.contains("qwen3moe iq4_nl: "), "{stdout}");
+    assert!(stdout.contains("deepseek2 iq4_nl: "), "{stdout}");
 }

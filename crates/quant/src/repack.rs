@@ -444,13 +444,7 @@ mod avx2 {
     /// The CPU has AVX2/FMA/F16C; `w` holds `out.len()` rows `stride` bytes apart, `a` the
     /// blocks of `n` elements.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows_iq4_nl(
-        n: usize,
-        w: &[u8],
-        stride: usize,
-        a: &[u8],
-        out: &mut [f32],
-    ) {
+    pub(super) unsafe fn rows_iq4_nl(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
         for (r, o) in out.iter_mut().enumerate() {
             *o = iq4_nl_row(n, w.as_ptr().add(r * stride), a.as_ptr());
         }
@@ -641,7 +635,9 @@ mod tests {
         let k = DotKernel::for_matrix(ty, rows).unwrap();
         assert!(k.is_repacked(), "{}", k.name());
         let n_tokens = 7;
-        let acts: Vec<u8> = (0..n_tokens as u64).flat_map(|t| acts(ty, n, 40 + t)).collect();
+        let acts: Vec<u8> = (0..n_tokens as u64)
+            .flat_map(|t| acts(ty, n, 40 + t))
+            .collect();
         let ab = k.act_row_bytes(n);
         let mut differs = 0;
         for kind in [BatchKind::Dense, BatchKind::Expert] {
@@ -650,11 +646,18 @@ mod tests {
             for (r, row) in w.chunks_exact(stride).enumerate() {
                 let mut one = [0f32; 1];
                 k.dot_rows(n, row, &acts[..ab], &mut one);
-                assert_eq!(one[0].to_bits(), dot_iq4_nl_blockwise(n, row, &acts[..ab]).to_bits());
+                assert_eq!(
+                    one[0].to_bits(),
+                    dot_iq4_nl_blockwise(n, row, &acts[..ab]).to_bits()
+                );
                 for t in 0..n_tokens {
                     let a = &acts[t * ab..(t + 1) * ab];
                     let want = dot_iq4_nl_blockwise(n, row, a);
-                    assert_eq!(out[r * n_tokens + t].to_bits(), want.to_bits(), "{kind:?} {r} {t}");
+                    assert_eq!(
+                        out[r * n_tokens + t].to_bits(),
+                        want.to_bits(),
+                        "{kind:?} {r} {t}"
+                    );
                     let vec_dot = DotKernel::best(ty).unwrap().dot(n, row, a);
                     assert!((vec_dot - want).abs() <= 1e-5 * want.abs().max(1.0));
                     differs += usize::from(vec_dot.to_bits() != want.to_bits());

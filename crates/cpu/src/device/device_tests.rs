@@ -335,8 +335,7 @@ fn dense_iq4_nl_sums_in_llama_cpps_repacked_block_order() {
     for n in [1, 3, 4, 6] {
         let x: Vec<f32> = (0..n * cols).map(|_| s.value(2.0)).collect();
         let mut y = cpu.alloc::<f32>(n * rows).unwrap();
-        cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut y)
-            .unwrap();
+        cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut y).unwrap();
         let got = cpu.download(&y).unwrap();
         let vec_dot = hmoe_quant::DotKernel::best(ty).unwrap();
         for t in 0..n {
