@@ -10,9 +10,8 @@
 
 mod common;
 
-use common::fixtures;
+use common::{argmax, bits, open_fixture as open};
 use hmoe_backend::{CacheType, FlashAttn, Ref0};
-use hmoe_gguf::{GgufModel, LoadOptions};
 use hmoe_model::{DeviceModel, ExpertHome, ExpertPlacement, KvType, LanguageModel, LogitsWanted};
 
 const UBATCH: usize = 8;
@@ -25,18 +24,6 @@ const MODELS: [&str; 3] = [
     "qwen3moe/qwen3moe-tiny.gguf",
     "deepseek2/deepseek2-tiny.gguf",
 ];
-
-fn open(file: &str) -> GgufModel {
-    GgufModel::open(fixtures().join(file), LoadOptions::default()).unwrap()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn argmax(l: &[f32]) -> u32 {
-    (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32
-}
 
 /// A prompt of 11 tokens (two micro-batches), then greedy decode steps: each feed's logits.
 fn run(model: &dyn LanguageModel, ty: KvType) -> Vec<Vec<f32>> {

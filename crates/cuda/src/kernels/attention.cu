@@ -1,22 +1,24 @@
 // ---------------------------------------------------------------------------------------------
 // KV cache. A ring of `cells` rows of `width` values (n_kv_heads * head_dim); token t of the
-// batch goes to cell (pos0 + t) % cells, pos0 = *pos_at (read on the device: see read_pos0). Rows are stored as the CPU device's cache stores them
-// (ggml's set_rows): f32 as is, f16 and bf16 rounded to nearest even, Q8_0 by the
-// activations' quantizer (quantize_block_q8_0), Q4_0, Q4_1, Q5_0 and Q5_1 by ggml's reference
-// quantizers (hmoe_quant's quantize_row); a block-quantized row is first Walsh–Hadamard
-// rotated in chunks of `rot` values (0: not rotated), as llama.cpp rotates quantized heads.
+// batch goes to cell (pos0 + t) % cells, pos0 = *pos_at (read on the device: see read_pos0).
+// Rows are stored as the CPU device's cache stores them (ggml's set_rows): f32 as is, f16 and
+// bf16 rounded to nearest even, Q8_0 by the activations' quantizer (quantize_block_q8_0), Q4_0,
+// Q4_1, Q5_0 and Q5_1 by ggml's reference quantizers (hmoe_quant's quantize_row); a
+// block-quantized row is first Walsh–Hadamard rotated in chunks of `rot` values (0: not
+// rotated), as llama.cpp rotates quantized heads.
 
 // The first position of a call's tokens, read on the device from the step's positions
 // (`pos_at`: the entry of the call's first token), so that a launch does not depend on it and a
 // captured graph serves every token; the launch's grid is sized for the ring, not the position.
-// -1 when it is negative or when the batch would see more keys than the ring's `cells` hold
-// (every earlier position, or the last `window` of each token's): the kernel then writes nothing.
+// -1 when it is negative, when its batch's last position exceeds an int, or when the batch would
+// see more keys than the ring's `cells` hold (every earlier position, or the last `window` of
+// each token's): the kernel then writes nothing.
 __device__ __forceinline__ int read_pos0(const int* pos_at, int n_tokens, int cells, int window) {
     int p = *pos_at;
-    long long seen = (long long)p + n_tokens;
+    long long end = (long long)p + n_tokens, seen = end;
     long long in_window = (long long)window + n_tokens - 1;
     if (window > 0 && in_window < seen) seen = in_window;
-    return p >= 0 && seen <= (long long)cells ? p : -1;
+    return p >= 0 && end <= 2147483647LL && seen <= (long long)cells ? p : -1;
 }
 
 // A ring of a float type (T), element by element: CONV converts an f32 to T (nothing for f32).

@@ -15,7 +15,7 @@ use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
 use super::moe_cache::MoeCache;
 use super::scratch_arena::{Scratch, ScratchArena};
-use super::segments::{step_shape, SegmentEpoch, Segments};
+use super::segments::{step_shape, SeqShape, SegmentEpoch, Segments};
 use super::state::State;
 use super::step::{DeviceLayers, Member, Step};
 use crate::error::ModelError;
@@ -473,9 +473,16 @@ impl<B: Backend> DeviceModel<B> {
             arena: self.scratch.generation(),
             kvs: st.kv_generation,
         };
-        let handles: Vec<usize> = members.iter().map(|m| st.kvs[m.kv].handle).collect();
+        let seqs: Vec<SeqShape> = (members.iter())
+            .map(|m| SeqShape {
+                kv: m.kv,
+                handle: st.kvs.get(m.kv).map_or(usize::MAX, |kv| kv.handle),
+                tokens: m.tokens.len(),
+                want: m.want,
+            })
+            .collect();
         let offload = self.op_offload_min_batch.is_some_and(|m| m <= members.len());
-        let shape = step_shape(members, &handles).filter(|_| !offload && !st.moe_cache.enabled());
+        let shape = step_shape(&seqs).filter(|_| !offload && !st.moe_cache.enabled());
         let now = shape.map(|s| (s, epoch(st)));
         if st.segment_epoch != epoch(st) {
             // A buffer that a recording names may be gone.
@@ -486,9 +493,9 @@ impl<B: Backend> DeviceModel<B> {
             Some((s, e)) if st.last_shape == now => Segments::on(s, e),
             _ => Segments::off(),
         };
-        let recorded = segments.is_on();
+        let segmented = segments.is_on();
         let mut logits = self.step_layers(st, members, segments);
-        if recorded && logits.is_err() {
+        if segmented && logits.is_err() {
             self.dev.forget_segments();
             tracing::warn!("a recorded decode step failed; it runs again as issued");
             logits = self.step_layers(st, members, Segments::off());

@@ -20,7 +20,6 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 
 use hmoe_backend::{Backend, BackendError};
 
-use super::step::Member;
 use crate::language_model::LogitsWanted;
 
 /// What a recording depends on besides the step's shape: the scratch arena's generation
@@ -34,21 +33,35 @@ pub(crate) struct SegmentEpoch {
     pub(crate) kvs: u64,
 }
 
-/// The key of a step's shape for segments: its sequences' device caches and wanted logits,
+/// One sequence of a step as its shape counts it: its device cache's index in the state and
+/// its handle, its tokens and the logits it wants (not its positions).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeqShape {
+    /// The index of its device cache.
+    pub(crate) kv: usize,
+    /// Its cache handle.
+    pub(crate) handle: usize,
+    /// Its tokens in the step.
+    pub(crate) tokens: usize,
+    /// The logits it wants.
+    pub(crate) want: Option<LogitsWanted>,
+}
+
+/// The key of a step's shape for segments (its sequences' device caches and wanted logits),
 /// or `None` for a step that does not decode one token per sequence.
-pub(crate) fn step_shape(members: &[Member<'_>], handles: &[usize]) -> Option<u64> {
-    if members.iter().any(|m| m.tokens.len() != 1) {
+pub(crate) fn step_shape(seqs: &[SeqShape]) -> Option<u64> {
+    if seqs.iter().any(|s| s.tokens != 1) {
         return None;
     }
     let mut h = DefaultHasher::new();
-    for (m, handle) in members.iter().zip(handles) {
-        let want = match m.want {
+    for s in seqs {
+        let want = match s.want {
             None => 0u8,
             Some(LogitsWanted::Last) => 1,
             Some(LogitsWanted::All) => 2,
             Some(LogitsWanted::Hidden) => 3,
         };
-        (m.kv, handle, want).hash(&mut h);
+        (s.kv, s.handle, want).hash(&mut h);
     }
     Some(h.finish())
 }
@@ -116,25 +129,27 @@ mod tests {
     use super::*;
     use hmoe_backend::Ref0;
 
-    fn member(kv: usize, tokens: &[u32]) -> Member<'_> {
-        Member {
+    fn seq(kv: usize, handle: usize, tokens: usize) -> SeqShape {
+        SeqShape {
             kv,
-            pos0: 7,
+            handle,
             tokens,
             want: Some(LogitsWanted::Last),
         }
     }
 
     #[test]
-    fn only_one_token_steps_have_a_shape_and_it_ignores_positions() {
-        let (one, two) = ([3u32], [3u32, 4]);
-        assert!(step_shape(&[member(0, &two)], &[5]).is_none());
-        let a = step_shape(&[member(0, &one)], &[5]).unwrap();
-        let mut later = member(0, &[9]);
-        later.pos0 = 8;
-        assert_eq!(step_shape(&[later], &[5]), Some(a));
-        assert_ne!(step_shape(&[member(1, &one)], &[5]), Some(a));
-        assert_ne!(step_shape(&[member(0, &one)], &[6]), Some(a));
+    fn only_one_token_steps_have_a_shape() {
+        assert!(step_shape(&[seq(0, 5, 2)]).is_none());
+        assert!(step_shape(&[seq(0, 5, 1), seq(1, 6, 3)]).is_none());
+        let a = step_shape(&[seq(0, 5, 1)]).unwrap();
+        assert_eq!(step_shape(&[seq(0, 5, 1)]), Some(a));
+        assert_ne!(step_shape(&[seq(1, 5, 1)]), Some(a));
+        assert_ne!(step_shape(&[seq(0, 6, 1)]), Some(a));
+        let mut all = seq(0, 5, 1);
+        all.want = Some(LogitsWanted::All);
+        assert_ne!(step_shape(&[all]), Some(a));
+        assert_ne!(step_shape(&[seq(0, 5, 1), seq(1, 6, 1)]), Some(a));
     }
 
     #[test]
