@@ -36,8 +36,8 @@ pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use packed_staging::PackedDown;
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{
-    Ref0, RefBuf, RefMatrix, RefMoe, ReplayStats, QUANT_KERNEL_TYPES, REF0_CAPABILITIES,
-    REF0_NAME, REF0_TYPES,
+    Ref0, RefBuf, RefMatrix, RefMoe, ReplayStats, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME,
+    REF0_TYPES,
 };
 pub use routing::{Gating, Routing};
 
@@ -974,7 +974,11 @@ fn position_i32(op: &'static str, pos: usize) -> Result<i32, BackendError> {
 
 /// The position `positions[first]` that an op of [`Backend::kv_store_at`]'s family reads,
 /// from a buffer on the host (REF0, the CPU), or the shape error of `op`.
-pub fn first_position(op: &'static str, positions: &[i32], first: usize) -> Result<usize, BackendError> {
+pub fn first_position(
+    op: &'static str,
+    positions: &[i32],
+    first: usize,
+) -> Result<usize, BackendError> {
     let p = positions.get(first).copied();
     p.and_then(|p| usize::try_from(p).ok())
         .ok_or_else(|| BackendError::Shape {

@@ -31,7 +31,7 @@ pub const GRAPHS_ENV: &str = "HMOE_CUDA_GRAPHS";
 
 /// Whether the environment leaves graphs on (anything but `0` or `off`).
 pub fn graphs_requested() -> bool {
-    std::env::var(GRAPHS_ENV).map_or(true, |v| !matches!(v.trim(), "0" | "off"))
+    !std::env::var(GRAPHS_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off"))
 }
 
 /// What the open segment does.

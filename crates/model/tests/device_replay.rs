@@ -72,7 +72,10 @@ fn replayed_decode_steps_are_fresh_runs_bit_for_bit() {
                     DeviceModel::load(open(file), Ref0::new().with_replay(), &placement).unwrap();
                 let got = run(&replay, ty);
                 for (s, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!(bits(g) == bits(w), "{case}: feed {s} differs from a fresh run");
+                    assert!(
+                        bits(g) == bits(w),
+                        "{case}: feed {s} differs from a fresh run"
+                    );
                 }
                 let st = replay.device().replay_stats();
                 assert_eq!((st.errors, st.stale_scalars), (0, 0), "{case}: {st:?}");

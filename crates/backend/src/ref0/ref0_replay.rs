@@ -89,11 +89,6 @@ impl Replay {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether segments are recorded and replayed.
-    pub(crate) fn enabled(&self) -> bool {
-        self.enabled
-    }
-
     /// What was counted.
     pub(crate) fn stats(&self) -> ReplayStats {
         self.lock().stats

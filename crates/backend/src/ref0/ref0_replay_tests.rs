@@ -106,7 +106,11 @@ fn replayed_steps_read_the_position_from_the_device() {
 #[test]
 fn a_position_passed_by_value_is_frozen_and_caught() {
     let want = run(&Ref0::new(), true);
-    assert_eq!(want, run(&Ref0::new(), false), "by value or not, fresh runs agree");
+    assert_eq!(
+        want,
+        run(&Ref0::new(), false),
+        "by value or not, fresh runs agree"
+    );
     let dev = Ref0::new().with_replay();
     let got = run(&dev, true);
     assert_eq!(got[0], want[0], "the recorded step itself runs as issued");

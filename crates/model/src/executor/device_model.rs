@@ -15,7 +15,7 @@ use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
 use super::moe_cache::MoeCache;
 use super::scratch_arena::{Scratch, ScratchArena};
-use super::segments::{step_shape, SeqShape, SegmentEpoch, Segments};
+use super::segments::{step_shape, SegmentEpoch, Segments, SeqShape};
 use super::state::State;
 use super::step::{DeviceLayers, Member, Step};
 use crate::error::ModelError;
@@ -481,7 +481,9 @@ impl<B: Backend> DeviceModel<B> {
                 want: m.want,
             })
             .collect();
-        let offload = self.op_offload_min_batch.is_some_and(|m| m <= members.len());
+        let offload = self
+            .op_offload_min_batch
+            .is_some_and(|m| m <= members.len());
         let shape = step_shape(&seqs).filter(|_| !offload && !st.moe_cache.enabled());
         let now = shape.map(|s| (s, epoch(st)));
         if st.segment_epoch != epoch(st) {
