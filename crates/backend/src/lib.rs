@@ -36,7 +36,8 @@ pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use packed_staging::PackedDown;
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{
-    Ref0, RefBuf, RefMatrix, RefMoe, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME, REF0_TYPES,
+    Ref0, RefBuf, RefMatrix, RefMoe, ReplayStats, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME,
+    REF0_TYPES,
 };
 pub use routing::{Gating, Routing};
 
@@ -731,12 +732,30 @@ pub trait Backend: Send + Sync {
     /// `pos0` (position `p` in cell `p % cells`), rotated and converted as the layout says
     /// (as the CPU device's cache stores them: f16/bf16 rounded to nearest even, block types
     /// by hmoe-quant's quantizers).
+    ///
+    /// A convenience over [`Backend::kv_store_at`] (the position uploaded into a buffer of
+    /// its own): the executor's steps call that one, which a recorded segment can replay.
     fn kv_store(
         &self,
         src: &Self::Buf<f32>,
         ring: &mut KvRing<Self>,
         n_tokens: usize,
         pos0: usize,
+    ) -> Result<(), BackendError> {
+        let pos = self.upload::<i32>(&[position_i32("kv_store", pos0)?])?;
+        self.kv_store_at(src, ring, n_tokens, &pos, 0)
+    }
+    /// [`Backend::kv_store`] from the position `positions[first]`, read on the device (the
+    /// tokens at `positions[first]` and on, one apart): nothing of the call depends on the
+    /// position's value, so a recorded segment ([`Backend::begin_segment`]) replays it for
+    /// the next token once the step's positions are uploaded.
+    fn kv_store_at(
+        &self,
+        src: &Self::Buf<f32>,
+        ring: &mut KvRing<Self>,
+        n_tokens: usize,
+        positions: &Self::Buf<i32>,
+        first: usize,
     ) -> Result<(), BackendError>;
     /// The bytes of rows `cells` of `ring` as [`KvLayout`] lays them out (the rows alone,
     /// [`kv_rows_range`] of the ring): what a saved sequence keeps of its K/V
@@ -759,6 +778,8 @@ pub trait Backend: Send + Sync {
     /// `vec_dot`'s four chains, as the CPU device's `attention_ext`; with sinks in one, as its
     /// gpt-oss attention), flash attention (online softmax) over block-quantized values; the
     /// query rotated like the keys and the output rotated back like the values.
+    ///
+    /// A convenience over [`Backend::attention_at`], as [`Backend::kv_store`] is.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -769,6 +790,24 @@ pub trait Backend: Send + Sync {
         sinks: Option<&Self::Buf<f32>>,
         n_tokens: usize,
         pos0: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError> {
+        let pos = self.upload::<i32>(&[position_i32("attention", pos0)?])?;
+        self.attention_at(p, q, k, v, sinks, n_tokens, &pos, 0, out)
+    }
+    /// [`Backend::attention`] of queries from the position `positions[first]` on, read on
+    /// the device (see [`Backend::kv_store_at`]): the launch does not depend on it.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_at(
+        &self,
+        p: &AttnParams,
+        q: &Self::Buf<f32>,
+        k: &KvRing<Self>,
+        v: &KvRing<Self>,
+        sinks: Option<&Self::Buf<f32>>,
+        n_tokens: usize,
+        positions: &Self::Buf<i32>,
+        first: usize,
         out: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
     /// Top-`k` of each row of router logits (ties to the lower id) and the softmax over them.
@@ -848,6 +887,8 @@ pub trait Backend: Send + Sync {
     /// holds `p.v_dim` values per query head, with the CPU device's numerics for the type (its
     /// row kernel with values in the keys; the query rotated like the keys and the output
     /// rotated back). A ring of another type is an [`BackendError::UnsupportedType`].
+    ///
+    /// A convenience over [`Backend::attention_k_only_at`], as [`Backend::kv_store`] is.
     fn attention_k_only(
         &self,
         p: &KOnlyAttnParams,
@@ -855,6 +896,22 @@ pub trait Backend: Send + Sync {
         k_cache: &KvRing<Self>,
         n_tokens: usize,
         pos0: usize,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError> {
+        let pos = self.upload::<i32>(&[position_i32("attention_k_only", pos0)?])?;
+        self.attention_k_only_at(p, q, k_cache, n_tokens, &pos, 0, out)
+    }
+    /// [`Backend::attention_k_only`] of queries from the position `positions[first]` on,
+    /// read on the device (see [`Backend::kv_store_at`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_k_only_at(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &Self::Buf<f32>,
+        k_cache: &KvRing<Self>,
+        n_tokens: usize,
+        positions: &Self::Buf<i32>,
+        first: usize,
         out: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
     /// Expert choice of each row of router logits (`n_expert` a row): gate probabilities by
@@ -886,4 +943,46 @@ pub trait Backend: Send + Sync {
     fn staged<'s>(&self, st: &'s mut Self::Staging) -> Result<StagedIo<'s>, BackendError>;
     /// Queues the copy of the staged output up into `out`.
     fn stage_up(&self, st: &Self::Staging, out: &mut Self::Buf<f32>) -> Result<(), BackendError>;
+
+    /// Opens segment `key` of a step: the ops queued until [`Backend::end_segment`] may be
+    /// recorded the first time a key is seen (CUDA: captured into a graph) and replayed
+    /// instead of run as issued when it is seen again, with the by-value arguments and the
+    /// buffers of the recording: the caller issues the same ops over the same buffers each
+    /// time, with everything that varies (ids, positions) in device buffers written before
+    /// the segment opens ([`Backend::upload_into`]), and no allocation, transfer or wait
+    /// inside. By default (a device that does not record) nothing happens.
+    fn begin_segment(&self, key: u64) -> Result<(), BackendError> {
+        let _ = key;
+        Ok(())
+    }
+    /// Closes the segment [`Backend::begin_segment`] opened (a replayed one runs now).
+    fn end_segment(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Drops every recording and closes a segment left open (after an error, or before a
+    /// buffer that recordings name may be freed).
+    fn forget_segments(&self) {}
+}
+
+/// `pos` as a device position, or the shape error of `op`.
+fn position_i32(op: &'static str, pos: usize) -> Result<i32, BackendError> {
+    i32::try_from(pos).map_err(|_| BackendError::Shape {
+        op,
+        what: format!("position {pos} exceeds i32"),
+    })
+}
+
+/// The position `positions[first]` that an op of [`Backend::kv_store_at`]'s family reads,
+/// from a buffer on the host (REF0, the CPU), or the shape error of `op`.
+pub fn first_position(
+    op: &'static str,
+    positions: &[i32],
+    first: usize,
+) -> Result<usize, BackendError> {
+    let p = positions.get(first).copied();
+    p.and_then(|p| usize::try_from(p).ok())
+        .ok_or_else(|| BackendError::Shape {
+            op,
+            what: format!("position {p:?} at {first} of {} positions", positions.len()),
+        })
 }

@@ -5,7 +5,8 @@
 //! ([`Backend::alloc_scratch`]) come filled with [`Elem::POISON`] (NaN for f32), so that an
 //! op or an executor relying on zeros in them fails its tests. It is selectable from the command line as `REF0`
 //! (`-dev REF0`) so that every placement path runs on a machine without a GPU; it is a testing
-//! device, not a fast path.
+//! device, not a fast path. In replay mode ([`Ref0::with_replay`]) it records the segments
+//! of a step and replays them as a CUDA graph would (`ref0/ref0_replay.rs`).
 //!
 //! The numerics are the CPU device's (ggml's CPU backend's), step for step as the CUDA kernels
 //! compute them, so that on the gpt-oss fixtures its logits are the CPU device's bit for bit:
@@ -41,6 +42,7 @@
 
 mod ref0_memory;
 mod ref0_products;
+mod ref0_replay;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,6 +63,8 @@ use ref0_products::{
     acts, expert_products, kernel_products, kernel_products_of, matrix, row_dot, F32Order,
 };
 pub use ref0_products::{QUANT_KERNEL_TYPES, REF0_TYPES};
+pub use ref0_replay::ReplayStats;
+use ref0_replay::{Ident, Replay};
 
 /// The reference device's name in device lists and messages.
 pub const REF0_NAME: &str = "REF0";
@@ -81,6 +85,23 @@ pub struct Ref0 {
     counts: Mutex<TransferCounts>,
     trips: Mutex<u64>,
     allocations: AtomicU64,
+    /// Segments recorded and replayed ([`Ref0::with_replay`]).
+    replay: Replay,
+}
+
+/// A buffer as a recording names it.
+fn id<T>(b: &RefBuf<T>) -> Ident {
+    (b.data.as_ptr() as usize, b.data.len())
+}
+
+/// An optional buffer as a recording names it (none: address 0).
+fn id_opt<T>(b: Option<&RefBuf<T>>) -> Ident {
+    b.map_or((0, 0), id)
+}
+
+/// A matrix as a recording names it.
+fn mat_id(m: &RefMatrix) -> Ident {
+    (m.data.as_ptr() as usize, m.data.len())
 }
 
 impl Default for Ref0 {
@@ -110,7 +131,24 @@ impl Ref0 {
             counts: Mutex::new(TransferCounts::default()),
             trips: Mutex::new(0),
             allocations: AtomicU64::new(0),
+            replay: Replay::new(false),
         }
+    }
+
+    /// This device in replay mode: the segments of a step ([`Backend::begin_segment`]) are
+    /// recorded the first time their key is seen and replayed after, with the recording's
+    /// by-value arguments, as a CUDA graph replays its kernels (see `ref0_replay.rs`), so
+    /// that a value a graph would freeze changes the results here.
+    pub fn with_replay(self) -> Ref0 {
+        Ref0 {
+            replay: Replay::new(true),
+            ..self
+        }
+    }
+
+    /// What replay mode counted (all zero when it is off).
+    pub fn replay_stats(&self) -> ReplayStats {
+        self.replay.stats()
     }
 
     /// The memory budget (`None`: unlimited).
@@ -142,6 +180,7 @@ impl Ref0 {
     /// Takes `bytes` of device memory for `what` (one allocation), or
     /// [`BackendError::OutOfMemory`].
     fn charge(&self, what: &'static str, bytes: u64) -> Result<Charge, BackendError> {
+        self.replay.outside("an allocation")?;
         let mut h = self.mem.lock();
         if let Some(total) = self.mem.budget {
             let free = total.saturating_sub(h.0);
@@ -177,21 +216,25 @@ impl Ref0 {
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn count_up(&self, bytes: usize) {
+    fn count_up(&self, bytes: usize) -> Result<(), BackendError> {
+        self.replay.outside("an upload")?;
         let mut c = self.count();
         c.uploads += 1;
         c.upload_bytes += bytes as u64;
+        Ok(())
     }
 
-    fn count_down(&self, bytes: usize) {
+    fn count_down(&self, bytes: usize) -> Result<(), BackendError> {
+        self.replay.outside("a download")?;
         let mut c = self.count();
         c.downloads += 1;
         c.download_bytes += bytes as u64;
+        Ok(())
     }
 
     fn upload_any<T: Elem>(&self, src: &[T]) -> Result<RefBuf<T>, BackendError> {
         let b = self.buf("upload", src.to_vec())?;
-        self.count_up(std::mem::size_of_val(src));
+        self.count_up(std::mem::size_of_val(src))?;
         Ok(b)
     }
 
@@ -205,13 +248,52 @@ impl Ref0 {
 
     fn upload_into_any<T: Elem>(&self, dst: &mut RefBuf<T>, src: &[T]) -> Result<(), BackendError> {
         crate::check_upload_into(src.len(), dst.data.len())?;
+        self.count_up(std::mem::size_of_val(src))?;
         dst.data.copy_from_slice(src);
-        self.count_up(std::mem::size_of_val(src));
         Ok(())
     }
 
+    /// Attention from position `pos0` (after the replay hook of `attention` or `attention_at`).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        p: &AttnParams,
+        q: &RefBuf<f32>,
+        k: &KvRing<Ref0>,
+        v: &KvRing<Ref0>,
+        sinks: Option<&RefBuf<f32>>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        crate::ref0_kv::attention(
+            p,
+            q,
+            (&k.layout, &k.data),
+            (&v.layout, &v.data),
+            sinks.map(|s| &s[..]),
+            n_tokens,
+            pos0,
+            out,
+        )
+    }
+
+    /// K-only attention from position `pos0` (after the replay hook).
+    fn attend_k_only(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &RefBuf<f32>,
+        k_ring: &KvRing<Ref0>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        crate::shapes::attention_k_only(p, q.len(), &k_ring.layout, out.len(), n_tokens, pos0)?;
+        crate::ref0_kv::attention_k_only(p, q, (&k_ring.layout, &k_ring.data), n_tokens, pos0, out)
+    }
+
     fn download_any<T: Elem>(&self, src: &RefBuf<T>) -> Result<Vec<T>, BackendError> {
-        self.count_down(src.data.len() * T::BYTES);
+        self.count_down(src.data.len() * T::BYTES)?;
         Ok(src.data.clone())
     }
 }
@@ -319,12 +401,13 @@ impl Backend for Ref0 {
         dst: &mut RefBuf<f32>,
         at: usize,
     ) -> Result<(), BackendError> {
+        let at = self.replay.op("copy_into", &[id(src), id(dst)], at)?;
         let range = crate::copy_into_range(src.len(), dst.len(), at)?;
         dst[range].copy_from_slice(src);
         Ok(())
     }
     fn synchronize(&self) -> Result<(), BackendError> {
-        Ok(())
+        self.replay.outside("a wait")
     }
     fn upload_matrix(
         &self,
@@ -335,7 +418,7 @@ impl Backend for Ref0 {
     ) -> Result<RefMatrix, BackendError> {
         let mut m = matrix(ty, rows, cols, data)?;
         m._charge = Some(self.charge("upload_matrix", data.len() as u64)?);
-        self.count_up(data.len());
+        self.count_up(data.len())?;
         Ok(m)
     }
     fn matrix_bytes(m: &RefMatrix) -> usize {
@@ -390,7 +473,7 @@ impl Backend for Ref0 {
             }
         }
         m._charge = Some(self.charge("upload_moe", m.bytes as u64)?);
-        self.count_up(m.bytes);
+        self.count_up(m.bytes)?;
         Ok(m)
     }
     fn moe_bytes(m: &RefMoe) -> usize {
@@ -402,6 +485,8 @@ impl Backend for Ref0 {
         ids: &RefBuf<i32>,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        self.replay
+            .op("get_rows", &[mat_id(t), id(ids), id(out)], ())?;
         crate::host_ops::get_rows((t.ty, t.rows, t.cols), |r| t.row(r), ids, out)
     }
     fn rms_norm(
@@ -411,6 +496,9 @@ impl Backend for Ref0 {
         eps: f32,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        let eps = self
+            .replay
+            .op("rms_norm", &[id(x), id(weight), id(out)], eps)?;
         let n = weight.len();
         shape(
             "rms_norm",
@@ -433,6 +521,7 @@ impl Backend for Ref0 {
         n: usize,
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        let n = self.replay.op("matmul", &[mat_id(w), id(x), id(y)], n)?;
         shape(
             "matmul",
             x.len() >= n * w.cols && y.len() >= n * w.rows,
@@ -457,9 +546,11 @@ impl Backend for Ref0 {
         Ok(())
     }
     fn add_assign(&self, x: &mut RefBuf<f32>, y: &RefBuf<f32>) -> Result<(), BackendError> {
+        self.replay.op("add_assign", &[id(x), id(y)], ())?;
         crate::host_ops::add_assign(x, y)
     }
     fn add_bias(&self, x: &mut RefBuf<f32>, bias: &RefBuf<f32>) -> Result<(), BackendError> {
+        self.replay.op("add_bias", &[id(x), id(bias)], ())?;
         let c = bias.len();
         shape("add_bias", c > 0 && x.len().is_multiple_of(c), || {
             "lengths".into()
@@ -477,7 +568,11 @@ impl Backend for Ref0 {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        crate::host_ops::rope_neox(x, positions, n_heads, head_dim, p)
+        let bufs = [id(x), id(positions)];
+        let (n_heads, head_dim, p) = self
+            .replay
+            .op("rope_neox", &bufs, (n_heads, head_dim, *p))?;
+        crate::host_ops::rope_neox(x, positions, n_heads, head_dim, &p)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
         &crate::KV_TYPES
@@ -489,9 +584,25 @@ impl Backend for Ref0 {
         n_tokens: usize,
         pos0: usize,
     ) -> Result<(), BackendError> {
+        let bufs = [id(src), id(&ring.data)];
+        let (n_tokens, pos0) = self.replay.op("kv_store", &bufs, (n_tokens, pos0))?;
+        crate::ref0_kv::store(&ring.layout, src, &mut ring.data, n_tokens, pos0)
+    }
+    fn kv_store_at(
+        &self,
+        src: &RefBuf<f32>,
+        ring: &mut KvRing<Ref0>,
+        n_tokens: usize,
+        positions: &RefBuf<i32>,
+        first: usize,
+    ) -> Result<(), BackendError> {
+        let bufs = [id(src), id(&ring.data), id(positions)];
+        let (n_tokens, first) = self.replay.op("kv_store_at", &bufs, (n_tokens, first))?;
+        let pos0 = crate::first_position("kv_store", positions, first)?;
         crate::ref0_kv::store(&ring.layout, src, &mut ring.data, n_tokens, pos0)
     }
     fn kv_read(&self, ring: &KvRing<Ref0>, cells: Range<usize>) -> Result<Vec<u8>, BackendError> {
+        self.replay.outside("a download")?;
         Ok(ring.data[crate::kv_rows_range(&ring.layout, cells.start, cells.len())?].to_vec())
     }
     fn kv_write(
@@ -500,6 +611,7 @@ impl Backend for Ref0 {
         cell0: usize,
         rows: &[u8],
     ) -> Result<(), BackendError> {
+        self.replay.outside("an upload")?;
         let n = crate::kv_row_count(&ring.layout, rows.len())?;
         let bytes = crate::kv_rows_range(&ring.layout, cell0, n)?;
         ring.data[bytes].copy_from_slice(rows);
@@ -516,16 +628,35 @@ impl Backend for Ref0 {
         pos0: usize,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        crate::ref0_kv::attention(
-            p,
-            q,
-            (&k.layout, &k.data),
-            (&v.layout, &v.data),
-            sinks.map(|s| &s[..]),
-            n_tokens,
-            pos0,
-            out,
-        )
+        let bufs = [id(q), id(&k.data), id(&v.data), id_opt(sinks), id(out)];
+        let (p, n_tokens, pos0) = self.replay.op("attention", &bufs, (*p, n_tokens, pos0))?;
+        self.attend(&p, q, k, v, sinks, n_tokens, pos0, out)
+    }
+    fn attention_at(
+        &self,
+        p: &AttnParams,
+        q: &RefBuf<f32>,
+        k: &KvRing<Ref0>,
+        v: &KvRing<Ref0>,
+        sinks: Option<&RefBuf<f32>>,
+        n_tokens: usize,
+        positions: &RefBuf<i32>,
+        first: usize,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let bufs = [
+            id(q),
+            id(&k.data),
+            id(&v.data),
+            id_opt(sinks),
+            id(positions),
+            id(out),
+        ];
+        let (p, n_tokens, first) = self
+            .replay
+            .op("attention_at", &bufs, (*p, n_tokens, first))?;
+        let pos0 = crate::first_position("attention", positions, first)?;
+        self.attend(&p, q, k, v, sinks, n_tokens, pos0, out)
     }
     fn router_top_k(
         &self,
@@ -535,6 +666,8 @@ impl Backend for Ref0 {
         selected: &mut RefBuf<i32>,
         weights: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        let bufs = [id(logits), id(selected), id(weights)];
+        let (n_expert, k) = self.replay.op("router_top_k", &bufs, (n_expert, k))?;
         shape(
             "router_top_k",
             n_expert > 0 && k > 0 && k <= n_expert && logits.len().is_multiple_of(n_expert),
@@ -571,6 +704,14 @@ impl Backend for Ref0 {
         k: usize,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        let bufs = [
+            (w.gate.as_ptr() as usize, w.n_expert),
+            id(x),
+            id(selected),
+            id(weights),
+            id(out),
+        ];
+        let (act, k) = self.replay.op("moe", &bufs, (act, k))?;
         let (d, ff) = (w.d, w.ff);
         shape("moe", k > 0 && x.len().is_multiple_of(d), || "x".into())?;
         let n = x.len() / d;
@@ -642,7 +783,8 @@ impl Backend for Ref0 {
         dst: &mut RefBuf<f32>,
         c: &RowCopy,
     ) -> Result<(), BackendError> {
-        crate::host_ops::copy_rows(src, dst, c)
+        let c = self.replay.op("copy_rows", &[id(src), id(dst)], *c)?;
+        crate::host_ops::copy_rows(src, dst, &c)
     }
     fn rope_norm(
         &self,
@@ -653,7 +795,10 @@ impl Backend for Ref0 {
         first: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
-        crate::host_ops::rope_norm(x, positions, n_heads, head_dim, first, p)
+        let bufs = [id(x), id(positions)];
+        let scalars = (n_heads, head_dim, first, *p);
+        let (n_heads, head_dim, first, p) = self.replay.op("rope_norm", &bufs, scalars)?;
+        crate::host_ops::rope_norm(x, positions, n_heads, head_dim, first, &p)
     }
     fn matmul_heads(
         &self,
@@ -664,6 +809,10 @@ impl Backend for Ref0 {
         x_stride: usize,
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        let bufs = [mat_id(w), id(x), id(y)];
+        let (n, n_heads, x_stride) =
+            self.replay
+                .op("matmul_heads", &bufs, (n, n_heads, x_stride))?;
         let out =
             crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
         if n == 0 || out == 0 {
@@ -713,6 +862,7 @@ impl Backend for Ref0 {
         up: &RefBuf<f32>,
         n: usize,
     ) -> Result<(), BackendError> {
+        let n = self.replay.op("swiglu", &[id(gate), id(up)], n)?;
         crate::shapes::swiglu(gate.len(), up.len(), n)?;
         for (r, g) in gate.chunks_exact_mut(n).enumerate() {
             crate::numerics::swiglu_row(g, &up[r * n..(r + 1) * n]);
@@ -731,8 +881,26 @@ impl Backend for Ref0 {
         pos0: usize,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        crate::shapes::attention_k_only(p, q.len(), &k_ring.layout, out.len(), n_tokens, pos0)?;
-        crate::ref0_kv::attention_k_only(p, q, (&k_ring.layout, &k_ring.data), n_tokens, pos0, out)
+        let bufs = [id(q), id(&k_ring.data), id(out)];
+        let scalars = (*p, n_tokens, pos0);
+        let (p, n_tokens, pos0) = self.replay.op("attention_k_only", &bufs, scalars)?;
+        self.attend_k_only(&p, q, k_ring, n_tokens, pos0, out)
+    }
+    fn attention_k_only_at(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &RefBuf<f32>,
+        k_ring: &KvRing<Ref0>,
+        n_tokens: usize,
+        positions: &RefBuf<i32>,
+        first: usize,
+        out: &mut RefBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let bufs = [id(q), id(&k_ring.data), id(positions), id(out)];
+        let scalars = (*p, n_tokens, first);
+        let (p, n_tokens, first) = self.replay.op("attention_k_only_at", &bufs, scalars)?;
+        let pos0 = crate::first_position("attention_k_only", positions, first)?;
+        self.attend_k_only(&p, q, k_ring, n_tokens, pos0, out)
     }
     fn route(
         &self,
@@ -744,6 +912,10 @@ impl Backend for Ref0 {
         selected: &mut RefBuf<i32>,
         weights: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        let bufs = [id(logits), id_opt(bias), id(selected), id(weights)];
+        let scalars = (gating, *routing, n_expert);
+        let (gating, routing, n_expert) = self.replay.op("route", &bufs, scalars)?;
+        let routing = &routing;
         let bias = bias.map(|b| &b[..]);
         crate::host_ops::route(logits, bias, gating, routing, n_expert, selected, weights)
     }
@@ -757,17 +929,29 @@ impl Backend for Ref0 {
         sel: &RefBuf<i32>,
         w: &RefBuf<f32>,
     ) -> Result<(), BackendError> {
+        self.replay.outside("a download")?;
         let bytes = st.fill(h, sel, w)?;
-        self.count_down(bytes);
+        self.count_down(bytes)?;
         *self.trips.lock().unwrap_or_else(PoisonError::into_inner) += 1;
         Ok(())
     }
     fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
+        self.replay.outside("a wait")?;
         Ok(st.io())
     }
+    fn begin_segment(&self, key: u64) -> Result<(), BackendError> {
+        self.replay.begin(key)
+    }
+    fn end_segment(&self) -> Result<(), BackendError> {
+        self.replay.end()
+    }
+    fn forget_segments(&self) {
+        self.replay.forget();
+    }
     fn stage_up(&self, st: &HostStaging, out: &mut RefBuf<f32>) -> Result<(), BackendError> {
+        self.replay.outside("an upload")?;
         let n = st.send_up(out)?;
-        self.count_up(4 * n);
+        self.count_up(4 * n)?;
         Ok(())
     }
 }

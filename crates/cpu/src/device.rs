@@ -365,6 +365,17 @@ impl Backend for Cpu {
         }
         Ok(())
     }
+    fn kv_store_at(
+        &self,
+        src: &CpuBuf<f32>,
+        ring: &mut KvRing<Cpu>,
+        n_tokens: usize,
+        positions: &CpuBuf<i32>,
+        first: usize,
+    ) -> Result<(), BackendError> {
+        let pos0 = hmoe_backend::first_position("kv_store", positions, first)?;
+        self.kv_store(src, ring, n_tokens, pos0)
+    }
     fn kv_read(&self, ring: &KvRing<Cpu>, cells: Range<usize>) -> Result<Vec<u8>, BackendError> {
         let bytes = hmoe_backend::kv_rows_range(&ring.layout, cells.start, cells.len())?;
         Ok(ring_cells(ring, "kv_read")?.read_bytes(bytes))
@@ -379,6 +390,21 @@ impl Backend for Cpu {
         let bytes = hmoe_backend::kv_rows_range(&ring.layout, cell0, n)?;
         ring_cells(ring, "kv_write")?.write_bytes(bytes.start, rows);
         Ok(())
+    }
+    fn attention_at(
+        &self,
+        p: &AttnParams,
+        q: &CpuBuf<f32>,
+        k: &KvRing<Cpu>,
+        v: &KvRing<Cpu>,
+        sinks: Option<&CpuBuf<f32>>,
+        n_tokens: usize,
+        positions: &CpuBuf<i32>,
+        first: usize,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let pos0 = hmoe_backend::first_position("attention", positions, first)?;
+        self.attention(p, q, k, v, sinks, n_tokens, pos0, out)
     }
     fn attention(
         &self,
@@ -634,6 +660,19 @@ impl Backend for Cpu {
         // The CPU device's latent cache in every `-ctk` type, never rotated (the executor's
         // K-only layouts have rotation 0).
         &KV_TYPES
+    }
+    fn attention_k_only_at(
+        &self,
+        p: &KOnlyAttnParams,
+        q: &CpuBuf<f32>,
+        k_ring: &KvRing<Cpu>,
+        n_tokens: usize,
+        positions: &CpuBuf<i32>,
+        first: usize,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let pos0 = hmoe_backend::first_position("attention_k_only", positions, first)?;
+        self.attention_k_only(p, q, k_ring, n_tokens, pos0, out)
     }
     fn attention_k_only(
         &self,

@@ -1,10 +1,11 @@
 //! [`CudaDevice`] as a device of the contract ([`hmoe_backend::Backend`]): each op is the
 //! CUDA kernel of the same name (see [`CudaDevice`]'s methods), errors become
-//! [`BackendError`]s.
+//! [`BackendError`]s. While a recorded segment replays its CUDA graph (`graphs.rs`), the ops
+//! issued return at once (`replayed!`): the graph runs them.
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, CudaView, PinnedHostSlice};
 use hmoe_backend::{
     shapes, Backend, BackendError, Elem, ExpertMatrix, ExpertTensors, GatedAct, Gating,
     KOnlyAttnParams, KvRing, PackedDown, Routing, RowCopy, StagedIo,
@@ -14,6 +15,27 @@ use hmoe_quant::GgmlType;
 use crate::device::{CudaDevice, DeviceMatrix, ExpertAct, MoeWeights};
 use crate::error::CudaError;
 use crate::{AttnParams, RopeParams};
+
+/// Returns `Ok(())` from an op while a segment replays its graph: the graph runs the op.
+macro_rules! replayed {
+    ($dev:expr) => {
+        if $dev.graphs.replaying() {
+            return Ok(());
+        }
+    };
+}
+
+/// The first position of a call, `positions[first]`, as the view the kernels read it from.
+fn position_at<'p>(
+    op: &'static str,
+    positions: &'p CudaSlice<i32>,
+    first: usize,
+) -> Result<CudaView<'p, i32>, BackendError> {
+    (positions.try_slice(first..first + 1)).ok_or_else(|| BackendError::Shape {
+        op,
+        what: format!("position {first} of {}", positions.len()),
+    })
+}
 
 /// The clamped SwiGLU the MoE kernels compute: alpha 1.702, limit 7.
 const KERNEL_CLAMPED: GatedAct = GatedAct::ClampedSwiglu {
@@ -124,6 +146,7 @@ impl Backend for CudaDevice {
         dst: &mut CudaSlice<f32>,
         at: usize,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         let range = hmoe_backend::copy_into_range(src.len(), dst.len(), at)?;
         self.stream()
             .memcpy_dtod(src, &mut dst.slice_mut(range))
@@ -214,6 +237,7 @@ impl Backend for CudaDevice {
         ids: &CudaSlice<i32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::get_rows(self, table, ids, out)?)
     }
     fn rms_norm(
@@ -223,6 +247,7 @@ impl Backend for CudaDevice {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::rms_norm(self, x, weight, eps, out)?)
     }
     fn matmul(
@@ -232,6 +257,7 @@ impl Backend for CudaDevice {
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::matmul(self, w, x, n, y)?)
     }
     fn matmul_shared(
@@ -241,12 +267,15 @@ impl Backend for CudaDevice {
         n: usize,
         ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::matmul_shared(self, ws, x, n, ys)?)
     }
     fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::add_assign(self, x, y)?)
     }
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::add_bias(self, x, bias)?)
     }
     fn rope_neox(
@@ -257,6 +286,7 @@ impl Backend for CudaDevice {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         no_freq_factors("rope_neox", p)?;
         Ok(CudaDevice::rope_neox(
             self, x, positions, n_heads, head_dim, p,
@@ -295,24 +325,27 @@ impl Backend for CudaDevice {
             bytes.start,
         )?)
     }
-    fn kv_store(
+    fn kv_store_at(
         &self,
         src: &CudaSlice<f32>,
         ring: &mut KvRing<CudaDevice>,
         n_tokens: usize,
-        pos0: usize,
+        positions: &CudaSlice<i32>,
+        first: usize,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         let layout = ring.layout;
+        let at = position_at("kv_store", positions, first)?;
         Ok(CudaDevice::kv_store(
             self,
             src,
             &mut ring.data,
             &layout,
             n_tokens,
-            pos0,
+            &at,
         )?)
     }
-    fn attention(
+    fn attention_at(
         &self,
         p: &AttnParams,
         q: &CudaSlice<f32>,
@@ -320,9 +353,12 @@ impl Backend for CudaDevice {
         v: &KvRing<CudaDevice>,
         sinks: Option<&CudaSlice<f32>>,
         n_tokens: usize,
-        pos0: usize,
+        positions: &CudaSlice<i32>,
+        first: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
+        let at = position_at("attention", positions, first)?;
         Ok(CudaDevice::attention(
             self,
             p,
@@ -331,7 +367,7 @@ impl Backend for CudaDevice {
             (&v.data, &v.layout),
             sinks,
             n_tokens,
-            pos0,
+            &at,
             out,
         )?)
     }
@@ -343,6 +379,7 @@ impl Backend for CudaDevice {
         selected: &mut CudaSlice<i32>,
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         Ok(CudaDevice::router_top_k(
             self, logits, n_expert, k, selected, weights,
         )?)
@@ -357,6 +394,7 @@ impl Backend for CudaDevice {
         k: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         let act = match act {
             GatedAct::Silu => ExpertAct::Silu,
             a if a == KERNEL_CLAMPED => ExpertAct::ClampedSwiglu,
@@ -375,6 +413,7 @@ impl Backend for CudaDevice {
         dst: &mut CudaSlice<f32>,
         c: &RowCopy,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         c.check(src.len(), dst.len())?;
         Ok(CudaDevice::copy_rows(self, src, dst, c)?)
     }
@@ -387,6 +426,7 @@ impl Backend for CudaDevice {
         first: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         shapes::rope_norm(x.len(), positions.len(), n_heads, head_dim, first, p.n_dims)?;
         no_freq_factors("rope_norm", p)?;
         Ok(CudaDevice::rope_norm(
@@ -402,6 +442,7 @@ impl Backend for CudaDevice {
         x_stride: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         let out = shapes::matmul_heads(w.rows(), w.cols(), n, n_heads, x_stride, x.len(), y.len())?;
         Ok(CudaDevice::matmul_heads(
             self, w, x, n, n_heads, x_stride, out, y,
@@ -413,18 +454,22 @@ impl Backend for CudaDevice {
         up: &CudaSlice<f32>,
         n: usize,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         shapes::swiglu(gate.len(), up.len(), n)?;
         Ok(CudaDevice::swiglu(self, gate, up, n)?)
     }
-    fn attention_k_only(
+    fn attention_k_only_at(
         &self,
         p: &KOnlyAttnParams,
         q: &CudaSlice<f32>,
         k_cache: &KvRing<Self>,
         n_tokens: usize,
-        pos0: usize,
+        positions: &CudaSlice<i32>,
+        first: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
+        let at = position_at("attention_k_only", positions, first)?;
         let ty = k_cache.layout.ty;
         if !self.k_only_types().contains(&ty) {
             return Err(BackendError::UnsupportedType {
@@ -432,7 +477,9 @@ impl Backend for CudaDevice {
                 op: "attention_k_only",
             });
         }
-        shapes::attention_k_only(p, q.len(), &k_cache.layout, out.len(), n_tokens, pos0)?;
+        // The shape (the position is read on the device; the kernel writes nothing for a batch
+        // that would see past the ring).
+        shapes::attention_k_only(p, q.len(), &k_cache.layout, out.len(), n_tokens, 0)?;
         // The kernels read latent rings as the executor lays them out: not rotated.
         if k_cache.layout.rot != 0 {
             return Err(BackendError::Shape {
@@ -447,7 +494,7 @@ impl Backend for CudaDevice {
             ty,
             &k_cache.data,
             n_tokens,
-            pos0,
+            &at,
             out,
         )?)
     }
@@ -461,6 +508,7 @@ impl Backend for CudaDevice {
         selected: &mut CudaSlice<i32>,
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
+        replayed!(self);
         shapes::route(
             routing,
             n_expert,
@@ -523,6 +571,15 @@ impl Backend for CudaDevice {
     }
     fn stage_up(&self, st: &PinnedIo, out: &mut CudaSlice<f32>) -> Result<(), BackendError> {
         Ok(self.upload_async(&st.out, out)?)
+    }
+    fn begin_segment(&self, key: u64) -> Result<(), BackendError> {
+        Ok(self.graphs.begin(self.stream(), key)?)
+    }
+    fn end_segment(&self) -> Result<(), BackendError> {
+        Ok(self.graphs.end(self.stream())?)
+    }
+    fn forget_segments(&self) {
+        self.graphs.forget(self.stream());
     }
 }
 

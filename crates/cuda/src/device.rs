@@ -16,6 +16,7 @@ use cudarc::nvrtc::Ptx;
 use hmoe_quant::GgmlType;
 
 use crate::error::{ensure, guarded, CudaError};
+use crate::graphs::{graphs_requested, SegmentGraphs};
 use crate::host_slots::HostSlots;
 use crate::kernels::{self, PtxOrigin};
 use crate::probe::{info_of, GpuInfo};
@@ -191,6 +192,8 @@ pub struct CudaDevice {
     profile: Option<Profile>,
     /// Pinned buffers for a step's small copies: ids and positions up, logits down.
     host_slots: Mutex<HostSlots>,
+    /// The CUDA graphs of recorded segments (`graphs.rs`).
+    pub(crate) graphs: SegmentGraphs,
 }
 
 /// `v` as a kernel's `int` argument, or a shape error of `op` naming `what`.
@@ -282,6 +285,10 @@ impl CudaDevice {
                 None
             };
             let dummy = stream.alloc_zeros::<f32>(1)?;
+            let profile = profile::requested().then(Profile::default);
+            // Graphs hold the ops' temporaries as memory nodes (stream-ordered allocation);
+            // the profile's timing events cannot be captured.
+            let graphs_on = graphs_requested() && ctx.has_async_alloc() && profile.is_none();
             Ok(CudaDevice {
                 info,
                 ctx,
@@ -292,8 +299,9 @@ impl CudaDevice {
                 ptx_origin,
                 dummy,
                 staging: Mutex::new(None),
-                profile: profile::requested().then(Profile::default),
+                profile,
                 host_slots: Mutex::new(HostSlots::default()),
+                graphs: SegmentGraphs::new(graphs_on),
             })
         })
     }
@@ -306,6 +314,13 @@ impl CudaDevice {
     /// Whether the kernels' PTX came from the disk cache or was compiled now.
     pub fn ptx_origin(&self) -> &PtxOrigin {
         &self.ptx_origin
+    }
+
+    /// Whether decode steps' recorded segments run as CUDA graphs (`graphs.rs`: on where the
+    /// device allocates stream-ordered, unless `HMOE_CUDA_GRAPHS=0` or the profile is on, and
+    /// until a capture fails).
+    pub fn graphs_on(&self) -> bool {
+        self.graphs.on()
     }
 
     /// Whether batched F16/BF16 matmuls go through cuBLAS.

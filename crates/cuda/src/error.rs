@@ -48,6 +48,10 @@ pub enum CudaError {
         /// The operation.
         op: &'static str,
     },
+    /// A recorded segment could not be captured into a CUDA graph (graphs are off from then
+    /// on; the step runs again as issued).
+    #[error("CUDA graph capture: {0}")]
+    Capture(String),
     /// Buffer sizes or dimensions do not agree.
     #[error("{op}: {what}")]
     Shape {

@@ -25,6 +25,7 @@ pub mod backend;
 pub mod cache;
 mod device;
 mod error;
+mod graphs;
 mod host_slots;
 pub mod kernels;
 mod probe;
@@ -38,6 +39,7 @@ pub use device::{
     LOWBIT_TYPES, SUPPORTED_TYPES,
 };
 pub use error::CudaError;
+pub use graphs::{graphs_requested, GRAPHS_ENV};
 pub use hmoe_backend::{AttnParams, RopeParams};
 pub use probe::{
     cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,

@@ -638,8 +638,11 @@ fn chunked_flash_attention_gives_the_cpus_bits() {
             let (kd, vd) = (dev.upload(&kb).unwrap(), dev.upload(&vb).unwrap());
             let (qd, sd) = (dev.upload(&q).unwrap(), dev.upload(&sinks).unwrap());
             let mut out = dev.alloc_zeros::<f32>(q.len()).unwrap();
+            // The first position is read on the device.
+            let pos = dev.upload(&[pos0 as i32]).unwrap();
             let call = |p: &AttnParams, out: &mut CudaSlice<f32>| {
-                dev.attention(p, &qd, (&kd, &kl), (&vd, &vl), Some(&sd), n, pos0, out)
+                let at = pos.slice(0..1);
+                dev.attention(p, &qd, (&kd, &kl), (&vd, &vl), Some(&sd), n, &at, out)
                     .unwrap()
             };
             call(&p, &mut out);

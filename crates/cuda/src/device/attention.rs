@@ -3,7 +3,7 @@
 //! values with `-fa on`; see `attention_chunked`) and flash attention (`attn_flash`,
 //! block-quantized values).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use hmoe_backend::{AttnParams, KvLayout};
 use hmoe_quant::GgmlType;
 
@@ -15,7 +15,8 @@ use crate::kernels::{ATT_MAX_HEAD_DIM, ATT_WARPS};
 /// Threads of one warp (the flash attention kernel's block).
 const WARP_THREADS: u32 = 32;
 
-/// The scalar arguments every attention kernel takes, as the kernels' `int`s.
+/// The scalar arguments every attention kernel takes, as the kernels' `int`s (the batch's
+/// first position is not one: the kernels read it on the device, `read_pos0`).
 pub(super) struct AttnArgs {
     pub(super) has_sinks: i32,
     pub(super) n_tokens: i32,
@@ -23,8 +24,6 @@ pub(super) struct AttnArgs {
     pub(super) n_kv: i32,
     pub(super) head_dim: i32,
     pub(super) cells: i32,
-    /// The batch's first position.
-    pub(super) pos0: i32,
     /// The sliding window (0: none).
     pub(super) window: i32,
     /// The rings' ggml type ids.
@@ -32,6 +31,49 @@ pub(super) struct AttnArgs {
     pub(super) v_ty: i32,
     /// The keys' rotation chunk (0: not rotated).
     pub(super) k_rot: i32,
+}
+
+/// The buffers every attention kernel reads first: (queries, K ring, V ring, sinks or the
+/// dummy).
+pub(super) type AttnRings<'r> = (
+    &'r CudaSlice<f32>,
+    &'r CudaSlice<u8>,
+    &'r CudaSlice<u8>,
+    &'r CudaSlice<f32>,
+);
+
+impl AttnArgs {
+    /// Pushes what `attn_row`, `attn_flash` and `attn_chunked` take first: the rings and
+    /// `has_sinks` (the output goes next).
+    pub(super) fn push_rings<'a>(&'a self, b: &mut LaunchArgs<'a>, rings: AttnRings<'a>) {
+        let (q, k_ring, v_ring, sinks) = rings;
+        b.arg(q)
+            .arg(k_ring)
+            .arg(v_ring)
+            .arg(sinks)
+            .arg(&self.has_sinks);
+    }
+
+    /// Pushes the shape they take after their outputs, from `n_tokens` to the keys'
+    /// rotation, the position buffer `pos_at` where the first position goes.
+    pub(super) fn push_shape<'a>(
+        &'a self,
+        b: &mut LaunchArgs<'a>,
+        pos_at: &'a CudaView<'_, i32>,
+        scale: &'a f32,
+    ) {
+        b.arg(&self.n_tokens)
+            .arg(&self.n_head)
+            .arg(&self.n_kv)
+            .arg(&self.head_dim)
+            .arg(&self.cells)
+            .arg(pos_at)
+            .arg(&self.window)
+            .arg(scale)
+            .arg(&self.k_ty)
+            .arg(&self.v_ty)
+            .arg(&self.k_rot);
+    }
 }
 
 /// Whether attention with `p` over values of `v` takes the chunked flash kernel: `-fa on`
@@ -47,7 +89,9 @@ fn ggml_id(ty: GgmlType) -> i32 {
 
 impl CudaDevice {
     /// Attention for `n_tokens` queries at positions `pos0..pos0 + n_tokens` (their K/V
-    /// already stored) over the K and V rings of `kl` and `vl`, with GQA, the window of `p`
+    /// already stored; `pos0` read on the device from `pos_at[0]`, so that the launch is the
+    /// same for every position: a batch that would see keys past the ring writes nothing)
+    /// over the K and V rings of `kl` and `vl`, with GQA, the window of `p`
     /// and optional per-head `sinks` (`n_head` logits). `q` and `out`:
     /// `n_tokens × n_head × head_dim`. The CPU device's numerics for the rings' types (see
     /// `attn_row`, `attn_chunked` and `attn_flash` in the kernels): f16/f32 values take the
@@ -63,7 +107,7 @@ impl CudaDevice {
         v: (&CudaSlice<u8>, &KvLayout),
         sinks: Option<&CudaSlice<f32>>,
         n_tokens: usize,
-        pos0: usize,
+        pos_at: &CudaView<'_, i32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attention";
@@ -112,14 +156,6 @@ impl CudaDevice {
                 )
             },
         )?;
-        // Every key the batch's queries see must still be in the ring.
-        let span = p.keys_seen(n_tokens, pos0);
-        ensure(span <= p.cells || n_tokens == 0, OP, || {
-            format!(
-                "{} cells cannot hold the {span} keys this batch sees",
-                p.cells
-            )
-        })?;
         if n_tokens == 0 {
             return Ok(());
         }
@@ -134,7 +170,6 @@ impl CudaDevice {
             n_kv: i32_of(OP, "kv heads", p.n_head_kv)?,
             head_dim: i32_of(OP, "head_dim", p.head_dim)?,
             cells: i32_of(OP, "cells", p.cells)?,
-            pos0: i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_tokens as i32,
             window: i32_of(OP, "window", p.window.unwrap_or(0))?,
             k_ty: ggml_id(kl.ty),
             v_ty: ggml_id(vl.ty),
@@ -142,7 +177,7 @@ impl CudaDevice {
         };
         let rings = (q, k_ring, v_ring, sinks_or);
         if takes_chunked(p, vl.ty) {
-            return self.attention_chunked(p, &a, rings, n_tokens, out);
+            return self.attention_chunked(p, &a, rings, pos_at, n_tokens, out);
         }
         let v_rot = i32_of(OP, "rotation", vl.rot)?;
         let value_chains = i32_of(OP, "value chains", p.value_chains)?;
@@ -158,30 +193,17 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let mut b = self.builder(kernel);
-        b.arg(q)
-            .arg(k_ring)
-            .arg(v_ring)
-            .arg(sinks_or)
-            .arg(&a.has_sinks)
-            .arg(out)
-            .arg(&a.n_tokens)
-            .arg(&a.n_head)
-            .arg(&a.n_kv)
-            .arg(&a.head_dim)
-            .arg(&a.cells)
-            .arg(&a.pos0)
-            .arg(&a.window)
-            .arg(&p.scale)
-            .arg(&a.k_ty)
-            .arg(&a.v_ty)
-            .arg(&a.k_rot)
-            .arg(&v_rot);
+        a.push_rings(&mut b, rings);
+        b.arg(out);
+        a.push_shape(&mut b, pos_at, &p.scale);
+        b.arg(&v_rot);
         // The row kernel's last argument (flash attention sums values in its own order).
         if !flash {
             b.arg(&value_chains);
         }
-        // SAFETY: argument types match the kernel; sizes checked above; cells are indexed
-        // modulo `cells`; the types are those the kernels read (`kv_type_ok`).
+        // SAFETY: argument types match the kernel; sizes checked above; `pos_at` names an
+        // i32; cells are indexed modulo `cells`; the types are those the kernels read
+        // (`kv_type_ok`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

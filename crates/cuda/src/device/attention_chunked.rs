@@ -4,11 +4,11 @@
 //! (flash-decoding), leaves the chunk states to `attn_chunked_fold`. The CPU device's chunked
 //! kernel bit for bit (see the kernels' `attention_chunked.cu`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use hmoe_backend::numerics::FLASH_CHUNK;
 use hmoe_backend::AttnParams;
 
-use super::attention::AttnArgs;
+use super::attention::{AttnArgs, AttnRings};
 use super::{u32_of, CudaDevice, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
 use crate::kernels::{CH_MAX_ROWDIMS, CH_MAX_ROWS, CH_THREADS};
@@ -89,20 +89,18 @@ impl ChunkedShape {
 
 impl CudaDevice {
     /// `attn_chunked` (and `attn_chunked_fold` when split) for a call [`CudaDevice::attention`]
-    /// checked: `rings` = (queries, K ring, V ring, sinks or the dummy).
+    /// checked: `rings` = (queries, K ring, V ring, sinks or the dummy), the first position
+    /// read on the device from `pos_at[0]`.
     pub(super) fn attention_chunked(
         &self,
         p: &AttnParams,
         a: &AttnArgs,
-        (q, k_ring, v_ring, sinks): (
-            &CudaSlice<f32>,
-            &CudaSlice<u8>,
-            &CudaSlice<u8>,
-            &CudaSlice<f32>,
-        ),
+        rings: AttnRings<'_>,
+        pos_at: &CudaView<'_, i32>,
         n_tokens: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        let sinks = rings.3;
         const OP: &str = "attention";
         let shape = ChunkedShape::new(p, n_tokens);
         let (gx, gy, gz) = shape.grid(p, n_tokens);
@@ -123,27 +121,10 @@ impl CudaDevice {
         };
         {
             let mut b = self.builder("attn_chunked");
-            b.arg(q)
-                .arg(k_ring)
-                .arg(v_ring)
-                .arg(sinks)
-                .arg(&a.has_sinks)
-                .arg(&mut *out)
-                .arg(part)
-                .arg(&a.n_tokens)
-                .arg(&a.n_head)
-                .arg(&a.n_kv)
-                .arg(&a.head_dim)
-                .arg(&a.cells)
-                .arg(&a.pos0)
-                .arg(&a.window)
-                .arg(&p.scale)
-                .arg(&a.k_ty)
-                .arg(&a.v_ty)
-                .arg(&a.k_rot)
-                .arg(&hpc)
-                .arg(&tpc)
-                .arg(&split);
+            a.push_rings(&mut b, rings);
+            b.arg(&mut *out).arg(part);
+            a.push_shape(&mut b, pos_at, &p.scale);
+            b.arg(&hpc).arg(&tpc).arg(&split);
             // SAFETY: argument types match the kernel; the rings, queries, sinks and output were
             // checked by `attention`; the scratch holds every record a split launch writes
             // (`scratch_len`), and an unsplit launch does not touch it.
@@ -165,10 +146,12 @@ impl CudaDevice {
             .arg(&a.n_tokens)
             .arg(&a.n_head)
             .arg(&a.head_dim)
-            .arg(&a.pos0)
+            .arg(&a.cells)
+            .arg(pos_at)
             .arg(&a.window);
         // SAFETY: argument types match the kernel; it reads the records `attn_chunked` wrote
-        // for the chunks each token sees (within `slots`, see `ChunkedShape::slots`).
+        // for the chunks each token sees (within `slots`, see `ChunkedShape::slots`: both
+        // kernels skip a position whose keys the ring does not hold, `read_pos0`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

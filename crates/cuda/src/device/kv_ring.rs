@@ -2,7 +2,7 @@
 //! (`kv_store_*`), converted (and, for block-quantized rings, rotated) as the CPU device's
 //! cache stores them.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
 use hmoe_backend::KvLayout;
 use hmoe_quant::GgmlType;
 
@@ -25,14 +25,16 @@ impl CudaDevice {
     /// Writes `n_tokens` rows of `layout.width` f32 values from `src` into the K/V ring
     /// `ring` of `layout` (one of [`K_ONLY_TYPES`](super::K_ONLY_TYPES)): token t goes to
     /// cell `(pos0 + t) % cells`, converted as the CPU device's cache converts it (see
-    /// `kv_store_*` in the kernels).
+    /// `kv_store_*` in the kernels). `pos0` is read on the device from `pos_at[0]` (the
+    /// step's positions; a negative one stores nothing), so the launch is the same for
+    /// every position.
     pub fn kv_store(
         &self,
         src: &CudaSlice<f32>,
         ring: &mut CudaSlice<u8>,
         layout: &KvLayout,
         n_tokens: usize,
-        pos0: usize,
+        pos_at: &CudaView<'_, i32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "kv_store";
         let (width, cells) = (layout.width, layout.cells);
@@ -59,8 +61,6 @@ impl CudaDevice {
             i32_of(OP, "width", width)?,
             i32_of(OP, "cells", cells)?,
         );
-        // pos0 + n_tokens fits in i32, so pos0 does too.
-        let pos0_i = i32_of(OP, "pos0 + tokens", pos0 + n_tokens)? - n_i;
         let (kernel, grid) = match layout.ty {
             GgmlType::F16 => ("kv_store_f16", grid_1d(total, OP)?),
             GgmlType::F32 => ("kv_store_f32", grid_1d(total, OP)?),
@@ -78,13 +78,13 @@ impl CudaDevice {
             .arg(&n_i)
             .arg(&w_i)
             .arg(&c_i)
-            .arg(&pos0_i);
+            .arg(pos_at);
         if !matches!(layout.ty, GgmlType::F16 | GgmlType::F32 | GgmlType::BF16) {
             b.arg(&rot);
         }
         // SAFETY: argument types match the `kv_store_*` kernel of the type; the ring holds
-        // `cells` rows of the type's `row_bytes(width)` (checked above); writes land in cells
-        // < `cells`.
+        // `cells` rows of the type's `row_bytes(width)` (checked above); `pos_at` names at
+        // least one i32; writes land in cells < `cells` (the kernel skips a negative position).
         unsafe { b.launch(grid) }?;
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! (`attn_k_only_*`), the values being the first `v_dim` of each cached key. The caller checks
 //! the shapes (hmoe_backend::shapes, in the contract's implementation).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use hmoe_backend::KOnlyAttnParams;
 use hmoe_quant::GgmlType;
 
@@ -14,7 +14,8 @@ impl CudaDevice {
     /// Attention over a K-only ring of `ty`, any of [`crate::K_ONLY_TYPES`] (not rotated; see
     /// `hmoe_backend::Backend::attention_k_only`): for a block-quantized ring the query
     /// quantized to the keys' `vec_dot_type` ([`CudaDevice::quantize_acts`], as the CPU device
-    /// converts it for the keys' `vec_dot`).
+    /// converts it for the keys' `vec_dot`). The first position is read on the device from
+    /// `pos_at[0]` (the kernel writes nothing when the batch would see past the ring).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_k_only(
         &self,
@@ -23,7 +24,7 @@ impl CudaDevice {
         ty: GgmlType,
         k_cache: &CudaSlice<u8>,
         n_tokens: usize,
-        pos0: usize,
+        pos_at: &CudaView<'_, i32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attention_k_only";
@@ -67,7 +68,6 @@ impl CudaDevice {
             i32_of(OP, "k_dim", p.k_dim)?,
             i32_of(OP, "v_dim", p.v_dim)?,
             i32_of(OP, "cells", p.cells)?,
-            i32_of(OP, "pos0", pos0)?,
         ];
         let cfg = LaunchConfig {
             grid_dim: (u32_of(OP, "heads", p.n_head)?, n_tokens as u32, 1),
@@ -92,12 +92,12 @@ impl CudaDevice {
         for v in &ints {
             b.arg(v);
         }
-        b.arg(&p.scale);
+        b.arg(pos_at).arg(&p.scale);
         // SAFETY: argument types match `attn_k_only_<type>` (q f32; qq the queries' blocks in
         // the keys' vec_dot_type for block rings; the ring's bytes rows of k_dim values of
         // `ty`, in an allocation aligned for f32); the caller checked q, the ring
-        // (`cells × k_dim` of `ty`) and out against the shape and that the ring holds every
-        // position the batch sees.
+        // (`cells × k_dim` of `ty`) and out against the shape; `pos_at` names an i32, and the
+        // kernel reads only positions the ring holds (`read_pos0`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -1,19 +1,35 @@
 // ---------------------------------------------------------------------------------------------
 // KV cache. A ring of `cells` rows of `width` values (n_kv_heads * head_dim); token t of the
-// batch goes to cell (pos0 + t) % cells. Rows are stored as the CPU device's cache stores them
-// (ggml's set_rows): f32 as is, f16 and bf16 rounded to nearest even, Q8_0 by the
-// activations' quantizer (quantize_block_q8_0), Q4_0, Q4_1, Q5_0 and Q5_1 by ggml's reference
-// quantizers (hmoe_quant's quantize_row); a block-quantized row is first Walsh–Hadamard
-// rotated in chunks of `rot` values (0: not rotated), as llama.cpp rotates quantized heads.
+// batch goes to cell (pos0 + t) % cells, pos0 = *pos_at (read on the device: see read_pos0).
+// Rows are stored as the CPU device's cache stores them (ggml's set_rows): f32 as is, f16 and
+// bf16 rounded to nearest even, Q8_0 by the activations' quantizer (quantize_block_q8_0), Q4_0,
+// Q4_1, Q5_0 and Q5_1 by ggml's reference quantizers (hmoe_quant's quantize_row); a
+// block-quantized row is first Walsh–Hadamard rotated in chunks of `rot` values (0: not
+// rotated), as llama.cpp rotates quantized heads.
+
+// The first position of a call's tokens, read on the device from the step's positions
+// (`pos_at`: the entry of the call's first token), so that a launch does not depend on it and a
+// captured graph serves every token; the launch's grid is sized for the ring, not the position.
+// -1 when it is negative, when its batch's last position exceeds an int, or when the batch would
+// see more keys than the ring's `cells` hold (every earlier position, or the last `window` of
+// each token's): the kernel then writes nothing.
+__device__ __forceinline__ int read_pos0(const int* pos_at, int n_tokens, int cells, int window) {
+    int p = *pos_at;
+    long long end = (long long)p + n_tokens, seen = end;
+    long long in_window = (long long)window + n_tokens - 1;
+    if (window > 0 && in_window < seen) seen = in_window;
+    return p >= 0 && end <= 2147483647LL && seen <= (long long)cells ? p : -1;
+}
 
 // A ring of a float type (T), element by element: CONV converts an f32 to T (nothing for f32).
 #define KV_STORE_FLOAT(SUFFIX, T, CONV)                                                         \
     extern "C" __global__ void kv_store_##SUFFIX(const float* src, T* cache, int n_tokens,     \
-                                                 int width, int cells, int pos0) {              \
+                                                 int width, int cells, const int* pos_at) {     \
         u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;                                     \
-        if (i >= (u64)n_tokens * width) return;                                                 \
+        int pos0 = *pos_at;                                                                     \
+        if (i >= (u64)n_tokens * width || pos0 < 0) return;                                     \
         int t = (int)(i / (u64)width), c = (int)(i % (u64)width);                               \
-        u64 cell = (u64)((pos0 + t) % cells);                                                   \
+        u64 cell = ((u64)pos0 + t) % (u64)cells;                                                \
         cache[cell * width + c] = CONV(src[i]);                                                 \
     }
 KV_STORE_FLOAT(f16, u16, f2h)
@@ -166,13 +182,13 @@ __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int w
     int chunk = rot > 32 ? rot : 32;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 per_row = (u64)(width / chunk);
-    if (i >= (u64)n_tokens * per_row) return;
+    if (i >= (u64)n_tokens * per_row || pos0 < 0) return;
     int t = (int)(i / per_row), c = (int)(i % per_row);
     float x[KV_MAX_CHUNK];
     const float* s = src + (u64)t * width + (u64)c * chunk;
     for (int j = 0; j < chunk; j++) x[j] = s[j];
     for (int r = 0; rot > 0 && r < chunk; r += rot) fwht_serial(x + r, rot);
-    u64 cell = (u64)((pos0 + t) % cells);
+    u64 cell = ((u64)pos0 + t) % (u64)cells;
     u8* row = cache + cell * (u64)(width / 32) * block_bytes;
     for (int b = 0; b < chunk / 32; b++) {
         u8* ob = row + (u64)(c * (chunk / 32) + b) * block_bytes;
@@ -188,8 +204,9 @@ __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int w
 
 #define KV_STORE_BLOCKS(SUFFIX, TY)                                                             \
     extern "C" __global__ void kv_store_##SUFFIX(const float* src, u8* cache, int n_tokens,    \
-                                                 int width, int cells, int pos0, int rot) {     \
-        kv_store_blocks(src, cache, n_tokens, width, cells, pos0, rot, TY);                     \
+                                                 int width, int cells, const int* pos_at,       \
+                                                 int rot) {                                     \
+        kv_store_blocks(src, cache, n_tokens, width, cells, *pos_at, rot, TY);                  \
     }
 
 KV_STORE_BLOCKS(q8_0, TY_Q8_0)
@@ -297,9 +314,9 @@ __device__ float attn_score(const float* q, const u8* qb, const u8* k, int k_ty,
 
 extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                                     const float* sinks, int has_sinks, float* out, int n_tokens,
-                                    int n_head, int n_kv, int head_dim, int cells, int pos0,
-                                    int window, float scale, int k_ty, int v_ty, int k_rot,
-                                    int v_rot, int value_chains) {
+                                    int n_head, int n_kv, int head_dim, int cells,
+                                    const int* pos_at, int window, float scale, int k_ty,
+                                    int v_ty, int k_rot, int v_rot, int value_chains) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
     __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
     __shared__ float sm_s[ATT_SCORE_CACHE];
@@ -308,7 +325,8 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
     __shared__ float sm_max;
     __shared__ float sm_inv;
     int h = blockIdx.x, t = blockIdx.y;
-    if (h >= n_head || t >= n_tokens) return;
+    int pos0 = read_pos0(pos_at, n_tokens, cells, window);
+    if (h >= n_head || t >= n_tokens || pos0 < 0) return;
     int tid = threadIdx.x;
     int lane = tid % WARP, wid = tid / WARP;
     int hw = tid / 16, l = tid % 16;  // half-warp (its chunk of each round) and lane in it
@@ -521,14 +539,15 @@ __device__ float flash_score(const float* q, const u8* qb, const u8* k, int ty, 
 extern "C" __global__ void attn_flash(const float* q, const u8* kc, const u8* vc,
                                       const float* sinks, int has_sinks, float* out,
                                       int n_tokens, int n_head, int n_kv, int head_dim,
-                                      int cells, int pos0, int window, float scale, int k_ty,
-                                      int v_ty, int k_rot, int v_rot) {
+                                      int cells, const int* pos_at, int window, float scale,
+                                      int k_ty, int v_ty, int k_rot, int v_rot) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
     __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
     __shared__ float sm_s[WARP];
     __shared__ float sm_o[ATT_MAX_PER_LANE * WARP];
     int h = blockIdx.x, t = blockIdx.y;
-    if (h >= n_head || t >= n_tokens) return;
+    int pos0 = read_pos0(pos_at, n_tokens, cells, window);
+    if (h >= n_head || t >= n_tokens || pos0 < 0) return;
     int lane = threadIdx.x;
     int pos = pos0 + t;
     int first = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;

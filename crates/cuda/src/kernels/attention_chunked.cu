@@ -82,7 +82,7 @@ __device__ __forceinline__ float ch_finish(float m, float s, float x, int has_si
 extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* vc,
                                         const float* sinks, int has_sinks, float* out,
                                         float* part, int n_tokens, int n_head, int n_kv,
-                                        int head_dim, int cells, int pos0, int window,
+                                        int head_dim, int cells, const int* pos_at, int window,
                                         float scale, int k_ty, int v_ty, int k_rot,
                                         int heads_per_cta, int tokens_per_cta, int split) {
     __shared__ float sm_kv[CH_BLOCK * (CH_MAX_HD + 1)];  // K, then V, of a block's positions
@@ -97,7 +97,8 @@ extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* 
     int kvh = blockIdx.x / ctas_per_kv;
     int h0 = kvh * group + (blockIdx.x % ctas_per_kv) * heads_per_cta;
     int t0 = blockIdx.z * tokens_per_cta;
-    if (t0 >= n_tokens) return;
+    int pos0 = read_pos0(pos_at, n_tokens, cells, window);
+    if (t0 >= n_tokens || pos0 < 0) return;
     int nt = n_tokens - t0 < tokens_per_cta ? n_tokens - t0 : tokens_per_cta;
     int rows = heads_per_cta * nt;
     // Row r: head h0 + r % heads_per_cta, token t0 + r / heads_per_cta.
@@ -276,9 +277,11 @@ extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* 
 // a multiple of 32.
 extern "C" __global__ void attn_chunked_fold(const float* part, const float* sinks,
                                              int has_sinks, float* out, int n_tokens,
-                                             int n_head, int head_dim, int pos0, int window) {
+                                             int n_head, int head_dim, int cells,
+                                             const int* pos_at, int window) {
     int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-    if (h >= n_head || t >= n_tokens || d >= head_dim) return;
+    int pos0 = read_pos0(pos_at, n_tokens, cells, window);
+    if (h >= n_head || t >= n_tokens || d >= head_dim || pos0 < 0) return;
     int pos = pos0 + t;
     int c0 = ch_first(pos0, window) / CH_CHUNK;
     float m = -f_inf(), s = 0.f, x = 0.f;

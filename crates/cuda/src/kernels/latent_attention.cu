@@ -3,7 +3,7 @@
 // type (TY: f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; not rotated): every query head
 // against the one key head; the value of a position is the first v_dim elements of its key.
 // q: [n_tokens][n_head][k_dim] f32, out: [n_tokens][n_head][v_dim]. Token t sits at position
-// pos0 + t and sees 0 ..= pos.
+// pos0 + t and sees 0 ..= pos (pos0 read on the device: read_pos0).
 //
 // The CPU device's numerics (Ref0::attention_k_only), bit for bit: the query as the keys'
 // vec_dot takes it (f32 as is; rounded to f16 or bf16; for block keys its Q8_0 blocks, Q8_1
@@ -248,8 +248,10 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
 #define K_ONLY(SUFFIX, TY)                                                                      \
     extern "C" __global__ void attn_k_only_##SUFFIX(const float* q, const u8* qq, const u8* kc, \
                                                     float* out, int n_tokens, int n_head,       \
-                                                    int k_dim, int v_dim, int cells, int pos0,  \
-                                                    float scale) {                              \
+                                                    int k_dim, int v_dim, int cells,            \
+                                                    const int* pos_at, float scale) {           \
+        int pos0 = read_pos0(pos_at, n_tokens, cells, 0);                                       \
+        if (pos0 < 0) return;                                                                   \
         attn_k_only_body<TY>(q, qq, kc, out, n_tokens, n_head, k_dim, v_dim, cells, pos0,       \
                              scale);                                                            \
     }

@@ -408,20 +408,20 @@ int main(int argc, char** argv) {
         u8* r = ring.data();
         unsigned total = (unsigned)(n_tokens * width);
         if (ty == 0) {
-            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f32(src.data(), (float*)r, n_tokens, width, cells, pos0); });
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f32(src.data(), (float*)r, n_tokens, width, cells, &pos0); });
         } else if (ty == 1) {
-            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f16(src.data(), (u16*)r, n_tokens, width, cells, &pos0); });
         } else if (ty == 30) {
-            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_bf16(src.data(), (u16*)r, n_tokens, width, cells, pos0); });
+            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_bf16(src.data(), (u16*)r, n_tokens, width, cells, &pos0); });
         } else {
             unsigned chunk = rot > 32 ? rot : 32;
             launch({cdiv(total / chunk, 256), 1, 1}, {256, 1, 1}, [&] {
                 switch (ty) {
-                case 2: kv_store_q4_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
-                case 3: kv_store_q4_1(src.data(), r, n_tokens, width, cells, pos0, rot); break;
-                case 6: kv_store_q5_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
-                case 7: kv_store_q5_1(src.data(), r, n_tokens, width, cells, pos0, rot); break;
-                default: kv_store_q8_0(src.data(), r, n_tokens, width, cells, pos0, rot); break;
+                case 2: kv_store_q4_0(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
+                case 3: kv_store_q4_1(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
+                case 6: kv_store_q5_0(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
+                case 7: kv_store_q5_1(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
+                default: kv_store_q8_0(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
                 }
             });
         }
@@ -441,9 +441,9 @@ int main(int argc, char** argv) {
         bool flash = v_ty != 0 && v_ty != 1;
         launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {flash ? 32u : ATT_WARPS * 32, 1, 1}, [&] {
             if (flash)
-                attn_flash(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
+                attn_flash(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
             else
-                attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
+                attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
         });
         wr(P("out"), out);
     } else if (op == "attn_chunked") {
@@ -463,11 +463,11 @@ int main(int argc, char** argv) {
         unsigned gz = cdiv(n_tokens, tpc);
         launch({(unsigned)(n_head / hpc), split ? (unsigned)slots : 1u, gz}, {CH_THREADS, 1, 1}, [&] {
             attn_chunked(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, pt, n_tokens, n_head, n_kv, hd,
-                         cells, pos0, window, scale, k_ty, v_ty, k_rot, hpc, tpc, split);
+                         cells, &pos0, window, scale, k_ty, v_ty, k_rot, hpc, tpc, split);
         });
         if (split) {
             launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {cdiv(hd, 32) * 32, 1, 1}, [&] {
-                attn_chunked_fold(pt, sinks.data(), has_sinks, o, n_tokens, n_head, hd, pos0, window);
+                attn_chunked_fold(pt, sinks.data(), has_sinks, o, n_tokens, n_head, hd, cells, &pos0, window);
             });
         }
         wr(P("out"), out);
@@ -555,7 +555,7 @@ int main(int argc, char** argv) {
         if (blocks) qq = quantize_act(act_type(ty), q.data(), q.size());
         const u8 *qqp = qq.data(), *kp = kc.data();
         launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-#define CALL_KO(S) attn_k_only_##S(q.data(), qqp, kp, o, n, nh, kd, vd, cells, pos0, scale)
+#define CALL_KO(S) attn_k_only_##S(q.data(), qqp, kp, o, n, nh, kd, vd, cells, &pos0, scale)
             switch (ty) {
             case 0: CALL_KO(f32); break; case 1: CALL_KO(f16); break; case 30: CALL_KO(bf16); break;
             case 8: CALL_KO(q8_0); break; case 2: CALL_KO(q4_0); break; case 3: CALL_KO(q4_1); break;

@@ -15,6 +15,7 @@ use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
 use super::moe_cache::MoeCache;
 use super::scratch_arena::{Scratch, ScratchArena};
+use super::segments::{step_shape, SegmentEpoch, Segments, SeqShape};
 use super::state::State;
 use super::step::{DeviceLayers, Member, Step};
 use crate::error::ModelError;
@@ -175,8 +176,15 @@ impl<B: Backend> DeviceModel<B> {
         let mut st = self.lock();
         st.busy = busy.iter().map(|c| handle_of(c)).collect();
         let idle: Vec<usize> = idle.iter().map(|c| handle_of(c)).collect();
-        let State { kvs, busy, .. } = &mut *st;
+        let State {
+            kvs,
+            busy,
+            kv_generation,
+            ..
+        } = &mut *st;
+        let before = kvs.len();
         kvs.retain(|kv| busy.contains(&kv.handle) || idle.contains(&kv.handle));
+        *kv_generation += u64::from(kvs.len() != before);
     }
 
     /// Whether the device holds the positions of `cache` (a handle at position 0 always
@@ -374,7 +382,9 @@ impl<B: Backend> DeviceModel<B> {
         let handle = handle_of(cache);
         let geometry = Geometry::of(cache);
         // The caches of dropped handles go first.
+        let before = st.kvs.len();
         st.kvs.retain(|kv| kv.alive.strong_count() > 0);
+        st.kv_generation += u64::from(st.kvs.len() != before);
         st.clock += 1;
         let clock = st.clock;
         let at = st.kvs.iter().position(|kv| kv.handle == handle);
@@ -391,6 +401,7 @@ impl<B: Backend> DeviceModel<B> {
                 Ok(())
             }
             KvAction::Allocate => {
+                st.kv_generation += 1;
                 // Free the old cache before the new one takes its memory.
                 if let Some(i) = at {
                     st.kvs.swap_remove(i);
@@ -453,10 +464,50 @@ impl<B: Backend> DeviceModel<B> {
 
     /// One micro-batch of the `members`' tokens (each at its positions, over its device
     /// cache): every layer, then the logits each member wants (empty for `None`).
+    ///
+    /// A step that repeats the last one records or replays its segments (`segments.rs`); if
+    /// it fails then (a device that could not capture), it runs again as issued, and the
+    /// recordings are dropped.
     fn step(&self, st: &mut State<B>, members: &[Member<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let logits = self.step_layers(st, members);
+        let epoch = |st: &State<B>| SegmentEpoch {
+            arena: self.scratch.generation(),
+            kvs: st.kv_generation,
+        };
+        let seqs: Vec<SeqShape> = (members.iter())
+            .map(|m| SeqShape {
+                kv: m.kv,
+                handle: st.kvs.get(m.kv).map_or(usize::MAX, |kv| kv.handle),
+                tokens: m.tokens.len(),
+                want: m.want,
+            })
+            .collect();
+        let offload = self
+            .op_offload_min_batch
+            .is_some_and(|m| m <= members.len());
+        let shape = step_shape(&seqs).filter(|_| !offload && !st.moe_cache.enabled());
+        let now = shape.map(|s| (s, epoch(st)));
+        if st.segment_epoch != epoch(st) {
+            // A buffer that a recording names may be gone.
+            self.dev.forget_segments();
+            st.segment_epoch = epoch(st);
+        }
+        let segments = match now {
+            Some((s, e)) if st.last_shape == now => Segments::on(s, e),
+            _ => Segments::off(),
+        };
+        let segmented = segments.is_on();
+        let mut logits = self.step_layers(st, members, segments);
+        if segmented && logits.is_err() {
+            self.dev.forget_segments();
+            tracing::warn!("a recorded decode step failed; it runs again as issued");
+            logits = self.step_layers(st, members, Segments::off());
+        }
         // Whether it ran or failed, the buffers it did not take are freed.
         self.scratch.end_step();
+        st.last_shape = match &logits {
+            Ok(_) => shape.map(|s| (s, epoch(st))),
+            Err(_) => None,
+        };
         logits
     }
 
@@ -465,6 +516,7 @@ impl<B: Backend> DeviceModel<B> {
         &self,
         st: &mut State<B>,
         members: &[Member<'_>],
+        mut segments: Segments,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let dims = self.arch.dims();
@@ -492,6 +544,8 @@ impl<B: Backend> DeviceModel<B> {
         let mut pos = arena.take::<i32>(dev, n)?;
         dev.upload_into::<i32>(&mut pos, &positions)?;
         let mut x = arena.take::<f32>(dev, n * dims.n_embd)?;
+        // The step's ops from here to the first copy down may be a recorded segment.
+        segments.begin(dev)?;
         dev.get_rows(&self.tok_embd.m, &ids_buf, &mut x)?;
         drop(ids_buf);
         let offload = self.op_offload_min_batch.is_some_and(|m| n >= m);
@@ -506,13 +560,19 @@ impl<B: Backend> DeviceModel<B> {
             arena,
             offload,
             prefetched: None,
+            segments,
         };
         for l in 0..dims.n_layer {
             self.arch.layer(&mut cx, l, &mut x)?;
         }
-        let Step { st, groups, .. } = cx;
+        let Step {
+            st,
+            groups,
+            mut segments,
+            ..
+        } = cx;
         st.stats.ubatches += 1;
-        let logits = self.logits(members, &groups, &x)?;
+        let logits = self.logits(members, &groups, &x, &mut segments)?;
         // After the token's logits: the experts that missed go up for the next micro-batch.
         let arch = self.arch.as_ref();
         st.moe_cache
@@ -530,6 +590,7 @@ impl<B: Backend> DeviceModel<B> {
         members: &[Member<'_>],
         groups: &[Range<usize>],
         x: &B::Buf<f32>,
+        segments: &mut Segments,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let p = self.arch.dims();
@@ -553,6 +614,7 @@ impl<B: Backend> DeviceModel<B> {
             n_rows += r.len();
         }
         if n_rows == 0 {
+            segments.end(dev)?;
             dev.synchronize()?;
             return Ok(vec![Vec::new(); members.len()]);
         }
@@ -582,11 +644,13 @@ impl<B: Backend> DeviceModel<B> {
         // Floats per row brought down.
         let width = if hidden { d } else { p.n_vocab };
         let all = if hidden {
+            segments.end(dev)?;
             dev.download::<f32>(&normed)?
         } else {
             let mut logits = arena.take::<f32>(dev, n_rows * p.n_vocab)?;
             self.output
                 .mul(dev, arena, &normed, &out_groups, &mut logits)?;
+            segments.end(dev)?;
             dev.download::<f32>(&logits)?
         };
         // One member's logits (a decode step): the download itself, not a copy of it.

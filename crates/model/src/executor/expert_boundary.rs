@@ -118,6 +118,7 @@ impl<B: Backend> Step<'_, B> {
         let d = self.arch.dims().n_embd;
         let k = r.router.k;
         let n = self.n_tokens();
+        self.segments.end(dev)?;
         dev.stage_down(
             staging_for(&mut self.st.io, dev, n, d, k)?,
             r.h,
@@ -149,6 +150,7 @@ impl<B: Backend> Step<'_, B> {
             }
         };
         dev.stage_up(io, out)?;
+        self.segments.begin(dev)?;
         stats.host_round_trips += 1;
         stats.bytes_to_host += 4 * (n * d + 2 * n * k) as u64 + down;
         stats.bytes_to_device += 4 * (n * d) as u64 + up;

@@ -13,7 +13,8 @@
 //! (`offload_ring.rs`), the host's experts
 //! and the round trip's staging (`host_experts.rs`), the device expert cache
 //! (`moe_cache.rs`), the steps' scratch buffers (`scratch_arena.rs`: reused from op to op
-//! and step to step, so that a decode step allocates nothing on the device after the first). Each architecture writes its layer in its own file of `archs`
+//! and step to step, so that a decode step allocates nothing on the device after the first),
+//! the recorded segments of decode steps (`segments.rs`: CUDA graphs, REF0's replay mode). Each architecture writes its layer in its own file of `archs`
 //! over the contract's ops and the shared blocks of `layer_blocks.rs` (the attention block,
 //! the routed-MoE block, the dense SwiGLU FFN), and hands it to the executor as a
 //! `DeviceLayers` (the dense `llama`/`qwen2` files have no experts: every layer runs on the
@@ -105,6 +106,7 @@ mod moe_cache;
 mod offload_ring;
 pub(crate) mod routing;
 mod scratch_arena;
+mod segments;
 mod state;
 pub(crate) mod step;
 

@@ -190,6 +190,11 @@ impl<B: Backend> MoeCache<B> {
         })
     }
 
+    /// Whether any layer is cached (the cache is on).
+    pub(crate) fn enabled(&self) -> bool {
+        self.layers.iter().any(Option::is_some)
+    }
+
     /// Whether layer `layer` is cached.
     pub(crate) fn caches(&self, layer: usize) -> bool {
         self.layers.get(layer).is_some_and(Option::is_some)

@@ -24,8 +24,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hmoe_backend::{Backend, BackendError, Elem, RowCopy};
 
-/// Free buffers of one element type, each with the step that last gave it back.
-type FreeList<B, T> = Mutex<Vec<(<B as Backend>::Buf<T>, u64)>>;
+/// Free buffers of one element type, each with the step that last gave it back and the
+/// generation it was made in (its age: the oldest is handed out first).
+type FreeList<B, T> = Mutex<Vec<(<B as Backend>::Buf<T>, u64, u64)>>;
 
 /// The reusable scratch buffers of a device model's steps (see the module docs).
 pub(crate) struct ScratchArena<B: Backend> {
@@ -33,6 +34,8 @@ pub(crate) struct ScratchArena<B: Backend> {
     i32s: FreeList<B, i32>,
     /// The step under way (counts [`ScratchArena::end_step`] calls).
     step: AtomicU64,
+    /// Bumped whenever a buffer is made or freed ([`ScratchArena::generation`]).
+    generation: AtomicU64,
 }
 
 /// An element type the arena keeps buffers of.
@@ -64,13 +67,18 @@ impl<B: Backend> Default for ScratchArena<B> {
             f32s: Mutex::new(Vec::new()),
             i32s: Mutex::new(Vec::new()),
             step: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         }
     }
 }
 
 impl<B: Backend> ScratchArena<B> {
     /// A buffer of `len` elements whose contents are unspecified (the ops that write it
-    /// overwrite it whole): a free one of that length, or a new one.
+    /// overwrite it whole): the free one of that length made first, or a new one. Taking
+    /// the oldest makes the buffers a step gets a function of the free buffers and the
+    /// step's ops alone: a step that repeats the last one (the same lengths taken and given
+    /// back in the same order) gets the same buffers for the same ops, which a recorded
+    /// segment (`segments.rs`) needs.
     pub(crate) fn take<T: ArenaElem>(
         &self,
         dev: &B,
@@ -78,15 +86,22 @@ impl<B: Backend> ScratchArena<B> {
     ) -> Result<Scratch<'_, B, T>, BackendError> {
         let reused = {
             let mut free = lock(T::free_list(self));
-            let at = free.iter().position(|(b, _)| B::buf_len(b) == len);
-            at.map(|i| free.swap_remove(i).0)
+            let at = (free.iter().enumerate())
+                .filter(|(_, (b, _, _))| B::buf_len(b) == len)
+                .min_by_key(|(_, (_, _, made))| *made)
+                .map(|(i, _)| i);
+            at.map(|i| free.swap_remove(i))
         };
-        let buf = match reused {
-            Some(b) => b,
-            None => dev.alloc_scratch::<T>(len)?,
+        let (buf, made) = match reused {
+            Some((b, _, made)) => (b, made),
+            None => {
+                let b = dev.alloc_scratch::<T>(len)?;
+                (b, self.generation.fetch_add(1, Ordering::Relaxed))
+            }
         };
         Ok(Scratch {
             buf: Some(buf),
+            made,
             arena: self,
         })
     }
@@ -106,8 +121,23 @@ impl<B: Backend> ScratchArena<B> {
     /// Ends a step: frees the buffers that no op took since the last call.
     pub(crate) fn end_step(&self) {
         let step = self.step.fetch_add(1, Ordering::Relaxed);
-        lock(&self.f32s).retain(|(_, used)| *used == step);
-        lock(&self.i32s).retain(|(_, used)| *used == step);
+        let before = self.held();
+        lock(&self.f32s).retain(|(_, used, _)| *used == step);
+        lock(&self.i32s).retain(|(_, used, _)| *used == step);
+        if self.held() != before {
+            self.generation.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Free buffers held (between steps: every buffer of the arena).
+    fn held(&self) -> usize {
+        lock(&self.f32s).len() + lock(&self.i32s).len()
+    }
+
+    /// A count that moves whenever the arena makes or frees a buffer: while it stays, every
+    /// buffer it handed out still lives (what a recorded segment names).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
     }
 
     /// Bytes of the buffers it holds free (between steps: the last step's).
@@ -115,7 +145,7 @@ impl<B: Backend> ScratchArena<B> {
         fn sum<B: Backend, T: ArenaElem>(list: &FreeList<B, T>) -> u64 {
             let free = lock(list);
             free.iter()
-                .map(|(b, _)| (B::buf_len(b) * T::BYTES) as u64)
+                .map(|(b, _, _)| (B::buf_len(b) * T::BYTES) as u64)
                 .sum()
         }
         sum::<B, f32>(&self.f32s) + sum::<B, i32>(&self.i32s)
@@ -123,6 +153,9 @@ impl<B: Backend> ScratchArena<B> {
 
     /// Frees every free buffer (before a large allocation needs the room).
     pub(crate) fn clear(&self) {
+        if self.held() > 0 {
+            self.generation.fetch_add(1, Ordering::Relaxed);
+        }
         lock(&self.f32s).clear();
         lock(&self.i32s).clear();
     }
@@ -146,6 +179,8 @@ pub(crate) fn span(src_offset: usize, len: usize, dst_offset: usize) -> RowCopy 
 pub(crate) struct Scratch<'a, B: Backend, T: ArenaElem> {
     /// The buffer; `None` only while it is given back in `drop`.
     buf: Option<B::Buf<T>>,
+    /// The generation it was made in.
+    made: u64,
     arena: &'a ScratchArena<B>,
 }
 
@@ -170,7 +205,7 @@ impl<B: Backend, T: ArenaElem> Drop for Scratch<'_, B, T> {
     fn drop(&mut self) {
         if let Some(b) = self.buf.take() {
             let step = self.arena.step.load(Ordering::Relaxed);
-            lock(T::free_list(self.arena)).push((b, step));
+            lock(T::free_list(self.arena)).push((b, step, self.made));
         }
     }
 }

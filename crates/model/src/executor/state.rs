@@ -6,6 +6,7 @@ use hmoe_backend::Backend;
 use super::device_kv::DeviceKv;
 use super::host_experts::HostIo;
 use super::moe_cache::MoeCache;
+use super::segments::SegmentEpoch;
 use crate::error::ModelError;
 use crate::language_model::ExecStats;
 
@@ -24,6 +25,13 @@ pub(crate) struct State<B: Backend> {
     pub(crate) moe_cache: MoeCache<B>,
     /// Bytes of the op-offload ring (`None`: the largest ring, see `offload_ring.rs`).
     pub(crate) ring: Option<u64>,
+    /// Bumped whenever a device cache is made or freed (`segments.rs`).
+    pub(crate) kv_generation: u64,
+    /// The shape and epoch of the last step that succeeded, when it could have had
+    /// segments (`segments.rs`): a step that repeats it records or replays them.
+    pub(crate) last_shape: Option<(u64, SegmentEpoch)>,
+    /// The epoch the device's recordings belong to (dropped when it moves).
+    pub(crate) segment_epoch: SegmentEpoch,
 }
 
 impl<B: Backend> Default for State<B> {
@@ -36,6 +44,9 @@ impl<B: Backend> Default for State<B> {
             stats: ExecStats::default(),
             moe_cache: MoeCache::default(),
             ring: None,
+            kv_generation: 0,
+            last_shape: None,
+            segment_epoch: SegmentEpoch::default(),
         }
     }
 }
@@ -48,7 +59,9 @@ impl<B: Backend> State<B> {
             .filter(|(_, kv)| !keep.contains(&kv.handle) && !self.busy.contains(&kv.handle))
             .min_by_key(|(_, kv)| kv.last_used)
             .map(|(i, _)| i);
-        lru.map(|i| self.kvs.swap_remove(i)).is_some()
+        let evicted = lru.map(|i| self.kvs.swap_remove(i)).is_some();
+        self.kv_generation += u64::from(evicted);
+        evicted
     }
 
     /// The index in `kvs` of the device cache of `handle`.

@@ -13,6 +13,7 @@ use super::device_kv::{KvWidths, LayerKv};
 use super::device_weights::DevMat;
 use super::layer_experts::LayerExperts;
 use super::scratch_arena::{span, ArenaElem, Scratch, ScratchArena};
+use super::segments::Segments;
 use super::state::State;
 use crate::error::ModelError;
 use crate::language_model::LogitsWanted;
@@ -91,6 +92,9 @@ pub(crate) struct Step<'s, B: Backend> {
     /// The first slice of the next host layer's experts (the layer, its experts), uploading
     /// while the layers before it run (op offload's ring, `offload_ring.rs`).
     pub(crate) prefetched: Option<(usize, usize, B::Moe)>,
+    /// The step's recorded segments (`segments.rs`): a host layer closes one before its
+    /// copy down and opens the next after its copy up.
+    pub(crate) segments: Segments,
 }
 
 /// The shape of one attention call, less the cache's cells (the executor's).
@@ -203,20 +207,21 @@ impl<'s, B: Backend> Step<'s, B> {
                 value_chains: shape.value_chains,
                 flash,
             };
-            let nt = g.len();
+            // The member's first position is read on the device, from the step's positions.
+            let (nt, pos, at) = (g.len(), &*self.pos, g.start);
             if single {
-                dev.kv_store(k, k_ring, nt, m.pos0)?;
-                dev.kv_store(v, v_ring, nt, m.pos0)?;
-                dev.attention(&ap, q, k_ring, v_ring, sinks, nt, m.pos0, out)?;
+                dev.kv_store_at(k, k_ring, nt, pos, at)?;
+                dev.kv_store_at(v, v_ring, nt, pos, at)?;
+                dev.attention_at(&ap, q, k_ring, v_ring, sinks, nt, pos, at, out)?;
                 continue;
             }
             let ks = arena.slice(dev, k, g.start * kvw..g.end * kvw)?;
             let vs = arena.slice(dev, v, g.start * kvw..g.end * kvw)?;
             let qs = arena.slice(dev, q, g.start * qw..g.end * qw)?;
-            dev.kv_store(&ks, k_ring, nt, m.pos0)?;
-            dev.kv_store(&vs, v_ring, nt, m.pos0)?;
+            dev.kv_store_at(&ks, k_ring, nt, pos, at)?;
+            dev.kv_store_at(&vs, v_ring, nt, pos, at)?;
             let mut a = arena.take::<f32>(dev, nt * qw)?;
-            dev.attention(&ap, &qs, k_ring, v_ring, sinks, nt, m.pos0, &mut a)?;
+            dev.attention_at(&ap, &qs, k_ring, v_ring, sinks, nt, pos, at, &mut a)?;
             dev.copy_rows(&a, out, &span(0, nt * qw, g.start * qw))?;
         }
         Ok(())
@@ -258,17 +263,17 @@ impl<'s, B: Backend> Step<'s, B> {
                 cells: kv.k.layout.cells,
                 ..*p
             };
-            let nt = g.len();
+            let (nt, pos, at) = (g.len(), &*self.pos, g.start);
             if single {
-                dev.kv_store(k, &mut kv.k, nt, m.pos0)?;
-                dev.attention_k_only(&ap, q, &kv.k, nt, m.pos0, out)?;
+                dev.kv_store_at(k, &mut kv.k, nt, pos, at)?;
+                dev.attention_k_only_at(&ap, q, &kv.k, nt, pos, at, out)?;
                 continue;
             }
             let ks = arena.slice(dev, k, g.start * kw..g.end * kw)?;
             let qs = arena.slice(dev, q, g.start * qw..g.end * qw)?;
-            dev.kv_store(&ks, &mut kv.k, nt, m.pos0)?;
+            dev.kv_store_at(&ks, &mut kv.k, nt, pos, at)?;
             let mut a = arena.take::<f32>(dev, nt * ow)?;
-            dev.attention_k_only(&ap, &qs, &kv.k, nt, m.pos0, &mut a)?;
+            dev.attention_k_only_at(&ap, &qs, &kv.k, nt, pos, at, &mut a)?;
             dev.copy_rows(&a, out, &span(0, nt * ow, g.start * ow))?;
         }
         Ok(())

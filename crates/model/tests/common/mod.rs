@@ -145,3 +145,18 @@ pub fn check_reference(dir: &str, model_name: &str) {
         eprintln!("{model_name} reference case {i}: max |Δlogit| {worst:.2e}");
     }
 }
+
+/// The fixture `file` (a path below the fixtures folder), opened.
+pub fn open_fixture(file: &str) -> GgufModel {
+    GgufModel::open(fixtures().join(file), LoadOptions::default()).unwrap()
+}
+
+/// The bits of `v`, for bit-for-bit comparisons.
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The greedy choice of `logits` (the first of equal maxima).
+pub fn argmax(logits: &[f32]) -> u32 {
+    (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b }) as u32
+}
