@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--hmoe", required=True)
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--types", default=",".join(TYPES))
-    ap.add_argument("--seed", default="1", help="make-test-model's --seed")
+    ap.add_argument("--seed", default="42", help="make-test-model's --seed (its default: 42)")
     ap.add_argument("--archs", default="qwen3moe", help="qwen3moe, deepseek2, gpt-oss (comma-separated)")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("-n", type=int, default=16)
