@@ -147,7 +147,7 @@ async fn chat(State(st): St, body: Bytes) -> Res {
     let n = choices(&Fields(&req))?;
     let mut p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
     drop(req);
-    p.gen.verbose = st.config.verbose;
+    p.gen.verbose |= st.config.verbose;
     if n > 1 {
         let prompts = vec![p.prompt; n];
         return crate::multi::run_many(p.lease, Flavor::Chat, prompts, p.gen, p.output).await;
@@ -204,7 +204,7 @@ async fn complete(st: &AppState, req: ParsedBody, flavor: Flavor) -> Res {
             .flat_map(|p| std::iter::repeat_n(p.clone(), n))
             .collect();
         let mut gen = gen_params(&f, &config.sampling, flavor, &tok, None)?;
-        gen.verbose = config.verbose;
+        gen.verbose |= config.verbose;
         Ok((prompts, gen))
     })
     .await?;
