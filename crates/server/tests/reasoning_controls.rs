@@ -345,6 +345,12 @@ fn a_final_assistant_message_is_continued() {
     // A request may ask for it.
     let ask = json!({"max_tokens": 1, "verbose": true});
     let r = post(s.local_addr(), "/v1/chat/completions", &conv("I wi", ask));
-    let seen = r.json()["__verbose"]["prompt"].as_str().unwrap().to_string();
-    assert!(seen.ends_with("I wi<|im_end|>\n<|im_start|>assistant\n"), "{seen}");
+    let seen = r.json()["__verbose"]["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        seen.ends_with("I wi<|im_end|>\n<|im_start|>assistant\n"),
+        "{seen}"
+    );
 }
