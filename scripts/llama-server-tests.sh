@@ -28,6 +28,7 @@ export PORT=${PORT:-18080}
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH}
 cd "$suite"
 mkdir -p tmp
+"${HMOE_PYTHON:-python3}" "$here/cache.py" tmp
 [ $# -gt 0 ] || set -- unit
 "${HMOE_PYTHON:-python3}" -m pytest -q -p no:cacheprovider --junitxml="$out" "$@" || true
 "${HMOE_PYTHON:-python3}" "$here/summary.py" "$kind=$out"

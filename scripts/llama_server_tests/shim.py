@@ -6,9 +6,10 @@ drops `--offline`, then execs the server under test: `$SUITE_SERVER serve ARGS` 
 SUITE_KIND=hmoe, else `$SUITE_SERVER ARGS` (llama-server). SUITE_EXTRA_ARGS (split on spaces) is
 appended to every start: the opt-ins a run chooses, which the results table names.
 
-A start with no model at all is llama-server's router mode over its download cache
-($LLAMA_CACHE, which the suite sets to its tmp/ folder); hmoe's router needs the folder named, so
-for hmoe the shim adds `--models-dir $LLAMA_CACHE`.
+A start with no model (or only `--models-preset`) is llama-server's router mode, which always
+lists its download cache ($LLAMA_CACHE, which the suite sets to its tmp/ folder; cache.py fills
+it with the stand-ins); hmoe's router needs the folder named, so for hmoe the shim adds
+`--models-dir $LLAMA_CACHE`.
 """
 import configparser
 import os
@@ -17,7 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_FLAGS = {"-hf", "-hfr", "--hf-repo"}
 FILE_FLAGS = {"-hff", "--hf-file"}
-MODEL_FLAGS = {"-m", "--model", "--models-dir", "--models-preset"}
+MODEL_FLAGS = {"-m", "--model", "--models-dir"}
 
 
 def stand_in(repo, hf_file):

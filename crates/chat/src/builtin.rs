@@ -185,6 +185,26 @@ const MISTRAL_V7: &str = r#"{{- bos_token or '' -}}
 {%- endif -%}
 {%- endfor -%}"#;
 
+/// Command-R (`<|START_OF_TURN_TOKEN|><|USER_TOKEN|>…<|END_OF_TURN_TOKEN|>`, contents
+/// trimmed, as llama.cpp's built-in `command-r` writes them); tool results as system turns,
+/// tool calls as Cohere's `Action:` JSON list.
+const COMMAND_R: &str = r#"{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' + (m.content or '') | trim -}}
+{%- if m.tool_calls -%}
+{%- set ns = namespace(calls=[]) -%}
+{%- for tc in m.tool_calls -%}{%- set ns.calls = ns.calls + [{'tool_name': tc.function.name, 'parameters': tc.function.arguments}] -%}{%- endfor -%}
+{{- ('\n' if m.content else '') + 'Action: ```json\n' + (ns.calls | tojson) + '\n```' -}}
+{%- endif -%}
+{{- '<|END_OF_TURN_TOKEN|>' -}}
+{%- elif m.role == 'user' -%}
+{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + (m.content or '') | trim + '<|END_OF_TURN_TOKEN|>' -}}
+{%- else -%}
+{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + (m.content or '') | trim + '<|END_OF_TURN_TOKEN|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' -}}{%- endif -%}"#;
+
 /// The names `--chat-template` accepts, with their templates.
 const BUILTIN: &[(&str, &str)] = &[
     ("chatml", CHATML),
@@ -197,6 +217,7 @@ const BUILTIN: &[(&str, &str)] = &[
     ("zephyr", ZEPHYR),
     ("gemma", GEMMA),
     ("mistral-v7", MISTRAL_V7),
+    ("command-r", COMMAND_R),
 ];
 
 /// The names of the built-in templates.
@@ -289,6 +310,16 @@ mod tests {
         assert!(
             !qwen.contains("need a tool"),
             "reasoning before the last user turn is dropped: {qwen}"
+        );
+    }
+
+    #[test]
+    fn command_r_renders_as_llama_cpp_builtin() {
+        let m = json!([{"role": "system", "content": "You are a test."},
+                       {"role": "user", "content": " Hi there"}]);
+        assert_eq!(
+            render("command-r", m, None),
+            "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
         );
     }
 

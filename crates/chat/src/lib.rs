@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 mod builtin;
+mod family;
 mod harmony;
 mod jsoncall;
 mod model;
@@ -12,6 +13,7 @@ mod template;
 mod toolcall;
 
 pub use builtin::{builtin_template, builtin_template_names, resolve_chat_template};
+pub use family::TemplateFamily;
 pub use harmony::{
     HarmonyEvent, HarmonyHeader, HarmonyMessage, HarmonyParser, HarmonyStop, HarmonyTokens,
 };

@@ -409,7 +409,7 @@ pub const LLAMA_SERVER_FLAGS: &[LlamaFlag] = &[
     note(&["--skip-chat-parsing"], Switch, IfTrue("LLAMA_ARG_SKIP_CHAT_PARSING"), "--reasoning-format none leaves reasoning in the content"),
     always(&["--no-skip-chat-parsing"], IfFalse("LLAMA_ARG_SKIP_CHAT_PARSING")),
     always(&["--prefill-assistant"], IfTrue("LLAMA_ARG_PREFILL_ASSISTANT")),
-    note(&["--no-prefill-assistant"], Switch, IfFalse("LLAMA_ARG_PREFILL_ASSISTANT"), "a last assistant message is continued"),
+    hmoe(&["--no-prefill-assistant"], Switch, IfFalse("LLAMA_ARG_PREFILL_ASSISTANT"), "--no-prefill-assistant"),
     hmoe(&["-sps", "--slot-prompt-similarity"], One, NO, "--slot-prompt-similarity"),
     note(&["--lora-init-without-apply"], Switch, NO, ADAPTER),
     hmoe(&["--sleep-idle-seconds"], One, NO, "--sleep-idle-seconds"),

@@ -4,7 +4,8 @@
 //! dashes (`n-cpu-moe`, `c`, `ctx-size`, `ngl`) or their `LLAMA_ARG_*` variables, `;` and `#`
 //! comments, and a `version` key that is skipped. A switch takes a truth value (`no-mmap =
 //! true`, `mmap = false`). A section's `model` key gives the file of a model that is not in
-//! `--models-dir`, and `alias` its other names.
+//! `--models-dir` (or `hf-repo = OWNER/NAME[:QUANT]` a model of the local Hugging Face cache,
+//! see `hmoe serve -hf`), and `alias` its other names.
 //!
 //! Each model is configured as `hmoe serve` would be with the `[*]` flags, then its section's,
 //! then the command line's (which win, as in llama-server): its placement (`n-cpu-moe`,
@@ -17,6 +18,7 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::{CommandFactory, Parser};
@@ -246,6 +248,14 @@ fn section_flags(s: &Section) -> Result<SectionFlags, String> {
         match long.as_str() {
             "--model" if s.name == "*" => return Err(bad("[*] cannot name a model file".into())),
             "--model" => out.model = Some(PathBuf::from(value)),
+            "--hf-repo" if s.name == "*" => {
+                return Err(bad("[*] cannot name a model repository".into()))
+            }
+            "--hf-repo" => {
+                let file =
+                    crate::serve_cmd::cached_model(value).map_err(|e| bad(format!("{e:#}")))?;
+                out.model = Some(file);
+            }
             "--alias" => out.aliases.extend(
                 (value.split(',').map(str::trim))
                     .filter(|a| !a.is_empty())
@@ -333,8 +343,24 @@ fn shown_args(words: &[String]) -> Vec<String> {
 
 /// Reads `file` and sets `config`'s presets: each section a model, `[*]` the settings of
 /// every model without a section. `argv` is the command line after `serve`. Notes for
-/// ignored keys are printed.
+/// ignored keys are printed. The server reads the file again the same way for
+/// `GET /models?reload=1` ([`ServerConfig::preset_reader`]).
 pub fn apply(file: &Path, argv: &[String], config: &mut ServerConfig) -> anyhow::Result<()> {
+    let (presets, default) = read(file, argv)?;
+    config.presets = presets;
+    config.preset_default = default;
+    let (file, argv) = (file.to_path_buf(), argv.to_vec());
+    config.preset_reader = Some(Arc::new(move || {
+        read(&file, &argv).map_err(|e| format!("{e:#}"))
+    }));
+    Ok(())
+}
+
+/// The presets of `file` by model name, and its `[*]` section's; notes are printed.
+fn read(
+    file: &Path,
+    argv: &[String],
+) -> anyhow::Result<(BTreeMap<String, ModelPreset>, Option<ModelPreset>)> {
     let text = read_limited(file)?;
     let ctx = || format!("--models-preset {}", file.display());
     let sections = parse_ini(&text)
@@ -376,11 +402,12 @@ pub fn apply(file: &Path, argv: &[String], config: &mut ServerConfig) -> anyhow:
             },
         );
     }
+    let mut default = None;
     if !global.words.is_empty() {
         let c = configure(&global.words, argv, &mut notes)
             .map_err(|e| anyhow::anyhow!("[*]: {e}"))
             .with_context(ctx)?;
-        config.preset_default = Some(ModelPreset {
+        default = Some(ModelPreset {
             path: None,
             aliases: Vec::new(),
             args: shown_args(&global.words),
@@ -393,8 +420,7 @@ pub fn apply(file: &Path, argv: &[String], config: &mut ServerConfig) -> anyhow:
     for note in notes {
         eprintln!("note: {note}");
     }
-    config.presets = presets;
-    Ok(())
+    Ok((presets, default))
 }
 
 /// Router mode's start-up lines: autoload off, and each preset's flags.

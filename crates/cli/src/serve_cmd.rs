@@ -139,7 +139,7 @@ pub struct ServeArgs {
     )]
     pub chat_template_file: Option<PathBuf>,
     /// Chat template replacing the model's: a built-in name (chatml, qwen3, llama3, gpt-oss,
-    /// deepseek3, deepseek2, phi3, zephyr, gemma, mistral-v7) or Jinja text.
+    /// deepseek3, deepseek2, phi3, zephyr, gemma, mistral-v7, command-r) or Jinja text.
     #[arg(
         help_heading = "Chat templates and reasoning",
         long = "chat-template",
@@ -161,6 +161,13 @@ pub struct ServeArgs {
     /// budget N > 0 is accepted with a note and thinking stays unlimited (hmoe does not cut it).
     #[arg(help_heading = "Chat templates and reasoning", long = "reasoning-budget", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub reasoning_budget: i64,
+    /// A conversation ending with an assistant message renders it as a closed turn; by
+    /// default it is continued (the answer starts with its content), as llama-server does.
+    #[arg(
+        help_heading = "Chat templates and reasoning",
+        long = "no-prefill-assistant"
+    )]
+    pub no_prefill_assistant: bool,
     /// Where reasoning goes: none (left in content); auto, deepseek or deepseek-legacy
     /// (reasoning_content). Requests may say `reasoning_format`.
     #[arg(help_heading = "Chat templates and reasoning", long = "reasoning-format", value_parser = ["none", "auto", "deepseek", "deepseek-legacy"], default_value = "auto")]
@@ -236,7 +243,9 @@ pub struct ServeArgs {
     /// Do not serve the chat page at `/`.
     #[arg(help_heading = "Server", long = "no-webui")]
     pub no_webui: bool,
-    /// Log debug messages (as RUST_LOG=debug; read before parsing, see main).
+    /// Log debug messages (as RUST_LOG=debug; read before parsing, see main), and answer
+    /// non-streamed completions with llama-server's `__verbose` object (the prompt as its
+    /// tokens read back, and the generated text).
     #[arg(help_heading = "Logging", short = 'v', long = "verbose")]
     pub verbose: bool,
     /// No log messages.
@@ -255,7 +264,9 @@ pub struct ServeArgs {
     /// device executor keeps K/V on the device).
     #[arg(help_heading = "Loading", long = "no-kv-offload")]
     pub no_kv_offload: bool,
-    /// Download a model from Hugging Face (`-hf`): not supported, an error that says so.
+    /// A model of the local Hugging Face cache (`-hf OWNER/NAME[:QUANT]`, as llama.cpp's
+    /// `$LLAMA_CACHE` or `hf download` leave it; without a quant Q4_K_M, then Q8_0, then the
+    /// first). hmoe downloads nothing: a model not in the cache is an error that says so.
     #[arg(help_heading = "Server", long = "hf-repo", value_name = "REPO")]
     pub hf_repo: Option<String>,
     /// A request goes to the slot whose cached prompt shares the longest prefix with it when
@@ -354,6 +365,14 @@ pub struct ServeArgs {
 }
 
 /// `-t`: any negative count means the default (physical cores); positive ones are bounded.
+/// The file of `-hf OWNER/NAME[:QUANT]` in the local Hugging Face cache.
+pub(crate) fn cached_model(reference: &str) -> anyhow::Result<PathBuf> {
+    let cache = hmoe_server::model_files::hf_cache_dir()
+        .context("-hf: no Hugging Face cache folder ($LLAMA_CACHE, $HF_HOME or $HOME unset)")?;
+    hmoe_server::model_files::resolve_hf_repo(&cache, reference)
+        .map_err(|e| anyhow::anyhow!("-hf: {e}"))
+}
+
 fn parse_threads_or_default(s: &str) -> Result<i64, String> {
     let n: i64 = s
         .trim()
@@ -461,10 +480,12 @@ impl ServeArgs {
 
     /// The server configuration these flags describe.
     pub fn config(&self) -> anyhow::Result<ServerConfig> {
-        if let Some(repo) = &self.hf_repo {
-            bail!("hmoe does not download models ({repo}): download the GGUF file(s) and pass -m FILE");
-        }
-        let models = match (&self.model, &self.models_dir) {
+        let cached = match &self.hf_repo {
+            Some(_) if self.model.is_some() => bail!("give either -m MODEL or -hf REPO, not both"),
+            Some(repo) => Some(cached_model(repo)?),
+            None => None,
+        };
+        let models = match (cached.as_ref().or(self.model.as_ref()), &self.models_dir) {
             (Some(m), None) => ModelSource::File(m.clone()),
             (None, Some(d)) => ModelSource::Dir(d.clone()),
             (Some(_), Some(_)) => bail!("give either -m MODEL or --models-dir DIR, not both"),
@@ -524,6 +545,8 @@ impl ServeArgs {
             (None, Some(t)) => Some(hmoe_chat::resolve_chat_template(t)),
             (None, None) => None,
         };
+        config.chat.no_prefill_assistant = self.no_prefill_assistant;
+        config.verbose = self.verbose;
         config.chat.reasoning_format = match self.reasoning_format.as_str() {
             "none" => ReasoningFormat::None,
             "auto" => ReasoningFormat::Auto,
@@ -654,7 +677,7 @@ fn startup_summary(config: &ServerConfig, threads: usize) -> Vec<String> {
     let e = &config.engine;
     let mut out = Vec::new();
     if let ModelSource::Dir(dir) = &config.models {
-        let n = hmoe_server::registry::scan_models_dir(dir).map_or(0, |m| m.len());
+        let n = hmoe_server::model_files::scan_models_dir(dir).map_or(0, |m| m.len());
         let max = match config.models_max {
             0 => "no limit".to_string(),
             m => format!("at most {m} loaded"),

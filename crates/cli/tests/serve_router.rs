@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use hmoe_testdata::fixtures;
-use server::{http, serve};
+use server::{http, serve, serve_with_env};
 
 /// A fresh directory with alpha.gguf and beta.gguf (the tiny fixture).
 fn models_dir(name: &str) -> PathBuf {
@@ -154,6 +154,126 @@ print("2 passed, 0 failed")
                 .arg(format!("http://{}/v1", s.addr)),
         );
     }
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `curl` with the API key: (status, body).
+fn curl(addr: &str, path: &str, key: &str) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "-H"])
+        .arg(format!("Authorization: Bearer {key}"))
+        .arg(format!("http://{addr}{path}"))
+        .output()
+        .expect("curl runs");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.trim().parse().unwrap(), body.to_string())
+}
+
+fn ids(addr: &str, path: &str) -> Vec<String> {
+    let (status, body) = curl(addr, path, "k");
+    assert_eq!(status, 200, "{path}: {body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let mut ids: Vec<String> = (v["data"].as_array().unwrap().iter())
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// A Hugging Face hub cache (`models--OWNER--NAME/refs/main` + `snapshots/COMMIT/FILE`) in
+/// `--models-dir` is listed as llama-server lists its download cache (`OWNER/NAME:QUANT`), a
+/// preset's `hf-repo` takes its model from the cache of `$LLAMA_CACHE`, and `GET
+/// /models?reload=1` (curl) reads the preset file again: a section removed leaves the list,
+/// one added joins it, a loaded model whose section is unchanged stays loaded, one whose
+/// flags changed is unloaded; a file that no longer reads is a 500 naming the fault and the
+/// list stays; without the API key a reload is a 401.
+#[test]
+fn presets_reload_and_hub_cache_models() {
+    let dir = models_dir("reload");
+    let models = dir.join("models");
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let repo = models.join("models--org--tiny-GGUF");
+    let snap = repo.join("snapshots").join(commit);
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), commit).unwrap();
+    std::fs::copy(
+        fixtures().join("gpt-oss/gptoss-tiny.gguf"),
+        snap.join("tiny-Q8_0.gguf"),
+    )
+    .unwrap();
+    let ini = dir.join("presets.ini");
+    std::fs::write(
+        &ini,
+        "[alpha]\nc = 512\n\n[beta]\nc = 512\n\n[gamma]\nhf-repo = org/tiny-GGUF:Q8_0\n",
+    )
+    .unwrap();
+    let s = serve_with_env(
+        &[
+            "--models-dir",
+            models.to_str().unwrap(),
+            "--models-preset",
+            ini.to_str().unwrap(),
+            "-dev",
+            "REF0",
+            "-np",
+            "1",
+            "--api-key",
+            "k",
+        ],
+        &[("LLAMA_CACHE", &models)],
+    );
+    assert_eq!(
+        ids(&s.addr, "/models"),
+        ["alpha", "beta", "gamma", "org/tiny-GGUF:Q8_0"]
+    );
+    let ask = |name: &str| {
+        let r = post_ok(
+            &s.addr,
+            "/completion",
+            &json!({"model": name, "prompt": "Hello", "n_predict": 3, "temperature": 0}),
+        );
+        r["content"].as_str().unwrap().to_string()
+    };
+    // The cache's model and the preset's (the same file) answer alike.
+    assert_eq!(ask("org/tiny-GGUF:Q8_0"), ask("gamma"));
+    ask("alpha");
+    ask("beta");
+
+    std::fs::write(
+        &ini,
+        "[alpha]\nc = 512\n\n[beta]\nc = 256\n\n[delta]\nhf-repo = org/tiny-GGUF\n",
+    )
+    .unwrap();
+    let (status, _) = curl(&s.addr, "/models?reload=1", "wrong");
+    assert_eq!(status, 401);
+    assert_eq!(
+        ids(&s.addr, "/models?reload=1"),
+        ["alpha", "beta", "delta", "org/tiny-GGUF:Q8_0"]
+    );
+    let listed = get_json(&s.addr, "/models");
+    assert_eq!(model(&listed, "alpha")["status"]["value"], "loaded");
+    assert_eq!(model(&listed, "beta")["status"]["value"], "unloaded");
+    assert_eq!(
+        model(&listed, "beta")["status"]["args"],
+        json!(["--ctx-size", "256"])
+    );
+    assert_eq!(
+        model(&listed, "org/tiny-GGUF:Q8_0")["status"]["value"],
+        "loaded"
+    );
+    ask("delta");
+
+    std::fs::write(&ini, "[alpha]\nbogus-key = 1\n").unwrap();
+    let (status, body) = curl(&s.addr, "/models?reload=1", "k");
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("bogus-key"), "{body}");
+    assert_eq!(
+        ids(&s.addr, "/models"),
+        ["alpha", "beta", "delta", "org/tiny-GGUF:Q8_0"]
+    );
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }

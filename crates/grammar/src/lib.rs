@@ -521,6 +521,7 @@ fn compile_lark(
 /// `%json` with compact separators (no free whitespace, which a weak model could emit without
 /// end) unless the schema sets its own `x-guidance` options.
 fn json_rule(mut schema: Value) -> Result<String, GrammarError> {
+    llama_tuples(&mut schema, 0);
     match &mut schema {
         Value::Object(o) => {
             o.entry("x-guidance")
@@ -534,6 +535,46 @@ fn json_rule(mut schema: Value) -> Result<String, GrammarError> {
         }
     }
     Ok(format!("%json {schema}"))
+}
+
+/// Schemas as llama.cpp's json-schema-to-grammar reads them where llguidance (JSON Schema
+/// 2020-12) differs: an array-form `items` (a draft 4-7 tuple) is `prefixItems` and nothing
+/// after them, and a schema without `type` that has `items` or `prefixItems` is an array (for
+/// 2020-12 it would accept any value that is not one). Nested schemas alike, to a bounded depth.
+fn llama_tuples(v: &mut Value, depth: usize) {
+    const MAX_DEPTH: usize = 64;
+    let Value::Object(o) = v else { return };
+    if let Some(Value::Array(tuple)) = o.get("items").cloned() {
+        if !o.contains_key("prefixItems") {
+            o.insert("prefixItems".into(), Value::Array(tuple));
+            o.insert("items".into(), Value::Bool(false));
+        }
+    }
+    if !o.contains_key("type") && (o.contains_key("items") || o.contains_key("prefixItems")) {
+        o.insert("type".into(), "array".into());
+    }
+    if depth >= MAX_DEPTH {
+        return;
+    }
+    // Only where schemas sit (`const`, `enum`, `default` hold data, left as they are).
+    for (key, child) in o.iter_mut() {
+        match (key.as_str(), child) {
+            ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(m)) => {
+                for s in m.values_mut() {
+                    llama_tuples(s, depth + 1);
+                }
+            }
+            ("prefixItems" | "anyOf" | "oneOf" | "allOf", Value::Array(list)) => {
+                for s in list.iter_mut() {
+                    llama_tuples(s, depth + 1);
+                }
+            }
+            ("items" | "additionalProperties" | "not" | "if" | "then" | "else" | "contains", s) => {
+                llama_tuples(s, depth + 1)
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Wraps a Lark grammar's `start` in `frame`.
@@ -666,5 +707,25 @@ mod tests {
         let own = json_rule(json!({"x-guidance": {"whitespace_flexible": true}})).unwrap();
         assert!(own.contains("true"), "{own}");
         assert!(json_rule(json!([1])).is_err());
+    }
+
+    #[test]
+    fn draft7_tuples_read_as_llama_cpp_reads_them() {
+        let mut v = json!({"items": [{"type": "integer"}],
+                           "properties": {"p": {"items": [{"const": 1}, {"const": 2}]}}});
+        llama_tuples(&mut v, 0);
+        assert_eq!(v["type"], "array");
+        assert_eq!(v["prefixItems"], json!([{"type": "integer"}]));
+        assert_eq!(v["items"], false);
+        assert_eq!(
+            v["properties"]["p"]["prefixItems"],
+            json!([{"const": 1}, {"const": 2}])
+        );
+        // A property named `items` and data in `const` are not tuples.
+        let plain = json!({"type": "object", "properties": {"items": {"type": "string"}},
+                           "const": {"items": [1]}, "default": {"items": [2]}});
+        let mut same = plain.clone();
+        llama_tuples(&mut same, 0);
+        assert_eq!(same, plain);
     }
 }

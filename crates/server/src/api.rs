@@ -94,9 +94,25 @@ async fn health(State(st): St) -> Res {
     Ok(Json(json!({"status": "ok"})).into_response())
 }
 
-async fn models(State(st): St, headers: HeaderMap) -> Response {
+/// `GET /models`: the served models; in router mode `?reload=1` (a client with the API key)
+/// first reads the preset file again and scans the directory ([`Registry::reload`]).
+///
+/// [`Registry::reload`]: crate::registry::Registry::reload
+async fn models(
+    State(st): St,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Res {
     let full = crate::guard::authorized(&st.config, &headers);
-    Json(json!({"object": "list", "data": st.registry.list(full)})).into_response()
+    if q.get("reload")
+        .is_some_and(|v| matches!(v.as_str(), "1" | "true"))
+    {
+        if !full {
+            return Err(ApiError::unauthorized());
+        }
+        st.registry.reload().await?;
+    }
+    Ok(Json(json!({"object": "list", "data": st.registry.list(full)})).into_response())
 }
 
 /// The `model` a load or unload request names.
@@ -129,8 +145,9 @@ async fn delete_model(State(st): St, Path(name): Path<String>) -> Res {
 async fn chat(State(st): St, body: Bytes) -> Res {
     let req = st.bodies.parse(body).await?;
     let n = choices(&Fields(&req))?;
-    let p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
+    let mut p = prepare_chat(&st, &req, |r| Ok(Cow::Borrowed(r))).await?;
     drop(req);
+    p.gen.verbose |= st.config.verbose;
     if n > 1 {
         let prompts = vec![p.prompt; n];
         return crate::multi::run_many(p.lease, Flavor::Chat, prompts, p.gen, p.output).await;
@@ -186,7 +203,8 @@ async fn complete(st: &AppState, req: ParsedBody, flavor: Flavor) -> Res {
         let prompts: Vec<Vec<u32>> = (prompts.iter())
             .flat_map(|p| std::iter::repeat_n(p.clone(), n))
             .collect();
-        let gen = gen_params(&f, &config.sampling, flavor, &tok, None)?;
+        let mut gen = gen_params(&f, &config.sampling, flavor, &tok, None)?;
+        gen.verbose |= config.verbose;
         Ok((prompts, gen))
     })
     .await?;
@@ -209,6 +227,7 @@ async fn run(
     output: OutputKind,
 ) -> Res {
     let host = lease.host.clone();
+    let verbose_prompt = (gen.verbose && !gen.stream).then(|| host.tokenizer.decode_lossy(&prompt));
     let mut rx = host.submit(gen.job(prompt, output))?;
     let mut resp = Responder::new(flavor, &host.id, host.tokenizer.clone(), gen.include_usage)
         .with_post_sampling(gen.post_sampling_probs);
@@ -234,6 +253,9 @@ async fn run(
     let (logprobs, fields) = (gen.logprobs, std::mem::take(&mut gen.response_fields));
     let finish = move || -> Result<Vec<u8>, ApiError> {
         let mut body = resp.response(logprobs)?;
+        if let Some(prompt) = verbose_prompt {
+            add_verbose(&mut body, flavor, prompt);
+        }
         if !fields.is_empty() {
             body = crate::oai::select_fields(&body, &fields);
         }
@@ -247,6 +269,18 @@ async fn run(
     };
     drop(lease);
     Ok(([(header::CONTENT_TYPE, "application/json")], bytes).into_response())
+}
+
+/// llama-server's `__verbose` object of a whole answer (`--verbose`): the prompt as its tokens
+/// read back (BOS included) and the generated text. The native route's answer has these
+/// fields already.
+fn add_verbose(body: &mut Value, flavor: Flavor, prompt: String) {
+    let content = match flavor {
+        Flavor::Chat => body["choices"][0]["message"]["content"].clone(),
+        Flavor::Completion => body["choices"][0]["text"].clone(),
+        Flavor::Native => return,
+    };
+    body["__verbose"] = json!({"prompt": prompt, "content": content});
 }
 
 async fn tokenize(State(st): St, body: Bytes) -> Res {

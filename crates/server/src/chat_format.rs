@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use hmoe_chat::{
-    open_think, ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, ToolCallFormat,
-    ToolCallSpec,
+    open_think, ChatError, ChatTemplate, HarmonyTokens, ReasoningFormat, TemplateFamily,
+    ToolCallFormat, ToolCallSpec,
 };
 use hmoe_grammar::ToolFormat;
 use hmoe_tokenizer::Tokenizer;
@@ -22,6 +22,8 @@ pub struct ChatSetup {
     harmony: Option<HarmonyTokens>,
     think: bool,
     tool_calls: Option<ToolCallFormat>,
+    /// The variables its family reads (`date_string`, FireFunction's `functions`, ...).
+    family: TemplateFamily,
     bos: String,
     eos: String,
     /// Whether tokenizing adds BOS / EOS: the rendered prompt's own are then taken off.
@@ -59,6 +61,7 @@ impl ChatSetup {
                 .is_none()
                 .then(|| ToolCallFormat::detect(&source))
                 .flatten(),
+            family: TemplateFamily::detect(&source),
             template,
             harmony,
             bos: text(tok.bos()),
@@ -83,8 +86,10 @@ impl ChatSetup {
     /// generation prompt when `add_generation_prompt`, with the spans the messages wrote (see
     /// [`crate::plain_content`]). As llama-server does, a BOS (EOS) the template wrote at the
     /// start (end) is taken off when tokenizing adds one, so that the prompt has one and
-    /// `/apply-template` shows none. Whatever the template rejects or fails on is a 400
-    /// carrying the template's message.
+    /// `/apply-template` shows none. The variables the template's family reads and
+    /// llama-server gives (see [`TemplateFamily`]) are added where `extra` (the server's and
+    /// request's `chat_template_kwargs`) does not set them. Whatever the template rejects or
+    /// fails on is a 400 carrying the template's message.
     pub fn render(
         &self,
         messages: &Value,
@@ -98,6 +103,10 @@ impl ChatSetup {
         extra
             .entry("eos_token")
             .or_insert_with(|| self.eos.clone().into());
+        for (k, v) in self.family.variables(tools, std::time::SystemTime::now()) {
+            extra.entry(k).or_insert(v);
+        }
+        let tools = tools.filter(|_| self.family.takes_tools());
         let mut messages = if self.is_harmony() {
             harmony_history(messages)
         } else {

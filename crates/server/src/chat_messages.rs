@@ -46,19 +46,30 @@ pub fn normalize_tools(
     Ok(Some(Value::Array(out)))
 }
 
-/// Text of an OpenAI `content` value: a string, or the text parts of an array joined.
+/// Text of an OpenAI `content` value: a string, or the text parts of an array one per line, as
+/// llama-server gives them to a template.
 pub fn content_text(v: &Value, what: &str) -> Result<String, ApiError> {
+    joined_content(v, what, "\n")
+}
+
+/// Text of a `content` value, its parts joined by `sep`.
+pub fn joined_content(v: &Value, what: &str, sep: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Null => Ok(String::new()),
         Value::Array(parts) => {
             let mut out = String::new();
-            for p in parts {
+            for (i, p) in parts.iter().enumerate() {
                 match (
                     p.get("type").and_then(Value::as_str),
                     p.get("text").and_then(Value::as_str),
                 ) {
-                    (Some("text") | None, Some(t)) => out.push_str(t),
+                    (Some("text") | None, Some(t)) => {
+                        if i > 0 {
+                            out.push_str(sep);
+                        }
+                        out.push_str(t)
+                    }
                     (Some(ty), _) => {
                         return Err(ApiError::bad_request(format!(
                             "{what}: content parts of type '{ty}' are not supported"
@@ -187,7 +198,7 @@ mod tests {
             {"role": "assistant", "content": null}
         ]);
         let n = normalize_messages(Some(&m)).unwrap();
-        assert_eq!(n[0]["content"], "ab");
+        assert_eq!(n[0]["content"], "a\nb");
         assert!(n[1].get("content").is_none());
         assert_eq!(n[1]["thinking"], "think");
         assert_eq!(n[1]["reasoning_content"], "think");

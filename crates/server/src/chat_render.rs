@@ -8,7 +8,7 @@ use hmoe_chat::ReasoningFormat;
 use hmoe_grammar::Grammar;
 use serde_json::{Map, Value};
 
-use crate::chat_messages::{normalize_messages, normalize_tools};
+use crate::chat_messages::{joined_content, normalize_messages, normalize_tools};
 use crate::config::ServerConfig;
 use crate::error::ApiError;
 use crate::model_host::ModelHost;
@@ -198,12 +198,72 @@ fn render_chat(
         None => config.chat.reasoning_format,
     };
     let (extra, thinking) = template_vars(config, &f)?;
-    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    let prompt = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
+    let add_generation_prompt = f.bool("add_generation_prompt")?;
+    let (messages, prefill) = split_prefill(
+        messages,
+        req.get("messages"),
+        f.bool("continue_final_message")?,
+        add_generation_prompt,
+        !config.chat.no_prefill_assistant,
+    )?;
+    let add_generation_prompt = prefill.is_some() || add_generation_prompt.unwrap_or(true);
+    let mut prompt = chat.render(&messages, tools.as_ref(), add_generation_prompt, extra)?;
+    // As llama-server, a continued answer is read as written: no reasoning split.
+    let format = match prefill {
+        Some(text) => {
+            prompt.push_plain(&text);
+            ReasoningFormat::None
+        }
+        None => format,
+    };
     Ok(Rendered {
         prompt,
         format,
         tools,
         thinking,
     })
+}
+
+/// The conversation to render and the text that continues its generation prompt: as
+/// llama-server, a conversation ending with an assistant message (with `--prefill-assistant`,
+/// the default) is continued from that message's content, not closed: the messages before it
+/// are rendered with the generation prompt and the content follows as written. vLLM's and
+/// transformers' `continue_final_message: true` asks for the same explicitly (with
+/// `add_generation_prompt: true` it is a 400, as there), `false` renders the message as a
+/// closed turn. Two assistant messages at the end cannot be continued (400). `raw` is the
+/// request's `messages`: the continued content's text parts are joined by blank lines, as
+/// llama-server appends them.
+fn split_prefill(
+    messages: Value,
+    raw: Option<&Value>,
+    continue_final: Option<bool>,
+    add_generation_prompt: Option<bool>,
+    prefill_assistant: bool,
+) -> Result<(Value, Option<String>), ApiError> {
+    if continue_final == Some(true) && add_generation_prompt == Some(true) {
+        return Err(ApiError::bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+        ));
+    }
+    let wanted = continue_final.unwrap_or(prefill_assistant);
+    let Value::Array(mut list) = messages else {
+        return Ok((messages, None));
+    };
+    let last_is_assistant =
+        |l: &[Value]| l.last().and_then(|m| m.get("role")) == Some(&Value::from("assistant"));
+    if !wanted || !last_is_assistant(&list) {
+        return Ok((Value::Array(list), None));
+    }
+    let last = list.pop().unwrap_or_default();
+    if last_is_assistant(&list) {
+        return Err(ApiError::bad_request(
+            "Cannot have 2 or more assistant messages at the end of the list.",
+        ));
+    }
+    let content = (raw.and_then(Value::as_array).and_then(|l| l.last()))
+        .or(Some(&last))
+        .and_then(|m| m.get("content"))
+        .unwrap_or(&Value::Null);
+    let text = joined_content(content, "the last message", "\n\n")?;
+    Ok((Value::Array(list), Some(text)))
 }

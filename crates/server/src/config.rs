@@ -1,5 +1,6 @@
 //! Server configuration (what `hmoe serve`'s flags turn into).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,6 +73,9 @@ pub struct ChatConfig {
     pub reasoning_format: ReasoningFormat,
     /// Extra template variables for every request (`--chat-template-kwargs`), a JSON object.
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// A conversation ending with an assistant message renders that message as a closed turn
+    /// (`--no-prefill-assistant`) instead of continuing it (llama-server's default).
+    pub no_prefill_assistant: bool,
 }
 
 /// Sampling defaults for requests that leave a field out (`--temp`, `--top-k`, ...).
@@ -199,10 +203,16 @@ pub struct ServerConfig {
     pub models_autoload: bool,
     /// Router mode: each model's own settings (`--models-preset`, one INI section per model),
     /// by model name.
-    pub presets: std::collections::BTreeMap<String, ModelPreset>,
+    pub presets: BTreeMap<String, ModelPreset>,
     /// Router mode: the settings of a model without a section of its own (the preset file's
     /// `[*]` section over the command line); `None`: the command line's.
     pub preset_default: Option<ModelPreset>,
+    /// Non-streamed completions carry llama-server's `__verbose` object (`--verbose`): the
+    /// prompt as its tokens read back, and the generated text.
+    pub verbose: bool,
+    /// Router mode: reads the preset file again for `GET /models?reload=1` (the CLI's
+    /// `--models-preset` parser); `None`: there is no file to read again.
+    pub preset_reader: Option<PresetReader>,
     /// Replaces the sampler of every request (an extension point; the tests use it to replay
     /// fixed token sequences). `None` = the engine's sampler.
     pub picker: Option<PickerFactory>,
@@ -240,8 +250,10 @@ impl ServerConfig {
             sleep_idle: None,
             models_max: 4,
             models_autoload: true,
-            presets: std::collections::BTreeMap::new(),
+            presets: BTreeMap::new(),
             preset_default: None,
+            preset_reader: None,
+            verbose: false,
             picker: None,
             webui: true,
             loader: cpu_loader(),
@@ -272,12 +284,21 @@ impl std::fmt::Debug for ServerConfig {
             .field("models_max", &self.models_max)
             .field("models_autoload", &self.models_autoload)
             .field("presets", &self.presets.keys().collect::<Vec<_>>())
+            .field("preset_reader", &self.preset_reader.is_some())
+            .field("verbose", &self.verbose)
             .field("picker", &self.picker.is_some())
             .field("webui", &self.webui)
             .field("on_ready", &self.on_ready.is_some())
             .finish()
     }
 }
+
+/// A preset file read again: each section's settings by model name (as
+/// [`ServerConfig::presets`]) and the `[*]` section's (as [`ServerConfig::preset_default`]), or
+/// why the file is not usable (the server then keeps the presets it has).
+pub type PresetReader = Arc<
+    dyn Fn() -> Result<(BTreeMap<String, ModelPreset>, Option<ModelPreset>), String> + Send + Sync,
+>;
 
 /// One model's settings in router mode: a `--models-preset` section, turned by the CLI into
 /// what the model loads with. Only what a model is loaded with can differ per model (its

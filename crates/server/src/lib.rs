@@ -39,6 +39,7 @@ pub mod guard;
 pub mod id_arrays;
 pub mod loader;
 pub mod metrics;
+pub mod model_files;
 pub mod model_host;
 pub mod multi;
 pub mod oai;
@@ -67,7 +68,8 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 
 pub use config::{
-    ChatConfig, EngineConfig, Limits, ModelPreset, ModelSource, SamplingDefaults, ServerConfig,
+    ChatConfig, EngineConfig, Limits, ModelPreset, ModelSource, PresetReader, SamplingDefaults,
+    ServerConfig,
 };
 pub use error::{ApiError, ServerError};
 pub use loader::{cpu_loader, DevicePlacement, LoadedModel, ModelLoader, Placement};

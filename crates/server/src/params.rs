@@ -140,6 +140,9 @@ pub struct GenParams {
     /// The fields of a whole `/completion` answer to send, by path (`response_fields`;
     /// empty: all).
     pub response_fields: Vec<String>,
+    /// Add llama-server's `__verbose` object to a whole answer (the request's `verbose`, or
+    /// the server's `--verbose`).
+    pub verbose: bool,
 }
 
 impl GenParams {
@@ -341,6 +344,7 @@ pub fn gen_params(
             _ => None,
         },
         response_fields: response_fields(f, flavor)?,
+        verbose: f.bool("verbose")?.unwrap_or(false),
         id_slot: match f.i64("id_slot")? {
             None | Some(-1) => None,
             Some(i) if i >= 0 => Some(i as usize),

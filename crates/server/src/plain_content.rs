@@ -30,6 +30,22 @@ pub struct RenderedPrompt {
     pub plain: Vec<Range<usize>>,
 }
 
+impl RenderedPrompt {
+    /// Appends `text` that a message wrote (the content of a continued assistant message):
+    /// it is tokenized as text.
+    pub fn push_plain(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        let start = self.text.len();
+        self.text.push_str(text);
+        match self.plain.last_mut() {
+            Some(r) if r.end == start => r.end = self.text.len(),
+            _ => self.plain.push(start..self.text.len()),
+        }
+    }
+}
+
 /// `messages` with each text field wrapped in the markers (markers already in the text are
 /// replaced by U+FFFD, so none can be forged).
 pub fn mark_messages(messages: &Value) -> Value {

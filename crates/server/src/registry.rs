@@ -14,88 +14,11 @@ use serde_json::{json, Value};
 
 use crate::config::{ModelPreset, ModelSource, ServerConfig};
 use crate::error::{ApiError, ServerError};
+use crate::model_files::{model_name, scan_models_dir};
 use crate::model_host::{open_gguf, ModelHost, Prepared};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A model's name from its file: the file name without `.gguf` and without a split suffix
-/// (`-00001-of-00003`).
-pub fn model_name(path: &Path) -> String {
-    let file = path
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let stem = strip_suffix_ci(&file, ".gguf").unwrap_or(&file);
-    match split_suffix(stem) {
-        Some((prefix, _, _)) => prefix.to_string(),
-        None => stem.to_string(),
-    }
-}
-
-fn strip_suffix_ci<'a>(s: &'a str, suffix: &str) -> Option<&'a str> {
-    let n = s.len().checked_sub(suffix.len())?;
-    (s.is_char_boundary(n) && s[n..].eq_ignore_ascii_case(suffix)).then(|| &s[..n])
-}
-
-/// `NAME-00001-of-00003` → (NAME, 1, 3).
-fn split_suffix(stem: &str) -> Option<(&str, u32, u32)> {
-    let (rest, count) = stem.rsplit_once("-of-")?;
-    let (prefix, no) = rest.rsplit_once('-')?;
-    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(no) || !digits(count) {
-        return None;
-    }
-    Some((prefix, no.parse().ok()?, count.parse().ok()?))
-}
-
-fn is_gguf(path: &Path) -> bool {
-    let name = path
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    strip_suffix_ci(&name, ".gguf").is_some() && !name.to_ascii_lowercase().starts_with("mmproj")
-}
-
-/// The models of a directory: `*.gguf` files (a split set counts once, by its first shard) and
-/// sub-directories holding one model (named after the sub-directory). Only regular files (or
-/// links to them) count: a FIFO or a device named `*.gguf` would block whoever opens it.
-pub fn scan_models_dir(dir: &Path) -> std::io::Result<BTreeMap<String, PathBuf>> {
-    let mut out = BTreeMap::new();
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            let Ok(inner) = std::fs::read_dir(&path) else {
-                continue;
-            };
-            let mut files: Vec<PathBuf> = inner
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.is_file() && is_gguf(p))
-                .collect();
-            files.sort();
-            let firsts: Vec<&PathBuf> = files.iter().filter(|p| first_shard_or_whole(p)).collect();
-            if let ([only], Some(name)) = (firsts.as_slice(), path.file_name()) {
-                out.entry(name.to_string_lossy().into_owned())
-                    .or_insert_with(|| (*only).clone());
-            }
-        } else if path.is_file() && is_gguf(&path) && first_shard_or_whole(&path) {
-            out.entry(model_name(&path)).or_insert(path);
-        }
-    }
-    Ok(out)
-}
-
-fn first_shard_or_whole(path: &Path) -> bool {
-    let file = path
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let stem = strip_suffix_ci(&file, ".gguf").unwrap_or(&file);
-    split_suffix(stem).is_none_or(|(_, no, _)| no == 1)
 }
 
 enum SingleState {
@@ -164,6 +87,9 @@ struct DirState {
     entries: BTreeMap<String, Entry>,
     /// Alias → model name.
     aliases: BTreeMap<String, String>,
+    /// The server's configuration with the presets these entries were made with (a model
+    /// found later gets its `preset_default`).
+    config: Arc<ServerConfig>,
 }
 
 impl DirState {
@@ -246,7 +172,11 @@ fn dir_state(dir: &Path, config: &Arc<ServerConfig>) -> Result<DirState, ServerE
             }
         }
     }
-    Ok(DirState { entries, aliases })
+    Ok(DirState {
+        entries,
+        aliases,
+        config: config.clone(),
+    })
 }
 
 struct Dir {
@@ -659,8 +589,9 @@ impl Registry {
         if st.resolve(name).is_none() {
             // A model may have been added since the last scan.
             if let Ok(found) = scan_models_dir(&d.dir) {
-                let config = model_config(&self.config, self.config.preset_default.as_ref());
-                let preset = self.config.preset_default.as_ref();
+                let base = st.config.clone();
+                let preset = base.preset_default.as_ref();
+                let config = model_config(&base, preset);
                 for (n, path) in found {
                     if !st.aliases.contains_key(&n) {
                         (st.entries.entry(n))
@@ -713,6 +644,57 @@ impl Registry {
             host
         };
         let _ = tokio::task::spawn_blocking(move || drop(host)).await;
+        d.released.notify_waiters();
+        Ok(())
+    }
+
+    /// Router mode: reads the preset file again (with `--models-preset`) and scans the
+    /// directory, as `GET /models?reload=1` asks. A model whose file, flags and aliases are
+    /// unchanged keeps its state (a loaded one stays loaded); one that is gone or changed is
+    /// replaced by the new list's (a loaded one is unloaded, its requests in flight finish on
+    /// it); new ones are added unloaded. A preset file that no longer reads, or names a missing
+    /// file, is an error and the list stays as it was. It waits for a load in progress.
+    pub async fn reload(&self) -> Result<(), ApiError> {
+        let Mode::Dir(d) = &self.mode else {
+            return Ok(());
+        };
+        let _loading = d.load_lock.lock().await;
+        let (base, dir) = (self.config.clone(), d.dir.clone());
+        let fresh = tokio::task::spawn_blocking(move || {
+            let mut config = (*base).clone();
+            if let Some(read) = &base.preset_reader {
+                let (presets, default) = read().map_err(ApiError::internal)?;
+                config.presets = presets;
+                config.preset_default = default;
+            }
+            dir_state(&dir, &Arc::new(config)).map_err(|e| ApiError::internal(e.to_string()))
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+        let dropped: Vec<Arc<ModelHost>> = {
+            let mut st = lock(&d.state);
+            let old = std::mem::replace(&mut *st, fresh);
+            let mut dropped = Vec::new();
+            for (name, prev) in old.entries {
+                match st.entries.get_mut(&name) {
+                    Some(e)
+                        if e.path == prev.path
+                            && e.args == prev.args
+                            && e.aliases == prev.aliases =>
+                    {
+                        *e = prev;
+                    }
+                    Some(e) => {
+                        // Its leases still end on this name: it counts as busy until they do.
+                        e.in_flight = prev.in_flight;
+                        dropped.extend(prev.host);
+                    }
+                    None => dropped.extend(prev.host),
+                }
+            }
+            dropped
+        };
+        let _ = tokio::task::spawn_blocking(move || drop(dropped)).await;
         d.released.notify_waiters();
         Ok(())
     }
@@ -817,46 +799,5 @@ impl Registry {
         for h in self.loaded() {
             h.scheduler.shutdown();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_from_files() {
-        assert_eq!(model_name(Path::new("/m/gpt-oss-20b.gguf")), "gpt-oss-20b");
-        assert_eq!(
-            model_name(Path::new("/m/gpt-oss-120b-mxfp4-00001-of-00003.gguf")),
-            "gpt-oss-120b-mxfp4"
-        );
-        assert_eq!(model_name(Path::new("x-1-of-2.GGUF")), "x-1-of-2");
-        assert_eq!(split_suffix("a-00002-of-00003"), Some(("a", 2, 3)));
-        assert!(first_shard_or_whole(Path::new("a-00001-of-00003.gguf")));
-        assert!(!first_shard_or_whole(Path::new("a-00002-of-00003.gguf")));
-        assert!(!is_gguf(Path::new("mmproj-x.gguf")));
-    }
-
-    #[test]
-    fn scans_directories() {
-        let dir = std::env::temp_dir().join(format!("hmoe-scan-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("sub")).unwrap();
-        for f in [
-            "a.gguf",
-            "b-00001-of-00002.gguf",
-            "b-00002-of-00002.gguf",
-            "notes.txt",
-            "sub/model.gguf",
-            "sub/mmproj-f16.gguf",
-        ] {
-            std::fs::write(dir.join(f), b"").unwrap();
-        }
-        let found = scan_models_dir(&dir).unwrap();
-        assert_eq!(found.keys().collect::<Vec<_>>(), vec!["a", "b", "sub"]);
-        assert!(found["b"].ends_with("b-00001-of-00002.gguf"));
-        assert!(found["sub"].ends_with("sub/model.gguf"));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

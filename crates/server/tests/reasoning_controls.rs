@@ -199,3 +199,158 @@ fn reasoning_toggles_through_the_openai_client() {
     let r1 = family(R1.0, Some(R1.1), R1_OUT);
     run_client(&py, &r1, "deepseek2-tiny", "deepseek");
 }
+
+/// Llama 3.x templates (the `ipython` header) get today's `date_string`, where the template's
+/// own fallback is a frozen "26 Jul 2024", and their tools in the system message
+/// (`tools_in_user_message: false`), as llama-server gives them; a request's kwarg wins.
+/// FireFunction v2 templates get `datetime` and the tools as `functions`, and no `tools`.
+#[test]
+fn llama3_and_firefunction_templates_get_their_variables() {
+    let llama = "<|start_header_id|>ipython<|end_header_id|>\
+        {%- if not date_string is defined %}{%- set date_string = '26 Jul 2024' %}{%- endif %}\
+        {%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}\
+        Today Date: {{ date_string }}|{% if tools_in_user_message %}user{% else %}system{% endif %}\
+        |{{ tools | length if tools else 0 }}";
+    let today = Command::new("date").args(["-u", "+%d %b %Y"]).output();
+    let today = String::from_utf8(today.expect("date -u").stdout).unwrap();
+    let mut c = tiny_config();
+    c.chat.template = Some(llama.into());
+    let s = start(c);
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters": {}}});
+    let p = prompt(&s, json!({"tools": [tool]}));
+    assert_eq!(
+        p,
+        format!(
+            "<|start_header_id|>ipython<|end_header_id|>Today Date: {}|system|1",
+            today.trim()
+        )
+    );
+    let mine = json!({"chat_template_kwargs": {"date_string": "1 Jan 2000"}});
+    assert!(prompt(&s, mine).ends_with("Today Date: 1 Jan 2000|system|0"));
+
+    let fire = "{%- set suffix = 'Available functions as JSON spec:\\n' + functions -%}\
+        {%- set suffix = suffix + '\\nToday is ' + datetime + '.' -%}\
+        {{ suffix }}|{{ 'none' if tools is none else 'tools' }}{# functools[ #}";
+    let mut c = tiny_config();
+    c.chat.template = Some(fire.into());
+    let s = start(c);
+    let p = prompt(&s, json!({"tools": [tool]}));
+    let functions = "[\n  {\n    \"type\": \"function\",\n    \"function\": {\n      \
+        \"name\": \"f\",\n      \"parameters\": {},\n      \"description\": \"\"\n    }\n  }\n]";
+    assert!(
+        p.starts_with(&format!(
+            "Available functions as JSON spec:\n{functions}\nToday is "
+        )),
+        "{p}"
+    );
+    assert!(p.ends_with(" GMT.|none"), "{p}");
+    assert!(p.contains(&today.trim()[3..6]), "{p}");
+    let p = prompt(&s, json!({}));
+    assert!(
+        p.starts_with("Available functions as JSON spec:\n\nToday is "),
+        "{p}"
+    );
+}
+
+/// A conversation ending with an assistant message is continued from that message, as
+/// llama-server does (and vLLM's `continue_final_message: true`): the generation prompt, then
+/// its content unclosed, which is tokenized as text; `continue_final_message: false` or
+/// `--no-prefill-assistant` close it as a turn. `--verbose` answers carry `__verbose` with the
+/// prompt read back from its tokens.
+#[test]
+fn a_final_assistant_message_is_continued() {
+    let path = fixtures().join(QWEN3.0);
+    let tok = tokenizer(&path);
+    let mut c = tiny_config();
+    c.models = ModelSource::File(path.clone());
+    c.chat.template = Some(chat_fixture(QWEN3.1));
+    c.picker = Some(scripted(&tok, &[(SCRIPTED, "ll be fine<|endoftext|>")]));
+    c.verbose = true;
+    let s = start(c);
+    let conv = |last: &str, extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": last}]});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let head = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(prompt(&s, conv("I wi", json!({}))), format!("{head}I wi"));
+    // Text parts: a user message's one per line, a continued message's by blank lines (as
+    // llama-server writes both).
+    let parts = json!([{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]);
+    let p = prompt(
+        &s,
+        json!({"messages": [{"role": "user", "content": parts},
+                            {"role": "assistant", "content": parts}]}),
+    );
+    assert_eq!(
+        p,
+        "<|im_start|>user\nWh\nill<|im_end|>\n<|im_start|>assistant\nWh\n\nill"
+    );
+    let explicit = json!({"continue_final_message": true, "add_generation_prompt": false});
+    assert_eq!(prompt(&s, conv("I wi", explicit)), format!("{head}I wi"));
+    let closed = prompt(&s, conv("I wi", json!({"continue_final_message": false})));
+    // (Qwen3's template writes an empty think block into the last assistant turn.)
+    assert!(closed.contains("I wi<|im_end|>\n"), "{closed}");
+    assert!(closed.ends_with("<|im_start|>assistant\n"), "{closed}");
+    let both = json!({"continue_final_message": true, "add_generation_prompt": true});
+    assert_eq!(apply(&s, conv("I wi", both)).status, 400);
+    let two = json!({"messages": [{"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]});
+    let r = post(s.local_addr(), "/apply-template", &two);
+    assert_eq!(r.status, 400, "{}", r.body);
+
+    // The continued text is text: a control token typed in it is not one.
+    let count = |last: &str| {
+        let r = post(
+            s.local_addr(),
+            "/chat/completions/input_tokens",
+            &conv(last, json!({})),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["input_tokens"].as_u64().unwrap()
+    };
+    let special = tok.encode("<|endoftext|>", false, true).unwrap();
+    assert_eq!(special.len(), 1, "{special:?}");
+    assert!(count("I wi<|endoftext|>") > count("I wi") + 1);
+
+    let mut body = conv("I wi", json!({"seed": SCRIPTED, "max_tokens": 16}));
+    body["stream"] = false.into();
+    let r = post(s.local_addr(), "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["message"]["content"], "ll be fine");
+    assert_eq!(v["__verbose"]["content"], "ll be fine");
+    let seen = v["__verbose"]["prompt"].as_str().unwrap();
+    assert!(seen.ends_with(&format!("{head}I wi")), "{seen}");
+
+    let mut c = tiny_config();
+    c.models = ModelSource::File(path);
+    c.chat.template = Some(chat_fixture(QWEN3.1));
+    c.chat.no_prefill_assistant = true;
+    let s = start(c);
+    let closed = prompt(&s, conv("I wi", json!({})));
+    assert!(
+        closed.ends_with("I wi<|im_end|>\n<|im_start|>assistant\n"),
+        "{closed}"
+    );
+    let r = post(
+        s.local_addr(),
+        "/v1/chat/completions",
+        &conv("I wi", json!({"max_tokens": 1})),
+    );
+    assert!(r.json().get("__verbose").is_none(), "{}", r.body);
+    // A request may ask for it.
+    let ask = json!({"max_tokens": 1, "verbose": true});
+    let r = post(s.local_addr(), "/v1/chat/completions", &conv("I wi", ask));
+    let seen = r.json()["__verbose"]["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        seen.ends_with("I wi<|im_end|>\n<|im_start|>assistant\n"),
+        "{seen}"
+    );
+}

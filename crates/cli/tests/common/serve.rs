@@ -50,9 +50,16 @@ impl Server {
 /// Starts `hmoe serve ARGS --host 127.0.0.1 --port 0` and returns once `/health` answers 200
 /// (the model is loaded).
 pub fn serve(args: &[&str]) -> Server {
+    serve_with_env(args, &[])
+}
+
+/// [`serve`] with environment variables `env` set.
+#[allow(dead_code)] // not every test sets variables
+pub fn serve_with_env(args: &[&str], env: &[(&str, &std::path::Path)]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hmoe"))
         .arg("serve")
         .args(args)
+        .envs(env.iter().copied())
         .args(["--host", "127.0.0.1", "--port", "0"])
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
