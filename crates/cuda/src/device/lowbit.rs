@@ -165,7 +165,7 @@ impl CudaDevice {
     /// [`CudaDevice::matmul`] for low-bit weights (sizes checked there): the activations in
     /// the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens (the row
     /// decoded once for them), each product in the CPU device's order for this matrix and
-    /// batch size.
+    /// batch size; from sm_80 the K-quants' tiled and repacked orders on tensor cores.
     pub(super) fn matmul_lowbit(
         &self,
         w: &DeviceMatrix,
@@ -179,31 +179,7 @@ impl CudaDevice {
         let (grouped, first, rest) = dense_orders(w.ty, w.rows, n);
         if let Some((mma, _)) = kquant_mma_kernels(w.ty, self.info.compute_capability) {
             if first != LB_VEC && rest != LB_VEC {
-                let ints = [
-                    i32_of(OP, "rows", w.rows)?,
-                    i32_of(OP, "super-blocks per row", w.cols / 256)?,
-                    i32_of(OP, "tokens", n)?,
-                    i32_of(OP, "grouped tokens", grouped)?,
-                    first,
-                    rest,
-                ];
-                let cfg = rows_by_tokens(
-                    OP,
-                    (w.rows, MMA_ROWS_KQ),
-                    (n, TILE_SLOTS),
-                    32 * MMA_WARPS,
-                )?;
-                let row_bytes = w.row_bytes as u64;
-                let mut b = self.builder(mma);
-                b.arg(&w.data).arg(&row_bytes).arg(&ints[0]).arg(&ints[1]).arg(&xq);
-                for v in &ints[2..] {
-                    b.arg(v);
-                }
-                b.arg(y);
-                // SAFETY: argument types match `matmul_mma_<K-quant>`; xq holds n Q8_K rows of
-                // w.cols / 256 blocks and y n rows of w.rows (checked by `matmul`).
-                unsafe { b.launch(cfg) }?;
-                return Ok(());
+                return self.matmul_kquant_mma(mma, w, &xq, n, (grouped, first, rest), y);
             }
         }
         let ints = [
@@ -223,6 +199,41 @@ impl CudaDevice {
         }
         // SAFETY: argument types match `matmul_<low-bit type>`; x holds n rows of w.cols (so
         // xq n activation rows) and y n rows of w.rows (checked by `matmul`).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// [`CudaDevice::matmul_lowbit`] on tensor cores (`kernel`, a `matmul_mma_<K-quant>`) for
+    /// the orders `(grouped, first, rest)` of [`dense_orders`] when neither is `vec_dot`'s:
+    /// `MMA_ROWS_KQ` rows by `TILE_SLOTS` tokens per block.
+    fn matmul_kquant_mma(
+        &self,
+        kernel: &'static str,
+        w: &DeviceMatrix,
+        xq: &CudaSlice<u8>,
+        n: usize,
+        (grouped, first, rest): (usize, i32, i32),
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        let ints = [
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "super-blocks per row", w.cols / 256)?,
+            i32_of(OP, "tokens", n)?,
+            i32_of(OP, "grouped tokens", grouped)?,
+            first,
+            rest,
+        ];
+        let cfg = rows_by_tokens(OP, (w.rows, MMA_ROWS_KQ), (n, TILE_SLOTS), 32 * MMA_WARPS)?;
+        let row_bytes = w.row_bytes as u64;
+        let mut b = self.builder(kernel);
+        b.arg(&w.data).arg(&row_bytes).arg(&ints[0]).arg(&ints[1]).arg(xq);
+        for v in &ints[2..] {
+            b.arg(v);
+        }
+        b.arg(y);
+        // SAFETY: argument types match `matmul_mma_<K-quant>`; xq holds n Q8_K rows of
+        // w.cols / 256 blocks and y n rows of w.rows (checked by `matmul`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

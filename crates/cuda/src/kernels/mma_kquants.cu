@@ -20,7 +20,7 @@
 // mma.cu: while super-block i is decoded and multiplied, cp.async brings the raw weight bytes
 // of super-block i + 1 (16-byte-aligned windows) and the whole Q8_K activation blocks (4-byte
 // copies: 292-byte blocks are 4-byte aligned) into the other buffer. Decoding writes each
-// weight row's 256 quants as int8 (Q6_K's minus 32, so the sums need no correction), the
+// weight row's 256 quants as int8 (kq_word; Q6_K's minus 32, so the sums need no correction), the
 // scales and mins of its 16-value groups, d and dmin. Warp w owns rows 16 * (w % 2) .. + 15 and
 // the slot group 8 * (w / 2) .. + 7 (skipped when the tile has no slot there): lane (g, t)
 // keeps the outputs (row g, slots 2t, 2t + 1) and (row g + 8, the same slots). Per 32-value
@@ -36,6 +36,40 @@
 // stride of 76 puts the B-fragment loads of 8 slots in distinct banks.
 #define KQ_ACT_WORDS 73
 #define KQ_ACT_STRIDE 76
+
+// Bytewise x - d (each byte of x at most 127, d's bytes at most 64): a byte's high bit set
+// first, so no byte borrows from the next, then flipped back.
+__device__ __forceinline__ u32 sub_bytes(u32 x, u32 d) {
+    return ((x | 0x80808080u) - d) ^ 0x80808080u;
+}
+
+// Elements 4k .. 4k + 3 of a K-quant super-block b as int8 (the signed value kq_q<TY> gives;
+// Q6_K's minus 32), one word: each format keeps four consecutive elements in four
+// consecutive bytes (at the same bit position), so one word of each array does it.
+template <int TY>
+__device__ __forceinline__ int kq_word(const u8* b, int k) {
+    int t = 4 * k % 32;  // e % 32 of the first element; e / 32 = k / 8
+    if (TY == TY_Q2_K || TY == TY_Q3_K) {
+        int qs = TY == TY_Q2_K ? 16 : 32;
+        u32 low = ((u32)load_i8x4_bytes(b + qs + 32 * (k / 32) + t) >> (2 * (k % 32 / 8))) &
+                  0x03030303u;
+        if (TY == TY_Q2_K) return (int)low;
+        u32 hm = ((u32)load_i8x4_bytes(b + t) >> (k / 8)) & 0x01010101u;
+        return (int)sub_bytes(low | (hm << 2), 0x04040404u);
+    }
+    if (TY == TY_Q4_K || TY == TY_Q5_K) {
+        int qs = TY == TY_Q4_K ? 16 : 48;
+        u32 q = ((u32)load_i8x4_bytes(b + qs + 32 * (k / 16) + t) >> (4 * (k / 8 % 2))) &
+                0x0F0F0F0Fu;
+        if (TY == TY_Q5_K) q |= (((u32)load_i8x4_bytes(b + 16 + t) >> (k / 8)) & 0x01010101u) << 4;
+        return (int)q;
+    }
+    int half = k / 32, group = k % 32 / 8;
+    u32 low = ((u32)load_i8x4_bytes(b + 64 * half + 32 * (group & 1) + t) >> (4 * (group >> 1))) &
+              0x0F0F0F0Fu;
+    u32 high = ((u32)load_i8x4_bytes(b + 128 + 32 * half + t) >> (2 * group)) & 0x03030303u;
+    return (int)sub_bytes(low | (high << 4), 0x20202020u);
+}
 
 // The sum of m_g * bsum_g over groups g0 .. g1 - 1 of a staged activation block (mins of 0
 // for the types without).
@@ -107,15 +141,12 @@ __device__ void kq_mma_impl(const u8* w, u64 row_bytes, int rows, int nsb, const
         __syncthreads();  // super-block sb is in; the products of sb - 1 are done
         if (sb + 1 < nsb) issue(sb + 1, buf ^ 1);
         for (int i = tid; i < MMA_ROWS_KQ * 64; i += blockDim.x) {
-            int r = i / 64, k = i % 64, v[4] = {0, 0, 0, 0};
+            int r = i / 64, k = i % 64, v = 0;
             if (r0 + r < rows) {
                 const u8* src = w + (u64)(r0 + r) * row_bytes + (u64)sb * BB;
-                const u8* wb = wraw[buf][r] + window_shift(src);
-                for (int e = 0; e < 4; e++) {
-                    v[e] = kq_q<TY>(wb, 4 * k + e) - (TY == TY_Q6_K ? 32 : 0);
-                }
+                v = kq_word<TY>(wraw[buf][r] + window_shift(src), k);
             }
-            ws[r][k] = pack_i8x4(v[0], v[1], v[2], v[3]);
+            ws[r][k] = v;
         }
         for (int i = tid; i < MMA_ROWS_KQ * 16; i += blockDim.x) {
             int r = i / 16, gi = i % 16, sc = 0, mn = 0;
