@@ -186,29 +186,19 @@ __device__ void mma_impl(const u8* w, u64 row_bytes, int rows, int nb, const u8*
         cp_async_wait_all();
         __syncthreads();  // k-tile c is in; the products of k-tile c - 1 are done
         if (kb0 + KB < nb) issue(kb0 + KB, nb - kb0 - KB < KB ? nb - kb0 - KB : KB, buf ^ 1);
-        for (int i = tid; i < ROWS * KB; i += blockDim.x) {
-            int r = i / KB, b = i % KB;
-            int* dst = &ws[r][8 * b];
-            if (r0 + r < rows && b < kbn) {
+        stage_k_tile<TY, ROWS, KB, 8 * KB + 4, 8 * KB + 4>(
+            ws, wsc, xs, xsc, kbn,
+            [&](int r) -> const u8* {
+                if (r0 + r >= rows) return nullptr;
                 const u8* src = w + (u64)(r0 + r) * row_bytes + (u64)kb0 * WB;
-                stage_weight_block<TY>(wraw[buf][r] + window_shift(src), b, dst, &wsc[r][b]);
-            } else {
-                wsc[r][b] = 0.f;
-                for (int j = 0; j < 8; j++) dst[j] = 0;
-            }
-        }
-        for (int i = tid; i < TILE_SLOTS * KB; i += blockDim.x) {
-            int s = i / KB, b = i % KB;
-            int slot = slot_of[s];
-            if (slot >= 0 && b < kbn) {
+                return wraw[buf][r] + window_shift(src);
+            },
+            [&](int s) -> const u8* {
+                int slot = slot_of[s];
+                if (slot < 0) return nullptr;
                 const u8* src = act + ((u64)(slot / act_div) * (u64)nb + (u64)kb0) * 34u;
-                stage_act_block(xraw[buf][s] + window_shift(src) + 34 * b, &xs[s][8 * b],
-                                &xsc[s][b]);
-            } else {
-                xsc[s][b] = 0.f;
-                for (int j = 0; j < 8; j++) xs[s][8 * b + j] = 0;
-            }
-        }
+                return xraw[buf][s] + window_shift(src);
+            });
         __syncthreads();
         if (wslot >= nt) continue;  // no live slot for this warp (warp-uniform)
         for (int b = 0; b < kbn; b++) {
