@@ -245,15 +245,15 @@ impl CudaDevice {
         let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         // SAFETY: as above.
         let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        self.moe_mm(&w.gate, &xq, k, (&offsets, &order), &mut g)?;
-        self.moe_mm(&w.up, &xq, k, (&offsets, &order), &mut u)?;
+        self.moe_mm(&w.gate, &xq, k, (&offsets, &order), 1, &mut g)?;
+        self.moe_mm(&w.up, &xq, k, (&offsets, &order), 1, &mut u)?;
         let h = self.moe_gated(w, act, (&g, &u), selected, slots)?;
 
         let hq = self.quantize_q8_0(&h, slots * ff)?;
         // SAFETY: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
         // others.
         let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
-        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
+        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), 1, &mut y)?;
         self.moe_add_down_bias(w, &mut y, selected, slots)?;
         Ok(y)
     }
@@ -400,12 +400,15 @@ impl CudaDevice {
 
     /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
     /// by `moe_group` (`groups` = its offsets and order); act: Q8_0 rows of `experts.cols`.
+    /// From sm_80 only the experts with at least `min_count` (≥ 1) slots (the tile list's);
+    /// before, every expert.
     pub(super) fn moe_mm(
         &self,
         experts: &DeviceExperts,
         act: &CudaSlice<u8>,
         act_div: usize,
         (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
+        min_count: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe_mm";
@@ -422,7 +425,7 @@ impl CudaDevice {
         let row_tiles = experts.rows.div_ceil(kernel.rows_per_block as usize);
         // sm_80+: a block per tile of the list; before: a block per expert.
         let tiles = match has_int8_mma(cc) {
-            true => Some(self.moe_tiles(offsets, order.len(), experts.n_expert, 1)?),
+            true => Some(self.moe_tiles(offsets, order.len(), experts.n_expert, min_count)?),
             false => None,
         };
         let grid_y = match &tiles {

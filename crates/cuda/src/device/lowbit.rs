@@ -10,10 +10,12 @@
 //! for a dense matmul's complete groups of four tokens), llama.cpp's tiled K-quant order from
 //! [`TILED_MIN_TOKENS`] tokens (for experts: slots routed to the expert), ggml's `vec_dot`
 //! otherwise. The launch code picks the order as that code does, and the kernels compute it
-//! step for step, so the results are the CPU device's bits. From sm_80 the K-quants' tiled and
-//! repacked orders (integer sums per super-block or pair of sub-blocks) run on int8 tensor
-//! cores (`matmul_mma_*`, `moe_mm_mma_*` in `kernels/mma_kquants.cu`), and Q8_0 experts of a
-//! low-bit set on Q8_0's (`moe_mm_mma_q8_0`, the same `vec_dot` order).
+//! step for step, so the results are the CPU device's bits. From sm_80, batches (dense
+//! matmuls of [`TILED_MIN_TOKENS`] tokens or more, experts with that many routed slots) in the
+//! K-quants' tiled and repacked orders (integer sums per super-block or pair of sub-blocks)
+//! run on int8 tensor cores (`matmul_mma_*`, `moe_mm_mma_*` in `kernels/mma_kquants.cu`), and
+//! Q8_0 experts of a low-bit set on Q8_0's (`moe_mm_mma_q8_0`, the same `vec_dot` order);
+//! decode keeps the warp kernels.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use hmoe_quant::{vec_dot_type, GgmlType, TILED_MIN_TOKENS};
@@ -178,7 +180,8 @@ impl CudaDevice {
         let xq = self.quantize_acts(vec_dot_type(w.ty), x, n * w.cols)?;
         let (grouped, first, rest) = dense_orders(w.ty, w.rows, n);
         if let Some((mma, _)) = kquant_mma_kernels(w.ty, self.info.compute_capability) {
-            if first != LB_VEC && rest != LB_VEC {
+            // Batches (decode keeps the warp kernels) in orders that start from integer sums.
+            if n >= TILED_MIN_TOKENS && first != LB_VEC && rest != LB_VEC {
                 return self.matmul_kquant_mma(mma, w, &xq, n, (grouped, first, rest), y);
             }
         }
@@ -369,22 +372,19 @@ impl CudaDevice {
         const OP: &str = "moe";
         let (_, name) = product_kernels(experts.ty, OP)?;
         let cc = self.info.compute_capability;
-        if experts.ty == GgmlType::Q8_0 && has_int8_mma(cc) {
-            return self.moe_mm(experts, act, act_div, (offsets, order), out);
-        }
         let rep = repacked(experts.ty, experts.rows);
-        // Experts with at least this many slots are on tensor cores (0: none).
+        // From sm_80 the experts with at least TILED_MIN_TOKENS slots run on tensor cores (in
+        // the tiled or repacked order, or Q8_0's vec_dot), the others (decode's) on the warp
+        // kernels; mma_from 0: all on the warp kernels.
+        let groups = (offsets, order);
         let mut mma_from = 0;
-        if let Some((_, mma)) = kquant_mma_kernels(experts.ty, cc) {
-            let (mode, from) = match rep {
-                true => (LB_BLOCK, 1),
-                false => (LB_TILED, TILED_MIN_TOKENS),
-            };
-            self.moe_kquant_mma(mma, experts, act, act_div, (offsets, order), (mode, from), out)?;
-            if rep {
-                return Ok(());
-            }
-            mma_from = i32_of(OP, "tiled minimum", from)?;
+        if experts.ty == GgmlType::Q8_0 && has_int8_mma(cc) {
+            self.moe_mm(experts, act, act_div, groups, TILED_MIN_TOKENS, out)?;
+            mma_from = i32_of(OP, "tiled minimum", TILED_MIN_TOKENS)?;
+        } else if let Some((_, mma)) = kquant_mma_kernels(experts.ty, cc) {
+            let mode = if rep { LB_BLOCK } else { LB_TILED };
+            self.moe_kquant_mma(mma, experts, act, act_div, groups, mode, out)?;
+            mma_from = i32_of(OP, "tiled minimum", TILED_MIN_TOKENS)?;
         }
         let ints = [
             i32_of(OP, "rows", experts.rows)?,
@@ -422,9 +422,9 @@ impl CudaDevice {
     }
 
     /// The products of [`CudaDevice::moe_lowbit`] on tensor cores (`kernel`, a
-    /// `moe_mm_mma_<K-quant>`) for the experts with at least `from` routed slots, all in
-    /// `mode` (`LB_TILED` or `LB_BLOCK`), a block per tile of their slots (`moe_tiles`) and
-    /// `MMA_ROWS_KQ` rows.
+    /// `moe_mm_mma_<K-quant>`) for the experts with at least `TILED_MIN_TOKENS` routed slots,
+    /// all in `mode` (`LB_TILED` or `LB_BLOCK`), a block per tile of their slots
+    /// (`moe_tiles`) and `MMA_ROWS_KQ` rows.
     #[allow(clippy::too_many_arguments)]
     fn moe_kquant_mma(
         &self,
@@ -433,11 +433,12 @@ impl CudaDevice {
         act: &CudaSlice<u8>,
         act_div: usize,
         (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
-        (mode, from): (i32, usize),
+        mode: i32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe";
-        let (tiles, max) = self.moe_tiles(offsets, order.len(), experts.n_expert, from)?;
+        let (tiles, max) =
+            self.moe_tiles(offsets, order.len(), experts.n_expert, TILED_MIN_TOKENS)?;
         let ints = [
             i32_of(OP, "rows", experts.rows)?,
             i32_of(OP, "super-blocks per row", experts.cols / 256)?,

@@ -1,19 +1,20 @@
 // ---------------------------------------------------------------------------------------------
-// K-quant products (Q2_K .. Q6_K weights, Q8_K activations) on int8 tensor cores (sm_80+;
-// device/lowbit.rs picks them there for the orders below, lowbit_products.cu's warp kernels
-// otherwise), with the bits of those kernels. The CPU device's orders that these serve all
-// start from exact integer sums per super-block (or per pair of sub-blocks):
-//   LB_TILED (K-quants from TILED_MIN_TOKENS tokens, and experts with that many slots):
+// K-quant products (Q2_K .. Q6_K weights, Q8_K activations) of batches on int8 tensor cores
+// (sm_80+: device/lowbit.rs picks them for dense matmuls of TILED_MIN_TOKENS tokens or more
+// and experts with that many routed slots; lowbit_products.cu's warp kernels take the rest,
+// moe_lowbit_* skipping the experts these take), with the bits of the warp kernels. The CPU
+// device's orders for such batches all start from exact integer sums per super-block (or per
+// pair of sub-blocks):
+//   LB_TILED (K-quants that are not repacked):
 //             s1 = sum_g sc_g * isum_g, r = f32(s1) * d_w, r = fma(-dmin_w, f32(s2), r) with
 //             s2 = sum_g m_g * bsum_g, acc = fma(r, d_a, acc);
-//   LB_BLOCK (repacked Q4_K, every expert and a dense matmul's last tokens):
+//   LB_BLOCK (repacked Q4_K: experts, and a dense matmul's tokens after its groups of four):
 //             acc = fma(f32(s1), d_w * d_a, acc), acc2 = fma(f32(s2), dmin_w * d_a, acc2),
 //             acc - acc2 at the end;
 //   LB_PAIR  (repacked Q4_K, a dense matmul's complete groups of four tokens): the same per
 //             pair of 32-element sub-blocks.
-// ggml's vec_dot order (LB_VEC: eight float chains of partial sums across the sub-blocks)
-// stays with the warp kernels: fewer than TILED_MIN_TOKENS tokens, or an expert with fewer
-// routed slots than that (moe_lowbit_* skips the experts these kernels take).
+// ggml's vec_dot order (LB_VEC: eight float chains of partial sums across the sub-blocks,
+// fewer tokens) stays with the warp kernels.
 //
 // A block of MMA_WARPS warps multiplies MMA_ROWS_KQ weight rows by one tile of up to
 // TILE_SLOTS activation rows, a super-block (256 values) at a time, double-buffered like

@@ -78,13 +78,13 @@ fn emulated_tensor_core_products_give_the_reference_backends_bits() {
 }
 
 /// The K-quant tensor-core products (kernels/mma_kquants.cu) for every K-quant type: dense
-/// matmuls of 1, 7, 33, 130 and 600 tokens on a matrix the CPU device repacks (40 rows: Q4_K's
-/// pair and block orders, the groups of four ending inside a tile) and one it does not (37:
-/// the tiled order from 8 tokens; `vec_dot` below, on the warp kernels), two super-blocks per
-/// row, weights of extreme scales; and MoE blocks of each type alone and of the Q4_K_M mixes
-/// (Q4_K gate/up with Q6_K down; Q5_0 with Q8_0 down, whose Q8_0 experts take the Q8_0
-/// tensor-core kernel), whose experts get 0, 1, 7, 8 (the tiled threshold), 9, 33, … routed
-/// slots, experts under the threshold on the warp kernels; REF0's bits.
+/// matmuls of 1, 7 (decode sizes: the warp kernels), 8, 13, 33, 130 and 600 tokens on a matrix
+/// the CPU device repacks (40 rows: Q4_K's pair and block orders, a group of four cut by the
+/// end of the batch) and one it does not (37 rows: the tiled order), two super-blocks per row,
+/// weights of extreme scales; and MoE blocks of each type alone and of the Q4_K_M mixes (Q4_K
+/// gate/up with Q6_K down; Q5_0 with Q8_0 down, whose Q8_0 experts take the Q8_0 tensor-core
+/// kernel), whose experts get 0, 1, 7, 8 (the tensor cores' threshold), 9, 33, … routed slots
+/// (those under 8 on the warp kernels); REF0's bits.
 #[test]
 #[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_kquant_tensor_core_products_give_the_reference_backends_bits() {
@@ -97,7 +97,7 @@ fn emulated_kquant_tensor_core_products_give_the_reference_backends_bits() {
     let mut cases = 0;
     for ty in [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K] {
         for shape in [(40, 512), (37, 512)] {
-            for n in [1usize, 7, 33, 130, 600] {
+            for n in [1usize, 7, 8, 13, 33, 130, 600] {
                 matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), shape, n);
                 cases += 1;
             }

@@ -247,8 +247,8 @@ static std::vector<int> tile_list(const int* offsets, int ne, int slots, int min
 }
 
 // lowbit.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot; with
-// mma (an sm_80+ device) the tensor-core kernels for Q8_0 experts, and for K-quant experts
-// with the tiled (at least tiled_min slots) or repacked order.
+// mma (an sm_80+ device) the experts with at least tiled_min slots on the tensor-core kernels
+// (Q8_0 and K-quant experts; tiled or repacked order), the others on the warp kernels.
 static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int cols, const u8* act, int div,
                        const int* offsets, const int* order, int slots, bool mma, float* out) {
     unsigned long long rb = w.size() / ((size_t)ne * rows);
@@ -256,9 +256,9 @@ static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int c
     int tiled_min = 8;                                       // hmoe_quant::TILED_MIN_TOKENS
     int mma_from = 0;
     if (mma && (ty == 8 || (ty >= 10 && ty <= 14))) {
-        int from = ty == 8 || repacked ? 1 : tiled_min, mode = repacked ? 2 : 1;  // LB_BLOCK, LB_TILED
+        int mode = repacked ? 2 : 1;  // LB_BLOCK, LB_TILED
         unsigned max = 0;
-        auto tiles = tile_list(offsets, ne, slots, from, &max);
+        auto tiles = tile_list(offsets, ne, slots, tiled_min, &max);
         const int* tp = tiles.data();
         unsigned rpb = ty == 8 ? MMA_ROWS_Q8_0 : MMA_ROWS_KQ;
         launch({cdiv(rows, rpb), max, 1}, {32 * MMA_WARPS, 1, 1}, [&] {
@@ -269,8 +269,7 @@ static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int c
             case 13: CALL_KQ_MOE(q5_k); break; case 14: CALL_KQ_MOE(q6_k); break;
             }
         });
-        if (ty == 8 || repacked) return;
-        mma_from = from;
+        mma_from = tiled_min;
     }
     launch({cdiv(rows, ROW_WARPS), (unsigned)ne, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
 #define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, offsets, order, repacked, tiled_min, mma_from, out)
@@ -322,7 +321,7 @@ int main(int argc, char** argv) {
             }
             float* yp = y.data();
             const u8 *wp = w.data(), *xqp = xq.data();
-            if (mma && kq && first != 0 && rest != 0) {  // lowbit.rs: kquant_mma_kernels, not LB_VEC
+            if (mma && kq && n >= 8 && first != 0 && rest != 0) {  // lowbit.rs: matmul_lowbit
                 launch({cdiv(rows, MMA_ROWS_KQ), cdiv(n, TILE_SLOTS), 1}, {32 * MMA_WARPS, 1, 1}, [&] {
 #define CALL_KQ_MM(S) matmul_mma_##S(wp, rb, rows, cols / 256, xqp, n, grouped, first, rest, yp)
                     switch (ty) {
