@@ -171,6 +171,8 @@ pub(crate) const MMA_WARPS: u32 = 8;
 pub(crate) const MMA_ROWS_MXFP4: u32 = 128;
 /// Weight rows per block of the tensor-core Q8_0 products (`MMA_ROWS_Q8_0` in the source).
 pub(crate) const MMA_ROWS_Q8_0: u32 = 64;
+/// Weight rows per block of the tensor-core K-quant products (`MMA_ROWS_KQ` in the source).
+pub(crate) const MMA_ROWS_KQ: u32 = 32;
 /// Tokens (or expert slots) per warp of the low-bit products (`LB_TOKENS` in the source).
 pub(crate) const LB_TOKENS: u32 = 8;
 /// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).

@@ -108,10 +108,11 @@ __device__ __forceinline__ float small_int_to_float(int i) {
     return __int_as_float(0x4B400000 + i) - 12582912.f;
 }
 
-// Piece p (16 bytes) of the 16-byte-aligned window that holds src[0 .. bytes), by cp.async into
-// dst + 16 p (dst 16-byte aligned; src[0] lands at dst + window_shift(src)). Pieces past the
-// window are skipped, and bytes past src + bytes are zero-filled, not read; the bytes before
-// src in its window are read (they lie in the same allocation: buffers start 16-byte aligned).
+// Piece p (16 bytes) of the 16-byte-aligned window that holds the bytes src .. src + bytes - 1,
+// by cp.async into dst + 16 p (dst 16-byte aligned; src[0] lands at dst + window_shift(src)).
+// Pieces past the window are skipped, and bytes from src + bytes on are zero-filled, not read;
+// the bytes before src in its window are read (they lie in the same allocation: buffers start
+// 16-byte aligned).
 __device__ __forceinline__ int window_shift(const u8* src) { return (int)((u64)src & 15u); }
 __device__ __forceinline__ void cp_async_window_piece(u8* dst, const u8* src, int bytes, int p) {
     int shift = window_shift(src);
