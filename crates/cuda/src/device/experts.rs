@@ -384,7 +384,10 @@ impl CudaDevice {
         })?;
         // SAFETY: moe_tiles writes the count and every entry below it, the only ones read.
         let mut tiles = unsafe { self.stream.alloc::<i32>(1 + 3 * max) }?;
-        let (ne_i, min_i) = (i32_of(OP, "experts", ne)?, i32_of(OP, "minimum", min_count)?);
+        let (ne_i, min_i) = (
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "minimum", min_count)?,
+        );
         let mut b = self.builder("moe_tiles");
         b.arg(offsets).arg(&ne_i).arg(&min_i).arg(&mut tiles);
         let one_block = LaunchConfig {

@@ -230,7 +230,11 @@ impl CudaDevice {
         let cfg = rows_by_tokens(OP, (w.rows, MMA_ROWS_KQ), (n, TILE_SLOTS), 32 * MMA_WARPS)?;
         let row_bytes = w.row_bytes as u64;
         let mut b = self.builder(kernel);
-        b.arg(&w.data).arg(&row_bytes).arg(&ints[0]).arg(&ints[1]).arg(xq);
+        b.arg(&w.data)
+            .arg(&row_bytes)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(xq);
         for v in &ints[2..] {
             b.arg(v);
         }
@@ -452,7 +456,10 @@ impl CudaDevice {
         };
         let row_bytes = experts.row_bytes as u64;
         let mut b = self.builder(kernel);
-        b.arg(&experts.data).arg(&row_bytes).arg(&ints[0]).arg(&ints[1]);
+        b.arg(&experts.data)
+            .arg(&row_bytes)
+            .arg(&ints[0])
+            .arg(&ints[1]);
         b.arg(act).arg(&act_div_i).arg(&tiles).arg(order).arg(&mode);
         b.arg(out);
         // SAFETY: argument types match `moe_mm_mma_<K-quant>`; experts holds n_expert × rows

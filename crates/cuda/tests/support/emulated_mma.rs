@@ -114,7 +114,11 @@ fn emulated_kquant_tensor_core_products_give_the_reference_backends_bits() {
     ];
     let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
     for (i, types) in sets.into_iter().enumerate() {
-        let tokens: &[usize] = if i == 0 { &[1, 7, 33, 130, 600] } else { &[7, 130] };
+        let tokens: &[usize] = if i == 0 {
+            &[1, 7, 33, 130, 600]
+        } else {
+            &[7, 130]
+        };
         for &n in tokens {
             let (ne, k) = (8, 2);
             let sel = routed(&mut rng, &[0, 1, 7, 8, 9, 33, 130], ne, n, k);
@@ -125,7 +129,15 @@ fn emulated_kquant_tensor_core_products_give_the_reference_backends_bits() {
                 n,
                 k,
             };
-            moe_case(&emu, &cpu, &mut rng, (types, Arch::Sm80), shape, &sel, acts[n % 2]);
+            moe_case(
+                &emu,
+                &cpu,
+                &mut rng,
+                (types, Arch::Sm80),
+                shape,
+                &sel,
+                acts[n % 2],
+            );
             cases += 1;
         }
     }
