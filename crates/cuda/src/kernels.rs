@@ -25,6 +25,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/routing.cu"),
     include_str!("kernels/attention_chunked.cu"),
     include_str!("kernels/mma.cu"),
+    include_str!("kernels/mma_kquants.cu"),
 );
 
 /// Every `extern "C"` entry point in [`SOURCE`] that the Rust side launches.
@@ -137,6 +138,17 @@ pub const KERNELS: &[&str] = &[
     "matmul_mma_mxfp4",
     "moe_mm_mma_q8_0",
     "moe_mm_mma_mxfp4",
+    "moe_tiles",
+    "matmul_mma_q2_k",
+    "matmul_mma_q3_k",
+    "matmul_mma_q4_k",
+    "matmul_mma_q5_k",
+    "matmul_mma_q6_k",
+    "moe_mm_mma_q2_k",
+    "moe_mm_mma_q3_k",
+    "moe_mm_mma_q4_k",
+    "moe_mm_mma_q5_k",
+    "moe_mm_mma_q6_k",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -159,6 +171,8 @@ pub(crate) const MMA_WARPS: u32 = 8;
 pub(crate) const MMA_ROWS_MXFP4: u32 = 128;
 /// Weight rows per block of the tensor-core Q8_0 products (`MMA_ROWS_Q8_0` in the source).
 pub(crate) const MMA_ROWS_Q8_0: u32 = 64;
+/// Weight rows per block of the tensor-core K-quant products (`MMA_ROWS_KQ` in the source).
+pub(crate) const MMA_ROWS_KQ: u32 = 32;
 /// Tokens (or expert slots) per warp of the low-bit products (`LB_TOKENS` in the source).
 pub(crate) const LB_TOKENS: u32 = 8;
 /// The most experts `moe_group` handles (`MOE_MAX_EXPERTS` in the source).
@@ -291,6 +305,8 @@ mod tests {
             ("matmul_tiled_", "MATMUL_TILED"),
             ("matmul_mma_", "MATMUL_MMA"),
             ("moe_mm_mma_", "MOE_MM_MMA"),
+            ("matmul_mma_", "KQ_MMA"),
+            ("moe_mm_mma_", "KQ_MMA"),
             ("moe_mm_", "MOE_MM"),
             ("matmul_heads_", "MATMUL_HEADS"),
             ("matmul_heads_", "HEADS_LOWBIT"),
@@ -360,6 +376,7 @@ mod tests {
             ("MMA_WARPS", MMA_WARPS as usize),
             ("MMA_ROWS_MXFP4", MMA_ROWS_MXFP4 as usize),
             ("MMA_ROWS_Q8_0", MMA_ROWS_Q8_0 as usize),
+            ("MMA_ROWS_KQ", MMA_ROWS_KQ as usize),
             ("MOE_MAX_EXPERTS", MOE_MAX_EXPERTS),
             ("LB_TOKENS", LB_TOKENS as usize),
             ("ATT_WARPS", ATT_WARPS as usize),

@@ -31,6 +31,9 @@ use common::{
 mod emulator;
 use emulator::{assert_bits, compare, exact, reported, s, weights, Emulator};
 
+#[path = "support/emulated_mma.rs"]
+mod emulated_mma;
+
 /// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
 /// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of
 /// extreme scales ([`extreme_scales`]); `Older` with the kernels the launch code picks below
@@ -372,66 +375,6 @@ fn emulated_kernels_give_the_reference_backends_bits() {
     }
 
     attention_cases(&emu, &cpu, &mut rng);
-}
-
-/// The int8 tensor-core products (kernels/mma.cu, an sm_80+ device's) alone, for batches of
-/// 1 … 600 tokens: dense Q8_0 and MXFP4 matmuls (a partial row tile, a partial chunk of
-/// blocks, tokens of very different magnitudes), and MoE blocks whose experts get 0, 1, 7, 8,
-/// 9, 33, … routed slots (out-of-range ids too), all with weights of extreme scales; REF0's bits.
-#[test]
-#[ignore = "slow (minutes): cargo test -p hmoe-cuda --test emulated -- --ignored"]
-fn emulated_tensor_core_products_give_the_reference_backends_bits() {
-    use rand::seq::SliceRandom;
-    let Some(emu) = Emulator::build("mma") else {
-        return;
-    };
-    let cpu = Ref0::new();
-    let mut rng = StdRng::seed_from_u64(45);
-    let acts = [(KERNEL_ACT, true), (GatedAct::Silu, false)];
-    let (mut overflowed, mut subnormal) = (0, 0);
-    for (i, n) in [1usize, 7, 16, 33, 130, 600].into_iter().enumerate() {
-        for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
-            let y = matmul_case(&emu, &cpu, &mut rng, (ty, Arch::Sm80), (70, 160), n);
-            overflowed += y.iter().filter(|v| !v.is_finite()).count();
-            // Products of E8M0 scales 2^-129 … 2^-127 with small tokens (f16 scales cannot
-            // get there).
-            if ty == GgmlType::MXFP4 {
-                subnormal += y.iter().filter(|v| v.is_subnormal()).count();
-            }
-            // Expert e gets the e-th count (while slots last), the rest go to expert 7 or
-            // nowhere (-1).
-            let (ne, k) = (8, 2);
-            let mut sel: Vec<i32> = [0usize, 1, 7, 8, 9, 33, 130]
-                .iter()
-                .enumerate()
-                .flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c))
-                .chain((0..).map(|j| [7, -1][j % 2]))
-                .take(n * k)
-                .collect();
-            sel.shuffle(&mut rng);
-            let shape = MoeShape {
-                ne,
-                d: 64,
-                ff: 96,
-                n,
-                k,
-            };
-            moe_case(
-                &emu,
-                &cpu,
-                &mut rng,
-                ([ty; 3], Arch::Sm80),
-                shape,
-                &sel,
-                acts[i % 2],
-            );
-        }
-    }
-    eprintln!("dense outputs: {overflowed} overflowed, {subnormal} subnormal");
-    assert!(
-        overflowed > 0 && subnormal > 0,
-        "the extreme scales were not reached"
-    );
 }
 
 /// Attention over random rings of every type pair (quantized pairs on the shapes whose heads

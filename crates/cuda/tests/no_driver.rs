@@ -76,8 +76,8 @@ fn yarn_parameters_for_gpt_oss() {
 
 /// Compiles the kernels (kernels/*.cu) for sm_80 and sm_70 with clang's CUDA front end when
 /// clang is installed (syntax, types, inline PTX constraints); skipped otherwise. NVRTC is the
-/// real compiler. The int8 tensor-core instructions (kernels/mma.cu) are in sm_80's PTX only:
-/// sm_70's has the entry points, empty.
+/// real compiler. The int8 tensor-core instructions and the asynchronous copies (kernels/mma.cu,
+/// kernels/mma_kquants.cu) are in sm_80's PTX only: sm_70's has the entry points, empty.
 #[test]
 fn kernel_source_compiles_with_clang_when_available() {
     let clang = std::env::var("HMOE_CLANG").unwrap_or_else(|_| "clang".into());
@@ -117,7 +117,10 @@ fn kernel_source_compiles_with_clang_when_available() {
                 "{name} missing from the {arch} PTX"
             );
         }
-        let tensor_cores = ptx.contains("mma.sync.aligned.m16n8k32") && ptx.contains("ldmatrix");
+        let tensor_cores = ptx.contains("mma.sync.aligned.m16n8k32")
+            && ptx.contains("ldmatrix")
+            && ptx.contains("cp.async.cg.shared.global")
+            && ptx.contains("cp.async.wait_all");
         assert_eq!(tensor_cores, arch == "sm_80", "tensor-core PTX for {arch}");
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -96,7 +96,7 @@ pub(super) fn tiled_kernel(
     compute_capability: (u32, u32),
 ) -> TiledKernel {
     let mxfp4 = ty == GgmlType::MXFP4;
-    if compute_capability.0 >= 8 {
+    if has_int8_mma(compute_capability) {
         let name = match (experts, mxfp4) {
             (true, true) => "moe_mm_mma_mxfp4",
             (true, false) => "moe_mm_mma_q8_0",
@@ -122,6 +122,33 @@ pub(super) fn tiled_kernel(
             threads: 256,
         }
     }
+}
+
+/// Whether a device of `compute_capability` has the int8 tensor-core instructions the `*_mma_*`
+/// kernels use (`mma.sync` m16n8k32, `ldmatrix`, `cp.async`: sm_80 on).
+pub(super) fn has_int8_mma(compute_capability: (u32, u32)) -> bool {
+    compute_capability.0 >= 8
+}
+
+/// The tensor-core products of a K-quant `ty` (Q2_K … Q6_K) for a device of
+/// `compute_capability`: `(dense, experts)` entry points (`matmul_mma_*`, `moe_mm_mma_*`; both
+/// `MMA_ROWS_KQ` rows and `32 * MMA_WARPS` threads per block); none for other types or before
+/// sm_80. They serve the CPU device's tiled and repacked orders, not `vec_dot`'s.
+pub(super) fn kquant_mma_kernels(
+    ty: GgmlType,
+    compute_capability: (u32, u32),
+) -> Option<(&'static str, &'static str)> {
+    if !has_int8_mma(compute_capability) {
+        return None;
+    }
+    Some(match ty {
+        GgmlType::Q2_K => ("matmul_mma_q2_k", "moe_mm_mma_q2_k"),
+        GgmlType::Q3_K => ("matmul_mma_q3_k", "moe_mm_mma_q3_k"),
+        GgmlType::Q4_K => ("matmul_mma_q4_k", "moe_mm_mma_q4_k"),
+        GgmlType::Q5_K => ("matmul_mma_q5_k", "moe_mm_mma_q5_k"),
+        GgmlType::Q6_K => ("matmul_mma_q6_k", "moe_mm_mma_q6_k"),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -170,6 +197,21 @@ mod tests {
                 let name = tiled_kernel(ty, experts, (7, 5)).name;
                 assert!(crate::kernels::KERNELS.contains(&name), "{name}");
             }
+        }
+    }
+
+    #[test]
+    fn kquant_tensor_core_products_from_sm_80() {
+        use GgmlType::*;
+        for ty in [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K] {
+            assert!(kquant_mma_kernels(ty, (7, 5)).is_none());
+            let (dense, experts) = kquant_mma_kernels(ty, (8, 0)).unwrap();
+            for name in [dense, experts] {
+                assert!(crate::kernels::KERNELS.contains(&name), "{name}");
+            }
+        }
+        for ty in [Q4_0, Q5_1, Q8_0, MXFP4, F16] {
+            assert!(kquant_mma_kernels(ty, (9, 0)).is_none());
         }
     }
 }

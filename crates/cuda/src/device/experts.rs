@@ -2,20 +2,20 @@
 //! gated activation, down products, the biases and the weighted sum of each token's slots.
 //! Small batches run a warp per slot and row (`moe_gate_up_*`, `moe_down_*`); large batches
 //! of Q8_0/MXFP4 experts group the slots by expert (`moe_group`) for the tiled products
-//! (`moe_mm_*`, on int8 tensor cores from sm_80: `moe_mm_mma_*`); sets with low-bit experts
-//! take `lowbit`'s products.
+//! (`moe_mm_*`, on int8 tensor cores from sm_80: `moe_mm_mma_*` over a list of tiles of each
+//! expert's slots, `moe_tiles`); sets with low-bit experts take `lowbit`'s products.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_quant::GgmlType;
 
-use super::capabilities::{is_lowbit, tiled_kernel};
+use super::capabilities::{has_int8_mma, is_lowbit, tiled_kernel};
 use super::matmul::push_acts;
 use super::{
     grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceExperts, ExpertAct, MoeWeights,
     MAX_GRID_Y,
 };
 use crate::error::{ensure, CudaError};
-use crate::kernels::{MOE_MAX_EXPERTS, ROW_WARPS};
+use crate::kernels::{MOE_MAX_EXPERTS, ROW_WARPS, TILE_SLOTS};
 
 /// Expert slots (tokens × experts per token) from which Q8_0/MXFP4 experts use the tiled
 /// kernels (a weight row read once per tile of an expert's slots) instead of a warp per slot
@@ -245,15 +245,15 @@ impl CudaDevice {
         let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
         // SAFETY: as above.
         let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        self.moe_mm(&w.gate, &xq, k, (&offsets, &order), &mut g)?;
-        self.moe_mm(&w.up, &xq, k, (&offsets, &order), &mut u)?;
+        self.moe_mm(&w.gate, &xq, k, (&offsets, &order), 1, &mut g)?;
+        self.moe_mm(&w.up, &xq, k, (&offsets, &order), 1, &mut u)?;
         let h = self.moe_gated(w, act, (&g, &u), selected, slots)?;
 
         let hq = self.quantize_q8_0(&h, slots * ff)?;
         // SAFETY: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
         // others.
         let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
-        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), &mut y)?;
+        self.moe_mm(&w.down, &hq, 1, (&offsets, &order), 1, &mut y)?;
         self.moe_add_down_bias(w, &mut y, selected, slots)?;
         Ok(y)
     }
@@ -365,14 +365,53 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// The tiles of the tensor-core expert products (`moe_tiles`): the slots of every expert
+    /// with at least `min_count` (≥ 1) of them, grouped by `moe_group` (`offsets`), split into
+    /// tiles of near-equal width of at most `TILE_SLOTS`. Returns the list (its count first,
+    /// then `(expert, begin, end)` per tile) and the most tiles it can hold for `slots` slots
+    /// of `ne` experts: the grid's second dimension (blocks past the count return at once).
+    pub(super) fn moe_tiles(
+        &self,
+        offsets: &CudaSlice<i32>,
+        slots: usize,
+        ne: usize,
+        min_count: usize,
+    ) -> Result<(CudaSlice<i32>, u32), CudaError> {
+        const OP: &str = "moe_tiles";
+        let max = slots.div_ceil(TILE_SLOTS as usize) + ne.min(slots);
+        ensure(max > 0 && max <= MAX_GRID_Y, OP, || {
+            format!("{max} tiles of {slots} slots")
+        })?;
+        // SAFETY: moe_tiles writes the count and every entry below it, the only ones read.
+        let mut tiles = unsafe { self.stream.alloc::<i32>(1 + 3 * max) }?;
+        let (ne_i, min_i) = (
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "minimum", min_count)?,
+        );
+        let mut b = self.builder("moe_tiles");
+        b.arg(offsets).arg(&ne_i).arg(&min_i).arg(&mut tiles);
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match `moe_tiles`; offsets holds ne + 1 values (moe_group),
+        // tiles room for the most tiles there can be (1 + 3 × max).
+        unsafe { b.launch(one_block) }?;
+        Ok((tiles, u32_of(OP, "tiles", max)?))
+    }
+
     /// `out[slot] = experts[e] · act[slot / act_div]` for every slot grouped under expert `e`
     /// by `moe_group` (`groups` = its offsets and order); act: Q8_0 rows of `experts.cols`.
-    fn moe_mm(
+    /// From sm_80 only the experts with at least `min_count` (≥ 1) slots (the tile list's);
+    /// before, every expert.
+    pub(super) fn moe_mm(
         &self,
         experts: &DeviceExperts,
         act: &CudaSlice<u8>,
         act_div: usize,
         (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
+        min_count: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe_mm";
@@ -380,21 +419,24 @@ impl CudaDevice {
             let ty = experts.ty;
             return Err(CudaError::UnsupportedType { ty, op: OP });
         }
-        let kernel = tiled_kernel(experts.ty, true, self.info.compute_capability);
+        let cc = self.info.compute_capability;
+        let kernel = tiled_kernel(experts.ty, true, cc);
         let rows_i = i32_of(OP, "rows", experts.rows)?;
         let nb_i = i32_of(OP, "blocks per row", experts.cols / 32)?;
         let act_div_i = i32_of(OP, "act_div", act_div)?;
         let row_bytes = experts.row_bytes as u64;
+        let row_tiles = experts.rows.div_ceil(kernel.rows_per_block as usize);
+        // sm_80+: a block per tile of the list; before: a block per expert.
+        let tiles = match has_int8_mma(cc) {
+            true => Some(self.moe_tiles(offsets, order.len(), experts.n_expert, min_count)?),
+            false => None,
+        };
+        let grid_y = match &tiles {
+            Some((_, max)) => *max,
+            None => u32_of(OP, "experts", experts.n_expert)?,
+        };
         let cfg = LaunchConfig {
-            grid_dim: (
-                u32_of(
-                    OP,
-                    "row tiles",
-                    experts.rows.div_ceil(kernel.rows_per_block as usize),
-                )?,
-                u32_of(OP, "experts", experts.n_expert)?,
-                1,
-            ),
+            grid_dim: (u32_of(OP, "row tiles", row_tiles)?, grid_y, 1),
             block_dim: (kernel.threads, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -404,13 +446,16 @@ impl CudaDevice {
             .arg(&rows_i)
             .arg(&nb_i)
             .arg(act)
-            .arg(&act_div_i)
-            .arg(offsets)
-            .arg(order)
-            .arg(out);
-        // SAFETY: argument types match `moe_mm_*` and `moe_mm_mma_*`; experts holds n_expert × rows rows of
-        // row_bytes, act the Q8_0 rows its slots name and out a row of `rows` per slot (sizes
-        // from CudaDevice::moe's checks).
+            .arg(&act_div_i);
+        match &tiles {
+            Some((list, _)) => b.arg(list),
+            None => b.arg(offsets),
+        };
+        b.arg(order).arg(out);
+        // SAFETY: argument types match `moe_mm_*` (offsets) and `moe_mm_mma_*` (the tile
+        // list, grid.y its capacity); experts holds n_expert × rows rows of row_bytes, act
+        // the Q8_0 rows its slots name and out a row of `rows` per slot (sizes from
+        // CudaDevice::moe's checks).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

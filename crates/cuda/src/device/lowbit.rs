@@ -10,16 +10,23 @@
 //! for a dense matmul's complete groups of four tokens), llama.cpp's tiled K-quant order from
 //! [`TILED_MIN_TOKENS`] tokens (for experts: slots routed to the expert), ggml's `vec_dot`
 //! otherwise. The launch code picks the order as that code does, and the kernels compute it
-//! step for step, so the results are the CPU device's bits.
+//! step for step, so the results are the CPU device's bits. From sm_80, batches (dense
+//! matmuls of [`TILED_MIN_TOKENS`] tokens or more, experts with that many routed slots) in the
+//! K-quants' tiled and repacked orders (integer sums per super-block or pair of sub-blocks)
+//! run on int8 tensor cores (`matmul_mma_*`, `moe_mm_mma_*` in `kernels/mma_kquants.cu`), and
+//! Q8_0 experts of a low-bit set on Q8_0's (`moe_mm_mma_q8_0`, the same `vec_dot` order);
+//! decode keeps the warp kernels.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use hmoe_quant::{vec_dot_type, GgmlType, TILED_MIN_TOKENS};
 
+use super::capabilities::{has_int8_mma, kquant_mma_kernels};
 use super::{
-    grid_1d, i32_of, rows_by_tokens, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct, MoeWeights,
+    grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceExperts, DeviceMatrix, ExpertAct,
+    MoeWeights,
 };
 use crate::error::{ensure, CudaError};
-use crate::kernels::{LB_TOKENS, ROW_WARPS};
+use crate::kernels::{LB_TOKENS, MMA_ROWS_KQ, MMA_WARPS, ROW_WARPS, TILE_SLOTS};
 
 /// The summation orders of the low-bit products (`LB_*` in the source).
 const LB_VEC: i32 = 0;
@@ -160,7 +167,7 @@ impl CudaDevice {
     /// [`CudaDevice::matmul`] for low-bit weights (sizes checked there): the activations in
     /// the weight's `vec_dot_type`, then a warp per row and `LB_TOKENS` tokens (the row
     /// decoded once for them), each product in the CPU device's order for this matrix and
-    /// batch size.
+    /// batch size; from sm_80 the K-quants' tiled and repacked orders on tensor cores.
     pub(super) fn matmul_lowbit(
         &self,
         w: &DeviceMatrix,
@@ -172,6 +179,12 @@ impl CudaDevice {
         let (name, _) = product_kernels(w.ty, OP)?;
         let xq = self.quantize_acts(vec_dot_type(w.ty), x, n * w.cols)?;
         let (grouped, first, rest) = dense_orders(w.ty, w.rows, n);
+        if let Some((mma, _)) = kquant_mma_kernels(w.ty, self.info.compute_capability) {
+            // Batches (decode keeps the warp kernels) in orders that start from integer sums.
+            if n >= TILED_MIN_TOKENS && first != LB_VEC && rest != LB_VEC {
+                return self.matmul_kquant_mma(mma, w, &xq, n, (grouped, first, rest), y);
+            }
+        }
         let ints = [
             i32_of(OP, "rows", w.rows)?,
             i32_of(OP, "cols", w.cols)?,
@@ -189,6 +202,45 @@ impl CudaDevice {
         }
         // SAFETY: argument types match `matmul_<low-bit type>`; x holds n rows of w.cols (so
         // xq n activation rows) and y n rows of w.rows (checked by `matmul`).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// [`CudaDevice::matmul_lowbit`] on tensor cores (`kernel`, a `matmul_mma_<K-quant>`) for
+    /// the orders `(grouped, first, rest)` of [`dense_orders`] when neither is `vec_dot`'s:
+    /// `MMA_ROWS_KQ` rows by `TILE_SLOTS` tokens per block.
+    fn matmul_kquant_mma(
+        &self,
+        kernel: &'static str,
+        w: &DeviceMatrix,
+        xq: &CudaSlice<u8>,
+        n: usize,
+        (grouped, first, rest): (usize, i32, i32),
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "matmul";
+        let ints = [
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "super-blocks per row", w.cols / 256)?,
+            i32_of(OP, "tokens", n)?,
+            i32_of(OP, "grouped tokens", grouped)?,
+            first,
+            rest,
+        ];
+        let cfg = rows_by_tokens(OP, (w.rows, MMA_ROWS_KQ), (n, TILE_SLOTS), 32 * MMA_WARPS)?;
+        let row_bytes = w.row_bytes as u64;
+        let mut b = self.builder(kernel);
+        b.arg(&w.data)
+            .arg(&row_bytes)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(xq);
+        for v in &ints[2..] {
+            b.arg(v);
+        }
+        b.arg(y);
+        // SAFETY: argument types match `matmul_mma_<K-quant>`; xq holds n Q8_K rows of
+        // w.cols / 256 blocks and y n rows of w.rows (checked by `matmul`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -323,14 +375,30 @@ impl CudaDevice {
     ) -> Result<(), CudaError> {
         const OP: &str = "moe";
         let (_, name) = product_kernels(experts.ty, OP)?;
+        let cc = self.info.compute_capability;
+        let rep = repacked(experts.ty, experts.rows);
+        // From sm_80 the experts with at least TILED_MIN_TOKENS slots run on tensor cores (in
+        // the tiled or repacked order, or Q8_0's vec_dot), the others (decode's) on the warp
+        // kernels; mma_from 0: all on the warp kernels.
+        let groups = (offsets, order);
+        let mut mma_from = 0;
+        if experts.ty == GgmlType::Q8_0 && has_int8_mma(cc) {
+            self.moe_mm(experts, act, act_div, groups, TILED_MIN_TOKENS, out)?;
+            mma_from = i32_of(OP, "tiled minimum", TILED_MIN_TOKENS)?;
+        } else if let Some((_, mma)) = kquant_mma_kernels(experts.ty, cc) {
+            let mode = if rep { LB_BLOCK } else { LB_TILED };
+            self.moe_kquant_mma(mma, experts, act, act_div, groups, mode, out)?;
+            mma_from = i32_of(OP, "tiled minimum", TILED_MIN_TOKENS)?;
+        }
         let ints = [
             i32_of(OP, "rows", experts.rows)?,
             i32_of(OP, "cols", experts.cols)?,
         ];
         let act_div_i = i32_of(OP, "act_div", act_div)?;
         let tail = [
-            i32::from(repacked(experts.ty, experts.rows)),
+            i32::from(rep),
             i32_of(OP, "tiled minimum", TILED_MIN_TOKENS)?,
+            mma_from,
         ];
         let row_bytes = experts.row_bytes as u64;
         let cfg = rows_by_tokens(
@@ -353,6 +421,50 @@ impl CudaDevice {
         // row_bytes, act the activation rows its slots name (slot / act_div < the rows
         // quantized by the caller), out a row of `rows` per slot; offsets holds n_expert + 1
         // values and order a slot for each of the offsets' entries (from moe_group).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The products of [`CudaDevice::moe_lowbit`] on tensor cores (`kernel`, a
+    /// `moe_mm_mma_<K-quant>`) for the experts with at least `TILED_MIN_TOKENS` routed slots,
+    /// all in `mode` (`LB_TILED` or `LB_BLOCK`), a block per tile of their slots
+    /// (`moe_tiles`) and `MMA_ROWS_KQ` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_kquant_mma(
+        &self,
+        kernel: &'static str,
+        experts: &DeviceExperts,
+        act: &CudaSlice<u8>,
+        act_div: usize,
+        (offsets, order): (&CudaSlice<i32>, &CudaSlice<i32>),
+        mode: i32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe";
+        let (tiles, max) =
+            self.moe_tiles(offsets, order.len(), experts.n_expert, TILED_MIN_TOKENS)?;
+        let ints = [
+            i32_of(OP, "rows", experts.rows)?,
+            i32_of(OP, "super-blocks per row", experts.cols / 256)?,
+        ];
+        let act_div_i = i32_of(OP, "act_div", act_div)?;
+        let row_tiles = experts.rows.div_ceil(MMA_ROWS_KQ as usize);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (u32_of(OP, "row tiles", row_tiles)?, max, 1),
+            block_dim: (32 * MMA_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let row_bytes = experts.row_bytes as u64;
+        let mut b = self.builder(kernel);
+        b.arg(&experts.data)
+            .arg(&row_bytes)
+            .arg(&ints[0])
+            .arg(&ints[1]);
+        b.arg(act).arg(&act_div_i).arg(&tiles).arg(order).arg(&mode);
+        b.arg(out);
+        // SAFETY: argument types match `moe_mm_mma_<K-quant>`; experts holds n_expert × rows
+        // rows of row_bytes, act the Q8_K rows its slots name, out a row of `rows` per slot;
+        // the tile list (grid.y its capacity) names slots of `order` only.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -107,34 +107,6 @@ __device__ __forceinline__ void dp4a_q8_0_blocks(const u8* wr, const u8* xr, u64
     }
 }
 
-// NT tokens from t0 of a Q8_0 product (see the top): lane k of each 8-lane group owns
-// accumulator k of one row and token. Lanes past the last row compute row 0 and store nothing.
-template <int NT>
-__device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float* y, int rows,
-                                 int nb, int t0) {
-    int lane = threadIdx.x % WARP, k = lane % 8;
-    int r = (blockIdx.x * ROW_WARPS + threadIdx.x / WARP) * DP4A_Q8_0_ROWS + lane / 8;
-    const u8* wr = w + (u64)(r < rows ? r : 0) * row_bytes;
-    u64 xs = (u64)nb * 34u;
-    const u8* xr = x + (u64)t0 * xs;
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
-    int b = 0;
-    for (; b + DP4A_CHUNK <= nb; b += DP4A_CHUNK) {
-        dp4a_q8_0_blocks<NT, DP4A_CHUNK>(wr, xr, xs, k, b, acc);
-    }
-    for (; b < nb; b++) dp4a_q8_0_blocks<NT, 1>(wr, xr, xs, k, b, acc);
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = acc[t];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);  // a_k + a_(k+4)
-        v += __shfl_xor_sync(0xffffffffu, v, 2);  // (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        if (k == 0 && r < rows) y[(u64)(t0 + t) * rows + r] = v;
-    }
-}
-
 // Blocks b0 .. b0 + U - 1 of an MXFP4 row (wr) times NT tokens into the row's chains, lane l
 // taking nibble bytes 4l..4l+3: the U blocks' exponents and weight words are loaded first,
 // then the products follow in block order. Every lane of the warp must call it (it shuffles).
@@ -164,25 +136,66 @@ __device__ __forceinline__ void dp4a_mxfp4_blocks(const u8* wr, const u8* xr, u6
     }
 }
 
-// NT tokens from t0 of an MXFP4 product (see the top): lane l of each 4-lane group takes
-// nibble bytes 4l..4l+3 of one row's blocks. Lanes past the last row compute row 0.
-template <int NT>
-__device__ void dp4a_mxfp4_tokens(const u8* w, u64 row_bytes, const u8* x, float* y, int rows,
-                                  int nb, int t0) {
-    int lane = threadIdx.x % WARP, l = lane % 4;
-    int r = (blockIdx.x * ROW_WARPS + threadIdx.x / WARP) * DP4A_MXFP4_ROWS + lane / 4;
+// Row r of an NT-token product of TY weights (Q8_0: 8 lanes per row, DP4A_Q8_0_ROWS rows per
+// warp; MXFP4: 4 lanes, DP4A_MXFP4_ROWS) through all nb blocks into acc, DP4A_CHUNK blocks at a
+// time, then the rest one by one; returns r. Lanes past the last row compute row 0. Every lane
+// of the warp must call it (the MXFP4 blocks shuffle).
+template <int TY, int NT>
+__device__ __forceinline__ int dp4a_row_tokens(const u8* w, u64 row_bytes, const u8* x, int rows,
+                                               int nb, int t0, float* acc) {
+    const int LANES = TY == TY_MXFP4 ? 4 : 8;
+    const int RPW = TY == TY_MXFP4 ? DP4A_MXFP4_ROWS : DP4A_Q8_0_ROWS;
+    int lane = threadIdx.x % WARP, part = lane % LANES;
+    int r = (blockIdx.x * ROW_WARPS + threadIdx.x / WARP) * RPW + lane / LANES;
     const u8* wr = w + (u64)(r < rows ? r : 0) * row_bytes;
     u64 xs = (u64)nb * 34u;
     const u8* xr = x + (u64)t0 * xs;
-    float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
     int b = 0;
     for (; b + DP4A_CHUNK <= nb; b += DP4A_CHUNK) {
-        dp4a_mxfp4_blocks<NT, DP4A_CHUNK>(wr, xr, xs, l, b, acc);
+        if (TY == TY_MXFP4) {
+            dp4a_mxfp4_blocks<NT, DP4A_CHUNK>(wr, xr, xs, part, b, acc);
+        } else {
+            dp4a_q8_0_blocks<NT, DP4A_CHUNK>(wr, xr, xs, part, b, acc);
+        }
     }
-    for (; b < nb; b++) dp4a_mxfp4_blocks<NT, 1>(wr, xr, xs, l, b, acc);
-    if (l != 0 || r >= rows) return;
+    for (; b < nb; b++) {
+        if (TY == TY_MXFP4) {
+            dp4a_mxfp4_blocks<NT, 1>(wr, xr, xs, part, b, acc);
+        } else {
+            dp4a_q8_0_blocks<NT, 1>(wr, xr, xs, part, b, acc);
+        }
+    }
+    return r;
+}
+
+// NT tokens from t0 of a Q8_0 product (see the top): lane k of each 8-lane group owns
+// accumulator k of one row and token.
+template <int NT>
+__device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float* y, int rows,
+                                 int nb, int t0) {
+    float acc[NT];
+    int r = dp4a_row_tokens<TY_Q8_0, NT>(w, row_bytes, x, rows, nb, t0, acc);
+    int k = threadIdx.x % 8;
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = acc[t];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);  // a_k + a_(k+4)
+        v += __shfl_xor_sync(0xffffffffu, v, 2);  // (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        if (k == 0 && r < rows) y[(u64)(t0 + t) * rows + r] = v;
+    }
+}
+
+// NT tokens from t0 of an MXFP4 product (see the top): lane l of each 4-lane group takes
+// nibble bytes 4l..4l+3 of one row's blocks.
+template <int NT>
+__device__ void dp4a_mxfp4_tokens(const u8* w, u64 row_bytes, const u8* x, float* y, int rows,
+                                  int nb, int t0) {
+    float acc[NT];
+    int r = dp4a_row_tokens<TY_MXFP4, NT>(w, row_bytes, x, rows, nb, t0, acc);
+    if (threadIdx.x % 4 != 0 || r >= rows) return;
 #pragma unroll
     for (int t = 0; t < NT; t++) y[(u64)(t0 + t) * rows + r] = acc[t];
 }

@@ -395,17 +395,19 @@ __device__ void matmul_lowbit_impl(const u8* w, u64 row_bytes, const u8* xq, flo
 // out[slot][r] = experts[e][r] . act[slot / act_div] for the slots of expert e grouped by
 // moe_group (offsets, order), LB_TOKENS slots at a time, in the CPU device's order for an
 // expert matmul: LB_BLOCK for repacked experts, LB_TILED for K-quants when at least tiled_min
-// slots route to e, else LB_VEC. Slots with an id out of range are not written (moe_swiglu and
-// moe_down_bias do not read them). grid = (ceil(rows / ROW_WARPS), n_expert),
+// slots route to e, else LB_VEC. Experts with at least mma_from slots are left to the
+// tensor-core kernels (mma_from 0: none). Slots with an id out of range are not written
+// (moe_swiglu and moe_down_bias do not read them). grid = (ceil(rows / ROW_WARPS), n_expert),
 // block = ROW_WARPS * 32.
 template <int TY>
 __device__ void moe_lowbit_impl(const u8* w, u64 row_bytes, int rows, int cols, const u8* act,
                                 int act_div, const int* offsets, const int* order, int repacked,
-                                int tiled_min, float* out) {
+                                int tiled_min, int mma_from, float* out) {
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     int e = blockIdx.y;
     if (r >= rows) return;
     int begin = offsets[e], end = offsets[e + 1];
+    if (mma_from > 0 && end - begin >= mma_from) return;
     int m = repacked ? LB_BLOCK : (is_kquant(TY) && end - begin >= tiled_min ? LB_TILED : LB_VEC);
     const u8* row = w + ((u64)e * rows + r) * row_bytes;
     for (int i0 = begin; i0 < end; i0 += LB_TOKENS) {
@@ -439,9 +441,10 @@ __device__ void moe_lowbit_impl(const u8* w, u64 row_bytes, int rows, int cols, 
     }                                                                                           \
     extern "C" __global__ void moe_lowbit_##SUFFIX(                                            \
         const u8* w, u64 row_bytes, int rows, int cols, const u8* act, int act_div,            \
-        const int* offsets, const int* order, int repacked, int tiled_min, float* out) {        \
+        const int* offsets, const int* order, int repacked, int tiled_min, int mma_from,        \
+        float* out) {                                                                           \
         moe_lowbit_impl<TY>(w, row_bytes, rows, cols, act, act_div, offsets, order, repacked,   \
-                            tiled_min, out);                                                    \
+                            tiled_min, mma_from, out);                                          \
     }
 
 LOWBIT(q4_0, TY_Q4_0)
@@ -458,9 +461,9 @@ LOWBIT(q6_k, TY_Q6_K)
 extern "C" __global__ void moe_lowbit_q8_0(const u8* w, u64 row_bytes, int rows, int cols,
                                            const u8* act, int act_div, const int* offsets,
                                            const int* order, int repacked, int tiled_min,
-                                           float* out) {
+                                           int mma_from, float* out) {
     moe_lowbit_impl<TY_Q8_0>(w, row_bytes, rows, cols, act, act_div, offsets, order, repacked,
-                             tiled_min, out);
+                             tiled_min, mma_from, out);
 }
 
 // Per-head products of low-bit weights (MLA's attn_k_b / attn_v_b in low-bit files):

@@ -76,6 +76,37 @@ __device__ __forceinline__ void stage_act_block(const u8* ab, int* dst, float* s
     }
 }
 
+// Decodes a k-tile of kbn <= KB quant blocks into the int8 tiles of a tiled product (the
+// block's threads together): weight row r's blocks from wrow(r) (TY: Q8_0 or MXFP4; null for a
+// row past the matrix) into ws[r] and wsc[r], slot s's Q8_0 activation blocks from xrow(s)
+// (null for no slot) into xs[s] and xsc[s]; zeros for the rest.
+template <int TY, int ROWS, int KB, int WST, int XST, class WRow, class XRow>
+__device__ __forceinline__ void stage_k_tile(int (*ws)[WST], float (*wsc)[KB], int (*xs)[XST],
+                                             float (*xsc)[KB], int kbn, WRow wrow, XRow xrow) {
+    for (int i = threadIdx.x; i < ROWS * KB; i += blockDim.x) {
+        int r = i / KB, b = i % KB;
+        int* dst = &ws[r][8 * b];
+        const u8* row = b < kbn ? wrow(r) : nullptr;
+        if (row) {
+            stage_weight_block<TY>(row, b, dst, &wsc[r][b]);
+        } else {
+            wsc[r][b] = 0.f;
+            for (int j = 0; j < 8; j++) dst[j] = 0;
+        }
+    }
+    for (int i = threadIdx.x; i < TILE_SLOTS * KB; i += blockDim.x) {
+        int s = i / KB, b = i % KB;
+        int* dst = &xs[s][8 * b];
+        const u8* row = b < kbn ? xrow(s) : nullptr;
+        if (row) {
+            stage_act_block(row + 34 * b, dst, &xsc[s][b]);
+        } else {
+            xsc[s][b] = 0.f;
+            for (int j = 0; j < 8; j++) dst[j] = 0;
+        }
+    }
+}
+
 // out[slot][r] = w[r] . act[slot / act_div] for the slots order[beg .. end] (or beg .. end
 // themselves when order is null) and the TILE_ROWS rows from blockIdx.x * TILE_ROWS; w: rows
 // of nb blocks of TY, act: rows of nb Q8_0 blocks. block = 256: thread t owns row
@@ -106,28 +137,18 @@ __device__ void tiled_impl(const u8* w, u64 row_bytes, int rows, int nb, const u
         for (int kb0 = 0; kb0 < nb; kb0 += TILE_KB) {
             int kbn = nb - kb0 < TILE_KB ? nb - kb0 : TILE_KB;
             __syncthreads();  // slot_of is set; the previous chunk has been used
-            for (int i = tid; i < TILE_ROWS * TILE_KB; i += blockDim.x) {
-                int r = i / TILE_KB, b = i % TILE_KB;
-                int* dst = &ws[r][8 * b];
-                if (r0 + r < rows && b < kbn) {
-                    stage_weight_block<TY>(w + (u64)(r0 + r) * row_bytes, kb0 + b, dst, &wsc[r][b]);
-                } else {
-                    wsc[r][b] = 0.f;
-                    for (int j = 0; j < 8; j++) dst[j] = 0;
-                }
-            }
-            for (int i = tid; i < TILE_SLOTS * TILE_KB; i += blockDim.x) {
-                int s = i / TILE_KB, b = i % TILE_KB;
-                int slot = slot_of[s];
-                int* dst = &xs[s][8 * b];
-                if (slot >= 0 && b < kbn) {
-                    const u8* ab = act + ((u64)(slot / act_div) * (u64)nb + (u64)(kb0 + b)) * 34u;
-                    stage_act_block(ab, dst, &xsc[s][b]);
-                } else {
-                    xsc[s][b] = 0.f;
-                    for (int j = 0; j < 8; j++) dst[j] = 0;
-                }
-            }
+            const int WB = TY == TY_MXFP4 ? 17 : 34;
+            stage_k_tile<TY, TILE_ROWS, TILE_KB, 8 * TILE_KB + 4, 8 * TILE_KB>(
+                ws, wsc, xs, xsc, kbn,
+                [&](int r) -> const u8* {
+                    if (r0 + r >= rows) return nullptr;
+                    return w + (u64)(r0 + r) * row_bytes + (u64)kb0 * WB;
+                },
+                [&](int s) -> const u8* {
+                    int slot = slot_of[s];
+                    if (slot < 0) return nullptr;
+                    return act + ((u64)(slot / act_div) * (u64)nb + (u64)kb0) * 34u;
+                });
             __syncthreads();
             for (int b = 0; b < kbn; b++) {
                 int wv[8];

@@ -121,6 +121,37 @@ void ldmatrix_x4(int r[4], const void* row) {
     g_ctx->warps[w]->arrive_and_wait();
 }
 
+// cp.async (cp_async_16, cp_async_4): each thread's copies wait in a queue of its own until it
+// calls cp_async_wait_all, so a kernel that reads a buffer before waiting for its copies
+// reads stale bytes here too; addresses must be aligned as the PTX requires.
+struct PendingCopy {
+    void* dst;
+    const void* src;
+    int n, size;
+};
+thread_local std::vector<PendingCopy> g_copies;
+static void check_aligned(const void* p, unsigned a, const char* what) {
+    if ((uintptr_t)p % a != 0) { fprintf(stderr, "%s: unaligned address\n", what); abort(); }
+}
+void cp_async_16(void* dst, const void* src, int src_bytes) {
+    check_aligned(dst, 16, "cp_async_16 dst");
+    check_aligned(src, 16, "cp_async_16 src");
+    if (src_bytes < 0 || src_bytes > 16) { fprintf(stderr, "cp_async_16: %d bytes\n", src_bytes); abort(); }
+    g_copies.push_back({dst, src, src_bytes, 16});
+}
+void cp_async_4(void* dst, const void* src) {
+    check_aligned(dst, 4, "cp_async_4 dst");
+    check_aligned(src, 4, "cp_async_4 src");
+    g_copies.push_back({dst, src, 4, 4});
+}
+void cp_async_wait_all() {
+    for (auto& c : g_copies) {
+        memcpy(c.dst, c.src, c.n);
+        memset((char*)c.dst + c.n, 0, c.size - c.n);
+    }
+    g_copies.clear();
+}
+
 #include "k_host.cu"
 
 template <class F> void launch(uint3 grid, uint3 block, F body) {
@@ -143,6 +174,7 @@ template <class F> void launch(uint3 grid, uint3 block, F body) {
                         threadIdx = {t, 0, 0};
                         blockIdx = {x, y, z};
                         body();
+                        if (!g_copies.empty()) { fprintf(stderr, "cp.async copies never waited for\n"); abort(); }
                         ctx.block->arrive_and_drop();
                         ctx.warps[t / 32]->arrive_and_drop();
                     });
@@ -203,14 +235,44 @@ static std::vector<u8> quantize_act(int act, const float* x, size_t len) {
     case 12: CALL(q4_k); break; case 13: CALL(q5_k); break; case 14: CALL(q6_k); break; \
     case 8: CALL(q8_0); break; }
 
-// lowbit.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot.
+// experts.rs's moe_tiles: the tile list of the tensor-core expert products for the experts with
+// at least min_count slots, and its capacity (the launch's grid.y) in *max.
+static std::vector<int> tile_list(const int* offsets, int ne, int slots, int min_count, unsigned* max) {
+    *max = cdiv(slots, TILE_SLOTS) + (unsigned)(ne < slots ? ne : slots);
+    std::vector<int> tiles(1 + 3 * *max, -7);
+    int* tp = tiles.data();
+    launch({1, 1, 1}, {32, 1, 1}, [&] { moe_tiles(offsets, ne, min_count, tp); });
+    if (tiles[0] < 0 || tiles[0] > (int)*max) { fprintf(stderr, "moe_tiles: %d tiles\n", tiles[0]); abort(); }
+    return tiles;
+}
+
+// lowbit.rs's moe_lowbit launch: products of the experts of w (type ty) for every slot; with
+// mma (an sm_80+ device) the experts with at least tiled_min slots on the tensor-core kernels
+// (Q8_0 and K-quant experts; tiled or repacked order), the others on the warp kernels.
 static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int cols, const u8* act, int div,
-                       const int* offsets, const int* order, float* out) {
+                       const int* offsets, const int* order, int slots, bool mma, float* out) {
     unsigned long long rb = w.size() / ((size_t)ne * rows);
     int repacked = (ty == 2 || ty == 12) && rows % 8 == 0;  // lowbit.rs: repacked
     int tiled_min = 8;                                       // hmoe_quant::TILED_MIN_TOKENS
+    int mma_from = 0;
+    if (mma && (ty == 8 || (ty >= 10 && ty <= 14))) {
+        int mode = repacked ? 2 : 1;  // LB_BLOCK, LB_TILED
+        unsigned max = 0;
+        auto tiles = tile_list(offsets, ne, slots, tiled_min, &max);
+        const int* tp = tiles.data();
+        unsigned rpb = ty == 8 ? MMA_ROWS_Q8_0 : MMA_ROWS_KQ;
+        launch({cdiv(rows, rpb), max, 1}, {32 * MMA_WARPS, 1, 1}, [&] {
+#define CALL_KQ_MOE(S) moe_mm_mma_##S(w.data(), rb, rows, cols / 256, act, div, tp, order, mode, out)
+            switch (ty) {
+            case 8: moe_mm_mma_q8_0(w.data(), rb, rows, cols / 32, act, div, tp, order, out); break;
+            case 10: CALL_KQ_MOE(q2_k); break; case 11: CALL_KQ_MOE(q3_k); break; case 12: CALL_KQ_MOE(q4_k); break;
+            case 13: CALL_KQ_MOE(q5_k); break; case 14: CALL_KQ_MOE(q6_k); break;
+            }
+        });
+        mma_from = tiled_min;
+    }
     launch({cdiv(rows, ROW_WARPS), (unsigned)ne, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
-#define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, offsets, order, repacked, tiled_min, out)
+#define CALL_MOE(S) moe_lowbit_##S(w.data(), rb, rows, cols, act, div, offsets, order, repacked, tiled_min, mma_from, out)
         LOWBIT_SWITCH(ty, CALL_MOE)
     });
 }
@@ -259,6 +321,17 @@ int main(int argc, char** argv) {
             }
             float* yp = y.data();
             const u8 *wp = w.data(), *xqp = xq.data();
+            if (mma && kq && n >= 8 && first != 0 && rest != 0) {  // lowbit.rs: matmul_lowbit
+                launch({cdiv(rows, MMA_ROWS_KQ), cdiv(n, TILE_SLOTS), 1}, {32 * MMA_WARPS, 1, 1}, [&] {
+#define CALL_KQ_MM(S) matmul_mma_##S(wp, rb, rows, cols / 256, xqp, n, grouped, first, rest, yp)
+                    switch (ty) {
+                    case 10: CALL_KQ_MM(q2_k); break; case 11: CALL_KQ_MM(q3_k); break; case 12: CALL_KQ_MM(q4_k); break;
+                    case 13: CALL_KQ_MM(q5_k); break; case 14: CALL_KQ_MM(q6_k); break;
+                    }
+                });
+                wr(P("y"), y);
+                return 0;
+            }
             launch({cdiv(rows, ROW_WARPS), cdiv(n, LB_TOKENS), 1}, {ROW_WARPS * 32, 1, 1}, [&] {
 #define CALL_MM(S) matmul_##S(wp, rb, xqp, yp, rows, cols, n, grouped, first, rest)
                 switch (ty) {
@@ -341,23 +414,25 @@ int main(int argc, char** argv) {
             auto xg = quantize_act(act_type(ty), x.data(), (size_t)n * d);
             auto xu = quantize_act(act_type(up_ty), x.data(), (size_t)n * d);
             std::vector<float> g((size_t)slots * ff), u((size_t)slots * ff);
-            moe_lowbit(ty, gate, ne, ff, d, xg.data(), k, offsets.data(), order.data(), g.data());
-            moe_lowbit(up_ty, up, ne, ff, d, xu.data(), k, offsets.data(), order.data(), u.data());
+            moe_lowbit(ty, gate, ne, ff, d, xg.data(), k, offsets.data(), order.data(), slots, mma, g.data());
+            moe_lowbit(up_ty, up, ne, ff, d, xu.data(), k, offsets.data(), order.data(), slots, mma, u.data());
             launch({cdiv(slots * ff, 256), 1, 1}, {256, 1, 1}, [&] {
                 moe_swiglu(g.data(), u.data(), bg.data(), bu.data(), hb, sel.data(), hp, slots, ne, ff, act);
             });
             hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
-            moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), yp);
+            moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), slots, mma, yp);
             launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
         } else if ((ty == 8 || ty == 39) && (slots >= 64 || mma)) {  // experts.rs: MOE_TILED_MIN_SLOTS
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
-                if (mma) {
-                    unsigned rpb = ty == 8 ? MMA_ROWS_Q8_0 : MMA_ROWS_MXFP4;
-                    launch({cdiv(rows, rpb), (unsigned)ne, 1}, {32 * MMA_WARPS, 1, 1}, [&] {
-                        if (ty == 8) moe_mm_mma_q8_0(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
-                        else moe_mm_mma_mxfp4(w.data(), rb, rows, nb, act, div, offsets.data(), order.data(), o);
+                if (mma) {  // experts.rs: moe_mm over the tile list
+                    unsigned rpb = ty == 8 ? MMA_ROWS_Q8_0 : MMA_ROWS_MXFP4, max = 0;
+                    auto tiles = tile_list(offsets.data(), ne, slots, 1, &max);
+                    const int* tp = tiles.data();
+                    launch({cdiv(rows, rpb), max, 1}, {32 * MMA_WARPS, 1, 1}, [&] {
+                        if (ty == 8) moe_mm_mma_q8_0(w.data(), rb, rows, nb, act, div, tp, order.data(), o);
+                        else moe_mm_mma_mxfp4(w.data(), rb, rows, nb, act, div, tp, order.data(), o);
                     });
                     return;
                 }
