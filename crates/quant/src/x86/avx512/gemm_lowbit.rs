@@ -16,7 +16,8 @@
 //! by a 64-bit broadcast load (`vbroadcastsd`, lanes `[2p, 2p + 1]` in every lane pair), and
 //! its `m_w · s_a` chains one vector FMA per block.
 //!
-//! Tiles of [`R`] rows × 16 tokens (accumulators in registers); the token tiles are the outer
+//! Tiles of one row × up to 32 tokens (16 accumulators in registers, no spills; two rows a
+//! tile held the activations in registers too and spilled); the token tiles are the outer
 //! loop, so a tile's paired activations stay in L1 while every row runs over them.
 //!
 //! Safety: every `unsafe fn` here needs AVX-512 F/BW/VL plus AVX2, FMA and F16C (and VNNI for
@@ -24,17 +25,15 @@
 
 use core::arch::x86_64::*;
 
-use crate::gemm_layout::{row_ptrs, ActBlocks, GemmFn, LOWBIT_TILE_TOKENS_AVX512};
+use crate::gemm_layout::{ActBlocks, GemmFn, LOWBIT_TILE_TOKENS_AVX512};
 use crate::scalar::shared::QK;
 use crate::x86::avx2::dot::{f16_at, hsum8};
 use crate::x86::avx2::gemm_lowbit::{Format, Q40, Q41, Q50, Q51};
 use crate::x86::avx512::dot::{hi256, lo256};
 use crate::GgmlType;
 
-/// Tokens per tile.
-const TT: usize = LOWBIT_TILE_TOKENS_AVX512;
-/// Rows per tile.
-const R: usize = 2;
+/// Tokens per tile (16 pairs: 16 accumulators).
+const TT: usize = 2 * LOWBIT_TILE_TOKENS_AVX512;
 /// Bytes of one pair's block in `ActBlocks::pairs`.
 const PAIR_BYTES: usize = 64;
 
@@ -140,79 +139,89 @@ unsafe fn lowbit_gemm<F: Format, const VNNI: bool>(
         n_pairs: n_tokens.div_ceil(2),
         scales: blocks.block_scales.as_ptr(),
         sums: blocks.block_sums.as_ptr(),
-        padded: n_tokens.next_multiple_of(TT),
+        padded: n_tokens.next_multiple_of(LOWBIT_TILE_TOKENS_AVX512),
         n_tokens,
         out: out.as_mut_ptr(),
     };
     for t0 in (0..n_tokens).step_by(TT) {
+        // The tile's pairs in runs of 16, 8, 4, 2 and 1, each over every row while its
+        // activations stay in L1.
         let pairs = (n_tokens - t0).min(TT).div_ceil(2);
-        for r0 in (0..m.rows).step_by(R) {
-            match pairs {
-                1 => tile::<F, VNNI, 1>(&m, r0, t0),
-                2 => tile::<F, VNNI, 2>(&m, r0, t0),
-                3 => tile::<F, VNNI, 3>(&m, r0, t0),
-                4 => tile::<F, VNNI, 4>(&m, r0, t0),
-                5 => tile::<F, VNNI, 5>(&m, r0, t0),
-                6 => tile::<F, VNNI, 6>(&m, r0, t0),
-                7 => tile::<F, VNNI, 7>(&m, r0, t0),
-                _ => tile::<F, VNNI, 8>(&m, r0, t0),
+        let mut p0 = 0;
+        for run in [16, 8, 4, 2, 1] {
+            if pairs - p0 < run {
+                continue;
             }
+            for r in 0..m.rows {
+                let t = t0 + 2 * p0;
+                match run {
+                    16 => tile::<F, VNNI, 16>(&m, r, t),
+                    8 => tile::<F, VNNI, 8>(&m, r, t),
+                    4 => tile::<F, VNNI, 4>(&m, r, t),
+                    2 => tile::<F, VNNI, 2>(&m, r, t),
+                    _ => tile::<F, VNNI, 1>(&m, r, t),
+                }
+            }
+            p0 += run;
         }
     }
 }
 
-/// Rows `r0..r0 + R` (past the last row, that row again; its results dropped) times the `P`
-/// token pairs from token `t0`.
+/// Row `r` times the `P` token pairs from token `t0` (even).
 #[inline(always)]
-unsafe fn tile<F: Format, const VNNI: bool, const P: usize>(m: &Mats, r0: usize, t0: usize) {
-    let wr = row_ptrs::<R>(m.w, r0, m.rows, m.stride);
+unsafe fn tile<F: Format, const VNNI: bool, const P: usize>(m: &Mats, r: usize, t0: usize) {
+    let wr = m.w.add(r * m.stride);
     let zero = _mm512_setzero_si512();
     // vpermd indices doubling each dword of the low 256 bits.
     let dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    let mut acc = [[_mm512_setzero_ps(); P]; R];
-    let mut summs = [_mm512_setzero_ps(); R];
-    // Each row's scale products of the tile's tokens, for the current block.
-    let mut s = [[0f32; TT]; R];
+    let mut acc = [_mm512_setzero_ps(); P];
+    // Per 16 tokens: their `m_w · s_a` chains, and the masks of the tokens read.
+    let halves = (2 * P).div_ceil(16);
+    let mut summs = [_mm512_setzero_ps(); 2];
+    let mask = |h: usize| ((1u32 << (2 * P - 16 * h).min(16)) - 1) as __mmask16;
+    // The row's scale products of the tile's tokens, for the current block.
+    let mut s = [0f32; TT];
     for b in 0..m.nb {
-        let da = _mm512_loadu_ps(m.scales.add(b * m.padded + t0));
-        let ap = m.pairs.add((b * m.n_pairs + t0 / 2) * PAIR_BYTES);
-        for r in 0..R {
-            let wb = wr[r].add(b * F::BYTES);
-            let x = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(F::values(wb)));
-            // -128 · Σ x per lane (128 = 0x80 as the unsigned operand).
-            let corr = _mm512_sub_epi32(zero, dot_acc::<VNNI>(zero, _mm512_set1_epi8(-128), x));
-            let dw = _mm512_set1_ps(f16_at(wb));
-            _mm512_storeu_ps(s[r].as_mut_ptr(), _mm512_mul_ps(dw, da));
+        let wb = wr.add(b * F::BYTES);
+        let x = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(F::values(wb)));
+        // -128 · Σ x per lane (128 = 0x80 as the unsigned operand).
+        let corr = _mm512_sub_epi32(zero, dot_acc::<VNNI>(zero, _mm512_set1_epi8(-128), x));
+        let dw = _mm512_set1_ps(f16_at(wb));
+        for (h, summs) in summs.iter_mut().enumerate().take(halves) {
+            let at = b * m.padded + t0 + 16 * h;
+            let da = _mm512_maskz_loadu_ps(mask(h), m.scales.add(at));
+            _mm512_storeu_ps(s.as_mut_ptr().add(16 * h), _mm512_mul_ps(dw, da));
             if F::MIN {
                 // Each token's `summs = fma(m_w, s_a, summs)`.
-                let sa = _mm512_loadu_ps(m.sums.add(b * m.padded + t0));
-                summs[r] = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(wb.add(2))), sa, summs[r]);
+                let sa = _mm512_maskz_loadu_ps(mask(h), m.sums.add(at));
+                *summs = _mm512_fmadd_ps(_mm512_set1_ps(f16_at(wb.add(2))), sa, *summs);
             }
-            for (p, acc) in acc[r].iter_mut().enumerate() {
-                let y = _mm512_loadu_si512(ap.add(p * PAIR_BYTES).cast());
-                let q = dot_acc::<VNNI>(corr, y, x);
-                let d = broadcast_pair(s[r].as_ptr().add(2 * p));
-                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), *acc);
-            }
+        }
+        let ap = m.pairs.add((b * m.n_pairs + t0 / 2) * PAIR_BYTES);
+        for (p, acc) in acc.iter_mut().enumerate() {
+            let y = _mm512_loadu_si512(ap.add(p * PAIR_BYTES).cast());
+            let q = dot_acc::<VNNI>(corr, y, x);
+            let d = broadcast_pair(s.as_ptr().add(2 * p));
+            *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), *acc);
+        }
+    }
+    let mut sm = [0f32; TT];
+    if F::MIN {
+        for (h, summs) in summs.iter().enumerate().take(halves) {
+            _mm512_storeu_ps(sm.as_mut_ptr().add(16 * h), *summs);
         }
     }
     // The first token's lanes to the low half, the second's to the high one.
     let split = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (r, acc) in acc.iter().enumerate().take(m.rows - r0) {
-        let mut sm = [0f32; TT];
-        if F::MIN {
-            _mm512_storeu_ps(sm.as_mut_ptr(), summs[r]);
-        }
-        let dst = m.out.add((r0 + r) * m.n_tokens + t0);
-        for (p, &acc) in acc.iter().enumerate() {
-            let v = _mm512_permutexvar_ps(split, acc);
-            for (i, half) in [lo256(v), hi256(v)].into_iter().enumerate() {
-                let t = 2 * p + i;
-                if t0 + t < m.n_tokens {
-                    // `hsum8(acc) + summs` (no addition for Q4_0/Q5_0: -0 would become +0).
-                    let h = hsum8(half);
-                    *dst.add(t) = if F::MIN { h + sm[t] } else { h };
-                }
+    let dst = m.out.add(r * m.n_tokens + t0);
+    for (p, &acc) in acc.iter().enumerate() {
+        let v = _mm512_permutexvar_ps(split, acc);
+        for (i, half) in [lo256(v), hi256(v)].into_iter().enumerate() {
+            let t = 2 * p + i;
+            if t0 + t < m.n_tokens {
+                // `hsum8(acc) + summs` (no addition for Q4_0/Q5_0: -0 would become +0).
+                let h = hsum8(half);
+                *dst.add(t) = if F::MIN { h + sm[t] } else { h };
             }
         }
     }
