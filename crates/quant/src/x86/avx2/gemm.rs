@@ -599,11 +599,8 @@ pub(crate) fn gemm_fn_x16() -> (&'static str, GemmFn) {
     ("mxfp4*q8_0 blockwise x16/avx2", mxfp4_x16_avx2)
 }
 
-/// The AVX2 GEMM for `ty` (MXFP4, Q8_0, F32, or Q4_0/Q4_1/Q5_0/Q5_1 in `gemm_lowbit`).
+/// The AVX2 GEMM for `ty` (MXFP4, Q8_0 or F32).
 pub(crate) fn gemm_fn(ty: GgmlType) -> (&'static str, GemmFn) {
-    if let Some(f) = crate::x86::avx2::gemm_lowbit::gemm_fn(ty) {
-        return f;
-    }
     match ty {
         GgmlType::MXFP4 => ("mxfp4*q8_0 blockwise/avx2", mxfp4_avx2),
         GgmlType::Q8_0 => ("q8_0*q8_0 gemm/avx2", q8_0_avx2),

@@ -791,12 +791,9 @@ gemm_entry!(
     f32_gemm
 );
 
-/// The AVX-512 GEMM for `ty` (MXFP4, Q8_0, F32, or Q4_0/Q4_1/Q5_0/Q5_1 in `gemm_lowbit`),
-/// with VNNI when `vnni` and (MXFP4) the VBMI nibble lookup when `vbmi`.
+/// The AVX-512 GEMM for `ty` (MXFP4, Q8_0 or F32), with VNNI when `vnni` and (MXFP4) the
+/// VBMI nibble lookup when `vbmi`.
 pub(crate) fn gemm_fn(ty: GgmlType, vnni: bool, vbmi: bool) -> (&'static str, GemmFn) {
-    if let Some(f) = crate::x86::avx512::gemm_lowbit::gemm_fn(ty, vnni) {
-        return f;
-    }
     match (ty, vnni) {
         (GgmlType::MXFP4, false) if vbmi => ("mxfp4*q8_0 blockwise/avx512vbmi", mxfp4_plain_vbmi),
         (GgmlType::MXFP4, true) if vbmi => {
