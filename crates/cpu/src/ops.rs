@@ -212,12 +212,12 @@ pub(crate) fn matmul_as(
         debug_assert!(check_first(out[0]), "matmul differs from the reference");
         return;
     }
-    // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order), Q8_0 and F32 batches
-    // their tiles (Q8_0 in `vec_dot` order, F32 in tinyBLAS's 16-lane order).
-    let gemm = matches!(ty, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32).then(|| {
+    // MXFP4 always runs the GEMM kernels (llama.cpp's block-wise order); Q8_0, Q4_0, Q4_1,
+    // Q5_0, Q5_1 and F32 batches their tiles (in `vec_dot` order, F32 in tinyBLAS's 16 lanes),
+    // except where the kernel has the repacked order (Q4_0 of whole groups of 8 rows).
+    let gemm = (GemmKernel::supports(ty) && !kernel.is_repacked()).then(|| {
         interleaved.unwrap_or_else(|| {
-            GemmKernel::new(ty, kernel.isa())
-                .expect("MXFP4, Q8_0 and F32 have GEMM kernels on every ISA")
+            GemmKernel::new(ty, kernel.isa()).expect("the type has GEMM kernels on every ISA")
         })
     });
     let prep = gemm.map(|g| {

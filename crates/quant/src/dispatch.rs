@@ -64,7 +64,11 @@ pub(crate) fn gemm_fn(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if x16 => Some((x86::avx2::gemm::gemm_fn_x16(), false)),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => Some((x86::avx2::gemm::gemm_fn(weight), false)),
+        Isa::Avx2 => Some((
+            x86::avx2::gemm_lowbit::gemm_fn(weight)
+                .unwrap_or_else(|| x86::avx2::gemm::gemm_fn(weight)),
+            false,
+        )),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => Some(avx512_gemm_fn(
             weight, x16, allow_vnni, allow_vbmi, allow_amx,
@@ -100,7 +104,8 @@ fn avx512_gemm_fn(
     let kernel = if x16 {
         x86::avx512::gemm::gemm_fn_x16(vnni, vbmi)
     } else {
-        x86::avx512::gemm::gemm_fn(weight, vnni, vbmi)
+        x86::avx512::gemm_lowbit::gemm_fn(weight, vnni)
+            .unwrap_or_else(|| x86::avx512::gemm::gemm_fn(weight, vnni, vbmi))
     };
     (kernel, false)
 }

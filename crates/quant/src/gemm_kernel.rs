@@ -9,6 +9,8 @@
 //!   `vec_dot`, two 8-lane accumulators).
 //! * **Q8_0 × Q8_0**: bit-identical to [`crate::DotKernel::dot`] (ggml's `vec_dot` order, which
 //!   llama.cpp's tinyBLAS shares for Q8_0).
+//! * **Q4_0, Q5_0 × Q8_0 and Q4_1, Q5_1 × Q8_1**: bit-identical to [`crate::DotKernel::dot`]
+//!   (`vec_dot` order; see `x86/avx2/gemm_lowbit.rs` and `x86/avx512/gemm_lowbit.rs`).
 //! * **F32 × F32, 16-lane order** (llama.cpp's tinyBLAS for batches): lane `i % 16` takes
 //!   `fma(w_i, a_i, lane)`, then the lanes are summed by halving (as `_mm512_reduce_add_ps`).
 //!   For a single token ggml uses `vec_dot_f32` instead, which is [`crate::DotKernel::dot`].
@@ -30,6 +32,8 @@ use crate::dispatch::gemm_fn;
 use crate::error::{check_isa, row_bytes};
 use crate::gemm_layout::interleave_x16;
 use crate::gemm_layout::{ActBlocks, GemmFn, AMX_MIN_TOKENS, AMX_TILE_TOKENS, Q8_0_TILE_TOKENS};
+#[cfg(target_arch = "x86_64")]
+use crate::gemm_layout::{LOWBIT_TILE_TOKENS_AVX2, LOWBIT_TILE_TOKENS_AVX512};
 use crate::scalar::shared::{f16_to_f32, rd_u16, Q8_0_BYTES, QK};
 use crate::{vec_dot_type, GgmlType, Isa, QuantError};
 
@@ -59,8 +63,9 @@ impl GemmActs<'_> {
     }
 }
 
-/// A resolved multi-token kernel for one weight type on one ISA (MXFP4, Q8_0 or F32; see the
-/// module docs for each type's summation order). Cheap to copy, `Send + Sync`.
+/// A resolved multi-token kernel for one weight type on one ISA (MXFP4, Q8_0, F32, Q4_0, Q4_1,
+/// Q5_0, Q5_1; see the module docs for each type's summation order). Cheap to copy,
+/// `Send + Sync`.
 #[derive(Clone, Copy)]
 pub struct GemmKernel {
     weight: GgmlType,
@@ -84,8 +89,8 @@ impl std::fmt::Debug for GemmKernel {
 }
 
 impl GemmKernel {
-    /// The kernel for weights of type `weight` (MXFP4, Q8_0 or F32) on `isa`; errors for other
-    /// types or an ISA this CPU lacks.
+    /// The kernel for weights of type `weight` (one that [`GemmKernel::supports`]) on `isa`;
+    /// errors for other types or an ISA this CPU lacks.
     pub fn new(weight: GgmlType, isa: Isa) -> Result<GemmKernel, QuantError> {
         Self::resolve(weight, isa, true, true, crate::amx_in_use())
     }
@@ -95,9 +100,9 @@ impl GemmKernel {
         Self::new(weight, Isa::best())
     }
 
-    /// Whether `weight` has a GEMM kernel (MXFP4, Q8_0, F32).
+    /// Whether `weight` has a GEMM kernel (MXFP4, Q8_0, F32, Q4_0, Q4_1, Q5_0, Q5_1).
     pub fn supports(weight: GgmlType) -> bool {
-        matches!(weight, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32)
+        matches!(weight, GgmlType::MXFP4 | GgmlType::Q8_0 | GgmlType::F32) || is_lowbit(weight)
     }
 
     /// [`GemmKernel::new`]; `allow_vnni = false` (`allow_vbmi = false`, `allow_amx = false`)
@@ -212,7 +217,8 @@ impl GemmKernel {
         self.weight
     }
 
-    /// The activation type ([`vec_dot_type`] of the weight type: Q8_0, or F32 for F32).
+    /// The activation type ([`vec_dot_type`] of the weight type: Q8_0, Q8_1 for Q4_1/Q5_1, F32
+    /// for F32).
     pub fn act_type(&self) -> GgmlType {
         self.act
     }
@@ -230,7 +236,8 @@ impl GemmKernel {
     /// Wraps `n_tokens` activation rows of `n` elements each (contiguous, in
     /// [`GemmKernel::act_type`]) for [`GemmKernel::gemm`], computing what the kernel needs per
     /// block once (for MXFP4 one `i32` per token and block; for the AVX2 kernels also the
-    /// activations' scales as `f32`, see `ActBlocks`).
+    /// activations' scales as `f32`; for Q4_0/Q4_1/Q5_0/Q5_1 on AVX-512 the tokens in pairs;
+    /// see `ActBlocks`).
     pub fn prepare<'a>(
         &self,
         n: usize,
@@ -271,6 +278,8 @@ impl GemmKernel {
         #[cfg(target_arch = "x86_64")]
         let tile = match (self.weight, self.isa) {
             (GgmlType::Q8_0, Isa::Avx2) => Some(Q8_0_TILE_TOKENS),
+            (w, Isa::Avx2) if is_lowbit(w) => Some(LOWBIT_TILE_TOKENS_AVX2),
+            (w, Isa::Avx512) if is_lowbit(w) => Some(LOWBIT_TILE_TOKENS_AVX512),
             (GgmlType::MXFP4, Isa::Avx512) if self.amx && n_tokens >= AMX_MIN_TOKENS => {
                 Some(AMX_TILE_TOKENS)
             }
@@ -279,12 +288,28 @@ impl GemmKernel {
         #[cfg(target_arch = "x86_64")]
         if let Some(tile) = tile {
             let (nb, padded) = (n / QK, n_tokens.next_multiple_of(tile));
+            // Q8_1 blocks (Q4_1/Q5_1) also give their sums `s`, the f16 after `d`.
+            let q8_1 = self.act == GgmlType::Q8_1;
             blocks.block_scales = vec![0.0; nb * padded];
+            blocks.block_sums = vec![0.0; if q8_1 { nb * padded } else { 0 }];
             for (t, row) in acts.chunks_exact(row).enumerate() {
-                for (b, block) in row.chunks_exact(Q8_0_BYTES).enumerate() {
+                for (b, block) in row.chunks_exact(self.act.block_bytes()).enumerate() {
                     blocks.block_scales[b * padded + t] = f16_to_f32(rd_u16(block, 0));
+                    if q8_1 {
+                        blocks.block_sums[b * padded + t] = f16_to_f32(rd_u16(block, 1));
+                    }
                 }
             }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_lowbit(self.weight) && self.isa == Isa::Avx512 && n_tokens > 0 {
+            crate::x86::avx512::gemm_lowbit::pair_tokens(
+                self.weight,
+                n,
+                acts,
+                n_tokens,
+                &mut blocks,
+            );
         }
         Ok(GemmActs {
             weight: self.weight,
@@ -354,10 +379,41 @@ impl GemmKernel {
                 got: weight_rows.len(),
             });
         }
+        if acts.blocks.sign_fallback {
+            return self.gemm_vec_dot(weight_rows, acts, out);
+        }
         // SAFETY: the ISA was checked in `resolve`; `weight_rows` holds `rows` whole rows of
         // `n` elements, `acts.data` `t` activation rows and `acts.blocks` what their blocks
         // give (computed in `prepare`), `out` `rows * t` results.
         unsafe { (self.f)(acts.n, weight_rows, acts.data, &acts.blocks, t, out) };
         Ok(())
     }
+
+    /// [`GemmKernel::gemm`] (shapes checked) with each output one [`crate::DotKernel::dot`] of
+    /// the weight type on this ISA: the same bits, for activations that the kernel's integer
+    /// sums would not reproduce (see `ActBlocks::sign_fallback`).
+    fn gemm_vec_dot(
+        &self,
+        weight_rows: &[u8],
+        acts: &GemmActs<'_>,
+        out: &mut [f32],
+    ) -> Result<(), QuantError> {
+        let dot = crate::DotKernel::new(self.weight, self.isa)?;
+        let (n, t) = (acts.n, acts.n_tokens);
+        let (wb, ab) = (dot.weight_row_bytes(n), dot.act_row_bytes(n));
+        for (r, o) in out.chunks_exact_mut(t).enumerate() {
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = dot.dot(n, &weight_rows[r * wb..][..wb], &acts.data[i * ab..][..ab]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `ty` is Q4_0, Q4_1, Q5_0 or Q5_1.
+fn is_lowbit(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1
+    )
 }

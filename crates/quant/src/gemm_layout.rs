@@ -30,15 +30,34 @@ pub(crate) struct ActBlocks {
     /// [`Q8_0_TILE_TOKENS`] for Q8_0 weights on AVX2 (whose kernel multiplies a tile's scales
     /// by the weight row's in one vector product), of [`AMX_TILE_TOKENS`] for the AMX MXFP4
     /// kernel (whose tiles read 16 tokens' scales; only batches of at least 16 use it, so it
-    /// never reads the padding, which only fixes the stride it expects).
+    /// never reads the padding, which only fixes the stride it expects), of
+    /// [`LOWBIT_TILE_TOKENS_AVX2`] and [`LOWBIT_TILE_TOKENS_AVX512`] for Q4_0/Q4_1/Q5_0/Q5_1
+    /// weights on those ISAs (the same vector product).
     pub(crate) block_scales: Vec<f32>,
     /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
     /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
     pub(crate) flipped: Vec<u8>,
+    /// The activation blocks' second f16 `s` (Q8_1: `d · Σ q`) as f32, `[block][token]` padded
+    /// like [`ActBlocks::block_scales`] (Q4_1/Q5_1 weights on AVX2 and AVX-512, whose kernels
+    /// add `m_w · s` for a tile of tokens in one vector FMA).
+    pub(crate) block_sums: Vec<f32>,
+    /// Tokens paired for the AVX-512 Q4_0/Q4_1/Q5_0/Q5_1 kernels, `[block][pair][64]`: each
+    /// activation byte plus 128, dword `2k` (`2k + 1`) holding bytes `4k..4k + 4` of the pair's
+    /// first (second) token; an odd last token is paired with itself.
+    pub(crate) pairs: Vec<u8>,
+    /// Whether an activation byte is -128 where the weights are Q4_0/Q5_0 on AVX-512: ggml's
+    /// sign trick negates it to itself, which the exact integer sums of the paired kernels do
+    /// not reproduce, so [`crate::GemmKernel::gemm`] runs the `vec_dot` kernel per token then
+    /// (Q8_0/Q8_1 quantization never makes the byte).
+    pub(crate) sign_fallback: bool,
 }
 
 /// Tokens per tile of the AVX2 Q8_0 kernel (the padding of [`ActBlocks::block_scales`]).
 pub(crate) const Q8_0_TILE_TOKENS: usize = 8;
+/// Tokens per tile of the AVX2 Q4_0/Q4_1/Q5_0/Q5_1 kernels.
+pub(crate) const LOWBIT_TILE_TOKENS_AVX2: usize = 8;
+/// Tokens per tile of the AVX-512 Q4_0/Q4_1/Q5_0/Q5_1 kernels.
+pub(crate) const LOWBIT_TILE_TOKENS_AVX512: usize = 16;
 /// Tokens per tile of the AMX MXFP4 kernel (the padding of [`ActBlocks::block_scales`]).
 pub(crate) const AMX_TILE_TOKENS: usize = 16;
 

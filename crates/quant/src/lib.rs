@@ -71,7 +71,7 @@
 //! For batches (and for MXFP4 in llama.cpp's repacked order) [`GemmKernel`] multiplies many
 //! rows by many tokens in tiles: MXFP4 × Q8_0 in the block-wise order of llama.cpp's repacked
 //! MXFP4 kernels (one FMA per block of an exact integer block sum, see `gemm_kernel.rs`), Q8_0
-//! bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
+//! and Q4_0/Q4_1/Q5_0/Q5_1 bit-identical to [`DotKernel::dot`], F32 in tinyBLAS's 16-lane order.
 //!
 //! [`expf`] and [`expf_slice`] compute `e^x` bit-identically to glibc's `expf` (its FMA build,
 //! what `f32::exp` calls on x86-64 with FMA), the latter vectorised (see `exp.rs`);

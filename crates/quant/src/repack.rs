@@ -54,8 +54,9 @@ impl DotKernel {
         }
     }
 
-    /// Whether this is one of the repacked-order kernels of this module.
-    pub(crate) fn is_repacked(&self) -> bool {
+    /// Whether this is one of the repacked-order kernels ([`DotKernel::for_matrix`]), whose
+    /// batches sum in that order rather than through a [`crate::GemmKernel`].
+    pub fn is_repacked(&self) -> bool {
         self.name().contains(REPACKED)
     }
 

@@ -10,7 +10,9 @@
 //!   `r = f32(s1)·d_w`, `r = fma(−dmin_w, f32(s2), r)`, `acc = fma(r, d_a, acc)`;
 //! * the repacked Q4_K order of an expert matmul (`repack.rs`, every token count):
 //!   `acc = fma(f32(s1), d_w·d_a, acc)`, `acc_min = fma(f32(s2), dmin_w·d_a, acc_min)`,
-//!   result `acc − acc_min`.
+//!   result `acc − acc_min`; a dense matmul's repacked Q4_K takes that order for its last
+//!   `n_tokens % 4` tokens and, with AVX-512 VNNI, the same two chains per pair of sub-blocks
+//!   (llama.cpp's repacked GEMM) for its groups of four (without VNNI those go token by token).
 //!
 //! The IQ types keep their single-token order (`vec_dot` per token); on AVX2 and AVX-512 their
 //! batches decode each weight block once for all the tokens (`x86/avx2/iquants.rs`).
@@ -82,6 +84,20 @@ impl DotKernel {
             "dot_tokens_rows: short weight or activation rows"
         );
         #[cfg(target_arch = "x86_64")]
+        if self.is_repacked()
+            && kind == BatchKind::Dense
+            && self.weight_type() == GgmlType::Q4_K
+            && self.isa() == crate::Isa::Avx512
+            && crate::x86::features::has_avx512_vnni()
+        {
+            let (w, a) = (
+                &weight_rows[..rows * wb],
+                &acts[..n_tokens * self.act_row_bytes(n)],
+            );
+            q4k_dense_repacked_vnni(n, w, a, n_tokens, out);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if let Some((format, fold)) = self.super_block_order(kind, n_tokens) {
             let vnni = crate::x86::features::has_avx512_vnni();
             let f = match self.isa() {
@@ -137,6 +153,37 @@ impl DotKernel {
         }
         let format = SuperBlockFormat::of(self.weight_type())?;
         (n_tokens >= TILED_MIN_TOKENS).then_some((format, Fold::Tiled))
+    }
+}
+
+/// A dense matmul's batch of repacked Q4_K rows `w` with AVX-512 VNNI, in the orders of
+/// [`DotKernel::dot_tokens`]: the complete groups of four tokens in llama.cpp's repacked GEMM
+/// order (per pair of sub-blocks), the last `n_tokens % 4` in its GEMV order (per
+/// super-block, [`Fold::Repacked`]); each weight super-block decoded once per tile of tokens.
+#[cfg(target_arch = "x86_64")]
+fn q4k_dense_repacked_vnni(n: usize, w: &[u8], acts: &[u8], n_tokens: usize, out: &mut [f32]) {
+    let n_sb = n / crate::scalar::kquants::QK_K;
+    let ab = n_sb * crate::scalar::kquants::Q8_K_BYTES;
+    let rows = out.len() / n_tokens;
+    let grouped = n_tokens - n_tokens % 4;
+    for (pairwise, t0, t1) in [(true, 0, grouped), (false, grouped, n_tokens)] {
+        let k = t1 - t0;
+        if k == 0 {
+            continue;
+        }
+        let (a, mut part) = (&acts[t0 * ab..t1 * ab], vec![0f32; rows * k]);
+        // SAFETY: the caller checked AVX-512 VNNI (with the AVX2 that every AVX-512 kernel
+        // has); `w` holds `rows` Q4_K rows of `n_sb` super-blocks, `a` `k` Q8_K rows.
+        unsafe {
+            if pairwise {
+                lanes::gemm_vnni_q4k_pairwise(n_sb, w, a, &mut part);
+            } else {
+                lanes::gemm_vnni(SuperBlockFormat::Q4K, Fold::Repacked, n_sb, w, a, &mut part);
+            }
+        }
+        for (dst, src) in out.chunks_exact_mut(n_tokens).zip(part.chunks_exact(k)) {
+            dst[t0..t1].copy_from_slice(src);
+        }
     }
 }
 

@@ -160,7 +160,15 @@ proptest! {
         blocks in 1usize..=4, seed in any::<u64>(), rows in 1usize..=20, tokens in 1usize..=9,
     ) {
         let n = blocks * 32;
-        for ty in [GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::F32] {
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::MXFP4,
+            GgmlType::F32,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+        ] {
             let act_ty = GemmKernel::new(ty, Isa::Scalar).unwrap().act_type();
             let ab = act_ty.row_bytes(n as u64).unwrap() as usize;
             let mut acts = vec![0u8; ab * tokens];

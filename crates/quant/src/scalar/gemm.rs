@@ -1,5 +1,5 @@
 //! The scalar GEMM: one reference dot per output, MXFP4 in the block-wise order the SIMD GEMMs
-//! reproduce and F32 in tinyBLAS's 16 lanes.
+//! reproduce, F32 in tinyBLAS's 16 lanes, Q8_0 and Q4_0/Q4_1/Q5_0/Q5_1 in `vec_dot`'s order.
 
 use crate::gemm_layout::{ActBlocks, GemmFn};
 use crate::scalar::shared::{
@@ -61,6 +61,27 @@ pub(crate) fn scalar_fn(weight: GgmlType) -> (&'static str, GemmFn) {
             crate::scalar::basic::dot_q8_0(n, w, a)
         });
     }
+    /// The `vec_dot` reference of a Q4_0/Q4_1/Q5_0/Q5_1 type (what the SIMD GEMMs equal).
+    macro_rules! lowbit {
+        ($name:ident, $ty:ident, $dot:path) => {
+            fn $name(
+                n: usize,
+                w: &[u8],
+                acts: &[u8],
+                _: &ActBlocks,
+                n_tokens: usize,
+                out: &mut [f32],
+            ) {
+                run(n, w, acts, n_tokens, out, GgmlType::$ty, |w, a| {
+                    $dot(n, w, a)
+                });
+            }
+        };
+    }
+    lowbit!(q4_0, Q4_0, crate::scalar::legacy::dot_q4_0);
+    lowbit!(q4_1, Q4_1, crate::scalar::legacy::dot_q4_1);
+    lowbit!(q5_0, Q5_0, crate::scalar::legacy::dot_q5_0);
+    lowbit!(q5_1, Q5_1, crate::scalar::legacy::dot_q5_1);
     fn f32(n: usize, w: &[u8], acts: &[u8], _: &ActBlocks, n_tokens: usize, out: &mut [f32]) {
         run(n, w, acts, n_tokens, out, GgmlType::F32, |w, a| {
             f32_lanes(n, w, a)
@@ -69,6 +90,10 @@ pub(crate) fn scalar_fn(weight: GgmlType) -> (&'static str, GemmFn) {
     match weight {
         GgmlType::MXFP4 => ("mxfp4*q8_0 blockwise/scalar", mxfp4),
         GgmlType::Q8_0 => ("q8_0*q8_0 gemm/scalar", q8_0),
+        GgmlType::Q4_0 => ("q4_0*q8_0 gemm/scalar", q4_0),
+        GgmlType::Q4_1 => ("q4_1*q8_1 gemm/scalar", q4_1),
+        GgmlType::Q5_0 => ("q5_0*q8_0 gemm/scalar", q5_0),
+        GgmlType::Q5_1 => ("q5_1*q8_1 gemm/scalar", q5_1),
         _ => ("f32*f32 lanes16/scalar", f32),
     }
 }

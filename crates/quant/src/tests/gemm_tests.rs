@@ -453,3 +453,92 @@ fn amx_mxfp4_equals_vnni_bit_for_bit() {
         }
     }
 }
+
+/// An f16 scale (or min) for the low-bit tests: zero of either sign, subnormals, the largest
+/// finite exponents, tiny and ordinary ones.
+fn extreme_f16(rng: &mut Rng) -> u16 {
+    match rng.below(8) {
+        0 => (rng.byte() as u16 & 1) << 15,
+        1 => rand_f16(rng, 0, 0),
+        2 => rand_f16(rng, 30, 30),
+        3 => rand_f16(rng, 1, 3),
+        _ => rand_f16(rng, 5, 16),
+    }
+}
+
+/// Random blocks of `ty` (Q4_0/Q4_1/Q5_0/Q5_1 weights, or Q8_0/Q8_1 activations): random
+/// quant bytes (and fifth bits), the leading f16 fields from [`extreme_f16`]; without `minus_128`
+/// the activation byte -128 (which quantization never makes) becomes -127.
+fn lowbit_blocks(ty: GgmlType, blocks: usize, minus_128: bool, rng: &mut Rng) -> Vec<u8> {
+    let bytes = ty.block_bytes();
+    let halves = match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q8_1 => 2,
+        _ => 1,
+    };
+    let act = matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1);
+    let mut out = Vec::new();
+    for _ in 0..blocks {
+        let mut b: Vec<u8> = (0..bytes).map(|_| rng.byte()).collect();
+        for h in 0..halves {
+            b[2 * h..2 * h + 2].copy_from_slice(&extreme_f16(rng).to_le_bytes());
+        }
+        if act {
+            for q in &mut b[bytes - 32..] {
+                *q = match rng.below(10) {
+                    0 if minus_128 => 0x80,
+                    1 => 0x81,
+                    2 => 0x7f,
+                    _ if *q == 0x80 && !minus_128 => 0x81,
+                    _ => *q,
+                };
+            }
+        }
+        out.extend(b);
+    }
+    out
+}
+
+/// Every Q4_0/Q4_1/Q5_0/Q5_1 GEMM kernel this CPU runs (scalar, AVX2, AVX-512 with and without
+/// VNNI) gives the bits of the scalar `vec_dot` kernel for every output: 1 to 19 tokens (and
+/// 33, 70: several tiles and chunks), odd row counts, scales and mins over the f16 range, and
+/// activations with and without the byte -128 (Q4_0/Q5_0 on AVX-512 fall back to `vec_dot`
+/// where it occurs, the others take it exactly).
+#[test]
+fn lowbit_gemm_all_isas_equal_dot_kernel() {
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+    ] {
+        let dot = DotKernel::new(ty, Isa::Scalar).unwrap();
+        let act_ty = vec_dot_type(ty);
+        let mut rng = Rng(ty.id() as u64 + 0x10b1);
+        let ks = kernels(ty);
+        for n in [32, 96, 896] {
+            let (wb, ab) = (dot.weight_row_bytes(n), dot.act_row_bytes(n));
+            let tokens = (1..=19).chain(if n == 96 { vec![33, 70] } else { vec![] });
+            for toks in tokens {
+                for (rows, minus_128) in [(1, false), (3, true), (5, false), (17, toks % 2 == 0)] {
+                    let w = lowbit_blocks(ty, rows * n / 32, false, &mut rng);
+                    let a = lowbit_blocks(act_ty, toks * n / 32, minus_128, &mut rng);
+                    for k in &ks {
+                        let prep = k.prepare(n, &a, toks).unwrap();
+                        let mut out = vec![f32::NAN; rows * toks];
+                        k.gemm(&w, &prep, &mut out).unwrap();
+                        for (i, &got) in out.iter().enumerate() {
+                            let (r, t) = (i / toks, i % toks);
+                            let want = dot.dot(n, &w[r * wb..][..wb], &a[t * ab..][..ab]);
+                            assert!(
+                                same(got, want),
+                                "{} n={n} rows={rows} tokens={toks} -128: {minus_128} \
+                                 out[{r}][{t}]: {got:e} vs {want:e}",
+                                k.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -85,9 +85,25 @@ unsafe fn dot_units(codes: *const u8, units: *const u32, u0: usize, n: usize) ->
 /// sub-block (`dec.sc[2j] == dec.sc[2j + 1]`, the same for `m`).
 #[inline(always)]
 unsafe fn sums_pairs(dec: &Decoded, units: *const u32, bsums: *const i32) -> (__m512i, __m512i) {
+    let mut s = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    for p in 0..4 {
+        let (s1, s2) = sums_pair(dec, units, bsums, p);
+        s = (_mm512_add_epi32(s.0, s1), _mm512_add_epi32(s.1, s2));
+    }
+    s
+}
+
+/// [`sums_pairs`] over sub-blocks `2p` and `2p + 1` only.
+#[inline(always)]
+unsafe fn sums_pair(
+    dec: &Decoded,
+    units: *const u32,
+    bsums: *const i32,
+    p: usize,
+) -> (__m512i, __m512i) {
     let codes = dec.codes.as_ptr();
     let (mut s1, mut s2) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-    for j in 0..8 {
+    for j in 2 * p..2 * p + 2 {
         let t = dot_units(codes, units, 8 * j, 8);
         s1 = _mm512_add_epi32(
             s1,
@@ -145,6 +161,32 @@ pub(super) unsafe fn gemm_vnni(
     acts: &[u8],
     out: &mut [f32],
 ) {
+    gemm::<false>(format, fold, n_sb, w, acts, out)
+}
+
+/// Q4_K rows against tokens in the order of llama.cpp's repacked GEMM, which a dense matmul
+/// uses for its complete groups of four tokens (`repack.rs`, `dot_q4_k_pairwise`): per pair
+/// `p` of sub-blocks `acc = fma(f32(isum_p), d_w·d_a, acc)` and `acc_min = fma(f32(imin_p),
+/// dmin_w·d_a, acc_min)`, the result `acc − acc_min`.
+///
+/// # Safety
+/// As [`gemm_vnni`], `w` holding Q4_K rows.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn gemm_vnni_q4k_pairwise(n_sb: usize, w: &[u8], acts: &[u8], out: &mut [f32]) {
+    gemm::<true>(SuperBlockFormat::Q4K, Fold::Repacked, n_sb, w, acts, out)
+}
+
+/// [`gemm_vnni`]'s body; `PAIRWISE` folds Q4_K per pair of sub-blocks instead of per
+/// super-block (both chains, [`Fold::Repacked`]'s result).
+#[inline(always)]
+unsafe fn gemm<const PAIRWISE: bool>(
+    format: SuperBlockFormat,
+    fold: Fold,
+    n_sb: usize,
+    w: &[u8],
+    acts: &[u8],
+    out: &mut [f32],
+) {
     let a_row = n_sb * Q8_K_BYTES;
     let n_tokens = acts.len() / a_row;
     let rows = out.len().checked_div(n_tokens).unwrap_or(0);
@@ -175,15 +217,28 @@ pub(super) unsafe fn gemm_vnni(
                 let base = b * lanes.tiles + tile;
                 let units = lanes.units.as_ptr().add(base * UNITS * T);
                 let bsums = lanes.bsums.as_ptr().add(base * GROUPS * T);
+                let da = _mm512_loadu_ps(lanes.d.as_ptr().add(base * T));
+                let acc_p = acc.as_mut_ptr().add(r * padded + tile * T);
+                let min_p = acc_min.as_mut_ptr().add(r * padded + tile * T);
+                if PAIRWISE {
+                    let d = _mm512_mul_ps(_mm512_set1_ps(dec.d), da);
+                    let dmin = _mm512_mul_ps(_mm512_set1_ps(dec.dmin), da);
+                    let (mut x, mut m) = (_mm512_loadu_ps(acc_p), _mm512_loadu_ps(min_p));
+                    for p in 0..4 {
+                        let (s1, s2) = sums_pair(&dec, units, bsums, p);
+                        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), d, x);
+                        m = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), dmin, m);
+                    }
+                    _mm512_storeu_ps(acc_p, x);
+                    _mm512_storeu_ps(min_p, m);
+                    continue;
+                }
                 let (s1, s2) = if pairs {
                     sums_pairs(&dec, units, bsums)
                 } else {
                     sums_groups(&dec, units, bsums)
                 };
                 let (s1, s2) = (_mm512_cvtepi32_ps(s1), _mm512_cvtepi32_ps(s2));
-                let da = _mm512_loadu_ps(lanes.d.as_ptr().add(base * T));
-                let acc_p = acc.as_mut_ptr().add(r * padded + tile * T);
-                let min_p = acc_min.as_mut_ptr().add(r * padded + tile * T);
                 match fold {
                     Fold::Tiled => {
                         let mut x = _mm512_mul_ps(s1, _mm512_set1_ps(dec.d));

@@ -1,12 +1,13 @@
 //! AVX2 + FMA + F16C kernels: the base types (`dot`: F32, F16, BF16, Q8_0, MXFP4, with their
 //! quantisers and dequantisers), the low-bit formats (`lowbit`), the IQ types (`iquants`) and the batched products
-//! (`gemm`). This file is their table for [`crate::Isa::Avx2`].
+//! (`gemm`, `gemm_lowbit`). This file is their table for [`crate::Isa::Avx2`].
 
 use crate::kernel_fns::DotFns;
 use crate::GgmlType;
 
 pub(crate) mod dot;
 pub(crate) mod gemm;
+pub(crate) mod gemm_lowbit;
 pub(crate) mod iquants;
 pub(crate) mod lowbit;
 

@@ -1,6 +1,6 @@
 //! AVX-512 F/BW/VL kernels (VNNI where the CPU has it): the base types' dot products (`dot`),
 //! the low-bit formats where zmm registers pay (`lowbit`, else the AVX2 kernels; the IQ types use the AVX2 ones) and the batched
-//! products (`gemm`). This file is their table for [`crate::Isa::Avx512`]; quantisation and
+//! products (`gemm`, `gemm_lowbit`). This file is their table for [`crate::Isa::Avx512`]; quantisation and
 //! dequantisation use the AVX2 kernels.
 
 use crate::kernel_fns::DotFns;
@@ -8,6 +8,7 @@ use crate::GgmlType;
 
 pub(crate) mod dot;
 pub(crate) mod gemm;
+pub(crate) mod gemm_lowbit;
 pub(crate) mod lowbit;
 
 /// The AVX-512 dot kernel for weights of type `ty`; the VNNI variants when `vnni` (the caller

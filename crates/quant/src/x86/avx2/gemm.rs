@@ -450,7 +450,7 @@ const Q8_TC: usize = 64;
 /// AVX2 kernels that call it inline it.)
 #[inline]
 #[target_feature(enable = "avx")]
-unsafe fn broadcast_load(p: *const f32) -> __m256 {
+pub(crate) unsafe fn broadcast_load(p: *const f32) -> __m256 {
     let r: __m256;
     // SAFETY: the caller passes the address of an initialised f32; the asm only reads it.
     core::arch::asm!(

@@ -28,7 +28,7 @@ pub(crate) unsafe fn nibbles32(p: *const u8) -> __m256i {
 
 /// 0xff in byte `i` where bit `i` of the little-endian u32 at `p` is set, else 0.
 #[inline(always)]
-unsafe fn bits32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bits32(p: *const u8) -> __m256i {
     bits_mask(p.cast::<u32>().read_unaligned())
 }
 
