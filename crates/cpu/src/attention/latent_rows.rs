@@ -50,7 +50,11 @@ pub(super) fn attention_ext_rotated(
         v_width,
         kd,
         vd,
-        heads: heads_per_task(group, n_tokens * shape.n_head, hmoe_pool::current_num_threads()),
+        heads: heads_per_task(
+            group,
+            n_tokens * shape.n_head,
+            hmoe_pool::current_num_threads(),
+        ),
         n_head: shape.n_head,
         v_in_k: shape.v_in_k,
         scale: shape.scale,
@@ -115,8 +119,7 @@ impl ExtTask<'_> {
         // ggml rounds the query to f16 before dotting it with f16 keys.
         sc.q16.clear();
         if let Cells::F16(_) = &cache.k {
-            sc.q16
-                .extend(qs.iter().map(|&v| f16::from_f32(v).to_f32()));
+            sc.q16.extend(qs.iter().map(|&v| f16::from_f32(v).to_f32()));
         }
         if let Some(kernel) = &self.k_kernel {
             let qb = kernel.act_row_bytes(kd);
@@ -180,7 +183,11 @@ impl ExtTask<'_> {
             }
         }
         for h in 0..nh {
-            softmax_window(&mut probs[h * n_pos..(h + 1) * n_pos], first - chunk_start, None);
+            softmax_window(
+                &mut probs[h * n_pos..(h + 1) * n_pos],
+                first - chunk_start,
+                None,
+            );
         }
         self.values(sc, (first, pos, chunk_start, n_pos), kv_head, dst);
     }
