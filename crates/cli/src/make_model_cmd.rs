@@ -53,8 +53,8 @@ pub struct MakeModelArgs {
     /// Sliding window of even layers (gpt-oss).
     #[arg(long)]
     pub window: Option<usize>,
-    /// Storage type of the expert matrices (qwen3moe, deepseek2): q8_0, q4_0, q4_k, q6_k, f32
-    /// or an IQ type (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq4_nl, iq4_xs;
+    /// Storage type of the expert matrices (qwen3moe, deepseek2): q8_0, q4_0, q4_k, q5_k, q6_k,
+    /// f32 or an IQ type (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq4_nl, iq4_xs;
     /// random codes).
     /// Default q8_0. gpt-oss's experts are MXFP4 as in the published files.
     #[arg(long)]

@@ -51,6 +51,7 @@ pub(crate) fn quantize_fn(ty: GgmlType) -> Option<QuantFn> {
         GgmlType::Q5_1 => legacy::quantize_q5_1,
         GgmlType::Q8_1 => legacy::quantize_q8_1,
         GgmlType::Q8_K => kquants::quantize_q8_k,
+        GgmlType::Q5_K => kquants::quantize_q5_k,
         _ => return None,
     })
 }

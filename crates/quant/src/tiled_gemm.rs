@@ -127,9 +127,14 @@ impl DotKernel {
             );
             // SAFETY: the kernel's ISA (AVX2, or AVX-512 which includes it) was checked when it
             // was made; `w` holds the rows, `a` the tokens, of whole blocks.
-            let done = unsafe {
-                crate::x86::avx2::iquants::tokens_rows(self.weight_type(), n, w, a, n_tokens, out)
-            };
+            let ty = self.weight_type();
+            let vnni = self.isa() == crate::Isa::Avx512 && crate::x86::features::has_avx512_vnni();
+            // SAFETY: as above; VNNI was checked just now.
+            let done = (vnni
+                && unsafe {
+                    crate::x86::avx2::iquants::tokens_vnni::tokens_rows(ty, n, w, a, n_tokens, out)
+                })
+                || unsafe { crate::x86::avx2::iquants::tokens_rows(ty, n, w, a, n_tokens, out) };
             if done {
                 return;
             }

@@ -158,6 +158,9 @@ fn iq_simd_dots_equal_scalar_on_extreme_blocks() {
     }
 }
 
+/// The batched products (`dot_tokens_rows`: AVX2, and AVX-512 VNNI where the CPU has it) of
+/// every IQ type give the scalar `dot` per token, bit for bit, also for activation bytes of
+/// -128 (which the sign trick leaves negative).
 #[test]
 fn iq_batches_equal_the_scalar_dot_per_token() {
     let mut rng = Rng(0x5eed_0f1a_2b3c);
@@ -165,7 +168,11 @@ fn iq_batches_equal_the_scalar_dot_per_token() {
     for ty in IQ_TYPES {
         let act = vec_dot_type(ty);
         let reference = DotKernel::new(ty, Isa::Scalar).unwrap();
-        for (n, n_tokens) in [(ty.block_elems(), 1), (512, 3), (768, 9), (32 * 5, 4)] {
+        // Every token count from 1 to 19 (the VNNI and AVX2 batch kernels' loops), and other
+        // row lengths.
+        let counts = (1..=19).map(|t| (512, t));
+        let other = [(ty.block_elems(), 1), (768, 9), (32 * 5, 4)];
+        for (n, n_tokens) in counts.chain(other) {
             if n % ty.block_elems() != 0 {
                 continue;
             }

@@ -49,11 +49,16 @@ impl Plan {
 }
 
 /// The weight types the synthetic writers can generate for matrices: F32, Q8_0, Q4_0, Q4_K,
-/// Q6_K and the IQ types (random codes).
+/// Q5_K, Q6_K and the IQ types (random codes).
 pub fn supported_weight_type(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::Q6_K
+        GgmlType::F32
+            | GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
     ) || hmoe_quant::IQ_TYPES.contains(&ty)
 }
 
@@ -83,7 +88,7 @@ pub(crate) fn check_expert_types(
     for &ty in types {
         if !supported_weight_type(ty) {
             return Err(format!(
-                "expert type {ty} is not generated (use q8_0, q4_0, q4_k, q6_k, f32 or an iq type)"
+                "expert type {ty} is not generated (use q8_0, q4_0, q4_k, q5_k, q6_k, f32 or an iq type)"
             ));
         }
         let block = ty.block_elems();
@@ -167,6 +172,17 @@ pub(crate) fn random_tensor(p: &Plan, seed: u64) -> Vec<u8> {
                 rng.fill(&mut block[4..]);
             }
         }
+        GgmlType::Q5_K => {
+            // As Q4_K with 5-bit q: dmin = 15.5·d centres the values, whose std is then
+            // ≈ 527·d (Var(sc·q) + 15.5²·Var(m) for uniform 6-bit sc, m and 5-bit q).
+            let d = p.std / 527.0;
+            let (dd, dmin) = (f16_bytes(d), f16_bytes(15.5 * d));
+            for block in out.chunks_exact_mut(176) {
+                block[..2].copy_from_slice(&dd);
+                block[2..4].copy_from_slice(&dmin);
+                rng.fill(&mut block[4..]);
+            }
+        }
         GgmlType::Q6_K => {
             // d·sc·(q − 32) with uniform int8 sc (std ≈ 73.9) and 6-bit q (q − 32: std
             // ≈ 18.5): std ≈ 1365·d. Quants and scales are random bytes, d the last two.
@@ -200,6 +216,7 @@ mod tests {
             GgmlType::Q8_0,
             GgmlType::Q4_0,
             GgmlType::Q4_K,
+            GgmlType::Q5_K,
             GgmlType::Q6_K,
         ]
         .into_iter()

@@ -41,111 +41,253 @@ pub(super) fn attention_ext_rotated(
     } else {
         shape.n_head_kv * vd
     };
-    let lanes_ok = kd.is_multiple_of(LANES);
-    let single_token = q.len() == shape.n_head * kd;
-    hmoe_pool::global().for_each_chunk_mut(out, vd, |task, dst| {
-        EXT_SCRATCH.with_borrow_mut(|sc| {
-            let t = task / shape.n_head;
-            let h = task % shape.n_head;
-            let pos = pos0 + t;
-            let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let qh = &q[task * kd..(task + 1) * kd];
-            // ggml rounds the query to f16 before dotting it with f16 keys.
-            sc.q16.clear();
-            if let Cells::F16(_) = &cache.k {
-                sc.q16.extend(qh.iter().map(|&v| f16::from_f32(v).to_f32()));
+    let n_tokens = q.len() / (shape.n_head * kd);
+    let task = ExtTask {
+        cache,
+        k_kernel,
+        group,
+        k_width,
+        v_width,
+        kd,
+        vd,
+        heads: heads_per_task(
+            group,
+            n_tokens * shape.n_head,
+            hmoe_pool::current_num_threads(),
+        ),
+        n_head: shape.n_head,
+        v_in_k: shape.v_in_k,
+        scale: shape.scale,
+        lanes_ok: kd.is_multiple_of(LANES),
+        single_token: n_tokens == 1,
+        q,
+        pos0,
+    };
+    hmoe_pool::global().for_each_chunk_mut(out, task.heads * vd, |i, dst| {
+        EXT_SCRATCH.with_borrow_mut(|sc| task.run(i, sc, dst));
+    });
+}
+
+/// Query heads per task: the most (up to [`MAX_TASK_HEADS`]) that share one KV head and still
+/// leave four tasks per thread, so that the heads of a task convert each key and value row
+/// once. Results do not depend on it.
+fn heads_per_task(group: usize, rows: usize, threads: usize) -> usize {
+    (1..=group.min(MAX_TASK_HEADS))
+        .rev()
+        .find(|&g| group.is_multiple_of(g) && rows / g >= 4 * threads)
+        .unwrap_or(1)
+}
+
+/// Most query heads in one task: their lane accumulators (`v_dim · 16` floats each) stay
+/// in the L2 cache.
+const MAX_TASK_HEADS: usize = 8;
+
+/// What every task of one [`attention_ext_rotated`] call shares.
+struct ExtTask<'a> {
+    cache: &'a LayerCache,
+    k_kernel: Option<hmoe_quant::DotKernel>,
+    /// Query heads per KV head.
+    group: usize,
+    k_width: usize,
+    v_width: usize,
+    kd: usize,
+    vd: usize,
+    /// Query heads per task ([`heads_per_task`]), all of one KV head.
+    heads: usize,
+    n_head: usize,
+    v_in_k: bool,
+    scale: f32,
+    /// Keys a multiple of 16 long (tinyBLAS's scores for a batch).
+    lanes_ok: bool,
+    single_token: bool,
+    q: &'a [f32],
+    pos0: usize,
+}
+
+impl ExtTask<'_> {
+    /// Task `i`: query heads `i·heads..(i+1)·heads` (counting tokens' heads in order), their
+    /// outputs in `dst`. Each key and value row is read and converted once for the task's heads.
+    fn run(&self, i: usize, sc: &mut ExtScratch, dst: &mut [f32]) {
+        let (kd, nh) = (self.kd, self.heads);
+        let cache = self.cache;
+        let row0 = i * nh;
+        let t = row0 / self.n_head;
+        let kv_head = row0 % self.n_head / self.group;
+        let pos = self.pos0 + t;
+        let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let qs = &self.q[row0 * kd..(row0 + nh) * kd];
+        // ggml rounds the query to f16 before dotting it with f16 keys.
+        sc.q16.clear();
+        if let Cells::F16(_) = &cache.k {
+            sc.q16.extend(qs.iter().map(|&v| f16::from_f32(v).to_f32()));
+        }
+        if let Some(kernel) = &self.k_kernel {
+            let qb = kernel.act_row_bytes(kd);
+            let q_blocks = fit(&mut sc.q_blocks, nh * qb);
+            for (qh, dst) in qs.chunks_exact(kd).zip(q_blocks.chunks_exact_mut(qb)) {
+                hmoe_quant::quantize_row(kernel.act_type(), qh, dst)
+                    .expect("heads are whole blocks (checked)");
             }
-            let q16 = &sc.q16[..];
-            let q_blocks = match &k_kernel {
-                Some(kernel) => {
-                    let q_blocks = fit(&mut sc.q_blocks, kernel.act_row_bytes(kd));
-                    hmoe_quant::quantize_row(kernel.act_type(), qh, q_blocks)
-                        .expect("heads are whole blocks (checked)");
-                    &q_blocks[..]
+        }
+        let k_at = |p: usize| (p % cache.cells) * self.k_width + kv_head * kd;
+        let chunk_start = first / LANES * LANES;
+        let n_pos = pos + 1 - chunk_start;
+        // Head h's probabilities at `h · n_pos`; positions before the window are never
+        // written, the softmax zeroes them.
+        let probs = fit(&mut sc.probs, nh * n_pos);
+        let k_row = fit(&mut sc.k_row, kd);
+        for p in first..=pos {
+            let at = k_at(p);
+            let key = match &cache.k {
+                Cells::F32(k) => Some(&k[at..at + kd]),
+                Cells::F16(k) => {
+                    k[at..at + kd].convert_to_f32_slice(k_row);
+                    Some(&k_row[..])
                 }
-                None => &[][..],
+                Cells::Blocks { .. } => None,
             };
-            let kv_head = h / group;
-            let k_at = |p: usize| (p % cache.cells) * k_width + kv_head * kd;
-            let v_at = |p: usize| {
-                if shape.v_in_k {
-                    k_at(p)
-                } else {
-                    (p % cache.cells) * v_width + kv_head * vd
+            // tinyBLAS's batch scores, four heads at a time (independent FMA chains).
+            let mut h0 = 0;
+            if let (Cells::F16(_), Some(key)) = (&cache.k, key) {
+                if self.lanes_ok && !self.single_token {
+                    while h0 + 4 <= nh {
+                        let q: [&[f32]; 4] =
+                            std::array::from_fn(|j| &sc.q16[(h0 + j) * kd..(h0 + j + 1) * kd]);
+                        for (j, s) in dot_lanes4(q, key).into_iter().enumerate() {
+                            probs[(h0 + j) * n_pos + p - chunk_start] = s * self.scale;
+                        }
+                        h0 += 4;
+                    }
                 }
-            };
-            let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
-            let chunk_start = first / LANES * LANES;
-            let probs = fit(&mut sc.probs, pos + 1 - chunk_start);
-            // Positions before the window are never written; the softmax zeroes them.
-            let k_row = fit(&mut sc.k_row, kd);
-            for p in first..=pos {
-                let at = k_at(p);
-                let s = match &cache.k {
-                    Cells::F32(k) => dot_vec_f32(qh, &k[at..at + kd]),
+            }
+            for h in h0..nh {
+                let s = match (&cache.k, key) {
+                    (Cells::F32(_), Some(key)) => dot_vec_f32(&qs[h * kd..(h + 1) * kd], key),
                     // A batch goes through tinyBLAS when the head is a multiple of 16 long; one
-                    // token, or a head tinyBLAS declines, through `vec_dot_f16`.
-                    Cells::F16(k) if lanes_ok && !single_token => {
-                        k[at..at + kd].convert_to_f32_slice(k_row);
-                        dot_lanes(q16, k_row)
+                    // token, or a head tinyBLAS declines, through `vec_dot_f16` (the f16 key
+                    // converted exactly beforehand).
+                    (Cells::F16(_), Some(key)) if self.lanes_ok && !self.single_token => {
+                        dot_lanes(&sc.q16[h * kd..(h + 1) * kd], key)
                     }
-                    Cells::F16(k) => dot_vec(q16, &k[at..at + kd], f16::to_f32, true),
-                    Cells::Blocks { ty, data, .. } => {
-                        block_dot(k_kernel.as_ref(), *ty, data, at, kd, q_blocks)
+                    (Cells::F16(_), Some(key)) => {
+                        dot_vec(&sc.q16[h * kd..(h + 1) * kd], key, |v| v, true)
                     }
-                } * shape.scale;
-                probs[p - chunk_start] = s;
+                    (Cells::Blocks { ty, data, .. }, _) => {
+                        let qb = self.k_kernel.as_ref().map_or(0, |k| k.act_row_bytes(kd));
+                        let q_blocks = &sc.q_blocks[h * qb..(h + 1) * qb];
+                        block_dot(self.k_kernel.as_ref(), *ty, data, at, kd, q_blocks)
+                    }
+                    _ => unreachable!("f32/f16 keys have a converted row"),
+                } * self.scale;
+                probs[h * n_pos + p - chunk_start] = s;
             }
-            softmax_window(probs, first - chunk_start, None);
-            // A batch sums the values in one 16-lane chain over positions (tinyBLAS); one token
-            // with f32/f16 values goes through `vec_dot_f32`/`vec_dot_f16`, whose four chains take
-            // 16 positions in turn.
-            let chains = match v_cells {
-                Cells::F32(_) | Cells::F16(_) if single_token => VEC_DOT_CHAINS,
-                _ => 1,
-            };
-            let acc = fit(&mut sc.acc, vd);
-            acc.fill([[0f32; LANES]; VEC_DOT_CHAINS]);
-            let v_row = fit(&mut sc.v_row, vd);
-            for (c, chunk) in probs.chunks(LANES).enumerate() {
-                let chain = (chunk_start / LANES + c) % chains;
-                for (i, &w) in chunk.iter().enumerate() {
-                    let p = chunk_start + c * LANES + i;
-                    if p < first {
-                        continue;
-                    }
-                    let at = v_at(p);
-                    match v_cells {
-                        Cells::F32(v) => {
-                            for (a, &x) in acc.iter_mut().zip(&v[at..at + vd]) {
-                                a[chain][i] = x.mul_add(w, a[chain][i]);
-                            }
-                        }
-                        Cells::F16(v) => {
-                            let w = f16::from_f32(w).to_f32();
-                            for (a, &x) in acc.iter_mut().zip(&v[at..at + vd]) {
-                                a[chain][i] = x.to_f32().mul_add(w, a[chain][i]);
-                            }
-                        }
-                        Cells::Blocks { ty, data, .. } => {
-                            dequantize_at(*ty, data, at, v_row);
-                            let w = round_weight(*ty, w);
-                            for (a, &x) in acc.iter_mut().zip(&*v_row) {
-                                a[chain][i] = x.mul_add(w, a[chain][i]);
-                            }
-                        }
+        }
+        for h in 0..nh {
+            softmax_window(
+                &mut probs[h * n_pos..(h + 1) * n_pos],
+                first - chunk_start,
+                None,
+            );
+        }
+        self.values(sc, (first, pos, chunk_start, n_pos), kv_head, dst);
+    }
+
+    /// The probability-weighted value sums of the task's heads from `sc.probs` into `dst`.
+    /// A batch sums the values in one 16-lane chain over positions (tinyBLAS); one token with
+    /// f32/f16 values goes through `vec_dot_f32`/`vec_dot_f16`, whose four chains take 16
+    /// positions in turn. Each 16 positions' value rows are converted once, transposed to
+    /// `[element][lane]`, so every head's lane update is a vector FMA per element.
+    fn values(
+        &self,
+        sc: &mut ExtScratch,
+        (first, pos, chunk_start, n_pos): (usize, usize, usize, usize),
+        kv_head: usize,
+        dst: &mut [f32],
+    ) {
+        let (vd, nh) = (self.vd, self.heads);
+        let cache = self.cache;
+        let v_at = |p: usize| {
+            if self.v_in_k {
+                (p % cache.cells) * self.k_width + kv_head * self.kd
+            } else {
+                (p % cache.cells) * self.v_width + kv_head * vd
+            }
+        };
+        let v_cells = if self.v_in_k { &cache.k } else { &cache.v };
+        let chains = match v_cells {
+            Cells::F32(_) | Cells::F16(_) if self.single_token => VEC_DOT_CHAINS,
+            _ => 1,
+        };
+        // Head h, chain c, element d: `acc[(h · chains + c) · vd + d]`.
+        let acc = fit(&mut sc.acc, nh * chains * vd);
+        acc.fill([0.0; LANES]);
+        let vt = fit(&mut sc.vt, vd);
+        let v_row = fit(&mut sc.v_row, vd);
+        let probs = &sc.probs[..nh * n_pos];
+        for (c, c0) in (chunk_start..=pos).step_by(LANES).enumerate() {
+            let chain = (chunk_start / LANES + c) % chains;
+            // Lanes of positions outside `first..=pos` hold zero values and weights: the FMA
+            // then adds +0 to an accumulator that started at +0, which leaves it as it is.
+            vt.fill([0.0; LANES]);
+            let live = (c0.max(first)..=pos.min(c0 + LANES - 1)).map(|p| p - c0);
+            for l in live.clone() {
+                let at = v_at(c0 + l);
+                match v_cells {
+                    Cells::F32(v) => v_row.copy_from_slice(&v[at..at + vd]),
+                    Cells::F16(v) => v[at..at + vd].convert_to_f32_slice(v_row),
+                    Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, at, v_row),
+                }
+                for (t, &x) in vt.iter_mut().zip(v_row.iter()) {
+                    t[l] = x;
+                }
+            }
+            for h in 0..nh {
+                let mut w = [0f32; LANES];
+                for l in live.clone() {
+                    let p = probs[h * n_pos + c0 + l - chunk_start];
+                    w[l] = match v_cells {
+                        Cells::F16(_) => f16::from_f32(p).to_f32(),
+                        Cells::Blocks { ty, .. } => round_weight(*ty, p),
+                        Cells::F32(_) => p,
+                    };
+                }
+                let acc = &mut acc[(h * chains + chain) * vd..][..vd];
+                for (a, x) in acc.iter_mut().zip(vt.iter()) {
+                    for l in 0..LANES {
+                        a[l] = x[l].mul_add(w[l], a[l]);
                     }
                 }
             }
-            for (d, a) in dst.iter_mut().zip(&*acc) {
-                *d = if chains == 1 {
-                    hsum16(&a[0])
+        }
+        for (h, out) in dst.chunks_exact_mut(vd).enumerate() {
+            let acc = &acc[h * chains * vd..(h + 1) * chains * vd];
+            for (d, o) in out.iter_mut().enumerate() {
+                *o = if chains == 1 {
+                    hsum16(&acc[d])
                 } else {
-                    reduce_chains(a)
+                    let a: [[f32; LANES]; VEC_DOT_CHAINS] =
+                        std::array::from_fn(|c| acc[c * vd + d]);
+                    reduce_chains(&a)
                 };
             }
-        });
-    });
+        }
+    }
+}
+
+/// [`dot_lanes`] of four query heads with one key a multiple of 16 long: the same chains,
+/// interleaved so that they overlap.
+fn dot_lanes4(q: [&[f32]; 4], k: &[f32]) -> [f32; 4] {
+    debug_assert!(k.len().is_multiple_of(LANES));
+    let mut lanes = [[0f32; LANES]; 4];
+    for (j, ck) in k.chunks_exact(LANES).enumerate() {
+        for (l, q) in lanes.iter_mut().zip(q) {
+            let cq = &q[j * LANES..(j + 1) * LANES];
+            for i in 0..LANES {
+                l[i] = cq[i].mul_add(ck[i], l[i]);
+            }
+        }
+    }
+    lanes.map(|l| hsum16(&l))
 }
 
 /// One [`attention_ext`] row task's buffers, kept per thread between calls (as
@@ -157,7 +299,9 @@ struct ExtScratch {
     probs: Vec<f32>,
     k_row: Vec<f32>,
     v_row: Vec<f32>,
-    acc: Vec<[[f32; LANES]; VEC_DOT_CHAINS]>,
+    /// A chunk's value rows transposed: `[element][lane]`.
+    vt: Vec<[f32; LANES]>,
+    acc: Vec<[f32; LANES]>,
 }
 
 thread_local! {

@@ -25,7 +25,7 @@
 //! fused-multiply-add chain, Q6_K subtracts `32·Σ sc·bsum` (two sub-blocks per lane) from the
 //! integer lanes.
 
-use crate::scalar::shared::{f16_to_f32, hsum8, rd_f32, rd_u16};
+use crate::scalar::shared::{f16_to_f32, f32_to_f16, hsum8, rd_f32, rd_u16};
 
 /// Elements per super-block.
 pub(crate) const QK_K: usize = 256;
@@ -251,6 +251,68 @@ pub(crate) fn quantize_block_q8_k(x: &[f32], out: &mut [u8]) {
 pub(crate) fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
     for (x, out) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(Q8_K_BYTES)) {
         quantize_block_q8_k(x, out);
+    }
+}
+
+/// The f16 bits of the smallest f16 at least `v` (finite, non-negative).
+fn f16_at_least(v: f32) -> u16 {
+    let h = f32_to_f16(v);
+    if f16_to_f32(h) < v {
+        h + 1
+    } else {
+        h
+    }
+}
+
+/// `num / den` rounded up to an integer in `0..=63` (0 where `den` is 0).
+fn ceil_6bit(num: f32, den: f32) -> u8 {
+    if den > 0.0 {
+        (num / den).ceil().clamp(0.0, 63.0) as u8
+    } else {
+        0
+    }
+}
+
+/// Quantises one super-block to Q5_K (ggml's layout: `d·sc·q − dmin·m` per 32 elements, 6-bit
+/// `sc`, `m` and 5-bit `q`), by range rather than ggml's iterative fit: per 32 elements the
+/// offset `dmin·m` covers the most negative value and `d·sc·31` the largest after the offset
+/// (`d`, `dmin` rounded up to f16, `sc`, `m` up to integers), so each value only rounds to its
+/// nearest quant: the error is at most half of `d·sc` (plus float rounding).
+pub(crate) fn quantize_block_q5_k(x: &[f32], out: &mut [u8]) {
+    out.fill(0);
+    let lo: [f32; 8] =
+        core::array::from_fn(|j| x[32 * j..32 * j + 32].iter().fold(0f32, |m, &v| m.min(v)));
+    let hi: [f32; 8] =
+        core::array::from_fn(|j| x[32 * j..32 * j + 32].iter().fold(0f32, |m, &v| m.max(v)));
+    let dmin_h = f16_at_least(lo.iter().fold(0f32, |m, &v| m.max(-v)) / 63.0);
+    let dmin = f16_to_f32(dmin_h);
+    let mn: [u8; 8] = core::array::from_fn(|j| ceil_6bit(-lo[j], dmin));
+    let top: [f32; 8] = core::array::from_fn(|j| hi[j] + dmin * mn[j] as f32);
+    let d_h = f16_at_least(top.iter().fold(0f32, |m, &v| m.max(v)) / (31.0 * 63.0));
+    let d = f16_to_f32(d_h);
+    let sc: [u8; 8] = core::array::from_fn(|j| ceil_6bit(top[j], 31.0 * d));
+    out[..2].copy_from_slice(&d_h.to_le_bytes());
+    out[2..4].copy_from_slice(&dmin_h.to_le_bytes());
+    for j in 0..4 {
+        out[4 + j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        out[8 + j] = mn[j] | (mn[j + 4] >> 4) << 6;
+        out[12 + j] = (sc[j + 4] & 15) | (mn[j + 4] & 15) << 4;
+    }
+    for (e, &v) in x.iter().enumerate() {
+        let (step, off) = (d * sc[e / 32] as f32, dmin * mn[e / 32] as f32);
+        let q = if step > 0.0 {
+            ((v + off) / step).round().clamp(0.0, 31.0) as u8
+        } else {
+            0
+        };
+        out[48 + 32 * (e / 64) + e % 32] |= (q & 15) << (4 * ((e / 32) % 2));
+        out[16 + e % 32] |= (q >> 4) << (e / 32);
+    }
+}
+
+pub(crate) fn quantize_q5_k(src: &[f32], dst: &mut [u8]) {
+    for (x, out) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(Q5_K_BYTES)) {
+        quantize_block_q5_k(x, out);
     }
 }
 

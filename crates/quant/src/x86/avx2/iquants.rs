@@ -385,6 +385,13 @@ impl Acc {
                 }
             }
         }
+        self.fold::<T>(d, s, s2, sumi1);
+    }
+
+    /// Adds a super-block's integer sums with scale `d` (`dw·da`): the lanes `s`, IQ1_M's
+    /// delta lanes `s2`, IQ1_S's delta sum `sumi1`.
+    #[inline(always)]
+    unsafe fn fold<T: IqSuper>(&mut self, d: f32, s: __m256i, s2: __m256i, sumi1: i32) {
         let dv = _mm256_set1_ps(d);
         self.acc = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(s), self.acc);
         match T::DELTA {
@@ -548,6 +555,9 @@ unsafe fn iq4_nl_tokens(n: usize, w: *const u8, a: *const u8, n_tokens: usize, o
 
 /// IQ4_NL blocks decoded at a time in a batch (even, so a run starts on an even block).
 const IQ4_NL_RUN: usize = 8;
+
+/// The batched IQ products with AVX-512 VNNI.
+pub(crate) mod tokens_vnni;
 
 /// `super_rows` of one type as a plain generic function, for `entry_points!`.
 macro_rules! super_kernel {
