@@ -14,8 +14,8 @@
 #   for f in .carry/llama-*.tar.xz; do tar -C .baseline -xJf "$f"; done && scripts/gpu-session.sh
 #
 # Steps, each logged under $OUT (the device call's folder that comes back; else ./gpu-session).
-# The default, SESSION_STEPS="check bench4 seed" (about 7 minutes on an H200 by estimate, the
-# start not counted; each step is bounded by a timeout), is the GPU round's measurement:
+# The default, SESSION_STEPS="check bench4 seed graphs" (about 8 minutes on an H200 by estimate,
+# the start not counted; each step is bounded by a timeout), is the GPU round's measurement:
 #   check   correctness first: dist/gpu-check/gpu-check.sh with the CUDA test executables and
 #           gpu_compare.py on every architecture's fixtures (no CPU tests, no bench, no server
 #           checks there).  (~1.5 min)
@@ -28,6 +28,8 @@
 #           and tg128 at depths 0, 4096 and 16384; then --cpu-moe at depth 0 (llama.cpp's
 #           --cpu-moe prefill of 16k positions over 36 layers takes minutes: out of a lease's
 #           reach); JSON as <date>-<gpu>-seed-proxy.json and -seed-proxy-cpu-moe.json.  (~2.5 min)
+#   graphs  the 4-layer model all on the GPU, tg128 with CUDA graphs on and off
+#           (HMOE_CUDA_GRAPHS), then HMOE_CUDA_PROFILE's table of GPU time per kernel.  (~1 min)
 # The CPU rounds' steps stay available by number:
 #   1. gpu-check.sh whole (CUDA and CPU test executables, gpu_compare.py, `hmoe bench` with
 #      --cpu-moe / all on the GPU / on the CPU, and the server checks), with the 4-layer model.
@@ -85,7 +87,7 @@ gpu_bench() {
     "${HMOE_PYTHON:-python3}" "$DIST/gpu_bench_json.py" table "$OUT_DIR"/*-"$tag".json 2>/dev/null || true
 }
 
-for s in ${SESSION_STEPS:-check bench4 seed}; do
+for s in ${SESSION_STEPS:-check bench4 seed graphs}; do
     echo "gpu-session: step $s, $(date -u +%T)"
     case "$s" in
         check)
@@ -106,6 +108,21 @@ for s in ${SESSION_STEPS:-check bench4 seed}; do
             # The same file with the experts on the CPU (the tag differs, the file does not).
             gpu_bench seed-proxy-cpu-moe 150 "${seed[@]}" GPU_BENCH_CONFIGS=cpu-moe \
                 GPU_BENCH_DEPTHS="" HMOE_BENCH_MODEL="${TMPDIR:-/tmp}/hmoe-seed-proxy.gguf"
+            ;;
+        graphs)
+            # CUDA graphs on (the default) and off on the 4-layer model all on the GPU, then the
+            # kernel profile (HMOE_CUDA_PROFILE turns graphs off: its events cannot be captured).
+            make_model
+            for g in 1 0; do
+                log="$OUT_DIR/graphs-$g.log"
+                HMOE_CUDA_GRAPHS=$g timeout -k 5 40 "$HMOE" bench -m "$MODEL" -fa on -p 0 -n 128 -r 3 \
+                    > "$log" 2>&1 || FAILED=1
+                echo "HMOE_CUDA_GRAPHS=$g: $(grep -m1 tg128 "$log")"
+                grep -i -m3 'graph' "$log"
+            done
+            HMOE_CUDA_PROFILE=1 timeout -k 5 40 "$HMOE" bench -m "$MODEL" -fa on -p 0 -n 32 -r 1 \
+                > "$OUT_DIR/cuda-profile.log" 2>&1 || FAILED=1
+            tail -n 30 "$OUT_DIR/cuda-profile.log"
             ;;
         1)
             HMOE_BENCH_MODEL="" HMOE_BENCH_MAKE=g120-4l "$DIST/gpu-check.sh" > "$OUT_DIR/gpu-check.log" 2>&1 \
