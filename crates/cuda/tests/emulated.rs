@@ -10,7 +10,7 @@
 //!
 //! Slow (minutes: every shuffle is a barrier of OS threads), so ignored by default:
 //! `cargo test -p hmoe-cuda --test emulated -- --ignored --nocapture`. Skipped when clang++
-//! with C++20 `<barrier>` and F16C is not available. A real GPU runs tests/gpu.rs.
+//! with C++20 `<barrier>` and F16C is not available. A real GPU runs tests/gpu.rs and tests/gpu_moe.rs.
 
 use std::path::PathBuf;
 

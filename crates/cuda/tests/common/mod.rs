@@ -1,4 +1,4 @@
-//! Inputs shared by the GPU tests (`gpu.rs`) and the host emulation (`emulated.rs`).
+//! Inputs shared by the GPU tests (`gpu.rs`, `gpu_moe.rs`) and the host emulation (`emulated.rs`).
 
 use hmoe_backend::{AttnParams, Backend, GatedAct, KvLayout, KvRing, Ref0, RefMoe};
 use hmoe_quant::{quantize_row, GgmlType};
