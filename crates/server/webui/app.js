@@ -408,7 +408,9 @@ function requestBody(c) {
   const messages = [];
   if (s.system && s.system.trim()) messages.push({ role: "system", content: s.system });
   for (const m of c.messages) {
-    if (m.role === "assistant" && !m.content && m.error) continue;
+    // The answer being written (and a failed one) has no content yet: sent, it would be an
+    // assistant prefill, which the server continues instead of answering.
+    if (m.role === "assistant" && !m.content) continue;
     messages.push({ role: m.role, content: m.content });
   }
   const body = { messages, stream: true, stream_options: { include_usage: true } };
