@@ -330,7 +330,7 @@ mod tests {
         }));
         assert!(bad(|s| s.qk_rope_dim = 7));
         assert!(bad(|s| s.n_layer_dense_lead = 5));
-        assert!(bad(|s| s.expert_type = GgmlType::Q5_K));
+        assert!(bad(|s| s.expert_type = GgmlType::Q3_K));
     }
 
     #[test]

@@ -216,8 +216,8 @@ mod tests {
         assert!(bad(|s| s.n_head_kv = 3));
         assert!(bad(|s| s.n_expert_used = 17));
         assert!(bad(|s| s.head_dim = 31));
-        assert!(bad(|s| s.expert_type = GgmlType::Q5_K));
-        assert!(bad(|s| s.down_expert_type = Some(GgmlType::Q5_K)));
+        assert!(bad(|s| s.expert_type = GgmlType::Q3_K));
+        assert!(bad(|s| s.down_expert_type = Some(GgmlType::Q3_K)));
         assert!(bad(|s| {
             (s.expert_type, s.down_expert_type) = (GgmlType::Q4_0, Some(GgmlType::Q6_K));
             s.n_ff_exp = 96;
