@@ -735,6 +735,7 @@ pub trait Backend: Send + Sync {
     ///
     /// A convenience over [`Backend::kv_store_at`] (the position uploaded into a buffer of
     /// its own): the executor's steps call that one, which a recorded segment can replay.
+    /// Devices implement only the `_at` ops; the by-value ones are not overridden.
     fn kv_store(
         &self,
         src: &Self::Buf<f32>,

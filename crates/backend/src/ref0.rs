@@ -577,17 +577,6 @@ impl Backend for Ref0 {
     fn kv_types(&self) -> &'static [GgmlType] {
         &crate::KV_TYPES
     }
-    fn kv_store(
-        &self,
-        src: &RefBuf<f32>,
-        ring: &mut KvRing<Ref0>,
-        n_tokens: usize,
-        pos0: usize,
-    ) -> Result<(), BackendError> {
-        let bufs = [id(src), id(&ring.data)];
-        let (n_tokens, pos0) = self.replay.op("kv_store", &bufs, (n_tokens, pos0))?;
-        crate::ref0_kv::store(&ring.layout, src, &mut ring.data, n_tokens, pos0)
-    }
     fn kv_store_at(
         &self,
         src: &RefBuf<f32>,
@@ -616,21 +605,6 @@ impl Backend for Ref0 {
         let bytes = crate::kv_rows_range(&ring.layout, cell0, n)?;
         ring.data[bytes].copy_from_slice(rows);
         Ok(())
-    }
-    fn attention(
-        &self,
-        p: &AttnParams,
-        q: &RefBuf<f32>,
-        k: &KvRing<Ref0>,
-        v: &KvRing<Ref0>,
-        sinks: Option<&RefBuf<f32>>,
-        n_tokens: usize,
-        pos0: usize,
-        out: &mut RefBuf<f32>,
-    ) -> Result<(), BackendError> {
-        let bufs = [id(q), id(&k.data), id(&v.data), id_opt(sinks), id(out)];
-        let (p, n_tokens, pos0) = self.replay.op("attention", &bufs, (*p, n_tokens, pos0))?;
-        self.attend(&p, q, k, v, sinks, n_tokens, pos0, out)
     }
     fn attention_at(
         &self,
@@ -871,20 +845,6 @@ impl Backend for Ref0 {
     }
     fn k_only_types(&self) -> &'static [GgmlType] {
         &crate::KV_TYPES
-    }
-    fn attention_k_only(
-        &self,
-        p: &KOnlyAttnParams,
-        q: &RefBuf<f32>,
-        k_ring: &KvRing<Ref0>,
-        n_tokens: usize,
-        pos0: usize,
-        out: &mut RefBuf<f32>,
-    ) -> Result<(), BackendError> {
-        let bufs = [id(q), id(&k_ring.data), id(out)];
-        let scalars = (*p, n_tokens, pos0);
-        let (p, n_tokens, pos0) = self.replay.op("attention_k_only", &bufs, scalars)?;
-        self.attend_k_only(&p, q, k_ring, n_tokens, pos0, out)
     }
     fn attention_k_only_at(
         &self,

@@ -347,24 +347,6 @@ impl Backend for Cpu {
             layout,
         })
     }
-    fn kv_store(
-        &self,
-        src: &CpuBuf<f32>,
-        ring: &mut KvRing<Cpu>,
-        n_tokens: usize,
-        pos0: usize,
-    ) -> Result<(), BackendError> {
-        let (w, n_cells) = (ring.layout.width, ring.layout.cells);
-        ensure("kv_store", src.len() >= n_tokens * w && n_cells > 0, || {
-            format!("{} values for {n_tokens} rows of {w}", src.len())
-        })?;
-        let mut cells = ring_cells(ring, "kv_store")?;
-        // The CPU device's `LayerCache::store`: one row per token, converted as `set_rows`.
-        for (t, row) in src.chunks_exact(w).take(n_tokens).enumerate() {
-            cells.store((pos0 + t) % n_cells * w, row);
-        }
-        Ok(())
-    }
     fn kv_store_at(
         &self,
         src: &CpuBuf<f32>,
@@ -374,7 +356,7 @@ impl Backend for Cpu {
         first: usize,
     ) -> Result<(), BackendError> {
         let pos0 = hmoe_backend::first_position("kv_store", positions, first)?;
-        self.kv_store(src, ring, n_tokens, pos0)
+        Self::store_from(src, ring, n_tokens, pos0)
     }
     fn kv_read(&self, ring: &KvRing<Cpu>, cells: Range<usize>) -> Result<Vec<u8>, BackendError> {
         let bytes = hmoe_backend::kv_rows_range(&ring.layout, cells.start, cells.len())?;
@@ -404,78 +386,7 @@ impl Backend for Cpu {
         out: &mut CpuBuf<f32>,
     ) -> Result<(), BackendError> {
         let pos0 = hmoe_backend::first_position("attention", positions, first)?;
-        self.attention(p, q, k, v, sinks, n_tokens, pos0, out)
-    }
-    fn attention(
-        &self,
-        p: &AttnParams,
-        q: &CpuBuf<f32>,
-        k: &KvRing<Cpu>,
-        v: &KvRing<Cpu>,
-        sinks: Option<&CpuBuf<f32>>,
-        n_tokens: usize,
-        pos0: usize,
-        out: &mut CpuBuf<f32>,
-    ) -> Result<(), BackendError> {
-        const OP: &str = "attention";
-        let (nh, nkv, hd) = (p.n_head, p.n_head_kv, p.head_dim);
-        let n_q = n_tokens * nh * hd;
-        ensure(
-            OP,
-            nkv > 0
-                && nh.is_multiple_of(nkv)
-                && q.len() >= n_q
-                && out.len() >= n_q
-                && sinks.is_none_or(|s| s.len() >= nh)
-                && [&k.layout, &v.layout]
-                    .iter()
-                    .all(|l| l.width == nkv * hd && l.cells == p.cells)
-                && p.keys_seen(n_tokens, pos0) <= p.cells.max(usize::from(n_tokens == 0)),
-            || format!("{p:?} over K {:?} / V {:?}", k.layout, v.layout),
-        )?;
-        if n_tokens == 0 {
-            return Ok(());
-        }
-        let (q, out) = (&q[..n_q], &mut out[..n_q]);
-        let mut kc = ring_cells(k, OP)?;
-        let mut vc = ring_cells(v, OP)?;
-        let ring = (p.cells, p.window, p.flash);
-        match (p.value_chains, sinks) {
-            // gpt-oss's attention: one value chain, sinks or not.
-            (1, sinks) => {
-                let shape = AttnShape {
-                    n_head: nh,
-                    n_head_kv: nkv,
-                    head_dim: hd,
-                    scale: p.scale,
-                };
-                let sinks = sinks.map(|s| &s[..nh]);
-                with_layer(OP, &mut kc, Some(&mut vc), ring, |l| {
-                    attention(l, &shape, q, pos0, sinks, out)
-                })
-            }
-            // Llama-style blocks' and Qwen3-MoE's: `vec_dot`'s four chains, no sinks.
-            (hmoe_backend::numerics::VEC_DOT_CHAINS, None) => {
-                let shape = AttnLayout {
-                    n_head: nh,
-                    n_head_kv: nkv,
-                    k_dim: hd,
-                    v_dim: hd,
-                    v_in_k: false,
-                    scale: p.scale,
-                };
-                with_layer(OP, &mut kc, Some(&mut vc), ring, |l| {
-                    attention_ext(l, &shape, q, pos0, out)
-                })
-            }
-            (chains, sinks) => Err(BackendError::Unsupported {
-                op: OP,
-                what: format!(
-                    "{chains} value chains with{} sinks",
-                    if sinks.is_some() { "" } else { "out" }
-                ),
-            }),
-        }
+        self.attend_from(p, q, k, v, sinks, n_tokens, pos0, out)
     }
     fn router_top_k(
         &self,
@@ -672,9 +583,137 @@ impl Backend for Cpu {
         out: &mut CpuBuf<f32>,
     ) -> Result<(), BackendError> {
         let pos0 = hmoe_backend::first_position("attention_k_only", positions, first)?;
-        self.attention_k_only(p, q, k_ring, n_tokens, pos0, out)
+        self.attend_k_only_from(p, q, k_ring, n_tokens, pos0, out)
     }
-    fn attention_k_only(
+    fn route(
+        &self,
+        logits: &CpuBuf<f32>,
+        bias: Option<&CpuBuf<f32>>,
+        gating: Gating,
+        routing: &Routing,
+        n_expert: usize,
+        selected: &mut CpuBuf<i32>,
+        weights: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        let bias = bias.map(|b| &b[..]);
+        hmoe_backend::host_ops::route(logits, bias, gating, routing, n_expert, selected, weights)
+    }
+    fn staging(&self, n_d: usize, n_k: usize) -> Result<HostStaging, BackendError> {
+        Ok(HostStaging::new(n_d, n_k))
+    }
+    fn stage_down(
+        &self,
+        st: &mut HostStaging,
+        h: &CpuBuf<f32>,
+        sel: &CpuBuf<i32>,
+        w: &CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        st.fill(h, sel, w).map(drop)
+    }
+    fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
+        Ok(st.io())
+    }
+    fn stage_up(&self, st: &HostStaging, out: &mut CpuBuf<f32>) -> Result<(), BackendError> {
+        st.send_up(out).map(drop)
+    }
+}
+
+/// The position-by-value bodies of the K/V store and attention ops, which the `_at` ops call
+/// once they have read the position.
+impl Cpu {
+    /// The rows of [`Backend::kv_store_at`] from position `pos0`.
+    fn store_from(
+        src: &CpuBuf<f32>,
+        ring: &mut KvRing<Cpu>,
+        n_tokens: usize,
+        pos0: usize,
+    ) -> Result<(), BackendError> {
+        let (w, n_cells) = (ring.layout.width, ring.layout.cells);
+        ensure("kv_store", src.len() >= n_tokens * w && n_cells > 0, || {
+            format!("{} values for {n_tokens} rows of {w}", src.len())
+        })?;
+        let mut cells = ring_cells(ring, "kv_store")?;
+        // The CPU device's `LayerCache::store`: one row per token, converted as `set_rows`.
+        for (t, row) in src.chunks_exact(w).take(n_tokens).enumerate() {
+            cells.store((pos0 + t) % n_cells * w, row);
+        }
+        Ok(())
+    }
+    /// [`Backend::attention_at`] from position `pos0`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_from(
+        &self,
+        p: &AttnParams,
+        q: &CpuBuf<f32>,
+        k: &KvRing<Cpu>,
+        v: &KvRing<Cpu>,
+        sinks: Option<&CpuBuf<f32>>,
+        n_tokens: usize,
+        pos0: usize,
+        out: &mut CpuBuf<f32>,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "attention";
+        let (nh, nkv, hd) = (p.n_head, p.n_head_kv, p.head_dim);
+        let n_q = n_tokens * nh * hd;
+        ensure(
+            OP,
+            nkv > 0
+                && nh.is_multiple_of(nkv)
+                && q.len() >= n_q
+                && out.len() >= n_q
+                && sinks.is_none_or(|s| s.len() >= nh)
+                && [&k.layout, &v.layout]
+                    .iter()
+                    .all(|l| l.width == nkv * hd && l.cells == p.cells)
+                && p.keys_seen(n_tokens, pos0) <= p.cells.max(usize::from(n_tokens == 0)),
+            || format!("{p:?} over K {:?} / V {:?}", k.layout, v.layout),
+        )?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let (q, out) = (&q[..n_q], &mut out[..n_q]);
+        let mut kc = ring_cells(k, OP)?;
+        let mut vc = ring_cells(v, OP)?;
+        let ring = (p.cells, p.window, p.flash);
+        match (p.value_chains, sinks) {
+            // gpt-oss's attention: one value chain, sinks or not.
+            (1, sinks) => {
+                let shape = AttnShape {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: hd,
+                    scale: p.scale,
+                };
+                let sinks = sinks.map(|s| &s[..nh]);
+                with_layer(OP, &mut kc, Some(&mut vc), ring, |l| {
+                    attention(l, &shape, q, pos0, sinks, out)
+                })
+            }
+            // Llama-style blocks' and Qwen3-MoE's: `vec_dot`'s four chains, no sinks.
+            (hmoe_backend::numerics::VEC_DOT_CHAINS, None) => {
+                let shape = AttnLayout {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    k_dim: hd,
+                    v_dim: hd,
+                    v_in_k: false,
+                    scale: p.scale,
+                };
+                with_layer(OP, &mut kc, Some(&mut vc), ring, |l| {
+                    attention_ext(l, &shape, q, pos0, out)
+                })
+            }
+            (chains, sinks) => Err(BackendError::Unsupported {
+                op: OP,
+                what: format!(
+                    "{chains} value chains with{} sinks",
+                    if sinks.is_some() { "" } else { "out" }
+                ),
+            }),
+        }
+    }
+    /// [`Backend::attention_k_only_at`] from position `pos0`.
+    fn attend_k_only_from(
         &self,
         p: &KOnlyAttnParams,
         q: &CpuBuf<f32>,
@@ -710,37 +749,6 @@ impl Backend for Cpu {
         with_layer(OP, &mut kc, None, (p.cells, None, false), |l| {
             attention_ext(l, &shape, q, pos0, out)
         })
-    }
-    fn route(
-        &self,
-        logits: &CpuBuf<f32>,
-        bias: Option<&CpuBuf<f32>>,
-        gating: Gating,
-        routing: &Routing,
-        n_expert: usize,
-        selected: &mut CpuBuf<i32>,
-        weights: &mut CpuBuf<f32>,
-    ) -> Result<(), BackendError> {
-        let bias = bias.map(|b| &b[..]);
-        hmoe_backend::host_ops::route(logits, bias, gating, routing, n_expert, selected, weights)
-    }
-    fn staging(&self, n_d: usize, n_k: usize) -> Result<HostStaging, BackendError> {
-        Ok(HostStaging::new(n_d, n_k))
-    }
-    fn stage_down(
-        &self,
-        st: &mut HostStaging,
-        h: &CpuBuf<f32>,
-        sel: &CpuBuf<i32>,
-        w: &CpuBuf<f32>,
-    ) -> Result<(), BackendError> {
-        st.fill(h, sel, w).map(drop)
-    }
-    fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
-        Ok(st.io())
-    }
-    fn stage_up(&self, st: &HostStaging, out: &mut CpuBuf<f32>) -> Result<(), BackendError> {
-        st.send_up(out).map(drop)
     }
 }
 

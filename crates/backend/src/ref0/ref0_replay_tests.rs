@@ -1,6 +1,6 @@
 //! Tests of REF0's replay mode: a segment of K/V stores and attention replayed from its
 //! recording gives a fresh run's bits when the position is read from a device buffer, and a
-//! by-value position (what a graph would freeze) is caught; other buffers, allocations and
+//! by-value scalar that changes from step to step (what a graph would freeze) is caught; other buffers, allocations and
 //! transfers inside a segment are errors.
 
 use crate::{AttnParams, Backend, KvLayout, KvRing, Ref0, RefBuf};
@@ -36,6 +36,8 @@ struct Bufs {
     k: RefBuf<f32>,
     v: RefBuf<f32>,
     pos: RefBuf<i32>,
+    /// Every step's position, uploaded once: step `p` reads slot `p` (a by-value index).
+    all: RefBuf<i32>,
     kr: KvRing<Ref0>,
     vr: KvRing<Ref0>,
     out: RefBuf<f32>,
@@ -49,6 +51,7 @@ impl Bufs {
             k: dev.alloc::<f32>(HD).unwrap(),
             v: dev.alloc::<f32>(HD).unwrap(),
             pos: dev.alloc::<i32>(1).unwrap(),
+            all: dev.upload::<i32>(&[0, 1, 2, 3, 4]).unwrap(),
             kr: dev.kv_alloc(layout).unwrap(),
             vr: dev.kv_alloc(layout).unwrap(),
             out: dev.alloc::<f32>(2 * HD).unwrap(),
@@ -56,8 +59,8 @@ impl Bufs {
     }
 
     /// The step at position `p`: its inputs up, then one segment storing its K/V and
-    /// attending, with the position read from `pos` (`by_value`: passed by value), then the
-    /// output down.
+    /// attending, with the position read from `pos` (`by_value`: read from slot `p` of `all`,
+    /// the slot passed by value), then the output down.
     fn step(&mut self, dev: &Ref0, p: usize, by_value: bool) -> Vec<f32> {
         dev.upload_into(&mut self.q, &values(p, 0, 2 * HD)).unwrap();
         dev.upload_into(&mut self.k, &values(p, 1, HD)).unwrap();
@@ -66,9 +69,10 @@ impl Bufs {
         let b = self;
         dev.begin_segment(7).unwrap();
         if by_value {
-            dev.kv_store(&b.k, &mut b.kr, 1, p).unwrap();
-            dev.kv_store(&b.v, &mut b.vr, 1, p).unwrap();
-            (dev.attention(&params(), &b.q, &b.kr, &b.vr, None, 1, p, &mut b.out)).unwrap();
+            dev.kv_store_at(&b.k, &mut b.kr, 1, &b.all, p).unwrap();
+            dev.kv_store_at(&b.v, &mut b.vr, 1, &b.all, p).unwrap();
+            let (q, kr, vr) = (&b.q, &b.kr, &b.vr);
+            (dev.attention_at(&params(), q, kr, vr, None, 1, &b.all, p, &mut b.out)).unwrap();
         } else {
             dev.kv_store_at(&b.k, &mut b.kr, 1, &b.pos, 0).unwrap();
             dev.kv_store_at(&b.v, &mut b.vr, 1, &b.pos, 0).unwrap();
@@ -100,11 +104,11 @@ fn replayed_steps_read_the_position_from_the_device() {
     assert_eq!((st.stale_scalars, st.errors), (0, 0));
 }
 
-/// The negative check: the same steps with the position passed by value are replayed with
-/// the recording's position (0), as a graph would run them, and no longer give a fresh run's
+/// The negative check: the same steps with the position's slot passed by value are replayed
+/// with the recording's slot (0), as a graph would run them, and no longer give a fresh run's
 /// bits: the replay mode catches a value captured by mistake.
 #[test]
-fn a_position_passed_by_value_is_frozen_and_caught() {
+fn a_scalar_passed_by_value_is_frozen_and_caught() {
     let want = run(&Ref0::new(), true);
     assert_eq!(
         want,
