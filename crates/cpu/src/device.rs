@@ -477,6 +477,17 @@ impl Backend for Cpu {
             }),
         }
     }
+    fn top_k(
+        &self,
+        logits: &CpuBuf<f32>,
+        n_vocab: usize,
+        k: usize,
+        _scratch: &mut CpuBuf<i32>,
+        values: &mut CpuBuf<f32>,
+        ids: &mut CpuBuf<i32>,
+    ) -> Result<(), BackendError> {
+        hmoe_backend::top_k_rows(logits, n_vocab, k, values, ids)
+    }
     fn router_top_k(
         &self,
         logits: &CpuBuf<f32>,
