@@ -775,7 +775,6 @@ pub trait Backend: Send + Sync {
     /// their ids into `ids`, `k` per row. `scratch` holds at least [`Backend::top_k_scratch`]
     /// elements of unspecified contents, which the op may overwrite. What a sampler whose
     /// chain needs no more brings down in place of the row.
-    #[allow(clippy::too_many_arguments)]
     fn top_k(
         &self,
         logits: &Self::Buf<f32>,

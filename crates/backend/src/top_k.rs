@@ -47,11 +47,9 @@ pub fn top_k_shape(
     ids: usize,
 ) -> Result<usize, BackendError> {
     const OP: &str = "top_k";
-    crate::error::ensure(
-        n_vocab > 0 && logits.is_multiple_of(n_vocab),
-        OP,
-        || format!("{logits} logits are not whole rows of {n_vocab}"),
-    )?;
+    crate::error::ensure(n_vocab > 0 && logits.is_multiple_of(n_vocab), OP, || {
+        format!("{logits} logits are not whole rows of {n_vocab}")
+    })?;
     crate::error::ensure(k >= 1 && k <= n_vocab.min(TOP_K_MAX), OP, || {
         format!("k = {k} for rows of {n_vocab} (at most {TOP_K_MAX})")
     })?;

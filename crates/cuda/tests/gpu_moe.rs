@@ -69,7 +69,12 @@ fn top_k_of_the_logits_gives_the_reference_backends_bits() {
     for n in [1, 4] {
         let mut logits = noise(&mut rng, n * n_vocab, 8.0);
         // Ties at the top, ±0, ±inf and a NaN in the last row.
-        for (i, v) in [(7, 30.0), (n_vocab - 1, 30.0), (11, f32::INFINITY), (12, -0.0)] {
+        for (i, v) in [
+            (7, 30.0),
+            (n_vocab - 1, 30.0),
+            (11, f32::INFINITY),
+            (12, -0.0),
+        ] {
             logits[i] = v;
         }
         logits[(n - 1) * n_vocab + 5] = f32::NAN;
@@ -101,7 +106,11 @@ fn top_k_of_the_logits_gives_the_reference_backends_bits() {
             let mut ri = cpu.alloc::<i32>(n * k).unwrap();
             cpu.top_k(&ref_logits, n_vocab, k, &mut rs, &mut rv, &mut ri)
                 .unwrap();
-            assert_eq!(dev.download(&ids).unwrap(), cpu.download(&ri).unwrap(), "{n}×k={k}");
+            assert_eq!(
+                dev.download(&ids).unwrap(),
+                cpu.download(&ri).unwrap(),
+                "{n}×k={k}"
+            );
             let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
             assert_eq!(
                 bits(dev.download(&v).unwrap()),

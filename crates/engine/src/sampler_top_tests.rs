@@ -173,7 +173,11 @@ fn chains_that_need_the_whole_row_say_so() {
         },
         // Top-k after top-p.
         SamplerParams {
-            order: vec![SamplerStage::TopP, SamplerStage::TopK, SamplerStage::Temperature],
+            order: vec![
+                SamplerStage::TopP,
+                SamplerStage::TopK,
+                SamplerStage::Temperature,
+            ],
             ..d()
         },
     ];

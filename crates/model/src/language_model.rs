@@ -118,10 +118,10 @@ pub trait LanguageModel: Send + Sync {
     /// [`LanguageModel::forward`] would return for it alone (batch invariance).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
     /// [`LanguageModel::forward_multi`] where a sequence `i` with `top[i] = Some(k)` (`1 ≤ k ≤
-    /// hmoe_backend::TOP_K_MAX`) may get only its `k` best logits ([`TokenLogits::Top`]), ranked on the device so that
-    /// the rest of the row does not cross the bus; the others get [`TokenLogits::Full`], and
-    /// so may these (a step where another sequence wants the whole row, a row whose best is
-    /// NaN or zero). `top` holds one entry per sequence.
+    /// hmoe_backend::TOP_K_MAX`) may get only its `k` best logits ([`TokenLogits::Top`]),
+    /// ranked on the device so that the rest of the row does not cross the bus; the others
+    /// get [`TokenLogits::Full`], and so may these (a step where another sequence wants the
+    /// whole row, a row whose best is NaN or zero). `top` holds one entry per sequence.
     fn forward_multi_top(
         &self,
         seqs: &mut [SeqBatch<'_, '_>],

@@ -80,7 +80,10 @@ fn check(what: &str, got: &[TokenLogits], want: &[TokenLogits], k: usize) {
             }
             TokenLogits::Full(v) => {
                 let top = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                assert!(top.is_nan() || top == 0.0, "{what}: step {s} came down whole");
+                assert!(
+                    top.is_nan() || top == 0.0,
+                    "{what}: step {s} came down whole"
+                );
                 assert_eq!(bits(v), bits(w), "{what}: step {s}");
             }
         }
@@ -129,13 +132,20 @@ fn best_logits_are_the_whole_rows_best_and_only_they_cross_the_bus() {
                     let down = counts[s].0 - counts[s - 1].0;
                     let down_full = full_counts[s].0 - full_counts[s - 1].0;
                     let k = k.min(n_vocab) as u64;
-                    assert_eq!(down_full - down, 4 * n_vocab as u64 - 8 * k, "{what}: step {s}");
+                    assert_eq!(
+                        down_full - down,
+                        4 * n_vocab as u64 - 8 * k,
+                        "{what}: step {s}"
+                    );
                     if s > 2 {
                         assert_eq!(counts[s].1, counts[s - 1].1, "{what}: step {s} allocated");
                     }
                 }
                 if replay {
-                    assert!(dev.device().replay_stats().replayed > 0, "{what}: no replay");
+                    assert!(
+                        dev.device().replay_stats().replayed > 0,
+                        "{what}: no replay"
+                    );
                 }
             }
         }

@@ -53,12 +53,19 @@ fn the_same_answers_with_the_device_ranking_on_and_off() {
     ];
     for seed in 0..6 {
         bodies.push(with(json!({"seed": seed})));
-        bodies.push(with(json!({"seed": seed, "top_k": 40, "top_p": 0.9, "min_p": 0.02,
-                                "temperature": 1.4})));
-        bodies.push(with(json!({"seed": seed, "n_probs": 4, "post_sampling_probs": true})));
+        bodies.push(with(
+            json!({"seed": seed, "top_k": 40, "top_p": 0.9, "min_p": 0.02,
+                                "temperature": 1.4}),
+        ));
+        bodies.push(with(
+            json!({"seed": seed, "n_probs": 4, "post_sampling_probs": true}),
+        ));
     }
     for body in &bodies {
-        let (a, b) = (answer(on.local_addr(), body), answer(off.local_addr(), body));
+        let (a, b) = (
+            answer(on.local_addr(), body),
+            answer(off.local_addr(), body),
+        );
         assert_eq!(a, b, "{body}");
         assert!(a["n"].as_u64().unwrap() > 0, "{body}");
     }

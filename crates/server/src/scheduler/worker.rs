@@ -336,9 +336,7 @@ impl Worker {
         let n_past: Vec<usize> = (feeds.iter())
             .map(|f| self.slots[f.slot].cache.n_past())
             .collect();
-        let top: Vec<Option<usize>> = (feeds.iter())
-            .map(|f| self.top_request(f))
-            .collect();
+        let top: Vec<Option<usize>> = (feeds.iter()).map(|f| self.top_request(f)).collect();
         let result = {
             let mut by_slot: Vec<Option<&Feed>> = vec![None; self.slots.len()];
             for f in &feeds {

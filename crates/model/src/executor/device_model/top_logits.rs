@@ -19,7 +19,9 @@ pub(super) fn top_k_of(members: &[Member<'_>], n_vocab: usize) -> Option<usize> 
     let mut k = 0;
     for m in members.iter().filter(|m| m.want.is_some()) {
         match (m.want, m.top) {
-            (Some(LogitsWanted::Last), Some(t)) if (1..=hmoe_backend::TOP_K_MAX).contains(&t) => k = k.max(t.min(n_vocab)),
+            (Some(LogitsWanted::Last), Some(t)) if (1..=hmoe_backend::TOP_K_MAX).contains(&t) => {
+                k = k.max(t.min(n_vocab))
+            }
             _ => return None,
         }
     }
