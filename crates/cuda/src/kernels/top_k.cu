@@ -57,7 +57,7 @@ __device__ void tk_cut(u64* buf, int c, int k, int* count, u64* kth) {
 }
 
 // Streams n keys through buf: key i is tk_key(vals[i], id0 + i) when vals, else keys[i].
-// Leaves the best k in buf[0..k), best first, zeros past the keys there were.
+// Leaves the best k in buf[0] .. buf[k - 1], best first, zeros past the keys there were.
 __device__ void tk_stream(const float* vals, const u64* keys, u64 n, unsigned id0, int k, u64* buf,
                           int* count, u64* kth) {
     if (threadIdx.x == 0) {
