@@ -3,19 +3,47 @@
 //! with the same tokens and the same reported probabilities, for greedy sampling, llama-server's
 //! default chain, top-k 40 with top-p, min-p and a temperature, the sampler's own probabilities
 //! (`post_sampling_probs`), two requests decoded together, and requests that need the whole
-//! row (penalties, logit bias, a grammar, probabilities before sampling).
+//! row (penalties, logit bias, a grammar, probabilities before sampling); on the CPU device and
+//! on REF0, whose counted transfers show fewer bytes coming down with it on.
 
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 
 use common::{post, start, tiny_config};
+use hmoe_backend::Ref0;
+use hmoe_model::{DeviceModel, LanguageModel};
+use hmoe_server::{LoadedModel, Placement};
 use serde_json::{json, Value};
 
-fn server(on: bool) -> hmoe_server::RunningServer {
+/// The model a REF0 server loaded, to read its device's counts.
+type Loaded = Arc<Mutex<Option<Arc<dyn LanguageModel>>>>;
+
+/// A server with the device ranking `on`; on REF0 when `ref0` is given (the loaded model is
+/// put there), else on the CPU.
+fn server(on: bool, ref0: Option<&Loaded>) -> hmoe_server::RunningServer {
     let mut c = tiny_config();
     c.engine.device_top_k = on;
+    if let Some(slot) = ref0 {
+        let slot = slot.clone();
+        c.loader = Arc::new(move |gguf, _path| {
+            let m = DeviceModel::load_whole(gguf, Ref0::new()).map_err(|e| e.to_string())?;
+            let m: Arc<dyn LanguageModel> = Arc::new(m);
+            *slot.lock().unwrap() = Some(m.clone());
+            Ok(LoadedModel {
+                model: m,
+                placement: Placement::default(),
+            })
+        });
+    }
     start(c)
+}
+
+/// Bytes the REF0 model in `slot` brought down so far.
+fn bytes_down(slot: &Loaded) -> u64 {
+    let m = slot.lock().unwrap().clone().unwrap();
+    m.device_stats().unwrap().transfers.unwrap().download_bytes
 }
 
 /// What must not depend on where the best logits were ranked.
@@ -32,7 +60,22 @@ fn answer(a: SocketAddr, body: &Value) -> Value {
 
 #[test]
 fn the_same_answers_with_the_device_ranking_on_and_off() {
-    let (on, off) = (server(true), server(false));
+    for ref0 in [false, true] {
+        let (slot_on, slot_off): (Loaded, Loaded) = Default::default();
+        let (on, off) = match ref0 {
+            true => (server(true, Some(&slot_on)), server(false, Some(&slot_off))),
+            false => (server(true, None), server(false, None)),
+        };
+        same_answers(on.local_addr(), off.local_addr());
+        if ref0 {
+            let (a, b) = (bytes_down(&slot_on), bytes_down(&slot_off));
+            assert!(a < b, "bytes down with the device ranking {a}, without {b}");
+        }
+    }
+}
+
+/// The requests of the comparison, answered by the server at `on` and the one at `off`.
+fn same_answers(on: SocketAddr, off: SocketAddr) {
     let base = json!({"prompt": "The quick brown fox", "n_predict": 24, "ignore_eos": true});
     let with = |extra: Value| {
         let mut b = base.clone();
@@ -62,10 +105,7 @@ fn the_same_answers_with_the_device_ranking_on_and_off() {
         ));
     }
     for body in &bodies {
-        let (a, b) = (
-            answer(on.local_addr(), body),
-            answer(off.local_addr(), body),
-        );
+        let (a, b) = (answer(on, body), answer(off, body));
         assert_eq!(a, b, "{body}");
         assert!(a["n"].as_u64().unwrap() > 0, "{body}");
     }
@@ -79,6 +119,6 @@ fn the_same_answers_with_the_device_ranking_on_and_off() {
             };
             (answer(a, body), t.join().unwrap())
         };
-        assert_eq!(both(on.local_addr()), both(off.local_addr()), "{body}");
+        assert_eq!(both(on), both(off), "{body}");
     }
 }
