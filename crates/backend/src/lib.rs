@@ -23,9 +23,10 @@ mod ref0;
 mod ref0_kv;
 pub mod routing;
 pub mod shapes;
+mod shared_bytes;
+mod top_k;
 
 use std::ops::Range;
-use std::sync::Arc;
 
 use hmoe_quant::GgmlType;
 
@@ -40,6 +41,11 @@ pub use ref0::{
     REF0_TYPES,
 };
 pub use routing::{Gating, Routing};
+pub use shared_bytes::{PageRelease, SharedBytes};
+pub use top_k::{
+    top_k_chunked, top_k_chunked_scratch, top_k_key, top_k_key_id, top_k_rank, top_k_rows,
+    top_k_shape, TOP_K_CHUNK, TOP_K_MAX,
+};
 
 mod sealed {
     pub trait Sealed {}
@@ -177,62 +183,6 @@ pub struct StagedIo<'s> {
     pub w: &'s [f32],
     /// The expert sum to send up, `n × d`.
     pub out: &'s mut [f32],
-}
-
-/// Bytes that their owner keeps in place for as long as any handle to them lives (a tensor in
-/// a model file's mapping): what [`Backend::upload_matrix_shared`] takes, so that a device on
-/// the host can keep the handle instead of a copy of the weights.
-#[derive(Clone)]
-pub struct SharedBytes {
-    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
-    range: Range<usize>,
-    /// Gives back the process's pages of a slice of the bytes, where the owner can.
-    release: Option<PageRelease>,
-}
-
-/// Gives back the process's pages of a slice of a file mapping ([`SharedBytes::release_pages`]).
-pub type PageRelease = Arc<dyn Fn(&[u8]) + Send + Sync>;
-
-impl SharedBytes {
-    /// The bytes `range` of `owner`, or `None` when `range` lies outside them.
-    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Option<Self> {
-        let inside = range.start <= range.end && range.end <= (*owner).as_ref().len();
-        inside.then_some(SharedBytes {
-            owner,
-            range,
-            release: None,
-        })
-    }
-
-    /// These bytes with `release`, which gives back the process's pages of a slice of them (a
-    /// file mapping's; see [`SharedBytes::release_pages`]).
-    pub fn with_page_release(self, release: PageRelease) -> Self {
-        SharedBytes {
-            release: Some(release),
-            ..self
-        }
-    }
-
-    /// For a device that copied `part` (a slice of [`SharedBytes::bytes`]) and will not read it
-    /// here again: lets the owner give back its pages, so that the copy does not count twice
-    /// in the resident size (a later read still sees the same bytes). Does nothing where the
-    /// owner cannot (a heap buffer).
-    pub fn release_pages(&self, part: &[u8]) {
-        if let Some(release) = &self.release {
-            release(part);
-        }
-    }
-
-    /// The bytes.
-    pub fn bytes(&self) -> &[u8] {
-        &(*self.owner).as_ref()[self.range.clone()]
-    }
-}
-
-impl std::fmt::Debug for SharedBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SharedBytes({:?})", self.range)
-    }
 }
 
 /// Host ↔ device copies a device counted (every upload and download, weights included).
@@ -820,6 +770,26 @@ pub trait Backend: Send + Sync {
         selected: &mut Self::Buf<i32>,
         weights: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
+    /// The `k` best logits of each row of `logits` (rows of `n_vocab`; `1 ≤ k ≤
+    /// min(n_vocab, TOP_K_MAX)`), best first in [`top_k_key`]'s order (the host sampler's,
+    /// NaNs first; ties to the lower id): their values (the logits' bits) into `values` and
+    /// their ids into `ids`, `k` per row. `scratch` holds at least [`Backend::top_k_scratch`]
+    /// elements of unspecified contents, which the op may overwrite. What a sampler whose
+    /// chain needs no more brings down in place of the row.
+    fn top_k(
+        &self,
+        logits: &Self::Buf<f32>,
+        n_vocab: usize,
+        k: usize,
+        scratch: &mut Self::Buf<i32>,
+        values: &mut Self::Buf<f32>,
+        ids: &mut Self::Buf<i32>,
+    ) -> Result<(), BackendError>;
+    /// The scratch elements [`Backend::top_k`] needs for `n_rows` rows (by default none).
+    fn top_k_scratch(&self, n_rows: usize, n_vocab: usize, k: usize) -> usize {
+        let _ = (n_rows, n_vocab, k);
+        0
+    }
     /// The weighted expert sum of a layer, `out[t] = Σ_s weights[t,s] ·
     /// expert_{selected[t,s]}(x[t])`, slots in order, each expert
     /// `down·act(gate·x + bg, up·x + bu) + bd`; ids outside the set give nothing.

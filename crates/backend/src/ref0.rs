@@ -668,6 +668,23 @@ impl Backend for Ref0 {
         }
         Ok(())
     }
+    fn top_k(
+        &self,
+        logits: &RefBuf<f32>,
+        n_vocab: usize,
+        k: usize,
+        scratch: &mut RefBuf<i32>,
+        values: &mut RefBuf<f32>,
+        ids: &mut RefBuf<i32>,
+    ) -> Result<(), BackendError> {
+        let bufs = [id(logits), id(scratch), id(values), id(ids)];
+        let (n_vocab, k) = self.replay.op("top_k", &bufs, (n_vocab, k))?;
+        // As a GPU runs it: through scratch it must not rely on (poisoned here).
+        crate::top_k_chunked(logits, n_vocab, k, scratch, values, ids)
+    }
+    fn top_k_scratch(&self, n_rows: usize, n_vocab: usize, k: usize) -> usize {
+        crate::top_k_chunked_scratch(n_rows, n_vocab, k)
+    }
     fn moe(
         &self,
         w: &RefMoe,

@@ -388,6 +388,17 @@ impl Backend for Cpu {
         let pos0 = hmoe_backend::first_position("attention", positions, first)?;
         self.attend_from(p, q, k, v, sinks, n_tokens, pos0, out)
     }
+    fn top_k(
+        &self,
+        logits: &CpuBuf<f32>,
+        n_vocab: usize,
+        k: usize,
+        _scratch: &mut CpuBuf<i32>,
+        values: &mut CpuBuf<f32>,
+        ids: &mut CpuBuf<i32>,
+    ) -> Result<(), BackendError> {
+        hmoe_backend::top_k_rows(logits, n_vocab, k, values, ids)
+    }
     fn router_top_k(
         &self,
         logits: &CpuBuf<f32>,

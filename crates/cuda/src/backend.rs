@@ -384,6 +384,23 @@ impl Backend for CudaDevice {
             self, logits, n_expert, k, selected, weights,
         )?)
     }
+    fn top_k(
+        &self,
+        logits: &CudaSlice<f32>,
+        n_vocab: usize,
+        k: usize,
+        scratch: &mut CudaSlice<i32>,
+        values: &mut CudaSlice<f32>,
+        ids: &mut CudaSlice<i32>,
+    ) -> Result<(), BackendError> {
+        replayed!(self);
+        Ok(CudaDevice::top_k(
+            self, logits, n_vocab, k, scratch, values, ids,
+        )?)
+    }
+    fn top_k_scratch(&self, n_rows: usize, n_vocab: usize, k: usize) -> usize {
+        hmoe_backend::top_k_chunked_scratch(n_rows, n_vocab, k)
+    }
     fn moe(
         &self,
         w: &MoeWeights,

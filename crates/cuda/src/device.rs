@@ -33,6 +33,7 @@ mod lowbit;
 mod matmul;
 mod routing;
 mod rowwise;
+mod top_k;
 mod transfers;
 
 pub use attention_chunked::ChunkedShape;

@@ -26,6 +26,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/attention_chunked.cu"),
     include_str!("kernels/mma.cu"),
     include_str!("kernels/mma_kquants.cu"),
+    include_str!("kernels/top_k.cu"),
 );
 
 /// Every `extern "C"` entry point in [`SOURCE`] that the Rust side launches.
@@ -149,6 +150,8 @@ pub const KERNELS: &[&str] = &[
     "moe_mm_mma_q4_k",
     "moe_mm_mma_q5_k",
     "moe_mm_mma_q6_k",
+    "top_k_chunks",
+    "top_k_merge",
 ];
 
 /// Warps per block of the one-warp-per-row kernels (`ROW_WARPS` in the source).
@@ -199,6 +202,11 @@ pub(crate) const KO_MAX_V: usize = 512;
 pub(crate) const ROUTE_MAX_EXPERTS: usize = 512;
 /// Most expert groups the routing kernel handles (`ROUTE_MAX_GROUPS` in the source).
 pub(crate) const ROUTE_MAX_GROUPS: usize = 64;
+
+/// Threads per block of the top-k kernels (`TK_THREADS` in the source).
+pub(crate) const TK_THREADS: u32 = 256;
+/// Logits per block of `top_k_chunks` (`TK_CHUNK`; [`hmoe_backend::TOP_K_CHUNK`]).
+pub(crate) const TK_CHUNK: usize = hmoe_backend::TOP_K_CHUNK;
 
 /// NVRTC's virtual architecture for a compute capability: `compute_90` for 9.0.
 pub fn arch_for(compute_capability: (u32, u32)) -> String {
@@ -393,6 +401,9 @@ mod tests {
             ("KO_DIMS_PER_THREAD", KO_MAX_V / KO_THREADS as usize),
             ("ROUTE_MAX_EXPERTS", ROUTE_MAX_EXPERTS),
             ("ROUTE_MAX_GROUPS", ROUTE_MAX_GROUPS),
+            ("TK_THREADS", TK_THREADS as usize),
+            ("TK_CHUNK", TK_CHUNK),
+            ("TK_MAX_K", hmoe_backend::TOP_K_MAX),
         ] {
             assert!(
                 SOURCE.contains(&format!("#define {name} {value}\n")),

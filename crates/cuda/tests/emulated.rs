@@ -2,7 +2,7 @@
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in src/device/),
 //! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
 //! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
-//! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router,
+//! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router, the logits' top-k,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
 //! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
 //! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
@@ -33,6 +33,9 @@ use emulator::{assert_bits, compare, exact, reported, s, weights, Emulator};
 
 #[path = "support/emulated_mma.rs"]
 mod emulated_mma;
+
+#[path = "support/emulated_top_k.rs"]
+mod emulated_top_k;
 
 /// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
 /// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of

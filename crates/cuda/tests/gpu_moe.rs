@@ -1,4 +1,5 @@
 //! The CUDA router and MoE kernels against the reference backend: top-k and normalisation,
+//! the logits' top-k,
 //! every expert type and activation, tiled products against one token at a time, and staged
 //! expert uploads. Like `gpu.rs`, each test returns early ("no CUDA device: skipped") on a
 //! machine without a CUDA device.
@@ -54,6 +55,74 @@ fn router_picks_top_k_and_normalises_them() {
     }
     assert_eq!(&sel[..2], &[5, 9]);
     assert_eq!(&sel[k..k + 2], &[3, 100]);
+}
+
+/// The logits' top-k (kernels/top_k.cu) at gpt-oss's vocabulary against REF0's bits, for
+/// one and several rows, k = 1 (greedy), 40 (llama-server's default) and the bound, with
+/// ties and specials; reports the kernels' time against bringing the whole row down.
+#[test]
+fn top_k_of_the_logits_gives_the_reference_backends_bits() {
+    let Some(dev) = device() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(47);
+    let n_vocab = 201_088;
+    for n in [1, 4] {
+        let mut logits = noise(&mut rng, n * n_vocab, 8.0);
+        // Ties at the top, ±0, ±inf and a NaN in the last row.
+        for (i, v) in [
+            (7, 30.0),
+            (n_vocab - 1, 30.0),
+            (11, f32::INFINITY),
+            (12, -0.0),
+        ] {
+            logits[i] = v;
+        }
+        logits[(n - 1) * n_vocab + 5] = f32::NAN;
+        let ld = dev.upload(&logits).unwrap();
+        let ref_logits = cpu.upload(&logits).unwrap();
+        for k in [1, 40, hmoe_backend::TOP_K_MAX] {
+            let mut scratch = dev
+                .alloc_scratch::<i32>(hmoe_backend::top_k_chunked_scratch(n, n_vocab, k))
+                .unwrap();
+            let mut v = dev.alloc_zeros::<f32>(n * k).unwrap();
+            let mut ids = dev.alloc_zeros::<i32>(n * k).unwrap();
+            dev.top_k(&ld, n_vocab, k, &mut scratch, &mut v, &mut ids)
+                .unwrap();
+            dev.synchronize().unwrap();
+            let t0 = Instant::now();
+            for _ in 0..20 {
+                dev.top_k(&ld, n_vocab, k, &mut scratch, &mut v, &mut ids)
+                    .unwrap();
+            }
+            dev.synchronize().unwrap();
+            let kernels = t0.elapsed().as_secs_f64() * 1e6 / 20.0;
+            let t0 = Instant::now();
+            let _ = dev.download(&ld).unwrap();
+            let whole = t0.elapsed().as_secs_f64() * 1e6;
+            let mut rs = cpu
+                .alloc_scratch::<i32>(cpu.top_k_scratch(n, n_vocab, k))
+                .unwrap();
+            let mut rv = cpu.alloc::<f32>(n * k).unwrap();
+            let mut ri = cpu.alloc::<i32>(n * k).unwrap();
+            cpu.top_k(&ref_logits, n_vocab, k, &mut rs, &mut rv, &mut ri)
+                .unwrap();
+            assert_eq!(
+                dev.download(&ids).unwrap(),
+                cpu.download(&ri).unwrap(),
+                "{n}×k={k}"
+            );
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert_eq!(
+                bits(dev.download(&v).unwrap()),
+                bits(cpu.download(&rv).unwrap()),
+                "{n}×k={k}"
+            );
+            eprintln!(
+                "top_k {n}×{n_vocab} k={k}: {kernels:.1} µs on the GPU; the whole logits \
+                 down: {whole:.1} µs"
+            );
+        }
+    }
 }
 
 /// The MoE block on the device against the reference backend with the same experts. The

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use hmoe_model::{KvCache, KvType, LanguageModel, LogitsWanted, ModelError};
+use hmoe_model::{KvCache, KvType, LanguageModel, ModelError, SeqBatch, TokenLogits};
 
 use crate::Sampler;
 
@@ -60,6 +60,9 @@ pub type StepObserver<'a> = &'a mut dyn FnMut(u32) -> bool;
 pub struct Generator<'m> {
     model: &'m dyn LanguageModel,
     cache: KvCache,
+    /// Whether a sampler that needs no more than a token's best logits gets only those,
+    /// ranked on the device (off when the environment sets `HMOE_DEVICE_TOPK=0`).
+    device_top_k: bool,
 }
 
 impl<'m> Generator<'m> {
@@ -68,7 +71,29 @@ impl<'m> Generator<'m> {
         Generator {
             cache: model.new_cache(kv, n_ctx, n_ubatch),
             model,
+            device_top_k: !std::env::var("HMOE_DEVICE_TOPK").is_ok_and(|v| v == "0"),
         }
+    }
+
+    /// This generator with the device's ranking of the best logits on or off (see
+    /// [`Sampler::top_needed`]); the tokens are the same either way.
+    pub fn with_device_top_k(self, on: bool) -> Self {
+        Generator {
+            device_top_k: on,
+            ..self
+        }
+    }
+
+    /// Runs `tokens` and returns the last one's logits: its `top` best alone when the model
+    /// gives only those ([`LanguageModel::forward_multi_top`]).
+    fn step(&mut self, tokens: &[u32], top: Option<usize>) -> Result<TokenLogits, ModelError> {
+        let mut seq = [SeqBatch {
+            cache: &mut self.cache,
+            tokens,
+            logits: true,
+        }];
+        let mut out = self.model.forward_multi_top(&mut seq, &[top])?;
+        Ok(out.pop().unwrap_or(TokenLogits::Full(Vec::new())))
     }
 
     /// Runs `prompt` then produces up to `n_predict` tokens (or exactly the `teacher` tokens).
@@ -96,20 +121,24 @@ impl<'m> Generator<'m> {
         for &t in prompt {
             sampler.accept(t);
         }
+        // The best logits alone when sampling needs no more (and nothing reports the rest).
+        let top = match (teacher, top_k_probs, self.device_top_k) {
+            (None, 0, true) => sampler.top_needed(crate::TOP_K_MAX),
+            _ => None,
+        };
         let start = Instant::now();
-        let mut logits = self
-            .model
-            .forward(&mut self.cache, prompt, LogitsWanted::Last)?;
+        let mut logits = self.step(prompt, top)?;
         out.timings.prompt_tokens = prompt.len();
         out.timings.prompt_ms = start.elapsed().as_secs_f64() * 1e3;
         let start = Instant::now();
         for step in 0..n_steps {
-            if top_k_probs > 0 {
-                out.top_probs.push(top_probs(&logits, top_k_probs));
+            if let (1.., TokenLogits::Full(l)) = (top_k_probs, &logits) {
+                out.top_probs.push(top_probs(l, top_k_probs));
             }
-            let token = match teacher {
-                Some(t) => t[step],
-                None => sampler.sample(&logits),
+            let token = match (teacher, &logits) {
+                (Some(t), _) => t[step],
+                (None, TokenLogits::Full(l)) => sampler.sample(l),
+                (None, TokenLogits::Top(t)) => sampler.sample_top(t),
             };
             sampler.accept(token);
             out.generated.push(token);
@@ -117,9 +146,7 @@ impl<'m> Generator<'m> {
             if !go_on || is_stop(token) || step + 1 == n_steps {
                 break;
             }
-            logits = self
-                .model
-                .forward(&mut self.cache, &[token], LogitsWanted::Last)?;
+            logits = self.step(&[token], top)?;
             out.timings.decode_tokens += 1;
         }
         out.timings.decode_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -143,6 +170,10 @@ pub fn top_probs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
         .map(|i| (i, ((logits[i as usize] as f64 - max).exp() / sum) as f32))
         .collect()
 }
+
+#[cfg(test)]
+#[path = "generate_top_tests.rs"]
+mod top_tests;
 
 #[cfg(test)]
 mod tests {

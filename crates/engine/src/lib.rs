@@ -26,6 +26,7 @@ pub use devices::{
 pub use dry::DryParams;
 pub use error::{error_chain, EngineError};
 pub use generate::{top_probs, Generation, Generator, StepObserver, Timings};
+pub use hmoe_backend::TOP_K_MAX;
 pub use load::{interleaves_experts, load, load_opened, start_threads, EngineUsed, LoadedEngine};
 pub use plan::{plan_engine, plan_error, plan_flags, MoeCacheBudget, PlannedEngine};
 pub use sampler::{Sampler, SamplerParams};

@@ -126,6 +126,43 @@ impl Sampler {
 
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.sample_from(Logits::Full(logits))
+    }
+
+    /// How many of a token's best logits this sampler's choice and [`Sampler::distribution`]
+    /// depend on, when that is at most `bound`: 1 for greedy sampling (a temperature ≤ 0 that
+    /// nothing before it can move off the first maximum) or top-k 1; the chain's `top_k` when
+    /// top-k is its first stage that changes or drops a logit. `None` when the chain needs the
+    /// whole vocabulary (mirostat, penalties or DRY before top-k, no top-k, a larger k).
+    /// [`Sampler::sample_top`] on those best logits then picks what [`Sampler::sample`] on
+    /// all of them picks.
+    pub fn top_needed(&self, bound: usize) -> Option<usize> {
+        let p = &self.params;
+        if p.mirostat != Mirostat::Off {
+            return None;
+        }
+        let k = match self.greedy_fast() && self.neutral_before(SamplerStage::Temperature) {
+            true => 1,
+            false if p.top_k > 0 && self.untouched_before_top_k() => p.top_k,
+            false => return None,
+        };
+        (k <= bound).then_some(k)
+    }
+
+    /// [`Sampler::sample`] from a token's best logits alone: `top` holds the
+    /// [`Sampler::top_needed`] best `(id, logit)` pairs (or every logit of a smaller
+    /// vocabulary) in the candidates' rank order (by value with `total_cmp`, largest first,
+    /// ties to the lower id), the best not NaN nor zero (where `>` and `total_cmp` disagree).
+    pub fn sample_top(&mut self, top: &[(u32, f32)]) -> u32 {
+        self.sample_from(Logits::Top(top))
+    }
+
+    /// [`Sampler::distribution`] from a token's best logits alone (see [`Sampler::sample_top`]).
+    pub fn distribution_top(&self, top: &[(u32, f32)]) -> Vec<(u32, f64)> {
+        self.distribution_from(Logits::Top(top))
+    }
+
+    fn sample_from(&mut self, logits: Logits<'_>) -> u32 {
         let mut xtc_rng = self.xtc_rng.clone();
         let chain = self.chain(logits, &mut xtc_rng);
         self.xtc_rng = xtc_rng;
@@ -155,6 +192,10 @@ impl Sampler {
     /// at the temperature. Greedy sampling leaves the most likely token alone, with
     /// probability 1. XTC's random choice is the one the next `sample` makes.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        self.distribution_from(Logits::Full(logits))
+    }
+
+    fn distribution_from(&self, logits: Logits<'_>) -> Vec<(u32, f64)> {
         match self.chain(logits, &mut self.xtc_rng.clone()) {
             Chain::Greedy(t) => vec![(t, 1.0)],
             Chain::Draw(cand, probs) => {
@@ -172,34 +213,35 @@ impl Sampler {
     }
 
     /// Runs the chain up to the draw.
-    fn chain(&self, logits: &[f32], xtc_rng: &mut StdRng) -> Chain {
+    fn chain(&self, logits: Logits<'_>, xtc_rng: &mut StdRng) -> Chain {
         let p = &self.params;
+        let (logits, top) = match logits {
+            Logits::Full(l) => (l, None),
+            Logits::Top(t) => (&[][..], Some(t)),
+        };
         let all = || logits.iter().enumerate().map(|(i, &l)| (i as u32, l));
         if p.mirostat != Mirostat::Off {
+            // (Never from the best logits alone: `top_needed` says so.)
             let c = Cands {
-                v: all().collect(),
+                v: top.map_or_else(|| all().collect(), <[_]>::to_vec),
                 sorted: false,
             };
-            return self.mirostat(c, logits.len());
+            let n_vocab = logits.len().max(c.v.len());
+            return self.mirostat(c, n_vocab);
         }
-        // Greedy without sorting the vocabulary when no stage before the temperature can
-        // drop the most likely token.
-        let before_temp = p
-            .order
-            .iter()
-            .take_while(|&&s| s != SamplerStage::Temperature);
-        let greedy_fast = p.temperature <= 0.0
-            && p.order.contains(&SamplerStage::Temperature)
-            && !before_temp.clone().any(|s| match s {
-                SamplerStage::TypicalP => p.typical_p < 1.0,
-                SamplerStage::Xtc => p.xtc_probability > 0.0,
-                _ => false,
-            });
+        let greedy_fast = self.greedy_fast();
         // When nothing before top-k changes a logit (the default chain), top-k selects
-        // straight from the logits: the vocabulary is never copied or sorted.
-        let mut c = match p.top_k > 0 && !greedy_fast && self.untouched_before_top_k() {
-            true => Cands::top_of(all(), p.top_k),
-            false => Cands {
+        // straight from the logits: the vocabulary is never copied or sorted. The best
+        // logits alone (`top_needed`) are those candidates already.
+        let mut c = match top {
+            Some(t) => Cands {
+                v: t.to_vec(),
+                sorted: true,
+            },
+            None if p.top_k > 0 && !greedy_fast && self.untouched_before_top_k() => {
+                Cands::top_of(all(), p.top_k)
+            }
+            None => Cands {
                 v: all().collect(),
                 sorted: false,
             },
@@ -265,19 +307,50 @@ impl Sampler {
         Chain::Draw(c.v, probs)
     }
 
+    /// Greedy without sorting the vocabulary: a temperature ≤ 0 in the chain and no stage
+    /// before it that can drop the most likely token (locally typical sampling, XTC).
+    fn greedy_fast(&self) -> bool {
+        let p = &self.params;
+        let mut before_temp = p
+            .order
+            .iter()
+            .take_while(|&&s| s != SamplerStage::Temperature);
+        p.temperature <= 0.0
+            && p.order.contains(&SamplerStage::Temperature)
+            && !before_temp.any(|s| match s {
+                SamplerStage::TypicalP => p.typical_p < 1.0,
+                SamplerStage::Xtc => p.xtc_probability > 0.0,
+                _ => false,
+            })
+    }
+
     /// Whether the chain has a top-k stage and no stage before it changes or drops a logit
     /// (the repetition penalty at 1, DRY off, top-n-sigma off).
     fn untouched_before_top_k(&self) -> bool {
         let p = &self.params;
-        let Some(at) = p.order.iter().position(|&s| s == SamplerStage::TopK) else {
-            return false;
-        };
-        p.order[..at].iter().all(|s| match s {
-            SamplerStage::Penalties => p.repeat_penalty == 1.0,
-            SamplerStage::Dry => !p.dry.enabled(),
-            SamplerStage::TopNSigma => p.top_n_sigma <= 0.0,
-            _ => false,
-        })
+        p.order.contains(&SamplerStage::TopK)
+            && (p.order.iter())
+                .take_while(|&&s| s != SamplerStage::TopK)
+                .all(|&s| self.neutral(s) == Some(true))
+    }
+
+    /// Whether no stage before `stage` changes a logit (the cuts may run: greedy skips them).
+    fn neutral_before(&self, stage: SamplerStage) -> bool {
+        (self.params.order.iter())
+            .take_while(|&&s| s != stage)
+            .all(|&s| self.neutral(s) != Some(false))
+    }
+
+    /// Whether a stage that changes logits leaves them as they are (`None`: a stage that
+    /// only cuts or scales).
+    fn neutral(&self, stage: SamplerStage) -> Option<bool> {
+        let p = &self.params;
+        match stage {
+            SamplerStage::Penalties => Some(p.repeat_penalty == 1.0),
+            SamplerStage::Dry => Some(!p.dry.enabled()),
+            SamplerStage::TopNSigma => Some(p.top_n_sigma <= 0.0),
+            _ => None,
+        }
     }
 
     /// The repetition penalty over the last `repeat_last_n` context tokens.
@@ -317,6 +390,15 @@ impl Sampler {
     }
 }
 
+/// What the chain starts from.
+#[derive(Clone, Copy)]
+enum Logits<'a> {
+    /// Every logit of the vocabulary.
+    Full(&'a [f32]),
+    /// The best ones, in rank order ([`Sampler::top_needed`]).
+    Top(&'a [(u32, f32)]),
+}
+
 /// Where the chain leaves a draw.
 enum Chain {
     /// A temperature of 0 left this token: no draw.
@@ -339,6 +421,10 @@ fn argmax_index(cand: &[(u32, f32)]) -> usize {
 fn argmax(cand: &[(u32, f32)]) -> u32 {
     cand[argmax_index(cand)].0
 }
+
+#[cfg(test)]
+#[path = "sampler_top_tests.rs"]
+mod top_tests;
 
 #[cfg(test)]
 mod tests {

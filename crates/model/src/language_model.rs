@@ -29,6 +29,28 @@ pub struct SeqBatch<'c, 't> {
     pub logits: bool,
 }
 
+/// A token's logits as [`LanguageModel::forward_multi_top`] returns them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TokenLogits {
+    /// The whole row, `n_vocab` floats (empty for a sequence that wanted none).
+    Full(Vec<f32>),
+    /// The `k` best `(id, logit)` pairs the sequence asked for (all of them for a smaller
+    /// vocabulary), best first in [`hmoe_backend::top_k_key`]'s order: by value with
+    /// `f32::total_cmp`, ties to the lower id. Only for a row whose best logit is a number
+    /// other than zero (a NaN or a zero at the top brings the whole row down instead).
+    Top(Vec<(u32, f32)>),
+}
+
+impl TokenLogits {
+    /// The whole row, or `None` for the best logits alone.
+    pub fn into_full(self) -> Option<Vec<f32>> {
+        match self {
+            TokenLogits::Full(v) => Some(v),
+            TokenLogits::Top(_) => None,
+        }
+    }
+}
+
 /// Memory a model holds on its device now ([`LanguageModel::device_memory`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceMemory {
@@ -95,6 +117,16 @@ pub trait LanguageModel: Send + Sync {
     /// the next positions of its own cache, and every sequence's result is exactly what
     /// [`LanguageModel::forward`] would return for it alone (batch invariance).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// [`LanguageModel::forward_multi`] where a sequence `i` with `top[i] = Some(k)` (`1 ≤ k ≤
+    /// hmoe_backend::TOP_K_MAX`) may get only its `k` best logits ([`TokenLogits::Top`]),
+    /// ranked on the device so that the rest of the row does not cross the bus; the others
+    /// get [`TokenLogits::Full`], and so may these (a step where another sequence wants the
+    /// whole row, a row whose best is NaN or zero). `top` holds one entry per sequence.
+    fn forward_multi_top(
+        &self,
+        seqs: &mut [SeqBatch<'_, '_>],
+        top: &[Option<usize>],
+    ) -> Result<Vec<TokenLogits>, ModelError>;
 }
 
 /// Transfers at the expert boundary, counted by the executor.

@@ -36,7 +36,7 @@ pub use hmoe_backend::KvLayout;
 pub use kv_cache::{KvCache, KvType};
 pub use kv_snapshot::{KvSnapshot, LayerRows, RingRows};
 pub use language_model::{
-    DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch,
+    DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch, TokenLogits,
 };
 
 /// Builds the architecture named by the file's `general.architecture` on the CPU: the

@@ -46,6 +46,13 @@ pub struct EngineConfig {
     pub slot_prompt_similarity: f32,
     /// How to open the files.
     pub load: LoadOptions,
+    /// Whether a request whose sampler chain needs no more than a token's best logits
+    /// (greedy, or top-k first with k ≤ `hmoe_backend::TOP_K_MAX` and nothing before it
+    /// that changes a logit; no logit bias, penalties, grammar or pre-sampling
+    /// probabilities) gets only those, ranked on the device, so that the row does not cross
+    /// the bus; the tokens and probabilities are the same either way. On unless the
+    /// environment sets `HMOE_DEVICE_TOPK=0`.
+    pub device_top_k: bool,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +67,7 @@ impl Default for EngineConfig {
             max_queue: 256,
             slot_prompt_similarity: 0.1,
             load: LoadOptions::default(),
+            device_top_k: !std::env::var("HMOE_DEVICE_TOPK").is_ok_and(|v| v == "0"),
         }
     }
 }

@@ -188,6 +188,7 @@ impl Prepared {
             kv_type: e.kv_type,
             max_queue: e.max_queue,
             slot_prompt_similarity: e.slot_prompt_similarity,
+            device_top_k: e.device_top_k,
         };
         let scheduler = Scheduler::start(
             self.model.clone(),

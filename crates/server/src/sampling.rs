@@ -17,6 +17,11 @@ pub trait TokenPicker: Send {
     fn distribution(&self, _logits: &[f32]) -> Option<Vec<(u32, f64)>> {
         None
     }
+    /// The engine's sampler, when this picker is one: a token's best logits alone may then
+    /// do ([`Sampler::top_needed`]); `None` (the default): the picker always gets the row.
+    fn as_sampler(&mut self) -> Option<&mut Sampler> {
+        None
+    }
 }
 
 impl TokenPicker for Sampler {
@@ -28,6 +33,9 @@ impl TokenPicker for Sampler {
     }
     fn distribution(&self, logits: &[f32]) -> Option<Vec<(u32, f64)>> {
         Some(Sampler::distribution(self, logits))
+    }
+    fn as_sampler(&mut self) -> Option<&mut Sampler> {
+        Some(self)
     }
 }
 

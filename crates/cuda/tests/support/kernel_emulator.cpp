@@ -653,6 +653,21 @@ int main(int argc, char** argv) {
         });
         wr(P("sel"), sel);
         wr(P("w"), w);
+    } else if (op == "top_k") {
+        // top_k.rs's launches: the chunks' k best keys into scratch, then each row's merge.
+        int n = atoi(argv[3]), nv = atoi(argv[4]), k = atoi(argv[5]);
+        auto logits = rd<float>(P("logits"));
+        unsigned nc = cdiv(nv, TK_CHUNK);
+        std::vector<u64> part((size_t)n * nc * k, 0x5a5a5a5a5a5a5a5aull);  // stale scratch
+        std::vector<float> values((size_t)n * k);
+        std::vector<int> ids((size_t)n * k);
+        u64* pp = part.data();
+        launch({nc, (unsigned)n, 1}, {TK_THREADS, 1, 1}, [&] { top_k_chunks(logits.data(), pp, nv, k); });
+        launch({(unsigned)n, 1, 1}, {TK_THREADS, 1, 1}, [&] {
+            top_k_merge(logits.data(), pp, values.data(), ids.data(), nv, (int)nc, k);
+        });
+        wr(P("values"), values);
+        wr(P("ids"), ids);
     } else if (op == "router") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]);
         auto logits = rd<float>(P("logits"));

@@ -22,11 +22,12 @@ use crate::error::ModelError;
 use crate::expert_placement::{ExpertHome, ExpertPlacement};
 use crate::kv_snapshot::KvSnapshot;
 use crate::language_model::{
-    DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch,
+    DeviceMemory, ExecStats, LanguageModel, LogitsWanted, MoeCacheStats, SeqBatch, TokenLogits,
 };
 use crate::sequence::KvCache;
 
 mod snapshot;
+mod top_logits;
 
 /// A model with its dense part on a device `B` and each layer's routed experts where an
 /// [`ExpertPlacement`] puts them (see the module docs for the data flow and the limits).
@@ -230,9 +231,10 @@ impl<B: Backend> DeviceModel<B> {
                 pos0: cache.n_past(),
                 tokens: chunk,
                 want,
+                top: None,
             };
             let out = self.step(&mut st, std::slice::from_ref(&member))?;
-            logits.extend(out.into_iter().flatten());
+            logits.extend(out.into_iter().filter_map(TokenLogits::into_full).flatten());
             cache.advance(chunk.len());
             st.kvs[kv].held = cache.n_past();
         }
@@ -250,6 +252,27 @@ impl<B: Backend> DeviceModel<B> {
         &self,
         seqs: &mut [SeqBatch<'_, '_>],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let top = vec![None; seqs.len()];
+        let out = self.forward_multi_top(seqs, &top)?;
+        Ok((out.into_iter())
+            .map(|l| l.into_full().unwrap_or_default())
+            .collect())
+    }
+
+    /// [`DeviceModel::forward_multi`] where the sequences `top[i] = Some(k)` may get only their
+    /// `k` best logits, ranked on the device ([`LanguageModel::forward_multi_top`]).
+    pub fn forward_multi_top(
+        &self,
+        seqs: &mut [SeqBatch<'_, '_>],
+        top: &[Option<usize>],
+    ) -> Result<Vec<TokenLogits>, ModelError> {
+        if top.len() != seqs.len() {
+            return Err(ModelError::Cache(format!(
+                "{} top-k requests for {} sequences",
+                top.len(),
+                seqs.len()
+            )));
+        }
         for s in seqs.iter() {
             self.check_input(s.cache, s.tokens)?;
         }
@@ -262,7 +285,10 @@ impl<B: Backend> DeviceModel<B> {
             let mut out = Vec::with_capacity(seqs.len());
             for s in seqs.iter_mut() {
                 let logits = self.forward(s.cache, s.tokens, LogitsWanted::Last)?;
-                out.push(if s.logits { logits } else { Vec::new() });
+                out.push(TokenLogits::Full(match s.logits {
+                    true => logits,
+                    false => Vec::new(),
+                }));
             }
             return Ok(out);
         }
@@ -274,12 +300,14 @@ impl<B: Backend> DeviceModel<B> {
         let members = seqs
             .iter()
             .zip(&handles)
-            .map(|(s, &h)| {
+            .zip(top)
+            .map(|((s, &h), &top)| {
                 Ok(Member {
                     kv: st.slot_of(h)?,
                     pos0: s.cache.n_past(),
                     tokens: s.tokens,
                     want: s.logits.then_some(LogitsWanted::Last),
+                    top: top.filter(|_| s.logits),
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
@@ -468,7 +496,11 @@ impl<B: Backend> DeviceModel<B> {
     /// A step that repeats the last one records or replays its segments (`segments.rs`); if
     /// it fails then (a device that could not capture), it runs again as issued, and the
     /// recordings are dropped.
-    fn step(&self, st: &mut State<B>, members: &[Member<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+    fn step(
+        &self,
+        st: &mut State<B>,
+        members: &[Member<'_>],
+    ) -> Result<Vec<TokenLogits>, ModelError> {
         let epoch = |st: &State<B>| SegmentEpoch {
             arena: self.scratch.generation(),
             kvs: st.kv_generation,
@@ -479,6 +511,7 @@ impl<B: Backend> DeviceModel<B> {
                 handle: st.kvs.get(m.kv).map_or(usize::MAX, |kv| kv.handle),
                 tokens: m.tokens.len(),
                 want: m.want,
+                top: m.top,
             })
             .collect();
         let offload = self
@@ -517,7 +550,7 @@ impl<B: Backend> DeviceModel<B> {
         st: &mut State<B>,
         members: &[Member<'_>],
         mut segments: Segments,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Vec<TokenLogits>, ModelError> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let dims = self.arch.dims();
         let mut groups = Vec::with_capacity(members.len());
@@ -584,14 +617,15 @@ impl<B: Backend> DeviceModel<B> {
     /// (every row of a member that wants [`LogitsWanted::All`], the last of one that wants
     /// [`LogitsWanted::Last`]), brought down in one copy and split per member. A step whose
     /// members want [`LogitsWanted::Hidden`] brings down the normed rows instead (the head
-    /// not run).
+    /// not run). A step whose rows are all last tokens that ask for their best logits alone
+    /// ([`Member::top`]) brings those down instead (`top_logits.rs`).
     fn logits(
         &self,
         members: &[Member<'_>],
         groups: &[Range<usize>],
         x: &B::Buf<f32>,
         segments: &mut Segments,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Vec<TokenLogits>, ModelError> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let p = self.arch.dims();
         let d = p.n_embd;
@@ -616,7 +650,7 @@ impl<B: Backend> DeviceModel<B> {
         if n_rows == 0 {
             segments.end(dev)?;
             dev.synchronize()?;
-            return Ok(vec![Vec::new(); members.len()]);
+            return Ok(vec![TokenLogits::Full(Vec::new()); members.len()]);
         }
         // Every row of `x`, or the wanted ones gathered into a buffer of the arena.
         let gathered: Scratch<'_, B, f32>;
@@ -650,6 +684,9 @@ impl<B: Backend> DeviceModel<B> {
             let mut logits = arena.take::<f32>(dev, n_rows * p.n_vocab)?;
             self.output
                 .mul(dev, arena, &normed, &out_groups, &mut logits)?;
+            if let Some(k) = top_logits::top_k_of(members, p.n_vocab) {
+                return self.top_logits(members, &logits, n_rows, k, segments);
+            }
             segments.end(dev)?;
             dev.download::<f32>(&logits)?
         };
@@ -658,8 +695,8 @@ impl<B: Backend> DeviceModel<B> {
             let mut all = Some(all);
             return Ok((wanted.iter())
                 .map(|w| match w {
-                    Some(_) => all.take().unwrap_or_default(),
-                    None => Vec::new(),
+                    Some(_) => TokenLogits::Full(all.take().unwrap_or_default()),
+                    None => TokenLogits::Full(Vec::new()),
                 })
                 .collect());
         }
@@ -667,8 +704,8 @@ impl<B: Backend> DeviceModel<B> {
         Ok(wanted
             .iter()
             .map(|w| match w.as_ref().and_then(|_| og.next()) {
-                Some(g) => all[g.start * width..g.end * width].to_vec(),
-                None => Vec::new(),
+                Some(g) => TokenLogits::Full(all[g.start * width..g.end * width].to_vec()),
+                None => TokenLogits::Full(Vec::new()),
             })
             .collect())
     }
@@ -731,5 +768,13 @@ impl<B: Backend> LanguageModel for DeviceModel<B> {
     /// [`DeviceModel::forward_multi`]).
     fn forward_multi(&self, seqs: &mut [SeqBatch<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         DeviceModel::<B>::forward_multi(self, seqs)
+    }
+    /// The best logits ranked on the device (see [`DeviceModel::forward_multi_top`]).
+    fn forward_multi_top(
+        &self,
+        seqs: &mut [SeqBatch<'_, '_>],
+        top: &[Option<usize>],
+    ) -> Result<Vec<TokenLogits>, ModelError> {
+        DeviceModel::<B>::forward_multi_top(self, seqs, top)
     }
 }

@@ -45,6 +45,8 @@ pub(crate) struct SeqShape {
     pub(crate) tokens: usize,
     /// The logits it wants.
     pub(crate) want: Option<LogitsWanted>,
+    /// How many of its best logits alone it wants ([`super::step::Member::top`]).
+    pub(crate) top: Option<usize>,
 }
 
 /// The key of a step's shape for segments (its sequences' device caches and wanted logits),
@@ -61,7 +63,7 @@ pub(crate) fn step_shape(seqs: &[SeqShape]) -> Option<u64> {
             Some(LogitsWanted::All) => 2,
             Some(LogitsWanted::Hidden) => 3,
         };
-        (s.kv, s.handle, want).hash(&mut h);
+        (s.kv, s.handle, want, s.top).hash(&mut h);
     }
     Some(h.finish())
 }
@@ -135,6 +137,7 @@ mod tests {
             handle,
             tokens,
             want: Some(LogitsWanted::Last),
+            top: None,
         }
     }
 
@@ -149,6 +152,9 @@ mod tests {
         let mut all = seq(0, 5, 1);
         all.want = Some(LogitsWanted::All);
         assert_ne!(step_shape(&[all]), Some(a));
+        let mut top = seq(0, 5, 1);
+        top.top = Some(40);
+        assert_ne!(step_shape(&[top]), Some(a));
         assert_ne!(step_shape(&[seq(0, 5, 1), seq(1, 6, 1)]), Some(a));
     }
 

@@ -28,6 +28,8 @@ pub(crate) struct Member<'t> {
     pub(crate) tokens: &'t [u32],
     /// The logits it wants (`None`: none).
     pub(crate) want: Option<LogitsWanted>,
+    /// For a last token's logits: its `k` best alone will do (`Backend::top_k`).
+    pub(crate) top: Option<usize>,
 }
 
 /// One architecture's layers on a device, written in the architecture's file over the

@@ -46,6 +46,9 @@ pub struct SlotConfig {
     /// when that prefix is more than this fraction of the prompt (`--slot-prompt-similarity`,
     /// llama-server's default 0.1); else, and always with 0, to the least recently used slot.
     pub slot_prompt_similarity: f32,
+    /// Whether a request whose sampler needs no more than a token's best logits gets only
+    /// those, ranked on the device ([`crate::EngineConfig::device_top_k`]).
+    pub device_top_k: bool,
 }
 
 pub(super) struct Job {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hmoe_chat::ChatDelta;
-use hmoe_engine::{top_probs, Sampler};
-use hmoe_model::{KvCache, LanguageModel, ModelError, SeqBatch};
+use hmoe_engine::{top_probs, Sampler, TOP_K_MAX};
+use hmoe_model::{KvCache, LanguageModel, ModelError, SeqBatch, TokenLogits};
 use hmoe_tokenizer::Tokenizer;
 
 use crate::metrics::Stats;
@@ -59,6 +59,9 @@ pub(super) struct Worker {
     similarity: f32,
     reuse: Reuse,
     clock: u64,
+    /// Whether a request's sampler may take a token's best logits alone, ranked on the device
+    /// ([`SlotConfig::device_top_k`]).
+    device_top_k: bool,
 }
 
 /// What one slot runs in a pass.
@@ -99,6 +102,7 @@ impl Worker {
             similarity: config.slot_prompt_similarity,
             reuse: Reuse::Aligned,
             clock: 0,
+            device_top_k: config.device_top_k,
         }
     }
 
@@ -332,6 +336,7 @@ impl Worker {
         let n_past: Vec<usize> = (feeds.iter())
             .map(|f| self.slots[f.slot].cache.n_past())
             .collect();
+        let top: Vec<Option<usize>> = (feeds.iter()).map(|f| self.top_request(f)).collect();
         let result = {
             let mut by_slot: Vec<Option<&Feed>> = vec![None; self.slots.len()];
             for f in &feeds {
@@ -349,7 +354,7 @@ impl Worker {
                     })
                 })
                 .collect();
-            self.model.forward_multi(&mut seqs)
+            self.model.forward_multi_top(&mut seqs, &top)
         };
         let stats = &self.shared.stats;
         Stats::add(&stats.n_decode, 1);
@@ -361,7 +366,7 @@ impl Worker {
                 // alone from where it was, and only those that fail alone fail (one the
                 // device has no K/V memory for gets 503; the others go on).
                 tracing::warn!("a batched pass failed ({e}); running its sequences one by one");
-                for (f, n_past) in feeds.into_iter().zip(n_past) {
+                for ((f, n_past), top) in feeds.into_iter().zip(n_past).zip(top) {
                     let cache = &mut self.slots[f.slot].cache;
                     if cache.n_past() != n_past && !cache.truncate(n_past) {
                         self.fail_feed(f.slot, &e);
@@ -372,9 +377,9 @@ impl Worker {
                         tokens: &f.tokens,
                         logits: f.logits,
                     }];
-                    match self.model.forward_multi(&mut seq) {
+                    match self.model.forward_multi_top(&mut seq, &[top]) {
                         Ok(mut logits) => {
-                            let logits = logits.pop().unwrap_or_default();
+                            let logits = logits.pop().unwrap_or(TokenLogits::Full(Vec::new()));
                             self.after_pass(f, logits);
                         }
                         Err(e) => self.fail_feed(f.slot, &e),
@@ -464,7 +469,7 @@ impl Worker {
         feeds
     }
 
-    fn after_pass(&mut self, feed: Feed, logits: Vec<f32>) {
+    fn after_pass(&mut self, feed: Feed, logits: TokenLogits) {
         let stats = self.shared.stats.clone();
         let s = &mut self.slots[feed.slot];
         // Which positions a cold prefill of a longer prompt computes the same way: with
@@ -488,16 +493,33 @@ impl Worker {
         self.on_logits(feed.slot, logits);
     }
 
+    /// How many of its best logits alone a feed's request samples from (`None`: the whole
+    /// row): with [`Worker::device_top_k`] on, when the feed wants logits and the request
+    /// changes none before its sampler (no logit bias, presence or frequency penalty, no
+    /// grammar), reports no probabilities but the sampler's own (`post_sampling_probs`), and
+    /// its sampler's chain needs no more ([`Sampler::top_needed`]).
+    fn top_request(&mut self, feed: &Feed) -> Option<usize> {
+        let a = self.slots[feed.slot].active.as_mut()?;
+        let spec = &a.job.spec;
+        let want_probs = spec.logprobs || spec.n_probs > 0;
+        let allowed = self.device_top_k
+            && feed.logits
+            && spec.adjust.is_noop()
+            && a.constraint.is_none()
+            && (!want_probs || spec.post_sampling_probs);
+        match allowed {
+            true => a.picker.as_sampler()?.top_needed(TOP_K_MAX),
+            false => None,
+        }
+    }
+
     /// Picks the next token of a slot from its logits and reports it.
-    fn on_logits(&mut self, slot: usize, mut logits: Vec<f32>) {
-        let tok = self.tok.clone();
-        let n_ctx = self.n_ctx_slot;
-        let s = &mut self.slots[slot];
-        let n_past = s.cache.n_past();
-        let Some(a) = &mut s.active else { return };
-        let now = Instant::now();
+    fn on_logits(&mut self, slot: usize, logits: TokenLogits) {
+        let Some(a) = &mut self.slots[slot].active else {
+            return;
+        };
         if a.first_token.is_none() {
-            a.first_token = Some(now);
+            a.first_token = Some(Instant::now());
         }
         if a.job.spec.n_predict == Some(0) {
             let deltas = a.output.finish();
@@ -506,6 +528,25 @@ impl Worker {
         }
         let spec = &a.job.spec;
         let want_probs = spec.logprobs || spec.n_probs > 0;
+        let mut logits = match logits {
+            TokenLogits::Full(logits) => logits,
+            // Asked for by `top_request` only: the picker is a sampler, and the probabilities
+            // reported are its own.
+            TokenLogits::Top(top) => match a.picker.as_sampler() {
+                Some(s) => {
+                    let post = want_probs.then(|| s.distribution_top(&top));
+                    let token = s.sample_top(&top);
+                    self.on_token(slot, token, post, Vec::new(), 0.0);
+                    return;
+                }
+                None => {
+                    let failure = JobFailure::internal("best logits alone for a scripted picker");
+                    let _ = a.job.events.send(JobEvent::Failed(failure));
+                    self.release(slot);
+                    return;
+                }
+            },
+        };
         let lse = if want_probs {
             log_sum_exp(&logits)
         } else {
@@ -535,6 +576,28 @@ impl Worker {
         if let Some(r) = raw {
             logits = r;
         }
+        self.on_token(slot, token, post, logits, lse);
+    }
+
+    /// Reports the token a slot's picker chose (with the distribution it chose from, when
+    /// the request reports those probabilities, else the `logits` it reports them from, of
+    /// log-sum-exp `lse`) and ends the request or queues the token.
+    fn on_token(
+        &mut self,
+        slot: usize,
+        token: u32,
+        post: Option<Vec<(u32, f64)>>,
+        logits: Vec<f32>,
+        lse: f64,
+    ) {
+        let tok = self.tok.clone();
+        let n_ctx = self.n_ctx_slot;
+        let s = &mut self.slots[slot];
+        let n_past = s.cache.n_past();
+        let Some(a) = &mut s.active else { return };
+        let now = Instant::now();
+        let spec = &a.job.spec;
+        let want_probs = spec.logprobs || spec.n_probs > 0;
         // The grammar is complete once it allows nothing more (its end-of-generation token).
         let mut grammar_done = false;
         if let Some(c) = &mut a.constraint {
