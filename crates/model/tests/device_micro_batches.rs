@@ -113,12 +113,13 @@ fn two_micro_batches_in_flight_equal_each_sequence_alone() {
                 let dev =
                     DeviceModel::load(open(file), Ref0::new().with_replay(), &placement).unwrap();
                 dev.set_micro_batches(true);
-                let prompts = &prompts()[..n];
+                let all = prompts();
+                let firsts = &all[..n];
                 let mut caches: Vec<KvCache> = (0..n)
                     .map(|_| dev.new_cache(KvType::F16, N_CTX, UBATCH))
                     .collect();
                 let before = dev.stats();
-                let feeds: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+                let feeds: Vec<&[u32]> = firsts.iter().map(Vec::as_slice).collect();
                 let mut got = vec![step(&dev, &mut caches, &feeds)];
                 let mut made = Vec::new();
                 for d in 0..N_DECODE {
