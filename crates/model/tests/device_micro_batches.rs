@@ -258,10 +258,11 @@ fn the_op_log_shows_one_groups_attention_queued_while_the_other_waits() {
         for (what, split) in [("one sequence", true), ("split off", false)] {
             dev.set_micro_batches(split);
             dev.device().take_op_log();
-            match split {
-                true => step(&dev, &mut one, &[&[4]]),
-                false => step(&dev, &mut caches, &[&[5], &[6], &[7]]),
-            };
+            if split {
+                step(&dev, &mut one, &[&[4]]);
+            } else {
+                step(&dev, &mut caches, &[&[5], &[6], &[7]]);
+            }
             let trips = Trips::of(dev.device().take_op_log());
             assert_eq!(trips.groups.len(), 1, "{file} {what}");
             let [down, wait, _] = &trips.groups[0];

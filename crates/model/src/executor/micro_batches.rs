@@ -49,7 +49,12 @@ pub const MICRO_BATCHES_ENV: &str = "HMOE_MICRO_BATCHES";
 /// Whether the environment leaves two micro-batches in flight on (anything but `0` or
 /// `off`).
 pub(crate) fn micro_batches_requested() -> bool {
-    !std::env::var(MICRO_BATCHES_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off"))
+    switch_on(std::env::var(MICRO_BATCHES_ENV).ok().as_deref())
+}
+
+/// Whether a value of the switch leaves it on (unset, or anything but `0` or `off`).
+fn switch_on(v: Option<&str>) -> bool {
+    !v.is_some_and(|v| matches!(v.trim(), "0" | "off"))
 }
 
 /// Where a step of sequences of `tokens` tokens each splits into two groups (the first
@@ -229,6 +234,16 @@ impl<B: Backend> DerefMut for StepState<'_, B> {
 mod tests {
     use super::*;
     use hmoe_backend::Ref0;
+
+    #[test]
+    fn the_switch_turns_the_split_off_with_0_or_off() {
+        for (v, on) in [(None, true), (Some("1"), true), (Some(""), true)] {
+            assert_eq!(switch_on(v), on, "{v:?}");
+        }
+        for v in ["0", "off", " off "] {
+            assert!(!switch_on(Some(v)), "{v:?}");
+        }
+    }
 
     #[test]
     fn the_split_evens_the_tokens() {

@@ -21,7 +21,7 @@ use crate::sequence::KvCache;
 
 /// One sequence's share of a micro-batch.
 pub(crate) struct Member<'t> {
-    /// Its device cache's index in [`State::kvs`].
+    /// Its device cache's index in the state's `kvs`.
     pub(crate) kv: usize,
     /// The position of its first token.
     pub(crate) pos0: usize,
