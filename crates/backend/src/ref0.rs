@@ -60,12 +60,12 @@ use crate::{
 
 use ref0_memory::{Charge, Memory};
 pub use ref0_memory::{RefBuf, RefMatrix, RefMoe};
+use ref0_op_log::OpLog;
+pub use ref0_op_log::Ref0Event;
 use ref0_products::{
     acts, expert_products, kernel_products, kernel_products_of, matrix, row_dot, F32Order,
 };
 pub use ref0_products::{QUANT_KERNEL_TYPES, REF0_TYPES};
-pub use ref0_op_log::Ref0Event;
-use ref0_op_log::OpLog;
 pub use ref0_replay::ReplayStats;
 use ref0_replay::{Ident, Replay};
 
@@ -517,8 +517,7 @@ impl Backend for Ref0 {
         ids: &RefBuf<i32>,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        self.replay
-            .op("get_rows", &[mat_id(t), id(ids), id(out)], ())?;
+        self.op("get_rows", &[mat_id(t), id(ids), id(out)], ())?;
         crate::host_ops::get_rows((t.ty, t.rows, t.cols), |r| t.row(r), ids, out)
     }
     fn rms_norm(
@@ -528,9 +527,7 @@ impl Backend for Ref0 {
         eps: f32,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let eps = self
-            .replay
-            .op("rms_norm", &[id(x), id(weight), id(out)], eps)?;
+        let eps = self.op("rms_norm", &[id(x), id(weight), id(out)], eps)?;
         let n = weight.len();
         shape(
             "rms_norm",
@@ -601,9 +598,7 @@ impl Backend for Ref0 {
         p: &RopeParams,
     ) -> Result<(), BackendError> {
         let bufs = [id(x), id(positions)];
-        let (n_heads, head_dim, p) = self
-            .replay
-            .op("rope_neox", &bufs, (n_heads, head_dim, *p))?;
+        let (n_heads, head_dim, p) = self.op("rope_neox", &bufs, (n_heads, head_dim, *p))?;
         crate::host_ops::rope_neox(x, positions, n_heads, head_dim, &p)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
@@ -684,9 +679,7 @@ impl Backend for Ref0 {
             id(positions),
             id(out),
         ];
-        let (p, n_tokens, first) = self
-            .replay
-            .op("attention_at", &bufs, (*p, n_tokens, first))?;
+        let (p, n_tokens, first) = self.op("attention_at", &bufs, (*p, n_tokens, first))?;
         let pos0 = crate::first_position("attention", positions, first)?;
         self.attend(&p, q, k, v, sinks, n_tokens, pos0, out)
     }
@@ -842,9 +835,7 @@ impl Backend for Ref0 {
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
         let bufs = [mat_id(w), id(x), id(y)];
-        let (n, n_heads, x_stride) =
-            self.replay
-                .op("matmul_heads", &bufs, (n, n_heads, x_stride))?;
+        let (n, n_heads, x_stride) = self.op("matmul_heads", &bufs, (n, n_heads, x_stride))?;
         let out =
             crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
         if n == 0 || out == 0 {
