@@ -40,7 +40,9 @@ const MODELS: [(&str, usize); 3] = [
 fn n_layer(file: &str) -> usize {
     let g = open(file);
     let arch = g.metadata().architecture().unwrap().to_string();
-    g.metadata().get_u32(&format!("{arch}.block_count")).unwrap() as usize
+    g.metadata()
+        .get_u32(&format!("{arch}.block_count"))
+        .unwrap() as usize
 }
 
 /// `--cpu-moe`, and the first MoE layer on the host.
@@ -63,7 +65,11 @@ fn prompts() -> Vec<Vec<u32>> {
     [3usize, 9, 1, 14, 6]
         .iter()
         .enumerate()
-        .map(|(s, &n)| (0..n).map(|i| ((i * 37 + s * 101 + 5) % 500) as u32).collect())
+        .map(|(s, &n)| {
+            (0..n)
+                .map(|i| ((i * 37 + s * 101 + 5) % 500) as u32)
+                .collect()
+        })
         .collect()
 }
 

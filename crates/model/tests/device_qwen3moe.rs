@@ -266,7 +266,11 @@ fn ref0_qwen3moe_batched_sequences_equal_each_alone() {
             assert_eq!(split, u64::from(home == ExpertHome::Host), "{m:?} {home:?}");
             let ubatches = after.ubatches - before.ubatches;
             assert_eq!(ubatches, 1 + split, "{m:?} {home:?}");
-            let want = if home == ExpertHome::Host { 2 * ubatches } else { 0 };
+            let want = if home == ExpertHome::Host {
+                2 * ubatches
+            } else {
+                0
+            };
             assert_eq!(
                 after.host_round_trips - before.host_round_trips,
                 want,

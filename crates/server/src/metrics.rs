@@ -384,14 +384,31 @@ mod tests {
             ..hmoe_model::ExecStats::default()
         };
         let text = render_device_steps(&[(None, s)]);
-        assert!(text.contains("# TYPE hmoe:device_split_steps_total counter
-"));
-        assert!(text.contains("hmoe:device_ubatches_total 12
-"), "{text}");
-        assert!(text.contains("hmoe:device_host_round_trips_total 48
-"), "{text}");
-        assert!(text.contains("hmoe:device_split_steps_total 5
-"), "{text}");
+        assert!(text.contains(
+            "# TYPE hmoe:device_split_steps_total counter
+"
+        ));
+        assert!(
+            text.contains(
+                "hmoe:device_ubatches_total 12
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "hmoe:device_host_round_trips_total 48
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "hmoe:device_split_steps_total 5
+"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -525,7 +525,11 @@ impl<B: Backend> DeviceModel<B> {
         };
         let segmented = segments.is_on();
         let n: usize = members.iter().map(|m| m.tokens.len()).sum();
-        let split = self.split(st, members, self.op_offload_min_batch.is_some_and(|m| n >= m));
+        let split = self.split(
+            st,
+            members,
+            self.op_offload_min_batch.is_some_and(|m| n >= m),
+        );
         let mut logits = self.step_groups(st, members, split, segments);
         if segmented && logits.is_err() {
             self.dev.forget_segments();
@@ -564,7 +568,9 @@ impl<B: Backend> DeviceModel<B> {
                 turns.run(1, |t| self.step_layers(StepState::InFlight(t), b, seg_b))
             });
             let la = turns.run(0, |t| self.step_layers(StepState::InFlight(t), a, seg_a));
-            let lb = second.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+            let lb = second
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
             (la, lb)
         });
         *st = turns.into_state();

@@ -64,7 +64,11 @@ pub(crate) fn split_point(tokens: &[usize]) -> Option<usize> {
     let total: usize = tokens.iter().sum();
     let mut before = 0;
     let mut best: Option<(usize, usize)> = None;
-    for (at, &t) in tokens.iter().enumerate().take(tokens.len().saturating_sub(1)) {
+    for (at, &t) in tokens
+        .iter()
+        .enumerate()
+        .take(tokens.len().saturating_sub(1))
+    {
         before += t;
         let gap = before.abs_diff(total - before);
         if best.is_none_or(|(g, _)| gap < g) {
