@@ -29,6 +29,11 @@ impl HostStaging {
         }
     }
 
+    /// An id of these buffers, the same wherever the value moves (REF0's op log).
+    pub fn id(&self) -> usize {
+        self.down.as_ptr() as usize
+    }
+
     /// Packs the inputs in ([`crate::Backend::stage_down`]); they must have the lengths the
     /// buffers were made for. Returns the bytes of the packed buffer (the one copy down).
     pub fn fill(&mut self, h: &[f32], sel: &[i32], w: &[f32]) -> Result<usize, BackendError> {

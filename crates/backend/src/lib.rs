@@ -37,8 +37,8 @@ pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use packed_staging::PackedDown;
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
 pub use ref0::{
-    Ref0, RefBuf, RefMatrix, RefMoe, ReplayStats, QUANT_KERNEL_TYPES, REF0_CAPABILITIES, REF0_NAME,
-    REF0_TYPES,
+    Ref0, Ref0Event, RefBuf, RefMatrix, RefMoe, ReplayStats, QUANT_KERNEL_TYPES, REF0_CAPABILITIES,
+    REF0_NAME, REF0_TYPES,
 };
 pub use routing::{Gating, Routing};
 pub use shared_bytes::{PageRelease, SharedBytes};

@@ -41,6 +41,7 @@
 //!   does.
 
 mod ref0_memory;
+mod ref0_op_log;
 mod ref0_products;
 mod ref0_replay;
 
@@ -59,6 +60,8 @@ use crate::{
 
 use ref0_memory::{Charge, Memory};
 pub use ref0_memory::{RefBuf, RefMatrix, RefMoe};
+use ref0_op_log::OpLog;
+pub use ref0_op_log::Ref0Event;
 use ref0_products::{
     acts, expert_products, kernel_products, kernel_products_of, matrix, row_dot, F32Order,
 };
@@ -87,6 +90,8 @@ pub struct Ref0 {
     allocations: AtomicU64,
     /// Segments recorded and replayed ([`Ref0::with_replay`]).
     replay: Replay,
+    /// The order of ops and round trips ([`Ref0::with_op_log`]).
+    log: OpLog,
 }
 
 /// A buffer as a recording names it.
@@ -132,6 +137,7 @@ impl Ref0 {
             trips: Mutex::new(0),
             allocations: AtomicU64::new(0),
             replay: Replay::new(false),
+            log: OpLog::new(false),
         }
     }
 
@@ -144,6 +150,32 @@ impl Ref0 {
             replay: Replay::new(true),
             ..self
         }
+    }
+
+    /// This device with an op log: every op queued and every round trip's copy down, wait
+    /// and copy up, in order ([`Ref0::take_op_log`]; `ref0/ref0_op_log.rs`).
+    pub fn with_op_log(self) -> Ref0 {
+        Ref0 {
+            log: OpLog::new(true),
+            ..self
+        }
+    }
+
+    /// The op log since the last call (empty unless [`Ref0::with_op_log`]).
+    pub fn take_op_log(&self) -> Vec<Ref0Event> {
+        self.log.take()
+    }
+
+    /// An op `op` over `bufs` with the by-value arguments `scalars`, logged, through the
+    /// replay mode (the arguments it runs with: [`Replay::op`]).
+    fn op<S: Clone + PartialEq + Send + 'static>(
+        &self,
+        op: &'static str,
+        bufs: &[Ident],
+        scalars: S,
+    ) -> Result<S, BackendError> {
+        self.log.note(Ref0Event::Op(op));
+        self.replay.op(op, bufs, scalars)
     }
 
     /// What replay mode counted (all zero when it is off).
@@ -401,7 +433,7 @@ impl Backend for Ref0 {
         dst: &mut RefBuf<f32>,
         at: usize,
     ) -> Result<(), BackendError> {
-        let at = self.replay.op("copy_into", &[id(src), id(dst)], at)?;
+        let at = self.op("copy_into", &[id(src), id(dst)], at)?;
         let range = crate::copy_into_range(src.len(), dst.len(), at)?;
         dst[range].copy_from_slice(src);
         Ok(())
@@ -485,8 +517,7 @@ impl Backend for Ref0 {
         ids: &RefBuf<i32>,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        self.replay
-            .op("get_rows", &[mat_id(t), id(ids), id(out)], ())?;
+        self.op("get_rows", &[mat_id(t), id(ids), id(out)], ())?;
         crate::host_ops::get_rows((t.ty, t.rows, t.cols), |r| t.row(r), ids, out)
     }
     fn rms_norm(
@@ -496,9 +527,7 @@ impl Backend for Ref0 {
         eps: f32,
         out: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let eps = self
-            .replay
-            .op("rms_norm", &[id(x), id(weight), id(out)], eps)?;
+        let eps = self.op("rms_norm", &[id(x), id(weight), id(out)], eps)?;
         let n = weight.len();
         shape(
             "rms_norm",
@@ -521,7 +550,7 @@ impl Backend for Ref0 {
         n: usize,
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
-        let n = self.replay.op("matmul", &[mat_id(w), id(x), id(y)], n)?;
+        let n = self.op("matmul", &[mat_id(w), id(x), id(y)], n)?;
         shape(
             "matmul",
             x.len() >= n * w.cols && y.len() >= n * w.rows,
@@ -546,11 +575,11 @@ impl Backend for Ref0 {
         Ok(())
     }
     fn add_assign(&self, x: &mut RefBuf<f32>, y: &RefBuf<f32>) -> Result<(), BackendError> {
-        self.replay.op("add_assign", &[id(x), id(y)], ())?;
+        self.op("add_assign", &[id(x), id(y)], ())?;
         crate::host_ops::add_assign(x, y)
     }
     fn add_bias(&self, x: &mut RefBuf<f32>, bias: &RefBuf<f32>) -> Result<(), BackendError> {
-        self.replay.op("add_bias", &[id(x), id(bias)], ())?;
+        self.op("add_bias", &[id(x), id(bias)], ())?;
         let c = bias.len();
         shape("add_bias", c > 0 && x.len().is_multiple_of(c), || {
             "lengths".into()
@@ -569,9 +598,7 @@ impl Backend for Ref0 {
         p: &RopeParams,
     ) -> Result<(), BackendError> {
         let bufs = [id(x), id(positions)];
-        let (n_heads, head_dim, p) = self
-            .replay
-            .op("rope_neox", &bufs, (n_heads, head_dim, *p))?;
+        let (n_heads, head_dim, p) = self.op("rope_neox", &bufs, (n_heads, head_dim, *p))?;
         crate::host_ops::rope_neox(x, positions, n_heads, head_dim, &p)
     }
     fn kv_types(&self) -> &'static [GgmlType] {
@@ -586,7 +613,7 @@ impl Backend for Ref0 {
         first: usize,
     ) -> Result<(), BackendError> {
         let bufs = [id(src), id(&ring.data), id(positions)];
-        let (n_tokens, first) = self.replay.op("kv_store_at", &bufs, (n_tokens, first))?;
+        let (n_tokens, first) = self.op("kv_store_at", &bufs, (n_tokens, first))?;
         let pos0 = crate::first_position("kv_store", positions, first)?;
         crate::ref0_kv::store(&ring.layout, src, &mut ring.data, n_tokens, pos0)
     }
@@ -626,9 +653,7 @@ impl Backend for Ref0 {
             id(positions),
             id(out),
         ];
-        let (p, n_tokens, first) = self
-            .replay
-            .op("attention_at", &bufs, (*p, n_tokens, first))?;
+        let (p, n_tokens, first) = self.op("attention_at", &bufs, (*p, n_tokens, first))?;
         let pos0 = crate::first_position("attention", positions, first)?;
         self.attend(&p, q, k, v, sinks, n_tokens, pos0, out)
     }
@@ -641,7 +666,7 @@ impl Backend for Ref0 {
         weights: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
         let bufs = [id(logits), id(selected), id(weights)];
-        let (n_expert, k) = self.replay.op("router_top_k", &bufs, (n_expert, k))?;
+        let (n_expert, k) = self.op("router_top_k", &bufs, (n_expert, k))?;
         shape(
             "router_top_k",
             n_expert > 0 && k > 0 && k <= n_expert && logits.len().is_multiple_of(n_expert),
@@ -702,7 +727,7 @@ impl Backend for Ref0 {
             id(weights),
             id(out),
         ];
-        let (act, k) = self.replay.op("moe", &bufs, (act, k))?;
+        let (act, k) = self.op("moe", &bufs, (act, k))?;
         let (d, ff) = (w.d, w.ff);
         shape("moe", k > 0 && x.len().is_multiple_of(d), || "x".into())?;
         let n = x.len() / d;
@@ -774,7 +799,7 @@ impl Backend for Ref0 {
         dst: &mut RefBuf<f32>,
         c: &RowCopy,
     ) -> Result<(), BackendError> {
-        let c = self.replay.op("copy_rows", &[id(src), id(dst)], *c)?;
+        let c = self.op("copy_rows", &[id(src), id(dst)], *c)?;
         crate::host_ops::copy_rows(src, dst, &c)
     }
     fn rope_norm(
@@ -788,7 +813,7 @@ impl Backend for Ref0 {
     ) -> Result<(), BackendError> {
         let bufs = [id(x), id(positions)];
         let scalars = (n_heads, head_dim, first, *p);
-        let (n_heads, head_dim, first, p) = self.replay.op("rope_norm", &bufs, scalars)?;
+        let (n_heads, head_dim, first, p) = self.op("rope_norm", &bufs, scalars)?;
         crate::host_ops::rope_norm(x, positions, n_heads, head_dim, first, &p)
     }
     fn matmul_heads(
@@ -801,9 +826,7 @@ impl Backend for Ref0 {
         y: &mut RefBuf<f32>,
     ) -> Result<(), BackendError> {
         let bufs = [mat_id(w), id(x), id(y)];
-        let (n, n_heads, x_stride) =
-            self.replay
-                .op("matmul_heads", &bufs, (n, n_heads, x_stride))?;
+        let (n, n_heads, x_stride) = self.op("matmul_heads", &bufs, (n, n_heads, x_stride))?;
         let out =
             crate::shapes::matmul_heads(w.rows, w.cols, n, n_heads, x_stride, x.len(), y.len())?;
         if n == 0 || out == 0 {
@@ -853,7 +876,7 @@ impl Backend for Ref0 {
         up: &RefBuf<f32>,
         n: usize,
     ) -> Result<(), BackendError> {
-        let n = self.replay.op("swiglu", &[id(gate), id(up)], n)?;
+        let n = self.op("swiglu", &[id(gate), id(up)], n)?;
         crate::shapes::swiglu(gate.len(), up.len(), n)?;
         for (r, g) in gate.chunks_exact_mut(n).enumerate() {
             crate::numerics::swiglu_row(g, &up[r * n..(r + 1) * n]);
@@ -875,7 +898,7 @@ impl Backend for Ref0 {
     ) -> Result<(), BackendError> {
         let bufs = [id(q), id(&k_ring.data), id(positions), id(out)];
         let scalars = (*p, n_tokens, first);
-        let (p, n_tokens, first) = self.replay.op("attention_k_only_at", &bufs, scalars)?;
+        let (p, n_tokens, first) = self.op("attention_k_only_at", &bufs, scalars)?;
         let pos0 = crate::first_position("attention_k_only", positions, first)?;
         self.attend_k_only(&p, q, k_ring, n_tokens, pos0, out)
     }
@@ -891,7 +914,7 @@ impl Backend for Ref0 {
     ) -> Result<(), BackendError> {
         let bufs = [id(logits), id_opt(bias), id(selected), id(weights)];
         let scalars = (gating, *routing, n_expert);
-        let (gating, routing, n_expert) = self.replay.op("route", &bufs, scalars)?;
+        let (gating, routing, n_expert) = self.op("route", &bufs, scalars)?;
         let routing = &routing;
         let bias = bias.map(|b| &b[..]);
         crate::host_ops::route(logits, bias, gating, routing, n_expert, selected, weights)
@@ -907,6 +930,7 @@ impl Backend for Ref0 {
         w: &RefBuf<f32>,
     ) -> Result<(), BackendError> {
         self.replay.outside("a download")?;
+        self.log.note(Ref0Event::StageDown(st.id()));
         let bytes = st.fill(h, sel, w)?;
         self.count_down(bytes)?;
         *self.trips.lock().unwrap_or_else(PoisonError::into_inner) += 1;
@@ -914,6 +938,7 @@ impl Backend for Ref0 {
     }
     fn staged<'s>(&self, st: &'s mut HostStaging) -> Result<StagedIo<'s>, BackendError> {
         self.replay.outside("a wait")?;
+        self.log.note(Ref0Event::Staged(st.id()));
         Ok(st.io())
     }
     fn begin_segment(&self, key: u64) -> Result<(), BackendError> {
@@ -927,6 +952,7 @@ impl Backend for Ref0 {
     }
     fn stage_up(&self, st: &HostStaging, out: &mut RefBuf<f32>) -> Result<(), BackendError> {
         self.replay.outside("an upload")?;
+        self.log.note(Ref0Event::StageUp(st.id()));
         let n = st.send_up(out)?;
         self.count_up(4 * n)?;
         Ok(())

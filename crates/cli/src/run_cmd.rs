@@ -364,12 +364,14 @@ fn render_memory(m: &Value) -> String {
 }
 
 /// The device executor's counts as JSON (`hmoe run --json`'s `device_stats`): micro-batches,
-/// round trips at the expert boundary (one per CPU-expert layer per micro-batch), op offload,
+/// round trips at the expert boundary (one per CPU-expert layer per micro-batch), steps run
+/// as two micro-batches in flight, op offload,
 /// and the device's own count of every host ↔ device copy where it keeps one.
 fn stats_json(s: &ExecStats) -> serde_json::Value {
     let mut v = serde_json::json!({
         "ubatches": s.ubatches,
         "host_round_trips": s.host_round_trips,
+        "split_steps": s.split_steps,
         "bytes_to_host": s.bytes_to_host,
         "bytes_to_device": s.bytes_to_device,
         "offloaded_layers": s.offloaded_layers,

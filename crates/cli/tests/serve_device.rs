@@ -1,7 +1,8 @@
 //! `hmoe serve` on the device executor, on the reference device `REF0` (no GPU needed): the
 //! seed's llama-server command line with `-dev REF0` serves the small gpt-oss fixture (heads of 64: q8_0 blocks) with its
 //! dense part on REF0, four slots with continuous batching over device K/V caches, the prompt
-//! cache, the placement in `/props` and the device memory in `/metrics`; a slot the device has
+//! cache, the placement in `/props`, the device memory and the steps run as two micro-batches
+//! in flight in `/metrics`; a slot the device has
 //! no K/V memory for gets 503 while the others go on; a device too small for the model fails at
 //! start naming itself and the missing MiB. The official `openai` package drives part of it
 //! (crates/cli/tests/serve_device_client.py, from `$HMOE_PYTHON`; without it `SKIPPED:`).
@@ -205,6 +206,14 @@ fn seed_command_line_serves_on_ref0() {
     // /metrics: the weights and K/V caches the model holds on REF0.
     let (status, metrics) = http(&s.addr, "GET", "/metrics", "");
     assert_eq!(status, 200, "{metrics}");
+    // The slots decoding together ran as two micro-batches in flight (CPU experts, several
+    // slots a step), with the answers above equal to each alone.
+    let split: u64 = (metrics.lines())
+        .find_map(|l| l.strip_prefix("hmoe:device_split_steps_total "))
+        .unwrap_or_else(|| panic!("no split steps line in:\n{metrics}"))
+        .parse()
+        .unwrap();
+    assert!(split > 0, "{metrics}");
     let used = (metrics.lines())
         .find_map(|l| l.strip_prefix("hmoe:device_memory_used_bytes{device=\"REF0\"} "))
         .unwrap_or_else(|| panic!("no device memory line in:\n{metrics}"));

@@ -136,6 +136,9 @@ pub struct ExecStats {
     pub ubatches: u64,
     /// Round trips to the host experts (one per host layer per micro-batch).
     pub host_round_trips: u64,
+    /// Steps of several sequences run as two micro-batches in flight (each counted in
+    /// `ubatches`; see [`crate::DeviceModel::set_micro_batches`]).
+    pub split_steps: u64,
     /// Bytes brought down for them: hidden state, expert ids and weights.
     pub bytes_to_host: u64,
     /// Bytes sent back up: the expert sums.

@@ -30,7 +30,7 @@ pub use archs::qwen3_moe::Qwen3MoeParams;
 pub use archs::{arch_keeps_kv, DEVICE_ARCHS, K_ONLY_ARCHS};
 pub use archs::{device_arch, model_shape, Arch, ARCHS};
 pub use error::ModelError;
-pub use executor::DeviceModel;
+pub use executor::{DeviceModel, MICRO_BATCHES_ENV};
 pub use expert_placement::{ExpertHome, ExpertPlacement, OP_OFFLOAD_MIN_BATCH};
 pub use hmoe_backend::KvLayout;
 pub use kv_cache::{KvCache, KvType};

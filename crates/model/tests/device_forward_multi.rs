@@ -5,7 +5,8 @@
 //! layer's experts on the device (`-ngl all`), every layer's on the host (`--cpu-moe`) and the
 //! first layer's on the host (`--n-cpu-moe 1`), for quantized, F32-dense and F32-expert
 //! weights; the transfer counts show one round trip per host layer per micro-batch, whatever
-//! the number of sequences in it, and nothing else crossing but ids, positions and logits.
+//! the number of sequences in it, and nothing else crossing but ids, positions and logits;
+//! split by the executor into two micro-batches in flight (host layers), the bits stay.
 //! Device caches follow their handles and are freed by need (least recently used first).
 
 mod common;
@@ -155,6 +156,8 @@ fn check(file: &str) {
                 );
             }
         }
+        // One micro-batch per step (the split into two in flight off; on below).
+        dev.set_micro_batches(false);
         let before = dev.stats();
         let (got, with_logits) = batched(&dev, &feeds);
         let after = dev.stats();
@@ -188,6 +191,29 @@ fn check(file: &str) {
         assert_eq!(
             t1.uploads - t0.uploads,
             2 * n_steps + trips,
+            "{file} {what}"
+        );
+        // Two micro-batches in flight where there are host layers: the same bits, and one
+        // round trip per host layer per micro-batch.
+        dev.set_micro_batches(true);
+        let before = dev.stats();
+        let (split, _) = batched(&dev, &feeds);
+        let after = dev.stats();
+        for (i, (s, g)) in split.iter().zip(&got).enumerate() {
+            for (f, (sl, gl)) in s.iter().zip(g).enumerate() {
+                assert!(
+                    bits(sl) == bits(gl),
+                    "{file} {what}: sequence {i}, feed {f}: two in flight vs one micro-batch"
+                );
+            }
+        }
+        let splits = after.split_steps - before.split_steps;
+        assert_eq!(splits > 0, host_layers > 0, "{file} {what}");
+        let ubatches = after.ubatches - before.ubatches;
+        assert_eq!(ubatches, n_steps + splits, "{file} {what}");
+        assert_eq!(
+            after.host_round_trips - before.host_round_trips,
+            host_layers * ubatches,
             "{file} {what}"
         );
     }

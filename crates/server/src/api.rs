@@ -483,6 +483,10 @@ async fn metrics_route(State(st): St) -> Res {
         .filter_map(|h| Some((label.then(|| h.id.clone()), h.model.moe_cache_stats()?)))
         .collect();
     text.push_str(&metrics::render_moe_cache(&caches));
+    let steps: Vec<(Option<String>, hmoe_model::ExecStats)> = (hosts.iter())
+        .filter_map(|h| Some((label.then(|| h.id.clone()), h.model.device_stats()?)))
+        .collect();
+    text.push_str(&metrics::render_device_steps(&steps));
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -297,6 +297,38 @@ pub fn render_moe_cache(models: &[(Option<String>, hmoe_model::MoeCacheStats)]) 
     out
 }
 
+/// Writes the device executor's step counts of every model that runs on a device (`label`:
+/// `Some(model id)` in router mode): micro-batches, round trips to the CPU's experts, and the
+/// steps of several slots run as two micro-batches in flight (`HMOE_MICRO_BATCHES`).
+pub fn render_device_steps(models: &[(Option<String>, hmoe_model::ExecStats)]) -> String {
+    type Get = fn(&hmoe_model::ExecStats) -> u64;
+    let metrics: [(&str, &str, Get); 3] = [
+        (
+            "hmoe:device_ubatches_total",
+            "Micro-batches the device executor ran.",
+            |s| s.ubatches,
+        ),
+        (
+            "hmoe:device_host_round_trips_total",
+            "Round trips to the CPU's experts (one per CPU-expert layer per micro-batch).",
+            |s| s.host_round_trips,
+        ),
+        (
+            "hmoe:device_split_steps_total",
+            "Steps of several slots run as two micro-batches in flight.",
+            |s| s.split_steps,
+        ),
+    ];
+    let mut out = String::new();
+    if models.is_empty() {
+        return out;
+    }
+    for (name, help, get) in metrics {
+        write_family(&mut out, (name, "counter", help), models, get);
+    }
+    out
+}
+
 fn escape_label(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -338,6 +370,43 @@ mod tests {
         let text = render_moe_cache(&[(Some("m".into()), s)]);
         assert!(
             text.contains("hmoe:moe_cache_hits_total{model=\"m\"} 81\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn renders_the_device_steps() {
+        assert_eq!(render_device_steps(&[]), "");
+        let s = hmoe_model::ExecStats {
+            ubatches: 12,
+            host_round_trips: 48,
+            split_steps: 5,
+            ..hmoe_model::ExecStats::default()
+        };
+        let text = render_device_steps(&[(None, s)]);
+        assert!(text.contains(
+            "# TYPE hmoe:device_split_steps_total counter
+"
+        ));
+        assert!(
+            text.contains(
+                "hmoe:device_ubatches_total 12
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "hmoe:device_host_round_trips_total 48
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "hmoe:device_split_steps_total 5
+"
+            ),
             "{text}"
         );
     }

@@ -168,3 +168,32 @@ fn matmul_shared_is_matmul_of_each_matrix() {
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|f| f.to_le_bytes()).collect()
 }
+
+#[test]
+fn the_op_log_keeps_ops_and_round_trips_in_order() {
+    let run = |dev: &Ref0| {
+        let mut x = dev.upload(&[1.0f32, 2.0]).unwrap();
+        let y = dev.upload(&[3.0f32, 4.0]).unwrap();
+        let mut st = dev.staging(2, 1).unwrap();
+        let sel = dev.upload(&[0i32]).unwrap();
+        let w = dev.upload(&[1.0f32]).unwrap();
+        dev.add_assign(&mut x, &y).unwrap();
+        dev.stage_down(&mut st, &x, &sel, &w).unwrap();
+        assert_eq!(dev.staged(&mut st).unwrap().h, &[4.0, 6.0]);
+        dev.stage_up(&st, &mut x).unwrap();
+        st.id()
+    };
+    let plain = Ref0::new();
+    run(&plain);
+    assert!(plain.take_op_log().is_empty());
+    let dev = Ref0::new().with_op_log();
+    let id = run(&dev);
+    let want = [
+        Ref0Event::Op("add_assign"),
+        Ref0Event::StageDown(id),
+        Ref0Event::Staged(id),
+        Ref0Event::StageUp(id),
+    ];
+    assert_eq!(dev.take_op_log(), want);
+    assert!(dev.take_op_log().is_empty(), "taken");
+}

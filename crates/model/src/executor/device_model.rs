@@ -2,6 +2,7 @@
 //! device caches made ready, the token ids and positions up, every layer, the logits down.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hmoe_backend::KvType;
@@ -13,6 +14,7 @@ use super::device_kv::{
 };
 use super::device_weights::{buf_bytes, upload_f32, upload_matrix, DevMat};
 use super::layer_experts::LayerExperts;
+use super::micro_batches::{micro_batches_requested, split_point, StepState, Turns};
 use super::moe_cache::MoeCache;
 use super::scratch_arena::{Scratch, ScratchArena};
 use super::segments::{step_shape, SegmentEpoch, Segments, SeqShape};
@@ -44,6 +46,9 @@ pub struct DeviceModel<B: Backend> {
     state: Mutex<State<B>>,
     /// The steps' temporaries, reused from step to step (`scratch_arena.rs`).
     scratch: ScratchArena<B>,
+    /// Whether a step of several sequences may run as two micro-batches in flight
+    /// (`micro_batches.rs`).
+    micro_batches: AtomicBool,
 }
 
 impl<B: Backend> DeviceModel<B> {
@@ -90,6 +95,7 @@ impl<B: Backend> DeviceModel<B> {
             weight_bytes,
             state: Mutex::new(State::default()),
             scratch: ScratchArena::default(),
+            micro_batches: AtomicBool::new(micro_batches_requested()),
         })
     }
 
@@ -142,6 +148,27 @@ impl<B: Backend> DeviceModel<B> {
     /// ([`hmoe_placement::ring_slice_for`], at least one). The results do not depend on it.
     pub fn set_op_offload_ring(&self, bytes: Option<u64>) {
         self.lock().ring = bytes;
+    }
+
+    /// Lets a step of two sequences or more run as two micro-batches in flight where the
+    /// model has host-expert layers (`on`, the default unless `HMOE_MICRO_BATCHES=0`), or
+    /// every step as one micro-batch: while the CPU runs one group's experts of a layer, the
+    /// device runs the other group's attention (see the `micro_batches` module docs). The
+    /// results do not depend on it.
+    pub fn set_micro_batches(&self, on: bool) {
+        self.micro_batches.store(on, Ordering::Relaxed);
+    }
+
+    /// Where a step of the `members` splits into two micro-batches in flight (`None`: it runs
+    /// as one): only on a device other than the CPU, with a host-expert layer, two sequences
+    /// or more, no op offload for the step and the device expert cache off.
+    fn split(&self, st: &State<B>, members: &[Member<'_>], offload: bool) -> Option<usize> {
+        let on = self.micro_batches.load(Ordering::Relaxed) && !self.dev.is_host();
+        if !on || offload || !self.experts.host.any() || st.moe_cache.enabled() {
+            return None;
+        }
+        let tokens: Vec<usize> = members.iter().map(|m| m.tokens.len()).collect();
+        split_point(&tokens)
     }
 
     /// The op-offload ring's size set by [`DeviceModel::set_op_offload_ring`].
@@ -242,8 +269,9 @@ impl<B: Backend> DeviceModel<B> {
     }
 
     /// Runs several sequences in one pass: every sequence's tokens in one micro-batch (one
-    /// round trip per host-expert layer for all of them), each at the next positions of its own
-    /// cache; returns the last token's logits of the sequences that want them (empty vectors
+    /// round trip per host-expert layer for all of them), or, where the model has host-expert
+    /// layers, in two micro-batches in flight ([`DeviceModel::set_micro_batches`]), each at
+    /// the next positions of its own cache; returns the last token's logits of the sequences that want them (empty vectors
     /// for the others). Each result equals [`DeviceModel::forward`] with
     /// [`LogitsWanted::Last`] on that sequence alone (see the module docs). As the executor on
     /// the CPU always did, a step with a sequence of no tokens or of more than its cache's micro-batch
@@ -529,11 +557,17 @@ impl<B: Backend> DeviceModel<B> {
             _ => Segments::off(),
         };
         let segmented = segments.is_on();
-        let mut logits = self.step_layers(st, members, segments);
+        let n: usize = members.iter().map(|m| m.tokens.len()).sum();
+        let split = self.split(
+            st,
+            members,
+            self.op_offload_min_batch.is_some_and(|m| n >= m),
+        );
+        let mut logits = self.step_groups(st, members, split, segments);
         if segmented && logits.is_err() {
             self.dev.forget_segments();
             tracing::warn!("a recorded decode step failed; it runs again as issued");
-            logits = self.step_layers(st, members, Segments::off());
+            logits = self.step_groups(st, members, split, Segments::off());
         }
         // Whether it ran or failed, the buffers it did not take are freed.
         self.scratch.end_step();
@@ -544,10 +578,45 @@ impl<B: Backend> DeviceModel<B> {
         logits
     }
 
-    /// [`DeviceModel::step`] before its scratch buffers are sorted out.
-    fn step_layers(
+    /// [`DeviceModel::step`] before its scratch buffers are sorted out: one micro-batch, or,
+    /// split at `split`, two in flight, the members before `split` and those from it each
+    /// run by a host thread of its own in turns (`micro_batches.rs`); the logits in the
+    /// members' order.
+    fn step_groups(
         &self,
         st: &mut State<B>,
+        members: &[Member<'_>],
+        split: Option<usize>,
+        segments: Segments,
+    ) -> Result<Vec<TokenLogits>, ModelError> {
+        let Some(at) = split else {
+            return self.step_layers(StepState::Alone(st), members, segments);
+        };
+        let (a, b) = members.split_at(at);
+        let turns = Turns::new(std::mem::take(st));
+        let (seg_a, seg_b) = (segments.of_group(0), segments.of_group(1));
+        let (la, lb) = std::thread::scope(|s| {
+            let turns = &turns;
+            let second = s.spawn(move || {
+                turns.run(1, |t| self.step_layers(StepState::InFlight(t), b, seg_b))
+            });
+            let la = turns.run(0, |t| self.step_layers(StepState::InFlight(t), a, seg_a));
+            let lb = second
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (la, lb)
+        });
+        *st = turns.into_state();
+        st.stats.split_steps += 1;
+        let mut logits = la?;
+        logits.extend(lb?);
+        Ok(logits)
+    }
+
+    /// One micro-batch of the `members` over the state `st`.
+    fn step_layers(
+        &self,
+        st: StepState<'_, B>,
         members: &[Member<'_>],
         mut segments: Segments,
     ) -> Result<Vec<TokenLogits>, ModelError> {
@@ -599,13 +668,13 @@ impl<B: Backend> DeviceModel<B> {
             self.arch.layer(&mut cx, l, &mut x)?;
         }
         let Step {
-            st,
+            mut st,
             groups,
             mut segments,
             ..
         } = cx;
         st.stats.ubatches += 1;
-        let logits = self.logits(members, &groups, &x, &mut segments)?;
+        let logits = self.logits(members, &groups, &x, &mut segments, &mut st)?;
         // After the token's logits: the experts that missed go up for the next micro-batch.
         let arch = self.arch.as_ref();
         st.moe_cache
@@ -615,7 +684,8 @@ impl<B: Backend> DeviceModel<B> {
 
     /// The output norm and head over the rows the members want of the final hidden state `x`
     /// (every row of a member that wants [`LogitsWanted::All`], the last of one that wants
-    /// [`LogitsWanted::Last`]), brought down in one copy and split per member. A step whose
+    /// [`LogitsWanted::Last`]), brought down in one copy (the turn handed to the other
+    /// micro-batch in flight before the host waits for it) and split per member. A step whose
     /// members want [`LogitsWanted::Hidden`] brings down the normed rows instead (the head
     /// not run). A step whose rows are all last tokens that ask for their best logits alone
     /// ([`Member::top`]) brings those down instead (`top_logits.rs`).
@@ -625,6 +695,7 @@ impl<B: Backend> DeviceModel<B> {
         groups: &[Range<usize>],
         x: &B::Buf<f32>,
         segments: &mut Segments,
+        st: &mut StepState<'_, B>,
     ) -> Result<Vec<TokenLogits>, ModelError> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let p = self.arch.dims();
@@ -649,6 +720,7 @@ impl<B: Backend> DeviceModel<B> {
         }
         if n_rows == 0 {
             segments.end(dev)?;
+            st.hand_over();
             dev.synchronize()?;
             return Ok(vec![TokenLogits::Full(Vec::new()); members.len()]);
         }
@@ -679,15 +751,18 @@ impl<B: Backend> DeviceModel<B> {
         let width = if hidden { d } else { p.n_vocab };
         let all = if hidden {
             segments.end(dev)?;
+            st.hand_over();
             dev.download::<f32>(&normed)?
         } else {
             let mut logits = arena.take::<f32>(dev, n_rows * p.n_vocab)?;
             self.output
                 .mul(dev, arena, &normed, &out_groups, &mut logits)?;
             if let Some(k) = top_logits::top_k_of(members, p.n_vocab) {
-                return self.top_logits(members, &logits, n_rows, k, segments);
+                return self.top_logits(members, &logits, n_rows, k, segments, st);
             }
             segments.end(dev)?;
+            // The other micro-batch in flight queues its work before the host waits.
+            st.hand_over();
             dev.download::<f32>(&logits)?
         };
         // One member's logits (a decode step): the download itself, not a copy of it.

@@ -106,7 +106,8 @@ impl<B: Backend> Step<'_, B> {
     /// token of the micro-batch down through the staging buffers in one copy, the layer's
     /// experts on the CPU (each sequence's rows as the CPU multiplies them; hits of the device
     /// expert cache on the device), the sum up into `out`; `beside` is queued on the device
-    /// behind the copy down, so that it runs while the CPU runs the experts.
+    /// behind the copy down, so that it runs while the CPU runs the experts, and so is the
+    /// other micro-batch in flight's work up to its own copy down (`micro_batches.rs`).
     fn host_experts(
         &mut self,
         layer: usize,
@@ -118,21 +119,25 @@ impl<B: Backend> Step<'_, B> {
         let d = self.arch.dims().n_embd;
         let k = r.router.k;
         let n = self.n_tokens();
+        let group = self.st.group();
         self.segments.end(dev)?;
         dev.stage_down(
-            staging_for(&mut self.st.io, dev, n, d, k)?,
+            staging_for(&mut self.st.io[group], dev, n, d, k)?,
             r.h,
             r.sel,
             r.wts,
         )?;
         beside(self)?;
+        // The other micro-batch in flight queues its device work now, before the host waits
+        // for this one's copy down (`micro_batches.rs`).
+        self.st.hand_over();
         let State {
             io,
             moe_cache,
             stats,
             ..
         } = &mut *self.st;
-        let io = staging_for(io, dev, n, d, k)?;
+        let io = staging_for(&mut io[group], dev, n, d, k)?;
         let staged = dev.staged(io)?;
         let batch = HostBatch {
             h: staged.h,

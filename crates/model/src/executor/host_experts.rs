@@ -122,6 +122,11 @@ impl HostExperts {
         Ok(())
     }
 
+    /// Whether a layer's experts run on the host.
+    pub(crate) fn any(&self) -> bool {
+        self.sets.iter().any(Option::is_some)
+    }
+
     /// Whether the products of layer `layer`'s host experts are summed in an order that
     /// depends on the rows routed to an expert together (so that each sequence's rows of an
     /// expert run apart).

@@ -51,7 +51,10 @@
 //!
 //! Several sequences at once ([`crate::LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
-//! tokens, so a host-expert layer still makes one round trip per micro-batch. The result is
+//! tokens, so a host-expert layer still makes one round trip per micro-batch; where the model
+//! has host-expert layers the step runs as two micro-batches in flight instead, so that the
+//! device runs one group's attention while the CPU runs the other's experts
+//! (`micro_batches.rs`, `HMOE_MICRO_BATCHES=0` turns it off). The result is
 //! batch-invariant, as the CPU's: row-wise ops (embedding, norms, biases, RoPE with each
 //! token's position, routing, Q8_0/MXFP4/F16/BF16 products) run over the whole micro-batch,
 //! attention runs per sequence over its cache (`Step::attend`), and the products the CPU
@@ -102,6 +105,7 @@ mod expert_boundary;
 mod host_experts;
 pub(crate) mod layer_blocks;
 mod layer_experts;
+mod micro_batches;
 mod moe_cache;
 mod offload_ring;
 pub(crate) mod routing;
@@ -113,3 +117,4 @@ pub(crate) mod step;
 pub use device_kv::{device_kv_layouts, KvWidths};
 pub use device_model::DeviceModel;
 pub use expert_boundary::PREFETCH_ROUTES_PER_EXPERT;
+pub use micro_batches::MICRO_BATCHES_ENV;

@@ -6,6 +6,10 @@
 //! logits' copy down (all on the device: one segment). Between them run the copies and the
 //! host's experts, and the ops queued beside the host's experts, as issued.
 //!
+//! A step run as two micro-batches in flight (`micro_batches.rs`) has the segments above
+//! for each group, with keys of the group's own ([`Segments::of_group`]); a group hands the
+//! turn to the other only between its segments.
+//!
 //! Segments are on only for a step that repeats the last one: every sequence decodes one
 //! token, the same sequences (their device caches) want the same logits as in the last step,
 //! and nothing that a recording names changed since (no buffer of the scratch arena made or
@@ -93,6 +97,21 @@ impl Segments {
         (shape, epoch.arena, epoch.kvs).hash(&mut h);
         Segments {
             base: Some(h.finish()),
+            index: 0,
+            open: false,
+        }
+    }
+
+    /// The segments of group `group` of two micro-batches in flight (`micro_batches.rs`):
+    /// keys of their own, off when these are.
+    pub(crate) fn of_group(&self, group: usize) -> Segments {
+        let base = self.base.map(|b| {
+            let mut h = DefaultHasher::new();
+            (b, "group", group).hash(&mut h);
+            h.finish()
+        });
+        Segments {
+            base,
             index: 0,
             open: false,
         }

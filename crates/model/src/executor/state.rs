@@ -19,7 +19,9 @@ pub(crate) struct State<B: Backend> {
     /// Handles of sequences under way (`LanguageModel::retain_caches`), never freed to
     /// make room.
     pub(crate) busy: Vec<usize>,
-    pub(crate) io: Option<HostIo<B>>,
+    /// The staging buffers of the host round trip, one set per micro-batch in flight
+    /// (`micro_batches.rs`; a step alone uses the first).
+    pub(crate) io: [Option<HostIo<B>>; 2],
     pub(crate) stats: ExecStats,
     /// The device expert cache of the host layers (`--moe-cache`; empty: disabled).
     pub(crate) moe_cache: MoeCache<B>,
@@ -40,7 +42,7 @@ impl<B: Backend> Default for State<B> {
             kvs: Vec::new(),
             clock: 0,
             busy: Vec::new(),
-            io: None,
+            io: [None, None],
             stats: ExecStats::default(),
             moe_cache: MoeCache::default(),
             ring: None,

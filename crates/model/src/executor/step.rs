@@ -12,16 +12,16 @@ use hmoe_gguf::GgufModel;
 use super::device_kv::{KvWidths, LayerKv};
 use super::device_weights::DevMat;
 use super::layer_experts::LayerExperts;
+use super::micro_batches::StepState;
 use super::scratch_arena::{span, ArenaElem, Scratch, ScratchArena};
 use super::segments::Segments;
-use super::state::State;
 use crate::error::ModelError;
 use crate::language_model::LogitsWanted;
 use crate::sequence::KvCache;
 
 /// One sequence's share of a micro-batch.
 pub(crate) struct Member<'t> {
-    /// Its device cache's index in [`State::kvs`].
+    /// Its device cache's index in the state's `kvs`.
     pub(crate) kv: usize,
     /// The position of its first token.
     pub(crate) pos0: usize,
@@ -83,7 +83,9 @@ pub(crate) struct Step<'s, B: Backend> {
     pub(crate) dev: &'s B,
     pub(crate) arch: &'s dyn DeviceLayers<B>,
     pub(crate) experts: &'s LayerExperts<B>,
-    pub(crate) st: &'s mut State<B>,
+    /// The executor's state: the step's own, or its group's turn of two micro-batches in
+    /// flight (`micro_batches.rs`).
+    pub(crate) st: StepState<'s, B>,
     pub(crate) members: &'s [Member<'s>],
     pub(crate) groups: Vec<Range<usize>>,
     pub(crate) pos: Scratch<'s, B, i32>,

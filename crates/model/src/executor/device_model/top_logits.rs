@@ -7,7 +7,7 @@
 
 use hmoe_backend::Backend;
 
-use super::{DeviceModel, Segments};
+use super::{DeviceModel, Segments, StepState};
 use crate::error::ModelError;
 use crate::executor::step::Member;
 use crate::language_model::{LogitsWanted, TokenLogits};
@@ -44,6 +44,7 @@ impl<B: Backend> DeviceModel<B> {
         n_rows: usize,
         k: usize,
         segments: &mut Segments,
+        st: &mut StepState<'_, B>,
     ) -> Result<Vec<TokenLogits>, ModelError> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let n_vocab = self.arch.dims().n_vocab;
@@ -52,6 +53,8 @@ impl<B: Backend> DeviceModel<B> {
         let mut ids = arena.take::<i32>(dev, n_rows * k)?;
         dev.top_k(logits, n_vocab, k, &mut scratch, &mut values, &mut ids)?;
         segments.end(dev)?;
+        // The other micro-batch in flight queues its work before the host waits.
+        st.hand_over();
         let values = dev.download::<f32>(&values)?;
         let ids = dev.download::<i32>(&ids)?;
         let rows_whole = (0..n_rows).any(|r| whole_row(values[r * k]));
