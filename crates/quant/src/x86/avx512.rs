@@ -10,6 +10,7 @@ pub(crate) mod dot;
 pub(crate) mod gemm;
 pub(crate) mod gemm_lowbit;
 pub(crate) mod lowbit;
+mod q5_0_rows;
 
 /// The AVX-512 dot kernel for weights of type `ty`; the VNNI variants when `vnni` (the caller
 /// checked the CPU). `None` for a type without one.
