@@ -130,7 +130,8 @@ impl<'a> RowProduct<'a> {
 
     /// Rows per task that amortise the scheduling for this kernel.
     pub fn rows_per_task(&self) -> usize {
-        if self.gemm.is_some() || matches!(self.kernel.weight_type(), GgmlType::Q8_0 | GgmlType::Q5_0)
+        if self.gemm.is_some()
+            || matches!(self.kernel.weight_type(), GgmlType::Q8_0 | GgmlType::Q5_0)
         {
             GEMM_ROWS
         } else {

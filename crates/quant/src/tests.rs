@@ -2,9 +2,9 @@
 //! `decode_rows_tests`: the single-token row kernels on every path) and
 //! what they share: a deterministic generator, random f16 values, bit equality.
 
+mod decode_rows_tests;
 mod gemm_tests;
 mod kernel_tests;
-mod decode_rows_tests;
 mod lowbit_tests;
 
 /// splitmix64: a tiny deterministic generator, so tests need no dependency.

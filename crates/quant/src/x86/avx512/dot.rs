@@ -410,12 +410,8 @@ unsafe fn q8_0_rows_biased<const R: usize>(
         for (r, scale) in scale.iter_mut().enumerate() {
             let row = w.add(r * stride + ib0 * Q8_0_BYTES);
             // Four bytes from each block start: the f16 scale and the first 2 quants.
-            let g = _mm256_mmask_i32gather_epi32::<1>(
-                _mm256_setzero_si256(),
-                m,
-                offsets,
-                row.cast(),
-            );
+            let g =
+                _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), m, offsets, row.cast());
             let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
             _mm256_storeu_ps(scale.as_mut_ptr(), _mm256_mul_ps(d, d_a));
         }
