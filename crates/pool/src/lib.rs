@@ -128,10 +128,14 @@ struct Claim(AtomicUsize);
 
 impl Shared {
     /// Claims and runs chunks of `f` until none is left: first the segment of thread `me`, then
-    /// those of the following threads. Panics are caught and recorded.
+    /// those of the following threads. Panics are caught and recorded. The chunks this thread
+    /// ran are counted done once, when it has no more to claim: `done` is the one counter all
+    /// threads write, and adding to it per chunk moved its cache line between the cores
+    /// hundreds of times per decode matmul.
     fn work(&self, f: &(dyn Fn(usize) + Sync + '_), n: usize, me: usize) {
         let outer = IN_JOB.with(|c| c.replace(true));
         let t = self.next.len();
+        let mut ran = 0;
         for k in (me..t).chain(0..me) {
             let (start, end) = segment(n, t, k);
             loop {
@@ -140,12 +144,16 @@ impl Shared {
                     break;
                 }
                 self.run_chunk(f, i);
+                ran += 1;
             }
+        }
+        if ran > 0 {
+            self.done.fetch_add(ran, Ordering::Release);
         }
         IN_JOB.with(|c| c.set(outer));
     }
 
-    /// Runs chunk `i` of `f` (skipped after a panic) and counts it done.
+    /// Runs chunk `i` of `f` (skipped after a panic; counted done by the caller, `work`).
     fn run_chunk(&self, f: &(dyn Fn(usize) + Sync + '_), i: usize) {
         if !self.panicked.load(Ordering::Relaxed) {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| f(i))) {
@@ -154,7 +162,6 @@ impl Shared {
                 slot.get_or_insert(payload);
             }
         }
-        self.done.fetch_add(1, Ordering::Release);
     }
 
     /// Waits until the epoch differs from `seen` (spinning, then parking); `None` on shutdown.

@@ -1,6 +1,8 @@
-//! Unit tests of the kernels (`kernel_tests`: base types; `lowbit_tests`; `gemm_tests`) and
+//! Unit tests of the kernels (`kernel_tests`: base types; `lowbit_tests`; `gemm_tests`;
+//! `decode_rows_tests`: the single-token row kernels on every path) and
 //! what they share: a deterministic generator, random f16 values, bit equality.
 
+mod decode_rows_tests;
 mod gemm_tests;
 mod kernel_tests;
 mod lowbit_tests;

@@ -238,7 +238,7 @@ fn lens(ty: GgmlType) -> &'static [usize] {
 /// A weight row of random blocks with edge cases: block `b % 8` = 4 has zero scales, 5 all
 /// quant bits set (largest quants and 6-bit scales), 6 all quant bytes equal, 7 subnormal or
 /// largest-finite scales; the rest random quants with random finite scales of either sign.
-fn weight_row(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+pub(super) fn weight_row(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     let bb = ty.block_bytes();
     let mut w: Vec<u8> = (0..n / ty.block_elems() * bb).map(|_| rng.byte()).collect();
     for (b, blk) in w.chunks_mut(bb).enumerate() {
@@ -269,7 +269,7 @@ fn weight_row(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
 
 /// Activation values: spread magnitudes with all-zero, tiny, huge and all-equal 32-blocks, one
 /// all-zero and one all-equal 256-block, and a single dominant value.
-fn act_values(n: usize, rng: &mut Rng) -> Vec<f32> {
+pub(super) fn act_values(n: usize, rng: &mut Rng) -> Vec<f32> {
     let mut x: Vec<f32> = (0..n).map(|_| rng.spread()).collect();
     for (b, blk) in x.chunks_mut(32).enumerate() {
         match b % 7 {
@@ -292,7 +292,7 @@ fn act_values(n: usize, rng: &mut Rng) -> Vec<f32> {
 }
 
 /// Activation bytes for weights of `ty`, quantised by the scalar reference.
-fn act_row(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+pub(super) fn act_row(ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let at = vec_dot_type(ty);
     let mut a = vec![0u8; at.row_bytes(x.len() as u64).unwrap() as usize];
     quantize_row_with(Isa::Scalar, at, x, &mut a).unwrap();
@@ -301,7 +301,7 @@ fn act_row(ty: GgmlType, x: &[f32]) -> Vec<u8> {
 
 /// Random activation blocks for weights of `ty`: every int8 value including -128 (which no
 /// quantiser emits for finite input) and Q8_K sums unrelated to the quants.
-fn raw_act_row(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+pub(super) fn raw_act_row(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     let at = vec_dot_type(ty);
     let mut a: Vec<u8> = (0..at.row_bytes(n as u64).unwrap())
         .map(|_| rng.byte())
@@ -326,7 +326,7 @@ fn dequant(ty: GgmlType, src: &[u8], n: usize) -> Vec<f32> {
 }
 
 /// Every kernel of `ty` on this CPU: one per ISA, plus AVX-512 without VNNI.
-fn kernels(ty: GgmlType) -> Vec<DotKernel> {
+pub(super) fn kernels(ty: GgmlType) -> Vec<DotKernel> {
     let mut ks: Vec<DotKernel> = Isa::available()
         .into_iter()
         .map(|isa| DotKernel::new(ty, isa).unwrap())

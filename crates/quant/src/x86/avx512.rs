@@ -12,6 +12,7 @@ pub(crate) mod gemm;
 pub(crate) mod gemm_lowbit;
 pub(crate) mod iq2_xxs;
 pub(crate) mod lowbit;
+mod q5_0_rows;
 
 /// The AVX-512 dot kernel for weights of type `ty`; the VNNI variants when `vnni` (the caller
 /// checked the CPU). `None` for a type without one.

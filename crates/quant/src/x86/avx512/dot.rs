@@ -403,20 +403,17 @@ unsafe fn q8_0_rows_biased<const R: usize>(
                 _mm_prefetch::<_MM_HINT_T1>(p.cast());
             }
         }
-        // Each row's scales times the activation's for this step's blocks.
+        // Each row's scales times the activation's for this step's blocks (a short last step
+        // masks the rest off, so nothing past it is read: 896-wide rows end in 4 blocks).
+        let m = (0xffu32 >> (8 - len)) as __mmask8;
+        let d_a = _mm256_maskz_loadu_ps(m, da.add(ib0));
         for (r, scale) in scale.iter_mut().enumerate() {
             let row = w.add(r * stride + ib0 * Q8_0_BYTES);
-            if len == 8 {
-                // Four bytes from each of 8 block starts: the f16 scale and the first 2 quants.
-                let g = _mm256_i32gather_epi32::<1>(row.cast(), offsets);
-                let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
-                let s = _mm256_mul_ps(d, _mm256_loadu_ps(da.add(ib0)));
-                _mm256_storeu_ps(scale.as_mut_ptr(), s);
-            } else {
-                for (k, s) in scale[..len].iter_mut().enumerate() {
-                    *s = f16_at(row.add(k * Q8_0_BYTES)) * *da.add(ib0 + k);
-                }
-            }
+            // Four bytes from each block start: the f16 scale and the first 2 quants.
+            let g =
+                _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), m, offsets, row.cast());
+            let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
+            _mm256_storeu_ps(scale.as_mut_ptr(), _mm256_mul_ps(d, d_a));
         }
         for (k, c) in prep.neg_bias[ib0..ib0 + len].iter().enumerate() {
             let ib = ib0 + k;

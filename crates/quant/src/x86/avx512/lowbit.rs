@@ -3,7 +3,9 @@
 //!
 //! * Q4_0/Q4_1/Q5_0/Q5_1 with VNNI: the AVX2 kernels with `vpmaddubsw` + `vpmaddwd` replaced by
 //!   256-bit `vpdpbusd` (AVX-512 VL), which is what ggml's x86 build compiles to; ~10-15 %
-//!   faster. Without VNNI the AVX2 kernels are used.
+//!   faster. Without VNNI the AVX2 kernels are used. Q5_0's rows with VNNI (decode) take the
+//!   kernel of `q5_0_rows.rs`, which prepares the activation row once and feeds the unsigned
+//!   quants to `vpdpbusd` directly (the same integer lanes).
 //! * Q3_K and Q6_K: two 32-byte runs per zmm for the integer products (`vpmaddubsw` +
 //!   `vpmaddwd` with per-run scales picked by `vpermw`); the int32 halves are added into ggml's
 //!   8 lanes, which is exact, then the float steps are those of the AVX2 kernels (~10-20 %
@@ -194,6 +196,16 @@ entry_points!(
     4,
     true
 );
+/// Q5_0 rows with VNNI: the prepared kernel of `q5_0_rows.rs`, [`rows_q5_0_vnni`] where the
+/// activation row cannot be prepared (the same bits either way).
+///
+/// # Safety
+/// The CPU has the enabled features; `w` holds `out.len()` rows `stride` bytes apart and `a`
+/// the blocks of `n` elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_q5_0_vnni_prepared(n: usize, w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+    super::q5_0_rows::rows_prepared(n, w, stride, a, out, rows_q5_0_vnni)
+}
 entry_points!(
     "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
     dot_q5_1_vnni,
@@ -232,7 +244,11 @@ pub(crate) fn dot_fns(ty: GgmlType, vnni: bool) -> Option<DotFns> {
     let (name, dot, rows): (_, DotFn, DotRowsFn) = match (ty, vnni) {
         (GgmlType::Q4_0, true) => ("q4_0*q8_0/avx512vnni", dot_q4_0_vnni, rows_q4_0_vnni),
         (GgmlType::Q4_1, true) => ("q4_1*q8_1/avx512vnni", dot_q4_1_vnni, rows_q4_1_vnni),
-        (GgmlType::Q5_0, true) => ("q5_0*q8_0/avx512vnni", dot_q5_0_vnni, rows_q5_0_vnni),
+        (GgmlType::Q5_0, true) => (
+            "q5_0*q8_0/avx512vnni",
+            dot_q5_0_vnni,
+            rows_q5_0_vnni_prepared,
+        ),
         (GgmlType::Q5_1, true) => ("q5_1*q8_1/avx512vnni", dot_q5_1_vnni, rows_q5_1_vnni),
         (GgmlType::Q3_K, _) => ("q3_k*q8_k/avx512", dot_q3_k, rows_q3_k),
         (GgmlType::Q6_K, false) => ("q6_k*q8_k/avx512", dot_q6_k, rows_q6_k),
