@@ -201,9 +201,17 @@ pub fn merge_softmax_chunk(
 /// ([`expf_ggml`]), the remainder of the row libm's `expf`.
 pub fn swiglu_row(gate: &mut [f32], up: &[f32]) {
     let blocks = gate.len() / 16 * 16;
-    for (gv, &uv) in gate[..blocks].iter_mut().zip(&up[..blocks]) {
-        let x = *gv;
-        *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+    // `e^−x` a chunk at a time with the vectorised `expf_ggml_slice` (the same bits).
+    let mut e = [0f32; 256];
+    for (g, u) in gate[..blocks].chunks_mut(256).zip(up[..blocks].chunks(256)) {
+        let e = &mut e[..g.len()];
+        for (e, &x) in e.iter_mut().zip(g.iter()) {
+            *e = 0.0 - x;
+        }
+        hmoe_quant::expf_ggml_slice(e);
+        for ((gv, &uv), &ev) in g.iter_mut().zip(u).zip(e.iter()) {
+            *gv = *gv / (1.0 + ev) * uv;
+        }
     }
     for (gv, &uv) in gate[blocks..].iter_mut().zip(&up[blocks..]) {
         let x = *gv;
