@@ -218,3 +218,40 @@ pub fn swiglu_row(gate: &mut [f32], up: &[f32]) {
         *gv = x / (1.0 + (-x).exp()) * uv;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`swiglu_row`], whose exponentials run a chunk at a time, gives the bits of ggml's
+    /// per-element definition (blocks of 16 with [`expf_ggml`], the rest libm's `expf`) for
+    /// rows around the block and chunk sizes, with extreme inputs.
+    #[test]
+    fn swiglu_row_is_the_per_element_definition() {
+        for len in [1usize, 15, 16, 17, 40, 256, 272, 300, 768, 1000] {
+            let gate: Vec<f32> = (0..len)
+                .map(|i| match i % 9 {
+                    0 => -100.0,
+                    1 => 100.0,
+                    2 => -0.0,
+                    3 => 1e-30,
+                    4 => 88.5,
+                    _ => ((i * 37) % 101) as f32 * 0.37 - 18.0,
+                })
+                .collect();
+            let up: Vec<f32> = (0..len).map(|i| ((i * 13) % 17) as f32 - 8.5).collect();
+            let mut got = gate.clone();
+            swiglu_row(&mut got, &up);
+            let blocks = len / 16 * 16;
+            for (i, (&x, &u)) in gate.iter().zip(&up).enumerate() {
+                let e = if i < blocks {
+                    expf_ggml(0.0 - x)
+                } else {
+                    (-x).exp()
+                };
+                let want = x / (1.0 + e) * u;
+                assert_eq!(got[i].to_bits(), want.to_bits(), "len {len} [{i}]: {x}");
+            }
+        }
+    }
+}

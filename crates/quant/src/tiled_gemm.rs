@@ -451,7 +451,7 @@ mod avx2 {
             return;
         }
         // Overwritten by `decode` for each super-block.
-        let mut dec = Decoded::new(format, &w[..format.bytes()]);
+        let mut dec = Decoded::scales(format, &w[..format.bytes()]);
         // Which groups' bias and mins `finish` takes: all, or those of one pair of sub-blocks.
         let all_groups = _mm256_set1_epi16(-1);
         let mut pair_masks = [all_groups; 4];

@@ -366,7 +366,7 @@ unsafe fn gemm<const PAIRWISE: bool>(
         _ => (lanes.tiles, false),
     };
     // Overwritten by `decode` for each super-block.
-    let mut dec = Decoded::new(format, &w[..sb_bytes]);
+    let mut dec = Decoded::scales(format, &w[..sb_bytes]);
     // Super-blocks outermost, so that the tokens' blocks of one stay in L1 for every row.
     for b in 0..n_sb {
         for r in 0..rows {
