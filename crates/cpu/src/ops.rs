@@ -252,7 +252,9 @@ pub(crate) fn matmul_as(
             // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
             // repacked Q4_K); `vec_dot` for the other types.
             let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
-            let tokens = tokens.as_ref().expect("prepared where there is no GEMM kernel");
+            let tokens = tokens
+                .as_ref()
+                .expect("prepared where there is no GEMM kernel");
             kernel.dot_token_rows(tokens, w_rows, dst);
         },
     );

@@ -570,10 +570,7 @@ mod avx2 {
             _mm256_set1_epi16(dec.bias as i16),
         );
         let sc_bias = _mm256_and_si256(sc_bias, groups);
-        let m16 = _mm256_and_si256(
-            _mm256_loadu_si256(dec.m.as_ptr() as *const __m256i),
-            groups,
-        );
+        let m16 = _mm256_and_si256(_mm256_loadu_si256(dec.m.as_ptr() as *const __m256i), groups);
         let mut mins = [_mm256_setzero_si256(); TILE];
         for ((s, m), a) in s.iter_mut().zip(&mut mins).zip(a) {
             let bsums = _mm256_loadu_si256(a.add(Q8_K_BSUMS) as *const __m256i);

@@ -262,10 +262,21 @@ fn experts_as_pool_tasks_match_the_experts_one_by_one() {
                 (t, s) => 1 + (t * 7 + s * 3) % (n_expert - 1),
             })
             .collect();
-        let weights: Vec<f32> = (0..n * k_used).map(|i| 0.1 + (i % 7) as f32 * 0.05).collect();
+        let weights: Vec<f32> = (0..n * k_used)
+            .map(|i| 0.1 + (i % 7) as f32 * 0.05)
+            .collect();
         let shape = (d, ff, n_expert);
         let mut acts = QuantizedActs::default();
-        let got = moe_swiglu(&k, shape, |e| t.view(e), &h, &selected, &weights, k_used, &mut acts);
+        let got = moe_swiglu(
+            &k,
+            shape,
+            |e| t.view(e),
+            &h,
+            &selected,
+            &weights,
+            k_used,
+            &mut acts,
+        );
         // The experts one by one from the public pieces.
         let product = |kernel: DotKernel, w: &[u8], (n_in, n_out), x: &[f32]| {
             let mut qa = QuantizedActs::default();
