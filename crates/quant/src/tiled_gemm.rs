@@ -632,7 +632,7 @@ mod tests {
                 match t % 4 {
                     0 => -128,
                     1 => 127,
-                    2 if e % 2 == 0 => -128,
+                    2 if e.is_multiple_of(2) => -128,
                     2 => 127,
                     _ => src[Q8_K_QS + e] as i8,
                 }
