@@ -75,13 +75,6 @@ pub struct TokenRows<'a> {
     lanes: std::sync::OnceLock<lanes::Lanes>,
 }
 
-impl TokenRows<'_> {
-    /// Tokens held.
-    pub fn n_tokens(&self) -> usize {
-        self.n_tokens
-    }
-}
-
 impl std::fmt::Debug for TokenRows<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TokenRows")
