@@ -201,12 +201,57 @@ pub fn merge_softmax_chunk(
 /// ([`expf_ggml`]), the remainder of the row libm's `expf`.
 pub fn swiglu_row(gate: &mut [f32], up: &[f32]) {
     let blocks = gate.len() / 16 * 16;
-    for (gv, &uv) in gate[..blocks].iter_mut().zip(&up[..blocks]) {
-        let x = *gv;
-        *gv = x / (1.0 + expf_ggml(0.0 - x)) * uv;
+    // `e^−x` a chunk at a time with the vectorised `expf_ggml_slice` (the same bits).
+    let mut e = [0f32; 256];
+    for (g, u) in gate[..blocks].chunks_mut(256).zip(up[..blocks].chunks(256)) {
+        let e = &mut e[..g.len()];
+        for (e, &x) in e.iter_mut().zip(g.iter()) {
+            *e = 0.0 - x;
+        }
+        hmoe_quant::expf_ggml_slice(e);
+        for ((gv, &uv), &ev) in g.iter_mut().zip(u).zip(e.iter()) {
+            *gv = *gv / (1.0 + ev) * uv;
+        }
     }
     for (gv, &uv) in gate[blocks..].iter_mut().zip(&up[blocks..]) {
         let x = *gv;
         *gv = x / (1.0 + (-x).exp()) * uv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`swiglu_row`], whose exponentials run a chunk at a time, gives the bits of ggml's
+    /// per-element definition (blocks of 16 with [`expf_ggml`], the rest libm's `expf`) for
+    /// rows around the block and chunk sizes, with extreme inputs.
+    #[test]
+    fn swiglu_row_is_the_per_element_definition() {
+        for len in [1usize, 15, 16, 17, 40, 256, 272, 300, 768, 1000] {
+            let gate: Vec<f32> = (0..len)
+                .map(|i| match i % 9 {
+                    0 => -100.0,
+                    1 => 100.0,
+                    2 => -0.0,
+                    3 => 1e-30,
+                    4 => 88.5,
+                    _ => ((i * 37) % 101) as f32 * 0.37 - 18.0,
+                })
+                .collect();
+            let up: Vec<f32> = (0..len).map(|i| ((i * 13) % 17) as f32 - 8.5).collect();
+            let mut got = gate.clone();
+            swiglu_row(&mut got, &up);
+            let blocks = len / 16 * 16;
+            for (i, (&x, &u)) in gate.iter().zip(&up).enumerate() {
+                let e = if i < blocks {
+                    expf_ggml(0.0 - x)
+                } else {
+                    (-x).exp()
+                };
+                let want = x / (1.0 + e) * u;
+                assert_eq!(got[i].to_bits(), want.to_bits(), "len {len} [{i}]: {x}");
+            }
+        }
     }
 }

@@ -553,7 +553,11 @@ pub fn moe_swiglu<'w>(
     )
 }
 
-/// [`moe_swiglu`]'s general path: tokens grouped by expert, three matmuls per expert.
+/// [`moe_swiglu`]'s general path: tokens grouped by expert, three matmuls per expert. With
+/// enough experts routed to, each expert is one task of a pool job (its matmuls run inline on
+/// that thread, so no thread waits between an expert's gate, up and down); otherwise the
+/// experts run one after another, each matmul spread over the pool. The products and sums are
+/// the same either way.
 #[allow(clippy::too_many_arguments)]
 fn moe_swiglu_grouped<'w>(
     k: &ExpertKernels,
@@ -567,318 +571,105 @@ fn moe_swiglu_grouped<'w>(
 ) -> Vec<f32> {
     let n = h.len() / d;
     acts.quantize(k.gate.act_type(), h, d);
-    let mut per_slot = vec![0f32; n * k_used * d];
-    let mut found = vec![false; n * k_used];
-    let (mut routed, mut act_q) = (QuantizedActs::default(), QuantizedActs::default());
-    for e in 0..n_expert {
-        let slots: Vec<usize> = (0..n * k_used).filter(|&i| selected[i] == e).collect();
-        if slots.is_empty() {
-            continue;
-        }
-        let Some(w) = view(e) else {
-            continue;
-        };
-        let m = slots.len();
-        routed.gather(acts, slots.iter().map(|&i| i / k_used));
-        let mut gate = vec![0f32; m * ff];
-        let mut up = vec![0f32; m * ff];
-        k.matmul(true, k.gate, w.gate, (d, ff), &routed, &mut gate);
-        if k.up.act_type() == k.gate.act_type() {
-            k.matmul(true, k.up, w.up, (d, ff), &routed, &mut up);
-        } else {
-            let rows: Vec<f32> = slots
-                .iter()
-                .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied())
-                .collect();
-            act_q.quantize(k.up.act_type(), &rows, d);
-            k.matmul(true, k.up, w.up, (d, ff), &act_q, &mut up);
-        }
-        swiglu(&mut gate, &up, ff);
-        act_q.quantize(k.down.act_type(), &gate, ff);
-        let mut down = vec![0f32; m * d];
-        k.matmul(true, k.down, w.down, (ff, d), &act_q, &mut down);
-        for (row, &slot) in down.chunks_exact(d).zip(&slots) {
-            per_slot[slot * d..(slot + 1) * d].copy_from_slice(row);
-            found[slot] = true;
+    // The slots of each expert, ascending.
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); n_expert];
+    for (slot, &e) in selected[..n * k_used].iter().enumerate() {
+        if e < n_expert {
+            by_expert[e].push(slot);
         }
     }
+    let routed: Vec<(ExpertView<'w>, Vec<usize>)> = by_expert
+        .into_iter()
+        .enumerate()
+        .filter(|(_, slots)| !slots.is_empty())
+        .filter_map(|(e, slots)| view(e).map(|w| (w, slots)))
+        .collect();
+    let pool = hmoe_pool::global();
+    let as_tasks = routed.len() >= EXPERTS_PER_THREAD * pool.n_threads();
+    let downs = expert_outputs(k, (d, ff), &routed, h, k_used, acts, as_tasks);
+    // Where each slot's output lies: (expert, row), `None` for a slot that gives nothing.
+    let mut source = vec![None; n * k_used];
+    for (i, (_, slots)) in routed.iter().enumerate() {
+        for (row, &slot) in slots.iter().enumerate() {
+            source[slot] = Some((i, row));
+        }
+    }
+    // Weighted sum in slot order (highest router score first), as llama.cpp adds them.
     let mut out = vec![0f32; n * d];
-    for (t, dst) in out.chunks_exact_mut(d).enumerate() {
-        for s in (0..k_used).filter(|&s| found[t * k_used + s]) {
+    pool.for_each_chunk_mut(&mut out, d, |t, dst| {
+        for s in 0..k_used {
+            let Some((i, row)) = source[t * k_used + s] else {
+                continue;
+            };
             let w = weights[t * k_used + s];
-            let src = &per_slot[(t * k_used + s) * d..][..d];
-            for (o, &v) in dst.iter_mut().zip(src) {
+            for (o, &v) in dst.iter_mut().zip(&downs[i][row * d..][..d]) {
                 *o += v * w;
             }
         }
-    }
+    });
     out
 }
-#[cfg(test)]
-#[allow(clippy::single_range_in_vec_init)] // slices of token ranges, one sequence each
-mod tests {
-    use super::*;
 
-    /// The expert sum over the layer's tensors in the file mapping.
-    fn host_experts(
-        layer: usize,
-        k: &ExpertKernels,
-        act: GatedAct,
-        t: &ExpertTensors<'_>,
-        batch: &ExpertBatch<'_>,
-        scratch: &mut ExpertScratch,
-        out: &mut [f32],
-    ) -> Result<(), ExpertDeviceError> {
-        let (d, ff) = t.validate()?;
-        let shape = (d, ff, t.n_expert);
-        expert_sum(layer, k, act, shape, batch, |e| t.view(e), scratch, out)
-    }
+/// Routed experts per pool thread from which [`moe_swiglu_grouped`] runs each expert as one
+/// task (fewer, and the threads share each matmul instead).
+const EXPERTS_PER_THREAD: usize = 4;
 
-    /// gpt-oss's activation.
-    const OAI: GatedAct = GatedAct::ClampedSwiglu {
-        alpha: 1.702,
-        limit: 7.0,
+/// [`expert_ffn`] of each routed expert (its view and slots), each one pool task where
+/// `as_tasks`, else one after another with the pool sharing each matmul: the same bits.
+fn expert_outputs(
+    k: &ExpertKernels,
+    (d, ff): (usize, usize),
+    routed: &[(ExpertView<'_>, Vec<usize>)],
+    h: &[f32],
+    k_used: usize,
+    acts: &QuantizedActs,
+    as_tasks: bool,
+) -> Vec<Vec<f32>> {
+    let run = |(w, slots): &(ExpertView<'_>, Vec<usize>)| {
+        expert_ffn(k, (d, ff), w, h, slots, k_used, acts)
     };
-
-    /// Two experts of `d = ff = 32` in Q8_0 with distinct weights.
-    fn q8_layer() -> (Vec<u8>, Vec<f32>) {
-        let (d, n_expert) = (32usize, 2usize);
-        let row = GgmlType::Q8_0.row_bytes(d as u64).unwrap() as usize;
-        let mut data = vec![0u8; n_expert * d * row];
-        for (i, r) in data.chunks_exact_mut(row).enumerate() {
-            let vals: Vec<f32> = (0..d)
-                .map(|j| ((i * 7 + j * 3) % 11) as f32 * 0.1 - 0.5)
-                .collect();
-            hmoe_quant::quantize_row(GgmlType::Q8_0, &vals, r).unwrap();
-        }
-        let bias: Vec<f32> = (0..n_expert * d).map(|i| i as f32 * 0.01).collect();
-        (data, bias)
+    if !as_tasks {
+        return routed.iter().map(run).collect();
     }
-
-    fn tensors<'a>(data: &'a [u8], bias: &'a [f32]) -> ExpertTensors<'a> {
-        let m = ExpertMatrix {
-            ty: GgmlType::Q8_0,
-            n_in: 32,
-            n_out: 32,
-            data,
-        };
-        ExpertTensors {
-            n_expert: 2,
-            gate: m,
-            up: m,
-            down: m,
-            gate_bias: bias,
-            up_bias: bias,
-            down_bias: bias,
-        }
-    }
-
-    /// Random experts, gate, up and down of types `tys` (MXFP4 or types `quantize_row`
-    /// makes): `n_expert` experts of `d → ff → d`.
-    fn random_layer(tys: [GgmlType; 3], d: usize, ff: usize, n_expert: usize) -> Vec<Vec<u8>> {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ tys[0].id() as u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
-        [(d, ff), (d, ff), (ff, d)]
-            .iter()
-            .zip(tys)
-            .map(|(&(n_in, n_out), ty)| {
-                let rows = n_expert * n_out;
-                let row = ty.row_bytes(n_in as u64).unwrap() as usize;
-                let mut data = vec![0u8; rows * row];
-                for r in data.chunks_exact_mut(row) {
-                    if ty == GgmlType::MXFP4 {
-                        for b in r.chunks_exact_mut(17) {
-                            b[0] = 120 + (next() % 12) as u8;
-                            b[1..].iter_mut().for_each(|q| *q = next() as u8);
-                        }
-                    } else if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) {
-                        // Random quants and scales, the f16 super-block scales small and
-                        // finite (Q6_K's `d` at byte 208, Q4_K's and Q5_K's `d` and `dmin`
-                        // first).
-                        let at: &[usize] = match ty {
-                            GgmlType::Q6_K => &[208],
-                            _ => &[0, 2],
-                        };
-                        for b in r.chunks_exact_mut(ty.block_bytes()) {
-                            b.iter_mut().for_each(|q| *q = next() as u8);
-                            for &o in at {
-                                let v = 0.001 + (next() % 100) as f32 * 1e-5;
-                                b[o..o + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-                            }
-                        }
-                    } else {
-                        let vals: Vec<f32> = (0..n_in)
-                            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-                            .collect();
-                        hmoe_quant::quantize_row(ty, &vals, r).unwrap();
-                    }
-                }
-                data
-            })
-            .collect()
-    }
-
-    /// The single-token path (two fused jobs) gives the bits of the batch path, which runs
-    /// the experts as separate matmuls: a token alone equals the same token in a batch of two.
-    #[test]
-    fn single_token_path_matches_batch_path() {
-        let (d, ff, n_expert) = (160usize, 96usize, 4usize);
-        for ty in [GgmlType::MXFP4, GgmlType::Q8_0] {
-            let mats = random_layer([ty; 3], d, ff, n_expert);
-            let m = |i: usize, n_in, n_out| ExpertMatrix {
-                ty,
-                n_in,
-                n_out,
-                data: &mats[i],
-            };
-            let gb: Vec<f32> = (0..n_expert * ff).map(|i| (i as f32 * 0.7).sin()).collect();
-            let ub: Vec<f32> = (0..n_expert * ff).map(|i| (i as f32 * 0.3).cos()).collect();
-            let db: Vec<f32> = (0..n_expert * d).map(|i| (i as f32 * 0.1).sin()).collect();
-            let t = ExpertTensors {
-                n_expert,
-                gate: m(0, d, ff),
-                up: m(1, d, ff),
-                down: m(2, ff, d),
-                gate_bias: &gb,
-                up_bias: &ub,
-                down_bias: &db,
-            };
-            let k = ExpertKernels::for_tensors(&t).unwrap();
-            let h: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
-            // Three slots, so that the order of the weighted sum shows in the bits.
-            let (selected, weights) = ([2u32, 0, 3], [0.5f32, 0.3, 0.2]);
-            let one = ExpertBatch {
-                h: &h,
-                selected: &selected,
-                weights: &weights,
-                n_used: 3,
-                groups: &[0..1],
-            };
-            let mut got = vec![f32::NAN; d];
-            host_experts(
-                0,
-                &k,
-                OAI,
-                &t,
-                &one,
-                &mut ExpertScratch::default(),
-                &mut got,
-            )
-            .unwrap();
-            let h2 = [h.clone(), h.clone()].concat();
-            let (sel2, w2) = ([selected, selected].concat(), [weights, weights].concat());
-            let two = ExpertBatch {
-                h: &h2,
-                selected: &sel2,
-                weights: &w2,
-                n_used: 3,
-                groups: &[0..2],
-            };
-            let mut want = vec![f32::NAN; 2 * d];
-            host_experts(
-                0,
-                &k,
-                OAI,
-                &t,
-                &two,
-                &mut ExpertScratch::default(),
-                &mut want,
-            )
-            .unwrap();
-            assert!(got.iter().all(|v| v.is_finite() && *v != 0.0), "{ty}");
-            for (i, (a, b)) in got.iter().zip(&want[..d]).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{ty} output {i}: {a} vs {b}");
-            }
-        }
-    }
-
-    /// SiLU experts of one token (decode) take the fused path, whose bits are those of the
-    /// grouped path (three matmuls per expert): K-quants with Q8_K activations shared by gate
-    /// and up (repacked-order Q4_K gate/up, Q6_K down as in Q4_K_M files), Q5_K, and Q8_0; a
-    /// slot naming an expert outside the layer gives nothing on both paths.
-    #[test]
-    fn fused_silu_token_matches_grouped_path() {
-        use GgmlType::*;
-        let (d, ff, n_expert) = (512usize, 768usize, 4usize);
-        for tys in [[Q4_K, Q4_K, Q6_K], [Q5_K, Q5_K, Q5_K], [Q8_0, Q8_0, Q8_0]] {
-            let mats = random_layer(tys, d, ff, n_expert);
-            let m = |i: usize, n_in, n_out| ExpertMatrix {
-                ty: tys[i],
-                n_in,
-                n_out,
-                data: &mats[i],
-            };
-            let t = ExpertTensors {
-                n_expert,
-                gate: m(0, d, ff),
-                up: m(1, d, ff),
-                down: m(2, ff, d),
-                gate_bias: &[],
-                up_bias: &[],
-                down_bias: &[],
-            };
-            let k = ExpertKernels::for_tensors(&t).unwrap();
-            assert!(one_token_rows(&k, ff).is_some(), "{tys:?} fuses");
-            let h: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
-            // Four slots, one outside the layer, so that the order of the sum shows in the bits.
-            let (selected, weights) = ([2usize, 0, 9, 3], [0.4f32, 0.3, 0.2, 0.1]);
-            let shape = (d, ff, n_expert);
-            let mut acts = QuantizedActs::default();
-            let view = |e| t.view(e);
-            let got = moe_swiglu(&k, shape, view, &h, &selected, &weights, 4, &mut acts);
-            let want = moe_swiglu_grouped(&k, shape, view, &h, &selected, &weights, 4, &mut acts);
-            assert!(got.iter().all(|v| v.is_finite() && *v != 0.0), "{tys:?}");
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{tys:?} output {i}: {a} vs {b}");
-            }
-        }
-    }
-
-    #[test]
-    fn bad_batches_and_tensors_are_errors() {
-        let (data, bias) = q8_layer();
-        let t = tensors(&data, &bias);
-        let k = ExpertKernels::for_tensors(&t).unwrap();
-        let h = vec![0.5f32; 64];
-        let mut out = vec![0f32; 64];
-        let ok_groups = [0..2];
-        let bad_groups = [0..1];
-        let mut run = |batch: &ExpertBatch<'_>, t: &ExpertTensors<'_>, out_len: usize| {
-            let mut scratch = ExpertScratch::default();
-            host_experts(0, &k, OAI, t, batch, &mut scratch, &mut out[..out_len])
-        };
-        for (sel, w, groups, out_len) in [
-            (&[0u32, 1][..], &[1.0f32][..], &ok_groups, 64),
-            (&[0, 1], &[1.0, 1.0], &bad_groups, 64),
-            (&[0, 1], &[1.0, 1.0], &ok_groups, 63),
-            (&[0, 7], &[1.0, 1.0], &ok_groups, 64),
-        ] {
-            let batch = ExpertBatch {
-                h: &h,
-                selected: sel,
-                weights: w,
-                n_used: 1,
-                groups,
-            };
-            assert!(run(&batch, &t, out_len).is_err(), "{sel:?} {w:?} {out_len}");
-        }
-        let good = ExpertBatch {
-            h: &h,
-            selected: &[0, 1],
-            weights: &[1.0, 1.0],
-            n_used: 1,
-            groups: &ok_groups,
-        };
-        assert!(run(&good, &t, 64).is_ok());
-        let short = tensors(&data[1..], &bias);
-        assert!(matches!(
-            run(&good, &short, 64),
-            Err(ExpertDeviceError::Shape { .. })
-        ));
-    }
+    let mut downs: Vec<Vec<f32>> = vec![Vec::new(); routed.len()];
+    hmoe_pool::global().for_each_chunk_mut(&mut downs, 1, |i, dst| dst[0] = run(&routed[i]));
+    downs
 }
+
+/// One expert's SwiGLU FFN over its routed `slots` (`slot / k_used` is the token): gate and up
+/// from the tokens' rows of `acts` (the quantized `h`, for gate's activation type), the down
+/// projection of `silu(gate) ⊙ up`; the result is `[slot][d]`.
+fn expert_ffn(
+    k: &ExpertKernels,
+    (d, ff): (usize, usize),
+    w: &ExpertView<'_>,
+    h: &[f32],
+    slots: &[usize],
+    k_used: usize,
+    acts: &QuantizedActs,
+) -> Vec<f32> {
+    let m = slots.len();
+    let (mut routed, mut act_q) = (QuantizedActs::default(), QuantizedActs::default());
+    routed.gather(acts, slots.iter().map(|&i| i / k_used));
+    let mut gate = vec![0f32; m * ff];
+    let mut up = vec![0f32; m * ff];
+    k.matmul(true, k.gate, w.gate, (d, ff), &routed, &mut gate);
+    if k.up.act_type() == k.gate.act_type() {
+        k.matmul(true, k.up, w.up, (d, ff), &routed, &mut up);
+    } else {
+        let rows: Vec<f32> = slots
+            .iter()
+            .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied())
+            .collect();
+        act_q.quantize(k.up.act_type(), &rows, d);
+        k.matmul(true, k.up, w.up, (d, ff), &act_q, &mut up);
+    }
+    swiglu(&mut gate, &up, ff);
+    act_q.quantize(k.down.act_type(), &gate, ff);
+    let mut down = vec![0f32; m * d];
+    k.matmul(true, k.down, w.down, (ff, d), &act_q, &mut down);
+    down
+}
+
+#[cfg(test)]
+mod experts_tests;

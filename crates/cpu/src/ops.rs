@@ -226,13 +226,17 @@ pub(crate) fn matmul_as(
         g.prepare(n_in, &acts.data, n_tokens)
             .expect("activations converted for these weights")
     });
-    // K-quant batches decode each weight super-block once for the tokens, like the GEMMs,
-    // and rearrange the tokens' activations once per task (AVX-512 VNNI): twice the rows.
+    // K-quant batches decode each weight super-block once for the tokens, like the GEMMs
+    // (the tokens rearranged once per matmul, below): twice the rows.
     let rows_per_task = match (gemm.is_some(), ty.is_k_quant()) {
         (_, true) => 2 * GEMM_ROWS,
         (true, false) => GEMM_ROWS,
         (false, false) => ROWS_PER_TASK,
     };
+    // The tokens prepared once for every task's rows (tiled K-quants, repacked Q4_K, IQ).
+    let tokens = gemm
+        .is_none()
+        .then(|| kernel.prepare_token_rows(kind, n_in, &acts.data, n_tokens));
     // Batch: each task owns a block of weight rows and runs every token through it, so the
     // weights are read once; the result is produced transposed and then laid out per token.
     let mut transposed = vec![0f32; n_out * n_tokens];
@@ -250,7 +254,10 @@ pub(crate) fn matmul_as(
             // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
             // repacked Q4_K); `vec_dot` for the other types.
             let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
-            kernel.dot_tokens_rows(kind, n_in, w_rows, &acts.data, n_tokens, dst);
+            let tokens = tokens
+                .as_ref()
+                .expect("prepared where there is no GEMM kernel");
+            kernel.dot_token_rows(tokens, w_rows, dst);
         },
     );
     debug_assert!(

@@ -119,4 +119,5 @@ pub use isa::{AmxStatus, Isa};
 pub use pages::whole_pages;
 pub use scalar::iquants::set_iq_block_scale;
 pub use tiled::{BatchKind, TILED_MIN_TOKENS};
+pub use tiled_gemm::TokenRows;
 pub use types::{vec_dot_type, GgmlType, IQ_TYPES, LOWBIT_TYPES, WEIGHT_TYPES};

@@ -74,6 +74,14 @@ impl DotKernel {
     }
 }
 
+/// The repacked-order kernel for `weight` on `isa` (the ISA checked), for tests that force an
+/// ISA below the best.
+#[cfg(test)]
+pub(crate) fn repacked_on(weight: GgmlType, isa: Isa) -> Option<DotKernel> {
+    check_isa(isa).ok()?;
+    repacked_fns(weight, isa).map(|fns| DotKernel::from_fns(weight, isa, fns))
+}
+
 /// The GEMM-order Q4_K dot for `isa`.
 fn pairwise_fn(isa: Isa) -> DotFn {
     #[cfg(target_arch = "x86_64")]
