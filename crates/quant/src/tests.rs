@@ -1,7 +1,10 @@
-//! Unit tests of the kernels (`kernel_tests`: base types; `lowbit_tests`; `gemm_tests`) and
+//! Unit tests of the kernels (`kernel_tests`: base types; `lowbit_tests`; `gemm_tests`;
+//! `iq_batch_tests`: the AVX-512 IQ batches with and without VBMI) and
 //! what they share: a deterministic generator, random f16 values, bit equality.
 
 mod gemm_tests;
+#[cfg(target_arch = "x86_64")]
+mod iq_batch_tests;
 mod kernel_tests;
 mod lowbit_tests;
 
