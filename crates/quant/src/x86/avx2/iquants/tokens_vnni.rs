@@ -499,6 +499,11 @@ unsafe fn super_tokens<T: WideSuper, const VBMI: bool>(
         accs.fill(PairAcc::new());
         for i in 0..n_sb {
             let b = w.add((r * n_sb + i) * T::BYTES);
+            // The next row's super-block, from memory while this one computes (a hint only:
+            // past the last row it reads nothing).
+            let next = b.wrapping_add(n_sb * T::BYTES);
+            _mm_prefetch::<_MM_HINT_T0>(next.cast());
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64).cast());
             let (dec, dw) = (T::wide::<VBMI>(b), T::d(b));
             let sw = yb.as_ref().map(|_| signed_wide::<T>(&dec));
             let dwv = _mm512_set1_ps(dw);
