@@ -424,7 +424,10 @@ mod lane_simd {
         let mut r: [__m512; 4] = core::array::from_fn(|k| _mm512_loadu_ps(p.add(16 * k)));
         for c in 0..run {
             let i = c * LANES + l;
-            let (x, wv) = (vb.as_ptr().add(i * VALUE_BLOCK), _mm512_set1_ps(*w.get_unchecked(i)));
+            let (x, wv) = (
+                vb.as_ptr().add(i * VALUE_BLOCK),
+                _mm512_set1_ps(*w.get_unchecked(i)),
+            );
             for (k, r) in r.iter_mut().enumerate() {
                 *r = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(16 * k)), wv, *r);
             }
@@ -446,7 +449,10 @@ mod lane_simd {
         let mut r: [__m256; 8] = core::array::from_fn(|k| _mm256_loadu_ps(p.add(8 * k)));
         for c in 0..run {
             let i = c * LANES + l;
-            let (x, wv) = (vb.as_ptr().add(i * VALUE_BLOCK), _mm256_set1_ps(*w.get_unchecked(i)));
+            let (x, wv) = (
+                vb.as_ptr().add(i * VALUE_BLOCK),
+                _mm256_set1_ps(*w.get_unchecked(i)),
+            );
             for (k, r) in r.iter_mut().enumerate() {
                 *r = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8 * k)), wv, *r);
             }

@@ -20,7 +20,10 @@ fn q8_k_row(n: usize, fill: Option<i8>, d: f32, no_min: bool, rng: &mut Rng) -> 
             *q = if no_min { v.max(-127) } else { v } as u8;
         }
         for k in 0..16 {
-            let sum: i16 = b[4 + 16 * k..20 + 16 * k].iter().map(|&q| q as i8 as i16).sum();
+            let sum: i16 = b[4 + 16 * k..20 + 16 * k]
+                .iter()
+                .map(|&q| q as i8 as i16)
+                .sum();
             b[260 + 2 * k..262 + 2 * k].copy_from_slice(&sum.to_le_bytes());
         }
     }

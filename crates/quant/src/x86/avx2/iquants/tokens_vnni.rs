@@ -212,10 +212,7 @@ unsafe fn iq2_xxs_wide(b: *const u8) -> Wide {
     let code_shifts = load64(&c.code_shifts);
     let m = core::array::from_fn(|j| {
         let row_codes = _mm512_permutexvar_epi8(load64(&c.codes[j]), codes);
-        _mm512_permutexvar_epi8(
-            _mm512_multishift_epi64_epi8(code_shifts, row_codes),
-            values,
-        )
+        _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(code_shifts, row_codes), values)
     });
     // Sign codes: bytes 0..4 of qword `ib` are block `ib`'s four 7-bit codes.
     let sign_codes = _mm512_and_si512(
@@ -347,7 +344,13 @@ impl PairAcc {
     /// lanes 0..8, of the second in lanes 8..16; `d()` the two as scalars): per token and
     /// lane the operations of [`Acc::fold`].
     #[inline(always)]
-    unsafe fn fold<T: IqSuper>(&mut self, dv: __m512, d: impl Fn() -> [f32; 2], x: &Sums, y: &Sums) {
+    unsafe fn fold<T: IqSuper>(
+        &mut self,
+        dv: __m512,
+        d: impl Fn() -> [f32; 2],
+        x: &Sums,
+        y: &Sums,
+    ) {
         let s = fold_pair(x.s, y.s);
         self.acc = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(s), self.acc);
         match T::DELTA {
