@@ -1,9 +1,12 @@
 //! Unit tests of the kernels (`kernel_tests`: base types; `lowbit_tests`; `gemm_tests`;
-//! `decode_rows_tests`: the single-token row kernels on every path) and
+//! `decode_rows_tests`: the single-token row kernels on every path; `iq_batch_tests`: the
+//! AVX-512 IQ batches with and without VBMI) and
 //! what they share: a deterministic generator, random f16 values, bit equality.
 
 mod decode_rows_tests;
 mod gemm_tests;
+#[cfg(target_arch = "x86_64")]
+mod iq_batch_tests;
 mod kernel_tests;
 mod lowbit_tests;
 

@@ -190,10 +190,13 @@ impl DotKernel {
             // was made; `w` holds the rows, `a` the tokens, of whole blocks.
             let ty = self.weight_type();
             let vnni = self.isa() == crate::Isa::Avx512 && crate::x86::features::has_avx512_vnni();
-            // SAFETY: as above; VNNI was checked just now.
+            let vbmi = vnni && crate::x86::features::has_avx512_vbmi();
+            // SAFETY: as above; VNNI and VBMI were checked just now.
             let done = (vnni
                 && unsafe {
-                    crate::x86::avx2::iquants::tokens_vnni::tokens_rows(ty, n, w, a, n_tokens, out)
+                    crate::x86::avx2::iquants::tokens_vnni::tokens_rows(
+                        ty, n, w, a, n_tokens, out, vbmi,
+                    )
                 })
                 || unsafe { crate::x86::avx2::iquants::tokens_rows(ty, n, w, a, n_tokens, out) };
             if done {

@@ -195,8 +195,9 @@ impl ExtTask<'_> {
     /// The probability-weighted value sums of the task's heads from `sc.probs` into `dst`.
     /// A batch sums the values in one 16-lane chain over positions (tinyBLAS); one token with
     /// f32/f16 values goes through `vec_dot_f32`/`vec_dot_f16`, whose four chains take 16
-    /// positions in turn. Each 16 positions' value rows are converted once, transposed to
-    /// `[element][lane]`, so every head's lane update is a vector FMA per element.
+    /// positions in turn ([`ExtTask::values_lanes`] takes the one-chain case). Each 16
+    /// positions' value rows are converted once, transposed to `[element][lane]`, so every
+    /// head's lane update is a vector FMA per element.
     fn values(
         &self,
         sc: &mut ExtScratch,
@@ -214,10 +215,10 @@ impl ExtTask<'_> {
             }
         };
         let v_cells = if self.v_in_k { &cache.k } else { &cache.v };
-        let chains = match v_cells {
-            Cells::F32(_) | Cells::F16(_) if self.single_token => VEC_DOT_CHAINS,
-            _ => 1,
-        };
+        if !(self.single_token && matches!(v_cells, Cells::F32(_) | Cells::F16(_))) {
+            return self.values_lanes(sc, (first, pos, chunk_start, n_pos), v_cells, v_at, dst);
+        }
+        let chains = VEC_DOT_CHAINS;
         // Head h, chain c, element d: `acc[(h · chains + c) · vd + d]`.
         let acc = fit(&mut sc.acc, nh * chains * vd);
         acc.fill([0.0; LANES]);
@@ -262,17 +263,214 @@ impl ExtTask<'_> {
         for (h, out) in dst.chunks_exact_mut(vd).enumerate() {
             let acc = &acc[h * chains * vd..(h + 1) * chains * vd];
             for (d, o) in out.iter_mut().enumerate() {
-                *o = if chains == 1 {
-                    hsum16(&acc[d])
-                } else {
-                    let a: [[f32; LANES]; VEC_DOT_CHAINS] =
-                        std::array::from_fn(|c| acc[c * vd + d]);
-                    reduce_chains(&a)
-                };
+                let a: [[f32; LANES]; VEC_DOT_CHAINS] = std::array::from_fn(|c| acc[c * vd + d]);
+                *o = reduce_chains(&a);
             }
         }
     }
 }
+
+impl ExtTask<'_> {
+    /// [`ExtTask::values`] with one chain (a batch, or one token with quantized values):
+    /// tinyBLAS's 16 lanes over positions, lane `l` of element `d` adding the positions
+    /// `≡ l (mod 16)` in order. The lanes are kept lane-major, `acc[(h · 16 + l) · vd + d]`,
+    /// so a position's value row is multiplied by its weight as it is stored (no transpose):
+    /// the task's positions go in runs of [`VALUE_RUN`] chunks of 16, each run's rows
+    /// converted once, and per block of [`VALUE_BLOCK`] elements each head's lane carries its
+    /// accumulators through the run's chunks in registers. The same FMAs per lane and position
+    /// as the chunk-by-chunk order, so the same bits.
+    fn values_lanes(
+        &self,
+        sc: &mut ExtScratch,
+        (first, pos, chunk_start, n_pos): (usize, usize, usize, usize),
+        v_cells: &Cells,
+        v_at: impl Fn(usize) -> usize,
+        dst: &mut [f32],
+    ) {
+        let (vd, nh) = (self.vd, self.heads);
+        let simd = LaneSimd::detect();
+        let acc = fit(&mut sc.lane_acc, nh * LANES * vd);
+        acc.fill(0.0);
+        let probs = &sc.probs[..nh * n_pos];
+        let n_chunks = (pos - chunk_start) / LANES + 1;
+        for r0 in (0..n_chunks).step_by(VALUE_RUN) {
+            let run = VALUE_RUN.min(n_chunks - r0);
+            let (p0, np) = (chunk_start + r0 * LANES, run * LANES);
+            let live = |i: usize| (first..=pos).contains(&(p0 + i));
+            // The run's value rows, `rows[i · vd + d]` for position `p0 + i` (zero outside
+            // `first..=pos`, where the weight is zero too: +0 added to an accumulator that is
+            // never -0 leaves it as it is).
+            let rows = fit(&mut sc.run_rows, np * vd);
+            for (i, row) in rows.chunks_exact_mut(vd).enumerate() {
+                if !live(i) {
+                    row.fill(0.0);
+                    continue;
+                }
+                let at = v_at(p0 + i);
+                match v_cells {
+                    Cells::F32(v) => row.copy_from_slice(&v[at..at + vd]),
+                    Cells::F16(v) => v[at..at + vd].convert_to_f32_slice(row),
+                    Cells::Blocks { ty, data, .. } => dequantize_at(*ty, data, at, row),
+                }
+            }
+            // `w[h · np + i]`: head h's weight of position `p0 + i`.
+            let w = fit(&mut sc.run_w, nh * np);
+            for (h, w) in w.chunks_exact_mut(np).enumerate() {
+                for (i, w) in w.iter_mut().enumerate() {
+                    *w = if live(i) {
+                        let p = probs[h * n_pos + p0 + i - chunk_start];
+                        match v_cells {
+                            Cells::F16(_) => f16::from_f32(p).to_f32(),
+                            Cells::Blocks { ty, .. } => round_weight(*ty, p),
+                            Cells::F32(_) => p,
+                        }
+                    } else {
+                        0.0
+                    };
+                }
+            }
+            for d0 in (0..vd).step_by(VALUE_BLOCK) {
+                let db = VALUE_BLOCK.min(vd - d0);
+                // The block's elements of the run's rows, packed: `vb[i · VALUE_BLOCK + j]`.
+                let vb = fit(&mut sc.run_block, np * VALUE_BLOCK);
+                for (i, b) in vb.chunks_exact_mut(VALUE_BLOCK).enumerate() {
+                    b[..db].copy_from_slice(&rows[i * vd + d0..][..db]);
+                }
+                for h in 0..nh {
+                    let w = &w[h * np..(h + 1) * np];
+                    for l in 0..LANES {
+                        let a = &mut acc[(h * LANES + l) * vd + d0..][..db];
+                        lane_run(a, vb, w, (l, run), simd);
+                    }
+                }
+            }
+        }
+        for (h, out) in dst.chunks_exact_mut(vd).enumerate() {
+            for (d, o) in out.iter_mut().enumerate() {
+                let lanes: [f32; LANES] = std::array::from_fn(|l| acc[(h * LANES + l) * vd + d]);
+                *o = hsum16(&lanes);
+            }
+        }
+    }
+}
+
+/// Adds to `a` (one head's lane `l`, a block of elements) the run's positions of that lane:
+/// chunk by chunk, `a[j] = fma(vb[i][j], w[i], a[j])` for position `i = 16·c + l` of the run
+/// (`vb` rows [`VALUE_BLOCK`] long). A whole block stays in vector registers over the run
+/// (AVX-512 or AVX2 where `simd` says the CPU has it).
+#[inline(always)]
+fn lane_run(a: &mut [f32], vb: &[f32], w: &[f32], (l, run): (usize, usize), simd: LaneSimd) {
+    let last = (run - 1) * LANES + l;
+    assert!(vb.len() >= (last + 1) * VALUE_BLOCK && w.len() > last);
+    #[cfg(target_arch = "x86_64")]
+    if let Ok(a) = <&mut [f32; VALUE_BLOCK]>::try_from(&mut *a) {
+        match simd {
+            // SAFETY: the CPU has the kernel's features (`LaneSimd::detect`); `vb` and `w`
+            // hold the run's positions (asserted above).
+            LaneSimd::Avx512 => return unsafe { lane_simd::run_avx512(a, vb, w, l, run) },
+            // SAFETY: as above.
+            LaneSimd::Avx2 => return unsafe { lane_simd::run_avx2(a, vb, w, l, run) },
+            LaneSimd::None => {}
+        }
+    }
+    for c in 0..run {
+        let i = c * LANES + l;
+        let (x, wv) = (&vb[i * VALUE_BLOCK..], w[i]);
+        for (r, &x) in a.iter_mut().zip(x) {
+            *r = x.mul_add(wv, *r);
+        }
+    }
+}
+
+/// The vector kernels [`lane_run`] can take.
+#[derive(Clone, Copy)]
+enum LaneSimd {
+    Avx512,
+    Avx2,
+    None,
+}
+
+impl LaneSimd {
+    fn detect() -> LaneSimd {
+        if hmoe_quant::Isa::Avx512.is_available() {
+            LaneSimd::Avx512
+        } else if hmoe_quant::Isa::Avx2.is_available() {
+            LaneSimd::Avx2
+        } else {
+            LaneSimd::None
+        }
+    }
+}
+
+/// [`lane_run`]'s kernels for a whole block.
+///
+/// Safety: the CPU has the features enabled; `vb` holds [`VALUE_BLOCK`] floats for each of
+/// the run's positions `16·c + l` (`c < run`) and `w` their weights.
+#[cfg(target_arch = "x86_64")]
+mod lane_simd {
+    use core::arch::x86_64::*;
+
+    use super::{LANES, VALUE_BLOCK};
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn run_avx512(
+        a: &mut [f32; VALUE_BLOCK],
+        vb: &[f32],
+        w: &[f32],
+        l: usize,
+        run: usize,
+    ) {
+        let p = a.as_mut_ptr();
+        let mut r: [__m512; 4] = core::array::from_fn(|k| _mm512_loadu_ps(p.add(16 * k)));
+        for c in 0..run {
+            let i = c * LANES + l;
+            let (x, wv) = (
+                vb.as_ptr().add(i * VALUE_BLOCK),
+                _mm512_set1_ps(*w.get_unchecked(i)),
+            );
+            for (k, r) in r.iter_mut().enumerate() {
+                *r = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(16 * k)), wv, *r);
+            }
+        }
+        for (k, r) in r.iter().enumerate() {
+            _mm512_storeu_ps(p.add(16 * k), *r);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn run_avx2(
+        a: &mut [f32; VALUE_BLOCK],
+        vb: &[f32],
+        w: &[f32],
+        l: usize,
+        run: usize,
+    ) {
+        let p = a.as_mut_ptr();
+        let mut r: [__m256; 8] = core::array::from_fn(|k| _mm256_loadu_ps(p.add(8 * k)));
+        for c in 0..run {
+            let i = c * LANES + l;
+            let (x, wv) = (
+                vb.as_ptr().add(i * VALUE_BLOCK),
+                _mm256_set1_ps(*w.get_unchecked(i)),
+            );
+            for (k, r) in r.iter_mut().enumerate() {
+                *r = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8 * k)), wv, *r);
+            }
+        }
+        for (k, r) in r.iter().enumerate() {
+            _mm256_storeu_ps(p.add(8 * k), *r);
+        }
+    }
+}
+
+/// Chunks of 16 positions per run of [`ExtTask::values_lanes`] (128 positions: each lane's
+/// accumulators are read and written once per run).
+const VALUE_RUN: usize = 8;
+
+/// Elements per block of [`ExtTask::values_lanes`]: a run's values of a block (128 × 64
+/// floats, 32 KiB) stay in L1 over the heads and lanes, and one lane's 64 accumulators fit the
+/// registers.
+const VALUE_BLOCK: usize = 64;
 
 /// [`dot_lanes`] of four query heads with one key a multiple of 16 long: the same chains,
 /// interleaved so that they overlap.
@@ -302,6 +500,12 @@ struct ExtScratch {
     /// A chunk's value rows transposed: `[element][lane]`.
     vt: Vec<[f32; LANES]>,
     acc: Vec<[f32; LANES]>,
+    /// [`ExtTask::values_lanes`]: the lane-major accumulators, a run's value rows, their
+    /// weights per head, and a block of the rows packed.
+    lane_acc: Vec<f32>,
+    run_rows: Vec<f32>,
+    run_w: Vec<f32>,
+    run_block: Vec<f32>,
 }
 
 thread_local! {

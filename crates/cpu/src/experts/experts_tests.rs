@@ -332,6 +332,63 @@ fn experts_as_pool_tasks_match_the_experts_one_by_one() {
     }
 }
 
+/// SiLU experts of the IQ types (random codes, small scales): a token alone (the fused
+/// single-token path, the single-row kernels) gives the bits of the same token in a batch
+/// of two (the grouped path, the batched IQ kernels).
+#[test]
+fn iq_silu_token_alone_equals_token_in_batch() {
+    let (d, ff, n_expert) = (512usize, 256usize, 4usize);
+    for ty in hmoe_quant::IQ_TYPES {
+        let mut seed = 0x2545_f491_4f6c_dd1du64 ^ ty.id() as u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut mat = |n_in: usize, n_out: usize| {
+            let row = ty.row_bytes(n_in as u64).unwrap() as usize;
+            let mut data: Vec<u8> = (0..n_expert * n_out * row).map(|_| next() as u8).collect();
+            for b in data.chunks_exact_mut(ty.block_bytes()) {
+                let v = 0.001 + (next() % 100) as f32 * 1e-5;
+                let bits = half::f16::from_f32(v).to_bits();
+                assert!(hmoe_quant::set_iq_block_scale(ty, b, bits));
+            }
+            data
+        };
+        let mats = [mat(d, ff), mat(d, ff), mat(ff, d)];
+        let m = |i: usize, n_in, n_out| ExpertMatrix {
+            ty,
+            n_in,
+            n_out,
+            data: &mats[i],
+        };
+        let t = ExpertTensors {
+            n_expert,
+            gate: m(0, d, ff),
+            up: m(1, d, ff),
+            down: m(2, ff, d),
+            gate_bias: &[],
+            up_bias: &[],
+            down_bias: &[],
+        };
+        let k = ExpertKernels::for_tensors(&t).unwrap();
+        let h: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+        let (selected, weights) = ([2usize, 0, 3], [0.5f32, 0.3, 0.2]);
+        let shape = (d, ff, n_expert);
+        let mut acts = QuantizedActs::default();
+        let view = |e| t.view(e);
+        let alone = moe_swiglu(&k, shape, view, &h, &selected, &weights, 3, &mut acts);
+        let h2 = [h.clone(), h.clone()].concat();
+        let (sel2, w2) = ([selected, selected].concat(), [weights, weights].concat());
+        let two = moe_swiglu(&k, shape, view, &h2, &sel2, &w2, 3, &mut acts);
+        assert!(alone.iter().all(|v| v.is_finite()), "{ty}");
+        for (i, (a, b)) in alone.iter().zip(&two[..d]).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{ty} output {i}: {a} vs {b}");
+        }
+    }
+}
+
 #[test]
 fn bad_batches_and_tensors_are_errors() {
     let (data, bias) = q8_layer();

@@ -738,7 +738,7 @@ mod tests {
     /// (`attention_ext` with values inside the keys) bit for bit, for f16 keys and every other
     /// K/V type: one token (`vec_dot`'s four value chains over f32/f16) and batches, f16 keys
     /// a multiple of 16 long (tinyBLAS scores) or not (the fixture's 24), across more than
-    /// one 16-position chunk.
+    /// one 16-position chunk and more than one run of the batch's value pass.
     #[test]
     fn ref0_k_only_attention_is_the_cpus_bit_for_bit() {
         use hmoe_backend::{Backend, KOnlyAttnParams, KvLayout, KvRing, Ref0};
@@ -775,16 +775,22 @@ mod tests {
             dev.download(&out).unwrap()
         }
         let (dev, cpu) = (Ref0::new(), Cpu::new());
+        let short: &[usize] = &[5, 1, 17, 1, 9];
+        // Batches over more than one run of 128 positions of the batch's value pass, values
+        // longer than one of its 64-element blocks and not a multiple of it.
+        let long: &[usize] = &[150, 1, 140];
         let cases = [
-            ("f16", 24, 16, 4, 64),
-            ("f16", 48, 32, 3, 40),
-            ("f32", 24, 16, 2, 40),
-            ("bf16", 48, 32, 2, 40),
-            ("q8_0", 96, 64, 3, 40),
-            ("q4_0", 64, 32, 2, 40),
-            ("q5_1", 96, 64, 2, 40),
+            ("f16", 24, 16, 4, 64, short),
+            ("f16", 48, 32, 3, 40, short),
+            ("f32", 24, 16, 2, 40, short),
+            ("bf16", 48, 32, 2, 40, short),
+            ("q8_0", 96, 64, 3, 40, short),
+            ("q4_0", 64, 32, 2, 40, short),
+            ("q5_1", 96, 64, 2, 40, short),
+            ("f16", 96, 80, 2, 320, long),
+            ("q8_0", 128, 96, 2, 320, long),
         ];
-        for (ty, kd, vd, nh, cells) in cases {
+        for (ty, kd, vd, nh, cells, batches) in cases {
             let kv_ty = KvType::parse(ty).unwrap();
             let layout = KvLayout::new(kv_ty.k().ggml_type(), kd, cells, 0).unwrap();
             let mut ring = dev.kv_alloc(layout).unwrap();
@@ -797,7 +803,7 @@ mod tests {
                 scale: 0.01,
             };
             let mut pos0 = 0;
-            for n in [5, 1, 17, 1, 9] {
+            for &n in batches {
                 let keys = noise(n * kd);
                 let q: Vec<f32> = noise(n * nh * kd).iter().map(|v| v * 0.05).collect();
                 let want = attend(&cpu, &mut cpu_ring, &p, (&keys, &q), (n, pos0));

@@ -234,10 +234,11 @@ fn q8_0_gemm_all_isas_equal_dot_kernel() {
         |n, w, a| dot.dot(n, w, a),
     );
     // Activations as Q8_0 quantization makes them (no byte -128), which the AVX-512 VNNI
-    // kernel runs on its unsigned-activation path (the bytes above send it to its fallback).
+    // kernel runs on its unsigned-activation path (the bytes above send it to its fallback);
+    // 4128 = 129 blocks, three of its passes of 64 blocks, the last of one block.
     check_all_isas(
         GgmlType::Q8_0,
-        &[32, 64, 96, 2880],
+        &[32, 64, 96, 2880, 4128],
         q8_0_rows,
         |rows, n, rng| {
             let mut a = q8_0_rows(rows, n, rng);

@@ -15,7 +15,8 @@
 //!   load (`X16`, `GemmKernel::interleave_into`) hold each block of a group already transposed,
 //!   with the 16 exponents together: four loads and one exponent load per block instead.
 //! * Q8_0: tiles of 4 rows × 8 tokens, in chunks of 64 tokens; two tokens share a zmm (lanes
-//!   0..8 and 8..16 are the 8-lane accumulators of ggml's AVX2 kernel for each).
+//!   0..8 and 8..16 are the 8-lane accumulators of ggml's AVX2 kernel for each). With VNNI the
+//!   blocks go in passes of 64 over all the tiles, so a pass's activations stay in L2.
 //! * F32: tiles of 4 rows × 4 tokens of 16-lane FMA accumulators.
 //!
 //! Safety: every `unsafe fn` here needs AVX-512 F/BW/VL plus AVX2, FMA and F16C (and VNNI for
@@ -473,7 +474,7 @@ unsafe fn q8_0_gemm<const VNNI: bool>(
     for tc in (0..n_tokens).step_by(Q8_TC) {
         let chunk = tc..n_tokens.min(tc + Q8_TC);
         if VNNI && pairs.prepare(&mats, chunk.clone()) {
-            q8_0_chunk_vnni(&mats, chunk, &pairs);
+            q8_0_chunk_vnni(&mats, chunk, &mut pairs);
         } else {
             q8_0_chunk_signed::<VNNI>(&mats, chunk);
         }
@@ -587,12 +588,18 @@ unsafe fn minus_128() -> __m512i {
 }
 
 /// A chunk's token pairs as [`q8_0_chunk_vnni`] reads them, per pair and block: the two
-/// tokens' activation bytes plus 128 (as unsigned bytes; lanes 0..8 of the low token, 8..16 of
-/// the high one) and their scales (lanes 0..8 and 8..16).
+/// tokens' activation bytes (lanes 0..8 of the low token, 8..16 of the high one), `-128·Σ` of
+/// each lane's four bytes (the correction of the weights' bias), and their scales (lanes 0..8
+/// and 8..16).
 #[derive(Default)]
 struct Q8Pairs {
-    biased: Vec<__m512i>,
+    acts: Vec<__m512i>,
+    corr: Vec<__m512i>,
     scales: Vec<__m512>,
+    /// The tiles' accumulators between passes of [`q8_0_chunk_vnni`].
+    acc: Vec<[[__m512; Q8V_TP]; Q8V_R]>,
+    /// A pass's weight scales as f32, `dw[r · Q8V_KB + b - k0]` for row `r`, block `b`.
+    dw: Vec<f32>,
 }
 
 impl Q8Pairs {
@@ -602,14 +609,19 @@ impl Q8Pairs {
     #[inline(always)]
     unsafe fn prepare(&mut self, m: &Q8Mats, chunk: Range<usize>) -> bool {
         let n = chunk.len().div_ceil(2) * m.nb;
-        self.biased.resize(n, _mm512_setzero_si512());
+        let z = _mm512_setzero_si512();
+        self.acts.resize(n, z);
+        self.corr.resize(n, z);
         self.scales.resize(n, _mm512_setzero_ps());
         let mut bad = 0u64;
         for (i, t) in chunk.step_by(2).enumerate() {
             for b in 0..m.nb {
                 let (y, d) = m.pair(t, b);
                 bad |= _mm512_cmpeq_epi8_mask(y, minus_128());
-                self.biased[i * m.nb + b] = _mm512_xor_si512(y, minus_128());
+                self.acts[i * m.nb + b] = y;
+                // 128 · Σ y per lane (the unsigned operand: 128 in every byte), negated.
+                let sum128 = _mm512_dpbusd_epi32(z, minus_128(), y);
+                self.corr[i * m.nb + b] = _mm512_sub_epi32(z, sum128);
                 self.scales[i * m.nb + b] = d;
             }
         }
@@ -619,51 +631,85 @@ impl Q8Pairs {
 
 std::thread_local! {
     /// Each thread's [`Q8Pairs`], kept between calls (a chunk of 64 tokens of width 2880 is
-    /// 360 KiB, which would otherwise be mapped and unmapped per call).
+    /// 540 KiB, which would otherwise be mapped and unmapped per call).
     static Q8_PAIRS: core::cell::RefCell<Q8Pairs> = core::cell::RefCell::default();
 }
 
 /// Rows and token pairs per tile of [`q8_0_chunk_vnni`].
 const Q8V_R: usize = 4;
 const Q8V_TP: usize = 4;
+/// Blocks per pass of [`q8_0_chunk_vnni`] over a chunk's rows: the passes' prepared pairs
+/// (a chunk's 32 pairs × 64 blocks, 384 KiB) stay in L2 while every row tile reads them,
+/// where whole rows of a wide matrix (width 16384: 3 MiB of pairs) would come from L3 for
+/// each tile.
+const Q8V_KB: usize = 64;
 
-/// The tokens `chunk` of [`q8_0_gemm`] with VNNI, `pairs` prepared for them. The activations
-/// enter `vpdpbusd`'s unsigned operand as `a + 128` and the weights its signed one as they
-/// are, so `Σ (a + 128)·x − 128·Σ x` is each lane's exact sum of four products `Σ a·x`: the
+/// The tokens `chunk` of [`q8_0_gemm`] with VNNI, `pairs` prepared for them. The weights
+/// enter `vpdpbusd`'s unsigned operand as `x + 128` and the activations its signed one as they
+/// are, so `Σ (x + 128)·a − 128·Σ a` is each lane's exact sum of four products `Σ a·x`: the
 /// integer that ggml's sign trick (`maddubs(|x|, sign(a, x))`, `madd` by ones) gives for every
-/// activation byte from -127 to 127 ([`Q8Pairs::prepare`] checks). The correction `-128·Σ x`
-/// is computed once per weight row and block (one more `vpdpbusd`) and starts each
-/// accumulator, so a row × token pair costs one `vpdpbusd`, the conversion and the FMA.
+/// activation byte from -127 to 127 ([`Q8Pairs::prepare`] checks). The correction `-128·Σ a`
+/// of each token pair and block is prepared once per chunk and loaded as the accumulator's
+/// start, so a row × token pair costs one `vpdpbusd`, the conversion and the FMA, and a row
+/// × block one flip of the weights' sign bits.
+/// The blocks go in passes of [`Q8V_KB`], each tile's accumulators kept in `pairs.acc`
+/// between passes (each lane still adds its blocks in order).
 #[inline(always)]
-unsafe fn q8_0_chunk_vnni(m: &Q8Mats, chunk: Range<usize>, pairs: &Q8Pairs) {
+unsafe fn q8_0_chunk_vnni(m: &Q8Mats, chunk: Range<usize>, pairs: &mut Q8Pairs) {
     let (nb, stride) = (m.nb, m.stride());
-    let (biased, scales) = (pairs.biased.as_ptr(), pairs.scales.as_ptr());
+    let (acts, corr) = (pairs.acts.as_ptr(), pairs.corr.as_ptr());
+    let scales = pairs.scales.as_ptr();
     let last = chunk.len().div_ceil(2) - 1;
-    for r0 in (0..m.rows).step_by(Q8V_R) {
-        let wr = row_ptrs::<Q8V_R>(m.w, r0, m.rows, stride);
-        for p0 in (0..=last).step_by(Q8V_TP) {
-            // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
-            let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
-            let mut acc = [[_mm512_setzero_ps(); Q8V_TP]; Q8V_R];
-            for b in 0..nb {
-                let off = b * Q8_0_BYTES;
-                let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *biased.add(pp[i] + b));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let wb = wr[r].add(off);
-                    let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
-                    let corr = _mm512_sub_epi32(
-                        _mm512_setzero_si512(),
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus_128(), x),
-                    );
-                    let dw = _mm512_set1_ps(f16_at(wb));
-                    for (p, acc) in acc.iter_mut().enumerate() {
-                        let q = _mm512_dpbusd_epi32(corr, ys[p], x);
-                        let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
-                        *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
+    let p_tiles = (last + 1).div_ceil(Q8V_TP);
+    let n_tiles = m.rows.div_ceil(Q8V_R) * p_tiles;
+    let z = _mm512_setzero_ps();
+    if nb > Q8V_KB {
+        pairs.acc.clear();
+        pairs.acc.resize(n_tiles, [[z; Q8V_TP]; Q8V_R]);
+    }
+    for k0 in (0..nb).step_by(Q8V_KB) {
+        let k1 = nb.min(k0 + Q8V_KB);
+        // The pass's weight scales, converted once for all the token tiles.
+        pairs.dw.resize(m.rows * Q8V_KB, 0.0);
+        for r in 0..m.rows {
+            for b in k0..k1 {
+                pairs.dw[r * Q8V_KB + b - k0] = f16_at(m.w.add(r * stride + b * Q8_0_BYTES));
+            }
+        }
+        let dws = pairs.dw.as_ptr();
+        for (rt, r0) in (0..m.rows).step_by(Q8V_R).enumerate() {
+            let wr = row_ptrs::<Q8V_R>(m.w, r0, m.rows, stride);
+            for (pt, p0) in (0..=last).step_by(Q8V_TP).enumerate() {
+                // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
+                let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
+                let tile = rt * p_tiles + pt;
+                let mut acc = if k0 == 0 {
+                    [[z; Q8V_TP]; Q8V_R]
+                } else {
+                    pairs.acc[tile]
+                };
+                for b in k0..k1 {
+                    let off = b * Q8_0_BYTES;
+                    let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *acts.add(pp[i] + b));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let wb = wr[r].add(off);
+                        let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
+                        let xu = _mm512_xor_si512(x, minus_128());
+                        let row = (r0 + r).min(m.rows - 1);
+                        let dw = _mm512_set1_ps(*dws.add(row * Q8V_KB + b - k0));
+                        for (p, acc) in acc.iter_mut().enumerate() {
+                            let q = _mm512_dpbusd_epi32(*corr.add(pp[p] + b), xu, ys[p]);
+                            let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
+                            *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
+                        }
                     }
                 }
+                if k1 == nb {
+                    m.store(&acc, r0, chunk.start + 2 * p0, chunk.end);
+                } else {
+                    pairs.acc[tile] = acc;
+                }
             }
-            m.store(&acc, r0, chunk.start + 2 * p0, chunk.end);
         }
     }
 }
