@@ -1,5 +1,6 @@
 //! The placement crate's CPU estimate (weights + KV cache + compute) against the measured
-//! peak resident-memory growth of `hmoe run --memory-report`, on models of three sizes.
+//! peak resident-memory growth of `hmoe run --memory-report`, on models of three sizes: within
+//! 5% + 1 MiB.
 //!
 //! Conditions that make the comparison meaningful and stable:
 //! * one thread (`-t 1`): every thread the pool starts adds a stack and an allocator arena;
@@ -66,8 +67,12 @@ fn mib(v: &Value) -> f64 {
     v.as_u64().expect("a byte count") as f64 / (1 << 20) as f64
 }
 
-/// Checks the estimate is within 5% of the model's growth (and of the raw peak growth when
-/// `raw` is set), printing every figure.
+/// Checks the estimate is within 5% + 1 MiB of the model's growth (and of the raw peak growth
+/// when `raw` is set), printing every figure. The 1 MiB is what the estimate does not model and
+/// is the same at every size: allocator slack, thread-local kernel scratch, page-granular
+/// faults; repeated runs of one binary on the 9 MB fixture spread over 0.3 MiB, and changes
+/// to kernels that leave the estimate's buffers alone moved its growth by 0.4 MiB (-4.9% to
+/// -7.2% of it, 2026-12-07), so 5% alone made the smallest model's check a coin toss.
 fn check(name: &str, m: &Value, raw: bool) {
     let est = &m["estimate"];
     let total = mib(&est["total"]);
@@ -90,9 +95,10 @@ fn check(name: &str, m: &Value, raw: bool) {
         part("weights") + part("kv") + part("compute"),
         part("total")
     );
-    assert!(err(model).abs() <= 5.0, "{name}: {m}");
+    let within = |measured: f64| (total - measured).abs() <= 0.05 * measured + 1.0;
+    assert!(within(model), "{name}: {m}");
     if raw {
-        assert!(err(growth).abs() <= 5.0, "{name}: {m}");
+        assert!(within(growth), "{name}: {m}");
     }
 }
 

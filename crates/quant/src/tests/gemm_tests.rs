@@ -109,6 +109,8 @@ fn check_all_isas(
             (33, 9),
             (3, 13),
             (5, 70),
+            // Three of the AVX-512 VNNI Q8_0 kernel's blocks of 64 rows, the last of two.
+            (130, 9),
         ] {
             let w = weights(rows, n, &mut rng);
             let a = acts(toks, n, &mut rng);

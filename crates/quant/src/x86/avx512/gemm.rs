@@ -596,10 +596,9 @@ struct Q8Pairs {
     acts: Vec<__m512i>,
     corr: Vec<__m512i>,
     scales: Vec<__m512>,
-    /// The tiles' accumulators between passes of [`q8_0_chunk_vnni`].
+    /// The accumulators of one block of rows' tiles between passes of [`q8_0_chunk_vnni`]
+    /// (at most [`Q8V_RB`] / [`Q8V_R`] × 8 tiles, 128 KiB).
     acc: Vec<[[__m512; Q8V_TP]; Q8V_R]>,
-    /// A pass's weight scales as f32, `dw[r · Q8V_KB + b - k0]` for row `r`, block `b`.
-    dw: Vec<f32>,
 }
 
 impl Q8Pairs {
@@ -631,7 +630,8 @@ impl Q8Pairs {
 
 std::thread_local! {
     /// Each thread's [`Q8Pairs`], kept between calls (a chunk of 64 tokens of width 2880 is
-    /// 540 KiB, which would otherwise be mapped and unmapped per call).
+    /// 540 KiB, which would otherwise be mapped and unmapped per call; the accumulators add at
+    /// most 128 KiB).
     static Q8_PAIRS: core::cell::RefCell<Q8Pairs> = core::cell::RefCell::default();
 }
 
@@ -643,6 +643,9 @@ const Q8V_TP: usize = 4;
 /// where whole rows of a wide matrix (width 16384: 3 MiB of pairs) would come from L3 for
 /// each tile.
 const Q8V_KB: usize = 64;
+/// Rows per block of [`q8_0_chunk_vnni`]: the passes go over one block of rows at a time, so
+/// the accumulators kept between passes are bounded whatever the matrix's height.
+const Q8V_RB: usize = 64;
 
 /// The tokens `chunk` of [`q8_0_gemm`] with VNNI, `pairs` prepared for them. The weights
 /// enter `vpdpbusd`'s unsigned operand as `x + 128` and the activations its signed one as they
@@ -652,8 +655,9 @@ const Q8V_KB: usize = 64;
 /// of each token pair and block is prepared once per chunk and loaded as the accumulator's
 /// start, so a row × token pair costs one `vpdpbusd`, the conversion and the FMA, and a row
 /// × block one flip of the weights' sign bits.
-/// The blocks go in passes of [`Q8V_KB`], each tile's accumulators kept in `pairs.acc`
-/// between passes (each lane still adds its blocks in order).
+/// The rows go in blocks of [`Q8V_RB`], each block's in passes of [`Q8V_KB`] blocks, each
+/// tile's accumulators kept in `pairs.acc` between passes (each lane still adds its blocks in
+/// order); a row tile's weight scales are converted once per pass for all its token tiles.
 #[inline(always)]
 unsafe fn q8_0_chunk_vnni(m: &Q8Mats, chunk: Range<usize>, pairs: &mut Q8Pairs) {
     let (nb, stride) = (m.nb, m.stride());
@@ -661,53 +665,55 @@ unsafe fn q8_0_chunk_vnni(m: &Q8Mats, chunk: Range<usize>, pairs: &mut Q8Pairs) 
     let scales = pairs.scales.as_ptr();
     let last = chunk.len().div_ceil(2) - 1;
     let p_tiles = (last + 1).div_ceil(Q8V_TP);
-    let n_tiles = m.rows.div_ceil(Q8V_R) * p_tiles;
     let z = _mm512_setzero_ps();
     if nb > Q8V_KB {
         pairs.acc.clear();
-        pairs.acc.resize(n_tiles, [[z; Q8V_TP]; Q8V_R]);
+        pairs
+            .acc
+            .resize(Q8V_RB / Q8V_R * p_tiles, [[z; Q8V_TP]; Q8V_R]);
     }
-    for k0 in (0..nb).step_by(Q8V_KB) {
-        let k1 = nb.min(k0 + Q8V_KB);
-        // The pass's weight scales, converted once for all the token tiles.
-        pairs.dw.resize(m.rows * Q8V_KB, 0.0);
-        for r in 0..m.rows {
-            for b in k0..k1 {
-                pairs.dw[r * Q8V_KB + b - k0] = f16_at(m.w.add(r * stride + b * Q8_0_BYTES));
-            }
-        }
-        let dws = pairs.dw.as_ptr();
-        for (rt, r0) in (0..m.rows).step_by(Q8V_R).enumerate() {
-            let wr = row_ptrs::<Q8V_R>(m.w, r0, m.rows, stride);
-            for (pt, p0) in (0..=last).step_by(Q8V_TP).enumerate() {
-                // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
-                let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
-                let tile = rt * p_tiles + pt;
-                let mut acc = if k0 == 0 {
-                    [[z; Q8V_TP]; Q8V_R]
-                } else {
-                    pairs.acc[tile]
-                };
-                for b in k0..k1 {
-                    let off = b * Q8_0_BYTES;
-                    let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *acts.add(pp[i] + b));
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let wb = wr[r].add(off);
-                        let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(wb.add(2).cast()));
-                        let xu = _mm512_xor_si512(x, minus_128());
-                        let row = (r0 + r).min(m.rows - 1);
-                        let dw = _mm512_set1_ps(*dws.add(row * Q8V_KB + b - k0));
-                        for (p, acc) in acc.iter_mut().enumerate() {
-                            let q = _mm512_dpbusd_epi32(*corr.add(pp[p] + b), xu, ys[p]);
-                            let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
-                            *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
-                        }
+    for rb in (0..m.rows).step_by(Q8V_RB) {
+        for k0 in (0..nb).step_by(Q8V_KB) {
+            let k1 = nb.min(k0 + Q8V_KB);
+            for (rt, r0) in (rb..m.rows.min(rb + Q8V_RB)).step_by(Q8V_R).enumerate() {
+                let wr = row_ptrs::<Q8V_R>(m.w, r0, m.rows, stride);
+                // The tile's weight scales in this pass, converted once for its token tiles.
+                let mut dw = [[0f32; Q8V_KB]; Q8V_R];
+                for (r, dw) in dw.iter_mut().enumerate() {
+                    for b in k0..k1 {
+                        dw[b - k0] = f16_at(wr[r].add(b * Q8_0_BYTES));
                     }
                 }
-                if k1 == nb {
-                    m.store(&acc, r0, chunk.start + 2 * p0, chunk.end);
-                } else {
-                    pairs.acc[tile] = acc;
+                for (pt, p0) in (0..=last).step_by(Q8V_TP).enumerate() {
+                    // Pairs p0..p0 + Q8V_TP, past the chunk's end clamped to its last pair.
+                    let pp: [usize; Q8V_TP] = core::array::from_fn(|i| (p0 + i).min(last) * nb);
+                    let tile = rt * p_tiles + pt;
+                    let mut acc = if k0 == 0 {
+                        [[z; Q8V_TP]; Q8V_R]
+                    } else {
+                        pairs.acc[tile]
+                    };
+                    for b in k0..k1 {
+                        let off = b * Q8_0_BYTES;
+                        let ys: [__m512i; Q8V_TP] = core::array::from_fn(|i| *acts.add(pp[i] + b));
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let x = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                wr[r].add(off + 2).cast(),
+                            ));
+                            let xu = _mm512_xor_si512(x, minus_128());
+                            let dw = _mm512_set1_ps(dw[r][b - k0]);
+                            for (p, acc) in acc.iter_mut().enumerate() {
+                                let q = _mm512_dpbusd_epi32(*corr.add(pp[p] + b), xu, ys[p]);
+                                let s = _mm512_mul_ps(dw, *scales.add(pp[p] + b));
+                                *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), *acc);
+                            }
+                        }
+                    }
+                    if k1 == nb {
+                        m.store(&acc, r0, chunk.start + 2 * p0, chunk.end);
+                    } else {
+                        pairs.acc[tile] = acc;
+                    }
                 }
             }
         }
