@@ -12,6 +12,10 @@
 //! Tokens go in pairs: the two tokens' folded lanes share one zmm for the float steps, which
 //! are [`Acc::fold`]'s lane by lane. Bit-identical to the AVX2 and scalar kernels.
 //!
+//! The single-token rows of IQ2_XXS on VBMI CPUs ([`rows_fns`]) use the same decode and sums,
+//! a token alone: [`iq2_xxs_wide`] replaces 32 scalar grid-row and 32 sign-row loads per
+//! super-block, which is most of the AVX2 row kernel's time.
+//!
 //! Safety: every `unsafe fn` here needs AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI (and VBMI for
 //! `VBMI = true`), and pointers valid for the whole blocks it reads.
 
@@ -21,6 +25,7 @@ use super::{
     parts, q8k_block, Acc, Delta, Iq1M, Iq1S, Iq2S, Iq2Xs, Iq2Xxs, Iq3S, Iq3Xxs, Iq4Xs, IqSuper,
     Part,
 };
+use crate::kernel_fns::DotFns;
 use crate::scalar::iq_grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
 use crate::scalar::kquants::{Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS, QK_K};
 use crate::GgmlType;
@@ -605,4 +610,60 @@ pub(crate) unsafe fn tokens_rows(
     } else {
         tokens_rows_vnni(ty, n, w, a, n_tokens, out)
     }
+}
+
+/// `R` rows of type `T` (`stride` bytes apart) times the one Q8_K row `a`: each super-block
+/// decoded as for a batch ([`WideSuper::wide`]) and multiplied by [`sums`], the halves folded
+/// into the AVX2 kernel's eight lanes, then its float steps ([`Acc::fold`]).
+#[inline(always)]
+unsafe fn wide_rows<T: WideSuper, const VBMI: bool, const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    let half_sum =
+        |v: __m512i| _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+    for r in 0..R {
+        let w = w.add(r * stride);
+        let mut acc = Acc::new();
+        for i in 0..n / QK_K {
+            let b = w.add(i * T::BYTES);
+            let (ab, da) = q8k_block(a, i);
+            let x = sums::<T>(&T::wide::<VBMI>(b), ab);
+            acc.fold::<T>(T::d(b) * da, half_sum(x.s), half_sum(x.s2), x.sumi1);
+        }
+        *out.add(r) = acc.result::<T>();
+    }
+}
+
+/// [`wide_rows`] of IQ2_XXS with the VBMI decode, for `entry_points!`.
+#[inline(always)]
+unsafe fn iq2_xxs_vbmi_rows<const R: usize>(
+    n: usize,
+    w: *const u8,
+    stride: usize,
+    a: *const u8,
+    out: *mut f32,
+) {
+    wide_rows::<Iq2Xxs, true, R>(n, w, stride, a, out)
+}
+
+entry_points!(
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi",
+    dot_iq2_xxs_vbmi,
+    rows_iq2_xxs_vbmi,
+    iq2_xxs_vbmi_rows,
+    1
+);
+
+/// The single-token kernels here for `ty` on a CPU with AVX-512 VNNI and VBMI (the caller
+/// checked): IQ2_XXS; `None` for the other types, whose AVX2 rows decode as fast.
+pub(crate) fn rows_fns(ty: GgmlType) -> Option<DotFns> {
+    (ty == GgmlType::IQ2_XXS).then_some(DotFns {
+        name: "iq2_xxs*q8_k/avx512vbmi",
+        dot: dot_iq2_xxs_vbmi,
+        rows: rows_iq2_xxs_vbmi,
+    })
 }
