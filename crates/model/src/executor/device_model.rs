@@ -651,6 +651,8 @@ impl<B: Backend> DeviceModel<B> {
         dev.get_rows(&self.tok_embd.m, &ids_buf, &mut x)?;
         drop(ids_buf);
         let offload = self.op_offload_min_batch.is_some_and(|m| n >= m);
+        // The rows of `x` whose final hidden state the members want.
+        let wanted = wanted_rows(members, &groups);
         let mut cx = Step {
             dev,
             arch: self.arch.as_ref(),
@@ -670,14 +672,12 @@ impl<B: Backend> DeviceModel<B> {
         }
         let Step {
             mut st,
-            groups,
             mut segments,
             narrowed,
             ..
         } = cx;
         st.stats.ubatches += 1;
         // The final hidden state of the wanted rows: gathered by the last layer, or rows of `x`.
-        let wanted = wanted_rows(members, &groups);
         let (x, wanted) = match &narrowed {
             Some(rows) => (&**rows, packed_rows(&wanted)),
             None => (&*x, wanted),

@@ -174,7 +174,8 @@ impl<'s, B: Backend> Step<'s, B> {
     /// Before the last layer's feed-forward block: where the members want the final hidden
     /// state of only some rows ([`wanted_rows`]: a prompt's last token), those rows of `x`
     /// (after attention and its residual add) gathered into a buffer, the step narrowed to
-    /// them (one group per member that wants any), as llama.cpp skips the unused rows of its
+    /// them (one group per member that wants any: the groups no longer follow the members),
+    /// as llama.cpp skips the unused rows of its
     /// last layer (`inp_out_ids`, `ggml_get_rows` before the FFN). The block then multiplies
     /// only those rows together, which gives llama.cpp's bits where the order of a product
     /// depends on the rows it multiplies (F32 routers in tinyBLAS's order for two rows or
