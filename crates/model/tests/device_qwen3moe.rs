@@ -6,8 +6,9 @@
 //! routed experts on the device, on the host (one round trip per layer per micro-batch), on
 //! the host with op offload, and on the host for one layer only; for f32, f16, bf16 and
 //! (where heads are whole blocks) q8_0 K/V caches; and several sequences batched in one
-//! `forward_multi` get what each gets alone, with one round trip per host layer. Heads the
-//! device cannot attend (not a multiple of 16 values) are refused at load.
+//! `forward_multi` get what each gets alone, with one round trip per host layer. The last
+//! layer's experts take the rows whose logits are wanted alone. Heads the device cannot
+//! attend (not a multiple of 16 values) are refused at load.
 
 mod common;
 
@@ -300,6 +301,50 @@ fn ref0_qwen3moe_batched_sequences_equal_each_alone() {
             }
         }
     }
+}
+
+/// The last layer runs its feed-forward block over the rows whose logits are wanted alone, as
+/// llama.cpp does (`inp_out_ids`), so that a prompt's last token meets the last layer's F32
+/// router as one row (`vec_dot`) whatever the micro-batch: with host experts the last layer's
+/// round trip of a prompt that wants the last logits brings down one row, of one that wants
+/// every position's logits all of them.
+#[test]
+fn ref0_qwen3moe_last_layer_experts_take_the_wanted_rows_alone() {
+    let placement = ExpertPlacement {
+        layers: vec![ExpertHome::Host; 2],
+        op_offload_min_batch: None,
+    };
+    let dev = DeviceModel::load(open(Model::Synth), Ref0::new(), &placement).unwrap();
+    let ty = kv(CacheType::F16, CacheType::F16);
+    let bytes = |tokens: &[u32], want: LogitsWanted| {
+        let mut c = dev.new_cache(ty, N_CTX, 16);
+        let before = dev.stats().bytes_to_host;
+        dev.forward(&mut c, tokens, want).unwrap();
+        dev.stats().bytes_to_host - before
+    };
+    // A single token: one row down per host layer.
+    let row = bytes(&[5], LogitsWanted::Last) / 2;
+    assert!(row > 0);
+    let prompt: Vec<u32> = (0..6).map(|i| i * 31 + 4).collect();
+    assert_eq!(bytes(&prompt, LogitsWanted::All), 2 * 6 * row);
+    assert_eq!(bytes(&prompt, LogitsWanted::Last), (6 + 1) * row);
+    // Beside a sequence that wants no logits, one that wants its last gets what it gets alone.
+    let other: Vec<u32> = (0..4).map(|i| i * 17 + 9).collect();
+    let mut c = dev.new_cache(ty, N_CTX, 16);
+    let alone = dev.forward(&mut c, &prompt, LogitsWanted::Last).unwrap();
+    let mut caches: Vec<_> = (0..2).map(|_| dev.new_cache(ty, N_CTX, 16)).collect();
+    let mut seqs: Vec<SeqBatch<'_, '_>> = caches
+        .iter_mut()
+        .zip([(&other, false), (&prompt, true)])
+        .map(|(cache, (p, logits))| SeqBatch {
+            cache,
+            tokens: p,
+            logits,
+        })
+        .collect();
+    let together = dev.forward_multi(&mut seqs).unwrap();
+    assert!(together[0].is_empty());
+    assert!(bits(&together[1]) == bits(&alone));
 }
 
 /// Heads the contract's attention does not take (not a multiple of 16 values) are refused at

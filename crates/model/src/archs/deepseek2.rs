@@ -577,7 +577,8 @@ impl<B: Backend> DeviceLayers<B> for Deepseek2<B> {
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let layer = &self.layers[l];
         self.attention(&layer.attn, cx, l, x)?;
-        self.ffn(layer, cx, l, x)
+        let last = l + 1 == self.layers.len();
+        cx.feed_forward(last, x, |cx, x| self.ffn(layer, cx, l, x))
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         Some(self.experts.get(layer)?.as_ref()?.tensors(&self.gguf))

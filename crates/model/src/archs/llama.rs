@@ -267,13 +267,16 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
         let p = &self.params;
         let layer = &self.layers[l];
         layer.attn.forward(cx, l, x)?;
-        let dev = cx.dev();
-        let mut h = cx.alloc(p.n_embd)?;
-        dev.rms_norm(x, &layer.ffn_norm, p.rms_eps, &mut h)?;
-        let mut out = cx.alloc(p.n_embd)?;
-        layer.ffn.forward(cx, &h, &mut out)?;
-        dev.add_assign(x, &out)?;
-        Ok(())
+        let last = l + 1 == self.layers.len();
+        cx.feed_forward(last, x, |cx, x| {
+            let dev = cx.dev();
+            let mut h = cx.alloc(p.n_embd)?;
+            dev.rms_norm(x, &layer.ffn_norm, p.rms_eps, &mut h)?;
+            let mut out = cx.alloc(p.n_embd)?;
+            layer.ffn.forward(cx, &h, &mut out)?;
+            dev.add_assign(x, &out)?;
+            Ok(())
+        })
     }
     fn layer_experts(&self, _layer: usize) -> Option<ExpertTensors<'_>> {
         None

@@ -19,7 +19,7 @@ use super::moe_cache::MoeCache;
 use super::scratch_arena::{Scratch, ScratchArena};
 use super::segments::{step_shape, SegmentEpoch, Segments, SeqShape};
 use super::state::State;
-use super::step::{DeviceLayers, Member, Step};
+use super::step::{packed_rows, wanted_rows, DeviceLayers, Member, Step};
 use crate::error::ModelError;
 use crate::expert_placement::{ExpertHome, ExpertPlacement};
 use crate::kv_snapshot::KvSnapshot;
@@ -651,6 +651,8 @@ impl<B: Backend> DeviceModel<B> {
         dev.get_rows(&self.tok_embd.m, &ids_buf, &mut x)?;
         drop(ids_buf);
         let offload = self.op_offload_min_batch.is_some_and(|m| n >= m);
+        // The rows of `x` whose final hidden state the members want.
+        let wanted = wanted_rows(members, &groups);
         let mut cx = Step {
             dev,
             arch: self.arch.as_ref(),
@@ -663,18 +665,24 @@ impl<B: Backend> DeviceModel<B> {
             offload,
             prefetched: None,
             segments,
+            narrowed: None,
         };
         for l in 0..dims.n_layer {
             self.arch.layer(&mut cx, l, &mut x)?;
         }
         let Step {
             mut st,
-            groups,
             mut segments,
+            narrowed,
             ..
         } = cx;
         st.stats.ubatches += 1;
-        let logits = self.logits(members, &groups, &x, &mut segments, &mut st)?;
+        // The final hidden state of the wanted rows: gathered by the last layer, or rows of `x`.
+        let (x, wanted) = match &narrowed {
+            Some(rows) => (&**rows, packed_rows(&wanted)),
+            None => (&*x, wanted),
+        };
+        let logits = self.logits(members, &wanted, x, &mut segments, &mut st)?;
         // After the token's logits: the experts that missed go up for the next micro-batch.
         let arch = self.arch.as_ref();
         st.moe_cache
@@ -682,9 +690,9 @@ impl<B: Backend> DeviceModel<B> {
         Ok(logits)
     }
 
-    /// The output norm and head over the rows the members want of the final hidden state `x`
-    /// (every row of a member that wants [`LogitsWanted::All`], the last of one that wants
-    /// [`LogitsWanted::Last`]), brought down in one copy (the turn handed to the other
+    /// The output norm and head over the rows of the final hidden state `x` each member wants
+    /// (`wanted`, rows of `x`: every row of a member that wants [`LogitsWanted::All`], the
+    /// last of one that wants [`LogitsWanted::Last`]), brought down in one copy (the turn handed to the other
     /// micro-batch in flight before the host waits for it) and split per member. A step whose
     /// members want [`LogitsWanted::Hidden`] brings down the normed rows instead (the head
     /// not run). A step whose rows are all last tokens that ask for their best logits alone
@@ -692,7 +700,7 @@ impl<B: Backend> DeviceModel<B> {
     fn logits(
         &self,
         members: &[Member<'_>],
-        groups: &[Range<usize>],
+        wanted: &[Option<Range<usize>>],
         x: &B::Buf<f32>,
         segments: &mut Segments,
         st: &mut StepState<'_, B>,
@@ -700,16 +708,6 @@ impl<B: Backend> DeviceModel<B> {
         let (dev, arena) = (&self.dev, &self.scratch);
         let p = self.arch.dims();
         let d = p.n_embd;
-        // Rows of `x` wanted, per member.
-        let wanted: Vec<Option<Range<usize>>> = members
-            .iter()
-            .zip(groups)
-            .map(|(m, g)| match m.want {
-                None => None,
-                Some(LogitsWanted::All | LogitsWanted::Hidden) => Some(g.clone()),
-                Some(LogitsWanted::Last) => Some(g.end - 1..g.end),
-            })
-            .collect();
         // Only `forward` asks for hidden states, for the one member of its steps.
         let hidden = members.iter().any(|m| m.want == Some(LogitsWanted::Hidden));
         let mut out_groups = Vec::new();
@@ -726,7 +724,7 @@ impl<B: Backend> DeviceModel<B> {
         }
         // Every row of `x`, or the wanted ones gathered into a buffer of the arena.
         let gathered: Scratch<'_, B, f32>;
-        let rows: &B::Buf<f32> = match wanted.as_slice() {
+        let rows: &B::Buf<f32> = match wanted {
             [Some(r)] if r.len() * d == B::buf_len(x) => x,
             _ => {
                 let mut rows = arena.take::<f32>(dev, n_rows * d)?;

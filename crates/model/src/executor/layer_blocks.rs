@@ -363,7 +363,8 @@ impl<B: Backend> AttnMoeLayers<B> {
             .map_or(KvWidths::default(), |(a, _)| a.kv_widths())
     }
 
-    /// Layer `l` over the micro-batch `x`: attention, then the routed experts.
+    /// Layer `l` over the micro-batch `x`: attention, then the routed experts; in the last
+    /// layer over the rows whose logits the members want alone ([`Step::feed_forward`]).
     pub(crate) fn forward(
         &self,
         cx: &mut Step<'_, B>,
@@ -372,7 +373,8 @@ impl<B: Backend> AttnMoeLayers<B> {
     ) -> Result<(), ModelError> {
         let (attn, moe) = &self.layers[l];
         attn.forward(cx, l, x)?;
-        moe.forward(cx, l, x)
+        let last = l + 1 == self.layers.len();
+        cx.feed_forward(last, x, |cx, x| moe.forward(cx, l, x))
     }
 
     /// Device bytes of every layer's weights.

@@ -31,7 +31,11 @@
 //!   the layer's experts over the file mapping with the CPU device's `moe` op, and the
 //!   weighted sum goes back up.
 //!
-//! After the last layer: output norm and head on the device, and the logits come down. With
+//! The last layer runs its feed-forward block over the rows whose logits (or hidden states)
+//! the members want alone, as llama.cpp does (`inp_out_ids`; `Step::feed_forward`), so that
+//! the products whose order depends on the rows multiplied together (F32 routers) see the
+//! same rows as llama.cpp's. After the last layer: output norm and head on the device, and
+//! the logits come down. With
 //! every layer's experts on the device nothing crosses the bus between the ids and the logits.
 //!
 //! Numerics: the CPU's. Products convert activations as ggml does (Q8_0 blocks for

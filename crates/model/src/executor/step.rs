@@ -99,6 +99,42 @@ pub(crate) struct Step<'s, B: Backend> {
     /// The step's recorded segments (`segments.rs`): a host layer closes one before its
     /// copy down and opens the next after its copy up.
     pub(crate) segments: Segments,
+    /// The final hidden state of the rows the members want, where the last layer ran its
+    /// feed-forward block on those rows alone ([`Step::narrow_to_outputs`]).
+    pub(crate) narrowed: Option<Scratch<'s, B, f32>>,
+}
+
+/// The rows of a micro-batch (its members' `groups`) whose final hidden state the members
+/// want: every row of one that wants [`LogitsWanted::All`] or [`LogitsWanted::Hidden`], the
+/// last of one that wants [`LogitsWanted::Last`], none for one that wants nothing.
+pub(crate) fn wanted_rows(
+    members: &[Member<'_>],
+    groups: &[Range<usize>],
+) -> Vec<Option<Range<usize>>> {
+    members
+        .iter()
+        .zip(groups)
+        .map(|(m, g)| match m.want {
+            None => None,
+            Some(LogitsWanted::All | LogitsWanted::Hidden) => Some(g.clone()),
+            Some(LogitsWanted::Last) => Some(g.end - 1..g.end),
+        })
+        .collect()
+}
+
+/// `wanted` ([`wanted_rows`]) packed one after another from row 0, in member order: where
+/// the wanted rows lie once gathered.
+pub(crate) fn packed_rows(wanted: &[Option<Range<usize>>]) -> Vec<Option<Range<usize>>> {
+    let mut at = 0;
+    wanted
+        .iter()
+        .map(|w| {
+            w.as_ref().map(|r| {
+                at += r.len();
+                at - r.len()..at
+            })
+        })
+        .collect()
 }
 
 /// The shape of one attention call, less the cache's cells (the executor's).
@@ -133,6 +169,57 @@ impl<'s, B: Backend> Step<'s, B> {
     /// Each token's position.
     pub(crate) fn positions(&self) -> &B::Buf<i32> {
         &self.pos
+    }
+
+    /// Before the last layer's feed-forward block: where the members want the final hidden
+    /// state of only some rows ([`wanted_rows`]: a prompt's last token), those rows of `x`
+    /// (after attention and its residual add) gathered into a buffer, the step narrowed to
+    /// them (one group per member that wants any: the groups no longer follow the members),
+    /// as llama.cpp skips the unused rows of its
+    /// last layer (`inp_out_ids`, `ggml_get_rows` before the FFN). The block then multiplies
+    /// only those rows together, which gives llama.cpp's bits where the order of a product
+    /// depends on the rows it multiplies (F32 routers in tinyBLAS's order for two rows or
+    /// more, `vec_dot` for one). `None` (nothing changed) where every row is wanted or none.
+    fn narrow_to_outputs(
+        &mut self,
+        x: &B::Buf<f32>,
+    ) -> Result<Option<Scratch<'s, B, f32>>, ModelError> {
+        let n = self.n_tokens();
+        let wanted = wanted_rows(self.members, &self.groups);
+        let n_rows: usize = wanted.iter().flatten().map(|r| r.len()).sum();
+        if n_rows == n || n_rows == 0 {
+            return Ok(None);
+        }
+        let d = B::buf_len(x) / n;
+        let mut rows = self.arena.take::<f32>(self.dev, n_rows * d)?;
+        let packed = packed_rows(&wanted);
+        for (r, p) in wanted.iter().zip(&packed) {
+            if let (Some(r), Some(p)) = (r, p) {
+                self.dev
+                    .copy_rows(x, &mut rows, &span(r.start * d, r.len() * d, p.start * d))?;
+            }
+        }
+        self.groups = packed.into_iter().flatten().collect();
+        Ok(Some(rows))
+    }
+
+    /// Runs a layer's feed-forward block `ffn` (its residual add included) over the hidden
+    /// state `x`; in the model's last layer (`last`) over the rows whose logits the members
+    /// want alone ([`Step::narrow_to_outputs`]), which the logits then read.
+    pub(crate) fn feed_forward(
+        &mut self,
+        last: bool,
+        x: &mut B::Buf<f32>,
+        ffn: impl FnOnce(&mut Self, &mut B::Buf<f32>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        if last {
+            if let Some(mut rows) = self.narrow_to_outputs(x)? {
+                ffn(self, &mut rows)?;
+                self.narrowed = Some(rows);
+                return Ok(());
+            }
+        }
+        ffn(self, x)
     }
 
     /// A scratch buffer of `width` floats per token, from the step's arena: its contents are
