@@ -650,7 +650,7 @@ impl<B: Backend> DeviceModel<B> {
         segments.begin(dev)?;
         dev.get_rows(&self.tok_embd.m, &ids_buf, &mut x)?;
         drop(ids_buf);
-        let offload = self.op_offload_min_batch.is_some_and(|m| n >= m);
+        let offload_at = |rows: usize| self.op_offload_min_batch.is_some_and(|m| rows >= m);
         // The rows of `x` whose final hidden state the members want.
         let wanted = wanted_rows(members, &groups);
         let mut cx = Step {
@@ -662,11 +662,13 @@ impl<B: Backend> DeviceModel<B> {
             groups,
             pos,
             arena,
-            offload,
+            offload: offload_at(n),
+            offload_last: false,
             prefetched: None,
             segments,
             narrowed: None,
         };
+        cx.offload_last = offload_at(cx.last_layer_rows());
         for l in 0..dims.n_layer {
             self.arch.layer(&mut cx, l, &mut x)?;
         }

@@ -92,7 +92,8 @@
 //!   (DeepSeek's latent cache) is f16. A cache of another type is an error (the CLI runs it on
 //!   the CPU then).
 //! - **Op offload overlaps large batches only**: a micro-batch of at least the placement's
-//!   `op_offload_min_batch` tokens runs a host layer on the device with the experts it routes
+//!   `op_offload_min_batch` tokens (counted in the last layer as the rows its feed-forward
+//!   block multiplies, as llama.cpp decides per op) runs a host layer on the device with the experts it routes
 //!   to uploaded from the file mapping for that batch (on CUDA through pinned buffers that the
 //!   CPU pool fills while the copy engine drains them, on the device's copy stream), slice by
 //!   slice through a ring of two device buffers whose size the placement plans

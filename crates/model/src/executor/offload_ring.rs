@@ -31,7 +31,7 @@ use std::ops::Range;
 use hmoe_backend::{Backend, GatedAct, RowCopy};
 use hmoe_placement::{ring_max_slice, ring_slice_for};
 
-use super::expert_boundary::{compact_ids, experts_of};
+use super::expert_boundary::{compact_ids, experts_of, PREFETCH_ROUTES_PER_EXPERT};
 use super::routing::Routed;
 use super::step::Step;
 use crate::error::ModelError;
@@ -230,7 +230,7 @@ impl<B: Backend> Step<'_, B> {
             Some(self.sliced(layer, first, &slices, r, parts, &pos)?)
         };
         if upload_all {
-            self.prefetch_after(layer)?;
+            self.prefetch_after(layer, r.router.k)?;
         }
         let (d, k) = (self.arch.dims().n_embd, r.router.k);
         for p in pairs.into_iter().flatten() {
@@ -306,8 +306,10 @@ impl<B: Backend> Step<'_, B> {
     }
 
     /// After a layer that uploaded every expert: the first slice of the next host layer up,
-    /// overlapping the layers in between.
-    fn prefetch_after(&mut self, layer: usize) -> Result<(), ModelError> {
+    /// overlapping the layers in between; not where that layer is the last and its rows
+    /// ([`Step::last_layer_rows`], `k` routes each) stay on the host or route too few pairs
+    /// to upload every expert.
+    fn prefetch_after(&mut self, layer: usize, k: usize) -> Result<(), ModelError> {
         let e = self.experts;
         let next = (layer + 1..e.homes.len()).find(|&j| {
             e.homes[j] == ExpertHome::Host
@@ -318,6 +320,12 @@ impl<B: Backend> Step<'_, B> {
             return Ok(());
         };
         let t = experts_of(self.arch, nl)?;
+        let last_rows = self.last_layer_rows();
+        if nl + 1 == e.homes.len()
+            && (!self.offload_last || last_rows * k < PREFETCH_ROUTES_PER_EXPERT * t.n_expert)
+        {
+            return Ok(());
+        }
         let slice = self.ring_slice(t.n_expert, t.expert_bytes());
         let ids: Vec<usize> = (0..slice.min(t.n_expert)).collect();
         let w = self.upload_slice(nl, &ids)?;

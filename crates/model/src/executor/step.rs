@@ -93,6 +93,10 @@ pub(crate) struct Step<'s, B: Backend> {
     pub(crate) arena: &'s ScratchArena<B>,
     /// Whether host layers run on the device for this batch (op offload).
     pub(crate) offload: bool,
+    /// Whether the last layer's host experts run on the device: op offload decided by the
+    /// rows that layer's feed-forward block multiplies ([`Step::last_layer_rows`]), as
+    /// llama.cpp decides it per op by its batch.
+    pub(crate) offload_last: bool,
     /// The first slice of the next host layer's experts (the layer, its experts), uploading
     /// while the layers before it run (op offload's ring, `offload_ring.rs`).
     pub(crate) prefetched: Option<(usize, usize, B::Moe)>,
@@ -185,11 +189,11 @@ impl<'s, B: Backend> Step<'s, B> {
         x: &B::Buf<f32>,
     ) -> Result<Option<Scratch<'s, B, f32>>, ModelError> {
         let n = self.n_tokens();
-        let wanted = wanted_rows(self.members, &self.groups);
-        let n_rows: usize = wanted.iter().flatten().map(|r| r.len()).sum();
-        if n_rows == n || n_rows == 0 {
+        let n_rows = self.last_layer_rows();
+        if n_rows == n {
             return Ok(None);
         }
+        let wanted = wanted_rows(self.members, &self.groups);
         let d = B::buf_len(x) / n;
         let mut rows = self.arena.take::<f32>(self.dev, n_rows * d)?;
         let packed = packed_rows(&wanted);
@@ -203,6 +207,20 @@ impl<'s, B: Backend> Step<'s, B> {
         Ok(Some(rows))
     }
 
+    /// The rows the last layer's feed-forward block multiplies (before it narrows the step):
+    /// the wanted ones ([`wanted_rows`]), or every row where the members want all or none.
+    pub(crate) fn last_layer_rows(&self) -> usize {
+        let wanted: usize = wanted_rows(self.members, &self.groups)
+            .iter()
+            .flatten()
+            .map(|r| r.len())
+            .sum();
+        match wanted {
+            0 => self.n_tokens(),
+            w => w,
+        }
+    }
+
     /// Runs a layer's feed-forward block `ffn` (its residual add included) over the hidden
     /// state `x`; in the model's last layer (`last`) over the rows whose logits the members
     /// want alone ([`Step::narrow_to_outputs`]), which the logits then read.
@@ -214,6 +232,7 @@ impl<'s, B: Backend> Step<'s, B> {
     ) -> Result<(), ModelError> {
         if last {
             if let Some(mut rows) = self.narrow_to_outputs(x)? {
+                self.offload = self.offload_last;
                 ffn(self, &mut rows)?;
                 self.narrowed = Some(rows);
                 return Ok(());
