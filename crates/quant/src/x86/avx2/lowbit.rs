@@ -70,6 +70,17 @@ pub(crate) unsafe fn i8i8_lanes<const VNNI: bool>(x: __m256i, y: __m256i) -> __m
     u8i8_lanes::<VNNI>(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
 }
 
+/// Into L2, the `len` blocks from block `ib` of a group of rows read as one run of
+/// `group_bytes` per block from `next` (the group after the one in hand, rows back to back):
+/// a hint, so addresses past the rows are never read.
+#[inline(always)]
+unsafe fn prefetch_next_rows(next: *const u8, ib: usize, len: usize, group_bytes: usize) {
+    for l in 0..(len * group_bytes).div_ceil(64) {
+        let p = next.wrapping_add(ib * group_bytes + 64 * l);
+        _mm_prefetch::<_MM_HINT_T1>(p.cast());
+    }
+}
+
 /// Q4_0 / Q5_0 weights times Q8_0: one 8-lane FMA chain per row over the blocks.
 #[inline(always)]
 unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
@@ -81,7 +92,14 @@ unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
 ) {
     let (bytes, qs) = if Q5 { (Q5_0_BYTES, 6) } else { (Q4_0_BYTES, 2) };
     let mut acc = [_mm256_setzero_ps(); R];
+    // The next R rows go into L2 as this group runs (the hardware prefetchers miss R
+    // streams): at each step of 8 blocks the share of them that matches (a hint: addresses
+    // past the rows are never read).
+    let next = w.wrapping_add(R * stride);
     for ib in 0..n / QK {
+        if R > 1 && ib % 8 == 0 {
+            prefetch_next_rows(next, ib, (n / QK - ib).min(8), R * bytes);
+        }
         let ab = a.add(ib * Q8_0_BYTES);
         let y = _mm256_loadu_si256(ab.add(2).cast());
         let da = f16_at(ab);
@@ -116,7 +134,12 @@ unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     let (bytes, qs) = if Q5 { (Q5_1_BYTES, 8) } else { (Q4_1_BYTES, 4) };
     let mut acc = [_mm256_setzero_ps(); R];
     let mut summs = [0.0f32; R];
+    // As in `signed_rows`: the next R rows into L2, a step of 8 blocks at a time.
+    let next = w.wrapping_add(R * stride);
     for ib in 0..n / QK {
+        if R > 1 && ib % 8 == 0 {
+            prefetch_next_rows(next, ib, (n / QK - ib).min(8), R * bytes);
+        }
         let ab = a.add(ib * Q8_1_BYTES);
         let y = _mm256_loadu_si256(ab.add(4).cast());
         let (da, sa) = (f16_at(ab), f16_at(ab.add(2)));
