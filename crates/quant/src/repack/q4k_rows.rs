@@ -14,6 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::avx2::q4_k_row;
+use crate::cache_hint::prefetch_l2;
 use crate::scalar::kquants::{Q4_K_BYTES, Q8_K_BYTES, Q8_K_QS, QK_K};
 use crate::x86::avx2::lowbit::{hsum_8x8, k4_min_prod, k4_scales_mins, k4_sumi};
 
@@ -124,10 +125,7 @@ unsafe fn q4_k_rows8<I: Isum>(n: usize, w: *const u8, stride: usize, a: *const u
     // rows are never read).
     let next = w.wrapping_add(R * stride);
     for i in 0..n / QK_K {
-        for l in 0..(R * Q4_K_BYTES).div_ceil(64) {
-            let p = next.wrapping_add(i * R * Q4_K_BYTES + 64 * l);
-            _mm_prefetch::<_MM_HINT_T1>(p.cast());
-        }
+        prefetch_l2(next.wrapping_add(i * R * Q4_K_BYTES), R * Q4_K_BYTES);
         let ab = a.add(i * Q8_K_BYTES);
         let prep = I::prepare(ab);
         let mut isum = [_mm256_setzero_si256(); R];

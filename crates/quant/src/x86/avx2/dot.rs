@@ -10,6 +10,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::cache_hint::prefetch_l2;
 use crate::kernel_fns::{DequantFn, DotFns, QuantFn};
 use crate::scalar::shared::{self, E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::scalar::{self, basic};
@@ -251,10 +252,7 @@ unsafe fn q8_0_rows<const R: usize>(
     let next = w.wrapping_add(R * stride);
     for ib in 0..nb {
         if R > 1 {
-            for l in 0..(R * Q8_0_BYTES).div_ceil(64) + 1 {
-                let p = next.wrapping_add(ib * R * Q8_0_BYTES + 64 * l);
-                _mm_prefetch::<_MM_HINT_T1>(p.cast());
-            }
+            prefetch_l2(next.wrapping_add(ib * R * Q8_0_BYTES), R * Q8_0_BYTES + 64);
         }
         let ab = a.add(ib * Q8_0_BYTES);
         let y = _mm256_loadu_si256(ab.add(2).cast());

@@ -27,6 +27,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::cache_hint::prefetch_l2;
 use crate::gemm_layout::{
     row_ptrs, ActBlocks, GemmFn, KVALUES_MXFP4_PLUS12, Q8_0_TILE_TOKENS, X16_NIBBLE_BYTES,
 };
@@ -206,10 +207,10 @@ unsafe fn mxfp4_tile_regs<const TT: usize, const H: usize, S: Group8>(
     let astride = nb * Q8_0_BYTES;
     let mut acc = [[_mm256_setzero_ps(); TT]; H];
     for b in 0..nb {
-        for l in 0..(H * G * MXFP4_BYTES).div_ceil(64) {
-            let p = next.wrapping_add(b * H * G * MXFP4_BYTES + 64 * l);
-            _mm_prefetch::<_MM_HINT_T1>(p.cast());
-        }
+        prefetch_l2(
+            next.wrapping_add(b * H * G * MXFP4_BYTES),
+            H * G * MXFP4_BYTES,
+        );
         for (rows, acc) in groups.iter().zip(&mut acc) {
             let (u, pow2) = decode8(rows, b);
             for (j, acc) in acc.iter_mut().enumerate() {
@@ -405,10 +406,10 @@ unsafe fn mxfp4_gemm_batched<S: Group8>(
                 for i in 0..nbc {
                     let b = b0 + i;
                     // The next row pair (contiguous) into L2 while this one runs.
-                    for l in 0..5 {
-                        let p = next.wrapping_add(b * 2 * G * MXFP4_BYTES + 64 * l);
-                        _mm_prefetch::<_MM_HINT_T1>(p.cast());
-                    }
+                    prefetch_l2(
+                        next.wrapping_add(b * 2 * G * MXFP4_BYTES),
+                        2 * G * MXFP4_BYTES,
+                    );
                     for (dec, rows) in dec.iter_mut().zip(&groups) {
                         dec[i] = decode8_signed(rows, b);
                     }

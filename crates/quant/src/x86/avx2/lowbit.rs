@@ -8,6 +8,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::cache_hint::prefetch_l2;
 use crate::kernel_fns::DotFns;
 use crate::scalar::kquants::{
     Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BSUMS, Q8_K_BYTES, Q8_K_QS,
@@ -70,17 +71,6 @@ pub(crate) unsafe fn i8i8_lanes<const VNNI: bool>(x: __m256i, y: __m256i) -> __m
     u8i8_lanes::<VNNI>(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
 }
 
-/// Into L2, the `len` blocks from block `ib` of a group of rows read as one run of
-/// `group_bytes` per block from `next` (the group after the one in hand, rows back to back):
-/// a hint, so addresses past the rows are never read.
-#[inline(always)]
-unsafe fn prefetch_next_rows(next: *const u8, ib: usize, len: usize, group_bytes: usize) {
-    for l in 0..(len * group_bytes).div_ceil(64) {
-        let p = next.wrapping_add(ib * group_bytes + 64 * l);
-        _mm_prefetch::<_MM_HINT_T1>(p.cast());
-    }
-}
-
 /// Q4_0 / Q5_0 weights times Q8_0: one 8-lane FMA chain per row over the blocks.
 #[inline(always)]
 unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
@@ -98,7 +88,8 @@ unsafe fn signed_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     let next = w.wrapping_add(R * stride);
     for ib in 0..n / QK {
         if R > 1 && ib % 8 == 0 {
-            prefetch_next_rows(next, ib, (n / QK - ib).min(8), R * bytes);
+            let len = (n / QK - ib).min(8);
+            prefetch_l2(next.wrapping_add(ib * R * bytes), len * R * bytes);
         }
         let ab = a.add(ib * Q8_0_BYTES);
         let y = _mm256_loadu_si256(ab.add(2).cast());
@@ -138,7 +129,8 @@ unsafe fn min_rows<const R: usize, const VNNI: bool, const Q5: bool>(
     let next = w.wrapping_add(R * stride);
     for ib in 0..n / QK {
         if R > 1 && ib % 8 == 0 {
-            prefetch_next_rows(next, ib, (n / QK - ib).min(8), R * bytes);
+            let len = (n / QK - ib).min(8);
+            prefetch_l2(next.wrapping_add(ib * R * bytes), len * R * bytes);
         }
         let ab = a.add(ib * Q8_1_BYTES);
         let y = _mm256_loadu_si256(ab.add(4).cast());

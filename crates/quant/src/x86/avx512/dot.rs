@@ -11,6 +11,7 @@
 use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
 
+use crate::cache_hint::prefetch_l2;
 use crate::kernel_fns::DotFns;
 use crate::scalar::basic;
 use crate::scalar::shared::{E8M0_HALF, KVALUES_MXFP4, MXFP4_BYTES, Q8_0_BYTES, QK};
@@ -192,10 +193,10 @@ unsafe fn q8_0_rows<const R: usize, const VNNI: bool>(
     let mut ib = 0;
     while ib + 1 < nb {
         if R > 1 {
-            for l in 0..(2 * R * Q8_0_BYTES).div_ceil(64) + 1 {
-                let p = next.wrapping_add(ib * R * Q8_0_BYTES + 64 * l);
-                _mm_prefetch::<_MM_HINT_T1>(p.cast());
-            }
+            prefetch_l2(
+                next.wrapping_add(ib * R * Q8_0_BYTES),
+                2 * R * Q8_0_BYTES + 64,
+            );
         }
         let a0 = a.add(ib * Q8_0_BYTES);
         let a1 = a0.add(Q8_0_BYTES);
@@ -398,10 +399,10 @@ unsafe fn q8_0_rows_biased<const R: usize>(
     while ib0 < nb {
         let len = (nb - ib0).min(8);
         if R > 1 {
-            for l in 0..(len * R * Q8_0_BYTES).div_ceil(64) {
-                let p = next.wrapping_add(ib0 * R * Q8_0_BYTES + 64 * l);
-                _mm_prefetch::<_MM_HINT_T1>(p.cast());
-            }
+            prefetch_l2(
+                next.wrapping_add(ib0 * R * Q8_0_BYTES),
+                len * R * Q8_0_BYTES,
+            );
         }
         // Each row's scales times the activation's for this step's blocks (a short last step
         // masks the rest off, so nothing past it is read: 896-wide rows end in 4 blocks).

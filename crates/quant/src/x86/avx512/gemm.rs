@@ -25,6 +25,7 @@
 use core::arch::x86_64::*;
 use core::ops::Range;
 
+use crate::cache_hint::prefetch_l2;
 use crate::gemm_layout::{row_ptrs, GemmFn, KVALUES_MXFP4_PLUS12, X16_NIBBLE_BYTES};
 use crate::scalar::shared::{MXFP4_BYTES, Q8_0_BYTES, QK};
 use crate::x86::avx2::dot::{f16_at, hsum8};
@@ -182,10 +183,7 @@ unsafe fn store_lanes(v: __m512, lanes: Lanes, out: *mut f32, step: usize) {
 /// prefetch hint only: addresses past the rows are harmless).
 #[inline(always)]
 pub(crate) unsafe fn prefetch_group(next: *const u8, b: usize) {
-    for l in 0..5 {
-        let p = next.wrapping_add(b * G * MXFP4_BYTES + 64 * l);
-        _mm_prefetch::<_MM_HINT_T1>(p.cast());
-    }
+    prefetch_l2(next.wrapping_add(b * G * MXFP4_BYTES), G * MXFP4_BYTES);
 }
 
 /// `TT` tokens (`a`, `bias` and `out` at the first) over one row group, decoding each block

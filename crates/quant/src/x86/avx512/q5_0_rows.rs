@@ -17,6 +17,7 @@
 use core::arch::x86_64::*;
 use core::mem::MaybeUninit;
 
+use crate::cache_hint::prefetch_l2;
 use crate::scalar::legacy::Q5_0_BYTES;
 use crate::scalar::shared::{Q8_0_BYTES, QK};
 use crate::x86::avx2::dot::{f16_at, hsum8};
@@ -87,10 +88,10 @@ unsafe fn q5_0_rows_biased<const R: usize>(
     while ib0 < nb {
         let len = (nb - ib0).min(8);
         if R > 1 {
-            for l in 0..(len * R * Q5_0_BYTES).div_ceil(64) {
-                let p = next.wrapping_add(ib0 * R * Q5_0_BYTES + 64 * l);
-                _mm_prefetch::<_MM_HINT_T1>(p.cast());
-            }
+            prefetch_l2(
+                next.wrapping_add(ib0 * R * Q5_0_BYTES),
+                len * R * Q5_0_BYTES,
+            );
         }
         // The step's blocks (a short last step masks the rest off: nothing past it is read).
         let m = (0xffu32 >> (8 - len)) as __mmask8;
