@@ -651,14 +651,13 @@ impl<B: Backend> DeviceModel<B> {
         dev.get_rows(&self.tok_embd.m, &ids_buf, &mut x)?;
         drop(ids_buf);
         let offload_at = |rows: usize| self.op_offload_min_batch.is_some_and(|m| rows >= m);
-        // The rows of `x` whose final hidden state the members want.
-        let wanted = wanted_rows(members, &groups);
         let mut cx = Step {
             dev,
             arch: self.arch.as_ref(),
             experts: &self.experts,
             st,
             members,
+            wanted: wanted_rows(members, &groups),
             groups,
             pos,
             arena,
@@ -676,6 +675,7 @@ impl<B: Backend> DeviceModel<B> {
             mut st,
             mut segments,
             narrowed,
+            wanted,
             ..
         } = cx;
         st.stats.ubatches += 1;

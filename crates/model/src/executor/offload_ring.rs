@@ -320,9 +320,9 @@ impl<B: Backend> Step<'_, B> {
             return Ok(());
         };
         let t = experts_of(self.arch, nl)?;
-        let last_rows = self.last_layer_rows();
         if nl + 1 == e.homes.len()
-            && (!self.offload_last || last_rows * k < PREFETCH_ROUTES_PER_EXPERT * t.n_expert)
+            && (!self.offload_last
+                || self.last_layer_rows() * k < PREFETCH_ROUTES_PER_EXPERT * t.n_expert)
         {
             return Ok(());
         }

@@ -88,6 +88,9 @@ pub(crate) struct Step<'s, B: Backend> {
     pub(crate) st: StepState<'s, B>,
     pub(crate) members: &'s [Member<'s>],
     pub(crate) groups: Vec<Range<usize>>,
+    /// Per member, the rows of the micro-batch whose final hidden state it wants
+    /// ([`wanted_rows`] of the step's first `groups`).
+    pub(crate) wanted: Vec<Option<Range<usize>>>,
     pub(crate) pos: Scratch<'s, B, i32>,
     /// Where the step's temporaries come from (`scratch_arena.rs`).
     pub(crate) arena: &'s ScratchArena<B>,
@@ -193,11 +196,10 @@ impl<'s, B: Backend> Step<'s, B> {
         if n_rows == n {
             return Ok(None);
         }
-        let wanted = wanted_rows(self.members, &self.groups);
         let d = B::buf_len(x) / n;
         let mut rows = self.arena.take::<f32>(self.dev, n_rows * d)?;
-        let packed = packed_rows(&wanted);
-        for (r, p) in wanted.iter().zip(&packed) {
+        let packed = packed_rows(&self.wanted);
+        for (r, p) in self.wanted.iter().zip(&packed) {
             if let (Some(r), Some(p)) = (r, p) {
                 self.dev
                     .copy_rows(x, &mut rows, &span(r.start * d, r.len() * d, p.start * d))?;
@@ -210,11 +212,7 @@ impl<'s, B: Backend> Step<'s, B> {
     /// The rows the last layer's feed-forward block multiplies (before it narrows the step):
     /// the wanted ones ([`wanted_rows`]), or every row where the members want all or none.
     pub(crate) fn last_layer_rows(&self) -> usize {
-        let wanted: usize = wanted_rows(self.members, &self.groups)
-            .iter()
-            .flatten()
-            .map(|r| r.len())
-            .sum();
+        let wanted: usize = self.wanted.iter().flatten().map(|r| r.len()).sum();
         match wanted {
             0 => self.n_tokens(),
             w => w,
