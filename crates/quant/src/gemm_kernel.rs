@@ -31,7 +31,9 @@
 use crate::dispatch::gemm_fn;
 use crate::error::{check_isa, row_bytes};
 use crate::gemm_layout::interleave_x16;
-use crate::gemm_layout::{ActBlocks, GemmFn, AMX_MIN_TOKENS, AMX_TILE_TOKENS, Q8_0_TILE_TOKENS};
+use crate::gemm_layout::{
+    ActBlocks, GemmFn, Q8TileBlock, AMX_MIN_TOKENS, AMX_TILE_TOKENS, Q8_0_TILE_TOKENS,
+};
 #[cfg(target_arch = "x86_64")]
 use crate::gemm_layout::{LOWBIT_TILE_TOKENS_AVX2, LOWBIT_TILE_TOKENS_AVX512};
 use crate::scalar::shared::{f16_to_f32, rd_u16, Q8_0_BYTES, QK};
@@ -276,8 +278,23 @@ impl GemmKernel {
                 .collect();
         }
         #[cfg(target_arch = "x86_64")]
+        if self.weight == GgmlType::Q8_0 && self.isa == Isa::Avx2 {
+            let nb = n / QK;
+            let tiles = n_tokens.div_ceil(Q8_0_TILE_TOKENS);
+            blocks.q8_tiles = vec![Q8TileBlock::default(); tiles * nb];
+            for (t, row) in acts.chunks_exact(row).enumerate() {
+                let (tile, j) = (t / Q8_0_TILE_TOKENS, t % Q8_0_TILE_TOKENS);
+                for (b, block) in row.chunks_exact(Q8_0_BYTES).enumerate() {
+                    let dst = &mut blocks.q8_tiles[tile * nb + b];
+                    dst.d[j] = f16_to_f32(rd_u16(block, 0));
+                    for (q, &byte) in dst.qs[j].iter_mut().zip(&block[2..]) {
+                        *q = byte as i8;
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
         let tile = match (self.weight, self.isa) {
-            (GgmlType::Q8_0, Isa::Avx2) => Some(Q8_0_TILE_TOKENS),
             (w, Isa::Avx2) if is_lowbit(w) => Some(LOWBIT_TILE_TOKENS_AVX2),
             (w, Isa::Avx512) if is_lowbit(w) => Some(LOWBIT_TILE_TOKENS_AVX512),
             (GgmlType::MXFP4, Isa::Avx512) if self.amx && n_tokens >= AMX_MIN_TOKENS => {

@@ -27,8 +27,7 @@ pub(crate) struct ActBlocks {
     /// The block's scale `d` (MXFP4 weights, for the AVX2 kernel, which reads it).
     pub(crate) scales: Vec<f32>,
     /// The scales `d` as `[block][token]`, the tokens padded with zeros to whole tiles: of
-    /// [`Q8_0_TILE_TOKENS`] for Q8_0 weights on AVX2 (whose kernel multiplies a tile's scales
-    /// by the weight row's in one vector product), of [`AMX_TILE_TOKENS`] for the AMX MXFP4
+    /// [`AMX_TILE_TOKENS`] for the AMX MXFP4
     /// kernel (whose tiles read 16 tokens' scales; only batches of at least 16 use it, so it
     /// never reads the padding, which only fixes the stride it expects), of
     /// [`LOWBIT_TILE_TOKENS_AVX2`] and [`LOWBIT_TILE_TOKENS_AVX512`] for Q4_0/Q4_1/Q5_0/Q5_1
@@ -37,6 +36,11 @@ pub(crate) struct ActBlocks {
     /// The block's 32 bytes plus 128, as unsigned bytes (`[token][block][32]`; the AVX2
     /// MXFP4 kernel's batched path, which multiplies them with the signed table values).
     pub(crate) flipped: Vec<u8>,
+    /// The activations of the AVX2 Q8_0 kernel as `[tile of Q8_0_TILE_TOKENS tokens][block]`:
+    /// each block's scales and quants of the tile's tokens side by side, 32-byte aligned, so
+    /// that a tile's run of blocks is one sequential stream and no load spans two cache lines
+    /// (tokens past the batch are zeros).
+    pub(crate) q8_tiles: Vec<Q8TileBlock>,
     /// The activation blocks' second f16 `s` (Q8_1: `d · Σ q`) as f32, `[block][token]` padded
     /// like [`ActBlocks::block_scales`] (Q4_1/Q5_1 weights on AVX2 and AVX-512, whose kernels
     /// add `m_w · s` for a tile of tokens in one vector FMA).
@@ -52,7 +56,17 @@ pub(crate) struct ActBlocks {
     pub(crate) sign_fallback: bool,
 }
 
-/// Tokens per tile of the AVX2 Q8_0 kernel (the padding of [`ActBlocks::block_scales`]).
+/// One Q8_0 block of a tile of [`Q8_0_TILE_TOKENS`] tokens ([`ActBlocks::q8_tiles`]).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(32))]
+pub(crate) struct Q8TileBlock {
+    /// The tokens' scales `d` as f32.
+    pub(crate) d: [f32; Q8_0_TILE_TOKENS],
+    /// The tokens' 32 quants.
+    pub(crate) qs: [[i8; 32]; Q8_0_TILE_TOKENS],
+}
+
+/// Tokens per tile of the AVX2 Q8_0 kernel (of [`ActBlocks::q8_tiles`]).
 pub(crate) const Q8_0_TILE_TOKENS: usize = 8;
 /// Tokens per tile of the AVX2 Q4_0/Q4_1/Q5_0/Q5_1 kernels.
 pub(crate) const LOWBIT_TILE_TOKENS_AVX2: usize = 8;
