@@ -4,6 +4,7 @@
 //! accumulate in f64.
 
 use hmoe_backend::numerics::hsum16;
+use hmoe_pool::ColumnBlock;
 use hmoe_quant::{BatchKind, DotKernel, GemmKernel, GgmlType};
 
 /// `out = x / sqrt(mean(x²) + eps) * weight`, one row of `weight.len()` elements at a time.
@@ -238,40 +239,63 @@ pub(crate) fn matmul_as(
         .is_none()
         .then(|| kernel.prepare_token_rows(kind, n_in, &acts.data, n_tokens));
     // Batch: each task owns a block of weight rows and runs every token through it, so the
-    // weights are read once; the result is produced transposed and then laid out per token.
-    let mut transposed = vec![0f32; n_out * n_tokens];
-    hmoe_pool::global().for_each_chunk_mut(
-        &mut transposed,
-        rows_per_task * n_tokens,
-        |chunk, dst| {
-            let r0 = chunk * rows_per_task;
-            let rows = dst.len() / n_tokens;
-            if let (Some(g), Some(p)) = (&gemm, &prep) {
-                let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
-                g.gemm(w_rows, p, dst).expect("whole rows");
-                return;
+    // weights are read once. The kernels give the block's results as `[row][token]`, in a
+    // per-thread scratch that stays in cache while the task writes them into its columns of
+    // `out` (no matrix-sized buffer, no pass over the whole result afterwards).
+    hmoe_pool::global().for_each_column_block_mut(out, n_out, rows_per_task, |_, cols| {
+        let (r0, rows) = (cols.first_col(), cols.cols());
+        let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
+        BLOCK_RESULTS.with_borrow_mut(|res| {
+            // Grown, never cleared: the kernels write every result.
+            if res.len() < rows * n_tokens {
+                res.resize(rows * n_tokens, 0.0);
             }
-            // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
-            // repacked Q4_K); `vec_dot` for the other types.
-            let w_rows = &w[r0 * row_bytes..(r0 + rows) * row_bytes];
-            let tokens = tokens
-                .as_ref()
-                .expect("prepared where there is no GEMM kernel");
-            kernel.dot_token_rows(tokens, w_rows, dst);
-        },
-    );
-    debug_assert!(
-        check_first(transposed[0]),
-        "matmul differs from the reference"
-    );
-    // Transposed back in blocks of rows, so reads and writes both stay in cache.
-    for (rb, block) in transposed.chunks(64 * n_tokens).enumerate() {
-        for (t, dst) in out.chunks_exact_mut(n_out).enumerate() {
-            for (i, col) in block.chunks_exact(n_tokens).enumerate() {
-                dst[rb * 64 + i] = col[t];
+            let res = &mut res[..rows * n_tokens];
+            if let (Some(g), Some(p)) = (&gemm, &prep) {
+                g.gemm(w_rows, p, res).expect("whole rows");
+            } else {
+                // Each token in llama.cpp's order for a batch of this size (tiled K-quants,
+                // repacked Q4_K); `vec_dot` for the other types.
+                let tokens = tokens
+                    .as_ref()
+                    .expect("prepared where there is no GEMM kernel");
+                kernel.dot_token_rows(tokens, w_rows, res);
+            }
+            if r0 == 0 {
+                debug_assert!(check_first(res[0]), "matmul differs from the reference");
+            }
+            transpose_into(res, rows, n_tokens, cols);
+        });
+    });
+}
+
+/// Writes `res` (`[row][token]`, `rows` × `n_tokens`) into `cols` (row `t` of `cols` takes
+/// token `t`'s results), in tiles of 8 rows × 8 tokens: each tile is 8 reads and 8 writes of
+/// 8 consecutive values (a walk down a column strides by `n_tokens` and thrashes L1's sets).
+fn transpose_into(res: &[f32], rows: usize, n_tokens: usize, cols: &mut ColumnBlock<'_, f32>) {
+    const T: usize = 8;
+    for i0 in (0..rows).step_by(T) {
+        let ib = (rows - i0).min(T);
+        for t0 in (0..n_tokens).step_by(T) {
+            let tb = (n_tokens - t0).min(T);
+            let mut tile = [[0f32; T]; T];
+            for (k, tile) in tile.iter_mut().enumerate().take(ib) {
+                let src = &res[(i0 + k) * n_tokens + t0..][..tb];
+                tile[..tb].copy_from_slice(src);
+            }
+            for j in 0..tb {
+                let dst = &mut cols.row(t0 + j)[i0..i0 + ib];
+                for (k, d) in dst.iter_mut().enumerate() {
+                    *d = tile[k][j];
+                }
             }
         }
     }
+}
+
+thread_local! {
+    /// A batch task's results, `[row][token]` (see [`matmul_as`]).
+    static BLOCK_RESULTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// [`matmul`] with every product in the order of ggml's `vec_dot` kernels, which is what ggml

@@ -404,6 +404,78 @@ impl ThreadPool {
             f(i, chunk)
         });
     }
+
+    /// Treats `data` as a matrix of rows of `row_len` elements, splits its columns into blocks
+    /// of `block_cols` (the last may be narrower) and calls `f(block_index, block)` for each,
+    /// in parallel as [`ThreadPool::run`]; `block` reaches the block's part of every row
+    /// ([`ColumnBlock::row`]). For results that tasks produce by column (a matmul's output
+    /// rows of each weight row block) written straight into a row-major output.
+    pub fn for_each_column_block_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        row_len: usize,
+        block_cols: usize,
+        f: impl Fn(usize, &mut ColumnBlock<'_, T>) + Sync,
+    ) {
+        assert!(block_cols > 0, "block width must be positive");
+        assert!(
+            row_len > 0 && data.len().is_multiple_of(row_len),
+            "data must be whole rows of row_len elements"
+        );
+        let rows = data.len() / row_len;
+        let base = SendPtr(data.as_mut_ptr());
+        self.run(row_len.div_ceil(block_cols), &|i| {
+            let col0 = i * block_cols;
+            let mut block = ColumnBlock {
+                base: base.get(),
+                row_len,
+                rows,
+                col0,
+                cols: block_cols.min(row_len - col0),
+                _data: std::marker::PhantomData,
+            };
+            f(i, &mut block)
+        });
+    }
+}
+
+/// The columns `col0..col0 + cols` of every row of a row-major matrix, one task's share of
+/// [`ThreadPool::for_each_column_block_mut`].
+pub struct ColumnBlock<'a, T> {
+    base: *mut T,
+    row_len: usize,
+    rows: usize,
+    col0: usize,
+    cols: usize,
+    _data: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<T> ColumnBlock<'_, T> {
+    /// The first column of the block.
+    pub fn first_col(&self) -> usize {
+        self.col0
+    }
+
+    /// The block's width in columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The matrix's row count.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The block's part of row `r` (panics past the last row).
+    pub fn row(&mut self, r: usize) -> &mut [T] {
+        assert!(r < self.rows, "row {r} of {}", self.rows);
+        // SAFETY: row `r`'s columns `col0..col0 + cols` lie inside the matrix (`r < rows`,
+        // `col0 + cols <= row_len`, `rows * row_len` elements), no other block reaches these
+        // columns, and `&mut self` keeps this the only reference into the block while it lives.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.base.add(r * self.row_len + self.col0), self.cols)
+        }
+    }
 }
 
 impl Drop for ThreadPool {
@@ -435,7 +507,8 @@ impl<T> SendPtr<T> {
     }
 }
 
-// SAFETY: used only by `for_each_chunk_mut`, whose chunks never overlap; `T: Send` there.
+// SAFETY: used only by `for_each_chunk_mut` and `for_each_column_block_mut`, whose chunks
+// never overlap; `T: Send` there.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Send for SendPtr<T> {}

@@ -307,3 +307,45 @@ fn boosts_nest_and_a_hand_set_poll_time_wins() {
     assert_eq!(pool.poll_time(), Duration::from_micros(50));
     drop(c);
 }
+
+#[test]
+fn column_blocks_cover_every_column_of_every_row_once() {
+    let pool = ThreadPool::new(3).unwrap();
+    // 5 rows of 11 columns in blocks of 4: widths 4, 4, 3.
+    let (rows, row_len) = (5, 11);
+    let mut data = vec![0u32; rows * row_len];
+    let seen = counts(3);
+    pool.for_each_column_block_mut(&mut data, row_len, 4, |b, block| {
+        seen[b].fetch_add(1, Ordering::SeqCst);
+        assert_eq!(block.first_col(), 4 * b);
+        assert_eq!(block.cols(), if b == 2 { 3 } else { 4 });
+        assert_eq!(block.rows(), rows);
+        for r in 0..rows {
+            let c0 = block.first_col();
+            for (i, v) in block.row(r).iter_mut().enumerate() {
+                *v += (100 * r + c0 + i) as u32 + 1;
+            }
+        }
+    });
+    assert!(seen.iter().all(|c| c.load(Ordering::SeqCst) == 1));
+    let want: Vec<u32> = (0..rows * row_len)
+        .map(|i| (100 * (i / row_len) + i % row_len) as u32 + 1)
+        .collect();
+    assert_eq!(data, want);
+}
+
+#[test]
+#[should_panic(expected = "whole rows")]
+fn column_blocks_need_whole_rows() {
+    let pool = ThreadPool::new(1).unwrap();
+    pool.for_each_column_block_mut(&mut [0u8; 7], 3, 2, |_, _| {});
+}
+
+#[test]
+#[should_panic(expected = "row 2 of 2")]
+fn column_block_rows_are_bounded() {
+    let pool = ThreadPool::new(1).unwrap();
+    pool.for_each_column_block_mut(&mut [0u8; 6], 3, 2, |_, block| {
+        block.row(2);
+    });
+}

@@ -65,6 +65,8 @@ fn main() {
         (GgmlType::Q5_0, 896, 4864),
         (GgmlType::Q5_0, 896, 896),
         (GgmlType::Q8_0, 896, 8192),
+        (GgmlType::Q8_0, 2048, 4096),
+        (GgmlType::Q8_0, 4096, 2048),
         (GgmlType::Q6_K, 4864, 896),
         (GgmlType::Q4_K, 4864, 896),
     ] {
