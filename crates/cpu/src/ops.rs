@@ -285,8 +285,8 @@ fn transpose_into(res: &[f32], rows: usize, n_tokens: usize, cols: &mut ColumnBl
             }
             for j in 0..tb {
                 let dst = &mut cols.row(t0 + j)[i0..i0 + ib];
-                for (k, d) in dst.iter_mut().enumerate() {
-                    *d = tile[k][j];
+                for (d, tile) in dst.iter_mut().zip(&tile) {
+                    *d = tile[j];
                 }
             }
         }
