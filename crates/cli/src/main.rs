@@ -206,6 +206,8 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 }
 
 fn main() {
+    // Before any large allocation (see the module's docs).
+    hmoe_cpu::allocator::fix_allocator_thresholds();
     let (args, notes) = match normalise_args(std::env::args().collect(), |k| std::env::var(k).ok())
     {
         Ok(parsed) => parsed,

@@ -6,6 +6,7 @@
 //! (crate `hmoe-model`) call them.
 #![warn(missing_docs)]
 
+pub mod allocator;
 pub mod attention;
 mod device;
 mod experts;
