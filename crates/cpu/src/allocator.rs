@@ -2,11 +2,11 @@
 //!
 //! A prompt's products allocate and free buffers of a few hundred KiB per expert and layer.
 //! glibc serves those from fresh `mmap`s or trims them back to the kernel as they are freed,
-//! its thresholds moving with the sizes it has seen, so the same pages are faulted in,
-//! zeroed and unmapped again (with a TLB shootdown on every core) thousands of times per
-//! prompt, and how many depends on the order of earlier allocations (the Qwen3-30B stand-in's
-//! pp512 on Zen 4: 62,000–175,000 page faults, 5–8% of the time, from one change elsewhere).
-//! Fixed thresholds keep such buffers on the heap and their pages with the process.
+//! by thresholds that move with the sizes it has seen freed, so how often the same pages are
+//! faulted in, zeroed and unmapped again (with a TLB shootdown on every core) depends on the
+//! order of unrelated allocations: writing batch results by column blocks instead of through
+//! one matrix-sized buffer made the Qwen3-30B stand-in's pp512 5-8% slower on Zen 4 (page
+//! faults per run 62,000 -> 147,000). Fixed thresholds took that back (docs/performance.md).
 
 /// Allocations from this size are mapped on their own (glibc's default starts at 128 KiB and
 /// moves).

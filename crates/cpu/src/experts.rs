@@ -649,53 +649,26 @@ fn expert_ffn(
     acts: &QuantizedActs,
 ) -> Vec<f32> {
     let m = slots.len();
+    let (mut routed, mut act_q) = (QuantizedActs::default(), QuantizedActs::default());
+    routed.gather(acts, slots.iter().map(|&i| i / k_used));
+    let mut gate = vec![0f32; m * ff];
+    let mut up = vec![0f32; m * ff];
+    k.matmul(true, k.gate, w.gate, (d, ff), &routed, &mut gate);
+    if k.up.act_type() == k.gate.act_type() {
+        k.matmul(true, k.up, w.up, (d, ff), &routed, &mut up);
+    } else {
+        let rows: Vec<f32> = slots
+            .iter()
+            .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied())
+            .collect();
+        act_q.quantize(k.up.act_type(), &rows, d);
+        k.matmul(true, k.up, w.up, (d, ff), &act_q, &mut up);
+    }
+    swiglu(&mut gate, &up, ff);
+    act_q.quantize(k.down.act_type(), &gate, ff);
     let mut down = vec![0f32; m * d];
-    FFN_SCRATCH.with_borrow_mut(|s| {
-        let FfnScratch {
-            routed,
-            act_q,
-            gate,
-            up,
-            rows,
-        } = s;
-        routed.gather(acts, slots.iter().map(|&i| i / k_used));
-        // Every value is written by the products below (resized, not cleared).
-        gate.resize(m * ff, 0.0);
-        up.resize(m * ff, 0.0);
-        k.matmul(true, k.gate, w.gate, (d, ff), routed, gate);
-        if k.up.act_type() == k.gate.act_type() {
-            k.matmul(true, k.up, w.up, (d, ff), routed, up);
-        } else {
-            rows.clear();
-            rows.extend(
-                slots
-                    .iter()
-                    .flat_map(|&i| h[(i / k_used) * d..][..d].iter().copied()),
-            );
-            act_q.quantize(k.up.act_type(), rows, d);
-            k.matmul(true, k.up, w.up, (d, ff), act_q, up);
-        }
-        swiglu(gate, up, ff);
-        act_q.quantize(k.down.act_type(), gate, ff);
-        k.matmul(true, k.down, w.down, (ff, d), act_q, &mut down);
-    });
+    k.matmul(true, k.down, w.down, (ff, d), &act_q, &mut down);
     down
-}
-
-/// An expert FFN's intermediates ([`expert_ffn`]), kept per thread: allocating them for each
-/// expert of each layer made the allocator map, fault in and unmap pages by the thousand per
-/// prompt (glibc's thresholds), which cost a prompt about as much as they hold.
-#[derive(Default)]
-struct FfnScratch {
-    routed: QuantizedActs,
-    act_q: QuantizedActs,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    rows: Vec<f32>,
-}
-
-thread_local! {
-    static FFN_SCRATCH: std::cell::RefCell<FfnScratch> = std::cell::RefCell::default();
 }
 
 #[cfg(test)]
