@@ -19,6 +19,7 @@ use crate::error::{ensure, guarded, CudaError};
 use crate::graphs::{graphs_requested, SegmentGraphs};
 use crate::host_slots::HostSlots;
 use crate::kernels::{self, PtxOrigin};
+use crate::mem_pool::KeptPool;
 use crate::probe::{info_of, GpuInfo};
 use crate::profile::{self, Profile};
 use crate::staging::{CopyUpload, Staging};
@@ -195,6 +196,9 @@ pub struct CudaDevice {
     host_slots: Mutex<HostSlots>,
     /// The CUDA graphs of recorded segments (`graphs.rs`).
     pub(crate) graphs: SegmentGraphs,
+    /// The default memory pool, keeping freed memory (`mem_pool.rs`); `None` where the
+    /// device does not allocate stream-ordered or `HMOE_CUDA_POOL_KEEP=0`.
+    pool: Option<KeptPool>,
 }
 
 /// `v` as a kernel's `int` argument, or a shape error of `op` naming `what`.
@@ -271,6 +275,11 @@ impl CudaDevice {
             // `CudaDevice`'s docs say (one stream for all but the copy stream's experts,
             // whose `CopyUpload` orders them).
             unsafe { ctx.disable_event_tracking() };
+            // Without it the device works as before: freed memory goes back at each wait.
+            let pool = KeptPool::new(&ctx).unwrap_or_else(|e| {
+                tracing::warn!("the CUDA memory pool keeps nothing freed: {e}");
+                None
+            });
             let info = info_of(&ctx)?;
             let (ptx, ptx_origin) = kernels::ptx_for(info.compute_capability)?;
             let module = ctx.load_module(Ptx::from_src(ptx))?;
@@ -303,6 +312,7 @@ impl CudaDevice {
                 profile,
                 host_slots: Mutex::new(HostSlots::default()),
                 graphs: SegmentGraphs::new(graphs_on),
+                pool,
             })
         })
     }

@@ -87,6 +87,11 @@ impl SegmentGraphs {
         self.on.load(Ordering::Relaxed)
     }
 
+    /// Whether a segment is being captured now: nothing may wait for the stream.
+    pub(crate) fn capturing(&self) -> bool {
+        matches!(self.lock().mode, Mode::Capturing(_))
+    }
+
     /// Whether a segment replays now: an op issued returns at once (its graph runs it).
     pub(crate) fn replaying(&self) -> bool {
         self.replaying.load(Ordering::Relaxed)

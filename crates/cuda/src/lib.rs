@@ -28,6 +28,7 @@ mod error;
 mod graphs;
 mod host_slots;
 pub mod kernels;
+mod mem_pool;
 mod probe;
 mod profile;
 mod staging;
@@ -41,6 +42,7 @@ pub use device::{
 pub use error::CudaError;
 pub use graphs::{graphs_requested, GRAPHS_ENV};
 pub use hmoe_backend::{AttnParams, RopeParams};
+pub use mem_pool::{pool_keep_requested, POOL_KEEP_ENV};
 pub use probe::{
     cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,
 };

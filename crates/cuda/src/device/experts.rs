@@ -161,11 +161,11 @@ impl CudaDevice {
         let n = x.len() / d;
         let slots = n * k;
         let (k_i, d_i, act_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?, act as i32);
-        // SAFETY: every element of both scratch buffers is written by the kernels below
+        // Scratch: every element of both buffers is written by the kernels below
         // before it is read.
-        let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        // SAFETY: as above.
-        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+        let mut h = self.alloc_scratch::<f32>(slots * ff)?;
+        // As above.
+        let mut y = self.alloc_scratch::<f32>(slots * d)?;
         let (slots_i, ne_i, ff_i) = (
             i32_of(OP, "slots", slots)?,
             i32_of(OP, "experts", ne)?,
@@ -240,19 +240,19 @@ impl CudaDevice {
         let (offsets, order) = self.moe_group(selected, slots, ne)?;
 
         let xq = self.quantize_q8_0(x, n * d)?;
-        // SAFETY: moe_mm writes the rows of every slot with a valid expert, the only ones
+        // Scratch: moe_mm writes the rows of every slot with a valid expert, the only ones
         // moe_swiglu reads.
-        let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        // SAFETY: as above.
-        let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        let mut g = self.alloc_scratch::<f32>(slots * ff)?;
+        // As above.
+        let mut u = self.alloc_scratch::<f32>(slots * ff)?;
         self.moe_mm(&w.gate, &xq, k, (&offsets, &order), 1, &mut g)?;
         self.moe_mm(&w.up, &xq, k, (&offsets, &order), 1, &mut u)?;
         let h = self.moe_gated(w, act, (&g, &u), selected, slots)?;
 
         let hq = self.quantize_q8_0(&h, slots * ff)?;
-        // SAFETY: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
+        // Scratch: moe_mm writes the slots with a valid expert and moe_down_bias zeroes the
         // others.
-        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+        let mut y = self.alloc_scratch::<f32>(slots * d)?;
         self.moe_mm(&w.down, &hq, 1, (&offsets, &order), 1, &mut y)?;
         self.moe_add_down_bias(w, &mut y, selected, slots)?;
         Ok(y)
@@ -272,11 +272,11 @@ impl CudaDevice {
             format!("{ne} experts (at most {MOE_MAX_EXPERTS})")
         })?;
         let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
-        // SAFETY: moe_group writes all ne + 1 offsets and an order entry for every slot with a
+        // Scratch: moe_group writes all ne + 1 offsets and an order entry for every slot with a
         // valid expert, the only entries the grouped products read.
-        let mut offsets = unsafe { self.stream.alloc::<i32>(ne + 1) }?;
-        // SAFETY: as above.
-        let mut order = unsafe { self.stream.alloc::<i32>(slots) }?;
+        let mut offsets = self.alloc_scratch::<i32>(ne + 1)?;
+        // As above.
+        let mut order = self.alloc_scratch::<i32>(slots)?;
         let mut b = self.builder("moe_group");
         b.arg(selected)
             .arg(&slots_i)
@@ -312,8 +312,8 @@ impl CudaDevice {
             i32_of(OP, "experts", ne)?,
             i32_of(OP, "ff", ff)?,
         );
-        // SAFETY: moe_swiglu writes every element.
-        let mut h = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        // Scratch: moe_swiglu writes every element.
+        let mut h = self.alloc_scratch::<f32>(slots * ff)?;
         let has_gu_bias = i32::from(w.gate_bias.is_some());
         let act_i = act as i32;
         let mut b = self.builder("moe_swiglu");
@@ -382,8 +382,8 @@ impl CudaDevice {
         ensure(max > 0 && max <= MAX_GRID_Y, OP, || {
             format!("{max} tiles of {slots} slots")
         })?;
-        // SAFETY: moe_tiles writes the count and every entry below it, the only ones read.
-        let mut tiles = unsafe { self.stream.alloc::<i32>(1 + 3 * max) }?;
+        // Scratch: moe_tiles writes the count and every entry below it, the only ones read.
+        let mut tiles = self.alloc_scratch::<i32>(1 + 3 * max)?;
         let (ne_i, min_i) = (
             i32_of(OP, "experts", ne)?,
             i32_of(OP, "minimum", min_count)?,

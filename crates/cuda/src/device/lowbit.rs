@@ -150,8 +150,8 @@ impl CudaDevice {
             )
         })?;
         let blocks = len / block;
-        // SAFETY: every byte is written by the kernel below before it is read.
-        let mut out = unsafe { self.stream.alloc::<u8>(blocks * bytes) }?;
+        // Scratch: every byte is written by the kernel below before it is read.
+        let mut out = self.alloc_scratch::<u8>(blocks * bytes)?;
         if blocks == 0 {
             return Ok(out);
         }
@@ -278,8 +278,8 @@ impl CudaDevice {
         let rows = if dense {
             x
         } else {
-            // SAFETY: copy_rows writes all n_rows × cols values before they are read.
-            let mut g = unsafe { self.stream.alloc::<f32>(n_rows * w.cols) }?;
+            // Scratch: copy_rows writes all n_rows × cols values before they are read.
+            let mut g = self.alloc_scratch::<f32>(n_rows * w.cols)?;
             let copy = hmoe_backend::RowCopy {
                 n_rows,
                 width: w.cols,
@@ -345,18 +345,18 @@ impl CudaDevice {
         } else {
             Some(self.quantize_acts(vec_dot_type(w.up.ty), x, n * d)?)
         };
-        // SAFETY: moe_lowbit writes the rows of every slot with a valid expert, the only ones
+        // Scratch: moe_lowbit writes the rows of every slot with a valid expert, the only ones
         // moe_swiglu reads.
-        let mut g = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
-        // SAFETY: as above.
-        let mut u = unsafe { self.stream.alloc::<f32>(slots * ff) }?;
+        let mut g = self.alloc_scratch::<f32>(slots * ff)?;
+        // As above.
+        let mut u = self.alloc_scratch::<f32>(slots * ff)?;
         self.moe_lowbit(&w.gate, &xg, k, groups, &mut g)?;
         self.moe_lowbit(&w.up, xu.as_ref().unwrap_or(&xg), k, groups, &mut u)?;
         let h = self.moe_gated(w, act, (&g, &u), selected, slots)?;
         let hq = self.quantize_acts(vec_dot_type(w.down.ty), &h, slots * ff)?;
-        // SAFETY: moe_lowbit writes the slots with a valid expert and moe_down_bias zeroes
+        // Scratch: moe_lowbit writes the slots with a valid expert and moe_down_bias zeroes
         // the others.
-        let mut y = unsafe { self.stream.alloc::<f32>(slots * d) }?;
+        let mut y = self.alloc_scratch::<f32>(slots * d)?;
         self.moe_lowbit(&w.down, &hq, 1, groups, &mut y)?;
         self.moe_add_down_bias(w, &mut y, selected, slots)?;
         Ok(y)

@@ -215,8 +215,8 @@ impl CudaDevice {
             format!("{len} values of a buffer of {} in blocks of 32", x.len())
         })?;
         let blocks = len / 32;
-        // SAFETY: every byte is written by the kernel below before it is read.
-        let mut out = unsafe { self.stream.alloc::<u8>(blocks * 34) }?;
+        // Scratch: every byte is written by the kernel below before it is read.
+        let mut out = self.alloc_scratch::<u8>(blocks * 34)?;
         if blocks == 0 {
             return Ok(out);
         }
@@ -305,8 +305,8 @@ impl CudaDevice {
             ("f32_to_bf16", Dt::CUDA_R_16BF)
         };
         let len = n * w.cols;
-        // SAFETY: every element is written by the conversion kernel before use.
-        let mut converted = unsafe { self.stream.alloc::<u16>(len) }?;
+        // Scratch: every element is written by the conversion kernel before use.
+        let mut converted = self.alloc_scratch::<u16>(len)?;
         let len64 = len as u64;
         let mut b = self.builder(name);
         b.arg(x).arg(&mut converted).arg(&len64);

@@ -4,7 +4,8 @@
 
 use std::sync::PoisonError;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{CudaSlice, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits};
 use hmoe_backend::Elem;
 use hmoe_quant::GgmlType;
 
@@ -12,12 +13,33 @@ use super::capabilities::check_type;
 use super::{row_bytes, CudaDevice, DeviceExperts, DeviceMatrix};
 use crate::error::{ensure, CudaError};
 use crate::host_slots::MAX_SLOT_BYTES;
+use crate::mem_pool::retry_out_of_memory;
 use crate::staging::{self, CopyUpload, Staging};
 
 impl CudaDevice {
+    /// `alloc()`, which allocates device memory, and once more after [`Self::make_room`] when
+    /// it runs out (`mem_pool.rs`: the pool keeps what is freed).
+    fn with_room<T>(&self, alloc: impl FnMut() -> Result<T, DriverError>) -> Result<T, CudaError> {
+        Ok(retry_out_of_memory(alloc, || self.make_room())?)
+    }
+
+    /// Waits for both streams (so that their queued frees have happened) and hands what the
+    /// pool keeps unused back; an error (no second try) where the pool keeps nothing or while
+    /// a segment is captured, when the stream must not be waited for.
+    fn make_room(&self) -> Result<(), DriverError> {
+        match &self.pool {
+            Some(pool) if !self.graphs.capturing() => {
+                self.stream.synchronize()?;
+                self.copy_stream.synchronize()?;
+                pool.trim()
+            }
+            _ => Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)),
+        }
+    }
+
     /// A new device buffer holding a copy of `src`.
     pub fn upload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
-        Ok(self.stream.clone_htod(src)?)
+        self.with_room(|| self.stream.clone_htod(src))
     }
 
     /// [`CudaDevice::upload`] on the copy stream, for op offload: a copy from pageable memory
@@ -26,7 +48,7 @@ impl CudaDevice {
     /// owner orders it with the compute stream (`MoeWeights`' biases: through the
     /// `CopyUpload` of the experts uploaded after them).
     pub fn upload_for_offload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>, CudaError> {
-        Ok(self.copy_stream.clone_htod(src)?)
+        self.with_room(|| self.copy_stream.clone_htod(src))
     }
 
     /// Copies `src` into the start of `dst` (queued on the stream; `src` is read before this
@@ -132,7 +154,7 @@ impl CudaDevice {
             "copy_range",
             || format!("range {range:?} of a buffer of {}", src.len()),
         )?;
-        Ok(self.stream.clone_dtod(&src.slice(range))?)
+        self.with_room(|| self.stream.clone_dtod(&src.slice(range.clone())))
     }
 
     /// A new zeroed device buffer of `len` elements.
@@ -140,7 +162,7 @@ impl CudaDevice {
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>, CudaError> {
-        Ok(self.stream.alloc_zeros(len)?)
+        self.with_room(|| self.stream.alloc_zeros(len))
     }
 
     /// A new device buffer of `len` elements whose contents are unspecified (no memset): the
@@ -149,8 +171,8 @@ impl CudaDevice {
     pub fn alloc_scratch<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
         // SAFETY: the memory is left uninitialised; `T` is one of the contract's element
         // types (f32, i32, u16, u8), for which any bits are a value, and the contract's
-        // callers write the buffer before they read it.
-        Ok(unsafe { self.stream.alloc::<T>(len) }?)
+        // callers (and the ops' own temporaries) write the buffer before they read it.
+        self.with_room(|| unsafe { self.stream.alloc::<T>(len) })
     }
 
     /// The contents of `src` (waits for the queued ops that write it).
@@ -284,7 +306,8 @@ impl CudaDevice {
         )?;
         // SAFETY: every byte is written by the staged copies below before any kernel reads it
         // (kernels on the compute stream wait for the `CopyUpload` recorded after them).
-        let mut data = unsafe { self.copy_stream.alloc::<u8>(parts.len() * eb) }?;
+        let mut data =
+            self.with_room(|| unsafe { self.copy_stream.alloc::<u8>(parts.len() * eb) })?;
         let mut staging = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         let ring = match staging.take() {
             Some(ring) => ring,
