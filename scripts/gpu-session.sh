@@ -30,6 +30,13 @@
 #           reach); JSON as <date>-<gpu>-seed-proxy.json and -seed-proxy-cpu-moe.json.  (~2.5 min)
 #   graphs  the 4-layer model all on the GPU, tg128 with CUDA graphs on and off
 #           (HMOE_CUDA_GRAPHS), then HMOE_CUDA_PROFILE's table of GPU time per kernel.  (~1 min)
+# Two more by name, for a lease with time left (or in place of a step already measured):
+#   latent  DeepSeek-V3's latent attention: a 4-layer V3-dims model (MoE layers only, 16 Q4_K
+#           experts), all on the GPU, f16 K/V, pp512 and tg128 at depths 0, 4096 and 16384
+#           against llama.cpp; JSON as <date>-<gpu>-ds-v3-4l.json.  (~2 min)
+#   pool    the memory pool keeping freed memory (HMOE_CUDA_POOL_KEEP=1, the default) against
+#           the driver's default (0) on the 4-layer model, where ops allocate as issued:
+#           --cpu-moe pp512 (op offload) and --cpu-moe tg64 with CUDA graphs off.  (~1 min)
 # The CPU rounds' steps stay available by number:
 #   1. gpu-check.sh whole (CUDA and CPU test executables, gpu_compare.py, `hmoe bench` with
 #      --cpu-moe / all on the GPU / on the CPU, and the server checks), with the 4-layer model.
@@ -123,6 +130,22 @@ for s in ${SESSION_STEPS:-check bench4 seed graphs}; do
             HMOE_CUDA_PROFILE=1 timeout -k 5 40 "$HMOE" bench -m "$MODEL" -fa on -p 0 -n 32 -r 1 \
                 > "$OUT_DIR/cuda-profile.log" 2>&1 || FAILED=1
             tail -n 30 "$OUT_DIR/cuda-profile.log"
+            ;;
+        latent)
+            gpu_bench ds-v3-4l 200 GPU_BENCH_CONFIGS=all-gpu GPU_BENCH_KVS=f16 GPU_BENCH_PP=512 \
+                GPU_BENCH_DEPTHS=4096,16384 GPU_BENCH_CACHE=0 GPU_BENCH_MAKE="--arch deepseek2 \
+                --preset deepseek-v3-layers --dense-layers 0 --layers 4 --experts 16 --expert-type q4_k"
+            ;;
+        pool)
+            make_model
+            for k in 1 0 1 0; do
+                log="$OUT_DIR/pool-$k.log"
+                HMOE_CUDA_POOL_KEEP=$k timeout -k 5 60 "$HMOE" bench -m "$MODEL" -fa on -ngl all \
+                    --cpu-moe --moe-cache 0 -p 512 -n 0 -r 2 >> "$log" 2>&1 || FAILED=1
+                HMOE_CUDA_POOL_KEEP=$k HMOE_CUDA_GRAPHS=0 timeout -k 5 60 "$HMOE" bench -m "$MODEL" \
+                    -fa on -ngl all --cpu-moe --moe-cache 0 -p 0 -n 64 -r 2 >> "$log" 2>&1 || FAILED=1
+                echo "HMOE_CUDA_POOL_KEEP=$k: $(grep -E 'pp512|tg64' "$log" | tail -n 2 | tr -s ' ' | tr '\n' ' ')"
+            done
             ;;
         1)
             HMOE_BENCH_MODEL="" HMOE_BENCH_MAKE=g120-4l "$DIST/gpu-check.sh" > "$OUT_DIR/gpu-check.log" 2>&1 \
