@@ -626,21 +626,36 @@ pub trait Backend: Send + Sync {
         n: usize,
         y: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
-    /// `ys[i] = ws[i]·x` for `n` tokens: [`Backend::matmul`] of each matrix with the same
-    /// activations (Q, K and V from one normed row), with its bits; a device may convert the
-    /// activations once for all of them.
+    /// `ys[i] = ws[i]·x + biases[i]` for `n` tokens: [`Backend::matmul`] of each matrix with
+    /// the same activations (Q, K and V from one normed row), then its bias (of the matrix's
+    /// rows) as [`Backend::add_bias`] adds it, where it has one; with their bits. A device may
+    /// convert the activations once for all of them and run the products and biases as one
+    /// kernel.
     fn matmul_shared(
         &self,
         ws: &[&Self::Matrix],
+        biases: &[Option<&Self::Buf<f32>>],
         x: &Self::Buf<f32>,
         n: usize,
         ys: &mut [&mut Self::Buf<f32>],
     ) -> Result<(), BackendError> {
-        error::ensure(ws.len() == ys.len(), "matmul_shared", || {
-            format!("{} matrices for {} outputs", ws.len(), ys.len())
-        })?;
-        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+        error::ensure(
+            ws.len() == ys.len() && ws.len() == biases.len(),
+            "matmul_shared",
+            || {
+                format!(
+                    "{} matrices for {} outputs and {} biases",
+                    ws.len(),
+                    ys.len(),
+                    biases.len()
+                )
+            },
+        )?;
+        for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
             self.matmul(w, x, n, y)?;
+            if let Some(bias) = bias {
+                self.add_bias(y, bias)?;
+            }
         }
         Ok(())
     }

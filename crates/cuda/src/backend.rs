@@ -263,12 +263,13 @@ impl Backend for CudaDevice {
     fn matmul_shared(
         &self,
         ws: &[&DeviceMatrix],
+        biases: &[Option<&CudaSlice<f32>>],
         x: &CudaSlice<f32>,
         n: usize,
         ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<(), BackendError> {
         replayed!(self);
-        Ok(CudaDevice::matmul_shared(self, ws, x, n, ys)?)
+        Ok(CudaDevice::matmul_shared(self, ws, biases, x, n, ys)?)
     }
     fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), BackendError> {
         replayed!(self);

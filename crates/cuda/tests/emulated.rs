@@ -184,6 +184,62 @@ fn emulated_dp4a_gemv_gives_the_reference_backends_bits() {
     }
 }
 
+/// `matmul_shared`'s one dp4a launch (`kernels/gemv_dp4a.cu`: up to three Q8_0 or MXFP4
+/// matrices of one width over the same quantized activations, each with an optional bias
+/// added to its finished sums): REF0's `matmul` then `add_bias` bits for each matrix, with
+/// groups of one, two and three matrices of row counts that end in partial blocks, biases on
+/// some, 1..17 tokens (over several blocks of 8) and extreme scales.
+#[test]
+#[ignore = "slow (a minute or two): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_dp4a_groups_with_biases_give_matmul_then_add_bias_bits() {
+    let Some(emu) = Emulator::build("dp4a_group") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(47);
+    // (rows of each member, 0 for none; mask of the members with a bias)
+    let groups: [([usize; 3], usize); 4] = [
+        ([17, 5, 33], 0b101),
+        ([4, 0, 0], 0b001),
+        ([9, 31, 0], 0b010),
+        ([64, 8, 8], 0b111),
+    ];
+    for ty in [GgmlType::Q8_0, GgmlType::MXFP4] {
+        for (g, &(rows, mask)) in groups.iter().enumerate() {
+            let cols = if g == 3 { 2880 } else { 96 };
+            for n in [1usize, 3, 8, 9, 17] {
+                let x = extreme_tokens(&mut rng, n, cols);
+                emu.write("x", &x);
+                let mut members = Vec::new();
+                for (i, &r) in rows.iter().enumerate().filter(|(_, &r)| r > 0) {
+                    let q = extreme_weights(&mut rng, ty, r, cols);
+                    let b = (mask >> i & 1 == 1).then(|| noise(&mut rng, r, 4.0));
+                    emu.write(&format!("w{i}"), &q);
+                    if let Some(b) = &b {
+                        emu.write(&format!("b{i}"), b);
+                    }
+                    members.push((i, r, q, b));
+                }
+                let args = [ty.id() as usize, cols, n, rows[0], rows[1], rows[2], mask];
+                emu.run("matmul_group", &args.map(s));
+                let xd = cpu.upload(&x).unwrap();
+                for (i, r, q, b) in &members {
+                    let got: Vec<f32> = emu.read(&format!("y{i}"));
+                    let m = cpu.upload_matrix(ty, *r, cols, q).unwrap();
+                    let mut yd = cpu.alloc::<f32>(n * r).unwrap();
+                    cpu.matmul(&m, &xd, n, &mut yd).unwrap();
+                    if let Some(b) = b {
+                        cpu.add_bias(&mut yd, &cpu.upload(b).unwrap()).unwrap();
+                    }
+                    let want = cpu.download(&yd).unwrap();
+                    let what = format!("dp4a group {ty} {rows:?} member {i} n={n}");
+                    assert_bits(&what, &got, &want);
+                }
+            }
+        }
+    }
+}
+
 /// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.
 #[derive(Clone, Copy)]
 struct MoeShape {

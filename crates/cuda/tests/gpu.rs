@@ -190,9 +190,11 @@ fn tiled_products_of_extreme_scales_give_the_cpus_bits() {
     }
 }
 
-/// `matmul_shared` (one quantized activation for Q, K and V) gives REF0's `matmul` bits for
-/// each matrix: Q8_0 and MXFP4 of one width (quantized once; the dp4a GEMV kernels, the tiled
-/// kernel for 40 tokens), and a set with an F32 matrix (each `matmul` on its own).
+/// `matmul_shared` (one quantized activation for Q, K and V; one dp4a launch with the biases
+/// for a decode batch of one type) gives REF0's `matmul` then `add_bias` bits for each matrix:
+/// Q8_0 and MXFP4 of one width (quantized once; the dp4a GEMV kernels, the tiled kernel for 40
+/// tokens), three Q8_0 matrices with biases on two, and a set with an F32 matrix (each
+/// `matmul` on its own).
 #[test]
 fn matmul_shared_gives_each_matmuls_bits() {
     let Some(dev) = device() else { return };
@@ -203,6 +205,11 @@ fn matmul_shared_gives_each_matmuls_bits() {
         [
             (GgmlType::Q8_0, 64),
             (GgmlType::MXFP4, 8),
+            (GgmlType::Q8_0, 8),
+        ],
+        [
+            (GgmlType::Q8_0, 64),
+            (GgmlType::Q8_0, 9),
             (GgmlType::Q8_0, 8),
         ],
         [
@@ -218,6 +225,16 @@ fn matmul_shared_gives_each_matmuls_bits() {
             .zip(&qs)
             .map(|(&(ty, rows), q)| dev.upload_matrix(ty, rows, cols, q).unwrap())
             .collect();
+        // Biases on the first and last matrices.
+        let bs: Vec<Option<Vec<f32>>> = set
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, rows))| (i != 1).then(|| noise(&mut rng, rows, 1.0)))
+            .collect();
+        let bds: Vec<_> = bs
+            .iter()
+            .map(|b| b.as_ref().map(|b| dev.upload(b).unwrap()))
+            .collect();
         for n in [1usize, 5, 40] {
             let x = noise(&mut rng, n * cols, 1.0);
             let xd = dev.upload(&x).unwrap();
@@ -227,9 +244,16 @@ fn matmul_shared_gives_each_matmuls_bits() {
                 .collect();
             let mut outs: Vec<_> = ys.iter_mut().collect();
             let refs: Vec<_> = ws.iter().collect();
-            dev.matmul_shared(&refs, &xd, n, &mut outs).unwrap();
-            for ((&(ty, rows), q), y) in set.iter().zip(&qs).zip(&ys) {
-                let want = matmul_on(&cpu, (ty, rows, cols), q, &x, n);
+            let biases: Vec<_> = bds.iter().map(Option::as_ref).collect();
+            dev.matmul_shared(&refs, &biases, &xd, n, &mut outs)
+                .unwrap();
+            for (((&(ty, rows), q), y), b) in set.iter().zip(&qs).zip(&ys).zip(&bs) {
+                let mut want = matmul_on(&cpu, (ty, rows, cols), q, &x, n);
+                if let Some(b) = b {
+                    let mut wd = cpu.upload(&want).unwrap();
+                    cpu.add_bias(&mut wd, &cpu.upload(b).unwrap()).unwrap();
+                    want = cpu.download(&wd).unwrap();
+                }
                 let got = dev.download(y).unwrap();
                 let what = format!("matmul_shared {ty} {rows}x{cols} n={n}");
                 assert!(

@@ -140,7 +140,7 @@ fn bad_shapes_and_types_are_errors() {
 }
 
 #[test]
-fn matmul_shared_is_matmul_of_each_matrix() {
+fn matmul_shared_is_matmul_of_each_matrix_then_its_bias() {
     let dev = Ref0::new();
     let (cols, n) = (64, 3);
     let wave = |len: usize, f: f32| (0..len).map(|i| (i as f32 * f).sin()).collect::<Vec<_>>();
@@ -153,15 +153,22 @@ fn matmul_shared_is_matmul_of_each_matrix() {
             .unwrap(),
     ];
     let xd = dev.upload(&x).unwrap();
+    let bias = dev.upload(&wave(2, 0.5)).unwrap();
     let (mut a, mut b) = (dev.alloc::<f32>(n * 5).unwrap(), dev.alloc(n * 2).unwrap());
-    dev.matmul_shared(&[&ws[0], &ws[1]], &xd, n, &mut [&mut a, &mut b])
+    let biases = [None, Some(&bias)];
+    dev.matmul_shared(&[&ws[0], &ws[1]], &biases, &xd, n, &mut [&mut a, &mut b])
         .unwrap();
-    for (w, got) in ws.iter().zip([&a, &b]) {
+    for ((w, got), bias) in ws.iter().zip([&a, &b]).zip(biases) {
         let mut want = dev.alloc::<f32>(got.len()).unwrap();
         dev.matmul(w, &xd, n, &mut want).unwrap();
+        if let Some(bias) = bias {
+            dev.add_bias(&mut want, bias).unwrap();
+        }
         assert_eq!(dev.download(got).unwrap(), dev.download(&want).unwrap());
     }
-    let e = dev.matmul_shared(&[&ws[0]], &xd, n, &mut [&mut a, &mut b]);
+    let e = dev.matmul_shared(&[&ws[0]], &[None], &xd, n, &mut [&mut a, &mut b]);
+    assert!(matches!(e, Err(BackendError::Shape { .. })), "{e:?}");
+    let e = dev.matmul_shared(&[&ws[0]], &[None, None], &xd, n, &mut [&mut a]);
     assert!(matches!(e, Err(BackendError::Shape { .. })), "{e:?}");
 }
 

@@ -24,6 +24,12 @@ pub const CUBLAS_MIN_TOKENS: usize = 16;
 /// Tokens from which Q8_0/MXFP4 matmuls use the tiled kernel instead of the GEMV kernel.
 const MM_TILED_MIN_TOKENS: usize = 32;
 
+/// Matrices one launch of the dp4a GEMV kernel multiplies (`kernels/gemv_dp4a.cu`: Q, K and V).
+const DP4A_GROUP: usize = 3;
+
+/// The null device pointer the dp4a kernel reads as "no bias".
+const NO_BIAS: u64 = 0;
+
 /// Pushes the activations of a product kernel: `quantized` (Q8_0 blocks, for Q8_0/MXFP4
 /// weights) when there are any, else the f32 values `x`.
 pub(super) fn push_acts<'a>(
@@ -118,24 +124,44 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// `ys[i] = ws[i] · x` for `n` tokens: [`CudaDevice::matmul`] of each matrix, with its
-    /// bits. When every matrix is Q8_0 or MXFP4 of one width (Q, K and V), `x` is quantized
-    /// once for all of them (the quantizer is deterministic, so the products are the same).
+    /// `ys[i] = ws[i] · x (+ biases[i])` for `n` tokens: [`CudaDevice::matmul`] of each
+    /// matrix, then its bias as [`CudaDevice::add_bias`] adds it, with their bits. When every
+    /// matrix is Q8_0 or MXFP4 of one width (Q, K and V), `x` is quantized once for all of
+    /// them (the quantizer is deterministic, so the products are the same); when they are also
+    /// of one type, at most `DP4A_GROUP` and a decode-sized batch, the products and their
+    /// biases are one launch of the dp4a kernel.
     pub fn matmul_shared(
         &self,
         ws: &[&DeviceMatrix],
+        biases: &[Option<&CudaSlice<f32>>],
         x: &CudaSlice<f32>,
         n: usize,
         ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul_shared";
-        ensure(ws.len() == ys.len(), OP, || {
-            format!("{} matrices for {} outputs", ws.len(), ys.len())
+        ensure(ws.len() == ys.len() && ws.len() == biases.len(), OP, || {
+            format!(
+                "{} matrices for {} outputs and {} biases",
+                ws.len(),
+                ys.len(),
+                biases.len()
+            )
         })?;
-        let cols = ws.first().map_or(0, |w| w.cols);
+        for (w, bias) in ws.iter().zip(biases) {
+            if let Some(bias) = bias {
+                ensure(bias.len() == w.rows, OP, || {
+                    format!("a bias of {} for {} rows", bias.len(), w.rows)
+                })?;
+            }
+        }
+        let first = ws.first().map(|w| (w.ty, w.cols));
+        let cols = first.map_or(0, |f| f.1);
         if n == 0 || !ws.iter().all(|w| takes_q8_0(w) && w.cols == cols) {
-            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
                 self.matmul(w, x, n, y)?;
+                if let Some(bias) = bias {
+                    self.add_bias(y, bias)?;
+                }
             }
             return Ok(());
         }
@@ -143,8 +169,15 @@ impl CudaDevice {
             check_shape(OP, w, x, n, y)?;
         }
         let xq = self.quantize_q8_0(x, n * cols)?;
-        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+        let one_type = ws.iter().all(|w| Some((w.ty, w.cols)) == first);
+        if one_type && n < MM_TILED_MIN_TOKENS && ws.len() <= DP4A_GROUP {
+            return self.matmul_dp4a(ws, biases, &xq, n, ys);
+        }
+        for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
             self.matmul_q8_0_acts(w, &xq, n, y)?;
+            if let Some(bias) = bias {
+                self.add_bias(y, bias)?;
+            }
         }
         Ok(())
     }
@@ -161,43 +194,77 @@ impl CudaDevice {
     ) -> Result<(), CudaError> {
         match n >= MM_TILED_MIN_TOKENS {
             true => self.matmul_tiled(w, xq, n, y),
-            false => self.matmul_dp4a(w, xq, n, y),
+            false => self.matmul_dp4a(&[w], &[None], xq, n, &mut [y]),
         }
     }
 
-    /// [`CudaDevice::matmul`] for fewer than `MM_TILED_MIN_TOKENS` tokens of Q8_0 or MXFP4
-    /// weights (checked there): the dp4a GEMV kernels (`kernels/gemv_dp4a.cu`), in the CPU
-    /// device's order, DP4A_TOKENS tokens per block. The Q8_0 kernel loads quant words with
-    /// 16-bit loads: rows of whole 34-byte blocks from an aligned allocation keep them even.
+    /// `ys[i] = ws[i] · x (+ biases[i])` for fewer than `MM_TILED_MIN_TOKENS` tokens of
+    /// 1..=`DP4A_GROUP` Q8_0 or MXFP4 matrices of one type and width (checked by the
+    /// callers, as are the shapes): one launch of the dp4a GEMV kernel
+    /// (`kernels/gemv_dp4a.cu`), in the CPU device's order, DP4A_TOKENS tokens per block,
+    /// each matrix's row blocks after the previous one's, a bias added to each finished sum
+    /// (add_bias's one rounding). The Q8_0 kernel loads quant words with 16-bit loads: rows of
+    /// whole 34-byte blocks from an aligned allocation keep them even.
     fn matmul_dp4a(
         &self,
-        w: &DeviceMatrix,
+        ws: &[&DeviceMatrix],
+        biases: &[Option<&CudaSlice<f32>>],
         xq: &CudaSlice<u8>,
         n: usize,
-        y: &mut CudaSlice<f32>,
+        ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul";
-        let (name, rows_per_warp) = match w.ty {
+        let w0 = ws[0];
+        let (name, rows_per_warp) = match w0.ty {
             GgmlType::MXFP4 => ("matmul_dp4a_mxfp4", DP4A_MXFP4_ROWS),
             _ => ("matmul_dp4a_q8_0", DP4A_Q8_0_ROWS),
         };
-        let row_bytes = w.row_bytes as u64;
-        let (rows, cols, n_i) = (
-            i32_of(OP, "rows", w.rows)?,
-            i32_of(OP, "cols", w.cols)?,
-            i32_of(OP, "tokens", n)?,
-        );
-        let cfg = rows_by_tokens(
-            OP,
-            (w.rows, ROW_WARPS * rows_per_warp),
-            (n, DP4A_TOKENS),
-            ROW_WARPS * 32,
-        )?;
+        let per_block = (ROW_WARPS * rows_per_warp) as usize;
+        // Per member (absent ones: no rows, no blocks): row bytes, rows, end of its blocks.
+        let (mut rbs, mut rows, mut ends) =
+            ([0u64; DP4A_GROUP], [0i32; DP4A_GROUP], [0i32; DP4A_GROUP]);
+        let mut end = 0usize;
+        for i in 0..DP4A_GROUP {
+            if let Some(w) = ws.get(i) {
+                rbs[i] = w.row_bytes as u64;
+                rows[i] = i32_of(OP, "rows", w.rows)?;
+                end += w.rows.div_ceil(per_block);
+            }
+            ends[i] = i32_of(OP, "row blocks", end)?;
+        }
+        let (cols, n_i) = (i32_of(OP, "cols", w0.cols)?, i32_of(OP, "tokens", n)?);
+        let gy = n.div_ceil(DP4A_TOKENS as usize);
+        ensure(gy <= MAX_GRID_Y, OP, || format!("{n} tokens in one call"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(OP, "row blocks", end)?, gy as u32, 1),
+            block_dim: (ROW_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.builder(name);
-        b.arg(&w.data).arg(&row_bytes).arg(xq);
-        b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
-        // SAFETY: argument types match `matmul_dp4a_*`; xq holds n rows of w.cols / 32 Q8_0
-        // blocks and y n rows of w.rows (checked by the caller).
+        b.arg(xq).arg(&cols).arg(&n_i);
+        let mut ys = ys.iter_mut();
+        for i in 0..DP4A_GROUP {
+            match ws.get(i) {
+                Some(w) => b.arg(&w.data),
+                // Never read: the member has no blocks.
+                None => b.arg(xq),
+            };
+            b.arg(&rbs[i]);
+            match ys.next() {
+                Some(y) => b.arg(&mut **y),
+                None => b.arg(&self.dummy),
+            };
+            // A null pointer for no bias (the kernel adds none).
+            match biases.get(i).copied().flatten() {
+                Some(bias) => b.arg(bias),
+                None => b.arg(&NO_BIAS),
+            };
+            b.arg(&rows[i]).arg(&ends[i]);
+        }
+        // SAFETY: argument types match `matmul_dp4a_*` (xq, cols, n, then per member: weights,
+        // row bytes, y, bias or null, rows, end of its row blocks); xq holds n rows of cols / 32
+        // Q8_0 blocks, each y n rows of its matrix's rows, each bias its rows (checked by the
+        // callers); members past `ws` have no blocks, so their pointers are never read.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

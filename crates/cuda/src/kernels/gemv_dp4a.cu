@@ -27,7 +27,11 @@
 //
 // One entry point per weight type takes 1..DP4A_TOKENS tokens per block (grid.y covers the
 // rest); each token count has its own instantiation, so a lane keeps one accumulator per token.
-// grid = (ceil(rows / rows per block), ceil(n / DP4A_TOKENS)), block = ROW_WARPS * 32.
+// It multiplies up to three matrices of the same width by the same activations in one launch
+// (attention's Q, K and V; one matrix is a group of one), each with an optional bias added to
+// its finished sums as add_bias adds it (one rounding), so that a layer's Q, K and V with their
+// biases are one kernel instead of six.
+// grid = (row blocks of all the matrices, ceil(n / DP4A_TOKENS)), block = ROW_WARPS * 32.
 
 // Rows per warp of the Q8_0 and MXFP4 kernels, tokens per block of both, and blocks of a row
 // whose weights a lane loads at once (the rest of a row one block at a time).
@@ -137,16 +141,17 @@ __device__ __forceinline__ void dp4a_mxfp4_blocks(const u8* wr, const u8* xr, u6
 }
 
 // Row r of an NT-token product of TY weights (Q8_0: 8 lanes per row, DP4A_Q8_0_ROWS rows per
-// warp; MXFP4: 4 lanes, DP4A_MXFP4_ROWS) through all nb blocks into acc, DP4A_CHUNK blocks at a
+// warp; MXFP4: 4 lanes, DP4A_MXFP4_ROWS; the rows of the matrix's row block bx) through all nb
+// blocks into acc, DP4A_CHUNK blocks at a
 // time, then the rest one by one; returns r. Lanes past the last row compute row 0. Every lane
 // of the warp must call it (the MXFP4 blocks shuffle).
 template <int TY, int NT>
 __device__ __forceinline__ int dp4a_row_tokens(const u8* w, u64 row_bytes, const u8* x, int rows,
-                                               int nb, int t0, float* acc) {
+                                               int nb, int t0, int bx, float* acc) {
     const int LANES = TY == TY_MXFP4 ? 4 : 8;
     const int RPW = TY == TY_MXFP4 ? DP4A_MXFP4_ROWS : DP4A_Q8_0_ROWS;
     int lane = threadIdx.x % WARP, part = lane % LANES;
-    int r = (blockIdx.x * ROW_WARPS + threadIdx.x / WARP) * RPW + lane / LANES;
+    int r = (bx * ROW_WARPS + threadIdx.x / WARP) * RPW + lane / LANES;
     const u8* wr = w + (u64)(r < rows ? r : 0) * row_bytes;
     u64 xs = (u64)nb * 34u;
     const u8* xr = x + (u64)t0 * xs;
@@ -170,13 +175,13 @@ __device__ __forceinline__ int dp4a_row_tokens(const u8* w, u64 row_bytes, const
     return r;
 }
 
-// NT tokens from t0 of a Q8_0 product (see the top): lane k of each 8-lane group owns
-// accumulator k of one row and token.
+// NT tokens from t0 of a Q8_0 product (see the top), row block bx: lane k of each 8-lane
+// group owns accumulator k of one row and token; bias (when not null) added to each sum.
 template <int NT>
-__device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float* y, int rows,
-                                 int nb, int t0) {
+__device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float* y,
+                                 const float* bias, int rows, int nb, int t0, int bx) {
     float acc[NT];
-    int r = dp4a_row_tokens<TY_Q8_0, NT>(w, row_bytes, x, rows, nb, t0, acc);
+    int r = dp4a_row_tokens<TY_Q8_0, NT>(w, row_bytes, x, rows, nb, t0, bx, acc);
     int k = threadIdx.x % 8;
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -184,20 +189,21 @@ __device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float*
         v += __shfl_xor_sync(0xffffffffu, v, 4);  // a_k + a_(k+4)
         v += __shfl_xor_sync(0xffffffffu, v, 2);  // (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
         v += __shfl_xor_sync(0xffffffffu, v, 1);
+        if (bias != nullptr && r < rows) v += bias[r];
         if (k == 0 && r < rows) y[(u64)(t0 + t) * rows + r] = v;
     }
 }
 
-// NT tokens from t0 of an MXFP4 product (see the top): lane l of each 4-lane group takes
-// nibble bytes 4l..4l+3 of one row's blocks.
+// NT tokens from t0 of an MXFP4 product (see the top), row block bx: lane l of each 4-lane
+// group takes nibble bytes 4l..4l+3 of one row's blocks; bias (when not null) added to each sum.
 template <int NT>
-__device__ void dp4a_mxfp4_tokens(const u8* w, u64 row_bytes, const u8* x, float* y, int rows,
-                                  int nb, int t0) {
+__device__ void dp4a_mxfp4_tokens(const u8* w, u64 row_bytes, const u8* x, float* y,
+                                  const float* bias, int rows, int nb, int t0, int bx) {
     float acc[NT];
-    int r = dp4a_row_tokens<TY_MXFP4, NT>(w, row_bytes, x, rows, nb, t0, acc);
+    int r = dp4a_row_tokens<TY_MXFP4, NT>(w, row_bytes, x, rows, nb, t0, bx, acc);
     if (threadIdx.x % 4 != 0 || r >= rows) return;
 #pragma unroll
-    for (int t = 0; t < NT; t++) y[(u64)(t0 + t) * rows + r] = acc[t];
+    for (int t = 0; t < NT; t++) y[(u64)(t0 + t) * rows + r] = bias != nullptr ? acc[t] + bias[r] : acc[t];
 }
 
 // Calls F<nt>(args...) for nt in 1..DP4A_TOKENS.
@@ -213,22 +219,51 @@ __device__ void dp4a_mxfp4_tokens(const u8* w, u64 row_bytes, const u8* x, float
     default: F<8>(__VA_ARGS__); break; \
     }
 
-// y[t][r] = W[r] . x[t] for Q8_0 weights (row_bytes per row, cols elements) and n tokens of
-// Q8_0 activations (quantize_q8_0). grid = (ceil(rows / (ROW_WARPS * DP4A_Q8_0_ROWS)),
-// ceil(n / DP4A_TOKENS)), block = ROW_WARPS * 32.
-extern "C" __global__ void matmul_dp4a_q8_0(const u8* w, u64 row_bytes, const u8* x, float* y,
-                                            int rows, int cols, int n) {
+// One matrix of a group launch: its weights, rows, output and bias (null for none), and the
+// end of its row blocks in grid.x (the previous matrix's end is its start).
+#define DP4A_GROUP_PARAMS(i) const u8 *w##i, u64 rb##i, float *y##i, const float *b##i, int rows##i, int end##i
+
+// The matrix of group member i's block bx (made relative to the member's first block).
+#define DP4A_GROUP_PICK(i, prev_end)                                 \
+    if (bx < end##i) {                                                 \
+        w = w##i, rb = rb##i, y = y##i, b = b##i, rows = rows##i;      \
+        bx -= prev_end;                                                \
+    } else
+
+// ys_i[t][r] = W_i[r] . x[t] (+ b_i[r]) for up to three TY (Q8_0 or MXFP4) matrices of cols
+// columns and n tokens of Q8_0 activations (quantize_q8_0); members past the group's size have
+// no blocks (their end equals the last one's) and are never read.
+// grid = (end2, ceil(n / DP4A_TOKENS)), block = ROW_WARPS * 32.
+template <int TY>
+__device__ void dp4a_group(const u8* x, int cols, int n, DP4A_GROUP_PARAMS(0), DP4A_GROUP_PARAMS(1),
+                           DP4A_GROUP_PARAMS(2)) {
+    int bx = blockIdx.x;
+    const u8* w;
+    u64 rb;
+    float* y;
+    const float* b;
+    int rows;
+    DP4A_GROUP_PICK(0, 0) DP4A_GROUP_PICK(1, end0) DP4A_GROUP_PICK(2, end1) return;
     int t0 = blockIdx.y * DP4A_TOKENS;
     int nt = n - t0 < DP4A_TOKENS ? n - t0 : DP4A_TOKENS;
-    DP4A_BY_TOKENS(dp4a_q8_0_tokens, nt, w, row_bytes, x, y, rows, cols / 32, t0)
+    if (TY == TY_MXFP4) {
+        DP4A_BY_TOKENS(dp4a_mxfp4_tokens, nt, w, rb, x, y, b, rows, cols / 32, t0, bx)
+    } else {
+        DP4A_BY_TOKENS(dp4a_q8_0_tokens, nt, w, rb, x, y, b, rows, cols / 32, t0, bx)
+    }
 }
 
-// y[t][r] = W[r] . x[t] for MXFP4 weights and n tokens of Q8_0 activations.
-// grid = (ceil(rows / (ROW_WARPS * DP4A_MXFP4_ROWS)), ceil(n / DP4A_TOKENS)),
-// block = ROW_WARPS * 32.
-extern "C" __global__ void matmul_dp4a_mxfp4(const u8* w, u64 row_bytes, const u8* x, float* y,
-                                             int rows, int cols, int n) {
-    int t0 = blockIdx.y * DP4A_TOKENS;
-    int nt = n - t0 < DP4A_TOKENS ? n - t0 : DP4A_TOKENS;
-    DP4A_BY_TOKENS(dp4a_mxfp4_tokens, nt, w, row_bytes, x, y, rows, cols / 32, t0)
+// The group product of Q8_0 weights (dp4a_group); row blocks of ROW_WARPS * DP4A_Q8_0_ROWS rows.
+extern "C" __global__ void matmul_dp4a_q8_0(const u8* x, int cols, int n, DP4A_GROUP_PARAMS(0),
+                                            DP4A_GROUP_PARAMS(1), DP4A_GROUP_PARAMS(2)) {
+    dp4a_group<TY_Q8_0>(x, cols, n, w0, rb0, y0, b0, rows0, end0, w1, rb1, y1, b1, rows1, end1,
+                        w2, rb2, y2, b2, rows2, end2);
+}
+
+// The group product of MXFP4 weights (dp4a_group); row blocks of ROW_WARPS * DP4A_MXFP4_ROWS
+// rows.
+extern "C" __global__ void matmul_dp4a_mxfp4(const u8* x, int cols, int n, DP4A_GROUP_PARAMS(0),
+                                             DP4A_GROUP_PARAMS(1), DP4A_GROUP_PARAMS(2)) {
+    dp4a_group<TY_MXFP4>(x, cols, n, w0, rb0, y0, b0, rows0, end0, w1, rb1, y1, b1, rows1, end1,
+                         w2, rb2, y2, b2, rows2, end2);
 }

@@ -367,11 +367,14 @@ int main(int argc, char** argv) {
             wr(P("y"), y);
             return 0;
         }
-        if (ty == 8 || ty == 39) {  // matmul.rs: matmul_dp4a
+        if (ty == 8 || ty == 39) {  // matmul.rs: matmul_dp4a, a group of one
             unsigned per_block = ROW_WARPS * (ty == 8 ? DP4A_Q8_0_ROWS : DP4A_MXFP4_ROWS);
-            launch({cdiv(rows, per_block), cdiv(n, DP4A_TOKENS), 1}, blk, [&] {
-                if (ty == 8) matmul_dp4a_q8_0(wp, rb, xqp, yp, rows, cols, n);
-                else matmul_dp4a_mxfp4(wp, rb, xqp, yp, rows, cols, n);
+            int nb = (int)cdiv(rows, per_block);
+            launch({(unsigned)nb, cdiv(n, DP4A_TOKENS), 1}, blk, [&] {
+#define CALL_DP4A_ONE(S) matmul_dp4a_##S(xqp, cols, n, wp, rb, yp, nullptr, rows, nb, \
+                                          xqp, 0, yp, nullptr, 0, nb, xqp, 0, yp, nullptr, 0, nb)
+                if (ty == 8) CALL_DP4A_ONE(q8_0);
+                else CALL_DP4A_ONE(mxfp4);
             });
             wr(P("y"), y);
             return 0;
@@ -384,6 +387,45 @@ int main(int argc, char** argv) {
             }
         });
         wr(P("y"), y);
+    } else if (op == "matmul_group") {  // matmul.rs: matmul_shared's one dp4a launch
+        // ty, cols, n, the rows of up to three matrices (0: absent) and a mask of those with a
+        // bias; reads w0..w2, b0..b2 and x, writes y0..y2.
+        int ty = atoi(argv[3]), cols = atoi(argv[4]), n = atoi(argv[5]);
+        int rows[3] = {atoi(argv[6]), atoi(argv[7]), atoi(argv[8])}, mask = atoi(argv[9]);
+        auto x = rd<float>(P("x"));
+        auto xq = quantize(x.data(), (size_t)n * cols);
+        std::vector<u8> w[3];
+        std::vector<float> b[3], y[3];
+        unsigned long long rb[3] = {0, 0, 0};
+        int ends[3], end = 0;
+        unsigned per_block = ROW_WARPS * (ty == 8 ? DP4A_Q8_0_ROWS : DP4A_MXFP4_ROWS);
+        const char* wn[3] = {"w0", "w1", "w2"};
+        const char* bn[3] = {"b0", "b1", "b2"};
+        for (int i = 0; i < 3; i++) {
+            if (rows[i] > 0) {
+                w[i] = rd<u8>(P(wn[i]));
+                rb[i] = w[i].size() / rows[i];
+                if (mask >> i & 1) b[i] = rd<float>(P(bn[i]));
+                y[i].assign((size_t)n * rows[i], 0.f);
+                end += (int)cdiv(rows[i], per_block);
+            } else {
+                y[i].assign(1, 0.f);
+            }
+            ends[i] = end;
+        }
+        const u8* xqp = xq.data();
+        auto wp = [&](int i) { return rows[i] > 0 ? (const u8*)w[i].data() : xqp; };
+        auto bp = [&](int i) { return b[i].empty() ? (const float*)nullptr : (const float*)b[i].data(); };
+        launch({(unsigned)end, cdiv(n, DP4A_TOKENS), 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_DP4A_GROUP(S) matmul_dp4a_##S(xqp, cols, n, wp(0), rb[0], y[0].data(), bp(0), rows[0], ends[0], \
+                                            wp(1), rb[1], y[1].data(), bp(1), rows[1], ends[1], \
+                                            wp(2), rb[2], y[2].data(), bp(2), rows[2], ends[2])
+            if (ty == 8) CALL_DP4A_GROUP(q8_0);
+            else CALL_DP4A_GROUP(mxfp4);
+        });
+        const char* yn[3] = {"y0", "y1", "y2"};
+        for (int i = 0; i < 3; i++)
+            if (rows[i] > 0) wr(P(yn[i]), y[i]);
     } else if (op == "moe") {
         int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
             n = atoi(argv[7]), k = atoi(argv[8]);

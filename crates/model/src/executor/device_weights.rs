@@ -51,11 +51,13 @@ impl<B: Backend> DevMat<B> {
         Ok(())
     }
 
-    /// `ys[i] = ws[i]·x` for the rows of `groups`, matrices that multiply the same input:
-    /// one [`Backend::matmul_shared`] (the activations converted once) unless some matrix
-    /// goes per sequence in a batch of several, then [`DevMat::mul`] each.
+    /// `ys[i] = ws[i]·x + biases[i]` for the rows of `groups`, matrices that multiply the
+    /// same input: one [`Backend::matmul_shared`] (the activations converted once, the
+    /// biases added as [`Backend::add_bias`] adds them) unless some matrix goes per sequence
+    /// in a batch of several, then [`DevMat::mul`] and [`Backend::add_bias`] each.
     pub(crate) fn mul_shared(
         ws: &[&DevMat<B>],
+        biases: &[Option<&B::Buf<f32>>],
         dev: &B,
         arena: &ScratchArena<B>,
         x: &B::Buf<f32>,
@@ -63,14 +65,17 @@ impl<B: Backend> DevMat<B> {
         ys: &mut [&mut B::Buf<f32>],
     ) -> Result<(), ModelError> {
         if groups.len() > 1 && ws.iter().any(|w| w.per_seq) {
-            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
                 w.mul(dev, arena, x, groups, y)?;
+                if let Some(bias) = bias {
+                    dev.add_bias(y, bias)?;
+                }
             }
             return Ok(());
         }
         let n = groups.last().map_or(0, |g| g.end);
         let ms: Vec<&B::Matrix> = ws.iter().map(|w| &w.m).collect();
-        Ok(dev.matmul_shared(&ms, x, n, ys)?)
+        Ok(dev.matmul_shared(&ms, biases, x, n, ys)?)
     }
 
     /// One matrix per head ([`Backend::matmul_heads`]) over `groups`: per sequence for

@@ -18,18 +18,6 @@ use crate::error::ModelError;
 use crate::sequence::KvCache;
 use crate::weights::{ExpertShape, ExpertWeights};
 
-/// `x[r] += b` for every row when there is a bias.
-fn add_bias_opt<B: Backend>(
-    dev: &B,
-    x: &mut B::Buf<f32>,
-    b: Option<&B::Buf<f32>>,
-) -> Result<(), ModelError> {
-    if let Some(b) = b {
-        dev.add_bias(x, b)?;
-    }
-    Ok(())
-}
-
 /// Bytes of the optional f32 tensors `bufs`.
 fn bufs_bytes<B: Backend>(bufs: &[Option<&B::Buf<f32>>]) -> u64 {
     bufs.iter().flatten().map(|b| buf_bytes::<B>(b)).sum()
@@ -154,10 +142,8 @@ impl<B: Backend> AttnBlock<B> {
         dev.rms_norm(x, &self.norm, self.spec.rms_eps, &mut h)?;
         let (mut q, mut k, mut v) = (cx.alloc(qw)?, cx.alloc(kvw)?, cx.alloc(kvw)?);
         let qkv = [&self.wq, &self.wk, &self.wv];
-        cx.matmul_shared(&qkv, &h, &mut [&mut q, &mut k, &mut v])?;
-        add_bias_opt(dev, &mut q, self.bq.as_ref())?;
-        add_bias_opt(dev, &mut k, self.bk.as_ref())?;
-        add_bias_opt(dev, &mut v, self.bv.as_ref())?;
+        let biases = [self.bq.as_ref(), self.bk.as_ref(), self.bv.as_ref()];
+        cx.matmul_shared(&qkv, &biases, &h, &mut [&mut q, &mut k, &mut v])?;
         // Per-head RMSNorm: rows of the weight's length (one head), into a new buffer that
         // then stands for the raw one.
         for (t, norm, width) in [(&mut q, &self.q_norm, qw), (&mut k, &self.k_norm, kvw)] {
@@ -176,8 +162,7 @@ impl<B: Backend> AttnBlock<B> {
         let mut att = cx.alloc(qw)?;
         cx.attend(layer, &shape, &q, &k, &v, self.sinks.as_ref(), &mut att)?;
         let mut o = cx.alloc(d)?;
-        cx.matmul(&self.wo, &att, &mut o)?;
-        add_bias_opt(dev, &mut o, self.bo.as_ref())?;
+        cx.matmul_shared(&[&self.wo], &[self.bo.as_ref()], &att, &mut [&mut o])?;
         dev.add_assign(x, &o)?;
         Ok(())
     }
@@ -263,8 +248,8 @@ impl<B: Backend> MoeBlock<B> {
         let mut h = cx.alloc(d)?;
         dev.rms_norm(x, &self.norm, rms_eps, &mut h)?;
         let mut scores = cx.alloc(router.n_expert)?;
-        cx.matmul(&self.router, &h, &mut scores)?;
-        add_bias_opt(dev, &mut scores, self.router_b.as_ref())?;
+        let router_b = [self.router_b.as_ref()];
+        cx.matmul_shared(&[&self.router], &router_b, &h, &mut [&mut scores])?;
         let mut sel = cx.scratch::<i32>(n * router.k)?;
         let mut wts = cx.scratch::<f32>(n * router.k)?;
         router.route(dev, &scores, None, &mut sel, &mut wts)?;
@@ -475,7 +460,12 @@ impl<B: Backend> SwiGluFfn<B> {
     ) -> Result<(), ModelError> {
         let ff = self.gate.rows;
         let (mut up, mut gate) = (cx.alloc(ff)?, cx.alloc(ff)?);
-        cx.matmul_shared(&[&self.up, &self.gate], h, &mut [&mut up, &mut gate])?;
+        cx.matmul_shared(
+            &[&self.up, &self.gate],
+            &[None, None],
+            h,
+            &mut [&mut up, &mut gate],
+        )?;
         cx.dev().swiglu(&mut gate, &up, ff)?;
         cx.matmul(&self.down, &gate, out)
     }

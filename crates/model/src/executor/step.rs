@@ -263,14 +263,16 @@ impl<'s, B: Backend> Step<'s, B> {
         w.mul(self.dev, self.arena, x, &self.groups, y)
     }
 
-    /// `ys[i] = ws[i]·x` over the micro-batch for matrices of the same input ([`DevMat::mul_shared`]).
+    /// `ys[i] = ws[i]·x + biases[i]` over the micro-batch for matrices of the same input
+    /// ([`DevMat::mul_shared`]).
     pub(crate) fn matmul_shared(
         &self,
         ws: &[&DevMat<B>],
+        biases: &[Option<&B::Buf<f32>>],
         x: &B::Buf<f32>,
         ys: &mut [&mut B::Buf<f32>],
     ) -> Result<(), ModelError> {
-        DevMat::mul_shared(ws, self.dev, self.arena, x, &self.groups, ys)
+        DevMat::mul_shared(ws, biases, self.dev, self.arena, x, &self.groups, ys)
     }
 
     /// Stores the batch's keys `k` and values `v` in layer `layer`'s cache of each sequence
