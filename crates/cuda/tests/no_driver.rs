@@ -75,7 +75,9 @@ fn yarn_parameters_for_gpt_oss() {
 }
 
 /// Compiles the kernels (kernels/*.cu) for sm_80 and sm_70 with clang's CUDA front end when
-/// clang is installed (syntax, types, inline PTX constraints); skipped otherwise. NVRTC is the
+/// clang is installed (syntax, types, inline PTX constraints), and checks that no kernel
+/// declares more static shared memory than a block may have (one such kernel would fail the
+/// whole module's load on the GPU, and with it every kernel); skipped otherwise. NVRTC is the
 /// real compiler. The int8 tensor-core instructions and the asynchronous copies (kernels/mma.cu,
 /// kernels/mma_kquants.cu) are in sm_80's PTX only: sm_70's has the entry points, empty.
 #[test]
@@ -117,6 +119,21 @@ fn kernel_source_compiles_with_clang_when_available() {
                 "{name} missing from the {arch} PTX"
             );
         }
+        let smem = static_shared_bytes(&ptx);
+        let mut biggest: Vec<_> = smem.iter().collect();
+        biggest.sort_by_key(|&(name, bytes)| (std::cmp::Reverse(*bytes), *name));
+        eprintln!(
+            "{arch}: the most static shared memory per block: {:?}",
+            &biggest[..5.min(biggest.len())]
+        );
+        for name in hmoe_cuda::kernels::KERNELS {
+            let bytes = smem.get(name).copied().unwrap_or(0);
+            assert!(
+                bytes <= MAX_STATIC_SHARED,
+                "{name} ({arch}) declares {bytes} bytes of static shared memory, over the \
+                 {MAX_STATIC_SHARED} a module may declare: the whole module would fail to load"
+            );
+        }
         let tensor_cores = ptx.contains("mma.sync.aligned.m16n8k32")
             && ptx.contains("ldmatrix")
             && ptx.contains("cp.async.cg.shared.global")
@@ -124,4 +141,116 @@ fn kernel_source_compiles_with_clang_when_available() {
         assert_eq!(tensor_cores, arch == "sm_80", "tensor-core PTX for {arch}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The most static shared memory (`__shared__` arrays of fixed size) a kernel may declare:
+/// 48 KiB (`ptxas`: "uses too much shared data"; more needs dynamic shared memory).
+const MAX_STATIC_SHARED: usize = 48 * 1024;
+
+/// The bytes of static shared memory each kernel (`.entry`) of `ptx` reaches: the `.shared`
+/// variables named in its body and in the bodies of the functions it calls, transitively.
+fn static_shared_bytes(ptx: &str) -> std::collections::HashMap<&str, usize> {
+    use std::collections::{HashMap, HashSet};
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '$';
+    // `name` occurs in `text` as a whole identifier.
+    let names_in = |text: &str, name: &str| {
+        text.match_indices(name).any(|(i, _)| {
+            let before = text[..i].chars().next_back();
+            let after = text[i + name.len()..].chars().next();
+            !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+        })
+    };
+    let elem_bytes = |ty: &str| match &ty[ty.len().saturating_sub(2)..] {
+        "b8" | "u8" | "s8" => 1,
+        "16" => 2,
+        "32" => 4,
+        _ => 8,
+    };
+    let mut shared: HashMap<&str, usize> = HashMap::new();
+    // (is an entry, name) -> body
+    let mut bodies: Vec<(bool, &str, String)> = Vec::new();
+    let mut header: Option<(bool, &str)> = None;
+    let mut open: Option<(bool, &str, String, i32)> = None;
+    for line in ptx.lines() {
+        let t = line.trim();
+        if let Some((entry, name, body, depth)) = open.as_mut() {
+            *depth += t.matches('{').count() as i32 - t.matches('}').count() as i32;
+            if *depth == 0 {
+                bodies.push((*entry, *name, std::mem::take(body)));
+                open = None;
+            } else {
+                body.push_str(t);
+                body.push('\n');
+            }
+            continue;
+        }
+        let words: Vec<&str> = t.split_whitespace().collect();
+        if let Some(at) = words.iter().position(|w| *w == ".shared") {
+            // [.visible|.weak|.global] .shared [.align N] .TYPE NAME[COUNT];
+            if words.first() != Some(&".extern") {
+                let rest = &words[at + 1..];
+                let rest = if rest.first() == Some(&".align") {
+                    &rest[2..]
+                } else {
+                    rest
+                };
+                if let [ty, decl, ..] = rest {
+                    let decl = decl.trim_end_matches(';');
+                    let (name, count) = match decl.split_once('[') {
+                        Some((n, c)) => (n, c.trim_end_matches(']').parse().unwrap_or(1)),
+                        None => (decl, 1),
+                    };
+                    shared.insert(name, count * elem_bytes(ty));
+                }
+            }
+            continue;
+        }
+        if let Some(at) = words.iter().position(|w| *w == ".entry" || *w == ".func") {
+            let entry = words[at] == ".entry";
+            // The name: the first word after the return parameters that is an identifier.
+            let after = t.split_once(words[at]).map_or("", |(_, r)| r).trim_start();
+            let after = match after.strip_prefix('(') {
+                Some(r) => r.split_once(')').map_or("", |(_, r)| r).trim_start(),
+                None => after,
+            };
+            let end = after.find(|c: char| !is_ident(c)).unwrap_or(after.len());
+            header = Some((entry, &after[..end]));
+        } else if t == "{" {
+            if let Some((entry, name)) = header.take() {
+                open = Some((entry, name, String::new(), 1));
+            }
+        } else if t.ends_with(';') && !t.starts_with(".param") {
+            // A declaration without a body.
+            header = None;
+        }
+    }
+    let funcs: HashSet<&str> = bodies.iter().map(|(_, n, _)| *n).collect();
+    let reach: HashMap<&str, (Vec<&str>, Vec<&str>)> = bodies
+        .iter()
+        .map(|(_, n, b)| {
+            let vars = shared.keys().copied().filter(|v| names_in(b, v)).collect();
+            let calls = funcs
+                .iter()
+                .copied()
+                .filter(|f| f != n && names_in(b, f))
+                .collect();
+            (*n, (vars, calls))
+        })
+        .collect();
+    bodies
+        .iter()
+        .filter(|(entry, _, _)| *entry)
+        .map(|(_, name, _)| {
+            let (mut seen, mut vars, mut stack) = (HashSet::new(), HashSet::new(), vec![*name]);
+            while let Some(f) = stack.pop() {
+                if seen.insert(f) {
+                    if let Some((v, c)) = reach.get(f) {
+                        vars.extend(v.iter().copied());
+                        stack.extend(c.iter().copied());
+                    }
+                }
+            }
+            (*name, vars.iter().map(|v| shared[v]).sum())
+        })
+        .collect()
 }
