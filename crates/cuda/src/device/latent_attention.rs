@@ -76,12 +76,13 @@ fn k_only_kernels(ty: GgmlType) -> Option<[&'static str; 4]> {
 }
 
 /// Whether a call of `n_tokens` over `p` runs split over positions: it has scores, at most
-/// [`K_ONLY_SPLIT_MAX_SCORES`] of them.
+/// [`K_ONLY_SPLIT_MAX_SCORES`] of them, and its head groups fit a grid's y.
 fn k_only_split(p: &KOnlyAttnParams, n_tokens: usize) -> bool {
-    n_tokens
+    let scores = n_tokens
         .checked_mul(p.n_head)
-        .and_then(|x| x.checked_mul(p.cells))
-        .is_some_and(|scores| (1..=K_ONLY_SPLIT_MAX_SCORES).contains(&scores))
+        .and_then(|x| x.checked_mul(p.cells));
+    scores.is_some_and(|s| (1..=K_ONLY_SPLIT_MAX_SCORES).contains(&s))
+        && p.n_head.div_ceil(KS_HEADS) <= MAX_GRID_Y
 }
 
 impl CudaDevice {

@@ -17,10 +17,18 @@
 // lane = position % 16 and chain = (position / 16) % 4 for one query token over f32/f16 keys
 // (vec_dot's four chains; else 1 chain), then (c0 + c2) + (c1 + c3) per lane and by halving.
 //
-// One block per (head, token), KO_THREADS threads: each thread scores one position of a tile
-// of KO_THREADS positions (whole chunks) at a time, serially in the CPU's order; thread d
-// accumulates value dims d, d + KO_THREADS. k_dim <= KO_MAX_K, v_dim <= KO_THREADS *
-// KO_DIMS_PER_THREAD; block rings: k_dim and v_dim multiples of 32.
+// What runs when (latent_attention.rs): a call of at most 16 Mi scores (n_tokens × n_head ×
+// cells, K_ONLY_SPLIT_MAX_SCORES: decode and short prefill) runs split over positions
+// (latent_split.cu: scores, weights, values through a scratch of those scores, every key and
+// value read once per group of heads); a larger one (long prefill) runs attn_k_only_<type>
+// here, which needs no scratch but scores every position three times per head. Both take
+// k_dim <= KO_MAX_K, v_dim <= KO_THREADS * KO_DIMS_PER_THREAD; block rings: k_dim and v_dim
+// multiples of 32. This file also holds the scoring and reduction helpers both use.
+//
+// attn_k_only_<type>: one block per (head, token), KO_THREADS threads, three passes over the
+// positions (the largest score, the denominator, the values): each thread scores one
+// position of a tile of KO_THREADS positions (whole chunks) at a time, serially in the CPU's
+// order; thread d accumulates value dims d, d + KO_THREADS.
 // grid = (n_head, n_tokens), block = KO_THREADS.
 #define KO_THREADS 256
 #define KO_MAX_K 1024
