@@ -45,20 +45,9 @@ __device__ void k_only_scores_body(const float* q, const u8* qq, const u8* kc, f
     int n_group = n_head - h0 < KS_HEADS ? n_head - h0 : KS_HEADS;
     int pos = pos0 + t;
     int lanes = n_tokens != 1 && k_dim % 16 == 0;
-    const bool blocks = ko_blocks(TY);
-    u64 row_bytes = blocks ? (u64)(k_dim / 32) * (u32)lowbit_block_bytes(TY)
-                           : (u64)k_dim * (TY == TY_F32 ? 4u : 2u);
-    u64 qb = blocks ? lowbit_act_bytes(TY, k_dim) : 0;
-    if (blocks) {
-        const u8* qg = qq + ((u64)t * n_head + h0) * qb;
-        for (u64 i = tid; i < (u64)n_group * qb; i += KO_THREADS) sm_qq[i] = qg[i];
-    } else {
-        const float* qg = q + ((u64)t * n_head + h0) * k_dim;
-        for (int i = tid; i < n_group * k_dim; i += KO_THREADS) {
-            float v = qg[i];
-            sm_q[i] = TY == TY_F16 ? h2f(f2h(v)) : TY == TY_BF16 ? bf2f(f2bf(v)) : v;
-        }
-    }
+    u64 row_bytes = ko_row_bytes<TY>(k_dim);
+    u64 qb = ko_blocks(TY) ? lowbit_act_bytes(TY, k_dim) : 0;
+    ko_stage_queries<TY>(q, qq, sm_q, sm_qq, t, n_head, h0, n_group, k_dim, qb);
     __syncthreads();
     if (hl >= n_group) return;
     float* sh = s + ((u64)t * n_head + h0 + hl) * cells;
@@ -84,16 +73,8 @@ __device__ void k_only_weights_body(float* s, int n_tokens, int n_head, int cell
     float* sh = s + ((u64)t * n_head + h) * cells;
     float m = -f_inf();
     for (int p = tid; p <= pos; p += KO_THREADS) m = fmaxf(m, sh[p]);
-    sm_red[tid] = m;
-    __syncthreads();
-    if (tid == 0) {
-        float big = -f_inf();
-        for (int i = 0; i < KO_THREADS; i++) big = fmaxf(big, sm_red[i]);
-        sm_red[0] = big;
-        sm_sum = 0.0;
-    }
-    __syncthreads();
-    float big = sm_red[0];
+    if (tid == 0) sm_sum = 0.0;
+    float big = ko_block_max(m, sm_red);
     // The denominator, 16 × KO_THREADS positions at a time: thread c sums chunk c, thread 0
     // adds the chunks in order.
     for (int base = 0; base <= pos; base += 16 * KO_THREADS) {
@@ -111,10 +92,7 @@ __device__ void k_only_weights_body(float* s, int n_tokens, int n_head, int cell
     __syncthreads();
     float inv = (float)(1.0 / sm_sum);
     for (int p = tid; p <= pos; p += KO_THREADS) {
-        float w = expf_ggml(sh[p] - big) * inv;
-        if (TY == TY_F16) w = h2f(f2h(w));
-        if (TY == TY_BF16) w = bf2f(f2bf(w));
-        sh[p] = w;
+        sh[p] = ko_round_weight<TY>(expf_ggml(sh[p] - big) * inv);
     }
 }
 
@@ -127,9 +105,7 @@ __device__ void k_only_values_chains(const float* w, const u8* kc, float* out, f
     int d0 = blockIdx.x * KV_DIMS, h0 = blockIdx.y * KS_HEADS, t = blockIdx.z;
     int tid = threadIdx.x, hl = tid / KV_DIMS, dl = tid % KV_DIMS;
     int pos = pos0 + t;
-    const bool blocks = ko_blocks(TY);
-    u64 row_bytes = blocks ? (u64)(k_dim / 32) * (u32)lowbit_block_bytes(TY)
-                           : (u64)k_dim * (TY == TY_F32 ? 4u : 2u);
+    u64 row_bytes = ko_row_bytes<TY>(k_dim);
     float acc[CHAINS][16];
 #pragma unroll
     for (int j = 0; j < CHAINS; j++)
