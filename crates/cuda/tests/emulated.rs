@@ -4,9 +4,10 @@
 //! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
 //! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router, the logits' top-k,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
-//! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
-//! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
-//! GPU's `cosf`/`sinf`); F16/BF16 products (another summation order) are only reported.
+//! and flash attention, rotated rings) and over K-only rings of every type (both latent paths)
+//! must give the reference backend's bits (the kernels' `expf_libm` computes glibc's `expf`
+//! bit for bit; the emulator's libm stands in for the GPU's `cosf`/`sinf`); F16/BF16 products
+//! (another summation order) are only reported.
 //!
 //! Slow (minutes: every shuffle is a barrier of OS threads), so ignored by default:
 //! `cargo test -p hmoe-cuda --test emulated -- --ignored --nocapture`. Skipped when clang++
