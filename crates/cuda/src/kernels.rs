@@ -22,6 +22,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/lowbit_products.cu"),
     include_str!("kernels/rows_heads.cu"),
     include_str!("kernels/latent_attention.cu"),
+    include_str!("kernels/latent_split.cu"),
     include_str!("kernels/routing.cu"),
     include_str!("kernels/attention_chunked.cu"),
     include_str!("kernels/mma.cu"),
@@ -95,6 +96,25 @@ pub const KERNELS: &[&str] = &[
     "attn_k_only_q4_1",
     "attn_k_only_q5_0",
     "attn_k_only_q5_1",
+    "attn_k_only_scores_f32",
+    "attn_k_only_scores_f16",
+    "attn_k_only_scores_bf16",
+    "attn_k_only_scores_q8_0",
+    "attn_k_only_scores_q4_0",
+    "attn_k_only_scores_q4_1",
+    "attn_k_only_scores_q5_0",
+    "attn_k_only_scores_q5_1",
+    "attn_k_only_weights_f32",
+    "attn_k_only_weights_f16",
+    "attn_k_only_weights_bf16",
+    "attn_k_only_values_f32",
+    "attn_k_only_values_f16",
+    "attn_k_only_values_bf16",
+    "attn_k_only_values_q8_0",
+    "attn_k_only_values_q4_0",
+    "attn_k_only_values_q4_1",
+    "attn_k_only_values_q5_0",
+    "attn_k_only_values_q5_1",
     "route_f32",
     "quantize_q8_1",
     "quantize_q8_k",
@@ -198,6 +218,15 @@ pub(crate) const KO_THREADS: u32 = 256;
 pub(crate) const KO_MAX_K: usize = 1024;
 /// Longest value the K-only attention kernel handles (`KO_THREADS × KO_DIMS_PER_THREAD`).
 pub(crate) const KO_MAX_V: usize = 512;
+/// Query heads per block of the split K-only kernels' scores and values (`KS_HEADS`).
+pub(crate) const KS_HEADS: usize = 8;
+/// Positions per block of the split K-only scores kernel (`KS_POS`: `KO_THREADS / KS_HEADS`).
+pub(crate) const KS_POS: usize = 32;
+/// Most blocks per (head group, token) of the split K-only scores kernel (`KS_MAX_TILES`).
+pub(crate) const KS_MAX_TILES: usize = 256;
+/// Value dimensions per block of the split K-only values kernel (`KV_DIMS`:
+/// `KO_THREADS / KS_HEADS`).
+pub(crate) const KV_DIMS: usize = 32;
 /// Most experts the routing kernel handles (`ROUTE_MAX_EXPERTS` in the source).
 pub(crate) const ROUTE_MAX_EXPERTS: usize = 512;
 /// Most expert groups the routing kernel handles (`ROUTE_MAX_GROUPS` in the source).
@@ -319,6 +348,9 @@ mod tests {
             ("matmul_heads_", "MATMUL_HEADS"),
             ("matmul_heads_", "HEADS_LOWBIT"),
             ("attn_k_only_", "K_ONLY"),
+            ("attn_k_only_scores_", "K_ONLY_SPLIT"),
+            ("attn_k_only_values_", "K_ONLY_SPLIT"),
+            ("attn_k_only_weights_", "K_ONLY_WEIGHTS"),
             ("kv_store_", "KV_STORE_BLOCKS"),
             ("kv_store_", "KV_STORE_FLOAT"),
             ("get_rows_", "GET_ROWS"),
@@ -399,6 +431,10 @@ mod tests {
             ("KO_THREADS", KO_THREADS as usize),
             ("KO_MAX_K", KO_MAX_K),
             ("KO_DIMS_PER_THREAD", KO_MAX_V / KO_THREADS as usize),
+            ("KS_HEADS", KS_HEADS),
+            ("KS_POS", KS_POS),
+            ("KS_MAX_TILES", KS_MAX_TILES),
+            ("KV_DIMS", KV_DIMS),
             ("ROUTE_MAX_EXPERTS", ROUTE_MAX_EXPERTS),
             ("ROUTE_MAX_GROUPS", ROUTE_MAX_GROUPS),
             ("TK_THREADS", TK_THREADS as usize),

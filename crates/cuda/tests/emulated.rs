@@ -4,9 +4,10 @@
 //! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
 //! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router, the logits' top-k,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
-//! and flash attention, rotated rings) must give the reference backend's bits (the kernels'
-//! `expf_libm` computes glibc's `expf` bit for bit; the emulator's libm stands in for the
-//! GPU's `cosf`/`sinf`); F16/BF16 products (another summation order) are only reported.
+//! and flash attention, rotated rings) and over K-only rings of every type (both latent paths)
+//! must give the reference backend's bits (the kernels' `expf_libm` computes glibc's `expf`
+//! bit for bit; the emulator's libm stands in for the GPU's `cosf`/`sinf`); F16/BF16 products
+//! (another summation order) are only reported.
 //!
 //! Slow (minutes: every shuffle is a barrier of OS threads), so ignored by default:
 //! `cargo test -p hmoe-cuda --test emulated -- --ignored --nocapture`. Skipped when clang++
@@ -783,18 +784,53 @@ fn emulated_lowbit_kernels_on_real_weights_give_the_reference_backends_bits() {
     }
 }
 
-/// Runs the emulated attention over a random K-only ring of `ty` (2 heads, 40 cells, keys of
-/// `kd` values, values the first `vd`) for `n` tokens from `pos0` against REF0's.
+/// The shape of a K-only attention case: `heads` query heads, a ring of `cells`, `n` tokens
+/// from `pos0`, and at most `tiles` blocks per (head group, token) for the split path's scores
+/// (fewer than its tiles of positions make its blocks stride).
+#[derive(Clone, Copy)]
+struct KOnlyShape {
+    heads: usize,
+    cells: usize,
+    pos0: usize,
+    n: usize,
+    tiles: usize,
+}
+
+/// A [`KOnlyShape`] of 2 heads and 40 cells for `n` tokens from `pos0`.
+fn ko(pos0: usize, n: usize) -> KOnlyShape {
+    KOnlyShape {
+        heads: 2,
+        cells: 40,
+        pos0,
+        n,
+        tiles: 256,
+    }
+}
+
+/// The split path's tiles per launch in the launch code (KS_MAX_TILES).
+const KS_MAX_TILES: usize = 256;
+
+/// Runs the emulated attention over a random K-only ring of `ty` (keys of `kd` values, values
+/// the first `vd`) of `shape`, both the one-block-per-(head, token) kernel and the split path,
+/// against REF0's. The ring's cells after the batch's last position hold 0xff bytes (NaN in
+/// every type) and the split path's scratch stale bits, which must not reach the result. A
+/// batch that would see past the ring must leave `out` as it was (REF0 refuses it).
 fn k_only_case(
     emu: &Emulator,
     cpu: &Ref0,
     rng: &mut StdRng,
     ty: GgmlType,
     (kd, vd): (usize, usize),
-    (pos0, n): (usize, usize),
+    shape: KOnlyShape,
 ) {
     use hmoe_backend::KOnlyAttnParams;
-    let (nh, cells) = (2, 40);
+    let KOnlyShape {
+        heads: nh,
+        cells,
+        pos0,
+        n,
+        tiles,
+    } = shape;
     let p = KOnlyAttnParams {
         n_head: nh,
         k_dim: kd,
@@ -803,38 +839,62 @@ fn k_only_case(
         scale: 0.05,
     };
     let layout = KvLayout::new(ty, kd, cells, 0).unwrap();
-    let bytes = ref_ring(cpu, layout, &noise(rng, cells * kd, 3.0));
+    let mut bytes = ref_ring(cpu, layout, &noise(rng, cells * kd, 3.0));
+    let row = bytes.len() / cells;
+    if pos0 + n < cells {
+        bytes[(pos0 + n) * row..].fill(0xff);
+    }
     let q = noise(rng, n * nh * kd, 3.0);
-    emu.write("q", &q);
-    emu.write("k", &bytes);
-    let args = [
-        s(n),
-        s(nh),
-        s(kd),
-        s(vd),
-        s(cells),
-        s(pos0),
-        s(p.scale.to_bits()),
-        s(ty.id()),
-    ];
-    emu.run("attn_k_only", &args);
-    let got: Vec<f32> = emu.read("out");
-    let mut out = cpu.alloc::<f32>(n * nh * vd).unwrap();
     let ring = KvRing {
         data: cpu.upload(&bytes).unwrap(),
         layout,
     };
     let qd = cpu.upload(&q).unwrap();
-    cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out)
-        .unwrap();
-    let what = format!("attention_k_only {ty} kd {kd} vd {vd} pos0 {pos0} n {n}");
-    assert_bits(&what, &got, &cpu.download(&out).unwrap());
+    let sentinel = vec![f32::from_bits(0x7fc0_1234); n * nh * vd];
+    let mut out = cpu.upload(&sentinel).unwrap();
+    let want = match cpu.attention_k_only(&p, &qd, &ring, n, pos0, &mut out) {
+        Ok(()) => cpu.download(&out).unwrap(),
+        Err(_) => {
+            assert!(pos0 + n > cells, "REF0 refused {ty} {kd}/{vd} {pos0}+{n}");
+            sentinel.clone()
+        }
+    };
+    emu.write("q", &q);
+    emu.write("k", &bytes);
+    for (split, tiles) in [(0, KS_MAX_TILES), (1, tiles)] {
+        emu.write("out", &sentinel);
+        let args = [
+            s(n),
+            s(nh),
+            s(kd),
+            s(vd),
+            s(cells),
+            s(pos0),
+            s(p.scale.to_bits()),
+            s(ty.id()),
+            s(split),
+            s(tiles),
+        ];
+        emu.run("attn_k_only", &args);
+        let got: Vec<f32> = emu.read("out");
+        let path = match split {
+            0 => "one block per (head, token)".to_string(),
+            _ => format!("split, at most {tiles} score tiles"),
+        };
+        let what = format!(
+            "attention_k_only ({path}) {ty} kd {kd} vd {vd} heads {nh} cells {cells} \
+             pos0 {pos0} n {n}"
+        );
+        assert_bits(&what, &got, &want);
+    }
 }
 
 /// The K/V store of the types only K-only rings use, and attention over K-only (latent)
-/// rings of every K/V type (f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): keys whose last 64-element step (f32, f16) or 32-element step (bf16) is
-/// partial and whole ones, one query token (four value chains for f32/f16) and a batch,
-/// positions over more than one chunk of 16; REF0's bits.
+/// rings of every K/V type (f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), by the
+/// one-block-per-(head, token) kernel and the split path: keys whose last 64-element step
+/// (f32, f16) or 32-element step (bf16) is partial and whole ones, one query token (four value
+/// chains for f32/f16) and a batch, positions over more than one chunk of 16 and over several
+/// of the split path's tiles, a partial group of heads; REF0's bits.
 #[test]
 #[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_k_only_rings_of_every_type_give_the_reference_backends_bits() {
@@ -887,8 +947,25 @@ fn emulated_k_only_rings_of_every_type_give_the_reference_backends_bits() {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => &[(80, 48), (128, 64)],
             _ => &[(96, 64)],
         };
+        // Ten heads (a group of 8 and a partial one), positions over several tiles of scores
+        // (32, the blocks striding over them) and of values (64), a partly filled ring, and a
+        // batch that would see past the ring (nothing written).
+        let long = KOnlyShape {
+            heads: 10,
+            cells: 160,
+            pos0: 130,
+            n: 1,
+            tiles: 2,
+        };
+        let across = KOnlyShape {
+            heads: 10,
+            cells: 100,
+            pos0: 60,
+            n: 6,
+            tiles: KS_MAX_TILES,
+        };
         for &dims in dims {
-            for case in [(20, 1), (3, 5), (34, 4)] {
+            for case in [ko(20, 1), ko(3, 5), ko(34, 4), long, across, ko(38, 4)] {
                 k_only_case(&emu, &cpu, &mut rng, ty, dims, case);
             }
         }
@@ -969,7 +1046,14 @@ fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bit
         (GgmlType::Q8_0, 64, 32),
         (GgmlType::Q8_0, 96, 64),
     ] {
-        for case in [(20, 1), (3, 5)] {
+        let long = KOnlyShape {
+            heads: 9,
+            cells: 80,
+            pos0: 70,
+            n: 1,
+            tiles: 1,
+        };
+        for case in [ko(20, 1), ko(3, 5), long] {
             k_only_case(&emu, &cpu, &mut rng, ty, (kd, vd), case);
         }
     }

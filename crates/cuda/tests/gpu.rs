@@ -411,17 +411,22 @@ fn k_only_on<B: Backend>(
 
 /// Attention over K-only (latent) rings of every K/V type, stored on the device: REF0's bits
 /// with DeepSeek's latent widths (keys of 576 = 512 + 64, values the first 512), 16 heads,
-/// one query token and batches, contexts of one and of several tiles of positions.
+/// one query token and batches, contexts of one and of several tiles of positions (the split
+/// path); and with 128 heads over a ring of 131,073 cells, more scores than the split path
+/// takes (the one-block-per-(head, token) kernel).
 #[test]
 fn attention_k_only_of_every_ring_type_gives_the_cpus_bits() {
     let Some(dev) = device() else { return };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(22);
     for ty in hmoe_cuda::K_ONLY_TYPES {
-        for (kd, vd) in [(576, 512), (96, 64)] {
-            let cells = 700;
+        for (kd, vd, n_head, cells) in [
+            (576, 512, 16, 700),
+            (96, 64, 16, 700),
+            (96, 64, 128, 131_073),
+        ] {
             let p = hmoe_backend::KOnlyAttnParams {
-                n_head: 16,
+                n_head,
                 k_dim: kd,
                 v_dim: vd,
                 cells,
@@ -429,7 +434,11 @@ fn attention_k_only_of_every_ring_type_gives_the_cpus_bits() {
             };
             let layout = hmoe_backend::KvLayout::new(ty, kd, cells, 0).unwrap();
             let keys = noise(&mut rng, cells * kd, 2.0);
-            for (pos0, n) in [(0, 1), (600, 1), (0, 7), (500, 40)] {
+            let cases: &[(usize, usize)] = match cells {
+                700 => &[(0, 1), (600, 1), (0, 7), (500, 40)],
+                _ => &[(0, 1), (600, 1), (500, 2)],
+            };
+            for &(pos0, n) in cases {
                 let q = noise(&mut rng, n * p.n_head * kd, 2.0);
                 let got = k_only_on(dev, &p, layout, &keys, &q, (pos0, n));
                 let want = k_only_on(&cpu, &p, layout, &keys, &q, (pos0, n));

@@ -17,10 +17,18 @@
 // lane = position % 16 and chain = (position / 16) % 4 for one query token over f32/f16 keys
 // (vec_dot's four chains; else 1 chain), then (c0 + c2) + (c1 + c3) per lane and by halving.
 //
-// One block per (head, token), KO_THREADS threads: each thread scores one position of a tile
-// of KO_THREADS positions (whole chunks) at a time, serially in the CPU's order; thread d
-// accumulates value dims d, d + KO_THREADS. k_dim <= KO_MAX_K, v_dim <= KO_THREADS *
-// KO_DIMS_PER_THREAD; block rings: k_dim and v_dim multiples of 32.
+// What runs when (latent_attention.rs): a call of at most 16 Mi scores (n_tokens × n_head ×
+// cells, K_ONLY_SPLIT_MAX_SCORES: decode and short prefill) runs split over positions
+// (latent_split.cu: scores, weights, values through a scratch of those scores, every key and
+// value read once per group of heads); a larger one (long prefill) runs attn_k_only_<type>
+// here, which needs no scratch but scores every position three times per head. Both take
+// k_dim <= KO_MAX_K, v_dim <= KO_THREADS * KO_DIMS_PER_THREAD; block rings: k_dim and v_dim
+// multiples of 32. This file also holds the scoring and reduction helpers both use.
+//
+// attn_k_only_<type>: one block per (head, token), KO_THREADS threads, three passes over the
+// positions (the largest score, the denominator, the values): each thread scores one
+// position of a tile of KO_THREADS positions (whole chunks) at a time, serially in the CPU's
+// order; thread d accumulates value dims d, d + KO_THREADS.
 // grid = (n_head, n_tokens), block = KO_THREADS.
 #define KO_THREADS 256
 #define KO_MAX_K 1024
@@ -133,6 +141,56 @@ __device__ float k_only_score_at(const float* qf, const u8* qb, const u8* row, i
     return s * scale;
 }
 
+// The bytes of one key row of k_dim values of TY.
+template <int TY>
+__device__ __forceinline__ u64 ko_row_bytes(int k_dim) {
+    return ko_blocks(TY) ? (u64)(k_dim / 32) * (u32)lowbit_block_bytes(TY)
+                         : (u64)k_dim * (TY == TY_F32 ? 4u : 2u);
+}
+
+// Stages the queries of heads h0 .. h0 + count - 1 of token t (consecutive in q and qq) in
+// shared memory, as the keys' vec_dot takes them: into sm_qq their blocks (qb bytes each) for
+// block rings, else into sm_q converted (f16 / bf16 rounded for f16 / bf16 keys). The caller
+// synchronises.
+template <int TY>
+__device__ void ko_stage_queries(const float* q, const u8* qq, float* sm_q, u8* sm_qq, int t,
+                                 int n_head, int h0, int count, int k_dim, u64 qb) {
+    int tid = threadIdx.x;
+    if (ko_blocks(TY)) {
+        const u8* qg = qq + ((u64)t * n_head + h0) * qb;
+        for (u64 i = tid; i < (u64)count * qb; i += KO_THREADS) sm_qq[i] = qg[i];
+    } else {
+        const float* qg = q + ((u64)t * n_head + h0) * k_dim;
+        for (int i = tid; i < count * k_dim; i += KO_THREADS) {
+            float v = qg[i];
+            sm_q[i] = TY == TY_F16 ? h2f(f2h(v)) : TY == TY_BF16 ? bf2f(f2bf(v)) : v;
+        }
+    }
+}
+
+// A probability as the values' products take it: rounded to f16 / bf16 for f16 / bf16 rings.
+template <int TY>
+__device__ __forceinline__ float ko_round_weight(float w) {
+    return TY == TY_F16 ? h2f(f2h(w)) : TY == TY_BF16 ? bf2f(f2bf(w)) : w;
+}
+
+// The largest of the block's threads' m (sm_red: KO_THREADS floats of scratch, free again on
+// return).
+__device__ float ko_block_max(float m, float* sm_red) {
+    int tid = threadIdx.x;
+    sm_red[tid] = m;
+    __syncthreads();
+    if (tid == 0) {
+        float big = -f_inf();
+        for (int i = 0; i < KO_THREADS; i++) big = fmaxf(big, sm_red[i]);
+        sm_red[0] = big;
+    }
+    __syncthreads();
+    float big = sm_red[0];
+    __syncthreads();
+    return big;
+}
+
 // The body of attn_k_only_<type>: q the queries (f32), qq their blocks for block rings.
 template <int TY>
 __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, float* out,
@@ -150,20 +208,10 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
     int single = n_tokens == 1;
     int lanes = !single && k_dim % 16 == 0;
     int chains = single && (TY == TY_F32 || TY == TY_F16) ? 4 : 1;
-    const bool blocks = ko_blocks(TY);
-    u64 row_bytes = blocks ? (u64)(k_dim / 32) * (u32)lowbit_block_bytes(TY)
-                           : (u64)k_dim * (TY == TY_F32 ? 4u : 2u);
-    if (blocks) {
-        u64 qb = lowbit_act_bytes(TY, k_dim);
-        const u8* qh = qq + ((u64)t * n_head + h) * qb;
-        for (u64 i = tid; i < qb; i += KO_THREADS) sm_qq[i] = qh[i];
-    } else {
-        const float* qh = q + ((u64)t * n_head + h) * k_dim;
-        for (int i = tid; i < k_dim; i += KO_THREADS) {
-            float v = qh[i];
-            sm_q[i] = TY == TY_F16 ? h2f(f2h(v)) : TY == TY_BF16 ? bf2f(f2bf(v)) : v;
-        }
-    }
+    u64 row_bytes = ko_row_bytes<TY>(k_dim);
+    u64 qb = ko_blocks(TY) ? lowbit_act_bytes(TY, k_dim) : 0;
+    ko_stage_queries<TY>(q, qq, sm_q, sm_qq, t, n_head, h, 1, k_dim, qb);
+    if (tid == 0) sm_sum = 0.0;
     __syncthreads();
     int n_tiles = (pos + KO_THREADS) / KO_THREADS;
 
@@ -173,17 +221,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
         int p = tile * KO_THREADS + tid;
         if (p <= pos) m = fmaxf(m, k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale));
     }
-    sm_red[tid] = m;
-    __syncthreads();
-    if (tid == 0) {
-        float big = -f_inf();
-        for (int i = 0; i < KO_THREADS; i++) big = fmaxf(big, sm_red[i]);
-        sm_red[0] = big;
-        sm_sum = 0.0;
-    }
-    __syncthreads();
-    float big = sm_red[0];
-    __syncthreads();
+    float big = ko_block_max(m, sm_red);
 
     // Pass 2: the denominator, chunk by chunk in order.
     for (int tile = 0; tile < n_tiles; tile++) {
@@ -210,9 +248,7 @@ __device__ void attn_k_only_body(const float* q, const u8* qq, const u8* kc, flo
         int p = tile * KO_THREADS + tid;
         float w = 0.f;
         if (p <= pos) {
-            w = expf_ggml(k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv;
-            if (TY == TY_F16) w = h2f(f2h(w));
-            if (TY == TY_BF16) w = bf2f(f2bf(w));
+            w = ko_round_weight<TY>(expf_ggml(k_only_score_at<TY>(sm_q, sm_qq, kc + (u64)(p % cells) * row_bytes, k_dim, lanes, scale) - big) * inv);
         }
         __syncthreads();
         sm_e[tid] = w;

@@ -658,27 +658,54 @@ int main(int argc, char** argv) {
         launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { swiglu_f32(gp, u.data(), total, n); });
         wr(P("g"), g);
     } else if (op == "attn_k_only") {
+        // latent_attention.rs: split (1) runs attn_k_only_scores_*, _weights_* and _values_*
+        // over a scratch of stale bits, the scores' grid capped at `tiles` blocks per (group,
+        // token) (KS_MAX_TILES in the launch code); else attn_k_only_*. out starts as it is in
+        // the "out" file, so that a launch that writes nothing shows.
         int n = atoi(argv[3]), nh = atoi(argv[4]), kd = atoi(argv[5]), vd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]);
         float scale = __uint_as_float((unsigned)strtoul(argv[9], nullptr, 10));
         int ty = atoi(argv[10]);  // the ring's ggml type id
+        int split = atoi(argv[11]), tiles = atoi(argv[12]);
         auto q = rd<float>(P("q"));
         auto kc = rd<u8>(P("k"));
-        std::vector<float> out((size_t)n * nh * vd);
+        auto out = rd<float>(P("out"));
         float* o = out.data();
         // latent_attention.rs: the queries in the keys' vec_dot_type for block rings.
         bool blocks = ty != 0 && ty != 1 && ty != 30;
         std::vector<u8> qq;
         if (blocks) qq = quantize_act(act_type(ty), q.data(), q.size());
         const u8 *qqp = qq.data(), *kp = kc.data();
-        launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
-#define CALL_KO(S) attn_k_only_##S(q.data(), qqp, kp, o, n, nh, kd, vd, cells, &pos0, scale)
-            switch (ty) {
-            case 0: CALL_KO(f32); break; case 1: CALL_KO(f16); break; case 30: CALL_KO(bf16); break;
-            case 8: CALL_KO(q8_0); break; case 2: CALL_KO(q4_0); break; case 3: CALL_KO(q4_1); break;
-            case 6: CALL_KO(q5_0); break; case 7: CALL_KO(q5_1); break;
-            }
-        });
+        const float* qp = q.data();
+#define KO_SWITCH(CALL) \
+    switch (ty) { \
+    case 0: CALL(f32); break; case 1: CALL(f16); break; case 30: CALL(bf16); break; \
+    case 8: CALL(q8_0); break; case 2: CALL(q4_0); break; case 3: CALL(q4_1); break; \
+    case 6: CALL(q5_0); break; case 7: CALL(q5_1); break; }
+        if (split) {
+            std::vector<float> sc((size_t)n * nh * cells, __uint_as_float(0x7fc05a5au));
+            float* sp = sc.data();
+            unsigned groups = cdiv(nh, KS_HEADS), grid_x = cdiv(cells, KS_POS);
+            if (grid_x > (unsigned)tiles) grid_x = tiles;
+            launch({grid_x, groups, (unsigned)n}, {KO_THREADS, 1, 1}, [&] {
+#define CALL_KS(S) attn_k_only_scores_##S(qp, qqp, kp, sp, n, nh, kd, cells, &pos0, scale)
+                KO_SWITCH(CALL_KS)
+            });
+            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+                if (ty == 1) attn_k_only_weights_f16(sp, n, nh, cells, &pos0);
+                else if (ty == 30) attn_k_only_weights_bf16(sp, n, nh, cells, &pos0);
+                else attn_k_only_weights_f32(sp, n, nh, cells, &pos0);
+            });
+            launch({cdiv(vd, KV_DIMS), groups, (unsigned)n}, {KO_THREADS, 1, 1}, [&] {
+#define CALL_KV(S) attn_k_only_values_##S(sp, kp, o, n, nh, kd, vd, cells, &pos0)
+                KO_SWITCH(CALL_KV)
+            });
+        } else {
+            launch({(unsigned)nh, (unsigned)n, 1}, {KO_THREADS, 1, 1}, [&] {
+#define CALL_KO(S) attn_k_only_##S(qp, qqp, kp, o, n, nh, kd, vd, cells, &pos0, scale)
+                KO_SWITCH(CALL_KO)
+            });
+        }
         wr(P("out"), out);
     } else if (op == "route") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]), gating = atoi(argv[6]),
