@@ -27,8 +27,8 @@ PTXAS="$TOOLS/nvidia/cuda_nvcc/bin/ptxas"
 chmod +x "$PTXAS"
 ARCHS=("$@")
 [ ${#ARCHS[@]} -gt 0 ] || ARCHS=(7.0 7.5 8.0 8.6 8.9 9.0)
-cargo build -q --release -p hmoe-cuda --example kernel_ptx || exit 1
-EXE="${CARGO_TARGET_DIR:-target}/release/examples/kernel_ptx"
+cargo build -q -p hmoe-cuda --example kernel_ptx || exit 1
+EXE="${CARGO_TARGET_DIR:-target}/debug/examples/kernel_ptx"
 HMOE_CUDA_CACHE=off LD_LIBRARY_PATH="$TOOLS/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     "$EXE" "$DIR/out" "${ARCHS[@]}" || exit 1
 status=0
