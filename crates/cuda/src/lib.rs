@@ -46,3 +46,30 @@ pub use mem_pool::{pool_keep_requested, POOL_KEEP_ENV};
 pub use probe::{
     cublas_present, device_count, driver_present, nvrtc_present, probe, probe_one, GpuInfo,
 };
+
+/// Whether the environment switch `name` is on: unset or anything but `0` or `off` (the
+/// switches of features that are on by default, `HMOE_CUDA_GRAPHS` and `HMOE_CUDA_POOL_KEEP`).
+fn default_on(name: &str) -> bool {
+    !std::env::var(name).is_ok_and(|v| matches!(v.trim(), "0" | "off"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_default_on_switch_is_off_with_0_or_off_only() {
+        // A variable of this test's own: the process's environment is shared by the tests.
+        const NAME: &str = "HMOE_CUDA_TEST_DEFAULT_ON";
+        for (v, on) in [
+            ("0", false),
+            ("off", false),
+            (" 0 ", false),
+            ("1", true),
+            ("", true),
+        ] {
+            std::env::set_var(NAME, v);
+            assert_eq!(super::default_on(NAME), on, "{NAME}={v:?}");
+        }
+        std::env::remove_var(NAME);
+        assert!(super::default_on(NAME));
+    }
+}
