@@ -96,8 +96,17 @@ pub fn serve_with_env(args: &[&str], env: &[(&str, &std::path::Path)]) -> Server
         addr,
         stderr,
     };
+    // With one model (-m), its load report ends with the `ready:` line; it was written before
+    // /health said 200, but the reader thread above may not have taken it in yet.
+    let one_model = args.contains(&"-m");
     for _ in 0..1000 {
         if http(&server.addr, "GET", "/health", "", "").0 == 200 {
+            for _ in 0..250 {
+                if !one_model || server.stderr().contains("hmoe serve: ready:") {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
             return server;
         }
         std::thread::sleep(Duration::from_millis(20));
