@@ -339,10 +339,18 @@ impl CudaDevice {
         self.blas.is_some()
     }
 
-    /// `(free, total)` device memory in bytes now.
+    /// `(free, total)` device memory in bytes now. Free counts what the memory pool keeps
+    /// unused (`mem_pool.rs`): the driver reports it as taken, but the next allocation gets it.
     pub fn mem_info(&self) -> Result<(u64, u64), CudaError> {
         let (free, total) = self.ctx.mem_get_info()?;
-        Ok((free as u64, total as u64))
+        let kept = match &self.pool {
+            Some(pool) => pool.idle_bytes()?,
+            None => 0,
+        };
+        Ok((
+            (free as u64).saturating_add(kept).min(total as u64),
+            total as u64,
+        ))
     }
 
     /// The stream every op is queued on.

@@ -13,7 +13,9 @@
 //! What is kept is at most the peak of the buffers alive at once (the plan's reckoning of the
 //! device's memory), unless fragments of it cannot serve a larger request; an allocation that
 //! runs out of device memory therefore trims the pool to what is in use (after the device's
-//! streams have finished) and tries once more ([`retry_out_of_memory`]).
+//! streams have finished) and tries once more ([`retry_out_of_memory`]). The device's free
+//! memory counts what the pool keeps unused ([`KeptPool::idle_bytes`]), so that the executor
+//! does not evict idle sequences' caches or cached experts for memory the pool holds.
 
 use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool, CUresult};
 use cudarc::driver::{result, CudaContext, DriverError};
@@ -57,6 +59,21 @@ impl KeptPool {
             )
         }?;
         Ok(Some(KeptPool(pool)))
+    }
+
+    /// Bytes the pool holds that no buffer uses (reserved less used): free for the next
+    /// allocation from the pool, though the driver's free-memory figure counts them as taken.
+    pub(crate) fn idle_bytes(&self) -> Result<u64, DriverError> {
+        let attribute = |attr| {
+            let mut v = 0u64;
+            // SAFETY: the pool is the device's default pool (valid for the process's life),
+            // and both attributes asked for are `cuuint64_t`s, which `v` is.
+            unsafe { result::mem_pool::get_attribute(self.0, attr, (&mut v as *mut u64).cast()) }
+                .map(|()| v)
+        };
+        let reserved = attribute(CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+        let used = attribute(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        Ok(reserved.saturating_sub(used))
     }
 
     /// Hands every byte the pool keeps but nothing uses back to the system. The caller has

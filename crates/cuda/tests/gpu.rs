@@ -663,6 +663,26 @@ fn chunked_flash_attention_gives_the_cpus_bits() {
     }
 }
 
+/// The memory pool keeps what is freed (`HMOE_CUDA_POOL_KEEP`, on by default), and the
+/// device's free memory counts it: after a 1 GiB buffer is freed and the stream has run, free
+/// memory is back within 512 MiB of where it was (other tests allocate beside this one).
+#[test]
+fn freed_memory_stays_in_the_pool_and_counts_as_free() {
+    let Some(dev) = device() else { return };
+    dev.stream().synchronize().unwrap();
+    let (before, _) = dev.mem_info().unwrap();
+    let big = dev.alloc_scratch::<u8>(1 << 30).unwrap();
+    dev.stream().synchronize().unwrap();
+    drop(big);
+    dev.stream().synchronize().unwrap();
+    let (after, total) = dev.mem_info().unwrap();
+    assert!(after <= total);
+    assert!(
+        after + (512 << 20) >= before,
+        "free memory {before} before a 1 GiB buffer, {after} after it was freed"
+    );
+}
+
 #[test]
 fn probe_reports_memory_and_the_cache_is_used() {
     let Some(dev) = device() else { return };
