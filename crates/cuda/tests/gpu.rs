@@ -412,8 +412,9 @@ fn k_only_on<B: Backend>(
 /// Attention over K-only (latent) rings of every K/V type, stored on the device: REF0's bits
 /// with DeepSeek's latent widths (keys of 576 = 512 + 64, values the first 512), 16 heads,
 /// one query token and batches, contexts of one and of several tiles of positions (the split
-/// path); and with 128 heads over a ring of 131,073 cells, more scores than the split path
-/// takes (the one-block-per-(head, token) kernel).
+/// path); and with 128 heads over a ring of 131,073 cells: one token still split, two tokens
+/// more scores than the split path takes for a batch (the one-block-per-(head, token)
+/// kernel).
 #[test]
 fn attention_k_only_of_every_ring_type_gives_the_cpus_bits() {
     let Some(dev) = device() else { return };
