@@ -241,6 +241,57 @@ fn emulated_dp4a_groups_with_biases_give_matmul_then_add_bias_bits() {
     }
 }
 
+/// The F32/F16/BF16 GEMV kernel with a bias (gpt-oss's F32 router and its bias in one
+/// launch): the product's own bits plus the bias, as `add_bias` adds it. F32 against REF0's
+/// `matmul` then `add_bias`; F16/BF16 (whose GEMV order differs from REF0's, only reported
+/// elsewhere) against the same kernel without the bias, then the bias added here.
+#[test]
+#[ignore = "slow (a minute): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_float_gemv_with_a_bias_gives_matmul_then_add_bias_bits() {
+    let Some(emu) = Emulator::build("gemv_bias") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(53);
+    let mut compared = 0;
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        for (rows, cols, n) in [(13, 160, 1), (32, 2880, 1), (7, 96, 3)] {
+            let q = weights(&mut rng, ty, rows, cols);
+            let x = noise(&mut rng, n * cols, 1.0);
+            let bias = noise(&mut rng, rows, 3.0);
+            emu.write("w", &q);
+            emu.write("x", &x);
+            emu.write("b", &bias);
+            let base = [s(ty.id()), s(rows), s(cols), s(n), s(0)];
+            emu.run("matmul", &base);
+            let plain: Vec<f32> = emu.read("y");
+            emu.run("matmul", &[&base[..], &[s(1)]].concat());
+            let got: Vec<f32> = emu.read("y");
+            let want: Vec<f32> = if ty == GgmlType::F32 {
+                let m = cpu.upload_matrix(ty, rows, cols, &q).unwrap();
+                let mut yd = cpu.alloc::<f32>(n * rows).unwrap();
+                cpu.matmul(&m, &cpu.upload(&x).unwrap(), n, &mut yd)
+                    .unwrap();
+                cpu.add_bias(&mut yd, &cpu.upload(&bias).unwrap()).unwrap();
+                cpu.download(&yd).unwrap()
+            } else {
+                plain
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v + bias[i % rows])
+                    .collect()
+            };
+            assert_bits(
+                &format!("gemv {ty} {rows}x{cols} n={n} with a bias"),
+                &got,
+                &want,
+            );
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 9);
+}
+
 /// The shape of an MoE case: `ne` experts of `d → ff → d`, `n` tokens of `k` slots.
 #[derive(Clone, Copy)]
 struct MoeShape {

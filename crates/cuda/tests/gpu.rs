@@ -194,7 +194,7 @@ fn tiled_products_of_extreme_scales_give_the_cpus_bits() {
 /// for a decode batch of one type) gives REF0's `matmul` then `add_bias` bits for each matrix:
 /// Q8_0 and MXFP4 of one width (quantized once; the dp4a GEMV kernels, the tiled kernel for 40
 /// tokens), three Q8_0 matrices with biases on two, and a set with an F32 matrix (each
-/// `matmul` on its own).
+/// `matmul` on its own, the F32 GEMV adding its bias itself).
 #[test]
 fn matmul_shared_gives_each_matmuls_bits() {
     let Some(dev) = device() else { return };
@@ -218,18 +218,18 @@ fn matmul_shared_gives_each_matmuls_bits() {
             (GgmlType::MXFP4, 8),
         ],
     ];
-    for set in sets {
+    for (si, set) in sets.into_iter().enumerate() {
         let qs = set.map(|(ty, rows)| weights(&mut rng, ty, rows, cols).0);
         let ws: Vec<_> = set
             .iter()
             .zip(&qs)
             .map(|(&(ty, rows), q)| dev.upload_matrix(ty, rows, cols, q).unwrap())
             .collect();
-        // Biases on the first and last matrices.
+        // Biases on the first and last matrices, and on the F32 one (the GEMV kernel's).
         let bs: Vec<Option<Vec<f32>>> = set
             .iter()
             .enumerate()
-            .map(|(i, &(_, rows))| (i != 1).then(|| noise(&mut rng, rows, 1.0)))
+            .map(|(i, &(_, rows))| (i != 1 || si == 2).then(|| noise(&mut rng, rows, 1.0)))
             .collect();
         let bds: Vec<_> = bs
             .iter()

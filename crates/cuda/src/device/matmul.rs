@@ -85,23 +85,40 @@ impl CudaDevice {
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.matmul_bias(w, None, x, n, y)
+    }
+
+    /// [`CudaDevice::matmul`], then `bias` (one per row of `w`, checked by the caller) added as
+    /// [`CudaDevice::add_bias`] adds it: by the GEMV kernels (F32/F16/BF16, and Q8_0/MXFP4
+    /// below the tiled kernel's batch) to their finished sums, else by `add_bias` after the
+    /// product. The same bits either way.
+    fn matmul_bias(
+        &self,
+        w: &DeviceMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "matmul";
         check_shape(OP, w, x, n, y)?;
         if n == 0 {
             return Ok(());
         }
-        if is_lowbit(w.ty) {
-            return self.matmul_lowbit(w, x, n, y);
-        }
         let half = matches!(w.ty, GgmlType::F16 | GgmlType::BF16);
+        if is_lowbit(w.ty) {
+            self.matmul_lowbit(w, x, n, y)?;
+            return self.add_bias_opt(y, bias);
+        }
         if half && n >= CUBLAS_MIN_TOKENS {
             if let Some(blas) = &self.blas {
-                return self.matmul_cublas(blas, w, x, n, y);
+                self.matmul_cublas(blas, w, x, n, y)?;
+                return self.add_bias_opt(y, bias);
             }
         }
         if takes_q8_0(w) {
             let xq = self.quantize_q8_0(x, n * w.cols)?;
-            return self.matmul_q8_0_acts(w, &xq, n, y);
+            return self.matmul_q8_0_acts(w, bias, &xq, n, y);
         }
         let name = match w.ty {
             GgmlType::F32 => "matmul_f32",
@@ -116,12 +133,29 @@ impl CudaDevice {
         );
         let cfg = rows_by_tokens(OP, (w.rows, ROW_WARPS), (n, MM_TOKENS), ROW_WARPS * 32)?;
         let mut b = self.builder(name);
-        b.arg(&w.data).arg(&row_bytes).arg(x);
-        b.arg(y).arg(&rows).arg(&cols).arg(&n_i);
+        b.arg(&w.data).arg(&row_bytes).arg(x).arg(y);
+        match bias {
+            Some(bias) => b.arg(bias),
+            // A null pointer: no bias.
+            None => b.arg(&NO_BIAS),
+        };
+        b.arg(&rows).arg(&cols).arg(&n_i);
         // SAFETY: argument types match `matmul_f32`/`matmul_f16`/`matmul_bf16` (f32
-        // activations); sizes checked above.
+        // activations; the bias w.rows values or null); sizes checked above and by the caller.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// `y += bias` per row when there is a bias ([`CudaDevice::add_bias`]).
+    fn add_bias_opt(
+        &self,
+        y: &mut CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+    ) -> Result<(), CudaError> {
+        match bias {
+            Some(bias) => self.add_bias(y, bias),
+            None => Ok(()),
+        }
     }
 
     /// `ys[i] = ws[i] · x (+ biases[i])` for `n` tokens: [`CudaDevice::matmul`] of each
@@ -158,10 +192,7 @@ impl CudaDevice {
         let cols = first.map_or(0, |f| f.1);
         if n == 0 || !ws.iter().all(|w| takes_q8_0(w) && w.cols == cols) {
             for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
-                self.matmul(w, x, n, y)?;
-                if let Some(bias) = bias {
-                    self.add_bias(y, bias)?;
-                }
+                self.matmul_bias(w, *bias, x, n, y)?;
             }
             return Ok(());
         }
@@ -174,28 +205,28 @@ impl CudaDevice {
             return self.matmul_dp4a(ws, biases, &xq, n, ys);
         }
         for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
-            self.matmul_q8_0_acts(w, &xq, n, y)?;
-            if let Some(bias) = bias {
-                self.add_bias(y, bias)?;
-            }
+            self.matmul_q8_0_acts(w, *bias, &xq, n, y)?;
         }
         Ok(())
     }
 
-    /// [`CudaDevice::matmul`] of Q8_0 or MXFP4 weights on `n` (> 0) tokens of activations
-    /// already quantized (`xq`, [`CudaDevice::quantize_q8_0`]): the dp4a GEMV kernels, or the
-    /// tiled kernel from `MM_TILED_MIN_TOKENS` tokens.
+    /// [`CudaDevice::matmul_bias`] of Q8_0 or MXFP4 weights on `n` (> 0) tokens of
+    /// activations already quantized (`xq`, [`CudaDevice::quantize_q8_0`]): the dp4a GEMV
+    /// kernels with the bias, or the tiled kernel from `MM_TILED_MIN_TOKENS` tokens and then
+    /// the bias.
     fn matmul_q8_0_acts(
         &self,
         w: &DeviceMatrix,
+        bias: Option<&CudaSlice<f32>>,
         xq: &CudaSlice<u8>,
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        match n >= MM_TILED_MIN_TOKENS {
-            true => self.matmul_tiled(w, xq, n, y),
-            false => self.matmul_dp4a(&[w], &[None], xq, n, &mut [y]),
+        if n < MM_TILED_MIN_TOKENS {
+            return self.matmul_dp4a(&[w], &[bias], xq, n, &mut [y]);
         }
+        self.matmul_tiled(w, xq, n, y)?;
+        self.add_bias_opt(y, bias)
     }
 
     /// `ys[i] = ws[i] · x (+ biases[i])` for fewer than `MM_TILED_MIN_TOKENS` tokens of

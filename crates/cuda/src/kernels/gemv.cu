@@ -138,15 +138,16 @@ __device__ float warp_dot(const u8* row, const void* act, int n, bool vec_order)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Matmul: y[t][r] = W[r] . x[t] for weights of type TY. x: for Q8_0 and MXFP4 weights the
+// Matmul: y[t][r] = W[r] . x[t] (+ bias[r] when bias is not null, added to the finished sum
+// as add_bias adds it) for weights of type TY. x: for Q8_0 and MXFP4 weights the
 // activations as Q8_0 blocks (quantize_q8_0), else f32. F32 weights sum one token in vec_dot
 // order and several in 16 lanes, as the CPU device does. One warp per output row, up to
 // MM_TOKENS tokens per block (grid.y covers the rest).
 // grid = (ceil(rows / ROW_WARPS), ceil(n / MM_TOKENS)), block = ROW_WARPS * 32.
 
 template <int TY>
-__device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y, int rows,
-                            int cols, int n) {
+__device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
+                            const float* bias, int rows, int cols, int n) {
     int r = blockIdx.x * ROW_WARPS + threadIdx.x / WARP;
     if (r >= rows) return;
     int t0 = blockIdx.y * MM_TOKENS;
@@ -155,7 +156,7 @@ __device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
     for (int i = 0; i < nt; i++) {
         u64 t = (u64)(t0 + i);
         float s = warp_dot<TY>(row, act_row<TY>(x, t, cols), cols, n == 1);
-        if (threadIdx.x % WARP == 0) y[t * rows + r] = s;
+        if (threadIdx.x % WARP == 0) y[t * rows + r] = bias != nullptr ? s + bias[r] : s;
     }
 }
 
@@ -164,8 +165,8 @@ __device__ void matmul_impl(const u8* w, u64 row_bytes, const void* x, float* y,
 // per-head products.
 #define MATMUL(SUFFIX, TY, X)                                                                   \
     extern "C" __global__ void matmul_##SUFFIX(const u8* w, u64 row_bytes, const X* x, float* y, \
-                                               int rows, int cols, int n) {                     \
-        matmul_impl<TY>(w, row_bytes, x, y, rows, cols, n);                                     \
+                                               const float* bias, int rows, int cols, int n) {  \
+        matmul_impl<TY>(w, row_bytes, x, y, bias, rows, cols, n);                               \
     }
 MATMUL(f32, TY_F32, float)
 MATMUL(f16, TY_F16, float)

@@ -379,11 +379,15 @@ int main(int argc, char** argv) {
             wr(P("y"), y);
             return 0;
         }
+        // Optional: 1 = a bias (file "b", one per row) added by the GEMV kernel.
+        std::vector<float> bias;
+        if (argc > 8 && atoi(argv[8]) == 1) bias = rd<float>(P("b"));
+        const float* bp = bias.empty() ? nullptr : bias.data();
         launch(grid, blk, [&] {
             switch (ty) {
-            case 0: matmul_f32(wp, rb, xp, yp, rows, cols, n); break;
-            case 1: matmul_f16(wp, rb, xp, yp, rows, cols, n); break;
-            case 30: matmul_bf16(wp, rb, xp, yp, rows, cols, n); break;
+            case 0: matmul_f32(wp, rb, xp, yp, bp, rows, cols, n); break;
+            case 1: matmul_f16(wp, rb, xp, yp, bp, rows, cols, n); break;
+            case 30: matmul_bf16(wp, rb, xp, yp, bp, rows, cols, n); break;
             }
         });
         wr(P("y"), y);
