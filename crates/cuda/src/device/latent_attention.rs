@@ -26,57 +26,28 @@ pub(crate) const K_ONLY_SPLIT_MAX_SCORES: usize = 16 << 20;
 pub(crate) const K_ONLY_SPLIT_DECODE_MAX_SCORES: usize = 64 << 20;
 
 /// The kernels of a K-only ring of `ty`: the one-block-per-(head, token) kernel, then the
-/// split path's scores, weights and values kernels.
+/// split path's scores, weights and values kernels. The weights kernel is the ring's own
+/// where it rounds the weights (f16, bf16), else the f32 one.
 fn k_only_kernels(ty: GgmlType) -> Option<[&'static str; 4]> {
+    macro_rules! kernels {
+        ($ty:literal, $weights:literal) => {
+            [
+                concat!("attn_k_only_", $ty),
+                concat!("attn_k_only_scores_", $ty),
+                concat!("attn_k_only_weights_", $weights),
+                concat!("attn_k_only_values_", $ty),
+            ]
+        };
+    }
     Some(match ty {
-        GgmlType::F32 => [
-            "attn_k_only_f32",
-            "attn_k_only_scores_f32",
-            "attn_k_only_weights_f32",
-            "attn_k_only_values_f32",
-        ],
-        GgmlType::F16 => [
-            "attn_k_only_f16",
-            "attn_k_only_scores_f16",
-            "attn_k_only_weights_f16",
-            "attn_k_only_values_f16",
-        ],
-        GgmlType::BF16 => [
-            "attn_k_only_bf16",
-            "attn_k_only_scores_bf16",
-            "attn_k_only_weights_bf16",
-            "attn_k_only_values_bf16",
-        ],
-        GgmlType::Q8_0 => [
-            "attn_k_only_q8_0",
-            "attn_k_only_scores_q8_0",
-            "attn_k_only_weights_f32",
-            "attn_k_only_values_q8_0",
-        ],
-        GgmlType::Q4_0 => [
-            "attn_k_only_q4_0",
-            "attn_k_only_scores_q4_0",
-            "attn_k_only_weights_f32",
-            "attn_k_only_values_q4_0",
-        ],
-        GgmlType::Q4_1 => [
-            "attn_k_only_q4_1",
-            "attn_k_only_scores_q4_1",
-            "attn_k_only_weights_f32",
-            "attn_k_only_values_q4_1",
-        ],
-        GgmlType::Q5_0 => [
-            "attn_k_only_q5_0",
-            "attn_k_only_scores_q5_0",
-            "attn_k_only_weights_f32",
-            "attn_k_only_values_q5_0",
-        ],
-        GgmlType::Q5_1 => [
-            "attn_k_only_q5_1",
-            "attn_k_only_scores_q5_1",
-            "attn_k_only_weights_f32",
-            "attn_k_only_values_q5_1",
-        ],
+        GgmlType::F32 => kernels!("f32", "f32"),
+        GgmlType::F16 => kernels!("f16", "f16"),
+        GgmlType::BF16 => kernels!("bf16", "bf16"),
+        GgmlType::Q8_0 => kernels!("q8_0", "f32"),
+        GgmlType::Q4_0 => kernels!("q4_0", "f32"),
+        GgmlType::Q4_1 => kernels!("q4_1", "f32"),
+        GgmlType::Q5_0 => kernels!("q5_0", "f32"),
+        GgmlType::Q5_1 => kernels!("q5_1", "f32"),
         _ => return None,
     })
 }
@@ -213,5 +184,21 @@ impl CudaDevice {
         // positions, and writes n_tokens × n_head × v_dim floats of out (checked by the caller).
         unsafe { b.launch(cfg((dims, groups, n_tokens as u32))) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_k_only_type_names_four_loaded_kernels() {
+        for ty in crate::K_ONLY_TYPES {
+            let names = k_only_kernels(ty).unwrap_or_else(|| panic!("{ty}: no kernels"));
+            for name in names {
+                assert!(crate::kernels::KERNELS.contains(&name), "{ty}: {name}");
+            }
+        }
+        assert!(k_only_kernels(GgmlType::Q4_K).is_none());
     }
 }
