@@ -661,6 +661,20 @@ pub trait Backend: Send + Sync {
     }
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Buf<f32>, y: &Self::Buf<f32>) -> Result<(), BackendError>;
+    /// The residual add and the next norm: `x += y` ([`Backend::add_assign`]), then
+    /// [`Backend::rms_norm`] of the new `x` (rows of `weight`'s length) into `out`, with their
+    /// bits. A device may run both as one kernel.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Buf<f32>,
+        y: &Self::Buf<f32>,
+        weight: &Self::Buf<f32>,
+        eps: f32,
+        out: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, eps, out)
+    }
     /// `x[r] += bias` for every row `r`.
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>) -> Result<(), BackendError>;
     /// NeoX RoPE (rotate halves) in place, heads of `head_dim`, one position per token.

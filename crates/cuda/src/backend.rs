@@ -275,6 +275,17 @@ impl Backend for CudaDevice {
         replayed!(self);
         Ok(CudaDevice::add_assign(self, x, y)?)
     }
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        replayed!(self);
+        Ok(CudaDevice::add_rms_norm(self, x, y, weight, eps, out)?)
+    }
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), BackendError> {
         replayed!(self);
         Ok(CudaDevice::add_bias(self, x, bias)?)

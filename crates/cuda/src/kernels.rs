@@ -38,6 +38,7 @@ pub const KERNELS: &[&str] = &[
     "get_rows_q8_0",
     "get_rows_mxfp4",
     "rms_norm_f32",
+    "add_rms_norm_f32",
     "quantize_q8_0",
     "matmul_f32",
     "matmul_f16",

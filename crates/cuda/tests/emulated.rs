@@ -302,6 +302,46 @@ struct MoeShape {
     k: usize,
 }
 
+/// RMSNorm, and the residual add with it in one launch (`add_rms_norm_f32`), give REF0's bits.
+#[test]
+#[ignore = "slow (seconds): cargo test -p hmoe-cuda --test emulated -- --ignored"]
+fn emulated_norms_give_the_reference_backends_bits() {
+    let Some(emu) = Emulator::build("norms") else {
+        return;
+    };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(11);
+    // RMSNorm, and the residual add with it in one launch (add_rms_norm): REF0's rms_norm,
+    // and its add_assign then rms_norm (x updated as add_assign leaves it). Rows shorter than
+    // the block, gpt-oss's 2880 and a length not a multiple of 32; values of mixed magnitude.
+    for (rows, n) in [(3usize, 64usize), (2, 2880), (4, 1000)] {
+        let x = noise(&mut rng, rows * n, 30.0);
+        let y = noise(&mut rng, rows * n, 0.5);
+        let w = noise(&mut rng, n, 2.0);
+        let eps = 1e-5f32;
+        let wd = cpu.upload(&w).unwrap();
+        let mut want = cpu.alloc::<f32>(rows * n).unwrap();
+        for add in [false, true] {
+            emu.write("x", &x);
+            emu.write("w", &w);
+            emu.write("y", &y);
+            emu.run("rms_norm", &[s(n), s(eps.to_bits()), s(u8::from(add))]);
+            let mut xw = cpu.upload(&x).unwrap();
+            if add {
+                cpu.add_assign(&mut xw, &cpu.upload(&y).unwrap()).unwrap();
+            }
+            cpu.rms_norm(&xw, &wd, eps, &mut want).unwrap();
+            let what = format!("rms_norm rows {rows} n {n} residual {add}");
+            assert_bits(
+                &what,
+                &emu.read::<f32>("out"),
+                &cpu.download(&want).unwrap(),
+            );
+            assert_bits(&what, &emu.read::<f32>("x"), &cpu.download(&xw).unwrap());
+        }
+    }
+}
+
 /// Runs the emulated MoE block with gate, up and down experts of `types` (random weights,
 /// biases when `act.1`, the activation `act.0`) and the expert ids `sel` against REF0's: the
 /// same bits when every type is of [`exact`], else only reported.

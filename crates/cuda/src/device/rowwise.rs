@@ -67,31 +67,45 @@ impl CudaDevice {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "rms_norm";
-        let n = weight.len();
-        ensure(
-            n > 0 && x.len().is_multiple_of(n) && out.len() >= x.len(),
-            OP,
-            || format!("x {} / weight {n} / out {}", x.len(), out.len()),
-        )?;
-        let rows = x.len() / n;
-        if rows == 0 {
+        let Some((cfg, n_rows, n)) = norm_launch("rms_norm", x.len(), weight.len(), out.len())?
+        else {
             return Ok(());
-        }
-        let (n_rows, n_i) = (i32_of(OP, "rows", rows)?, i32_of(OP, "n", n)?);
-        let cfg = LaunchConfig {
-            grid_dim: (u32_of(OP, "rows", rows)?, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
         };
         let mut b = self.builder("rms_norm_f32");
+        b.arg(x).arg(weight).arg(out).arg(&n_rows).arg(&n).arg(&eps);
+        // SAFETY: argument types match `rms_norm_f32`; x and out hold rows × n values, weight n
+        // (`norm_launch`).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The residual add and the next block's norm in one launch: `x += y` ([`Self::add_assign`]'s
+    /// bits), then [`Self::rms_norm`] of the new `x` into `out`.
+    pub fn add_rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "add_rms_norm";
+        ensure(y.len() >= x.len(), OP, || {
+            format!("x {} / y {}", x.len(), y.len())
+        })?;
+        let Some((cfg, n_rows, n)) = norm_launch(OP, x.len(), weight.len(), out.len())? else {
+            return Ok(());
+        };
+        let mut b = self.builder("add_rms_norm_f32");
         b.arg(x)
+            .arg(y)
             .arg(weight)
             .arg(out)
             .arg(&n_rows)
-            .arg(&n_i)
+            .arg(&n)
             .arg(&eps);
-        // SAFETY: argument types match `rms_norm_f32`; x and out hold rows × n values, weight n.
+        // SAFETY: argument types match `add_rms_norm_f32`; x, y and out hold rows × n values,
+        // weight n (`norm_launch` and the check above).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -282,4 +296,30 @@ impl CudaDevice {
         unsafe { b.launch(grid_1d(total, OP)?) }?;
         Ok(())
     }
+}
+
+/// The launch of the RMSNorm kernels over `x_len` floats of rows of `n` (the weight's length)
+/// into `out_len`: a block of 256 threads per row, with the rows and `n` as the kernels take
+/// them; `None` for no rows.
+fn norm_launch(
+    op: &'static str,
+    x_len: usize,
+    n: usize,
+    out_len: usize,
+) -> Result<Option<(LaunchConfig, i32, i32)>, CudaError> {
+    ensure(
+        n > 0 && x_len.is_multiple_of(n) && out_len >= x_len,
+        op,
+        || format!("x {x_len} / weight {n} / out {out_len}"),
+    )?;
+    let rows = x_len / n;
+    if rows == 0 {
+        return Ok(None);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(op, "rows", rows)?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok(Some((cfg, i32_of(op, "rows", rows)?, i32_of(op, "n", n)?)))
 }

@@ -38,17 +38,22 @@ GET_ROWS(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: out = x / sqrt(mean(x^2) + eps) * w. Squares in f32, summed in f64 (as the CPU
-// device and ggml's CPU backend do). One block per row.
+// device and ggml's CPU backend do). One block per row. With a residual y (add_rms_norm), each
+// element first becomes x + y, written back to x (add_assign's bits) and normed as such.
 
-extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, int n_rows,
-                                        int n, float eps) {
+__device__ void rms_norm_rows(float* x, const float* y, const float* w, float* out, int n_rows,
+                              int n, float eps) {
     __shared__ double partial[32];
     int r = blockIdx.x;
     if (r >= n_rows) return;
-    const float* row = x + (u64)r * n;
+    float* row = x + (u64)r * n;
     double s = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = row[i];
+        if (y) {
+            v = v + y[(u64)r * n + i];
+            row[i] = v;
+        }
         s += (double)(v * v);
     }
     s = warp_sum_d(s);
@@ -63,9 +68,22 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* o
     __syncthreads();
     float mean = (float)(partial[0] / (double)n);
     float scale = 1.0f / sqrtf(mean + eps);
+    // Each thread reads back only the elements it wrote above.
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         out[(u64)r * n + i] = row[i] * scale * w[i];
     }
+}
+
+extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* out, int n_rows,
+                                        int n, float eps) {
+    // Without a residual the row is only read.
+    rms_norm_rows((float*)x, nullptr, w, out, n_rows, n, eps);
+}
+
+// x += y, then out = RMSNorm(x) * w: add_assign then rms_norm in one launch.
+extern "C" __global__ void add_rms_norm_f32(float* x, const float* y, const float* w, float* out,
+                                            int n_rows, int n, float eps) {
+    rms_norm_rows(x, y, w, out, n_rows, n, eps);
 }
 
 // ---------------------------------------------------------------------------------------------

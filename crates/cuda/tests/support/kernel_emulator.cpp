@@ -653,6 +653,22 @@ int main(int argc, char** argv) {
             }
         });
         wr(P("y"), y);
+    } else if (op == "rms_norm") {  // rowwise.rs: rms_norm, and add_rms_norm with a residual y
+        int n = atoi(argv[3]);
+        float eps = __uint_as_float((unsigned)strtoul(argv[4], nullptr, 10));  // its bits
+        bool add = atoi(argv[5]) == 1;
+        auto x = rd<float>(P("x"));
+        auto w = rd<float>(P("w"));
+        std::vector<float> y = add ? rd<float>(P("y")) : std::vector<float>();
+        int rows = (int)(x.size() / n);
+        std::vector<float> out(x.size());
+        float *xp = x.data(), *op = out.data();
+        launch({(unsigned)rows, 1, 1}, {256, 1, 1}, [&] {
+            if (add) add_rms_norm_f32(xp, y.data(), w.data(), op, rows, n, eps);
+            else rms_norm_f32(xp, w.data(), op, rows, n, eps);
+        });
+        wr(P("out"), out);
+        wr(P("x"), x);
     } else if (op == "swiglu") {
         int n = atoi(argv[3]);
         auto g = rd<float>(P("g"));

@@ -42,7 +42,7 @@ use crate::executor::device_kv::KvWidths;
 use crate::executor::device_weights::{upload_f32, upload_f32_opt, upload_matrix, DevMat};
 use crate::executor::layer_blocks::SwiGluFfn;
 use crate::executor::routing::{ExpertSplit, Gating as RouterGating, Routed, Router};
-use crate::executor::step::{DeviceLayers, ModelDims, Step};
+use crate::executor::step::{DeviceLayers, ModelDims, Residual, Step};
 use crate::sequence::KvCache;
 use crate::weights::{n_vocab, ExpertShape, ExpertWeights};
 
@@ -381,14 +381,15 @@ impl<B: Backend> Deepseek2<B> {
         })
     }
 
-    /// The absorbed MLA of one layer over the micro-batch `x`, residual add included.
-    fn attention(
+    /// The absorbed MLA of one layer over the micro-batch `x`: its output, which the
+    /// feed-forward part's norm adds to `x`.
+    fn attention<'s>(
         &self,
         a: &DevMla<B>,
-        cx: &mut Step<'_, B>,
+        cx: &mut Step<'s, B>,
         layer: usize,
-        x: &mut B::Buf<f32>,
-    ) -> Result<(), ModelError> {
+        x: &B::Buf<f32>,
+    ) -> Result<Residual<'s, B>, ModelError> {
         let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
@@ -459,23 +460,24 @@ impl<B: Backend> Deepseek2<B> {
         cx.matmul_heads(&a.wv_b, &o_lat, nh, kvl, &mut v)?;
         let mut o = cx.alloc(p.n_embd)?;
         cx.matmul(&a.wo, &v, &mut o)?;
-        dev.add_assign(x, &o)?;
-        Ok(())
+        Ok(Residual(o))
     }
 
-    /// The feed-forward part of one layer over the micro-batch `x`, residual add included.
-    fn ffn(
+    /// The feed-forward part of one layer over the micro-batch `x`, the attention's output
+    /// `attn_out` (where not added yet) and its own residual adds included.
+    fn ffn<'s>(
         &self,
         l: &DevLayer<B>,
-        cx: &mut Step<'_, B>,
+        cx: &mut Step<'s, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
+        attn_out: Option<Residual<'s, B>>,
     ) -> Result<(), ModelError> {
         let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
         let mut h = cx.alloc(p.n_embd)?;
-        dev.rms_norm(x, &l.ffn_norm, p.rms_eps, &mut h)?;
+        cx.rms_norm(x, attn_out, &l.ffn_norm, p.rms_eps, &mut h)?;
         let mut out = cx.alloc(p.n_embd)?;
         match &l.ffn {
             DevFfn::Dense(f) => f.forward(cx, &h, &mut out)?,
@@ -576,9 +578,11 @@ impl<B: Backend> DeviceLayers<B> for Deepseek2<B> {
     }
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let layer = &self.layers[l];
-        self.attention(&layer.attn, cx, l, x)?;
+        let attn_out = self.attention(&layer.attn, cx, l, x)?;
         let last = l + 1 == self.layers.len();
-        cx.feed_forward(last, x, |cx, x| self.ffn(layer, cx, l, x))
+        cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
+            self.ffn(layer, cx, l, x, attn_out)
+        })
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         Some(self.experts.get(layer)?.as_ref()?.tensors(&self.gguf))

@@ -266,12 +266,12 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
     fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
         let p = &self.params;
         let layer = &self.layers[l];
-        layer.attn.forward(cx, l, x)?;
+        let attn_out = layer.attn.forward(cx, l, x)?;
         let last = l + 1 == self.layers.len();
-        cx.feed_forward(last, x, |cx, x| {
+        cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
             let dev = cx.dev();
             let mut h = cx.alloc(p.n_embd)?;
-            dev.rms_norm(x, &layer.ffn_norm, p.rms_eps, &mut h)?;
+            cx.rms_norm(x, attn_out, &layer.ffn_norm, p.rms_eps, &mut h)?;
             let mut out = cx.alloc(p.n_embd)?;
             layer.ffn.forward(cx, &h, &mut out)?;
             dev.add_assign(x, &out)?;

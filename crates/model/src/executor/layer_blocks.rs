@@ -12,7 +12,7 @@ use hmoe_backend::KvType;
 use super::device_kv::KvWidths;
 use super::device_weights::{buf_bytes, upload_f32, upload_f32_opt, upload_matrix, DevMat};
 use super::routing::{ExpertSplit, Routed, Router};
-use super::step::{AttnShape, DeviceLayers, ModelDims, Step};
+use super::step::{AttnShape, DeviceLayers, ModelDims, Residual, Step};
 use crate::archs::rope::RopeMode;
 use crate::error::ModelError;
 use crate::sequence::KvCache;
@@ -126,13 +126,14 @@ impl<B: Backend> AttnBlock<B> {
         KvWidths { k: w, v: w }
     }
 
-    /// The block over the micro-batch `x` of layer `layer`, residual add included.
-    pub(crate) fn forward(
+    /// The block over the micro-batch `x` of layer `layer`: its output, which the next
+    /// block's norm adds to `x` (the residual add).
+    pub(crate) fn forward<'s>(
         &self,
-        cx: &mut Step<'_, B>,
+        cx: &mut Step<'s, B>,
         layer: usize,
-        x: &mut B::Buf<f32>,
-    ) -> Result<(), ModelError> {
+        x: &B::Buf<f32>,
+    ) -> Result<Residual<'s, B>, ModelError> {
         let dev = cx.dev();
         let AttnSpec { shape, rope, .. } = self.spec;
         let hd = shape.head_dim;
@@ -163,8 +164,7 @@ impl<B: Backend> AttnBlock<B> {
         cx.attend(layer, &shape, &q, &k, &v, self.sinks.as_ref(), &mut att)?;
         let mut o = cx.alloc(d)?;
         cx.matmul_shared(&[&self.wo], &[self.bo.as_ref()], &att, &mut [&mut o])?;
-        dev.add_assign(x, &o)?;
-        Ok(())
+        Ok(Residual(o))
     }
 }
 
@@ -228,12 +228,14 @@ impl<B: Backend> MoeBlock<B> {
         2 * n_embd + self.spec.router.n_expert + 2 * self.spec.router.k
     }
 
-    /// The block over the micro-batch `x` of layer `layer`, residual add included.
-    pub(crate) fn forward(
+    /// The block over the micro-batch `x` of layer `layer`, the previous block's output
+    /// `pending` and its own residual adds included.
+    pub(crate) fn forward<'s>(
         &self,
-        cx: &mut Step<'_, B>,
+        cx: &mut Step<'s, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
     ) -> Result<(), ModelError> {
         let dev = cx.dev();
         let MoeSpec {
@@ -246,7 +248,7 @@ impl<B: Backend> MoeBlock<B> {
         let n = cx.n_tokens();
         let d = x_width::<B>(x, cx);
         let mut h = cx.alloc(d)?;
-        dev.rms_norm(x, &self.norm, rms_eps, &mut h)?;
+        cx.rms_norm(x, pending, &self.norm, rms_eps, &mut h)?;
         let mut scores = cx.alloc(router.n_expert)?;
         let router_b = [self.router_b.as_ref()];
         cx.matmul_shared(&[&self.router], &router_b, &h, &mut [&mut scores])?;
@@ -357,9 +359,11 @@ impl<B: Backend> AttnMoeLayers<B> {
         x: &mut B::Buf<f32>,
     ) -> Result<(), ModelError> {
         let (attn, moe) = &self.layers[l];
-        attn.forward(cx, l, x)?;
+        let attn_out = attn.forward(cx, l, x)?;
         let last = l + 1 == self.layers.len();
-        cx.feed_forward(last, x, |cx, x| moe.forward(cx, l, x))
+        cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
+            moe.forward(cx, l, x, attn_out)
+        })
     }
 
     /// Device bytes of every layer's weights.

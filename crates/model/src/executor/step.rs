@@ -32,6 +32,12 @@ pub(crate) struct Member<'t> {
     pub(crate) top: Option<usize>,
 }
 
+/// A block's output not yet added to the hidden state it was computed from: the next block's
+/// norm adds it ([`Step::rms_norm`]), so that a device can run the residual add and the norm
+/// as one kernel.
+#[must_use = "a block's output must be added to the hidden state"]
+pub(crate) struct Residual<'s, B: Backend>(pub(crate) Scratch<'s, B, f32>);
+
 /// One architecture's layers on a device, written in the architecture's file over the
 /// contract's ops and the shared blocks of `layer_blocks`; the executor runs them.
 pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
@@ -220,23 +226,45 @@ impl<'s, B: Backend> Step<'s, B> {
     }
 
     /// Runs a layer's feed-forward block `ffn` (its residual add included) over the hidden
-    /// state `x`; in the model's last layer (`last`) over the rows whose logits the members
-    /// want alone ([`Step::narrow_to_outputs`]), which the logits then read.
+    /// state `x`, handing it the attention block's output still to be added
+    /// ([`Residual`], which its norm adds: [`Step::rms_norm`]); in the model's last layer over
+    /// the rows whose logits the members want alone ([`Step::narrow_to_outputs`]), which the
+    /// logits then read, the attention's output added to every row first.
     pub(crate) fn feed_forward(
         &mut self,
         last: bool,
         x: &mut B::Buf<f32>,
-        ffn: impl FnOnce(&mut Self, &mut B::Buf<f32>) -> Result<(), ModelError>,
+        attn_out: Residual<'s, B>,
+        ffn: impl FnOnce(&mut Self, &mut B::Buf<f32>, Option<Residual<'s, B>>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
         if last {
+            self.dev.add_assign(x, &attn_out.0)?;
             if let Some(mut rows) = self.narrow_to_outputs(x)? {
                 self.offload = self.offload_last;
-                ffn(self, &mut rows)?;
+                ffn(self, &mut rows, None)?;
                 self.narrowed = Some(rows);
                 return Ok(());
             }
+            return ffn(self, x, None);
         }
-        ffn(self, x)
+        ffn(self, x, Some(attn_out))
+    }
+
+    /// RMSNorm of the hidden state `x` (times `weight`) into `out`, after adding the block
+    /// output `pending` to it where there is one (one op: [`Backend::add_rms_norm`]).
+    pub(crate) fn rms_norm(
+        &self,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
+        weight: &B::Buf<f32>,
+        eps: f32,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        match pending {
+            Some(y) => self.dev.add_rms_norm(x, &y.0, weight, eps, out)?,
+            None => self.dev.rms_norm(x, weight, eps, out)?,
+        }
+        Ok(())
     }
 
     /// A scratch buffer of `width` floats per token, from the step's arena: its contents are
