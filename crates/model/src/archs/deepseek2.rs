@@ -381,14 +381,16 @@ impl<B: Backend> Deepseek2<B> {
         })
     }
 
-    /// The absorbed MLA of one layer over the micro-batch `x`: its output, which the
-    /// feed-forward part's norm adds to `x`.
+    /// The absorbed MLA of one layer over the micro-batch `x`, the previous layer's output
+    /// `pending` added to `x` first (by its norm): its output, which the feed-forward part's
+    /// norm adds to `x`.
     fn attention<'s>(
         &self,
         a: &DevMla<B>,
         cx: &mut Step<'s, B>,
         layer: usize,
-        x: &B::Buf<f32>,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
     ) -> Result<Residual<'s, B>, ModelError> {
         let p = &self.params;
         let dev = cx.dev();
@@ -402,7 +404,7 @@ impl<B: Backend> Deepseek2<B> {
         );
         let (qd, ld) = (nope + rd, p.latent_dim());
         let mut h = cx.alloc(p.n_embd)?;
-        dev.rms_norm(x, &a.norm, p.rms_eps, &mut h)?;
+        cx.rms_norm(x, pending, &a.norm, p.rms_eps, &mut h)?;
         let mut q = cx.alloc(nh * qd)?;
         match &a.q {
             DevQuery::Lora {
@@ -464,7 +466,8 @@ impl<B: Backend> Deepseek2<B> {
     }
 
     /// The feed-forward part of one layer over the micro-batch `x`, the attention's output
-    /// `attn_out` (where not added yet) and its own residual adds included.
+    /// `attn_out` (where not added yet) added first: its own output, for the next layer to
+    /// add.
     fn ffn<'s>(
         &self,
         l: &DevLayer<B>,
@@ -472,7 +475,7 @@ impl<B: Backend> Deepseek2<B> {
         layer: usize,
         x: &mut B::Buf<f32>,
         attn_out: Option<Residual<'s, B>>,
-    ) -> Result<(), ModelError> {
+    ) -> Result<Residual<'s, B>, ModelError> {
         let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
@@ -522,8 +525,7 @@ impl<B: Backend> Deepseek2<B> {
                 }
             }
         }
-        dev.add_assign(x, &out)?;
-        Ok(())
+        Ok(Residual(out))
     }
 
     /// Floats per token of one layer's scratch buffers (the larger of attention and FFN).
@@ -576,9 +578,15 @@ impl<B: Backend> DeviceLayers<B> for Deepseek2<B> {
             v: 0,
         }
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
+    fn layer<'s>(
+        &self,
+        cx: &mut Step<'s, B>,
+        l: usize,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
+    ) -> Result<Option<Residual<'s, B>>, ModelError> {
         let layer = &self.layers[l];
-        let attn_out = self.attention(&layer.attn, cx, l, x)?;
+        let attn_out = self.attention(&layer.attn, cx, l, x, pending)?;
         let last = l + 1 == self.layers.len();
         cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
             self.ffn(layer, cx, l, x, attn_out)

@@ -28,7 +28,7 @@ use crate::error::ModelError;
 use crate::executor::device_kv::KvWidths;
 use crate::executor::device_weights::{buf_bytes, upload_f32};
 use crate::executor::layer_blocks::{AttnBlock, AttnSpec, SwiGluFfn};
-use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Step};
+use crate::executor::step::{AttnShape, DeviceLayers, ModelDims, Residual, Step};
 use crate::sequence::KvCache;
 use crate::weights::{load_f32, n_vocab};
 
@@ -263,19 +263,23 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
             .get(layer)
             .map_or(KvWidths::default(), |l| l.attn.kv_widths())
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
+    fn layer<'s>(
+        &self,
+        cx: &mut Step<'s, B>,
+        l: usize,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
+    ) -> Result<Option<Residual<'s, B>>, ModelError> {
         let p = &self.params;
         let layer = &self.layers[l];
-        let attn_out = layer.attn.forward(cx, l, x)?;
+        let attn_out = layer.attn.forward(cx, l, x, pending)?;
         let last = l + 1 == self.layers.len();
         cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
-            let dev = cx.dev();
             let mut h = cx.alloc(p.n_embd)?;
             cx.rms_norm(x, attn_out, &layer.ffn_norm, p.rms_eps, &mut h)?;
             let mut out = cx.alloc(p.n_embd)?;
             layer.ffn.forward(cx, &h, &mut out)?;
-            dev.add_assign(x, &out)?;
-            Ok(())
+            Ok(Residual(out))
         })
     }
     fn layer_experts(&self, _layer: usize) -> Option<ExpertTensors<'_>> {

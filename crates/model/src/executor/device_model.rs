@@ -668,8 +668,13 @@ impl<B: Backend> DeviceModel<B> {
             narrowed: None,
         };
         cx.offload_last = offload_at(cx.last_layer_rows());
+        // Each layer's output is added by the next layer's first norm.
+        let mut pending = None;
         for l in 0..dims.n_layer {
-            self.arch.layer(&mut cx, l, &mut x)?;
+            pending = self.arch.layer(&mut cx, l, &mut x, pending)?;
+        }
+        if let Some(out) = pending {
+            dev.add_assign(&mut x, &out.0)?;
         }
         let Step {
             mut st,

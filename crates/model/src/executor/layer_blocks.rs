@@ -126,13 +126,15 @@ impl<B: Backend> AttnBlock<B> {
         KvWidths { k: w, v: w }
     }
 
-    /// The block over the micro-batch `x` of layer `layer`: its output, which the next
-    /// block's norm adds to `x` (the residual add).
+    /// The block over the micro-batch `x` of layer `layer`, the previous block's output
+    /// `pending` added to `x` first (by its norm): its own output, which the next block's norm
+    /// adds to `x` (the residual add).
     pub(crate) fn forward<'s>(
         &self,
         cx: &mut Step<'s, B>,
         layer: usize,
-        x: &B::Buf<f32>,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
     ) -> Result<Residual<'s, B>, ModelError> {
         let dev = cx.dev();
         let AttnSpec { shape, rope, .. } = self.spec;
@@ -140,7 +142,7 @@ impl<B: Backend> AttnBlock<B> {
         let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
         let d = x_width::<B>(x, cx);
         let mut h = cx.alloc(d)?;
-        dev.rms_norm(x, &self.norm, self.spec.rms_eps, &mut h)?;
+        cx.rms_norm(x, pending, &self.norm, self.spec.rms_eps, &mut h)?;
         let (mut q, mut k, mut v) = (cx.alloc(qw)?, cx.alloc(kvw)?, cx.alloc(kvw)?);
         let qkv = [&self.wq, &self.wk, &self.wv];
         let biases = [self.bq.as_ref(), self.bk.as_ref(), self.bv.as_ref()];
@@ -229,14 +231,14 @@ impl<B: Backend> MoeBlock<B> {
     }
 
     /// The block over the micro-batch `x` of layer `layer`, the previous block's output
-    /// `pending` and its own residual adds included.
+    /// `pending` added to `x` first (by its norm): its own output, for the next block to add.
     pub(crate) fn forward<'s>(
         &self,
         cx: &mut Step<'s, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
         pending: Option<Residual<'s, B>>,
-    ) -> Result<(), ModelError> {
+    ) -> Result<Residual<'s, B>, ModelError> {
         let dev = cx.dev();
         let MoeSpec {
             router,
@@ -267,8 +269,7 @@ impl<B: Backend> MoeBlock<B> {
         };
         let mut moe = cx.alloc(d)?;
         cx.experts(layer, &routed, &mut moe)?;
-        dev.add_assign(x, &moe)?;
-        Ok(())
+        Ok(Residual(moe))
     }
 }
 
@@ -351,15 +352,17 @@ impl<B: Backend> AttnMoeLayers<B> {
     }
 
     /// Layer `l` over the micro-batch `x`: attention, then the routed experts; in the last
-    /// layer over the rows whose logits the members want alone ([`Step::feed_forward`]).
-    pub(crate) fn forward(
+    /// layer over the rows whose logits the members want alone ([`Step::feed_forward`]). As
+    /// [`DeviceLayers::layer`]: `pending` the previous layer's output, returns its own.
+    pub(crate) fn forward<'s>(
         &self,
-        cx: &mut Step<'_, B>,
+        cx: &mut Step<'s, B>,
         l: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ModelError> {
+        pending: Option<Residual<'s, B>>,
+    ) -> Result<Option<Residual<'s, B>>, ModelError> {
         let (attn, moe) = &self.layers[l];
-        let attn_out = attn.forward(cx, l, x)?;
+        let attn_out = attn.forward(cx, l, x, pending)?;
         let last = l + 1 == self.layers.len();
         cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
             moe.forward(cx, l, x, attn_out)
@@ -404,8 +407,14 @@ impl<B: Backend> DeviceLayers<B> for AttnMoeModel<B> {
     fn kv_widths(&self, layer: usize) -> KvWidths {
         self.layers.kv_widths(layer)
     }
-    fn layer(&self, cx: &mut Step<'_, B>, l: usize, x: &mut B::Buf<f32>) -> Result<(), ModelError> {
-        self.layers.forward(cx, l, x)
+    fn layer<'s>(
+        &self,
+        cx: &mut Step<'s, B>,
+        l: usize,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
+    ) -> Result<Option<Residual<'s, B>>, ModelError> {
+        self.layers.forward(cx, l, x, pending)
     }
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>> {
         self.layers.experts(&self.gguf, layer)

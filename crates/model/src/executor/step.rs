@@ -50,13 +50,17 @@ pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
     fn new_cache(&self, ty: KvType, n_ctx: usize, n_ubatch: usize) -> KvCache;
     /// Floats of K and of V per cell of layer `layer`'s cache.
     fn kv_widths(&self, layer: usize) -> KvWidths;
-    /// Layer `layer` over the micro-batch's hidden state `x` (`n × n_embd`), in place.
-    fn layer(
+    /// Layer `layer` over the micro-batch's hidden state `x` (`n × n_embd`), in place, the
+    /// previous layer's output `pending` added first (by its first norm, [`Step::rms_norm`]):
+    /// returns its own output, for the next layer to add; the last layer adds it itself
+    /// ([`Step::feed_forward`]).
+    fn layer<'s>(
         &self,
-        cx: &mut Step<'_, B>,
+        cx: &mut Step<'s, B>,
         layer: usize,
         x: &mut B::Buf<f32>,
-    ) -> Result<(), ModelError>;
+        pending: Option<Residual<'s, B>>,
+    ) -> Result<Option<Residual<'s, B>>, ModelError>;
     /// The routed experts of layer `layer` as the file stores them (`None`: a layer without).
     fn layer_experts(&self, layer: usize) -> Option<ExpertTensors<'_>>;
     /// Bytes of the layers' weights on the device (the routed experts not included).
@@ -225,29 +229,37 @@ impl<'s, B: Backend> Step<'s, B> {
         }
     }
 
-    /// Runs a layer's feed-forward block `ffn` (its residual add included) over the hidden
-    /// state `x`, handing it the attention block's output still to be added
-    /// ([`Residual`], which its norm adds: [`Step::rms_norm`]); in the model's last layer over
-    /// the rows whose logits the members want alone ([`Step::narrow_to_outputs`]), which the
-    /// logits then read, the attention's output added to every row first.
+    /// Runs a layer's feed-forward block `ffn` over the hidden state `x`, handing it the
+    /// attention block's output still to be added ([`Residual`], which its norm adds:
+    /// [`Step::rms_norm`]); returns the block's output, for the next layer to add. In the
+    /// model's last layer the attention's output is added to every row first, the block runs
+    /// over the rows whose logits the members want alone ([`Step::narrow_to_outputs`]),
+    /// which the logits then read, and its output is added to them here (`None` returned).
     pub(crate) fn feed_forward(
         &mut self,
         last: bool,
         x: &mut B::Buf<f32>,
         attn_out: Residual<'s, B>,
-        ffn: impl FnOnce(&mut Self, &mut B::Buf<f32>, Option<Residual<'s, B>>) -> Result<(), ModelError>,
-    ) -> Result<(), ModelError> {
-        if last {
-            self.dev.add_assign(x, &attn_out.0)?;
-            if let Some(mut rows) = self.narrow_to_outputs(x)? {
-                self.offload = self.offload_last;
-                ffn(self, &mut rows, None)?;
-                self.narrowed = Some(rows);
-                return Ok(());
-            }
-            return ffn(self, x, None);
+        ffn: impl FnOnce(
+            &mut Self,
+            &mut B::Buf<f32>,
+            Option<Residual<'s, B>>,
+        ) -> Result<Residual<'s, B>, ModelError>,
+    ) -> Result<Option<Residual<'s, B>>, ModelError> {
+        if !last {
+            return ffn(self, x, Some(attn_out)).map(Some);
         }
-        ffn(self, x, Some(attn_out))
+        self.dev.add_assign(x, &attn_out.0)?;
+        if let Some(mut rows) = self.narrow_to_outputs(x)? {
+            self.offload = self.offload_last;
+            let out = ffn(self, &mut rows, None)?;
+            self.dev.add_assign(&mut rows, &out.0)?;
+            self.narrowed = Some(rows);
+            return Ok(None);
+        }
+        let out = ffn(self, x, None)?;
+        self.dev.add_assign(x, &out.0)?;
+        Ok(None)
     }
 
     /// RMSNorm of the hidden state `x` (times `weight`) into `out`, after adding the block
