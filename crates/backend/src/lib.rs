@@ -686,6 +686,21 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), BackendError>;
+    /// [`Backend::rope_neox`] of the queries `q` (`n_head` heads) and of the keys `k`
+    /// (`n_head_kv` heads) at the same positions, with its bits; a device may rotate both in
+    /// one kernel.
+    fn rope_neox_qk(
+        &self,
+        q: &mut Self::Buf<f32>,
+        k: &mut Self::Buf<f32>,
+        positions: &Self::Buf<i32>,
+        (n_head, n_head_kv): (usize, usize),
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        self.rope_neox(q, positions, n_head, head_dim, p)?;
+        self.rope_neox(k, positions, n_head_kv, head_dim, p)
+    }
     /// The K/V types ([`KV_TYPES`]) this device stores in rings.
     fn kv_types(&self) -> &'static [GgmlType];
     /// Whether [`Backend::attention`] reads keys of type `k` with values of type `v` (by
@@ -737,6 +752,19 @@ pub trait Backend: Send + Sync {
         positions: &Self::Buf<i32>,
         first: usize,
     ) -> Result<(), BackendError>;
+    /// [`Backend::kv_store_at`] of a layer's keys `k` into `k_ring` and its values `v` into
+    /// `v_ring`, with its bits; a device may store both in one kernel.
+    fn kv_store_pair_at(
+        &self,
+        (k, k_ring): (&Self::Buf<f32>, &mut KvRing<Self>),
+        (v, v_ring): (&Self::Buf<f32>, &mut KvRing<Self>),
+        n_tokens: usize,
+        positions: &Self::Buf<i32>,
+        first: usize,
+    ) -> Result<(), BackendError> {
+        self.kv_store_at(k, k_ring, n_tokens, positions, first)?;
+        self.kv_store_at(v, v_ring, n_tokens, positions, first)
+    }
     /// The bytes of rows `cells` of `ring` as [`KvLayout`] lays them out (the rows alone,
     /// [`kv_rows_range`] of the ring): what a saved sequence keeps of its K/V
     /// (llama-server's slot files), readable by any device of the contract.

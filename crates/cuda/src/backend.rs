@@ -304,6 +304,22 @@ impl Backend for CudaDevice {
             self, x, positions, n_heads, head_dim, p,
         )?)
     }
+    fn rope_neox_qk(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        positions: &CudaSlice<i32>,
+        (n_head, n_head_kv): (usize, usize),
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), BackendError> {
+        replayed!(self);
+        no_freq_factors("rope_neox", p)?;
+        let (q, k) = ((q, n_head), Some((k, n_head_kv)));
+        Ok(CudaDevice::rope_neox_pair(
+            self, q, k, positions, head_dim, p,
+        )?)
+    }
     fn kv_types(&self) -> &'static [GgmlType] {
         // Every type `kv_store` stores (K-only rings included); pairs: `supports_kv`.
         &crate::K_ONLY_TYPES
@@ -356,6 +372,20 @@ impl Backend for CudaDevice {
             n_tokens,
             &at,
         )?)
+    }
+    fn kv_store_pair_at(
+        &self,
+        (k, k_ring): (&CudaSlice<f32>, &mut KvRing<CudaDevice>),
+        (v, v_ring): (&CudaSlice<f32>, &mut KvRing<CudaDevice>),
+        n_tokens: usize,
+        positions: &CudaSlice<i32>,
+        first: usize,
+    ) -> Result<(), BackendError> {
+        replayed!(self);
+        let (kl, vl) = (k_ring.layout, v_ring.layout);
+        let at = position_at("kv_store", positions, first)?;
+        let (k, v) = ((k, &mut k_ring.data, &kl), (v, &mut v_ring.data, &vl));
+        Ok(CudaDevice::kv_store_pair(self, k, Some(v), n_tokens, &at)?)
     }
     fn attention_at(
         &self,

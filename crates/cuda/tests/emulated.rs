@@ -302,10 +302,13 @@ struct MoeShape {
     k: usize,
 }
 
-/// RMSNorm, and the residual add with it in one launch (`add_rms_norm_f32`), give REF0's bits.
+/// RMSNorm and the residual add with it in one launch (`add_rms_norm_f32`), RoPE (NeoX and
+/// normal, of one tensor and of two in one launch) and the store of keys and values in one
+/// launch (`kv_store` over two rings) give REF0's bits.
 #[test]
 #[ignore = "slow (seconds): cargo test -p hmoe-cuda --test emulated -- --ignored"]
-fn emulated_norms_give_the_reference_backends_bits() {
+fn emulated_norms_rope_and_kv_pairs_give_the_reference_backends_bits() {
+    use hmoe_backend::RopeParams;
     let Some(emu) = Emulator::build("norms") else {
         return;
     };
@@ -339,6 +342,97 @@ fn emulated_norms_give_the_reference_backends_bits() {
             );
             assert_bits(&what, &emu.read::<f32>("x"), &cpu.download(&xw).unwrap());
         }
+    }
+
+    // RoPE, plain and YaRN: NeoX over whole heads of 64 and the first 32 dims of them; normal
+    // over the dims after a latent part (DeepSeek's keys and queries). Each of one tensor (no
+    // second) and of queries and keys in one launch (REF0: rope_neox_qk's default, each
+    // alone).
+    let neox = [
+        RopeParams::plain(64, 10000.0),
+        RopeParams::yarn(32, 150000.0, 32.0, 4096, 1.0, 32.0, 1.0),
+    ];
+    let norm = [
+        RopeParams::plain(8, 10000.0),
+        RopeParams::yarn(64, 10000.0, 40.0, 4096, 0.7, 32.0, 1.0),
+    ];
+    let cases =
+        (neox.iter().map(|p| (0, 0, 64, p))).chain(norm.iter().map(|p| (1, 16, 16 + p.n_dims, p)));
+    for (kind, first, hd, p) in cases {
+        for (nh, nh2) in [(2usize, 0usize), (4, 1)] {
+            let n = 3;
+            let x = noise(&mut rng, n * nh * hd, 2.0);
+            let x2 = noise(&mut rng, n * nh2.max(1) * hd, 2.0);
+            let pos: Vec<i32> = vec![0, 7, 3000];
+            emu.write("x", &x);
+            emu.write("x2", &x2);
+            emu.write("pos", &pos);
+            let f = [
+                p.theta_scale,
+                p.freq_scale,
+                p.ext_factor,
+                p.attn_factor,
+                p.corr_dims[0],
+                p.corr_dims[1],
+            ];
+            emu.write("params", &f);
+            let args = [kind, n, nh, nh2, hd, first, p.n_dims].map(s);
+            emu.run("rope", &args);
+            let pd = cpu.upload(&pos).unwrap();
+            let outs = [("x", &x, nh), ("x2", &x2, nh2)];
+            for (file, input, heads) in outs.into_iter().filter(|o| o.2 > 0) {
+                let mut xd = cpu.upload(input).unwrap();
+                match kind {
+                    0 => cpu.rope_neox(&mut xd, &pd, heads, hd, p).unwrap(),
+                    _ => cpu.rope_norm(&mut xd, &pd, heads, hd, first, p).unwrap(),
+                }
+                let what = format!("rope kind {kind} {file} of {nh} + {nh2} heads {p:?}");
+                assert_bits(&what, &emu.read::<f32>(file), &cpu.download(&xd).unwrap());
+            }
+        }
+    }
+
+    // Keys and values into rings of two types in one launch, rotated or not, in rings that
+    // wrap: each REF0's kv_store's bytes.
+    let (f16, f32, q8, q4) = (GgmlType::F16, GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_0);
+    for (kt, k_rot, vt, v_rot) in [
+        (f16, 0, f16, 0),
+        (q8, 64, f16, 0),
+        (f32, 0, q4, 64),
+        (q8, 128, q8, 0),
+        (q4, 0, q8, 64),
+    ] {
+        let (width, cells, pos0, n) = (256usize, 5usize, 3usize, 4usize);
+        let rows = [
+            noise(&mut rng, n * width, 2.0),
+            noise(&mut rng, n * width, 2.0),
+        ];
+        let layouts = [(kt, k_rot), (vt, v_rot)]
+            .map(|(ty, rot)| KvLayout::new(ty, width, cells, rot).unwrap());
+        let mut want = Vec::new();
+        for (i, (layout, rows)) in layouts.iter().zip(&rows).enumerate() {
+            let before = ref_ring(&cpu, *layout, &noise(&mut rng, cells * width, 1.0));
+            let mut ring = KvRing::<Ref0> {
+                data: cpu.upload(&before).unwrap(),
+                layout: *layout,
+            };
+            cpu.kv_store(&cpu.upload(rows).unwrap(), &mut ring, n, pos0)
+                .unwrap();
+            let suffix = ["", "2"][i];
+            emu.write(&format!("src{suffix}"), rows);
+            emu.write(&format!("ring{suffix}"), &before);
+            want.push(cpu.download(&ring.data).unwrap());
+        }
+        let (k, v) = (&layouts[0], &layouts[1]);
+        let args = [k.ty.id() as usize, n, width, cells, pos0, k.rot]
+            .into_iter()
+            .chain([v.ty.id() as usize, width, cells, v.rot])
+            .map(s)
+            .collect::<Vec<_>>();
+        emu.run("kv_store", &args);
+        let what = format!("kv_store pair {kt} rot {k_rot} / {vt} rot {v_rot}");
+        assert!(emu.read::<u8>("ring") == want[0], "{what}: keys");
+        assert!(emu.read::<u8>("ring2") == want[1], "{what}: values");
     }
 }
 
@@ -1069,44 +1163,12 @@ fn emulated_k_only_rings_of_every_type_give_the_reference_backends_bits() {
 #[test]
 #[ignore = "slow: cargo test -p hmoe-cuda --test emulated -- --ignored"]
 fn emulated_latent_attention_and_routing_kernels_give_the_reference_backends_bits() {
-    use hmoe_backend::{Gating, RopeParams, Routing};
+    use hmoe_backend::{Gating, Routing};
     let Some(emu) = Emulator::build("latent") else {
         return;
     };
     let cpu = Ref0::new();
     let mut rng = StdRng::seed_from_u64(6);
-
-    // Normal RoPE over the dims after a latent part, plain and YaRN.
-    for p in [
-        RopeParams::plain(8, 10000.0),
-        RopeParams::yarn(64, 10000.0, 40.0, 4096, 0.7, 32.0, 1.0),
-    ] {
-        let (n, nh, first) = (3, 2, 16);
-        let hd = first + p.n_dims;
-        let x = noise(&mut rng, n * nh * hd, 2.0);
-        let pos: Vec<i32> = vec![0, 7, 3000];
-        emu.write("x", &x);
-        emu.write("pos", &pos);
-        let f = [
-            p.theta_scale,
-            p.freq_scale,
-            p.ext_factor,
-            p.attn_factor,
-            p.corr_dims[0],
-            p.corr_dims[1],
-        ];
-        emu.write("params", &f);
-        emu.run("rope_norm", &[s(n), s(nh), s(hd), s(first), s(p.n_dims)]);
-        let got: Vec<f32> = emu.read("x");
-        let mut xd = cpu.upload(&x).unwrap();
-        let pd = cpu.upload(&pos).unwrap();
-        cpu.rope_norm(&mut xd, &pd, nh, hd, first, &p).unwrap();
-        assert_bits(
-            &format!("rope_norm {p:?}"),
-            &got,
-            &cpu.download(&xd).unwrap(),
-        );
-    }
 
     // Per-head products, contiguous and strided inputs.
     for ty in TYPES {

@@ -157,27 +157,38 @@ impl CudaDevice {
         head_dim: usize,
         p: &RopeParams,
     ) -> Result<(), CudaError> {
+        self.rope_neox_pair((x, n_heads), None, positions, head_dim, p)
+    }
+
+    /// [`Self::rope_neox`] of `x` and of `x2` (another tensor of heads of `head_dim` at the same
+    /// positions, such as the keys beside the queries) in one launch.
+    pub fn rope_neox_pair(
+        &self,
+        x: (&mut CudaSlice<f32>, usize),
+        x2: Option<(&mut CudaSlice<f32>, usize)>,
+        positions: &CudaSlice<i32>,
+        head_dim: usize,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
         const OP: &str = "rope_neox";
         let n = positions.len();
-        ensure(x.len() >= n * n_heads * head_dim, OP, || {
-            format!(
-                "x {} for {n} tokens × {n_heads} heads × {head_dim}",
-                x.len()
-            )
-        })?;
+        for (len, n_heads) in [
+            Some((x.0.len(), x.1)),
+            x2.as_ref().map(|(b, h)| (b.len(), *h)),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            ensure(len >= n * n_heads * head_dim, OP, || {
+                format!("x {len} for {n} tokens × {n_heads} heads × {head_dim}")
+            })?;
+        }
         ensure(
             p.n_dims <= head_dim && p.n_dims.is_multiple_of(2) && p.n_dims > 0,
             OP,
             || format!("n_dims {} with head_dim {head_dim}", p.n_dims),
         )?;
-        self.rope(
-            ("rope_neox_f32", OP),
-            x,
-            positions,
-            (n_heads, head_dim),
-            None,
-            p,
-        )
+        self.rope(("rope_neox_f32", OP), x, x2, (positions, head_dim), None, p)
     }
 
     /// Normal-style RoPE over dims `first .. first + p.n_dims` of every head, in place.
@@ -191,48 +202,59 @@ impl CudaDevice {
         p: &RopeParams,
     ) -> Result<(), CudaError> {
         const OP: &str = "rope_norm";
+        let heads = (x, n_heads);
         self.rope(
             ("rope_norm_f32", OP),
-            x,
-            positions,
-            (n_heads, head_dim),
+            heads,
+            None,
+            (positions, head_dim),
             Some(first),
             p,
         )
     }
 
-    /// Launches the RoPE kernel `kernel` (of op `op`) in place on `x`: `positions.len()`
-    /// tokens of `n_heads` heads of `head_dim` values, a block per head and token; `first`,
-    /// the first rotated dim, for the kernels that take one (`rope_norm_f32`). Shapes checked
-    /// by the callers.
+    /// Launches the RoPE kernel `kernel` (of op `op`) in place on the `x.1` heads of `x.0`
+    /// and those of `x2` when given (none else): `positions.len()` tokens of heads of
+    /// `head_dim` values, a block per head and token; `first`, the first rotated dim, for the
+    /// kernels that take one (`rope_norm_f32`). Shapes checked by the callers.
     fn rope(
         &self,
         (kernel, op): (&'static str, &'static str),
-        x: &mut CudaSlice<f32>,
-        positions: &CudaSlice<i32>,
-        (n_heads, head_dim): (usize, usize),
+        (x, n_heads): (&mut CudaSlice<f32>, usize),
+        x2: Option<(&mut CudaSlice<f32>, usize)>,
+        (positions, head_dim): (&CudaSlice<i32>, usize),
         first: Option<usize>,
         p: &RopeParams,
     ) -> Result<(), CudaError> {
         let n = positions.len();
-        if n == 0 || n_heads == 0 {
+        let n_heads2 = x2.as_ref().map_or(0, |(_, h)| *h);
+        if n == 0 || n_heads + n_heads2 == 0 {
             return Ok(());
         }
         ensure(n <= MAX_GRID_Y, op, || format!("{n} tokens in one call"))?;
         let first = first.map(|f| ("first", f));
-        let ints = [("tokens", n), ("heads", n_heads), ("head_dim", head_dim)]
+        let ints = [("tokens", n), ("head_dim", head_dim)]
             .into_iter()
             .chain(first)
             .chain([("n_dims", p.n_dims)])
             .map(|(what, v)| i32_of(op, what, v))
             .collect::<Result<Vec<_>, _>>()?;
+        let (h1, h2) = (
+            i32_of(op, "heads", n_heads)?,
+            i32_of(op, "heads", n_heads2)?,
+        );
         let cfg = LaunchConfig {
-            grid_dim: (u32_of(op, "heads", n_heads)?, n as u32, 1),
+            grid_dim: (u32_of(op, "heads", n_heads + n_heads2)?, n as u32, 1),
             block_dim: (((p.n_dims / 2).clamp(32, 256)) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.builder(kernel);
-        b.arg(&mut *x).arg(positions);
+        b.arg(&mut *x).arg(&h1);
+        match x2 {
+            Some((x2, _)) => b.arg(x2),
+            None => b.arg(&self.dummy),
+        };
+        b.arg(&h2).arg(positions);
         for v in &ints {
             b.arg(v);
         }
@@ -243,7 +265,8 @@ impl CudaDevice {
             .arg(&p.corr_dims[0])
             .arg(&p.corr_dims[1]);
         // SAFETY: argument types match `rope_neox_f32` / `rope_norm_f32`; the callers checked
-        // that x holds n × heads × head_dim values and the rotated dims lie inside each head.
+        // that x (and x2) hold n × heads × head_dim values and the rotated dims lie inside each
+        // head; with no x2 the kernel reads none of the dummy (0 heads).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

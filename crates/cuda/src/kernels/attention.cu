@@ -21,21 +21,6 @@ __device__ __forceinline__ int read_pos0(const int* pos_at, int n_tokens, int ce
     return p >= 0 && end <= 2147483647LL && seen <= (long long)cells ? p : -1;
 }
 
-// A ring of a float type (T), element by element: CONV converts an f32 to T (nothing for f32).
-#define KV_STORE_FLOAT(SUFFIX, T, CONV)                                                         \
-    extern "C" __global__ void kv_store_##SUFFIX(const float* src, T* cache, int n_tokens,     \
-                                                 int width, int cells, const int* pos_at) {     \
-        u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;                                     \
-        int pos0 = *pos_at;                                                                     \
-        if (i >= (u64)n_tokens * width || pos0 < 0) return;                                     \
-        int t = (int)(i / (u64)width), c = (int)(i % (u64)width);                               \
-        u64 cell = ((u64)pos0 + t) % (u64)cells;                                                \
-        cache[cell * width + c] = CONV(src[i]);                                                 \
-    }
-KV_STORE_FLOAT(f16, u16, f2h)
-KV_STORE_FLOAT(bf16, u16, f2bf)
-KV_STORE_FLOAT(f32, float, )
-
 // The CPU device's fast Walsh–Hadamard transform of the n values of x in place (n a power of two):
 // scale by 1 / sqrt(n), then butterflies (u + v, u - v) over strides 1, 2, 4, ... n / 2. Its
 // own inverse.
@@ -174,15 +159,29 @@ __device__ void quantize_block_q5_1(const float* x, u8* ob) {
 
 #define KV_MAX_CHUNK 256
 
-// One thread per chunk of max(rot, 32) values (at most KV_MAX_CHUNK) of the batch's rows:
-// each `rot` values of it rotated (rot > 0), then quantized block by block into its cell.
-__device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int width, int cells,
-                                int pos0, int rot, int ty) {
+// The items of a batch's store into a ring of type ty: its values (float types) or its chunks
+// of max(rot, 32) values (block-quantized types).
+__device__ __forceinline__ u64 kv_store_items(int ty, int rot, int n_tokens, int width) {
+    bool fl = ty == TY_F32 || ty == TY_F16 || ty == TY_BF16;
+    int chunk = fl ? 1 : (rot > 32 ? rot : 32);
+    return (u64)n_tokens * (u64)(width / chunk);
+}
+
+// Item i (< kv_store_items) of a batch's store into a ring of type ty: value i converted into
+// its cell (float types), or chunk i of max(rot, 32) values (at most KV_MAX_CHUNK), each `rot`
+// values of it rotated (rot > 0), then quantized block by block into its cell.
+__device__ void kv_store_item(u64 i, const float* src, u8* cache, int ty, int rot, int width,
+                              int cells, int pos0) {
+    if (ty == TY_F32 || ty == TY_F16 || ty == TY_BF16) {
+        int t = (int)(i / (u64)width), c = (int)(i % (u64)width);
+        u64 at = (((u64)pos0 + t) % (u64)cells) * width + c;
+        if (ty == TY_F32) ((float*)cache)[at] = src[i];
+        else ((u16*)cache)[at] = ty == TY_F16 ? f2h(src[i]) : f2bf(src[i]);
+        return;
+    }
     int block_bytes = lowbit_block_bytes(ty);
     int chunk = rot > 32 ? rot : 32;
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 per_row = (u64)(width / chunk);
-    if (i >= (u64)n_tokens * per_row || pos0 < 0) return;
     int t = (int)(i / per_row), c = (int)(i % per_row);
     float x[KV_MAX_CHUNK];
     const float* s = src + (u64)t * width + (u64)c * chunk;
@@ -202,18 +201,21 @@ __device__ void kv_store_blocks(const float* src, u8* cache, int n_tokens, int w
     }
 }
 
-#define KV_STORE_BLOCKS(SUFFIX, TY)                                                             \
-    extern "C" __global__ void kv_store_##SUFFIX(const float* src, u8* cache, int n_tokens,    \
-                                                 int width, int cells, const int* pos_at,       \
-                                                 int rot) {                                     \
-        kv_store_blocks(src, cache, n_tokens, width, cells, *pos_at, rot, TY);                  \
+// The store of a batch into one ring, or into two (grid.y = 2: the keys into the first and the
+// values into the second, in one launch): ring blockIdx.y's item per thread, of width values
+// per token, type ty (a ggml id of KV_TYPES) rotated in chunks of rot (block types), `cells`
+// cells. grid = (ceil(max items / 256), rings), block = 256.
+extern "C" __global__ void kv_store(const float* src, u8* cache, int ty, int rot, int width,
+                                    int cells, const float* src2, u8* cache2, int ty2, int rot2,
+                                    int width2, int cells2, int n_tokens, const int* pos_at) {
+    int pos0 = *pos_at;
+    if (blockIdx.y == 1) {
+        src = src2, cache = cache2, ty = ty2, rot = rot2, width = width2, cells = cells2;
     }
-
-KV_STORE_BLOCKS(q8_0, TY_Q8_0)
-KV_STORE_BLOCKS(q4_0, TY_Q4_0)
-KV_STORE_BLOCKS(q4_1, TY_Q4_1)
-KV_STORE_BLOCKS(q5_0, TY_Q5_0)
-KV_STORE_BLOCKS(q5_1, TY_Q5_1)
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (pos0 < 0 || i >= kv_store_items(ty, rot, n_tokens, width)) return;
+    kv_store_item(i, src, cache, ty, rot, width, cells, pos0);
+}
 
 // Element i of an f32 (ty TY_F32) or f16 ring, as f32.
 __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {

@@ -28,8 +28,8 @@ extern "C" __global__ void f32_to_bf16(const float* x, u16* out, u64 n) {
 // it: theta = pos * theta_scale^i by repeated multiplication, interpolation/extrapolation blend
 // by the ramp between the (floored/ceiled) correction dims, magnitude attn_factor (times
 // 1 + 0.1 ln(1/freq_scale) when ext_factor != 0), rotations as fmaf(x0, c, -(x1 s)).
-// x: [n_tokens][n_heads][head_dim], rotated in place; pos: [n_tokens].
-// grid = (n_heads, n_tokens), block = any (threads loop over the n_dims/2 pairs).
+// x: [n_tokens][n_heads][head_dim] (and x2 of n_heads2), rotated in place; pos: [n_tokens].
+// grid = (n_heads + n_heads2, n_tokens), block = any (threads loop over the n_dims/2 pairs).
 
 // The (cos, sin) of rotated pair i at position p, as the CPU device's RoPE tables: theta =
 // p * theta_scale^i by repeated multiplication, the YaRN blend by the ramp between the
@@ -52,15 +52,27 @@ __device__ void rope_cos_sin(float p, int i, float theta_scale, float freq_scale
     *s = sinf(theta) * mscale;
 }
 
-extern "C" __global__ void rope_neox_f32(float* x, const int* pos, int n_tokens, int n_heads,
-                                         int head_dim, int n_dims, float theta_scale,
-                                         float freq_scale, float ext_factor, float attn_factor,
-                                         float corr_low, float corr_high) {
+// The head a RoPE block rotates: head blockIdx.x of x (n_heads of them), then of x2 (n_heads2;
+// none when x2 is unused), of token blockIdx.y; null past them.
+__device__ __forceinline__ float* rope_head(float* x, int n_heads, float* x2, int n_heads2,
+                                            int n_tokens, int head_dim) {
     int h = blockIdx.x, t = blockIdx.y;
-    if (h >= n_heads || t >= n_tokens) return;
-    float* head = x + ((u64)t * n_heads + h) * head_dim;
+    if (t >= n_tokens) return nullptr;
+    if (h < n_heads) return x + ((u64)t * n_heads + h) * head_dim;
+    h -= n_heads;
+    return h < n_heads2 ? x2 + ((u64)t * n_heads2 + h) * head_dim : nullptr;
+}
+
+// x and x2 (the queries and the keys) rotated at the same positions; grid = (n_heads +
+// n_heads2, n_tokens).
+extern "C" __global__ void rope_neox_f32(float* x, int n_heads, float* x2, int n_heads2,
+                                         const int* pos, int n_tokens, int head_dim, int n_dims,
+                                         float theta_scale, float freq_scale, float ext_factor,
+                                         float attn_factor, float corr_low, float corr_high) {
+    float* head = rope_head(x, n_heads, x2, n_heads2, n_tokens, head_dim);
+    if (!head) return;
     int half = n_dims / 2;
-    float p = (float)pos[t];
+    float p = (float)pos[blockIdx.y];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float c, s;
         rope_cos_sin(p, i, theta_scale, freq_scale, ext_factor, attn_factor, corr_low, corr_high,

@@ -14,17 +14,18 @@ extern "C" __global__ void copy_rows_f32(const float* src, float* dst, int n_row
 // ---------------------------------------------------------------------------------------------
 // RoPE, normal layout (element 2i pairs with 2i + 1) over dims first .. first + n_dims of each
 // head, with YaRN: the same angles and rotation as rope_neox_f32.
-// x: [n_tokens][n_heads][head_dim], rotated in place; pos: [n_tokens].
-// grid = (n_heads, n_tokens), block = any (threads loop over the n_dims/2 pairs).
+// x: [n_tokens][n_heads][head_dim] (and x2 of n_heads2), rotated in place; pos: [n_tokens].
+// grid = (n_heads + n_heads2, n_tokens), block = any (threads loop over the n_dims/2 pairs).
 
-extern "C" __global__ void rope_norm_f32(float* x, const int* pos, int n_tokens, int n_heads,
-                                         int head_dim, int first, int n_dims, float theta_scale,
-                                         float freq_scale, float ext_factor, float attn_factor,
-                                         float corr_low, float corr_high) {
-    int h = blockIdx.x, t = blockIdx.y;
-    if (h >= n_heads || t >= n_tokens) return;
-    float* head = x + ((u64)t * n_heads + h) * head_dim + first;
-    float p = (float)pos[t];
+extern "C" __global__ void rope_norm_f32(float* x, int n_heads, float* x2, int n_heads2,
+                                         const int* pos, int n_tokens, int head_dim, int first,
+                                         int n_dims, float theta_scale, float freq_scale,
+                                         float ext_factor, float attn_factor, float corr_low,
+                                         float corr_high) {
+    float* head = rope_head(x, n_heads, x2, n_heads2, n_tokens, head_dim);
+    if (!head) return;
+    head += first;
+    float p = (float)pos[blockIdx.y];
     for (int i = threadIdx.x; i < n_dims / 2; i += blockDim.x) {
         float c, s;
         rope_cos_sin(p, i, theta_scale, freq_scale, ext_factor, attn_factor, corr_low, corr_high,

@@ -521,32 +521,24 @@ int main(int argc, char** argv) {
         float* op_ = out.data();
         launch({cdiv(n * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_combine(yp, wts.data(), op_, n, k, d); });
         wr(P("out"), out);
-    } else if (op == "kv_store") {
+    } else if (op == "kv_store") {  // kv_ring.rs: kv_store_pair (a second ring when ty2 >= 0)
         int ty = atoi(argv[3]), n_tokens = atoi(argv[4]), width = atoi(argv[5]), cells = atoi(argv[6]),
             pos0 = atoi(argv[7]), rot = atoi(argv[8]);
+        int ty2 = argc > 9 ? atoi(argv[9]) : -1, width2 = argc > 10 ? atoi(argv[10]) : 0,
+            cells2 = argc > 11 ? atoi(argv[11]) : 0, rot2 = argc > 12 ? atoi(argv[12]) : 0;
         auto src = rd<float>(P("src"));
         auto ring = rd<u8>(P("ring"));
-        u8* r = ring.data();
-        unsigned total = (unsigned)(n_tokens * width);
-        if (ty == 0) {
-            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f32(src.data(), (float*)r, n_tokens, width, cells, &pos0); });
-        } else if (ty == 1) {
-            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_f16(src.data(), (u16*)r, n_tokens, width, cells, &pos0); });
-        } else if (ty == 30) {
-            launch({cdiv(total, 256), 1, 1}, {256, 1, 1}, [&] { kv_store_bf16(src.data(), (u16*)r, n_tokens, width, cells, &pos0); });
-        } else {
-            unsigned chunk = rot > 32 ? rot : 32;
-            launch({cdiv(total / chunk, 256), 1, 1}, {256, 1, 1}, [&] {
-                switch (ty) {
-                case 2: kv_store_q4_0(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
-                case 3: kv_store_q4_1(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
-                case 6: kv_store_q5_0(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
-                case 7: kv_store_q5_1(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
-                default: kv_store_q8_0(src.data(), r, n_tokens, width, cells, &pos0, rot); break;
-                }
-            });
-        }
+        std::vector<float> src2 = ty2 >= 0 ? rd<float>(P("src2")) : std::vector<float>(1);
+        std::vector<u8> ring2 = ty2 >= 0 ? rd<u8>(P("ring2")) : std::vector<u8>(1);
+        unsigned long long items = kv_store_items(ty, rot, n_tokens, width);
+        if (ty2 >= 0 && kv_store_items(ty2, rot2, n_tokens, width2) > items) items = kv_store_items(ty2, rot2, n_tokens, width2);
+        u8 *r = ring.data(), *r2 = ring2.data();
+        launch({cdiv(items, 256), ty2 >= 0 ? 2u : 1u, 1}, {256, 1, 1}, [&] {
+            kv_store(src.data(), r, ty, rot, width, cells, src2.data(), r2, ty2 < 0 ? ty : ty2, rot2,
+                     width2, cells2, n_tokens, &pos0);
+        });
         wr(P("ring"), ring);
+        if (ty2 >= 0) wr(P("ring2"), ring2);
     } else if (op == "attn") {
         int n_tokens = atoi(argv[3]), n_head = atoi(argv[4]), n_kv = atoi(argv[5]), hd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]), window = atoi(argv[9]), has_sinks = atoi(argv[10]);
@@ -592,16 +584,20 @@ int main(int argc, char** argv) {
             });
         }
         wr(P("out"), out);
-    } else if (op == "rope_norm") {
-        int n = atoi(argv[3]), nh = atoi(argv[4]), hd = atoi(argv[5]), first = atoi(argv[6]), nd = atoi(argv[7]);
+    } else if (op == "rope") {  // rowwise.rs: rope_neox_pair (kind 0) and rope_norm (kind 1)
+        int kind = atoi(argv[3]), n = atoi(argv[4]), nh = atoi(argv[5]), nh2 = atoi(argv[6]),
+            hd = atoi(argv[7]), first = atoi(argv[8]), nd = atoi(argv[9]);
         auto x = rd<float>(P("x"));
+        std::vector<float> x2 = nh2 > 0 ? rd<float>(P("x2")) : std::vector<float>(1);
         auto pos = rd<int>(P("pos"));
         auto f = rd<float>(P("params"));  // theta_scale, freq_scale, ext_factor, attn_factor, low, high
-        float* xp = x.data();
-        launch({(unsigned)nh, (unsigned)n, 1}, {32, 1, 1}, [&] {
-            rope_norm_f32(xp, pos.data(), n, nh, hd, first, nd, f[0], f[1], f[2], f[3], f[4], f[5]);
+        float *xp = x.data(), *x2p = x2.data();
+        launch({(unsigned)(nh + nh2), (unsigned)n, 1}, {32, 1, 1}, [&] {
+            if (kind == 0) rope_neox_f32(xp, nh, x2p, nh2, pos.data(), n, hd, nd, f[0], f[1], f[2], f[3], f[4], f[5]);
+            else rope_norm_f32(xp, nh, x2p, nh2, pos.data(), n, hd, first, nd, f[0], f[1], f[2], f[3], f[4], f[5]);
         });
         wr(P("x"), x);
+        if (nh2 > 0) wr(P("x2"), x2);
     } else if (op == "matmul_heads") {
         int ty = atoi(argv[3]), out = atoi(argv[4]), cols = atoi(argv[5]), n_rows = atoi(argv[6]),
             nh = atoi(argv[7]), stride = atoi(argv[8]), vec = atoi(argv[9]);

@@ -156,10 +156,12 @@ impl<B: Backend> AttnBlock<B> {
                 *t = normed;
             }
         }
-        for (t, heads) in [(&mut q, shape.n_head), (&mut k, shape.n_head_kv)] {
-            match self.rope_mode {
-                RopeMode::Neox => dev.rope_neox(t, cx.positions(), heads, hd, &rope)?,
-                RopeMode::Norm => dev.rope_norm(t, cx.positions(), heads, hd, 0, &rope)?,
+        let heads = (shape.n_head, shape.n_head_kv);
+        match self.rope_mode {
+            RopeMode::Neox => dev.rope_neox_qk(&mut q, &mut k, cx.positions(), heads, hd, &rope)?,
+            RopeMode::Norm => {
+                dev.rope_norm(&mut q, cx.positions(), heads.0, hd, 0, &rope)?;
+                dev.rope_norm(&mut k, cx.positions(), heads.1, hd, 0, &rope)?;
             }
         }
         let mut att = cx.alloc(qw)?;

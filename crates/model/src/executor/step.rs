@@ -360,16 +360,14 @@ impl<'s, B: Backend> Step<'s, B> {
             // The member's first position is read on the device, from the step's positions.
             let (nt, pos, at) = (g.len(), &*self.pos, g.start);
             if single {
-                dev.kv_store_at(k, k_ring, nt, pos, at)?;
-                dev.kv_store_at(v, v_ring, nt, pos, at)?;
+                dev.kv_store_pair_at((k, k_ring), (v, v_ring), nt, pos, at)?;
                 dev.attention_at(&ap, q, k_ring, v_ring, sinks, nt, pos, at, out)?;
                 continue;
             }
             let ks = arena.slice(dev, k, g.start * kvw..g.end * kvw)?;
             let vs = arena.slice(dev, v, g.start * kvw..g.end * kvw)?;
             let qs = arena.slice(dev, q, g.start * qw..g.end * qw)?;
-            dev.kv_store_at(&ks, k_ring, nt, pos, at)?;
-            dev.kv_store_at(&vs, v_ring, nt, pos, at)?;
+            dev.kv_store_pair_at((&ks, k_ring), (&vs, v_ring), nt, pos, at)?;
             let mut a = arena.take::<f32>(dev, nt * qw)?;
             dev.attention_at(&ap, &qs, k_ring, v_ring, sinks, nt, pos, at, &mut a)?;
             dev.copy_rows(&a, out, &span(0, nt * qw, g.start * qw))?;
