@@ -68,33 +68,50 @@ impl Emulator {
         let harness = dir.join("kernel_emulator.cpp");
         std::fs::write(&harness, include_str!("kernel_emulator.cpp")).unwrap();
         let exe = dir.join("kernel_emulator");
-        let out = Command::new(&clang)
-            .args([
-                "-std=c++20",
-                "-O2",
-                "-ffp-contract=off",
-                "-mf16c",
-                "-pthread",
-                "-w",
-            ])
-            .arg(&harness)
+        let flags = [
+            "-std=c++20",
+            "-O2",
+            "-ffp-contract=off",
+            "-mf16c",
+            "-pthread",
+            "-w",
+        ];
+        // Whether this clang++ builds what the harness needs (C++20 `<barrier>`, F16C): if not,
+        // skip; if so, a harness or kernels that do not compile fail the test.
+        let probe = dir.join("probe.cpp");
+        let probe_src = "#include <barrier>\n#include <immintrin.h>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); return (int)_cvtss_sh(1.0f, 0) - 0x3c00; }\n";
+        std::fs::write(&probe, probe_src).unwrap();
+        let probed = Command::new(&clang)
+            .args(flags)
+            .arg(&probe)
             .arg("-o")
-            .arg(&exe)
+            .arg(dir.join("probe"))
             .output();
-        match out {
-            Ok(o) if o.status.success() => Some(Emulator { dir, exe }),
+        match probed {
+            Ok(o) if o.status.success() => {}
             Ok(o) => {
-                eprintln!(
-                    "{clang} cannot build the emulator: skipped\n{}",
-                    String::from_utf8_lossy(&o.stderr)
-                );
-                None
+                let why = String::from_utf8_lossy(&o.stderr);
+                eprintln!("{clang} lacks C++20 <barrier> or F16C: skipped\n{why}");
+                return None;
             }
             Err(e) => {
                 eprintln!("{clang}: {e}: skipped");
-                None
+                return None;
             }
         }
+        let out = Command::new(&clang)
+            .args(flags)
+            .arg(&harness)
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "the kernels or the emulator do not compile for the host:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(Emulator { dir, exe })
     }
 
     pub(crate) fn io(&self) -> PathBuf {
