@@ -8,7 +8,7 @@
 //! `moe_tiles`); F32/F16/BF16 experts run a warp per slot and row (`moe_gate_up_*`,
 //! `moe_down_*`); sets with low-bit experts take `lowbit`'s products.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use hmoe_quant::GgmlType;
 
 use super::capabilities::{has_int8_mma, is_lowbit, tiled_kernel};
@@ -186,48 +186,22 @@ impl CudaDevice {
                 DP4A_Q8_0_ROWS,
             ),
         };
-        let (n_i, k_i, slots_i) = (
-            i32_of(OP, "tokens", n)?,
-            i32_of(OP, "k", k)?,
-            i32_of(OP, "slots", slots)?,
-        );
+        let (n_i, k_i) = (i32_of(OP, "tokens", n)?, i32_of(OP, "k", k)?);
         let (ne_i, d_i, ff_i) = (
             i32_of(OP, "experts", ne)?,
             i32_of(OP, "d", d)?,
             i32_of(OP, "ff", ff)?,
         );
-        let act_i = act as i32;
-        let has_gu_bias = i32::from(w.gate_bias.is_some());
         let has_d_bias = i32::from(w.down_bias.is_some());
-        let bg = w.gate_bias.as_ref().unwrap_or(&self.dummy);
-        let bu = w.up_bias.as_ref().unwrap_or(&self.dummy);
         let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
-        let (rb_d, rb_ff) = (w.gate.row_bytes as u64, w.down.row_bytes as u64);
+        let rb_ff = w.down.row_bytes as u64;
         // Scratch: the gate/up kernel writes the Q8_0 blocks of every slot with a valid
         // expert, the only ones the down kernel reads.
         let mut hq = self.alloc_scratch::<u8>(slots * (ff / 32) * 34)?;
+        // Whole blocks of MOE_H_ROWS rows of ff (ff % 32 == 0, checked above), MOE_H_ROWS
+        // rows × the type's lanes per row of threads.
         let cfg = rows_by_tokens(OP, (ff, MOE_H_ROWS), (slots, 1), MOE_H_ROWS * lanes)?;
-        let mut b = self.builder(gate_up);
-        b.arg(&w.gate.data)
-            .arg(&w.up.data)
-            .arg(bg)
-            .arg(bu)
-            .arg(&has_gu_bias)
-            .arg(x)
-            .arg(selected)
-            .arg(&mut hq)
-            .arg(&slots_i)
-            .arg(&k_i)
-            .arg(&ne_i)
-            .arg(&d_i)
-            .arg(&ff_i)
-            .arg(&rb_d)
-            .arg(&act_i);
-        // SAFETY: argument types match `moe_dp4a_gate_up_*`; expert ids are range-checked in
-        // the kernel; x holds n × d values, hq slots × ff / 32 Q8_0 blocks, the biases ne × ff
-        // when present; the grid covers ff in whole blocks of MOE_H_ROWS rows (ff % 32 == 0,
-        // checked above) and block threads of MOE_H_ROWS rows × the type's lanes per row.
-        unsafe { b.launch(cfg) }?;
+        self.moe_gate_up((gate_up, cfg), w, act, (x, selected), k, &mut hq)?;
 
         let cfg = rows_by_tokens(OP, (d, rows_per_block), (n, 1), ROW_WARPS * 32)?;
         let mut b = self.builder(down);
@@ -268,45 +242,19 @@ impl CudaDevice {
         let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
         let n = x.len() / d;
         let slots = n * k;
-        let (k_i, d_i, act_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?, act as i32);
         // Scratch: every element of both buffers is written by the kernels below
         // before it is read.
         let mut h = self.alloc_scratch::<f32>(slots * ff)?;
         // As above.
         let mut y = self.alloc_scratch::<f32>(slots * d)?;
-        let (slots_i, ne_i, ff_i) = (
-            i32_of(OP, "slots", slots)?,
-            i32_of(OP, "experts", ne)?,
-            i32_of(OP, "ff", ff)?,
-        );
-        let has_gu_bias = i32::from(w.gate_bias.is_some());
-        let has_d_bias = i32::from(w.down_bias.is_some());
-        let bg = w.gate_bias.as_ref().unwrap_or(&self.dummy);
-        let bu = w.up_bias.as_ref().unwrap_or(&self.dummy);
-        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
-        let rb_d = w.gate.row_bytes as u64;
-        let rb_ff = w.down.row_bytes as u64;
         let cfg = rows_by_tokens(OP, (ff, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
-        let mut b = self.builder(gate_up);
-        b.arg(&w.gate.data)
-            .arg(&w.up.data)
-            .arg(bg)
-            .arg(bu)
-            .arg(&has_gu_bias)
-            .arg(x)
-            .arg(selected)
-            .arg(&mut h)
-            .arg(&slots_i)
-            .arg(&k_i)
-            .arg(&ne_i)
-            .arg(&d_i)
-            .arg(&ff_i)
-            .arg(&rb_d)
-            .arg(&act_i);
-        // SAFETY: argument types match `moe_gate_up_*`; expert ids are range-checked in the
-        // kernel; h holds slots × ff values; shapes checked above.
-        unsafe { b.launch(cfg) }?;
+        self.moe_gate_up((gate_up, cfg), w, act, (x, selected), k, &mut h)?;
 
+        let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
+        let (d_i, ff_i, act_i) = (i32_of(OP, "d", d)?, i32_of(OP, "ff", ff)?, act as i32);
+        let has_d_bias = i32::from(w.down_bias.is_some());
+        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
+        let rb_ff = w.down.row_bytes as u64;
         let cfg = rows_by_tokens(OP, (d, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
         let mut b = self.builder(down);
         b.arg(&w.down.data)
@@ -325,6 +273,55 @@ impl CudaDevice {
         unsafe { b.launch(cfg) }?;
 
         Ok(y)
+    }
+
+    /// Launches `kernel` with `cfg`, one of the MoE block's gate/up kernels (`moe_gate_up_*`,
+    /// `moe_dp4a_gate_up_*`: the same parameters, h as f32 values or as Q8_0 blocks) for the
+    /// `x.len() / d × k` slots of `selected`. Shapes checked by [`CudaDevice::moe`]; the caller
+    /// sizes `h` and `cfg` for the kernel.
+    fn moe_gate_up<T: DeviceRepr>(
+        &self,
+        (kernel, cfg): (&'static str, LaunchConfig),
+        w: &MoeWeights,
+        act: ExpertAct,
+        (x, selected): (&CudaSlice<f32>, &CudaSlice<i32>),
+        k: usize,
+        h: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe";
+        let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
+        let slots = x.len() / d * k;
+        let (slots_i, k_i, ne_i) = (
+            i32_of(OP, "slots", slots)?,
+            i32_of(OP, "k", k)?,
+            i32_of(OP, "experts", ne)?,
+        );
+        let (d_i, ff_i, act_i) = (i32_of(OP, "d", d)?, i32_of(OP, "ff", ff)?, act as i32);
+        let has_bias = i32::from(w.gate_bias.is_some());
+        let rb_d = w.gate.row_bytes as u64;
+        let mut b = self.builder(kernel);
+        b.arg(&w.gate.data)
+            .arg(&w.up.data)
+            .arg(w.gate_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(w.up_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(&has_bias)
+            .arg(x)
+            .arg(selected)
+            .arg(h)
+            .arg(&slots_i)
+            .arg(&k_i)
+            .arg(&ne_i)
+            .arg(&d_i)
+            .arg(&ff_i)
+            .arg(&rb_d)
+            .arg(&act_i);
+        // SAFETY: argument types match `moe_gate_up_*` and `moe_dp4a_gate_up_*` (h: f32 for
+        // the first, Q8_0 bytes for the second); expert ids are range-checked in the kernels;
+        // x holds n × d values and selected n × k, the biases ne × ff when present (checked by
+        // CudaDevice::moe); h and cfg are the kernel's (the callers: slots × ff values, or
+        // slots × ff / 32 Q8_0 blocks over whole blocks of MOE_H_ROWS rows).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 
     /// The expert products of [`CudaDevice::moe`] for a large batch of Q8_0 or MXFP4 experts
