@@ -14,10 +14,10 @@
 //
 // moe_dp4a_down_*: a block per DP4A_*_ROWS rows of d (the rows of one warp) and token t; warp w
 // takes the token's slots j = w, w + ROW_WARPS, ...: y_j = down_e . h_s (+ bd_e) on the dp4a
-// chains, then the block's first rows' threads add the round's slots in slot order as REF0
-// combines them: out[t][r] = sum_j w[t][j] * y_j, from 0, each term rounded as a product and
-// then added, slots of out-of-range expert ids skipped (moe_combine adds their 0 * w, which
-// gives the same bits for finite weights).
+// chains, then the block's first DP4A_*_ROWS threads (one per row) add the round's slots in
+// slot order as REF0 combines them: out[t][r] = sum_j w[t][j] * y_j from 0, each term rounded
+// as a product and then added, slots of out-of-range expert ids skipped (moe_combine adds
+// their 0 * w, which gives the same bits for finite weights).
 // grid = (d / DP4A_*_ROWS, n), block = ROW_WARPS * 32.
 //
 // Every grid depends on the shapes only: the expert ids are read here (CUDA graphs).
