@@ -18,6 +18,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/attention.cu"),
     include_str!("kernels/moe.cu"),
+    include_str!("kernels/moe_dp4a.cu"),
     include_str!("kernels/tiled.cu"),
     include_str!("kernels/lowbit_products.cu"),
     include_str!("kernels/rows_heads.cu"),
@@ -56,10 +57,10 @@ pub const KERNELS: &[&str] = &[
     "attn_chunked",
     "attn_chunked_fold",
     "router_topk_softmax",
-    "moe_gate_up_mxfp4",
-    "moe_down_mxfp4",
-    "moe_gate_up_q8_0",
-    "moe_down_q8_0",
+    "moe_dp4a_gate_up_q8_0",
+    "moe_dp4a_down_q8_0",
+    "moe_dp4a_gate_up_mxfp4",
+    "moe_dp4a_down_mxfp4",
     "moe_gate_up_f16",
     "moe_down_f16",
     "moe_gate_up_bf16",
@@ -178,6 +179,9 @@ pub(crate) const DP4A_Q8_0_ROWS: u32 = 4;
 pub(crate) const DP4A_MXFP4_ROWS: u32 = 8;
 /// Tokens per block of the Q8_0/MXFP4 GEMV kernels (`DP4A_TOKENS` in the source).
 pub(crate) const DP4A_TOKENS: u32 = 8;
+/// Rows of ff per block of the Q8_0/MXFP4 experts' gate/up kernel, one Q8_0 block of its
+/// output (`MOE_H_ROWS` in the source).
+pub(crate) const MOE_H_ROWS: u32 = 32;
 /// Weight rows per block of the tiled Q8_0/MXFP4 products (`TILE_ROWS` in the source).
 pub(crate) const TILE_ROWS: u32 = 64;
 /// Tokens (or expert slots) per tile of the tiled products (`TILE_SLOTS` in the source).
@@ -324,7 +328,7 @@ mod tests {
     use super::*;
 
     /// A kernel is defined directly or by a macro instantiation (`MOE_WRAPPERS(SUFFIX, ...)`
-    /// for `moe_gate_up_*`/`moe_down_*`, `MATMUL_TILED`, `MOE_MM`, `GET_ROWS` and `LOWBIT`
+    /// for `moe_gate_up_*`/`moe_down_*`, `MOE_DP4A`, `MATMUL_TILED`, `MOE_MM`, `GET_ROWS` and `LOWBIT`
     /// likewise).
     fn defined(name: &str) -> bool {
         if SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")) {
@@ -333,6 +337,8 @@ mod tests {
         [
             ("moe_gate_up_", "MOE_WRAPPERS"),
             ("moe_down_", "MOE_WRAPPERS"),
+            ("moe_dp4a_gate_up_", "MOE_DP4A"),
+            ("moe_dp4a_down_", "MOE_DP4A"),
             ("matmul_tiled_", "MATMUL_TILED"),
             ("matmul_mma_", "MATMUL_MMA"),
             ("moe_mm_mma_", "MOE_MM_MMA"),
@@ -403,6 +409,7 @@ mod tests {
             ("DP4A_Q8_0_ROWS", DP4A_Q8_0_ROWS as usize),
             ("DP4A_MXFP4_ROWS", DP4A_MXFP4_ROWS as usize),
             ("DP4A_TOKENS", DP4A_TOKENS as usize),
+            ("MOE_H_ROWS", MOE_H_ROWS as usize),
             ("TILE_ROWS", TILE_ROWS as usize),
             ("TILE_SLOTS", TILE_SLOTS as usize),
             ("MMA_WARPS", MMA_WARPS as usize),

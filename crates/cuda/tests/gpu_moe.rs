@@ -265,8 +265,8 @@ fn pinned_async_round_trip() {
 #[test]
 fn tiled_moe_matches_one_token_at_a_time() {
     let Some(dev) = device() else { return };
-    // 96 tokens × 4 = 384 slots take the tiled kernels; one token (4 slots) the row-per-warp
-    // ones. Every output must agree bit for bit: both sum each product block by block in
+    // 96 tokens × 4 = 384 slots take the tiled kernels; one token (4 slots) the two dp4a
+    // kernels (moe_dp4a.cu). Every output must agree bit for bit: both sum each product block by block in
     // order. d = 2880 (90 blocks: 12 shared-memory chunks, the last partial), ff = 224
     // (a partial row tile), expert 5 with 200 slots (7 tiles of slots), ids out of range.
     let (ne, d, ff, n, k) = (16, 2880, 224, 96, 4);
@@ -314,7 +314,7 @@ fn tiled_moe_matches_one_token_at_a_time() {
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(
                 same,
-                "{ty} token {token}: tiled and row-per-warp results differ"
+                "{ty} token {token}: tiled and two-launch results differ"
             );
         }
         eprintln!(

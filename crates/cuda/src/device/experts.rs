@@ -1,25 +1,29 @@
 //! The MoE expert block: one layer's experts for a batch (`moe`): gate and up products, the
 //! gated activation, down products, the biases and the weighted sum of each token's slots.
-//! Small batches run a warp per slot and row (`moe_gate_up_*`, `moe_down_*`); large batches
-//! of Q8_0/MXFP4 experts group the slots by expert (`moe_group`) for the tiled products
-//! (`moe_mm_*`, on int8 tensor cores from sm_80: `moe_mm_mma_*` over a list of tiles of each
-//! expert's slots, `moe_tiles`); sets with low-bit experts take `lowbit`'s products.
+//! Small batches of Q8_0/MXFP4 experts (decode) run two kernels (`moe_dp4a_gate_up_*`: x
+//! quantized in the kernel, gate/up products, the gated activation, h as Q8_0;
+//! `moe_dp4a_down_*`: down products and the weighted sum of each token's slots); large batches
+//! of them group the slots by expert (`moe_group`) for the tiled products (`moe_mm_*`, on int8
+//! tensor cores from sm_80: `moe_mm_mma_*` over a list of tiles of each expert's slots,
+//! `moe_tiles`); F32/F16/BF16 experts run a warp per slot and row (`moe_gate_up_*`,
+//! `moe_down_*`); sets with low-bit experts take `lowbit`'s products.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use hmoe_quant::GgmlType;
 
 use super::capabilities::{has_int8_mma, is_lowbit, tiled_kernel};
-use super::matmul::push_acts;
 use super::{
     grid_1d, i32_of, rows_by_tokens, u32_of, CudaDevice, DeviceExperts, ExpertAct, MoeWeights,
     MAX_GRID_Y,
 };
 use crate::error::{ensure, CudaError};
-use crate::kernels::{MOE_MAX_EXPERTS, ROW_WARPS, TILE_SLOTS};
+use crate::kernels::{
+    DP4A_MXFP4_ROWS, DP4A_Q8_0_ROWS, MOE_H_ROWS, MOE_MAX_EXPERTS, ROW_WARPS, TILE_SLOTS,
+};
 
 /// Expert slots (tokens × experts per token) from which Q8_0/MXFP4 experts use the tiled
-/// kernels (a weight row read once per tile of an expert's slots) instead of a warp per slot
-/// and row.
+/// kernels (a weight row read once per tile of an expert's slots) instead of the two dp4a
+/// kernels (a weight row read once per slot).
 const MOE_TILED_MIN_SLOTS: usize = 64;
 
 /// The slots grouped by expert: `moe_group`'s offsets (`n_expert + 1`) and slot order.
@@ -30,8 +34,9 @@ impl CudaDevice {
     /// expert `e = selected[t·k + j]` and weight `w = weights[t·k + j]`,
     /// `out[t] = Σ_j w · (down_e · swiglu_oai(gate_e·x + bg_e, up_e·x + bu_e) + bd_e)` with
     /// swiglu_oai(g, u) = min(g,7)·σ(1.702·min(g,7))·(clamp(u,−7,7)+1). Slots add in order.
-    /// Expert ids out of range contribute nothing. Each slot reads its expert's rows once
-    /// (tokens are not grouped by expert: right for decode, wasteful for large batches).
+    /// Expert ids out of range contribute nothing. Below [`MOE_TILED_MIN_SLOTS`] slots (and
+    /// for F32/F16/BF16 experts) each slot reads its expert's rows once (tokens are not grouped
+    /// by expert: right for decode, wasteful for large batches).
     /// Numerics as [`CudaDevice::matmul`]'s GEMV: activations (`x`, and each slot's SwiGLU
     /// output) converted as ggml converts them, Q8_0/MXFP4/F32 products in the CPU device's
     /// order (F32: `vec_dot` order for an expert only one slot routes to, else 16 lanes).
@@ -72,20 +77,20 @@ impl CudaDevice {
                 return Err(CudaError::UnsupportedType { ty: m.ty, op: OP });
             }
         }
-        // The row-per-warp kernels of one type's experts (the low-bit ones have their own).
+        // The row-per-warp kernels of one float type's experts (the low-bit ones and Q8_0/MXFP4
+        // have their own).
         let unsupported = CudaError::UnsupportedType {
             ty: w.gate.ty,
             op: OP,
         };
+        let quantized = matches!(w.gate.ty, GgmlType::MXFP4 | GgmlType::Q8_0);
         let kernels = match w.gate.ty {
-            GgmlType::MXFP4 => Some(("moe_gate_up_mxfp4", "moe_down_mxfp4")),
-            GgmlType::Q8_0 => Some(("moe_gate_up_q8_0", "moe_down_q8_0")),
             GgmlType::F16 => Some(("moe_gate_up_f16", "moe_down_f16")),
             GgmlType::BF16 => Some(("moe_gate_up_bf16", "moe_down_bf16")),
             GgmlType::F32 => Some(("moe_gate_up_f32", "moe_down_f32")),
             _ => None,
         };
-        if kernels.is_none() && !lowbit {
+        if kernels.is_none() && !lowbit && !quantized {
             return Err(unsupported);
         }
         ensure(
@@ -120,13 +125,13 @@ impl CudaDevice {
             format!("{slots} expert slots in one call")
         })?;
         let (k_i, d_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?);
-        let tiled = matches!(w.gate.ty, GgmlType::MXFP4 | GgmlType::Q8_0)
-            && slots >= MOE_TILED_MIN_SLOTS
-            && ne <= MOE_MAX_EXPERTS;
+        let tiled = slots >= MOE_TILED_MIN_SLOTS && ne <= MOE_MAX_EXPERTS;
         let y = if lowbit {
             self.moe_products_lowbit(w, act, x, selected, k)?
-        } else if tiled {
+        } else if quantized && tiled {
             self.moe_products_tiled(w, act, x, selected, k)?
+        } else if quantized {
+            return self.moe_dp4a(w, act, x, (selected, weights), k, out);
         } else {
             let kernels = kernels.ok_or(unsupported)?;
             self.moe_products_rows(w, act, x, selected, k, kernels)?
@@ -144,9 +149,86 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// The expert products of [`CudaDevice::moe`] a warp per slot and row (shapes checked
-    /// there): `gate_up` (`moe_gate_up_*`: gate and up products, biases and the gated
-    /// activation) then `down` (`moe_down_*`: down products and biases). Returns y, `[slots][d]`.
+    /// [`CudaDevice::moe`] of Q8_0 or MXFP4 experts below the tiled kernels' batches (shapes
+    /// checked there) in two launches (kernels/moe_dp4a.cu): `moe_dp4a_gate_up_*` (a block per
+    /// 32 rows of ff and slot: the token's x quantized to Q8_0 in shared memory, gate and up
+    /// products on the dp4a chains, biases, the gated activation, h as Q8_0 blocks), then
+    /// `moe_dp4a_down_*` (a block per warp's rows of d and token: the down products of the
+    /// token's slots, their biases, and the weighted sum in slot order into `out`).
+    fn moe_dp4a(
+        &self,
+        w: &MoeWeights,
+        act: ExpertAct,
+        x: &CudaSlice<f32>,
+        (selected, weights): (&CudaSlice<i32>, &CudaSlice<f32>),
+        k: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe";
+        let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
+        // Rows of whole Q8_0/MXFP4 blocks; h is whole Q8_0 blocks of each block's 32 rows.
+        ensure(d % 32 == 0 && ff % 32 == 0, OP, || {
+            format!("d {d} and ff {ff} must be multiples of 32")
+        })?;
+        let n = x.len() / d;
+        let slots = n * k;
+        let (gate_up, down, lanes, rows_per_block) = match w.gate.ty {
+            GgmlType::MXFP4 => (
+                "moe_dp4a_gate_up_mxfp4",
+                "moe_dp4a_down_mxfp4",
+                4,
+                DP4A_MXFP4_ROWS,
+            ),
+            _ => (
+                "moe_dp4a_gate_up_q8_0",
+                "moe_dp4a_down_q8_0",
+                8,
+                DP4A_Q8_0_ROWS,
+            ),
+        };
+        let (n_i, k_i) = (i32_of(OP, "tokens", n)?, i32_of(OP, "k", k)?);
+        let (ne_i, d_i, ff_i) = (
+            i32_of(OP, "experts", ne)?,
+            i32_of(OP, "d", d)?,
+            i32_of(OP, "ff", ff)?,
+        );
+        let has_d_bias = i32::from(w.down_bias.is_some());
+        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
+        let rb_ff = w.down.row_bytes as u64;
+        // Scratch: the gate/up kernel writes the Q8_0 blocks of every slot with a valid
+        // expert, the only ones the down kernel reads.
+        let mut hq = self.alloc_scratch::<u8>(slots * (ff / 32) * 34)?;
+        // Whole blocks of MOE_H_ROWS rows of ff (ff % 32 == 0, checked above), MOE_H_ROWS
+        // rows × the type's lanes per row of threads.
+        let cfg = rows_by_tokens(OP, (ff, MOE_H_ROWS), (slots, 1), MOE_H_ROWS * lanes)?;
+        self.moe_gate_up((gate_up, cfg), w, act, (x, selected), k, &mut hq)?;
+
+        let cfg = rows_by_tokens(OP, (d, rows_per_block), (n, 1), ROW_WARPS * 32)?;
+        let mut b = self.builder(down);
+        b.arg(&w.down.data)
+            .arg(bd)
+            .arg(&has_d_bias)
+            .arg(&hq)
+            .arg(selected)
+            .arg(weights)
+            .arg(out)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&ne_i)
+            .arg(&d_i)
+            .arg(&ff_i)
+            .arg(&rb_ff);
+        // SAFETY: argument types match `moe_dp4a_down_*`; selected and weights hold n × k
+        // values, out n × d, the bias ne × d when present (checked by the caller); hq as
+        // written above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The expert products of [`CudaDevice::moe`] for F32, F16 and BF16 experts, a warp per
+    /// slot and row (shapes checked there): `gate_up` (`moe_gate_up_*`: gate and up products,
+    /// biases and the gated activation) then `down` (`moe_down_*`: down products and biases).
+    /// Returns y, `[slots][d]`.
     fn moe_products_rows(
         &self,
         w: &MoeWeights,
@@ -160,54 +242,26 @@ impl CudaDevice {
         let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
         let n = x.len() / d;
         let slots = n * k;
-        let (k_i, d_i, act_i) = (i32_of(OP, "k", k)?, i32_of(OP, "d", d)?, act as i32);
         // Scratch: every element of both buffers is written by the kernels below
         // before it is read.
         let mut h = self.alloc_scratch::<f32>(slots * ff)?;
         // As above.
         let mut y = self.alloc_scratch::<f32>(slots * d)?;
-        let (slots_i, ne_i, ff_i) = (
-            i32_of(OP, "slots", slots)?,
-            i32_of(OP, "experts", ne)?,
-            i32_of(OP, "ff", ff)?,
-        );
-        let has_gu_bias = i32::from(w.gate_bias.is_some());
-        let has_d_bias = i32::from(w.down_bias.is_some());
-        let bg = w.gate_bias.as_ref().unwrap_or(&self.dummy);
-        let bu = w.up_bias.as_ref().unwrap_or(&self.dummy);
-        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
-        let rb_d = w.gate.row_bytes as u64;
-        let rb_ff = w.down.row_bytes as u64;
         let cfg = rows_by_tokens(OP, (ff, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
-        let quantized = matches!(w.gate.ty, GgmlType::Q8_0 | GgmlType::MXFP4);
-        let xq = self.q8_0_acts(quantized, x, n * d)?;
-        let mut b = self.builder(gate_up);
-        b.arg(&w.gate.data)
-            .arg(&w.up.data)
-            .arg(bg)
-            .arg(bu)
-            .arg(&has_gu_bias);
-        push_acts(&mut b, xq.as_ref(), x);
-        b.arg(selected)
-            .arg(&mut h)
-            .arg(&slots_i)
-            .arg(&k_i)
-            .arg(&ne_i)
-            .arg(&d_i)
-            .arg(&ff_i)
-            .arg(&rb_d)
-            .arg(&act_i);
-        // SAFETY: argument types match `moe_gate_up_*` (x as Q8_0 blocks for Q8_0/MXFP4
-        // experts, f32 otherwise); expert ids are range-checked in the kernel; h holds
-        // slots × ff values; shapes checked above.
-        unsafe { b.launch(cfg) }?;
+        self.moe_gate_up((gate_up, cfg), w, act, (x, selected), k, &mut h)?;
 
+        let (slots_i, ne_i) = (i32_of(OP, "slots", slots)?, i32_of(OP, "experts", ne)?);
+        let (d_i, ff_i, act_i) = (i32_of(OP, "d", d)?, i32_of(OP, "ff", ff)?, act as i32);
+        let has_d_bias = i32::from(w.down_bias.is_some());
+        let bd = w.down_bias.as_ref().unwrap_or(&self.dummy);
+        let rb_ff = w.down.row_bytes as u64;
         let cfg = rows_by_tokens(OP, (d, ROW_WARPS), (slots, 1), ROW_WARPS * 32)?;
-        let hq = self.q8_0_acts(quantized, &h, slots * ff)?;
         let mut b = self.builder(down);
-        b.arg(&w.down.data).arg(bd).arg(&has_d_bias);
-        push_acts(&mut b, hq.as_ref(), &h);
-        b.arg(selected)
+        b.arg(&w.down.data)
+            .arg(bd)
+            .arg(&has_d_bias)
+            .arg(&h)
+            .arg(selected)
             .arg(&mut y)
             .arg(&slots_i)
             .arg(&ne_i)
@@ -215,11 +269,59 @@ impl CudaDevice {
             .arg(&ff_i)
             .arg(&rb_ff)
             .arg(&act_i);
-        // SAFETY: argument types match `moe_down_*` (h as Q8_0 blocks for Q8_0/MXFP4
-        // experts, f32 otherwise); y holds slots × d values.
+        // SAFETY: argument types match `moe_down_*`; y holds slots × d values.
         unsafe { b.launch(cfg) }?;
 
         Ok(y)
+    }
+
+    /// Launches `kernel` with `cfg`, one of the MoE block's gate/up kernels (`moe_gate_up_*`,
+    /// `moe_dp4a_gate_up_*`: the same parameters, h as f32 values or as Q8_0 blocks) for the
+    /// `x.len() / d × k` slots of `selected`. Shapes checked by [`CudaDevice::moe`]; the caller
+    /// sizes `h` and `cfg` for the kernel.
+    fn moe_gate_up<T: DeviceRepr>(
+        &self,
+        (kernel, cfg): (&'static str, LaunchConfig),
+        w: &MoeWeights,
+        act: ExpertAct,
+        (x, selected): (&CudaSlice<f32>, &CudaSlice<i32>),
+        k: usize,
+        h: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe";
+        let (d, ff, ne) = (w.gate.cols, w.gate.rows, w.gate.n_expert);
+        let slots = x.len() / d * k;
+        let (slots_i, k_i, ne_i) = (
+            i32_of(OP, "slots", slots)?,
+            i32_of(OP, "k", k)?,
+            i32_of(OP, "experts", ne)?,
+        );
+        let (d_i, ff_i, act_i) = (i32_of(OP, "d", d)?, i32_of(OP, "ff", ff)?, act as i32);
+        let has_bias = i32::from(w.gate_bias.is_some());
+        let rb_d = w.gate.row_bytes as u64;
+        let mut b = self.builder(kernel);
+        b.arg(&w.gate.data)
+            .arg(&w.up.data)
+            .arg(w.gate_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(w.up_bias.as_ref().unwrap_or(&self.dummy))
+            .arg(&has_bias)
+            .arg(x)
+            .arg(selected)
+            .arg(h)
+            .arg(&slots_i)
+            .arg(&k_i)
+            .arg(&ne_i)
+            .arg(&d_i)
+            .arg(&ff_i)
+            .arg(&rb_d)
+            .arg(&act_i);
+        // SAFETY: argument types match `moe_gate_up_*` and `moe_dp4a_gate_up_*` (h: f32 for
+        // the first, Q8_0 bytes for the second); expert ids are range-checked in the kernels;
+        // x holds n × d values and selected n × k, the biases ne × ff when present (checked by
+        // CudaDevice::moe); h and cfg are the kernel's (the callers: slots × ff values, or
+        // slots × ff / 32 Q8_0 blocks over whole blocks of MOE_H_ROWS rows).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 
     /// The expert products of [`CudaDevice::moe`] for a large batch of Q8_0 or MXFP4 experts

@@ -32,7 +32,7 @@ const NO_BIAS: u64 = 0;
 
 /// Pushes the activations of a product kernel: `quantized` (Q8_0 blocks, for Q8_0/MXFP4
 /// weights) when there are any, else the f32 values `x`.
-pub(super) fn push_acts<'a>(
+fn push_acts<'a>(
     b: &mut LaunchArgs<'a>,
     quantized: Option<&'a CudaSlice<u8>>,
     x: &'a CudaSlice<f32>,
@@ -329,7 +329,7 @@ impl CudaDevice {
 
     /// The first `len` values of `x` as Q8_0 blocks ([`CudaDevice::quantize_q8_0`]) when
     /// `quantized` (the activations of Q8_0/MXFP4 weights), else none: the kernel reads `x`.
-    pub(super) fn q8_0_acts(
+    fn q8_0_acts(
         &self,
         quantized: bool,
         x: &CudaSlice<f32>,

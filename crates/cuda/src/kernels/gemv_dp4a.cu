@@ -140,23 +140,13 @@ __device__ __forceinline__ void dp4a_mxfp4_blocks(const u8* wr, const u8* xr, u6
     }
 }
 
-// Row r of an NT-token product of TY weights (Q8_0: 8 lanes per row, DP4A_Q8_0_ROWS rows per
-// warp; MXFP4: 4 lanes, DP4A_MXFP4_ROWS; the rows of the matrix's row block bx) through all nb
-// blocks into acc, DP4A_CHUNK blocks at a
-// time, then the rest one by one; returns r. Lanes past the last row compute row 0. Every lane
-// of the warp must call it (the MXFP4 blocks shuffle).
+// The nb blocks of one row's chains from wr (TY weights) times NT tokens from xr (Q8_0 rows xs
+// bytes apart), added into acc: DP4A_CHUNK blocks at a time, then the rest one by one. part:
+// the lane's part of the row (Q8_0: accumulator k of 8; MXFP4: nibble bytes 4l..4l+3 of 4).
+// Every lane of the warp must call it (the MXFP4 blocks shuffle).
 template <int TY, int NT>
-__device__ __forceinline__ int dp4a_row_tokens(const u8* w, u64 row_bytes, const u8* x, int rows,
-                                               int nb, int t0, int bx, float* acc) {
-    const int LANES = TY == TY_MXFP4 ? 4 : 8;
-    const int RPW = TY == TY_MXFP4 ? DP4A_MXFP4_ROWS : DP4A_Q8_0_ROWS;
-    int lane = threadIdx.x % WARP, part = lane % LANES;
-    int r = (bx * ROW_WARPS + threadIdx.x / WARP) * RPW + lane / LANES;
-    const u8* wr = w + (u64)(r < rows ? r : 0) * row_bytes;
-    u64 xs = (u64)nb * 34u;
-    const u8* xr = x + (u64)t0 * xs;
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+__device__ __forceinline__ void dp4a_chains(const u8* wr, const u8* xr, u64 xs, int part, int nb,
+                                            float* acc) {
     int b = 0;
     for (; b + DP4A_CHUNK <= nb; b += DP4A_CHUNK) {
         if (TY == TY_MXFP4) {
@@ -172,6 +162,32 @@ __device__ __forceinline__ int dp4a_row_tokens(const u8* w, u64 row_bytes, const
             dp4a_q8_0_blocks<NT, 1>(wr, xr, xs, part, b, acc);
         }
     }
+}
+
+// A Q8_0 row's sum from the accumulators of its 8 lanes (lane k holding a_k), in hsum8's
+// order ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); every lane of the 8 gets it.
+__device__ __forceinline__ float dp4a_q8_0_fold(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 4);  // a_k + a_(k+4)
+    v += __shfl_xor_sync(0xffffffffu, v, 2);  // (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
+    return v + __shfl_xor_sync(0xffffffffu, v, 1);
+}
+
+// Row r of an NT-token product of TY weights (Q8_0: 8 lanes per row, DP4A_Q8_0_ROWS rows per
+// warp; MXFP4: 4 lanes, DP4A_MXFP4_ROWS; the rows of the matrix's row block bx) through all nb
+// blocks into acc (dp4a_chains); returns r. Lanes past the last row compute row 0. Every lane
+// of the warp must call it (the MXFP4 blocks shuffle).
+template <int TY, int NT>
+__device__ __forceinline__ int dp4a_row_tokens(const u8* w, u64 row_bytes, const u8* x, int rows,
+                                               int nb, int t0, int bx, float* acc) {
+    const int LANES = TY == TY_MXFP4 ? 4 : 8;
+    const int RPW = TY == TY_MXFP4 ? DP4A_MXFP4_ROWS : DP4A_Q8_0_ROWS;
+    int lane = threadIdx.x % WARP;
+    int r = (bx * ROW_WARPS + threadIdx.x / WARP) * RPW + lane / LANES;
+    const u8* wr = w + (u64)(r < rows ? r : 0) * row_bytes;
+    u64 xs = (u64)nb * 34u;
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    dp4a_chains<TY, NT>(wr, x + (u64)t0 * xs, xs, lane % LANES, nb, acc);
     return r;
 }
 
@@ -185,10 +201,7 @@ __device__ void dp4a_q8_0_tokens(const u8* w, u64 row_bytes, const u8* x, float*
     int k = threadIdx.x % 8;
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        float v = acc[t];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);  // a_k + a_(k+4)
-        v += __shfl_xor_sync(0xffffffffu, v, 2);  // (a0 + a4) + (a2 + a6), (a1 + a5) + (a3 + a7)
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        float v = dp4a_q8_0_fold(acc[t]);
         if (bias != nullptr && r < rows) v += bias[r];
         if (k == 0 && r < rows) y[(u64)(t0 + t) * rows + r] = v;
     }

@@ -61,12 +61,12 @@ extern "C" __global__ void router_topk_softmax(const float* logits, int* sel, fl
 //   y_s = down_e . h_s + bd_e
 //   out_t = sum_j w[t][j] * y_{t*k+j}   (in slot order)
 // Expert tensors are [n_expert][rows][cols] with contiguous rows. Out-of-range expert ids give
-// zero rows. The biases are [n_expert][rows]; has_bias = 0 ignores them. Activations as for
-// matmul: for Q8_0 and MXFP4 experts x and h are Q8_0 blocks (quantize_q8_0 of each token's
-// row, and of each slot's h between the two kernels), else f32. F32 experts sum in vec_dot
-// order when only one slot of the call routes to the expert, else in 16 lanes: the CPU device
-// multiplies each expert's tokens as one batch (SiLU experts, act = ACT_SILU: always vec_dot,
-// as the CPU device's SwiGLU experts). The activation is gated_act(act, ...).
+// zero rows. The biases are [n_expert][rows]; has_bias = 0 ignores them. The kernels below
+// serve F32, F16 and BF16 experts (f32 activations; Q8_0 and MXFP4 experts of a few tokens
+// take moe_dp4a.cu's kernels, larger batches tiled.cu's and mma.cu's). F32 experts sum in
+// vec_dot order when only one slot of the call routes to the expert, else in 16 lanes: the CPU
+// device multiplies each expert's tokens as one batch (SiLU experts, act = ACT_SILU: always
+// vec_dot, as the CPU device's SwiGLU experts). The activation is gated_act(act, ...).
 
 __device__ __forceinline__ float swiglu_oai(float g, float u) {
     float x = fminf(g, 7.0f);
@@ -148,26 +148,22 @@ __device__ void moe_down_impl(const u8* down, const float* bd, int has_bias, con
     }
 }
 
-// ACT: the activation pointer type (const u8* for Q8_0 blocks, const float* for f32).
-#define MOE_WRAPPERS(SUFFIX, TY, ACT)                                                           \
+#define MOE_WRAPPERS(SUFFIX, TY)                                                                \
     extern "C" __global__ void moe_gate_up_##SUFFIX(                                           \
-        const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias, ACT x,    \
-        const int* sel, float* h, int n_slots, int k, int n_expert, int d, int ff,              \
-        u64 row_bytes, int act) {                                                               \
+        const u8* gate, const u8* up, const float* bg, const float* bu, int has_bias,           \
+        const float* x, const int* sel, float* h, int n_slots, int k, int n_expert, int d,      \
+        int ff, u64 row_bytes, int act) {                                                       \
         moe_gate_up_impl<TY>(gate, up, bg, bu, has_bias, x, sel, h, n_slots, k, n_expert, d,    \
                              ff, row_bytes, act);                                               \
     }                                                                                           \
     extern "C" __global__ void moe_down_##SUFFIX(const u8* down, const float* bd, int has_bias, \
-                                                 ACT h, const int* sel, float* y, int n_slots,  \
-                                                 int n_expert, int d, int ff, u64 row_bytes,    \
-                                                 int act) {                                     \
+                                                 const float* h, const int* sel, float* y,      \
+                                                 int n_slots, int n_expert, int d, int ff,      \
+                                                 u64 row_bytes, int act) {                      \
         moe_down_impl<TY>(down, bd, has_bias, h, sel, y, n_slots, n_expert, d, ff, row_bytes,   \
                           act);                                                                 \
     }
 
-MOE_WRAPPERS(mxfp4, TY_MXFP4, const u8*)
-MOE_WRAPPERS(q8_0, TY_Q8_0, const u8*)
-MOE_WRAPPERS(f16, TY_F16, const float*)
-MOE_WRAPPERS(bf16, TY_BF16, const float*)
-MOE_WRAPPERS(f32, TY_F32, const float*)
-
+MOE_WRAPPERS(f16, TY_F16)
+MOE_WRAPPERS(bf16, TY_BF16)
+MOE_WRAPPERS(f32, TY_F32)

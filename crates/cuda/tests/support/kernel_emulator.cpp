@@ -449,9 +449,7 @@ int main(int argc, char** argv) {
         std::vector<float> h((size_t)slots * ff), y((size_t)slots * d), out((size_t)n * d);
         unsigned long long rb_d = gate.size() / ((size_t)ne * ff), rb_ff = down.size() / ((size_t)ne * d);
         bool qz = ty == 8 || ty == 39;
-        std::vector<u8> xq, hq;
-        if (qz) xq = quantize(x.data(), (size_t)n * d);
-        const void* xa = qz ? (const void*)xq.data() : (const void*)x.data();
+        std::vector<u8> hq;
         float* hp = h.data();
         float* yp = y.data();
         if (lowbit(ty) || lowbit(up_ty) || lowbit(down_ty)) {  // lowbit.rs: moe_products_lowbit
@@ -468,7 +466,8 @@ int main(int argc, char** argv) {
             hq = quantize_act(act_type(down_ty), h.data(), (size_t)slots * ff);
             moe_lowbit(down_ty, down, ne, d, ff, hq.data(), 1, offsets.data(), order.data(), slots, mma, yp);
             launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
-        } else if ((ty == 8 || ty == 39) && (slots >= 64 || mma)) {  // experts.rs: MOE_TILED_MIN_SLOTS
+        } else if (qz && (slots >= 64 || mma)) {  // experts.rs: MOE_TILED_MIN_SLOTS
+            auto xq = quantize(x.data(), (size_t)n * d);
             std::vector<int> offsets(ne + 1), order(slots);
             launch({1, 1, 1}, {256, 1, 1}, [&] { moe_group(sel.data(), slots, ne, offsets.data(), order.data()); });
             auto mm = [&](const std::vector<u8>& w, unsigned long long rb, int rows, int nb, const u8* act, int div, float* o) {
@@ -496,25 +495,35 @@ int main(int argc, char** argv) {
             hq = quantize(h.data(), (size_t)slots * ff);
             mm(down, rb_ff, d, ff / 32, hq.data(), 1, yp);
             launch({cdiv(slots * d, 256), 1, 1}, {256, 1, 1}, [&] { moe_down_bias(yp, bd.data(), hb, sel.data(), slots, ne, d); });
+        } else if (qz) {  // experts.rs: moe_dp4a, two launches that write out
+            unsigned lanes = ty == 39 ? 4 : 8, rows_per_block = ty == 39 ? DP4A_MXFP4_ROWS : DP4A_Q8_0_ROWS;
+            // h's Q8_0 blocks; a slot with an out-of-range expert keeps this poison.
+            hq.assign((size_t)slots * (ff / 32) * 34, 0xA5);
+            u8* hqp = hq.data();
+            float* op_ = out.data();
+            launch({(unsigned)ff / MOE_H_ROWS, (unsigned)slots, 1}, {MOE_H_ROWS * lanes, 1, 1}, [&] {
+                if (ty == 8) moe_dp4a_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), hb, x.data(), sel.data(), hqp, slots, k, ne, d, ff, rb_d, act);
+                else moe_dp4a_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), hb, x.data(), sel.data(), hqp, slots, k, ne, d, ff, rb_d, act);
+            });
+            launch({cdiv(d, rows_per_block), (unsigned)n, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+                if (ty == 8) moe_dp4a_down_q8_0(down.data(), bd.data(), hb, hqp, sel.data(), wts.data(), op_, n, k, ne, d, ff, rb_ff);
+                else moe_dp4a_down_mxfp4(down.data(), bd.data(), hb, hqp, sel.data(), wts.data(), op_, n, k, ne, d, ff, rb_ff);
+            });
+            wr(P("out"), out);
+            return 0;
         } else {
             launch({cdiv(ff, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
                 switch (ty) {
-                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
-                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
-                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), hb, (const float*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
-                case 8: moe_gate_up_q8_0(gate.data(), up.data(), bg.data(), bu.data(), hb, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
-                case 39: moe_gate_up_mxfp4(gate.data(), up.data(), bg.data(), bu.data(), hb, (const u8*)xa, sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 0: moe_gate_up_f32(gate.data(), up.data(), bg.data(), bu.data(), hb, x.data(), sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 1: moe_gate_up_f16(gate.data(), up.data(), bg.data(), bu.data(), hb, x.data(), sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
+                case 30: moe_gate_up_bf16(gate.data(), up.data(), bg.data(), bu.data(), hb, x.data(), sel.data(), hp, slots, k, ne, d, ff, rb_d, act); break;
                 }
             });
-            if (qz) hq = quantize(h.data(), (size_t)slots * ff);
-            const void* ha = qz ? (const void*)hq.data() : (const void*)h.data();
             launch({cdiv(d, ROW_WARPS), (unsigned)slots, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
                 switch (ty) {
-                case 0: moe_down_f32(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
-                case 1: moe_down_f16(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
-                case 30: moe_down_bf16(down.data(), bd.data(), hb, (const float*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
-                case 8: moe_down_q8_0(down.data(), bd.data(), hb, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
-                case 39: moe_down_mxfp4(down.data(), bd.data(), hb, (const u8*)ha, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 0: moe_down_f32(down.data(), bd.data(), hb, hp, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 1: moe_down_f16(down.data(), bd.data(), hb, hp, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
+                case 30: moe_down_bf16(down.data(), bd.data(), hb, hp, sel.data(), yp, slots, ne, d, ff, rb_ff, act); break;
                 }
             });
         }
