@@ -58,7 +58,6 @@ pub const KERNELS: &[&str] = &[
     "kv_store_q5_0",
     "kv_store_q5_1",
     "attn_row",
-    "attn_flash",
     "attn_chunked",
     "attn_chunked_fold",
     "router_topk_softmax",
