@@ -518,25 +518,9 @@ fn attention_cases(emu: &Emulator, cpu: &Ref0, rng: &mut StdRng) {
                 emu.write("k", &kb);
                 emu.write("v", &vb);
                 emu.write("sinks", &sinks);
-                emu.run(
-                    "attn",
-                    &[
-                        s(n_tokens),
-                        s(n_head),
-                        s(n_kv),
-                        s(hd),
-                        s(cells),
-                        s(pos0),
-                        s(window.unwrap_or(0)),
-                        s(i32::from(with_sinks)),
-                        s(p.scale.to_bits()),
-                        s(kt.id()),
-                        s(vt.id()),
-                        s(kl.rot),
-                        s(vl.rot),
-                        s(value_chains),
-                    ],
-                );
+                let mut args = attn_args(&p, (kl, vl), n_tokens, pos0, with_sinks);
+                args.push(s(value_chains));
+                emu.run("attn", &args);
                 let got: Vec<f32> = emu.read("out");
                 let sinks_opt = with_sinks.then_some(&sinks[..]);
                 let want =
@@ -549,6 +533,33 @@ fn attention_cases(emu: &Emulator, cpu: &Ref0, rng: &mut StdRng) {
             }
         }
     }
+}
+
+/// The emulator's arguments every attention op takes first (the kernels' `AttnArgs`): the
+/// shape of `p`, `n_tokens` queries from `pos0`, whether there are sinks, and the rings' types
+/// and rotations.
+fn attn_args(
+    p: &AttnParams,
+    (kl, vl): (KvLayout, KvLayout),
+    n_tokens: usize,
+    pos0: usize,
+    with_sinks: bool,
+) -> Vec<String> {
+    vec![
+        s(n_tokens),
+        s(p.n_head),
+        s(p.n_head_kv),
+        s(p.head_dim),
+        s(p.cells),
+        s(pos0),
+        s(p.window.unwrap_or(0)),
+        s(i32::from(with_sinks)),
+        s(p.scale.to_bits()),
+        s(kl.ty.id()),
+        s(vl.ty.id()),
+        s(kl.rot),
+        s(vl.rot),
+    ]
 }
 
 /// A chunked attention test's `(n_head, n_kv, head_dim, window, cells, pos0, n_tokens)`.
@@ -658,28 +669,14 @@ fn chunked_case(
     emu.write("sinks", &sinks);
     let shape = ChunkedShape::new(&p, n);
     for split in [shape.split, !shape.split] {
-        emu.run(
-            "attn_chunked",
-            &[
-                s(n),
-                s(n_head),
-                s(n_kv),
-                s(hd),
-                s(cells),
-                s(pos0),
-                s(window.unwrap_or(0)),
-                s(i32::from(with_sinks)),
-                s(p.scale.to_bits()),
-                s(kl.ty.id()),
-                s(vl.ty.id()),
-                s(kl.rot),
-                s(vl.rot),
-                s(shape.heads_per_cta),
-                s(shape.tokens_per_cta),
-                s(shape.slots),
-                s(i32::from(split)),
-            ],
-        );
+        let mut args = attn_args(&p, (kl, vl), n, pos0, with_sinks);
+        args.extend([
+            s(shape.heads_per_cta),
+            s(shape.tokens_per_cta),
+            s(shape.slots),
+            s(i32::from(split)),
+        ]);
+        emu.run("attn_chunked", &args);
         let got: Vec<f32> = emu.read("out");
         assert_bits(&format!("{what} split {split} {shape:?}"), &got, &want);
     }
