@@ -455,11 +455,13 @@ impl FlashPlace<'_> {
 
     /// Converts the key and value heads of positions `b0..b1` to f32 once for all rows
     /// (f32/f16 keys; block-typed keys are only located, in `k_off`), asking for the
-    /// quantized heads [`PREFETCH_AHEAD`] positions on. Every position of the task's range is
-    /// seen by some row: the tile's queries are consecutive, so their windows overlap or touch.
+    /// quantized heads [`PREFETCH_AHEAD`] positions on, up to the tile's last position (past
+    /// the task's chunk: the pool gives each thread a contiguous run of tasks, so the next
+    /// chunk is usually this thread's next). Every position of the task's range is seen by
+    /// some row: the tile's queries are consecutive, so their windows overlap or touch.
     fn convert_block(
         &self,
-        (b0, b1, hi): (usize, usize, usize),
+        (b0, b1): (usize, usize),
         k_block: &mut [f32],
         v_block: &mut [f32],
         k_off: &mut [usize],
@@ -472,7 +474,7 @@ impl FlashPlace<'_> {
             // rows too short for the hardware prefetcher: ask for the heads
             // [`PREFETCH_AHEAD`] positions on, one position at a time while this block
             // computes.
-            if p + PREFETCH_AHEAD <= hi {
+            if p + PREFETCH_AHEAD < self.q_end {
                 let cell = (p + PREFETCH_AHEAD) % cache.cells;
                 if let Cells::Blocks { data, .. } = &cache.k {
                     let at = cell * self.k_cell_bytes + kvh0 * k_row_bytes;
@@ -666,7 +668,7 @@ impl FlashTask<'_> {
                 let heads = (k_heads, v_in_place);
                 pl.chained_block((b0, b1), heads, qt, rows, states, lane_sm, v_block);
             } else {
-                pl.convert_block((b0, b1, hi), k_block, v_block, k_off);
+                pl.convert_block((b0, b1), k_block, v_block, k_off);
                 let queries = (&q_f[..], &q_blocks[..], &q8_queries[..]);
                 pl.score_block((b0, b1), rows, queries, k_block, k_off, scores);
                 pl.softmax_block_rows((b0, b1), rows, scores, v_block, states);
@@ -784,9 +786,38 @@ fn block_softmax(
     let mut p = [0f32; POS_BLOCK];
     let n = scores.len().min(POS_BLOCK);
     let ms = softmax_block(m, s, &scores[..n], &mut p[..n]);
-    acc.iter_mut().for_each(|a| *a *= ms);
-    for (v, &p) in values.chunks(stride).zip(&p[..n]) {
-        mad_f32(acc, &v[..acc.len()], p);
+    // Pieces of 64 elements, then of 16, then single ones: each held in registers across the
+    // block's keys, element by element the same operations in the same order.
+    let (n64, n16) = (acc.len() / 64 * 64, acc.len() / 16 * 16);
+    let (a64, rest) = acc.split_at_mut(n64);
+    let (a16, a1) = rest.split_at_mut(n16 - n64);
+    let (p, values) = (&p[..n], (values, stride));
+    sum_values::<64>(a64, 0, ms, p, values);
+    sum_values::<16>(a16, n64, ms, p, values);
+    sum_values::<1>(a1, n16, ms, p, values);
+}
+
+/// `acc·ms`, then `acc = v·p + acc` key by key for the accumulator elements `acc` (elements
+/// `e0..` of the value heads, in pieces of `D`), one value head per probability in `values`
+/// (`stride` apart), each piece held in registers across the keys.
+fn sum_values<const D: usize>(
+    acc: &mut [f32],
+    e0: usize,
+    ms: f32,
+    p: &[f32],
+    (values, stride): (&[f32], usize),
+) {
+    for (k, piece) in acc.chunks_exact_mut(D).enumerate() {
+        let at = e0 + k * D;
+        let mut reg = [0f32; D];
+        reg.copy_from_slice(piece);
+        reg.iter_mut().for_each(|a| *a *= ms);
+        for (v, &p) in values.chunks(stride).zip(p) {
+            for (a, &x) in reg.iter_mut().zip(&v[at..at + D]) {
+                *a = x.mul_add(p, *a);
+            }
+        }
+        piece.copy_from_slice(&reg);
     }
 }
 
@@ -796,12 +827,5 @@ fn scale_f32(y: &mut [f32], s: f32) {
         for v in y.iter_mut() {
             *v *= s;
         }
-    }
-}
-
-/// `y += x·s` with one rounding per element (ggml's `vec_mad_f32`, FMA lanes).
-fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
-    for (a, &b) in y.iter_mut().zip(x) {
-        *a = b.mul_add(s, *a);
     }
 }
