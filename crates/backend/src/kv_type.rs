@@ -133,11 +133,11 @@ pub enum KvTypeError {
 
 /// What the KV cache stores and how attention reads it: the K and V element types and
 /// whether flash attention is on. Flash attention decides which V types are allowed (a
-/// quantized V needs it, as in llama.cpp); attention over block-quantized values runs ggml's
-/// flash kernel (online softmax); over f32/f16/bf16 values flash attention (`-fa on` and
-/// `-fa auto`, the default, as llama.cpp resolves auto on the CPU) runs the chunked online
-/// softmax (within the fixture tolerances of the goldens), while `-fa off` keeps the row
-/// kernel, which meets the non-flash goldens exactly (see the CPU device's attention).
+/// quantized V needs it, as in llama.cpp); flash attention (`-fa on` and `-fa auto`, the
+/// default, as llama.cpp resolves auto on the CPU) runs the chunked online softmax over values
+/// of every type (within the fixture tolerances of the goldens), while `-fa off` keeps the row
+/// kernel over f32/f16/bf16 values, which meets the non-flash goldens exactly (see the CPU
+/// device's attention).
 ///
 /// [`KvType::F32`] and [`KvType::F16`] are the non-flash caches of earlier versions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -194,8 +194,7 @@ impl KvType {
         self.v
     }
 
-    /// Whether attention runs as flash attention: ggml's kernel over block-quantized values,
-    /// the chunked kernel over f32/f16/bf16 values.
+    /// Whether attention runs as flash attention: the chunked kernel (see [`KvType`]).
     pub fn flash_attn(self) -> bool {
         self.flash_attn
     }

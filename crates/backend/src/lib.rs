@@ -784,8 +784,10 @@ pub trait Backend: Send + Sync {
     /// engine's numerics for the rings' types: the row kernel (softmax, then the value sum)
     /// over f32/f16/bf16 values (one query token's f32/f16 values without sinks summed in
     /// `vec_dot`'s four chains, as the CPU device's `attention_ext`; with sinks in one, as its
-    /// gpt-oss attention), flash attention (online softmax) over block-quantized values; the
-    /// query rotated like the keys and the output rotated back like the values.
+    /// gpt-oss attention), with [`AttnParams::flash`] and over block-quantized values the
+    /// chunked flash kernel (online softmax over chunks of
+    /// [`numerics::FLASH_CHUNK`] positions); the query rotated like the keys and the output
+    /// rotated back like the values.
     ///
     /// A convenience over [`Backend::attention_at`], as [`Backend::kv_store`] is.
     #[allow(clippy::too_many_arguments)]

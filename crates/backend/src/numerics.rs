@@ -106,23 +106,6 @@ pub fn dot_vec<T: Copy>(a: &[f32], b: &[T], to_f32: impl Fn(T) -> f32, f64_tail:
     }
 }
 
-/// One key of ggml's online softmax (its CPU flash-attention kernel) with running maximum `m`
-/// and running sum `s`: a `score` above `m` becomes the maximum and rescales what came before
-/// by `ms = e^(m_old − score)` (`vs = 1`), else `vs = e^(score − m)` (`ms = 1`), with libm's
-/// `expf`; `s = s·ms + vs` in one rounding. Returns `(ms, vs)`: the factors of the value
-/// accumulator and of the key's value.
-#[inline(always)]
-pub fn online_softmax_step(m: &mut f32, s: &mut f32, score: f32) -> (f32, f32) {
-    let (ms, vs) = if score > *m {
-        let ms = (*m - score).exp();
-        *m = score;
-        (ms, 1.0)
-    } else {
-        (1.0, (score - *m).exp())
-    };
-    *s = s.mul_add(ms, vs);
-    (ms, vs)
-}
 /// The score of the chunked flash kernel for f32/f16 keys (the query rounded to f16 for f16
 /// keys, the key converted exactly): one FMA chain in element order from 0, `s = q[e]·k[e] + s`.
 /// The CPU device computes it for eight query heads at once, one head per lane.
@@ -131,7 +114,7 @@ pub fn dot_chain(q: &[f32], k: &[f32]) -> f32 {
     q.iter().zip(k).fold(0.0, |s, (&a, &b)| a.mul_add(b, s))
 }
 
-/// Positions per chunk of the split (chunked) flash attention over f32/f16/bf16 values: chunk
+/// Positions per chunk of the split (chunked) flash attention over values of every type: chunk
 /// `c` holds positions `c·FLASH_CHUNK .. (c + 1)·FLASH_CHUNK`, fixed by position so that
 /// results depend neither on the thread count nor on the rest of the batch.
 pub const FLASH_CHUNK: usize = 256;

@@ -144,7 +144,7 @@ pub struct AttnParams {
     pub value_chains: usize,
     /// Flash attention (`-fa on`/`auto`): over f32/f16/bf16 values, the chunked online softmax of
     /// the CPU device ([`crate::numerics::FLASH_CHUNK`]) instead of the row kernel.
-    /// Block-quantized values always take flash attention (in one chunk, as ggml).
+    /// Block-quantized values always take the chunked flash kernel, whatever this says.
     pub flash: bool,
 }
 

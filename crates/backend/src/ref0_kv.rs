@@ -7,29 +7,27 @@
 //!   block types by [`hmoe_quant::quantize_row`].
 //! - **Attention** rotates the query like the keys and the output back like the values, then
 //!   takes the CPU device's path for the value type:
-//!   - f32/f16/bf16 values, the row kernel: scores over the visible keys (chunks of 16
+//!   - f32/f16/bf16 values without [`AttnParams::flash`] (`-fa off`), the row kernel: scores over the visible keys (chunks of 16
 //!     positions from the window's start rounded down), a softmax with ggml's `expf` summed per
 //!     16-lane chunk in f64 (the sink's `exp` last), one multiply by the f32 inverse, and the
 //!     value sum as 16 lanes (lane = position mod 16) with the probability rounded to the value
 //!     type (f16, bf16; f32 as is), or, for one query token over f32/f16 values with
 //!     [`AttnParams::value_chains`] 4, in `vec_dot`'s four chains of 16 lanes;
-//!   - f32/f16/bf16 values with [`AttnParams::flash`], the chunked flash kernel: the
-//!     positions in chunks of [`FLASH_CHUNK`] fixed by position, each chunk a softmax from an
-//!     empty state in blocks of [`FLASH_BLOCK`] positions ([`softmax_block`]: one rescale
-//!     per block, then `acc = v·p + acc` key by key), the chunks folded in position order by
-//!     [`merge_softmax_chunk`], then the sink and `acc / S` as below; f32/f16 keys scored by
-//!     [`dot_chain`] (one FMA chain), bf16 and block keys by `vec_dot` as below;
-//!   - block-quantized values, ggml's flash kernel: per key in position order an online
-//!     softmax with libm's `expf` (`S = S·ms + vs`, the accumulator rescaled by a new
-//!     maximum), values dequantized and fused in as `acc = v·vs + acc`, the sink folded in
-//!     last, then `acc / S`.
+//!   - f32/f16/bf16 values with [`AttnParams::flash`], and block-quantized values whatever
+//!     it says (llama.cpp reads a quantized V cache only by flash attention), the chunked
+//!     flash kernel: the positions in chunks of [`FLASH_CHUNK`] fixed by position, each chunk
+//!     a softmax from an empty state in blocks of [`FLASH_BLOCK`] positions
+//!     ([`softmax_block`]: one rescale per block, then `acc = v·p + acc` key by key, block
+//!     values dequantized to f32 first), the chunks folded in position order by
+//!     [`merge_softmax_chunk`], then the sink folded in last and `acc / S`; f32/f16 keys
+//!     scored by [`dot_chain`] (one FMA chain), bf16 and block keys by `vec_dot` as below.
 //!
 //!   K-only (latent) rings take the row kernel whatever their type, the values read from
 //!   the keys ([`attention_k_only`]).
 //!
 //!   Scores: f32 keys in `vec_dot_f32` order ([`numerics::dot_vec`]); f16 keys against the
-//!   query rounded to f16, in `vec_dot_f16` order (one query token, and flash attention) or
-//!   tinyBLAS's 16 lanes (a batch in the row kernel); bf16 and block keys by hmoe-quant's
+//!   query rounded to f16, in `vec_dot_f16` order (one query token) or tinyBLAS's 16 lanes (a
+//!   batch) in the row kernel; bf16 and block keys by hmoe-quant's
 //!   `vec_dot` kernel ([`DotKernel`]) against the query converted to its activation type.
 
 use half::{bf16, f16};
@@ -37,8 +35,8 @@ use hmoe_quant::{DotKernel, GgmlType};
 
 use crate::error::ensure;
 use crate::numerics::{
-    dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, online_softmax_step,
-    rotate_chunks, softmax_block, sum_chains, FLASH_BLOCK, FLASH_CHUNK, VEC_DOT_CHAINS,
+    dot_chain, dot_vec, expf_ggml, fwht, hsum16, merge_softmax_chunk, rotate_chunks, softmax_block,
+    sum_chains, FLASH_BLOCK, FLASH_CHUNK, VEC_DOT_CHAINS,
 };
 use crate::{AttnParams, BackendError, KOnlyAttnParams, KvLayout};
 
@@ -219,8 +217,8 @@ fn values(ty: GgmlType, data: &[u8], at: usize, out: &mut [f32]) -> Result<(), B
     Ok(())
 }
 
-/// Whether values of `ty` are read by flash attention (block-quantized, not bf16), as the CPU
-/// engine decides.
+/// Whether values of `ty` are read by the chunked flash kernel whatever
+/// [`AttnParams::flash`] says (block-quantized, not bf16), as the CPU engine decides.
 fn flash(ty: GgmlType) -> bool {
     !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
 }
@@ -316,9 +314,7 @@ pub(crate) fn attention(
             };
             let sink = sinks.map(|s| s[h]);
             let o = &mut out[(t * nh + h) * hd..][..hd];
-            if flash(vl.ty) {
-                row.ggml_flash(&mut v_row)?.finish(sink, o);
-            } else if p.flash {
+            if p.flash || flash(vl.ty) {
                 row.chunked_flash(&mut v_row)?.finish(sink, o);
             } else {
                 let chains = (chains, !single);
@@ -348,21 +344,9 @@ struct RingRow<'a> {
 }
 
 impl RingRow<'_> {
-    /// ggml's flash kernel over block-quantized values: one online softmax over every seen key
-    /// in position order.
-    fn ggml_flash(&self, v_row: &mut [f32]) -> Result<FlashRow, BackendError> {
-        let mut row = FlashRow::new(self.hd);
-        for pp in self.first..=self.pos {
-            let s = self.keys.score(&self.q, (self.at)(pp), self.hd, false) * self.scale;
-            values(self.v.0, self.v.1, (self.at)(pp), v_row)?;
-            row.add(s, v_row);
-        }
-        Ok(row)
-    }
-
-    /// The chunked kernel over f32/f16/bf16 values: chunks of `FLASH_CHUNK` positions fixed by
-    /// position, each its own softmax in blocks of `FLASH_BLOCK` positions, folded in position
-    /// order.
+    /// The chunked kernel (values of every type, block values dequantized): chunks of
+    /// `FLASH_CHUNK` positions fixed by position, each its own softmax in blocks of
+    /// `FLASH_BLOCK` positions, folded in position order.
     fn chunked_flash(&self, v_row: &mut [f32]) -> Result<FlashRow, BackendError> {
         let (first, pos) = (self.first, self.pos);
         let mut total = FlashRow::new(self.hd);
@@ -550,15 +534,6 @@ impl FlashRow {
     fn scale(&mut self, f: f32) {
         if f != 1.0 {
             self.acc.iter_mut().for_each(|a| *a *= f);
-        }
-    }
-
-    /// One key: a new maximum rescales what came before by `e^(m_old − m)`.
-    fn add(&mut self, score: f32, v: &[f32]) {
-        let (ms, vs) = online_softmax_step(&mut self.m, &mut self.s, score);
-        self.scale(ms);
-        for (a, &x) in self.acc.iter_mut().zip(v) {
-            *a = x.mul_add(vs, *a);
         }
     }
 

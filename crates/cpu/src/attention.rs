@@ -8,19 +8,19 @@
 //! of 16 positions, and the value sum as 16-lane FMA chains over positions (for one token with
 //! f32/f16 values, `vec_dot`'s four chains taking 16 positions in turn).
 //!
-//! Caches with block-quantized values, and with flash attention on
-//! ([`hmoe_backend::KvType::flash_attn`]: `-fa on` or `auto`, the default) every cache (but
-//! DeepSeek's latent cache, whose values live inside the keys), go through
-//! [`flash::flash_attention`] instead: an online softmax over the keys with no score matrix.
-//! Over block-quantized values it is ggml's CPU flash-attention kernel (llama.cpp reads a
-//! quantized V cache only that way). Over f32/f16/bf16 values the keys go in chunks of
+//! Caches with block-quantized values (llama.cpp reads a quantized V cache only by flash
+//! attention), and with flash attention on ([`hmoe_backend::KvType::flash_attn`]: `-fa on` or
+//! `auto`, the default) every cache (but DeepSeek's latent cache, whose values live inside the
+//! keys), go through [`flash::flash_attention`] instead: an online softmax over the keys with
+//! no score matrix. The keys go in chunks of
 //! [`FLASH_CHUNK`](hmoe_backend::numerics::FLASH_CHUNK) positions fixed by position, each its
 //! own softmax stepped a block of [`FLASH_BLOCK`](hmoe_backend::numerics::FLASH_BLOCK)
 //! positions at a time (one rescale per block, so the value sums run without a branch per
-//! key), folded in position order: one decode token then spreads over every thread
-//! (split-K), and results still depend neither on the thread count nor on the rest of the
-//! batch. Its results differ from the row kernel's in the last bits (another summation order,
-//! f32 probabilities), and from llama.cpp's flash kernel too (which sums f16 values in f16);
+//! key; block-quantized values dequantized to f32 a block at a time), folded in position
+//! order: one decode token then spreads over every thread (split-K), and results still depend
+//! neither on the thread count nor on the rest of the batch. Its results differ from the row
+//! kernel's in the last bits (another summation order, f32 probabilities), and from
+//! llama.cpp's flash kernel too (one online softmax over all keys, f16 values summed in f16);
 //! the goldens hold within the fixture tolerances (`tests/kv_quant_fixtures.rs`).
 //!
 //! `-fa off` keeps the row kernel (one query row at a time, so memory is one score row per

@@ -172,8 +172,8 @@ pub struct LayerCache {
     pub cells: usize,
     /// `Some(w)`: a query at `p` sees keys `p-w+1 ..= p`.
     pub window: Option<usize>,
-    /// Flash attention ([`KvType::flash_attn`]): attention takes the flash kernel over
-    /// f32/f16/bf16 values too.
+    /// Flash attention ([`KvType::flash_attn`]): attention takes the chunked flash kernel over
+    /// f32/f16/bf16 values too (block-quantized values always take it).
     pub flash: bool,
     /// Set by attention when a head does not start on a block boundary of a block type
     /// (llama.cpp refuses such caches); the forward pass then reports an error.

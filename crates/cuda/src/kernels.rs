@@ -53,7 +53,6 @@ pub const KERNELS: &[&str] = &[
     "rope_neox_f32",
     "kv_store",
     "attn_row",
-    "attn_flash",
     "attn_chunked",
     "attn_chunked_fold",
     "router_topk_softmax",

@@ -4,8 +4,8 @@
 //! for the low-bit types of GGUF files (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K: Q8_0/Q8_1/Q8_K
 //! activations, the CPU device's kernel orders, in matmuls, embedding rows and experts), NeoX
 //! RoPE with YaRN, attention with sinks, sliding window and GQA over f32/f16/Q8_0/Q4_0 K/V rings
-//! (over float values the CPU's chunked flash kernel with `-fa on`, split over the positions
-//! for decode, and its row kernel with `-fa off`; flash attention over quantized ones), router
+//! (the CPU's chunked flash kernel with `-fa on` and over quantized values, split over the
+//! positions for decode, and its row kernel over float values with `-fa off`), router
 //! top-k + softmax, residual/bias adds, and the MXFP4 MoE expert block; batches of Q8_0/MXFP4
 //! products run tiled kernels with shared-memory tiles, on int8 tensor cores (`mma.sync`) from
 //! sm_80 and with `__dp4a` before, all with the same bits),

@@ -33,8 +33,8 @@ fn attention_speed_prefill() {
     speed(&[("prefill of 512", 0, 512)]);
 }
 
-/// Each `(what, depth, queries)` case for the q8_0 flash kernel, the chunked f16 flash
-/// kernel and the f16 row kernel.
+/// Each `(what, depth, queries)` case for the chunked flash kernel over q8_0 and f16 caches
+/// and the f16 row kernel.
 fn speed(cases: &[(&str, usize, usize)]) {
     let (nh, nkv, hd) = (64, 8, 64);
     let w = nkv * hd;

@@ -130,8 +130,8 @@ fn flash_attention_matches_f64_for_every_cache_type() {
     ];
     for (t, tol) in cases {
         let ty = KvType::new(t, t, FlashAttn::On).unwrap();
-        // A prefill of several query tiles, then one decode token; full and sliding layers.
-        // Over f32/f16/bf16 values, also several flash chunks.
+        // A prefill of several query tiles, then one decode token; full and sliding layers;
+        // several flash chunks.
         for (window, n, n_q) in [
             (None, 70, 40),
             (Some(8), 70, 40),
@@ -140,9 +140,6 @@ fn flash_attention_matches_f64_for_every_cache_type() {
             (None, 2 * FLASH_CHUNK + 30, 1),
             (None, 2 * FLASH_CHUNK + 30, 20),
         ] {
-            if n > 70 && t.is_quantized() {
-                continue;
-            }
             let (out, want) = run(ty, window, n, 40, n_q);
             let err = rel_err(&out, &want);
             assert!(
@@ -172,11 +169,13 @@ fn non_flash_attention_reads_block_keys_and_bf16_values() {
 
 #[test]
 fn flash_attention_rows_do_not_depend_on_the_batch() {
-    // The same queries, all at once and one at a time, give identical bits: ggml's kernel
-    // over quantized values, and the chunked kernel over f16 values (one token splits its
-    // chunks over tasks, a batch folds them in one task), full and sliding.
+    // The same queries, all at once and one at a time, give identical bits: the chunked
+    // kernel (one token splits its chunks over tasks, a batch folds them in one task) over
+    // quantized and float values, full and sliding.
     for (t, n, window) in [
         (CacheType::Q8_0, 50, Some(8)),
+        (CacheType::Q4_0, 3 * FLASH_CHUNK + 50, None),
+        (CacheType::Q8_0, 3 * FLASH_CHUNK + 50, Some(FLASH_CHUNK + 7)),
         (CacheType::F16, 50, Some(8)),
         (CacheType::F16, 3 * FLASH_CHUNK + 50, None),
         (CacheType::F32, 3 * FLASH_CHUNK + 50, Some(FLASH_CHUNK + 7)),

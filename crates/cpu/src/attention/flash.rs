@@ -1,17 +1,17 @@
-//! Flash attention: an online softmax over the keys with no score matrix, ggml's CPU kernel
-//! over block-quantized values and the chunked kernel over f32/f16/bf16 values.
+//! Flash attention: an online softmax over the keys with no score matrix, in chunks of
+//! positions fixed by position (the chunked kernel) over values of every type.
 
 use std::cell::RefCell;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use hmoe_backend::numerics::{
-    dot_vec, merge_softmax_chunk, online_softmax_step, softmax_block, FLASH_BLOCK, FLASH_CHUNK,
+    dot_vec, merge_softmax_chunk, softmax_block, FLASH_BLOCK, FLASH_CHUNK,
 };
-use hmoe_quant::{expf_slice, prefetch, Dequantizer, DotKernel, GgmlType};
+use hmoe_quant::{prefetch, Dequantizer, DotKernel, GgmlType};
 
 use super::attn_shape::AttnLayout;
-use super::kv_reads::{block_kernel, block_range, dot_vec_f32, fit, heads_fit, needs_flash};
+use super::kv_reads::{block_kernel, block_range, dot_vec_f32, fit, heads_fit};
 use super::lane_kernels::{lane_scores, lane_values, Ahead, LaneHeads};
 use super::lanes::{LaneSoftmax, ROW_LANES};
 use super::q8_0_scores::Q8_0Queries;
@@ -55,14 +55,14 @@ struct FlashScratch {
     m: Vec<f32>,
     s: Vec<f32>,
     acc: Vec<f32>,
-    /// The chunked kernel's f32/f16 keys: per KV head, groups of [`ROW_LANES`] query rows
+    /// The lane path's queries (f32/f16 keys): per KV head, groups of [`ROW_LANES`] query rows
     /// transposed (element-major, one row per lane; missing rows zero).
     qt: Vec<f32>,
     k_block: Vec<f32>,
     v_block: Vec<f32>,
     scores: Vec<f32>,
     k_off: Vec<usize>,
-    /// The chunked kernel's online softmax of one group of rows.
+    /// The lane path's online softmax of one group of rows.
     lanes: LaneSoftmax,
 }
 
@@ -72,35 +72,31 @@ thread_local! {
     static FLASH_STATES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Flash attention over the cache, as ggml's CPU kernel (`flash_attn_ext_f16`, one query
-/// row at a time) computes it: the query converted to K's `vec_dot_type` (f16 for f16 keys,
-/// Q8_0 for Q8_0/Q4_0/Q5_0 keys, Q8_1 for Q4_1/Q5_1, bf16 for bf16) and dotted with K's
-/// `vec_dot`; an online softmax over the visible keys in position order with libm's `expf`
-/// (a new maximum rescales the accumulator by `e^(m_old − m)`, the sum as `S·ms + vs` with
-/// GCC's FMA contraction); values accumulated in f32 as `acc += v·e^(s − m)` with FMA (f16
-/// values converted exactly, block values dequantized first); the sink logit of the head
-/// folded in last; and `acc / S`.
+/// Flash attention over the cache, with ggml's CPU kernel's (`flash_attn_ext_f16`) query and
+/// key numerics: the query converted to K's `vec_dot_type` (f16 for f16 keys, Q8_0 for
+/// Q8_0/Q4_0/Q5_0 keys, Q8_1 for Q4_1/Q5_1, bf16 for bf16) and, for block-typed keys, dotted
+/// with K's `vec_dot`; values accumulated in f32 (f16 values converted exactly, bf16 and block
+/// values dequantized to f32 first); the sink logit of the head folded in last; and `acc / S`.
 ///
-/// Over block-quantized values this is ggml's order, one online softmax over all visible
-/// keys. Over f32/f16/bf16 values (`-fa on`) the keys go in chunks of
-/// [`FLASH_CHUNK`] positions fixed by position (chunk `c` holds `c·FLASH_CHUNK ..`): each
-/// chunk is a softmax from an empty state stepped a block of [`FLASH_BLOCK`] positions at a
-/// time ([`softmax_block`]: one rescale per block, then the values key by key) and the chunks
-/// are folded in position order ([`merge_softmax_chunk`]), so that one decode token can spread
-/// its keys over every thread and the result still depends neither on the threads nor on the
-/// rest of the batch.
+/// The keys go in chunks of [`FLASH_CHUNK`] positions fixed by position (chunk `c` holds
+/// `c·FLASH_CHUNK ..`): each chunk is a softmax from an empty state stepped a block of
+/// [`FLASH_BLOCK`] positions at a time ([`softmax_block`]: libm's `expf`, one rescale per
+/// block, then the values key by key as `acc = v·p + acc` with FMA) and the chunks are folded
+/// in position order ([`merge_softmax_chunk`]), so that one decode token can spread its keys
+/// over every thread and the result still depends neither on the threads nor on the rest of
+/// the batch. This differs from ggml's kernel, which runs one online softmax over all visible
+/// keys (a rescale per new maximum), in the last bits.
 ///
-/// The chunked kernel scores f32/f16 keys by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score, the
-/// query heads sharing a KV head in the lanes of one vector, [`lane_scores`]) instead of
+/// f32/f16 keys are scored by [`hmoe_backend::numerics::dot_chain`] (one FMA chain per score,
+/// the query heads sharing a KV head in the lanes of one vector, [`lane_scores`]) instead of
 /// `vec_dot`'s four 16-lane chains.
 ///
 /// Unlike llama.cpp, f32 keys and values are not rounded to f16 first (llama.cpp casts an
 /// f32 cache to f16 for flash attention), and f16 values are summed in f32, not f16.
 ///
 /// Work is split into tiles of [`Q_TILE`] queries × one KV head (× the query heads sharing
-/// it), so each key and value row is converted once per tile, and, for one tile of chunked
-/// keys, into one task per chunk; nothing of size queries × keys is allocated. Results do not
-/// depend on the split.
+/// it), so each key and value row is converted once per tile, and, for one tile, into one task
+/// per chunk; nothing of size queries × keys is allocated. Results do not depend on the split.
 pub(crate) fn flash_attention(
     cache: &LayerCache,
     shape: &AttnLayout,
@@ -121,19 +117,12 @@ pub(crate) fn flash_attention(
     if n_tokens == 0 {
         return;
     }
-    let v_cells = if shape.v_in_k { &cache.k } else { &cache.v };
-    // Chunk length: ggml's single online softmax (no chunks) for block-quantized values.
-    let chunk = if needs_flash(v_cells) {
-        usize::MAX
-    } else {
-        FLASH_CHUNK
-    };
     let n_tiles = n_tokens.div_ceil(Q_TILE);
-    // One tile of chunked keys: one task per chunk the tile's rows see.
-    let (first_chunk, n_chunks) = if chunk != usize::MAX && n_tiles == 1 {
+    // One tile: one task per chunk the tile's rows see.
+    let (first_chunk, n_chunks) = if n_tiles == 1 {
         let lo = cache.window.map_or(0, |w| (pos0 + 1).saturating_sub(w));
         let hi = pos0 + n_tokens - 1;
-        (lo / chunk, hi / chunk - lo / chunk + 1)
+        (lo / FLASH_CHUNK, hi / FLASH_CHUNK - lo / FLASH_CHUNK + 1)
     } else {
         (0, 1)
     };
@@ -164,7 +153,6 @@ pub(crate) fn flash_attention(
         q,
         pos0,
         n_tokens,
-        chunk,
         first_chunk,
         n_chunks,
         kv_per_task,
@@ -218,8 +206,6 @@ struct FlashTask<'a> {
     q: &'a [f32],
     pos0: usize,
     n_tokens: usize,
-    /// Positions per chunk (`usize::MAX`: one chunk).
-    chunk: usize,
     /// The chunk of task chunk index 0, and how many chunk indices there are (1 unless one
     /// tile is split by chunk).
     first_chunk: usize,
@@ -255,12 +241,10 @@ struct FlashPlace<'a> {
     /// The task's rows, and those per KV head (KV head major).
     n_rows: usize,
     per_kv: usize,
-    /// Groups of [`ROW_LANES`] rows per KV head (the chunked kernel).
+    /// Groups of [`ROW_LANES`] rows per KV head (the lane path).
     n_groups: usize,
-    /// The chunked kernel runs: f32/f16 keys read in place and scored in lanes.
+    /// f32/f16 keys, read in place and scored in lanes.
     chain: bool,
-    /// Positions per chunk (`usize::MAX`: one chunk).
-    chunk: usize,
     /// Floats of one row's state in `dst`: `[m, s, acc…]`.
     state: usize,
     /// One past the last position of the task's tile.
@@ -342,7 +326,7 @@ impl FlashPlace<'_> {
         }
     }
 
-    /// The chunked kernel's queries: per KV head, groups of [`ROW_LANES`] rows transposed
+    /// The lane path's queries: per KV head, groups of [`ROW_LANES`] rows transposed
     /// (element-major, one row per lane; missing rows zero).
     fn transpose_queries(&self, q_f: &[f32], qt: &mut Vec<f32>) {
         let (kd, per_kv, n_groups) = (self.kd, self.per_kv, self.n_groups);
@@ -375,8 +359,8 @@ impl FlashPlace<'_> {
         }
     }
 
-    /// The chunked kernel over positions `b0..b1`: each group of rows of a KV head scores the
-    /// block's keys, steps its softmax and sums the values, in lanes.
+    /// The lane path (f32/f16 keys) over positions `b0..b1`: each group of rows of a KV head
+    /// scores the block's keys, steps its softmax and sums the values, in lanes.
     #[allow(clippy::too_many_arguments)]
     fn chained_block(
         &self,
@@ -471,11 +455,13 @@ impl FlashPlace<'_> {
 
     /// Converts the key and value heads of positions `b0..b1` to f32 once for all rows
     /// (f32/f16 keys; block-typed keys are only located, in `k_off`), asking for the
-    /// quantized heads [`PREFETCH_AHEAD`] positions on. Every position of the task's range is
-    /// seen by some row: the tile's queries are consecutive, so their windows overlap or touch.
+    /// quantized heads [`PREFETCH_AHEAD`] positions on, up to the tile's last position (past
+    /// the task's chunk: the pool gives each thread a contiguous run of tasks, so the next
+    /// chunk is usually this thread's next). Every position of the task's range is seen by
+    /// some row: the tile's queries are consecutive, so their windows overlap or touch.
     fn convert_block(
         &self,
-        (b0, b1, hi): (usize, usize, usize),
+        (b0, b1): (usize, usize),
         k_block: &mut [f32],
         v_block: &mut [f32],
         k_off: &mut [usize],
@@ -488,7 +474,7 @@ impl FlashPlace<'_> {
             // rows too short for the hardware prefetcher: ask for the heads
             // [`PREFETCH_AHEAD`] positions on, one position at a time while this block
             // computes.
-            if p + PREFETCH_AHEAD <= hi {
+            if p + PREFETCH_AHEAD < self.q_end {
                 let cell = (p + PREFETCH_AHEAD) % cache.cells;
                 if let Cells::Blocks { data, .. } = &cache.k {
                     let at = cell * self.k_cell_bytes + kvh0 * k_row_bytes;
@@ -571,8 +557,8 @@ impl FlashPlace<'_> {
         }
     }
 
-    /// Each row's online softmax over its visible positions of `b0..b1` in position order
-    /// (the order ggml's kernel uses).
+    /// Each row's chunk state stepped over its visible positions of `b0..b1`
+    /// ([`block_softmax`]).
     fn softmax_block_rows(
         &self,
         (b0, b1): (usize, usize),
@@ -594,12 +580,7 @@ impl FlashPlace<'_> {
             let stride = self.kv_per_task * vd;
             let (m, s) = (&mut row_m[r], &mut row_s[r]);
             let acc = &mut row_acc[r * vd..(r + 1) * vd];
-            match (self.chunk == usize::MAX, vd) {
-                (true, 64) => online_softmax::<64>(m, s, acc, scores, values, stride),
-                (true, 128) => online_softmax::<128>(m, s, acc, scores, values, stride),
-                (true, _) => online_softmax_any(m, s, acc, scores, values, stride),
-                (false, _) => block_softmax(m, s, acc, scores, values, stride),
-            }
+            block_softmax(m, s, acc, scores, values, stride);
         }
     }
 }
@@ -635,7 +616,7 @@ impl FlashTask<'_> {
         let pl = self.place(kvh0, rows.len(), t_end);
         let (n_rows, vd, state) = (pl.n_rows, pl.vd, pl.state);
         pl.convert_queries(self.q, rows, q_f, q_blocks);
-        // The chunked kernel scores f32/f16 keys by `dot_chain`, eight rows per vector.
+        // The lane path scores f32/f16 keys by `dot_chain`, eight rows per vector.
         let k_in_place = lane_heads(&self.cache.k);
         if pl.chain {
             pl.transpose_queries(q_f, qt);
@@ -652,18 +633,18 @@ impl FlashTask<'_> {
         let row_acc = fit(row_acc, n_rows * vd);
         row_acc.fill(0.0);
         let (lo, hi) = self.key_range(rows, c_idx, t_end);
-        // Positions go in blocks (never across a chunk boundary): outside the chunked kernel,
-        // the block's key and value heads are converted to f32 once for all rows and its
-        // scores computed together, then each row runs its online softmax over the block.
-        // f32/f16 keys are converted per block; block-typed keys are read in place, and so
-        // are f32/f16 keys and values by the chunked kernel.
+        // Positions go in blocks (never across a chunk boundary). f32/f16 keys take the lane
+        // path, which reads them in place and scores a group of rows in vector lanes. Other
+        // keys are read in place and located per block (`k_off`), the block's value heads
+        // converted to f32 once for all rows and its scores computed together, then each row
+        // steps its softmax over the block.
         let k_floats = match (&self.cache.k, pl.chain) {
             (Cells::Blocks { .. }, _) | (_, true) => 0,
             _ => pl.kv_per_task * POS_BLOCK * pl.kd,
         };
         let k_block = fit(k_block, k_floats);
-        // f32/f16 values are read in place by the chunked kernel, block-typed ones (bf16)
-        // converted one KV head's block at a time.
+        // f32/f16 values are read in place by the lane path, block-typed ones (bf16 and the
+        // quantized types) converted to f32 one KV head's block at a time.
         let v_in_place = lane_heads(pl.v_cells);
         let v_floats = match (pl.chain, v_in_place) {
             (false, _) => pl.kv_per_task * POS_BLOCK * vd,
@@ -679,7 +660,7 @@ impl FlashTask<'_> {
             // Blocks start at multiples of `POS_BLOCK` (the chunked kernel's softmax blocks,
             // fixed by position; chunks are whole blocks).
             let b1 = ((b0 / POS_BLOCK + 1) * POS_BLOCK).min(hi + 1);
-            if b0 != lo && self.chunk != usize::MAX && b0.is_multiple_of(self.chunk) {
+            if b0 != lo && b0.is_multiple_of(FLASH_CHUNK) {
                 pl.close_chunk(row_m, row_s, row_acc, dst);
             }
             let states = (&mut row_m[..], &mut row_s[..], &mut row_acc[..]);
@@ -687,7 +668,7 @@ impl FlashTask<'_> {
                 let heads = (k_heads, v_in_place);
                 pl.chained_block((b0, b1), heads, qt, rows, states, lane_sm, v_block);
             } else {
-                pl.convert_block((b0, b1, hi), k_block, v_block, k_off);
+                pl.convert_block((b0, b1), k_block, v_block, k_off);
                 let queries = (&q_f[..], &q_blocks[..], &q8_queries[..]);
                 pl.score_block((b0, b1), rows, queries, k_block, k_off, scores);
                 pl.softmax_block_rows((b0, b1), rows, scores, v_block, states);
@@ -771,8 +752,7 @@ impl FlashTask<'_> {
             n_rows,
             per_kv,
             n_groups: per_kv.div_ceil(ROW_LANES),
-            chain: self.chunk != usize::MAX && lane_heads(&cache.k).is_some(),
-            chunk: self.chunk,
+            chain: lane_heads(&cache.k).is_some(),
             state: vd + 2,
             q_end: self.pos0 + t_end,
         }
@@ -785,85 +765,10 @@ impl FlashTask<'_> {
         let hi = self.pos0 + t_end - 1;
         if self.n_chunks > 1 {
             let c = self.first_chunk + c_idx;
-            (lo.max(c * self.chunk), hi.min((c + 1) * self.chunk - 1))
+            (lo.max(c * FLASH_CHUNK), hi.min((c + 1) * FLASH_CHUNK - 1))
         } else {
             (lo, hi)
         }
-    }
-}
-
-/// Folds consecutive keys (`scores`, one value head of `D` elements each in `values`,
-/// `stride` apart) into a row's online-softmax state (maximum `m`, sum `s`, values `acc`),
-/// with the accumulator held in registers for the whole run.
-fn online_softmax<const D: usize>(
-    m_row: &mut f32,
-    s_row: &mut f32,
-    acc_row: &mut [f32],
-    scores: &[f32],
-    values: &[f32],
-    stride: usize,
-) {
-    // The running maximum first, then the one exponential each key needs (independent
-    // calls, so they overlap), then the accumulator in key order: the same operations
-    // on the same operands as `online_softmax_step` key by key.
-    let n = scores.len().min(POS_BLOCK);
-    let (mut arg, mut new_max) = ([0f32; POS_BLOCK], [false; POS_BLOCK]);
-    let mut m = *m_row;
-    // An OR of comparisons (not `any`, which stops early) so that it vectorizes.
-    let raises = scores[..n].iter().fold(false, |r, &s| r | (s > m));
-    if raises {
-        for (i, &score) in scores[..n].iter().enumerate() {
-            if score > m {
-                (arg[i], new_max[i]) = (m - score, true);
-                m = score;
-            } else {
-                arg[i] = score - m;
-            }
-        }
-    } else {
-        // No key raises the maximum (the common case once a few blocks are in).
-        for (a, &score) in arg[..n].iter_mut().zip(&scores[..n]) {
-            *a = score - m;
-        }
-    }
-    *m_row = m;
-    // libm's `expf`, sixteen lanes at a time.
-    let mut e = arg;
-    expf_slice(&mut e[..n]);
-    let mut acc = [0f32; D];
-    acc.copy_from_slice(acc_row);
-    let mut s = *s_row;
-    for (i, v) in values.chunks(stride).take(n).enumerate() {
-        let v = &v[..D];
-        let (ms, vs) = if new_max[i] { (e[i], 1.0) } else { (1.0, e[i]) };
-        s = s.mul_add(ms, vs);
-        if ms != 1.0 {
-            for a in acc.iter_mut() {
-                *a *= ms;
-            }
-        }
-        for (a, &x) in acc.iter_mut().zip(v) {
-            *a = x.mul_add(vs, *a);
-        }
-    }
-    *s_row = s;
-    acc_row.copy_from_slice(&acc);
-}
-
-/// [`online_softmax`] for value heads of any size.
-fn online_softmax_any(
-    m: &mut f32,
-    s: &mut f32,
-    acc: &mut [f32],
-    scores: &[f32],
-    values: &[f32],
-    stride: usize,
-) {
-    let vd = acc.len();
-    for (&score, v) in scores.iter().zip(values.chunks(stride)) {
-        let (ms, vs) = online_softmax_step(m, s, score);
-        scale_f32(acc, ms);
-        mad_f32(acc, &v[..vd], vs);
     }
 }
 
@@ -881,9 +786,38 @@ fn block_softmax(
     let mut p = [0f32; POS_BLOCK];
     let n = scores.len().min(POS_BLOCK);
     let ms = softmax_block(m, s, &scores[..n], &mut p[..n]);
-    acc.iter_mut().for_each(|a| *a *= ms);
-    for (v, &p) in values.chunks(stride).zip(&p[..n]) {
-        mad_f32(acc, &v[..acc.len()], p);
+    // Pieces of 64 elements, then of 16, then single ones: each held in registers across the
+    // block's keys, element by element the same operations in the same order.
+    let (n64, n16) = (acc.len() / 64 * 64, acc.len() / 16 * 16);
+    let (a64, rest) = acc.split_at_mut(n64);
+    let (a16, a1) = rest.split_at_mut(n16 - n64);
+    let (p, values) = (&p[..n], (values, stride));
+    sum_values::<64>(a64, 0, ms, p, values);
+    sum_values::<16>(a16, n64, ms, p, values);
+    sum_values::<1>(a1, n16, ms, p, values);
+}
+
+/// `acc·ms`, then `acc = v·p + acc` key by key for the accumulator elements `acc` (elements
+/// `e0..` of the value heads, in pieces of `D`), one value head per probability in `values`
+/// (`stride` apart), each piece held in registers across the keys.
+fn sum_values<const D: usize>(
+    acc: &mut [f32],
+    e0: usize,
+    ms: f32,
+    p: &[f32],
+    (values, stride): (&[f32], usize),
+) {
+    for (k, piece) in acc.chunks_exact_mut(D).enumerate() {
+        let at = e0 + k * D;
+        let mut reg = [0f32; D];
+        reg.copy_from_slice(piece);
+        reg.iter_mut().for_each(|a| *a *= ms);
+        for (v, &p) in values.chunks(stride).zip(p) {
+            for (a, &x) in reg.iter_mut().zip(&v[at..at + D]) {
+                *a = x.mul_add(p, *a);
+            }
+        }
+        piece.copy_from_slice(&reg);
     }
 }
 
@@ -893,12 +827,5 @@ fn scale_f32(y: &mut [f32], s: f32) {
         for v in y.iter_mut() {
             *v *= s;
         }
-    }
-}
-
-/// `y += x·s` with one rounding per element (ggml's `vec_mad_f32`, FMA lanes).
-fn mad_f32(y: &mut [f32], x: &[f32], s: f32) {
-    for (a, &b) in y.iter_mut().zip(x) {
-        *a = b.mul_add(s, *a);
     }
 }

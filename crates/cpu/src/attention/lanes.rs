@@ -3,7 +3,8 @@
 //! of keys together ([`super::lane_kernels::lane_scores`]), their softmax stepped a block at a time in
 //! lanes ([`LaneSoftmax::step_block`], the kernel [`softmax_lanes`]), and their value sums
 //! with the accumulators of every row held in registers across the block
-//! ([`super::lane_kernels::lane_values`]); keys and values are read in place from the cache.
+//! ([`super::lane_kernels::lane_values`]); keys, and f32/f16 values, are read in place from the
+//! cache (other values are converted to f32 a block at a time first).
 //!
 //! Each lane performs exactly the operations of the row-at-a-time arithmetic on the same
 //! operands in the same order ([`dot_chain`] scores, [`softmax_block`] factors, one FMA per

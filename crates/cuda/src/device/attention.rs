@@ -1,7 +1,6 @@
 //! Attention over K/V ring pairs, with GQA, sinks and sliding windows: the row kernel
-//! (`attn_row`, float values with `-fa off`), the chunked flash kernel (`attn_chunked`, float
-//! values with `-fa on`; see `attention_chunked`) and flash attention (`attn_flash`,
-//! block-quantized values).
+//! (`attn_row`, float values with `-fa off`) and the chunked flash kernel (`attn_chunked`,
+//! `-fa on`, and block-quantized values whatever `-fa` says; see `attention_chunked`).
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use hmoe_backend::{AttnParams, KvLayout};
@@ -11,9 +10,6 @@ use super::capabilities::{kv_pair_supported, kv_type_ok};
 use super::{i32_of, u32_of, CudaDevice, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
 use crate::kernels::{ATT_MAX_HEAD_DIM, ATT_WARPS};
-
-/// Threads of one warp (the flash attention kernel's block).
-const WARP_THREADS: u32 = 32;
 
 /// The scalar arguments every attention kernel takes, as the kernels' `int`s (the batch's
 /// first position is not one: the kernels read it on the device, `read_pos0`).
@@ -29,8 +25,9 @@ pub(super) struct AttnArgs {
     /// The rings' ggml type ids.
     pub(super) k_ty: i32,
     pub(super) v_ty: i32,
-    /// The keys' rotation chunk (0: not rotated).
+    /// The keys' and the values' rotation chunks (0: not rotated).
     pub(super) k_rot: i32,
+    pub(super) v_rot: i32,
 }
 
 /// The buffers every attention kernel reads first: (queries, K ring, V ring, sinks or the
@@ -43,7 +40,7 @@ pub(super) type AttnRings<'r> = (
 );
 
 impl AttnArgs {
-    /// Pushes what `attn_row`, `attn_flash` and `attn_chunked` take first: the rings and
+    /// Pushes what `attn_row` and `attn_chunked` take first: the rings and
     /// `has_sinks` (the output goes next).
     pub(super) fn push_rings<'a>(&'a self, b: &mut LaunchArgs<'a>, rings: AttnRings<'a>) {
         let (q, k_ring, v_ring, sinks) = rings;
@@ -54,7 +51,7 @@ impl AttnArgs {
             .arg(&self.has_sinks);
     }
 
-    /// Pushes the shape they take after their outputs, from `n_tokens` to the keys'
+    /// Pushes the shape they take after their outputs, from `n_tokens` to the values'
     /// rotation, the position buffer `pos_at` where the first position goes.
     pub(super) fn push_shape<'a>(
         &'a self,
@@ -72,14 +69,16 @@ impl AttnArgs {
             .arg(scale)
             .arg(&self.k_ty)
             .arg(&self.v_ty)
-            .arg(&self.k_rot);
+            .arg(&self.k_rot)
+            .arg(&self.v_rot);
     }
 }
 
-/// Whether attention with `p` over values of `v` takes the chunked flash kernel: `-fa on`
-/// (`p.flash`) over f32/f16 values, where the CPU device takes its chunked path.
+/// Whether attention with `p` over values of `v` takes the chunked flash kernel, as the CPU
+/// device takes its chunked path: `-fa on` (`p.flash`), and block-quantized values whatever
+/// `-fa` says (llama.cpp reads a quantized V cache only by flash attention).
 fn takes_chunked(p: &AttnParams, v: GgmlType) -> bool {
-    p.flash && matches!(v, GgmlType::F32 | GgmlType::F16)
+    p.flash || !matches!(v, GgmlType::F32 | GgmlType::F16)
 }
 
 /// ggml's id of a type, as the kernels name them (`TY_*`).
@@ -94,10 +93,10 @@ impl CudaDevice {
     /// over the K and V rings of `kl` and `vl`, with GQA, the window of `p`
     /// and optional per-head `sinks` (`n_head` logits). `q` and `out`:
     /// `n_tokens × n_head × head_dim`. The CPU device's numerics for the rings' types (see
-    /// `attn_row`, `attn_chunked` and `attn_flash` in the kernels): f16/f32 values take the
-    /// chunked flash kernel with `p.flash` (`-fa on`), else the row kernel (for f16 the query
-    /// and the probabilities rounded to f16); block-quantized values take flash attention; the
-    /// query is rotated like the keys and the output back like the values.
+    /// `attn_row` and `attn_chunked` in the kernels): the chunked flash kernel with `p.flash`
+    /// (`-fa on`) and over block-quantized values, else the row kernel (for f16 the query and
+    /// the probabilities rounded to f16); the query is rotated like the keys and the output
+    /// back like the values.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -174,33 +173,23 @@ impl CudaDevice {
             k_ty: ggml_id(kl.ty),
             v_ty: ggml_id(vl.ty),
             k_rot: i32_of(OP, "rotation", kl.rot)?,
+            v_rot: i32_of(OP, "rotation", vl.rot)?,
         };
         let rings = (q, k_ring, v_ring, sinks_or);
         if takes_chunked(p, vl.ty) {
             return self.attention_chunked(p, &a, rings, pos_at, n_tokens, out);
         }
-        let v_rot = i32_of(OP, "rotation", vl.rot)?;
         let value_chains = i32_of(OP, "value chains", p.value_chains)?;
-        let flash = !matches!(vl.ty, GgmlType::F16 | GgmlType::F32);
-        let (kernel, block) = if flash {
-            ("attn_flash", WARP_THREADS)
-        } else {
-            ("attn_row", ATT_WARPS * 32)
-        };
         let cfg = LaunchConfig {
             grid_dim: (u32_of(OP, "heads", p.n_head)?, n_tokens as u32, 1),
-            block_dim: (block, 1, 1),
+            block_dim: (ATT_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.builder(kernel);
+        let mut b = self.builder("attn_row");
         a.push_rings(&mut b, rings);
         b.arg(out);
         a.push_shape(&mut b, pos_at, &p.scale);
-        b.arg(&v_rot);
-        // The row kernel's last argument (flash attention sums values in its own order).
-        if !flash {
-            b.arg(&value_chains);
-        }
+        b.arg(&value_chains);
         // SAFETY: argument types match the kernel; sizes checked above; `pos_at` names an
         // i32; cells are indexed modulo `cells`; the types are those the kernels read
         // (`kv_type_ok`).
@@ -214,7 +203,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn chunked_only_with_flash_over_float_values() {
+    fn chunked_with_flash_and_over_quantized_values() {
         let mut p = AttnParams {
             n_head: 8,
             n_head_kv: 2,
@@ -225,9 +214,12 @@ mod tests {
             value_chains: 1,
             flash: true,
         };
-        assert!(takes_chunked(&p, GgmlType::F16) && takes_chunked(&p, GgmlType::F32));
-        assert!(!takes_chunked(&p, GgmlType::Q8_0));
+        for v in [GgmlType::F16, GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_0] {
+            assert!(takes_chunked(&p, v), "{v}");
+        }
+        // `-fa off`: the row kernel over float values, quantized values still chunked.
         p.flash = false;
-        assert!(!takes_chunked(&p, GgmlType::F16));
+        assert!(!takes_chunked(&p, GgmlType::F16) && !takes_chunked(&p, GgmlType::F32));
+        assert!(takes_chunked(&p, GgmlType::Q8_0) && takes_chunked(&p, GgmlType::Q4_0));
     }
 }

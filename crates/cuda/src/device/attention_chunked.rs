@@ -1,8 +1,9 @@
-//! Chunked flash attention (`-fa on` over f32/f16 values): `attn_chunked` scores and sums each
-//! chunk of [`FLASH_CHUNK`] positions once for every query head of a KV head (and a tile of
-//! query tokens), and either folds the chunks itself or, split over the chunks
-//! (flash-decoding), leaves the chunk states to `attn_chunked_fold`. The CPU device's chunked
-//! kernel bit for bit (see the kernels' `attention_chunked.cu`).
+//! Chunked flash attention (`-fa on`, and Q8_0/Q4_0 values whatever `-fa` says):
+//! `attn_chunked` scores and sums each chunk of [`FLASH_CHUNK`] positions once for every query
+//! head of a KV head (and a tile of query tokens), and either folds the chunks itself or, split
+//! over the chunks (flash-decoding), leaves the chunk states to `attn_chunked_fold`; the output
+//! is rotated back like the values by whichever writes it. The CPU device's chunked kernel bit
+//! for bit (see the kernels' `attention_chunked.cu`).
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use hmoe_backend::numerics::FLASH_CHUNK;
@@ -148,7 +149,8 @@ impl CudaDevice {
             .arg(&a.head_dim)
             .arg(&a.cells)
             .arg(pos_at)
-            .arg(&a.window);
+            .arg(&a.window)
+            .arg(&a.v_rot);
         // SAFETY: argument types match the kernel; it reads the records `attn_chunked` wrote
         // for the chunks each token sees (within `slots`, see `ChunkedShape::slots`: both
         // kernels skip a position whose keys the ring does not hold, `read_pos0`).

@@ -20,7 +20,7 @@ pub(super) fn is_lowbit(ty: GgmlType) -> bool {
     LOWBIT_TYPES.contains(&ty)
 }
 
-/// The K/V ring types of K/V pairs the attention kernels read (`attn_row`, `attn_flash`);
+/// The K/V ring types of K/V pairs the attention kernels read (`attn_row`, `attn_chunked`);
 /// `kv_store` also stores the other types of [`K_ONLY_TYPES`].
 pub const KV_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
@@ -34,8 +34,9 @@ pub fn expert_types_supported(gate: GgmlType, up: GgmlType, down: GgmlType) -> b
 }
 
 /// Whether the attention kernels read keys of `k` with values of `v`: both of [`KV_TYPES`]
-/// (f32/f16 values by the row kernel, Q8_0/Q4_0 values by flash attention, as the CPU device
-/// chooses its path by the value type; keys of every type in both).
+/// (f32/f16 values by the row kernel with `-fa off` and the chunked flash kernel with `-fa on`,
+/// Q8_0/Q4_0 values by the chunked flash kernel whatever `-fa` says, as the CPU device chooses
+/// its path; keys of every type in both).
 pub fn kv_pair_supported(k: GgmlType, v: GgmlType) -> bool {
     KV_TYPES.contains(&v) && KV_TYPES.contains(&k)
 }

@@ -222,14 +222,34 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
     return ty == TY_F16 ? h2f(((const u16*)ring)[i]) : ((const float*)ring)[i];
 }
 
+// Element j (0..31) of a Q8_0 or Q4_0 block, as its integer.
+__device__ __forceinline__ int block_int(const u8* b, bool q4, int j) {
+    if (!q4) return (int)(signed char)b[2 + j];
+    u8 byte = b[2 + (j & 15)];
+    return (int)(j < 16 ? byte & 15 : byte >> 4) - 8;
+}
+
+// Element i of an f32, f16, Q8_0 or Q4_0 ring, as f32: block elements as the CPU device's
+// dequantizer (ggml's to_float) gives them, the integer times the block's f16 scale (converted
+// exactly) in one rounding.
+__device__ __forceinline__ float kv_value(const u8* ring, int ty, u64 i) {
+    if (ty == TY_Q8_0 || ty == TY_Q4_0) {
+        bool q4 = ty == TY_Q4_0;
+        const u8* b = ring + i / 32 * (q4 ? 18 : 34);
+        return (float)block_int(b, q4, (int)(i % 32)) * q8_scale(b);
+    }
+    return kv_float(ring, ty, i);
+}
+
 // Attention over a K/V ring with GQA, an optional sliding window and optional per-head sink
 // logits (gpt-oss): the sink joins the softmax's denominator and adds no value. q, out:
 // [n_tokens][n_head][head_dim] f32. Token t sits at position pos0 + t and sees keys
 // first = max(0, pos - window + 1) ..= pos (window 0: all of 0 ..= pos). Like the CPU device,
-// the value type chooses the kernel: f32/f16 values attn_row (with -fa off; -fa on takes
-// attn_chunked, attention_chunked.cu), Q8_0/Q4_0 values attn_flash, each with keys of f32, f16,
-// Q8_0 or Q4_0. Both take the same arguments: the rings' ggml types and their rotation chunks
-// (only block-quantized rings are rotated).
+// -fa and the value type choose the kernel: f32/f16 values with -fa off take attn_row;
+// -fa on, and Q8_0/Q4_0 values whatever -fa says, attn_chunked (attention_chunked.cu); each
+// with keys of f32, f16, Q8_0 or Q4_0. Both take the same arguments first: the rings' ggml
+// types and their rotation chunks (only block-quantized rings are rotated, so attn_row, over
+// float values, never rotates its output back).
 //
 // attn_row: the CPU device's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
 // float values), bit for bit: the query rounded to f16 for f16 keys, rotated and converted to
@@ -255,16 +275,9 @@ __device__ __forceinline__ float kv_float(const u8* ring, int ty, u64 i) {
 #define ATT_MAX_DIMS_PER_THREAD (ATT_MAX_PER_LANE * WARP / 16)
 #define ATT_SCORE_CACHE 8192
 
-// Element j (0..31) of a Q8_0 or Q4_0 block, as its integer.
-__device__ __forceinline__ int block_int(const u8* b, bool q4, int j) {
-    if (!q4) return (int)(signed char)b[2 + j];
-    u8 byte = b[2 + (j & 15)];
-    return (int)(j < 16 ? byte & 15 : byte >> 4) - 8;
-}
-
 // The score of the key at element `at` of the ring `k` against the query `q` (shared memory;
 // rounded to f16 for f16 keys; as Q8_0 blocks `qb` for Q8_0/Q4_0 keys), by the 16 lanes of a
-// half-warp (l: lane within the half): block keys in ggml's vec_dot order (flash_score's); f32 keys, and one query token with f16 keys, in ggml's vec_dot order (four 16-lane
+// half-warp (l: lane within the half): block keys in ggml's vec_dot order (block_score's); f32 keys, and one query token with f16 keys, in ggml's vec_dot order (four 16-lane
 // FMA accumulators over 64-element steps folded (s0 + s2) + (s1 + s3), summed by halving, then
 // the last hd % 64 products added one by one, in f32 for f32 keys and rounded to f32 and added
 // in f64 for f16), several tokens with f16 keys in tinyBLAS's (element i into lane i % 16,
@@ -272,7 +285,7 @@ __device__ __forceinline__ int block_int(const u8* b, bool q4, int j) {
 __device__ float attn_score(const float* q, const u8* qb, const u8* k, int k_ty, u64 at, int hd,
                             int l, int single) {
     if (k_ty == TY_Q8_0 || k_ty == TY_Q4_0) {
-        // Lanes 0..7 of the half keep accumulator l of ggml's vec_dot (see flash_score), folded
+        // Lanes 0..7 of the half keep accumulator l of ggml's vec_dot (see block_score), folded
         // by xor-shuffles 4, 2, 1: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
         bool q4 = k_ty == TY_Q4_0;
         int bb = q4 ? 18 : 34;
@@ -477,37 +490,11 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
     }
 }
 
-// The key at element `at` of a ring of `ty` (one thread): f32 keys against the query `q` in
-// vec_dot_f32's order, f16 keys against the f16-rounded query in vec_dot_f16's (see
-// attn_score: four 16-lane chains per 64 elements, the tail in f32 or f64), Q8_0/Q4_0 keys
-// against the query's Q8_0 blocks `qb` in ggml's vec_dot order (eight accumulators: for each
-// block in order, accumulator k takes fma(d_k · d_q, Σ of elements 4k..4k+3, acc_k); then
+// The Q8_0/Q4_0 key at element `at` of a ring of `ty` (one thread) against the query's Q8_0
+// blocks `qb`, in ggml's vec_dot order (eight accumulators: for each block in order,
+// accumulator k takes fma(d_k · d_q, Σ of elements 4k..4k+3, acc_k); then
 // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))).
-__device__ float flash_score(const float* q, const u8* qb, const u8* k, int ty, u64 at, int hd) {
-    if (ty == TY_F32 || ty == TY_F16) {
-        int np = hd & ~63;
-        float lanes[4][16];
-        for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 16; i++) lanes[j][i] = 0.f;
-        for (int b = 0; b < np; b += 64)
-            for (int j = 0; j < 4; j++)
-                for (int i = 0; i < 16; i++) {
-                    int e = b + 16 * j + i;
-                    lanes[j][i] = fmaf(q[e], kv_float(k, ty, at + e), lanes[j][i]);
-                }
-        float f[16];
-        for (int i = 0; i < 16; i++) f[i] = (lanes[0][i] + lanes[2][i]) + (lanes[1][i] + lanes[3][i]);
-        for (int step = 8; step > 0; step >>= 1)
-            for (int i = 0; i < step; i++) f[i] += f[i + step];
-        if (ty == TY_F32) {
-            float sum = f[0];
-            for (int i = np; i < hd; i++) sum += q[i] * kv_float(k, ty, at + i);
-            return sum;
-        }
-        double sum = (double)f[0];
-        for (int i = np; i < hd; i++) sum += (double)(q[i] * kv_float(k, ty, at + i));
-        return (float)sum;
-    }
+__device__ float block_score(const u8* qb, const u8* k, int ty, u64 at, int hd) {
     bool q4 = ty != TY_Q8_0;
     int bb = q4 ? 18 : 34;
     const u8* kb = k + at / 32 * bb;
@@ -525,114 +512,3 @@ __device__ float flash_score(const float* q, const u8* qb, const u8* k, int ty, 
     }
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
-
-// attn_flash: the CPU device's flash attention (ggml's CPU kernel; RefBackend's `ref0_kv`),
-// for Q8_0/Q4_0 values: the query rotated like the keys (k_rot), converted to the keys'
-// vec_dot type (f16-rounded for f16 keys, Q8_0 blocks for Q8_0/Q4_0 keys); then per key in
-// position order, score s = dot · scale: a new maximum (s > m) gives ms = expf(m - s), vs = 1
-// and m = s, else ms = 1, vs = expf(s - m); S = fma(S, ms, vs); acc *= ms (when ms != 1);
-// acc = fma(v, vs, acc) with v the dequantized value (q · d). The sink folds in last (a sink
-// above m rescales acc and S as a key would, without a value; else S += expf(sink - m)), then
-// acc · (1 / S), rotated back like the values (v_rot). expf is glibc's (expf_libm).
-//
-// One warp per (head, token): its lanes score 32 positions at a time (one each), then every
-// lane runs the online softmax over them in order for the dimensions it keeps (lane, lane + 32,
-// ...). head_dim a multiple of 32, at most 256. grid = (n_head, n_tokens), block = 32.
-extern "C" __global__ void attn_flash(const float* q, const u8* kc, const u8* vc,
-                                      const float* sinks, int has_sinks, float* out,
-                                      int n_tokens, int n_head, int n_kv, int head_dim,
-                                      int cells, const int* pos_at, int window, float scale,
-                                      int k_ty, int v_ty, int k_rot, int v_rot) {
-    __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
-    __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
-    __shared__ float sm_s[WARP];
-    __shared__ float sm_o[ATT_MAX_PER_LANE * WARP];
-    int h = blockIdx.x, t = blockIdx.y;
-    int pos0 = read_pos0(pos_at, n_tokens, cells, window);
-    if (h >= n_head || t >= n_tokens || pos0 < 0) return;
-    int lane = threadIdx.x;
-    int pos = pos0 + t;
-    int first = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;
-    int kvh = h / (n_head / n_kv);
-    u64 width = (u64)n_kv * head_dim;
-    u64 kv_off = (u64)kvh * head_dim;
-    const float* qh = q + ((u64)t * n_head + h) * head_dim;
-    for (int i = lane; i < head_dim; i += WARP) sm_q[i] = qh[i];
-    __syncwarp();
-    if (lane == 0 && k_rot > 0) {
-        for (int c = 0; c < head_dim; c += k_rot) fwht_serial(sm_q + c, k_rot);
-    }
-    __syncwarp();
-    if (k_ty == TY_F16) {
-        for (int i = lane; i < head_dim; i += WARP) sm_q[i] = h2f(f2h(sm_q[i]));
-    }
-    if (k_ty != TY_F32 && k_ty != TY_F16) {
-        if (lane < head_dim / 32) quantize_block_q8_0(sm_q + 32 * lane, sm_qb + 34 * lane);
-    }
-    __syncwarp();
-    bool vq4 = v_ty != TY_Q8_0;
-    int vbb = vq4 ? 18 : 34;
-    int nd = head_dim / WARP;
-    float acc[ATT_MAX_PER_LANE];
-#pragma unroll
-    for (int k = 0; k < ATT_MAX_PER_LANE; k++) acc[k] = 0.f;
-    float m = -f_inf(), S = 0.f;
-    for (int base = first; base <= pos; base += WARP) {
-        int p = base + lane;
-        if (p <= pos) {
-            u64 at = (u64)(p % cells) * width + kv_off;
-            sm_s[lane] = flash_score(sm_q, sm_qb, kc, k_ty, at, head_dim) * scale;
-        }
-        __syncwarp();
-        int n = pos + 1 - base < WARP ? pos + 1 - base : WARP;
-        for (int i = 0; i < n; i++) {
-            float s = sm_s[i];
-            float ms = 1.f, vs = 1.f;
-            if (s > m) {
-                ms = expf_libm(m - s);
-                m = s;
-            } else {
-                vs = expf_libm(s - m);
-            }
-            S = fmaf(S, ms, vs);
-            const u8* vrow = vc + ((u64)((base + i) % cells) * width + kv_off) / 32 * vbb;
-#pragma unroll
-            for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
-                if (k < nd) {
-                    int e = lane + WARP * k;
-                    const u8* b = vrow + (e / 32) * vbb;
-                    float v = (float)block_int(b, vq4, e % 32) * q8_scale(b);
-                    if (ms != 1.f) acc[k] *= ms;
-                    acc[k] = fmaf(v, vs, acc[k]);
-                }
-            }
-        }
-        __syncwarp();
-    }
-    if (has_sinks) {
-        float sink = sinks[h];
-        if (sink > m) {
-            float ms = expf_libm(m - sink);
-#pragma unroll
-            for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
-                if (k < nd && ms != 1.f) acc[k] *= ms;
-            }
-            S = fmaf(S, ms, 1.f);
-        } else {
-            S += expf_libm(sink - m);
-        }
-    }
-    float inv = S == 0.f ? 0.f : 1.f / S;
-#pragma unroll
-    for (int k = 0; k < ATT_MAX_PER_LANE; k++) {
-        if (k < nd) sm_o[lane + WARP * k] = inv != 1.f ? acc[k] * inv : acc[k];
-    }
-    __syncwarp();
-    if (lane == 0 && v_rot > 0) {
-        for (int c = 0; c < head_dim; c += v_rot) fwht_serial(sm_o + c, v_rot);
-    }
-    __syncwarp();
-    float* oh = out + ((u64)t * n_head + h) * head_dim;
-    for (int i = lane; i < head_dim; i += WARP) oh[i] = sm_o[i];
-}
-

@@ -1,7 +1,8 @@
 // ---------------------------------------------------------------------------------------------
-// Chunked flash attention (`-fa on` over f32/f16 values): the CPU device's chunked kernel
-// (hmoe_backend's numerics: softmax_block, merge_softmax_chunk; REF0's `chunked_flash`) bit
-// for bit, split over the positions (flash-decoding) with a fixed fold order.
+// Chunked flash attention (`-fa on`, and Q8_0/Q4_0 values whatever -fa says): the CPU
+// device's chunked kernel (hmoe_backend's numerics: softmax_block, merge_softmax_chunk;
+// REF0's `chunked_flash`) bit for bit, split over the positions (flash-decoding) with a fixed
+// fold order.
 //
 // Per (query head, token) row at position pos, seeing first = max(0, pos - window + 1) ..= pos:
 // - the positions fall in chunks of CH_CHUNK fixed by position (chunk c: c·256 .. c·256 + 255),
@@ -9,21 +10,22 @@
 //   CH_BLOCK positions (block b: b·32 .. b·32 + 31) over the row's visible keys of the block:
 //   score = dot · scale, dot by dot_chain for f32/f16 keys (one FMA chain in element order
 //   from 0: fmaf(q[e], k[e], s), the query rounded to f16 for f16 keys) or ggml's vec_dot for
-//   Q8_0/Q4_0 keys (flash_score, the query rotated by k_rot and as Q8_0 blocks); then the
+//   Q8_0/Q4_0 keys (block_score, the query rotated by k_rot and as Q8_0 blocks); then the
 //   block's maximum M of m and the scores, ms = expf(m - M) where M > m (else 1), p =
 //   expf(score - M) per key, s = s·ms, s += p key by key, m = M; acc = acc·ms, then acc =
-//   fmaf(v, p, acc) key by key;
+//   fmaf(v, p, acc) key by key, v the value as f32 (Q8_0/Q4_0 values dequantized: kv_value);
 // - the chunks fold in position order (merge_softmax_chunk): an empty chunk (m2 = -inf)
 //   changes nothing, an empty running state takes the chunk's, else with M = max(m, m2),
 //   a = expf(m - M), b = expf(m2 - M): s = fmaf(s2, b, s·a), acc = fmaf(acc2, b, acc·a);
 // - the sink folds in last (sink > m: ms = expf(m - sink), acc·ms where ms != 1, s =
 //   fmaf(s, ms, 1); else s += expf(sink - m)), then acc · (1 / s) (nothing for inv 1; s 0
-//   gives 0). expf is glibc's (expf_libm). Float values are never rotated.
+//   gives 0), rotated back like the values (fwht_serial over each chunk of v_rot of the head;
+//   v_rot 0: not rotated, as float values never are). expf is glibc's (expf_libm).
 //
 // attn_chunked: one block of CH_THREADS threads per (KV head, group of heads_per_cta of its
 // query heads) × chunk slot × tile of tokens_per_cta tokens. It stages each CH_BLOCK of
-// positions' K rows (f32/f16 keys, converted to f32) and then V rows in shared memory once for
-// all its rows (heads × tokens): thread per (row, key) scores, warp per row the softmax,
+// positions' K rows (f32/f16 keys, converted to f32) and then V rows (as f32) in shared memory
+// once for all its rows (heads × tokens): thread per (row, key) scores, warp per row the softmax,
 // thread per (row, dim) the value sums. Positions a token may not see (causal, window) are
 // skipped per row. heads_per_cta · tokens_per_cta <= CH_MAX_ROWS rows of head_dim, at most
 // CH_MAX_ROWDIMS values together; head_dim a multiple of 16, at most 256.
@@ -32,7 +34,7 @@
 //   n_head + h) · (head_dim + 2); slots beyond the tile's positions exit at once (the grid may
 //   be larger than the chunks the batch sees); attn_chunked_fold folds them.
 // - split == 0 (grid.y 1): the block walks its tile's chunks in order and folds them itself,
-//   then writes `out`.
+//   then writes `out` (staged in shared memory for the rotation).
 // grid = (n_kv · n_head / (n_kv · heads_per_cta), slots or 1, ceil(n_tokens / tokens_per_cta)).
 #define CH_CHUNK 256
 #define CH_BLOCK 32
@@ -83,7 +85,7 @@ extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* 
                                         const float* sinks, int has_sinks, float* out,
                                         float* part, int n_tokens, int n_head, int n_kv,
                                         int head_dim, int cells, const int* pos_at, int window,
-                                        float scale, int k_ty, int v_ty, int k_rot,
+                                        float scale, int k_ty, int v_ty, int k_rot, int v_rot,
                                         int heads_per_cta, int tokens_per_cta, int split) {
     __shared__ float sm_kv[CH_BLOCK * (CH_MAX_HD + 1)];  // K, then V, of a block's positions
     __shared__ float sm_q[CH_MAX_ROWDIMS];
@@ -165,7 +167,7 @@ extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* 
                 const float* qr = sm_q + r * hd;
                 float dot;
                 if (kq) {
-                    dot = flash_score(qr, sm_qb + r * (hd / 32) * 34, kc, k_ty, (u64)(pp % cells) * width + kv_off, hd);
+                    dot = block_score(sm_qb + r * (hd / 32) * 34, kc, k_ty, (u64)(pp % cells) * width + kv_off, hd);
                 } else {
                     const float* kr = sm_kv + j * stride;
                     dot = 0.f;
@@ -174,10 +176,10 @@ extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* 
                 sm_p[r * CH_BLOCK + j] = dot * scale;
             }
             __syncthreads();
-            // The block's values into shared memory (the keys are no longer read).
+            // The block's values into shared memory as f32 (the keys are no longer read).
             for (int i = tid; i < (be - bs) * hd; i += blockDim.x) {
                 int pp = bs + i / hd, e = i % hd;
-                sm_kv[(pp - b0) * stride + e] = kv_float(vc, v_ty, (u64)(pp % cells) * width + kv_off + e);
+                sm_kv[(pp - b0) * stride + e] = kv_value(vc, v_ty, (u64)(pp % cells) * width + kv_off + e);
             }
             // softmax_block: warp per row, lane per key.
             for (int r = warp; r < rows; r += blockDim.x / WARP) {
@@ -259,36 +261,54 @@ extern "C" __global__ void attn_chunked(const float* q, const u8* kc, const u8* 
         }
         __syncthreads();
     }
+    // Each row's result into sm_q (the queries are no longer read), rotated back, then out.
 #pragma unroll
     for (int k = 0; k < CH_ACC; k++) {
         int i = tid + k * CH_THREADS;
         if (i < rows * hd) {
-            int r = i / hd, d = i % hd, h = h0 + r % heads_per_cta;
-            float sink = has_sinks ? sinks[h] : 0.f;
-            out[((u64)(t0 + r / heads_per_cta) * n_head + h) * hd + d] =
-                ch_finish(sm_tm[r], sm_ts[r], tot[k], has_sinks, sink);
+            int r = i / hd;
+            float sink = has_sinks ? sinks[h0 + r % heads_per_cta] : 0.f;
+            sm_q[i] = ch_finish(sm_tm[r], sm_ts[r], tot[k], has_sinks, sink);
         }
+    }
+    __syncthreads();
+    if (v_rot > 0) {
+        for (int i = tid; i < rows * hd / v_rot; i += blockDim.x) fwht_serial(sm_q + i * v_rot, v_rot);
+        __syncthreads();
+    }
+    for (int i = tid; i < rows * hd; i += blockDim.x) {
+        int r = i / hd;
+        out[((u64)(t0 + r / heads_per_cta) * n_head + h0 + r % heads_per_cta) * hd + i % hd] = sm_q[i];
     }
 }
 
 // attn_chunked_fold: the chunk states attn_chunked (split != 0) wrote for each (head, token)
-// folded in position order (merge_softmax_chunk), the sink added and acc / s written to out;
-// thread d keeps value dimension d. grid = (n_head, n_tokens), block = head_dim rounded up to
-// a multiple of 32.
+// folded in position order (merge_softmax_chunk), the sink added, acc / s rotated back like
+// the values (v_rot, as attn_chunked) and written to out; thread d keeps value dimension d.
+// grid = (n_head, n_tokens), block = head_dim rounded up to a multiple of 32.
 extern "C" __global__ void attn_chunked_fold(const float* part, const float* sinks,
                                              int has_sinks, float* out, int n_tokens,
                                              int n_head, int head_dim, int cells,
-                                             const int* pos_at, int window) {
+                                             const int* pos_at, int window, int v_rot) {
+    __shared__ float sm_o[CH_MAX_HD];
     int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
     int pos0 = read_pos0(pos_at, n_tokens, cells, window);
-    if (h >= n_head || t >= n_tokens || d >= head_dim || pos0 < 0) return;
+    if (h >= n_head || t >= n_tokens || pos0 < 0) return;
     int pos = pos0 + t;
-    int c0 = ch_first(pos0, window) / CH_CHUNK;
-    float m = -f_inf(), s = 0.f, x = 0.f;
-    for (int c = ch_first(pos, window) / CH_CHUNK; c <= pos / CH_CHUNK; c++) {
-        const float* rec = part + (((u64)(c - c0) * n_tokens + t) * n_head + h) * (head_dim + 2);
-        ch_merge(&m, &s, &x, rec[0], rec[1], rec[2 + d]);
+    if (d < head_dim) {
+        int c0 = ch_first(pos0, window) / CH_CHUNK;
+        float m = -f_inf(), s = 0.f, x = 0.f;
+        for (int c = ch_first(pos, window) / CH_CHUNK; c <= pos / CH_CHUNK; c++) {
+            const float* rec = part + (((u64)(c - c0) * n_tokens + t) * n_head + h) * (head_dim + 2);
+            ch_merge(&m, &s, &x, rec[0], rec[1], rec[2 + d]);
+        }
+        float sink = has_sinks ? sinks[h] : 0.f;
+        sm_o[d] = ch_finish(m, s, x, has_sinks, sink);
     }
-    float sink = has_sinks ? sinks[h] : 0.f;
-    out[((u64)t * n_head + h) * head_dim + d] = ch_finish(m, s, x, has_sinks, sink);
+    __syncthreads();
+    if (v_rot > 0) {
+        if (d < head_dim / v_rot) fwht_serial(sm_o + d * v_rot, v_rot);
+        __syncthreads();
+    }
+    if (d < head_dim) out[((u64)t * n_head + h) * head_dim + d] = sm_o[d];
 }

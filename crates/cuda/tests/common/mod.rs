@@ -166,8 +166,9 @@ pub fn ref_moe(
     cpu.download(&out).unwrap()
 }
 
-/// The K/V ring types of the kernels' tests, as (K, V) pairs: the row kernel (f16/f32
-/// values) and flash attention (Q8_0/Q4_0 values, keys of every type).
+/// The K/V ring types of the kernels' tests, as (K, V) pairs: f16/f32 values (the row kernel
+/// with `-fa off`) and Q8_0/Q4_0 values (the chunked flash kernel whatever `-fa` says), keys
+/// of every type.
 pub const KV_PAIRS: [(GgmlType, GgmlType); 8] = [
     (GgmlType::F16, GgmlType::F16),
     (GgmlType::F32, GgmlType::F32),

@@ -560,12 +560,9 @@ int main(int argc, char** argv) {
         auto sinks = rd<float>(P("sinks"));
         std::vector<float> out(q.size());
         float* o = out.data();
-        bool flash = v_ty != 0 && v_ty != 1;
-        launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {flash ? 32u : ATT_WARPS * 32, 1, 1}, [&] {
-            if (flash)
-                attn_flash(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot);
-            else
-                attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
+        // attention.rs: f32/f16 values with -fa off (the others take attn_chunked below).
+        launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {ATT_WARPS * 32, 1, 1}, [&] {
+            attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
         });
         wr(P("out"), out);
     } else if (op == "attn_chunked") {
@@ -573,8 +570,8 @@ int main(int argc, char** argv) {
         int n_tokens = atoi(argv[3]), n_head = atoi(argv[4]), n_kv = atoi(argv[5]), hd = atoi(argv[6]),
             cells = atoi(argv[7]), pos0 = atoi(argv[8]), window = atoi(argv[9]), has_sinks = atoi(argv[10]);
         float scale = __uint_as_float((unsigned)strtoul(argv[11], nullptr, 10));
-        int k_ty = atoi(argv[12]), v_ty = atoi(argv[13]), k_rot = atoi(argv[14]);
-        int hpc = atoi(argv[15]), tpc = atoi(argv[16]), slots = atoi(argv[17]), split = atoi(argv[18]);
+        int k_ty = atoi(argv[12]), v_ty = atoi(argv[13]), k_rot = atoi(argv[14]), v_rot = atoi(argv[15]);
+        int hpc = atoi(argv[16]), tpc = atoi(argv[17]), slots = atoi(argv[18]), split = atoi(argv[19]);
         auto q = rd<float>(P("q"));
         auto kc = rd<u8>(P("k")), vc = rd<u8>(P("v"));
         auto sinks = rd<float>(P("sinks"));
@@ -585,11 +582,11 @@ int main(int argc, char** argv) {
         unsigned gz = cdiv(n_tokens, tpc);
         launch({(unsigned)(n_head / hpc), split ? (unsigned)slots : 1u, gz}, {CH_THREADS, 1, 1}, [&] {
             attn_chunked(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, pt, n_tokens, n_head, n_kv, hd,
-                         cells, &pos0, window, scale, k_ty, v_ty, k_rot, hpc, tpc, split);
+                         cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot, hpc, tpc, split);
         });
         if (split) {
             launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {cdiv(hd, 32) * 32, 1, 1}, [&] {
-                attn_chunked_fold(pt, sinks.data(), has_sinks, o, n_tokens, n_head, hd, cells, &pos0, window);
+                attn_chunked_fold(pt, sinks.data(), has_sinks, o, n_tokens, n_head, hd, cells, &pos0, window, v_rot);
             });
         }
         wr(P("out"), out);

@@ -49,9 +49,10 @@
 //! F16/BF16 weights, the GPU's `cosf`/`sinf` in RoPE, the f64-rounded `expf` where the CPU
 //! calls libm's, and F16/BF16 summation orders; on models whose routing is that sensitive
 //! (the synthetic Q8_0/MXFP4 fixtures) a last bit can still flip an expert choice. With
-//! flash attention (`-fa on`, and `auto`, the default) over f32/f16/bf16 values the CPU and REF0 run the chunked
-//! flash kernel ([`hmoe_backend::AttnParams::flash`]), and so does the CUDA device over f32/f16
-//! values (`attn_chunked`: the CPU's bits in the host emulation, not yet checked on a GPU).
+//! flash attention (`-fa on`, and `auto`, the default), and over block-quantized values
+//! whatever `-fa` says, the CPU and REF0 run the chunked flash kernel
+//! ([`hmoe_backend::AttnParams::flash`]), and so does the CUDA device over its f32/f16/Q8_0/Q4_0
+//! rings (`attn_chunked`: the CPU's bits in the host emulation, not yet checked on a GPU).
 //!
 //! Several sequences at once ([`crate::LanguageModel::forward_multi`], continuous batching): each
 //! sequence has its own K/V cache on the device, and one micro-batch carries every sequence's
