@@ -240,12 +240,13 @@ const FLASH_CHUNK: u64 = hmoe_backend::numerics::FLASH_CHUNK as u64;
 /// What the CPU device's flash attention (`-fa on`/`auto`) keeps between calls, in buffers
 /// that grow to the largest call and stay: the states its tasks hand back, `4·(Dv + 2)` bytes
 /// per query row, head and chunk, for a micro-batch of `tokens` and for a decode step that
-/// reads `depth` positions (over f32/f16/bf16 values in chunks of [`FLASH_CHUNK`], else one);
+/// reads `depth` positions (in chunks of [`FLASH_CHUNK`]; DeepSeek's latent ring in one);
 /// and a worker's scratch for one task (counted once; every further thread keeps its own): per
 /// row of up to [`FLASH_Q_TILE`] queries of every head its span, state and block of scores,
 /// the query converted for K (f32/f16 keys: f32 and transposed; block keys: their activation
 /// row), and per KV head the block's key offsets and converted keys and values where the
-/// kernel does not read them in place. DeepSeek's latent attention over a float cache runs the
+/// kernel does not read them in place (bf16 and quantized values: a block of positions'
+/// worth, converted to f32). DeepSeek's latent attention over a float cache runs the
 /// row kernel, which keeps only a score row.
 fn flash_kept(s: &ModelShape, f: &PlacementFlags, tokens: u64, depth: u64) -> u64 {
     use hmoe_quant::GgmlType::{BF16, F16, F32};
@@ -259,7 +260,8 @@ fn flash_kept(s: &ModelShape, f: &PlacementFlags, tokens: u64, depth: u64) -> u6
         return 0;
     }
     let (h, hkv, dk, dv) = (s.n_head, s.n_head_kv.max(1), s.head_dim_k, s.head_dim_v);
-    let chunked = float(v_type);
+    // Every K/V cache's values go in chunks but DeepSeek's latent (K-only) ring.
+    let chunked = !s.mla;
     let k_in_place = matches!(f.cache_type_k, F32 | F16);
     let chain = chunked && k_in_place;
     let tile_rows = if tokens > FLASH_Q_TILE {
@@ -284,12 +286,12 @@ fn flash_kept(s: &ModelShape, f: &PlacementFlags, tokens: u64, depth: u64) -> u6
     let k_block = if k_in_place && !chain { 4 * dk } else { 0 };
     let v_block = if chain { 0 } else { 4 * dv };
     let per_kv = FLASH_POS_BLOCK * (8 + k_block + v_block);
-    let bf16_values = if chain && v_type == BF16 {
+    let converted_values = if chain && !matches!(v_type, F32 | F16) {
         FLASH_POS_BLOCK * 4 * dv
     } else {
         0
     };
-    let scratch = h * tokens.min(FLASH_Q_TILE) * per_row + hkv * per_kv + bf16_values;
+    let scratch = h * tokens.min(FLASH_Q_TILE) * per_row + hkv * per_kv + converted_values;
     states + scratch
 }
 
