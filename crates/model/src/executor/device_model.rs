@@ -668,7 +668,8 @@ impl<B: Backend> DeviceModel<B> {
             narrowed: None,
         };
         cx.offload_last = offload_at(cx.last_layer_rows());
-        // Each layer's output is added by the next layer's first norm.
+        // Each layer's output is added by the next layer's first norm, the last one's here
+        // (unless that layer narrowed to the wanted rows and added it to them).
         let mut pending = None;
         for l in 0..dims.n_layer {
             pending = self.arch.layer(&mut cx, l, &mut x, pending)?;

@@ -52,8 +52,8 @@ pub(crate) trait DeviceLayers<B: Backend>: Send + Sync {
     fn kv_widths(&self, layer: usize) -> KvWidths;
     /// Layer `layer` over the micro-batch's hidden state `x` (`n × n_embd`), in place, the
     /// previous layer's output `pending` added first (by its first norm, [`Step::rms_norm`]):
-    /// returns its own output, for the next layer to add; the last layer adds it itself
-    /// ([`Step::feed_forward`]).
+    /// returns its own output, for the next layer (or, after the last, the executor) to add;
+    /// `None` where the last layer added it to the rows it narrowed to ([`Step::feed_forward`]).
     fn layer<'s>(
         &self,
         cx: &mut Step<'s, B>,
@@ -232,8 +232,8 @@ impl<'s, B: Backend> Step<'s, B> {
     /// Runs a layer's feed-forward block `ffn` over the hidden state `x`, handing it the
     /// attention block's output still to be added ([`Residual`], which its norm adds:
     /// [`Step::rms_norm`]); returns the block's output, for the next layer to add. In the
-    /// model's last layer the attention's output is added to every row first, the block runs
-    /// over the rows whose logits the members want alone ([`Step::narrow_to_outputs`]),
+    /// model's last layer the attention's output is added to every row first; where the
+    /// members want some rows alone ([`Step::narrow_to_outputs`]), the block runs over those,
     /// which the logits then read, and its output is added to them here (`None` returned).
     pub(crate) fn feed_forward(
         &mut self,
@@ -257,9 +257,7 @@ impl<'s, B: Backend> Step<'s, B> {
             self.narrowed = Some(rows);
             return Ok(None);
         }
-        let out = ffn(self, x, None)?;
-        self.dev.add_assign(x, &out.0)?;
-        Ok(None)
+        ffn(self, x, None).map(Some)
     }
 
     /// RMSNorm of the hidden state `x` (times `weight`) into `out`, after adding the block
