@@ -12,9 +12,11 @@
 //! Every op is queued in order on the device; downloads wait for what was queued before them.
 #![warn(missing_docs)]
 
+mod capabilities;
 mod error;
 mod experts;
 pub mod host_ops;
+mod kv_ring;
 mod kv_type;
 pub mod numerics;
 pub mod packed_staging;
@@ -30,9 +32,11 @@ use std::ops::Range;
 
 use hmoe_quant::GgmlType;
 
+pub use capabilities::Capabilities;
 pub use error::BackendError;
 pub use experts::{ExpertMatrix, ExpertTensors, ExpertView};
 pub use host_ops::HostStaging;
+pub use kv_ring::{kv_row_count, kv_rows_range, KvLayout, KvRing, KV_TYPES};
 pub use kv_type::{CacheType, FlashAttn, KvType, KvTypeError};
 pub use packed_staging::PackedDown;
 pub use params::{AttnParams, FreqFactors, KOnlyAttnParams, RopeParams, RowCopy, MAX_ROPE_PAIRS};
@@ -172,6 +176,22 @@ pub fn check_upload_into(src_len: usize, dst_len: usize) -> Result<(), BackendEr
     })
 }
 
+/// The elements `dst[at..at + src_len]` that [`Backend::copy_into`] writes, or the shape
+/// error for a destination of `dst_len` elements that does not hold them.
+pub fn copy_into_range(
+    src_len: usize,
+    dst_len: usize,
+    at: usize,
+) -> Result<Range<usize>, BackendError> {
+    match at.checked_add(src_len).filter(|&end| end <= dst_len) {
+        Some(end) => Ok(at..end),
+        None => Err(BackendError::Shape {
+            op: "copy_into",
+            what: format!("{src_len} values at {at} of {dst_len}"),
+        }),
+    }
+}
+
 /// The host side of one round trip at the expert boundary: the inputs brought down and the
 /// output to send up.
 pub struct StagedIo<'s> {
@@ -242,182 +262,6 @@ impl GatedAct {
             GatedAct::Silu => numerics::swiglu_row(gate, up),
         }
     }
-}
-
-/// The bytes of `n` rows of a ring of `layout` from cell `cell0` on, or the shape error when
-/// the ring does not hold them.
-pub fn kv_rows_range(
-    layout: &KvLayout,
-    cell0: usize,
-    n: usize,
-) -> Result<Range<usize>, BackendError> {
-    let rb = layout.row_bytes();
-    match cell0.checked_add(n).filter(|&end| end <= layout.cells) {
-        Some(end) => Ok(cell0 * rb..end * rb),
-        None => Err(BackendError::Shape {
-            op: "K/V rows",
-            what: format!("{n} rows at cell {cell0} of a ring of {}", layout.cells),
-        }),
-    }
-}
-
-/// How many rows of `layout` `len` bytes are, or the shape error when they are not whole rows.
-pub fn kv_row_count(layout: &KvLayout, len: usize) -> Result<usize, BackendError> {
-    let rb = layout.row_bytes();
-    error::ensure(rb > 0 && len.is_multiple_of(rb), "K/V rows", || {
-        format!("{len} bytes are not whole rows of {rb} bytes")
-    })?;
-    Ok(len / rb)
-}
-
-/// The elements `dst[at..at + src_len]` that [`Backend::copy_into`] writes, or the shape
-/// error for a destination of `dst_len` elements that does not hold them.
-pub fn copy_into_range(
-    src_len: usize,
-    dst_len: usize,
-    at: usize,
-) -> Result<Range<usize>, BackendError> {
-    match at.checked_add(src_len).filter(|&end| end <= dst_len) {
-        Some(end) => Ok(at..end),
-        None => Err(BackendError::Shape {
-            op: "copy_into",
-            what: format!("{src_len} values at {at} of {dst_len}"),
-        }),
-    }
-}
-
-/// The element types of K/V rings the contract knows (the CPU device's `-ctk`/`-ctv` types):
-/// F32, F16, BF16 and the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. A device says which it
-/// stores and attends over ([`Backend::kv_types`]).
-pub const KV_TYPES: [GgmlType; 8] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-];
-
-/// What a kind of device keeps and computes, known without opening one (as ggml's
-/// `supports_op` and `supports_buft` are): the engine asks this when it chooses a device and a
-/// K/V type, instead of knowing each backend's abilities. Each backend crate publishes its own
-/// (`hmoe_cuda::CAPABILITIES`, [`REF0_CAPABILITIES`]); an open device answers the same through
-/// [`Backend::kv_types`], [`Backend::supports_kv`] and [`Backend::k_only_types`].
-#[derive(Clone, Copy, Debug)]
-pub struct Capabilities {
-    /// The weight types its matmuls, row gathers and expert sets take.
-    pub weight_types: &'static [GgmlType],
-    /// The types of K/V rings it stores ([`Backend::kv_types`]).
-    pub kv_types: &'static [GgmlType],
-    /// The types attention reads as keys and as values of a K/V pair
-    /// ([`Backend::supports_kv`]: both of these).
-    pub kv_pair_types: &'static [GgmlType],
-    /// The types of K-only (latent) rings it attends over ([`Backend::k_only_types`]).
-    pub k_only_types: &'static [GgmlType],
-    /// Whether its RoPE applies per-pair frequency factors (`rope_freqs.weight` of Llama 3
-    /// files, [`RopeParams`]'s `freq_factors`).
-    pub rope_freq_factors: bool,
-}
-
-impl Capabilities {
-    /// Whether the device keeps a K/V cache of `k` keys and `v` values and attends over it.
-    pub fn keeps_kv(&self, k: GgmlType, v: GgmlType) -> bool {
-        self.kv_pair_types.contains(&k) && self.kv_pair_types.contains(&v)
-    }
-
-    /// Whether the device keeps and attends over a K-only (latent) cache of `k`.
-    pub fn keeps_k_only(&self, k: GgmlType) -> bool {
-        self.k_only_types.contains(&k)
-    }
-
-    /// Whether the device multiplies weights of `ty`.
-    pub fn multiplies(&self, ty: GgmlType) -> bool {
-        self.weight_types.contains(&ty)
-    }
-}
-
-/// How a K/V ring stores its rows: `cells` rows (position `p` in cell `p % cells`) of `width`
-/// values of `ty`, each row in ggml's layout of the type (the block types: whole blocks),
-/// Walsh–Hadamard rotated in chunks of `rot` values before it is converted (0: not rotated;
-/// llama.cpp's rotation of block-quantized heads, see [`numerics::fwht`]). A ring holds K or V
-/// of a layer, or a K-only (latent) cache of any width that is whole blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvLayout {
-    /// Element type of the rows (one of [`KV_TYPES`]).
-    pub ty: GgmlType,
-    /// Values per row.
-    pub width: usize,
-    /// Rows in the ring.
-    pub cells: usize,
-    /// Rotation chunk (a power of two dividing `width`), or 0.
-    pub rot: usize,
-}
-
-impl KvLayout {
-    /// A layout, or the shape error when `ty` is not a K/V type, `width` is not whole blocks
-    /// of it, or `rot` is not 0 or a power of two dividing `width`.
-    pub fn new(
-        ty: GgmlType,
-        width: usize,
-        cells: usize,
-        rot: usize,
-    ) -> Result<KvLayout, BackendError> {
-        const OP: &str = "K/V ring";
-        if !KV_TYPES.contains(&ty) {
-            return Err(BackendError::UnsupportedType { ty, op: OP });
-        }
-        error::ensure(
-            width > 0 && width.is_multiple_of(ty.block_elems()),
-            OP,
-            || format!("rows of {width} values are not whole {ty} blocks"),
-        )?;
-        error::ensure(
-            rot == 0 || (rot.is_power_of_two() && width.is_multiple_of(rot)),
-            OP,
-            || format!("rotation chunks of {rot} for rows of {width}"),
-        )?;
-        Ok(KvLayout {
-            ty,
-            width,
-            cells,
-            rot,
-        })
-    }
-
-    /// The rotation chunk of a ring of `ty` whose heads are `head` values long, as llama.cpp
-    /// (and the CPU device's cache) rotates them: a block-quantized type (not f32, f16 or
-    /// bf16) with heads a multiple of 64 long is rotated, keys (`key`) in chunks of the
-    /// largest power of two dividing the head, values in chunks of 64; else 0.
-    pub fn rotation(ty: GgmlType, head: usize, key: bool) -> usize {
-        let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        if float || !head.is_multiple_of(64) || (key && head == 0) {
-            return 0;
-        }
-        match key {
-            true => 1 << head.trailing_zeros(),
-            false => 64,
-        }
-    }
-
-    /// Bytes of one row.
-    pub fn row_bytes(&self) -> usize {
-        self.width / self.ty.block_elems() * self.ty.block_bytes()
-    }
-
-    /// Bytes of the ring.
-    pub fn bytes(&self) -> usize {
-        self.cells * self.row_bytes()
-    }
-}
-
-/// A K/V ring on device `B`: its bytes and their [`KvLayout`].
-pub struct KvRing<B: Backend + ?Sized> {
-    /// The rows, [`KvLayout::bytes`] bytes.
-    pub data: B::Buf<u8>,
-    /// How they are stored.
-    pub layout: KvLayout,
 }
 
 /// A device that holds weights and buffers and runs the ops of a forward pass over them.
