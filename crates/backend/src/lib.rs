@@ -12,6 +12,7 @@
 //! Every op is queued in order on the device; downloads wait for what was queued before them.
 #![warn(missing_docs)]
 
+pub mod attention_scratch;
 mod capabilities;
 mod error;
 mod experts;

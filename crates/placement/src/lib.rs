@@ -34,14 +34,17 @@
 //!   graph, plus the staging buffers of op offload:
 //!   - attention phase: `T·4·(3E + H·Dq + Hkv·(Dk+Dv) + H·Dv)` (residual, normed input, q,
 //!     k, v, attention output, projection; the attention itself is flash-style, so no
-//!     `T × n_kv` score matrix);
+//!     `T × n_kv` score matrix and no mask), plus the attention's own temporaries: the chunk
+//!     states or latent scores a device keeps when it splits a call over positions, at most
+//!     what `hmoe_backend::attention_scratch` bounds them to for the cache kinds the device
+//!     attends over (gpt-oss-120b at its whole context: 8.7 MB a decoded token, at most 64
+//!     MiB; DeepSeek-V3's decode scores: 84 MB);
 //!   - router phase: `T·4·(2E + 2X + 2k)` (input, normed, logits, probabilities, ids, weights);
 //!   - expert phase: `T·4·(2E + 3kF + 2kE)` (input, gate, up, activation per used expert,
 //!     per-expert output, weighted output, sum);
 //!   - dense FFN / shared experts of width W: `T·4·(2E + 3W)`;
 //!   - output phase: `T·4·(E + V)` (normed state and logits for every token of the ubatch,
 //!     the worst case that perplexity and speculative verification need);
-//!   - inputs: one f16 `T × n_kv` attention mask per cache kind (full, sliding) used there;
 //!   - op offload staging: when op offload is on and `T ≥ 32`, matmuls whose weights are on
 //!     the CPU run on the GPU of their layer (else CUDA0) for that ubatch, and the GPU runs
 //!     the expert phase; it holds the two largest such weights other than routed experts (one

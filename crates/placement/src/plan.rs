@@ -5,6 +5,8 @@
 
 use std::collections::HashMap;
 
+use hmoe_backend::attention_scratch::{attention_scratch_bound, ScratchShape};
+
 use crate::device::{DeviceBudget, DeviceId};
 use crate::error::PlacementError;
 use crate::flags::{
@@ -312,8 +314,9 @@ struct Activity {
     experts: bool,
     ffn_width: u64,
     output: bool,
-    mask_full: bool,
-    mask_swa: bool,
+    /// Whether it attends over a full-context cache and over a sliding-window one.
+    attn_full: bool,
+    attn_swa: bool,
     /// The two largest CPU weights offloaded to this device, routed experts aside.
     staging: [u64; 2],
     /// Offloaded expert bytes per layer: the routed experts of CPU layers this device runs
@@ -648,7 +651,7 @@ impl<'a> Planner<'a> {
     }
 
     /// KV cache per device: each layer's cells (full or sliding-window) on the device that
-    /// runs the layer, which also runs its attention and mask.
+    /// runs the layer, which also runs its attention.
     fn add_kv(
         &self,
         st: &State,
@@ -685,16 +688,17 @@ impl<'a> Planner<'a> {
             };
             act[d].attn = true;
             if swa {
-                act[d].mask_swa = true;
+                act[d].attn_swa = true;
             } else {
-                act[d].mask_full = true;
+                act[d].attn_full = true;
             }
         }
     }
 
-    /// A GPU's compute buffers for `t`-token micro-batches: the largest phase it runs, its
-    /// attention masks, and the op-offload staging of CPU matrices other than the routed
-    /// experts (those stream through the ring, counted apart).
+    /// A GPU's compute buffers for `t`-token micro-batches: the largest phase it runs (the
+    /// attention phase with the attention's own temporaries, [`attention_scratch_bound`]),
+    /// and the op-offload staging of CPU matrices other than the routed experts (those stream
+    /// through the ring, counted apart).
     fn gpu_compute(&self, a: &Activity, t: u64, (cells_full, cells_swa): (u64, u64)) -> u64 {
         let s = self.shape;
         let e = s.n_embd;
@@ -712,9 +716,27 @@ impl<'a> Planner<'a> {
             t * 4 * (2 * e + 3 * s.n_expert_used * s.n_ff_exp + pair_rows * s.n_expert_used * e);
         let phase_ffn = |w: u64| t * 4 * (2 * e + 3 * w);
         let phase_output = t * 4 * (e + s.n_vocab);
+        let scratch = |cells: u64, window: Option<usize>| {
+            let shape = ScratchShape {
+                n_head: s.n_head as usize,
+                head_dim_v: s.head_dim_v as usize,
+                cells: cells as usize,
+                window,
+                k_only: s.mla,
+            };
+            attention_scratch_bound(&shape, t as usize) as u64
+        };
+        let mut attn_scratch = 0;
+        if a.attn_full {
+            attn_scratch = scratch(cells_full, None);
+        }
+        if a.attn_swa {
+            let window = Some(s.sliding_window as usize);
+            attn_scratch = attn_scratch.max(scratch(cells_swa, window));
+        }
         let mut peak = 0;
         if a.attn {
-            peak = peak.max(phase_attn);
+            peak = peak.max(phase_attn + attn_scratch);
         }
         if a.router {
             peak = peak.max(phase_router);
@@ -728,14 +750,7 @@ impl<'a> Planner<'a> {
         if a.output {
             peak = peak.max(phase_output);
         }
-        let mut inputs = 0;
-        if a.mask_full {
-            inputs += t * cells_full * 2;
-        }
-        if a.mask_swa {
-            inputs += t * cells_swa * 2;
-        }
-        peak + inputs + a.staging[0] + a.staging[1]
+        peak + a.staging[0] + a.staging[1]
     }
 
     /// The hmoe engine's CPU compute memory (see the crate docs): the largest set of buffers

@@ -667,3 +667,37 @@ fn tied_output_head_is_duplicated_on_the_gpu() {
     let p = plan(&t, &s, &gpus(&[GIB]), &f).unwrap();
     assert_eq!(gpu0(&p).weights, 0);
 }
+
+/// A GPU's compute counts its attention's own temporaries (the chunk states of a call split
+/// over positions, `hmoe_backend::attention_scratch`), which grow with the context, and no
+/// attention mask (the engine has none): with micro-batches of 8 tokens the attention phase
+/// is the largest, and going from 16,384 cells to 32,768 adds exactly the difference of the
+/// two bounds (the sliding layers' rings, one chunk or two, are the same in both).
+#[test]
+fn gpu_compute_counts_split_attention_states_and_no_mask() {
+    use hmoe_backend::attention_scratch::{attention_scratch_bound, ScratchShape};
+    let (t, s) = model(small_dims());
+    let compute = |ctx: u32| {
+        let f = PlacementFlags {
+            ctx_size: Some(ctx),
+            ubatch_size: 8,
+            batch_size: 8,
+            n_gpu_layers: GpuLayers::All,
+            ..off()
+        };
+        gpu0(&plan(&t, &s, &gpus(&[64 * GIB]), &f).unwrap()).compute
+    };
+    let bound = |cells: usize| {
+        let shape = ScratchShape {
+            n_head: 16,
+            head_dim_v: 64,
+            cells,
+            window: None,
+            k_only: false,
+        };
+        attention_scratch_bound(&shape, 8) as u64
+    };
+    // 8 tokens over 32,768 cells: 129 slots of 16 heads' 66 floats each, 4.4 MB.
+    assert_eq!(bound(32_768), 4 * 129 * 8 * 16 * 66);
+    assert_eq!(compute(32_768) - compute(16_384), bound(32_768) - bound(16_384));
+}

@@ -6,7 +6,7 @@
 //! for bit (see the kernels' `attention_chunked.cu`).
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use hmoe_backend::numerics::FLASH_CHUNK;
+use hmoe_backend::attention_scratch::{chunk_slots, chunk_states_len, CHUNK_STATES_MAX_BYTES};
 use hmoe_backend::AttnParams;
 
 use super::attention::{AttnArgs, AttnRings};
@@ -17,10 +17,6 @@ use crate::kernels::{CH_MAX_ROWDIMS, CH_MAX_ROWS, CH_THREADS};
 /// Split over the chunks only while the unsplit launch has fewer blocks than this (too few to
 /// fill a GPU); a guess, not measured.
 const SPLIT_BELOW_BLOCKS: usize = 256;
-
-/// The most scratch a split launch takes (bytes of chunk states); larger batches fold their
-/// chunks in the block instead.
-const MAX_SCRATCH_BYTES: usize = 64 << 20;
 
 /// The launch shape of `attn_chunked` for a call: which rows each block serves, how many
 /// chunk slots the grid has and whether the chunks are split over blocks. The results do not
@@ -51,10 +47,7 @@ impl ChunkedShape {
         let tokens_per_cta = (CH_MAX_ROWS / heads_per_cta)
             .min(CH_MAX_ROWDIMS / (heads_per_cta * p.head_dim))
             .clamp(1, n_tokens.max(1));
-        let span = p
-            .window
-            .map_or(p.cells, |w| (w + n_tokens.saturating_sub(1)).min(p.cells));
-        let slots = span.div_ceil(FLASH_CHUNK) + 1;
+        let slots = chunk_slots(p.cells, p.window, n_tokens);
         let mut shape = ChunkedShape {
             heads_per_cta,
             tokens_per_cta,
@@ -65,7 +58,7 @@ impl ChunkedShape {
         shape.split = slots > 1
             && x * z < SPLIT_BELOW_BLOCKS
             && slots <= MAX_GRID_Y
-            && shape.scratch_len(p, n_tokens) * 4 <= MAX_SCRATCH_BYTES;
+            && shape.scratch_len(p, n_tokens) * 4 <= CHUNK_STATES_MAX_BYTES;
         shape
     }
 
@@ -78,11 +71,10 @@ impl ChunkedShape {
         )
     }
 
-    /// f32s of chunk states a split launch writes (`slots × n_tokens × n_head` records of
-    /// `head_dim + 2`); 0 unsplit.
+    /// f32s of chunk states a split launch writes ([`chunk_states_len`]); 0 unsplit.
     pub fn scratch_len(&self, p: &AttnParams, n_tokens: usize) -> usize {
         match self.split {
-            true => self.slots * n_tokens * p.n_head * (p.head_dim + 2),
+            true => chunk_states_len(self.slots, n_tokens, p.n_head, p.head_dim),
             false => 0,
         }
     }

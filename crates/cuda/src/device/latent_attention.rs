@@ -7,23 +7,13 @@
 //! shapes (hmoe_backend::shapes, in the contract's implementation).
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use hmoe_backend::attention_scratch::{K_ONLY_DECODE_SCORES_MAX, K_ONLY_SCORES_MAX};
 use hmoe_backend::KOnlyAttnParams;
 use hmoe_quant::GgmlType;
 
 use super::{i32_of, u32_of, CudaDevice, MAX_GRID_Y};
 use crate::error::{ensure, CudaError};
 use crate::kernels::{KO_MAX_K, KO_MAX_V, KO_THREADS, KS_HEADS, KS_MAX_TILES, KS_POS, KV_DIMS};
-
-/// The most scores (`n_tokens × n_head × cells`, 4 bytes each: 64 MiB) for which a call of
-/// several tokens runs split over positions, its scores and weights in a scratch buffer of
-/// that size; larger calls (long prefill) run the one-block-per-(head, token) kernel, which
-/// needs none.
-pub(crate) const K_ONLY_SPLIT_MAX_SCORES: usize = 16 << 20;
-
-/// The most scores for which a one-token call (decode) runs split over positions: 256 MiB,
-/// so that DeepSeek-V3's 128 heads over its whole 163,840-position context (`-c 0`: 84 MB)
-/// decode split too.
-pub(crate) const K_ONLY_SPLIT_DECODE_MAX_SCORES: usize = 64 << 20;
 
 /// The kernels of a K-only ring of `ty`: the one-block-per-(head, token) kernel, then the
 /// split path's scores, weights and values kernels. The weights kernel is the ring's own
@@ -53,15 +43,15 @@ fn k_only_kernels(ty: GgmlType) -> Option<[&'static str; 4]> {
 }
 
 /// Whether a call of `n_tokens` over `p` runs split over positions: it has scores, at most
-/// [`K_ONLY_SPLIT_DECODE_MAX_SCORES`] of them for one token and
-/// [`K_ONLY_SPLIT_MAX_SCORES`] for several, and its head groups fit a grid's y.
+/// [`K_ONLY_DECODE_SCORES_MAX`] of them for one token and
+/// [`K_ONLY_SCORES_MAX`] for several, and its head groups fit a grid's y.
 fn k_only_split(p: &KOnlyAttnParams, n_tokens: usize) -> bool {
     let scores = n_tokens
         .checked_mul(p.n_head)
         .and_then(|x| x.checked_mul(p.cells));
     let most = match n_tokens {
-        1 => K_ONLY_SPLIT_DECODE_MAX_SCORES,
-        _ => K_ONLY_SPLIT_MAX_SCORES,
+        1 => K_ONLY_DECODE_SCORES_MAX,
+        _ => K_ONLY_SCORES_MAX,
     };
     scores.is_some_and(|s| (1..=most).contains(&s)) && p.n_head.div_ceil(KS_HEADS) <= MAX_GRID_Y
 }
@@ -146,7 +136,7 @@ impl CudaDevice {
             unsafe { b.launch(cfg) }?;
             return Ok(());
         }
-        // At most K_ONLY_SPLIT_DECODE_MAX_SCORES (k_only_split), so every grid dimension fits
+        // At most K_ONLY_DECODE_SCORES_MAX (k_only_split), so every grid dimension fits
         // a u32.
         let mut s = self.alloc_scratch::<f32>(n_tokens * p.n_head * p.cells)?;
         let groups = p.n_head.div_ceil(KS_HEADS) as u32;

@@ -18,8 +18,8 @@
 // (vec_dot's four chains; else 1 chain), then (c0 + c2) + (c1 + c3) per lane and by halving.
 //
 // What runs when (latent_attention.rs): a call of at most 16 Mi scores (n_tokens × n_head ×
-// cells, K_ONLY_SPLIT_MAX_SCORES: short prefill), or of one token and at most 64 Mi
-// (K_ONLY_SPLIT_DECODE_MAX_SCORES: decode, up to DeepSeek-V3's whole context) runs split over
+// cells, hmoe_backend's K_ONLY_SCORES_MAX: short prefill), or of one token and at most 64 Mi
+// (K_ONLY_DECODE_SCORES_MAX: decode, up to DeepSeek-V3's whole context) runs split over
 // positions
 // (latent_split.cu: scores, weights, values through a scratch of those scores, every key and
 // value read once per group of heads); a larger one (long prefill) runs attn_k_only_<type>
