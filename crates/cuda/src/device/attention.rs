@@ -51,8 +51,9 @@ impl AttnArgs {
             .arg(&self.has_sinks);
     }
 
-    /// Pushes the shape they take after their outputs, from `n_tokens` to the values'
-    /// rotation, the position buffer `pos_at` where the first position goes.
+    /// Pushes the shape they take after their outputs, from `n_tokens` to the keys'
+    /// rotation, the position buffer `pos_at` where the first position goes (`attn_chunked`
+    /// takes the values' rotation next; `attn_row` reads only float values, never rotated).
     pub(super) fn push_shape<'a>(
         &'a self,
         b: &mut LaunchArgs<'a>,
@@ -69,8 +70,7 @@ impl AttnArgs {
             .arg(scale)
             .arg(&self.k_ty)
             .arg(&self.v_ty)
-            .arg(&self.k_rot)
-            .arg(&self.v_rot);
+            .arg(&self.k_rot);
     }
 }
 

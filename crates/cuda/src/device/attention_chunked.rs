@@ -117,7 +117,7 @@ impl CudaDevice {
             a.push_rings(&mut b, rings);
             b.arg(&mut *out).arg(part);
             a.push_shape(&mut b, pos_at, &p.scale);
-            b.arg(&hpc).arg(&tpc).arg(&split);
+            b.arg(&a.v_rot).arg(&hpc).arg(&tpc).arg(&split);
             // SAFETY: argument types match the kernel; the rings, queries, sinks and output were
             // checked by `attention`; the scratch holds every record a split launch writes
             // (`scratch_len`), and an unsplit launch does not touch it.

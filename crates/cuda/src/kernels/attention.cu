@@ -248,8 +248,8 @@ __device__ __forceinline__ float kv_value(const u8* ring, int ty, u64 i) {
 // -fa and the value type choose the kernel: f32/f16 values with -fa off take attn_row;
 // -fa on, and Q8_0/Q4_0 values whatever -fa says, attn_chunked (attention_chunked.cu); each
 // with keys of f32, f16, Q8_0 or Q4_0. Both take the same arguments first: the rings' ggml
-// types and their rotation chunks (only block-quantized rings are rotated, so attn_row, over
-// float values, never rotates its output back).
+// types and the keys' rotation chunk; attn_chunked then the values' (only block-quantized
+// rings are rotated, so attn_row, over float values, has nothing to rotate back).
 //
 // attn_row: the CPU device's row kernel (RefBackend's `ref0_kv`, hmoe_model's attention for
 // float values), bit for bit: the query rounded to f16 for f16 keys, rotated and converted to
@@ -331,7 +331,7 @@ extern "C" __global__ void attn_row(const float* q, const u8* kc, const u8* vc,
                                     const float* sinks, int has_sinks, float* out, int n_tokens,
                                     int n_head, int n_kv, int head_dim, int cells,
                                     const int* pos_at, int window, float scale, int k_ty,
-                                    int v_ty, int k_rot, int v_rot, int value_chains) {
+                                    int v_ty, int k_rot, int value_chains) {
     __shared__ float sm_q[ATT_MAX_PER_LANE * WARP];
     __shared__ u8 sm_qb[ATT_MAX_PER_LANE * 34];
     __shared__ float sm_s[ATT_SCORE_CACHE];

@@ -562,7 +562,7 @@ int main(int argc, char** argv) {
         float* o = out.data();
         // attention.rs: f32/f16 values with -fa off (the others take attn_chunked below).
         launch({(unsigned)n_head, (unsigned)n_tokens, 1}, {ATT_WARPS * 32, 1, 1}, [&] {
-            attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, v_rot, value_chains);
+            attn_row(q.data(), kc.data(), vc.data(), sinks.data(), has_sinks, o, n_tokens, n_head, n_kv, hd, cells, &pos0, window, scale, k_ty, v_ty, k_rot, value_chains);
         });
         wr(P("out"), out);
     } else if (op == "attn_chunked") {
