@@ -699,5 +699,8 @@ fn gpu_compute_counts_split_attention_states_and_no_mask() {
     };
     // 8 tokens over 32,768 cells: 129 slots of 16 heads' 66 floats each, 4.4 MB.
     assert_eq!(bound(32_768), 4 * 129 * 8 * 16 * 66);
-    assert_eq!(compute(32_768) - compute(16_384), bound(32_768) - bound(16_384));
+    assert_eq!(
+        compute(32_768) - compute(16_384),
+        bound(32_768) - bound(16_384)
+    );
 }
