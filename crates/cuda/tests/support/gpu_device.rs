@@ -1,4 +1,4 @@
-//! The device and helpers shared by the GPU test files (`gpu.rs`, `gpu_moe.rs`).
+//! The device and helpers shared by the GPU test files (`gpu.rs`, `gpu_moe.rs`, `gpu_fusions.rs`).
 
 #![allow(dead_code)]
 
