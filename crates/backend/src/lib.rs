@@ -674,6 +674,26 @@ pub trait Backend: Send + Sync {
         selected: &mut Self::Buf<i32>,
         weights: &mut Self::Buf<f32>,
     ) -> Result<(), BackendError>;
+    /// The router's logits and its choice: `logits = w·x + bias` for `n` tokens
+    /// ([`Backend::matmul_shared`] of the one matrix `w`, of `n_expert` rows, with its bias),
+    /// then [`Backend::router_top_k`] of them into `selected` and `weights`, with their bits.
+    /// A device may run both as one kernel. Callers use it where `w`'s product runs over the
+    /// whole batch at once (as [`Backend::matmul_shared`] runs it).
+    #[allow(clippy::too_many_arguments)]
+    fn router_top_k_logits(
+        &self,
+        w: &Self::Matrix,
+        bias: Option<&Self::Buf<f32>>,
+        x: &Self::Buf<f32>,
+        n: usize,
+        (n_expert, k): (usize, usize),
+        logits: &mut Self::Buf<f32>,
+        selected: &mut Self::Buf<i32>,
+        weights: &mut Self::Buf<f32>,
+    ) -> Result<(), BackendError> {
+        self.matmul_shared(&[w], &[bias], x, n, &mut [&mut *logits])?;
+        self.router_top_k(logits, n_expert, k, selected, weights)
+    }
     /// The `k` best logits of each row of `logits` (rows of `n_vocab`; `1 ≤ k ≤
     /// min(n_vocab, TOP_K_MAX)`), best first in [`top_k_key`]'s order (the host sampler's,
     /// NaNs first; ties to the lower id): their values (the logits' bits) into `values` and

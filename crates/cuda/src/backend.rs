@@ -426,6 +426,22 @@ impl Backend for CudaDevice {
             self, logits, n_expert, k, selected, weights,
         )?)
     }
+    fn router_top_k_logits(
+        &self,
+        w: &DeviceMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        x: &CudaSlice<f32>,
+        n: usize,
+        shape: (usize, usize),
+        logits: &mut CudaSlice<f32>,
+        selected: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        replayed!(self);
+        Ok(CudaDevice::router_top_k_logits(
+            self, w, bias, x, n, shape, logits, selected, weights,
+        )?)
+    }
     fn top_k(
         &self,
         logits: &CudaSlice<f32>,

@@ -43,6 +43,7 @@ pub use capabilities::{
     SUPPORTED_TYPES,
 };
 pub use matmul::CUBLAS_MIN_TOKENS;
+pub use routing::ROUTER_FUSED_MAX_TOKENS;
 
 /// Largest grid y dimension CUDA allows (tokens or expert slots per launch).
 const MAX_GRID_Y: usize = 65_535;
@@ -188,6 +189,9 @@ pub struct CudaDevice {
     ptx_origin: PtxOrigin,
     /// One f32 handed to kernels in place of an absent optional buffer.
     dummy: CudaSlice<f32>,
+    /// The blocks of `router_logits_topk_*` that have finished (`routing.rs`): 0 between
+    /// launches, which leave it at 0; allocated once, so that a CUDA graph's replays find it.
+    router_done: CudaSlice<u32>,
     /// Pinned buffers for uploads from the file mapping, allocated at the first such upload.
     staging: Mutex<Option<Staging>>,
     /// Kernel times, when `HMOE_CUDA_PROFILE` asks for them.
@@ -295,6 +299,7 @@ impl CudaDevice {
                 None
             };
             let dummy = stream.alloc_zeros::<f32>(1)?;
+            let router_done = stream.alloc_zeros::<u32>(1)?;
             let profile = profile::requested().then(Profile::default);
             // Graphs hold the ops' temporaries as memory nodes (stream-ordered allocation);
             // the profile's timing events cannot be captured.
@@ -308,6 +313,7 @@ impl CudaDevice {
                 blas,
                 ptx_origin,
                 dummy,
+                router_done,
                 staging: Mutex::new(None),
                 profile,
                 host_slots: Mutex::new(HostSlots::default()),

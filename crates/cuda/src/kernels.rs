@@ -17,6 +17,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/gemv_dp4a.cu"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/attention.cu"),
+    include_str!("kernels/router.cu"),
     include_str!("kernels/moe.cu"),
     include_str!("kernels/moe_dp4a.cu"),
     include_str!("kernels/tiled.cu"),
@@ -56,6 +57,9 @@ pub const KERNELS: &[&str] = &[
     "attn_chunked",
     "attn_chunked_fold",
     "router_topk_softmax",
+    "router_logits_topk_f32",
+    "router_logits_topk_f16",
+    "router_logits_topk_bf16",
     "moe_dp4a_gate_up_q8_0",
     "moe_dp4a_down_q8_0",
     "moe_dp4a_gate_up_mxfp4",
@@ -327,8 +331,8 @@ mod tests {
     use super::*;
 
     /// A kernel is defined directly or by a macro instantiation (`MOE_WRAPPERS(SUFFIX, ...)`
-    /// for `moe_gate_up_*`/`moe_down_*`, `MOE_DP4A`, `MATMUL_TILED`, `MOE_MM`, `GET_ROWS` and `LOWBIT`
-    /// likewise).
+    /// for `moe_gate_up_*`/`moe_down_*`, `MOE_DP4A`, `MATMUL_TILED`, `MOE_MM`, `GET_ROWS`,
+    /// `ROUTER_LOGITS` and `LOWBIT` likewise).
     fn defined(name: &str) -> bool {
         if SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")) {
             return true;
@@ -351,6 +355,7 @@ mod tests {
             ("attn_k_only_values_", "K_ONLY_SPLIT"),
             ("attn_k_only_weights_", "K_ONLY_WEIGHTS"),
             ("get_rows_", "GET_ROWS"),
+            ("router_logits_topk_", "ROUTER_LOGITS"),
             ("matmul_", "MATMUL"),
             ("matmul_", "LOWBIT"),
             ("moe_lowbit_", "LOWBIT"),

@@ -37,7 +37,7 @@ pub use cudarc::driver::{CudaSlice, PinnedHostSlice};
 pub use device::{
     expert_types_supported, kv_pair_supported, ChunkedShape, CudaDevice, DeviceExperts,
     DeviceMatrix, ExpertAct, MoeWeights, CAPABILITIES, CUBLAS_MIN_TOKENS, KV_TYPES, K_ONLY_TYPES,
-    LOWBIT_TYPES, SUPPORTED_TYPES,
+    LOWBIT_TYPES, ROUTER_FUSED_MAX_TOKENS, SUPPORTED_TYPES,
 };
 pub use error::CudaError;
 pub use graphs::{graphs_requested, GRAPHS_ENV};

@@ -2,7 +2,8 @@
 //! thread-per-CUDA-thread emulator (`support/kernel_emulator.cpp`, launches as in src/device/),
 //! against [`Ref0`]. Q8_0/MXFP4/F32 products and those of the low-bit types (Q4_0 … Q6_K, in
 //! every order the CPU device picks: `vec_dot`, tiled K-quants, repacked Q4_0/Q4_K), the
-//! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router, the logits' top-k,
+//! quantizers (Q8_0, Q8_1, Q8_K), embedding rows, the MoE block, the router (with its product
+//! in one launch: support/emulated_routing.rs), the logits' top-k,
 //! the K/V store of every ring type and attention over every ring type pair (the row kernel
 //! and the chunked flash kernel, rotated rings) and over K-only rings of every type (both latent paths)
 //! must give the reference backend's bits (the kernels' `expf_libm` computes glibc's `expf`
@@ -42,6 +43,9 @@ mod emulated_top_k;
 
 #[path = "support/emulated_moe_decode.rs"]
 mod emulated_moe_decode;
+
+#[path = "support/emulated_routing.rs"]
+mod emulated_routing;
 
 /// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
 /// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of

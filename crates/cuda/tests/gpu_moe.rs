@@ -57,6 +57,68 @@ fn router_picks_top_k_and_normalises_them() {
     assert_eq!(&sel[k..k + 2], &[3, 100]);
 }
 
+/// The router's product and its top-k in one launch (`router_top_k_logits`, kernels/router.cu)
+/// against REF0's `matmul_shared` then `router_top_k`, bit for bit: F32 routers of 128, 32 and
+/// 8 experts over gpt-oss's 2,880, with a bias and without, 1 … 8 tokens (one launch) and 9
+/// (two), one after the other and twice each, so that every launch finds the device's counter
+/// as the last one left it.
+#[test]
+fn router_logits_and_top_k_in_one_launch_give_the_reference_backends_bits() {
+    let Some(dev) = device() else { return };
+    let cpu = Ref0::new();
+    let mut rng = StdRng::seed_from_u64(8);
+    let d = 2880;
+    let mut cases = 0;
+    for (ne, k) in [(128, 4), (32, 4), (8, 2)] {
+        let (q, _) = weights(&mut rng, GgmlType::F32, ne, d);
+        let bias = noise(&mut rng, ne, 0.5);
+        let (m, mc) = (
+            dev.upload_matrix(GgmlType::F32, ne, d, &q).unwrap(),
+            cpu.upload_matrix(GgmlType::F32, ne, d, &q).unwrap(),
+        );
+        let (bd, bc) = (dev.upload(&bias).unwrap(), cpu.upload(&bias).unwrap());
+        for n in (1..=hmoe_cuda::ROUTER_FUSED_MAX_TOKENS + 1).chain([1]) {
+            let x = noise(&mut rng, n * d, 1.0);
+            for with_bias in [false, true] {
+                let mut want = (
+                    cpu.alloc::<f32>(n * ne).unwrap(),
+                    cpu.alloc::<i32>(n * k).unwrap(),
+                    cpu.alloc::<f32>(n * k).unwrap(),
+                );
+                let xc = cpu.upload(&x).unwrap();
+                let b = [with_bias.then_some(&bc)];
+                cpu.matmul_shared(&[&mc], &b, &xc, n, &mut [&mut want.0])
+                    .unwrap();
+                cpu.router_top_k(&want.0, ne, k, &mut want.1, &mut want.2)
+                    .unwrap();
+                let xd = dev.upload(&x).unwrap();
+                for rep in 0..2 {
+                    let mut logits = dev.alloc_zeros::<f32>(n * ne).unwrap();
+                    let mut sel = dev.alloc_zeros::<i32>(n * k).unwrap();
+                    let mut w = dev.alloc_zeros::<f32>(n * k).unwrap();
+                    let bias = with_bias.then_some(&bd);
+                    let (logits_, sel_, w_) = (&mut logits, &mut sel, &mut w);
+                    Backend::router_top_k_logits(dev, &m, bias, &xd, n, (ne, k), logits_, sel_, w_)
+                        .unwrap();
+                    let what = format!("{ne} experts k {k}, {n} tokens, bias {with_bias}, #{rep}");
+                    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let got_logits = bits(dev.download(&logits).unwrap());
+                    assert_eq!(got_logits, bits(cpu.download(&want.0).unwrap()), "{what}");
+                    assert_eq!(
+                        dev.download(&sel).unwrap(),
+                        cpu.download(&want.1).unwrap(),
+                        "{what}"
+                    );
+                    let got_w = bits(dev.download(&w).unwrap());
+                    assert_eq!(got_w, bits(cpu.download(&want.2).unwrap()), "{what}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 10 * 2 * 2);
+}
+
 /// The logits' top-k (kernels/top_k.cu) at gpt-oss's vocabulary against REF0's bits, for
 /// one and several rows, k = 1 (greedy), 40 (llama-server's default) and the bound, with
 /// ties and specials; reports the kernels' time against bringing the whole row down.

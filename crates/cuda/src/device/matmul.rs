@@ -27,8 +27,8 @@ const MM_TILED_MIN_TOKENS: usize = 32;
 /// Matrices one launch of the dp4a GEMV kernel multiplies (`kernels/gemv_dp4a.cu`: Q, K and V).
 const DP4A_GROUP: usize = 3;
 
-/// The null device pointer the dp4a kernel reads as "no bias".
-const NO_BIAS: u64 = 0;
+/// The null device pointer the GEMV kernels read as "no bias".
+pub(super) const NO_BIAS: u64 = 0;
 
 /// Pushes the activations of a product kernel: `quantized` (Q8_0 blocks, for Q8_0/MXFP4
 /// weights) when there are any, else the f32 values `x`.
@@ -50,7 +50,7 @@ fn takes_q8_0(w: &DeviceMatrix) -> bool {
 }
 
 /// `x` and `y` hold `n` tokens of `w`'s inputs and outputs.
-fn check_shape(
+pub(super) fn check_shape(
     op: &'static str,
     w: &DeviceMatrix,
     x: &CudaSlice<f32>,

@@ -1,12 +1,19 @@
-//! Expert choice: the top-k + softmax router (`router_topk_softmax`) and grouped routing
+//! Expert choice: the top-k + softmax router (`router_topk_softmax`; with the router's
+//! product in the same launch for a few tokens, `router_logits_topk_*`) and grouped routing
 //! with softmax or sigmoid gating and an optional selection bias (`route_f32`).
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_backend::{Gating, Routing};
+use hmoe_quant::GgmlType;
 
-use super::{i32_of, u32_of, CudaDevice};
+use super::matmul::{check_shape, NO_BIAS};
+use super::{i32_of, u32_of, CudaDevice, DeviceMatrix};
 use crate::error::{ensure, CudaError};
-use crate::kernels::{ROUTE_MAX_EXPERTS, ROUTE_MAX_GROUPS, ROW_WARPS};
+use crate::kernels::{MM_TOKENS, ROUTE_MAX_EXPERTS, ROUTE_MAX_GROUPS, ROW_WARPS};
+
+/// Tokens up to which [`CudaDevice::router_top_k_logits`] is one launch (decode): the GEMV
+/// kernel's token tile, so that the grid is one row of blocks.
+pub const ROUTER_FUSED_MAX_TOKENS: usize = MM_TOKENS as usize;
 
 impl CudaDevice {
     /// Router: for each of the `logits.len() / n_expert` tokens, the `k` largest logits
@@ -59,6 +66,98 @@ impl CudaDevice {
             .arg(&ne)
             .arg(&k_i);
         // SAFETY: argument types match `router_topk_softmax`; sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The router's logits `logits = w · x (+ bias)` for `n` tokens and their top-k + softmax
+    /// (see `hmoe_backend::Backend::router_top_k_logits`), with the bits of
+    /// [`CudaDevice::matmul_shared`] then [`CudaDevice::router_top_k`]. F32, F16 and BF16
+    /// routers of 1 ..= [`ROUTER_FUSED_MAX_TOKENS`] tokens are one launch of
+    /// `router_logits_topk_*` (kernels/router.cu): the GEMV kernel's blocks write the logits
+    /// (matmul_f32/f16/bf16's device code), and the block that finishes last, told by the
+    /// device's `router_done` counter, which it leaves at 0, takes every token's top-k. Other
+    /// types and larger batches run the two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_top_k_logits(
+        &self,
+        w: &DeviceMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        x: &CudaSlice<f32>,
+        n: usize,
+        (n_expert, k): (usize, usize),
+        logits: &mut CudaSlice<f32>,
+        selected: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "router_top_k_logits";
+        let name = match w.ty {
+            GgmlType::F32 => "router_logits_topk_f32",
+            GgmlType::F16 => "router_logits_topk_f16",
+            GgmlType::BF16 => "router_logits_topk_bf16",
+            _ => "",
+        };
+        // The two ops take the top-k of every row of `logits`: one launch where those are
+        // the product's n rows.
+        let one_launch = !name.is_empty()
+            && (1..=ROUTER_FUSED_MAX_TOKENS).contains(&n)
+            && w.rows == n_expert
+            && logits.len() == n * n_expert;
+        if !one_launch {
+            self.matmul_shared(&[w], &[bias], x, n, &mut [&mut *logits])?;
+            return self.router_top_k(logits, n_expert, k, selected, weights);
+        }
+        check_shape(OP, w, x, n, logits)?;
+        ensure(
+            k > 0 && k <= n_expert && selected.len() >= n * k && weights.len() >= n * k,
+            OP,
+            || {
+                format!(
+                    "k {k} of {n_expert}, selected {} / weights {} for {n}×{k}",
+                    selected.len(),
+                    weights.len()
+                )
+            },
+        )?;
+        if let Some(bias) = bias {
+            ensure(bias.len() == w.rows, OP, || {
+                format!("a bias of {} for {} rows", bias.len(), w.rows)
+            })?;
+        }
+        let row_bytes = w.row_bytes as u64;
+        let (rows, cols, n_i, k_i) = (
+            i32_of(OP, "rows", w.rows)?,
+            i32_of(OP, "cols", w.cols)?,
+            i32_of(OP, "tokens", n)?,
+            i32_of(OP, "k", k)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(OP, "row blocks", w.rows.div_ceil(ROW_WARPS as usize))?,
+                1,
+                1,
+            ),
+            block_dim: (ROW_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.builder(name);
+        b.arg(&w.data).arg(&row_bytes).arg(x).arg(logits);
+        match bias {
+            Some(bias) => b.arg(bias),
+            // A null pointer: no bias.
+            None => b.arg(&NO_BIAS),
+        };
+        b.arg(&rows)
+            .arg(&cols)
+            .arg(&n_i)
+            .arg(selected)
+            .arg(weights)
+            .arg(&k_i)
+            .arg(&self.router_done);
+        // SAFETY: argument types match `router_logits_topk_*` (f32 activations; the bias
+        // w.rows values or null; the counter one u32, at 0 between launches, which every
+        // launch leaves at 0, and used only by launches on this stream, one at a time); x,
+        // logits, selected and weights hold n tokens' values (checked above).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

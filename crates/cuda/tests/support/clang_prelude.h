@@ -21,3 +21,4 @@ __device__ float __shfl_sync(unsigned, float, int);
 __device__ int __shfl_sync(unsigned, int, int);
 __device__ float fabsf(float); __device__ float rintf(float); __device__ double exp(double);
 __device__ int __dp4a(int, int, int); __device__ unsigned int __byte_perm(unsigned int, unsigned int, unsigned int); __device__ int atomicAdd(int*, int);
+__device__ unsigned int atomicInc(unsigned int*, unsigned int); __device__ void __threadfence();

@@ -1,5 +1,7 @@
 // Host emulation of the kernels (src/kernels/*.cu) for tests/emulated.rs: one std::thread per CUDA thread, the
-// blocks of a launch one at a time, shuffles and __syncthreads as barriers (a shuffle that not
+// blocks of a launch one at a time (in grid order, or reversed or shuffled where an op asks:
+// g_block_order; a block that finishes sees every earlier block's writes, as __threadfence and
+// an atomic count give on the GPU), shuffles and __syncthreads as barriers (a shuffle that not
 // every lane of the warp reaches deadlocks, which the test's timeout reports). Host libm
 // stands in for the device math (fmaf, rintf, exp, ...), F16C for the two PTX conversions
 // (the test replaces the inline asm with host_h2f/host_f2h), and host versions of the
@@ -13,7 +15,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
+#include <algorithm>
+#include <atomic>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,6 +68,15 @@ unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
 double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+// ((old >= limit) ? 0 : old + 1) stored, old returned, as one atomic step.
+unsigned atomicInc(unsigned* p, unsigned limit) {
+    unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(p, &old, old >= limit ? 0u : old + 1u, false, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
+    }
+    return old;
+}
+void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte n of the result: byte s<4n+2:4n> of y:x
     uint64_t v = ((uint64_t)y << 32) | x;
     unsigned r = 0;
@@ -154,33 +168,42 @@ void cp_async_wait_all() {
 
 #include "k_host.cu"
 
+// The order launch() runs a grid's blocks in: 0 grid order (x fastest), 1 reversed, any other
+// value a shuffle seeded with it (a kernel must not depend on the order blocks run in).
+static unsigned g_block_order = 0;
+
 template <class F> void launch(uint3 grid, uint3 block, F body) {
     gridDim = grid;
     blockDim = block;
     unsigned nt = block.x;
+    std::vector<uint3> blocks;
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                Ctx ctx;
-                ctx.block = std::make_unique<std::barrier<>>(nt);
-                for (unsigned w = 0; w < (nt + 31) / 32; w++) {
-                    unsigned c = nt - w * 32 < 32 ? nt - w * 32 : 32;
-                    ctx.warps.push_back(std::make_unique<std::barrier<>>(c));
-                }
-                g_ctx = &ctx;
-                std::vector<std::thread> ths;
-                for (unsigned t = 0; t < nt; t++) {
-                    ths.emplace_back([&, t] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        body();
-                        if (!g_copies.empty()) { fprintf(stderr, "cp.async copies never waited for\n"); abort(); }
-                        ctx.block->arrive_and_drop();
-                        ctx.warps[t / 32]->arrive_and_drop();
-                    });
-                }
-                for (auto& th : ths) th.join();
-            }
+            for (unsigned x = 0; x < grid.x; x++) blocks.push_back({x, y, z});
+    if (g_block_order == 1) std::reverse(blocks.begin(), blocks.end());
+    if (g_block_order > 1) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(g_block_order));
+    for (uint3 b : blocks) {
+        unsigned x = b.x, y = b.y, z = b.z;
+        Ctx ctx;
+        ctx.block = std::make_unique<std::barrier<>>(nt);
+        for (unsigned w = 0; w < (nt + 31) / 32; w++) {
+            unsigned c = nt - w * 32 < 32 ? nt - w * 32 : 32;
+            ctx.warps.push_back(std::make_unique<std::barrier<>>(c));
+        }
+        g_ctx = &ctx;
+        std::vector<std::thread> ths;
+        for (unsigned t = 0; t < nt; t++) {
+            ths.emplace_back([&, t] {
+                threadIdx = {t, 0, 0};
+                blockIdx = {x, y, z};
+                body();
+                if (!g_copies.empty()) { fprintf(stderr, "cp.async copies never waited for\n"); abort(); }
+                ctx.block->arrive_and_drop();
+                ctx.warps[t / 32]->arrive_and_drop();
+            });
+        }
+        for (auto& th : ths) th.join();
+    }
 }
 
 template <class T> std::vector<T> rd(const char* path) {
@@ -759,6 +782,41 @@ int main(int argc, char** argv) {
         });
         wr(P("values"), values);
         wr(P("ids"), ids);
+    } else if (op == "router_logits") {  // routing.rs: router_top_k_logits's one launch
+        // ty, rows (experts), cols, n, k, whether there is a bias (file "b"), the block order
+        // (g_block_order) and how many launches in a row. Reads w, x and "done", the counter
+        // as the last run left it; writes the last launch's y (logits), sel and w, and the
+        // counter back to "done". Each launch's outputs start poisoned (NaN, -7).
+        int ty = atoi(argv[3]), rows = atoi(argv[4]), cols = atoi(argv[5]), n = atoi(argv[6]),
+            k = atoi(argv[7]), has_bias = atoi(argv[8]);
+        g_block_order = (unsigned)atoi(argv[9]);
+        int reps = atoi(argv[10]);
+        auto w = rd<u8>(P("w"));
+        auto x = rd<float>(P("x"));
+        std::vector<float> bias = has_bias ? rd<float>(P("b")) : std::vector<float>();
+        unsigned done = (unsigned)rd<int>(P("done"))[0];
+        unsigned long long rb = w.size() / rows;
+        std::vector<float> y, wts;
+        std::vector<int> sel;
+        for (int r = 0; r < reps; r++) {
+            y.assign((size_t)n * rows, NAN);
+            wts.assign((size_t)n * k, NAN);
+            sel.assign((size_t)n * k, -7);
+            const float* bp = bias.empty() ? nullptr : bias.data();
+            float *yp = y.data(), *wp = wts.data();
+            int* sp = sel.data();
+            launch({cdiv(rows, ROW_WARPS), 1, 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+                switch (ty) {
+                case 0: router_logits_topk_f32(w.data(), rb, x.data(), yp, bp, rows, cols, n, sp, wp, k, &done); break;
+                case 1: router_logits_topk_f16(w.data(), rb, x.data(), yp, bp, rows, cols, n, sp, wp, k, &done); break;
+                case 30: router_logits_topk_bf16(w.data(), rb, x.data(), yp, bp, rows, cols, n, sp, wp, k, &done); break;
+                }
+            });
+        }
+        wr(P("y"), y);
+        wr(P("sel"), sel);
+        wr(P("w"), wts);
+        wr(P("done"), std::vector<int>{(int)done});
     } else if (op == "router") {
         int n = atoi(argv[3]), ne = atoi(argv[4]), k = atoi(argv[5]);
         auto logits = rd<float>(P("logits"));

@@ -28,6 +28,12 @@ impl<B: Backend> DevMat<B> {
         B::matrix_bytes(&self.m) as u64
     }
 
+    /// Whether [`DevMat::mul_shared`] multiplies the rows of `groups` as one batch: always,
+    /// but for weights whose products go per sequence in a batch of several sequences.
+    pub(crate) fn whole_batch(&self, groups: &[Range<usize>]) -> bool {
+        !self.per_seq || groups.len() <= 1
+    }
+
     /// `y = W·x` for the rows of `groups` (consecutive, from row 0): one product over every
     /// row, or one per group for weights whose products go per sequence.
     pub(crate) fn mul(
@@ -64,7 +70,7 @@ impl<B: Backend> DevMat<B> {
         groups: &[Range<usize>],
         ys: &mut [&mut B::Buf<f32>],
     ) -> Result<(), ModelError> {
-        if groups.len() > 1 && ws.iter().any(|w| w.per_seq) {
+        if !ws.iter().all(|w| w.whole_batch(groups)) {
             for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
                 w.mul(dev, arena, x, groups, y)?;
                 if let Some(bias) = bias {

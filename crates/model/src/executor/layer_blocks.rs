@@ -241,7 +241,6 @@ impl<B: Backend> MoeBlock<B> {
         x: &mut B::Buf<f32>,
         pending: Option<Residual<'s, B>>,
     ) -> Result<Residual<'s, B>, ModelError> {
-        let dev = cx.dev();
         let MoeSpec {
             router,
             act,
@@ -254,11 +253,10 @@ impl<B: Backend> MoeBlock<B> {
         let mut h = cx.alloc(d)?;
         cx.rms_norm(x, pending, &self.norm, rms_eps, &mut h)?;
         let mut scores = cx.alloc(router.n_expert)?;
-        let router_b = [self.router_b.as_ref()];
-        cx.matmul_shared(&[&self.router], &router_b, &h, &mut [&mut scores])?;
         let mut sel = cx.scratch::<i32>(n * router.k)?;
         let mut wts = cx.scratch::<f32>(n * router.k)?;
-        router.route(dev, &scores, None, &mut sel, &mut wts)?;
+        let wr = (&self.router, self.router_b.as_ref());
+        cx.route(&router, wr, &h, &mut scores, (&mut sel, &mut wts))?;
         let routed = Routed {
             h: &*h,
             scores: &*scores,

@@ -13,6 +13,7 @@ use super::device_kv::{KvWidths, LayerKv};
 use super::device_weights::DevMat;
 use super::layer_experts::LayerExperts;
 use super::micro_batches::StepState;
+use super::routing::{Gating, Router};
 use super::scratch_arena::{span, ArenaElem, Scratch, ScratchArena};
 use super::segments::Segments;
 use crate::error::ModelError;
@@ -311,6 +312,27 @@ impl<'s, B: Backend> Step<'s, B> {
         ys: &mut [&mut B::Buf<f32>],
     ) -> Result<(), ModelError> {
         DevMat::mul_shared(ws, biases, self.dev, self.arena, x, &self.groups, ys)
+    }
+
+    /// The router's logits `scores = w·h + bias` over the micro-batch, then `router`'s choice
+    /// of experts `sel` and their weights `wts` from them: one op for top-k + softmax gating
+    /// where the product runs over the whole batch ([`Backend::router_top_k_logits`], which a
+    /// device may run as one kernel), else [`Step::matmul_shared`] then [`Router::route`].
+    pub(crate) fn route(
+        &self,
+        router: &Router,
+        (w, bias): (&DevMat<B>, Option<&B::Buf<f32>>),
+        h: &B::Buf<f32>,
+        scores: &mut B::Buf<f32>,
+        (sel, wts): (&mut B::Buf<i32>, &mut B::Buf<f32>),
+    ) -> Result<(), ModelError> {
+        if matches!(router.gating, Gating::TopKSoftmax) && w.whole_batch(&self.groups) {
+            let (n, shape) = (self.n_tokens(), (router.n_expert, router.k));
+            let dev = self.dev;
+            return Ok(dev.router_top_k_logits(&w.m, bias, h, n, shape, scores, sel, wts)?);
+        }
+        self.matmul_shared(&[w], &[bias], h, &mut [&mut *scores])?;
+        Ok(router.route(self.dev, scores, None, sel, wts)?)
     }
 
     /// Stores the batch's keys `k` and values `v` in layer `layer`'s cache of each sequence
