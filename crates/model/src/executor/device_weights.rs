@@ -51,6 +51,12 @@ impl<B: Backend> DevMat<B> {
         Ok(())
     }
 
+    /// Whether [`DevMat::mul_shared`] multiplies the rows of `groups` by `ws` as one batch:
+    /// unless some matrix goes per sequence and there are several.
+    pub(crate) fn shared_as_one(ws: &[&DevMat<B>], groups: &[Range<usize>]) -> bool {
+        groups.len() <= 1 || !ws.iter().any(|w| w.per_seq)
+    }
+
     /// `ys[i] = ws[i]·x + biases[i]` for the rows of `groups`, matrices that multiply the
     /// same input: one [`Backend::matmul_shared`] (the activations converted once, the
     /// biases added as [`Backend::add_bias`] adds them) unless some matrix goes per sequence
@@ -64,7 +70,7 @@ impl<B: Backend> DevMat<B> {
         groups: &[Range<usize>],
         ys: &mut [&mut B::Buf<f32>],
     ) -> Result<(), ModelError> {
-        if groups.len() > 1 && ws.iter().any(|w| w.per_seq) {
+        if !DevMat::shared_as_one(ws, groups) {
             for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
                 w.mul(dev, arena, x, groups, y)?;
                 if let Some(bias) = bias {
