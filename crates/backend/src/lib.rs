@@ -520,6 +520,29 @@ pub trait Backend: Send + Sync {
         self.add_assign(x, y)?;
         self.rms_norm(x, weight, eps, out)
     }
+    /// A norm and the products that read it: [`Backend::rms_norm`] of `x` (rows of
+    /// `weight`'s length) into `h`, after `x += pending` where there is one
+    /// ([`Backend::add_rms_norm`]), then [`Backend::matmul_shared`] of `h` (`ys[i] = ws[i]·h +
+    /// biases[i]` for `n` tokens), with their bits. A device may write the products'
+    /// converted activations (Q8_0 blocks of `h`) in the norm's kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul_shared(
+        &self,
+        x: &mut Self::Buf<f32>,
+        pending: Option<&Self::Buf<f32>>,
+        (weight, eps): (&Self::Buf<f32>, f32),
+        h: &mut Self::Buf<f32>,
+        ws: &[&Self::Matrix],
+        biases: &[Option<&Self::Buf<f32>>],
+        n: usize,
+        ys: &mut [&mut Self::Buf<f32>],
+    ) -> Result<(), BackendError> {
+        match pending {
+            Some(y) => self.add_rms_norm(x, y, weight, eps, h)?,
+            None => self.rms_norm(x, weight, eps, h)?,
+        }
+        self.matmul_shared(ws, biases, h, n, ys)
+    }
     /// `x[r] += bias` for every row `r`.
     fn add_bias(&self, x: &mut Self::Buf<f32>, bias: &Self::Buf<f32>) -> Result<(), BackendError>;
     /// NeoX RoPE (rotate halves) in place, heads of `head_dim`, one position per token.

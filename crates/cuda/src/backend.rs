@@ -286,6 +286,22 @@ impl Backend for CudaDevice {
         replayed!(self);
         Ok(CudaDevice::add_rms_norm(self, x, y, weight, eps, out)?)
     }
+    fn norm_matmul_shared(
+        &self,
+        x: &mut CudaSlice<f32>,
+        pending: Option<&CudaSlice<f32>>,
+        norm: (&CudaSlice<f32>, f32),
+        h: &mut CudaSlice<f32>,
+        ws: &[&DeviceMatrix],
+        biases: &[Option<&CudaSlice<f32>>],
+        n: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), BackendError> {
+        replayed!(self);
+        Ok(CudaDevice::norm_matmul_shared(
+            self, x, pending, norm, h, ws, biases, n, ys,
+        )?)
+    }
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), BackendError> {
         replayed!(self);
         Ok(CudaDevice::add_bias(self, x, bias)?)

@@ -41,6 +41,8 @@ pub const KERNELS: &[&str] = &[
     "get_rows_mxfp4",
     "rms_norm_f32",
     "add_rms_norm_f32",
+    "rms_norm_q8_0_f32",
+    "add_rms_norm_q8_0_f32",
     "quantize_q8_0",
     "matmul_f32",
     "matmul_f16",

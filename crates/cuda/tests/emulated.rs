@@ -47,6 +47,9 @@ mod emulated_moe_decode;
 #[path = "support/emulated_routing.rs"]
 mod emulated_routing;
 
+#[path = "support/emulated_norm_quant.rs"]
+mod emulated_norm_quant;
+
 /// The device an emulated product stands for: `Sm80` multiplies Q8_0/MXFP4 weights with the
 /// int8 tensor-core kernels (kernels/mma.cu), here for every batch size and with weights of
 /// extreme scales ([`extreme_scales`]); `Older` with the kernels the launch code picks below

@@ -267,6 +267,95 @@ fn matmul_shared_gives_each_matmuls_bits() {
     }
 }
 
+/// A matrix of a product test: type, rows, bytes and bias.
+type TestMatrix = (GgmlType, usize, Vec<u8>, Option<Vec<f32>>);
+
+/// The outputs of [`Backend::norm_matmul_shared`] on `be`: the normed rows, `x` (with the
+/// residual `y` added where given) and each product, for `n` tokens of `x` (rows of `w`'s
+/// length) and the matrices `ms` (type, rows, bytes) with their biases.
+fn norm_matmul_on<B: Backend>(
+    be: &B,
+    (x, y, w): (&[f32], Option<&[f32]>, &[f32]),
+    ms: &[TestMatrix],
+    n: usize,
+) -> Vec<Vec<f32>> {
+    let d = w.len();
+    let mut xd = be.upload(x).unwrap();
+    let yd = y.map(|y| be.upload(y).unwrap());
+    let wd = be.upload(w).unwrap();
+    let mut hd = be.alloc::<f32>(n * d).unwrap();
+    let mats: Vec<_> = (ms.iter())
+        .map(|(ty, rows, q, _)| be.upload_matrix(*ty, *rows, d, q).unwrap())
+        .collect();
+    let bs: Vec<_> = (ms.iter())
+        .map(|(.., b)| b.as_ref().map(|b| be.upload(b).unwrap()))
+        .collect();
+    let mut ys: Vec<_> = (ms.iter())
+        .map(|(_, rows, ..)| be.alloc::<f32>(n * rows).unwrap())
+        .collect();
+    be.norm_matmul_shared(
+        &mut xd,
+        yd.as_ref(),
+        (&wd, 1e-5),
+        &mut hd,
+        &mats.iter().collect::<Vec<_>>(),
+        &bs.iter().map(Option::as_ref).collect::<Vec<_>>(),
+        n,
+        &mut ys.iter_mut().collect::<Vec<_>>(),
+    )
+    .unwrap();
+    [&hd, &xd]
+        .into_iter()
+        .chain(&ys)
+        .map(|b| be.download(b).unwrap())
+        .collect()
+}
+
+/// `norm_matmul_shared` (the norm writing the Q8_0 activations of Q8_0/MXFP4 products of its
+/// width; else the norm and `matmul_shared`) gives REF0's bits (its default: the two ops):
+/// gpt-oss's Q, K and V shapes with biases of Q8_0 and of MXFP4 (the dp4a group; the tiled
+/// kernel for 40 tokens), a set with an F32 matrix and rows of 1,000 values (not whole Q8_0
+/// blocks) with an F32 matrix (the two ops), each with and without the residual.
+#[test]
+fn norm_matmul_shared_gives_the_norm_then_matmul_shared_bits() {
+    let Some(dev) = device() else { return };
+    let mut rng = StdRng::seed_from_u64(37);
+    let cpu = Ref0::new();
+    let (q8, mx, f32) = (GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::F32);
+    let sets: [(usize, &[(GgmlType, usize)]); 4] = [
+        (2880, &[(q8, 4096), (q8, 512), (q8, 512)]),
+        (2880, &[(mx, 4096), (mx, 512), (mx, 512)]),
+        (2880, &[(q8, 64), (f32, 8)]),
+        (1000, &[(f32, 16)]),
+    ];
+    for (d, set) in sets {
+        let ms: Vec<_> = (set.iter())
+            .map(|&(ty, rows)| {
+                let q = weights(&mut rng, ty, rows, d).0;
+                (ty, rows, q, Some(noise(&mut rng, rows, 1.0)))
+            })
+            .collect();
+        let w = noise(&mut rng, d, 2.0);
+        for n in [1usize, 4, 40] {
+            let x = noise(&mut rng, n * d, 30.0);
+            let y = noise(&mut rng, n * d, 0.5);
+            for pending in [None, Some(&y[..])] {
+                let got = norm_matmul_on(dev, (&x, pending, &w), &ms, n);
+                let want = norm_matmul_on(&cpu, (&x, pending, &w), &ms, n);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let what = format!("norm_matmul_shared d {d} {set:?} n={n} output {i}");
+                    assert!(
+                        g.len() == w.len()
+                            && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what} (residual {})",
+                        pending.is_some()
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The dp4a GEMV kernels on gpt-oss's decode shapes (q, k/v and o projections of Q8_0, an
 /// MXFP4 matrix of 2880²) for 1 and 4 tokens: REF0's bits, then the time of 100 products
 /// (activation quantization included) reported as weight bytes per second.

@@ -68,6 +68,31 @@ pub(super) fn check_shape(
     })
 }
 
+/// The matrices, biases and `n_ys` outputs of a shared-input product agree: one output and
+/// one bias (or none) per matrix, each bias one value per row.
+fn check_shared(
+    op: &'static str,
+    ws: &[&DeviceMatrix],
+    biases: &[Option<&CudaSlice<f32>>],
+    n_ys: usize,
+) -> Result<(), CudaError> {
+    ensure(ws.len() == n_ys && ws.len() == biases.len(), op, || {
+        format!(
+            "{} matrices for {n_ys} outputs and {} biases",
+            ws.len(),
+            biases.len()
+        )
+    })?;
+    for (w, bias) in ws.iter().zip(biases) {
+        if let Some(bias) = bias {
+            ensure(bias.len() == w.rows, op, || {
+                format!("a bias of {} for {} rows", bias.len(), w.rows)
+            })?;
+        }
+    }
+    Ok(())
+}
+
 impl CudaDevice {
     /// `y[t] = W · x[t]` for `n` tokens: `x` is `n × w.cols()`, `y` is `n × w.rows()`.
     /// Activations are converted as ggml converts them (Q8_0 blocks for Q8_0 and MXFP4
@@ -173,23 +198,8 @@ impl CudaDevice {
         ys: &mut [&mut CudaSlice<f32>],
     ) -> Result<(), CudaError> {
         const OP: &str = "matmul_shared";
-        ensure(ws.len() == ys.len() && ws.len() == biases.len(), OP, || {
-            format!(
-                "{} matrices for {} outputs and {} biases",
-                ws.len(),
-                ys.len(),
-                biases.len()
-            )
-        })?;
-        for (w, bias) in ws.iter().zip(biases) {
-            if let Some(bias) = bias {
-                ensure(bias.len() == w.rows, OP, || {
-                    format!("a bias of {} for {} rows", bias.len(), w.rows)
-                })?;
-            }
-        }
-        let first = ws.first().map(|w| (w.ty, w.cols));
-        let cols = first.map_or(0, |f| f.1);
+        check_shared(OP, ws, biases, ys.len())?;
+        let cols = ws.first().map_or(0, |w| w.cols);
         if n == 0 || !ws.iter().all(|w| takes_q8_0(w) && w.cols == cols) {
             for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
                 self.matmul_bias(w, *bias, x, n, y)?;
@@ -200,12 +210,74 @@ impl CudaDevice {
             check_shape(OP, w, x, n, y)?;
         }
         let xq = self.quantize_q8_0(x, n * cols)?;
+        self.matmul_shared_q8_0_acts(ws, biases, &xq, n, ys)
+    }
+
+    /// A norm and the products that read it (`hmoe_backend::Backend::norm_matmul_shared`):
+    /// [`CudaDevice::rms_norm`] of `x` into `h`, after `x += pending` where given
+    /// ([`CudaDevice::add_rms_norm`]), then [`CudaDevice::matmul_shared`] of `h`, with their
+    /// bits. When every matrix takes Q8_0 activations (Q8_0 and MXFP4 weights) and is as wide
+    /// as the norm's rows, the norm's kernel also writes `h` as the Q8_0 blocks the products
+    /// read (`rms_norm_q8_0_f32`, [`CudaDevice::quantize_q8_0`]'s bytes), so that gpt-oss's
+    /// Q, K and V of a decode step with their biases are two launches (the norm, the dp4a
+    /// group) instead of three; the other cases run the two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_matmul_shared(
+        &self,
+        x: &mut CudaSlice<f32>,
+        pending: Option<&CudaSlice<f32>>,
+        (weight, eps): (&CudaSlice<f32>, f32),
+        h: &mut CudaSlice<f32>,
+        ws: &[&DeviceMatrix],
+        biases: &[Option<&CudaSlice<f32>>],
+        n: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), CudaError> {
+        const OP: &str = "norm_matmul_shared";
+        let cols = weight.len();
+        let fused = n > 0
+            && cols.is_multiple_of(32)
+            && x.len() >= n * cols
+            && !ws.is_empty()
+            && ws.iter().all(|w| takes_q8_0(w) && w.cols == cols);
+        if !fused {
+            match pending {
+                Some(y) => self.add_rms_norm(x, y, weight, eps, h)?,
+                None => self.rms_norm(x, weight, eps, h)?,
+            }
+            return self.matmul_shared(ws, biases, h, n, ys);
+        }
+        check_shared(OP, ws, biases, ys.len())?;
+        for (w, y) in ws.iter().zip(ys.iter()) {
+            check_shape(OP, w, h, n, y)?;
+        }
+        // Scratch: the norm's kernel writes every block of x's rows before the products read
+        // them (rows of whole blocks: cols is a multiple of 32).
+        let mut xq = self.alloc_scratch::<u8>(x.len() / 32 * 34)?;
+        self.rms_norm_q8_0(x, pending, (weight, eps), h, &mut xq)?;
+        self.matmul_shared_q8_0_acts(ws, biases, &xq, n, ys)
+    }
+
+    /// The products of [`CudaDevice::matmul_shared`] for Q8_0/MXFP4 matrices of one width on
+    /// `n` (> 0) tokens of activations already quantized (`xq`), shapes checked by the
+    /// callers: when the matrices are of one type, at most `DP4A_GROUP` and the batch is
+    /// under the tiled kernel's, one launch of the dp4a kernel with the biases; else each
+    /// matrix's [`CudaDevice::matmul_q8_0_acts`].
+    fn matmul_shared_q8_0_acts(
+        &self,
+        ws: &[&DeviceMatrix],
+        biases: &[Option<&CudaSlice<f32>>],
+        xq: &CudaSlice<u8>,
+        n: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), CudaError> {
+        let first = ws.first().map(|w| (w.ty, w.cols));
         let one_type = ws.iter().all(|w| Some((w.ty, w.cols)) == first);
         if one_type && n < MM_TILED_MIN_TOKENS && ws.len() <= DP4A_GROUP {
-            return self.matmul_dp4a(ws, biases, &xq, n, ys);
+            return self.matmul_dp4a(ws, biases, xq, n, ys);
         }
         for ((w, y), bias) in ws.iter().zip(ys.iter_mut()).zip(biases) {
-            self.matmul_q8_0_acts(w, *bias, &xq, n, y)?;
+            self.matmul_q8_0_acts(w, *bias, xq, n, y)?;
         }
         Ok(())
     }

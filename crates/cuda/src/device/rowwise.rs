@@ -110,6 +110,56 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// [`Self::rms_norm`] of `x` into `out`, after `x += y` where `y` is given
+    /// ([`Self::add_rms_norm`]), each row of `out` also written to `q` as Q8_0 blocks, the
+    /// bytes [`Self::quantize_q8_0`] gives for `out` (`rms_norm_q8_0_f32`,
+    /// `add_rms_norm_q8_0_f32`): the activations of Q8_0/MXFP4 products of the normed rows
+    /// in the norm's launch. Rows of whole blocks (`weight.len()` a multiple of 32); `q`
+    /// holds 34 bytes per block of `x`.
+    pub(crate) fn rms_norm_q8_0(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: Option<&CudaSlice<f32>>,
+        (weight, eps): (&CudaSlice<f32>, f32),
+        out: &mut CudaSlice<f32>,
+        q: &mut CudaSlice<u8>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rms_norm_q8_0";
+        let blocks = x.len() / 32;
+        ensure(
+            weight.len().is_multiple_of(32) && q.len() >= blocks * 34,
+            OP,
+            || format!("weight {} / q {} for x {}", weight.len(), q.len(), x.len()),
+        )?;
+        if let Some(y) = y {
+            ensure(y.len() >= x.len(), OP, || {
+                format!("x {} / y {}", x.len(), y.len())
+            })?;
+        }
+        let Some((cfg, n_rows, n)) = norm_launch(OP, x.len(), weight.len(), out.len())? else {
+            return Ok(());
+        };
+        let mut b = match y {
+            Some(y) => {
+                let mut b = self.builder("add_rms_norm_q8_0_f32");
+                b.arg(x).arg(y);
+                b
+            }
+            None => {
+                let mut b = self.builder("rms_norm_q8_0_f32");
+                b.arg(x);
+                b
+            }
+        };
+        b.arg(weight).arg(out).arg(q).arg(&n_rows).arg(&n).arg(&eps);
+        // SAFETY: argument types match `rms_norm_q8_0_f32` (x, w, out, q, …) and
+        // `add_rms_norm_q8_0_f32` (x, y, w, out, q, …); x, y and out hold rows × n values,
+        // weight n, a multiple of 32, and q 34 bytes per 32 values of x (`norm_launch` and the
+        // checks above); the kernel's block of 256 threads is whole warps.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// `x += y` element-wise (the residual add).
     pub fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), CudaError> {
         const OP: &str = "add_assign";

@@ -300,6 +300,46 @@ static void moe_lowbit(int ty, const std::vector<u8>& w, int ne, int rows, int c
     });
 }
 
+// matmul.rs's matmul_dp4a: up to three ty (8 Q8_0, 39 MXFP4) matrices of cols columns (rows 0:
+// absent; mask: those with a bias) over n tokens of Q8_0 activations xq in one launch; reads
+// dir's w0..w2 and b0..b2, writes y0..y2.
+static void run_dp4a_group(const std::string& dir, int ty, int cols, int n, const int rows[3], int mask,
+                           const std::vector<u8>& xq) {
+    auto P = [&](const char* f) { static std::string s; s = dir + "/" + f; return s.c_str(); };
+    std::vector<u8> w[3];
+    std::vector<float> b[3], y[3];
+    unsigned long long rb[3] = {0, 0, 0};
+    int ends[3], end = 0;
+    unsigned per_block = ROW_WARPS * (ty == 8 ? DP4A_Q8_0_ROWS : DP4A_MXFP4_ROWS);
+    const char* wn[3] = {"w0", "w1", "w2"};
+    const char* bn[3] = {"b0", "b1", "b2"};
+    for (int i = 0; i < 3; i++) {
+        if (rows[i] > 0) {
+            w[i] = rd<u8>(P(wn[i]));
+            rb[i] = w[i].size() / rows[i];
+            if (mask >> i & 1) b[i] = rd<float>(P(bn[i]));
+            y[i].assign((size_t)n * rows[i], 0.f);
+            end += (int)cdiv(rows[i], per_block);
+        } else {
+            y[i].assign(1, 0.f);
+        }
+        ends[i] = end;
+    }
+    const u8* xqp = xq.data();
+    auto wp = [&](int i) { return rows[i] > 0 ? (const u8*)w[i].data() : xqp; };
+    auto bp = [&](int i) { return b[i].empty() ? (const float*)nullptr : (const float*)b[i].data(); };
+    launch({(unsigned)end, cdiv(n, DP4A_TOKENS), 1}, {ROW_WARPS * 32, 1, 1}, [&] {
+#define CALL_DP4A_GROUP(S) matmul_dp4a_##S(xqp, cols, n, wp(0), rb[0], y[0].data(), bp(0), rows[0], ends[0], \
+                                        wp(1), rb[1], y[1].data(), bp(1), rows[1], ends[1], \
+                                        wp(2), rb[2], y[2].data(), bp(2), rows[2], ends[2])
+        if (ty == 8) CALL_DP4A_GROUP(q8_0);
+        else CALL_DP4A_GROUP(mxfp4);
+    });
+    const char* yn[3] = {"y0", "y1", "y2"};
+    for (int i = 0; i < 3; i++)
+        if (rows[i] > 0) wr(P(yn[i]), y[i]);
+}
+
 int main(int argc, char** argv) {
     std::string op = argv[1];
     std::string dir = argv[2];
@@ -420,39 +460,31 @@ int main(int argc, char** argv) {
         int ty = atoi(argv[3]), cols = atoi(argv[4]), n = atoi(argv[5]);
         int rows[3] = {atoi(argv[6]), atoi(argv[7]), atoi(argv[8])}, mask = atoi(argv[9]);
         auto x = rd<float>(P("x"));
-        auto xq = quantize(x.data(), (size_t)n * cols);
-        std::vector<u8> w[3];
-        std::vector<float> b[3], y[3];
-        unsigned long long rb[3] = {0, 0, 0};
-        int ends[3], end = 0;
-        unsigned per_block = ROW_WARPS * (ty == 8 ? DP4A_Q8_0_ROWS : DP4A_MXFP4_ROWS);
-        const char* wn[3] = {"w0", "w1", "w2"};
-        const char* bn[3] = {"b0", "b1", "b2"};
-        for (int i = 0; i < 3; i++) {
-            if (rows[i] > 0) {
-                w[i] = rd<u8>(P(wn[i]));
-                rb[i] = w[i].size() / rows[i];
-                if (mask >> i & 1) b[i] = rd<float>(P(bn[i]));
-                y[i].assign((size_t)n * rows[i], 0.f);
-                end += (int)cdiv(rows[i], per_block);
-            } else {
-                y[i].assign(1, 0.f);
-            }
-            ends[i] = end;
-        }
-        const u8* xqp = xq.data();
-        auto wp = [&](int i) { return rows[i] > 0 ? (const u8*)w[i].data() : xqp; };
-        auto bp = [&](int i) { return b[i].empty() ? (const float*)nullptr : (const float*)b[i].data(); };
-        launch({(unsigned)end, cdiv(n, DP4A_TOKENS), 1}, {ROW_WARPS * 32, 1, 1}, [&] {
-#define CALL_DP4A_GROUP(S) matmul_dp4a_##S(xqp, cols, n, wp(0), rb[0], y[0].data(), bp(0), rows[0], ends[0], \
-                                            wp(1), rb[1], y[1].data(), bp(1), rows[1], ends[1], \
-                                            wp(2), rb[2], y[2].data(), bp(2), rows[2], ends[2])
-            if (ty == 8) CALL_DP4A_GROUP(q8_0);
-            else CALL_DP4A_GROUP(mxfp4);
+        run_dp4a_group(dir, ty, cols, n, rows, mask, quantize(x.data(), (size_t)n * cols));
+    } else if (op == "norm_matmul_group") {  // matmul.rs: norm_matmul_shared's two launches
+        // As matmul_group, then the norm's epsilon (its bits) and whether a residual y is added:
+        // rms_norm_q8_0 of x (rows of cols; reads x, w and y) writes out, x and its Q8_0 blocks
+        // q, which the dp4a group multiplies.
+        int ty = atoi(argv[3]), cols = atoi(argv[4]), n = atoi(argv[5]);
+        int rows[3] = {atoi(argv[6]), atoi(argv[7]), atoi(argv[8])}, mask = atoi(argv[9]);
+        float eps = __uint_as_float((unsigned)strtoul(argv[10], nullptr, 10));
+        bool add = atoi(argv[11]) == 1;
+        auto x = rd<float>(P("x"));
+        auto w = rd<float>(P("w"));
+        std::vector<float> y = add ? rd<float>(P("y")) : std::vector<float>();
+        int nr = (int)(x.size() / cols);
+        std::vector<float> out(x.size());
+        std::vector<u8> q(x.size() / 32 * 34, 0x5a);  // stale scratch
+        float *xp = x.data(), *op = out.data();
+        u8* qp = q.data();
+        launch({(unsigned)nr, 1, 1}, {256, 1, 1}, [&] {
+            if (add) add_rms_norm_q8_0_f32(xp, y.data(), w.data(), op, qp, nr, cols, eps);
+            else rms_norm_q8_0_f32(xp, w.data(), op, qp, nr, cols, eps);
         });
-        const char* yn[3] = {"y0", "y1", "y2"};
-        for (int i = 0; i < 3; i++)
-            if (rows[i] > 0) wr(P(yn[i]), y[i]);
+        wr(P("out"), out);
+        wr(P("x"), x);
+        wr(P("q"), q);
+        if (n > 0) run_dp4a_group(dir, ty, cols, n, rows, mask, q);
     } else if (op == "moe") {
         int ty = atoi(argv[3]), ne = atoi(argv[4]), d = atoi(argv[5]), ff = atoi(argv[6]),
             n = atoi(argv[7]), k = atoi(argv[8]);

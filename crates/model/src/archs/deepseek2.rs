@@ -403,9 +403,13 @@ impl<B: Backend> Deepseek2<B> {
             p.v_head_dim,
         );
         let (qd, ld) = (nope + rd, p.latent_dim());
+        // h = rmsnorm(x) · attn_norm; the compressed KV (ckv = Wkv_a·h) and the queries'
+        // first product (Wq_a·h or Wq·h) in one op with the norm.
         let mut h = cx.alloc(p.n_embd)?;
-        cx.rms_norm(x, pending, &a.norm, p.rms_eps, &mut h)?;
+        let norm = (&a.norm, p.rms_eps);
         let mut q = cx.alloc(nh * qd)?;
+        let mut ckv = cx.alloc(ld)?;
+        let no_bias = [None, None];
         match &a.q {
             DevQuery::Lora {
                 wq_a,
@@ -414,15 +418,17 @@ impl<B: Backend> Deepseek2<B> {
             } => {
                 let r = p.q_lora_rank.unwrap_or(0);
                 let mut cq = cx.alloc(r)?;
-                cx.matmul(wq_a, &h, &mut cq)?;
+                let (ws, out) = ([wq_a, &a.wkv_a], &mut [&mut *cq, &mut *ckv]);
+                cx.norm_matmul_shared(x, pending, norm, &mut h, &ws, &no_bias, out)?;
                 let mut cq_n = cx.alloc(r)?;
                 dev.rms_norm(&cq, q_a_norm, p.rms_eps, &mut cq_n)?;
                 cx.matmul(wq_b, &cq_n, &mut q)?;
             }
-            DevQuery::Plain(wq) => cx.matmul(wq, &h, &mut q)?,
+            DevQuery::Plain(wq) => {
+                let (ws, out) = ([wq, &a.wkv_a], &mut [&mut *q, &mut *ckv]);
+                cx.norm_matmul_shared(x, pending, norm, &mut h, &ws, &no_bias, out)?;
+            }
         }
-        let mut ckv = cx.alloc(ld)?;
-        cx.matmul(&a.wkv_a, &h, &mut ckv)?;
         // Keys: [rmsnorm(c) · kv_a_norm, rope(k_pe)] per token.
         let rows = |n_rows, width, (src_stride, src_offset), (dst_stride, dst_offset)| RowCopy {
             n_rows,
@@ -479,16 +485,17 @@ impl<B: Backend> Deepseek2<B> {
         let p = &self.params;
         let dev = cx.dev();
         let n = cx.n_tokens();
-        let mut h = cx.alloc(p.n_embd)?;
-        cx.rms_norm(x, attn_out, &l.ffn_norm, p.rms_eps, &mut h)?;
         let mut out = cx.alloc(p.n_embd)?;
+        let norm = (&l.ffn_norm, p.rms_eps);
         match &l.ffn {
-            DevFfn::Dense(f) => f.forward(cx, &h, &mut out)?,
+            DevFfn::Dense(f) => f.forward_normed(cx, x, attn_out, norm, &mut out)?,
             DevFfn::Moe {
                 router,
                 probs_bias,
                 shared,
             } => {
+                let mut h = cx.alloc(p.n_embd)?;
+                cx.rms_norm(x, attn_out, norm.0, norm.1, &mut h)?;
                 let r = Router {
                     n_expert: p.n_expert,
                     k: p.routing.k,

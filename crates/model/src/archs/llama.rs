@@ -275,10 +275,9 @@ impl<B: Backend> DeviceLayers<B> for Dense<B> {
         let attn_out = layer.attn.forward(cx, l, x, pending)?;
         let last = l + 1 == self.layers.len();
         cx.feed_forward(last, x, attn_out, |cx, x, attn_out| {
-            let mut h = cx.alloc(p.n_embd)?;
-            cx.rms_norm(x, attn_out, &layer.ffn_norm, p.rms_eps, &mut h)?;
             let mut out = cx.alloc(p.n_embd)?;
-            layer.ffn.forward(cx, &h, &mut out)?;
+            let norm = (&layer.ffn_norm, p.rms_eps);
+            layer.ffn.forward_normed(cx, x, attn_out, norm, &mut out)?;
             Ok(Residual(out))
         })
     }

@@ -142,11 +142,13 @@ impl<B: Backend> AttnBlock<B> {
         let (qw, kvw) = (shape.n_head * hd, shape.n_head_kv * hd);
         let d = x_width::<B>(x, cx);
         let mut h = cx.alloc(d)?;
-        cx.rms_norm(x, pending, &self.norm, self.spec.rms_eps, &mut h)?;
         let (mut q, mut k, mut v) = (cx.alloc(qw)?, cx.alloc(kvw)?, cx.alloc(kvw)?);
         let qkv = [&self.wq, &self.wk, &self.wv];
         let biases = [self.bq.as_ref(), self.bk.as_ref(), self.bv.as_ref()];
-        cx.matmul_shared(&qkv, &biases, &h, &mut [&mut q, &mut k, &mut v])?;
+        let norm = (&self.norm, self.spec.rms_eps);
+        let out = &mut [&mut *q, &mut *k, &mut *v];
+        // h = rmsnorm(x) · attn_norm; q, k, v = Wq·h + bq, Wk·h + bk, Wv·h + bv.
+        cx.norm_matmul_shared(x, pending, norm, &mut h, &qkv, &biases, out)?;
         // Per-head RMSNorm: rows of the weight's length (one head), into a new buffer that
         // then stands for the raw one.
         for (t, norm, width) in [(&mut q, &self.q_norm, qw), (&mut k, &self.k_norm, kvw)] {
@@ -479,7 +481,44 @@ impl<B: Backend> SwiGluFfn<B> {
             h,
             &mut [&mut up, &mut gate],
         )?;
-        cx.dev().swiglu(&mut gate, &up, ff)?;
-        cx.matmul(&self.down, &gate, out)
+        self.down(cx, &mut gate, &up, out)
+    }
+
+    /// [`SwiGluFfn::forward`] of `h = rmsnorm(x) · norm.0` (epsilon `norm.1`), the block output
+    /// `pending` added to `x` first where there is one: a layer's norm and dense FFN, the norm
+    /// and the up and gate products one op ([`Step::norm_matmul_shared`]).
+    pub(crate) fn forward_normed<'s>(
+        &self,
+        cx: &Step<'s, B>,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
+        norm: (&B::Buf<f32>, f32),
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        let ff = self.gate.rows;
+        let mut h = cx.alloc(self.gate.cols)?;
+        let (mut up, mut gate) = (cx.alloc(ff)?, cx.alloc(ff)?);
+        cx.norm_matmul_shared(
+            x,
+            pending,
+            norm,
+            &mut h,
+            &[&self.up, &self.gate],
+            &[None, None],
+            &mut [&mut up, &mut gate],
+        )?;
+        self.down(cx, &mut gate, &up, out)
+    }
+
+    /// `out = Wd · (silu(gate) ⊙ up)`, `gate` overwritten.
+    fn down(
+        &self,
+        cx: &Step<'_, B>,
+        gate: &mut B::Buf<f32>,
+        up: &B::Buf<f32>,
+        out: &mut B::Buf<f32>,
+    ) -> Result<(), ModelError> {
+        cx.dev().swiglu(gate, up, self.gate.rows)?;
+        cx.matmul(&self.down, gate, out)
     }
 }

@@ -335,6 +335,34 @@ impl<'s, B: Backend> Step<'s, B> {
         Ok(router.route(self.dev, scores, None, sel, wts)?)
     }
 
+    /// RMSNorm of the hidden state `x` (times `weight`, epsilon `eps`) into `h`, after adding
+    /// the block output `pending` where there is one ([`Step::rms_norm`]), then `ys[i] =
+    /// ws[i]·h + biases[i]` ([`Step::matmul_shared`]): one op
+    /// ([`Backend::norm_matmul_shared`], whose device may convert the products' activations
+    /// in the norm's kernel) where the product is one batch ([`DevMat::whole_batch`] of every matrix), else
+    /// those two.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn norm_matmul_shared(
+        &self,
+        x: &mut B::Buf<f32>,
+        pending: Option<Residual<'s, B>>,
+        (weight, eps): (&B::Buf<f32>, f32),
+        h: &mut B::Buf<f32>,
+        ws: &[&DevMat<B>],
+        biases: &[Option<&B::Buf<f32>>],
+        ys: &mut [&mut B::Buf<f32>],
+    ) -> Result<(), ModelError> {
+        if !ws.iter().all(|w| w.whole_batch(&self.groups)) {
+            self.rms_norm(x, pending, weight, eps, h)?;
+            return self.matmul_shared(ws, biases, h, ys);
+        }
+        let ms: Vec<&B::Matrix> = ws.iter().map(|w| &w.m).collect();
+        let pending = pending.as_ref().map(|y| &*y.0);
+        let n = self.n_tokens();
+        let norm = (weight, eps);
+        Ok((self.dev).norm_matmul_shared(x, pending, norm, h, &ms, biases, n, ys)?)
+    }
+
     /// Stores the batch's keys `k` and values `v` in layer `layer`'s cache of each sequence
     /// and attends each sequence's queries `q` over it (with a sink logit per head when
     /// `sinks` is given) into `out`.
