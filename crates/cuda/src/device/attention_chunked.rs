@@ -150,12 +150,13 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Scratch for `len` f32 chunk states (`None` for none). Allocated per call; the one
-    /// place to hand it from an arena instead.
+    /// Scratch for `len` f32 chunk states (`None` for none), uninitialised (no memset): the
+    /// fold reads only the records `attn_chunked` wrote (the emulator poisons the scratch with
+    /// NaN to show it). Allocated per call; the one place to hand it from an arena instead.
     fn chunk_scratch(&self, len: usize) -> Result<Option<CudaSlice<f32>>, CudaError> {
         match len {
             0 => Ok(None),
-            _ => Ok(Some(self.alloc_zeros(len)?)),
+            _ => Ok(Some(self.alloc_scratch(len)?)),
         }
     }
 }
