@@ -70,7 +70,7 @@ pub(super) fn check_shape(
 
 /// The matrices, biases and `n_ys` outputs of a shared-input product agree: one output and
 /// one bias (or none) per matrix, each bias one value per row.
-fn check_shared(
+pub(super) fn check_shared(
     op: &'static str,
     ws: &[&DeviceMatrix],
     biases: &[Option<&CudaSlice<f32>>],

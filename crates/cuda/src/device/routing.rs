@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use hmoe_backend::{Gating, Routing};
 use hmoe_quant::GgmlType;
 
-use super::matmul::{check_shape, NO_BIAS};
+use super::matmul::{check_shape, check_shared, NO_BIAS};
 use super::{i32_of, u32_of, CudaDevice, DeviceMatrix};
 use crate::error::{ensure, CudaError};
 use crate::kernels::{MM_TOKENS, ROUTE_MAX_EXPERTS, ROUTE_MAX_GROUPS, ROW_WARPS};
@@ -14,6 +14,35 @@ use crate::kernels::{MM_TOKENS, ROUTE_MAX_EXPERTS, ROUTE_MAX_GROUPS, ROW_WARPS};
 /// Tokens up to which [`CudaDevice::router_top_k_logits`] is one launch (decode): the GEMV
 /// kernel's token tile, so that the grid is one row of blocks.
 pub const ROUTER_FUSED_MAX_TOKENS: usize = MM_TOKENS as usize;
+
+/// The tokens of router `logits` (rows of `n_expert`), or the shape error when they are not
+/// whole rows, `k` is not 1 ..= `n_expert`, or `selected` and `weights` do not hold `k` a row.
+fn check_router(
+    op: &'static str,
+    logits: &CudaSlice<f32>,
+    (n_expert, k): (usize, usize),
+    selected: &CudaSlice<i32>,
+    weights: &CudaSlice<f32>,
+) -> Result<usize, CudaError> {
+    ensure(
+        n_expert > 0 && logits.len().is_multiple_of(n_expert) && k > 0 && k <= n_expert,
+        op,
+        || format!("logits {} / n_expert {n_expert} / k {k}", logits.len()),
+    )?;
+    let n = logits.len() / n_expert;
+    ensure(
+        selected.len() >= n * k && weights.len() >= n * k,
+        op,
+        || {
+            format!(
+                "selected {} / weights {} for {n}×{k}",
+                selected.len(),
+                weights.len()
+            )
+        },
+    )?;
+    Ok(n)
+}
 
 impl CudaDevice {
     /// Router: for each of the `logits.len() / n_expert` tokens, the `k` largest logits
@@ -28,23 +57,7 @@ impl CudaDevice {
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "router_top_k";
-        ensure(
-            n_expert > 0 && logits.len().is_multiple_of(n_expert) && k > 0 && k <= n_expert,
-            OP,
-            || format!("logits {} / n_expert {n_expert} / k {k}", logits.len()),
-        )?;
-        let n = logits.len() / n_expert;
-        ensure(
-            selected.len() >= n * k && weights.len() >= n * k,
-            OP,
-            || {
-                format!(
-                    "selected {} / weights {} for {n}×{k}",
-                    selected.len(),
-                    weights.len()
-                )
-            },
-        )?;
+        let n = check_router(OP, logits, (n_expert, k), selected, weights)?;
         if n == 0 {
             return Ok(());
         }
@@ -108,22 +121,8 @@ impl CudaDevice {
             return self.router_top_k(logits, n_expert, k, selected, weights);
         }
         check_shape(OP, w, x, n, logits)?;
-        ensure(
-            k > 0 && k <= n_expert && selected.len() >= n * k && weights.len() >= n * k,
-            OP,
-            || {
-                format!(
-                    "k {k} of {n_expert}, selected {} / weights {} for {n}×{k}",
-                    selected.len(),
-                    weights.len()
-                )
-            },
-        )?;
-        if let Some(bias) = bias {
-            ensure(bias.len() == w.rows, OP, || {
-                format!("a bias of {} for {} rows", bias.len(), w.rows)
-            })?;
-        }
+        check_shared(OP, &[w], &[bias], 1)?;
+        check_router(OP, logits, (n_expert, k), selected, weights)?;
         let row_bytes = w.row_bytes as u64;
         let (rows, cols, n_i, k_i) = (
             i32_of(OP, "rows", w.rows)?,
