@@ -67,7 +67,8 @@ impl CudaDevice {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let Some((cfg, n_rows, n)) = norm_launch("rms_norm", x.len(), weight.len(), out.len())?
+        let Some((cfg, n_rows, n)) =
+            norm_launch("rms_norm", (x.len(), None), weight.len(), out.len())?
         else {
             return Ok(());
         };
@@ -90,10 +91,8 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "add_rms_norm";
-        ensure(y.len() >= x.len(), OP, || {
-            format!("x {} / y {}", x.len(), y.len())
-        })?;
-        let Some((cfg, n_rows, n)) = norm_launch(OP, x.len(), weight.len(), out.len())? else {
+        let lens = (x.len(), Some(y.len()));
+        let Some((cfg, n_rows, n)) = norm_launch(OP, lens, weight.len(), out.len())? else {
             return Ok(());
         };
         let mut b = self.builder("add_rms_norm_f32");
@@ -105,7 +104,7 @@ impl CudaDevice {
             .arg(&n)
             .arg(&eps);
         // SAFETY: argument types match `add_rms_norm_f32`; x, y and out hold rows × n values,
-        // weight n (`norm_launch` and the check above).
+        // weight n (`norm_launch`).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -131,12 +130,8 @@ impl CudaDevice {
             OP,
             || format!("weight {} / q {} for x {}", weight.len(), q.len(), x.len()),
         )?;
-        if let Some(y) = y {
-            ensure(y.len() >= x.len(), OP, || {
-                format!("x {} / y {}", x.len(), y.len())
-            })?;
-        }
-        let Some((cfg, n_rows, n)) = norm_launch(OP, x.len(), weight.len(), out.len())? else {
+        let lens = (x.len(), y.map(|y| y.len()));
+        let Some((cfg, n_rows, n)) = norm_launch(OP, lens, weight.len(), out.len())? else {
             return Ok(());
         };
         let mut b = match y {
@@ -372,11 +367,11 @@ impl CudaDevice {
 }
 
 /// The launch of the RMSNorm kernels over `x_len` floats of rows of `n` (the weight's length)
-/// into `out_len`: a block of 256 threads per row, with the rows and `n` as the kernels take
-/// them; `None` for no rows.
+/// into `out_len`, with a residual of `y_len` floats where there is one: a block of 256
+/// threads per row, with the rows and `n` as the kernels take them; `None` for no rows.
 fn norm_launch(
     op: &'static str,
-    x_len: usize,
+    (x_len, y_len): (usize, Option<usize>),
     n: usize,
     out_len: usize,
 ) -> Result<Option<(LaunchConfig, i32, i32)>, CudaError> {
@@ -385,6 +380,9 @@ fn norm_launch(
         op,
         || format!("x {x_len} / weight {n} / out {out_len}"),
     )?;
+    if let Some(y_len) = y_len {
+        ensure(y_len >= x_len, op, || format!("x {x_len} / y {y_len}"))?;
+    }
     let rows = x_len / n;
     if rows == 0 {
         return Ok(None);
