@@ -339,8 +339,8 @@ impl<'s, B: Backend> Step<'s, B> {
     /// the block output `pending` where there is one ([`Step::rms_norm`]), then `ys[i] =
     /// ws[i]·h + biases[i]` ([`Step::matmul_shared`]): one op
     /// ([`Backend::norm_matmul_shared`], whose device may convert the products' activations
-    /// in the norm's kernel) where the product is one batch ([`DevMat::whole_batch`] of every matrix), else
-    /// those two.
+    /// in the norm's kernel) where the product is one batch ([`DevMat::whole_batch`] of every
+    /// matrix), else those two.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn norm_matmul_shared(
         &self,
